@@ -28,7 +28,7 @@ import numpy as np
 from parity.errors import ModelNotFoundError
 
 #: bump when the generator changes, so stale caches are never reused.
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2
 #: target standard deviation of the logits, in nats, before the Zipf gain.
 LOGIT_SCALE = 4.0
 VOCAB_SIZE = 512
@@ -161,6 +161,36 @@ def _generate_weights(spec: TinySpec, cfg: dict[str, Any]) -> dict[str, np.ndarr
     return out
 
 
+def _to_hub_layout(model_type: str, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Split transformers' fused expert tensors into the per-expert names of hub checkpoints.
+
+    transformers >= 5 fuses experts in memory (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj`
+    [E, H, I]) and converts hub checkpoints on load; vLLM reads only the hub names
+    (Qwen3-MoE `experts.{e}.gate_proj/up_proj/down_proj`, Mixtral `block_sparse_moe.experts.{e}.w1/w3/w2`).
+    Writing the hub layout makes one directory load in both.
+    """
+    if model_type not in ("qwen3_moe", "mixtral"):
+        return weights
+    names = {"qwen3_moe": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2")}[model_type]
+    out: dict[str, np.ndarray] = {}
+    for name, w in weights.items():
+        prefix, _, leaf = name.rpartition(".experts.")
+        if model_type == "mixtral":
+            name = name.replace(".mlp.", ".block_sparse_moe.")
+            prefix = prefix.replace(".mlp", ".block_sparse_moe")
+        if leaf == "gate_up_proj":
+            half = w.shape[1] // 2
+            for e in range(w.shape[0]):
+                out[f"{prefix}.experts.{e}.{names[0]}.weight"] = np.ascontiguousarray(w[e, :half])
+                out[f"{prefix}.experts.{e}.{names[1]}.weight"] = np.ascontiguousarray(w[e, half:])
+        elif leaf == "down_proj":
+            for e in range(w.shape[0]):
+                out[f"{prefix}.experts.{e}.{names[2]}.weight"] = np.ascontiguousarray(w[e])
+        else:
+            out[name] = w
+    return out
+
+
 def _write_tokenizer(path: Path) -> None:
     """A byte-level tokenizer: one token per UTF-8 byte (ids 3..258) plus <pad>, <s>, </s>."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -198,7 +228,8 @@ def _write_checkpoint(spec: TinySpec, path: Path) -> None:
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     (tmp / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}, indent=2) + "\n")
-    save_file(_generate_weights(spec, cfg), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    weights = _to_hub_layout(spec.model_type, _generate_weights(spec, cfg))
+    save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     _write_tokenizer(tmp)
     try:
         os.replace(tmp, path)  # atomic: readers see a whole checkpoint or none
