@@ -1,0 +1,13 @@
+"""Backend adapters behind one contract, looked up by name: reference, hf, vllm, sglang, trtllm."""
+
+from parity.backends.base import Backend
+from parity.backends.registry import (
+    BACKENDS,
+    available_backends,
+    close_shared_backends,
+    get_backend,
+    shared_backend,
+)
+
+__all__ = ["BACKENDS", "Backend", "available_backends", "close_shared_backends", "get_backend",
+           "shared_backend"]

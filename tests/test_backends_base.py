@@ -1,0 +1,108 @@
+"""The backend contract without engines: registry, translation helpers, processed conversion."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from parity.backends import BACKENDS, available_backends, get_backend, shared_backend
+from parity.backends.base import (
+    as_pairs,
+    check_score_mode,
+    eos_token_ids,
+    expand_samples,
+    finish_reason,
+    processed_from_raw,
+    sample_seed,
+    stop_set,
+)
+from parity.errors import BackendUnavailableError, ConfigError, InputError
+from parity.models import resolve_model
+from parity.types import Request, Rollout, SamplingParams
+
+
+def test_registry_names_and_unknown_name():
+    assert list(BACKENDS) == ["reference", "hf", "vllm", "sglang", "trtllm"]
+    with pytest.raises(ConfigError, match="reference, hf, vllm, sglang, trtllm"):
+        get_backend("vllm-gpu", "tiny-llama")
+
+
+def test_missing_package_names_the_extra():
+    reasons = available_backends()
+    assert set(reasons) == set(BACKENDS)
+    assert reasons["hf"] is None
+    for name, extra in [("sglang", "parity-harness[sglang]"), ("trtllm", "parity-harness[trtllm]")]:
+        if reasons[name] is None:
+            continue  # installed here: nothing to refuse
+        assert extra in reasons[name]
+        with pytest.raises(BackendUnavailableError, match=extra.replace("[", r"\[")):
+            get_backend(name, "tiny-llama")
+
+
+def test_shared_backend_is_cached_per_arguments():
+    a = shared_backend("hf", "tiny-llama", dtype="float32", batch_size=4)
+    assert shared_backend("hf", "tiny-llama", dtype="float32", batch_size=4) is a
+    assert shared_backend("hf", "tiny-llama", dtype="float32", batch_size=2) is not a
+
+
+def test_bad_dtype_and_options_are_config_errors():
+    with pytest.raises(ConfigError, match="dtype"):
+        get_backend("hf", "tiny-llama", dtype="fp8")
+    with pytest.raises(ConfigError, match="batch_size"):
+        get_backend("hf", "tiny-llama", batch_size=0)
+
+
+@given(st.integers(0, 2**31), st.integers(0, 64))
+def test_sample_seeds_are_stable_distinct_and_in_range(seed, index):
+    s = sample_seed(seed, index)
+    assert s == sample_seed(seed, index) and 0 <= s < 2**31
+    assert s != sample_seed(seed, index + 1)
+    assert sample_seed(seed, 1) != sample_seed(seed + 1, 0)  # seed + i would collide here
+
+
+def test_expand_samples_orders_by_request_then_sample():
+    reqs = [Request((1, 2), SamplingParams(n=3, seed=5), "a"), Request((1, 3), SamplingParams(n=1), "b")]
+    jobs = expand_samples(reqs)
+    assert [(j.request.request_id, j.sample_index) for j in jobs] == [("a", 0), ("a", 1), ("a", 2), ("b", 0)]
+    assert len({j.seed for j in jobs[:3]}) == 3
+    with pytest.raises(InputError, match="unique"):
+        expand_samples([reqs[0], reqs[0]])
+
+
+def test_stop_set_eos_and_ignore_eos():
+    eos = eos_token_ids(resolve_model("tiny-llama"))
+    assert eos == (2,)
+    sp = SamplingParams(stop_token_ids=(7, 9))
+    assert stop_set(sp, eos) == (7, 9, 2)
+    assert stop_set(sp.replace(ignore_eos=True), eos) == ()
+    assert finish_reason([5, 9], (7, 9, 2)) == "stop"
+    assert finish_reason([5, 6], (7, 9, 2)) == "length"
+
+
+def test_score_input_validation():
+    r = Rollout("x", 0, (1, 2), (3,), (-0.5,), "length", "hf")
+    assert as_pairs([r, ([1], [4, 5])]) == [((1, 2), (3,)), ((1,), (4, 5))]
+    with pytest.raises(InputError, match=r"sequences\[0\]"):
+        as_pairs([[1, 2, 3]])
+    with pytest.raises(InputError, match="prompt_ids is empty"):
+        as_pairs([([], [1])])
+    with pytest.raises(ConfigError, match="logprobs_mode"):
+        check_score_mode("sampled", 1.0, 0, 1.0)
+    with pytest.raises(ConfigError, match="top_p"):
+        check_score_mode("processed", 1.0, 0, 0.0)
+
+
+@given(st.floats(0.3, 2.0), st.integers(0, 40), st.floats(0.05, 1.0), st.integers(0, 1000))
+def test_processed_from_raw_is_a_truncated_tempered_distribution(temperature, top_k, top_p, seed):
+    raw = torch.randn(3, 64, generator=torch.Generator().manual_seed(seed)) * 3
+    lp = processed_from_raw(raw.log_softmax(-1), temperature=temperature, top_k=top_k, top_p=top_p)
+    assert torch.allclose(lp.exp().sum(-1), torch.ones(3), atol=1e-5)
+    kept = torch.isfinite(lp)
+    if top_k:
+        assert bool((kept.sum(-1) <= top_k).all())
+    assert bool(kept.gather(1, raw.argmax(-1, keepdim=True)).all())  # the argmax always survives
+    # on the kept set of each row, processed = raw / T - log Z_row
+    ref = raw / temperature
+    for row in range(3):
+        diff = (lp - ref)[row][kept[row]]
+        assert float(diff.max() - diff.min()) < 1e-4 * max(1.0, float(ref.abs().max()))

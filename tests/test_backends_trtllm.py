@@ -1,0 +1,57 @@
+"""TensorRT-LLM adapter: translation and `CompletionOutput` parsing in both logprobs layouts.
+
+TRT-LLM does not run on these CPU machines; tests/data/captured/trtllm_completions.json holds
+`CompletionOutput`s as JSON in the documented layouts (see generate.py there).
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from parity.backends.base import SampleJob
+from parity.backends.trtllm import parse_completion, parse_prompt_logprobs, token_logprob, translate_sampling
+from parity.errors import BackendError, ConfigError
+from parity.types import Request, SamplingParams
+
+CAPTURED = json.loads((Path(__file__).parent / "data" / "captured" / "trtllm_completions.json").read_text())
+
+
+def job(**kw):
+    return SampleJob(Request((1, 2, 3), SamplingParams(**kw), "q"), 0, 77)
+
+
+def test_translation():
+    fields = translate_sampling(job(temperature=0.7, max_tokens=9, stop_token_ids=(5,)), (2,),
+                                has_logprobs_mode=True)
+    assert fields["top_k"] == 0 and fields["max_tokens"] == 9 and fields["seed"] == 77
+    assert fields["stop_token_ids"] == [5, 2] and fields["end_id"] == 2
+    assert fields["logprobs_mode"] == "processed_logprobs" and fields["logprobs"] == 1
+    ignored = translate_sampling(job(ignore_eos=True, logprobs_mode="raw"), (2,), has_logprobs_mode=True)
+    assert ignored["stop_token_ids"] == [] and ignored["end_id"] == -1
+    assert ignored["logprobs_mode"] == "raw_logprobs"
+
+
+def test_processed_refused_where_trtllm_reports_raw_only():
+    with pytest.raises(ConfigError, match="raw logprobs only"):
+        translate_sampling(job(temperature=0.7), (2,), has_logprobs_mode=False)
+    assert "logprobs_mode" not in translate_sampling(job(logprobs_mode="raw"), (2,), has_logprobs_mode=False)
+
+
+def test_parse_both_logprobs_layouts():
+    for prompt, completion, expected in zip(CAPTURED["prompts"], CAPTURED["completions"],
+                                            CAPTURED["expected_logprobs"]):
+        tokens, logprobs, finish = parse_completion(completion)
+        assert tokens == completion["token_ids"] and logprobs == pytest.approx(expected, abs=0)
+        assert finish in ("stop", "length")
+        scored = parse_prompt_logprobs(completion, prompt, tokens)
+        assert scored == pytest.approx(expected, abs=1e-5)  # teacher-forced raw == raw rollout logprobs
+
+
+def test_parse_errors():
+    with pytest.raises(BackendError, match="logprobs=1"):
+        parse_completion({"token_ids": [1, 2], "logprobs": [-0.5]})
+    with pytest.raises(BackendError, match="sampled token 7"):
+        token_logprob({"8": {"logprob": -1.0}}, 7)
+    with pytest.raises(BackendError, match="prompt logprobs"):
+        parse_prompt_logprobs({"prompt_logprobs": [-1.0]}, [1, 2], [3])
