@@ -1,0 +1,150 @@
+"""The `parity` command.
+
+    parity compare --model tiny-llama --backend vllm --json r.json --html r.html
+    parity models | parity backends
+    parity nightly ... | parity replay ... | parity attribute ...
+
+Exit codes: 0 the tolerance holds (or the command succeeded), 1 it does not, 2 bad input or a
+backend failure (a ParityError, printed without a traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from parity.errors import ConfigError, ParityError
+
+#: subcommands other modules implement as `main(argv) -> exit code`; imported only when used.
+PASSTHROUGH: dict[str, tuple[str, str, str]] = {
+    "nightly": ("parity.nightly", "main", "run the nightly matrix and write regression reports"),
+    "replay": ("parity.record", "replay_main", "replay a recorded run through another backend"),
+    "attribute": ("parity.attribute", "main", "attribute drift to ops and layers"),
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="parity", description="Train/infer logprob parity for LLM reinforcement learning.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    cmp = sub.add_parser(
+        "compare", help="compare one backend with the training forward",
+        description="Sample a case with BACKEND, score the same tokens with the training forward, print "
+                    "the summary; exit 0 when the tolerance holds, 1 when it does not, 2 on bad input.")
+    cmp.add_argument("--model", help="built-in checkpoint name (see `parity models`) or a local HF "
+                                     "checkpoint directory; optional with --case")
+    cmp.add_argument("--backend", required=True, help="backend name (see `parity backends`)")
+    cmp.add_argument("--case", type=Path, help="case TOML file (default: the built-in workload)")
+    cmp.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
+                     help="model dtype (default: the case's first dtype, else bfloat16)")
+    cmp.add_argument("--reference", choices=("invariant", "native"), default="invariant",
+                     help="training-forward kernels (default: invariant)")
+    cmp.add_argument("--router-replay", metavar="MODE", help="MoE router replay mode, e.g. R3")
+    cmp.add_argument("--device", default="cpu", help="device of the training forward (default: cpu)")
+    cmp.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                     help="backend option, repeatable; VALUE is read as JSON when it parses "
+                          "(true, 4, 0.5), else as a string; e.g. --option record_routes=true")
+    cmp.add_argument("--json", type=Path, metavar="OUT", help="write the report as JSON to OUT")
+    cmp.add_argument("--html", type=Path, metavar="OUT", help="write the HTML report to OUT")
+    cmp.add_argument("--worst", type=int, default=5, metavar="K", help="worst tokens to print (default: 5)")
+    cmp.set_defaults(func=_compare)
+
+    sub.add_parser("models", help="list the built-in checkpoints",
+                   description="List the built-in tiny checkpoints.").set_defaults(func=_models)
+    sub.add_parser("backends", help="list backends and whether each can run here",
+                   description="List backend adapters and whether each is usable here."
+                   ).set_defaults(func=_backends)
+    for name, (_, _, text) in PASSTHROUGH.items():
+        # listed for --help only: main() hands these to their module before argparse runs
+        sub.add_parser(name, help=text, add_help=False)
+    return parser
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from parity.compare import compare
+    from parity.report import format_worst_tokens
+
+    if args.model is None and args.case is None:
+        raise ConfigError("compare needs --model (or --case naming a model)")
+    report = compare(args.model, args.backend, case=args.case, dtype=args.dtype, reference=args.reference,
+                     router_replay=args.router_replay, device=args.device, **_options(args.option))
+    print(report.summary_text())
+    print(f"worst {args.worst} tokens:")
+    print(format_worst_tokens(report.worst_tokens(args.worst)))
+    if args.json is not None:
+        args.json.write_text(report.to_json(), encoding="utf-8")
+        print(f"wrote {args.json}")
+    if args.html is not None:
+        args.html.write_text(report.to_html(), encoding="utf-8")
+        print(f"wrote {args.html}")
+    return 0 if report.passed else 1
+
+
+def _options(pairs: list[str]) -> dict[str, Any]:
+    """`--option KEY=VALUE` pairs -> backend keyword arguments."""
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or not key.isidentifier():
+            raise ConfigError(f"--option {pair!r}: expected KEY=VALUE with KEY a Python identifier, "
+                              "e.g. --option record_routes=true")
+        try:
+            options[key] = json.loads(text)
+        except json.JSONDecodeError:
+            options[key] = text
+    return options
+
+
+def _models(args: argparse.Namespace) -> int:
+    from parity.models import BUILTIN_MODELS
+
+    width = max(len(n) for n in BUILTIN_MODELS)
+    for name in sorted(BUILTIN_MODELS):
+        spec = BUILTIN_MODELS[name]
+        print(f"{name.ljust(width)}  {spec.architecture:<22}  {spec.description}")
+    return 0
+
+
+def _backends(args: argparse.Namespace) -> int:
+    from parity.backends import BACKENDS, available_backends
+
+    width = max(len(n) for n in BACKENDS)
+    for name, reason in available_backends().items():
+        status = "available" if reason is None else f"unavailable: {reason}"
+        print(f"{name.ljust(width)}  {BACKENDS[name].description}  [{status}]")
+    return 0
+
+
+def _passthrough(command: str, argv: list[str]) -> int:
+    module_name, func_name, _ = PASSTHROUGH[command]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name is None or not module_name.startswith(exc.name):
+            raise  # a dependency of the module is missing: a real error, keep its traceback
+        module = None
+    func: Callable[[list[str]], int] | None = getattr(module, func_name, None)
+    if func is None:
+        print(f"parity: error: `parity {command}` is not available in this build "
+              f"({module_name}.{func_name} is missing)", file=sys.stderr)
+        return 2
+    return int(func(argv) or 0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the `parity` command on `argv` (default: sys.argv[1:]); returns the exit code."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if args_list and args_list[0] in PASSTHROUGH:
+            return _passthrough(args_list[0], args_list[1:])
+        args = _parser().parse_args(args_list)
+        return args.func(args)
+    except ParityError as exc:
+        print(f"parity: error: {exc}", file=sys.stderr)
+        return 2

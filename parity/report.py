@@ -1,0 +1,250 @@
+"""`ParityReport`: everything one comparison measured, serializable to JSON and HTML.
+
+Per-token arrays are `[num_sequences, max_response_len]` NumPy arrays; row i is sequence i of
+`sequences`, column j its j-th response token, and `mask` marks the real tokens (the rest is
+padding and holds zeros). Two reports are equal when their JSON is identical up to key order,
+so `ParityReport.from_json(r.to_json()) == r` holds bit for bit, NaN included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from parity.errors import InputError
+from parity.tolerance import Tolerance, Violation
+
+FORMAT = "parity-report"
+FORMAT_VERSION = 1
+
+#: per-token array fields and the dtype each is stored in.
+ARRAY_FIELDS: dict[str, type] = {
+    "train_logprobs": np.float32,
+    "rollout_logprobs": np.float32,
+    "mask": np.bool_,
+    "positions": np.int64,
+    "token_ids": np.int64,
+}
+
+
+@dataclass(eq=False)
+class ParityReport:
+    """The result of one parity comparison.
+
+    train_logprobs / rollout_logprobs: float32 `[num_sequences, max_response_len]`, nats; the
+        training forward's and the backend's logprob of each sampled token.
+    mask: bool, same shape; True on real response tokens.
+    positions: int64, same shape; each token's position in its full sequence
+        (prompt_len + response index), the position its logits were computed at + 1.
+    token_ids: int64, same shape; the sampled token ids.
+    sequences: one dict per row: request_id, sample_index, prompt_len, response_len, finish_reason.
+    summary: scalar drift metrics (`parity.metrics.summarize` keys and any added by features).
+    metrics: verl-compatible `rollout_corr/*` metrics of the rollout correction.
+    breakdowns: {"by_position": [...], "by_probability": [...]} drift per bucket.
+    passed / tolerance / violations: the verdict, the limits applied and the checks that failed.
+    provenance: what produced the numbers (versions, backend and its meta, model hash, dtype, ...).
+    extras: free-form JSON-serializable sections other features attach ("attribution", "router").
+    """
+
+    train_logprobs: np.ndarray
+    rollout_logprobs: np.ndarray
+    mask: np.ndarray
+    positions: np.ndarray
+    token_ids: np.ndarray
+    sequences: list[dict[str, Any]]
+    summary: dict[str, Any]
+    metrics: dict[str, Any]
+    breakdowns: dict[str, Any]
+    passed: bool
+    tolerance: Tolerance
+    violations: list[Violation]
+    provenance: dict[str, Any] = field(default_factory=dict)
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name, dtype in ARRAY_FIELDS.items():
+            arr = np.asarray(getattr(self, name))
+            if arr.ndim != 2:
+                raise InputError(f"ParityReport.{name} must be 2-D [num_sequences, max_response_len], "
+                                 f"got shape {arr.shape}")
+            setattr(self, name, arr.astype(dtype, copy=False))
+        shape = self.train_logprobs.shape
+        for name in ARRAY_FIELDS:
+            if getattr(self, name).shape != shape:
+                raise InputError(f"ParityReport.{name} has shape {getattr(self, name).shape}, expected "
+                                 f"{shape} like train_logprobs")
+        if len(self.sequences) != shape[0]:
+            raise InputError(f"ParityReport.sequences has {len(self.sequences)} entries for {shape[0]} rows; "
+                             "give one dict per row")
+        self.violations = [Violation(*v) for v in self.violations]
+        self.passed = bool(self.passed)
+
+    # -- serialization -----------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (arrays as nested lists with their dtype and shape)."""
+        out: dict[str, Any] = {"format": FORMAT, "version": FORMAT_VERSION}
+        for f in dataclasses.fields(self):
+            if f.name in ARRAY_FIELDS:
+                continue
+            value = getattr(self, f.name)
+            if f.name == "tolerance":
+                value = value.to_dict()
+            elif f.name == "violations":
+                value = [v._asdict() for v in value]
+            out[f.name] = _plain(value)
+        # float32 -> Python float is exact, and json writes the shortest repr that reads back
+        # to the same double, so the arrays survive the round trip bit for bit
+        out["arrays"] = {
+            name: {"dtype": np.dtype(dtype).name, "shape": list(getattr(self, name).shape),
+                   "data": getattr(self, name).tolist()}
+            for name, dtype in ARRAY_FIELDS.items()
+        }
+        return out
+
+    def to_json(self, *, indent: int | None = None) -> str:
+        """JSON text. Non-finite floats are written as NaN / Infinity / -Infinity (as Python's
+        json module does), because a train logprob of -inf is a real finding, not an error."""
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ParityReport:
+        if d.get("format") != FORMAT:
+            raise InputError(f"not a parity report: format is {d.get('format')!r}, expected {FORMAT!r}")
+        if d.get("version") != FORMAT_VERSION:
+            raise InputError(f"parity report version {d.get('version')!r} is not supported "
+                             f"(this parity reads version {FORMAT_VERSION})")
+        try:
+            arrays = {}
+            for name, dtype in ARRAY_FIELDS.items():
+                spec = d["arrays"][name]
+                # reshape keeps the shape of empty arrays ([0, 0] lists carry no column count)
+                arrays[name] = np.asarray(spec["data"], dtype=dtype).reshape(spec["shape"])
+            return cls(
+                **arrays,
+                sequences=d["sequences"], summary=d["summary"], metrics=d["metrics"],
+                breakdowns=d["breakdowns"], passed=d["passed"],
+                tolerance=Tolerance.from_dict(d["tolerance"], where="report.tolerance"),
+                violations=[Violation(v["metric"], v["value"], v["limit"]) for v in d["violations"]],
+                provenance=d["provenance"], extras=d.get("extras", {}),
+            )
+        except KeyError as exc:
+            raise InputError(f"parity report is missing field {exc.args[0]!r}; was it written by "
+                             "ParityReport.to_json?") from exc
+
+    @classmethod
+    def from_json(cls, s: str) -> ParityReport:
+        try:
+            d = json.loads(s)
+        except json.JSONDecodeError as exc:
+            raise InputError(f"parity report is not valid JSON: {exc}") from exc
+        if not isinstance(d, dict):
+            raise InputError("parity report JSON must be an object")
+        return cls.from_dict(d)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ParityReport):
+            return NotImplemented
+        # canonical JSON: key order is presentation (to_json keeps it), not content
+        return json.dumps(self.to_dict(), sort_keys=True) == json.dumps(other.to_dict(), sort_keys=True)
+
+    __hash__ = None  # mutable: extras may be attached after construction
+
+    def __repr__(self) -> str:
+        prov = self.provenance
+        return (f"ParityReport(backend={prov.get('backend')!r}, model={prov.get('model')!r}, "
+                f"passed={self.passed}, sequences={self.mask.shape[0]}, tokens={int(self.mask.sum())}, "
+                f"max_abs_logprob_diff={self.summary.get('max_abs_logprob_diff')!r})")
+
+    # -- views -------------------------------------------------------------------------------
+
+    def log_ratio(self) -> np.ndarray:
+        """float64 `[num_tokens]`: logp_train - logp_rollout of every real token, row-major."""
+        return self.train_logprobs[self.mask].astype(np.float64) - self.rollout_logprobs[self.mask]
+
+    def worst_tokens(self, k: int = 5) -> list[dict[str, Any]]:
+        """The k tokens with the largest |logp_train - logp_rollout|, largest first.
+
+        Each: sequence (row), request_id, position (index in the response), token_id,
+        train_logprob, rollout_logprob, logprob_diff (train - rollout) and ratio
+        (exp(logprob_diff), the importance ratio). Ties keep row-major order.
+        """
+        if k < 0:
+            raise InputError(f"worst_tokens: k must be >= 0, got {k}")
+        rows, cols = np.nonzero(self.mask)
+        train = self.train_logprobs[rows, cols].astype(np.float64)
+        rollout = self.rollout_logprobs[rows, cols].astype(np.float64)
+        with np.errstate(invalid="ignore", over="ignore"):
+            diff = train - rollout
+            # NaN sorts first: an undefined difference is the worst finding there is
+            key = np.where(np.isnan(diff), np.inf, np.abs(diff))
+        order = np.argsort(-key, kind="stable")[:k]
+        out = []
+        for i in order:
+            r, c = int(rows[i]), int(cols[i])
+            with np.errstate(over="ignore"):
+                ratio = float(np.exp(diff[i]))
+            out.append({
+                "sequence": r, "request_id": self.sequences[r].get("request_id"), "position": c,
+                "token_id": int(self.token_ids[r, c]), "train_logprob": float(train[i]),
+                "rollout_logprob": float(rollout[i]), "logprob_diff": float(diff[i]), "ratio": ratio,
+            })
+        return out
+
+    def to_html(self) -> str:
+        """A self-contained HTML page: verdict, summary, plots (inline SVG), worst tokens,
+        correction metrics and provenance. No scripts, no network."""
+        from parity.plots import report_html
+
+        return report_html(self)
+
+    def summary_text(self) -> str:
+        """The verdict and the summary as an aligned plain-text table (CLI output)."""
+        return format_summary(self)
+
+
+def format_worst_tokens(rows: list[dict[str, Any]]) -> str:
+    """Plain-text table of `ParityReport.worst_tokens()` rows (failure messages, CLI)."""
+    header = ("sequence", "position", "token_id", "train_logprob", "rollout_logprob", "ratio")
+    lines = [[str(h) for h in header]]
+    for row in rows:
+        lines.append([str(row["sequence"]), str(row["position"]), str(row["token_id"]),
+                      f"{row['train_logprob']:.6f}", f"{row['rollout_logprob']:.6f}",
+                      f"{row['ratio']:.6f}"])
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in lines)
+
+
+def format_summary(report: ParityReport) -> str:
+    """Verdict line, the summary metrics and the violations, as aligned text."""
+    prov = report.provenance
+    verdict = "PASS" if report.passed else "FAIL"
+    lines = [f"parity {verdict}: backend={prov.get('backend', '?')} model={prov.get('model', '?')} "
+             f"dtype={prov.get('dtype', '?')} reference={prov.get('reference_kernels', '?')}"]
+    width = max((len(k) for k in report.summary), default=0)
+    for key, value in report.summary.items():
+        text = f"{value:.6g}" if isinstance(value, float) else str(value)
+        lines.append(f"  {key.ljust(width)}  {text}")
+    for v in report.violations:
+        lines.append(f"  violation: {v.describe()}")
+    return "\n".join(lines)
+
+
+def _plain(value: Any) -> Any:
+    """Recursively turn NumPy scalars/arrays and tuples into JSON-native values."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    return value

