@@ -7,7 +7,7 @@ os.environ.setdefault("PARITY_CACHE", str(Path(__file__).resolve().parent.parent
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from hypothesis import HealthCheck, settings  # noqa: E402
+from hypothesis import HealthCheck, settings
 
 settings.register_profile(
     "ci", max_examples=25, deadline=None, derandomize=True,
