@@ -32,7 +32,8 @@ class SamplingParams:
     seed: request seed; sample i of the request draws its noise from (seed, i, position), so a
         request's tokens never depend on what else shares the batch.
     stop_token_ids: generation stops after any of these (the stop token is kept).
-    ignore_eos: keep generating past stop tokens until `max_tokens`.
+    ignore_eos: keep generating past EOS until `max_tokens`; explicit `stop_token_ids` still stop
+        (vLLM's meaning).
     logprobs_mode: "processed" = log-probs of the distribution actually sampled from (after
         temperature, top-k, top-p, renormalized; what an importance ratio needs); "raw" =
         log_softmax of the unmodified logits.

@@ -74,7 +74,7 @@ def test_stop_set_eos_and_ignore_eos():
     assert eos == (2,)
     sp = SamplingParams(stop_token_ids=(7, 9))
     assert stop_set(sp, eos) == (7, 9, 2)
-    assert stop_set(sp.replace(ignore_eos=True), eos) == ()
+    assert stop_set(sp.replace(ignore_eos=True), eos) == (7, 9)  # EOS skipped, stop ids kept
     assert finish_reason([5, 9], (7, 9, 2)) == "stop"
     assert finish_reason([5, 6], (7, 9, 2)) == "length"
 

@@ -25,7 +25,7 @@ def test_translation_is_explicit():
     fields = translate_sampling(sp, (2,), 0)
     assert fields["top_k"] == 0  # HF would use 50 if left unset
     assert fields["max_new_tokens"] == 5 and fields["eos_token_id"] == [9, 2]
-    assert translate_sampling(sp.replace(ignore_eos=True), (2,), 0)["eos_token_id"] == []
+    assert translate_sampling(sp.replace(ignore_eos=True), (2,), 0)["eos_token_id"] == [9]
     assert translate_sampling(sp.replace(temperature=0), (2,), 0)["do_sample"] is False
 
 

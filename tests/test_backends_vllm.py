@@ -96,8 +96,12 @@ def test_stop_ids_ignore_eos_and_max_tokens(model):
     assert stopped.token_ids == first.token_ids[:first.token_ids.index(stop_at) + 1]
     assert stopped.finish_reason == "stop"
     long = backend.generate([Request(PROMPTS[1], SamplingParams(
-        temperature=1.0, max_tokens=40, ignore_eos=True, stop_token_ids=(stop_at,)), "l")])[0]
+        temperature=1.0, max_tokens=40, ignore_eos=True), "l")])[0]
     assert len(long.token_ids) == 40 and long.finish_reason == "length"
+    # ignore_eos skips EOS only: an explicit stop id still stops (vLLM's meaning, and the engine's).
+    kept = backend.generate([Request(PROMPTS[0], SamplingParams(
+        temperature=0, max_tokens=8, ignore_eos=True, stop_token_ids=(stop_at,)), "k")])[0]
+    assert kept.token_ids == stopped.token_ids and kept.finish_reason == "stop"
 
 
 def test_score_generate_and_hf_agree(model, hf32):

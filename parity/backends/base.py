@@ -6,7 +6,7 @@ back into parity `Rollout`s. What is the same for every backend lives here, once
 - n > 1 is expanded into n single-sample jobs, each with its own seed from `sample_seed`, so
   sample i of a request gets the same seed on every backend (backends disagree on how they
   derive child seeds: vLLM uses seed + i, HF has one global generator).
-- The stop set (stop ids plus the model's EOS ids, or nothing under `ignore_eos`) is computed
+- The stop set (the request's stop ids, plus the model's EOS ids unless `ignore_eos`) is computed
   once and sent to every backend explicitly, never left to a backend default.
 - `score` takes what `parity.engine.train_forward` takes (Rollouts or (prompt_ids,
   response_ids) pairs) and returns what it returns: per sequence, a float32 tensor of the
@@ -92,14 +92,13 @@ def eos_token_ids(model_path: str | Path) -> tuple[int, ...]:
 
 
 def stop_set(sampling: SamplingParams, eos_ids: Iterable[int]) -> tuple[int, ...]:
-    """Token ids that end a sample: the request's stop ids plus EOS; none under `ignore_eos`.
+    """Token ids that end a sample: the request's stop ids, plus EOS unless `ignore_eos`.
 
-    parity's `ignore_eos` means "generate exactly max_tokens" (SamplingParams docs), so it
-    clears the stop ids too; backends whose own ignore_eos only skips EOS get an empty list.
+    `ignore_eos` skips EOS only; explicit stop ids still stop (vLLM's and SGLang's meaning, and
+    the reference engine's).
     """
-    if sampling.ignore_eos:
-        return ()
-    return tuple(dict.fromkeys([*sampling.stop_token_ids, *eos_ids]))
+    eos = () if sampling.ignore_eos else tuple(eos_ids)
+    return tuple(dict.fromkeys([*sampling.stop_token_ids, *eos]))
 
 
 def finish_reason(token_ids: Sequence[int], stops: Sequence[int]) -> str:

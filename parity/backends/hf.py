@@ -4,8 +4,8 @@ Native kernels (SDPA attention, stock matmuls), left-padded batches, HF's own sa
 logits warpers. Translation facts:
 - HF generate applies top_k=50 unless told otherwise; parity sends top_k=0 ("off") explicitly
   and builds the `GenerationConfig` from scratch so no checkpoint default leaks in.
-- max_tokens -> max_new_tokens; stop ids + EOS -> eos_token_id (a list); ignore_eos -> an
-  empty eos list.
+- max_tokens -> max_new_tokens; stop ids + EOS -> eos_token_id (a list); ignore_eos drops EOS
+  from that list (explicit stop ids still stop).
 - HF has one global RNG per generate call, not one per request: each padded batch is seeded
   with `torch.manual_seed(seed of its first sample)`. Samples therefore depend on the batch
   they land in; meta records this ("seeding": "per padded batch").

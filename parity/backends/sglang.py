@@ -2,7 +2,7 @@
 
 Translation facts (SGLang docs: sampling params, native API):
 - max_tokens -> `max_new_tokens` (SGLang's default is 128); top_k "off" is -1; seeds go in
-  `sampling_seed`; EOS is sent inside `stop_token_ids`, and `ignore_eos` clears them.
+  `sampling_seed`; EOS is sent inside `stop_token_ids`, and `ignore_eos` drops it from them.
 - Logprob definition: SGLang returns log_softmax(logits / temperature) of the sampled token:
   temperature-scaled but *not* truncated by top-k/top-p. With
   `SGLANG_RETURN_ORIGINAL_LOGPROB=1` it returns raw log_softmax(logits) instead. So:

@@ -2,7 +2,7 @@
 
 Translation facts (TRT-LLM docs: SamplingParams, CompletionOutput):
 - max_tokens keeps its name (TRT-LLM's default is 32); top_k "off" is 0; `seed` per request;
-  EOS is sent in `stop_token_ids` and `end_id`; `ignore_eos` clears both.
+  EOS is sent in `stop_token_ids` and `end_id`; `ignore_eos` drops EOS from both (stop ids stay).
 - Logprob definition: `logprobs_mode` is a per-request field, raw by default
   ("raw_logprobs"); "processed_logprobs" gives the sampled distribution. Versions without the
   field report raw only, and a processed request is refused there.

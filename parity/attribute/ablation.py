@@ -1,0 +1,166 @@
+"""Op-family ablation: which kernel family makes side B's logprobs drift from side A's.
+
+For each kernel configuration both sides run with the same families invariant, and the drift of
+B from A is measured on the same tokens:
+
+- baseline: every family invariant. Along an axis that changes only batch composition, layout
+  or prefill vs decode this is exactly zero by construction (that is what invariance means); an
+  axis that changes the arithmetic itself (dtype) leaves a floor no kernel removes.
+- one family native, the others invariant: the drift that family causes on its own ("added").
+- every family native, then one family invariant: the drift that making only this family
+  invariant removes from stock kernels ("removed"); it catches families whose drift only shows
+  together with another's.
+
+A family's share is its added drift (mean |Δlogp| above the baseline, negatives counted as
+zero) as a fraction of the sum over families. Families are ranked by share, then by removed
+drift, then in `parity.kernels.FAMILIES` order.
+
+On CPU the kernel switch runs the process with one intra-op thread while any family is on
+(`parity.kernels.switch`), so drift that stock ops get from splitting their work across threads
+shows only in the all-native row; the per-family rows measure what each stock op does on one
+thread (kernel choice by shape, vector-body vs scalar-tail rounding, reduction order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from parity import kernels as _kernels
+from parity.attribute.runner import Run, Sequences, as_pairs, run
+from parity.attribute.settings import Setting
+from parity.engine.inputs import kernel_families
+from parity.errors import ConfigError, InputError
+from parity.metrics import summarize
+from parity.models.loading import LoadedModel
+
+
+@dataclass(frozen=True)
+class Drift:
+    """Drift of side B's raw logprobs from side A's over every response token, in nats.
+
+    max_abs, mean_abs: max / mean |logp_B - logp_A|.
+    k3_kl: Schulman's k3 estimate of KL(B || A) per token (A plays the trainer, B the rollout).
+    """
+
+    max_abs: float
+    mean_abs: float
+    k3_kl: float
+
+    @classmethod
+    def between(cls, a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> Drift:
+        """Drift of per-sequence logprobs `b` from `a` (each [len(response)]), via metrics.summarize."""
+        width = max(len(x) for x in a)
+        padded = np.zeros((2, len(a), width), dtype=np.float64)
+        mask = np.zeros((len(a), width), dtype=bool)
+        for i, (x, y) in enumerate(zip(a, b)):
+            padded[0, i, :len(x)] = x.numpy()
+            padded[1, i, :len(y)] = y.numpy()
+            mask[i, :len(x)] = True
+        s = summarize(padded[0], padded[1], mask)
+        return cls(max_abs=s["max_abs_logprob_diff"], mean_abs=s["mean_abs_logprob_diff"], k3_kl=s["k3_kl"])
+
+    def to_dict(self) -> dict[str, float]:
+        return {"max_abs_logprob_diff": self.max_abs, "mean_abs_logprob_diff": self.mean_abs,
+                "k3_kl": self.k3_kl}
+
+
+@dataclass(frozen=True)
+class FamilyAttribution:
+    """One kernel family's part in the drift.
+
+    native_only: drift with only this family native. invariant_only: drift with only this
+    family invariant. added: native_only.mean_abs - baseline.mean_abs (nats). removed:
+    all_native.mean_abs - invariant_only.mean_abs (nats). share: max(added, 0) over the sum of
+    every family's, in [0, 1] (0 for all when no family adds drift).
+    """
+
+    family: str
+    native_only: Drift
+    invariant_only: Drift
+    added: float
+    removed: float
+    share: float
+
+    def to_dict(self) -> dict[str, object]:
+        return {"family": self.family, "native_only": self.native_only.to_dict(),
+                "invariant_only": self.invariant_only.to_dict(), "added": self.added,
+                "removed": self.removed, "share": self.share}
+
+
+@dataclass(frozen=True)
+class OpAttribution:
+    """The result of `attribute_ops`: drift per kernel configuration, families ranked first to last.
+
+    setting_a / setting_b: the two sides (their `kernels` are what each row overrides).
+    baseline: every family invariant. all_native: every family native.
+    """
+
+    setting_a: Setting
+    setting_b: Setting
+    baseline: Drift
+    all_native: Drift
+    families: tuple[FamilyAttribution, ...]
+    num_sequences: int
+    num_tokens: int
+
+    @property
+    def ranking(self) -> list[str]:
+        """Family names, largest share of the drift first."""
+        return [f.family for f in self.families]
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON form (what reports store and `parity.attribute.render` draws from)."""
+        return {"setting_a": self.setting_a.to_dict(), "setting_b": self.setting_b.to_dict(),
+                "baseline": self.baseline.to_dict(), "all_native": self.all_native.to_dict(),
+                "families": [f.to_dict() for f in self.families], "ranking": self.ranking,
+                "num_sequences": self.num_sequences, "num_tokens": self.num_tokens}
+
+
+def attribute_ops(model: str | LoadedModel, sequences: Sequences, setting_a: Setting, setting_b: Setting, *,
+                  families: Iterable[str] | None = None) -> OpAttribution:
+    """Attribute the drift of `setting_b` from `setting_a` on `sequences` to kernel families.
+
+    sequences: Rollouts or (prompt_ids, response_ids) pairs; every response token is scored.
+    families: the families to ablate one at a time (default: all of `parity.kernels.FAMILIES`);
+        the baseline and all-native rows always switch every family.
+    The settings' own `kernels` are ignored: each configuration sets both sides' kernels.
+    """
+    if not isinstance(setting_a, Setting) or not isinstance(setting_b, Setting):
+        raise ConfigError("setting_a and setting_b must be parity.attribute.Setting instances")
+    pairs = as_pairs(sequences)
+    if not any(response for _, response in pairs):
+        raise InputError("every response in sequences is empty; attribution scores response tokens, so give "
+                         "at least one sequence a non-empty response")
+    everything = frozenset(_kernels.FAMILIES)
+    wanted = everything if families is None else kernel_families(families)
+    chosen = [f for f in _kernels.FAMILIES if f in wanted]  # in FAMILIES order, the ranking's tie-break
+    if not chosen:
+        raise ConfigError(f"families is empty; give at least one of {list(_kernels.FAMILIES)}")
+    runs: dict[Setting, Run] = {}
+
+    def drift(invariant: frozenset[str]) -> Drift:
+        logprobs = []
+        for side in (setting_a, setting_b):
+            setting = side.with_kernels(invariant)
+            if setting not in runs:
+                runs[setting] = run(model, pairs, setting)
+            logprobs.append(runs[setting].logprobs)
+        return Drift.between(*logprobs)
+
+    baseline, all_native = drift(everything), drift(frozenset())
+    native_only = {f: drift(everything - {f}) for f in chosen}
+    invariant_only = {f: drift(frozenset({f})) for f in chosen}
+    added = {f: native_only[f].mean_abs - baseline.mean_abs for f in chosen}
+    total = sum(max(a, 0.0) for a in added.values())
+    rows = [FamilyAttribution(family=f, native_only=native_only[f], invariant_only=invariant_only[f],
+                              added=added[f], removed=all_native.mean_abs - invariant_only[f].mean_abs,
+                              share=max(added[f], 0.0) / total if total > 0 else 0.0) for f in chosen]
+    rows.sort(key=lambda r: (-r.share, -r.removed))  # stable: ties keep FAMILIES order
+    scored = runs[setting_a.with_kernels(everything)].logprobs
+    return OpAttribution(setting_a=setting_a, setting_b=setting_b, baseline=baseline, all_native=all_native,
+                         families=tuple(rows), num_sequences=len(scored),
+                         num_tokens=sum(len(lp) for lp in scored))

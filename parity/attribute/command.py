@@ -1,0 +1,109 @@
+"""`parity attribute`: op-family ablation and layer probe of a case's tokens, printed and written out.
+
+    parity attribute --model tiny-llama --case smoke --axis batch --axis mode --dtype float32 --html a.html
+
+The tokens are the case's prompts with responses sampled by the reference engine (invariant
+kernels), so every setting scores exactly the same tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from parity.attribute.render import layers_text, ops_text, section_html
+from parity.attribute.section import attribution_section
+from parity.attribute.settings import AXES
+from parity.errors import ConfigError
+from parity.models.loading import DTYPES
+from parity.types import Rollout
+
+
+def _families(text: str) -> list[str] | str:
+    """"invariant", "native" or a comma-separated list of families, as given on the command line."""
+    return text if text in ("invariant", "native") else [f.strip() for f in text.split(",") if f.strip()]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="parity attribute",
+        description="Attribute train/infer logprob drift to kernel families (op ablation) and to layers "
+                    "(layer probe). Each axis compares two settings that differ in one thing: "
+                    + "; ".join(f"{name}: {text}" for name, text in AXES.items()) + ".")
+    parser.add_argument("--model", help="built-in checkpoint name or local HF checkpoint directory "
+                                        "(default: the case's model)")
+    parser.add_argument("--case", help="case TOML file or name in cases/ (default: the built-in workload)")
+    parser.add_argument("--axis", action="append", choices=list(AXES),
+                        help="setting of interest to attribute along; repeat for several (default: batch)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES),
+                        help="dtype of both sides (default: the case's first dtype)")
+    parser.add_argument("--device", default="cpu", help="device of the forward (default: cpu)")
+    parser.add_argument("--families", type=_families, default=None, metavar="F1,F2",
+                        help="kernel families to ablate one at a time (default: all)")
+    parser.add_argument("--probe-kernels", type=_families, default="native", metavar="KERNELS",
+                        help="invariant families of the layer probe: native (default), invariant or F1,F2")
+    parser.add_argument("--max-sequences", type=int, default=8, metavar="N",
+                        help="score the first N sampled sequences (default: 8)")
+    parser.add_argument("--no-ops", action="store_true", help="skip the op-family ablation")
+    parser.add_argument("--no-layers", action="store_true", help="skip the layer probe")
+    parser.add_argument("--json", type=Path, metavar="OUT", help="write the section as JSON to OUT")
+    parser.add_argument("--html", type=Path, metavar="OUT", help="write an HTML page to OUT")
+    return parser
+
+
+def _sequences(model: str | None, case_spec: str | None, dtype: str | None, device: str,
+               limit: int) -> tuple[str, str, list[Rollout]]:
+    """(model, dtype, the first `limit` rollouts the reference engine samples for the case)."""
+    from parity.cases import default_case, load_cases
+    from parity.engine import ReferenceEngine
+
+    if limit < 1:
+        raise ConfigError(f"--max-sequences must be >= 1, got {limit}")
+    if case_spec is None:
+        case = default_case(model or "tiny-llama")
+    else:
+        cases = load_cases(case_spec)
+        if len(cases) != 1:
+            raise ConfigError(f"--case must name one case, {case_spec!r} names {len(cases)}")
+        case = cases[0]
+    model = model or case.model
+    dtype = dtype or case.dtypes[0]
+    with ReferenceEngine(model, dtype=dtype, device=device) as engine:
+        rollouts = engine.generate(list(case.requests[:limit]))
+    return model, dtype, rollouts[:limit]
+
+
+def _page(section: dict, title: str) -> str:
+    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            f"<title>{html.escape(title)}</title>"
+            "<style>body { font-family: system-ui, sans-serif; margin: 24px; } "
+            "table { border-collapse: collapse; font-size: 13px; } th, td { border: 1px solid #ddd; "
+            "padding: 3px 8px; } img.plot { width: 560px; max-width: 100%; }</style></head><body>"
+            f"<h1>{html.escape(title)}</h1>\n{section_html(section)}\n</body></html>\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run `parity attribute` on `argv` (the arguments after the subcommand); returns the exit code."""
+    args = _parser().parse_args(None if argv is None else list(argv))
+    model, dtype, rollouts = _sequences(args.model, args.case, args.dtype, args.device, args.max_sequences)
+    section = attribution_section(model, rollouts, axes=args.axis or ["batch"], dtype=dtype,
+                                  device=args.device, families=args.families,
+                                  probe_kernels=args.probe_kernels, ops=not args.no_ops,
+                                  layers=not args.no_layers)
+    section["model"] = model
+    for entry in section["axes"]:
+        print(f"== axis {entry['axis']}: {entry['description']}")
+        if "ops" in entry:
+            print(ops_text(entry["ops"]))
+        if "layers" in entry:
+            print(layers_text(entry["layers"]))
+    if args.json is not None:
+        args.json.write_text(json.dumps(section, indent=2), encoding="utf-8")
+        print(f"wrote {args.json}")
+    if args.html is not None:
+        args.html.write_text(_page(section, f"parity attribute: {model}"), encoding="utf-8")
+        print(f"wrote {args.html}")
+    return 0

@@ -1,0 +1,93 @@
+"""Layer probe: where in the model two settings' numbers first part.
+
+Both settings run the same tokens with every stage's output captured (embeddings, each decoder
+layer, the final norm, the logits of every response token). Per stage the probe reports the
+relative error of B against A and whether any element differs at all; the first differing
+stage is where the drift enters (everything after it inherits it).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from parity.attribute.runner import Sequences, run
+from parity.attribute.settings import Setting
+from parity.errors import ConfigError
+from parity.models.loading import LoadedModel
+
+
+@dataclass(frozen=True)
+class StageDiff:
+    """How one stage's outputs differ between the settings, over every token of every sequence.
+
+    max_abs: max |b - a| over all elements (model units). rel_error: ||b - a||_2 / ||a||_2 over
+    all elements (0 when equal, inf when a is all zeros and b is not). differing / elements: how
+    many elements differ in value (+0 and -0 count as equal, NaN always differs) out of how many.
+    """
+
+    stage: str
+    max_abs: float
+    rel_error: float
+    differing: int
+    elements: int
+
+    @classmethod
+    def between(cls, stage: str, a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> StageDiff:
+        """Compare per-sequence outputs `a`, `b` (matching shapes) after an exact upcast to float64,
+        so settings of different dtypes are compared on the values each actually produced."""
+        xa = torch.cat([t.reshape(-1) for t in a]).to(torch.float64)
+        xb = torch.cat([t.reshape(-1) for t in b]).to(torch.float64)
+        delta = xb - xa
+        error = float(torch.linalg.vector_norm(delta))
+        norm = float(torch.linalg.vector_norm(xa))
+        differing = int((xa != xb).sum())
+        if differing == 0:
+            rel = 0.0
+        else:
+            rel = error / norm if norm > 0 else math.inf
+        return cls(stage=stage, max_abs=float(delta.abs().max()) if delta.numel() else 0.0, rel_error=rel,
+                   differing=differing, elements=xa.numel())
+
+    def to_dict(self) -> dict[str, object]:
+        return {"stage": self.stage, "max_abs": self.max_abs, "rel_error": self.rel_error,
+                "differing": self.differing, "elements": self.elements}
+
+
+@dataclass(frozen=True)
+class LayerDiff:
+    """The result of `layer_diff`: one `StageDiff` per stage in forward order.
+
+    first_differing: the first stage with any differing element, None when all are equal.
+    """
+
+    setting_a: Setting
+    setting_b: Setting
+    stages: tuple[StageDiff, ...]
+
+    @property
+    def first_differing(self) -> str | None:
+        return next((s.stage for s in self.stages if s.differing), None)
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON form (what reports store and `parity.attribute.render` draws from)."""
+        return {"setting_a": self.setting_a.to_dict(), "setting_b": self.setting_b.to_dict(),
+                "stages": [s.to_dict() for s in self.stages], "first_differing": self.first_differing}
+
+
+def layer_diff(model: str | LoadedModel, tokens: Sequences, setting_a: Setting,
+               setting_b: Setting) -> LayerDiff:
+    """Per-stage differences of `setting_b` from `setting_a` on the same tokens.
+
+    tokens: Rollouts or (prompt_ids, response_ids) pairs. Stages: "embed", "layer.<i>" (output
+    of decoder layer i), "norm" (final norm), "logits" (of the response tokens only).
+    """
+    if not isinstance(setting_a, Setting) or not isinstance(setting_b, Setting):
+        raise ConfigError("setting_a and setting_b must be parity.attribute.Setting instances")
+    a = run(model, tokens, setting_a, capture=True).states
+    b = run(model, tokens, setting_b, capture=True).states
+    return LayerDiff(setting_a=setting_a, setting_b=setting_b,
+                     stages=tuple(StageDiff.between(name, a[name], b[name]) for name in a))

@@ -1,0 +1,184 @@
+"""Tables and bar charts of attribution results, for the terminal and for HTML reports.
+
+Everything here reads the JSON form (`OpAttribution.to_dict()`, `LayerDiff.to_dict()` and the
+section of `parity.attribute.section`), so a report loaded from JSON renders exactly like a
+fresh one. Charts are matplotlib figures built without pyplot and embedded inline through
+`parity.plots.figure_img`.
+"""
+
+from __future__ import annotations
+
+import html
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from parity.plots import figure_img
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+_FIGSIZE = (6.4, 3.4)  # inches, the size of parity's other report plots
+_BLUE, _ORANGE, _RED, _GREY = "#1f77b4", "#ff7f0e", "#d62728", "#7f7f7f"
+
+#: ops table columns: (header, function of a family row).
+_OPS_COLUMNS: tuple[tuple[str, Any], ...] = (
+    ("family", lambda r: r["family"]),
+    ("share", lambda r: f"{100 * r['share']:.1f}%"),
+    ("added mean|Δ|", lambda r: f"{r['added']:.3e}"),
+    ("native-only max|Δ|", lambda r: f"{r['native_only']['max_abs_logprob_diff']:.3e}"),
+    ("native-only mean|Δ|", lambda r: f"{r['native_only']['mean_abs_logprob_diff']:.3e}"),
+    ("native-only k3", lambda r: f"{r['native_only']['k3_kl']:.3e}"),
+    ("removed mean|Δ|", lambda r: f"{r['removed']:.3e}"),
+    ("invariant-only mean|Δ|", lambda r: f"{r['invariant_only']['mean_abs_logprob_diff']:.3e}"),
+)
+_LAYER_COLUMNS: tuple[tuple[str, Any], ...] = (
+    ("stage", lambda s: s["stage"]),
+    ("rel error", lambda s: f"{s['rel_error']:.3e}"),
+    ("max|Δ|", lambda s: f"{s['max_abs']:.3e}"),
+    ("differing", lambda s: f"{s['differing']}/{s['elements']}"),
+)
+
+
+def _drift_line(name: str, drift: dict[str, float]) -> str:
+    return (f"{name}: max|Δlogp| {drift['max_abs_logprob_diff']:.3e}, mean|Δlogp| "
+            f"{drift['mean_abs_logprob_diff']:.3e}, k3 KL {drift['k3_kl']:.3e} (nats)")
+
+
+def _note(ops: dict[str, Any]) -> str:
+    """A hint when every family's share is zero but stock kernels drift all together, else ""."""
+    if any(r["share"] for r in ops["families"]) or \
+            ops["all_native"]["mean_abs_logprob_diff"] <= ops["baseline"]["mean_abs_logprob_diff"]:
+        return ""
+    return ("No family drifts on its own, yet all native does: the drift needs several stock ops at once, "
+            "or (on CPU) comes from splitting work across threads, which the kernel switch turns off while "
+            "any family is invariant.")
+
+
+def _text_table(columns: tuple[tuple[str, Any], ...], rows: list[dict[str, Any]]) -> str:
+    cells = [[h for h, _ in columns]] + [[str(fn(r)) for _, fn in columns] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
+
+
+def ops_text(ops: dict[str, Any]) -> str:
+    """Terminal table of an `OpAttribution.to_dict()`: sides, baseline, all native, one row per family."""
+    lines = [
+        f"A: {ops['setting_a']['label']}", f"B: {ops['setting_b']['label']}",
+        f"{ops['num_sequences']} sequences, {ops['num_tokens']} response tokens",
+        _drift_line("all invariant (baseline)", ops["baseline"]),
+        _drift_line("all native", ops["all_native"]),
+        _text_table(_OPS_COLUMNS, ops["families"]),
+    ]
+    note = _note(ops)
+    return "\n".join([*lines, note] if note else lines)
+
+
+def layers_text(layers: dict[str, Any]) -> str:
+    """Terminal table of a `LayerDiff.to_dict()`: one row per stage and the first differing stage."""
+    first = layers["first_differing"]
+    return "\n".join([
+        f"A: {layers['setting_a']['label']}", f"B: {layers['setting_b']['label']}",
+        f"first differing stage: {first if first is not None else 'none (bitwise equal everywhere)'}",
+        _text_table(_LAYER_COLUMNS, layers["stages"]),
+    ])
+
+
+def _figure() -> tuple[Figure, Any]:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=_FIGSIZE, layout="constrained")
+    return fig, fig.add_subplot()
+
+
+def ops_figure(ops: dict[str, Any], *, title: str = "drift by kernel family") -> Figure:
+    """Bars per family (ranked): mean |Δlogp| with only that family native, and with only it invariant.
+
+    Dashed lines mark the all-invariant baseline and the all-native drift, so a bar near the
+    baseline line means the family adds nothing and one near the all-native line means it alone
+    accounts for (or alone fixes) the drift.
+    """
+    rows = ops["families"]
+    fig, ax = _figure()
+    ax.set_title(title, fontsize=10)
+    ax.set_ylabel("mean |Δlogp| (nats)")
+    x = np.arange(len(rows))
+    native = [r["native_only"]["mean_abs_logprob_diff"] for r in rows]
+    invariant = [r["invariant_only"]["mean_abs_logprob_diff"] for r in rows]
+    ax.bar(x - 0.2, native, width=0.4, color=_RED, label="only this family native")
+    ax.bar(x + 0.2, invariant, width=0.4, color=_BLUE, label="only this family invariant")
+    ax.axhline(ops["baseline"]["mean_abs_logprob_diff"], color=_GREY, linestyle="--", linewidth=0.8,
+               label="all invariant")
+    ax.axhline(ops["all_native"]["mean_abs_logprob_diff"], color=_ORANGE, linestyle="--", linewidth=0.8,
+               label="all native")
+    top = max([*native, *invariant, ops["baseline"]["mean_abs_logprob_diff"],
+               ops["all_native"]["mean_abs_logprob_diff"]])
+    ax.set_ylim(0.0, 1.15 * top if top > 0 else 1.0)
+    ax.set_xticks(x, [f"{r['family']}\n{100 * r['share']:.0f}%" for r in rows], fontsize=7)
+    ax.legend(fontsize=7, loc="upper right")
+    return fig
+
+
+def layers_figure(layers: dict[str, Any], *, title: str = "relative error by stage") -> Figure:
+    """Relative error of B against A per stage on a log axis; bitwise-equal stages are marked "=",
+    the first differing stage is drawn in red."""
+    stages = layers["stages"]
+    fig, ax = _figure()
+    ax.set_title(title, fontsize=10)
+    ax.set_ylabel("||b - a|| / ||a||")
+    x = np.arange(len(stages))
+    errors = np.array([s["rel_error"] for s in stages], dtype=np.float64)
+    colors = [_RED if s["stage"] == layers["first_differing"] else _BLUE for s in stages]
+    shown = np.where(errors > 0, errors, np.nan)  # a log axis cannot draw 0: those get a "=" mark
+    if np.isfinite(shown).any():
+        ax.bar(x, shown, color=colors)
+        ax.set_yscale("log")
+        ax.set_ylim(bottom=float(np.nanmin(shown)) / 10)  # so the smallest nonzero bar stays visible
+    else:
+        ax.set_ylim(0, 1)
+    for i, s in enumerate(stages):
+        if not s["differing"]:
+            ax.annotate("=", (x[i], 0), xycoords=("data", "axes fraction"), ha="center", va="bottom",
+                        color=_GREY)
+    ax.set_xticks(x, [s["stage"] for s in stages], rotation=45 if len(stages) > 8 else 0, fontsize=7)
+    return fig
+
+
+def _html_table(columns: tuple[tuple[str, Any], ...], rows: list[dict[str, Any]], css_class: str) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h, _ in columns)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(fn(r)))}</td>" for _, fn in columns) + "</tr>"
+                   for r in rows)
+    return f'<table class="{css_class}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+
+
+def _sides(result: dict[str, Any]) -> str:
+    return (f"<p>A: {html.escape(result['setting_a']['label'])}<br>"
+            f"B: {html.escape(result['setting_b']['label'])}</p>")
+
+
+def section_html(section: dict[str, Any]) -> str:
+    """HTML fragment of an attribution section (`parity.attribute.section.attribution_section`):
+    per axis, the op-family table and bar chart and the layer-probe table and chart."""
+    parts = ['<div class="attribution"><h2>Drift attribution</h2>']
+    for entry in section["axes"]:
+        axis = html.escape(entry["axis"])
+        parts.append(f"<h3>Axis: {axis}</h3><p>{html.escape(entry['description'])}</p>")
+        ops = entry.get("ops")
+        if ops is not None:
+            parts += ["<h4>Kernel families</h4>", _sides(ops),
+                      f"<p>{html.escape(_drift_line('all invariant (baseline)', ops['baseline']))}<br>"
+                      f"{html.escape(_drift_line('all native', ops['all_native']))}<br>"
+                      f"{html.escape(_note(ops))}</p>",
+                      _html_table(_OPS_COLUMNS, ops["families"], "attribution-ops"),
+                      figure_img(ops_figure(ops, title=f"drift by kernel family ({entry['axis']})"),
+                                 f"drift by kernel family, axis {entry['axis']}")]
+        layers = entry.get("layers")
+        if layers is not None:
+            first = layers["first_differing"]
+            parts += ["<h4>Layers</h4>", _sides(layers),
+                      f"<p>first differing stage: <b>{html.escape(first or 'none')}</b></p>",
+                      _html_table(_LAYER_COLUMNS, layers["stages"], "attribution-layers"),
+                      figure_img(layers_figure(layers, title=f"relative error by stage ({entry['axis']})"),
+                                 f"relative error by stage, axis {entry['axis']}")]
+    parts.append("</div>")
+    return "\n".join(parts)

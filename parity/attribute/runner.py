@@ -1,0 +1,252 @@
+"""Run fixed sequences through the forward the way one `Setting` says: logprobs and, on request,
+the hidden state of every token after every stage of the model.
+
+Prefill settings call the training forward itself (`parity.engine.train_forward`), one call per
+micro-batch, so the numbers are exactly the trainer's. Decode settings teacher-force the
+response one token per step against the KV cache, packing every sequence's next token into one
+row as the reference engine does. Logprobs are always "raw" (log_softmax of the logits):
+attribution measures the forward's numerical drift, and the truncation of top-k/top-p would
+turn a tiny logit difference into an infinite logprob difference at the support boundary.
+
+Hidden states are captured with forward hooks on the model's own modules; each forward's output
+rows are scattered back to (sequence, position) using the layout the forward was run in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from parity import kernels as _kernels
+from parity.attribute.settings import Setting
+from parity.engine import forward, sampler, train_forward
+from parity.engine.inputs import check_length, check_token_ids
+from parity.errors import InputError
+from parity.kernels.attention import KVCache
+from parity.models.loading import LoadedModel, load_model
+from parity.types import Rollout
+
+Pair = tuple[tuple[int, ...], tuple[int, ...]]
+#: where one forward's output rows go: (sequence index, flat output rows [n], its positions [n]).
+RowMap = list[tuple[int, torch.Tensor, torch.Tensor]]
+#: what every attribution entry point scores: Rollouts or (prompt_ids, response_ids) pairs.
+Sequences = Sequence[Rollout | tuple[Sequence[int], Sequence[int]]]
+
+
+@dataclass(frozen=True)
+class Run:
+    """What one setting computed for every sequence.
+
+    logprobs: per sequence, the raw logprob (nats) of each response token, float32 [len(response)].
+    states: stage name (`stage_names`) -> per sequence, in the model dtype:
+        [len(prompt) + len(response), hidden] for "embed", "layer.<i>" and "norm";
+        [len(response), vocab] for "logits" (the logits each response token was scored from).
+        Empty unless the run was asked to capture.
+    """
+
+    logprobs: tuple[torch.Tensor, ...]
+    states: dict[str, tuple[torch.Tensor, ...]]
+
+
+def as_pairs(sequences: Sequences) -> list[Pair]:
+    """Rollouts or (prompt_ids, response_ids) pairs -> (prompt, response) tuples of ints."""
+    if isinstance(sequences, (str, bytes)) or not isinstance(sequences, Sequence) or not sequences:
+        raise InputError("sequences must be a non-empty list of parity.Rollout or (prompt_ids, response_ids) "
+                         "pairs")
+    pairs = []
+    for i, item in enumerate(sequences):
+        if isinstance(item, Rollout):
+            pairs.append((item.prompt_ids, item.token_ids))
+        elif isinstance(item, (tuple, list)) and len(item) == 2:
+            pairs.append((tuple(int(t) for t in item[0]), tuple(int(t) for t in item[1])))
+        else:
+            raise InputError(f"sequences[{i}] must be a parity.Rollout or a (prompt_ids, response_ids) pair, "
+                             f"got {type(item).__name__}")
+        if not pairs[-1][0]:
+            raise InputError(f"sequences[{i}]: prompt_ids is empty; give at least one prompt token")
+    return pairs
+
+
+def stage_names(lm: LoadedModel) -> list[str]:
+    """Stages in forward order: "embed", "layer.0" .. "layer.<L-1>", "norm", "logits"."""
+    return ["embed", *(f"layer.{i}" for i in range(len(lm.model.model.layers))), "norm", "logits"]
+
+
+def run(model: str | LoadedModel, sequences: Sequences, setting: Setting, *, capture: bool = False) -> Run:
+    """The forward of `setting` over `sequences`; with `capture`, every stage's hidden states too."""
+    lm = load_model(model, dtype=setting.dtype, device=setting.device)
+    pairs = as_pairs(sequences)
+    for i, (prompt, response) in enumerate(pairs):
+        check_token_ids(prompt + response, lm, f"sequences[{i}]")
+        check_length(len(prompt) + len(response), lm, f"sequences[{i}]")
+    size = setting.micro_batch_size or len(pairs)
+    recorder = _Recorder(lm, pairs) if capture else None
+    micro_batch = _prefill if setting.mode == "prefill" else _decode
+    logprobs: list[torch.Tensor] = []
+    with recorder.hooks() if recorder else nullcontext():
+        for start in range(0, len(pairs), size):
+            indices = range(start, min(len(pairs), start + size))
+            logprobs.extend(micro_batch(lm, pairs, indices, setting, recorder))
+    return Run(logprobs=tuple(logprobs), states=recorder.states() if recorder else {})
+
+
+def _prefill(lm: LoadedModel, pairs: list[Pair], indices: range, setting: Setting,
+             recorder: _Recorder | None) -> list[torch.Tensor]:
+    """One training-forward call on the micro-batch `indices`, laid out as `setting.layout`."""
+    part = [pairs[i] for i in indices]
+    if recorder is not None:
+        recorder.expect(_layout_rows(part, indices, setting.layout), _response_rows(part, indices))
+    return train_forward(lm, part, dtype=setting.dtype, device=setting.device, kernels=setting.kernels,
+                         layout=setting.layout, logprobs_mode="raw")
+
+
+def _layout_rows(part: list[Pair], indices: range, layout: str) -> RowMap:
+    """Flat rows of a [B, L] forward holding each sequence's tokens, as `train_forward` lays them out:
+    right padding puts sequence b at row b from column 0, left padding ends it at the last column,
+    packing concatenates the sequences in one row."""
+    lengths = [len(p) + len(r) for p, r in part]
+    width = max(lengths)
+    rows: RowMap = []
+    offset = 0
+    for b, (seq, length) in enumerate(zip(indices, lengths)):
+        if layout == "packed":
+            first = offset
+            offset += length
+        else:
+            first = b * width + (0 if layout == "right" else width - length)
+        rows.append((seq, torch.arange(first, first + length), torch.arange(length)))
+    return rows
+
+
+def _response_rows(part: list[Pair], indices: range) -> RowMap:
+    """lm_head input rows of a micro-batch: every response token's row, sequence by sequence."""
+    rows: RowMap = []
+    offset = 0
+    for seq, (_, response) in zip(indices, part):
+        rows.append((seq, torch.arange(offset, offset + len(response)), torch.arange(len(response))))
+        offset += len(response)
+    return rows
+
+
+@dataclass
+class _Step:
+    """One packed decode step: the [T] token ids, positions and KV slots fed, where their rows go,
+    and (index in the micro-batch, row) of every sequence whose next response token it scores."""
+
+    ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    token_rows: RowMap
+    predicting: list[tuple[int, int]]
+
+
+def _pack_step(part: list[Pair], indices: range, step: int) -> _Step:
+    """Step 0 feeds every whole prompt; step t >= 1 response token t - 1 of each sequence that has it."""
+    packed = _Step(ids=[], positions=[], slots=[], token_rows=[], predicting=[])
+    for b, (prompt, response) in enumerate(part):
+        if step == 0:
+            fed, start = prompt, 0
+        elif step <= len(response):
+            fed, start = response[step - 1:step], len(prompt) + step - 1
+        else:
+            continue
+        first = len(packed.ids)
+        packed.token_rows.append((indices[b], torch.arange(first, first + len(fed)),
+                                  torch.arange(start, start + len(fed))))
+        packed.ids.extend(fed)
+        packed.positions.extend(range(start, start + len(fed)))
+        packed.slots.extend([b] * len(fed))
+        if step < len(response):
+            packed.predicting.append((b, len(packed.ids) - 1))
+    return packed
+
+
+def _decode(lm: LoadedModel, pairs: list[Pair], indices: range, setting: Setting,
+            recorder: _Recorder | None) -> list[torch.Tensor]:
+    """Teacher-forced decode of the micro-batch `indices`, one packed [1, T] forward per step: step 0
+    prefills every whole prompt (as the engine does when its chunk size covers the prompt), step
+    t >= 1 feeds response token t - 1 of every sequence that has it.
+
+    The last response token is fed too, although no logprob needs it, so every position has a
+    hidden state to compare with a prefill.
+    """
+    part = [pairs[i] for i in indices]
+    device = lm.device
+    longest = max(len(p) + len(r) for p, r in part)
+    cache = KVCache.allocate(lm.config, len(part), longest, lm.torch_dtype, device)
+    scores: list[list[torch.Tensor]] = [[] for _ in part]
+    with torch.inference_mode(), _kernels.invariant(setting.kernels):
+        for step in range(max(len(r) for _, r in part) + 1):
+            packed = _pack_step(part, indices, step)
+            if recorder is not None:
+                recorder.expect(packed.token_rows, [(indices[b], torch.tensor([n]), torch.tensor([step]))
+                                                    for n, (b, _) in enumerate(packed.predicting)])
+            hidden = forward.final_hidden(lm, torch.tensor([packed.ids], device=device),
+                                          torch.tensor([packed.positions], device=device), cache,
+                                          torch.tensor(packed.slots, device=device))
+            if not packed.predicting:
+                continue
+            logits = forward.logits(lm, hidden[[row for _, row in packed.predicting]])
+            targets = torch.tensor([[part[b][1][step]] for b, _ in packed.predicting], device=logits.device)
+            picked = sampler.raw_logprobs(logits).gather(1, targets).squeeze(1).to(torch.float32).cpu()
+            for (b, _), value in zip(packed.predicting, picked):
+                scores[b].append(value)
+    return [torch.stack(s) if s else torch.zeros(0) for s in scores]
+
+
+class _Recorder:
+    """Forward hooks that copy each stage's output rows to per-sequence buffers.
+
+    Before every model forward the runner calls `expect` with where that forward's token rows
+    (embed, decoder layers, final norm) and lm_head rows belong; the hooks then scatter them.
+    """
+
+    def __init__(self, lm: LoadedModel, pairs: list[Pair]) -> None:
+        self.lm = lm
+        self.pairs = pairs
+        self.buffers: dict[str, list[torch.Tensor | None]] = {name: [None] * len(pairs)
+                                                              for name in stage_names(lm)}
+        self.token_rows: RowMap = []
+        self.logit_rows: RowMap = []
+
+    def expect(self, token_rows: RowMap, logit_rows: RowMap) -> None:
+        self.token_rows, self.logit_rows = token_rows, logit_rows
+
+    @contextmanager
+    def hooks(self) -> Iterator[None]:
+        inner = self.lm.model.model
+        modules: list[tuple[str, nn.Module]] = [
+            ("embed", inner.embed_tokens), *((f"layer.{i}", layer) for i, layer in enumerate(inner.layers)),
+            ("norm", inner.norm), ("logits", self.lm.model.lm_head)]
+        handles = [module.register_forward_hook(self._hook(name)) for name, module in modules]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _hook(self, name: str) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            out = output[0] if isinstance(output, tuple) else output
+            self._store(name, out.reshape(-1, out.shape[-1]))
+        return hook
+
+    def _store(self, name: str, flat: torch.Tensor) -> None:
+        """Copy rows of a [rows, width] stage output into the sequences' [positions, width] buffers."""
+        buffers = self.buffers[name]
+        for seq, rows, positions in self.logit_rows if name == "logits" else self.token_rows:
+            if buffers[seq] is None:
+                prompt, response = self.pairs[seq]
+                length = len(response) if name == "logits" else len(prompt) + len(response)
+                buffers[seq] = flat.new_zeros(length, flat.shape[-1], device="cpu")
+            buffers[seq][positions] = flat[rows.to(flat.device)].cpu()
+
+    def states(self) -> dict[str, tuple[torch.Tensor, ...]]:
+        """Stage -> per-sequence tensors; an empty [0, 0] tensor where a stage saw no row of a sequence."""
+        return {name: tuple(torch.zeros(0, 0) if b is None else b for b in bufs)
+                for name, bufs in self.buffers.items()}

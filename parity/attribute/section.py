@@ -1,0 +1,51 @@
+"""The attribution section of a report: op ablation and layer probe along the chosen axes, as JSON.
+
+`attribution_section` computes it; `parity.attribute.render.section_html` draws it. Reports
+attach it as `ParityReport.extras["attribution"]`; the nightly pages render it from there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from parity.attribute.ablation import attribute_ops
+from parity.attribute.layers import layer_diff
+from parity.attribute.runner import Sequences
+from parity.attribute.settings import AXES, axis_settings
+from parity.errors import ConfigError
+from parity.models.loading import LoadedModel
+
+
+def attribution_section(model: str | LoadedModel, sequences: Sequences, *, axes: Iterable[str] = ("batch",),
+                        dtype: str = "float32", device: str = "cpu", families: Iterable[str] | None = None,
+                        probe_kernels: Iterable[str] | str = "native", ops: bool = True,
+                        layers: bool = True) -> dict[str, Any]:
+    """Attribute drift along each axis of `axes` (`parity.attribute.AXES`) on `sequences`.
+
+    dtype, device: both sides' (the "dtype" axis compares bfloat16 with float16 instead).
+    families: the kernel families the op ablation switches one at a time (default: all).
+    probe_kernels: the invariant families both sides of the layer probe run with; default
+        "native", because with invariant kernels every axis but dtype is bitwise equal by
+        construction and there would be no drift to locate.
+    ops / layers: run the op ablation / the layer probe.
+    Returns {"axes": [{"axis", "description", "ops"?: OpAttribution.to_dict(),
+    "layers"?: LayerDiff.to_dict()}, ...]}, JSON-serializable.
+    """
+    chosen = list(axes)
+    unknown = [axis for axis in chosen if axis not in AXES]
+    if not chosen or unknown:
+        raise ConfigError(f"axes must name at least one of {list(AXES)}, got {chosen!r}")
+    if not (ops or layers):
+        raise ConfigError("nothing to do: ops and layers are both off")
+    entries = []
+    for axis in chosen:
+        entry: dict[str, Any] = {"axis": axis, "description": AXES[axis]}
+        if ops:
+            a, b = axis_settings(axis, dtype=dtype, device=device)
+            entry["ops"] = attribute_ops(model, sequences, a, b, families=families).to_dict()
+        if layers:
+            a, b = axis_settings(axis, dtype=dtype, device=device, kernels=probe_kernels)
+            entry["layers"] = layer_diff(model, sequences, a, b).to_dict()
+        entries.append(entry)
+    return {"axes": entries}

@@ -1,0 +1,27 @@
+"""The one model call the engine and the training forward share: packed tokens in, logits out."""
+
+from __future__ import annotations
+
+import torch
+
+from parity.kernels.attention import AttentionBatch, KVCache
+from parity.models.loading import LoadedModel
+
+
+def final_hidden(lm: LoadedModel, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: KVCache,
+                 slots: torch.Tensor) -> torch.Tensor:
+    """Last-layer hidden states [B * L, H] of input_ids, position_ids [B, L].
+
+    Token (b, l) is written to the cache at (slots[b * L + l], position_ids[b, l]) and attends
+    to that slot's positions up to its own.
+    """
+    positions = position_ids.reshape(-1)
+    batch = AttentionBatch.make(cache, slots, positions)
+    out = lm.model.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, parity_batch=batch)
+    hidden = out.last_hidden_state
+    return hidden.reshape(-1, hidden.shape[-1])
+
+
+def logits(lm: LoadedModel, hidden: torch.Tensor) -> torch.Tensor:
+    """LM-head logits [N, V] in float32 of hidden rows [N, H] (computed only for the rows asked for)."""
+    return lm.model.lm_head(hidden).to(torch.float32)

@@ -1,0 +1,150 @@
+"""Token log-probabilities and sampling, shared by the engine and the training forward.
+
+`processed_logprobs` and `reported_logprobs` are the functions both sides use to turn logits
+into log-probabilities, so with row-invariant logits they agree bit for bit. Every op in them
+works row by row (elementwise ops, per-row sort, sequential per-row prefix sums, and the
+softmax family's kernels).
+
+Sampling noise is a counter-based hash of (request seed, sample index, absolute position, token
+id), so a sample's tokens never depend on what else shares the batch (or on the device).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from parity.kernels import ops
+from parity.kernels.cpu import pointwise
+
+NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class RowParams:
+    """Sampling parameters of each logits row: temperature >= 0 (0 = greedy), top_k >= 0 (0 = off),
+    top_p in (0, 1] (1 = off). Kept on the host, so deciding which steps run costs no device sync."""
+
+    temperature: tuple[float, ...]
+    top_k: tuple[int, ...]
+    top_p: tuple[float, ...]
+
+    @classmethod
+    def of(cls, temperature: Sequence[float], top_k: Sequence[int], top_p: Sequence[float]) -> RowParams:
+        """From per-row sequences of values."""
+        return cls(tuple(float(t) for t in temperature), tuple(int(k) for k in top_k),
+                   tuple(float(p) for p in top_p))
+
+    def repeat(self, counts: list[int]) -> RowParams:
+        """Row i repeated counts[i] times (one row per response token of sequence i)."""
+        return RowParams(*(tuple(v for v, c in zip(values, counts) for _ in range(c))
+                           for values in (self.temperature, self.top_k, self.top_p)))
+
+
+def processed_logprobs(logits: torch.Tensor, params: RowParams) -> torch.Tensor:
+    """Log-probs [N, V] of the distribution sampled from: temperature, then top-k, then top-p, renormalized.
+
+    logits [N, V] float32. Temperature 0 (greedy) is a point mass on the first argmax: logprob 0
+    there and -inf elsewhere. Top-k keeps every token whose scaled logit ties the k-th largest.
+    Top-p keeps the most likely tokens (ties in vocab order) while the mass before them is < top_p.
+    """
+    device = logits.device
+    greedy = [t == 0 for t in params.temperature]
+    temperature = torch.tensor([1.0 if g else t for g, t in zip(greedy, params.temperature)],
+                               dtype=torch.float32, device=device)
+    z = logits / temperature.unsqueeze(1)
+    any_k = any(k > 0 for k in params.top_k)
+    any_p = any(p < 1 for p in params.top_p)
+    if any_k or any_p:
+        sorted_z, order = torch.sort(z, dim=-1, descending=True, stable=True)
+    if any_k:
+        top_k = torch.tensor(params.top_k, dtype=torch.int64, device=device)
+        kth = sorted_z.gather(1, (top_k.clamp(min=1, max=z.shape[1]) - 1).unsqueeze(1))
+        z = z.masked_fill((top_k > 0).unsqueeze(1) & (z < kth), NEG_INF)
+    if any_p:
+        top_p = torch.tensor(params.top_p, dtype=torch.float32, device=device).unsqueeze(1)
+        # top-k masking removed only the smallest entries, so `order` still sorts the survivors.
+        probs_sorted = ops.softmax(z).gather(1, order)
+        mass_before = F.pad(torch.cumsum(probs_sorted, dim=-1)[:, :-1], (1, 0))
+        drop_sorted = (top_p < 1) & (mass_before >= top_p)
+        z = z.masked_fill(torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted), NEG_INF)
+    logprobs = ops.log_softmax(z)
+    if any(greedy):
+        argmax = logits.argmax(dim=-1, keepdim=True)
+        point = torch.full_like(logits, NEG_INF).scatter(1, argmax, 0.0)
+        greedy_rows = torch.tensor(greedy, device=device).unsqueeze(1)
+        logprobs = torch.where(greedy_rows, point, logprobs)
+    return logprobs
+
+
+def raw_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    """log_softmax [N, V] of the unmodified logits [N, V] float32 (logprobs_mode "raw")."""
+    return ops.log_softmax(logits)
+
+
+def reported_logprobs(logits: torch.Tensor, processed: torch.Tensor, tokens: torch.Tensor,
+                      modes: list[str]) -> torch.Tensor:
+    """The logprob [N] of each row's token in that row's logprobs mode.
+
+    logits, processed [N, V]; tokens [N] int64; modes: "processed" or "raw" (log_softmax of the
+    unmodified logits) per row.
+    """
+    table = processed
+    if "raw" in modes:
+        raw_rows = torch.tensor([m == "raw" for m in modes], device=logits.device).unsqueeze(1)
+        table = torch.where(raw_rows, raw_logprobs(logits), processed)
+    return table.gather(1, tokens.unsqueeze(1)).squeeze(1)
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xorshift-multiply rounds) of int64 tensors holding values in [0, 2^32).
+
+    The multipliers are odd and below 2^31, so a 32-bit value times one stays below 2^63: no
+    int64 overflow, and every shift is of a non-negative number, so results are the same on
+    every device.
+    """
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x68E31DA5) & _MASK32
+    return x ^ (x >> 16)
+
+
+def gumbel_noise(keys: list[tuple[int, int, int]], vocab: int, device: torch.device | str = "cpu"
+                 ) -> torch.Tensor:
+    """Gumbel noise [N, vocab] float64; row i is a function of keys[i] = (seed, sample index, position) only.
+
+    Counter-based: each (key, token id) is hashed to 53 random bits, u = (bits + 0.5) / 2^53 lies
+    in (0, 1), and the noise is -log(-log(u)) computed by `pointwise`, so no element's bits
+    depend on its place in the batch.
+    """
+    rows = torch.tensor([[seed & _MASK32, (seed >> 32) & _MASK32, sample & _MASK32, position & _MASK32]
+                         for seed, sample, position in keys], dtype=torch.int64, device=device).view(-1, 4)
+    state = _mix32(rows[:, 3])
+    for column in (2, 1, 0):
+        state = _mix32(rows[:, column] ^ state)
+    token = torch.arange(vocab, dtype=torch.int64, device=device)
+    high = _mix32(state.unsqueeze(1) ^ _mix32(2 * token))
+    low = _mix32(state.unsqueeze(1) ^ _mix32(2 * token + 1))
+    uniform = (((high << 21) | (low >> 11)).to(torch.float64) + 0.5) / 2.0**53
+    return pointwise(lambda u: -torch.log(-torch.log(u)), uniform)
+
+
+def sample(processed: torch.Tensor, keys: list[tuple[int, int, int] | None]) -> torch.Tensor:
+    """One token per row of processed log-probs [N, V] by the Gumbel-max trick -> [N] int64.
+
+    Row i's Gumbel noise comes from its key (seed, sample index, position) alone; a None key
+    (greedy) adds no noise. Ties go to the lower token id.
+    """
+    scores = processed.to(torch.float64)
+    noisy = [row for row, key in enumerate(keys) if key is not None]
+    if noisy:
+        noise = gumbel_noise([keys[row] for row in noisy], processed.shape[1], processed.device)
+        scores[noisy] = scores[noisy] + noise
+    return scores.argmax(dim=-1)

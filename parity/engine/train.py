@@ -1,0 +1,179 @@
+"""The training side: teacher-forced response logprobs through the same HF model classes.
+
+Sequences are laid out the way trainers do it (right- or left-padded [B, L] micro-batches, or
+packed into one row with per-sequence position ids) and run as one prefill each. Padding
+tokens go to a scratch KV slot, so they never enter a real sequence's attention. With
+invariant kernels every row's numbers are independent of the layout, so the result equals the
+reference engine's rollout logprobs bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from parity.engine import forward, sampler
+from parity.engine.inputs import KernelMode, check_length, check_positive_int, check_token_ids, kernel_scope
+from parity.errors import ConfigError, InputError
+from parity.kernels.attention import KVCache
+from parity.models import routing
+from parity.models.loading import LoadedModel, load_model
+from parity.types import LOGPROBS_MODES, Rollout
+
+LAYOUTS: tuple[str, ...] = ("right", "left", "packed")
+
+Pair = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def _pairs(sequences: Sequence[Any], logprobs_mode: str | None) -> tuple[list[Pair], list[str]]:
+    """(prompt, response) id tuples and the logprobs mode of each sequence."""
+    if logprobs_mode is not None and logprobs_mode not in LOGPROBS_MODES:
+        raise ConfigError(f"logprobs_mode must be one of {LOGPROBS_MODES} or None, got {logprobs_mode!r}")
+    pairs, modes = [], []
+    for i, item in enumerate(sequences):
+        if isinstance(item, Rollout):
+            pairs.append((item.prompt_ids, item.token_ids))
+            modes.append(logprobs_mode or item.logprobs_mode)
+            continue
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise InputError(f"sequences[{i}] must be a parity.Rollout or a (prompt_ids, response_ids) pair, "
+                             f"got {type(item).__name__}")
+        pairs.append((tuple(int(t) for t in item[0]), tuple(int(t) for t in item[1])))
+        modes.append(logprobs_mode or "processed")
+    return pairs, modes
+
+
+def _per_sequence(value: Any, n: int, name: str) -> list[Any]:
+    """A scalar broadcast to n sequences, or a list of exactly n values."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise InputError(f"{name} has {len(value)} values for {n} sequences; give one per sequence "
+                             f"or a single value")
+        return list(value)
+    return [value] * n
+
+
+def _check_params(temperature: float, top_k: int, top_p: float, where: str) -> None:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+            or not math.isfinite(temperature) or temperature < 0:
+        raise ConfigError(f"{where}: temperature must be a finite number >= 0 (0 = greedy), "
+                          f"got {temperature!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise ConfigError(f"{where}: top_k must be an integer >= 0 (0 = off), got {top_k!r}")
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
+        raise ConfigError(f"{where}: top_p must be in (0, 1] (1 = off), got {top_p!r}")
+
+
+def train_forward(model: str | LoadedModel,
+                  sequences: Sequence[Rollout | tuple[Sequence[int], Sequence[int]]], *,
+                  dtype: str = "float32", device: str = "cpu", kernels: KernelMode = "invariant",
+                  micro_batch_size: int | None = None, layout: str = "right",
+                  logprobs_mode: str | None = None, temperature: float | Sequence[float] = 1.0,
+                  top_k: int | Sequence[int] = 0, top_p: float | Sequence[float] = 1.0,
+                  return_routes: bool = False,
+                  router_replay: str | routing.RouterReplay | None = None,
+                  routes: Sequence[Any] | None = None,
+                  ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """Teacher-forced logprobs of each sequence's response tokens: one 1-D float32 tensor per sequence.
+
+    sequences: Rollouts or (prompt_ids, response_ids) pairs. temperature/top_k/top_p: the
+    sampling params the responses were drawn with (scalars, or one value per sequence);
+    logprobs_mode: "processed" or "raw" (None: each Rollout's own mode, "processed" for pairs).
+    layout: "right"/"left" padding of [micro_batch, max_len] batches, or "packed" into one row.
+    kernels: "invariant" (every family), "native" (stock torch) or a collection of family names
+    to switch on (the rest native), e.g. to attribute drift to one family.
+    return_routes: also return, per sequence, the experts chosen at every input position but
+    the last, [len(prompt) + len(response) - 1, moe_layers, top_k] int32 (None for dense models).
+    router_replay: None, "R3" (force each sequence's rollout routes: `routes[i]` if given, else
+    the Rollout's `routed_experts`), "R2" (force the routes of a first forward of the same
+    micro-batch) or a `parity.models.routing.RouterReplay`; see `parity.models.routing`.
+    """
+    lm = load_model(model, dtype=dtype, device=device)
+    if layout not in LAYOUTS:
+        raise ConfigError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    pairs, modes = _pairs(sequences, logprobs_mode)
+    n = len(pairs)
+    size = n if micro_batch_size is None else check_positive_int(micro_batch_size, "micro_batch_size")
+    temps = _per_sequence(temperature, n, "temperature")
+    ks = _per_sequence(top_k, n, "top_k")
+    ps = _per_sequence(top_p, n, "top_p")
+    for i, (prompt, response) in enumerate(pairs):
+        where = f"sequences[{i}]"
+        _check_params(temps[i], ks[i], ps[i], where)
+        if not prompt:
+            raise InputError(f"{where}: prompt_ids is empty; give at least one prompt token")
+        check_token_ids(prompt + response, lm, where)
+        check_length(len(prompt) + len(response), lm, where)
+    replay = routing.RouterReplay.of(router_replay)
+    forced = routing.replay_routes(lm, sequences, [len(p) + len(r) for p, r in pairs], replay, routes)
+    logprobs: list[torch.Tensor] = []
+    routes: list[torch.Tensor | None] = []
+    with torch.inference_mode(), kernel_scope(kernels):
+        for start in range(0, n, max(size, 1)):
+            part = range(start, min(n, start + size))
+            params = sampler.RowParams(tuple(float(temps[i]) for i in part), tuple(ks[i] for i in part),
+                                       tuple(float(ps[i]) for i in part))
+            lp, rt = _micro_batch(lm, [pairs[i] for i in part], [modes[i] for i in part], params,
+                                  layout, return_routes and lm.is_moe, replay,
+                                  None if forced is None else [forced[i] for i in part])
+            logprobs.extend(lp)
+            routes.extend(rt if rt else [None] * len(part))
+    if return_routes:
+        return logprobs, routes
+    return logprobs
+
+
+def _micro_batch(lm: LoadedModel, pairs: list[Pair], modes: list[str], params: sampler.RowParams,
+                 layout: str, want_routes: bool, replay: routing.RouterReplay | None = None,
+                 forced: list[torch.Tensor] | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """One prefill of `pairs` in `layout`; per-sequence response logprobs (and routes if wanted)."""
+    lengths = [len(p) + len(r) for p, r in pairs]
+    b, width = len(pairs), max(lengths)
+    scratch = b  # the KV slot every padding token writes to
+    pad_id = getattr(lm.config, "pad_token_id", None) or 0
+    if layout == "packed":
+        ids = [t for p, r in pairs for t in (*p, *r)]
+        input_ids = torch.tensor([ids])
+        position_ids = torch.tensor([[pos for length in lengths for pos in range(length)]])
+        slots = torch.tensor([i for i, length in enumerate(lengths) for _ in range(length)])
+        first = [sum(lengths[:i]) for i in range(b)]
+    else:
+        input_ids = torch.full((b, width), pad_id)
+        position_ids = torch.zeros((b, width), dtype=torch.int64)
+        slots = torch.full((b, width), scratch)
+        first = []
+        for i, ((prompt, response), length) in enumerate(zip(pairs, lengths)):
+            col = 0 if layout == "right" else width - length
+            input_ids[i, col:col + length] = torch.tensor([*prompt, *response])
+            position_ids[i, col:col + length] = torch.arange(length)
+            slots[i, col:col + length] = i
+            first.append(i * width + col)
+        slots = slots.reshape(-1)
+    device = lm.device
+
+    def run() -> torch.Tensor:
+        # a fresh cache per forward: router replay R2 runs the micro-batch twice
+        cache = KVCache.allocate(lm.config, b + 1, width, lm.torch_dtype, device)
+        return forward.final_hidden(lm, input_ids.to(device), position_ids.to(device), cache,
+                                    slots.to(device))
+
+    hidden, all_routes = routing.run_routed(run, lm.num_moe_layers, replay=replay,
+                                            spans=list(zip(first, forced or [])), rows=input_ids.numel(),
+                                            device=device, record=want_routes)
+    # The logits at position j predict token j + 1: response token t sits at len(prompt) + t.
+    rows = [first[i] + len(p) - 1 + t for i, (p, r) in enumerate(pairs) for t in range(len(r))]
+    counts = [len(r) for _, r in pairs]
+    tokens = torch.tensor([t for _, r in pairs for t in r], dtype=torch.int64)
+    row_params = params.repeat(counts)
+    logits = forward.logits(lm, hidden[rows])
+    processed = sampler.processed_logprobs(logits, row_params)
+    row_modes = [m for m, c in zip(modes, counts) for _ in range(c)]
+    picked = sampler.reported_logprobs(logits, processed, tokens.to(logits.device), row_modes)
+    logprobs = list(picked.cpu().split(counts))
+    if not want_routes:
+        return logprobs, []
+    all_routes = all_routes.cpu()
+    return logprobs, [all_routes[first[i]:first[i] + length - 1] for i, length in enumerate(lengths)]

@@ -1,0 +1,42 @@
+"""Batch-invariant kernels behind one switch.
+
+    from parity import kernels
+    with kernels.invariant():              # every family on; kernels.invariant(["matmul"]) for one
+        logits = model(input_ids).logits
+
+Inside the switch, every op of a model loaded with `parity.models.loading.load_model` computes
+each token's outputs bitwise independently of batch size, batch companions, row position,
+padding, and of full forward vs chunked prefill vs decode. Families (`FAMILIES`) switch
+independently so drift can be attributed to one of them. Each family's op is looked up per
+device type: CPU kernels live in `parity/kernels/cpu.py`; another device registers its own
+with `kernels.register(family, op, device_type, fn)`.
+"""
+
+from parity.kernels import cpu as _cpu  # noqa: F401  (registers the CPU kernels)
+from parity.kernels.switch import (
+    FAMILIES,
+    disable,
+    enable,
+    enabled_families,
+    impl,
+    invariant,
+    native,
+    register,
+)
+
+__all__ = ["FAMILIES", "disable", "enable", "enabled_families", "impl", "invariant", "native", "register"]
+
+
+def _register_cuda() -> None:
+    """Register the Triton kernels for device type "cuda" where a GPU and Triton are present."""
+    import importlib.util
+
+    import torch
+
+    if torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
+        from parity.kernels import triton as _triton
+
+        _triton.register()
+
+
+_register_cuda()

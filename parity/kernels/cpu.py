@@ -1,0 +1,245 @@
+"""Batch-invariant CPU kernels built from stock torch ops whose results cannot depend on the batch.
+
+What breaks invariance in stock CPU torch (measured, see DESIGN.md) and how each op avoids it:
+
+- GEMM kernel choice depends on M (fp32 rows differ between M=1..7 and larger M). `linear`
+  always multiplies fixed [TILE, K] row tiles with one `bmm` (rows padded with zeros), so the
+  library sees the same shape for every row, whatever the batch.
+- Reductions split across threads when rows are few, and their vectorized accumulation order
+  is an implementation detail. Every sum here is a `tree_sum`: a fixed pairwise tree of
+  elementwise adds over the reduced axis (padded with exact zeros to a power of two), so the
+  order of additions is fixed by construction, whatever the thread count.
+- Transcendental pointwise ops (exp, log, silu, ...) use a vectorized body and a scalar tail
+  that round differently, so an element's result depends on its flat position and on how
+  `parallel_for` chunks the tensor. `pointwise` feeds them contiguous pieces whose lengths are
+  multiples of `POINTWISE_ALIGN` and small enough to run on one thread, so every element goes
+  through the vector body.
+
+Elementwise +, -, *, / and comparisons are correctly rounded in every code path, so they are
+used freely. Nothing here changes torch's thread settings: the switch must not change the
+results of code outside it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from parity.kernels.switch import register
+
+#: rows per GEMM tile; every invariant matmul is a bmm over [n_tiles, TILE, K].
+TILE = 32
+#: pointwise inputs are padded to a multiple of this many elements (2 x the widest vector, 32 lanes).
+POINTWISE_ALIGN = 64
+#: largest piece a pointwise op sees: half of ATen's GRAIN_SIZE (32768 elements), below which
+#: TensorIterator runs an op on one thread.
+POINTWISE_CHUNK = 16384
+#: query tokens per attention chunk (bounds memory only; rows never interact).
+ATTENTION_ROWS = 128
+
+
+def pointwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """`fn(x)` for an elementwise `fn`, with every element computed by the same (vector) code path.
+
+    The flat input is zero-padded to a multiple of POINTWISE_ALIGN and fed in contiguous pieces
+    of at most POINTWISE_CHUNK elements: below ATen's parallel grain size an op runs on one
+    thread over the whole piece, so no thread split can put an element into a scalar tail.
+    """
+    flat = x.reshape(-1)
+    n = flat.numel()
+    pad = (-n) % POINTWISE_ALIGN
+    flat = torch.cat([flat, flat.new_zeros(pad)]) if pad else flat.contiguous()
+    if flat.numel() <= POINTWISE_CHUNK:
+        out = fn(flat)
+    else:
+        out = torch.cat([fn(piece) for piece in flat.split(POINTWISE_CHUNK)])
+    return out[:n].view(x.shape)
+
+
+def tree_sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
+    """Sum over `dim` by a fixed pairwise tree: add the upper half onto the lower half until one is left.
+
+    Zeros pad the axis to a power of two; x + 0 == x exactly, so neither this padding nor any
+    trailing zeros (masked entries) change the result.
+    """
+    dim = dim % x.dim()
+    n = x.shape[dim]
+    width = 1 << max(n - 1, 0).bit_length()
+    if width != n:
+        pad_shape = list(x.shape)
+        pad_shape[dim] = width - n
+        x = torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
+    while x.shape[dim] > 1:
+        half = x.shape[dim] // 2
+        x = x.narrow(dim, 0, half) + x.narrow(dim, half, half)
+    return x if keepdim else x.squeeze(dim)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias): x [..., K], weight [N, K] -> [..., N]; each row independent of the others."""
+    k = x.shape[-1]
+    n_out = weight.shape[0]
+    rows = x.reshape(-1, k)
+    m = rows.shape[0]
+    if m == 0:
+        return x.new_empty(*x.shape[:-1], n_out)
+    pad = (-m) % TILE
+    if pad:
+        rows = torch.cat([rows, rows.new_zeros(pad, k)])
+    tiles = rows.view(-1, TILE, k)
+    out = torch.bmm(tiles, weight.t().unsqueeze(0).expand(tiles.shape[0], k, n_out))
+    out = out.view(-1, n_out)[:m]
+    if bias is not None:
+        # A separate elementwise add: a fused addmm would round differently per kernel.
+        out = out + bias
+    return out.view(*x.shape[:-1], n_out)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF RMSNorm (normalize in fp32, cast back, multiply by weight) with a tree-ordered mean."""
+    dtype = x.dtype
+    xf = x.to(torch.float32)
+    variance = tree_sum(xf * xf, -1, keepdim=True) / x.shape[-1]
+    rstd = pointwise(torch.rsqrt, variance + eps)
+    return weight * (xf * rstd).to(dtype)
+
+
+def softmax(x: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim; masked (-inf) entries give exact zeros."""
+    z = x - x.amax(-1, keepdim=True)
+    e = pointwise(torch.exp, z)
+    return e / tree_sum(e, -1, keepdim=True)
+
+
+def log_softmax(x: torch.Tensor) -> torch.Tensor:
+    """Log-softmax over the last dim: (x - max) - log(sum(exp(x - max)))."""
+    z = x - x.amax(-1, keepdim=True)
+    total = tree_sum(pointwise(torch.exp, z), -1, keepdim=True)
+    return z - pointwise(torch.log, total)
+
+
+def activation(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """An elementwise activation module/function applied position-independently."""
+    return pointwise(fn, x)
+
+
+def topk(scores: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k over the last dim with ties broken by the lower index (stable descending sort).
+
+    Returns (values, indices), each [..., k]; values renormalized to sum 1 if `normalize`.
+    `torch.topk` leaves the tie order unspecified.
+    """
+    values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)
+    values, indices = values[..., :k], indices[..., :k]
+    if normalize:
+        values = values / tree_sum(values, -1, keepdim=True)
+    return values, indices
+
+
+def experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+            gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+            act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """SwiGLU experts as one grouped GEMM with a fixed combine order: hidden [N, H] -> [N, H].
+
+    top_k_index, top_k_weights [N, k]; gate_up_proj [E, 2I, H]; down_proj [E, H, I]; `act` is
+    the (patched) activation module. The (token, slot) rows routed to each expert are packed
+    into that expert's own [TILE, H] row tiles (zero rows pad the last one), and one bmm runs
+    every tile against its expert's weights: each row meets the same tile shape whatever else
+    was routed. Each row's weighted output goes back to its (token, slot), and the k slots of a
+    token are summed in slot order.
+    """
+    n, k = top_k_index.shape
+    num_experts = gate_up_proj.shape[0]
+    flat = top_k_index.reshape(-1)
+    order = torch.sort(flat, stable=True).indices  # (token, slot) rows grouped by expert
+    counts = torch.bincount(flat, minlength=num_experts)
+    tiles_per_expert = (counts + TILE - 1) // TILE
+    start = torch.cumsum(counts, 0) - counts
+    tile_start = torch.cumsum(tiles_per_expert, 0) - tiles_per_expert
+    expert_sorted = flat[order]
+    rank = torch.arange(flat.numel()) - start[expert_sorted]
+    dest = tile_start[expert_sorted] * TILE + rank  # row of each routed (token, slot) in the tiles
+    tile_expert = torch.repeat_interleave(torch.arange(num_experts), tiles_per_expert)
+    rows = hidden.new_zeros(tile_expert.numel() * TILE, hidden.shape[-1])
+    rows[dest] = hidden[order // k]
+    tiles = rows.view(-1, TILE, hidden.shape[-1])
+    gate_up = torch.bmm(tiles, gate_up_proj[tile_expert].transpose(1, 2))
+    gate, up = gate_up.chunk(2, dim=-1)
+    inner = act(gate) * up
+    out = torch.bmm(inner, down_proj[tile_expert].transpose(1, 2)).view(-1, hidden.shape[-1])
+    slots = hidden.new_zeros(n * k, hidden.shape[-1])
+    # Same dtype promotion as HF: the weights may be fp32 (Mixtral) while `out` is bf16.
+    slots[order] = (out[dest] * top_k_weights.reshape(-1)[order].unsqueeze(1)).to(hidden.dtype)
+    slots = slots.view(n, k, -1)
+    combined = slots[:, 0]
+    for j in range(1, k):
+        combined = combined + slots[:, j]
+    return combined
+
+
+def attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+              positions: torch.Tensor, span: int, scaling: float) -> torch.Tensor:
+    """Causal attention of each query token over its own sequence's cached K/V.
+
+    query [T, Hq, D]; k_cache, v_cache [S, Hkv, C, D] (S sequence slots, C cached positions);
+    slots, positions [T] (int64): the slot and absolute position of each query token; `span`:
+    how many cached positions to read (> every position). Returns [T, Hq, D] in the query
+    dtype; the math runs in fp32.
+
+    The KV axis is indexed by absolute position. Keys after a token's position get score -inf,
+    so exp gives them exact zeros; the max is order-free, and both KV sums are `tree_sum`s,
+    which trailing zeros leave unchanged. So a token's result does not depend on `span`, on
+    the other tokens, or on whether it came in a full forward, a prefill chunk or a decode step.
+    """
+    t, hq, d = query.shape
+    hkv = k_cache.shape[1]
+    out = torch.empty(t, hq, d, dtype=query.dtype, device=query.device)
+    visible_at = torch.arange(span, device=query.device)
+    # Query rows are independent; chunking them only bounds the [rows, H, span, D] temporaries.
+    for lo in range(0, t, ATTENTION_ROWS):
+        hi = min(t, lo + ATTENTION_ROWS)
+        q = query[lo:hi].to(torch.float32).view(hi - lo, hkv, hq // hkv, 1, d)
+        keys = k_cache[slots[lo:hi], :, :span].to(torch.float32).unsqueeze(2)  # [rows, Hkv, 1, span, D]
+        values = v_cache[slots[lo:hi], :, :span].to(torch.float32).unsqueeze(2)
+        scores = tree_sum(q * keys, -1) * scaling  # [rows, Hkv, G, span]
+        hidden = visible_at.unsqueeze(0) > positions[lo:hi].unsqueeze(1)
+        scores = scores.masked_fill(hidden[:, None, None, :], float("-inf"))
+        p = pointwise(torch.exp, scores - scores.amax(-1, keepdim=True))
+        weighted = tree_sum(p.unsqueeze(-1) * values, -2)  # [rows, Hkv, G, D]
+        out[lo:hi] = (weighted / tree_sum(p, -1, keepdim=True)).view(hi - lo, hq, d).to(query.dtype)
+    return out
+
+
+def rotary(forward: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+           x: torch.Tensor, position_ids: torch.Tensor, max_positions: int,
+           tables: dict[tuple[torch.dtype, str], tuple[torch.Tensor, torch.Tensor]],
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [B, L, D] for `position_ids` [B, L], gathered from a table of every position.
+
+    The table is made by one call of the model's own rotary `forward` on positions
+    0..max_positions-1 and cached in `tables` per (dtype, device); a row of it is then the same
+    whatever batch, chunk or step asks for that position (cos/sin of a vectorized body and a
+    scalar tail round differently, so computing them per call would not be).
+    """
+    key = (x.dtype, str(x.device))
+    if key not in tables:
+        everything = torch.arange(max_positions, device=x.device).unsqueeze(0)
+        cos, sin = forward(x, everything)
+        tables[key] = (cos[0], sin[0])
+    cos, sin = tables[key]
+    return cos[position_ids], sin[position_ids]
+
+
+for _family, _op, _fn in (
+    ("matmul", "linear", linear),
+    ("rmsnorm", "rms_norm", rms_norm),
+    ("softmax", "softmax", softmax),
+    ("softmax", "log_softmax", log_softmax),
+    ("pointwise", "activation", activation),
+    ("moe", "topk", topk),
+    ("moe", "experts", experts),
+    ("attention", "attention", attention),
+    ("rotary", "rotary", rotary),
+):
+    register(_family, _op, "cpu", _fn)

@@ -1,0 +1,30 @@
+"""MoE expert compute (family "moe"): grouped expert GEMMs and the top-k combine.
+
+HF's eager experts run one GEMM per expert over however many tokens chose it in this batch,
+so a token's bits depend on its batch companions. The invariant kernel of the device
+(`cpu.experts` here) fixes the GEMM shape per row and the order of the top-k sum.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from parity.kernels.switch import impl
+
+ExpertsForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def experts_forward(experts: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor, native: ExpertsForward) -> torch.Tensor:
+    """Expert MLPs of every token, weighted and summed: hidden [N, H], top_k_* [N, k] -> [N, H].
+
+    `experts` has HF's fused layout: gate_up_proj [E, 2I, H], down_proj [E, H, I], act_fn.
+    `native` is the module's own forward, used when family "moe" is off.
+    """
+    fn = impl("moe", "experts", hidden.device.type)
+    if fn is None:
+        return native(hidden, top_k_index, top_k_weights)
+    return fn(hidden, top_k_index, top_k_weights, experts.gate_up_proj, experts.down_proj, experts.act_fn)

@@ -1,0 +1,98 @@
+"""The one switch that turns batch-invariant ops on, per op family, and the per-device registry.
+
+Every patched model op asks `impl(family, op, device_type)` at call time: it returns the
+batch-invariant implementation registered for that device when the family is switched on, and
+`None` when the family is off (the caller then runs the stock torch op). A device backend (CPU
+here, CUDA/Triton in `parity/kernels/triton/`) plugs in with `register`; model code never
+changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from parity.errors import BackendUnavailableError, ConfigError
+
+#: the op families that can be switched independently (issue 9 turns them native one at a time).
+FAMILIES: tuple[str, ...] = ("matmul", "attention", "rmsnorm", "softmax", "pointwise", "rotary", "moe")
+
+_enabled: frozenset[str] = frozenset()
+#: (family, op name, device type) -> implementation.
+_registry: dict[tuple[str, str, str], Callable[..., Any]] = {}
+
+
+def _check_families(families: Iterable[str] | None) -> frozenset[str]:
+    if families is None:
+        return frozenset(FAMILIES)
+    if isinstance(families, str):
+        families = (families,)
+    chosen = frozenset(families)
+    unknown = sorted(chosen - set(FAMILIES))
+    if unknown:
+        raise ConfigError(f"kernels families: unknown {unknown}; choose from {list(FAMILIES)}")
+    return chosen
+
+
+def _set(families: frozenset[str]) -> None:
+    global _enabled
+    _enabled = families
+
+
+def enable(families: Iterable[str] | None = None) -> None:
+    """Switch batch-invariant ops on for `families` (None = all) and off for every other family."""
+    _set(_check_families(families))
+
+
+def disable() -> None:
+    """Switch every family back to stock torch ops."""
+    _set(frozenset())
+
+
+def enabled_families() -> frozenset[str]:
+    """The families whose batch-invariant ops are on right now."""
+    return _enabled
+
+
+@contextmanager
+def invariant(families: Iterable[str] | None = None) -> Iterator[frozenset[str]]:
+    """Batch-invariant ops on for `families` (None = all) inside the block; restores the previous state."""
+    previous = _enabled
+    _set(_check_families(families))
+    try:
+        yield _enabled
+    finally:
+        _set(previous)
+
+
+@contextmanager
+def native() -> Iterator[frozenset[str]]:
+    """Stock torch ops for every family inside the block; restores the previous state."""
+    with invariant(families=()) as chosen:
+        yield chosen
+
+
+def register(family: str, op: str, device_type: str, fn: Callable[..., Any]) -> None:
+    """Make `fn` the batch-invariant implementation of `family`/`op` on `device_type` ("cpu", "cuda")."""
+    if family not in FAMILIES:
+        raise ConfigError(f"kernels.register: unknown family {family!r}; choose from {list(FAMILIES)}")
+    _registry[(family, op, device_type)] = fn
+
+
+def impl(family: str, op: str, device_type: str) -> Callable[..., Any] | None:
+    """The invariant implementation to run now, or None when `family` is switched off.
+
+    Raises BackendUnavailableError when the family is on but no implementation exists for the
+    device: silently falling back to a stock op would break the invariance the caller asked for.
+    """
+    if family not in _enabled:
+        return None
+    fn = _registry.get((family, op, device_type))
+    if fn is None:
+        raise BackendUnavailableError(
+            f"no batch-invariant {family!r} kernel {op!r} for device {device_type!r}; run on a device "
+            f"parity has kernels for ({sorted({d for (_, _, d) in _registry})}) or switch the family "
+            f"off with kernels.enable(families=...)"
+        )
+    return fn

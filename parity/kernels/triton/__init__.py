@@ -1,0 +1,75 @@
+"""Batch-invariant Triton kernels: parity's invariant ops for CUDA tensors.
+
+One kernel idea per module: `matmul` (persistent, one tile plan per weight shape), `rmsnorm`
+and `softmax` (one program per row), `attention` (causal attention over the engine's KV cache,
+KV tiles at absolute positions, no KV split), `moe` (tie-stable top-k, grouped expert GEMM,
+ordered combine). `register()` plugs them into `parity.kernels`' switch for device type "cuda";
+the module docstrings give the numerical reason each one is batch-invariant.
+
+CI exercises the same kernels on CPU tensors under Triton's interpreter (`TRITON_INTERPRET=1`
+set before this package is imported).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from parity.kernels.triton.attention import attention
+from parity.kernels.triton.matmul import linear
+from parity.kernels.triton.moe import combine, experts_forward, grouped_linear, topk
+from parity.kernels.triton.rmsnorm import rms_norm
+from parity.kernels.triton.softmax import log_softmax, softmax
+
+__all__ = [
+    "attention",
+    "combine",
+    "experts_forward",
+    "grouped_linear",
+    "linear",
+    "log_softmax",
+    "register",
+    "rms_norm",
+    "softmax",
+    "topk",
+]
+
+
+def _attention_op(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    span: int,
+    scaling: float,
+) -> torch.Tensor:
+    """The switch's attention signature; `span` (cached positions the batch needs) is not needed:
+    each run's own last position bounds its KV tiles."""
+    return attention(query, k_cache, v_cache, slots, positions, scaling)
+
+
+def _activation_op(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """Stock CUDA elementwise ops are already position-independent: every element runs the same
+    scalar functor (vectorization only widens the loads), unlike CPU's vector-body/scalar-tail split."""
+    return fn(x)
+
+
+def register() -> None:
+    """Make these kernels the batch-invariant ops of `parity.kernels` for device type "cuda"."""
+    from parity.kernels.cpu import rotary  # a gather from one per-position table: device-agnostic
+    from parity.kernels.switch import register as register_op
+
+    for family, op, fn in (
+        ("matmul", "linear", linear),
+        ("rmsnorm", "rms_norm", rms_norm),
+        ("softmax", "softmax", softmax),
+        ("softmax", "log_softmax", log_softmax),
+        ("pointwise", "activation", _activation_op),
+        ("rotary", "rotary", rotary),
+        ("moe", "topk", topk),
+        ("moe", "experts", experts_forward),
+        ("attention", "attention", _attention_op),
+    ):
+        register_op(family, op, "cuda", fn)

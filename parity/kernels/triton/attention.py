@@ -1,0 +1,181 @@
+"""Batch-invariant causal attention over the engine's KV cache on CUDA: prefill, chunked prefill, decode.
+
+The cache is parity's slot cache (`parity.kernels.attention.KVCache`): per layer
+[S, Hkv, C, D], sequence slot s holding its keys at absolute positions 0..C-1, i.e. a paged
+cache whose page is a whole sequence. A step packs any mix of prefill chunks and decode tokens
+as T query tokens, each with its own slot and absolute position.
+
+One kernel serves every phase. Query tokens are cut into tiles of TOKENS consecutive tokens,
+and inside a tile consecutive tokens of one slot form a run (a prefill chunk is one run, each
+decode token its own). A program owns one run and one KV head: its BLOCK_M rows stand for
+(token r // G, query head kv_head * G + r % G), G = Hq / Hkv, so GQA heads share the K/V tiles
+they load, and it walks the run's slot from absolute position 0 in tiles of BLOCK_N keys with an
+online softmax in fp32. Rows of other runs in the tile are masked out and not stored.
+
+Invariance (a query's output depends on its own q and its slot's cached K/V only):
+- KV tile boundaries sit at absolute positions 0, BLOCK_N, 2*BLOCK_N, ...: the same for a token
+  of a long prefill, of the second chunk of a chunked prefill, or of a decode step, so its
+  max/rescale/sum sequence is identical;
+- no KV split: one program reduces a query's whole context in ascending tile order, so no split
+  count that follows the batch (flash-decoding) can change the order;
+- a tile past a row's causal position (reached because a later row shares its run) is fully
+  masked for it: the max stays, the rescale factor is exp2(0) = 1 and p = 0, so it changes none
+  of the row's bits;
+- each row of a tile's QK^T and PV products is its own dot product of a fixed shape, so which
+  rows share the tile (the phase, G, the run) does not touch it (the GPU tests check decode ==
+  prefill == chunked prefill bit for bit).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from parity.errors import InputError
+from parity.kernels.triton.mma import mma
+
+#: query rows (tokens x GQA heads) per tile. A decode run fills only G of them, but decode is bound
+#: by K/V bytes, not MMA work; a prefill run reads each K/V tile once per BLOCK_M // G tokens.
+BLOCK_M = 64
+#: keys per KV tile; tiles start at absolute positions 0, BLOCK_N, 2*BLOCK_N, ... for every phase.
+BLOCK_N = 64
+
+
+@triton.jit(do_not_specialize=["T"])
+def _attention_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    slots_ptr,
+    positions_ptr,
+    run_start_ptr,
+    T,
+    qk_scale_log2,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_ks,
+    stride_kh,
+    stride_kc,
+    stride_vs,
+    stride_vh,
+    stride_vc,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    TOKENS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    first = tl.program_id(0) * TOKENS
+    kv_head = tl.program_id(1)
+    t0 = first + tl.program_id(2)
+    # This program owns the run that starts at token t0; -1 past the last token is never a start.
+    if tl.load(run_start_ptr + t0, mask=t0 < T, other=-1) != t0:
+        return
+    rows = tl.arange(0, BLOCK_M)
+    tok = first + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = (rows < TOKENS * GROUP) & (tok < T)
+    pos = tl.load(positions_ptr + tok, mask=row_ok, other=-1)
+    in_run = row_ok & (tl.load(run_start_ptr + tok, mask=row_ok, other=-1) == t0)
+    dims = tl.arange(0, HEAD_DIM)
+    q_offs = tok.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :]
+    q = tl.load(q_ptr + q_offs, mask=in_run[:, None], other=0.0)
+    last = tl.max(tl.where(in_run, pos, 0), axis=0)
+    slot = tl.load(slots_ptr + t0).to(tl.int64)
+    k_base = k_ptr + slot * stride_ks + kv_head * stride_kh
+    v_base = v_ptr + slot * stride_vs + kv_head * stride_vh
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+    for start in range(0, last + 1, BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)
+        key_ok = keys <= last
+        k = tl.load(k_base + keys[:, None] * stride_kc + dims[None, :], mask=key_ok[:, None], other=0.0)
+        s = mma(q, k.T, tl.zeros((BLOCK_M, BLOCK_N), tl.float32)) * qk_scale_log2
+        s = tl.where(in_run[:, None] & (keys[None, :] <= pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # Rows outside the run see no key: shift them by 0, not -inf, so they stay (−inf, 0, 0).
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + keys[:, None] * stride_vc + dims[None, :], mask=key_ok[:, None], other=0.0)
+        acc = mma(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+    out = acc / tl.where(in_run, l_i, 1.0)[:, None]
+    o_offs = tok.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
+    tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=in_run[:, None])
+
+
+def attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """Causal attention of each query token over its own slot's cached K/V.
+
+    query: [T, Hq, D]; k_cache, v_cache: [S, Hkv, C, D] with every query's own key already written;
+    slots, positions: [T] int, the slot and absolute position of each query token.
+    Returns [T, Hq, D] in the query dtype; scores, softmax and accumulation run in fp32.
+    """
+    t, hq, d = query.shape
+    _, hkv, _, dk = k_cache.shape
+    if dk != d or v_cache.shape != k_cache.shape:
+        raise InputError(
+            f"attention: query head_dim {d}, k_cache {tuple(k_cache.shape)}, "
+            f"v_cache {tuple(v_cache.shape)} disagree"
+        )
+    if hq % hkv:
+        raise InputError(f"attention: {hq} query heads is not a multiple of {hkv} KV heads")
+    if d & (d - 1) or d < 16:
+        raise InputError(f"attention: head_dim {d} must be a power of two >= 16")
+    if query.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise InputError("attention: query, k_cache and v_cache need a contiguous last (head_dim) axis")
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if t == 0:
+        return out
+    group = hq // hkv
+    block_m = max(BLOCK_M, triton.next_power_of_2(group))
+    tokens = block_m // group
+    # run_start[i]: first token of i's run (same slot, consecutive, inside one program's tile).
+    index = torch.arange(t, device=query.device)
+    starts = index % tokens == 0
+    starts[1:] |= slots[1:] != slots[:-1]
+    run_start = torch.cummax(torch.where(starts, index, 0), 0).values
+    _attention_kernel[(triton.cdiv(t, tokens), hkv, tokens)](
+        query,
+        k_cache,
+        v_cache,
+        out,
+        slots,
+        positions,
+        run_start,
+        t,
+        scaling * 1.4426950408889634,  # log2(e): the kernel exponentiates with exp2
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        GROUP=group,
+        HEAD_DIM=d,
+        TOKENS=tokens,
+        BLOCK_M=block_m,
+        BLOCK_N=BLOCK_N,
+        num_warps=4,
+        num_stages=2,
+    )
+    return out

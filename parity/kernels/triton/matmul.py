@@ -1,0 +1,188 @@
+"""Batch-invariant linear layer on CUDA: a persistent Triton matmul with one tile plan per weight.
+
+`linear(x, weight, bias)` computes `x [..., K] @ weight[N, K].T (+ bias[N])` so that every output
+row depends on its own input row and the weight only, never on how many rows share the call.
+
+Why this is row-invariant by construction:
+- the tile configuration is a function of (dtype, N, K) alone (`tile_config`), never of M, so a
+  row meets the same BLOCK_K chunks, the same MMA instruction shape and the same accumulation
+  order whether it is one decode token or one of 4096 prefill tokens;
+- there is no split-K: one program owns a whole output tile and accumulates its K chunks in
+  ascending order in fp32, so no cross-program reduction whose plan could depend on M exists;
+- the bias is added once to the fp32 accumulator before the single rounding to the output
+  dtype, the same in training and in rollout;
+- fp32 inputs multiply in IEEE fp32 (`mma`): a float32 matmul never silently runs as TF32.
+
+Speed on Hopper comes from TMA tensor descriptors (bulk copies into shared memory, pipelined
+`num_stages` deep) feeding wgmma, and from a persistent grid of one program per SM that walks
+output tiles in grouped order so weight tiles are reused from L2. Without split-K a small-M call
+has only N / BLOCK_N tiles of work, so this kernel trails cuBLAS at decode sizes.
+
+The proven cuBLASLt path: a bias-free call whose (dtype, N, K) is in `CUBLASLT_PROVEN` runs on
+cuBLASLt with split-K disabled, but only in a process configured for it (`cublaslt_ready`: the
+workspace variables in `CUBLASLT_ENV` set before CUDA starts, cuBLASLt the preferred BLAS
+library). That route is not invariant by construction: `benchmarks/gpu.py` proves it bitwise
+row-invariant on the H200 for exactly those shapes (M = 1..4096), and the GPU tests check it
+again. The choice depends on dtype, shape and process configuration, never on M.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from parity.errors import InputError
+from parity.kernels.triton.mma import mma
+
+#: process environment that disables cuBLASLt's split-K (no workspace to reduce partial sums in).
+CUBLASLT_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":16:8", "CUBLASLT_WORKSPACE_SIZE": "1"}
+#: (dtype, N, K) proven row-invariant on cuBLASLt without split-K on the H200 (Qwen3-1.7B's linears).
+CUBLASLT_PROVEN = frozenset(
+    (torch.bfloat16, n, k)
+    for n, k in ((2048, 2048), (1024, 2048), (6144, 2048), (2048, 6144), (151936, 2048))
+)
+
+
+def cublaslt_ready() -> bool:
+    """Whether this process runs cuBLASLt with split-K disabled (see the module docstring)."""
+    return all(os.environ.get(key) == value for key, value in CUBLASLT_ENV.items()) and (
+        torch.backends.cuda.preferred_blas_library() == torch._C._BlasBackend.Cublaslt
+    )
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """One fixed launch plan: tile sizes, L2 grouping, pipeline depth and warps."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_stages: int
+    num_warps: int
+
+
+def tile_config(dtype: torch.dtype, n: int, k: int) -> TileConfig:
+    """The one tile plan for a weight of shape [n, k] in `dtype`; M is deliberately not an argument.
+
+    bf16/fp16: 128x128x64 tiles for wgmma (M=128 fills two warpgroups' 64-row instructions), four
+    TMA stages in flight; narrow weights (n <= 64, e.g. MoE routers) use a 64-wide N tile so the
+    N dimension is not mostly padding. fp32 (exact IEEE products, no tensor-core TF32): smaller
+    tiles because each element is twice the bytes and the FMA path has no wgmma.
+    """
+    if dtype in (torch.bfloat16, torch.float16):
+        block_n = 64 if n <= 64 else 128
+        return TileConfig(block_m=128, block_n=block_n, block_k=64, group_m=8, num_stages=4, num_warps=8)
+    if dtype == torch.float32:
+        return TileConfig(block_m=64, block_n=64, block_k=32, group_m=8, num_stages=3, num_warps=4)
+    raise InputError(f"linear: dtype {dtype} is not supported by the CUDA kernel; use bf16, fp16 or fp32")
+
+
+@triton.jit(do_not_specialize=["M"])
+def _linear_persistent_kernel(
+    x_desc,
+    w_desc,
+    out_desc,
+    bias_ptr,
+    M,
+    N,
+    K,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """Persistent loop over output tiles; each tile is one full-K fp32 accumulation (no split-K)."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    tiles_per_group = GROUP_M * num_pid_n
+    for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0)):
+        # Grouped order: GROUP_M row-tiles share each weight column-tile while it sits in L2.
+        group = tile // tiles_per_group
+        first_m = group * GROUP_M
+        group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % tiles_per_group) % group_size
+        pid_n = (tile % tiles_per_group) // group_size
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kt in range(k_tiles):
+            a = x_desc.load([off_m, kt * BLOCK_K])
+            b = w_desc.load([off_n, kt * BLOCK_K])
+            acc = mma(a, b.T, acc)
+        if HAS_BIAS:
+            offs_n = off_n + tl.arange(0, BLOCK_N)
+            bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
+            acc += bias.to(tl.float32)[None, :]
+        out_desc.store([off_m, off_n], acc.to(out_desc.dtype))
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":  # the Triton CPU interpreter: any fixed count does
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K].T (+ bias [N]) -> [..., N], row-invariant (see module docstring):
+    the Triton kernel, or cuBLASLt without split-K for a proven shape in a process set up for it.
+
+    TMA needs 16-byte aligned row strides: K * itemsize and N * itemsize must be multiples of 16
+    (every transformer hidden size is).
+    """
+    if x.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
+        raise InputError(f"linear: x {x.dtype}, weight {weight.dtype} and bias must share one dtype")
+    n, k = weight.shape
+    if x.shape[-1] != k:
+        raise InputError(f"linear: x has {x.shape[-1]} features but weight [N, K] has K={k}")
+    elt = x.element_size()
+    if (k * elt) % 16 or (n * elt) % 16:
+        raise InputError(f"linear: K={k} and N={n} must be multiples of {16 // elt} for TMA row alignment")
+    if bias is None and x.is_cuda and (x.dtype, n, k) in CUBLASLT_PROVEN and cublaslt_ready():
+        return F.linear(x, weight)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    out = launch(x2, weight, bias, tile_config(x.dtype, n, k))
+    return out.reshape(*lead, n)
+
+
+def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: TileConfig) -> torch.Tensor:
+    """x [M, K] @ weight [N, K].T (+ bias) with an explicit plan (tests use it to vary the plan)."""
+    x = x if x.is_contiguous() else x.contiguous()
+    w = weight if weight.is_contiguous() else weight.contiguous()
+    m, n = x.shape[0], w.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    x_desc = TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k])
+    w_desc = TensorDescriptor.from_tensor(w, [cfg.block_n, cfg.block_k])
+    out_desc = TensorDescriptor.from_tensor(out, [cfg.block_m, cfg.block_n])
+    num_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    _linear_persistent_kernel[(min(_num_sms(x.device), num_tiles),)](
+        x_desc,
+        w_desc,
+        out_desc,
+        bias if bias is not None else out,
+        m,
+        n,
+        w.shape[1],
+        HAS_BIAS=bias is not None,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps,
+    )
+    return out

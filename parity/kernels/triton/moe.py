@@ -1,0 +1,245 @@
+"""Batch-invariant mixture-of-experts on CUDA: top-k routing, grouped expert GEMM, ordered combine.
+
+- `topk`: one program per token; k rounds of argmax over the expert scores, ties to the lower
+  expert index (`torch.topk` leaves tie order unspecified, so a tie could route a token
+  differently in training and rollout).
+- `grouped_linear`: rows sorted by expert; each program multiplies one BLOCK_M slice of one
+  expert's rows by that expert's weight, accumulating K in ascending BLOCK_K chunks in fp32.
+  The tile plan is fixed per dtype (`_GROUPED_PLAN`), so a token's expert output is the same
+  whether 1 or 10,000 tokens were routed to that expert (a plan chosen from the per-expert token
+  count, or split-K for small groups, would change its summation order).
+- `combine`: one program per (token, column block); the k expert outputs of a token are summed
+  in fp32 in top-k slot order (0, 1, ..., k-1) and rounded once, never in an order that follows
+  which experts other tokens hit (HF's `index_add_` loop runs in expert order).
+
+`experts_forward` composes them for HF's fused expert layout (the switch's "moe"/"experts" op).
+Routing bookkeeping (stable sort by expert, counts, tile map) stays on the device, with no host
+sync, so the forward can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import triton
+import triton.language as tl
+
+from parity.errors import InputError
+from parity.kernels.triton.mma import mma
+
+
+@triton.jit
+def _topk_kernel(
+    scores_ptr,
+    values_ptr,
+    indices_ptr,
+    E,
+    K: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_E)
+    slots = tl.arange(0, BLOCK_K)
+    s = tl.load(scores_ptr + row * E + cols, mask=cols < E, other=float("-inf"))
+    values = tl.zeros((BLOCK_K,), s.dtype)
+    indices = tl.zeros((BLOCK_K,), tl.int64)
+    for j in tl.static_range(K):
+        best = tl.argmax(s, axis=0, tie_break_left=True)
+        values = tl.where(slots == j, tl.max(s, axis=0), values)
+        indices = tl.where(slots == j, best.to(tl.int64), indices)
+        s = tl.where(cols == best, float("-inf"), s)
+    if NORMALIZE:  # one sum of the k chosen values (zeros beyond k add nothing), in scores' dtype
+        values = values / tl.sum(values, axis=0)
+    tl.store(values_ptr + row * K + slots, values, mask=slots < K)
+    tl.store(indices_ptr + row * K + slots, indices, mask=slots < K)
+
+
+def topk(scores: torch.Tensor, k: int, normalize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, indices) [..., k] of the k largest of scores [..., E], descending, ties to the lower index.
+
+    normalize: divide the k values by their sum (Qwen3-MoE's `norm_topk_prob`, Mixtral).
+    """
+    e = scores.shape[-1]
+    if not 1 <= k <= e:
+        raise InputError(f"topk: k={k} must be in [1, {e}]")
+    s2 = scores.reshape(-1, e).contiguous()
+    values = torch.empty((s2.shape[0], k), dtype=scores.dtype, device=scores.device)
+    indices = torch.empty((s2.shape[0], k), dtype=torch.int64, device=scores.device)
+    if s2.shape[0]:
+        _topk_kernel[(s2.shape[0],)](
+            s2,
+            values,
+            indices,
+            e,
+            K=k,
+            NORMALIZE=normalize,
+            BLOCK_E=triton.next_power_of_2(e),
+            BLOCK_K=triton.next_power_of_2(k),
+        )
+    return values.reshape(*scores.shape[:-1], k), indices.reshape(*scores.shape[:-1], k)
+
+
+#: grouped GEMM plan (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) per dtype: fixed, never
+#: chosen from the number of routed tokens.
+_GROUPED_PLAN = {
+    torch.bfloat16: (64, 128, 64, 4, 3),
+    torch.float16: (64, 128, 64, 4, 3),
+    torch.float32: (32, 64, 32, 4, 2),
+}
+
+
+@triton.jit(do_not_specialize=["num_experts"])
+def _grouped_linear_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    offsets_ptr,
+    tile_start_ptr,
+    tile_expert_ptr,
+    num_experts,
+    N,
+    K,
+    stride_we,
+    stride_wn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    expert = tl.load(tile_expert_ptr + tile)
+    if expert >= num_experts:
+        return
+    row_end = tl.load(offsets_ptr + expert + 1)
+    first = tl.load(offsets_ptr + expert) + (tile - tl.load(tile_start_ptr + expert)) * BLOCK_M
+    rows = (first + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < row_end
+    col_ok = cols < N
+    w_base = w_ptr + expert.to(tl.int64) * stride_we
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        a = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(
+            w_base + cols[:, None] * stride_wn + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0
+        )
+        acc = mma(a, b.T, acc)
+    tl.store(
+        out_ptr + rows[:, None] * N + cols[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & col_ok[None, :],
+    )
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Rows of x [R, K] sorted by expert, times weight [E, N, K].T per expert -> [R, N].
+
+    offsets: [E + 1] int, expert e owns rows offsets[e]:offsets[e+1] (offsets[0] = 0, offsets[E] = R).
+    """
+    e, n, k = weight.shape
+    if x.shape[-1] != k or x.dtype != weight.dtype:
+        raise InputError(
+            f"grouped_linear: x {tuple(x.shape)} {x.dtype} vs weight {tuple(weight.shape)} {weight.dtype}"
+        )
+    if weight.stride(-1) != 1:
+        raise InputError("grouped_linear: weight needs a contiguous last (K) axis")
+    block_m, block_n, block_k, num_warps, num_stages = _GROUPED_PLAN[x.dtype]
+    x = x.contiguous()
+    out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
+    if x.shape[0] == 0:
+        return out
+    counts = (offsets[1:] - offsets[:-1]).to(torch.int64)
+    tiles = (counts + block_m - 1) // block_m
+    tile_end = torch.cumsum(tiles, 0)
+    tile_start = tile_end - tiles
+    max_tiles = triton.cdiv(x.shape[0], block_m) + e  # an upper bound: no host sync on the counts
+    tile_expert = torch.searchsorted(tile_end, torch.arange(max_tiles, device=x.device), right=True)
+    grid = (max_tiles, triton.cdiv(n, block_n))
+    _grouped_linear_kernel[grid](
+        x,
+        weight,
+        out,
+        offsets.to(torch.int64),
+        tile_start,
+        tile_expert,
+        e,
+        n,
+        k,
+        weight.stride(0),
+        weight.stride(1),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return out
+
+
+@triton.jit
+def _combine_kernel(y_ptr, w_ptr, out_ptr, H, K: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_H: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < H
+    acc = tl.zeros((BLOCK_H,), tl.float32)
+    for j in tl.static_range(K):
+        y = tl.load(y_ptr + (token * K + j) * H + cols, mask=mask, other=0.0).to(tl.float32)
+        if WEIGHTED:
+            y = tl.load(w_ptr + token * K + j).to(tl.float32) * y
+        acc += y
+    tl.store(out_ptr + token * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def combine(slots: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """sum_j weights[t, j] * slots[t, j] in fp32, j = 0..k-1 in order, one rounding: [T, k, H] -> [T, H].
+
+    weights: [T, k], or None when the slots are already weighted.
+    """
+    t, k, h = slots.shape
+    out = torch.empty((t, h), dtype=slots.dtype, device=slots.device)
+    if t:
+        block_h = min(1024, triton.next_power_of_2(h))
+        _combine_kernel[(t, triton.cdiv(h, block_h))](
+            slots.contiguous(),
+            slots if weights is None else weights.contiguous(),
+            out,
+            h,
+            K=k,
+            WEIGHTED=weights is not None,
+            BLOCK_H=block_h,
+        )
+    return out
+
+
+def experts_forward(
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    act_fn: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """The MoE experts of one layer: hidden [T, H], top_k_index/weights [T, k] -> [T, H].
+
+    gate_up_proj: [E, 2I, H] (gate rows first, then up rows); down_proj: [E, H, I]; output of
+    token t = sum_j w[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t)) with e = top_k_index[t, j].
+    """
+    t, k = top_k_index.shape
+    e = gate_up_proj.shape[0]
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # slot rows grouped by expert, token order inside
+    counts = torch.zeros(e, dtype=torch.int64, device=hidden.device).scatter_add_(
+        0, flat, torch.ones_like(flat)
+    )
+    offsets = torch.zeros(e + 1, dtype=torch.int64, device=hidden.device)
+    offsets[1:] = torch.cumsum(counts, 0)  # scatter_add, not bincount: bincount syncs the host on CUDA
+    x_sorted = hidden[order // k]
+    gate, up = grouped_linear(x_sorted, gate_up_proj, offsets).chunk(2, dim=-1)
+    y_sorted = grouped_linear(act_fn(gate) * up, down_proj, offsets)
+    y = torch.empty_like(y_sorted)
+    y[order] = y_sorted
+    return combine(y.view(t, k, -1), top_k_weights)

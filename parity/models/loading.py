@@ -1,0 +1,171 @@
+"""Load a HF causal LM once per (path, dtype, device) and patch it so the kernel switch governs it.
+
+The model classes are transformers' own (the ones a trainer's forward uses); patching only
+reroutes ops through `parity.kernels.ops`, whose stock branch is the module's own computation.
+So with every kernel family off the patched model computes exactly what the unpatched one does
+(attention goes through the "parity" attention function, which runs stock SDPA then).
+"""
+
+from __future__ import annotations
+
+import os
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from parity.errors import ConfigError
+from parity.kernels import ops
+from parity.kernels.attention import ATTENTION_NAME
+from parity.kernels.moe import experts_forward
+from parity.models.checkpoints import BUILTIN_MODELS, model_hash, resolve_model
+from parity.models.routing import ROUTERS, patch_router
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                                  "float16": torch.float16}
+#: architectures whose every op parity patches (RMSNorm with HF's formula, SwiGLU, static RoPE).
+SUPPORTED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                                     "Qwen3MoeForCausalLM", "MixtralForCausalLM"})
+#: RoPE variants whose cos/sin depend on the position only (a table of all positions is exact).
+STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
+
+
+@dataclass(frozen=True, eq=False)
+class LoadedModel:
+    """A patched HF *ForCausalLM in eval mode and the facts the engine needs about it.
+
+    name: built-in name or the checkpoint directory's name; dtype: "float32" | "bfloat16" |
+    "float16"; max_len: max_position_embeddings; moe_top_k, num_experts: 0 for dense models;
+    model_hash: `parity.models.model_hash` of the checkpoint (provenance).
+    """
+
+    model: nn.Module
+    config: object
+    path: Path
+    name: str
+    dtype: str
+    device: str
+    is_moe: bool
+    num_moe_layers: int
+    moe_top_k: int
+    num_experts: int
+    vocab_size: int
+    max_len: int
+    model_hash: str
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+_loaded: dict[tuple[str, str, str], LoadedModel] = {}
+
+
+class ParityLinear(nn.Linear):
+    """nn.Linear whose product runs through `ops.linear` (family "matmul")."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(x, self.weight, self.bias)
+
+
+class ParityActivation(nn.Module):
+    """Wraps an elementwise activation module so it runs through `ops.activation` (family "pointwise")."""
+
+    def __init__(self, act: nn.Module) -> None:
+        super().__init__()
+        self.act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.activation(self.act, x)
+
+
+def _native(module: nn.Module) -> Callable:
+    """The module class's own forward, bound to `module` (the stock branch of a patched op)."""
+    return type(module).forward.__get__(module)
+
+
+def _rms_norm_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return ops.rms_norm(x, self.weight, self.variance_epsilon, native=_native(self))
+
+
+def _rotary_forward(self: nn.Module, x: torch.Tensor, position_ids: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    return ops.rotary(_native(self), x, position_ids, self.parity_max_positions, self.parity_tables)
+
+
+def _experts_forward(self: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                     top_k_weights: torch.Tensor) -> torch.Tensor:
+    return experts_forward(self, hidden, top_k_index, top_k_weights, native=_native(self))
+
+
+def _patch(model: nn.Module, max_positions: int) -> int:
+    """Reroute every op family of `model` through `parity.kernels.ops`; returns the number of MoE layers."""
+    moe_layers = 0
+    for module in list(model.modules()):
+        kind = type(module).__name__
+        if isinstance(module, nn.Linear):
+            module.__class__ = ParityLinear
+        elif kind.endswith("RMSNorm"):
+            module.forward = types.MethodType(_rms_norm_forward, module)
+        elif kind.endswith("RotaryEmbedding"):
+            if module.rope_type not in STATIC_ROPE_TYPES:
+                raise ConfigError(f"rope_type {module.rope_type!r} is position-dependent at run time; parity "
+                                  f"supports {sorted(STATIC_ROPE_TYPES)}")
+            module.parity_max_positions = max_positions
+            module.parity_tables = {}
+            module.forward = types.MethodType(_rotary_forward, module)
+        elif kind in ROUTERS:
+            patch_router(module, moe_layers)
+            moe_layers += 1
+        elif kind.endswith("Experts") and hasattr(module, "gate_up_proj"):
+            module.forward = types.MethodType(_experts_forward, module)
+        act = getattr(module, "act_fn", None)
+        if isinstance(act, nn.Module) and not isinstance(act, ParityActivation):
+            module.act_fn = ParityActivation(act)
+    return moe_layers
+
+
+def load_model(model: str | os.PathLike[str] | LoadedModel, dtype: str = "float32",
+               device: str = "cpu") -> LoadedModel:
+    """A built-in name, a local HF checkpoint path or a LoadedModel -> patched LoadedModel (cached)."""
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if isinstance(model, LoadedModel):
+        if model.dtype == dtype and model.device == str(device):
+            return model
+        model = model.path
+    path = resolve_model(model)
+    key = (str(path.resolve()), dtype, str(device))
+    if key in _loaded:
+        return _loaded[key]
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    architectures = set(getattr(config, "architectures", None) or ())
+    if not architectures & SUPPORTED_ARCHITECTURES:
+        raise ConfigError(f"model {os.fspath(model)!r} has architectures {sorted(architectures)}; the "
+                          f"reference engine supports {sorted(SUPPORTED_ARCHITECTURES)}")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation=ATTENTION_NAME)
+    hf.to(device).eval()
+    config = hf.config
+    max_len = int(config.max_position_embeddings)
+    num_moe_layers = _patch(hf, max_len)
+    eos = config.eos_token_id
+    eos_ids = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+    name = os.fspath(model)
+    loaded = LoadedModel(
+        model=hf, config=config, path=path, name=name if name in BUILTIN_MODELS else path.name,
+        dtype=dtype, device=str(device), is_moe=num_moe_layers > 0, num_moe_layers=num_moe_layers,
+        moe_top_k=int(getattr(config, "num_experts_per_tok", 0) or 0) if num_moe_layers else 0,
+        num_experts=int(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0))
+        if num_moe_layers else 0,
+        vocab_size=int(config.vocab_size), max_len=max_len, model_hash=model_hash(path),
+        eos_token_ids=eos_ids,
+    )
+    _loaded[key] = loaded
+    return loaded

@@ -1,0 +1,328 @@
+"""The MoE router patch point: every router call of a patched model goes through `route`.
+
+One entry of `ROUTERS` per HF router class (the one patch point of that router type) says how
+it scores experts, picks the top k and weighs them: softmax routers (Qwen3-MoE, Mixtral) and
+DeepSeek-V3-style sigmoid routers with grouped, bias-corrected choice. To support another
+router type, add its `RouterSpec` here; `patch_router` refuses classes it does not know.
+`route` runs the router's GEMM, softmax/sigmoid and top-k through `parity.kernels.ops`, so
+the kernel switch governs it, and inside `route`:
+
+- `capture()` records the chosen experts (the engine's `record_routes`, `train_forward`'s
+  `return_routes`), int32 `[tokens, moe_layers, top_k]` in forward row order;
+- `run_routed(..., replay=RouterReplay("R3"))` forces given experts per token and layer (verl's
+  router replay): the top-k *selection* is replaced, the gate weights are recomputed from the
+  training router's own scores of the forced experts and normalized the way the router
+  normalizes (verl, slime), or replayed as recorded (`RouterReplay("R2", weights="replay")`).
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from torch import nn
+
+from parity.errors import ConfigError, InputError
+from parity.kernels import ops
+from parity.routes import check_routes
+
+if TYPE_CHECKING:
+    from parity.models.loading import LoadedModel
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """How one HF router class scores experts, picks the top k and weighs them.
+
+    score: "softmax" (Qwen3-MoE, Mixtral): fp32 softmax of the router logits; the top-k
+        probabilities are the gate weights. "sigmoid" (DeepSeek-V3 style): fp32 router GEMM
+        and sigmoid scores; experts are picked by score + `e_score_correction_bias` among the
+        best `topk_group` of `n_group` expert groups (a group ranks by its top-2 sum), the
+        gate weights are the plain scores of the picked experts times `routed_scaling_factor`.
+    normalize_attr: attribute that switches renormalization of the top-k weights to sum 1
+        (None = always renormalize).
+    weights_in_logits_dtype: cast the weights back to the router logits' dtype (Qwen3-MoE) or
+        keep them fp32 (Mixtral, DeepSeek).
+    """
+
+    score: Literal["softmax", "sigmoid"]
+    normalize_attr: str | None
+    weights_in_logits_dtype: bool
+
+    def __post_init__(self) -> None:
+        if self.score not in ("softmax", "sigmoid"):
+            raise ConfigError(f"RouterSpec.score must be 'softmax' or 'sigmoid', got {self.score!r}")
+
+
+#: The one patch point of each supported router type, by HF class name.
+ROUTERS: dict[str, RouterSpec] = {
+    # class name:          (score,     normalize_attr,   weights_in_logits_dtype)
+    "Qwen3MoeTopKRouter": RouterSpec("softmax", "norm_topk_prob", True),
+    "MixtralTopKRouter": RouterSpec("softmax", None, False),
+    "DeepseekV3TopkRouter": RouterSpec("sigmoid", "norm_topk_prob", False),
+}
+
+ReplayMode = Literal["R2", "R3"]
+REPLAY_MODES: tuple[str, ...] = ("R2", "R3")
+WeightsMode = Literal["recompute", "replay"]
+WEIGHTS_MODES: tuple[str, ...] = ("recompute", "replay")
+
+
+@dataclass(frozen=True)
+class RouterReplay:
+    """Router replay in the training forward.
+
+    mode: "R3" forces the experts the rollout engine chose (`Rollout.routed_experts`, or
+        `train_forward(routes=...)`); "R2" records the experts of one training forward and
+        forces them in the next forward of the same micro-batch (verl's R2: the old-logprob
+        forward's routes replayed in the update forward).
+    weights: "recompute" (verl, slime): gate weights from the training router's probabilities
+        of the forced experts, renormalized as the router does; "replay": the recorded gate
+        weights too. Only R2 records weights: a `Rollout` carries expert ids only.
+    """
+
+    mode: ReplayMode = "R3"
+    weights: WeightsMode = "recompute"
+
+    def __post_init__(self) -> None:
+        if self.mode not in REPLAY_MODES:
+            raise ConfigError(f"router_replay mode must be one of {REPLAY_MODES}, got {self.mode!r}")
+        if self.weights not in WEIGHTS_MODES:
+            raise ConfigError(f"router_replay weights must be one of {WEIGHTS_MODES}, got {self.weights!r}")
+        if self.mode == "R3" and self.weights == "replay":
+            raise ConfigError("router_replay R3 forces a rollout's routed_experts, which hold expert ids "
+                              "only; use weights='recompute' with R3, or mode='R2' to replay weights too")
+
+    @classmethod
+    def of(cls, value: str | RouterReplay | None) -> RouterReplay | None:
+        """None/"none" -> None (no replay); "R2"/"R3" -> that mode with recomputed weights."""
+        if value is None or isinstance(value, RouterReplay):
+            return value
+        if value == "none":
+            return None
+        if value not in REPLAY_MODES:
+            raise ConfigError(f"router_replay must be None, 'none', one of {REPLAY_MODES} or a "
+                              f"parity RouterReplay, got {value!r}")
+        return cls(mode=value)
+
+
+class RouteRecorder:
+    """Experts and gate weights each MoE layer chose during the forwards inside a `capture()` block."""
+
+    def __init__(self, num_moe_layers: int) -> None:
+        self.num_moe_layers = num_moe_layers
+        self._ids: list[list[torch.Tensor]] = [[] for _ in range(num_moe_layers)]
+        self._weights: list[list[torch.Tensor]] = [[] for _ in range(num_moe_layers)]
+
+    def record(self, moe_layer: int, indices: torch.Tensor, weights: torch.Tensor) -> None:
+        self._ids[moe_layer].append(indices.detach().to(torch.int32))
+        self._weights[moe_layer].append(weights.detach().to(torch.float32))
+
+    def routes(self) -> torch.Tensor:
+        """[tokens, moe_layers, top_k] int32, tokens in forward order (flattened [batch, seq])."""
+        return torch.stack([torch.cat(calls) for calls in self._ids], dim=1)
+
+    def weights(self) -> torch.Tensor:
+        """[tokens, moe_layers, top_k] float32 gate weights as the experts received them."""
+        return torch.stack([torch.cat(calls) for calls in self._weights], dim=1)
+
+
+@dataclass(frozen=True, eq=False)
+class ForcedRoutes:
+    """Experts to force in one forward, by forward row (flattened [batch, seq]).
+
+    experts: [rows, moe_layers, top_k] int64; rows where `mask` [rows] is False route freely
+    (padding, and each sequence's last position, which a rollout never routed).
+    weights: [rows, moe_layers, top_k] float32 gate weights to force too, or None to recompute.
+    """
+
+    experts: torch.Tensor
+    mask: torch.Tensor
+    weights: torch.Tensor | None = None
+
+    @classmethod
+    def from_spans(cls, rows: int, spans: Sequence[tuple[int, torch.Tensor]], device: str) -> ForcedRoutes:
+        """spans: (first row, expert ids [n, moe_layers, top_k]) of each sequence in the forward."""
+        layers, k = spans[0][1].shape[1:]
+        experts = torch.zeros((rows, layers, k), dtype=torch.int64)
+        mask = torch.zeros(rows, dtype=torch.bool)
+        for first, ids in spans:
+            experts[first:first + ids.shape[0]] = ids
+            mask[first:first + ids.shape[0]] = True
+        return cls(experts.to(device), mask.to(device))
+
+    @classmethod
+    def recorded(cls, recorder: RouteRecorder, with_weights: bool) -> ForcedRoutes:
+        """Every row of a recorded forward, with its gate weights if `with_weights`."""
+        experts = recorder.routes().to(torch.int64)
+        return cls(experts, torch.ones(experts.shape[0], dtype=torch.bool, device=experts.device),
+                   recorder.weights() if with_weights else None)
+
+    def apply(self, moe_layer: int, weights: torch.Tensor, indices: torch.Tensor,
+              weigh: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, indices) [rows, k] of one MoE layer with the forced rows substituted.
+
+        weigh: forced expert ids [rows, k] -> (their gate weights, the ids in weight order), as
+        the router computes them from its own scores.
+        """
+        if self.experts.shape[0] != indices.shape[0]:
+            raise InputError(f"router replay has routes for {self.experts.shape[0]} tokens but the forward "
+                             f"routes {indices.shape[0]}")
+        ids = self.experts[:, moe_layer]
+        if self.weights is not None:
+            forced = self.weights[:, moe_layer]
+        else:
+            forced, ids = weigh(ids)
+        mask = self.mask[:, None]
+        return torch.where(mask, forced, weights), torch.where(mask, ids, indices)
+
+
+_recorder: RouteRecorder | None = None
+_forced: ForcedRoutes | None = None
+
+
+@contextmanager
+def capture(num_moe_layers: int) -> Iterator[RouteRecorder]:
+    """Record every router decision made inside the block (after any forcing)."""
+    global _recorder
+    previous, _recorder = _recorder, RouteRecorder(num_moe_layers)
+    try:
+        yield _recorder
+    finally:
+        _recorder = previous
+
+
+@contextmanager
+def forcing(forced: ForcedRoutes) -> Iterator[None]:
+    """Every router call inside the block takes its decisions for the forced rows from `forced`."""
+    global _forced
+    previous, _forced = _forced, forced
+    try:
+        yield
+    finally:
+        _forced = previous
+
+
+def route(router: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """HF router signature: hidden [..., H] -> (logits [N, E], weights [N, k], expert ids [N, k])."""
+    spec = ROUTERS[type(router).__name__]
+    rows = hidden.reshape(-1, router.hidden_dim)
+    normalize = True if spec.normalize_attr is None else bool(getattr(router, spec.normalize_attr))
+    if spec.score == "softmax":
+        logits = ops.linear(rows, router.weight)
+        # Routing probabilities in fp32, as every HF router does.
+        probs = ops.softmax(logits.to(torch.float32))
+        weights, indices = ops.topk(probs, router.top_k, normalize=normalize)
+
+        def weigh(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            # Running the k picked probabilities through ops.topk renormalizes them with the very
+            # op (and summation order) the router's own choice uses, so forcing the experts the
+            # router would pick anyway changes no bit.
+            picked, order = ops.topk(probs.gather(1, ids), ids.shape[1], normalize=normalize)
+            return picked, ids.gather(1, order)
+    else:
+        logits = ops.linear(rows.to(torch.float32), router.weight.to(torch.float32))
+        scores = ops.activation(torch.sigmoid, logits)
+        indices = _grouped_choice(router, scores)
+
+        def weigh(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            picked = scores.gather(1, ids)
+            if normalize:
+                # a sum of k <= 8 values per row: no thread splits it, so it is batch-invariant
+                picked = picked / (picked.sum(dim=-1, keepdim=True) + 1e-20)
+            return picked * router.routed_scaling_factor, ids
+
+        weights, _ = weigh(indices)
+    if _forced is not None:
+        weights, indices = _forced.apply(router.parity_moe_layer, weights, indices, weigh)
+    if spec.weights_in_logits_dtype:
+        weights = weights.to(logits.dtype)
+    if _recorder is not None:
+        _recorder.record(router.parity_moe_layer, indices, weights)
+    return logits, weights, indices
+
+
+def _grouped_choice(router: nn.Module, scores: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V3's expert choice, [N, E] sigmoid scores -> [N, k] ids: top-k of the biased scores
+    among the `topk_group` groups (of `n_group`) with the highest top-2 sums."""
+    choice = scores + router.e_score_correction_bias
+    n, experts = choice.shape
+    per_group = experts // router.num_group
+    top2, _ = ops.topk(choice.view(n, router.num_group, per_group), 2)
+    _, best = ops.topk(top2.sum(dim=-1), router.topk_group)
+    keep = torch.zeros((n, router.num_group), dtype=torch.bool, device=choice.device).scatter_(1, best, True)
+    choice = choice.masked_fill(~keep.repeat_interleave(per_group, dim=1), float("-inf"))
+    return ops.topk(choice, router.top_k)[1]
+
+
+def patch_router(router: nn.Module, moe_layer: int) -> None:
+    """Send `router`'s calls through `route`; `moe_layer` is its index among the MoE layers."""
+    if type(router).__name__ not in ROUTERS:
+        raise ConfigError(
+            f"MoE router {type(router).__name__} is not supported; parity knows {sorted(ROUTERS)} "
+            f"(add a RouterSpec to parity/models/routing.py)"
+        )
+    router.parity_moe_layer = moe_layer
+    router.forward = types.MethodType(route, router)
+
+
+def replay_routes(lm: LoadedModel, sequences: Sequence[Any], lengths: Sequence[int],
+                  replay: RouterReplay | None, routes: Sequence[Any] | None) -> list[torch.Tensor] | None:
+    """The checked expert ids R3 forces for each sequence, int64 `[length - 1, moe_layers, top_k]`.
+
+    sequences: `train_forward`'s inputs; lengths: len(prompt) + len(response) of each.
+    routes: one array per sequence, overriding each Rollout's `routed_experts`.
+    None unless `replay` is R3. Dense models and misshapen routes raise a ParityError.
+    """
+    if routes is not None and (replay is None or replay.mode != "R3"):
+        raise ConfigError("routes= are forced only with router_replay='R3'")
+    if replay is None:
+        return None
+    if not lm.is_moe:
+        raise ConfigError(f"router_replay={replay.mode!r} needs an MoE model; {lm.name!r} is dense "
+                          "(it has no routers)")
+    if replay.mode != "R3":
+        return None
+    if routes is not None and len(routes) != len(sequences):
+        raise InputError(f"routes has {len(routes)} arrays for {len(sequences)} sequences; "
+                         "give one per sequence")
+    forced = []
+    for i, (item, length) in enumerate(zip(sequences, lengths)):
+        given = routes[i] if routes is not None else getattr(item, "routed_experts", None)
+        if given is None:
+            raise InputError(f"sequences[{i}] has no routed_experts to replay; sample with routes recorded "
+                             "(ReferenceEngine(record_routes=True), a backend's return_routed_experts) or "
+                             "pass routes=")
+        ids = check_routes(given, positions=length - 1, moe_layers=lm.num_moe_layers, top_k=lm.moe_top_k,
+                           num_experts=lm.num_experts, where=f"sequences[{i}] routed_experts")
+        forced.append(torch.from_numpy(ids).to(torch.int64))
+    return forced
+
+
+def run_routed(run: Callable[[], torch.Tensor], num_moe_layers: int, *, replay: RouterReplay | None = None,
+               spans: Sequence[tuple[int, torch.Tensor]] = (), rows: int = 0, device: str = "cpu",
+               record: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`run()` (one forward over `rows` tokens) under router replay; also its routes if `record`.
+
+    R3: spans = (first row, expert ids [n, moe_layers, top_k]) per sequence, forced. R2: `run`
+    goes twice, the second time forcing every router decision of the first. Returns run()'s
+    result and the experts used, int32 [rows, moe_layers, top_k] (None unless `record`).
+    """
+    forced = None
+    if replay is not None and replay.mode == "R2":
+        with capture(num_moe_layers) as first:
+            run()
+        forced = ForcedRoutes.recorded(first, with_weights=replay.weights == "replay")
+    elif replay is not None:
+        forced = ForcedRoutes.from_spans(rows, spans, device)
+    with ExitStack() as stack:
+        if forced is not None:
+            stack.enter_context(forcing(forced))
+        recorder = stack.enter_context(capture(num_moe_layers)) if record else None
+        result = run()
+    return result, None if recorder is None else recorder.routes()

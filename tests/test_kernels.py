@@ -1,0 +1,278 @@
+"""Batch invariance of each CPU kernel family, proven bitwise, each with a negative control."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+from transformers import AutoModelForCausalLM
+
+from parity import kernels
+from parity.errors import BackendUnavailableError, ConfigError
+from parity.kernels import cpu, ops
+from parity.kernels.attention import KV_BLOCK, attend
+from parity.models.loading import load_model
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _rand(*shape, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype)
+
+
+@pytest.fixture(autouse=True)
+def _switch_off():
+    kernels.disable()
+    yield
+    kernels.disable()
+
+
+# --- the switch ------------------------------------------------------------------------------
+
+def test_families_and_enable_disable():
+    assert kernels.FAMILIES == ("matmul", "attention", "rmsnorm", "softmax", "pointwise", "rotary", "moe")
+    assert kernels.enabled_families() == frozenset()
+    kernels.enable(["matmul", "rotary"])
+    assert kernels.enabled_families() == {"matmul", "rotary"}
+    kernels.enable()
+    assert kernels.enabled_families() == set(kernels.FAMILIES)
+    kernels.disable()
+    assert kernels.enabled_families() == frozenset()
+
+
+def test_context_manager_restores_previous_state_even_on_error():
+    kernels.enable(["softmax"])
+    with pytest.raises(RuntimeError), kernels.invariant():
+        assert kernels.enabled_families() == set(kernels.FAMILIES)
+        raise RuntimeError("boom")
+    assert kernels.enabled_families() == {"softmax"}
+    with kernels.native():
+        assert kernels.enabled_families() == frozenset()
+    assert kernels.enabled_families() == {"softmax"}
+
+
+def test_unknown_family_is_a_config_error():
+    with pytest.raises(ConfigError, match="unknown"):
+        kernels.enable(["matmul", "conv"])
+
+
+def test_family_on_without_kernel_for_device_raises():
+    with kernels.invariant(["matmul"]), pytest.raises(BackendUnavailableError, match="meta"):
+        ops.linear(torch.empty(2, 4, device="meta"), torch.empty(3, 4, device="meta"))
+
+
+def test_switch_off_is_exactly_stock_torch():
+    x, w, b = _rand(5, 64), _rand(32, 64, seed=1), _rand(32, seed=2)
+    with kernels.invariant():
+        pass
+    assert torch.equal(ops.linear(x, w, b), F.linear(x, w, b))
+    assert torch.equal(ops.softmax(x), torch.softmax(x, -1))
+    assert torch.equal(ops.log_softmax(x), torch.log_softmax(x, -1))
+    assert torch.equal(ops.activation(F.silu, x), F.silu(x))
+
+
+def test_each_family_switches_only_its_own_ops():
+    x, w = _rand(3, 64), _rand(32, 64, seed=1)
+    with kernels.invariant(["softmax"]):
+        assert torch.equal(ops.linear(x, w), F.linear(x, w))
+        assert torch.equal(ops.softmax(x), cpu.softmax(x))
+    with kernels.invariant(["matmul"]):
+        assert torch.equal(ops.linear(x, w), cpu.linear(x, w))
+        assert torch.equal(ops.softmax(x), torch.softmax(x, -1))
+
+
+def test_switch_leaves_unpatched_models_alone_and_makes_patched_ones_invariant():
+    lm = load_model("tiny-qwen3-moe")
+    stock = AutoModelForCausalLM.from_pretrained(lm.path).eval()
+    ids = torch.randint(3, 512, (3, 21), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        outside = stock(ids).logits
+        with kernels.invariant():
+            inside = stock(ids).logits
+            batch = lm.model(ids).logits
+            alone = lm.model(ids[1:2, :9]).logits
+    assert torch.equal(outside, inside)
+    assert torch.equal(batch[1, :9], alone[0])
+    torch.testing.assert_close(batch, outside, rtol=0, atol=1e-4)
+
+
+def test_every_family_is_wired_and_switches_alone(monkeypatch):
+    """With one family on, a MoE forward calls that family's kernels and no other family's."""
+    from parity.kernels import switch
+
+    calls = set()
+
+    def counting(family, fn):
+        def wrapped(*args, **kwargs):
+            calls.add(family)
+            return fn(*args, **kwargs)
+        return wrapped
+
+    for (family, op, device), fn in list(switch._registry.items()):
+        if device == "cpu":
+            monkeypatch.setitem(switch._registry, (family, op, device), counting(family, fn))
+    lm = load_model("tiny-qwen3-moe")
+    ids = torch.randint(3, 512, (2, 9), generator=torch.Generator().manual_seed(1))
+    for family in kernels.FAMILIES:
+        calls.clear()
+        with torch.no_grad(), kernels.invariant([family]):
+            lm.model(ids)
+        assert calls == {family}
+    calls.clear()
+    with torch.no_grad():
+        lm.model(ids)
+    assert calls == set()
+
+
+# --- matmul ----------------------------------------------------------------------------------
+
+@given(m=st.integers(1, 700), row=st.data(), k=st.sampled_from([32, 64, 128, 256]),
+       n=st.sampled_from([16, 128, 512]), dtype=st.sampled_from(DTYPES), bias=st.booleans())
+def test_linear_row_is_independent_of_batch(m, row, k, n, dtype, bias):
+    x = _rand(m, k, dtype=dtype, seed=m)
+    w = _rand(n, k, dtype=dtype, seed=k + n)
+    b = _rand(n, dtype=dtype, seed=3) if bias else None
+    i = row.draw(st.integers(0, m - 1))
+    alone = cpu.linear(x[i:i + 1], w, b)
+    assert torch.equal(cpu.linear(x, w, b)[i], alone[0])
+    assert torch.equal(cpu.linear(x.view(1, m, k), w, b)[0, i], alone[0])
+
+
+def test_stock_linear_is_not_batch_invariant():
+    """Negative control: fp32 F.linear gives a row different bits at some batch size."""
+    w = _rand(384, 128, seed=1)
+    x = _rand(64, 128, seed=2)
+    alone = F.linear(x[:1], w)
+    assert any(not torch.equal(F.linear(x[:m], w)[0], alone[0]) for m in (2, 4, 8, 16, 33, 64))
+
+
+# --- reductions and pointwise ----------------------------------------------------------------
+
+def test_tree_sum_order_is_fixed_pairwise():
+    """Adds the upper half of the (zero-padded) axis onto the lower half until one element is left."""
+    x = torch.tensor([1e8, 1.0, -1e8, 1.0, 3.0])
+    # Width padded to 8: [1e8+3, 1+0, -1e8+0, 1+0] -> [1e8 + -1e8, 1 + 1] -> 2 (fp32 rounds 1e8+3 to 1e8);
+    # a left-to-right sum would give 4.
+    assert cpu.tree_sum(x).item() == 2.0
+    assert cpu.tree_sum(x.view(1, 5, 1).expand(3, 5, 2), dim=1).eq(2.0).all()
+
+
+@given(m=st.integers(1, 70), width=st.sampled_from([32, 128, 200, 512]), dtype=st.sampled_from(DTYPES),
+       data=st.data())
+def test_rowwise_kernels_are_independent_of_batch(m, width, dtype, data):
+    x = _rand(m, width, dtype=dtype, seed=m + width) * 4
+    weight = _rand(width, dtype=dtype, seed=7)
+    i = data.draw(st.integers(0, m - 1))
+    one = x[i:i + 1]
+    assert torch.equal(cpu.rms_norm(x, weight, 1e-6)[i], cpu.rms_norm(one, weight, 1e-6)[0])
+    xf = x.float()
+    assert torch.equal(cpu.softmax(xf)[i], cpu.softmax(xf[i:i + 1])[0])
+    assert torch.equal(cpu.log_softmax(xf)[i], cpu.log_softmax(xf[i:i + 1])[0])
+    assert torch.equal(cpu.activation(F.silu, x)[i], cpu.activation(F.silu, one)[0])
+
+
+def test_stock_mean_depends_on_batch_for_long_rows():
+    """Negative control for reductions: with 2 threads, a long row's stock mean changes with the batch."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        x = _rand(16, 65536, seed=4)
+        stock = [x[:m].pow(2).mean(-1)[0] for m in (1, 2, 16)]
+        ours = [cpu.tree_sum(x[:m] * x[:m], -1)[0] for m in (1, 2, 16)]
+    finally:
+        torch.set_num_threads(threads)
+    assert not torch.equal(stock[0], stock[1]) or not torch.equal(stock[0], stock[2])
+    assert torch.equal(ours[0], ours[1]) and torch.equal(ours[0], ours[2])
+
+
+@pytest.mark.parametrize("size", [4096, 100_000])
+def test_stock_silu_depends_on_position(size):
+    """Negative control: an element's F.silu bits depend on where it sits (vector body vs scalar tail)."""
+    x = _rand(size, seed=5) * 6
+    whole = F.silu(x)
+    ours = cpu.activation(F.silu, x)
+    picks = range(0, size, size // 600)
+    assert any(not torch.equal(whole[i:i + 1], F.silu(x[i:i + 1])) for i in picks)
+    assert all(torch.equal(ours[i:i + 1], cpu.activation(F.silu, x[i:i + 1])) for i in picks)
+
+
+def test_topk_breaks_ties_by_lower_index():
+    scores = torch.tensor([[0.1, 0.3, 0.3, 0.3, 0.0], [0.2, 0.2, 0.2, 0.2, 0.2]])
+    values, indices = cpu.topk(scores, 2, normalize=False)
+    assert indices.tolist() == [[1, 2], [0, 1]]
+    values, _ = cpu.topk(scores, 2, normalize=True)
+    assert torch.equal(values[1], torch.tensor([0.5, 0.5]))
+
+
+# --- attention -------------------------------------------------------------------------------
+
+def _cache(slots, heads, length, dim, dtype, seed):
+    cap = -(-length // KV_BLOCK) * KV_BLOCK
+    return _rand(slots, heads, cap, dim, dtype=dtype, seed=seed)
+
+
+@given(length=st.integers(1, 100), extra_blocks=st.integers(0, 3), dtype=st.sampled_from(DTYPES),
+       data=st.data())
+def test_attention_is_independent_of_span_batch_and_slot(length, extra_blocks, dtype, data):
+    """A token's output is the same alone, among other tokens, in another slot, reading more positions."""
+    hq, hkv, d = 4, 2, 32
+    cap = length + extra_blocks * KV_BLOCK
+    k = _cache(3, hkv, cap, d, dtype, 1)
+    v = _cache(3, hkv, cap, d, dtype, 2)
+    q = _rand(length, hq, d, dtype=dtype, seed=3)
+    pos = data.draw(st.integers(0, length - 1))
+    alone = cpu.attention(q[pos:pos + 1], k, v, torch.tensor([1]), torch.tensor([pos]), pos + 1, 0.2)
+    # The same token among a whole prefill of its slot, reading every cached position.
+    ones = torch.ones(length, dtype=torch.int64)
+    full = cpu.attention(q, k, v, ones, torch.arange(length), k.shape[2], 0.2)
+    assert torch.equal(full[pos], alone[0])
+    # Another slot holding the same keys/values, with a block-aligned span.
+    k2, v2 = k.clone(), v.clone()
+    k2[2], v2[2] = k[1], v[1]
+    span = (pos // KV_BLOCK + 1) * KV_BLOCK
+    other = cpu.attention(q[pos:pos + 1], k2, v2, torch.tensor([2]), torch.tensor([pos]), span, 0.2)
+    assert torch.equal(other[0], alone[0])
+
+
+def test_attention_stock_path_differs_and_invariant_path_matches_reference():
+    """Negative control for attention: stock SDPA per token varies with the KV span it is given."""
+    hq, hkv, d, length = 4, 2, 32, 96
+    k = _cache(1, hkv, length, d, torch.float32, 1)
+    v = _cache(1, hkv, length, d, torch.float32, 2)
+    q = _rand(length, hq, d, seed=3)
+    slots = torch.zeros(length, dtype=torch.int64)
+    positions = torch.arange(length)
+    with kernels.invariant(["attention"]):
+        inv = attend(q, k, v, slots, positions, length, 0.2)
+    stock = attend(q, k, v, slots, positions, length, 0.2)
+    torch.testing.assert_close(inv, stock, rtol=1e-5, atol=1e-5)
+    differs = False
+    for pos in range(length):
+        blocks = pos // KV_BLOCK + 1
+        one = attend(q[pos:pos + 1], k, v, slots[:1], positions[pos:pos + 1], blocks * KV_BLOCK, 0.2)
+        differs |= not torch.equal(one[0], stock[pos])
+    assert differs
+
+
+# --- moe -------------------------------------------------------------------------------------
+
+@given(n=st.integers(1, 70), dtype=st.sampled_from(DTYPES), data=st.data())
+def test_experts_rows_are_independent_and_compute_swiglu_experts(n, dtype, data):
+    num_experts, hidden_size, inner, k = 8, 64, 32, 2
+    gate_up = (_rand(num_experts, 2 * inner, hidden_size, seed=1) * 0.2).to(dtype)
+    down = (_rand(num_experts, hidden_size, inner, seed=2) * 0.2).to(dtype)
+    hidden = _rand(n, hidden_size, dtype=dtype, seed=n)
+    g = torch.Generator().manual_seed(n)
+    index = torch.stack([torch.randperm(num_experts, generator=g)[:k] for _ in range(n)])
+    weights = torch.softmax(torch.randn(n, k, generator=g), -1).to(dtype)
+    out = cpu.experts(hidden, index, weights, gate_up, down, F.silu)
+    i = data.draw(st.integers(0, n - 1))
+    alone = cpu.experts(hidden[i:i + 1], index[i:i + 1], weights[i:i + 1], gate_up, down, F.silu)
+    assert torch.equal(out[i], alone[0])
+    x = hidden[i].double()
+    want = sum(weights[i, j].double() * (down[e].double() @ (F.silu(gate_up[e, :inner].double() @ x)
+                                                             * (gate_up[e, inner:].double() @ x)))
+               for j, e in enumerate(index[i].tolist()))
+    tol = 1e-5 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(out[i].double(), want, rtol=tol, atol=tol)

@@ -1,0 +1,378 @@
+"""Triton kernels: correctness against torch, and bitwise batch invariance with negative controls.
+
+With a GPU the tests run on CUDA, plus the `gpu`-marked ones. Without one they run on CPU tensors
+under Triton's interpreter (tiny shapes, so a broken index or mask is caught in CI). The
+interpreter must be chosen before `triton` is first imported (its own `tl.*` helpers are
+decorated at import), so a process that did not start with `TRITON_INTERPRET=1` runs this file
+again in a child process that does; the variable never touches this process or other test files.
+
+Invariance is proven by bits (`torch.equal`); negative controls show that a plan which follows
+the batch (split-K below 64 rows, other KV tile boundaries, another softmax chunking) does change
+bits, so the equalities are not vacuous.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("triton")
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+ROOT = Path(__file__).resolve().parent.parent
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs an NVIDIA GPU (CUDA not available)")
+
+
+@pytest.mark.skipif(CUDA or INTERPRETED, reason="the kernel tests run in this process")
+def test_kernels_under_the_triton_interpreter_in_a_child_process() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    child = subprocess.run(
+        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert child.returncode == 0, child.stdout[-8000:] + child.stderr[-2000:]
+
+
+@pytest.fixture(scope="module")
+def tk() -> ModuleType:
+    """`parity.kernels.triton` (on CPU tensors only inside a process started under the interpreter)."""
+    if not (CUDA or INTERPRETED):
+        pytest.skip("no GPU: run by test_kernels_under_the_triton_interpreter_in_a_child_process")
+    return importlib.import_module("parity.kernels.triton")
+
+
+def _randn(
+    *shape: int, dtype: torch.dtype = torch.float32, seed: int = 0, scale: float = 1.0
+) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(dtype).to(DEVICE)
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref.double()).norm() / ref.double().norm())
+
+
+POOL = 160  # rows in the shared pool that batch compositions are drawn from
+compositions = st.lists(st.integers(0, POOL - 1), min_size=1, max_size=POOL)
+ROWS = 24  # rows for the one-program-per-row kernels (the interpreter pays per program)
+row_compositions = st.lists(st.integers(0, ROWS - 1), min_size=1, max_size=ROWS)
+#: property tests of the slower kernels draw fewer compositions (the interpreter is slow).
+few = settings(max_examples=10)
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+# ---------------------------------------------------------------------------------------- matmul
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_matches_float64(tk: ModuleType, dtype: torch.dtype, with_bias: bool) -> None:
+    x, w = _randn(POOL, 96, dtype=dtype, seed=1), _randn(192, 96, dtype=dtype, seed=2, scale=0.1)
+    bias = _randn(192, dtype=dtype, seed=3) if with_bias else None
+    ref = x.double() @ w.double().T + (bias.double() if with_bias else 0)
+    # fp32 stays far below TF32's ~3e-4; bf16 is one output rounding (2^-9).
+    assert _rel_err(tk.linear(x, w, bias), ref) < (1e-6 if dtype == torch.float32 else 5e-3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@given(rows=compositions)
+def test_linear_rows_are_batch_invariant(tk: ModuleType, dtype: torch.dtype, rows: list[int]) -> None:
+    x, w = _randn(POOL, 96, dtype=dtype, seed=1), _randn(192, 96, dtype=dtype, seed=2, scale=0.1)
+    bias = _randn(192, dtype=dtype, seed=3)
+    assert torch.equal(tk.linear(x[rows], w, bias), tk.linear(x, w, bias)[rows])
+
+
+def _split_k_when_few_rows(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """`fn` with a plan that follows the batch, as split-K heuristics do: below 64 rows the K axis
+    is cut in two and the partial products are added (the kind of plan the kernels never use)."""
+
+    def split(x: torch.Tensor, w: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] >= 64:
+            return fn(x, w, *args)
+        h = x.shape[-1] // 2
+        low = fn(x[:, :h].contiguous(), w[..., :h].contiguous(), *args)
+        return low + fn(x[:, h:].contiguous(), w[..., h:].contiguous(), *args)
+
+    return split
+
+
+def test_linear_negative_control_split_k_plan_breaks_invariance(tk: ModuleType) -> None:
+    x, w = _randn(POOL, 256, seed=1), _randn(192, 256, seed=2)
+    linear = _split_k_when_few_rows(tk.linear)
+    rows = list(range(10))
+    assert torch.equal(tk.linear(x[rows], w), tk.linear(x, w)[rows])
+    assert not torch.equal(linear(x[rows], w), linear(x, w)[rows])
+
+
+def test_linear_plan_ignores_m(tk: ModuleType) -> None:
+    import inspect
+
+    matmul = importlib.import_module("parity.kernels.triton.matmul")
+    assert list(inspect.signature(matmul.tile_config).parameters) == ["dtype", "n", "k"]
+
+
+# ------------------------------------------------------------------------------- rmsnorm, softmax
+
+
+def _hf_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_matches_hf_formula(tk: ModuleType, dtype: torch.dtype) -> None:
+    x, w = _randn(3, 7, 96, dtype=dtype, seed=4), _randn(96, dtype=dtype, seed=5)
+    out = tk.rms_norm(x, w, 1e-6)
+    assert out.dtype == dtype and out.shape == x.shape
+    assert _rel_err(out, _hf_rms_norm(x, w, 1e-6)) < (1e-6 if dtype == torch.float32 else 8e-3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@few
+@given(rows=row_compositions)
+def test_rms_norm_rows_are_batch_invariant(tk: ModuleType, dtype: torch.dtype, rows: list[int]) -> None:
+    x, w = _randn(ROWS, 96, dtype=dtype, seed=4), _randn(96, dtype=dtype, seed=5)
+    assert torch.equal(tk.rms_norm(x[rows], w, 1e-6), tk.rms_norm(x, w, 1e-6)[rows])
+
+
+VOCAB = 5000  # > softmax.CHUNK, so rows take several chunks
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_softmax_and_log_softmax_match_torch(tk: ModuleType, dtype: torch.dtype) -> None:
+    x = _randn(5, VOCAB, dtype=dtype, seed=6, scale=4.0)
+    x[0, :7] = float("-inf")  # masked logits (top-k/top-p) stay exact zeros / -inf
+    ref = torch.log_softmax(x.double(), -1)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(tk.softmax(x).double(), ref.exp(), atol=tol, rtol=tol)
+    finite = torch.isfinite(ref)
+    torch.testing.assert_close(tk.log_softmax(x).double()[finite], ref[finite], atol=tol * 30, rtol=tol)
+    assert torch.equal(tk.log_softmax(x)[0, :7], x[0, :7])
+
+
+@few
+@given(rows=st.lists(st.integers(0, 15), min_size=1, max_size=16))
+def test_softmax_rows_are_batch_invariant(tk: ModuleType, rows: list[int]) -> None:
+    x = _randn(16, VOCAB, seed=7, scale=4.0)
+    assert torch.equal(tk.log_softmax(x[rows]), tk.log_softmax(x)[rows])
+    assert torch.equal(tk.softmax(x[rows]), tk.softmax(x)[rows])
+
+
+def test_softmax_negative_control_chunking_changes_bits(
+    tk: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    softmax = importlib.import_module("parity.kernels.triton.softmax")
+    x = _randn(16, VOCAB, seed=7, scale=4.0)
+    fixed = tk.log_softmax(x)
+    monkeypatch.setattr(softmax, "CHUNK", softmax.CHUNK // 4)
+    assert not torch.equal(tk.log_softmax(x), fixed)
+
+
+# ------------------------------------------------------------------------------------- attention
+
+HQ, HKV, HEAD_DIM, CAPACITY = 4, 2, 16, 96
+SEQ_LENS = {0: 37, 2: 5, 3: 70}  # slot -> tokens; slot 1 stays unused
+
+
+def _cache(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+    k = _randn(4, HKV, CAPACITY, HEAD_DIM, dtype=dtype, seed=8)
+    v = _randn(4, HKV, CAPACITY, HEAD_DIM, dtype=dtype, seed=9)
+    q = {slot: _randn(n, HQ, HEAD_DIM, dtype=dtype, seed=10 + slot) for slot, n in SEQ_LENS.items()}
+    return k, v, q
+
+
+def _attend(tk: ModuleType, dtype: torch.dtype, parts: list[tuple[int, int, int]]) -> torch.Tensor:
+    """Attention of the packed query tokens `parts` = [(slot, first position, end position), ...]."""
+    k, v, q = _cache(dtype)
+    query = torch.cat([q[s][a:b] for s, a, b in parts])
+    slots = torch.cat([torch.full((b - a,), s, dtype=torch.int64) for s, a, b in parts]).to(DEVICE)
+    positions = torch.cat([torch.arange(a, b) for _, a, b in parts]).to(DEVICE)
+    return tk.attention(query, k, v, slots, positions, HEAD_DIM**-0.5)
+
+
+@functools.cache
+def _whole(tk: ModuleType, dtype: torch.dtype) -> dict[int, torch.Tensor]:
+    out = _attend(tk, dtype, [(s, 0, n) for s, n in SEQ_LENS.items()])
+    return dict(zip(SEQ_LENS, out.split(list(SEQ_LENS.values()))))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_matches_sdpa(tk: ModuleType, dtype: torch.dtype) -> None:
+    k, v, q = _cache(dtype)
+    whole = _whole(tk, dtype)
+    for slot, n in SEQ_LENS.items():
+        keys = k[slot, :, :n].double().repeat_interleave(HQ // HKV, 0)
+        values = v[slot, :, :n].double().repeat_interleave(HQ // HKV, 0)
+        ref = F.scaled_dot_product_attention(q[slot].double().transpose(0, 1), keys, values, is_causal=True)
+        assert _rel_err(whole[slot], ref.transpose(0, 1)) < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@st.composite
+def _steps(draw: st.DrawFn) -> list[tuple[int, int, int]]:
+    """A packed step: some sequences' prefill chunks or decode tokens, in any order."""
+    parts = []
+    for slot, n in SEQ_LENS.items():
+        if draw(st.booleans()):
+            a = draw(st.integers(0, n - 1))
+            parts.append((slot, a, draw(st.integers(a + 1, n))))
+    return draw(st.permutations(parts)) if parts else [(2, 4, 5)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@few
+@given(parts=_steps())
+def test_attention_is_invariant_to_step_composition(
+    tk: ModuleType, dtype: torch.dtype, parts: list[tuple[int, int, int]]
+) -> None:
+    whole = _whole(tk, dtype)
+    expected = torch.cat([whole[s][a:b] for s, a, b in parts])
+    assert torch.equal(_attend(tk, dtype, parts), expected)
+
+
+def test_attention_decode_equals_prefill(tk: ModuleType) -> None:
+    whole = _whole(tk, torch.bfloat16)
+    decode = _attend(tk, torch.bfloat16, [(s, n - 1, n) for s, n in SEQ_LENS.items()])
+    assert torch.equal(decode, torch.stack([whole[s][-1] for s in SEQ_LENS]))
+
+
+def test_attention_negative_control_tile_boundaries_change_bits(
+    tk: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    attention = importlib.import_module("parity.kernels.triton.attention")
+    parts = [(3, 0, 70)]  # 70 keys: tiles [0, 64) and [64, 70) at the shipped BLOCK_N
+    fixed = _attend(tk, torch.float32, parts)
+    monkeypatch.setattr(attention, "BLOCK_N", attention.BLOCK_N // 2)
+    assert not torch.equal(_attend(tk, torch.float32, parts), fixed)
+
+
+# ------------------------------------------------------------------------------------------- MoE
+
+
+def test_topk_breaks_ties_to_the_lower_index(tk: ModuleType) -> None:
+    scores = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0], [0.5, 0.5, 0.5, 0.5, 0.5]], device=DEVICE)
+    values, indices = tk.topk(scores, 3)
+    assert indices.tolist() == [[1, 2, 4], [0, 1, 2]]
+    assert values.tolist() == [[3.0, 3.0, 3.0], [0.5, 0.5, 0.5]]
+    values, _ = tk.topk(scores, 2, normalize=True)
+    assert values.tolist() == [[0.5, 0.5], [0.5, 0.5]]
+
+
+TOKENS, HIDDEN, INTER, EXPERTS, TOP_K = 40, 64, 32, 8, 2
+
+
+def _moe_inputs(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    x = _randn(TOKENS, HIDDEN, dtype=dtype, seed=20)
+    gate_up = _randn(EXPERTS, 2 * INTER, HIDDEN, dtype=dtype, seed=21, scale=0.125)
+    down = _randn(EXPERTS, HIDDEN, INTER, dtype=dtype, seed=22, scale=0.18)
+    return x, gate_up, down, _randn(TOKENS, EXPERTS, seed=23)
+
+
+def _route(tk: ModuleType, logits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    weights, index = tk.topk(torch.softmax(logits, -1), TOP_K, normalize=True)
+    return weights.to(dtype), index
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_experts_forward_matches_float64(tk: ModuleType, dtype: torch.dtype) -> None:
+    x, gate_up, down, logits = _moe_inputs(dtype)
+    weights, index = _route(tk, logits, dtype)
+    ref = torch.zeros(TOKENS, HIDDEN, dtype=torch.float64, device=DEVICE)
+    for t in range(TOKENS):
+        for j in range(TOP_K):
+            e = int(index[t, j])
+            gate, up = (gate_up[e].double() @ x[t].double()).chunk(2)
+            ref[t] += weights[t, j].double() * (down[e].double() @ (F.silu(gate) * up))
+    out = tk.experts_forward(x, index, weights, gate_up, down, F.silu)
+    assert _rel_err(out, ref) < (1e-6 if dtype == torch.float32 else 3e-2)
+
+
+@functools.cache
+def _moe_full(tk: ModuleType, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    x, gate_up, down, logits = _moe_inputs(dtype)
+    weights, index = _route(tk, logits, dtype)
+    return x, gate_up, down, weights, index, tk.experts_forward(x, index, weights, gate_up, down, F.silu)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@few
+@given(rows=st.lists(st.integers(0, TOKENS - 1), min_size=1, max_size=TOKENS))
+def test_experts_forward_is_batch_invariant(tk: ModuleType, dtype: torch.dtype, rows: list[int]) -> None:
+    x, gate_up, down, weights, index, full = _moe_full(tk, dtype)
+    part = tk.experts_forward(x[rows], index[rows], weights[rows], gate_up, down, F.silu)
+    assert torch.equal(part, full[rows])
+
+
+def test_grouped_linear_negative_control_split_k_plan_breaks_invariance(tk: ModuleType) -> None:
+    x, w = _randn(POOL, 256, seed=24), _randn(2, 64, 256, seed=25)
+    grouped = _split_k_when_few_rows(tk.grouped_linear)
+    few, many = torch.tensor([0, 6, 10], device=DEVICE), torch.tensor([0, 100, POOL], device=DEVICE)
+    rows = list(range(6)) + list(range(100, 104))
+    assert torch.equal(tk.grouped_linear(x[rows], w, few), tk.grouped_linear(x, w, many)[rows])
+    assert not torch.equal(grouped(x[rows], w, few), grouped(x, w, many)[rows])
+
+
+# ----------------------------------------------------------------------- GPU-only, real shapes
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("n,k", [(6144, 2048), (2048, 6144), (4096, 2048), (151936, 2048)])
+def test_linear_rows_invariant_at_qwen3_shapes(tk: ModuleType, n: int, k: int) -> None:
+    g = torch.Generator(DEVICE).manual_seed(30)
+    x = torch.randn(4096, k, device=DEVICE, generator=g).to(torch.bfloat16)
+    w = (torch.randn(n, k, device=DEVICE, generator=g) * k**-0.5).to(torch.bfloat16)
+    full = tk.linear(x, w)
+    for m in (1, 2, 15, 16, 17, 255, 256, 1000):
+        assert torch.equal(tk.linear(x[:m], w), full[:m]), f"M={m}"
+
+
+@gpu
+@needs_cuda
+def test_fp32_linear_is_not_tf32(tk: ModuleType) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = True  # even with the global flag on
+    try:
+        x, w = _randn(512, 1024, seed=32), _randn(1024, 1024, seed=33)
+        assert _rel_err(tk.linear(x, w), x.double() @ w.double().T) < 1e-6
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = False
+
+
+@gpu
+@needs_cuda
+def test_cublaslt_path_rows_invariant_at_proven_shapes() -> None:
+    """The proven cuBLASLt route, in a process configured for it (the env must precede CUDA start)."""
+    code = """
+import torch
+torch.backends.cuda.preferred_blas_library("cublaslt")
+from parity.kernels.triton.matmul import CUBLASLT_PROVEN, cublaslt_ready, linear
+assert cublaslt_ready()
+g = torch.Generator("cuda").manual_seed(0)
+for dtype, n, k in sorted(CUBLASLT_PROVEN, key=str):
+    x = torch.randn(4096, k, device="cuda", generator=g).to(dtype)
+    w = (torch.randn(n, k, device="cuda", generator=g) * k ** -0.5).to(dtype)
+    full = linear(x, w)
+    for m in (1, 2, 15, 16, 17, 255, 256, 1000):
+        assert torch.equal(linear(x[:m], w), full[:m]), (n, k, m)
+"""
+    matmul = importlib.import_module("parity.kernels.triton.matmul")
+    env = {**os.environ, **matmul.CUBLASLT_ENV}
+    subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, check=True, timeout=300)
