@@ -207,6 +207,21 @@ class Backend(abc.ABC):
             routed_experts=routed_experts, meta={**self.meta, "sample_seed": job.seed, **extra_meta},
         )
 
+    def finished(self, job: SampleJob, token_ids: Sequence[int], logprobs: Sequence[float],
+                 routed_experts: np.ndarray | None = None, **extra_meta: Any) -> Rollout:
+        """The `Rollout` of one finished sample, normalized the same way for every backend.
+
+        Under greedy decoding backends report raw log_softmax values even when processed ones
+        were asked for; parity's processed definition is the point mass (0.0 per token), so they
+        are converted here and the conversion is recorded in meta. The finish reason comes from
+        parity's own stop set, not the backend's spelling of it.
+        """
+        if job.sampling.temperature == 0 and job.sampling.logprobs_mode == "processed":
+            logprobs = greedy_processed(logprobs)
+            extra_meta["greedy_conversion"] = f"{self.name} logprobs under greedy -> point mass (0.0)"
+        finish = finish_reason(token_ids, stop_set(job.sampling, self.eos_ids))
+        return self.rollout(job, token_ids, logprobs, finish, routed_experts, **extra_meta)
+
     def __enter__(self) -> Backend:
         return self
 

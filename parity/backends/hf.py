@@ -28,8 +28,6 @@ from parity.backends.base import (
     as_pairs,
     check_score_mode,
     expand_samples,
-    finish_reason,
-    greedy_processed,
     processed_from_raw,
     stop_set,
 )
@@ -126,11 +124,7 @@ class HFBackend(Backend):
             end = next((t + 1 for t, tok in enumerate(tokens) if tok in stops), len(tokens))
             tokens = tokens[:end]
             lps = logprobs[row, torch.arange(end), generated[row, :end]].tolist()
-            extra = {}
-            if sp.temperature == 0 and sp.logprobs_mode == "processed":
-                lps = greedy_processed(lps)
-                extra["greedy_conversion"] = "HF greedy scores are raw logits -> point mass (0.0)"
-            rollouts.append(self.rollout(job, tokens, lps, finish_reason(tokens, stops), **extra))
+            rollouts.append(self.finished(job, tokens, lps))
         return rollouts
 
     @torch.no_grad()

@@ -36,8 +36,6 @@ from parity.backends.base import (
     as_pairs,
     check_score_mode,
     expand_samples,
-    finish_reason,
-    greedy_processed,
     stop_set,
 )
 from parity.errors import BackendError, ConfigError, InputError
@@ -181,15 +179,10 @@ class SGLangBackend(Backend):
         rollouts = []
         for job, out in zip(jobs, outputs):
             tokens, logprobs, routes = parse_output(out, self.routes_shape)
-            extra = {}
-            if job.sampling.temperature == 0 and self.logprobs_mode == "processed":
-                logprobs = greedy_processed(logprobs)
-                extra["greedy_conversion"] = "SGLang logprobs under greedy -> point mass (0.0)"
             if routes is not None and routes.shape[0] != len(job.request.prompt_ids) + len(tokens) - 1:
                 raise BackendError(f"SGLang routed_experts has {routes.shape[0]} positions for prompt "
                                    f"{len(job.request.prompt_ids)} + tokens {len(tokens)} - 1")
-            rollouts.append(self.rollout(job, tokens, logprobs, finish_reason(tokens, stop_set(
-                job.sampling, self.eos_ids)), routes, **extra))
+            rollouts.append(self.finished(job, tokens, logprobs, routes))
         return rollouts
 
     def score(self, sequences: Sequence[Rollout | tuple[Sequence[int], Sequence[int]]], *,

@@ -27,8 +27,6 @@ from parity.backends.base import (
     as_pairs,
     check_score_mode,
     expand_samples,
-    finish_reason,
-    greedy_processed,
     stop_set,
 )
 from parity.errors import BackendError, ConfigError
@@ -136,11 +134,7 @@ class TRTLLMBackend(Backend):
         for job, out in zip(jobs, outputs):
             tokens, logprobs, trt_finish = parse_completion(out.outputs[0])
             extra: dict[str, Any] = {"trtllm_finish_reason": trt_finish}
-            if job.sampling.temperature == 0 and job.sampling.logprobs_mode == "processed":
-                logprobs = greedy_processed(logprobs)
-                extra["greedy_conversion"] = "TRT-LLM logprobs under greedy -> point mass (0.0)"
-            rollouts.append(self.rollout(job, tokens, logprobs, finish_reason(tokens, stop_set(
-                job.sampling, self.eos_ids)), **extra))
+            rollouts.append(self.finished(job, tokens, logprobs, **extra))
         return rollouts
 
     def score(self, sequences: Sequence[Rollout | tuple[Sequence[int], Sequence[int]]], *,

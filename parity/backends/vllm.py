@@ -37,8 +37,6 @@ from parity.backends.base import (
     as_pairs,
     check_score_mode,
     expand_samples,
-    finish_reason,
-    greedy_processed,
     processed_from_raw,
     stop_set,
 )
@@ -174,11 +172,7 @@ class VLLMBackend(Backend):
             logprobs = [step[tok].logprob for step, tok in zip(completion.logprobs, tokens)]
             routes = routes_for_rollout(completion.routed_experts, len(job.request.prompt_ids), len(tokens))
             extra = {"vllm_finish_reason": completion.finish_reason}
-            if job.sampling.temperature == 0 and self.logprobs_mode == "processed":
-                logprobs = greedy_processed(logprobs)
-                extra["greedy_conversion"] = "vLLM raw logprobs under greedy -> point mass (0.0)"
-            rollouts.append(self.rollout(job, tokens, logprobs, finish_reason(tokens, stop_set(
-                job.sampling, self.eos_ids)), routes, **extra))
+            rollouts.append(self.finished(job, tokens, logprobs, routes, **extra))
         return rollouts
 
     def score(self, sequences: Sequence[Rollout | tuple[Sequence[int], Sequence[int]]], *,
