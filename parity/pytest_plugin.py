@@ -53,6 +53,19 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Close the session's shared engines while pytest's output streams are still open.
+
+    Left to `atexit`, vLLM's shutdown logs into streams pytest has already closed. Only engines
+    that were started are closed: the backends module is not imported just to find none.
+    """
+    import sys
+
+    backends = sys.modules.get("parity.backends")
+    if backends is not None:
+        backends.close_shared_backends()
+
+
 def _defaults(config: pytest.Config) -> tuple[str, str]:
     backend = config.getoption("--parity-backend") or DEFAULT_BACKEND
     model = config.getoption("--parity-model") or DEFAULT_MODEL
