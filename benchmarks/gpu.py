@@ -9,8 +9,9 @@ Sections (each runs independently; a failure is recorded and the next section st
   eager and from CUDA-graph replay, with the host launch cost; attention decode/prefill vs
   SDPA; RMSNorm and log-softmax vs torch.
 - parity: reference engine rollouts vs `train_forward(kernels="invariant")` on CUDA, bit for
-  bit, over several batch compositions (dense and MoE, bf16), and the native-kernel negative
-  control.
+  bit, over several batch compositions (dense and MoE, bf16; the default engine, which replays
+  CUDA graphs for dense models, the eager engine, and a tiny token budget), and the
+  native-kernel negative control.
 - e2e: output tok/s of (a) the reference engine with invariant kernels, (b) the same engine with
   native kernels, (c) transformers `generate`, on a Qwen3-1.7B-shaped bf16 model with random
   weights, side by side in one run.
@@ -49,6 +50,8 @@ from parity.kernels.triton.matmul import CUBLASLT_ENV, cublaslt_ready  # noqa: E
 QWEN3_LINEARS = [(2048, 2048), (1024, 2048), (6144, 2048), (2048, 6144), (151936, 2048)]
 INVARIANCE_M = [1, 2, 3, 7, 16, 31, 64, 100, 255, 256, 1000, 2047, 4096]
 BENCH_M = [1, 16, 256, 4096]
+#: engine settings of the parity section: (max_num_seqs, chunk_size, max_num_batched_tokens, graphs).
+COMPOSITIONS = [(12, 64, 8192, None), (3, 5, 8192, None), (5, 7, 8192, False), (4, 9, 6, None)]
 
 
 def bench(fn: Callable[[], Any]) -> float:
@@ -283,7 +286,9 @@ def parity_check(model: Any, vocab: int, kernels: str) -> dict[str, Any]:
     reqs = requests_for(vocab, 6, 13, 20, n=2, seed=1)
     out: dict[str, Any] = {"kernels": kernels, "compositions": []}
     reference = None
-    for max_num_seqs, chunk_size in [(12, 64), (3, 5), (5, 7)]:
+    # (max_num_seqs, chunk_size, max_num_batched_tokens, graphs): graphs None is the default (CUDA
+    # graphs for dense models), False the eager engine; a budget of 6 splits prefill steps further.
+    for max_num_seqs, chunk_size, budget, graphs in COMPOSITIONS:
         engine = ReferenceEngine(
             model,
             dtype="bfloat16",
@@ -291,6 +296,8 @@ def parity_check(model: Any, vocab: int, kernels: str) -> dict[str, Any]:
             kernels=kernels,
             max_num_seqs=max_num_seqs,
             chunk_size=chunk_size,
+            max_num_batched_tokens=budget,
+            graphs=graphs,
         )
         rollouts = engine.generate(reqs)
         engine.close()
@@ -302,6 +309,8 @@ def parity_check(model: Any, vocab: int, kernels: str) -> dict[str, Any]:
         entry: dict[str, Any] = {
             "max_num_seqs": max_num_seqs,
             "chunk_size": chunk_size,
+            "max_num_batched_tokens": budget,
+            "step_graphs": rollouts[0].meta["step_graphs"],
             "tokens_equal_first_composition": same_tokens,
             "train": {},
         }
@@ -343,8 +352,9 @@ def parity_section(results: dict[str, Any], tmp: Path) -> None:
                 sec[f"{name}/{kernels}"] = {"error": traceback.format_exc()[-3000:]}
 
 
-def engine_tok_s(path: Path, kernels: str, reqs: list, chunk_size: int) -> dict[str, float]:
-    """Output tok/s of one ReferenceEngine.generate over reqs (after a small warm-up generate)."""
+def engine_tok_s(path: Path, kernels: str, reqs: list, chunk_size: int, budget: int) -> dict[str, Any]:
+    """Output tok/s of one ReferenceEngine.generate over reqs (after a small warm-up generate; the
+    timed call still captures its decode graph, the KV cache being reallocated for its lengths)."""
     from parity.engine import ReferenceEngine
 
     engine = ReferenceEngine(
@@ -354,6 +364,7 @@ def engine_tok_s(path: Path, kernels: str, reqs: list, chunk_size: int) -> dict[
         kernels=kernels,
         max_num_seqs=len(reqs),
         chunk_size=chunk_size,
+        max_num_batched_tokens=budget,
     )
     engine.generate(requests_for(151936, 4, 16, 4, seed=9))  # compile kernels, allocate the cache
     torch.cuda.synchronize()
@@ -363,7 +374,12 @@ def engine_tok_s(path: Path, kernels: str, reqs: list, chunk_size: int) -> dict[
     seconds = time.perf_counter() - start
     engine.close()
     produced = sum(len(r.token_ids) for r in rollouts)
-    return {"seconds": seconds, "output_tokens": produced, "output_tok_s": produced / seconds}
+    return {
+        "seconds": seconds,
+        "output_tokens": produced,
+        "output_tok_s": produced / seconds,
+        "step_graphs": rollouts[0].meta["step_graphs"],
+    }
 
 
 def hf_generate_tok_s(path: Path, reqs: list, prompt_len: int, max_tokens: int) -> dict[str, float]:
@@ -401,6 +417,7 @@ def e2e_section(
     shape: tuple[int, int, int],
     variants: list[str],
     chunk_size: int,
+    budget: int,
     save: Callable[[], None],
 ) -> None:
     """Throughput of each variant ("hf", "invariant", "native") on one Qwen3-1.7B-shaped checkpoint."""
@@ -413,6 +430,7 @@ def e2e_section(
         "output_tokens": max_tokens,
         "model": "Qwen3-1.7B-shaped, 28 layers, bf16, random weights",
         "engine_chunk_size": chunk_size,
+        "engine_max_num_batched_tokens": budget,
         "matmul_path": "cuBLASLt without split-K (proven shapes)" if cublaslt_ready() else "Triton",
     }
     path = save_random_model(qwen3_config(28), tmp / "qwen3-1.7b-shaped")
@@ -423,7 +441,7 @@ def e2e_section(
             if variant == "hf":
                 sec[name] = hf_generate_tok_s(path, reqs, prompt_len, max_tokens)
             else:
-                sec[name] = engine_tok_s(path, variant, reqs, chunk_size)
+                sec[name] = engine_tok_s(path, variant, reqs, chunk_size, budget)
         except Exception:
             sec[name] = {"error": traceback.format_exc()[-3000:]}
         torch.cuda.empty_cache()
@@ -466,6 +484,7 @@ def cublaslt_run(results: dict[str, Any], args: argparse.Namespace) -> None:
     out = args.out / "cublaslt"
     cmd = [sys.executable, __file__, "--out", str(out), "--sections", "parity,e2e", "--e2e", args.e2e]
     cmd += ["--e2e-variants", "invariant", "--chunk-size", str(args.chunk_size), "--cublaslt"]
+    cmd += ["--max-batched-tokens", str(args.max_batched_tokens)]
     proc = subprocess.run(cmd, env={**os.environ, **CUBLASLT_ENV}, capture_output=True, text=True)
     sub = json.loads((out / "gpu_results.json").read_text()) if (out / "gpu_results.json").exists() else {}
     results["cublaslt"] = {"parity": sub.get("parity"), "e2e": sub.get("e2e"), "stderr": proc.stderr[-2000:]}
@@ -504,7 +523,12 @@ def table(results: dict[str, Any]) -> str:
     ):
         for name, entry in parity.items():
             if isinstance(entry, dict):
-                verdict = "ERROR" if "error" in entry else f"bitwise equal: {entry['all_bitwise_equal']}"
+                verdict = (
+                    "ERROR"
+                    if "error" in entry
+                    else f"bitwise equal: {entry['all_bitwise_equal']} "
+                    f"[{'; '.join(sorted({c['step_graphs'] for c in entry['compositions']}))}]"
+                )
                 lines.append(f"parity{label} {name}: rollout vs train_forward {verdict}")
         for name in ("engine_invariant", "engine_native", "hf_generate"):
             v = e2e.get(name)
@@ -513,6 +537,7 @@ def table(results: dict[str, Any]) -> str:
                     "ERROR"
                     if "error" in v
                     else f"{v['output_tok_s']:.0f} output tok/s ({v['seconds']:.1f} s)"
+                    + (f" [{v['step_graphs']}]" if "step_graphs" in v else "")
                 )
                 lines.append(f"e2e{label} {name}: {got}")
     e, lt_e2e = results.get("e2e", {}), (sub.get("e2e") or {}).get("engine_invariant", {})
@@ -549,6 +574,12 @@ def main() -> None:
         type=int,
         default=0,
         help="engine prefill tokens per sequence per step (0: whole prompt)",
+    )
+    parser.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        default=8192,
+        help="engine tokens per step (bounds prefill steps)",
     )
     parser.add_argument("--cublaslt", action="store_true", help="prefer cuBLASLt (run with CUBLASLT_ENV set)")
     parser.add_argument("--cublaslt-probe", action="store_true", help=argparse.SUPPRESS)
@@ -588,7 +619,13 @@ def main() -> None:
                     parity_section(results, Path(tmp))
                 elif name == "e2e":
                     e2e_section(
-                        results, Path(tmp), shape, args.e2e_variants.split(","), args.chunk_size, save
+                        results,
+                        Path(tmp),
+                        shape,
+                        args.e2e_variants.split(","),
+                        args.chunk_size,
+                        args.max_batched_tokens,
+                        save,
                     )
                 elif name == "cublaslt":
                     cublaslt_run(results, args)

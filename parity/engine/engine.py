@@ -1,10 +1,16 @@
 """The reference rollout engine: continuous batching with chunked prefill over a slot KV cache.
 
 Each step packs, for every running sequence, either its next prefill chunk (up to `chunk_size`
-prompt tokens) or its last sampled token, into one [1, T] forward. A sequence whose known
-tokens are all computed after the step gets its next token sampled from the logits of its last
-row. Finished sequences free their slot for the next waiting one (FIFO), so batch composition
-changes every step; with invariant kernels no token's numbers depend on it.
+prompt tokens) or its last sampled token, into one [1, T] forward of at most
+`max_num_batched_tokens` tokens (sequences past that budget wait for the next step). A sequence
+whose known tokens are all computed after the step gets its next token sampled from the logits
+of its last row. Finished sequences free their slot for the next waiting one (FIFO), so batch
+composition changes every step; with invariant kernels no token's numbers depend on it.
+
+Per step the host makes one asynchronous copy of the inputs and one device->host copy of the
+sampled tokens and logprobs (the scheduler needs them); sampling runs on all rows at once.
+Steps of up to `max_num_seqs` tokens (all decode steps) replay CUDA graphs on a GPU
+(`parity.engine.graphs`).
 """
 
 from __future__ import annotations
@@ -17,11 +23,13 @@ import numpy as np
 import torch
 
 from parity.engine import forward, sampler
+from parity.engine.graphs import StepGraphs
 from parity.engine.inputs import (
     KernelMode,
     check_length,
     check_positive_int,
     check_token_ids,
+    device_tensor,
     kernel_families,
     kernel_label,
     kernel_scope,
@@ -36,7 +44,11 @@ from parity.types import Request, Rollout
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Engine settings. chunk_size: prompt tokens per sequence per step; max_num_seqs: running sequences."""
+    """Engine settings. chunk_size: prompt tokens per sequence per step; max_num_seqs: running
+    sequences; max_num_batched_tokens: tokens per step (bounds a prefill step's activations and
+    attention workspace); graphs: run steps of up to max_num_seqs tokens padded to fixed sizes,
+    replayed from CUDA graphs on a GPU (None: on for CUDA dense models; never while recording MoE
+    routes; True on CPU runs the padded steps eagerly)."""
 
     dtype: str = "float32"
     device: str = "cpu"
@@ -44,10 +56,13 @@ class EngineConfig:
     max_num_seqs: int = 16
     chunk_size: int = 64
     record_routes: bool = False
+    max_num_batched_tokens: int = 8192
+    graphs: bool | None = None
 
     def __post_init__(self) -> None:
         check_positive_int(self.max_num_seqs, "max_num_seqs")
         check_positive_int(self.chunk_size, "chunk_size")
+        check_positive_int(self.max_num_batched_tokens, "max_num_batched_tokens")
         kernel_families(self.kernels)
 
 
@@ -65,8 +80,16 @@ class _Sequence:
     finish_reason: str | None = None
 
     @property
-    def known(self) -> list[int]:
-        return [*self.request.prompt_ids, *self.tokens]
+    def length(self) -> int:
+        """Known tokens: prompt plus sampled."""
+        return len(self.request.prompt_ids) + len(self.tokens)
+
+    def chunk(self, count: int) -> list[int]:
+        """The next `count` known tokens not yet computed (without copying the whole sequence)."""
+        prompt = self.request.prompt_ids
+        head = list(prompt[self.computed:self.computed + count])
+        start = max(self.computed - len(prompt), 0)
+        return head + self.tokens[start:start + count - len(head)]
 
 
 class ReferenceEngine:
@@ -76,18 +99,22 @@ class ReferenceEngine:
     kernels each rollout's logprobs equal `train_forward(kernels="invariant")` bit for bit.
     kernels: "invariant", "native" or a collection of family names to switch on;
     max_num_seqs: sequences running at once (KV slots); chunk_size: prompt tokens per sequence
-    per step; record_routes: put each rollout's chosen experts in `routed_experts` (MoE).
+    per step; record_routes: put each rollout's chosen experts in `routed_experts` (MoE);
+    max_num_batched_tokens: tokens per step; graphs: see `EngineConfig`.
     """
 
     backend = "reference"
 
     def __init__(self, model: str | LoadedModel, *, dtype: str = "float32", device: str = "cpu",
                  kernels: KernelMode = "invariant", max_num_seqs: int = 16, chunk_size: int = 64,
-                 record_routes: bool = False) -> None:
+                 record_routes: bool = False, max_num_batched_tokens: int = 8192,
+                 graphs: bool | None = None) -> None:
         self.config = EngineConfig(dtype=dtype, device=device, kernels=kernels, max_num_seqs=max_num_seqs,
-                                   chunk_size=chunk_size, record_routes=record_routes)
+                                   chunk_size=chunk_size, record_routes=record_routes,
+                                   max_num_batched_tokens=max_num_batched_tokens, graphs=graphs)
         self.lm = load_model(model, dtype=dtype, device=device)
         self._cache: KVCache | None = None
+        self._graphs: StepGraphs | None = None
 
     def __enter__(self) -> ReferenceEngine:
         return self
@@ -96,15 +123,29 @@ class ReferenceEngine:
         self.close()
 
     def close(self) -> None:
-        """Drop the KV cache (the loaded model stays in load_model's cache)."""
+        """Drop the KV cache and the step graphs (the loaded model stays in load_model's cache)."""
         self._cache = None
+        self._graphs = None
+
+    def _use_graphs(self) -> bool:
+        if self.config.record_routes and self.lm.is_moe:
+            return False  # route recording hooks the eager forward
+        if self.config.graphs is not None:
+            return self.config.graphs
+        # Dense only by default: the native MoE path reads expert counts on the host (not capturable).
+        return torch.device(self.config.device).type == "cuda" and not self.lm.is_moe
 
     def _reserve(self, max_len: int) -> None:
         """Make the KV cache hold `max_len` positions per slot (grown on demand, never past max_len
-        of the model: a cache for the model's full context can be far larger than a workload needs)."""
+        of the model: a cache for the model's full context can be far larger than a workload needs).
+        The last slot belongs to no sequence: padding tokens of fixed-size steps write there."""
         if self._cache is None or self._cache.capacity < max_len:
-            self._cache = KVCache.allocate(self.lm.config, self.config.max_num_seqs, max_len,
-                                           self.lm.torch_dtype, self.config.device)
+            slots = self.config.max_num_seqs
+            self._cache = KVCache.allocate(self.lm.config, slots + 1, max_len, self.lm.torch_dtype,
+                                           self.config.device)
+            native_attention = "attention" not in kernel_families(self.config.kernels)
+            self._graphs = (StepGraphs(self.lm, self._cache, slots, slots, span_buckets=native_attention)
+                            if self._use_graphs() else None)
 
     def _check(self, requests: list[Request]) -> None:
         if not isinstance(requests, (list, tuple)):
@@ -140,47 +181,64 @@ class ReferenceEngine:
         return [self._rollout(seq) for seq in sequences]
 
     def _step(self, running: list[_Sequence]) -> None:
-        """One packed forward over `running`; samples a token for every sequence that completes."""
+        """One packed forward over `running` (within the token budget); samples a token for every
+        sequence that completes."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         spans: list[tuple[_Sequence, int, int]] = []
+        budget = self.config.max_num_batched_tokens
         for seq in running:
-            known = seq.known
-            start = seq.computed
-            count = min(self.config.chunk_size, len(known) - start)
+            count = min(self.config.chunk_size, seq.length - seq.computed, budget)
+            if count == 0:
+                break
+            budget -= count
             spans.append((seq, len(ids), count))
-            ids.extend(known[start:start + count])
-            positions.extend(range(start, start + count))
+            ids.extend(seq.chunk(count))
+            positions.extend(range(seq.computed, seq.computed + count))
             slots.extend([seq.slot] * count)
             seq.computed += count
-        input_ids = torch.tensor([ids], device=self.config.device)
-        position_ids = torch.tensor([positions], device=self.config.device)
-        slot_ids = torch.tensor(slots, device=self.config.device)
-        if self.config.record_routes and self.lm.is_moe:
-            with routing.capture(self.lm.num_moe_layers) as recorder:
-                hidden = forward.final_hidden(self.lm, input_ids, position_ids, self._cache, slot_ids)
-            routes = recorder.routes()
-            for seq, offset, count in spans:
-                seq.routes.append(routes[offset:offset + count].cpu())
-        else:
-            hidden = forward.final_hidden(self.lm, input_ids, position_ids, self._cache, slot_ids)
-        ready = [(seq, offset + count - 1) for seq, offset, count in spans
-                 if seq.computed == len(seq.request.prompt_ids) + len(seq.tokens)]
+        hidden = self._forward(ids, positions, slots, spans)
+        ready = [(seq, offset + count - 1) for seq, offset, count in spans if seq.computed == seq.length]
         if ready:
-            self._sample([seq for seq, _ in ready], hidden[[row for _, row in ready]])
+            rows = device_tensor([row for _, row in ready], torch.int64, hidden.device)
+            self._sample([seq for seq, _ in ready], hidden.index_select(0, rows))
+
+    def _forward(self, ids: list[int], positions: list[int], slots: list[int],
+                 spans: list[tuple[_Sequence, int, int]]) -> torch.Tensor:
+        """Hidden states [>= T, H] of the step's T packed tokens (rows past T: padding of a fixed-size
+        step)."""
+        if self._graphs is not None and self._graphs.fits(len(ids)):
+            return self._graphs.run(ids, positions, slots)
+        device = self.config.device
+        input_ids = device_tensor([ids], torch.int64, device)
+        position_ids = device_tensor([positions], torch.int64, device)
+        slot_ids = device_tensor(slots, torch.int64, device)
+        span = (max(positions) // self._cache.block + 1) * self._cache.block
+        if not (self.config.record_routes and self.lm.is_moe):
+            return forward.final_hidden(self.lm, input_ids, position_ids, self._cache, slot_ids, span)
+        with routing.capture(self.lm.num_moe_layers) as recorder:
+            hidden = forward.final_hidden(self.lm, input_ids, position_ids, self._cache, slot_ids, span)
+        routes = recorder.routes().cpu()  # one device->host copy for the whole step
+        for seq, offset, count in spans:
+            seq.routes.append(routes[offset:offset + count])
+        return hidden
 
     def _sample(self, seqs: list[_Sequence], hidden: torch.Tensor) -> None:
+        """Sample one token for each of `seqs` from its hidden row [N, H]; one device->host copy."""
         logits = forward.logits(self.lm, hidden)
         params = [s.request.sampling for s in seqs]
         row_params = sampler.RowParams(tuple(p.temperature for p in params), tuple(p.top_k for p in params),
                                        tuple(p.top_p for p in params))
         processed = sampler.processed_logprobs(logits, row_params)
-        keys = [None if s.request.sampling.temperature == 0 else
-                (s.request.sampling.seed, s.sample_index, s.computed) for s in seqs]
+        keys = [None if p.temperature == 0 else (p.seed, s.sample_index, s.computed)
+                for s, p in zip(seqs, params)]
         tokens = sampler.sample(processed, keys)
         logprobs = sampler.reported_logprobs(logits, processed, tokens, [p.logprobs_mode for p in params])
-        for seq, token, logprob in zip(seqs, tokens.tolist(), logprobs.tolist()):
+        # float64 holds every token id and every float32 logprob exactly: one copy carries both.
+        both = torch.stack([tokens.to(torch.float64), logprobs.to(torch.float64)])
+        host_tokens, host_logprobs = both.tolist()
+        for seq, token, logprob in zip(seqs, map(int, host_tokens), host_logprobs):
             seq.tokens.append(token)
             seq.logprobs.append(logprob)
             sampling = seq.request.sampling
@@ -198,6 +256,8 @@ class ReferenceEngine:
             "dtype": self.config.dtype, "kernels": kernel_label(self.config.kernels),
             "device": self.config.device, "chunk_size": self.config.chunk_size,
             "max_num_seqs": self.config.max_num_seqs, "model": self.lm.name, "model_hash": self.lm.model_hash,
+            "max_num_batched_tokens": self.config.max_num_batched_tokens,
+            "step_graphs": "off" if self._graphs is None else self._graphs.status,
         }
         return Rollout(request_id=seq.request.request_id, sample_index=seq.sample_index,
                        prompt_ids=seq.request.prompt_ids, token_ids=tuple(seq.tokens),

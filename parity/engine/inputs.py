@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
 
+import torch
+
 from parity import kernels as _kernels
 from parity.errors import ConfigError, InputError
 from parity.models.loading import LoadedModel
@@ -59,3 +61,17 @@ def check_positive_int(value: object, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
     return value
+
+
+def device_tensor(values: Sequence, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A host list as a tensor on `device`, without a host sync.
+
+    A plain `torch.tensor(values, device="cuda")` copies from pageable memory, which waits for
+    every kernel queued before it; staging through pinned memory makes the copy asynchronous, so
+    the host keeps queueing work while the GPU computes (the caching host allocator keeps the
+    pinned buffer alive until the copy has run).
+    """
+    host = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)

@@ -6,7 +6,10 @@ works row by row (elementwise ops, per-row sort, sequential per-row prefix sums,
 softmax family's kernels).
 
 Sampling noise is a counter-based hash of (request seed, sample index, absolute position, token
-id), so a sample's tokens never depend on what else shares the batch (or on the device).
+id), so a sample's tokens never depend on what else shares the batch. The hash bits are the same
+on every device; the two float64 logs that turn them into Gumbel noise are each device's own
+(torch on CPU, one Triton kernel on CUDA), so tokens could differ across devices only where two
+noisy scores of a row come within a rounding of each other.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from parity.engine.inputs import device_tensor
 from parity.kernels import ops
 from parity.kernels.cpu import pointwise
 
@@ -53,19 +57,19 @@ def processed_logprobs(logits: torch.Tensor, params: RowParams) -> torch.Tensor:
     """
     device = logits.device
     greedy = [t == 0 for t in params.temperature]
-    temperature = torch.tensor([1.0 if g else t for g, t in zip(greedy, params.temperature)],
-                               dtype=torch.float32, device=device)
+    temperature = device_tensor([1.0 if g else t for g, t in zip(greedy, params.temperature)],
+                                torch.float32, device)
     z = logits / temperature.unsqueeze(1)
     any_k = any(k > 0 for k in params.top_k)
     any_p = any(p < 1 for p in params.top_p)
     if any_k or any_p:
         sorted_z, order = torch.sort(z, dim=-1, descending=True, stable=True)
     if any_k:
-        top_k = torch.tensor(params.top_k, dtype=torch.int64, device=device)
+        top_k = device_tensor(params.top_k, torch.int64, device)
         kth = sorted_z.gather(1, (top_k.clamp(min=1, max=z.shape[1]) - 1).unsqueeze(1))
         z = z.masked_fill((top_k > 0).unsqueeze(1) & (z < kth), NEG_INF)
     if any_p:
-        top_p = torch.tensor(params.top_p, dtype=torch.float32, device=device).unsqueeze(1)
+        top_p = device_tensor(params.top_p, torch.float32, device).unsqueeze(1)
         # top-k masking removed only the smallest entries, so `order` still sorts the survivors.
         probs_sorted = ops.softmax(z).gather(1, order)
         mass_before = F.pad(torch.cumsum(probs_sorted, dim=-1)[:, :-1], (1, 0))
@@ -75,7 +79,7 @@ def processed_logprobs(logits: torch.Tensor, params: RowParams) -> torch.Tensor:
     if any(greedy):
         argmax = logits.argmax(dim=-1, keepdim=True)
         point = torch.full_like(logits, NEG_INF).scatter(1, argmax, 0.0)
-        greedy_rows = torch.tensor(greedy, device=device).unsqueeze(1)
+        greedy_rows = device_tensor(greedy, torch.bool, device).unsqueeze(1)
         logprobs = torch.where(greedy_rows, point, logprobs)
     return logprobs
 
@@ -94,7 +98,7 @@ def reported_logprobs(logits: torch.Tensor, processed: torch.Tensor, tokens: tor
     """
     table = processed
     if "raw" in modes:
-        raw_rows = torch.tensor([m == "raw" for m in modes], device=logits.device).unsqueeze(1)
+        raw_rows = device_tensor([m == "raw" for m in modes], torch.bool, logits.device).unsqueeze(1)
         table = torch.where(raw_rows, raw_logprobs(logits), processed)
     return table.gather(1, tokens.unsqueeze(1)).squeeze(1)
 
@@ -116,35 +120,67 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def gumbel_noise(keys: list[tuple[int, int, int]], vocab: int, device: torch.device | str = "cpu"
+def _key_state(keys: Sequence[tuple[int, int, int]], device: torch.device | str) -> torch.Tensor:
+    """The hash state [N] int64 of each key (seed, sample index, position): 32-bit words folded by _mix32."""
+    rows = device_tensor([[seed & _MASK32, (seed >> 32) & _MASK32, sample & _MASK32, position & _MASK32]
+                          for seed, sample, position in keys], torch.int64, device).view(-1, 4)
+    state = _mix32(rows[:, 3])
+    for column in (2, 1, 0):
+        state = _mix32(rows[:, column] ^ state)
+    return state
+
+
+#: (vocab, device) -> the per-token hash words [2, vocab] int64, the same for every step.
+_TOKEN_WORDS: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def _token_words(vocab: int, device: torch.device | str) -> torch.Tensor:
+    """_mix32(2 * token) and _mix32(2 * token + 1) for every token id [2, vocab] (cached per device)."""
+    key = (vocab, str(device))
+    if key not in _TOKEN_WORDS:
+        token = torch.arange(vocab, dtype=torch.int64, device=device)
+        _TOKEN_WORDS[key] = torch.stack([_mix32(2 * token), _mix32(2 * token + 1)])
+    return _TOKEN_WORDS[key]
+
+
+def gumbel_noise(keys: Sequence[tuple[int, int, int]], vocab: int, device: torch.device | str = "cpu"
                  ) -> torch.Tensor:
     """Gumbel noise [N, vocab] float64; row i is a function of keys[i] = (seed, sample index, position) only.
 
     Counter-based: each (key, token id) is hashed to 53 random bits, u = (bits + 0.5) / 2^53 lies
-    in (0, 1), and the noise is -log(-log(u)) computed by `pointwise`, so no element's bits
-    depend on its place in the batch.
+    in (0, 1), and the noise is -log(-log(u)), so no element's bits depend on its place in the
+    batch. On CPU the logs run through `pointwise` (vector body vs scalar tail); a CUDA
+    elementwise op runs the same scalar code for every element, so it needs no such care.
     """
-    rows = torch.tensor([[seed & _MASK32, (seed >> 32) & _MASK32, sample & _MASK32, position & _MASK32]
-                         for seed, sample, position in keys], dtype=torch.int64, device=device).view(-1, 4)
-    state = _mix32(rows[:, 3])
-    for column in (2, 1, 0):
-        state = _mix32(rows[:, column] ^ state)
-    token = torch.arange(vocab, dtype=torch.int64, device=device)
-    high = _mix32(state.unsqueeze(1) ^ _mix32(2 * token))
-    low = _mix32(state.unsqueeze(1) ^ _mix32(2 * token + 1))
+    state = _key_state(keys, device).unsqueeze(1)
+    words = _token_words(vocab, device)
+    high = _mix32(state ^ words[0])
+    low = _mix32(state ^ words[1])
     uniform = (((high << 21) | (low >> 11)).to(torch.float64) + 0.5) / 2.0**53
-    return pointwise(lambda u: -torch.log(-torch.log(u)), uniform)
+    if torch.device(device).type == "cpu":
+        return pointwise(lambda u: -torch.log(-torch.log(u)), uniform)
+    return -torch.log(-torch.log(uniform))
 
 
-def sample(processed: torch.Tensor, keys: list[tuple[int, int, int] | None]) -> torch.Tensor:
+def sample(processed: torch.Tensor, keys: Sequence[tuple[int, int, int] | None]) -> torch.Tensor:
     """One token per row of processed log-probs [N, V] by the Gumbel-max trick -> [N] int64.
 
     Row i's Gumbel noise comes from its key (seed, sample index, position) alone; a None key
-    (greedy) adds no noise. Ties go to the lower token id.
+    (greedy) adds no noise. Ties go to the lower token id. All rows are drawn at once: a greedy
+    row gets the noise of a dummy key, masked off, so no per-row indexing reaches the host. On
+    CUDA one Triton kernel draws the same noise and takes the argmax without writing the noise
+    to memory (`parity.kernels.triton.sampling`).
     """
+    device = processed.device
+    noisy = [key is not None for key in keys]
+    if device.type == "cuda":
+        from parity.kernels.triton.sampling import gumbel_argmax
+
+        state = _key_state([key or (0, 0, 0) for key in keys], device)
+        return gumbel_argmax(processed, state, device_tensor(noisy, torch.bool, device))
     scores = processed.to(torch.float64)
-    noisy = [row for row, key in enumerate(keys) if key is not None]
-    if noisy:
-        noise = gumbel_noise([keys[row] for row in noisy], processed.shape[1], processed.device)
-        scores[noisy] = scores[noisy] + noise
+    if any(noisy):
+        noise = gumbel_noise([key or (0, 0, 0) for key in keys], processed.shape[1], device)
+        mask = device_tensor(noisy, torch.bool, device).unsqueeze(1)
+        scores = scores + torch.where(mask, noise, 0.0)
     return scores.argmax(dim=-1)

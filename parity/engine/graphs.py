@@ -1,0 +1,126 @@
+"""Fixed-size engine steps, replayed from CUDA graphs: one launch instead of thousands per step.
+
+A step of T packed tokens (T up to the largest bucket, i.e. every decode step) is padded to the
+next bucket size and run as one forward of that fixed shape. On CUDA each bucket's forward is
+captured once into a CUDA graph and replayed; the host then only copies the step's token ids,
+positions and slots into the graph's input buffer (one asynchronous copy). On CPU the same
+padded forward runs eagerly, so CPU tests exercise the padding.
+
+Padding changes no real token's numbers: pad tokens have their own KV slot (`pad_slot`, never
+given to a sequence) at position 0, so they write and read only that slot, and every
+invariant kernel computes a row independently of the rows beside it (the bitwise engine tests
+prove it). A graph reads a fixed number of cached positions (`span`), at least the step needs:
+the invariant attention ignores span (each run's own last position bounds its KV tiles), so
+one span, the cache capacity, serves every step; the native attention gathers `span` positions
+per token, so there each bucket is also captured per span, a power-of-two number of KV blocks
+(extra positions are masked keys).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from parity.engine import forward
+from parity.kernels.attention import KVCache
+from parity.models.loading import LoadedModel
+
+
+def bucket_sizes(max_tokens: int) -> tuple[int, ...]:
+    """Powers of two below max_tokens, then max_tokens: a step pads to at most 2x its tokens."""
+    sizes = []
+    size = 1
+    while size < max_tokens:
+        sizes.append(size)
+        size *= 2
+    return (*sizes, max_tokens)
+
+
+@dataclass
+class _Bucket:
+    """One fixed step size: inputs [3, size] int64 (token ids, positions, slots); on CUDA its graph
+    and the graph's output hidden [size, H] (None on CPU)."""
+
+    inputs: torch.Tensor
+    graph: torch.cuda.CUDAGraph | None = None
+    hidden: torch.Tensor | None = None
+
+
+class StepGraphs:
+    """Padded fixed-size forwards over one KV cache; captured as CUDA graphs on a CUDA device.
+
+    The cache must not be reallocated while this object is used (graphs hold its addresses).
+    """
+
+    def __init__(self, lm: LoadedModel, cache: KVCache, pad_slot: int, max_tokens: int, span_buckets: bool
+                 ) -> None:
+        self.lm = lm
+        self.cache = cache
+        self.pad_slot = pad_slot
+        self.sizes = bucket_sizes(max_tokens)
+        self.span_buckets = span_buckets
+        self.device = cache.keys[0].device
+        self._buckets: dict[tuple[int, int], _Bucket] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+        self.failure: str | None = None
+
+    @property
+    def status(self) -> str:
+        """"cuda graphs", "eager (cpu)" or "eager (capture failed: <error>)"."""
+        if self.failure is not None:
+            return f"eager (capture failed: {self.failure})"
+        return "cuda graphs" if self._pool is not None else "eager (cpu)"
+
+    def fits(self, tokens: int) -> bool:
+        """Whether a step of `tokens` packed tokens runs here."""
+        return tokens <= self.sizes[-1]
+
+    def run(self, ids: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
+        """Hidden states [size, H] of one step (rows past len(ids) are padding), size >= len(ids)."""
+        size = next(s for s in self.sizes if s >= len(ids))
+        span = self._span(max(positions))
+        bucket = self._buckets.get((size, span)) or self._make(size, span)
+        pad = size - len(ids)
+        host = torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [self.pad_slot] * pad])
+        if bucket.graph is None:
+            bucket.inputs.copy_(host)
+            return self._forward(bucket.inputs, span)
+        # pinned staging: the copy is queued behind the previous step's work without a host sync
+        bucket.inputs.copy_(host.pin_memory(), non_blocking=True)
+        bucket.graph.replay()
+        return bucket.hidden
+
+    def _span(self, position: int) -> int:
+        """Cached positions a step whose highest position is `position` reads."""
+        if not self.span_buckets:
+            return self.cache.capacity
+        blocks = position // self.cache.block + 1
+        return min(self.cache.capacity, self.cache.block * 2 ** (blocks - 1).bit_length())
+
+    def _forward(self, inputs: torch.Tensor, span: int) -> torch.Tensor:
+        return forward.final_hidden(self.lm, inputs[0:1], inputs[1:2], self.cache, inputs[2], span=span)
+
+    def _make(self, size: int, span: int) -> _Bucket:
+        """A bucket's input buffer and, on CUDA, its graph. Capture runs on pad inputs (all tokens in
+        the pad slot), so the warm-up forward before it writes only the pad slot."""
+        bucket = _Bucket(inputs=torch.zeros((3, size), dtype=torch.int64, device=self.device))
+        bucket.inputs[2] = self.pad_slot
+        if self._pool is not None:
+            # Warm up on a side stream (Triton compiles, cuBLAS sets up its workspace), as capture needs.
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                self._forward(bucket.inputs, span)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            try:
+                bucket.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(bucket.graph, pool=self._pool):
+                    bucket.hidden = self._forward(bucket.inputs, span)
+            except RuntimeError as error:
+                # An op that cannot be captured (a host sync in some model's code): run every
+                # bucket eagerly from now on and say so in `status`; the numbers are the same.
+                self.failure = f"{type(error).__name__}: {error}"[:500]
+                self._pool, bucket.graph, bucket.hidden = None, None, None
+        self._buckets[size, span] = bucket
+        return bucket

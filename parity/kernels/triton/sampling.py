@@ -1,0 +1,76 @@
+"""Gumbel-max sampling on CUDA in one kernel: counter-based noise, add, argmax, one program per row.
+
+The same draw as `parity.engine.sampler.sample` (and bitwise the same integers): the noise of
+token v in a row is -log(-log(u)) with u = (53 hash bits + 0.5) / 2^53, the bits a function of
+the row's key state and v only, added in float64 to the row's processed log-probs; the token is
+the first maximum. Done with torch ops that is ~30 full [N, V] int64/float64 passes through
+memory per step (~6 ms at 256 x 151936); here the noise never leaves registers.
+
+Batch invariance: a program reads only its own row and key state, walks the vocabulary in fixed
+BLOCK-wide chunks in ascending order, keeps per lane the first maximum it meets (strict >), and
+then takes the lowest token id among the lanes holding the row maximum: the lowest id of all
+maxima, whatever the row count.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+#: vocabulary entries per chunk (a power of two).
+BLOCK = 2048
+_MASK32 = 0xFFFFFFFF
+
+
+@triton.jit
+def _mix32(x):
+    # The integer hash of `parity.engine.sampler._mix32`, in int64 like it: values stay below 2^32
+    # after every mask, odd multipliers below 2^31 keep products below 2^63, shifts are of
+    # non-negative numbers, so the bits equal the torch version's.
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x = x ^ (x >> 15)
+    x = (x * 0x68E31DA5) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _gumbel_argmax_kernel(scores_ptr, state_ptr, noisy_ptr, out_ptr, V, stride, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    state = tl.load(state_ptr + row)
+    noisy = tl.load(noisy_ptr + row) != 0
+    lanes = tl.arange(0, BLOCK)
+    best = tl.full((BLOCK,), float("-inf"), tl.float64)
+    best_id = tl.zeros((BLOCK,), tl.int64)
+    for start in range(0, V, BLOCK):
+        token = (start + lanes).to(tl.int64)
+        ok = token < V
+        x = tl.load(scores_ptr + row * stride + token, mask=ok, other=float("-inf")).to(tl.float64)
+        high = _mix32(state ^ _mix32(2 * token))
+        low = _mix32(state ^ _mix32(2 * token + 1))
+        # 53 bits convert to float64 exactly; u lies strictly inside (0, 1), so both logs are finite.
+        u = (((high << 21) | (low >> 11)).to(tl.float64) + 0.5) / 9007199254740992.0
+        noise = -tl.log(-tl.log(u))
+        y = x + tl.where(noisy, noise, 0.0)
+        better = ok & (y > best)
+        best = tl.where(better, y, best)
+        best_id = tl.where(better, token, best_id)
+    top = tl.max(best, axis=0)
+    tl.store(out_ptr + row, tl.min(tl.where(best == top, best_id, V), axis=0))
+
+
+def gumbel_argmax(scores: torch.Tensor, state: torch.Tensor, noisy: torch.Tensor) -> torch.Tensor:
+    """argmax(scores + noise) per row -> [N] int64, ties to the lower token id.
+
+    scores: [N, V] float32 or float64 (added to the noise in float64); state: [N] int64, each
+    row's key hash state in [0, 2^32); noisy: [N] bool, False rows add no noise (greedy).
+    """
+    n, v = scores.shape
+    if scores.stride(-1) != 1:
+        scores = scores.contiguous()
+    out = torch.empty(n, dtype=torch.int64, device=scores.device)
+    if n:
+        _gumbel_argmax_kernel[(n,)](scores, state, noisy.to(torch.int8), out, v, scores.stride(0),
+                                    BLOCK=BLOCK, num_warps=8)
+    return out

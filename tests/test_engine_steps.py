@@ -1,0 +1,89 @@
+"""Engine step shapes that must not change any token's numbers: fixed-size padded steps (the shapes
+CUDA graphs replay) and the per-step token budget that bounds prefill steps."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_engine import _params, workloads
+
+from parity import Request, SamplingParams
+from parity.engine import ReferenceEngine, train_forward
+from parity.engine.graphs import bucket_sizes
+from parity.errors import ConfigError
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Single-threaded, as in test_engine.py (shared 2-core machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_bucket_sizes_pad_a_step_to_at_most_twice_its_tokens():
+    assert bucket_sizes(1) == (1,)
+    assert bucket_sizes(12) == (1, 2, 4, 8, 12)
+    assert bucket_sizes(16) == (1, 2, 4, 8, 16)
+    with pytest.raises(ConfigError, match="max_num_batched_tokens"):
+        ReferenceEngine("tiny-llama", max_num_batched_tokens=0)
+
+
+def test_native_attention_steps_read_power_of_two_spans():
+    """Stock attention gathers `span` cached positions per token: graphs are bucketed by span too."""
+    requests = [Request(tuple(range(3, 3 + n)), SamplingParams(n=1, max_tokens=40, seed=n), request_id=str(n))
+                for n in (5, 100)]
+    engine = ReferenceEngine("tiny-llama", kernels="native", max_num_seqs=2, graphs=True)
+    engine.generate(requests)
+    block, capacity = engine._cache.block, engine._cache.capacity
+    assert capacity == 5 * block  # decode positions 100..139: 4 blocks, then 5 (8, capped)
+    assert sorted({span for _, span in engine._graphs._buckets}) == [block * 4, capacity]
+    invariant = ReferenceEngine("tiny-llama", max_num_seqs=2, graphs=True)
+    invariant.generate(requests)
+    assert {span for _, span in invariant._graphs._buckets} == {invariant._cache.capacity}
+
+
+@pytest.mark.parametrize("model,dtype", [("tiny-qwen3", "bfloat16"), ("tiny-qwen3-moe", "float32"),
+                                         ("tiny-llama", "float32")])
+@settings(max_examples=8, deadline=None)
+@given(work=workloads(), budget=st.integers(1, 40))
+def test_padded_budgeted_steps_equal_train_forward_bitwise(model, dtype, work, budget):
+    """graphs=True on CPU runs every step of up to max_num_seqs tokens padded to a bucket size, with
+    pad tokens in the spare KV slot; a small token budget splits steps further."""
+    engine = ReferenceEngine(model, dtype=dtype, max_num_seqs=work["max_num_seqs"],
+                             chunk_size=work["chunk_size"], max_num_batched_tokens=budget, graphs=True)
+    rollouts = engine.generate(work["requests"])
+    assert engine._graphs is not None and engine._graphs._buckets  # decode steps ran padded
+    scores = train_forward(model, rollouts, dtype=dtype, micro_batch_size=work["micro_batch_size"],
+                           layout=work["layout"], **_params(rollouts, work["requests"]))
+    plain = ReferenceEngine(model, dtype=dtype, max_num_seqs=3, chunk_size=64, graphs=False)
+    expected = plain.generate(work["requests"])
+    for rollout, score, other in zip(rollouts, scores, expected):
+        assert torch.equal(score, torch.tensor(rollout.logprobs, dtype=torch.float32))
+        assert (rollout.token_ids, rollout.logprobs, rollout.finish_reason) == \
+            (other.token_ids, other.logprobs, other.finish_reason)
+
+
+def test_budget_bounds_every_step():
+    """No forward packs more than max_num_batched_tokens tokens, and routes still line up (recorded
+    eagerly even when graphs are asked for)."""
+    requests = [Request(tuple(range(3, 3 + n)), SamplingParams(n=2, max_tokens=5, seed=n), request_id=str(n))
+                for n in (9, 40, 70)]
+    engine = ReferenceEngine("tiny-qwen3-moe", max_num_seqs=6, chunk_size=32, max_num_batched_tokens=10,
+                             record_routes=True, graphs=True)  # route recording keeps steps eager
+    seen = []
+    step = engine._forward
+
+    def spy(ids, positions, slots, spans):
+        seen.append(len(ids))
+        return step(ids, positions, slots, spans)
+
+    engine._forward = spy
+    rollouts = engine.generate(requests)
+    assert max(seen) == 10 and engine._graphs is None
+    scores, routes = train_forward("tiny-qwen3-moe", rollouts, layout="packed", return_routes=True)
+    for rollout, score, route in zip(rollouts, scores, routes):
+        assert torch.equal(score, torch.tensor(rollout.logprobs, dtype=torch.float32))
+        assert np.array_equal(route.numpy(), rollout.routed_experts)

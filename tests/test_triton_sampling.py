@@ -1,0 +1,63 @@
+"""The fused CUDA sampling kernel draws exactly what the torch sampler draws, row by row.
+
+Without a GPU it runs on CPU tensors under Triton's interpreter, in a child process started with
+`TRITON_INTERPRET=1` (the interpreter must be chosen before triton is imported; see
+test_triton_kernels.py).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+CUDA = torch.cuda.is_available()
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+ROOT = Path(__file__).resolve().parent.parent
+runs_here = pytest.mark.skipif(not (CUDA or INTERPRETED), reason="runs on CUDA or under the interpreter")
+
+
+@pytest.mark.skipif(CUDA or INTERPRETED, reason="the kernel tests run in this process")
+def test_sampling_kernel_under_the_triton_interpreter_in_a_child_process() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    child = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"],
+                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0, child.stdout[-4000:] + child.stderr[-2000:]
+    assert " passed" in child.stdout and " skipped" in child.stdout
+
+
+def _draw(processed: torch.Tensor, keys: list) -> torch.Tensor:
+    """The kernel's draw for `keys` (None: greedy), on processed's device."""
+    from parity.engine.sampler import _key_state
+    from parity.kernels.triton.sampling import gumbel_argmax
+
+    state = _key_state([key or (0, 0, 0) for key in keys], processed.device)
+    noisy = torch.tensor([key is not None for key in keys], device=processed.device)
+    return gumbel_argmax(processed, state, noisy)
+
+
+@runs_here
+def test_kernel_draws_the_torch_samplers_tokens() -> None:
+    from parity.engine.sampler import gumbel_noise
+
+    device = "cuda" if CUDA else "cpu"
+    g = torch.Generator().manual_seed(0)
+    vocab = 3000  # not a multiple of the kernel's chunk: the masked tail is exercised
+    processed = torch.log_softmax(torch.randn(6, vocab, generator=g) * 3, dim=-1)
+    processed[4, 100:] = float("-inf")  # a truncated (top-k) row
+    processed[5] = 0.0  # every token ties: greedy picks token 0
+    keys = [(7, 0, 3), (7, 1, 3), (2**40 + 7, 0, 3), (7, 0, 4), (11, 2, 9), None]
+    noise = gumbel_noise([key or (0, 0, 0) for key in keys], vocab)
+    noise[5] = 0.0
+    expected = (processed.double() + noise).argmax(dim=-1)
+    got = _draw(processed.to(device), keys).cpu()
+    assert torch.equal(got, expected)
+    assert got[5] == 0
+    for i, key in enumerate(keys):  # a row drawn alone equals the row drawn in the batch
+        assert torch.equal(_draw(processed[i:i + 1].to(device), [key]).cpu(), got[i:i + 1])
