@@ -46,6 +46,9 @@ def _parser() -> argparse.ArgumentParser:
     cmp.add_argument("--reference", choices=("invariant", "native"), default="invariant",
                      help="training-forward kernels (default: invariant)")
     cmp.add_argument("--router-replay", metavar="MODE", help="MoE router replay mode, e.g. R3")
+    cmp.add_argument("--attribute", action="append", nargs="?", const="batch", metavar="AXIS",
+                     help="attribute the drift to op families and layers along AXIS (batch, layout, mode, "
+                          "dtype; repeatable; default batch)")
     cmp.add_argument("--device", default="cpu", help="device of the training forward (default: cpu)")
     cmp.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                      help="backend option, repeatable; VALUE is read as JSON when it parses "
@@ -73,7 +76,8 @@ def _compare(args: argparse.Namespace) -> int:
     if args.model is None and args.case is None:
         raise ConfigError("compare needs --model (or --case naming a model)")
     report = compare(args.model, args.backend, case=args.case, dtype=args.dtype, reference=args.reference,
-                     router_replay=args.router_replay, device=args.device, **_options(args.option))
+                     router_replay=args.router_replay, device=args.device,
+                     attribute=tuple(args.attribute or ()), **_options(args.option))
     print(report.summary_text())
     print(f"worst {args.worst} tokens:")
     print(format_worst_tokens(report.worst_tokens(args.worst)))

@@ -50,6 +50,7 @@ def compare(
     router_replay: str | None = None,
     device: str = "cpu",
     correction: dict[str, Any] | None = None,
+    attribute: Sequence[str] = (),
     **backend_options: Any,
 ) -> ParityReport:
     """Measure train/infer logprob parity of `backend` on `model`.
@@ -72,6 +73,8 @@ def compare(
     device: where the training forward runs ("cpu", "cuda").
     correction: keyword arguments of `parity.correction.rollout_correction` for `metrics`;
         None = `DEFAULT_CORRECTION`.
+    attribute: drift-attribution axes (`parity.attribute.AXES`: "batch", "layout", "mode",
+        "dtype") run on the sampled tokens; the result goes to `report.extras["attribution"]`.
     """
     from parity.backends.base import check_dtype
 
@@ -92,7 +95,13 @@ def compare(
                            kernels=reference, router_replay=router_replay)
     provenance = _provenance(model_arg, engine, the_case, dtype=dtype, device=device, reference=reference,
                              router_replay=router_replay)
-    return build_report(rollouts, train, tolerance=limits, provenance=provenance, correction=correction)
+    report = build_report(rollouts, train, tolerance=limits, provenance=provenance, correction=correction)
+    if attribute:
+        from parity.attribute import attribution_section
+
+        report.extras["attribution"] = attribution_section(model_arg, rollouts, axes=attribute,
+                                                           dtype=dtype, device=device)
+    return report
 
 
 def score_rollouts(model: str | os.PathLike[str], rollouts: Sequence[Rollout], requests: Sequence[Request], *,

@@ -180,10 +180,15 @@ def report_html(report: ParityReport) -> str:
                                     title="drift by rollout probability", xlabel="rollout probability"),
                    "drift by rollout probability"),
     ]
+    attribution = ""
+    if "attribution" in report.extras:
+        from parity.attribute import section_html
+
+        attribution = section_html(report.extras["attribution"])
     extras = "".join(
         f"<details><summary>{html.escape(name)}</summary><pre>"
         f"{html.escape(json.dumps(section, indent=2, sort_keys=True, default=str))}</pre></details>"
-        for name, section in report.extras.items()
+        for name, section in report.extras.items() if name != "attribution"
     )
     parts = [
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
@@ -195,6 +200,7 @@ def report_html(report: ParityReport) -> str:
         '<h2>Plots</h2><div class="row">', *plots, "</div>",
         "<h2>Worst tokens</h2>", worst_tokens_table(report.worst_tokens(10)),
         "<h2>Rollout correction (verl rollout_corr/*)</h2>", key_value_table(report.metrics),
+        attribution,
         "<h2>Provenance</h2>", key_value_table(prov),
         f"<h2>Extras</h2>{extras}" if extras else "",
         "</body></html>",

@@ -317,3 +317,18 @@ def test_cli_errors():
         main(["--help"])
     assert exc.value.code == 0
     assert parity_main(["attribute", "--model", "tiny-llama", "--max-sequences", "0"]) == 2
+
+
+def test_compare_attaches_attribution_to_the_report_and_its_html(tmp_path):
+    """`parity compare --attribute batch` puts the section into the JSON and the HTML page."""
+    from parity.cli import main as cli_main
+    from parity.report import ParityReport
+
+    out, page = tmp_path / "r.json", tmp_path / "r.html"
+    code = cli_main(["compare", "--model", "tiny-llama", "--backend", "reference", "--dtype", "float32",
+                     "--attribute", "batch", "--json", str(out), "--html", str(page)])
+    assert code == 0
+    report = ParityReport.from_json(out.read_text())
+    (axis,) = report.extras["attribution"]["axes"]
+    assert axis["axis"] == "batch" and "ops" in axis and "layers" in axis
+    assert "Drift attribution" in page.read_text()
