@@ -1,20 +1,76 @@
 """Cases: a model, a prompt workload, sampling, dtypes, backends and a tolerance, in one object.
 
-A case file (TOML, in `cases/`) is loaded by `load_case`; `default_case` is the built-in workload
-used when `parity.compare` gets neither prompts nor a case.
+A case file (TOML, in `cases/`) is loaded by `load_case`; `load_cases` takes a directory, a file
+or a comma-separated list of files and names. `default_case` is the built-in workload used when
+`parity.compare` gets neither prompts nor a case.
+
+Case file schema (every key is checked; an unknown key or a bad value raises `ConfigError`
+naming the file, the field and the allowed values)::
+
+    name = "smoke"                   # optional; default: the file name without .toml
+    description = "..."              # optional
+    model = "tiny-llama"             # built-in name or local HF checkpoint directory
+    dtypes = ["bfloat16"]            # bfloat16 | float16 | float32; nightly runs each
+    backends = ["reference", "hf"]   # optional; default: every backend nightly is asked for
+    logprobs_mode = "processed"      # processed | raw
+    router_replay = ["none", "R3"]   # optional (MoE): one nightly row per variant
+
+    [prompts]                        # exactly one of token_ids, text, generate
+    token_ids = [[3, 4, 5], [6, 7]]
+    text = ["Hello", "World"]        # encoded with the model's tokenizer, no special tokens
+    [prompts.generate]               # a seeded generator
+    kind = "random"                  # random | shared_prefix
+    seed = 0
+    count = 8                        # random: number of prompts
+    length = { min = 8, max = 48 }   # an int, {min, max} (uniform) or
+                                     # {distribution = "lognormal", median, sigma, min, max}
+    conversations = 2                # shared_prefix: conversations, each `turns` prompts long
+    turns = 3
+    prefix_length = 128              # tokens shared by every prompt (a system prompt)
+    turn_length = { min = 8, max = 24 }
+
+    [sampling]                       # a table, or [[sampling]] blocks for a sweep
+    label = "t1.0"                   # optional (sweeps): prefixes the request ids
+    n = 2
+    temperature = 1.0
+    top_p = 1.0
+    top_k = 0                        # 0 = off
+    max_tokens = 16
+    seed = 1000                      # request i is sampled with seed + i
+    stop_token_ids = []
+    ignore_eos = false
+
+    [tolerance]                      # optional: limits for every backend (Tolerance fields)
+    [tolerance.hf]                   # optional: limits for one backend, over the ones above
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import math
+import tomllib
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from parity.backends import BACKENDS
+from parity.backends.base import DTYPES
+from parity.errors import ConfigError, ParityError
 from parity.tolerance import Tolerance
-from parity.types import LogprobsMode, Request, SamplingParams
+from parity.types import LOGPROBS_MODES, LogprobsMode, Request, SamplingParams
+
+BACKEND_NAMES: tuple[str, ...] = tuple(BACKENDS)
+ROUTER_REPLAY_MODES: tuple[str, ...] = ("none", "R2", "R3")
+GENERATOR_KINDS: tuple[str, ...] = ("random", "shared_prefix")
+LENGTH_DISTRIBUTIONS: tuple[str, ...] = ("uniform", "lognormal")
+#: generated prompts draw token ids from [low, high): the byte tokens of the built-in tokenizer.
+DEFAULT_TOKEN_RANGE: tuple[int, int] = (3, 259)
 
 
 @dataclass(frozen=True)
@@ -25,6 +81,8 @@ class Case:
     dtypes: dtypes to run ("bfloat16", "float16", "float32"); `compare` uses the first.
     backends: backend names the case is meant for (nightly's matrix); empty = any.
     tolerance: limits for pass/fail; None = the backend's default.
+    backend_tolerances: (backend, limits) pairs that override `tolerance` for one backend.
+    router_replay: MoE routing-replay variants nightly runs as separate rows; empty = one row.
     """
 
     name: str
@@ -35,6 +93,23 @@ class Case:
     logprobs_mode: LogprobsMode = "processed"
     tolerance: Tolerance | None = None
     path: Path | None = None
+    description: str = ""
+    backend_tolerances: tuple[tuple[str, Tolerance], ...] = ()
+    router_replay: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        where = f"case {self.name!r}"
+        if not self.requests:
+            raise ConfigError(f"{where}: requests is empty; a case needs at least one prompt")
+        _check_choices(where, "dtypes", self.dtypes, DTYPES)
+        _check_choices(where, "backends", self.backends, BACKEND_NAMES)
+        _check_choices(where, "router_replay", self.router_replay, ROUTER_REPLAY_MODES)
+        if not self.dtypes:
+            raise ConfigError(f"{where}: dtypes is empty; allowed: {list(DTYPES)}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ConfigError(
+                f"{where}: logprobs_mode {self.logprobs_mode!r}; allowed: {list(LOGPROBS_MODES)}")
+        _check_choices(where, "tolerance.<backend>", [b for b, _ in self.backend_tolerances], BACKEND_NAMES)
 
     @property
     def hash(self) -> str:
@@ -44,6 +119,21 @@ class Case:
             "requests": [r.to_dict() for r in self.requests],
         }
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
+
+    @property
+    def seeds(self) -> list[int]:
+        """The sampling seed of every request, in send order (provenance)."""
+        return [r.sampling.seed for r in self.requests]
+
+    def tolerance_for(self, backend: str) -> Tolerance | None:
+        """The limits for `backend`: its override, else the case-wide limits, else None (default)."""
+        return dict(self.backend_tolerances).get(backend, self.tolerance)
+
+
+def _check_choices(where: str, field: str, values: Iterable[str], allowed: tuple[str, ...]) -> None:
+    bad = [v for v in values if v not in allowed]
+    if bad:
+        raise ConfigError(f"{where}: {field} has {bad}; allowed: {list(allowed)}")
 
 
 def default_case(model: str = "tiny-llama", *, num_prompts: int = 8, max_tokens: int = 32,
@@ -58,3 +148,327 @@ def default_case(model: str = "tiny-llama", *, num_prompts: int = 8, max_tokens:
         ids = tuple(int(t) for t in rng.integers(3, 259, size=length))
         requests.append(Request(ids, sampling.replace(seed=1000 + i), request_id=f"default-{i}"))
     return Case(name="default", model=model, requests=tuple(requests))
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_cases(spec: str | Path, *, cases_dir: str | Path = "cases") -> list[Case]:
+    """Cases named by `spec`: a directory (every *.toml in it, sorted), one file, or a
+    comma-separated list of files and bare names (`smoke` means `<cases_dir>/smoke.toml`)."""
+    cases: list[Case] = []
+    for part in (p.strip() for p in str(spec).split(",")):
+        if not part:
+            continue
+        path = Path(part)
+        if path.is_dir():
+            files = sorted(path.glob("*.toml"))
+            if not files:
+                raise ConfigError(f"--cases: directory {str(path)!r} has no *.toml case files")
+            cases.extend(load_case(f) for f in files)
+        elif path.is_file():
+            cases.append(load_case(path))
+        elif path.suffix != ".toml" and (Path(cases_dir) / f"{part}.toml").is_file():
+            cases.append(load_case(Path(cases_dir) / f"{part}.toml"))
+        else:
+            raise ConfigError(
+                f"--cases: {part!r} is neither a case file, a directory, nor a name in "
+                f"{str(cases_dir)!r}; give a .toml path, a directory or one of {_case_names(cases_dir)}"
+            )
+    if not cases:
+        raise ConfigError(f"--cases: {str(spec)!r} names no case")
+    names = [c.name for c in cases]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ConfigError(f"--cases: case name(s) {dupes} appear more than once; names must be unique")
+    return cases
+
+
+def _case_names(cases_dir: str | Path) -> list[str]:
+    return sorted(p.stem for p in Path(cases_dir).glob("*.toml"))
+
+
+_TOP_KEYS = ("name", "description", "model", "dtypes", "backends", "logprobs_mode", "router_replay",
+             "prompts", "sampling", "tolerance")
+_SAMPLING_KEYS = ("label", "n", "temperature", "top_p", "top_k", "max_tokens", "seed", "stop_token_ids",
+                  "ignore_eos")
+
+
+def load_case(path: str | Path) -> Case:
+    """Parse and validate one case file (schema in this module's docstring)."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read case file ({exc.strerror})") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML ({exc})") from exc
+    f = _Fields(path)
+    f.only(data, "", _TOP_KEYS)
+    model = f.get(data, "model", str)
+    logprobs_mode = f.choice(data, "logprobs_mode", LOGPROBS_MODES, default="processed")
+    prompts = _load_prompts(f, f.get(data, "prompts", dict), model)
+    requests = _load_requests(f, data.get("sampling"), prompts, logprobs_mode)
+    _check_context(f, model, requests)
+    tolerance, per_backend = _load_tolerances(f, data.get("tolerance", {}))
+    return Case(
+        name=f.get(data, "name", str, default=path.stem),
+        model=model,
+        requests=requests,
+        dtypes=tuple(f.choices(data, "dtypes", DTYPES, default=["bfloat16"], nonempty=True)),
+        backends=tuple(f.choices(data, "backends", BACKEND_NAMES, default=[])),
+        logprobs_mode=logprobs_mode,
+        tolerance=tolerance,
+        path=path,
+        description=f.get(data, "description", str, default=""),
+        backend_tolerances=per_backend,
+        router_replay=tuple(f.choices(data, "router_replay", ROUTER_REPLAY_MODES, default=[])),
+    )
+
+
+class _Fields:
+    """Typed access to a parsed TOML table whose errors name the file and the dotted field."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def error(self, field: str, message: str) -> ConfigError:
+        return ConfigError(f"{self.path}: {field}: {message}")
+
+    def only(self, table: dict[str, Any], prefix: str, allowed: Iterable[str]) -> None:
+        allowed = tuple(allowed)
+        for key in table:
+            if key not in allowed:
+                raise self.error(prefix + key, f"unknown field; allowed: {list(allowed)}")
+
+    def get(self, table: dict[str, Any], key: str, kind: type | tuple[type, ...], *,
+            default: Any = dataclasses.MISSING, prefix: str = "") -> Any:
+        if key not in table:
+            if default is dataclasses.MISSING:
+                raise self.error(prefix + key, "required field is missing")
+            return default
+        value = table[key]
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        # TOML booleans are Python ints; never accept one where a number is meant.
+        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+            names = " or ".join(k.__name__ for k in kinds)
+            raise self.error(prefix + key, f"must be {names}, got {value!r}")
+        return value
+
+    def choice(self, table: dict[str, Any], key: str, allowed: tuple[str, ...], *,
+               default: Any = dataclasses.MISSING, prefix: str = "") -> Any:
+        value = self.get(table, key, str, default=default, prefix=prefix)
+        if value not in allowed:
+            raise self.error(prefix + key, f"{value!r} is not allowed; allowed: {list(allowed)}")
+        return value
+
+    def choices(self, table: dict[str, Any], key: str, allowed: tuple[str, ...], *,
+                default: Any = dataclasses.MISSING, nonempty: bool = False) -> list[str]:
+        values = self.get(table, key, list, default=default)
+        bad = [v for v in values if v not in allowed]
+        if bad or (nonempty and not values) or len(set(values)) != len(values):
+            raise self.error(key, f"got {values!r}; give distinct values from {list(allowed)}")
+        return values
+
+    def count(self, table: dict[str, Any], key: str, *, prefix: str, low: int = 1,
+              default: Any = dataclasses.MISSING) -> int:
+        value = self.get(table, key, int, default=default, prefix=prefix)
+        if value < low:
+            raise self.error(prefix + key, f"must be an integer >= {low}, got {value!r}")
+        return value
+
+
+# --------------------------------------------------------------------------------------------
+# Prompts
+
+
+def _load_prompts(f: _Fields, table: dict[str, Any], model: str) -> list[tuple[int, ...]]:
+    """The prompt token ids a case's [prompts] table describes."""
+    given = [k for k in ("token_ids", "text", "generate") if k in table]
+    if len(given) != 1:
+        raise f.error("prompts", f"give exactly one of ['token_ids', 'text', 'generate'], got {given}")
+    f.only(table, "prompts.", ("token_ids", "text", "generate"))
+    key = given[0]
+    if key == "generate":
+        return _generate_prompts(f, f.get(table, "generate", dict, prefix="prompts."))
+    items = f.get(table, key, list, prefix="prompts.")
+    if not items:
+        raise f.error(f"prompts.{key}", "is empty; give at least one prompt")
+    if key == "text":
+        if not all(isinstance(t, str) and t for t in items):
+            raise f.error("prompts.text", "must be a list of non-empty strings")
+        return [_encode(model, t) for t in items]
+    for i, ids in enumerate(items):
+        if not isinstance(ids, list) or not ids or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            raise f.error(f"prompts.token_ids[{i}]", "must be a non-empty list of token ids >= 0")
+    return [tuple(ids) for ids in items]
+
+
+@lru_cache(maxsize=8)
+def _tokenizer(model: str) -> Any:
+    from transformers import AutoTokenizer
+
+    from parity.models import resolve_model
+
+    return AutoTokenizer.from_pretrained(str(resolve_model(model)))
+
+
+def _encode(model: str, text: str) -> tuple[int, ...]:
+    return tuple(_tokenizer(model).encode(text, add_special_tokens=False))
+
+
+_GEN_KEYS = {
+    "random": ("kind", "seed", "count", "length", "token_range"),
+    "shared_prefix": ("kind", "seed", "conversations", "turns", "prefix_length", "turn_length",
+                      "token_range"),
+}
+
+
+def _generate_prompts(f: _Fields, g: dict[str, Any]) -> list[tuple[int, ...]]:
+    """Seeded synthetic prompts. `random`: `count` independent prompts. `shared_prefix`: every
+    prompt starts with one shared prefix (a system prompt); conversation c's turn t prompt is the
+    prefix plus c's first t+1 turn chunks, so turns also share their conversation's history,
+    like multi-turn RL rollouts that hit a prefix cache."""
+    p = "prompts.generate."
+    kind = f.choice(g, "kind", GENERATOR_KINDS, prefix=p)
+    f.only(g, p, _GEN_KEYS[kind])
+    rng = np.random.Generator(np.random.PCG64(f.count(g, "seed", prefix=p, low=0, default=0)))
+    token_range = f.get(g, "token_range", list, default=list(DEFAULT_TOKEN_RANGE), prefix=p)
+    if len(token_range) != 2 or not all(isinstance(t, int) for t in token_range) \
+            or not 0 <= token_range[0] < token_range[1]:
+        raise f.error(p + "token_range", f"must be [low, high) with 0 <= low < high, got {token_range!r}")
+
+    def tokens(n: int) -> tuple[int, ...]:
+        return tuple(int(t) for t in rng.integers(token_range[0], token_range[1], size=n))
+
+    if kind == "random":
+        draw = _length_sampler(f, g, "length", rng, prefix=p)
+        return [tokens(draw()) for _ in range(f.count(g, "count", prefix=p))]
+    prefix = tokens(f.count(g, "prefix_length", prefix=p))
+    draw = _length_sampler(f, g, "turn_length", rng, prefix=p)
+    turns = f.count(g, "turns", prefix=p)
+    prompts = []
+    for _ in range(f.count(g, "conversations", prefix=p)):
+        history = prefix
+        for _ in range(turns):
+            history = history + tokens(draw())
+            prompts.append(history)
+    return prompts
+
+
+def _length_sampler(f: _Fields, g: dict[str, Any], key: str, rng: np.random.Generator, *,
+                    prefix: str) -> Callable[[], int]:
+    """A draw() for a length spec: an int (fixed), {min, max} (uniform, inclusive) or
+    {distribution = "lognormal", median, sigma, min, max} (clipped to [min, max])."""
+    spec = f.get(g, key, (int, dict), prefix=prefix)
+    field = prefix + key
+    if isinstance(spec, int):
+        if spec < 1:
+            raise f.error(field, f"must be >= 1, got {spec}")
+        return lambda: spec
+    dist = f.choice(spec, "distribution", LENGTH_DISTRIBUTIONS, default="uniform", prefix=field + ".")
+    keys = ("distribution", "min", "max") + (("median", "sigma") if dist == "lognormal" else ())
+    f.only(spec, field + ".", keys)
+    low = f.count(spec, "min", prefix=field + ".")
+    high = f.count(spec, "max", prefix=field + ".")
+    if high < low:
+        raise f.error(field, f"max ({high}) < min ({low})")
+    if dist == "uniform":
+        return lambda: int(rng.integers(low, high + 1))
+    median = f.get(spec, "median", (int, float), prefix=field + ".")
+    sigma = f.get(spec, "sigma", (int, float), prefix=field + ".")
+    if median <= 0 or sigma < 0:
+        raise f.error(field, f"lognormal needs median > 0 and sigma >= 0, got {median}, {sigma}")
+    return lambda: int(np.clip(round(rng.lognormal(math.log(median), sigma)), low, high))
+
+
+# --------------------------------------------------------------------------------------------
+# Sampling, context and tolerances
+
+
+def _load_requests(f: _Fields, sampling: Any, prompts: list[tuple[int, ...]],
+                   logprobs_mode: str) -> tuple[Request, ...]:
+    """One request per (sampling block, prompt); in a sweep, ids are "<label>/<i>"."""
+    if sampling is None:
+        sampling = {}
+    blocks = sampling if isinstance(sampling, list) else [sampling]
+    if not blocks or not all(isinstance(b, dict) for b in blocks):
+        raise f.error("sampling", "must be a table, or a non-empty list of tables ([[sampling]]) for a sweep")
+    requests = []
+    labels: set[str] = set()
+    for j, block in enumerate(blocks):
+        where = f"sampling[{j}]." if len(blocks) > 1 else "sampling."
+        f.only(block, where, _SAMPLING_KEYS)
+        params = {k: v for k, v in block.items() if k not in ("label", "seed")}
+        seed = f.count(block, "seed", prefix=where, low=0, default=0)
+        try:
+            base = SamplingParams.from_dict({**params, "logprobs_mode": logprobs_mode})
+        except (ParityError, TypeError) as exc:
+            raise f.error(where.rstrip("."), str(exc)) from exc
+        label = f.get(block, "label", str, default=_label(base), prefix=where) if len(blocks) > 1 else ""
+        if label in labels:
+            raise f.error(where + "label", f"{label!r} is used by two sampling blocks; labels must be unique")
+        labels.add(label)
+        for i, ids in enumerate(prompts):
+            request_id = f"{label}/{i}" if label else str(i)
+            requests.append(Request(ids, base.replace(seed=seed + i), request_id=request_id))
+    return tuple(requests)
+
+
+def sweep_label(request_id: str) -> str | None:
+    """The sampling-block label of a sweep request id ("t0.6/3" -> "t0.6"); None outside a sweep."""
+    label, sep, _ = request_id.rpartition("/")
+    return label if sep else None
+
+
+def _label(s: SamplingParams) -> str:
+    """A readable default label for a sweep block, e.g. "t0.6-p0.9-k20"."""
+    parts = [f"t{s.temperature:g}"]
+    if s.top_p < 1.0:
+        parts.append(f"p{s.top_p:g}")
+    if s.top_k:
+        parts.append(f"k{s.top_k}")
+    return "-".join(parts)
+
+
+def _check_context(f: _Fields, model: str, requests: tuple[Request, ...]) -> None:
+    """Every prompt plus its max_tokens must fit the model's context window."""
+    from parity.models import resolve_model
+
+    try:
+        config_path = resolve_model(model) / "config.json"
+    except ParityError as exc:
+        raise f.error("model", str(exc)) from exc
+    limit = json.loads(config_path.read_text()).get("max_position_embeddings")
+    if limit is None:
+        return
+    for r in requests:
+        need = len(r.prompt_ids) + r.sampling.max_tokens
+        if need > limit:
+            raise f.error(
+                "prompts",
+                f"request {r.request_id!r} needs {len(r.prompt_ids)} prompt + {r.sampling.max_tokens} "
+                f"generated = {need} positions; the model allows {limit}",
+            )
+
+
+def _load_tolerances(f: _Fields, table: Any) -> tuple[Tolerance | None, tuple[tuple[str, Tolerance], ...]]:
+    """[tolerance] scalars are case-wide limits; [tolerance.<backend>] tables override one backend."""
+    if not isinstance(table, dict):
+        raise f.error("tolerance", f"must be a table of Tolerance fields, got {table!r}")
+    common = {k: v for k, v in table.items() if not isinstance(v, dict)}
+    per_backend = {k: v for k, v in table.items() if isinstance(v, dict)}
+    for name in per_backend:
+        if name not in BACKEND_NAMES:
+            raise f.error(f"tolerance.{name}", f"unknown backend; allowed: {list(BACKEND_NAMES)}")
+    try:
+        tolerance = Tolerance.from_dict(common) if common else None
+        overrides = tuple(
+            (name, Tolerance.from_dict({**common, **limits}, where=f"tolerance.{name}"))
+            for name, limits in per_backend.items()
+        )
+    except (ParityError, TypeError) as exc:
+        raise ConfigError(f"{f.path}: {exc}") from exc
+    return tolerance, overrides

@@ -1,0 +1,106 @@
+"""`parity nightly`: the command line of the nightly regression run.
+
+Prints a short table of the rows and where the report went; the exit code is 0 when every row
+passed, 1 on a regression or tolerance failure, 2 when a row errored (or the options were bad).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from parity.errors import ConfigError, ParityError
+from parity.nightly.history import History
+from parity.nightly.regression import TEST_NAME, RegressionPolicy
+from parity.nightly.rows import RowResult, check_run_id
+from parity.nightly.runner import AUTO, NightlyConfig, run_nightly
+
+#: options that define the matrix; a resumed run takes them from the history instead.
+_MATRIX_OPTIONS = ("cases", "backends", "dtypes", "baseline", "alpha", "min_effect", "reference")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="parity nightly",
+        description="Run cases x backends x dtypes, keep the history, flag drift regressions "
+                    "and write a report.",
+        epilog=f"A row regresses when the {TEST_NAME} against its baseline row is significant at "
+               "--alpha and its mean |Δlogp| grows by more than --min-effect nats. Exit codes: 0 every "
+               "row passed, 1 a regression or tolerance failure, 2 an error row or bad options.",
+    )
+    p.add_argument("--cases", help="case directory, file, or comma-separated files/names (e.g. "
+                                    "cases/smoke.toml,cases/moe.toml); required unless --resume")
+    p.add_argument("--backends", help=f"comma-separated backend names, or '{AUTO}' (default) for every "
+                                      "backend installed here")
+    p.add_argument("--dtypes", help="comma-separated dtypes to run every case in (default: each case's own)")
+    p.add_argument("--out", type=Path, default=Path("reports"), help="report directory (default: reports/)")
+    p.add_argument("--history", type=Path, help="SQLite history file (default: <out>/history.sqlite)")
+    p.add_argument("--run-id", help="id of this run (default: UTC time); an existing id is continued")
+    p.add_argument("--resume", metavar="RUN_ID", help="finish an interrupted run with its stored options")
+    p.add_argument("--baseline", metavar="RUN_ID",
+                   help="compare with this run (default: the last passing run of each row)")
+    p.add_argument("--alpha", type=float, help="significance level of the regression test (default 0.01)")
+    p.add_argument("--min-effect", type=float,
+                   help="smallest change of mean per-token |Δlogp| that counts, nats (default 1e-3)")
+    p.add_argument("--reference", choices=("invariant", "native"),
+                   help="training-forward kernels (default invariant)")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    return p
+
+
+def _split(text: str | None) -> tuple[str, ...]:
+    return tuple(t.strip() for t in text.split(",") if t.strip()) if text else ()
+
+
+def config_from_args(args: argparse.Namespace) -> NightlyConfig:
+    """The run's configuration: from the options, or from the history for `--resume`."""
+    if args.resume is not None:
+        given = [o for o in _MATRIX_OPTIONS if getattr(args, o) is not None]
+        if given or args.run_id is not None:
+            flags = ["--" + o.replace("_", "-") for o in given + (["run_id"] if args.run_id else [])]
+            raise ConfigError(f"--resume takes the matrix from the stored run; drop {flags}")
+        check_run_id(args.resume, option="--resume")
+        with History(args.history or args.out / "history.sqlite") as history:
+            record = history.require_run(args.resume, option="--resume").config
+        return NightlyConfig.from_record(record, out=args.out, history=args.history, run_id=args.resume)
+    if args.cases is None:
+        raise ConfigError("--cases is required (a directory, a file, or comma-separated files/names), "
+                          "unless --resume RUN_ID")
+    return NightlyConfig(
+        cases=args.cases, backends=_split(args.backends) or (AUTO,), dtypes=_split(args.dtypes), out=args.out,
+        history=args.history, run_id=args.run_id, baseline=args.baseline,
+        policy=RegressionPolicy(**{k: v for k, v in (("alpha", args.alpha), ("min_effect", args.min_effect))
+                                   if v is not None}),
+        reference=args.reference or "invariant",
+    )
+
+
+def format_rows(rows: list[RowResult]) -> str:
+    """The rows as an aligned text table (what the command prints)."""
+    table = [("row", "status", "max|Δlogp|", "mean|Δlogp|", "vs baseline")]
+    for r in rows:
+        s, v = r.summary, r.verdict
+        table.append((
+            r.key.label, r.status,
+            f"{s['max_abs_logprob_diff']:.3g}" if "max_abs_logprob_diff" in s else "",
+            f"{s['mean_abs_logprob_diff']:.3g}" if "mean_abs_logprob_diff" in s else "",
+            (r.error or "").splitlines()[0][:70] if r.error else "" if v is None else
+            f"{v.change} ({v.effect:+.2g} nats vs {v.baseline_run})",
+        ))
+    widths = [max(len(line[i]) for line in table) for i in range(len(table[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in table)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `parity nightly`; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    try:
+        result = run_nightly(config_from_args(args), progress=not args.no_progress)
+    except ParityError as exc:
+        print(f"parity nightly: error: {exc}", file=sys.stderr)
+        return 2
+    print(format_rows(result.rows))
+    print(f"\nrun {result.run.run_id}: exit code {result.exit_code}; "
+          f"report: {result.report_dir / 'index.html'}")
+    return result.exit_code

@@ -1,0 +1,64 @@
+"""`summary.md`: the nightly verdict as GitHub-flavoured Markdown, sized for a CI comment.
+
+Rows that need attention (error, regression, fail) come first; the full picture is in index.html.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from parity.nightly.history import RunInfo
+from parity.nightly.regression import TEST_NAME
+from parity.nightly.rows import STATUSES, RowResult
+from parity.tolerance import Violation
+
+_MARK = {"error": "💥", "regression": "📉", "fail": "❌", "improved": "📈", "pass": "✅"}
+
+
+def render_summary(run: RunInfo, rows: list[RowResult], *, report_path: str = "index.html") -> str:
+    """Markdown: headline counts, one table line per row, then what changed and why rows broke."""
+    counts = Counter(r.status for r in rows)
+    headline = ", ".join(f"{counts[s]} {s}" for s in STATUSES if counts[s]) or "no rows"
+    ordered = sorted(rows, key=lambda r: STATUSES.index(r.status))
+    lines = [
+        f"## parity nightly `{run.run_id}`: {headline}",
+        "",
+        "| | case | backend | dtype | max \\|Δlogp\\| | mean \\|Δlogp\\| | k3 KL | Δ mean vs baseline | p |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in ordered:
+        v = r.verdict
+        case = r.key.case + (f" ({r.key.router_replay})" if r.key.router_replay else "")
+        lines.append(
+            f"| {_MARK[r.status]} {r.status} | {_cell(case)} | {r.key.backend} | {r.key.dtype} | "
+            f"{_num(r.summary.get('max_abs_logprob_diff'))} | "
+            f"{_num(r.summary.get('mean_abs_logprob_diff'))} | "
+            f"{_num(r.summary.get('k3_kl'))} | {'' if v is None else f'{v.effect:+.2g}'} | "
+            f"{'' if v is None else _num(v.p_value)} |"
+        )
+    notes = []
+    for r in ordered:
+        if r.error:
+            notes.append(f"- **{_cell(r.key.label)}** error: `{_cell(r.error.splitlines()[0])[:300]}`")
+        for viol in r.violations:
+            notes.append(f"- **{_cell(r.key.label)}** tolerance: {_cell(Violation(**viol).describe())}")
+        if r.verdict is not None and r.verdict.change != "unchanged":
+            notes.append(f"- **{_cell(r.key.label)}** {_cell(r.verdict.describe())}")
+    if notes:
+        lines += ["", *notes]
+    lines += ["", f"Regression test: {TEST_NAME}; baseline: "
+              f"{run.config.get('baseline') or 'the last passing run of each row'}. "
+              f"Full report: `{report_path}`.", ""]
+    return "\n".join(lines)
+
+
+def _num(value: Any) -> str:
+    if isinstance(value, bool) or value is None:
+        return ""
+    return f"{value:.3g}" if isinstance(value, (int, float)) else str(value)
+
+
+def _cell(text: str) -> str:
+    """Text safe inside a Markdown table cell."""
+    return text.replace("|", "\\|").replace("\n", " ")

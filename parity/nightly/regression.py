@@ -1,0 +1,118 @@
+"""Regression detection: is this row's per-token drift worse than its baseline's?
+
+The test is a one-sided Mann-Whitney U test (scipy) on the per-token |Δlogp| =
+|logp_train - logp_rollout| of the current row against the baseline row: "current tokens are
+stochastically larger than baseline tokens" at significance `alpha`. A significant shift alone is
+not enough, because with thousands of tokens a shift of 1e-7 nats is significant and harmless; it
+must also move the mean |Δlogp| by more than `min_effect` nats. Improvements are the mirror image.
+
+Caveat worth knowing: tokens of one sequence are correlated, so the test's p-values are optimistic;
+`min_effect` is the guard that keeps that from flagging noise.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import numpy as np
+from scipy.stats import mannwhitneyu
+
+from parity.errors import ConfigError
+
+TEST_NAME = "one-sided Mann-Whitney U on per-token |Δlogp|"
+Change = Literal["regression", "improved", "unchanged"]
+
+
+@dataclass(frozen=True)
+class RegressionPolicy:
+    """When a drift change counts.
+
+    alpha: significance level of each one-sided test, in (0, 1).
+    min_effect: smallest change of mean per-token |Δlogp| (nats) that counts, >= 0.
+    """
+
+    alpha: float = 0.01
+    min_effect: float = 1e-3
+
+    def __post_init__(self) -> None:
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) \
+                or not 0.0 < self.alpha < 1.0:
+            raise ConfigError(f"--alpha must be a number in (0, 1), got {self.alpha!r}")
+        if isinstance(self.min_effect, bool) or not isinstance(self.min_effect, (int, float)) \
+                or not math.isfinite(self.min_effect) or self.min_effect < 0:
+            raise ConfigError(f"--min-effect must be a finite number >= 0 (nats), got {self.min_effect!r}")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The outcome of comparing one row's drift with its baseline row.
+
+    change: "regression", "improved" or "unchanged".
+    p_worse / p_better: one-sided p-values (current larger / smaller than baseline).
+    effect: mean |Δlogp| now minus at baseline (nats; > 0 is worse).
+    """
+
+    change: Change
+    baseline_run: str
+    p_worse: float
+    p_better: float
+    effect: float
+    current_mean: float
+    baseline_mean: float
+    current_tokens: int
+    baseline_tokens: int
+    alpha: float
+    min_effect: float
+    test: str = TEST_NAME
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Verdict:
+        return cls(**d)
+
+    def describe(self) -> str:
+        """One line for reports, e.g. `regression vs X: mean |Δlogp| 0.001 → 0.004 nats (+0.003, p=2e-09)`."""
+        return (f"{self.change} vs {self.baseline_run}: mean |Δlogp| {self.baseline_mean:.3g} → "
+                f"{self.current_mean:.3g} nats ({self.effect:+.3g}, p={self.p_value:.2g})")
+
+    @property
+    def p_value(self) -> float:
+        """The p-value of the one-sided test in the direction the mean moved."""
+        return self.p_worse if self.effect >= 0 else self.p_better
+
+
+def compare_drift(current: np.ndarray, baseline: np.ndarray, *, baseline_run: str,
+                  policy: RegressionPolicy) -> Verdict:
+    """Compare per-token |Δlogp| arrays (any shape; non-finite values count as worst)."""
+    cur = _clean(current)
+    base = _clean(baseline)
+    with np.errstate(over="ignore", invalid="ignore"):  # a non-finite token makes the mean inf
+        cur_mean = float(cur.mean()) if cur.size else 0.0
+        base_mean = float(base.mean()) if base.size else 0.0
+        effect = cur_mean - base_mean
+    p_worse = p_better = 1.0
+    # All values equal (e.g. exact-zero drift on both sides) is a complete tie: no evidence of
+    # change, and scipy's normal approximation would divide by a zero variance.
+    if cur.size and base.size and not np.all(np.concatenate([cur, base]) == cur[0]):
+        p_worse = float(mannwhitneyu(cur, base, alternative="greater").pvalue)
+        p_better = float(mannwhitneyu(cur, base, alternative="less").pvalue)
+    change: Change = "unchanged"
+    if p_worse < policy.alpha and effect > policy.min_effect:
+        change = "regression"
+    elif p_better < policy.alpha and -effect > policy.min_effect:
+        change = "improved"
+    return Verdict(change=change, baseline_run=baseline_run, p_worse=p_worse, p_better=p_better,
+                   effect=effect, current_mean=cur_mean, baseline_mean=base_mean,
+                   current_tokens=int(cur.size), baseline_tokens=int(base.size),
+                   alpha=policy.alpha, min_effect=policy.min_effect)
+
+
+def _clean(values: np.ndarray) -> np.ndarray:
+    """float64 1-D copy where NaN/inf become the largest finite float: an undefined logprob
+    difference is the worst drift there is, and the rank test needs orderable values."""
+    arr = np.abs(np.asarray(values, dtype=np.float64).ravel())
+    return np.where(np.isfinite(arr), arr, np.finfo(np.float64).max)

@@ -1,0 +1,214 @@
+"""The nightly matrix runner: cases x backends x dtypes (x router-replay variants), one row each.
+
+Rows run one after another behind a progress bar. Each finished row (including an error row) is
+committed to the history before the next starts, so a killed run keeps its finished work and
+`resume` runs only what is missing (error rows are retried). One engine per (backend, model,
+dtype) is started through `shared_backend` and reused by every case that needs it.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from parity.backends import BACKENDS, available_backends, shared_backend
+from parity.backends.base import DTYPES
+from parity.cases import Case, load_cases
+from parity.compare import REFERENCE_KERNELS, compare
+from parity.errors import ConfigError
+from parity.nightly.environment import collect_environment
+from parity.nightly.history import History, RunInfo, now
+from parity.nightly.publish import publish
+from parity.nightly.regression import RegressionPolicy, compare_drift
+from parity.nightly.rows import RowKey, RowResult, check_run_id, exit_code, row_status
+
+AUTO = "auto"
+#: the start option that makes a backend record MoE routes, which R3 replays in the training
+#: forward (see `parity.compare`). A backend without one cannot feed R3, so `plan` leaves its R3
+#: cell out of the matrix instead of recording an error that no setting could fix.
+ROUTE_OPTIONS: dict[str, str] = {"reference": "record_routes", "vllm": "return_routed_experts",
+                                 "sglang": "return_routed_experts"}
+
+
+@dataclass(frozen=True)
+class NightlyConfig:
+    """What one nightly run does.
+
+    cases: a `load_cases` spec (directory, file, or comma-separated files and names).
+    backends: backend names, or ("auto",) for every backend usable here.
+    dtypes: dtypes to run every case in; empty = each case's own `dtypes`.
+    out: report directory; each run writes `<out>/<run_id>/`.
+    history: SQLite history file; None = `<out>/history.sqlite`.
+    run_id: None = a new id from the UTC time.
+    baseline: compare every row with this run's row of the same key; None = the last passing
+        run of each row.
+    reference: training-forward kernels, "invariant" or "native" (see `parity.compare`).
+    """
+
+    cases: str
+    backends: tuple[str, ...] = (AUTO,)
+    dtypes: tuple[str, ...] = ()
+    out: Path = Path("reports")
+    history: Path | None = None
+    run_id: str | None = None
+    baseline: str | None = None
+    policy: RegressionPolicy = field(default_factory=RegressionPolicy)
+    reference: str = "invariant"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "out", Path(self.out))
+        object.__setattr__(self, "backends", tuple(self.backends))
+        object.__setattr__(self, "dtypes", tuple(self.dtypes))
+        if not self.backends:
+            raise ConfigError(f"--backends is empty; give '{AUTO}' or names from {list(BACKENDS)}")
+        if self.backends != (AUTO,):
+            bad = [b for b in self.backends if b not in BACKENDS]
+            if bad:
+                raise ConfigError(f"--backends: unknown {bad}; allowed: '{AUTO}' or names from "
+                                  f"{list(BACKENDS)}")
+        bad = [d for d in self.dtypes if d not in DTYPES]
+        if bad:
+            raise ConfigError(f"--dtypes: unknown {bad}; allowed: {list(DTYPES)}")
+        if self.reference not in REFERENCE_KERNELS:
+            raise ConfigError(f"--reference {self.reference!r}; allowed: {list(REFERENCE_KERNELS)}")
+        for option, value in (("--run-id", self.run_id), ("--baseline", self.baseline)):
+            if value is not None:
+                check_run_id(value, option=option)
+
+    @property
+    def history_path(self) -> Path:
+        return self.history if self.history is not None else self.out / "history.sqlite"
+
+    def to_record(self) -> dict[str, Any]:
+        """The options that define the matrix and the verdicts, stored with the run for `--resume`."""
+        return {"cases": self.cases, "backends": list(self.backends), "dtypes": list(self.dtypes),
+                "baseline": self.baseline, "reference": self.reference, **asdict(self.policy)}
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any], *, out: Path, history: Path | None,
+                    run_id: str) -> NightlyConfig:
+        return cls(cases=record["cases"], backends=tuple(record["backends"]), dtypes=tuple(record["dtypes"]),
+                   out=out, history=history, run_id=run_id, baseline=record["baseline"],
+                   reference=record["reference"],
+                   policy=RegressionPolicy(alpha=record["alpha"], min_effect=record["min_effect"]))
+
+
+@dataclass(frozen=True)
+class NightlyRun:
+    """A finished run: its rows in matrix order, where the report went and the exit code."""
+
+    run: RunInfo
+    rows: list[RowResult]
+    report_dir: Path
+    exit_code: int
+
+
+def resolve_backends(backends: tuple[str, ...]) -> tuple[str, ...]:
+    """("auto",) -> every backend whose package is installed here, in registry order."""
+    if backends == (AUTO,):
+        return tuple(name for name, reason in available_backends().items() if reason is None)
+    return backends
+
+
+def plan(cases: list[Case], backends: tuple[str, ...],
+         dtypes: tuple[str, ...] = ()) -> list[tuple[RowKey, Case]]:
+    """The matrix in run order: case, router-replay variant, backend, dtype. A case that lists
+    its backends runs only on those; R3 runs only on backends that can record routes; `dtypes`
+    overrides every case's own dtypes."""
+    cells = []
+    for case in cases:
+        for replay in case.router_replay or ("",):
+            for backend in backends:
+                if (case.backends and backend not in case.backends) or \
+                        (replay == "R3" and backend not in ROUTE_OPTIONS):
+                    continue
+                for dtype in dtypes or case.dtypes:
+                    cells.append((RowKey(case.name, backend, dtype, replay), case))
+    return cells
+
+
+def new_run_id() -> str:
+    return _dt.datetime.now(_dt.UTC).strftime("%Y%m%d-%H%M%S")
+
+
+def run_nightly(config: NightlyConfig, *, progress: bool = True) -> NightlyRun:
+    """Run (or finish) the matrix, store every row, write the report; see the module docstring."""
+    cases = load_cases(config.cases)
+    backends = resolve_backends(config.backends)
+    cells = plan(cases, backends, config.dtypes)
+    with History(config.history_path) as history:
+        if config.baseline is not None:
+            history.require_run(config.baseline, option="--baseline")
+        run_id = config.run_id or _unused_run_id(history)
+        record = {**config.to_record(), "backends": list(backends)}
+        run = history.start_run(run_id, record, collect_environment())
+        done = {str(r.key) for r in history.rows(run_id) if r.status != "error"}
+        todo = [(key, case) for key, case in cells if str(key) not in done]
+        with tqdm(todo, desc=f"nightly {run_id}", unit="row", disable=not progress,
+                  dynamic_ncols=True) as bar:
+            for key, case in bar:
+                bar.set_postfix_str(key.label)
+                history.add_row(run_row(run_id, key, case, config, history))
+        history.finish_run(run_id)
+        run = history.require_run(run_id, option="--run-id")
+        stored = {str(r.key): r for r in history.rows(run_id, with_report=True)}
+        order = [str(key) for key, _ in cells]
+        rows = [stored[k] for k in order if k in stored] + [r for k, r in stored.items() if k not in order]
+        trend = history.trend([r.key for r in rows], up_to_run=run_id)
+    report_dir = publish(config.out, run, rows, trend)
+    return NightlyRun(run=run, rows=rows, report_dir=report_dir, exit_code=exit_code(rows))
+
+
+def _unused_run_id(history: History) -> str:
+    base = new_run_id()
+    run_id, n = base, 1
+    while history.run(run_id) is not None:
+        n += 1
+        run_id = f"{base}-{n}"
+    return run_id
+
+
+def run_row(run_id: str, key: RowKey, case: Case, config: NightlyConfig, history: History) -> RowResult:
+    """Run one cell and judge it; any exception becomes an error row instead of ending the run."""
+    provenance: dict[str, Any] = {
+        "case": case.name, "case_hash": case.hash, "case_file": str(case.path or ""), "model": case.model,
+        "seeds": case.seeds, "reference_kernels": config.reference,
+    }
+    timing: dict[str, float] = {}
+    stage = "backend failed to start"
+    try:
+        t0 = time.perf_counter()
+        options = {ROUTE_OPTIONS[key.backend]: True} if key.router_replay == "R3" else {}
+        engine = shared_backend(key.backend, case.model, dtype=key.dtype, **options)
+        timing["start_s"] = round(time.perf_counter() - t0, 3)
+        stage = "case failed"
+        t0 = time.perf_counter()
+        report = compare(None, engine, case=case, dtype=key.dtype, tolerance=case.tolerance_for(key.backend),
+                         reference=config.reference,
+                         router_replay=None if key.router_replay in ("", "none") else key.router_replay)
+        timing["case_s"] = round(time.perf_counter() - t0, 3)
+    except Exception as exc:  # an error row, by design: one broken backend must not end the night
+        trace = "".join(traceback.format_exception(exc))[-4000:]
+        return RowResult(run_id=run_id, key=key, status="error",
+                         error=f"{stage}: {type(exc).__name__}: {exc}",
+                         provenance={**provenance, "traceback": trace}, timing=timing, finished_at=now())
+    abs_diff = np.abs(report.log_ratio())
+    baseline = history.row(config.baseline, key) if config.baseline is not None \
+        else history.last_passing(key, before_run=run_id)
+    verdict = None
+    if baseline is not None and baseline.status != "error":
+        verdict = compare_drift(abs_diff, baseline.abs_diff, baseline_run=baseline.run_id,
+                                policy=config.policy)
+    return RowResult(
+        run_id=run_id, key=key, status=row_status(report.violations, verdict), summary=dict(report.summary),
+        violations=[v._asdict() for v in report.violations], verdict=verdict,
+        provenance={**report.provenance, **provenance}, timing=timing, abs_diff=abs_diff,
+        report_json=report.to_json(), finished_at=now(),
+    )

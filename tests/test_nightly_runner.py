@@ -1,0 +1,376 @@
+"""`parity nightly` end to end with a synthetic `compare` (no engines): rows, reports, baselines,
+regressions, faults, kill-and-resume, and the page in headless Chromium.
+
+The fake draws per-token drift whose size depends on the backend and on the reference kernels,
+seeded by the case, so two runs of one setting give identical arrays (no change) and
+`--reference native` gives a larger drift (a regression).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import zlib
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from parity.errors import BackendError
+from parity.metrics import SUMMARY_KEYS
+from parity.nightly import main, runner
+from parity.nightly.runner import plan
+from parity.report import ParityReport
+from parity.tolerance import Tolerance
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+SCALE = {"reference": 0.0, "hf": 0.002, "vllm": 0.004}
+AVAILABLE = {"reference": None, "hf": None, "vllm": None, "sglang": "sglang is not installed",
+             "trtllm": "tensorrt_llm is not installed"}
+
+
+def fake_engine(name: str, model: str, *, dtype: str, **options: Any) -> SimpleNamespace:
+    if name == "sglang":
+        raise BackendError("sglang engine died while starting")
+    return SimpleNamespace(name=name, model=model, dtype=dtype, options=options)
+
+
+def fake_compare(model: Any, engine: SimpleNamespace, *, case: Any, dtype: str, tolerance: Any,
+                 reference: str, router_replay: str | None) -> ParityReport:
+    if case.name == "crashy" and engine.name == "vllm":
+        raise RuntimeError("vllm worker crashed mid-case")
+    assert (router_replay == "R3") == (engine.options == {"record_routes": True})
+    scale = SCALE[engine.name] if reference == "invariant" else 10 * SCALE[engine.name] or 0.02
+    rng = np.random.default_rng(zlib.crc32(f"{case.hash}/{engine.name}/{dtype}/{router_replay}".encode()))
+    rows = sum(r.sampling.n for r in case.requests)
+    width = max(r.sampling.max_tokens for r in case.requests)
+    rollout = -rng.exponential(1.0, (rows, width)).astype(np.float32)
+    train = (rollout + scale * rng.standard_normal((rows, width))).astype(np.float32)
+    mask = np.ones((rows, width), bool)
+    d = train.astype(np.float64) - rollout
+    ratio = np.exp(d)
+    summary = {key: float(np.mean(np.abs(d))) for key in SUMMARY_KEYS}  # filler, overwritten below
+    summary.update(max_abs_logprob_diff=float(np.abs(d).max()), mean_abs_logprob_diff=float(np.abs(d).mean()),
+                   is_ratio_mean=float(ratio.mean()), is_ratio_p99=float(np.quantile(ratio, 0.99)),
+                   k3_kl=float(np.mean(ratio - 1 - d)), num_tokens=int(mask.sum()), num_sequences=rows,
+                   frac_tokens_ratio_gt_2=float(np.mean(np.abs(d) > 0.69)))
+    buckets = [{"lo": lo, "hi": lo + 10, "num_tokens": rows * 10,
+                "mean_abs_logprob_diff": float(np.abs(d[:, lo:lo + 10]).mean()),
+                "max_abs_logprob_diff": float(np.abs(d[:, lo:lo + 10]).max())} for lo in range(0, width, 10)]
+    tol = Tolerance.resolve(tolerance, engine.name)
+    violations = tol.violations(summary)
+    return ParityReport(
+        train_logprobs=train, rollout_logprobs=rollout, mask=mask,
+        positions=np.tile(np.arange(width), (rows, 1)) + 4, token_ids=rng.integers(3, 259, (rows, width)),
+        sequences=[{"request_id": r.request_id, "sample_index": i} for r in case.requests
+                   for i in range(r.sampling.n)], summary=summary,
+        metrics={"rollout_corr/rollout_is_mean": summary["is_ratio_mean"]},
+        breakdowns={"by_position": buckets, "by_probability": buckets[::-1]}, passed=not violations,
+        tolerance=tol, violations=violations,
+        provenance={"backend": engine.name, "dtype": dtype, "case": case.name, "case_hash": case.hash,
+                    "router_replay": router_replay, "reference_kernels": reference},
+    )
+
+
+def install(target: Any, *, compare: Any = fake_compare, patch: Any = setattr) -> None:
+    """Swap the runner's engines for the fakes (`patch` = monkeypatch.setattr in tests)."""
+    patch(target, "compare", compare)
+    patch(target, "shared_backend", fake_engine)
+    patch(target, "available_backends", lambda: dict(AVAILABLE))
+
+
+def write_cases(root: Path) -> Path:
+    cases = root / "cases"
+    cases.mkdir()
+    (cases / "alpha.toml").write_text(textwrap.dedent("""
+        description = "two prompts"
+        model = "tiny-llama"
+        [prompts]
+        token_ids = [[3, 4, 5, 6], [7, 8, 9]]
+        [sampling]
+        n = 2
+        max_tokens = 40
+        seed = 1
+    """))
+    (cases / "beta.toml").write_text(textwrap.dedent("""
+        description = "moe-like, with replay variants, two dtypes"
+        model = "tiny-llama"
+        dtypes = ["bfloat16", "float16"]
+        router_replay = ["none", "R3"]
+        backends = ["reference", "hf"]
+        [prompts.generate]
+        kind = "random"
+        count = 3
+        length = { min = 4, max = 12 }
+        [sampling]
+        max_tokens = 30
+    """))
+    return cases
+
+
+@pytest.fixture
+def workspace(tmp_path, monkeypatch):
+    install(runner, patch=monkeypatch.setattr)
+    cases = write_cases(tmp_path)
+    return SimpleNamespace(root=tmp_path, cases=cases, out=tmp_path / "reports",
+                           db=tmp_path / "reports" / "history.sqlite")
+
+
+def nightly(ws: SimpleNamespace, *args: str) -> int:
+    return main(["--cases", f"{ws.cases}/alpha.toml", "--out", str(ws.out), "--no-progress", *args])
+
+
+def db_rows(ws: SimpleNamespace) -> list[tuple[str, str, str]]:
+    with sqlite3.connect(ws.db) as db:
+        return db.execute("SELECT run_id, row_key, status FROM rows ORDER BY id").fetchall()
+
+
+def test_plan_expands_backends_dtypes_and_replay_variants(workspace):
+    from parity.cases import load_cases
+
+    cells = [str(k) for k, _ in plan(load_cases(workspace.cases), ("reference", "hf", "vllm"))]
+    assert cells[:3] == ["alpha|reference|bfloat16|", "alpha|hf|bfloat16|", "alpha|vllm|bfloat16|"]
+    # beta: 2 dtypes x (no replay on reference and hf; R3 on reference only, as hf records no
+    # routes); vllm is not in its list
+    assert len(cells) == 3 + 6 and "beta|reference|float16|R3" in cells and "beta|hf|float16|R3" not in cells
+    assert not any("beta|vllm" in c for c in cells)
+    cells = plan(load_cases(workspace.cases), ("reference",), ("float32",))
+    assert [str(k) for k, _ in cells] == ["alpha|reference|float32|", "beta|reference|float32|none",
+                                          "beta|reference|float32|R3"]
+
+
+def test_a_run_writes_rows_reports_and_latest_and_prints_a_summary(workspace, capsys):
+    code = main(["--cases", f"{workspace.cases}/alpha.toml,{workspace.cases}/beta.toml", "--backends",
+                 "reference,hf,vllm", "--out", str(workspace.out), "--run-id", "n1", "--no-progress"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert len(db_rows(workspace)) == 9 and {s for _, _, s in db_rows(workspace)} == {"pass"}
+    run_dir = workspace.out / "n1"
+    assert "alpha / vllm / bfloat16" in out and f"report: {run_dir / 'index.html'}" in out
+    page = (run_dir / "index.html").read_text()
+    assert "<script" not in page and "http://" not in page and "https://" not in page
+    assert page.count('class="row"') == 9 and "Trends" in page and page.count("data:image/svg+xml") > 30
+    results = json.loads((run_dir / "results.json").read_text(),
+                         parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"))
+    assert results["exit_code"] == 0 and len(results["rows"]) == 9
+    row = results["rows"][0]
+    assert set(row["summary"]) >= {"max_abs_logprob_diff", "k3_kl", "is_ratio_p99", "num_tokens"}
+    assert row["provenance"]["case_hash"] and row["provenance"]["seeds"] == [1, 2]
+    assert set(row["timing"]) == {"start_s", "case_s"}
+    assert "versions" in results["environment"] and "git" in results["environment"]
+    summary = (run_dir / "summary.md").read_text()
+    assert summary.startswith("## parity nightly `n1`: 9 pass") and summary.count("| ✅ pass |") == 9
+    assert (workspace.out / "latest").resolve() == run_dir.resolve()
+
+
+def test_a_second_run_against_the_first_reports_no_regression(workspace):
+    assert nightly(workspace, "--backends", "reference,hf,vllm", "--run-id", "n1") == 0
+    assert nightly(workspace, "--backends", "reference,hf,vllm", "--run-id", "n2") == 0
+    results = json.loads((workspace.out / "n2" / "results.json").read_text())
+    verdicts = [r["verdict"] for r in results["rows"]]
+    assert all(v["baseline_run"] == "n1" and v["change"] == "unchanged" for v in verdicts)
+    assert (workspace.out / "latest").resolve().name == "n2"
+
+
+def test_a_worse_setting_against_a_fixed_baseline_is_a_regression(workspace, capsys):
+    assert nightly(workspace, "--backends", "reference,hf", "--run-id", "good") == 0
+    assert nightly(workspace, "--backends", "hf", "--run-id", "other") == 0
+    code = nightly(workspace, "--backends", "reference,hf", "--run-id", "bad", "--reference", "native",
+                   "--baseline", "good")
+    assert code == 1
+    results = json.loads((workspace.out / "bad" / "results.json").read_text())
+    by_backend = {r["backend"]: r for r in results["rows"]}
+    assert by_backend["hf"]["status"] == "regression"
+    verdict = by_backend["hf"]["verdict"]
+    assert verdict["baseline_run"] == "good" and verdict["p_worse"] < 0.01
+    # reference: exact tolerance breaks and the drift regressed from exact zero
+    assert by_backend["reference"]["status"] == "regression" and by_backend["reference"]["violations"]
+    summary = (workspace.out / "bad" / "summary.md").read_text()
+    assert "regression vs good" in summary and "📉 regression" in summary
+    # a regressed row is never the automatic baseline of a later run
+    assert nightly(workspace, "--backends", "hf", "--run-id", "after") == 0
+    after = json.loads((workspace.out / "after" / "results.json").read_text())["rows"][0]
+    assert after["verdict"]["baseline_run"] == "other"
+    # going back to the good setting against the bad run is reported as an improvement
+    assert nightly(workspace, "--backends", "hf", "--run-id", "fixed", "--baseline", "bad") == 0
+    fixed = json.loads((workspace.out / "fixed" / "results.json").read_text())["rows"][0]
+    assert fixed["status"] == "improved" and fixed["verdict"]["effect"] < 0
+    assert "📈 improved" in (workspace.out / "fixed" / "summary.md").read_text()
+
+
+def test_a_failing_backend_becomes_an_error_row_and_the_rest_still_runs(workspace, capsys):
+    crashy = workspace.cases / "crashy.toml"
+    crashy.write_text((workspace.cases / "alpha.toml").read_text())
+    code = main(["--cases", f"{workspace.cases}/alpha.toml,{crashy}", "--backends", "reference,sglang,vllm",
+                 "--out", str(workspace.out), "--run-id", "e1", "--no-progress"])
+    assert code == 2
+    rows = {k: s for _, k, s in db_rows(workspace)}
+    assert rows["alpha|reference|bfloat16|"] == "pass" and rows["alpha|vllm|bfloat16|"] == "pass"
+    assert rows["alpha|sglang|bfloat16|"] == "error" and rows["crashy|vllm|bfloat16|"] == "error"
+    results = json.loads((workspace.out / "e1" / "results.json").read_text())
+    errors = {r["key"]: r["error"] for r in results["rows"] if r["status"] == "error"}
+    assert errors["alpha|sglang|bfloat16|"].startswith(
+        "backend failed to start: BackendError: sglang engine died")
+    assert errors["crashy|vllm|bfloat16|"].startswith("case failed: RuntimeError: vllm worker crashed")
+    assert "vllm worker crashed" in (workspace.out / "e1" / "index.html").read_text()
+    assert "crashy|vllm" not in capsys.readouterr().err
+
+
+def test_an_interrupted_run_resumes_without_duplicates(workspace, monkeypatch):
+    calls: list[str] = []
+
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args[1].name)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # not an error row: the whole run stops, like Ctrl-C
+        return fake_compare(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "compare", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        nightly(workspace, "--backends", "reference,hf,vllm", "--run-id", "k1")
+    assert [k for _, k, _ in db_rows(workspace)] == ["alpha|reference|bfloat16|"]
+    with sqlite3.connect(workspace.db) as db:
+        assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    monkeypatch.setattr(runner, "compare", fake_compare)
+    assert main(["--resume", "k1", "--out", str(workspace.out), "--no-progress"]) == 0
+    assert calls == ["reference", "hf"]  # the resumed run did only what was missing
+    keys = [k for _, k, _ in db_rows(workspace)]
+    assert keys == ["alpha|reference|bfloat16|", "alpha|hf|bfloat16|", "alpha|vllm|bfloat16|"]
+    # running the same run id again finds nothing left to do and adds nothing
+    assert nightly(workspace, "--backends", "reference,hf,vllm", "--run-id", "k1") == 0
+    assert len(db_rows(workspace)) == 3
+
+
+def test_a_sweep_case_shows_drift_per_sampling_block(workspace):
+    sweep = workspace.cases / "sweep.toml"
+    sweep.write_text(textwrap.dedent("""
+        model = "tiny-llama"
+        [prompts]
+        token_ids = [[3, 4, 5]]
+        [[sampling]]
+        temperature = 0.6
+        [[sampling]]
+        label = "hot"
+        temperature = 1.2
+        top_k = 20
+    """))
+    assert nightly(workspace, "--cases", str(sweep), "--backends", "hf", "--run-id", "s1") == 0
+    page = (workspace.out / "s1" / "index.html").read_text()
+    assert "Drift by sampling block" in page and "<td>t0.6</td>" in page and "<td>hot</td>" in page
+
+
+KILL_SCRIPT = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+import test_nightly_runner as fakes
+from parity.nightly import main, runner
+
+calls = []
+def dies_on_the_second_row(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return fakes.fake_compare(*args, **kwargs)
+
+fakes.install(runner, compare=dies_on_the_second_row)
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_killed_process_leaves_a_valid_history_and_resume_finishes_it(workspace):
+    script = workspace.root / "kill.py"
+    script.write_text(KILL_SCRIPT.format(tests=str(TESTS)))
+    args = ["--cases", str(workspace.cases / "alpha.toml"), "--backends", "reference,hf,vllm",
+            "--out", str(workspace.out), "--run-id", "killed", "--no-progress"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, env=env,
+                          timeout=300, cwd=ROOT)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert [k for _, k, _ in db_rows(workspace)] == ["alpha|reference|bfloat16|"]
+    assert not (workspace.out / "killed").exists()
+    assert main(["--resume", "killed", "--out", str(workspace.out), "--no-progress"]) == 0
+    assert [k for _, k, _ in db_rows(workspace)] == ["alpha|reference|bfloat16|", "alpha|hf|bfloat16|",
+                                                    "alpha|vllm|bfloat16|"]
+    assert len(json.loads((workspace.out / "killed" / "results.json").read_text())["rows"]) == 3
+
+
+def test_the_parity_command_runs_nightly_with_the_backends_available_here(workspace, capsys):
+    from parity.cli import main as parity_main
+
+    # the Makefile's `make demo` line, on the fakes
+    assert parity_main(["nightly", "--cases", str(workspace.cases / "alpha.toml"), "--backends", "auto",
+                        "--out", str(workspace.out), "--run-id", "a1", "--no-progress"]) == 0
+    assert f"report: {workspace.out / 'a1' / 'index.html'}" in capsys.readouterr().out
+    assert [k.split("|")[1] for _, k, _ in db_rows(workspace)] == ["reference", "hf", "vllm"]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--backends", "tgi"], "--backends: unknown ['tgi']"),
+    (["--dtypes", "fp8"], "--dtypes: unknown ['fp8']"),
+    (["--alpha", "2"], "--alpha must be"),
+    (["--baseline", "nope"], "--baseline 'nope': no such run"),
+    (["--run-id", "../escape"], "--run-id '../escape'"),
+    (["--resume", "x"], "--resume takes the matrix from the stored run; drop ['--cases']"),
+])
+def test_bad_options_exit_2_with_a_message(workspace, capsys, args, message):
+    assert nightly(workspace, *args) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_resume_of_an_unknown_run_and_missing_cases(workspace, capsys):
+    assert main(["--resume", "ghost", "--out", str(workspace.out)]) == 2
+    assert "--resume 'ghost': no such run" in capsys.readouterr().err
+    assert main(["--out", str(workspace.out)]) == 2
+    assert "--cases is required" in capsys.readouterr().err
+
+
+CHROMIUM = next((p for p in (shutil.which("chromium"), shutil.which("chromium-browser")) if p), None)
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium is not installed "
+                    "(apt-get install -y chromium, or `make test` installs it)")
+def test_the_page_loads_in_headless_chromium_without_console_errors(workspace, tmp_path):
+    crashy = workspace.cases / "crashy.toml"
+    crashy.write_text((workspace.cases / "alpha.toml").read_text())
+    spec = f"{workspace.cases}/alpha.toml,{workspace.cases}/beta.toml,{crashy}"
+    for run_id, extra in (("c1", []), ("c2", ["--reference", "native", "--baseline", "c1"])):
+        main(["--cases", spec, "--backends", "reference,hf,vllm", "--dtypes", "bfloat16", "--out",
+              str(workspace.out), "--run-id", run_id, "--no-progress", *extra])
+    page = workspace.out / "c2" / "index.html"
+    probe = tmp_path / "probe.html"
+    probe.write_text(page.read_text().replace(
+        "</body>", "<script>window.addEventListener('load', () => { const i = [...document.images]; "
+        "document.body.dataset.plots = i.filter(x => x.complete && x.naturalWidth > 0).length + '/' "
+        "+ i.length; });</script></body>"))
+
+    def chromium(target: Path, *args: str) -> subprocess.CompletedProcess[str]:
+        profile = tmp_path / f"profile-{len(list(tmp_path.iterdir()))}"
+        cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+               "--disable-background-networking", "--disable-component-update", "--disable-sync",
+               f"--user-data-dir={profile}", "--enable-logging=stderr", "--v=0", "--virtual-time-budget=5000",
+               *args, target.as_uri()]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=180, check=False)
+
+    def console(result: subprocess.CompletedProcess[str]) -> list[str]:
+        return [line for line in result.stderr.splitlines() if re.search(r":CONSOLE[:(]", line)]
+
+    dom = chromium(probe, "--dump-dom")
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    loaded, total = map(int, re.search(r'data-plots="(\d+)/(\d+)"', dom.stdout).groups())
+    assert loaded == total > 40 and console(dom) == []
+    shot = tmp_path / "nightly.png"
+    result = chromium(page, f"--screenshot={shot}", "--window-size=1400,2000", "--hide-scrollbars")
+    assert result.returncode == 0 and shot.stat().st_size > 10_000 and console(result) == []
+    kept = ROOT / ".venv" / "parity-screenshots"
+    kept.mkdir(parents=True, exist_ok=True)
+    shutil.copy(shot, kept / "nightly.png")  # for a person to look at after the run
