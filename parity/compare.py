@@ -96,6 +96,14 @@ def compare(
     provenance = _provenance(model_arg, engine, the_case, dtype=dtype, device=device, reference=reference,
                              router_replay=router_replay)
     report = build_report(rollouts, train, tolerance=limits, provenance=provenance, correction=correction)
+    if rollouts and all(r.routed_experts is not None for r in rollouts):
+        # MoE rollouts that carry routes: router agreement, and drift with and without replay.
+        from parity.routes import router_report
+
+        router_summary, report.extras["router"] = router_report(
+            model_arg, rollouts, the_case.requests, dtype=dtype, device=device, kernels=reference,
+            router_replay=router_replay, tolerance=limits)
+        report.summary.update(router_summary)
     if attribute:
         from parity.attribute import attribution_section
 

@@ -40,6 +40,7 @@ from parity.backends.base import (
     processed_from_raw,
     stop_set,
 )
+from parity.backends.vllm_routes import capture_engine_kwargs, start_route_capture, take_routes
 from parity.errors import BackendError, ConfigError, InputError
 from parity.types import LOGPROBS_MODES, Request, Rollout
 
@@ -91,7 +92,9 @@ class VLLMBackend(Backend):
     logprobs_mode: the parity mode this engine reports ("processed" or "raw").
     enable_prefix_caching: None keeps vLLM's default (on in V1); recorded in meta either way.
     batch_invariant: sets `VLLM_BATCH_INVARIANT=1` before the engine starts.
-    return_routed_experts: ask for MoE routing per position (refused by vLLM's CPU runner).
+    return_routed_experts: ask vLLM for MoE routing per position (refused by vLLM's CPU runner).
+    capture_routes: capture MoE routing inside the engine's worker instead
+        (`parity.backends.vllm_routes`; works on the CPU build; turns prefix caching off).
     engine_kwargs: passed to `vllm.LLM` unchanged (e.g. `max_model_len`, `attention_backend`).
     """
 
@@ -99,8 +102,8 @@ class VLLMBackend(Backend):
 
     def __init__(self, model: str | Path, *, dtype: str = "bfloat16", logprobs_mode: str = "processed",
                  tensor_parallel_size: int = 1, enable_prefix_caching: bool | None = None,
-                 batch_invariant: bool = False, return_routed_experts: bool = False, seed: int = 0,
-                 **engine_kwargs: Any) -> None:
+                 batch_invariant: bool = False, return_routed_experts: bool = False,
+                 capture_routes: bool = False, seed: int = 0, **engine_kwargs: Any) -> None:
         super().__init__(model, dtype=dtype)
         if logprobs_mode not in LOGPROBS_MODES:
             raise ConfigError(f"vllm option logprobs_mode must be one of {LOGPROBS_MODES}, "
@@ -120,6 +123,9 @@ class VLLMBackend(Backend):
         if enable_prefix_caching is not None:
             engine_kwargs["enable_prefix_caching"] = enable_prefix_caching
         engine_kwargs.setdefault("max_model_len", _max_positions(self.model_path))
+        if capture_routes:
+            engine_kwargs = capture_engine_kwargs(engine_kwargs, return_routed_experts=return_routed_experts)
+        self.capture_routes = capture_routes
         try:
             self._llm = vllm.LLM(
                 model=str(self.model_path), skip_tokenizer_init=True, dtype=dtype, seed=seed,
@@ -132,6 +138,8 @@ class VLLMBackend(Backend):
             hint = ("; return_routed_experts needs vLLM's V2 model runner, which the CPU build lacks"
                     if return_routed_experts and on_cpu else "")
             raise BackendError(f"vLLM engine failed to start on {self.model_path}: {e}{hint}") from e
+        if capture_routes:
+            start_route_capture(self._llm)
         config = self._llm.llm_engine.vllm_config
         self.meta.update({
             "backend_version": vllm.__version__, "device": current_platform.device_type,
@@ -141,7 +149,8 @@ class VLLMBackend(Backend):
             "tensor_parallel_size": config.parallel_config.tensor_parallel_size,
             "enable_prefix_caching": bool(config.cache_config.enable_prefix_caching),
             "enforce_eager": bool(config.model_config.enforce_eager),
-            "return_routed_experts": return_routed_experts, "engine_seed": seed,
+            "return_routed_experts": return_routed_experts, "capture_routes": capture_routes,
+            "engine_seed": seed,
             "n_expansion": "n single-sample requests with parity sample_seed(seed, i)",
         })
 
@@ -164,13 +173,17 @@ class VLLMBackend(Backend):
                     f"logprobs_mode={job.sampling.logprobs_mode!r}")
         prompts = [TokensPrompt(prompt_token_ids=list(job.request.prompt_ids)) for job in jobs]
         params = [SamplingParams(**translate_sampling(job, self.eos_ids)) for job in jobs]
+        if self.capture_routes:
+            start_route_capture(self._llm)
         outputs = self._run(prompts, params)
+        captured = take_routes(self._llm) if self.capture_routes else {}
         rollouts = []
         for job, out in zip(jobs, outputs):
             completion = out.outputs[0]
             tokens = list(completion.token_ids)
             logprobs = [step[tok].logprob for step, tok in zip(completion.logprobs, tokens)]
-            routes = routes_for_rollout(completion.routed_experts, len(job.request.prompt_ids), len(tokens))
+            raw_routes = captured.get(out.request_id) if self.capture_routes else completion.routed_experts
+            routes = routes_for_rollout(raw_routes, len(job.request.prompt_ids), len(tokens))
             extra = {"vllm_finish_reason": completion.finish_reason}
             rollouts.append(self.finished(job, tokens, logprobs, routes, **extra))
         return rollouts

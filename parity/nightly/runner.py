@@ -33,7 +33,7 @@ AUTO = "auto"
 #: the start option that makes a backend record MoE routes, which R3 replays in the training
 #: forward (see `parity.compare`). A backend without one cannot feed R3, so `plan` leaves its R3
 #: cell out of the matrix instead of recording an error that no setting could fix.
-ROUTE_OPTIONS: dict[str, str] = {"reference": "record_routes", "vllm": "return_routed_experts",
+ROUTE_OPTIONS: dict[str, str] = {"reference": "record_routes", "vllm": "capture_routes",
                                  "sglang": "return_routed_experts"}
 
 
