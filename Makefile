@@ -8,6 +8,7 @@ CHROMIUM_STAMP := $(VENV)/.stamp-chromium
 export PARITY_CACHE ?= $(CURDIR)/.venv/parity-cache
 export TOKENIZERS_PARALLELISM := false
 export VLLM_TARGET_DEVICE := cpu
+export VLLM_LOGGING_LEVEL ?= WARNING
 
 .PHONY: demo test
 
