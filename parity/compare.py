@@ -67,9 +67,9 @@ def compare(
     tolerance: limits for `passed`; None = the case's limits for this backend, else
         `Tolerance.for_backend(name)`; a dict overrides fields of that default.
     router_replay: MoE router replay mode of the training forward: "R3" replays the routes the
-        backend recorded (start it with its route option, e.g. `record_routes=True` for
-        `reference`, `return_routed_experts=True` for vLLM), "R2" the trainer's own first
-        pass; None or "none" = off.
+        backend recorded (start it with its route option: `record_routes=True` for `reference`,
+        `capture_routes=True` for vLLM, or `return_routed_experts=True` on vLLM's GPU builds),
+        "R2" the trainer's own first pass; None or "none" = off.
     device: where the training forward runs ("cpu", "cuda").
     correction: keyword arguments of `parity.correction.rollout_correction` for `metrics`;
         None = `DEFAULT_CORRECTION`.
