@@ -25,7 +25,8 @@ _FIGSIZE = (6.4, 3.4)  # inches; 3 fit side by side on a wide screen, stacked on
 _BLUE, _ORANGE, _GREY = "#1f77b4", "#d62728", "#7f7f7f"
 
 
-def _figure() -> tuple[Figure, Any]:
+def new_figure() -> tuple[Figure, Any]:
+    """A figure of parity's report-plot size with one axes (no pyplot: no global figure state)."""
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=_FIGSIZE, layout="constrained")
@@ -59,7 +60,7 @@ def log_ratio_histogram(log_ratio: np.ndarray) -> Figure:
         notes.append(f"{values.size - finite.size} non-finite")
     if finite.size and span == 0.0:
         notes.append("all identical")
-    fig, ax = _figure()
+    fig, ax = new_figure()
     ax.set_title(f"log ratio per token ({', '.join(notes)})", fontsize=10)
     ax.set_xlabel("logp_train - logp_rollout (nats)")
     ax.set_ylabel("tokens")
@@ -85,7 +86,7 @@ def breakdown_figure(rows: list[dict[str, Any]], *, title: str, xlabel: str) -> 
     Bars are the mean (left axis), the line the max (right axis): the max is often 10-100x the
     mean, and on one axis it would flatten the bars.
     """
-    fig, ax = _figure()
+    fig, ax = new_figure()
     ax.set_title(title, fontsize=10)
     ax.set_xlabel(xlabel)
     if not rows:

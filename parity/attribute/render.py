@@ -13,12 +13,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from parity.plots import figure_img
+from parity.plots import figure_img, new_figure
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-_FIGSIZE = (6.4, 3.4)  # inches, the size of parity's other report plots
 _BLUE, _ORANGE, _RED, _GREY = "#1f77b4", "#ff7f0e", "#d62728", "#7f7f7f"
 
 #: ops table columns: (header, function of a family row).
@@ -84,13 +83,6 @@ def layers_text(layers: dict[str, Any]) -> str:
     ])
 
 
-def _figure() -> tuple[Figure, Any]:
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=_FIGSIZE, layout="constrained")
-    return fig, fig.add_subplot()
-
-
 def ops_figure(ops: dict[str, Any], *, title: str = "drift by kernel family") -> Figure:
     """Bars per family (ranked): mean |Δlogp| with only that family native, and with only it invariant.
 
@@ -99,7 +91,7 @@ def ops_figure(ops: dict[str, Any], *, title: str = "drift by kernel family") ->
     accounts for (or alone fixes) the drift.
     """
     rows = ops["families"]
-    fig, ax = _figure()
+    fig, ax = new_figure()
     ax.set_title(title, fontsize=10)
     ax.set_ylabel("mean |Δlogp| (nats)")
     x = np.arange(len(rows))
@@ -123,7 +115,7 @@ def layers_figure(layers: dict[str, Any], *, title: str = "relative error by sta
     """Relative error of B against A per stage on a log axis; bitwise-equal stages are marked "=",
     the first differing stage is drawn in red."""
     stages = layers["stages"]
-    fig, ax = _figure()
+    fig, ax = new_figure()
     ax.set_title(title, fontsize=10)
     ax.set_ylabel("||b - a|| / ||a||")
     x = np.arange(len(stages))
