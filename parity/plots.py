@@ -164,15 +164,10 @@ pre { background: #f6f6f6; padding: 8px; font-size: 12px; overflow-x: auto; }
 """
 
 
-def report_html(report: ParityReport) -> str:
-    """The whole self-contained page of one report (what `ParityReport.to_html` returns)."""
-    prov = report.provenance
-    title = f"parity: {prov.get('backend', '?')} vs training forward on {prov.get('model', '?')}"
-    verdict = '<span class="verdict pass">PASS</span>' if report.passed \
-        else '<span class="verdict fail">FAIL</span>'
-    sub = " · ".join(f"{k}={prov[k]}" for k in ("dtype", "reference_kernels", "device", "case") if k in prov)
-    violations = "".join(f"<li>{html.escape(v.describe())}</li>" for v in report.violations)
-    plots = [
+def report_plots(report: ParityReport) -> list[str]:
+    """The three drift plots of a report as inline <img> tags: log-ratio histogram, drift by
+    response position, drift by rollout probability."""
+    return [
         figure_img(log_ratio_histogram(report.log_ratio()), "log-ratio histogram"),
         figure_img(breakdown_figure(report.breakdowns.get("by_position", []),
                                     title="drift by response position", xlabel="response position"),
@@ -181,6 +176,17 @@ def report_html(report: ParityReport) -> str:
                                     title="drift by rollout probability", xlabel="rollout probability"),
                    "drift by rollout probability"),
     ]
+
+
+def report_html(report: ParityReport) -> str:
+    """The whole self-contained page of one report (what `ParityReport.to_html` returns)."""
+    prov = report.provenance
+    title = f"parity: {prov.get('backend', '?')} vs training forward on {prov.get('model', '?')}"
+    verdict = '<span class="verdict pass">PASS</span>' if report.passed \
+        else '<span class="verdict fail">FAIL</span>'
+    sub = " · ".join(f"{k}={prov[k]}" for k in ("dtype", "reference_kernels", "device", "case") if k in prov)
+    violations = "".join(f"<li>{html.escape(v.describe())}</li>" for v in report.violations)
+    plots = report_plots(report)
     attribution = ""
     if "attribution" in report.extras:
         from parity.attribute import section_html

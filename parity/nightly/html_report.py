@@ -21,13 +21,7 @@ from parity.nightly.charts import trend_charts
 from parity.nightly.history import RunInfo
 from parity.nightly.regression import TEST_NAME
 from parity.nightly.rows import STATUSES, RowKey, RowResult
-from parity.plots import (
-    breakdown_figure,
-    figure_img,
-    key_value_table,
-    log_ratio_histogram,
-    worst_tokens_table,
-)
+from parity.plots import key_value_table, report_plots, worst_tokens_table
 from parity.report import ParityReport
 from parity.tolerance import Violation
 
@@ -204,15 +198,7 @@ def _report_views(row: RowResult) -> str:
     try:
         report = ParityReport.from_json(row.report_json or "")
         parts = [
-            '<div class="plots">',
-            figure_img(log_ratio_histogram(report.log_ratio()), "log-ratio histogram"),
-            figure_img(breakdown_figure(report.breakdowns.get("by_position", []),
-                                        title="drift by response position", xlabel="response position"),
-                       "drift by position"),
-            figure_img(breakdown_figure(report.breakdowns.get("by_probability", []),
-                                        title="drift by rollout probability", xlabel="rollout probability"),
-                       "drift by rollout probability"),
-            "</div>", _by_sweep_block(report),
+            '<div class="plots">', *report_plots(report), "</div>", _by_sweep_block(report),
             "<h4>Worst tokens</h4>", worst_tokens_table(report.worst_tokens(8)),
             "<details><summary>All metrics</summary>", key_value_table(row.summary),
             key_value_table(report.metrics), "</details>",
