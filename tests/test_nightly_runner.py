@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import signal
 import sqlite3
@@ -24,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from browser import chromium, console_lines, decoded_images, needs_chromium
 
 from parity.errors import BackendError
 from parity.metrics import SUMMARY_KEYS
@@ -334,11 +334,7 @@ def test_resume_of_an_unknown_run_and_missing_cases(workspace, capsys):
     assert "--cases is required" in capsys.readouterr().err
 
 
-CHROMIUM = next((p for p in (shutil.which("chromium"), shutil.which("chromium-browser")) if p), None)
-
-
-@pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium is not installed "
-                    "(apt-get install -y chromium, or `make test` installs it)")
+@needs_chromium
 def test_the_page_loads_in_headless_chromium_without_console_errors(workspace, tmp_path):
     crashy = workspace.cases / "crashy.toml"
     crashy.write_text((workspace.cases / "alpha.toml").read_text())
@@ -347,30 +343,11 @@ def test_the_page_loads_in_headless_chromium_without_console_errors(workspace, t
         main(["--cases", spec, "--backends", "reference,hf,vllm", "--dtypes", "bfloat16", "--out",
               str(workspace.out), "--run-id", run_id, "--no-progress", *extra])
     page = workspace.out / "c2" / "index.html"
-    probe = tmp_path / "probe.html"
-    probe.write_text(page.read_text().replace(
-        "</body>", "<script>window.addEventListener('load', () => { const i = [...document.images]; "
-        "document.body.dataset.plots = i.filter(x => x.complete && x.naturalWidth > 0).length + '/' "
-        "+ i.length; });</script></body>"))
-
-    def chromium(target: Path, *args: str) -> subprocess.CompletedProcess[str]:
-        profile = tmp_path / f"profile-{len(list(tmp_path.iterdir()))}"
-        cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-               "--disable-background-networking", "--disable-component-update", "--disable-sync",
-               f"--user-data-dir={profile}", "--enable-logging=stderr", "--v=0", "--virtual-time-budget=5000",
-               *args, target.as_uri()]
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=180, check=False)
-
-    def console(result: subprocess.CompletedProcess[str]) -> list[str]:
-        return [line for line in result.stderr.splitlines() if re.search(r":CONSOLE[:(]", line)]
-
-    dom = chromium(probe, "--dump-dom")
-    assert dom.returncode == 0, dom.stderr[-2000:]
-    loaded, total = map(int, re.search(r'data-plots="(\d+)/(\d+)"', dom.stdout).groups())
-    assert loaded == total > 40 and console(dom) == []
+    loaded, total, console = decoded_images(page, tmp_path)
+    assert loaded == total > 40 and console == []
     shot = tmp_path / "nightly.png"
-    result = chromium(page, f"--screenshot={shot}", "--window-size=1400,2000", "--hide-scrollbars")
-    assert result.returncode == 0 and shot.stat().st_size > 10_000 and console(result) == []
+    result = chromium(page, tmp_path, f"--screenshot={shot}", "--window-size=1400,2000", "--hide-scrollbars")
+    assert result.returncode == 0 and shot.stat().st_size > 10_000 and console_lines(result) == []
     kept = ROOT / ".venv" / "parity-screenshots"
     kept.mkdir(parents=True, exist_ok=True)
     shutil.copy(shot, kept / "nightly.png")  # for a person to look at after the run
