@@ -15,6 +15,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from strategies import batches
 
 from parity.correction import RS_OPTIONS, CorrectionConfig, rollout_correction
 from parity.errors import ConfigError, InputError
@@ -231,19 +232,6 @@ def test_bad_inputs_raise_input_error(mutate, match: str) -> None:
 # Properties.
 
 LEVELS = ("token", "sequence", "geometric")
-
-
-@st.composite
-def batches(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Random [batch, seq] logprobs and a mask with at least one valid token (empty rows allowed)."""
-    batch, seq = draw(st.integers(1, 6)), draw(st.integers(1, 12))
-    scale = draw(st.sampled_from([0.0, 1e-4, 0.05, 1.0, 30.0]))
-    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    rollout = -rng.exponential(2.0, size=(batch, seq))
-    train = rollout + rng.normal(0.0, scale, size=(batch, seq))
-    mask = rng.random((batch, seq)) < draw(st.sampled_from([0.3, 0.8, 1.0]))
-    mask[rng.integers(batch), rng.integers(seq)] = True
-    return train, rollout, mask
 
 
 @given(batches(), st.sampled_from(LEVELS), st.sampled_from(RS_OPTIONS), st.floats(1.0, 10.0))

@@ -18,14 +18,7 @@ MODELS = ["tiny-llama", "tiny-qwen3", "tiny-qwen3-moe", "tiny-mixtral"]
 DTYPES = ["float32", "bfloat16"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Run single-threaded: tiny models gain nothing from threads, and on a shared 2-core machine an
-    OpenMP team waiting for a descheduled thread slows every op (thread independence has its own test)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @st.composite

@@ -13,14 +13,7 @@ from parity.engine import ReferenceEngine, train_forward
 from parity.engine.graphs import bucket_sizes
 from parity.errors import ConfigError
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Single-threaded, as in test_engine.py (shared 2-core machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_bucket_sizes_pad_a_step_to_at_most_twice_its_tokens():

@@ -14,15 +14,7 @@ from parity.engine.sampler import RowParams, processed_logprobs
 from parity.errors import ConfigError, InputError
 from parity.models.loading import load_model
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Run single-threaded: tiny models gain nothing from threads, and on a shared 2-core machine an
-    OpenMP team waiting for a descheduled thread slows every op (thread independence has its own test)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _pairs(seed, count, max_len=40):
