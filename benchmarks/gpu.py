@@ -11,7 +11,9 @@ Sections (each runs independently; a failure is recorded and the next section st
 - parity: reference engine rollouts vs `train_forward(kernels="invariant")` on CUDA, bit for
   bit, over several batch compositions (dense and MoE, bf16; the default engine, which replays
   CUDA graphs for dense models, the eager engine, and a tiny token budget), and the
-  native-kernel negative control.
+  native-kernel negative control; then the sampling grid (temperature x top_p x top_k,
+  `parity.engine.selfcheck`) on random-weight models with vocabularies 32,000 and 151,936,
+  dense and MoE, counting differing tokens per setting.
 - e2e: output tok/s of (a) the reference engine with invariant kernels, (b) the same engine with
   native kernels, (c) transformers `generate`, on a Qwen3-1.7B-shaped bf16 model with random
   weights, side by side in one run.
@@ -44,7 +46,10 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from parity.engine.selfcheck import sampling_grid_check  # noqa: E402
 from parity.kernels.triton.matmul import CUBLASLT_ENV, cublaslt_ready  # noqa: E402
+from parity.models import shaped  # noqa: E402
+from parity.models.shaped import shaped_config  # noqa: E402
 
 #: Qwen3-1.7B linear weights [N, K]: q, k/v, o, gate/up, down, lm_head.
 QWEN3_LINEARS = [(2048, 2048), (1024, 2048), (6144, 2048), (2048, 6144), (151936, 2048)]
@@ -230,38 +235,13 @@ def kernels_section(results: dict[str, Any]) -> None:
 
 
 def qwen3_config(layers: int, max_positions: int = 1024) -> Any:
-    from transformers import Qwen3Config
-
-    return Qwen3Config(
-        hidden_size=2048,
-        intermediate_size=6144,
-        num_hidden_layers=layers,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=151936,
-        max_position_embeddings=max_positions,
-        tie_word_embeddings=True,
-        rms_norm_eps=1e-6,
-        rope_theta=1000000.0,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        architectures=["Qwen3ForCausalLM"],
-    )
+    """The Qwen3-1.7B-shaped model of the e2e and parity sections."""
+    return shaped_config("qwen3-1.7b", layers, max_position_embeddings=max_positions)
 
 
 def save_random_model(config: Any, path: Path) -> Path:
     """A randomly initialized bf16 model built on the GPU and saved as a local HF checkpoint."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(path)
-    del model
-    torch.cuda.empty_cache()
-    return path
+    return shaped.save_random_model(config, path, device="cuda", dtype="bfloat16")
 
 
 def requests_for(vocab: int, count: int, prompt_len: int, max_tokens: int, n: int = 1, seed: int = 0) -> list:
@@ -336,6 +316,25 @@ def parity_check(model: Any, vocab: int, kernels: str) -> dict[str, Any]:
     return out
 
 
+#: models of the sampling-grid check: (label, shape, layers, vocab); None shape = a built-in checkpoint.
+GRID_MODELS = [("tiny-qwen3", None, 0, 0), ("tiny-qwen3-moe", None, 0, 0),
+               ("qwen3-1024-v32000", "qwen3-1024", 2, 32000), ("qwen3-1024-v151936", "qwen3-1024", 2, 151936),
+               ("qwen3-1.7b-v32000", "qwen3-1.7b", 2, 32000), ("qwen3-1.7b-v151936", "qwen3-1.7b", 2, 151936),
+               ("moe-64x8-v32000", "moe-64x8", 2, 32000)]
+
+
+def grid_check(model: str, kernels: str) -> dict[str, Any]:
+    """Differing tokens per (temperature, top_p, top_k) setting: engine rollouts (24 requests x
+    n=2 x 24 tokens per setting, max_num_seqs 8, chunk 32) vs train_forward, bf16."""
+    checks = sampling_grid_check(model, device="cuda", dtype="bfloat16", kernels=kernels)
+    return {
+        "settings": [vars(c) for c in checks],
+        "tokens": sum(c.tokens for c in checks),
+        "differing": sum(c.differing for c in checks),
+        "max_abs_diff": max(c.max_abs_diff for c in checks),
+    }
+
+
 def parity_section(results: dict[str, Any], tmp: Path) -> None:
     sec: dict[str, Any] = {}
     results["parity"] = sec
@@ -350,6 +349,16 @@ def parity_section(results: dict[str, Any], tmp: Path) -> None:
                 sec[f"{name}/{kernels}"] = parity_check(model, vocab, kernels)
             except Exception:
                 sec[f"{name}/{kernels}"] = {"error": traceback.format_exc()[-3000:]}
+    grid: dict[str, Any] = {}
+    sec["sampling_grid"] = grid
+    for label, shape, layers, vocab in GRID_MODELS:
+        model = label if shape is None else str(shaped.save_random_model(
+            shaped_config(shape, layers, vocab_size=vocab), tmp / label, device="cuda"))
+        for kernels in ("invariant", "native") if label == "qwen3-1.7b-v151936" else ("invariant",):
+            try:
+                grid[f"{label}/{kernels}"] = grid_check(model, kernels)
+            except Exception:
+                grid[f"{label}/{kernels}"] = {"error": traceback.format_exc()[-3000:]}
 
 
 def engine_tok_s(path: Path, kernels: str, reqs: list, chunk_size: int, budget: int) -> dict[str, Any]:
@@ -521,8 +530,12 @@ def table(results: dict[str, Any]) -> str:
         ("", results.get("parity", {}), results.get("e2e", {})),
         (" [cuBLASLt]", sub.get("parity") or {}, sub.get("e2e") or {}),
     ):
+        for name, entry in parity.get("sampling_grid", {}).items():
+            verdict = "ERROR" if "error" in entry else \
+                f"{entry['differing']} of {entry['tokens']} tokens differ (max {entry['max_abs_diff']:.2e})"
+            lines.append(f"sampling grid{label} {name}: {verdict}")
         for name, entry in parity.items():
-            if isinstance(entry, dict):
+            if isinstance(entry, dict) and name != "sampling_grid":
                 verdict = (
                     "ERROR"
                     if "error" in entry

@@ -29,8 +29,8 @@ def workloads(draw, max_requests=4):
         rng = random.Random(draw(st.integers(0, 2**16)))
         prompt = tuple(rng.randrange(3, 512) for _ in range(draw(st.integers(1, 90))))
         sampling = SamplingParams(
-            n=draw(st.integers(1, 3)), temperature=draw(st.sampled_from([0.0, 0.6, 1.0, 1.5])),
-            top_k=draw(st.sampled_from([0, 1, 7, 64])), top_p=draw(st.sampled_from([1.0, 0.9, 0.5])),
+            n=draw(st.integers(1, 3)), temperature=draw(st.sampled_from([0.0, 0.6, 1.0, 1.2, 1.5])),
+            top_k=draw(st.sampled_from([0, 1, 7, 40, 64])), top_p=draw(st.sampled_from([1.0, 0.9, 0.5])),
             max_tokens=draw(st.integers(1, 10)), seed=draw(st.integers(0, 2**16)),
             stop_token_ids=draw(st.sampled_from([(), (EOS_ID,), (100, 200)])),
             ignore_eos=draw(st.booleans()), logprobs_mode=draw(st.sampled_from(["processed", "raw"])))

@@ -7,7 +7,7 @@ decorated at import), so a process that did not start with `TRITON_INTERPRET=1` 
 again in a child process that does; the variable never touches this process or other test files.
 
 Invariance is proven by bits (`torch.equal`); negative controls show that a plan which follows
-the batch (split-K below 64 rows, other KV tile boundaries, another softmax chunking) does change
+the batch (split-K below 64 rows, other KV tile boundaries, another softmax or scan chunking) does change
 bits, so the equalities are not vacuous.
 """
 
@@ -185,6 +185,47 @@ def test_softmax_negative_control_chunking_changes_bits(
     fixed = tk.log_softmax(x)
     monkeypatch.setattr(softmax, "CHUNK", softmax.CHUNK // 4)
     assert not torch.equal(tk.log_softmax(x), fixed)
+
+
+def _sorted_probs(rows: int, vocab: int, seed: int) -> torch.Tensor:
+    """Rows of probabilities sorted in descending order: the top-p prefix sum's input."""
+    probs = torch.softmax(_randn(rows, vocab, seed=seed, scale=4.0).double(), -1).float()
+    return probs.sort(-1, descending=True).values
+
+
+def test_cumsum_matches_float64(tk: ModuleType) -> None:
+    x = _sorted_probs(5, VOCAB, seed=8)
+    x[1, 3000:] = 0.0  # top-k masked tail: the sum stops growing
+    ref = torch.cumsum(x.double(), -1)
+    torch.testing.assert_close(tk.cumsum(x).double(), ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(tk.cumsum(x)[:, 0], x[:, 0])
+
+
+@few
+@given(rows=st.lists(st.integers(0, 15), min_size=1, max_size=16))
+def test_cumsum_rows_are_batch_invariant(tk: ModuleType, rows: list[int]) -> None:
+    x = _sorted_probs(16, VOCAB, seed=9)
+    assert torch.equal(tk.cumsum(x[rows]), tk.cumsum(x)[rows])
+
+
+def test_cumsum_negative_control_chunking_changes_bits(
+    tk: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    scan = importlib.import_module("parity.kernels.triton.scan")
+    x = _sorted_probs(16, VOCAB, seed=9)
+    fixed = tk.cumsum(x)
+    monkeypatch.setattr(scan, "BLOCK", scan.BLOCK // 4)
+    assert not torch.equal(tk.cumsum(x), fixed)
+
+
+@gpu
+@needs_cuda
+def test_torch_cuda_cumsum_follows_the_row_count() -> None:
+    """The defect the scan kernel removes: the stock CUDA scan rounds a row differently with the
+    number of rows beside it (seen at vocab 151,936 on an H200)."""
+    x = _sorted_probs(256, 151936, seed=10)
+    full = torch.cumsum(x, -1)
+    assert any(not torch.equal(torch.cumsum(x[:n], -1), full[:n]) for n in (1, 2, 3, 8, 17, 64))
 
 
 # ------------------------------------------------------------------------------------- attention

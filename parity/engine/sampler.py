@@ -1,9 +1,12 @@
 """Token log-probabilities and sampling, shared by the engine and the training forward.
 
-`processed_logprobs` and `reported_logprobs` are the functions both sides use to turn logits
+`processed_logprobs` and `reported_logprobs` are the one definition both sides use to turn logits
 into log-probabilities, so with row-invariant logits they agree bit for bit. Every op in them
-works row by row (elementwise ops, per-row sort, sequential per-row prefix sums, and the
-softmax family's kernels).
+works row by row: elementwise ops, a stable per-row sort, and the softmax family's kernels for
+each reduction over the vocabulary (the top-p prefix sum, the renormalizing sum, the
+logsumexp), which fix their order of additions per row. A stock CUDA scan would not: it picks its
+block shape from the row count, so a decode step and a training forward would round the top-p
+mass differently.
 
 Sampling noise is a counter-based hash of (request seed, sample index, absolute position, token
 id), so a sample's tokens never depend on what else shares the batch. The hash bits are the same
@@ -72,7 +75,7 @@ def processed_logprobs(logits: torch.Tensor, params: RowParams) -> torch.Tensor:
         top_p = device_tensor(params.top_p, torch.float32, device).unsqueeze(1)
         # top-k masking removed only the smallest entries, so `order` still sorts the survivors.
         probs_sorted = ops.softmax(z).gather(1, order)
-        mass_before = F.pad(torch.cumsum(probs_sorted, dim=-1)[:, :-1], (1, 0))
+        mass_before = F.pad(ops.cumsum(probs_sorted)[:, :-1], (1, 0))
         drop_sorted = (top_p < 1) & (mass_before >= top_p)
         z = z.masked_fill(torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted), NEG_INF)
     logprobs = ops.log_softmax(z)

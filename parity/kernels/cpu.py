@@ -119,6 +119,16 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor:
     return z - pointwise(torch.log, total)
 
 
+def cumsum(x: torch.Tensor) -> torch.Tensor:
+    """Inclusive cumulative sum over the last dim [..., V] -> [..., V] in x's dtype.
+
+    ATen's CPU scan walks each row front to back with a float64 accumulator (rows are what its
+    threads split), so a row's result is its float64 prefix sums rounded once, whatever the batch:
+    the stock op is already the fixed order, and a bitwise test holds it to that.
+    """
+    return torch.cumsum(x, dim=-1)
+
+
 def activation(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     """An elementwise activation module/function applied position-independently."""
     return pointwise(fn, x)
@@ -236,6 +246,7 @@ for _family, _op, _fn in (
     ("rmsnorm", "rms_norm", rms_norm),
     ("softmax", "softmax", softmax),
     ("softmax", "log_softmax", log_softmax),
+    ("softmax", "cumsum", cumsum),
     ("pointwise", "activation", activation),
     ("moe", "topk", topk),
     ("moe", "experts", experts),

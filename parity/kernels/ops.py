@@ -42,6 +42,12 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(x, dim=-1) if fn is None else fn(x)
 
 
+def cumsum(x: torch.Tensor) -> torch.Tensor:
+    """Inclusive cumulative sum over the last dim (family "softmax": a reduction over the vocabulary)."""
+    fn = impl("softmax", "cumsum", x.device.type)
+    return torch.cumsum(x, dim=-1) if fn is None else fn(x)
+
+
 def activation(act: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     """An elementwise activation such as SiLU (family "pointwise")."""
     fn = impl("pointwise", "activation", x.device.type)

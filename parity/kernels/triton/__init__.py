@@ -1,7 +1,7 @@
 """Batch-invariant Triton kernels: parity's invariant ops for CUDA tensors.
 
-One kernel idea per module: `matmul` (persistent, one tile plan per weight shape), `rmsnorm`
-and `softmax` (one program per row), `attention` (causal attention over the engine's KV cache,
+One kernel idea per module: `matmul` (persistent, one tile plan per weight shape), `rmsnorm`,
+`softmax` and `scan` (one program per row), `attention` (causal attention over the engine's KV cache,
 KV tiles at absolute positions, no KV split), `moe` (tie-stable top-k, grouped expert GEMM,
 ordered combine). `register()` plugs them into `parity.kernels`' switch for device type "cuda";
 the module docstrings give the numerical reason each one is batch-invariant.
@@ -20,11 +20,13 @@ from parity.kernels.triton.attention import attention
 from parity.kernels.triton.matmul import linear
 from parity.kernels.triton.moe import combine, experts_forward, grouped_linear, topk
 from parity.kernels.triton.rmsnorm import rms_norm
+from parity.kernels.triton.scan import cumsum
 from parity.kernels.triton.softmax import log_softmax, softmax
 
 __all__ = [
     "attention",
     "combine",
+    "cumsum",
     "experts_forward",
     "grouped_linear",
     "linear",
@@ -66,6 +68,7 @@ def register() -> None:
         ("rmsnorm", "rms_norm", rms_norm),
         ("softmax", "softmax", softmax),
         ("softmax", "log_softmax", log_softmax),
+        ("softmax", "cumsum", cumsum),
         ("pointwise", "activation", _activation_op),
         ("rotary", "rotary", rotary),
         ("moe", "topk", topk),

@@ -1,0 +1,84 @@
+"""Random-weight models with the shapes of real ones, for GPU tests and benchmarks.
+
+The tiny checkpoints are too small to show what a real vocabulary, head size or expert count
+does to kernels and reductions (a top-p cut over 151,936 tokens, a 2048 x 6144 down projection).
+These configs copy a real model's shapes, with fewer layers where a test needs less; the weights
+are transformers' own random initialization under a fixed seed, built directly on the target
+device and saved as a local HF checkpoint that every parity entry point loads like any other.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from parity.errors import ConfigError
+
+#: shape name -> (architecture, config fields). Sources: each model's published config.json.
+SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
+    # Qwen3-1.7B
+    "qwen3-1.7b": ("Qwen3ForCausalLM", {
+        "hidden_size": 2048, "intermediate_size": 6144, "num_attention_heads": 16,
+        "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": True,
+        "rope_theta": 1000000.0}),
+    # a smaller Qwen3 (Qwen3-0.6B's head layout at hidden 1024) with a Llama-2-sized vocabulary
+    "qwen3-1024": ("Qwen3ForCausalLM", {
+        "hidden_size": 1024, "intermediate_size": 3072, "num_attention_heads": 16,
+        "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 32000, "tie_word_embeddings": True,
+        "rope_theta": 1000000.0}),
+    # Llama-3.2-1B
+    "llama-3.2-1b": ("LlamaForCausalLM", {
+        "hidden_size": 2048, "intermediate_size": 8192, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256, "tie_word_embeddings": True,
+        "rope_theta": 500000.0}),
+    # a MoE with Qwen3-MoE's router: 64 experts, top-8, hidden 1024
+    "moe-64x8": ("Qwen3MoeForCausalLM", {
+        "hidden_size": 1024, "intermediate_size": 3072, "moe_intermediate_size": 512, "num_experts": 64,
+        "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+        "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 32000,
+        "tie_word_embeddings": False, "rope_theta": 1000000.0}),
+    # Qwen3-30B-A3B
+    "qwen3-30b-a3b": ("Qwen3MoeForCausalLM", {
+        "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
+        "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936,
+        "tie_word_embeddings": False, "rope_theta": 1000000.0}),
+}
+
+
+def shaped_config(shape: str, layers: int, *, vocab_size: int | None = None,
+                  max_position_embeddings: int = 1024) -> Any:
+    """A transformers config of `shape` (a key of SHAPES) with `layers` layers.
+
+    vocab_size overrides the shape's vocabulary; token ids 0/1/2 are pad/BOS/EOS as in the
+    built-in checkpoints.
+    """
+    if shape not in SHAPES:
+        raise ConfigError(f"unknown model shape {shape!r}; choose from {sorted(SHAPES)}")
+    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+        raise ConfigError(f"layers must be an integer >= 1, got {layers!r}")
+    import transformers
+
+    architecture, fields = SHAPES[shape]
+    config_class = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
+    return config_class(**{**fields, "vocab_size": vocab_size or fields["vocab_size"]},
+                        num_hidden_layers=layers, max_position_embeddings=max_position_embeddings,
+                        rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                        architectures=[architecture])
+
+
+def save_random_model(config: Any, path: str | Path, *, device: str = "cuda", dtype: str = "bfloat16",
+                      seed: int = 0) -> Path:
+    """Initialize `config` with random weights (seeded) on `device` and save it to `path` as a
+    local HF checkpoint; returns the path."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    model.save_pretrained(path)
+    del model
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+    return Path(path)

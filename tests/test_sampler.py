@@ -1,0 +1,88 @@
+"""Processed logprobs: one definition for the engine and the training forward, row by row.
+
+Every reduction over the vocabulary (the top-p prefix sum, the renormalizing sum, the logsumexp)
+must give a row the same bits whatever rows share the call: the engine computes a decode step
+of a few rows, the training forward thousands. Proven over the sampling grid on real vocabulary
+sizes, with a negative control that gives one path a scan whose order follows the row count
+(what torch's CUDA scan does), and shows the comparison catches it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from parity import kernels
+from parity.engine.sampler import RowParams, processed_logprobs
+from parity.kernels import ops
+
+CUDA = torch.cuda.is_available()
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not CUDA, reason="needs an NVIDIA GPU (CUDA not available)")])]
+VOCABS = [32000, 151936]
+ROWS = 12
+#: the sampling grid every parity check covers: temperature x top_p x top_k.
+GRID = [(t, p, k) for t in (0.6, 1.0, 1.2) for p in (1.0, 0.9) for k in (0, 40)]
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _logits(vocab: int, device: str, rows: int = ROWS) -> torch.Tensor:
+    """Near-uniform logits, as a random-weight model gives: the top-p cut lands among thousands of
+    tokens of almost equal mass, where a change in the prefix sum's rounding can move it."""
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(rows, vocab, generator=g) * 0.5).to(device)
+
+
+def _params(settings_per_row: list[tuple[float, float, int]]) -> RowParams:
+    return RowParams.of([t for t, _, _ in settings_per_row], [k for _, _, k in settings_per_row],
+                        [p for _, p, _ in settings_per_row])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("vocab", VOCABS)
+@settings(max_examples=8)
+@given(grid=st.lists(st.sampled_from(GRID), min_size=ROWS, max_size=ROWS),
+       rows=st.lists(st.integers(0, ROWS - 1), min_size=1, max_size=ROWS))
+def test_processed_logprobs_of_a_row_do_not_depend_on_the_batch(device, vocab, grid, rows):
+    logits = _logits(vocab, device)
+    with kernels.invariant():
+        full = processed_logprobs(logits, _params(grid))
+        part = processed_logprobs(logits[rows], _params([grid[i] for i in rows]))
+    assert torch.equal(part, full[rows])
+
+
+def _scan_following_the_row_count(x: torch.Tensor) -> torch.Tensor:
+    """A prefix sum whose order depends on how many rows share the call, like a stock GPU scan:
+    a float32 log-step scan (each step adds the value `shift` places back) for more than 4 rows,
+    the sequential scan otherwise."""
+    if x.shape[0] <= 4:
+        return torch.cumsum(x, dim=-1)
+    shift = 1
+    while shift < x.shape[-1]:
+        x = torch.cat([x[:, :shift], x[:, shift:] + x[:, :-shift]], dim=-1)
+        shift *= 2
+    return x
+
+
+def test_negative_control_a_scan_that_follows_the_row_count_is_caught(monkeypatch):
+    logits = _logits(151936, "cpu")
+    with kernels.invariant():
+        sorted_probs = torch.sort(ops.softmax(logits), dim=-1, descending=True, stable=True).values
+        mass = ops.cumsum(sorted_probs)
+    # Each row's top_p is its own prefix mass at ~90% (as the sequential scan rounds it): the cut
+    # then sits exactly on a prefix sum, so any other rounding of that sum moves it.
+    top_p = [float(row[int((row < 0.9).sum())]) for row in mass]
+    params = [(1.0, p, 0) for p in top_p]
+
+    def full_and_one_by_one() -> tuple[torch.Tensor, torch.Tensor]:
+        with kernels.invariant():
+            one_by_one = [processed_logprobs(logits[i:i + 1], _params([params[i]])) for i in range(ROWS)]
+            return processed_logprobs(logits, _params(params)), torch.cat(one_by_one)
+
+    assert torch.equal(*full_and_one_by_one())
+    registry = {**kernels.switch._registry, ("softmax", "cumsum", "cpu"): _scan_following_the_row_count}
+    monkeypatch.setattr(kernels.switch, "_registry", registry)
+    assert not torch.equal(*full_and_one_by_one())
