@@ -26,6 +26,11 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
         "hidden_size": 1024, "intermediate_size": 3072, "num_attention_heads": 16,
         "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 32000, "tie_word_embeddings": True,
         "rope_theta": 1000000.0}),
+    # SmolLM2-135M (a Llama): the CPU benchmarks' model
+    "smollm2-135m": ("LlamaForCausalLM", {
+        "hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
+        "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152, "tie_word_embeddings": True,
+        "rope_theta": 100000.0}),
     # Llama-3.2-1B
     "llama-3.2-1b": ("LlamaForCausalLM", {
         "hidden_size": 2048, "intermediate_size": 8192, "num_attention_heads": 32,
