@@ -359,6 +359,23 @@ def parity_section(results: dict[str, Any], tmp: Path) -> None:
                 grid[f"{label}/{kernels}"] = grid_check(model, kernels)
             except Exception:
                 grid[f"{label}/{kernels}"] = {"error": traceback.format_exc()[-3000:]}
+        if label == "qwen3-1024-v151936":
+            grid[f"{label}/stock-cuda-scan"] = stock_scan_check(model)
+
+
+def stock_scan_check(model: str) -> dict[str, Any]:
+    """The old top-p defect as a negative control: torch's CUDA cumsum as the prefix sum."""
+    from parity.kernels import switch
+
+    key = ("softmax", "cumsum", "cuda")
+    fixed = switch._registry[key]
+    switch._registry[key] = lambda x: torch.cumsum(x, -1)
+    try:
+        return grid_check(model, "invariant")
+    except Exception:
+        return {"error": traceback.format_exc()[-3000:]}
+    finally:
+        switch._registry[key] = fixed
 
 
 def engine_tok_s(path: Path, kernels: str, reqs: list, chunk_size: int, budget: int) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from parity import kernels
 from parity.engine.selfcheck import SAMPLING_GRID, sampling_grid_check
 from parity.models.shaped import save_random_model, shaped_config
 
@@ -56,3 +57,15 @@ def test_negative_control_native_kernels_differ_on_cuda(tmp_path):
     path = save_random_model(shaped_config("qwen3-1.7b", 2, vocab_size=151936), tmp_path / "m")
     checks = sampling_grid_check(str(path), device="cuda", dtype="bfloat16", kernels="native", requests=4)
     assert sum(c.differing for c in checks) > 0
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_negative_control_the_stock_cuda_scan_breaks_top_p(tmp_path, monkeypatch):
+    """The old defect, pinned: with torch's own CUDA scan as the top-p prefix sum (whose order
+    follows the row count), rollouts and training forward disagree under top_p 0.9, top_k 0."""
+    registry = {**kernels.switch._registry, ("softmax", "cumsum", "cuda"): lambda x: torch.cumsum(x, -1)}
+    monkeypatch.setattr(kernels.switch, "_registry", registry)
+    path = save_random_model(shaped_config("qwen3-1024", 2, vocab_size=151936), tmp_path / "m")
+    checks = sampling_grid_check(str(path), device="cuda", dtype="bfloat16", grid=[(1.0, 0.9, 0)])
+    assert checks[0].differing > 0
