@@ -4,10 +4,9 @@
 from parity.compare import compare
 from parity.errors import ParityError
 from parity.report import ParityReport
+from parity.schema import VERSION as __version__
 from parity.tolerance import Tolerance
 from parity.types import Request, Rollout, SamplingParams
-
-__version__ = "0.1.0"
 
 __all__ = ["ParityError", "ParityReport", "Request", "Rollout", "SamplingParams", "Tolerance", "__version__",
            "compare"]

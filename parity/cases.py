@@ -59,14 +59,19 @@ from typing import Any
 
 import numpy as np
 
-from parity.backends import BACKENDS
-from parity.backends.base import DTYPES
 from parity.errors import ConfigError, ParityError
+from parity.models import resolve_model
+from parity.schema import (
+    BACKEND_NAMES,
+    DTYPES,
+    LOGPROBS_MODES,
+    ROUTER_REPLAY_CHOICES,
+    LogprobsMode,
+    sweep_request_id,
+)
 from parity.tolerance import Tolerance
-from parity.types import LOGPROBS_MODES, LogprobsMode, Request, SamplingParams
+from parity.types import Request, SamplingParams
 
-BACKEND_NAMES: tuple[str, ...] = tuple(BACKENDS)
-ROUTER_REPLAY_MODES: tuple[str, ...] = ("none", "R2", "R3")
 GENERATOR_KINDS: tuple[str, ...] = ("random", "shared_prefix")
 LENGTH_DISTRIBUTIONS: tuple[str, ...] = ("uniform", "lognormal")
 #: generated prompts draw token ids from [low, high): the byte tokens of the built-in tokenizer.
@@ -103,7 +108,7 @@ class Case:
             raise ConfigError(f"{where}: requests is empty; a case needs at least one prompt")
         _check_choices(where, "dtypes", self.dtypes, DTYPES)
         _check_choices(where, "backends", self.backends, BACKEND_NAMES)
-        _check_choices(where, "router_replay", self.router_replay, ROUTER_REPLAY_MODES)
+        _check_choices(where, "router_replay", self.router_replay, ROUTER_REPLAY_CHOICES)
         if not self.dtypes:
             raise ConfigError(f"{where}: dtypes is empty; allowed: {list(DTYPES)}")
         if self.logprobs_mode not in LOGPROBS_MODES:
@@ -223,7 +228,7 @@ def load_case(path: str | Path) -> Case:
         path=path,
         description=f.get(data, "description", str, default=""),
         backend_tolerances=per_backend,
-        router_replay=tuple(f.choices(data, "router_replay", ROUTER_REPLAY_MODES, default=[])),
+        router_replay=tuple(f.choices(data, "router_replay", ROUTER_REPLAY_CHOICES, default=[])),
     )
 
 
@@ -308,9 +313,8 @@ def _load_prompts(f: _Fields, table: dict[str, Any], model: str) -> list[tuple[i
 
 @lru_cache(maxsize=8)
 def _tokenizer(model: str) -> Any:
+    # transformers only for text prompts: parsing a case with token ids never loads it
     from transformers import AutoTokenizer
-
-    from parity.models import resolve_model
 
     return AutoTokenizer.from_pretrained(str(resolve_model(model)))
 
@@ -390,7 +394,7 @@ def _length_sampler(f: _Fields, g: dict[str, Any], key: str, rng: np.random.Gene
 
 def _load_requests(f: _Fields, sampling: Any, prompts: list[tuple[int, ...]],
                    logprobs_mode: str) -> tuple[Request, ...]:
-    """One request per (sampling block, prompt); in a sweep, ids are "<label>/<i>"."""
+    """One request per (sampling block, prompt); in a sweep, ids are "<label>/<i>" (`sweep_request_id`)."""
     if sampling is None:
         sampling = {}
     blocks = sampling if isinstance(sampling, list) else [sampling]
@@ -412,15 +416,9 @@ def _load_requests(f: _Fields, sampling: Any, prompts: list[tuple[int, ...]],
             raise f.error(where + "label", f"{label!r} is used by two sampling blocks; labels must be unique")
         labels.add(label)
         for i, ids in enumerate(prompts):
-            request_id = f"{label}/{i}" if label else str(i)
+            request_id = sweep_request_id(label, i) if label else str(i)
             requests.append(Request(ids, base.replace(seed=seed + i), request_id=request_id))
     return tuple(requests)
-
-
-def sweep_label(request_id: str) -> str | None:
-    """The sampling-block label of a sweep request id ("t0.6/3" -> "t0.6"); None outside a sweep."""
-    label, sep, _ = request_id.rpartition("/")
-    return label if sep else None
 
 
 def _label(s: SamplingParams) -> str:
@@ -435,8 +433,6 @@ def _label(s: SamplingParams) -> str:
 
 def _check_context(f: _Fields, model: str, requests: tuple[Request, ...]) -> None:
     """Every prompt plus its max_tokens must fit the model's context window."""
-    from parity.models import resolve_model
-
     try:
         config_path = resolve_model(model) / "config.json"
     except ParityError as exc:

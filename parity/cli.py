@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from parity.errors import ConfigError, ParityError
+from parity.schema import DTYPES, KERNEL_MODES
 
 #: subcommands other modules implement as `main(argv) -> exit code`; imported only when used.
 PASSTHROUGH: dict[str, tuple[str, str, str]] = {
@@ -41,9 +42,9 @@ def _parser() -> argparse.ArgumentParser:
                                      "checkpoint directory; optional with --case")
     cmp.add_argument("--backend", required=True, help="backend name (see `parity backends`)")
     cmp.add_argument("--case", type=Path, help="case TOML file (default: the built-in workload)")
-    cmp.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
+    cmp.add_argument("--dtype", choices=DTYPES,
                      help="model dtype (default: the case's first dtype, else bfloat16)")
-    cmp.add_argument("--reference", choices=("invariant", "native"), default="invariant",
+    cmp.add_argument("--reference", choices=KERNEL_MODES, default="invariant",
                      help="training-forward kernels (default: invariant)")
     cmp.add_argument("--router-replay", metavar="MODE", help="MoE router replay mode, e.g. R3")
     cmp.add_argument("--attribute", action="append", nargs="?", const="batch", metavar="AXIS",

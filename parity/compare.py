@@ -23,6 +23,7 @@ import numpy as np
 from parity.errors import ConfigError, InputError
 from parity.models import resolve_model
 from parity.report import ParityReport
+from parity.schema import KERNEL_MODES, VERSION
 from parity.tolerance import Tolerance
 from parity.types import Request, Rollout, SamplingParams
 
@@ -30,7 +31,6 @@ if TYPE_CHECKING:
     from parity.backends import Backend
     from parity.cases import Case
 
-REFERENCE_KERNELS: tuple[str, ...] = ("invariant", "native")
 #: rollout correction applied for `ParityReport.metrics`: verl's token-level truncated IS at 2.0.
 DEFAULT_CORRECTION: dict[str, Any] = {"rollout_is": "token", "rollout_is_threshold": 2.0}
 #: distributions whose versions go into provenance when installed.
@@ -67,9 +67,9 @@ def compare(
     tolerance: limits for `passed`; None = the case's limits for this backend, else
         `Tolerance.for_backend(name)`; a dict overrides fields of that default.
     router_replay: MoE router replay mode of the training forward: "R3" replays the routes the
-        backend recorded (start it with its route option: `record_routes=True` for `reference`,
-        `capture_routes=True` for vLLM, or `return_routed_experts=True` on vLLM's GPU builds),
-        "R2" the trainer's own first pass; None or "none" = off.
+        backend recorded (start it with its `parity.schema.ROUTE_CAPTURE_OPTIONS` option, e.g.
+        `record_routes=True` for `reference`, or `return_routed_experts=True` on vLLM's GPU
+        builds), "R2" the trainer's own first pass; None or "none" = off.
     device: where the training forward runs ("cpu", "cuda").
     correction: keyword arguments of `parity.correction.rollout_correction` for `metrics`;
         None = `DEFAULT_CORRECTION`.
@@ -79,8 +79,8 @@ def compare(
     from parity.backends.base import check_dtype
 
     # every argument is checked before an engine starts (vLLM takes ~40 s to start on CPU)
-    if reference not in REFERENCE_KERNELS:
-        raise ConfigError(f"reference must be one of {REFERENCE_KERNELS}, got {reference!r}")
+    if reference not in KERNEL_MODES:
+        raise ConfigError(f"reference must be one of {KERNEL_MODES}, got {reference!r}")
     the_case = _resolve_case(model, case, prompts, sampling)
     model_arg = os.fspath(model) if model is not None else the_case.model
     resolve_model(model_arg)
@@ -297,10 +297,9 @@ def _resolve_backend(backend: str | Backend, model: str, dtype: str, options: di
 def _provenance(model: str, engine: Backend, case: Case, *, dtype: str, device: str, reference: str,
                 router_replay: str | None) -> dict[str, Any]:
     """What produced the numbers, so two reports can be told apart and a run reproduced."""
-    from parity import __version__
     from parity.models import BUILTIN_MODELS, model_hash
 
-    versions = {"parity": __version__}
+    versions = {"parity": VERSION}
     for dist in _VERSIONED:
         try:
             versions[dist] = importlib.metadata.version(dist)

@@ -34,33 +34,10 @@ import numpy as np
 import torch
 
 from parity.errors import ConfigError, InputError
+from parity.schema import SUMMARY_KEYS
 
 #: verl's bound on |log ratio| before exponentiating (rollout_corr_helper.SAFETY_BOUND).
 SAFETY_BOUND = 20.0
-
-#: The keys of `summarize`'s result, in order. Reports, tolerances and dashboards read these.
-SUMMARY_KEYS: tuple[str, ...] = (
-    "max_abs_logprob_diff",
-    "mean_abs_logprob_diff",
-    "is_ratio_mean",
-    "is_ratio_std",
-    "is_ratio_min",
-    "is_ratio_max",
-    "is_ratio_p01",
-    "is_ratio_p99",
-    "seq_is_ratio_mean",
-    "k1_kl",
-    "k2_kl",
-    "k3_kl",
-    "chi2_token",
-    "rollout_probs_diff_max",
-    "rollout_probs_diff_mean",
-    "rollout_probs_pearson",
-    "token_mult_prob_error",
-    "frac_tokens_ratio_gt_2",
-    "num_tokens",
-    "num_sequences",
-)
 
 #: Default response-position bucket edges (tokens): powers of two, so early tokens get fine buckets.
 DEFAULT_POSITION_EDGES: tuple[int, ...] = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)

@@ -31,7 +31,8 @@ import numpy as np
 
 from parity.backends import Backend, get_backend
 from parity.errors import ConfigError, InputError, ParityError
-from parity.types import LOGPROBS_MODES, Request, Rollout
+from parity.schema import LOGPROBS_MODES
+from parity.types import Request, Rollout
 
 RECORD_FORMAT = "parity-record"
 RECORD_VERSION = 1

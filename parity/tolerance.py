@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
 from parity.errors import ConfigError
+from parity.schema import REFERENCE
 
 
 class Violation(NamedTuple):
@@ -85,7 +86,7 @@ class Tolerance:
     @classmethod
     def for_backend(cls, backend: str) -> Tolerance:
         """Default limits for a backend name: exact for `reference`, small for the others."""
-        return cls.exact() if backend == "reference" else cls()
+        return cls.exact() if backend == REFERENCE else cls()
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], *, where: str = "tolerance") -> Tolerance:

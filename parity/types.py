@@ -10,14 +10,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
 from parity.errors import ConfigError, InputError
-
-LogprobsMode = Literal["processed", "raw"]
-LOGPROBS_MODES: tuple[str, ...] = ("processed", "raw")
+from parity.schema import LOGPROBS_MODES, LogprobsMode
 
 
 @dataclass(frozen=True)

@@ -18,13 +18,13 @@ from parity.attribute.render import layers_text, ops_text, section_html
 from parity.attribute.section import attribution_section
 from parity.attribute.settings import AXES
 from parity.errors import ConfigError
-from parity.models.loading import DTYPES
+from parity.schema import DTYPES, KERNEL_MODES
 from parity.types import Rollout
 
 
 def _families(text: str) -> list[str] | str:
     """"invariant", "native" or a comma-separated list of families, as given on the command line."""
-    return text if text in ("invariant", "native") else [f.strip() for f in text.split(",") if f.strip()]
+    return text if text in KERNEL_MODES else [f.strip() for f in text.split(",") if f.strip()]
 
 
 def _parser() -> argparse.ArgumentParser:

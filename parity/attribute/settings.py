@@ -22,7 +22,7 @@ from parity import kernels as _kernels
 from parity.engine import LAYOUTS
 from parity.engine.inputs import kernel_families
 from parity.errors import ConfigError
-from parity.models.loading import DTYPES
+from parity.schema import DTYPES
 
 #: "prefill": one teacher-forced forward over prompt + response (the training forward).
 #: "decode": the prompt in one prefill, then one response token per step against the KV cache,

@@ -31,9 +31,8 @@ import torch
 
 from parity.errors import BackendError, ConfigError, InputError
 from parity.models import resolve_model
-from parity.types import LOGPROBS_MODES, Request, Rollout, SamplingParams
-
-DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
+from parity.schema import DTYPES, LOGPROBS_MODES
+from parity.types import Request, Rollout, SamplingParams
 
 #: per-sample seeds are drawn from a 31-bit range: every backend accepts a non-negative int32.
 _SEED_RANGE = 2**31 - 1

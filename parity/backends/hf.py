@@ -34,8 +34,6 @@ from parity.backends.base import (
 from parity.errors import ConfigError
 from parity.types import Request, Rollout, SamplingParams
 
-_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
 
 def translate_sampling(sp: SamplingParams, eos_ids: Sequence[int], pad_id: int) -> dict[str, Any]:
     """parity sampling -> `transformers.GenerationConfig` fields (everything explicit)."""
@@ -72,7 +70,7 @@ class HFBackend(Backend):
         self.device = torch.device(device)
         self.batch_size = batch_size
         self._model = AutoModelForCausalLM.from_pretrained(
-            str(self.model_path), dtype=_TORCH_DTYPES[dtype], attn_implementation=attn_implementation,
+            str(self.model_path), dtype=getattr(torch, dtype), attn_implementation=attn_implementation,
         ).to(self.device).eval()
         config = self._model.config
         self.pad_id = config.pad_token_id if config.pad_token_id is not None else 0

@@ -39,7 +39,8 @@ from parity.backends.base import (
     stop_set,
 )
 from parity.errors import BackendError, ConfigError, InputError
-from parity.types import LOGPROBS_MODES, Request, Rollout
+from parity.schema import LOGPROBS_MODES
+from parity.types import Request, Rollout
 
 #: parity logprobs_mode -> the value SGLANG_RETURN_ORIGINAL_LOGPROB must have in the server.
 ORIGINAL_LOGPROB_ENV = {"raw": "1", "processed": "0"}

@@ -42,7 +42,8 @@ from parity.backends.base import (
 )
 from parity.backends.vllm_routes import capture_engine_kwargs, start_route_capture, take_routes
 from parity.errors import BackendError, ConfigError, InputError
-from parity.types import LOGPROBS_MODES, Request, Rollout
+from parity.schema import LOGPROBS_MODES
+from parity.types import Request, Rollout
 
 #: parity logprobs_mode -> vLLM engine `logprobs_mode`.
 VLLM_LOGPROBS_MODE = {"raw": "raw_logprobs", "processed": "processed_logprobs"}

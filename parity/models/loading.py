@@ -23,9 +23,10 @@ from parity.kernels.attention import ATTENTION_NAME
 from parity.kernels.moe import experts_forward
 from parity.models.checkpoints import BUILTIN_MODELS, model_hash, resolve_model
 from parity.models.routing import ROUTERS, patch_router
+from parity.schema import DTYPES
 
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
-                                  "float16": torch.float16}
+#: parity dtype name -> torch dtype.
+TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPES}
 #: architectures whose every op parity patches (RMSNorm with HF's formula, SwiGLU, static RoPE).
 SUPPORTED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                                      "Qwen3MoeForCausalLM", "MixtralForCausalLM"})
@@ -59,7 +60,7 @@ class LoadedModel:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return TORCH_DTYPES[self.dtype]
 
 
 _loaded: dict[tuple[str, str, str], LoadedModel] = {}
@@ -150,7 +151,8 @@ def load_model(model: str | os.PathLike[str] | LoadedModel, dtype: str = "float3
     if not architectures & SUPPORTED_ARCHITECTURES:
         raise ConfigError(f"model {os.fspath(model)!r} has architectures {sorted(architectures)}; the "
                           f"reference engine supports {sorted(SUPPORTED_ARCHITECTURES)}")
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation=ATTENTION_NAME)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=TORCH_DTYPES[dtype],
+                                              attn_implementation=ATTENTION_NAME)
     hf.to(device).eval()
     config = hf.config
     max_len = int(config.max_position_embeddings)

@@ -29,6 +29,7 @@ from torch import nn
 from parity.errors import ConfigError, InputError
 from parity.kernels import ops
 from parity.routes import check_routes
+from parity.schema import NO_REPLAY, REPLAY_MODES, ReplayMode
 
 if TYPE_CHECKING:
     from parity.models.loading import LoadedModel
@@ -66,8 +67,6 @@ ROUTERS: dict[str, RouterSpec] = {
     "DeepseekV3TopkRouter": RouterSpec("sigmoid", "norm_topk_prob", False),
 }
 
-ReplayMode = Literal["R2", "R3"]
-REPLAY_MODES: tuple[str, ...] = ("R2", "R3")
 WeightsMode = Literal["recompute", "replay"]
 WEIGHTS_MODES: tuple[str, ...] = ("recompute", "replay")
 
@@ -102,7 +101,7 @@ class RouterReplay:
         """None/"none" -> None (no replay); "R2"/"R3" -> that mode with recomputed weights."""
         if value is None or isinstance(value, RouterReplay):
             return value
-        if value == "none":
+        if value == NO_REPLAY:
             return None
         if value not in REPLAY_MODES:
             raise ConfigError(f"router_replay must be None, 'none', one of {REPLAY_MODES} or a "

@@ -15,6 +15,7 @@ from parity.nightly.history import History
 from parity.nightly.regression import TEST_NAME, RegressionPolicy
 from parity.nightly.rows import RowResult, check_run_id
 from parity.nightly.runner import AUTO, NightlyConfig, run_nightly
+from parity.schema import KERNEL_MODES
 
 #: options that define the matrix; a resumed run takes them from the history instead.
 _MATRIX_OPTIONS = ("cases", "backends", "dtypes", "baseline", "alpha", "min_effect", "reference")
@@ -43,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--alpha", type=float, help="significance level of the regression test (default 0.01)")
     p.add_argument("--min-effect", type=float,
                    help="smallest change of mean per-token |Δlogp| that counts, nats (default 1e-3)")
-    p.add_argument("--reference", choices=("invariant", "native"),
+    p.add_argument("--reference", choices=KERNEL_MODES,
                    help="training-forward kernels (default invariant)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p

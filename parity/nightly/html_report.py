@@ -16,13 +16,13 @@ from typing import Any
 
 import numpy as np
 
-from parity.cases import sweep_label
 from parity.nightly.charts import trend_charts
 from parity.nightly.history import RunInfo
 from parity.nightly.regression import TEST_NAME
 from parity.nightly.rows import STATUSES, RowKey, RowResult
 from parity.plots import key_value_table, report_plots, worst_tokens_table
 from parity.report import ParityReport
+from parity.schema import sweep_label
 from parity.tolerance import Violation
 
 #: columns of the rows table: (summary key, header).

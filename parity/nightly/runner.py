@@ -19,22 +19,17 @@ import numpy as np
 from tqdm import tqdm
 
 from parity.backends import BACKENDS, available_backends, shared_backend
-from parity.backends.base import DTYPES
 from parity.cases import Case, load_cases
-from parity.compare import REFERENCE_KERNELS, compare
+from parity.compare import compare
 from parity.errors import ConfigError
 from parity.nightly.environment import collect_environment
 from parity.nightly.history import History, RunInfo, now
 from parity.nightly.publish import publish
 from parity.nightly.regression import RegressionPolicy, compare_drift
 from parity.nightly.rows import RowKey, RowResult, check_run_id, exit_code, row_status
+from parity.schema import DTYPES, KERNEL_MODES, NO_REPLAY, ROUTE_CAPTURE_OPTIONS
 
 AUTO = "auto"
-#: the start option that makes a backend record MoE routes, which R3 replays in the training
-#: forward (see `parity.compare`). A backend without one cannot feed R3, so `plan` leaves its R3
-#: cell out of the matrix instead of recording an error that no setting could fix.
-ROUTE_OPTIONS: dict[str, str] = {"reference": "record_routes", "vllm": "capture_routes",
-                                 "sglang": "return_routed_experts"}
 
 
 @dataclass(frozen=True)
@@ -76,8 +71,8 @@ class NightlyConfig:
         bad = [d for d in self.dtypes if d not in DTYPES]
         if bad:
             raise ConfigError(f"--dtypes: unknown {bad}; allowed: {list(DTYPES)}")
-        if self.reference not in REFERENCE_KERNELS:
-            raise ConfigError(f"--reference {self.reference!r}; allowed: {list(REFERENCE_KERNELS)}")
+        if self.reference not in KERNEL_MODES:
+            raise ConfigError(f"--reference {self.reference!r}; allowed: {list(KERNEL_MODES)}")
         for option, value in (("--run-id", self.run_id), ("--baseline", self.baseline)):
             if value is not None:
                 check_run_id(value, option=option)
@@ -120,14 +115,15 @@ def resolve_backends(backends: tuple[str, ...]) -> tuple[str, ...]:
 def plan(cases: list[Case], backends: tuple[str, ...],
          dtypes: tuple[str, ...] = ()) -> list[tuple[RowKey, Case]]:
     """The matrix in run order: case, router-replay variant, backend, dtype. A case that lists
-    its backends runs only on those; R3 runs only on backends that can record routes; `dtypes`
-    overrides every case's own dtypes."""
+    its backends runs only on those; R3 runs only on backends that can record routes (a backend
+    without a `ROUTE_CAPTURE_OPTIONS` entry cannot feed R3, so its cell is left out rather than
+    recorded as an error no setting could fix); `dtypes` overrides every case's own dtypes."""
     cells = []
     for case in cases:
         for replay in case.router_replay or ("",):
             for backend in backends:
                 if (case.backends and backend not in case.backends) or \
-                        (replay == "R3" and backend not in ROUTE_OPTIONS):
+                        (replay == "R3" and backend not in ROUTE_CAPTURE_OPTIONS):
                     continue
                 for dtype in dtypes or case.dtypes:
                     cells.append((RowKey(case.name, backend, dtype, replay), case))
@@ -185,14 +181,14 @@ def run_row(run_id: str, key: RowKey, case: Case, config: NightlyConfig, history
     stage = "backend failed to start"
     try:
         t0 = time.perf_counter()
-        options = {ROUTE_OPTIONS[key.backend]: True} if key.router_replay == "R3" else {}
+        options = {ROUTE_CAPTURE_OPTIONS[key.backend]: True} if key.router_replay == "R3" else {}
         engine = shared_backend(key.backend, case.model, dtype=key.dtype, **options)
         timing["start_s"] = round(time.perf_counter() - t0, 3)
         stage = "case failed"
         t0 = time.perf_counter()
         report = compare(None, engine, case=case, dtype=key.dtype, tolerance=case.tolerance_for(key.backend),
                          reference=config.reference,
-                         router_replay=None if key.router_replay in ("", "none") else key.router_replay)
+                         router_replay=None if key.router_replay in ("", NO_REPLAY) else key.router_replay)
         timing["case_s"] = round(time.perf_counter() - t0, 3)
     except Exception as exc:  # an error row, by design: one broken backend must not end the night
         trace = "".join(traceback.format_exception(exc))[-4000:]

@@ -1,0 +1,86 @@
+"""The words every part of parity shares, spelled once: dtypes, backend names, logprob modes,
+kernel modes, router-replay modes, summary keys, sweep request ids and route-capture options.
+
+This module is the bottom of the package: it imports nothing but the standard library, so a
+case file can be parsed and a stored report rendered without torch. A name that more than one
+module checks or prints lives here; the modules that act on it (the engine, the adapters, the
+case loader) import it rather than repeating it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+#: the package version every report and nightly run records.
+VERSION = "0.1.0"
+
+#: model dtypes parity runs, by torch's attribute name (`getattr(torch, name)`).
+DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
+
+#: backend names in registry order (`parity.backends.BACKENDS` has one adapter for each).
+BACKEND_NAMES: tuple[str, ...] = ("reference", "hf", "vllm", "sglang", "trtllm")
+#: the backend whose rollout logprobs equal the training forward's bit for bit.
+REFERENCE = "reference"
+
+LogprobsMode = Literal["processed", "raw"]
+#: "processed": log-probs of the distribution sampled from (after temperature, top-k, top-p);
+#: "raw": log_softmax of the unmodified logits.
+LOGPROBS_MODES: tuple[str, ...] = get_args(LogprobsMode)
+
+#: the two whole-model kernel settings: every family batch-invariant, or stock torch ops.
+KERNEL_MODES: tuple[str, ...] = ("invariant", "native")
+
+ReplayMode = Literal["R2", "R3"]
+#: MoE router replay in the training forward: R3 forces the rollout's experts, R2 the experts
+#: of a first training forward of the same micro-batch.
+REPLAY_MODES: tuple[str, ...] = get_args(ReplayMode)
+#: how case files and the command line spell "no replay".
+NO_REPLAY = "none"
+#: every router-replay value a case file or the command line accepts.
+ROUTER_REPLAY_CHOICES: tuple[str, ...] = (NO_REPLAY, *REPLAY_MODES)
+
+#: the start option that makes each backend record MoE routes (the routes R3 replays); a
+#: backend missing here cannot record them.
+ROUTE_CAPTURE_OPTIONS: dict[str, str] = {"reference": "record_routes", "vllm": "capture_routes",
+                                         "sglang": "return_routed_experts"}
+
+#: the keys of `parity.metrics.summarize`, in order. Reports, tolerances and dashboards read these.
+SUMMARY_KEYS: tuple[str, ...] = (
+    "max_abs_logprob_diff",
+    "mean_abs_logprob_diff",
+    "is_ratio_mean",
+    "is_ratio_std",
+    "is_ratio_min",
+    "is_ratio_max",
+    "is_ratio_p01",
+    "is_ratio_p99",
+    "seq_is_ratio_mean",
+    "k1_kl",
+    "k2_kl",
+    "k3_kl",
+    "chi2_token",
+    "rollout_probs_diff_max",
+    "rollout_probs_diff_mean",
+    "rollout_probs_pearson",
+    "token_mult_prob_error",
+    "frac_tokens_ratio_gt_2",
+    "num_tokens",
+    "num_sequences",
+)
+#: summary keys of MoE router agreement (`parity.routes.router_agreement`), in order.
+ROUTER_SUMMARY_KEYS: tuple[str, ...] = ("router_agreement", "router_token_any_diff",
+                                        "router_agreement_per_layer", "num_router_positions")
+
+#: separates a sweep block's label from the prompt index in a request id ("t0.6/3").
+SWEEP_SEPARATOR = "/"
+
+
+def sweep_request_id(label: str, index: int) -> str:
+    """The request id of prompt `index` in the sampling block `label` of a sweep ("t0.6", 3 -> "t0.6/3")."""
+    return f"{label}{SWEEP_SEPARATOR}{index}"
+
+
+def sweep_label(request_id: str) -> str | None:
+    """The sampling-block label of a sweep request id ("t0.6/3" -> "t0.6"); None outside a sweep."""
+    label, sep, _ = request_id.rpartition(SWEEP_SEPARATOR)
+    return label if sep else None
