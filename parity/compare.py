@@ -23,7 +23,8 @@ import numpy as np
 from parity.errors import ConfigError, InputError
 from parity.models import resolve_model
 from parity.report import ParityReport
-from parity.schema import KERNEL_MODES, VERSION
+from parity.routes import router_agreement
+from parity.schema import KERNEL_MODES, NO_REPLAY, ROUTER_SUMMARY_KEYS, VERSION
 from parity.tolerance import Tolerance
 from parity.types import Request, Rollout, SamplingParams
 
@@ -98,8 +99,6 @@ def compare(
     report = build_report(rollouts, train, tolerance=limits, provenance=provenance, correction=correction)
     if rollouts and all(r.routed_experts is not None for r in rollouts):
         # MoE rollouts that carry routes: router agreement, and drift with and without replay.
-        from parity.routes import router_report
-
         router_summary, report.extras["router"] = router_report(
             model_arg, rollouts, the_case.requests, dtype=dtype, device=device, kernels=reference,
             router_replay=router_replay, tolerance=limits)
@@ -150,6 +149,40 @@ def _router_replay_options(router_replay: str | None) -> dict[str, Any]:
     from parity.models.routing import RouterReplay
 
     return {} if RouterReplay.of(router_replay) is None else {"router_replay": router_replay}
+
+
+def router_report(model: str, rollouts: Sequence[Rollout], requests: Sequence[Request], *, dtype: str,
+                  device: str, kernels: str, router_replay: str | None, tolerance: Tolerance
+                  ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Router agreement and IS-ratio drift with and without replay, for rollouts that carry routes.
+
+    Scores the rollouts with the training forward once per side: "none" (the training router
+    decides), "R3" (the rollout's experts forced) and `router_replay` if it is another mode.
+    Returns (summary, section): `summary` holds the `ROUTER_SUMMARY_KEYS` of the side
+    `router_replay` selects (rollout routes vs the routes that side's forward used), for
+    `ParityReport.summary`; `section`, for `ParityReport.extras["router"]`, holds every side's
+    router agreement and full drift summary side by side.
+    """
+    # torch: `import parity` stays light
+    from parity.engine import train_forward
+    from parity.models.routing import RouterReplay
+
+    main = RouterReplay.of(router_replay)
+    main_name = NO_REPLAY if main is None else main.mode
+    by_id = {r.request_id: r.sampling for r in requests}
+    sampling = [by_id[ro.request_id] for ro in rollouts]
+    rollout_routes = [ro.routed_experts for ro in rollouts]
+    sides: dict[str, dict[str, Any]] = {}
+    for name in dict.fromkeys((NO_REPLAY, "R3", main_name)):
+        logprobs, used = train_forward(
+            model, list(rollouts), dtype=dtype, device=device, kernels=kernels, return_routes=True,
+            router_replay=main if name == main_name else RouterReplay.of(name),
+            temperature=[s.temperature for s in sampling], top_k=[s.top_k for s in sampling],
+            top_p=[s.top_p for s in sampling])
+        drift = build_report(rollouts, [lp.numpy() for lp in logprobs], tolerance=tolerance).summary
+        sides[name] = {**router_agreement(rollout_routes, used), "drift": drift}
+    summary = {k: sides[main_name][k] for k in ROUTER_SUMMARY_KEYS}
+    return summary, {"replay": main_name, "sides": sides}
 
 
 def build_report(rollouts: Sequence[Rollout], train_logprobs: Sequence[np.ndarray], *,

@@ -1,30 +1,22 @@
-"""MoE route arrays: validation, dtype normalization, router agreement, the report's router section.
+"""MoE route arrays: validation, dtype normalization and router agreement (NumPy only).
 
 A route array holds the experts one forward chose, int32 `[positions, moe_layers, top_k]`
 (the layout of vLLM, SGLang and verl's R3). A rollout's array covers the positions whose output
 was computed, `len(prompt) + len(response) - 1`: the last sampled token is never fed back.
 The order of the k ids within a row is not meaningful; agreement compares top-k *sets*.
 Backends hand routes over in their own dtypes (vLLM: uint8/uint16, SGLang: base64 int32,
-decoded in `parity.backends.sglang`); `as_routes` normalizes any of them to int32.
+decoded in `parity.backends.sglang`); `as_routes` normalizes any of them to int32. The report's
+router section, which scores rollouts with the training forward, is `parity.compare.router_report`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
-import torch
 
 from parity.errors import InputError
-
-if TYPE_CHECKING:
-    from parity.tolerance import Tolerance
-    from parity.types import Request, Rollout
-
-#: summary keys `router_agreement` produces, in order.
-ROUTER_SUMMARY_KEYS: tuple[str, ...] = ("router_agreement", "router_token_any_diff",
-                                        "router_agreement_per_layer", "num_router_positions")
 
 
 def as_routes(routes: Any, where: str = "routes") -> np.ndarray:
@@ -32,7 +24,7 @@ def as_routes(routes: Any, where: str = "routes") -> np.ndarray:
 
     Raises InputError for a non-integer dtype, a rank other than 3, or ids outside int32.
     """
-    if isinstance(routes, torch.Tensor):
+    if hasattr(routes, "detach"):  # a torch tensor on any device, taken to host without importing torch
         routes = routes.detach().cpu().numpy()
     array = np.asarray(routes)
     if array.size == 0 and array.dtype == np.float64:  # an empty list has no integer dtype to keep
@@ -84,7 +76,7 @@ def router_agreement(reference: Sequence[Any], other: Sequence[Any]) -> dict[str
     """Router agreement between two sides' routes of the same sequences.
 
     reference, other: one `[positions, moe_layers, top_k]` array per sequence (same shapes pairwise).
-    Returns:
+    Returns the `parity.schema.ROUTER_SUMMARY_KEYS`:
         router_agreement: fraction of (position, layer) pairs whose top-k sets are identical.
         router_token_any_diff: fraction of positions where at least one layer's set differs.
         router_agreement_per_layer: `router_agreement` of each MoE layer, a list.
@@ -105,37 +97,3 @@ def router_agreement(reference: Sequence[Any], other: Sequence[Any]) -> dict[str
         "router_agreement_per_layer": [float(x) for x in same.mean(axis=0)],
         "num_router_positions": int(same.shape[0]),
     }
-
-
-def router_report(model: str, rollouts: Sequence[Rollout], requests: Sequence[Request], *, dtype: str,
-                  device: str, kernels: str, router_replay: str | None, tolerance: Tolerance
-                  ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Router agreement and IS-ratio drift with and without replay, for rollouts that carry routes.
-
-    Scores the rollouts with the training forward once per side: "none" (the training router
-    decides), "R3" (the rollout's experts forced) and `router_replay` if it is another mode.
-    Returns (summary, section): `summary` holds the `ROUTER_SUMMARY_KEYS` of the side
-    `router_replay` selects (rollout routes vs the routes that side's forward used), for
-    `ParityReport.summary`; `section`, for `ParityReport.extras["router"]`, holds every side's
-    router agreement and full drift summary side by side.
-    """
-    from parity.compare import build_report
-    from parity.engine import train_forward
-    from parity.models.routing import RouterReplay
-
-    main = RouterReplay.of(router_replay)
-    main_name = "none" if main is None else main.mode
-    by_id = {r.request_id: r.sampling for r in requests}
-    sampling = [by_id[ro.request_id] for ro in rollouts]
-    rollout_routes = [ro.routed_experts for ro in rollouts]
-    sides: dict[str, dict[str, Any]] = {}
-    for name in dict.fromkeys(("none", "R3", main_name)):
-        logprobs, used = train_forward(
-            model, list(rollouts), dtype=dtype, device=device, kernels=kernels, return_routes=True,
-            router_replay=main if name == main_name else RouterReplay.of(name),
-            temperature=[s.temperature for s in sampling], top_k=[s.top_k for s in sampling],
-            top_p=[s.top_p for s in sampling])
-        drift = build_report(rollouts, [lp.numpy() for lp in logprobs], tolerance=tolerance).summary
-        sides[name] = {**router_agreement(rollout_routes, used), "drift": drift}
-    summary = {k: sides[main_name][k] for k in ROUTER_SUMMARY_KEYS}
-    return summary, {"replay": main_name, "sides": sides}

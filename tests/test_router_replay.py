@@ -11,12 +11,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from parity.compare import router_report
 from parity.engine import ReferenceEngine, train_forward
 from parity.errors import ConfigError, InputError
 from parity.kernels import ops
 from parity.models import resolve_model
 from parity.models.routing import RouterReplay
-from parity.routes import ROUTER_SUMMARY_KEYS, router_agreement, router_report
+from parity.routes import router_agreement
+from parity.schema import ROUTER_SUMMARY_KEYS
 from parity.tolerance import Tolerance
 from parity.types import Request, SamplingParams
 
