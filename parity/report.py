@@ -199,7 +199,8 @@ class ParityReport:
     def to_html(self) -> str:
         """A self-contained HTML page: verdict, summary, plots (inline SVG), worst tokens,
         correction metrics and provenance. No scripts, no network."""
-        from parity.plots import report_html
+        # matplotlib and the page code only when a page is drawn: `import parity` stays light
+        from parity.render.report_page import report_html
 
         return report_html(self)
 

@@ -23,14 +23,13 @@ from parity.attribute import (
     axis_settings,
     layer_diff,
     main,
-    section_html,
 )
-from parity.attribute.render import layers_text, ops_text
 from parity.attribute.runner import run, stage_names
 from parity.engine import LAYOUTS, train_forward
 from parity.errors import ConfigError, InputError
 from parity.kernels import ops
 from parity.models.loading import load_model
+from parity.render.attribution import layers_text, ops_text, section_html
 
 MODELS = ["tiny-llama", "tiny-qwen3-moe"]
 #: multiplies the output of an injected batch-variant op when it runs batched: large enough to

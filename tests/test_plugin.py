@@ -15,11 +15,11 @@ from test_report import make_report
 
 # An in-process pytester run drops every module first imported during it from sys.modules;
 # torch imported there and again later loads its C extension twice and crashes. So what the
-# plugin imports lazily (backends -> torch, metrics, plots -> matplotlib) is imported here.
+# plugin imports lazily (backends -> torch, metrics, the report page -> matplotlib) is imported here.
 import parity.backends
 import parity.correction
 import parity.metrics
-import parity.plots  # noqa: F401
+import parity.render.report_page  # noqa: F401
 from parity.tolerance import Tolerance
 
 pytest_plugins = ["pytester"]

@@ -6,17 +6,17 @@
     probe = layer_diff("tiny-llama", sequences, a.with_kernels("native"), b.with_kernels("native"))
     probe.first_differing                                # e.g. "layer.0"
 
-`parity attribute --model M --case C` runs both from the command line (`main`).
+`parity attribute --model M --case C` runs both from the command line (`main`); the section is drawn by
+`parity.render.attribution`.
 """
 
 from parity.attribute.ablation import Drift, FamilyAttribution, OpAttribution, attribute_ops
 from parity.attribute.command import main
 from parity.attribute.layers import LayerDiff, StageDiff, layer_diff
-from parity.attribute.render import section_html
 from parity.attribute.section import attribution_section
 from parity.attribute.settings import AXES, MODES, Setting, axis_settings
 
 __all__ = [
     "AXES", "MODES", "Drift", "FamilyAttribution", "LayerDiff", "OpAttribution", "Setting", "StageDiff",
-    "attribute_ops", "attribution_section", "axis_settings", "layer_diff", "main", "section_html",
+    "attribute_ops", "attribution_section", "axis_settings", "layer_diff", "main",
 ]

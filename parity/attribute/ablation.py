@@ -113,7 +113,7 @@ class OpAttribution:
         return [f.family for f in self.families]
 
     def to_dict(self) -> dict[str, object]:
-        """JSON form (what reports store and `parity.attribute.render` draws from)."""
+        """JSON form (what reports store and `parity.render.attribution` draws from)."""
         return {"setting_a": self.setting_a.to_dict(), "setting_b": self.setting_b.to_dict(),
                 "baseline": self.baseline.to_dict(), "all_native": self.all_native.to_dict(),
                 "families": [f.to_dict() for f in self.families], "ranking": self.ranking,

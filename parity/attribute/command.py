@@ -9,15 +9,14 @@ kernels), so every setting scores exactly the same tokens.
 from __future__ import annotations
 
 import argparse
-import html
 import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from parity.attribute.render import layers_text, ops_text, section_html
 from parity.attribute.section import attribution_section
 from parity.attribute.settings import AXES
 from parity.errors import ConfigError
+from parity.render.attribution import attribution_page, layers_text, ops_text
 from parity.schema import DTYPES, KERNEL_MODES
 from parity.types import Rollout
 
@@ -76,15 +75,6 @@ def _sequences(model: str | None, case_spec: str | None, dtype: str | None, devi
     return model, dtype, rollouts[:limit]
 
 
-def _page(section: dict, title: str) -> str:
-    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            f"<title>{html.escape(title)}</title>"
-            "<style>body { font-family: system-ui, sans-serif; margin: 24px; } "
-            "table { border-collapse: collapse; font-size: 13px; } th, td { border: 1px solid #ddd; "
-            "padding: 3px 8px; } img.plot { width: 560px; max-width: 100%; }</style></head><body>"
-            f"<h1>{html.escape(title)}</h1>\n{section_html(section)}\n</body></html>\n")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run `parity attribute` on `argv` (the arguments after the subcommand); returns the exit code."""
     args = _parser().parse_args(None if argv is None else list(argv))
@@ -104,6 +94,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.json.write_text(json.dumps(section, indent=2), encoding="utf-8")
         print(f"wrote {args.json}")
     if args.html is not None:
-        args.html.write_text(_page(section, f"parity attribute: {model}"), encoding="utf-8")
+        args.html.write_text(attribution_page(section, f"parity attribute: {model}"), encoding="utf-8")
         print(f"wrote {args.html}")
     return 0

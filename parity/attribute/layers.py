@@ -73,7 +73,7 @@ class LayerDiff:
         return next((s.stage for s in self.stages if s.differing), None)
 
     def to_dict(self) -> dict[str, object]:
-        """JSON form (what reports store and `parity.attribute.render` draws from)."""
+        """JSON form (what reports store and `parity.render.attribution` draws from)."""
         return {"setting_a": self.setting_a.to_dict(), "setting_b": self.setting_b.to_dict(),
                 "stages": [s.to_dict() for s in self.stages], "first_differing": self.first_differing}
 

@@ -1,6 +1,6 @@
 """The attribution section of a report: op ablation and layer probe along the chosen axes, as JSON.
 
-`attribution_section` computes it; `parity.attribute.render.section_html` draws it. Reports
+`attribution_section` computes it; `parity.render.attribution.section_html` draws it. Reports
 attach it as `ParityReport.extras["attribution"]`; the nightly pages render it from there.
 """
 

@@ -11,7 +11,7 @@ import math
 from typing import Any
 
 from parity.nightly.rows import RowKey
-from parity.plots import figure_img
+from parity.render.figures import figure_img
 from parity.schema import SUMMARY_KEYS
 
 #: the newest runs shown; older ones stay in the database.

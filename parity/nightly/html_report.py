@@ -20,7 +20,7 @@ from parity.nightly.charts import trend_charts
 from parity.nightly.history import RunInfo
 from parity.nightly.regression import TEST_NAME
 from parity.nightly.rows import STATUSES, RowKey, RowResult
-from parity.plots import key_value_table, report_plots, worst_tokens_table
+from parity.render.report_page import key_value_table, report_plots, worst_tokens_table
 from parity.report import ParityReport
 from parity.schema import sweep_label
 from parity.tolerance import Violation

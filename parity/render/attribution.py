@@ -1,9 +1,9 @@
-"""Tables and bar charts of attribution results, for the terminal and for HTML reports.
+"""Tables and bar charts of drift attribution, for the terminal and for HTML pages.
 
 Everything here reads the JSON form (`OpAttribution.to_dict()`, `LayerDiff.to_dict()` and the
-section of `parity.attribute.section`), so a report loaded from JSON renders exactly like a
-fresh one. Charts are matplotlib figures built without pyplot and embedded inline through
-`parity.plots.figure_img`.
+section `parity.attribute.attribution_section` returns), so a report loaded from JSON renders
+exactly like a fresh one, without the engine. Charts are matplotlib figures built without pyplot
+and embedded inline through `parity.render.figures.figure_img`.
 """
 
 from __future__ import annotations
@@ -13,12 +13,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from parity.plots import figure_img, new_figure
+from parity.render.figures import BLUE, GREY, ORANGE, RED, figure_img, new_figure
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
-
-_BLUE, _ORANGE, _RED, _GREY = "#1f77b4", "#ff7f0e", "#d62728", "#7f7f7f"
 
 #: ops table columns: (header, function of a family row).
 _OPS_COLUMNS: tuple[tuple[str, Any], ...] = (
@@ -97,11 +95,11 @@ def ops_figure(ops: dict[str, Any], *, title: str = "drift by kernel family") ->
     x = np.arange(len(rows))
     native = [r["native_only"]["mean_abs_logprob_diff"] for r in rows]
     invariant = [r["invariant_only"]["mean_abs_logprob_diff"] for r in rows]
-    ax.bar(x - 0.2, native, width=0.4, color=_RED, label="only this family native")
-    ax.bar(x + 0.2, invariant, width=0.4, color=_BLUE, label="only this family invariant")
-    ax.axhline(ops["baseline"]["mean_abs_logprob_diff"], color=_GREY, linestyle="--", linewidth=0.8,
+    ax.bar(x - 0.2, native, width=0.4, color=RED, label="only this family native")
+    ax.bar(x + 0.2, invariant, width=0.4, color=BLUE, label="only this family invariant")
+    ax.axhline(ops["baseline"]["mean_abs_logprob_diff"], color=GREY, linestyle="--", linewidth=0.8,
                label="all invariant")
-    ax.axhline(ops["all_native"]["mean_abs_logprob_diff"], color=_ORANGE, linestyle="--", linewidth=0.8,
+    ax.axhline(ops["all_native"]["mean_abs_logprob_diff"], color=ORANGE, linestyle="--", linewidth=0.8,
                label="all native")
     top = max([*native, *invariant, ops["baseline"]["mean_abs_logprob_diff"],
                ops["all_native"]["mean_abs_logprob_diff"]])
@@ -120,7 +118,7 @@ def layers_figure(layers: dict[str, Any], *, title: str = "relative error by sta
     ax.set_ylabel("||b - a|| / ||a||")
     x = np.arange(len(stages))
     errors = np.array([s["rel_error"] for s in stages], dtype=np.float64)
-    colors = [_RED if s["stage"] == layers["first_differing"] else _BLUE for s in stages]
+    colors = [RED if s["stage"] == layers["first_differing"] else BLUE for s in stages]
     shown = np.where(errors > 0, errors, np.nan)  # a log axis cannot draw 0: those get a "=" mark
     if np.isfinite(shown).any():
         ax.bar(x, shown, color=colors)
@@ -131,7 +129,7 @@ def layers_figure(layers: dict[str, Any], *, title: str = "relative error by sta
     for i, s in enumerate(stages):
         if not s["differing"]:
             ax.annotate("=", (x[i], 0), xycoords=("data", "axes fraction"), ha="center", va="bottom",
-                        color=_GREY)
+                        color=GREY)
     ax.set_xticks(x, [s["stage"] for s in stages], rotation=45 if len(stages) > 8 else 0, fontsize=7)
     return fig
 
@@ -149,7 +147,7 @@ def _sides(result: dict[str, Any]) -> str:
 
 
 def section_html(section: dict[str, Any]) -> str:
-    """HTML fragment of an attribution section (`parity.attribute.section.attribution_section`):
+    """HTML fragment of an attribution section (`parity.attribute.attribution_section`):
     per axis, the op-family table and bar chart and the layer-probe table and chart."""
     parts = ['<div class="attribution"><h2>Drift attribution</h2>']
     for entry in section["axes"]:
@@ -174,3 +172,13 @@ def section_html(section: dict[str, Any]) -> str:
                                  f"relative error by stage, axis {entry['axis']}")]
     parts.append("</div>")
     return "\n".join(parts)
+
+
+def attribution_page(section: dict[str, Any], title: str) -> str:
+    """A self-contained HTML page holding one attribution section (`parity attribute --html`)."""
+    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            f"<title>{html.escape(title)}</title>"
+            "<style>body { font-family: system-ui, sans-serif; margin: 24px; } "
+            "table { border-collapse: collapse; font-size: 13px; } th, td { border: 1px solid #ddd; "
+            "padding: 3px 8px; } img.plot { width: 560px; max-width: 100%; }</style></head><body>"
+            f"<h1>{html.escape(title)}</h1>\n{section_html(section)}\n</body></html>\n")

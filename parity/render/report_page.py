@@ -1,120 +1,21 @@
-"""Figures and HTML fragments for parity reports, reusable by the nightly pages.
+"""The page of one `ParityReport`: verdict, summary, drift figures, worst tokens, correction
+metrics, the attribution section and provenance, in one self-contained HTML file.
 
-Every figure is a matplotlib `Figure` built without pyplot (no global state, safe in threads and
-under pytest) and embedded as an inline base64 SVG `<img>`, so pages need no network and no
-files next to them. Fragments take plain arrays and breakdown rows, not engines, so they render
-a report loaded from JSON exactly like a fresh one.
+The tables and `report_plots` are reused by the nightly pages. Everything here reads the
+report's arrays and JSON sections, so a report loaded from JSON renders exactly like a fresh one.
 """
 
 from __future__ import annotations
 
-import base64
 import html
-import io
 import json
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
+from parity.render.attribution import section_html
+from parity.render.figures import breakdown_figure, figure_img, log_ratio_histogram
 
 if TYPE_CHECKING:
-    from matplotlib.figure import Figure
-
     from parity.report import ParityReport
-
-_FIGSIZE = (6.4, 3.4)  # inches; 3 fit side by side on a wide screen, stacked on a narrow one
-_BLUE, _ORANGE, _GREY = "#1f77b4", "#d62728", "#7f7f7f"
-
-
-def new_figure() -> tuple[Figure, Any]:
-    """A figure of parity's report-plot size with one axes (no pyplot: no global figure state)."""
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=_FIGSIZE, layout="constrained")
-    return fig, fig.add_subplot()
-
-
-def figure_data_uri(fig: Figure) -> str:
-    """`data:image/svg+xml;base64,...` of a figure. Text is drawn as paths (no font needed
-    by the viewer) and the date metadata is dropped so the same data gives the same bytes."""
-    buf = io.BytesIO()
-    fig.savefig(buf, format="svg", metadata={"Date": None})
-    return "data:image/svg+xml;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
-
-
-def figure_img(fig: Figure, alt: str) -> str:
-    """An `<img>` tag holding the figure inline."""
-    return f'<img class="plot" alt="{html.escape(alt)}" src="{figure_data_uri(fig)}">'
-
-
-def log_ratio_histogram(log_ratio: np.ndarray) -> Figure:
-    """Histogram of per-token log ratios logp_train - logp_rollout (nats), `[num_tokens]`.
-
-    The count axis is logarithmic: drift lives in the tails, which a linear axis flattens
-    next to the spike of (near-)identical tokens. Non-finite values are counted in the title.
-    """
-    values = np.asarray(log_ratio, dtype=np.float64).ravel()
-    finite = values[np.isfinite(values)]
-    span = float(np.max(np.abs(finite))) if finite.size else 0.0
-    notes = [f"{values.size} tokens"]
-    if values.size > finite.size:
-        notes.append(f"{values.size - finite.size} non-finite")
-    if finite.size and span == 0.0:
-        notes.append("all identical")
-    fig, ax = new_figure()
-    ax.set_title(f"log ratio per token ({', '.join(notes)})", fontsize=10)
-    ax.set_xlabel("logp_train - logp_rollout (nats)")
-    ax.set_ylabel("tokens")
-    if finite.size == 0:
-        ax.text(0.5, 0.5, "no finite tokens", ha="center", va="center", transform=ax.transAxes)
-        return fig
-    if span == 0.0:
-        # one bar at 0 says "identical" better than an empty axis
-        ax.bar([0.0], [finite.size], width=1.0, color=_BLUE)
-        ax.set_xlim(-1.0, 1.0)
-    else:
-        ax.hist(finite, bins=np.linspace(-span, span, 61), color=_BLUE)
-        ax.set_yscale("log")
-    ax.axvline(0.0, color=_GREY, linewidth=0.8)
-    return fig
-
-
-def breakdown_figure(rows: list[dict[str, Any]], *, title: str, xlabel: str) -> Figure:
-    """Mean and max |Δlogp| per bucket of a `parity.metrics.drift_by_*` breakdown.
-
-    rows: one dict per bucket with `lo`, `hi`, `mean_abs_logprob_diff` and
-    `max_abs_logprob_diff` (nats; None for an empty bucket, which is left blank).
-    Bars are the mean (left axis), the line the max (right axis): the max is often 10-100x the
-    mean, and on one axis it would flatten the bars.
-    """
-    fig, ax = new_figure()
-    ax.set_title(title, fontsize=10)
-    ax.set_xlabel(xlabel)
-    if not rows:
-        ax.text(0.5, 0.5, "no tokens", ha="center", va="center", transform=ax.transAxes)
-        return fig
-    x = np.arange(len(rows))
-    mean = np.array([_number(row.get("mean_abs_logprob_diff")) for row in rows])
-    peak = np.array([_number(row.get("max_abs_logprob_diff")) for row in rows])
-    ax.bar(x, mean, color=_BLUE)
-    ax.set_ylabel("mean |Δlogp| (nats)", color=_BLUE)
-    ax.set_ylim(bottom=0.0)
-    peak_ax = ax.twinx()
-    peak_ax.plot(x, peak, color=_ORANGE, marker="o", markersize=3, linewidth=1)
-    peak_ax.set_ylabel("max |Δlogp| (nats)", color=_ORANGE)
-    peak_ax.set_ylim(bottom=0.0)
-    crowded = len(rows) > 6
-    ax.set_xticks(x, [_bucket_label(row) for row in rows], rotation=45 if crowded else 0,
-                  ha="right" if crowded else "center", fontsize=7)
-    return fig
-
-
-def _bucket_label(row: dict[str, Any]) -> str:
-    """`[lo, hi)` of a bucket as a short tick label."""
-    return f"{row['lo']:g}–{row['hi']:g}"
-
-
-def _number(value: Any) -> float:
-    return float(value) if isinstance(value, (int, float)) else np.nan
 
 
 def worst_tokens_table(rows: list[dict[str, Any]]) -> str:
@@ -187,11 +88,7 @@ def report_html(report: ParityReport) -> str:
     sub = " · ".join(f"{k}={prov[k]}" for k in ("dtype", "reference_kernels", "device", "case") if k in prov)
     violations = "".join(f"<li>{html.escape(v.describe())}</li>" for v in report.violations)
     plots = report_plots(report)
-    attribution = ""
-    if "attribution" in report.extras:
-        from parity.attribute import section_html
-
-        attribution = section_html(report.extras["attribution"])
+    attribution = section_html(report.extras["attribution"]) if "attribution" in report.extras else ""
     extras = "".join(
         f"<details><summary>{html.escape(name)}</summary><pre>"
         f"{html.escape(json.dumps(section, indent=2, sort_keys=True, default=str))}</pre></details>"
