@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from parity.backends import Backend, get_backend
+from parity.backends import Backend, get_backend, parse_option
 from parity.errors import ConfigError, InputError, ParityError
 from parity.schema import LOGPROBS_MODES
 from parity.types import Request, Rollout
@@ -131,7 +131,7 @@ def replay_main(argv: Sequence[str] | None = None) -> int:
         model = args.model or record.model
         if model is None:
             raise ConfigError("the record names no model; pass --model")
-        options = dict(_parse_option(o) for o in args.option)
+        options = dict(map(parse_option, args.option))
         with get_backend(args.backend, model, dtype=args.dtype, **options) as backend:
             new = replay(record, backend)
         out = args.out or args.record.with_suffix(f".{args.backend}{args.record.suffix}")
@@ -142,16 +142,6 @@ def replay_main(argv: Sequence[str] | None = None) -> int:
         return 2
     sys.stdout.write(f"{out}\n")
     return 0
-
-
-def _parse_option(text: str) -> tuple[str, Any]:
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise ConfigError(f"--option {text!r}: expected KEY=VALUE")
-    try:
-        return key, json.loads(value)
-    except json.JSONDecodeError:
-        return key, value
 
 
 def dump_rollouts(path: str | Path, rollouts: Sequence[Rollout]) -> Path:
@@ -274,6 +264,7 @@ def _jsonl(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
 
 def _pyarrow() -> tuple[Any, Any]:
     try:
+        # pyarrow only for Parquet: an optional dependency that JSONL records never need
         import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError as e:

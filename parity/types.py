@@ -1,4 +1,5 @@
-"""The contracts every part of parity speaks: `SamplingParams`, `Request`, `Rollout`.
+"""The contracts every part of parity speaks: `SamplingParams`, `Request`, `Rollout`, and the
+(prompt_ids, response_ids) pairs every scoring entry point takes (`as_pairs`).
 
 `top_k=0` means "off" everywhere in parity; each backend adapter translates it to its own
 spelling. Every field is sent to every backend explicitly, because backend defaults differ
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -204,3 +206,36 @@ class Rollout:
             routed_experts=None if routes is None else np.asarray(routes, dtype=np.int32),
             meta=dict(d.get("meta", {})),
         )
+
+
+#: one sequence to score: (prompt token ids, response token ids).
+Pair = tuple[tuple[int, ...], tuple[int, ...]]
+#: what every scoring entry point takes (`train_forward`, `Backend.score`, attribution):
+#: Rollouts or (prompt_ids, response_ids) pairs, freely mixed.
+Sequences = Sequence[Rollout | tuple[Sequence[int], Sequence[int]]]
+
+
+def as_pairs(sequences: Sequences) -> list[Pair]:
+    """Rollouts or (prompt_ids, response_ids) pairs -> (prompt, response) tuples of ints.
+
+    Every prompt must hold at least one token and every id must be >= 0; whether an id fits a
+    model's vocabulary is the model's check. An empty list gives an empty list.
+    """
+    if isinstance(sequences, (str, bytes)) or not isinstance(sequences, Sequence):
+        raise InputError(f"sequences must be a list of parity.Rollout or (prompt_ids, response_ids) pairs, "
+                         f"got {type(sequences).__name__}")
+    pairs = []
+    for i, item in enumerate(sequences):
+        if isinstance(item, Rollout):
+            pair = (item.prompt_ids, item.token_ids)
+        elif isinstance(item, (tuple, list)) and len(item) == 2:
+            pair = (tuple(int(t) for t in item[0]), tuple(int(t) for t in item[1]))
+        else:
+            raise InputError(f"sequences[{i}] must be a parity.Rollout or a (prompt_ids, response_ids) "
+                             f"pair, got {type(item).__name__}")
+        if not pair[0]:
+            raise InputError(f"sequences[{i}]: prompt_ids is empty; give at least one prompt token")
+        if min(pair[0] + pair[1]) < 0:
+            raise InputError(f"sequences[{i}] contains a negative token id")
+        pairs.append(pair)
+    return pairs

@@ -1,30 +1,67 @@
 """The backend contract without engines: registry, translation helpers, processed conversion."""
 
+import importlib
+
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from parity.backends import BACKENDS, available_backends, get_backend, shared_backend
+from parity.backends import (
+    BACKENDS,
+    available_backends,
+    backend_options,
+    get_backend,
+    parse_option,
+    shared_backend,
+)
 from parity.backends.base import (
-    as_pairs,
-    check_score_mode,
     eos_token_ids,
     expand_samples,
     finish_reason,
     processed_from_raw,
     sample_seed,
+    score_sampling,
     stop_set,
 )
 from parity.errors import BackendUnavailableError, ConfigError, InputError
 from parity.models import resolve_model
-from parity.types import Request, Rollout, SamplingParams
+from parity.schema import BACKEND_NAMES
+from parity.types import Request, Rollout, SamplingParams, as_pairs
 
 
 def test_registry_names_and_unknown_name():
     assert list(BACKENDS) == ["reference", "hf", "vllm", "sglang", "trtllm"]
     with pytest.raises(ConfigError, match="reference, hf, vllm, sglang, trtllm"):
         get_backend("vllm-gpu", "tiny-llama")
+
+
+def test_registry_adapters_carry_the_schema_names():
+    """One spelling of each backend name: the schema's, the registry's key and the adapter's `name`."""
+    assert tuple(BACKENDS) == BACKEND_NAMES
+    for name, spec in BACKENDS.items():
+        module, cls = spec.adapter.split(":")
+        assert spec.name == name and getattr(importlib.import_module(module), cls).name == name
+
+
+@pytest.mark.parametrize("name", BACKEND_NAMES)
+def test_unknown_option_is_a_config_error_listing_the_valid_ones(name):
+    """Checked against the adapter's own parameters before any engine package is looked for, so
+    even a backend not installed here (sglang, trtllm) answers with its options, not a TypeError."""
+    valid = backend_options(name)
+    assert valid and "dtype" not in valid and "model" not in valid
+    with pytest.raises(ConfigError, match=f"backend '{name}' has no option 'batch_sise'") as info:
+        get_backend(name, "tiny-llama", batch_sise=4)
+    assert all(option in str(info.value) for option in valid)
+
+
+def test_option_text_is_json_when_it_parses():
+    assert parse_option("record_routes=true") == ("record_routes", True)
+    assert parse_option("engine_kwargs={\"max_model_len\": 512}") == ("engine_kwargs", {"max_model_len": 512})
+    assert parse_option("attn_implementation=eager") == ("attn_implementation", "eager")
+    for bad in ("record_routes", "=1", "two words=1"):
+        with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+            parse_option(bad)
 
 
 def test_missing_package_names_the_extra():
@@ -86,10 +123,16 @@ def test_score_input_validation():
         as_pairs([[1, 2, 3]])
     with pytest.raises(InputError, match="prompt_ids is empty"):
         as_pairs([([], [1])])
+    with pytest.raises(InputError, match="negative token id"):
+        as_pairs([([1], [-4])])
+    with pytest.raises(InputError, match="must be a list"):
+        as_pairs("1 2 3")
+    assert as_pairs([]) == []
     with pytest.raises(ConfigError, match="logprobs_mode"):
-        check_score_mode("sampled", 1.0, 0, 1.0)
+        score_sampling("sampled", 1.0, 0, 1.0)
     with pytest.raises(ConfigError, match="top_p"):
-        check_score_mode("processed", 1.0, 0, 0.0)
+        score_sampling("processed", 1.0, 0, 0.0)
+    assert score_sampling("processed", 0.7, 5, 0.9) == SamplingParams(temperature=0.7, top_k=5, top_p=0.9)
 
 
 @given(st.floats(0.3, 2.0), st.integers(0, 40), st.floats(0.05, 1.0), st.integers(0, 1000))

@@ -30,12 +30,13 @@ import numpy as np
 import torch
 
 from parity import kernels as _kernels
-from parity.attribute.runner import Run, Sequences, as_pairs, run
+from parity.attribute.runner import Run, run
 from parity.attribute.settings import Setting
 from parity.engine.inputs import kernel_families
 from parity.errors import ConfigError, InputError
 from parity.metrics import summarize
 from parity.models.loading import LoadedModel
+from parity.types import Sequences, as_pairs
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
-from parity.attribute.runner import Sequences, run
+from parity.attribute.runner import run
 from parity.attribute.settings import Setting
 from parity.errors import ConfigError
 from parity.models.loading import LoadedModel
+from parity.types import Sequences
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ rows are scattered back to (sequence, position) using the layout the forward was
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -29,13 +29,10 @@ from parity.engine.inputs import check_length, check_token_ids
 from parity.errors import InputError
 from parity.kernels.attention import KVCache
 from parity.models.loading import LoadedModel, load_model
-from parity.types import Rollout
+from parity.types import Pair, Sequences, as_pairs
 
-Pair = tuple[tuple[int, ...], tuple[int, ...]]
 #: where one forward's output rows go: (sequence index, flat output rows [n], its positions [n]).
 RowMap = list[tuple[int, torch.Tensor, torch.Tensor]]
-#: what every attribution entry point scores: Rollouts or (prompt_ids, response_ids) pairs.
-Sequences = Sequence[Rollout | tuple[Sequence[int], Sequence[int]]]
 
 
 @dataclass(frozen=True)
@@ -53,25 +50,6 @@ class Run:
     states: dict[str, tuple[torch.Tensor, ...]]
 
 
-def as_pairs(sequences: Sequences) -> list[Pair]:
-    """Rollouts or (prompt_ids, response_ids) pairs -> (prompt, response) tuples of ints."""
-    if isinstance(sequences, (str, bytes)) or not isinstance(sequences, Sequence) or not sequences:
-        raise InputError("sequences must be a non-empty list of parity.Rollout or (prompt_ids, response_ids) "
-                         "pairs")
-    pairs = []
-    for i, item in enumerate(sequences):
-        if isinstance(item, Rollout):
-            pairs.append((item.prompt_ids, item.token_ids))
-        elif isinstance(item, (tuple, list)) and len(item) == 2:
-            pairs.append((tuple(int(t) for t in item[0]), tuple(int(t) for t in item[1])))
-        else:
-            raise InputError(f"sequences[{i}] must be a parity.Rollout or a (prompt_ids, response_ids) pair, "
-                             f"got {type(item).__name__}")
-        if not pairs[-1][0]:
-            raise InputError(f"sequences[{i}]: prompt_ids is empty; give at least one prompt token")
-    return pairs
-
-
 def stage_names(lm: LoadedModel) -> list[str]:
     """Stages in forward order: "embed", "layer.0" .. "layer.<L-1>", "norm", "logits"."""
     return ["embed", *(f"layer.{i}" for i in range(len(lm.model.model.layers))), "norm", "logits"]
@@ -79,8 +57,11 @@ def stage_names(lm: LoadedModel) -> list[str]:
 
 def run(model: str | LoadedModel, sequences: Sequences, setting: Setting, *, capture: bool = False) -> Run:
     """The forward of `setting` over `sequences`; with `capture`, every stage's hidden states too."""
-    lm = load_model(model, dtype=setting.dtype, device=setting.device)
     pairs = as_pairs(sequences)
+    if not pairs:
+        raise InputError("sequences is empty; give a non-empty list of parity.Rollout or (prompt_ids, "
+                         "response_ids) pairs")
+    lm = load_model(model, dtype=setting.dtype, device=setting.device)
     for i, (prompt, response) in enumerate(pairs):
         check_token_ids(prompt + response, lm, f"sequences[{i}]")
         check_length(len(prompt) + len(response), lm, f"sequences[{i}]")

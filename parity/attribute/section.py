@@ -11,10 +11,10 @@ from typing import Any
 
 from parity.attribute.ablation import attribute_ops
 from parity.attribute.layers import layer_diff
-from parity.attribute.runner import Sequences
 from parity.attribute.settings import AXES, axis_settings
 from parity.errors import ConfigError
 from parity.models.loading import LoadedModel
+from parity.types import Sequences
 
 
 def attribution_section(model: str | LoadedModel, sequences: Sequences, *, axes: Iterable[str] = ("batch",),

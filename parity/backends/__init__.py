@@ -4,10 +4,12 @@ from parity.backends.base import Backend
 from parity.backends.registry import (
     BACKENDS,
     available_backends,
+    backend_options,
     close_shared_backends,
     get_backend,
+    parse_option,
     shared_backend,
 )
 
-__all__ = ["BACKENDS", "Backend", "available_backends", "close_shared_backends", "get_backend",
-           "shared_backend"]
+__all__ = ["BACKENDS", "Backend", "available_backends", "backend_options", "close_shared_backends",
+           "get_backend", "parse_option", "shared_backend"]

@@ -11,6 +11,8 @@ back into parity `Rollout`s. What is the same for every backend lives here, once
 - `score` takes what `parity.engine.train_forward` takes (Rollouts or (prompt_ids,
   response_ids) pairs) and returns what it returns: per sequence, a float32 tensor of the
   response tokens' teacher-forced logprobs, so backend scores line up with rollout logprobs.
+  It is one template: the arguments are checked here and an adapter's `_score` gets checked
+  pairs and the logprob definition as a `SamplingParams`.
 - "processed" logprobs have one definition, `parity.engine.sampler.processed_logprobs`
   (temperature, top-k, top-p, renormalized; a point mass under greedy). Backends that report
   something else (raw prompt logprobs; vLLM and HF report raw logprobs under greedy) are
@@ -24,15 +26,17 @@ import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
-import torch
 
 from parity.errors import BackendError, ConfigError, InputError
 from parity.models import resolve_model
 from parity.schema import DTYPES, LOGPROBS_MODES
-from parity.types import Request, Rollout, SamplingParams
+from parity.types import Pair, Request, Rollout, SamplingParams, Sequences, as_pairs
+
+if TYPE_CHECKING:
+    import torch
 
 #: per-sample seeds are drawn from a 31-bit range: every backend accepts a non-negative int32.
 _SEED_RANGE = 2**31 - 1
@@ -105,33 +109,12 @@ def finish_reason(token_ids: Sequence[int], stops: Sequence[int]) -> str:
     return "stop" if token_ids and token_ids[-1] in stops else "length"
 
 
-Pair = tuple[tuple[int, ...], tuple[int, ...]]
-
-
-def as_pairs(sequences: Sequence[Rollout | tuple[Sequence[int], Sequence[int]]]) -> list[Pair]:
-    """`score` input -> (prompt_ids, response_ids) pairs; the prompt must be non-empty."""
-    pairs = []
-    for i, item in enumerate(sequences):
-        if isinstance(item, Rollout):
-            pair = (item.prompt_ids, item.token_ids)
-        elif isinstance(item, (tuple, list)) and len(item) == 2:
-            pair = (tuple(int(t) for t in item[0]), tuple(int(t) for t in item[1]))
-        else:
-            raise InputError(f"sequences[{i}] must be a parity.Rollout or a (prompt_ids, response_ids) "
-                             f"pair, got {type(item).__name__}")
-        if not pair[0]:
-            raise InputError(f"sequences[{i}]: prompt_ids is empty; give at least one prompt token")
-        if min(pair[0] + pair[1]) < 0:
-            raise InputError(f"sequences[{i}] contains a negative token id")
-        pairs.append(pair)
-    return pairs
-
-
-def check_score_mode(logprobs_mode: str, temperature: float, top_k: int, top_p: float) -> None:
-    """Validate the logprob definition asked of `score` (the ranges of `SamplingParams`)."""
+def score_sampling(logprobs_mode: str, temperature: float, top_k: int, top_p: float) -> SamplingParams:
+    """The logprob definition asked of `score`, checked: the distribution a request sampled with
+    these parameters draws from ("processed") or log_softmax of the logits ("raw")."""
     if logprobs_mode not in LOGPROBS_MODES:
         raise ConfigError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
-    SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, logprobs_mode=logprobs_mode)
 
 
 def processed_from_raw(raw: torch.Tensor, *, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -139,6 +122,7 @@ def processed_from_raw(raw: torch.Tensor, *, temperature: float, top_k: int, top
 
     Softmax ignores a per-row shift, so logits and log_softmax(logits) give the same result.
     """
+    # the engine's sampler (torch) only when converting: `import parity.backends` stays light
     from parity.engine.sampler import RowParams, processed_logprobs
 
     n = raw.shape[0]
@@ -158,12 +142,16 @@ def greedy_processed(logprobs: Sequence[float]) -> list[float]:
 class Backend(abc.ABC):
     """One inference backend behind parity's normalized interface; a context manager.
 
-    Subclasses set `name` and fill `meta` with the backend version and every setting that
-    affects numerics (dtype, attention backend, batch-invariant flag, TP size, prefix caching,
-    logprob definition); each returned `Rollout` carries a copy of it.
+    Subclasses set `name`, implement `generate`, `_score` and `close`, and fill `meta` with the
+    backend version and every setting that affects numerics (dtype, attention backend,
+    batch-invariant flag, TP size, prefix caching, logprob definition); each returned `Rollout`
+    carries a copy of it. Their keyword-only `__init__` parameters are the backend's options
+    (`parity.backends.get_backend` refuses any other name).
     """
 
     name: ClassVar[str]
+    #: the logprob modes `score` can report; a backend whose prompt logprobs are raw only says so.
+    score_modes: ClassVar[tuple[str, ...]] = LOGPROBS_MODES
 
     def __init__(self, model: str | Path, *, dtype: str = "bfloat16") -> None:
         self.model_path = resolve_model(model)
@@ -175,16 +163,24 @@ class Backend(abc.ABC):
     def generate(self, requests: Sequence[Request]) -> list[Rollout]:
         """Sample every request; rollouts ordered by request, then sample index."""
 
-    @abc.abstractmethod
-    def score(self, sequences: Sequence[Rollout | tuple[Sequence[int], Sequence[int]]], *,
-              logprobs_mode: str = "raw", temperature: float = 1.0, top_k: int = 0,
-              top_p: float = 1.0) -> list[torch.Tensor]:
+    def score(self, sequences: Sequences, *, logprobs_mode: str = "raw", temperature: float = 1.0,
+              top_k: int = 0, top_p: float = 1.0) -> list[torch.Tensor]:
         """Teacher-forced logprobs of each sequence's response tokens, float32 `[len(response)]`.
 
         sequences: Rollouts or (prompt_ids, response_ids) pairs (as `train_forward` takes).
         logprobs_mode="raw" scores under log_softmax(logits); "processed" under the
         distribution sampling with (temperature, top_k, top_p) draws from.
         """
+        sampling = score_sampling(logprobs_mode, temperature, top_k, top_p)
+        if logprobs_mode not in self.score_modes:
+            raise ConfigError(f"backend {self.name!r}: prompt logprobs are {' or '.join(self.score_modes)} "
+                              f"only; score with logprobs_mode={self.score_modes[0]!r}")
+        return self._score(as_pairs(sequences), sampling)
+
+    @abc.abstractmethod
+    def _score(self, pairs: list[Pair], sampling: SamplingParams) -> list[torch.Tensor]:
+        """`score` on checked pairs; `sampling` holds the logprob definition (`logprobs_mode`,
+        `temperature`, `top_k`, `top_p`), its other fields are defaults."""
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load new weights (HF parameter names) into the running backend."""

@@ -21,18 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
+from transformers import AutoModelForCausalLM, GenerationConfig
 
-from parity.backends.base import (
-    Backend,
-    SampleJob,
-    as_pairs,
-    check_score_mode,
-    expand_samples,
-    processed_from_raw,
-    stop_set,
-)
+from parity.backends.base import Backend, SampleJob, expand_samples, processed_from_raw, stop_set
 from parity.errors import ConfigError
-from parity.types import Request, Rollout, SamplingParams
+from parity.types import Pair, Request, Rollout, SamplingParams
 
 
 def translate_sampling(sp: SamplingParams, eos_ids: Sequence[int], pad_id: int) -> dict[str, Any]:
@@ -64,9 +58,6 @@ class HFBackend(Backend):
         super().__init__(model, dtype=dtype)
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigError(f"hf option batch_size must be an integer >= 1, got {batch_size!r}")
-        import transformers
-        from transformers import AutoModelForCausalLM
-
         self.device = torch.device(device)
         self.batch_size = batch_size
         self._model = AutoModelForCausalLM.from_pretrained(
@@ -99,8 +90,6 @@ class HFBackend(Backend):
 
     @torch.no_grad()
     def _generate_batch(self, jobs: list[SampleJob]) -> list[Rollout]:
-        from transformers import GenerationConfig
-
         sp = jobs[0].sampling
         stops = stop_set(sp, self.eos_ids)
         prompts = [list(job.request.prompt_ids) for job in jobs]
@@ -126,12 +115,8 @@ class HFBackend(Backend):
         return rollouts
 
     @torch.no_grad()
-    def score(self, sequences: Sequence[Rollout | tuple[Sequence[int], Sequence[int]]], *,
-              logprobs_mode: str = "raw", temperature: float = 1.0, top_k: int = 0,
-              top_p: float = 1.0) -> list[torch.Tensor]:
+    def _score(self, pairs: list[Pair], sampling: SamplingParams) -> list[torch.Tensor]:
         """Right-padded forwards of `batch_size` sequences; processed mode via `processed_from_raw`."""
-        check_score_mode(logprobs_mode, temperature, top_k, top_p)
-        pairs = as_pairs(sequences)
         result = []
         for start in range(0, len(pairs), self.batch_size):
             chunk = [[*p, *r] for p, r in pairs[start:start + self.batch_size]]
@@ -142,8 +127,9 @@ class HFBackend(Backend):
             for row, (prompt, response) in enumerate(pairs[start:start + self.batch_size]):
                 # logits at position t predict token t + 1.
                 steps = logits[row, len(prompt) - 1:len(prompt) - 1 + len(response)]
-                if logprobs_mode == "processed":
-                    lp = processed_from_raw(steps, temperature=temperature, top_k=top_k, top_p=top_p)
+                if sampling.logprobs_mode == "processed":
+                    lp = processed_from_raw(steps, temperature=sampling.temperature, top_k=sampling.top_k,
+                                            top_p=sampling.top_p)
                 else:
                     lp = steps.log_softmax(dim=-1)
                 result.append(lp.gather(-1, torch.tensor(response, dtype=torch.long)[:, None])[:, 0])

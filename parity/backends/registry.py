@@ -1,7 +1,9 @@
-"""Backends by name (like verl's `rollout.name`), a process-wide engine cache, and availability.
+"""Backends by name (like verl's `rollout.name`), their options, a process-wide engine cache,
+and availability.
 
 Adapter modules are imported only when their backend is asked for, so `import parity` never
-pays for (or fails on) vLLM, SGLang or TensorRT-LLM.
+pays for (or fails on) vLLM, SGLang or TensorRT-LLM. A backend's options are the keyword-only
+parameters of its adapter's `__init__`; any other name is refused before an engine starts.
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 import atexit
 import importlib
 import importlib.util
+import inspect
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +37,7 @@ class BackendSpec:
     description: str
 
 
+#: keyed in the order of `parity.schema.BACKEND_NAMES`.
 BACKENDS: dict[str, BackendSpec] = {
     spec.name: spec
     for spec in (
@@ -70,23 +75,54 @@ def available_backends() -> dict[str, str | None]:
     return {name: _missing(spec) for name, spec in BACKENDS.items()}
 
 
+def backend_options(name: str) -> list[str]:
+    """The option names backend `name` accepts: its adapter's keyword-only parameters but dtype."""
+    params = inspect.signature(_adapter(_spec(name)).__init__).parameters.values()
+    return [p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name != "dtype"]
+
+
 def get_backend(name: str, model: str | Path, *, dtype: str = "bfloat16", **options: Any) -> Backend:
     """Start backend `name` on `model` (built-in name or HF checkpoint directory).
 
-    `options` go to the adapter (e.g. vLLM `logprobs_mode`, `enable_prefix_caching`); unknown
-    ones raise ConfigError from the adapter. A missing package raises BackendUnavailableError
-    naming the extra to install.
+    `options` go to the adapter (e.g. vLLM `logprobs_mode`, `enable_prefix_caching`); a name the
+    adapter does not take is a ConfigError listing the ones it does, raised before any engine
+    package is looked for. A missing package raises BackendUnavailableError naming the extra
+    to install.
     """
     spec = _spec(name)
+    valid = backend_options(name)
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        raise ConfigError(f"backend {name!r} has no option {', '.join(map(repr, unknown))}; "
+                          f"its options: {', '.join(valid)}")
     reason = _missing(spec)
     if reason is not None:
         raise BackendUnavailableError(reason)
+    return _adapter(spec)(model, dtype=dtype, **options)
+
+
+def _adapter(spec: BackendSpec) -> type[Backend]:
+    """The adapter class of `spec`. Adapter modules import without their engine's package."""
     module_name, cls_name = spec.adapter.split(":")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise BackendUnavailableError(f"backend {name!r} could not be imported ({e}); {spec.install}") from e
-    return getattr(module, cls_name)(model, dtype=dtype, **options)
+        raise BackendUnavailableError(f"backend {spec.name!r} could not be imported ({e}); "
+                                      f"{spec.install}") from e
+    return getattr(module, cls_name)
+
+
+def parse_option(text: str) -> tuple[str, Any]:
+    """One command-line `KEY=VALUE` backend option -> (key, value); VALUE is read as JSON when it
+    parses (true, 4, 0.5, {"max_model_len": 512}), else kept as a string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.isidentifier():
+        raise ConfigError(f"--option {text!r}: expected KEY=VALUE with KEY a Python identifier, "
+                          "e.g. --option record_routes=true")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
 
 
 _SHARED: dict[str, Backend] = {}

@@ -23,24 +23,17 @@ import base64
 import json
 import os
 import urllib.request
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from parity.backends.base import (
-    Backend,
-    SampleJob,
-    as_pairs,
-    check_score_mode,
-    expand_samples,
-    stop_set,
-)
+from parity.backends.base import Backend, SampleJob, expand_samples, stop_set
 from parity.errors import BackendError, ConfigError, InputError
 from parity.schema import LOGPROBS_MODES
-from parity.types import Request, Rollout
+from parity.types import Pair, Request, Rollout, SamplingParams
 
 #: parity logprobs_mode -> the value SGLANG_RETURN_ORIGINAL_LOGPROB must have in the server.
 ORIGINAL_LOGPROB_ENV = {"raw": "1", "processed": "0"}
@@ -114,15 +107,18 @@ class SGLangBackend(Backend):
     logprobs_mode: "processed" (SGLang's temperature-scaled logprobs) or "raw" (needs
         SGLANG_RETURN_ORIGINAL_LOGPROB=1; set here for an Engine, asserted for a server).
     return_routed_experts: ask for MoE routing (the server needs --enable-return-routed-experts).
-    engine_kwargs: passed to `sglang.Engine` (e.g. tp_size, attention_backend).
+    engine_kwargs: more `sglang.Engine` keyword arguments, passed unchanged (e.g. tp_size,
+        attention_backend).
     """
 
     name = "sglang"
+    score_modes = ("raw",)  # SGLang's prompt logprobs (`input_token_logprobs`) are raw only
 
     def __init__(self, model: str | Path, *, dtype: str = "bfloat16", logprobs_mode: str = "processed",
                  base_url: str | None = None, return_routed_experts: bool = False, timeout_s: float = 600,
-                 **engine_kwargs: Any) -> None:
+                 engine_kwargs: Mapping[str, Any] | None = None) -> None:
         super().__init__(model, dtype=dtype)
+        engine_kwargs = dict(engine_kwargs or {})
         if logprobs_mode not in LOGPROBS_MODES:
             raise ConfigError(f"sglang option logprobs_mode must be one of {LOGPROBS_MODES}, "
                               f"got {logprobs_mode!r}")
@@ -136,7 +132,7 @@ class SGLangBackend(Backend):
         self.routes_shape = (int(config["num_hidden_layers"]), int(top_k)) if top_k else None
         self._engine = None
         if self.base_url is None:
-            import sglang
+            import sglang  # sglang only for an in-process Engine: a server needs no package here
 
             os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = ORIGINAL_LOGPROB_ENV[logprobs_mode]
             self._engine = sglang.Engine(model_path=str(self.model_path), skip_tokenizer_init=True,
@@ -186,14 +182,8 @@ class SGLangBackend(Backend):
             rollouts.append(self.finished(job, tokens, logprobs, routes))
         return rollouts
 
-    def score(self, sequences: Sequence[Rollout | tuple[Sequence[int], Sequence[int]]], *,
-              logprobs_mode: str = "raw", temperature: float = 1.0, top_k: int = 0,
-              top_p: float = 1.0) -> list[torch.Tensor]:
+    def _score(self, pairs: list[Pair], sampling: SamplingParams) -> list[torch.Tensor]:
         """Raw teacher-forced logprobs from `input_token_logprobs` (SGLang has no processed ones)."""
-        check_score_mode(logprobs_mode, temperature, top_k, top_p)
-        if logprobs_mode != "raw":
-            raise ConfigError("SGLang prompt logprobs are raw only; score with logprobs_mode='raw'")
-        pairs = as_pairs(sequences)
         params = [{"max_new_tokens": 1, "temperature": 0.0}] * len(pairs)
         outputs = self._generate_raw([[*p, *r] for p, r in pairs], params, return_logprob=True,
                                      logprob_start_len=0)

@@ -15,22 +15,15 @@ Translation facts (TRT-LLM docs: SamplingParams, CompletionOutput):
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from parity.backends.base import (
-    Backend,
-    SampleJob,
-    as_pairs,
-    check_score_mode,
-    expand_samples,
-    stop_set,
-)
+from parity.backends.base import Backend, SampleJob, expand_samples, stop_set
 from parity.errors import BackendError, ConfigError
-from parity.types import Request, Rollout
+from parity.types import Pair, Request, Rollout, SamplingParams
 
 #: parity logprobs_mode -> TRT-LLM `SamplingParams.logprobs_mode`.
 TRTLLM_LOGPROBS_MODE = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
@@ -56,7 +49,7 @@ def translate_sampling(job: SampleJob, eos_ids: Sequence[int], *, has_logprobs_m
 
 
 def _get(obj: Any, name: str) -> Any:
-    """A field of a TRT-LLM output object, or of its JSON form (captured outputs)."""
+    """A field of a TRT-LLM output object, or of its JSON form (outputs stored as JSON)."""
     return obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
 
 
@@ -100,23 +93,28 @@ def parse_prompt_logprobs(completion: Any, prompt: Sequence[int], response: Sequ
 class TRTLLMBackend(Backend):
     """`tensorrt_llm.LLM` on a local HF checkpoint (PyTorch backend).
 
-    llm_kwargs: passed to `tensorrt_llm.LLM` (e.g. tensor_parallel_size, kv_cache_config).
+    engine_kwargs: more `tensorrt_llm.LLM` keyword arguments, passed unchanged (e.g.
+        tensor_parallel_size, kv_cache_config).
     """
 
     name = "trtllm"
+    score_modes = ("raw",)  # TensorRT-LLM's prompt logprobs are raw only
 
-    def __init__(self, model: str | Path, *, dtype: str = "bfloat16", **llm_kwargs: Any) -> None:
+    def __init__(self, model: str | Path, *, dtype: str = "bfloat16",
+                 engine_kwargs: Mapping[str, Any] | None = None) -> None:
         super().__init__(model, dtype=dtype)
+        engine_kwargs = dict(engine_kwargs or {})
+        # tensorrt_llm only where an engine runs: this module (its output parsing) imports without it
         import tensorrt_llm
-        from tensorrt_llm import LLM, SamplingParams
 
-        self._sampling_cls = SamplingParams
-        self.has_logprobs_mode = "logprobs_mode" in {f.name for f in dataclasses.fields(SamplingParams)}
-        self._llm = LLM(model=str(self.model_path), dtype=dtype, skip_tokenizer_init=True, **llm_kwargs)
+        self._sampling_cls = tensorrt_llm.SamplingParams
+        self.has_logprobs_mode = "logprobs_mode" in {f.name for f in dataclasses.fields(self._sampling_cls)}
+        self._llm = tensorrt_llm.LLM(model=str(self.model_path), dtype=dtype, skip_tokenizer_init=True,
+                                     **engine_kwargs)
         self.meta.update({
             "backend_version": tensorrt_llm.__version__, "has_logprobs_mode": self.has_logprobs_mode,
-            "tensor_parallel_size": llm_kwargs.get("tensor_parallel_size", 1),
-            "attention_backend": llm_kwargs.get("attn_backend", "TRTLLM"),
+            "tensor_parallel_size": engine_kwargs.get("tensor_parallel_size", 1),
+            "attention_backend": engine_kwargs.get("attn_backend", "TRTLLM"),
             "batch_invariant": False, "enable_prefix_caching": "see kv_cache_config.enable_block_reuse",
         })
 
@@ -137,14 +135,8 @@ class TRTLLMBackend(Backend):
             rollouts.append(self.finished(job, tokens, logprobs, **extra))
         return rollouts
 
-    def score(self, sequences: Sequence[Rollout | tuple[Sequence[int], Sequence[int]]], *,
-              logprobs_mode: str = "raw", temperature: float = 1.0, top_k: int = 0,
-              top_p: float = 1.0) -> list[torch.Tensor]:
+    def _score(self, pairs: list[Pair], sampling: SamplingParams) -> list[torch.Tensor]:
         """Raw teacher-forced logprobs from `prompt_logprobs` (TRT-LLM's are raw only)."""
-        check_score_mode(logprobs_mode, temperature, top_k, top_p)
-        if logprobs_mode != "raw":
-            raise ConfigError("TensorRT-LLM prompt logprobs are raw only; score with logprobs_mode='raw'")
-        pairs = as_pairs(sequences)
         params = self._sampling_cls(max_tokens=1, temperature=0.0, prompt_logprobs=1, detokenize=False)
         outputs = self._llm.generate([[*p, *r] for p, r in pairs], [params] * len(pairs), use_tqdm=False)
         return [torch.tensor(parse_prompt_logprobs(out.outputs[0], p, r), dtype=torch.float32)

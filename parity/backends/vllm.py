@@ -24,26 +24,19 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from safetensors.torch import save_file
 
-from parity.backends.base import (
-    Backend,
-    SampleJob,
-    as_pairs,
-    check_score_mode,
-    expand_samples,
-    processed_from_raw,
-    stop_set,
-)
+from parity.backends.base import Backend, SampleJob, expand_samples, processed_from_raw, stop_set
 from parity.backends.vllm_routes import capture_engine_kwargs, start_route_capture, take_routes
 from parity.errors import BackendError, ConfigError, InputError
 from parity.schema import LOGPROBS_MODES
-from parity.types import Request, Rollout
+from parity.types import Pair, Request, Rollout, SamplingParams
 
 #: parity logprobs_mode -> vLLM engine `logprobs_mode`.
 VLLM_LOGPROBS_MODE = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
@@ -96,7 +89,8 @@ class VLLMBackend(Backend):
     return_routed_experts: ask vLLM for MoE routing per position (refused by vLLM's CPU runner).
     capture_routes: capture MoE routing inside the engine's worker instead
         (`parity.backends.vllm_routes`; works on the CPU build; turns prefix caching off).
-    engine_kwargs: passed to `vllm.LLM` unchanged (e.g. `max_model_len`, `attention_backend`).
+    engine_kwargs: more `vllm.LLM` keyword arguments, passed unchanged (e.g. `max_model_len`,
+        `attention_backend`); on the command line `--option engine_kwargs='{"max_model_len": 512}'`.
     """
 
     name = "vllm"
@@ -104,14 +98,17 @@ class VLLMBackend(Backend):
     def __init__(self, model: str | Path, *, dtype: str = "bfloat16", logprobs_mode: str = "processed",
                  tensor_parallel_size: int = 1, enable_prefix_caching: bool | None = None,
                  batch_invariant: bool = False, return_routed_experts: bool = False,
-                 capture_routes: bool = False, seed: int = 0, **engine_kwargs: Any) -> None:
+                 capture_routes: bool = False, seed: int = 0,
+                 engine_kwargs: Mapping[str, Any] | None = None) -> None:
         super().__init__(model, dtype=dtype)
+        engine_kwargs = dict(engine_kwargs or {})
         if logprobs_mode not in LOGPROBS_MODES:
             raise ConfigError(f"vllm option logprobs_mode must be one of {LOGPROBS_MODES}, "
                               f"got {logprobs_mode!r}")
         self.logprobs_mode = logprobs_mode
         self._weights_dir: tempfile.TemporaryDirectory[str] | None = None
         os.environ["VLLM_BATCH_INVARIANT"] = "1" if batch_invariant else "0"
+        # vllm only where an engine runs: this module imports without it
         import vllm
         import vllm.envs
         from vllm.platforms import current_platform
@@ -134,7 +131,7 @@ class VLLMBackend(Backend):
                 logprobs_mode=VLLM_LOGPROBS_MODE[logprobs_mode],
                 enable_return_routed_experts=return_routed_experts, **engine_kwargs)
         except TypeError as e:
-            raise ConfigError(f"vllm option not understood by vllm.LLM: {e}") from e
+            raise ConfigError(f"vllm engine_kwargs not understood by vllm.LLM: {e}") from e
         except Exception as e:
             hint = ("; return_routed_experts needs vLLM's V2 model runner, which the CPU build lacks"
                     if return_routed_experts and on_cpu else "")
@@ -161,7 +158,7 @@ class VLLMBackend(Backend):
         return "auto" if backend is None else str(getattr(backend, "name", backend))
 
     def generate(self, requests: Sequence[Request]) -> list[Rollout]:
-        from vllm import SamplingParams
+        import vllm  # vllm only where an engine runs: this module imports without it
         from vllm.inputs import TokensPrompt
 
         jobs = expand_samples(requests)
@@ -173,7 +170,7 @@ class VLLMBackend(Backend):
                     f"(an engine-wide vLLM setting); start the backend with "
                     f"logprobs_mode={job.sampling.logprobs_mode!r}")
         prompts = [TokensPrompt(prompt_token_ids=list(job.request.prompt_ids)) for job in jobs]
-        params = [SamplingParams(**translate_sampling(job, self.eos_ids)) for job in jobs]
+        params = [vllm.SamplingParams(**translate_sampling(job, self.eos_ids)) for job in jobs]
         if self.capture_routes:
             start_route_capture(self._llm)
         outputs = self._run(prompts, params)
@@ -189,18 +186,14 @@ class VLLMBackend(Backend):
             rollouts.append(self.finished(job, tokens, logprobs, routes, **extra))
         return rollouts
 
-    def score(self, sequences: Sequence[Rollout | tuple[Sequence[int], Sequence[int]]], *,
-              logprobs_mode: str = "raw", temperature: float = 1.0, top_k: int = 0,
-              top_p: float = 1.0) -> list[torch.Tensor]:
+    def _score(self, pairs: list[Pair], sampling: SamplingParams) -> list[torch.Tensor]:
         """Teacher-forced response logprobs through `prompt_logprobs` (raw; converted if processed)."""
-        from vllm import SamplingParams
+        import vllm  # vllm only where an engine runs: this module imports without it
         from vllm.inputs import TokensPrompt
 
-        check_score_mode(logprobs_mode, temperature, top_k, top_p)
-        pairs = as_pairs(sequences)
-        processed = logprobs_mode == "processed"
+        processed = sampling.logprobs_mode == "processed"
         # One greedy output token per sequence: vLLM needs max_tokens >= 1; the token is ignored.
-        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=-1 if processed else 0,
+        params = vllm.SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=-1 if processed else 0,
                                 detokenize=False)
         prompts = [TokensPrompt(prompt_token_ids=[*p, *r]) for p, r in pairs]
         result = []
@@ -209,7 +202,8 @@ class VLLMBackend(Backend):
             steps = out.prompt_logprobs[len(prompt):]
             if processed and response:
                 raw = torch.tensor([[step[v].logprob for v in range(len(step))] for step in steps])
-                lp = processed_from_raw(raw, temperature=temperature, top_k=top_k, top_p=top_p)
+                lp = processed_from_raw(raw, temperature=sampling.temperature, top_k=sampling.top_k,
+                                        top_p=sampling.top_p)
                 result.append(lp.gather(-1, torch.tensor(response)[:, None])[:, 0])
             else:
                 result.append(torch.tensor([step[tok].logprob for step, tok in zip(steps, response)],
@@ -227,8 +221,6 @@ class VLLMBackend(Backend):
         computed with the old weights; reusing it is the stale-weights bug a weight-sync check
         exists to catch. Parameters not named keep their current values.
         """
-        from safetensors.torch import save_file
-
         weights = {name: tensor.detach().cpu().contiguous() for name, tensor in named_tensors}
         if not weights:
             raise InputError("update_weights got no tensors; pass (HF parameter name, tensor) pairs")

@@ -74,6 +74,7 @@ class RouteCaptureExtension:
         return out
 
     def _parity_install(self) -> None:
+        # vllm only inside the engine's worker: this module imports without it
         from vllm.model_executor.layers.fused_moe.layer import MoERunner
 
         runner = self.model_runner
