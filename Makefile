@@ -33,4 +33,5 @@ demo: $(STAMP)
 
 test: $(STAMP) $(CHROMIUM_STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest

@@ -12,16 +12,19 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
+from parity.backends import BACKENDS, available_backends, parse_option
+from parity.compare import compare
 from parity.errors import ConfigError, ParityError
+from parity.models import BUILTIN_MODELS
+from parity.report import format_worst_tokens
 from parity.schema import DTYPES, KERNEL_MODES
 
-#: subcommands other modules implement as `main(argv) -> exit code`; imported only when used.
+#: subcommands other modules implement as `main(argv) -> exit code`; imported only when used
+#: (`parity attribute` loads torch with its module, `parity --help` should not).
 PASSTHROUGH: dict[str, tuple[str, str, str]] = {
     "nightly": ("parity.nightly", "main", "run the nightly matrix and write regression reports"),
     "replay": ("parity.record", "replay_main", "replay a recorded run through another backend"),
@@ -71,14 +74,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from parity.compare import compare
-    from parity.report import format_worst_tokens
-
     if args.model is None and args.case is None:
         raise ConfigError("compare needs --model (or --case naming a model)")
     report = compare(args.model, args.backend, case=args.case, dtype=args.dtype, reference=args.reference,
                      router_replay=args.router_replay, device=args.device,
-                     attribute=tuple(args.attribute or ()), **_options(args.option))
+                     attribute=tuple(args.attribute or ()), **dict(map(parse_option, args.option)))
     print(report.summary_text())
     print(f"worst {args.worst} tokens:")
     print(format_worst_tokens(report.worst_tokens(args.worst)))
@@ -91,24 +91,7 @@ def _compare(args: argparse.Namespace) -> int:
     return 0 if report.passed else 1
 
 
-def _options(pairs: list[str]) -> dict[str, Any]:
-    """`--option KEY=VALUE` pairs -> backend keyword arguments."""
-    options: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, text = pair.partition("=")
-        if not sep or not key.isidentifier():
-            raise ConfigError(f"--option {pair!r}: expected KEY=VALUE with KEY a Python identifier, "
-                              "e.g. --option record_routes=true")
-        try:
-            options[key] = json.loads(text)
-        except json.JSONDecodeError:
-            options[key] = text
-    return options
-
-
 def _models(args: argparse.Namespace) -> int:
-    from parity.models import BUILTIN_MODELS
-
     width = max(len(n) for n in BUILTIN_MODELS)
     for name in sorted(BUILTIN_MODELS):
         spec = BUILTIN_MODELS[name]
@@ -117,8 +100,6 @@ def _models(args: argparse.Namespace) -> int:
 
 
 def _backends(args: argparse.Namespace) -> int:
-    from parity.backends import BACKENDS, available_backends
-
     width = max(len(n) for n in BACKENDS)
     for name, reason in available_backends().items():
         status = "available" if reason is None else f"unavailable: {reason}"

@@ -16,21 +16,20 @@ import platform
 import socket
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from parity.backends import Backend, shared_backend
+from parity.backends.base import check_dtype
+from parity.cases import Case, default_case, load_case
 from parity.errors import ConfigError, InputError
-from parity.models import resolve_model
+from parity.models import BUILTIN_MODELS, model_hash, resolve_model
 from parity.report import ParityReport
 from parity.routes import router_agreement
 from parity.schema import KERNEL_MODES, NO_REPLAY, ROUTER_SUMMARY_KEYS, VERSION
 from parity.tolerance import Tolerance
 from parity.types import Request, Rollout, SamplingParams
-
-if TYPE_CHECKING:
-    from parity.backends import Backend
-    from parity.cases import Case
 
 #: rollout correction applied for `ParityReport.metrics`: verl's token-level truncated IS at 2.0.
 DEFAULT_CORRECTION: dict[str, Any] = {"rollout_is": "token", "rollout_is_threshold": 2.0}
@@ -77,8 +76,6 @@ def compare(
     attribute: drift-attribution axes (`parity.attribute.AXES`: "batch", "layout", "mode",
         "dtype") run on the sampled tokens; the result goes to `report.extras["attribution"]`.
     """
-    from parity.backends.base import check_dtype
-
     # every argument is checked before an engine starts (vLLM takes ~40 s to start on CPU)
     if reference not in KERNEL_MODES:
         raise ConfigError(f"reference must be one of {KERNEL_MODES}, got {reference!r}")
@@ -104,7 +101,7 @@ def compare(
             router_replay=router_replay, tolerance=limits)
         report.summary.update(router_summary)
     if attribute:
-        from parity.attribute import attribution_section
+        from parity.attribute import attribution_section  # torch: `import parity` stays light
 
         report.extras["attribution"] = attribution_section(model_arg, rollouts, axes=attribute,
                                                            dtype=dtype, device=device)
@@ -120,7 +117,7 @@ def score_rollouts(model: str | os.PathLike[str], rollouts: Sequence[Rollout], r
     temperature, top-k, top-p). Its mode must be the one the request asked for, or the two
     numbers would be different quantities.
     """
-    from parity.engine import train_forward
+    from parity.engine import train_forward  # torch: `import parity` stays light
 
     by_id = {r.request_id: r.sampling for r in requests}
     sampling = []
@@ -146,7 +143,7 @@ def score_rollouts(model: str | os.PathLike[str], rollouts: Sequence[Rollout], r
 def _router_replay_options(router_replay: str | None) -> dict[str, Any]:
     """`train_forward` keyword arguments for `router_replay` (validated: a bad mode fails before
     an engine starts); none when it is None or "none" (the spelling of "off" in case files)."""
-    from parity.models.routing import RouterReplay
+    from parity.models.routing import RouterReplay  # torch: `import parity` stays light
 
     return {} if RouterReplay.of(router_replay) is None else {"router_replay": router_replay}
 
@@ -197,6 +194,7 @@ def build_report(rollouts: Sequence[Rollout], train_logprobs: Sequence[np.ndarra
     counted in `summary["num_tokens_outside_support"]` / `["frac_tokens_outside_support"]`
     and left out of every other metric.
     """
+    # torch: `import parity` stays light
     from parity.correction import rollout_correction
     from parity.metrics import drift_by_position, drift_by_probability, summarize
 
@@ -249,8 +247,6 @@ def build_report(rollouts: Sequence[Rollout], train_logprobs: Sequence[np.ndarra
 def _resolve_case(model: str | os.PathLike[str] | None, case: Case | str | os.PathLike[str] | None,
                   prompts: Sequence[Sequence[int] | str] | None,
                   sampling: SamplingParams | dict[str, Any] | None) -> Case:
-    from parity.cases import Case, default_case
-
     if case is not None and prompts is not None:
         raise ConfigError("give either case or prompts, not both (a case carries its own prompts)")
     if case is not None:
@@ -258,8 +254,6 @@ def _resolve_case(model: str | os.PathLike[str] | None, case: Case | str | os.Pa
             raise ConfigError("sampling applies to prompts; a case carries its own sampling parameters")
         if isinstance(case, Case):
             return case
-        from parity.cases import load_case
-
         return load_case(case)
     if model is None:
         raise ConfigError("model is required unless a case names it; "
@@ -291,7 +285,7 @@ def _tokenize(model: str, prompts: Sequence[Sequence[int] | str]) -> list[list[i
     if texts:
         path = resolve_model(model)
         try:
-            from transformers import AutoTokenizer
+            from transformers import AutoTokenizer  # transformers (and torch) only for text prompts
 
             tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         except (OSError, ValueError) as exc:
@@ -309,8 +303,6 @@ def _tokenize(model: str, prompts: Sequence[Sequence[int] | str]) -> list[list[i
 
 
 def _resolve_backend(backend: str | Backend, model: str, dtype: str, options: dict[str, Any]) -> Backend:
-    from parity.backends import Backend, shared_backend
-
     if isinstance(backend, Backend):
         if Path(resolve_model(model)).resolve() != Path(backend.model_path).resolve():
             raise ConfigError(f"the running backend serves {backend.model_path}, not model {model!r}; "
@@ -330,8 +322,6 @@ def _resolve_backend(backend: str | Backend, model: str, dtype: str, options: di
 def _provenance(model: str, engine: Backend, case: Case, *, dtype: str, device: str, reference: str,
                 router_replay: str | None) -> dict[str, Any]:
     """What produced the numbers, so two reports can be told apart and a run reproduced."""
-    from parity.models import BUILTIN_MODELS, model_hash
-
     versions = {"parity": VERSION}
     for dist in _VERSIONED:
         try:

@@ -9,7 +9,8 @@ Fixtures: `parity_backend` (session-scoped engine, started once per session),
 (the report of the test's `parity` marker). Options: `--parity-backend`, `--parity-model`,
 `--parity-report-dir`. A backend whose package is not installed skips the test, naming the
 package. This module is imported by every pytest run of a project that installs parity, so it
-imports nothing heavier than pytest until a parity test actually runs.
+imports only parity's light layers (NumPy, no torch, no matplotlib); the engines load when a
+parity test runs.
 """
 
 from __future__ import annotations
@@ -17,13 +18,15 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Generator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
 
-if TYPE_CHECKING:
-    from parity.backends import Backend
-    from parity.report import ParityReport
+from parity.backends import Backend, available_backends, close_shared_backends, shared_backend
+from parity.compare import compare
+from parity.errors import BackendUnavailableError
+from parity.report import ParityReport
+from parity.testing import failure_message
 
 DEFAULT_BACKEND = "reference"
 DEFAULT_MODEL = "tiny-llama"
@@ -56,14 +59,9 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Close the session's shared engines while pytest's output streams are still open.
 
-    Left to `atexit`, vLLM's shutdown logs into streams pytest has already closed. Only engines
-    that were started are closed: the backends module is not imported just to find none.
+    Left to `atexit`, vLLM's shutdown logs into streams pytest has already closed.
     """
-    import sys
-
-    backends = sys.modules.get("parity.backends")
-    if backends is not None:
-        backends.close_shared_backends()
+    close_shared_backends()
 
 
 def _defaults(config: pytest.Config) -> tuple[str, str]:
@@ -75,7 +73,6 @@ def _defaults(config: pytest.Config) -> tuple[str, str]:
 def _skip_if_unavailable(backend: str | Backend) -> None:
     if not isinstance(backend, str):
         return
-    from parity.backends import available_backends
 
     reason = available_backends().get(backend)
     if reason is not None:
@@ -100,8 +97,6 @@ def _report_path(config: pytest.Config, nodeid: str) -> Path | None:
 def _run(config: pytest.Config, nodeid: str, model: str | None, backend: str | Backend | None,
          **kwargs: Any) -> tuple[ParityReport, Path | None]:
     """Run `parity.compare` with the session defaults; returns the report and its HTML path."""
-    from parity.compare import compare
-    from parity.errors import BackendUnavailableError
 
     default_backend, default_model = _defaults(config)
     backend = backend if backend is not None else default_backend
@@ -124,7 +119,6 @@ def parity_backend(pytestconfig: pytest.Config) -> Backend:
     """The `--parity-backend` engine on `--parity-model` (bfloat16), started once per session."""
     name, model = _defaults(pytestconfig)
     _skip_if_unavailable(name)
-    from parity.backends import shared_backend
 
     return shared_backend(name, model, dtype=DEFAULT_DTYPE)
 
@@ -175,7 +169,6 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
     result = yield
     report = item.stash.get(_REPORT_KEY, None)
     if report is not None and not report.passed:
-        from parity.testing import failure_message
 
         message = failure_message(report, report.violations)
         if _HTML_KEY in item.stash:

@@ -26,10 +26,10 @@ import pytest
 from browser import chromium, console_lines, decoded_images, needs_chromium
 
 from parity.errors import BackendError
-from parity.metrics import SUMMARY_KEYS
 from parity.nightly import main, runner
 from parity.nightly.runner import plan
 from parity.report import ParityReport
+from parity.schema import SUMMARY_KEYS
 from parity.tolerance import Tolerance
 
 TESTS = Path(__file__).resolve().parent

@@ -1,6 +1,6 @@
 """The pytest plugin, run on example test files through pytester.
 
-The wiring tests replace `parity.compare.compare` with a function returning reports built from
+The wiring tests replace the plugin's `compare` with a function returning reports built from
 arrays and run in-process; the end-to-end tests run the real reference and HF backends in a
 subprocess.
 """
@@ -19,7 +19,8 @@ from test_report import make_report
 import parity.backends
 import parity.correction
 import parity.metrics
-import parity.render.report_page  # noqa: F401
+import parity.pytest_plugin
+import parity.render.report_page
 from parity.tolerance import Tolerance
 
 pytest_plugins = ["pytester"]
@@ -46,7 +47,7 @@ def test_sglang():
 
 @pytest.fixture
 def fake_compare(monkeypatch):
-    """parity.compare.compare -> a report from arrays: exact for `reference`, drifting otherwise."""
+    """The plugin's compare -> a report from arrays: exact for `reference`, drifting otherwise."""
     calls = []
 
     def fake(model, backend, **kwargs):
@@ -54,7 +55,7 @@ def fake_compare(monkeypatch):
         tolerance = Tolerance.resolve(kwargs.get("tolerance"), backend)
         return make_report(scale=0.0 if backend == "reference" else 1.0, tolerance=tolerance)
 
-    monkeypatch.setattr(sys.modules["parity.compare"], "compare", fake)
+    monkeypatch.setattr(parity.pytest_plugin, "compare", fake)
     return calls
 
 

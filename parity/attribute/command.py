@@ -15,6 +15,8 @@ from pathlib import Path
 
 from parity.attribute.section import attribution_section
 from parity.attribute.settings import AXES
+from parity.cases import default_case, load_cases
+from parity.engine import ReferenceEngine
 from parity.errors import ConfigError
 from parity.render.attribution import attribution_page, layers_text, ops_text
 from parity.schema import DTYPES, KERNEL_MODES
@@ -56,9 +58,6 @@ def _parser() -> argparse.ArgumentParser:
 def _sequences(model: str | None, case_spec: str | None, dtype: str | None, device: str,
                limit: int) -> tuple[str, str, list[Rollout]]:
     """(model, dtype, the first `limit` rollouts the reference engine samples for the case)."""
-    from parity.cases import default_case, load_cases
-    from parity.engine import ReferenceEngine
-
     if limit < 1:
         raise ConfigError(f"--max-sequences must be >= 1, got {limit}")
     if case_spec is None:

@@ -19,11 +19,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from safetensors.numpy import save_file
 
 from parity.errors import ModelNotFoundError
 
@@ -116,6 +118,7 @@ def _config_dict(spec: TinySpec) -> dict[str, Any]:
 
 def _param_shapes(model_type: str, cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """Names and shapes of every parameter, read off the HF class on the meta device."""
+    # torch only to generate a checkpoint: resolving a cached one (parsing a case) stays light
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -193,6 +196,7 @@ def _to_hub_layout(model_type: str, weights: dict[str, np.ndarray]) -> dict[str,
 
 def _write_tokenizer(path: Path) -> None:
     """A byte-level tokenizer: one token per UTF-8 byte (ids 3..258) plus <pad>, <s>, </s>."""
+    # transformers only to generate a checkpoint: resolving a cached one stays light
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -220,8 +224,6 @@ def _byte_of_char(ch: str) -> int:
 
 
 def _write_checkpoint(spec: TinySpec, path: Path) -> None:
-    from safetensors.numpy import save_file
-
     cfg = _config_dict(spec)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
@@ -236,7 +238,6 @@ def _write_checkpoint(spec: TinySpec, path: Path) -> None:
     except OSError:
         if not (path / "model.safetensors").exists():
             raise
-        import shutil
         shutil.rmtree(tmp, ignore_errors=True)  # another process won the race
 
 
@@ -245,7 +246,6 @@ def builtin_path(name: str, *, regenerate: bool = False) -> Path:
     spec = BUILTIN_MODELS[name]
     path = cache_dir() / f"{name}-v{GENERATOR_VERSION}"
     if regenerate and path.exists():
-        import shutil
         shutil.rmtree(path)
     if not (path / "model.safetensors").exists():
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -29,7 +29,7 @@ def row_colors(keys: list[RowKey]) -> dict[RowKey, tuple[str, str]]:
 
 def trend_charts(points: list[tuple[str, RowKey, dict[str, Any]]], keys: list[RowKey]) -> str:
     """HTML: a legend and one inline chart per metric, from `History.trend` points."""
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # matplotlib only when a page is drawn
 
     runs = list(dict.fromkeys(run for run, _, _ in points))[-TREND_RUNS:]
     index = {run: i for i, run in enumerate(runs)}

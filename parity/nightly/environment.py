@@ -72,7 +72,7 @@ def _cpu_model() -> str:
 
 def _gpus() -> list[str]:
     """CUDA device names; [] without CUDA (`is_available` does not initialize a CUDA context)."""
-    import torch
+    import torch  # torch only when a run starts: rendering and resuming never load it
 
     if not torch.cuda.is_available():
         return []

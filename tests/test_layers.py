@@ -1,0 +1,123 @@
+"""The one-way layers: the import-linter contracts hold, and the light paths stay light.
+
+Parsing a case and rendering a stored report (a `ParityReport` JSON, a nightly history) must
+never load torch: each path runs in a fresh interpreter, which then lists the heavy modules it
+holds. The static side (no light module reaches torch through any import, however deep) is
+the "light modules" contract in pyproject.toml, checked here by running `lint-imports`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import tomllib
+from pathlib import Path
+
+import pytest
+from test_nightly_runner import install, write_cases
+from test_report import make_report
+
+from parity.models import resolve_model
+from parity.nightly import main as nightly_main
+from parity.nightly import runner
+
+ROOT = Path(__file__).resolve().parent.parent
+#: modules a light path must not load: the engines and what loads them.
+HEAVY = ("torch", "transformers", "vllm", "sglang", "tensorrt_llm", "triton")
+#: case files whose prompts are token ids or generated; text prompts load the model's own
+#: tokenizer through transformers, which imports torch (the one documented exception).
+TOKEN_CASES = sorted(p.name for p in (ROOT / "cases").glob("*.toml")
+                     if "text" not in tomllib.loads(p.read_text())["prompts"])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _checkpoints_cached():
+    """Generating a built-in checkpoint loads torch (once, on first use): do it here, not in the probes."""
+    for path in (ROOT / "cases").glob("*.toml"):
+        resolve_model(tomllib.loads(path.read_text())["model"])
+
+
+def heavy_modules_after(code: str) -> list[str]:
+    """Run `code` in a fresh interpreter; the HEAVY modules it left in sys.modules."""
+    probe = f"{code}\nimport sys\nprint(sorted(m for m in {HEAVY!r} if m in sys.modules))"
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
+                            cwd=ROOT, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1].replace("'", '"'))
+
+
+def test_import_parity_is_light():
+    assert heavy_modules_after("import parity") == []
+
+
+def test_token_and_generated_cases_parse_without_torch():
+    assert len(TOKEN_CASES) >= 5  # every case file but the text-prompt ones
+    assert heavy_modules_after(textwrap.dedent(f"""
+        import parity.cases
+        for name in {TOKEN_CASES!r}:
+            parity.cases.load_case("cases/" + name)
+    """)) == []
+
+
+def test_the_probe_sees_torch_when_a_path_loads_it():
+    """Negative control: a text-prompt case tokenizes through transformers, and the probe says so."""
+    assert "torch" in heavy_modules_after("import parity.cases; parity.cases.load_case('cases/smoke.toml')")
+
+
+def test_a_stored_report_renders_without_torch(tmp_path):
+    report = make_report()
+    report.extras["attribution"] = {"axes": [{
+        "axis": "batch", "description": "A alone; B batched",
+        "layers": {"setting_a": {"label": "a"}, "setting_b": {"label": "b"}, "first_differing": "layer.0",
+                   "stages": [{"stage": s, "max_abs": 0.1 * i, "rel_error": 1e-3 * i, "differing": i,
+                               "elements": 8} for i, s in enumerate(("embed", "layer.0", "logits"))]}}]}
+    path = tmp_path / "report.json"
+    path.write_text(report.to_json())
+    assert heavy_modules_after(textwrap.dedent(f"""
+        from parity.report import ParityReport
+        report = ParityReport.from_json(open({str(path)!r}).read())
+        page = report.to_html()
+        assert page.startswith("<!DOCTYPE html>") and "Drift attribution" in page
+        assert page.count("data:image/svg") == 4 and report.summary_text()
+    """)) == []
+
+
+def test_a_stored_nightly_history_renders_without_torch(tmp_path, monkeypatch):
+    install(runner, patch=monkeypatch.setattr)
+    cases = write_cases(tmp_path)
+    out = tmp_path / "reports"
+    assert nightly_main(["--cases", f"{cases}/alpha.toml", "--backends", "reference,hf,vllm",
+                         "--out", str(out), "--run-id", "n1", "--no-progress"]) == 0
+    assert heavy_modules_after(textwrap.dedent(f"""
+        from parity.nightly.history import History
+        from parity.nightly.html_report import render_page
+        from parity.nightly.markdown_report import render_summary
+        with History({str(out / "history.sqlite")!r}) as history:
+            run = history.require_run("n1", option="--run-id")
+            rows = history.rows("n1", with_report=True)
+            trend = history.trend([r.key for r in rows], up_to_run="n1")
+        page, summary = render_page(run, rows, trend), render_summary(run, rows)
+        assert page.count('class="row"') == 3 and "Trends" in page and "plots unavailable" not in page
+        assert summary.startswith("## parity nightly `n1`: 3 pass")
+    """)) == []
+
+
+@pytest.mark.parametrize("module", ["parity.cli", "parity.pytest_plugin", "parity.backends",
+                                    "parity.nightly"])
+def test_entry_points_import_without_torch(module):
+    """The command line, the pytest plugin (imported by every pytest run) and the backend registry
+    load the engines only when a command or a parity test runs one."""
+    assert heavy_modules_after(f"import {module}") == []
+
+
+def test_import_contracts_hold():
+    """`lint-imports` (pyproject.toml [tool.importlinter]): the layers point one way, inside the
+    packages too, and no light module reaches an engine."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([str(Path(sys.executable).parent / "lint-imports")], capture_output=True,
+                            text=True, timeout=300, cwd=ROOT, env=env, check=False)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert "0 broken" in result.stdout
