@@ -57,7 +57,6 @@ def test_raw_mode_greedy_and_stops(hf):
 
 
 def test_reference_backend_is_bitwise_equal_to_its_score():
-    pytest.importorskip("parity.engine", reason="parity.engine (reference engine) is not importable yet")
     ref = shared_backend("reference", "tiny-qwen3-moe", dtype="float32")
     rollouts = ref.generate(requests())
     assert all(r.backend == "reference" and r.meta["batch_invariant"] for r in rollouts)

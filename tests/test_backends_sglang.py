@@ -1,6 +1,6 @@
 """SGLang adapter: translation and output parsing on outputs in SGLang's documented format.
 
-SGLang does not run on these CPU machines; tests/data/captured/sglang_generate.json holds
+SGLang does not run on these CPU machines; tests/data/documented_format/sglang_generate.json holds
 `/generate` results in the documented `meta_info` layout (see generate.py there).
 """
 
@@ -26,7 +26,9 @@ from parity.errors import BackendError, ConfigError
 from parity.models import resolve_model
 from parity.types import Request, SamplingParams
 
-CAPTURED = json.loads((Path(__file__).parent / "data" / "captured" / "sglang_generate.json").read_text())
+#: outputs generated in the backend's documented format, not captured from a server (see generate.py there)
+DATA = Path(__file__).parent / "data" / "documented_format"
+DOCUMENTED = json.loads((DATA / "sglang_generate.json").read_text())
 
 
 def job(**kw):
@@ -51,11 +53,12 @@ def test_requests_sglang_cannot_honour_are_refused():
     translate_sampling(job(temperature=0, top_p=0.5), (2,), "processed")
 
 
-def test_parse_captured_outputs():
-    model = resolve_model(CAPTURED["model"])
+def test_parse_documented_format_outputs():
+    model = resolve_model(DOCUMENTED["model"])
     config = json.loads((model / "config.json").read_text())
     shape = (config["num_hidden_layers"], config["num_experts_per_tok"])
-    for prompt, out, raw in zip(CAPTURED["prompts"], CAPTURED["outputs"], CAPTURED["expected_raw_logprobs"]):
+    for prompt, out, raw in zip(DOCUMENTED["prompts"], DOCUMENTED["outputs"],
+                                DOCUMENTED["expected_raw_logprobs"]):
         tokens, logprobs, routes = parse_output(out, shape)
         assert tokens == out["output_ids"] and len(logprobs) == len(tokens)
         # SGLang's temperature-scaled number is not the raw logprob (T = 0.8)
@@ -67,7 +70,7 @@ def test_parse_captured_outputs():
 
 
 def test_parse_rejects_inconsistent_outputs():
-    out = json.loads(json.dumps(CAPTURED["outputs"][0]))
+    out = json.loads(json.dumps(DOCUMENTED["outputs"][0]))
     out["output_ids"] = out["output_ids"][:-1]
     with pytest.raises(BackendError, match="disagree"):
         parse_output(out)
@@ -77,8 +80,8 @@ def test_parse_rejects_inconsistent_outputs():
         decode_routes(base64.b64encode(np.arange(5, dtype=np.int32).tobytes()).decode(), 2, 2)
 
 
-class CapturedServer(BaseHTTPRequestHandler):
-    """Answers SGLang's native routes with the captured outputs; keeps the request bodies.
+class StubServer(BaseHTTPRequestHandler):
+    """Answers SGLang's native routes with the documented-format outputs; keeps the request bodies.
 
     Not a mock of a backend that runs here: SGLang does not run on these machines, and this
     replays its documented wire format so the adapter's HTTP path runs end to end.
@@ -87,12 +90,12 @@ class CapturedServer(BaseHTTPRequestHandler):
     bodies: ClassVar[list] = []
 
     def do_GET(self):
-        self._reply({"version": "captured"})
+        self._reply({"version": "stub"})
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.bodies.append(body)
-        self._reply(CAPTURED["outputs"][:len(body["input_ids"])])
+        self._reply(DOCUMENTED["outputs"][:len(body["input_ids"])])
 
     def _reply(self, obj):
         data = json.dumps(obj).encode()
@@ -108,28 +111,28 @@ class CapturedServer(BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def server():
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), CapturedServer)
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), StubServer)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{httpd.server_address[1]}"
     httpd.shutdown()
 
 
 def test_http_generate_and_score_end_to_end(server):
-    backend = SGLangBackend(CAPTURED["model"], base_url=server)
-    sampling = SamplingParams(**CAPTURED["sampling"])
-    reqs = [Request(tuple(p), sampling, f"s{i}") for i, p in enumerate(CAPTURED["prompts"])]
+    backend = SGLangBackend(DOCUMENTED["model"], base_url=server)
+    sampling = SamplingParams(**DOCUMENTED["sampling"])
+    reqs = [Request(tuple(p), sampling, f"s{i}") for i, p in enumerate(DOCUMENTED["prompts"])]
     rollouts = backend.generate(reqs)
-    sent = CapturedServer.bodies[-1]
-    assert sent["input_ids"] == CAPTURED["prompts"] and sent["return_logprob"] is True
+    sent = StubServer.bodies[-1]
+    assert sent["input_ids"] == DOCUMENTED["prompts"] and sent["return_logprob"] is True
     assert all(p["top_k"] == -1 and p["max_new_tokens"] == 8 for p in sent["sampling_params"])
-    for r, out in zip(rollouts, CAPTURED["outputs"]):
+    for r, out in zip(rollouts, DOCUMENTED["outputs"]):
         assert list(r.token_ids) == out["output_ids"]
         assert list(r.logprobs) == [e[0] for e in out["meta_info"]["output_token_logprobs"]]
         assert r.routed_experts.shape[0] == len(r.prompt_ids) + len(r.token_ids) - 1
-        assert r.meta["backend_version"] == "captured" and r.meta["sglang_return_original_logprob"] == "0"
-    scores = backend.score([((p[0],), tuple(p[1:])) for p in CAPTURED["prompts"]])
-    assert CapturedServer.bodies[-1]["logprob_start_len"] == 0
-    for s, out in zip(scores, CAPTURED["outputs"]):
+        assert r.meta["backend_version"] == "stub" and r.meta["sglang_return_original_logprob"] == "0"
+    scores = backend.score([((p[0],), tuple(p[1:])) for p in DOCUMENTED["prompts"]])
+    assert StubServer.bodies[-1]["logprob_start_len"] == 0
+    for s, out in zip(scores, DOCUMENTED["outputs"]):
         assert s.tolist() == pytest.approx([e[0] for e in out["meta_info"]["input_token_logprobs"][1:]])
     with pytest.raises(ConfigError, match="raw only"):
         backend.score([((1,), (2,))], logprobs_mode="processed", temperature=0.8)

@@ -1,6 +1,6 @@
 """TensorRT-LLM adapter: translation and `CompletionOutput` parsing in both logprobs layouts.
 
-TRT-LLM does not run on these CPU machines; tests/data/captured/trtllm_completions.json holds
+TRT-LLM does not run on these CPU machines; tests/data/documented_format/trtllm_completions.json holds
 `CompletionOutput`s as JSON in the documented layouts (see generate.py there).
 """
 
@@ -14,7 +14,9 @@ from parity.backends.trtllm import parse_completion, parse_prompt_logprobs, toke
 from parity.errors import BackendError, ConfigError
 from parity.types import Request, SamplingParams
 
-CAPTURED = json.loads((Path(__file__).parent / "data" / "captured" / "trtllm_completions.json").read_text())
+#: outputs generated in the backend's documented format, not captured from a server (see generate.py there)
+DATA = Path(__file__).parent / "data" / "documented_format"
+DOCUMENTED = json.loads((DATA / "trtllm_completions.json").read_text())
 
 
 def job(**kw):
@@ -39,8 +41,8 @@ def test_processed_refused_where_trtllm_reports_raw_only():
 
 
 def test_parse_both_logprobs_layouts():
-    for prompt, completion, expected in zip(CAPTURED["prompts"], CAPTURED["completions"],
-                                            CAPTURED["expected_logprobs"]):
+    for prompt, completion, expected in zip(DOCUMENTED["prompts"], DOCUMENTED["completions"],
+                                            DOCUMENTED["expected_logprobs"]):
         tokens, logprobs, finish = parse_completion(completion)
         assert tokens == completion["token_ids"] and logprobs == pytest.approx(expected, abs=0)
         assert finish in ("stop", "length")

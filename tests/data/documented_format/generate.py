@@ -10,7 +10,7 @@ logprob definition, computed from the built-in tiny checkpoints:
 - trtllm_completions.json: tiny-llama, both `logprobs` layouts (floats; dicts token ->
   {logprob, rank}), raw logprobs (TRT-LLM's default), prompt_logprobs raw.
 
-Run: PARITY_CACHE=.venv/parity-cache .venv/bin/python tests/data/captured/generate.py
+Run: PARITY_CACHE=.venv/parity-cache .venv/bin/python tests/data/documented_format/generate.py
 """
 
 import base64
