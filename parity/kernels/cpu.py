@@ -1,6 +1,6 @@
 """Batch-invariant CPU kernels built from stock torch ops whose results cannot depend on the batch.
 
-What breaks invariance in stock CPU torch (measured, see DESIGN.md) and how each op avoids it:
+What breaks invariance in stock CPU torch (measured, see docs/DESIGN.md) and how each op avoids it:
 
 - GEMM kernel choice depends on M (fp32 rows differ between M=1..7 and larger M). `linear`
   always multiplies fixed [TILE, K] row tiles with one `bmm` (rows padded with zeros), so the

@@ -15,7 +15,7 @@ from typing import Any
 
 from parity.errors import BackendUnavailableError, ConfigError
 
-#: the op families that can be switched independently (issue 9 turns them native one at a time).
+#: the op families that can be switched independently (attribution turns them native one at a time).
 FAMILIES: tuple[str, ...] = ("matmul", "attention", "rmsnorm", "softmax", "pointwise", "rotary", "moe")
 
 _enabled: frozenset[str] = frozenset()
