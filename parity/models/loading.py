@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from parity.errors import ConfigError
 from parity.kernels import ops
@@ -143,8 +144,6 @@ def load_model(model: str | os.PathLike[str] | LoadedModel, dtype: str = "float3
     key = (str(path.resolve()), dtype, str(device))
     if key in _loaded:
         return _loaded[key]
-
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(path)
     architectures = set(getattr(config, "architectures", None) or ())
