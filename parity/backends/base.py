@@ -22,6 +22,7 @@ back into parity `Rollout`s. What is the same for every backend lives here, once
 from __future__ import annotations
 
 import abc
+import inspect
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -145,13 +146,21 @@ class Backend(abc.ABC):
     Subclasses set `name`, implement `generate`, `_score` and `close`, and fill `meta` with the
     backend version and every setting that affects numerics (dtype, attention backend,
     batch-invariant flag, TP size, prefix caching, logprob definition); each returned `Rollout`
-    carries a copy of it. Their keyword-only `__init__` parameters are the backend's options
+    carries a copy of it. A backend's options are what `option_names` lists
     (`parity.backends.get_backend` refuses any other name).
     """
 
     name: ClassVar[str]
     #: the logprob modes `score` can report; a backend whose prompt logprobs are raw only says so.
     score_modes: ClassVar[tuple[str, ...]] = LOGPROBS_MODES
+
+    @classmethod
+    def option_names(cls) -> list[str]:
+        """The options `get_backend(name, model, dtype=..., **options)` accepts: the keyword-only
+        parameters of the adapter's `__init__` but dtype. An adapter that takes a config's fields
+        through `**kwargs` lists them itself."""
+        params = inspect.signature(cls.__init__).parameters.values()
+        return [p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name != "dtype"]
 
     def __init__(self, model: str | Path, *, dtype: str = "bfloat16") -> None:
         self.model_path = resolve_model(model)

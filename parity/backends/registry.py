@@ -2,8 +2,8 @@
 and availability.
 
 Adapter modules are imported only when their backend is asked for, so `import parity` never
-pays for (or fails on) vLLM, SGLang or TensorRT-LLM. A backend's options are the keyword-only
-parameters of its adapter's `__init__`; any other name is refused before an engine starts.
+pays for (or fails on) vLLM, SGLang or TensorRT-LLM. A backend's options are the names its
+adapter lists (`Backend.option_names`); any other name is refused before an engine starts.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import atexit
 import importlib
 import importlib.util
-import inspect
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,9 +75,8 @@ def available_backends() -> dict[str, str | None]:
 
 
 def backend_options(name: str) -> list[str]:
-    """The option names backend `name` accepts: its adapter's keyword-only parameters but dtype."""
-    params = inspect.signature(_adapter(_spec(name)).__init__).parameters.values()
-    return [p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name != "dtype"]
+    """The option names backend `name` accepts (its adapter's `option_names`)."""
+    return _adapter(_spec(name)).option_names()
 
 
 def get_backend(name: str, model: str | Path, *, dtype: str = "bfloat16", **options: Any) -> Backend:
