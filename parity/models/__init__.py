@@ -1,4 +1,5 @@
-"""Built-in tiny checkpoints and model loading (`resolve_model` accepts a name or a local path)."""
+"""Built-in tiny checkpoints, trained models from installed packages, and model loading
+(`resolve_model` accepts a name or a local path)."""
 
 from parity.models.checkpoints import (
     BUILTIN_MODELS,
@@ -6,9 +7,12 @@ from parity.models.checkpoints import (
     builtin_names,
     builtin_path,
     cache_dir,
+    is_model_name,
     model_hash,
+    model_names,
     resolve_model,
 )
+from parity.models.trained import TRAINED_MODELS, convert_gguf
 
-__all__ = ["BUILTIN_MODELS", "EOS_ID", "builtin_names", "builtin_path", "cache_dir", "model_hash",
-           "resolve_model"]
+__all__ = ["BUILTIN_MODELS", "EOS_ID", "TRAINED_MODELS", "builtin_names", "builtin_path", "cache_dir",
+           "convert_gguf", "is_model_name", "model_hash", "model_names", "resolve_model"]

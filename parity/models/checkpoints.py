@@ -28,6 +28,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from parity.errors import ModelNotFoundError
+from parity.models.trained import TRAINED_MODELS, trained_names, trained_path
 
 #: bump when the generator changes, so stale caches are never reused.
 GENERATOR_VERSION = 2
@@ -253,18 +254,33 @@ def builtin_path(name: str, *, regenerate: bool = False) -> Path:
     return path
 
 
+def model_names() -> list[str]:
+    """Every model name `resolve_model` accepts: the built-in tiny checkpoints, then the trained
+    models converted from installed packages (`parity.models.trained`)."""
+    return builtin_names() + trained_names()
+
+
+def is_model_name(model: str | os.PathLike[str]) -> bool:
+    """Whether `model` is a name (built-in or trained) rather than a checkpoint path."""
+    return isinstance(model, str) and (model in BUILTIN_MODELS or model in TRAINED_MODELS)
+
+
 def resolve_model(model: str | os.PathLike[str]) -> Path:
-    """A model argument (built-in name or local HF checkpoint directory) -> checkpoint directory."""
+    """A model argument -> checkpoint directory: a built-in name (generated on first use), a trained
+    model's name (converted from its installed package on first use), or a local HF checkpoint
+    directory."""
     text = os.fspath(model)
     if text in BUILTIN_MODELS:
         return builtin_path(text)
+    if text in TRAINED_MODELS:
+        return trained_path(text, cache_dir())
     path = Path(text).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
         return path
     why = "is not a directory" if not path.exists() else "has no config.json"
     raise ModelNotFoundError(
-        f"model {text!r} is not a built-in checkpoint and {why}; use one of "
-        f"{', '.join(builtin_names())} or the path of a local HF checkpoint directory"
+        f"model {text!r} is not a model name and {why}; use one of "
+        f"{', '.join(model_names())} or the path of a local HF checkpoint directory"
     )
 
 

@@ -22,7 +22,7 @@ from parity.errors import ConfigError
 from parity.kernels import ops
 from parity.kernels.attention import ATTENTION_NAME
 from parity.kernels.moe import experts_forward
-from parity.models.checkpoints import BUILTIN_MODELS, model_hash, resolve_model
+from parity.models.checkpoints import is_model_name, model_hash, resolve_model
 from parity.models.routing import ROUTERS, patch_router
 from parity.schema import DTYPES
 
@@ -160,7 +160,7 @@ def load_model(model: str | os.PathLike[str] | LoadedModel, dtype: str = "float3
     eos_ids = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
     name = os.fspath(model)
     loaded = LoadedModel(
-        model=hf, config=config, path=path, name=name if name in BUILTIN_MODELS else path.name,
+        model=hf, config=config, path=path, name=name if is_model_name(name) else path.name,
         dtype=dtype, device=str(device), is_moe=num_moe_layers > 0, num_moe_layers=num_moe_layers,
         moe_top_k=int(getattr(config, "num_experts_per_tok", 0) or 0) if num_moe_layers else 0,
         num_experts=int(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0))
