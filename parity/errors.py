@@ -29,3 +29,8 @@ class BackendUnavailableError(ParityError, ImportError):
 
 class BackendError(ParityError, RuntimeError):
     """A backend failed while starting, generating or scoring."""
+
+
+class UnsupportedError(BackendError):
+    """The backend, or the build of it installed here, refuses an operation (e.g. sleep mode on a
+    CPU build); the message quotes the backend's reason. Checks report it as skipped, not failed."""

@@ -18,7 +18,7 @@ VERSION = "0.1.0"
 DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
 
 #: backend names in registry order (`parity.backends.BACKENDS` has one adapter for each).
-BACKEND_NAMES: tuple[str, ...] = ("reference", "hf", "vllm", "sglang", "trtllm")
+BACKEND_NAMES: tuple[str, ...] = ("reference", "hf", "vllm", "vllm-server", "sglang", "trtllm")
 #: the backend whose rollout logprobs equal the training forward's bit for bit.
 REFERENCE = "reference"
 

@@ -31,8 +31,8 @@ from parity.types import Request, Rollout, SamplingParams, as_pairs
 
 
 def test_registry_names_and_unknown_name():
-    assert list(BACKENDS) == ["reference", "hf", "vllm", "sglang", "trtllm"]
-    with pytest.raises(ConfigError, match="reference, hf, vllm, sglang, trtllm"):
+    assert list(BACKENDS) == ["reference", "hf", "vllm", "vllm-server", "sglang", "trtllm"]
+    with pytest.raises(ConfigError, match="reference, hf, vllm, vllm-server, sglang, trtllm"):
         get_backend("vllm-gpu", "tiny-llama")
 
 

