@@ -14,6 +14,8 @@ naming the file, the field and the allowed values)::
     backends = ["reference", "hf"]   # optional; default: every backend nightly is asked for
     logprobs_mode = "processed"      # processed | raw
     router_replay = ["none", "R3"]   # optional (MoE): one nightly row per variant
+    kind = "compare"                 # compare (default) | lifecycle: nightly runs parity.lifecycle's
+                                     # checks (sleep/wake, weight update, cache resets) on the prompts
 
     [prompts]                        # exactly one of token_ids, text, generate
     token_ids = [[3, 4, 5], [6, 7]]
@@ -63,6 +65,7 @@ from parity.errors import ConfigError, ParityError
 from parity.models import resolve_model
 from parity.schema import (
     BACKEND_NAMES,
+    CASE_KINDS,
     DTYPES,
     LOGPROBS_MODES,
     ROUTER_REPLAY_CHOICES,
@@ -88,6 +91,7 @@ class Case:
     tolerance: limits for pass/fail; None = the backend's default.
     backend_tolerances: (backend, limits) pairs that override `tolerance` for one backend.
     router_replay: MoE routing-replay variants nightly runs as separate rows; empty = one row.
+    kind: "compare" (drift against the training forward) or "lifecycle" (`parity.lifecycle`).
     """
 
     name: str
@@ -101,6 +105,7 @@ class Case:
     description: str = ""
     backend_tolerances: tuple[tuple[str, Tolerance], ...] = ()
     router_replay: tuple[str, ...] = ()
+    kind: str = "compare"
 
     def __post_init__(self) -> None:
         where = f"case {self.name!r}"
@@ -109,6 +114,7 @@ class Case:
         _check_choices(where, "dtypes", self.dtypes, DTYPES)
         _check_choices(where, "backends", self.backends, BACKEND_NAMES)
         _check_choices(where, "router_replay", self.router_replay, ROUTER_REPLAY_CHOICES)
+        _check_choices(where, "kind", [self.kind], CASE_KINDS)
         if not self.dtypes:
             raise ConfigError(f"{where}: dtypes is empty; allowed: {list(DTYPES)}")
         if self.logprobs_mode not in LOGPROBS_MODES:
@@ -122,6 +128,7 @@ class Case:
         body = {
             "model": self.model, "dtypes": list(self.dtypes), "logprobs_mode": self.logprobs_mode,
             "requests": [r.to_dict() for r in self.requests],
+            **({"kind": self.kind} if self.kind != "compare" else {}),
         }
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -195,7 +202,7 @@ def _case_names(cases_dir: str | Path) -> list[str]:
 
 
 _TOP_KEYS = ("name", "description", "model", "dtypes", "backends", "logprobs_mode", "router_replay",
-             "prompts", "sampling", "tolerance")
+             "kind", "prompts", "sampling", "tolerance")
 _SAMPLING_KEYS = ("label", "n", "temperature", "top_p", "top_k", "max_tokens", "seed", "stop_token_ids",
                   "ignore_eos")
 
@@ -229,6 +236,7 @@ def load_case(path: str | Path) -> Case:
         description=f.get(data, "description", str, default=""),
         backend_tolerances=per_backend,
         router_replay=tuple(f.choices(data, "router_replay", ROUTER_REPLAY_CHOICES, default=[])),
+        kind=f.choice(data, "kind", CASE_KINDS, default="compare"),
     )
 
 

@@ -2,7 +2,7 @@
 
     parity compare --model tiny-llama --backend vllm --json r.json --html r.html
     parity models | parity backends
-    parity nightly ... | parity replay ... | parity attribute ...
+    parity nightly ... | parity replay ... | parity attribute ... | parity lifecycle ...
 
 Exit codes: 0 the tolerance holds (or the command succeeded), 1 it does not, 2 bad input or a
 backend failure (a ParityError, printed without a traceback).
@@ -30,6 +30,7 @@ PASSTHROUGH: dict[str, tuple[str, str, str]] = {
     "nightly": ("parity.nightly", "main", "run the nightly matrix and write regression reports"),
     "replay": ("parity.record", "replay_main", "replay a recorded run through another backend"),
     "attribute": ("parity.attribute", "main", "attribute drift to ops and layers"),
+    "lifecycle": ("parity.lifecycle", "main", "check sleep/wake, weight updates and cache resets"),
 }
 
 

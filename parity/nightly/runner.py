@@ -22,6 +22,7 @@ from parity.backends import BACKENDS, available_backends, shared_backend
 from parity.cases import Case, load_cases
 from parity.compare import compare
 from parity.errors import ConfigError
+from parity.lifecycle import run_lifecycle
 from parity.nightly.environment import collect_environment
 from parity.nightly.history import History, RunInfo, now
 from parity.nightly.publish import publish
@@ -186,6 +187,8 @@ def run_row(run_id: str, key: RowKey, case: Case, config: NightlyConfig, history
         timing["start_s"] = round(time.perf_counter() - t0, 3)
         stage = "case failed"
         t0 = time.perf_counter()
+        if case.kind == "lifecycle":
+            return lifecycle_row(run_id, key, case, engine, provenance, timing)
         report = compare(None, engine, case=case, dtype=key.dtype, tolerance=case.tolerance_for(key.backend),
                          reference=config.reference,
                          router_replay=None if key.router_replay in ("", NO_REPLAY) else key.router_replay)
@@ -208,3 +211,23 @@ def run_row(run_id: str, key: RowKey, case: Case, config: NightlyConfig, history
         provenance={**report.provenance, **provenance}, timing=timing, abs_diff=abs_diff,
         report_json=report.to_json(), finished_at=now(),
     )
+
+
+def lifecycle_row(run_id: str, key: RowKey, case: Case, engine: Any, provenance: dict[str, Any],
+                  timing: dict[str, float]) -> RowResult:
+    """A lifecycle case's row: `parity.lifecycle` on the case's prompts. Each failed check is a
+    violation (a "fail" row); skipped checks (transitions the backend refuses) do not fail it.
+    Lifecycle rows have no per-token drift, so no regression test against a baseline."""
+    t0 = time.perf_counter()
+    report = run_lifecycle(engine, case.requests)
+    timing["case_s"] = round(time.perf_counter() - t0, 3)
+    counts = {status: sum(r.status == status for r in report.results) for status in ("pass", "fail", "skip")}
+    violations = [{"metric": f"lifecycle {r.name}: {r.violation[0]}", "value": r.violation[1],
+                   "limit": r.violation[2]} for r in report.results if r.violation is not None]
+    return RowResult(
+        run_id=run_id, key=key, status="pass" if report.passed else "fail",
+        summary={f"lifecycle_checks_{status}": float(n) for status, n in counts.items()},
+        violations=violations,
+        provenance={**provenance, "kind": "lifecycle", "backend_meta": dict(engine.meta),
+                    "lifecycle": [asdict(r) for r in report.results]},
+        timing=timing, finished_at=now())
