@@ -22,7 +22,6 @@ from parity.backends import BACKENDS, available_backends, shared_backend
 from parity.cases import Case, load_cases
 from parity.compare import compare
 from parity.errors import ConfigError
-from parity.lifecycle import run_lifecycle
 from parity.nightly.environment import collect_environment
 from parity.nightly.history import History, RunInfo, now
 from parity.nightly.publish import publish
@@ -218,6 +217,9 @@ def lifecycle_row(run_id: str, key: RowKey, case: Case, engine: Any, provenance:
     """A lifecycle case's row: `parity.lifecycle` on the case's prompts. Each failed check is a
     violation (a "fail" row); skipped checks (transitions the backend refuses) do not fail it.
     Lifecycle rows have no per-token drift, so no regression test against a baseline."""
+    # the checks drive a running engine and load torch; importing nightly stays light
+    from parity.lifecycle import run_lifecycle
+
     t0 = time.perf_counter()
     report = run_lifecycle(engine, case.requests)
     timing["case_s"] = round(time.perf_counter() - t0, 3)
