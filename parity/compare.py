@@ -196,7 +196,7 @@ def build_report(rollouts: Sequence[Rollout], train_logprobs: Sequence[np.ndarra
     """
     # torch: `import parity` stays light
     from parity.correction import rollout_correction
-    from parity.metrics import drift_by_position, drift_by_probability, summarize
+    from parity.metrics import drift_by_position, drift_by_probability, summarize, token_arrays
 
     if len(train_logprobs) != len(rollouts):
         raise InputError(f"{len(train_logprobs)} train logprob arrays for {len(rollouts)} rollouts; "
@@ -226,13 +226,12 @@ def build_report(rollouts: Sequence[Rollout], train_logprobs: Sequence[np.ndarra
     outside = mask & (np.isneginf(train) | np.isneginf(rollout))
     scored = mask & ~outside
     finite_train, finite_rollout = np.where(scored, train, 0.0), np.where(scored, rollout, 0.0)
-    summary = dict(summarize(finite_train, finite_rollout, scored))
+    tok = token_arrays(finite_train, finite_rollout, scored)  # checked once, read by every metric below
+    summary = dict(summarize(tok))
     summary["num_tokens_outside_support"] = int(outside.sum())
     summary["frac_tokens_outside_support"] = float(outside.sum() / max(int(mask.sum()), 1))
-    breakdowns = {"by_position": drift_by_position(finite_train, finite_rollout, scored),
-                  "by_probability": drift_by_probability(finite_train, finite_rollout, scored)}
-    _, _, metrics = rollout_correction(finite_train, finite_rollout, scored,
-                                       **(correction or DEFAULT_CORRECTION))
+    breakdowns = {"by_position": drift_by_position(tok), "by_probability": drift_by_probability(tok)}
+    _, _, metrics = rollout_correction(tok, **(correction or DEFAULT_CORRECTION))
     violations = tolerance.violations(summary)
     sequences = [{"request_id": r.request_id, "sample_index": r.sample_index, "prompt_len": len(r.prompt_ids),
                   "response_len": len(r.token_ids), "finish_reason": r.finish_reason} for r in rollouts]

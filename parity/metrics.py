@@ -4,7 +4,8 @@ Inputs everywhere are `[batch, seq]` arrays (torch tensors or NumPy arrays) of p
 log-probabilities of the sampled tokens, in nats: `train_logprobs` from the training forward,
 `rollout_logprobs` from the rollout engine, and `mask` (bool or 0/1) marking the response tokens
 that count. The per-token log importance ratio is `Δ = train - rollout` and the ratio is
-`r = exp(Δ) = π_train / π_rollout`.
+`r = exp(Δ) = π_train / π_rollout`. Every metric also takes, in place of the three arrays, one
+`TokenArrays` from `token_arrays`: the inputs checked once for several metrics of one batch.
 
 Conventions (shared with `parity.correction`):
 
@@ -74,8 +75,13 @@ class Block:
 class TokenArrays:
     """Validated `[batch, seq]` inputs: the caller's logprobs (not copied) and a bool mask.
 
+    Made by `token_arrays`; every metric takes one in place of its three arrays, so a batch
+    several metrics read is checked once.
+
     lengths: valid tokens per row `[batch]` (float64). total: valid tokens in the batch.
     dtype: floating dtype of the caller's train logprobs (results are cast back to it).
+    numpy: whether the caller's train logprobs were not a torch tensor (results go back as NumPy).
+    mask_dtype: the caller's mask dtype: a torch dtype for a tensor mask, else a NumPy dtype.
     """
 
     train: torch.Tensor
@@ -84,10 +90,22 @@ class TokenArrays:
     lengths: torch.Tensor
     total: float
     dtype: torch.dtype
+    numpy: bool
+    mask_dtype: torch.dtype | np.dtype
 
     @property
     def shape(self) -> tuple[int, int]:
         return (int(self.mask.shape[0]), int(self.mask.shape[1]))
+
+    def like_train(self, values: torch.Tensor) -> Any:
+        """`values` `[batch, seq]` in the container of the caller's train logprobs."""
+        return values.cpu().numpy() if self.numpy else values
+
+    def like_mask(self, keep: torch.Tensor) -> Any:
+        """A bool `[batch, seq]` mask in the container and dtype of the caller's mask."""
+        if isinstance(self.mask_dtype, torch.dtype):
+            return keep.to(self.mask_dtype)
+        return keep.cpu().numpy().astype(self.mask_dtype, copy=False)
 
     def row_blocks(self) -> Iterator[slice]:
         """Row ranges of about `BLOCK_TOKENS` tokens each, covering the batch in order."""
@@ -119,12 +137,16 @@ def _as_tensor(x: Any, name: str) -> torch.Tensor:
         raise InputError(f"{name} must be a torch tensor or NumPy array of shape [batch, seq]") from exc
 
 
-def token_arrays(train_logprobs: Any, rollout_logprobs: Any, mask: Any) -> TokenArrays:
-    """Check the three `[batch, seq]` inputs every metric takes.
+def token_arrays(train_logprobs: Any, rollout_logprobs: Any = None, mask: Any = None) -> TokenArrays:
+    """Check the three `[batch, seq]` inputs every metric takes; a `TokenArrays` is returned as is.
 
     Raises `InputError` for non-2-D or mismatched shapes, non-float logprobs, mask values other
     than 0/1, a mask with no valid token, NaN or +inf anywhere, and -inf at a valid token.
     """
+    if isinstance(train_logprobs, TokenArrays):
+        if rollout_logprobs is not None or mask is not None:
+            raise InputError("give either a TokenArrays alone or train_logprobs, rollout_logprobs and mask")
+        return train_logprobs
     train = _as_tensor(train_logprobs, "train_logprobs")
     rollout = _as_tensor(rollout_logprobs, "rollout_logprobs")
     m = _as_tensor(mask, "mask")
@@ -146,7 +168,9 @@ def token_arrays(train_logprobs: Any, rollout_logprobs: Any, mask: Any) -> Token
     total = float(lengths.sum())
     if total == 0:
         raise InputError("mask has no valid token: at least one position must be 1/True")
-    tok = TokenArrays(train, rollout, m, lengths, total, train.dtype)
+    mask_dtype = mask.dtype if isinstance(mask, torch.Tensor) else np.asarray(mask).dtype
+    tok = TokenArrays(train, rollout, m, lengths, total, train.dtype,
+                      numpy=not isinstance(train_logprobs, torch.Tensor), mask_dtype=mask_dtype)
     for rows in tok.row_blocks():
         for name, t in (("train_logprobs", train[rows]), ("rollout_logprobs", rollout[rows])):
             finite = torch.isfinite(t)
@@ -289,7 +313,7 @@ def _pearson(s: dict[str, float], n: float, identical: bool) -> float:
 
 
 def summarize(
-    train_logprobs: Any, rollout_logprobs: Any, mask: Any, *, bootstrap: int = 0, seed: int = 0
+    train_logprobs: Any, rollout_logprobs: Any = None, mask: Any = None, *, bootstrap: int = 0, seed: int = 0
 ) -> dict[str, Any]:
     """The parity summary of `[batch, seq]` logprobs (nats): every key of `SUMMARY_KEYS`.
 
@@ -369,8 +393,8 @@ def _bootstrap(
 
 def bootstrap_ci(
     train_logprobs: Any,
-    rollout_logprobs: Any,
-    mask: Any,
+    rollout_logprobs: Any = None,
+    mask: Any = None,
     *,
     n_resamples: int = 1000,
     confidence: float = 0.95,
@@ -418,7 +442,7 @@ def _bucket_rows(
 
 
 def drift_by_position(
-    train_logprobs: Any, rollout_logprobs: Any, mask: Any, *, edges: Sequence[int] | None = None
+    train_logprobs: Any, rollout_logprobs: Any = None, mask: Any = None, *, edges: Sequence[int] | None = None
 ) -> list[dict[str, Any]]:
     """Drift per response-position bucket `[lo, hi)` (0-based token index along `seq`).
 
@@ -456,7 +480,8 @@ def drift_by_position(
 
 
 def drift_by_probability(
-    train_logprobs: Any, rollout_logprobs: Any, mask: Any, *, edges: Sequence[float] | None = None
+    train_logprobs: Any, rollout_logprobs: Any = None, mask: Any = None, *,
+    edges: Sequence[float] | None = None
 ) -> list[dict[str, Any]]:
     """Drift per rollout-probability bucket `[lo, hi)` (the last bucket includes `hi`).
 

@@ -195,7 +195,7 @@ def test_bad_options_raise_config_error(options: dict, match: str) -> None:
 
 
 def test_from_dict_rejects_unknown_options() -> None:
-    assert CorrectionConfig.from_dict({"rollout_is": "token"}).is_upper == 2.0
+    assert CorrectionConfig.from_dict({"rollout_is": "token"}).is_rule.upper == 2.0
     with pytest.raises(ConfigError, match="unknown option"):
         CorrectionConfig.from_dict({"rollout_is": "token", "rollout_is_treshold": 2.0})
     with pytest.raises(TypeError):

@@ -21,6 +21,7 @@ from parity.metrics import (
     drift_by_position,
     drift_by_probability,
     summarize,
+    token_arrays,
 )
 
 
@@ -102,6 +103,29 @@ def test_neg_inf_padding_is_fine() -> None:
     train, rollout, mask = _example(2)
     ref = summarize(train, rollout, mask)
     assert summarize(np.where(mask, train, -np.inf), np.where(mask, rollout, -np.inf), mask) == ref
+
+
+def test_checked_token_arrays_stand_in_for_the_three_arrays() -> None:
+    """One `token_arrays` check serves every metric of a batch, with the same results."""
+    from parity.correction import rollout_correction
+
+    train, rollout, mask = _example(5)
+    int_mask = mask.astype(np.int8)
+    tok = token_arrays(train, rollout, int_mask)
+    assert summarize(tok, bootstrap=20) == summarize(train, rollout, mask, bootstrap=20)
+    assert bootstrap_ci(tok, n_resamples=20) == bootstrap_ci(train, rollout, mask, n_resamples=20)
+    assert drift_by_position(tok) == drift_by_position(train, rollout, mask)
+    assert drift_by_probability(tok) == drift_by_probability(train, rollout, mask)
+    options = {"rollout_is": "token", "rollout_rs": "seq_mean_k3", "rollout_rs_threshold": 0.01}
+    weights, new_mask, metrics = rollout_correction(tok, **options)
+    want_weights, want_mask, want_metrics = rollout_correction(train, rollout, int_mask, **options)
+    assert metrics == want_metrics
+    assert isinstance(weights, np.ndarray) and weights.dtype == np.float64
+    np.testing.assert_array_equal(weights, want_weights)
+    assert new_mask.dtype == np.int8
+    np.testing.assert_array_equal(new_mask, want_mask)
+    with pytest.raises(InputError, match="TokenArrays alone"):
+        summarize(tok, rollout, mask)
 
 
 def test_bootstrap_intervals() -> None:

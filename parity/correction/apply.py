@@ -1,0 +1,106 @@
+"""The correction's one pass over the batch, and its entry points."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from parity.correction.config import CorrectionConfig
+from parity.correction.rejection import RejectionRows, block_keep, rejection_metrics
+from parity.correction.stats import EPS, PolicyRows, Rows, join, offpolicy_metrics
+from parity.correction.weights import WeightRows, batch_norm_factor, block_weights, weight_metrics
+from parity.metrics import SAFETY_BOUND, TokenArrays, token_arrays
+
+
+@dataclass(frozen=True)
+class BatchRows:
+    """Every per-row statistic `[batch]` the metrics need: the policies' always, the weights'
+    when `rollout_is` is set, the rejection rules' when `rollout_rs` is."""
+
+    policy: PolicyRows
+    weights: WeightRows | None
+    rejection: RejectionRows | None
+
+
+def _scan(cfg: CorrectionConfig, tok: TokenArrays) -> tuple[BatchRows, torch.Tensor | None, torch.Tensor]:
+    """One pass over the batch in row blocks: per-row statistics, weights `[batch, seq]` (the
+    caller's dtype, or None) and keep mask `[batch, seq]` (bool, False at padding)."""
+    device = tok.mask.device
+    weights = torch.empty(tok.shape, dtype=tok.dtype, device=device) if cfg.is_rule else None
+    keep = torch.empty(tok.shape, dtype=torch.bool, device=device)
+    parts: list[BatchRows] = []
+    for b in tok.blocks():
+        lengths = tok.lengths[b.rows]
+        row_count = torch.where(lengths > 0, lengths, EPS)
+        clamped = b.log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)
+        ratio = torch.exp(clamped) * b.maskf
+        weight_rows = rejection_rows = None
+        if weights is not None:
+            weights[b.rows], weight_rows = block_weights(cfg.is_rule, b, ratio, row_count)
+        if cfg.rs_rules:
+            keep[b.rows], rejection_rows = block_keep(cfg.rs_rules, b, clamped, row_count)
+        else:
+            keep[b.rows] = b.mask
+        parts.append(BatchRows(PolicyRows.of_block(b, ratio), weight_rows, rejection_rows))
+    return join(parts), weights, keep
+
+
+def apply_correction(config: CorrectionConfig, train_logprobs: Any, rollout_logprobs: Any = None,
+                     mask: Any = None) -> tuple[Any | None, Any, dict[str, float]]:
+    """Run `config` on `[batch, seq]` inputs (or one `parity.metrics.TokenArrays`); see
+    `rollout_correction` for the result."""
+    tok = token_arrays(train_logprobs, rollout_logprobs, mask)
+    stats, weights, keep = _scan(config, tok)
+    rows = Rows(tok.lengths, tok.total)
+    metrics: dict[str, float] = {}
+    rule = config.is_rule
+    if weights is not None:
+        metrics.update(weight_metrics(rule, stats.weights, rows))
+        if rule.batch_normalize:
+            norm = batch_norm_factor(stats.weights, rows)
+            if norm > EPS:
+                weights.div_(norm)
+            metrics["rollout_is_batch_norm_factor"] = norm if norm > EPS else 1.0
+    if stats.rejection is not None:
+        metrics.update(rejection_metrics(config.rs_rules, stats.rejection, rows))
+    metrics.update(offpolicy_metrics(stats.policy, rows))
+    metrics = {f"rollout_corr/{key}": value for key, value in metrics.items()}
+    return None if weights is None else tok.like_train(weights), tok.like_mask(keep), metrics
+
+
+def rollout_correction(
+    train_logprobs: Any,
+    rollout_logprobs: Any = None,
+    mask: Any = None,
+    *,
+    rollout_is: str | None = None,
+    rollout_is_threshold: float | str | None = 2.0,
+    rollout_is_batch_normalize: bool = False,
+    rollout_rs: str | None = None,
+    rollout_rs_threshold: float | str | None = None,
+    rollout_is_clamp_lower: float | None = None,
+) -> tuple[Any | None, Any, dict[str, float]]:
+    """verl's rollout correction on `[batch, seq]` logprobs (nats) and a response mask (or on
+    one `parity.metrics.TokenArrays` in their place).
+
+    Options are `CorrectionConfig`'s fields: verl's names plus parity's extras.
+
+    Returns `(weights, new_mask, metrics)`:
+        weights: IS weights `[batch, seq]` in the logprobs' dtype and container (0 at padding
+            and where IcePop / seq-mask-TIS rejects), or None when `rollout_is` is None.
+        new_mask: the mask with rejected tokens cleared, in the mask's dtype and container.
+        metrics: `rollout_corr/*` floats under verl's exact key names (plus
+            `rollout_corr/rollout_is_seq_masked_fraction` for "seq_mask_tis").
+    Raises `ConfigError` for bad options and `InputError` for bad arrays.
+    """
+    config = CorrectionConfig(
+        rollout_is=rollout_is,
+        rollout_is_threshold=rollout_is_threshold,
+        rollout_is_batch_normalize=rollout_is_batch_normalize,
+        rollout_rs=rollout_rs,
+        rollout_rs_threshold=rollout_rs_threshold,
+        rollout_is_clamp_lower=rollout_is_clamp_lower,
+    )
+    return apply_correction(config, train_logprobs, rollout_logprobs, mask)

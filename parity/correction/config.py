@@ -1,0 +1,258 @@
+"""What to compute: `CorrectionConfig`, its options parsed once into typed rules.
+
+verl's option names and semantics (`algorithm.rollout_correction`), plus parity's extras.
+Bad options raise `ConfigError` naming the option and the accepted forms.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from parity.errors import ConfigError
+
+#: `rollout_is` levels verl 0.9.x has.
+VERL_IS_LEVELS: tuple[str, ...] = ("token", "sequence")
+#: Every `rollout_is` level parity accepts (verl's plus parity's extras).
+IS_LEVELS: tuple[str, ...] = (*VERL_IS_LEVELS, "geometric", "seq_mask_tis")
+#: `rollout_rs` options, verl's names: level (`token`, `seq_sum`, `seq_mean`, `seq_max`) and estimator.
+RS_OPTIONS: tuple[str, ...] = (
+    "token_k1", "token_k2", "token_k3",
+    "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+    "seq_mean_k1", "seq_mean_k2", "seq_mean_k3",
+    "seq_max_k2", "seq_max_k3",
+)
+
+
+@dataclass(frozen=True)
+class ImportanceRule:
+    """The parsed `rollout_is*` options.
+
+    level: one of `IS_LEVELS`.
+    upper: the truncation bound (TIS) or the band's upper edge (IcePop, seq-mask-TIS), > 0.
+    band_lower: the band's lower edge (IcePop, seq-mask-TIS), None for TIS.
+    clamp_lower: the lower clamp of TIS weights (`rollout_is_clamp_lower`), None when off.
+    metric_lower: the lower bound the low-side metrics count against: `band_lower`,
+        `clamp_lower` or verl's default 1/upper.
+    batch_normalize: rescale the weights to mean 1 over the batch.
+    """
+
+    level: str
+    upper: float
+    band_lower: float | None
+    clamp_lower: float | None
+    metric_lower: float
+    batch_normalize: bool
+
+    @property
+    def sequence_level(self) -> bool:
+        """One weight per sequence ("sequence", "geometric") rather than per token."""
+        return self.level in ("sequence", "geometric")
+
+
+@dataclass(frozen=True)
+class RejectionRule:
+    """One parsed `rollout_rs` criterion.
+
+    option: verl's option name, e.g. "seq_mean_k3".
+    reduce: how token statistics become the tested value: "token" (none), "sum", "mean", "max".
+    estimator: "k1" (-Δ), "k2" (Δ²/2) or "k3" (exp(Δ) - 1 - Δ), with Δ clamped to ±20.
+    lower: k1 only: lower bound on k1, i.e. log of the lower ratio bound; None otherwise.
+    upper: upper bound on the statistic (k1: log of the upper ratio bound).
+    """
+
+    option: str
+    reduce: str
+    estimator: str
+    lower: float | None
+    upper: float
+
+
+def _positive(value: float) -> bool:
+    return value > 0  # False for NaN too
+
+
+def _parse_is_threshold(spec: Any) -> tuple[float, float | None]:
+    """verl's `_parse_rollout_is_threshold`: a number (TIS upper bound) or "lower_upper" (IcePop)."""
+    if isinstance(spec, bool) or not isinstance(spec, (int, float, str)):
+        raise ConfigError(
+            f"rollout_is_threshold must be a number (TIS upper bound) or a 'lower_upper' string "
+            f"(IcePop band), e.g. 2.0 or '0.5_2.0'; got {spec!r}"
+        )
+    lower: float | None = None
+    if isinstance(spec, str):
+        text = spec.strip()
+        try:
+            if "_" in text:
+                low_text, up_text = text.split("_", 1)
+                lower, upper = float(low_text), float(up_text)
+            else:
+                upper = float(text)
+        except ValueError as exc:
+            raise ConfigError(
+                f"rollout_is_threshold {spec!r} is not a number or a 'lower_upper' pair such as '0.5_2.0'"
+            ) from exc
+    else:
+        upper = float(spec)
+    if not _positive(upper):
+        raise ConfigError(f"rollout_is_threshold upper bound must be a positive number, got {spec!r}")
+    if lower is not None and not (_positive(lower) and lower <= upper):
+        raise ConfigError(f"rollout_is_threshold {spec!r} needs 0 < lower <= upper")
+    return upper, lower
+
+
+def _parse_is(level: Any, threshold: Any, batch_normalize: Any, clamp: Any) -> ImportanceRule | None:
+    """The `rollout_is*` options as one rule (None when `level` is None), checked together."""
+    upper, lower = 0.0, None
+    if level is not None:
+        if level not in IS_LEVELS:
+            raise ConfigError(f"rollout_is must be None or one of {IS_LEVELS}, got {level!r}")
+        if threshold is None:
+            raise ConfigError(
+                f"rollout_is={level!r} needs rollout_is_threshold (e.g. 2.0); "
+                f"set rollout_is=None to compute no weights"
+            )
+        upper, lower = _parse_is_threshold(threshold)
+        if level == "seq_mask_tis" and lower is None:
+            raise ConfigError(
+                f"rollout_is='seq_mask_tis' needs a 'lower_upper' rollout_is_threshold such as "
+                f"'0.5_2.0', got {threshold!r}"
+            )
+    if not isinstance(batch_normalize, bool):
+        raise ConfigError(f"rollout_is_batch_normalize must be True or False, got {batch_normalize!r}")
+    if clamp is not None:
+        if level not in ("token", "sequence", "geometric") or lower is not None:
+            raise ConfigError(
+                "rollout_is_clamp_lower applies to truncated IS only: rollout_is 'token', 'sequence' "
+                "or 'geometric' with a numeric rollout_is_threshold"
+            )
+        if isinstance(clamp, bool) or not isinstance(clamp, (int, float)) or not (0 < clamp <= upper):
+            raise ConfigError(
+                f"rollout_is_clamp_lower must be a number in (0, rollout_is_threshold={upper}], got {clamp!r}"
+            )
+        clamp = float(clamp)
+    if level is None:
+        return None
+    metric_lower = lower if lower is not None else clamp if clamp is not None else 1.0 / upper
+    return ImportanceRule(level, upper, lower, clamp, metric_lower, batch_normalize)
+
+
+def _parse_rs(rollout_rs: Any, threshold: Any) -> tuple[RejectionRule, ...]:
+    """verl's option and threshold parsing: comma lists, duplicates dropped (first kept), one
+    threshold shared by all options or one per distinct option."""
+    if rollout_rs is None:
+        return ()
+    if not isinstance(rollout_rs, str):
+        raise ConfigError(f"rollout_rs must be a comma-separated string of {RS_OPTIONS}, got {rollout_rs!r}")
+    options: list[str] = []
+    for name in (part.strip() for part in rollout_rs.split(",")):
+        if not name:
+            continue
+        if name not in RS_OPTIONS:
+            raise ConfigError(f"rollout_rs option {name!r} is unknown; allowed: {', '.join(RS_OPTIONS)}")
+        if name not in options:
+            options.append(name)
+    if not options:
+        raise ConfigError(f"rollout_rs must name at least one of {RS_OPTIONS}, got {rollout_rs!r}")
+    if threshold is None:
+        raise ConfigError(
+            "rollout_rs_threshold is required when rollout_rs is set, e.g. 2.0 or '0.5_2.0,0.01'"
+        )
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float, str)):
+        raise ConfigError(
+            f"rollout_rs_threshold must be a number or a comma-separated string, got {threshold!r}"
+        )
+    specs = [part.strip() for part in threshold.split(",") if part.strip()] if isinstance(threshold, str) \
+        else [threshold]
+    if len(specs) not in (1, len(options)):
+        raise ConfigError(
+            f"rollout_rs_threshold {threshold!r} has {len(specs)} entries; give one shared by all options "
+            f"or exactly {len(options)}, one per option of {options}"
+        )
+    if len(specs) == 1:
+        specs = specs * len(options)
+    return tuple(_parse_rule(name, spec) for name, spec in zip(options, specs))
+
+
+def _parse_rule(option: str, spec: float | str) -> RejectionRule:
+    estimator = option[-2:]
+    reduce = "token" if option.startswith("token") else option.split("_")[1]
+    band = isinstance(spec, str) and "_" in spec
+    if band and estimator != "k1":
+        raise ConfigError(
+            f"rollout_rs_threshold for {option!r} takes a single upper bound, not a "
+            f"'lower_upper' pair ({spec!r}); only k1 options take a ratio band"
+        )
+    try:
+        if band:
+            low_text, up_text = spec.split("_", 1)
+            lower, upper = float(low_text), float(up_text)
+        else:
+            upper = float(spec)
+            lower = 1.0 / upper if estimator == "k1" and upper != 0 else None
+    except ValueError as exc:
+        raise ConfigError(f"rollout_rs_threshold {spec!r} for {option!r} is not a number") from exc
+    if not _positive(upper) or (estimator == "k1" and not (lower is not None and _positive(lower))):
+        raise ConfigError(f"rollout_rs_threshold for {option!r} must be positive, got {spec!r}")
+    if estimator != "k1":
+        return RejectionRule(option, reduce, estimator, None, upper)
+    if lower > upper:
+        raise ConfigError(f"rollout_rs_threshold for {option!r} needs lower <= upper, got {spec!r}")
+    return RejectionRule(option, reduce, estimator, math.log(lower), math.log(upper))
+
+
+@dataclass(frozen=True)
+class CorrectionConfig:
+    """Which correction to compute; verl's `algorithm.rollout_correction` fields plus extras.
+
+    rollout_is: importance-sampling weight level, or None for no weights.
+        "token": w_t = exp(Δ_t) (verl).
+        "sequence": w = exp(Σ_t Δ_t) for every token of the sequence (verl).
+        "geometric": w = exp(mean_t Δ_t), the per-token geometric mean of the sequence ratio;
+            length-independent, unlike "sequence" (parity extra; GSPO-style).
+        "seq_mask_tis": w_t = exp(Δ_t), zeroed for whole sequences whose geometric-mean ratio
+            exp(mean_t Δ_t) lies outside [lower, upper] (NeMo-RL / OpenRLHF "seq-mask-tis";
+            needs a "lower_upper" threshold; token weights are not truncated, as there).
+    rollout_is_threshold: a number u: weights truncated to <= u (TIS); a "lower_upper" string:
+        weights outside [lower, upper] set to 0 (IcePop; the band for "seq_mask_tis").
+    rollout_is_batch_normalize: rescale weights to mean 1 over the batch (over tokens for token
+        levels, over non-empty sequences for sequence levels); verl's semantics.
+    rollout_rs: comma-separated rejection criteria from `RS_OPTIONS`; a token survives only if
+        every criterion keeps it. None disables rejection.
+    rollout_rs_threshold: one threshold shared by all criteria, or a comma list with one per
+        distinct criterion. k1 criteria take a ratio band "lower_upper" or a number u meaning
+        [1/u, u]; k2/k3 criteria take an upper bound.
+    rollout_is_clamp_lower: lower bound of a [lower, upper] clamp on TIS weights (slime's
+        `tis_clip_low`, OpenRLHF's TIS band); only with a numeric threshold and the levels
+        "token", "sequence" or "geometric" (parity extra).
+
+    The options are parsed once, into `is_rule` and `rs_rules`, which the computation reads.
+    """
+
+    rollout_is: str | None = None
+    rollout_is_threshold: float | str | None = 2.0
+    rollout_is_batch_normalize: bool = False
+    rollout_rs: str | None = None
+    rollout_rs_threshold: float | str | None = None
+    rollout_is_clamp_lower: float | None = None
+    #: The parsed `rollout_is*` options; None when `rollout_is` is None.
+    is_rule: ImportanceRule | None = field(init=False, repr=False)
+    #: The parsed `rollout_rs` criteria, in the order given.
+    rs_rules: tuple[RejectionRule, ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        is_rule = _parse_is(self.rollout_is, self.rollout_is_threshold, self.rollout_is_batch_normalize,
+                            self.rollout_is_clamp_lower)
+        object.__setattr__(self, "is_rule", is_rule)
+        object.__setattr__(self, "rs_rules", _parse_rs(self.rollout_rs, self.rollout_rs_threshold))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], *, where: str = "correction") -> CorrectionConfig:
+        """Build from a mapping (a case file's table); unknown keys raise `ConfigError`."""
+        known = {f.name for f in dataclasses.fields(cls) if f.init}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"{where}: unknown option(s) {unknown}; allowed: {sorted(known)}")
+        return cls(**d)

@@ -1,0 +1,154 @@
+"""Per-row statistics and the batch reductions verl applies to them.
+
+The correction makes one pass over the batch in blocks of whole rows (`parity.metrics.Block`).
+Each block leaves typed per-row statistics `[rows]` (sums, extremes, counts), which `join`
+concatenates into `[batch]`; every metric is then a reduction of those, through `Rows`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, TypeVar
+
+import torch
+
+from parity.metrics import SAFETY_BOUND, Block
+
+#: verl's epsilon in `masked_mean` (`sum / (count + 1e-8)`), ESS and batch normalization.
+EPS = 1e-8
+
+T = TypeVar("T")
+
+
+def join(parts: Sequence[T]) -> T:
+    """Per-block statistics joined into per-batch ones, in block order.
+
+    parts: one value per block, all of the same shape: a `[rows]` tensor (concatenated), None,
+    a tuple (joined element by element) or a dataclass of those (joined field by field).
+    """
+    first: Any = parts[0]
+    if first is None:
+        return None  # type: ignore[return-value]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(parts)  # type: ignore[return-value]
+    if isinstance(first, tuple):
+        return tuple(join(column) for column in zip(*parts))  # type: ignore[return-value]
+    return dataclasses.replace(
+        first, **{f.name: join([getattr(p, f.name) for p in parts]) for f in dataclasses.fields(first)})
+
+
+@dataclass(frozen=True)
+class Rows:
+    """The batch's rows and verl's batch-level reductions over per-row statistics.
+
+    lengths: valid tokens per row `[batch]` (float64); total: valid tokens in the batch.
+
+    verl's masked_mean divides by `mask.sum() + 1e-8`. Its masks are integer (or float32), so the
+    count is promoted to float32, where `+ 1e-8` rounds away for any count >= 1: in effect the
+    epsilon only turns an empty row's 0/0 into 0. `token_mean` and `row_count` reproduce exactly
+    that; keeping 1e-8 in float64 would shift every mean by 1e-8/count, enough to turn verl's
+    (near) zero std of a constant statistic into ~1e-4/sqrt(count) of its value.
+    """
+
+    lengths: torch.Tensor
+    total: float
+
+    @cached_property
+    def row_valid(self) -> torch.Tensor:
+        """Rows with at least one valid token `[batch]` (bool)."""
+        return self.lengths > 0
+
+    @cached_property
+    def row_count(self) -> torch.Tensor:
+        """Row lengths with EPS for empty rows: divides a row sum into verl's row mean."""
+        return torch.where(self.row_valid, self.lengths, EPS)
+
+    def token_mean(self, row_sums: torch.Tensor) -> float:
+        """verl's batch `masked_mean` of a per-token quantity, from its row sums `[batch]`."""
+        return float(row_sums.sum()) / self.total
+
+    def weighted_mean(self, per_row: torch.Tensor) -> float:
+        """Token mean of a quantity constant within each row (one value per row)."""
+        return float((per_row * self.lengths).sum()) / self.total
+
+    def std(self, first: float, second: float) -> float:
+        """verl's std from token sums of x and x²: sqrt(max(E[x²] - E[x]², 0)); 0 for one token."""
+        if self.total <= 1:
+            return 0.0
+        mean = first / self.total
+        return math.sqrt(max(second / self.total - mean * mean, 0.0))
+
+    def valid_fraction(self, flags: torch.Tensor) -> float:
+        """Share of non-empty rows where `flags` is set."""
+        return float((flags & self.row_valid).sum()) / float(self.row_valid.sum())
+
+
+def seq_summary(prefix: str, values: torch.Tensor) -> dict[str, float]:
+    """mean / unbiased std / max / min of per-sequence values, as verl reports them."""
+    return {
+        f"{prefix}_seq_mean": float(values.mean()),
+        f"{prefix}_seq_std": float(values.std()) if values.numel() > 1 else 0.0,
+        f"{prefix}_seq_max": float(values.max()),
+        f"{prefix}_seq_min": float(values.min()),
+    }
+
+
+def fraction(flags: torch.Tensor) -> float:
+    """Share of the entries of `flags` that are set (over every row, empty ones included)."""
+    return float(flags.double().mean())
+
+
+@dataclass(frozen=True)
+class PolicyRows:
+    """Row sums `[batch]` behind verl's off-policy metrics (0 for empty rows).
+
+    train, rollout: logprobs (nats); log_ratio: Δ = train - rollout; k3_kl: exp(Δ) - Δ - 1,
+    unclamped as in verl; ratio_sq: exp(clamp(Δ, ±20))².
+    """
+
+    train: torch.Tensor
+    rollout: torch.Tensor
+    log_ratio: torch.Tensor
+    k3_kl: torch.Tensor
+    ratio_sq: torch.Tensor
+
+    @classmethod
+    def of_block(cls, b: Block, ratio: torch.Tensor) -> PolicyRows:
+        """The row sums of one block; ratio: exp(clamp(Δ, ±20)), 0 at padding `[rows, seq]`."""
+        d = b.log_ratio
+        return cls(
+            train=b.train.sum(-1),
+            rollout=b.rollout.sum(-1),
+            log_ratio=d.sum(-1),
+            # exp(0) - 0 - 1 = 0 at padding.
+            k3_kl=(torch.exp(d) - d - 1.0).sum(-1),
+            ratio_sq=ratio.square().sum(-1),
+        )
+
+
+def offpolicy_metrics(p: PolicyRows, r: Rows) -> dict[str, float]:
+    """verl's `compute_offpolicy_metrics`: KL, perplexities and χ² of the two policies. Batch
+    means over sequences include empty rows (mean logprob 0), as verl's do."""
+    mean_train = p.train / r.row_count
+    mean_rollout = p.rollout / r.row_count
+    log_ppl_diff = mean_rollout - mean_train
+    seq_log = p.log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    return {
+        "training_ppl": float(torch.exp(-mean_train).mean()),
+        "training_log_ppl": float((-mean_train).mean()),
+        "kl": -r.token_mean(p.log_ratio),
+        "k3_kl": r.token_mean(p.k3_kl),
+        "rollout_ppl": float(torch.exp(-mean_rollout).mean()),
+        "rollout_log_ppl": float((-mean_rollout).mean()),
+        "log_ppl_diff": float(log_ppl_diff.mean()),
+        "log_ppl_abs_diff": float(log_ppl_diff.abs().mean()),
+        "log_ppl_diff_max": float(log_ppl_diff.max()),
+        "log_ppl_diff_min": float(log_ppl_diff.min()),
+        "ppl_ratio": float(torch.exp(log_ppl_diff).mean()),
+        "chi2_token": r.token_mean(p.ratio_sq) - 1.0,
+        "chi2_seq": float(torch.exp(2.0 * seq_log).mean()) - 1.0,
+    }

@@ -1,0 +1,155 @@
+"""Importance-sampling weights: per block, the weights and the per-row statistics their metrics need."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from parity.correction.config import ImportanceRule
+from parity.correction.stats import EPS, Rows, fraction, seq_summary
+from parity.metrics import SAFETY_BOUND, Block, masked_row_max, masked_row_min
+
+
+@dataclass(frozen=True)
+class SequenceWeightRows:
+    """Per-row statistics `[batch]` of sequence-level weights ("sequence", "geometric").
+
+    seq_log: Σ_t Δ_t ("geometric": divided by the row's length); raw: exp(clamp(seq_log, ±20));
+    weight: the row's weight after truncation, clamping or the IcePop band.
+    """
+
+    seq_log: torch.Tensor
+    raw: torch.Tensor
+    weight: torch.Tensor
+
+
+@dataclass(frozen=True)
+class TokenWeightRows:
+    """Per-row statistics `[batch]` of token-level weights ("token", "seq_mask_tis").
+
+    weight_sum, weight_max, weight_min: of the weights (max/min ±inf for empty rows);
+    raw_sum: of the ratios before truncation; high, low: tokens whose ratio lies above
+    `upper` / below `metric_lower`; clamped_sum, clamped_sq: Σ w and Σ w² of the weights
+    clamped to [0, upper]; seq_keep: "seq_mask_tis" only, rows inside the band (bool);
+    outside: IcePop only, tokens outside the band.
+    """
+
+    weight_sum: torch.Tensor
+    weight_max: torch.Tensor
+    weight_min: torch.Tensor
+    raw_sum: torch.Tensor
+    high: torch.Tensor
+    low: torch.Tensor
+    clamped_sum: torch.Tensor
+    clamped_sq: torch.Tensor
+    seq_keep: torch.Tensor | None = None
+    outside: torch.Tensor | None = None
+
+
+WeightRows = SequenceWeightRows | TokenWeightRows
+
+
+def block_weights(rule: ImportanceRule, b: Block, ratio: torch.Tensor, row_count: torch.Tensor
+                  ) -> tuple[torch.Tensor, WeightRows]:
+    """IS weights of one block `[rows, seq]` (0 at padding) and their per-row statistics.
+
+    ratio: exp(clamp(Δ, ±20)), 0 at padding; row_count: row lengths, EPS for empty rows.
+    """
+    upper, band_lower = rule.upper, rule.band_lower
+    if rule.sequence_level:
+        seq_log = b.log_ratio.sum(-1)
+        if rule.level == "geometric":
+            seq_log = seq_log / row_count
+        raw = torch.exp(seq_log.clamp(-SAFETY_BOUND, SAFETY_BOUND))
+        if band_lower is not None:
+            weight = torch.where((raw >= band_lower) & (raw <= upper), raw, 0.0)
+        else:
+            weight = raw.clamp(rule.clamp_lower, upper)
+        return weight[:, None] * b.maskf, SequenceWeightRows(seq_log, raw, weight)
+
+    mask = b.mask
+    seq_keep = outside = None
+    if rule.level == "seq_mask_tis":
+        geo_log = b.log_ratio.sum(-1) / row_count
+        seq_keep = (geo_log >= math.log(band_lower)) & (geo_log <= math.log(upper))
+        weights = ratio * seq_keep[:, None]
+    elif band_lower is not None:
+        weights = torch.where((ratio >= band_lower) & (ratio <= upper), ratio, 0.0)
+        outside = (((ratio < band_lower) | (ratio > upper)) & mask).sum(-1, dtype=torch.float64)
+    elif rule.clamp_lower is not None:
+        weights = ratio.clamp(rule.clamp_lower, upper) * b.maskf
+    else:
+        weights = ratio.clamp(max=upper)
+    clamped = weights.clamp(0.0, upper)
+    stats = TokenWeightRows(
+        weight_sum=weights.sum(-1),
+        weight_max=masked_row_max(weights, mask),
+        weight_min=masked_row_min(weights, mask),
+        raw_sum=ratio.sum(-1),
+        # ratio is 0 at padding and upper > 0, so `ratio > upper` needs no mask; `<` does.
+        high=(ratio > upper).sum(-1, dtype=torch.float64),
+        low=((ratio < rule.metric_lower) & mask).sum(-1, dtype=torch.float64),
+        clamped_sum=clamped.sum(-1),
+        clamped_sq=clamped.square().sum(-1),
+        seq_keep=seq_keep,
+        outside=outside,
+    )
+    return weights, stats
+
+
+def weight_metrics(rule: ImportanceRule, w: WeightRows, r: Rows) -> dict[str, float]:
+    """verl's `rollout_is_*` metrics (before batch normalization) from per-row statistics."""
+    upper, lower = rule.upper, rule.metric_lower
+    m: dict[str, float] = {}
+    if isinstance(w, SequenceWeightRows):
+        m["rollout_is_max"] = math.exp(min(float(w.seq_log.max()), SAFETY_BOUND))
+        m["rollout_is_min"] = math.exp(float(w.seq_log.min()))
+        m["rollout_is_mean"] = r.weighted_mean(w.weight)
+        # Over all rows, empty ones included (their Σ Δ is 0), as verl does.
+        m["rollout_is_ratio_fraction_high"] = fraction(w.seq_log > math.log(upper))
+        m["rollout_is_ratio_fraction_low"] = fraction(w.seq_log < math.log(lower))
+        clamped = w.weight.clamp(0.0, upper)
+        wc_sum = float((clamped * r.lengths).sum())
+        wc_sq = float((clamped.square() * r.lengths).sum())
+        seq_mean_w = w.weight * r.lengths / r.row_count
+        raw_seq_mean = w.raw * r.lengths / r.row_count
+        if rule.band_lower is not None:
+            outside = (w.raw < rule.band_lower) | (w.raw > upper)
+            m["rollout_is_oob_ratio"] = r.weighted_mean(outside.double())
+    else:
+        m["rollout_is_mean"] = r.token_mean(w.weight_sum)
+        m["rollout_is_ratio_fraction_high"] = r.token_mean(w.high)
+        m["rollout_is_ratio_fraction_low"] = r.token_mean(w.low)
+        m["rollout_is_max"] = float(w.weight_max.max())
+        m["rollout_is_min"] = float(w.weight_min.min())
+        wc_sum, wc_sq = float(w.clamped_sum.sum()), float(w.clamped_sq.sum())
+        seq_mean_w = w.weight_sum / r.row_count
+        raw_seq_mean = w.raw_sum / r.row_count
+        if w.seq_keep is not None:
+            m["rollout_is_seq_masked_fraction"] = r.valid_fraction(~w.seq_keep)
+        elif w.outside is not None:
+            m["rollout_is_oob_ratio"] = r.token_mean(w.outside)
+    m["rollout_is_std"] = r.std(wc_sum, wc_sq)
+    # Effective sample size 1 / E[(w / (E[w] + 1e-8))²] of the weights clamped to upper; verl
+    # divides by zero when every weight is 0 (IcePop rejecting all), parity reports 0.
+    mean_c = wc_sum / r.total
+    second = wc_sq / (mean_c + EPS) ** 2 / r.total
+    m["rollout_is_eff_sample_size"] = 1.0 / second if second > 0 else 0.0
+    m.update(seq_summary("rollout_is", seq_mean_w))
+    m["rollout_is_seq_max_deviation"] = float((seq_mean_w - 1.0).abs().max())
+    # Raw (pre-truncation) per-sequence means: a mean of truncated weights never exceeds upper.
+    # Over all rows: an empty row's mean is 0, so it counts as "low", as in verl.
+    m["rollout_is_seq_fraction_high"] = fraction(raw_seq_mean > upper)
+    m["rollout_is_seq_fraction_low"] = fraction(raw_seq_mean < lower)
+    return m
+
+
+def batch_norm_factor(w: WeightRows, r: Rows) -> float:
+    """verl's batch-normalization divisor: mean weight over tokens (token levels) or over
+    non-empty sequences (sequence levels)."""
+    if isinstance(w, TokenWeightRows):
+        return r.token_mean(w.weight_sum)
+    per_seq = w.weight * r.lengths / r.row_count
+    return float((per_seq * r.row_valid).sum()) / max(float(r.row_valid.sum()), EPS)
