@@ -303,7 +303,7 @@ def parity_check(model: Any, vocab: int, kernels: str) -> dict[str, Any]:
                 kernels=kernels,
                 layout=layout,
                 micro_batch_size=mb,
-            )
+            ).logprobs
             diffs = [float((a - b.cpu()).abs().max()) for a, b in zip(got, train)]
             entry["train"][layout] = {
                 "bitwise_equal": all(torch.equal(a, b.cpu()) for a, b in zip(got, train)),

@@ -136,7 +136,7 @@ def score_rollouts(model: str | os.PathLike[str], rollouts: Sequence[Rollout], r
     scored = train_forward(model, list(rollouts), dtype=dtype, device=device, kernels=kernels,
                            logprobs_mode=None,  # each rollout's own mode, checked above
                            temperature=[s.temperature for s in sampling], top_k=[s.top_k for s in sampling],
-                           top_p=[s.top_p for s in sampling], **extra)
+                           top_p=[s.top_p for s in sampling], **extra).logprobs
     return [lp.detach().to("cpu").float().numpy() for lp in scored]
 
 
@@ -171,13 +171,13 @@ def router_report(model: str, rollouts: Sequence[Rollout], requests: Sequence[Re
     rollout_routes = [ro.routed_experts for ro in rollouts]
     sides: dict[str, dict[str, Any]] = {}
     for name in dict.fromkeys((NO_REPLAY, "R3", main_name)):
-        logprobs, used = train_forward(
-            model, list(rollouts), dtype=dtype, device=device, kernels=kernels, return_routes=True,
+        scored = train_forward(
+            model, list(rollouts), dtype=dtype, device=device, kernels=kernels, record_routes=True,
             router_replay=main if name == main_name else RouterReplay.of(name),
             temperature=[s.temperature for s in sampling], top_k=[s.top_k for s in sampling],
             top_p=[s.top_p for s in sampling])
-        drift = build_report(rollouts, [lp.numpy() for lp in logprobs], tolerance=tolerance).summary
-        sides[name] = {**router_agreement(rollout_routes, used), "drift": drift}
+        drift = build_report(rollouts, [lp.numpy() for lp in scored.logprobs], tolerance=tolerance).summary
+        sides[name] = {**router_agreement(rollout_routes, scored.routes), "drift": drift}
     summary = {k: sides[main_name][k] for k in ROUTER_SUMMARY_KEYS}
     return summary, {"replay": main_name, "sides": sides}
 

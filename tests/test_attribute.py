@@ -126,7 +126,7 @@ def test_prefill_run_is_the_training_forward(model):
     setting = Setting(kernels="native", micro_batch_size=2, layout="left")
     got = run(model, pairs, setting, capture=True)
     want = train_forward(model, pairs, kernels="native", micro_batch_size=2, layout="left",
-                         logprobs_mode="raw")
+                         logprobs_mode="raw").logprobs
     for g, w in zip(got.logprobs, want):
         assert torch.equal(g, w)
     assert list(got.states) == stage_names(load_model(model))

@@ -54,10 +54,10 @@ def _rollouts_and_scores(model, dtype, kernels, work):
     engine = ReferenceEngine(model, dtype=dtype, kernels=kernels, max_num_seqs=work["max_num_seqs"],
                              chunk_size=work["chunk_size"], record_routes=True)
     rollouts = engine.generate(work["requests"])
-    scores, routes = train_forward(model, rollouts, dtype=dtype, kernels=kernels,
-                                   micro_batch_size=work["micro_batch_size"], layout=work["layout"],
-                                   return_routes=True, **_params(rollouts, work["requests"]))
-    return rollouts, scores, routes
+    scored = train_forward(model, rollouts, dtype=dtype, kernels=kernels,
+                           micro_batch_size=work["micro_batch_size"], layout=work["layout"],
+                           record_routes=True, **_params(rollouts, work["requests"]))
+    return rollouts, scored.logprobs, scored.routes
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -112,7 +112,7 @@ def test_thread_count_does_not_change_bits(model, dtype):
     torch.set_num_threads(2)
     try:
         double = engine.generate(requests)
-        scores = train_forward(model, single, dtype=dtype, layout="packed")
+        scores = train_forward(model, single, dtype=dtype, layout="packed").logprobs
     finally:
         torch.set_num_threads(1)
     assert [(r.token_ids, r.logprobs) for r in single] == [(r.token_ids, r.logprobs) for r in double]
@@ -193,7 +193,7 @@ def test_other_architectures_are_bitwise_too(model):
     requests = [Request(tuple(range(3, 3 + n)), SamplingParams(n=2, max_tokens=5, seed=n, top_p=0.9),
                         request_id=str(n)) for n in (3, 17, 40)]
     rollouts = ReferenceEngine(model, max_num_seqs=2, chunk_size=8).generate(requests)
-    scores = train_forward(model, rollouts, top_p=0.9, layout="packed")
+    scores = train_forward(model, rollouts, top_p=0.9, layout="packed").logprobs
     for rollout, score in zip(rollouts, scores):
         assert torch.equal(score, torch.tensor(rollout.logprobs, dtype=torch.float32))
 

@@ -50,7 +50,7 @@ def test_padded_budgeted_steps_equal_train_forward_bitwise(model, dtype, work, b
     rollouts = engine.generate(work["requests"])
     assert engine._graphs is not None and engine._graphs._buckets  # decode steps ran padded
     scores = train_forward(model, rollouts, dtype=dtype, micro_batch_size=work["micro_batch_size"],
-                           layout=work["layout"], **_params(rollouts, work["requests"]))
+                           layout=work["layout"], **_params(rollouts, work["requests"])).logprobs
     plain = ReferenceEngine(model, dtype=dtype, max_num_seqs=3, chunk_size=64, graphs=False)
     expected = plain.generate(work["requests"])
     for rollout, score, other in zip(rollouts, scores, expected):
@@ -76,7 +76,7 @@ def test_budget_bounds_every_step():
     engine._forward = spy
     rollouts = engine.generate(requests)
     assert max(seen) == 10 and engine._graphs is None
-    scores, routes = train_forward("tiny-qwen3-moe", rollouts, layout="packed", return_routes=True)
-    for rollout, score, route in zip(rollouts, scores, routes):
+    scored = train_forward("tiny-qwen3-moe", rollouts, layout="packed", record_routes=True)
+    for rollout, score, route in zip(rollouts, scored.logprobs, scored.routes):
         assert torch.equal(score, torch.tensor(rollout.logprobs, dtype=torch.float32))
         assert np.array_equal(route.numpy(), rollout.routed_experts)

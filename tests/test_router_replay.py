@@ -3,6 +3,7 @@
 Exactness checks use zero tolerance; each has a negative control showing the check can fail.
 """
 
+import contextlib
 import shutil
 from pathlib import Path
 
@@ -15,7 +16,8 @@ from parity.compare import router_report
 from parity.engine import ReferenceEngine, train_forward
 from parity.errors import ConfigError, InputError
 from parity.kernels import ops
-from parity.models import resolve_model
+from parity.models import resolve_model, routing
+from parity.models.loading import load_model
 from parity.models.routing import RouterReplay
 from parity.routes import router_agreement
 from parity.schema import ROUTER_SUMMARY_KEYS
@@ -62,43 +64,40 @@ def native_rollouts(moe):
 
 
 def test_r3_against_the_reference_engine_is_exact(moe, invariant_rollouts):
-    logprobs, used = train_forward(moe, invariant_rollouts, dtype=DTYPE, router_replay="R3",
-                                   return_routes=True)
-    assert agreement(invariant_rollouts, used) == 1.0
-    assert max_diff(logprobs, invariant_rollouts) == 0.0
+    scored = train_forward(moe, invariant_rollouts, dtype=DTYPE, router_replay="R3", record_routes=True)
+    assert agreement(invariant_rollouts, scored.routes) == 1.0
+    assert max_diff(scored.logprobs, invariant_rollouts) == 0.0
 
 
 @pytest.mark.parametrize("layout, micro_batch_size", [("right", None), ("left", 2), ("packed", None),
                                                       ("right", 1)])
 def test_r3_forces_the_rollout_routes_in_every_layout(moe, native_rollouts, layout, micro_batch_size):
     """Native-kernel rollouts route differently from the invariant trainer; R3 makes every layout agree."""
-    _, free = train_forward(moe, native_rollouts, dtype=DTYPE, return_routes=True)
+    free = train_forward(moe, native_rollouts, dtype=DTYPE, record_routes=True).routes
     assert agreement(native_rollouts, free) < 1.0  # negative control: without replay they disagree
-    _, used = train_forward(moe, native_rollouts, dtype=DTYPE, router_replay="R3", return_routes=True,
-                            layout=layout, micro_batch_size=micro_batch_size)
+    used = train_forward(moe, native_rollouts, dtype=DTYPE, router_replay="R3", record_routes=True,
+                         layout=layout, micro_batch_size=micro_batch_size).routes
     assert agreement(native_rollouts, used) == 1.0
 
 
 def test_r3_routes_argument_overrides_the_rollouts(moe, invariant_rollouts):
     pairs = [(ro.prompt_ids, ro.token_ids) for ro in invariant_rollouts]
     given = [ro.routed_experts for ro in invariant_rollouts]
-    logprobs = train_forward(moe, pairs, dtype=DTYPE, router_replay="R3", routes=given)
+    logprobs = train_forward(moe, pairs, dtype=DTYPE, router_replay="R3", routes=given).logprobs
     assert max_diff(logprobs, invariant_rollouts) == 0.0
     shifted = [(r + 1) % 8 for r in given]  # negative control: other experts, other logprobs
-    _, used = train_forward(moe, pairs, dtype=DTYPE, router_replay="R3", routes=shifted, return_routes=True)
-    assert router_agreement(shifted, used)["router_agreement"] == 1.0
-    assert max_diff(train_forward(moe, pairs, dtype=DTYPE, router_replay="R3", routes=shifted),
-                    invariant_rollouts) > 0
+    forced = train_forward(moe, pairs, dtype=DTYPE, router_replay="R3", routes=shifted, record_routes=True)
+    assert router_agreement(shifted, forced.routes)["router_agreement"] == 1.0
+    assert max_diff(forced.logprobs, invariant_rollouts) > 0
 
 
 @pytest.mark.parametrize("replay", [RouterReplay("R2"), RouterReplay("R2", "replay")])
 def test_r2_replays_the_first_forward(moe, invariant_rollouts, replay):
-    free = train_forward(moe, invariant_rollouts, dtype=DTYPE, kernels="native")
-    logprobs, used = train_forward(moe, invariant_rollouts, dtype=DTYPE, kernels="native",
-                                   router_replay=replay, return_routes=True)
-    _, first = train_forward(moe, invariant_rollouts, dtype=DTYPE, kernels="native", return_routes=True)
-    assert all(torch.equal(a, b) for a, b in zip(logprobs, free))
-    assert all(torch.equal(a, b) for a, b in zip(used, first))
+    free = train_forward(moe, invariant_rollouts, dtype=DTYPE, kernels="native", record_routes=True)
+    replayed = train_forward(moe, invariant_rollouts, dtype=DTYPE, kernels="native", router_replay=replay,
+                             record_routes=True)
+    assert all(torch.equal(a, b) for a, b in zip(replayed.logprobs, free.logprobs))
+    assert all(torch.equal(a, b) for a, b in zip(replayed.routes, free.routes))
 
 
 def tied_checkpoint(model: str, tmp_path):
@@ -130,15 +129,45 @@ def prefer_high_index(real_topk):
 def test_tied_router_scores_flip_without_replay_and_cannot_with_it(tmp_path, monkeypatch):
     model = tied_checkpoint("tiny-qwen3-moe", tmp_path)
     rollouts = generate(model)  # ties to the lower index
-    lp_same, same = train_forward(model, rollouts, dtype=DTYPE, return_routes=True)
-    assert agreement(rollouts, same) == 1.0 and max_diff(lp_same, rollouts) == 0.0
+    same = train_forward(model, rollouts, dtype=DTYPE, record_routes=True)
+    assert agreement(rollouts, same.routes) == 1.0 and max_diff(same.logprobs, rollouts) == 0.0
     monkeypatch.setattr(ops, "topk", prefer_high_index(ops.topk))  # the trainer breaks ties the other way
-    lp_free, free = train_forward(model, rollouts, dtype=DTYPE, return_routes=True)
-    assert agreement(rollouts, free) < 1.0
-    assert max_diff(lp_free, rollouts) > 0.0
-    lp_replay, used = train_forward(model, rollouts, dtype=DTYPE, router_replay="R3", return_routes=True)
-    assert agreement(rollouts, used) == 1.0
-    assert max_diff(lp_replay, rollouts) == 0.0
+    free = train_forward(model, rollouts, dtype=DTYPE, record_routes=True)
+    assert agreement(rollouts, free.routes) < 1.0
+    assert max_diff(free.logprobs, rollouts) > 0.0
+    replayed = train_forward(model, rollouts, dtype=DTYPE, router_replay="R3", record_routes=True)
+    assert agreement(rollouts, replayed.routes) == 1.0
+    assert max_diff(replayed.logprobs, rollouts) == 0.0
+
+
+@pytest.mark.parametrize("replay", [RouterReplay("R2"), RouterReplay("R2", "replay")])
+def test_r2_keeps_the_first_forward_routes_when_the_second_would_route_otherwise(tmp_path, monkeypatch,
+                                                                                 replay):
+    """R2 with a trainer whose router changes between its two forwards (as an update's new weights
+    would): ties go to the lower expert index in odd forwards, the higher one in even forwards.
+    R2 records the first forward's experts and forces them in the second, so the result equals the
+    rollouts (which tie low); the negative control runs the same two forwards with the forcing
+    switched off, and the second forward's own experts and logprobs differ."""
+    model = tied_checkpoint("tiny-qwen3-moe", tmp_path)
+    rollouts = generate(model)  # ties to the lower index
+    forwards = [0]
+    hook = load_model(model, dtype=DTYPE).model.model.register_forward_pre_hook(
+        lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    low, high = ops.topk, prefer_high_index(ops.topk)
+    monkeypatch.setattr(ops, "topk", lambda *a, **k: (high if forwards[0] % 2 == 0 else low)(*a, **k))
+    try:
+        replayed = train_forward(model, rollouts, dtype=DTYPE, router_replay=replay, record_routes=True)
+        assert forwards[0] == 2
+        assert agreement(rollouts, replayed.routes) == 1.0
+        assert max_diff(replayed.logprobs, rollouts) == 0.0
+        forwards[0] = 0
+        monkeypatch.setattr(routing, "forcing", lambda forced: contextlib.nullcontext())  # replay off
+        unforced = train_forward(model, rollouts, dtype=DTYPE, router_replay=replay, record_routes=True)
+        assert forwards[0] == 2
+        assert agreement(rollouts, unforced.routes) < 1.0
+        assert max_diff(unforced.logprobs, rollouts) > 0.0
+    finally:
+        hook.remove()
 
 
 def test_router_report_shows_agreement_and_drift_with_and_without_replay(moe, native_rollouts):

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
-from parity.engine import LAYOUTS, train_forward
+from parity.engine import LAYOUTS, TrainResult, train_forward
 from parity.engine.sampler import RowParams, processed_logprobs
 from parity.errors import ConfigError, InputError
 from parity.models.loading import load_model
@@ -28,7 +28,7 @@ def _pairs(seed, count, max_len=40):
 def test_raw_logprobs_match_stock_hf_model(model, kernels):
     """The patched model computes the same function as transformers' own (within fp32 rounding)."""
     pairs = _pairs(1, 3)
-    ours = train_forward(model, pairs, kernels=kernels, logprobs_mode="raw", layout="left")
+    ours = train_forward(model, pairs, kernels=kernels, logprobs_mode="raw", layout="left").logprobs
     hf = AutoModelForCausalLM.from_pretrained(load_model(model).path, attn_implementation="eager").eval()
     for (prompt, response), got in zip(pairs, ours):
         with torch.no_grad():
@@ -45,8 +45,8 @@ def test_layout_and_micro_batch_do_not_change_bits(dtype, seed, count, micro, la
                                                    top_p):
     pairs = _pairs(seed, count)
     params = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "dtype": dtype}
-    base = train_forward("tiny-qwen3-moe", pairs, layout="right", **params)
-    other = train_forward("tiny-qwen3-moe", pairs, layout=layout, micro_batch_size=micro, **params)
+    base = train_forward("tiny-qwen3-moe", pairs, layout="right", **params).logprobs
+    other = train_forward("tiny-qwen3-moe", pairs, layout=layout, micro_batch_size=micro, **params).logprobs
     assert all(torch.equal(a, b) for a, b in zip(base, other))
     assert [len(a) for a in base] == [len(r) for _, r in pairs]
 
@@ -54,21 +54,21 @@ def test_layout_and_micro_batch_do_not_change_bits(dtype, seed, count, micro, la
 def test_native_kernels_depend_on_micro_batch():
     """Negative control: with stock kernels, micro-batching changes some logprob's bits."""
     pairs = _pairs(7, 8)
-    whole = train_forward("tiny-llama", pairs, kernels="native")
-    single = train_forward("tiny-llama", pairs, kernels="native", micro_batch_size=1)
+    whole = train_forward("tiny-llama", pairs, kernels="native").logprobs
+    single = train_forward("tiny-llama", pairs, kernels="native", micro_batch_size=1).logprobs
     assert any(not torch.equal(a, b) for a, b in zip(whole, single))
 
 
 def test_processed_semantics():
     pairs = _pairs(3, 4)
-    greedy = train_forward("tiny-llama", pairs, temperature=0.0)
+    greedy = train_forward("tiny-llama", pairs, temperature=0.0).logprobs
     assert all(set(x.tolist()) <= {0.0, -math.inf} for x in greedy)
-    top1 = train_forward("tiny-llama", pairs, top_k=1)
+    top1 = train_forward("tiny-llama", pairs, top_k=1).logprobs
     assert all(torch.equal(a, b) for a, b in zip(greedy, top1))
-    plain = train_forward("tiny-llama", pairs)
-    raw = train_forward("tiny-llama", pairs, logprobs_mode="raw")
+    plain = train_forward("tiny-llama", pairs).logprobs
+    raw = train_forward("tiny-llama", pairs, logprobs_mode="raw").logprobs
     assert all(torch.equal(a, b) for a, b in zip(plain, raw))
-    hot = train_forward("tiny-llama", pairs, temperature=[2.0, 1.0, 1.0, 1.0])
+    hot = train_forward("tiny-llama", pairs, temperature=[2.0, 1.0, 1.0, 1.0]).logprobs
     assert not torch.equal(hot[0], plain[0]) and torch.equal(hot[1], plain[1])
 
 
@@ -85,11 +85,12 @@ def test_top_p_and_top_k_keep_the_documented_tokens():
 
 def test_routes_of_moe_and_dense_models():
     pairs = _pairs(5, 3)
-    _, routes = train_forward("tiny-qwen3-moe", pairs, return_routes=True, layout="packed")
-    for (prompt, response), route in zip(pairs, routes):
+    moe = train_forward("tiny-qwen3-moe", pairs, record_routes=True, layout="packed")
+    assert len(moe.routes) == len(pairs)
+    for (prompt, response), route in zip(pairs, moe.routes):
         assert route.shape == (len(prompt) + len(response) - 1, 2, 2) and route.dtype == torch.int32
-    _, dense = train_forward("tiny-llama", pairs, return_routes=True)
-    assert dense == [None, None, None]
+    assert train_forward("tiny-llama", pairs, record_routes=True).routes == [None, None, None]
+    assert train_forward("tiny-qwen3-moe", pairs).routes is None
 
 
 def test_bad_input_is_a_parity_error():
@@ -116,4 +117,4 @@ def test_bad_input_is_a_parity_error():
         train_forward("tiny-llama", ok, micro_batch_size=0)
     with pytest.raises(ConfigError, match="logprobs_mode"):
         train_forward("tiny-llama", ok, logprobs_mode="sampled")
-    assert train_forward("tiny-llama", []) == []
+    assert train_forward("tiny-llama", []) == TrainResult([], None)

@@ -83,7 +83,7 @@ def _prefill(lm: LoadedModel, pairs: list[Pair], indices: range, setting: Settin
     if recorder is not None:
         recorder.expect(_layout_rows(part, indices, setting.layout), _response_rows(part, indices))
     return train_forward(lm, part, dtype=setting.dtype, device=setting.device, kernels=setting.kernels,
-                         layout=setting.layout, logprobs_mode="raw")
+                         layout=setting.layout, logprobs_mode="raw").logprobs
 
 
 def _layout_rows(part: list[Pair], indices: range, layout: str) -> RowMap:

@@ -52,7 +52,8 @@ class ReferenceBackend(Backend):
         """The training forward with this backend's dtype, device and kernels."""
         return train_forward(self._engine.lm, pairs, dtype=self.dtype, device=self.device,
                              kernels=self.kernels, logprobs_mode=sampling.logprobs_mode,
-                             temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
+                             temperature=sampling.temperature, top_k=sampling.top_k,
+                             top_p=sampling.top_p).logprobs
 
     def close(self) -> None:
         self._engine.close()

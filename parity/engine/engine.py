@@ -269,4 +269,4 @@ class ReferenceEngine:
         """Teacher-forced response logprobs: `train_forward` with this engine's dtype, device, kernels."""
         options.setdefault("kernels", self.config.kernels)
         return train_forward(self.lm, sequences, dtype=self.config.dtype, device=self.config.device,
-                             **options)
+                             **options).logprobs

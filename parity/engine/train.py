@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,6 +27,20 @@ from parity.types import LOGPROBS_MODES, Rollout
 LAYOUTS: tuple[str, ...] = ("right", "left", "packed")
 
 Pair = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What `train_forward` returns: one entry per input sequence, in input order.
+
+    logprobs: float32 `[len(response)]` teacher-forced logprobs of the sequence's response tokens.
+    routes: with `record_routes=True`, the experts chosen at every input position but the last,
+        int32 `[len(prompt) + len(response) - 1, moe_layers, top_k]` (None for a dense model);
+        None when routes were not recorded.
+    """
+
+    logprobs: list[torch.Tensor]
+    routes: list[torch.Tensor | None] | None = None
 
 
 def _pairs(sequences: Sequence[Any], logprobs_mode: str | None) -> tuple[list[Pair], list[str]]:
@@ -73,11 +88,11 @@ def train_forward(model: str | LoadedModel,
                   micro_batch_size: int | None = None, layout: str = "right",
                   logprobs_mode: str | None = None, temperature: float | Sequence[float] = 1.0,
                   top_k: int | Sequence[int] = 0, top_p: float | Sequence[float] = 1.0,
-                  return_routes: bool = False,
+                  record_routes: bool = False,
                   router_replay: str | routing.RouterReplay | None = None,
                   routes: Sequence[Any] | None = None,
-                  ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-    """Teacher-forced logprobs of each sequence's response tokens: one 1-D float32 tensor per sequence.
+                  ) -> TrainResult:
+    """Teacher-forced logprobs of each sequence's response tokens (`TrainResult.logprobs`).
 
     sequences: Rollouts or (prompt_ids, response_ids) pairs. temperature/top_k/top_p: the
     sampling params the responses were drawn with (scalars, or one value per sequence);
@@ -85,8 +100,8 @@ def train_forward(model: str | LoadedModel,
     layout: "right"/"left" padding of [micro_batch, max_len] batches, or "packed" into one row.
     kernels: "invariant" (every family), "native" (stock torch) or a collection of family names
     to switch on (the rest native), e.g. to attribute drift to one family.
-    return_routes: also return, per sequence, the experts chosen at every input position but
-    the last, [len(prompt) + len(response) - 1, moe_layers, top_k] int32 (None for dense models).
+    record_routes: also return, per sequence, the experts chosen at every input position but
+    the last (`TrainResult.routes`).
     router_replay: None, "R3" (force each sequence's rollout routes: `routes[i]` if given, else
     the Rollout's `routed_experts`), "R2" (force the routes of a first forward of the same
     micro-batch) or a `parity.models.routing.RouterReplay`; see `parity.models.routing`.
@@ -110,20 +125,18 @@ def train_forward(model: str | LoadedModel,
     replay = routing.RouterReplay.of(router_replay)
     forced = routing.replay_routes(lm, sequences, [len(p) + len(r) for p, r in pairs], replay, routes)
     logprobs: list[torch.Tensor] = []
-    routes: list[torch.Tensor | None] = []
+    recorded: list[torch.Tensor | None] = []
     with torch.inference_mode(), kernel_scope(kernels):
         for start in range(0, n, max(size, 1)):
             part = range(start, min(n, start + size))
             params = sampler.RowParams(tuple(float(temps[i]) for i in part), tuple(ks[i] for i in part),
                                        tuple(float(ps[i]) for i in part))
             lp, rt = _micro_batch(lm, [pairs[i] for i in part], [modes[i] for i in part], params,
-                                  layout, return_routes and lm.is_moe, replay,
+                                  layout, record_routes and lm.is_moe, replay,
                                   None if forced is None else [forced[i] for i in part])
             logprobs.extend(lp)
-            routes.extend(rt if rt else [None] * len(part))
-    if return_routes:
-        return logprobs, routes
-    return logprobs
+            recorded.extend(rt if rt else [None] * len(part))
+    return TrainResult(logprobs, recorded if record_routes else None)
 
 
 def _micro_batch(lm: LoadedModel, pairs: list[Pair], modes: list[str], params: sampler.RowParams,

@@ -7,8 +7,8 @@ router type, add its `RouterSpec` here; `patch_router` refuses classes it does n
 `route` runs the router's GEMM, softmax/sigmoid and top-k through `parity.kernels.ops`, so
 the kernel switch governs it, and inside `route`:
 
-- `capture()` records the chosen experts (the engine's `record_routes`, `train_forward`'s
-  `return_routes`), int32 `[tokens, moe_layers, top_k]` in forward row order;
+- `capture()` records the chosen experts (`record_routes` of the engine and of `train_forward`),
+  int32 `[tokens, moe_layers, top_k]` in forward row order;
 - `run_routed(..., replay=RouterReplay("R3"))` forces given experts per token and layer (verl's
   router replay): the top-k *selection* is replaced, the gate weights are recomputed from the
   training router's own scores of the forced experts and normalized the way the router
