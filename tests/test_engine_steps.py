@@ -9,8 +9,10 @@ from hypothesis import strategies as st
 from test_engine import _params, workloads
 
 from parity import Request, SamplingParams
-from parity.engine import ReferenceEngine, train_forward
+from parity.backends.reference import ReferenceBackend
+from parity.engine import EngineConfig, ReferenceEngine, train_forward
 from parity.engine.graphs import bucket_sizes
+from parity.engine.scheduler import Scheduler, Sequence
 from parity.errors import ConfigError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -67,11 +69,11 @@ def test_budget_bounds_every_step():
     engine = ReferenceEngine("tiny-qwen3-moe", max_num_seqs=6, chunk_size=32, max_num_batched_tokens=10,
                              record_routes=True, graphs=True)  # route recording keeps steps eager
     seen = []
-    step = engine._forward
+    forward = engine._forward
 
-    def spy(ids, positions, slots, spans):
-        seen.append(len(ids))
-        return step(ids, positions, slots, spans)
+    def spy(step):
+        seen.append(len(step.ids))
+        return forward(step)
 
     engine._forward = spy
     rollouts = engine.generate(requests)
@@ -80,3 +82,52 @@ def test_budget_bounds_every_step():
     for rollout, score, route in zip(rollouts, scored.logprobs, scored.routes):
         assert torch.equal(score, torch.tensor(rollout.logprobs, dtype=torch.float32))
         assert np.array_equal(route.numpy(), rollout.routed_experts)
+
+
+def test_scheduler_admits_fifo_packs_within_budget_and_frees_slots():
+    """The scheduler alone: FIFO admission into the lowest free slots, prefill chunks then decode
+    tokens under the step budget, and slots freed by finished sequences go to waiting ones."""
+    sequences = [Sequence(Request(tuple(range(3, 3 + n)), SamplingParams(max_tokens=m, ignore_eos=True)), 0)
+                 for n, m in ((5, 1), (3, 2), (4, 1))]
+    scheduler = Scheduler(sequences, max_num_seqs=2, chunk_size=4, max_num_batched_tokens=6,
+                          eos_token_ids=(2,))
+    scheduler.admit()
+    assert [s.slot for s in scheduler.running] == [0, 1] and list(scheduler.waiting) == [sequences[2]]
+    step = scheduler.plan()  # 4 prompt tokens of the first, then 2 of the second: the budget is spent
+    assert [(sp.seq, sp.offset, sp.count) for sp in step.spans] == \
+        [(sequences[0], 0, 4), (sequences[1], 4, 2)]
+    assert step.ids == [3, 4, 5, 6, 3, 4] and step.positions == [0, 1, 2, 3, 0, 1]
+    assert step.slots == [0, 0, 0, 0, 1, 1] and step.ready == ()
+    scheduler.finish(step.ready, [], [])
+    step = scheduler.plan()
+    assert [(sp.offset, sp.count) for sp in step.spans] == [(0, 1), (1, 1)]
+    assert [sp.seq for sp in step.ready] == sequences[:2] and [sp.last_row for sp in step.ready] == [0, 1]
+    scheduler.finish(step.ready, [9, 2], [-0.5, -1.5])  # 2 is EOS, ignored; the first hits max_tokens
+    assert sequences[0].finish_reason == "length" and sequences[1].finish_reason is None
+    assert sequences[1].tokens == [2] and sequences[1].logprobs == [-1.5]
+    scheduler.admit()
+    assert sequences[2].slot == 0 and scheduler.running == [sequences[1], sequences[2]]
+    step = scheduler.plan()  # the second's sampled token, then the third's whole prompt
+    assert step.ids == [2, 3, 4, 5, 6] and step.positions == [3, 0, 1, 2, 3]
+    assert [sp.seq for sp in step.ready] == [sequences[1], sequences[2]]
+    scheduler.finish(step.ready, [7, 8], [0.0, 0.0])
+    assert scheduler.done and [s.finish_reason for s in sequences] == ["length"] * 3
+
+
+def test_engine_and_reference_backend_take_one_engine_config():
+    config = EngineConfig(max_num_seqs=3, chunk_size=5, max_num_batched_tokens=7, graphs=True)
+    assert ReferenceEngine("tiny-llama", config).config == config
+    assert ReferenceEngine("tiny-llama", config, chunk_size=9).config == config.replace(chunk_size=9)
+    with ReferenceBackend("tiny-llama", dtype="float32", max_num_seqs=3, chunk_size=5,
+                          max_num_batched_tokens=7, graphs=True) as backend:
+        assert backend.config == config
+        rollout, = backend.generate([Request((5, 6), SamplingParams(max_tokens=2))])
+    assert rollout.meta["max_num_batched_tokens"] == 7 and rollout.meta["step_graphs"] == "eager (cpu)"
+    with pytest.raises(ConfigError, match=r"unknown engine setting\(s\) \['chunksize'\].*'chunk_size'"):
+        ReferenceEngine("tiny-llama", chunksize=8)
+    with pytest.raises(ConfigError, match="unknown engine setting"):
+        ReferenceBackend("tiny-llama", max_batched_tokens=8)
+    with pytest.raises(ConfigError, match="record_routes"):
+        EngineConfig(record_routes="yes")
+    with pytest.raises(ConfigError, match="graphs"):
+        EngineConfig(graphs=1)

@@ -11,11 +11,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from parity.backends.base import Backend
-from parity.engine import ReferenceEngine, train_forward
+from parity.engine import EngineConfig, ReferenceEngine, train_forward
 from parity.schema import VERSION
 from parity.types import Pair, Request, Rollout, SamplingParams
 
@@ -23,25 +24,29 @@ from parity.types import Pair, Request, Rollout, SamplingParams
 class ReferenceBackend(Backend):
     """`parity.engine.ReferenceEngine` for generate, `parity.engine.train_forward` for score.
 
-    kernels: "invariant" (the baseline) or "native" (stock torch ops, for contrast).
-    record_routes: return MoE routed experts per position.
+    engine: `parity.engine.EngineConfig` settings besides dtype (device, kernels, max_num_seqs,
+    chunk_size, record_routes, max_num_batched_tokens, graphs); an unknown one is a ConfigError.
+    kernels "invariant" is the baseline, "native" (stock torch ops) the contrast; record_routes
+    returns MoE routed experts per position.
     """
 
     name = "reference"
 
-    def __init__(self, model: str | Path, *, dtype: str = "bfloat16", device: str = "cpu",
-                 kernels: str = "invariant", max_num_seqs: int = 16, chunk_size: int = 64,
-                 record_routes: bool = False) -> None:
+    @classmethod
+    def option_names(cls) -> list[str]:
+        """The engine settings: `EngineConfig`'s fields but dtype."""
+        return [f.name for f in dataclasses.fields(EngineConfig) if f.name != "dtype"]
+
+    def __init__(self, model: str | Path, *, dtype: str = "bfloat16", **engine: Any) -> None:
         super().__init__(model, dtype=dtype)
-        self._engine = ReferenceEngine(self.model_path, dtype=dtype, device=device, kernels=kernels,
-                                       max_num_seqs=max_num_seqs, chunk_size=chunk_size,
-                                       record_routes=record_routes)
-        self.kernels = kernels
-        self.device = device
+        self.config = EngineConfig(dtype=dtype).replace(**engine)
+        self._engine = ReferenceEngine(self.model_path, self.config)
+        kernels = self.config.kernels
         self.meta.update({
-            "backend_version": VERSION, "torch_version": torch.__version__, "device": device,
-            "attention_backend": f"parity ({kernels})", "batch_invariant": kernels == "invariant",
-            "tensor_parallel_size": 1, "enable_prefix_caching": False, "kernels": kernels,
+            "backend_version": VERSION, "torch_version": torch.__version__,
+            "device": self.config.device, "attention_backend": f"parity ({kernels})",
+            "batch_invariant": kernels == "invariant", "tensor_parallel_size": 1,
+            "enable_prefix_caching": False, "kernels": kernels,
         })
 
     def generate(self, requests: Sequence[Request]) -> list[Rollout]:
@@ -50,8 +55,8 @@ class ReferenceBackend(Backend):
 
     def _score(self, pairs: list[Pair], sampling: SamplingParams) -> list[torch.Tensor]:
         """The training forward with this backend's dtype, device and kernels."""
-        return train_forward(self._engine.lm, pairs, dtype=self.dtype, device=self.device,
-                             kernels=self.kernels, logprobs_mode=sampling.logprobs_mode,
+        return train_forward(self._engine.lm, pairs, dtype=self.dtype, device=self.config.device,
+                             kernels=self.config.kernels, logprobs_mode=sampling.logprobs_mode,
                              temperature=sampling.temperature, top_k=sampling.top_k,
                              top_p=sampling.top_p).logprobs
 

@@ -1,22 +1,23 @@
 """The reference rollout engine: continuous batching with chunked prefill over a slot KV cache.
 
-Each step packs, for every running sequence, either its next prefill chunk (up to `chunk_size`
-prompt tokens) or its last sampled token, into one [1, T] forward of at most
-`max_num_batched_tokens` tokens (sequences past that budget wait for the next step). A sequence
-whose known tokens are all computed after the step gets its next token sampled from the logits
-of its last row. Finished sequences free their slot for the next waiting one (FIFO), so batch
-composition changes every step; with invariant kernels no token's numbers depend on it.
+`generate` runs steps until every sequence has finished. The scheduler
+(`parity.engine.scheduler`) decides what each step computes: it admits waiting sequences into
+free KV slots and packs, for every running sequence, its next prefill chunk or its last sampled
+token into one [1, T] forward of at most `max_num_batched_tokens` tokens. The engine runs that
+forward (`parity.engine.forward`, or a replayed CUDA graph: `parity.engine.graphs`), samples a
+token from the last row of every sequence whose known tokens are all computed
+(`parity.engine.sampler`), and hands the tokens back to the scheduler, which finishes sequences
+and frees their slots.
 
 Per step the host makes one asynchronous copy of the inputs and one device->host copy of the
 sampled tokens and logprobs (the scheduler needs them); sampling runs on all rows at once.
-Steps of up to `max_num_seqs` tokens (all decode steps) replay CUDA graphs on a GPU
-(`parity.engine.graphs`).
+Steps of up to `max_num_seqs` tokens (all decode steps) replay CUDA graphs on a GPU.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -34,8 +35,9 @@ from parity.engine.inputs import (
     kernel_label,
     kernel_scope,
 )
+from parity.engine.scheduler import Scheduler, Sequence, Span, Step
 from parity.engine.train import train_forward
-from parity.errors import InputError
+from parity.errors import ConfigError, InputError
 from parity.kernels.attention import KVCache
 from parity.models import routing
 from parity.models.loading import LoadedModel, load_model
@@ -44,11 +46,17 @@ from parity.types import Request, Rollout
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Engine settings. chunk_size: prompt tokens per sequence per step; max_num_seqs: running
-    sequences; max_num_batched_tokens: tokens per step (bounds a prefill step's activations and
-    attention workspace); graphs: run steps of up to max_num_seqs tokens padded to fixed sizes,
-    replayed from CUDA graphs on a GPU (None: on for CUDA dense models; never while recording MoE
-    routes; True on CPU runs the padded steps eagerly)."""
+    """Engine settings, the one spelling of them (the engine and the `reference` backend take them).
+
+    dtype: "float32", "bfloat16" or "float16"; device: where the model runs ("cpu", "cuda");
+    kernels: "invariant", "native" or a collection of family names to switch on;
+    max_num_seqs: sequences running at once (KV slots); chunk_size: prompt tokens per sequence per
+    step; record_routes: put each rollout's chosen experts in `routed_experts` (MoE);
+    max_num_batched_tokens: tokens per step (bounds a prefill step's activations and attention
+    workspace); graphs: run steps of up to max_num_seqs tokens padded to fixed sizes, replayed
+    from CUDA graphs on a GPU (None: on for CUDA dense models; never while recording MoE routes;
+    True on CPU runs the padded steps eagerly).
+    """
 
     dtype: str = "float32"
     device: str = "cpu"
@@ -64,32 +72,18 @@ class EngineConfig:
         check_positive_int(self.chunk_size, "chunk_size")
         check_positive_int(self.max_num_batched_tokens, "max_num_batched_tokens")
         kernel_families(self.kernels)
+        if not isinstance(self.record_routes, bool):
+            raise ConfigError(f"record_routes must be true or false, got {self.record_routes!r}")
+        if self.graphs is not None and not isinstance(self.graphs, bool):
+            raise ConfigError(f"graphs must be true, false or None (automatic), got {self.graphs!r}")
 
-
-@dataclass
-class _Sequence:
-    """One sample being generated (mutable scheduler state)."""
-
-    request: Request
-    sample_index: int
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    routes: list[torch.Tensor] = field(default_factory=list)
-    computed: int = 0
-    slot: int = -1
-    finish_reason: str | None = None
-
-    @property
-    def length(self) -> int:
-        """Known tokens: prompt plus sampled."""
-        return len(self.request.prompt_ids) + len(self.tokens)
-
-    def chunk(self, count: int) -> list[int]:
-        """The next `count` known tokens not yet computed (without copying the whole sequence)."""
-        prompt = self.request.prompt_ids
-        head = list(prompt[self.computed:self.computed + count])
-        start = max(self.computed - len(prompt), 0)
-        return head + self.tokens[start:start + count - len(head)]
+    def replace(self, **changes: Any) -> EngineConfig:
+        """A copy with `changes` applied (validated again); an unknown setting is a ConfigError."""
+        known = [f.name for f in dataclasses.fields(self)]
+        unknown = sorted(set(changes) - set(known))
+        if unknown:
+            raise ConfigError(f"unknown engine setting(s) {unknown}; the settings are {known}")
+        return dataclasses.replace(self, **changes)
 
 
 class ReferenceEngine:
@@ -97,22 +91,15 @@ class ReferenceEngine:
 
     generate(requests) -> rollouts ordered by (request order, sample_index); with invariant
     kernels each rollout's logprobs equal `train_forward(kernels="invariant")` bit for bit.
-    kernels: "invariant", "native" or a collection of family names to switch on;
-    max_num_seqs: sequences running at once (KV slots); chunk_size: prompt tokens per sequence
-    per step; record_routes: put each rollout's chosen experts in `routed_experts` (MoE);
-    max_num_batched_tokens: tokens per step; graphs: see `EngineConfig`.
+    config: the `EngineConfig`; keyword `settings` (its field names) override its fields, so
+    `ReferenceEngine(model, kernels="native")` is `ReferenceEngine(model, EngineConfig(kernels="native"))`.
     """
 
     backend = "reference"
 
-    def __init__(self, model: str | LoadedModel, *, dtype: str = "float32", device: str = "cpu",
-                 kernels: KernelMode = "invariant", max_num_seqs: int = 16, chunk_size: int = 64,
-                 record_routes: bool = False, max_num_batched_tokens: int = 8192,
-                 graphs: bool | None = None) -> None:
-        self.config = EngineConfig(dtype=dtype, device=device, kernels=kernels, max_num_seqs=max_num_seqs,
-                                   chunk_size=chunk_size, record_routes=record_routes,
-                                   max_num_batched_tokens=max_num_batched_tokens, graphs=graphs)
-        self.lm = load_model(model, dtype=dtype, device=device)
+    def __init__(self, model: str | LoadedModel, config: EngineConfig | None = None, **settings: Any) -> None:
+        self.config = (config or EngineConfig()).replace(**settings)
+        self.lm = load_model(model, dtype=self.config.dtype, device=self.config.device)
         self._cache: KVCache | None = None
         self._graphs: StepGraphs | None = None
 
@@ -127,8 +114,12 @@ class ReferenceEngine:
         self._cache = None
         self._graphs = None
 
+    @property
+    def _records_routes(self) -> bool:
+        return self.config.record_routes and self.lm.is_moe
+
     def _use_graphs(self) -> bool:
-        if self.config.record_routes and self.lm.is_moe:
+        if self._records_routes:
             return False  # route recording hooks the eager forward
         if self.config.graphs is not None:
             return self.config.graphs
@@ -161,76 +152,52 @@ class ReferenceEngine:
     def generate(self, requests: list[Request]) -> list[Rollout]:
         """Sample every request n times; one Rollout per (request, sample_index), in that order."""
         self._check(requests)
-        sequences = [_Sequence(request, i) for request in requests for i in range(request.sampling.n)]
+        sequences = [Sequence(request, i) for request in requests for i in range(request.sampling.n)]
         if sequences:
-            self._reserve(max(len(s.request.prompt_ids) + s.request.sampling.max_tokens for s in sequences))
-        waiting = deque(sequences)
-        running: list[_Sequence] = []
-        free = list(range(self.config.max_num_seqs))
-        with torch.inference_mode(), kernel_scope(self.config.kernels):
-            while waiting or running:
-                while waiting and free:
-                    seq = waiting.popleft()
-                    seq.slot = free.pop(0)
-                    running.append(seq)
-                self._step(running)
-                for seq in [s for s in running if s.finish_reason is not None]:
-                    running.remove(seq)
-                    free.append(seq.slot)
-                    free.sort()
+            self._reserve(max(seq.max_length for seq in sequences))
+        config = self.config
+        scheduler = Scheduler(sequences, max_num_seqs=config.max_num_seqs, chunk_size=config.chunk_size,
+                              max_num_batched_tokens=config.max_num_batched_tokens,
+                              eos_token_ids=self.lm.eos_token_ids)
+        with torch.inference_mode(), kernel_scope(config.kernels):
+            while not scheduler.done:
+                scheduler.admit()
+                step = scheduler.plan()
+                hidden = self._forward(step)
+                if step.ready:
+                    scheduler.finish(step.ready, *self._sample(step.ready, hidden))
         return [self._rollout(seq) for seq in sequences]
 
-    def _step(self, running: list[_Sequence]) -> None:
-        """One packed forward over `running` (within the token budget); samples a token for every
-        sequence that completes."""
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        spans: list[tuple[_Sequence, int, int]] = []
-        budget = self.config.max_num_batched_tokens
-        for seq in running:
-            count = min(self.config.chunk_size, seq.length - seq.computed, budget)
-            if count == 0:
-                break
-            budget -= count
-            spans.append((seq, len(ids), count))
-            ids.extend(seq.chunk(count))
-            positions.extend(range(seq.computed, seq.computed + count))
-            slots.extend([seq.slot] * count)
-            seq.computed += count
-        hidden = self._forward(ids, positions, slots, spans)
-        ready = [(seq, offset + count - 1) for seq, offset, count in spans if seq.computed == seq.length]
-        if ready:
-            rows = device_tensor([row for _, row in ready], torch.int64, hidden.device)
-            self._sample([seq for seq, _ in ready], hidden.index_select(0, rows))
-
-    def _forward(self, ids: list[int], positions: list[int], slots: list[int],
-                 spans: list[tuple[_Sequence, int, int]]) -> torch.Tensor:
+    def _forward(self, step: Step) -> torch.Tensor:
         """Hidden states [>= T, H] of the step's T packed tokens (rows past T: padding of a fixed-size
-        step)."""
-        if self._graphs is not None and self._graphs.fits(len(ids)):
-            return self._graphs.run(ids, positions, slots)
+        step); records each span's routes when asked to."""
+        if self._graphs is not None and self._graphs.fits(len(step.ids)):
+            return self._graphs.run(step.ids, step.positions, step.slots)
         device = self.config.device
-        input_ids = device_tensor([ids], torch.int64, device)
-        position_ids = device_tensor([positions], torch.int64, device)
-        slot_ids = device_tensor(slots, torch.int64, device)
-        span = (max(positions) // self._cache.block + 1) * self._cache.block
-        if not (self.config.record_routes and self.lm.is_moe):
+        input_ids = device_tensor([step.ids], torch.int64, device)
+        position_ids = device_tensor([step.positions], torch.int64, device)
+        slot_ids = device_tensor(step.slots, torch.int64, device)
+        span = (max(step.positions) // self._cache.block + 1) * self._cache.block
+        if not self._records_routes:
             return forward.final_hidden(self.lm, input_ids, position_ids, self._cache, slot_ids, span)
         with routing.capture(self.lm.num_moe_layers) as recorder:
             hidden = forward.final_hidden(self.lm, input_ids, position_ids, self._cache, slot_ids, span)
         routes = recorder.routes().cpu()  # one device->host copy for the whole step
-        for seq, offset, count in spans:
-            seq.routes.append(routes[offset:offset + count])
+        for seq_span in step.spans:
+            seq_span.seq.routes.append(routes[seq_span.rows])
         return hidden
 
-    def _sample(self, seqs: list[_Sequence], hidden: torch.Tensor) -> None:
-        """Sample one token for each of `seqs` from its hidden row [N, H]; one device->host copy."""
-        logits = forward.logits(self.lm, hidden)
+    def _sample(self, ready: tuple[Span, ...], hidden: torch.Tensor) -> tuple[list[int], list[float]]:
+        """One token and its logprob for each ready span, from the hidden state of its last row;
+        one device->host copy."""
+        rows = device_tensor([span.last_row for span in ready], torch.int64, hidden.device)
+        logits = forward.logits(self.lm, hidden.index_select(0, rows))
+        seqs = [span.seq for span in ready]
         params = [s.request.sampling for s in seqs]
         row_params = sampler.RowParams(tuple(p.temperature for p in params), tuple(p.top_k for p in params),
                                        tuple(p.top_p for p in params))
         processed = sampler.processed_logprobs(logits, row_params)
+        # The noise key's position is the sampled token's: every known token is computed.
         keys = [None if p.temperature == 0 else (p.seed, s.sample_index, s.computed)
                 for s, p in zip(seqs, params)]
         tokens = sampler.sample(processed, keys)
@@ -238,25 +205,15 @@ class ReferenceEngine:
         # float64 holds every token id and every float32 logprob exactly: one copy carries both.
         both = torch.stack([tokens.to(torch.float64), logprobs.to(torch.float64)])
         host_tokens, host_logprobs = both.tolist()
-        for seq, token, logprob in zip(seqs, map(int, host_tokens), host_logprobs):
-            seq.tokens.append(token)
-            seq.logprobs.append(logprob)
-            sampling = seq.request.sampling
-            eos = not sampling.ignore_eos and token in self.lm.eos_token_ids
-            if eos or token in sampling.stop_token_ids:
-                seq.finish_reason = "stop"
-            elif len(seq.tokens) == sampling.max_tokens:
-                seq.finish_reason = "length"
+        return [int(t) for t in host_tokens], host_logprobs
 
-    def _rollout(self, seq: _Sequence) -> Rollout:
-        routes = None
-        if self.config.record_routes and self.lm.is_moe:
-            routes = torch.cat(seq.routes).numpy().astype(np.int32)
+    def _rollout(self, seq: Sequence) -> Rollout:
+        routes = torch.cat(seq.routes).numpy().astype(np.int32) if self._records_routes else None
+        config = self.config
         meta: dict[str, Any] = {
-            "dtype": self.config.dtype, "kernels": kernel_label(self.config.kernels),
-            "device": self.config.device, "chunk_size": self.config.chunk_size,
-            "max_num_seqs": self.config.max_num_seqs, "model": self.lm.name, "model_hash": self.lm.model_hash,
-            "max_num_batched_tokens": self.config.max_num_batched_tokens,
+            "dtype": config.dtype, "kernels": kernel_label(config.kernels), "device": config.device,
+            "chunk_size": config.chunk_size, "max_num_seqs": config.max_num_seqs, "model": self.lm.name,
+            "model_hash": self.lm.model_hash, "max_num_batched_tokens": config.max_num_batched_tokens,
             "step_graphs": "off" if self._graphs is None else self._graphs.status,
         }
         return Rollout(request_id=seq.request.request_id, sample_index=seq.sample_index,

@@ -1,0 +1,157 @@
+"""The engine's scheduler: which sequences run in each step and which tokens each one computes.
+
+Host bookkeeping only (no torch). Every step goes through three moves:
+
+- `admit`: waiting sequences take free KV slots, first come first served, lowest slot first;
+- `plan`: each running sequence, in admission order, puts into the step either its next prefill
+  chunk (up to `chunk_size` known tokens not yet computed) or its last sampled token, while the
+  step's token budget lasts (the rest wait for the next step). The step is one packed forward
+  of all those tokens; each sequence's share of it is a `Span`;
+- `finish`: every sequence whose known tokens are all computed after the step gets the token
+  sampled from the last row of its span; sequences that stop free their slots.
+
+So batch composition changes every step; with invariant kernels no token's numbers depend on it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from parity.types import Request
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sample of a request being generated (mutable scheduler state).
+
+    tokens, logprobs: sampled so far; routes: the experts of each step's rows of this sequence,
+    when the engine records them; computed: known tokens (prompt, then sampled) whose KV is in
+    the cache; slot: its KV slot while running; finish_reason: "stop" or "length" once finished.
+    """
+
+    request: Request
+    sample_index: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    routes: list[torch.Tensor] = field(default_factory=list)
+    computed: int = 0
+    slot: int = -1
+    finish_reason: str | None = None
+
+    @property
+    def length(self) -> int:
+        """Known tokens: prompt plus sampled."""
+        return len(self.request.prompt_ids) + len(self.tokens)
+
+    @property
+    def max_length(self) -> int:
+        """Positions the sequence can reach: prompt plus max_tokens."""
+        return len(self.request.prompt_ids) + self.request.sampling.max_tokens
+
+    def chunk(self, count: int) -> list[int]:
+        """The next `count` known tokens not yet computed (without copying the whole sequence)."""
+        prompt = self.request.prompt_ids
+        head = list(prompt[self.computed:self.computed + count])
+        start = max(self.computed - len(prompt), 0)
+        return head + self.tokens[start:start + count - len(head)]
+
+    def append(self, token: int, logprob: float, eos_token_ids: tuple[int, ...]) -> None:
+        """Add a sampled token; finish on EOS (unless ignored), a stop token or max_tokens."""
+        self.tokens.append(token)
+        self.logprobs.append(logprob)
+        sampling = self.request.sampling
+        eos = not sampling.ignore_eos and token in eos_token_ids
+        if eos or token in sampling.stop_token_ids:
+            self.finish_reason = "stop"
+        elif len(self.tokens) == sampling.max_tokens:
+            self.finish_reason = "length"
+
+
+@dataclass(frozen=True)
+class Span:
+    """One sequence's share of a step: rows `[offset, offset + count)` of the packed forward,
+    holding its known tokens from position `seq.computed - count` on."""
+
+    seq: Sequence
+    offset: int
+    count: int
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.offset, self.offset + self.count)
+
+    @property
+    def last_row(self) -> int:
+        """The row whose logits predict the sequence's next token."""
+        return self.offset + self.count - 1
+
+
+@dataclass(frozen=True)
+class Step:
+    """One packed forward: token ids, positions and KV slots of its T rows, the span of each
+    sequence in it, and `ready`: the spans whose sequence samples a token after the step."""
+
+    ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    spans: tuple[Span, ...]
+    ready: tuple[Span, ...]
+
+
+class Scheduler:
+    """FIFO admission into `max_num_seqs` KV slots and steps of at most `max_num_batched_tokens`
+    tokens, with at most `chunk_size` tokens per sequence (see the module doc)."""
+
+    def __init__(self, sequences: list[Sequence], *, max_num_seqs: int, chunk_size: int,
+                 max_num_batched_tokens: int, eos_token_ids: tuple[int, ...]) -> None:
+        self.chunk_size = chunk_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.eos_token_ids = eos_token_ids
+        self.waiting = deque(sequences)
+        self.running: list[Sequence] = []
+        self.free_slots = list(range(max_num_seqs))
+
+    @property
+    def done(self) -> bool:
+        return not self.waiting and not self.running
+
+    def admit(self) -> None:
+        """Move waiting sequences into free slots, lowest slot first."""
+        while self.waiting and self.free_slots:
+            seq = self.waiting.popleft()
+            seq.slot = self.free_slots.pop(0)
+            self.running.append(seq)
+
+    def plan(self) -> Step:
+        """The next step over the running sequences; marks its tokens computed."""
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        spans: list[Span] = []
+        budget = self.max_num_batched_tokens
+        for seq in self.running:
+            count = min(self.chunk_size, seq.length - seq.computed, budget)
+            if count == 0:
+                break  # the budget is spent
+            budget -= count
+            spans.append(Span(seq, len(ids), count))
+            ids.extend(seq.chunk(count))
+            positions.extend(range(seq.computed, seq.computed + count))
+            slots.extend([seq.slot] * count)
+            seq.computed += count
+        ready = tuple(span for span in spans if span.seq.computed == span.seq.length)
+        return Step(ids, positions, slots, tuple(spans), ready)
+
+    def finish(self, ready: tuple[Span, ...], tokens: list[int], logprobs: list[float]) -> None:
+        """Give each ready sequence its sampled token; free the slots of those that stop."""
+        for span, token, logprob in zip(ready, tokens, logprobs, strict=True):
+            span.seq.append(token, logprob, self.eos_token_ids)
+        for seq in [s for s in self.running if s.finish_reason is not None]:
+            self.running.remove(seq)
+            self.free_slots.append(seq.slot)
+        self.free_slots.sort()
