@@ -2,9 +2,8 @@
 
 With a GPU the tests run on CUDA, plus the `gpu`-marked ones. Without one they run on CPU tensors
 under Triton's interpreter (tiny shapes, so a broken index or mask is caught in CI). The
-interpreter must be chosen before `triton` is first imported (its own `tl.*` helpers are
-decorated at import), so a process that did not start with `TRITON_INTERPRET=1` runs this file
-again in a child process that does; the variable never touches this process or other test files.
+interpreter must be chosen before `triton` is first imported, so a process that did not start
+with `TRITON_INTERPRET=1` runs this file again in a child process that does (tests/interpreter.py).
 
 Invariance is proven by bits (`torch.equal`); negative controls show that a plan which follows
 the batch (split-K below 64 rows, other KV tile boundaries, another softmax or scan chunking) does change
@@ -27,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from interpreter import run_interpreted
 
 pytest.importorskip("triton")
 
@@ -36,20 +36,13 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 ROOT = Path(__file__).resolve().parent.parent
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs an NVIDIA GPU (CUDA not available)")
+#: tests of this file that run under the interpreter: all but the CUDA-only ones and the child runner.
+MIN_INTERPRETED = 31
 
 
 @pytest.mark.skipif(CUDA or INTERPRETED, reason="the kernel tests run in this process")
 def test_kernels_under_the_triton_interpreter_in_a_child_process() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    child = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert child.returncode == 0, child.stdout[-8000:] + child.stderr[-2000:]
+    run_interpreted(__file__, min_passed=MIN_INTERPRETED, timeout=900)
 
 
 @pytest.fixture(scope="module")

@@ -2,34 +2,27 @@
 
 Without a GPU it runs on CPU tensors under Triton's interpreter, in a child process started with
 `TRITON_INTERPRET=1` (the interpreter must be chosen before triton is imported; see
-test_triton_kernels.py).
+tests/interpreter.py).
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from interpreter import run_interpreted
 
 pytest.importorskip("triton")
 
 CUDA = torch.cuda.is_available()
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-ROOT = Path(__file__).resolve().parent.parent
 runs_here = pytest.mark.skipif(not (CUDA or INTERPRETED), reason="runs on CUDA or under the interpreter")
 
 
 @pytest.mark.skipif(CUDA or INTERPRETED, reason="the kernel tests run in this process")
 def test_sampling_kernel_under_the_triton_interpreter_in_a_child_process() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    child = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"],
-                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert child.returncode == 0, child.stdout[-4000:] + child.stderr[-2000:]
-    assert " passed" in child.stdout and " skipped" in child.stdout
+    run_interpreted(__file__, min_passed=1, timeout=600)
 
 
 def _draw(processed: torch.Tensor, keys: list) -> torch.Tensor:
