@@ -1,8 +1,10 @@
 """The one script for the GPU machine: invariance checks, kernel microbenchmarks, end-to-end throughput.
 
-    PYTHONUNBUFFERED=1 python3 benchmarks/gpu.py --out $OUT [--sections kernels,parity,e2e,profile,cublaslt]
+Run from the repository root (parity need not be installed):
 
-Sections (each runs independently; a failure is recorded and the next section still runs):
+    PYTHONUNBUFFERED=1 python3 -m benchmarks.gpu --out $OUT [--sections kernels,parity,e2e,profile,cublaslt]
+
+Sections (`SECTIONS`; each runs independently: a failure is recorded and the next section still runs):
 - kernels: bitwise row invariance of the Triton linear at Qwen3-1.7B weight shapes over many M,
   the same probe for cuBLASLt with split-K disabled (in a subprocess with its env) and for
   default cuBLAS (the negative control); matmul TFLOP/s vs cuBLAS at M in {1, 16, 256, 4096},
@@ -13,7 +15,8 @@ Sections (each runs independently; a failure is recorded and the next section st
   CUDA graphs for dense models, the eager engine, and a tiny token budget), and the
   native-kernel negative control; then the sampling grid (temperature x top_p x top_k,
   `parity.engine.selfcheck`) on random-weight models with vocabularies 32,000 and 151,936,
-  dense and MoE, counting differing tokens per setting.
+  dense and MoE, counting differing tokens per setting, and once with torch's CUDA cumsum as the
+  top-p prefix sum (the old defect, a negative control).
 - e2e: output tok/s of (a) the reference engine with invariant kernels, (b) the same engine with
   native kernels, (c) transformers `generate`, on a Qwen3-1.7B-shaped bf16 model with random
   weights, side by side in one run.
@@ -21,12 +24,16 @@ Sections (each runs independently; a failure is recorded and the next section st
 - cublaslt: parity and (a) again in a subprocess started with `CUBLASLT_ENV` and cuBLASLt
   preferred, so the matmul takes the proven cuBLASLt path (`parity.kernels.triton.matmul`).
 
-Full numbers go to $OUT/gpu_results.json; the short table is printed last.
+Full numbers go to $OUT/gpu_results.json (each section's dataclasses as JSON, saved after every
+section); the short table is printed last. Settings a measurement changes (the preferred BLAS
+library, the attention kernel's tile constants, a registered kernel) are restored when it ends,
+failed or not.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import itertools
 import json
@@ -36,27 +43,233 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from parity.engine import ReferenceEngine, train_forward
+from parity.engine.selfcheck import SettingCheck, sampling_grid_check
+from parity.kernels import switch
+from parity.kernels.triton.matmul import CUBLASLT_ENV, cublaslt_ready
+from parity.models import shaped
+from parity.types import Request, SamplingParams
+
+#: The repository root: subprocesses run `python3 -m benchmarks.gpu` from here.
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from parity.engine.selfcheck import sampling_grid_check  # noqa: E402
-from parity.kernels.triton.matmul import CUBLASLT_ENV, cublaslt_ready  # noqa: E402
-from parity.models import shaped  # noqa: E402
-from parity.models.shaped import shaped_config  # noqa: E402
-
 #: Qwen3-1.7B linear weights [N, K]: q, k/v, o, gate/up, down, lm_head.
 QWEN3_LINEARS = [(2048, 2048), (1024, 2048), (6144, 2048), (2048, 6144), (151936, 2048)]
 INVARIANCE_M = [1, 2, 3, 7, 16, 31, 64, 100, 255, 256, 1000, 2047, 4096]
 BENCH_M = [1, 16, 256, 4096]
 #: engine settings of the parity section: (max_num_seqs, chunk_size, max_num_batched_tokens, graphs).
+#: graphs None is the default (CUDA graphs for dense models), False the eager engine; a budget of 6
+#: splits prefill steps further.
 COMPOSITIONS = [(12, 64, 8192, None), (3, 5, 8192, None), (5, 7, 8192, False), (4, 9, 6, None)]
+#: models of the sampling-grid check: (label, shape, layers, vocab); None shape = a built-in checkpoint.
+GRID_MODELS = [("tiny-qwen3", None, 0, 0), ("tiny-qwen3-moe", None, 0, 0),
+               ("qwen3-1024-v32000", "qwen3-1024", 2, 32000), ("qwen3-1024-v151936", "qwen3-1024", 2, 151936),
+               ("qwen3-1.7b-v32000", "qwen3-1.7b", 2, 32000), ("qwen3-1.7b-v151936", "qwen3-1.7b", 2, 151936),
+               ("moe-64x8-v32000", "moe-64x8", 2, 32000)]
+E2E_VARIANTS = ("hf", "invariant", "native")
+
+
+# -- results -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RowInvariance:
+    """Whether linear(x[:m]) == linear(x)[:m] bitwise for every m in INVARIANCE_M, at weight [n, k]."""
+
+    shape: list[int]
+    invariant: bool
+    differing_m: list[int]
+
+
+@dataclass(frozen=True)
+class MatmulSpeed:
+    """TFLOP/s by M: eager (do_bench) and from CUDA-graph replay; host_us: launch cost per call."""
+
+    eager: dict[int, float]
+    graph: dict[int, float]
+    host_us: dict[int, float]
+
+
+@dataclass(frozen=True)
+class MatmulComparison:
+    """One weight shape: default cuBLAS, the Triton linear, and the Triton tile plan used."""
+
+    cublas: MatmulSpeed
+    triton: MatmulSpeed
+    plan: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class CublasLtProbe:
+    """cuBLASLt without split-K (a process started with CUBLASLT_ENV): invariance and speed."""
+
+    env: dict[str, str | None]
+    invariance: list[RowInvariance]
+    tflops: dict[str, MatmulSpeed]
+
+
+@dataclass(frozen=True)
+class AttentionTiming:
+    """Milliseconds of one attention workload: SDPA, the shipped Triton tiles, and other tiles
+    (`tiles`, by "m{BLOCK_M}_n{BLOCK_N}")."""
+
+    sdpa_ms: float
+    triton_ms: float
+    ratio_sdpa_over_triton: float
+    tiles: dict[str, float]
+
+
+@dataclass(frozen=True)
+class KernelTiming:
+    """Milliseconds of a Triton kernel and its torch counterpart, and their largest difference."""
+
+    triton_ms: float
+    torch_ms: float
+    max_abs_diff: float
+
+
+@dataclass(frozen=True)
+class KernelsResult:
+    triton_invariance: list[RowInvariance]
+    cublas_default_invariance: list[RowInvariance]
+    cublaslt_nosplitk: CublasLtProbe | dict[str, str]
+    matmul: dict[str, MatmulComparison]
+    attention: dict[str, AttentionTiming]
+    rmsnorm_65536x2048: KernelTiming
+    log_softmax_256x151936_fp32: KernelTiming
+
+
+@dataclass(frozen=True)
+class LayoutCheck:
+    """Training-forward logprobs in one layout vs the rollouts'."""
+
+    bitwise_equal: bool
+    max_abs_diff: float
+
+
+@dataclass(frozen=True)
+class CompositionCheck:
+    """Rollouts under one engine setting vs train_forward in each layout."""
+
+    max_num_seqs: int
+    chunk_size: int
+    max_num_batched_tokens: int
+    step_graphs: str
+    tokens_equal_first_composition: bool
+    train: dict[str, LayoutCheck]
+
+
+@dataclass(frozen=True)
+class ParityCheck:
+    kernels: str
+    compositions: list[CompositionCheck]
+    all_bitwise_equal: bool
+
+
+@dataclass(frozen=True)
+class GridCheck:
+    """Differing tokens per (temperature, top_p, top_k) setting, and over all settings."""
+
+    settings: list[SettingCheck]
+    tokens: int
+    differing: int
+    max_abs_diff: float
+
+
+@dataclass(frozen=True)
+class E2EWorkload:
+    requests: int
+    prompt_tokens: int
+    output_tokens: int
+    model: str
+    engine_chunk_size: int
+    engine_max_num_batched_tokens: int
+    matmul_path: str
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """Output tokens per second of one generate call; step_graphs: the engine's graph status."""
+
+    seconds: float
+    output_tokens: int
+    output_tok_s: float
+    step_graphs: str | None = None
+
+
+@dataclass(frozen=True)
+class ProfileResult:
+    workload: str
+    wall_s: float
+    gpu_busy_s: float
+    steps: int
+
+
+def plain(value: Any) -> Any:
+    """Results as JSON-ready values: dataclasses become dicts, recursively."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return plain(dataclasses.asdict(value))
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value
+
+
+def failure() -> dict[str, str]:
+    """The record of a failed measurement: the end of its traceback."""
+    return {"error": traceback.format_exc()[-3000:]}
+
+
+# -- settings changed for one measurement, restored after it --------------------------------------
+
+
+@contextmanager
+def blas_library(name: str) -> Iterator[None]:
+    """torch's preferred BLAS library set to `name` inside the block, the previous one restored."""
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(name)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
+
+
+@contextmanager
+def kernel_override(family: str, op: str, device_type: str, fn: Callable[..., Any]) -> Iterator[None]:
+    """`fn` as the registered `family`/`op` kernel of `device_type` inside the block, the previous one
+    restored."""
+    before = switch._registry[(family, op, device_type)]
+    switch.register(family, op, device_type, fn)
+    try:
+        yield
+    finally:
+        switch.register(family, op, device_type, before)
+
+
+@contextmanager
+def module_constants(module: ModuleType, **values: Any) -> Iterator[None]:
+    """Module-level constants set to `values` inside the block, the previous values restored."""
+    before = {name: getattr(module, name) for name in values}
+    for name, value in values.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            setattr(module, name, value)
+
+
+# -- timing and probes ---------------------------------------------------------------------------
 
 
 def bench(fn: Callable[[], Any]) -> float:
@@ -72,14 +285,14 @@ def rotating(fn: Callable[..., Any], arg_sets: list[tuple]) -> Callable[[], Any]
     return lambda: fn(*next(cycle))
 
 
-def rows_invariant(linear: Callable[..., torch.Tensor], n: int, k: int) -> dict[str, Any]:
+def rows_invariant(linear: Callable[..., torch.Tensor], n: int, k: int) -> RowInvariance:
     """Whether linear(x[:m]) == linear(x)[:m] bitwise for every m in INVARIANCE_M."""
     g = torch.Generator("cuda").manual_seed(n * 7 + k)
     x = torch.randn(max(INVARIANCE_M), k, device="cuda", generator=g).to(torch.bfloat16)
     w = (torch.randn(n, k, device="cuda", generator=g) * k**-0.5).to(torch.bfloat16)
     full = linear(x, w)
     differing = [m for m in INVARIANCE_M if not torch.equal(linear(x[:m], w), full[:m])]
-    return {"shape": [n, k], "invariant": not differing, "differing_m": differing}
+    return RowInvariance(shape=[n, k], invariant=not differing, differing_m=differing)
 
 
 def graph_ms(fn: Callable[..., Any], arg_sets: list[tuple]) -> float:
@@ -119,124 +332,42 @@ def host_us(fn: Callable[..., Any], args: tuple) -> float:
     return elapsed / 200 * 1e6
 
 
-def matmul_tflops(linear: Callable[..., torch.Tensor], n: int, k: int, ms: list[int]) -> dict[str, Any]:
+def matmul_tflops(linear: Callable[..., torch.Tensor], n: int, k: int, ms: list[int]) -> MatmulSpeed:
     """TFLOP/s of linear at each M, eager (do_bench) and from a CUDA graph, rotating over 4 weight
     copies (4 x a 2048x6144 weight > L2), plus the host launch cost."""
-    out: dict[str, Any] = {"eager": {}, "graph": {}, "host_us": {}}
+    eager, graph, host = {}, {}, {}
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5 for _ in range(4)]
     for m in ms:
         sets = list(zip([torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(4)], weights))
         flop = 2 * m * n * k
-        out["eager"][m] = flop / bench(rotating(linear, sets)) / 1e9
-        out["graph"][m] = flop / graph_ms(linear, sets) / 1e9
-        out["host_us"][m] = host_us(linear, sets[0])
-    return out
+        eager[m] = flop / bench(rotating(linear, sets)) / 1e9
+        graph[m] = flop / graph_ms(linear, sets) / 1e9
+        host[m] = host_us(linear, sets[0])
+    return MatmulSpeed(eager=eager, graph=graph, host_us=host)
 
 
-def cublaslt_probe() -> dict[str, Any]:
+def cublaslt_probe() -> CublasLtProbe:
     """Run in a subprocess started with CUBLASLT_ENV: row invariance and speed of cuBLASLt, no split-K."""
-    torch.backends.cuda.preferred_blas_library("cublaslt")
-    res: dict[str, Any] = {"env": {k: os.environ.get(k) for k in CUBLASLT_ENV}}
-    res["invariance"] = [rows_invariant(F.linear, n, k) for n, k in QWEN3_LINEARS]
-    res["tflops"] = {
-        f"{n}x{k}": matmul_tflops(F.linear, n, k, BENCH_M) for n, k in [(6144, 2048), (2048, 6144)]
-    }
-    return res
+    with blas_library("cublaslt"):
+        return CublasLtProbe(
+            env={k: os.environ.get(k) for k in CUBLASLT_ENV},
+            invariance=[rows_invariant(F.linear, n, k) for n, k in QWEN3_LINEARS],
+            tflops={f"{n}x{k}": matmul_tflops(F.linear, n, k, BENCH_M)
+                    for n, k in [(6144, 2048), (2048, 6144)]},
+        )
 
 
-def kernels_section(results: dict[str, Any]) -> None:
-    from parity.kernels.triton import attention, linear, log_softmax, rms_norm
-    from parity.kernels.triton import matmul as mm
+def module_command(*args: str) -> list[str]:
+    """This script run as a module, as a subprocess command (started in ROOT)."""
+    return [sys.executable, "-m", "benchmarks.gpu", *args]
 
-    attn_mod = importlib.import_module("parity.kernels.triton.attention")  # the package exports the function
 
-    sec: dict[str, Any] = {}
-    results["kernels"] = sec
-    sec["triton_invariance"] = [rows_invariant(linear, n, k) for n, k in QWEN3_LINEARS]
-    sec["cublas_default_invariance"] = [rows_invariant(F.linear, n, k) for n, k in QWEN3_LINEARS]
-    env = {**os.environ, **CUBLASLT_ENV}
-    probe = subprocess.run(
-        [sys.executable, __file__, "--cublaslt-probe"], env=env, capture_output=True, text=True, timeout=300
-    )
-    try:
-        sec["cublaslt_nosplitk"] = json.loads(probe.stdout.strip().splitlines()[-1])
-    except (IndexError, json.JSONDecodeError):
-        sec["cublaslt_nosplitk"] = {"error": probe.stderr[-3000:]}
-
-    # matmul: the shipped plan vs default cuBLAS (cuBLASLt without split-K: the probe above)
-    sec["matmul"] = {}
-    for n, k in [(6144, 2048), (2048, 6144)]:
-        entry = {
-            "cublas": matmul_tflops(F.linear, n, k, BENCH_M),
-            "triton": matmul_tflops(linear, n, k, BENCH_M),
-            "plan": vars(mm.tile_config(torch.bfloat16, n, k)),
-        }
-        sec["matmul"][f"{n}x{k}"] = entry
-
-    # attention: decode (256 seqs at context 512) and prefill (256 x 256 tokens), Qwen3-1.7B heads;
-    # the shipped tiles (BLOCK_M query rows, BLOCK_N keys) and, for the record, other sizes
-    hq, hkv, d, cap = 16, 8, 128, 1024
-    kc = torch.randn(256, hkv, cap, d, device="cuda", dtype=torch.bfloat16)
-    vc = torch.randn(256, hkv, cap, d, device="cuda", dtype=torch.bfloat16)
-    q = torch.randn(256, hq, d, device="cuda", dtype=torch.bfloat16)
-    qp = torch.randn(256 * 256, hq, d, device="cuda", dtype=torch.bfloat16)
-    cases = {
-        "decode_256x512": (q, torch.arange(256, device="cuda"), torch.full((256,), 511, device="cuda")),
-        "prefill_256x256": (
-            qp,
-            torch.arange(256, device="cuda").repeat_interleave(256),
-            torch.arange(256, device="cuda").repeat(256),
-        ),
-    }
-    kd, vd = kc[:, :, :512].contiguous(), vc[:, :, :512].contiguous()
-    qs = qp.view(256, 256, hq, d).transpose(1, 2).contiguous()
-    ks, vs = kc[:, :, :256].contiguous(), vc[:, :, :256].contiguous()
-    sdpa = {
-        "decode_256x512": bench(
-            lambda: F.scaled_dot_product_attention(q[:, :, None], kd, vd, enable_gqa=True)
-        ),
-        "prefill_256x256": bench(
-            lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
-        ),
-    }
-    att: dict[str, Any] = {}
-    shipped = (attn_mod.BLOCK_M, attn_mod.BLOCK_N)
-    for name, (query, slots, pos) in cases.items():
-        entry = {"sdpa_ms": sdpa[name]}
-        for block_m, block_n in (shipped, (16, 32), (16, 64), (64, 32)):
-            attn_mod.BLOCK_M, attn_mod.BLOCK_N = block_m, block_n
-            entry[f"triton_ms_m{block_m}_n{block_n}"] = bench(
-                lambda q=query, s=slots, p=pos: attention(q, kc, vc, s, p, d**-0.5)
-            )
-        attn_mod.BLOCK_M, attn_mod.BLOCK_N = shipped
-        entry["triton_ms"] = entry[f"triton_ms_m{shipped[0]}_n{shipped[1]}"]
-        entry["ratio_sdpa_over_triton"] = entry["sdpa_ms"] / entry["triton_ms"]
-        att[name] = entry
-    sec["attention"] = att
-
-    x = torch.randn(65536, 2048, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(2048, device="cuda", dtype=torch.bfloat16)
-
-    def hf_rms(x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
-
-    sec["rmsnorm_65536x2048"] = {
-        "triton_ms": bench(lambda: rms_norm(x, w, 1e-6)),
-        "torch_ms": bench(lambda: hf_rms(x)),
-        "max_abs_diff_vs_hf": float((rms_norm(x, w, 1e-6).float() - hf_rms(x).float()).abs().max()),
-    }
-    logits = torch.randn(256, 151936, device="cuda") * 4
-    sec["log_softmax_256x151936_fp32"] = {
-        "triton_ms": bench(lambda: log_softmax(logits)),
-        "torch_ms": bench(lambda: torch.log_softmax(logits, -1)),
-        "max_abs_diff": float((log_softmax(logits) - torch.log_softmax(logits, -1)).abs().max()),
-    }
+# -- models and workloads ------------------------------------------------------------------------
 
 
 def qwen3_config(layers: int, max_positions: int = 1024) -> Any:
     """The Qwen3-1.7B-shaped model of the e2e and parity sections."""
-    return shaped_config("qwen3-1.7b", layers, max_position_embeddings=max_positions)
+    return shaped.shaped_config("qwen3-1.7b", layers, max_position_embeddings=max_positions)
 
 
 def save_random_model(config: Any, path: Path) -> Path:
@@ -244,9 +375,9 @@ def save_random_model(config: Any, path: Path) -> Path:
     return shaped.save_random_model(config, path, device="cuda", dtype="bfloat16")
 
 
-def requests_for(vocab: int, count: int, prompt_len: int, max_tokens: int, n: int = 1, seed: int = 0) -> list:
-    from parity.types import Request, SamplingParams
-
+def requests_for(vocab: int, count: int, prompt_len: int, max_tokens: int, n: int = 1,
+                 seed: int = 0) -> list[Request]:
+    """`count` random prompts of `prompt_len` ids, sampled at temperature 1 for max_tokens (EOS ignored)."""
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(3, vocab, (count, prompt_len), generator=g).tolist()
     return [
@@ -259,323 +390,354 @@ def requests_for(vocab: int, count: int, prompt_len: int, max_tokens: int, n: in
     ]
 
 
-def parity_check(model: Any, vocab: int, kernels: str) -> dict[str, Any]:
+def parity_check(model: Any, vocab: int, kernels: str) -> ParityCheck:
     """Rollouts under several batch compositions vs train_forward under several layouts, bit for bit."""
-    from parity.engine import ReferenceEngine, train_forward
-
     reqs = requests_for(vocab, 6, 13, 20, n=2, seed=1)
-    out: dict[str, Any] = {"kernels": kernels, "compositions": []}
-    reference = None
-    # (max_num_seqs, chunk_size, max_num_batched_tokens, graphs): graphs None is the default (CUDA
-    # graphs for dense models), False the eager engine; a budget of 6 splits prefill steps further.
+    compositions = []
+    first_tokens = None
     for max_num_seqs, chunk_size, budget, graphs in COMPOSITIONS:
-        engine = ReferenceEngine(
-            model,
-            dtype="bfloat16",
-            device="cuda",
-            kernels=kernels,
-            max_num_seqs=max_num_seqs,
-            chunk_size=chunk_size,
-            max_num_batched_tokens=budget,
-            graphs=graphs,
-        )
-        rollouts = engine.generate(reqs)
-        engine.close()
+        with ReferenceEngine(model, dtype="bfloat16", device="cuda", kernels=kernels,
+                             max_num_seqs=max_num_seqs, chunk_size=chunk_size, max_num_batched_tokens=budget,
+                             graphs=graphs) as engine:
+            rollouts = engine.generate(reqs)
         got = [torch.tensor(r.logprobs, dtype=torch.float32) for r in rollouts]
         tokens = [r.token_ids for r in rollouts]
-        if reference is None:
-            reference = (rollouts, got, tokens)
-        same_tokens = tokens == reference[2]
-        entry: dict[str, Any] = {
-            "max_num_seqs": max_num_seqs,
-            "chunk_size": chunk_size,
-            "max_num_batched_tokens": budget,
-            "step_graphs": rollouts[0].meta["step_graphs"],
-            "tokens_equal_first_composition": same_tokens,
-            "train": {},
-        }
-        for layout, mb in [("right", None), ("left", 5), ("packed", 4)]:
-            train = train_forward(
-                model,
-                rollouts,
-                dtype="bfloat16",
-                device="cuda",
-                kernels=kernels,
-                layout=layout,
-                micro_batch_size=mb,
-            ).logprobs
-            diffs = [float((a - b.cpu()).abs().max()) for a, b in zip(got, train)]
-            entry["train"][layout] = {
-                "bitwise_equal": all(torch.equal(a, b.cpu()) for a, b in zip(got, train)),
-                "max_abs_diff": max(diffs),
-            }
-        out["compositions"].append(entry)
-    out["all_bitwise_equal"] = all(
-        t["bitwise_equal"] for c in out["compositions"] for t in c["train"].values()
-    )
-    return out
+        if first_tokens is None:
+            first_tokens = tokens
+        layouts = {}
+        for layout, micro_batch_size in [("right", None), ("left", 5), ("packed", 4)]:
+            train = train_forward(model, rollouts, dtype="bfloat16", device="cuda", kernels=kernels,
+                                  layout=layout, micro_batch_size=micro_batch_size).logprobs
+            layouts[layout] = LayoutCheck(
+                bitwise_equal=all(torch.equal(a, b.cpu()) for a, b in zip(got, train)),
+                max_abs_diff=max(float((a - b.cpu()).abs().max()) for a, b in zip(got, train)))
+        compositions.append(CompositionCheck(
+            max_num_seqs=max_num_seqs, chunk_size=chunk_size, max_num_batched_tokens=budget,
+            step_graphs=rollouts[0].meta["step_graphs"],
+            tokens_equal_first_composition=tokens == first_tokens, train=layouts))
+    return ParityCheck(kernels=kernels, compositions=compositions,
+                       all_bitwise_equal=all(t.bitwise_equal for c in compositions for t in c.train.values()))
 
 
-#: models of the sampling-grid check: (label, shape, layers, vocab); None shape = a built-in checkpoint.
-GRID_MODELS = [("tiny-qwen3", None, 0, 0), ("tiny-qwen3-moe", None, 0, 0),
-               ("qwen3-1024-v32000", "qwen3-1024", 2, 32000), ("qwen3-1024-v151936", "qwen3-1024", 2, 151936),
-               ("qwen3-1.7b-v32000", "qwen3-1.7b", 2, 32000), ("qwen3-1.7b-v151936", "qwen3-1.7b", 2, 151936),
-               ("moe-64x8-v32000", "moe-64x8", 2, 32000)]
-
-
-def grid_check(model: str, kernels: str) -> dict[str, Any]:
+def grid_check(model: str, kernels: str) -> GridCheck:
     """Differing tokens per (temperature, top_p, top_k) setting: engine rollouts (24 requests x
     n=2 x 24 tokens per setting, max_num_seqs 8, chunk 32) vs train_forward, bf16."""
     checks = sampling_grid_check(model, device="cuda", dtype="bfloat16", kernels=kernels)
-    return {
-        "settings": [vars(c) for c in checks],
-        "tokens": sum(c.tokens for c in checks),
-        "differing": sum(c.differing for c in checks),
-        "max_abs_diff": max(c.max_abs_diff for c in checks),
-    }
+    return GridCheck(settings=checks, tokens=sum(c.tokens for c in checks),
+                     differing=sum(c.differing for c in checks),
+                     max_abs_diff=max(c.max_abs_diff for c in checks))
 
 
-def parity_section(results: dict[str, Any], tmp: Path) -> None:
-    sec: dict[str, Any] = {}
-    results["parity"] = sec
-    small = save_random_model(qwen3_config(2), tmp / "qwen3-shaped-2l")
-    for name, model, vocab in [
-        ("tiny-qwen3", "tiny-qwen3", 512),
-        ("tiny-qwen3-moe", "tiny-qwen3-moe", 512),
-        ("qwen3-1.7b-shaped-2-layers", str(small), 151936),
-    ]:
-        for kernels in ("invariant", "native"):
-            try:
-                sec[f"{name}/{kernels}"] = parity_check(model, vocab, kernels)
-            except Exception:
-                sec[f"{name}/{kernels}"] = {"error": traceback.format_exc()[-3000:]}
-    grid: dict[str, Any] = {}
-    sec["sampling_grid"] = grid
-    for label, shape, layers, vocab in GRID_MODELS:
-        model = label if shape is None else str(shaped.save_random_model(
-            shaped_config(shape, layers, vocab_size=vocab), tmp / label, device="cuda"))
-        for kernels in ("invariant", "native") if label == "qwen3-1.7b-v151936" else ("invariant",):
-            try:
-                grid[f"{label}/{kernels}"] = grid_check(model, kernels)
-            except Exception:
-                grid[f"{label}/{kernels}"] = {"error": traceback.format_exc()[-3000:]}
-        if label == "qwen3-1024-v151936":
-            grid[f"{label}/stock-cuda-scan"] = stock_scan_check(model)
-
-
-def stock_scan_check(model: str) -> dict[str, Any]:
-    """The old top-p defect as a negative control: torch's CUDA cumsum as the prefix sum."""
-    from parity.kernels import switch
-
-    key = ("softmax", "cumsum", "cuda")
-    fixed = switch._registry[key]
-    switch._registry[key] = lambda x: torch.cumsum(x, -1)
-    try:
-        return grid_check(model, "invariant")
-    except Exception:
-        return {"error": traceback.format_exc()[-3000:]}
-    finally:
-        switch._registry[key] = fixed
-
-
-def engine_tok_s(path: Path, kernels: str, reqs: list, chunk_size: int, budget: int) -> dict[str, Any]:
+def engine_tok_s(path: Path, kernels: str, reqs: list[Request], chunk_size: int, budget: int) -> Throughput:
     """Output tok/s of one ReferenceEngine.generate over reqs (after a small warm-up generate; the
     timed call still captures its decode graph, the KV cache being reallocated for its lengths)."""
-    from parity.engine import ReferenceEngine
-
-    engine = ReferenceEngine(
-        str(path),
-        dtype="bfloat16",
-        device="cuda",
-        kernels=kernels,
-        max_num_seqs=len(reqs),
-        chunk_size=chunk_size,
-        max_num_batched_tokens=budget,
-    )
-    engine.generate(requests_for(151936, 4, 16, 4, seed=9))  # compile kernels, allocate the cache
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    rollouts = engine.generate(reqs)
-    torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    engine.close()
+    with ReferenceEngine(str(path), dtype="bfloat16", device="cuda", kernels=kernels, max_num_seqs=len(reqs),
+                         chunk_size=chunk_size, max_num_batched_tokens=budget) as engine:
+        engine.generate(requests_for(151936, 4, 16, 4, seed=9))  # compile kernels, allocate the cache
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        rollouts = engine.generate(reqs)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
     produced = sum(len(r.token_ids) for r in rollouts)
-    return {
-        "seconds": seconds,
-        "output_tokens": produced,
-        "output_tok_s": produced / seconds,
-        "step_graphs": rollouts[0].meta["step_graphs"],
-    }
+    return Throughput(seconds=seconds, output_tokens=produced, output_tok_s=produced / seconds,
+                      step_graphs=rollouts[0].meta["step_graphs"])
 
 
-def hf_generate_tok_s(path: Path, reqs: list, prompt_len: int, max_tokens: int) -> dict[str, float]:
+def hf_generate_tok_s(path: Path, reqs: list[Request], prompt_len: int, max_tokens: int) -> Throughput:
     """Output tok/s of stock transformers `generate` (SDPA, sampling at temperature 1, no top-k/p)."""
     from transformers import AutoModelForCausalLM
 
-    hf = (
-        AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa")
-        .cuda()
-        .eval()
-    )
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa")
+    hf = hf.cuda().eval()
     ids = torch.tensor([list(r.prompt_ids) for r in reqs], device="cuda")
     kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0)
     hf.generate(ids[:4, :16], max_new_tokens=4, min_new_tokens=4, **kwargs)
     torch.cuda.synchronize()
     start = time.perf_counter()
-    out = hf.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=max_tokens,
-        min_new_tokens=max_tokens,
-        **kwargs,
-    )
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                      min_new_tokens=max_tokens, **kwargs)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     produced = (out.shape[1] - prompt_len) * len(reqs)
     del hf
     torch.cuda.empty_cache()
-    return {"seconds": seconds, "output_tokens": produced, "output_tok_s": produced / seconds}
+    return Throughput(seconds=seconds, output_tokens=produced, output_tok_s=produced / seconds)
 
 
-def e2e_section(
-    results: dict[str, Any],
-    tmp: Path,
-    shape: tuple[int, int, int],
-    variants: list[str],
-    chunk_size: int,
-    budget: int,
-    save: Callable[[], None],
-) -> None:
-    """Throughput of each variant ("hf", "invariant", "native") on one Qwen3-1.7B-shaped checkpoint."""
-    count, prompt_len, max_tokens = shape
-    chunk_size = chunk_size or prompt_len
-    sec = results.setdefault("e2e", {})
-    sec["workload"] = {
-        "requests": count,
-        "prompt_tokens": prompt_len,
-        "output_tokens": max_tokens,
-        "model": "Qwen3-1.7B-shaped, 28 layers, bf16, random weights",
-        "engine_chunk_size": chunk_size,
-        "engine_max_num_batched_tokens": budget,
-        "matmul_path": "cuBLASLt without split-K (proven shapes)" if cublaslt_ready() else "Triton",
+# -- sections ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    """What every section gets: the arguments, a scratch directory for checkpoints, and the results
+    so far, which `save` writes to $OUT/gpu_results.json."""
+
+    args: argparse.Namespace
+    tmp: Path
+    results: dict[str, Any] = field(default_factory=dict)
+
+    def save(self) -> None:
+        (self.args.out / "gpu_results.json").write_text(json.dumps(self.results, indent=1, default=str))
+
+    def checkpoint(self, section: str, partial: Any) -> None:
+        """Save a long section's results so far (a crash or timeout keeps them)."""
+        self.results[section] = plain(partial)
+        self.save()
+
+
+def kernels_section(run: Run) -> KernelsResult:
+    from parity.kernels.triton import attention as attention_kernel
+    from parity.kernels.triton import linear, log_softmax, rms_norm
+    from parity.kernels.triton import matmul as mm
+
+    # the package exports the attention function under the module's name: the module holds the tiles
+    tiles = importlib.import_module("parity.kernels.triton.attention")
+    triton_invariance = [rows_invariant(linear, n, k) for n, k in QWEN3_LINEARS]
+    cublas_default_invariance = [rows_invariant(F.linear, n, k) for n, k in QWEN3_LINEARS]
+    probe = subprocess.run(module_command("--cublaslt-probe"), cwd=ROOT, env={**os.environ, **CUBLASLT_ENV},
+                           capture_output=True, text=True, timeout=300)
+    try:
+        cublaslt: CublasLtProbe | dict[str, str] = json.loads(probe.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        cublaslt = {"error": probe.stderr[-3000:]}
+
+    # matmul: the shipped plan vs default cuBLAS (cuBLASLt without split-K: the probe above)
+    matmul = {f"{n}x{k}": MatmulComparison(cublas=matmul_tflops(F.linear, n, k, BENCH_M),
+                                           triton=matmul_tflops(linear, n, k, BENCH_M),
+                                           plan=vars(mm.tile_config(torch.bfloat16, n, k)))
+              for n, k in [(6144, 2048), (2048, 6144)]}
+
+    # attention: decode (256 seqs at context 512) and prefill (256 x 256 tokens), Qwen3-1.7B heads;
+    # the shipped tiles (BLOCK_M query rows, BLOCK_N keys) and, for the record, other sizes
+    hq, hkv, d, cap = 16, 8, 128, 1024
+    kc = torch.randn(256, hkv, cap, d, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn(256, hkv, cap, d, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(256, hq, d, device="cuda", dtype=torch.bfloat16)
+    qp = torch.randn(256 * 256, hq, d, device="cuda", dtype=torch.bfloat16)
+    cases = {
+        "decode_256x512": (q, torch.arange(256, device="cuda"), torch.full((256,), 511, device="cuda")),
+        "prefill_256x256": (qp, torch.arange(256, device="cuda").repeat_interleave(256),
+                            torch.arange(256, device="cuda").repeat(256)),
     }
-    path = save_random_model(qwen3_config(28), tmp / "qwen3-1.7b-shaped")
+    kd, vd = kc[:, :, :512].contiguous(), vc[:, :, :512].contiguous()
+    qs = qp.view(256, 256, hq, d).transpose(1, 2).contiguous()
+    ks, vs = kc[:, :, :256].contiguous(), vc[:, :, :256].contiguous()
+    sdpa = {
+        "decode_256x512": bench(
+            lambda: F.scaled_dot_product_attention(q[:, :, None], kd, vd, enable_gqa=True)),
+        "prefill_256x256": bench(
+            lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)),
+    }
+    attention: dict[str, AttentionTiming] = {}
+    shipped = (tiles.BLOCK_M, tiles.BLOCK_N)
+    for name, (query, slots, pos) in cases.items():
+        times = {}
+        for block_m, block_n in (shipped, (16, 32), (16, 64), (64, 32)):
+            with module_constants(tiles, BLOCK_M=block_m, BLOCK_N=block_n):
+                times[f"m{block_m}_n{block_n}"] = bench(
+                    lambda q=query, s=slots, p=pos: attention_kernel(q, kc, vc, s, p, d**-0.5))
+        triton_ms = times[f"m{shipped[0]}_n{shipped[1]}"]
+        attention[name] = AttentionTiming(sdpa_ms=sdpa[name], triton_ms=triton_ms,
+                                          ratio_sdpa_over_triton=sdpa[name] / triton_ms, tiles=times)
+
+    x = torch.randn(65536, 2048, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(2048, device="cuda", dtype=torch.bfloat16)
+
+    def hf_rms(x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+    logits = torch.randn(256, 151936, device="cuda") * 4
+    return KernelsResult(
+        triton_invariance=triton_invariance,
+        cublas_default_invariance=cublas_default_invariance,
+        cublaslt_nosplitk=cublaslt,
+        matmul=matmul,
+        attention=attention,
+        rmsnorm_65536x2048=KernelTiming(
+            triton_ms=bench(lambda: rms_norm(x, w, 1e-6)), torch_ms=bench(lambda: hf_rms(x)),
+            max_abs_diff=float((rms_norm(x, w, 1e-6).float() - hf_rms(x).float()).abs().max())),
+        log_softmax_256x151936_fp32=KernelTiming(
+            triton_ms=bench(lambda: log_softmax(logits)),
+            torch_ms=bench(lambda: torch.log_softmax(logits, -1)),
+            max_abs_diff=float((log_softmax(logits) - torch.log_softmax(logits, -1)).abs().max())),
+    )
+
+
+def parity_section(run: Run) -> dict[str, Any]:
+    """Bitwise parity per (model, kernels), then the sampling grid per model (see the module doc)."""
+    section: dict[str, Any] = {}
+    small = save_random_model(qwen3_config(2), run.tmp / "qwen3-shaped-2l")
+    for name, model, vocab in [("tiny-qwen3", "tiny-qwen3", 512), ("tiny-qwen3-moe", "tiny-qwen3-moe", 512),
+                               ("qwen3-1.7b-shaped-2-layers", str(small), 151936)]:
+        for kernels in ("invariant", "native"):
+            try:
+                section[f"{name}/{kernels}"] = parity_check(model, vocab, kernels)
+            except Exception:
+                section[f"{name}/{kernels}"] = failure()
+    grid: dict[str, GridCheck | dict[str, str]] = {}
+    section["sampling_grid"] = grid
+    for label, shape, layers, vocab in GRID_MODELS:
+        model = label if shape is None else str(shaped.save_random_model(
+            shaped.shaped_config(shape, layers, vocab_size=vocab), run.tmp / label, device="cuda"))
+        for kernels in ("invariant", "native") if label == "qwen3-1.7b-v151936" else ("invariant",):
+            try:
+                grid[f"{label}/{kernels}"] = grid_check(model, kernels)
+            except Exception:
+                grid[f"{label}/{kernels}"] = failure()
+        if label == "qwen3-1024-v151936":
+            grid[f"{label}/stock-cuda-scan"] = stock_scan_check(model)
+    return section
+
+
+def stock_scan_check(model: str) -> GridCheck | dict[str, str]:
+    """The old top-p defect as a negative control: torch's CUDA cumsum as the prefix sum."""
+    try:
+        with kernel_override("softmax", "cumsum", "cuda", lambda x: torch.cumsum(x, -1)):
+            return grid_check(model, "invariant")
+    except Exception:
+        return failure()
+
+
+def e2e_section(run: Run) -> dict[str, Any]:
+    """Throughput of each variant ("hf", "invariant", "native") on one Qwen3-1.7B-shaped checkpoint."""
+    args = run.args
+    count, prompt_len, max_tokens = args.e2e
+    chunk_size = args.chunk_size or prompt_len
+    section: dict[str, Any] = {"workload": E2EWorkload(
+        requests=count, prompt_tokens=prompt_len, output_tokens=max_tokens,
+        model="Qwen3-1.7B-shaped, 28 layers, bf16, random weights", engine_chunk_size=chunk_size,
+        engine_max_num_batched_tokens=args.max_batched_tokens,
+        matmul_path="cuBLASLt without split-K (proven shapes)" if cublaslt_ready() else "Triton")}
+    path = save_random_model(qwen3_config(28), run.tmp / "qwen3-1.7b-shaped")
     reqs = requests_for(151936, count, prompt_len, max_tokens)
-    for variant in variants:
+    for variant in args.e2e_variants:
         name = "hf_generate" if variant == "hf" else f"engine_{variant}"
         try:
             if variant == "hf":
-                sec[name] = hf_generate_tok_s(path, reqs, prompt_len, max_tokens)
+                section[name] = hf_generate_tok_s(path, reqs, prompt_len, max_tokens)
             else:
-                sec[name] = engine_tok_s(path, variant, reqs, chunk_size, budget)
+                section[name] = engine_tok_s(path, variant, reqs, chunk_size, args.max_batched_tokens)
         except Exception:
-            sec[name] = {"error": traceback.format_exc()[-3000:]}
+            section[name] = failure()
         torch.cuda.empty_cache()
-        save()
+        run.checkpoint("e2e", section)
+    return section
 
 
-def profile_section(results: dict[str, Any], tmp: Path, out: Path) -> None:
+def profile_section(run: Run) -> ProfileResult:
     """Where a decode step's time goes: torch.profiler over a few steps of the invariant engine."""
     from torch.profiler import ProfilerActivity, profile
 
-    from parity.engine import ReferenceEngine
-
-    path = tmp / "qwen3-1.7b-shaped"
+    path = run.tmp / "qwen3-1.7b-shaped"
     if not path.exists():
         save_random_model(qwen3_config(28), path)
-    engine = ReferenceEngine(
-        str(path), dtype="bfloat16", device="cuda", kernels="invariant", max_num_seqs=256, chunk_size=16
-    )
     reqs = requests_for(151936, 256, 16, 8)
-    engine.generate(reqs)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        start = time.perf_counter()
+    with ReferenceEngine(str(path), dtype="bfloat16", device="cuda", kernels="invariant", max_num_seqs=256,
+                         chunk_size=16) as engine:
         engine.generate(reqs)
-        torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
-    engine.close()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            start = time.perf_counter()
+            engine.generate(reqs)
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
     events = prof.key_averages()
-    (out / "profile.txt").write_text(events.table(sort_by="self_cpu_time_total", row_limit=40))
-    gpu_us = sum(e.self_device_time_total for e in events)
-    results["profile"] = {
-        "workload": "256 seqs x 16 prompt x 8 output, invariant",
-        "wall_s": seconds,
-        "gpu_busy_s": gpu_us / 1e6,
-        "steps": 9,
-    }
+    (run.args.out / "profile.txt").write_text(events.table(sort_by="self_cpu_time_total", row_limit=40))
+    return ProfileResult(workload="256 seqs x 16 prompt x 8 output, invariant", wall_s=seconds,
+                         gpu_busy_s=sum(e.self_device_time_total for e in events) / 1e6, steps=9)
 
 
-def cublaslt_run(results: dict[str, Any], args: argparse.Namespace) -> None:
+def cublaslt_section(run: Run) -> dict[str, Any]:
     """parity + the invariant engine again, in a process set up for the proven cuBLASLt matmul path."""
+    args = run.args
     out = args.out / "cublaslt"
-    cmd = [sys.executable, __file__, "--out", str(out), "--sections", "parity,e2e", "--e2e", args.e2e]
-    cmd += ["--e2e-variants", "invariant", "--chunk-size", str(args.chunk_size), "--cublaslt"]
-    cmd += ["--max-batched-tokens", str(args.max_batched_tokens)]
-    proc = subprocess.run(cmd, env={**os.environ, **CUBLASLT_ENV}, capture_output=True, text=True)
+    cmd = module_command("--out", str(out), "--sections", "parity,e2e", "--e2e", ",".join(map(str, args.e2e)),
+                         "--e2e-variants", "invariant", "--chunk-size", str(args.chunk_size), "--cublaslt",
+                         "--max-batched-tokens", str(args.max_batched_tokens))
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **CUBLASLT_ENV}, capture_output=True, text=True)
     sub = json.loads((out / "gpu_results.json").read_text()) if (out / "gpu_results.json").exists() else {}
-    results["cublaslt"] = {"parity": sub.get("parity"), "e2e": sub.get("e2e"), "stderr": proc.stderr[-2000:]}
+    return {"parity": sub.get("parity"), "e2e": sub.get("e2e"), "stderr": proc.stderr[-2000:]}
 
 
-def table(results: dict[str, Any]) -> str:
+#: Every section, by the name `--sections` takes, in the default order.
+SECTIONS: dict[str, Callable[[Run], Any]] = {
+    "kernels": kernels_section,
+    "parity": parity_section,
+    "e2e": e2e_section,
+    "profile": profile_section,
+    "cublaslt": cublaslt_section,
+}
+
+
+# -- the short table -----------------------------------------------------------------------------
+
+
+def _invariance_line(key: str, entries: list[dict[str, Any]]) -> str:
+    bad = [e["shape"] for e in entries if not e["invariant"]]
+    return f"{key}: {'all row-invariant' if not bad else f'NOT invariant at {bad}'}"
+
+
+def kernels_lines(k: dict[str, Any]) -> list[str]:
     lines = []
-    k = results.get("kernels", {})
     for shape, entry in k.get("matmul", {}).items():
         for m in BENCH_M:
             c, t = entry["cublas"]["graph"][m], entry["triton"]["graph"][m]
-            lines.append(
-                f"matmul {shape} M={m:<5} triton {t:7.1f} TFLOP/s  cuBLAS {c:7.1f}  ratio {t / c:5.2f}"
-            )
+            lines.append(f"matmul {shape} M={m:<5} triton {t:7.1f} TFLOP/s  cuBLAS {c:7.1f}  "
+                         f"ratio {t / c:5.2f}")
     lt = k.get("cublaslt_nosplitk", {})
-    for shape, vals in {s: v["graph"] for s, v in lt.get("tflops", {}).items()}.items():
-        lines.append(f"cuBLASLt no-split-K {shape}: " + "  ".join(f"M={m} {v:.1f}" for m, v in vals.items()))
+    for shape, speed in lt.get("tflops", {}).items():
+        lines.append(f"cuBLASLt no-split-K {shape}: "
+                     + "  ".join(f"M={m} {v:.1f}" for m, v in speed["graph"].items()))
     for key in ("triton_invariance", "cublas_default_invariance"):
-        bad = [e["shape"] for e in k.get(key, []) if not e["invariant"]]
         if key in k:
-            lines.append(f"{key}: {'all row-invariant' if not bad else f'NOT invariant at {bad}'}")
+            lines.append(_invariance_line(key, k[key]))
     if "invariance" in lt:
-        bad = [e["shape"] for e in lt["invariance"] if not e["invariant"]]
-        lines.append(
-            f"cublaslt_nosplitk_invariance: {'all row-invariant' if not bad else f'NOT invariant at {bad}'}"
-        )
+        lines.append(_invariance_line("cublaslt_nosplitk_invariance", lt["invariance"]))
     for name, a in k.get("attention", {}).items():
-        lines.append(
-            f"attention {name}: triton {a['triton_ms']:.3f} ms  SDPA {a['sdpa_ms']:.3f} ms  "
-            f"SDPA/triton {a['ratio_sdpa_over_triton']:.2f}"
-        )
-    sub = results.get("cublaslt", {})
-    for label, parity, e2e in (
-        ("", results.get("parity", {}), results.get("e2e", {})),
-        (" [cuBLASLt]", sub.get("parity") or {}, sub.get("e2e") or {}),
-    ):
-        for name, entry in parity.get("sampling_grid", {}).items():
+        lines.append(f"attention {name}: triton {a['triton_ms']:.3f} ms  SDPA {a['sdpa_ms']:.3f} ms  "
+                     f"SDPA/triton {a['ratio_sdpa_over_triton']:.2f}")
+    return lines
+
+
+def parity_lines(parity: dict[str, Any], label: str) -> list[str]:
+    lines = []
+    for name, entry in parity.get("sampling_grid", {}).items():
+        verdict = "ERROR" if "error" in entry else \
+            f"{entry['differing']} of {entry['tokens']} tokens differ (max {entry['max_abs_diff']:.2e})"
+        lines.append(f"sampling grid{label} {name}: {verdict}")
+    for name, entry in parity.items():
+        if isinstance(entry, dict) and name != "sampling_grid":
+            graphs = "; ".join(sorted({c["step_graphs"] for c in entry.get("compositions", [])}))
             verdict = "ERROR" if "error" in entry else \
-                f"{entry['differing']} of {entry['tokens']} tokens differ (max {entry['max_abs_diff']:.2e})"
-            lines.append(f"sampling grid{label} {name}: {verdict}")
-        for name, entry in parity.items():
-            if isinstance(entry, dict) and name != "sampling_grid":
-                verdict = (
-                    "ERROR"
-                    if "error" in entry
-                    else f"bitwise equal: {entry['all_bitwise_equal']} "
-                    f"[{'; '.join(sorted({c['step_graphs'] for c in entry['compositions']}))}]"
-                )
-                lines.append(f"parity{label} {name}: rollout vs train_forward {verdict}")
-        for name in ("engine_invariant", "engine_native", "hf_generate"):
-            v = e2e.get(name)
-            if v is not None:
-                got = (
-                    "ERROR"
-                    if "error" in v
-                    else f"{v['output_tok_s']:.0f} output tok/s ({v['seconds']:.1f} s)"
-                    + (f" [{v['step_graphs']}]" if "step_graphs" in v else "")
-                )
-                lines.append(f"e2e{label} {name}: {got}")
-    e, lt_e2e = results.get("e2e", {}), (sub.get("e2e") or {}).get("engine_invariant", {})
-    ok = {
-        n: e[n]["output_tok_s"]
-        for n in ("engine_invariant", "engine_native", "hf_generate")
-        if n in e and "error" not in e[n]
-    }
+                f"bitwise equal: {entry['all_bitwise_equal']} [{graphs}]"
+            lines.append(f"parity{label} {name}: rollout vs train_forward {verdict}")
+    return lines
+
+
+def e2e_lines(e2e: dict[str, Any], label: str) -> list[str]:
+    lines = []
+    for name in ("engine_invariant", "engine_native", "hf_generate"):
+        v = e2e.get(name)
+        if v is not None:
+            graphs = f" [{v['step_graphs']}]" if v.get("step_graphs") else ""
+            got = "ERROR" if "error" in v else \
+                f"{v['output_tok_s']:.0f} output tok/s ({v['seconds']:.1f} s){graphs}"
+            lines.append(f"e2e{label} {name}: {got}")
+    return lines
+
+
+def table(results: dict[str, Any]) -> str:
+    """The short summary printed at the end, from the JSON form of the results."""
+    lines = kernels_lines(results.get("kernels", {}))
+    sub = results.get("cublaslt", {})
+    for label, parity, e2e in (("", results.get("parity", {}), results.get("e2e", {})),
+                               (" [cuBLASLt]", sub.get("parity") or {}, sub.get("e2e") or {})):
+        lines += parity_lines(parity, label) + e2e_lines(e2e, label)
+    e = results.get("e2e", {})
+    ok = {n: e[n]["output_tok_s"] for n in ("engine_invariant", "engine_native", "hf_generate")
+          if n in e and "error" not in e[n]}
+    lt_e2e = (sub.get("e2e") or {}).get("engine_invariant", {})
     if "output_tok_s" in lt_e2e:
         ok["engine_invariant_cublaslt"] = lt_e2e["output_tok_s"]
     for a in ("engine_invariant", "engine_invariant_cublaslt"):
@@ -584,89 +746,80 @@ def table(results: dict[str, Any]) -> str:
                 lines.append(f"e2e ratio {a} / {b}: {ok[a] / ok[b]:.2f}")
     prof = results.get("profile", {})
     if "wall_s" in prof:
-        lines.append(
-            f"profile ({prof['workload']}): wall {prof['wall_s']:.2f} s, GPU busy {prof['gpu_busy_s']:.2f} s"
-        )
-    for section in ("kernels", "parity", "e2e", "cublaslt", "profile"):
+        lines.append(f"profile ({prof['workload']}): wall {prof['wall_s']:.2f} s, "
+                     f"GPU busy {prof['gpu_busy_s']:.2f} s")
+    for section in SECTIONS:
         if "error" in results.get(section, {}):
             lines.append(f"{section}: ERROR (see gpu_results.json)")
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+# -- command line --------------------------------------------------------------------------------
+
+
+def _names(text: str, choices: tuple[str, ...] | list[str], what: str) -> list[str]:
+    names = [n for n in text.split(",") if n]
+    unknown = [n for n in names if n not in choices]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown {what} {unknown}; choose from {', '.join(choices)}")
+    return names
+
+
+def _shape(text: str) -> tuple[int, int, int]:
+    try:
+        count, prompt_len, max_tokens = (int(v) for v in text.split(","))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected requests,prompt_tokens,output_tokens, got {text!r}") \
+            from exc
+    return count, prompt_len, max_tokens
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python3 -m benchmarks.gpu", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("gpu-results"))
-    parser.add_argument("--sections", default="kernels,parity,e2e,cublaslt")
-    parser.add_argument("--e2e", default="256,256,512", help="requests,prompt_tokens,output_tokens")
-    parser.add_argument("--e2e-variants", default="hf,invariant,native")
-    parser.add_argument(
-        "--chunk-size",
-        type=int,
-        default=0,
-        help="engine prefill tokens per sequence per step (0: whole prompt)",
-    )
-    parser.add_argument(
-        "--max-batched-tokens",
-        type=int,
-        default=8192,
-        help="engine tokens per step (bounds prefill steps)",
-    )
+    parser.add_argument("--sections", type=lambda t: _names(t, list(SECTIONS), "sections"),
+                        default="kernels,parity,e2e,cublaslt",
+                        help=f"comma-separated, of {', '.join(SECTIONS)}")
+    parser.add_argument("--e2e", type=_shape, default="256,256,512",
+                        help="requests,prompt_tokens,output_tokens")
+    parser.add_argument("--e2e-variants", type=lambda t: _names(t, E2E_VARIANTS, "e2e variants"),
+                        default="hf,invariant,native", help=f"comma-separated, of {', '.join(E2E_VARIANTS)}")
+    parser.add_argument("--chunk-size", type=int, default=0,
+                        help="engine prefill tokens per sequence per step (0: whole prompt)")
+    parser.add_argument("--max-batched-tokens", type=int, default=8192,
+                        help="engine tokens per step (bounds prefill steps)")
     parser.add_argument("--cublaslt", action="store_true", help="prefer cuBLASLt (run with CUBLASLT_ENV set)")
     parser.add_argument("--cublaslt-probe", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.cublaslt_probe:
-        print(json.dumps(cublaslt_probe()))
+        print(json.dumps(plain(cublaslt_probe())))
         return
-    if args.cublaslt:
-        torch.backends.cuda.preferred_blas_library("cublaslt")
-
-    import parity.kernels.triton as triton_kernels
-
-    triton_kernels.register()
-    args.out.mkdir(parents=True, exist_ok=True)
     import transformers
     import triton
 
-    results: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "transformers": transformers.__version__,
-        "command": " ".join(sys.argv),
-    }
+    import parity.kernels.triton as triton_kernels
 
-    def save() -> None:
-        (args.out / "gpu_results.json").write_text(json.dumps(results, indent=1, default=str))
-
-    shape = tuple(int(v) for v in args.e2e.split(","))
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in args.sections.split(","):
+    args.out.mkdir(parents=True, exist_ok=True)
+    with blas_library("cublaslt") if args.cublaslt else nullcontext(), tempfile.TemporaryDirectory() as tmp:
+        triton_kernels.register()
+        run = Run(args, Path(tmp), {
+            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "transformers": transformers.__version__, "command": " ".join(sys.argv),
+        })
+        for name in args.sections:
             start = time.perf_counter()
             try:
-                if name == "kernels":
-                    kernels_section(results)
-                elif name == "parity":
-                    parity_section(results, Path(tmp))
-                elif name == "e2e":
-                    e2e_section(
-                        results,
-                        Path(tmp),
-                        shape,
-                        args.e2e_variants.split(","),
-                        args.chunk_size,
-                        args.max_batched_tokens,
-                        save,
-                    )
-                elif name == "cublaslt":
-                    cublaslt_run(results, args)
-                elif name == "profile":
-                    profile_section(results, Path(tmp), args.out)
+                run.results[name] = plain(SECTIONS[name](run))
             except Exception:
-                results.setdefault(name, {})["error"] = traceback.format_exc()[-3000:]
-            results.setdefault(name, {})["section_seconds"] = time.perf_counter() - start
-            save()
+                run.results.setdefault(name, {}).update(failure())
+            run.results.setdefault(name, {})["section_seconds"] = time.perf_counter() - start
+            run.save()
             print(f"[{name}] done in {time.perf_counter() - start:.0f} s", flush=True)
-    print(table(results))
+    print(table(run.results))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,1 @@
+"""Benchmarks: the pytest-benchmark files and the GPU machine script (`python3 -m benchmarks.gpu`)."""
