@@ -10,7 +10,7 @@ export TOKENIZERS_PARALLELISM := false
 export VLLM_TARGET_DEVICE := cpu
 export VLLM_LOGGING_LEVEL ?= WARNING
 
-.PHONY: demo test
+.PHONY: demo test sglang-check
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -38,3 +38,14 @@ test: $(STAMP) $(CHROMIUM_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest
+
+# SGLang for real on this CPU (not part of `make test`: an 11 GB, ~9 minute install of SGLang's
+# CUDA torch stack, which also runs on CPU). Its own venv: SGLang pins another torch than parity.
+SGLANG_VENV := .venv-sglang
+$(SGLANG_VENV)/.stamp: Makefile
+	test -x $(SGLANG_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/pip install --quiet "sglang==0.5.23"
+	touch $@
+
+sglang-check: $(STAMP) $(SGLANG_VENV)/.stamp
+	PARITY_SGLANG_PYTHON=$(CURDIR)/$(SGLANG_VENV)/bin/python $(BIN)/python -m pytest -p no:randomly tests/test_sglang_live.py tests/test_backends_sglang.py

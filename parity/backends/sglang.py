@@ -16,8 +16,11 @@ Translation facts (SGLang docs: sampling params, native API):
 A server needs no sglang package on the client: `base_url=` works with only parity installed.
 Requests to a server go one sample per `/generate` call through `parity.backends.http` (bounded
 concurrency, per-request and per-run timeouts, retries; lost requests are named in the error).
-This HTTP path is tested against a local server that speaks SGLang's documented format; it has
-not been run against a real SGLang server.
+The HTTP path ran against a real SGLang 0.5.23 server on CPU (tests/test_sglang_live.py, `make
+sglang-check`); its responses, captured, are the parsing fixtures. That run confirmed: the default
+logprob is log_softmax(logits / T), untruncated; greedy tokens come back raw (converted to the
+point mass by `Backend.finished`); `sampling_seed` is ignored unless the server runs with
+--enable-deterministic-inference. The Engine API and MoE routes were not run (SGLang's CPU path).
 """
 
 from __future__ import annotations
