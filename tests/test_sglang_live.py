@@ -18,6 +18,7 @@ import pytest
 from parity import Request, SamplingParams, compare
 from parity.backends.sglang import SGLangBackend
 from parity.engine import train_forward
+from parity.errors import BackendError
 from parity.models import resolve_model
 from parity.processes import LOOPBACK, ServerProcess, free_loopback_port
 
@@ -25,8 +26,10 @@ PYTHON = os.environ.get("PARITY_SGLANG_PYTHON")
 pytestmark = [pytest.mark.sglang, pytest.mark.skipif(
     not PYTHON, reason="PARITY_SGLANG_PYTHON is not set: `make sglang-check` installs SGLang and runs this")]
 
-#: bf16 serving against the float32 training forward on tiny-llama (measured: max 0.06 nats)
-BF16_DRIFT = 0.15
+#: bf16 SGLang against parity's training forward on tiny-llama. Measured: max 0.12, mean 0.017
+#: nats over 1,024 tokens against the bf16 reference. SGLang's seed is not honoured on this path,
+#: so every run samples other tokens: the bound leaves room.
+BF16_DRIFT = 0.3
 
 
 def sglang_argv(model: str, port: int) -> list[str]:
@@ -67,7 +70,22 @@ def test_generate_and_score_match_the_training_forward(server):
 
 
 def test_compare_reports_drift_against_the_exact_reference(server):
-    report = compare("tiny-llama", "sglang", base_url=server.url, logprobs_mode="raw",
-                     sampling=SamplingParams(max_tokens=16, logprobs_mode="raw"))
-    assert 0 < report.summary["max_abs_logprob_diff"] < BF16_DRIFT
-    assert report.summary["num_tokens"] > 0
+    prompts = [list(range(3 + i, 12 + 3 * i)) for i in range(16)]
+    report = compare("tiny-llama", "sglang", base_url=server.url, logprobs_mode="raw", prompts=prompts,
+                     sampling=SamplingParams(n=2, max_tokens=32, logprobs_mode="raw", ignore_eos=True))
+    summary = report.summary
+    print({key: summary[key] for key in ("num_tokens", "max_abs_logprob_diff", "mean_abs_logprob_diff",
+                                         "k3_kl", "is_ratio_min", "is_ratio_max")})
+    assert summary["num_tokens"] == 16 * 2 * 32
+    assert 0 < summary["max_abs_logprob_diff"] < BF16_DRIFT
+
+
+def test_moe_does_not_load_on_the_cpu_path_and_nothing_is_left_running():
+    """SGLang's transformers backend asks for an accelerator to place MoE experts: the start fails,
+    parity says why, and the failed server is gone."""
+    port = free_loopback_port()
+    process = ServerProcess([*sglang_argv("tiny-qwen3-moe", port), "--enable-return-routed-experts"],
+                            port=port, name="sglang", env={"SGLANG_USE_CPU_ENGINE": "0"})
+    with pytest.raises(BackendError, match="No accelerator"):
+        process.start(timeout_s=900)
+    assert process.exit_reason() is not None
