@@ -1,50 +1,35 @@
-"""Rollouts on disk: recorded runs that replay through any backend, and offline ingestion.
+"""Recorded runs: the requests of a run and the rollouts of every backend that served them, in
+one file that replays through any backend and scores with `parity score`.
 
 Record (JSONL, one object per line, `kind` says which):
     {"kind": "header", "format": "parity-record", "version": 1, "model": ..., "meta": {...}}
     {"kind": "request", "request_id": ..., "prompt_ids": [...], "sampling": {every field}}
     {"kind": "rollout", ...Rollout.to_dict()}          (any number, from any backends)
 Requests carry every sampling field and seed, so `replay` sends exactly the same requests
-through another backend and the rollouts line up by (request_id, sample_index).
+through another backend and the rollouts line up by (request_id, sample_index). A rollout
+line without `sampling` (records written before rollouts carried it) takes its request's.
 
-Ingestion (`load_rollouts`) reads rollouts produced elsewhere, e.g. on a TRT-LLM cluster
-parity cannot reach, from JSONL or Parquet with one rollout per row:
-    prompt_ids, response_ids, rollout_logprobs            (required)
-    request_id, sample_index, finish_reason, logprobs_mode, routed_experts, response_mask
-verl's batch key names are accepted too (`prompts`, `responses`, `rollout_log_probs`,
-`response_mask` to strip right padding). verl's `trainer.rollout_data_dir` dump is not: it
-holds decoded text and scores, no token ids or logprobs.
+Rollouts produced outside parity (verl batches, other clusters) are read by `parity.dumps`.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import math
+import dataclasses
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from parity.backends import Backend, get_backend, parse_option
+from parity.dumps import check_logprobs
 from parity.errors import ConfigError, InputError, ParityError
-from parity.schema import LOGPROBS_MODES
+from parity.tables import read_jsonl, write_jsonl
 from parity.types import Request, Rollout
 
 RECORD_FORMAT = "parity-record"
 RECORD_VERSION = 1
-
-#: ingestion column -> accepted spellings, parity's first.
-COLUMN_ALIASES: dict[str, tuple[str, ...]] = {
-    "prompt_ids": ("prompt_ids", "prompts", "prompt_token_ids"),
-    "response_ids": ("response_ids", "responses", "token_ids", "response_token_ids"),
-    "rollout_logprobs": ("rollout_logprobs", "rollout_log_probs", "logprobs"),
-}
-#: a logprob above this is not a logprob (logits or probabilities were dumped instead).
-_MAX_LOGPROB = 1e-4
 
 
 @dataclass(frozen=True)
@@ -60,21 +45,21 @@ class Record:
 def write_record(path: str | Path, requests: Sequence[Request], rollouts: Sequence[Rollout] = (), *,
                  model: str | None = None, meta: dict[str, Any] | None = None) -> Path:
     """Write a record file; `rollouts` may mix backends (each rollout names its own)."""
-    path = Path(path)
     lines = [{"kind": "header", "format": RECORD_FORMAT, "version": RECORD_VERSION, "model": model,
               "meta": meta or {}}]
     lines += [{"kind": "request", **r.to_dict()} for r in requests]
     lines += [{"kind": "rollout", **r.to_dict()} for r in rollouts]
-    path.write_text("".join(json.dumps(line, allow_nan=False) + "\n" for line in lines))
-    return path
+    return write_jsonl(path, lines)
 
 
 def read_record(path: str | Path) -> Record:
-    """Parse a record file; errors name the file and line."""
+    """Parse a record file; errors name the file and line. Rollouts without sampling take their
+    request's."""
     requests: list[Request] = []
+    by_id: dict[str, Request] = {}
     rollouts: dict[str, list[Rollout]] = {}
     header: dict[str, Any] | None = None
-    for where, obj in _jsonl(Path(path)):
+    for where, obj in read_jsonl(path):
         kind = obj.pop("kind", None)
         try:
             if kind == "header":
@@ -87,9 +72,13 @@ def read_record(path: str | Path) -> Record:
                                  f"{RECORD_FORMAT!r}, ...}})")
             elif kind == "request":
                 requests.append(Request.from_dict(obj))
+                by_id[requests[-1].request_id] = requests[-1]
             elif kind == "rollout":
-                _check_logprobs(obj.get("logprobs", []))
+                check_logprobs(obj.get("logprobs", []))
                 rollout = Rollout.from_dict(obj)
+                request = by_id.get(rollout.request_id)
+                if rollout.sampling is None and request is not None:
+                    rollout = dataclasses.replace(rollout, sampling=request.sampling)
                 rollouts.setdefault(rollout.backend, []).append(rollout)
             else:
                 raise InputError(f"unknown kind {kind!r}; expected 'header', 'request' or 'rollout'")
@@ -142,131 +131,3 @@ def replay_main(argv: Sequence[str] | None = None) -> int:
         return 2
     sys.stdout.write(f"{out}\n")
     return 0
-
-
-def dump_rollouts(path: str | Path, rollouts: Sequence[Rollout]) -> Path:
-    """Write rollouts in the ingestion format (JSONL, or Parquet for a .parquet path)."""
-    path = Path(path)
-    rows = [{
-        "request_id": r.request_id, "sample_index": r.sample_index, "prompt_ids": list(r.prompt_ids),
-        "response_ids": list(r.token_ids), "rollout_logprobs": list(r.logprobs),
-        "finish_reason": r.finish_reason, "logprobs_mode": r.logprobs_mode,
-        **({} if r.routed_experts is None else {"routed_experts": r.routed_experts.tolist()}),
-    } for r in rollouts]
-    if path.suffix == ".parquet":
-        pq, pa = _pyarrow()
-        pq.write_table(pa.Table.from_pylist(rows), str(path))
-    else:
-        path.write_text("".join(json.dumps(row, allow_nan=False) + "\n" for row in rows))
-    return path
-
-
-def load_rollouts(path: str | Path, *, backend: str = "external",
-                  logprobs_mode: str = "processed") -> list[Rollout]:
-    """Rollouts from a JSONL or Parquet dump (format by suffix); errors name the line or row.
-
-    backend: name stamped on the rollouts (e.g. "trtllm-cluster").
-    logprobs_mode: the mode of rows without a `logprobs_mode` column. Say which one the
-        producer reported: comparing rollouts in different modes is an error, not drift.
-    """
-    if logprobs_mode not in LOGPROBS_MODES:
-        raise ConfigError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
-    path = Path(path)
-    if path.suffix == ".parquet":
-        pq, _ = _pyarrow()
-        try:
-            table = pq.read_table(str(path))
-        except Exception as e:
-            raise InputError(f"{path}: not a readable Parquet file ({e})") from e
-        rows: Iterator[tuple[str, dict[str, Any]]] = (
-            (f"{path} row {i + 1}", row) for i, row in enumerate(table.to_pylist()))
-    else:
-        rows = _jsonl(path)
-    out = []
-    for index, (where, row) in enumerate(rows):
-        try:
-            out.append(_row_to_rollout(row, index, backend, logprobs_mode))
-        except ParityError as e:
-            raise type(e)(f"{where}: {e}") from e
-    keys = [r.key for r in out]
-    if len(set(keys)) != len(keys):
-        raise InputError(f"{path}: (request_id, sample_index) repeats; give each rollout a unique pair")
-    return out
-
-
-def _row_to_rollout(row: dict[str, Any], index: int, backend: str, logprobs_mode: str) -> Rollout:
-    prompt = _column(row, "prompt_ids")
-    response = _column(row, "response_ids")
-    logprobs = _column(row, "rollout_logprobs")
-    mask = row.get("response_mask")
-    if mask is not None:
-        keep = int(sum(int(m) for m in mask))
-        if any(int(m) for m in mask[keep:]) or len(mask) != len(response):
-            raise InputError("response_mask must have one entry per response token and be 1s "
-                             "followed by 0s (right padding)")
-        response, logprobs = response[:keep], logprobs[:keep]
-    if len(response) != len(logprobs):
-        raise InputError(f"{len(response)} response ids but {len(logprobs)} rollout logprobs; "
-                         "give one logprob per response token")
-    _check_ids(prompt, "prompt_ids")
-    _check_ids(response, "response_ids")
-    _check_logprobs(logprobs)
-    routes = row.get("routed_experts")
-    return Rollout(
-        request_id=str(row.get("request_id", index)), sample_index=int(row.get("sample_index", 0)),
-        prompt_ids=tuple(prompt), token_ids=tuple(response), logprobs=tuple(logprobs),
-        finish_reason=str(row.get("finish_reason", "unknown")), backend=backend,
-        logprobs_mode=row.get("logprobs_mode", logprobs_mode),
-        routed_experts=None if routes is None else np.asarray(routes, dtype=np.int64),
-        meta={"source": "offline ingestion"})
-
-
-def _column(row: dict[str, Any], name: str) -> list[Any]:
-    for alias in COLUMN_ALIASES[name]:
-        if row.get(alias) is not None:
-            return list(row[alias])
-    raise InputError(f"missing field {name!r} (accepted spellings: {', '.join(COLUMN_ALIASES[name])})")
-
-
-def _check_ids(ids: list[Any], name: str) -> None:
-    if not ids:
-        raise InputError(f"{name} is empty")
-    if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) and t >= 0 for t in ids):
-        raise InputError(f"{name} must be non-negative integers")
-
-
-def _check_logprobs(values: Sequence[Any]) -> None:
-    for t, v in enumerate(values):
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
-            raise InputError(f"logprob {t} is {v!r}; every logprob must be a finite number")
-        if v > _MAX_LOGPROB:
-            raise InputError(f"logprob {t} is {v} > 0; a log-probability is <= 0 (were logits or "
-                             "probabilities dumped instead?)")
-
-
-def _jsonl(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    """(location, object) per non-blank line; malformed JSON raises InputError with the line."""
-    if not path.is_file():
-        raise InputError(f"{path}: no such file")
-    with path.open() as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InputError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from e
-            if not isinstance(obj, dict):
-                raise InputError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-            yield where, obj
-
-
-def _pyarrow() -> tuple[Any, Any]:
-    try:
-        # pyarrow only for Parquet: an optional dependency that JSONL records never need
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-    except ImportError as e:
-        raise ConfigError("Parquet needs pyarrow: pip install pyarrow (or use a .jsonl file)") from e
-    return pq, pa

@@ -136,6 +136,12 @@ class Rollout:
         vLLM, SGLang and verl's R3).
     finish_reason: "stop" (a stop token) or "length" (max_tokens reached).
     meta: backend settings that affect numerics (version, dtype, attention backend, ...).
+    sampling: the parameters the rollout was drawn with (its request's `SamplingParams`), so the
+        training forward scores it under the distribution it was sampled from. Rollouts ingested
+        from a dump know only the logprob-defining fields (temperature, top_k, top_p,
+        logprobs_mode); the others are defaults. None when unknown (records written before
+        rollouts carried it): such a rollout in processed mode cannot be scored until its
+        parameters are given.
     """
 
     request_id: str
@@ -148,6 +154,7 @@ class Rollout:
     logprobs_mode: LogprobsMode = "processed"
     routed_experts: np.ndarray | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    sampling: SamplingParams | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
@@ -178,6 +185,15 @@ class Rollout:
                     f"expected len(prompt)+len(tokens)-1 = {want}"
                 )
             object.__setattr__(self, "routed_experts", routes.astype(np.int32, copy=False))
+        if self.sampling is not None:
+            if not isinstance(self.sampling, SamplingParams):
+                raise InputError(f"rollout {self.request_id!r}: sampling must be a parity.SamplingParams or "
+                                 f"None, got {type(self.sampling).__name__}")
+            if self.sampling.logprobs_mode != self.logprobs_mode:
+                raise InputError(
+                    f"rollout {self.request_id!r}/{self.sample_index}: logprobs_mode {self.logprobs_mode!r} "
+                    f"but its sampling says {self.sampling.logprobs_mode!r}; they name the same quantity "
+                    "and must agree")
 
     @property
     def key(self) -> tuple[str, int]:
@@ -193,11 +209,14 @@ class Rollout:
         }
         if self.routed_experts is not None:
             d["routed_experts"] = self.routed_experts.tolist()
+        if self.sampling is not None:
+            d["sampling"] = self.sampling.to_dict()
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Rollout:
         routes = d.get("routed_experts")
+        sampling = d.get("sampling")
         return cls(
             request_id=str(d["request_id"]), sample_index=int(d["sample_index"]),
             prompt_ids=tuple(d["prompt_ids"]), token_ids=tuple(d["token_ids"]),
@@ -205,6 +224,7 @@ class Rollout:
             logprobs_mode=d.get("logprobs_mode", "processed"),
             routed_experts=None if routes is None else np.asarray(routes, dtype=np.int32),
             meta=dict(d.get("meta", {})),
+            sampling=None if sampling is None else SamplingParams.from_dict(sampling),
         )
 
 

@@ -16,6 +16,7 @@ from parity.backends import (
     shared_backend,
 )
 from parity.backends.base import (
+    Backend,
     eos_token_ids,
     expand_samples,
     finish_reason,
@@ -114,6 +115,32 @@ def test_stop_set_eos_and_ignore_eos():
     assert stop_set(sp.replace(ignore_eos=True), eos) == (7, 9)  # EOS skipped, stop ids kept
     assert finish_reason([5, 9], (7, 9, 2)) == "stop"
     assert finish_reason([5, 6], (7, 9, 2)) == "length"
+
+
+class Stamping(Backend):
+    """The smallest adapter: what every adapter's rollouts go through, without an engine."""
+
+    name = "stamping"
+
+    def generate(self, requests):
+        return [self.finished(job, [5, 2], [-0.5, -0.25]) for job in expand_samples(requests)]
+
+    def _score(self, pairs, sampling):
+        raise NotImplementedError
+
+    def close(self):
+        pass
+
+
+def test_every_adapter_stamps_the_requests_sampling():
+    """`Backend.finished`, which every adapter builds its rollouts with, records the sampling the
+    rollout was drawn with (TRT-LLM's adapter, which cannot run here, included)."""
+    sampling = SamplingParams(n=2, temperature=0.7, top_p=0.9, top_k=5, seed=3)
+    rollouts = Stamping("tiny-llama").generate([Request((1, 2), sampling, "a")])
+    assert [r.sampling for r in rollouts] == [sampling, sampling] and rollouts[0].finish_reason == "stop"
+    assert Rollout.from_dict(rollouts[0].to_dict()) == rollouts[0]
+    with pytest.raises(InputError, match="logprobs_mode 'raw' but its sampling says 'processed'"):
+        Rollout("x", 0, (1,), (3,), (-0.5,), "length", "hf", logprobs_mode="raw", sampling=sampling)
 
 
 def test_score_input_validation():

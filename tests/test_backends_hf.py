@@ -31,8 +31,10 @@ def test_translation_is_explicit():
 
 def test_generate_padded_batch_matches_score(hf):
     """Processed logprobs from HF's warped scores equal score(processed) on the same tokens."""
-    rollouts = hf.generate(requests())
+    reqs = requests()
+    rollouts = hf.generate(reqs)
     assert [r.key for r in rollouts] == [(f"r{i}", s) for i in range(3) for s in range(2)]
+    assert [r.sampling for r in rollouts] == [q.sampling for q in reqs for _ in range(2)]
     assert all(r.backend == "hf" and r.meta["padding"] == "left" for r in rollouts)
     gen = torch.tensor([lp for r in rollouts for lp in r.logprobs])
     score = torch.cat(hf.score(rollouts, logprobs_mode="processed", temperature=0.7, top_p=0.9))
@@ -58,7 +60,9 @@ def test_raw_mode_greedy_and_stops(hf):
 
 def test_reference_backend_is_bitwise_equal_to_its_score():
     ref = shared_backend("reference", "tiny-qwen3-moe", dtype="float32")
-    rollouts = ref.generate(requests())
+    reqs = requests()
+    rollouts = ref.generate(reqs)
     assert all(r.backend == "reference" and r.meta["batch_invariant"] for r in rollouts)
+    assert [r.sampling for r in rollouts] == [q.sampling for q in reqs for _ in range(2)]
     scores = ref.score(rollouts, logprobs_mode="processed", temperature=0.7, top_p=0.9)
     assert all(torch.equal(s, torch.tensor(r.logprobs)) for s, r in zip(scores, rollouts))

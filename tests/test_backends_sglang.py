@@ -200,7 +200,7 @@ def test_http_generate_and_score_end_to_end(server):
     assert all(b["sampling_params"]["top_k"] == -1 for b in sent)
     assert all(b["sampling_params"]["max_new_tokens"] == 8 for b in sent)
     for r, out in zip(rollouts, DOCUMENTED["outputs"]):
-        assert list(r.token_ids) == out["output_ids"]
+        assert list(r.token_ids) == out["output_ids"] and r.sampling == sampling
         assert list(r.logprobs) == [e[0] for e in out["meta_info"]["output_token_logprobs"]]
         assert r.routed_experts.shape[0] == len(r.prompt_ids) + len(r.token_ids) - 1
         assert r.meta["backend_version"] == "stub" and r.meta["sglang_return_original_logprob"] == "0"

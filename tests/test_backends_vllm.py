@@ -73,8 +73,10 @@ def logprobs_of(rollouts):
 
 def test_generate_normalized_rollouts(model):
     backend = vllm_engine(model)
-    rollouts = backend.generate(sampled())
+    reqs = sampled()
+    rollouts = backend.generate(reqs)
     assert [r.key for r in rollouts] == [(f"r{i}", s) for i in range(3) for s in range(2)]
+    assert [r.sampling for r in rollouts] == [q.sampling for q in reqs for _ in range(2)]
     for r in rollouts:
         assert 1 <= len(r.token_ids) <= 12 and len(r.logprobs) == len(r.token_ids)
         assert r.backend == "vllm" and r.logprobs_mode == "processed"

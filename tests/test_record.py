@@ -1,15 +1,14 @@
-"""Record/replay and offline ingestion: round trips, replay through three backends, bad dumps."""
+"""Record/replay: round trips, replay through three backends, old records, bad records."""
 
 import importlib.util
 import json
 
-import numpy as np
 import pytest
 
 from parity.backends import close_shared_backends, shared_backend
 from parity.errors import ConfigError, InputError
-from parity.record import dump_rollouts, load_rollouts, read_record, replay, replay_main, write_record
-from parity.types import Request, Rollout, SamplingParams
+from parity.record import read_record, replay, replay_main, write_record
+from parity.types import Request, SamplingParams
 
 REQUESTS = [
     Request((1, 40, 41, 42), SamplingParams(n=2, temperature=0.7, top_p=0.9, max_tokens=6, seed=11), "a"),
@@ -71,71 +70,30 @@ def test_replay_main_reports_errors(tmp_path, capsys):
     assert "bad.jsonl:1" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
-def test_ingestion_round_trip(tmp_path, suffix):
-    routes = np.arange(4 * 2 * 2, dtype=np.int32).reshape(4, 2, 2) % 8
-    rollouts = [Rollout("p0", 0, (1, 5, 6), (7, 8), (-0.5, -1.25), "length", "trtllm",
-                        routed_experts=routes),
-                Rollout("p0", 1, (1, 5, 6), (9,), (-2.0,), "stop", "trtllm", logprobs_mode="raw")]
-    loaded = load_rollouts(dump_rollouts(tmp_path / f"dump{suffix}", rollouts), backend="trtllm")
-    for a, b in zip(rollouts, loaded):
-        assert (a.key, a.prompt_ids, a.token_ids, a.logprobs, a.finish_reason, a.logprobs_mode) == \
-            (b.key, b.prompt_ids, b.token_ids, b.logprobs, b.finish_reason, b.logprobs_mode)
-    assert np.array_equal(loaded[0].routed_experts, routes) and loaded[1].routed_experts is None
-
-
-def test_ingestion_accepts_verl_batch_names_and_padding(tmp_path):
-    row = {"prompts": [1, 5], "responses": [7, 8, 0, 0], "rollout_log_probs": [-0.1, -0.2, 0.0, 0.0],
-           "response_mask": [1, 1, 0, 0]}
-    path = tmp_path / "verl.jsonl"
-    path.write_text(json.dumps(row) + "\n")
-    (r,) = load_rollouts(path, backend="verl-vllm")
-    assert r.token_ids == (7, 8) and r.logprobs == (-0.1, -0.2) and r.request_id == "0"
-
-
-GOOD = {"prompt_ids": [1, 2], "response_ids": [3, 4], "rollout_logprobs": [-0.1, -0.2]}
-
-
-@pytest.mark.parametrize("bad, match", [
-    ({k: v for k, v in GOOD.items() if k != "response_ids"}, "missing field 'response_ids'"),
-    ({**GOOD, "rollout_logprobs": [-0.1]}, "2 response ids but 1 rollout logprobs"),
-    ({**GOOD, "rollout_logprobs": [-0.1, float("nan")]}, "logprob 1 is nan"),
-    ({**GOOD, "rollout_logprobs": [-0.1, 3.5]}, "logits or probabilities"),
-    ({**GOOD, "prompt_ids": [1, -2]}, "prompt_ids must be non-negative integers"),
-    ({**GOOD, "routed_experts": [[[0, 1]]]}, "routed_experts has 1 positions"),
-])
-def test_bad_dump_names_the_line(tmp_path, bad, match):
-    path = tmp_path / "dump.jsonl"
-    path.write_text(json.dumps(GOOD) + "\n\n" + json.dumps(bad) + "\n")  # NaN written as JSON NaN
-    with pytest.raises(InputError, match=match) as info:
-        load_rollouts(path)
-    assert "dump.jsonl:3:" in str(info.value)
-
-
-def test_bad_json_and_bad_record(tmp_path):
-    path = tmp_path / "dump.jsonl"
-    path.write_text(json.dumps(GOOD) + "\n{not json\n")
-    with pytest.raises(InputError, match=r"dump.jsonl:2: invalid JSON"):
-        load_rollouts(path)
+def test_bad_record_names_the_line(tmp_path):
     rec = tmp_path / "rec.jsonl"
     write_record(rec, REQUESTS)
     lines = rec.read_text().splitlines()
     rec.write_text("\n".join([lines[0], lines[1].replace('"seed": 11', '"seed": -1')]) + "\n")
     with pytest.raises(ConfigError, match=r"rec.jsonl:2: sampling.seed"):
         read_record(rec)
+    dump = tmp_path / "dump.jsonl"
+    dump.write_text(json.dumps({"prompt_ids": [1], "response_ids": [3], "rollout_logprobs": [-0.1]}) + "\n")
     with pytest.raises(InputError, match="header"):
-        read_record(path)
+        read_record(dump)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("pyarrow") is None, reason="pyarrow is not installed")
-def test_bad_parquet_row_is_named(tmp_path):
-    import pyarrow as pa  # optional dependency: present with the dev extra
-    import pyarrow.parquet as pq
-
-    rows = [GOOD, {**GOOD, "rollout_logprobs": [-0.1, float("nan")]}]
-    pq.write_table(pa.Table.from_pylist(rows), str(tmp_path / "dump.parquet"))
-    with pytest.raises(InputError, match=r"dump.parquet row 2: logprob 1 is nan"):
-        load_rollouts(tmp_path / "dump.parquet")
+def test_old_records_take_each_rollouts_sampling_from_its_request(hf_record, tmp_path):
+    """Records written before rollouts carried their sampling still load: the request has it."""
+    lines = [json.loads(line) for line in hf_record.read_text().splitlines()]
+    assert all("sampling" in line for line in lines if line["kind"] == "rollout")
+    old = tmp_path / "old.jsonl"
+    old.write_text("".join(json.dumps({k: v for k, v in line.items() if not (k == "sampling" and
+                                       line["kind"] == "rollout")}) + "\n" for line in lines))
+    assert "sampling" not in old.read_text().splitlines()[-1]
+    by_id = {r.request_id: r.sampling for r in REQUESTS}
+    assert [r.sampling for r in read_record(old).rollouts["hf"]] == [by_id["a"], by_id["a"], by_id["b"]]
+    assert read_record(old).rollouts == read_record(hf_record).rollouts
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -203,12 +203,14 @@ class Backend(abc.ABC):
     def rollout(self, job: SampleJob, token_ids: Sequence[int], logprobs: Sequence[float],
                 finish: str, routed_experts: np.ndarray | None = None,
                 **extra_meta: Any) -> Rollout:
-        """A `Rollout` for `job` stamped with this backend's name, mode and meta."""
+        """A `Rollout` for `job` stamped with this backend's name, mode, meta and the request's
+        sampling parameters (what the training forward scores it under)."""
         return Rollout(
             request_id=job.request.request_id, sample_index=job.sample_index,
             prompt_ids=job.request.prompt_ids, token_ids=tuple(token_ids), logprobs=tuple(logprobs),
             finish_reason=finish, backend=self.name, logprobs_mode=job.sampling.logprobs_mode,
             routed_experts=routed_experts, meta={**self.meta, "sample_seed": job.seed, **extra_meta},
+            sampling=job.sampling,
         )
 
     def finished(self, job: SampleJob, token_ids: Sequence[int], logprobs: Sequence[float],

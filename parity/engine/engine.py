@@ -220,7 +220,7 @@ class ReferenceEngine:
                        prompt_ids=seq.request.prompt_ids, token_ids=tuple(seq.tokens),
                        logprobs=tuple(seq.logprobs), finish_reason=seq.finish_reason or "length",
                        backend=self.backend, logprobs_mode=seq.request.sampling.logprobs_mode,
-                       routed_experts=routes, meta=meta)
+                       routed_experts=routes, meta=meta, sampling=seq.request.sampling)
 
     def score(self, sequences: list, **options: Any) -> list[torch.Tensor]:
         """Teacher-forced response logprobs: `train_forward` with this engine's dtype, device, kernels."""
