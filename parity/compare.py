@@ -27,7 +27,14 @@ from parity.errors import ConfigError, InputError
 from parity.models import is_model_name, model_hash, resolve_model
 from parity.report import ParityReport
 from parity.routes import router_agreement
-from parity.schema import KERNEL_MODES, NO_REPLAY, ROUTER_SUMMARY_KEYS, VERSION
+from parity.schema import (
+    BACKEND_NAMES,
+    KERNEL_MODES,
+    NO_REPLAY,
+    ROUTE_CAPTURE_OPTIONS,
+    ROUTER_SUMMARY_KEYS,
+    VERSION,
+)
 from parity.tolerance import Tolerance
 from parity.types import Request, Rollout, SamplingParams
 
@@ -67,9 +74,10 @@ def compare(
     tolerance: limits for `passed`; None = the case's limits for this backend, else
         `Tolerance.for_backend(name)`; a dict overrides fields of that default.
     router_replay: MoE router replay mode of the training forward: "R3" replays the routes the
-        backend recorded (start it with its `parity.schema.ROUTE_CAPTURE_OPTIONS` option, e.g.
-        `record_routes=True` for `reference`, or `return_routed_experts=True` on vLLM's GPU
-        builds), "R2" the trainer's own first pass; None or "none" = off.
+        backend recorded, "R2" the trainer's own first pass; None or "none" = off. Either mode
+        starts a named backend with its route-capture option on (`route_capture_options`), so
+        the report also holds router agreement; R3 on a backend that cannot record routes is a
+        ConfigError.
     device: where the training forward runs ("cpu", "cuda").
     correction: keyword arguments of `parity.correction.rollout_correction` for `metrics`;
         None = `DEFAULT_CORRECTION`.
@@ -86,6 +94,8 @@ def compare(
     name = backend if isinstance(backend, str) else getattr(backend, "name", "")
     limits = Tolerance.resolve(tolerance if tolerance is not None else the_case.tolerance_for(name), name)
     _router_replay_options(router_replay)
+    if isinstance(backend, str):
+        backend_options = {**route_capture_options(backend, router_replay), **backend_options}
     engine = _resolve_backend(backend, model_arg, dtype, backend_options)
 
     rollouts = engine.generate(list(the_case.requests))
@@ -138,6 +148,24 @@ def score_rollouts(model: str | os.PathLike[str], rollouts: Sequence[Rollout], r
                            temperature=[s.temperature for s in sampling], top_k=[s.top_k for s in sampling],
                            top_p=[s.top_p for s in sampling], **extra).logprobs
     return [lp.detach().to("cpu").float().numpy() for lp in scored]
+
+
+def route_capture_options(backend: str, router_replay: str | None) -> dict[str, bool]:
+    """The start option that makes `backend` record MoE routes, on, when `router_replay` is a
+    replay mode (an option the caller sets explicitly wins). R3 replays the routes the rollout
+    backend recorded, so R3 on a backend that cannot record them is a ConfigError; R2 replays
+    the trainer's own first pass and runs anywhere (router agreement only where routes exist)."""
+    if router_replay in (None, NO_REPLAY) or backend not in BACKEND_NAMES:
+        return {}  # an unknown backend name is the registry's error, with the list of names
+    option = ROUTE_CAPTURE_OPTIONS.get(backend)
+    if option is not None:
+        return {option: True}
+    if router_replay == "R3":
+        raise ConfigError(f"backend {backend!r} cannot record MoE routes, and R3 replays the routes the "
+                          f"rollout backend recorded; use a backend that records them "
+                          f"({', '.join(ROUTE_CAPTURE_OPTIONS)}) or R2, which replays the trainer's own "
+                          "first pass")
+    return {}
 
 
 def _router_replay_options(router_replay: str | None) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from parity.cli import PASSTHROUGH, main
+from parity.compare import route_capture_options
 from parity.report import ParityReport
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -95,13 +96,25 @@ def test_compare_a_case_file_takes_its_model(tmp_path):
     assert report.provenance["case"] == "smoke" and report.provenance["model"] == "tiny-llama"
 
 
-def test_router_replay_with_a_backend_option(tmp_path):
+def test_router_replay_turns_route_capture_on(tmp_path, capsys):
+    """--router-replay starts the backend recording routes: no --option needed, router agreement reported."""
     out = tmp_path / "rr.json"
     argv = ["compare", "--model", MOE, "--backend", "reference", "--router-replay", "R3",
-            "--option", "record_routes=true", "--option", "max_num_seqs=32", "--json", str(out)]
-    assert main(argv) == 0
+            "--option", "max_num_seqs=32", "--json", str(out)]
+    assert main(argv) == 0, capsys.readouterr().err
     report = ParityReport.from_json(out.read_text())
     assert report.provenance["router_replay"] == "R3" and report.summary["max_abs_logprob_diff"] == 0.0
+    assert report.provenance["backend_meta"]["kernels"] == "invariant"
+    assert report.summary["router_agreement"] == 1.0 and report.extras["router"]["replay"] == "R3"
+
+
+def test_router_replay_on_a_backend_that_cannot_capture(capsys):
+    assert main(["compare", "--model", MOE, "--backend", "hf", "--router-replay", "R3"]) == 2
+    err = capsys.readouterr().err
+    assert "backend 'hf' cannot record MoE routes" in err and "reference, vllm, sglang" in err
+    assert route_capture_options("hf", "R2") == {}  # R2 replays the trainer's own pass: runs anywhere
+    assert route_capture_options("vllm", "R2") == {"capture_routes": True}
+    assert route_capture_options("reference", None) == route_capture_options("reference", "none") == {}
 
 
 def test_malformed_backend_option_exits_2(capsys):

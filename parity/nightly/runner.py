@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from parity.backends import BACKENDS, available_backends, shared_backend
 from parity.cases import Case, load_cases
-from parity.compare import compare
+from parity.compare import compare, route_capture_options
 from parity.errors import ConfigError
 from parity.nightly.environment import collect_environment
 from parity.nightly.history import History, RunInfo, now
@@ -181,8 +181,9 @@ def run_row(run_id: str, key: RowKey, case: Case, config: NightlyConfig, history
     stage = "backend failed to start"
     try:
         t0 = time.perf_counter()
-        options = {ROUTE_CAPTURE_OPTIONS[key.backend]: True} if key.router_replay == "R3" else {}
-        engine = shared_backend(key.backend, case.model, dtype=key.dtype, **options)
+        replay = None if key.router_replay in ("", NO_REPLAY) else key.router_replay
+        engine = shared_backend(key.backend, case.model, dtype=key.dtype,
+                                **route_capture_options(key.backend, replay))
         timing["start_s"] = round(time.perf_counter() - t0, 3)
         stage = "case failed"
         t0 = time.perf_counter()
@@ -190,7 +191,7 @@ def run_row(run_id: str, key: RowKey, case: Case, config: NightlyConfig, history
             return lifecycle_row(run_id, key, case, engine, provenance, timing)
         report = compare(None, engine, case=case, dtype=key.dtype, tolerance=case.tolerance_for(key.backend),
                          reference=config.reference,
-                         router_replay=None if key.router_replay in ("", NO_REPLAY) else key.router_replay)
+                         router_replay=replay)
         timing["case_s"] = round(time.perf_counter() - t0, 3)
     except Exception as exc:  # an error row, by design: one broken backend must not end the night
         trace = "".join(traceback.format_exception(exc))[-4000:]
