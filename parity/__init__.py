@@ -3,10 +3,14 @@
 # compare, report and tolerance import NumPy only; torch and the engines load on first use
 from parity.compare import compare
 from parity.errors import ParityError
+from parity.quiet import follow_parent
 from parity.report import ParityReport
 from parity.schema import VERSION as __version__
 from parity.tolerance import Tolerance
 from parity.types import Request, Rollout, SamplingParams
+
+# an engine process re-imports the main module: if it imports parity, it is as quiet as its parent
+follow_parent()
 
 __all__ = ["ParityError", "ParityReport", "Request", "Rollout", "SamplingParams", "Tolerance", "__version__",
            "compare"]

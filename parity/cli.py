@@ -4,6 +4,9 @@
     parity models | parity backends
     parity nightly ... | parity replay ... | parity attribute ... | parity lifecycle ...
 
+`--verbose`, anywhere on the line, shows the engines' own log lines (vLLM's INFO); without it
+they print errors only (`parity.quiet`).
+
 Exit codes: 0 the tolerance holds (or the command succeeded), 1 it does not, 2 bad input or a
 backend failure (a ParityError, printed without a traceback).
 """
@@ -21,9 +24,12 @@ from parity.compare import compare
 from parity.errors import ConfigError, ModelNotFoundError, ParityError
 from parity.models import BUILTIN_MODELS, TRAINED_MODELS
 from parity.models.trained import packaged_file
+from parity.quiet import engine_logging
 from parity.report import format_worst_tokens
 from parity.schema import DTYPES, KERNEL_MODES
 
+#: the flag that shows the engines' log lines, accepted anywhere on the command line.
+VERBOSE = "--verbose"
 #: subcommands other modules implement as `main(argv) -> exit code`; imported only when used
 #: (`parity attribute` loads torch with its module, `parity --help` should not).
 PASSTHROUGH: dict[str, tuple[str, str, str]] = {
@@ -37,6 +43,9 @@ PASSTHROUGH: dict[str, tuple[str, str, str]] = {
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="parity", description="Train/infer logprob parity for LLM reinforcement learning.")
+    # read by main() before parsing, so it works after any command too (`parity compare ... --verbose`)
+    parser.add_argument(VERBOSE, action="store_true",
+                        help="show the engines' log lines (vLLM's INFO); default: errors only")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     cmp = sub.add_parser(
@@ -137,6 +146,8 @@ def _passthrough(command: str, argv: list[str]) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the `parity` command on `argv` (default: sys.argv[1:]); returns the exit code."""
     args_list = list(sys.argv[1:] if argv is None else argv)
+    engine_logging(verbose=VERBOSE in args_list)
+    args_list = [a for a in args_list if a != VERBOSE]
     try:
         if args_list and args_list[0] in PASSTHROUGH:
             return _passthrough(args_list[0], args_list[1:])

@@ -7,10 +7,10 @@
 Fixtures: `parity_backend` (session-scoped engine, started once per session),
 `parity_compare` (run `parity.compare` with the command-line defaults) and `parity_report`
 (the report of the test's `parity` marker). Options: `--parity-backend`, `--parity-model`,
-`--parity-report-dir`. A backend whose package is not installed skips the test, naming the
-package. This module is imported by every pytest run of a project that installs parity, so it
-imports only parity's light layers (NumPy, no torch, no matplotlib); the engines load when a
-parity test runs.
+`--parity-report-dir`, `--parity-verbose` (the engines' log lines; errors only without it). A
+backend whose package is not installed skips the test, naming the package. This module is
+imported by every pytest run of a project that installs parity, so it imports only parity's
+light layers (NumPy, no torch, no matplotlib); the engines load when a parity test runs.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import pytest
 from parity.backends import Backend, available_backends, close_shared_backends, shared_backend
 from parity.compare import compare
 from parity.errors import BackendUnavailableError
+from parity.quiet import engine_logging
 from parity.report import ParityReport
 from parity.testing import failure_message
 
@@ -45,9 +46,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help=f"model for parity tests that name none (default: {DEFAULT_MODEL})")
     group.addoption("--parity-report-dir", default=None, metavar="DIR",
                     help="write the HTML report of every parity comparison into DIR")
+    group.addoption("--parity-verbose", action="store_true", default=False,
+                    help="show the engines' log lines (vLLM's INFO); default: errors only")
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("parity_verbose", default=False):
+        engine_logging(verbose=True)  # quiet needs no call: the engine adapters default to it
     config.addinivalue_line(
         "markers",
         "parity(model=None, backend=None, case=None, tolerance=None, **options): compare the "

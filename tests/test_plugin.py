@@ -61,7 +61,7 @@ def fake_compare(monkeypatch):
 
 def test_options_and_marker_are_registered(pytester):
     help_text = pytester.runpytest("--help").stdout.str()
-    for option in ("--parity-backend", "--parity-model", "--parity-report-dir"):
+    for option in ("--parity-backend", "--parity-model", "--parity-report-dir", "--parity-verbose"):
         assert option in help_text
     assert "@pytest.mark.parity(model=None, backend=None" in pytester.runpytest("--markers").stdout.str()
 
@@ -99,6 +99,22 @@ def test_fixture(parity_compare):
     result.assert_outcomes(passed=1, failed=1)
     assert [(c[0], c[1]) for c in fake_compare] == [("tiny-qwen3", "hf"), ("tiny-qwen3", "hf")]
     assert fake_compare[1][2] == {"tolerance": {"k3_kl_max": None}}
+
+
+def test_parity_verbose_shows_the_engines_lines(pytester, monkeypatch):
+    """Quiet needs no call (the engine adapters default to it); --parity-verbose chooses INFO."""
+    monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
+    monkeypatch.delenv("PARITY_ENGINE_LOGS", raising=False)
+    pytester.makepyfile(test_env="""
+import os
+
+def test_level():
+    assert os.environ.get("VLLM_LOGGING_LEVEL", "unset") == os.environ["EXPECTED"]
+""")
+    monkeypatch.setenv("EXPECTED", "INFO")
+    pytester.runpytest_subprocess("--parity-verbose").assert_outcomes(passed=1)
+    monkeypatch.setenv("EXPECTED", "unset")  # without the flag, a project's own tests see no change
+    pytester.runpytest_subprocess().assert_outcomes(passed=1)
 
 
 def test_parity_report_without_marker_is_a_usage_error(pytester):

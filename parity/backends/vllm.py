@@ -41,6 +41,7 @@ from parity import guard
 from parity.backends.base import Backend, SampleJob, expand_samples, processed_from_raw, stop_set
 from parity.backends.vllm_routes import capture_engine_kwargs, start_route_capture, take_routes
 from parity.errors import BackendError, ConfigError, InputError, UnsupportedError
+from parity.quiet import engine_logging
 from parity.schema import LOGPROBS_MODES
 from parity.types import Pair, Request, Rollout, SamplingParams
 
@@ -114,6 +115,8 @@ class VLLMBackend(Backend):
         self.logprobs_mode = logprobs_mode
         self._weights_dir: tempfile.TemporaryDirectory[str] | None = None
         os.environ["VLLM_BATCH_INVARIANT"] = "1" if batch_invariant else "0"
+        if engine_logging() == "quiet":  # before vLLM is imported: its import already logs
+            engine_kwargs.setdefault("use_tqdm_on_load", False)  # the weight-loading progress bar
         # vllm only where an engine runs: this module imports without it
         import vllm
         import vllm.envs

@@ -1,0 +1,77 @@
+"""Quiet by default: the engines parity starts print errors only, unless the user chose otherwise.
+
+vLLM writes INFO and WARNING lines from the process that starts it and from each engine
+process it spawns, some before its own logging is configured (straight to stderr). Before an
+engine starts, `engine_logging()` sets, where the user has not:
+
+    VLLM_LOGGING_LEVEL=ERROR          vLLM's handler, in every vLLM process
+    TORCH_CPP_LOG_LEVEL=ERROR         torch's C++ warnings in the engine processes (NUMA binding)
+    HF_HUB_DISABLE_PROGRESS_BARS=1    transformers' weight-loading bars (the training forward's)
+
+and, in this process, the `vllm` logger's level and a filter for the FutureWarnings vLLM's
+modules raise. Engine processes start by re-importing the main module (multiprocessing's
+spawn), so a program that imports parity applies the same in-process settings there too
+(`follow_parent`, run by `import parity`; `PARITY_ENGINE_LOGS` carries the choice). The
+processes multiprocessing starts from here on get one warning option (`sys.warnoptions`):
+the resource tracker's note about shared memory vLLM's engine left for it to clean up.
+
+The user's choice wins: a `VLLM_LOGGING_LEVEL` that parity did not set, or
+`VLLM_CONFIGURE_LOGGING=0` (the user configures logging), leaves everything as it is.
+`parity ... --verbose` and pytest's `--parity-verbose` choose vLLM's INFO lines.
+
+Light: the standard library only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import warnings
+from typing import Literal
+
+#: the warning option quiet child processes get (`-W`, for the resource tracker's shutdown note).
+CHILD_WARNING = "ignore:resource_tracker:UserWarning"
+#: the environment variable recording parity's choice for this process and its children.
+MARK = "PARITY_ENGINE_LOGS"
+#: engine environment of each choice (only variables the user has not set are written).
+ENVIRONMENT: dict[str, dict[str, str]] = {
+    "quiet": {"VLLM_LOGGING_LEVEL": "ERROR", "TORCH_CPP_LOG_LEVEL": "ERROR",
+              "HF_HUB_DISABLE_PROGRESS_BARS": "1"},
+    "verbose": {"VLLM_LOGGING_LEVEL": "INFO"},
+}
+
+Choice = Literal["quiet", "verbose", "user"]
+
+
+def engine_logging(verbose: bool | None = None) -> Choice:
+    """Set how loud engines started from now on are; returns the choice in force.
+
+    verbose: True shows vLLM's INFO lines, False keeps errors only, None keeps this process's
+    earlier choice (quiet when there is none). Returns "user" when the user configured vLLM's
+    logging themselves, and then changes nothing.
+    """
+    env = os.environ
+    if env.get("VLLM_CONFIGURE_LOGGING") == "0" or ("VLLM_LOGGING_LEVEL" in env and MARK not in env):
+        return "user"
+    choice: Choice = "verbose" if verbose or (verbose is None and env.get(MARK) == "verbose") else "quiet"
+    for name, value in ENVIRONMENT[choice].items():
+        # VLLM_LOGGING_LEVEL is parity's here (checked above); the others only if unset
+        if name == "VLLM_LOGGING_LEVEL" or name not in env:
+            env[name] = value
+    env[MARK] = choice
+    if choice == "quiet" and CHILD_WARNING not in sys.warnoptions:
+        sys.warnoptions.append(CHILD_WARNING)  # passed on as -W to the processes spawned from here
+    follow_parent()
+    return choice
+
+
+def follow_parent() -> None:
+    """Apply parity's recorded choice inside this process: the `vllm` logger's level (its
+    import-time warnings come before vLLM configures logging) and vLLM's FutureWarnings."""
+    choice = os.environ.get(MARK)
+    if choice == "quiet":
+        logging.getLogger("vllm").setLevel(logging.ERROR)
+        warnings.filterwarnings("ignore", category=FutureWarning, module="vllm")
+    elif choice == "verbose":
+        logging.getLogger("vllm").setLevel(logging.NOTSET)

@@ -1,0 +1,74 @@
+"""Quiet by default: parity's commands print no vLLM INFO/WARNING lines unless asked (--verbose),
+and a logging setup the user chose is left alone."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from parity import quiet
+
+ROOT = Path(__file__).resolve().parent.parent
+#: a vLLM log line: "(EngineCore pid=1) INFO 11-30 17:16:03 [core.py:133] ..." or its raw form
+VLLM_LINE = re.compile(r"\b(INFO|WARNING) \d\d-\d\d |Triton is installed|Loading (safetensors|weights)")
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in ("VLLM_LOGGING_LEVEL", "VLLM_CONFIGURE_LOGGING", "TORCH_CPP_LOG_LEVEL",
+                 "HF_HUB_DISABLE_PROGRESS_BARS", quiet.MARK):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(sys, "warnoptions", list(sys.warnoptions))
+    level = logging.getLogger("vllm").level
+    yield monkeypatch
+    logging.getLogger("vllm").setLevel(level)
+
+
+def test_quiet_unless_asked_and_the_users_choice_wins(clean_env):
+    assert quiet.engine_logging() == "quiet"
+    assert os.environ["VLLM_LOGGING_LEVEL"] == "ERROR" and os.environ["TORCH_CPP_LOG_LEVEL"] == "ERROR"
+    assert logging.getLogger("vllm").level == logging.ERROR and quiet.CHILD_WARNING in sys.warnoptions
+    assert quiet.engine_logging(verbose=True) == "verbose" and os.environ["VLLM_LOGGING_LEVEL"] == "INFO"
+    assert quiet.engine_logging() == "verbose"  # None keeps the process's choice (an adapter's call)
+    clean_env.delenv(quiet.MARK)
+    clean_env.setenv("VLLM_LOGGING_LEVEL", "DEBUG")  # the user's own level
+    assert quiet.engine_logging() == quiet.engine_logging(verbose=True) == "user"
+    assert os.environ["VLLM_LOGGING_LEVEL"] == "DEBUG" and quiet.MARK not in os.environ
+    clean_env.delenv("VLLM_LOGGING_LEVEL")
+    clean_env.setenv("VLLM_CONFIGURE_LOGGING", "0")  # the user configures logging
+    assert quiet.engine_logging() == "user" and "VLLM_LOGGING_LEVEL" not in os.environ
+
+
+def test_a_users_torch_log_level_is_kept(clean_env):
+    clean_env.setenv("TORCH_CPP_LOG_LEVEL", "INFO")
+    assert quiet.engine_logging() == "quiet" and os.environ["TORCH_CPP_LOG_LEVEL"] == "INFO"
+
+
+def run_parity(*argv: str) -> subprocess.CompletedProcess[str]:
+    chosen = {"VLLM_CONFIGURE_LOGGING", quiet.MARK, *quiet.ENVIRONMENT["quiet"]}
+    env = {k: v for k, v in os.environ.items() if k not in chosen}
+    return subprocess.run([str(Path(sys.executable).parent / "parity"), *argv], capture_output=True,
+                          text=True, timeout=600, check=False, cwd=ROOT, env=env)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+def test_parity_compare_with_vllm_is_quiet_and_verbose_shows_the_lines():
+    """The whole terminal output of a vLLM comparison, from a fresh process with no logging set."""
+    argv = ("compare", "--model", "tiny-llama", "--backend", "vllm")
+    quiet_run = run_parity(*argv)
+    assert quiet_run.returncode == 0, quiet_run.stderr[-3000:]
+    noise = [line for line in (quiet_run.stdout + quiet_run.stderr).splitlines() if VLLM_LINE.search(line)]
+    assert noise == [] and "parity PASS" in quiet_run.stdout
+    assert quiet_run.stderr.strip() == "", quiet_run.stderr[-3000:]
+    loud = run_parity(*argv, "--verbose")  # the negative control: the same run with the lines shown
+    assert loud.returncode == 0, loud.stderr[-3000:]
+    assert sum(bool(VLLM_LINE.search(line)) for line in (loud.stdout + loud.stderr).splitlines()) > 10
