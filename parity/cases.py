@@ -17,9 +17,16 @@ naming the file, the field and the allowed values)::
     kind = "compare"                 # compare (default) | lifecycle: nightly runs parity.lifecycle's
                                      # checks (sleep/wake, weight update, cache resets) on the prompts
 
-    [prompts]                        # exactly one of token_ids, text, generate
+    [prompts]                        # exactly one of token_ids, text, messages, dataset, generate
     token_ids = [[3, 4, 5], [6, 7]]
-    text = ["Hello", "World"]        # encoded with the model's tokenizer, no special tokens
+    text = ["Hello", "World"]        # encoded with the model's tokenizer (parity.prompts)
+    messages = [[{ role = "user", content = "Hi" }]]   # chat: one list of messages per prompt,
+                                     # rendered with the model's chat template
+    [prompts.dataset]                # JSONL or Parquet, one prompt per row (parity.prompts)
+    path = "gsm8k.parquet"           # relative to the case file
+    column = "prompt"                # default "prompt": verl's layout (chat messages); or text, ids
+    limit = 16                       # optional: rows to use
+    seed = 0                         # optional: draw `limit` rows at random with this seed
     [prompts.generate]               # a seeded generator
     kind = "random"                  # random | shared_prefix
     seed = 0
@@ -55,7 +62,6 @@ import math
 import tomllib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +69,7 @@ import numpy as np
 
 from parity.errors import ConfigError, ParityError
 from parity.models import resolve_model
+from parity.prompts import Dataset, check_prompt, encode_prompts
 from parity.schema import (
     BACKEND_NAMES,
     CASE_KINDS,
@@ -296,39 +303,51 @@ class _Fields:
 # Prompts
 
 
+_PROMPT_KEYS = ("token_ids", "text", "messages", "dataset", "generate")
+_DATASET_KEYS = ("path", "column", "limit", "seed")
+
+
 def _load_prompts(f: _Fields, table: dict[str, Any], model: str) -> list[tuple[int, ...]]:
     """The prompt token ids a case's [prompts] table describes."""
-    given = [k for k in ("token_ids", "text", "generate") if k in table]
+    given = [k for k in _PROMPT_KEYS if k in table]
     if len(given) != 1:
-        raise f.error("prompts", f"give exactly one of ['token_ids', 'text', 'generate'], got {given}")
-    f.only(table, "prompts.", ("token_ids", "text", "generate"))
+        raise f.error("prompts", f"give exactly one of {list(_PROMPT_KEYS)}, got {given}")
+    f.only(table, "prompts.", _PROMPT_KEYS)
     key = given[0]
     if key == "generate":
         return _generate_prompts(f, f.get(table, "generate", dict, prefix="prompts."))
+    if key == "dataset":
+        spec = f.get(table, "dataset", dict, prefix="prompts.")
+        f.only(spec, "prompts.dataset.", _DATASET_KEYS)
+        path = Path(f.get(spec, "path", str, prefix="prompts.dataset."))
+        try:
+            dataset = Dataset(path if path.is_absolute() else f.path.parent / path,
+                              column=f.get(spec, "column", str, default="prompt", prefix="prompts.dataset."),
+                              limit=f.get(spec, "limit", int, default=None, prefix="prompts.dataset."),
+                              seed=f.get(spec, "seed", int, default=None, prefix="prompts.dataset."))
+            return encode_prompts(model, dataset.rows())
+        except ParityError as exc:
+            raise type(exc)(f"{f.path}: prompts.dataset: {exc}") from exc
     items = f.get(table, key, list, prefix="prompts.")
     if not items:
         raise f.error(f"prompts.{key}", "is empty; give at least one prompt")
-    if key == "text":
-        if not all(isinstance(t, str) and t for t in items):
-            raise f.error("prompts.text", "must be a list of non-empty strings")
-        return [_encode(model, t) for t in items]
-    for i, ids in enumerate(items):
-        if not isinstance(ids, list) or not ids or not all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
-            raise f.error(f"prompts.token_ids[{i}]", "must be a non-empty list of token ids >= 0")
-    return [tuple(ids) for ids in items]
-
-
-@lru_cache(maxsize=8)
-def _tokenizer(model: str) -> Any:
-    # transformers only for text prompts: parsing a case with token ids never loads it
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(resolve_model(model)))
-
-
-def _encode(model: str, text: str) -> tuple[int, ...]:
-    return tuple(_tokenizer(model).encode(text, add_special_tokens=False))
+    if key == "text" and not all(isinstance(t, str) and t for t in items):
+        raise f.error("prompts.text", "must be a list of non-empty strings")
+    if key == "messages" and not all(isinstance(m, list) and m and all(isinstance(x, dict) for x in m)
+                                     for m in items):
+        raise f.error("prompts.messages", "must be a list of prompts, each a non-empty list of "
+                                          "{ role = ..., content = ... } tables")
+    if key == "token_ids":
+        for i, ids in enumerate(items):
+            if not isinstance(ids, list) or not ids or not all(
+                    isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+                raise f.error(f"prompts.token_ids[{i}]", "must be a non-empty list of token ids >= 0")
+        return [tuple(ids) for ids in items]
+    try:
+        return encode_prompts(model, [(f"prompts.{key}[{i}]", check_prompt(item, f"prompts.{key}[{i}]"))
+                                      for i, item in enumerate(items)])
+    except ParityError as exc:
+        raise type(exc)(f"{f.path}: {exc}") from exc
 
 
 _GEN_KEYS = {

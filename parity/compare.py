@@ -25,6 +25,7 @@ from parity.backends.base import check_dtype
 from parity.cases import Case, default_case, load_case
 from parity.errors import ConfigError, InputError
 from parity.models import is_model_name, model_hash, resolve_model
+from parity.prompts import Dataset, PromptSource, check_prompt, encode_prompts
 from parity.report import ParityReport
 from parity.routes import router_agreement
 from parity.schema import (
@@ -49,7 +50,7 @@ def compare(
     backend: str | Backend,
     *,
     case: Case | str | os.PathLike[str] | None = None,
-    prompts: Sequence[Sequence[int] | str] | None = None,
+    prompts: Sequence[PromptSource] | Dataset | os.PathLike[str] | None = None,
     sampling: SamplingParams | dict[str, Any] | None = None,
     reference: str = "invariant",
     dtype: str | None = None,
@@ -65,10 +66,12 @@ def compare(
     model: built-in checkpoint name or local HF directory; None takes the case's model.
     backend: a registry name (started once per process through `shared_backend`, with
         `backend_options`) or a running `Backend` to reuse.
-    case: a `Case` or the path of a case TOML file. prompts: token-id lists or strings (strings
-        are tokenized with the checkpoint's own tokenizer); prompt i is sampled with `sampling`
-        (default `SamplingParams(max_tokens=32)`) and seed `sampling.seed + i`. With neither,
-        `parity.cases.default_case(model)` is used.
+    case: a `Case` or the path of a case TOML file. prompts: a list of token-id lists, strings
+        or chat-message lists (`[{"role": "user", "content": ...}]`, rendered with the
+        checkpoint's chat template), or a dataset file (a `parity.prompts.Dataset`, or a path:
+        JSONL or Parquet in verl's layout); see `parity.prompts`. Prompt i is sampled with
+        `sampling` (default `SamplingParams(max_tokens=32)`) and seed `sampling.seed + i`. With
+        neither, `parity.cases.default_case(model)` is used.
     reference: training-forward kernels, "invariant" (batch-invariant) or "native" (stock torch).
     dtype: "bfloat16", "float16" or "float32"; None = the case's first dtype, else "bfloat16".
     tolerance: limits for `passed`; None = the case's limits for this backend, else
@@ -272,7 +275,7 @@ def build_report(rollouts: Sequence[Rollout], train_logprobs: Sequence[np.ndarra
 
 
 def _resolve_case(model: str | os.PathLike[str] | None, case: Case | str | os.PathLike[str] | None,
-                  prompts: Sequence[Sequence[int] | str] | None,
+                  prompts: Sequence[PromptSource] | Dataset | os.PathLike[str] | None,
                   sampling: SamplingParams | dict[str, Any] | None) -> Case:
     if case is not None and prompts is not None:
         raise ConfigError("give either case or prompts, not both (a case carries its own prompts)")
@@ -296,37 +299,20 @@ def _resolve_case(model: str | os.PathLike[str] | None, case: Case | str | os.Pa
     elif not isinstance(sampling, SamplingParams):
         raise ConfigError(f"sampling must be a parity.SamplingParams or a dict of its fields, "
                           f"got {type(sampling).__name__}")
-    if isinstance(prompts, (str, bytes)) or not prompts:
-        raise ConfigError("prompts must be a non-empty list of token-id lists or strings")
-    ids = _tokenize(os.fspath(model), prompts)
+    if isinstance(prompts, os.PathLike):
+        prompts = Dataset(Path(prompts))
+    if isinstance(prompts, Dataset):
+        items = prompts.rows()
+    elif isinstance(prompts, Sequence) and not isinstance(prompts, (str, bytes)) and prompts:
+        items = [(f"prompts[{i}]", check_prompt(p, f"prompts[{i}]")) for i, p in enumerate(prompts)]
+    else:
+        raise ConfigError("prompts must be a non-empty list of token-id lists, strings or chat-message "
+                          "lists, or a dataset (a parity.prompts.Dataset or a path)")
+    ids = encode_prompts(model, items)
     requests = tuple(Request(p, sampling.replace(seed=sampling.seed + i), request_id=f"prompt-{i}")
                      for i, p in enumerate(ids))
     return Case(name="prompts", model=os.fspath(model), requests=requests,
                 logprobs_mode=sampling.logprobs_mode)
-
-
-def _tokenize(model: str, prompts: Sequence[Sequence[int] | str]) -> list[list[int]]:
-    """Token ids of each prompt; strings go through the checkpoint's tokenizer (local files only)."""
-    texts = [i for i, p in enumerate(prompts) if isinstance(p, str)]
-    tokenizer = None
-    if texts:
-        path = resolve_model(model)
-        try:
-            from transformers import AutoTokenizer  # transformers (and torch) only for text prompts
-
-            tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"prompts[{texts[0]}] is a string but model {model!r} has no loadable "
-                              f"tokenizer in {path} ({exc}); pass token-id lists instead") from exc
-    out = []
-    for i, p in enumerate(prompts):
-        if isinstance(p, str):
-            out.append(list(tokenizer(p)["input_ids"]))
-        elif isinstance(p, Sequence) and all(isinstance(t, (int, np.integer)) for t in p):
-            out.append([int(t) for t in p])
-        else:
-            raise ConfigError(f"prompts[{i}] must be a list of token ids or a string, got {type(p).__name__}")
-    return out
 
 
 def _resolve_backend(backend: str | Backend, model: str, dtype: str, options: dict[str, Any]) -> Backend:
