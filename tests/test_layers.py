@@ -27,10 +27,10 @@ from parity.nightly import runner
 ROOT = Path(__file__).resolve().parent.parent
 #: modules a light path must not load: the engines and what loads them.
 HEAVY = ("torch", "transformers", "vllm", "sglang", "tensorrt_llm", "triton")
-#: case files whose prompts are token ids or generated; text prompts load the model's own
-#: tokenizer through transformers, which imports torch (the one documented exception).
+#: case files whose prompts are token ids or generated; text and chat prompts load the model's
+#: own tokenizer through transformers, which imports torch (the one documented exception).
 TOKEN_CASES = sorted(p.name for p in (ROOT / "cases").glob("*.toml")
-                     if "text" not in tomllib.loads(p.read_text())["prompts"])
+                     if not {"text", "messages"} & set(tomllib.loads(p.read_text())["prompts"]))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -54,11 +54,24 @@ def test_import_parity_is_light():
 
 
 def test_token_and_generated_cases_parse_without_torch():
-    assert len(TOKEN_CASES) >= 5  # every case file but the text-prompt ones
+    assert len(TOKEN_CASES) >= 5  # every case file but the text and chat ones
     assert heavy_modules_after(textwrap.dedent(f"""
         import parity.cases
         for name in {TOKEN_CASES!r}:
             parity.cases.load_case("cases/" + name)
+    """)) == []
+
+
+def test_a_token_id_dataset_case_and_a_rollout_dump_load_without_torch(tmp_path):
+    (tmp_path / "ids.jsonl").write_text('{"prompt": [5, 6, 7]}\n{"prompt": [8, 9]}\n')
+    (tmp_path / "case.toml").write_text('model = "tiny-llama"\n[prompts.dataset]\npath = "ids.jsonl"\n')
+    assert heavy_modules_after(textwrap.dedent(f"""
+        import json, pathlib, parity.cases, parity.dumps
+        parity.cases.load_case({str(tmp_path / "case.toml")!r})
+        dump = pathlib.Path({str(tmp_path / "dump.jsonl")!r})
+        dump.write_text(json.dumps({{"prompt_ids": [1], "response_ids": [2], "rollout_logprobs": [-1.0],
+                                    "temperature": 0.7}}) + "\\n")
+        parity.dumps.read_dump(dump)
     """)) == []
 
 

@@ -43,7 +43,7 @@ CHATS = [
 ]
 GSM8K = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
          "How many clips did Natalia sell altogether in April and May?")
-#: the chats of cases/trained-chat.toml, whose text prompts are these rendered by the template.
+#: the chats of cases/trained-chat.toml, which the case loader renders with the model's template.
 CASE_CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "system", "content": "You are a concise math tutor."}, {"role": "user", "content": GSM8K}],
