@@ -1,6 +1,7 @@
 """The `parity` command.
 
-    parity compare --model tiny-llama --backend vllm --json r.json --html r.html
+    parity compare --model tiny-llama --backend vllm --json r.json --html r.html --record run.jsonl
+    parity score rollouts.parquet --model ./my-checkpoint --temperature 0.7 --top-p 0.9
     parity models | parity backends
     parity nightly ... | parity replay ... | parity attribute ... | parity lifecycle ...
 
@@ -20,13 +21,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from parity.backends import BACKENDS, available_backends, parse_option
+from parity.cases import load_case
 from parity.compare import compare
 from parity.errors import ConfigError, ModelNotFoundError, ParityError
 from parity.models import BUILTIN_MODELS, TRAINED_MODELS
 from parity.models.trained import packaged_file
 from parity.quiet import engine_logging
-from parity.report import format_worst_tokens
-from parity.schema import DTYPES, KERNEL_MODES
+from parity.report import ParityReport, format_worst_tokens
+from parity.schema import DTYPES, KERNEL_MODES, LOGPROBS_MODES
+from parity.scoring import FROM_DUMP, score
+from parity.types import SamplingParams
 
 #: the flag that shows the engines' log lines, accepted anywhere on the command line.
 VERBOSE = "--verbose"
@@ -58,20 +62,43 @@ def _parser() -> argparse.ArgumentParser:
     cmp.add_argument("--case", type=Path, help="case TOML file (default: the built-in workload)")
     cmp.add_argument("--dtype", choices=DTYPES,
                      help="model dtype (default: the case's first dtype, else bfloat16)")
-    cmp.add_argument("--reference", choices=KERNEL_MODES, default="invariant",
-                     help="training-forward kernels (default: invariant)")
-    cmp.add_argument("--router-replay", metavar="MODE", help="MoE router replay mode, e.g. R3")
-    cmp.add_argument("--attribute", action="append", nargs="?", const="batch", metavar="AXIS",
-                     help="attribute the drift to op families and layers along AXIS (batch, layout, mode, "
-                          "dtype; repeatable; default batch)")
-    cmp.add_argument("--device", default="cpu", help="device of the training forward (default: cpu)")
     cmp.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                      help="backend option, repeatable; VALUE is read as JSON when it parses "
                           "(true, 4, 0.5), else as a string; e.g. --option record_routes=true")
-    cmp.add_argument("--json", type=Path, metavar="OUT", help="write the report as JSON to OUT")
-    cmp.add_argument("--html", type=Path, metavar="OUT", help="write the HTML report to OUT")
-    cmp.add_argument("--worst", type=int, default=5, metavar="K", help="worst tokens to print (default: 5)")
+    cmp.add_argument("--record", type=Path, metavar="OUT",
+                     help="write the run's record (requests and rollouts) to OUT, for `parity replay` "
+                          "and `parity score`")
+    _report_arguments(cmp)
     cmp.set_defaults(func=_compare)
+
+    scr = sub.add_parser(
+        "score", help="score rollouts produced elsewhere (dumps, records) with the training forward",
+        description="Score the rollouts of a dump (JSONL or Parquet: verl batches, any engine) or a parity "
+                    "record with the training forward, print the summary compare prints; exit 0 when the "
+                    "tolerance holds, 1 when it does not, 2 on bad input.")
+    scr.add_argument("source", type=Path,
+                     help="a rollout dump (JSONL or Parquet; verl's batch column names accepted) or a parity "
+                          "record (written by compare --record or replay)")
+    scr.add_argument("--model", help="model name or local HF checkpoint directory to score with (default: "
+                                     "the record's; not needed with --trainer-logprobs)")
+    scr.add_argument("--backend", help="a record's backend whose rollouts to score (needed when it holds "
+                                       "several); for a dump, the name its rollouts get (default: external)")
+    scr.add_argument("--dtype", choices=DTYPES,
+                     help="dtype of the training forward (default: the rollouts' own, else bfloat16)")
+    scr.add_argument("--trainer-logprobs", action="store_true",
+                     help="use the dump's trainer logprobs (trainer_logprobs, verl's old_log_probs) instead "
+                          "of running the training forward here")
+    scr.add_argument("--logprobs-mode", choices=LOGPROBS_MODES, default="processed",
+                     help="mode of a dump's rows without a logprobs_mode column (default: processed)")
+    given = scr.add_argument_group("sampling of rollouts that do not record it (processed logprobs depend "
+                                   "on it; a dump row's own columns win, a contradiction is an error)")
+    given.add_argument("--temperature", type=float, help="sampling temperature (0 = greedy)")
+    given.add_argument("--top-p", type=float, help="nucleus mass in (0, 1] (default: 1, off)")
+    given.add_argument("--top-k", type=int, help="top-k (default: 0, off)")
+    given.add_argument("--case", type=Path, help="case file: each rollout takes the sampling of the case's "
+                                                 "request with its request id")
+    _report_arguments(scr)
+    scr.set_defaults(func=_score)
 
     sub.add_parser("models", help="list the built-in checkpoints and trained models",
                    description="List the built-in tiny checkpoints and the trained models converted from "
@@ -85,12 +112,50 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _report_arguments(parser: argparse.ArgumentParser) -> None:
+    """The training-forward and output arguments `compare` and `score` share."""
+    parser.add_argument("--reference", choices=KERNEL_MODES, default="invariant",
+                        help="training-forward kernels (default: invariant)")
+    parser.add_argument("--router-replay", metavar="MODE", help="MoE router replay mode, e.g. R3")
+    parser.add_argument("--attribute", action="append", nargs="?", const="batch", metavar="AXIS",
+                        help="attribute the drift to op families and layers along AXIS (batch, layout, mode, "
+                             "dtype; repeatable; default batch)")
+    parser.add_argument("--device", default="cpu", help="device of the training forward (default: cpu)")
+    parser.add_argument("--json", type=Path, metavar="OUT", help="write the report as JSON to OUT")
+    parser.add_argument("--html", type=Path, metavar="OUT", help="write the HTML report to OUT")
+    parser.add_argument("--worst", type=int, default=5, metavar="K",
+                        help="worst tokens to print (default: 5)")
+
+
 def _compare(args: argparse.Namespace) -> int:
     if args.model is None and args.case is None:
         raise ConfigError("compare needs --model (or --case naming a model)")
     report = compare(args.model, args.backend, case=args.case, dtype=args.dtype, reference=args.reference,
                      router_replay=args.router_replay, device=args.device,
-                     attribute=tuple(args.attribute or ()), **dict(map(parse_option, args.option)))
+                     attribute=tuple(args.attribute or ()), record=args.record,
+                     **dict(map(parse_option, args.option)))
+    if args.record is not None:
+        print(f"wrote {args.record}")
+    return _report_out(report, args)
+
+
+def _score(args: argparse.Namespace) -> int:
+    flags = {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p),
+                               ("top_k", args.top_k)) if v is not None}
+    if flags and args.case is not None:
+        raise ConfigError("give the sampling with --temperature/--top-p/--top-k or with --case, not both")
+    sampling: SamplingParams | dict[str, SamplingParams] | None = SamplingParams(**flags) if flags else None
+    if args.case is not None:
+        sampling = {r.request_id: r.sampling for r in load_case(args.case).requests}
+    report = score(args.source, args.model, trainer_logprobs=FROM_DUMP if args.trainer_logprobs else None,
+                   backend=args.backend, sampling=sampling, logprobs_mode=args.logprobs_mode,
+                   dtype=args.dtype, reference=args.reference, router_replay=args.router_replay,
+                   device=args.device, attribute=tuple(args.attribute or ()))
+    return _report_out(report, args)
+
+
+def _report_out(report: ParityReport, args: argparse.Namespace) -> int:
+    """Print the summary and the worst tokens, write --json/--html; the exit code of the verdict."""
     print(report.summary_text())
     print(f"worst {args.worst} tokens:")
     print(format_worst_tokens(report.worst_tokens(args.worst)))

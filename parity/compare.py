@@ -9,6 +9,7 @@ elsewhere (replay, offline dumps).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import importlib.metadata
 import os
@@ -26,6 +27,7 @@ from parity.cases import Case, default_case, load_case
 from parity.errors import ConfigError, InputError
 from parity.models import is_model_name, model_hash, resolve_model
 from parity.prompts import Dataset, PromptSource, check_prompt, encode_prompts
+from parity.record import write_record
 from parity.report import ParityReport
 from parity.routes import router_agreement
 from parity.schema import (
@@ -59,6 +61,7 @@ def compare(
     device: str = "cpu",
     correction: dict[str, Any] | None = None,
     attribute: Sequence[str] = (),
+    record: str | os.PathLike[str] | None = None,
     **backend_options: Any,
 ) -> ParityReport:
     """Measure train/infer logprob parity of `backend` on `model`.
@@ -86,6 +89,8 @@ def compare(
         None = `DEFAULT_CORRECTION`.
     attribute: drift-attribution axes (`parity.attribute.AXES`: "batch", "layout", "mode",
         "dtype") run on the sampled tokens; the result goes to `report.extras["attribution"]`.
+    record: write the run's record (the requests and the rollouts, `parity.record`) to this
+        path, to replay through another backend or score again with `parity.scoring.score`.
     """
     # every argument is checked before an engine starts (vLLM takes ~40 s to start on CPU)
     if reference not in KERNEL_MODES:
@@ -101,39 +106,56 @@ def compare(
         backend_options = {**route_capture_options(backend, router_replay), **backend_options}
     engine = _resolve_backend(backend, model_arg, dtype, backend_options)
 
-    rollouts = engine.generate(list(the_case.requests))
-    train = score_rollouts(model_arg, rollouts, the_case.requests, dtype=dtype, device=device,
-                           kernels=reference, router_replay=router_replay)
+    rollouts = match_requests(engine.generate(list(the_case.requests)), the_case.requests)
+    if record is not None:
+        write_record(record, the_case.requests, rollouts, model=model_arg,
+                     meta={"case": the_case.name, "case_hash": the_case.hash})
     provenance = _provenance(model_arg, engine, the_case, dtype=dtype, device=device, reference=reference,
                              router_replay=router_replay)
-    report = build_report(rollouts, train, tolerance=limits, provenance=provenance, correction=correction)
-    if rollouts and all(r.routed_experts is not None for r in rollouts):
+    return report_for(model_arg, rollouts, dtype=dtype, device=device, reference=reference,
+                      router_replay=router_replay, tolerance=limits, provenance=provenance,
+                      correction=correction, attribute=attribute)
+
+
+def report_for(model: str, rollouts: Sequence[Rollout], *, dtype: str, device: str, reference: str,
+               router_replay: str | None, tolerance: Tolerance, provenance: dict[str, Any],
+               correction: dict[str, Any] | None = None, attribute: Sequence[str] = (),
+               train_logprobs: Sequence[np.ndarray] | None = None) -> ParityReport:
+    """The second half of a comparison, for rollouts from anywhere: score them with the training
+    forward (or take `train_logprobs`, the trainer's own logprobs of the same tokens, and run
+    no forward), build the report, and add router agreement (rollouts that carry MoE routes)
+    and attribution (`attribute` axes) where the forward runs."""
+    if train_logprobs is None:
+        train_logprobs = score_rollouts(model, rollouts, dtype=dtype, device=device, kernels=reference,
+                                        router_replay=router_replay)
+        computed = True
+    else:
+        computed = False
+    report = build_report(rollouts, train_logprobs, tolerance=tolerance, provenance=provenance,
+                          correction=correction)
+    if computed and rollouts and all(r.routed_experts is not None for r in rollouts):
         # MoE rollouts that carry routes: router agreement, and drift with and without replay.
         router_summary, report.extras["router"] = router_report(
-            model_arg, rollouts, the_case.requests, dtype=dtype, device=device, kernels=reference,
-            router_replay=router_replay, tolerance=limits)
+            model, rollouts, dtype=dtype, device=device, kernels=reference, router_replay=router_replay,
+            tolerance=tolerance)
         report.summary.update(router_summary)
     if attribute:
         from parity.attribute import attribution_section  # torch: `import parity` stays light
 
-        report.extras["attribution"] = attribution_section(model_arg, rollouts, axes=attribute,
+        report.extras["attribution"] = attribution_section(model, rollouts, axes=attribute,
                                                            dtype=dtype, device=device)
     return report
 
 
-def score_rollouts(model: str | os.PathLike[str], rollouts: Sequence[Rollout], requests: Sequence[Request], *,
-                   dtype: str, device: str = "cpu", kernels: str = "invariant",
-                   router_replay: str | None = None) -> list[np.ndarray]:
-    """Training-forward logprobs of every rollout's response tokens, float32 `[response_len]` each.
+def match_requests(rollouts: Sequence[Rollout], requests: Sequence[Request]) -> list[Rollout]:
+    """`rollouts`, each checked against the request it answers, and carrying that request's
+    sampling (an adapter outside parity may not record it).
 
-    Each rollout is scored under the logprob definition its request sampled with (mode,
-    temperature, top-k, top-p). Its mode must be the one the request asked for, or the two
-    numbers would be different quantities.
+    A rollout's logprobs mode must be the one its request asked for, or the two numbers would
+    be different quantities.
     """
-    from parity.engine import train_forward  # torch: `import parity` stays light
-
     by_id = {r.request_id: r.sampling for r in requests}
-    sampling = []
+    out = []
     for ro in rollouts:
         if ro.request_id not in by_id:
             raise InputError(f"rollout {ro.request_id!r}/{ro.sample_index} matches no request of the case")
@@ -144,13 +166,37 @@ def score_rollouts(model: str | os.PathLike[str], rollouts: Sequence[Rollout], r
                 f"logprobs_mode {ro.logprobs_mode!r} but its request asked for {s.logprobs_mode!r}; "
                 "logprobs in different modes are different quantities and cannot be compared"
             )
-        sampling.append(s)
-    extra = _router_replay_options(router_replay)
+        out.append(ro if ro.sampling is not None else dataclasses.replace(ro, sampling=s))
+    return out
+
+
+def score_rollouts(model: str | os.PathLike[str], rollouts: Sequence[Rollout], *, dtype: str,
+                   device: str = "cpu", kernels: str = "invariant",
+                   router_replay: str | None = None) -> list[np.ndarray]:
+    """Training-forward logprobs of every rollout's response tokens, float32 `[response_len]` each,
+    each rollout scored under the sampling it records (mode, temperature, top-k, top-p)."""
+    from parity.engine import train_forward  # torch: `import parity` stays light
+
+    temperature, top_k, top_p = _recorded_sampling(rollouts)
     scored = train_forward(model, list(rollouts), dtype=dtype, device=device, kernels=kernels,
-                           logprobs_mode=None,  # each rollout's own mode, checked above
-                           temperature=[s.temperature for s in sampling], top_k=[s.top_k for s in sampling],
-                           top_p=[s.top_p for s in sampling], **extra).logprobs
+                           logprobs_mode=None, temperature=temperature, top_k=top_k, top_p=top_p,
+                           **_router_replay_options(router_replay)).logprobs
     return [lp.detach().to("cpu").float().numpy() for lp in scored]
+
+
+def _recorded_sampling(rollouts: Sequence[Rollout]) -> tuple[list[float], list[int], list[float]]:
+    """Per rollout (temperature, top_k, top_p) from its recorded sampling; raw-mode rollouts
+    without one are scored as raw, where the three do not matter."""
+    params = []
+    for ro in rollouts:
+        if ro.sampling is None and ro.logprobs_mode == "processed":
+            raise InputError(
+                f"rollout {ro.request_id!r}/{ro.sample_index} has processed logprobs but no record of the "
+                "sampling parameters they depend on; give them (`parity score --temperature T --top-p P "
+                "--top-k K`, or `sampling=` when loading) or score raw logprobs")
+        s = ro.sampling or SamplingParams(logprobs_mode="raw")
+        params.append((s.temperature, s.top_k, s.top_p))
+    return [t for t, _, _ in params], [k for _, k, _ in params], [p for _, _, p in params]
 
 
 def route_capture_options(backend: str, router_replay: str | None) -> dict[str, bool]:
@@ -179,9 +225,8 @@ def _router_replay_options(router_replay: str | None) -> dict[str, Any]:
     return {} if RouterReplay.of(router_replay) is None else {"router_replay": router_replay}
 
 
-def router_report(model: str, rollouts: Sequence[Rollout], requests: Sequence[Request], *, dtype: str,
-                  device: str, kernels: str, router_replay: str | None, tolerance: Tolerance
-                  ) -> tuple[dict[str, Any], dict[str, Any]]:
+def router_report(model: str, rollouts: Sequence[Rollout], *, dtype: str, device: str, kernels: str,
+                  router_replay: str | None, tolerance: Tolerance) -> tuple[dict[str, Any], dict[str, Any]]:
     """Router agreement and IS-ratio drift with and without replay, for rollouts that carry routes.
 
     Scores the rollouts with the training forward once per side: "none" (the training router
@@ -197,16 +242,14 @@ def router_report(model: str, rollouts: Sequence[Rollout], requests: Sequence[Re
 
     main = RouterReplay.of(router_replay)
     main_name = NO_REPLAY if main is None else main.mode
-    by_id = {r.request_id: r.sampling for r in requests}
-    sampling = [by_id[ro.request_id] for ro in rollouts]
+    temperature, top_k, top_p = _recorded_sampling(rollouts)
     rollout_routes = [ro.routed_experts for ro in rollouts]
     sides: dict[str, dict[str, Any]] = {}
     for name in dict.fromkeys((NO_REPLAY, "R3", main_name)):
         scored = train_forward(
             model, list(rollouts), dtype=dtype, device=device, kernels=kernels, record_routes=True,
             router_replay=main if name == main_name else RouterReplay.of(name),
-            temperature=[s.temperature for s in sampling], top_k=[s.top_k for s in sampling],
-            top_p=[s.top_p for s in sampling])
+            temperature=temperature, top_k=top_k, top_p=top_p)
         drift = build_report(rollouts, [lp.numpy() for lp in scored.logprobs], tolerance=tolerance).summary
         sides[name] = {**router_agreement(rollout_routes, scored.routes), "drift": drift}
     summary = {k: sides[main_name][k] for k in ROUTER_SUMMARY_KEYS}
@@ -335,26 +378,43 @@ def _resolve_backend(backend: str | Backend, model: str, dtype: str, options: di
 def _provenance(model: str, engine: Backend, case: Case, *, dtype: str, device: str, reference: str,
                 router_replay: str | None) -> dict[str, Any]:
     """What produced the numbers, so two reports can be told apart and a run reproduced."""
+    return provenance(model, backend=engine.name, backend_meta=dict(engine.meta), dtype=dtype, device=device,
+                      reference=reference, router_replay=router_replay,
+                      seeds=[r.sampling.seed for r in case.requests], case=case.name, case_hash=case.hash,
+                      rollout_logprobs=f"sampled here by backend {engine.name!r}")
+
+
+#: `provenance["train_logprobs"]` of a report whose training side ran here.
+TRAIN_COMPUTED = "computed here by the training forward"
+
+
+def provenance(model: str | None, *, backend: str, backend_meta: dict[str, Any], dtype: str, device: str,
+               reference: str, router_replay: str | None, seeds: list[int], case: str, case_hash: str,
+               rollout_logprobs: str, train_logprobs: str = TRAIN_COMPUTED) -> dict[str, Any]:
+    """A report's provenance: the versions, the model (name or path, and hash; None when no
+    model was given), the settings and the machine, and where each side's logprobs came from."""
     versions = {"parity": VERSION}
     for dist in _VERSIONED:
         try:
             versions[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             continue
-    path = Path(engine.model_path)
+    path = None if model is None else resolve_model(model)
     return {
         "versions": versions,
-        "backend": engine.name,
-        "backend_meta": dict(engine.meta),
-        "model": model if is_model_name(model) else str(path),
-        "model_hash": model_hash(path),
+        "backend": backend,
+        "backend_meta": backend_meta,
+        "model": model if model is None or is_model_name(model) else str(path),
+        "model_hash": None if path is None else model_hash(path),
         "dtype": dtype,
         "device": device,
         "reference_kernels": reference,
         "router_replay": router_replay,
-        "seeds": [r.sampling.seed for r in case.requests],
-        "case": case.name,
-        "case_hash": case.hash,
+        "seeds": seeds,
+        "case": case,
+        "case_hash": case_hash,
+        "train_logprobs": train_logprobs,
+        "rollout_logprobs": rollout_logprobs,
         "hostname": socket.gethostname(),
         "cpu": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),

@@ -227,6 +227,9 @@ def format_summary(report: ParityReport) -> str:
     verdict = "PASS" if report.passed else "FAIL"
     lines = [f"parity {verdict}: backend={prov.get('backend', '?')} model={prov.get('model', '?')} "
              f"dtype={prov.get('dtype', '?')} reference={prov.get('reference_kernels', '?')}"]
+    for side in ("train_logprobs", "rollout_logprobs"):
+        if side in prov:  # where each side's numbers came from (score: a dump's trainer logprobs)
+            lines.append(f"  {side.replace('_', ' ')}: {prov[side]}")
     width = max((len(k) for k in report.summary), default=0)
     for key, value in report.summary.items():
         text = f"{value:.6g}" if isinstance(value, float) else str(value)

@@ -20,7 +20,7 @@ MOE = "tiny-qwen3-moe"
 
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["compare", "--help"], ["models", "--help"],
+@pytest.mark.parametrize("argv", [["--help"], ["compare", "--help"], ["score", "--help"], ["models", "--help"],
                                   ["backends", "--help"], *([name, "--help"] for name in PASSTHROUGH)])
 def test_help_everywhere(argv, capsys):
     with pytest.raises(SystemExit) as info:
@@ -33,7 +33,7 @@ def test_top_level_help_lists_every_subcommand(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     out = capsys.readouterr().out
-    for command in ("compare", "models", "backends", *PASSTHROUGH):
+    for command in ("compare", "score", "models", "backends", *PASSTHROUGH):
         assert command in out
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import parity
-from parity.compare import build_report, score_rollouts
+from parity.compare import build_report, match_requests, score_rollouts
 from parity.errors import ConfigError, InputError, ModelNotFoundError
 from parity.report import ParityReport
 from parity.tolerance import Tolerance
@@ -67,8 +67,18 @@ def test_build_report_rejects_mismatched_lengths():
 def test_rollouts_in_another_logprobs_mode_are_refused():
     request = Request((1, 2), SamplingParams(logprobs_mode="processed"), request_id="a")
     with pytest.raises(InputError, match="different quantities"):
-        score_rollouts("tiny-llama", [rollout("a", (1, 2), (3,), (-1.0,), mode="raw")], [request],
-                       dtype="float32")
+        match_requests([rollout("a", (1, 2), (3,), (-1.0,), mode="raw")], [request])
+    with pytest.raises(InputError, match="matches no request"):
+        match_requests([rollout("b", (1, 2), (3,), (-1.0,))], [request])
+    (matched,) = match_requests([rollout("a", (1, 2), (3,), (-1.0,))], [request])
+    assert matched.sampling == request.sampling  # an adapter that does not record it gets the request's
+
+
+def test_processed_rollouts_without_sampling_are_not_scored_at_a_guessed_temperature():
+    with pytest.raises(InputError, match=r"rollout 'a'/0 has processed logprobs but no record of the "):
+        score_rollouts("tiny-llama", [rollout("a", (1, 2), (3,), (-1.0,))], dtype="float32")
+    raw = rollout("a", (1, 2), (3,), (-1.0,), mode="raw")
+    assert len(score_rollouts("tiny-llama", [raw], dtype="float32")[0]) == 1
 
 
 @pytest.mark.parametrize(("kwargs", "error", "match"), [

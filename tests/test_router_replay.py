@@ -171,8 +171,7 @@ def test_r2_keeps_the_first_forward_routes_when_the_second_would_route_otherwise
 
 
 def test_router_report_shows_agreement_and_drift_with_and_without_replay(moe, native_rollouts):
-    reqs = requests()
-    summary, section = router_report(moe, native_rollouts, reqs, dtype=DTYPE, device="cpu",
+    summary, section = router_report(moe, native_rollouts, dtype=DTYPE, device="cpu",
                                      kernels="invariant", router_replay=None, tolerance=Tolerance.exact())
     assert set(summary) == set(ROUTER_SUMMARY_KEYS)
     sides = section["sides"]
@@ -185,14 +184,14 @@ def test_router_report_shows_agreement_and_drift_with_and_without_replay(moe, na
         assert side["drift"]["max_abs_logprob_diff"] > 0  # native kernels drift beyond routing
         assert np.isfinite(side["drift"]["is_ratio_mean"])
     assert set(sides["R3"]["drift"]) == set(sides["none"]["drift"])
-    summary_r3, section_r3 = router_report(moe, native_rollouts, reqs, dtype=DTYPE, device="cpu",
+    summary_r3, section_r3 = router_report(moe, native_rollouts, dtype=DTYPE, device="cpu",
                                            kernels="invariant", router_replay="R3",
                                            tolerance=Tolerance.exact())
     assert section_r3["replay"] == "R3" and summary_r3["router_agreement"] == 1.0
 
 
 def test_router_report_on_the_reference_engine_with_r3_is_exact(invariant_rollouts, moe):
-    summary, section = router_report(moe, invariant_rollouts, requests(), dtype=DTYPE, device="cpu",
+    summary, section = router_report(moe, invariant_rollouts, dtype=DTYPE, device="cpu",
                                      kernels="invariant", router_replay="R3", tolerance=Tolerance.exact())
     assert summary["router_agreement"] == 1.0 and summary["router_token_any_diff"] == 0.0
     assert section["sides"]["R3"]["drift"]["max_abs_logprob_diff"] == 0.0

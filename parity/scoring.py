@@ -1,0 +1,217 @@
+"""`parity.scoring.score` and `parity score`: the report `compare` builds, for rollouts produced
+elsewhere.
+
+A verl batch dumped from a cluster, another engine's rollouts (the route for SGLang and
+TensorRT-LLM clusters parity cannot reach), a record written by `parity compare --record` or
+`parity replay`: the rollouts are scored with the training forward here and reported exactly
+as `compare` reports them (summary, JSON, HTML, tolerance, exit codes). When a dump also holds
+the trainer's own logprobs of the same tokens (verl's `old_log_probs`), `trainer_logprobs=
+"dump"` (`--trainer-logprobs`) uses them and runs no forward; the report's provenance says
+which side was computed here (`train_logprobs`, `rollout_logprobs`).
+
+Sources (`read_source`): a parity record (JSONL whose first line is its header; with rollouts
+of several backends, `backend` picks one), or a rollout dump, JSONL or Parquet
+(`parity.dumps`). Processed logprobs are scored under each rollout's recorded sampling;
+`sampling` supplies it where the source has none (one `SamplingParams`, or one per request
+id, e.g. from a case).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from parity.backends.base import check_dtype
+from parity.compare import TRAIN_COMPUTED, provenance, report_for
+from parity.dumps import GivenSampling, check_logprobs, read_dump
+from parity.errors import ConfigError, InputError
+from parity.models import resolve_model
+from parity.record import RECORD_FORMAT, read_record
+from parity.report import ParityReport
+from parity.schema import KERNEL_MODES
+from parity.tables import PARQUET_SUFFIX, read_jsonl
+from parity.tolerance import Tolerance
+from parity.types import Rollout
+
+#: `trainer_logprobs=FROM_DUMP`: the trainer logprobs the dump holds (its trainer-logprob column).
+FROM_DUMP = "dump"
+#: the dtype of the training forward when neither the caller nor the rollouts' meta names one.
+DEFAULT_DTYPE = "bfloat16"
+
+
+@dataclass(frozen=True)
+class Source:
+    """Rollouts read from a file, with what else the file says.
+
+    kind: "record" or "dump". model: the record's model (None for a dump).
+    trainer_logprobs / trainer_column: the dump's trainer logprobs per rollout and their column.
+    """
+
+    path: Path
+    kind: str
+    rollouts: tuple[Rollout, ...]
+    model: str | None = None
+    trainer_logprobs: tuple[tuple[float, ...], ...] | None = None
+    trainer_column: str | None = None
+
+
+def read_source(path: str | os.PathLike[str], *, backend: str | None = None, sampling: GivenSampling = None,
+                logprobs_mode: str = "processed") -> Source:
+    """A record or a dump (see the module doc). backend: for a record, whose rollouts to take;
+    for a dump, the name stamped on its rollouts (default "external"). sampling, logprobs_mode:
+    for rollouts that carry none (`parity.dumps.read_dump`)."""
+    path = Path(path)
+    if path.suffix != PARQUET_SUFFIX and _is_record(path):
+        record = read_record(path)
+        if not record.rollouts:
+            raise InputError(f"{path}: the record holds requests but no rollouts; replay it through a "
+                             "backend first (`parity replay`)")
+        if backend is None and len(record.rollouts) > 1:
+            raise ConfigError(f"{path}: the record holds rollouts of {sorted(record.rollouts)}; pick one "
+                              "with backend= (--backend)")
+        name = backend if backend is not None else next(iter(record.rollouts))
+        if name not in record.rollouts:
+            raise ConfigError(f"{path}: the record holds no rollouts of backend {name!r}; "
+                              f"it has {sorted(record.rollouts)}")
+        rollouts = _with_sampling(record.rollouts[name], sampling)
+        return Source(path, "record", tuple(rollouts), record.model)
+    dump = read_dump(path, backend=backend or "external", logprobs_mode=logprobs_mode, sampling=sampling)
+    return Source(path, "dump", dump.rollouts, None, dump.trainer_logprobs, dump.trainer_column)
+
+
+def score(rollouts: Sequence[Rollout] | str | os.PathLike[str], model: str | os.PathLike[str] | None = None,
+          *, trainer_logprobs: Sequence[Sequence[float]] | str | None = None, backend: str | None = None,
+          sampling: GivenSampling = None, logprobs_mode: str = "processed", dtype: str | None = None,
+          reference: str = "invariant", tolerance: Tolerance | dict[str, Any] | None = None,
+          router_replay: str | None = None, device: str = "cpu", correction: dict[str, Any] | None = None,
+          attribute: Sequence[str] = ()) -> ParityReport:
+    """Score rollouts produced elsewhere; the report `parity.compare` would build for them.
+
+    rollouts: `Rollout`s, or the path of a record or dump (`read_source`; backend, sampling
+        and logprobs_mode apply to it).
+    model: the checkpoint to score with (name or local HF directory); None = the record's.
+        Not needed with trainer logprobs, which run no forward.
+    trainer_logprobs: None runs the training forward here; a list gives the trainer's
+        logprobs of each rollout's response tokens; "dump" takes them from the dump's
+        trainer-logprob column (verl's `old_log_probs`).
+    dtype: of the training forward; None = the dtype every rollout's meta names, else bfloat16.
+    tolerance: None = the default for the rollouts' backend name; a dict overrides its fields.
+    reference, router_replay, device, correction, attribute: as in `parity.compare`.
+    """
+    if reference not in KERNEL_MODES:
+        raise ConfigError(f"reference must be one of {KERNEL_MODES}, got {reference!r}")
+    if isinstance(rollouts, (str, os.PathLike)):
+        source = read_source(rollouts, backend=backend, sampling=sampling, logprobs_mode=logprobs_mode)
+    else:
+        if backend is not None or sampling is not None:
+            raise ConfigError("backend and sampling apply to a file; Rollout objects carry their own")
+        source = Source(Path("."), "rollouts", tuple(rollouts))
+    if not source.rollouts:
+        raise InputError("no rollouts to score")
+    theirs = _trainer_logprobs(trainer_logprobs, source)
+    model_arg = os.fspath(model) if model is not None else source.model
+    if model_arg is None and (theirs is None or attribute):
+        raise ConfigError("the rollouts name no model; pass model= (--model), the checkpoint to score with")
+    if model_arg is not None:
+        resolve_model(model_arg)
+    dtype = check_dtype(dtype or _meta_dtype(source.rollouts) or DEFAULT_DTYPE)
+    names = sorted({r.backend for r in source.rollouts})
+    name = names[0] if len(names) == 1 else "+".join(names)
+    limits = Tolerance.resolve(tolerance, name)
+    where = "the given rollouts" if source.kind == "rollouts" else f"{source.kind} {source.path}"
+    if theirs is None:
+        train_side = TRAIN_COMPUTED
+    elif trainer_logprobs == FROM_DUMP:
+        train_side = f"from the dump's {source.trainer_column!r} column (not computed here)"
+    else:
+        train_side = "given by the caller (not computed here)"
+    prov = provenance(
+        model_arg, backend=name, backend_meta=dict(source.rollouts[0].meta), dtype=dtype, device=device,
+        reference=reference, router_replay=router_replay,
+        seeds=[r.sampling.seed if r.sampling is not None else None for r in source.rollouts],
+        case=source.path.stem if source.kind != "rollouts" else "rollouts", case_hash=_rollouts_hash(source),
+        rollout_logprobs=f"from {where} (backend {name!r})", train_logprobs=train_side)
+    return report_for(model_arg or "", source.rollouts, dtype=dtype, device=device, reference=reference,
+                      router_replay=router_replay, tolerance=limits, provenance=prov, correction=correction,
+                      attribute=attribute, train_logprobs=theirs)
+
+
+def _trainer_logprobs(value: Sequence[Sequence[float]] | str | None,
+                      source: Source) -> list[np.ndarray] | None:
+    """The trainer's logprobs per rollout as float32 arrays, checked, or None (run the forward)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if value != FROM_DUMP:
+            raise ConfigError(f"trainer_logprobs must be None, a list of per-rollout logprobs or "
+                              f"{FROM_DUMP!r}, got {value!r}")
+        if source.trainer_logprobs is None:
+            raise InputError(f"{source.path}: no trainer-logprob column (trainer_logprobs, old_log_probs); "
+                             "without one the training forward runs here: leave trainer_logprobs unset")
+        value = source.trainer_logprobs
+    if len(value) != len(source.rollouts):
+        raise InputError(f"{len(value)} trainer logprob lists for {len(source.rollouts)} rollouts; give one "
+                         "per rollout")
+    out = []
+    for ro, lp in zip(source.rollouts, value):
+        lp = [float(x) for x in lp]
+        if len(lp) != len(ro.token_ids):
+            raise InputError(f"rollout {ro.request_id!r}/{ro.sample_index}: {len(ro.token_ids)} tokens but "
+                             f"{len(lp)} trainer logprobs")
+        check_logprobs(lp, "trainer logprob")
+        out.append(np.asarray(lp, dtype=np.float32))
+    return out
+
+
+def _with_sampling(rollouts: Sequence[Rollout], given: GivenSampling) -> list[Rollout]:
+    """Rollouts without sampling take the given one; a given one contradicting a recorded one
+    is an error."""
+    if given is None:
+        return list(rollouts)
+    out = []
+    for ro in rollouts:
+        mine = given.get(ro.request_id) if isinstance(given, Mapping) else given
+        if mine is None:
+            out.append(ro)
+            continue
+        mine = mine.replace(logprobs_mode=ro.logprobs_mode)
+        if ro.sampling is None:
+            out.append(dataclasses.replace(ro, sampling=mine))
+        elif (ro.sampling.temperature, ro.sampling.top_k, ro.sampling.top_p) != \
+                (mine.temperature, mine.top_k, mine.top_p):
+            s = ro.sampling
+            raise ConfigError(f"rollout {ro.request_id!r}/{ro.sample_index} was sampled with temperature="
+                              f"{s.temperature}, top_k={s.top_k}, top_p={s.top_p} but other sampling was "
+                              "given; drop the given one")
+        else:
+            out.append(ro)
+    return out
+
+
+def _meta_dtype(rollouts: Sequence[Rollout]) -> str | None:
+    """The dtype every rollout's meta names, or None when they do not all name the same one."""
+    dtypes = {r.meta.get("dtype") for r in rollouts}
+    return dtypes.pop() if len(dtypes) == 1 else None
+
+
+def _rollouts_hash(source: Source) -> str:
+    """sha256 of what was scored (each rollout's ids, logprobs and sampling); 16 hex digits."""
+    h = hashlib.sha256()
+    for r in source.rollouts:
+        h.update(repr((r.key, r.prompt_ids, r.token_ids, r.logprobs,
+                       None if r.sampling is None else r.sampling.to_dict())).encode())
+    return h.hexdigest()[:16]
+
+
+def _is_record(path: Path) -> bool:
+    """Whether a JSONL file is a parity record (its first line is the record header)."""
+    for _, first in read_jsonl(path):
+        return first.get("kind") == "header" and first.get("format") == RECORD_FORMAT
+    return False
