@@ -158,7 +158,7 @@ def _report_out(report: ParityReport, args: argparse.Namespace) -> int:
     """Print the summary and the worst tokens, write --json/--html; the exit code of the verdict."""
     print(report.summary_text())
     print(f"worst {args.worst} tokens:")
-    print(format_worst_tokens(report.worst_tokens(args.worst)))
+    print(format_worst_tokens(report.worst_tokens(args.worst), report.num_tokens))
     if args.json is not None:
         args.json.write_text(report.to_json(), encoding="utf-8")
         print(f"wrote {args.json}")

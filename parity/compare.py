@@ -38,6 +38,7 @@ from parity.schema import (
     ROUTER_SUMMARY_KEYS,
     VERSION,
 )
+from parity.text import report_text
 from parity.tolerance import Tolerance
 from parity.types import Request, Rollout, SamplingParams
 
@@ -123,8 +124,8 @@ def report_for(model: str, rollouts: Sequence[Rollout], *, dtype: str, device: s
                train_logprobs: Sequence[np.ndarray] | None = None) -> ParityReport:
     """The second half of a comparison, for rollouts from anywhere: score them with the training
     forward (or take `train_logprobs`, the trainer's own logprobs of the same tokens, and run
-    no forward), build the report, and add router agreement (rollouts that carry MoE routes)
-    and attribution (`attribute` axes) where the forward runs."""
+    no forward), build the report with the tokens' decoded text (`parity.text`), and add
+    router agreement (rollouts that carry MoE routes) and attribution (`attribute` axes)."""
     if train_logprobs is None:
         train_logprobs = score_rollouts(model, rollouts, dtype=dtype, device=device, kernels=reference,
                                         router_replay=router_replay)
@@ -133,6 +134,9 @@ def report_for(model: str, rollouts: Sequence[Rollout], *, dtype: str, device: s
         computed = False
     report = build_report(rollouts, train_logprobs, tolerance=tolerance, provenance=provenance,
                           correction=correction)
+    text = report_text(model, rollouts) if model else None
+    if text is not None:
+        report.extras["text"] = text  # decoded now, so a stored report shows text without a tokenizer
     if computed and rollouts and all(r.routed_experts is not None for r in rollouts):
         # MoE rollouts that carry routes: router agreement, and drift with and without replay.
         router_summary, report.extras["router"] = router_report(

@@ -22,6 +22,9 @@ from parity.tolerance import Tolerance, Violation
 FORMAT = "parity-report"
 FORMAT_VERSION = 1
 
+#: response tokens shown on each side of a worst token (when the report holds decoded text).
+CONTEXT_TOKENS = 4
+
 #: per-token array fields and the dtype each is stored in.
 ARRAY_FIELDS: dict[str, type] = {
     "train_logprobs": np.float32,
@@ -167,12 +170,21 @@ class ParityReport:
         """float64 `[num_tokens]`: logp_train - logp_rollout of every real token, row-major."""
         return self.train_logprobs[self.mask].astype(np.float64) - self.rollout_logprobs[self.mask]
 
+    @property
+    def num_tokens(self) -> int:
+        """Real response tokens in the report (True entries of `mask`)."""
+        return int(self.mask.sum())
+
     def worst_tokens(self, k: int = 5) -> list[dict[str, Any]]:
-        """The k tokens with the largest |logp_train - logp_rollout|, largest first.
+        """The k tokens with the largest |logp_train - logp_rollout|, largest first; tokens whose
+        two logprobs are equal are not listed, so a report without drift has none.
 
         Each: sequence (row), request_id, position (index in the response), token_id,
         train_logprob, rollout_logprob, logprob_diff (train - rollout) and ratio
-        (exp(logprob_diff), the importance ratio). Ties keep row-major order.
+        (exp(logprob_diff), the importance ratio). Ties keep row-major order. When the report
+        holds decoded text (`extras["text"]`, `parity.text`), also: text (the token), before
+        and after (up to `CONTEXT_TOKENS` response tokens on each side) and prompt (the start
+        of the sequence's prompt).
         """
         if k < 0:
             raise InputError(f"worst_tokens: k must be >= 0, got {k}")
@@ -183,16 +195,56 @@ class ParityReport:
             diff = train - rollout
             # NaN sorts first: an undefined difference is the worst finding there is
             key = np.where(np.isnan(diff), np.inf, np.abs(diff))
-        order = np.argsort(-key, kind="stable")[:k]
+        order = np.argsort(-key, kind="stable")
+        order = order[diff[order] != 0][:k]
+        text = self.extras.get("text")
         out = []
         for i in order:
             r, c = int(rows[i]), int(cols[i])
             with np.errstate(over="ignore"):
                 ratio = float(np.exp(diff[i]))
-            out.append({
+            row = {
                 "sequence": r, "request_id": self.sequences[r].get("request_id"), "position": c,
                 "token_id": int(self.token_ids[r, c]), "train_logprob": float(train[i]),
                 "rollout_logprob": float(rollout[i]), "logprob_diff": float(diff[i]), "ratio": ratio,
+            }
+            if text:
+                row.update(self._in_context(r, c, text))
+            out.append(row)
+        return out
+
+    def _in_context(self, row: int, col: int, text: dict[str, Any]) -> dict[str, str]:
+        """The decoded token at (row, col), its neighbours and the start of its prompt."""
+        tokens = text.get("tokens", {})
+        length = int(self.mask[row].sum())
+
+        def span(start: int, stop: int) -> str:
+            return "".join(tokens.get(str(int(t)), "") for t in self.token_ids[row, max(start, 0):stop])
+
+        return {"text": span(col, col + 1), "before": span(col - CONTEXT_TOKENS, col),
+                "after": span(col + 1, min(col + 1 + CONTEXT_TOKENS, length)),
+                "prompt": text.get("prompts", {}).get(str(self.sequences[row].get("request_id")), "")}
+
+    def request_drift(self) -> list[dict[str, Any]]:
+        """Drift per request id, in first-seen order: samples, tokens, max and mean
+        |logp_train - logp_rollout| (nats; NaN where a difference is undefined), identical (every
+        token's two logprobs equal) and prompt (its start, when the report holds decoded text)."""
+        prompts = self.extras.get("text", {}).get("prompts", {})
+        groups: dict[str, list[int]] = {}
+        for i, seq in enumerate(self.sequences):
+            groups.setdefault(str(seq.get("request_id")), []).append(i)
+        out = []
+        for request_id, rows in groups.items():
+            mask = self.mask[rows]
+            train = self.train_logprobs[rows][mask].astype(np.float64)
+            rollout = self.rollout_logprobs[rows][mask].astype(np.float64)
+            with np.errstate(invalid="ignore"):
+                diff = np.abs(train - rollout)
+            out.append({
+                "request_id": request_id, "samples": len(rows), "tokens": int(mask.sum()),
+                "max_abs_logprob_diff": float(diff.max()) if diff.size else 0.0,
+                "mean_abs_logprob_diff": float(diff.mean()) if diff.size else 0.0,
+                "identical": bool(np.array_equal(train, rollout)), "prompt": prompts.get(request_id, ""),
             })
         return out
 
@@ -209,16 +261,29 @@ class ParityReport:
         return format_summary(self)
 
 
-def format_worst_tokens(rows: list[dict[str, Any]]) -> str:
-    """Plain-text table of `ParityReport.worst_tokens()` rows (failure messages, CLI)."""
+def format_worst_tokens(rows: list[dict[str, Any]], num_tokens: int | None = None) -> str:
+    """Plain-text table of `ParityReport.worst_tokens()` rows (failure messages, CLI); with
+    decoded text, a last column shows the token in brackets within its context (escaped, so a
+    newline reads \\n). No rows: "all `num_tokens` tokens identical"."""
+    if not rows:
+        return "no tokens" if not num_tokens else f"all {num_tokens} tokens identical"
     header = ("sequence", "position", "token_id", "train_logprob", "rollout_logprob", "ratio")
-    lines = [[str(h) for h in header]]
+    with_text = "text" in rows[0]
+    lines = [[str(h) for h in header] + (["token in context"] if with_text else [])]
     for row in rows:
         lines.append([str(row["sequence"]), str(row["position"]), str(row["token_id"]),
                       f"{row['train_logprob']:.6f}", f"{row['rollout_logprob']:.6f}",
                       f"{row['ratio']:.6f}"])
+        if with_text:
+            lines[-1].append(f"{_escaped(row['before'])}[{_escaped(row['text'])}]{_escaped(row['after'])}")
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in lines)
+    return "\n".join("  ".join([*(cell.rjust(w) for cell, w in zip(line, widths)), *line[len(header):]])
+                     for line in lines)
+
+
+def _escaped(text: str) -> str:
+    """`text` on one terminal line: each unprintable character (newline, tab, ...) as its escape."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def format_summary(report: ParityReport) -> str:

@@ -27,7 +27,8 @@ def failure_message(report: ParityReport, violations: list[Violation], *, k: int
     ]
     lines += [f"  {v.describe()}" for v in violations]
     lines.append(f"{k} worst tokens by |logp_train - logp_rollout| (ratio = exp(train - rollout)):")
-    lines += ["  " + line for line in format_worst_tokens(report.worst_tokens(k)).splitlines()]
+    table = format_worst_tokens(report.worst_tokens(k), report.num_tokens)
+    lines += ["  " + line for line in table.splitlines()]
     return "\n".join(lines)
 
 

@@ -87,7 +87,8 @@ def test_compare_reference_is_exact(tmp_path, capsys):
     report = ParityReport.from_json(out.read_text())
     assert report.passed and report.summary["max_abs_logprob_diff"] == 0.0
     assert report.summary["num_tokens"] > 0
-    assert "parity PASS" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "parity PASS" in out and f"all {report.num_tokens} tokens identical" in out
 
 
 def test_compare_a_case_file_takes_its_model(tmp_path):

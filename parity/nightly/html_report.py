@@ -199,7 +199,7 @@ def _report_views(row: RowResult) -> str:
         report = ParityReport.from_json(row.report_json or "")
         parts = [
             '<div class="plots">', *report_plots(report), "</div>", _by_sweep_block(report),
-            "<h4>Worst tokens</h4>", worst_tokens_table(report.worst_tokens(8)),
+            "<h4>Worst tokens</h4>", worst_tokens_table(report.worst_tokens(8), report.num_tokens),
             "<details><summary>All metrics</summary>", key_value_table(row.summary),
             key_value_table(report.metrics), "</details>",
         ]

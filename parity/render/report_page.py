@@ -18,20 +18,63 @@ if TYPE_CHECKING:
     from parity.report import ParityReport
 
 
-def worst_tokens_table(rows: list[dict[str, Any]]) -> str:
-    """HTML table of `ParityReport.worst_tokens()` rows."""
-    head = ("sequence", "request", "position", "token id", "train logprob", "rollout logprob",
+def worst_tokens_table(rows: list[dict[str, Any]], num_tokens: int | None = None) -> str:
+    """HTML table of `ParityReport.worst_tokens()` rows; with decoded text, each token in its
+    context and the start of its prompt. No rows: "all `num_tokens` tokens identical"."""
+    with_text = bool(rows) and "text" in rows[0]
+    text_head = ("token in context", "prompt starts") if with_text else ()
+    head = ("sequence", "request", "position", "token id", *text_head, "train logprob", "rollout logprob",
             "Δlogp", "ratio")
     body = []
     for row in rows:
-        cells = (row["sequence"], row.get("request_id", ""), row["position"], row["token_id"],
-                 f"{row['train_logprob']:.6f}", f"{row['rollout_logprob']:.6f}",
-                 f"{row['logprob_diff']:+.3e}", f"{row['ratio']:.6f}")
-        body.append("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in cells) + "</tr>")
+        cells = [_td(row["sequence"]), _td(row.get("request_id", "")), _td(row["position"]),
+                 _td(row["token_id"])]
+        if with_text:
+            cells += [f'<td class="text">{in_context(row)}</td>',
+                      f'<td class="text prompt">{_text(row["prompt"])}</td>']
+        cells += [_td(f"{row['train_logprob']:.6f}"), _td(f"{row['rollout_logprob']:.6f}"),
+                  _td(f"{row['logprob_diff']:+.3e}"), _td(f"{row['ratio']:.6f}")]
+        body.append("<tr>" + "".join(cells) + "</tr>")
     if not body:
-        body.append(f'<tr><td colspan="{len(head)}">no tokens</td></tr>')
+        empty = f"all {num_tokens} tokens identical" if num_tokens else "no tokens"
+        body.append(f'<tr><td class="identical" colspan="{len(head)}">{empty}</td></tr>')
     return ('<table class="worst"><thead><tr>' + "".join(f"<th>{h}</th>" for h in head)
             + "</tr></thead><tbody>" + "".join(body) + "</tbody></table>")
+
+
+def in_context(row: dict[str, Any]) -> str:
+    """A worst token (marked) between its neighbours, every piece HTML-escaped."""
+    return (f'<span class="ctx">{_text(row["before"])}</span><mark>{_text(row["text"]) or "&nbsp;"}</mark>'
+            f'<span class="ctx">{_text(row["after"])}</span>')
+
+
+def request_drift_table(rows: list[dict[str, Any]]) -> str:
+    """HTML table of `ParityReport.request_drift()` rows; a request without drift reads
+    "all N tokens identical" instead of its zeros."""
+    with_text = any(row["prompt"] for row in rows)
+    head = ("request", "samples", "tokens", "max |Δlogp|", "mean |Δlogp|", *(("prompt starts",) if with_text
+            else ()))
+    body = []
+    for row in rows:
+        cells = [_td(row["request_id"]), _td(row["samples"]), _td(row["tokens"])]
+        if row["identical"]:
+            cells.append(f'<td class="identical" colspan="2">all {row["tokens"]} tokens identical</td>')
+        else:
+            cells += [_td(f"{row['max_abs_logprob_diff']:.3e}"), _td(f"{row['mean_abs_logprob_diff']:.3e}")]
+        if with_text:
+            cells.append(f'<td class="text prompt">{_text(row["prompt"])}</td>')
+        body.append("<tr>" + "".join(cells) + "</tr>")
+    return ('<table class="requests"><thead><tr>' + "".join(f"<th>{h}</th>" for h in head)
+            + "</tr></thead><tbody>" + "".join(body) + "</tbody></table>")
+
+
+def _td(value: Any) -> str:
+    return f"<td>{html.escape(str(value))}</td>"
+
+
+def _text(text: str) -> str:
+    """Decoded model text, HTML-escaped, with newlines and tabs made visible (↵, →)."""
+    return html.escape(text).replace("\n", "↵").replace("\t", "→")
 
 
 def key_value_table(values: dict[str, Any], *, css_class: str = "kv") -> str:
@@ -57,7 +100,11 @@ h1 { font-size: 20px; margin: 0 0 4px 0; } h2 { font-size: 16px; margin: 24px 0 
 table { border-collapse: collapse; font-size: 13px; }
 th, td { border: 1px solid #ddd; padding: 3px 8px; text-align: left; }
 td { font-variant-numeric: tabular-nums; }
-table.worst td { text-align: right; }
+table.worst td, table.requests td { text-align: right; }
+table td.text { text-align: left; font-family: ui-monospace, monospace; white-space: pre; max-width: 480px;
+                overflow: hidden; text-overflow: ellipsis; }
+table td.prompt { color: #555; } span.ctx { color: #666; } mark { background: #ffe08a; }
+table td.identical { text-align: left; color: #2e7d32; }
 .row { display: flex; flex-wrap: wrap; gap: 12px 32px; align-items: flex-start; }
 img.plot { width: 460px; max-width: 100%; border: 1px solid #eee; }
 ul.violations { color: #c62828; }
@@ -92,7 +139,7 @@ def report_html(report: ParityReport) -> str:
     extras = "".join(
         f"<details><summary>{html.escape(name)}</summary><pre>"
         f"{html.escape(json.dumps(section, indent=2, sort_keys=True, default=str))}</pre></details>"
-        for name, section in report.extras.items() if name != "attribution"
+        for name, section in report.extras.items() if name not in ("attribution", "text")
     )
     parts = [
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
@@ -102,7 +149,8 @@ def report_html(report: ParityReport) -> str:
         '<div class="row"><div><h2>Summary</h2>', key_value_table(report.summary), "</div>",
         "<div><h2>Tolerance</h2>", key_value_table(report.tolerance.to_dict()), "</div></div>",
         '<h2>Plots</h2><div class="row">', *plots, "</div>",
-        "<h2>Worst tokens</h2>", worst_tokens_table(report.worst_tokens(10)),
+        "<h2>Worst tokens</h2>", worst_tokens_table(report.worst_tokens(10), report.num_tokens),
+        "<h2>Drift per request</h2>", request_drift_table(report.request_drift()),
         "<h2>Rollout correction (verl rollout_corr/*)</h2>", key_value_table(report.metrics),
         attribution,
         "<h2>Provenance</h2>", key_value_table(prov),
