@@ -118,14 +118,17 @@ def compare(
                       correction=correction, attribute=attribute)
 
 
-def report_for(model: str, rollouts: Sequence[Rollout], *, dtype: str, device: str, reference: str,
+def report_for(model: str | None, rollouts: Sequence[Rollout], *, dtype: str, device: str, reference: str,
                router_replay: str | None, tolerance: Tolerance, provenance: dict[str, Any],
                correction: dict[str, Any] | None = None, attribute: Sequence[str] = (),
                train_logprobs: Sequence[np.ndarray] | None = None) -> ParityReport:
     """The second half of a comparison, for rollouts from anywhere: score them with the training
     forward (or take `train_logprobs`, the trainer's own logprobs of the same tokens, and run
     no forward), build the report with the tokens' decoded text (`parity.text`), and add
-    router agreement (rollouts that carry MoE routes) and attribution (`attribute` axes)."""
+    router agreement (rollouts that carry MoE routes) and attribution (`attribute` axes).
+    model: None only with `train_logprobs` and no `attribute` (nothing to run, no text)."""
+    if model is None and (train_logprobs is None or attribute):
+        raise ConfigError("a model is needed to run the training forward; pass model=")
     if train_logprobs is None:
         train_logprobs = score_rollouts(model, rollouts, dtype=dtype, device=device, kernels=reference,
                                         router_replay=router_replay)
@@ -134,7 +137,7 @@ def report_for(model: str, rollouts: Sequence[Rollout], *, dtype: str, device: s
         computed = False
     report = build_report(rollouts, train_logprobs, tolerance=tolerance, provenance=provenance,
                           correction=correction)
-    text = report_text(model, rollouts) if model else None
+    text = None if model is None else report_text(model, rollouts)
     if text is not None:
         report.extras["text"] = text  # decoded now, so a stored report shows text without a tokenizer
     if computed and rollouts and all(r.routed_experts is not None for r in rollouts):
@@ -393,7 +396,7 @@ TRAIN_COMPUTED = "computed here by the training forward"
 
 
 def provenance(model: str | None, *, backend: str, backend_meta: dict[str, Any], dtype: str, device: str,
-               reference: str, router_replay: str | None, seeds: list[int], case: str, case_hash: str,
+               reference: str, router_replay: str | None, seeds: list[int | None], case: str, case_hash: str,
                rollout_logprobs: str, train_logprobs: str = TRAIN_COMPUTED) -> dict[str, Any]:
     """A report's provenance: the versions, the model (name or path, and hash; None when no
     model was given), the settings and the machine, and where each side's logprobs came from."""

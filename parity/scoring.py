@@ -138,7 +138,7 @@ def score(rollouts: Sequence[Rollout] | str | os.PathLike[str], model: str | os.
         seeds=[r.sampling.seed if r.sampling is not None else None for r in source.rollouts],
         case=source.path.stem if source.kind != "rollouts" else "rollouts", case_hash=_rollouts_hash(source),
         rollout_logprobs=f"from {where} (backend {name!r})", train_logprobs=train_side)
-    return report_for(model_arg or "", source.rollouts, dtype=dtype, device=device, reference=reference,
+    return report_for(model_arg, source.rollouts, dtype=dtype, device=device, reference=reference,
                       router_replay=router_replay, tolerance=limits, provenance=prov, correction=correction,
                       attribute=attribute, train_logprobs=theirs)
 
@@ -152,6 +152,10 @@ def _trainer_logprobs(value: Sequence[Sequence[float]] | str | None,
         if value != FROM_DUMP:
             raise ConfigError(f"trainer_logprobs must be None, a list of per-rollout logprobs or "
                               f"{FROM_DUMP!r}, got {value!r}")
+        if source.kind != "dump":
+            origin = "a record" if source.kind == "record" else "the caller"
+            raise ConfigError(f"trainer_logprobs={FROM_DUMP!r} reads a dump's trainer-logprob column; these "
+                              f"rollouts come from {origin}: give the trainer logprobs as a list instead")
         if source.trainer_logprobs is None:
             raise InputError(f"{source.path}: no trainer-logprob column (trainer_logprobs, old_log_probs); "
                              "without one the training forward runs here: leave trainer_logprobs unset")

@@ -158,8 +158,12 @@ def test_python_api_takes_rollouts_and_checks_its_arguments(hf_run):
         parity.score(rollouts)
     with pytest.raises(ConfigError, match="apply to a file"):
         parity.score(rollouts, "tiny-llama", sampling=SamplingParams())
-    with pytest.raises(InputError, match="no trainer-logprob column"):
+    with pytest.raises(ConfigError, match="reads a dump's trainer-logprob column; these rollouts come from a "
+                                          "record"):
         parity.score(record, trainer_logprobs="dump")
+    dump = dump_rollouts(record.with_suffix(".dump.jsonl"), rollouts)
+    with pytest.raises(InputError, match="no trainer-logprob column"):
+        parity.score(dump, trainer_logprobs="dump")
     with pytest.raises(InputError, match="tokens but 1 trainer logprobs"):
         parity.score(rollouts, trainer_logprobs=[[-1.0]] * len(rollouts))
     with pytest.raises(ConfigError, match="reference must be one of"):
