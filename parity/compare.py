@@ -184,26 +184,9 @@ def score_rollouts(model: str | os.PathLike[str], rollouts: Sequence[Rollout], *
     each rollout scored under the sampling it records (mode, temperature, top-k, top-p)."""
     from parity.engine import train_forward  # torch: `import parity` stays light
 
-    temperature, top_k, top_p = _recorded_sampling(rollouts)
     scored = train_forward(model, list(rollouts), dtype=dtype, device=device, kernels=kernels,
-                           logprobs_mode=None, temperature=temperature, top_k=top_k, top_p=top_p,
                            **_router_replay_options(router_replay)).logprobs
     return [lp.detach().to("cpu").float().numpy() for lp in scored]
-
-
-def _recorded_sampling(rollouts: Sequence[Rollout]) -> tuple[list[float], list[int], list[float]]:
-    """Per rollout (temperature, top_k, top_p) from its recorded sampling; raw-mode rollouts
-    without one are scored as raw, where the three do not matter."""
-    params = []
-    for ro in rollouts:
-        if ro.sampling is None and ro.logprobs_mode == "processed":
-            raise InputError(
-                f"rollout {ro.request_id!r}/{ro.sample_index} has processed logprobs but no record of the "
-                "sampling parameters they depend on; give them (`parity score --temperature T --top-p P "
-                "--top-k K`, or `sampling=` when loading) or score raw logprobs")
-        s = ro.sampling or SamplingParams(logprobs_mode="raw")
-        params.append((s.temperature, s.top_k, s.top_p))
-    return [t for t, _, _ in params], [k for _, k, _ in params], [p for _, _, p in params]
 
 
 def route_capture_options(backend: str, router_replay: str | None) -> dict[str, bool]:
@@ -249,14 +232,12 @@ def router_report(model: str, rollouts: Sequence[Rollout], *, dtype: str, device
 
     main = RouterReplay.of(router_replay)
     main_name = NO_REPLAY if main is None else main.mode
-    temperature, top_k, top_p = _recorded_sampling(rollouts)
     rollout_routes = [ro.routed_experts for ro in rollouts]
     sides: dict[str, dict[str, Any]] = {}
     for name in dict.fromkeys((NO_REPLAY, "R3", main_name)):
         scored = train_forward(
             model, list(rollouts), dtype=dtype, device=device, kernels=kernels, record_routes=True,
-            router_replay=main if name == main_name else RouterReplay.of(name),
-            temperature=temperature, top_k=top_k, top_p=top_p)
+            router_replay=main if name == main_name else RouterReplay.of(name))
         drift = build_report(rollouts, [lp.numpy() for lp in scored.logprobs], tolerance=tolerance).summary
         sides[name] = {**router_agreement(rollout_routes, scored.routes), "drift": drift}
     summary = {k: sides[main_name][k] for k in ROUTER_SUMMARY_KEYS}

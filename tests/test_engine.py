@@ -44,19 +44,14 @@ def workloads(draw, max_requests=4):
     }
 
 
-def _params(rollouts, requests):
-    by_id = {r.request_id: r.sampling for r in requests}
-    return {name: [getattr(by_id[r.request_id], name) for r in rollouts]
-            for name in ("temperature", "top_k", "top_p")}
-
-
 def _rollouts_and_scores(model, dtype, kernels, work):
     engine = ReferenceEngine(model, dtype=dtype, kernels=kernels, max_num_seqs=work["max_num_seqs"],
                              chunk_size=work["chunk_size"], record_routes=True)
     rollouts = engine.generate(work["requests"])
+    # no sampling arguments: each rollout is scored under the sampling it records
     scored = train_forward(model, rollouts, dtype=dtype, kernels=kernels,
                            micro_batch_size=work["micro_batch_size"], layout=work["layout"],
-                           record_routes=True, **_params(rollouts, work["requests"]))
+                           record_routes=True)
     return rollouts, scored.logprobs, scored.routes
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_engine import _params, workloads
+from test_engine import workloads
 
 from parity import Request, SamplingParams
 from parity.backends.reference import ReferenceBackend
@@ -53,7 +53,7 @@ def test_padded_budgeted_steps_equal_train_forward_bitwise(model, dtype, work, b
     if any(len(rollout.token_ids) > 1 for rollout in rollouts):  # one token each: prefill only, no decode
         assert engine._graphs is not None and engine._graphs._buckets  # decode steps ran padded
     scores = train_forward(model, rollouts, dtype=dtype, micro_batch_size=work["micro_batch_size"],
-                           layout=work["layout"], **_params(rollouts, work["requests"])).logprobs
+                           layout=work["layout"]).logprobs
     plain = ReferenceEngine(model, dtype=dtype, max_num_seqs=3, chunk_size=64, graphs=False)
     expected = plain.generate(work["requests"])
     for rollout, score, other in zip(rollouts, scores, expected):

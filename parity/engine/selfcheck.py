@@ -61,10 +61,9 @@ def sampling_grid_check(model: str | LoadedModel, *, device: str = "cpu", dtype:
                          chunk_size=chunk_size) as engine:
         rollouts = engine.generate(work)
     setting = {r.request_id: int(r.request_id.split("/")[0]) for r in work}
-    params = [grid[setting[r.request_id]] for r in rollouts]
+    # each rollout is scored under the sampling it records (its grid setting)
     scores = train_forward(lm, rollouts, dtype=dtype, device=device, kernels=kernels, layout=layout,
-                           micro_batch_size=micro_batch_size, temperature=[t for t, _, _ in params],
-                           top_p=[p for _, p, _ in params], top_k=[k for _, _, k in params]).logprobs
+                           micro_batch_size=micro_batch_size).logprobs
     tallies = [[0, 0, 0.0] for _ in grid]
     for rollout, score in zip(rollouts, scores):
         rolled = torch.tensor(rollout.logprobs, dtype=torch.float32)

@@ -71,6 +71,45 @@ def _per_sequence(value: Any, n: int, name: str) -> list[Any]:
     return [value] * n
 
 
+#: the logprob definition of a pair, which records no sampling: an unmodified softmax.
+UNMODIFIED: tuple[float, int, float] = (1.0, 0, 1.0)
+
+
+def _definitions(sequences: Sequence[Any], modes: list[str], temperature: Any, top_k: Any,
+                 top_p: Any) -> list[tuple[float, int, float]]:
+    """(temperature, top_k, top_p) each sequence is scored under: a Rollout's recorded sampling,
+    else the explicit values, else (pairs only) `UNMODIFIED`. An explicit value contradicting a
+    record is a ConfigError; a processed-mode Rollout with neither is an InputError."""
+    n = len(modes)
+    given = {name: _per_sequence(value, n, name)
+             for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p))}
+    out = []
+    for i, (item, mode) in enumerate(zip(sequences, modes)):
+        where = f"sequences[{i}]"
+        explicit = {name: values[i] for name, values in given.items() if values[i] is not None}
+        record = item.sampling if isinstance(item, Rollout) else None
+        if record is not None:
+            for name, value in explicit.items():
+                if value != getattr(record, name):
+                    raise ConfigError(
+                        f"{where}: {name}={value!r} contradicts {name}={getattr(record, name)!r}, which "
+                        f"rollout {item.request_id!r}/{item.sample_index} was sampled with; leave {name} "
+                        "unset to score each rollout under its own sampling")
+            params = (record.temperature, record.top_k, record.top_p)
+        elif isinstance(item, Rollout) and mode == "processed" and not explicit:
+            raise InputError(
+                f"{where}: rollout {item.request_id!r}/{item.sample_index} has processed logprobs but no "
+                "record of the sampling they depend on (Rollout.sampling); pass temperature=, top_k= and "
+                "top_p= as it was sampled (parity score: --temperature, --top-k, --top-p), or score it "
+                "with logprobs_mode='raw'")
+        else:
+            params = (explicit.get("temperature", UNMODIFIED[0]), explicit.get("top_k", UNMODIFIED[1]),
+                      explicit.get("top_p", UNMODIFIED[2]))
+        _check_params(*params, where)
+        out.append(params)
+    return out
+
+
 def _check_params(temperature: float, top_k: int, top_p: float, where: str) -> None:
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
             or not math.isfinite(temperature) or temperature < 0:
@@ -86,16 +125,24 @@ def train_forward(model: str | LoadedModel,
                   sequences: Sequence[Rollout | tuple[Sequence[int], Sequence[int]]], *,
                   dtype: str = "float32", device: str = "cpu", kernels: KernelMode = "invariant",
                   micro_batch_size: int | None = None, layout: str = "right",
-                  logprobs_mode: str | None = None, temperature: float | Sequence[float] = 1.0,
-                  top_k: int | Sequence[int] = 0, top_p: float | Sequence[float] = 1.0,
+                  logprobs_mode: str | None = None,
+                  temperature: float | Sequence[float | None] | None = None,
+                  top_k: int | Sequence[int | None] | None = None,
+                  top_p: float | Sequence[float | None] | None = None,
                   record_routes: bool = False,
                   router_replay: str | routing.RouterReplay | None = None,
                   routes: Sequence[Any] | None = None,
                   ) -> TrainResult:
     """Teacher-forced logprobs of each sequence's response tokens (`TrainResult.logprobs`).
 
-    sequences: Rollouts or (prompt_ids, response_ids) pairs. temperature/top_k/top_p: the
-    sampling params the responses were drawn with (scalars, or one value per sequence);
+    sequences: Rollouts or (prompt_ids, response_ids) pairs.
+    temperature/top_k/top_p: the sampling the responses were drawn with, which "processed"
+    logprobs depend on. Unset (None, the default), each Rollout is scored under the sampling
+    it records (`Rollout.sampling`) and each pair, which records none, under an unmodified
+    softmax (temperature 1, top-k and top-p off). A value (a scalar, or one per sequence with
+    None for unset) applies to sequences without a record; one that contradicts a Rollout's
+    record is a ConfigError. A processed-mode Rollout with no record and no value is an
+    InputError: it is never scored at a guessed temperature.
     logprobs_mode: "processed" or "raw" (None: each Rollout's own mode, "processed" for pairs).
     layout: "right"/"left" padding of [micro_batch, max_len] batches, or "packed" into one row.
     kernels: "invariant" (every family), "native" (stock torch) or a collection of family names
@@ -112,12 +159,9 @@ def train_forward(model: str | LoadedModel,
     pairs, modes = _pairs(sequences, logprobs_mode)
     n = len(pairs)
     size = n if micro_batch_size is None else check_positive_int(micro_batch_size, "micro_batch_size")
-    temps = _per_sequence(temperature, n, "temperature")
-    ks = _per_sequence(top_k, n, "top_k")
-    ps = _per_sequence(top_p, n, "top_p")
+    definitions = _definitions(sequences, modes, temperature, top_k, top_p)
     for i, (prompt, response) in enumerate(pairs):
         where = f"sequences[{i}]"
-        _check_params(temps[i], ks[i], ps[i], where)
         if not prompt:
             raise InputError(f"{where}: prompt_ids is empty; give at least one prompt token")
         check_token_ids(prompt + response, lm, where)
@@ -129,8 +173,9 @@ def train_forward(model: str | LoadedModel,
     with torch.inference_mode(), kernel_scope(kernels):
         for start in range(0, n, max(size, 1)):
             part = range(start, min(n, start + size))
-            params = sampler.RowParams(tuple(float(temps[i]) for i in part), tuple(ks[i] for i in part),
-                                       tuple(float(ps[i]) for i in part))
+            params = sampler.RowParams(tuple(float(definitions[i][0]) for i in part),
+                                       tuple(definitions[i][1] for i in part),
+                                       tuple(float(definitions[i][2]) for i in part))
             lp, rt = _micro_batch(lm, [pairs[i] for i in part], [modes[i] for i in part], params,
                                   layout, record_routes and lm.is_moe, replay,
                                   None if forced is None else [forced[i] for i in part])
