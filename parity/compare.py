@@ -23,8 +23,8 @@ import numpy as np
 from parity.backends import Backend, shared_backend
 from parity.backends.base import check_dtype
 from parity.cases import Case, default_case, load_case
-from parity.errors import ConfigError, InputError
-from parity.models import is_model_name, model_hash, resolve_model
+from parity.errors import BackendError, ConfigError, InputError
+from parity.models import is_model_name, model_hash, model_limits, resolve_model
 from parity.report import ParityReport
 from parity.routes import router_agreement
 from parity.schema import KERNEL_MODES, NO_REPLAY, ROUTER_SUMMARY_KEYS, VERSION
@@ -81,14 +81,19 @@ def compare(
         raise ConfigError(f"reference must be one of {KERNEL_MODES}, got {reference!r}")
     the_case = _resolve_case(model, case, prompts, sampling)
     model_arg = os.fspath(model) if model is not None else the_case.model
-    resolve_model(model_arg)
+    # every id against the model's vocabulary and context: an engine given a bad id dies or fails late
+    model_limits(model_arg).check(
+        the_case.requests, names=None if prompts is None else [f"prompts[{i}]" for i in range(len(prompts))],
+        prefix="" if prompts is not None else f"case {the_case.name!r}: ")
     dtype = check_dtype(dtype or (the_case.dtypes[0] if the_case.dtypes else "bfloat16"))
     name = backend if isinstance(backend, str) else getattr(backend, "name", "")
     limits = Tolerance.resolve(tolerance if tolerance is not None else the_case.tolerance_for(name), name)
     _router_replay_options(router_replay)
+    _check_device(device)
     engine = _resolve_backend(backend, model_arg, dtype, backend_options)
 
     rollouts = engine.generate(list(the_case.requests))
+    check_samples(the_case.requests, rollouts, engine.name)
     train = score_rollouts(model_arg, rollouts, the_case.requests, dtype=dtype, device=device,
                            kernels=reference, router_replay=router_replay)
     provenance = _provenance(model_arg, engine, the_case, dtype=dtype, device=device, reference=reference,
@@ -119,12 +124,13 @@ def score_rollouts(model: str | os.PathLike[str], rollouts: Sequence[Rollout], r
     """
     from parity.engine import train_forward  # torch: `import parity` stays light
 
-    by_id = {r.request_id: r.sampling for r in requests}
+    by_id = requests_by_id(requests)
+    _unique_keys(rollouts)
     sampling = []
     for ro in rollouts:
         if ro.request_id not in by_id:
             raise InputError(f"rollout {ro.request_id!r}/{ro.sample_index} matches no request of the case")
-        s = by_id[ro.request_id]
+        s = by_id[ro.request_id].sampling
         if ro.logprobs_mode != s.logprobs_mode:
             raise InputError(
                 f"rollout {ro.request_id!r}/{ro.sample_index} from backend {ro.backend!r} has "
@@ -138,6 +144,52 @@ def score_rollouts(model: str | os.PathLike[str], rollouts: Sequence[Rollout], r
                            temperature=[s.temperature for s in sampling], top_k=[s.top_k for s in sampling],
                            top_p=[s.top_p for s in sampling], **extra).logprobs
     return [lp.detach().to("cpu").float().numpy() for lp in scored]
+
+
+def requests_by_id(requests: Sequence[Request]) -> dict[str, Request]:
+    """Requests by their id; InputError when an id repeats (a rollout is scored under the
+    sampling parameters its request id finds, so two requests under one id would score one of
+    them under the other's temperature)."""
+    by_id: dict[str, Request] = {}
+    for r in requests:
+        if r.request_id in by_id:
+            raise InputError(f"request_id {r.request_id!r} is used by two requests; give every request its "
+                             "own id")
+        by_id[r.request_id] = r
+    return by_id
+
+
+def _unique_keys(rollouts: Sequence[Rollout]) -> None:
+    seen: set[tuple[str, int]] = set()
+    for ro in rollouts:
+        if ro.key in seen:
+            raise InputError(f"rollout {ro.key} appears more than once; each (request_id, sample_index) "
+                             "is one sample")
+        seen.add(ro.key)
+
+
+def check_samples(requests: Sequence[Request], rollouts: Sequence[Rollout], backend: str) -> None:
+    """BackendError unless `rollouts` hold exactly one sample per (request, sample index < n): a
+    backend that repeats, drops or invents a sample would otherwise skew every metric silently."""
+    want = {(r.request_id, i) for r in requests for i in range(r.sampling.n)}
+    seen: set[tuple[str, int]] = set()
+    for ro in rollouts:
+        if ro.key in seen:
+            raise BackendError(f"backend {backend!r} returned sample {ro.key} more than once")
+        if ro.key not in want:
+            raise BackendError(f"backend {backend!r} returned sample {ro.key}, which no request asked for")
+        seen.add(ro.key)
+    missing = sorted(want - seen)
+    if missing:
+        raise BackendError(f"backend {backend!r} returned {len(seen)} of {len(want)} samples; missing "
+                           f"{', '.join(map(str, missing[:3]))}{' ...' if len(missing) > 3 else ''}")
+
+
+def _check_device(device: str) -> None:
+    """ConfigError unless the training forward can run on `device`, checked before an engine starts."""
+    from parity.models.loading import check_device  # torch: `import parity` stays light
+
+    check_device(device)
 
 
 def _router_replay_options(router_replay: str | None) -> dict[str, Any]:
@@ -166,8 +218,8 @@ def router_report(model: str, rollouts: Sequence[Rollout], requests: Sequence[Re
 
     main = RouterReplay.of(router_replay)
     main_name = NO_REPLAY if main is None else main.mode
-    by_id = {r.request_id: r.sampling for r in requests}
-    sampling = [by_id[ro.request_id] for ro in rollouts]
+    by_id = requests_by_id(requests)
+    sampling = [by_id[ro.request_id].sampling for ro in rollouts]
     rollout_routes = [ro.routed_experts for ro in rollouts]
     sides: dict[str, dict[str, Any]] = {}
     for name in dict.fromkeys((NO_REPLAY, "R3", main_name)):

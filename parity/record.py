@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import numbers
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ import numpy as np
 
 from parity.backends import Backend, get_backend, parse_option
 from parity.errors import ConfigError, InputError, ParityError
+from parity.models import model_limits
 from parity.schema import LOGPROBS_MODES
 from parity.types import Request, Rollout
 
@@ -61,6 +63,7 @@ def write_record(path: str | Path, requests: Sequence[Request], rollouts: Sequen
                  model: str | None = None, meta: dict[str, Any] | None = None) -> Path:
     """Write a record file; `rollouts` may mix backends (each rollout names its own)."""
     path = Path(path)
+    _unique_ids(requests)
     lines = [{"kind": "header", "format": RECORD_FORMAT, "version": RECORD_VERSION, "model": model,
               "meta": meta or {}}]
     lines += [{"kind": "request", **r.to_dict()} for r in requests]
@@ -73,6 +76,7 @@ def read_record(path: str | Path) -> Record:
     """Parse a record file; errors name the file and line."""
     requests: list[Request] = []
     rollouts: dict[str, list[Rollout]] = {}
+    seen: set[tuple[str, str, int]] = set()
     header: dict[str, Any] | None = None
     for where, obj in _jsonl(Path(path)):
         kind = obj.pop("kind", None)
@@ -86,10 +90,18 @@ def read_record(path: str | Path) -> Record:
                 raise InputError(f"the first line must be the header ({{'kind': 'header', 'format': "
                                  f"{RECORD_FORMAT!r}, ...}})")
             elif kind == "request":
-                requests.append(Request.from_dict(obj))
+                request = Request.from_dict(obj)
+                if any(r.request_id == request.request_id for r in requests):
+                    raise InputError(f"request_id {request.request_id!r} appears more than once; replay "
+                                     "sends each request once and matches rollouts by id")
+                requests.append(request)
             elif kind == "rollout":
                 _check_logprobs(obj.get("logprobs", []))
                 rollout = Rollout.from_dict(obj)
+                if (rollout.backend, *rollout.key) in seen:
+                    raise InputError(f"rollout {rollout.key} of backend {rollout.backend!r} appears more "
+                                     "than once")
+                seen.add((rollout.backend, *rollout.key))
                 rollouts.setdefault(rollout.backend, []).append(rollout)
             else:
                 raise InputError(f"unknown kind {kind!r}; expected 'header', 'request' or 'rollout'")
@@ -104,10 +116,20 @@ def read_record(path: str | Path) -> Record:
 
 
 def replay(record: Record, backend: Backend) -> list[Rollout]:
-    """Send the record's requests, unchanged, through `backend`."""
+    """Send the record's requests, unchanged, through `backend` (checked first against its model's
+    vocabulary and context: a bad id kills some engines)."""
     if not record.requests:
         raise InputError("the record has no requests to replay")
+    model_limits(backend.model_path).check(record.requests)
     return backend.generate(list(record.requests))
+
+
+def _unique_ids(requests: Sequence[Request]) -> None:
+    ids = [r.request_id for r in requests]
+    repeated = sorted({i for i in ids if ids.count(i) > 1})
+    if repeated:
+        raise InputError(f"request_id {repeated[0]!r} is used by more than one request; give every request "
+                         "its own id")
 
 
 def replay_main(argv: Sequence[str] | None = None) -> int:
@@ -182,12 +204,21 @@ def load_rollouts(path: str | Path, *, backend: str = "external",
             (f"{path} row {i + 1}", row) for i, row in enumerate(table.to_pylist()))
     else:
         rows = _jsonl(path)
-    out = []
+    out: list[Rollout] = []
+    prompts: dict[str, tuple[int, ...]] = {}
     for index, (where, row) in enumerate(rows):
         try:
-            out.append(_row_to_rollout(row, index, backend, logprobs_mode))
+            rollout = _row_to_rollout(row, index, backend, logprobs_mode)
+            if prompts.setdefault(rollout.request_id, rollout.prompt_ids) != rollout.prompt_ids:
+                raise InputError(f"request_id {rollout.request_id!r} came with another prompt on an earlier "
+                                 "row; the samples of one request share its prompt, so give each prompt its "
+                                 "own request_id")
         except ParityError as e:
             raise type(e)(f"{where}: {e}") from e
+        out.append(rollout)
+    if not out:
+        raise InputError(f"{path}: no rollouts (the file holds no rows); point at a dump with one rollout "
+                         "per row")
     keys = [r.key for r in out]
     if len(set(keys)) != len(keys):
         raise InputError(f"{path}: (request_id, sample_index) repeats; give each rollout a unique pair")
@@ -200,10 +231,7 @@ def _row_to_rollout(row: dict[str, Any], index: int, backend: str, logprobs_mode
     logprobs = _column(row, "rollout_logprobs")
     mask = row.get("response_mask")
     if mask is not None:
-        keep = int(sum(int(m) for m in mask))
-        if any(int(m) for m in mask[keep:]) or len(mask) != len(response):
-            raise InputError("response_mask must have one entry per response token and be 1s "
-                             "followed by 0s (right padding)")
+        keep = _padding_mask(_list(mask, "response_mask"), len(response))
         response, logprobs = response[:keep], logprobs[:keep]
     if len(response) != len(logprobs):
         raise InputError(f"{len(response)} response ids but {len(logprobs)} rollout logprobs; "
@@ -211,21 +239,48 @@ def _row_to_rollout(row: dict[str, Any], index: int, backend: str, logprobs_mode
     _check_ids(prompt, "prompt_ids")
     _check_ids(response, "response_ids")
     _check_logprobs(logprobs)
-    routes = row.get("routed_experts")
     return Rollout(
-        request_id=str(row.get("request_id", index)), sample_index=int(row.get("sample_index", 0)),
+        request_id=row.get("request_id", str(index)), sample_index=row.get("sample_index", 0),
         prompt_ids=tuple(prompt), token_ids=tuple(response), logprobs=tuple(logprobs),
         finish_reason=str(row.get("finish_reason", "unknown")), backend=backend,
-        logprobs_mode=row.get("logprobs_mode", logprobs_mode),
-        routed_experts=None if routes is None else np.asarray(routes, dtype=np.int64),
+        logprobs_mode=row.get("logprobs_mode", logprobs_mode), routed_experts=row.get("routed_experts"),
         meta={"source": "offline ingestion"})
+
+
+def _padding_mask(mask: list[Any], length: int) -> int:
+    """How many response tokens a right-padding `response_mask` keeps (its leading 1s).
+
+    Values must be 0 or 1, one per response token, all 1s before all 0s. A 0 before a 1 is
+    not padding: it is a token the policy did not generate (a tool or user turn of a multi-turn
+    trajectory), and dropping or scoring it as a response token would both be wrong, so it is
+    refused rather than guessed at.
+    """
+    if len(mask) != length:
+        raise InputError(f"response_mask has {len(mask)} entries for {length} response tokens; give one "
+                         "entry per response token")
+    for m in mask:
+        if isinstance(m, (str, bytes)) or not isinstance(m, (numbers.Real, np.bool_)) or m not in (0, 1):
+            raise InputError(f"response_mask values must be 0 or 1, got {m!r}")
+    keep = next((i for i, m in enumerate(mask) if m == 0), len(mask))
+    if any(m == 1 for m in mask[keep:]):
+        raise InputError(f"response_mask has a zero before a one (token {keep}): that is a multi-turn mask "
+                         "with tokens the policy did not generate (tool or user turns), not right padding; "
+                         "parity reads right-padded single-turn responses only, so split the trajectory "
+                         "into one row per policy turn")
+    return keep
 
 
 def _column(row: dict[str, Any], name: str) -> list[Any]:
     for alias in COLUMN_ALIASES[name]:
         if row.get(alias) is not None:
-            return list(row[alias])
+            return _list(row[alias], alias)
     raise InputError(f"missing field {name!r} (accepted spellings: {', '.join(COLUMN_ALIASES[name])})")
+
+
+def _list(value: Any, name: str) -> list[Any]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, np.ndarray)):
+        raise InputError(f"{name} must be a list, got {value!r:.80}")
+    return list(value)
 
 
 def _check_ids(ids: list[Any], name: str) -> None:
