@@ -4,8 +4,9 @@
     parity models | parity backends
     parity nightly ... | parity replay ... | parity attribute ... | parity lifecycle ...
 
-Exit codes: 0 the tolerance holds (or the command succeeded), 1 it does not, 2 bad input or a
-backend failure (a ParityError, printed without a traceback).
+Exit codes: 0 the tolerance holds (or the command succeeded), 1 it does not, 2 any error (bad
+input, a backend failure, anything unexpected: one line on stderr, the traceback with
+--verbose), 130 on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from pathlib import Path
 
 from parity.backends import BACKENDS, available_backends, parse_option
 from parity.compare import compare
-from parity.errors import ConfigError, ModelNotFoundError, ParityError
+from parity.errors import EXIT_ERROR, EXIT_INTERRUPTED, ConfigError, ModelNotFoundError, report_error
 from parity.models import BUILTIN_MODELS, TRAINED_MODELS
 from parity.models.trained import packaged_file
+from parity.outputs import output_file
 from parity.report import format_worst_tokens
 from parity.schema import DTYPES, KERNEL_MODES
 
@@ -61,7 +63,9 @@ def _parser() -> argparse.ArgumentParser:
                           "(true, 4, 0.5), else as a string; e.g. --option record_routes=true")
     cmp.add_argument("--json", type=Path, metavar="OUT", help="write the report as JSON to OUT")
     cmp.add_argument("--html", type=Path, metavar="OUT", help="write the HTML report to OUT")
-    cmp.add_argument("--worst", type=int, default=5, metavar="K", help="worst tokens to print (default: 5)")
+    cmp.add_argument("--worst", type=_count, default=5, metavar="K",
+                     help="worst tokens to print (default: 5)")
+    cmp.add_argument("--verbose", action="store_true", help="print the traceback of an unexpected error")
     cmp.set_defaults(func=_compare)
 
     sub.add_parser("models", help="list the built-in checkpoints and trained models",
@@ -76,9 +80,20 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _count(text: str) -> int:
+    """An argparse type: an integer >= 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
+    return value
+
+
 def _compare(args: argparse.Namespace) -> int:
     if args.model is None and args.case is None:
         raise ConfigError("compare needs --model (or --case naming a model)")
+    for option, path in (("--json", args.json), ("--html", args.html)):
+        if path is not None:
+            output_file(path, option)  # before sampling: a run never loses its report to a bad path
     report = compare(args.model, args.backend, case=args.case, dtype=args.dtype, reference=args.reference,
                      router_replay=args.router_replay, device=args.device,
                      attribute=tuple(args.attribute or ()), **dict(map(parse_option, args.option)))
@@ -130,7 +145,7 @@ def _passthrough(command: str, argv: list[str]) -> int:
     if func is None:
         print(f"parity: error: `parity {command}` is not available in this build "
               f"({module_name}.{func_name} is missing)", file=sys.stderr)
-        return 2
+        return EXIT_ERROR
     return int(func(argv) or 0)
 
 
@@ -142,6 +157,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _passthrough(args_list[0], args_list[1:])
         args = _parser().parse_args(args_list)
         return args.func(args)
-    except ParityError as exc:
-        print(f"parity: error: {exc}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        print("parity: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # one line, exit 2: CI must never read a crash as a parity failure
+        return report_error("parity", exc, verbose="--verbose" in args_list)

@@ -31,8 +31,9 @@ from typing import Any
 import numpy as np
 
 from parity.backends import Backend, get_backend, parse_option
-from parity.errors import ConfigError, InputError, ParityError
+from parity.errors import EXIT_INTERRUPTED, ConfigError, InputError, ParityError, report_error
 from parity.models import model_limits
+from parity.outputs import output_file
 from parity.schema import LOGPROBS_MODES
 from parity.types import Request, Rollout
 
@@ -136,8 +137,9 @@ def replay_main(argv: Sequence[str] | None = None) -> int:
     """`parity replay RECORD --backend NAME [--model M] [--dtype D] [--option K=V ...] [--out PATH]`.
 
     Writes a record with the original requests and rollouts plus the new backend's rollouts
-    (default: RECORD with `.NAME` before the suffix) and prints its path. Returns 0, or 2 on
-    a parity error (message on stderr).
+    (default: RECORD with `.NAME` before the suffix; checked before any backend starts) and
+    prints its path. Returns 0, or 2 on
+    any error (one line on stderr; the traceback with --verbose), 130 on Ctrl-C.
     """
     parser = argparse.ArgumentParser(prog="parity replay", description=replay_main.__doc__)
     parser.add_argument("record", type=Path, help="record file (JSONL) written by parity")
@@ -147,21 +149,25 @@ def replay_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                         help="backend option; VALUE is parsed as JSON when it can be")
     parser.add_argument("--out", type=Path, help="output record path")
+    parser.add_argument("--verbose", action="store_true", help="print the traceback of an unexpected error")
     args = parser.parse_args(argv)
     try:
         record = read_record(args.record)
         model = args.model or record.model
         if model is None:
             raise ConfigError("the record names no model; pass --model")
+        out = args.out or args.record.with_suffix(f".{args.backend}{args.record.suffix}")
+        output_file(out, "--out")
         options = dict(map(parse_option, args.option))
         with get_backend(args.backend, model, dtype=args.dtype, **options) as backend:
             new = replay(record, backend)
-        out = args.out or args.record.with_suffix(f".{args.backend}{args.record.suffix}")
         previous = [r for name, rs in record.rollouts.items() if name != args.backend for r in rs]
         write_record(out, record.requests, previous + new, model=str(model), meta=record.meta)
-    except ParityError as e:
-        sys.stderr.write(f"parity replay: {e}\n")
-        return 2
+    except KeyboardInterrupt:
+        sys.stderr.write("parity replay: interrupted\n")
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # one line, exit 2 (see parity.errors.report_error)
+        return report_error("parity replay", exc, verbose=args.verbose)
     sys.stdout.write(f"{out}\n")
     return 0
 
