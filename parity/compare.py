@@ -320,7 +320,7 @@ def _resolve_case(model: str | os.PathLike[str] | None, case: Case | str | os.Pa
     elif not isinstance(sampling, SamplingParams):
         raise ConfigError(f"sampling must be a parity.SamplingParams or a dict of its fields, "
                           f"got {type(sampling).__name__}")
-    if isinstance(prompts, (str, bytes)) or not prompts:
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
         raise ConfigError("prompts must be a non-empty list of token-id lists or strings")
     ids = _tokenize(os.fspath(model), prompts)
     requests = tuple(Request(p, sampling.replace(seed=sampling.seed + i), request_id=f"prompt-{i}")

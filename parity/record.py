@@ -297,7 +297,7 @@ def _check_ids(ids: list[Any], name: str) -> None:
 
 
 def _check_logprobs(values: Sequence[Any]) -> None:
-    for t, v in enumerate(values):
+    for t, v in enumerate(_list(values, "logprobs")):
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
             raise InputError(f"logprob {t} is {v!r}; every logprob must be a finite number")
         if v > _MAX_LOGPROB:
