@@ -90,6 +90,7 @@ def compare(
     limits = Tolerance.resolve(tolerance if tolerance is not None else the_case.tolerance_for(name), name)
     _router_replay_options(router_replay)
     _check_device(device)
+    _check_axes(attribute)
     engine = _resolve_backend(backend, model_arg, dtype, backend_options)
 
     rollouts = engine.generate(list(the_case.requests))
@@ -190,6 +191,18 @@ def _check_device(device: str) -> None:
     from parity.models.loading import check_device  # torch: `import parity` stays light
 
     check_device(device)
+
+
+def _check_axes(attribute: Sequence[str]) -> None:
+    """ConfigError unless every drift-attribution axis exists (checked before sampling, not after)."""
+    if isinstance(attribute, str) or not isinstance(attribute, Sequence):
+        raise ConfigError(f"attribute must be a list of axes, got {attribute!r}")
+    if attribute:
+        from parity.attribute import AXES  # torch: `import parity` stays light
+
+        unknown = [axis for axis in attribute if axis not in AXES]
+        if unknown:
+            raise ConfigError(f"attribute: unknown axes {unknown}; choose from {list(AXES)}")
 
 
 def _router_replay_options(router_replay: str | None) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from parity.nightly.history import RunInfo
 from parity.nightly.markdown_report import render_summary
 from parity.nightly.regression import RegressionPolicy
 from parity.nightly.rows import RowKey, RowResult
+from parity.nightly.runner import NightlyConfig
 from parity.record import load_rollouts, read_record, replay, write_record
 from parity.tolerance import Tolerance
 from parity.types import Request, Rollout, SamplingParams
@@ -174,13 +175,18 @@ def test_a_case_file_with_a_wrongly_typed_sampling_field_is_refused(tmp_path, li
     (lambda: Rollout.from_dict({"request_id": "a", "sample_index": "0", "prompt_ids": [1], "token_ids": [2],
                                 "logprobs": [-0.1], "finish_reason": "stop", "backend": "x"}),
      "sample_index"),
-    (lambda: Tolerance.from_dict([("max_abs_logprob_diff", 1.0)]), "tolerance"),
+    (lambda: Tolerance.from_dict([("max_abs_logprob_diff", 1.0)]), "tolerance must be a table"),
     (lambda: Tolerance(k3_kl_max="0.1"), "k3_kl_max"),
     (lambda: RegressionPolicy(alpha="0.01"), "alpha"),
     (lambda: RegressionPolicy(min_effect=True), "min-effect"),
     (lambda: Case(name=3, model="tiny-llama", requests=(Request((3,)),)), "name"),
     (lambda: Case(name="c", model="tiny-llama", requests=[(3, 4)]), "requests"),
     (lambda: Case(name="c", model="tiny-llama", requests=(Request((3,)),), dtypes="bfloat16"), "dtypes"),
+    (lambda: NightlyConfig(cases=["cases/smoke.toml"]), "--cases"),
+    (lambda: NightlyConfig(cases="c", backends="hf"), "--backends"),
+    (lambda: NightlyConfig(cases="c", out=3), "--out"),
+    (lambda: NightlyConfig(cases="c", run_id=7), "--run-id"),
+    (lambda: NightlyConfig(cases="c", policy={"alpha": 0.1}), "policy"),
 ])
 def test_config_types_refuse_wrong_types_naming_the_field(make, match):
     with pytest.raises(ParityError, match=match):

@@ -71,6 +71,7 @@ def bad_compare_args(tmp_path: Path) -> list[tuple[list[str], str]]:
          "no weights"),
         ([*tiny, "--device", "bogus"], "device 'bogus' is not a torch device"),
         ([*tiny, "--device", "cuda:99"], "device 'cuda:99': this machine has"),
+        ([*tiny, "--attribute", "nope"], "attribute: unknown axes ['nope']"),
         (["--case", str(oov), "--backend", "hf"], "token id 600, outside the vocabulary"),
         ([*tiny, "--json", str(a_file / "r.json")], "--json"),
         ([*tiny, "--html", str(tmp_path)], "--html"),

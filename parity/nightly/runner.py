@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import itertools
+import os
 import time
 import traceback
 from collections.abc import Iterator
@@ -64,7 +65,25 @@ class NightlyConfig:
     reference: str = "invariant"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.cases, str):
+            raise ConfigError("--cases must be a string (a directory, a file, or comma-separated "
+                              f"files/names), got {self.cases!r}")
+        for option, value in (("--backends", self.backends), ("--dtypes", self.dtypes)):
+            if isinstance(value, str) or not isinstance(value, (tuple, list)) \
+                    or not all(isinstance(v, str) for v in value):
+                raise ConfigError(f"{option} must be a list of names, got {value!r}")
+        for option, value in (("--out", self.out), ("--history", self.history)):
+            if not isinstance(value, (str, os.PathLike)) and not (option == "--history" and value is None):
+                raise ConfigError(f"{option} must be a path, got {value!r}")
+        for option, value in (("--run-id", self.run_id), ("--baseline", self.baseline),
+                              ("--reference", self.reference)):
+            if value is not None and not isinstance(value, str):
+                raise ConfigError(f"{option} must be a string, got {value!r}")
+        if not isinstance(self.policy, RegressionPolicy):
+            raise ConfigError(f"policy must be a parity RegressionPolicy, got {type(self.policy).__name__}")
         object.__setattr__(self, "out", Path(self.out))
+        if self.history is not None:
+            object.__setattr__(self, "history", Path(self.history))
         object.__setattr__(self, "backends", tuple(self.backends))
         object.__setattr__(self, "dtypes", tuple(self.dtypes))
         if not self.backends:
