@@ -180,9 +180,12 @@ def test_nightly_checks_out_and_history_before_any_row(ws, monkeypatch, capsys):
 
 
 def test_resume_of_an_unknown_run_creates_nothing(ws, capsys):
-    root, _ = ws
+    root, cases = ws
     assert nightly_main(["--resume", "ghost", "--out", str(root / "reports")]) == 2
     assert "--resume 'ghost'" in one_line_error(capsys, "parity nightly")
+    assert not (root / "reports").exists()
+    assert nightly_main(["--cases", str(cases), "--baseline", "ghost", "--out", str(root / "reports")]) == 2
+    assert "--baseline 'ghost': no history at" in one_line_error(capsys, "parity nightly")
     assert not (root / "reports").exists()
     history = root / "h.sqlite"
     assert nightly_main(["--resume", "ghost", "--out", str(root / "o"), "--history", str(history)]) == 2

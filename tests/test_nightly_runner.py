@@ -317,7 +317,7 @@ def test_the_parity_command_runs_nightly_with_the_backends_available_here(worksp
     (["--backends", "tgi"], "--backends: unknown ['tgi']"),
     (["--dtypes", "fp8"], "--dtypes: unknown ['fp8']"),
     (["--alpha", "2"], "--alpha must be"),
-    (["--baseline", "nope"], "--baseline 'nope': no such run"),
+    (["--baseline", "nope"], "--baseline 'nope': no history at"),
     (["--run-id", "../escape"], "--run-id '../escape'"),
     (["--resume", "x"], "--resume takes the matrix from the stored run; drop ['--cases']"),
 ])

@@ -178,6 +178,9 @@ def run_nightly(config: NightlyConfig, *, progress: bool = True) -> NightlyRun:
     cases = load_cases(config.cases)
     backends = resolve_backends(config.backends)
     cells = plan(cases, backends, config.dtypes)
+    if config.baseline is not None and not config.history_path.is_file():
+        raise ConfigError(f"--baseline {config.baseline!r}: no history at {config.history_path} to take it "
+                          "from; point --out or --history at the history that holds it")
     output_dir(config.out, "--out")
     output_file(config.history_path, "--history")
     with History(config.history_path) as history:
