@@ -111,7 +111,7 @@ class Case:
         if not isinstance(self.name, str) or not self.name:
             raise ConfigError(f"case name must be a non-empty string, got {self.name!r}")
         where = f"case {self.name!r}"
-        for name in ("model", "description", "logprobs_mode"):
+        for name in ("model", "description", "logprobs_mode", "kind"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(f"{where}: {name} must be a string, got {getattr(self, name)!r}")
         for name in ("requests", "dtypes", "backends", "router_replay", "backend_tolerances"):

@@ -116,6 +116,7 @@ CASE = st.fixed_dictionaries(
             st.dictionaries(st.sampled_from(["max_abs_logprob_diff", "k3_kl_max", "hf", "x"]), TOML_JUNK,
                             max_size=2),
             TOML_JUNK),
+        "kind": st.one_of(st.sampled_from(["compare", "lifecycle"]), TOML_JUNK),
         "name": TOML_JUNK, "description": TOML_JUNK, "bogus": TOML_JUNK,
     },
 )
