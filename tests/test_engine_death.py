@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -109,6 +110,27 @@ def test_the_row_that_kills_the_engine_is_an_error_row_and_later_rows_run(mortal
     assert "the mortal engine died and was closed; the next row starts a new one" in errors["b-poisoned"]
     assert errors["c-good"] == "case failed: BackendError: stop after sampling"  # it ran, on a new engine
     assert len(Mortal.started) == 2 and Mortal.started[0].closed
+
+
+def test_a_server_parity_started_is_dead_once_its_process_exits():
+    from parity.backends.vllm_server import VLLMServerBackend
+    from parity.processes import ServerProcess, free_loopback_port
+
+    port = free_loopback_port()
+    fake = Path(__file__).resolve().parent / "data" / "processes" / "fake_server.py"
+    server = ServerProcess([sys.executable, str(fake), str(port), "healthy"], port=port, name="fake server")
+    server.start(60)
+    backend = object.__new__(VLLMServerBackend)  # the liveness check alone, without a vLLM server
+    backend.server = server
+    try:
+        assert backend.alive
+        os.kill(server.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while backend.alive and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not backend.alive
+    finally:
+        server.stop()
 
 
 # -- the acceptance test on the real vLLM CPU engine --------------------------------------------------
