@@ -91,6 +91,7 @@ def compare(
     _router_replay_options(router_replay)
     _check_device(device)
     _check_axes(attribute)
+    _check_correction(correction)
     engine = _resolve_backend(backend, model_arg, dtype, backend_options)
 
     rollouts = engine.generate(list(the_case.requests))
@@ -191,6 +192,14 @@ def _check_device(device: str) -> None:
     from parity.models.loading import check_device  # torch: `import parity` stays light
 
     check_device(device)
+
+
+def _check_correction(correction: dict[str, Any] | None) -> None:
+    """ConfigError unless `correction` is None or valid `CorrectionConfig` options, before sampling."""
+    from parity.correction import CorrectionConfig  # torch: `import parity` stays light
+
+    if correction is not None:
+        CorrectionConfig.from_dict(correction)
 
 
 def _check_axes(attribute: Sequence[str]) -> None:

@@ -19,6 +19,8 @@ import parity
 from parity.backends import Backend
 from parity.cases import Case, load_case
 from parity.compare import score_rollouts
+from parity.correction import CorrectionConfig
+from parity.engine import EngineConfig
 from parity.errors import BackendError, ConfigError, InputError, ParityError
 from parity.models import resolve_model
 from parity.nightly.history import RunInfo
@@ -83,6 +85,16 @@ def test_a_case_with_ids_the_model_cannot_take_is_refused_when_loaded(tmp_path, 
 def test_compare_checks_prompts_against_the_model_before_any_engine(no_engine, backend, kwargs, match):
     with pytest.raises(InputError, match=match):
         parity.compare("tiny-llama", backend, **kwargs)
+
+
+@pytest.mark.parametrize(("correction", "match"), [
+    ({"rollout_is": "tokens"}, "rollout_is must be"),
+    ({"rollout_is_treshold": 2.0}, r"unknown option\(s\) \['rollout_is_treshold'\]"),
+    ("token", "correction must be a table"),
+])
+def test_compare_checks_the_correction_before_any_engine(no_engine, correction, match):
+    with pytest.raises(ConfigError, match=match):
+        parity.compare("tiny-llama", "hf", prompts=[[3, 4]], correction=correction)
 
 
 def test_compare_checks_a_case_object_against_the_model_it_runs(no_engine):
@@ -187,6 +199,11 @@ def test_a_case_file_with_a_wrongly_typed_sampling_field_is_refused(tmp_path, li
     (lambda: NightlyConfig(cases="c", out=3), "--out"),
     (lambda: NightlyConfig(cases="c", run_id=7), "--run-id"),
     (lambda: NightlyConfig(cases="c", policy={"alpha": 0.1}), "policy"),
+    (lambda: EngineConfig(dtype="float64"), "dtype"),
+    (lambda: EngineConfig(dtype=None), "dtype"),
+    (lambda: EngineConfig(device="bogus"), "device 'bogus'"),
+    (lambda: CorrectionConfig.from_dict([("rollout_is", "token")]), "correction must be a table"),
+    (lambda: CorrectionConfig(rollout_is=["token"]), "rollout_is"),
 ])
 def test_config_types_refuse_wrong_types_naming_the_field(make, match):
     with pytest.raises(ParityError, match=match):

@@ -164,6 +164,8 @@ VALID_PROMPTS = st.lists(
         "router_replay": st.sampled_from([None, "none"]),
         "device": st.just("cpu"),
         "backend": st.just("reference"),
+        "correction": st.sampled_from([None, {"rollout_is": "sequence", "rollout_is_threshold": "0.5_2.0"},
+                                       {"rollout_rs": "token_k1", "rollout_rs_threshold": 2.0}]),
     },
     broken={
         "prompts": st.one_of(JUNK, st.lists(st.one_of(IDS, st.text(max_size=6)), max_size=3)),
@@ -175,6 +177,10 @@ VALID_PROMPTS = st.lists(
         "router_replay": st.sampled_from(["R3", "R9", 1]),
         "device": st.sampled_from(["bogus", "cuda:99", None, 0]),
         "backend": st.sampled_from(["nope", 7, None]),
+        "correction": st.one_of(JUNK, st.dictionaries(
+            st.sampled_from(["rollout_is", "rollout_is_threshold", "rollout_rs", "rollout_rs_threshold",
+                             "x"]),
+            st.one_of(SMALL, st.sampled_from(["token", "seq_mean_k3", "0.5_2.0", "2_1"])), max_size=3)),
     }))
 def test_compare(kwargs):
     model, backend = MODEL, kwargs.pop("backend")
