@@ -202,6 +202,10 @@ def test_a_case_file_with_a_wrongly_typed_sampling_field_is_refused(tmp_path, li
     (lambda: EngineConfig(dtype="float64"), "dtype"),
     (lambda: EngineConfig(dtype=None), "dtype"),
     (lambda: EngineConfig(device="bogus"), "device 'bogus'"),
+    (lambda: EngineConfig(kernels=3), "kernels"),
+    (lambda: EngineConfig(kernels=[1, "attention"]), "kernels"),
+    (lambda: EngineConfig(kernels=None), "kernels"),
+    (lambda: EngineConfig(kernels=[["attention"]]), "kernels"),
     (lambda: CorrectionConfig.from_dict([("rollout_is", "token")]), "correction must be a table"),
     (lambda: CorrectionConfig(rollout_is=["token"]), "rollout_is"),
 ])
