@@ -149,7 +149,7 @@ UNCHECKED = textwrap.dedent("""
 
 
 def vllm_processes(pids: set[int]) -> list[str]:
-    import psutil  # a test dependency
+    import psutil
 
     alive = []
     for pid in pids:
@@ -166,7 +166,7 @@ def vllm_processes(pids: set[int]) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
 def test_a_poisoned_case_on_vllm_costs_one_row_not_the_night(tmp_path):
-    import psutil  # a test dependency
+    import psutil
 
     cases = cases_with_a_poisoned_one(tmp_path, 100_000)
     script = tmp_path / "unchecked.py"
