@@ -68,7 +68,7 @@ from typing import Any
 import numpy as np
 
 from parity.errors import ConfigError, ParityError
-from parity.models import resolve_model
+from parity.models import ModelLimits, model_limits
 from parity.prompts import Dataset, check_prompt, encode_prompts
 from parity.schema import (
     BACKEND_NAMES,
@@ -115,9 +115,34 @@ class Case:
     kind: str = "compare"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError(f"case name must be a non-empty string, got {self.name!r}")
         where = f"case {self.name!r}"
+        for name in ("model", "description", "logprobs_mode", "kind"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(f"{where}: {name} must be a string, got {getattr(self, name)!r}")
+        for name in ("requests", "dtypes", "backends", "router_replay", "backend_tolerances"):
+            if not isinstance(getattr(self, name), tuple):
+                kind = type(getattr(self, name)).__name__
+                raise ConfigError(f"{where}: {name} must be a tuple, got {kind}")
+        if not all(isinstance(r, Request) for r in self.requests):
+            raise ConfigError(f"{where}: requests must hold parity.Request objects")
         if not self.requests:
             raise ConfigError(f"{where}: requests is empty; a case needs at least one prompt")
+        ids = [r.request_id for r in self.requests]
+        repeated = sorted({i for i in ids if ids.count(i) > 1})
+        if repeated:
+            # scoring finds each rollout's sampling parameters by its request id
+            raise ConfigError(f"{where}: request_id {repeated[0]!r} is used more than once; give every "
+                              "request its own id")
+        if self.tolerance is not None and not isinstance(self.tolerance, Tolerance):
+            raise ConfigError(f"{where}: tolerance must be a parity.Tolerance or None, got "
+                              f"{self.tolerance!r}")
+        if not all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[1], Tolerance)
+                   for p in self.backend_tolerances):
+            raise ConfigError(f"{where}: backend_tolerances must hold (backend, Tolerance) pairs")
+        if self.path is not None and not isinstance(self.path, Path):
+            raise ConfigError(f"{where}: path must be a pathlib.Path or None, got {self.path!r}")
         _check_choices(where, "dtypes", self.dtypes, DTYPES)
         _check_choices(where, "backends", self.backends, BACKEND_NAMES)
         _check_choices(where, "router_replay", self.router_replay, ROUTER_REPLAY_CHOICES)
@@ -226,10 +251,17 @@ def load_case(path: str | Path) -> Case:
     f = _Fields(path)
     f.only(data, "", _TOP_KEYS)
     model = f.get(data, "model", str)
+    try:
+        limits = model_limits(model)
+    except ParityError as exc:
+        raise f.error("model", str(exc)) from exc
     logprobs_mode = f.choice(data, "logprobs_mode", LOGPROBS_MODES, default="processed")
-    prompts = _load_prompts(f, f.get(data, "prompts", dict), model)
-    requests = _load_requests(f, data.get("sampling"), prompts, logprobs_mode)
-    _check_context(f, model, requests)
+    prompts = _load_prompts(f, f.get(data, "prompts", dict), model, limits)
+    requests = _load_requests(f, data.get("sampling"), prompts, logprobs_mode, limits)
+    try:
+        limits.check(requests)
+    except ParityError as exc:
+        raise f.error("prompts", str(exc)) from exc
     tolerance, per_backend = _load_tolerances(f, data.get("tolerance", {}))
     return Case(
         name=f.get(data, "name", str, default=path.stem),
@@ -307,15 +339,17 @@ _PROMPT_KEYS = ("token_ids", "text", "messages", "dataset", "generate")
 _DATASET_KEYS = ("path", "column", "limit", "seed")
 
 
-def _load_prompts(f: _Fields, table: dict[str, Any], model: str) -> list[tuple[int, ...]]:
-    """The prompt token ids a case's [prompts] table describes."""
+def _load_prompts(f: _Fields, table: dict[str, Any], model: str,
+                  limits: ModelLimits) -> list[tuple[int, ...]]:
+    """The prompt token ids a case's [prompts] table describes (generated lengths bounded by the
+    model's context, so a typo cannot ask for a billion-token prompt)."""
     given = [k for k in _PROMPT_KEYS if k in table]
     if len(given) != 1:
         raise f.error("prompts", f"give exactly one of {list(_PROMPT_KEYS)}, got {given}")
     f.only(table, "prompts.", _PROMPT_KEYS)
     key = given[0]
     if key == "generate":
-        return _generate_prompts(f, f.get(table, "generate", dict, prefix="prompts."))
+        return _generate_prompts(f, f.get(table, "generate", dict, prefix="prompts."), limits.max_positions)
     if key == "dataset":
         spec = f.get(table, "dataset", dict, prefix="prompts.")
         f.only(spec, "prompts.dataset.", _DATASET_KEYS)
@@ -357,7 +391,7 @@ _GEN_KEYS = {
 }
 
 
-def _generate_prompts(f: _Fields, g: dict[str, Any]) -> list[tuple[int, ...]]:
+def _generate_prompts(f: _Fields, g: dict[str, Any], context: int | None) -> list[tuple[int, ...]]:
     """Seeded synthetic prompts. `random`: `count` independent prompts. `shared_prefix`: every
     prompt starts with one shared prefix (a system prompt); conversation c's turn t prompt is the
     prefix plus c's first t+1 turn chunks, so turns also share their conversation's history,
@@ -367,7 +401,7 @@ def _generate_prompts(f: _Fields, g: dict[str, Any]) -> list[tuple[int, ...]]:
     f.only(g, p, _GEN_KEYS[kind])
     rng = np.random.Generator(np.random.PCG64(f.count(g, "seed", prefix=p, low=0, default=0)))
     token_range = f.get(g, "token_range", list, default=list(DEFAULT_TOKEN_RANGE), prefix=p)
-    if len(token_range) != 2 or not all(isinstance(t, int) for t in token_range) \
+    if len(token_range) != 2 or not all(isinstance(t, int) and not isinstance(t, bool) for t in token_range) \
             or not 0 <= token_range[0] < token_range[1]:
         raise f.error(p + "token_range", f"must be [low, high) with 0 <= low < high, got {token_range!r}")
 
@@ -375,10 +409,13 @@ def _generate_prompts(f: _Fields, g: dict[str, Any]) -> list[tuple[int, ...]]:
         return tuple(int(t) for t in rng.integers(token_range[0], token_range[1], size=n))
 
     if kind == "random":
-        draw = _length_sampler(f, g, "length", rng, prefix=p)
+        draw = _length_sampler(f, g, "length", rng, prefix=p, context=context)
         return [tokens(draw()) for _ in range(f.count(g, "count", prefix=p))]
-    prefix = tokens(f.count(g, "prefix_length", prefix=p))
-    draw = _length_sampler(f, g, "turn_length", rng, prefix=p)
+    prefix_length = f.count(g, "prefix_length", prefix=p)
+    if context is not None and prefix_length > context:
+        raise f.error(p + "prefix_length", f"{prefix_length} is longer than the model's context of {context}")
+    prefix = tokens(prefix_length)
+    draw = _length_sampler(f, g, "turn_length", rng, prefix=p, context=context)
     turns = f.count(g, "turns", prefix=p)
     prompts = []
     for _ in range(f.count(g, "conversations", prefix=p)):
@@ -390,14 +427,15 @@ def _generate_prompts(f: _Fields, g: dict[str, Any]) -> list[tuple[int, ...]]:
 
 
 def _length_sampler(f: _Fields, g: dict[str, Any], key: str, rng: np.random.Generator, *,
-                    prefix: str) -> Callable[[], int]:
+                    prefix: str, context: int | None) -> Callable[[], int]:
     """A draw() for a length spec: an int (fixed), {min, max} (uniform, inclusive) or
-    {distribution = "lognormal", median, sigma, min, max} (clipped to [min, max])."""
+    {distribution = "lognormal", median, sigma, min, max} (clipped to [min, max]); no length
+    may exceed the model's `context`."""
     spec = f.get(g, key, (int, dict), prefix=prefix)
     field = prefix + key
     if isinstance(spec, int):
-        if spec < 1:
-            raise f.error(field, f"must be >= 1, got {spec}")
+        if spec < 1 or (context is not None and spec > context):
+            raise f.error(field, f"must be in [1, {context}] (the model's context), got {spec}")
         return lambda: spec
     dist = f.choice(spec, "distribution", LENGTH_DISTRIBUTIONS, default="uniform", prefix=field + ".")
     keys = ("distribution", "min", "max") + (("median", "sigma") if dist == "lognormal" else ())
@@ -406,13 +444,16 @@ def _length_sampler(f: _Fields, g: dict[str, Any], key: str, rng: np.random.Gene
     high = f.count(spec, "max", prefix=field + ".")
     if high < low:
         raise f.error(field, f"max ({high}) < min ({low})")
+    if context is not None and high > context:
+        raise f.error(field + ".max", f"{high} is longer than the model's context of {context}")
     if dist == "uniform":
         return lambda: int(rng.integers(low, high + 1))
     median = f.get(spec, "median", (int, float), prefix=field + ".")
     sigma = f.get(spec, "sigma", (int, float), prefix=field + ".")
-    if median <= 0 or sigma < 0:
-        raise f.error(field, f"lognormal needs median > 0 and sigma >= 0, got {median}, {sigma}")
-    return lambda: int(np.clip(round(rng.lognormal(math.log(median), sigma)), low, high))
+    if not (math.isfinite(median) and math.isfinite(sigma)) or median <= 0 or sigma < 0:
+        raise f.error(field, f"lognormal needs finite median > 0 and sigma >= 0, got {median}, {sigma}")
+    # clipped before rounding: a wide lognormal can draw inf, which has no integer
+    return lambda: round(float(np.clip(rng.lognormal(math.log(median), sigma), low, high)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -420,7 +461,7 @@ def _length_sampler(f: _Fields, g: dict[str, Any], key: str, rng: np.random.Gene
 
 
 def _load_requests(f: _Fields, sampling: Any, prompts: list[tuple[int, ...]],
-                   logprobs_mode: str) -> tuple[Request, ...]:
+                   logprobs_mode: str, limits: ModelLimits) -> tuple[Request, ...]:
     """One request per (sampling block, prompt); in a sweep, ids are "<label>/<i>" (`sweep_request_id`)."""
     if sampling is None:
         sampling = {}
@@ -438,6 +479,9 @@ def _load_requests(f: _Fields, sampling: Any, prompts: list[tuple[int, ...]],
             base = SamplingParams.from_dict({**params, "logprobs_mode": logprobs_mode})
         except (ParityError, TypeError) as exc:
             raise f.error(where.rstrip("."), str(exc)) from exc
+        problem = limits.vocabulary_problem(base.stop_token_ids)
+        if problem:
+            raise f.error(where + "stop_token_ids", problem)
         label = f.get(block, "label", str, default=_label(base), prefix=where) if len(blocks) > 1 else ""
         if label in labels:
             raise f.error(where + "label", f"{label!r} is used by two sampling blocks; labels must be unique")
@@ -456,25 +500,6 @@ def _label(s: SamplingParams) -> str:
     if s.top_k:
         parts.append(f"k{s.top_k}")
     return "-".join(parts)
-
-
-def _check_context(f: _Fields, model: str, requests: tuple[Request, ...]) -> None:
-    """Every prompt plus its max_tokens must fit the model's context window."""
-    try:
-        config_path = resolve_model(model) / "config.json"
-    except ParityError as exc:
-        raise f.error("model", str(exc)) from exc
-    limit = json.loads(config_path.read_text()).get("max_position_embeddings")
-    if limit is None:
-        return
-    for r in requests:
-        need = len(r.prompt_ids) + r.sampling.max_tokens
-        if need > limit:
-            raise f.error(
-                "prompts",
-                f"request {r.request_id!r} needs {len(r.prompt_ids)} prompt + {r.sampling.max_tokens} "
-                f"generated = {need} positions; the model allows {limit}",
-            )
 
 
 def _load_tolerances(f: _Fields, table: Any) -> tuple[Tolerance | None, tuple[tuple[str, Tolerance], ...]]:

@@ -5,11 +5,12 @@
     parity models | parity backends
     parity nightly ... | parity replay ... | parity attribute ... | parity lifecycle ...
 
-`--verbose`, anywhere on the line, shows the engines' own log lines (vLLM's INFO); without it
-they print errors only (`parity.quiet`).
+`--verbose`, anywhere on the line, shows the engines' own log lines (vLLM's INFO) and the
+traceback of an error; without it engines print errors only (`parity.quiet`).
 
-Exit codes: 0 the tolerance holds (or the command succeeded), 1 it does not, 2 bad input or a
-backend failure (a ParityError, printed without a traceback).
+Exit codes: 0 the tolerance holds (or the command succeeded), 1 it does not, 2 any error (bad
+input, a backend failure, anything unexpected: one line on stderr, the traceback with
+--verbose), 130 on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ from pathlib import Path
 from parity.backends import BACKENDS, available_backends, parse_option
 from parity.cases import load_case
 from parity.compare import compare
-from parity.errors import ConfigError, ModelNotFoundError, ParityError
+from parity.errors import EXIT_ERROR, EXIT_INTERRUPTED, ConfigError, ModelNotFoundError, report_error
 from parity.models import BUILTIN_MODELS, TRAINED_MODELS
 from parity.models.trained import packaged_file
+from parity.outputs import output_file
 from parity.quiet import engine_logging
 from parity.report import ParityReport, format_worst_tokens
 from parity.schema import DTYPES, KERNEL_MODES, LOGPROBS_MODES
@@ -123,13 +125,22 @@ def _report_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="device of the training forward (default: cpu)")
     parser.add_argument("--json", type=Path, metavar="OUT", help="write the report as JSON to OUT")
     parser.add_argument("--html", type=Path, metavar="OUT", help="write the HTML report to OUT")
-    parser.add_argument("--worst", type=int, default=5, metavar="K",
+    parser.add_argument("--worst", type=_count, default=5, metavar="K",
                         help="worst tokens to print (default: 5)")
+
+
+def _count(text: str) -> int:
+    """An argparse type: an integer >= 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
+    return value
 
 
 def _compare(args: argparse.Namespace) -> int:
     if args.model is None and args.case is None:
         raise ConfigError("compare needs --model (or --case naming a model)")
+    _check_outputs(args)
     report = compare(args.model, args.backend, case=args.case, dtype=args.dtype, reference=args.reference,
                      router_replay=args.router_replay, device=args.device,
                      attribute=tuple(args.attribute or ()), record=args.record,
@@ -139,7 +150,15 @@ def _compare(args: argparse.Namespace) -> int:
     return _report_out(report, args)
 
 
+def _check_outputs(args: argparse.Namespace) -> None:
+    """--json/--html checked before any work: a run never loses its report to a bad path."""
+    for option, path in (("--json", args.json), ("--html", args.html)):
+        if path is not None:
+            output_file(path, option)
+
+
 def _score(args: argparse.Namespace) -> int:
+    _check_outputs(args)
     flags = {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p),
                                ("top_k", args.top_k)) if v is not None}
     if flags and args.case is not None:
@@ -204,20 +223,23 @@ def _passthrough(command: str, argv: list[str]) -> int:
     if func is None:
         print(f"parity: error: `parity {command}` is not available in this build "
               f"({module_name}.{func_name} is missing)", file=sys.stderr)
-        return 2
+        return EXIT_ERROR
     return int(func(argv) or 0)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the `parity` command on `argv` (default: sys.argv[1:]); returns the exit code."""
     args_list = list(sys.argv[1:] if argv is None else argv)
-    engine_logging(verbose=VERBOSE in args_list)
+    verbose = VERBOSE in args_list
+    engine_logging(verbose=verbose)
     args_list = [a for a in args_list if a != VERBOSE]
     try:
-        if args_list and args_list[0] in PASSTHROUGH:
-            return _passthrough(args_list[0], args_list[1:])
+        if args_list and args_list[0] in PASSTHROUGH:  # their parsers take --verbose themselves
+            return _passthrough(args_list[0], args_list[1:] + [VERBOSE] * verbose)
         args = _parser().parse_args(args_list)
         return args.func(args)
-    except ParityError as exc:
-        print(f"parity: error: {exc}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        print("parity: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # one line, exit 2: CI must never read a crash as a parity failure
+        return report_error("parity", exc, verbose=verbose)

@@ -24,8 +24,9 @@ import numpy as np
 from parity.backends import Backend, shared_backend
 from parity.backends.base import check_dtype
 from parity.cases import Case, default_case, load_case
-from parity.errors import ConfigError, InputError
-from parity.models import is_model_name, model_hash, resolve_model
+from parity.errors import BackendError, ConfigError, InputError
+from parity.models import is_model_name, model_hash, model_limits, resolve_model
+from parity.outputs import output_file
 from parity.prompts import Dataset, PromptSource, check_prompt, encode_prompts
 from parity.record import write_record
 from parity.report import ParityReport
@@ -98,16 +99,26 @@ def compare(
         raise ConfigError(f"reference must be one of {KERNEL_MODES}, got {reference!r}")
     the_case = _resolve_case(model, case, prompts, sampling)
     model_arg = os.fspath(model) if model is not None else the_case.model
-    resolve_model(model_arg)
+    # every id against the model's vocabulary and context: an engine given a bad id dies or fails late
+    names = None if prompts is None else [f"prompts[{i}]" for i in range(len(the_case.requests))]
+    model_limits(model_arg).check(
+        the_case.requests, names=names, prefix="" if prompts is not None else f"case {the_case.name!r}: ")
     dtype = check_dtype(dtype or (the_case.dtypes[0] if the_case.dtypes else "bfloat16"))
     name = backend if isinstance(backend, str) else getattr(backend, "name", "")
     limits = Tolerance.resolve(tolerance if tolerance is not None else the_case.tolerance_for(name), name)
     _router_replay_options(router_replay)
+    _check_device(device)
+    _check_axes(attribute)
+    _check_correction(correction)
+    if record is not None:
+        output_file(record, "record")
     if isinstance(backend, str):
         backend_options = {**route_capture_options(backend, router_replay), **backend_options}
     engine = _resolve_backend(backend, model_arg, dtype, backend_options)
 
-    rollouts = match_requests(engine.generate(list(the_case.requests)), the_case.requests)
+    generated = engine.generate(list(the_case.requests))
+    check_samples(the_case.requests, generated, engine.name)
+    rollouts = match_requests(generated, the_case.requests)
     if record is not None:
         write_record(record, the_case.requests, rollouts, model=model_arg,
                      meta={"case": the_case.name, "case_hash": the_case.hash})
@@ -161,12 +172,13 @@ def match_requests(rollouts: Sequence[Rollout], requests: Sequence[Request]) -> 
     A rollout's logprobs mode must be the one its request asked for, or the two numbers would
     be different quantities.
     """
-    by_id = {r.request_id: r.sampling for r in requests}
+    by_id = requests_by_id(requests)
+    _unique_keys(rollouts)
     out = []
     for ro in rollouts:
         if ro.request_id not in by_id:
             raise InputError(f"rollout {ro.request_id!r}/{ro.sample_index} matches no request of the case")
-        s = by_id[ro.request_id]
+        s = by_id[ro.request_id].sampling
         if ro.logprobs_mode != s.logprobs_mode:
             raise InputError(
                 f"rollout {ro.request_id!r}/{ro.sample_index} from backend {ro.backend!r} has "
@@ -205,6 +217,72 @@ def route_capture_options(backend: str, router_replay: str | None) -> dict[str, 
                           f"({', '.join(ROUTE_CAPTURE_OPTIONS)}) or R2, which replays the trainer's own "
                           "first pass")
     return {}
+
+
+def requests_by_id(requests: Sequence[Request]) -> dict[str, Request]:
+    """Requests by their id; InputError when an id repeats (a rollout is scored under the
+    sampling parameters its request id finds, so two requests under one id would score one of
+    them under the other's temperature)."""
+    by_id: dict[str, Request] = {}
+    for r in requests:
+        if r.request_id in by_id:
+            raise InputError(f"request_id {r.request_id!r} is used by two requests; give every request its "
+                             "own id")
+        by_id[r.request_id] = r
+    return by_id
+
+
+def _unique_keys(rollouts: Sequence[Rollout]) -> None:
+    seen: set[tuple[str, int]] = set()
+    for ro in rollouts:
+        if ro.key in seen:
+            raise InputError(f"rollout {ro.key} appears more than once; each (request_id, sample_index) "
+                             "is one sample")
+        seen.add(ro.key)
+
+
+def check_samples(requests: Sequence[Request], rollouts: Sequence[Rollout], backend: str) -> None:
+    """BackendError unless `rollouts` hold exactly one sample per (request, sample index < n): a
+    backend that repeats, drops or invents a sample would otherwise skew every metric silently."""
+    want = {(r.request_id, i) for r in requests for i in range(r.sampling.n)}
+    seen: set[tuple[str, int]] = set()
+    for ro in rollouts:
+        if ro.key in seen:
+            raise BackendError(f"backend {backend!r} returned sample {ro.key} more than once")
+        if ro.key not in want:
+            raise BackendError(f"backend {backend!r} returned sample {ro.key}, which no request asked for")
+        seen.add(ro.key)
+    missing = sorted(want - seen)
+    if missing:
+        raise BackendError(f"backend {backend!r} returned {len(seen)} of {len(want)} samples; missing "
+                           f"{', '.join(map(str, missing[:3]))}{' ...' if len(missing) > 3 else ''}")
+
+
+def _check_device(device: str) -> None:
+    """ConfigError unless the training forward can run on `device`, checked before an engine starts."""
+    from parity.models.loading import check_device  # torch: `import parity` stays light
+
+    check_device(device)
+
+
+def _check_correction(correction: dict[str, Any] | None) -> None:
+    """ConfigError unless `correction` is None or valid `CorrectionConfig` options, before sampling."""
+    from parity.correction import CorrectionConfig  # torch: `import parity` stays light
+
+    if correction is not None:
+        CorrectionConfig.from_dict(correction)
+
+
+def _check_axes(attribute: Sequence[str]) -> None:
+    """ConfigError unless every drift-attribution axis exists (checked before sampling, not after)."""
+    if isinstance(attribute, str) or not isinstance(attribute, Sequence):
+        raise ConfigError(f"attribute must be a list of axes, got {attribute!r}")
+    if attribute:
+        from parity.attribute import AXES  # torch: `import parity` stays light
+
+        unknown = [axis for axis in attribute if axis not in AXES]
+        if unknown:
+            raise ConfigError(f"attribute: unknown axes {unknown}; choose from {list(AXES)}")
 
 
 def _router_replay_options(router_replay: str | None) -> dict[str, Any]:

@@ -26,6 +26,7 @@ no token ids or logprobs.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,16 +90,22 @@ def read_dump(path: str | Path, *, backend: str = "external", logprobs_mode: str
     trainer: list[tuple[float, ...] | None] = []
     columns: set[str] = set()
     samples: dict[str, int] = {}
+    prompts: dict[str, tuple[int, ...]] = {}
     for index, (where, row) in enumerate(read_rows(path)):
         try:
             rollout, theirs, column = _row(row, index, samples, backend, logprobs_mode, sampling)
+            if prompts.setdefault(rollout.request_id, rollout.prompt_ids) != rollout.prompt_ids:
+                raise InputError(f"request_id {rollout.request_id!r} came with another prompt on an earlier "
+                                 "row; the samples of one request share its prompt, so give each prompt its "
+                                 "own request_id")
         except ParityError as e:
             raise type(e)(f"{where}: {e}") from e
         rollouts.append(rollout)
         trainer.append(theirs)
         columns.update([column] if column else [])
     if not rollouts:
-        raise InputError(f"{path}: the dump holds no rows")
+        raise InputError(f"{path}: no rollouts (the dump holds no rows); point at a dump with one rollout "
+                         "per row")
     keys = [r.key for r in rollouts]
     if len(set(keys)) != len(keys):
         raise InputError(f"{path}: (request_id, sample_index) repeats; give each rollout a unique pair")
@@ -147,7 +154,7 @@ def _row(row: dict[str, Any], index: int, samples: dict[str, int], backend: str,
     response = _column(row, "response_ids")
     logprobs = _column(row, "rollout_logprobs")
     trainer_column = next((a for a in COLUMN_ALIASES["trainer_logprobs"] if row.get(a) is not None), None)
-    trainer = None if trainer_column is None else list(row[trainer_column])
+    trainer = None if trainer_column is None else _as_list(row[trainer_column], trainer_column)
     prompt, keep = _strip_padding(row, prompt, len(response))
     response, logprobs = response[:keep], logprobs[:keep]
     if len(response) != len(logprobs):
@@ -187,7 +194,7 @@ def _strip_padding(row: dict[str, Any], prompt: list[Any], response_len: int) ->
     keep = response_len
     attention = row.get("attention_mask")
     if attention is not None:
-        attention = [int(m) for m in attention]
+        attention = _mask_values(attention, "attention_mask")
         if len(attention) != len(prompt) + response_len:
             raise InputError(f"attention_mask has {len(attention)} entries for {len(prompt)} prompt + "
                              f"{response_len} response tokens; it must cover both")
@@ -199,18 +206,37 @@ def _strip_padding(row: dict[str, Any], prompt: list[Any], response_len: int) ->
         keep = _right_padded(tail, "attention_mask over the response")
     mask = row.get("response_mask")
     if mask is not None:
+        mask = _mask_values(mask, "response_mask")
         if len(mask) != response_len:
             raise InputError(f"response_mask has {len(mask)} entries for {response_len} response tokens; "
-                             "give one per response token")
-        keep = min(keep, _right_padded([int(m) for m in mask], "response_mask"))
+                             "give one entry per response token")
+        keep = min(keep, _right_padded(mask, "response_mask"))
     return prompt, keep
 
 
+def _mask_values(mask: Any, name: str) -> list[int]:
+    """A mask column as 0/1 ints; anything else (2, 0.5, "1") is refused, not rounded."""
+    if isinstance(mask, (str, bytes)) or not isinstance(mask, (Sequence, np.ndarray)):
+        raise InputError(f"{name} must be a list of 0s and 1s, got {mask!r:.80}")
+    for m in mask:
+        if isinstance(m, (str, bytes)) or not isinstance(m, (numbers.Real, np.bool_)) or m not in (0, 1):
+            raise InputError(f"{name} values must be 0 or 1, got {m!r}")
+    return [int(m) for m in mask]
+
+
 def _right_padded(mask: list[int], name: str) -> int:
-    """The number of leading 1s of a 1s-then-0s mask."""
-    keep = sum(mask)
-    if mask != [1] * keep + [0] * (len(mask) - keep):
-        raise InputError(f"{name} must be 1s followed by 0s (right padding)")
+    """The number of leading 1s of a 1s-then-0s mask.
+
+    A 0 before a 1 is not padding: in a response it marks tokens the policy did not generate (a
+    tool or user turn of a multi-turn trajectory); dropping them or scoring them as generated
+    would both be wrong, so such a mask is refused rather than guessed at.
+    """
+    keep = mask.index(0) if 0 in mask else len(mask)
+    if any(mask[keep:]):
+        raise InputError(f"{name} has a zero before a one (token {keep}): that is a multi-turn mask with "
+                         "tokens the policy did not generate (tool or user turns), not right padding; "
+                         "read right-padded single-turn responses, or split the trajectory into one row "
+                         "per policy turn")
     return keep
 
 
@@ -267,8 +293,14 @@ def _top_k(row: dict[str, Any]) -> int:
 def _column(row: dict[str, Any], name: str) -> list[Any]:
     for alias in COLUMN_ALIASES[name]:
         if row.get(alias) is not None:
-            return list(row[alias])
+            return _as_list(row[alias], alias)
     raise InputError(f"missing field {name!r} (accepted spellings: {', '.join(COLUMN_ALIASES[name])})")
+
+
+def _as_list(value: Any, name: str) -> list[Any]:
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, (Sequence, np.ndarray)):
+        raise InputError(f"{name} must be a list, got {value!r:.80}")
+    return list(value)
 
 
 def _check_ids(ids: list[Any], name: str) -> None:

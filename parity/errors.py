@@ -1,10 +1,16 @@
-"""The one error hierarchy of parity.
+"""The one error hierarchy of parity, and how a command reports an error.
 
 Every error parity raises on bad input is a `ParityError` whose message names the offending
-field and says how to fix it, so users never see a traceback from deep inside torch.
+field and says how to fix it, so users never see a traceback from deep inside torch. Every
+command exits `EXIT_FAILED` (1) only when a tolerance or regression check failed and
+`EXIT_ERROR` (2) on any error, printed as one line by `report_error`, so CI never reads a
+crash as a parity failure.
 """
 
 from __future__ import annotations
+
+import sys
+import traceback
 
 
 class ParityError(Exception):
@@ -34,3 +40,31 @@ class BackendError(ParityError, RuntimeError):
 class UnsupportedError(BackendError):
     """The backend, or the build of it installed here, refuses an operation (e.g. sleep mode on a
     CPU build); the message quotes the backend's reason. Checks report it as skipped, not failed."""
+
+
+#: exit code of a command whose tolerance or regression check failed (and of nothing else).
+EXIT_FAILED = 1
+#: exit code of a command that could not do its job: bad input, or a failure of parity or a backend.
+EXIT_ERROR = 2
+#: exit code after Ctrl-C (SIGINT), the shell's 128 + 2.
+EXIT_INTERRUPTED = 130
+
+
+def report_error(prog: str, exc: BaseException, *, verbose: bool = False) -> int:
+    """Print `exc` on stderr as one line and return `EXIT_ERROR`.
+
+    A `ParityError` is printed as its message (it names the field and the fix); any other
+    exception is a failure parity did not foresee, printed as its type and first line with a
+    pointer to --verbose, which prints the traceback above that line.
+    """
+    if verbose:
+        traceback.print_exception(exc, file=sys.stderr)
+    if isinstance(exc, ParityError):
+        line = str(exc)
+    else:
+        first = (str(exc).strip().splitlines() or [""])[0]
+        line = f"{type(exc).__name__}: {first}"
+        if not verbose:
+            line += " (run with --verbose for the traceback)"
+    print(f"{prog}: error: {' '.join(line.splitlines())}", file=sys.stderr)
+    return EXIT_ERROR

@@ -226,6 +226,7 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--weight-tolerance", type=float, default=0.15, metavar="NATS",
                         help="max |dlogp| after a weight push vs the training forward (default: 0.15)")
     parser.add_argument("--json", type=Path, metavar="OUT", help="write the results as JSON to OUT")
+    parser.add_argument("--verbose", action="store_true", help="print the traceback of an unexpected error")
     args = parser.parse_args(list(argv))
     case = load_case(args.case) if args.case is not None else None
     model = args.model or (case.model if case is not None else None)

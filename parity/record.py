@@ -24,7 +24,9 @@ from typing import Any
 
 from parity.backends import Backend, get_backend, parse_option
 from parity.dumps import check_logprobs
-from parity.errors import ConfigError, InputError, ParityError
+from parity.errors import EXIT_INTERRUPTED, ConfigError, InputError, ParityError, report_error
+from parity.models import model_limits
+from parity.outputs import output_file
 from parity.tables import read_jsonl, write_jsonl
 from parity.types import Request, Rollout
 
@@ -45,6 +47,7 @@ class Record:
 def write_record(path: str | Path, requests: Sequence[Request], rollouts: Sequence[Rollout] = (), *,
                  model: str | None = None, meta: dict[str, Any] | None = None) -> Path:
     """Write a record file; `rollouts` may mix backends (each rollout names its own)."""
+    _unique_ids(requests)
     lines = [{"kind": "header", "format": RECORD_FORMAT, "version": RECORD_VERSION, "model": model,
               "meta": meta or {}}]
     lines += [{"kind": "request", **r.to_dict()} for r in requests]
@@ -58,6 +61,7 @@ def read_record(path: str | Path) -> Record:
     requests: list[Request] = []
     by_id: dict[str, Request] = {}
     rollouts: dict[str, list[Rollout]] = {}
+    seen: set[tuple[str, str, int]] = set()
     header: dict[str, Any] | None = None
     for where, obj in read_jsonl(path):
         kind = obj.pop("kind", None)
@@ -71,11 +75,19 @@ def read_record(path: str | Path) -> Record:
                 raise InputError(f"the first line must be the header ({{'kind': 'header', 'format': "
                                  f"{RECORD_FORMAT!r}, ...}})")
             elif kind == "request":
-                requests.append(Request.from_dict(obj))
-                by_id[requests[-1].request_id] = requests[-1]
+                request = Request.from_dict(obj)
+                if request.request_id in by_id:
+                    raise InputError(f"request_id {request.request_id!r} appears more than once; replay "
+                                     "sends each request once and matches rollouts by id")
+                requests.append(request)
+                by_id[request.request_id] = request
             elif kind == "rollout":
                 check_logprobs(obj.get("logprobs", []))
                 rollout = Rollout.from_dict(obj)
+                if (rollout.backend, *rollout.key) in seen:
+                    raise InputError(f"rollout {rollout.key} of backend {rollout.backend!r} appears more "
+                                     "than once")
+                seen.add((rollout.backend, *rollout.key))
                 request = by_id.get(rollout.request_id)
                 if rollout.sampling is None and request is not None:
                     rollout = dataclasses.replace(rollout, sampling=request.sampling)
@@ -93,18 +105,29 @@ def read_record(path: str | Path) -> Record:
 
 
 def replay(record: Record, backend: Backend) -> list[Rollout]:
-    """Send the record's requests, unchanged, through `backend`."""
+    """Send the record's requests, unchanged, through `backend` (checked first against its model's
+    vocabulary and context: a bad id kills some engines)."""
     if not record.requests:
         raise InputError("the record has no requests to replay")
+    model_limits(backend.model_path).check(record.requests)
     return backend.generate(list(record.requests))
+
+
+def _unique_ids(requests: Sequence[Request]) -> None:
+    ids = [r.request_id for r in requests]
+    repeated = sorted({i for i in ids if ids.count(i) > 1})
+    if repeated:
+        raise InputError(f"request_id {repeated[0]!r} is used by more than one request; give every request "
+                         "its own id")
 
 
 def replay_main(argv: Sequence[str] | None = None) -> int:
     """`parity replay RECORD --backend NAME [--model M] [--dtype D] [--option K=V ...] [--out PATH]`.
 
     Writes a record with the original requests and rollouts plus the new backend's rollouts
-    (default: RECORD with `.NAME` before the suffix) and prints its path. Returns 0, or 2 on
-    a parity error (message on stderr).
+    (default: RECORD with `.NAME` before the suffix; checked before any backend starts) and
+    prints its path. Returns 0, or 2 on
+    any error (one line on stderr; the traceback with --verbose), 130 on Ctrl-C.
     """
     parser = argparse.ArgumentParser(prog="parity replay", description=replay_main.__doc__)
     parser.add_argument("record", type=Path, help="record file (JSONL) written by parity")
@@ -114,20 +137,24 @@ def replay_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                         help="backend option; VALUE is parsed as JSON when it can be")
     parser.add_argument("--out", type=Path, help="output record path")
+    parser.add_argument("--verbose", action="store_true", help="print the traceback of an unexpected error")
     args = parser.parse_args(argv)
     try:
         record = read_record(args.record)
         model = args.model or record.model
         if model is None:
             raise ConfigError("the record names no model; pass --model")
+        out = args.out or args.record.with_suffix(f".{args.backend}{args.record.suffix}")
+        output_file(out, "--out")
         options = dict(map(parse_option, args.option))
         with get_backend(args.backend, model, dtype=args.dtype, **options) as backend:
             new = replay(record, backend)
-        out = args.out or args.record.with_suffix(f".{args.backend}{args.record.suffix}")
         previous = [r for name, rs in record.rollouts.items() if name != args.backend for r in rs]
         write_record(out, record.requests, previous + new, model=str(model), meta=record.meta)
-    except ParityError as e:
-        sys.stderr.write(f"parity replay: {e}\n")
-        return 2
+    except KeyboardInterrupt:
+        sys.stderr.write("parity replay: interrupted\n")
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # one line, exit 2 (see parity.errors.report_error)
+        return report_error("parity replay", exc, verbose=args.verbose)
     sys.stdout.write(f"{out}\n")
     return 0

@@ -90,8 +90,10 @@ class Tolerance:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], *, where: str = "tolerance") -> Tolerance:
+        if not isinstance(d, dict):
+            raise ConfigError(f"{where} must be a table of Tolerance fields, got {type(d).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
+        unknown = sorted(map(str, set(d) - known))
         if unknown:
             raise ConfigError(f"{where}: unknown field(s) {unknown}; allowed: {sorted(known)}")
         return cls(**d)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,26 +51,27 @@ class SamplingParams:
     logprobs_mode: LogprobsMode = "processed"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ConfigError(f"sampling.n must be an integer >= 1, got {self.n!r}")
-        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
-                or self.temperature < 0:
+        # every field is checked for its type too: a TOML string "false" is truthy, `True` is an
+        # int and a string is a sequence of characters, and each would silently mean something else
+        set_ = object.__setattr__
+        set_(self, "n", check_int(self.n, "sampling.n", low=1))
+        set_(self, "temperature", check_real(self.temperature, "sampling.temperature", "(0 = greedy)"))
+        if self.temperature < 0:
             raise ConfigError(
-                f"sampling.temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}"
-            )
-        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+                f"sampling.temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        set_(self, "top_p", check_real(self.top_p, "sampling.top_p", "in (0, 1] (1 = off)"))
+        if not 0.0 < self.top_p <= 1.0:
             raise ConfigError(f"sampling.top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ConfigError(
-                f"sampling.top_k must be an integer >= 0 (0 = off; parity translates -1 for you), "
-                f"got {self.top_k!r}"
-            )
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ConfigError(f"sampling.max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.seed, int) or self.seed < 0:
-            raise ConfigError(f"sampling.seed must be an integer >= 0, got {self.seed!r}")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        if self.logprobs_mode not in LOGPROBS_MODES:
+        set_(self, "top_k", check_int(self.top_k, "sampling.top_k", low=0,
+                                    hint="(0 = off; parity translates -1 for you)"))
+        set_(self, "max_tokens", check_int(self.max_tokens, "sampling.max_tokens", low=1))
+        set_(self, "seed", check_int(self.seed, "sampling.seed", low=0))
+        set_(self, "stop_token_ids", check_token_ids(self.stop_token_ids, "sampling.stop_token_ids",
+                                                     ConfigError))
+        if not isinstance(self.ignore_eos, (bool, np.bool_)):
+            raise ConfigError(f"sampling.ignore_eos must be true or false, got {self.ignore_eos!r}")
+        set_(self, "ignore_eos", bool(self.ignore_eos))
+        if not isinstance(self.logprobs_mode, str) or self.logprobs_mode not in LOGPROBS_MODES:
             raise ConfigError(
                 f"sampling.logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}"
             )
@@ -85,13 +87,15 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
+        if not isinstance(d, dict):
+            raise ConfigError(f"sampling must be a table of SamplingParams fields, got {type(d).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - known
         if unknown:
             raise ConfigError(
-                f"unknown sampling field(s) {sorted(unknown)}; allowed: {sorted(known)}"
+                f"unknown sampling field(s) {sorted(map(str, unknown))}; allowed: {sorted(known)}"
             )
-        return cls(**{**d, "stop_token_ids": tuple(d.get("stop_token_ids", ()))})
+        return cls(**d)
 
 
 @dataclass(frozen=True)
@@ -103,13 +107,11 @@ class Request:
     request_id: str = "0"
 
     def __post_init__(self) -> None:
-        ids = tuple(int(t) for t in self.prompt_ids)
+        object.__setattr__(self, "request_id", check_id(self.request_id, "request_id"))
+        ids = check_token_ids(self.prompt_ids, f"request {self.request_id!r}: prompt_ids", InputError)
         if not ids:
             raise InputError(f"request {self.request_id!r}: prompt_ids is empty; give at least one token id")
-        if min(ids) < 0:
-            raise InputError(f"request {self.request_id!r}: prompt_ids contains a negative token id")
         object.__setattr__(self, "prompt_ids", ids)
-        object.__setattr__(self, "request_id", str(self.request_id))
         if not isinstance(self.sampling, SamplingParams):
             raise ConfigError(
                 f"request {self.request_id!r}: sampling must be a parity.SamplingParams, "
@@ -122,8 +124,10 @@ class Request:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Request:
-        return cls(prompt_ids=tuple(d["prompt_ids"]), sampling=SamplingParams.from_dict(d["sampling"]),
-                   request_id=str(d["request_id"]))
+        """The inverse of `to_dict`; a missing key is an InputError naming it."""
+        _require(d, "request", ("request_id", "prompt_ids", "sampling"))
+        return cls(prompt_ids=d["prompt_ids"], sampling=SamplingParams.from_dict(d["sampling"]),
+                   request_id=d["request_id"])
 
 
 @dataclass(frozen=True)
@@ -157,9 +161,22 @@ class Rollout:
     sampling: SamplingParams | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
-        object.__setattr__(self, "token_ids", tuple(int(t) for t in self.token_ids))
-        object.__setattr__(self, "logprobs", tuple(float(x) for x in self.logprobs))
+        set_ = object.__setattr__
+        set_(self, "request_id", check_id(self.request_id, "rollout request_id"))
+        where = f"rollout {self.request_id!r}"
+        set_(self, "sample_index", check_int(self.sample_index, f"{where}: sample_index", low=0,
+                                             error=InputError))
+        set_(self, "prompt_ids", check_token_ids(self.prompt_ids, f"{where}: prompt_ids", InputError))
+        set_(self, "token_ids", check_token_ids(self.token_ids, f"{where}: token_ids", InputError))
+        if isinstance(self.logprobs, (str, bytes)) or not isinstance(self.logprobs, (Sequence, np.ndarray)) \
+                or not all(isinstance(x, numbers.Real) and not isinstance(x, bool) for x in self.logprobs):
+            raise InputError(f"{where}: logprobs must be a list of numbers, got {self.logprobs!r:.80}")
+        set_(self, "logprobs", tuple(float(x) for x in self.logprobs))
+        for name in ("finish_reason", "backend"):
+            if not isinstance(getattr(self, name), str):
+                raise InputError(f"{where}: {name} must be a string, got {getattr(self, name)!r}")
+        if not isinstance(self.meta, dict):
+            raise InputError(f"{where}: meta must be a dict, got {type(self.meta).__name__}")
         if len(self.logprobs) != len(self.token_ids):
             raise InputError(
                 f"rollout {self.request_id!r}/{self.sample_index}: {len(self.token_ids)} token_ids "
@@ -171,7 +188,11 @@ class Rollout:
                 f"got {self.logprobs_mode!r}"
             )
         if self.routed_experts is not None:
-            routes = np.asarray(self.routed_experts)
+            try:
+                routes = np.asarray(self.routed_experts)
+            except ValueError as exc:  # a ragged nested list
+                raise InputError(f"rollout {self.request_id!r}: routed_experts is not a rectangular array "
+                                 f"({exc})") from exc
             if routes.ndim != 3 or not np.issubdtype(routes.dtype, np.integer):
                 raise InputError(
                     f"rollout {self.request_id!r}: routed_experts must be an integer array "
@@ -215,15 +236,15 @@ class Rollout:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Rollout:
-        routes = d.get("routed_experts")
+        """The inverse of `to_dict`; a missing key is an InputError naming it."""
+        _require(d, "rollout", ("request_id", "sample_index", "prompt_ids", "token_ids", "logprobs",
+                                "finish_reason", "backend"))
         sampling = d.get("sampling")
         return cls(
-            request_id=str(d["request_id"]), sample_index=int(d["sample_index"]),
-            prompt_ids=tuple(d["prompt_ids"]), token_ids=tuple(d["token_ids"]),
-            logprobs=tuple(d["logprobs"]), finish_reason=d["finish_reason"], backend=d["backend"],
-            logprobs_mode=d.get("logprobs_mode", "processed"),
-            routed_experts=None if routes is None else np.asarray(routes, dtype=np.int32),
-            meta=dict(d.get("meta", {})),
+            request_id=d["request_id"], sample_index=d["sample_index"], prompt_ids=d["prompt_ids"],
+            token_ids=d["token_ids"], logprobs=d["logprobs"], finish_reason=d["finish_reason"],
+            backend=d["backend"], logprobs_mode=d.get("logprobs_mode", "processed"),
+            routed_experts=d.get("routed_experts"), meta=d.get("meta", {}),
             sampling=None if sampling is None else SamplingParams.from_dict(sampling),
         )
 
@@ -249,13 +270,59 @@ def as_pairs(sequences: Sequences) -> list[Pair]:
         if isinstance(item, Rollout):
             pair = (item.prompt_ids, item.token_ids)
         elif isinstance(item, (tuple, list)) and len(item) == 2:
-            pair = (tuple(int(t) for t in item[0]), tuple(int(t) for t in item[1]))
+            pair = (check_token_ids(item[0], f"sequences[{i}] prompt_ids", InputError),
+                    check_token_ids(item[1], f"sequences[{i}] response_ids", InputError))
         else:
             raise InputError(f"sequences[{i}] must be a parity.Rollout or a (prompt_ids, response_ids) "
                              f"pair, got {type(item).__name__}")
         if not pair[0]:
             raise InputError(f"sequences[{i}]: prompt_ids is empty; give at least one prompt token")
-        if min(pair[0] + pair[1]) < 0:
-            raise InputError(f"sequences[{i}] contains a negative token id")
         pairs.append(pair)
     return pairs
+
+
+# -- the type checks of every field above ---------------------------------------------------------
+
+
+def check_int(value: Any, field: str, *, low: int, hint: str = "",
+            error: type[ConfigError] | type[InputError] = ConfigError) -> int:
+    """`value` as an int if it is an integer (NumPy's too, never a bool) >= `low`, else `error`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+        raise error(f"{field} must be an integer >= {low}{' ' + hint if hint else ''}, got {value!r}")
+    return int(value)
+
+
+def check_real(value: Any, field: str, hint: str) -> float:
+    """`value` if it is a finite real number (NumPy's become Python floats; never a bool)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ConfigError(f"{field} must be a finite number {hint}, got {value!r}")
+    return value if type(value) in (int, float) else float(value)
+
+
+def check_token_ids(values: Any, field: str, error: type[ConfigError] | type[InputError]) -> tuple[int, ...]:
+    """A sequence of token ids (integers >= 0, NumPy's too) as a tuple of ints; a string, a bare
+    number, a bool or a negative id is `error` naming `field`."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, (Sequence, np.ndarray)):
+        raise error(f"{field} must be a list of token ids (integers >= 0), got {values!r:.80}")
+    ids = tuple(values)
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise error(f"{field} must hold token ids (integers >= 0), got {t!r}")
+        if t < 0:
+            raise error(f"{field} has a negative token id {t}; token ids are integers >= 0")
+    return tuple(int(t) for t in ids)
+
+
+def check_id(value: Any, field: str) -> str:
+    """A request id: a string, or an integer (written as a string)."""
+    if isinstance(value, bool) or not isinstance(value, (str, numbers.Integral)):
+        raise InputError(f"{field} must be a string, got {value!r}")
+    return str(value)
+
+
+def _require(d: Any, what: str, keys: tuple[str, ...]) -> None:
+    if not isinstance(d, dict):
+        raise InputError(f"a {what} must be a JSON object, got {type(d).__name__}")
+    missing = [k for k in keys if k not in d]
+    if missing:
+        raise InputError(f"{what}: missing field {missing[0]!r}")

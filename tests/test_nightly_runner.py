@@ -236,8 +236,7 @@ def test_an_interrupted_run_resumes_without_duplicates(workspace, monkeypatch):
         return fake_compare(*args, **kwargs)
 
     monkeypatch.setattr(runner, "compare", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        nightly(workspace, "--backends", "reference,hf,vllm", "--run-id", "k1")
+    assert nightly(workspace, "--backends", "reference,hf,vllm", "--run-id", "k1") == 130
     assert [k for _, k, _ in db_rows(workspace)] == ["alpha|reference|bfloat16|"]
     with sqlite3.connect(workspace.db) as db:
         assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
@@ -318,7 +317,7 @@ def test_the_parity_command_runs_nightly_with_the_backends_available_here(worksp
     (["--backends", "tgi"], "--backends: unknown ['tgi']"),
     (["--dtypes", "fp8"], "--dtypes: unknown ['fp8']"),
     (["--alpha", "2"], "--alpha must be"),
-    (["--baseline", "nope"], "--baseline 'nope': no such run"),
+    (["--baseline", "nope"], "--baseline 'nope': no history at"),
     (["--run-id", "../escape"], "--run-id '../escape'"),
     (["--resume", "x"], "--resume takes the matrix from the stored run; drop ['--cases']"),
 ])
@@ -328,6 +327,9 @@ def test_bad_options_exit_2_with_a_message(workspace, capsys, args, message):
 
 
 def test_resume_of_an_unknown_run_and_missing_cases(workspace, capsys):
+    assert main(["--resume", "ghost", "--out", str(workspace.out)]) == 2
+    assert "--resume 'ghost': no history at" in capsys.readouterr().err
+    assert nightly(workspace, "--backends", "hf", "--run-id", "real") == 0
     assert main(["--resume", "ghost", "--out", str(workspace.out)]) == 2
     assert "--resume 'ghost': no such run" in capsys.readouterr().err
     assert main(["--out", str(workspace.out)]) == 2

@@ -18,6 +18,7 @@ from parity.attribute.settings import AXES
 from parity.cases import default_case, load_cases
 from parity.engine import ReferenceEngine
 from parity.errors import ConfigError
+from parity.outputs import output_file
 from parity.render.attribution import attribution_page, layers_text, ops_text
 from parity.schema import DTYPES, KERNEL_MODES
 from parity.types import Rollout
@@ -52,6 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-layers", action="store_true", help="skip the layer probe")
     parser.add_argument("--json", type=Path, metavar="OUT", help="write the section as JSON to OUT")
     parser.add_argument("--html", type=Path, metavar="OUT", help="write an HTML page to OUT")
+    parser.add_argument("--verbose", action="store_true", help="print the traceback of an unexpected error")
     return parser
 
 
@@ -77,6 +79,9 @@ def _sequences(model: str | None, case_spec: str | None, dtype: str | None, devi
 def main(argv: Sequence[str] | None = None) -> int:
     """Run `parity attribute` on `argv` (the arguments after the subcommand); returns the exit code."""
     args = _parser().parse_args(None if argv is None else list(argv))
+    for option, path in (("--json", args.json), ("--html", args.html)):
+        if path is not None:
+            output_file(path, option)  # before the engine runs
     model, dtype, rollouts = _sequences(args.model, args.case, args.dtype, args.device, args.max_sequences)
     section = attribution_section(model, rollouts, axes=args.axis or ["batch"], dtype=dtype,
                                   device=args.device, families=args.families,

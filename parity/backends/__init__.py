@@ -5,11 +5,12 @@ from parity.backends.registry import (
     BACKENDS,
     available_backends,
     backend_options,
+    close_dead_backends,
     close_shared_backends,
     get_backend,
     parse_option,
     shared_backend,
 )
 
-__all__ = ["BACKENDS", "Backend", "available_backends", "backend_options", "close_shared_backends",
-           "get_backend", "parse_option", "shared_backend"]
+__all__ = ["BACKENDS", "Backend", "available_backends", "backend_options", "close_dead_backends",
+           "close_shared_backends", "get_backend", "parse_option", "shared_backend"]

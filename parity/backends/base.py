@@ -89,7 +89,11 @@ def eos_token_ids(model_path: str | Path) -> tuple[int, ...]:
         f = root / name
         if not f.is_file():
             continue
-        eos = json.loads(f.read_text()).get("eos_token_id")
+        try:
+            eos = json.loads(f.read_text()).get("eos_token_id")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
+            raise ConfigError(f"{f}: not a valid JSON object ({exc}); fix or regenerate the checkpoint") \
+                from exc
         if eos is not None:
             return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
     return ()
@@ -199,6 +203,14 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Release the engine; the backend is unusable afterwards."""
+
+    @property
+    def alive(self) -> bool:
+        """False once the engine behind this backend has died, so that every later call would
+        fail (vLLM's engine core process after a fatal error); a process-wide cache
+        (`parity.backends.shared_backend`) then closes it and starts a new one. An engine that
+        runs in parity's own process lives as long as the process does."""
+        return True
 
     def rollout(self, job: SampleJob, token_ids: Sequence[int], logprobs: Sequence[float],
                 finish: str, routed_experts: np.ndarray | None = None,

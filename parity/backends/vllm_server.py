@@ -246,6 +246,11 @@ class VLLMServerBackend(Backend):
     def _liveness(self) -> str | None:
         return None if self.server is None else self.server.exit_reason()
 
+    @property
+    def alive(self) -> bool:
+        """False once the server parity started has exited (an attached server is not ours to restart)."""
+        return self._liveness() is None
+
     def _describe_server(self) -> None:
         """Fill meta from the server and check the declared dtype and logprobs mode against it."""
         models = self.client.get("/v1/models").get("data") or []

@@ -251,8 +251,10 @@ class CorrectionConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any], *, where: str = "correction") -> CorrectionConfig:
         """Build from a mapping (a case file's table); unknown keys raise `ConfigError`."""
+        if not isinstance(d, dict):
+            raise ConfigError(f"{where} must be a table of CorrectionConfig options, got {type(d).__name__}")
         known = {f.name for f in dataclasses.fields(cls) if f.init}
-        unknown = sorted(set(d) - known)
+        unknown = sorted(map(str, set(d) - known))
         if unknown:
             raise ConfigError(f"{where}: unknown option(s) {unknown}; allowed: {sorted(known)}")
         return cls(**d)

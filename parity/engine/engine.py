@@ -40,7 +40,8 @@ from parity.engine.train import train_forward
 from parity.errors import ConfigError, InputError
 from parity.kernels.attention import KVCache
 from parity.models import routing
-from parity.models.loading import LoadedModel, load_model
+from parity.models.loading import LoadedModel, check_device, load_model
+from parity.schema import DTYPES
 from parity.types import Request, Rollout
 
 
@@ -68,6 +69,9 @@ class EngineConfig:
     graphs: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
+        check_device(self.device)
         check_positive_int(self.max_num_seqs, "max_num_seqs")
         check_positive_int(self.chunk_size, "chunk_size")
         check_positive_int(self.max_num_batched_tokens, "max_num_batched_tokens")

@@ -21,11 +21,15 @@ def kernel_families(mode: KernelMode) -> frozenset[str]:
         return frozenset(_kernels.FAMILIES)
     if mode == "native":
         return frozenset()
-    if isinstance(mode, str):
-        raise ConfigError(f"kernels must be 'invariant', 'native' or a collection of families "
-                          f"{list(_kernels.FAMILIES)}, got {mode!r}")
-    families = frozenset(mode)
-    unknown = sorted(families - set(_kernels.FAMILIES))
+    wrong = ConfigError(f"kernels must be 'invariant', 'native' or a collection of families "
+                        f"{list(_kernels.FAMILIES)}, got {mode!r}")
+    if isinstance(mode, str) or not isinstance(mode, Iterable):
+        raise wrong
+    try:
+        families = frozenset(mode)
+    except TypeError:  # an unhashable element (a list or dict among the names)
+        raise wrong from None
+    unknown = sorted(families - set(_kernels.FAMILIES), key=repr)
     if unknown:
         raise ConfigError(f"kernels: unknown families {unknown}; choose from {list(_kernels.FAMILIES)}")
     return families

@@ -22,7 +22,7 @@ from parity.errors import ConfigError, InputError
 from parity.kernels.attention import KVCache
 from parity.models import routing
 from parity.models.loading import LoadedModel, load_model
-from parity.types import LOGPROBS_MODES, Rollout
+from parity.types import LOGPROBS_MODES, Rollout, as_pairs
 
 LAYOUTS: tuple[str, ...] = ("right", "left", "packed")
 
@@ -47,17 +47,9 @@ def _pairs(sequences: Sequence[Any], logprobs_mode: str | None) -> tuple[list[Pa
     """(prompt, response) id tuples and the logprobs mode of each sequence."""
     if logprobs_mode is not None and logprobs_mode not in LOGPROBS_MODES:
         raise ConfigError(f"logprobs_mode must be one of {LOGPROBS_MODES} or None, got {logprobs_mode!r}")
-    pairs, modes = [], []
-    for i, item in enumerate(sequences):
-        if isinstance(item, Rollout):
-            pairs.append((item.prompt_ids, item.token_ids))
-            modes.append(logprobs_mode or item.logprobs_mode)
-            continue
-        if not isinstance(item, (tuple, list)) or len(item) != 2:
-            raise InputError(f"sequences[{i}] must be a parity.Rollout or a (prompt_ids, response_ids) pair, "
-                             f"got {type(item).__name__}")
-        pairs.append((tuple(int(t) for t in item[0]), tuple(int(t) for t in item[1])))
-        modes.append(logprobs_mode or "processed")
+    pairs = as_pairs(sequences)  # checked: a list of Rollouts or pairs of token-id lists
+    modes = [logprobs_mode or (item.logprobs_mode if isinstance(item, Rollout) else "processed")
+             for item in sequences]
     return pairs, modes
 
 

@@ -38,6 +38,8 @@ VOCAB_SIZE = 512
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 #: first id of the 256 byte tokens of the byte-level tokenizer.
 BYTE_OFFSET = 3
+#: a local checkpoint directory holds weights in one of these (sharded ones through an index).
+WEIGHT_FILES: tuple[str, ...] = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json")
 
 _COMMON: dict[str, Any] = {
     "vocab_size": VOCAB_SIZE,
@@ -269,6 +271,8 @@ def resolve_model(model: str | os.PathLike[str]) -> Path:
     """A model argument -> checkpoint directory: a built-in name (generated on first use), a trained
     model's name (converted from its installed package on first use), or a local HF checkpoint
     directory."""
+    if not isinstance(model, (str, os.PathLike)):
+        raise ModelNotFoundError(f"model must be a model name or a checkpoint path, got {model!r}")
     text = os.fspath(model)
     if text in BUILTIN_MODELS:
         return builtin_path(text)
@@ -276,6 +280,10 @@ def resolve_model(model: str | os.PathLike[str]) -> Path:
         return trained_path(text, cache_dir())
     path = Path(text).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
+        if not any(any(path.glob(pattern)) for pattern in WEIGHT_FILES):
+            raise ModelNotFoundError(
+                f"model {text!r} has a config.json but no weights (none of {', '.join(WEIGHT_FILES)}); "
+                "point at a complete HF checkpoint directory")
         return path
     why = "is not a directory" if not path.exists() else "has no config.json"
     raise ModelNotFoundError(

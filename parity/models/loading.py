@@ -131,11 +131,28 @@ def _patch(model: nn.Module, max_positions: int) -> int:
     return moe_layers
 
 
+def check_device(device: str | torch.device) -> str:
+    """`device` as a string if the training forward can run there on this machine ("cpu", or a
+    CUDA device that exists here), else ConfigError naming the choices."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise ConfigError(f"device {device!r} is not a torch device; use 'cpu', 'cuda' or 'cuda:N'") from exc
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (parsed.index or 0) >= count:
+            raise ConfigError(f"device {device!r}: this machine has {count} usable CUDA device(s)")
+    elif parsed.type != "cpu":
+        raise ConfigError(f"device {device!r}: parity runs models on 'cpu' or 'cuda', not {parsed.type!r}")
+    return str(device)
+
+
 def load_model(model: str | os.PathLike[str] | LoadedModel, dtype: str = "float32",
                device: str = "cpu") -> LoadedModel:
     """A built-in name, a local HF checkpoint path or a LoadedModel -> patched LoadedModel (cached)."""
     if dtype not in DTYPES:
         raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    check_device(device)
     if isinstance(model, LoadedModel):
         if model.dtype == dtype and model.device == str(device):
             return model

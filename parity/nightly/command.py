@@ -1,20 +1,23 @@
 """`parity nightly`: the command line of the nightly regression run.
 
 Prints a short table of the rows and where the report went; the exit code is 0 when every row
-passed, 1 on a regression or tolerance failure, 2 when a row errored (or the options were bad).
+passed, 1 on a regression or tolerance failure, 2 when a row errored (or the options were bad,
+or anything else failed: one line on stderr, the traceback with --verbose), 130 on Ctrl-C (with
+the command that finishes the run).
 """
 
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
-from parity.errors import ConfigError, ParityError
+from parity.errors import EXIT_INTERRUPTED, ConfigError, report_error
 from parity.nightly.history import History
 from parity.nightly.regression import TEST_NAME, RegressionPolicy
 from parity.nightly.rows import RowResult, check_run_id
-from parity.nightly.runner import AUTO, NightlyConfig, run_nightly
+from parity.nightly.runner import AUTO, NightlyConfig, RunInterrupted, run_nightly
 from parity.schema import KERNEL_MODES
 
 #: options that define the matrix; a resumed run takes them from the history instead.
@@ -47,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reference", choices=KERNEL_MODES,
                    help="training-forward kernels (default invariant)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.add_argument("--verbose", action="store_true", help="print the traceback of an unexpected error")
     return p
 
 
@@ -62,7 +66,11 @@ def config_from_args(args: argparse.Namespace) -> NightlyConfig:
             flags = ["--" + o.replace("_", "-") for o in given + (["run_id"] if args.run_id else [])]
             raise ConfigError(f"--resume takes the matrix from the stored run; drop {flags}")
         check_run_id(args.resume, option="--resume")
-        with History(args.history or args.out / "history.sqlite") as history:
+        history_path = args.history or args.out / "history.sqlite"
+        if not history_path.is_file():  # opening it would create it: a resume creates nothing
+            raise ConfigError(f"--resume {args.resume!r}: no history at {history_path}; point --out or "
+                              "--history at the run's history")
+        with History(history_path) as history:
             record = history.require_run(args.resume, option="--resume").config
         return NightlyConfig.from_record(record, out=args.out, history=args.history, run_id=args.resume)
     if args.cases is None:
@@ -93,14 +101,30 @@ def format_rows(rows: list[RowResult]) -> str:
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in table)
 
 
+def resume_command(args: argparse.Namespace, run_id: str) -> str:
+    """The command line that finishes run `run_id` of the history `args` point at."""
+    argv = ["parity", "nightly", "--resume", run_id, "--out", str(args.out)]
+    if args.history is not None:
+        argv += ["--history", str(args.history)]
+    return shlex.join(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of `parity nightly`; returns the exit code."""
+    """Entry point of `parity nightly`; returns the exit code (see the parser's epilog)."""
     args = build_parser().parse_args(argv)
     try:
         result = run_nightly(config_from_args(args), progress=not args.no_progress)
-    except ParityError as exc:
-        print(f"parity nightly: error: {exc}", file=sys.stderr)
-        return 2
+    except RunInterrupted as stop:
+        n = stop.finished_rows
+        print(f"parity nightly: interrupted; {n} finished row{'' if n == 1 else 's'} of run {stop.run_id} "
+              f"{'is' if n == 1 else 'are'} stored; finish it with: {resume_command(args, stop.run_id)}",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except KeyboardInterrupt:
+        print("parity nightly: interrupted before the run started; nothing was stored", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # one line, exit 2: CI must never read a crash as a regression
+        return report_error("parity nightly", exc, verbose=args.verbose)
     print(format_rows(result.rows))
     print(f"\nrun {result.run.run_id}: exit code {result.exit_code}; "
           f"report: {result.report_dir / 'index.html'}")

@@ -85,7 +85,10 @@ class History:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"--history {self.path}: cannot create its directory ({exc.strerror})") from exc
         try:
             self._db = sqlite3.connect(self.path, timeout=30.0)
             with self._db:
@@ -107,6 +110,17 @@ class History:
         self.close()
 
     # -- runs ------------------------------------------------------------------------------
+
+    def create_run(self, run_id: str, config: dict[str, Any], environment: dict[str, Any]) -> bool:
+        """Record a new run; False (and nothing written) when the id is taken. One INSERT under
+        the UNIQUE run_id, so of two processes creating one id at the same moment exactly one wins."""
+        try:
+            with self._db as db:
+                db.execute("INSERT INTO runs (run_id, created_at, config, environment) VALUES (?, ?, ?, ?)",
+                           (run_id, now(), _dumps(config), _dumps(environment)))
+        except sqlite3.IntegrityError:
+            return False
+        return True
 
     def start_run(self, run_id: str, config: dict[str, Any], environment: dict[str, Any]) -> RunInfo:
         """Record a new run, or return the existing one with this id (a resumed run)."""

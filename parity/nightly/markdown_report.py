@@ -1,10 +1,15 @@
 """`summary.md`: the nightly verdict as GitHub-flavoured Markdown, sized for a CI comment.
 
 Rows that need attention (error, regression, fail) come first; the full picture is in index.html.
+Every piece of text that is not parity's own (case names, error messages, which quote whatever a
+backend said) goes through `_cell`, so it renders as the text it is: no HTML, no links or
+images, no emphasis, no @-mentions, no table cell of its own.
 """
 
 from __future__ import annotations
 
+import html
+import re
 from collections import Counter
 from typing import Any
 
@@ -22,7 +27,7 @@ def render_summary(run: RunInfo, rows: list[RowResult], *, report_path: str = "i
     headline = ", ".join(f"{counts[s]} {s}" for s in STATUSES if counts[s]) or "no rows"
     ordered = sorted(rows, key=lambda r: STATUSES.index(r.status))
     lines = [
-        f"## parity nightly `{run.run_id}`: {headline}",
+        f"## parity nightly `{run.run_id}`: {headline}",  # run ids are letters, digits, ".", "_", "-"
         "",
         "| | case | backend | dtype | max \\|Δlogp\\| | mean \\|Δlogp\\| | k3 KL | Δ mean vs baseline | p |",
         "|---|---|---|---|---:|---:|---:|---:|---:|",
@@ -31,7 +36,8 @@ def render_summary(run: RunInfo, rows: list[RowResult], *, report_path: str = "i
         v = r.verdict
         case = r.key.case + (f" ({r.key.router_replay})" if r.key.router_replay else "")
         lines.append(
-            f"| {_MARK[r.status]} {r.status} | {_cell(case)} | {r.key.backend} | {r.key.dtype} | "
+            f"| {_MARK[r.status]} {r.status} | {_cell(case)} | {_cell(r.key.backend)} | "
+            f"{_cell(r.key.dtype)} | "
             f"{_num(r.summary.get('max_abs_logprob_diff'))} | "
             f"{_num(r.summary.get('mean_abs_logprob_diff'))} | "
             f"{_num(r.summary.get('k3_kl'))} | {'' if v is None else f'{v.effect:+.2g}'} | "
@@ -40,7 +46,7 @@ def render_summary(run: RunInfo, rows: list[RowResult], *, report_path: str = "i
     notes = []
     for r in ordered:
         if r.error:
-            notes.append(f"- **{_cell(r.key.label)}** error: `{_cell(r.error.splitlines()[0])[:300]}`")
+            notes.append(f"- **{_cell(r.key.label)}** error: {_cell(r.error.splitlines()[0][:300])}")
         for viol in r.violations:
             notes.append(f"- **{_cell(r.key.label)}** tolerance: {_cell(Violation(**viol).describe())}")
         if r.verdict is not None and r.verdict.change != "unchanged":
@@ -48,8 +54,8 @@ def render_summary(run: RunInfo, rows: list[RowResult], *, report_path: str = "i
     if notes:
         lines += ["", *notes]
     lines += ["", f"Regression test: {TEST_NAME}; baseline: "
-              f"{run.config.get('baseline') or 'the last passing run of each row'}. "
-              f"Full report: `{report_path}`.", ""]
+              f"{_cell(str(run.config.get('baseline') or 'the last passing run of each row'))}. "
+              f"Full report: {_cell(report_path)}.", ""]
     return "\n".join(lines)
 
 
@@ -59,6 +65,15 @@ def _num(value: Any) -> str:
     return f"{value:.3g}" if isinstance(value, (int, float)) else str(value)
 
 
+#: Markdown punctuation that could start emphasis, code, a link, an image, a strike or a cell.
+_MARKDOWN_PUNCTUATION = re.compile(r"([\\`*_{}\[\]()#+!|~-])")
+
+
 def _cell(text: str) -> str:
-    """Text safe inside a Markdown table cell."""
-    return text.replace("|", "\\|").replace("\n", " ")
+    """`text` as literal Markdown text, safe in a table cell or a list item (one line).
+
+    HTML is written as entities, Markdown punctuation is backslash-escaped, and a word joiner
+    after each "@" keeps GitHub from notifying whoever a message happens to name.
+    """
+    text = html.escape(" ".join(text.splitlines()), quote=False)
+    return _MARKDOWN_PUNCTUATION.sub(r"\\\1", text).replace("@", "@\u2060")

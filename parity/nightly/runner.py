@@ -3,14 +3,19 @@
 Rows run one after another behind a progress bar. Each finished row (including an error row) is
 committed to the history before the next starts, so a killed run keeps its finished work and
 `resume` runs only what is missing (error rows are retried). One engine per (backend, model,
-dtype) is started through `shared_backend` and reused by every case that needs it.
+dtype) is started through `shared_backend` and reused by every case that needs it; an engine that
+dies in a row is closed with that row (an error row) and started again for the next.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
+import itertools
+import os
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,15 +23,17 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from parity.backends import BACKENDS, available_backends, shared_backend
+from parity.backends import BACKENDS, available_backends, close_dead_backends, shared_backend
 from parity.cases import Case, load_cases
 from parity.compare import compare, route_capture_options
 from parity.errors import ConfigError
 from parity.nightly.environment import collect_environment
 from parity.nightly.history import History, RunInfo, now
+from parity.nightly.lock import RunLock
 from parity.nightly.publish import publish
 from parity.nightly.regression import RegressionPolicy, compare_drift
 from parity.nightly.rows import RowKey, RowResult, check_run_id, exit_code, row_status
+from parity.outputs import output_dir, output_file
 from parity.schema import DTYPES, KERNEL_MODES, NO_REPLAY, ROUTE_CAPTURE_OPTIONS
 
 AUTO = "auto"
@@ -41,7 +48,7 @@ class NightlyConfig:
     dtypes: dtypes to run every case in; empty = each case's own `dtypes`.
     out: report directory; each run writes `<out>/<run_id>/`.
     history: SQLite history file; None = `<out>/history.sqlite`.
-    run_id: None = a new id from the UTC time.
+    run_id: None = a new id from the UTC time (a "-2", "-3", ... suffix when that id is taken).
     baseline: compare every row with this run's row of the same key; None = the last passing
         run of each row.
     reference: training-forward kernels, "invariant" or "native" (see `parity.compare`).
@@ -58,7 +65,25 @@ class NightlyConfig:
     reference: str = "invariant"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.cases, str):
+            raise ConfigError("--cases must be a string (a directory, a file, or comma-separated "
+                              f"files/names), got {self.cases!r}")
+        for option, value in (("--backends", self.backends), ("--dtypes", self.dtypes)):
+            if isinstance(value, str) or not isinstance(value, (tuple, list)) \
+                    or not all(isinstance(v, str) for v in value):
+                raise ConfigError(f"{option} must be a list of names, got {value!r}")
+        for option, value in (("--out", self.out), ("--history", self.history)):
+            if not isinstance(value, (str, os.PathLike)) and not (option == "--history" and value is None):
+                raise ConfigError(f"{option} must be a path, got {value!r}")
+        for option, value in (("--run-id", self.run_id), ("--baseline", self.baseline),
+                              ("--reference", self.reference)):
+            if value is not None and not isinstance(value, str):
+                raise ConfigError(f"{option} must be a string, got {value!r}")
+        if not isinstance(self.policy, RegressionPolicy):
+            raise ConfigError(f"policy must be a parity RegressionPolicy, got {type(self.policy).__name__}")
         object.__setattr__(self, "out", Path(self.out))
+        if self.history is not None:
+            object.__setattr__(self, "history", Path(self.history))
         object.__setattr__(self, "backends", tuple(self.backends))
         object.__setattr__(self, "dtypes", tuple(self.dtypes))
         if not self.backends:
@@ -131,44 +156,89 @@ def plan(cases: list[Case], backends: tuple[str, ...],
 
 
 def new_run_id() -> str:
+    """The time-based part of a new run id: UTC, to the second."""
     return _dt.datetime.now(_dt.UTC).strftime("%Y%m%d-%H%M%S")
 
 
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a run: the rows that finished are stored; `--resume run_id` does the rest."""
+
+    def __init__(self, run_id: str, finished_rows: int) -> None:
+        super().__init__(run_id)
+        self.run_id = run_id
+        self.finished_rows = finished_rows
+
+
 def run_nightly(config: NightlyConfig, *, progress: bool = True) -> NightlyRun:
-    """Run (or finish) the matrix, store every row, write the report; see the module docstring."""
+    """Run (or finish) the matrix, store every row, write the report; see the module docstring.
+
+    The outputs are checked before any row runs, and the run is claimed (`claim_run`) for as
+    long as it runs. Ctrl-C raises `RunInterrupted` naming the run.
+    """
     cases = load_cases(config.cases)
     backends = resolve_backends(config.backends)
     cells = plan(cases, backends, config.dtypes)
+    if config.baseline is not None and not config.history_path.is_file():
+        raise ConfigError(f"--baseline {config.baseline!r}: no history at {config.history_path} to take it "
+                          "from; point --out or --history at the history that holds it")
+    output_dir(config.out, "--out")
+    output_file(config.history_path, "--history")
     with History(config.history_path) as history:
         if config.baseline is not None:
             history.require_run(config.baseline, option="--baseline")
-        run_id = config.run_id or _unused_run_id(history)
         record = {**config.to_record(), "backends": list(backends)}
-        run = history.start_run(run_id, record, collect_environment())
-        done = {str(r.key) for r in history.rows(run_id) if r.status != "error"}
-        todo = [(key, case) for key, case in cells if str(key) not in done]
-        with tqdm(todo, desc=f"nightly {run_id}", unit="row", disable=not progress,
-                  dynamic_ncols=True) as bar:
-            for key, case in bar:
-                bar.set_postfix_str(key.label)
-                history.add_row(run_row(run_id, key, case, config, history))
-        history.finish_run(run_id)
-        run = history.require_run(run_id, option="--run-id")
-        stored = {str(r.key): r for r in history.rows(run_id, with_report=True)}
-        order = [str(key) for key, _ in cells]
-        rows = [stored[k] for k in order if k in stored] + [r for k, r in stored.items() if k not in order]
-        trend = history.trend([r.key for r in rows], up_to_run=run_id)
-    report_dir = publish(config.out, run, rows, trend)
+        with claim_run(history, config.run_id, record, collect_environment()) as run_id:
+            done = {str(r.key) for r in history.rows(run_id) if r.status != "error"}
+            todo = [(key, case) for key, case in cells if str(key) not in done]
+            try:
+                with tqdm(todo, desc=f"nightly {run_id}", unit="row", disable=not progress,
+                          dynamic_ncols=True) as bar:
+                    for key, case in bar:
+                        bar.set_postfix_str(key.label)
+                        history.add_row(run_row(run_id, key, case, config, history))
+            except KeyboardInterrupt as exc:
+                finished = sum(r.status != "error" for r in history.rows(run_id))
+                raise RunInterrupted(run_id, finished) from exc
+            history.finish_run(run_id)
+            run = history.require_run(run_id, option="--run-id")
+            stored = {str(r.key): r for r in history.rows(run_id, with_report=True)}
+            order = [str(key) for key, _ in cells]
+            rows = [stored[k] for k in order if k in stored] + \
+                [r for k, r in stored.items() if k not in order]
+            trend = history.trend([r.key for r in rows], up_to_run=run_id)
+            report_dir = publish(config.out, run, rows, trend)
     return NightlyRun(run=run, rows=rows, report_dir=report_dir, exit_code=exit_code(rows))
 
 
-def _unused_run_id(history: History) -> str:
-    base = new_run_id()
-    run_id, n = base, 1
-    while history.run(run_id) is not None:
-        n += 1
-        run_id = f"{base}-{n}"
-    return run_id
+@contextlib.contextmanager
+def claim_run(history: History, run_id: str | None, config: dict[str, Any],
+              environment: dict[str, Any]) -> Iterator[str]:
+    """Own a run while the block runs; yields its id.
+
+    run_id None: a new run, "<UTC second>" or, when taken, "<UTC second>-2", "-3", ...; each
+    candidate is locked and then created with one INSERT, so two nightlies started in the same
+    second get two runs. A given run_id: continued if it exists, created if not, and refused
+    (ConfigError) while another live process runs it.
+    """
+    if run_id is not None:
+        lock = RunLock(history.path, run_id)
+        if not lock.acquire():
+            raise ConfigError(f"--run-id {run_id!r} is being run by another process ({lock.owner()}); wait "
+                              "for it to finish, or give this run another --run-id")
+        history.start_run(run_id, config, environment)
+    else:
+        base = new_run_id()
+        for n in itertools.count(1):
+            run_id = base if n == 1 else f"{base}-{n}"
+            lock = RunLock(history.path, run_id)
+            if lock.acquire():
+                if history.create_run(run_id, config, environment):
+                    break
+                lock.release()
+    try:
+        yield run_id
+    finally:
+        lock.release()
 
 
 def run_row(run_id: str, key: RowKey, case: Case, config: NightlyConfig, history: History) -> RowResult:
@@ -195,8 +265,11 @@ def run_row(run_id: str, key: RowKey, case: Case, config: NightlyConfig, history
         timing["case_s"] = round(time.perf_counter() - t0, 3)
     except Exception as exc:  # an error row, by design: one broken backend must not end the night
         trace = "".join(traceback.format_exception(exc))[-4000:]
+        dead = close_dead_backends()  # an engine this row killed must not fail every later row
+        note = "".join(f"; the {name} engine died and was closed; the next row starts a new one"
+                       for name in dead)
         return RowResult(run_id=run_id, key=key, status="error",
-                         error=f"{stage}: {type(exc).__name__}: {exc}",
+                         error=f"{stage}: {type(exc).__name__}: {exc}{note}",
                          provenance={**provenance, "traceback": trace}, timing=timing, finished_at=now())
     abs_diff = np.abs(report.log_ratio())
     baseline = history.row(config.baseline, key) if config.baseline is not None \
