@@ -28,6 +28,8 @@ Invariance (a query's output depends on its own q and its slot's cached K/V only
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -40,6 +42,63 @@ from parity.kernels.triton.mma import mma
 BLOCK_M = 64
 #: keys per KV tile; tiles start at absolute positions 0, BLOCK_N, 2*BLOCK_N, ... for every phase.
 BLOCK_N = 64
+#: warps per program and software-pipeline depth of the K/V loads.
+NUM_WARPS = 4
+NUM_STAGES = 2
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """One launch plan: query rows and keys per tile, warps, pipeline stages.
+
+    Invariance needs one plan for every phase of a model's life (prefill, chunked prefill, decode,
+    the training forward): BLOCK_N fixes the KV tile boundaries, and BLOCK_M and the warps decide
+    which MMA instruction shape computes a row's dot products. A plan is shipped only after the
+    GPU check that decode == prefill == chunked prefill bit for bit under it (`benchmarks/gpu.py`,
+    section attention_sweep); `attention(config=...)` runs another plan for that sweep.
+    """
+
+    block_m: int = BLOCK_M
+    block_n: int = BLOCK_N
+    num_warps: int = NUM_WARPS
+    num_stages: int = NUM_STAGES
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "num_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise InputError(f"AttentionConfig.{name}={value} must be a power of two")
+        if self.block_m < 16 or self.block_n < 16:
+            raise InputError(f"AttentionConfig: block_m={self.block_m} and block_n={self.block_n} must be "
+                             ">= 16 (the MMA tile)")
+        if self.num_stages < 1:
+            raise InputError(f"AttentionConfig.num_stages={self.num_stages} must be >= 1")
+
+    @property
+    def name(self) -> str:
+        return f"m{self.block_m}_n{self.block_n}_w{self.num_warps}_s{self.num_stages}"
+
+
+#: plans the GPU sweep times and checks (decode == prefill == chunked prefill, bit for bit, each
+#: plan on its own): the shipped one first, then larger tiles for prefill's MMA work, deeper K/V
+#: pipelines, and smaller query tiles that waste fewer rows on decode steps.
+CANDIDATES: tuple[AttentionConfig, ...] = (
+    AttentionConfig(64, 64, 4, 2),
+    AttentionConfig(64, 64, 4, 3),
+    AttentionConfig(64, 64, 8, 3),
+    AttentionConfig(128, 64, 8, 3),
+    AttentionConfig(128, 128, 8, 3),
+    AttentionConfig(64, 128, 4, 3),
+    AttentionConfig(128, 64, 4, 4),
+    AttentionConfig(16, 64, 4, 3),
+    AttentionConfig(32, 64, 4, 3),
+    AttentionConfig(16, 128, 4, 3),
+)
+
+
+def shipped_config() -> AttentionConfig:
+    """The plan `attention` runs by default (the module constants, read at call time)."""
+    return AttentionConfig(BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -119,13 +178,16 @@ def attention(
     slots: torch.Tensor,
     positions: torch.Tensor,
     scaling: float,
+    config: AttentionConfig | None = None,
 ) -> torch.Tensor:
     """Causal attention of each query token over its own slot's cached K/V.
 
     query: [T, Hq, D]; k_cache, v_cache: [S, Hkv, C, D] with every query's own key already written;
     slots, positions: [T] int, the slot and absolute position of each query token.
     Returns [T, Hq, D] in the query dtype; scores, softmax and accumulation run in fp32.
+    config: the launch plan (default `shipped_config()`); every caller of one model must use one plan.
     """
+    cfg = config or shipped_config()
     t, hq, d = query.shape
     _, hkv, _, dk = k_cache.shape
     if dk != d or v_cache.shape != k_cache.shape:
@@ -143,7 +205,7 @@ def attention(
     if t == 0:
         return out
     group = hq // hkv
-    block_m = max(BLOCK_M, triton.next_power_of_2(group))
+    block_m = max(cfg.block_m, triton.next_power_of_2(group))
     tokens = block_m // group
     # run_start[i]: first token of i's run (same slot, consecutive, inside one program's tile).
     index = torch.arange(t, device=query.device)
@@ -174,8 +236,8 @@ def attention(
         HEAD_DIM=d,
         TOKENS=tokens,
         BLOCK_M=block_m,
-        BLOCK_N=BLOCK_N,
-        num_warps=4,
-        num_stages=2,
+        BLOCK_N=cfg.block_n,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return out
