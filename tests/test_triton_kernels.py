@@ -290,8 +290,10 @@ def test_attention_decode_equals_prefill(tk: ModuleType) -> None:
 
 
 def _attention_plans() -> list:
-    return list(importlib.import_module("parity.kernels.triton.attention").CANDIDATES) if (CUDA or INTERPRETED) \
-        else []
+    """The candidate plans where the kernels run in this process (collected under the interpreter)."""
+    if not (CUDA or INTERPRETED):
+        return []
+    return list(importlib.import_module("parity.kernels.triton.attention").CANDIDATES)
 
 
 @pytest.mark.parametrize("plan", _attention_plans(), ids=lambda p: p.name)
