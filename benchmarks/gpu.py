@@ -23,6 +23,20 @@ Sections (`SECTIONS`; each runs independently: a failure is recorded and the nex
 - profile: torch.profiler over a few decode steps of the invariant engine ($OUT/profile.txt).
 - cublaslt: parity and (a) again in a subprocess started with `CUBLASLT_ENV` and cuBLASLt
   preferred, so the matmul takes the proven cuBLASLt path (`parity.kernels.triton.matmul`).
+- probe: the load-time matmul probe (`parity.kernels.probe`) in a process set up for cuBLASLt, over
+  the linear shapes of Qwen3-1.7B, Llama-3.2-1B and Qwen3-30B-A3B: the route each shape takes,
+  probe time cold and cached, a spot check of row invariance, TFLOP/s routed vs Triton.
+- attention_sweep: every candidate attention plan (`attention.CANDIDATES`): decode and prefill
+  times vs SDPA / flash SDPA, decode == prefill and chunked == prefill bit for bit per plan, and
+  the cross-plan table (may decode run another plan than prefill?).
+- parity_shapes: rollout == train_forward bit for bit on 2-layer Qwen3-1.7B-, Llama-3.2-1B- and
+  Qwen3-30B-A3B-shaped models (invariant; native as the negative control).
+- moe_e2e: output tok/s on a Qwen3-30B-A3B-shaped model (`--moe-layers` of 48 layers): hf generate,
+  the engine with invariant and native kernels, each with and without route recording.
+- probed: parity_shapes, e2e and moe_e2e (invariant only) in a subprocess set up for cuBLASLt,
+  where every shape goes through the load-time probe.
+- roofline: each end-to-end row of the run against its workload's lower bound from shapes
+  (`benchmarks.roofline`) at the copy bandwidth and matmul peak measured here.
 
 Full numbers go to $OUT/gpu_results.json (each section's dataclasses as JSON, saved after every
 section); the short table is printed last. Settings a measurement changes (the preferred BLAS
@@ -611,7 +625,7 @@ def e2e_section(run: Run) -> dict[str, Any]:
         requests=count, prompt_tokens=prompt_len, output_tokens=max_tokens,
         model="Qwen3-1.7B-shaped, 28 layers, bf16, random weights", engine_chunk_size=chunk_size,
         engine_max_num_batched_tokens=args.max_batched_tokens,
-        matmul_path="cuBLASLt without split-K (proven shapes)" if cublaslt_ready() else "Triton")}
+        matmul_path="cuBLASLt without split-K where probed" if cublaslt_ready() else "Triton")}
     path = save_random_model(qwen3_config(28), run.tmp / "qwen3-1.7b-shaped")
     reqs = requests_for(151936, count, prompt_len, max_tokens)
     for variant in args.e2e_variants:
@@ -667,7 +681,7 @@ def cublaslt_section(run: Run) -> dict[str, Any]:
 #: model families whose linear shapes the probe section routes (layers: 1, only shapes matter).
 PROBE_FAMILIES = ("qwen3-1.7b", "llama-3.2-1b", "qwen3-30b-a3b")
 #: models of the parity_shapes section: (label, shape, layers, vocab).
-PARITY_SHAPES = [("llama-3.2-1b-2l", "llama-3.2-1b", 2, 128256),
+PARITY_SHAPES = [("qwen3-1.7b-2l", "qwen3-1.7b", 2, 151936), ("llama-3.2-1b-2l", "llama-3.2-1b", 2, 128256),
                  ("qwen3-30b-a3b-2l", "qwen3-30b-a3b", 2, 151936)]
 
 
@@ -759,9 +773,10 @@ def attention_sweep_section(run: Run) -> dict[str, Any]:
     d_pos = torch.full((n_seq,), 511, device="cuda")
     scale = d**-0.5
 
-    qs = qp.view(n_seq, plen, hq, d).transpose(1, 2)
-    ks, vs = kc[:, :, :plen], vc[:, :, :plen]
-    kd, vd = kc[:, :, :512], vc[:, :, :512]
+    # SDPA on contiguous per-sequence K/V (no cache gather: the fastest layout SDPA gets)
+    qs = qp.view(n_seq, plen, hq, d).transpose(1, 2).contiguous()
+    ks, vs = kc[:, :, :plen].contiguous(), vc[:, :, :plen].contiguous()
+    kd, vd = kc[:, :, :512].contiguous(), vc[:, :, :512].contiguous()
     section: dict[str, Any] = {"shipped": shipped_config().name, "workload": {
         "decode": "256 sequences x context 512, Hq 16, Hkv 8, D 128, bf16",
         "prefill": "256 sequences x 256 tokens causal, same heads"}}
@@ -771,12 +786,16 @@ def attention_sweep_section(run: Run) -> dict[str, Any]:
         qs, ks, vs, is_causal=True, enable_gqa=True))
     try:
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            qf, kf, vf = qs.contiguous(), ks.contiguous(), vs.contiguous()
             section["flash_prefill_ms"] = bench(lambda: F.scaled_dot_product_attention(
-                qf, kf, vf, is_causal=True, enable_gqa=True))
-    except RuntimeError as exc:
-        section["flash_prefill_ms"] = section["sdpa_prefill_ms"]
-        section["flash_note"] = f"flash SDPA refused ({str(exc)[:200]}); default SDPA used"
+                qs, ks, vs, is_causal=True, enable_gqa=True))
+            section["flash_note"] = "flash SDPA with GQA"
+    except RuntimeError:
+        # flash without GQA support: K/V expanded to the query heads (more bytes, same FLOPs)
+        ke, ve = ks.repeat_interleave(hq // hkv, 1), vs.repeat_interleave(hq // hkv, 1)
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            section["flash_prefill_ms"] = bench(lambda: F.scaled_dot_product_attention(
+                qs, ke, ve, is_causal=True))
+        section["flash_note"] = "flash SDPA over K/V expanded to 16 heads (GQA refused)"
     plans: dict[str, Any] = {}
     decoded: dict[str, torch.Tensor] = {}
     prefilled: dict[str, torch.Tensor] = {}
