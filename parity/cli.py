@@ -114,6 +114,9 @@ def _parser() -> argparse.ArgumentParser:
                                                     "checkpoint directory")
     ker.add_argument("--device", default="cuda", help="device to load on (default: cuda)")
     ker.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="model dtype (default: bfloat16)")
+    ker.add_argument("--cublaslt", action="store_true",
+                     help="set this process up for cuBLASLt without split-K first, as an engine process "
+                          "would be (else the routes of a process without that setup are shown)")
     ker.set_defaults(func=_kernels)
     for name, (_, _, text) in PASSTHROUGH.items():
         # listed for --help only: main() hands these to their module before argparse runs
@@ -204,7 +207,7 @@ def _backends(args: argparse.Namespace) -> int:
 def _kernels(args: argparse.Namespace) -> int:
     from parity.engine.matmul_routes import linear_routes
 
-    rows = linear_routes(args.model, dtype=args.dtype, device=args.device)
+    rows = linear_routes(args.model, dtype=args.dtype, device=args.device, cublaslt=args.cublaslt)
     print(f"{'layers':>6}  {'weight [N, K]':<16}  {'dtype':<9}  {'route':<9}  why")
     for row in rows:
         print(f"{row.count:>6}  {f'{row.n} x {row.k}':<16}  {row.dtype:<9}  {row.route:<9}  {row.reason}")

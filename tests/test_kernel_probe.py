@@ -103,6 +103,11 @@ def test_prepare_probes_nothing_in_a_process_not_set_up_for_cublaslt(monkeypatch
     matmul.prepare({(torch.bfloat16, 16, 32)}, torch.device("cpu"))
 
 
+def test_parity_kernels_cublaslt_needs_cuda(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["kernels", "--model", "tiny-qwen3", "--device", "cpu", "--cublaslt"]) == 2
+    assert "--cublaslt needs --device cuda" in capsys.readouterr().err
+
+
 _GPU_CHILD = """
 import json, sys, torch
 torch.backends.cuda.preferred_blas_library("cublaslt")
@@ -152,3 +157,22 @@ def test_without_the_cublaslt_setup_every_shape_takes_triton() -> None:
     matmul.prepare({(torch.bfloat16, 2048, 2048)}, torch.device("cuda"))
     path, why = matmul.route(torch.bfloat16, 2048, 2048, False)
     assert path == "triton" and "not set up" in why
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs an NVIDIA GPU (CUDA not available)")
+def test_parity_kernels_routes_a_llama_shaped_model_through_the_probe(tmp_path: Path) -> None:
+    """`parity kernels --cublaslt` on another family's shapes: the probe, not a list, picks the route."""
+    from parity.models import shaped
+
+    config = shaped.shaped_config("llama-3.2-1b", 1)
+    path = shaped.save_random_model(config, tmp_path / "llama", device="cuda")
+    argv = ["kernels", "--model", str(path), "--cublaslt"]
+    code = f"from parity.cli import main; raise SystemExit(main({argv!r}))"
+    child = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                           timeout=300, env={**os.environ, "PARITY_CACHE": str(tmp_path / "cache")})
+    assert child.returncode == 0, child.stderr[-4000:]
+    print(child.stdout)
+    routes = {(cols[1], cols[3]): cols[5] for cols in map(str.split, child.stdout.splitlines()[1:])}
+    assert set(routes) >= {("8192", "2048"), ("2048", "8192"), ("512", "2048")}
+    assert "cublaslt" in routes.values(), child.stdout

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from parity.errors import BackendUnavailableError
+from parity.errors import BackendUnavailableError, ConfigError
 from parity.models.loading import load_model
 
 
@@ -30,20 +30,33 @@ class LinearRoute:
     reason: str
 
 
-def linear_routes(model: str, *, dtype: str = "bfloat16", device: str = "cuda") -> list[LinearRoute]:
-    """The route of every distinct (N, K, bias) linear weight of `model` loaded on `device`."""
-    lm = load_model(model, dtype=dtype, device=device)
-    shapes = Counter((m.weight.dtype, *m.weight.shape, m.bias is not None)
-                     for m in lm.model.modules() if isinstance(m, nn.Linear))
-    if device.startswith("cuda"):
+def linear_routes(model: str, *, dtype: str = "bfloat16", device: str = "cuda",
+                  cublaslt: bool = False) -> list[LinearRoute]:
+    """The route of every distinct (N, K, bias) linear weight of `model` loaded on `device`;
+    cublaslt: set the process up for the cuBLASLt route first (CUDA only, before CUDA starts)."""
+    cuda = device.startswith("cuda")
+    if cuda:
+        import torch
+
         from parity.kernels import _triton_available
+
+        if not torch.cuda.is_available():
+            raise BackendUnavailableError("parity kernels: no CUDA device here; use --device cpu")
 
         if not _triton_available():
             raise BackendUnavailableError("parity kernels: Triton is not installed; install triton for CUDA")
-        from parity.kernels.triton.matmul import route
+        from parity.kernels.triton.matmul import configure_cublaslt, route
+
+        if cublaslt:
+            configure_cublaslt()
+    elif cublaslt:
+        raise ConfigError("parity kernels: --cublaslt needs --device cuda")
+    lm = load_model(model, dtype=dtype, device=device)
+    shapes = Counter((m.weight.dtype, *m.weight.shape, m.bias is not None)
+                     for m in lm.model.modules() if isinstance(m, nn.Linear))
     rows = []
     for (wdtype, n, k, has_bias), count in sorted(shapes.items(), key=lambda item: (-item[1], str(item[0]))):
-        if device.startswith("cuda"):
+        if cuda:
             path, why = route(wdtype, n, k, has_bias)
         else:
             path, why = "cpu", "parity's CPU kernel (fixed tiles, tree sums over K)"

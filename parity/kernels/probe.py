@@ -73,10 +73,10 @@ def probe_rows(linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], dty
                k: int, device: str | torch.device, *, seed: int = 0) -> Verdict:
     """Whether linear(x[a:a+m], w) == linear(x, w)[a:a+m] bitwise for every m in PROBE_M, a in
     PROBE_OFFSETS; x [PROBE_MAX_M + max offset, k], w [n, k] random in `dtype` on `device`."""
-    g = torch.Generator().manual_seed(seed + 7 * n + k)
+    g = torch.Generator(device=device).manual_seed(seed + 7 * n + k)
     rows = PROBE_MAX_M + max(PROBE_OFFSETS)
-    x = torch.randn(rows, k, generator=g).to(dtype).to(device)
-    w = (torch.randn(n, k, generator=g) * k**-0.5).to(dtype).to(device)
+    x = torch.randn(rows, k, generator=g, device=device).to(dtype)
+    w = (torch.randn(n, k, generator=g, device=device) * k**-0.5).to(dtype)
     full = linear(x, w)
     differing = sorted({m for m in PROBE_M for a in PROBE_OFFSETS
                         if not torch.equal(linear(x[a:a + m], w), full[a:a + m])})

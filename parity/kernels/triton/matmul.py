@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from parity.errors import InputError
+from parity.errors import ConfigError, InputError
 from parity.kernels.probe import Verdict, VerdictCache, cache_path, fingerprint, probe_rows
 from parity.kernels.triton.mma import mma
 
@@ -57,6 +57,17 @@ def cublaslt_ready() -> bool:
     return all(os.environ.get(key) == value for key, value in CUBLASLT_ENV.items()) and (
         torch.backends.cuda.preferred_blas_library() == torch._C._BlasBackend.Cublaslt
     )
+
+
+def configure_cublaslt() -> None:
+    """Set this process up for the cuBLASLt route (`CUBLASLT_ENV`, cuBLASLt preferred), as an engine
+    process would be; the workspace variables only take effect before CUDA starts."""
+    changed = any(os.environ.get(key) != value for key, value in CUBLASLT_ENV.items())
+    if changed and torch.cuda.is_initialized():
+        raise ConfigError(f"configure_cublaslt: CUDA already started without {CUBLASLT_ENV}; set them in the "
+                          "environment before the process starts")
+    os.environ.update(CUBLASLT_ENV)
+    torch.backends.cuda.preferred_blas_library("cublaslt")
 
 
 def prepare(shapes: Iterable[tuple[torch.dtype, int, int]], device: torch.device) -> None:
