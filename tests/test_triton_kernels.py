@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs an NVIDIA GPU (CUDA not available)")
 #: tests of this file that run under the interpreter: all but the CUDA-only ones and the child runner.
-MIN_INTERPRETED = 43
+MIN_INTERPRETED = 48
 
 
 @pytest.mark.skipif(CUDA or INTERPRETED, reason="the kernel tests run in this process")
@@ -309,6 +309,16 @@ def test_every_candidate_plan_gives_decode_equal_prefill_equal_chunked(tk: Modul
     assert torch.equal(_attend(tk, torch.float32, parts, plan), expected)
 
 
+def test_persistent_programs_walking_several_runs_each_give_the_per_token_kernel_bits(tk: ModuleType) -> None:
+    """Few programs (2 per KV head here), each taking many runs in turn: same bits as one program
+    per token, on a step mixing prefill chunks and decode tokens."""
+    attention = importlib.import_module("parity.kernels.triton.attention")
+    parts = [(3, 20, 69), (2, 4, 5), (0, 0, 37), (3, 69, 70)]
+    per_token = _attend(tk, torch.float32, parts, attention.AttentionConfig(16, 64, 4, 2))
+    walking = _attend(tk, torch.float32, parts, attention.AttentionConfig(16, 64, 4, 2, programs_per_sm=1))
+    assert torch.equal(walking, per_token)
+
+
 def test_attention_negative_control_decode_and_prefill_under_different_kv_tiles(tk: ModuleType) -> None:
     """The sweep's cross-plan check can fail: plans with other KV tile boundaries change a token."""
     attention = importlib.import_module("parity.kernels.triton.attention")
@@ -323,7 +333,7 @@ def test_attention_config_rejects_bad_plans() -> None:
         pytest.skip("no GPU: run by test_kernels_under_the_triton_interpreter_in_a_child_process")
     from parity.errors import InputError
 
-    for bad in ((48, 64, 4, 2), (8, 64, 4, 2), (64, 64, 3, 2), (64, 64, 4, 0)):
+    for bad in ((48, 64, 4, 2), (8, 64, 4, 2), (64, 64, 3, 2), (64, 64, 4, 0), (64, 64, 4, 2, -1)):
         with pytest.raises(InputError):
             attention.AttentionConfig(*bad)
 
