@@ -1173,6 +1173,7 @@ def main(argv: list[str] | None = None) -> None:
                 run.results.setdefault(name, {}).update(failure())
             run.results.setdefault(name, {})["section_seconds"] = time.perf_counter() - start
             run.save()
+            torch.cuda.empty_cache()  # a section's cached blocks would crowd a later subprocess
             print(f"[{name}] done in {time.perf_counter() - start:.0f} s", flush=True)
     print(table(run.results))
 
