@@ -29,8 +29,8 @@ Sections (`SECTIONS`; each runs independently: a failure is recorded and the nex
 - attention_sweep: every candidate attention plan (`attention.CANDIDATES`): decode and prefill
   times vs SDPA / flash SDPA, decode == prefill and chunked == prefill bit for bit per plan, and
   the cross-plan table (may decode run another plan than prefill?).
-- parity_shapes: rollout == train_forward bit for bit on 2-layer Qwen3-1.7B-, Llama-3.2-1B- and
-  Qwen3-30B-A3B-shaped models (invariant; native as the negative control).
+- parity_shapes: rollout == train_forward bit for bit on 2-layer Llama-3.2-1B-, Qwen3-30B-A3B- and
+  Qwen3-1.7B-shaped models (invariant; native as the negative control).
 - moe_e2e: output tok/s on a Qwen3-30B-A3B-shaped model (`--moe-layers` of 48 layers): hf generate,
   the engine with invariant and native kernels, each with and without route recording.
 - probed: parity_shapes, e2e and moe_e2e (invariant only) in a subprocess set up for cuBLASLt,
@@ -681,8 +681,8 @@ def cublaslt_section(run: Run) -> dict[str, Any]:
 #: model families whose linear shapes the probe section routes (layers: 1, only shapes matter).
 PROBE_FAMILIES = ("qwen3-1.7b", "llama-3.2-1b", "qwen3-30b-a3b")
 #: models of the parity_shapes section: (label, shape, layers, vocab).
-PARITY_SHAPES = [("qwen3-1.7b-2l", "qwen3-1.7b", 2, 151936), ("llama-3.2-1b-2l", "llama-3.2-1b", 2, 128256),
-                 ("qwen3-30b-a3b-2l", "qwen3-30b-a3b", 2, 151936)]
+PARITY_SHAPES = [("llama-3.2-1b-2l", "llama-3.2-1b", 2, 128256), ("qwen3-30b-a3b-2l", "qwen3-30b-a3b", 2, 151936),
+                 ("qwen3-1.7b-2l", "qwen3-1.7b", 2, 151936)]
 
 
 def linear_shapes(shape: str) -> list[tuple[int, int, bool]]:
