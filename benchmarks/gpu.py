@@ -681,7 +681,8 @@ def cublaslt_section(run: Run) -> dict[str, Any]:
 #: model families whose linear shapes the probe section routes (layers: 1, only shapes matter).
 PROBE_FAMILIES = ("qwen3-1.7b", "llama-3.2-1b", "qwen3-30b-a3b")
 #: models of the parity_shapes section: (label, shape, layers, vocab).
-PARITY_SHAPES = [("llama-3.2-1b-2l", "llama-3.2-1b", 2, 128256), ("qwen3-30b-a3b-2l", "qwen3-30b-a3b", 2, 151936),
+PARITY_SHAPES = [("llama-3.2-1b-2l", "llama-3.2-1b", 2, 128256),
+                 ("qwen3-30b-a3b-2l", "qwen3-30b-a3b", 2, 151936),
                  ("qwen3-1.7b-2l", "qwen3-1.7b", 2, 151936)]
 
 
