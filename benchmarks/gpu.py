@@ -23,6 +23,20 @@ Sections (`SECTIONS`; each runs independently: a failure is recorded and the nex
 - profile: torch.profiler over a few decode steps of the invariant engine ($OUT/profile.txt).
 - cublaslt: parity and (a) again in a subprocess started with `CUBLASLT_ENV` and cuBLASLt
   preferred, so the matmul takes the proven cuBLASLt path (`parity.kernels.triton.matmul`).
+- probe: the load-time matmul probe (`parity.kernels.probe`) in a process set up for cuBLASLt, over
+  the linear shapes of Qwen3-1.7B, Llama-3.2-1B and Qwen3-30B-A3B: the route each shape takes,
+  probe time cold and cached, a spot check of row invariance, TFLOP/s routed vs Triton.
+- attention_sweep: every candidate attention plan (`attention.CANDIDATES`): decode and prefill
+  times vs SDPA / flash SDPA, decode == prefill and chunked == prefill bit for bit per plan, and
+  the cross-plan table (may decode run another plan than prefill?).
+- parity_shapes: rollout == train_forward bit for bit on 2-layer Llama-3.2-1B-, Qwen3-30B-A3B- and
+  Qwen3-1.7B-shaped models (invariant; native as the negative control).
+- moe_e2e: output tok/s on a Qwen3-30B-A3B-shaped model (`--moe-layers` of 48 layers): hf generate,
+  the engine with invariant and native kernels, each with and without route recording.
+- probed: parity_shapes, e2e and moe_e2e (invariant only) in a subprocess set up for cuBLASLt,
+  where every shape goes through the load-time probe.
+- roofline: each end-to-end row of the run against its workload's lower bound from shapes
+  (`benchmarks.roofline`) at the copy bandwidth and matmul peak measured here.
 
 Full numbers go to $OUT/gpu_results.json (each section's dataclasses as JSON, saved after every
 section); the short table is printed last. Settings a measurement changes (the preferred BLAS
@@ -428,11 +442,13 @@ def grid_check(model: str, kernels: str) -> GridCheck:
                      max_abs_diff=max(c.max_abs_diff for c in checks))
 
 
-def engine_tok_s(path: Path, kernels: str, reqs: list[Request], chunk_size: int, budget: int) -> Throughput:
+def engine_tok_s(path: Path, kernels: str, reqs: list[Request], chunk_size: int, budget: int,
+                 record_routes: bool = False) -> Throughput:
     """Output tok/s of one ReferenceEngine.generate over reqs (after a small warm-up generate; the
     timed call still captures its decode graph, the KV cache being reallocated for its lengths)."""
     with ReferenceEngine(str(path), dtype="bfloat16", device="cuda", kernels=kernels, max_num_seqs=len(reqs),
-                         chunk_size=chunk_size, max_num_batched_tokens=budget) as engine:
+                         chunk_size=chunk_size, max_num_batched_tokens=budget,
+                         record_routes=record_routes) as engine:
         engine.generate(requests_for(151936, 4, 16, 4, seed=9))  # compile kernels, allocate the cache
         torch.cuda.synchronize()
         start = time.perf_counter()
@@ -609,7 +625,7 @@ def e2e_section(run: Run) -> dict[str, Any]:
         requests=count, prompt_tokens=prompt_len, output_tokens=max_tokens,
         model="Qwen3-1.7B-shaped, 28 layers, bf16, random weights", engine_chunk_size=chunk_size,
         engine_max_num_batched_tokens=args.max_batched_tokens,
-        matmul_path="cuBLASLt without split-K (proven shapes)" if cublaslt_ready() else "Triton")}
+        matmul_path="cuBLASLt without split-K where probed" if cublaslt_ready() else "Triton")}
     path = save_random_model(qwen3_config(28), run.tmp / "qwen3-1.7b-shaped")
     reqs = requests_for(151936, count, prompt_len, max_tokens)
     for variant in args.e2e_variants:
@@ -660,6 +676,287 @@ def cublaslt_section(run: Run) -> dict[str, Any]:
     return {"parity": sub.get("parity"), "e2e": sub.get("e2e"), "stderr": proc.stderr[-2000:]}
 
 
+# -- round two: the load-time probe, the attention plan sweep, MoE end to end, the roofline -------
+
+#: model families whose linear shapes the probe section routes (layers: 1, only shapes matter).
+PROBE_FAMILIES = ("qwen3-1.7b", "llama-3.2-1b", "qwen3-30b-a3b")
+#: models of the parity_shapes section: (label, shape, layers, vocab).
+PARITY_SHAPES = [("llama-3.2-1b-2l", "llama-3.2-1b", 2, 128256),
+                 ("qwen3-30b-a3b-2l", "qwen3-30b-a3b", 2, 151936),
+                 ("qwen3-1.7b-2l", "qwen3-1.7b", 2, 151936)]
+
+
+def linear_shapes(shape: str) -> list[tuple[int, int, bool]]:
+    """Distinct (N, K, has_bias) of a shaped model's nn.Linear weights (built on the meta device)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(shaped.shaped_config(shape, 1))
+    return sorted({(m.weight.shape[0], m.weight.shape[1], m.bias is not None)
+                   for m in model.modules() if isinstance(m, torch.nn.Linear)})
+
+
+def probe_child() -> dict[str, Any]:
+    """In a process started with CUBLASLT_ENV (and a fresh PARITY_CACHE): the load-time probe over
+    each family's shapes, cold and from the cache, the routes it chose, a spot check of row
+    invariance on other random data, and TFLOP/s of the routed linear vs the Triton kernel."""
+    from parity.kernels.triton import matmul
+
+    out: dict[str, Any] = {"env": {k: os.environ.get(k) for k in CUBLASLT_ENV}}
+    with blas_library("cublaslt"):
+        out["cublaslt_ready"] = cublaslt_ready()
+        for family in PROBE_FAMILIES:
+            shapes = linear_shapes(family)
+            todo = {(torch.bfloat16, n, k) for n, k, bias in shapes if not bias}
+            start = time.perf_counter()
+            matmul.prepare(todo, torch.device("cuda"))
+            cold = time.perf_counter() - start
+            for key in todo:
+                matmul._verdicts.pop(key, None)
+            start = time.perf_counter()
+            matmul.prepare(todo, torch.device("cuda"))
+            warm = time.perf_counter() - start
+            routes = {f"{n}x{k}{'+bias' if bias else ''}": matmul.route(torch.bfloat16, n, k, bias)
+                      for n, k, bias in shapes}
+            spot = [rows_invariant(matmul.linear, n, k) for n, k, bias in shapes if not bias]
+            speed = {f"{n}x{k}": {"routed": matmul_tflops(matmul.linear, n, k, BENCH_M),
+                                  "triton": matmul_tflops(lambda x, w: matmul.launch(
+                                      x, w, None, matmul.tile_config(x.dtype, *w.shape)), n, k, BENCH_M)}
+                     for n, k, bias in shapes if not bias and n * k <= 8192 * 8192 and n > 256}
+            out[family] = {"probe_cold_s": cold, "probe_cached_s": warm, "routes": routes,
+                           "spot_check": spot, "tflops_graph": speed}
+    return out
+
+
+def probe_section(run: Run) -> dict[str, Any]:
+    """The load-time matmul probe in a process set up for cuBLASLt (see `probe_child`)."""
+    cache = run.tmp / "probe-cache"
+    proc = subprocess.run(module_command("--probe-child"), cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, **CUBLASLT_ENV, "PARITY_CACHE": str(cache)}, timeout=400)
+    try:
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        return {"error": proc.stderr[-3000:]}
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """One attention plan: times, its ratio to SDPA, and its bitwise checks (decode at position 255
+    and the second of two prefill chunks, each vs the whole 256-token prefill)."""
+
+    decode_ms: float
+    prefill_ms: float
+    sdpa_over_plan_decode: float
+    flash_over_plan_prefill: float
+    decode_equals_prefill: bool
+    chunked_equals_prefill: bool
+
+
+def attention_sweep_section(run: Run) -> dict[str, Any]:
+    """Every candidate attention plan (`parity.kernels.triton.attention.CANDIDATES`) on the engine's
+    cache at Qwen3-1.7B heads: decode (256 sequences at context 512) and prefill (256 x 256
+    causal) times vs SDPA (flash where torch allows it), and per plan the bitwise checks; then
+    the cross-plan table (decode under plan D == prefill under plan P?) for a phase-specific plan."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from parity.kernels.triton.attention import CANDIDATES, attention, shipped_config
+
+    hq, hkv, d, cap, n_seq, plen = 16, 8, 128, 1024, 256, 256
+    g = torch.Generator("cuda").manual_seed(3)
+    kc = torch.randn(n_seq, hkv, cap, d, device="cuda", generator=g).to(torch.bfloat16)
+    vc = torch.randn(n_seq, hkv, cap, d, device="cuda", generator=g).to(torch.bfloat16)
+    qp = torch.randn(n_seq * plen, hq, d, device="cuda", generator=g).to(torch.bfloat16)
+    seq = torch.arange(n_seq, device="cuda")
+    p_slots, p_pos = seq.repeat_interleave(plen), torch.arange(plen, device="cuda").repeat(n_seq)
+    last = p_pos == plen - 1
+    first_chunk = p_pos < 100
+    qd = torch.randn(n_seq, hq, d, device="cuda", generator=g).to(torch.bfloat16)
+    d_pos = torch.full((n_seq,), 511, device="cuda")
+    scale = d**-0.5
+
+    # SDPA on contiguous per-sequence K/V (no cache gather: the fastest layout SDPA gets)
+    qs = qp.view(n_seq, plen, hq, d).transpose(1, 2).contiguous()
+    ks, vs = kc[:, :, :plen].contiguous(), vc[:, :, :plen].contiguous()
+    kd, vd = kc[:, :, :512].contiguous(), vc[:, :, :512].contiguous()
+    section: dict[str, Any] = {"shipped": shipped_config().name, "workload": {
+        "decode": "256 sequences x context 512, Hq 16, Hkv 8, D 128, bf16",
+        "prefill": "256 sequences x 256 tokens causal, same heads"}}
+    section["sdpa_decode_ms"] = bench(lambda: F.scaled_dot_product_attention(
+        qd[:, :, None], kd, vd, enable_gqa=True))
+    section["sdpa_prefill_ms"] = bench(lambda: F.scaled_dot_product_attention(
+        qs, ks, vs, is_causal=True, enable_gqa=True))
+    try:
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            section["flash_prefill_ms"] = bench(lambda: F.scaled_dot_product_attention(
+                qs, ks, vs, is_causal=True, enable_gqa=True))
+            section["flash_note"] = "flash SDPA with GQA"
+    except RuntimeError:
+        # flash without GQA support: K/V expanded to the query heads (more bytes, same FLOPs)
+        ke, ve = ks.repeat_interleave(hq // hkv, 1), vs.repeat_interleave(hq // hkv, 1)
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            section["flash_prefill_ms"] = bench(lambda: F.scaled_dot_product_attention(
+                qs, ke, ve, is_causal=True))
+        section["flash_note"] = "flash SDPA over K/V expanded to 16 heads (GQA refused)"
+    plans: dict[str, Any] = {}
+    decoded: dict[str, torch.Tensor] = {}
+    prefilled: dict[str, torch.Tensor] = {}
+    for plan in CANDIDATES:
+        try:
+            whole = attention(qp, kc, vc, p_slots, p_pos, scale, plan)
+            chunks = torch.empty_like(whole)
+            chunks[first_chunk] = attention(qp[first_chunk], kc, vc, p_slots[first_chunk], p_pos[first_chunk],
+                                            scale, plan)
+            chunks[~first_chunk] = attention(qp[~first_chunk], kc, vc, p_slots[~first_chunk],
+                                             p_pos[~first_chunk], scale, plan)
+            dec = attention(qp[last], kc, vc, seq, p_pos[last], scale, plan)
+            decoded[plan.name], prefilled[plan.name] = dec, whole[last]
+            decode_ms = bench(lambda plan=plan: attention(qd, kc, vc, seq, d_pos, scale, plan))
+            prefill_ms = bench(lambda plan=plan: attention(qp, kc, vc, p_slots, p_pos, scale, plan))
+            plans[plan.name] = PlanResult(
+                decode_ms=decode_ms, prefill_ms=prefill_ms,
+                sdpa_over_plan_decode=section["sdpa_decode_ms"] / decode_ms,
+                flash_over_plan_prefill=section["flash_prefill_ms"] / prefill_ms,
+                decode_equals_prefill=torch.equal(dec, whole[last]),
+                chunked_equals_prefill=torch.equal(chunks, whole))
+        except Exception:
+            plans[plan.name] = failure()
+        run.checkpoint("attention_sweep", {**section, "plans": plans})
+    section["plans"] = plans
+    section["cross_decode_equals_prefill"] = {
+        dn: {pn: torch.equal(dv, pv) for pn, pv in prefilled.items()} for dn, dv in decoded.items()}
+    return section
+
+
+def _moe_config(layers: int) -> Any:
+    return shaped.shaped_config("qwen3-30b-a3b", layers, max_position_embeddings=1024)
+
+
+def moe_e2e_section(run: Run) -> dict[str, Any]:
+    """Throughput on a Qwen3-30B-A3B-shaped bf16 model with random weights and `--moe-layers` of its 48
+    layers: hf generate, the engine with invariant and native kernels, each engine variant with
+    and without route recording (routes are recorded eagerly: no CUDA graphs)."""
+    args = run.args
+    count, prompt_len, max_tokens = args.moe
+    section: dict[str, Any] = {"workload": E2EWorkload(
+        requests=count, prompt_tokens=prompt_len, output_tokens=max_tokens,
+        model=f"Qwen3-30B-A3B-shaped, {args.moe_layers} of 48 layers, 128 experts, top-8, bf16, "
+              "random weights",
+        engine_chunk_size=prompt_len, engine_max_num_batched_tokens=args.max_batched_tokens,
+        matmul_path="cuBLASLt without split-K where probed" if cublaslt_ready() else "Triton")}
+    path = save_random_model(_moe_config(args.moe_layers), run.tmp / "qwen3-30b-a3b-shaped")
+    reqs = requests_for(151936, count, prompt_len, max_tokens)
+    for variant in args.moe_variants:
+        for record in ((False, True) if variant != "hf" else (False,)):
+            name = "hf_generate" if variant == "hf" else f"engine_{variant}{'_routes' if record else ''}"
+            try:
+                if variant == "hf":
+                    section[name] = hf_generate_tok_s(path, reqs, prompt_len, max_tokens)
+                else:
+                    section[name] = engine_tok_s(path, variant, reqs, prompt_len, args.max_batched_tokens,
+                                                 record_routes=record)
+            except Exception:
+                section[name] = failure()
+            torch.cuda.empty_cache()
+            run.checkpoint("moe_e2e", section)
+    return section
+
+
+def model_shape(config: Any) -> Any:
+    """`benchmarks.roofline.ModelShape` of a transformers config (parameters counted on the meta device)."""
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks.roofline import ModelShape
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    total = sum(p.numel() for p in model.parameters())  # a tied lm_head is the embedding, counted once
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    embed = model.get_input_embeddings().weight.numel()
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    return ModelShape(dense_params=total - experts - (0 if tied else embed), expert_params=experts,
+                      experts=int(getattr(config, "num_experts", 0) or 0),
+                      top_k=int(getattr(config, "num_experts_per_tok", 0) or 0),
+                      layers=config.num_hidden_layers, q_heads=config.num_attention_heads,
+                      kv_heads=config.num_key_value_heads,
+                      head_dim=getattr(config, "head_dim", None)
+                      or config.hidden_size // config.num_attention_heads)
+
+
+def measured_peaks() -> dict[str, float]:
+    """Copy bandwidth (bytes/s, read + write of a 4 GiB buffer) and dense bf16 matmul peak (FLOP/s,
+    8192^3 on default cuBLAS), measured here."""
+    buffers = [torch.empty(2**31, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+    copy_ms = bench(lambda: buffers[1].copy_(buffers[0]))
+    buffers.clear()
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    mm_ms = bench(lambda: a @ a)
+    return {"copy_bytes_s": 2 * 2**32 / copy_ms * 1e3, "matmul_flop_s": 2 * 8192**3 / mm_ms * 1e3,
+            "nominal_hbm_bytes_s": 4.8e12, "nominal_bf16_flop_s": 989e12}
+
+
+def _e2e_rows(results: dict[str, Any]) -> dict[str, tuple[str, dict[str, Any]]]:
+    """Every finished end-to-end row of this run, by label -> (which workload, its result)."""
+    rows: dict[str, tuple[str, dict[str, Any]]] = {}
+    probed = results.get("probed") or {}
+    for prefix, source, workload in (("dense", results.get("e2e") or {}, "dense"),
+                                     ("dense[probed]", probed.get("e2e") or {}, "dense"),
+                                     ("moe", results.get("moe_e2e") or {}, "moe"),
+                                     ("moe[probed]", probed.get("moe_e2e") or {}, "moe")):
+        for name, value in source.items():
+            if isinstance(value, dict) and "output_tok_s" in value:
+                rows[f"{prefix} {name}"] = (workload, value)
+    return rows
+
+
+def roofline_section(run: Run) -> dict[str, Any]:
+    """Each end-to-end row of this run against its workload's lower bound (`benchmarks.roofline`)
+    at the copy bandwidth and matmul peak measured here: bound tok/s and the fraction reached."""
+    from benchmarks.roofline import bound
+
+    args = run.args
+    peaks = measured_peaks()
+    shapes = {"dense": (model_shape(qwen3_config(28)), args.e2e),
+              "moe": (model_shape(_moe_config(args.moe_layers)), args.moe)}
+    bounds = {name: bound(shape, *workload, bandwidth=peaks["copy_bytes_s"], flops=peaks["matmul_flop_s"])
+              for name, (shape, workload) in shapes.items()}
+    rows = {label: {"output_tok_s": v["output_tok_s"], "bound_tok_s": bounds[w].output_tok_s,
+                    "fraction_of_bound": v["output_tok_s"] / bounds[w].output_tok_s}
+            for label, (w, v) in _e2e_rows(run.results).items()}
+    return {"peaks": peaks, "shapes": {k: dataclasses.asdict(v[0]) for k, v in shapes.items()},
+            "bounds": bounds, "rows": rows}
+
+
+def parity_shapes_section(run: Run) -> dict[str, Any]:
+    """Bitwise rollout == train_forward on other families' shapes (2 layers each; invariant, and
+    native as the negative control), through whatever matmul route this process proves."""
+    section: dict[str, Any] = {}
+    for label, shape, layers, vocab in PARITY_SHAPES:
+        config = shaped.shaped_config(shape, layers, vocab_size=vocab)
+        path = shaped.save_random_model(config, run.tmp / label, device="cuda")
+        for kernels in ("invariant", "native"):
+            try:
+                section[f"{label}/{kernels}"] = parity_check(str(path), vocab, kernels)
+            except Exception:
+                section[f"{label}/{kernels}"] = failure()
+            run.checkpoint("parity_shapes", section)
+    return section
+
+
+def probed_section(run: Run) -> dict[str, Any]:
+    """parity_shapes, e2e (invariant) and moe_e2e (invariant) again in a process set up for cuBLASLt,
+    where every model's shapes go through the load-time probe (no hand-written shape list)."""
+    args = run.args
+    out = args.out / "probed"
+    cmd = module_command("--out", str(out), "--sections", "parity_shapes,e2e,moe_e2e", "--cublaslt",
+                         "--e2e", ",".join(map(str, args.e2e)), "--e2e-variants", "invariant",
+                         "--moe", ",".join(map(str, args.moe)), "--moe-layers", str(args.moe_layers),
+                         "--moe-variants", "invariant", "--chunk-size", str(args.chunk_size),
+                         "--max-batched-tokens", str(args.max_batched_tokens))
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **CUBLASLT_ENV}, capture_output=True, text=True)
+    sub = json.loads((out / "gpu_results.json").read_text()) if (out / "gpu_results.json").exists() else {}
+    return {**{k: sub.get(k) for k in ("parity_shapes", "e2e", "moe_e2e")}, "stderr": proc.stderr[-2000:]}
+
+
 #: Every section, by the name `--sections` takes, in the default order.
 SECTIONS: dict[str, Callable[[Run], Any]] = {
     "kernels": kernels_section,
@@ -667,6 +964,12 @@ SECTIONS: dict[str, Callable[[Run], Any]] = {
     "e2e": e2e_section,
     "profile": profile_section,
     "cublaslt": cublaslt_section,
+    "probe": probe_section,
+    "attention_sweep": attention_sweep_section,
+    "parity_shapes": parity_shapes_section,
+    "moe_e2e": moe_e2e_section,
+    "probed": probed_section,
+    "roofline": roofline_section,
 }
 
 
@@ -727,6 +1030,49 @@ def e2e_lines(e2e: dict[str, Any], label: str) -> list[str]:
     return lines
 
 
+def round_two_lines(results: dict[str, Any]) -> list[str]:
+    """Lines of the probe, attention_sweep, parity_shapes, moe_e2e, probed and roofline sections."""
+    lines = []
+    probe = results.get("probe", {})
+    for family in PROBE_FAMILIES:
+        entry = probe.get(family)
+        if entry:
+            routes = entry["routes"]
+            fast = sum(1 for path, _ in routes.values() if path == "cublaslt")
+            spot = all(s["invariant"] for s in entry["spot_check"])
+            verdict = "row-invariant" if spot else "NOT row-invariant"
+            lines.append(f"probe {family}: {fast} of {len(routes)} shapes on cuBLASLt, spot check {verdict}, "
+                         f"probe {entry['probe_cold_s']:.2f} s cold / {entry['probe_cached_s']:.3f} s cached")
+            for shape, speed in entry.get("tflops_graph", {}).items():
+                r, t = speed["routed"]["graph"], speed["triton"]["graph"]
+                lines.append(f"  {shape} routed/triton TFLOP/s: "
+                             + "  ".join(f"M={m} {r[m]:.0f}/{t[m]:.0f}" for m in r))
+    sweep = results.get("attention_sweep", {})
+    for name, plan in sweep.get("plans", {}).items():
+        if "error" in plan:
+            lines.append(f"attention plan {name}: ERROR")
+            continue
+        lines.append(f"attention plan {name}: decode {plan['decode_ms']:.3f} ms (SDPA/plan "
+                     f"{plan['sdpa_over_plan_decode']:.2f})  prefill {plan['prefill_ms']:.3f} ms (flash/plan "
+                     f"{plan['flash_over_plan_prefill']:.2f})  decode==prefill "
+                     f"{plan['decode_equals_prefill']}  chunked==prefill {plan['chunked_equals_prefill']}")
+    probed = results.get("probed") or {}
+    for label, parity in (("", results.get("parity_shapes") or {}),
+                          (" [probed]", probed.get("parity_shapes") or {})):
+        lines += parity_lines(parity, label)
+    for label, moe in (("", results.get("moe_e2e") or {}), (" [probed]", probed.get("moe_e2e") or {})):
+        for name, v in moe.items():
+            if isinstance(v, dict) and name != "workload":
+                got = "ERROR" if "error" in v else \
+                    f"{v['output_tok_s']:.0f} output tok/s ({v['seconds']:.1f} s)"
+                lines.append(f"moe{label} {name}: {got}")
+    lines += e2e_lines(probed.get("e2e") or {}, " [probed]")
+    for label, row in (results.get("roofline") or {}).get("rows", {}).items():
+        lines.append(f"roofline {label}: {row['output_tok_s']:.0f} of {row['bound_tok_s']:.0f} tok/s bound "
+                     f"({row['fraction_of_bound']:.0%})")
+    return lines
+
+
 def table(results: dict[str, Any]) -> str:
     """The short summary printed at the end, from the JSON form of the results."""
     lines = kernels_lines(results.get("kernels", {}))
@@ -744,6 +1090,7 @@ def table(results: dict[str, Any]) -> str:
         for b in ("engine_native", "hf_generate"):
             if a in ok and b in ok:
                 lines.append(f"e2e ratio {a} / {b}: {ok[a] / ok[b]:.2f}")
+    lines += round_two_lines(results)
     prof = results.get("profile", {})
     if "wall_s" in prof:
         lines.append(f"profile ({prof['workload']}): wall {prof['wall_s']:.2f} s, "
@@ -789,7 +1136,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-batched-tokens", type=int, default=8192,
                         help="engine tokens per step (bounds prefill steps)")
     parser.add_argument("--cublaslt", action="store_true", help="prefer cuBLASLt (run with CUBLASLT_ENV set)")
+    parser.add_argument("--moe", type=_shape, default="256,256,512",
+                        help="MoE workload: requests,prompt_tokens,output_tokens")
+    parser.add_argument("--moe-layers", type=int, default=4, help="layers of the Qwen3-30B-A3B-shaped model")
+    parser.add_argument("--moe-variants", type=lambda t: _names(t, E2E_VARIANTS, "moe variants"),
+                        default="hf,invariant,native", help=f"comma-separated, of {', '.join(E2E_VARIANTS)}")
     parser.add_argument("--cublaslt-probe", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--probe-child", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
@@ -797,6 +1150,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.cublaslt_probe:
         print(json.dumps(plain(cublaslt_probe())))
+        return
+    if args.probe_child:
+        print(json.dumps(plain(probe_child())))
         return
     import transformers
     import triton
@@ -818,6 +1174,7 @@ def main(argv: list[str] | None = None) -> None:
                 run.results.setdefault(name, {}).update(failure())
             run.results.setdefault(name, {})["section_seconds"] = time.perf_counter() - start
             run.save()
+            torch.cuda.empty_cache()  # a section's cached blocks would crowd a later subprocess
             print(f"[{name}] done in {time.perf_counter() - start:.0f} s", flush=True)
     print(table(run.results))
 

@@ -108,6 +108,18 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("backends", help="list backends and whether each can run here",
                    description="List backend adapters and whether each is usable here."
                    ).set_defaults(func=_backends)
+    ker = sub.add_parser(
+        "kernels", help="show which matmul route each weight shape of a model takes and why",
+        description="Load MODEL on DEVICE (running the load-time matmul probe on CUDA) and print, for "
+                    "each distinct linear weight shape, the route the invariant linear takes and why.")
+    ker.add_argument("--model", required=True, help="model name (see `parity models`) or a local HF "
+                                                    "checkpoint directory")
+    ker.add_argument("--device", default="cuda", help="device to load on (default: cuda)")
+    ker.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="model dtype (default: bfloat16)")
+    ker.add_argument("--cublaslt", action="store_true",
+                     help="set this process up for cuBLASLt without split-K first, as an engine process "
+                          "would be (else the routes of a process without that setup are shown)")
+    ker.set_defaults(func=_kernels)
     for name, (_, _, text) in PASSTHROUGH.items():
         # listed for --help only: main() hands these to their module before argparse runs
         sub.add_parser(name, help=text, add_help=False)
@@ -208,6 +220,16 @@ def _backends(args: argparse.Namespace) -> int:
     for name, reason in available_backends().items():
         status = "available" if reason is None else f"unavailable: {reason}"
         print(f"{name.ljust(width)}  {BACKENDS[name].description}  [{status}]")
+    return 0
+
+
+def _kernels(args: argparse.Namespace) -> int:
+    from parity.engine.matmul_routes import linear_routes
+
+    rows = linear_routes(args.model, dtype=args.dtype, device=args.device, cublaslt=args.cublaslt)
+    print(f"{'layers':>6}  {'weight [N, K]':<16}  {'dtype':<9}  {'route':<9}  why")
+    for row in rows:
+        print(f"{row.count:>6}  {f'{row.n} x {row.k}':<16}  {row.dtype:<9}  {row.route:<9}  {row.reason}")
     return 0
 
 

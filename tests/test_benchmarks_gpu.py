@@ -21,7 +21,11 @@ def test_arguments_parse_and_name_only_known_sections():
     assert args.e2e == (256, 256, 512) and args.e2e_variants == ["hf", "invariant", "native"]
     args = gpu.parse_args(["--sections", "parity,profile", "--e2e", "8,16,4", "--e2e-variants", "invariant"])
     assert args.sections == ["parity", "profile"] and args.e2e == (8, 16, 4)
-    assert list(gpu.SECTIONS) == ["kernels", "parity", "e2e", "profile", "cublaslt"]
+    assert list(gpu.SECTIONS) == ["kernels", "parity", "e2e", "profile", "cublaslt", "probe",
+                                  "attention_sweep", "parity_shapes", "moe_e2e", "probed", "roofline"]
+    args = gpu.parse_args(["--sections", "probe,moe_e2e,roofline", "--moe", "8,16,4", "--moe-layers", "2"])
+    assert args.moe == (8, 16, 4) and args.moe_layers == 2
+    assert args.moe_variants == ["hf", "invariant", "native"]
     for bad in (["--sections", "parity,kernel"], ["--e2e", "8,16"], ["--e2e-variants", "vllm"]):
         with pytest.raises(SystemExit):
             gpu.parse_args(bad)
@@ -81,3 +85,79 @@ def test_changed_settings_are_restored_when_a_measurement_fails():
     assert torch.backends.cuda.preferred_blas_library() == before
     assert (module.BLOCK_M, module.BLOCK_N) == (64, 64)
     assert switch._registry[("softmax", "cumsum", "cpu")] is cumsum
+
+
+def test_roofline_of_the_dense_workload_is_the_bound_worked_out_by_hand():
+    """Qwen3-1.7B-shaped, 256 x 256 x 512 at 4.3 TB/s and 760 TFLOP/s: weights 3.4 GB and ~15 GB
+    of KV per late step put the bound near 50,000 output tok/s (the figure of the design notes)."""
+    from benchmarks.roofline import bound
+
+    shape = gpu.model_shape(gpu.qwen3_config(28))
+    assert 1.5e9 < shape.dense_params < 2.1e9 and shape.expert_params == 0
+    assert shape.kv_bytes_per_token == 2 * 28 * 8 * 128 * 2
+    b = bound(shape, 256, 256, 512, bandwidth=4.3e12, flops=7.6e14)
+    assert 35_000 < b.output_tok_s < 65_000 and b.output_tokens == 256 * 512
+    assert b.seconds == b.prefill_s + b.decode_s
+    slower = bound(shape, 256, 256, 512, bandwidth=2.15e12, flops=7.6e14)
+    assert slower.decode_s > 1.9 * b.decode_s * 0.9  # decode is bandwidth-bound at this batch
+
+
+def test_roofline_of_moe_counts_only_the_experts_a_step_touches():
+    from benchmarks.roofline import ModelShape
+
+    shape = gpu.model_shape(gpu._moe_config(2))
+    assert shape.experts == 128 and shape.top_k == 8 and shape.expert_params == 2 * 128 * 3 * 2048 * 768
+    assert shape.active_params() == shape.dense_params + shape.expert_params * 8 / 128
+    assert shape.touched_params(1) == shape.active_params()
+    assert shape.touched_params(256) > 0.99 * (shape.dense_params + shape.expert_params)
+    with pytest.raises(ValueError):
+        ModelShape(dense_params=1, expert_params=1, experts=4, top_k=5, layers=1, q_heads=1, kv_heads=1,
+                   head_dim=1)
+
+
+def test_linear_shapes_of_two_families_come_from_their_configs():
+    qwen = gpu.linear_shapes("qwen3-1.7b")
+    llama = gpu.linear_shapes("llama-3.2-1b")
+    assert (151936, 2048, False) in qwen and (6144, 2048, False) in qwen
+    assert (8192, 2048, False) in llama and (2048, 8192, False) in llama and (128256, 2048, False) in llama
+
+
+def test_round_two_sections_render_as_the_table():
+    speed = gpu.MatmulSpeed(eager={1: 1.0}, graph={1: 2.0}, host_us={1: 3.0})
+    results = {
+        "probe": {"qwen3-1.7b": {
+            "probe_cold_s": 1.5, "probe_cached_s": 0.01,
+            "routes": {"2048x2048": ["cublaslt", "probed"], "128x2048+bias": ["triton", "has a bias"]},
+            "spot_check": [gpu.plain(gpu.RowInvariance([2048, 2048], True, []))],
+            "tflops_graph": {"2048x2048": gpu.plain({"routed": speed, "triton": speed})}}},
+        "attention_sweep": {"plans": {
+            "m64_n64_w4_s2": gpu.plain(gpu.PlanResult(0.2, 1.0, 0.5, 0.25, True, True)),
+            "m16_n64_w4_s3": {"error": "Traceback"}}},
+        "moe_e2e": {"workload": {}, "hf_generate": gpu.plain(gpu.Throughput(4.0, 100, 25.0))},
+        "probed": {"moe_e2e": {"engine_invariant_routes": gpu.plain(gpu.Throughput(1.0, 100, 100.0))},
+                   "e2e": {"engine_invariant": gpu.plain(gpu.Throughput(1.0, 100, 100.0, "cuda graphs"))}},
+        "roofline": {"rows": {"moe hf_generate": {"output_tok_s": 25.0, "bound_tok_s": 100.0,
+                                                  "fraction_of_bound": 0.25}}},
+    }
+    lines = gpu.table(results).splitlines()
+    assert ("probe qwen3-1.7b: 1 of 2 shapes on cuBLASLt, spot check row-invariant, probe 1.50 s cold / "
+            "0.010 s cached") in lines
+    assert "  2048x2048 routed/triton TFLOP/s: M=1 2/2" in lines
+    assert ("attention plan m64_n64_w4_s2: decode 0.200 ms (SDPA/plan 0.50)  prefill 1.000 ms (flash/plan "
+            "0.25)  decode==prefill True  chunked==prefill True") in lines
+    assert "attention plan m16_n64_w4_s3: ERROR" in lines
+    assert "moe hf_generate: 25 output tok/s (4.0 s)" in lines
+    assert "moe [probed] engine_invariant_routes: 100 output tok/s (1.0 s)" in lines
+    assert "e2e [probed] engine_invariant: 100 output tok/s (1.0 s) [cuda graphs]" in lines
+    assert "roofline moe hf_generate: 25 of 100 tok/s bound (25%)" in lines
+
+
+def test_e2e_rows_collect_every_finished_row_by_workload():
+    results = {"e2e": {"engine_native": {"output_tok_s": 1.0}, "workload": {}},
+               "probed": {"e2e": {"engine_invariant": {"output_tok_s": 2.0}},
+                          "moe_e2e": {"engine_invariant": {"error": "x"}}},
+               "moe_e2e": {"hf_generate": {"output_tok_s": 3.0}}}
+    rows = gpu._e2e_rows(results)
+    assert {k: v[0] for k, v in rows.items()} == {"dense engine_native": "dense",
+                                                   "dense[probed] engine_invariant": "dense",
+                                                   "moe hf_generate": "moe"}

@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs an NVIDIA GPU (CUDA not available)")
 #: tests of this file that run under the interpreter: all but the CUDA-only ones and the child runner.
-MIN_INTERPRETED = 31
+MIN_INTERPRETED = 48
 
 
 @pytest.mark.skipif(CUDA or INTERPRETED, reason="the kernel tests run in this process")
@@ -234,13 +234,14 @@ def _cache(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, dict[int, to
     return k, v, q
 
 
-def _attend(tk: ModuleType, dtype: torch.dtype, parts: list[tuple[int, int, int]]) -> torch.Tensor:
+def _attend(tk: ModuleType, dtype: torch.dtype, parts: list[tuple[int, int, int]],
+            config: object = None) -> torch.Tensor:
     """Attention of the packed query tokens `parts` = [(slot, first position, end position), ...]."""
     k, v, q = _cache(dtype)
     query = torch.cat([q[s][a:b] for s, a, b in parts])
     slots = torch.cat([torch.full((b - a,), s, dtype=torch.int64) for s, a, b in parts]).to(DEVICE)
     positions = torch.cat([torch.arange(a, b) for _, a, b in parts]).to(DEVICE)
-    return tk.attention(query, k, v, slots, positions, HEAD_DIM**-0.5)
+    return tk.attention(query, k, v, slots, positions, HEAD_DIM**-0.5, config)
 
 
 @functools.cache
@@ -286,6 +287,55 @@ def test_attention_decode_equals_prefill(tk: ModuleType) -> None:
     whole = _whole(tk, torch.bfloat16)
     decode = _attend(tk, torch.bfloat16, [(s, n - 1, n) for s, n in SEQ_LENS.items()])
     assert torch.equal(decode, torch.stack([whole[s][-1] for s in SEQ_LENS]))
+
+
+def _attention_plans() -> list:
+    """The candidate plans where the kernels run in this process (collected under the interpreter)."""
+    if not (CUDA or INTERPRETED):
+        return []
+    return list(importlib.import_module("parity.kernels.triton.attention").CANDIDATES)
+
+
+@pytest.mark.parametrize("plan", _attention_plans(), ids=lambda p: p.name)
+def test_every_candidate_plan_gives_decode_equal_prefill_equal_chunked(tk: ModuleType, plan: object) -> None:
+    """Each plan the GPU sweep may ship keeps a token's bits whatever step it sits in: whole
+    prefill, chunks mixed with other sequences' decode tokens, and decode."""
+    whole = _attend(tk, torch.float32, [(s, 0, n) for s, n in SEQ_LENS.items()], plan)
+    whole_by_slot = dict(zip(SEQ_LENS, whole.split(list(SEQ_LENS.values()))))
+    decode = _attend(tk, torch.float32, [(s, n - 1, n) for s, n in SEQ_LENS.items()], plan)
+    assert torch.equal(decode, torch.stack([whole_by_slot[s][-1] for s in SEQ_LENS]))
+    parts = [(3, 20, 69), (2, 4, 5), (0, 0, 37), (3, 69, 70)]
+    expected = torch.cat([whole_by_slot[s][a:b] for s, a, b in parts])
+    assert torch.equal(_attend(tk, torch.float32, parts, plan), expected)
+
+
+def test_persistent_programs_walking_several_runs_each_give_the_per_token_kernel_bits(tk: ModuleType) -> None:
+    """Few programs (2 per KV head here), each taking many runs in turn: same bits as one program
+    per token, on a step mixing prefill chunks and decode tokens."""
+    attention = importlib.import_module("parity.kernels.triton.attention")
+    parts = [(3, 20, 69), (2, 4, 5), (0, 0, 37), (3, 69, 70)]
+    per_token = _attend(tk, torch.float32, parts, attention.AttentionConfig(16, 64, 4, 2))
+    walking = _attend(tk, torch.float32, parts, attention.AttentionConfig(16, 64, 4, 2, programs_per_sm=1))
+    assert torch.equal(walking, per_token)
+
+
+def test_attention_negative_control_decode_and_prefill_under_different_kv_tiles(tk: ModuleType) -> None:
+    """The sweep's cross-plan check can fail: plans with other KV tile boundaries change a token."""
+    attention = importlib.import_module("parity.kernels.triton.attention")
+    prefill = _attend(tk, torch.float32, [(3, 0, 70)], attention.AttentionConfig(64, 64, 4, 2))
+    decode = _attend(tk, torch.float32, [(3, 69, 70)], attention.AttentionConfig(16, 32, 4, 2))
+    assert not torch.equal(decode[0], prefill[-1])
+
+
+def test_attention_config_rejects_bad_plans() -> None:
+    attention = pytest.importorskip("parity.kernels.triton.attention") if (CUDA or INTERPRETED) else None
+    if attention is None:
+        pytest.skip("no GPU: run by test_kernels_under_the_triton_interpreter_in_a_child_process")
+    from parity.errors import InputError
+
+    for bad in ((48, 64, 4, 2), (8, 64, 4, 2), (64, 64, 3, 2), (64, 64, 4, 0), (64, 64, 4, 2, -1)):
+        with pytest.raises(InputError):
+            attention.AttentionConfig(*bad)
 
 
 def test_attention_negative_control_tile_boundaries_change_bits(
@@ -392,15 +442,18 @@ def test_fp32_linear_is_not_tf32(tk: ModuleType) -> None:
 
 @gpu
 @needs_cuda
-def test_cublaslt_path_rows_invariant_at_proven_shapes() -> None:
-    """The proven cuBLASLt route, in a process configured for it (the env must precede CUDA start)."""
+def test_cublaslt_path_rows_invariant_at_probed_shapes() -> None:
+    """The probed cuBLASLt route, in a process configured for it (the env must precede CUDA start)."""
     code = """
 import torch
 torch.backends.cuda.preferred_blas_library("cublaslt")
-from parity.kernels.triton.matmul import CUBLASLT_PROVEN, cublaslt_ready, linear
+from parity.kernels.triton.matmul import cublaslt_ready, linear, prepare, route
 assert cublaslt_ready()
+shapes = [(torch.bfloat16, n, k) for n, k in ((2048, 2048), (1024, 2048), (6144, 2048), (2048, 6144))]
+prepare(shapes, torch.device("cuda"))
 g = torch.Generator("cuda").manual_seed(0)
-for dtype, n, k in sorted(CUBLASLT_PROVEN, key=str):
+for dtype, n, k in shapes:
+    print(n, k, route(dtype, n, k, False))
     x = torch.randn(4096, k, device="cuda", generator=g).to(dtype)
     w = (torch.randn(n, k, device="cuda", generator=g) * k ** -0.5).to(dtype)
     full = linear(x, w)

@@ -12,6 +12,10 @@ device type: CPU kernels live in `parity/kernels/cpu.py`; another device registe
 with `kernels.register(family, op, device_type, fn)`.
 """
 
+import importlib.util
+
+import torch
+
 from parity.kernels import cpu as _cpu  # noqa: F401  (registers the CPU kernels)
 from parity.kernels.switch import (
     FAMILIES,
@@ -24,16 +28,29 @@ from parity.kernels.switch import (
     register,
 )
 
-__all__ = ["FAMILIES", "disable", "enable", "enabled_families", "impl", "invariant", "native", "register"]
+__all__ = ["FAMILIES", "disable", "enable", "enabled_families", "impl", "invariant", "native", "prepare",
+           "register"]
+
+
+def prepare(model: torch.nn.Module) -> None:
+    """Load-time work a device's kernels need for `model` (call once its weights sit on the device):
+    on CUDA, probe every bias-free linear weight shape for the proven cuBLASLt route
+    (`parity.kernels.triton.matmul.prepare`). Nothing to do on CPU."""
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear) and m.bias is None]
+    cuda = [w for w in weights if w.is_cuda]
+    if cuda and _triton_available():
+        from parity.kernels.triton import matmul
+
+        matmul.prepare({(w.dtype, *w.shape) for w in cuda}, cuda[0].device)
+
+
+def _triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 def _register_cuda() -> None:
     """Register the Triton kernels for device type "cuda" where a GPU and Triton are present."""
-    import importlib.util
-
-    import torch
-
-    if torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
+    if torch.cuda.is_available() and _triton_available():
         from parity.kernels import triton as _triton
 
         _triton.register()

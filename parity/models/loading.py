@@ -19,7 +19,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from parity.errors import ConfigError
-from parity.kernels import ops
+from parity.kernels import ops, prepare
 from parity.kernels.attention import ATTENTION_NAME
 from parity.kernels.moe import experts_forward
 from parity.models.checkpoints import is_model_name, model_hash, resolve_model
@@ -173,6 +173,7 @@ def load_model(model: str | os.PathLike[str] | LoadedModel, dtype: str = "float3
     config = hf.config
     max_len = int(config.max_position_embeddings)
     num_moe_layers = _patch(hf, max_len)
+    prepare(hf)  # on CUDA: the load-time matmul route probe (cached per machine)
     eos = config.eos_token_id
     eos_ids = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
     name = os.fspath(model)

@@ -10,7 +10,10 @@ and inside a tile consecutive tokens of one slot form a run (a prefill chunk is 
 decode token its own). A program owns one run and one KV head: its BLOCK_M rows stand for
 (token r // G, query head kv_head * G + r % G), G = Hq / Hkv, so GQA heads share the K/V tiles
 they load, and it walks the run's slot from absolute position 0 in tiles of BLOCK_N keys with an
-online softmax in fp32. Rows of other runs in the tile are masked out and not stored.
+online softmax in fp32. Rows of other runs in the tile are masked out and not stored. The
+persistent variant (`AttentionConfig.programs_per_sm`) runs the same per-run code from a fixed
+number of programs that walk a compacted list of run starts, instead of one program per token
+of which all but a run's first exit at once.
 
 Invariance (a query's output depends on its own q and its slot's cached K/V only):
 - KV tile boundaries sit at absolute positions 0, BLOCK_N, 2*BLOCK_N, ...: the same for a token
@@ -28,11 +31,14 @@ Invariance (a query's output depends on its own q and its slot's cached K/V only
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from parity.errors import InputError
+from parity.kernels.triton.matmul import _num_sms
 from parity.kernels.triton.mma import mma
 
 #: query rows (tokens x GQA heads) per tile. A decode run fills only G of them, but decode is bound
@@ -40,10 +46,78 @@ from parity.kernels.triton.mma import mma
 BLOCK_M = 64
 #: keys per KV tile; tiles start at absolute positions 0, BLOCK_N, 2*BLOCK_N, ... for every phase.
 BLOCK_N = 64
+#: warps per program and software-pipeline depth of the K/V loads.
+NUM_WARPS = 4
+NUM_STAGES = 2
 
 
-@triton.jit(do_not_specialize=["T"])
-def _attention_kernel(
+@dataclass(frozen=True)
+class AttentionConfig:
+    """One launch plan: query rows and keys per tile, warps, pipeline stages.
+
+    Invariance needs one plan for every phase of a model's life (prefill, chunked prefill, decode,
+    the training forward): BLOCK_N fixes the KV tile boundaries, and BLOCK_M and the warps decide
+    which MMA instruction shape computes a row's dot products. A plan is shipped only after the
+    GPU check that decode == prefill == chunked prefill bit for bit under it (`benchmarks/gpu.py`,
+    section attention_sweep); `attention(config=...)` runs another plan for that sweep.
+    """
+
+    block_m: int = BLOCK_M
+    block_n: int = BLOCK_N
+    num_warps: int = NUM_WARPS
+    num_stages: int = NUM_STAGES
+    #: 0: one program per (token, KV head), exiting unless its token starts a run (a prefill run of
+    #: R tokens launches R - 1 idle programs); n > 0: about n programs per SM, each walking a
+    #: compacted list of run starts. Which program computes a run never changes the run's bits.
+    programs_per_sm: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "num_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise InputError(f"AttentionConfig.{name}={value} must be a power of two")
+        if self.block_m < 16 or self.block_n < 16:
+            raise InputError(f"AttentionConfig: block_m={self.block_m} and block_n={self.block_n} must be "
+                             ">= 16 (the MMA tile)")
+        if self.num_stages < 1:
+            raise InputError(f"AttentionConfig.num_stages={self.num_stages} must be >= 1")
+        if self.programs_per_sm < 0:
+            raise InputError(f"AttentionConfig.programs_per_sm={self.programs_per_sm} must be >= 0")
+
+    @property
+    def name(self) -> str:
+        persistent = f"_p{self.programs_per_sm}" if self.programs_per_sm else ""
+        return f"m{self.block_m}_n{self.block_n}_w{self.num_warps}_s{self.num_stages}{persistent}"
+
+
+#: plans the GPU sweep times and checks (decode == prefill == chunked prefill, bit for bit, each
+#: plan on its own): the shipped one first, then larger tiles for prefill's MMA work, deeper K/V
+#: pipelines, and smaller query tiles that waste fewer rows on decode steps.
+CANDIDATES: tuple[AttentionConfig, ...] = (
+    AttentionConfig(64, 64, 4, 2),
+    AttentionConfig(64, 64, 4, 3),
+    AttentionConfig(64, 64, 8, 3),
+    AttentionConfig(128, 64, 8, 3),
+    AttentionConfig(128, 128, 8, 3),
+    AttentionConfig(64, 128, 4, 3),
+    AttentionConfig(128, 64, 4, 4),
+    AttentionConfig(16, 64, 4, 3),
+    AttentionConfig(32, 64, 4, 3),
+    AttentionConfig(16, 128, 4, 3),
+    AttentionConfig(64, 64, 4, 2, programs_per_sm=8),
+    AttentionConfig(64, 64, 4, 3, programs_per_sm=16),
+    AttentionConfig(128, 64, 8, 3, programs_per_sm=4),
+    AttentionConfig(16, 64, 4, 3, programs_per_sm=16),
+)
+
+
+def shipped_config() -> AttentionConfig:
+    """The plan `attention` runs by default (the module constants, read at call time)."""
+    return AttentionConfig(BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES)
+
+
+@triton.jit
+def _attend_run(
     q_ptr,
     k_ptr,
     v_ptr,
@@ -52,6 +126,8 @@ def _attention_kernel(
     positions_ptr,
     run_start_ptr,
     T,
+    t0,
+    kv_head,
     qk_scale_log2,
     stride_qt,
     stride_qh,
@@ -69,12 +145,9 @@ def _attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    first = tl.program_id(0) * TOKENS
-    kv_head = tl.program_id(1)
-    t0 = first + tl.program_id(2)
-    # This program owns the run that starts at token t0; -1 past the last token is never a start.
-    if tl.load(run_start_ptr + t0, mask=t0 < T, other=-1) != t0:
-        return
+    """One run (the consecutive tokens of one slot starting at token t0, inside its TOKENS-tile)
+    and one KV head: the whole online softmax over the slot's keys, stored for the run's rows."""
+    first = (t0 // TOKENS) * TOKENS
     rows = tl.arange(0, BLOCK_M)
     tok = first + rows // GROUP
     head = kv_head * GROUP + rows % GROUP
@@ -112,6 +185,47 @@ def _attention_kernel(
     tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=in_run[:, None])
 
 
+@triton.jit(do_not_specialize=["T"])
+def _attention_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, slots_ptr, positions_ptr, run_start_ptr, runs_ptr, num_runs_ptr, T,
+    qk_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_ks, stride_kh, stride_kc,
+    stride_vs, stride_vh, stride_vc,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, TOKENS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Grid (tiles, KV heads, TOKENS): the program of token t0 = tile * TOKENS + j works only if
+    t0 starts a run (runs_ptr, num_runs_ptr: unused here, shared signature)."""
+    kv_head = tl.program_id(1)
+    t0 = tl.program_id(0) * TOKENS + tl.program_id(2)
+    # -1 past the last token is never a run start.
+    if tl.load(run_start_ptr + t0, mask=t0 < T, other=-1) != t0:
+        return
+    _attend_run(q_ptr, k_ptr, v_ptr, out_ptr, slots_ptr, positions_ptr, run_start_ptr, T, t0, kv_head,
+                qk_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_ks, stride_kh,
+                stride_kc, stride_vs, stride_vh, stride_vc, GROUP, HEAD_DIM, TOKENS, BLOCK_M, BLOCK_N)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _attention_persistent_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, slots_ptr, positions_ptr, run_start_ptr, runs_ptr, num_runs_ptr, T,
+    qk_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_ks, stride_kh, stride_kc,
+    stride_vs, stride_vh, stride_vc,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, TOKENS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Grid (programs, KV heads): program i takes runs i, i + programs, ... of the compacted list
+    runs_ptr[0:num_runs] (the first tokens of all runs, ascending)."""
+    kv_head = tl.program_id(1)
+    num_runs = tl.load(num_runs_ptr)
+    i = tl.program_id(0)
+    while i < num_runs:
+        t0 = tl.load(runs_ptr + i)
+        _attend_run(q_ptr, k_ptr, v_ptr, out_ptr, slots_ptr, positions_ptr, run_start_ptr, T, t0, kv_head,
+                    qk_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_ks, stride_kh,
+                    stride_kc, stride_vs, stride_vh, stride_vc, GROUP, HEAD_DIM, TOKENS, BLOCK_M, BLOCK_N)
+        i += tl.num_programs(0)
+
+
 def attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -119,13 +233,16 @@ def attention(
     slots: torch.Tensor,
     positions: torch.Tensor,
     scaling: float,
+    config: AttentionConfig | None = None,
 ) -> torch.Tensor:
     """Causal attention of each query token over its own slot's cached K/V.
 
     query: [T, Hq, D]; k_cache, v_cache: [S, Hkv, C, D] with every query's own key already written;
     slots, positions: [T] int, the slot and absolute position of each query token.
     Returns [T, Hq, D] in the query dtype; scores, softmax and accumulation run in fp32.
+    config: the launch plan (default `shipped_config()`); every caller of one model must use one plan.
     """
+    cfg = config or shipped_config()
     t, hq, d = query.shape
     _, hkv, _, dk = k_cache.shape
     if dk != d or v_cache.shape != k_cache.shape:
@@ -143,14 +260,25 @@ def attention(
     if t == 0:
         return out
     group = hq // hkv
-    block_m = max(BLOCK_M, triton.next_power_of_2(group))
+    block_m = max(cfg.block_m, triton.next_power_of_2(group))
     tokens = block_m // group
     # run_start[i]: first token of i's run (same slot, consecutive, inside one program's tile).
     index = torch.arange(t, device=query.device)
     starts = index % tokens == 0
     starts[1:] |= slots[1:] != slots[:-1]
     run_start = torch.cummax(torch.where(starts, index, 0), 0).values
-    _attention_kernel[(triton.cdiv(t, tokens), hkv, tokens)](
+    if cfg.programs_per_sm:
+        # the runs' first tokens, compacted on the device (no host sync: CUDA graphs capture it)
+        is_start = run_start == index
+        runs = torch.full((t + 1,), -1, dtype=torch.int64, device=query.device)
+        runs.scatter_(0, torch.where(is_start, torch.cumsum(is_start, 0) - 1, t), index)
+        num_runs = is_start.sum(dtype=torch.int64).reshape(1)
+        programs = min(t, triton.cdiv(cfg.programs_per_sm * _num_sms(query.device), hkv))
+        kernel, grid = _attention_persistent_kernel, (programs, hkv)
+    else:
+        runs = num_runs = run_start  # unused by the per-token kernel
+        kernel, grid = _attention_kernel, (triton.cdiv(t, tokens), hkv, tokens)
+    kernel[grid](
         query,
         k_cache,
         v_cache,
@@ -158,6 +286,8 @@ def attention(
         slots,
         positions,
         run_start,
+        runs,
+        num_runs,
         t,
         scaling * 1.4426950408889634,  # log2(e): the kernel exponentiates with exp2
         query.stride(0),
@@ -174,8 +304,8 @@ def attention(
         HEAD_DIM=d,
         TOKENS=tokens,
         BLOCK_M=block_m,
-        BLOCK_N=BLOCK_N,
-        num_warps=4,
-        num_stages=2,
+        BLOCK_N=cfg.block_n,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return out

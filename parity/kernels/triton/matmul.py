@@ -18,18 +18,22 @@ Speed on Hopper comes from TMA tensor descriptors (bulk copies into shared memor
 output tiles in grouped order so weight tiles are reused from L2. Without split-K a small-M call
 has only N / BLOCK_N tiles of work, so this kernel trails cuBLAS at decode sizes.
 
-The proven cuBLASLt path: a bias-free call whose (dtype, N, K) is in `CUBLASLT_PROVEN` runs on
-cuBLASLt with split-K disabled, but only in a process configured for it (`cublaslt_ready`: the
-workspace variables in `CUBLASLT_ENV` set before CUDA starts, cuBLASLt the preferred BLAS
-library). That route is not invariant by construction: `benchmarks/gpu.py` proves it bitwise
-row-invariant on the H200 for exactly those shapes (M = 1..4096), and the GPU tests check it
-again. The choice depends on dtype, shape and process configuration, never on M.
+The proven cuBLASLt path: a bias-free call whose (dtype, N, K) passed the load-time probe
+(`prepare`, `parity.kernels.probe`) runs on cuBLASLt with split-K disabled, but only in a
+process configured for it (`cublaslt_ready`: the workspace variables in `CUBLASLT_ENV` set
+before CUDA starts, cuBLASLt the preferred BLAS library). That route is not invariant by
+construction: every weight shape of a model is probed bitwise row-invariant when the model
+loads (verdicts cached on disk per GPU, driver and library versions), and a shape that was not
+probed or failed takes the Triton kernel. The choice depends on dtype, shape, the cached
+verdict and process configuration, never on M. `route` says which path a shape takes and why
+(`parity kernels --model M` prints it for every shape of a model).
 """
 
 from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -38,16 +42,14 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from parity.errors import InputError
+from parity.errors import ConfigError, InputError
+from parity.kernels.probe import Verdict, VerdictCache, cache_path, fingerprint, probe_rows
 from parity.kernels.triton.mma import mma
 
 #: process environment that disables cuBLASLt's split-K (no workspace to reduce partial sums in).
 CUBLASLT_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":16:8", "CUBLASLT_WORKSPACE_SIZE": "1"}
-#: (dtype, N, K) proven row-invariant on cuBLASLt without split-K on the H200 (Qwen3-1.7B's linears).
-CUBLASLT_PROVEN = frozenset(
-    (torch.bfloat16, n, k)
-    for n, k in ((2048, 2048), (1024, 2048), (6144, 2048), (2048, 6144), (151936, 2048))
-)
+#: (dtype, N, K) -> the load-time probe's verdict for cuBLASLt without split-K in this process.
+_verdicts: dict[tuple[torch.dtype, int, int], Verdict] = {}
 
 
 def cublaslt_ready() -> bool:
@@ -55,6 +57,51 @@ def cublaslt_ready() -> bool:
     return all(os.environ.get(key) == value for key, value in CUBLASLT_ENV.items()) and (
         torch.backends.cuda.preferred_blas_library() == torch._C._BlasBackend.Cublaslt
     )
+
+
+def configure_cublaslt() -> None:
+    """Set this process up for the cuBLASLt route (`CUBLASLT_ENV`, cuBLASLt preferred), as an engine
+    process would be; the workspace variables only take effect before CUDA starts."""
+    changed = any(os.environ.get(key) != value for key, value in CUBLASLT_ENV.items())
+    if changed and torch.cuda.is_initialized():
+        raise ConfigError(f"configure_cublaslt: CUDA already started without {CUBLASLT_ENV}; set them in the "
+                          "environment before the process starts")
+    os.environ.update(CUBLASLT_ENV)
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+
+
+def prepare(shapes: Iterable[tuple[torch.dtype, int, int]], device: torch.device) -> None:
+    """Probe each bias-free weight shape (dtype, N, K) for cuBLASLt row invariance, once per
+    machine and software stack (cached on disk), so `linear` may take the fast route for it.
+    Does nothing in a process not set up for cuBLASLt: every shape takes the Triton kernel there.
+    Call outside CUDA-graph capture (model load time)."""
+    if not cublaslt_ready():
+        return
+    todo = sorted({s for s in shapes if s[0] in (torch.bfloat16, torch.float16)} - set(_verdicts), key=str)
+    if not todo:
+        return
+    cache = VerdictCache(cache_path())
+    fp = fingerprint(device, CUBLASLT_ENV)
+    for dtype, n, k in todo:
+        verdict = cache.get(fp, dtype, n, k)
+        if verdict is None:
+            with torch.cuda.device(device):
+                verdict = probe_rows(F.linear, dtype, n, k, device)
+            cache.put(fp, verdict, dtype)
+        _verdicts[(dtype, n, k)] = verdict
+
+
+def route(dtype: torch.dtype, n: int, k: int, has_bias: bool) -> tuple[str, str]:
+    """(path, why) of a CUDA linear with weight [n, k] in `dtype`: "cublaslt" or "triton"."""
+    if has_bias:
+        return "triton", "has a bias (the probe covers bias-free products only)"
+    if not cublaslt_ready():
+        return "triton", (f"process not set up for cuBLASLt without split-K (set {CUBLASLT_ENV} before CUDA "
+                          "starts, then torch.backends.cuda.preferred_blas_library('cublaslt'))")
+    verdict = _verdicts.get((dtype, n, k))
+    if verdict is None:
+        return "triton", "not probed in this process (probes run when a model loads on CUDA)"
+    return ("cublaslt" if verdict.invariant else "triton"), verdict.reason()
 
 
 @dataclass(frozen=True)
@@ -136,7 +183,8 @@ def _num_sms(device: torch.device) -> int:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K].T (+ bias [N]) -> [..., N], row-invariant (see module docstring):
-    the Triton kernel, or cuBLASLt without split-K for a proven shape in a process set up for it.
+    the Triton kernel, or cuBLASLt without split-K for a shape the load-time probe proved, in a
+    process set up for it.
 
     TMA needs 16-byte aligned row strides: K * itemsize and N * itemsize must be multiples of 16
     (every transformer hidden size is).
@@ -149,8 +197,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     elt = x.element_size()
     if (k * elt) % 16 or (n * elt) % 16:
         raise InputError(f"linear: K={k} and N={n} must be multiples of {16 // elt} for TMA row alignment")
-    if bias is None and x.is_cuda and (x.dtype, n, k) in CUBLASLT_PROVEN and cublaslt_ready():
-        return F.linear(x, weight)
+    if bias is None and x.is_cuda and cublaslt_ready():
+        verdict = _verdicts.get((x.dtype, n, k))
+        if verdict is not None and verdict.invariant:
+            return F.linear(x, weight)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     out = launch(x2, weight, bias, tile_config(x.dtype, n, k))

@@ -1,0 +1,65 @@
+"""Which route the invariant linear takes for each weight shape of a model, and why (`parity kernels`).
+
+On CUDA a bias-free weight shape runs on cuBLASLt without split-K when the load-time probe
+proved it row-invariant in a process set up for it, and on the Triton kernel otherwise
+(`parity.kernels.triton.matmul.route`). Loading the model runs the probe, exactly as the engine
+and the training forward do, so the table shows the routes those will take in this process.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from torch import nn
+
+from parity.errors import BackendUnavailableError, ConfigError
+from parity.models.loading import load_model
+
+
+@dataclass(frozen=True)
+class LinearRoute:
+    """One distinct linear weight shape: how many layers have it, and its route."""
+
+    n: int
+    k: int
+    dtype: str
+    has_bias: bool
+    count: int
+    route: str
+    reason: str
+
+
+def linear_routes(model: str, *, dtype: str = "bfloat16", device: str = "cuda",
+                  cublaslt: bool = False) -> list[LinearRoute]:
+    """The route of every distinct (N, K, bias) linear weight of `model` loaded on `device`;
+    cublaslt: set the process up for the cuBLASLt route first (CUDA only, before CUDA starts)."""
+    cuda = device.startswith("cuda")
+    if cuda:
+        import torch
+
+        from parity.kernels import _triton_available
+
+        if not torch.cuda.is_available():
+            raise BackendUnavailableError("parity kernels: no CUDA device here; use --device cpu")
+
+        if not _triton_available():
+            raise BackendUnavailableError("parity kernels: Triton is not installed; install triton for CUDA")
+        from parity.kernels.triton.matmul import configure_cublaslt, route
+
+        if cublaslt:
+            configure_cublaslt()
+    elif cublaslt:
+        raise ConfigError("parity kernels: --cublaslt needs --device cuda")
+    lm = load_model(model, dtype=dtype, device=device)
+    shapes = Counter((m.weight.dtype, *m.weight.shape, m.bias is not None)
+                     for m in lm.model.modules() if isinstance(m, nn.Linear))
+    rows = []
+    for (wdtype, n, k, has_bias), count in sorted(shapes.items(), key=lambda item: (-item[1], str(item[0]))):
+        if cuda:
+            path, why = route(wdtype, n, k, has_bias)
+        else:
+            path, why = "cpu", "parity's CPU kernel (fixed tiles, tree sums over K)"
+        rows.append(LinearRoute(n=n, k=k, dtype=str(wdtype).removeprefix("torch."), has_bias=has_bias,
+                                count=count, route=path, reason=why))
+    return rows

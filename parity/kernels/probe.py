@@ -1,0 +1,168 @@
+"""Load-time proof that a vendor matmul is row-invariant for one weight shape, cached on disk.
+
+The batch-invariant linear on CUDA has two routes: the Triton kernel, row-invariant by
+construction (its tile plan is a function of (dtype, N, K) alone), and cuBLASLt with split-K
+disabled, which is 2-3x faster at decode sizes but invariant only as an observed property of
+the library on one machine. This module turns that observation into a checked verdict per
+(dtype, N, K): `probe_rows` runs the vendor matmul on one random [max(PROBE_M), K] input and
+requires `linear(x[a:a+m]) == linear(x)[a:a+m]` bit for bit for every m in PROBE_M and every
+row offset a in PROBE_OFFSETS. A verdict is cached in a JSON file keyed by `fingerprint()` (GPU
+name, driver, CUDA runtime, cuBLASLt and torch versions, and the workspace settings), so a model
+load pays the probe once per machine and software stack, and a driver or library upgrade
+re-probes.
+
+Why a finite probe is trusted (once split-K is off): cuBLASLt picks an algorithm by heuristic
+from the problem descriptor (M, N, K, dtypes, layouts, pointer alignment, workspace). With no
+workspace, no algorithm that splits K across CTAs (split-K, stream-K with a fix-up reduction)
+can be chosen, so every candidate reduces a row's K in one CTA; what can still change with M is
+the kernel itself (tile shape, MMA instruction, K chunking per main-loop stage), and the
+heuristic's choice is a step function of M whose steps sit at tile-size multiples. PROBE_M
+covers both sides of every power-of-two boundary from 1 to 4096 plus odd sizes between them,
+and PROBE_OFFSETS covers the pointer alignments a slice of a larger activation produces, so
+each class of heuristic input the engine can produce up to 4096 rows is exercised. What the
+probe cannot rule out: a heuristic step at an M it does not test (above 4096, or between two
+tested values inside one class), and a library that changes behaviour without changing its
+version. Above 4096 rows the engine's steps never go (its token budget bounds M); a change of
+any fingerprint field re-probes. The Triton kernel stays the by-construction fallback for
+every shape whose probe fails, has a bias, or runs in a process not set up for cuBLASLt.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import re
+import threading
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+#: rows probed: every power of two 1..4096 and its neighbours, plus sizes between (the engine's
+#: decode batches, prefill chunks and token budgets all fall in these classes).
+PROBE_M: tuple[int, ...] = tuple(sorted(
+    {1, 3, 5, 6, 7, 100, 200, 300, 384, 640, 1000, 1536, 3000}
+    | {v for p in range(1, 13) for v in (2**p - 1, 2**p, 2**p + 1) if v <= 4096}))
+#: row offsets into the probe input (slices start at other pointer alignments).
+PROBE_OFFSETS: tuple[int, ...] = (0, 1, 8)
+#: the largest M the probe covers; steps above it are not proven.
+PROBE_MAX_M = max(PROBE_M)
+CACHE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The probe's result for one (dtype, N, K): row-invariant or the first rows counts that differ."""
+
+    dtype: str
+    n: int
+    k: int
+    invariant: bool
+    differing_m: tuple[int, ...]
+    probed_m: int
+
+    def reason(self) -> str:
+        if self.invariant:
+            return f"probed row-invariant at {self.probed_m} row counts 1..{PROBE_MAX_M}"
+        return f"probe found rows that differ at M={list(self.differing_m)[:6]}"
+
+
+def probe_rows(linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], dtype: torch.dtype, n: int,
+               k: int, device: str | torch.device, *, seed: int = 0) -> Verdict:
+    """Whether linear(x[a:a+m], w) == linear(x, w)[a:a+m] bitwise for every m in PROBE_M, a in
+    PROBE_OFFSETS; x [PROBE_MAX_M + max offset, k], w [n, k] random in `dtype` on `device`."""
+    g = torch.Generator(device=device).manual_seed(seed + 7 * n + k)
+    rows = PROBE_MAX_M + max(PROBE_OFFSETS)
+    x = torch.randn(rows, k, generator=g, device=device).to(dtype)
+    w = (torch.randn(n, k, generator=g, device=device) * k**-0.5).to(dtype)
+    full = linear(x, w)
+    differing = sorted({m for m in PROBE_M for a in PROBE_OFFSETS
+                        if not torch.equal(linear(x[a:a + m], w), full[a:a + m])})
+    return Verdict(dtype=str(dtype).removeprefix("torch."), n=n, k=k, invariant=not differing,
+                   differing_m=tuple(differing), probed_m=len(PROBE_M))
+
+
+def _cuda_driver_version() -> str:
+    try:
+        version = ctypes.c_int()
+        ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(version))
+        return str(version.value)
+    except (OSError, AttributeError):
+        return "unknown"
+
+
+def _cublaslt_version() -> str:
+    """The version of the libcublasLt this process has loaded (read from the library itself)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return "unknown"
+    paths = sorted(set(re.findall(r"(/\S*libcublasLt\.so\S*)", maps)))
+    for path in paths:
+        try:
+            lib = ctypes.CDLL(path)
+            lib.cublasLtGetVersion.restype = ctypes.c_size_t
+            return f"{lib.cublasLtGetVersion()} ({Path(path).name})"
+        except (OSError, AttributeError):
+            continue
+    return "unknown"
+
+
+def fingerprint(device: torch.device, env: dict[str, str]) -> dict[str, str]:
+    """What a verdict depends on besides the shape: the GPU, its driver, the CUDA runtime, the
+    cuBLASLt build, torch, and the workspace settings `env` names (read from this process)."""
+    one = torch.zeros(16, 16, device=device, dtype=torch.bfloat16)
+    one @ one  # loads cuBLAS/cuBLASLt, so their versions can be read
+    return {
+        "gpu": torch.cuda.get_device_name(device),
+        "capability": ".".join(map(str, torch.cuda.get_device_capability(device))),
+        "driver": _cuda_driver_version(),
+        "cuda": str(torch.version.cuda),
+        "cublaslt": _cublaslt_version(),
+        "torch": torch.__version__,
+        **{key: os.environ.get(key, "") for key in sorted(env)},
+    }
+
+
+def cache_path() -> Path:
+    """`$PARITY_CACHE/kernels/matmul-probe.json`, else under `~/.cache/parity`."""
+    root = os.environ.get("PARITY_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "parity")
+    return Path(root) / "kernels" / "matmul-probe.json"
+
+
+class VerdictCache:
+    """Verdicts by (fingerprint, dtype, N, K) in one JSON file; written atomically (rename), so
+    concurrent processes at worst probe a shape twice."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+
+    def _read(self) -> dict[str, dict]:
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return data.get("verdicts", {}) if data.get("version") == CACHE_VERSION else {}
+
+    @staticmethod
+    def key(fp: dict[str, str], dtype: torch.dtype, n: int, k: int) -> str:
+        return json.dumps([fp, str(dtype).removeprefix("torch."), n, k], sort_keys=True)
+
+    def get(self, fp: dict[str, str], dtype: torch.dtype, n: int, k: int) -> Verdict | None:
+        entry = self._read().get(self.key(fp, dtype, n, k))
+        if entry is None:
+            return None
+        return Verdict(**{**entry, "differing_m": tuple(entry["differing_m"])})
+
+    def put(self, fp: dict[str, str], verdict: Verdict, dtype: torch.dtype) -> None:
+        with self._lock:
+            verdicts = self._read()
+            verdicts[self.key(fp, dtype, verdict.n, verdict.k)] = asdict(verdict)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"version": CACHE_VERSION, "verdicts": verdicts}, indent=1))
+            tmp.replace(self.path)
