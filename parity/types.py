@@ -19,6 +19,7 @@ import numpy as np
 
 from parity.errors import ConfigError, InputError
 from parity.schema import LOGPROBS_MODES, LogprobsMode
+from parity.turns import Turn, check_turns, turns_from_dict
 
 
 @dataclass(frozen=True)
@@ -100,11 +101,17 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class Request:
-    """One prompt to sample: token ids, sampling parameters and an id unique in its batch."""
+    """One prompt to sample: token ids, sampling parameters and an id unique in its batch.
+
+    turns: empty for a single-turn request; else a multi-turn trajectory (`parity.turns`):
+    `Generate` and `Inject` turns after the prompt, `sampling` applying to every generated turn
+    and `sampling.max_tokens` bounding the whole response.
+    """
 
     prompt_ids: tuple[int, ...]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     request_id: str = "0"
+    turns: tuple[Turn, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "request_id", check_id(self.request_id, "request_id"))
@@ -117,24 +124,32 @@ class Request:
                 f"request {self.request_id!r}: sampling must be a parity.SamplingParams, "
                 f"got {type(self.sampling).__name__}"
             )
+        object.__setattr__(self, "turns", check_turns(self.turns, f"request {self.request_id!r}"))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"request_id": self.request_id, "prompt_ids": list(self.prompt_ids),
-                "sampling": self.sampling.to_dict()}
+        d = {"request_id": self.request_id, "prompt_ids": list(self.prompt_ids),
+             "sampling": self.sampling.to_dict()}
+        if self.turns:
+            d["turns"] = [t.to_dict() for t in self.turns]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Request:
         """The inverse of `to_dict`; a missing key is an InputError naming it."""
         _require(d, "request", ("request_id", "prompt_ids", "sampling"))
         return cls(prompt_ids=d["prompt_ids"], sampling=SamplingParams.from_dict(d["sampling"]),
-                   request_id=d["request_id"])
+                   request_id=d["request_id"], turns=turns_from_dict(d.get("turns", ())))
 
 
 @dataclass(frozen=True)
 class Rollout:
     """One sampled response in parity's normalized form.
 
-    logprobs: one float per generated token, in `logprobs_mode`.
+    token_ids: every response token; logprobs: one float per response token, in `logprobs_mode`.
+    response_mask: None for a single-turn response (every token generated); for a multi-turn
+        trajectory (`parity.turns`) 1 at generated and 0 at injected tokens (verl's
+        `response_mask`); logprobs at mask-0 tokens are 0.0 and mean nothing, and every metric
+        reads mask-1 tokens only.
     routed_experts: optional int32 array `[len(prompt_ids) + len(token_ids) - 1, moe_layers,
         top_k]`: the experts chosen for every position whose output was computed (the layout of
         vLLM, SGLang and verl's R3).
@@ -159,6 +174,7 @@ class Rollout:
     routed_experts: np.ndarray | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     sampling: SamplingParams | None = None
+    response_mask: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -177,6 +193,13 @@ class Rollout:
                 raise InputError(f"{where}: {name} must be a string, got {getattr(self, name)!r}")
         if not isinstance(self.meta, dict):
             raise InputError(f"{where}: meta must be a dict, got {type(self.meta).__name__}")
+        if self.response_mask is not None:
+            mask = tuple(int(m) for m in self.response_mask)
+            if len(mask) != len(self.token_ids) or any(m not in (0, 1) for m in mask):
+                raise InputError(
+                    f"{where}/{self.sample_index}: response_mask must hold one 0 (injected) or 1 "
+                    f"(generated) per response token ({len(self.token_ids)}), got {mask!r}")
+            set_(self, "response_mask", mask)
         if len(self.logprobs) != len(self.token_ids):
             raise InputError(
                 f"rollout {self.request_id!r}/{self.sample_index}: {len(self.token_ids)} token_ids "
@@ -217,6 +240,11 @@ class Rollout:
                     "and must agree")
 
     @property
+    def mask(self) -> tuple[int, ...]:
+        """1 per generated, 0 per injected response token (all 1 without a response_mask)."""
+        return self.response_mask if self.response_mask is not None else (1,) * len(self.token_ids)
+
+    @property
     def key(self) -> tuple[str, int]:
         """(request_id, sample_index): identifies a rollout across backends."""
         return (self.request_id, self.sample_index)
@@ -232,6 +260,8 @@ class Rollout:
             d["routed_experts"] = self.routed_experts.tolist()
         if self.sampling is not None:
             d["sampling"] = self.sampling.to_dict()
+        if self.response_mask is not None:
+            d["response_mask"] = list(self.response_mask)
         return d
 
     @classmethod
@@ -246,6 +276,7 @@ class Rollout:
             backend=d["backend"], logprobs_mode=d.get("logprobs_mode", "processed"),
             routed_experts=d.get("routed_experts"), meta=d.get("meta", {}),
             sampling=None if sampling is None else SamplingParams.from_dict(sampling),
+            response_mask=None if d.get("response_mask") is None else tuple(d["response_mask"]),
         )
 
 

@@ -150,6 +150,9 @@ class ReferenceEngine:
                 raise InputError(f"requests[{i}] is a {type(request).__name__}, not a parity.Request")
             where = f"request {request.request_id!r}"
             check_token_ids(request.prompt_ids, self.lm, where + " prompt_ids")
+            for i, turn in enumerate(request.turns):
+                if getattr(turn, "token_ids", ()):
+                    check_token_ids(turn.token_ids, self.lm, f"{where} turns[{i}]")
             check_length(len(request.prompt_ids) + request.sampling.max_tokens, self.lm,
                          where + " (prompt + max_tokens)")
 
@@ -224,7 +227,8 @@ class ReferenceEngine:
                        prompt_ids=seq.request.prompt_ids, token_ids=tuple(seq.tokens),
                        logprobs=tuple(seq.logprobs), finish_reason=seq.finish_reason or "length",
                        backend=self.backend, logprobs_mode=seq.request.sampling.logprobs_mode,
-                       routed_experts=routes, meta=meta, sampling=seq.request.sampling)
+                       routed_experts=routes, meta=meta, sampling=seq.request.sampling,
+                       response_mask=tuple(seq.mask) if seq.request.turns else None)
 
     def score(self, sequences: list, **options: Any) -> list[torch.Tensor]:
         """Teacher-forced response logprobs: `train_forward` with this engine's dtype, device, kernels."""

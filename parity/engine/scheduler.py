@@ -19,6 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from parity.turns import inject_until_generate
 from parity.types import Request
 
 if TYPE_CHECKING:
@@ -29,7 +30,13 @@ if TYPE_CHECKING:
 class Sequence:
     """One sample of a request being generated (mutable scheduler state).
 
-    tokens, logprobs: sampled so far; routes: the experts of each step's rows of this sequence,
+    A multi-turn trajectory (`request.turns`) continues in place: when a generated turn ends, the
+    next injected turns' ids are appended as known tokens not yet computed, so the next step
+    prefills them as one chunk on top of the KV of the earlier turns, and sampling goes on.
+
+    tokens, logprobs: the response so far (sampled, and injected with logprob 0.0); mask: 1 per
+    sampled, 0 per injected token; turn: index of the current turn in `request.turns`;
+    turn_tokens: tokens sampled in that turn; routes: the experts of each step's rows of this sequence,
     when the engine records them; computed: known tokens (prompt, then sampled) whose KV is in
     the cache; slot: its KV slot while running; finish_reason: "stop" or "length" once finished.
     """
@@ -39,9 +46,15 @@ class Sequence:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     routes: list[torch.Tensor] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    turn: int = 0
+    turn_tokens: int = 0
     computed: int = 0
     slot: int = -1
     finish_reason: str | None = None
+
+    def __post_init__(self) -> None:
+        self._inject()  # a trajectory may open with an injection
 
     @property
     def length(self) -> int:
@@ -61,15 +74,43 @@ class Sequence:
         return head + self.tokens[start:start + count - len(head)]
 
     def append(self, token: int, logprob: float, eos_token_ids: tuple[int, ...]) -> None:
-        """Add a sampled token; finish on EOS (unless ignored), a stop token or max_tokens."""
+        """Add a sampled token; finish on EOS (unless ignored), a stop token or max_tokens. In a
+        trajectory those end the turn; the next injections follow, and the trajectory finishes
+        after its last turn ("stop") or when the response reaches max_tokens ("length")."""
         self.tokens.append(token)
         self.logprobs.append(logprob)
+        self.mask.append(1)
         sampling = self.request.sampling
-        eos = not sampling.ignore_eos and token in eos_token_ids
-        if eos or token in sampling.stop_token_ids:
-            self.finish_reason = "stop"
-        elif len(self.tokens) == sampling.max_tokens:
+        stop = (not sampling.ignore_eos and token in eos_token_ids) or token in sampling.stop_token_ids
+        if len(self.tokens) == sampling.max_tokens and not (stop and not self.request.turns):
             self.finish_reason = "length"
+            return
+        if not self.request.turns:
+            if stop:
+                self.finish_reason = "stop"
+            return
+        turn = self.request.turns[self.turn]  # a Generate turn: `_inject` stops at one
+        self.turn_tokens += 1
+        if stop or token in turn.stop_token_ids or self.turn_tokens == turn.max_tokens:
+            self.turn += 1
+            self.turn_tokens = 0
+            self._inject()
+
+    def _inject(self) -> None:
+        """Append the injected turns that come next, then finish if the trajectory is over."""
+        turns = self.request.turns
+        if not turns:
+            return
+        room = self.request.sampling.max_tokens - len(self.tokens)
+        history = (*self.request.prompt_ids, *self.tokens)
+        injected, self.turn = inject_until_generate(turns, self.turn, history, room)
+        self.tokens.extend(injected)
+        self.logprobs.extend([0.0] * len(injected))
+        self.mask.extend([0] * len(injected))
+        if len(self.tokens) == self.request.sampling.max_tokens:
+            self.finish_reason = "length"
+        elif self.turn == len(turns):
+            self.finish_reason = "stop"
 
 
 @dataclass(frozen=True)
@@ -112,7 +153,8 @@ class Scheduler:
         self.chunk_size = chunk_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.eos_token_ids = eos_token_ids
-        self.waiting = deque(sequences)
+        # a trajectory whose opening injection fills its whole response has nothing to sample
+        self.waiting = deque(seq for seq in sequences if seq.finish_reason is None)
         self.running: list[Sequence] = []
         self.free_slots = list(range(max_num_seqs))
 

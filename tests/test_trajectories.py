@@ -1,0 +1,160 @@
+"""Multi-turn trajectories in the reference engine: turns continue in place over the KV of earlier
+turns, and generated tokens' logprobs equal one train_forward pass of the whole trajectory bit
+for bit, whatever the other trajectories in the batch are doing."""
+
+import random
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from parity import Request, SamplingParams
+from parity.engine import LAYOUTS, ReferenceEngine, train_forward
+from parity.errors import ConfigError, InputError
+from parity.models import EOS_ID
+from parity.turns import Generate, Inject, after_injection, turn_index
+from parity.types import Rollout
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def last_token_echo(history):
+    """A deterministic tool: replies with three ids derived from the last generated token."""
+    t = history[-1]
+    return [(t * 7 + 3) % 500 + 3, (t + 11) % 500 + 3, 42]
+
+
+@st.composite
+def trajectories(draw, max_requests=4):
+    """Trajectories at different turn counts and injection lengths, and engine/trainer settings."""
+    requests = []
+    for i in range(draw(st.integers(1, max_requests))):
+        rng = random.Random(draw(st.integers(0, 2**16)))
+        prompt = tuple(rng.randrange(3, 512) for _ in range(draw(st.integers(1, 40))))
+        turns = []
+        for _ in range(draw(st.integers(1, 4))):
+            if draw(st.booleans()):
+                fixed = tuple(rng.randrange(3, 512) for _ in range(draw(st.integers(1, 30))))
+                echo = Inject(fn=last_token_echo, name="echo")
+                turns.append(echo if draw(st.booleans()) else Inject(fixed))
+            stops = draw(st.sampled_from([(), (100, 200)]))
+            turns.append(Generate(draw(st.integers(1, 6)), stop_token_ids=stops))
+        sampling = SamplingParams(
+            n=draw(st.integers(1, 2)), temperature=draw(st.sampled_from([0.0, 0.7, 1.0, 1.3])),
+            top_k=draw(st.sampled_from([0, 7, 40])), top_p=draw(st.sampled_from([1.0, 0.9])),
+            max_tokens=draw(st.integers(4, 80)), seed=draw(st.integers(0, 2**16)),
+            stop_token_ids=draw(st.sampled_from([(), (EOS_ID,)])), ignore_eos=draw(st.booleans()),
+            logprobs_mode=draw(st.sampled_from(["processed", "raw"])))
+        requests.append(Request(prompt, sampling, request_id=f"t{i}", turns=tuple(turns)))
+    return {
+        "requests": draw(st.permutations(requests)),
+        "max_num_seqs": draw(st.integers(1, 5)),
+        "chunk_size": draw(st.integers(1, 24)),
+        "micro_batch_size": draw(st.integers(1, 8)),
+        "layout": draw(st.sampled_from(LAYOUTS)),
+    }
+
+
+def _generated(values, rollout):
+    return torch.tensor([v for v, m in zip(values, rollout.mask) if m], dtype=torch.float32)
+
+
+def _rollouts_and_scores(model, dtype, kernels, work):
+    engine = ReferenceEngine(model, dtype=dtype, kernels=kernels, max_num_seqs=work["max_num_seqs"],
+                             chunk_size=work["chunk_size"])
+    rollouts = engine.generate(work["requests"])
+    scored = train_forward(model, rollouts, dtype=dtype, kernels=kernels, layout=work["layout"],
+                           micro_batch_size=work["micro_batch_size"],
+                           temperature=[r.sampling.temperature for r in rollouts],
+                           top_k=[r.sampling.top_k for r in rollouts],
+                           top_p=[r.sampling.top_p for r in rollouts])
+    return rollouts, [_generated(lp.tolist(), r) for lp, r in zip(scored.logprobs, rollouts)]
+
+
+@pytest.mark.parametrize("model,dtype", [("tiny-llama", "float32"), ("tiny-qwen3-moe", "bfloat16")])
+@given(work=trajectories())
+def test_trajectory_logprobs_equal_one_train_forward_bitwise(model, dtype, work):
+    rollouts, scores = _rollouts_and_scores(model, dtype, "invariant", work)
+    for rollout, score in zip(rollouts, scores):
+        assert rollout.response_mask is not None
+        assert len(rollout.token_ids) <= rollout.sampling.max_tokens
+        assert torch.equal(score, _generated(rollout.logprobs, rollout))
+
+
+@given(work=trajectories(max_requests=3), target=st.integers(0, 2))
+def test_trajectory_alone_equals_trajectory_in_any_batch(work, target):
+    requests = work["requests"]
+    request = requests[target % len(requests)]
+    crowd = ReferenceEngine("tiny-llama", max_num_seqs=work["max_num_seqs"], chunk_size=work["chunk_size"])
+    alone = ReferenceEngine("tiny-llama", max_num_seqs=1, chunk_size=64)
+    in_batch = [r for r in crowd.generate(requests) if r.request_id == request.request_id]
+    by_itself = alone.generate([request])
+    assert [(r.token_ids, r.logprobs, r.response_mask) for r in in_batch] == \
+        [(r.token_ids, r.logprobs, r.response_mask) for r in by_itself]
+
+
+def _mixed_turns(seed):
+    """Trajectories that are at different turns in the same steps (different prompt lengths)."""
+    rng = random.Random(seed)
+    return [Request(tuple(rng.randrange(3, 512) for _ in range(rng.randrange(5, 40))),
+                    SamplingParams(n=2, max_tokens=40, seed=i, ignore_eos=True), request_id=str(i),
+                    turns=(Generate(4), Inject(tuple(rng.randrange(3, 512) for _ in range(9))), Generate(5),
+                           Inject(fn=last_token_echo, name="echo"), Generate(3)))
+            for i in range(4)]
+
+
+def test_native_kernels_break_trajectory_parity():
+    """Negative control: stock kernels, where a continuation's KV was computed under other batch
+    shapes than the one-pass training forward uses, give other bits."""
+    work = {"requests": _mixed_turns(0), "max_num_seqs": 3, "chunk_size": 7, "micro_batch_size": 8,
+            "layout": "right"}
+    rollouts, scores = _rollouts_and_scores("tiny-llama", "float32", "native", work)
+    assert any(not torch.equal(s, _generated(r.logprobs, r)) for r, s in zip(rollouts, scores))
+
+
+def test_trajectory_layout_mask_and_turn_indices():
+    request = Request((5, 6, 7), SamplingParams(max_tokens=30, seed=3, ignore_eos=True), request_id="a",
+                      turns=(Inject((9, 9)), Generate(3), Inject((11, 12, 13)), Generate(2),
+                             Inject(fn=last_token_echo, name="echo")))
+    (rollout,) = ReferenceEngine("tiny-llama").generate([request])
+    assert rollout.response_mask == (0, 0, 1, 1, 1, 0, 0, 0, 1, 1, 0, 0, 0)
+    assert rollout.token_ids[:2] == (9, 9) and rollout.token_ids[5:8] == (11, 12, 13)
+    assert list(rollout.token_ids[10:]) == last_token_echo(rollout.token_ids[:10])
+    assert rollout.finish_reason == "stop"
+    assert [lp for lp, m in zip(rollout.logprobs, rollout.mask) if not m] == [0.0] * 8
+    assert turn_index(rollout.mask) == [-1, -1, 0, 0, 0, -1, -1, -1, 1, 1, -1, -1, -1]
+    assert after_injection(rollout.mask) == [False, False, True, False, False, False, False, False, True,
+                                             False, False, False, False]
+    assert Rollout.from_dict(rollout.to_dict()) == rollout
+
+
+def test_budget_cuts_an_injection_and_stop_ids_end_a_turn():
+    cut = Request((5, 6), SamplingParams(max_tokens=5, seed=1, ignore_eos=True), request_id="a",
+                  turns=(Generate(3), Inject(tuple(range(10, 20))), Generate(3)))
+    (rollout,) = ReferenceEngine("tiny-llama").generate([cut])
+    assert rollout.response_mask == (1, 1, 1, 0, 0) and rollout.token_ids[3:] == (10, 11)
+    assert rollout.finish_reason == "length"
+    # greedy picks the same first token twice: making it a turn's stop id ends that turn after it
+    greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    (free,) = ReferenceEngine("tiny-llama").generate([Request((5, 6), greedy, turns=(Generate(4),))])
+    stopped = Request((5, 6), greedy, turns=(Generate(4, stop_token_ids=(free.token_ids[0],)), Inject((7,)),
+                                             Generate(1)))
+    (rollout,) = ReferenceEngine("tiny-llama").generate([stopped])
+    assert rollout.response_mask == (1, 0, 1)
+
+
+def test_bad_turns_are_parity_errors():
+    with pytest.raises(ConfigError, match="no Generate"):
+        Request((1, 2), turns=(Inject((3,)),))
+    with pytest.raises(ConfigError, match="not both"):
+        Inject((3,), fn=last_token_echo)
+    with pytest.raises(ConfigError, match="turns\\[0\\]"):
+        Request((1, 2), turns=("generate",))
+    with pytest.raises(ConfigError, match="max_tokens"):
+        Generate(0)
+    with pytest.raises(InputError, match="response_mask"):
+        Rollout("a", 0, (1,), (2, 3), (0.0, 0.0), "stop", "x", response_mask=(1, 2))
+    with pytest.raises(InputError, match="vocabulary"):
+        ReferenceEngine("tiny-llama").generate([Request((1, 2), turns=(Generate(2), Inject((10**7,)),
+                                                                        Generate(1)))])
