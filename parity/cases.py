@@ -15,7 +15,17 @@ naming the file, the field and the allowed values)::
     logprobs_mode = "processed"      # processed | raw
     router_replay = ["none", "R3"]   # optional (MoE): one nightly row per variant
     kind = "compare"                 # compare (default) | lifecycle: nightly runs parity.lifecycle's
-                                     # checks (sleep/wake, weight update, cache resets) on the prompts
+                                     # checks (sleep/wake, weight update, cache resets) on the prompts |
+                                     # trajectory: multi-turn rollouts of the [[turns]] below
+    prefix_caching = [true, false]   # optional (trajectory): one nightly row per setting on backends
+                                     # with a prefix cache (vllm, vllm-server); empty = their default
+
+    [[turns]]                        # trajectory only, in order, at least one `generate` (parity.turns)
+    generate = 24                    # a generated turn: at most 24 tokens (sampling below applies)
+    stop_token_ids = [10]            # optional: ids that end this turn (EOS always does)
+    [[turns]]
+    tool = "calculator"              # an injected reply: a built-in tool of the text so far (parity.tools),
+    # inject = "Observation: 42"     # or fixed text (the model's tokenizer), or token ids [5, 6]
 
     [prompts]                        # exactly one of token_ids, text, messages, dataset, generate
     token_ids = [[3, 4, 5], [6, 7]]
@@ -44,7 +54,7 @@ naming the file, the field and the allowed values)::
     temperature = 1.0
     top_p = 1.0
     top_k = 0                        # 0 = off
-    max_tokens = 16
+    max_tokens = 16                  # trajectory: the whole response (generated and injected tokens)
     seed = 1000                      # request i is sampled with seed + i
     stop_token_ids = []
     ignore_eos = false
@@ -80,6 +90,8 @@ from parity.schema import (
     sweep_request_id,
 )
 from parity.tolerance import Tolerance
+from parity.tools import bind_tools, encode_text
+from parity.turns import Generate, Inject, Turn, check_turns
 from parity.types import Request, SamplingParams
 
 GENERATOR_KINDS: tuple[str, ...] = ("random", "shared_prefix")
@@ -98,7 +110,10 @@ class Case:
     tolerance: limits for pass/fail; None = the backend's default.
     backend_tolerances: (backend, limits) pairs that override `tolerance` for one backend.
     router_replay: MoE routing-replay variants nightly runs as separate rows; empty = one row.
-    kind: "compare" (drift against the training forward) or "lifecycle" (`parity.lifecycle`).
+    kind: "compare" (drift against the training forward), "lifecycle" (`parity.lifecycle`) or
+        "trajectory" (drift of multi-turn rollouts: every request carries the case's turns).
+    prefix_caching: trajectory cases: the prefix-cache settings nightly runs as separate rows on
+        backends that have one (`PREFIX_CACHE_BACKENDS`); empty = one row, the backend's default.
     """
 
     name: str
@@ -113,6 +128,7 @@ class Case:
     backend_tolerances: tuple[tuple[str, Tolerance], ...] = ()
     router_replay: tuple[str, ...] = ()
     kind: str = "compare"
+    prefix_caching: tuple[bool, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -153,6 +169,14 @@ class Case:
             raise ConfigError(
                 f"{where}: logprobs_mode {self.logprobs_mode!r}; allowed: {list(LOGPROBS_MODES)}")
         _check_choices(where, "tolerance.<backend>", [b for b, _ in self.backend_tolerances], BACKEND_NAMES)
+        trajectories = [r.request_id for r in self.requests if r.turns]
+        if self.kind == "trajectory" and len(trajectories) != len(self.requests):
+            raise ConfigError(f"{where}: kind 'trajectory' needs turns on every request; give [[turns]]")
+        if self.kind != "trajectory" and trajectories:
+            raise ConfigError(f"{where}: requests {trajectories[:3]} have turns; set kind = 'trajectory'")
+        if self.prefix_caching and self.kind != "trajectory":
+            raise ConfigError(f"{where}: prefix_caching is an axis of trajectory cases; "
+                              "set kind = 'trajectory'")
 
     @property
     def hash(self) -> str:
@@ -161,6 +185,7 @@ class Case:
             "model": self.model, "dtypes": list(self.dtypes), "logprobs_mode": self.logprobs_mode,
             "requests": [r.to_dict() for r in self.requests],
             **({"kind": self.kind} if self.kind != "compare" else {}),
+            **({"prefix_caching": list(self.prefix_caching)} if self.prefix_caching else {}),
         }
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -234,7 +259,7 @@ def _case_names(cases_dir: str | Path) -> list[str]:
 
 
 _TOP_KEYS = ("name", "description", "model", "dtypes", "backends", "logprobs_mode", "router_replay",
-             "kind", "prompts", "sampling", "tolerance")
+             "kind", "prompts", "sampling", "tolerance", "turns", "prefix_caching")
 _SAMPLING_KEYS = ("label", "n", "temperature", "top_p", "top_k", "max_tokens", "seed", "stop_token_ids",
                   "ignore_eos")
 
@@ -258,6 +283,12 @@ def load_case(path: str | Path) -> Case:
     logprobs_mode = f.choice(data, "logprobs_mode", LOGPROBS_MODES, default="processed")
     prompts = _load_prompts(f, f.get(data, "prompts", dict), model, limits)
     requests = _load_requests(f, data.get("sampling"), prompts, logprobs_mode, limits)
+    kind = f.choice(data, "kind", CASE_KINDS, default="compare")
+    if kind == "trajectory":
+        turns = _load_turns(f, data.get("turns"), model)
+        requests = tuple(dataclasses.replace(r, turns=turns) for r in requests)
+    elif "turns" in data:
+        raise f.error("turns", "only a trajectory case has turns; set kind = \"trajectory\"")
     try:
         limits.check(requests)
     except ParityError as exc:
@@ -275,8 +306,62 @@ def load_case(path: str | Path) -> Case:
         description=f.get(data, "description", str, default=""),
         backend_tolerances=per_backend,
         router_replay=tuple(f.choices(data, "router_replay", ROUTER_REPLAY_CHOICES, default=[])),
-        kind=f.choice(data, "kind", CASE_KINDS, default="compare"),
+        kind=kind,
+        prefix_caching=tuple(_load_prefix_caching(f, data)),
     )
+
+
+_TURN_KEYS = ("generate", "stop_token_ids", "inject", "tool")
+
+
+def _load_turns(f: _Fields, table: Any, model: str) -> tuple[Turn, ...]:
+    """The [[turns]] of a trajectory case: `generate` (+ `stop_token_ids`), `inject` (text or ids)
+    or `tool` (a built-in tool, bound to the model's tokenizer)."""
+    if not isinstance(table, list) or not table or not all(isinstance(t, dict) for t in table):
+        raise f.error("turns", "a trajectory case needs [[turns]] tables (generate, inject or tool)")
+    turns: list[Turn] = []
+    for i, t in enumerate(table):
+        where = f"turns[{i}]"
+        f.only(t, where + ".", _TURN_KEYS)
+        given = [k for k in ("generate", "inject", "tool") if k in t]
+        if len(given) != 1:
+            raise f.error(where, f"give exactly one of generate, inject, tool; got {given}")
+        if "stop_token_ids" in t and "generate" not in t:
+            raise f.error(where + ".stop_token_ids", "only a generate turn has stop ids")
+        try:
+            if "generate" in t:
+                stops = t.get("stop_token_ids", [])
+                if not isinstance(stops, list) or not all(isinstance(x, int) for x in stops):
+                    raise f.error(where + ".stop_token_ids", f"must be a list of token ids, got {stops!r}")
+                turns.append(Generate(f.count(t, "generate", prefix=where + "."), tuple(stops)))
+            elif "tool" in t:
+                turns.append(bind_tools(model, (Inject(name=f.get(t, "tool", str, prefix=where + ".")),),
+                                        where)[0])
+            elif isinstance(t["inject"], str):
+                turns.append(Inject(encode_text(model, t["inject"], where + ".inject"), name="text"))
+            elif _token_ids(t["inject"]):
+                turns.append(Inject(tuple(t["inject"])))
+            else:
+                raise f.error(where + ".inject",
+                              f"must be text or a non-empty list of token ids, got {t['inject']!r}")
+        except ConfigError as exc:
+            raise exc if str(exc).startswith(str(f.path)) else f.error(where, str(exc)) from exc
+    try:
+        return check_turns(turns, "turns")
+    except ConfigError as exc:
+        raise f.error("turns", str(exc)) from exc
+
+
+def _token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(x, int) for x in value)
+
+
+def _load_prefix_caching(f: _Fields, data: dict[str, Any]) -> list[bool]:
+    values = data.get("prefix_caching", [])
+    if not isinstance(values, list) or not all(isinstance(v, bool) for v in values) \
+            or len(set(values)) != len(values):
+        raise f.error("prefix_caching", f"must be a list of distinct true/false values, got {values!r}")
+    return values
 
 
 class _Fields:

@@ -23,6 +23,7 @@ import numpy as np
 
 from parity.backends import Backend, shared_backend
 from parity.backends.base import check_dtype
+from parity.backends.turns import generate
 from parity.cases import Case, default_case, load_case
 from parity.errors import BackendError, ConfigError, InputError
 from parity.models import is_model_name, model_hash, model_limits, resolve_model
@@ -41,6 +42,7 @@ from parity.schema import (
 )
 from parity.text import report_text
 from parity.tolerance import Tolerance
+from parity.turns import after_injection, turn_index
 from parity.types import Request, Rollout, SamplingParams
 
 #: rollout correction applied for `ParityReport.metrics`: verl's token-level truncated IS at 2.0.
@@ -116,7 +118,7 @@ def compare(
         backend_options = {**route_capture_options(backend, router_replay), **backend_options}
     engine = _resolve_backend(backend, model_arg, dtype, backend_options)
 
-    generated = engine.generate(list(the_case.requests))
+    generated = generate(engine, the_case.requests)
     check_samples(the_case.requests, generated, engine.name)
     rollouts = match_requests(generated, the_case.requests)
     if record is not None:
@@ -336,7 +338,7 @@ def build_report(rollouts: Sequence[Rollout], train_logprobs: Sequence[np.ndarra
     """
     # torch: `import parity` stays light
     from parity.correction import rollout_correction
-    from parity.metrics import drift_by_position, drift_by_probability, summarize, token_arrays
+    from parity.metrics import drift_by_position, drift_by_probability, drift_by_turn, summarize, token_arrays
 
     if len(train_logprobs) != len(rollouts):
         raise InputError(f"{len(train_logprobs)} train logprob arrays for {len(rollouts)} rollouts; "
@@ -356,7 +358,7 @@ def build_report(rollouts: Sequence[Rollout], train_logprobs: Sequence[np.ndarra
                              f"{lp.shape[0]} train logprobs")
         train[i, :n] = lp
         rollout[i, :n] = ro.logprobs
-        mask[i, :n] = True
+        mask[i, :n] = ro.mask  # generated tokens only: injected turns of a trajectory are 0
         positions[i, :n] = len(ro.prompt_ids) + np.arange(n)
         token_ids[i, :n] = ro.token_ids
     # A token one side gives logprob -inf lies outside that side's sampling support (e.g. the
@@ -371,6 +373,10 @@ def build_report(rollouts: Sequence[Rollout], train_logprobs: Sequence[np.ndarra
     summary["num_tokens_outside_support"] = int(outside.sum())
     summary["frac_tokens_outside_support"] = float(outside.sum() / max(int(mask.sum()), 1))
     breakdowns = {"by_position": drift_by_position(tok), "by_probability": drift_by_probability(tok)}
+    if any(r.response_mask is not None for r in rollouts):
+        breakdowns.update(drift_by_turn(tok, turns=_padded([turn_index(r.mask) for r in rollouts], width, -1),
+                                        after_injection=_padded([after_injection(r.mask) for r in rollouts],
+                                                                width, False)))
     _, _, metrics = rollout_correction(tok, **(correction or DEFAULT_CORRECTION))
     violations = tolerance.violations(summary)
     sequences = [{"request_id": r.request_id, "sample_index": r.sample_index, "prompt_len": len(r.prompt_ids),
@@ -381,6 +387,11 @@ def build_report(rollouts: Sequence[Rollout], train_logprobs: Sequence[np.ndarra
         passed=not violations, tolerance=tolerance, violations=violations,
         provenance=dict(provenance or {}), extras=dict(extras or {}),
     )
+
+
+def _padded(rows: list[list[Any]], width: int, fill: Any) -> np.ndarray:
+    """Right-padded `[len(rows), width]` array of per-token values."""
+    return np.array([list(r) + [fill] * (width - len(r)) for r in rows]).reshape(len(rows), width)
 
 
 def _resolve_case(model: str | os.PathLike[str] | None, case: Case | str | os.PathLike[str] | None,

@@ -510,3 +510,29 @@ def drift_by_probability(
         diff_sum += torch.bincount(idx, weights=d, minlength=n_buckets)
         abs_max.scatter_reduce_(0, idx, abs_d, "amax")
     return _bucket_rows(bounds, *(x.cpu().numpy() for x in (count, abs_sum, abs_max, diff_sum)))
+
+
+def drift_by_turn(train_logprobs: Any, rollout_logprobs: Any = None, mask: Any = None, *,
+                  turns: np.ndarray, after_injection: np.ndarray) -> dict[str, list[dict[str, Any]]]:
+    """Drift of multi-turn trajectories, on generated tokens only.
+
+    turns: int `[batch, seq]`, the generated turn each token belongs to (`parity.turns.turn_index`;
+    -1 at injected tokens and padding); after_injection: bool `[batch, seq]`, the first generated
+    token after an injected block. Returns {"by_turn": one row per turn index (`lo` = `hi` - 1 =
+    the turn), "after_injection": rows `lo`="first" (first tokens after an injection) and
+    `lo`="rest"}; each row as `drift_by_position`'s (nats).
+    """
+    tok = token_arrays(train_logprobs, rollout_logprobs, mask)
+    abs_d = (tok.train.double() - tok.rollout.double()).abs().cpu().numpy()
+    diff = (tok.train.double() - tok.rollout.double()).cpu().numpy()
+    valid = tok.mask.cpu().numpy().astype(bool)
+    turns = np.asarray(turns)
+    first = np.asarray(after_injection, dtype=bool) & valid
+
+    def row(lo: Any, hi: Any, where: np.ndarray) -> dict[str, Any]:
+        return _bucket_rows([lo, hi], np.array([where.sum()]), np.array([abs_d[where].sum()]),
+                            np.array([abs_d[where].max(initial=0.0)]), np.array([diff[where].sum()]))[0]
+
+    by_turn = [row(t, t + 1, valid & (turns == t)) for t in range(int(turns.max(initial=-1)) + 1)]
+    return {"by_turn": by_turn,
+            "after_injection": [row("first", "first", first), row("rest", "rest", valid & ~first)]}

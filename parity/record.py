@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from parity.backends import Backend, get_backend, parse_option
+from parity.backends.turns import generate
 from parity.dumps import check_logprobs
 from parity.errors import EXIT_INTERRUPTED, ConfigError, InputError, ParityError, report_error
 from parity.models import model_limits
@@ -110,7 +111,7 @@ def replay(record: Record, backend: Backend) -> list[Rollout]:
     if not record.requests:
         raise InputError("the record has no requests to replay")
     model_limits(backend.model_path).check(record.requests)
-    return backend.generate(list(record.requests))
+    return generate(backend, record.requests)  # trajectories run turn by turn where needed
 
 
 def _unique_ids(requests: Sequence[Request]) -> None:

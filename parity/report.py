@@ -48,7 +48,8 @@ class ParityReport:
     sequences: one dict per row: request_id, sample_index, prompt_len, response_len, finish_reason.
     summary: scalar drift metrics (`parity.metrics.summarize` keys and any added by features).
     metrics: verl-compatible `rollout_corr/*` metrics of the rollout correction.
-    breakdowns: {"by_position": [...], "by_probability": [...]} drift per bucket.
+    breakdowns: {"by_position": [...], "by_probability": [...]} drift per bucket; multi-turn
+        reports add "by_turn" and "after_injection" (`parity.metrics.drift_by_turn`).
     passed / tolerance / violations: the verdict, the limits applied and the checks that failed.
     provenance: what produced the numbers (versions, backend and its meta, model hash, dtype, ...).
     extras: free-form JSON-serializable sections other features attach ("attribution", "router").
@@ -301,6 +302,15 @@ def format_summary(report: ParityReport) -> str:
         lines.append(f"  {key.ljust(width)}  {text}")
     for v in report.violations:
         lines.append(f"  violation: {v.describe()}")
+    if "by_turn" in report.breakdowns:  # a multi-turn report: generated tokens by turn
+        rows = [(f"turn {r['lo']}", r) for r in report.breakdowns["by_turn"]]
+        rows += [(f"{r['lo']} after injection" if r["lo"] == "first" else "rest", r)
+                 for r in report.breakdowns["after_injection"]]
+        lines.append("  drift by turn (max / mean |Δlogp| over generated tokens):")
+        for label, r in rows:
+            drift = "no tokens" if not r["num_tokens"] else \
+                f"{r['max_abs_logprob_diff']:.3e} / {r['mean_abs_logprob_diff']:.3e}"
+            lines.append(f"    {label.ljust(22)} {str(r['num_tokens']).rjust(6)} tokens  {drift}")
     return "\n".join(lines)
 
 

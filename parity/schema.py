@@ -41,7 +41,9 @@ ROUTER_REPLAY_CHOICES: tuple[str, ...] = (NO_REPLAY, *REPLAY_MODES)
 
 #: what a case measures: "compare" (drift against the training forward) or "lifecycle" (the
 #: backend's sleep/wake, weight-update and cache transitions leave its numbers alone).
-CASE_KINDS: tuple[str, ...] = ("compare", "lifecycle")
+CASE_KINDS: tuple[str, ...] = ("compare", "lifecycle", "trajectory")
+#: backends with a prefix cache: a trajectory case's `prefix_caching` axis runs on these
+PREFIX_CACHE_BACKENDS: tuple[str, ...] = ("vllm", "vllm-server")
 
 #: the start option that makes each backend record MoE routes (the routes R3 replays); a
 #: backend missing here cannot record them.

@@ -79,6 +79,10 @@ def expand_samples(requests: Sequence[Request]) -> list[SampleJob]:
     if len(set(ids)) != len(ids):
         dup = sorted({i for i in ids if ids.count(i) > 1})
         raise InputError(f"request_id must be unique within a batch; repeated: {dup}")
+    for r in requests:
+        if r.turns:
+            raise InputError(f"request {r.request_id!r} is a multi-turn trajectory; this backend runs it "
+                             "turn by turn through parity.backends.turns.generate(backend, requests)")
     return [SampleJob(r, i, sample_seed(r.sampling.seed, i)) for r in requests for i in range(r.sampling.n)]
 
 
@@ -157,6 +161,9 @@ class Backend(abc.ABC):
     name: ClassVar[str]
     #: the logprob modes `score` can report; a backend whose prompt logprobs are raw only says so.
     score_modes: ClassVar[tuple[str, ...]] = LOGPROBS_MODES
+    #: whether `generate` runs multi-turn trajectories itself (continuing each in place); others
+    #: get them turn by turn from `parity.backends.turns.generate`.
+    native_turns: ClassVar[bool] = False
 
     @classmethod
     def option_names(cls) -> list[str]:

@@ -31,6 +31,7 @@ class ReferenceBackend(Backend):
     """
 
     name = "reference"
+    native_turns = True  # the engine continues trajectories in place
 
     @classmethod
     def option_names(cls) -> list[str]:

@@ -68,6 +68,26 @@ def request_drift_table(rows: list[dict[str, Any]]) -> str:
             + "</tr></thead><tbody>" + "".join(body) + "</tbody></table>")
 
 
+def turn_drift_table(breakdowns: dict[str, Any]) -> str:
+    """HTML table of a multi-turn report's drift by generated turn and of the first generated
+    token after an injection vs the rest (`parity.metrics.drift_by_turn`); "" for single-turn."""
+    if "by_turn" not in breakdowns:
+        return ""
+    rows = [(f"turn {r['lo']}", r) for r in breakdowns["by_turn"]]
+    rows += [("first token after an injection" if r["lo"] == "first" else "other generated tokens", r)
+             for r in breakdowns["after_injection"]]
+    body = []
+    for label, r in rows:
+        cells = [_td(label), _td(r["num_tokens"])]
+        for key in ("max_abs_logprob_diff", "mean_abs_logprob_diff", "mean_log_ratio"):
+            cells.append(_td("—" if r[key] is None else f"{r[key]:.3e}"))
+        body.append("<tr>" + "".join(cells) + "</tr>")
+    head = ("generated tokens", "tokens", "max |Δlogp|", "mean |Δlogp|", "mean Δlogp")
+    return ("<h2>Drift by turn</h2><table class=\"requests\"><thead><tr>"
+            + "".join(f"<th>{h}</th>" for h in head) + "</tr></thead><tbody>" + "".join(body)
+            + "</tbody></table>")
+
+
 def _td(value: Any) -> str:
     return f"<td>{html.escape(str(value))}</td>"
 
@@ -151,6 +171,7 @@ def report_html(report: ParityReport) -> str:
         '<h2>Plots</h2><div class="row">', *plots, "</div>",
         "<h2>Worst tokens</h2>", worst_tokens_table(report.worst_tokens(10), report.num_tokens),
         "<h2>Drift per request</h2>", request_drift_table(report.request_drift()),
+        turn_drift_table(report.breakdowns),
         "<h2>Rollout correction (verl rollout_corr/*)</h2>", key_value_table(report.metrics),
         attribution,
         "<h2>Provenance</h2>", key_value_table(prov),
