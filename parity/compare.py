@@ -36,6 +36,7 @@ from parity.schema import (
     BACKEND_NAMES,
     KERNEL_MODES,
     NO_REPLAY,
+    PREFIX_CACHE_BACKENDS,
     ROUTE_CAPTURE_OPTIONS,
     ROUTER_SUMMARY_KEYS,
     VERSION,
@@ -285,6 +286,16 @@ def _check_axes(attribute: Sequence[str]) -> None:
         unknown = [axis for axis in attribute if axis not in AXES]
         if unknown:
             raise ConfigError(f"attribute: unknown axes {unknown}; choose from {list(AXES)}")
+
+
+def prefix_cache_options(backend: str, enabled: bool) -> dict[str, Any]:
+    """The start option that turns `backend`'s prefix cache on or off (`PREFIX_CACHE_BACKENDS`)."""
+    if backend == "vllm":
+        return {"enable_prefix_caching": enabled}
+    if backend == "vllm-server":
+        return {"server_args": "--enable-prefix-caching" if enabled else "--no-enable-prefix-caching"}
+    raise ConfigError(f"backend {backend!r} has no prefix cache to turn on or off; "
+                      f"the backends with one are {list(PREFIX_CACHE_BACKENDS)}")
 
 
 def _router_replay_options(router_replay: str | None) -> dict[str, Any]:

@@ -38,7 +38,8 @@ def check_run_id(run_id: str, *, option: str = "--run-id") -> str:
 
 @dataclass(frozen=True, order=True)
 class RowKey:
-    """Identifies a row across runs; `router_replay` is "" when the case has no replay variants."""
+    """Identifies a row across runs. `router_replay` is the row's variant: a router-replay mode, a
+    prefix-cache setting of a trajectory case ("prefix-cache-on" / "prefix-cache-off"), or ""."""
 
     case: str
     backend: str

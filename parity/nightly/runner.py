@@ -1,4 +1,5 @@
-"""The nightly matrix runner: cases x backends x dtypes (x router-replay variants), one row each.
+"""The nightly matrix runner: cases x backends x dtypes (x router-replay variants, or prefix cache
+on/off for trajectory cases on backends that have one), one row each.
 
 Rows run one after another behind a progress bar. Each finished row (including an error row) is
 committed to the history before the next starts, so a killed run keeps its finished work and
@@ -25,7 +26,7 @@ from tqdm import tqdm
 
 from parity.backends import BACKENDS, available_backends, close_dead_backends, shared_backend
 from parity.cases import Case, load_cases
-from parity.compare import compare, route_capture_options
+from parity.compare import compare, prefix_cache_options, route_capture_options
 from parity.errors import ConfigError
 from parity.nightly.environment import collect_environment
 from parity.nightly.history import History, RunInfo, now
@@ -34,7 +35,7 @@ from parity.nightly.publish import publish
 from parity.nightly.regression import RegressionPolicy, compare_drift
 from parity.nightly.rows import RowKey, RowResult, check_run_id, exit_code, row_status
 from parity.outputs import output_dir, output_file
-from parity.schema import DTYPES, KERNEL_MODES, NO_REPLAY, ROUTE_CAPTURE_OPTIONS
+from parity.schema import DTYPES, KERNEL_MODES, NO_REPLAY, PREFIX_CACHE_BACKENDS, ROUTE_CAPTURE_OPTIONS
 
 AUTO = "auto"
 
@@ -145,14 +146,29 @@ def plan(cases: list[Case], backends: tuple[str, ...],
     recorded as an error no setting could fix); `dtypes` overrides every case's own dtypes."""
     cells = []
     for case in cases:
-        for replay in case.router_replay or ("",):
+        for variant in case.router_replay or [prefix_cache_variant(v) for v in case.prefix_caching] or ("",):
             for backend in backends:
                 if (case.backends and backend not in case.backends) or \
-                        (replay == "R3" and backend not in ROUTE_CAPTURE_OPTIONS):
+                        (variant == "R3" and backend not in ROUTE_CAPTURE_OPTIONS):
                     continue
+                if variant.startswith(_PREFIX_CACHE) and backend not in PREFIX_CACHE_BACKENDS:
+                    # no prefix cache to switch: one row, under the first setting's variant only
+                    if variant != prefix_cache_variant(case.prefix_caching[0]):
+                        continue
+                    variant_here = ""
+                else:
+                    variant_here = variant
                 for dtype in dtypes or case.dtypes:
-                    cells.append((RowKey(case.name, backend, dtype, replay), case))
+                    cells.append((RowKey(case.name, backend, dtype, variant_here), case))
     return cells
+
+
+_PREFIX_CACHE = "prefix-cache-"
+
+
+def prefix_cache_variant(enabled: bool) -> str:
+    """A trajectory row's variant (`RowKey.router_replay`) for a prefix-cache setting."""
+    return _PREFIX_CACHE + ("on" if enabled else "off")
 
 
 def new_run_id() -> str:
@@ -251,9 +267,13 @@ def run_row(run_id: str, key: RowKey, case: Case, config: NightlyConfig, history
     stage = "backend failed to start"
     try:
         t0 = time.perf_counter()
-        replay = None if key.router_replay in ("", NO_REPLAY) else key.router_replay
-        engine = shared_backend(key.backend, case.model, dtype=key.dtype,
-                                **route_capture_options(key.backend, replay))
+        if key.router_replay.startswith(_PREFIX_CACHE):
+            replay = None
+            options = prefix_cache_options(key.backend, key.router_replay == prefix_cache_variant(True))
+        else:
+            replay = None if key.router_replay in ("", NO_REPLAY) else key.router_replay
+            options = route_capture_options(key.backend, replay)
+        engine = shared_backend(key.backend, case.model, dtype=key.dtype, **options)
         timing["start_s"] = round(time.perf_counter() - t0, 3)
         stage = "case failed"
         t0 = time.perf_counter()
