@@ -12,9 +12,15 @@ Columns (parity's spelling first, then the accepted aliases):
     finish_reason, logprobs_mode, routed_experts
     sampling          {every SamplingParams field}, as `dump_rollouts` writes it; or the flat
     temperature, top_p, top_k                                        columns (a missing one is off)
-    response_mask     1s then 0s: strips right padding of the response (verl)
+    response_mask     1 at generated, 0 at injected (multi-turn tool/environment tokens) and
+                      padding tokens of the response (verl); zeros inside the response mark a
+                      multi-turn trajectory (`Rollout.response_mask`), trailing zeros are
+                      right padding unless attention_mask says otherwise
     attention_mask    over prompt + response: strips left padding of the prompt and right
                       padding of the response (verl's `prompts` are left-padded)
+
+Logprobs (rollout and trainer) at injected tokens mean nothing: they are read as 0.0 and never
+enter a metric.
 
 Processed logprobs depend on the sampling parameters, so a processed-mode row must carry them
 or be given them (`sampling=`: one `SamplingParams` for every row, or one per request id from a
@@ -141,6 +147,8 @@ def dump_rollouts(path: str | Path, rollouts: Sequence[Rollout],
             row["sampling"] = r.sampling.to_dict()
         if r.routed_experts is not None:
             row["routed_experts"] = r.routed_experts.tolist()
+        if r.response_mask is not None:
+            row["response_mask"] = list(r.response_mask)
         if trainer_logprobs is not None:
             row["trainer_logprobs"] = [float(x) for x in trainer_logprobs[i]]
         rows.append(row)
@@ -155,19 +163,21 @@ def _row(row: dict[str, Any], index: int, samples: dict[str, int], backend: str,
     logprobs = _column(row, "rollout_logprobs")
     trainer_column = next((a for a in COLUMN_ALIASES["trainer_logprobs"] if row.get(a) is not None), None)
     trainer = None if trainer_column is None else _as_list(row[trainer_column], trainer_column)
-    prompt, keep = _strip_padding(row, prompt, len(response))
+    prompt, keep, generated = _strip_padding(row, prompt, len(response))
     response, logprobs = response[:keep], logprobs[:keep]
     if len(response) != len(logprobs):
         raise InputError(f"{len(response)} response ids but {len(logprobs)} rollout logprobs; "
                          "give one logprob per response token")
     _check_ids(prompt, "prompt_ids")
     _check_ids(response, "response_ids")
+    logprobs = _generated_only(logprobs, generated)
     check_logprobs(logprobs)
     if trainer is not None:
         trainer = trainer[:keep]
         if len(trainer) != len(response):
             raise InputError(f"{len(response)} response ids but {len(trainer)} {trainer_column}; "
                              "give one trainer logprob per response token")
+        trainer = _generated_only(trainer, generated)
         check_logprobs(trainer, trainer_column)
     request_id = str(next((row[a] for a in COLUMN_ALIASES["request_id"] if row.get(a) is not None), index))
     if row.get("sample_index") is not None:
@@ -185,12 +195,15 @@ def _row(row: dict[str, Any], index: int, samples: dict[str, int], backend: str,
         finish_reason=str(row.get("finish_reason") or "unknown"), backend=backend, logprobs_mode=mode,
         routed_experts=None if routes is None else np.asarray(routes, dtype=np.int64),
         meta={"source": "offline ingestion"},
-        sampling=_sampling(row, mode, given.get(request_id) if isinstance(given, Mapping) else given))
+        sampling=_sampling(row, mode, given.get(request_id) if isinstance(given, Mapping) else given),
+        response_mask=generated)
     return rollout, None if trainer is None else tuple(float(x) for x in trainer), trainer_column
 
 
-def _strip_padding(row: dict[str, Any], prompt: list[Any], response_len: int) -> tuple[list[Any], int]:
-    """(prompt without left padding, number of real response tokens) from the row's masks."""
+def _strip_padding(row: dict[str, Any], prompt: list[Any],
+                   response_len: int) -> tuple[list[Any], int, tuple[int, ...] | None]:
+    """(prompt without left padding, number of real response tokens, the response mask over them
+    when it has interior zeros: a multi-turn trajectory; else None) from the row's masks."""
     keep = response_len
     attention = row.get("attention_mask")
     if attention is not None:
@@ -210,8 +223,17 @@ def _strip_padding(row: dict[str, Any], prompt: list[Any], response_len: int) ->
         if len(mask) != response_len:
             raise InputError(f"response_mask has {len(mask)} entries for {response_len} response tokens; "
                              "give one entry per response token")
-        keep = min(keep, _right_padded(mask, "response_mask"))
-    return prompt, keep
+        if attention is None:  # no other word on padding: trailing zeros are padding
+            keep = max((i + 1 for i, m in enumerate(mask) if m), default=0)
+        mask = mask[:keep]
+        if 0 in mask:
+            return prompt, keep, tuple(mask)
+    return prompt, keep, None
+
+
+def _generated_only(values: list[Any], mask: tuple[int, ...] | None) -> list[Any]:
+    """`values` with 0.0 at injected tokens (a dump may hold anything there, NaN included)."""
+    return values if mask is None else [v if m else 0.0 for v, m in zip(values, mask)]
 
 
 def _mask_values(mask: Any, name: str) -> list[int]:

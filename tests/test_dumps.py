@@ -87,7 +87,7 @@ def test_verl_batch_layout_left_padded_prompts_uid_groups_and_old_log_probs(tmp_
     ({**GOOD, "prompt_ids": [1, -2]}, "prompt_ids must be non-negative integers"),
     ({**GOOD, "routed_experts": [[[0, 1]]]}, "routed_experts has 1 positions"),
     ({**GOOD, "old_log_probs": [-0.1]}, "2 response ids but 1 old_log_probs"),
-    ({**GOOD, "response_mask": [0, 1]}, "response_mask has a zero before a one"),
+    ({**GOOD, "response_mask": [2, 1]}, "response_mask values must be 0 or 1"),
     ({**GOOD, "attention_mask": [1, 0, 1, 1]}, "prompt must be 0s then 1s"),
     ({**GOOD, "attention_mask": [1, 1, 1]}, "attention_mask has 3 entries for 2 prompt \\+ 2 response"),
     ({**GOOD, "temperature": "hot"}, "temperature must be a number"),

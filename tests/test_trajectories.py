@@ -2,17 +2,29 @@
 turns, and generated tokens' logprobs equal one train_forward pass of the whole trajectory bit
 for bit, whatever the other trajectories in the batch are doing."""
 
+import dataclasses
 import random
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from parity import Request, SamplingParams
+from parity.backends.hf import HFBackend
+from parity.backends.reference import ReferenceBackend
+from parity.backends.turns import generate
+from parity.compare import report_for
+from parity.dumps import read_dump
 from parity.engine import LAYOUTS, ReferenceEngine, train_forward
 from parity.errors import ConfigError, InputError
 from parity.models import EOS_ID
+from parity.prompts import tokenizer
+from parity.scoring import score
+from parity.tolerance import Tolerance
+from parity.tools import bind_tools, calculator
 from parity.turns import Generate, Inject, after_injection, turn_index
 from parity.types import Rollout
 
@@ -76,10 +88,10 @@ def _rollouts_and_scores(model, dtype, kernels, work):
 @given(work=trajectories())
 def test_trajectory_logprobs_equal_one_train_forward_bitwise(model, dtype, work):
     rollouts, scores = _rollouts_and_scores(model, dtype, "invariant", work)
-    for rollout, score in zip(rollouts, scores):
+    for rollout, trained in zip(rollouts, scores):
         assert rollout.response_mask is not None
         assert len(rollout.token_ids) <= rollout.sampling.max_tokens
-        assert torch.equal(score, _generated(rollout.logprobs, rollout))
+        assert torch.equal(trained, _generated(rollout.logprobs, rollout))
 
 
 @given(work=trajectories(max_requests=3), target=st.integers(0, 2))
@@ -158,3 +170,87 @@ def test_bad_turns_are_parity_errors():
     with pytest.raises(InputError, match="vocabulary"):
         ReferenceEngine("tiny-llama").generate([Request((1, 2), turns=(Generate(2), Inject((10**7,)),
                                                                         Generate(1)))])
+
+
+class TurnByTurnReference(ReferenceBackend):
+    """The reference backend driven like vLLM: every turn a fresh request holding the history."""
+
+    native_turns = False
+
+
+def test_in_place_continuation_equals_a_fresh_prefill_of_the_history():
+    """Greedy (so seeds do not enter): continuing in place over the earlier turns' KV gives the
+    same bits as re-prefilling the whole history each turn."""
+    requests = [dataclasses.replace(r, sampling=r.sampling.replace(temperature=0.0, n=1))
+                for r in _mixed_turns(1)]
+    native = ReferenceEngine("tiny-llama", max_num_seqs=3, chunk_size=5).generate(requests)
+    with TurnByTurnReference("tiny-llama", dtype="float32", max_num_seqs=2, chunk_size=16) as backend:
+        driven = generate(backend, requests)
+    assert [(r.token_ids, r.logprobs, r.response_mask) for r in native] == \
+        [(r.token_ids, r.logprobs, r.response_mask) for r in driven]
+    assert driven[0].meta["generated_turns"] == 3
+
+
+def test_turn_by_turn_sampling_is_scored_exactly_too():
+    with TurnByTurnReference("tiny-llama", dtype="float32") as backend:
+        rollouts = generate(backend, _mixed_turns(2)[:2])
+    trajectory = _mixed_turns(2)[:1]
+    with HFBackend("tiny-llama", dtype="float32") as hf, \
+            pytest.raises(InputError, match="multi-turn trajectory"):
+        hf.generate(trajectory)  # an adapter never drops turns silently
+    report = report_for("tiny-llama", rollouts, dtype="float32", device="cpu", reference="invariant",
+                        router_replay=None, tolerance=Tolerance.for_backend("reference"), provenance={})
+    assert report.summary["max_abs_logprob_diff"] == 0.0
+    assert report.summary["num_tokens"] == sum(sum(r.mask) for r in rollouts)
+    assert [row["num_tokens"] for row in report.breakdowns["by_turn"]] == [16, 20, 12]
+    assert report.breakdowns["after_injection"][0]["num_tokens"] == 8
+
+
+def test_calculator_tool():
+    assert calculator("what is 12*7+3? and 2 - 5") == "\n<result>2-5 = -3</result>\n"
+    assert calculator("12 * 7 + 3 =") == "\n<result>12*7+3 = 87</result>\n"
+    assert calculator("no numbers") == "\n<result>no expression</result>\n"
+    assert calculator("9" * 20 + "*2") == "\n<result>number too long</result>\n"
+    (turn,) = bind_tools("tiny-llama", (Inject(name="calculator"),))
+    tok = tokenizer("tiny-llama")
+    assert tok.decode(turn.tokens(tuple(tok("1+2")["input_ids"]))) == "\n<result>1+2 = 3</result>\n"
+    with pytest.raises(ConfigError, match="unknown tool 'abacus'"):
+        bind_tools("tiny-llama", (Inject(name="abacus"),))
+    with pytest.raises(ConfigError, match="no function bound"):
+        Inject(name="calculator").tokens((1,))
+
+
+def test_verl_multi_turn_dump_scores_as_the_native_run(tmp_path):
+    """verl's multi-turn batch: left-padded prompts, responses holding tool tokens with
+    response_mask 0 there (and 0 on right padding), anything in rollout_log_probs at masked
+    tokens: it reads back as the trajectories and scores to the same summary."""
+    requests = _mixed_turns(3)[:3]
+    native = ReferenceEngine("tiny-llama", dtype="bfloat16").generate(requests)
+    kwargs = dict(dtype="bfloat16", device="cpu", reference="invariant", router_replay=None,
+                  tolerance=Tolerance.for_backend("reference"), provenance={})
+    expected = report_for("tiny-llama", native, **kwargs)
+    width_p = max(len(r.prompt_ids) for r in native)
+    width_r = max(len(r.token_ids) for r in native) + 3
+    rows = []
+    for r in native:
+        pad_p, pad_r = width_p - len(r.prompt_ids), width_r - len(r.token_ids)
+        rows.append({
+            "prompts": [0] * pad_p + list(r.prompt_ids), "responses": list(r.token_ids) + [0] * pad_r,
+            "attention_mask": [0] * pad_p + [1] * (len(r.prompt_ids) + len(r.token_ids)) + [0] * pad_r,
+            "response_mask": list(r.mask) + [0] * pad_r,
+            "rollout_log_probs": [lp if m else -7.5 for lp, m in zip(r.logprobs, r.mask)] + [0.0] * pad_r,
+            "uid": r.request_id, "temperature": 1.0})
+    path = tmp_path / "verl-multiturn.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), str(path))
+    dump = read_dump(path)
+    assert [(r.prompt_ids, r.token_ids, r.response_mask, r.logprobs) for r in dump.rollouts] == \
+        [(r.prompt_ids, r.token_ids, r.response_mask, r.logprobs) for r in native]
+    scored = score(path, "tiny-llama", dtype="bfloat16")
+    assert scored.summary == expected.summary
+    assert scored.breakdowns["by_turn"] == expected.breakdowns["by_turn"]
+    # without attention_mask, trailing zeros are padding and interior zeros injected tokens
+    for row in rows:
+        del row["attention_mask"]
+        row["prompts"] = [t for t in row["prompts"] if t]
+    pq.write_table(pa.Table.from_pylist(rows), str(path))
+    assert [r.response_mask for r in read_dump(path).rollouts] == [r.mask for r in native]
