@@ -8,10 +8,11 @@ from parity.report import ParityReport
 from parity.schema import VERSION as __version__
 from parity.scoring import score
 from parity.tolerance import Tolerance
+from parity.turns import Generate, Inject
 from parity.types import Request, Rollout, SamplingParams
 
 # an engine process re-imports the main module: if it imports parity, it is as quiet as its parent
 follow_parent()
 
-__all__ = ["ParityError", "ParityReport", "Request", "Rollout", "SamplingParams", "Tolerance", "__version__",
-           "compare", "score"]
+__all__ = ["Generate", "Inject", "ParityError", "ParityReport", "Request", "Rollout", "SamplingParams",
+           "Tolerance", "__version__", "compare", "score"]

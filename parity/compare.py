@@ -43,7 +43,8 @@ from parity.schema import (
 )
 from parity.text import report_text
 from parity.tolerance import Tolerance
-from parity.turns import after_injection, turn_index
+from parity.tools import bind_tools
+from parity.turns import Turn, after_injection, check_turns, turn_index
 from parity.types import Request, Rollout, SamplingParams
 
 #: rollout correction applied for `ParityReport.metrics`: verl's token-level truncated IS at 2.0.
@@ -59,6 +60,7 @@ def compare(
     case: Case | str | os.PathLike[str] | None = None,
     prompts: Sequence[PromptSource] | Dataset | os.PathLike[str] | None = None,
     sampling: SamplingParams | dict[str, Any] | None = None,
+    turns: Sequence[Turn] = (),
     reference: str = "invariant",
     dtype: str | None = None,
     tolerance: Tolerance | dict[str, Any] | None = None,
@@ -80,6 +82,11 @@ def compare(
         JSONL or Parquet in verl's layout); see `parity.prompts`. Prompt i is sampled with
         `sampling` (default `SamplingParams(max_tokens=32)`) and seed `sampling.seed + i`. With
         neither, `parity.cases.default_case(model)` is used.
+    turns: with prompts, makes every prompt a multi-turn trajectory (`parity.turns`):
+        `Generate(max_tokens)` and `Inject(token_ids)`, `Inject(fn=...)` or `Inject(name=TOOL)`
+        (a built-in tool, `parity.tools`); `sampling.max_tokens` bounds the whole response.
+        Backends other than the reference engine run it turn by turn (`parity.backends.turns`);
+        metrics read generated tokens only and the report adds drift by turn.
     reference: training-forward kernels, "invariant" (batch-invariant) or "native" (stock torch).
     dtype: "bfloat16", "float16" or "float32"; None = the case's first dtype, else "bfloat16".
     tolerance: limits for `passed`; None = the case's limits for this backend, else
@@ -100,7 +107,7 @@ def compare(
     # every argument is checked before an engine starts (vLLM takes ~40 s to start on CPU)
     if reference not in KERNEL_MODES:
         raise ConfigError(f"reference must be one of {KERNEL_MODES}, got {reference!r}")
-    the_case = _resolve_case(model, case, prompts, sampling)
+    the_case = _resolve_case(model, case, prompts, sampling, turns)
     model_arg = os.fspath(model) if model is not None else the_case.model
     # every id against the model's vocabulary and context: an engine given a bad id dies or fails late
     names = None if prompts is None else [f"prompts[{i}]" for i in range(len(the_case.requests))]
@@ -407,9 +414,12 @@ def _padded(rows: list[list[Any]], width: int, fill: Any) -> np.ndarray:
 
 def _resolve_case(model: str | os.PathLike[str] | None, case: Case | str | os.PathLike[str] | None,
                   prompts: Sequence[PromptSource] | Dataset | os.PathLike[str] | None,
-                  sampling: SamplingParams | dict[str, Any] | None) -> Case:
+                  sampling: SamplingParams | dict[str, Any] | None, turns: Sequence[Turn] = ()) -> Case:
     if case is not None and prompts is not None:
         raise ConfigError("give either case or prompts, not both (a case carries its own prompts)")
+    if turns and prompts is None:
+        raise ConfigError("turns apply to prompts; pass prompts=[...] with them (a case carries its own "
+                          "turns)")
     if case is not None:
         if sampling is not None:
             raise ConfigError("sampling applies to prompts; a case carries its own sampling parameters")
@@ -440,10 +450,11 @@ def _resolve_case(model: str | os.PathLike[str] | None, case: Case | str | os.Pa
         raise ConfigError("prompts must be a non-empty list of token-id lists, strings or chat-message "
                           "lists, or a dataset (a parity.prompts.Dataset or a path)")
     ids = encode_prompts(model, items)
-    requests = tuple(Request(p, sampling.replace(seed=sampling.seed + i), request_id=f"prompt-{i}")
-                     for i, p in enumerate(ids))
+    bound = bind_tools(model, check_turns(turns, "turns")) if turns else ()
+    requests = tuple(Request(p, sampling.replace(seed=sampling.seed + i), request_id=f"prompt-{i}",
+                             turns=bound) for i, p in enumerate(ids))
     return Case(name="prompts", model=os.fspath(model), requests=requests,
-                logprobs_mode=sampling.logprobs_mode)
+                logprobs_mode=sampling.logprobs_mode, kind="trajectory" if bound else "compare")
 
 
 def _resolve_backend(backend: str | Backend, model: str, dtype: str, options: dict[str, Any]) -> Backend:

@@ -16,11 +16,13 @@ from parity import Request, SamplingParams
 from parity.backends.hf import HFBackend
 from parity.backends.reference import ReferenceBackend
 from parity.backends.turns import generate
+from parity.cases import load_case
 from parity.compare import report_for
 from parity.dumps import read_dump
 from parity.engine import LAYOUTS, ReferenceEngine, train_forward
 from parity.errors import ConfigError, InputError
 from parity.models import EOS_ID
+from parity.nightly.runner import plan
 from parity.prompts import tokenizer
 from parity.scoring import score
 from parity.tolerance import Tolerance
@@ -254,3 +256,56 @@ def test_verl_multi_turn_dump_scores_as_the_native_run(tmp_path):
         row["prompts"] = [t for t in row["prompts"] if t]
     pq.write_table(pa.Table.from_pylist(rows), str(path))
     assert [r.response_mask for r in read_dump(path).rollouts] == [r.mask for r in native]
+
+
+def test_library_form_and_trajectory_case_file(tmp_path):
+    import parity
+
+    report = parity.compare("tiny-llama", "reference", prompts=["What is 6*7?", [3, 4, 5]],
+                            sampling=SamplingParams(n=2, max_tokens=64, seed=5), dtype="float32",
+                            turns=[parity.Generate(6), parity.Inject(name="calculator"), parity.Generate(6)])
+    assert report.summary["max_abs_logprob_diff"] == 0.0 and report.breakdowns["by_turn"][1]["num_tokens"] > 0
+    with pytest.raises(ConfigError, match="turns apply to prompts"):
+        parity.compare("tiny-llama", "reference", turns=[parity.Generate(2)])
+    case = tmp_path / "t.toml"
+    body = """
+        kind = "trajectory"
+        model = "tiny-llama"
+        prefix_caching = [true, false]
+        [prompts]
+        token_ids = [[5, 6, 7]]
+        [[turns]]
+        generate = 4
+        stop_token_ids = [9]
+        [[turns]]
+        inject = "Observation: 42"
+        [[turns]]
+        inject = [10, 11]
+        [[turns]]
+        tool = "length"
+        [[turns]]
+        generate = 3
+        [sampling]
+        max_tokens = 60
+    """
+    case.write_text(body)
+    loaded = load_case(case)
+    turns = loaded.requests[0].turns
+    assert [type(t).__name__ for t in turns] == ["Generate", "Inject", "Inject", "Inject", "Generate"]
+    assert turns[0].stop_token_ids == (9,) and turns[2].token_ids == (10, 11) and turns[3].name == "length"
+    keys = [str(key) for key, _ in plan([loaded], ("reference", "hf", "vllm", "vllm-server"))]
+    assert keys == ["t|reference|bfloat16|", "t|hf|bfloat16|", "t|vllm|bfloat16|prefix-cache-on",
+                    "t|vllm-server|bfloat16|prefix-cache-on", "t|vllm|bfloat16|prefix-cache-off",
+                    "t|vllm-server|bfloat16|prefix-cache-off"]
+    for bad, match in [(body.replace('kind = "trajectory"', ""), "only a trajectory case has turns"),
+                       (body.replace('tool = "length"', 'tool = "abacus"'), "unknown tool 'abacus'"),
+                       (body.replace("generate = 3", 'inject = "x"')
+                        .replace("generate = 4\n", 'inject = "y"\n').replace("stop_token_ids = [9]", ""),
+                        "no Generate turn"),
+                       (body.replace('inject = [10, 11]', 'inject = [10, 11]\ngenerate = 2'),
+                        "exactly one of generate, inject, tool"),
+                       (body.replace("prefix_caching = [true, false]", "prefix_caching = [true, true]"),
+                        "distinct")]:
+        case.write_text(bad)
+        with pytest.raises(ConfigError, match=match):
+            load_case(case)

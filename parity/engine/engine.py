@@ -215,7 +215,10 @@ class ReferenceEngine:
         return [int(t) for t in host_tokens], host_logprobs
 
     def _rollout(self, seq: Sequence) -> Rollout:
-        routes = torch.cat(seq.routes).numpy().astype(np.int32) if self._records_routes else None
+        # A trajectory that ends on injected tokens never computes them, so its routes would not
+        # cover every position: trajectories carry no routes.
+        routes = torch.cat(seq.routes).numpy().astype(np.int32) \
+            if self._records_routes and not seq.request.turns else None
         config = self.config
         meta: dict[str, Any] = {
             "dtype": config.dtype, "kernels": kernel_label(config.kernels), "device": config.device,
