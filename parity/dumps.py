@@ -247,18 +247,13 @@ def _mask_values(mask: Any, name: str) -> list[int]:
 
 
 def _right_padded(mask: list[int], name: str) -> int:
-    """The number of leading 1s of a 1s-then-0s mask.
-
-    A 0 before a 1 is not padding: in a response it marks tokens the policy did not generate (a
-    tool or user turn of a multi-turn trajectory); dropping them or scoring them as generated
-    would both be wrong, so such a mask is refused rather than guessed at.
-    """
+    """The number of leading 1s of a 1s-then-0s mask (the attention mask over a response: a 0
+    there is padding, so a 1 after it is a contradiction; injected tokens are attended to and are
+    marked in `response_mask` instead)."""
     keep = mask.index(0) if 0 in mask else len(mask)
     if any(mask[keep:]):
-        raise InputError(f"{name} has a zero before a one (token {keep}): that is a multi-turn mask with "
-                         "tokens the policy did not generate (tool or user turns), not right padding; "
-                         "read right-padded single-turn responses, or split the trajectory into one row "
-                         "per policy turn")
+        raise InputError(f"{name} has a zero before a one (token {keep}): it must be 1s then 0s (right "
+                         "padding); mark tool or user tokens of a trajectory with 0s in response_mask")
     return keep
 
 
