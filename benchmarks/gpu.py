@@ -2,7 +2,8 @@
 
 Run from the repository root (parity need not be installed):
 
-    PYTHONUNBUFFERED=1 python3 -m benchmarks.gpu --out $OUT [--sections kernels,parity,e2e,profile,cublaslt]
+    PYTHONUNBUFFERED=1 python3 -m benchmarks.gpu --out $OUT \
+        [--sections kernels,parity,e2e,profile,cublaslt,tp]
 
 Sections (`SECTIONS`; each runs independently: a failure is recorded and the next section still runs):
 - kernels: bitwise row invariance of the Triton linear at Qwen3-1.7B weight shapes over many M,
@@ -21,6 +22,9 @@ Sections (`SECTIONS`; each runs independently: a failure is recorded and the nex
   native kernels, (c) transformers `generate`, on a Qwen3-1.7B-shaped bf16 model with random
   weights, side by side in one run.
 - profile: torch.profiler over a few decode steps of the invariant engine ($OUT/profile.txt).
+- tp: invariant-engine tok/s without tensor parallelism, at TP=1 (the canonical K-group layout)
+  and TP=2 (two GPUs, NCCL) on the Qwen3-1.7B shape at the e2e workload, side by side, and
+  whether TP=2's rollouts equal TP=1's bit for bit (needs two GPUs).
 - cublaslt: parity and (a) again in a subprocess started with `CUBLASLT_ENV` and cuBLASLt
   preferred, so the matmul takes the proven cuBLASLt path (`parity.kernels.triton.matmul`).
 - probe: the load-time matmul probe (`parity.kernels.probe`) in a process set up for cuBLASLt, over
@@ -443,12 +447,13 @@ def grid_check(model: str, kernels: str) -> GridCheck:
 
 
 def engine_tok_s(path: Path, kernels: str, reqs: list[Request], chunk_size: int, budget: int,
-                 record_routes: bool = False) -> Throughput:
+                 record_routes: bool = False, tensor_parallel_size: int | None = None) -> Throughput:
     """Output tok/s of one ReferenceEngine.generate over reqs (after a small warm-up generate; the
     timed call still captures its decode graph, the KV cache being reallocated for its lengths)."""
     with ReferenceEngine(str(path), dtype="bfloat16", device="cuda", kernels=kernels, max_num_seqs=len(reqs),
                          chunk_size=chunk_size, max_num_batched_tokens=budget,
-                         record_routes=record_routes) as engine:
+                         record_routes=record_routes,
+                         tensor_parallel_size=tensor_parallel_size) as engine:
         engine.generate(requests_for(151936, 4, 16, 4, seed=9))  # compile kernels, allocate the cache
         torch.cuda.synchronize()
         start = time.perf_counter()
@@ -639,6 +644,41 @@ def e2e_section(run: Run) -> dict[str, Any]:
             section[name] = failure()
         torch.cuda.empty_cache()
         run.checkpoint("e2e", section)
+    return section
+
+
+def tp_section(run: Run) -> dict[str, Any]:
+    """Invariant-engine throughput on the Qwen3-1.7B shape without tensor parallelism, at TP=1 (the
+    canonical K-group layout in one process: its cost over the whole model) and at TP=2 (two GPUs,
+    NCCL), side by side in one run, and whether TP=2's rollouts equal TP=1's bit for bit."""
+    args = run.args
+    count, prompt_len, max_tokens = args.e2e
+    chunk_size = args.chunk_size or prompt_len
+    path = run.tmp / "qwen3-1.7b-shaped"
+    if not path.exists():
+        save_random_model(qwen3_config(28), path)
+    reqs = requests_for(151936, count, prompt_len, max_tokens)
+    section: dict[str, Any] = {"workload": f"{count} seqs x {prompt_len} prompt x {max_tokens} output, "
+                                           f"Qwen3-1.7B-shaped, 28 layers, bf16, invariant"}
+    for label, tp in (("whole_model", None), ("tp1", 1), ("tp2", 2)):
+        try:
+            section[label] = engine_tok_s(path, "invariant", reqs, chunk_size, args.max_batched_tokens,
+                                          tensor_parallel_size=tp)
+        except Exception:
+            section[label] = failure()
+        torch.cuda.empty_cache()
+        run.checkpoint("tp", section)
+    small = requests_for(151936, 8, 24, 16, n=2, seed=3)
+    try:
+        one = ReferenceEngine(str(path), dtype="bfloat16", device="cuda",
+                              tensor_parallel_size=1).generate(small)
+        with ReferenceEngine(str(path), dtype="bfloat16", device="cuda", tensor_parallel_size=2,
+                             max_num_seqs=5) as engine:
+            two = engine.generate(small)
+        section["tp2_equals_tp1"] = all(a.token_ids == b.token_ids and a.logprobs == b.logprobs
+                                        for a, b in zip(one, two, strict=True))
+    except Exception:
+        section["tp2_equals_tp1"] = failure()
     return section
 
 
@@ -970,6 +1010,7 @@ SECTIONS: dict[str, Callable[[Run], Any]] = {
     "moe_e2e": moe_e2e_section,
     "probed": probed_section,
     "roofline": roofline_section,
+    "tp": tp_section,
 }
 
 
@@ -1095,6 +1136,16 @@ def table(results: dict[str, Any]) -> str:
     if "wall_s" in prof:
         lines.append(f"profile ({prof['workload']}): wall {prof['wall_s']:.2f} s, "
                      f"GPU busy {prof['gpu_busy_s']:.2f} s")
+    tp = results.get("tp", {})
+    rates = {k: tp[k]["output_tok_s"] for k in ("whole_model", "tp1", "tp2")
+             if "output_tok_s" in tp.get(k, {})}
+    for name, rate in rates.items():
+        lines.append(f"tp ({tp['workload']}): {name} {rate:.0f} tok/s")
+    for a, b in (("tp1", "whole_model"), ("tp2", "tp1")):
+        if a in rates and b in rates:
+            lines.append(f"tp ratio {a} / {b}: {rates[a] / rates[b]:.3f}")
+    if "tp2_equals_tp1" in tp:
+        lines.append(f"tp: TP=2 rollouts equal TP=1 bit for bit: {tp['tp2_equals_tp1']}")
     for section in SECTIONS:
         if "error" in results.get(section, {}):
             lines.append(f"{section}: ERROR (see gpu_results.json)")

@@ -67,6 +67,9 @@ def _parser() -> argparse.ArgumentParser:
     cmp.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                      help="backend option, repeatable; VALUE is read as JSON when it parses "
                           "(true, 4, 0.5), else as a string; e.g. --option record_routes=true")
+    cmp.add_argument("--tp", type=int, metavar="K",
+                     help="tensor-parallel degree of the backend (1, 2, 4, 8); the training forward then "
+                          "runs parity's TP-invariant layout")
     cmp.add_argument("--record", type=Path, metavar="OUT",
                      help="write the run's record (requests and rollouts) to OUT, for `parity replay` "
                           "and `parity score`")
@@ -155,7 +158,7 @@ def _compare(args: argparse.Namespace) -> int:
     _check_outputs(args)
     report = compare(args.model, args.backend, case=args.case, dtype=args.dtype, reference=args.reference,
                      router_replay=args.router_replay, device=args.device,
-                     attribute=tuple(args.attribute or ()), record=args.record,
+                     attribute=tuple(args.attribute or ()), record=args.record, tensor_parallel=args.tp,
                      **dict(map(parse_option, args.option)))
     if args.record is not None:
         print(f"wrote {args.record}")

@@ -69,6 +69,7 @@ def compare(
     correction: dict[str, Any] | None = None,
     attribute: Sequence[str] = (),
     record: str | os.PathLike[str] | None = None,
+    tensor_parallel: int | None = None,
     **backend_options: Any,
 ) -> ParityReport:
     """Measure train/infer logprob parity of `backend` on `model`.
@@ -103,6 +104,10 @@ def compare(
         "dtype") run on the sampled tokens; the result goes to `report.extras["attribution"]`.
     record: write the run's record (the requests and the rollouts, `parity.record`) to this
         path, to replay through another backend or score again with `parity.scoring.score`.
+    tensor_parallel: the backend's tensor-parallel degree (its `tensor_parallel_size` option; a
+        running backend keeps its own); the training forward then runs parity's TP-invariant
+        layout (`train_forward(tensor_parallel_size=1)`), whose logprobs the reference engine
+        matches at every degree.
     """
     # every argument is checked before an engine starts (vLLM takes ~40 s to start on CPU)
     if reference not in KERNEL_MODES:
@@ -124,6 +129,8 @@ def compare(
         output_file(record, "record")
     if isinstance(backend, str):
         backend_options = {**route_capture_options(backend, router_replay), **backend_options}
+        if tensor_parallel is not None:
+            backend_options["tensor_parallel_size"] = tensor_parallel
     engine = _resolve_backend(backend, model_arg, dtype, backend_options)
 
     generated = generate(engine, the_case.requests)
@@ -136,23 +143,27 @@ def compare(
                              router_replay=router_replay)
     return report_for(model_arg, rollouts, dtype=dtype, device=device, reference=reference,
                       router_replay=router_replay, tolerance=limits, provenance=provenance,
-                      correction=correction, attribute=attribute)
+                      correction=correction, attribute=attribute,
+                      tensor_parallel_size=None if tensor_parallel is None else 1)
 
 
 def report_for(model: str | None, rollouts: Sequence[Rollout], *, dtype: str, device: str, reference: str,
                router_replay: str | None, tolerance: Tolerance, provenance: dict[str, Any],
                correction: dict[str, Any] | None = None, attribute: Sequence[str] = (),
-               train_logprobs: Sequence[np.ndarray] | None = None) -> ParityReport:
+               train_logprobs: Sequence[np.ndarray] | None = None,
+               tensor_parallel_size: int | None = None) -> ParityReport:
     """The second half of a comparison, for rollouts from anywhere: score them with the training
     forward (or take `train_logprobs`, the trainer's own logprobs of the same tokens, and run
     no forward), build the report with the tokens' decoded text (`parity.text`), and add
     router agreement (rollouts that carry MoE routes) and attribution (`attribute` axes).
-    model: None only with `train_logprobs` and no `attribute` (nothing to run, no text)."""
+    model: None only with `train_logprobs` and no `attribute` (nothing to run, no text).
+    tensor_parallel_size: the training forward's (`parity.engine.train_forward`; None: the whole model)."""
     if model is None and (train_logprobs is None or attribute):
         raise ConfigError("a model is needed to run the training forward; pass model=")
     if train_logprobs is None:
         train_logprobs = score_rollouts(model, rollouts, dtype=dtype, device=device, kernels=reference,
-                                        router_replay=router_replay)
+                                        router_replay=router_replay,
+                                        tensor_parallel_size=tensor_parallel_size)
         computed = True
     else:
         computed = False
@@ -201,12 +212,14 @@ def match_requests(rollouts: Sequence[Rollout], requests: Sequence[Request]) -> 
 
 def score_rollouts(model: str | os.PathLike[str], rollouts: Sequence[Rollout], *, dtype: str,
                    device: str = "cpu", kernels: str = "invariant",
-                   router_replay: str | None = None) -> list[np.ndarray]:
+                   router_replay: str | None = None,
+                   tensor_parallel_size: int | None = None) -> list[np.ndarray]:
     """Training-forward logprobs of every rollout's response tokens, float32 `[response_len]` each,
     each rollout scored under the sampling it records (mode, temperature, top-k, top-p)."""
     from parity.engine import train_forward  # torch: `import parity` stays light
 
     scored = train_forward(model, list(rollouts), dtype=dtype, device=device, kernels=kernels,
+                           tensor_parallel_size=tensor_parallel_size,
                            **_router_replay_options(router_replay)).logprobs
     return [lp.detach().to("cpu").float().numpy() for lp in scored]
 

@@ -25,7 +25,8 @@ class ReferenceBackend(Backend):
     """`parity.engine.ReferenceEngine` for generate, `parity.engine.train_forward` for score.
 
     engine: `parity.engine.EngineConfig` settings besides dtype (device, kernels, max_num_seqs,
-    chunk_size, record_routes, max_num_batched_tokens, graphs); an unknown one is a ConfigError.
+    chunk_size, record_routes, max_num_batched_tokens, graphs, tensor_parallel_size, tp_reduction);
+    an unknown one is a ConfigError.
     kernels "invariant" is the baseline, "native" (stock torch ops) the contrast; record_routes
     returns MoE routed experts per position.
     """
@@ -46,7 +47,8 @@ class ReferenceBackend(Backend):
         self.meta.update({
             "backend_version": VERSION, "torch_version": torch.__version__,
             "device": self.config.device, "attention_backend": f"parity ({kernels})",
-            "batch_invariant": kernels == "invariant", "tensor_parallel_size": 1,
+            "batch_invariant": kernels == "invariant",
+            "tensor_parallel_size": self.config.tensor_parallel_size or 1,
             "enable_prefix_caching": False, "kernels": kernels,
         })
 
@@ -56,8 +58,12 @@ class ReferenceBackend(Backend):
 
     def _score(self, pairs: list[Pair], sampling: SamplingParams) -> list[torch.Tensor]:
         """The training forward with this backend's dtype, device and kernels."""
-        return train_forward(self._engine.lm, pairs, dtype=self.dtype, device=self.config.device,
-                             kernels=self.config.kernels, logprobs_mode=sampling.logprobs_mode,
+        # with tensor parallelism: the canonical layout in this process, the bits of every degree
+        tp = None if self.config.tensor_parallel_size is None else 1
+        return train_forward(self._engine.lm.path if tp else self._engine.lm, pairs, dtype=self.dtype,
+                             device=self.config.device, kernels=self.config.kernels,
+                             tensor_parallel_size=tp, tp_reduction=self.config.tp_reduction,
+                             logprobs_mode=sampling.logprobs_mode,
                              temperature=sampling.temperature, top_k=sampling.top_k,
                              top_p=sampling.top_p).logprobs
 

@@ -17,6 +17,7 @@ Steps of up to `max_num_seqs` tokens (all decode steps) replay CUDA graphs on a 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,7 @@ from parity.errors import ConfigError, InputError
 from parity.kernels.attention import KVCache
 from parity.models import routing
 from parity.models.loading import LoadedModel, check_device, load_model
+from parity.parallel import REDUCTIONS, Comm, RankGroup, check_degree, check_shardable, shard_model
 from parity.schema import DTYPES
 from parity.types import Request, Rollout
 
@@ -56,7 +58,11 @@ class EngineConfig:
     max_num_batched_tokens: tokens per step (bounds a prefill step's activations and attention
     workspace); graphs: run steps of up to max_num_seqs tokens padded to fixed sizes, replayed
     from CUDA graphs on a GPU (None: on for CUDA dense models; never while recording MoE routes;
-    True on CPU runs the padded steps eagerly).
+    True on CPU runs the padded steps eagerly); tensor_parallel_size: None runs the whole model in
+    this process, k in (1, 2, 4, 8) runs k ranks (`parity.parallel`; k = 1 in-process) whose
+    rollouts are the same bits at every k and equal `train_forward(tensor_parallel_size=1)`;
+    tp_reduction: the row-parallel sum, "canonical" (TP-invariant) or "all_reduce" (the stock sum,
+    a contrast whose bits change with k).
     """
 
     dtype: str = "float32"
@@ -67,11 +73,17 @@ class EngineConfig:
     record_routes: bool = False
     max_num_batched_tokens: int = 8192
     graphs: bool | None = None
+    tensor_parallel_size: int | None = None
+    tp_reduction: str = "canonical"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
         check_device(self.device)
+        if self.tensor_parallel_size is not None:
+            check_degree(self.tensor_parallel_size)
+        if self.tp_reduction not in REDUCTIONS:
+            raise ConfigError(f"tp_reduction must be one of {REDUCTIONS}, got {self.tp_reduction!r}")
         check_positive_int(self.max_num_seqs, "max_num_seqs")
         check_positive_int(self.chunk_size, "chunk_size")
         check_positive_int(self.max_num_batched_tokens, "max_num_batched_tokens")
@@ -102,10 +114,22 @@ class ReferenceEngine:
     backend = "reference"
 
     def __init__(self, model: str | LoadedModel, config: EngineConfig | None = None, **settings: Any) -> None:
-        self.config = (config or EngineConfig()).replace(**settings)
-        self.lm = load_model(model, dtype=self.config.dtype, device=self.config.device)
+        self.config = config = (config or EngineConfig()).replace(**settings)
+        tp = config.tensor_parallel_size
         self._cache: KVCache | None = None
         self._graphs: StepGraphs | None = None
+        self._ranks: RankGroup | None = None
+        if tp is None or (isinstance(model, LoadedModel) and model.tensor_parallel_size == tp):
+            self.lm = load_model(model, dtype=config.dtype, device=config.device)
+        elif tp == 1:
+            self.lm = shard_model(model, Comm.single(), dtype=config.dtype, device=config.device,
+                                  reduction=config.tp_reduction)
+        else:
+            # this process keeps the whole model on the CPU for input checks; the ranks hold the shards
+            self.lm = load_model(model, dtype=config.dtype, device="cpu")
+            check_shardable(self.lm, tp)
+            self._ranks = RankGroup(tp, torch.device(config.device).type,
+                                    functools.partial(_rank_engine, str(self.lm.path), config))
 
     def __enter__(self) -> ReferenceEngine:
         return self
@@ -114,9 +138,13 @@ class ReferenceEngine:
         self.close()
 
     def close(self) -> None:
-        """Drop the KV cache and the step graphs (the loaded model stays in load_model's cache)."""
+        """Drop the KV cache and the step graphs (the loaded model stays in load_model's cache); stop
+        the tensor-parallel ranks."""
         self._cache = None
         self._graphs = None
+        if self._ranks is not None:
+            self._ranks.close()
+            self._ranks = None
 
     @property
     def _records_routes(self) -> bool:
@@ -125,6 +153,8 @@ class ReferenceEngine:
     def _use_graphs(self) -> bool:
         if self._records_routes:
             return False  # route recording hooks the eager forward
+        if (self.lm.tensor_parallel_size or 1) > 1:
+            return False  # the ranks' collectives run eagerly
         if self.config.graphs is not None:
             return self.config.graphs
         # Dense only by default: the native MoE path reads expert counts on the host (not capturable).
@@ -159,6 +189,8 @@ class ReferenceEngine:
     def generate(self, requests: list[Request]) -> list[Rollout]:
         """Sample every request n times; one Rollout per (request, sample_index), in that order."""
         self._check(requests)
+        if self._ranks is not None:
+            return self._ranks.call("generate", list(requests))
         sequences = [Sequence(request, i) for request in requests for i in range(request.sampling.n)]
         if sequences:
             self._reserve(max(seq.max_length for seq in sequences))
@@ -226,6 +258,8 @@ class ReferenceEngine:
             "model_hash": self.lm.model_hash, "max_num_batched_tokens": config.max_num_batched_tokens,
             "step_graphs": "off" if self._graphs is None else self._graphs.status,
         }
+        if config.tensor_parallel_size is not None:
+            meta.update(tensor_parallel_size=config.tensor_parallel_size, tp_reduction=config.tp_reduction)
         return Rollout(request_id=seq.request.request_id, sample_index=seq.sample_index,
                        prompt_ids=seq.request.prompt_ids, token_ids=tuple(seq.tokens),
                        logprobs=tuple(seq.logprobs), finish_reason=seq.finish_reason or "length",
@@ -236,5 +270,16 @@ class ReferenceEngine:
     def score(self, sequences: list, **options: Any) -> list[torch.Tensor]:
         """Teacher-forced response logprobs: `train_forward` with this engine's dtype, device, kernels."""
         options.setdefault("kernels", self.config.kernels)
-        return train_forward(self.lm, sequences, dtype=self.config.dtype, device=self.config.device,
+        if self.config.tensor_parallel_size is not None:
+            # the training forward of the canonical layout: one process, whatever this engine's degree
+            options.setdefault("tensor_parallel_size", 1)
+            options.setdefault("tp_reduction", self.config.tp_reduction)
+        model = self.lm if self._ranks is None else self.lm.path
+        return train_forward(model, sequences, dtype=self.config.dtype, device=self.config.device,
                              **options).logprobs
+
+
+def _rank_engine(path: str, config: EngineConfig, comm: Comm) -> ReferenceEngine:
+    """One rank's engine over its shard (run inside a `RankGroup` rank process)."""
+    lm = shard_model(path, comm, dtype=config.dtype, device=config.device, reduction=config.tp_reduction)
+    return ReferenceEngine(lm, config)

@@ -42,6 +42,9 @@ class LoadedModel:
     name: built-in name or the checkpoint directory's name; dtype: "float32" | "bfloat16" |
     "float16"; max_len: max_position_embeddings; moe_top_k, num_experts: 0 for dense models;
     model_hash: `parity.models.model_hash` of the checkpoint (provenance).
+    tensor_parallel_size: None for the whole model, k for rank `tensor_parallel_rank`'s shard of a
+    k-way tensor-parallel group (`parity.parallel.shard_model`), whose config then holds this
+    rank's head counts; tp_reduction: that shard's row-parallel sum ("canonical" or "all_reduce").
     """
 
     model: nn.Module
@@ -58,6 +61,9 @@ class LoadedModel:
     max_len: int
     model_hash: str
     eos_token_ids: tuple[int, ...]
+    tensor_parallel_size: int | None = None
+    tensor_parallel_rank: int = 0
+    tp_reduction: str = "canonical"
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -1,0 +1,154 @@
+"""The launcher: k rank processes in one torch.distributed group, driven from the calling process.
+
+`RankGroup(size, device_type, factory)` starts `size` processes (`python -m parity.parallel.rank`:
+fresh interpreters, so no forked CUDA or thread state, and the caller's main script is never
+re-run), joins them into a process group (gloo for CPU tensors, NCCL for CUDA, the rendezvous on
+a free 127.0.0.1 port, sockets on the loopback interface), and builds one object per rank with
+`factory(comm)`. `call(method, *args)` runs `method` on every rank's object in lockstep and
+returns rank 0's result. The ranks talk to the caller over an authenticated loopback connection.
+
+Stopping: `close()` asks each rank to leave its loop and destroy the group, and kills what has
+not exited after a grace period. A rank that raises, or dies, brings the whole group down at
+once (the others may be blocked in a collective that will never complete) and the caller gets
+a `TensorParallelError` with that rank's traceback. A KeyboardInterrupt (SIGINT) in the caller
+kills the ranks before it propagates; the ranks ignore SIGINT themselves, so a terminal Ctrl-C
+does not interleave their tracebacks. Each rank is tracked by the guard (`parity.guard`), so the
+ranks die with the caller even when it is killed with SIGKILL.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+from collections.abc import Callable
+from multiprocessing.connection import Connection, Listener, wait
+from typing import Any
+
+from parity import guard
+from parity.errors import BackendError
+from parity.parallel.wire import receive, send
+from parity.processes import LOOPBACK, free_loopback_port
+
+#: seconds ranks get to leave after close() before they are killed.
+CLOSE_GRACE_S = 10.0
+#: seconds the ranks get to connect back after they are started.
+CONNECT_TIMEOUT_S = 120.0
+#: environment variable carrying the caller's address and key to a rank ("host:port:hexkey").
+ADDRESS_ENV = "PARITY_TP_CALLER"
+
+
+class TensorParallelError(BackendError):
+    """A rank of a tensor-parallel group failed or died; the group has been stopped."""
+
+
+class RankGroup:
+    """`size` rank processes, each holding `factory(Comm(rank, size))`; see the module docstring.
+
+    device_type: "cpu" (gloo) or "cuda" (NCCL; rank r uses GPU r). factory must be picklable (a
+    module-level function or class, or a functools.partial of one).
+    """
+
+    def __init__(self, size: int, device_type: str, factory: Callable[[Any], Any]) -> None:
+        self.size = size
+        self._procs: list[subprocess.Popen[bytes]] = []
+        self._conns: list[Connection] = []
+        key = secrets.token_bytes(32)
+        port = free_loopback_port()
+        try:
+            with Listener((LOOPBACK, 0), authkey=key) as listener:
+                host, caller_port = listener.address
+                env = {**os.environ, ADDRESS_ENV: f"{host}:{caller_port}:{key.hex()}"}
+                for rank in range(size):
+                    proc = subprocess.Popen([sys.executable, "-m", "parity.parallel.rank", str(rank)],
+                                            stdin=subprocess.DEVNULL, env=env, close_fds=True)
+                    guard.track(proc.pid)
+                    self._procs.append(proc)
+                by_rank: dict[int, Connection] = {}
+                listener._listener._socket.settimeout(CONNECT_TIMEOUT_S)
+                for _ in range(size):
+                    conn = listener.accept()
+                    by_rank[receive(conn)] = conn
+                self._conns = [by_rank[r] for r in range(size)]
+            for conn in self._conns:
+                send(conn, (size, port, device_type, factory))
+            self._collect("start")
+        except BaseException:
+            self.kill()
+            raise
+
+    @property
+    def pids(self) -> list[int]:
+        """The rank processes' ids, in rank order."""
+        return [p.pid for p in self._procs]
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """`method(*args, **kwargs)` on every rank's object; rank 0's return value."""
+        if not self._procs:
+            raise TensorParallelError("the tensor-parallel group is closed; start a new one")
+        try:
+            for conn in self._conns:
+                send(conn, (method, args, kwargs))
+            return self._collect(method)[0]
+        except BaseException:
+            self.kill()
+            raise
+
+    def _collect(self, what: str) -> list[Any]:
+        """One reply per rank; the first error or death (a closed connection) stops the group and raises."""
+        replies: dict[int, Any] = {}
+        waiting = {conn: rank for rank, conn in enumerate(self._conns)}
+        while waiting:
+            for ready in wait(list(waiting)):
+                rank = waiting.pop(ready)
+                try:
+                    status, value = receive(ready)
+                except (EOFError, OSError):
+                    proc = self._procs[rank]
+                    try:
+                        code = proc.wait(CLOSE_GRACE_S)
+                    except subprocess.TimeoutExpired:
+                        code = None
+                    self.kill()
+                    raise TensorParallelError(f"tensor-parallel rank {rank} of {self.size} died in {what} "
+                                              f"(exit code {code}); stopped the group") from None
+                if status == "error":
+                    self.kill()
+                    raise TensorParallelError(f"tensor-parallel rank {rank} of {self.size} failed in "
+                                              f"{what}; stopped the group. Its traceback:\n{value}")
+                replies[rank] = value
+        return [replies[r] for r in range(self.size)]
+
+    def close(self) -> None:
+        """Stop every rank in order (each destroys its process group); kill any that hang. Idempotent."""
+        if not self._procs:
+            return
+        try:
+            for conn in self._conns:
+                send(conn, None)
+            self._collect("close")
+            for proc in self._procs:
+                proc.wait(CLOSE_GRACE_S)
+        except (OSError, TensorParallelError, subprocess.TimeoutExpired):
+            pass
+        finally:
+            self.kill()
+
+    def kill(self) -> None:
+        """Kill every rank still running (SIGKILL) and reap it. Idempotent."""
+        procs, self._procs = self._procs, []
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in procs:
+            proc.wait()
+        for conn in self._conns:
+            conn.close()
+        self._conns = []
+
+    def __enter__(self) -> RankGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

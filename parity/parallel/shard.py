@@ -1,0 +1,171 @@
+"""Shard a loaded model for one rank of a tensor-parallel group.
+
+`shard_model` copies the patched HF model (on the CPU, so a GPU never holds the full weights
+twice) and swaps its modules for this rank's shards: q/k/v/gate/up keep their class with a slice
+of the output rows (column parallel; KV heads are replicated when the degree exceeds their
+count), o/down become `RowParallelLinear` (the TP-invariant reduction), the embedding and the LM
+head are split by vocabulary, and MoE experts are split by expert (`ExpertParallelExperts`).
+The result is a `LoadedModel` that the engine and the training forward run like any other.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from parity.errors import ConfigError
+from parity.models.loading import LoadedModel, load_model
+from parity.parallel.comm import Comm
+from parity.parallel.layers import (
+    REDUCTION_GROUPS,
+    REDUCTIONS,
+    ExpertParallelExperts,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+)
+
+#: tensor-parallel degrees parity supports (each divides the reduction's K groups).
+TP_DEGREES: tuple[int, ...] = (1, 2, 4, 8)
+COLUMN_MLP = ("gate_proj", "up_proj")
+
+_single: dict[tuple[str, str, str, str, int], LoadedModel] = {}
+
+
+def check_degree(size: Any, where: str = "tensor_parallel_size") -> int:
+    """`size` if it is a supported degree, else a ConfigError naming the choices."""
+    if isinstance(size, bool) or size not in TP_DEGREES:
+        raise ConfigError(f"{where} must be one of {TP_DEGREES} (or None: no tensor parallelism), "
+                          f"got {size!r}")
+    return int(size)
+
+
+def _divides(size: int, count: int, what: str, name: str) -> None:
+    if count % size:
+        raise ConfigError(f"tensor_parallel_size={size} does not divide {name}'s {what} ({count}); "
+                          f"choose a degree that divides it")
+
+
+def check_shardable(lm: LoadedModel, size: int) -> None:
+    """ConfigError unless `size` ranks can split `lm`'s heads, KV heads and experts (checked before
+    any rank starts; the per-layer dimensions are checked again while sharding)."""
+    config = lm.config
+    heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
+    _divides(size, heads, "attention heads", lm.name)
+    if size > kv_heads:
+        _divides(kv_heads, size, "KV heads' multiple (KV heads are replicated)", lm.name)
+    else:
+        _divides(size, kv_heads, "KV heads", lm.name)
+    if lm.is_moe:
+        _divides(size, lm.num_experts, "experts", lm.name)
+
+
+def _slice(t: torch.Tensor | None, rank: int, size: int, dim: int = 0) -> torch.Tensor | None:
+    return None if t is None else t.chunk(size, dim=dim)[rank].clone()
+
+
+def _column(linear: nn.Linear, rows: slice) -> None:
+    """Keep output rows `rows` of `linear` (column parallel)."""
+    linear.weight = nn.Parameter(linear.weight[rows].clone(), requires_grad=False)
+    if linear.bias is not None:
+        linear.bias = nn.Parameter(linear.bias[rows].clone(), requires_grad=False)
+    linear.out_features = linear.weight.shape[0]
+
+
+def _shard_attention(attn: nn.Module, config: Any, comm: Comm, name: str, reduction: str) -> None:
+    heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
+    d = attn.head_dim
+    per = heads // comm.size
+    _column(attn.q_proj, slice(comm.rank * per * d, (comm.rank + 1) * per * d))
+    kv_per = max(kv_heads // comm.size, 1)
+    kv_first = comm.rank * kv_heads // comm.size  # with replication: the one head this rank's queries use
+    for proj in (attn.k_proj, attn.v_proj):
+        _column(proj, slice(kv_first * d, (kv_first + kv_per) * d))
+    attn.num_key_value_groups = per // kv_per
+    attn.o_proj = _row(attn.o_proj, comm, name, reduction)
+
+
+def _row(linear: nn.Linear, comm: Comm, name: str, reduction: str) -> RowParallelLinear:
+    _divides(REDUCTION_GROUPS, linear.in_features, f"reduction groups ({REDUCTION_GROUPS})",
+             f"{name} (input features)")
+    return RowParallelLinear(_slice(linear.weight.detach(), comm.rank, comm.size, 1), linear.bias, comm,
+                             reduction=reduction)
+
+
+def _shard_mlp(mlp: nn.Module, comm: Comm, name: str, reduction: str) -> None:
+    inner = mlp.gate_proj.out_features
+    _divides(comm.size, inner, "MLP intermediate size", name)
+    rows = slice(comm.rank * inner // comm.size, (comm.rank + 1) * inner // comm.size)
+    _column(mlp.gate_proj, rows)
+    _column(mlp.up_proj, rows)
+    mlp.down_proj = _row(mlp.down_proj, comm, name, reduction)
+
+
+def _shard_experts(experts: nn.Module, comm: Comm, name: str) -> ExpertParallelExperts:
+    total = experts.gate_up_proj.shape[0]
+    _divides(comm.size, total, "experts", name)
+    count = total // comm.size
+    experts.gate_up_proj = nn.Parameter(_slice(experts.gate_up_proj.detach(), comm.rank, comm.size),
+                                        requires_grad=False)
+    experts.down_proj = nn.Parameter(_slice(experts.down_proj.detach(), comm.rank, comm.size),
+                                     requires_grad=False)
+    experts.num_experts = count
+    return ExpertParallelExperts(experts, comm.rank * count, count, comm)
+
+
+def _vocab_rows(weight: torch.Tensor, comm: Comm) -> tuple[torch.Tensor, int]:
+    """This rank's slice of a [V, H] vocabulary matrix, zero-padded so every slice has ceil(V / size) rows."""
+    rows = -(-weight.shape[0] // comm.size)
+    start = comm.rank * rows
+    part = weight[start:start + rows].detach()
+    if part.shape[0] < rows:
+        part = torch.cat([part, part.new_zeros(rows - part.shape[0], part.shape[1])])
+    return part.clone(), start
+
+
+def shard_model(model: str | os.PathLike[str] | LoadedModel, comm: Comm, *, dtype: str = "float32",
+                device: str = "cpu", reduction: str = "canonical") -> LoadedModel:
+    """This rank's shard of `model` as a LoadedModel on `device` (`tensor_parallel_size` = comm.size).
+
+    reduction: "canonical" (the TP-invariant row-parallel sum) or "all_reduce" (the stock sum, whose
+    bits depend on the degree: the contrast). A group of one is cached per (model, dtype, device,
+    reduction); a rank of a larger group shards once per process.
+    """
+    if reduction not in REDUCTIONS:
+        raise ConfigError(f"tp_reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    check_degree(comm.size)
+    base = load_model(model, dtype=dtype, device="cpu")
+    check_shardable(base, comm.size)
+    key = (str(base.path.resolve()), dtype, str(device), reduction, comm.size)
+    if comm.size == 1 and key in _single:
+        return _single[key]
+    hf = copy.deepcopy(base.model)
+    for name, module in list(hf.named_modules()):
+        if hasattr(module, "q_proj") and hasattr(module, "o_proj"):
+            _shard_attention(module, base.config, comm, name, reduction)
+        elif all(isinstance(getattr(module, p, None), nn.Linear) for p in (*COLUMN_MLP, "down_proj")):
+            _shard_mlp(module, comm, name, reduction)
+        elif hasattr(module, "experts") and hasattr(module.experts, "gate_up_proj"):
+            module.experts = _shard_experts(module.experts, comm, name)
+    inner = hf.model
+    weight, start = _vocab_rows(inner.embed_tokens.weight, comm)
+    inner.embed_tokens = VocabParallelEmbedding(weight, start, comm)
+    head, _ = _vocab_rows(hf.lm_head.weight, comm)
+    hf.lm_head = VocabParallelHead(head, None if hf.lm_head.bias is None else _vocab_rows(
+        hf.lm_head.bias.unsqueeze(1), comm)[0].squeeze(1), base.vocab_size, comm)
+    hf.to(device)
+    config = copy.deepcopy(base.config)
+    config.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    config.num_attention_heads //= comm.size
+    config.num_key_value_heads = max(config.num_key_value_heads // comm.size, 1)
+    sharded = dataclasses.replace(base, model=hf, config=config, device=str(device),
+                                  tensor_parallel_size=comm.size, tensor_parallel_rank=comm.rank,
+                                  tp_reduction=reduction)
+    if comm.size == 1:
+        _single[key] = sharded
+    return sharded
