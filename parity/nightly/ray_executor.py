@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 import math
 import os
+import socket
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
@@ -32,6 +33,7 @@ from parity.nightly.rows import RowKey, RowResult
 #: row: the fault-injection point of the worker-death tests. Unset in normal runs.
 ROW_HOOK_ENV = "PARITY_NIGHTLY_ROW_HOOK"
 LOOPBACK = "127.0.0.1"
+LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 def row_resources(device: str) -> dict[str, float]:
@@ -53,6 +55,11 @@ class RayCluster:
         self.num_cpus = num_cpus
 
     def __enter__(self) -> RayCluster:
+        if self.address is None:
+            # Ray puts a local node on loopback only where it does not support clusters (macOS,
+            # Windows); this switch gives that here, so the GCS, raylet and workers listen on
+            # 127.0.0.1. Ray reads it once, at import; the check after `init` proves it held.
+            os.environ[LOCAL_ONLY_ENV] = "0"
         try:
             import ray
         except ImportError as exc:
@@ -65,13 +72,18 @@ class RayCluster:
                                   "logging_level": "WARNING", "namespace": "parity-nightly"}
         try:
             if self.address is None:
-                ray.init(num_cpus=self.num_cpus or os.cpu_count() or 1, _node_ip_address=LOOPBACK, **common)
+                ray.init(num_cpus=self.num_cpus or os.cpu_count() or 1, **common)
             else:
                 ray.init(address=self.address, **common)
         except (ConnectionError, RuntimeError, ValueError) as exc:
             ray.shutdown()
             raise ConfigError(f"--ray-address {self.address!r}: cannot connect ({exc}); start the head "
                               "with `ray start --head` and give its address") from exc
+        if self.address is None and {n["NodeManagerAddress"] for n in ray.nodes()} != {LOOPBACK}:
+            ray.shutdown()
+            raise ConfigError(f"--executor ray: the local Ray cluster would listen beyond {LOOPBACK} "
+                              f"because Ray was imported before parity set {LOCAL_ONLY_ENV}=0; set it in "
+                              "the environment, or start a cluster yourself and give --ray-address")
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -100,8 +112,8 @@ class RowWorker:
             module, _, function = hook.partition(":")
             getattr(importlib.import_module(module), function)(str(key))
         context = ray.get_runtime_context()
-        placement = {"executor": "ray", "node_ip": ray.util.get_node_ip_address(),
-                     "node_id": context.get_node_id(), "actor_id": context.get_actor_id(),
+        placement = {"executor": "ray", "host": socket.gethostname(), "node_id": context.get_node_id(),
+                     "actor_id": context.get_actor_id(),
                      "pid": os.getpid(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
         return execute_row(run_id, key, case, reference=reference, device=device, placement=placement)
 
@@ -137,6 +149,7 @@ def ray_rows(cluster: RayCluster, run_id: str, todo: list[tuple[RowKey, Case]], 
     actor_class = ray.remote(RowWorker).options(**resources, max_restarts=-1, max_task_retries=1)
     inflight: dict[Any, tuple[Any, deque[tuple[RowKey, Case]], RowKey, Case]] = {}
     actors = []
+    node_ips: dict[str, str] = {}
 
     def submit(actor: Any, queue: deque[tuple[RowKey, Case]]) -> None:
         key, case = queue.popleft()
@@ -160,6 +173,11 @@ def ray_rows(cluster: RayCluster, run_id: str, todo: list[tuple[RowKey, Case]], 
                 row = error_row(run_id, key, f"the Ray task failed: {type(exc).__name__}: {str(exc)[:500]}",
                                 {"case": case.name, "case_hash": case.hash, "model": case.model,
                                  "ran_on": {"executor": "ray"}})
+            ran_on = row.provenance.get("ran_on", {})
+            if "node_id" in ran_on:  # the address Ray knows the node by (a worker sees only its host)
+                if ran_on["node_id"] not in node_ips:
+                    node_ips.update({n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()})
+                ran_on["node_ip"] = node_ips.get(ran_on["node_id"], "")
             if queue:
                 submit(actor, queue)
             else:
