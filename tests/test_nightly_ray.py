@@ -120,11 +120,15 @@ def tiny_cases(tmp_path: Path) -> Path:
 def test_rows_are_split_per_engine_over_the_slots_in_matrix_order():
     todo = plan(load_cases(f"{ROOT / 'cases' / 'smoke.toml'},{ROOT / 'cases' / 'moe.toml'}"),
                 ("reference", "hf"))
-    queues = assign(todo, "cpu", slots=2)
-    # five engines (smoke x 2 backends, moe x 2 backends, moe R3 on reference) > 2 slots: one actor each
-    assert [[str(k) for k, _ in q] for q in queues] == [[str(k)] for k, _ in todo]
+    # five engines (smoke x 2 backends, moe x 2 backends, moe R3 on reference), two slots: each
+    # engine's rows whole on the shorter queue, in matrix order
+    queues = [[str(k) for k, _ in q] for q in assign(todo, "cpu", slots=2)]
+    assert queues == [
+        ["smoke|reference|bfloat16|", "moe|reference|bfloat16|none", "moe|reference|bfloat16|R3"],
+        ["smoke|hf|bfloat16|", "moe|hf|bfloat16|none"]], queues
     one_engine = [(k, c) for k, c in todo if k.backend == "reference" and k.case == "smoke"] * 5
     assert [len(q) for q in assign(one_engine, "cpu", slots=2)] == [3, 2]
+    assert len(assign(todo, "cpu", slots=64)) == 5  # no more actors than rows
     assert row_resources("cpu") == {"num_cpus": 1.0, "num_gpus": 0.0}
     assert row_resources("cuda") == {"num_cpus": 1.0, "num_gpus": 1.0}
 

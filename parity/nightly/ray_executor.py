@@ -1,12 +1,12 @@
 """The Ray executor: nightly rows on the actors of a Ray cluster, streamed back as they finish.
 
-Rows are grouped by engine (backend, model, dtype, options). Each group gets its own worker
-actors, and each actor starts the group's engine once (`shared_backend`, in its own process) and
-runs its rows one after another, like the local executor does in one process; groups run side by
-side. How many actors a group gets: the rows of its resource shape that fit on the cluster at
-once (`row_resources`), shared between the groups. Ray places the actors (a GPU row on a node
-with a free GPU) and keeps the rest waiting until a slot frees; parity only feeds each actor its
-next row when the previous one comes back, so only the row in flight is lost when a worker dies.
+There are as many worker actors as rows fit on the cluster at once (`row_resources`). Rows are
+grouped by engine (backend, model, dtype, options) and the groups dealt out to the actors whole
+(`assign`), so each actor starts each of its engines once (`shared_backend`, in its own process)
+and runs its rows one after another, like the local executor does in one process; the actors
+run side by side. Ray places the actors (a GPU row's on a node with a free GPU); parity feeds
+each actor its next row only when the previous one comes back, so only the row in flight is lost
+when a worker dies.
 
 Faults are Ray's: an actor whose process dies is restarted (`max_restarts=-1`) and the row it was
 running retried once (`max_task_retries=1`); a row that kills its worker twice becomes an error
@@ -119,16 +119,23 @@ class RowWorker:
 
 
 def assign(todo: list[tuple[RowKey, Case]], device: str, slots: int) -> list[deque[tuple[RowKey, Case]]]:
-    """The rows split into per-actor queues: grouped by engine, each group over
-    `max(1, slots // groups)` actors (never more than its rows), round robin in matrix order."""
+    """The rows split into one queue per actor, at most `slots` actors, rows of one engine next to
+    each other (so an actor starts each engine once). Engines (groups of rows) go whole to the
+    shortest queue, in matrix order, while there are at least as many as slots; fewer engines
+    than slots are each split over `slots // groups` actors, round robin."""
     groups: dict[str, list[tuple[RowKey, Case]]] = {}
     for key, case in todo:
         engine = repr((key.backend, case.model, key.dtype, sorted(engine_options(key, device).items())))
         groups.setdefault(engine, []).append((key, case))
-    queues = []
+    if len(groups) < slots:
+        queues = []
+        for rows in groups.values():
+            n = min(len(rows), slots // len(groups))
+            queues += [deque(rows[i::n]) for i in range(n)]
+        return queues
+    queues = [deque() for _ in range(slots)]
     for rows in groups.values():
-        n = min(len(rows), max(1, slots // len(groups)))
-        queues += [deque(rows[i::n]) for i in range(n)]
+        min(queues, key=len).extend(rows)
     return queues
 
 
