@@ -72,7 +72,10 @@ class RayCluster:
                                   "logging_level": "WARNING", "namespace": "parity-nightly"}
         try:
             if self.address is None:
-                ray.init(num_cpus=self.num_cpus or os.cpu_count() or 1, **common)
+                # Ray starts workers at niceness 15 to keep its own daemons responsive; here the
+                # workers are the run, and niced they starve behind any other load on the host.
+                ray.init(num_cpus=self.num_cpus or os.cpu_count() or 1, _system_config={"worker_niceness": 0},
+                         **common)
             else:
                 ray.init(address=self.address, **common)
         except (ConnectionError, RuntimeError, ValueError) as exc:
