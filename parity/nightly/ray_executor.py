@@ -191,7 +191,7 @@ def ray_rows(cluster: RayCluster, run_id: str, todo: list[tuple[RowKey, Case]], 
             if queue:
                 submit(actor, queue)
             else:
-                ray.kill(actor)  # its engine's memory and its slot go to the actors still waiting
+                ray.kill(actor)  # its engines and their memory go now, not when the whole run ends
             yield row
     finally:
         for actor in actors:
