@@ -191,10 +191,10 @@ def test_a_prefill_over_the_step_budget_runs_and_matches_the_offline_engine(serv
 def test_nightly_lifecycle_case_on_the_server(server, tmp_path, monkeypatch):
     """cases/lifecycle.toml through nightly on the module's server: a passing row whose
     provenance holds each check (the KV-cache release skipped on the CPU build)."""
-    from parity.nightly import runner
+    from parity.nightly import execute, runner
 
     backend = server.get()
-    monkeypatch.setattr(runner, "shared_backend", lambda name, model, **kw: backend)
+    monkeypatch.setattr(execute, "shared_backend", lambda name, model, **kw: backend)
     run = runner.run_nightly(runner.NightlyConfig(cases=str(ROOT / "cases" / "lifecycle.toml"),
                                                   backends=("vllm-server",), out=tmp_path), progress=False)
     (row,) = run.rows
@@ -204,7 +204,7 @@ def test_nightly_lifecycle_case_on_the_server(server, tmp_path, monkeypatch):
 
 def test_server_killed_mid_run_loses_named_requests_and_nightly_errors(server, tmp_path, monkeypatch):
     """Runs last: it kills the module's server (a crash, SIGKILL of its process group) mid-run."""
-    from parity.nightly import runner
+    from parity.nightly import execute, runner
 
     backend = server.get()
     long = SamplingParams(temperature=1.0, max_tokens=480, ignore_eos=True)
@@ -232,8 +232,8 @@ def test_server_killed_mid_run_loses_named_requests_and_nightly_errors(server, t
         [sampling]
         max_tokens = 8
         """))
-    real = runner.shared_backend
-    monkeypatch.setattr(runner, "shared_backend", lambda name, model, **kw:
+    real = execute.shared_backend
+    monkeypatch.setattr(execute, "shared_backend", lambda name, model, **kw:
                         backend if name == "vllm-server" else real(name, model, **kw))
     run = runner.run_nightly(runner.NightlyConfig(cases=str(cases), backends=("reference", "vllm-server"),
                                                   out=tmp_path / "reports"), progress=False)

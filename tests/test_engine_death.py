@@ -100,7 +100,7 @@ def test_the_row_that_kills_the_engine_is_an_error_row_and_later_rows_run(mortal
         engine.generate(list(case.requests))
         raise BackendError("stop after sampling")  # scoring is not what this test is about
 
-    monkeypatch.setattr("parity.nightly.runner.compare", fake_compare)
+    monkeypatch.setattr("parity.nightly.execute.compare", fake_compare)
     cases = cases_with_a_poisoned_one(tmp_path, POISON)
     out = tmp_path / "reports"
     assert main(["--cases", str(cases), "--backends", "vllm", "--out", str(out), "--run-id", "r",

@@ -23,8 +23,8 @@ from parity.backends import Backend
 from parity.cli import main
 from parity.errors import ConfigError
 from parity.models import resolve_model
+from parity.nightly import execute, runner
 from parity.nightly import main as nightly_main
-from parity.nightly import runner
 from parity.record import replay_main, write_record
 from parity.types import Request
 
@@ -169,7 +169,7 @@ def ws(tmp_path, monkeypatch):
 
 def test_nightly_checks_out_and_history_before_any_row(ws, monkeypatch, capsys):
     root, cases = ws
-    monkeypatch.setattr(runner, "compare", lambda *a, **k: pytest.fail("a row ran"))
+    monkeypatch.setattr(execute, "compare", lambda *a, **k: pytest.fail("a row ran"))
     (root / "a-file").write_text("")
     base = ["--cases", str(cases / "alpha.toml"), "--no-progress"]
     assert nightly_main([*base, "--out", str(root / "a-file")]) == 2
@@ -213,7 +213,7 @@ def test_an_interrupted_nightly_prints_the_resume_command_and_it_finishes_the_ru
         if len(calls) == 2:
             raise KeyboardInterrupt
         return fake_compare(*args, **kwargs)
-    monkeypatch.setattr(runner, "compare", interrupted)
+    monkeypatch.setattr(execute, "compare", interrupted)
     out, history = root / "reports dir", root / "h.sqlite"
     argv = ["--cases", str(cases / "alpha.toml"), "--backends", "reference,hf,vllm", "--out", str(out),
             "--history", str(history), "--run-id", "k1", "--no-progress"]
@@ -223,7 +223,7 @@ def test_an_interrupted_nightly_prints_the_resume_command_and_it_finishes_the_ru
     assert "1 finished row of run k1 is stored" in err
     command = shlex.split(err.split("finish it with: ")[1])
     assert command[:2] == ["parity", "nightly"]
-    monkeypatch.setattr(runner, "compare", fake_compare)
+    monkeypatch.setattr(execute, "compare", fake_compare)
     assert nightly_main(command[2:]) == 0
     assert calls == ["reference", "hf"]
 

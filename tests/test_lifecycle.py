@@ -173,11 +173,11 @@ max_tokens = 6
 def test_nightly_runs_a_lifecycle_case(tmp_path, monkeypatch, defect, status, code):
     """A `kind = "lifecycle"` case is a nightly row of lifecycle checks (the backend is a fake
     standing in for "hf": one without, one with planted logprob drift)."""
-    from parity.nightly import runner
+    from parity.nightly import execute, runner
 
     (tmp_path / "cases").mkdir()
     (tmp_path / "cases" / "life.toml").write_text(LIFECYCLE_CASE)
-    monkeypatch.setattr(runner, "shared_backend", lambda name, model, **kw: Fake(defect=defect))
+    monkeypatch.setattr(execute, "shared_backend", lambda name, model, **kw: Fake(defect=defect))
     run = runner.run_nightly(runner.NightlyConfig(cases=str(tmp_path / "cases"), backends=("hf",),
                                                   out=tmp_path / "reports"), progress=False)
     (row,) = run.rows

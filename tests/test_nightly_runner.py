@@ -26,7 +26,7 @@ import pytest
 from browser import chromium, console_lines, decoded_images, needs_chromium
 
 from parity.errors import BackendError
-from parity.nightly import main, runner
+from parity.nightly import execute, main, runner
 from parity.nightly.runner import plan
 from parity.report import ParityReport
 from parity.schema import SUMMARY_KEYS
@@ -46,7 +46,7 @@ def fake_engine(name: str, model: str, *, dtype: str, **options: Any) -> SimpleN
 
 
 def fake_compare(model: Any, engine: SimpleNamespace, *, case: Any, dtype: str, tolerance: Any,
-                 reference: str, router_replay: str | None) -> ParityReport:
+                 reference: str, router_replay: str | None, device: str = "cpu") -> ParityReport:
     if case.name == "crashy" and engine.name == "vllm":
         raise RuntimeError("vllm worker crashed mid-case")
     assert (router_replay == "R3") == (engine.options == {"record_routes": True})
@@ -83,9 +83,12 @@ def fake_compare(model: Any, engine: SimpleNamespace, *, case: Any, dtype: str, 
 
 
 def install(target: Any, *, compare: Any = fake_compare, patch: Any = setattr) -> None:
-    """Swap the runner's engines for the fakes (`patch` = monkeypatch.setattr in tests)."""
-    patch(target, "compare", compare)
-    patch(target, "shared_backend", fake_engine)
+    """Swap the runner's engines for the fakes (`patch` = monkeypatch.setattr in tests); `target`
+    is the runner module, whose rows run in `parity.nightly.execute`."""
+    from parity.nightly import execute
+
+    patch(execute, "compare", compare)
+    patch(execute, "shared_backend", fake_engine)
     patch(target, "available_backends", lambda: dict(AVAILABLE))
 
 
@@ -235,12 +238,12 @@ def test_an_interrupted_run_resumes_without_duplicates(workspace, monkeypatch):
             raise KeyboardInterrupt  # not an error row: the whole run stops, like Ctrl-C
         return fake_compare(*args, **kwargs)
 
-    monkeypatch.setattr(runner, "compare", interrupted)
+    monkeypatch.setattr(execute, "compare", interrupted)
     assert nightly(workspace, "--backends", "reference,hf,vllm", "--run-id", "k1") == 130
     assert [k for _, k, _ in db_rows(workspace)] == ["alpha|reference|bfloat16|"]
     with sqlite3.connect(workspace.db) as db:
         assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
-    monkeypatch.setattr(runner, "compare", fake_compare)
+    monkeypatch.setattr(execute, "compare", fake_compare)
     assert main(["--resume", "k1", "--out", str(workspace.out), "--no-progress"]) == 0
     assert calls == ["reference", "hf"]  # the resumed run did only what was missing
     keys = [k for _, k, _ in db_rows(workspace)]
@@ -272,7 +275,7 @@ KILL_SCRIPT = """
 import os, signal, sys
 sys.path.insert(0, {tests!r})
 import test_nightly_runner as fakes
-from parity.nightly import main, runner
+from parity.nightly import execute, main, runner
 
 calls = []
 def dies_on_the_second_row(*args, **kwargs):

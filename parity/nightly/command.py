@@ -17,11 +17,11 @@ from parity.errors import EXIT_INTERRUPTED, ConfigError, report_error
 from parity.nightly.history import History
 from parity.nightly.regression import TEST_NAME, RegressionPolicy
 from parity.nightly.rows import RowResult, check_run_id
-from parity.nightly.runner import AUTO, NightlyConfig, RunInterrupted, run_nightly
+from parity.nightly.runner import AUTO, DEVICES, EXECUTORS, NightlyConfig, RunInterrupted, run_nightly
 from parity.schema import KERNEL_MODES
 
 #: options that define the matrix; a resumed run takes them from the history instead.
-_MATRIX_OPTIONS = ("cases", "backends", "dtypes", "baseline", "alpha", "min_effect", "reference")
+_MATRIX_OPTIONS = ("cases", "backends", "dtypes", "baseline", "alpha", "min_effect", "reference", "device")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,6 +49,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="smallest change of mean per-token |Δlogp| that counts, nats (default 1e-3)")
     p.add_argument("--reference", choices=KERNEL_MODES,
                    help="training-forward kernels (default invariant)")
+    p.add_argument("--device", choices=DEVICES,
+                   help="where the reference and hf engines and the training forward run (default cpu); "
+                        "a cuda row asks its executor for one GPU")
+    p.add_argument("--executor", choices=EXECUTORS, default="local",
+                   help="local: rows one after another in this process (default); ray: rows on the "
+                        "actors of a Ray cluster, this process keeps the history")
+    p.add_argument("--ray-address", metavar="ADDRESS",
+                   help="Ray cluster to run on, e.g. auto or HEAD_IP:6379 (default: start a local one "
+                        "on 127.0.0.1 for this run)")
+    p.add_argument("--ray-cpus", type=int, metavar="N",
+                   help="CPUs of the local Ray cluster (default: this machine's count)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.add_argument("--verbose", action="store_true", help="print the traceback of an unexpected error")
     return p
@@ -72,7 +83,9 @@ def config_from_args(args: argparse.Namespace) -> NightlyConfig:
                               "--history at the run's history")
         with History(history_path) as history:
             record = history.require_run(args.resume, option="--resume").config
-        return NightlyConfig.from_record(record, out=args.out, history=args.history, run_id=args.resume)
+        return NightlyConfig.from_record(record, out=args.out, history=args.history, run_id=args.resume,
+                                         executor=args.executor, ray_address=args.ray_address,
+                                         ray_cpus=args.ray_cpus)
     if args.cases is None:
         raise ConfigError("--cases is required (a directory, a file, or comma-separated files/names), "
                           "unless --resume RUN_ID")
@@ -81,7 +94,8 @@ def config_from_args(args: argparse.Namespace) -> NightlyConfig:
         history=args.history, run_id=args.run_id, baseline=args.baseline,
         policy=RegressionPolicy(**{k: v for k, v in (("alpha", args.alpha), ("min_effect", args.min_effect))
                                    if v is not None}),
-        reference=args.reference or "invariant",
+        reference=args.reference or "invariant", device=args.device or "cpu", executor=args.executor,
+        ray_address=args.ray_address, ray_cpus=args.ray_cpus,
     )
 
 
@@ -106,6 +120,12 @@ def resume_command(args: argparse.Namespace, run_id: str) -> str:
     argv = ["parity", "nightly", "--resume", run_id, "--out", str(args.out)]
     if args.history is not None:
         argv += ["--history", str(args.history)]
+    if args.executor != "local":
+        argv += ["--executor", args.executor]
+    if args.ray_address is not None:
+        argv += ["--ray-address", args.ray_address]
+    if args.ray_cpus is not None:
+        argv += ["--ray-cpus", str(args.ray_cpus)]
     return shlex.join(argv)
 
 

@@ -1,43 +1,47 @@
 """The nightly matrix runner: cases x backends x dtypes (x router-replay variants, or prefix cache
 on/off for trajectory cases on backends that have one), one row each.
 
-Rows run one after another behind a progress bar. Each finished row (including an error row) is
-committed to the history before the next starts, so a killed run keeps its finished work and
-`resume` runs only what is missing (error rows are retried). One engine per (backend, model,
-dtype) is started through `shared_backend` and reused by every case that needs it; an engine that
-dies in a row is closed with that row (an error row) and started again for the next.
+An executor runs the rows (`parity.nightly.execute`) and hands each back as it finishes: "local"
+runs them one after another in this process, "ray" on the actors of a Ray cluster
+(`parity.nightly.ray_executor`). This process alone judges a row against its baseline and
+commits it to the history, one transaction per row as it arrives, so a killed run keeps its
+finished work and `resume` (under either executor) runs only what is missing (error rows are
+retried). One engine per (backend, model, dtype, options) is started through `shared_backend`
+in each executing process and reused by every row it runs; an engine that dies in a row is
+closed with that row (an error row) and started again for the next.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as _dt
 import itertools
 import os
-import time
-import traceback
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from tqdm import tqdm
 
-from parity.backends import BACKENDS, available_backends, close_dead_backends, shared_backend
+from parity.backends import BACKENDS, available_backends
 from parity.cases import Case, load_cases
-from parity.compare import compare, prefix_cache_options, route_capture_options
 from parity.errors import ConfigError
 from parity.nightly.environment import collect_environment
-from parity.nightly.history import History, RunInfo, now
+from parity.nightly.execute import PREFIX_CACHE as _PREFIX_CACHE
+from parity.nightly.execute import execute_row, prefix_cache_variant
+from parity.nightly.history import History, RunInfo
 from parity.nightly.lock import RunLock
 from parity.nightly.publish import publish
 from parity.nightly.regression import RegressionPolicy, compare_drift
 from parity.nightly.rows import RowKey, RowResult, check_run_id, exit_code, row_status
 from parity.outputs import output_dir, output_file
-from parity.schema import DTYPES, KERNEL_MODES, NO_REPLAY, PREFIX_CACHE_BACKENDS, ROUTE_CAPTURE_OPTIONS
+from parity.schema import DTYPES, KERNEL_MODES, PREFIX_CACHE_BACKENDS, ROUTE_CAPTURE_OPTIONS
 
 AUTO = "auto"
+EXECUTORS = ("local", "ray")
+DEVICES = ("cpu", "cuda")
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,12 @@ class NightlyConfig:
     baseline: compare every row with this run's row of the same key; None = the last passing
         run of each row.
     reference: training-forward kernels, "invariant" or "native" (see `parity.compare`).
+    device: where the reference and hf engines and the training forward run, "cpu" or "cuda"
+        (a row on "cuda" asks its executor for one GPU).
+    executor: "local" (rows one after another in this process) or "ray" (rows on Ray actors).
+    ray_address: the Ray cluster to run on ("auto", "ray://host:10001", "host:6379"); None = start
+        a local one on 127.0.0.1 for this run and stop it after.
+    ray_cpus: CPUs of that local cluster; None = this machine's count.
     """
 
     cases: str
@@ -64,6 +74,10 @@ class NightlyConfig:
     baseline: str | None = None
     policy: RegressionPolicy = field(default_factory=RegressionPolicy)
     reference: str = "invariant"
+    device: str = "cpu"
+    executor: str = "local"
+    ray_address: str | None = None
+    ray_cpus: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.cases, str):
@@ -77,7 +91,7 @@ class NightlyConfig:
             if not isinstance(value, (str, os.PathLike)) and not (option == "--history" and value is None):
                 raise ConfigError(f"{option} must be a path, got {value!r}")
         for option, value in (("--run-id", self.run_id), ("--baseline", self.baseline),
-                              ("--reference", self.reference)):
+                              ("--reference", self.reference), ("--ray-address", self.ray_address)):
             if value is not None and not isinstance(value, str):
                 raise ConfigError(f"{option} must be a string, got {value!r}")
         if not isinstance(self.policy, RegressionPolicy):
@@ -99,6 +113,17 @@ class NightlyConfig:
             raise ConfigError(f"--dtypes: unknown {bad}; allowed: {list(DTYPES)}")
         if self.reference not in KERNEL_MODES:
             raise ConfigError(f"--reference {self.reference!r}; allowed: {list(KERNEL_MODES)}")
+        for option, value, allowed in (("--device", self.device, DEVICES),
+                                       ("--executor", self.executor, EXECUTORS)):
+            if value not in allowed:
+                raise ConfigError(f"{option} {value!r}; allowed: {list(allowed)}")
+        if self.executor != "ray" and (self.ray_address is not None or self.ray_cpus is not None):
+            raise ConfigError("--ray-address and --ray-cpus need --executor ray")
+        if self.ray_cpus is not None and (isinstance(self.ray_cpus, bool)
+                                          or not isinstance(self.ray_cpus, int) or self.ray_cpus < 1):
+            raise ConfigError(f"--ray-cpus must be a whole number >= 1, got {self.ray_cpus!r}")
+        if self.ray_address is not None and self.ray_cpus is not None:
+            raise ConfigError("--ray-cpus sizes a local cluster; an existing one (--ray-address) has its own")
         for option, value in (("--run-id", self.run_id), ("--baseline", self.baseline)):
             if value is not None:
                 check_run_id(value, option=option)
@@ -110,15 +135,19 @@ class NightlyConfig:
     def to_record(self) -> dict[str, Any]:
         """The options that define the matrix and the verdicts, stored with the run for `--resume`."""
         return {"cases": self.cases, "backends": list(self.backends), "dtypes": list(self.dtypes),
-                "baseline": self.baseline, "reference": self.reference, **asdict(self.policy)}
+                "baseline": self.baseline, "reference": self.reference, "device": self.device,
+                **asdict(self.policy)}
 
     @classmethod
-    def from_record(cls, record: dict[str, Any], *, out: Path, history: Path | None,
-                    run_id: str) -> NightlyConfig:
+    def from_record(cls, record: dict[str, Any], *, out: Path, history: Path | None, run_id: str,
+                    executor: str = "local", ray_address: str | None = None,
+                    ray_cpus: int | None = None) -> NightlyConfig:
+        """The stored run's matrix; where it runs (the executor) is this invocation's choice."""
         return cls(cases=record["cases"], backends=tuple(record["backends"]), dtypes=tuple(record["dtypes"]),
                    out=out, history=history, run_id=run_id, baseline=record["baseline"],
-                   reference=record["reference"],
-                   policy=RegressionPolicy(alpha=record["alpha"], min_effect=record["min_effect"]))
+                   reference=record["reference"], device=record.get("device", "cpu"),
+                   policy=RegressionPolicy(alpha=record["alpha"], min_effect=record["min_effect"]),
+                   executor=executor, ray_address=ray_address, ray_cpus=ray_cpus)
 
 
 @dataclass(frozen=True)
@@ -163,14 +192,6 @@ def plan(cases: list[Case], backends: tuple[str, ...],
     return cells
 
 
-_PREFIX_CACHE = "prefix-cache-"
-
-
-def prefix_cache_variant(enabled: bool) -> str:
-    """A trajectory row's variant (`RowKey.router_replay`) for a prefix-cache setting."""
-    return _PREFIX_CACHE + ("on" if enabled else "off")
-
-
 def new_run_id() -> str:
     """The time-based part of a new run id: UTC, to the second."""
     return _dt.datetime.now(_dt.UTC).strftime("%Y%m%d-%H%M%S")
@@ -183,6 +204,18 @@ class RunInterrupted(KeyboardInterrupt):
         super().__init__(run_id)
         self.run_id = run_id
         self.finished_rows = finished_rows
+
+
+def executor_rows(run_id: str, todo: list[tuple[RowKey, Case]], config: NightlyConfig) -> Iterator[RowResult]:
+    """The rows of `todo` as they finish, unjudged, from the configured executor."""
+    if config.executor == "ray":
+        # Ray is an optional dependency, loaded only for a run on it
+        from parity.nightly.ray_executor import RayCluster, ray_rows
+
+        with RayCluster(address=config.ray_address, num_cpus=config.ray_cpus) as cluster:
+            yield from ray_rows(cluster, run_id, todo, reference=config.reference, device=config.device)
+    else:
+        yield from local_rows(run_id, todo, config)
 
 
 def run_nightly(config: NightlyConfig, *, progress: bool = True) -> NightlyRun:
@@ -206,12 +239,14 @@ def run_nightly(config: NightlyConfig, *, progress: bool = True) -> NightlyRun:
         with claim_run(history, config.run_id, record, collect_environment()) as run_id:
             done = {str(r.key) for r in history.rows(run_id) if r.status != "error"}
             todo = [(key, case) for key, case in cells if str(key) not in done]
+            cases_by_key = {key: case for key, case in todo}
             try:
-                with tqdm(todo, desc=f"nightly {run_id}", unit="row", disable=not progress,
+                with tqdm(total=len(todo), desc=f"nightly {run_id}", unit="row", disable=not progress,
                           dynamic_ncols=True) as bar:
-                    for key, case in bar:
-                        bar.set_postfix_str(key.label)
-                        history.add_row(run_row(run_id, key, case, config, history))
+                    for row in executor_rows(run_id, todo, config):
+                        history.add_row(judge_row(row, cases_by_key[row.key], config, history))
+                        bar.set_postfix_str(row.key.label)
+                        bar.update()
             except KeyboardInterrupt as exc:
                 finished = sum(r.status != "error" for r in history.rows(run_id))
                 raise RunInterrupted(run_id, finished) from exc
@@ -257,73 +292,21 @@ def claim_run(history: History, run_id: str | None, config: dict[str, Any],
         lock.release()
 
 
-def run_row(run_id: str, key: RowKey, case: Case, config: NightlyConfig, history: History) -> RowResult:
-    """Run one cell and judge it; any exception becomes an error row instead of ending the run."""
-    provenance: dict[str, Any] = {
-        "case": case.name, "case_hash": case.hash, "case_file": str(case.path or ""), "model": case.model,
-        "seeds": case.seeds, "reference_kernels": config.reference,
-    }
-    timing: dict[str, float] = {}
-    stage = "backend failed to start"
-    try:
-        t0 = time.perf_counter()
-        if key.router_replay.startswith(_PREFIX_CACHE):
-            replay = None
-            options = prefix_cache_options(key.backend, key.router_replay == prefix_cache_variant(True))
-        else:
-            replay = None if key.router_replay in ("", NO_REPLAY) else key.router_replay
-            options = route_capture_options(key.backend, replay)
-        engine = shared_backend(key.backend, case.model, dtype=key.dtype, **options)
-        timing["start_s"] = round(time.perf_counter() - t0, 3)
-        stage = "case failed"
-        t0 = time.perf_counter()
-        if case.kind == "lifecycle":
-            return lifecycle_row(run_id, key, case, engine, provenance, timing)
-        report = compare(None, engine, case=case, dtype=key.dtype, tolerance=case.tolerance_for(key.backend),
-                         reference=config.reference,
-                         router_replay=replay)
-        timing["case_s"] = round(time.perf_counter() - t0, 3)
-    except Exception as exc:  # an error row, by design: one broken backend must not end the night
-        trace = "".join(traceback.format_exception(exc))[-4000:]
-        dead = close_dead_backends()  # an engine this row killed must not fail every later row
-        note = "".join(f"; the {name} engine died and was closed; the next row starts a new one"
-                       for name in dead)
-        return RowResult(run_id=run_id, key=key, status="error",
-                         error=f"{stage}: {type(exc).__name__}: {exc}{note}",
-                         provenance={**provenance, "traceback": trace}, timing=timing, finished_at=now())
-    abs_diff = np.abs(report.log_ratio())
-    baseline = history.row(config.baseline, key) if config.baseline is not None \
-        else history.last_passing(key, before_run=run_id)
-    verdict = None
-    if baseline is not None and baseline.status != "error":
-        verdict = compare_drift(abs_diff, baseline.abs_diff, baseline_run=baseline.run_id,
-                                policy=config.policy)
-    return RowResult(
-        run_id=run_id, key=key, status=row_status(report.violations, verdict), summary=dict(report.summary),
-        violations=[v._asdict() for v in report.violations], verdict=verdict,
-        provenance={**report.provenance, **provenance}, timing=timing, abs_diff=abs_diff,
-        report_json=report.to_json(), finished_at=now(),
-    )
+def judge_row(row: RowResult, case: Case, config: NightlyConfig, history: History) -> RowResult:
+    """A row as it comes back from an executor, tested against its baseline row in the history
+    (`--baseline`, else the last passing run of its key); error and lifecycle rows are as they are."""
+    if row.status == "error" or case.kind == "lifecycle":
+        return row
+    baseline = history.row(config.baseline, row.key) if config.baseline is not None \
+        else history.last_passing(row.key, before_run=row.run_id)
+    if baseline is None or baseline.status == "error":
+        return row
+    verdict = compare_drift(row.abs_diff, baseline.abs_diff, baseline_run=baseline.run_id,
+                            policy=config.policy)
+    return dataclasses.replace(row, verdict=verdict, status=row_status(row.violations, verdict))
 
 
-def lifecycle_row(run_id: str, key: RowKey, case: Case, engine: Any, provenance: dict[str, Any],
-                  timing: dict[str, float]) -> RowResult:
-    """A lifecycle case's row: `parity.lifecycle` on the case's prompts. Each failed check is a
-    violation (a "fail" row); skipped checks (transitions the backend refuses) do not fail it.
-    Lifecycle rows have no per-token drift, so no regression test against a baseline."""
-    # the checks drive a running engine and load torch; importing nightly stays light
-    from parity.lifecycle import run_lifecycle
-
-    t0 = time.perf_counter()
-    report = run_lifecycle(engine, case.requests)
-    timing["case_s"] = round(time.perf_counter() - t0, 3)
-    counts = {status: sum(r.status == status for r in report.results) for status in ("pass", "fail", "skip")}
-    violations = [{"metric": f"lifecycle {r.name}: {r.violation[0]}", "value": r.violation[1],
-                   "limit": r.violation[2]} for r in report.results if r.violation is not None]
-    return RowResult(
-        run_id=run_id, key=key, status="pass" if report.passed else "fail",
-        summary={f"lifecycle_checks_{status}": float(n) for status, n in counts.items()},
-        violations=violations,
-        provenance={**provenance, "kind": "lifecycle", "backend_meta": dict(engine.meta),
-                    "lifecycle": [asdict(r) for r in report.results]},
-        timing=timing, finished_at=now())
+def local_rows(run_id: str, todo: list[tuple[RowKey, Case]], config: NightlyConfig) -> Iterator[RowResult]:
+    """The local executor: the rows one after another in this process, engines via `shared_backend`."""
+    for key, case in todo:
+        yield execute_row(run_id, key, case, reference=config.reference, device=config.device)

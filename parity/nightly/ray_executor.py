@@ -1,0 +1,198 @@
+"""The Ray executor: nightly rows on the actors of a Ray cluster, streamed back as they finish.
+
+There are as many worker actors as rows fit on the cluster at once (`row_resources`). Rows are
+grouped by engine (backend, model, dtype, options) and the groups dealt out to the actors whole
+(`assign`), so each actor starts each of its engines once (`shared_backend`, in its own process)
+and runs its rows one after another, like the local executor does in one process; the actors
+run side by side. Ray places the actors (a GPU row's on a node with a free GPU); parity feeds
+each actor its next row only when the previous one comes back, so only the row in flight is lost
+when a worker dies.
+
+Faults are Ray's: an actor whose process dies is restarted (`max_restarts=-1`) and the row it was
+running retried once (`max_task_retries=1`); a row that kills its worker twice becomes an error
+row and the actor goes on with its next row. Every actor is killed when the run ends, fails or
+is interrupted, and a cluster this module started is shut down with it (`RayCluster`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import socket
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+from parity.cases import Case
+from parity.errors import ConfigError
+from parity.nightly.execute import engine_options, error_row, execute_row
+from parity.nightly.rows import RowKey, RowResult
+
+#: `module:function` that every worker calls with a row's key (`str(RowKey)`) before running the
+#: row: the fault-injection point of the worker-death tests. Unset in normal runs.
+ROW_HOOK_ENV = "PARITY_NIGHTLY_ROW_HOOK"
+LOOPBACK = "127.0.0.1"
+LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def row_resources(device: str) -> dict[str, float]:
+    """What one row asks Ray for: one CPU, and on "cuda" one GPU (the reference engine runs on
+    one device; Ray gives the actor that GPU as its `CUDA_VISIBLE_DEVICES`)."""
+    return {"num_cpus": 1.0, "num_gpus": 1.0 if device == "cuda" else 0.0}
+
+
+class RayCluster:
+    """A connection to a Ray cluster for one run (a context manager).
+
+    address None starts a local cluster of `num_cpus` CPUs bound to 127.0.0.1 (no dashboard) that
+    lives exactly as long as the block: it is shut down on the way out, also on an exception or
+    Ctrl-C. With an address the block connects to that cluster and leaves it running.
+    """
+
+    def __init__(self, *, address: str | None = None, num_cpus: int | None = None) -> None:
+        self.address = address
+        self.num_cpus = num_cpus
+
+    def __enter__(self) -> RayCluster:
+        if self.address is None:
+            # Ray puts a local node on loopback only where it does not support clusters (macOS,
+            # Windows); this switch gives that here, so the GCS, raylet and workers listen on
+            # 127.0.0.1. Ray reads it once, at import; the check after `init` proves it held.
+            os.environ[LOCAL_ONLY_ENV] = "0"
+        try:
+            import ray
+        except ImportError as exc:
+            raise ConfigError("--executor ray needs Ray: pip install 'parity[ray]' (or pick "
+                              "--executor local)") from exc
+        if ray.is_initialized():
+            raise ConfigError("--executor ray: this process is already connected to Ray; parity connects "
+                              "by itself (give the cluster as --ray-address)")
+        common: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False,
+                                  "logging_level": "WARNING", "namespace": "parity-nightly"}
+        try:
+            if self.address is None:
+                # Ray starts workers at niceness 15 to keep its own daemons responsive; here the
+                # workers are the run, and niced they starve behind any other load on the host.
+                ray.init(num_cpus=self.num_cpus or os.cpu_count() or 1, _system_config={"worker_niceness": 0},
+                         **common)
+            else:
+                ray.init(address=self.address, **common)
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            ray.shutdown()
+            raise ConfigError(f"--ray-address {self.address!r}: cannot connect ({exc}); start the head "
+                              "with `ray start --head` and give its address") from exc
+        if self.address is None and {n["NodeManagerAddress"] for n in ray.nodes()} != {LOOPBACK}:
+            ray.shutdown()
+            raise ConfigError(f"--executor ray: the local Ray cluster would listen beyond {LOOPBACK} "
+                              f"because Ray was imported before parity set {LOCAL_ONLY_ENV}=0; set it in "
+                              "the environment, or start a cluster yourself and give --ray-address")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import ray
+
+        ray.shutdown()  # a cluster ray.init started goes with it; an existing one is only left
+
+    def slots(self, resources: dict[str, float]) -> int:
+        """How many rows asking for `resources` the cluster holds at once (0: none fits)."""
+        import ray
+
+        total = ray.cluster_resources()
+        return min(math.floor(total.get(name, 0.0) / amount) for name, amount in
+                   (("CPU", resources["num_cpus"]), ("GPU", resources["num_gpus"])) if amount > 0)
+
+
+class RowWorker:
+    """A Ray actor that runs rows; the engines it starts live as long as it does."""
+
+    def run(self, run_id: str, key: RowKey, case: Case, reference: str, device: str) -> RowResult:
+        """One row, as `execute_row` runs it, with this node, process and GPUs as its placement."""
+        import ray
+
+        hook = os.environ.get(ROW_HOOK_ENV)
+        if hook:
+            module, _, function = hook.partition(":")
+            getattr(importlib.import_module(module), function)(str(key))
+        context = ray.get_runtime_context()
+        placement = {"executor": "ray", "host": socket.gethostname(), "node_id": context.get_node_id(),
+                     "actor_id": context.get_actor_id(),
+                     "pid": os.getpid(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
+        return execute_row(run_id, key, case, reference=reference, device=device, placement=placement)
+
+
+def assign(todo: list[tuple[RowKey, Case]], device: str, slots: int) -> list[deque[tuple[RowKey, Case]]]:
+    """The rows split into one queue per actor, at most `slots` actors, rows of one engine next to
+    each other (so an actor starts each engine once). Engines (groups of rows) go whole to the
+    shortest queue, in matrix order, while there are at least as many as slots; fewer engines
+    than slots are each split over `slots // groups` actors, round robin."""
+    groups: dict[str, list[tuple[RowKey, Case]]] = {}
+    for key, case in todo:
+        engine = repr((key.backend, case.model, key.dtype, sorted(engine_options(key, device).items())))
+        groups.setdefault(engine, []).append((key, case))
+    if len(groups) < slots:
+        queues = []
+        for rows in groups.values():
+            n = min(len(rows), slots // len(groups))
+            queues += [deque(rows[i::n]) for i in range(n)]
+        return queues
+    queues = [deque() for _ in range(slots)]
+    for rows in groups.values():
+        min(queues, key=len).extend(rows)
+    return queues
+
+
+def ray_rows(cluster: RayCluster, run_id: str, todo: list[tuple[RowKey, Case]], *, reference: str,
+             device: str) -> Iterator[RowResult]:
+    """Run `todo` on the cluster; yields each row (unjudged) as it finishes. Closing the
+    generator (the run ended, failed or was interrupted) kills every actor, which cancels the
+    rows still running or waiting."""
+    import ray
+
+    if not todo:
+        return
+    resources = row_resources(device)
+    slots = cluster.slots(resources)
+    if slots < 1:
+        raise ConfigError(f"--executor ray: no node of the cluster has {resources} for a row; add one, or "
+                          "run on --device cpu")
+    actor_class = ray.remote(RowWorker).options(**resources, max_restarts=-1, max_task_retries=1)
+    inflight: dict[Any, tuple[Any, deque[tuple[RowKey, Case]], RowKey, Case]] = {}
+    actors = []
+    node_ips: dict[str, str] = {}
+
+    def submit(actor: Any, queue: deque[tuple[RowKey, Case]]) -> None:
+        key, case = queue.popleft()
+        inflight[actor.run.remote(run_id, key, case, reference, device)] = (actor, queue, key, case)
+
+    try:
+        for queue in assign(todo, device, slots):
+            actors.append(actor_class.remote())
+            submit(actors[-1], queue)
+        while inflight:
+            [ref], _ = ray.wait(list(inflight), num_returns=1)
+            actor, queue, key, case = inflight.pop(ref)
+            try:
+                row = ray.get(ref)
+            except ray.exceptions.RayActorError as exc:
+                row = error_row(run_id, key, "the Ray worker running this row died, and again when the row "
+                                f"was retried: {type(exc).__name__}: {str(exc)[:500]}",
+                                {"case": case.name, "case_hash": case.hash, "model": case.model,
+                                 "ran_on": {"executor": "ray"}})
+            except ray.exceptions.RayError as exc:
+                row = error_row(run_id, key, f"the Ray task failed: {type(exc).__name__}: {str(exc)[:500]}",
+                                {"case": case.name, "case_hash": case.hash, "model": case.model,
+                                 "ran_on": {"executor": "ray"}})
+            ran_on = row.provenance.get("ran_on", {})
+            if "node_id" in ran_on:  # the address Ray knows the node by (a worker sees only its host)
+                if ran_on["node_id"] not in node_ips:
+                    node_ips.update({n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()})
+                ran_on["node_ip"] = node_ips.get(ran_on["node_id"], "")
+            if queue:
+                submit(actor, queue)
+            else:
+                ray.kill(actor)  # its engines and their memory go now, not when the whole run ends
+            yield row
+    finally:
+        for actor in actors:
+            ray.kill(actor)

@@ -1,0 +1,242 @@
+"""`parity nightly --executor ray` on a real local Ray cluster (127.0.0.1, 2 CPUs), started and
+stopped by each run: its rows equal the local executor's bit for bit, a worker killed mid-row is
+retried once and then recorded as an error row, Ctrl-C leaves a run that `--resume` finishes
+without duplicates, and no Ray process outlives its run. Every run is its own process, so Ray's
+state never leaks into the test session; workers inject faults through `ray_faults`."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+from ray_faults import FAULTS_ENV, kills
+
+from parity.backends import available_backends
+from parity.cases import load_cases
+from parity.errors import ConfigError
+from parity.nightly.ray_executor import ROW_HOOK_ENV, assign, row_resources
+from parity.nightly.runner import NightlyConfig, plan
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+NO_RAY = importlib.util.find_spec("ray") is None
+needs_ray = pytest.mark.skipif(NO_RAY, reason="ray is not installed (pip install 'parity[ray]')")
+RAY_PROCESSES = ("raylet", "gcs_server")
+TINY_CASE = """
+    model = "tiny-llama"
+    [prompts]
+    token_ids = [[72, 101, 108, 108, 111], [3, 4, 5, 6, 7, 8]]
+    [sampling]
+    temperature = 0.8
+    max_tokens = 6
+    seed = {seed}
+"""
+
+
+def nightly(out: Path, *args: str, faults: dict | None = None) -> subprocess.Popen:
+    """`parity nightly ... --out OUT --no-progress` in its own process and session (a signal to
+    it reaches no one else); its workers call `ray_faults.before_row` with `faults`."""
+    path = os.pathsep.join([str(TESTS), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path, ROW_HOOK_ENV: "ray_faults:before_row",
+           FAULTS_ENV: json.dumps(faults or {})}
+    code = "import sys; from parity.nightly import main; sys.exit(main(sys.argv[1:]))"
+    return subprocess.Popen([sys.executable, "-c", code, *args, "--out", str(out), "--no-progress"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 600) -> tuple[int, str]:
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out + err
+
+
+def rows(out: Path, run_id: str) -> dict[str, dict]:
+    """The stored rows of a run by key, with the report JSON decoded."""
+    with sqlite3.connect(out / "history.sqlite") as db:
+        found = db.execute("SELECT row_key, status, error, provenance, abs_diff, report FROM rows "
+                           "WHERE run_id = ?", (run_id,)).fetchall()
+    return {key: {"status": status, "error": error, "provenance": json.loads(provenance),
+                  "abs_diff": zlib.decompress(abs_diff),
+                  "report": json.loads(zlib.decompress(report)) if report else None}
+            for key, status, error, provenance, abs_diff, report in found}
+
+
+def row_count(out: Path) -> int:
+    with sqlite3.connect(out / "history.sqlite") as db:
+        return db.execute("SELECT COUNT(*) FROM rows").fetchone()[0]
+
+
+def ray_processes(proc: subprocess.Popen) -> list[psutil.Process]:
+    """The Ray cluster a nightly process started: its raylet, GCS and workers."""
+    return [p for p in psutil.Process(proc.pid).children(recursive=True)
+            if any(name in " ".join(p.cmdline()) for name in (*RAY_PROCESSES, "ray::", "default_worker"))]
+
+
+def assert_gone(processes: list[psutil.Process]) -> None:
+    deadline = time.monotonic() + 30  # Ray's shutdown reaps its processes asynchronously
+    while (alive := [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]) \
+            and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not alive, [(p.pid, p.name()) for p in alive]
+
+
+def wait_for_rows(out: Path, n: int, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, finish(proc)
+        if (out / "history.sqlite").is_file():
+            try:
+                if row_count(out) >= n:
+                    return
+            except sqlite3.OperationalError:  # the tables are being created
+                pass
+        time.sleep(0.5)
+    pytest.fail(f"fewer than {n} rows after {timeout} s")
+
+
+@pytest.fixture
+def tiny_cases(tmp_path: Path) -> Path:
+    """Three one-engine cases (reference, tiny-llama, bfloat16): a, b, c."""
+    cases = tmp_path / "cases"
+    cases.mkdir()
+    for seed, name in enumerate("abc"):
+        (cases / f"{name}.toml").write_text(textwrap.dedent(TINY_CASE.format(seed=seed)))
+    return cases
+
+
+# -- without a cluster -----------------------------------------------------------------------
+
+def test_rows_are_split_per_engine_over_the_slots_in_matrix_order():
+    todo = plan(load_cases(f"{ROOT / 'cases' / 'smoke.toml'},{ROOT / 'cases' / 'moe.toml'}"),
+                ("reference", "hf"))
+    # five engines (smoke x 2 backends, moe x 2 backends, moe R3 on reference), two slots: each
+    # engine's rows whole on the shorter queue, in matrix order
+    queues = [[str(k) for k, _ in q] for q in assign(todo, "cpu", slots=2)]
+    assert queues == [
+        ["smoke|reference|bfloat16|", "moe|reference|bfloat16|none", "moe|reference|bfloat16|R3"],
+        ["smoke|hf|bfloat16|", "moe|hf|bfloat16|none"]], queues
+    one_engine = [(k, c) for k, c in todo if k.backend == "reference" and k.case == "smoke"] * 5
+    assert [len(q) for q in assign(one_engine, "cpu", slots=2)] == [3, 2]
+    assert len(assign(todo, "cpu", slots=64)) == 5  # no more actors than rows
+    assert row_resources("cpu") == {"num_cpus": 1.0, "num_gpus": 0.0}
+    assert row_resources("cuda") == {"num_cpus": 1.0, "num_gpus": 1.0}
+
+
+@pytest.mark.parametrize(("options", "match"), [
+    ({"executor": "dask"}, "--executor 'dask'"),
+    ({"ray_address": "auto"}, "need --executor ray"),
+    ({"executor": "ray", "ray_cpus": 0}, "--ray-cpus must be a whole number"),
+    ({"executor": "ray", "ray_cpus": 2, "ray_address": "auto"}, "sizes a local cluster"),
+    ({"device": "tpu"}, "--device 'tpu'"),
+])
+def test_executor_options_are_checked(options, match):
+    with pytest.raises(ConfigError, match=match):
+        NightlyConfig(cases="cases/smoke.toml", **options)
+
+
+# -- on a local cluster ----------------------------------------------------------------------
+
+@needs_ray
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_ray_rows_equal_local_rows_bit_for_bit(tmp_path):
+    """The smoke case on reference, hf and vLLM under both executors: same rows and statuses,
+    the same token ids and logprobs to the bit. (The full smoke+moe matrix takes ~10 min on two
+    shared cores; the README's command runs it.)"""
+    missing = {b: why for b, why in available_backends().items() if b in ("hf", "vllm") and why is not None}
+    if missing:
+        pytest.skip(f"backends not usable here: {missing}")
+    args = ("--cases", str(ROOT / "cases" / "smoke.toml"), "--backends", "reference,hf,vllm")
+    ray = nightly(tmp_path / "ray", *args, "--run-id", "r", "--executor", "ray", "--ray-cpus", "2")
+    ray_code, ray_log = finish(ray)
+    local_code, local_log = finish(nightly(tmp_path / "local", *args, "--run-id", "r"))
+    assert ray_code == local_code == 0, (ray_log, local_log)
+    on_ray, local = rows(tmp_path / "ray", "r"), rows(tmp_path / "local", "r")
+    assert sorted(on_ray) == sorted(local) and len(local) == 3, (sorted(on_ray), sorted(local))
+    for key, row in local.items():
+        other = on_ray[key]
+        ran_on = other["provenance"]["ran_on"]
+        assert ran_on["executor"] == "ray" and ran_on["node_ip"] == "127.0.0.1", (key, ran_on)
+        assert row["provenance"]["ran_on"]["executor"] == "local", key
+        assert other["status"] == row["status"] == "pass", key
+        for name in ("token_ids", "rollout_logprobs", "train_logprobs", "mask"):
+            a, b = (np.asarray(r["report"]["arrays"][name]["data"]) for r in (other, row))
+            assert a.dtype == b.dtype and np.array_equal(a, b), (key, name)
+        assert other["abs_diff"] == row["abs_diff"] and other["report"]["summary"] == row["report"]["summary"]
+    # the comparison has teeth: the backends' own rollouts differ from each other
+    logprobs = {k.split("|")[1]: np.asarray(r["report"]["arrays"]["rollout_logprobs"]["data"])
+              for k, r in local.items()}
+    assert not np.array_equal(logprobs["reference"], logprobs["hf"])
+
+
+@needs_ray
+@pytest.mark.slow
+def test_a_killed_worker_is_retried_once_then_its_row_is_an_error_and_resume_reruns_it(tmp_path, tiny_cases):
+    out, a, b = tmp_path / "reports", "a|reference|bfloat16|", "b|reference|bfloat16|"
+    proc = nightly(out, "--cases", str(tiny_cases), "--backends", "reference", "--run-id", "k", "--executor",
+                   "ray", "--ray-cpus", "2", faults={"kill": {a: 1, b: 99}, "counts": str(tmp_path)})
+    code, log = finish(proc)
+    stored = rows(out, "k")
+    # a: killed once, retried on the restarted actor, passed; b: killed on its try and its retry
+    assert code == 2 and kills(tmp_path, a) == 1 and kills(tmp_path, b) == 2, log
+    statuses = {k: r["status"] for k, r in stored.items()}
+    assert statuses == {a: "pass", b: "error", "c|reference|bfloat16|": "pass"}
+    assert "the Ray worker running this row died" in stored[b]["error"] and row_count(out) == 3
+    # a run started on Ray is finished by the local executor: only the error row runs again
+    code, log = finish(nightly(out, "--resume", "k"))
+    stored = rows(out, "k")
+    assert code == 0 and row_count(out) == 3 and {r["status"] for r in stored.values()} == {"pass"}, log
+    assert stored[b]["provenance"]["ran_on"]["executor"] == "local"
+    assert stored[a]["provenance"]["ran_on"]["executor"] == "ray"
+
+
+@needs_ray
+@pytest.mark.slow
+def test_ctrl_c_cancels_the_ray_rows_stops_the_cluster_and_resume_finishes_the_run(tmp_path, tiny_cases):
+    out, c = tmp_path / "reports", "c|reference|bfloat16|"
+    proc = nightly(out, "--cases", str(tiny_cases), "--backends", "reference", "--run-id", "s", "--executor",
+                   "ray", "--ray-cpus", "2", faults={"sleep": {c: 600}})
+    wait_for_rows(out, 2, proc)  # a and b are stored; c sleeps in its worker
+    cluster = ray_processes(proc)
+    names = {p.name() for p in cluster}
+    assert set(RAY_PROCESSES) <= names, names
+    listening = {c.laddr.ip for p in cluster for c in p.net_connections(kind="inet") if c.status == "LISTEN"}
+    assert listening and listening <= {"127.0.0.1", "::ffff:127.0.0.1"}, listening
+    proc.send_signal(signal.SIGINT)
+    code, log = finish(proc, timeout=120)
+    assert code == 130 and "parity nightly --resume s" in log and "--executor ray" in log, log
+    assert_gone(cluster)
+    assert row_count(out) == 2
+    code, log = finish(nightly(out, "--resume", "s", "--executor", "ray", "--ray-cpus", "2"))
+    stored = rows(out, "s")
+    assert code == 0 and row_count(out) == 3, log
+    assert sorted(stored) == [f"{n}|reference|bfloat16|" for n in "abc"]
+    assert stored[c]["provenance"]["ran_on"]["executor"] == "ray", log
+
+
+@needs_ray
+@pytest.mark.gpu
+@pytest.mark.skipif(not importlib.util.find_spec("torch") or not __import__("torch").cuda.device_count() >= 2,
+                    reason="needs two CUDA GPUs: reference rows on --device cuda spread over both")
+def test_gpu_reference_rows_spread_over_two_gpus(tmp_path, tiny_cases):
+    out = tmp_path / "reports"
+    code, log = finish(nightly(out, "--cases", str(tiny_cases), "--backends", "reference", "--device", "cuda",
+                               "--run-id", "g", "--executor", "ray"))
+    stored = rows(out, "g")
+    assert code == 0 and len(stored) == 3, log
+    gpus = {tuple(r["provenance"]["ran_on"]["gpu_ids"]) for r in stored.values()}
+    assert len(gpus) == 2 and all(len(g) == 1 for g in gpus), gpus
+    assert all(r["report"]["summary"]["max_abs_logprob_diff"] == 0.0 for r in stored.values())
+
+
