@@ -11,6 +11,7 @@ from parity import kernels
 from parity.errors import BackendUnavailableError, ConfigError
 from parity.kernels import cpu, ops
 from parity.kernels.attention import KV_BLOCK, attend
+from parity.kernels.cpu_attention import attention as cpu_attention
 from parity.models.loading import load_model
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -222,16 +223,16 @@ def test_attention_is_independent_of_span_batch_and_slot(length, extra_blocks, d
     v = _cache(3, hkv, cap, d, dtype, 2)
     q = _rand(length, hq, d, dtype=dtype, seed=3)
     pos = data.draw(st.integers(0, length - 1))
-    alone = cpu.attention(q[pos:pos + 1], k, v, torch.tensor([1]), torch.tensor([pos]), pos + 1, 0.2)
+    alone = cpu_attention(q[pos:pos + 1], k, v, torch.tensor([1]), torch.tensor([pos]), pos + 1, 0.2)
     # The same token among a whole prefill of its slot, reading every cached position.
     ones = torch.ones(length, dtype=torch.int64)
-    full = cpu.attention(q, k, v, ones, torch.arange(length), k.shape[2], 0.2)
+    full = cpu_attention(q, k, v, ones, torch.arange(length), k.shape[2], 0.2)
     assert torch.equal(full[pos], alone[0])
     # Another slot holding the same keys/values, with a block-aligned span.
     k2, v2 = k.clone(), v.clone()
     k2[2], v2[2] = k[1], v[1]
     span = (pos // KV_BLOCK + 1) * KV_BLOCK
-    other = cpu.attention(q[pos:pos + 1], k2, v2, torch.tensor([2]), torch.tensor([pos]), span, 0.2)
+    other = cpu_attention(q[pos:pos + 1], k2, v2, torch.tensor([2]), torch.tensor([pos]), span, 0.2)
     assert torch.equal(other[0], alone[0])
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from parity.kernels.switch import register
 
@@ -35,8 +36,9 @@ POINTWISE_ALIGN = 64
 #: largest piece a pointwise op sees: half of ATen's GRAIN_SIZE (32768 elements), below which
 #: TensorIterator runs an op on one thread.
 POINTWISE_CHUNK = 16384
-#: query tokens per attention chunk (bounds memory only; rows never interact).
-ATTENTION_ROWS = 128
+
+#: weight -> ((version, data pointer), float32 copy) for `float_weight`.
+_float_weights: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def pointwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -76,24 +78,48 @@ def tree_sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Ten
     return x if keepdim else x.squeeze(dim)
 
 
+def float_weight(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` in float32: the tensor itself if it is float32, else a cached float32 copy.
+
+    Low-precision GEMMs run in float32 (see `linear`). The copy is made once per weight and
+    dropped with it; an in-place update of the weight (its version counter moves) or a new
+    storage makes a fresh copy. Costs 4 bytes per parameter of memory for a bf16/fp16 model.
+    """
+    if weight.dtype == torch.float32:
+        return weight
+    key = (weight._version, weight.data_ptr())
+    cached = _float_weights.get(weight)
+    if cached is None or cached[0] != key:
+        cached = (key, weight.detach().to(torch.float32))
+        _float_weights[weight] = cached
+    return cached[1]
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias): x [..., K], weight [N, K] -> [..., N]; each row independent of the others."""
+    """x @ weight.T (+ bias): x [..., K], weight [N, K] -> [..., N]; each row independent of the others.
+
+    The rows are cut into [TILE, K] tiles (the last one padded with zero rows) and one `bmm`
+    multiplies every tile by the same weight, so the BLAS library sees the same problem for
+    every row whatever the batch. bf16/fp16 inputs are multiplied in float32 (their products are
+    exact in float32, the sum accumulates in float32 as in a bf16 GEMM, and the result is rounded
+    once): the CPU's float32 GEMM is ~9x faster than its bf16 one on AVX2 (docs/PERF.md).
+    """
     k = x.shape[-1]
     n_out = weight.shape[0]
     rows = x.reshape(-1, k)
     m = rows.shape[0]
     if m == 0:
         return x.new_empty(*x.shape[:-1], n_out)
-    pad = (-m) % TILE
-    if pad:
-        rows = torch.cat([rows, rows.new_zeros(pad, k)])
-    tiles = rows.view(-1, TILE, k)
-    out = torch.bmm(tiles, weight.t().unsqueeze(0).expand(tiles.shape[0], k, n_out))
+    tiles = -(-m // TILE)
+    padded = rows.new_zeros(tiles * TILE, k, dtype=torch.float32)
+    padded[:m] = rows
+    w = float_weight(weight)
+    out = torch.bmm(padded.view(tiles, TILE, k), w.t().unsqueeze(0).expand(tiles, k, n_out))
     out = out.view(-1, n_out)[:m]
     if bias is not None:
         # A separate elementwise add: a fused addmm would round differently per kernel.
         out = out + bias
-    return out.view(*x.shape[:-1], n_out)
+    return out.to(x.dtype).view(*x.shape[:-1], n_out)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -188,39 +214,6 @@ def experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torc
     return combined
 
 
-def attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-              positions: torch.Tensor, span: int, scaling: float) -> torch.Tensor:
-    """Causal attention of each query token over its own sequence's cached K/V.
-
-    query [T, Hq, D]; k_cache, v_cache [S, Hkv, C, D] (S sequence slots, C cached positions);
-    slots, positions [T] (int64): the slot and absolute position of each query token; `span`:
-    how many cached positions to read (> every position). Returns [T, Hq, D] in the query
-    dtype; the math runs in fp32.
-
-    The KV axis is indexed by absolute position. Keys after a token's position get score -inf,
-    so exp gives them exact zeros; the max is order-free, and both KV sums are `tree_sum`s,
-    which trailing zeros leave unchanged. So a token's result does not depend on `span`, on
-    the other tokens, or on whether it came in a full forward, a prefill chunk or a decode step.
-    """
-    t, hq, d = query.shape
-    hkv = k_cache.shape[1]
-    out = torch.empty(t, hq, d, dtype=query.dtype, device=query.device)
-    visible_at = torch.arange(span, device=query.device)
-    # Query rows are independent; chunking them only bounds the [rows, H, span, D] temporaries.
-    for lo in range(0, t, ATTENTION_ROWS):
-        hi = min(t, lo + ATTENTION_ROWS)
-        q = query[lo:hi].to(torch.float32).view(hi - lo, hkv, hq // hkv, 1, d)
-        keys = k_cache[slots[lo:hi], :, :span].to(torch.float32).unsqueeze(2)  # [rows, Hkv, 1, span, D]
-        values = v_cache[slots[lo:hi], :, :span].to(torch.float32).unsqueeze(2)
-        scores = tree_sum(q * keys, -1) * scaling  # [rows, Hkv, G, span]
-        hidden = visible_at.unsqueeze(0) > positions[lo:hi].unsqueeze(1)
-        scores = scores.masked_fill(hidden[:, None, None, :], float("-inf"))
-        p = pointwise(torch.exp, scores - scores.amax(-1, keepdim=True))
-        weighted = tree_sum(p.unsqueeze(-1) * values, -2)  # [rows, Hkv, G, D]
-        out[lo:hi] = (weighted / tree_sum(p, -1, keepdim=True)).view(hi - lo, hq, d).to(query.dtype)
-    return out
-
-
 def rotary(forward: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
            x: torch.Tensor, position_ids: torch.Tensor, max_positions: int,
            tables: dict[tuple[torch.dtype, str], tuple[torch.Tensor, torch.Tensor]],
@@ -250,7 +243,6 @@ for _family, _op, _fn in (
     ("pointwise", "activation", activation),
     ("moe", "topk", topk),
     ("moe", "experts", experts),
-    ("attention", "attention", attention),
     ("rotary", "rotary", rotary),
 ):
     register(_family, _op, "cpu", _fn)

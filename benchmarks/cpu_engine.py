@@ -1,0 +1,293 @@
+"""CPU end-to-end sampling speed: parity's reference engine against transformers and vLLM, side by side.
+
+Run (from the repository root):
+
+    .venv/bin/python benchmarks/cpu_engine.py                       # the table
+    .venv/bin/python benchmarks/cpu_engine.py --profile invariant   # where a decode step's time goes
+
+The workload: a SmolLM2-135M-shaped Llama (30 layers, hidden 576, 9/3 heads of 64, vocabulary
+49,152; random weights generated once into $PARITY_CACHE/shaped/, speed does not depend on the
+values), bf16, `--requests` requests x `--prompt` prompt tokens x `--output` output tokens,
+temperature 1, no top-k/top-p, EOS ignored. Every engine gets one warm-up call of the whole
+workload, then `--rounds` timed calls; the table shows the median output tokens/s and the ratio
+to vLLM. Engines run one after the other in this process (vLLM's engine core in its own
+process), at `--threads` intra-op threads (vLLM-CPU binds its own OpenMP threads to the cores).
+
+The profile runs the engine on the same workload and records, for the decode steps at full
+batch (one token per running sequence), the wall time of the step, of the model forward and of
+sampling, and per op family the wall time inside parity's op wrappers next to the time spent in
+ATen ops below them (the rest is Python and dispatch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+from parity import Request, SamplingParams
+
+SHAPE, LAYERS = "smollm2-135m", 30
+ENGINES = ("invariant", "native", "hf", "vllm")
+
+
+def model_path() -> Path:
+    """The shaped checkpoint, generated on first use (seeded: the same bits every time)."""
+    from parity.models.checkpoints import cache_dir
+    from parity.models.shaped import save_random_model, shaped_config
+
+    path = cache_dir() / "shaped" / f"{SHAPE}-{LAYERS}l-bf16"
+    if not (path / "config.json").exists():
+        save_random_model(shaped_config(SHAPE, LAYERS), path, device="cpu", dtype="bfloat16")
+    return path
+
+
+def workload(requests: int, prompt: int, output: int) -> list[Request]:
+    """`requests` distinct prompts of `prompt` ids, sampled at temperature 1 for `output` tokens."""
+    return [Request(tuple(3 + (7919 * i + 31 * j) % 49000 for j in range(prompt)),
+                    SamplingParams(temperature=1.0, max_tokens=output, seed=i, ignore_eos=True),
+                    request_id=str(i)) for i in range(requests)]
+
+
+def _engine(name: str, path: Path, batch: int) -> object:
+    if name in ("invariant", "native"):
+        from parity.engine import ReferenceEngine
+
+        return ReferenceEngine(path, dtype="bfloat16", kernels=name, max_num_seqs=batch, chunk_size=64)
+    from parity.backends import get_backend
+
+    if name == "hf":
+        return get_backend("hf", path, dtype="bfloat16", batch_size=batch)
+    return get_backend("vllm", path, dtype="bfloat16", max_num_seqs=batch)
+
+
+def measure(name: str, path: Path, requests: list[Request], rounds: int) -> list[float]:
+    """Seconds of each timed `generate` call of engine `name` (after one warm-up call)."""
+    engine = _engine(name, path, len(requests))
+    try:
+        expected = sum(r.sampling.max_tokens for r in requests)
+        engine.generate(requests)
+        times = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            rollouts = engine.generate(requests)
+            times.append(time.perf_counter() - start)
+            produced = sum(len(r.token_ids) for r in rollouts)
+            if produced != expected:
+                raise RuntimeError(f"{name}: {produced} output tokens, expected {expected}")
+        return times
+    finally:
+        close = getattr(engine, "close", None)
+        if close is not None:
+            close()
+
+
+def run_table(args: argparse.Namespace) -> None:
+    path = model_path()
+    requests = workload(args.requests, args.prompt, args.output)
+    tokens = args.requests * args.output
+    print(f"# {SHAPE} x {LAYERS} layers, bf16, {args.requests} requests x {args.prompt} prompt x "
+          f"{args.output} output tokens, temperature 1; torch {torch.__version__}, "
+          f"{torch.get_num_threads()} intra-op threads; load average {os.getloadavg()[0]:.1f} at start",
+          flush=True)
+    results: dict[str, list[float]] = {}
+    for name in args.engines:
+        results[name] = measure(name, path, requests, args.rounds)
+        seconds = ", ".join(f"{t:.2f}" for t in results[name])
+        print(f"{name}: {seconds} s (load average {os.getloadavg()[0]:.1f})", flush=True)
+    vllm = statistics.median(results["vllm"]) if "vllm" in results else None
+    print("\n| engine | median s | output tok/s | x vLLM-CPU |\n| --- | --- | --- | --- |")
+    for name, times in results.items():
+        median = statistics.median(times)
+        ratio = f"{vllm / median:.2f}" if vllm else "-"
+        print(f"| {name} | {median:.2f} | {tokens / median:.0f} | {ratio} |")
+
+
+# --- profile ---------------------------------------------------------------------------------------
+
+#: parity op wrappers (`parity.kernels.ops`) -> part of the step they are counted in.
+_OPS = {"linear": "matmul", "rms_norm": "rmsnorm", "activation": "SiLU", "rotary": "rotary",
+        "softmax": "softmax family", "log_softmax": "softmax family", "cumsum": "softmax family"}
+
+
+class _Recorder:
+    """CPU seconds (`time.thread_time`) and ATen op counts per part of the decode steps.
+
+    Wrapped functions add their inclusive CPU time to their part while a decode step runs; with
+    `profiler` set they also open a profiler range, from which the ATen ops below each part are
+    counted. A linear called from the sampler is counted as "lm_head" instead of "matmul".
+    """
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.decode = False
+        self.in_sample = False
+        self.steps = 0
+
+    def wrap(self, fn: Callable, part: str) -> Callable:
+        def wrapped(*args: object, **kwargs: object) -> object:
+            label = "lm_head" if part == "matmul" and self.in_sample else part
+            if not self.decode:
+                return fn(*args, **kwargs)
+            start = time.thread_time()
+            with torch.profiler.record_function(label):
+                result = fn(*args, **kwargs)
+            self.seconds[label] += time.thread_time() - start
+            return result
+
+        return wrapped
+
+
+@contextmanager
+def _patched(target: object, attr: str, replacement: Callable) -> Iterator[None]:
+    original = getattr(target, attr)
+    setattr(target, attr, replacement)
+    try:
+        yield
+    finally:
+        setattr(target, attr, original)
+
+
+def _instrument(engine: object, rec: _Recorder, batch: int) -> ExitStack:
+    """Wrap the engine's step, forward and sampling and every parity op for `rec`."""
+    from transformers import AttentionInterface
+
+    from parity.engine import forward
+    from parity.kernels import attention, ops
+
+    stack = ExitStack()
+    for name, part in _OPS.items():
+        stack.enter_context(_patched(ops, name, rec.wrap(getattr(ops, name), part)))
+    stack.enter_context(_patched(attention, "attend", rec.wrap(attention.attend, "attention kernel")))
+    AttentionInterface.register(attention.ATTENTION_NAME, rec.wrap(attention.parity_attention, "attention"))
+    stack.callback(AttentionInterface.register, attention.ATTENTION_NAME, attention.parity_attention)
+    stack.enter_context(_patched(forward, "final_hidden", rec.wrap(forward.final_hidden, "forward")))
+    sample = rec.wrap(engine._sample, "lm_head + sampling")
+
+    def sampling(*args: object) -> object:
+        rec.in_sample = True
+        try:
+            return sample(*args)
+        finally:
+            rec.in_sample = False
+
+    stack.enter_context(_patched(engine, "_sample", sampling))
+    step = engine._step
+
+    def timed_step(running: list) -> None:
+        rec.decode = len(running) == batch and all(s.computed == s.length - 1 for s in running)
+        rec.steps += rec.decode
+        try:
+            rec.wrap(step, "step")(running)
+        finally:
+            rec.decode = False
+
+    stack.enter_context(_patched(engine, "_step", timed_step))
+    return stack
+
+
+def _aten_calls(prof: torch.profiler.profile) -> dict[str, int]:
+    """ATen ops below each part's profiler ranges (each op counted in its innermost part)."""
+    calls: dict[str, int] = defaultdict(int)
+
+    def visit(event: object, part: str | None) -> None:
+        for child in event.cpu_children:
+            if child.name.startswith("aten::"):
+                calls[part] += 1
+                continue  # an ATen op's own sub-ops are not separate dispatches from Python
+            visit(child, child.name)
+
+    for event in prof.events():
+        if event.name == "step" and event.cpu_parent is None:
+            visit(event, "step")
+    return calls
+
+
+def run_profile(args: argparse.Namespace) -> None:
+    from parity.engine import ReferenceEngine
+
+    path = model_path()
+    requests = workload(args.requests, args.prompt, args.output)
+    engine = ReferenceEngine(path, dtype="bfloat16", kernels=args.profile, max_num_seqs=args.requests,
+                             chunk_size=64)
+    engine.generate(requests)
+    rec = _Recorder()
+    with _instrument(engine, rec, args.requests):
+        engine.generate(requests)
+        timed = dict(rec.seconds), rec.steps
+        rec.seconds.clear()
+        rec.steps = 0
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            engine.generate(requests[:args.requests])
+    seconds, steps = timed
+    calls = _aten_calls(prof)
+    per_step = {part: 1e3 * s / steps for part, s in seconds.items()}
+    step_ms = per_step["step"]
+    inner = {"forward": ("matmul", "attention", "rmsnorm", "SiLU", "rotary"),
+             "lm_head + sampling": ("lm_head", "softmax family")}
+    print(f"# profile: kernels={args.profile}, {torch.get_num_threads()} thread(s), CPU time of the "
+          f"{steps} decode steps at batch {args.requests} of one generate call; load average "
+          f"{os.getloadavg()[0]:.1f}\n")
+    print("| part | CPU ms / step | share of step | ATen ops / step |")
+    print("| --- | --- | --- | --- |")
+
+    def row(label: str, ms: float, ops: float | None) -> None:
+        count = "" if ops is None else f"{ops:.0f}"
+        print(f"| {label} | {ms:.1f} | {ms / step_ms:.0%} | {count} |")
+
+    row("decode step", step_ms, None)
+    for outer, parts in inner.items():
+        row(outer, per_step.get(outer, 0.0), None)
+        rest = per_step.get(outer, 0.0)
+        for part in parts:
+            ms = per_step.get(part, 0.0)
+            if part == "attention":
+                kernel = per_step.get("attention kernel", 0.0)
+                row("- attention: kernel", kernel, calls["attention kernel"] / steps)
+                row("- attention: KV write, reshapes", ms - kernel, calls["attention"] / steps)
+            else:
+                row(f"- {part}", ms, calls[part] / steps)
+            rest -= ms
+        row(f"- other ({'embedding, residual adds, HF module code' if outer == 'forward' else 'sampler'})",
+            rest, calls[outer] / steps)
+    engine_ms = step_ms - per_step.get("forward", 0.0) - per_step.get("lm_head + sampling", 0.0)
+    row("engine (scheduling, inputs, bookkeeping)", engine_ms, calls["step"] / steps)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--engines", default=",".join(ENGINES),
+                        type=lambda s: [e for e in s.split(",") if e], help="comma-separated subset of "
+                        + ",".join(ENGINES))
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--prompt", type=int, default=64)
+    parser.add_argument("--output", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--profile", choices=("invariant", "native"), default=None,
+                        help="profile the decode steps of the reference engine instead of the table")
+    args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    if args.profile:
+        run_profile(args)
+    else:
+        run_table(args)
+
+
+if __name__ == "__main__":
+    main()
