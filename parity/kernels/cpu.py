@@ -2,13 +2,15 @@
 
 What breaks invariance in stock CPU torch (measured, see docs/DESIGN.md) and how each op avoids it:
 
-- GEMM kernel choice depends on M (fp32 rows differ between M=1..7 and larger M). `linear`
-  always multiplies fixed [TILE, K] row tiles with one `bmm` (rows padded with zeros), so the
-  library sees the same shape for every row, whatever the batch.
+- GEMM kernel choice depends on the problem's shape and, for a lone product, on the thread
+  count. Every matmul is a batch of fixed-shape float32 problems (`cpu_gemm`: [TILE, K] row
+  tiles times column blocks of the weight), so the library runs the same single-threaded
+  kernel for every row, whatever the batch.
 - Reductions split across threads when rows are few, and their vectorized accumulation order
-  is an implementation detail. Every sum here is a `tree_sum`: a fixed pairwise tree of
-  elementwise adds over the reduced axis (padded with exact zeros to a power of two), so the
-  order of additions is fixed by construction, whatever the thread count.
+  is an implementation detail. Every sum here has an order fixed by construction: a
+  `tree_sum` (a fixed pairwise tree of elementwise adds over the reduced axis, padded with exact
+  zeros to a power of two), or a product with a ones vector inside a fixed-shape GEMM (RMSNorm's
+  sum of squares, attention's softmax mass in `cpu_attention`).
 - Transcendental pointwise ops (exp, log, silu, ...) use a vectorized body and a scalar tail
   that round differently, so an element's result depends on its flat position and on how
   `parallel_for` chunks the tensor. `pointwise` feeds them contiguous pieces whose lengths are
@@ -17,7 +19,8 @@ What breaks invariance in stock CPU torch (measured, see docs/DESIGN.md) and how
 
 Elementwise +, -, *, / and comparisons are correctly rounded in every code path, so they are
 used freely. Nothing here changes torch's thread settings: the switch must not change the
-results of code outside it.
+results of code outside it. The bitwise tests in tests/test_kernels.py prove each property on
+the CPU they run on (row position, batch, thread count).
 """
 
 from __future__ import annotations
@@ -25,20 +28,17 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
+from parity.kernels import cpu_gemm
+from parity.kernels.cpu_gemm import TILE
 from parity.kernels.switch import register
 
-#: rows per GEMM tile; every invariant matmul is a bmm over [n_tiles, TILE, K].
-TILE = 32
 #: pointwise inputs are padded to a multiple of this many elements (2 x the widest vector, 32 lanes).
 POINTWISE_ALIGN = 64
 #: largest piece a pointwise op sees: half of ATen's GRAIN_SIZE (32768 elements), below which
 #: TensorIterator runs an op on one thread.
 POINTWISE_CHUNK = 16384
 
-#: weight -> ((version, data pointer), float32 copy) for `float_weight`.
-_float_weights: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def pointwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -78,55 +78,33 @@ def tree_sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Ten
     return x if keepdim else x.squeeze(dim)
 
 
-def float_weight(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` in float32: the tensor itself if it is float32, else a cached float32 copy.
-
-    Low-precision GEMMs run in float32 (see `linear`). The copy is made once per weight and
-    dropped with it; an in-place update of the weight (its version counter moves) or a new
-    storage makes a fresh copy. Costs 4 bytes per parameter of memory for a bf16/fp16 model.
-    """
-    if weight.dtype == torch.float32:
-        return weight
-    key = (weight._version, weight.data_ptr())
-    cached = _float_weights.get(weight)
-    if cached is None or cached[0] != key:
-        cached = (key, weight.detach().to(torch.float32))
-        _float_weights[weight] = cached
-    return cached[1]
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias): x [..., K], weight [N, K] -> [..., N]; each row independent of the others.
 
-    The rows are cut into [TILE, K] tiles (the last one padded with zero rows) and one `bmm`
-    multiplies every tile by the same weight, so the BLAS library sees the same problem for
-    every row whatever the batch. bf16/fp16 inputs are multiplied in float32 (their products are
-    exact in float32, the sum accumulates in float32 as in a bf16 GEMM, and the result is rounded
-    once): the CPU's float32 GEMM is ~9x faster than its bf16 one on AVX2 (docs/PERF.md).
+    A float32 GEMM of fixed [TILE, K] x [K, width] problems (`cpu_gemm.matmul`), rounded once to
+    x's dtype.
     """
     k = x.shape[-1]
     n_out = weight.shape[0]
     rows = x.reshape(-1, k)
-    m = rows.shape[0]
-    if m == 0:
+    if rows.shape[0] == 0:
         return x.new_empty(*x.shape[:-1], n_out)
-    tiles = -(-m // TILE)
-    padded = rows.new_zeros(tiles * TILE, k, dtype=torch.float32)
-    padded[:m] = rows
-    w = float_weight(weight)
-    out = torch.bmm(padded.view(tiles, TILE, k), w.t().unsqueeze(0).expand(tiles, k, n_out))
-    out = out.view(-1, n_out)[:m]
+    out = cpu_gemm.matmul(rows.to(torch.float32), weight)
     if bias is not None:
         # A separate elementwise add: a fused addmm would round differently per kernel.
         out = out + bias
-    return out.to(x.dtype).view(*x.shape[:-1], n_out)
+    return out.to(x.dtype).reshape(*x.shape[:-1], n_out)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF RMSNorm (normalize in fp32, cast back, multiply by weight) with a tree-ordered mean."""
+    """HF RMSNorm (normalize in fp32, cast back, multiply by weight) with a fixed-order mean.
+
+    The sum of squares of each row is its product with a ones column in fixed-shape GEMM
+    problems (`cpu_gemm.row_sums`) instead of a zero-padded tree of ~2 log2(hidden) ops.
+    """
     dtype = x.dtype
     xf = x.to(torch.float32)
-    variance = tree_sum(xf * xf, -1, keepdim=True) / x.shape[-1]
+    variance = cpu_gemm.row_sums((xf * xf).reshape(-1, x.shape[-1])).view(*x.shape[:-1], 1) / x.shape[-1]
     rstd = pointwise(torch.rsqrt, variance + eps)
     return weight * (xf * rstd).to(dtype)
 
@@ -180,10 +158,10 @@ def experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torc
 
     top_k_index, top_k_weights [N, k]; gate_up_proj [E, 2I, H]; down_proj [E, H, I]; `act` is
     the (patched) activation module. The (token, slot) rows routed to each expert are packed
-    into that expert's own [TILE, H] row tiles (zero rows pad the last one), and one bmm runs
-    every tile against its expert's weights: each row meets the same tile shape whatever else
-    was routed. Each row's weighted output goes back to its (token, slot), and the k slots of a
-    token are summed in slot order.
+    into that expert's own [TILE, H] row tiles (zero rows pad the last one), and one float32 bmm
+    runs every tile against its expert's weights (`cpu_gemm.bmm`): each row meets the same
+    problem whatever else was routed. Each row's weighted output goes back to its (token,
+    slot), and the k slots of a token are summed in slot order.
     """
     n, k = top_k_index.shape
     num_experts = gate_up_proj.shape[0]
@@ -199,11 +177,13 @@ def experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torc
     tile_expert = torch.repeat_interleave(torch.arange(num_experts), tiles_per_expert)
     rows = hidden.new_zeros(tile_expert.numel() * TILE, hidden.shape[-1])
     rows[dest] = hidden[order // k]
-    tiles = rows.view(-1, TILE, hidden.shape[-1])
-    gate_up = torch.bmm(tiles, gate_up_proj[tile_expert].transpose(1, 2))
-    gate, up = gate_up.chunk(2, dim=-1)
-    inner = act(gate) * up
-    out = torch.bmm(inner, down_proj[tile_expert].transpose(1, 2)).view(-1, hidden.shape[-1])
+    # Float32 products rounded to the model's dtype, as HF's expert GEMMs round their outputs.
+    tiles = rows.view(-1, TILE, hidden.shape[-1]).to(torch.float32)
+    gate_up = cpu_gemm.bmm(tiles, cpu_gemm.float32(gate_up_proj)[tile_expert].transpose(1, 2))
+    gate, up = gate_up.to(hidden.dtype).chunk(2, dim=-1)
+    inner = (act(gate) * up).to(torch.float32)
+    out = cpu_gemm.bmm(inner, cpu_gemm.float32(down_proj)[tile_expert].transpose(1, 2))
+    out = out.to(hidden.dtype).view(-1, hidden.shape[-1])
     slots = hidden.new_zeros(n * k, hidden.shape[-1])
     # Same dtype promotion as HF: the weights may be fp32 (Mixtral) while `out` is bf16.
     slots[order] = (out[dest] * top_k_weights.reshape(-1)[order].unsqueeze(1)).to(hidden.dtype)
