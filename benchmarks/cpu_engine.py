@@ -125,28 +125,32 @@ _OPS = {"linear": "matmul", "rms_norm": "rmsnorm", "activation": "SiLU", "rotary
 
 
 class _Recorder:
-    """CPU seconds (`time.thread_time`) and ATen op counts per part of the decode steps.
+    """CPU seconds (`time.thread_time`) per part of the engine's steps, for decode steps at full batch
+    ("decode") and every other step ("other": prefill chunks, partial batches).
 
-    Wrapped functions add their inclusive CPU time to their part while a decode step runs; with
-    `profiler` set they also open a profiler range, from which the ATen ops below each part are
-    counted. A linear called from the sampler is counted as "lm_head" instead of "matmul".
+    Wrapped functions add their inclusive CPU time to their part; in decode steps they also open
+    a profiler range, from which the ATen ops below each part are counted. A linear called from
+    the sampler is counted as "lm_head" instead of "matmul".
     """
 
     def __init__(self) -> None:
-        self.seconds: dict[str, float] = defaultdict(float)
-        self.decode = False
+        self.seconds: dict[str, dict[str, float]] = {kind: defaultdict(float) for kind in ("decode", "other")}
+        self.steps: dict[str, int] = defaultdict(int)
+        self.kind: str | None = None
         self.in_sample = False
-        self.steps = 0
 
     def wrap(self, fn: Callable, part: str) -> Callable:
         def wrapped(*args: object, **kwargs: object) -> object:
-            label = "lm_head" if part == "matmul" and self.in_sample else part
-            if not self.decode:
+            if self.kind is None:
                 return fn(*args, **kwargs)
+            label = "lm_head" if part == "matmul" and self.in_sample else part
             start = time.thread_time()
-            with torch.profiler.record_function(label):
+            if self.kind == "decode":
+                with torch.profiler.record_function(label):
+                    result = fn(*args, **kwargs)
+            else:
                 result = fn(*args, **kwargs)
-            self.seconds[label] += time.thread_time() - start
+            self.seconds[self.kind][label] += time.thread_time() - start
             return result
 
         return wrapped
@@ -189,12 +193,13 @@ def _instrument(engine: object, rec: _Recorder, batch: int) -> ExitStack:
     step = engine._step
 
     def timed_step(running: list) -> None:
-        rec.decode = len(running) == batch and all(s.computed == s.length - 1 for s in running)
-        rec.steps += rec.decode
+        decode = len(running) == batch and all(s.computed == s.length - 1 for s in running)
+        rec.kind = "decode" if decode else "other"
+        rec.steps[rec.kind] += 1
         try:
             rec.wrap(step, "step")(running)
         finally:
-            rec.decode = False
+            rec.kind = None
 
     stack.enter_context(_patched(engine, "_step", timed_step))
     return stack
@@ -214,6 +219,7 @@ def _aten_calls(prof: torch.profiler.profile) -> dict[str, int]:
     for event in prof.events():
         if event.name == "step" and event.cpu_parent is None:
             visit(event, "step")
+    calls.pop(None, None)
     return calls
 
 
@@ -227,45 +233,54 @@ def run_profile(args: argparse.Namespace) -> None:
     engine.generate(requests)
     rec = _Recorder()
     with _instrument(engine, rec, args.requests):
+        start = time.process_time()
         engine.generate(requests)
-        timed = dict(rec.seconds), rec.steps
-        rec.seconds.clear()
-        rec.steps = 0
+        total = time.process_time() - start
+        seconds = {kind: dict(parts) for kind, parts in rec.seconds.items()}
+        steps = dict(rec.steps)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            engine.generate(requests[:args.requests])
-    seconds, steps = timed
+            engine.generate(requests)
     calls = _aten_calls(prof)
-    per_step = {part: 1e3 * s / steps for part, s in seconds.items()}
-    step_ms = per_step["step"]
-    inner = {"forward": ("matmul", "attention", "rmsnorm", "SiLU", "rotary"),
-             "lm_head + sampling": ("lm_head", "softmax family")}
-    print(f"# profile: kernels={args.profile}, {torch.get_num_threads()} thread(s), CPU time of the "
-          f"{steps} decode steps at batch {args.requests} of one generate call; load average "
+    decode = {part: 1e3 * s / steps["decode"] for part, s in seconds["decode"].items()}
+    other = {part: 1e3 * s for part, s in seconds["other"].items()}
+    step_ms = decode["step"]
+    print(f"# profile: kernels={args.profile}, {torch.get_num_threads()} thread(s), one generate call "
+          f"({total:.1f} CPU s): {steps['decode']} decode steps at batch {args.requests} and "
+          f"{steps.get('other', 0)} other steps (prefill, partial batches); load average "
           f"{os.getloadavg()[0]:.1f}\n")
-    print("| part | CPU ms / step | share of step | ATen ops / step |")
-    print("| --- | --- | --- | --- |")
+    print("| part | decode: CPU ms / step | share of step | ATen ops / step | other steps: CPU ms, total |")
+    print("| --- | --- | --- | --- | --- |")
 
-    def row(label: str, ms: float, ops: float | None) -> None:
-        count = "" if ops is None else f"{ops:.0f}"
-        print(f"| {label} | {ms:.1f} | {ms / step_ms:.0%} | {count} |")
+    children = {"step": ("forward", "lm_head + sampling"),
+                "forward": ("matmul", "attention", "rmsnorm", "SiLU", "rotary"),
+                "attention": ("attention kernel",), "lm_head + sampling": ("lm_head", "softmax family")}
 
-    row("decode step", step_ms, None)
-    for outer, parts in inner.items():
-        row(outer, per_step.get(outer, 0.0), None)
-        rest = per_step.get(outer, 0.0)
-        for part in parts:
-            ms = per_step.get(part, 0.0)
-            if part == "attention":
-                kernel = per_step.get("attention kernel", 0.0)
-                row("- attention: kernel", kernel, calls["attention kernel"] / steps)
-                row("- attention: KV write, reshapes", ms - kernel, calls["attention"] / steps)
-            else:
-                row(f"- {part}", ms, calls[part] / steps)
-            rest -= ms
-        row(f"- other ({'embedding, residual adds, HF module code' if outer == 'forward' else 'sampler'})",
-            rest, calls[outer] / steps)
-    engine_ms = step_ms - per_step.get("forward", 0.0) - per_step.get("lm_head + sampling", 0.0)
-    row("engine (scheduling, inputs, bookkeeping)", engine_ms, calls["step"] / steps)
+    def ops_below(part: str) -> float:
+        return calls.get(part, 0) + sum(ops_below(child) for child in children.get(part, ()))
+
+    def row(label: str, part: str, minus: tuple[str, ...] = ()) -> None:
+        """One part's CPU time, less the parts in `minus` (ATen ops: the whole subtree unless
+        `minus` is given, then the ops directly in `part`)."""
+        ms = decode.get(part, 0.0) - sum(decode.get(p, 0.0) for p in minus)
+        rest = other.get(part, 0.0) - sum(other.get(p, 0.0) for p in minus)
+        ops = (calls.get(part, 0) if minus else ops_below(part)) / steps["decode"]
+        print(f"| {label} | {ms:.1f} | {ms / step_ms:.0%} | {ops:.0f} | {rest:.0f} |")
+
+    row("step", "step")
+    row("forward", "forward")
+    row("- matmul", "matmul")
+    row("- attention: kernel", "attention kernel")
+    row("- attention: KV write, reshapes", "attention", ("attention kernel",))
+    row("- rmsnorm", "rmsnorm")
+    row("- SiLU", "SiLU")
+    row("- rotary", "rotary")
+    row("- other (embedding, residual adds, HF module code)", "forward",
+        ("matmul", "attention", "rmsnorm", "SiLU", "rotary"))
+    row("lm_head + sampling", "lm_head + sampling")
+    row("- lm_head", "lm_head")
+    row("- softmax family", "softmax family")
+    row("- other (sampler)", "lm_head + sampling", ("lm_head", "softmax family"))
+    row("engine (scheduling, inputs, bookkeeping)", "step", ("forward", "lm_head + sampling"))
 
 
 def main(argv: list[str] | None = None) -> None:

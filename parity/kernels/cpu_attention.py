@@ -15,10 +15,14 @@ span, so the library runs the same code on the same operand positions for that t
   order-free; the per-block products are summed over blocks by `tree_sum`, which whole blocks
   of zeros (a longer span) leave unchanged.
 
-A token's K/V blocks are gathered from its slot and converted to float32 on the way (BLAS needs
-each product's operands in place). Everything a step's layers share (the mask, the chunks) is
-computed once per step: `_plan` keeps the last plan and reuses it while slots, positions and
-span are equal (checked by value).
+K/V are read once per sequence slot, not once per token: the step's slots are converted to
+float32 once per layer, ordered by how many of the step's tokens they hold (most first), and
+the tokens are taken in rounds: round j holds the j-th token of every slot that has one, which
+are the first n_j slots. One `bmm` per round then pairs token i of the round with slot i's
+blocks through a plain strided view of the converted cache. A decode step is one round; a
+prefill chunk of L tokens per sequence is L rounds. Everything a step's layers share (the
+order, the rounds, the mask) is computed once per step: `_plan` keeps the last plan and reuses
+it while slots, positions and span are equal (checked by value).
 """
 
 from __future__ import annotations
@@ -34,22 +38,30 @@ from parity.kernels.switch import register
 #: cached positions per attention block: the key width of every attention GEMM (fixed here, not
 #: taken from the cache, so that caches of any block size give the same bits).
 KEY_BLOCK = 32
-#: head-dim columns of the GEMM operands are padded (with zeros) to a multiple of this (64 bytes).
+#: head-dim columns of the GEMM operands are padded (with zeros) to a multiple of this (64 bytes of
+#: float32), so every problem of a batch starts equally aligned.
 ALIGN = 16
-#: float32 K/V elements one chunk of tokens gathers (bounds memory only; tokens never interact).
-CHUNK_ELEMENTS = 1 << 22
+#: float32 scores and weighted values one chunk of rounds holds (bounds memory only).
+CHUNK_ELEMENTS = 1 << 23
 
 
 @dataclass(frozen=True, eq=False)
 class _Plan:
-    """What every layer of a step shares: slots, positions [T] and span it was made for (copies),
-    the causal mask [T, 1, blocks, 1, KEY_BLOCK] (True: hidden key) and the (lo, hi) token chunks."""
+    """What every layer of a step shares.
+
+    slots, positions [T], span: what the plan was made for (copies). order [T]: the tokens
+    round by round (round j: the j-th token of slot 0, 1, ..., n_j - 1 of `slot_order`);
+    slot_order [S']: the step's slots, most tokens first; rounds: (first token in `order`, n_j)
+    per round; mask [T, 1, blocks, 1, KEY_BLOCK] in `order` (True: hidden key).
+    """
 
     slots: torch.Tensor
     positions: torch.Tensor
     span: int
+    order: torch.Tensor
+    slot_order: torch.Tensor
+    rounds: tuple[tuple[int, int], ...]
     mask: torch.Tensor
-    chunks: tuple[tuple[int, int], ...]
 
     @property
     def blocks(self) -> int:
@@ -59,35 +71,64 @@ class _Plan:
 _last_plan: _Plan | None = None
 
 
-def _plan(slots: torch.Tensor, positions: torch.Tensor, span: int, per_token: int) -> _Plan:
-    """The plan for these tokens (`per_token`: K/V elements gathered per token and position): the
-    last one again if slots, positions and span are equal."""
+def _plan(slots: torch.Tensor, positions: torch.Tensor, span: int) -> _Plan:
+    """The plan for these tokens: the last one again if slots, positions and span are equal."""
     global _last_plan
     last = _last_plan
     if (last is not None and last.span == span and last.slots.shape == slots.shape
             and torch.equal(last.slots, slots) and torch.equal(last.positions, positions)):
         return last
     t = slots.numel()
+    unique, inverse, counts = torch.unique(slots, return_inverse=True, return_counts=True)
+    by_count = torch.sort(-counts, stable=True).indices  # slot rank -> index into `unique`
+    rank = torch.empty_like(by_count)
+    rank[by_count] = torch.arange(by_count.numel(), device=slots.device)
+    token_rank = rank[inverse]
+    # j: how many of the step's earlier tokens share the token's slot.
+    grouped = torch.sort(token_rank, stable=True).indices
+    ranked_counts = counts[by_count]
+    first = torch.cumsum(ranked_counts, 0) - ranked_counts
+    j = torch.empty_like(grouped)
+    j[grouped] = torch.arange(t, device=slots.device) - first[token_rank[grouped]]
+    order = torch.sort(j * by_count.numel() + token_rank).indices
+    per_round = torch.bincount(j).tolist()
+    starts = [0]
+    for n in per_round[:-1]:
+        starts.append(starts[-1] + n)
     blocks = -(-span // KEY_BLOCK)
     key_position = torch.arange(blocks * KEY_BLOCK, device=slots.device).view(1, 1, blocks, 1, KEY_BLOCK)
-    step = max(1, CHUNK_ELEMENTS // (blocks * KEY_BLOCK * per_token))
-    plan = _Plan(slots=slots.clone(), positions=positions.clone(), span=span,
-                 mask=key_position > positions.view(t, 1, 1, 1, 1),
-                 chunks=tuple((lo, min(t, lo + step)) for lo in range(0, t, step)))
+    plan = _Plan(slots=slots.clone(), positions=positions.clone(), span=span, order=order,
+                 slot_order=unique[by_count], rounds=tuple(zip(starts, per_round)),
+                 mask=key_position > positions[order].view(t, 1, 1, 1, 1))
     _last_plan = plan
     return plan
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor, width: int, columns: int, ones: bool) -> torch.Tensor:
-    """Cached positions [0, width) of `slots` as float32 [c, Hkv, width, columns]: the cached D
+    """Cached positions [0, width) of `slots` as float32 [S', Hkv, width, columns]: the cached D
     values, then a column of ones if `ones`, then zeros (also past the cache's capacity)."""
     _, hkv, capacity, d = cache.shape
     have = min(capacity, width)
-    out = cache.new_zeros(slots.numel(), hkv, width, columns, dtype=torch.float32)
+    out = torch.empty(slots.numel(), hkv, width, columns, dtype=torch.float32, device=cache.device)
     out[:, :, :have, :d] = cache[:, :, :have].index_select(0, slots)
+    out[:, :, have:, :d] = 0
+    out[..., d:] = 0
     if ones:
         out[..., d] = 1
     return out
+
+
+def _chunks(rounds: tuple[tuple[int, int], ...], per_token: int) -> list[tuple[int, int, list]]:
+    """Consecutive rounds grouped into chunks of at most CHUNK_ELEMENTS / per_token tokens (at least
+    one round each): (first token, end token, the chunk's rounds)."""
+    chunks: list[tuple[int, int, list]] = []
+    limit = max(1, CHUNK_ELEMENTS // per_token)
+    for start, n in rounds:
+        if chunks and chunks[-1][1] - chunks[-1][0] + n <= limit:
+            chunks[-1] = (chunks[-1][0], start + n, [*chunks[-1][2], (start, n)])
+        else:
+            chunks.append((start, start + n, [(start, n)]))
+    return chunks
 
 
 def attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
@@ -103,27 +144,32 @@ def attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     t, hq, d = query.shape
     hkv = k_cache.shape[1]
     g = hq // hkv
-    # Operand rows of whole 64-byte multiples: every problem of a batch starts equally aligned.
     dk = -(-d // ALIGN) * ALIGN
     dv = -(-(d + 1) // ALIGN) * ALIGN
-    plan = _plan(slots, positions, span, hkv * (dk + dv))
+    plan = _plan(slots, positions, span)
     blocks = plan.blocks
     width = blocks * KEY_BLOCK
-    q = query.to(torch.float32).view(t, hkv, 1, g, d)
+    keys = _gather(k_cache, plan.slot_order, width, dk, ones=False).view(-1, KEY_BLOCK, dk).transpose(1, 2)
+    values = _gather(v_cache, plan.slot_order, width, dv, ones=True).view(-1, KEY_BLOCK, dv)
+    q = query.to(torch.float32)[plan.order].view(t, hkv, 1, g, d)
     if dk > d:
         q = torch.nn.functional.pad(q, (0, dk - d))
     out = torch.empty(t, hkv, g, dv, dtype=torch.float32, device=query.device)
-    for lo, hi in plan.chunks:
-        c = hi - lo
-        keys = _gather(k_cache, slots[lo:hi], width, dk, ones=False)
-        values = _gather(v_cache, slots[lo:hi], width, dv, ones=True)
-        a = q[lo:hi].expand(c, hkv, blocks, g, dk).reshape(-1, g, dk)
-        scores = bmm(a, keys.view(-1, KEY_BLOCK, dk).transpose(1, 2)) * scaling
-        scores = scores.view(c, hkv, blocks, g, KEY_BLOCK).masked_fill(plan.mask[lo:hi], float("-inf"))
+    for lo, hi, rounds in _chunks(plan.rounds, hkv * blocks * g * (KEY_BLOCK + dv)):
+        scores = torch.empty(hi - lo, hkv, blocks, g, KEY_BLOCK, dtype=torch.float32, device=query.device)
+        weighted = torch.empty(hi - lo, hkv, blocks, g, dv, dtype=torch.float32, device=query.device)
+        for start, n in rounds:
+            a = q[start:start + n].expand(n, hkv, blocks, g, dk).reshape(-1, g, dk)
+            scores[start - lo:start - lo + n] = bmm(a, keys[:n * hkv * blocks]).view(scores[:n].shape)
+        scores = (scores * scaling).masked_fill(plan.mask[lo:hi], float("-inf"))
         p = pointwise(torch.exp, scores - scores.amax(dim=(2, 4), keepdim=True))
-        weighted = bmm(p.view(-1, g, KEY_BLOCK), values.view(-1, KEY_BLOCK, dv))
-        out[lo:hi] = tree_sum(weighted.view(c, hkv, blocks, g, dv), 2)
-    return (out[..., :d] / out[..., d:d + 1]).reshape(t, hq, d).to(query.dtype)
+        for start, n in rounds:
+            a = p[start - lo:start - lo + n].reshape(-1, g, KEY_BLOCK)
+            weighted[start - lo:start - lo + n] = bmm(a, values[:n * hkv * blocks]).view(weighted[:n].shape)
+        out[lo:hi] = tree_sum(weighted, 2)
+    result = torch.empty_like(out)
+    result[plan.order] = out
+    return (result[..., :d] / result[..., d:d + 1]).reshape(t, hq, d).to(query.dtype)
 
 
 register("attention", "attention", "cpu", attention)
