@@ -11,12 +11,15 @@ values), bf16, `--requests` requests x `--prompt` prompt tokens x `--output` out
 temperature 1, no top-k/top-p, EOS ignored. Every engine gets one warm-up call of the whole
 workload, then `--rounds` timed calls; the table shows the median output tokens/s and the ratio
 to vLLM. Engines run one after the other in this process (vLLM's engine core in its own
-process), at `--threads` intra-op threads (vLLM-CPU binds its own OpenMP threads to the cores).
+process), at `--threads` intra-op threads; vLLM-CPU binds its worker's OpenMP threads to the
+cores named by `--vllm-bind` (default: as many as `--threads`).
 
-The profile runs the engine on the same workload and records, for the decode steps at full
-batch (one token per running sequence), the wall time of the step, of the model forward and of
-sampling, and per op family the wall time inside parity's op wrappers next to the time spent in
-ATen ops below them (the rest is Python and dispatch).
+The profile (`--profile invariant|native`) runs one generate call of the reference engine on
+the same workload and reports CPU time (`time.thread_time`, so run it with `--threads 1`) per
+part of a decode step at full batch (one token per running sequence) and in total for the other
+steps (prefill): matmuls, attention, RMSNorm, SiLU, rotary, the rest of the model's forward
+(HF module code), lm_head, sampling and the engine around them, with the number of ATen ops each
+part dispatches per step (from a second, profiled call).
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ def workload(requests: int, prompt: int, output: int) -> list[Request]:
                     request_id=str(i)) for i in range(requests)]
 
 
-def _engine(name: str, path: Path, batch: int) -> object:
+def _engine(name: str, path: Path, batch: int, vllm_bind: str) -> object:
     if name in ("invariant", "native"):
         from parity.engine import ReferenceEngine
 
@@ -72,12 +75,14 @@ def _engine(name: str, path: Path, batch: int) -> object:
 
     if name == "hf":
         return get_backend("hf", path, dtype="bfloat16", batch_size=batch)
+    if vllm_bind != "auto":
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = vllm_bind
     return get_backend("vllm", path, dtype="bfloat16", max_num_seqs=batch)
 
 
-def measure(name: str, path: Path, requests: list[Request], rounds: int) -> list[float]:
+def measure(name: str, path: Path, requests: list[Request], rounds: int, vllm_bind: str) -> list[float]:
     """Seconds of each timed `generate` call of engine `name` (after one warm-up call)."""
-    engine = _engine(name, path, len(requests))
+    engine = _engine(name, path, len(requests), vllm_bind)
     try:
         expected = sum(r.sampling.max_tokens for r in requests)
         engine.generate(requests)
@@ -102,11 +107,12 @@ def run_table(args: argparse.Namespace) -> None:
     tokens = args.requests * args.output
     print(f"# {SHAPE} x {LAYERS} layers, bf16, {args.requests} requests x {args.prompt} prompt x "
           f"{args.output} output tokens, temperature 1; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} intra-op threads; load average {os.getloadavg()[0]:.1f} at start",
+          f"{torch.get_num_threads()} intra-op threads (vLLM: VLLM_CPU_OMP_THREADS_BIND={args.vllm_bind}); "
+          f"load average {os.getloadavg()[0]:.1f} at start",
           flush=True)
     results: dict[str, list[float]] = {}
     for name in args.engines:
-        results[name] = measure(name, path, requests, args.rounds)
+        results[name] = measure(name, path, requests, args.rounds, args.vllm_bind)
         seconds = ", ".join(f"{t:.2f}" for t in results[name])
         print(f"{name}: {seconds} s (load average {os.getloadavg()[0]:.1f})", flush=True)
     vllm = statistics.median(results["vllm"]) if "vllm" in results else None
@@ -293,11 +299,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--vllm-bind", default=None,
+                        help="VLLM_CPU_OMP_THREADS_BIND for vLLM's worker (default 0-<threads - 1>, as many "
+                        "cores as --threads; 'auto': vLLM's choice, which reserves a core for its scheduler)")
     parser.add_argument("--profile", choices=("invariant", "native"), default=None,
                         help="profile the decode steps of the reference engine instead of the table")
     args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    if args.vllm_bind is None:
+        args.vllm_bind = f"0-{torch.get_num_threads() - 1}"
     if args.profile:
         run_profile(args)
     else:
