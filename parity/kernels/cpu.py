@@ -89,7 +89,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     rows = x.reshape(-1, k)
     if rows.shape[0] == 0:
         return x.new_empty(*x.shape[:-1], n_out)
-    out = cpu_gemm.matmul(rows.to(torch.float32), weight)
+    out = cpu_gemm.matmul(rows, weight)
     if bias is not None:
         # A separate elementwise add: a fused addmm would round differently per kernel.
         out = out + bias

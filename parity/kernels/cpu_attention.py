@@ -51,7 +51,8 @@ class _Plan:
 
     slots, positions [T], span: what the plan was made for (copies). order [T]: the tokens
     round by round (round j: the j-th token of slot 0, 1, ..., n_j - 1 of `slot_order`);
-    slot_order [S']: the step's slots, most tokens first; rounds: (first token in `order`, n_j)
+    slot_order [S']: the step's slots, most tokens first; first_slot: slot_order[0] when slot_order
+    is consecutive slots (then K/V are read through a view), else None; rounds: (first token in `order`, n_j)
     per round; mask [T, 1, blocks, 1, KEY_BLOCK] in `order` (True: hidden key).
     """
 
@@ -60,6 +61,7 @@ class _Plan:
     span: int
     order: torch.Tensor
     slot_order: torch.Tensor
+    first_slot: int | None
     rounds: tuple[tuple[int, int], ...]
     mask: torch.Tensor
 
@@ -97,20 +99,27 @@ def _plan(slots: torch.Tensor, positions: torch.Tensor, span: int) -> _Plan:
         starts.append(starts[-1] + n)
     blocks = -(-span // KEY_BLOCK)
     key_position = torch.arange(blocks * KEY_BLOCK, device=slots.device).view(1, 1, blocks, 1, KEY_BLOCK)
+    slot_order = unique[by_count]
+    low = int(slot_order[0])
+    consecutive = torch.equal(slot_order, torch.arange(low, low + len(slot_order), device=slots.device))
     plan = _Plan(slots=slots.clone(), positions=positions.clone(), span=span, order=order,
-                 slot_order=unique[by_count], rounds=tuple(zip(starts, per_round)),
+                 slot_order=slot_order, first_slot=low if consecutive else None,
+                 rounds=tuple(zip(starts, per_round)),
                  mask=key_position > positions[order].view(t, 1, 1, 1, 1))
     _last_plan = plan
     return plan
 
 
-def _gather(cache: torch.Tensor, slots: torch.Tensor, width: int, columns: int, ones: bool) -> torch.Tensor:
-    """Cached positions [0, width) of `slots` as float32 [S', Hkv, width, columns]: the cached D
-    values, then a column of ones if `ones`, then zeros (also past the cache's capacity)."""
+def _gather(cache: torch.Tensor, plan: _Plan, width: int, columns: int, ones: bool) -> torch.Tensor:
+    """Cached positions [0, width) of the plan's slots as float32 [S', Hkv, width, columns]: the
+    cached D values, then a column of ones if `ones`, then zeros (also past the cache's capacity)."""
     _, hkv, capacity, d = cache.shape
     have = min(capacity, width)
-    out = torch.empty(slots.numel(), hkv, width, columns, dtype=torch.float32, device=cache.device)
-    out[:, :, :have, :d] = cache[:, :, :have].index_select(0, slots)
+    out = torch.empty(plan.slot_order.numel(), hkv, width, columns, dtype=torch.float32, device=cache.device)
+    if plan.first_slot is None:
+        out[:, :, :have, :d] = cache[:, :, :have].index_select(0, plan.slot_order)
+    else:  # consecutive slots (a decode step): convert straight from the cache
+        out[:, :, :have, :d] = cache[plan.first_slot:plan.first_slot + out.shape[0], :, :have]
     out[:, :, have:, :d] = 0
     out[..., d:] = 0
     if ones:
@@ -149,8 +158,8 @@ def attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     plan = _plan(slots, positions, span)
     blocks = plan.blocks
     width = blocks * KEY_BLOCK
-    keys = _gather(k_cache, plan.slot_order, width, dk, ones=False).view(-1, KEY_BLOCK, dk).transpose(1, 2)
-    values = _gather(v_cache, plan.slot_order, width, dv, ones=True).view(-1, KEY_BLOCK, dv)
+    keys = _gather(k_cache, plan, width, dk, ones=False).view(-1, KEY_BLOCK, dk).transpose(1, 2)
+    values = _gather(v_cache, plan, width, dv, ones=True).view(-1, KEY_BLOCK, dv)
     q = query.to(torch.float32)[plan.order].view(t, hkv, 1, g, d)
     if dk > d:
         q = torch.nn.functional.pad(q, (0, dk - d))

@@ -25,6 +25,7 @@ one (docs/PERF.md). The float32 copy of a weight is cached with the weight.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -54,7 +55,9 @@ def _cached(store: WeakIdKeyDictionary, weight: torch.Tensor, make: Callable[[],
     key = (weight._version, weight.data_ptr())
     cached = store.get(weight)
     if cached is None or cached[0] != key:
-        cached = (key, make())
+        # A normal tensor even when made under inference_mode, so autograd code may use it too.
+        with torch.inference_mode(False):
+            cached = (key, make())
         store[weight] = cached
     return cached[1]
 
@@ -103,7 +106,8 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _tiled(rows: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
-    """rows [M, K] float32 times column blocks [blocks, K, width] -> [M, blocks * width].
+    """rows [M, K] (any float dtype, taken as float32) times column blocks [blocks, K, width] ->
+    float32 [M, blocks * width].
 
     Each output entry comes from one [TILE, K] x [K, width] problem in a batch of at least two:
     the column blocks for each tile, or the tiles for each column block, whichever loop is
@@ -112,8 +116,9 @@ def _tiled(rows: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
     m, k = rows.shape
     blocks, _, width = blocked.shape
     tiles = -(-m // TILE)
-    padded = rows.new_zeros(tiles * TILE, k)
+    padded = torch.empty(tiles * TILE, k, dtype=torch.float32, device=rows.device)
     padded[:m] = rows
+    padded[m:] = 0
     a = padded.view(tiles, TILE, k)
     if tiles <= blocks:
         parts = [torch.bmm(a[i:i + 1].expand(blocks, TILE, k), blocked).transpose(0, 1).reshape(TILE, -1)
@@ -126,13 +131,21 @@ def _tiled(rows: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
 
 
 def matmul(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """rows [M, K] float32 @ weight [N, K].T -> float32 [M, N]; each row independent of the others."""
+    """rows [M, K] (taken as float32) @ weight [N, K].T -> float32 [M, N]; each row independent of
+    the others."""
     return _tiled(rows, weight_blocks(weight))[:, :weight.shape[0]]
 
 
 def row_sums(rows: torch.Tensor) -> torch.Tensor:
     """Sum over the last dim of rows [M, K] float32 -> [M, 1]: the product with a ones column in the
-    same fixed-shape GEMM problems (blocks of COLUMN_ALIGN columns)."""
-    ones = rows.new_zeros(2, rows.shape[1], COLUMN_ALIGN)
-    ones[0, :, 0] = 1
-    return _tiled(rows, ones)[:, :1]
+    same fixed-shape GEMM problems (two blocks of COLUMN_ALIGN columns)."""
+    return _tiled(rows, _ones_column(rows.shape[1], rows.device))[:, :1]
+
+
+@functools.lru_cache(maxsize=64)
+def _ones_column(k: int, device: torch.device) -> torch.Tensor:
+    """Column blocks [2, k, COLUMN_ALIGN] of a weight whose first column is ones, the rest zeros."""
+    with torch.inference_mode(False):
+        ones = torch.zeros(2, k, COLUMN_ALIGN, device=device)
+        ones[0, :, 0] = 1
+    return ones
