@@ -25,8 +25,10 @@ part dispatches per step (from a second, profiled call).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -38,14 +40,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+#: the parity checkout a worker imports (`--before` runs an older one), else this repository.
+ROOT = Path(os.environ.get("PARITY_BENCH_ROOT") or Path(__file__).resolve().parent.parent)
+sys.path.insert(0, str(ROOT))
 
-import torch
-
-from parity import Request, SamplingParams
+import torch  # noqa: E402  (after the path: parity is imported from ROOT)
 
 SHAPE, LAYERS = "smollm2-135m", 30
 ENGINES = ("invariant", "native", "hf", "vllm")
+#: the last line a worker prints starts with this, followed by its measurements as JSON.
+RESULT = "RESULT "
 
 
 def model_path() -> Path:
@@ -59,14 +63,16 @@ def model_path() -> Path:
     return path
 
 
-def workload(requests: int, prompt: int, output: int) -> list[Request]:
+def workload(requests: int, prompt: int, output: int) -> list:
     """`requests` distinct prompts of `prompt` ids, sampled at temperature 1 for `output` tokens."""
+    from parity import Request, SamplingParams
+
     return [Request(tuple(3 + (7919 * i + 31 * j) % 49000 for j in range(prompt)),
                     SamplingParams(temperature=1.0, max_tokens=output, seed=i, ignore_eos=True),
                     request_id=str(i)) for i in range(requests)]
 
 
-def _engine(name: str, path: Path, batch: int, vllm_bind: str) -> object:
+def _engine(name: str, path: Path, batch: int) -> object:
     if name in ("invariant", "native"):
         from parity.engine import ReferenceEngine
 
@@ -75,52 +81,75 @@ def _engine(name: str, path: Path, batch: int, vllm_bind: str) -> object:
 
     if name == "hf":
         return get_backend("hf", path, dtype="bfloat16", batch_size=batch)
-    if vllm_bind != "auto":
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = vllm_bind
     return get_backend("vllm", path, dtype="bfloat16", max_num_seqs=batch)
 
 
-def measure(name: str, path: Path, requests: list[Request], rounds: int, vllm_bind: str) -> list[float]:
-    """Seconds of each timed `generate` call of engine `name` (after one warm-up call)."""
-    engine = _engine(name, path, len(requests), vllm_bind)
+def measure(name: str, path: Path, requests: list, rounds: int) -> dict[str, list[float]]:
+    """Wall and CPU seconds (this process, all its threads) of each timed `generate` call of engine
+    `name`, after one warm-up call."""
+    engine = _engine(name, path, len(requests))
     try:
         expected = sum(r.sampling.max_tokens for r in requests)
         engine.generate(requests)
-        times = []
+        wall, cpu = [], []
         for _ in range(rounds):
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             rollouts = engine.generate(requests)
-            times.append(time.perf_counter() - start)
+            wall.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - start_cpu)
             produced = sum(len(r.token_ids) for r in rollouts)
             if produced != expected:
                 raise RuntimeError(f"{name}: {produced} output tokens, expected {expected}")
-        return times
+        return {"wall": wall, "cpu": cpu}
     finally:
         close = getattr(engine, "close", None)
         if close is not None:
             close()
 
 
-def run_table(args: argparse.Namespace) -> None:
-    path = model_path()
+def run_worker(args: argparse.Namespace) -> None:
+    """One engine in this process; prints its measurements as the last line."""
     requests = workload(args.requests, args.prompt, args.output)
+    result = measure(args.worker, Path(args.model), requests, args.rounds)
+    print(RESULT + json.dumps(result), flush=True)
+
+
+def run_table(args: argparse.Namespace) -> None:
+    """Every engine in a fresh process of its own, one after the other; `before:NAME` runs NAME from
+    the checkout given by --before."""
+    path = model_path()
     tokens = args.requests * args.output
     print(f"# {SHAPE} x {LAYERS} layers, bf16, {args.requests} requests x {args.prompt} prompt x "
-          f"{args.output} output tokens, temperature 1; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} intra-op threads (vLLM: VLLM_CPU_OMP_THREADS_BIND={args.vllm_bind}); "
-          f"load average {os.getloadavg()[0]:.1f} at start",
-          flush=True)
-    results: dict[str, list[float]] = {}
-    for name in args.engines:
-        results[name] = measure(name, path, requests, args.rounds, args.vllm_bind)
-        seconds = ", ".join(f"{t:.2f}" for t in results[name])
-        print(f"{name}: {seconds} s (load average {os.getloadavg()[0]:.1f})", flush=True)
-    vllm = statistics.median(results["vllm"]) if "vllm" in results else None
-    print("\n| engine | median s | output tok/s | x vLLM-CPU |\n| --- | --- | --- | --- |")
-    for name, times in results.items():
-        median = statistics.median(times)
+          f"{args.output} output tokens, temperature 1; torch {torch.__version__}, {args.threads} intra-op "
+          f"threads (vLLM: VLLM_CPU_OMP_THREADS_BIND={args.vllm_bind}); {os.cpu_count()} CPUs; load "
+          f"average {os.getloadavg()[0]:.1f} at start", flush=True)
+    results: dict[str, dict[str, list[float]]] = {}
+    for spec in args.engines:
+        before, _, name = spec.rpartition(":")
+        if before and not args.before:
+            raise SystemExit(f"{spec}: give the older checkout with --before DIR")
+        env = {**os.environ, "PARITY_BENCH_ROOT": str(Path(args.before).resolve()) if before else str(ROOT),
+               "OMP_NUM_THREADS": str(args.threads)}
+        if args.vllm_bind != "auto":
+            env["VLLM_CPU_OMP_THREADS_BIND"] = args.vllm_bind
+        command = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--model", str(path),
+                   "--requests", str(args.requests), "--prompt", str(args.prompt),
+                   "--output", str(args.output), "--rounds", str(args.rounds), "--threads", str(args.threads)]
+        done = subprocess.run(command, env=env, capture_output=True, text=True)
+        lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]
+        if done.returncode != 0 or not lines:
+            raise SystemExit(f"{spec} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+        results[spec] = json.loads(lines[-1][len(RESULT):])
+        walls = ", ".join(f"{t:.1f}" for t in results[spec]["wall"])
+        print(f"{spec}: {walls} s (load average {os.getloadavg()[0]:.1f})", flush=True)
+    vllm = statistics.median(results["vllm"]["wall"]) if "vllm" in results else None
+    print("\n| engine | median s | output tok/s | x vLLM-CPU | CPU s / call (this process) |")
+    print("| --- | --- | --- | --- | --- |")
+    for spec, result in results.items():
+        median = statistics.median(result["wall"])
         ratio = f"{vllm / median:.2f}" if vllm else "-"
-        print(f"| {name} | {median:.2f} | {tokens / median:.0f} | {ratio} |")
+        cpu = "-" if spec.endswith("vllm") else f"{statistics.median(result['cpu']):.1f}"
+        print(f"| {spec} | {median:.1f} | {tokens / median:.0f} | {ratio} | {cpu} |")
 
 
 # --- profile ---------------------------------------------------------------------------------------
@@ -291,25 +320,29 @@ def run_profile(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--engines", default=",".join(ENGINES),
-                        type=lambda s: [e for e in s.split(",") if e], help="comma-separated subset of "
-                        + ",".join(ENGINES))
+    parser.add_argument("--engines", default=",".join(ENGINES), type=lambda s: [e for e in s.split(",") if e],
+                        help=f"comma-separated: {', '.join(ENGINES)}, or before:NAME (NAME from --before)")
+    parser.add_argument("--before", default=None, help="an older parity checkout for before:NAME engines")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--output", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
+                        help="torch intra-op threads (default: torch's, i.e. the machine's cores)")
     parser.add_argument("--vllm-bind", default=None,
                         help="VLLM_CPU_OMP_THREADS_BIND for vLLM's worker (default 0-<threads - 1>, as many "
                         "cores as --threads; 'auto': vLLM's choice, which reserves a core for its scheduler)")
     parser.add_argument("--profile", choices=("invariant", "native"), default=None,
                         help="profile the decode steps of the reference engine instead of the table")
+    parser.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
     if args.vllm_bind is None:
-        args.vllm_bind = f"0-{torch.get_num_threads() - 1}"
-    if args.profile:
+        args.vllm_bind = f"0-{args.threads - 1}"
+    if args.worker:
+        run_worker(args)
+    elif args.profile:
         run_profile(args)
     else:
         run_table(args)
