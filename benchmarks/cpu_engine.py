@@ -173,6 +173,8 @@ class _Recorder:
         self.steps: dict[str, int] = defaultdict(int)
         self.kind: str | None = None
         self.in_sample = False
+        self._step_start = 0.0
+        self._range: torch.profiler.record_function | None = None
 
     def wrap(self, fn: Callable, part: str) -> Callable:
         def wrapped(*args: object, **kwargs: object) -> object:
@@ -189,6 +191,24 @@ class _Recorder:
             return result
 
         return wrapped
+
+    def start_step(self, kind: str) -> None:
+        """Count from here into a step of `kind` ("decode" or "other")."""
+        self.kind = kind
+        self.steps[kind] += 1
+        self._step_start = time.thread_time()
+        if kind == "decode":
+            self._range = torch.profiler.record_function("step")
+            self._range.__enter__()
+
+    def end_step(self) -> None:
+        """End the running step, if any (also called once after each `generate`)."""
+        if self.kind is None:
+            return
+        self.seconds[self.kind]["step"] += time.thread_time() - self._step_start
+        if self.kind == "decode":
+            self._range.__exit__(None, None, None)
+        self.kind = None
 
 
 @contextmanager
@@ -225,18 +245,20 @@ def _instrument(engine: object, rec: _Recorder, batch: int) -> ExitStack:
             rec.in_sample = False
 
     stack.enter_context(_patched(engine, "_sample", sampling))
-    step = engine._step
+    from parity.engine import engine as engine_module
 
-    def timed_step(running: list) -> None:
-        decode = len(running) == batch and all(s.computed == s.length - 1 for s in running)
-        rec.kind = "decode" if decode else "other"
-        rec.steps[rec.kind] += 1
-        try:
-            rec.wrap(step, "step")(running)
-        finally:
-            rec.kind = None
+    class TimedScheduler(engine_module.Scheduler):
+        """Each `plan` ends the step before it and starts the next one (so a step also holds the
+        scheduler's admission and bookkeeping around the forward and the sampling)."""
 
-    stack.enter_context(_patched(engine, "_step", timed_step))
+        def plan(self) -> object:
+            rec.end_step()
+            step = super().plan()
+            decode = len(step.spans) == batch and all(span.count == 1 for span in step.spans)
+            rec.start_step("decode" if decode else "other")
+            return step
+
+    stack.enter_context(_patched(engine_module, "Scheduler", TimedScheduler))
     return stack
 
 
@@ -270,11 +292,13 @@ def run_profile(args: argparse.Namespace) -> None:
     with _instrument(engine, rec, args.requests):
         start = time.process_time()
         engine.generate(requests)
+        rec.end_step()
         total = time.process_time() - start
         seconds = {kind: dict(parts) for kind, parts in rec.seconds.items()}
         steps = dict(rec.steps)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             engine.generate(requests)
+            rec.end_step()
     calls = _aten_calls(prof)
     decode = {part: 1e3 * s / steps["decode"] for part, s in seconds["decode"].items()}
     other = {part: 1e3 * s for part, s in seconds["other"].items()}
