@@ -81,7 +81,7 @@ def _engine(name: str, path: Path, batch: int) -> object:
 
     if name == "hf":
         return get_backend("hf", path, dtype="bfloat16", batch_size=batch)
-    return get_backend("vllm", path, dtype="bfloat16", max_num_seqs=batch)
+    return get_backend("vllm", path, dtype="bfloat16", engine_kwargs={"max_num_seqs": batch})
 
 
 def measure(name: str, path: Path, requests: list, rounds: int) -> dict[str, list[float]]:
