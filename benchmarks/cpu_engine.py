@@ -141,7 +141,8 @@ def run_table(args: argparse.Namespace) -> None:
             raise SystemExit(f"{spec} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
         results[spec] = json.loads(lines[-1][len(RESULT):])
         walls = ", ".join(f"{t:.1f}" for t in results[spec]["wall"])
-        print(f"{spec}: {walls} s (load average {os.getloadavg()[0]:.1f})", flush=True)
+        cpus = ", ".join(f"{t:.1f}" for t in results[spec]["cpu"])
+        print(f"{spec}: wall {walls} s, CPU {cpus} s (load average {os.getloadavg()[0]:.1f})", flush=True)
     vllm = statistics.median(results["vllm"]["wall"]) if "vllm" in results else None
     print("\n| engine | median s | output tok/s | x vLLM-CPU | CPU s / call (this process) |")
     print("| --- | --- | --- | --- | --- |")
