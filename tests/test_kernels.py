@@ -9,11 +9,13 @@ from transformers import AutoModelForCausalLM
 
 from parity import kernels
 from parity.errors import BackendUnavailableError, ConfigError
-from parity.kernels import cpu, ops
+from parity.kernels import cpu, cpu_gemm, ops
 from parity.kernels.attention import KV_BLOCK, attend
+from parity.kernels.cpu_attention import attention as cpu_attention
 from parity.models.loading import load_model
 
 DTYPES = [torch.float32, torch.bfloat16]
+ALL_DTYPES = [*DTYPES, torch.float16]
 
 
 def _rand(*shape, dtype=torch.float32, seed=0):
@@ -127,8 +129,9 @@ def test_every_family_is_wired_and_switches_alone(monkeypatch):
 
 # --- matmul ----------------------------------------------------------------------------------
 
-@given(m=st.integers(1, 700), row=st.data(), k=st.sampled_from([32, 64, 128, 256]),
-       n=st.sampled_from([16, 128, 512]), dtype=st.sampled_from(DTYPES), bias=st.booleans())
+@given(m=st.integers(1, 700), row=st.data(), k=st.sampled_from([32, 64, 128, 256, 576, 1536]),
+       n=st.sampled_from([1, 2, 3, 16, 128, 192, 512, 576, 1536]), dtype=st.sampled_from(ALL_DTYPES),
+       bias=st.booleans())
 def test_linear_row_is_independent_of_batch(m, row, k, n, dtype, bias):
     x = _rand(m, k, dtype=dtype, seed=m)
     w = _rand(n, k, dtype=dtype, seed=k + n)
@@ -139,12 +142,78 @@ def test_linear_row_is_independent_of_batch(m, row, k, n, dtype, bias):
     assert torch.equal(cpu.linear(x.view(1, m, k), w, b)[0, i], alone[0])
 
 
-def test_stock_linear_is_not_batch_invariant():
-    """Negative control: fp32 F.linear gives a row different bits at some batch size."""
-    w = _rand(384, 128, seed=1)
-    x = _rand(64, 128, seed=2)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_stock_linear_is_not_batch_invariant(dtype):
+    """Negative control for the tiled GEMM: the same float32 product as one untiled GEMM (F.linear
+    on float32 copies of the rows, as `linear` computes bf16) gives a row different bits at some
+    batch size."""
+    w = _rand(384, 128, dtype=dtype, seed=1).float()
+    x = _rand(64, 128, dtype=dtype, seed=2).float()
     alone = F.linear(x[:1], w)
     assert any(not torch.equal(F.linear(x[:m], w)[0], alone[0]) for m in (2, 4, 8, 16, 33, 64))
+
+
+@pytest.mark.parametrize(("m", "k", "n"), [(6, 64, 32), (32, 576, 1)])
+def test_lone_product_on_two_threads_differs_from_batched(m, k, n):
+    """Negative control for `cpu_gemm.bmm`: a product called alone on two threads rounds differently
+    from the same product in a batch (each problem on one thread); `cpu_gemm.bmm` batches it."""
+    a, b = _rand(2, m, k, seed=1), _rand(2, k, n, seed=2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        alone, batched, ours = torch.mm(a[0], b[0]), torch.bmm(a, b)[0], cpu_gemm.bmm(a[:1], b[:1])[0]
+    finally:
+        torch.set_num_threads(threads)
+    assert not torch.equal(alone, batched)
+    assert torch.equal(ours, batched)
+
+
+def test_unaligned_problems_round_by_their_place_in_the_batch():
+    """Negative control for the 64-byte problem strides: [2, 32] x [32, 33] problems (132-byte
+    output rows) give different bits at batch index 0 and 1; padded to 48 columns they do not."""
+    a, b = _rand(2, 2, 32, seed=1), _rand(2, 32, 48, seed=2)
+
+    def same_at_both_places(columns):
+        r = torch.bmm(a, b[..., :columns].contiguous())
+        s = torch.bmm(a.flip(0).contiguous(), b[..., :columns].flip(0).contiguous())
+        return torch.equal(r[1], s[0]) and torch.equal(r[0], s[1])
+
+    assert not same_at_both_places(33)
+    assert same_at_both_places(48)
+
+
+@pytest.mark.parametrize("n", [1, 2, 15, 16, 64, 192, 576, 1000, 1536, 49152, 151936])
+def test_column_split_is_even_aligned_and_covers_the_weight(n):
+    blocks, width = cpu_gemm.column_split(n)
+    assert blocks >= 2 and blocks % 2 == 0
+    assert width % cpu_gemm.COLUMN_ALIGN == 0 and width <= max(cpu_gemm.COLUMN_BLOCK, cpu_gemm.COLUMN_ALIGN)
+    assert n <= blocks * width < n + blocks * cpu_gemm.COLUMN_ALIGN
+
+
+def test_low_precision_linear_is_a_float32_gemm_rounded_once():
+    """bf16 rows times a bf16 weight: float32 products and sums, one rounding to bf16 at the end."""
+    x = _rand(5, 576, dtype=torch.bfloat16, seed=1)
+    w = _rand(64, 576, dtype=torch.bfloat16, seed=2)
+    want = (x.double() @ w.double().t()).to(torch.bfloat16)
+    got = cpu.linear(x, w)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-8, atol=0)
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_float_weight_copy_follows_in_place_updates(mode):
+    """The cached float32 copy of a bf16 weight is remade when the weight changes in place."""
+    weight = torch.nn.Parameter(_rand(64, 32, dtype=torch.bfloat16, seed=1), requires_grad=False)
+    x = _rand(3, 32, dtype=torch.bfloat16, seed=2)
+    with mode():
+        before = cpu.linear(x, weight)
+        weight.mul_(2)
+        after = cpu.linear(x, weight)
+        weight.copy_(_rand(64, 32, dtype=torch.bfloat16, seed=3))
+        loaded = cpu.linear(x, weight)
+    assert not torch.equal(before, after)
+    assert torch.equal(after, cpu.linear(x, _rand(64, 32, dtype=torch.bfloat16, seed=1) * 2))
+    assert torch.equal(loaded, cpu.linear(x, _rand(64, 32, dtype=torch.bfloat16, seed=3)))
 
 
 # --- reductions and pointwise ----------------------------------------------------------------
@@ -158,7 +227,8 @@ def test_tree_sum_order_is_fixed_pairwise():
     assert cpu.tree_sum(x.view(1, 5, 1).expand(3, 5, 2), dim=1).eq(2.0).all()
 
 
-@given(m=st.integers(1, 70), width=st.sampled_from([32, 128, 200, 512]), dtype=st.sampled_from(DTYPES),
+@given(m=st.integers(1, 70), width=st.sampled_from([16, 32, 128, 200, 512, 576, 4096]),
+       dtype=st.sampled_from(DTYPES),
        data=st.data())
 def test_rowwise_kernels_are_independent_of_batch(m, width, dtype, data):
     x = _rand(m, width, dtype=dtype, seed=m + width) * 4
@@ -222,16 +292,16 @@ def test_attention_is_independent_of_span_batch_and_slot(length, extra_blocks, d
     v = _cache(3, hkv, cap, d, dtype, 2)
     q = _rand(length, hq, d, dtype=dtype, seed=3)
     pos = data.draw(st.integers(0, length - 1))
-    alone = cpu.attention(q[pos:pos + 1], k, v, torch.tensor([1]), torch.tensor([pos]), pos + 1, 0.2)
+    alone = cpu_attention(q[pos:pos + 1], k, v, torch.tensor([1]), torch.tensor([pos]), pos + 1, 0.2)
     # The same token among a whole prefill of its slot, reading every cached position.
     ones = torch.ones(length, dtype=torch.int64)
-    full = cpu.attention(q, k, v, ones, torch.arange(length), k.shape[2], 0.2)
+    full = cpu_attention(q, k, v, ones, torch.arange(length), k.shape[2], 0.2)
     assert torch.equal(full[pos], alone[0])
     # Another slot holding the same keys/values, with a block-aligned span.
     k2, v2 = k.clone(), v.clone()
     k2[2], v2[2] = k[1], v[1]
     span = (pos // KV_BLOCK + 1) * KV_BLOCK
-    other = cpu.attention(q[pos:pos + 1], k2, v2, torch.tensor([2]), torch.tensor([pos]), span, 0.2)
+    other = cpu_attention(q[pos:pos + 1], k2, v2, torch.tensor([2]), torch.tensor([pos]), span, 0.2)
     assert torch.equal(other[0], alone[0])
 
 
@@ -253,6 +323,95 @@ def test_attention_stock_path_differs_and_invariant_path_matches_reference():
         one = attend(q[pos:pos + 1], k, v, slots[:1], positions[pos:pos + 1], blocks * KV_BLOCK, 0.2)
         differs |= not torch.equal(one[0], stock[pos])
     assert differs
+
+
+HEADS = [(4, 2, 32), (9, 3, 64), (2, 2, 16)]  # (query heads, KV heads, head dim); (9, 3, 64) is SmolLM2's
+
+
+@st.composite
+def packed_steps(draw, num_slots=6, max_position=100):
+    """An attention call's tokens: runs of consecutive positions of distinct slots (prefill chunks of
+    any length, decode tokens as runs of one), in any order, with a span of 0-2 extra key blocks."""
+    slots = draw(st.permutations(range(num_slots)))[:draw(st.integers(1, num_slots))]
+    runs = []
+    for slot in slots:
+        start = draw(st.integers(0, max_position - 1))
+        length = draw(st.one_of(st.just(1), st.integers(1, max_position - start)))
+        runs.append((slot, start, length))
+    return runs, draw(st.integers(0, 2))
+
+
+def _attention_case(runs, heads, dtype, capacity=160, num_slots=6):
+    """Queries that are a function of (slot, position) only, a random cache, and the packed tokens."""
+    hq, hkv, d = heads
+    k = _rand(num_slots, hkv, capacity, d, dtype=dtype, seed=1)
+    v = _rand(num_slots, hkv, capacity, d, dtype=dtype, seed=2)
+    table = _rand(num_slots, capacity, hq, d, dtype=dtype, seed=3)
+    slots = torch.cat([torch.full((n,), s) for s, _, n in runs])
+    positions = torch.cat([torch.arange(p, p + n) for _, p, n in runs])
+    return table[slots, positions], k, v, slots, positions
+
+
+def _alone_equals_packed(fn, runs, extra_blocks, heads, dtype) -> bool:
+    """Whether each token's output in the packed call equals its output alone (span = position + 1)."""
+    q, k, v, slots, positions = _attention_case(runs, heads, dtype)
+    span = (int(positions.max()) // KV_BLOCK + 1 + extra_blocks) * KV_BLOCK
+    packed = fn(q, k, v, slots, positions, span, 0.125)
+    return all(torch.equal(packed[i], fn(q[i:i + 1], k, v, slots[i:i + 1], positions[i:i + 1],
+                                         int(positions[i]) + 1, 0.125)[0]) for i in range(len(slots)))
+
+
+@given(step=packed_steps(), heads=st.sampled_from(HEADS), dtype=st.sampled_from(DTYPES))
+def test_attention_token_is_independent_of_its_step(step, heads, dtype):
+    """Any mix of prefill chunks and decode tokens, in any order and slot, reading any span: each token's
+    output equals its output alone."""
+    runs, extra_blocks = step
+    assert _alone_equals_packed(cpu_attention, runs, extra_blocks, heads, dtype)
+
+
+def test_stock_attention_token_depends_on_its_step():
+    """Negative control for the same check: stock SDPA (attention family off) over the same cache."""
+    runs = [(2, 0, 70), (0, 40, 1), (5, 3, 33), (1, 90, 1)]
+    assert not _alone_equals_packed(attend, runs, 1, (9, 3, 64), torch.float32)
+
+
+def test_attention_plan_is_remade_when_the_tokens_change():
+    """The per-step plan is reused only for equal slots/positions/span: new values in a same-shaped
+    tensor, or in the same tensor changed in place, give a fresh result."""
+    q, k, v, slots, positions = _attention_case([(1, 10, 4), (3, 50, 4)], (4, 2, 32), torch.float32)
+    first = cpu_attention(q, k, v, slots, positions, 64, 0.125)
+    moved = positions + 7
+    want = cpu_attention(q, k, v, slots, moved.clone(), 96, 0.125)
+    assert not torch.equal(first, want)
+    positions += 7  # in place: same tensor object, new values
+    assert torch.equal(cpu_attention(q, k, v, slots, positions, 96, 0.125), want)
+    slots[:4] = 2
+    k[2], v[2] = k[1], v[1]
+    assert torch.equal(cpu_attention(q, k, v, slots, positions, 96, 0.125), want)
+
+
+def test_kernels_give_the_same_bits_at_one_and_two_threads():
+    """Thread count changes no kernel's bits at model shapes (GEMM tiles, RMSNorm sums, attention)."""
+    x = _rand(70, 576, dtype=torch.bfloat16, seed=1)
+    inner = _rand(70, 1536, dtype=torch.bfloat16, seed=2)
+    up, down = _rand(1536, 576, dtype=torch.bfloat16, seed=3), _rand(576, 1536, dtype=torch.bfloat16, seed=4)
+    wide = _rand(9, 8192, seed=5)
+    q, k, v, slots, positions = _attention_case([(2, 0, 64), (0, 95, 1), (4, 30, 9)], (9, 3, 64),
+                                                torch.bfloat16)
+
+    def run():
+        return [cpu.linear(x, up), cpu.linear(inner, down), cpu.rms_norm(x, up[0], 1e-6),
+                cpu.rms_norm(wide, wide[0], 1e-6), cpu_attention(q, k, v, slots, positions, 128, 0.125)]
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run()
+        torch.set_num_threads(2)
+        two = run()
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(one, two))
 
 
 # --- moe -------------------------------------------------------------------------------------

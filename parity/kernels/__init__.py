@@ -8,8 +8,8 @@ Inside the switch, every op of a model loaded with `parity.models.loading.load_m
 each token's outputs bitwise independently of batch size, batch companions, row position,
 padding, and of full forward vs chunked prefill vs decode. Families (`FAMILIES`) switch
 independently so drift can be attributed to one of them. Each family's op is looked up per
-device type: CPU kernels live in `parity/kernels/cpu.py`; another device registers its own
-with `kernels.register(family, op, device_type, fn)`.
+device type: CPU kernels live in `parity/kernels/cpu.py` and `cpu_attention.py`; another device
+registers its own with `kernels.register(family, op, device_type, fn)`.
 """
 
 import importlib.util
@@ -17,6 +17,7 @@ import importlib.util
 import torch
 
 from parity.kernels import cpu as _cpu  # noqa: F401  (registers the CPU kernels)
+from parity.kernels import cpu_attention as _cpu_attention  # noqa: F401  (and the CPU attention)
 from parity.kernels.switch import (
     FAMILIES,
     disable,

@@ -2,13 +2,15 @@
 
 What breaks invariance in stock CPU torch (measured, see docs/DESIGN.md) and how each op avoids it:
 
-- GEMM kernel choice depends on M (fp32 rows differ between M=1..7 and larger M). `linear`
-  always multiplies fixed [TILE, K] row tiles with one `bmm` (rows padded with zeros), so the
-  library sees the same shape for every row, whatever the batch.
+- GEMM kernel choice depends on the problem's shape and, for a lone product, on the thread
+  count. Every matmul is a batch of fixed-shape float32 problems (`cpu_gemm`: [TILE, K] row
+  tiles times column blocks of the weight), so the library runs the same single-threaded
+  kernel for every row, whatever the batch.
 - Reductions split across threads when rows are few, and their vectorized accumulation order
-  is an implementation detail. Every sum here is a `tree_sum`: a fixed pairwise tree of
-  elementwise adds over the reduced axis (padded with exact zeros to a power of two), so the
-  order of additions is fixed by construction, whatever the thread count.
+  is an implementation detail. Every sum here has an order fixed by construction: a
+  `tree_sum` (a fixed pairwise tree of elementwise adds over the reduced axis, padded with exact
+  zeros to a power of two), or a product with a ones vector inside a fixed-shape GEMM (RMSNorm's
+  sum of squares, attention's softmax mass in `cpu_attention`).
 - Transcendental pointwise ops (exp, log, silu, ...) use a vectorized body and a scalar tail
   that round differently, so an element's result depends on its flat position and on how
   `parallel_for` chunks the tensor. `pointwise` feeds them contiguous pieces whose lengths are
@@ -17,7 +19,8 @@ What breaks invariance in stock CPU torch (measured, see docs/DESIGN.md) and how
 
 Elementwise +, -, *, / and comparisons are correctly rounded in every code path, so they are
 used freely. Nothing here changes torch's thread settings: the switch must not change the
-results of code outside it.
+results of code outside it. The bitwise tests in tests/test_kernels.py prove each property on
+the CPU they run on (row position, batch, thread count).
 """
 
 from __future__ import annotations
@@ -26,17 +29,16 @@ from collections.abc import Callable
 
 import torch
 
+from parity.kernels import cpu_gemm
+from parity.kernels.cpu_gemm import TILE
 from parity.kernels.switch import register
 
-#: rows per GEMM tile; every invariant matmul is a bmm over [n_tiles, TILE, K].
-TILE = 32
 #: pointwise inputs are padded to a multiple of this many elements (2 x the widest vector, 32 lanes).
 POINTWISE_ALIGN = 64
 #: largest piece a pointwise op sees: half of ATen's GRAIN_SIZE (32768 elements), below which
 #: TensorIterator runs an op on one thread.
 POINTWISE_CHUNK = 16384
-#: query tokens per attention chunk (bounds memory only; rows never interact).
-ATTENTION_ROWS = 128
+
 
 
 def pointwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -77,30 +79,32 @@ def tree_sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Ten
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias): x [..., K], weight [N, K] -> [..., N]; each row independent of the others."""
+    """x @ weight.T (+ bias): x [..., K], weight [N, K] -> [..., N]; each row independent of the others.
+
+    A float32 GEMM of fixed [TILE, K] x [K, width] problems (`cpu_gemm.matmul`), rounded once to
+    x's dtype.
+    """
     k = x.shape[-1]
     n_out = weight.shape[0]
     rows = x.reshape(-1, k)
-    m = rows.shape[0]
-    if m == 0:
+    if rows.shape[0] == 0:
         return x.new_empty(*x.shape[:-1], n_out)
-    pad = (-m) % TILE
-    if pad:
-        rows = torch.cat([rows, rows.new_zeros(pad, k)])
-    tiles = rows.view(-1, TILE, k)
-    out = torch.bmm(tiles, weight.t().unsqueeze(0).expand(tiles.shape[0], k, n_out))
-    out = out.view(-1, n_out)[:m]
+    out = cpu_gemm.matmul(rows, weight)
     if bias is not None:
         # A separate elementwise add: a fused addmm would round differently per kernel.
         out = out + bias
-    return out.view(*x.shape[:-1], n_out)
+    return out.to(x.dtype).reshape(*x.shape[:-1], n_out)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF RMSNorm (normalize in fp32, cast back, multiply by weight) with a tree-ordered mean."""
+    """HF RMSNorm (normalize in fp32, cast back, multiply by weight) with a fixed-order mean.
+
+    The sum of squares of each row is its product with a ones column in fixed-shape GEMM
+    problems (`cpu_gemm.row_sums`) instead of a zero-padded tree of ~2 log2(hidden) ops.
+    """
     dtype = x.dtype
     xf = x.to(torch.float32)
-    variance = tree_sum(xf * xf, -1, keepdim=True) / x.shape[-1]
+    variance = cpu_gemm.row_sums((xf * xf).reshape(-1, x.shape[-1])).view(*x.shape[:-1], 1) / x.shape[-1]
     rstd = pointwise(torch.rsqrt, variance + eps)
     return weight * (xf * rstd).to(dtype)
 
@@ -154,10 +158,10 @@ def experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torc
 
     top_k_index, top_k_weights [N, k]; gate_up_proj [E, 2I, H]; down_proj [E, H, I]; `act` is
     the (patched) activation module. The (token, slot) rows routed to each expert are packed
-    into that expert's own [TILE, H] row tiles (zero rows pad the last one), and one bmm runs
-    every tile against its expert's weights: each row meets the same tile shape whatever else
-    was routed. Each row's weighted output goes back to its (token, slot), and the k slots of a
-    token are summed in slot order.
+    into that expert's own [TILE, H] row tiles (zero rows pad the last one), and one float32 bmm
+    runs every tile against its expert's weights (`cpu_gemm.bmm`): each row meets the same
+    problem whatever else was routed. Each row's weighted output goes back to its (token,
+    slot), and the k slots of a token are summed in slot order.
     """
     n, k = top_k_index.shape
     num_experts = gate_up_proj.shape[0]
@@ -173,11 +177,13 @@ def experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torc
     tile_expert = torch.repeat_interleave(torch.arange(num_experts), tiles_per_expert)
     rows = hidden.new_zeros(tile_expert.numel() * TILE, hidden.shape[-1])
     rows[dest] = hidden[order // k]
-    tiles = rows.view(-1, TILE, hidden.shape[-1])
-    gate_up = torch.bmm(tiles, gate_up_proj[tile_expert].transpose(1, 2))
-    gate, up = gate_up.chunk(2, dim=-1)
-    inner = act(gate) * up
-    out = torch.bmm(inner, down_proj[tile_expert].transpose(1, 2)).view(-1, hidden.shape[-1])
+    # Float32 products rounded to the model's dtype, as HF's expert GEMMs round their outputs.
+    tiles = rows.view(-1, TILE, hidden.shape[-1]).to(torch.float32)
+    gate_up = cpu_gemm.bmm(tiles, cpu_gemm.float32(gate_up_proj)[tile_expert].transpose(1, 2))
+    gate, up = gate_up.to(hidden.dtype).chunk(2, dim=-1)
+    inner = (act(gate) * up).to(torch.float32)
+    out = cpu_gemm.bmm(inner, cpu_gemm.float32(down_proj)[tile_expert].transpose(1, 2))
+    out = out.to(hidden.dtype).view(-1, hidden.shape[-1])
     slots = hidden.new_zeros(n * k, hidden.shape[-1])
     # Same dtype promotion as HF: the weights may be fp32 (Mixtral) while `out` is bf16.
     slots[order] = (out[dest] * top_k_weights.reshape(-1)[order].unsqueeze(1)).to(hidden.dtype)
@@ -186,39 +192,6 @@ def experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torc
     for j in range(1, k):
         combined = combined + slots[:, j]
     return combined
-
-
-def attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-              positions: torch.Tensor, span: int, scaling: float) -> torch.Tensor:
-    """Causal attention of each query token over its own sequence's cached K/V.
-
-    query [T, Hq, D]; k_cache, v_cache [S, Hkv, C, D] (S sequence slots, C cached positions);
-    slots, positions [T] (int64): the slot and absolute position of each query token; `span`:
-    how many cached positions to read (> every position). Returns [T, Hq, D] in the query
-    dtype; the math runs in fp32.
-
-    The KV axis is indexed by absolute position. Keys after a token's position get score -inf,
-    so exp gives them exact zeros; the max is order-free, and both KV sums are `tree_sum`s,
-    which trailing zeros leave unchanged. So a token's result does not depend on `span`, on
-    the other tokens, or on whether it came in a full forward, a prefill chunk or a decode step.
-    """
-    t, hq, d = query.shape
-    hkv = k_cache.shape[1]
-    out = torch.empty(t, hq, d, dtype=query.dtype, device=query.device)
-    visible_at = torch.arange(span, device=query.device)
-    # Query rows are independent; chunking them only bounds the [rows, H, span, D] temporaries.
-    for lo in range(0, t, ATTENTION_ROWS):
-        hi = min(t, lo + ATTENTION_ROWS)
-        q = query[lo:hi].to(torch.float32).view(hi - lo, hkv, hq // hkv, 1, d)
-        keys = k_cache[slots[lo:hi], :, :span].to(torch.float32).unsqueeze(2)  # [rows, Hkv, 1, span, D]
-        values = v_cache[slots[lo:hi], :, :span].to(torch.float32).unsqueeze(2)
-        scores = tree_sum(q * keys, -1) * scaling  # [rows, Hkv, G, span]
-        hidden = visible_at.unsqueeze(0) > positions[lo:hi].unsqueeze(1)
-        scores = scores.masked_fill(hidden[:, None, None, :], float("-inf"))
-        p = pointwise(torch.exp, scores - scores.amax(-1, keepdim=True))
-        weighted = tree_sum(p.unsqueeze(-1) * values, -2)  # [rows, Hkv, G, D]
-        out[lo:hi] = (weighted / tree_sum(p, -1, keepdim=True)).view(hi - lo, hq, d).to(query.dtype)
-    return out
 
 
 def rotary(forward: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
@@ -250,7 +223,6 @@ for _family, _op, _fn in (
     ("pointwise", "activation", activation),
     ("moe", "topk", topk),
     ("moe", "experts", experts),
-    ("attention", "attention", attention),
     ("rotary", "rotary", rotary),
 ):
     register(_family, _op, "cpu", _fn)
