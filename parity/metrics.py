@@ -35,10 +35,8 @@ import numpy as np
 import torch
 
 from parity.errors import ConfigError, InputError
+from parity.ratio_rules import SAFETY_BOUND
 from parity.schema import SUMMARY_KEYS
-
-#: verl's bound on |log ratio| before exponentiating (rollout_corr_helper.SAFETY_BOUND).
-SAFETY_BOUND = 20.0
 
 #: Default response-position bucket edges (tokens): powers of two, so early tokens get fine buckets.
 DEFAULT_POSITION_EDGES: tuple[int, ...] = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)

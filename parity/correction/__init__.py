@@ -33,10 +33,12 @@ sequence IS), `rollout_is_clamp_lower` (lower-bounded TIS, slime/OpenRLHF style)
 
 Modules: `config` (options, parsed once into typed rules), `weights` (IS weights and their
 metrics), `rejection` (rejection masks and theirs), `stats` (per-row statistics and verl's batch
-reductions), `apply` (the one pass over the batch and the entry points).
+reductions), `apply` (the one pass over the batch and the entry points). The elementwise
+formulas themselves live in `parity.ratio_rules`, shared with the NumPy `parity.advisor`.
 """
 
-from parity.correction.apply import apply_correction, rollout_correction
+from typing import Any
+
 from parity.correction.config import (
     IS_LEVELS,
     RS_OPTIONS,
@@ -45,7 +47,19 @@ from parity.correction.config import (
     ImportanceRule,
     RejectionRule,
 )
-from parity.correction.stats import EPS
 
 __all__ = ["EPS", "IS_LEVELS", "RS_OPTIONS", "VERL_IS_LEVELS", "CorrectionConfig", "ImportanceRule",
            "RejectionRule", "apply_correction", "rollout_correction"]
+
+#: names whose modules load torch: imported on first use, so the options (`config`) stay light
+#: for the advisor and for parsing a case.
+_LAZY = {"apply_correction": "parity.correction.apply", "rollout_correction": "parity.correction.apply",
+         "EPS": "parity.correction.stats"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'parity.correction' has no attribute {name!r}")

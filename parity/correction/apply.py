@@ -11,7 +11,9 @@ from parity.correction.config import CorrectionConfig
 from parity.correction.rejection import RejectionRows, block_keep, rejection_metrics
 from parity.correction.stats import EPS, PolicyRows, Rows, join, offpolicy_metrics
 from parity.correction.weights import WeightRows, batch_norm_factor, block_weights, weight_metrics
-from parity.metrics import SAFETY_BOUND, TokenArrays, token_arrays
+from parity.metrics import TokenArrays, token_arrays
+from parity.ratio_rules import clamp_log_ratio
+from parity.ratio_rules import ratio as ratio_of
 
 
 @dataclass(frozen=True)
@@ -34,8 +36,8 @@ def _scan(cfg: CorrectionConfig, tok: TokenArrays) -> tuple[BatchRows, torch.Ten
     for b in tok.blocks():
         lengths = tok.lengths[b.rows]
         row_count = torch.where(lengths > 0, lengths, EPS)
-        clamped = b.log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)
-        ratio = torch.exp(clamped) * b.maskf
+        clamped = clamp_log_ratio(b.log_ratio)
+        ratio = ratio_of(clamped) * b.maskf
         weight_rows = rejection_rows = None
         if weights is not None:
             weights[b.rows], weight_rows = block_weights(cfg.is_rule, b, ratio, row_count)

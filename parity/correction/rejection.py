@@ -10,6 +10,7 @@ import torch
 from parity.correction.config import RejectionRule
 from parity.correction.stats import Rows, fraction, seq_summary
 from parity.metrics import Block, masked_row_max, masked_row_min
+from parity.ratio_rules import in_band, token_statistic
 
 
 @dataclass(frozen=True)
@@ -53,20 +54,7 @@ class RejectionRows:
 
 def keeps(rule: RejectionRule, x: torch.Tensor) -> torch.Tensor:
     """Where statistic `x` passes `rule` (bool, same shape)."""
-    ok = x <= rule.upper
-    if rule.lower is not None:
-        ok &= x >= rule.lower
-    return ok
-
-
-def token_statistic(estimator: str, clamped_log_ratio: torch.Tensor) -> torch.Tensor:
-    """Per-token estimator of KL(π_rollout || π_train) at Δ clamped to ±20; 0 where Δ = 0."""
-    if estimator == "k1":
-        return -clamped_log_ratio
-    if estimator == "k2":
-        return 0.5 * clamped_log_ratio.square()
-    # verl's exp(Δ) - 1 - Δ, not expm1(Δ) - Δ: thresholds must cut exactly where verl's do.
-    return torch.exp(clamped_log_ratio) - 1.0 - clamped_log_ratio
+    return in_band(x, rule.lower, rule.upper)
 
 
 def block_keep(rules: Sequence[RejectionRule], b: Block, clamped: torch.Tensor, row_count: torch.Tensor

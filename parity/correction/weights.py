@@ -10,6 +10,8 @@ import torch
 from parity.correction.config import ImportanceRule
 from parity.correction.stats import EPS, Rows, fraction, seq_summary
 from parity.metrics import SAFETY_BOUND, Block, masked_row_max, masked_row_min
+from parity.ratio_rules import band_weights, clamp_log_ratio, in_band, sequence_log_ratio, truncate
+from parity.ratio_rules import ratio as ratio_of
 
 
 @dataclass(frozen=True)
@@ -59,29 +61,27 @@ def block_weights(rule: ImportanceRule, b: Block, ratio: torch.Tensor, row_count
     """
     upper, band_lower = rule.upper, rule.band_lower
     if rule.sequence_level:
-        seq_log = b.log_ratio.sum(-1)
-        if rule.level == "geometric":
-            seq_log = seq_log / row_count
-        raw = torch.exp(seq_log.clamp(-SAFETY_BOUND, SAFETY_BOUND))
+        seq_log = sequence_log_ratio(b.log_ratio.sum(-1), row_count, rule.level)
+        raw = ratio_of(clamp_log_ratio(seq_log))
         if band_lower is not None:
-            weight = torch.where((raw >= band_lower) & (raw <= upper), raw, 0.0)
+            weight = band_weights(raw, band_lower, upper)
         else:
-            weight = raw.clamp(rule.clamp_lower, upper)
+            weight = truncate(raw, upper, rule.clamp_lower)
         return weight[:, None] * b.maskf, SequenceWeightRows(seq_log, raw, weight)
 
     mask = b.mask
     seq_keep = outside = None
     if rule.level == "seq_mask_tis":
-        geo_log = b.log_ratio.sum(-1) / row_count
-        seq_keep = (geo_log >= math.log(band_lower)) & (geo_log <= math.log(upper))
+        geo_log = sequence_log_ratio(b.log_ratio.sum(-1), row_count, "geometric")
+        seq_keep = in_band(geo_log, math.log(band_lower), math.log(upper))
         weights = ratio * seq_keep[:, None]
     elif band_lower is not None:
-        weights = torch.where((ratio >= band_lower) & (ratio <= upper), ratio, 0.0)
-        outside = (((ratio < band_lower) | (ratio > upper)) & mask).sum(-1, dtype=torch.float64)
+        weights = band_weights(ratio, band_lower, upper)
+        outside = (~in_band(ratio, band_lower, upper) & mask).sum(-1, dtype=torch.float64)
     elif rule.clamp_lower is not None:
-        weights = ratio.clamp(rule.clamp_lower, upper) * b.maskf
+        weights = truncate(ratio, upper, rule.clamp_lower) * b.maskf
     else:
-        weights = ratio.clamp(max=upper)
+        weights = truncate(ratio, upper)
     clamped = weights.clamp(0.0, upper)
     stats = TokenWeightRows(
         weight_sum=weights.sum(-1),
