@@ -1,0 +1,135 @@
+"""Which correction fixes it: evaluate a grid of rollout corrections on measured per-token
+logprobs and recommend one, with its reason and the config to paste.
+
+    advice = parity.advise(report)           # a ParityReport, or train/rollout/mask arrays
+    print(advice.text())
+    advice.config                            # the recommended parity.correction.CorrectionConfig
+    advice.to_dict()["recommendation"]["frameworks"]["verl"]
+
+Modules: `grid` (the candidate corrections), `evaluate` (every candidate's figures in one
+vectorised NumPy pass), `rule` (the documented rule), `export` (verl / NeMo-RL / slime keys),
+`text` (the terminal table). NumPy only: advising a stored report never loads torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from parity.advisor.evaluate import FIGURES, Evaluation, Tokens, evaluate, keep_mask
+from parity.advisor.export import framework_configs
+from parity.advisor.grid import REWEIGHTING, Candidate, default_grid, describe
+from parity.advisor.rule import AdviceRule, choose_removal, choose_reweighting, noise_clause, within_noise
+from parity.correction.config import CorrectionConfig
+from parity.errors import InputError
+from parity.report import ParityReport
+
+__all__ = ["Advice", "AdviceRule", "Candidate", "advise", "default_grid", "tokens_of"]
+
+#: `ParityReport.extras` key of the advice section, and the summary key of its recommendation.
+SECTION = "advice"
+SUMMARY_KEY = "recommended_correction"
+
+
+@dataclass(frozen=True)
+class Advice:
+    """The recommendation and the evaluation behind it.
+
+    config: the recommended correction; reason: one sentence; stages: each stage's chosen
+    candidate (name, figures) in order; evaluation: every candidate's figures.
+    """
+
+    config: CorrectionConfig
+    reason: str
+    stages: tuple[tuple[str, str | None, dict[str, float]], ...]
+    evaluation: Evaluation
+    rule: AdviceRule
+    seed: int
+
+    @property
+    def name(self) -> str:
+        return describe(self.config)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON section stored in `ParityReport.extras["advice"]` and rendered from there."""
+        ev = self.evaluation
+        fields = [f.name for f in dataclasses.fields(CorrectionConfig) if f.init]
+        return {
+            "recommendation": {
+                "name": self.name, "reason": self.reason,
+                "config": {k: getattr(self.config, k) for k in fields},
+                "stages": [{"stage": s, "candidate": c, "figures": f} for s, c, f in self.stages],
+                "frameworks": framework_configs(self.config),
+            },
+            "drift": dataclasses.asdict(ev.drift),
+            "rule": dataclasses.asdict(self.rule),
+            "bootstrap": ev.bootstrap, "seed": self.seed, "figures": list(FIGURES),
+            "candidates": [{"name": c.name, "family": c.family, **ev.row(i)} for i, c in enumerate(ev.candidates)],
+        }
+
+    def text(self) -> str:
+        from parity.advisor.text import advice_text
+
+        return advice_text(self.to_dict())
+
+
+def tokens_of(source: Any, rollout_logprobs: Any = None, mask: Any = None) -> Tokens:
+    """The advisor's tokens from a `ParityReport` (tokens outside either side's support left
+    out, as in its summary) or from `[batch, seq]` train / rollout logprobs and a mask."""
+    if isinstance(source, ParityReport):
+        valid = source.mask & np.isfinite(source.train_logprobs) & np.isfinite(source.rollout_logprobs)
+        return Tokens.from_arrays(source.train_logprobs, source.rollout_logprobs, valid)
+    if rollout_logprobs is None or mask is None:
+        raise InputError("advise: give a ParityReport, or train_logprobs, rollout_logprobs and mask arrays")
+    return Tokens.from_arrays(source, rollout_logprobs, mask)
+
+
+def advise(report_or_arrays: Any, rollout_logprobs: Any = None, mask: Any = None, *,
+           grid: Sequence[Candidate] | None = None, rule: AdviceRule | None = None,
+           bootstrap: int = 200, seed: int = 0) -> Advice:
+    """Evaluate `grid` (default: `default_grid()`) on a report's or arrays' tokens and recommend
+    one correction by `rule` (default bounds: `AdviceRule()`); see `parity.advisor.rule`.
+
+    bootstrap: resamples of the sequences for the residual bias's 95% interval (seeded by `seed`).
+    """
+    tok = tokens_of(report_or_arrays, rollout_logprobs, mask)
+    grid = tuple(default_grid() if grid is None else grid)
+    rule = AdviceRule() if rule is None else rule
+    ev = evaluate(tok, grid, bootstrap=bootstrap, seed=seed)
+    none = CorrectionConfig(rollout_is=None)
+    if within_noise(ev, rule):
+        return Advice(none, _sentence([noise_clause(ev, rule), "no correction needed"]),
+                      (("noise", None, {}),), ev, rule, seed)
+    stages: list[tuple[str, str | None, dict[str, float]]] = []
+    clauses: list[str] = []
+    removal = choose_removal(ev, rule)
+    rs: dict[str, Any] = {}
+    reweight_ev = ev
+    if removal.index is not None:
+        cand = grid[removal.index]
+        stages.append(("removal", cand.name, ev.row(removal.index)))
+        clauses.append(removal.clause)
+        if cand.family not in ("token_rs", "seq_rs"):  # masking corrections carry their own IS weights
+            return Advice(cand.config, _sentence(clauses), tuple(stages), ev, rule, seed)
+        rs = {"rollout_rs": cand.config.rollout_rs, "rollout_rs_threshold": cand.config.rollout_rs_threshold}
+        reweighters = [c for c in grid if c.family in REWEIGHTING]
+        reweight_ev = evaluate(tok.subset(keep_mask(tok, cand)), reweighters, bootstrap=0)
+    choice = choose_reweighting(reweight_ev, rule)
+    if choice.index is None:
+        stages.append(("reweighting", None, {}))
+        clauses.append(("on the kept tokens " if rs else "") + choice.clause + ", so no IS weights")
+        return Advice(CorrectionConfig(rollout_is=None, **rs), _sentence(clauses), tuple(stages), ev, rule, seed)
+    chosen = reweight_ev.candidates[choice.index]
+    stages.append(("reweighting", chosen.name, reweight_ev.row(choice.index)))
+    clauses.append(("on the kept tokens " if rs else "") + choice.clause)
+    config = CorrectionConfig(rollout_is=chosen.config.rollout_is,
+                              rollout_is_threshold=chosen.config.rollout_is_threshold, **rs)
+    return Advice(config, _sentence(clauses), tuple(stages), ev, rule, seed)
+
+
+def _sentence(clauses: list[str]) -> str:
+    return "; ".join(clauses) + "."

@@ -1,0 +1,322 @@
+"""Every candidate correction's figures from one pass over the per-token arrays, in NumPy.
+
+The valid tokens are flattened row-major (`Tokens`). Token-level families (truncated IS,
+IcePop, token rejection) are evaluated as `[tokens, thresholds]` matrices, chunk by chunk of
+whole sequences, and reduced at once to per-sequence sums `[sequences, candidates]`;
+sequence-level families need only per-sequence sums of the tokens, so they are
+`[sequences, thresholds]` matrices from the start. Every figure, and the bootstrap of the
+residual bias, is then a reduction over sequences. The weights, bands and KL statistics are
+`parity.ratio_rules`, the formulas the verl-matching correction uses.
+
+Figures (N valid tokens, S sequences, ŵ_t the correction's effective weight: its IS weight
+times its keep mask, 1 for kept tokens of a correction without IS; w_t the untruncated weight
+at the candidate's level, see `REFERENCE`); docs/ADVISOR.md defines each with its formula.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from parity.advisor.grid import Candidate
+from parity.errors import InputError
+from parity.ratio_rules import (
+    band_weights,
+    clamp_log_ratio,
+    in_band,
+    ratio,
+    sequence_log_ratio,
+    token_statistic,
+    truncate,
+)
+
+#: tokens per chunk of the `[tokens, thresholds]` matrices (whole sequences; ~0.5 MiB a column).
+CHUNK_TOKENS = 1 << 16
+#: the figures of each candidate, in table order.
+FIGURES: tuple[str, ...] = (
+    "frac_tokens_truncated", "frac_seqs_truncated", "frac_tokens_removed", "frac_seqs_removed",
+    "ess", "max_weight", "weight_var", "mass_removed", "drift_removed", "bias", "bias_low", "bias_high",
+)
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """The valid tokens of a batch, row-major, float64.
+
+    log_ratio: Δ_t = logp_train - logp_rollout (nats) `[N]`; train: logp_train `[N]`;
+    lengths: tokens per non-empty sequence `[S]` (int64, all > 0), in row order.
+    """
+
+    log_ratio: np.ndarray
+    train: np.ndarray
+    lengths: np.ndarray
+
+    @classmethod
+    def from_arrays(cls, train_logprobs: Any, rollout_logprobs: Any, mask: Any) -> Tokens:
+        """From `[batch, seq]` arrays (NumPy, or anything `np.asarray` reads) and a 0/1 mask.
+        Logprobs must be finite where `mask` is set; empty rows are dropped."""
+        train = np.asarray(train_logprobs, dtype=np.float64)
+        rollout = np.asarray(rollout_logprobs, dtype=np.float64)
+        valid = np.asarray(mask).astype(bool)
+        if train.ndim != 2 or train.shape != rollout.shape or train.shape != valid.shape:
+            raise InputError(f"advise: train_logprobs {train.shape}, rollout_logprobs {rollout.shape} and mask "
+                             f"{valid.shape} must be 2-D [batch, seq] arrays of one shape")
+        t, r = train[valid], rollout[valid]
+        if not (np.isfinite(t).all() and np.isfinite(r).all()):
+            raise InputError("advise: logprobs must be finite wherever mask is set (leave tokens outside "
+                             "either side's support out of the mask)")
+        lengths = valid.sum(axis=1)
+        return cls(t - r, t, lengths[lengths > 0].astype(np.int64))
+
+    @property
+    def starts(self) -> np.ndarray:
+        """Index of each sequence's first token `[S]`."""
+        return np.concatenate(([0], np.cumsum(self.lengths)[:-1])).astype(np.int64)
+
+    def subset(self, keep: np.ndarray) -> Tokens:
+        """The tokens where `keep` `[N]` is set; sequences left empty are dropped."""
+        seq = np.repeat(np.arange(self.lengths.size), self.lengths)
+        lengths = np.bincount(seq[keep], minlength=self.lengths.size)
+        return Tokens(self.log_ratio[keep], self.train[keep], lengths[lengths > 0].astype(np.int64))
+
+
+@dataclass(frozen=True)
+class Drift:
+    """The batch's drift before any correction: max |Δ| (nats), the variance of the untruncated
+    token ratios r_t = exp(Δ_t), mean k3 KL per token and the token and sequence counts."""
+
+    max_abs_log_ratio: float
+    ratio_var: float
+    k3_mean: float
+    tokens: int
+    sequences: int
+
+
+@dataclass
+class _Sums:
+    """Per-sequence sums `[S, columns]` of one family and each column's largest weight."""
+
+    w: np.ndarray
+    w2: np.ndarray
+    wl: np.ndarray
+    removed_mass: np.ndarray
+    truncated: np.ndarray
+    removed: np.ndarray
+    kept_k3: np.ndarray
+    ref: np.ndarray
+    ref_l: np.ndarray
+    max_weight: np.ndarray = field(default_factory=lambda: np.zeros(0))
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """Every candidate's figures (`FIGURES`, each `[candidates]`) and the batch's `Drift`."""
+
+    candidates: tuple[Candidate, ...]
+    figures: dict[str, np.ndarray]
+    drift: Drift
+    bootstrap: int
+
+    def row(self, i: int) -> dict[str, float]:
+        return {name: float(self.figures[name][i]) for name in FIGURES}
+
+
+class _SeqStats:
+    """Per-sequence sums and maxima of the token quantities every family reads `[S]`."""
+
+    def __init__(self, tok: Tokens) -> None:
+        starts = tok.starts
+        c = clamp_log_ratio(tok.log_ratio)
+        r = ratio(c)
+        self.n = tok.lengths.astype(np.float64)
+        add = np.add.reduceat
+        self.sum_d = add(tok.log_ratio, starts)
+        self.sum_l = add(tok.train, starts)
+        self.sum_r = add(r, starts)
+        self.sum_r2 = add(r * r, starts)
+        self.sum_rl = add(r * tok.train, starts)
+        self.excess = add(np.maximum(r - 1.0, 0.0), starts)
+        self.max_r = np.maximum.reduceat(r, starts)
+        self.k = {e: token_statistic(e, c) for e in ("k1", "k2", "k3")}
+        self.sum_k = {e: add(v, starts) for e, v in self.k.items()}
+        self.max_k = {e: np.maximum.reduceat(v, starts) for e, v in self.k.items()}
+        self.clamped, self.ratio = c, r
+
+
+def _token_family(family: str, cands: Sequence[Candidate], tok: Tokens, st: _SeqStats) -> _Sums:
+    """Per-sequence sums of a token-level family, its thresholds as the columns of
+    `[tokens, thresholds]` matrices, chunk by chunk of whole sequences."""
+    cols = len(cands)
+    shape = (tok.lengths.size, cols)
+    out = _Sums(*(np.zeros(shape) for _ in range(7)), ref=np.repeat(st.sum_r[:, None], cols, 1),
+                ref_l=np.repeat(st.sum_rl[:, None], cols, 1), max_weight=np.zeros(cols))
+    rules = [c.config for c in cands]
+    if family == "token_tis":
+        upper = np.array([c.is_rule.upper for c in rules])
+    elif family == "icepop":
+        lower = np.array([c.is_rule.band_lower for c in rules])
+        upper = np.array([c.is_rule.upper for c in rules])
+    else:
+        estimators = [c.rs_rules[0].estimator for c in rules]
+        lower = np.array([-np.inf if c.rs_rules[0].lower is None else c.rs_rules[0].lower for c in rules])
+        upper = np.array([c.rs_rules[0].upper for c in rules])
+    ends = np.cumsum(tok.lengths)
+    first = 0
+    while first < tok.lengths.size:
+        # whole sequences, about CHUNK_TOKENS tokens (at least one sequence)
+        start_tok = ends[first] - tok.lengths[first]
+        last = max(first + 1, int(np.searchsorted(ends, start_tok + CHUNK_TOKENS, side="right")))
+        span = slice(int(start_tok), int(ends[last - 1]))
+        local = (ends[first:last] - tok.lengths[first:last] - start_tok).astype(np.int64)
+        r = st.ratio[span, None]
+        truncated = None
+        if family == "token_tis":
+            w = truncate(r, upper)
+            truncated = r > upper
+        elif family == "icepop":
+            w = band_weights(r, lower, upper)
+        else:
+            stat = np.stack([st.k[e][span] for e in estimators], axis=1)
+            w = in_band(stat, lower, upper).astype(np.float64)
+        rows = slice(first, last)
+        add = np.add.reduceat
+        out.w[rows] = add(w, local)
+        out.w2[rows] = add(w * w, local)
+        out.wl[rows] = add(w * tok.train[span, None], local)
+        out.removed_mass[rows] = add(np.maximum(r - w, 0.0), local)
+        if truncated is not None:
+            out.truncated[rows] = add(truncated.astype(np.float64), local)
+        kept = w > 0  # ratios are >= exp(-20) > 0, so a zero weight is a masked or rejected token
+        out.removed[rows] = add((~kept).astype(np.float64), local)
+        out.kept_k3[rows] = add(kept * st.k["k3"][span, None], local)
+        out.max_weight = np.maximum(out.max_weight, w.max(axis=0))
+        first = last
+    return out
+
+
+def _sequence_family(family: str, cands: Sequence[Candidate], st: _SeqStats) -> _Sums:
+    """Per-sequence sums of a sequence-level family (or "none"): `[S, thresholds]` from `[S]` sums."""
+    n = st.n[:, None]
+    rules = [c.config for c in cands]
+    zeros = np.zeros((n.shape[0], len(cands)))
+    if family in ("sequence_tis", "geometric_tis"):
+        level = rules[0].is_rule.level
+        raw = ratio(clamp_log_ratio(sequence_log_ratio(st.sum_d, st.n, level)))[:, None]
+        w = truncate(raw, np.array([c.is_rule.upper for c in rules]))
+        return _Sums(w=n * w, w2=n * w * w, wl=w * st.sum_l[:, None], removed_mass=n * (raw - w),
+                     truncated=n * (raw > w), removed=zeros, kept_k3=zeros + st.sum_k["k3"][:, None],
+                     ref=zeros + n * raw, ref_l=zeros + raw * st.sum_l[:, None], max_weight=w.max(axis=0))
+    if family == "none":
+        keep = np.ones_like(zeros, dtype=bool)
+    elif family == "seq_mask_tis":
+        geo = sequence_log_ratio(st.sum_d, st.n, "geometric")[:, None]
+        keep = in_band(geo, np.log([c.is_rule.band_lower for c in rules]), np.log([c.is_rule.upper for c in rules]))
+    else:  # seq_rs
+        columns = []
+        for cfg in rules:
+            rule = cfg.rs_rules[0]
+            e = rule.estimator
+            value = {"sum": st.sum_k[e], "mean": st.sum_k[e] / st.n, "max": st.max_k[e]}[rule.reduce]
+            columns.append(in_band(value, rule.lower, rule.upper))
+        keep = np.stack(columns, axis=1)
+    ref, ref_l = zeros + st.sum_r[:, None], zeros + st.sum_rl[:, None]
+    if family == "seq_mask_tis":  # untruncated token weights on kept sequences
+        w, w2, wl = keep * st.sum_r[:, None], keep * st.sum_r2[:, None], keep * st.sum_rl[:, None]
+        max_weight = np.where(keep, st.max_r[:, None], 0.0).max(axis=0)
+        removed_mass = ~keep * st.sum_r[:, None]
+    else:  # weight 1 on kept sequences
+        w, w2, wl = keep * n, keep * n, keep * st.sum_l[:, None]
+        max_weight = keep.any(axis=0).astype(np.float64)
+        removed_mass = np.where(keep, st.excess[:, None], st.sum_r[:, None])
+    return _Sums(w=w, w2=w2, wl=wl, removed_mass=removed_mass, truncated=zeros, removed=~keep * n,
+                 kept_k3=keep * st.sum_k["k3"][:, None], ref=ref, ref_l=ref_l, max_weight=max_weight)
+
+
+def evaluate(tok: Tokens, candidates: Sequence[Candidate], *, bootstrap: int = 200, seed: int = 0,
+             confidence: float = 0.95) -> Evaluation:
+    """The figures of every candidate on `tok`, and the residual bias's bootstrap interval.
+
+    bootstrap: resamples of the sequences (Poisson weights, `seed`); 0 leaves the interval NaN.
+    """
+    if tok.lengths.size == 0:
+        raise InputError("advise: no valid tokens to evaluate (the mask is empty)")
+    st = _SeqStats(tok)
+    n_tok = float(tok.lengths.sum())
+    order: dict[str, list[int]] = {}
+    for i, cand in enumerate(candidates):
+        order.setdefault(cand.family, []).append(i)
+    parts: list[tuple[list[int], _Sums]] = []
+    for family, idx in order.items():
+        group = [candidates[i] for i in idx]
+        if family in ("token_tis", "icepop", "token_rs"):
+            sums = _token_family(family, group, tok, st)
+        elif family in ("none", "sequence_tis", "geometric_tis", "seq_mask_tis", "seq_rs"):
+            sums = _sequence_family(family, group, st)
+        else:
+            raise InputError(f"advise: candidate {group[0].name!r} combines options; the grid evaluates "
+                             "single corrections (the recommendation combines them)")
+        parts.append((idx, sums))
+    cols = len(candidates)
+    merged = {name: np.zeros((tok.lengths.size, cols)) for name in
+              ("w", "w2", "wl", "removed_mass", "truncated", "removed", "kept_k3", "ref", "ref_l")}
+    max_weight = np.zeros(cols)
+    for idx, sums in parts:
+        for name, arr in merged.items():
+            arr[:, idx] = getattr(sums, name)
+        max_weight[idx] = sums.max_weight
+    m = merged
+    w_sum, w2_sum = m["w"].sum(0), m["w2"].sum(0)
+    k3_total = float(st.sum_k["k3"].sum())
+    bias_seq = m["wl"] - m["ref_l"]
+    figures = {
+        "frac_tokens_truncated": m["truncated"].sum(0) / n_tok,
+        "frac_seqs_truncated": (m["truncated"] > 0).mean(0),
+        "frac_tokens_removed": m["removed"].sum(0) / n_tok,
+        "frac_seqs_removed": (m["removed"] > 0).mean(0),
+        "ess": np.divide(w_sum * w_sum, n_tok * w2_sum, out=np.zeros(cols), where=w2_sum > 0),
+        "max_weight": max_weight,
+        "weight_var": w2_sum / n_tok - (w_sum / n_tok) ** 2,
+        "mass_removed": m["removed_mass"].sum(0) / m["ref"].sum(0),
+        "drift_removed": 1.0 - m["kept_k3"].sum(0) / k3_total if k3_total > 0 else np.zeros(cols),
+        "bias": bias_seq.sum(0) / n_tok,
+    }
+    figures["bias_low"], figures["bias_high"] = _bootstrap_interval(bias_seq, st.n, bootstrap, seed, confidence)
+    drift = Drift(max_abs_log_ratio=float(np.abs(tok.log_ratio).max()),
+                  ratio_var=float(st.sum_r2.sum() / n_tok - (st.sum_r.sum() / n_tok) ** 2),
+                  k3_mean=k3_total / n_tok, tokens=int(n_tok), sequences=int(tok.lengths.size))
+    return Evaluation(tuple(candidates), figures, drift, bootstrap)
+
+
+def _bootstrap_interval(per_seq: np.ndarray, n: np.ndarray, resamples: int, seed: int, confidence: float
+                        ) -> tuple[np.ndarray, np.ndarray]:
+    """Percentile interval of Σ_s q_s x_s / Σ_s q_s n_s over Poisson(1) resample counts q
+    `[resamples, S]`: the token mean of a per-sequence sum, sequences resampled whole."""
+    cols = per_seq.shape[1]
+    if resamples <= 0:
+        return np.full(cols, math.nan), np.full(cols, math.nan)
+    q = np.random.default_rng(seed).poisson(1.0, (resamples, n.size)).astype(np.float64)
+    stats = (q @ per_seq) / np.maximum(q @ n, 1.0)[:, None]
+    tail = 100.0 * (1.0 - confidence) / 2.0
+    low, high = np.percentile(stats, [tail, 100.0 - tail], axis=0)
+    return low, high
+
+
+def keep_mask(tok: Tokens, cand: Candidate) -> np.ndarray:
+    """The tokens `[N]` (bool) a rejection candidate keeps, by the same bands `evaluate` uses."""
+    rule = cand.config.rs_rules[0]
+    c = clamp_log_ratio(tok.log_ratio)
+    stat = token_statistic(rule.estimator, c)
+    if rule.reduce == "token":
+        return np.asarray(in_band(stat, rule.lower, rule.upper))
+    starts = tok.starts
+    if rule.reduce == "max":
+        value = np.maximum.reduceat(stat, starts)
+    else:
+        value = np.add.reduceat(stat, starts)
+        if rule.reduce == "mean":
+            value = value / tok.lengths
+    return np.repeat(in_band(value, rule.lower, rule.upper), tok.lengths)

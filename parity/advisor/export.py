@@ -1,0 +1,102 @@
+"""A recommended `CorrectionConfig` as the config to paste into verl, NeMo-RL and slime.
+
+verl (0.9.x `algorithm.rollout_correction`): `rollout_is`, `rollout_is_threshold`,
+`rollout_is_batch_normalize`, `rollout_rs`, `rollout_rs_threshold`. verl's own default for
+`rollout_is` is "sequence", so "no IS" is written out as null.
+NeMo-RL (`loss_fn`): `use_importance_sampling_correction`, `truncated_importance_sampling_type`
+("tis", "icepop", "seq-mask-tis"), `truncated_importance_sampling_ratio` (upper bound),
+`truncated_importance_sampling_ratio_min` (lower bound), `sequence_level_importance_ratios`
+(one weight per sample from the geometric-mean ratio, GSPO-style).
+slime (command-line flags): `--use-tis --tis-clip U --tis-clip-low L` (token-level TIS with a
+[L, U] clamp).
+
+A framework without an equivalent gets None and a note saying what it lacks, never an
+approximation passed off as the same correction.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from parity.correction.config import VERL_IS_LEVELS, CorrectionConfig
+
+VERL_PREFIX = "algorithm.rollout_correction."
+
+
+def verl_keys(cfg: CorrectionConfig) -> dict[str, Any] | None:
+    """verl's `algorithm.rollout_correction.*` keys, or None when verl lacks the level."""
+    if cfg.rollout_is is not None and cfg.rollout_is not in VERL_IS_LEVELS:
+        return None
+    if cfg.rollout_is_clamp_lower is not None:
+        return None
+    keys: dict[str, Any] = {
+        "rollout_is": cfg.rollout_is,
+        "rollout_is_threshold": cfg.rollout_is_threshold if cfg.rollout_is is not None else None,
+        "rollout_is_batch_normalize": cfg.rollout_is_batch_normalize,
+        "rollout_rs": cfg.rollout_rs,
+        "rollout_rs_threshold": cfg.rollout_rs_threshold,
+    }
+    return {VERL_PREFIX + k: v for k, v in keys.items()}
+
+
+def nemo_rl_keys(cfg: CorrectionConfig) -> dict[str, Any] | None:
+    """NeMo-RL's `loss_fn.*` keys, or None: NeMo-RL has no rejection sampling and no
+    product-of-ratios sequence IS."""
+    rule = cfg.is_rule
+    if cfg.rs_rules:
+        return None
+    if rule is None:
+        return {"loss_fn.use_importance_sampling_correction": False}
+    if rule.level == "sequence" or rule.batch_normalize:
+        return None
+    keys: dict[str, Any] = {"loss_fn.use_importance_sampling_correction": True,
+                            "loss_fn.sequence_level_importance_ratios": rule.level == "geometric"}
+    if rule.level == "seq_mask_tis":
+        kind, low = "seq-mask-tis", rule.band_lower
+    elif rule.band_lower is not None:
+        kind, low = "icepop", rule.band_lower
+    else:
+        kind, low = "tis", rule.clamp_lower
+    keys["loss_fn.truncated_importance_sampling_type"] = kind
+    keys["loss_fn.truncated_importance_sampling_ratio"] = rule.upper
+    if low is not None:
+        keys["loss_fn.truncated_importance_sampling_ratio_min"] = low
+    return keys
+
+
+def slime_flags(cfg: CorrectionConfig) -> list[str] | None:
+    """slime's flags, or None: slime's built-in correction is token-level TIS only."""
+    rule = cfg.is_rule
+    if cfg.rs_rules:
+        return None
+    if rule is None:
+        return []
+    if rule.level != "token" or rule.band_lower is not None or rule.batch_normalize:
+        return None
+    return ["--use-tis", "--tis-clip", f"{rule.upper:g}", "--tis-clip-low", f"{rule.clamp_lower or 0.0:g}"]
+
+
+def framework_configs(cfg: CorrectionConfig) -> dict[str, Any]:
+    """{"verl": keys | None, "nemo_rl": keys | None, "slime": flags | None, "notes": [...]}."""
+    out: dict[str, Any] = {"verl": verl_keys(cfg), "nemo_rl": nemo_rl_keys(cfg), "slime": slime_flags(cfg),
+                           "notes": []}
+    if out["verl"] is None:
+        out["notes"].append(f"verl has no rollout_is={cfg.rollout_is!r}; parity computes it as an extra")
+    if out["nemo_rl"] is None:
+        out["notes"].append("NeMo-RL has no equivalent (no rejection sampling, no product-of-ratios "
+                            "sequence IS)")
+    if out["slime"] is None:
+        out["notes"].append("slime's built-in correction is token-level TIS only (--use-tis)")
+    return out
+
+
+def verl_overrides(keys: dict[str, Any]) -> str:
+    """Hydra command-line overrides, e.g. `algorithm.rollout_correction.rollout_is=token ...`."""
+    def text(value: Any) -> str:
+        if value is None:
+            return "null"
+        if isinstance(value, bool):
+            return str(value).lower()
+        return f"'{value}'" if isinstance(value, str) and "_" in value and value[0].isdigit() else str(value)
+
+    return " ".join(f"{k}={text(v)}" for k, v in keys.items())

@@ -1,0 +1,127 @@
+"""The documented rule that turns the grid's figures into one recommendation and its reason.
+
+Three stages, in order (docs/ADVISOR.md states the rule with its defaults):
+
+1. Noise. When the untruncated token ratios vary by at most `noise_ratio_var` and no token's
+   |Δ| exceeds `noise_max_log_ratio`, no correction is needed.
+2. Removal. A masking or rejection candidate qualifies when it removes at least
+   `min_drift_removed` of the mismatch (k3 KL) while discarding at most `max_removed_tokens` of
+   the tokens (and, when it removes whole sequences, at most `max_removed_seqs` of them), with ESS >= `min_ess` and max weight <=
+   `max_weight`. Among the qualified: the most drift removed; within `drift_tie` of the best,
+   sequence-level first (a kept sequence stays a whole trajectory, where a token hole leaves
+   the rest conditioned on a token the trainer would not have sampled), then the fewest tokens
+   removed, then grid order (verl's options first).
+3. Reweighting, on the tokens stage 2 keeps (rejection only: masking corrections carry their
+   own IS weights). Stage 1's noise test first; otherwise the reweighting candidates with
+   ESS >= `min_ess` and max weight <= `max_weight` whose truncation removes at most
+   `max_mass_removed` of the importance mass; sequence level first (the unbiased ratio of a
+   trajectory), then token level; within a level the tightest cap (the least variance). If none removes little enough mass: the admissible one removing the least.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from parity.advisor.evaluate import Evaluation
+from parity.advisor.grid import REMOVING
+from parity.errors import ConfigError
+
+#: reweighting families stage 3 recommends, in its order of preference. Geometric IS is evaluated
+#: and shown but not recommended: its weight is no likelihood ratio of the sampled data, so its
+#: mass and bias figures (against its own untruncated weight) always look harmless.
+REWEIGHT_ORDER = ("sequence_tis", "token_tis")
+
+
+@dataclass(frozen=True)
+class AdviceRule:
+    """The bounds of the rule (shares are fractions in [0, 1]; see the module docstring)."""
+
+    noise_ratio_var: float = 1e-4
+    noise_max_log_ratio: float = 0.1
+    min_drift_removed: float = 0.5
+    drift_tie: float = 0.05
+    max_removed_tokens: float = 0.05
+    max_removed_seqs: float = 0.10
+    min_ess: float = 0.5
+    max_weight: float = 5.0
+    max_mass_removed: float = 1e-3
+
+    def __post_init__(self) -> None:
+        for name in ("noise_ratio_var", "noise_max_log_ratio", "max_weight", "max_mass_removed"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"AdviceRule.{name} must be >= 0, got {getattr(self, name)!r}")
+        for name in ("min_drift_removed", "drift_tie", "max_removed_tokens", "max_removed_seqs", "min_ess"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ConfigError(f"AdviceRule.{name} is a share: give a number in [0, 1], "
+                                  f"got {getattr(self, name)!r}")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One stage's outcome: the chosen candidate's index in the evaluation (None: nothing
+    needed) and the clause of the reason it contributes."""
+
+    index: int | None
+    clause: str
+
+
+def within_noise(ev: Evaluation, rule: AdviceRule) -> bool:
+    """Stage 1: the untruncated token ratios are within noise."""
+    d = ev.drift
+    return d.ratio_var <= rule.noise_ratio_var and d.max_abs_log_ratio <= rule.noise_max_log_ratio
+
+
+def noise_clause(ev: Evaluation, rule: AdviceRule) -> str:
+    d = ev.drift
+    return (f"drift is within noise (token ratios vary by {math.sqrt(max(d.ratio_var, 0.0)):.2%} RMS, "
+            f"max |Δlogp| {d.max_abs_log_ratio:.3g} nats, bounds {math.sqrt(rule.noise_ratio_var):.2%} and "
+            f"{rule.noise_max_log_ratio:g})")
+
+
+def choose_removal(ev: Evaluation, rule: AdviceRule) -> Choice:
+    """Stage 2: the masking or rejection candidate, or None when none qualifies."""
+    f = ev.figures
+    qualified = [i for i, c in enumerate(ev.candidates) if c.family in REMOVING
+                 and f["drift_removed"][i] >= rule.min_drift_removed
+                 and f["frac_tokens_removed"][i] <= rule.max_removed_tokens
+                 and (f["frac_seqs_removed"][i] <= rule.max_removed_seqs or not ev.candidates[i].sequence_level)
+                 and f["ess"][i] >= rule.min_ess and f["max_weight"][i] <= rule.max_weight]
+    if not qualified:
+        return Choice(None, "")
+    best = max(f["drift_removed"][i] for i in qualified)
+    pool = [i for i in qualified if f["drift_removed"][i] >= best - rule.drift_tie]
+    i = min(pool, key=lambda j: (not ev.candidates[j].sequence_level, f["frac_tokens_removed"][j], j))
+    cand = ev.candidates[i]
+    where = "whole sequences" if cand.sequence_level else "single tokens"
+    return Choice(i, f"{f['drift_removed'][i]:.1%} of the mismatch (k3 KL) sits in {where} that {cand.name} "
+                     f"removes ({f['frac_tokens_removed'][i]:.2%} of tokens, {f['frac_seqs_removed'][i]:.1%} "
+                     f"of sequences)")
+
+
+def choose_reweighting(ev: Evaluation, rule: AdviceRule) -> Choice:
+    """Stage 3: the reweighting candidate for `ev` (evaluated on the tokens stage 2 keeps)."""
+    if within_noise(ev, rule):
+        return Choice(None, noise_clause(ev, rule))
+    f = ev.figures
+    admissible = [i for i, c in enumerate(ev.candidates) if c.family in REWEIGHT_ORDER
+                  and f["ess"][i] >= rule.min_ess and f["max_weight"][i] <= rule.max_weight]
+    if not admissible:
+        raise ConfigError("advise: no reweighting candidate of the grid keeps ESS >= "
+                          f"{rule.min_ess} with max weight <= {rule.max_weight}; add tighter caps to the grid "
+                          "or relax the rule")
+
+    def rank(i: int) -> tuple[int, float]:
+        cand = ev.candidates[i]
+        return REWEIGHT_ORDER.index(cand.family), cand.config.is_rule.upper
+
+    light = [i for i in admissible if f["mass_removed"][i] <= rule.max_mass_removed]
+    if light:
+        i = min(light, key=rank)
+        why = (f"{ev.candidates[i].name} is the tightest cap of the most preferred level "
+               f"that truncates at most {rule.max_mass_removed:.1%} of the importance mass "
+               f"({f['mass_removed'][i]:.3%}, ESS {f['ess'][i]:.3f})")
+        return Choice(i, why)
+    i = min(admissible, key=lambda j: (f["mass_removed"][j], rank(j)))
+    return Choice(i, f"{ev.candidates[i].name} truncates the least importance mass ({f['mass_removed'][i]:.2%}) "
+                     f"of the corrections with ESS >= {rule.min_ess} and max weight <= {rule.max_weight:g}")
