@@ -28,7 +28,7 @@ from parity.correction.config import CorrectionConfig
 from parity.errors import InputError
 from parity.report import ParityReport
 
-__all__ = ["Advice", "AdviceRule", "Candidate", "advise", "default_grid", "tokens_of"]
+__all__ = ["Advice", "AdviceRule", "Candidate", "Tokens", "advise", "default_grid", "tokens_of"]
 
 #: `ParityReport.extras` key of the advice section, and the summary key of its recommendation.
 SECTION = "advice"

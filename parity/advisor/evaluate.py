@@ -1,7 +1,7 @@
 """Every candidate correction's figures from one pass over the per-token arrays, in NumPy.
 
 The valid tokens are flattened row-major (`Tokens`). Token-level families (truncated IS,
-IcePop, token rejection) are evaluated as `[tokens, thresholds]` matrices, chunk by chunk of
+IcePop, token rejection) are evaluated as `[thresholds, tokens]` matrices, chunk by chunk of
 whole sequences, and reduced at once to per-sequence sums `[sequences, candidates]`;
 sequence-level families need only per-sequence sums of the tokens, so they are
 `[sequences, thresholds]` matrices from the start. Every figure, and the bootstrap of the
@@ -27,6 +27,7 @@ from parity.errors import InputError
 from parity.ratio_rules import (
     band_weights,
     clamp_log_ratio,
+    ESTIMATORS,
     in_band,
     ratio,
     sequence_log_ratio,
@@ -34,8 +35,11 @@ from parity.ratio_rules import (
     truncate,
 )
 
-#: tokens per chunk of the `[tokens, thresholds]` matrices (whole sequences; ~0.5 MiB a column).
-CHUNK_TOKENS = 1 << 16
+#: tokens per chunk of the `[thresholds, tokens]` matrices (whole sequences; 64 KiB a row, so a
+#: family's temporaries stay in cache).
+CHUNK_TOKENS = 1 << 13
+#: row of each estimator in `_SeqStats.k_rows`.
+ESTIMATOR_ROWS = {e: i for i, e in enumerate(ESTIMATORS)}
 #: the figures of each candidate, in table order.
 FIGURES: tuple[str, ...] = (
     "frac_tokens_truncated", "frac_seqs_truncated", "frac_tokens_removed", "frac_seqs_removed",
@@ -59,13 +63,12 @@ class Tokens:
     def from_arrays(cls, train_logprobs: Any, rollout_logprobs: Any, mask: Any) -> Tokens:
         """From `[batch, seq]` arrays (NumPy, or anything `np.asarray` reads) and a 0/1 mask.
         Logprobs must be finite where `mask` is set; empty rows are dropped."""
-        train = np.asarray(train_logprobs, dtype=np.float64)
-        rollout = np.asarray(rollout_logprobs, dtype=np.float64)
+        train, rollout = np.asarray(train_logprobs), np.asarray(rollout_logprobs)
         valid = np.asarray(mask).astype(bool)
         if train.ndim != 2 or train.shape != rollout.shape or train.shape != valid.shape:
             raise InputError(f"advise: train_logprobs {train.shape}, rollout_logprobs {rollout.shape} and mask "
                              f"{valid.shape} must be 2-D [batch, seq] arrays of one shape")
-        t, r = train[valid], rollout[valid]
+        t, r = train[valid].astype(np.float64), rollout[valid].astype(np.float64)
         if not (np.isfinite(t).all() and np.isfinite(r).all()):
             raise InputError("advise: logprobs must be finite wherever mask is set (leave tokens outside "
                              "either side's support out of the mask)")
@@ -141,61 +144,66 @@ class _SeqStats:
         self.sum_rl = add(r * tok.train, starts)
         self.excess = add(np.maximum(r - 1.0, 0.0), starts)
         self.max_r = np.maximum.reduceat(r, starts)
-        self.k = {e: token_statistic(e, c) for e in ("k1", "k2", "k3")}
+        self.k_rows = np.stack([token_statistic(e, c) for e in ESTIMATORS])  # [3, N]
+        self.k = dict(zip(ESTIMATORS, self.k_rows))
         self.sum_k = {e: add(v, starts) for e, v in self.k.items()}
         self.max_k = {e: np.maximum.reduceat(v, starts) for e, v in self.k.items()}
         self.clamped, self.ratio = c, r
 
 
 def _token_family(family: str, cands: Sequence[Candidate], tok: Tokens, st: _SeqStats) -> _Sums:
-    """Per-sequence sums of a token-level family, its thresholds as the columns of
-    `[tokens, thresholds]` matrices, chunk by chunk of whole sequences."""
+    """Per-sequence sums of a token-level family: its thresholds are the rows of `[thresholds,
+    tokens]` matrices (each row contiguous, so every reduction runs along memory), evaluated
+    chunk by chunk of whole sequences."""
     cols = len(cands)
-    shape = (tok.lengths.size, cols)
-    out = _Sums(*(np.zeros(shape) for _ in range(7)), ref=np.repeat(st.sum_r[:, None], cols, 1),
-                ref_l=np.repeat(st.sum_rl[:, None], cols, 1), max_weight=np.zeros(cols))
+    shape = (cols, tok.lengths.size)
+    sums = {name: np.zeros(shape) for name in ("w", "w2", "wl", "removed_mass", "truncated", "removed", "kept_k3")}
+    max_weight = np.zeros(cols)
     rules = [c.config for c in cands]
     if family == "token_tis":
-        upper = np.array([c.is_rule.upper for c in rules])
+        upper = np.array([[c.is_rule.upper] for c in rules])
     elif family == "icepop":
-        lower = np.array([c.is_rule.band_lower for c in rules])
-        upper = np.array([c.is_rule.upper for c in rules])
+        lower = np.array([[c.is_rule.band_lower] for c in rules])
+        upper = np.array([[c.is_rule.upper] for c in rules])
     else:
-        estimators = [c.rs_rules[0].estimator for c in rules]
-        lower = np.array([-np.inf if c.rs_rules[0].lower is None else c.rs_rules[0].lower for c in rules])
-        upper = np.array([c.rs_rules[0].upper for c in rules])
+        which = np.array([ESTIMATOR_ROWS[c.rs_rules[0].estimator] for c in rules])
+        lower = np.array([[-np.inf if c.rs_rules[0].lower is None else c.rs_rules[0].lower] for c in rules])
+        upper = np.array([[c.rs_rules[0].upper] for c in rules])
     ends = np.cumsum(tok.lengths)
+    add = np.add.reduceat
     first = 0
     while first < tok.lengths.size:
         # whole sequences, about CHUNK_TOKENS tokens (at least one sequence)
-        start_tok = ends[first] - tok.lengths[first]
+        start_tok = int(ends[first] - tok.lengths[first])
         last = max(first + 1, int(np.searchsorted(ends, start_tok + CHUNK_TOKENS, side="right")))
-        span = slice(int(start_tok), int(ends[last - 1]))
+        span = slice(start_tok, int(ends[last - 1]))
         local = (ends[first:last] - tok.lengths[first:last] - start_tok).astype(np.int64)
-        r = st.ratio[span, None]
-        truncated = None
+        rows = slice(first, last)
+        r, train, k3 = st.ratio[span], tok.train[span], st.k["k3"][span]
         if family == "token_tis":
             w = truncate(r, upper)
-            truncated = r > upper
-        elif family == "icepop":
-            w = band_weights(r, lower, upper)
+            sums["truncated"][:, rows] = add((r > upper).astype(np.float64), local, axis=1)
+            sums["removed_mass"][:, rows] = add(r - w, local, axis=1)  # w <= r
+            sums["kept_k3"][:, rows] = st.sum_k["k3"][rows]
         else:
-            stat = np.stack([st.k[e][span] for e in estimators], axis=1)
-            w = in_band(stat, lower, upper).astype(np.float64)
-        rows = slice(first, last)
-        add = np.add.reduceat
-        out.w[rows] = add(w, local)
-        out.w2[rows] = add(w * w, local)
-        out.wl[rows] = add(w * tok.train[span, None], local)
-        out.removed_mass[rows] = add(np.maximum(r - w, 0.0), local)
-        if truncated is not None:
-            out.truncated[rows] = add(truncated.astype(np.float64), local)
-        kept = w > 0  # ratios are >= exp(-20) > 0, so a zero weight is a masked or rejected token
-        out.removed[rows] = add((~kept).astype(np.float64), local)
-        out.kept_k3[rows] = add(kept * st.k["k3"][span, None], local)
-        out.max_weight = np.maximum(out.max_weight, w.max(axis=0))
+            if family == "icepop":
+                w = band_weights(r, lower, upper)
+                removed_mass = r - w  # w is r or 0
+            else:
+                w = in_band(st.k_rows[which, span], lower, upper).astype(np.float64)
+                removed_mass = np.maximum(r - w, 0.0)
+            sums["removed_mass"][:, rows] = add(removed_mass, local, axis=1)
+            # ratios are >= exp(-20) > 0, so a zero weight is a masked or rejected token
+            kept = w > 0
+            sums["removed"][:, rows] = tok.lengths[rows] - add(kept.astype(np.float64), local, axis=1)
+            sums["kept_k3"][:, rows] = add(np.where(kept, k3, 0.0), local, axis=1)
+        sums["w"][:, rows] = add(w, local, axis=1)
+        sums["w2"][:, rows] = sums["w"][:, rows] if family == "token_rs" else add(w * w, local, axis=1)
+        sums["wl"][:, rows] = add(w * train, local, axis=1)
+        max_weight = np.maximum(max_weight, w.max(axis=1))
         first = last
-    return out
+    return _Sums(**{k: v.T for k, v in sums.items()}, ref=np.repeat(st.sum_r[:, None], cols, 1),
+                 ref_l=np.repeat(st.sum_rl[:, None], cols, 1), max_weight=max_weight)
 
 
 def _sequence_family(family: str, cands: Sequence[Candidate], st: _SeqStats) -> _Sums:
