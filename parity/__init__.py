@@ -1,6 +1,7 @@
 """parity: train/infer logprob parity for LLM reinforcement learning."""
 
-# compare, score, report and tolerance import NumPy only; torch and the engines load on first use
+# compare, score, report, tolerance and the advisor import NumPy only; torch and the engines load on first use
+from parity.advisor import advise
 from parity.compare import compare
 from parity.errors import ParityError
 from parity.quiet import follow_parent
@@ -15,4 +16,4 @@ from parity.types import Request, Rollout, SamplingParams
 follow_parent()
 
 __all__ = ["Generate", "Inject", "ParityError", "ParityReport", "Request", "Rollout", "SamplingParams",
-           "Tolerance", "__version__", "compare", "score"]
+           "Tolerance", "__version__", "advise", "compare", "score"]

@@ -2,6 +2,7 @@
 
     parity compare --model tiny-llama --backend vllm --json r.json --html r.html --record run.jsonl
     parity score rollouts.parquet --model ./my-checkpoint --temperature 0.7 --top-p 0.9
+    parity advise r.json [--json advice.json] [--html r.html]
     parity models | parity backends
     parity nightly ... | parity replay ... | parity attribute ... | parity lifecycle ...
 
@@ -17,14 +18,16 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from parity.advisor import advise
 from parity.backends import BACKENDS, available_backends, parse_option
 from parity.cases import load_case
 from parity.compare import compare
-from parity.errors import EXIT_ERROR, EXIT_INTERRUPTED, ConfigError, ModelNotFoundError, report_error
+from parity.errors import EXIT_ERROR, EXIT_INTERRUPTED, ConfigError, InputError, ModelNotFoundError, report_error
 from parity.models import BUILTIN_MODELS, TRAINED_MODELS
 from parity.models.trained import packaged_file
 from parity.outputs import output_file
@@ -104,6 +107,21 @@ def _parser() -> argparse.ArgumentParser:
                                                  "request with its request id")
     _report_arguments(scr)
     scr.set_defaults(func=_score)
+
+    adv = sub.add_parser(
+        "advise", help="which rollout correction fixes a stored report's drift",
+        description="Evaluate a grid of rollout corrections (verl rollout_is / rollout_rs, IcePop, geometric "
+                    "IS, seq-mask-TIS) on REPORT's per-token logprobs, print every candidate's figures and "
+                    "the recommendation with the config to paste; exit 0, or 2 on bad input.")
+    adv.add_argument("report", type=Path, metavar="REPORT",
+                     help="a report JSON written by `parity compare --json`")
+    adv.add_argument("--bootstrap", type=int, default=200, metavar="B",
+                     help="bootstrap resamples of sequences for the bias interval (default: 200)")
+    adv.add_argument("--seed", type=int, default=0, help="bootstrap seed (default: 0)")
+    adv.add_argument("--json", type=Path, metavar="OUT", help="write the advice section as JSON to OUT")
+    adv.add_argument("--html", type=Path, metavar="OUT",
+                     help="write the report's HTML page, with this advice section, to OUT")
+    adv.set_defaults(func=_advise)
 
     sub.add_parser("models", help="list the built-in checkpoints and trained models",
                    description="List the built-in tiny checkpoints and the trained models converted from "
@@ -200,6 +218,24 @@ def _report_out(report: ParityReport, args: argparse.Namespace) -> int:
         args.html.write_text(report.to_html(), encoding="utf-8")
         print(f"wrote {args.html}")
     return 0 if report.passed else 1
+
+
+def _advise(args: argparse.Namespace) -> int:
+    try:
+        text = args.report.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise InputError(f"advise: cannot read REPORT {args.report}: {exc.strerror}") from exc
+    report = ParityReport.from_json(text)
+    advice = advise(report, bootstrap=args.bootstrap, seed=args.seed)
+    print(advice.text())
+    if args.json is not None:
+        args.json.write_text(json.dumps(advice.to_dict(), indent=2), encoding="utf-8")
+        print(f"wrote {args.json}")
+    if args.html is not None:
+        report.extras["advice"] = advice.to_dict()
+        args.html.write_text(report.to_html(), encoding="utf-8")
+        print(f"wrote {args.html}")
+    return 0
 
 
 def _models(args: argparse.Namespace) -> int:

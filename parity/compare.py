@@ -21,6 +21,9 @@ from typing import Any
 
 import numpy as np
 
+from parity.advisor import SECTION as ADVICE_SECTION
+from parity.advisor import SUMMARY_KEY as RECOMMENDATION_KEY
+from parity.advisor import advise
 from parity.backends import Backend, shared_backend
 from parity.backends.base import check_dtype
 from parity.backends.turns import generate
@@ -412,12 +415,23 @@ def build_report(rollouts: Sequence[Rollout], train_logprobs: Sequence[np.ndarra
     violations = tolerance.violations(summary)
     sequences = [{"request_id": r.request_id, "sample_index": r.sample_index, "prompt_len": len(r.prompt_ids),
                   "response_len": len(r.token_ids), "finish_reason": r.finish_reason} for r in rollouts]
-    return ParityReport(
+    report = ParityReport(
         train_logprobs=train, rollout_logprobs=rollout, mask=mask, positions=positions, token_ids=token_ids,
         sequences=sequences, summary=summary, metrics=dict(metrics), breakdowns=breakdowns,
         passed=not violations, tolerance=tolerance, violations=violations,
         provenance=dict(provenance or {}), extras=dict(extras or {}),
     )
+    if scored.any():
+        attach_advice(report)
+    return report
+
+
+def attach_advice(report: ParityReport) -> None:
+    """Advise on `report`'s tokens: the section goes to `extras["advice"]`, the recommendation's
+    name to `summary["recommended_correction"]` (what nightly rows carry and compare)."""
+    advice = advise(report)
+    report.extras[ADVICE_SECTION] = advice.to_dict()
+    report.summary[RECOMMENDATION_KEY] = advice.name
 
 
 def _padded(rows: list[list[Any]], width: int, fill: Any) -> np.ndarray:

@@ -68,7 +68,8 @@ class Advice:
             "drift": dataclasses.asdict(ev.drift),
             "rule": dataclasses.asdict(self.rule),
             "bootstrap": ev.bootstrap, "seed": self.seed, "figures": list(FIGURES),
-            "candidates": [{"name": c.name, "family": c.family, **ev.row(i)} for i, c in enumerate(ev.candidates)],
+            "candidates": [{"name": c.name, "family": c.family, **ev.row(i)}
+                           for i, c in enumerate(ev.candidates)],
         }
 
     def text(self) -> str:
@@ -122,7 +123,8 @@ def advise(report_or_arrays: Any, rollout_logprobs: Any = None, mask: Any = None
     if choice.index is None:
         stages.append(("reweighting", None, {}))
         clauses.append(("on the kept tokens " if rs else "") + choice.clause + ", so no IS weights")
-        return Advice(CorrectionConfig(rollout_is=None, **rs), _sentence(clauses), tuple(stages), ev, rule, seed)
+        config = CorrectionConfig(rollout_is=None, **rs)
+        return Advice(config, _sentence(clauses), tuple(stages), ev, rule, seed)
     chosen = reweight_ev.candidates[choice.index]
     stages.append(("reweighting", chosen.name, reweight_ev.row(choice.index)))
     clauses.append(("on the kept tokens " if rs else "") + choice.clause)

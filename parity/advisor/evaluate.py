@@ -25,9 +25,9 @@ import numpy as np
 from parity.advisor.grid import Candidate
 from parity.errors import InputError
 from parity.ratio_rules import (
+    ESTIMATORS,
     band_weights,
     clamp_log_ratio,
-    ESTIMATORS,
     in_band,
     ratio,
     sequence_log_ratio,
@@ -66,8 +66,8 @@ class Tokens:
         train, rollout = np.asarray(train_logprobs), np.asarray(rollout_logprobs)
         valid = np.asarray(mask).astype(bool)
         if train.ndim != 2 or train.shape != rollout.shape or train.shape != valid.shape:
-            raise InputError(f"advise: train_logprobs {train.shape}, rollout_logprobs {rollout.shape} and mask "
-                             f"{valid.shape} must be 2-D [batch, seq] arrays of one shape")
+            raise InputError(f"advise: train_logprobs {train.shape}, rollout_logprobs {rollout.shape} and "
+                             f"mask {valid.shape} must be 2-D [batch, seq] arrays of one shape")
         t, r = train[valid].astype(np.float64), rollout[valid].astype(np.float64)
         if not (np.isfinite(t).all() and np.isfinite(r).all()):
             raise InputError("advise: logprobs must be finite wherever mask is set (leave tokens outside "
@@ -157,7 +157,8 @@ def _token_family(family: str, cands: Sequence[Candidate], tok: Tokens, st: _Seq
     chunk by chunk of whole sequences."""
     cols = len(cands)
     shape = (cols, tok.lengths.size)
-    sums = {name: np.zeros(shape) for name in ("w", "w2", "wl", "removed_mass", "truncated", "removed", "kept_k3")}
+    names = ("w", "w2", "wl", "removed_mass", "truncated", "removed", "kept_k3")
+    sums = {name: np.zeros(shape) for name in names}
     max_weight = np.zeros(cols)
     rules = [c.config for c in cands]
     if family == "token_tis":
@@ -222,7 +223,8 @@ def _sequence_family(family: str, cands: Sequence[Candidate], st: _SeqStats) -> 
         keep = np.ones_like(zeros, dtype=bool)
     elif family == "seq_mask_tis":
         geo = sequence_log_ratio(st.sum_d, st.n, "geometric")[:, None]
-        keep = in_band(geo, np.log([c.is_rule.band_lower for c in rules]), np.log([c.is_rule.upper for c in rules]))
+        lower = np.log([c.is_rule.band_lower for c in rules])
+        keep = in_band(geo, lower, np.log([c.is_rule.upper for c in rules]))
     else:  # seq_rs
         columns = []
         for cfg in rules:
@@ -292,7 +294,8 @@ def evaluate(tok: Tokens, candidates: Sequence[Candidate], *, bootstrap: int = 2
         "drift_removed": 1.0 - m["kept_k3"].sum(0) / k3_total if k3_total > 0 else np.zeros(cols),
         "bias": bias_seq.sum(0) / n_tok,
     }
-    figures["bias_low"], figures["bias_high"] = _bootstrap_interval(bias_seq, st.n, bootstrap, seed, confidence)
+    low, high = _bootstrap_interval(bias_seq, st.n, bootstrap, seed, confidence)
+    figures["bias_low"], figures["bias_high"] = low, high
     drift = Drift(max_abs_log_ratio=float(np.abs(tok.log_ratio).max()),
                   ratio_var=float(st.sum_r2.sum() / n_tok - (st.sum_r.sum() / n_tok) ** 2),
                   k3_mean=k3_total / n_tok, tokens=int(n_tok), sequences=int(tok.lengths.size))

@@ -107,8 +107,8 @@ def default_grid() -> tuple[Candidate, ...]:
               "seq_mean_k2": (0.01, 0.1), "seq_mean_k3": (0.01, 0.05, 0.2), "seq_max_k2": (0.5, 2.0),
               "seq_max_k3": (0.5, 2.0, 10.0)}
     for family, table in (("token_rs", token_rs), ("seq_rs", seq_rs)):
-        out += [Candidate(family, CorrectionConfig(rollout_is=None, rollout_rs=option, rollout_rs_threshold=t))
-                for option, thresholds in table.items() for t in thresholds]
+        out += [Candidate(family, CorrectionConfig(rollout_is=None, rollout_rs=opt, rollout_rs_threshold=t))
+                for opt, thresholds in table.items() for t in thresholds]
     out += [Candidate("geometric_tis", CorrectionConfig(rollout_is="geometric", rollout_is_threshold=u))
             for u in (1.1, 1.5, 2.0)]
     out += [Candidate("seq_mask_tis", CorrectionConfig(rollout_is="seq_mask_tis", rollout_is_threshold=band))

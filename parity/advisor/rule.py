@@ -6,16 +6,18 @@ Three stages, in order (docs/ADVISOR.md states the rule with its defaults):
    |Δ| exceeds `noise_max_log_ratio`, no correction is needed.
 2. Removal. A masking or rejection candidate qualifies when it removes at least
    `min_drift_removed` of the mismatch (k3 KL) while discarding at most `max_removed_tokens` of
-   the tokens (and, when it removes whole sequences, at most `max_removed_seqs` of them), with ESS >= `min_ess` and max weight <=
-   `max_weight`. Among the qualified: the most drift removed; within `drift_tie` of the best,
-   sequence-level first (a kept sequence stays a whole trajectory, where a token hole leaves
-   the rest conditioned on a token the trainer would not have sampled), then the fewest tokens
-   removed, then grid order (verl's options first).
+   the tokens (and, when it removes whole sequences, at most `max_removed_seqs` of them), with
+   ESS >= `min_ess` and max weight <= `max_weight`. Among the qualified: the most drift
+   removed; within `drift_tie` of the best, sequence-level first (a kept sequence stays a whole
+   trajectory, where a token hole leaves the rest conditioned on a token the trainer would not
+   have sampled), then the fewest tokens removed, then grid order (verl's options first).
 3. Reweighting, on the tokens stage 2 keeps (rejection only: masking corrections carry their
    own IS weights). Stage 1's noise test first; otherwise the reweighting candidates with
    ESS >= `min_ess` and max weight <= `max_weight` whose truncation removes at most
    `max_mass_removed` of the importance mass; sequence level first (the unbiased ratio of a
-   trajectory), then token level; within a level the tightest cap (the least variance). If none removes little enough mass: the admissible one removing the least.
+   trajectory), then token level; within a level the tightest cap (the least variance). If
+   none removes little enough mass: the admissible one removing the least; if none is
+   admissible: the one with the largest ESS, with a reason that says so.
 """
 
 from __future__ import annotations
@@ -85,7 +87,8 @@ def choose_removal(ev: Evaluation, rule: AdviceRule) -> Choice:
     qualified = [i for i, c in enumerate(ev.candidates) if c.family in REMOVING
                  and f["drift_removed"][i] >= rule.min_drift_removed
                  and f["frac_tokens_removed"][i] <= rule.max_removed_tokens
-                 and (f["frac_seqs_removed"][i] <= rule.max_removed_seqs or not ev.candidates[i].sequence_level)
+                 and (not ev.candidates[i].sequence_level
+                      or f["frac_seqs_removed"][i] <= rule.max_removed_seqs)
                  and f["ess"][i] >= rule.min_ess and f["max_weight"][i] <= rule.max_weight]
     if not qualified:
         return Choice(None, "")
@@ -107,9 +110,15 @@ def choose_reweighting(ev: Evaluation, rule: AdviceRule) -> Choice:
     admissible = [i for i, c in enumerate(ev.candidates) if c.family in REWEIGHT_ORDER
                   and f["ess"][i] >= rule.min_ess and f["max_weight"][i] <= rule.max_weight]
     if not admissible:
-        raise ConfigError("advise: no reweighting candidate of the grid keeps ESS >= "
-                          f"{rule.min_ess} with max weight <= {rule.max_weight}; add tighter caps to the grid "
-                          "or relax the rule")
+        pool = [i for i, c in enumerate(ev.candidates) if c.family in REWEIGHT_ORDER]
+        if not pool:
+            raise ConfigError("advise: the grid has no sequence- or token-level truncated IS candidate to "
+                              "recommend; add one")
+        i = max(pool, key=lambda j: (f["ess"][j], -j))
+        return Choice(i, f"no truncated IS keeps ESS >= {rule.min_ess} with max weight <= "
+                         f"{rule.max_weight:g}; {ev.candidates[i].name} keeps the most "
+                         f"(ESS {f['ess'][i]:.3f}): "
+                         "the drift is too large to correct by reweighting, fix the rollout engine")
 
     def rank(i: int) -> tuple[int, float]:
         cand = ev.candidates[i]
@@ -123,5 +132,6 @@ def choose_reweighting(ev: Evaluation, rule: AdviceRule) -> Choice:
                f"({f['mass_removed'][i]:.3%}, ESS {f['ess'][i]:.3f})")
         return Choice(i, why)
     i = min(admissible, key=lambda j: (f["mass_removed"][j], rank(j)))
-    return Choice(i, f"{ev.candidates[i].name} truncates the least importance mass ({f['mass_removed'][i]:.2%}) "
-                     f"of the corrections with ESS >= {rule.min_ess} and max weight <= {rule.max_weight:g}")
+    return Choice(i, f"{ev.candidates[i].name} truncates the least importance mass "
+                     f"({f['mass_removed'][i]:.2%}) of the corrections with ESS >= {rule.min_ess} and max "
+                     f"weight <= {rule.max_weight:g}")

@@ -47,6 +47,7 @@ def advice_text(d: dict[str, Any]) -> str:
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     lines.append(f"candidates ({len(d['candidates'])}; bias against untruncated IS, {d['bootstrap']} "
                  "bootstrap resamples of sequences):")
-    lines += ["  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-              for r in cells]
+    for r in cells:
+        lines.append("  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                                      for i, (c, w) in enumerate(zip(r, widths))))
     return "\n".join(lines)

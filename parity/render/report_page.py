@@ -11,6 +11,7 @@ import html
 import json
 from typing import TYPE_CHECKING, Any
 
+from parity.render.advice import advice_html
 from parity.render.attribution import section_html
 from parity.render.figures import breakdown_figure, figure_img, log_ratio_histogram
 
@@ -129,6 +130,8 @@ table td.identical { text-align: left; color: #2e7d32; }
 img.plot { width: 460px; max-width: 100%; border: 1px solid #eee; }
 ul.violations { color: #c62828; }
 pre { background: #f6f6f6; padding: 8px; font-size: 12px; overflow-x: auto; }
+p.advice { background: #e8f5e9; padding: 6px 10px; border-left: 4px solid #2e7d32; }
+tr.chosen td { background: #e8f5e9; font-weight: 600; } h3 { font-size: 14px; margin: 10px 0 4px 0; }
 """
 
 
@@ -156,10 +159,11 @@ def report_html(report: ParityReport) -> str:
     violations = "".join(f"<li>{html.escape(v.describe())}</li>" for v in report.violations)
     plots = report_plots(report)
     attribution = section_html(report.extras["attribution"]) if "attribution" in report.extras else ""
+    advice = advice_html(report.extras["advice"]) if "advice" in report.extras else ""
     extras = "".join(
         f"<details><summary>{html.escape(name)}</summary><pre>"
         f"{html.escape(json.dumps(section, indent=2, sort_keys=True, default=str))}</pre></details>"
-        for name, section in report.extras.items() if name not in ("attribution", "text")
+        for name, section in report.extras.items() if name not in ("attribution", "text", "advice")
     )
     parts = [
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
@@ -172,6 +176,7 @@ def report_html(report: ParityReport) -> str:
         "<h2>Worst tokens</h2>", worst_tokens_table(report.worst_tokens(10), report.num_tokens),
         "<h2>Drift per request</h2>", request_drift_table(report.request_drift()),
         turn_drift_table(report.breakdowns),
+        advice,
         "<h2>Rollout correction (verl rollout_corr/*)</h2>", key_value_table(report.metrics),
         attribution,
         "<h2>Provenance</h2>", key_value_table(prov),

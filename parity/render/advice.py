@@ -1,0 +1,66 @@
+"""The advice section of a report page: the recommendation, its reason, the config to paste for
+verl / NeMo-RL / slime, and every candidate's figures.
+
+Reads the JSON section (`parity.advisor.Advice.to_dict()`, stored in
+`ParityReport.extras["advice"]`), so a stored report renders without the advisor or torch.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from typing import Any
+
+#: candidates table: (header, figure key, format); "" key: the bias interval.
+_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("truncated tokens", "frac_tokens_truncated", "{:.2%}"),
+    ("truncated seqs", "frac_seqs_truncated", "{:.1%}"),
+    ("masked/rejected tokens", "frac_tokens_removed", "{:.2%}"),
+    ("masked/rejected seqs", "frac_seqs_removed", "{:.1%}"),
+    ("ESS", "ess", "{:.3f}"), ("max weight", "max_weight", "{:.3g}"), ("weight var", "weight_var", "{:.3g}"),
+    ("mass removed", "mass_removed", "{:.3%}"), ("drift removed", "drift_removed", "{:.1%}"),
+    ("residual bias", "bias", "{:+.2e}"), ("bias 95% CI", "", ""),
+)
+
+
+def _cell(row: dict[str, Any], key: str, fmt: str) -> str:
+    if not key:
+        low, high = row["bias_low"], row["bias_high"]
+        return "" if low != low else f"[{low:+.2e}, {high:+.2e}]"  # NaN: no bootstrap
+    return fmt.format(row[key])
+
+
+def _framework_block(name: str, value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, list):
+        text = " ".join(value) or "(no correction flags)"
+    else:
+        text = "\n".join(f"{k}: {json.dumps(v)}" for k, v in value.items())
+    return f"<h3>{html.escape(name)}</h3><pre>{html.escape(text)}</pre>"
+
+
+def advice_html(section: dict[str, Any]) -> str:
+    """The "Which correction fixes it" section of a report page."""
+    rec = section["recommendation"]
+    chosen = {s["candidate"] for s in rec["stages"] if s["candidate"]}
+    frameworks = rec["frameworks"]
+    head = "".join(f"<th>{h}</th>" for h in ("candidate", *(h for h, _, _ in _COLUMNS)))
+    body = []
+    for row in section["candidates"]:
+        mark = ' class="chosen"' if row["name"] in chosen else ""
+        cells = [html.escape(row["name"]), *(_cell(row, k, f) for _, k, f in _COLUMNS)]
+        body.append(f"<tr{mark}>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+    notes = "".join(f"<li>{html.escape(n)}</li>" for n in frameworks["notes"])
+    return "\n".join([
+        '<h2 id="advice">Which correction fixes it</h2>',
+        f'<p class="advice"><b>Recommended: {html.escape(rec["name"])}</b>. {html.escape(rec["reason"])}</p>',
+        _framework_block("verl (algorithm.rollout_correction)", frameworks["verl"]),
+        _framework_block("NeMo-RL (loss_fn)", frameworks["nemo_rl"]),
+        _framework_block("slime (flags)", frameworks["slime"]),
+        f"<ul class='sub'>{notes}</ul>" if notes else "",
+        f"<details><summary>All {len(section['candidates'])} candidates (residual bias against untruncated "
+        f"IS, {section['bootstrap']} bootstrap resamples of sequences)</summary>",
+        f'<table class="advice"><thead><tr>{head}</tr></thead>',
+        f'<tbody>{"".join(body)}</tbody></table></details>',
+    ])
