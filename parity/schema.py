@@ -74,6 +74,11 @@ SUMMARY_KEYS: tuple[str, ...] = (
     "num_sequences",
 )
 #: summary keys of MoE router agreement (`parity.routes.router_agreement`), in order.
+#: summary key of the correction advisor's recommendation (its name, e.g. "token_tis 2"), and
+#: the key nightly adds with the baseline row's recommendation, so a page can flag a change.
+RECOMMENDATION_KEY = "recommended_correction"
+BASELINE_RECOMMENDATION_KEY = "baseline_recommended_correction"
+
 ROUTER_SUMMARY_KEYS: tuple[str, ...] = ("router_agreement", "router_token_any_diff",
                                         "router_agreement_per_layer", "num_router_positions")
 

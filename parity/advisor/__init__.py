@@ -27,12 +27,13 @@ from parity.advisor.rule import AdviceRule, choose_removal, choose_reweighting, 
 from parity.correction.config import CorrectionConfig
 from parity.errors import InputError
 from parity.report import ParityReport
+from parity.schema import RECOMMENDATION_KEY
 
 __all__ = ["Advice", "AdviceRule", "Candidate", "Tokens", "advise", "default_grid", "tokens_of"]
 
-#: `ParityReport.extras` key of the advice section, and the summary key of its recommendation.
+#: `ParityReport.extras` key of the advice section; the summary key of its recommendation.
 SECTION = "advice"
-SUMMARY_KEY = "recommended_correction"
+SUMMARY_KEY = RECOMMENDATION_KEY
 
 
 @dataclass(frozen=True)

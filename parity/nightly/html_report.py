@@ -19,10 +19,10 @@ import numpy as np
 from parity.nightly.charts import trend_charts
 from parity.nightly.history import RunInfo
 from parity.nightly.regression import TEST_NAME
-from parity.nightly.rows import STATUSES, RowKey, RowResult
+from parity.nightly.rows import STATUSES, RowKey, RowResult, correction_change
 from parity.render.report_page import key_value_table, report_plots, worst_tokens_table
 from parity.report import ParityReport
-from parity.schema import sweep_label
+from parity.schema import RECOMMENDATION_KEY, sweep_label
 from parity.tolerance import Violation
 
 #: columns of the rows table: (summary key, header).
@@ -46,7 +46,7 @@ td { font-variant-numeric: tabular-nums; } .num { display: block; text-align: ri
 .badge { display: inline-block; padding: 1px 8px; border-radius: 4px; color: #fff; font-weight: 600;
          font-size: 12px; }
 .pass { background: #2e7d32; } .improved { background: #00838f; } .fail { background: #c62828; }
-.regression { background: #e65100; } .error { background: #6a1b9a; }
+.regression { background: #e65100; } .error { background: #6a1b9a; } .changed { background: #f9a825; }
 td.cell-pass { background: #e8f5e9; } td.cell-improved { background: #e0f7fa; }
 td.cell-fail { background: #ffebee; } td.cell-regression { background: #fff3e0; }
 td.cell-error { background: #f3e5f5; } td.cell-none { color: #aaa; text-align: center; }
@@ -141,7 +141,7 @@ def _matrix(rows: list[RowResult]) -> str:
 
 def _rows_table(rows: list[RowResult]) -> str:
     head = ["row", "status", *(h for _, h in TABLE_METRICS), "Δ mean vs baseline", "p (one-sided)",
-            "time (s)"]
+            "time (s)", "recommended correction"]
     body = []
     for r in rows:
         v = r.verdict
@@ -149,10 +149,21 @@ def _rows_table(rows: list[RowResult]) -> str:
                    "" if v is None else f"{v.effect:+.3g}", "" if v is None else _fmt(v.p_value),
                    _fmt(round(sum(r.timing.values()), 2)) if r.timing else ""]
         cells = [f'<a href="#{r.key.anchor}">{html.escape(r.key.label)}</a>', _badge(r.status),
-                 *(f'<span class="num">{n}</span>' for n in numbers)]
+                 *(f'<span class="num">{n}</span>' for n in numbers), _correction_cell(r)]
         body.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     return ("<table><thead><tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr></thead><tbody>"
             + "".join(body) + "</tbody></table>")
+
+
+def _correction_cell(row: RowResult) -> str:
+    """The row's recommended correction, flagged when it changed against the baseline row."""
+    name = row.summary.get(RECOMMENDATION_KEY)
+    if name is None:
+        return ""
+    change = correction_change(row)
+    flag = "" if change is None else \
+        f' <span class="badge changed" title="baseline: {html.escape(change[0])}">changed</span>'
+    return html.escape(str(name)) + flag
 
 
 def _changes(rows: list[RowResult]) -> str:
@@ -165,7 +176,11 @@ def _changes(rows: list[RowResult]) -> str:
             f"|Δlogp| beyond the minimum effect{f' ({policy})' if policy else ''}.</p>")
     items = "".join(f"<li>{_badge(r.verdict.change)} {html.escape(r.key.label)}: "
                     f"{html.escape(r.verdict.describe())}</li>" for r in changed)
-    return lead + (f"<ul>{items}</ul>" if items else "<p>No significant change.</p>")
+    advice = "".join(f"<li>{_badge('changed')} {html.escape(r.key.label)}: recommended correction "
+                     f"{html.escape(c[0])} → {html.escape(c[1])}</li>"
+                     for r in rows if (c := correction_change(r)) is not None)
+    return (lead + (f"<ul>{items}</ul>" if items else "<p>No significant change.</p>")
+            + (f"<p>The correction advisor's recommendation changed:</p><ul>{advice}</ul>" if advice else ""))
 
 
 def _row_section(row: RowResult) -> str:

@@ -15,7 +15,7 @@ from typing import Any
 
 from parity.nightly.history import RunInfo
 from parity.nightly.regression import TEST_NAME
-from parity.nightly.rows import STATUSES, RowResult
+from parity.nightly.rows import STATUSES, RowResult, correction_change
 from parity.tolerance import Violation
 
 _MARK = {"error": "💥", "regression": "📉", "fail": "❌", "improved": "📈", "pass": "✅"}
@@ -51,6 +51,9 @@ def render_summary(run: RunInfo, rows: list[RowResult], *, report_path: str = "i
             notes.append(f"- **{_cell(r.key.label)}** tolerance: {_cell(Violation(**viol).describe())}")
         if r.verdict is not None and r.verdict.change != "unchanged":
             notes.append(f"- **{_cell(r.key.label)}** {_cell(r.verdict.describe())}")
+        if (change := correction_change(r)) is not None:
+            notes.append(f"- **{_cell(r.key.label)}** recommended correction changed: "
+                         f"`{_cell(change[0])}` → `{_cell(change[1])}`")
     if notes:
         lines += ["", *notes]
     lines += ["", f"Regression test: {TEST_NAME}; baseline: "

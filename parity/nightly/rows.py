@@ -20,6 +20,7 @@ import numpy as np
 
 from parity.errors import ConfigError
 from parity.nightly.regression import Verdict
+from parity.schema import BASELINE_RECOMMENDATION_KEY, RECOMMENDATION_KEY
 
 Status = Literal["error", "regression", "fail", "improved", "pass"]
 STATUSES: tuple[str, ...] = ("error", "regression", "fail", "improved", "pass")
@@ -89,6 +90,15 @@ class RowResult:
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
             raise ConfigError(f"row status {self.status!r}; allowed: {list(STATUSES)}")
+
+
+def correction_change(row: RowResult) -> tuple[str, str] | None:
+    """(baseline's, this row's) recommended correction when the advisor's recommendation changed
+    against the baseline row, else None (no baseline recommendation, or the same one)."""
+    now, before = row.summary.get(RECOMMENDATION_KEY), row.summary.get(BASELINE_RECOMMENDATION_KEY)
+    if now is None or before is None or now == before:
+        return None
+    return str(before), str(now)
 
 
 def row_status(violations: list[Any], verdict: Verdict | None) -> Status:

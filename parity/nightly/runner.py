@@ -37,7 +37,14 @@ from parity.nightly.publish import publish
 from parity.nightly.regression import RegressionPolicy, compare_drift
 from parity.nightly.rows import RowKey, RowResult, check_run_id, exit_code, row_status
 from parity.outputs import output_dir, output_file
-from parity.schema import DTYPES, KERNEL_MODES, PREFIX_CACHE_BACKENDS, ROUTE_CAPTURE_OPTIONS
+from parity.schema import (
+    BASELINE_RECOMMENDATION_KEY,
+    DTYPES,
+    KERNEL_MODES,
+    PREFIX_CACHE_BACKENDS,
+    RECOMMENDATION_KEY,
+    ROUTE_CAPTURE_OPTIONS,
+)
 
 AUTO = "auto"
 EXECUTORS = ("local", "ray")
@@ -303,7 +310,10 @@ def judge_row(row: RowResult, case: Case, config: NightlyConfig, history: Histor
         return row
     verdict = compare_drift(row.abs_diff, baseline.abs_diff, baseline_run=baseline.run_id,
                             policy=config.policy)
-    return dataclasses.replace(row, verdict=verdict, status=row_status(row.violations, verdict))
+    summary = dict(row.summary)
+    if RECOMMENDATION_KEY in baseline.summary:  # the page flags a changed recommendation
+        summary[BASELINE_RECOMMENDATION_KEY] = baseline.summary[RECOMMENDATION_KEY]
+    return dataclasses.replace(row, verdict=verdict, status=row_status(row.violations, verdict), summary=summary)
 
 
 def local_rows(run_id: str, todo: list[tuple[RowKey, Case]], config: NightlyConfig) -> Iterator[RowResult]:
