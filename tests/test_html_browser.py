@@ -41,3 +41,17 @@ def test_report_opens_without_console_errors_and_shows_its_plots(tmp_path):
     # the histogram bars are the plots' blue (#1f77b4): a page whose images failed has none
     blue = np.all(np.abs(pixels - np.array([0x1F, 0x77, 0xB4]) / 255) < 0.08, axis=-1)
     assert blue.sum() > 2000
+
+
+def test_advice_section_opens_in_chromium(tmp_path):
+    """The correction advisor's section (recommendation, reason, config to paste, candidates
+    table) is in the DOM Chromium builds from the page, without console errors."""
+    report = make_report(scale=0.3, rows=16, width=48)
+    page = tmp_path / "report.html"
+    page.write_text(report.to_html(), encoding="utf-8")
+    result = chromium(page, tmp_path, "--dump-dom")
+    assert result.returncode == 0 and console_lines(result) == []
+    dom = result.stdout
+    name = report.extras["advice"]["recommendation"]["name"]
+    assert 'id="advice"' in dom and f"Recommended: {name}" in dom
+    assert "algorithm.rollout_correction.rollout_is" in dom and dom.count('class="chosen"') >= 1
