@@ -291,7 +291,9 @@ def evaluate(tok: Tokens, candidates: Sequence[Candidate], *, bootstrap: int = 2
         "max_weight": max_weight,
         "weight_var": w2_sum / n_tok - (w_sum / n_tok) ** 2,
         "mass_removed": m["removed_mass"].sum(0) / m["ref"].sum(0),
-        "drift_removed": 1.0 - m["kept_k3"].sum(0) / k3_total if k3_total > 0 else np.zeros(cols),
+        # clipped: summing per sequence then over sequences can leave -1e-16 where nothing is removed
+        "drift_removed": np.maximum(1.0 - m["kept_k3"].sum(0) / k3_total, 0.0) if k3_total > 0
+        else np.zeros(cols),
         "bias": bias_seq.sum(0) / n_tok,
     }
     low, high = _bootstrap_interval(bias_seq, st.n, bootstrap, seed, confidence)
