@@ -24,6 +24,7 @@ from parity.advisor.evaluate import FIGURES, Evaluation, Tokens, evaluate, keep_
 from parity.advisor.export import framework_configs
 from parity.advisor.grid import REWEIGHTING, Candidate, default_grid, describe
 from parity.advisor.rule import AdviceRule, choose_removal, choose_reweighting, noise_clause, within_noise
+from parity.advisor.text import advice_text
 from parity.correction.config import CorrectionConfig
 from parity.errors import InputError
 from parity.report import ParityReport
@@ -74,8 +75,7 @@ class Advice:
         }
 
     def text(self) -> str:
-        from parity.advisor.text import advice_text
-
+        """The terminal form: recommendation, reason, configs to paste, every candidate's figures."""
         return advice_text(self.to_dict())
 
 

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from parity.advisor.grid import Candidate
+from parity.correction.config import RejectionRule
 from parity.errors import InputError
 from parity.ratio_rules import (
     ESTIMATORS,
@@ -226,13 +227,7 @@ def _sequence_family(family: str, cands: Sequence[Candidate], st: _SeqStats) -> 
         lower = np.log([c.is_rule.band_lower for c in rules])
         keep = in_band(geo, lower, np.log([c.is_rule.upper for c in rules]))
     else:  # seq_rs
-        columns = []
-        for cfg in rules:
-            rule = cfg.rs_rules[0]
-            e = rule.estimator
-            value = {"sum": st.sum_k[e], "mean": st.sum_k[e] / st.n, "max": st.max_k[e]}[rule.reduce]
-            columns.append(in_band(value, rule.lower, rule.upper))
-        keep = np.stack(columns, axis=1)
+        keep = np.stack([_keeps_sequences(st, cfg.rs_rules[0]) for cfg in rules], axis=1)
     ref, ref_l = zeros + st.sum_r[:, None], zeros + st.sum_rl[:, None]
     if family == "seq_mask_tis":  # untruncated token weights on kept sequences
         w, w2, wl = keep * st.sum_r[:, None], keep * st.sum_r2[:, None], keep * st.sum_rl[:, None]
@@ -318,18 +313,18 @@ def _bootstrap_interval(per_seq: np.ndarray, n: np.ndarray, resamples: int, seed
     return low, high
 
 
+def _keeps_sequences(st: _SeqStats, rule: RejectionRule) -> np.ndarray:
+    """Which sequences `[S]` a sequence-level rejection rule keeps: its estimator's per-sequence
+    sum, mean or max inside the rule's band."""
+    e = rule.estimator
+    value = {"sum": st.sum_k[e], "mean": st.sum_k[e] / st.n, "max": st.max_k[e]}[rule.reduce]
+    return in_band(value, rule.lower, rule.upper)
+
+
 def keep_mask(tok: Tokens, cand: Candidate) -> np.ndarray:
     """The tokens `[N]` (bool) a rejection candidate keeps, by the same bands `evaluate` uses."""
     rule = cand.config.rs_rules[0]
-    c = clamp_log_ratio(tok.log_ratio)
-    stat = token_statistic(rule.estimator, c)
+    st = _SeqStats(tok)
     if rule.reduce == "token":
-        return np.asarray(in_band(stat, rule.lower, rule.upper))
-    starts = tok.starts
-    if rule.reduce == "max":
-        value = np.maximum.reduceat(stat, starts)
-    else:
-        value = np.add.reduceat(stat, starts)
-        if rule.reduce == "mean":
-            value = value / tok.lengths
-    return np.repeat(in_band(value, rule.lower, rule.upper), tok.lengths)
+        return np.asarray(in_band(st.k[rule.estimator], rule.lower, rule.upper))
+    return np.repeat(_keeps_sequences(st, rule), tok.lengths)
