@@ -27,7 +27,14 @@ from parity.advisor import advise
 from parity.backends import BACKENDS, available_backends, parse_option
 from parity.cases import load_case
 from parity.compare import compare
-from parity.errors import EXIT_ERROR, EXIT_INTERRUPTED, ConfigError, InputError, ModelNotFoundError, report_error
+from parity.errors import (
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    ConfigError,
+    InputError,
+    ModelNotFoundError,
+    report_error,
+)
 from parity.models import BUILTIN_MODELS, TRAINED_MODELS
 from parity.models.trained import packaged_file
 from parity.outputs import output_file

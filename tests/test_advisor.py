@@ -260,4 +260,4 @@ def test_nightly_flags_a_changed_recommendation():
     assert "changed" not in _rows_table([same]) and "changed" in _rows_table([changed])
     assert "token_tis 2 → icepop 0.5_2" in _changes([changed])
     run = RunInfo("n2", 2, "t0", "t1", {}, {})
-    assert "recommended correction changed: `token_tis 2` → `icepop 0.5_2`" in render_summary(run, [changed])
+    assert r"recommended correction changed: token\_tis 2 → icepop 0.5\_2" in render_summary(run, [changed])

@@ -53,7 +53,7 @@ def render_summary(run: RunInfo, rows: list[RowResult], *, report_path: str = "i
             notes.append(f"- **{_cell(r.key.label)}** {_cell(r.verdict.describe())}")
         if (change := correction_change(r)) is not None:
             notes.append(f"- **{_cell(r.key.label)}** recommended correction changed: "
-                         f"`{_cell(change[0])}` → `{_cell(change[1])}`")
+                         f"{_cell(change[0])} → {_cell(change[1])}")
     if notes:
         lines += ["", *notes]
     lines += ["", f"Regression test: {TEST_NAME}; baseline: "

@@ -313,7 +313,8 @@ def judge_row(row: RowResult, case: Case, config: NightlyConfig, history: Histor
     summary = dict(row.summary)
     if RECOMMENDATION_KEY in baseline.summary:  # the page flags a changed recommendation
         summary[BASELINE_RECOMMENDATION_KEY] = baseline.summary[RECOMMENDATION_KEY]
-    return dataclasses.replace(row, verdict=verdict, status=row_status(row.violations, verdict), summary=summary)
+    return dataclasses.replace(row, verdict=verdict, status=row_status(row.violations, verdict),
+                               summary=summary)
 
 
 def local_rows(run_id: str, todo: list[tuple[RowKey, Case]], config: NightlyConfig) -> Iterator[RowResult]:
