@@ -22,9 +22,10 @@ Sections (`SECTIONS`; each runs independently: a failure is recorded and the nex
   native kernels, (c) transformers `generate`, on a Qwen3-1.7B-shaped bf16 model with random
   weights, side by side in one run.
 - profile: torch.profiler over a few decode steps of the invariant engine ($OUT/profile.txt).
-- tp: invariant-engine tok/s without tensor parallelism, at TP=1 (the canonical K-group layout)
-  and TP=2 (two GPUs, NCCL) on the Qwen3-1.7B shape at the e2e workload, side by side, and
-  whether TP=2's rollouts equal TP=1's bit for bit (needs two GPUs).
+- tp: invariant-engine tok/s without tensor parallelism and at TP=1 (the canonical K-group layout)
+  for each `--tp-groups` count of K groups (default 8), and with two GPUs at TP=2 (NCCL), on the
+  Qwen3-1.7B shape at the `--e2e` workload, side by side, and whether TP=2's rollouts equal TP=1's
+  bit for bit (TP=2 is skipped, and recorded as skipped, with one GPU).
 - cublaslt: parity and (a) again in a subprocess started with `CUBLASLT_ENV` and cuBLASLt
   preferred, so the matmul takes the proven cuBLASLt path (`parity.kernels.triton.matmul`).
 - probe: the load-time matmul probe (`parity.kernels.probe`) in a process set up for cuBLASLt, over
@@ -76,6 +77,7 @@ from parity.engine.selfcheck import SettingCheck, sampling_grid_check
 from parity.kernels import switch
 from parity.kernels.triton.matmul import CUBLASLT_ENV, cublaslt_ready
 from parity.models import shaped
+from parity.schema import REDUCTION_GROUPS
 from parity.types import Request, SamplingParams
 
 #: The repository root: subprocesses run `python3 -m benchmarks.gpu` from here.
@@ -447,13 +449,14 @@ def grid_check(model: str, kernels: str) -> GridCheck:
 
 
 def engine_tok_s(path: Path, kernels: str, reqs: list[Request], chunk_size: int, budget: int,
-                 record_routes: bool = False, tensor_parallel_size: int | None = None) -> Throughput:
+                 record_routes: bool = False, tensor_parallel_size: int | None = None,
+                 reduction_groups: int = REDUCTION_GROUPS) -> Throughput:
     """Output tok/s of one ReferenceEngine.generate over reqs (after a small warm-up generate; the
     timed call still captures its decode graph, the KV cache being reallocated for its lengths)."""
     with ReferenceEngine(str(path), dtype="bfloat16", device="cuda", kernels=kernels, max_num_seqs=len(reqs),
                          chunk_size=chunk_size, max_num_batched_tokens=budget,
-                         record_routes=record_routes,
-                         tensor_parallel_size=tensor_parallel_size) as engine:
+                         record_routes=record_routes, tensor_parallel_size=tensor_parallel_size,
+                         reduction_groups=reduction_groups) as engine:
         engine.generate(requests_for(151936, 4, 16, 4, seed=9))  # compile kernels, allocate the cache
         torch.cuda.synchronize()
         start = time.perf_counter()
@@ -648,9 +651,11 @@ def e2e_section(run: Run) -> dict[str, Any]:
 
 
 def tp_section(run: Run) -> dict[str, Any]:
-    """Invariant-engine throughput on the Qwen3-1.7B shape without tensor parallelism, at TP=1 (the
-    canonical K-group layout in one process: its cost over the whole model) and at TP=2 (two GPUs,
-    NCCL), side by side in one run, and whether TP=2's rollouts equal TP=1's bit for bit."""
+    """Invariant-engine throughput on the Qwen3-1.7B shape without tensor parallelism and at TP=1
+    (the canonical K-group layout in one process: its cost over the whole model) for each
+    `--tp-groups` count of row-parallel K groups (`reduction_groups`), side by side in one run; with
+    two GPUs also TP=2 (NCCL) at each even count, and whether its rollouts equal TP=1's bit for bit
+    (the same count: each count is its own sum). With one GPU the TP=2 part is skipped, recorded."""
     args = run.args
     count, prompt_len, max_tokens = args.e2e
     chunk_size = args.chunk_size or prompt_len
@@ -658,27 +663,38 @@ def tp_section(run: Run) -> dict[str, Any]:
     if not path.exists():
         save_random_model(qwen3_config(28), path)
     reqs = requests_for(151936, count, prompt_len, max_tokens)
+    two_gpus = torch.cuda.device_count() >= 2
     section: dict[str, Any] = {"workload": f"{count} seqs x {prompt_len} prompt x {max_tokens} output, "
-                                           f"Qwen3-1.7B-shaped, 28 layers, bf16, invariant"}
-    for label, tp in (("whole_model", None), ("tp1", 1), ("tp2", 2)):
+                                           f"Qwen3-1.7B-shaped, 28 layers, bf16, invariant",
+                               "reduction_groups": args.tp_groups}
+    if not two_gpus:
+        section["tp2_skipped"] = f"needs two GPUs, {torch.cuda.device_count()} visible"
+    runs: list[tuple[str, int | None, int]] = [("whole_model", None, REDUCTION_GROUPS)]
+    for groups in args.tp_groups:
+        runs.append((f"tp1_g{groups}", 1, groups))
+        if two_gpus and groups % 2 == 0:
+            runs.append((f"tp2_g{groups}", 2, groups))
+    for label, tp, groups in runs:
         try:
             section[label] = engine_tok_s(path, "invariant", reqs, chunk_size, args.max_batched_tokens,
-                                          tensor_parallel_size=tp)
+                                          tensor_parallel_size=tp, reduction_groups=groups)
         except Exception:
             section[label] = failure()
         torch.cuda.empty_cache()
         run.checkpoint("tp", section)
     small = requests_for(151936, 8, 24, 16, n=2, seed=3)
-    try:
-        one = ReferenceEngine(str(path), dtype="bfloat16", device="cuda",
-                              tensor_parallel_size=1).generate(small)
-        with ReferenceEngine(str(path), dtype="bfloat16", device="cuda", tensor_parallel_size=2,
-                             max_num_seqs=5) as engine:
-            two = engine.generate(small)
-        section["tp2_equals_tp1"] = all(a.token_ids == b.token_ids and a.logprobs == b.logprobs
-                                        for a, b in zip(one, two, strict=True))
-    except Exception:
-        section["tp2_equals_tp1"] = failure()
+    for groups in args.tp_groups if two_gpus else ():
+        if groups % 2:
+            continue
+        try:
+            settings = {"dtype": "bfloat16", "device": "cuda", "reduction_groups": groups}
+            one = ReferenceEngine(str(path), tensor_parallel_size=1, **settings).generate(small)
+            with ReferenceEngine(str(path), tensor_parallel_size=2, max_num_seqs=5, **settings) as engine:
+                two = engine.generate(small)
+            section[f"tp2_equals_tp1_g{groups}"] = all(a.token_ids == b.token_ids and a.logprobs == b.logprobs
+                                                       for a, b in zip(one, two, strict=True))
+        except Exception:
+            section[f"tp2_equals_tp1_g{groups}"] = failure()
     return section
 
 
@@ -1137,15 +1153,18 @@ def table(results: dict[str, Any]) -> str:
         lines.append(f"profile ({prof['workload']}): wall {prof['wall_s']:.2f} s, "
                      f"GPU busy {prof['gpu_busy_s']:.2f} s")
     tp = results.get("tp", {})
-    rates = {k: tp[k]["output_tok_s"] for k in ("whole_model", "tp1", "tp2")
-             if "output_tok_s" in tp.get(k, {})}
+    rates = {k: v["output_tok_s"] for k, v in tp.items() if isinstance(v, dict) and "output_tok_s" in v}
     for name, rate in rates.items():
         lines.append(f"tp ({tp['workload']}): {name} {rate:.0f} tok/s")
-    for a, b in (("tp1", "whole_model"), ("tp2", "tp1")):
-        if a in rates and b in rates:
-            lines.append(f"tp ratio {a} / {b}: {rates[a] / rates[b]:.3f}")
-    if "tp2_equals_tp1" in tp:
-        lines.append(f"tp: TP=2 rollouts equal TP=1 bit for bit: {tp['tp2_equals_tp1']}")
+    for groups in tp.get("reduction_groups", ()):
+        for a, b in ((f"tp1_g{groups}", "whole_model"), (f"tp2_g{groups}", f"tp1_g{groups}")):
+            if a in rates and b in rates:
+                lines.append(f"tp ratio {a} / {b}: {rates[a] / rates[b]:.3f}")
+        if f"tp2_equals_tp1_g{groups}" in tp:
+            lines.append(f"tp: TP=2 rollouts equal TP=1 bit for bit ({groups} groups): "
+                         f"{tp[f'tp2_equals_tp1_g{groups}']}")
+    if "tp2_skipped" in tp:
+        lines.append(f"tp: TP=2 skipped ({tp['tp2_skipped']})")
     for section in SECTIONS:
         if "error" in results.get(section, {}):
             lines.append(f"{section}: ERROR (see gpu_results.json)")
@@ -1172,6 +1191,16 @@ def _shape(text: str) -> tuple[int, int, int]:
     return count, prompt_len, max_tokens
 
 
+def _groups(text: str) -> list[int]:
+    try:
+        groups = [int(v) for v in text.split(",") if v]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
+    if not groups or any(g < 1 for g in groups):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return groups
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python3 -m benchmarks.gpu", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("gpu-results"))
@@ -1192,6 +1221,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--moe-layers", type=int, default=4, help="layers of the Qwen3-30B-A3B-shaped model")
     parser.add_argument("--moe-variants", type=lambda t: _names(t, E2E_VARIANTS, "moe variants"),
                         default="hf,invariant,native", help=f"comma-separated, of {', '.join(E2E_VARIANTS)}")
+    parser.add_argument("--tp-groups", type=_groups, default="8",
+                        help="tp section: comma-separated row-parallel K group counts (reduction_groups) to "
+                             "measure TP=1 (and TP=2 with two GPUs, even counts) at")
     parser.add_argument("--cublaslt-probe", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--probe-child", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)

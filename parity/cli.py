@@ -79,7 +79,8 @@ def _parser() -> argparse.ArgumentParser:
                           "(true, 4, 0.5), else as a string; e.g. --option record_routes=true")
     cmp.add_argument("--tp", type=int, metavar="K",
                      help="tensor-parallel degree of the backend (1, 2, 4, 8); the training forward then "
-                          "runs parity's TP-invariant layout")
+                          "runs parity's TP-invariant layout with the reference backend's row-parallel K "
+                          "groups (--option reduction_groups=G, default 8; the degree must divide G)")
     cmp.add_argument("--record", type=Path, metavar="OUT",
                      help="write the run's record (requests and rollouts) to OUT, for `parity replay` "
                           "and `parity score`")

@@ -40,6 +40,7 @@ from parity.schema import (
     KERNEL_MODES,
     NO_REPLAY,
     PREFIX_CACHE_BACKENDS,
+    REDUCTION_GROUPS,
     ROUTE_CAPTURE_OPTIONS,
     ROUTER_SUMMARY_KEYS,
     VERSION,
@@ -110,7 +111,8 @@ def compare(
     tensor_parallel: the backend's tensor-parallel degree (its `tensor_parallel_size` option; a
         running backend keeps its own); the training forward then runs parity's TP-invariant
         layout (`train_forward(tensor_parallel_size=1)`), whose logprobs the reference engine
-        matches at every degree.
+        matches at every degree, with the reference backend's `reduction_groups` option (default 8;
+        bits match only for the same value, which `provenance["train_tensor_parallel"]` records).
     """
     # every argument is checked before an engine starts (vLLM takes ~40 s to start on CPU)
     if reference not in KERNEL_MODES:
@@ -144,29 +146,38 @@ def compare(
                      meta={"case": the_case.name, "case_hash": the_case.hash})
     provenance = _provenance(model_arg, engine, the_case, dtype=dtype, device=device, reference=reference,
                              router_replay=router_replay)
+    train_tp: dict[str, Any] = {}
+    if tensor_parallel is not None:
+        # the training forward sums the row-parallel K groups as the backend did (a reference backend's
+        # reduction_groups; the default elsewhere): other group counts give other bits
+        groups = engine.meta.get("reduction_groups") or REDUCTION_GROUPS
+        train_tp = {"tensor_parallel_size": 1, "reduction_groups": groups}
+        provenance["train_tensor_parallel"] = train_tp
     return report_for(model_arg, rollouts, dtype=dtype, device=device, reference=reference,
                       router_replay=router_replay, tolerance=limits, provenance=provenance,
-                      correction=correction, attribute=attribute,
-                      tensor_parallel_size=None if tensor_parallel is None else 1)
+                      correction=correction, attribute=attribute, **train_tp)
 
 
 def report_for(model: str | None, rollouts: Sequence[Rollout], *, dtype: str, device: str, reference: str,
                router_replay: str | None, tolerance: Tolerance, provenance: dict[str, Any],
                correction: dict[str, Any] | None = None, attribute: Sequence[str] = (),
                train_logprobs: Sequence[np.ndarray] | None = None,
-               tensor_parallel_size: int | None = None) -> ParityReport:
+               tensor_parallel_size: int | None = None,
+               reduction_groups: int = REDUCTION_GROUPS) -> ParityReport:
     """The second half of a comparison, for rollouts from anywhere: score them with the training
     forward (or take `train_logprobs`, the trainer's own logprobs of the same tokens, and run
     no forward), build the report with the tokens' decoded text (`parity.text`), and add
     router agreement (rollouts that carry MoE routes) and attribution (`attribute` axes).
     model: None only with `train_logprobs` and no `attribute` (nothing to run, no text).
-    tensor_parallel_size: the training forward's (`parity.engine.train_forward`; None: the whole model)."""
+    tensor_parallel_size, reduction_groups: the training forward's (`parity.engine.train_forward`; None:
+    the whole model)."""
     if model is None and (train_logprobs is None or attribute):
         raise ConfigError("a model is needed to run the training forward; pass model=")
     if train_logprobs is None:
         train_logprobs = score_rollouts(model, rollouts, dtype=dtype, device=device, kernels=reference,
                                         router_replay=router_replay,
-                                        tensor_parallel_size=tensor_parallel_size)
+                                        tensor_parallel_size=tensor_parallel_size,
+                                        reduction_groups=reduction_groups)
         computed = True
     else:
         computed = False
@@ -216,13 +227,14 @@ def match_requests(rollouts: Sequence[Rollout], requests: Sequence[Request]) -> 
 def score_rollouts(model: str | os.PathLike[str], rollouts: Sequence[Rollout], *, dtype: str,
                    device: str = "cpu", kernels: str = "invariant",
                    router_replay: str | None = None,
-                   tensor_parallel_size: int | None = None) -> list[np.ndarray]:
+                   tensor_parallel_size: int | None = None,
+                   reduction_groups: int = REDUCTION_GROUPS) -> list[np.ndarray]:
     """Training-forward logprobs of every rollout's response tokens, float32 `[response_len]` each,
     each rollout scored under the sampling it records (mode, temperature, top-k, top-p)."""
     from parity.engine import train_forward  # torch: `import parity` stays light
 
     scored = train_forward(model, list(rollouts), dtype=dtype, device=device, kernels=kernels,
-                           tensor_parallel_size=tensor_parallel_size,
+                           tensor_parallel_size=tensor_parallel_size, reduction_groups=reduction_groups,
                            **_router_replay_options(router_replay)).logprobs
     return [lp.detach().to("cpu").float().numpy() for lp in scored]
 

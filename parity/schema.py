@@ -45,6 +45,10 @@ CASE_KINDS: tuple[str, ...] = ("compare", "lifecycle", "trajectory")
 #: backends with a prefix cache: a trajectory case's `prefix_caching` axis runs on these
 PREFIX_CACHE_BACKENDS: tuple[str, ...] = ("vllm", "vllm-server")
 
+#: default K groups of the tensor-parallel row-parallel sum (`reduction_groups`): every degree up to 8
+#: divides it. TP bits are equal across degrees only for the same value.
+REDUCTION_GROUPS = 8
+
 #: the start option that makes each backend record MoE routes (the routes R3 replays); a
 #: backend missing here cannot record them.
 ROUTE_CAPTURE_OPTIONS: dict[str, str] = {"reference": "record_routes", "vllm": "capture_routes",

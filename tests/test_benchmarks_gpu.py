@@ -22,11 +22,14 @@ def test_arguments_parse_and_name_only_known_sections():
     args = gpu.parse_args(["--sections", "parity,profile", "--e2e", "8,16,4", "--e2e-variants", "invariant"])
     assert args.sections == ["parity", "profile"] and args.e2e == (8, 16, 4)
     assert list(gpu.SECTIONS) == ["kernels", "parity", "e2e", "profile", "cublaslt", "probe",
-                                  "attention_sweep", "parity_shapes", "moe_e2e", "probed", "roofline"]
+                                  "attention_sweep", "parity_shapes", "moe_e2e", "probed", "roofline", "tp"]
     args = gpu.parse_args(["--sections", "probe,moe_e2e,roofline", "--moe", "8,16,4", "--moe-layers", "2"])
     assert args.moe == (8, 16, 4) and args.moe_layers == 2
     assert args.moe_variants == ["hf", "invariant", "native"]
-    for bad in (["--sections", "parity,kernel"], ["--e2e", "8,16"], ["--e2e-variants", "vllm"]):
+    assert gpu.parse_args([]).tp_groups == [8]
+    assert gpu.parse_args(["--sections", "tp", "--tp-groups", "2,4,8"]).tp_groups == [2, 4, 8]
+    for bad in (["--sections", "parity,kernel"], ["--e2e", "8,16"], ["--e2e-variants", "vllm"],
+                ["--tp-groups", "0"], ["--tp-groups", "two"]):
         with pytest.raises(SystemExit):
             gpu.parse_args(bad)
 
@@ -69,6 +72,16 @@ def test_typed_results_render_as_the_table():
     assert "e2e hf_generate: 25 output tok/s (4.0 s)" in lines
     assert "e2e ratio engine_invariant / hf_generate: 2.00" in lines
     assert "profile (256 seqs): wall 1.50 s, GPU busy 1.00 s" in lines
+
+
+def test_tp_section_renders_each_group_count_next_to_the_whole_model():
+    tp = {"workload": "w", "reduction_groups": [2, 8], "tp2_skipped": "needs two GPUs, 1 visible",
+          "whole_model": gpu.Throughput(1.0, 100, 100.0), "tp1_g2": gpu.Throughput(1.0, 95, 95.0),
+          "tp1_g8": gpu.Throughput(1.0, 70, 70.0)}
+    lines = gpu.table({"tp": gpu.plain(tp)}).splitlines()
+    assert "tp ratio tp1_g2 / whole_model: 0.950" in lines
+    assert "tp ratio tp1_g8 / whole_model: 0.700" in lines
+    assert "tp: TP=2 skipped (needs two GPUs, 1 visible)" in lines
 
 
 def test_changed_settings_are_restored_when_a_measurement_fails():

@@ -19,7 +19,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from parity.engine import ReferenceEngine, train_forward
+from parity.engine import EngineConfig, ReferenceEngine, train_forward
 from parity.engine.train import LAYOUTS
 from parity.errors import ConfigError
 from parity.parallel import RankGroup, TensorParallelError
@@ -99,6 +99,36 @@ def test_train_forward_on_two_ranks_equals_one() -> None:
         assert torch.equal(a, torch.tensor(r.logprobs, dtype=torch.float32))
     for a, b in zip(one.routes, two.routes, strict=True):
         assert torch.equal(a, b)
+
+
+def _logprobs(rollouts: list) -> list[torch.Tensor]:
+    return [torch.tensor(r.logprobs, dtype=torch.float32) for r in rollouts]
+
+
+def test_reduction_groups_give_the_same_bits_at_every_degree_for_one_value() -> None:
+    """reduction_groups=2: TP=2 equals TP=1 bit for bit, and the rollouts record the value; the
+    default 8 groups at TP=1 give other bits (each group count is its own sum: the trade is real)."""
+    requests = _long_workload()
+    one = ReferenceEngine("tiny-qwen3", tensor_parallel_size=1, reduction_groups=2).generate(requests)
+    eight = ReferenceEngine("tiny-qwen3", tensor_parallel_size=1).generate(requests)
+    with ReferenceEngine("tiny-qwen3", tensor_parallel_size=2, reduction_groups=2) as engine:
+        two = engine.generate(requests)
+    assert [r.token_ids for r in two] == [r.token_ids for r in one]
+    assert all(torch.equal(a, b) for a, b in zip(_logprobs(two), _logprobs(one), strict=True))
+    assert {r.meta["reduction_groups"] for r in two} == {2}
+    assert {r.meta["reduction_groups"] for r in eight} == {8}
+    # the negative control: the same comparison between 2 and 8 groups fails
+    assert not _equal(eight, one)
+
+
+@pytest.mark.parametrize("groups,size,match", [(2, 4, "not divisible by tensor_parallel_size=4"),
+                                               (0, 1, "positive integer"), (True, 1, "positive integer"),
+                                               (2.0, 1, "positive integer")])
+def test_bad_reduction_groups_is_a_config_error(groups, size, match) -> None:
+    with pytest.raises(ConfigError, match=f"reduction_groups.*{match}"):
+        EngineConfig(tensor_parallel_size=size, reduction_groups=groups)
+    with pytest.raises(ConfigError, match=f"reduction_groups.*{match}"):
+        train_forward("tiny-qwen3", [([5, 6], [7])], tensor_parallel_size=size, reduction_groups=groups)
 
 
 @pytest.mark.parametrize("size", [3, 0, True])
@@ -226,3 +256,20 @@ def test_compare_with_a_tp2_reference_backend_has_zero_drift() -> None:
         backend.close()
     assert report.summary["max_abs_logprob_diff"] == 0.0
     assert report.passed
+
+
+def test_compare_scores_with_the_backends_reduction_groups() -> None:
+    """A TP=2 reference backend with reduction_groups=2: the training forward sums in 2 groups too
+    (zero drift; with the default 8 it would not match), and the provenance says so."""
+    from parity.backends.reference import ReferenceBackend
+    from parity.compare import compare
+
+    backend = ReferenceBackend("tiny-qwen3", dtype="float32", tensor_parallel_size=2, reduction_groups=2)
+    try:
+        report = compare("tiny-qwen3", backend, prompts=[[5, 6, 7], [9, 10, 11, 12, 13]],
+                         sampling={"max_tokens": 6, "n": 2}, dtype="float32", tensor_parallel=2)
+    finally:
+        backend.close()
+    assert report.summary["max_abs_logprob_diff"] == 0.0
+    assert report.provenance["train_tensor_parallel"] == {"tensor_parallel_size": 1, "reduction_groups": 2}
+    assert report.provenance["backend_meta"]["reduction_groups"] == 2

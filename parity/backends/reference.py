@@ -25,7 +25,8 @@ class ReferenceBackend(Backend):
     """`parity.engine.ReferenceEngine` for generate, `parity.engine.train_forward` for score.
 
     engine: `parity.engine.EngineConfig` settings besides dtype (device, kernels, max_num_seqs,
-    chunk_size, record_routes, max_num_batched_tokens, graphs, tensor_parallel_size, tp_reduction);
+    chunk_size, record_routes, max_num_batched_tokens, graphs, tensor_parallel_size, tp_reduction,
+    reduction_groups);
     an unknown one is a ConfigError.
     kernels "invariant" is the baseline, "native" (stock torch ops) the contrast; record_routes
     returns MoE routed experts per position.
@@ -43,12 +44,14 @@ class ReferenceBackend(Backend):
         super().__init__(model, dtype=dtype)
         self.config = EngineConfig(dtype=dtype).replace(**engine)
         self._engine = ReferenceEngine(self.model_path, self.config)
-        kernels = self.config.kernels
+        kernels, tp = self.config.kernels, self.config.tensor_parallel_size
         self.meta.update({
             "backend_version": VERSION, "torch_version": torch.__version__,
             "device": self.config.device, "attention_backend": f"parity ({kernels})",
             "batch_invariant": kernels == "invariant",
-            "tensor_parallel_size": self.config.tensor_parallel_size or 1,
+            "tensor_parallel_size": tp or 1,
+            # the row-parallel K groups: TP runs give the same bits only for the same value
+            "reduction_groups": None if tp is None else self.config.reduction_groups,
             "enable_prefix_caching": False, "kernels": kernels,
         })
 
@@ -63,6 +66,7 @@ class ReferenceBackend(Backend):
         return train_forward(self._engine.lm.path if tp else self._engine.lm, pairs, dtype=self.dtype,
                              device=self.config.device, kernels=self.config.kernels,
                              tensor_parallel_size=tp, tp_reduction=self.config.tp_reduction,
+                             reduction_groups=self.config.reduction_groups,
                              logprobs_mode=sampling.logprobs_mode,
                              temperature=sampling.temperature, top_k=sampling.top_k,
                              top_p=sampling.top_p).logprobs

@@ -42,7 +42,16 @@ from parity.errors import ConfigError, InputError
 from parity.kernels.attention import KVCache
 from parity.models import routing
 from parity.models.loading import LoadedModel, check_device, load_model
-from parity.parallel import REDUCTIONS, Comm, RankGroup, check_degree, check_shardable, shard_model
+from parity.parallel import (
+    REDUCTION_GROUPS,
+    REDUCTIONS,
+    Comm,
+    RankGroup,
+    check_degree,
+    check_reduction_groups,
+    check_shardable,
+    shard_model,
+)
 from parity.schema import DTYPES
 from parity.types import Request, Rollout
 
@@ -62,7 +71,10 @@ class EngineConfig:
     this process, k in (1, 2, 4, 8) runs k ranks (`parity.parallel`; k = 1 in-process) whose
     rollouts are the same bits at every k and equal `train_forward(tensor_parallel_size=1)`;
     tp_reduction: the row-parallel sum, "canonical" (TP-invariant) or "all_reduce" (the stock sum,
-    a contrast whose bits change with k).
+    a contrast whose bits change with k); reduction_groups: the K groups of the canonical sum, a
+    positive integer that k divides (default 8: every degree). The bits are the same at every k for
+    one reduction_groups, not across values (each value is its own sum; rollouts record it in
+    `meta`); fewer groups run faster and allow fewer degrees (docs/PERF.md).
     """
 
     dtype: str = "float32"
@@ -75,6 +87,7 @@ class EngineConfig:
     graphs: bool | None = None
     tensor_parallel_size: int | None = None
     tp_reduction: str = "canonical"
+    reduction_groups: int = REDUCTION_GROUPS
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -84,6 +97,7 @@ class EngineConfig:
             check_degree(self.tensor_parallel_size)
         if self.tp_reduction not in REDUCTIONS:
             raise ConfigError(f"tp_reduction must be one of {REDUCTIONS}, got {self.tp_reduction!r}")
+        check_reduction_groups(self.reduction_groups, self.tensor_parallel_size)
         check_positive_int(self.max_num_seqs, "max_num_seqs")
         check_positive_int(self.chunk_size, "chunk_size")
         check_positive_int(self.max_num_batched_tokens, "max_num_batched_tokens")
@@ -119,11 +133,12 @@ class ReferenceEngine:
         self._cache: KVCache | None = None
         self._graphs: StepGraphs | None = None
         self._ranks: RankGroup | None = None
-        if tp is None or (isinstance(model, LoadedModel) and model.tensor_parallel_size == tp):
+        if tp is None or (isinstance(model, LoadedModel) and model.tensor_parallel_size == tp
+                          and model.reduction_groups == config.reduction_groups):
             self.lm = load_model(model, dtype=config.dtype, device=config.device)
         elif tp == 1:
             self.lm = shard_model(model, Comm.single(), dtype=config.dtype, device=config.device,
-                                  reduction=config.tp_reduction)
+                                  reduction=config.tp_reduction, reduction_groups=config.reduction_groups)
         else:
             # this process keeps the whole model on the CPU for input checks; the ranks hold the shards
             self.lm = load_model(model, dtype=config.dtype, device="cpu")
@@ -259,7 +274,8 @@ class ReferenceEngine:
             "step_graphs": "off" if self._graphs is None else self._graphs.status,
         }
         if config.tensor_parallel_size is not None:
-            meta.update(tensor_parallel_size=config.tensor_parallel_size, tp_reduction=config.tp_reduction)
+            meta.update(tensor_parallel_size=config.tensor_parallel_size, tp_reduction=config.tp_reduction,
+                        reduction_groups=config.reduction_groups)
         return Rollout(request_id=seq.request.request_id, sample_index=seq.sample_index,
                        prompt_ids=seq.request.prompt_ids, token_ids=tuple(seq.tokens),
                        logprobs=tuple(seq.logprobs), finish_reason=seq.finish_reason or "length",
@@ -274,6 +290,7 @@ class ReferenceEngine:
             # the training forward of the canonical layout: one process, whatever this engine's degree
             options.setdefault("tensor_parallel_size", 1)
             options.setdefault("tp_reduction", self.config.tp_reduction)
+            options.setdefault("reduction_groups", self.config.reduction_groups)
         model = self.lm if self._ranks is None else self.lm.path
         return train_forward(model, sequences, dtype=self.config.dtype, device=self.config.device,
                              **options).logprobs
@@ -281,5 +298,6 @@ class ReferenceEngine:
 
 def _rank_engine(path: str, config: EngineConfig, comm: Comm) -> ReferenceEngine:
     """One rank's engine over its shard (run inside a `RankGroup` rank process)."""
-    lm = shard_model(path, comm, dtype=config.dtype, device=config.device, reduction=config.tp_reduction)
+    lm = shard_model(path, comm, dtype=config.dtype, device=config.device, reduction=config.tp_reduction,
+                     reduction_groups=config.reduction_groups)
     return ReferenceEngine(lm, config)

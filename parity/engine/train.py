@@ -23,7 +23,15 @@ from parity.errors import ConfigError, InputError
 from parity.kernels.attention import KVCache
 from parity.models import routing
 from parity.models.loading import LoadedModel, load_model
-from parity.parallel import Comm, RankGroup, check_degree, check_shardable, shard_model
+from parity.parallel import (
+    REDUCTION_GROUPS,
+    Comm,
+    RankGroup,
+    check_degree,
+    check_reduction_groups,
+    check_shardable,
+    shard_model,
+)
 from parity.types import LOGPROBS_MODES, Rollout, as_pairs
 
 LAYOUTS: tuple[str, ...] = ("right", "left", "packed")
@@ -127,6 +135,7 @@ def train_forward(model: str | LoadedModel,
                   router_replay: str | routing.RouterReplay | None = None,
                   routes: Sequence[Any] | None = None,
                   tensor_parallel_size: int | None = None, tp_reduction: str = "canonical",
+                  reduction_groups: int = REDUCTION_GROUPS,
                   ) -> TrainResult:
     """Teacher-forced logprobs of each sequence's response tokens (`TrainResult.logprobs`).
 
@@ -150,22 +159,26 @@ def train_forward(model: str | LoadedModel,
     tensor_parallel_size: None runs the whole model; k in (1, 2, 4, 8) runs the tensor-parallel
     layout of `parity.parallel` on k ranks (k = 1 in this process), whose logprobs are the same
     bits at every k and equal the reference engine's at any degree; tp_reduction: "canonical" or
-    the "all_reduce" contrast.
+    the "all_reduce" contrast; reduction_groups: the canonical sum's K groups (k must divide it):
+    the bits equal the engine's only for the engine's own reduction_groups.
     """
     options = dict(dtype=dtype, device=device, kernels=kernels, micro_batch_size=micro_batch_size,
                    layout=layout, logprobs_mode=logprobs_mode, temperature=temperature, top_k=top_k,
                    top_p=top_p, record_routes=record_routes, router_replay=router_replay, routes=routes)
     if tensor_parallel_size is not None:
         tp = check_degree(tensor_parallel_size)
-        if not (isinstance(model, LoadedModel) and model.tensor_parallel_size == tp):
+        groups = check_reduction_groups(reduction_groups, tp)
+        if not (isinstance(model, LoadedModel) and model.tensor_parallel_size == tp
+                and model.reduction_groups == groups):
             if tp > 1:
                 whole = load_model(model, dtype=dtype, device="cpu")
                 check_shardable(whole, tp)
                 path = str(whole.path)
-                factory = functools.partial(_RankTrainer, path, dtype, device, tp_reduction)
+                factory = functools.partial(_RankTrainer, path, dtype, device, tp_reduction, groups)
                 with RankGroup(tp, torch.device(device).type, factory) as ranks:
                     return ranks.call("run", list(sequences), options)
-            model = shard_model(model, Comm.single(), dtype=dtype, device=device, reduction=tp_reduction)
+            model = shard_model(model, Comm.single(), dtype=dtype, device=device, reduction=tp_reduction,
+                                reduction_groups=groups)
     lm = load_model(model, dtype=dtype, device=device)
     if layout not in LAYOUTS:
         raise ConfigError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -253,8 +266,10 @@ def _micro_batch(lm: LoadedModel, pairs: list[Pair], modes: list[str], params: s
 class _RankTrainer:
     """One rank of a tensor-parallel training forward (built inside a `RankGroup` rank process)."""
 
-    def __init__(self, path: str, dtype: str, device: str, reduction: str, comm: Comm) -> None:
-        self.lm = shard_model(path, comm, dtype=dtype, device=device, reduction=reduction)
+    def __init__(self, path: str, dtype: str, device: str, reduction: str, groups: int, comm: Comm) -> None:
+        self.lm = shard_model(path, comm, dtype=dtype, device=device, reduction=reduction,
+                              reduction_groups=groups)
 
     def run(self, sequences: list[Any], options: dict[str, Any]) -> TrainResult:
-        return train_forward(self.lm, sequences, tensor_parallel_size=self.lm.tensor_parallel_size, **options)
+        return train_forward(self.lm, sequences, tensor_parallel_size=self.lm.tensor_parallel_size,
+                             reduction_groups=self.lm.reduction_groups, **options)

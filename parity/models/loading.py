@@ -44,7 +44,8 @@ class LoadedModel:
     model_hash: `parity.models.model_hash` of the checkpoint (provenance).
     tensor_parallel_size: None for the whole model, k for rank `tensor_parallel_rank`'s shard of a
     k-way tensor-parallel group (`parity.parallel.shard_model`), whose config then holds this
-    rank's head counts; tp_reduction: that shard's row-parallel sum ("canonical" or "all_reduce").
+    rank's head counts; tp_reduction: that shard's row-parallel sum ("canonical" or "all_reduce");
+    reduction_groups: that sum's K groups (None for the whole model).
     """
 
     model: nn.Module
@@ -64,6 +65,7 @@ class LoadedModel:
     tensor_parallel_size: int | None = None
     tensor_parallel_rank: int = 0
     tp_reduction: str = "canonical"
+    reduction_groups: int | None = None
 
     @property
     def torch_dtype(self) -> torch.dtype:

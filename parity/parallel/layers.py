@@ -7,13 +7,19 @@ the unsharded layer would (the matmul kernels fix their K order per weight row, 
 A row-parallel projection (o/down) splits its K reduction across ranks. Summing the ranks'
 partial products with an all-reduce makes the order of additions, and so the bits, a function of
 the TP degree and of the collective's algorithm. `RowParallelLinear` instead fixes the sum: K is
-cut into `groups` equal slices (a constant of the model, not of the TP degree), each slice's
+cut into `groups` equal slices (a setting, `reduction_groups`, not the TP degree), each slice's
 product is computed on its own by the batch-invariant matmul, the partials of all groups are
 widened to fp32 and all-gathered (an exact copy, not a sum), and every rank adds them with one
 fixed tree in fp32. At TP=1 the same groups and the same tree run in one process, so TP=1, 2, 4
-and 8 give the same bits. In bf16 each group's product is rounded to bf16 by the matmul before it
-is widened (the matmul kernels write the model dtype): deterministic, and 8 roundings of partial
-sums where the whole-model layer has one.
+and 8 give the same bits, for the same `groups`: a different group count is a different sum, so
+bits are equal across degrees only between runs with the same `reduction_groups`. In bf16 each
+group's product is rounded to bf16 by the matmul before it is widened (the matmul kernels write
+the model dtype): deterministic, and `groups` roundings of partial sums where the whole-model
+layer has one.
+
+The trade: every degree must divide `groups` (the largest degree is `groups`), and each group is
+its own matmul plus an fp32 partial [groups, tokens, N], so fewer groups cost less (fewer, larger
+matmuls; less to gather and add) and allow fewer degrees.
 """
 
 from __future__ import annotations
@@ -22,12 +28,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from parity.errors import ConfigError
 from parity.kernels import ops
 from parity.kernels.cpu import tree_sum
 from parity.parallel.comm import Comm
+from parity.schema import REDUCTION_GROUPS
 
-#: K groups of every row-parallel reduction: the largest supported TP degree.
-REDUCTION_GROUPS = 8
 #: how a row-parallel layer combines partial products: the fixed tree, or a stock all-reduce (contrast).
 REDUCTIONS: tuple[str, ...] = ("canonical", "all_reduce")
 
@@ -37,12 +43,16 @@ class RowParallelLinear(nn.Module):
 
     weight: this rank's [N, K / size] slice; its `groups / size` K groups are kept as separate
     contiguous [N, K / groups] tensors (the CUDA matmul reads whole rows). bias [N] or None is
-    added once to the fp32 sum.
+    added once to the fp32 sum. groups: the K groups of the whole layer (`reduction_groups`; the
+    degree divides it); the bits depend on it, not on the degree.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, comm: Comm,
                  groups: int = REDUCTION_GROUPS, reduction: str = "canonical") -> None:
         super().__init__()
+        if groups % comm.size:
+            raise ConfigError(f"reduction_groups={groups} is not divisible by tensor_parallel_size="
+                              f"{comm.size}; choose reduction_groups a multiple of the degree")
         local = groups // comm.size
         self.comm, self.reduction, self.in_features = comm, reduction, weight.shape[1]
         # the contrast multiplies the whole slice at once; the canonical sum keeps only the groups

@@ -30,11 +30,11 @@ from parity.parallel.layers import (
     VocabParallelHead,
 )
 
-#: tensor-parallel degrees parity supports (each divides the reduction's K groups).
+#: tensor-parallel degrees parity supports (each must also divide `reduction_groups`).
 TP_DEGREES: tuple[int, ...] = (1, 2, 4, 8)
 COLUMN_MLP = ("gate_proj", "up_proj")
 
-_single: dict[tuple[str, str, str, str, int], LoadedModel] = {}
+_single: dict[tuple[str, str, str, str, int, int], LoadedModel] = {}
 
 
 def check_degree(size: Any, where: str = "tensor_parallel_size") -> int:
@@ -43,6 +43,18 @@ def check_degree(size: Any, where: str = "tensor_parallel_size") -> int:
         raise ConfigError(f"{where} must be one of {TP_DEGREES} (or None: no tensor parallelism), "
                           f"got {size!r}")
     return int(size)
+
+
+def check_reduction_groups(groups: Any, size: int | None = None) -> int:
+    """`groups` if it is a positive integer that the degree `size` divides (None: any), else a ConfigError."""
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
+        raise ConfigError(f"reduction_groups must be a positive integer (K groups of the row-parallel sum, "
+                          f"default {REDUCTION_GROUPS}), got {groups!r}")
+    if size is not None and groups % size:
+        raise ConfigError(f"reduction_groups={groups} is not divisible by tensor_parallel_size={size}; "
+                          f"choose reduction_groups a multiple of the degree (e.g. {REDUCTION_GROUPS}) "
+                          f"or a degree that divides {groups}")
+    return groups
 
 
 def _divides(size: int, count: int, what: str, name: str) -> None:
@@ -77,7 +89,8 @@ def _column(linear: nn.Linear, rows: slice) -> None:
     linear.out_features = linear.weight.shape[0]
 
 
-def _shard_attention(attn: nn.Module, config: Any, comm: Comm, name: str, reduction: str) -> None:
+def _shard_attention(attn: nn.Module, config: Any, comm: Comm, name: str, reduction: str,
+                     groups: int) -> None:
     heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
     d = attn.head_dim
     per = heads // comm.size
@@ -87,23 +100,24 @@ def _shard_attention(attn: nn.Module, config: Any, comm: Comm, name: str, reduct
     for proj in (attn.k_proj, attn.v_proj):
         _column(proj, slice(kv_first * d, (kv_first + kv_per) * d))
     attn.num_key_value_groups = per // kv_per
-    attn.o_proj = _row(attn.o_proj, comm, name, reduction)
+    attn.o_proj = _row(attn.o_proj, comm, name, reduction, groups)
 
 
-def _row(linear: nn.Linear, comm: Comm, name: str, reduction: str) -> RowParallelLinear:
-    _divides(REDUCTION_GROUPS, linear.in_features, f"reduction groups ({REDUCTION_GROUPS})",
-             f"{name} (input features)")
+def _row(linear: nn.Linear, comm: Comm, name: str, reduction: str, groups: int) -> RowParallelLinear:
+    if linear.in_features % groups:
+        raise ConfigError(f"reduction_groups={groups} does not divide {name}'s input features "
+                          f"({linear.in_features}); choose reduction_groups that divides them")
     return RowParallelLinear(_slice(linear.weight.detach(), comm.rank, comm.size, 1), linear.bias, comm,
-                             reduction=reduction)
+                             groups=groups, reduction=reduction)
 
 
-def _shard_mlp(mlp: nn.Module, comm: Comm, name: str, reduction: str) -> None:
+def _shard_mlp(mlp: nn.Module, comm: Comm, name: str, reduction: str, groups: int) -> None:
     inner = mlp.gate_proj.out_features
     _divides(comm.size, inner, "MLP intermediate size", name)
     rows = slice(comm.rank * inner // comm.size, (comm.rank + 1) * inner // comm.size)
     _column(mlp.gate_proj, rows)
     _column(mlp.up_proj, rows)
-    mlp.down_proj = _row(mlp.down_proj, comm, name, reduction)
+    mlp.down_proj = _row(mlp.down_proj, comm, name, reduction, groups)
 
 
 def _shard_experts(experts: nn.Module, comm: Comm, name: str) -> ExpertParallelExperts:
@@ -129,27 +143,31 @@ def _vocab_rows(weight: torch.Tensor, comm: Comm) -> tuple[torch.Tensor, int]:
 
 
 def shard_model(model: str | os.PathLike[str] | LoadedModel, comm: Comm, *, dtype: str = "float32",
-                device: str = "cpu", reduction: str = "canonical") -> LoadedModel:
+                device: str = "cpu", reduction: str = "canonical",
+                reduction_groups: int = REDUCTION_GROUPS) -> LoadedModel:
     """This rank's shard of `model` as a LoadedModel on `device` (`tensor_parallel_size` = comm.size).
 
     reduction: "canonical" (the TP-invariant row-parallel sum) or "all_reduce" (the stock sum, whose
-    bits depend on the degree: the contrast). A group of one is cached per (model, dtype, device,
-    reduction); a rank of a larger group shards once per process.
+    bits depend on the degree: the contrast). reduction_groups: the K groups of the canonical sum
+    (the degree must divide it); the bits are the same at every degree for one value, not across
+    values. A group of one is cached per (model, dtype, device, reduction, reduction_groups); a rank
+    of a larger group shards once per process.
     """
     if reduction not in REDUCTIONS:
         raise ConfigError(f"tp_reduction must be one of {REDUCTIONS}, got {reduction!r}")
     check_degree(comm.size)
+    check_reduction_groups(reduction_groups, comm.size)
     base = load_model(model, dtype=dtype, device="cpu")
     check_shardable(base, comm.size)
-    key = (str(base.path.resolve()), dtype, str(device), reduction, comm.size)
+    key = (str(base.path.resolve()), dtype, str(device), reduction, reduction_groups, comm.size)
     if comm.size == 1 and key in _single:
         return _single[key]
     hf = copy.deepcopy(base.model)
     for name, module in list(hf.named_modules()):
         if hasattr(module, "q_proj") and hasattr(module, "o_proj"):
-            _shard_attention(module, base.config, comm, name, reduction)
+            _shard_attention(module, base.config, comm, name, reduction, reduction_groups)
         elif all(isinstance(getattr(module, p, None), nn.Linear) for p in (*COLUMN_MLP, "down_proj")):
-            _shard_mlp(module, comm, name, reduction)
+            _shard_mlp(module, comm, name, reduction, reduction_groups)
         elif hasattr(module, "experts") and hasattr(module.experts, "gate_up_proj"):
             module.experts = _shard_experts(module.experts, comm, name)
     inner = hf.model
@@ -165,7 +183,7 @@ def shard_model(model: str | os.PathLike[str] | LoadedModel, comm: Comm, *, dtyp
     config.num_key_value_heads = max(config.num_key_value_heads // comm.size, 1)
     sharded = dataclasses.replace(base, model=hf, config=config, device=str(device),
                                   tensor_parallel_size=comm.size, tensor_parallel_rank=comm.rank,
-                                  tp_reduction=reduction)
+                                  tp_reduction=reduction, reduction_groups=reduction_groups)
     if comm.size == 1:
         _single[key] = sharded
     return sharded
