@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from parity.errors import InputError
-from parity.kernels.triton.matmul import _num_sms
+from parity.kernels.triton.matmul import num_sms
 from parity.kernels.triton.mma import mma
 
 #: query rows (tokens x GQA heads) per tile. A decode run fills only G of them, but decode is bound
@@ -273,7 +273,7 @@ def attention(
         runs = torch.full((t + 1,), -1, dtype=torch.int64, device=query.device)
         runs.scatter_(0, torch.where(is_start, torch.cumsum(is_start, 0) - 1, t), index)
         num_runs = is_start.sum(dtype=torch.int64).reshape(1)
-        programs = min(t, triton.cdiv(cfg.programs_per_sm * _num_sms(query.device), hkv))
+        programs = min(t, triton.cdiv(cfg.programs_per_sm * num_sms(query.device), hkv))
         kernel, grid = _attention_persistent_kernel, (programs, hkv)
     else:
         runs = num_runs = run_start  # unused by the per-token kernel

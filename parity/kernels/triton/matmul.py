@@ -175,7 +175,8 @@ def _linear_persistent_kernel(
 
 
 @functools.cache
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of `device`: the program count of the persistent kernels."""
     if device.type != "cuda":  # the Triton CPU interpreter: any fixed count does
         return 4
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -219,7 +220,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg
     w_desc = TensorDescriptor.from_tensor(w, [cfg.block_n, cfg.block_k])
     out_desc = TensorDescriptor.from_tensor(out, [cfg.block_m, cfg.block_n])
     num_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    _linear_persistent_kernel[(min(_num_sms(x.device), num_tiles),)](
+    _linear_persistent_kernel[(min(num_sms(x.device), num_tiles),)](
         x_desc,
         w_desc,
         out_desc,
