@@ -35,6 +35,7 @@ from parity.backends.base import Backend
 from parity.backends.weight_sync import check_weight_sync
 from parity.cases import load_case
 from parity.errors import ConfigError, UnsupportedError
+from parity.outputs import output_file
 from parity.types import Request, Rollout, SamplingParams
 
 CHECKS: tuple[str, ...] = ("repeat", "prefix_cache_reset", "sleep_wake", "kv_cache_release", "weight_update")
@@ -235,8 +236,8 @@ def main(argv: Sequence[str]) -> int:
     dtype = args.dtype or (case.dtypes[0] if case is not None and case.dtypes else "bfloat16")
     checks = tuple(c.strip() for c in args.checks.split(",") if c.strip())
     options = dict(parse_option(text) for text in args.option)
-    if args.json is not None and not args.json.parent.is_dir():
-        raise ConfigError(f"--json {str(args.json)!r}: directory {str(args.json.parent)!r} does not exist")
+    if args.json is not None:
+        output_file(args.json, "--json")  # before any work, as compare checks its outputs
     with get_backend(args.backend, model, dtype=dtype, **options) as backend:
         report = run_lifecycle(backend, case.requests if case is not None else None, checks=checks,
                                weight_tolerance=args.weight_tolerance)

@@ -143,7 +143,7 @@ def test_offline_vllm_engine(check):
 def test_command_line(tmp_path, capsys):
     from parity.cli import main
 
-    out = tmp_path / "lifecycle.json"
+    out = tmp_path / "new" / "dir" / "lifecycle.json"  # created, as compare creates its --json directory
     code = main(["lifecycle", "--backend", "reference", "--model", "tiny-llama", "--dtype", "float32",
                  "--checks", "repeat,sleep_wake", "--json", str(out)])
     printed = capsys.readouterr().out
@@ -154,6 +154,11 @@ def test_command_line(tmp_path, capsys):
     assert main(["lifecycle", "--backend", "reference", "--model", "tiny-llama", "--option", "bogus=1"]) == 2
     assert main(["lifecycle", "--backend", "reference"]) == 2
     assert "needs --model" in capsys.readouterr().err
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    assert main(["lifecycle", "--backend", "reference", "--model", "tiny-llama",
+                 "--json", str(blocked / "out.json")]) == 2
+    assert "--json" in capsys.readouterr().err and not (blocked / "out.json").exists()
 
 
 LIFECYCLE_CASE = """
