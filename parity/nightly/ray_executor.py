@@ -63,7 +63,7 @@ class RayCluster:
         try:
             import ray
         except ImportError as exc:
-            raise ConfigError("--executor ray needs Ray: pip install 'parity[ray]' (or pick "
+            raise ConfigError("--executor ray needs Ray: pip install 'parity-harness[ray]' (or pick "
                               "--executor local)") from exc
         if ray.is_initialized():
             raise ConfigError("--executor ray: this process is already connected to Ray; parity connects "
