@@ -32,7 +32,7 @@ from parity.nightly.runner import NightlyConfig, plan
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 NO_RAY = importlib.util.find_spec("ray") is None
-needs_ray = pytest.mark.skipif(NO_RAY, reason="ray is not installed (pip install 'parity[ray]')")
+needs_ray = pytest.mark.skipif(NO_RAY, reason="ray is not installed (pip install 'parity-harness[ray]')")
 RAY_PROCESSES = ("raylet", "gcs_server")
 TINY_CASE = """
     model = "tiny-llama"
