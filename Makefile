@@ -8,7 +8,8 @@ CHROMIUM_STAMP := $(VENV)/.stamp-chromium
 export PARITY_CACHE ?= $(CURDIR)/.venv/parity-cache
 export TOKENIZERS_PARALLELISM := false
 export VLLM_TARGET_DEVICE := cpu
-export VLLM_LOGGING_LEVEL ?= WARNING
+# The test logs keep vLLM's warnings; `make demo` runs with parity's own default (engines print errors only).
+test: export VLLM_LOGGING_LEVEL ?= WARNING
 
 .PHONY: demo test sglang-check
 
