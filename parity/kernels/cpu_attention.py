@@ -188,9 +188,8 @@ def attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 weighted[start - lo:start - lo + n, :, :, rows] = bmm(a, values[:n * hkv * blocks]).view(
                     n, hkv, blocks, HEAD_ROWS, dv)
         out[lo:hi] = tree_sum(weighted, 2)
-    result = torch.empty_like(out)
-    result[plan.order] = out
-    result = result[:, :, :g]
+    result = torch.empty(t, hkv, g, dv, dtype=torch.float32, device=query.device)
+    result[plan.order] = out[:, :, :g]  # the padding rows of each KV head's last problem are dropped
     return (result[..., :d] / result[..., d:d + 1]).reshape(t, hq, d).to(query.dtype)
 
 
