@@ -15,8 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from parity import kernels
+from parity.engine import sampler
 from parity.engine.sampler import RowParams, processed_logprobs
 from parity.kernels import ops
+from parity.kernels.cpu import pointwise
 
 CUDA = torch.cuda.is_available()
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
@@ -86,3 +88,30 @@ def test_negative_control_a_scan_that_follows_the_row_count_is_caught(monkeypatc
     registry = {**kernels.switch._registry, ("softmax", "cumsum", "cpu"): _scan_following_the_row_count}
     monkeypatch.setattr(kernels.switch, "_registry", registry)
     assert not torch.equal(*full_and_one_by_one())
+
+
+def _noise_as_written(keys: list[tuple[int, int, int]], vocab: int) -> torch.Tensor:
+    """The Gumbel noise formula on whole [N, vocab] tensors, one op per step (what `gumbel_noise`
+    computes in cached row blocks and in place)."""
+    state = sampler._key_state(keys, "cpu").unsqueeze(1)
+    token = torch.arange(vocab, dtype=torch.int64)
+    high = sampler._mix32(state ^ sampler._mix32(2 * token))
+    low = sampler._mix32(state ^ sampler._mix32(2 * token + 1))
+    uniform = (((high << 21) | (low >> 11)).to(torch.float64) + 0.5) / 2.0**53
+    return pointwise(lambda u: -torch.log(-torch.log(u)), uniform)
+
+
+@given(keys=st.lists(st.tuples(st.integers(0, 2**64 - 1), st.integers(0, 3), st.integers(0, 2**20)),
+                     min_size=1, max_size=7),
+       vocab=st.sampled_from([1, 63, 1000, 16385, 49152]), threads=st.sampled_from([1, 2]))
+@settings(max_examples=25, deadline=None)
+def test_gumbel_noise_is_the_formula_and_a_row_does_not_depend_on_the_batch(keys, vocab, threads):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        noise = sampler.gumbel_noise(keys, vocab)
+        assert torch.equal(noise, _noise_as_written(keys, vocab))
+        for i, key in enumerate(keys):
+            assert torch.equal(sampler.gumbel_noise([key], vocab), noise[i:i + 1])
+    finally:
+        torch.set_num_threads(before)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from parity.engine.inputs import device_tensor
 from parity.kernels import ops
-from parity.kernels.cpu import pointwise
+from parity.kernels.cpu import POINTWISE_ALIGN, pointwise_
 
 NEG_INF = float("-inf")
 
@@ -146,23 +146,47 @@ def _token_words(vocab: int, device: torch.device | str) -> torch.Tensor:
     return _TOKEN_WORDS[key]
 
 
+#: rows of the [N, vocab] hash computed at a time: two int64 rows of a 49k vocabulary (0.8 MB per
+#: temporary) stay in cache and are updated in place, where whole-batch temporaries (12 MB each at
+#: 32 x 49k, a dozen per step) are fresh allocations that fault in every page on every step.
+_HASH_ROWS = 2
+
+
+def _mix32_(x: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """`_mix32` in place on `x` (`scratch` has x's shape): the same bits, no temporary per round."""
+    for shift, multiplier in ((16, 0x7FEB352D), (15, 0x68E31DA5)):
+        x.bitwise_xor_(torch.bitwise_right_shift(x, shift, out=scratch))
+        x.mul_(multiplier).bitwise_and_(_MASK32)
+    return x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=scratch))
+
+
 def gumbel_noise(keys: Sequence[tuple[int, int, int]], vocab: int, device: torch.device | str = "cpu"
                  ) -> torch.Tensor:
     """Gumbel noise [N, vocab] float64; row i is a function of keys[i] = (seed, sample index, position) only.
 
     Counter-based: each (key, token id) is hashed to 53 random bits, u = (bits + 0.5) / 2^53 lies
     in (0, 1), and the noise is -log(-log(u)), so no element's bits depend on its place in the
-    batch. On CPU the logs run through `pointwise` (vector body vs scalar tail); a CUDA
-    elementwise op runs the same scalar code for every element, so it needs no such care.
+    batch. The logs run through `pointwise_` (every element in the vector body, never a scalar
+    tail; a CUDA elementwise op runs the same code for every element, so this is only needed on
+    CPU but harmless elsewhere).
     """
+    rows, total = len(keys), len(keys) * vocab
     state = _key_state(keys, device).unsqueeze(1)
     words = _token_words(vocab, device)
-    high = _mix32(state ^ words[0])
-    low = _mix32(state ^ words[1])
-    uniform = (((high << 21) | (low >> 11)).to(torch.float64) + 0.5) / 2.0**53
-    if torch.device(device).type == "cpu":
-        return pointwise(lambda u: -torch.log(-torch.log(u)), uniform)
-    return -torch.log(-torch.log(uniform))
+    flat = torch.empty(total + (-total) % POINTWISE_ALIGN, dtype=torch.float64, device=device)
+    flat[total:] = 2.0**52  # padding: u = 1/2 after the scaling below, so its logs stay finite
+    bits = flat[:total].view(rows, vocab)
+    for start in range(0, rows, _HASH_ROWS):
+        block = state[start:start + _HASH_ROWS]
+        high, low = block ^ words[0], block ^ words[1]
+        scratch = torch.empty_like(high)
+        _mix32_(high, scratch)
+        _mix32_(low, scratch)
+        high.bitwise_left_shift_(21).bitwise_or_(low.bitwise_right_shift_(11))
+        bits[start:start + _HASH_ROWS].copy_(high)  # int64 -> float64: exact below 2^53
+    flat.add_(0.5).div_(2.0**53)
+    pointwise_(lambda u: u.log_().neg_().log_().neg_(), flat)
+    return bits
 
 
 def sample(processed: torch.Tensor, keys: Sequence[tuple[int, int, int] | None]) -> torch.Tensor:
@@ -181,9 +205,11 @@ def sample(processed: torch.Tensor, keys: Sequence[tuple[int, int, int] | None])
 
         state = _key_state([key or (0, 0, 0) for key in keys], device)
         return gumbel_argmax(processed, state, device_tensor(noisy, torch.bool, device))
-    scores = processed.to(torch.float64)
-    if any(noisy):
-        noise = gumbel_noise([key or (0, 0, 0) for key in keys], processed.shape[1], device)
-        mask = device_tensor(noisy, torch.bool, device).unsqueeze(1)
-        scores = scores + torch.where(mask, noise, 0.0)
-    return scores.argmax(dim=-1)
+    if not any(noisy):
+        return processed.argmax(dim=-1)
+    # noise + float64(score) in place of score + noise: the same sum (IEEE addition commutes, and
+    # float32 -> float64 is exact), without two more [N, V] float64 temporaries.
+    noise = gumbel_noise([key or (0, 0, 0) for key in keys], processed.shape[1], device)
+    if not all(noisy):
+        noise.masked_fill_(~device_tensor(noisy, torch.bool, device).unsqueeze(1), 0.0)
+    return noise.add_(processed).argmax(dim=-1)

@@ -59,6 +59,21 @@ def pointwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> to
     return out[:n].view(x.shape)
 
 
+def pointwise_(fn_: Callable[[torch.Tensor], torch.Tensor], flat: torch.Tensor) -> torch.Tensor:
+    """`pointwise` in place on a flat contiguous tensor whose length is a multiple of POINTWISE_ALIGN.
+
+    For callers that build their input in a padded buffer already (the sampler's Gumbel noise,
+    32 x 49k float64 per step), so no padded copy or concatenation is made; `fn_` applies
+    in-place ops to each piece. Returns `flat`.
+    """
+    if flat.dim() != 1 or not flat.is_contiguous() or flat.numel() % POINTWISE_ALIGN:
+        raise ValueError(f"pointwise_ needs a flat contiguous tensor of a multiple of {POINTWISE_ALIGN} "
+                         f"elements, got shape {tuple(flat.shape)}")
+    for piece in flat.split(POINTWISE_CHUNK):
+        fn_(piece)
+    return flat
+
+
 def tree_sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
     """Sum over `dim` by a fixed pairwise tree: add the upper half onto the lower half until one is left.
 
