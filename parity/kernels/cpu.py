@@ -104,10 +104,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     rows = x.reshape(-1, k)
     if rows.shape[0] == 0:
         return x.new_empty(*x.shape[:-1], n_out)
-    out = cpu_gemm.matmul(rows, weight)
-    if bias is not None:
-        # A separate elementwise add: a fused addmm would round differently per kernel.
-        out = out + bias
+    if bias is None:
+        return cpu_gemm.matmul(rows, weight, x.dtype).reshape(*x.shape[:-1], n_out)
+    # A separate elementwise add in float32: a fused addmm would round differently per kernel.
+    out = cpu_gemm.matmul(rows, weight) + bias
     return out.to(x.dtype).reshape(*x.shape[:-1], n_out)
 
 

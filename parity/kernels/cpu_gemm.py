@@ -105,35 +105,51 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.bmm(a, b)
 
 
-def _tiled(rows: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
-    """rows [M, K] (any float dtype, taken as float32) times column blocks [blocks, K, width] ->
-    float32 [M, blocks * width].
+def _tiles(rows: torch.Tensor) -> torch.Tensor:
+    """rows [M, K] as float32 tiles [ceil(M / TILE), TILE, K], zero rows padding the last tile.
 
-    Each output entry comes from one [TILE, K] x [K, width] problem in a batch of at least two:
-    the column blocks for each tile, or the tiles for each column block, whichever loop is
-    shorter (the same problems either way).
+    A float32 input that fills whole tiles is used in place when it is contiguous and starts on
+    a 64-byte boundary (operand alignment is one of the things MKL's rounding depends on, see
+    the module docstring); anything else is copied into a fresh, aligned buffer.
     """
     m, k = rows.shape
-    blocks, _, width = blocked.shape
     tiles = -(-m // TILE)
+    if (m == tiles * TILE and rows.dtype == torch.float32 and rows.is_contiguous()
+            and rows.data_ptr() % 64 == 0):
+        return rows.view(tiles, TILE, k)
     padded = torch.empty(tiles * TILE, k, dtype=torch.float32, device=rows.device)
     padded[:m] = rows
     padded[m:] = 0
-    a = padded.view(tiles, TILE, k)
+    return padded.view(tiles, TILE, k)
+
+
+def _tiled(rows: torch.Tensor, blocked: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """rows [M, K] (any float dtype, taken as float32) times column blocks [blocks, K, width] ->
+    [M, blocks * width], each float32 result rounded once to `dtype`.
+
+    Each output entry comes from one [TILE, K] x [K, width] problem in a batch of at least two:
+    the column blocks for each tile, or the tiles for each column block, whichever loop is
+    shorter (the same problems either way). Each batch's result goes to its place in the output
+    in one copy that also rounds it to `dtype`.
+    """
+    m = rows.shape[0]
+    a = _tiles(rows)
+    tiles, _, k = a.shape
+    blocks, _, width = blocked.shape
+    out = torch.empty(tiles, TILE, blocks, width, dtype=dtype, device=rows.device)
     if tiles <= blocks:
-        parts = [torch.bmm(a[i:i + 1].expand(blocks, TILE, k), blocked).transpose(0, 1).reshape(TILE, -1)
-                 for i in range(tiles)]
-        out = torch.cat(parts) if tiles > 1 else parts[0]
+        for i in range(tiles):
+            out[i].copy_(torch.bmm(a[i:i + 1].expand(blocks, TILE, k), blocked).transpose(0, 1))
     else:
-        parts = [torch.bmm(a, blocked[j:j + 1].expand(tiles, k, width)) for j in range(blocks)]
-        out = torch.cat(parts, dim=-1).view(-1, blocks * width)
-    return out[:m]
+        for j in range(blocks):
+            out[:, :, j].copy_(torch.bmm(a, blocked[j:j + 1].expand(tiles, k, width)))
+    return out.view(tiles * TILE, blocks * width)[:m]
 
 
-def matmul(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """rows [M, K] (taken as float32) @ weight [N, K].T -> float32 [M, N]; each row independent of
-    the others."""
-    return _tiled(rows, weight_blocks(weight))[:, :weight.shape[0]]
+def matmul(rows: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """rows [M, K] (taken as float32) @ weight [N, K].T -> [M, N], accumulated in float32 and rounded
+    once to `dtype`; each row independent of the others."""
+    return _tiled(rows, weight_blocks(weight), dtype)[:, :weight.shape[0]]
 
 
 def row_sums(rows: torch.Tensor) -> torch.Tensor:
