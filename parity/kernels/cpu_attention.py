@@ -167,27 +167,29 @@ def attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     width = blocks * KEY_BLOCK
     keys = _gather(k_cache, plan, width, dk, ones=False).view(-1, KEY_BLOCK, dk).transpose(1, 2)
     values = _gather(v_cache, plan, width, dv, ones=True).view(-1, KEY_BLOCK, dv)
+    groups = gp // HEAD_ROWS
     q = torch.nn.functional.pad(query.to(torch.float32)[plan.order].view(t, hkv, 1, g, d),
-                                (0, dk - d, 0, gp - g))
-    heads = [slice(r, r + HEAD_ROWS) for r in range(0, gp, HEAD_ROWS)]
+                                (0, dk - d, 0, gp - g)).view(t, hkv, 1, groups, HEAD_ROWS, dk)
     out = torch.empty(t, hkv, gp, dv, dtype=torch.float32, device=query.device)
     for lo, hi, rounds in _chunks(plan.rounds, hkv * blocks * gp * (KEY_BLOCK + dv)):
-        scores = torch.empty(hi - lo, hkv, blocks, gp, KEY_BLOCK, dtype=torch.float32, device=query.device)
-        weighted = torch.empty(hi - lo, hkv, blocks, gp, dv, dtype=torch.float32, device=query.device)
+        # Head group first: each (group, round) product writes one contiguous slice in place.
+        scores = torch.empty(groups, hi - lo, hkv, blocks, HEAD_ROWS, KEY_BLOCK, dtype=torch.float32,
+                             device=query.device)
+        weighted = torch.empty(groups, hi - lo, hkv, blocks, HEAD_ROWS, dv, dtype=torch.float32,
+                               device=query.device)
         for start, n in rounds:
-            for rows in heads:
-                a = q[start:start + n, :, :, rows].expand(n, hkv, blocks, HEAD_ROWS, dk)
-                a = a.reshape(-1, HEAD_ROWS, dk)
-                scores[start - lo:start - lo + n, :, :, rows] = bmm(a, keys[:n * hkv * blocks]).view(
-                    n, hkv, blocks, HEAD_ROWS, KEY_BLOCK)
-        scores = (scores * scaling).masked_fill(plan.mask[lo:hi], float("-inf"))
-        p = pointwise(torch.exp, scores - scores.amax(dim=(2, 4), keepdim=True))
+            for group in range(groups):
+                a = q[start:start + n, :, :, group].expand(n, hkv, blocks, HEAD_ROWS, dk)
+                bmm(a.reshape(-1, HEAD_ROWS, dk), keys[:n * hkv * blocks],
+                    out=scores[group, start - lo:start - lo + n].view(-1, HEAD_ROWS, KEY_BLOCK))
+        scores.mul_(scaling).masked_fill_(plan.mask[lo:hi], float("-inf"))
+        p = pointwise(torch.exp, scores - scores.amax(dim=(3, 5), keepdim=True))
         for start, n in rounds:
-            for rows in heads:
-                a = p[start - lo:start - lo + n, :, :, rows].reshape(-1, HEAD_ROWS, KEY_BLOCK)
-                weighted[start - lo:start - lo + n, :, :, rows] = bmm(a, values[:n * hkv * blocks]).view(
-                    n, hkv, blocks, HEAD_ROWS, dv)
-        out[lo:hi] = tree_sum(weighted, 2)
+            for group in range(groups):
+                rows = slice(start - lo, start - lo + n)
+                bmm(p[group, rows].view(-1, HEAD_ROWS, KEY_BLOCK), values[:n * hkv * blocks],
+                    out=weighted[group, rows].view(-1, HEAD_ROWS, dv))
+        out[lo:hi] = tree_sum(weighted, 3).permute(1, 2, 0, 3, 4).reshape(hi - lo, hkv, gp, dv)
     result = torch.empty(t, hkv, g, dv, dtype=torch.float32, device=query.device)
     result[plan.order] = out[:, :, :g]  # the padding rows of each KV head's last problem are dropped
     return (result[..., :d] / result[..., d:d + 1]).reshape(t, hq, d).to(query.dtype)

@@ -97,12 +97,14 @@ def weight_blocks(weight: torch.Tensor) -> torch.Tensor:
     return _cached(_blocked, weight, make)
 
 
-def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """torch.bmm of a [P, M, K] and b [P, K, N] (float32), run as a batch of at least two problems: a
-    lone problem is computed twice (see the module docstring)."""
+    lone problem is computed twice (see the module docstring). `out`: a contiguous [P, M, N] float32
+    tensor starting on a 64-byte boundary to write the result to."""
     if a.shape[0] == 1:
-        return torch.bmm(a.expand(2, -1, -1), b.expand(2, -1, -1))[:1]
-    return torch.bmm(a, b)
+        lone = torch.bmm(a.expand(2, -1, -1), b.expand(2, -1, -1))[:1]
+        return lone if out is None else out.copy_(lone)
+    return torch.bmm(a, b) if out is None else torch.bmm(a, b, out=out)
 
 
 def _tiles(rows: torch.Tensor) -> torch.Tensor:
