@@ -110,15 +110,17 @@ def bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> to
 def _tiles(rows: torch.Tensor) -> torch.Tensor:
     """rows [M, K] as float32 tiles [ceil(M / TILE), TILE, K], zero rows padding the last tile.
 
-    A float32 input that fills whole tiles is used in place when it is contiguous and starts on
-    a 64-byte boundary (operand alignment is one of the things MKL's rounding depends on, see
-    the module docstring); anything else is copied into a fresh, aligned buffer.
+    Rows that fill whole tiles are used as they are (float32) or as their float32 copy when that
+    is contiguous and starts on a 64-byte boundary (operand alignment is one of the things MKL's
+    rounding depends on, see the module docstring); anything else is copied into a fresh,
+    aligned, zero-padded buffer.
     """
     m, k = rows.shape
     tiles = -(-m // TILE)
-    if (m == tiles * TILE and rows.dtype == torch.float32 and rows.is_contiguous()
-            and rows.data_ptr() % 64 == 0):
-        return rows.view(tiles, TILE, k)
+    if m == tiles * TILE:
+        whole = rows.to(torch.float32)
+        if whole.is_contiguous() and whole.data_ptr() % 64 == 0:
+            return whole.view(tiles, TILE, k)
     padded = torch.empty(tiles * TILE, k, dtype=torch.float32, device=rows.device)
     padded[:m] = rows
     padded[m:] = 0
@@ -145,13 +147,15 @@ def _tiled(rows: torch.Tensor, blocked: torch.Tensor, dtype: torch.dtype = torch
     else:
         for j in range(blocks):
             out[:, :, j].copy_(torch.bmm(a, blocked[j:j + 1].expand(tiles, k, width)))
-    return out.view(tiles * TILE, blocks * width)[:m]
+    out = out.view(tiles * TILE, blocks * width)
+    return out if tiles * TILE == m else out[:m]
 
 
 def matmul(rows: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """rows [M, K] (taken as float32) @ weight [N, K].T -> [M, N], accumulated in float32 and rounded
     once to `dtype`; each row independent of the others."""
-    return _tiled(rows, weight_blocks(weight), dtype)[:, :weight.shape[0]]
+    out = _tiled(rows, weight_blocks(weight), dtype)
+    return out if out.shape[1] == weight.shape[0] else out[:, :weight.shape[0]]
 
 
 def row_sums(rows: torch.Tensor) -> torch.Tensor:
