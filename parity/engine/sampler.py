@@ -109,18 +109,23 @@ def reported_logprobs(logits: torch.Tensor, processed: torch.Tensor, tokens: tor
 _MASK32 = 0xFFFFFFFF
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (xorshift-multiply rounds) of int64 tensors holding values in [0, 2^32).
+def _mix32_(x: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xorshift-multiply rounds), in place on int64 `x` holding values in [0, 2^32);
+    `scratch` has x's shape and takes each shifted copy, so a round makes no temporary.
 
     The multipliers are odd and below 2^31, so a 32-bit value times one stays below 2^63: no
     int64 overflow, and every shift is of a non-negative number, so results are the same on
     every device.
     """
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _MASK32
-    x = x ^ (x >> 15)
-    x = (x * 0x68E31DA5) & _MASK32
-    return x ^ (x >> 16)
+    for shift, multiplier in ((16, 0x7FEB352D), (15, 0x68E31DA5)):
+        x.bitwise_xor_(torch.bitwise_right_shift(x, shift, out=scratch))
+        x.mul_(multiplier).bitwise_and_(_MASK32)
+    return x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=scratch))
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """`_mix32_` of a copy of x: for the small key and token-word tensors, where x may be a view."""
+    return _mix32_(x.clone(), torch.empty_like(x))
 
 
 def _key_state(keys: Sequence[tuple[int, int, int]], device: torch.device | str) -> torch.Tensor:
@@ -150,14 +155,6 @@ def _token_words(vocab: int, device: torch.device | str) -> torch.Tensor:
 #: temporary) stay in cache and are updated in place, where whole-batch temporaries (12 MB each at
 #: 32 x 49k, a dozen per step) are fresh allocations that fault in every page on every step.
 _HASH_ROWS = 2
-
-
-def _mix32_(x: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
-    """`_mix32` in place on `x` (`scratch` has x's shape): the same bits, no temporary per round."""
-    for shift, multiplier in ((16, 0x7FEB352D), (15, 0x68E31DA5)):
-        x.bitwise_xor_(torch.bitwise_right_shift(x, shift, out=scratch))
-        x.mul_(multiplier).bitwise_and_(_MASK32)
-    return x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=scratch))
 
 
 def gumbel_noise(keys: Sequence[tuple[int, int, int]], vocab: int, device: torch.device | str = "cpu"

@@ -178,15 +178,16 @@ def attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         weighted = torch.empty(groups, hi - lo, hkv, blocks, HEAD_ROWS, dv, dtype=torch.float32,
                                device=query.device)
         for start, n in rounds:
+            rows = slice(start - lo, start - lo + n)
             for group in range(groups):
                 a = q[start:start + n, :, :, group].expand(n, hkv, blocks, HEAD_ROWS, dk)
                 bmm(a.reshape(-1, HEAD_ROWS, dk), keys[:n * hkv * blocks],
-                    out=scores[group, start - lo:start - lo + n].view(-1, HEAD_ROWS, KEY_BLOCK))
+                    out=scores[group, rows].view(-1, HEAD_ROWS, KEY_BLOCK))
         scores.mul_(scaling).masked_fill_(plan.mask[lo:hi], float("-inf"))
         p = pointwise(torch.exp, scores - scores.amax(dim=(3, 5), keepdim=True))
         for start, n in rounds:
+            rows = slice(start - lo, start - lo + n)
             for group in range(groups):
-                rows = slice(start - lo, start - lo + n)
                 bmm(p[group, rows].view(-1, HEAD_ROWS, KEY_BLOCK), values[:n * hkv * blocks],
                     out=weighted[group, rows].view(-1, HEAD_ROWS, dv))
         out[lo:hi] = tree_sum(weighted, 3).permute(1, 2, 0, 3, 4).reshape(hi - lo, hkv, gp, dv)
