@@ -5,7 +5,7 @@ Run from the repository root on a host with two GPUs (Ray installed):
     PYTHONUNBUFFERED=1 python3 -m benchmarks.nightly_ray --out $OUT [--repeats 3] [--matrix shaped]
 
 Each repeat runs `parity nightly --executor ray --device cuda` on the same matrix (reference
-rows in bfloat16 and float32) twice, alternating: with `CUDA_VISIBLE_DEVICES=0` (the local
+rows, by default in bfloat16 and float32) twice, alternating: with `CUDA_VISIBLE_DEVICES=0` (the local
 cluster sees one GPU) and with `0,1`, each in a fresh history so no run resumes another.
 Prints a table of median wall seconds and the ratio, the row seconds (backend start + case)
 each GPU spent, and which GPU each row ran on.
@@ -66,12 +66,15 @@ def shaped_cases(out: Path, prompts: int, tokens: int) -> str:
     return ",".join(paths)
 
 
-def run(out: Path, gpus: str, cases: str) -> tuple[float, list[tuple[str, str, list[str], float]]]:
+Row = tuple[str, str, list[str], float]
+
+
+def run(out: Path, gpus: str, cases: str, dtypes: str) -> tuple[float, list[Row]]:
     """One matrix on the GPUs `gpus`: wall seconds and (row, status, GPU ids, row seconds) per row."""
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus, "PYTHONPATH": path}
     argv = [sys.executable, "-c", CODE, "--cases", cases, "--backends", "reference", "--dtypes",
-            "bfloat16,float32", "--device", "cuda", "--executor", "ray", "--run-id", "bench",
+            dtypes, "--device", "cuda", "--executor", "ray", "--run-id", "bench",
             "--out", str(out), "--no-progress"]
     t0 = time.perf_counter()
     done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
@@ -90,6 +93,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--matrix", choices=("builtin", "shaped"), default="builtin")
+    p.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated dtypes of every row")
     p.add_argument("--prompts", type=int, default=64, help="prompts per shaped case")
     p.add_argument("--tokens", type=int, default=256, help="sampled tokens per prompt of a shaped case")
     args = p.parse_args()
@@ -99,7 +103,7 @@ def main() -> None:
     placements = {}
     for r in range(args.repeats):
         for gpus in walls:
-            wall, rows = run(args.out / f"gpus-{gpus.replace(',', '_')}-{r}", gpus, cases)
+            wall, rows = run(args.out / f"gpus-{gpus.replace(',', '_')}-{r}", gpus, cases, args.dtypes)
             walls[gpus].append(wall)
             placements[gpus] = rows
             busy = {g: sum(s for _, _, ids, s in rows if ids == [g]) for g in ("0", "1")}

@@ -19,6 +19,10 @@ naming the file, the field and the allowed values)::
                                      # trajectory: multi-turn rollouts of the [[turns]] below
     prefix_caching = [true, false]   # optional (trajectory): one nightly row per setting on backends
                                      # with a prefix cache (vllm, vllm-server); empty = their default
+    reference_tensor_parallel_size = 2   # optional (compare cases): the reference backend's rows run a
+                                     # tensor-parallel engine of this many ranks (one GPU each on
+                                     # --device cuda), checked against the TP-invariant training
+                                     # forward; other backends run as configured. Default 1.
 
     [[turns]]                        # trajectory only, in order, at least one `generate` (parity.turns)
     generate = 24                    # a generated turn: at most 24 tokens (sampling below applies)
@@ -112,6 +116,9 @@ class Case:
     router_replay: MoE routing-replay variants nightly runs as separate rows; empty = one row.
     kind: "compare" (drift against the training forward), "lifecycle" (`parity.lifecycle`) or
         "trajectory" (drift of multi-turn rollouts: every request carries the case's turns).
+    reference_tensor_parallel_size: ranks of the reference backend's engine in nightly rows (1: one
+        process, the whole model); above 1 the rows ask the executor for that many CPUs, and GPUs
+        on CUDA, and are checked against the TP-invariant training forward (compare cases only).
     prefix_caching: trajectory cases: the prefix-cache settings nightly runs as separate rows on
         backends that have one (`PREFIX_CACHE_BACKENDS`); empty = one row, the backend's default.
     """
@@ -129,6 +136,7 @@ class Case:
     router_replay: tuple[str, ...] = ()
     kind: str = "compare"
     prefix_caching: tuple[bool, ...] = ()
+    reference_tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -177,6 +185,12 @@ class Case:
         if self.prefix_caching and self.kind != "trajectory":
             raise ConfigError(f"{where}: prefix_caching is an axis of trajectory cases; "
                               "set kind = 'trajectory'")
+        tp = self.reference_tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ConfigError(f"{where}: reference_tensor_parallel_size must be an integer >= 1, got {tp!r}")
+        if tp > 1 and self.kind != "compare":
+            raise ConfigError(f"{where}: reference_tensor_parallel_size applies to compare cases only "
+                              f"(this case's kind is {self.kind!r}); remove it or set it to 1")
 
     @property
     def hash(self) -> str:
@@ -186,6 +200,8 @@ class Case:
             "requests": [r.to_dict() for r in self.requests],
             **({"kind": self.kind} if self.kind != "compare" else {}),
             **({"prefix_caching": list(self.prefix_caching)} if self.prefix_caching else {}),
+            **({"reference_tensor_parallel_size": self.reference_tensor_parallel_size}
+               if self.reference_tensor_parallel_size != 1 else {}),
         }
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -259,7 +275,8 @@ def _case_names(cases_dir: str | Path) -> list[str]:
 
 
 _TOP_KEYS = ("name", "description", "model", "dtypes", "backends", "logprobs_mode", "router_replay",
-             "kind", "prompts", "sampling", "tolerance", "turns", "prefix_caching")
+             "kind", "prompts", "sampling", "tolerance", "turns", "prefix_caching",
+             "reference_tensor_parallel_size")
 _SAMPLING_KEYS = ("label", "n", "temperature", "top_p", "top_k", "max_tokens", "seed", "stop_token_ids",
                   "ignore_eos")
 
@@ -308,6 +325,7 @@ def load_case(path: str | Path) -> Case:
         router_replay=tuple(f.choices(data, "router_replay", ROUTER_REPLAY_CHOICES, default=[])),
         kind=kind,
         prefix_caching=tuple(_load_prefix_caching(f, data)),
+        reference_tensor_parallel_size=f.count(data, "reference_tensor_parallel_size", prefix="", default=1),
     )
 
 

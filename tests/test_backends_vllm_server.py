@@ -178,14 +178,28 @@ def test_sleep_mode_start_refused_by_the_cpu_build_leaves_no_process():
 def test_a_prefill_over_the_step_budget_runs_and_matches_the_offline_engine(server):
     """6,813 prompt tokens of seeded requests, over the 4,096-token step budget: with chunked
     prefill on, the CPU build's engine dies ("CPU Generator does not use offset"); both adapters
-    turn it off on CPU."""
+    turn it off on CPU.
+
+    The two engines agree to vLLM's own batch variance, not bit for bit: the server packs 256
+    concurrent HTTP requests into steps differently from the offline engine, and vLLM-CPU's
+    kernels are batch-variant on an AMX host (oneDNN's bf16 matmuls choose their blocking by the
+    step's token count). Measured there: 250 of 256 rollouts bitwise equal, every token equal,
+    max 0.053 nats; on the AVX2 host all 256 were bitwise equal. The offline engine against
+    itself (same packing) is bitwise, in `test_generate_equals_the_offline_engine_bitwise` too."""
     rng = np.random.Generator(np.random.PCG64(0))
     reqs = [Request(tuple(int(t) for t in rng.integers(3, 259, size=int(rng.integers(8, 49)))),
                     SamplingParams(max_tokens=4, ignore_eos=True, seed=i), f"p{i}") for i in range(256)]
     assert sum(len(r.prompt_ids) for r in reqs) > 4096
     backend = server.get()
     assert backend.meta["enable_chunked_prefill"] is False
-    same(shared_backend("vllm", "tiny-llama").generate(reqs), backend.generate(reqs))
+    offline, served = shared_backend("vllm", "tiny-llama").generate(reqs), backend.generate(reqs)
+    assert [r.key for r in offline] == [r.key for r in served]
+    assert [len(r.token_ids) for r in served] == [4] * len(reqs)
+    agree = [(x, y) for x, y in zip(offline, served) if x.token_ids == y.token_ids]
+    # a 0.05-nat logit wobble can flip a sampled token only at a near tie: allow one rollout in 100
+    assert len(agree) >= 0.99 * len(reqs), len(agree)
+    drift = max(abs(p - q) for x, y in agree for p, q in zip(x.logprobs, y.logprobs))
+    assert drift <= 0.1, drift
 
 
 def test_nightly_lifecycle_case_on_the_server(server, tmp_path, monkeypatch):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import textwrap
 from pathlib import Path
 
@@ -122,6 +123,8 @@ def test_defaults_name_and_tolerances(tmp_path):
     (MINIMAL + "[tolerance]\nmax_abs = 1.0\n", "tolerance", "max_abs_logprob_diff"),
     (MINIMAL + "[tolerance.tgi]\nk3_kl_max = 1.0\n", "tolerance.tgi", "reference"),
     (MINIMAL + "[tolerance]\nk3_kl_max = -1.0\n", "tolerance", ">= 0"),
+    ("reference_tensor_parallel_size = 0\n" + MINIMAL, "reference_tensor_parallel_size", ">= 1"),
+    ("reference_tensor_parallel_size = true\n" + MINIMAL, "reference_tensor_parallel_size", "must be int"),
 ])
 def test_bad_case_files_name_the_file_the_field_and_the_choices(tmp_path, body, field, allowed):
     path = write(tmp_path, body)
@@ -155,3 +158,14 @@ def test_case_object_validates_its_fields():
         Case(name="x", model="tiny-llama", requests=base.requests, dtypes=("fp8",))
     with pytest.raises(ParityError, match="at least one prompt"):
         Case(name="x", model="tiny-llama", requests=())
+
+
+def test_reference_tensor_parallel_size_loads_changes_the_hash_and_needs_a_compare_case(tmp_path):
+    one = load_case(write(tmp_path, MINIMAL, name="one.toml"))
+    two = load_case(write(tmp_path, "reference_tensor_parallel_size = 2\n" + MINIMAL, name="two.toml"))
+    assert one.reference_tensor_parallel_size == 1 and two.reference_tensor_parallel_size == 2
+    assert one.hash == load_case(write(tmp_path, "reference_tensor_parallel_size = 1\n" + MINIMAL)).hash
+    assert two.hash != one.hash
+    lifecycle = load_case(CASES / "lifecycle.toml")
+    with pytest.raises(ConfigError, match="reference_tensor_parallel_size applies to compare cases only"):
+        dataclasses.replace(lifecycle, reference_tensor_parallel_size=2)

@@ -153,24 +153,30 @@ def test_stock_linear_is_not_batch_invariant(dtype):
     assert any(not torch.equal(F.linear(x[:m], w)[0], alone[0]) for m in (2, 4, 8, 16, 33, 64))
 
 
-@pytest.mark.parametrize(("m", "k", "n"), [(6, 64, 32), (32, 576, 1)])
-def test_lone_product_on_two_threads_differs_from_batched(m, k, n):
+def test_lone_product_on_two_threads_differs_from_batched():
     """Negative control for `cpu_gemm.bmm`: a product called alone on two threads rounds differently
-    from the same product in a batch (each problem on one thread); `cpu_gemm.bmm` batches it."""
-    a, b = _rand(2, m, k, seed=1), _rand(2, k, n, seed=2)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        alone, batched, ours = torch.mm(a[0], b[0]), torch.bmm(a, b)[0], cpu_gemm.bmm(a[:1], b[:1])[0]
-    finally:
-        torch.set_num_threads(threads)
-    assert not torch.equal(alone, batched)
-    assert torch.equal(ours, batched)
+    from the same product in a batch (each problem on one thread); `cpu_gemm.bmm` batches it. Which
+    shapes MKL splits over threads depends on the host: (6, 64, 32) does on the AVX2 host and not on
+    an AVX-512/AMX one, (32, 576, 1) on both."""
+    differs = []
+    for m, k, n in ((6, 64, 32), (32, 576, 1)):
+        a, b = _rand(2, m, k, seed=1), _rand(2, k, n, seed=2)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            alone, batched, ours = torch.mm(a[0], b[0]), torch.bmm(a, b)[0], cpu_gemm.bmm(a[:1], b[:1])[0]
+        finally:
+            torch.set_num_threads(threads)
+        differs.append(not torch.equal(alone, batched))
+        assert torch.equal(ours, batched), (m, k, n)
+    assert any(differs)
 
 
 def test_unaligned_problems_round_by_their_place_in_the_batch():
     """Negative control for the 64-byte problem strides: [2, 32] x [32, 33] problems (132-byte
-    output rows) give different bits at batch index 0 and 1; padded to 48 columns they do not."""
+    output rows) give different bits at batch index 0 and 1 on the AVX2 host (MKL's AVX2 kernel
+    takes another path for an unaligned problem); padded to 48 columns they do not. An AVX-512
+    host's MKL rounds them alike at every width probed, and the test says so rather than pass."""
     a, b = _rand(2, 2, 32, seed=1), _rand(2, 32, 48, seed=2)
 
     def same_at_both_places(columns):
@@ -178,8 +184,12 @@ def test_unaligned_problems_round_by_their_place_in_the_batch():
         s = torch.bmm(a.flip(0).contiguous(), b[..., :columns].flip(0).contiguous())
         return torch.equal(r[1], s[0]) and torch.equal(r[0], s[1])
 
-    assert not same_at_both_places(33)
     assert same_at_both_places(48)
+    if all(same_at_both_places(c) for c in range(17, 48, 2)):
+        pytest.skip(f"this host's MKL ({torch.backends.cpu.get_cpu_capability()}) rounds unaligned bmm "
+                    "problems alike at every batch index (odd widths 17-47): nothing for the padding to "
+                    "fix here")
+    assert not same_at_both_places(33)
 
 
 @pytest.mark.parametrize("n", [1, 2, 15, 16, 64, 192, 576, 1000, 1536, 49152, 151936])
@@ -306,7 +316,8 @@ def test_attention_is_independent_of_span_batch_and_slot(length, extra_blocks, d
 
 
 def test_attention_stock_path_differs_and_invariant_path_matches_reference():
-    """Negative control for attention: stock SDPA per token varies with the KV span it is given."""
+    """Negative control for attention: stock SDPA per token varies with the KV span it is given
+    (on the AVX2 host; an AVX-512 host's SDPA gave the same bits for every span probed)."""
     hq, hkv, d, length = 4, 2, 32, 96
     k = _cache(1, hkv, length, d, torch.float32, 1)
     v = _cache(1, hkv, length, d, torch.float32, 2)
@@ -322,7 +333,10 @@ def test_attention_stock_path_differs_and_invariant_path_matches_reference():
         blocks = pos // KV_BLOCK + 1
         one = attend(q[pos:pos + 1], k, v, slots[:1], positions[pos:pos + 1], blocks * KV_BLOCK, 0.2)
         differs |= not torch.equal(one[0], stock[pos])
-    assert differs
+    if not differs:
+        pytest.skip(f"stock SDPA on this host ({torch.backends.cpu.get_cpu_capability()}) gave the same bits "
+                    "at every span: no control here (it differs on the AVX2 host); the invariant kernel's "
+                    "span independence is proven by test_attention_is_independent_of_span_batch_and_slot")
 
 
 HEADS = [(4, 2, 32), (9, 3, 64), (2, 2, 16)]  # (query heads, KV heads, head dim); (9, 3, 64) is SmolLM2's

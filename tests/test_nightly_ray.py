@@ -26,6 +26,7 @@ from ray_faults import FAULTS_ENV, kills
 from parity.backends import available_backends
 from parity.cases import load_cases
 from parity.errors import ConfigError
+from parity.nightly.execute import engine_options, tensor_parallel
 from parity.nightly.ray_executor import ROW_HOOK_ENV, assign, row_resources
 from parity.nightly.runner import NightlyConfig, plan
 
@@ -43,6 +44,9 @@ TINY_CASE = """
     max_tokens = 6
     seed = {seed}
 """
+#: the tiny Llama (4 query / 2 KV heads) with its reference rows on a two-rank engine
+TP_CASE = TINY_CASE.format(seed=7).replace('model = "tiny-llama"',
+                                           'model = "tiny-llama"\n    reference_tensor_parallel_size = 2')
 
 
 def nightly(out: Path, *args: str, faults: dict | None = None) -> subprocess.Popen:
@@ -131,6 +135,22 @@ def test_rows_are_split_per_engine_over_the_slots_in_matrix_order():
     assert len(assign(todo, "cpu", slots=64)) == 5  # no more actors than rows
     assert row_resources("cpu") == {"num_cpus": 1.0, "num_gpus": 0.0}
     assert row_resources("cuda") == {"num_cpus": 1.0, "num_gpus": 1.0}
+    # a tensor-parallel reference engine asks for a CPU and (on CUDA) a GPU per rank
+    assert row_resources("cpu", 2) == {"num_cpus": 2.0, "num_gpus": 0.0}
+    assert row_resources("cuda", 4) == {"num_cpus": 4.0, "num_gpus": 4.0}
+
+
+def test_a_tensor_parallel_case_is_its_own_engine_on_reference_rows_only(tiny_cases):
+    tp = tiny_cases / "tp.toml"
+    tp.write_text(TP_CASE)
+    todo = plan(load_cases(f"{tiny_cases / 'a.toml'},{tp}"), ("reference", "hf"))
+    options = {str(k): engine_options(k, c, "cuda") for k, c in todo}
+    assert options["tp|reference|bfloat16|"] == {"device": "cuda", "tensor_parallel_size": 2}
+    assert options["tp|hf|bfloat16|"] == options["a|hf|bfloat16|"] == {"device": "cuda"}
+    assert options["a|reference|bfloat16|"] == {"device": "cuda"}
+    assert [tensor_parallel(k, c) for k, c in todo] == [None, None, 2, None]
+    # the TP engine is a group of its own: three engines over three slots, one each
+    assert sorted(len(q) for q in assign(todo, "cpu", slots=3)) == [1, 1, 2]
 
 
 @pytest.mark.parametrize(("options", "match"), [
@@ -180,6 +200,34 @@ def test_ray_rows_equal_local_rows_bit_for_bit(tmp_path):
     logprobs = {k.split("|")[1]: np.asarray(r["report"]["arrays"]["rollout_logprobs"]["data"])
                 for k, r in local.items() if k.startswith("smoke|")}
     assert not np.array_equal(logprobs["reference"], logprobs["hf"])
+
+
+@needs_ray
+@pytest.mark.slow
+def test_a_tensor_parallel_reference_row_takes_two_cpus_and_equals_the_local_row(tmp_path, tiny_cases):
+    """A reference row with reference_tensor_parallel_size = 2 on the 2-CPU cluster: its actor holds
+    both CPUs, its two ranks give the rollout the local executor gives, and both match the
+    TP-invariant training forward exactly."""
+    tp = tiny_cases / "tp.toml"
+    tp.write_text(textwrap.dedent(TP_CASE))
+    args = ("--cases", f"{tiny_cases / 'a.toml'},{tp}", "--backends", "reference", "--run-id", "t")
+    code, log = finish(nightly(tmp_path / "ray", *args, "--executor", "ray", "--ray-cpus", "2"))
+    local_code, local_log = finish(nightly(tmp_path / "local", *args))
+    assert code == local_code == 0, (log, local_log)
+    on_ray, local = rows(tmp_path / "ray", "t"), rows(tmp_path / "local", "t")
+    key = "tp|reference|bfloat16|"
+    assert sorted(on_ray) == sorted(local) == ["a|reference|bfloat16|", key]
+    for stored in (on_ray[key], local[key]):
+        provenance = stored["provenance"]
+        assert provenance["backend_meta"]["tensor_parallel_size"] == 2, provenance["backend_meta"]
+        assert provenance["train_tensor_parallel"]["tensor_parallel_size"] == 1, provenance
+        assert stored["status"] == "pass" and stored["report"]["summary"]["max_abs_logprob_diff"] == 0.0
+    for name in ("token_ids", "rollout_logprobs", "train_logprobs"):
+        a, b = (np.asarray(r[key]["report"]["arrays"][name]["data"]) for r in (on_ray, local))
+        assert np.array_equal(a, b), name
+    # what each row's actor held: a CPU per engine process
+    held = {k: r["provenance"]["ran_on"]["resources"] for k, r in on_ray.items()}
+    assert held == {key: {"CPU": 2.0}, "a|reference|bfloat16|": {"CPU": 1.0}}, held
 
 
 @needs_ray

@@ -43,10 +43,17 @@ def replay_mode(key: RowKey) -> str | None:
     return key.router_replay
 
 
-def engine_options(key: RowKey, device: str) -> dict[str, Any]:
+def tensor_parallel(key: RowKey, case: Case) -> int | None:
+    """The row's tensor-parallel degree: the case's `reference_tensor_parallel_size` on a reference
+    row when above 1, else None (one process, the whole model)."""
+    tp = case.reference_tensor_parallel_size
+    return tp if key.backend == "reference" and tp > 1 else None
+
+
+def engine_options(key: RowKey, case: Case, device: str) -> dict[str, Any]:
     """The `shared_backend` options of a row: prefix caching for a prefix-cache variant, route
     capture for a replay mode that needs it, the device for backends that take one (only when it
-    is not the CPU default, so CPU rows share today's engines)."""
+    is not the CPU default, so CPU rows share today's engines), the tensor-parallel degree."""
     if key.router_replay.startswith(PREFIX_CACHE):
         options = prefix_cache_options(key.backend, key.router_replay == prefix_cache_variant(True))
     else:
@@ -54,6 +61,8 @@ def engine_options(key: RowKey, device: str) -> dict[str, Any]:
     options = dict(options)
     if device != "cpu" and key.backend in DEVICE_BACKENDS:
         options["device"] = device
+    if tensor_parallel(key, case) is not None:
+        options["tensor_parallel_size"] = tensor_parallel(key, case)
     return options
 
 
@@ -78,14 +87,15 @@ def execute_row(run_id: str, key: RowKey, case: Case, *, reference: str, device:
     stage = "backend failed to start"
     try:
         t0 = time.perf_counter()
-        engine = shared_backend(key.backend, case.model, dtype=key.dtype, **engine_options(key, device))
+        engine = shared_backend(key.backend, case.model, dtype=key.dtype, **engine_options(key, case, device))
         timing["start_s"] = round(time.perf_counter() - t0, 3)
         stage = "case failed"
         t0 = time.perf_counter()
         if case.kind == "lifecycle":
             return lifecycle_row(run_id, key, case, engine, provenance, timing)
         report = compare(None, engine, case=case, dtype=key.dtype, tolerance=case.tolerance_for(key.backend),
-                         reference=reference, device=device, router_replay=replay_mode(key))
+                         reference=reference, device=device, router_replay=replay_mode(key),
+                         tensor_parallel=tensor_parallel(key, case))
         timing["case_s"] = round(time.perf_counter() - t0, 3)
     except Exception as exc:  # an error row, by design: one broken backend must not end the night
         trace = "".join(traceback.format_exception(exc))[-4000:]

@@ -1,12 +1,14 @@
 """The Ray executor: nightly rows on the actors of a Ray cluster, streamed back as they finish.
 
-There are as many worker actors as rows fit on the cluster at once (`row_resources`). Rows are
-grouped by engine (backend, model, dtype, options) and the groups dealt out to the actors whole
-(`assign`), so each actor starts each of its engines once (`shared_backend`, in its own process)
-and runs its rows one after another, like the local executor does in one process; the actors
-run side by side. Ray places the actors (a GPU row's on a node with a free GPU); parity feeds
-each actor its next row only when the previous one comes back, so only the row in flight is lost
-when a worker dies.
+Rows are grouped by engine (backend, model, dtype, options) and by what a row asks Ray for
+(`row_resources`: one CPU and, on CUDA, one GPU; a tensor-parallel reference row as many of each
+as it has ranks). For each kind of ask there are as many worker actors as such rows fit on the
+cluster at once, and the engine groups are dealt out to them whole (`assign`), so each actor
+starts each of its engines once (`shared_backend`, in its own process) and runs its rows one
+after another, like the local executor does in one process; the actors run side by side, and
+an actor Ray cannot place yet waits until others finish. Ray places the actors (a GPU row's on a
+node with free GPUs); parity feeds each actor its next row only when the previous one comes
+back, so only the row in flight is lost when a worker dies.
 
 Faults are Ray's: an actor whose process dies is restarted (`max_restarts=-1`) and the row it was
 running retried once (`max_task_retries=1`); a row that kills its worker twice becomes an error
@@ -26,7 +28,7 @@ from typing import Any
 
 from parity.cases import Case
 from parity.errors import ConfigError
-from parity.nightly.execute import engine_options, error_row, execute_row
+from parity.nightly.execute import engine_options, error_row, execute_row, tensor_parallel
 from parity.nightly.rows import RowKey, RowResult
 
 #: `module:function` that every worker calls with a row's key (`str(RowKey)`) before running the
@@ -36,10 +38,12 @@ LOOPBACK = "127.0.0.1"
 LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
-def row_resources(device: str) -> dict[str, float]:
-    """What one row asks Ray for: one CPU, and on "cuda" one GPU (the reference engine runs on
-    one device; Ray gives the actor that GPU as its `CUDA_VISIBLE_DEVICES`)."""
-    return {"num_cpus": 1.0, "num_gpus": 1.0 if device == "cuda" else 0.0}
+def row_resources(device: str, tensor_parallel: int | None = None) -> dict[str, float]:
+    """What one row asks Ray for: a CPU, and on "cuda" a GPU, per process of its engine: one,
+    or a tensor-parallel reference engine's ranks (each rank a process on its own GPU; Ray gives
+    the actor those GPUs as its `CUDA_VISIBLE_DEVICES`)."""
+    processes = float(tensor_parallel or 1)
+    return {"num_cpus": processes, "num_gpus": processes if device == "cuda" else 0.0}
 
 
 class RayCluster:
@@ -117,7 +121,8 @@ class RowWorker:
         context = ray.get_runtime_context()
         placement = {"executor": "ray", "host": socket.gethostname(), "node_id": context.get_node_id(),
                      "actor_id": context.get_actor_id(),
-                     "pid": os.getpid(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
+                     "pid": os.getpid(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+                     "resources": context.get_assigned_resources()}
         return execute_row(run_id, key, case, reference=reference, device=device, placement=placement)
 
 
@@ -128,7 +133,7 @@ def assign(todo: list[tuple[RowKey, Case]], device: str, slots: int) -> list[deq
     than slots are each split over `slots // groups` actors, round robin."""
     groups: dict[str, list[tuple[RowKey, Case]]] = {}
     for key, case in todo:
-        engine = repr((key.backend, case.model, key.dtype, sorted(engine_options(key, device).items())))
+        engine = repr((key.backend, case.model, key.dtype, sorted(engine_options(key, case, device).items())))
         groups.setdefault(engine, []).append((key, case))
     if len(groups) < slots:
         queues = []
@@ -151,12 +156,20 @@ def ray_rows(cluster: RayCluster, run_id: str, todo: list[tuple[RowKey, Case]], 
 
     if not todo:
         return
-    resources = row_resources(device)
-    slots = cluster.slots(resources)
-    if slots < 1:
-        raise ConfigError(f"--executor ray: no node of the cluster has {resources} for a row; add one, or "
-                          "run on --device cpu")
-    actor_class = ray.remote(RowWorker).options(**resources, max_restarts=-1, max_task_retries=1)
+    asks: dict[tuple[tuple[str, float], ...], list[tuple[RowKey, Case]]] = {}
+    for key, case in todo:
+        ask = tuple(row_resources(device, tensor_parallel(key, case)).items())
+        asks.setdefault(ask, []).append((key, case))
+    plans = []
+    for ask, rows in asks.items():
+        resources = dict(ask)
+        slots = cluster.slots(resources)
+        if slots < 1:
+            raise ConfigError(f"--executor ray: no node of the cluster has {resources} for row "
+                              f"{rows[0][0].label!r}; add one, lower the case's "
+                              "reference_tensor_parallel_size, or run on --device cpu")
+        actor_class = ray.remote(RowWorker).options(**resources, max_restarts=-1, max_task_retries=1)
+        plans += [(actor_class, queue) for queue in assign(rows, device, slots)]
     inflight: dict[Any, tuple[Any, deque[tuple[RowKey, Case]], RowKey, Case]] = {}
     actors = []
     node_ips: dict[str, str] = {}
@@ -166,7 +179,7 @@ def ray_rows(cluster: RayCluster, run_id: str, todo: list[tuple[RowKey, Case]], 
         inflight[actor.run.remote(run_id, key, case, reference, device)] = (actor, queue, key, case)
 
     try:
-        for queue in assign(todo, device, slots):
+        for actor_class, queue in plans:
             actors.append(actor_class.remote())
             submit(actors[-1], queue)
         while inflight:
