@@ -93,9 +93,10 @@ def execute_row(run_id: str, key: RowKey, case: Case, *, reference: str, device:
         t0 = time.perf_counter()
         if case.kind == "lifecycle":
             return lifecycle_row(run_id, key, case, engine, provenance, timing)
+        tp = tensor_parallel(key, case)
         report = compare(None, engine, case=case, dtype=key.dtype, tolerance=case.tolerance_for(key.backend),
                          reference=reference, device=device, router_replay=replay_mode(key),
-                         tensor_parallel=tensor_parallel(key, case))
+                         **({"tensor_parallel": tp} if tp is not None else {}))
         timing["case_s"] = round(time.perf_counter() - t0, 3)
     except Exception as exc:  # an error row, by design: one broken backend must not end the night
         trace = "".join(traceback.format_exception(exc))[-4000:]
