@@ -61,8 +61,9 @@ def engine_options(key: RowKey, case: Case, device: str) -> dict[str, Any]:
     options = dict(options)
     if device != "cpu" and key.backend in DEVICE_BACKENDS:
         options["device"] = device
-    if tensor_parallel(key, case) is not None:
-        options["tensor_parallel_size"] = tensor_parallel(key, case)
+    tp = tensor_parallel(key, case)
+    if tp is not None:
+        options["tensor_parallel_size"] = tp
     return options
 
 
