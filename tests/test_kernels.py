@@ -159,16 +159,16 @@ def test_lone_product_on_two_threads_differs_from_batched():
     shapes MKL splits over threads depends on the host: (6, 64, 32) does on the AVX2 host and not on
     an AVX-512/AMX one, (32, 576, 1) on both."""
     differs = []
-    for m, k, n in ((6, 64, 32), (32, 576, 1)):
-        a, b = _rand(2, m, k, seed=1), _rand(2, k, n, seed=2)
-        threads = torch.get_num_threads()
-        torch.set_num_threads(2)
-        try:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for m, k, n in ((6, 64, 32), (32, 576, 1)):
+            a, b = _rand(2, m, k, seed=1), _rand(2, k, n, seed=2)
             alone, batched, ours = torch.mm(a[0], b[0]), torch.bmm(a, b)[0], cpu_gemm.bmm(a[:1], b[:1])[0]
-        finally:
-            torch.set_num_threads(threads)
-        differs.append(not torch.equal(alone, batched))
-        assert torch.equal(ours, batched), (m, k, n)
+            differs.append(not torch.equal(alone, batched))
+            assert torch.equal(ours, batched), (m, k, n)
+    finally:
+        torch.set_num_threads(threads)
     assert any(differs)
 
 

@@ -45,8 +45,8 @@ TINY_CASE = """
     seed = {seed}
 """
 #: the tiny Llama (4 query / 2 KV heads) with its reference rows on a two-rank engine
-TP_CASE = TINY_CASE.format(seed=7).replace('model = "tiny-llama"',
-                                           'model = "tiny-llama"\n    reference_tensor_parallel_size = 2')
+TP_CASE = textwrap.dedent(TINY_CASE.format(seed=7)).replace(
+    'model = "tiny-llama"', 'model = "tiny-llama"\nreference_tensor_parallel_size = 2')
 
 
 def nightly(out: Path, *args: str, faults: dict | None = None) -> subprocess.Popen:
@@ -209,7 +209,7 @@ def test_a_tensor_parallel_reference_row_takes_two_cpus_and_equals_the_local_row
     both CPUs, its two ranks give the rollout the local executor gives, and both match the
     TP-invariant training forward exactly."""
     tp = tiny_cases / "tp.toml"
-    tp.write_text(textwrap.dedent(TP_CASE))
+    tp.write_text(TP_CASE)
     args = ("--cases", f"{tiny_cases / 'a.toml'},{tp}", "--backends", "reference", "--run-id", "t")
     code, log = finish(nightly(tmp_path / "ray", *args, "--executor", "ray", "--ray-cpus", "2"))
     local_code, local_log = finish(nightly(tmp_path / "local", *args))

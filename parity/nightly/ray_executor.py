@@ -156,13 +156,12 @@ def ray_rows(cluster: RayCluster, run_id: str, todo: list[tuple[RowKey, Case]], 
 
     if not todo:
         return
-    asks: dict[tuple[tuple[str, float], ...], list[tuple[RowKey, Case]]] = {}
+    by_degree: dict[int | None, list[tuple[RowKey, Case]]] = {}
     for key, case in todo:
-        ask = tuple(row_resources(device, tensor_parallel(key, case)).items())
-        asks.setdefault(ask, []).append((key, case))
+        by_degree.setdefault(tensor_parallel(key, case), []).append((key, case))
     plans = []
-    for ask, rows in asks.items():
-        resources = dict(ask)
+    for degree, rows in by_degree.items():
+        resources = row_resources(device, degree)
         slots = cluster.slots(resources)
         if slots < 1:
             raise ConfigError(f"--executor ray: no node of the cluster has {resources} for row "
