@@ -18,9 +18,12 @@ Sections (`SECTIONS`; each runs independently: a failure is recorded and the nex
   `parity.engine.selfcheck`) on random-weight models with vocabularies 32,000 and 151,936,
   dense and MoE, counting differing tokens per setting, and once with torch's CUDA cumsum as the
   top-p prefix sum (the old defect, a negative control).
-- e2e: output tok/s of (a) the reference engine with invariant kernels, (b) the same engine with
-  native kernels, (c) transformers `generate`, on a Qwen3-1.7B-shaped bf16 model with random
-  weights, side by side in one run.
+- e2e: output tok/s of (a) the reference engine with invariant kernels (`invariant@PLAN`: under
+  another attention plan), (b') "baseline": the same engine, scheduler and CUDA graphs with default
+  cuBLAS, torch's flash attention reading the KV cache in place and stock MoE, keeping only the
+  row-wise/elementwise families (`BASELINE_FAMILIES`) on parity's fused kernels (the honest
+  non-invariant baseline), "native": every family stock (HF's unfused ops), (c) transformers
+  `generate`, on a Qwen3-1.7B-shaped bf16 model with random weights, side by side in one run.
 - profile: torch.profiler over a few decode steps of the invariant engine ($OUT/profile.txt).
 - tp: invariant-engine tok/s without tensor parallelism and at TP=1 (the canonical K-group layout)
   for each `--tp-groups` count of K groups (default 8), and with two GPUs at TP=2 (NCCL), on the
@@ -95,7 +98,37 @@ GRID_MODELS = [("tiny-qwen3", None, 0, 0), ("tiny-qwen3-moe", None, 0, 0),
                ("qwen3-1024-v32000", "qwen3-1024", 2, 32000), ("qwen3-1024-v151936", "qwen3-1024", 2, 151936),
                ("qwen3-1.7b-v32000", "qwen3-1.7b", 2, 32000), ("qwen3-1.7b-v151936", "qwen3-1.7b", 2, 151936),
                ("moe-64x8-v32000", "moe-64x8", 2, 32000)]
-E2E_VARIANTS = ("hf", "invariant", "native")
+E2E_VARIANTS = ("hf", "invariant", "native", "baseline")
+#: the kernel families the "baseline" (b') variant keeps on parity's fused Triton kernels: row-wise and
+#: elementwise ops whose invariance costs nothing (torch has no fused kernel HF models call for them),
+#: while matmul (default cuBLAS), attention (flash over the cache) and MoE stay stock.
+BASELINE_FAMILIES = ("rmsnorm", "pointwise", "rotary")
+
+
+def plan_constants(variant: str) -> dict[str, int]:
+    """Attention module constants of an "invariant@PLAN" variant (PLAN: a name in
+    `attention.CANDIDATES`, run for every step, long or short); {} for a plain variant."""
+    from parity.kernels.triton.attention import CANDIDATES
+
+    if "@" not in variant:
+        return {}
+    plan = next(c for c in CANDIDATES if c.name == variant.split("@", 1)[1])
+    return {"BLOCK_M": plan.block_m, "BLOCK_N": plan.block_n, "NUM_WARPS": plan.num_warps,
+            "NUM_STAGES": plan.num_stages, "PROGRAMS_PER_SM": plan.programs_per_sm, "LONG_STEP_TOKENS": 2**62}
+
+
+def engine_kernels(variant: str) -> str | tuple[str, ...]:
+    """The engine's `kernels=` for an engine variant."""
+    return BASELINE_FAMILIES if variant == "baseline" else variant.split("@")[0]
+
+
+def variant_names(text: str, what: str) -> list[str]:
+    """E2E variants: hf, invariant, native, or invariant@PLAN (the invariant engine under another
+    attention plan of `attention.CANDIDATES`)."""
+    from parity.kernels.triton.attention import CANDIDATES
+
+    choices = [*E2E_VARIANTS, *(f"invariant@{c.name}" for c in CANDIDATES)]
+    return _names(text, choices, what)
 
 
 # -- results -------------------------------------------------------------------------------------
@@ -448,8 +481,8 @@ def grid_check(model: str, kernels: str) -> GridCheck:
                      max_abs_diff=max(c.max_abs_diff for c in checks))
 
 
-def engine_tok_s(path: Path, kernels: str, reqs: list[Request], chunk_size: int, budget: int,
-                 record_routes: bool = False, tensor_parallel_size: int | None = None,
+def engine_tok_s(path: Path, kernels: str | tuple[str, ...], reqs: list[Request], chunk_size: int,
+                 budget: int, record_routes: bool = False, tensor_parallel_size: int | None = None,
                  reduction_groups: int = REDUCTION_GROUPS) -> Throughput:
     """Output tok/s of one ReferenceEngine.generate over reqs (after a small warm-up generate; the
     timed call still captures its decode graph, the KV cache being reallocated for its lengths)."""
@@ -636,13 +669,16 @@ def e2e_section(run: Run) -> dict[str, Any]:
         matmul_path="cuBLASLt without split-K where probed" if cublaslt_ready() else "Triton")}
     path = save_random_model(qwen3_config(28), run.tmp / "qwen3-1.7b-shaped")
     reqs = requests_for(151936, count, prompt_len, max_tokens)
+    tiles = importlib.import_module("parity.kernels.triton.attention")
     for variant in args.e2e_variants:
         name = "hf_generate" if variant == "hf" else f"engine_{variant}"
         try:
             if variant == "hf":
                 section[name] = hf_generate_tok_s(path, reqs, prompt_len, max_tokens)
             else:
-                section[name] = engine_tok_s(path, variant, reqs, chunk_size, args.max_batched_tokens)
+                with module_constants(tiles, **plan_constants(variant)):
+                    section[name] = engine_tok_s(path, engine_kernels(variant), reqs, chunk_size,
+                                                 args.max_batched_tokens)
         except Exception:
             section[name] = failure()
         torch.cuda.empty_cache()
@@ -699,15 +735,17 @@ def tp_section(run: Run) -> dict[str, Any]:
 
 
 def profile_section(run: Run) -> ProfileResult:
-    """Where a decode step's time goes: torch.profiler over a few steps of the invariant engine."""
+    """Where the invariant engine's time goes at the e2e workload's shapes: torch.profiler over one
+    generate of `--e2e` requests and prompt lengths with 64 output tokens (prefill, then decode steps
+    at contexts past the prompt); the device-time table ($OUT/profile.txt) and device-busy vs wall
+    seconds (the gap is host time the GPU waits for)."""
     from torch.profiler import ProfilerActivity, profile
 
-    path = run.tmp / "qwen3-1.7b-shaped"
-    if not path.exists():
-        save_random_model(qwen3_config(28), path)
-    reqs = requests_for(151936, 256, 16, 8)
-    with ReferenceEngine(str(path), dtype="bfloat16", device="cuda", kernels="invariant", max_num_seqs=256,
-                         chunk_size=16) as engine:
+    count, prompt_len, _ = run.args.e2e
+    path = save_random_model(qwen3_config(28), run.tmp / "qwen3-1.7b-shaped")
+    reqs = requests_for(151936, count, prompt_len, 64)
+    with ReferenceEngine(str(path), dtype="bfloat16", device="cuda", kernels="invariant", max_num_seqs=count,
+                         chunk_size=prompt_len, max_num_batched_tokens=run.args.max_batched_tokens) as engine:
         engine.generate(reqs)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             start = time.perf_counter()
@@ -715,9 +753,10 @@ def profile_section(run: Run) -> ProfileResult:
             torch.cuda.synchronize()
             seconds = time.perf_counter() - start
     events = prof.key_averages()
-    (run.args.out / "profile.txt").write_text(events.table(sort_by="self_cpu_time_total", row_limit=40))
-    return ProfileResult(workload="256 seqs x 16 prompt x 8 output, invariant", wall_s=seconds,
-                         gpu_busy_s=sum(e.self_device_time_total for e in events) / 1e6, steps=9)
+    (run.args.out / "profile.txt").write_text(events.table(sort_by="self_device_time_total", row_limit=40))
+    busy = sum(e.self_device_time_total for e in events) / 1e6
+    return ProfileResult(workload=f"{count} seqs x {prompt_len} prompt x 64 output, invariant",
+                         wall_s=seconds, gpu_busy_s=busy, steps=65)
 
 
 def cublaslt_section(run: Run) -> dict[str, Any]:
@@ -815,6 +854,11 @@ def attention_sweep_section(run: Run) -> dict[str, Any]:
     the cross-plan table (decode under plan D == prefill under plan P?) for a phase-specific plan."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from parity.kernels.attention import (
+        MAX_FLASH_ENTRIES,
+        flash_over_cache,
+        varlen_entries,
+    )
     from parity.kernels.triton.attention import CANDIDATES, attention, shipped_config
 
     hq, hkv, d, cap, n_seq, plen = 16, 8, 128, 1024, 256, 256
@@ -834,25 +878,35 @@ def attention_sweep_section(run: Run) -> dict[str, Any]:
     qs = qp.view(n_seq, plen, hq, d).transpose(1, 2).contiguous()
     ks, vs = kc[:, :, :plen].contiguous(), vc[:, :, :plen].contiguous()
     kd, vd = kc[:, :, :512].contiguous(), vc[:, :, :512].contiguous()
-    section: dict[str, Any] = {"shipped": shipped_config().name, "workload": {
-        "decode": "256 sequences x context 512, Hq 16, Hkv 8, D 128, bf16",
-        "prefill": "256 sequences x 256 tokens causal, same heads"}}
-    section["sdpa_decode_ms"] = bench(lambda: F.scaled_dot_product_attention(
-        qd[:, :, None], kd, vd, enable_gqa=True))
-    section["sdpa_prefill_ms"] = bench(lambda: F.scaled_dot_product_attention(
-        qs, ks, vs, is_causal=True, enable_gqa=True))
-    try:
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            section["flash_prefill_ms"] = bench(lambda: F.scaled_dot_product_attention(
-                qs, ks, vs, is_causal=True, enable_gqa=True))
-            section["flash_note"] = "flash SDPA with GQA"
-    except RuntimeError:
-        # flash without GQA support: K/V expanded to the query heads (more bytes, same FLOPs)
-        ke, ve = ks.repeat_interleave(hq // hkv, 1), vs.repeat_interleave(hq // hkv, 1)
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            section["flash_prefill_ms"] = bench(lambda: F.scaled_dot_product_attention(
-                qs, ke, ve, is_causal=True))
-        section["flash_note"] = "flash SDPA over K/V expanded to 16 heads (GQA refused)"
+    section: dict[str, Any] = {
+        "shipped": {"decode": shipped_config(n_seq).name, "prefill": shipped_config(n_seq * plen).name},
+        "timing": "median device ms per call replayed from a CUDA graph (no host launch cost)",
+        "workload": {"decode": "256 sequences x context 512, Hq 16, Hkv 8, D 128, bf16",
+                     "prefill": "256 sequences x 256 tokens causal, same heads"}}
+
+    def timed(fn: Callable[[], Any]) -> float:
+        return graph_ms(fn, [()])
+
+    sdpa = F.scaled_dot_product_attention
+    section["sdpa_decode_ms"] = timed(lambda: sdpa(qd[:, :, None], kd, vd, enable_gqa=True))
+    section["sdpa_prefill_ms"] = timed(lambda: sdpa(qs, ks, vs, is_causal=True, enable_gqa=True))
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        section["flash_prefill_ms"] = timed(lambda: sdpa(qs, ks, vs, is_causal=True, enable_gqa=True))
+    # the stock attention of the baseline rows (b'): flash reading the slot cache in place, with one
+    # entry per token at decode (as the engine's graphs make them) and one per run at prefill (as
+    # its eager prefill steps make them)
+    section["baseline_decode_ms"] = timed(lambda: flash_over_cache(qd, kc, vc, seq, d_pos, 1, scale))
+    one = slice(0, MAX_FLASH_ENTRIES)
+    runs = varlen_entries(p_slots[one], p_pos[one], hkv, cap, compact=True)
+    section["baseline_prefill_ms"] = timed(
+        lambda: flash_over_cache(qp[one], kc, vc, p_slots[one], p_pos[one], plen, scale, runs))
+    section["baseline_note"] = f"prefill timed over the first {MAX_FLASH_ENTRIES} tokens (one flash launch)"
+    shipped_prefill = attention(qp, kc, vc, p_slots, p_pos, scale)
+    section["shipped_pair"] = {
+        "decode_ms": timed(lambda: attention(qd, kc, vc, seq, d_pos, scale)),
+        "prefill_ms": timed(lambda: attention(qp, kc, vc, p_slots, p_pos, scale)),
+        "decode_equals_prefill": torch.equal(attention(qp[last], kc, vc, seq, p_pos[last], scale),
+                                             shipped_prefill[last])}
     plans: dict[str, Any] = {}
     decoded: dict[str, torch.Tensor] = {}
     prefilled: dict[str, torch.Tensor] = {}
@@ -866,8 +920,8 @@ def attention_sweep_section(run: Run) -> dict[str, Any]:
                                              p_pos[~first_chunk], scale, plan)
             dec = attention(qp[last], kc, vc, seq, p_pos[last], scale, plan)
             decoded[plan.name], prefilled[plan.name] = dec, whole[last]
-            decode_ms = bench(lambda plan=plan: attention(qd, kc, vc, seq, d_pos, scale, plan))
-            prefill_ms = bench(lambda plan=plan: attention(qp, kc, vc, p_slots, p_pos, scale, plan))
+            decode_ms = timed(lambda plan=plan: attention(qd, kc, vc, seq, d_pos, scale, plan))
+            prefill_ms = timed(lambda plan=plan: attention(qp, kc, vc, p_slots, p_pos, scale, plan))
             plans[plan.name] = PlanResult(
                 decode_ms=decode_ms, prefill_ms=prefill_ms,
                 sdpa_over_plan_decode=section["sdpa_decode_ms"] / decode_ms,
@@ -908,8 +962,8 @@ def moe_e2e_section(run: Run) -> dict[str, Any]:
                 if variant == "hf":
                     section[name] = hf_generate_tok_s(path, reqs, prompt_len, max_tokens)
                 else:
-                    section[name] = engine_tok_s(path, variant, reqs, prompt_len, args.max_batched_tokens,
-                                                 record_routes=record)
+                    section[name] = engine_tok_s(path, engine_kernels(variant), reqs, prompt_len,
+                                                 args.max_batched_tokens, record_routes=record)
             except Exception:
                 section[name] = failure()
             torch.cuda.empty_cache()
@@ -998,19 +1052,25 @@ def parity_shapes_section(run: Run) -> dict[str, Any]:
     return section
 
 
+#: what the probed section can run again in its cuBLASLt process.
+PROBED_SECTIONS = ("parity_shapes", "e2e", "moe_e2e", "profile")
+
+
 def probed_section(run: Run) -> dict[str, Any]:
-    """parity_shapes, e2e (invariant) and moe_e2e (invariant) again in a process set up for cuBLASLt,
-    where every model's shapes go through the load-time probe (no hand-written shape list)."""
+    """`--probed-sections` (parity_shapes, e2e, moe_e2e, profile; `--probed-e2e-variants`, invariant
+    MoE) again in a process set up for cuBLASLt, where every model's shapes go through the
+    load-time probe (no hand-written shape list)."""
     args = run.args
     out = args.out / "probed"
-    cmd = module_command("--out", str(out), "--sections", "parity_shapes,e2e,moe_e2e", "--cublaslt",
-                         "--e2e", ",".join(map(str, args.e2e)), "--e2e-variants", "invariant",
+    cmd = module_command("--out", str(out), "--sections", ",".join(args.probed_sections), "--cublaslt",
+                         "--e2e", ",".join(map(str, args.e2e)),
+                         "--e2e-variants", ",".join(args.probed_e2e_variants),
                          "--moe", ",".join(map(str, args.moe)), "--moe-layers", str(args.moe_layers),
                          "--moe-variants", "invariant", "--chunk-size", str(args.chunk_size),
                          "--max-batched-tokens", str(args.max_batched_tokens))
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **CUBLASLT_ENV}, capture_output=True, text=True)
     sub = json.loads((out / "gpu_results.json").read_text()) if (out / "gpu_results.json").exists() else {}
-    return {**{k: sub.get(k) for k in ("parity_shapes", "e2e", "moe_e2e")}, "stderr": proc.stderr[-2000:]}
+    return {**{k: sub.get(k) for k in PROBED_SECTIONS}, "stderr": proc.stderr[-2000:]}
 
 
 #: Every section, by the name `--sections` takes, in the default order.
@@ -1077,9 +1137,8 @@ def parity_lines(parity: dict[str, Any], label: str) -> list[str]:
 
 def e2e_lines(e2e: dict[str, Any], label: str) -> list[str]:
     lines = []
-    for name in ("engine_invariant", "engine_native", "hf_generate"):
-        v = e2e.get(name)
-        if v is not None:
+    for name, v in e2e.items():
+        if isinstance(v, dict) and name != "workload":
             graphs = f" [{v['step_graphs']}]" if v.get("step_graphs") else ""
             got = "ERROR" if "error" in v else \
                 f"{v['output_tok_s']:.0f} output tok/s ({v['seconds']:.1f} s){graphs}"
@@ -1105,6 +1164,15 @@ def round_two_lines(results: dict[str, Any]) -> list[str]:
                 lines.append(f"  {shape} routed/triton TFLOP/s: "
                              + "  ".join(f"M={m} {r[m]:.0f}/{t[m]:.0f}" for m in r))
     sweep = results.get("attention_sweep", {})
+    pair = sweep.get("shipped_pair")
+    if pair:
+        decode, prefill = pair["decode_ms"], pair["prefill_ms"]
+        lines.append(f"attention shipped {sweep['shipped']}: decode {decode:.3f} ms (SDPA/plan "
+                     f"{sweep['sdpa_decode_ms'] / decode:.2f})  prefill {prefill:.3f} ms (flash/plan "
+                     f"{sweep['flash_prefill_ms'] / prefill:.2f})  decode==prefill "
+                     f"{pair['decode_equals_prefill']}")
+        lines.append(f"attention of the baseline (b', flash over the cache): decode "
+                     f"{sweep['baseline_decode_ms']:.3f} ms, prefill {sweep['baseline_prefill_ms']:.3f} ms")
     for name, plan in sweep.get("plans", {}).items():
         if "error" in plan:
             lines.append(f"attention plan {name}: ERROR")
@@ -1209,8 +1277,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"comma-separated, of {', '.join(SECTIONS)}")
     parser.add_argument("--e2e", type=_shape, default="256,256,512",
                         help="requests,prompt_tokens,output_tokens")
-    parser.add_argument("--e2e-variants", type=lambda t: _names(t, E2E_VARIANTS, "e2e variants"),
-                        default="hf,invariant,native", help=f"comma-separated, of {', '.join(E2E_VARIANTS)}")
+    parser.add_argument("--e2e-variants", type=lambda t: variant_names(t, "e2e variants"),
+                        default="hf,invariant,native",
+                        help=f"comma-separated, of {', '.join(E2E_VARIANTS)} or invariant@PLAN")
+    parser.add_argument("--probed-sections", type=lambda t: _names(t, PROBED_SECTIONS, "probed sections"),
+                        default=",".join(PROBED_SECTIONS), help="the sections the probed section runs")
+    parser.add_argument("--probed-e2e-variants", type=lambda t: variant_names(t, "probed e2e variants"),
+                        default="invariant", help="the e2e variants the probed section runs")
     parser.add_argument("--chunk-size", type=int, default=0,
                         help="engine prefill tokens per sequence per step (0: whole prompt)")
     parser.add_argument("--max-batched-tokens", type=int, default=8192,

@@ -34,10 +34,10 @@ def test_native_attention_steps_read_power_of_two_spans():
     engine.generate(requests)
     block, capacity = engine._cache.block, engine._cache.capacity
     assert capacity == 5 * block  # decode positions 100..139: 4 blocks, then 5 (8, capped)
-    assert sorted({span for _, span in engine._graphs._buckets}) == [block * 4, capacity]
+    assert sorted({span for _, span, _ in engine._graphs._buckets}) == [block * 4, capacity]
     invariant = ReferenceEngine("tiny-llama", max_num_seqs=2, graphs=True)
     invariant.generate(requests)
-    assert {span for _, span in invariant._graphs._buckets} == {invariant._cache.capacity}
+    assert {span for _, span, _ in invariant._graphs._buckets} == {invariant._cache.capacity}
 
 
 @pytest.mark.parametrize("model,dtype", [("tiny-qwen3", "bfloat16"), ("tiny-qwen3-moe", "float32"),

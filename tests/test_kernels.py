@@ -10,7 +10,13 @@ from transformers import AutoModelForCausalLM
 from parity import kernels
 from parity.errors import BackendUnavailableError, ConfigError
 from parity.kernels import cpu, cpu_gemm, ops
-from parity.kernels.attention import KV_BLOCK, attend
+from parity.kernels.attention import (
+    KV_BLOCK,
+    attend,
+    cache_rows,
+    gathered_sdpa,
+    varlen_entries,
+)
 from parity.kernels.cpu_attention import attention as cpu_attention
 from parity.models.loading import load_model
 
@@ -325,13 +331,13 @@ def test_attention_stock_path_differs_and_invariant_path_matches_reference():
     slots = torch.zeros(length, dtype=torch.int64)
     positions = torch.arange(length)
     with kernels.invariant(["attention"]):
-        inv = attend(q, k, v, slots, positions, length, 0.2)
-    stock = attend(q, k, v, slots, positions, length, 0.2)
+        inv = attend(q, k, v, slots, positions, length, length, 0.2)
+    stock = attend(q, k, v, slots, positions, length, length, 0.2)
     torch.testing.assert_close(inv, stock, rtol=1e-5, atol=1e-5)
     differs = False
     for pos in range(length):
         blocks = pos // KV_BLOCK + 1
-        one = attend(q[pos:pos + 1], k, v, slots[:1], positions[pos:pos + 1], blocks * KV_BLOCK, 0.2)
+        one = attend(q[pos:pos + 1], k, v, slots[:1], positions[pos:pos + 1], blocks * KV_BLOCK, 1, 0.2)
         differs |= not torch.equal(one[0], stock[pos])
     if not differs:
         pytest.skip(f"stock SDPA on this host ({torch.backends.cpu.get_cpu_capability()}) gave the same bits "
@@ -386,7 +392,43 @@ def test_attention_token_is_independent_of_its_step(step, heads, dtype):
 def test_stock_attention_token_depends_on_its_step():
     """Negative control for the same check: stock SDPA (attention family off) over the same cache."""
     runs = [(2, 0, 70), (0, 40, 1), (5, 3, 33), (1, 90, 1)]
-    assert not _alone_equals_packed(attend, runs, 1, (9, 3, 64), torch.float32)
+    assert not _alone_equals_packed(gathered_sdpa, runs, 1, (9, 3, 64), torch.float32)
+
+
+def _flash_varlen_semantics(q, k_rows, v_rows, cu_q, cu_k, used, scale):
+    """Flash attention's documented varlen contract, entry by entry: entry e's L queries
+    q[cu_q[e]:cu_q[e+1]] (all Hq heads) attend to its n = used[e] keys from row cu_k[e] of
+    [rows, Hkv, D] K/V (query head i // G reads KV head i), query i seeing keys 0..n - L + i (the
+    causal mask aligned bottom-right)."""
+    out = torch.zeros_like(q)
+    group = q.shape[1] // k_rows.shape[1]
+    for e in range(cu_k.shape[0] - 1):
+        q0, q1, k0, n = int(cu_q[e]), int(cu_q[e + 1]), int(cu_k[e]), int(used[e])
+        if q1 == q0:
+            continue
+        keys = k_rows[k0:k0 + n].transpose(0, 1).repeat_interleave(group, 0)  # [Hq, n, D]
+        values = v_rows[k0:k0 + n].transpose(0, 1).repeat_interleave(group, 0)
+        visible = torch.arange(n)[None, :] <= (n - (q1 - q0) + torch.arange(q1 - q0))[:, None]
+        att = F.scaled_dot_product_attention(q[q0:q1].transpose(0, 1), keys, values, attn_mask=visible,
+                                             scale=scale)
+        out[q0:q1] = att.transpose(0, 1)
+    return out
+
+
+@given(step=packed_steps(), heads=st.sampled_from(HEADS), compact=st.booleans())
+def test_flash_entries_give_each_run_its_own_slot_and_causal_keys(step, heads, compact):
+    """The varlen batch and the in-place key view the CUDA stock path hands torch's flash kernel, run
+    under the kernel's documented contract on CPU, reproduce stock attention over the cache: every
+    run reads its own slot's keys of each head, up to its own positions (flash runs only on CUDA)."""
+    runs, _ = step
+    q, k, v, slots, positions = _attention_case(runs, heads, torch.float32)
+    cu_q, cu_k, used = varlen_entries(slots, positions, heads[1], k.shape[2], compact=compact)
+    assert cu_q.shape[0] == (len(runs) if compact else len(slots)) + 1
+    got = _flash_varlen_semantics(q, cache_rows(k), cache_rows(v), cu_q, cu_k, used, 0.125)
+    span = (int(positions.max()) // KV_BLOCK + 1) * KV_BLOCK
+    want = gathered_sdpa(q, k, v, slots, positions, span, 0.125)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert bool((cu_q[1:] >= cu_q[:-1]).all())
 
 
 def test_attention_plan_is_remade_when_the_tokens_change():

@@ -319,6 +319,21 @@ def test_persistent_programs_walking_several_runs_each_give_the_per_token_kernel
     assert torch.equal(walking, per_token)
 
 
+def test_shipped_long_and_short_step_launches_give_the_same_bits(
+    tk: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shipped plan launches persistent programs for long steps and one program per token for
+    short ones: a token decoded in a short step equals the same token in a long prefill step."""
+    attention = importlib.import_module("parity.kernels.triton.attention")
+    monkeypatch.setattr(attention, "LONG_STEP_TOKENS", 8)  # the whole prefill (112 tokens) is long
+    assert attention.shipped_config(112).programs_per_sm > 0
+    assert attention.shipped_config(3).programs_per_sm == 0
+    whole = _attend(tk, torch.bfloat16, [(s, 0, n) for s, n in SEQ_LENS.items()])
+    by_slot = dict(zip(SEQ_LENS, whole.split(list(SEQ_LENS.values()))))
+    decode = _attend(tk, torch.bfloat16, [(s, n - 1, n) for s, n in SEQ_LENS.items()])
+    assert torch.equal(decode, torch.stack([by_slot[s][-1] for s in SEQ_LENS]))
+
+
 def test_attention_negative_control_decode_and_prefill_under_different_kv_tiles(tk: ModuleType) -> None:
     """The sweep's cross-plan check can fail: plans with other KV tile boundaries change a token."""
     attention = importlib.import_module("parity.kernels.triton.attention")
@@ -346,6 +361,34 @@ def test_attention_negative_control_tile_boundaries_change_bits(
     fixed = _attend(tk, torch.float32, parts)
     monkeypatch.setattr(attention, "BLOCK_N", attention.BLOCK_N // 2)
     assert not torch.equal(_attend(tk, torch.float32, parts), fixed)
+
+
+# ---------------------------------------------------------------------------------------- rotary
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@few
+@given(heads=st.sampled_from([(16, 8), (4, 4), (12, 2), (32, 4)]), length=st.integers(1, 9),
+       batch=st.integers(1, 3))
+def test_fused_rotation_gives_hf_stock_bits(tk: ModuleType, dtype: torch.dtype, heads: tuple[int, int],
+                                             length: int, batch: int) -> None:
+    """q and k rotated in one launch each equal HF's apply_rotary_pos_emb bit for bit, from the
+    transposed (strided) q/k HF hands over, and come back as views of token-major memory."""
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
+    if INTERPRETED and dtype == torch.bfloat16:
+        pytest.skip("Triton's interpreter does not round fp32 to bf16 to nearest even as torch and the GPU "
+                    "do: the bf16 bits are checked on the GPU")
+    hq, hkv = heads
+    q = _randn(batch, length, hq, 64, dtype=dtype, seed=hq + length).transpose(1, 2)
+    k = _randn(batch, length, hkv, 64, dtype=dtype, seed=hkv + 7).transpose(1, 2)
+    angles = _randn(batch, length, 32, seed=length) * 3
+    cos = torch.cat([angles.cos(), angles.cos()], -1).to(dtype)
+    sin = torch.cat([angles.sin(), angles.sin()], -1).to(dtype)
+    fused = tk.apply_rotary(apply_rotary_pos_emb, q, k, cos, sin)
+    stock = apply_rotary_pos_emb(q, k, cos, sin)
+    assert torch.equal(fused[0], stock[0]) and torch.equal(fused[1], stock[1])
+    assert fused[0].transpose(1, 2).is_contiguous()
 
 
 # ------------------------------------------------------------------------------------------- MoE

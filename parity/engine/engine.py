@@ -184,7 +184,7 @@ class ReferenceEngine:
             self._cache = KVCache.allocate(self.lm.config, slots + 1, max_len, self.lm.torch_dtype,
                                            self.config.device)
             native_attention = "attention" not in kernel_families(self.config.kernels)
-            self._graphs = (StepGraphs(self.lm, self._cache, slots, slots, span_buckets=native_attention)
+            self._graphs = (StepGraphs(self.lm, self._cache, slots, slots, stock_attention=native_attention)
                             if self._use_graphs() else None)
 
     def _check(self, requests: list[Request]) -> None:
@@ -226,16 +226,17 @@ class ReferenceEngine:
         """Hidden states [>= T, H] of the step's T packed tokens (rows past T: padding of a fixed-size
         step); records each span's routes when asked to."""
         if self._graphs is not None and self._graphs.fits(len(step.ids)):
-            return self._graphs.run(step.ids, step.positions, step.slots)
+            return self._graphs.run(step.ids, step.positions, step.slots, step.longest_run)
         device = self.config.device
         input_ids = device_tensor([step.ids], torch.int64, device)
         position_ids = device_tensor([step.positions], torch.int64, device)
         slot_ids = device_tensor(step.slots, torch.int64, device)
         span = (max(step.positions) // self._cache.block + 1) * self._cache.block
+        sized = {"span": span, "max_run": step.longest_run}
         if not self._records_routes:
-            return forward.final_hidden(self.lm, input_ids, position_ids, self._cache, slot_ids, span)
+            return forward.final_hidden(self.lm, input_ids, position_ids, self._cache, slot_ids, **sized)
         with routing.capture(self.lm.num_moe_layers) as recorder:
-            hidden = forward.final_hidden(self.lm, input_ids, position_ids, self._cache, slot_ids, span)
+            hidden = forward.final_hidden(self.lm, input_ids, position_ids, self._cache, slot_ids, **sized)
         routes = recorder.routes().cpu()  # one device->host copy for the whole step
         for seq_span in step.spans:
             seq_span.seq.routes.append(routes[seq_span.rows])

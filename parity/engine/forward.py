@@ -9,21 +9,21 @@ from parity.models.loading import LoadedModel
 
 
 def final_hidden(lm: LoadedModel, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: KVCache,
-                 slots: torch.Tensor, span: int | None = None) -> torch.Tensor:
+                 slots: torch.Tensor, span: int | None = None, max_run: int | None = None) -> torch.Tensor:
     """Last-layer hidden states [B * L, H] of input_ids, position_ids [B, L].
 
     Token (b, l) is written to the cache at (slots[b * L + l], position_ids[b, l]) and attends
     to that slot's positions up to its own. span: cached positions the step reads, a multiple of
-    the cache block above every position; None reads the highest position off the device (a
-    host sync), so a caller that knows the positions on the host (or captures a CUDA graph)
-    passes it. Reading more positions than needed changes no invariant result: the extra keys
-    are masked.
+    the cache block above every position; max_run: at least the longest run of consecutive
+    tokens of one slot. None reads both off the device (a host sync), so a caller that knows the
+    step on the host (or captures a CUDA graph) passes them. Reading more positions or sizing for
+    longer runs than needed changes no invariant result: the extra keys are masked.
     """
     positions = position_ids.reshape(-1)
-    if span is None:
+    if span is None or max_run is None:
         batch = AttentionBatch.make(cache, slots, positions)
     else:
-        batch = AttentionBatch(cache=cache, slots=slots, positions=positions, span=span)
+        batch = AttentionBatch(cache=cache, slots=slots, positions=positions, span=span, max_run=max_run)
     out = lm.model.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, parity_batch=batch)
     hidden = out.last_hidden_state
     return hidden.reshape(-1, hidden.shape[-1])

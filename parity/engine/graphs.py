@@ -9,11 +9,12 @@ padded forward runs eagerly, so CPU tests exercise the padding.
 Padding changes no real token's numbers: pad tokens have their own KV slot (`pad_slot`, never
 given to a sequence) at position 0, so they write and read only that slot, and every
 invariant kernel computes a row independently of the rows beside it (the bitwise engine tests
-prove it). A graph reads a fixed number of cached positions (`span`), at least the step needs:
-the invariant attention ignores span (each run's own last position bounds its KV tiles), so
-one span, the cache capacity, serves every step; the native attention gathers `span` positions
-per token, so there each bucket is also captured per span, a power-of-two number of KV blocks
-(extra positions are masked keys).
+prove it). The invariant attention needs no host fact about the step (each run's own last
+position bounds its KV tiles), so one graph per size serves every step. The stock attention is
+sized by one (`parity.kernels.attention.AttentionBatch`): gathered SDPA by the cached positions
+it reads (`span`), so each bucket is also captured per span, a power-of-two number of KV blocks
+(extra positions are masked keys); flash over the cache by the longest run, so each bucket has a
+decode graph (runs of one token) and a graph for any mix.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from parity.engine import forward
-from parity.kernels.attention import KVCache
+from parity.kernels.attention import KVCache, native_reads_span
 from parity.models.loading import LoadedModel
 
 
@@ -39,8 +40,8 @@ def bucket_sizes(max_tokens: int) -> tuple[int, ...]:
 
 @dataclass
 class _Bucket:
-    """One fixed step size: inputs [3, size] int64 (token ids, positions, slots); on CUDA its graph
-    and the graph's output hidden [size, H] (None on CPU)."""
+    """One fixed step size (and span, longest run): inputs [3, size] int64 (token ids, positions,
+    slots); on CUDA its graph and the graph's output hidden [size, H] (None on CPU)."""
 
     inputs: torch.Tensor
     graph: torch.cuda.CUDAGraph | None = None
@@ -53,15 +54,16 @@ class StepGraphs:
     The cache must not be reallocated while this object is used (graphs hold its addresses).
     """
 
-    def __init__(self, lm: LoadedModel, cache: KVCache, pad_slot: int, max_tokens: int, span_buckets: bool
+    def __init__(self, lm: LoadedModel, cache: KVCache, pad_slot: int, max_tokens: int, stock_attention: bool
                  ) -> None:
         self.lm = lm
         self.cache = cache
         self.pad_slot = pad_slot
         self.sizes = bucket_sizes(max_tokens)
-        self.span_buckets = span_buckets
         self.device = cache.keys[0].device
-        self._buckets: dict[tuple[int, int], _Bucket] = {}
+        self.span_buckets = stock_attention and native_reads_span(self.device, cache.keys[0].dtype)
+        self.run_buckets = stock_attention and not self.span_buckets
+        self._buckets: dict[tuple[int, int, int], _Bucket] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         self.failure: str | None = None
 
@@ -76,16 +78,19 @@ class StepGraphs:
         """Whether a step of `tokens` packed tokens runs here."""
         return tokens <= self.sizes[-1]
 
-    def run(self, ids: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
-        """Hidden states [size, H] of one step (rows past len(ids) are padding), size >= len(ids)."""
+    def run(self, ids: list[int], positions: list[int], slots: list[int], longest_run: int) -> torch.Tensor:
+        """Hidden states [size, H] of one step (rows past len(ids) are padding), size >= len(ids);
+        longest_run: most consecutive tokens of one slot in it."""
         size = next(s for s in self.sizes if s >= len(ids))
         span = self._span(max(positions))
-        bucket = self._buckets.get((size, span)) or self._make(size, span)
+        max_run = 1 if self.run_buckets and longest_run == 1 else size
+        key = (size, span, max_run)
+        bucket = self._buckets.get(key) or self._make(*key)
         pad = size - len(ids)
         host = torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [self.pad_slot] * pad])
         if bucket.graph is None:
             bucket.inputs.copy_(host)
-            return self._forward(bucket.inputs, span)
+            return self._forward(bucket.inputs, span, max_run)
         # pinned staging: the copy is queued behind the previous step's work without a host sync
         bucket.inputs.copy_(host.pin_memory(), non_blocking=True)
         bucket.graph.replay()
@@ -98,10 +103,11 @@ class StepGraphs:
         blocks = position // self.cache.block + 1
         return min(self.cache.capacity, self.cache.block * 2 ** (blocks - 1).bit_length())
 
-    def _forward(self, inputs: torch.Tensor, span: int) -> torch.Tensor:
-        return forward.final_hidden(self.lm, inputs[0:1], inputs[1:2], self.cache, inputs[2], span=span)
+    def _forward(self, inputs: torch.Tensor, span: int, max_run: int) -> torch.Tensor:
+        return forward.final_hidden(self.lm, inputs[0:1], inputs[1:2], self.cache, inputs[2], span=span,
+                                    max_run=max_run)
 
-    def _make(self, size: int, span: int) -> _Bucket:
+    def _make(self, size: int, span: int, max_run: int) -> _Bucket:
         """A bucket's input buffer and, on CUDA, its graph. Capture runs on pad inputs (all tokens in
         the pad slot), so the warm-up forward before it writes only the pad slot."""
         bucket = _Bucket(inputs=torch.zeros((3, size), dtype=torch.int64, device=self.device))
@@ -111,16 +117,16 @@ class StepGraphs:
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
-                self._forward(bucket.inputs, span)
+                self._forward(bucket.inputs, span, max_run)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             try:
                 bucket.graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(bucket.graph, pool=self._pool):
-                    bucket.hidden = self._forward(bucket.inputs, span)
+                    bucket.hidden = self._forward(bucket.inputs, span, max_run)
             except RuntimeError as error:
                 # An op that cannot be captured (a host sync in some model's code): run every
                 # bucket eagerly from now on and say so in `status`; the numbers are the same.
                 self.failure = f"{type(error).__name__}: {error}"[:500]
                 self._pool, bucket.graph, bucket.hidden = None, None, None
-        self._buckets[size, span] = bucket
+        self._buckets[size, span, max_run] = bucket
         return bucket

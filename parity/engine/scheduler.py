@@ -143,6 +143,11 @@ class Step:
     spans: tuple[Span, ...]
     ready: tuple[Span, ...]
 
+    @property
+    def longest_run(self) -> int:
+        """Most tokens of one sequence in the step (1 in a decode-only step)."""
+        return max(span.count for span in self.spans)
+
 
 class Scheduler:
     """FIFO admission into `max_num_seqs` KV slots and steps of at most `max_num_batched_tokens`

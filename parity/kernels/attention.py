@@ -6,7 +6,9 @@ a step (any mix of sequences, prefill chunks and decode tokens) into one forward
 this function in every layer. Each token is written to the cache at (its sequence slot, its
 absolute position) and attends to its own slot's positions 0..position. Family "attention" on:
 the block-ordered online softmax of the device's invariant kernel; off: stock SDPA over the
-same cache.
+same cache, in one of two ways: on CUDA in fp16/bf16, torch's flash-attention kernel reads each
+token's slot in place (`flash_over_cache`: the honest fast baseline, with no invariance claim);
+elsewhere each token's K/V is gathered and fed to SDPA (`gathered_sdpa`).
 
 Without `parity_batch` (a plain `model(input_ids)` or `generate` call) each batch row is one
 unpadded sequence whose queries are the last positions of the keys HF passes in.
@@ -14,7 +16,9 @@ unpadded sequence whose queries are the last positions of the keys HF passes in.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +31,8 @@ from parity.kernels.switch import impl
 ATTENTION_NAME = "parity"
 #: KV positions per block: cache capacity and the span a step reads are multiples of it.
 KV_BLOCK = 32
+#: a step's varlen batch for flash (`varlen_entries`): cu_q, cu_k, used.
+Entries = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -62,29 +68,148 @@ class KVCache:
 class AttentionBatch:
     """Where each token of a packed forward lives: slots, positions [T] int64 (T = batch * seq tokens).
 
-    span: cached positions the step reads, the highest position rounded up to whole blocks.
+    Host facts the stock paths size their launches by (the invariant kernels need neither):
+    span: cached positions the step reads, the highest position rounded up to whole blocks;
+    max_run: an upper bound on the longest run (consecutive tokens of one slot at consecutive
+    positions: a prefill chunk, or a decode token alone).
     """
 
     cache: KVCache
     slots: torch.Tensor
     positions: torch.Tensor
     span: int
+    max_run: int
+
+    @cached_property
+    def flash_entries(self) -> Entries:
+        """`varlen_entries` of this step, made once per forward (every layer reads the same runs);
+        compacted to one entry per run outside CUDA-graph capture."""
+        return varlen_entries(self.slots, self.positions, self.cache.keys[0].shape[1], self.cache.capacity,
+                              compact=not _capturing(self.slots))
+
+    @cached_property
+    def kv_rows(self) -> torch.Tensor:
+        """[T, Hkv] rows of each token's key (and value) in a layer's cache viewed as [S * Hkv * C, D]."""
+        hkv, capacity = self.cache.keys[0].shape[1], self.cache.capacity
+        heads = torch.arange(hkv, device=self.slots.device)
+        return (self.slots[:, None] * hkv + heads) * capacity + self.positions[:, None]
 
     @classmethod
     def make(cls, cache: KVCache, slots: torch.Tensor, positions: torch.Tensor) -> AttentionBatch:
+        """Span and longest run read off the device (a host sync)."""
         span = (int(positions.max()) // cache.block + 1) * cache.block
-        return cls(cache=cache, slots=slots, positions=positions, span=span)
+        _, ends = _runs(slots, positions)
+        max_run = int((ends - torch.arange(ends.shape[0], device=ends.device)).max())
+        return cls(cache=cache, slots=slots, positions=positions, span=span, max_run=max_run)
+
+
+def _capturing(tensor: torch.Tensor) -> bool:
+    return tensor.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def native_reads_span(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether the stock attention's launch depends on `span` (gathered SDPA) rather than on
+    `max_run` (flash over the cache): CUDA graphs of a step are captured per value of that fact."""
+    return not _flash_fits(torch.device(device).type, dtype)
+
+
+def _flash_fits(device_type: str, dtype: torch.dtype) -> bool:
+    return device_type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+
+
+def _runs(slots: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Runs of a packed step [T]: whether each token starts a run, and the index one past the last
+    token of its run. Device ops only, so CUDA graphs capture it."""
+    t = slots.shape[0]
+    index = torch.arange(t, device=slots.device)
+    starts = torch.ones(t, dtype=torch.bool, device=slots.device)
+    starts[1:] = (slots[1:] != slots[:-1]) | (positions[1:] != positions[:-1] + 1)
+    # the first run start at or after each token, by a reversed running minimum
+    next_start = torch.where(starts, index, t).flip(0).cummin(0).values.flip(0)
+    return starts, torch.cat([next_start[1:], next_start.new_full((1,), t)])
 
 
 def attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-           positions: torch.Tensor, span: int, scaling: float) -> torch.Tensor:
+           positions: torch.Tensor, span: int, max_run: int, scaling: float,
+           entries: Callable[[], Entries] | None = None) -> torch.Tensor:
     """query [T, Hq, D] over cached K/V [S, Hkv, C, D] -> [T, Hq, D]; causal by absolute position.
 
-    Reads cached positions [0, span) of each token's slot; span must exceed every position.
+    span must exceed every position, max_run bound the longest run (`AttentionBatch`); entries:
+    gives the step's `varlen_entries` when the caller keeps them across layers.
     """
     fn = impl("attention", "attention", query.device.type)
     if fn is not None:
         return fn(query, k_cache, v_cache, slots, positions, span, scaling)
+    if _flash_fits(query.device.type, query.dtype):
+        return flash_over_cache(query, k_cache, v_cache, slots, positions, max_run, scaling,
+                                entries() if entries else None)
+    return gathered_sdpa(query, k_cache, v_cache, slots, positions, span, scaling)
+
+
+def flash_over_cache(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                     positions: torch.Tensor, max_run: int, scaling: float,
+                     entries: Entries | None = None) -> torch.Tensor:
+    """Stock flash attention (torch's varlen kernel) reading each run's slot in place: query [T, Hq, D]
+    over contiguous K/V [S, Hkv, C, D] -> [T, Hq, D]. No K/V is copied.
+
+    Every token is one varlen batch entry (`varlen_entries`): a run's first token owns the run's
+    queries and reads its slot's keys 0..last position through `cache_rows`, the other tokens own
+    none. The kernel's causal mask is aligned bottom-right, so query i of a run of L tokens sees
+    keys up to used - L + i, its own absolute position. Flash picks its tiles and may split the
+    KV walk by heuristics that follow the batch: this is the fast baseline, with no invariance claim.
+    entries: `varlen_entries` of this step when the caller already has them (one per forward); a
+    step of more than MAX_FLASH_ENTRIES tokens is run in slices and makes its own.
+    """
+    if query.shape[0] > MAX_FLASH_ENTRIES:
+        # one launch per slice of tokens: a run cut in two is two runs, each still ending at its
+        # own last position, so the bottom-right causal mask stays right
+        return torch.cat([flash_over_cache(query[i:i + MAX_FLASH_ENTRIES], k_cache, v_cache,
+                                           slots[i:i + MAX_FLASH_ENTRIES], positions[i:i + MAX_FLASH_ENTRIES],
+                                           max_run, scaling)
+                          for i in range(0, query.shape[0], MAX_FLASH_ENTRIES)])
+    cu_q, cu_k, used = entries or varlen_entries(slots, positions, k_cache.shape[1], k_cache.shape[2])
+    return torch.ops.aten._flash_attention_forward(
+        query, cache_rows(k_cache), cache_rows(v_cache), cu_q, cu_k, max_run, k_cache.shape[2], 0.0, True,
+        False, scale=scaling, seqused_k=used)[0]
+
+
+#: varlen entries per flash launch: the kernel's grid puts them on its y axis (at most 65535 blocks).
+MAX_FLASH_ENTRIES = 65535
+
+
+def cache_rows(cache: torch.Tensor) -> torch.Tensor:
+    """A contiguous [S, Hkv, C, D] cache as flash's key layout [R, Hkv, D], no copy: row
+    s * Hkv * C + p, head h is slot s's key at position p of head h (row stride D, head stride C * D)."""
+    num_slots, hkv, capacity, d = cache.shape
+    return cache.as_strided(((num_slots - 1) * hkv * capacity + capacity, hkv, d), (d, capacity * d, 1))
+
+
+def varlen_entries(slots: torch.Tensor, positions: torch.Tensor, kv_heads: int, capacity: int,
+                   compact: bool = False) -> Entries:
+    """The varlen batch of `flash_over_cache`, int32. One entry per token t of the step: cu_q [T + 1]
+    (entry t's queries are rows cu_q[t]:cu_q[t + 1]: its whole run if t starts one, else none),
+    cu_k [T + 1] (its keys start at `cache_rows` row cu_k[t], its slot's position 0) and used [T]
+    (it reads used[t] keys: its run's last position + 1). compact: one entry per run instead (the
+    run count is read off the device, a host sync, so never inside a CUDA graph): a prefill step's
+    launch then has no empty entries."""
+    t = slots.shape[0]
+    starts, ends = _runs(slots, positions)
+    index = torch.arange(t, device=slots.device)
+    if compact:
+        first = index[starts]
+        cu_q = torch.cat([first, first.new_full((1,), t)])
+        return (cu_q.to(torch.int32), torch.cat([slots[first] * (kv_heads * capacity), first.new_zeros(1)])
+                .to(torch.int32), (positions[ends[first] - 1] + 1).to(torch.int32))
+    first = torch.where(starts, index, ends)
+    cu_q = torch.cat([first, first.new_full((1,), t)])
+    cu_k = torch.cat([slots * (kv_heads * capacity), first.new_zeros(1)])
+    return cu_q.to(torch.int32), cu_k.to(torch.int32), (positions[ends - 1] + 1).to(torch.int32)
+
+
+def gathered_sdpa(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                  positions: torch.Tensor, span: int, scaling: float) -> torch.Tensor:
+    """Stock SDPA over each token's own copy of its slot's first `span` positions: query [T, Hq, D]
+    over K/V [S, Hkv, C, D] -> [T, Hq, D] (the gather copies T * Hkv * span * D elements a layer)."""
     keys = k_cache[slots, :, :span]  # [T, Hkv, span, D]
     values = v_cache[slots, :, :span]
     visible = torch.arange(span, device=query.device).unsqueeze(0) <= positions.unsqueeze(1)
@@ -107,17 +232,19 @@ def parity_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     if isinstance(batch, AttentionBatch):
         k_cache = batch.cache.keys[module.layer_idx]
         v_cache = batch.cache.values[module.layer_idx]
-        hkv = key.shape[1]
-        k_cache[batch.slots, :, batch.positions] = key.transpose(1, 2).reshape(-1, hkv, d)
-        v_cache[batch.slots, :, batch.positions] = value.transpose(1, 2).reshape(-1, hkv, d)
-        out = attend(q, k_cache, v_cache, batch.slots, batch.positions, batch.span, scaling)
+        # one row copy per (token, KV head): an indexed assignment would launch a gather-scatter pair
+        rows = batch.kv_rows.reshape(-1)
+        k_cache.view(-1, d).index_copy_(0, rows, key.transpose(1, 2).reshape(-1, d))
+        v_cache.view(-1, d).index_copy_(0, rows, value.transpose(1, 2).reshape(-1, d))
+        out = attend(q, k_cache, v_cache, batch.slots, batch.positions, batch.span, batch.max_run, scaling,
+                     lambda: batch.flash_entries)
     else:
         total = key.shape[2]
         capacity = -(-total // KV_BLOCK) * KV_BLOCK
         pad = (0, 0, 0, capacity - total)
         slots = torch.arange(b, device=q.device).repeat_interleave(length)
         positions = (torch.arange(length, device=q.device) + (total - length)).repeat(b)
-        out = attend(q, F.pad(key, pad), F.pad(value, pad), slots, positions, capacity, scaling)
+        out = attend(q, F.pad(key, pad), F.pad(value, pad), slots, positions, capacity, length, scaling)
     return out.view(b, length, hq, d), None
 
 

@@ -229,6 +229,14 @@ def rotary(forward: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, t
     return cos[position_ids], sin[position_ids]
 
 
+def apply_rotary(native: Callable[..., tuple[torch.Tensor, torch.Tensor]], q: torch.Tensor,
+                 k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's own rotation: multiplies and adds are exact IEEE operations in every CPU code path
+    (vector body or scalar tail alike), so stock is invariant here."""
+    return native(q, k, cos, sin, unsqueeze_dim)
+
+
 for _family, _op, _fn in (
     ("matmul", "linear", linear),
     ("rmsnorm", "rms_norm", rms_norm),
@@ -239,5 +247,6 @@ for _family, _op, _fn in (
     ("moe", "topk", topk),
     ("moe", "experts", experts),
     ("rotary", "rotary", rotary),
+    ("rotary", "apply", apply_rotary),
 ):
     register(_family, _op, "cpu", _fn)

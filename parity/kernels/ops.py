@@ -63,6 +63,19 @@ def rotary(forward: RotaryForward, x: torch.Tensor, position_ids: torch.Tensor, 
     return fn(forward, x, position_ids, max_positions, tables)
 
 
+def apply_rotary(native: Callable[..., tuple[torch.Tensor, torch.Tensor]], q: torch.Tensor,
+                 k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k rotated by cos, sin (family "rotary"); `native` is the model's own `apply_rotary_pos_emb`.
+
+    Elementwise, so invariant as stock; the CUDA kernel fuses HF's ten launches into two with the
+    same bits (`parity.kernels.triton.rotary`)."""
+    fn = impl("rotary", "apply", q.device.type)
+    if fn is None:
+        return native(q, k, cos, sin, unsqueeze_dim)
+    return fn(native, q, k, cos, sin, unsqueeze_dim)
+
+
 def topk(scores: torch.Tensor, k: int, *, normalize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, indices) [..., k] of the k largest scores, values renormalized to sum 1 if `normalize`.
 

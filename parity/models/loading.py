@@ -9,6 +9,7 @@ So with every kernel family off the patched model computes exactly what the unpa
 from __future__ import annotations
 
 import os
+import sys
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -107,6 +108,26 @@ def _rotary_forward(self: nn.Module, x: torch.Tensor, position_ids: torch.Tensor
     return ops.rotary(_native(self), x, position_ids, self.parity_max_positions, self.parity_tables)
 
 
+def _patch_rotation(attention: nn.Module) -> None:
+    """Route the `apply_rotary_pos_emb` the attention module's code calls through `ops.apply_rotary`.
+
+    HF calls it as a global of the model's modeling module, so that global is wrapped (once per
+    module). The wrapper runs the stock function whenever the "rotary" family is off, so HF models
+    that parity did not patch keep their exact stock bits.
+    """
+    module = sys.modules.get(type(attention).__module__)
+    native = getattr(module, "apply_rotary_pos_emb", None)
+    if native is None or getattr(native, "parity_native", None) is not None:
+        return
+
+    def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                             unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        return ops.apply_rotary(native, q, k, cos, sin, unsqueeze_dim)
+
+    apply_rotary_pos_emb.parity_native = native
+    module.apply_rotary_pos_emb = apply_rotary_pos_emb
+
+
 def _experts_forward(self: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
                      top_k_weights: torch.Tensor) -> torch.Tensor:
     return experts_forward(self, hidden, top_k_index, top_k_weights, native=_native(self))
@@ -128,6 +149,8 @@ def _patch(model: nn.Module, max_positions: int) -> int:
             module.parity_max_positions = max_positions
             module.parity_tables = {}
             module.forward = types.MethodType(_rotary_forward, module)
+        elif kind.endswith("Attention") and hasattr(module, "q_proj"):
+            _patch_rotation(module)
         elif kind in ROUTERS:
             patch_router(module, moe_layers)
             moe_layers += 1

@@ -1,8 +1,9 @@
 """Batch-invariant Triton kernels: parity's invariant ops for CUDA tensors.
 
 One kernel idea per module: `matmul` (persistent, one tile plan per weight shape), `rmsnorm`,
-`softmax` and `scan` (one program per row), `attention` (causal attention over the engine's KV cache,
-KV tiles at absolute positions, no KV split), `moe` (tie-stable top-k, grouped expert GEMM,
+`softmax` and `scan` (one program per row), `rotary` (q and k rotated in one launch each),
+`attention` (causal attention over the engine's KV cache, KV tiles at absolute positions, no KV
+split), `moe` (tie-stable top-k, grouped expert GEMM,
 ordered combine). `register()` plugs them into `parity.kernels`' switch for device type "cuda";
 the module docstrings give the numerical reason each one is batch-invariant.
 
@@ -20,10 +21,12 @@ from parity.kernels.triton.attention import attention
 from parity.kernels.triton.matmul import linear
 from parity.kernels.triton.moe import combine, experts_forward, grouped_linear, topk
 from parity.kernels.triton.rmsnorm import rms_norm
+from parity.kernels.triton.rotary import apply_rotary
 from parity.kernels.triton.scan import cumsum
 from parity.kernels.triton.softmax import log_softmax, softmax
 
 __all__ = [
+    "apply_rotary",
     "attention",
     "combine",
     "cumsum",
@@ -71,6 +74,7 @@ def register() -> None:
         ("softmax", "cumsum", cumsum),
         ("pointwise", "activation", _activation_op),
         ("rotary", "rotary", rotary),
+        ("rotary", "apply", apply_rotary),
         ("moe", "topk", topk),
         ("moe", "experts", experts_forward),
         ("attention", "attention", _attention_op),

@@ -48,7 +48,16 @@ BLOCK_M = 64
 BLOCK_N = 64
 #: warps per program and software-pipeline depth of the K/V loads.
 NUM_WARPS = 4
-NUM_STAGES = 2
+NUM_STAGES = 3
+#: 0: one program per (token, KV head); n > 0: about n persistent programs per SM (`AttentionConfig`).
+PROGRAMS_PER_SM = 0
+#: Steps of at least this many tokens (prefill-sized; decode steps and CUDA-graph buckets have fewer)
+#: launch LONG_STEP_PROGRAMS_PER_SM persistent programs per SM with LONG_STEP_STAGES pipeline stages
+#: instead: the per-token launch would start T programs per KV head of which all but each run's
+#: first exit. Same tiles and warps, so the same per-run code and the same bits (see `shipped_config`).
+LONG_STEP_TOKENS = 1024
+LONG_STEP_PROGRAMS_PER_SM = 4
+LONG_STEP_STAGES = 2
 
 
 @dataclass(frozen=True)
@@ -108,12 +117,58 @@ CANDIDATES: tuple[AttentionConfig, ...] = (
     AttentionConfig(64, 64, 4, 3, programs_per_sm=16),
     AttentionConfig(128, 64, 8, 3, programs_per_sm=4),
     AttentionConfig(16, 64, 4, 3, programs_per_sm=16),
+    AttentionConfig(64, 64, 4, 2, programs_per_sm=4),
+    AttentionConfig(64, 64, 4, 2, programs_per_sm=16),
+    AttentionConfig(64, 64, 4, 3, programs_per_sm=8),
 )
 
 
-def shipped_config() -> AttentionConfig:
-    """The plan `attention` runs by default (the module constants, read at call time)."""
-    return AttentionConfig(BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES)
+def shipped_config(tokens: int = 1) -> AttentionConfig:
+    """The plan `attention` runs by default for a step of `tokens` query tokens (the module constants,
+    read at call time).
+
+    A long step and a short one get different launches of one per-run code: BLOCK_M, BLOCK_N and
+    the warps are shared (they fix a row's arithmetic), only which program takes a run and how deep
+    the K/V loads are pipelined change, which touches no row's arithmetic. The GPU sweep checks
+    decode under the short launch == prefill under the long one bit for bit
+    (`benchmarks/gpu.py`, attention_sweep), and so do the GPU tests.
+    """
+    if tokens >= LONG_STEP_TOKENS:
+        return AttentionConfig(BLOCK_M, BLOCK_N, NUM_WARPS, LONG_STEP_STAGES, LONG_STEP_PROGRAMS_PER_SM)
+    return AttentionConfig(BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES, PROGRAMS_PER_SM)
+
+
+@triton.jit
+def _tile(q, k_base, v_base, start, dims, in_run, pos, last, qk_scale_log2, stride_kc, stride_vc, m_i, l_i,
+          acc, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """One KV tile [start, start + BLOCK_N) of the online softmax: (m, l, acc) updated.
+
+    MASKED: mask keys past each row's position and past the run's last key (the loads too);
+    otherwise every key of the tile is visible to every row of the run. Both keep the row select
+    between the scaled scores and the max/exp2 (rows outside the run: -inf), so the compiler
+    contracts the same operations into FMAs either way and a row's bits do not depend on which
+    loop reached the tile.
+    """
+    keys = start + tl.arange(0, BLOCK_N)
+    if MASKED:
+        key_ok = keys <= last
+        k = tl.load(k_base + keys[:, None] * stride_kc + dims[None, :], mask=key_ok[:, None], other=0.0)
+        v = tl.load(v_base + keys[:, None] * stride_vc + dims[None, :], mask=key_ok[:, None], other=0.0)
+        s = mma(q, k.T, tl.zeros((q.shape[0], BLOCK_N), tl.float32)) * qk_scale_log2
+        s = tl.where(in_run[:, None] & (keys[None, :] <= pos[:, None]), s, float("-inf"))
+    else:
+        k = tl.load(k_base + keys[:, None] * stride_kc + dims[None, :])
+        v = tl.load(v_base + keys[:, None] * stride_vc + dims[None, :])
+        s = mma(q, k.T, tl.zeros((q.shape[0], BLOCK_N), tl.float32)) * qk_scale_log2
+        s = tl.where(in_run[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # Rows outside the run see no key: shift them by 0, not -inf, so they stay (-inf, 0, 0).
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = mma(p.to(v.dtype), v, acc * alpha[:, None])
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -165,21 +220,17 @@ def _attend_run(
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
-    for start in range(0, last + 1, BLOCK_N):
-        keys = start + tl.arange(0, BLOCK_N)
-        key_ok = keys <= last
-        k = tl.load(k_base + keys[:, None] * stride_kc + dims[None, :], mask=key_ok[:, None], other=0.0)
-        s = mma(q, k.T, tl.zeros((BLOCK_M, BLOCK_N), tl.float32)) * qk_scale_log2
-        s = tl.where(in_run[:, None] & (keys[None, :] <= pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # Rows outside the run see no key: shift them by 0, not -inf, so they stay (−inf, 0, 0).
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + keys[:, None] * stride_vc + dims[None, :], mask=key_ok[:, None], other=0.0)
-        acc = mma(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_new
+    # Tiles below the run's first position are visible to every row of the run: no key or causal
+    # mask there. Which tiles those are depends on the run, so both loops run one tile body
+    # (`_tile`) whose arithmetic is the same with and without the masks (see there).
+    first_pos = tl.min(tl.where(in_run, pos, last), axis=0)
+    visible_end = (first_pos + 1) // BLOCK_N * BLOCK_N
+    for start in range(0, visible_end, BLOCK_N):
+        m_i, l_i, acc = _tile(q, k_base, v_base, start, dims, in_run, pos, last, qk_scale_log2, stride_kc,
+                              stride_vc, m_i, l_i, acc, BLOCK_N, False)
+    for start in range(visible_end, last + 1, BLOCK_N):
+        m_i, l_i, acc = _tile(q, k_base, v_base, start, dims, in_run, pos, last, qk_scale_log2, stride_kc,
+                              stride_vc, m_i, l_i, acc, BLOCK_N, True)
     out = acc / tl.where(in_run, l_i, 1.0)[:, None]
     o_offs = tok.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
     tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=in_run[:, None])
@@ -240,10 +291,11 @@ def attention(
     query: [T, Hq, D]; k_cache, v_cache: [S, Hkv, C, D] with every query's own key already written;
     slots, positions: [T] int, the slot and absolute position of each query token.
     Returns [T, Hq, D] in the query dtype; scores, softmax and accumulation run in fp32.
-    config: the launch plan (default `shipped_config()`); every caller of one model must use one plan.
+    config: the launch plan (default `shipped_config(T)`); every caller of one model must use plans
+    of one bitwise class (the sweep's cross table).
     """
-    cfg = config or shipped_config()
     t, hq, d = query.shape
+    cfg = config or shipped_config(t)
     _, hkv, _, dk = k_cache.shape
     if dk != d or v_cache.shape != k_cache.shape:
         raise InputError(
