@@ -152,11 +152,12 @@ def flash_over_cache(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     """Stock flash attention (torch's varlen kernel) reading each run's slot in place: query [T, Hq, D]
     over contiguous K/V [S, Hkv, C, D] -> [T, Hq, D]. No K/V is copied.
 
-    Every token is one varlen batch entry (`varlen_entries`): a run's first token owns the run's
-    queries and reads its slot's keys 0..last position through `cache_rows`, the other tokens own
-    none. The kernel's causal mask is aligned bottom-right, so query i of a run of L tokens sees
-    keys up to used - L + i, its own absolute position. Flash picks its tiles and may split the
-    KV walk by heuristics that follow the batch: this is the fast baseline, with no invariance claim.
+    Every token (or, compacted, every run) is one varlen batch entry (`varlen_entries`): a run's
+    first token owns the run's queries and reads its slot's keys 0..last position through
+    `cache_rows`, the other tokens own none. The kernel's causal mask is aligned bottom-right, so
+    query i of a run of L tokens sees keys up to used - L + i, its own absolute position. Flash
+    picks its tiles and may split the KV walk by heuristics that follow the batch: this is the
+    fast baseline, with no invariance claim.
     entries: `varlen_entries` of this step when the caller already has them (one per forward); a
     step of more than MAX_FLASH_ENTRIES tokens is run in slices and makes its own.
     """
