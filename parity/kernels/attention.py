@@ -60,6 +60,10 @@ class KVCache:
         return self.keys[0].shape[0]
 
     @property
+    def kv_heads(self) -> int:
+        return self.keys[0].shape[1]
+
+    @property
     def capacity(self) -> int:
         return self.keys[0].shape[2]
 
@@ -84,15 +88,15 @@ class AttentionBatch:
     def flash_entries(self) -> Entries:
         """`varlen_entries` of this step, made once per forward (every layer reads the same runs);
         compacted to one entry per run outside CUDA-graph capture."""
-        return varlen_entries(self.slots, self.positions, self.cache.keys[0].shape[1], self.cache.capacity,
+        return varlen_entries(self.slots, self.positions, self.cache.kv_heads, self.cache.capacity,
                               compact=not _capturing(self.slots))
 
     @cached_property
     def kv_rows(self) -> torch.Tensor:
         """[T, Hkv] rows of each token's key (and value) in a layer's cache viewed as [S * Hkv * C, D]."""
-        hkv, capacity = self.cache.keys[0].shape[1], self.cache.capacity
+        hkv = self.cache.kv_heads
         heads = torch.arange(hkv, device=self.slots.device)
-        return (self.slots[:, None] * hkv + heads) * capacity + self.positions[:, None]
+        return (self.slots[:, None] * hkv + heads) * self.cache.capacity + self.positions[:, None]
 
     @classmethod
     def make(cls, cache: KVCache, slots: torch.Tensor, positions: torch.Tensor) -> AttentionBatch:
@@ -197,14 +201,14 @@ def varlen_entries(slots: torch.Tensor, positions: torch.Tensor, kv_heads: int, 
     starts, ends = _runs(slots, positions)
     index = torch.arange(t, device=slots.device)
     if compact:
-        first = index[starts]
-        cu_q = torch.cat([first, first.new_full((1,), t)])
-        return (cu_q.to(torch.int32), torch.cat([slots[first] * (kv_heads * capacity), first.new_zeros(1)])
-                .to(torch.int32), (positions[ends[first] - 1] + 1).to(torch.int32))
-    first = torch.where(starts, index, ends)
+        first = index[starts]  # one entry per run, at its first token
+        entry_slots, entry_ends = slots[first], ends[first]
+    else:
+        first = torch.where(starts, index, ends)  # a run's first token owns the run; the others none
+        entry_slots, entry_ends = slots, ends
     cu_q = torch.cat([first, first.new_full((1,), t)])
-    cu_k = torch.cat([slots * (kv_heads * capacity), first.new_zeros(1)])
-    return cu_q.to(torch.int32), cu_k.to(torch.int32), (positions[ends - 1] + 1).to(torch.int32)
+    cu_k = torch.cat([entry_slots * (kv_heads * capacity), first.new_zeros(1)])
+    return cu_q.to(torch.int32), cu_k.to(torch.int32), (positions[entry_ends - 1] + 1).to(torch.int32)
 
 
 def gathered_sdpa(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
