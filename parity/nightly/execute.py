@@ -88,13 +88,14 @@ def execute_row(run_id: str, key: RowKey, case: Case, *, reference: str, device:
     stage = "backend failed to start"
     try:
         t0 = time.perf_counter()
-        engine = shared_backend(key.backend, case.model, dtype=key.dtype, **engine_options(key, case, device))
+        options = engine_options(key, case, device)
+        engine = shared_backend(key.backend, case.model, dtype=key.dtype, **options)
         timing["start_s"] = round(time.perf_counter() - t0, 3)
         stage = "case failed"
         t0 = time.perf_counter()
         if case.kind == "lifecycle":
             return lifecycle_row(run_id, key, case, engine, provenance, timing)
-        tp = tensor_parallel(key, case)
+        tp = options.get("tensor_parallel_size")
         report = compare(None, engine, case=case, dtype=key.dtype, tolerance=case.tolerance_for(key.backend),
                          reference=reference, device=device, router_replay=replay_mode(key),
                          **({"tensor_parallel": tp} if tp is not None else {}))
