@@ -39,8 +39,9 @@ Sections (`SECTIONS`; each runs independently: a failure is recorded and the nex
   the cross-plan table (may decode run another plan than prefill?).
 - parity_shapes: rollout == train_forward bit for bit on 2-layer Llama-3.2-1B-, Qwen3-30B-A3B- and
   Qwen3-1.7B-shaped models (invariant; native as the negative control).
-- moe_e2e: output tok/s on a Qwen3-30B-A3B-shaped model (`--moe-layers` of 48 layers): hf generate,
-  the engine with invariant and native kernels, each with and without route recording.
+- moe_e2e: output tok/s on a Qwen3-30B-A3B-shaped model (`--moe-layers` of 48 layers, built in GPU
+  memory): hf generate (`--moe-hf-tokens`), the engine with `--moe-variants` kernels, each with and
+  without route recording.
 - probed: parity_shapes, e2e and moe_e2e (invariant only) in a subprocess set up for cuBLASLt,
   where every shape goes through the load-time probe.
 - roofline: each end-to-end row of the run against its workload's lower bound from shapes
@@ -56,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import importlib
 import itertools
 import json
@@ -80,6 +82,7 @@ from parity.engine.selfcheck import SettingCheck, sampling_grid_check
 from parity.kernels import switch
 from parity.kernels.triton.matmul import CUBLASLT_ENV, cublaslt_ready
 from parity.models import shaped
+from parity.models.loading import LoadedModel
 from parity.schema import REDUCTION_GROUPS
 from parity.types import Request, SamplingParams
 
@@ -481,12 +484,13 @@ def grid_check(model: str, kernels: str) -> GridCheck:
                      max_abs_diff=max(c.max_abs_diff for c in checks))
 
 
-def engine_tok_s(path: Path, kernels: str | tuple[str, ...], reqs: list[Request], chunk_size: int,
-                 budget: int, record_routes: bool = False, tensor_parallel_size: int | None = None,
+def engine_tok_s(model: Path | LoadedModel, kernels: str | tuple[str, ...], reqs: list[Request],
+                 chunk_size: int, budget: int, record_routes: bool = False,
+                 tensor_parallel_size: int | None = None,
                  reduction_groups: int = REDUCTION_GROUPS) -> Throughput:
     """Output tok/s of one ReferenceEngine.generate over reqs (after a small warm-up generate; the
     timed call still captures its decode graph, the KV cache being reallocated for its lengths)."""
-    with ReferenceEngine(str(path), dtype="bfloat16", device="cuda", kernels=kernels, max_num_seqs=len(reqs),
+    with ReferenceEngine(model, dtype="bfloat16", device="cuda", kernels=kernels, max_num_seqs=len(reqs),
                          chunk_size=chunk_size, max_num_batched_tokens=budget,
                          record_routes=record_routes, tensor_parallel_size=tensor_parallel_size,
                          reduction_groups=reduction_groups) as engine:
@@ -501,12 +505,17 @@ def engine_tok_s(path: Path, kernels: str | tuple[str, ...], reqs: list[Request]
                       step_graphs=rollouts[0].meta["step_graphs"])
 
 
-def hf_generate_tok_s(path: Path, reqs: list[Request], prompt_len: int, max_tokens: int) -> Throughput:
-    """Output tok/s of stock transformers `generate` (SDPA, sampling at temperature 1, no top-k/p)."""
+def hf_generate_tok_s(model: Path | torch.nn.Module, reqs: list[Request], prompt_len: int,
+                      max_tokens: int) -> Throughput:
+    """Output tok/s of stock transformers `generate` (SDPA, sampling at temperature 1, no top-k/p) on a
+    checkpoint path or an unpatched model already on the GPU."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa")
-    hf = hf.cuda().eval()
+    if isinstance(model, torch.nn.Module):
+        hf = model.eval()
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16, attn_implementation="sdpa")
+        hf = hf.cuda().eval()
     ids = torch.tensor([list(r.prompt_ids) for r in reqs], device="cuda")
     kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0)
     hf.generate(ids[:4, :16], max_new_tokens=4, min_new_tokens=4, **kwargs)
@@ -517,7 +526,7 @@ def hf_generate_tok_s(path: Path, reqs: list[Request], prompt_len: int, max_toke
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     produced = (out.shape[1] - prompt_len) * len(reqs)
-    del hf
+    del hf, out
     torch.cuda.empty_cache()
     return Throughput(seconds=seconds, output_tokens=produced, output_tok_s=produced / seconds)
 
@@ -910,7 +919,7 @@ def attention_sweep_section(run: Run) -> dict[str, Any]:
     plans: dict[str, Any] = {}
     decoded: dict[str, torch.Tensor] = {}
     prefilled: dict[str, torch.Tensor] = {}
-    for plan in CANDIDATES:
+    for plan in (c for c in CANDIDATES if not run.args.attention_plans or c.name in run.args.attention_plans):
         try:
             whole = attention(qp, kc, vc, p_slots, p_pos, scale, plan)
             chunks = torch.empty_like(whole)
@@ -943,31 +952,53 @@ def _moe_config(layers: int) -> Any:
 
 def moe_e2e_section(run: Run) -> dict[str, Any]:
     """Throughput on a Qwen3-30B-A3B-shaped bf16 model with random weights and `--moe-layers` of its 48
-    layers: hf generate, the engine with invariant and native kernels, each engine variant with
-    and without route recording (routes are recorded eagerly: no CUDA graphs)."""
+    layers, built on the GPU in memory (48 layers are ~61 GB: more than the lent machine's disk holds):
+    hf generate (first, on the unpatched model; `--moe-hf-tokens` output tokens), then the engine with
+    each `--moe-variants` kernel set, with and without route recording (routes are recorded
+    eagerly: no CUDA graphs)."""
+    from parity.models.loading import adopt_model
+
     args = run.args
     count, prompt_len, max_tokens = args.moe
+    hf_tokens = args.moe_hf_tokens or max_tokens
     section: dict[str, Any] = {"workload": E2EWorkload(
         requests=count, prompt_tokens=prompt_len, output_tokens=max_tokens,
         model=f"Qwen3-30B-A3B-shaped, {args.moe_layers} of 48 layers, 128 experts, top-8, bf16, "
-              "random weights",
+              "random weights built in GPU memory",
         engine_chunk_size=prompt_len, engine_max_num_batched_tokens=args.max_batched_tokens,
-        matmul_path="cuBLASLt without split-K where probed" if cublaslt_ready() else "Triton")}
-    path = save_random_model(_moe_config(args.moe_layers), run.tmp / "qwen3-30b-a3b-shaped")
+        matmul_path="cuBLASLt without split-K where probed" if cublaslt_ready() else "Triton"),
+        "hf_generate_output_tokens": hf_tokens}
+    config = _moe_config(args.moe_layers)
+    where = run.tmp / "qwen3-30b-a3b-shaped"
+    where.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(where)
+    start = time.perf_counter()
+    hf = shaped.build_random_model(config, device="cuda", dtype="bfloat16")
+    torch.cuda.synchronize()
+    section["build_s"] = time.perf_counter() - start
     reqs = requests_for(151936, count, prompt_len, max_tokens)
-    for variant in args.moe_variants:
-        for record in ((False, True) if variant != "hf" else (False,)):
-            name = "hf_generate" if variant == "hf" else f"engine_{variant}{'_routes' if record else ''}"
+    if "hf" in args.moe_variants:
+        try:
+            section["hf_generate"] = hf_generate_tok_s(
+                hf, requests_for(151936, count, prompt_len, hf_tokens), prompt_len, hf_tokens)
+        except Exception:
+            section["hf_generate"] = failure()
+        run.checkpoint("moe_e2e", section)
+    lm = adopt_model(hf, where, "bfloat16", "cuda")
+    del hf
+    for variant in (v for v in args.moe_variants if v != "hf"):
+        for record in (False, True):
+            name = f"engine_{variant}{'_routes' if record else ''}"
             try:
-                if variant == "hf":
-                    section[name] = hf_generate_tok_s(path, reqs, prompt_len, max_tokens)
-                else:
-                    section[name] = engine_tok_s(path, engine_kernels(variant), reqs, prompt_len,
-                                                 args.max_batched_tokens, record_routes=record)
+                section[name] = engine_tok_s(lm, engine_kernels(variant), reqs, prompt_len,
+                                             args.max_batched_tokens, record_routes=record)
             except Exception:
                 section[name] = failure()
             torch.cuda.empty_cache()
             run.checkpoint("moe_e2e", section)
+    del lm
+    gc.collect()
+    torch.cuda.empty_cache()
     return section
 
 
@@ -1292,6 +1323,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--moe", type=_shape, default="256,256,512",
                         help="MoE workload: requests,prompt_tokens,output_tokens")
     parser.add_argument("--moe-layers", type=int, default=4, help="layers of the Qwen3-30B-A3B-shaped model")
+    parser.add_argument("--attention-plans", type=lambda t: [n for n in t.split(",") if n], default=[],
+                        help="attention_sweep: only these plans (names as in its table; default: all)")
+    parser.add_argument("--moe-hf-tokens", type=int, default=0,
+                        help="output tokens of the MoE hf generate row (default: the --moe workload's)")
     parser.add_argument("--moe-variants", type=lambda t: _names(t, E2E_VARIANTS, "moe variants"),
                         default="hf,invariant,native", help=f"comma-separated, of {', '.join(E2E_VARIANTS)}")
     parser.add_argument("--tp-groups", type=_groups, default="8",

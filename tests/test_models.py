@@ -136,3 +136,28 @@ def test_every_builtin_loads_in_vllm(tmp_path):
             first = model(torch.tensor([[5, 6, 7, 8]])).logits[0, -1].argmax().item()
         assert len(tokens[path]) == 4
         assert tokens[path][0] == first, path
+
+
+def test_a_model_built_in_memory_runs_like_the_same_model_saved_and_loaded(tmp_path):
+    """adopt_model (for random-weight models too large to save) patches an in-memory model the way
+    load_model patches a checkpoint: the engine's rollouts are bitwise those of the saved copy."""
+    from parity.engine import ReferenceEngine
+    from parity.models.loading import adopt_model
+    from parity.models.shaped import build_random_model, save_random_model, shaped_config
+    from parity.types import Request, SamplingParams
+
+    config = shaped_config("moe-64x8", 1, vocab_size=512)
+    saved = save_random_model(config, tmp_path / "saved", device="cpu", dtype="float32", seed=4)
+    (tmp_path / "memory").mkdir()
+    config.save_pretrained(tmp_path / "memory")
+    adopted = adopt_model(build_random_model(config, device="cpu", dtype="float32", seed=4),
+                          tmp_path / "memory", "float32", "cpu")
+    assert adopted.is_moe and adopted.num_experts == 64
+    reqs = [Request(prompt_ids=[3 + i, 9, 27], request_id=str(i),
+                    sampling=SamplingParams(temperature=1.0, max_tokens=6, seed=i, ignore_eos=True))
+            for i in range(3)]
+    rollouts = {}
+    for label, model in (("saved", str(saved)), ("memory", adopted)):
+        with ReferenceEngine(model, dtype="float32", device="cpu", kernels="invariant") as engine:
+            rollouts[label] = [(r.token_ids, r.logprobs) for r in engine.generate(reqs)]
+    assert rollouts["memory"] == rollouts["saved"]

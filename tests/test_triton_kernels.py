@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs an NVIDIA GPU (CUDA not available)")
 #: tests of this file that run under the interpreter: all but the CUDA-only ones and the child runner.
-MIN_INTERPRETED = 48
+MIN_INTERPRETED = 51
 
 
 @pytest.mark.skipif(CUDA or INTERPRETED, reason="the kernel tests run in this process")
@@ -309,6 +309,19 @@ def test_every_candidate_plan_gives_decode_equal_prefill_equal_chunked(tk: Modul
     assert torch.equal(_attend(tk, torch.float32, parts, plan), expected)
 
 
+@pytest.mark.parametrize("programs_per_sm", [0, 1])
+def test_a_slot_met_twice_in_one_tile_is_two_runs(tk: ModuleType, programs_per_sm: int) -> None:
+    """The kernel finds runs from the slots themselves: a slot whose tokens come back after another
+    slot's, inside one tile of query tokens, is two runs, each with its own keys (same bits as the
+    tokens alone)."""
+    attention = importlib.import_module("parity.kernels.triton.attention")
+    plan = attention.AttentionConfig(64, 64, 4, 2, programs_per_sm=programs_per_sm)
+    parts = [(3, 0, 3), (0, 0, 2), (3, 3, 5), (2, 0, 1)]
+    got = _attend(tk, torch.float32, parts, plan)
+    alone = torch.cat([_attend(tk, torch.float32, [part], plan) for part in parts])
+    assert torch.equal(got, alone)
+
+
 def test_persistent_programs_walking_several_runs_each_give_the_per_token_kernel_bits(tk: ModuleType) -> None:
     """Few programs (2 per KV head here), each taking many runs in turn: same bits as one program
     per token, on a step mixing prefill chunks and decode tokens."""
@@ -351,6 +364,15 @@ def test_attention_config_rejects_bad_plans() -> None:
     for bad in ((48, 64, 4, 2), (8, 64, 4, 2), (64, 64, 3, 2), (64, 64, 4, 0), (64, 64, 4, 2, -1)):
         with pytest.raises(InputError):
             attention.AttentionConfig(*bad)
+
+
+def test_attention_refuses_a_cache_past_32_bit_tma_rows(tk: ModuleType) -> None:
+    """TMA row coordinates are 32-bit: a cache of 2**31 rows is refused by name, not wrapped."""
+    from parity.errors import InputError
+
+    attention = importlib.import_module("parity.kernels.triton.attention")
+    with pytest.raises(InputError, match="32-bit"):
+        attention._rows_descriptor(torch.empty((2**18, 8, 1024, 16), device="meta"), 64)
 
 
 def test_attention_negative_control_tile_boundaries_change_bits(

@@ -66,10 +66,11 @@ class EngineConfig:
     step; record_routes: put each rollout's chosen experts in `routed_experts` (MoE);
     max_num_batched_tokens: tokens per step (bounds a prefill step's activations and attention
     workspace); graphs: run steps of up to max_num_seqs tokens padded to fixed sizes, replayed
-    from CUDA graphs on a GPU (None: on for CUDA dense models; never while recording MoE routes;
-    True on CPU runs the padded steps eagerly); tensor_parallel_size: None runs the whole model in
-    this process, k in (1, 2, 4, 8) runs k ranks (`parity.parallel`; k = 1 in-process) whose
-    rollouts are the same bits at every k and equal `train_forward(tensor_parallel_size=1)`;
+    from CUDA graphs on a GPU (None: on for CUDA models, for MoE ones only when parity's "moe"
+    kernels run; never while recording MoE routes; True on CPU runs the padded steps eagerly);
+    tensor_parallel_size: None runs the whole model in this process, k in (1, 2, 4, 8) runs k ranks
+    (`parity.parallel`; k = 1 in-process) whose rollouts are the same bits at every k and equal
+    `train_forward(tensor_parallel_size=1)`;
     tp_reduction: the row-parallel sum, "canonical" (TP-invariant) or "all_reduce" (the stock sum,
     a contrast whose bits change with k); reduction_groups: the K groups of the canonical sum, a
     positive integer that k divides (default 8: every degree). The bits are the same at every k for
@@ -172,8 +173,10 @@ class ReferenceEngine:
             return False  # the ranks' collectives run eagerly
         if self.config.graphs is not None:
             return self.config.graphs
-        # Dense only by default: the native MoE path reads expert counts on the host (not capturable).
-        return torch.device(self.config.device).type == "cuda" and not self.lm.is_moe
+        # The stock MoE path reads expert counts on the host (not capturable); parity's MoE kernels
+        # keep the routing bookkeeping on the device, so a MoE model replays graphs when they run.
+        capturable = not self.lm.is_moe or "moe" in kernel_families(self.config.kernels)
+        return torch.device(self.config.device).type == "cuda" and capturable
 
     def _reserve(self, max_len: int) -> None:
         """Make the KV cache hold `max_len` positions per slot (grown on demand, never past max_len

@@ -178,6 +178,34 @@ def check_device(device: str | torch.device) -> str:
     return str(device)
 
 
+def adopt_model(hf: nn.Module, path: Path, dtype: str, device: str, name: str | None = None) -> LoadedModel:
+    """An HF causal LM already built in this process (on `device`, in `dtype`) -> patched LoadedModel.
+
+    For models built in memory rather than read from a checkpoint, e.g. a random-weight model too
+    large for the machine's disk (`parity.models.shaped.build_random_model`). `path` is a directory
+    holding the model's config.json (the provenance hash covers the files there). The model is
+    patched in place and switched to parity's attention; it is not added to load_model's cache, so
+    dropping the LoadedModel frees it.
+    """
+    hf.set_attn_implementation(ATTENTION_NAME)
+    hf.eval()
+    config = hf.config
+    max_len = int(config.max_position_embeddings)
+    num_moe_layers = _patch(hf, max_len)
+    prepare(hf)  # on CUDA: the load-time matmul route probe (cached per machine)
+    eos = config.eos_token_id
+    eos_ids = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+    return LoadedModel(
+        model=hf, config=config, path=path, name=name or path.name,
+        dtype=dtype, device=str(device), is_moe=num_moe_layers > 0, num_moe_layers=num_moe_layers,
+        moe_top_k=int(getattr(config, "num_experts_per_tok", 0) or 0) if num_moe_layers else 0,
+        num_experts=int(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0))
+        if num_moe_layers else 0,
+        vocab_size=int(config.vocab_size), max_len=max_len, model_hash=model_hash(path),
+        eos_token_ids=eos_ids,
+    )
+
+
 def load_model(model: str | os.PathLike[str] | LoadedModel, dtype: str = "float32",
                device: str = "cpu") -> LoadedModel:
     """A built-in name, a local HF checkpoint path or a LoadedModel -> patched LoadedModel (cached)."""
@@ -200,22 +228,8 @@ def load_model(model: str | os.PathLike[str] | LoadedModel, dtype: str = "float3
                           f"reference engine supports {sorted(SUPPORTED_ARCHITECTURES)}")
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=TORCH_DTYPES[dtype],
                                               attn_implementation=ATTENTION_NAME)
-    hf.to(device).eval()
-    config = hf.config
-    max_len = int(config.max_position_embeddings)
-    num_moe_layers = _patch(hf, max_len)
-    prepare(hf)  # on CUDA: the load-time matmul route probe (cached per machine)
-    eos = config.eos_token_id
-    eos_ids = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+    hf.to(device)
     name = os.fspath(model)
-    loaded = LoadedModel(
-        model=hf, config=config, path=path, name=name if is_model_name(name) else path.name,
-        dtype=dtype, device=str(device), is_moe=num_moe_layers > 0, num_moe_layers=num_moe_layers,
-        moe_top_k=int(getattr(config, "num_experts_per_tok", 0) or 0) if num_moe_layers else 0,
-        num_experts=int(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0))
-        if num_moe_layers else 0,
-        vocab_size=int(config.vocab_size), max_len=max_len, model_hash=model_hash(path),
-        eos_token_ids=eos_ids,
-    )
+    loaded = adopt_model(hf, path, dtype, device, name=name if is_model_name(name) else path.name)
     _loaded[key] = loaded
     return loaded

@@ -72,16 +72,24 @@ def shaped_config(shape: str, layers: int, *, vocab_size: int | None = None,
                         architectures=[architecture])
 
 
-def save_random_model(config: Any, path: str | Path, *, device: str = "cuda", dtype: str = "bfloat16",
-                      seed: int = 0) -> Path:
-    """Initialize `config` with random weights (seeded) on `device` and save it to `path` as a
-    local HF checkpoint; returns the path."""
+def build_random_model(config: Any, *, device: str = "cuda", dtype: str = "bfloat16", seed: int = 0) -> Any:
+    """`config` with transformers' random initialization under `seed`, built directly on `device`
+    in `dtype` (stock SDPA attention; `parity.models.loading.adopt_model` patches it for parity)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+        return AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype),
+                                                attn_implementation="sdpa")
+
+
+def save_random_model(config: Any, path: str | Path, *, device: str = "cuda", dtype: str = "bfloat16",
+                      seed: int = 0) -> Path:
+    """`build_random_model` saved to `path` as a local HF checkpoint; returns the path."""
+    import torch
+
+    model = build_random_model(config, device=device, dtype=dtype, seed=seed)
     model.save_pretrained(path)
     del model
     if torch.device(device).type == "cuda":

@@ -11,9 +11,12 @@ decode token its own). A program owns one run and one KV head: its BLOCK_M rows 
 (token r // G, query head kv_head * G + r % G), G = Hq / Hkv, so GQA heads share the K/V tiles
 they load, and it walks the run's slot from absolute position 0 in tiles of BLOCK_N keys with an
 online softmax in fp32. Rows of other runs in the tile are masked out and not stored. The
-persistent variant (`AttentionConfig.programs_per_sm`) runs the same per-run code from a fixed
-number of programs that walk a compacted list of run starts, instead of one program per token
-of which all but a run's first exit at once.
+program finds its run from the tile's slots itself (no per-step preparation kernels before the
+launch), and K/V tiles arrive by TMA (tensor descriptors over the cache's [S * Hkv * C, D] rows),
+so a program issues no per-element address arithmetic for them. The persistent variant
+(`AttentionConfig.programs_per_sm`) runs the same per-run code from a fixed number of programs
+that walk a compacted list of run starts, instead of one program per token of which all but a
+run's first exit at once.
 
 Invariance (a query's output depends on its own q and its slot's cached K/V only):
 - KV tile boundaries sit at absolute positions 0, BLOCK_N, 2*BLOCK_N, ...: the same for a token
@@ -21,9 +24,10 @@ Invariance (a query's output depends on its own q and its slot's cached K/V only
   max/rescale/sum sequence is identical;
 - no KV split: one program reduces a query's whole context in ascending tile order, so no split
   count that follows the batch (flash-decoding) can change the order;
-- a tile past a row's causal position (reached because a later row shares its run) is fully
-  masked for it: the max stays, the rescale factor is exp2(0) = 1 and p = 0, so it changes none
-  of the row's bits;
+- every tile runs one body (the causal select included, also where every key is visible), and a
+  tile past a row's causal position (reached because a later row shares its run) is fully masked
+  for it: the max stays, the rescale factor is exp2(0) = 1 and p = 0, so it changes none of the
+  row's bits;
 - each row of a tile's QK^T and PV products is its own dot product of a fixed shape, so which
   rows share the tile (the phase, G, the run) does not touch it (the GPU tests check decode ==
   prefill == chunked prefill bit for bit).
@@ -36,13 +40,16 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from parity.errors import InputError
 from parity.kernels.triton.matmul import num_sms
 from parity.kernels.triton.mma import mma
 
-#: query rows (tokens x GQA heads) per tile. A decode run fills only G of them, but decode is bound
-#: by K/V bytes, not MMA work; a prefill run reads each K/V tile once per BLOCK_M // G tokens.
+#: query rows (tokens x GQA heads) per tile: 64 is the smallest wgmma tile (fewer rows run another
+#: MMA instruction, whose bits differ). A decode run fills only G of them, so its softmax work per
+#: tile is mostly wasted, but decode is bound by K/V bytes; a prefill run reads each K/V tile once
+#: per BLOCK_M // G tokens.
 BLOCK_M = 64
 #: keys per KV tile; tiles start at absolute positions 0, BLOCK_N, 2*BLOCK_N, ... for every phase.
 BLOCK_N = 64
@@ -56,8 +63,8 @@ PROGRAMS_PER_SM = 0
 #: instead: the per-token launch would start T programs per KV head of which all but each run's
 #: first exit. Same tiles and warps, so the same per-run code and the same bits (see `shipped_config`).
 LONG_STEP_TOKENS = 1024
-LONG_STEP_PROGRAMS_PER_SM = 4
-LONG_STEP_STAGES = 2
+LONG_STEP_PROGRAMS_PER_SM = 2
+LONG_STEP_STAGES = 3
 
 
 @dataclass(frozen=True)
@@ -100,26 +107,25 @@ class AttentionConfig:
 
 
 #: plans the GPU sweep times and checks (decode == prefill == chunked prefill, bit for bit, each
-#: plan on its own): the shipped one first, then larger tiles for prefill's MMA work, deeper K/V
-#: pipelines, and smaller query tiles that waste fewer rows on decode steps.
+#: plan on its own): the shipped pair first, then other launches of the same per-run code (stages,
+#: programs per SM), larger tiles for prefill's MMA work, and plans of other bitwise classes (16 or
+#: 32 query rows: another MMA instruction; 128 keys: other tile boundaries) for the cross table.
 CANDIDATES: tuple[AttentionConfig, ...] = (
-    AttentionConfig(64, 64, 4, 2),
     AttentionConfig(64, 64, 4, 3),
+    AttentionConfig(64, 64, 4, 3, programs_per_sm=2),
+    AttentionConfig(64, 64, 4, 2),
+    AttentionConfig(64, 64, 4, 4),
+    AttentionConfig(64, 64, 4, 2, programs_per_sm=4),
+    AttentionConfig(64, 64, 4, 3, programs_per_sm=4),
+    AttentionConfig(64, 64, 4, 3, programs_per_sm=8),
     AttentionConfig(64, 64, 8, 3),
     AttentionConfig(128, 64, 8, 3),
-    AttentionConfig(128, 128, 8, 3),
-    AttentionConfig(64, 128, 4, 3),
-    AttentionConfig(128, 64, 4, 4),
+    AttentionConfig(128, 64, 8, 3, programs_per_sm=2),
     AttentionConfig(16, 64, 4, 3),
     AttentionConfig(32, 64, 4, 3),
-    AttentionConfig(16, 128, 4, 3),
-    AttentionConfig(64, 64, 4, 2, programs_per_sm=8),
-    AttentionConfig(64, 64, 4, 3, programs_per_sm=16),
-    AttentionConfig(128, 64, 8, 3, programs_per_sm=4),
     AttentionConfig(16, 64, 4, 3, programs_per_sm=16),
-    AttentionConfig(64, 64, 4, 2, programs_per_sm=4),
-    AttentionConfig(64, 64, 4, 2, programs_per_sm=16),
-    AttentionConfig(64, 64, 4, 3, programs_per_sm=8),
+    AttentionConfig(64, 128, 4, 3),
+    AttentionConfig(128, 128, 8, 3),
 )
 
 
@@ -139,28 +145,22 @@ def shipped_config(tokens: int = 1) -> AttentionConfig:
 
 
 @triton.jit
-def _tile(q, k_base, v_base, start, dims, in_run, pos, last, qk_scale_log2, stride_kc, stride_vc, m_i, l_i,
-          acc, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+def _tile(q, k_desc, v_desc, row0, start, in_run, pos, qk_scale_log2, m_i, l_i, acc, BLOCK_N: tl.constexpr):
     """One KV tile [start, start + BLOCK_N) of the online softmax: (m, l, acc) updated.
 
-    MASKED: mask keys past each row's position and past the run's last key (the loads too);
-    otherwise every key of the tile is visible to every row of the run. Both keep the row select
-    between the scaled scores and the max/exp2 (rows outside the run: -inf), so the compiler
-    contracts the same operations into FMAs either way and a row's bits do not depend on which
-    loop reached the tile.
+    Every tile runs this one body, the fully visible ones too: a key is visible to a row iff it is
+    at or below the row's position (rows outside the run: no key), selected between the scaled
+    scores and the max/exp2, so a row's arithmetic is the same in every tile and every phase.
+    K/V are the rows [row0 + start, + BLOCK_N) of the cache's [S * Hkv * C, D] view, loaded by TMA;
+    keys past the run's last one are read too and get p = 0, so the cache must hold finite values
+    there (it is zero-initialized and holds only keys and values a model wrote).
     """
     keys = start + tl.arange(0, BLOCK_N)
-    if MASKED:
-        key_ok = keys <= last
-        k = tl.load(k_base + keys[:, None] * stride_kc + dims[None, :], mask=key_ok[:, None], other=0.0)
-        v = tl.load(v_base + keys[:, None] * stride_vc + dims[None, :], mask=key_ok[:, None], other=0.0)
-        s = mma(q, k.T, tl.zeros((q.shape[0], BLOCK_N), tl.float32)) * qk_scale_log2
-        s = tl.where(in_run[:, None] & (keys[None, :] <= pos[:, None]), s, float("-inf"))
-    else:
-        k = tl.load(k_base + keys[:, None] * stride_kc + dims[None, :])
-        v = tl.load(v_base + keys[:, None] * stride_vc + dims[None, :])
-        s = mma(q, k.T, tl.zeros((q.shape[0], BLOCK_N), tl.float32)) * qk_scale_log2
-        s = tl.where(in_run[:, None], s, float("-inf"))
+    row = (row0 + start).to(tl.int32)
+    k = k_desc.load([row, 0])
+    v = v_desc.load([row, 0])
+    s = mma(q, k.T, tl.zeros((q.shape[0], BLOCK_N), tl.float32)) * qk_scale_log2
+    s = tl.where(in_run[:, None] & (keys[None, :] <= pos[:, None]), s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     # Rows outside the run see no key: shift them by 0, not -inf, so they stay (-inf, 0, 0).
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -172,65 +172,45 @@ def _tile(q, k_base, v_base, start, dims, in_run, pos, last, qk_scale_log2, stri
 
 
 @triton.jit
-def _attend_run(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    out_ptr,
-    slots_ptr,
-    positions_ptr,
-    run_start_ptr,
-    T,
-    t0,
-    kv_head,
-    qk_scale_log2,
-    stride_qt,
-    stride_qh,
-    stride_ot,
-    stride_oh,
-    stride_ks,
-    stride_kh,
-    stride_kc,
-    stride_vs,
-    stride_vh,
-    stride_vc,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    TOKENS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """One run (the consecutive tokens of one slot starting at token t0, inside its TOKENS-tile)
-    and one KV head: the whole online softmax over the slot's keys, stored for the run's rows."""
-    first = (t0 // TOKENS) * TOKENS
+def _tile_tokens(slots_ptr, positions_ptr, T, t0, GROUP: tl.constexpr, TOKENS: tl.constexpr,
+                 BLOCK_M: tl.constexpr):
+    """The rows of t0's TOKENS-tile: row r stands for token first + r // GROUP. Returns
+    (token [BLOCK_M], row valid, the token's slot, its position), loaded before the per-token
+    kernel's start check so that they are issued together with its own scalar loads."""
     rows = tl.arange(0, BLOCK_M)
-    tok = first + rows // GROUP
-    head = kv_head * GROUP + rows % GROUP
+    tok = (t0 // TOKENS) * TOKENS + rows // GROUP
     row_ok = (rows < TOKENS * GROUP) & (tok < T)
+    tok_slot = tl.load(slots_ptr + tok, mask=row_ok, other=-1)
     pos = tl.load(positions_ptr + tok, mask=row_ok, other=-1)
-    in_run = row_ok & (tl.load(run_start_ptr + tok, mask=row_ok, other=-1) == t0)
+    return tok, row_ok, tok_slot, pos
+
+
+@triton.jit
+def _attend_run(q_ptr, k_desc, v_desc, out_ptr, t0, slot, tok, row_ok, tok_slot, pos, kv_head, qk_scale_log2,
+                stride_qt, stride_qh, stride_ot, stride_oh, KV_HEADS, CAPACITY,
+                GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, TOKENS: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """One run (the consecutive tokens of `slot` starting at token t0, inside its TOKENS-tile) and
+    one KV head: the whole online softmax over the slot's keys, stored for the run's rows.
+
+    The run is found here, from the tile's slots: it ends at the first later token of another slot
+    (or at the tile's end), so no per-step preparation runs before the kernel.
+    """
+    end = tl.min(tl.where(row_ok & (tok > t0) & (tok_slot != slot), tok, (t0 // TOKENS + 1) * TOKENS), axis=0)
+    in_run = row_ok & (tok >= t0) & (tok < end)
+    head = kv_head * GROUP + tl.arange(0, BLOCK_M) % GROUP
     dims = tl.arange(0, HEAD_DIM)
     q_offs = tok.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :]
     q = tl.load(q_ptr + q_offs, mask=in_run[:, None], other=0.0)
     last = tl.max(tl.where(in_run, pos, 0), axis=0)
-    slot = tl.load(slots_ptr + t0).to(tl.int64)
-    k_base = k_ptr + slot * stride_ks + kv_head * stride_kh
-    v_base = v_ptr + slot * stride_vs + kv_head * stride_vh
+    row0 = (slot * KV_HEADS + kv_head) * CAPACITY
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
-    # Tiles below the run's first position are visible to every row of the run: no key or causal
-    # mask there. Which tiles those are depends on the run, so both loops run one tile body
-    # (`_tile`) whose arithmetic is the same with and without the masks (see there).
-    first_pos = tl.min(tl.where(in_run, pos, last), axis=0)
-    visible_end = (first_pos + 1) // BLOCK_N * BLOCK_N
-    for start in range(0, visible_end, BLOCK_N):
-        m_i, l_i, acc = _tile(q, k_base, v_base, start, dims, in_run, pos, last, qk_scale_log2, stride_kc,
-                              stride_vc, m_i, l_i, acc, BLOCK_N, False)
-    for start in range(visible_end, last + 1, BLOCK_N):
-        m_i, l_i, acc = _tile(q, k_base, v_base, start, dims, in_run, pos, last, qk_scale_log2, stride_kc,
-                              stride_vc, m_i, l_i, acc, BLOCK_N, True)
+    for start in range(0, last + 1, BLOCK_N):
+        m_i, l_i, acc = _tile(q, k_desc, v_desc, row0, start, in_run, pos, qk_scale_log2, m_i, l_i, acc,
+                              BLOCK_N)
     out = acc / tl.where(in_run, l_i, 1.0)[:, None]
     o_offs = tok.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
     tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=in_run[:, None])
@@ -238,29 +218,33 @@ def _attend_run(
 
 @triton.jit(do_not_specialize=["T"])
 def _attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, slots_ptr, positions_ptr, run_start_ptr, runs_ptr, num_runs_ptr, T,
-    qk_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_ks, stride_kh, stride_kc,
-    stride_vs, stride_vh, stride_vc,
+    q_ptr, k_desc, v_desc, out_ptr, slots_ptr, positions_ptr, runs_ptr, num_runs_ptr, T, qk_scale_log2,
+    stride_qt, stride_qh, stride_ot, stride_oh, KV_HEADS, CAPACITY,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, TOKENS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """Grid (tiles, KV heads, TOKENS): the program of token t0 = tile * TOKENS + j works only if
-    t0 starts a run (runs_ptr, num_runs_ptr: unused here, shared signature)."""
+    t0 starts a run: the first token of its tile or of another slot than the token before
+    (runs_ptr, num_runs_ptr: unused here, shared signature)."""
     kv_head = tl.program_id(1)
     t0 = tl.program_id(0) * TOKENS + tl.program_id(2)
-    # -1 past the last token is never a run start.
-    if tl.load(run_start_ptr + t0, mask=t0 < T, other=-1) != t0:
+    if t0 >= T:
         return
-    _attend_run(q_ptr, k_ptr, v_ptr, out_ptr, slots_ptr, positions_ptr, run_start_ptr, T, t0, kv_head,
-                qk_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_ks, stride_kh,
-                stride_kc, stride_vs, stride_vh, stride_vc, GROUP, HEAD_DIM, TOKENS, BLOCK_M, BLOCK_N)
+    tok, row_ok, tok_slot, pos = _tile_tokens(slots_ptr, positions_ptr, T, t0, GROUP, TOKENS, BLOCK_M)
+    slot = tl.load(slots_ptr + t0)
+    # -1 is never a slot: the first token of a tile always starts a run
+    before = tl.load(slots_ptr + t0 - 1, mask=t0 % TOKENS != 0, other=-1)
+    if before == slot:
+        return
+    _attend_run(q_ptr, k_desc, v_desc, out_ptr, t0, slot, tok, row_ok, tok_slot, pos, kv_head, qk_scale_log2,
+                stride_qt, stride_qh, stride_ot, stride_oh, KV_HEADS, CAPACITY, GROUP, HEAD_DIM, TOKENS,
+                BLOCK_M, BLOCK_N)
 
 
 @triton.jit(do_not_specialize=["T"])
 def _attention_persistent_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, slots_ptr, positions_ptr, run_start_ptr, runs_ptr, num_runs_ptr, T,
-    qk_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_ks, stride_kh, stride_kc,
-    stride_vs, stride_vh, stride_vc,
+    q_ptr, k_desc, v_desc, out_ptr, slots_ptr, positions_ptr, runs_ptr, num_runs_ptr, T, qk_scale_log2,
+    stride_qt, stride_qh, stride_ot, stride_oh, KV_HEADS, CAPACITY,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, TOKENS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -271,9 +255,10 @@ def _attention_persistent_kernel(
     i = tl.program_id(0)
     while i < num_runs:
         t0 = tl.load(runs_ptr + i)
-        _attend_run(q_ptr, k_ptr, v_ptr, out_ptr, slots_ptr, positions_ptr, run_start_ptr, T, t0, kv_head,
-                    qk_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_ks, stride_kh,
-                    stride_kc, stride_vs, stride_vh, stride_vc, GROUP, HEAD_DIM, TOKENS, BLOCK_M, BLOCK_N)
+        tok, row_ok, tok_slot, pos = _tile_tokens(slots_ptr, positions_ptr, T, t0, GROUP, TOKENS, BLOCK_M)
+        _attend_run(q_ptr, k_desc, v_desc, out_ptr, t0, tl.load(slots_ptr + t0), tok, row_ok, tok_slot, pos,
+                    kv_head, qk_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, KV_HEADS, CAPACITY,
+                    GROUP, HEAD_DIM, TOKENS, BLOCK_M, BLOCK_N)
         i += tl.num_programs(0)
 
 
@@ -288,15 +273,15 @@ def attention(
 ) -> torch.Tensor:
     """Causal attention of each query token over its own slot's cached K/V.
 
-    query: [T, Hq, D]; k_cache, v_cache: [S, Hkv, C, D] with every query's own key already written;
-    slots, positions: [T] int, the slot and absolute position of each query token.
+    query: [T, Hq, D]; k_cache, v_cache: contiguous [S, Hkv, C, D] with every query's own key
+    already written; slots, positions: [T] int, the slot and absolute position of each query token.
     Returns [T, Hq, D] in the query dtype; scores, softmax and accumulation run in fp32.
     config: the launch plan (default `shipped_config(T)`); every caller of one model must use plans
     of one bitwise class (the sweep's cross table).
     """
     t, hq, d = query.shape
     cfg = config or shipped_config(t)
-    _, hkv, _, dk = k_cache.shape
+    _, hkv, capacity, dk = k_cache.shape
     if dk != d or v_cache.shape != k_cache.shape:
         raise InputError(
             f"attention: query head_dim {d}, k_cache {tuple(k_cache.shape)}, "
@@ -306,58 +291,44 @@ def attention(
         raise InputError(f"attention: {hq} query heads is not a multiple of {hkv} KV heads")
     if d & (d - 1) or d < 16:
         raise InputError(f"attention: head_dim {d} must be a power of two >= 16")
-    if query.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise InputError("attention: query, k_cache and v_cache need a contiguous last (head_dim) axis")
+    if query.stride(-1) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise InputError("attention: query needs a contiguous last (head_dim) axis and k_cache, v_cache "
+                         "must be contiguous (their TMA descriptors read [S * Hkv * C, D] rows)")
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if t == 0:
         return out
     group = hq // hkv
     block_m = max(cfg.block_m, triton.next_power_of_2(group))
     tokens = block_m // group
-    # run_start[i]: first token of i's run (same slot, consecutive, inside one program's tile).
-    index = torch.arange(t, device=query.device)
-    starts = index % tokens == 0
-    starts[1:] |= slots[1:] != slots[:-1]
-    run_start = torch.cummax(torch.where(starts, index, 0), 0).values
     if cfg.programs_per_sm:
         # the runs' first tokens, compacted on the device (no host sync: CUDA graphs capture it)
-        is_start = run_start == index
+        index = torch.arange(t, device=query.device)
+        is_start = index % tokens == 0
+        is_start[1:] |= slots[1:] != slots[:-1]
         runs = torch.full((t + 1,), -1, dtype=torch.int64, device=query.device)
         runs.scatter_(0, torch.where(is_start, torch.cumsum(is_start, 0) - 1, t), index)
         num_runs = is_start.sum(dtype=torch.int64).reshape(1)
         programs = min(t, triton.cdiv(cfg.programs_per_sm * num_sms(query.device), hkv))
         kernel, grid = _attention_persistent_kernel, (programs, hkv)
     else:
-        runs = num_runs = run_start  # unused by the per-token kernel
+        runs = num_runs = slots  # unused by the per-token kernel
         kernel, grid = _attention_kernel, (triton.cdiv(t, tokens), hkv, tokens)
     kernel[grid](
-        query,
-        k_cache,
-        v_cache,
-        out,
-        slots,
-        positions,
-        run_start,
-        runs,
-        num_runs,
-        t,
+        query, _rows_descriptor(k_cache, cfg.block_n), _rows_descriptor(v_cache, cfg.block_n), out, slots,
+        positions, runs, num_runs, t,
         scaling * 1.4426950408889634,  # log2(e): the kernel exponentiates with exp2
-        query.stride(0),
-        query.stride(1),
-        out.stride(0),
-        out.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        GROUP=group,
-        HEAD_DIM=d,
-        TOKENS=tokens,
-        BLOCK_M=block_m,
-        BLOCK_N=cfg.block_n,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1), hkv, capacity,
+        GROUP=group, HEAD_DIM=d, TOKENS=tokens, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
+
+
+def _rows_descriptor(cache: torch.Tensor, block_n: int) -> TensorDescriptor:
+    """A TMA descriptor over a [S, Hkv, C, D] cache viewed as [S * Hkv * C, D] rows, loading
+    [block_n, D] tiles (row (slot * Hkv + kv_head) * C + key)."""
+    rows = cache.view(-1, cache.shape[-1])
+    if rows.shape[0] >= 2**31:
+        raise InputError(f"attention: a KV cache of {rows.shape[0]} rows; TMA row coordinates are 32-bit "
+                         "(fewer than 2**31 rows): use fewer slots or a shorter max_len")
+    return TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [block_n, rows.shape[1]])
