@@ -954,8 +954,8 @@ def moe_e2e_section(run: Run) -> dict[str, Any]:
     """Throughput on a Qwen3-30B-A3B-shaped bf16 model with random weights and `--moe-layers` of its 48
     layers, built on the GPU in memory (48 layers are ~61 GB: more than the lent machine's disk holds):
     hf generate (first, on the unpatched model; `--moe-hf-tokens` output tokens), then the engine with
-    each `--moe-variants` kernel set, with and without route recording (routes are recorded
-    eagerly: no CUDA graphs)."""
+    each `--moe-variants` kernel set, with and without route recording (inside the CUDA graphs when
+    the kernels allow graphs)."""
     from parity.models.loading import adopt_model
 
     args = run.args

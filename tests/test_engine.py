@@ -141,6 +141,40 @@ def test_rollout_contract_fields_order_and_routes():
         assert len(set(map(tuple, r.routed_experts.reshape(-1, 2).tolist())) - {(0, 0)}) > 1
 
 
+def test_routes_recorded_in_fixed_size_steps_equal_the_eager_ones():
+    """With graphs on, routes are recorded inside the padded fixed-size forward (on CUDA: inside the
+    graph, overwritten by each replay); the rollouts and their routes equal the eager engine's."""
+    requests = [Request((5, 6, 7), SamplingParams(n=2, max_tokens=5, seed=1), request_id="a"),
+                Request((9,) * 10, SamplingParams(n=1, max_tokens=4, seed=2), request_id="b")]
+    got = {}
+    for graphs in (False, True):
+        with ReferenceEngine("tiny-qwen3-moe", record_routes=True, chunk_size=4, max_num_seqs=3,
+                             graphs=graphs) as engine:
+            got[graphs] = engine.generate(requests)
+    for eager, padded in zip(got[False], got[True]):
+        assert padded.token_ids == eager.token_ids and padded.logprobs == eager.logprobs
+        assert np.array_equal(padded.routed_experts, eager.routed_experts)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA not available)")
+def test_routes_recorded_inside_cuda_graphs_equal_the_eager_ones():
+    """On CUDA the routes are written by the captured graph and overwritten by every replay: each
+    step reads its own, the same as an eager engine's."""
+    requests = [Request(tuple(range(3, 3 + n)), SamplingParams(n=2, max_tokens=6, seed=n), request_id=str(n))
+                for n in (3, 11, 30)]
+    got = {}
+    for graphs in (False, True):
+        with ReferenceEngine("tiny-qwen3-moe", device="cuda", dtype="bfloat16", record_routes=True,
+                             max_num_seqs=4, chunk_size=8, graphs=graphs) as engine:
+            got[graphs] = engine.generate(requests)
+            if graphs:
+                assert engine._graphs.status == "cuda graphs"
+    for eager, replayed in zip(got[False], got[True]):
+        assert replayed.token_ids == eager.token_ids and replayed.logprobs == eager.logprobs
+        assert np.array_equal(replayed.routed_experts, eager.routed_experts)
+
+
 def test_dense_model_records_no_routes():
     rollout, = ReferenceEngine("tiny-llama", record_routes=True).generate(
         [Request((5, 6), SamplingParams(max_tokens=2))])

@@ -64,11 +64,11 @@ def test_padded_budgeted_steps_equal_train_forward_bitwise(model, dtype, work, b
 
 def test_budget_bounds_every_step():
     """No forward packs more than max_num_batched_tokens tokens, and routes still line up (recorded
-    eagerly even when graphs are asked for)."""
+    inside the padded fixed-size steps that graphs run)."""
     requests = [Request(tuple(range(3, 3 + n)), SamplingParams(n=2, max_tokens=5, seed=n), request_id=str(n))
                 for n in (9, 40, 70)]
     engine = ReferenceEngine("tiny-qwen3-moe", max_num_seqs=6, chunk_size=32, max_num_batched_tokens=10,
-                             record_routes=True, graphs=True)  # route recording keeps steps eager
+                             record_routes=True, graphs=True)
     seen = []
     forward = engine._forward
 
@@ -78,7 +78,7 @@ def test_budget_bounds_every_step():
 
     engine._forward = spy
     rollouts = engine.generate(requests)
-    assert max(seen) == 10 and engine._graphs is None
+    assert max(seen) == 10 and engine._graphs is not None
     scored = train_forward("tiny-qwen3-moe", rollouts, layout="packed", record_routes=True)
     for rollout, score, route in zip(rollouts, scored.logprobs, scored.routes):
         assert torch.equal(score, torch.tensor(rollout.logprobs, dtype=torch.float32))

@@ -67,7 +67,7 @@ class EngineConfig:
     max_num_batched_tokens: tokens per step (bounds a prefill step's activations and attention
     workspace); graphs: run steps of up to max_num_seqs tokens padded to fixed sizes, replayed
     from CUDA graphs on a GPU (None: on for CUDA models, for MoE ones only when parity's "moe"
-    kernels run; never while recording MoE routes; True on CPU runs the padded steps eagerly);
+    kernels run, routes recorded inside the graphs; True on CPU runs the padded steps eagerly);
     tensor_parallel_size: None runs the whole model in this process, k in (1, 2, 4, 8) runs k ranks
     (`parity.parallel`; k = 1 in-process) whose rollouts are the same bits at every k and equal
     `train_forward(tensor_parallel_size=1)`;
@@ -167,8 +167,6 @@ class ReferenceEngine:
         return self.config.record_routes and self.lm.is_moe
 
     def _use_graphs(self) -> bool:
-        if self._records_routes:
-            return False  # route recording hooks the eager forward
         if (self.lm.tensor_parallel_size or 1) > 1:
             return False  # the ranks' collectives run eagerly
         if self.config.graphs is not None:
@@ -187,7 +185,8 @@ class ReferenceEngine:
             self._cache = KVCache.allocate(self.lm.config, slots + 1, max_len, self.lm.torch_dtype,
                                            self.config.device)
             native_attention = "attention" not in kernel_families(self.config.kernels)
-            self._graphs = (StepGraphs(self.lm, self._cache, slots, slots, stock_attention=native_attention)
+            self._graphs = (StepGraphs(self.lm, self._cache, slots, slots, stock_attention=native_attention,
+                                       record_routes=self._records_routes)
                             if self._use_graphs() else None)
 
     def _check(self, requests: list[Request]) -> None:
@@ -229,7 +228,17 @@ class ReferenceEngine:
         """Hidden states [>= T, H] of the step's T packed tokens (rows past T: padding of a fixed-size
         step); records each span's routes when asked to."""
         if self._graphs is not None and self._graphs.fits(len(step.ids)):
-            return self._graphs.run(step.ids, step.positions, step.slots, step.longest_run)
+            hidden, routes = self._graphs.run(step.ids, step.positions, step.slots, step.longest_run)
+        else:
+            hidden, routes = self._eager_forward(step)
+        if routes is not None:
+            routes = routes.cpu()  # one device->host copy for the whole step
+            for seq_span in step.spans:
+                seq_span.seq.routes.append(routes[seq_span.rows])
+        return hidden
+
+    def _eager_forward(self, step: Step) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`_forward` without graphs: hidden states [T, H] and, when recorded, routes [T, layers, k]."""
         device = self.config.device
         input_ids = device_tensor([step.ids], torch.int64, device)
         position_ids = device_tensor([step.positions], torch.int64, device)
@@ -237,13 +246,11 @@ class ReferenceEngine:
         span = (max(step.positions) // self._cache.block + 1) * self._cache.block
         sized = {"span": span, "max_run": step.longest_run}
         if not self._records_routes:
-            return forward.final_hidden(self.lm, input_ids, position_ids, self._cache, slot_ids, **sized)
+            hidden = forward.final_hidden(self.lm, input_ids, position_ids, self._cache, slot_ids, **sized)
+            return hidden, None
         with routing.capture(self.lm.num_moe_layers) as recorder:
             hidden = forward.final_hidden(self.lm, input_ids, position_ids, self._cache, slot_ids, **sized)
-        routes = recorder.routes().cpu()  # one device->host copy for the whole step
-        for seq_span in step.spans:
-            seq_span.seq.routes.append(routes[seq_span.rows])
-        return hidden
+        return hidden, recorder.routes()
 
     def _sample(self, ready: tuple[Span, ...], hidden: torch.Tensor) -> tuple[list[int], list[float]]:
         """One token and its logprob for each ready span, from the hidden state of its last row;

@@ -15,6 +15,10 @@ sized by one (`parity.kernels.attention.AttentionBatch`): gathered SDPA by the c
 it reads (`span`), so each bucket is also captured per span, a power-of-two number of KV blocks
 (extra positions are masked keys); flash over the cache by the longest run, so each bucket has a
 decode graph (runs of one token) and a graph for any mix.
+
+MoE routes are recorded inside the graph when asked (`record_routes`): the capture records each
+router's choice into tensors of the graph's memory, which every replay overwrites, so a replayed
+step's routes are read back like an eager step's.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch
 
 from parity.engine import forward
 from parity.kernels.attention import KVCache, native_reads_span
+from parity.models import routing
 from parity.models.loading import LoadedModel
 
 
@@ -41,11 +46,13 @@ def bucket_sizes(max_tokens: int) -> tuple[int, ...]:
 @dataclass
 class _Bucket:
     """One fixed step size (and span, longest run): inputs [3, size] int64 (token ids, positions,
-    slots); on CUDA its graph and the graph's output hidden [size, H] (None on CPU)."""
+    slots); on CUDA its graph and the graph's outputs: hidden [size, H] and, when routes are
+    recorded, routes [size, moe_layers, top_k] int32 (None on CPU)."""
 
     inputs: torch.Tensor
     graph: torch.cuda.CUDAGraph | None = None
     hidden: torch.Tensor | None = None
+    routes: torch.Tensor | None = None
 
 
 class StepGraphs:
@@ -54,9 +61,10 @@ class StepGraphs:
     The cache must not be reallocated while this object is used (graphs hold its addresses).
     """
 
-    def __init__(self, lm: LoadedModel, cache: KVCache, pad_slot: int, max_tokens: int, stock_attention: bool
-                 ) -> None:
+    def __init__(self, lm: LoadedModel, cache: KVCache, pad_slot: int, max_tokens: int, stock_attention: bool,
+                 record_routes: bool = False) -> None:
         self.lm = lm
+        self.record_routes = record_routes
         self.cache = cache
         self.pad_slot = pad_slot
         self.sizes = bucket_sizes(max_tokens)
@@ -78,9 +86,11 @@ class StepGraphs:
         """Whether a step of `tokens` packed tokens runs here."""
         return tokens <= self.sizes[-1]
 
-    def run(self, ids: list[int], positions: list[int], slots: list[int], longest_run: int) -> torch.Tensor:
-        """Hidden states [size, H] of one step (rows past len(ids) are padding), size >= len(ids);
-        longest_run: most consecutive tokens of one slot in it."""
+    def run(self, ids: list[int], positions: list[int], slots: list[int], longest_run: int
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Hidden states [size, H] of one step (rows past len(ids) are padding), size >= len(ids), and
+        its routes [size, moe_layers, top_k] int32 when recorded (else None); longest_run: most
+        consecutive tokens of one slot in it."""
         size = next(s for s in self.sizes if s >= len(ids))
         span = self._span(max(positions))
         max_run = 1 if self.run_buckets and longest_run == 1 else size
@@ -94,7 +104,7 @@ class StepGraphs:
         # pinned staging: the copy is queued behind the previous step's work without a host sync
         bucket.inputs.copy_(host.pin_memory(), non_blocking=True)
         bucket.graph.replay()
-        return bucket.hidden
+        return bucket.hidden, bucket.routes
 
     def _span(self, position: int) -> int:
         """Cached positions a step whose highest position is `position` reads."""
@@ -103,9 +113,17 @@ class StepGraphs:
         blocks = position // self.cache.block + 1
         return min(self.cache.capacity, self.cache.block * 2 ** (blocks - 1).bit_length())
 
-    def _forward(self, inputs: torch.Tensor, span: int, max_run: int) -> torch.Tensor:
-        return forward.final_hidden(self.lm, inputs[0:1], inputs[1:2], self.cache, inputs[2], span=span,
-                                    max_run=max_run)
+    def _forward(self, inputs: torch.Tensor, span: int, max_run: int
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        def hidden() -> torch.Tensor:
+            return forward.final_hidden(self.lm, inputs[0:1], inputs[1:2], self.cache, inputs[2], span=span,
+                                        max_run=max_run)
+
+        if not self.record_routes:
+            return hidden(), None
+        with routing.capture(self.lm.num_moe_layers) as recorder:
+            out = hidden()
+        return out, recorder.routes()
 
     def _make(self, size: int, span: int, max_run: int) -> _Bucket:
         """A bucket's input buffer and, on CUDA, its graph. Capture runs on pad inputs (all tokens in
@@ -122,11 +140,11 @@ class StepGraphs:
             try:
                 bucket.graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(bucket.graph, pool=self._pool):
-                    bucket.hidden = self._forward(bucket.inputs, span, max_run)
+                    bucket.hidden, bucket.routes = self._forward(bucket.inputs, span, max_run)
             except RuntimeError as error:
                 # An op that cannot be captured (a host sync in some model's code): run every
                 # bucket eagerly from now on and say so in `status`; the numbers are the same.
                 self.failure = f"{type(error).__name__}: {error}"[:500]
-                self._pool, bucket.graph, bucket.hidden = None, None, None
+                self._pool, bucket.graph, bucket.hidden, bucket.routes = None, None, None, None
         self._buckets[size, span, max_run] = bucket
         return bucket
