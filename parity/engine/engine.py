@@ -244,13 +244,10 @@ class ReferenceEngine:
         position_ids = device_tensor([step.positions], torch.int64, device)
         slot_ids = device_tensor(step.slots, torch.int64, device)
         span = (max(step.positions) // self._cache.block + 1) * self._cache.block
-        sized = {"span": span, "max_run": step.longest_run}
-        if not self._records_routes:
-            hidden = forward.final_hidden(self.lm, input_ids, position_ids, self._cache, slot_ids, **sized)
-            return hidden, None
-        with routing.capture(self.lm.num_moe_layers) as recorder:
-            hidden = forward.final_hidden(self.lm, input_ids, position_ids, self._cache, slot_ids, **sized)
-        return hidden, recorder.routes()
+        return routing.run_routed(
+            lambda: forward.final_hidden(self.lm, input_ids, position_ids, self._cache, slot_ids, span=span,
+                                         max_run=step.longest_run),
+            self.lm.num_moe_layers, record=self._records_routes)
 
     def _sample(self, ready: tuple[Span, ...], hidden: torch.Tensor) -> tuple[list[int], list[float]]:
         """One token and its logprob for each ready span, from the hidden state of its last row;

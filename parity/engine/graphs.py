@@ -115,15 +115,10 @@ class StepGraphs:
 
     def _forward(self, inputs: torch.Tensor, span: int, max_run: int
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        def hidden() -> torch.Tensor:
-            return forward.final_hidden(self.lm, inputs[0:1], inputs[1:2], self.cache, inputs[2], span=span,
-                                        max_run=max_run)
-
-        if not self.record_routes:
-            return hidden(), None
-        with routing.capture(self.lm.num_moe_layers) as recorder:
-            out = hidden()
-        return out, recorder.routes()
+        return routing.run_routed(
+            lambda: forward.final_hidden(self.lm, inputs[0:1], inputs[1:2], self.cache, inputs[2], span=span,
+                                         max_run=max_run),
+            self.lm.num_moe_layers, record=self.record_routes)
 
     def _make(self, size: int, span: int, max_run: int) -> _Bucket:
         """A bucket's input buffer and, on CUDA, its graph. Capture runs on pad inputs (all tokens in
