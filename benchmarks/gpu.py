@@ -25,6 +25,9 @@ Sections (`SECTIONS`; each runs independently: a failure is recorded and the nex
   non-invariant baseline), "native": every family stock (HF's unfused ops), (c) transformers
   `generate`, on a Qwen3-1.7B-shaped bf16 model with random weights, side by side in one run.
 - profile: torch.profiler over a few decode steps of the invariant engine ($OUT/profile.txt).
+- step_split: where one decode step's wall time goes at the `--e2e` workload (invariant engine): host
+  seconds in the scheduler, the graph launch and the sampler launches, the wait for the device, and
+  each CUDA-graph bucket's device time replayed alone.
 - tp: invariant-engine tok/s without tensor parallelism and at TP=1 (the canonical K-group layout)
   for each `--tp-groups` count of K groups (default 8), and with two GPUs at TP=2 (NCCL), on the
   Qwen3-1.7B shape at the `--e2e` workload, side by side, and whether TP=2's rollouts equal TP=1's
@@ -36,7 +39,8 @@ Sections (`SECTIONS`; each runs independently: a failure is recorded and the nex
   probe time cold and cached, a spot check of row invariance, TFLOP/s routed vs Triton.
 - attention_sweep: every candidate attention plan (`attention.CANDIDATES`): decode and prefill
   times vs SDPA / flash SDPA, decode == prefill and chunked == prefill bit for bit per plan, and
-  the cross-plan table (may decode run another plan than prefill?).
+  the cross-plan table (may decode run another plan than prefill?); the shipped decode launch vs
+  SDPA in five interleaved repeats.
 - parity_shapes: rollout == train_forward bit for bit on 2-layer Llama-3.2-1B-, Qwen3-30B-A3B- and
   Qwen3-1.7B-shaped models (invariant; native as the negative control).
 - moe_e2e: output tok/s on a Qwen3-30B-A3B-shaped model (`--moe-layers` of 48 layers, built in GPU
@@ -260,6 +264,18 @@ class Throughput:
     output_tokens: int
     output_tok_s: float
     step_graphs: str | None = None
+
+
+@dataclass(frozen=True)
+class StepSplit:
+    """Seconds of one timed generate by part: host parts (`host_s`, with call counts), the wall
+    time, and each graph bucket's device ms replayed alone (`bucket_device_ms`, by step size)."""
+
+    workload: str
+    wall_s: float
+    host_s: dict[str, float]
+    calls: dict[str, int]
+    bucket_device_ms: dict[str, float]
 
 
 @dataclass(frozen=True)
@@ -768,6 +784,83 @@ def profile_section(run: Run) -> ProfileResult:
                          wall_s=seconds, gpu_busy_s=busy, steps=65)
 
 
+@contextmanager
+def host_timers(parts: dict[str, tuple[Any, str]]) -> Iterator[tuple[dict[str, float], dict[str, int]]]:
+    """Wrap each method `owner.name` of `parts` (label -> (owner, name)) to add its host seconds and
+    calls under its label; the originals are put back on exit."""
+    seconds: dict[str, float] = dict.fromkeys(parts, 0.0)
+    calls: dict[str, int] = dict.fromkeys(parts, 0)
+    originals = {label: getattr(owner, name) for label, (owner, name) in parts.items()}
+
+    def timed(label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                seconds[label] += time.perf_counter() - start
+                calls[label] += 1
+        return wrapper
+
+    try:
+        for label, (owner, name) in parts.items():
+            setattr(owner, name, timed(label, originals[label]))
+        yield seconds, calls
+    finally:
+        for label, (owner, name) in parts.items():
+            setattr(owner, name, originals[label])
+
+
+def step_split_section(run: Run) -> StepSplit:
+    """Where the invariant engine's decode steps spend their wall time at the `--e2e` workload: host
+    seconds per part of a step over one timed generate (after an identical warm-up generate), and
+    each captured bucket's graph replayed alone (device ms). "_sample" includes the wait for the
+    device (its device->host copy of the tokens); the sampler rows inside it are launch time only."""
+    from parity.engine import engine as engine_module
+    from parity.engine import graphs, sampler, scheduler
+
+    count, prompt_len, max_tokens = run.args.e2e
+    path = save_random_model(qwen3_config(28), run.tmp / "qwen3-1.7b-shaped")
+    reqs = requests_for(151936, count, prompt_len, max_tokens)
+    parts = {
+        "scheduler.plan": (scheduler.Scheduler, "plan"),
+        "scheduler.finish": (scheduler.Scheduler, "finish"),
+        "graph step (inputs, copy, replay launch)": (graphs.StepGraphs, "run"),
+        "eager step (prefill)": (engine_module.ReferenceEngine, "_eager_forward"),
+        "_sample (launches + wait for the device)": (engine_module.ReferenceEngine, "_sample"),
+        "  lm_head launch": (engine_module.forward, "logits"),
+        "  processed_logprobs launch": (sampler, "processed_logprobs"),
+        "  sample launch": (sampler, "sample"),
+    }
+    with ReferenceEngine(str(path), dtype="bfloat16", device="cuda", kernels="invariant", max_num_seqs=count,
+                         chunk_size=run.args.chunk_size or prompt_len,
+                         max_num_batched_tokens=run.args.max_batched_tokens) as engine:
+        engine.generate(reqs)
+        with host_timers(parts) as (seconds, calls):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            engine.generate(reqs)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - start
+        buckets = {}
+        for (size, _, max_run), bucket in engine._graphs._buckets.items():
+            if bucket.graph is not None:
+                buckets[f"{size} tokens, max_run {max_run}"] = graph_replay_ms(bucket.graph)
+    return StepSplit(workload=f"{count} seqs x {prompt_len} prompt x {max_tokens} output, invariant",
+                     wall_s=wall, host_s=seconds, calls=calls, bucket_device_ms=buckets)
+
+
+def graph_replay_ms(graph: torch.cuda.CUDAGraph, repeats: int = 10) -> float:
+    """Device ms of one replay of an already captured graph (mean of `repeats`)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
 def cublaslt_section(run: Run) -> dict[str, Any]:
     """parity + the invariant engine again, in a process set up for the proven cuBLASLt matmul path."""
     args = run.args
@@ -911,11 +1004,20 @@ def attention_sweep_section(run: Run) -> dict[str, Any]:
         lambda: flash_over_cache(qp[one], kc, vc, p_slots[one], p_pos[one], plen, scale, runs))
     section["baseline_note"] = f"prefill timed over the first {MAX_FLASH_ENTRIES} tokens (one flash launch)"
     shipped_prefill = attention(qp, kc, vc, p_slots, p_pos, scale)
+    # the engine's decode steps pass max_run=1 (one-token launch); "decode_runs_ms" is the run kernel
     section["shipped_pair"] = {
-        "decode_ms": timed(lambda: attention(qd, kc, vc, seq, d_pos, scale)),
+        "decode_ms": timed(lambda: attention(qd, kc, vc, seq, d_pos, scale, max_run=1)),
+        "decode_runs_ms": timed(lambda: attention(qd, kc, vc, seq, d_pos, scale)),
         "prefill_ms": timed(lambda: attention(qp, kc, vc, p_slots, p_pos, scale)),
-        "decode_equals_prefill": torch.equal(attention(qp[last], kc, vc, seq, p_pos[last], scale),
-                                             shipped_prefill[last])}
+        "decode_equals_prefill": torch.equal(attention(qp[last], kc, vc, seq, p_pos[last], scale, max_run=1),
+                                             shipped_prefill[last]),
+        "decode_runs_equals_prefill": torch.equal(attention(qp[last], kc, vc, seq, p_pos[last], scale),
+                                                  shipped_prefill[last])}
+    # the decode ratio is close to 1: five interleaved repeats of SDPA, the decode launch, the run kernel
+    section["decode_repeats_ms"] = [
+        {"sdpa": timed(lambda: sdpa(qd[:, :, None], kd, vd, enable_gqa=True)),
+         "decode_launch": timed(lambda: attention(qd, kc, vc, seq, d_pos, scale, max_run=1)),
+         "run_kernel": timed(lambda: attention(qd, kc, vc, seq, d_pos, scale))} for _ in range(5)]
     plans: dict[str, Any] = {}
     decoded: dict[str, torch.Tensor] = {}
     prefilled: dict[str, torch.Tensor] = {}
@@ -1084,12 +1186,12 @@ def parity_shapes_section(run: Run) -> dict[str, Any]:
 
 
 #: what the probed section can run again in its cuBLASLt process.
-PROBED_SECTIONS = ("parity_shapes", "e2e", "moe_e2e", "profile")
+PROBED_SECTIONS = ("parity_shapes", "e2e", "moe_e2e", "profile", "step_split")
 
 
 def probed_section(run: Run) -> dict[str, Any]:
-    """`--probed-sections` (parity_shapes, e2e, moe_e2e, profile; `--probed-e2e-variants`, invariant
-    MoE) again in a process set up for cuBLASLt, where every model's shapes go through the
+    """`--probed-sections` (parity_shapes, e2e, moe_e2e, profile, step_split; `--probed-e2e-variants`,
+    invariant MoE) again in a process set up for cuBLASLt, where every model's shapes go through the
     load-time probe (no hand-written shape list)."""
     args = run.args
     out = args.out / "probed"
@@ -1110,6 +1212,7 @@ SECTIONS: dict[str, Callable[[Run], Any]] = {
     "parity": parity_section,
     "e2e": e2e_section,
     "profile": profile_section,
+    "step_split": step_split_section,
     "cublaslt": cublaslt_section,
     "probe": probe_section,
     "attention_sweep": attention_sweep_section,
@@ -1201,7 +1304,11 @@ def round_two_lines(results: dict[str, Any]) -> list[str]:
         lines.append(f"attention shipped {sweep['shipped']}: decode {decode:.3f} ms (SDPA/plan "
                      f"{sweep['sdpa_decode_ms'] / decode:.2f})  prefill {prefill:.3f} ms (flash/plan "
                      f"{sweep['flash_prefill_ms'] / prefill:.2f})  decode==prefill "
-                     f"{pair['decode_equals_prefill']}")
+                     f"{pair['decode_equals_prefill']}; run kernel at decode {pair['decode_runs_ms']:.3f} ms")
+        for rep in sweep.get("decode_repeats_ms", ()):
+            sdpa, launch, runs = rep["sdpa"], rep["decode_launch"], rep["run_kernel"]
+            lines.append(f"  decode repeat: SDPA {sdpa:.4f} ms, decode launch {launch:.4f} ms "
+                         f"({sdpa / launch:.3f}x), run kernel {runs:.4f} ms ({sdpa / runs:.3f}x)")
         lines.append(f"attention of the baseline (b', flash over the cache): decode "
                      f"{sweep['baseline_decode_ms']:.3f} ms, prefill {sweep['baseline_prefill_ms']:.3f} ms")
     for name, plan in sweep.get("plans", {}).items():
@@ -1251,6 +1358,14 @@ def table(results: dict[str, Any]) -> str:
     if "wall_s" in prof:
         lines.append(f"profile ({prof['workload']}): wall {prof['wall_s']:.2f} s, "
                      f"GPU busy {prof['gpu_busy_s']:.2f} s")
+    probed = results.get("probed") or {}
+    for label, split in (("", results.get("step_split")), (" [probed]", probed.get("step_split"))):
+        if isinstance(split, dict) and "wall_s" in split:
+            lines.append(f"step split{label} ({split['workload']}): wall {split['wall_s']:.2f} s")
+            lines += [f"  {part}: {sec:.3f} s over {split['calls'][part]} calls"
+                      for part, sec in split["host_s"].items()]
+            lines += [f"  graph {bucket}: {ms:.3f} ms device"
+                      for bucket, ms in split["bucket_device_ms"].items()]
     tp = results.get("tp", {})
     rates = {k: v["output_tok_s"] for k, v in tp.items() if isinstance(v, dict) and "output_tok_s" in v}
     for name, rate in rates.items():

@@ -21,7 +21,7 @@ def test_arguments_parse_and_name_only_known_sections():
     assert args.e2e == (256, 256, 512) and args.e2e_variants == ["hf", "invariant", "native"]
     args = gpu.parse_args(["--sections", "parity,profile", "--e2e", "8,16,4", "--e2e-variants", "invariant"])
     assert args.sections == ["parity", "profile"] and args.e2e == (8, 16, 4)
-    assert list(gpu.SECTIONS) == ["kernels", "parity", "e2e", "profile", "cublaslt", "probe",
+    assert list(gpu.SECTIONS) == ["kernels", "parity", "e2e", "profile", "step_split", "cublaslt", "probe",
                                   "attention_sweep", "parity_shapes", "moe_e2e", "probed", "roofline", "tp"]
     args = gpu.parse_args(["--sections", "probe,moe_e2e,roofline", "--moe", "8,16,4", "--moe-layers", "2"])
     assert args.moe == (8, 16, 4) and args.moe_layers == 2
@@ -60,6 +60,8 @@ def test_typed_results_render_as_the_table():
         "e2e": gpu.plain({"engine_invariant": gpu.Throughput(2.0, 100, 50.0, "cuda graphs"),
                           "hf_generate": gpu.Throughput(4.0, 100, 25.0)}),
         "profile": gpu.plain(gpu.ProfileResult("256 seqs", 1.5, 1.0, 9)),
+        "step_split": gpu.plain(gpu.StepSplit("256 seqs", 6.0, {"scheduler.plan": 0.5},
+                                              {"scheduler.plan": 520}, {"256 tokens, max_run 1": 5.5})),
     }
     lines = gpu.table(results).splitlines()
     assert "matmul 6144x2048 M=16    triton    32.0 TFLOP/s  cuBLAS    32.0  ratio  1.00" in lines
@@ -72,6 +74,9 @@ def test_typed_results_render_as_the_table():
     assert "e2e hf_generate: 25 output tok/s (4.0 s)" in lines
     assert "e2e ratio engine_invariant / hf_generate: 2.00" in lines
     assert "profile (256 seqs): wall 1.50 s, GPU busy 1.00 s" in lines
+    assert "step split (256 seqs): wall 6.00 s" in lines
+    assert "  scheduler.plan: 0.500 s over 520 calls" in lines
+    assert "  graph 256 tokens, max_run 1: 5.500 ms device" in lines
 
 
 def test_tp_section_renders_each_group_count_next_to_the_whole_model():
@@ -143,7 +148,13 @@ def test_round_two_sections_render_as_the_table():
             "routes": {"2048x2048": ["cublaslt", "probed"], "128x2048+bias": ["triton", "has a bias"]},
             "spot_check": [gpu.plain(gpu.RowInvariance([2048, 2048], True, []))],
             "tflops_graph": {"2048x2048": gpu.plain({"routed": speed, "triton": speed})}}},
-        "attention_sweep": {"plans": {
+        "attention_sweep": {
+            "shipped": {"decode": "m64_n64_w4_s3"}, "sdpa_decode_ms": 0.13, "flash_prefill_ms": 0.5,
+            "baseline_decode_ms": 0.3, "baseline_prefill_ms": 0.6,
+            "shipped_pair": {"decode_ms": 0.125, "decode_runs_ms": 0.134, "prefill_ms": 0.45,
+                             "decode_equals_prefill": True},
+            "decode_repeats_ms": [{"sdpa": 0.13, "decode_launch": 0.125, "run_kernel": 0.134}],
+            "plans": {
             "m64_n64_w4_s2": gpu.plain(gpu.PlanResult(0.2, 1.0, 0.5, 0.25, True, True)),
             "m16_n64_w4_s3": {"error": "Traceback"}}},
         "moe_e2e": {"workload": {}, "hf_generate": gpu.plain(gpu.Throughput(4.0, 100, 25.0))},
@@ -159,6 +170,8 @@ def test_round_two_sections_render_as_the_table():
     assert ("attention plan m64_n64_w4_s2: decode 0.200 ms (SDPA/plan 0.50)  prefill 1.000 ms (flash/plan "
             "0.25)  decode==prefill True  chunked==prefill True") in lines
     assert "attention plan m16_n64_w4_s3: ERROR" in lines
+    assert ("  decode repeat: SDPA 0.1300 ms, decode launch 0.1250 ms (1.040x), run kernel 0.1340 ms "
+            "(0.970x)") in lines
     assert "moe hf_generate: 25 output tok/s (4.0 s)" in lines
     assert "moe [probed] engine_invariant_routes: 100 output tok/s (1.0 s)" in lines
     assert "e2e [probed] engine_invariant: 100 output tok/s (1.0 s) [cuda graphs]" in lines

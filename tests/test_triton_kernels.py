@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs an NVIDIA GPU (CUDA not available)")
 #: tests of this file that run under the interpreter: all but the CUDA-only ones and the child runner.
-MIN_INTERPRETED = 51
+MIN_INTERPRETED = 58
 
 
 @pytest.mark.skipif(CUDA or INTERPRETED, reason="the kernel tests run in this process")
@@ -235,13 +235,14 @@ def _cache(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, dict[int, to
 
 
 def _attend(tk: ModuleType, dtype: torch.dtype, parts: list[tuple[int, int, int]],
-            config: object = None) -> torch.Tensor:
-    """Attention of the packed query tokens `parts` = [(slot, first position, end position), ...]."""
+            config: object = None, max_run: int | None = None) -> torch.Tensor:
+    """Attention of the packed query tokens `parts` = [(slot, first position, end position), ...];
+    max_run=1 takes the one-token (decode) launch whatever the parts are."""
     k, v, q = _cache(dtype)
     query = torch.cat([q[s][a:b] for s, a, b in parts])
     slots = torch.cat([torch.full((b - a,), s, dtype=torch.int64) for s, a, b in parts]).to(DEVICE)
     positions = torch.cat([torch.arange(a, b) for _, a, b in parts]).to(DEVICE)
-    return tk.attention(query, k, v, slots, positions, HEAD_DIM**-0.5, config)
+    return tk.attention(query, k, v, slots, positions, HEAD_DIM**-0.5, config, max_run=max_run)
 
 
 @functools.cache
@@ -272,20 +273,24 @@ def _steps(draw: st.DrawFn) -> list[tuple[int, int, int]]:
     return draw(st.permutations(parts)) if parts else [(2, 4, 5)]
 
 
+@pytest.mark.parametrize("max_run", [None, 1], ids=["runs", "one_token_launch"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @few
 @given(parts=_steps())
 def test_attention_is_invariant_to_step_composition(
-    tk: ModuleType, dtype: torch.dtype, parts: list[tuple[int, int, int]]
+    tk: ModuleType, dtype: torch.dtype, max_run: int | None, parts: list[tuple[int, int, int]]
 ) -> None:
+    """Every token equals its whole-prefill bits in any step; under the decode launch too, even
+    for steps with prefill chunks (a wrong max_run hint costs speed, never bits)."""
     whole = _whole(tk, dtype)
     expected = torch.cat([whole[s][a:b] for s, a, b in parts])
-    assert torch.equal(_attend(tk, dtype, parts), expected)
+    assert torch.equal(_attend(tk, dtype, parts, max_run=max_run), expected)
 
 
-def test_attention_decode_equals_prefill(tk: ModuleType) -> None:
+@pytest.mark.parametrize("max_run", [None, 1], ids=["runs", "one_token_launch"])
+def test_attention_decode_equals_prefill(tk: ModuleType, max_run: int | None) -> None:
     whole = _whole(tk, torch.bfloat16)
-    decode = _attend(tk, torch.bfloat16, [(s, n - 1, n) for s, n in SEQ_LENS.items()])
+    decode = _attend(tk, torch.bfloat16, [(s, n - 1, n) for s, n in SEQ_LENS.items()], max_run=max_run)
     assert torch.equal(decode, torch.stack([whole[s][-1] for s in SEQ_LENS]))
 
 
@@ -302,8 +307,9 @@ def test_every_candidate_plan_gives_decode_equal_prefill_equal_chunked(tk: Modul
     prefill, chunks mixed with other sequences' decode tokens, and decode."""
     whole = _attend(tk, torch.float32, [(s, 0, n) for s, n in SEQ_LENS.items()], plan)
     whole_by_slot = dict(zip(SEQ_LENS, whole.split(list(SEQ_LENS.values()))))
-    decode = _attend(tk, torch.float32, [(s, n - 1, n) for s, n in SEQ_LENS.items()], plan)
-    assert torch.equal(decode, torch.stack([whole_by_slot[s][-1] for s in SEQ_LENS]))
+    for max_run in (None, 1):
+        decode = _attend(tk, torch.float32, [(s, n - 1, n) for s, n in SEQ_LENS.items()], plan, max_run)
+        assert torch.equal(decode, torch.stack([whole_by_slot[s][-1] for s in SEQ_LENS]))
     parts = [(3, 20, 69), (2, 4, 5), (0, 0, 37), (3, 69, 70)]
     expected = torch.cat([whole_by_slot[s][a:b] for s, a, b in parts])
     assert torch.equal(_attend(tk, torch.float32, parts, plan), expected)
@@ -375,14 +381,15 @@ def test_attention_refuses_a_cache_past_32_bit_tma_rows(tk: ModuleType) -> None:
         attention._rows_descriptor(torch.empty((2**18, 8, 1024, 16), device="meta"), 64)
 
 
+@pytest.mark.parametrize("max_run", [None, 1], ids=["runs", "one_token_launch"])
 def test_attention_negative_control_tile_boundaries_change_bits(
-    tk: ModuleType, monkeypatch: pytest.MonkeyPatch
+    tk: ModuleType, monkeypatch: pytest.MonkeyPatch, max_run: int | None
 ) -> None:
     attention = importlib.import_module("parity.kernels.triton.attention")
     parts = [(3, 0, 70)]  # 70 keys: tiles [0, 64) and [64, 70) at the shipped BLOCK_N
-    fixed = _attend(tk, torch.float32, parts)
+    fixed = _attend(tk, torch.float32, parts, max_run=max_run)
     monkeypatch.setattr(attention, "BLOCK_N", attention.BLOCK_N // 2)
-    assert not torch.equal(_attend(tk, torch.float32, parts), fixed)
+    assert not torch.equal(_attend(tk, torch.float32, parts, max_run=max_run), fixed)
 
 
 # ---------------------------------------------------------------------------------------- rotary

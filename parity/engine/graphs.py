@@ -9,12 +9,13 @@ padded forward runs eagerly, so CPU tests exercise the padding.
 Padding changes no real token's numbers: pad tokens have their own KV slot (`pad_slot`, never
 given to a sequence) at position 0, so they write and read only that slot, and every
 invariant kernel computes a row independently of the rows beside it (the bitwise engine tests
-prove it). The invariant attention needs no host fact about the step (each run's own last
-position bounds its KV tiles), so one graph per size serves every step. The stock attention is
-sized by one (`parity.kernels.attention.AttentionBatch`): gathered SDPA by the cached positions
-it reads (`span`), so each bucket is also captured per span, a power-of-two number of KV blocks
-(extra positions are masked keys); flash over the cache by the longest run, so each bucket has a
-decode graph (runs of one token) and a graph for any mix.
+prove it). Attention on CUDA takes one host fact about the step (`parity.kernels.attention.AttentionBatch`):
+flash over the cache (stock) is sized by the longest run, and the invariant kernel takes its
+decode launch when every run is one token (the same bits either way, only faster), so each
+bucket has a decode graph (runs of one token) and a graph for any mix. Gathered SDPA (stock, CPU
+or fp32) is sized by the cached positions it reads (`span`), so each bucket is then captured per
+span instead, a power-of-two number of KV blocks (extra positions are masked keys). The invariant
+CPU attention needs neither: one graph per size.
 
 MoE routes are recorded inside the graph when asked (`record_routes`): the capture records each
 router's choice into tensors of the graph's memory, which every replay overwrites, so a replayed
@@ -70,7 +71,7 @@ class StepGraphs:
         self.sizes = bucket_sizes(max_tokens)
         self.device = cache.keys[0].device
         self.span_buckets = stock_attention and native_reads_span(self.device, cache.keys[0].dtype)
-        self.run_buckets = stock_attention and not self.span_buckets
+        self.run_buckets = self.device.type == "cuda" and not self.span_buckets
         self._buckets: dict[tuple[int, int, int], _Bucket] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         self.failure: str | None = None

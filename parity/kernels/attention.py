@@ -143,7 +143,7 @@ def attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sl
     """
     fn = impl("attention", "attention", query.device.type)
     if fn is not None:
-        return fn(query, k_cache, v_cache, slots, positions, span, scaling)
+        return fn(query, k_cache, v_cache, slots, positions, span, scaling, max_run=max_run)
     if _flash_fits(query.device.type, query.dtype):
         return flash_over_cache(query, k_cache, v_cache, slots, positions, max_run, scaling,
                                 entries() if entries else None)

@@ -147,12 +147,13 @@ def _chunks(rounds: tuple[tuple[int, int], ...], per_token: int) -> list[tuple[i
 
 
 def attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-              positions: torch.Tensor, span: int, scaling: float) -> torch.Tensor:
+              positions: torch.Tensor, span: int, scaling: float, max_run: int | None = None) -> torch.Tensor:
     """Causal attention of each query token over its own sequence's cached K/V.
 
     query [T, Hq, D]; k_cache, v_cache [S, Hkv, C, D] (S sequence slots, C cached positions);
     slots, positions [T] (int64): the slot and absolute position of each query token; `span`:
-    how many cached positions to read (> every position). Returns [T, Hq, D] in the query
+    how many cached positions to read (> every position); `max_run` (the switch's signature) is
+    not needed: the plan orders tokens by slot itself. Returns [T, Hq, D] in the query
     dtype; the math runs in float32. A token's result does not depend on `span`, on the other
     tokens, or on whether it came in a full forward, a prefill chunk or a decode step.
     """

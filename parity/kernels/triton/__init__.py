@@ -49,10 +49,11 @@ def _attention_op(
     positions: torch.Tensor,
     span: int,
     scaling: float,
+    max_run: int | None = None,
 ) -> torch.Tensor:
     """The switch's attention signature; `span` (cached positions the batch needs) is not needed:
-    each run's own last position bounds its KV tiles."""
-    return attention(query, k_cache, v_cache, slots, positions, scaling)
+    each run's own last position bounds its KV tiles. `max_run` 1 picks the decode launch."""
+    return attention(query, k_cache, v_cache, slots, positions, scaling, max_run=max_run)
 
 
 def _activation_op(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,9 @@ launch), and K/V tiles arrive by TMA (tensor descriptors over the cache's [S * H
 so a program issues no per-element address arithmetic for them. The persistent variant
 (`AttentionConfig.programs_per_sm`) runs the same per-run code from a fixed number of programs
 that walk a compacted list of run starts, instead of one program per token of which all but a
-run's first exit at once.
+run's first exit at once. Decode steps (the caller says every run is one token: `max_run=1`)
+take a third launch of the same online softmax, one program per (token, KV head) that skips the
+run search, so its first K/V loads wait on two scalar loads only.
 
 Invariance (a query's output depends on its own q and its slot's cached K/V only):
 - KV tile boundaries sit at absolute positions 0, BLOCK_N, 2*BLOCK_N, ...: the same for a token
@@ -186,6 +188,21 @@ def _tile_tokens(slots_ptr, positions_ptr, T, t0, GROUP: tl.constexpr, TOKENS: t
 
 
 @triton.jit
+def _softmax_over_slot(q, k_desc, v_desc, row0, in_run, pos, last, qk_scale_log2, BLOCK_M: tl.constexpr,
+                       HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The online softmax of q's rows [BLOCK_M, HEAD_DIM] over one slot's keys 0..last (cache rows
+    row0 + key), tile by tile in ascending order: the normalized output [BLOCK_M, HEAD_DIM] fp32.
+    Rows outside the run (in_run false) come out 0 and must not be stored."""
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+    for start in range(0, last + 1, BLOCK_N):
+        m_i, l_i, acc = _tile(q, k_desc, v_desc, row0, start, in_run, pos, qk_scale_log2, m_i, l_i, acc,
+                              BLOCK_N)
+    return acc / tl.where(in_run, l_i, 1.0)[:, None]
+
+
+@triton.jit
 def _attend_run(q_ptr, k_desc, v_desc, out_ptr, t0, slot, tok, row_ok, tok_slot, pos, kv_head, qk_scale_log2,
                 stride_qt, stride_qh, stride_ot, stride_oh, KV_HEADS, CAPACITY,
                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, TOKENS: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -203,15 +220,8 @@ def _attend_run(q_ptr, k_desc, v_desc, out_ptr, t0, slot, tok, row_ok, tok_slot,
     q_offs = tok.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :]
     q = tl.load(q_ptr + q_offs, mask=in_run[:, None], other=0.0)
     last = tl.max(tl.where(in_run, pos, 0), axis=0)
-    row0 = (slot * KV_HEADS + kv_head) * CAPACITY
-
-    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
-    for start in range(0, last + 1, BLOCK_N):
-        m_i, l_i, acc = _tile(q, k_desc, v_desc, row0, start, in_run, pos, qk_scale_log2, m_i, l_i, acc,
-                              BLOCK_N)
-    out = acc / tl.where(in_run, l_i, 1.0)[:, None]
+    out = _softmax_over_slot(q, k_desc, v_desc, (slot * KV_HEADS + kv_head) * CAPACITY, in_run, pos, last,
+                             qk_scale_log2, BLOCK_M, HEAD_DIM, BLOCK_N)
     o_offs = tok.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
     tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=in_run[:, None])
 
@@ -262,6 +272,36 @@ def _attention_persistent_kernel(
         i += tl.num_programs(0)
 
 
+@triton.jit(do_not_specialize=["T"])
+def _attention_tokens_kernel(
+    q_ptr, k_desc, v_desc, out_ptr, slots_ptr, positions_ptr, runs_ptr, num_runs_ptr, T, qk_scale_log2,
+    stride_qt, stride_qh, stride_ot, stride_oh, KV_HEADS, CAPACITY,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, TOKENS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Grid (T * KV heads,), token-major: program w attends token w // KV_HEADS alone for KV head
+    w % KV_HEADS, in rows 0..G-1 of its tile. The decode launch: no run search, so its K/V loads
+    wait on two scalar loads only (the run kernel first reduces over the tile's slots). A token of
+    a longer run gets the same bits here as in its run (rows are independent dot products), only
+    its K/V tiles are read once per token instead of once per run
+    (runs_ptr, num_runs_ptr, TOKENS: unused here, shared signature)."""
+    t0 = tl.program_id(0) // KV_HEADS
+    kv_head = tl.program_id(0) % KV_HEADS
+    slot = tl.load(slots_ptr + t0)
+    last = tl.load(positions_ptr + t0)
+    rows = tl.arange(0, BLOCK_M)
+    live = rows < GROUP
+    head = kv_head * GROUP + rows % GROUP
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + t0.to(tl.int64) * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                mask=live[:, None], other=0.0)
+    out = _softmax_over_slot(q, k_desc, v_desc, (slot * KV_HEADS + kv_head) * CAPACITY, live,
+                             tl.full((BLOCK_M,), 0, tl.int64) + last, last, qk_scale_log2, BLOCK_M, HEAD_DIM,
+                             BLOCK_N)
+    o_offs = t0.to(tl.int64) * stride_ot + head[:, None] * stride_oh + dims[None, :]
+    tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=live[:, None])
+
+
 def attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -270,6 +310,7 @@ def attention(
     positions: torch.Tensor,
     scaling: float,
     config: AttentionConfig | None = None,
+    max_run: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each query token over its own slot's cached K/V.
 
@@ -278,6 +319,10 @@ def attention(
     Returns [T, Hq, D] in the query dtype; scores, softmax and accumulation run in fp32.
     config: the launch plan (default `shipped_config(T)`); every caller of one model must use plans
     of one bitwise class (the sweep's cross table).
+    max_run: the caller's bound on the longest run; 1 (a decode step) takes the one-token launch
+    (`_attention_tokens_kernel`, the plan's tiles and stages, no persistent programs). Only the
+    speed depends on it: a token gets the same bits alone as in its run, so a wrong hint is slow,
+    never wrong.
     """
     t, hq, d = query.shape
     cfg = config or shipped_config(t)
@@ -300,7 +345,10 @@ def attention(
     group = hq // hkv
     block_m = max(cfg.block_m, triton.next_power_of_2(group))
     tokens = block_m // group
-    if cfg.programs_per_sm:
+    if max_run == 1:
+        runs = num_runs = slots  # unused by the one-token kernel
+        kernel, grid = _attention_tokens_kernel, (t * hkv,)
+    elif cfg.programs_per_sm:
         # the runs' first tokens, compacted on the device (no host sync: CUDA graphs capture it)
         index = torch.arange(t, device=query.device)
         is_start = index % tokens == 0
