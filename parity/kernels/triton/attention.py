@@ -345,8 +345,8 @@ def attention(
     group = hq // hkv
     block_m = max(cfg.block_m, triton.next_power_of_2(group))
     tokens = block_m // group
+    runs = num_runs = slots  # placeholders: only the persistent kernel reads a run list (shared signature)
     if max_run == 1:
-        runs = num_runs = slots  # unused by the one-token kernel
         kernel, grid = _attention_tokens_kernel, (t * hkv,)
     elif cfg.programs_per_sm:
         # the runs' first tokens, compacted on the device (no host sync: CUDA graphs capture it)
@@ -359,7 +359,6 @@ def attention(
         programs = min(t, triton.cdiv(cfg.programs_per_sm * num_sms(query.device), hkv))
         kernel, grid = _attention_persistent_kernel, (programs, hkv)
     else:
-        runs = num_runs = slots  # unused by the per-token kernel
         kernel, grid = _attention_kernel, (triton.cdiv(t, tokens), hkv, tokens)
     kernel[grid](
         query, _rows_descriptor(k_cache, cfg.block_n), _rows_descriptor(v_cache, cfg.block_n), out, slots,
