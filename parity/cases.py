@@ -120,7 +120,8 @@ class Case:
         process, the whole model); above 1 the rows ask the executor for that many CPUs, and GPUs
         on CUDA, and are checked against the TP-invariant training forward (compare cases only).
     prefix_caching: trajectory cases: the prefix-cache settings nightly runs as separate rows on
-        backends that have one (`PREFIX_CACHE_BACKENDS`); empty = one row, the backend's default.
+        backends that have one (`parity.backends.prefix_cache_backends`); empty = one row, the
+        backend's default.
     """
 
     name: str

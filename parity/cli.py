@@ -39,6 +39,7 @@ from parity.models import BUILTIN_MODELS, TRAINED_MODELS
 from parity.models.trained import packaged_file
 from parity.outputs import output_file
 from parity.quiet import engine_logging
+from parity.render import report_html
 from parity.report import ParityReport, format_worst_tokens
 from parity.schema import DTYPES, KERNEL_MODES, LOGPROBS_MODES
 from parity.scoring import FROM_DUMP, score
@@ -223,7 +224,7 @@ def _report_out(report: ParityReport, args: argparse.Namespace) -> int:
         args.json.write_text(report.to_json(), encoding="utf-8")
         print(f"wrote {args.json}")
     if args.html is not None:
-        args.html.write_text(report.to_html(), encoding="utf-8")
+        args.html.write_text(report_html(report), encoding="utf-8")
         print(f"wrote {args.html}")
     return 0 if report.passed else 1
 
@@ -241,7 +242,7 @@ def _advise(args: argparse.Namespace) -> int:
         print(f"wrote {args.json}")
     if args.html is not None:
         report.extras["advice"] = advice.to_dict()
-        args.html.write_text(report.to_html(), encoding="utf-8")
+        args.html.write_text(report_html(report), encoding="utf-8")
         print(f"wrote {args.html}")
     return 0
 

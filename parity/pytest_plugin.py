@@ -26,6 +26,7 @@ from parity.backends import Backend, available_backends, close_shared_backends, 
 from parity.compare import compare
 from parity.errors import BackendUnavailableError
 from parity.quiet import engine_logging
+from parity.render import report_html
 from parity.report import ParityReport
 from parity.testing import failure_message
 
@@ -115,7 +116,7 @@ def _run(config: pytest.Config, nodeid: str, model: str | None, backend: str | B
         pytest.skip(f"parity: {exc}")
     path = _report_path(config, nodeid)
     if path is not None:
-        path.write_text(report.to_html(), encoding="utf-8")
+        path.write_text(report_html(report), encoding="utf-8")
     return report, path
 
 

@@ -249,14 +249,6 @@ class ParityReport:
             })
         return out
 
-    def to_html(self) -> str:
-        """A self-contained HTML page: verdict, summary, plots (inline SVG), worst tokens,
-        correction metrics and provenance. No scripts, no network."""
-        # matplotlib and the page code only when a page is drawn: `import parity` stays light
-        from parity.render.report_page import report_html
-
-        return report_html(self)
-
     def summary_text(self) -> str:
         """The verdict and the summary as an aligned plain-text table (CLI output)."""
         return format_summary(self)

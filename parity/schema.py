@@ -1,5 +1,5 @@
 """The words every part of parity shares, spelled once: dtypes, backend names, logprob modes,
-kernel modes, router-replay modes, summary keys, sweep request ids and route-capture options.
+kernel modes, router-replay modes, summary keys and sweep request ids.
 
 This module is the bottom of the package: it imports nothing but the standard library, so a
 case file can be parsed and a stored report rendered without torch. A name that more than one
@@ -42,17 +42,10 @@ ROUTER_REPLAY_CHOICES: tuple[str, ...] = (NO_REPLAY, *REPLAY_MODES)
 #: what a case measures: "compare" (drift against the training forward) or "lifecycle" (the
 #: backend's sleep/wake, weight-update and cache transitions leave its numbers alone).
 CASE_KINDS: tuple[str, ...] = ("compare", "lifecycle", "trajectory")
-#: backends with a prefix cache: a trajectory case's `prefix_caching` axis runs on these
-PREFIX_CACHE_BACKENDS: tuple[str, ...] = ("vllm", "vllm-server")
 
 #: default K groups of the tensor-parallel row-parallel sum (`reduction_groups`): every degree up to 8
 #: divides it. TP bits are equal across degrees only for the same value.
 REDUCTION_GROUPS = 8
-
-#: the start option that makes each backend record MoE routes (the routes R3 replays); a
-#: backend missing here cannot record them.
-ROUTE_CAPTURE_OPTIONS: dict[str, str] = {"reference": "record_routes", "vllm": "capture_routes",
-                                         "sglang": "return_routed_experts"}
 
 #: the keys of `parity.metrics.summarize`, in order. Reports, tolerances and dashboards read these.
 SUMMARY_KEYS: tuple[str, ...] = (

@@ -28,11 +28,12 @@ from typing import Any
 
 import numpy as np
 
+from parity.assess import report_for
 from parity.backends.base import check_dtype
-from parity.compare import TRAIN_COMPUTED, provenance, report_for
 from parity.dumps import GivenSampling, check_logprobs, read_dump
 from parity.errors import ConfigError, InputError
 from parity.models import resolve_model
+from parity.provenance import TRAIN_COMPUTED, provenance
 from parity.record import RECORD_FORMAT, read_record
 from parity.report import ParityReport
 from parity.schema import KERNEL_MODES

@@ -19,6 +19,7 @@ from parity.cli import main
 from parity.correction import CorrectionConfig, apply_correction
 from parity.errors import ConfigError, InputError
 from parity.nightly.rows import RowKey, RowResult, correction_change
+from parity.render import report_html
 from parity.report import ParityReport
 from parity.schema import BASELINE_RECOMMENDATION_KEY, RECOMMENDATION_KEY
 
@@ -223,7 +224,7 @@ def test_reports_carry_the_advice_section_and_render_it():
     assert report.summary[RECOMMENDATION_KEY] == section["recommendation"]["name"]
     again = ParityReport.from_json(report.to_json())
     assert again.extras["advice"] == json.loads(json.dumps(section))
-    page = again.to_html()
+    page = report_html(again)
     assert "Which correction fixes it" in page and section["recommendation"]["name"] in page
     assert "algorithm.rollout_correction.rollout_is" in page and 'class="chosen"' in page
     exact = make_report(scale=0.0)

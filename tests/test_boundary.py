@@ -18,11 +18,11 @@ from markdown_it import MarkdownIt
 import parity
 from parity.backends import Backend
 from parity.cases import Case, load_case
-from parity.compare import match_requests
 from parity.correction import CorrectionConfig
 from parity.dumps import load_rollouts
 from parity.engine import EngineConfig
 from parity.errors import BackendError, ConfigError, InputError, ParityError
+from parity.matching import match_requests
 from parity.models import resolve_model
 from parity.nightly.history import RunInfo
 from parity.nightly.markdown_report import render_summary

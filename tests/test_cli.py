@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from parity.backends import route_capture_options
 from parity.cli import PASSTHROUGH, main
-from parity.compare import route_capture_options
 from parity.report import ParityReport
 
 ROOT = Path(__file__).resolve().parent.parent

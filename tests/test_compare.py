@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 
 import parity
-from parity.compare import build_report, match_requests, score_rollouts
+from parity.assess import score_rollouts
 from parity.errors import ConfigError, InputError, ModelNotFoundError
+from parity.matching import match_requests
 from parity.report import ParityReport
+from parity.reporting import build_report
 from parity.tolerance import Tolerance
 from parity.types import Request, Rollout, SamplingParams
 

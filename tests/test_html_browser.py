@@ -11,6 +11,8 @@ import numpy as np
 from browser import chromium, console_lines, decoded_images, needs_chromium
 from test_report import make_report
 
+from parity.render import report_html
+
 pytestmark = needs_chromium
 
 
@@ -23,7 +25,7 @@ def test_console_detection_catches_a_broken_page(tmp_path):
 def test_report_opens_without_console_errors_and_shows_its_plots(tmp_path):
     report = make_report(scale=0.3, rows=16, width=48)
     page = tmp_path / "report.html"
-    page.write_text(report.to_html(), encoding="utf-8")
+    page.write_text(report_html(report), encoding="utf-8")
 
     loaded, total, console = decoded_images(page, tmp_path)
     assert (loaded, total) == (3, 3), "not every plot image decoded"
@@ -48,7 +50,7 @@ def test_advice_section_opens_in_chromium(tmp_path):
     table) is in the DOM Chromium builds from the page, without console errors."""
     report = make_report(scale=0.3, rows=16, width=48)
     page = tmp_path / "report.html"
-    page.write_text(report.to_html(), encoding="utf-8")
+    page.write_text(report_html(report), encoding="utf-8")
     result = chromium(page, tmp_path, "--dump-dom")
     assert result.returncode == 0 and console_lines(result) == []
     dom = result.stdout

@@ -90,9 +90,10 @@ def test_a_stored_report_renders_without_torch(tmp_path):
     path = tmp_path / "report.json"
     path.write_text(report.to_json())
     assert heavy_modules_after(textwrap.dedent(f"""
+        from parity.render import report_html
         from parity.report import ParityReport
         report = ParityReport.from_json(open({str(path)!r}).read())
-        page = report.to_html()
+        page = report_html(report)
         assert page.startswith("<!DOCTYPE html>") and "Drift attribution" in page
         assert page.count("data:image/svg") == 4 and report.summary_text()
     """)) == []

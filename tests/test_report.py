@@ -8,9 +8,10 @@ import math
 import numpy as np
 import pytest
 
-from parity.compare import build_report
 from parity.errors import ConfigError, InputError
+from parity.render import report_html
 from parity.report import ParityReport, format_worst_tokens
+from parity.reporting import build_report
 from parity.testing import assert_is_ratio_close, assert_parity, failure_message
 from parity.tolerance import Tolerance, Violation
 from parity.types import Rollout
@@ -109,14 +110,14 @@ def test_padding_is_never_a_worst_token():
 
 def test_html_is_self_contained_and_shows_everything():
     report = make_report(scale=1.0)
-    page = report.to_html()
+    page = report_html(report)
     assert page.startswith("<!DOCTYPE html>")
     assert page.count('<img class="plot"') == 3 and page.count("data:image/svg+xml;base64,") == 3
     assert "<script" not in page and "http://" not in page.replace("http://www.w3.org", "")
     assert "https://" not in page
     assert "FAIL" in page and "max_abs_logprob_diff" in page and "rollout_corr/rollout_is_mean" in page
     assert f"{report.worst_tokens(1)[0]['token_id']}" in page
-    assert make_report(scale=0.0).to_html().count("PASS") >= 1
+    assert report_html(make_report(scale=0.0)).count("PASS") >= 1
 
 
 def test_format_worst_tokens_table():

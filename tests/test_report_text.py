@@ -19,6 +19,7 @@ from test_report import make_report
 
 import parity
 from parity.models import resolve_model
+from parity.render import report_html
 from parity.report import ParityReport, format_worst_tokens
 from parity.text import PROMPT_TOKENS, report_text
 from parity.types import Rollout, SamplingParams
@@ -60,7 +61,7 @@ def test_no_drift_reads_all_tokens_identical():
     exact = make_report(scale=0.0)
     assert exact.worst_tokens(5) == []
     assert format_worst_tokens([], exact.num_tokens) == f"all {exact.num_tokens} tokens identical"
-    page = exact.to_html()
+    page = report_html(exact)
     assert f"all {exact.num_tokens} tokens identical" in page
     for row in exact.request_drift():
         assert row["identical"] and f"all {row['tokens']} tokens identical" in page
@@ -77,11 +78,11 @@ def test_request_drift_table_groups_samples_by_request():
     assert rows["r0"]["max_abs_logprob_diff"] == diff.max()
     assert rows["r0"]["mean_abs_logprob_diff"] == diff.mean()
     assert rows["r2"]["identical"] and not rows["r0"]["identical"]
-    assert f"all {rows['r2']['tokens']} tokens identical" in report.to_html()
+    assert f"all {rows['r2']['tokens']} tokens identical" in report_html(report)
 
 
 def test_markup_in_tokens_and_prompts_is_escaped():
-    page = with_text(make_report(scale=0.3, rows=3, width=10)).to_html()
+    page = report_html(with_text(make_report(scale=0.3, rows=3, width=10)))
     assert "<script" not in page
     assert "&lt;script&gt;document.title=&#x27;pwned&#x27;&lt;/script&gt;" in page
     assert "<mark>" in page and "Drift per request" in page
@@ -91,7 +92,7 @@ def test_markup_in_tokens_and_prompts_is_escaped():
 def test_the_page_shows_the_text_and_runs_no_markup_in_chromium(tmp_path):
     report = with_text(make_report(scale=0.3, rows=3, width=10))
     page = tmp_path / "report.html"
-    page.write_text(report.to_html(), encoding="utf-8")
+    page.write_text(report_html(report), encoding="utf-8")
     dom = chromium(page, tmp_path, "--dump-dom")
     assert dom.returncode == 0 and console_lines(dom) == []
     title = re.search(r"<title>(.*?)</title>", dom.stdout)[1]
@@ -132,8 +133,9 @@ def test_compare_stores_decoded_text_and_a_stored_report_renders_without_torch(c
     stored.write_text(report.to_json())
     probe = textwrap.dedent(f"""
         import sys
+        from parity.render import report_html
         from parity.report import ParityReport
-        page = ParityReport.from_json(open({str(stored)!r}).read()).to_html()
+        page = report_html(ParityReport.from_json(open({str(stored)!r}).read()))
         assert "&lt;script&gt;" in page and "<script" not in page and "Drift per request" in page
         print(sorted(m for m in ("torch", "transformers") if m in sys.modules))
     """)

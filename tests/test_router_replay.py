@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from parity.compare import router_report
+from parity.assess import router_report
 from parity.engine import ReferenceEngine, train_forward
 from parity.errors import ConfigError, InputError
 from parity.kernels import ops

@@ -13,11 +13,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from parity import Request, SamplingParams
+from parity.assess import report_for
 from parity.backends.hf import HFBackend
 from parity.backends.reference import ReferenceBackend
 from parity.backends.turns import generate
 from parity.cases import load_case
-from parity.compare import report_for
 from parity.dumps import read_dump
 from parity.engine import LAYOUTS, ReferenceEngine, train_forward
 from parity.errors import ConfigError, InputError

@@ -10,6 +10,7 @@ import pytest
 
 from parity.backends import close_shared_backends
 from parity.nightly import runner
+from parity.render import report_html
 from parity.report import ParityReport
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow,
@@ -44,7 +45,7 @@ def test_multi_turn_tool_case_on_vllm_prefix_cache_on_and_off(tmp_path):
         assert rest["num_tokens"] == report.summary["num_tokens"] - 16
         assert [t["lo"] for t in report.breakdowns["by_turn"]] == [0, 1, 2]
         assert report.summary["max_abs_logprob_diff"] > 0.0
-        assert "Drift by turn" in report.to_html() and "first after injection" in report.summary_text()
+        assert "Drift by turn" in report_html(report) and "first after injection" in report.summary_text()
     summary = (tmp_path / "mt" / "summary.md").read_text()
     # summary.md escapes Markdown punctuation in every cell, "-" included
     assert r"multi\-turn\-tool \(prefix\-cache\-on\)" in summary

@@ -9,8 +9,13 @@ from parity.backends.registry import (
     close_shared_backends,
     get_backend,
     parse_option,
+    prefix_cache_backends,
+    prefix_cache_options,
+    route_capture_options,
+    route_recording_backends,
     shared_backend,
 )
 
 __all__ = ["BACKENDS", "Backend", "available_backends", "backend_options", "close_dead_backends",
-           "close_shared_backends", "get_backend", "parse_option", "shared_backend"]
+           "close_shared_backends", "get_backend", "parse_option", "prefix_cache_backends",
+           "prefix_cache_options", "route_capture_options", "route_recording_backends", "shared_backend"]

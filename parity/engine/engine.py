@@ -281,9 +281,11 @@ class ReferenceEngine:
             "model_hash": self.lm.model_hash, "max_num_batched_tokens": config.max_num_batched_tokens,
             "step_graphs": "off" if self._graphs is None else self._graphs.status,
         }
-        if config.tensor_parallel_size is not None:
-            meta.update(tensor_parallel_size=config.tensor_parallel_size, tp_reduction=config.tp_reduction,
-                        reduction_groups=config.reduction_groups)
+        # the layout these bits belong to, which scoring follows (`train.scoring_layout`): None groups
+        # is the whole model
+        tp = config.tensor_parallel_size
+        meta.update(tensor_parallel_size=tp, tp_reduction=None if tp is None else config.tp_reduction,
+                    reduction_groups=None if tp is None else config.reduction_groups)
         return Rollout(request_id=seq.request.request_id, sample_index=seq.sample_index,
                        prompt_ids=seq.request.prompt_ids, token_ids=tuple(seq.tokens),
                        logprobs=tuple(seq.logprobs), finish_reason=seq.finish_reason or "length",

@@ -32,11 +32,11 @@ from parity.parallel import (
     check_shardable,
     shard_model,
 )
-from parity.types import LOGPROBS_MODES, Rollout, as_pairs
+from parity.routes import check_routes
+from parity.types import LOGPROBS_MODES, Pair, Rollout, as_pairs
 
 LAYOUTS: tuple[str, ...] = ("right", "left", "packed")
 
-Pair = tuple[tuple[int, ...], tuple[int, ...]]
 
 
 @dataclass(frozen=True)
@@ -123,6 +123,55 @@ def _check_params(temperature: float, top_k: int, top_p: float, where: str) -> N
         raise ConfigError(f"{where}: top_p must be in (0, 1] (1 = off), got {top_p!r}")
 
 
+#: rollout meta keys of the layout a reference engine sampled in: `reduction_groups` (None: the
+#: whole model; k: parity's TP-invariant layout summing k groups) and `tp_reduction`.
+LAYOUT_META = ("reduction_groups", "tp_reduction")
+
+
+def scoring_layout(sequences: Sequence[Any], tensor_parallel_size: int | None, tp_reduction: str | None,
+                   reduction_groups: int | None) -> tuple[int | None, str, int]:
+    """(tensor_parallel_size, tp_reduction, reduction_groups) to score `sequences` in: the layout
+    their Rollouts record (`LAYOUT_META`), else the given values, else the whole model.
+
+    A whole-model record scored tensor-parallel, or a given reduction that differs from the
+    recorded one, is a ConfigError (the bits differ, and the drift would be the layout's, not the
+    backend's); rollouts recording different layouts are an InputError (score each group apart).
+    """
+    items = sequences if isinstance(sequences, (list, tuple)) else ()  # anything else: as_pairs' error
+    recorded = set()
+    for item in items:
+        if isinstance(item, Rollout) and "reduction_groups" in item.meta:
+            groups, reduction = item.meta["reduction_groups"], item.meta.get("tp_reduction") or "canonical"
+            if not (groups is None or (isinstance(groups, int) and not isinstance(groups, bool))) \
+                    or not isinstance(reduction, str):
+                raise InputError(f"rollout {item.request_id!r}/{item.sample_index}: meta reduction_groups="
+                                 f"{groups!r}, tp_reduction={reduction!r} is not a layout (an integer or "
+                                 "null, and a name); fix or drop these meta keys")
+            recorded.add((groups, reduction))
+    if not recorded:
+        return (tensor_parallel_size, "canonical" if tp_reduction is None else tp_reduction,
+                REDUCTION_GROUPS if reduction_groups is None else reduction_groups)
+    if len(recorded) > 1:
+        seen = ", ".join(sorted("whole model" if g is None else f"{g} reduction groups ({r})"
+                                for g, r in recorded))
+        raise InputError(f"the rollouts were sampled in different tensor-parallel layouts ({seen}); "
+                         "score the rollouts of each layout in a call of their own")
+    groups, reduction = recorded.pop()
+    if groups is None:
+        if tensor_parallel_size is not None:
+            raise ConfigError(f"tensor_parallel_size={tensor_parallel_size} contradicts the rollouts' "
+                              "record: they were sampled by the whole model (meta reduction_groups=None); "
+                              "leave tensor_parallel_size unset to score them in the layout they record")
+        return None, "canonical", REDUCTION_GROUPS
+    for name, given, mine in (("reduction_groups", reduction_groups, groups),
+                              ("tp_reduction", tp_reduction, reduction)):
+        if given is not None and given != mine:
+            raise ConfigError(f"{name}={given!r} contradicts the rollouts' record ({name}={mine!r}, the "
+                              f"tensor-parallel layout they were sampled in); leave {name} unset to score "
+                              "them in the layout they record")
+    return 1 if tensor_parallel_size is None else tensor_parallel_size, reduction, groups
+
+
 def train_forward(model: str | LoadedModel,
                   sequences: Sequence[Rollout | tuple[Sequence[int], Sequence[int]]], *,
                   dtype: str = "float32", device: str = "cpu", kernels: KernelMode = "invariant",
@@ -134,8 +183,8 @@ def train_forward(model: str | LoadedModel,
                   record_routes: bool = False,
                   router_replay: str | routing.RouterReplay | None = None,
                   routes: Sequence[Any] | None = None,
-                  tensor_parallel_size: int | None = None, tp_reduction: str = "canonical",
-                  reduction_groups: int = REDUCTION_GROUPS,
+                  tensor_parallel_size: int | None = None, tp_reduction: str | None = None,
+                  reduction_groups: int | None = None,
                   ) -> TrainResult:
     """Teacher-forced logprobs of each sequence's response tokens (`TrainResult.logprobs`).
 
@@ -158,10 +207,16 @@ def train_forward(model: str | LoadedModel,
     micro-batch) or a `parity.models.routing.RouterReplay`; see `parity.models.routing`.
     tensor_parallel_size: None runs the whole model; k in (1, 2, 4, 8) runs the tensor-parallel
     layout of `parity.parallel` on k ranks (k = 1 in this process), whose logprobs are the same
-    bits at every k and equal the reference engine's at any degree; tp_reduction: "canonical" or
-    the "all_reduce" contrast; reduction_groups: the canonical sum's K groups (k must divide it):
-    the bits equal the engine's only for the engine's own reduction_groups.
+    bits at every k and equal the reference engine's at any degree; tp_reduction: "canonical"
+    (the default) or the "all_reduce" contrast; reduction_groups: the canonical sum's K groups (k
+    must divide it; default `REDUCTION_GROUPS`): the bits equal the engine's only for the engine's
+    own reduction_groups. Rollouts that record the layout they were sampled in (the reference
+    engine's meta `reduction_groups`: None for the whole model) are scored in it, as they are
+    under their recorded sampling: unset arguments take the record, a contradicting one is a
+    ConfigError, and rollouts of different layouts in one call are an InputError.
     """
+    tensor_parallel_size, tp_reduction, reduction_groups = scoring_layout(
+        sequences, tensor_parallel_size, tp_reduction, reduction_groups)
     options = dict(dtype=dtype, device=device, kernels=kernels, micro_batch_size=micro_batch_size,
                    layout=layout, logprobs_mode=logprobs_mode, temperature=temperature, top_k=top_k,
                    top_p=top_p, record_routes=record_routes, router_replay=router_replay, routes=routes)
@@ -193,7 +248,7 @@ def train_forward(model: str | LoadedModel,
         check_token_ids(prompt + response, lm, where)
         check_length(len(prompt) + len(response), lm, where)
     replay = routing.RouterReplay.of(router_replay)
-    forced = routing.replay_routes(lm, sequences, [len(p) + len(r) for p, r in pairs], replay, routes)
+    forced = replay_routes(lm, sequences, [len(p) + len(r) for p, r in pairs], replay, routes)
     logprobs: list[torch.Tensor] = []
     recorded: list[torch.Tensor | None] = []
     with torch.inference_mode(), kernel_scope(kernels):
@@ -273,3 +328,37 @@ class _RankTrainer:
     def run(self, sequences: list[Any], options: dict[str, Any]) -> TrainResult:
         return train_forward(self.lm, sequences, tensor_parallel_size=self.lm.tensor_parallel_size,
                              reduction_groups=self.lm.reduction_groups, **options)
+
+
+def replay_routes(lm: LoadedModel, sequences: Sequence[Any], lengths: Sequence[int],
+                  replay: routing.RouterReplay | None,
+                  routes: Sequence[Any] | None) -> list[torch.Tensor] | None:
+    """The checked expert ids R3 forces for each sequence, int64 `[length - 1, moe_layers, top_k]`.
+
+    sequences: `train_forward`'s inputs; lengths: len(prompt) + len(response) of each.
+    routes: one array per sequence, overriding each Rollout's `routed_experts`.
+    None unless `replay` is R3. Dense models and misshapen routes raise a ParityError.
+    """
+    if routes is not None and (replay is None or replay.mode != "R3"):
+        raise ConfigError("routes= are forced only with router_replay='R3'")
+    if replay is None:
+        return None
+    if not lm.is_moe:
+        raise ConfigError(f"router_replay={replay.mode!r} needs an MoE model; {lm.name!r} is dense "
+                          "(it has no routers)")
+    if replay.mode != "R3":
+        return None
+    if routes is not None and len(routes) != len(sequences):
+        raise InputError(f"routes has {len(routes)} arrays for {len(sequences)} sequences; "
+                         "give one per sequence")
+    forced = []
+    for i, (item, length) in enumerate(zip(sequences, lengths)):
+        given = routes[i] if routes is not None else getattr(item, "routed_experts", None)
+        if given is None:
+            raise InputError(f"sequences[{i}] has no routed_experts to replay; sample with routes recorded "
+                             "(ReferenceEngine(record_routes=True), a backend's return_routed_experts) or "
+                             "pass routes=")
+        ids = check_routes(given, positions=length - 1, moe_layers=lm.num_moe_layers, top_k=lm.moe_top_k,
+                           num_experts=lm.num_experts, where=f"sequences[{i}] routed_experts")
+        forced.append(torch.from_numpy(ids).to(torch.int64))
+    return forced

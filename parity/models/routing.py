@@ -21,18 +21,14 @@ import types
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Literal
 
 import torch
 from torch import nn
 
 from parity.errors import ConfigError, InputError
 from parity.kernels import ops
-from parity.routes import check_routes
 from parity.schema import NO_REPLAY, REPLAY_MODES, ReplayMode
-
-if TYPE_CHECKING:
-    from parity.models.loading import LoadedModel
 
 
 @dataclass(frozen=True)
@@ -268,39 +264,6 @@ def patch_router(router: nn.Module, moe_layer: int) -> None:
         )
     router.parity_moe_layer = moe_layer
     router.forward = types.MethodType(route, router)
-
-
-def replay_routes(lm: LoadedModel, sequences: Sequence[Any], lengths: Sequence[int],
-                  replay: RouterReplay | None, routes: Sequence[Any] | None) -> list[torch.Tensor] | None:
-    """The checked expert ids R3 forces for each sequence, int64 `[length - 1, moe_layers, top_k]`.
-
-    sequences: `train_forward`'s inputs; lengths: len(prompt) + len(response) of each.
-    routes: one array per sequence, overriding each Rollout's `routed_experts`.
-    None unless `replay` is R3. Dense models and misshapen routes raise a ParityError.
-    """
-    if routes is not None and (replay is None or replay.mode != "R3"):
-        raise ConfigError("routes= are forced only with router_replay='R3'")
-    if replay is None:
-        return None
-    if not lm.is_moe:
-        raise ConfigError(f"router_replay={replay.mode!r} needs an MoE model; {lm.name!r} is dense "
-                          "(it has no routers)")
-    if replay.mode != "R3":
-        return None
-    if routes is not None and len(routes) != len(sequences):
-        raise InputError(f"routes has {len(routes)} arrays for {len(sequences)} sequences; "
-                         "give one per sequence")
-    forced = []
-    for i, (item, length) in enumerate(zip(sequences, lengths)):
-        given = routes[i] if routes is not None else getattr(item, "routed_experts", None)
-        if given is None:
-            raise InputError(f"sequences[{i}] has no routed_experts to replay; sample with routes recorded "
-                             "(ReferenceEngine(record_routes=True), a backend's return_routed_experts) or "
-                             "pass routes=")
-        ids = check_routes(given, positions=length - 1, moe_layers=lm.num_moe_layers, top_k=lm.moe_top_k,
-                           num_experts=lm.num_experts, where=f"sequences[{i}] routed_experts")
-        forced.append(torch.from_numpy(ids).to(torch.int64))
-    return forced
 
 
 def run_routed(run: Callable[[], torch.Tensor], num_moe_layers: int, *, replay: RouterReplay | None = None,

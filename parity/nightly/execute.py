@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from parity.backends import close_dead_backends, shared_backend
+from parity.backends import close_dead_backends, prefix_cache_options, route_capture_options, shared_backend
 from parity.cases import Case
-from parity.compare import compare, prefix_cache_options, route_capture_options
+from parity.compare import compare
 from parity.nightly.history import now
 from parity.nightly.rows import RowKey, RowResult, row_status
 from parity.schema import NO_REPLAY

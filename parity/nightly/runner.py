@@ -25,7 +25,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from parity.backends import BACKENDS, available_backends
+from parity.backends import BACKENDS, available_backends, prefix_cache_backends, route_recording_backends
 from parity.cases import Case, load_cases
 from parity.errors import ConfigError
 from parity.nightly.environment import collect_environment
@@ -41,9 +41,7 @@ from parity.schema import (
     BASELINE_RECOMMENDATION_KEY,
     DTYPES,
     KERNEL_MODES,
-    PREFIX_CACHE_BACKENDS,
     RECOMMENDATION_KEY,
-    ROUTE_CAPTURE_OPTIONS,
 )
 
 AUTO = "auto"
@@ -178,16 +176,17 @@ def plan(cases: list[Case], backends: tuple[str, ...],
          dtypes: tuple[str, ...] = ()) -> list[tuple[RowKey, Case]]:
     """The matrix in run order: case, router-replay variant, backend, dtype. A case that lists
     its backends runs only on those; R3 runs only on backends that can record routes (a backend
-    without a `ROUTE_CAPTURE_OPTIONS` entry cannot feed R3, so its cell is left out rather than
-    recorded as an error no setting could fix); `dtypes` overrides every case's own dtypes."""
+    without a `route_option` cannot feed R3, so its cell is left out rather than recorded as an
+    error no setting could fix); `dtypes` overrides every case's own dtypes."""
+    recording, switchable = route_recording_backends(), prefix_cache_backends()
     cells = []
     for case in cases:
         for variant in case.router_replay or [prefix_cache_variant(v) for v in case.prefix_caching] or ("",):
             for backend in backends:
                 if (case.backends and backend not in case.backends) or \
-                        (variant == "R3" and backend not in ROUTE_CAPTURE_OPTIONS):
+                        (variant == "R3" and backend not in recording):
                     continue
-                if variant.startswith(_PREFIX_CACHE) and backend not in PREFIX_CACHE_BACKENDS:
+                if variant.startswith(_PREFIX_CACHE) and backend not in switchable:
                     # no prefix cache to switch: one row, under the first setting's variant only
                     if variant != prefix_cache_variant(case.prefix_caching[0]):
                         continue

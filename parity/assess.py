@@ -1,0 +1,119 @@
+"""The training side of a comparison, for rollouts from anywhere (sampled by `compare`, read from
+a record or dump by `parity score`): score them with the training forward (or take the trainer's
+own logprobs), build the report (`parity.reporting`) with the tokens' decoded text, and add the
+router section (rollouts that carry MoE routes) and drift attribution.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from parity.errors import ConfigError
+from parity.report import ParityReport
+from parity.reporting import build_report
+from parity.routes import router_agreement
+from parity.schema import NO_REPLAY, ROUTER_SUMMARY_KEYS
+from parity.text import report_text
+from parity.tolerance import Tolerance
+from parity.types import Rollout
+
+
+def report_for(model: str | None, rollouts: Sequence[Rollout], *, dtype: str, device: str, reference: str,
+               router_replay: str | None, tolerance: Tolerance, provenance: dict[str, Any],
+               correction: dict[str, Any] | None = None, attribute: Sequence[str] = (),
+               train_logprobs: Sequence[np.ndarray] | None = None,
+               tensor_parallel_size: int | None = None,
+               reduction_groups: int | None = None) -> ParityReport:
+    """The second half of a comparison, for rollouts from anywhere: score them with the training
+    forward (or take `train_logprobs`, the trainer's own logprobs of the same tokens, and run
+    no forward), build the report with the tokens' decoded text (`parity.text`), and add
+    router agreement (rollouts that carry MoE routes) and attribution (`attribute` axes).
+    model: None only with `train_logprobs` and no `attribute` (nothing to run, no text).
+    tensor_parallel_size, reduction_groups: the training forward's layout (`train_forward`), for
+    every forward of the report, the router section's too; None: the layout the rollouts record,
+    else the whole model."""
+    if model is None and (train_logprobs is None or attribute):
+        raise ConfigError("a model is needed to run the training forward; pass model=")
+    if train_logprobs is None:
+        train_logprobs = score_rollouts(model, rollouts, dtype=dtype, device=device, kernels=reference,
+                                        router_replay=router_replay,
+                                        tensor_parallel_size=tensor_parallel_size,
+                                        reduction_groups=reduction_groups)
+        computed = True
+    else:
+        computed = False
+    report = build_report(rollouts, train_logprobs, tolerance=tolerance, provenance=provenance,
+                          correction=correction)
+    text = None if model is None else report_text(model, rollouts)
+    if text is not None:
+        report.extras["text"] = text  # decoded now, so a stored report shows text without a tokenizer
+    if computed and rollouts and all(r.routed_experts is not None for r in rollouts):
+        # MoE rollouts that carry routes: router agreement, and drift with and without replay.
+        router_summary, report.extras["router"] = router_report(
+            model, rollouts, dtype=dtype, device=device, kernels=reference, router_replay=router_replay,
+            tolerance=tolerance, tensor_parallel_size=tensor_parallel_size, reduction_groups=reduction_groups)
+        report.summary.update(router_summary)
+    if attribute:
+        from parity.attribute import attribution_section  # torch: `import parity` stays light
+
+        report.extras["attribution"] = attribution_section(model, rollouts, axes=attribute,
+                                                           dtype=dtype, device=device)
+    return report
+
+
+def score_rollouts(model: str | os.PathLike[str], rollouts: Sequence[Rollout], *, dtype: str,
+                   device: str = "cpu", kernels: str = "invariant",
+                   router_replay: str | None = None,
+                   tensor_parallel_size: int | None = None,
+                   reduction_groups: int | None = None) -> list[np.ndarray]:
+    """Training-forward logprobs of every rollout's response tokens, float32 `[response_len]` each,
+    each rollout scored under the sampling it records (mode, temperature, top-k, top-p)."""
+    from parity.engine import train_forward  # torch: `import parity` stays light
+
+    scored = train_forward(model, list(rollouts), dtype=dtype, device=device, kernels=kernels,
+                           tensor_parallel_size=tensor_parallel_size, reduction_groups=reduction_groups,
+                           **router_replay_options(router_replay)).logprobs
+    return [lp.detach().to("cpu").float().numpy() for lp in scored]
+
+
+def router_replay_options(router_replay: str | None) -> dict[str, Any]:
+    """`train_forward` keyword arguments for `router_replay` (validated: a bad mode fails before
+    an engine starts); none when it is None or "none" (the spelling of "off" in case files)."""
+    from parity.models.routing import RouterReplay  # torch: `import parity` stays light
+
+    return {} if RouterReplay.of(router_replay) is None else {"router_replay": router_replay}
+
+
+def router_report(model: str, rollouts: Sequence[Rollout], *, dtype: str, device: str, kernels: str,
+                  router_replay: str | None, tolerance: Tolerance, tensor_parallel_size: int | None = None,
+                  reduction_groups: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Router agreement and IS-ratio drift with and without replay, for rollouts that carry routes.
+
+    Scores the rollouts with the training forward once per side: "none" (the training router
+    decides), "R3" (the rollout's experts forced) and `router_replay` if it is another mode.
+    Returns (summary, section): `summary` holds the `ROUTER_SUMMARY_KEYS` of the side
+    `router_replay` selects (rollout routes vs the routes that side's forward used), for
+    `ParityReport.summary`; `section`, for `ParityReport.extras["router"]`, holds every side's
+    router agreement and full drift summary side by side.
+    """
+    # torch: `import parity` stays light
+    from parity.engine import train_forward
+    from parity.models.routing import RouterReplay
+
+    main = RouterReplay.of(router_replay)
+    main_name = NO_REPLAY if main is None else main.mode
+    rollout_routes = [ro.routed_experts for ro in rollouts]
+    sides: dict[str, dict[str, Any]] = {}
+    for name in dict.fromkeys((NO_REPLAY, "R3", main_name)):
+        scored = train_forward(
+            model, list(rollouts), dtype=dtype, device=device, kernels=kernels, record_routes=True,
+            router_replay=main if name == main_name else RouterReplay.of(name),
+            tensor_parallel_size=tensor_parallel_size, reduction_groups=reduction_groups)
+        drift = build_report(rollouts, [lp.numpy() for lp in scored.logprobs], tolerance=tolerance).summary
+        sides[name] = {**router_agreement(rollout_routes, scored.routes), "drift": drift}
+    summary = {k: sides[main_name][k] for k in ROUTER_SUMMARY_KEYS}
+    return summary, {"replay": main_name, "sides": sides}
