@@ -126,21 +126,65 @@ def test_r3_replays_the_routes_vllm_returns(moe) -> None:
     assert sides["R3"]["drift"]["mean_abs_logprob_diff"] <= sides["none"]["drift"]["mean_abs_logprob_diff"]
 
 
-@pytest.mark.parametrize("transfer", ["reload", "ipc"])
-def test_lifecycle_on_the_gpu_is_bitwise(dense, transfer) -> None:
-    """Every transition leaves tokens and logprobs bit-identical; what the build refuses is skipped with
-    its own words (reported, never passed)."""
-    with get_backend("vllm", dense, dtype="bfloat16", weight_transfer=transfer,
+#: the transitions that keep the bits on vLLM 0.23 (H200, 2026-12-01), per weight-transfer path.
+BITWISE = {"reload": ("repeat", "prefix_cache_reset", "sleep_wake", "sleep_wake_2"),
+           "ipc": ("repeat", "prefix_cache_reset", "sleep_wake")}
+
+
+@pytest.fixture(scope="module", params=["reload", "ipc"])
+def lifecycle(request, dense):
+    """Every lifecycle check on an engine with sleep mode on, pushing weights by `transfer`."""
+    with get_backend("vllm", dense, dtype="bfloat16", weight_transfer=request.param,
                      engine_kwargs={**ENGINE, "enable_sleep_mode": True}) as backend:
         report = run_lifecycle(backend, checks=CHECKS, reference="reference")
-    results = {r.name: r for r in report.results}
-    print({name: (r.status, r.detail) for name, r in results.items()})
-    assert all(r.status in ("pass", "skip") for r in results.values()), report.summary_text()
-    assert results["weight_update"].status == "pass" and results["sleep_wake_2"].status == "pass"
+    print(report.summary_text())
+    return request.param, {r.name: r for r in report.results}
 
 
-def test_an_engine_without_its_gpu_memory_fails_in_one_line(dense, engine) -> None:
-    with pytest.raises(BackendError, match="could not get its GPU memory"):
+def test_lifecycle_transitions_on_the_gpu_keep_the_bits(lifecycle) -> None:
+    """Sleep (level 1 and, with file reloads, level 2), wake and a prefix-cache reset leave tokens and
+    logprobs bit-identical; what the build lacks is skipped with its words, never passed."""
+    transfer, results = lifecycle
+    assert all(results[name].status == "pass" for name in BITWISE[transfer]), results
+    assert results["kv_cache_release"].status == "skip"
+    assert "release_kv_cache_memory" in results["kv_cache_release"].detail
+
+
+def test_a_weight_push_reaches_the_engine(lifecycle) -> None:
+    """After a push the engine's scores follow the new weights (close to parity's forward on them, far
+    from its own old scores), by file reload and by CUDA IPC."""
+    _, results = lifecycle
+    m = results["weight_update"].metrics
+    assert m["max_abs_diff_new"] <= m["tolerance"] < m["mean_shift"], results["weight_update"].detail
+
+
+@pytest.mark.xfail(strict=True, reason="vLLM 0.23 on an H200 (2026-12-01): pushing the original weights "
+                   "back after a push leaves logprobs up to 0.0079 nats off, by reload and by IPC")
+def test_restoring_pushed_weights_gives_the_same_bits(lifecycle) -> None:
+    _, results = lifecycle
+    assert results["weight_update"].metrics["max_abs_diff_restored"] == 0.0
+
+
+def test_pushing_unchanged_weights_keeps_the_bits(dense) -> None:
+    """The control of the restore finding: a push of the weights the engine already holds. If this
+    holds while the restore does not, the perturbed push leaves a trace; if it fails, any reload moves
+    the bits (the layerwise reload lays the weights out anew)."""
+    from parity.backends.weight_sync import checkpoint_weights
+
+    requests = [Request(tuple(p), SAMPLING, f"r{i}") for i, p in enumerate(PROMPTS)]
+    with get_backend("vllm", dense, dtype="bfloat16", engine_kwargs=ENGINE) as backend:
+        before = backend.generate(requests)
+        backend.update_weights(checkpoint_weights(backend.model_path).items())
+        after = backend.generate(requests)
+    diff = max(float(np.max(np.abs(np.subtract(a.logprobs, b.logprobs)))) for a, b in zip(before, after)
+               if a.token_ids == b.token_ids)
+    print(f"unchanged push: {sum(a.token_ids != b.token_ids for a, b in zip(before, after))} samples with "
+          f"other tokens, max |dlogp| {diff:.3g} on the rest")
+    assert [r.token_ids for r in after] == [r.token_ids for r in before] and diff == 0.0
+
+
+def test_an_engine_without_its_gpu_memory_is_refused_in_one_line(dense, engine) -> None:
+    with pytest.raises(BackendError, match=r"gpu_memory_utilization=0\.99 .* are free; free the GPU"):
         get_backend("vllm", dense, dtype="bfloat16", engine_kwargs={"enforce_eager": True,
                                                                     "gpu_memory_utilization": 0.99})
 

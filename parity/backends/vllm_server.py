@@ -52,6 +52,7 @@ from parity.backends.http import Endpoint, HttpClient, HttpSettings, api_key_fro
 from parity.backends.vllm import (
     GPU_MEMORY_UTILIZATION,
     VLLM_LOGPROBS_MODE,
+    check_gpu_memory,
     max_positions,
     routes_for_rollout,
     translate_sampling,
@@ -244,8 +245,12 @@ class VLLMServerBackend(Backend):
             # the offline adapter's CPU settings, chunked prefill off included (see parity.backends.vllm)
             env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")
             flags += ["--enforce-eager", "--gpu-memory-utilization", "0.3", "--no-enable-chunked-prefill"]
-        elif not any(w.startswith("--gpu-memory-utilization") for w in words):
-            flags += ["--gpu-memory-utilization", str(GPU_MEMORY_UTILIZATION)]  # the offline adapter's share
+        else:
+            given = [words[i + 1] for i, w in enumerate(words[:-1]) if w == "--gpu-memory-utilization"]
+            share = float(given[-1]) if given else GPU_MEMORY_UTILIZATION  # the offline adapter's share
+            check_gpu_memory(share)
+            if not given:
+                flags += ["--gpu-memory-utilization", str(share)]
         if api_key_env is not None:
             env["VLLM_API_KEY"] = api_key_from_env(api_key_env)
         server = ServerProcess([*head, *flags, *words], port=port, env=env, name="vLLM server")
