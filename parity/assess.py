@@ -12,7 +12,9 @@ from typing import Any
 
 import numpy as np
 
+from parity.advisor import DATA_BUGS
 from parity.errors import ConfigError
+from parity.mismatch import sampling_findings
 from parity.report import ParityReport
 from parity.reporting import build_report
 from parity.routes import router_agreement
@@ -46,8 +48,11 @@ def report_for(model: str | None, rollouts: Sequence[Rollout], *, dtype: str, de
         computed = True
     else:
         computed = False
+    bugs = sampling_findings(model, rollouts, train_logprobs, dtype=dtype, device=device, kernels=reference,
+                             tensor_parallel_size=tensor_parallel_size,
+                             reduction_groups=reduction_groups) if computed else []
     report = build_report(rollouts, train_logprobs, tolerance=tolerance, provenance=provenance,
-                          correction=correction)
+                          correction=correction, extras={DATA_BUGS: bugs} if bugs else None)
     text = None if model is None else report_text(model, rollouts)
     if text is not None:
         report.extras["text"] = text  # decoded now, so a stored report shows text without a tokenizer

@@ -33,11 +33,12 @@ from parity.errors import (
     ConfigError,
     InputError,
     ModelNotFoundError,
+    OutputError,
     report_error,
 )
 from parity.models import BUILTIN_MODELS, TRAINED_MODELS
 from parity.models.trained import packaged_file
-from parity.outputs import output_file
+from parity.outputs import output_file, write_atomic
 from parity.quiet import engine_logging
 from parity.render import report_html
 from parity.report import ParityReport, format_worst_tokens
@@ -183,13 +184,19 @@ def _compare(args: argparse.Namespace) -> int:
     if args.model is None and args.case is None:
         raise ConfigError("compare needs --model (or --case naming a model)")
     _check_outputs(args)
-    report = compare(args.model, args.backend, case=args.case, dtype=args.dtype, reference=args.reference,
-                     router_replay=args.router_replay, device=args.device,
-                     attribute=tuple(args.attribute or ()), record=args.record, tensor_parallel=args.tp,
-                     **dict(map(parse_option, args.option)))
-    if args.record is not None:
+    failed = []
+    try:
+        report = compare(args.model, args.backend, case=args.case, dtype=args.dtype, reference=args.reference,
+                         router_replay=args.router_replay, device=args.device,
+                         attribute=tuple(args.attribute or ()), record=args.record, tensor_parallel=args.tp,
+                         **dict(map(parse_option, args.option)))
+    except OutputError as e:
+        if e.report is None:
+            raise
+        report, failed = e.report, [str(e)]
+    if args.record is not None and not failed:
         print(f"wrote {args.record}")
-    return _report_out(report, args)
+    return _report_out(report, args, failed)
 
 
 def _check_outputs(args: argparse.Namespace) -> None:
@@ -215,17 +222,27 @@ def _score(args: argparse.Namespace) -> int:
     return _report_out(report, args)
 
 
-def _report_out(report: ParityReport, args: argparse.Namespace) -> int:
-    """Print the summary and the worst tokens, write --json/--html; the exit code of the verdict."""
+def _report_out(report: ParityReport, args: argparse.Namespace, failed: list[str] | None = None) -> int:
+    """Print the summary and the worst tokens, write --json/--html, each atomically and each on its
+    own (one that cannot be written does not cost the others); the exit code of the verdict, or
+    2 when an output was lost (`failed`: outputs already lost, e.g. the record)."""
     print(report.summary_text())
     print(f"worst {args.worst} tokens:")
     print(format_worst_tokens(report.worst_tokens(args.worst), report.num_tokens))
-    if args.json is not None:
-        args.json.write_text(report.to_json(), encoding="utf-8")
-        print(f"wrote {args.json}")
-    if args.html is not None:
-        args.html.write_text(report_html(report), encoding="utf-8")
-        print(f"wrote {args.html}")
+    failed = list(failed or [])
+    for option, path, render in (("--json", args.json, report.to_json), ("--html", args.html,
+                                                                         lambda: report_html(report))):
+        if path is None:
+            continue
+        try:
+            write_atomic(path, render())
+            print(f"wrote {path}")
+        except OSError as e:
+            failed.append(f"{option} {path}: could not be written ({e.strerror or e})")
+    for line in failed:
+        print(f"parity: error: {line}", file=sys.stderr)
+    if failed:
+        return EXIT_ERROR
     return 0 if report.passed else 1
 
 

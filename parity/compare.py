@@ -20,7 +20,7 @@ from parity.backends import backend_options as backend_options_of
 from parity.backends.base import check_dtype
 from parity.backends.turns import generate
 from parity.cases import Case
-from parity.errors import ConfigError
+from parity.errors import ConfigError, OutputError
 from parity.matching import check_samples, match_requests
 from parity.models import model_limits, resolve_model
 from parity.outputs import output_file
@@ -89,7 +89,9 @@ def compare(
     attribute: drift-attribution axes (`parity.attribute.AXES`: "batch", "layout", "mode",
         "dtype") run on the sampled tokens; the result goes to `report.extras["attribution"]`.
     record: write the run's record (the requests and the rollouts, `parity.record`) to this
-        path, to replay through another backend or score again with `parity.scoring.score`.
+        path, to replay through another backend or score again with `parity.scoring.score`;
+        written right after sampling. If it cannot be written the comparison still finishes and
+        `OutputError` is raised with the report in its `report` attribute.
     tensor_parallel: the backend's tensor-parallel degree (its `tensor_parallel_size` option; a
         running backend keeps its own); the training forward then runs parity's TP-invariant
         layout (`train_forward(tensor_parallel_size=1)`), whose logprobs the reference engine
@@ -103,7 +105,8 @@ def compare(
     model_arg = os.fspath(model) if model is not None else the_case.model
     # every id against the model's vocabulary and context: an engine given a bad id dies or fails late
     names = None if prompts is None else [f"prompts[{i}]" for i in range(len(the_case.requests))]
-    model_limits(model_arg).check(
+    limits_of_model = model_limits(model_arg)
+    limits_of_model.check(
         the_case.requests, names=names, prefix="" if prompts is not None else f"case {the_case.name!r}: ")
     dtype = check_dtype(dtype or (the_case.dtypes[0] if the_case.dtypes else "bfloat16"))
     name = backend if isinstance(backend, str) else getattr(backend, "name", "")
@@ -123,10 +126,14 @@ def compare(
 
     generated = generate(engine, the_case.requests)
     check_samples(the_case.requests, generated, engine.name)
-    rollouts = match_requests(generated, the_case.requests)
-    if record is not None:
-        write_record(record, the_case.requests, rollouts, model=model_arg,
-                     meta={"case": the_case.name, "case_hash": the_case.hash})
+    rollouts = match_requests(generated, the_case.requests, limits=limits_of_model)
+    record_failure = None
+    if record is not None:  # written before scoring: the sampling is kept whatever happens next
+        try:
+            write_record(record, the_case.requests, rollouts, model=model_arg,
+                         meta={"case": the_case.name, "case_hash": the_case.hash})
+        except OSError as e:
+            record_failure = f"record {record}: could not be written ({e.strerror or e})"
     prov = provenance(model_arg, backend=engine.name, backend_meta=dict(engine.meta), dtype=dtype,
                       device=device, backend_device=engine.meta.get("device"), reference=reference,
                       router_replay=router_replay, seeds=[r.sampling.seed for r in the_case.requests],
@@ -142,9 +149,12 @@ def compare(
         prov["train_tensor_parallel"] = {"tensor_parallel_size": 1,
                                          "reduction_groups": engine.meta.get("reduction_groups")
                                          or REDUCTION_GROUPS}
-    return report_for(model_arg, rollouts, dtype=dtype, device=device, reference=reference,
-                      router_replay=router_replay, tolerance=limits, provenance=prov,
-                      correction=correction, attribute=attribute, **train_tp)
+    report = report_for(model_arg, rollouts, dtype=dtype, device=device, reference=reference,
+                        router_replay=router_replay, tolerance=limits, provenance=prov,
+                        correction=correction, attribute=attribute, **train_tp)
+    if record_failure is not None:
+        raise OutputError(record_failure, report=report)
+    return report
 
 
 def _place(backend: str, device: str, options: dict[str, Any]) -> dict[str, Any]:

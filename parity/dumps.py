@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from parity.errors import ConfigError, InputError, ParityError
-from parity.schema import LOGPROBS_MODES
+from parity.schema import LOGPROBS_MODES, json_float
 from parity.tables import read_rows, write_rows
 from parity.types import Rollout, SamplingParams
 
@@ -160,9 +160,10 @@ def _row(row: dict[str, Any], index: int, samples: dict[str, int], backend: str,
     """One row -> (rollout, trainer logprobs or None, the trainer column's name or None)."""
     prompt = _column(row, "prompt_ids")
     response = _column(row, "response_ids")
-    logprobs = _column(row, "rollout_logprobs")
+    logprobs = [json_float(v) for v in _column(row, "rollout_logprobs")]
     trainer_column = next((a for a in COLUMN_ALIASES["trainer_logprobs"] if row.get(a) is not None), None)
-    trainer = None if trainer_column is None else _as_list(row[trainer_column], trainer_column)
+    trainer = None if trainer_column is None else [json_float(v) for v in _as_list(row[trainer_column],
+                                                                                   trainer_column)]
     prompt, keep, generated = _strip_padding(row, prompt, len(response))
     response, logprobs = response[:keep], logprobs[:keep]
     if len(response) != len(logprobs):
@@ -189,14 +190,17 @@ def _row(row: dict[str, Any], index: int, samples: dict[str, int], backend: str,
     if mode not in LOGPROBS_MODES:
         raise InputError(f"logprobs_mode {mode!r}; allowed: {list(LOGPROBS_MODES)}")
     routes = row.get("routed_experts")
+    sampling = _sampling(row, mode, given.get(request_id) if isinstance(given, Mapping) else given)
+    if row.get("attention_mask") is None and row.get("response_mask") is None:
+        greedy = sampling is not None and sampling.temperature == 0
+        _refuse_unmasked_padding(response, logprobs, greedy)
     rollout = Rollout(
         request_id=request_id, sample_index=sample_index,
         prompt_ids=tuple(prompt), token_ids=tuple(response), logprobs=tuple(logprobs),
         finish_reason=str(row.get("finish_reason") or "unknown"), backend=backend, logprobs_mode=mode,
         routed_experts=None if routes is None else np.asarray(routes, dtype=np.int64),
         meta={"source": "offline ingestion"},
-        sampling=_sampling(row, mode, given.get(request_id) if isinstance(given, Mapping) else given),
-        response_mask=generated)
+        sampling=sampling, response_mask=generated)
     return rollout, None if trainer is None else tuple(float(x) for x in trainer), trainer_column
 
 
@@ -223,12 +227,31 @@ def _strip_padding(row: dict[str, Any], prompt: list[Any],
         if len(mask) != response_len:
             raise InputError(f"response_mask has {len(mask)} entries for {response_len} response tokens; "
                              "give one entry per response token")
+        if not any(mask[:keep]):
+            raise InputError("response_mask has no 1 over the response: no generated token to score; the "
+                             "mask marks generated tokens 1 (and tool or padding tokens 0)")
         if attention is None:  # no other word on padding: trailing zeros are padding
             keep = max((i + 1 for i, m in enumerate(mask) if m), default=0)
         mask = mask[:keep]
         if 0 in mask:
             return prompt, keep, tuple(mask)
     return prompt, keep, None
+
+
+def _refuse_unmasked_padding(response: list[Any], logprobs: list[Any], greedy: bool) -> None:
+    """InputError when a row without masks ends like right padding: at least two copies of its last
+    token id whose rollout logprobs are all one value, the fill value of a padded batch (verl pads
+    `responses` with the pad id and `rollout_log_probs` with -1; others pad with 0). Sampled
+    tokens do not repeat one logprob bit for bit, except under greedy decoding (processed
+    logprobs 0.0), which is let through. Padding scored as tokens dilutes every mean."""
+    tail = 1
+    while tail < len(response) and response[-1 - tail] == response[-1] \
+            and logprobs[-1 - tail] == logprobs[-1]:
+        tail += 1
+    if tail >= 2 and tail < len(response) and not greedy:
+        raise InputError(f"the response ends with {tail} tokens of id {response[-1]} whose logprobs are all "
+                         f"{logprobs[-1]}: this looks like right padding, which would be scored as tokens; "
+                         "give response_mask (verl's) or attention_mask, or trim the padding")
 
 
 def _generated_only(values: list[Any], mask: tuple[int, ...] | None) -> list[Any]:
@@ -259,18 +282,24 @@ def _right_padded(mask: list[int], name: str) -> int:
 
 def _sampling(row: dict[str, Any], mode: str, given: SamplingParams | None) -> SamplingParams | None:
     """The row's sampling: its own columns, else what was given; both must agree when both exist."""
-    own = None
+    own = flat = None
     try:
         if row.get("sampling") is not None:
             if not isinstance(row["sampling"], Mapping):
                 raise InputError(f"sampling must be an object of SamplingParams fields, "
                                  f"got {row['sampling']!r}")
             own = SamplingParams.from_dict({**row["sampling"], "logprobs_mode": mode})
-        elif any(row.get(c) is not None for c in SAMPLING_COLUMNS):
-            own = SamplingParams(temperature=_number(row, "temperature", 1.0),
-                                 top_p=_number(row, "top_p", 1.0), top_k=_top_k(row), logprobs_mode=mode)
+        if any(row.get(c) is not None for c in SAMPLING_COLUMNS):
+            flat = SamplingParams(temperature=_number(row, "temperature", 1.0),
+                                  top_p=_number(row, "top_p", 1.0), top_k=_top_k(row), logprobs_mode=mode)
     except ConfigError as e:
         raise InputError(str(e)) from e  # a bad value in the data, not in parity's configuration
+    if own is not None and flat is not None and _definition(own) != _definition(flat):
+        present = ", ".join(f"{c}={row[c]!r}" for c in SAMPLING_COLUMNS if row.get(c) is not None)
+        raise InputError(f"the row's sampling object says (temperature, top_k, top_p) = "
+                         f"{_definition(own)} but its columns say {present}; the row contradicts itself: "
+                         "drop one of them")
+    own = own or flat
     if given is not None:
         given = given.replace(logprobs_mode=mode)
         if own is not None and _definition(own) != _definition(given):
@@ -327,11 +356,17 @@ def _check_ids(ids: list[Any], name: str) -> None:
         raise InputError(f"{name} must be non-negative integers")
 
 
-def check_logprobs(values: Sequence[Any], name: str = "logprob") -> None:
-    """Every value a finite number <= 0 (a little rounding above 0 allowed), else InputError."""
+def check_logprobs(values: Sequence[Any], name: str = "logprob", where: str = "") -> None:
+    """Every value a number <= 0 (a little rounding above 0 allowed) or -inf, else InputError
+    (prefixed with `where`, e.g. the request it answers).
+
+    -inf is a token outside the sampling support of the side that reported it (a top-k or top-p
+    cut, or an engine's floor read back as -inf): kept, and counted apart by every report
+    (`num_tokens_outside_support`). NaN and +inf are not log-probabilities."""
     for t, v in enumerate(values):
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
-            raise InputError(f"{name} {t} is {v!r}; every logprob must be a finite number")
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or math.isnan(v) or v == math.inf:
+            raise InputError(f"{where}{name} {t} is {v!r}; every logprob must be a number <= 0 (-inf "
+                             "for a token outside the sampling support)")
         if v > _MAX_LOGPROB:
-            raise InputError(f"{name} {t} is {v} > 0; a log-probability is <= 0 (were logits or "
-                             "probabilities dumped instead?)")
+            raise InputError(f"{where}{name} {t} is {v} > 0; a log-probability is <= 0 (were logits or "
+                             "probabilities reported instead?)")

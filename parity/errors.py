@@ -42,6 +42,15 @@ class UnsupportedError(BackendError):
     CPU build); the message quotes the backend's reason. Checks report it as skipped, not failed."""
 
 
+class OutputError(ParityError, OSError):
+    """An output (a record, a report file) could not be written. `report` holds the finished
+    report when the work itself succeeded, so a caller can still write its other outputs."""
+
+    def __init__(self, message: str, report: object | None = None) -> None:
+        super().__init__(message)
+        self.report = report
+
+
 #: exit code of a command whose tolerance or regression check failed (and of nothing else).
 EXIT_FAILED = 1
 #: exit code of a command that could not do its job: bad input, or a failure of parity or a backend.

@@ -11,7 +11,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from parity.errors import BackendError, InputError
+from parity.dumps import check_logprobs
+from parity.errors import BackendError, InputError, ParityError
+from parity.models.limits import ModelLimits
 from parity.types import Request, Rollout
 
 
@@ -28,9 +30,10 @@ def requests_by_id(requests: Sequence[Request]) -> dict[str, Request]:
     return by_id
 
 
-def match_requests(rollouts: Sequence[Rollout], requests: Sequence[Request]) -> list[Rollout]:
-    """`rollouts`, each checked against the request it answers, and carrying that request's
-    sampling.
+def match_requests(rollouts: Sequence[Rollout], requests: Sequence[Request], *,
+                   limits: ModelLimits | None = None) -> list[Rollout]:
+    """`rollouts`, each checked against the request it answers (`check_answer`; token ids against
+    `limits`' vocabulary when given), and carrying that request's sampling.
 
     A rollout's logprobs mode must be the one its request asked for, or the two numbers would
     be different quantities.
@@ -41,6 +44,7 @@ def match_requests(rollouts: Sequence[Rollout], requests: Sequence[Request]) -> 
     for ro in rollouts:
         if ro.request_id not in by_id:
             raise InputError(f"rollout {ro.request_id!r}/{ro.sample_index} matches no request of the case")
+        check_answer(ro, by_id[ro.request_id], limits)
         s = by_id[ro.request_id].sampling
         if ro.logprobs_mode != s.logprobs_mode:
             raise InputError(
@@ -76,3 +80,27 @@ def check_samples(requests: Sequence[Request], rollouts: Sequence[Rollout], back
     if missing:
         raise BackendError(f"backend {backend!r} returned {len(seen)} of {len(want)} samples; missing "
                            f"{', '.join(map(str, missing[:3]))}{' ...' if len(missing) > 3 else ''}")
+
+
+def check_answer(rollout: Rollout, request: Request, limits: ModelLimits | None = None, *,
+                 error: type[ParityError] = BackendError) -> None:
+    """`error` (BackendError for a backend's answer, InputError for a file's) naming the request
+    unless `rollout` is an answer `request` could get: its prompt, at most `max_tokens` response
+    tokens, ids inside the vocabulary (`limits`), and logprobs that are log-probabilities (<= 0,
+    or -inf outside the sampling support: `parity.dumps.check_logprobs`). A backend that breaks one
+    would otherwise show up as drift."""
+    who = (f"backend {rollout.backend!r} answered request {rollout.request_id!r} "
+           f"(sample {rollout.sample_index})")
+    if rollout.prompt_ids != request.prompt_ids:
+        raise error(f"{who} for a prompt of {len(rollout.prompt_ids)} tokens that is not the request's "
+                    f"({len(request.prompt_ids)} tokens); its rollout cannot be scored as an answer")
+    if len(rollout.token_ids) > request.sampling.max_tokens:
+        raise error(f"{who} with {len(rollout.token_ids)} tokens, more than its max_tokens="
+                    f"{request.sampling.max_tokens}")
+    problem = None if limits is None else limits.vocabulary_problem(rollout.token_ids)
+    if problem is not None:
+        raise error(f"{who} with a response that {problem}")
+    try:
+        check_logprobs(rollout.logprobs, where=f"{who}: ")
+    except InputError as e:
+        raise error(str(e)) from e

@@ -39,3 +39,16 @@ def output_file(path: str | os.PathLike[str], option: str) -> Path:
     if path.exists() and not os.access(path, os.W_OK):
         raise ConfigError(f"{option} {path}: the file exists and is not writable")
     return path
+
+
+def write_atomic(path: str | os.PathLike[str], text: str) -> Path:
+    """Write `text` to `path` through a temporary file in the same directory and a rename: a reader
+    (or a run killed mid-write) sees the old file or the new one, never half of one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path

@@ -24,8 +24,8 @@ from typing import Any
 
 from parity.backends import Backend, get_backend, parse_option
 from parity.backends.turns import generate
-from parity.dumps import check_logprobs
 from parity.errors import EXIT_INTERRUPTED, ConfigError, InputError, ParityError, report_error
+from parity.matching import check_answer
 from parity.models import model_limits
 from parity.outputs import output_file
 from parity.tables import read_jsonl, write_jsonl
@@ -83,14 +83,18 @@ def read_record(path: str | Path) -> Record:
                 requests.append(request)
                 by_id[request.request_id] = request
             elif kind == "rollout":
-                check_logprobs(obj.get("logprobs", []))
                 rollout = Rollout.from_dict(obj)
                 if (rollout.backend, *rollout.key) in seen:
                     raise InputError(f"rollout {rollout.key} of backend {rollout.backend!r} appears more "
                                      "than once")
                 seen.add((rollout.backend, *rollout.key))
                 request = by_id.get(rollout.request_id)
-                if rollout.sampling is None and request is not None:
+                if request is None:
+                    raise InputError(f"rollout {rollout.key} answers request_id {rollout.request_id!r}, "
+                                     "which no request line of the record names (requests come before "
+                                     "rollouts)")
+                check_answer(rollout, request, error=InputError)
+                if rollout.sampling is None:
                     rollout = dataclasses.replace(rollout, sampling=request.sampling)
                 rollouts.setdefault(rollout.backend, []).append(rollout)
             else:

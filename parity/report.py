@@ -227,9 +227,10 @@ class ParityReport:
                 "prompt": text.get("prompts", {}).get(str(self.sequences[row].get("request_id")), "")}
 
     def request_drift(self) -> list[dict[str, Any]]:
-        """Drift per request id, in first-seen order: samples, tokens, max and mean
-        |logp_train - logp_rollout| (nats; NaN where a difference is undefined), identical (every
-        token's two logprobs equal) and prompt (its start, when the report holds decoded text)."""
+        """Drift per request id, in first-seen order: samples, tokens (scored), outside_support
+        (tokens one side gives -inf: counted apart, as in the summary), max and mean
+        |logp_train - logp_rollout| over the scored tokens (nats), identical (every token's two
+        logprobs equal) and prompt (its start, when the report holds decoded text)."""
         prompts = self.extras.get("text", {}).get("prompts", {})
         groups: dict[str, list[int]] = {}
         for i, seq in enumerate(self.sequences):
@@ -239,10 +240,12 @@ class ParityReport:
             mask = self.mask[rows]
             train = self.train_logprobs[rows][mask].astype(np.float64)
             rollout = self.rollout_logprobs[rows][mask].astype(np.float64)
+            outside = np.isneginf(train) | np.isneginf(rollout)
             with np.errstate(invalid="ignore"):
-                diff = np.abs(train - rollout)
+                diff = np.abs(train[~outside] - rollout[~outside])
             out.append({
-                "request_id": request_id, "samples": len(rows), "tokens": int(mask.sum()),
+                "request_id": request_id, "samples": len(rows), "tokens": int(diff.size),
+                "outside_support": int(outside.sum()),
                 "max_abs_logprob_diff": float(diff.max()) if diff.size else 0.0,
                 "mean_abs_logprob_diff": float(diff.mean()) if diff.size else 0.0,
                 "identical": bool(np.array_equal(train, rollout)), "prompt": prompts.get(request_id, ""),

@@ -9,7 +9,8 @@ case loader) import it rather than repeating it.
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+import math
+from typing import Any, Literal, get_args
 
 #: the package version every report and nightly run records.
 VERSION = "0.1.0"
@@ -92,3 +93,27 @@ def sweep_label(request_id: str) -> str | None:
     """The sampling-block label of a sweep request id ("t0.6/3" -> "t0.6"); None outside a sweep."""
     label, sep, _ = request_id.rpartition(SWEEP_SEPARATOR)
     return label if sep else None
+
+
+#: how the JSON files parity writes (records, JSONL dumps, nightly results) spell the floats JSON has
+#: no number for: a logprob of -inf is a finding (a token outside one side's sampling support), so it
+#: is kept, as a string, rather than refused or turned into a number it is not.
+NONFINITE_JSON: dict[str, float] = {"-inf": float("-inf"), "inf": float("inf"), "nan": float("nan")}
+
+
+def json_safe(value: Any) -> Any:
+    """`value` with every non-finite float inside (dicts, lists, tuples) spelled as in
+    `NONFINITE_JSON`, so `json.dumps(..., allow_nan=False)` writes strict JSON without losing it."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def json_float(value: Any) -> Any:
+    """The inverse of `json_safe` for one value where a number is expected: "-inf", "inf" and
+    "nan" become floats; anything else is returned unchanged (and checked by its reader)."""
+    return NONFINITE_JSON.get(value, value) if isinstance(value, str) else value

@@ -130,15 +130,17 @@ def score(rollouts: Sequence[Rollout] | str | os.PathLike[str], model: str | os.
     if theirs is None:
         train_side = TRAIN_COMPUTED
     elif trainer_logprobs == FROM_DUMP:
-        train_side = f"from the dump's {source.trainer_column!r} column (not computed here)"
+        train_side = (f"from the dump's {source.trainer_column!r} column (not computed here; no forward "
+                      "ran, so the rollouts' sampling columns were not checked)")
     else:
-        train_side = "given by the caller (not computed here)"
+        train_side = "given by the caller (not computed here; the rollouts' sampling was not checked)"
     prov = provenance(
         model_arg, backend=name, backend_meta=dict(source.rollouts[0].meta), dtype=dtype, device=device,
         reference=reference, router_replay=router_replay,
         seeds=[r.sampling.seed if r.sampling is not None else None for r in source.rollouts],
         case=source.path.stem if source.kind != "rollouts" else "rollouts", case_hash=_rollouts_hash(source),
         rollout_logprobs=f"from {where} (backend {name!r})", train_logprobs=train_side)
+    prov["sampling_checked"] = theirs is None
     return report_for(model_arg, source.rollouts, dtype=dtype, device=device, reference=reference,
                       router_replay=router_replay, tolerance=limits, provenance=prov, correction=correction,
                       attribute=attribute, train_logprobs=theirs)

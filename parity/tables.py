@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from parity.errors import ConfigError, InputError
+from parity.outputs import write_atomic
+from parity.schema import json_safe
 
 PARQUET_SUFFIX = ".parquet"
 
@@ -51,10 +53,9 @@ def write_rows(path: str | Path, rows: Sequence[dict[str, Any]]) -> Path:
 
 
 def write_jsonl(path: str | Path, rows: Sequence[dict[str, Any]]) -> Path:
-    """Write rows as JSONL whatever the suffix (NaN and infinities refused: JSON has none)."""
-    path = Path(path)
-    path.write_text("".join(json.dumps(row, allow_nan=False) + "\n" for row in rows))
-    return path
+    """Write rows as strict JSONL whatever the suffix, atomically; non-finite floats (a -inf
+    logprob) are spelled as `parity.schema.NONFINITE_JSON` strings, which the readers turn back."""
+    return write_atomic(path, "".join(json.dumps(json_safe(row), allow_nan=False) + "\n" for row in rows))
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from parity.errors import ConfigError, InputError
-from parity.schema import LOGPROBS_MODES, LogprobsMode
+from parity.schema import LOGPROBS_MODES, LogprobsMode, json_float
 from parity.turns import Turn, check_turns, turns_from_dict
 
 
@@ -272,12 +272,18 @@ class Rollout:
         sampling = d.get("sampling")
         return cls(
             request_id=d["request_id"], sample_index=d["sample_index"], prompt_ids=d["prompt_ids"],
-            token_ids=d["token_ids"], logprobs=d["logprobs"], finish_reason=d["finish_reason"],
+            token_ids=d["token_ids"], logprobs=_json_logprobs(d["logprobs"]),
+            finish_reason=d["finish_reason"],
             backend=d["backend"], logprobs_mode=d.get("logprobs_mode", "processed"),
             routed_experts=d.get("routed_experts"), meta=d.get("meta", {}),
             sampling=None if sampling is None else SamplingParams.from_dict(sampling),
             response_mask=None if d.get("response_mask") is None else tuple(d["response_mask"]),
         )
+
+
+def _json_logprobs(values: Any) -> Any:
+    """Logprobs read from JSON: the strings parity writes for non-finite floats become floats."""
+    return [json_float(v) for v in values] if isinstance(values, list) else values
 
 
 #: one sequence to score: (prompt token ids, response token ids).

@@ -87,7 +87,8 @@ def test_trainer_logprob_column_runs_no_forward(hf_run, tmp_path, monkeypatch, c
     monkeypatch.setattr(parity.engine, "train_forward", no_forward)
     code, again = scored([str(dump), "--trainer-logprobs", "--backend", "hf"], tmp_path)
     assert code == 0 and again.summary == report.summary and again.provenance["model"] is None
-    side = "from the dump's 'trainer_logprobs' column (not computed here)"
+    side = ("from the dump's 'trainer_logprobs' column (not computed here; no forward ran, so the rollouts' "
+            "sampling columns were not checked)")
     assert again.provenance["train_logprobs"] == side
     assert f"train logprobs: {side}" in capsys.readouterr().out
     # the negative control: without the flag the forward runs (and here, raises: exit 2, one line)
@@ -102,7 +103,8 @@ def test_verl_old_log_probs_and_exit_code_1_when_the_tolerance_fails(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     code, report = scored([str(path), "--trainer-logprobs", "--temperature", "1.0"], tmp_path)
     assert code == 1 and report.summary["max_abs_logprob_diff"] == 1.5 and not report.passed
-    assert report.provenance["train_logprobs"] == "from the dump's 'old_log_probs' column (not computed here)"
+    assert report.provenance["train_logprobs"].startswith("from the dump's 'old_log_probs' column (not computed here")
+    assert report.provenance["sampling_checked"] is False
     code, _ = scored([str(path), "--trainer-logprobs"], tmp_path / "x")
     assert code == 2  # processed rows without sampling
 

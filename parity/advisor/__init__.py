@@ -7,8 +7,10 @@ logprobs and recommend one, with its reason and the config to paste.
     advice.to_dict()["recommendation"]["frameworks"]["verl"]
 
 Modules: `grid` (the candidate corrections), `evaluate` (every candidate's figures in one
-vectorised NumPy pass), `rule` (the documented rule), `export` (verl / NeMo-RL / slime keys),
-`text` (the terminal table). NumPy only: advising a stored report never loads torch.
+vectorised NumPy pass), `diagnose` (data bugs that look like drift: an off-by-one shift, a
+temperature, mode or truncation mismatch; with one, no correction is recommended), `rule` (the
+documented rule), `export` (verl / NeMo-RL / slime keys), `text` (the terminal table). NumPy
+only: advising a stored report never loads torch.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from parity.advisor.diagnose import data_bugs
 from parity.advisor.evaluate import FIGURES, Evaluation, Tokens, evaluate, keep_mask
 from parity.advisor.export import framework_configs
 from parity.advisor.grid import REWEIGHTING, Candidate, default_grid, describe
@@ -34,6 +37,8 @@ __all__ = ["Advice", "AdviceRule", "Candidate", "Tokens", "advise", "default_gri
 
 #: `ParityReport.extras` key of the advice section; the summary key of its recommendation.
 SECTION = "advice"
+#: `ParityReport.extras` key of data bugs found with forwards (`parity.mismatch`), which advise reads.
+DATA_BUGS = "data_bugs"
 SUMMARY_KEY = RECOMMENDATION_KEY
 
 
@@ -42,7 +47,9 @@ class Advice:
     """The recommendation and the evaluation behind it.
 
     config: the recommended correction; reason: one sentence; stages: each stage's chosen
-    candidate (name, figures) in order; evaluation: every candidate's figures.
+    candidate (name, figures) in order; evaluation: every candidate's figures; data_bugs: what
+    looks like a data bug rather than drift (`parity.advisor.diagnose`): with any, no correction
+    is recommended.
     """
 
     config: CorrectionConfig
@@ -51,10 +58,11 @@ class Advice:
     evaluation: Evaluation
     rule: AdviceRule
     seed: int
+    data_bugs: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
-        return describe(self.config)
+        return "none (data bug)" if self.data_bugs else describe(self.config)
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON section stored in `ParityReport.extras["advice"]` and rendered from there."""
@@ -65,7 +73,7 @@ class Advice:
                 "name": self.name, "reason": self.reason,
                 "config": {k: getattr(self.config, k) for k in fields},
                 "stages": [{"stage": s, "candidate": c, "figures": f} for s, c, f in self.stages],
-                "frameworks": framework_configs(self.config),
+                "frameworks": framework_configs(self.config), "data_bugs": list(self.data_bugs),
             },
             "drift": dataclasses.asdict(ev.drift),
             "rule": dataclasses.asdict(self.rule),
@@ -103,6 +111,12 @@ def advise(report_or_arrays: Any, rollout_logprobs: Any = None, mask: Any = None
     rule = AdviceRule() if rule is None else rule
     ev = evaluate(tok, grid, bootstrap=bootstrap, seed=seed)
     none = CorrectionConfig(rollout_is=None)
+    stored = report_or_arrays.extras.get(DATA_BUGS, []) if isinstance(report_or_arrays, ParityReport) else []
+    bugs = data_bugs(tok) + tuple(stored)
+    if bugs:
+        reason = "this looks like a data bug, not drift: " + "; ".join(bugs) + \
+            "; fix the data first, no rollout correction is recommended"
+        return Advice(none, _sentence([reason]), (("data_bug", None, {}),), ev, rule, seed, bugs)
     if within_noise(ev, rule):
         return Advice(none, _sentence([noise_clause(ev, rule), "no correction needed"]),
                       (("noise", None, {}),), ev, rule, seed)

@@ -8,7 +8,6 @@ uploading artifacts) never sees a half-written report.
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,8 @@ from parity.nightly.history import RunInfo
 from parity.nightly.html_report import render_page
 from parity.nightly.markdown_report import render_summary
 from parity.nightly.rows import RowKey, RowResult, exit_code
+from parity.outputs import write_atomic
+from parity.schema import json_safe
 
 RESULTS_FORMAT = "parity-nightly-results"
 RESULTS_VERSION = 1
@@ -37,8 +38,9 @@ def publish(out: Path, run: RunInfo, rows: list[RowResult],
 
 def results(run: RunInfo, rows: list[RowResult]) -> dict[str, Any]:
     """The machine-readable run: header, environment and every row without its token arrays.
-    Non-finite numbers become null, so strict JSON parsers (jq, JavaScript) read the file."""
-    return _finite({
+    Non-finite numbers are spelled "-inf", "inf", "nan" (`parity.schema.json_safe`), so strict JSON
+    parsers (jq, JavaScript) read the file and nothing is lost."""
+    return json_safe({
         "format": RESULTS_FORMAT, "version": RESULTS_VERSION, "run_id": run.run_id,
         "created_at": run.created_at, "finished_at": run.finished_at, "exit_code": exit_code(rows),
         "config": run.config, "environment": run.environment,
@@ -49,23 +51,6 @@ def results(run: RunInfo, rows: list[RowResult]) -> dict[str, Any]:
             "error": r.error, "timing": r.timing, "provenance": r.provenance, "finished_at": r.finished_at,
         } for r in rows],
     })
-
-
-def _finite(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write `text` to `path` through a temporary file in the same directory and a rename."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def point_latest(out: Path, run_id: str) -> None:

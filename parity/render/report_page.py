@@ -57,7 +57,9 @@ def request_drift_table(rows: list[dict[str, Any]]) -> str:
             else ()))
     body = []
     for row in rows:
-        cells = [_td(row["request_id"]), _td(row["samples"]), _td(row["tokens"])]
+        outside = row["outside_support"]
+        tokens = f"{row['tokens']} (+{outside} outside support)" if outside else row["tokens"]
+        cells = [_td(row["request_id"]), _td(row["samples"]), _td(tokens)]
         if row["identical"]:
             cells.append(f'<td class="identical" colspan="2">all {row["tokens"]} tokens identical</td>')
         else:
