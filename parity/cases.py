@@ -72,18 +72,18 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import tomllib
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from parity.case_fields import Fields, control_character, printable_field
+from parity.case_prompts import load_prompt_table
 from parity.errors import ConfigError, ParityError
 from parity.models import ModelLimits, model_limits
-from parity.prompts import Dataset, check_prompt, encode_prompts
 from parity.schema import (
     BACKEND_NAMES,
     CASE_KINDS,
@@ -97,11 +97,6 @@ from parity.tolerance import Tolerance
 from parity.tools import bind_tools, encode_text
 from parity.turns import Generate, Inject, Turn, check_turns
 from parity.types import Request, SamplingParams
-
-GENERATOR_KINDS: tuple[str, ...] = ("random", "shared_prefix")
-LENGTH_DISTRIBUTIONS: tuple[str, ...] = ("uniform", "lognormal")
-#: generated prompts draw token ids from [low, high): the byte tokens of the built-in tokenizer.
-DEFAULT_TOKEN_RANGE: tuple[int, int] = (3, 259)
 
 
 @dataclass(frozen=True)
@@ -146,6 +141,10 @@ class Case:
         for name in ("model", "description", "logprobs_mode", "kind"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(f"{where}: {name} must be a string, got {getattr(self, name)!r}")
+        for name in ("name", "description"):  # printed as they are: the terminal, summary.md, HTML
+            bad = control_character(getattr(self, name))
+            if bad is not None:
+                raise ConfigError(f"case {name} contains the control character {bad!r}; give printable text")
         for name in ("requests", "dtypes", "backends", "router_replay", "backend_tolerances"):
             if not isinstance(getattr(self, name), tuple):
                 kind = type(getattr(self, name)).__name__
@@ -291,49 +290,46 @@ def load_case(path: str | Path) -> Case:
         raise ConfigError(f"{path}: cannot read case file ({exc.strerror})") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML ({exc})") from exc
-    f = _Fields(path)
+    f = Fields(path)
     f.only(data, "", _TOP_KEYS)
     model = f.get(data, "model", str)
     try:
         limits = model_limits(model)
     except ParityError as exc:
         raise f.error("model", str(exc)) from exc
+    # every field is checked before the prompts are encoded: a tokenizer takes seconds to load
     logprobs_mode = f.choice(data, "logprobs_mode", LOGPROBS_MODES, default="processed")
-    prompts = _load_prompts(f, f.get(data, "prompts", dict), model, limits)
-    requests = _load_requests(f, data.get("sampling"), prompts, logprobs_mode, limits)
+    encode = load_prompt_table(f, f.get(data, "prompts", dict), model, limits)
+    blocks = _sampling_blocks(f, data.get("sampling"), logprobs_mode, limits)
     kind = f.choice(data, "kind", CASE_KINDS, default="compare")
+    if kind != "trajectory" and "turns" in data:
+        raise f.error("turns", "only a trajectory case has turns; set kind = \"trajectory\"")
+    tolerance, per_backend = _load_tolerances(f, data.get("tolerance", {}))
+    fields = dict(
+        name=printable_field(f, data, "name", default=path.stem),
+        dtypes=tuple(f.choices(data, "dtypes", DTYPES, default=["bfloat16"], nonempty=True)),
+        backends=tuple(f.choices(data, "backends", BACKEND_NAMES, default=[])),
+        description=printable_field(f, data, "description", default=""),
+        router_replay=tuple(f.choices(data, "router_replay", ROUTER_REPLAY_CHOICES, default=[])),
+        prefix_caching=tuple(_load_prefix_caching(f, data)),
+        reference_tensor_parallel_size=f.count(data, "reference_tensor_parallel_size", prefix="", default=1),
+    )
+    requests = _requests(blocks, encode())
     if kind == "trajectory":
         turns = _load_turns(f, data.get("turns"), model)
         requests = tuple(dataclasses.replace(r, turns=turns) for r in requests)
-    elif "turns" in data:
-        raise f.error("turns", "only a trajectory case has turns; set kind = \"trajectory\"")
     try:
         limits.check(requests)
     except ParityError as exc:
         raise f.error("prompts", str(exc)) from exc
-    tolerance, per_backend = _load_tolerances(f, data.get("tolerance", {}))
-    return Case(
-        name=f.get(data, "name", str, default=path.stem),
-        model=model,
-        requests=requests,
-        dtypes=tuple(f.choices(data, "dtypes", DTYPES, default=["bfloat16"], nonempty=True)),
-        backends=tuple(f.choices(data, "backends", BACKEND_NAMES, default=[])),
-        logprobs_mode=logprobs_mode,
-        tolerance=tolerance,
-        path=path,
-        description=f.get(data, "description", str, default=""),
-        backend_tolerances=per_backend,
-        router_replay=tuple(f.choices(data, "router_replay", ROUTER_REPLAY_CHOICES, default=[])),
-        kind=kind,
-        prefix_caching=tuple(_load_prefix_caching(f, data)),
-        reference_tensor_parallel_size=f.count(data, "reference_tensor_parallel_size", prefix="", default=1),
-    )
+    return Case(model=model, requests=requests, logprobs_mode=logprobs_mode, tolerance=tolerance, path=path,
+                backend_tolerances=per_backend, kind=kind, **fields)
 
 
 _TURN_KEYS = ("generate", "stop_token_ids", "inject", "tool")
 
 
-def _load_turns(f: _Fields, table: Any, model: str) -> tuple[Turn, ...]:
+def _load_turns(f: Fields, table: Any, model: str) -> tuple[Turn, ...]:
     """The [[turns]] of a trajectory case: `generate` (+ `stop_token_ids`), `inject` (text or ids)
     or `tool` (a built-in tool, bound to the model's tokenizer)."""
     if not isinstance(table, list) or not table or not all(isinstance(t, dict) for t in table):
@@ -375,7 +371,7 @@ def _token_ids(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(isinstance(x, int) for x in value)
 
 
-def _load_prefix_caching(f: _Fields, data: dict[str, Any]) -> list[bool]:
+def _load_prefix_caching(f: Fields, data: dict[str, Any]) -> list[bool]:
     values = data.get("prefix_caching", [])
     if not isinstance(values, list) or not all(isinstance(v, bool) for v in values) \
             or len(set(values)) != len(values):
@@ -383,196 +379,17 @@ def _load_prefix_caching(f: _Fields, data: dict[str, Any]) -> list[bool]:
     return values
 
 
-class _Fields:
-    """Typed access to a parsed TOML table whose errors name the file and the dotted field."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def error(self, field: str, message: str) -> ConfigError:
-        return ConfigError(f"{self.path}: {field}: {message}")
-
-    def only(self, table: dict[str, Any], prefix: str, allowed: Iterable[str]) -> None:
-        allowed = tuple(allowed)
-        for key in table:
-            if key not in allowed:
-                raise self.error(prefix + key, f"unknown field; allowed: {list(allowed)}")
-
-    def get(self, table: dict[str, Any], key: str, kind: type | tuple[type, ...], *,
-            default: Any = dataclasses.MISSING, prefix: str = "") -> Any:
-        if key not in table:
-            if default is dataclasses.MISSING:
-                raise self.error(prefix + key, "required field is missing")
-            return default
-        value = table[key]
-        kinds = kind if isinstance(kind, tuple) else (kind,)
-        # TOML booleans are Python ints; never accept one where a number is meant.
-        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-            names = " or ".join(k.__name__ for k in kinds)
-            raise self.error(prefix + key, f"must be {names}, got {value!r}")
-        return value
-
-    def choice(self, table: dict[str, Any], key: str, allowed: tuple[str, ...], *,
-               default: Any = dataclasses.MISSING, prefix: str = "") -> Any:
-        value = self.get(table, key, str, default=default, prefix=prefix)
-        if value not in allowed:
-            raise self.error(prefix + key, f"{value!r} is not allowed; allowed: {list(allowed)}")
-        return value
-
-    def choices(self, table: dict[str, Any], key: str, allowed: tuple[str, ...], *,
-                default: Any = dataclasses.MISSING, nonempty: bool = False) -> list[str]:
-        values = self.get(table, key, list, default=default)
-        bad = [v for v in values if v not in allowed]
-        if bad or (nonempty and not values) or len(set(values)) != len(values):
-            raise self.error(key, f"got {values!r}; give distinct values from {list(allowed)}")
-        return values
-
-    def count(self, table: dict[str, Any], key: str, *, prefix: str, low: int = 1,
-              default: Any = dataclasses.MISSING) -> int:
-        value = self.get(table, key, int, default=default, prefix=prefix)
-        if value < low:
-            raise self.error(prefix + key, f"must be an integer >= {low}, got {value!r}")
-        return value
-
-
-# --------------------------------------------------------------------------------------------
-# Prompts
-
-
-_PROMPT_KEYS = ("token_ids", "text", "messages", "dataset", "generate")
-_DATASET_KEYS = ("path", "column", "limit", "seed")
-
-
-def _load_prompts(f: _Fields, table: dict[str, Any], model: str,
-                  limits: ModelLimits) -> list[tuple[int, ...]]:
-    """The prompt token ids a case's [prompts] table describes (generated lengths bounded by the
-    model's context, so a typo cannot ask for a billion-token prompt)."""
-    given = [k for k in _PROMPT_KEYS if k in table]
-    if len(given) != 1:
-        raise f.error("prompts", f"give exactly one of {list(_PROMPT_KEYS)}, got {given}")
-    f.only(table, "prompts.", _PROMPT_KEYS)
-    key = given[0]
-    if key == "generate":
-        return _generate_prompts(f, f.get(table, "generate", dict, prefix="prompts."), limits.max_positions)
-    if key == "dataset":
-        spec = f.get(table, "dataset", dict, prefix="prompts.")
-        f.only(spec, "prompts.dataset.", _DATASET_KEYS)
-        path = Path(f.get(spec, "path", str, prefix="prompts.dataset."))
-        try:
-            dataset = Dataset(path if path.is_absolute() else f.path.parent / path,
-                              column=f.get(spec, "column", str, default="prompt", prefix="prompts.dataset."),
-                              limit=f.get(spec, "limit", int, default=None, prefix="prompts.dataset."),
-                              seed=f.get(spec, "seed", int, default=None, prefix="prompts.dataset."))
-            return encode_prompts(model, dataset.rows())
-        except ParityError as exc:
-            raise type(exc)(f"{f.path}: prompts.dataset: {exc}") from exc
-    items = f.get(table, key, list, prefix="prompts.")
-    if not items:
-        raise f.error(f"prompts.{key}", "is empty; give at least one prompt")
-    if key == "text" and not all(isinstance(t, str) and t for t in items):
-        raise f.error("prompts.text", "must be a list of non-empty strings")
-    if key == "messages" and not all(isinstance(m, list) and m and all(isinstance(x, dict) for x in m)
-                                     for m in items):
-        raise f.error("prompts.messages", "must be a list of prompts, each a non-empty list of "
-                                          "{ role = ..., content = ... } tables")
-    if key == "token_ids":
-        for i, ids in enumerate(items):
-            if not isinstance(ids, list) or not ids or not all(
-                    isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
-                raise f.error(f"prompts.token_ids[{i}]", "must be a non-empty list of token ids >= 0")
-        return [tuple(ids) for ids in items]
-    try:
-        return encode_prompts(model, [(f"prompts.{key}[{i}]", check_prompt(item, f"prompts.{key}[{i}]"))
-                                      for i, item in enumerate(items)])
-    except ParityError as exc:
-        raise type(exc)(f"{f.path}: {exc}") from exc
-
-
-_GEN_KEYS = {
-    "random": ("kind", "seed", "count", "length", "token_range"),
-    "shared_prefix": ("kind", "seed", "conversations", "turns", "prefix_length", "turn_length",
-                      "token_range"),
-}
-
-
-def _generate_prompts(f: _Fields, g: dict[str, Any], context: int | None) -> list[tuple[int, ...]]:
-    """Seeded synthetic prompts. `random`: `count` independent prompts. `shared_prefix`: every
-    prompt starts with one shared prefix (a system prompt); conversation c's turn t prompt is the
-    prefix plus c's first t+1 turn chunks, so turns also share their conversation's history,
-    like multi-turn RL rollouts that hit a prefix cache."""
-    p = "prompts.generate."
-    kind = f.choice(g, "kind", GENERATOR_KINDS, prefix=p)
-    f.only(g, p, _GEN_KEYS[kind])
-    rng = np.random.Generator(np.random.PCG64(f.count(g, "seed", prefix=p, low=0, default=0)))
-    token_range = f.get(g, "token_range", list, default=list(DEFAULT_TOKEN_RANGE), prefix=p)
-    if len(token_range) != 2 or not all(isinstance(t, int) and not isinstance(t, bool) for t in token_range) \
-            or not 0 <= token_range[0] < token_range[1]:
-        raise f.error(p + "token_range", f"must be [low, high) with 0 <= low < high, got {token_range!r}")
-
-    def tokens(n: int) -> tuple[int, ...]:
-        return tuple(int(t) for t in rng.integers(token_range[0], token_range[1], size=n))
-
-    if kind == "random":
-        draw = _length_sampler(f, g, "length", rng, prefix=p, context=context)
-        return [tokens(draw()) for _ in range(f.count(g, "count", prefix=p))]
-    prefix_length = f.count(g, "prefix_length", prefix=p)
-    if context is not None and prefix_length > context:
-        raise f.error(p + "prefix_length", f"{prefix_length} is longer than the model's context of {context}")
-    prefix = tokens(prefix_length)
-    draw = _length_sampler(f, g, "turn_length", rng, prefix=p, context=context)
-    turns = f.count(g, "turns", prefix=p)
-    prompts = []
-    for _ in range(f.count(g, "conversations", prefix=p)):
-        history = prefix
-        for _ in range(turns):
-            history = history + tokens(draw())
-            prompts.append(history)
-    return prompts
-
-
-def _length_sampler(f: _Fields, g: dict[str, Any], key: str, rng: np.random.Generator, *,
-                    prefix: str, context: int | None) -> Callable[[], int]:
-    """A draw() for a length spec: an int (fixed), {min, max} (uniform, inclusive) or
-    {distribution = "lognormal", median, sigma, min, max} (clipped to [min, max]); no length
-    may exceed the model's `context`."""
-    spec = f.get(g, key, (int, dict), prefix=prefix)
-    field = prefix + key
-    if isinstance(spec, int):
-        if spec < 1 or (context is not None and spec > context):
-            raise f.error(field, f"must be in [1, {context}] (the model's context), got {spec}")
-        return lambda: spec
-    dist = f.choice(spec, "distribution", LENGTH_DISTRIBUTIONS, default="uniform", prefix=field + ".")
-    keys = ("distribution", "min", "max") + (("median", "sigma") if dist == "lognormal" else ())
-    f.only(spec, field + ".", keys)
-    low = f.count(spec, "min", prefix=field + ".")
-    high = f.count(spec, "max", prefix=field + ".")
-    if high < low:
-        raise f.error(field, f"max ({high}) < min ({low})")
-    if context is not None and high > context:
-        raise f.error(field + ".max", f"{high} is longer than the model's context of {context}")
-    if dist == "uniform":
-        return lambda: int(rng.integers(low, high + 1))
-    median = f.get(spec, "median", (int, float), prefix=field + ".")
-    sigma = f.get(spec, "sigma", (int, float), prefix=field + ".")
-    if not (math.isfinite(median) and math.isfinite(sigma)) or median <= 0 or sigma < 0:
-        raise f.error(field, f"lognormal needs finite median > 0 and sigma >= 0, got {median}, {sigma}")
-    # clipped before rounding: a wide lognormal can draw inf, which has no integer
-    return lambda: round(float(np.clip(rng.lognormal(math.log(median), sigma), low, high)))
-
-
-# --------------------------------------------------------------------------------------------
-# Sampling, context and tolerances
-
-
-def _load_requests(f: _Fields, sampling: Any, prompts: list[tuple[int, ...]],
-                   logprobs_mode: str, limits: ModelLimits) -> tuple[Request, ...]:
-    """One request per (sampling block, prompt); in a sweep, ids are "<label>/<i>" (`sweep_request_id`)."""
+def _sampling_blocks(f: Fields, sampling: Any, logprobs_mode: str,
+                     limits: ModelLimits) -> list[tuple[str, SamplingParams, int]]:
+    """(label, parameters, first seed) of each sampling block: a table, or [[sampling]] blocks for a
+    sweep (labelled; a label prefixes its request ids)."""
     if sampling is None:
         sampling = {}
     blocks = sampling if isinstance(sampling, list) else [sampling]
     if not blocks or not all(isinstance(b, dict) for b in blocks):
         raise f.error("sampling", "must be a table, or a non-empty list of tables ([[sampling]]) for a sweep")
-    requests = []
+    out = []
     labels: set[str] = set()
     for j, block in enumerate(blocks):
         where = f"sampling[{j}]." if len(blocks) > 1 else "sampling."
@@ -590,10 +407,16 @@ def _load_requests(f: _Fields, sampling: Any, prompts: list[tuple[int, ...]],
         if label in labels:
             raise f.error(where + "label", f"{label!r} is used by two sampling blocks; labels must be unique")
         labels.add(label)
-        for i, ids in enumerate(prompts):
-            request_id = sweep_request_id(label, i) if label else str(i)
-            requests.append(Request(ids, base.replace(seed=seed + i), request_id=request_id))
-    return tuple(requests)
+        out.append((label, base, seed))
+    return out
+
+
+def _requests(blocks: list[tuple[str, SamplingParams, int]],
+              prompts: list[tuple[int, ...]]) -> tuple[Request, ...]:
+    """One request per (sampling block, prompt); in a sweep, ids are "<label>/<i>" (`sweep_request_id`)."""
+    return tuple(Request(ids, base.replace(seed=seed + i),
+                         request_id=sweep_request_id(label, i) if label else str(i))
+                 for label, base, seed in blocks for i, ids in enumerate(prompts))
 
 
 def _label(s: SamplingParams) -> str:
@@ -606,7 +429,7 @@ def _label(s: SamplingParams) -> str:
     return "-".join(parts)
 
 
-def _load_tolerances(f: _Fields, table: Any) -> tuple[Tolerance | None, tuple[tuple[str, Tolerance], ...]]:
+def _load_tolerances(f: Fields, table: Any) -> tuple[Tolerance | None, tuple[tuple[str, Tolerance], ...]]:
     """[tolerance] scalars are case-wide limits; [tolerance.<backend>] tables override one backend."""
     if not isinstance(table, dict):
         raise f.error("tolerance", f"must be a table of Tolerance fields, got {table!r}")

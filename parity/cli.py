@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -28,6 +29,7 @@ from parity.backends import BACKENDS, available_backends, parse_option
 from parity.cases import load_case
 from parity.compare import compare
 from parity.errors import (
+    EXIT_BROKEN_PIPE,
     EXIT_ERROR,
     EXIT_INTERRUPTED,
     ConfigError,
@@ -328,5 +330,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("parity: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # the reader closed the pipe (`parity advise R.json | head`): stop quietly, as Unix tools do;
+        # stdout goes to /dev/null so the interpreter's final flush does not raise again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     except Exception as exc:  # one line, exit 2: CI must never read a crash as a parity failure
         return report_error("parity", exc, verbose=verbose)

@@ -101,6 +101,9 @@ def compare(
     # every argument is checked before an engine starts (vLLM takes ~40 s to start on CPU)
     if reference not in KERNEL_MODES:
         raise ConfigError(f"reference must be one of {KERNEL_MODES}, got {reference!r}")
+    if model is not None and not isinstance(model, (str, os.PathLike)):
+        raise ConfigError(f"model must be a built-in model name or a checkpoint path, got "
+                          f"{type(model).__name__} {model!r:.40}")
     the_case = resolve_workload(model, case, prompts, sampling, turns)
     model_arg = os.fspath(model) if model is not None else the_case.model
     # every id against the model's vocabulary and context: an engine given a bad id dies or fails late

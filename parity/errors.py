@@ -57,6 +57,8 @@ EXIT_FAILED = 1
 EXIT_ERROR = 2
 #: exit code after Ctrl-C (SIGINT), the shell's 128 + 2.
 EXIT_INTERRUPTED = 130
+#: exit code when the reader of stdout went away (`| head`), the shell's 128 + SIGPIPE (13).
+EXIT_BROKEN_PIPE = 141
 
 
 def report_error(prog: str, exc: BaseException, *, verbose: bool = False) -> int:

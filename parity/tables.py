@@ -37,6 +37,8 @@ def read_jsonl(path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
 
 
 def _existing(path: Path) -> Path:
+    if path.is_dir():
+        raise InputError(f"{path}: is a directory; give a JSONL or Parquet file")
     if not path.is_file():
         raise InputError(f"{path}: no such file")
     return path
@@ -59,8 +61,8 @@ def write_jsonl(path: str | Path, rows: Sequence[dict[str, Any]]) -> Path:
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    with path.open() as f:
-        for lineno, line in enumerate(f, 1):
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in _lines(f, path):
             if not line.strip():
                 continue
             where = f"{path}:{lineno}"
@@ -71,6 +73,18 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
             if not isinstance(obj, dict):
                 raise InputError(f"{where}: expected a JSON object, got {type(obj).__name__}")
             yield where, obj
+
+
+def _lines(f: Any, path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, line) of a text file; a file that is not UTF-8 text (a binary file, a Parquet
+    file without its suffix) is an InputError naming the line, not a UnicodeDecodeError."""
+    lineno = 0
+    try:
+        for lineno, line in enumerate(f, 1):
+            yield lineno, line
+    except UnicodeDecodeError as e:
+        raise InputError(f"{path}:{lineno + 1}: not UTF-8 text ({e.reason} at byte {e.start}); give a JSONL "
+                         "file, or a Parquet file named *.parquet") from e
 
 
 def _parquet_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 import parity
 import parity.nightly.command
-from parity.backends import close_shared_backends
+from parity.backends import Backend, close_shared_backends
 from parity.cases import Case, load_case
 from parity.cli import main
 from parity.dumps import load_rollouts
@@ -344,3 +344,64 @@ def test_command_line(tmp_path_factory, capsys):
 
         write_record(Path(tmp) / "rec.jsonl", REQUESTS, model=MODEL)
         run()
+
+
+SAMPLING_OBJECT = st.dictionaries(st.sampled_from(["temperature", "top_p", "top_k", "n", "bogus"]), SMALL,
+                                  max_size=3)
+CONTRADICTING_ROW = st.fixed_dictionaries(
+    {"prompt_ids": st.lists(st.integers(3, 300), min_size=1, max_size=4),
+     "response_ids": st.lists(st.integers(0, 300), min_size=1, max_size=4),
+     "rollout_logprobs": st.lists(
+         st.one_of(st.floats(-5, 0.5), st.sampled_from(["-inf", "nan", -math.inf])), min_size=1, max_size=4)},
+    optional={"sampling": st.one_of(SAMPLING_OBJECT, JUNK), "temperature": SMALL, "top_p": SMALL,
+              "top_k": SMALL, "old_log_probs": LOGPROBS,
+              "response_mask": st.lists(st.integers(0, 1), max_size=4),
+              "attention_mask": st.lists(st.integers(0, 1), max_size=8)})
+
+
+@given(rows=st.lists(CONTRADICTING_ROW, min_size=1, max_size=3))
+def test_dumps_whose_columns_contradict(tmp_path_factory, rows):
+    """Sampling objects beside flat columns, padding, masks and non-finite logprobs in any mix."""
+    path = tmp_path_factory.mktemp("dump") / "dump.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = never_anything_but_a_parity_error(lambda: load_rollouts(path, sampling=SamplingParams()))
+    assert isinstance(result, (list, ParityError))
+
+
+class Answering(Backend):
+    """Answers every request with the generated rollout fields, whatever they are."""
+
+    name = "answering"
+
+    def __init__(self, model, *, dtype="float32", fields=None) -> None:
+        super().__init__(model, dtype=dtype)
+        self.fields = fields or {}
+
+    def generate(self, requests):
+        return [Rollout(**{"request_id": r.request_id, "sample_index": i, "prompt_ids": r.prompt_ids,
+                           "token_ids": (5, 6), "logprobs": (-0.5, -1.0), "finish_reason": "length",
+                           "backend": self.name, "sampling": r.sampling, **self.fields})
+                for r in requests for i in range(r.sampling.n)]
+
+    def _score(self, pairs, sampling):
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+ODD_LOGPROBS = st.lists(st.sampled_from([-math.inf, math.inf, 3.0, -0.1]), min_size=2, max_size=2)
+ANSWER = st.fixed_dictionaries({}, optional={
+    "token_ids": IDS, "logprobs": st.one_of(LOGPROBS, ODD_LOGPROBS),
+    "prompt_ids": IDS, "sample_index": st.integers(-1, 3),
+    "request_id": st.sampled_from(["prompt-0", "ghost"])})
+
+
+@given(fields=ANSWER)
+def test_backend_answers(fields):
+    """Whatever a backend answers, compare reports it or refuses it with the request named."""
+    def run():
+        backend = Answering(MODEL, fields=fields)  # a Rollout the answer cannot even form is refused here
+        return parity.compare(MODEL, backend, prompts=[[3, 4, 5]], sampling={"max_tokens": 3}, dtype="float32")
+    result = never_anything_but_a_parity_error(run)
+    assert isinstance(result, (ParityReport, ParityError))

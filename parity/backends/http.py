@@ -61,6 +61,11 @@ class Endpoint:
             parts.port  # noqa: B018 - raises ValueError on a malformed port
         except ValueError as e:
             raise ConfigError(f"option {option}={_redact(url)!r}: {e}") from e
+        if parts.query or parts.fragment:
+            # routes are appended to the URL's path; a query or fragment would end up in front of them
+            raise ConfigError(f"option {option}={_redact(url)!r} has a query string or fragment; give the "
+                              "server's base URL (scheme://host:port[/path]); an API key goes in the "
+                              "environment variable named by api_key_env")
         api_key = None if api_key_env is None else api_key_from_env(api_key_env)
         return cls(url=url.rstrip("/"), api_key=api_key)
 
