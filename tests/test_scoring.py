@@ -103,7 +103,8 @@ def test_verl_old_log_probs_and_exit_code_1_when_the_tolerance_fails(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     code, report = scored([str(path), "--trainer-logprobs", "--temperature", "1.0"], tmp_path)
     assert code == 1 and report.summary["max_abs_logprob_diff"] == 1.5 and not report.passed
-    assert report.provenance["train_logprobs"].startswith("from the dump's 'old_log_probs' column (not computed here")
+    side = report.provenance["train_logprobs"]
+    assert side.startswith("from the dump's 'old_log_probs' column (not computed here")
     assert report.provenance["sampling_checked"] is False
     code, _ = scored([str(path), "--trainer-logprobs"], tmp_path / "x")
     assert code == 2  # processed rows without sampling
