@@ -402,6 +402,7 @@ def test_backend_answers(fields):
     """Whatever a backend answers, compare reports it or refuses it with the request named."""
     def run():
         backend = Answering(MODEL, fields=fields)  # an answer that forms no Rollout is refused here
-        return parity.compare(MODEL, backend, prompts=[[3, 4, 5]], sampling={"max_tokens": 3}, dtype="float32")
+        return parity.compare(MODEL, backend, prompts=[[3, 4, 5]], sampling={"max_tokens": 3},
+                              dtype="float32")
     result = never_anything_but_a_parity_error(run)
     assert isinstance(result, (ParityReport, ParityError))
