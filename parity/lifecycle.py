@@ -164,11 +164,11 @@ def run_lifecycle(backend: Backend, requests: Sequence[Request] | None = None, *
                            meta=dict(backend.meta))
 
 
-def _call(backend: Backend, method: str) -> Callable[[], None]:
+def _call(backend: Backend, method: str) -> Callable[..., None]:
     """`backend.method`, or a call that raises UnsupportedError where the backend has no such method."""
     bound = getattr(backend, method, None)
     if bound is None:
-        def missing() -> None:
+        def missing(**_: Any) -> None:
             raise UnsupportedError(f"backend {backend.name!r} has no {method}")
         return missing
     return bound
