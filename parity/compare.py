@@ -17,7 +17,6 @@ from typing import Any
 from parity.assess import report_for, router_replay_options
 from parity.backends import BACKENDS, Backend, route_capture_options, shared_backend
 from parity.backends import backend_options as backend_options_of
-from parity.backends.base import check_dtype
 from parity.backends.turns import generate
 from parity.cases import Case
 from parity.errors import ConfigError, OutputError
@@ -29,6 +28,7 @@ from parity.provenance import provenance
 from parity.record import write_record
 from parity.report import ParityReport
 from parity.schema import KERNEL_MODES, REDUCTION_GROUPS
+from parity.strict import check_dtype
 from parity.tolerance import Tolerance
 from parity.turns import Turn
 from parity.types import SamplingParams

@@ -29,7 +29,6 @@ from typing import Any
 import numpy as np
 
 from parity.assess import report_for
-from parity.backends.base import check_dtype
 from parity.dumps import GivenSampling, check_logprobs, read_dump
 from parity.errors import ConfigError, InputError
 from parity.models import resolve_model
@@ -37,6 +36,7 @@ from parity.provenance import TRAIN_COMPUTED, provenance
 from parity.record import RECORD_FORMAT, read_record
 from parity.report import ParityReport
 from parity.schema import KERNEL_MODES
+from parity.strict import check_dtype
 from parity.tables import PARQUET_SUFFIX, read_jsonl
 from parity.tolerance import Tolerance
 from parity.types import Rollout

@@ -20,6 +20,7 @@ from typing import Any, ClassVar, NamedTuple
 
 from parity.errors import ConfigError
 from parity.schema import REFERENCE
+from parity.strict import from_mapping
 
 
 class Violation(NamedTuple):
@@ -90,13 +91,7 @@ class Tolerance:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], *, where: str = "tolerance") -> Tolerance:
-        if not isinstance(d, dict):
-            raise ConfigError(f"{where} must be a table of Tolerance fields, got {type(d).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(map(str, set(d) - known))
-        if unknown:
-            raise ConfigError(f"{where}: unknown field(s) {unknown}; allowed: {sorted(known)}")
-        return cls(**d)
+        return from_mapping(cls, d, where=where)
 
     @classmethod
     def resolve(cls, value: Tolerance | dict[str, Any] | None, backend: str) -> Tolerance:

@@ -19,6 +19,7 @@ import numpy as np
 
 from parity.errors import ConfigError, InputError
 from parity.schema import LOGPROBS_MODES, LogprobsMode, json_float
+from parity.strict import from_mapping
 from parity.turns import Turn, check_turns, turns_from_dict
 
 
@@ -88,15 +89,7 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
-        if not isinstance(d, dict):
-            raise ConfigError(f"sampling must be a table of SamplingParams fields, got {type(d).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ConfigError(
-                f"unknown sampling field(s) {sorted(map(str, unknown))}; allowed: {sorted(known)}"
-            )
-        return cls(**d)
+        return from_mapping(cls, d, where="sampling")
 
 
 @dataclass(frozen=True)

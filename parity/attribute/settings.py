@@ -22,7 +22,7 @@ from parity import kernels as _kernels
 from parity.engine import LAYOUTS
 from parity.engine.inputs import kernel_families
 from parity.errors import ConfigError
-from parity.schema import DTYPES
+from parity.strict import check_dtype
 
 #: "prefill": one teacher-forced forward over prompt + response (the training forward).
 #: "decode": the prompt in one prefill, then one response token per step against the KV cache,
@@ -52,8 +52,7 @@ class Setting:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kernels", kernel_families(self.kernels))
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"setting.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        check_dtype(self.dtype, "setting.dtype")
         size = self.micro_batch_size
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
             raise ConfigError(f"setting.micro_batch_size must be an integer >= 1 or None (all sequences "

@@ -33,7 +33,8 @@ import numpy as np
 
 from parity.errors import BackendError, ConfigError, InputError
 from parity.models import resolve_model
-from parity.schema import DTYPES, LOGPROBS_MODES
+from parity.schema import LOGPROBS_MODES
+from parity.strict import check_choice, check_dtype
 from parity.types import Pair, Request, Rollout, SamplingParams, Sequences, as_pairs
 
 if TYPE_CHECKING:
@@ -41,13 +42,6 @@ if TYPE_CHECKING:
 
 #: per-sample seeds are drawn from a 31-bit range: every backend accepts a non-negative int32.
 _SEED_RANGE = 2**31 - 1
-
-
-def check_dtype(dtype: str) -> str:
-    """`dtype` if it is one parity supports, else ConfigError naming the choices."""
-    if dtype not in DTYPES:
-        raise ConfigError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-    return dtype
 
 
 def sample_seed(seed: int, sample_index: int) -> int:
@@ -121,8 +115,7 @@ def finish_reason(token_ids: Sequence[int], stops: Sequence[int]) -> str:
 def score_sampling(logprobs_mode: str, temperature: float, top_k: int, top_p: float) -> SamplingParams:
     """The logprob definition asked of `score`, checked: the distribution a request sampled with
     these parameters draws from ("processed") or log_softmax of the logits ("raw")."""
-    if logprobs_mode not in LOGPROBS_MODES:
-        raise ConfigError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
+    check_choice(logprobs_mode, LOGPROBS_MODES, "logprobs_mode")
     return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, logprobs_mode=logprobs_mode)
 
 

@@ -39,6 +39,7 @@ from parity.backends.base import Backend, SampleJob, expand_samples, stop_set
 from parity.backends.http import Endpoint, HttpClient, HttpSettings
 from parity.errors import BackendError, ConfigError, InputError
 from parity.schema import LOGPROBS_MODES
+from parity.strict import check_choice
 from parity.types import Pair, Request, Rollout, SamplingParams
 
 #: parity logprobs_mode -> the value SGLANG_RETURN_ORIGINAL_LOGPROB must have in the server.
@@ -131,10 +132,7 @@ class SGLangBackend(Backend):
                  engine_kwargs: Mapping[str, Any] | None = None) -> None:
         super().__init__(model, dtype=dtype)
         engine_kwargs = dict(engine_kwargs or {})
-        if logprobs_mode not in LOGPROBS_MODES:
-            raise ConfigError(f"sglang option logprobs_mode must be one of {LOGPROBS_MODES}, "
-                              f"got {logprobs_mode!r}")
-        self.logprobs_mode = logprobs_mode
+        self.logprobs_mode = check_choice(logprobs_mode, LOGPROBS_MODES, "sglang option logprobs_mode")
         self.client = None if base_url is None else HttpClient(
             Endpoint.parse(base_url, api_key_env=api_key_env, option="base_url"),
             HttpSettings(concurrency=concurrency, request_timeout_s=request_timeout_s,

@@ -60,6 +60,7 @@ from parity.backends.vllm_weights import (
 from parity.errors import BackendError, ConfigError, UnsupportedError
 from parity.quiet import engine_logging
 from parity.schema import LOGPROBS_MODES
+from parity.strict import check_choice
 from parity.types import Pair, Request, Rollout, SamplingParams
 
 #: parity logprobs_mode -> vLLM engine `logprobs_mode`.
@@ -135,10 +136,7 @@ class VLLMBackend(Backend):
                  engine_kwargs: Mapping[str, Any] | None = None) -> None:
         super().__init__(model, dtype=dtype)
         engine_kwargs = dict(engine_kwargs or {})
-        if logprobs_mode not in LOGPROBS_MODES:
-            raise ConfigError(f"vllm option logprobs_mode must be one of {LOGPROBS_MODES}, "
-                              f"got {logprobs_mode!r}")
-        self.logprobs_mode = logprobs_mode
+        self.logprobs_mode = check_choice(logprobs_mode, LOGPROBS_MODES, "vllm option logprobs_mode")
         self._weights_dir: tempfile.TemporaryDirectory[str] | None = None
         self._slept = 0  # the level of the last sleep, 0 when awake
         self._ipc_pushed = False  # weights live only in the engine (no file a level-2 wake can reload)

@@ -61,6 +61,7 @@ from parity.backends.vllm_weights import write_weights
 from parity.errors import BackendError, ConfigError, UnsupportedError
 from parity.processes import LOOPBACK, ServerProcess, free_loopback_port
 from parity.schema import LOGPROBS_MODES
+from parity.strict import check_choice
 from parity.types import Pair, Request, Rollout, SamplingParams
 
 #: vLLM clamps reported logprobs to this value (serving_completion); it stands for -inf.
@@ -185,9 +186,7 @@ class VLLMServerBackend(Backend):
                  request_timeout_s: float = 600.0, run_timeout_s: float = 3600.0, retries: int = 3,
                  start_timeout_s: float = 900.0) -> None:
         super().__init__(model, dtype=dtype)
-        if logprobs_mode not in LOGPROBS_MODES:
-            raise ConfigError(f"vllm-server option logprobs_mode must be one of {LOGPROBS_MODES}, "
-                              f"got {logprobs_mode!r}")
+        check_choice(logprobs_mode, LOGPROBS_MODES, "vllm-server option logprobs_mode")
         if launcher not in LAUNCHERS:
             raise ConfigError(f"vllm-server option launcher must be one of {LAUNCHERS}, got {launcher!r}")
         settings = HttpSettings(concurrency=concurrency, request_timeout_s=request_timeout_s,

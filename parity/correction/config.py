@@ -6,12 +6,12 @@ Bad options raise `ConfigError` naming the option and the accepted forms.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from parity.errors import ConfigError
+from parity.strict import from_mapping
 
 #: `rollout_is` levels verl 0.9.x has.
 VERL_IS_LEVELS: tuple[str, ...] = ("token", "sequence")
@@ -251,10 +251,4 @@ class CorrectionConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any], *, where: str = "correction") -> CorrectionConfig:
         """Build from a mapping (a case file's table); unknown keys raise `ConfigError`."""
-        if not isinstance(d, dict):
-            raise ConfigError(f"{where} must be a table of CorrectionConfig options, got {type(d).__name__}")
-        known = {f.name for f in dataclasses.fields(cls) if f.init}
-        unknown = sorted(map(str, set(d) - known))
-        if unknown:
-            raise ConfigError(f"{where}: unknown option(s) {unknown}; allowed: {sorted(known)}")
-        return cls(**d)
+        return from_mapping(cls, d, where=where, what="option")

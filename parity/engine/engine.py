@@ -16,7 +16,6 @@ Steps of up to `max_num_seqs` tokens (all decode steps) replay CUDA graphs on a 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -52,7 +51,7 @@ from parity.parallel import (
     check_shardable,
     shard_model,
 )
-from parity.schema import DTYPES
+from parity.strict import check_dtype, replace_fields
 from parity.types import Request, Rollout
 
 
@@ -91,8 +90,7 @@ class EngineConfig:
     reduction_groups: int = REDUCTION_GROUPS
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
+        check_dtype(self.dtype)
         check_device(self.device)
         if self.tensor_parallel_size is not None:
             check_degree(self.tensor_parallel_size)
@@ -110,11 +108,7 @@ class EngineConfig:
 
     def replace(self, **changes: Any) -> EngineConfig:
         """A copy with `changes` applied (validated again); an unknown setting is a ConfigError."""
-        known = [f.name for f in dataclasses.fields(self)]
-        unknown = sorted(set(changes) - set(known))
-        if unknown:
-            raise ConfigError(f"unknown engine setting(s) {unknown}; the settings are {known}")
-        return dataclasses.replace(self, **changes)
+        return replace_fields(self, changes, where="engine", what="engine setting")
 
 
 class ReferenceEngine:

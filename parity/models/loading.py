@@ -26,6 +26,7 @@ from parity.kernels.moe import experts_forward
 from parity.models.checkpoints import is_model_name, model_hash, resolve_model
 from parity.models.routing import ROUTERS, patch_router
 from parity.schema import DTYPES
+from parity.strict import check_dtype
 
 #: parity dtype name -> torch dtype.
 TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPES}
@@ -209,8 +210,7 @@ def adopt_model(hf: nn.Module, path: Path, dtype: str, device: str, name: str | 
 def load_model(model: str | os.PathLike[str] | LoadedModel, dtype: str = "float32",
                device: str = "cpu") -> LoadedModel:
     """A built-in name, a local HF checkpoint path or a LoadedModel -> patched LoadedModel (cached)."""
-    if dtype not in DTYPES:
-        raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    check_dtype(dtype)
     check_device(device)
     if isinstance(model, LoadedModel):
         if model.dtype == dtype and model.device == str(device):
