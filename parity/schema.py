@@ -117,3 +117,29 @@ def json_float(value: Any) -> Any:
     """The inverse of `json_safe` for one value where a number is expected: "-inf", "inf" and
     "nan" become floats; anything else is returned unchanged (and checked by its reader)."""
     return NONFINITE_JSON.get(value, value) if isinstance(value, str) else value
+
+
+#: the correction advisor's candidate table, for the terminal and the page alike: (short header,
+#: page header, figure key, format); the "" key is the residual bias's bootstrap interval.
+ADVICE_COLUMNS: tuple[tuple[str, str, str, str], ...] = (
+    ("trunc tok", "truncated tokens", "frac_tokens_truncated", "{:.2%}"),
+    ("trunc seq", "truncated seqs", "frac_seqs_truncated", "{:.1%}"),
+    ("removed tok", "masked/rejected tokens", "frac_tokens_removed", "{:.2%}"),
+    ("removed seq", "masked/rejected seqs", "frac_seqs_removed", "{:.1%}"),
+    ("ESS", "ESS", "ess", "{:.3f}"),
+    ("max w", "max weight", "max_weight", "{:.3g}"),
+    ("var w", "weight var", "weight_var", "{:.3g}"),
+    ("mass removed", "mass removed", "mass_removed", "{:.3%}"),
+    ("drift removed", "drift removed", "drift_removed", "{:.1%}"),
+    ("bias", "residual bias", "bias", "{:+.2e}"),
+    ("bias 95% CI", "bias 95% CI", "", ""),
+)
+
+
+def advice_cell(row: dict[str, Any], key: str, fmt: str) -> str:
+    """One candidate's figure `key` as text (`ADVICE_COLUMNS`); "" key: its bias interval, empty
+    without a bootstrap (NaN bounds)."""
+    if not key:
+        low, high = row["bias_low"], row["bias_high"]
+        return "" if low != low else f"[{low:+.2e}, {high:+.2e}]"
+    return fmt.format(row[key])

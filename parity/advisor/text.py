@@ -9,22 +9,7 @@ import json
 from typing import Any
 
 from parity.advisor.export import verl_overrides
-
-#: table columns: (header, figure key, format).
-COLUMNS: tuple[tuple[str, str, str], ...] = (
-    ("trunc tok", "frac_tokens_truncated", "{:.2%}"), ("trunc seq", "frac_seqs_truncated", "{:.1%}"),
-    ("removed tok", "frac_tokens_removed", "{:.2%}"), ("removed seq", "frac_seqs_removed", "{:.1%}"),
-    ("ESS", "ess", "{:.3f}"), ("max w", "max_weight", "{:.3g}"), ("var w", "weight_var", "{:.3g}"),
-    ("mass removed", "mass_removed", "{:.3%}"), ("drift removed", "drift_removed", "{:.1%}"),
-    ("bias", "bias", "{:+.2e}"), ("bias 95% CI", "", ""),
-)
-
-
-def _cell(row: dict[str, Any], key: str, fmt: str) -> str:
-    if not key:
-        low, high = row["bias_low"], row["bias_high"]
-        return "" if low != low else f"[{low:+.2e}, {high:+.2e}]"  # NaN: no bootstrap
-    return fmt.format(row[key])
+from parity.schema import ADVICE_COLUMNS, advice_cell
 
 
 def advice_text(d: dict[str, Any]) -> str:
@@ -42,8 +27,9 @@ def advice_text(d: dict[str, Any]) -> str:
     if frameworks["slime"] is not None:
         lines += ["slime:", "  " + (" ".join(frameworks["slime"]) or "(no correction flags)")]
     lines += [f"note: {note}" for note in frameworks["notes"]]
-    header = ["candidate", *(h for h, _, _ in COLUMNS)]
-    cells = [header] + [[row["name"], *(_cell(row, k, f) for _, k, f in COLUMNS)] for row in d["candidates"]]
+    header = ["candidate", *(h for h, _, _, _ in ADVICE_COLUMNS)]
+    cells = [header] + [[row["name"], *(advice_cell(row, k, f) for _, _, k, f in ADVICE_COLUMNS)]
+                        for row in d["candidates"]]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     lines.append(f"candidates ({len(d['candidates'])}; bias against untruncated IS, {d['bootstrap']} "
                  "bootstrap resamples of sequences):")

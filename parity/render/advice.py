@@ -11,23 +11,7 @@ import html
 import json
 from typing import Any
 
-#: candidates table: (header, figure key, format); "" key: the bias interval.
-_COLUMNS: tuple[tuple[str, str, str], ...] = (
-    ("truncated tokens", "frac_tokens_truncated", "{:.2%}"),
-    ("truncated seqs", "frac_seqs_truncated", "{:.1%}"),
-    ("masked/rejected tokens", "frac_tokens_removed", "{:.2%}"),
-    ("masked/rejected seqs", "frac_seqs_removed", "{:.1%}"),
-    ("ESS", "ess", "{:.3f}"), ("max weight", "max_weight", "{:.3g}"), ("weight var", "weight_var", "{:.3g}"),
-    ("mass removed", "mass_removed", "{:.3%}"), ("drift removed", "drift_removed", "{:.1%}"),
-    ("residual bias", "bias", "{:+.2e}"), ("bias 95% CI", "", ""),
-)
-
-
-def _cell(row: dict[str, Any], key: str, fmt: str) -> str:
-    if not key:
-        low, high = row["bias_low"], row["bias_high"]
-        return "" if low != low else f"[{low:+.2e}, {high:+.2e}]"  # NaN: no bootstrap
-    return fmt.format(row[key])
+from parity.schema import ADVICE_COLUMNS, advice_cell
 
 
 def _framework_block(name: str, value: Any) -> str:
@@ -45,11 +29,11 @@ def advice_html(section: dict[str, Any]) -> str:
     rec = section["recommendation"]
     chosen = {s["candidate"] for s in rec["stages"] if s["candidate"]}
     frameworks = rec["frameworks"]
-    head = "".join(f"<th>{h}</th>" for h in ("candidate", *(h for h, _, _ in _COLUMNS)))
+    head = "".join(f"<th>{h}</th>" for h in ("candidate", *(h for _, h, _, _ in ADVICE_COLUMNS)))
     body = []
     for row in section["candidates"]:
         mark = ' class="chosen"' if row["name"] in chosen else ""
-        cells = [html.escape(row["name"]), *(_cell(row, k, f) for _, k, f in _COLUMNS)]
+        cells = [html.escape(row["name"]), *(advice_cell(row, k, f) for _, _, k, f in ADVICE_COLUMNS)]
         body.append(f"<tr{mark}>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     notes = "".join(f"<li>{html.escape(n)}</li>" for n in frameworks["notes"])
     return "\n".join([
