@@ -5,6 +5,7 @@
     parity advise r.json [--json advice.json] [--html r.html]
     parity models | parity backends
     parity nightly ... | parity replay ... | parity attribute ... | parity lifecycle ...
+    parity monitor OUT_DIR [--html OUT] [--json OUT]
 
 `--verbose`, anywhere on the line, shows the engines' own log lines (vLLM's INFO) and the
 traceback of an error; without it engines print errors only (`parity.quiet`).
@@ -57,6 +58,7 @@ PASSTHROUGH: dict[str, tuple[str, str, str]] = {
     "replay": ("parity.record", "replay_main", "replay a recorded run through another backend"),
     "attribute": ("parity.attribute", "main", "attribute drift to ops and layers"),
     "lifecycle": ("parity.lifecycle", "main", "check sleep/wake, weight updates and cache resets"),
+    "monitor": ("parity.monitor.command", "main", "draw and summarise a run a parity.Monitor logged"),
 }
 
 

@@ -135,45 +135,53 @@ def _as_tensor(x: Any, name: str) -> torch.Tensor:
         raise InputError(f"{name} must be a torch tensor or NumPy array of shape [batch, seq]") from exc
 
 
-def token_arrays(train_logprobs: Any, rollout_logprobs: Any = None, mask: Any = None) -> TokenArrays:
+#: what `token_arrays` calls its three inputs in error messages, unless told otherwise.
+INPUT_NAMES: tuple[str, str, str] = ("train_logprobs", "rollout_logprobs", "mask")
+
+
+def token_arrays(train_logprobs: Any, rollout_logprobs: Any = None, mask: Any = None, *,
+                 names: tuple[str, str, str] = INPUT_NAMES) -> TokenArrays:
     """Check the three `[batch, seq]` inputs every metric takes; a `TokenArrays` is returned as is.
 
     Raises `InputError` for non-2-D or mismatched shapes, non-float logprobs, mask values other
-    than 0/1, a mask with no valid token, NaN or +inf anywhere, and -inf at a valid token.
+    than 0/1, a mask with no valid token, NaN or +inf anywhere, and -inf at a valid token. Its
+    message calls the inputs `names` (a caller with its own spelling, e.g. verl's `old_log_probs`,
+    `rollout_log_probs`, `response_mask`, passes it).
     """
     if isinstance(train_logprobs, TokenArrays):
         if rollout_logprobs is not None or mask is not None:
             raise InputError("give either a TokenArrays alone or train_logprobs, rollout_logprobs and mask")
         return train_logprobs
-    train = _as_tensor(train_logprobs, "train_logprobs")
-    rollout = _as_tensor(rollout_logprobs, "rollout_logprobs")
-    m = _as_tensor(mask, "mask")
+    train_name, rollout_name, mask_name = names
+    train = _as_tensor(train_logprobs, train_name)
+    rollout = _as_tensor(rollout_logprobs, rollout_name)
+    m = _as_tensor(mask, mask_name)
     if train.dim() != 2:
-        raise InputError(f"train_logprobs must be 2-D [batch, seq], got shape {tuple(train.shape)}")
+        raise InputError(f"{train_name} must be 2-D [batch, seq], got shape {tuple(train.shape)}")
     if rollout.shape != train.shape or m.shape != train.shape:
         raise InputError(
-            f"train_logprobs {tuple(train.shape)}, rollout_logprobs {tuple(rollout.shape)} and mask "
+            f"{train_name} {tuple(train.shape)}, {rollout_name} {tuple(rollout.shape)} and {mask_name} "
             f"{tuple(m.shape)} must have the same [batch, seq] shape"
         )
-    for name, t in (("train_logprobs", train), ("rollout_logprobs", rollout)):
+    for name, t in ((train_name, train), (rollout_name, rollout)):
         if not t.is_floating_point():
             raise InputError(f"{name} must be floating point (log-probabilities), got {t.dtype}")
     if m.dtype != torch.bool:
         if m.is_complex() or not bool(((m == 0) | (m == 1)).all()):
-            raise InputError("mask must be bool or hold only 0 and 1 (1 = token counts)")
+            raise InputError(f"{mask_name} must be bool or hold only 0 and 1 (1 = token counts)")
         m = m != 0
     lengths = m.sum(-1, dtype=torch.float64)
     total = float(lengths.sum())
     if total == 0:
-        raise InputError("mask has no valid token: at least one position must be 1/True")
+        raise InputError(f"{mask_name} has no valid token: at least one position must be 1/True")
     mask_dtype = mask.dtype if isinstance(mask, torch.Tensor) else np.asarray(mask).dtype
     tok = TokenArrays(train, rollout, m, lengths, total, train.dtype,
                       numpy=not isinstance(train_logprobs, torch.Tensor), mask_dtype=mask_dtype)
     for rows in tok.row_blocks():
-        for name, t in (("train_logprobs", train[rows]), ("rollout_logprobs", rollout[rows])):
-            finite = torch.isfinite(t)
-            if bool(finite.all()):
+        for name, t in ((train_name, train[rows]), (rollout_name, rollout[rows])):
+            if _all_finite(t):
                 continue
+            finite = torch.isfinite(t)
             if bool(torch.isnan(t).any()) or bool(torch.isposinf(t).any()):
                 raise InputError(f"{name} contains NaN or +inf; log-probabilities must be finite and <= 0")
             if bool((~finite & m[rows]).any()):
@@ -181,6 +189,21 @@ def token_arrays(train_logprobs: Any, rollout_logprobs: Any = None, mask: Any = 
                     f"{name} is -inf at a valid (mask=1) token; -inf is allowed only in masked-out padding"
                 )
     return tok
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    """Whether every value of `t` is finite. NumPy's check where it can read the tensor (CPU,
+    float16/32/64): ~15x faster than torch's `isfinite(t).all()` on CPU (measured, docs/PERF.md)."""
+    if t.device.type == "cpu" and t.dtype in (torch.float16, torch.float32, torch.float64):
+        return bool(np.isfinite(t.numpy()).all())
+    return bool(torch.isfinite(t).all())
+
+
+def _valid_values(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`x[mask]` (1-D, row-major); through NumPy on CPU, ~10x faster than torch's boolean index."""
+    if x.device.type == "cpu":
+        return torch.from_numpy(x.numpy()[mask.numpy()])
+    return x[mask]
 
 
 def masked_row_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -198,8 +221,8 @@ class _SummaryRows:
     """What one pass over the batch leaves for the summary.
 
     sums: per-row sums `[batch]` of each per-token quantity (0 for empty rows).
-    extremes: per-row max/min `[batch]` (±inf for empty rows where masked).
-    valid_c: clamped log ratios of all valid tokens `[num_tokens]`, for percentiles.
+    extremes: per-row maxima `[batch]` of quantities that are >= 0 and 0 at padding.
+    valid_c: clamped log ratios of all valid tokens `[num_tokens]`, for percentiles and extremes.
     identical: whether the two probability arrays are equal everywhere.
     """
 
@@ -214,7 +237,10 @@ def _summary_rows(tok: TokenArrays) -> _SummaryRows:
     the bootstrap need.
 
     With c = clamp(Δ, ±20), e = r - 1 = expm1(c): expm1 keeps k3 = e - c and χ² = e² + 2e
-    exact near Δ = 0, where exp(Δ) - 1 would cancel to rounding noise.
+    exact near Δ = 0, where exp(Δ) - 1 would cancel to rounding noise. exp(|c|) - 1 comes from e
+    without a second expm1 (torch's is scalar code, the slowest op of the pass): it is e for c >= 0
+    and exp(-c) - 1 = (1 - exp(c)) / exp(c) = -e / exp(c) for c < 0, i.e. |e| / exp(min(c, 0)).
+    The divisor is exp(c) itself, not 1 + e, which cancels to 8 digits at c = -20.
     """
     sums: dict[str, list[torch.Tensor]] = {}
     extremes: dict[str, list[torch.Tensor]] = {}
@@ -239,10 +265,9 @@ def _summary_rows(tok: TokenArrays) -> _SummaryRows:
         put("e", e.sum(-1))
         put("e2", e.square().sum(-1))
         put("k3", (e - c).sum(-1))
-        put("mult", torch.expm1(c.abs()).sum(-1))
-        put("gt2", (abs_d > math.log(2.0)).sum(-1, dtype=torch.float64))
-        put_extreme("c_min", masked_row_min(c, mask))
-        put_extreme("c_max", masked_row_max(c, mask))
+        put("mult", (e.abs() / torch.exp(c.clamp(max=0.0))).sum(-1))
+        # an integer count, then float64 on the [rows] result: ~1.4x faster than summing in float64
+        put("gt2", (abs_d > math.log(2.0)).sum(-1).to(torch.float64))
         p_train = torch.exp(b.train) * b.maskf
         p_rollout = torch.exp(b.rollout) * b.maskf
         identical = identical and torch.equal(p_train, p_rollout)
@@ -254,7 +279,7 @@ def _summary_rows(tok: TokenArrays) -> _SummaryRows:
         put("pt2", p_train.square().sum(-1))
         put("pr2", p_rollout.square().sum(-1))
         put("ptpr", (p_train * p_rollout).sum(-1))
-        valid_c.append(c[mask])
+        valid_c.append(_valid_values(c, mask))
     return _SummaryRows(
         sums={k: torch.cat(v) for k, v in sums.items()},
         extremes={k: torch.cat(v) for k, v in extremes.items()},
@@ -340,14 +365,15 @@ def summarize(
     s = {k: float(v.sum()) for k, v in rows.sums.items()}
     ext = rows.extremes
     ratio_var = s["e2"] / n - (s["e"] / n) ** 2  # Var(r) = Var(e), better conditioned near r = 1
-    p01, p99 = _quantiles(rows.valid_c.cpu().numpy(), (0.01, 0.99), math.exp)
+    # quantiles 0 and 1 are the min and the max: one partition gives all four
+    r_min, p01, p99, r_max = _quantiles(rows.valid_c.cpu().numpy(), (0.0, 0.01, 0.99, 1.0), math.exp)
     seq_log = rows.sums["d"][valid_rows].clamp(-SAFETY_BOUND, SAFETY_BOUND)
     summary: dict[str, Any] = {key: float(fn(s, n)) for key, fn in _TOKEN_MEANS.items()}
     summary.update(
         max_abs_logprob_diff=float(ext["abs_d_max"].max()),
         is_ratio_std=math.sqrt(max(ratio_var, 0.0)),
-        is_ratio_min=math.exp(float(ext["c_min"].min())),
-        is_ratio_max=math.exp(float(ext["c_max"].max())),
+        is_ratio_min=r_min,
+        is_ratio_max=r_max,
         is_ratio_p01=p01,
         is_ratio_p99=p99,
         seq_is_ratio_mean=float(torch.exp(seq_log).mean()),

@@ -56,4 +56,4 @@ def test_advice_section_opens_in_chromium(tmp_path):
     dom = result.stdout
     name = report.extras["advice"]["recommendation"]["name"]
     assert 'id="advice"' in dom and f"Recommended: {name}" in dom
-    assert "algorithm.rollout_correction.rollout_is" in dom and dom.count('class="chosen"') >= 1
+    assert "rollout_correction:" in dom and dom.count('class="chosen"') >= 1
