@@ -79,6 +79,17 @@ def test_matches_verl(name: str, index: int) -> None:
         np.testing.assert_allclose(weights, np.array(case["weights"]), rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize(("name", "index"), CASES, ids=[f"{n}-{i}" for n, i in CASES])
+def test_metrics_only_gives_the_same_metrics_bit_for_bit(name: str, index: int) -> None:
+    """`metrics_only` (the monitor's call) skips the [batch, seq] outputs and nothing else."""
+    from parity.correction import apply_correction
+
+    config = CorrectionConfig(**DATASETS[name]["cases"][index]["config"])
+    train, rollout, mask = _inputs(name)
+    _, _, full = apply_correction(config, train, rollout, mask)
+    assert apply_correction(config, train, rollout, mask, metrics_only=True) == (None, None, full)
+
+
 def test_torch_inputs_give_torch_outputs() -> None:
     train, rollout, mask = (torch.from_numpy(x) for x in _inputs("spiky"))
     case = DATASETS["spiky"]["cases"][-6]

@@ -45,7 +45,8 @@ def check_arrays(old_log_probs: np.ndarray, rollout_log_probs: np.ndarray, respo
 def step_record(tok: TokenArrays, *, correction: CorrectionConfig, responses: np.ndarray | None,
                 advice: bool, seed: int = 0) -> dict[str, Any]:
     """The stored record of one step (see the module doc); `tok` from `check_arrays`."""
-    _, _, corr = apply_correction(correction, tok)
+    tok = tok.with_blocks()  # four passes over one step's blocks: convert and mask them once
+    _, _, corr = apply_correction(correction, tok, metrics_only=True)
     record: dict[str, Any] = {
         "shape": list(tok.shape),
         "summary": summarize(tok),
