@@ -1,8 +1,9 @@
 """Overhead of `parity.Monitor.log` on a 1M-token training step: 4,096 x 256 float32 logprobs.
 
 Run: OMP_NUM_THREADS=1 taskset -c 0 .venv/bin/python -m pytest benchmarks/test_monitor_speed.py \
-    --benchmark-enable (add --benchmark-timer=time.process_time for CPU time). The medians go in docs/PERF.md ("Monitor");
-the aim is under 50 ms a step without the advisor and under 500 ms with it, on one CPU core.
+    --benchmark-enable (add --benchmark-timer=time.process_time for CPU time). The medians go in
+docs/PERF.md ("Monitor"); the aim is under 50 ms a step without the advisor and under 500 ms with
+it, on one CPU core.
 
 What one `log` does: check the arrays, compute the step's record (summary, verl rollout_corr/*
 under token TIS 2, drift by position, the 10 worst tokens; with the advisor its recommendation
