@@ -47,9 +47,10 @@ DEFAULT_PROBABILITY_EDGES: tuple[float, ...] = (0.0, 1e-4, 1e-3, 1e-2, 0.1, 0.5,
 
 
 #: Tokens per row block. Every per-token computation runs on blocks of whole rows of about this
-#: size (2 MiB per float64 temporary), which stay in cache; full `[batch, seq]` temporaries
-#: cost a page-faulting allocation per op, measured 4-30x slower at 10M tokens on 2 cores.
-BLOCK_TOKENS = 1 << 18
+#: size (512 KiB per float64 temporary), which stay in the core's L2 cache; full `[batch, seq]`
+#: temporaries cost a page-faulting allocation per op, measured 4-30x slower at 10M tokens on 2
+#: cores, and 2^18-token blocks (2 MiB temporaries) 1.4x slower than these at 1M (docs/PERF.md).
+BLOCK_TOKENS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -116,10 +117,12 @@ class TokenArrays:
     def blocks(self) -> Iterator[Block]:
         """The batch as float64 `Block`s of whole rows, in order."""
         zero = torch.zeros((), dtype=torch.float64, device=self.mask.device)
+        seq = self.shape[1]
         for rows in self.row_blocks():
             mask = self.mask[rows]
-            train = torch.where(mask, self.train[rows].to(torch.float64), zero)
-            rollout = torch.where(mask, self.rollout[rows].to(torch.float64), zero)
+            train, rollout = self.train[rows].to(torch.float64), self.rollout[rows].to(torch.float64)
+            if not bool((self.lengths[rows] == seq).all()):  # padding to zero (a block of full rows has none)
+                train, rollout = torch.where(mask, train, zero), torch.where(mask, rollout, zero)
             yield Block(rows, train, rollout, train - rollout, mask, mask.to(torch.float64))
 
     def with_blocks(self) -> TokenArrays:
@@ -261,10 +264,11 @@ def _summary_rows(tok: TokenArrays) -> _SummaryRows:
     the bootstrap need.
 
     With c = clamp(Δ, ±20), e = r - 1 = expm1(c): expm1 keeps k3 = e - c and χ² = e² + 2e
-    exact near Δ = 0, where exp(Δ) - 1 would cancel to rounding noise. exp(|c|) - 1 comes from e
-    without a second expm1 (torch's is scalar code, the slowest op of the pass): it is e for c >= 0
-    and exp(-c) - 1 = (1 - exp(c)) / exp(c) = -e / exp(c) for c < 0, i.e. |e| / exp(min(c, 0)).
-    The divisor is exp(c) itself, not 1 + e, which cancels to 8 digits at c = -20.
+    exact near Δ = 0, where exp(Δ) - 1 would cancel to rounding noise. NeMo-RL's mean exp(|Δ|)
+    is a number near 1 and needs no such care: it sums exp(|c|) (one vectorised exp, where a
+    second expm1, scalar code in torch, would be the slowest op of the pass). The probabilities
+    exp(logp) are 1 at padding (logp 0 there): |Δp| is 0 there, and each batch total is taken
+    over the whole block less one per padding slot.
     """
     sums: dict[str, list[torch.Tensor]] = {}
     totals: dict[str, float] = {}
@@ -290,21 +294,23 @@ def _summary_rows(tok: TokenArrays) -> _SummaryRows:
         put("e", e.sum(-1))
         put("e2", e.square().sum(-1))
         put("k3", (e - c).sum(-1))
-        put("mult", (e.abs() / torch.exp(c.clamp(max=0.0))).sum(-1))
+        # Σ exp(|c|) - 1 over valid tokens: padding (c = 0) adds exactly 1 a slot, so the sum over
+        # the whole row minus its width
+        put("mult", torch.exp(c.abs()).sum(-1) - c.shape[-1])
         # an integer count, then float64 on the [rows] result: ~1.4x faster than summing in float64
         put("gt2", (abs_d > math.log(2.0)).sum(-1).to(torch.float64))
-        p_train = torch.exp(b.train) * b.maskf
-        p_rollout = torch.exp(b.rollout) * b.maskf
+        p_train, p_rollout = torch.exp(b.train), torch.exp(b.rollout)  # 1 at padding
         identical = identical and torch.equal(p_train, p_rollout)
-        p_diff = (p_train - p_rollout).abs()
+        p_diff = (p_train - p_rollout).abs()  # 0 at padding
         put_extreme("p_diff_max", p_diff.amax(-1))
         # batch totals only (no bootstrap needs them by row): sums and dot products of the whole
-        # block, with no [rows, seq] temporaries
+        # block, with no [rows, seq] temporaries, less the padding's 1s
         flat_t, flat_r = p_train.reshape(-1), p_rollout.reshape(-1)
-        for name, value in (("p_diff", p_diff.sum()), ("pt", flat_t.sum()), ("pr", flat_r.sum()),
-                            ("pt2", torch.dot(flat_t, flat_t)), ("pr2", torch.dot(flat_r, flat_r)),
-                            ("ptpr", torch.dot(flat_t, flat_r))):
-            totals[name] = totals.get(name, 0.0) + float(value)
+        pad = mask.numel() - float(tok.lengths[b.rows].sum())
+        totals["p_diff"] = totals.get("p_diff", 0.0) + float(p_diff.sum())
+        for name, value in (("pt", flat_t.sum()), ("pr", flat_r.sum()), ("pt2", torch.dot(flat_t, flat_t)),
+                            ("pr2", torch.dot(flat_r, flat_r)), ("ptpr", torch.dot(flat_t, flat_r))):
+            totals[name] = totals.get(name, 0.0) + (float(value) - pad)
         valid_c.append(_valid_values(c, mask))
     return _SummaryRows(
         sums={k: torch.cat(v) for k, v in sums.items()},
