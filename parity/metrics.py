@@ -192,10 +192,10 @@ def token_arrays(train_logprobs: Any, rollout_logprobs: Any = None, mask: Any = 
         if not t.is_floating_point():
             raise InputError(f"{name} must be floating point (log-probabilities), got {t.dtype}")
     if m.dtype != torch.bool:
-        if m.is_complex() or not bool(((m == 0) | (m == 1)).all()):
+        if m.is_complex() or not _zeros_and_ones(m):
             raise InputError(f"{mask_name} must be bool or hold only 0 and 1 (1 = token counts)")
         m = m != 0
-    lengths = m.sum(-1, dtype=torch.float64)
+    lengths = m.sum(-1).to(torch.float64)  # count in integers: a float64 sum converts the whole mask
     total = float(lengths.sum())
     if total == 0:
         raise InputError(f"{mask_name} has no valid token: at least one position must be 1/True")
@@ -214,6 +214,15 @@ def token_arrays(train_logprobs: Any, rollout_logprobs: Any = None, mask: Any = 
                     f"{name} is -inf at a valid (mask=1) token; -inf is allowed only in masked-out padding"
                 )
     return tok
+
+
+def _zeros_and_ones(m: torch.Tensor) -> bool:
+    """Whether a numeric mask holds only 0 and 1; for integers its min and max say it (two
+    reductions, no temporaries: verl's masks are int64)."""
+    if m.numel() and not m.is_floating_point():
+        low, high = torch.aminmax(m)
+        return int(low) >= 0 and int(high) <= 1
+    return bool(((m == 0) | (m == 1)).all())
 
 
 def _all_finite(t: torch.Tensor) -> bool:
