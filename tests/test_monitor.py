@@ -435,3 +435,15 @@ def test_import_and_the_command_never_load_torch(tmp_path):
         m.close()
     """)
     assert "torch" in heavy_modules_after(code)
+
+
+def test_a_second_writer_s_later_step_is_a_named_error(tmp_path):
+    """Two Monitors on one directory (two ranks by mistake): the one that falls behind gets an
+    InputError from the store's own check, not a sqlite3 exception."""
+    with parity.Monitor(tmp_path, advice_every=0, render_every=0) as a, \
+            parity.Monitor(tmp_path, advice_every=0, render_every=0) as b:
+        log(a, 0)
+        log(b, 5)
+        with pytest.raises(InputError, match="one writer"):
+            log(a, 3)
+    assert [s["step"] for s in stored(tmp_path)] == [0, 5]

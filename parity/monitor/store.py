@@ -143,8 +143,11 @@ class MonitorStore:
             conn.execute("INSERT INTO steps (step, logged_at, record) VALUES (?, ?, ?)",
                          (step, time.time(), text))
             conn.execute("COMMIT")
-        except BaseException:
+        except BaseException as exc:
             conn.execute("ROLLBACK")
+            if isinstance(exc, sqlite3.IntegrityError):  # another writer stored this step or a later one
+                raise InputError(f"step {step}: {self.path} refused it ({exc}); steps must increase, and "
+                                 "a monitor directory has one writer (give each rank its own)") from exc
             raise
 
     def steps(self, since: int | None = None) -> list[dict[str, Any]]:
