@@ -78,13 +78,27 @@ def test_a_step_stores_parity_s_own_summary_correction_and_breakdown(tmp_path):
                              old_log_probs=torch.from_numpy(trainer), response_mask=torch.from_numpy(mask),
                              responses=torch.from_numpy(responses))
     [row] = stored(tmp_path)
-    assert row["step"] == record["step"] == 7
+    assert row["step"] == record["step"] == 7 and row["logged_at"] == record["logged_at"]
     assert row["summary"] == summarize(trainer, rollout, mask)
     assert tuple(row["summary"]) == SUMMARY_KEYS
     _, _, metrics = rollout_correction(trainer, rollout, mask, rollout_is="token", rollout_is_threshold=2.0)
     assert row["rollout_corr"] == metrics
     assert row["by_position"] == json.loads(json.dumps(drift_by_position(trainer, rollout, mask)))
     assert row["shape"] == list(mask.shape) and "recommendation" not in row
+
+
+def test_the_correction_of_the_rollout_corr_metrics_is_the_monitor_s(tmp_path):
+    from parity.correction import CorrectionConfig
+
+    rollout, trainer, mask, _ = step_arrays(2)
+    options = {"rollout_is": "sequence", "rollout_is_threshold": 5.0, "rollout_rs": "seq_mean_k3",
+               "rollout_rs_threshold": 0.01}
+    _, _, want = rollout_correction(trainer, rollout, mask, **options)
+    for correction in (options, CorrectionConfig(**options)):
+        with parity.Monitor(tmp_path / str(type(correction).__name__), advice_every=0, render_every=0,
+                            correction=correction) as monitor:
+            got = monitor.log(0, rollout_log_probs=rollout, old_log_probs=trainer, response_mask=mask)
+        assert got["rollout_corr"] == want
 
 
 def test_worst_tokens_are_the_largest_drifts_with_their_token_ids(tmp_path):

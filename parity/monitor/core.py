@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -64,19 +63,22 @@ class Monitor:
     render_every: redraw the page every this many logged steps (and on `close`); 0: never (draw it
         with `parity monitor OUT_DIR` when wanted).
     advice_every: run the correction advisor on every this many logged steps (the first included);
-        0: never. It takes ~5x the rest of a step's record (docs/PERF.md).
+        0: never. It takes ~4x the rest of a step's record (docs/PERF.md, "Monitor").
     """
 
     def __init__(self, out_dir: str | os.PathLike[str], *, run_name: str | None = None,
-                 thresholds: Mapping[str, Any] | None = None, correction: Mapping[str, Any] | None = None,
+                 thresholds: Mapping[str, Any] | None = None,
+                 correction: Mapping[str, Any] | CorrectionConfig | None = None,
                  render_every: int = 10, advice_every: int = 1) -> None:
         if run_name is not None and (not isinstance(run_name, str) or not run_name.strip()):
             raise ConfigError(f"run_name must be a non-empty string or None, got {run_name!r}")
         self.thresholds = Thresholds.of(thresholds)
-        options = dict(DEFAULT_OPTIONS) if correction is None else correction
-        if isinstance(options, Mapping):
-            options = dict(options)
-        self.correction = CorrectionConfig.from_dict(options)
+        if isinstance(correction, CorrectionConfig):
+            self.correction = correction
+        else:
+            options = DEFAULT_OPTIONS if correction is None else correction
+            options = dict(options) if isinstance(options, Mapping) else options
+            self.correction = CorrectionConfig.from_dict(options)
         self.render_every = _count(render_every, "render_every", low=0)
         self.advice_every = _count(advice_every, "advice_every", low=0)
         self.out_dir = output_dir(out_dir, "out_dir")
@@ -132,14 +134,14 @@ class Monitor:
             record["alerts"] = self.thresholds.check(flat_values(record))
             if self.thresholds.bounds:
                 record["thresholds"] = self.thresholds.to_dict()
-            self._store.append(step, record)
+            logged_at = self._store.append(step, record)
             self._last_step = step
             self._logged += 1
             for alert in record["alerts"]:
                 log.warning("parity monitor %s step %d: %s", self.run_name, step, alert["message"])
             if self._renderer is not None and self._logged % self.render_every == 0:
                 self._renderer.request()
-            return {"step": step, "logged_at": time.time(), **record}
+            return {"step": step, "logged_at": logged_at, **record}
 
     def _check_step(self, step: Any) -> int:
         if isinstance(step, bool) or (not isinstance(step, int) and not _is_integer(step)):

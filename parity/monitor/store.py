@@ -134,14 +134,16 @@ class MonitorStore:
         """The highest stored step, None before the first."""
         return self._conn.execute("SELECT MAX(step) FROM steps").fetchone()[0]
 
-    def append(self, step: int, record: dict[str, Any]) -> None:
-        """Store `record` as step `step` in one transaction (see the module doc)."""
+    def append(self, step: int, record: dict[str, Any]) -> float:
+        """Store `record` as step `step` in one transaction (see the module doc); returns the
+        time it was logged at (unix seconds)."""
         text = json.dumps(json_ready(record), allow_nan=False, separators=(",", ":"))
         conn = self._conn
+        logged_at = time.time()
         conn.execute("BEGIN IMMEDIATE")
         try:
             conn.execute("INSERT INTO steps (step, logged_at, record) VALUES (?, ?, ?)",
-                         (step, time.time(), text))
+                         (step, logged_at, text))
             conn.execute("COMMIT")
         except BaseException as exc:
             conn.execute("ROLLBACK")
@@ -149,6 +151,7 @@ class MonitorStore:
                 raise InputError(f"step {step}: {self.path} refused it ({exc}); steps must increase, and "
                                  "a monitor directory has one writer (give each rank its own)") from exc
             raise
+        return logged_at
 
     def steps(self, since: int | None = None) -> list[dict[str, Any]]:
         """Every stored step (after step `since`, when given), in step order: `{"step": int,
