@@ -39,7 +39,7 @@ def _scan(cfg: CorrectionConfig, tok: TokenArrays, *, outputs: bool = True
         lengths = tok.lengths[b.rows]
         row_count = torch.where(lengths > 0, lengths, EPS)
         clamped = clamp_log_ratio(b.log_ratio)
-        ratio = ratio_of(clamped) * b.maskf
+        ratio = ratio_of(clamped).mul_(b.maskf)  # in place: one [rows, seq] temporary fewer
         weight_rows = rejection_rows = None
         if cfg.is_rule:
             block, weight_rows = block_weights(cfg.is_rule, b, ratio, row_count)

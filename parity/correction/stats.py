@@ -125,7 +125,7 @@ class PolicyRows:
             rollout=b.rollout.sum(-1),
             log_ratio=d.sum(-1),
             # exp(0) - 0 - 1 = 0 at padding.
-            k3_kl=(torch.exp(d) - d - 1.0).sum(-1),
+            k3_kl=torch.exp(d).sub_(d).sub_(1.0).sum(-1),
             ratio_sq=ratio.square().sum(-1),
         )
 
