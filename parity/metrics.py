@@ -61,6 +61,7 @@ class Block:
     train, rollout: logprobs (nats) `[rows, seq]`, 0 where `mask` is False.
     log_ratio: `train - rollout` (nats), 0 where `mask` is False.
     mask: bool `[rows, seq]`; maskf: the same as 0.0/1.0.
+    dense: every slot of the block is valid (no padding): a masked reduction may skip its mask.
     """
 
     rows: slice
@@ -69,6 +70,7 @@ class Block:
     log_ratio: torch.Tensor
     mask: torch.Tensor
     maskf: torch.Tensor
+    dense: bool = False
 
 
 @dataclass(frozen=True)
@@ -121,9 +123,10 @@ class TokenArrays:
         for rows in self.row_blocks():
             mask = self.mask[rows]
             train, rollout = self.train[rows].to(torch.float64), self.rollout[rows].to(torch.float64)
-            if not bool((self.lengths[rows] == seq).all()):  # padding to zero (a block of full rows has none)
+            dense = bool((self.lengths[rows] == seq).all())
+            if not dense:  # padding to zero (a block of full rows has none)
                 train, rollout = torch.where(mask, train, zero), torch.where(mask, rollout, zero)
-            yield Block(rows, train, rollout, train - rollout, mask, mask.to(torch.float64))
+            yield Block(rows, train, rollout, train - rollout, mask, mask.to(torch.float64), dense)
 
     def with_blocks(self) -> TokenArrays:
         """The same arrays with their float64 blocks made once and kept: every metric given the

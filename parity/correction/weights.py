@@ -90,12 +90,13 @@ def block_weights(rule: ImportanceRule, b: Block, ratio: torch.Tensor, row_count
     stats = TokenWeightRows(
         weight_sum=weight_sum,
         weight_max=weights.amax(-1),
-        weight_min=masked_row_min(weights, mask),
+        weight_min=weights.amin(-1) if b.dense else masked_row_min(weights, mask),
         raw_sum=ratio.sum(-1),
         # ratio is 0 at padding and upper > 0, so `ratio > upper` needs no mask; `<` does.
         # integer counts, float64 on the [rows] result (~1.4x faster than counting in float64)
         high=(ratio > upper).sum(-1).to(torch.float64),
-        low=((ratio < rule.metric_lower) & mask).sum(-1).to(torch.float64),
+        low=((ratio < rule.metric_lower) if b.dense else (ratio < rule.metric_lower) & mask).sum(-1).to(
+            torch.float64),
         clamped_sum=weight_sum if clamped is weights else clamped.sum(-1),
         clamped_sq=clamped.square().sum(-1),
         seq_keep=seq_keep,
