@@ -31,7 +31,7 @@ from parity.monitor import MonitorStore, flat_values
 from parity.monitor import page as page_module
 from parity.monitor.command import main as monitor_main
 from parity.monitor.store import STORE_FILE
-from parity.schema import SUMMARY_KEYS
+from parity.schema import SUMMARY_KEYS, SUPPORT_SUMMARY_KEYS
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -79,8 +79,9 @@ def test_a_step_stores_parity_s_own_summary_correction_and_breakdown(tmp_path):
                              responses=torch.from_numpy(responses))
     [row] = stored(tmp_path)
     assert row["step"] == record["step"] == 7 and row["logged_at"] == record["logged_at"]
-    assert row["summary"] == summarize(trainer, rollout, mask)
-    assert tuple(row["summary"]) == SUMMARY_KEYS
+    assert row["summary"] == {**summarize(trainer, rollout, mask), "num_tokens_outside_support": 0,
+                              "frac_tokens_outside_support": 0.0}  # the -inf padding is padding
+    assert tuple(row["summary"]) == SUMMARY_KEYS + SUPPORT_SUMMARY_KEYS
     _, _, metrics = rollout_correction(trainer, rollout, mask, rollout_is="token", rollout_is_threshold=2.0)
     assert row["rollout_corr"] == metrics
     assert row["by_position"] == json.loads(json.dumps(drift_by_position(trainer, rollout, mask)))
@@ -127,7 +128,7 @@ def test_torch_numpy_and_bfloat16_inputs(tmp_path):
         c = monitor.log(2, rollout_log_probs=torch.from_numpy(rollout), old_log_probs=bf,
                         response_mask=torch.from_numpy(mask))
     assert a["summary"] == b["summary"] and a["rollout_corr"] == b["rollout_corr"]
-    assert c["summary"] == summarize(bf.float().numpy(), rollout, mask)
+    assert {k: c["summary"][k] for k in SUMMARY_KEYS} == summarize(bf.float().numpy(), rollout, mask)
 
 
 def test_the_advisor_recommends_on_its_cadence(tmp_path):
@@ -139,6 +140,25 @@ def test_the_advisor_recommends_on_its_cadence(tmp_path):
     assert rec == parity.advise(trainer, rollout, mask).to_dict()["recommendation"]
     verl = rec["frameworks"]["verl"]
     assert verl is None or "algorithm.rollout_correction.rollout_is" in verl
+
+
+def test_tokens_outside_the_support_are_counted_apart(tmp_path):
+    """parity's one rule for -inf, as in reports: a counted token one side gives -inf (a top-p cut)
+    is counted in num_tokens_outside_support and left out of every other number."""
+    rollout, trainer, mask, _ = step_arrays(6)
+    trainer[0, 0] = -np.inf  # the trainer's nucleus excludes a token the rollout sampled
+    rollout[3, 0] = -np.inf
+    with parity.Monitor(tmp_path, advice_every=1, render_every=0) as monitor:
+        record = monitor.log(0, rollout_log_probs=rollout, old_log_probs=trainer, response_mask=mask)
+    scored = mask.copy()
+    scored[0, 0] = scored[3, 0] = False
+    want = summarize(np.where(scored, trainer, 0), np.where(scored, rollout, 0), scored)
+    summary = record["summary"]
+    assert {k: summary[k] for k in want} == want
+    assert summary["num_tokens_outside_support"] == 2
+    assert summary["frac_tokens_outside_support"] == 2 / mask.sum()
+    assert all(math.isfinite(v) for v in record["rollout_corr"].values())
+    assert "recommendation" in record
 
 
 def test_sampling_and_meta_are_stored_as_given(tmp_path):
@@ -214,8 +234,10 @@ BAD_INPUT = {
     "shapes": (lambda r, t, m: (r[:, :-1], t, m), "same \\[batch, seq\\] shape"),
     "nan": (lambda r, t, m: (r, _nan(t), m), "old_log_probs contains NaN or \\+inf"),
     "posinf": (lambda r, t, m: (_posinf(r), t, m), "rollout_log_probs contains NaN or \\+inf"),
-    "neginf_at_valid_token": (lambda r, t, m: (r, np.where(m, -np.inf, t).astype(np.float32), m),
-                              "old_log_probs is -inf at a valid"),
+    "neginf_at_every_valid_token": (lambda r, t, m: (r, np.where(m, -np.inf, t).astype(np.float32), m),
+                                    "every counted token has logprob -inf"),
+    "mask_values_with_neginf": (lambda r, t, m: (r, t, m.astype(np.int64) * 3),
+                                "response_mask must be bool or hold only 0"),
     "empty_mask": (lambda r, t, m: (r, t, np.zeros_like(m)), "response_mask has no valid token"),
     "mask_values": (lambda r, t, m: (r, t, m.astype(np.int64) * 2),
                     "response_mask must be bool or hold only 0"),
@@ -347,7 +369,7 @@ def test_killed_mid_step_the_store_reads_every_committed_step(tmp_path):
     assert (out / f"{STORE_FILE}-wal").exists()  # the killed writer left its log: recovery has work to do
     steps = stored(out)
     assert [s["step"] for s in steps] == [0, 1, 2, 3, 4]
-    assert all(tuple(s["summary"]) == SUMMARY_KEYS for s in steps)
+    assert all(tuple(s["summary"]) == SUMMARY_KEYS + SUPPORT_SUMMARY_KEYS for s in steps)
     conn = sqlite3.connect(out / STORE_FILE)
     assert conn.execute("PRAGMA integrity_check").fetchone() == ("ok",)
     conn.close()

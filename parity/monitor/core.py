@@ -13,6 +13,10 @@ checks the thresholds (a warning line on the `parity.monitor` logger and a flag 
 appends the record to `out_dir/monitor.sqlite` in one transaction (`parity.monitor.store`). Every
 `render_every` steps a background thread redraws `out_dir/index.html` (`parity.monitor.page`).
 
+A counted token one side gives logprob -inf lies outside that side's sampling support (parity's one
+rule for -inf, as in reports): it is counted in the summary's `num_tokens_outside_support` /
+`frac_tokens_outside_support` and left out of every other number. NaN and +inf are errors.
+
 Bad input never reaches the store: every check runs, and the whole record is computed, before the
 step's transaction; a `log` that raises leaves the store and the monitor as they were, and the next
 `log` carries on. Errors are `InputError` (the arrays, the step number, the values) and
@@ -40,6 +44,7 @@ from parity.monitor.page import PAGE_FILE, PageRenderer, flat_values
 from parity.monitor.store import MonitorStore, json_ready
 from parity.monitor.thresholds import Thresholds
 from parity.outputs import output_dir
+from parity.schema import SUPPORT_SUMMARY_KEYS
 from parity.types import SamplingParams
 
 #: the names `log` gives its arrays in errors (verl's).
@@ -120,13 +125,16 @@ class Monitor:
                 raise ConfigError("this Monitor is closed; make a new one to log more steps")
             step = self._check_step(step)
             context = {"sampling": _sampling(sampling), "meta": _meta(meta)}
-            arrays = [host_array(a, n) for a, n in zip((old_log_probs, rollout_log_probs, response_mask),
-                                                       ARRAY_NAMES)]
-            tok = check_arrays(*arrays, names=ARRAY_NAMES)
+            old, rollout, mask = (host_array(a, n) for a, n in zip(
+                (old_log_probs, rollout_log_probs, response_mask), ARRAY_NAMES))
+            scored, outside, counted = _support(old, rollout, mask)
+            tok = check_arrays(old, rollout, scored, names=ARRAY_NAMES)
             ids = _responses(responses, tok.shape)
             tails = _prompt_tails(prompts, tok.shape[0])
             record = step_record(tok, correction=self.correction, responses=ids,
                                  advice=self.advice_every > 0 and self._logged % self.advice_every == 0)
+            record["summary"].update({SUPPORT_SUMMARY_KEYS[0]: outside,
+                                      SUPPORT_SUMMARY_KEYS[1]: outside / counted if counted else 0.0})
             if tails is not None:
                 for w in record["worst_tokens"]:
                     w["prompt_tail"] = tails[w["row"]]
@@ -216,6 +224,28 @@ def _meta(meta: Mapping[str, Any] | None) -> dict[str, Any] | None:
     if not isinstance(meta, Mapping):
         raise InputError(f"meta must be a dict, got {type(meta).__name__}")
     return json_ready(dict(meta))
+
+
+def _support(old: np.ndarray, rollout: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, int, int]:
+    """(the mask of the tokens to measure, tokens outside the sampling support, tokens counted).
+
+    parity's one rule for -inf: a counted token that one side gives logprob -inf lies outside that
+    side's sampling support (a top-k/top-p cut). It is counted apart and left out of every other
+    number, which it would make infinite. Arrays `check_arrays` will refuse anyway (shapes,
+    dtypes) pass through unchanged, so that its error is the one raised."""
+    if old.dtype.kind != "f" or rollout.dtype.kind != "f" or not old.shape == rollout.shape == mask.shape:
+        return mask, 0, 0
+    if not (np.isneginf(old).any() or np.isneginf(rollout).any()):
+        return mask, 0, 0  # nothing outside: the share is 0 whatever the count
+    if mask.dtype != np.bool_ and not np.isin(mask, (0, 1)).all():
+        raise InputError(f"{ARRAY_NAMES[2]} must be bool or hold only 0 and 1 (1 = token counts)")
+    valid = mask.astype(bool)
+    outside = valid & (np.isneginf(old) | np.isneginf(rollout))
+    counted, n_outside = int(valid.sum()), int(outside.sum())
+    if n_outside and n_outside == counted:
+        raise InputError(f"every counted token has logprob -inf in {ARRAY_NAMES[0]} or {ARRAY_NAMES[1]} "
+                         "(outside that side's sampling support): there is no token to measure")
+    return valid & ~outside, n_outside, counted
 
 
 def _responses(value: Any, shape: tuple[int, int]) -> np.ndarray | None:

@@ -5,9 +5,10 @@
 
 A number is an upper bound (the step is flagged when its value is above it); a `(low, high)` pair
 is a band, either side None for open (flagged below `low` or above `high`). Keys are the step
-summary's (`parity.schema.SUMMARY_KEYS`: `k3_kl`, `max_abs_logprob_diff`, ...) or verl's
-`rollout_corr/*` metric names of the monitor's correction. A value the step does not have (an
-unknown `rollout_corr/*` name) is flagged as missing rather than silently never checked.
+summary's (`parity.schema.SUMMARY_KEYS`: `k3_kl`, `max_abs_logprob_diff`, ...; and
+`SUPPORT_SUMMARY_KEYS`: `frac_tokens_outside_support`) or verl's `rollout_corr/*` metric names of
+the monitor's correction. A value the step does not have (an unknown `rollout_corr/*` name) is
+flagged as missing rather than silently never checked.
 
 Light: the standard library only.
 """
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from parity.errors import ConfigError
-from parity.schema import SUMMARY_KEYS
+from parity.schema import SUMMARY_KEYS, SUPPORT_SUMMARY_KEYS
 
 #: prefix of verl's rollout-correction metric names.
 CORRECTION_PREFIX = "rollout_corr/"
@@ -64,9 +65,11 @@ class Thresholds:
                               f"{type(thresholds).__name__}")
         bounds = []
         for key, spec in thresholds.items():
-            if not isinstance(key, str) or not (key in SUMMARY_KEYS or key.startswith(CORRECTION_PREFIX)):
+            if not isinstance(key, str) or not (key in SUMMARY_KEYS or key in SUPPORT_SUMMARY_KEYS
+                                                or key.startswith(CORRECTION_PREFIX)):
                 raise ConfigError(f"thresholds: unknown metric {key!r}; use a summary key "
-                                  f"({', '.join(SUMMARY_KEYS)}) or a verl {CORRECTION_PREFIX}* metric name")
+                                  f"({', '.join(SUMMARY_KEYS + SUPPORT_SUMMARY_KEYS)}) or a verl "
+                                  f"{CORRECTION_PREFIX}* metric name")
             low, high = (None, spec) if not isinstance(spec, (tuple, list)) else _pair(key, spec)
             for side, value in (("low", low), ("high", high)):
                 if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
