@@ -31,7 +31,8 @@ PAGE_FILE = "index.html"
 #: metrics charted over steps (those a step has), before any other a threshold names.
 TREND_KEYS: tuple[str, ...] = (
     "max_abs_logprob_diff", "mean_abs_logprob_diff", "k3_kl", "is_ratio_mean", "is_ratio_std",
-    "rollout_probs_diff_max", "rollout_probs_pearson", "frac_tokens_ratio_gt_2", "frac_tokens_outside_support",
+    "rollout_probs_diff_max", "rollout_probs_pearson", "frac_tokens_ratio_gt_2",
+    "frac_tokens_outside_support",
     "rollout_corr/rollout_is_eff_sample_size", "rollout_corr/rollout_is_ratio_fraction_high",
 )
 #: alerts listed on the page, newest first (every alert stays in the store).
