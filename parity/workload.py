@@ -14,6 +14,7 @@ from parity.cases import Case, default_case, load_case
 from parity.errors import ConfigError
 from parity.prompts import Dataset, PromptSource, check_prompt, encode_prompts
 from parity.schema import LOGPROBS_MODES
+from parity.strict import check_choice
 from parity.tools import bind_tools
 from parity.turns import Turn, check_turns
 from parity.types import Request, SamplingParams
@@ -70,8 +71,7 @@ def with_logprobs_mode(case: Case, mode: Any) -> Case:
     option (vllm-server's: the mode the whole server reports) returns rollouts in that mode, so
     they are requested and scored in it; the option wins over the case's `logprobs_mode`, as a
     command line wins over a file."""
-    if mode not in LOGPROBS_MODES:
-        raise ConfigError(f"backend option logprobs_mode must be one of {LOGPROBS_MODES}, got {mode!r}")
+    mode = check_choice(mode, LOGPROBS_MODES, "backend option logprobs_mode")
     requests = tuple(dataclasses.replace(r, sampling=r.sampling.replace(logprobs_mode=mode))
                      for r in case.requests)
     return dataclasses.replace(case, logprobs_mode=mode, requests=requests)

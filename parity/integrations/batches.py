@@ -25,6 +25,7 @@ from parity.dumps import SAMPLING_COLUMNS
 from parity.errors import InputError
 from parity.monitor.arrays import host_array
 from parity.schema import LOGPROBS_MODES
+from parity.strict import check_choice
 from parity.tables import write_rows
 
 if TYPE_CHECKING:
@@ -67,8 +68,7 @@ def log_step(monitor: Monitor, step: int, batch: StepBatch, *, meta: Mapping[str
 def dump_step(batch: StepBatch, path: str | Path, *, logprobs_mode: str = "processed") -> Path:
     """Write the batch as a parity rollout dump (see the module doc); rows with no generated token
     are left out. Processed logprobs need the temperature (`InputError` without it)."""
-    if logprobs_mode not in LOGPROBS_MODES:
-        raise InputError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
+    check_choice(logprobs_mode, LOGPROBS_MODES, "logprobs_mode")
     if batch.responses is None or batch.prompts is None:
         raise InputError("a dump needs the token ids: the batch has no responses or no prompts")
     sampling = {k: v for k, v in (batch.sampling or {}).items() if k in SAMPLING_COLUMNS}

@@ -214,7 +214,7 @@ def _sampling(sampling: Mapping[str, Any] | SamplingParams | None) -> dict[str, 
     try:
         SamplingParams.from_dict(dict(given))
     except ConfigError as exc:
-        raise InputError(f"sampling: {exc}") from exc
+        raise InputError(str(exc)) from exc  # a bad value in the data, not in the monitor's options
     return given
 
 
