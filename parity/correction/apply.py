@@ -11,9 +11,9 @@ from parity.correction.config import CorrectionConfig
 from parity.correction.rejection import RejectionRows, block_keep, rejection_metrics
 from parity.correction.stats import EPS, PolicyRows, Rows, join, offpolicy_metrics
 from parity.correction.weights import WeightRows, batch_norm_factor, block_weights, weight_metrics
-from parity.metrics import TokenArrays, token_arrays
 from parity.ratio_rules import clamp_log_ratio
 from parity.ratio_rules import ratio as ratio_of
+from parity.token_arrays import TokenArrays, token_arrays
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ def _scan(cfg: CorrectionConfig, tok: TokenArrays, *, outputs: bool = True
 def apply_correction(config: CorrectionConfig, train_logprobs: Any, rollout_logprobs: Any = None,
                      mask: Any = None, *, metrics_only: bool = False
                      ) -> tuple[Any | None, Any, dict[str, float]]:
-    """Run `config` on `[batch, seq]` inputs (or one `parity.metrics.TokenArrays`); see
+    """Run `config` on `[batch, seq]` inputs (or one `parity.token_arrays.TokenArrays`); see
     `rollout_correction` for the result. `metrics_only`: the metrics alone, `(None, None,
     metrics)`, without writing the `[batch, seq]` weights and mask (what a monitor needs)."""
     tok = token_arrays(train_logprobs, rollout_logprobs, mask)
@@ -95,7 +95,7 @@ def rollout_correction(
     rollout_is_clamp_lower: float | None = None,
 ) -> tuple[Any | None, Any, dict[str, float]]:
     """verl's rollout correction on `[batch, seq]` logprobs (nats) and a response mask (or on
-    one `parity.metrics.TokenArrays` in their place).
+    one `parity.token_arrays.TokenArrays` in their place).
 
     Options are `CorrectionConfig`'s fields: verl's names plus parity's extras.
 

@@ -9,9 +9,16 @@ import torch
 
 from parity.correction.config import ImportanceRule
 from parity.correction.stats import EPS, Rows, fraction, seq_summary
-from parity.metrics import SAFETY_BOUND, Block, masked_row_min
-from parity.ratio_rules import band_weights, clamp_log_ratio, in_band, sequence_log_ratio, truncate
+from parity.ratio_rules import (
+    SAFETY_BOUND,
+    band_weights,
+    clamp_log_ratio,
+    in_band,
+    sequence_log_ratio,
+    truncate,
+)
 from parity.ratio_rules import ratio as ratio_of
+from parity.token_arrays import Block, masked_row_min
 
 
 @dataclass(frozen=True)

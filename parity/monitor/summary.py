@@ -27,7 +27,8 @@ import torch
 from parity.advisor import advise
 from parity.correction.apply import apply_correction
 from parity.correction.config import CorrectionConfig
-from parity.metrics import TokenArrays, drift_by_position, summarize, token_arrays
+from parity.metrics import drift_by_position, summarize
+from parity.token_arrays import TokenArrays, token_arrays
 
 #: worst tokens kept per step.
 WORST = 10
