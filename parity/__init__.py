@@ -4,6 +4,7 @@
 from parity.advisor import advise
 from parity.compare import compare
 from parity.errors import ParityError
+from parity.monitor import Monitor
 from parity.quiet import follow_parent
 from parity.report import ParityReport
 from parity.schema import VERSION as __version__
@@ -15,5 +16,5 @@ from parity.types import Request, Rollout, SamplingParams
 # an engine process re-imports the main module: if it imports parity, it is as quiet as its parent
 follow_parent()
 
-__all__ = ["Generate", "Inject", "ParityError", "ParityReport", "Request", "Rollout", "SamplingParams",
-           "Tolerance", "__version__", "advise", "compare", "score"]
+__all__ = ["Generate", "Inject", "Monitor", "ParityError", "ParityReport", "Request", "Rollout",
+           "SamplingParams", "Tolerance", "__version__", "advise", "compare", "score"]

@@ -5,6 +5,7 @@
     parity advise r.json [--json advice.json] [--html r.html]
     parity models | parity backends
     parity nightly ... | parity replay ... | parity attribute ... | parity lifecycle ...
+    parity monitor OUT_DIR [--html OUT] [--json OUT]
 
 `--verbose`, anywhere on the line, shows the engines' own log lines (vLLM's INFO) and the
 traceback of an error; without it engines print errors only (`parity.quiet`).
@@ -38,7 +39,7 @@ from parity.errors import (
     OutputError,
     report_error,
 )
-from parity.models import BUILTIN_MODELS, TRAINED_MODELS
+from parity.models import BUILTIN_MODELS, TRAINED_MODELS, builtin_dir, cache_dir, trained_dir
 from parity.models.trained import packaged_file
 from parity.outputs import output_file, write_atomic
 from parity.quiet import engine_logging
@@ -57,6 +58,7 @@ PASSTHROUGH: dict[str, tuple[str, str, str]] = {
     "replay": ("parity.record", "replay_main", "replay a recorded run through another backend"),
     "attribute": ("parity.attribute", "main", "attribute drift to ops and layers"),
     "lifecycle": ("parity.lifecycle", "main", "check sleep/wake, weight updates and cache resets"),
+    "monitor": ("parity.monitor.command", "main", "draw and summarise a run a parity.Monitor logged"),
 }
 
 
@@ -267,10 +269,14 @@ def _advise(args: argparse.Namespace) -> int:
 
 
 def _models(args: argparse.Namespace) -> int:
+    """One line per model: name, architecture, description, status; then where its checkpoint lives
+    (`$PARITY_CACHE/models/...`), made on first use if it is not there yet."""
     width = max(len(n) for n in (*BUILTIN_MODELS, *TRAINED_MODELS))
+    print(f"checkpoints live in {cache_dir()} (set PARITY_CACHE to move them)")
     for name in sorted(BUILTIN_MODELS):
         spec = BUILTIN_MODELS[name]
         print(f"{name.ljust(width)}  {spec.architecture:<22}  {spec.description}")
+        print(f"{'':{width}}  {_location(builtin_dir(name), 'generated on first use')}")
     for name in sorted(TRAINED_MODELS):
         trained = TRAINED_MODELS[name]
         try:
@@ -279,7 +285,12 @@ def _models(args: argparse.Namespace) -> int:
         except ModelNotFoundError:
             status = f"not installed: {trained.install_hint}"
         print(f"{name.ljust(width)}  {trained.architecture:<22}  {trained.description}  [{status}]")
+        print(f"{'':{width}}  {_location(trained_dir(name, cache_dir()), 'converted on first use')}")
     return 0
+
+
+def _location(path: Path, later: str) -> str:
+    return f"at {path}" if (path / "config.json").is_file() else f"at {path} ({later})"
 
 
 def _backends(args: argparse.Namespace) -> int:

@@ -32,7 +32,7 @@ from parity.strict import check_dtype
 from parity.tolerance import Tolerance
 from parity.turns import Turn
 from parity.types import SamplingParams
-from parity.workload import resolve_workload
+from parity.workload import resolve_workload, with_logprobs_mode
 
 
 def compare(
@@ -58,7 +58,10 @@ def compare(
 
     model: built-in checkpoint name or local HF directory; None takes the case's model.
     backend: a registry name (started once per process through `shared_backend`, with
-        `backend_options`) or a running `Backend` to reuse.
+        `backend_options`) or a running `Backend` to reuse. A `logprobs_mode` backend option
+        (vllm-server's: the mode the server reports) puts every request in that mode
+        (`parity.workload.with_logprobs_mode`), so `--option logprobs_mode=raw` alone compares raw
+        logprobs.
     case: a `Case` or the path of a case TOML file. prompts: a list of token-id lists, strings
         or chat-message lists (`[{"role": "user", "content": ...}]`, rendered with the
         checkpoint's chat template), or a dataset file (a `parity.prompts.Dataset`, or a path:
@@ -105,6 +108,8 @@ def compare(
         raise ConfigError(f"model must be a built-in model name or a checkpoint path, got "
                           f"{type(model).__name__} {model!r:.40}")
     the_case = resolve_workload(model, case, prompts, sampling, turns)
+    if isinstance(backend, str) and "logprobs_mode" in backend_options:
+        the_case = with_logprobs_mode(the_case, backend_options["logprobs_mode"])
     model_arg = os.fspath(model) if model is not None else the_case.model
     # every id against the model's vocabulary and context: an engine given a bad id dies or fails late
     names = None if prompts is None else [f"prompts[{i}]" for i in range(len(the_case.requests))]

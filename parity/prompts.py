@@ -22,6 +22,7 @@ exception of the light-module contract).
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -42,13 +43,19 @@ PromptSource = Sequence[int] | str | Sequence[Message]
 DEFAULT_COLUMN = "prompt"
 
 
+class DatasetShortWarning(UserWarning):
+    """A dataset's `limit` asks for more rows than the file holds: every row is used, and this says
+    how many (printed on stderr by Python's default warning filter)."""
+
+
 @dataclass(frozen=True)
 class Dataset:
     """A JSONL or Parquet file with one prompt per row (see the module doc).
 
     path: the file (`.parquet` is Parquet, anything else JSONL).
     column: the column holding each row's prompt: chat messages, text or token ids.
-    limit: how many rows to use (None: all).
+    limit: how many rows to use (None: all); more than the file holds uses all of them and warns
+        (`DatasetShortWarning`) with the number used.
     seed: None keeps the first `limit` rows; an int draws `limit` rows at random with it.
     """
 
@@ -82,6 +89,9 @@ class Dataset:
                 break
         if not picked:
             raise InputError(f"{self.path}: the dataset holds no rows")
+        if self.limit is not None and len(picked) < self.limit:
+            warnings.warn(f"{self.path}: limit {self.limit} but the dataset holds {len(picked)} rows; all "
+                          f"{len(picked)} are used", DatasetShortWarning, stacklevel=2)
         if self.seed is not None and self.limit is not None and self.limit < len(picked):
             rng = np.random.Generator(np.random.PCG64(self.seed))
             keep = sorted(int(i) for i in rng.choice(len(picked), size=self.limit, replace=False))

@@ -16,14 +16,16 @@ import numpy as np
 from parity.advisor import SECTION as ADVICE_SECTION
 from parity.advisor import SUMMARY_KEY as RECOMMENDATION_KEY
 from parity.advisor import advise
+from parity.correction.config import DEFAULT_OPTIONS
 from parity.errors import InputError
 from parity.report import ParityReport
 from parity.tolerance import Tolerance
 from parity.turns import after_injection, turn_index
 from parity.types import Rollout
 
-#: rollout correction applied for `ParityReport.metrics`: verl's token-level truncated IS at 2.0.
-DEFAULT_CORRECTION: dict[str, Any] = {"rollout_is": "token", "rollout_is_threshold": 2.0}
+#: rollout correction applied for `ParityReport.metrics`: verl's token-level truncated IS at 2.0
+#: (the one a monitored step's `rollout_corr/*` metrics use too).
+DEFAULT_CORRECTION: dict[str, Any] = DEFAULT_OPTIONS
 
 
 def build_report(rollouts: Sequence[Rollout], train_logprobs: Sequence[np.ndarray], *,

@@ -77,6 +77,9 @@ SUMMARY_KEYS: tuple[str, ...] = (
 RECOMMENDATION_KEY = "recommended_correction"
 BASELINE_RECOMMENDATION_KEY = "baseline_recommended_correction"
 
+#: summary keys of the tokens one side gives logprob -inf (outside its sampling support): counted
+#: apart, and kept out of every other metric, by reports and the monitor alike.
+SUPPORT_SUMMARY_KEYS: tuple[str, ...] = ("num_tokens_outside_support", "frac_tokens_outside_support")
 ROUTER_SUMMARY_KEYS: tuple[str, ...] = ("router_agreement", "router_token_any_diff",
                                         "router_agreement_per_layer", "num_router_positions")
 

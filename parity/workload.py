@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -12,6 +13,8 @@ from typing import Any
 from parity.cases import Case, default_case, load_case
 from parity.errors import ConfigError
 from parity.prompts import Dataset, PromptSource, check_prompt, encode_prompts
+from parity.schema import LOGPROBS_MODES
+from parity.strict import check_choice
 from parity.tools import bind_tools
 from parity.turns import Turn, check_turns
 from parity.types import Request, SamplingParams
@@ -61,3 +64,14 @@ def resolve_workload(model: str | os.PathLike[str] | None, case: Case | str | os
                              turns=bound) for i, p in enumerate(ids))
     return Case(name="prompts", model=os.fspath(model), requests=requests,
                 logprobs_mode=sampling.logprobs_mode, kind="trajectory" if bound else "compare")
+
+
+def with_logprobs_mode(case: Case, mode: Any) -> Case:
+    """`case` with every request in logprobs mode `mode`. A backend started with a `logprobs_mode`
+    option (vllm-server's: the mode the whole server reports) returns rollouts in that mode, so
+    they are requested and scored in it; the option wins over the case's `logprobs_mode`, as a
+    command line wins over a file."""
+    mode = check_choice(mode, LOGPROBS_MODES, "backend option logprobs_mode")
+    requests = tuple(dataclasses.replace(r, sampling=r.sampling.replace(logprobs_mode=mode))
+                     for r in case.requests)
+    return dataclasses.replace(case, logprobs_mode=mode, requests=requests)

@@ -205,6 +205,48 @@ def test_exported_keys_name_each_framework_option():
     assert "rollout_is_threshold='0.5_2'" in verl_overrides(icepop["verl"])
 
 
+def _pasted_blocks(section_html: str) -> dict[str, str]:
+    """The text of each framework's <pre> block of an advice section, by its heading."""
+    import html as html_lib
+    import re
+
+    return {html_lib.unescape(h): html_lib.unescape(t)
+            for h, t in re.findall(r"<h3>(.*?)</h3><pre>(.*?)</pre>", section_html, flags=re.S)}
+
+
+@pytest.mark.parametrize("config", [
+    {"rollout_is": "token", "rollout_is_threshold": 2.0},
+    {"rollout_is": "token", "rollout_is_threshold": "0.5_2"},
+    {"rollout_is": "sequence", "rollout_is_threshold": 5.0, "rollout_is_batch_normalize": True},
+    {"rollout_is": "token", "rollout_is_threshold": 1.5, "rollout_rs": "seq_mean_k3",
+     "rollout_rs_threshold": 0.01},
+    {"rollout_is": None},
+])
+def test_the_pages_config_is_yaml_a_verl_config_file_reads(config):
+    """The config block of the page is YAML whose nesting is verl's (`algorithm:` ->
+    `rollout_correction:` -> keys) with the exported values, types included ("0.5_2" a string,
+    null, booleans); NeMo-RL's block nests under `loss_fn:` the same way."""
+    yaml = pytest.importorskip("yaml")
+    from parity.render.advice import advice_html
+
+    cfg = CorrectionConfig(**config)
+    frameworks = framework_configs(cfg)
+    section = {"recommendation": {"name": "x", "reason": "y.", "stages": [], "frameworks": frameworks},
+               "candidates": [], "bootstrap": 0}
+    blocks = _pasted_blocks(advice_html(section))
+    verl = yaml.safe_load(blocks["verl (YAML for your trainer config)"])
+    assert list(verl) == ["algorithm"] and list(verl["algorithm"]) == ["rollout_correction"]
+    nested = verl["algorithm"]["rollout_correction"]
+    assert {f"algorithm.rollout_correction.{k}": v for k, v in nested.items()} == frameworks["verl"]
+    if frameworks["nemo_rl"] is not None:
+        nemo = yaml.safe_load(blocks["NeMo-RL (YAML for your config)"])
+        assert {f"loss_fn.{k}": v for k, v in nemo["loss_fn"].items()} == frameworks["nemo_rl"]
+    # negative control: the flat "dotted.key: value" lines the page used to show are YAML too, but
+    # not a verl config: verl would find no `algorithm` section in them
+    flat = yaml.safe_load("\n".join(f"{k}: {json.dumps(v)}" for k, v in frameworks["verl"].items()))
+    assert "algorithm" not in flat
+
+
 def test_recommended_config_round_trips_through_the_correction():
     """The emitted config is a valid `CorrectionConfig` the correction runs as is."""
     advice = advise(*batch(broken_requests(noise(0.05))))
@@ -226,7 +268,7 @@ def test_reports_carry_the_advice_section_and_render_it():
     assert again.extras["advice"] == json.loads(json.dumps(section))
     page = report_html(again)
     assert "Which correction fixes it" in page and section["recommendation"]["name"] in page
-    assert "algorithm.rollout_correction.rollout_is" in page and 'class="chosen"' in page
+    assert "rollout_correction:" in page and 'class="chosen"' in page
     exact = make_report(scale=0.0)
     assert exact.summary[RECOMMENDATION_KEY] == "none"
 

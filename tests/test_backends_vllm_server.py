@@ -22,9 +22,11 @@ import torch
 from parity.backends import get_backend, shared_backend
 from parity.backends.http import RequestsLostError
 from parity.backends.vllm_server import VLLMServerBackend, probe_logprobs_mode
+from parity.cli import main
 from parity.compare import compare
 from parity.errors import BackendError, ConfigError
 from parity.lifecycle import CHECKS, run_lifecycle
+from parity.report import ParityReport
 from parity.types import Request, SamplingParams
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow,
@@ -281,3 +283,17 @@ def test_server_killed_mid_run_loses_named_requests_and_nightly_errors(server, t
     assert status["reference"].status == "pass"
     assert status["vllm-server"].status == "error" and "were lost" in status["vllm-server"].error
     assert run.exit_code == 2
+
+
+def test_the_logprobs_mode_option_alone_compares_raw_logprobs(tmp_path):
+    """`parity compare --backend vllm-server --option logprobs_mode=raw`: the server reports raw
+    logprobs, the requests ask for raw and the training forward scores raw; no case-file key needed
+    (before, the processed requests met the raw server: "request ... asks for logprobs_mode=...")."""
+    out = tmp_path / "raw.json"
+    code = main(["compare", "--model", "tiny-llama", "--backend", "vllm-server", "--option",
+                 "logprobs_mode=raw", "--json", str(out)])
+    assert code in (0, 1), "the comparison ran (0 pass / 1 tolerance), not an error (2)"
+    report = ParityReport.from_json(out.read_text())
+    meta = report.provenance["backend_meta"]
+    assert meta["logprobs_mode"] == "raw" and meta["vllm_logprobs_mode"] == "raw_logprobs"
+    assert report.summary["num_tokens"] > 0

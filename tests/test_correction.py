@@ -79,6 +79,36 @@ def test_matches_verl(name: str, index: int) -> None:
         np.testing.assert_allclose(weights, np.array(case["weights"]), rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize(("name", "index"), CASES, ids=[f"{n}-{i}" for n, i in CASES])
+def test_metrics_only_gives_the_same_metrics_bit_for_bit(name: str, index: int) -> None:
+    """`metrics_only` (the monitor's call) skips the [batch, seq] outputs and nothing else."""
+    from parity.correction import apply_correction
+
+    config = CorrectionConfig(**DATASETS[name]["cases"][index]["config"])
+    train, rollout, mask = _inputs(name)
+    _, _, full = apply_correction(config, train, rollout, mask)
+    assert apply_correction(config, train, rollout, mask, metrics_only=True) == (None, None, full)
+
+
+@pytest.mark.parametrize("options", [{"rollout_is": "token", "rollout_is_threshold": 2.0},
+                                     {"rollout_is": "token", "rollout_is_threshold": "0.5_2.0"},
+                                     {"rollout_is": "token", "rollout_is_threshold": 2.0,
+                                      "rollout_rs": "token_k1,seq_mean_k3",
+                                      "rollout_rs_threshold": "0.5_2.0,0.01"}])
+def test_blocks_without_padding_skip_their_masks_and_change_nothing(options) -> None:
+    """A batch with every slot valid takes the unmasked reductions (`Block.dense`); the same batch
+    with one padding column takes the masked ones: the metrics agree to the last bit that the
+    summation order allows."""
+    rng = np.random.default_rng(5)
+    rollout = np.log(rng.uniform(1e-3, 1.0, (6, 9)))
+    train = np.minimum(rollout + rng.normal(0.0, 0.4, rollout.shape), 0.0)
+    dense = np.ones(rollout.shape, bool)
+    pad = lambda a, v: np.concatenate([a, np.full((6, 1), v, a.dtype)], axis=1)  # noqa: E731
+    _, _, a = rollout_correction(train, rollout, dense, **options)
+    _, _, b = rollout_correction(pad(train, -5.0), pad(rollout, -np.inf), pad(dense, False), **options)
+    assert a.keys() == b.keys() and all(math.isclose(a[k], b[k], rel_tol=1e-12, abs_tol=1e-15) for k in a)
+
+
 def test_torch_inputs_give_torch_outputs() -> None:
     train, rollout, mask = (torch.from_numpy(x) for x in _inputs("spiky"))
     case = DATASETS["spiky"]["cases"][-6]

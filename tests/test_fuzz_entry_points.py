@@ -2,7 +2,7 @@
 its job or raises a `ParityError` naming the field and the fix, never another exception (a
 TypeError or an IndexError from deep inside NumPy or torch is a traceback the user cannot act on).
 
-Entry points: `parity.compare` (reference backend, tiny model), `train_forward`, `load_case` on
+Entry points: `parity.compare` (reference backend, tiny model), `Monitor.log`, `train_forward`, `load_case` on
 generated TOML, `load_rollouts` and `read_record` on generated files, and the command line
 (`parity compare`, `parity nightly`, `parity replay`) whose every error must be a ParityError
 (exit 2 without the "unexpected error" pointer to --verbose). The values are drawn around each
@@ -187,6 +187,37 @@ def test_compare(kwargs):
     model, backend = MODEL, kwargs.pop("backend")
     result = never_anything_but_a_parity_error(lambda: parity.compare(model, backend, **kwargs))
     assert isinstance(result, (ParityReport, ParityError))
+
+
+#: a small [batch, response_len] step: float32 logprobs <= 0 and a mask with a valid token.
+_STEP_SHAPE = (3, 4)
+LOGPROBS = st.lists(st.lists(st.floats(-8.0, 0.0, width=32), min_size=4, max_size=4), min_size=3, max_size=3)
+MASK = st.lists(st.lists(st.sampled_from([0, 1]), min_size=4, max_size=4), min_size=3, max_size=3).filter(
+    lambda m: any(map(any, m)))
+#: malformed arrays: wrong shapes, NaN, +inf, masks of other values or none set, not arrays at all.
+BAD_ARRAY = st.one_of(JUNK, st.lists(st.lists(st.floats(allow_nan=True, allow_infinity=True), max_size=5),
+                                     max_size=4),
+                      st.lists(st.lists(st.sampled_from([0, 2, -1, 0.5]), min_size=4, max_size=4), min_size=3,
+                               max_size=3))
+
+
+@given(kwargs=some_broken(
+    valid={"rollout_log_probs": LOGPROBS, "old_log_probs": LOGPROBS, "response_mask": MASK,
+           "responses": st.none(), "prompts": st.none(), "sampling": st.none(), "meta": st.none(),
+           "step": st.just(0)},
+    broken={"rollout_log_probs": BAD_ARRAY, "old_log_probs": BAD_ARRAY, "response_mask": BAD_ARRAY,
+            "responses": st.one_of(JUNK, BAD_ARRAY), "prompts": st.one_of(JUNK, BAD_ARRAY),
+            "sampling": SAMPLING, "meta": JUNK, "step": st.one_of(JUNK, st.integers(-5, -1))}))
+def test_monitor_log(tmp_path_factory, kwargs):
+    """`Monitor.log` (and so verl's `log_batch`): success or a ParityError, and a failed log
+    stores nothing."""
+    out = tmp_path_factory.mktemp("monitor")
+    with parity.Monitor(out, advice_every=0, render_every=0) as monitor:
+        step = kwargs.pop("step")
+        result = never_anything_but_a_parity_error(lambda: monitor.log(step, **kwargs))
+        stored = monitor.last_step
+    assert isinstance(result, (dict, ParityError))
+    assert (stored is None) == isinstance(result, ParityError)
 
 
 VALID_PAIRS = st.lists(st.tuples(st.lists(st.integers(3, 300), min_size=1, max_size=4),

@@ -56,4 +56,20 @@ def test_advice_section_opens_in_chromium(tmp_path):
     dom = result.stdout
     name = report.extras["advice"]["recommendation"]["name"]
     assert 'id="advice"' in dom and f"Recommended: {name}" in dom
-    assert "algorithm.rollout_correction.rollout_is" in dom and dom.count('class="chosen"') >= 1
+    assert "rollout_correction:" in dom and dom.count('class="chosen"') >= 1
+
+
+def test_monitor_page_opens_without_console_errors_and_shows_its_charts(tmp_path):
+    """A monitored run's page: every trend chart and the position chart decode, no console error."""
+    import parity
+
+    rng = np.random.default_rng(0)
+    with parity.Monitor(tmp_path / "run", thresholds={"k3_kl": 1e-4}, render_every=0) as monitor:
+        for step in range(4):
+            rollout = np.log(rng.uniform(1e-3, 1.0, (8, 16))).astype(np.float32)
+            trainer = np.minimum(rollout + rng.normal(0, 0.05, (8, 16)), 0).astype(np.float32)
+            monitor.log(step, rollout_log_probs=rollout, old_log_probs=trainer,
+                        response_mask=np.ones((8, 16)))
+    page = parity.monitor.write_page(tmp_path / "run")
+    loaded, total, console = decoded_images(page, tmp_path)
+    assert total >= 8 and loaded == total and console == []

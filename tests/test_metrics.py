@@ -261,3 +261,21 @@ def test_float32_and_float64_agree(data) -> None:
         if key == "frac_tokens_ratio_gt_2":
             continue  # a count: a token within tol of |Δ| = log 2 may flip
         assert math.isclose(rounded[key], value, rel_tol=tol, abs_tol=tol), key
+
+
+@given(st.integers(0, 2**32 - 1), st.sampled_from([100, 40_000, 200_000]),
+       st.sampled_from(["normal", "ties", "zeros", "spikes"]))
+def test_order_statistics_are_exact(seed, n, kind):
+    """The tail selection gives numpy's partition values exactly, ties and heavy tails included
+    (the ranks of the summary's quantiles: 0, 1%, 99%, n-1 and their neighbours)."""
+    from parity.metrics import _order_statistics
+
+    rng = np.random.default_rng(seed)
+    values = {"normal": rng.normal(size=n), "ties": rng.integers(-3, 4, n).astype(np.float64),
+              "zeros": np.where(rng.random(n) < 0.97, 0.0, rng.normal(size=n)),
+              "spikes": np.where(rng.random(n) < 0.02, rng.choice([-20.0, 20.0], n),
+                                 rng.normal(0, 1e-3, n))}[kind]
+    ks = sorted({0, 1, n // 100, n // 100 + 1, (99 * (n - 1)) // 100, (99 * (n - 1)) // 100 + 1, n - 2, n - 1,
+                 n // 2})
+    want = np.partition(values, ks)
+    assert _order_statistics(values, ks) == {k: float(want[k]) for k in ks}

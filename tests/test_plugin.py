@@ -156,3 +156,17 @@ def test_plugin_import_stays_light():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                             check=True)
     assert result.stdout.strip() == "[]"
+
+
+def test_the_readme_s_pytest_example_runs(pytester, tmp_path):
+    """The README's `parity_report` example, as written, passes under plain pytest (the default
+    session backend, the reference engine) and keeps its page with --parity-report-dir."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("the\n  `parity_report` fixture hands the body the report", 1)[1]
+    example = section.split("```python\n", 1)[1].split("```", 1)[0]
+    pytester.makepyfile(test_readme_example="\n".join(line[2:] for line in example.splitlines()))
+    result = pytester.runpytest_subprocess(f"--parity-report-dir={tmp_path}")
+    result.assert_outcomes(passed=1)
+    assert [p.suffix for p in tmp_path.iterdir()] == [".html"]

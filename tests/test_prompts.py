@@ -15,7 +15,7 @@ import parity
 from parity.cases import load_case
 from parity.errors import ConfigError, InputError
 from parity.models import resolve_model
-from parity.prompts import Dataset, check_prompt, encode_prompts, tokenizer
+from parity.prompts import Dataset, DatasetShortWarning, check_prompt, encode_prompts, tokenizer
 
 #: a minimal chat template: each message as "<|role|>content\n", then the open assistant turn.
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -119,6 +119,23 @@ def test_dataset_errors_name_the_file_row_and_column(tmp_path):
         Dataset(path, seed=3)
     with pytest.raises(ConfigError, match="limit must be an integer >= 1"):
         Dataset(path, limit=0)
+
+
+@pytest.mark.parametrize("seed", [None, 4])
+def test_a_limit_beyond_the_file_says_how_many_rows_it_used(tmp_path, seed, recwarn):
+    path = tmp_path / "small.jsonl"
+    path.write_text("".join(json.dumps({"prompt": [5 + i, 6]}) + "\n" for i in range(3)))
+    said = r"small\.jsonl: limit 64 but the dataset holds 3 rows; all 3 are used"
+    with pytest.warns(DatasetShortWarning, match=said):
+        rows = Dataset(path, limit=64, seed=seed).rows()
+    assert [p for _, p in rows] == [[5, 6], [6, 6], [7, 6]]
+    Dataset(path, limit=3).rows()
+    Dataset(path).rows()
+    # a limit that fits says nothing
+    assert not [w for w in recwarn if issubclass(w.category, DatasetShortWarning)]
+    case = write_case(tmp_path, f'model = "tiny-llama"\n[prompts.dataset]\npath = "{path}"\nlimit = 10\n')
+    with pytest.warns(DatasetShortWarning, match="limit 10 but the dataset holds 3 rows"):
+        assert len(load_case(case).requests) == 3
 
 
 def write_case(tmp_path, body, name="case.toml"):

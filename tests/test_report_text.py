@@ -19,9 +19,10 @@ from test_report import make_report
 
 import parity
 from parity.models import resolve_model
+from parity.prompts import encode_prompts, tokenizer
 from parity.render import report_html
 from parity.report import ParityReport, format_worst_tokens
-from parity.text import PROMPT_TOKENS, report_text
+from parity.text import PROMPT_TOKENS, prompt_start, report_text
 from parity.types import Rollout, SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -143,6 +144,27 @@ def test_compare_stores_decoded_text_and_a_stored_report_renders_without_torch(c
                             cwd=ROOT, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_prompt_starts_show_the_user_message_not_the_shared_system_prompt(chat_model):
+    """Every prompt of a chat dataset opens with one system prompt; each row shows where its user
+    message starts. Prompts without the template's system-to-user text (no system turn, token
+    ids) still show their first tokens."""
+    system = {"role": "system", "content": "You are a careful assistant. " * 8}
+    chats = [[system, {"role": "user", "content": "What is 12*7?"}],
+             [system, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+              {"role": "user", "content": "Name a prime."}],
+             [{"role": "user", "content": "no system turn"}], [5, 6, 7]]
+    ids = encode_prompts(chat_model, [(str(i), c) for i, c in enumerate(chats)])
+    rollouts = [Rollout(f"p{i}", 0, p, (9,), (-1.0,), "length", "x", sampling=SamplingParams())
+                for i, p in enumerate(ids)]
+    prompts = report_text(chat_model, rollouts)["prompts"]
+    assert prompts["p0"] == "What is 12*7?\n<|assistant|>"
+    assert prompts["p1"] == "Name a prime.\n<|assistant|>"  # the last user message
+    assert prompts["p2"] == "<|user|>no system turn\n<|assistant|>"
+    assert not any(p.startswith("<|system|>You are") for p in prompts.values())
+    # negative control: the first tokens, as every row showed before, are the system prompt
+    assert "You are a careful" in prompt_start(tokenizer(chat_model), ids[0], None)
 
 
 def test_no_tokenizer_means_no_text_not_an_error(tmp_path):

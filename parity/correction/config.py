@@ -203,6 +203,11 @@ def _parse_rule(option: str, spec: float | str) -> RejectionRule:
     return RejectionRule(option, reduce, estimator, math.log(lower), math.log(upper))
 
 
+#: the correction whose `rollout_corr/*` metrics a report or a monitored step carries unless told
+#: otherwise: verl's token-level truncated IS at 2.0.
+DEFAULT_OPTIONS: dict[str, Any] = {"rollout_is": "token", "rollout_is_threshold": 2.0}
+
+
 @dataclass(frozen=True)
 class CorrectionConfig:
     """Which correction to compute; verl's `algorithm.rollout_correction` fields plus extras.

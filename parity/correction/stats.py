@@ -1,6 +1,6 @@
 """Per-row statistics and the batch reductions verl applies to them.
 
-The correction makes one pass over the batch in blocks of whole rows (`parity.metrics.Block`).
+The correction makes one pass over the batch in blocks of whole rows (`parity.token_arrays.Block`).
 Each block leaves typed per-row statistics `[rows]` (sums, extremes, counts), which `join`
 concatenates into `[batch]`; every metric is then a reduction of those, through `Rows`.
 """
@@ -16,7 +16,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from parity.metrics import SAFETY_BOUND, Block
+from parity.ratio_rules import SAFETY_BOUND
+from parity.token_arrays import Block
 
 #: verl's epsilon in `masked_mean` (`sum / (count + 1e-8)`), ESS and batch normalization.
 EPS = 1e-8
@@ -125,7 +126,7 @@ class PolicyRows:
             rollout=b.rollout.sum(-1),
             log_ratio=d.sum(-1),
             # exp(0) - 0 - 1 = 0 at padding.
-            k3_kl=(torch.exp(d) - d - 1.0).sum(-1),
+            k3_kl=torch.exp(d).sub_(d).sub_(1.0).sum(-1),
             ratio_sq=ratio.square().sum(-1),
         )
 

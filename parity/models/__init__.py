@@ -4,6 +4,7 @@
 from parity.models.checkpoints import (
     BUILTIN_MODELS,
     EOS_ID,
+    builtin_dir,
     builtin_names,
     builtin_path,
     cache_dir,
@@ -13,8 +14,8 @@ from parity.models.checkpoints import (
     resolve_model,
 )
 from parity.models.limits import ModelLimits, checkpoint_config, model_limits
-from parity.models.trained import TRAINED_MODELS, convert_gguf
+from parity.models.trained import TRAINED_MODELS, convert_gguf, trained_dir
 
-__all__ = ["BUILTIN_MODELS", "EOS_ID", "TRAINED_MODELS", "ModelLimits", "builtin_names", "builtin_path",
-           "cache_dir", "checkpoint_config", "convert_gguf", "is_model_name", "model_hash", "model_limits",
-           "model_names", "resolve_model"]
+__all__ = ["BUILTIN_MODELS", "EOS_ID", "TRAINED_MODELS", "ModelLimits", "builtin_dir", "builtin_names",
+           "builtin_path", "cache_dir", "checkpoint_config", "convert_gguf", "is_model_name", "model_hash",
+           "model_limits", "model_names", "resolve_model", "trained_dir"]

@@ -244,10 +244,15 @@ def _write_checkpoint(spec: TinySpec, path: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)  # another process won the race
 
 
+def builtin_dir(name: str) -> Path:
+    """Where built-in checkpoint `name` lives (generated there on first use; nothing is made here)."""
+    return cache_dir() / f"{name}-v{GENERATOR_VERSION}"
+
+
 def builtin_path(name: str, *, regenerate: bool = False) -> Path:
     """Path of built-in checkpoint `name`, generating it on first use."""
     spec = BUILTIN_MODELS[name]
-    path = cache_dir() / f"{name}-v{GENERATOR_VERSION}"
+    path = builtin_dir(name)
     if regenerate and path.exists():
         shutil.rmtree(path)
     if not (path / "model.safetensors").exists():

@@ -120,11 +120,16 @@ def packaged_file(name: str) -> Path:
     return files[0]
 
 
+def trained_dir(name: str, root: str | os.PathLike[str]) -> Path:
+    """Where packaged model `name` lives under `root` once converted (nothing is converted here)."""
+    return Path(root) / f"{name}-c{CONVERTER_VERSION}"
+
+
 def trained_path(name: str, root: str | os.PathLike[str]) -> Path:
     """Checkpoint directory of packaged model `name` under `root` (parity's model cache), converting
     the package's file on first use (~15 s for SmolLM2-135M; then a directory lookup)."""
     spec = TRAINED_MODELS[name]
-    path = Path(root) / f"{name}-c{CONVERTER_VERSION}"
+    path = trained_dir(name, root)
     if (path / "model.safetensors").is_file():
         return path
     source = packaged_file(name)

@@ -19,16 +19,24 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 _FIGSIZE = (6.4, 3.4)  # inches; 3 fit side by side on a wide screen, stacked on a narrow one
+_SMALL_FIGSIZE = (4.4, 2.7)  # inches: small multiples (one chart per metric)
 #: the colours of every parity figure (matplotlib's tab10 blue, orange, red and grey).
 BLUE, ORANGE, RED, GREY = "#1f77b4", "#ff7f0e", "#d62728", "#7f7f7f"
 
 
-def new_figure() -> tuple[Figure, Any]:
-    """A figure of parity's report-plot size with one axes (no pyplot: no global figure state)."""
+def new_figure(*, small: bool = False) -> tuple[Figure, Any]:
+    """A figure of parity's report-plot size (`small`: a small multiple's) with one axes (no
+    pyplot: no global figure state)."""
     # matplotlib on first drawing: a page without figures (or `import parity`) never loads it
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=_FIGSIZE, layout="constrained")
+    if not small:
+        fig = Figure(figsize=_FIGSIZE, layout="constrained")
+        return fig, fig.add_subplot()
+    # fixed margins: constrained layout doubles the drawing time of a chart, and a page of small
+    # multiples is drawn again every few training steps
+    fig = Figure(figsize=_SMALL_FIGSIZE)
+    fig.subplots_adjust(left=0.16, right=0.97, bottom=0.17, top=0.9)
     return fig, fig.add_subplot()
 
 
@@ -114,3 +122,25 @@ def _bucket_label(row: dict[str, Any]) -> str:
 
 def _number(value: Any) -> float:
     return float(value) if isinstance(value, (int, float)) else np.nan
+
+
+def step_trend_figure(steps: list[int], values: list[float | None], *, title: str,
+                      low: float | None = None, high: float | None = None,
+                      flagged: set[int] | None = None) -> Figure:
+    """One metric over training steps: a line (markers up to 200 steps), flagged steps as red
+    dots and the alert bounds `low`/`high` as dashed red lines. None values are gaps."""
+    fig, ax = new_figure(small=True)
+    ax.set_title(title, fontsize=9)
+    y = np.array([_number(v) for v in values])
+    ax.plot(steps, y, color=BLUE, linewidth=1.2, marker="o" if len(steps) <= 200 else None, markersize=3)
+    hits = [(s, v) for s, v in zip(steps, y) if flagged and s in flagged]
+    if hits:
+        ax.plot([s for s, _ in hits], [v for _, v in hits], linestyle="none", marker="o", markersize=5,
+                color=RED)
+    for bound in (low, high):
+        if bound is not None:
+            ax.axhline(bound, color=RED, linestyle="--", linewidth=0.8)
+    ax.set_xlabel("step", fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.grid(True, linewidth=0.3, alpha=0.5)
+    return fig

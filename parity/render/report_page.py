@@ -114,7 +114,8 @@ def key_value_table(values: dict[str, Any], *, css_class: str = "kv") -> str:
     return f'<table class="{css_class}">' + "".join(rows) + "</table>"
 
 
-_CSS = """
+#: the style sheet of a report page, which the monitor page shares.
+PAGE_CSS = """
 body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 24px; color: #222; }
 h1 { font-size: 20px; margin: 0 0 4px 0; } h2 { font-size: 16px; margin: 24px 0 8px 0; }
 .verdict { display: inline-block; padding: 2px 10px; border-radius: 4px; color: #fff; font-weight: 600; }
@@ -169,7 +170,7 @@ def report_html(report: ParityReport) -> str:
     )
     parts = [
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
-        f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body>",
+        f"<title>{html.escape(title)}</title><style>{PAGE_CSS}</style></head><body>",
         f"<h1>{html.escape(title)} {verdict}</h1>", f'<div class="sub">{html.escape(sub)}</div>',
         f'<ul class="violations">{violations}</ul>' if violations else "",
         '<div class="row"><div><h2>Summary</h2>', key_value_table(report.summary), "</div>",

@@ -1,0 +1,166 @@
+"""A training step's batch as parity reads it, whichever framework made it: the monitor's arrays
+and the rows of a rollout dump.
+
+Each framework module (`verl`, `nemo_rl`, `slime`) turns its own batch object into a `StepBatch`:
+responses left-aligned and right-padded, `[batch, response_len]`, verl's layout. From there
+`log_step` hands it to `Monitor.log` and `dump_step` writes it as a parity rollout dump (JSONL, or
+Parquet for a `.parquet` path; no pickle) that `parity score` reads: one row per sequence with
+`prompt_ids`, `response_ids`, `rollout_logprobs`, `trainer_logprobs`, `request_id`, the sampling
+columns (`temperature`, `top_p`, `top_k`) and `logprobs_mode`, plus `response_mask` for a multi-turn
+row (zeros at injected tokens).
+
+Light: NumPy (and pyarrow for Parquet); tensors are read by duck typing, torch is never imported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from parity.dumps import SAMPLING_COLUMNS
+from parity.errors import InputError
+from parity.monitor.arrays import host_array
+from parity.schema import LOGPROBS_MODES
+from parity.strict import check_choice
+from parity.tables import write_rows
+
+if TYPE_CHECKING:
+    from parity.monitor import Monitor
+
+#: a logprob above this is not a logprob (the dump reader's bound, `parity.dumps`).
+_MAX_LOGPROB = 1e-4
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """One step's batch in verl's layout (see the module doc).
+
+    rollout, trainer: logprobs (nats) `[batch, response_len]`; mask: bool `[batch, response_len]`,
+        True where a generated token counts. lengths: `[batch]` response tokens of each row, up to
+        its last real one (generated or injected; padding after it). responses: token ids
+        `[batch, response_len]` or None. prompts: each row's prompt ids without padding, or None.
+        request_ids: each row's group id (verl's `uid`), or None (rows are their own requests).
+        sampling: what the rollout sampled with (`temperature`, `top_p`, `top_k`), as known.
+    """
+
+    rollout: np.ndarray
+    trainer: np.ndarray
+    mask: np.ndarray
+    lengths: np.ndarray
+    responses: np.ndarray | None = None
+    prompts: Sequence[np.ndarray] | None = None
+    request_ids: Sequence[str] | None = None
+    sampling: Mapping[str, Any] | None = None
+
+
+def log_step(monitor: Monitor, step: int, batch: StepBatch, *, meta: Mapping[str, Any] | None = None
+             ) -> dict[str, Any]:
+    """`monitor.log` of one step's batch; returns the stored record."""
+    return monitor.log(step, rollout_log_probs=batch.rollout, old_log_probs=batch.trainer,
+                       response_mask=batch.mask, responses=batch.responses, prompts=batch.prompts,
+                       sampling=batch.sampling, meta=meta)
+
+
+def dump_step(batch: StepBatch, path: str | Path, *, logprobs_mode: str = "processed") -> Path:
+    """Write the batch as a parity rollout dump (see the module doc); rows with no generated token
+    are left out. Processed logprobs need the temperature (`InputError` without it)."""
+    check_choice(logprobs_mode, LOGPROBS_MODES, "logprobs_mode")
+    if batch.responses is None or batch.prompts is None:
+        raise InputError("a dump needs the token ids: the batch has no responses or no prompts")
+    sampling = {k: v for k, v in (batch.sampling or {}).items() if k in SAMPLING_COLUMNS}
+    if logprobs_mode == "processed" and "temperature" not in sampling:
+        raise InputError("processed logprobs depend on the temperature, and the batch does not say it; pass "
+                         "sampling={'temperature': T} (verl keeps it in meta_info['temperature'])")
+    rows = []
+    for r in range(batch.mask.shape[0]):
+        n = int(batch.lengths[r])
+        mask = batch.mask[r, :n]
+        if not mask.any():
+            continue
+        rollout = _checked(batch.rollout[r, :n], mask, "rollout", r)
+        trainer = _checked(batch.trainer[r, :n], mask, "trainer", r)
+        row: dict[str, Any] = {
+            "request_id": str(batch.request_ids[r]) if batch.request_ids is not None else str(r),
+            "prompt_ids": [int(t) for t in batch.prompts[r]],
+            "response_ids": [int(t) for t in batch.responses[r, :n]],
+            "rollout_logprobs": rollout, "trainer_logprobs": trainer,
+            "logprobs_mode": logprobs_mode, **sampling,
+        }
+        if not mask.all():
+            row["response_mask"] = [int(m) for m in mask]
+        rows.append(row)
+    if not rows:
+        raise InputError("the batch has no generated token (every mask is 0): nothing to dump")
+    return write_rows(path, rows)
+
+
+def _checked(values: np.ndarray, mask: np.ndarray, side: str, row: int) -> list[float]:
+    """One row's logprobs as floats, 0.0 where the mask is 0; InputError for a value that is not a
+    logprob at a counted token."""
+    v = np.where(mask, values.astype(np.float64), 0.0)
+    bad = ~np.isfinite(v) | (v > _MAX_LOGPROB)
+    if bad.any():
+        t = int(np.argmax(bad))
+        raise InputError(f"row {row}: {side} logprob {t} is {float(v[t])!r}; every logprob of a counted "
+                         "token must be a finite number <= 0")
+    return v.tolist()
+
+
+def get_entry(entries: Any, key: str, where: str, hint: str) -> Any:
+    """`entries[key]`, or InputError naming the key and how the framework fills it. Membership is
+    asked of `entries.keys()`: tensordict's TensorDict (verl's `batch.batch`) refuses `key in td`."""
+    keys = getattr(entries, "keys", None)
+    if keys is None:
+        raise InputError(f"{where} must be a mapping of the batch's tensors, got {type(entries).__name__}")
+    if key not in keys():
+        raise InputError(f"{where} has no {key!r} ({hint}); it holds {sorted(map(str, keys()))}")
+    return entries[key]
+
+
+def optional_entry(entries: Any, key: str) -> Any:
+    """`entries[key]`, or None when it is missing."""
+    return entries[key] if key in entries.keys() else None  # noqa: SIM118 (a TensorDict refuses `in`)
+
+
+def sampling_of(found: Mapping[str, Any], given: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The batch's sampling: what it holds (`found`), then `given` (the caller's); the two must agree."""
+    out = {k: (v.item() if hasattr(v, "item") else v) for k, v in found.items() if v is not None}
+    for key, value in (given or {}).items():
+        if key in out and out[key] != value:
+            raise InputError(f"sampling {key}={value!r} was given but the batch says {out[key]!r}; drop one")
+        out[key] = value
+    return out
+
+
+def padded_rows(rows: Sequence[Any], name: str, fill: float) -> tuple[np.ndarray, np.ndarray]:
+    """Ragged 1-D rows (tensors, arrays or lists) as one `[len(rows), longest]` array, left-aligned
+    and right-padded with `fill`, in the rows' common dtype; and each row's length `[len(rows)]`."""
+    arrays = [host_array(r, f"{name}[{i}]").reshape(-1) for i, r in enumerate(rows)]
+    lengths = np.array([a.size for a in arrays], dtype=np.int64)
+    dtype = np.result_type(*arrays) if arrays else np.float32
+    out = np.full((len(arrays), int(lengths.max(initial=0))), fill, dtype=dtype)
+    for i, a in enumerate(arrays):
+        out[i, :a.size] = a
+    return out, lengths
+
+
+def bool_mask(value: Any, name: str) -> np.ndarray:
+    """A 0/1 (or bool) mask as bool; InputError for any other value (2, 0.5 are not rounded)."""
+    mask = host_array(value, name)
+    if mask.dtype != np.bool_:
+        if not np.isin(mask, (0, 1)).all():
+            raise InputError(f"{name} must hold only 0 and 1 (1 = the token counts)")
+        mask = mask != 0
+    return mask
+
+
+def mask_lengths(mask: np.ndarray) -> np.ndarray:
+    """Per row, the position after its last True (0 for a row with none): the response length when
+    nothing else says where padding starts."""
+    width = mask.shape[1]
+    last = width - np.argmax(mask[:, ::-1], axis=1)
+    return np.where(mask.any(axis=1), last, 0)

@@ -1,0 +1,90 @@
+"""NeMo-RL: the monitor and rollout dumps from GRPO's `train_data` (a `BatchedDataDict`, a dict of
+tensors), read as it is after `train_data["prev_logprobs"]` is computed (nemo_rl/algorithms/grpo.py).
+
+    from parity.integrations.nemo_rl import log_batch
+    log_batch(monitor, step, train_data,
+              sampling={"temperature": master_config["policy"]["generation"]["temperature"]})
+
+NeMo-RL keeps whole sequences, prompt and response in one row, and puts the logprob of input token
+i at position i (position 0 holds 0):
+
+    parity               NeMo-RL                          shape / meaning
+    rollout logprobs     "generation_logprobs"            [batch, seq]: the generation engine's
+    trainer logprobs     "prev_logprobs"                  [batch, seq]: the policy's before the update
+    mask                 "token_mask" * "sample_mask"     [batch, seq] 1 at generated tokens, times [batch]
+    tokens               "input_ids"                      [batch, seq]
+    lengths              "input_lengths"                  [batch]: real tokens of each row (then padding)
+    sampling             not in the batch                 pass sampling={"temperature": ...}
+                                                          (policy.generation)
+
+Each row's response starts at its first token_mask=1 position; the prompt is everything before it.
+Responses are left-aligned into `[batch, response_len]` (verl's layout) so drift by position is
+drift by response position; masked user/tool messages inside a multi-turn response stay as mask-0
+tokens. NeMo-RL's vLLM returns `policy.generation.vllm_cfg.logprobs_mode` (processed_logprobs in
+its GRPO example configs; vLLM's own default, raw_logprobs, when the key is absent).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from parity.integrations.batches import StepBatch, bool_mask, dump_step, get_entry, log_step, optional_entry
+from parity.monitor.arrays import host_array
+
+if TYPE_CHECKING:
+    from parity.monitor import Monitor
+
+#: NeMo-RL's batch key of each array parity reads.
+KEYS: dict[str, str] = {"rollout": "generation_logprobs", "trainer": "prev_logprobs", "mask": "token_mask",
+                        "sample_mask": "sample_mask", "tokens": "input_ids", "lengths": "input_lengths"}
+
+
+def read_batch(data: Mapping[str, Any], *, sampling: Mapping[str, Any] | None = None) -> StepBatch:
+    """NeMo-RL's `train_data` as a `StepBatch` (responses left-aligned, see the module doc)."""
+    where = "train_data"
+    rollout = host_array(get_entry(data, KEYS["rollout"], where, "the generation's logprobs"),
+                         KEYS["rollout"])
+    trainer = host_array(get_entry(data, KEYS["trainer"], where, "policy.get_logprobs before training"),
+                         KEYS["trainer"])
+    token_mask = bool_mask(get_entry(data, KEYS["mask"], where, "the generated tokens"), KEYS["mask"])
+    batch, seq = token_mask.shape
+    tokens = optional_entry(data, KEYS["tokens"])
+    tokens = None if tokens is None else host_array(tokens, KEYS["tokens"])
+    lengths = optional_entry(data, KEYS["lengths"])
+    lengths = np.full(batch, seq) if lengths is None else \
+        host_array(lengths, KEYS["lengths"]).astype(np.int64).reshape(batch)
+    sample = optional_entry(data, KEYS["sample_mask"])
+    keep = np.ones(batch, bool) if sample is None else bool_mask(sample, KEYS["sample_mask"]).reshape(batch)
+    start = np.where(token_mask.any(axis=1), np.argmax(token_mask, axis=1), lengths)
+    width = int((lengths - start).max(initial=0))
+    index = np.minimum(start[:, None] + np.arange(width)[None, :], seq - 1)
+    inside = np.arange(width)[None, :] < (lengths - start)[:, None]
+
+    def aligned(values: np.ndarray, fill: Any) -> np.ndarray:
+        return np.where(inside, np.take_along_axis(values, index, axis=1), fill)
+
+    return StepBatch(
+        rollout=aligned(rollout, 0.0).astype(rollout.dtype),
+        trainer=aligned(trainer, 0.0).astype(trainer.dtype),
+        mask=aligned(token_mask, False) & keep[:, None], lengths=lengths - start,
+        responses=None if tokens is None else aligned(tokens, 0).astype(tokens.dtype),
+        prompts=None if tokens is None else [tokens[r, :start[r]] for r in range(batch)],
+        sampling=dict(sampling or {}))
+
+
+def log_batch(monitor: Monitor, step: int, data: Mapping[str, Any], *,
+              sampling: Mapping[str, Any] | None = None,
+              meta: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Log one NeMo-RL step's `train_data` into `monitor`; returns the stored record."""
+    return log_step(monitor, step, read_batch(data, sampling=sampling), meta=meta)
+
+
+def dump_batch(data: Mapping[str, Any], path: str | Path, *, sampling: Mapping[str, Any] | None = None,
+               logprobs_mode: str = "processed") -> Path:
+    """Write one NeMo-RL step's `train_data` as a parity rollout dump that `parity score` reads
+    (give the temperature in `sampling`: NeMo-RL's batch does not hold it)."""
+    return dump_step(read_batch(data, sampling=sampling), path, logprobs_mode=logprobs_mode)

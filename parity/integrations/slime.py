@@ -1,0 +1,94 @@
+"""slime: the monitor and rollout dumps from the trainer's `rollout_data` (a dict of per-sample
+lists), read as it is once `rollout_data["log_probs"]` is computed (slime/backends/megatron_utils).
+
+    from parity.integrations.slime import log_batch
+    log_batch(monitor, rollout_id, rollout_data, sampling={"temperature": args.rollout_temperature})
+
+    parity               slime                            shape / meaning
+    rollout logprobs     "rollout_log_probs"              one [response_len_i] tensor per sample (SGLang's)
+    trainer logprobs     "log_probs"                      one [response_len_i] tensor per sample
+    mask                 "loss_masks"                     one [response_len_i] 0/1 tensor per sample
+    tokens               "tokens"                         prompt + response ids of each sample (the
+                                                          response is its last response_len_i ids)
+    sampling             not in the batch                 pass sampling={"temperature":
+                                                          args.rollout_temperature} (and top_p / top_k
+                                                          when set)
+
+Samples are left-aligned and right-padded into `[batch, response_len]` (verl's layout). slime
+samples with SGLang, whose logprobs are temperature-scaled and not truncated: with slime's defaults
+(`--rollout-top-p 1`, `--rollout-top-k -1`) that is parity's "processed" (vLLM's
+processed_logprobs). Each data-parallel rank holds its own share of the samples: log on one rank,
+or give each rank its own monitor directory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from parity.errors import InputError
+from parity.integrations.batches import (
+    StepBatch,
+    bool_mask,
+    dump_step,
+    get_entry,
+    log_step,
+    optional_entry,
+    padded_rows,
+)
+from parity.monitor.arrays import host_array
+
+if TYPE_CHECKING:
+    from parity.monitor import Monitor
+
+#: slime's `rollout_data` key of each list parity reads.
+KEYS: dict[str, str] = {"rollout": "rollout_log_probs", "trainer": "log_probs", "mask": "loss_masks",
+                        "tokens": "tokens"}
+
+
+def read_batch(data: Mapping[str, Any], *, sampling: Mapping[str, Any] | None = None) -> StepBatch:
+    """slime's `rollout_data` as a `StepBatch` (see the module doc)."""
+    where = "rollout_data"
+    rollout = get_entry(data, KEYS["rollout"], where, "SGLang's logprobs: sampled with return_logprob=True")
+    trainer = get_entry(data, KEYS["trainer"], where, "the actor's log_probs of the rollout")
+    masks = get_entry(data, KEYS["mask"], where, "one loss mask per sample")
+    if not (len(rollout) == len(trainer) == len(masks)):
+        raise InputError(f"rollout_data has {len(rollout)} rollout_log_probs, {len(trainer)} log_probs and "
+                         f"{len(masks)} loss_masks; give one of each per sample")
+    rollout, rollout_lengths = padded_rows(rollout, KEYS["rollout"], 0.0)
+    trainer, trainer_lengths = padded_rows(trainer, KEYS["trainer"], 0.0)
+    mask, lengths = padded_rows(masks, KEYS["mask"], 0)
+    for name, sizes in (("rollout_log_probs", rollout_lengths), ("log_probs", trainer_lengths)):
+        wrong = np.flatnonzero(sizes != lengths)
+        if wrong.size:
+            i = int(wrong[0])
+            raise InputError(f"sample {i}: {name} has {sizes[i]} entries but loss_masks {lengths[i]}; each "
+                             "holds one entry per response token")
+    tokens = optional_entry(data, KEYS["tokens"])
+    responses = prompts = None
+    if tokens is not None:
+        rows = [host_array(t, f"tokens[{i}]").reshape(-1) for i, t in enumerate(tokens)]
+        if len(rows) != len(lengths) or any(row.size < n for row, n in zip(rows, lengths)):
+            raise InputError("rollout_data tokens must hold each sample's prompt and response ids, one list "
+                             "per sample")
+        prompts = [row[:row.size - n] for row, n in zip(rows, lengths)]
+        responses, _ = padded_rows([row[row.size - n:] for row, n in zip(rows, lengths)], KEYS["tokens"], 0)
+    return StepBatch(rollout=rollout, trainer=trainer, mask=bool_mask(mask, KEYS["mask"]), lengths=lengths,
+                     responses=responses, prompts=prompts, sampling=dict(sampling or {}))
+
+
+def log_batch(monitor: Monitor, step: int, data: Mapping[str, Any], *,
+              sampling: Mapping[str, Any] | None = None,
+              meta: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Log one slime rollout's `rollout_data` into `monitor`; returns the stored record."""
+    return log_step(monitor, step, read_batch(data, sampling=sampling), meta=meta)
+
+
+def dump_batch(data: Mapping[str, Any], path: str | Path, *, sampling: Mapping[str, Any] | None = None,
+               logprobs_mode: str = "processed") -> Path:
+    """Write one slime rollout's `rollout_data` as a parity rollout dump that `parity score` reads
+    (give the temperature in `sampling`: slime's batch does not hold it)."""
+    return dump_step(read_batch(data, sampling=sampling), path, logprobs_mode=logprobs_mode)

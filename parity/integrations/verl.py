@@ -1,0 +1,126 @@
+"""verl: the monitor and rollout dumps straight from `RayPPOTrainer.fit`'s batch (a `DataProto`).
+
+    from parity.integrations.verl import log_batch, dump_batch
+    log_batch(monitor, self.global_steps, batch)       # after `batch = batch.union(old_log_prob)`
+    dump_batch(batch, f"dumps/step{self.global_steps}.parquet")   # for `parity score` later
+
+The batch is read as verl holds it, duck-typed (verl is never imported): `batch.batch[key]` tensors
+(a TensorDict, any device), `batch.meta_info` and `batch.non_tensor_batch` dicts.
+
+    parity               verl                                 shape / meaning
+    rollout logprobs     batch["rollout_log_probs"]           [batch, response_len]; needs
+                                                              actor_rollout_ref.rollout.calculate_log_probs=True
+    trainer logprobs     batch["old_log_probs"]               [batch, response_len], from the old_log_prob
+                                                              step
+    mask                 batch["response_mask"]               [batch, response_len]; 0 at padding and at the
+                                                              tool/user tokens of a multi-turn response
+    responses            batch["responses"]                   [batch, response_len] token ids
+    prompts              batch["prompts"]                     [batch, prompt_len], left-padded
+    padding              batch["attention_mask"]              [batch, prompt_len + response_len]
+    sampling             meta_info["temperature"]             set by fit; "top_p"/"top_k" when present
+    request id           non_tensor_batch["uid"]              one id per GRPO group
+
+verl's rollout logprobs are vLLM's `processed_logprobs` (`actor_rollout_ref.rollout.logprobs_mode`,
+its default): parity's "processed". verl's trainer applies the temperature only, so with top_p < 1
+or top_k set its logprobs and the rollout's differ by construction; pass them with `sampling=`
+(they are not in the batch) and `parity score` scores the dump under the rollout's distribution.
+In bypass mode (`algorithm.rollout_correction.bypass_mode=True`) `old_log_probs` *is*
+`rollout_log_probs` and there is nothing to compare: `log_batch` refuses it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from parity.errors import InputError
+from parity.integrations.batches import (
+    StepBatch,
+    bool_mask,
+    dump_step,
+    get_entry,
+    log_step,
+    mask_lengths,
+    optional_entry,
+    sampling_of,
+)
+from parity.monitor.arrays import host_array
+
+if TYPE_CHECKING:
+    from parity.monitor import Monitor
+
+#: verl's batch key of each array parity reads.
+KEYS: dict[str, str] = {"rollout": "rollout_log_probs", "trainer": "old_log_probs", "mask": "response_mask",
+                        "responses": "responses", "prompts": "prompts", "attention": "attention_mask"}
+
+
+def read_batch(batch: Any, *, sampling: Mapping[str, Any] | None = None) -> StepBatch:
+    """A verl `DataProto` (or any object with `.batch`, `.meta_info`) as a `StepBatch`; `sampling`
+    adds what verl's batch does not hold (top_p, top_k)."""
+    tensors = getattr(batch, "batch", None)
+    if tensors is None:
+        raise InputError(f"a verl DataProto has .batch (its tensors); got {type(batch).__name__}")
+    where = "batch.batch"
+    rollout = get_entry(tensors, KEYS["rollout"], where,
+                        "set actor_rollout_ref.rollout.calculate_log_probs=True")
+    trainer = get_entry(tensors, KEYS["trainer"], where,
+                        "log after the old_log_prob step of RayPPOTrainer.fit")
+    if rollout is trainer or _same_storage(rollout, trainer):
+        raise InputError("old_log_probs is rollout_log_probs (verl's bypass mode): there is nothing to "
+                         "compare; compute the trainer's logprobs (actor_rollout_wg.compute_log_prob) to "
+                         "monitor this run")
+    mask = bool_mask(get_entry(tensors, KEYS["mask"], where, "verl's fit adds it with compute_response_mask"),
+                     KEYS["mask"])
+    responses, prompts, attention = (optional_entry(tensors, KEYS[k])
+                                     for k in ("responses", "prompts", "attention"))
+    lengths = mask_lengths(mask)
+    prompt_rows = None
+    if attention is not None:
+        attention = bool_mask(attention, KEYS["attention"])
+        width = mask.shape[1]
+        if attention.ndim != 2 or attention.shape[0] != mask.shape[0] or attention.shape[1] < width:
+            raise InputError(f"attention_mask {list(attention.shape)} must be [batch, prompt_len + "
+                             f"response_len] for response_mask {list(mask.shape)}")
+        lengths = attention[:, -width:].sum(axis=1)
+        if prompts is not None:
+            ids = host_array(prompts, KEYS["prompts"])
+            pad = ids.shape[1] - attention[:, :ids.shape[1]].sum(axis=1)
+            prompt_rows = [ids[r, int(pad[r]):] for r in range(ids.shape[0])]
+    meta = getattr(batch, "meta_info", None) or {}
+    found = {k: meta.get(k) for k in ("temperature", "top_p", "top_k")}
+    uid = (getattr(batch, "non_tensor_batch", None) or {}).get("uid")
+    return StepBatch(
+        rollout=host_array(rollout, KEYS["rollout"]), trainer=host_array(trainer, KEYS["trainer"]), mask=mask,
+        lengths=np.asarray(lengths),
+        responses=None if responses is None else host_array(responses, KEYS["responses"]),
+        prompts=prompt_rows, request_ids=None if uid is None else [str(u) for u in uid],
+        sampling=sampling_of(found, sampling))
+
+
+def log_batch(monitor: Monitor, step: int, batch: Any, *, sampling: Mapping[str, Any] | None = None,
+              meta: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Log one verl step's batch (`read_batch`) into `monitor`; returns the stored record."""
+    return log_step(monitor, step, read_batch(batch, sampling=sampling), meta=meta)
+
+
+def dump_batch(batch: Any, path: str | Path, *, sampling: Mapping[str, Any] | None = None,
+               logprobs_mode: str = "processed") -> Path:
+    """Write one verl step's batch as a parity rollout dump (Parquet for a `.parquet` path, else JSONL)
+    that `parity score` reads, its sampling from `meta_info` (and `sampling`); needs `prompts`,
+    `responses` and `attention_mask` in the batch."""
+    step = read_batch(batch, sampling=sampling)
+    if step.prompts is None:
+        raise InputError("a dump needs batch['prompts'] and batch['attention_mask'] (which strips the "
+                         "prompts' left padding)")
+    return dump_step(step, path, logprobs_mode=logprobs_mode)
+
+
+def _same_storage(a: Any, b: Any) -> bool:
+    """Whether two tensors view the same memory (bypass mode may hand over a view, not the object)."""
+    ptr_a, ptr_b = getattr(a, "data_ptr", None), getattr(b, "data_ptr", None)
+    if not (callable(ptr_a) and callable(ptr_b)):
+        return False
+    return ptr_a() == ptr_b() and tuple(getattr(a, "shape", ())) == tuple(getattr(b, "shape", ()))

@@ -1,0 +1,16 @@
+"""Train/rollout mismatch telemetry inside the user's own training run: `parity.Monitor` logs the
+trainer's and the rollout's logprobs of every step (no forward) into an append-only SQLite store
+and draws a page; `parity monitor OUT_DIR` reads a run, also one still going.
+
+Modules: `core` (`Monitor`: checks, the step's record, thresholds, the store, the page thread),
+`summary` (one step's record from parity's metrics, correction and advisor; torch), `thresholds`
+(alert bounds), `store` (the SQLite file), `page` (the HTML page, drawn off the critical path),
+`arrays` (tensors and arrays as NumPy, duck-typed), `command` (`parity monitor`). Importing this
+package never loads torch; the first `Monitor.log` does.
+"""
+
+from parity.monitor.core import Monitor
+from parity.monitor.page import flat_values, write_page
+from parity.monitor.store import MonitorStore
+
+__all__ = ["Monitor", "MonitorStore", "flat_values", "write_page"]

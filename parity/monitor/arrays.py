@@ -1,0 +1,32 @@
+"""Arrays from a trainer's batch as NumPy, whatever holds them: torch tensors (any device, any
+dtype; bfloat16 widened to float32, which holds every bfloat16 value exactly), NumPy arrays or
+nested lists. Duck-typed: torch is never imported here, a tensor is anything with `.detach()` and
+`.cpu()`.
+
+Light: NumPy only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from parity.errors import InputError
+
+
+def host_array(value: Any, name: str) -> np.ndarray:
+    """`value` as a NumPy array on the host (a view where the data already is one)."""
+    if hasattr(value, "detach") and hasattr(value, "cpu"):
+        tensor = value.detach().cpu()
+        if str(getattr(tensor, "dtype", "")) == "torch.bfloat16":  # NumPy has no bfloat16
+            tensor = tensor.float()
+        return tensor.numpy()
+    try:
+        array = np.asarray(value)
+    except (TypeError, ValueError) as exc:
+        raise InputError(f"{name} must be a tensor or array, got {type(value).__name__}") from exc
+    if array.dtype == object:
+        raise InputError(f"{name} must be a rectangular array of numbers (right-padded), got ragged or "
+                         f"non-numeric {type(value).__name__}")
+    return array

@@ -1,0 +1,285 @@
+"""`parity.Monitor`: train/rollout mismatch telemetry inside the user's own training run.
+
+    with parity.Monitor("runs/grpo-7b/parity", thresholds={"k3_kl": 1e-3}) as monitor:
+        for step, batch in enumerate(loader):
+            ...                                    # rollout, then the trainer's old_log_probs
+            monitor.log(step, rollout_log_probs=rollout_lp, old_log_probs=old_lp,
+                        response_mask=mask, responses=responses, sampling={"temperature": 1.0})
+
+Per step, `log` checks the arrays (`[batch, response_len]`, responses left-aligned and
+right-padded: verl's layout; torch tensors on any device or NumPy arrays), computes the step's
+drift record (`parity.monitor.summary`: no forward, the trainer already holds both logprobs),
+checks the thresholds (a warning line on the `parity.monitor` logger and a flag in the record), and
+appends the record to `out_dir/monitor.sqlite` in one transaction (`parity.monitor.store`). Every
+`render_every` steps a background thread redraws `out_dir/index.html` (`parity.monitor.page`).
+
+A counted token one side gives logprob -inf lies outside that side's sampling support (parity's one
+rule for -inf, as in reports): it is counted in the summary's `num_tokens_outside_support` /
+`frac_tokens_outside_support` and left out of every other number. NaN and +inf are errors.
+
+Bad input never reaches the store: every check runs, and the whole record is computed, before the
+step's transaction; a `log` that raises leaves the store and the monitor as they were, and the next
+`log` carries on. Errors are `InputError` (the arrays, the step number, the values) and
+`ConfigError` (the monitor's options), each naming the field.
+
+Torch loads on the first `log` (the metrics compute in torch); importing this module, and drawing
+or reading a stored run (`parity monitor OUT_DIR`), never loads it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from parity.correction.config import DEFAULT_OPTIONS, CorrectionConfig
+from parity.errors import ConfigError, InputError
+from parity.monitor.arrays import host_array
+from parity.monitor.page import PAGE_FILE, PageRenderer, flat_values
+from parity.monitor.store import MonitorStore, json_ready
+from parity.monitor.thresholds import Thresholds
+from parity.outputs import output_dir
+from parity.schema import SUPPORT_SUMMARY_KEYS
+from parity.types import SamplingParams
+
+#: the names `log` gives its arrays in errors (verl's).
+ARRAY_NAMES = ("old_log_probs", "rollout_log_probs", "response_mask")
+#: prompt ids kept per worst token (the end of its prompt: verl left-pads prompts).
+PROMPT_TAIL = 16
+
+log = logging.getLogger("parity.monitor")
+
+
+class Monitor:
+    """Logs the train/rollout mismatch of every training step into `out_dir` (see the module doc).
+
+    out_dir: the run's directory (created if missing). An existing one continues its run: steps
+        must come after the stored ones (a run resumed from an earlier checkpoint: a new out_dir).
+    run_name: the run's name on the page (default: the directory's name).
+    thresholds: alert bounds, e.g. `{"k3_kl": 1e-3, "max_abs_logprob_diff": 1.0}`
+        (`parity.monitor.thresholds`).
+    correction: the `rollout_corr/*` metrics' correction, `parity.correction.CorrectionConfig`
+        options (verl's `algorithm.rollout_correction` names); default verl's token-level TIS at 2.
+    render_every: redraw the page every this many logged steps (and on `close`); 0: never (draw it
+        with `parity monitor OUT_DIR` when wanted).
+    advice_every: run the correction advisor on every this many logged steps (the first included);
+        0: never. It takes ~4x the rest of a step's record (docs/PERF.md, "Monitor").
+    """
+
+    def __init__(self, out_dir: str | os.PathLike[str], *, run_name: str | None = None,
+                 thresholds: Mapping[str, Any] | None = None,
+                 correction: Mapping[str, Any] | CorrectionConfig | None = None,
+                 render_every: int = 10, advice_every: int = 1) -> None:
+        if run_name is not None and (not isinstance(run_name, str) or not run_name.strip()):
+            raise ConfigError(f"run_name must be a non-empty string or None, got {run_name!r}")
+        self.thresholds = Thresholds.of(thresholds)
+        if isinstance(correction, CorrectionConfig):
+            self.correction = correction
+        else:
+            options = DEFAULT_OPTIONS if correction is None else correction
+            options = dict(options) if isinstance(options, Mapping) else options
+            self.correction = CorrectionConfig.from_dict(options)
+        self.render_every = _count(render_every, "render_every", low=0)
+        self.advice_every = _count(advice_every, "advice_every", low=0)
+        self.out_dir = output_dir(out_dir, "out_dir")
+        self._store = MonitorStore.create(self.out_dir, run_name)
+        self.run_name = self._store.run_info()["run_name"]
+        self._last_step = self._store.last_step()
+        self._logged = 0
+        self._lock = threading.Lock()
+        self._renderer = PageRenderer(self.out_dir) if self.render_every else None
+        if self._renderer is not None:
+            self._renderer.request()  # a page exists from the start, "no step logged yet" until one is
+        self._closed = False
+
+    @property
+    def last_step(self) -> int | None:
+        """The last stored step (of this run, earlier sessions included); None before the first."""
+        return self._last_step
+
+    def log(self, step: int, *, rollout_log_probs: Any, old_log_probs: Any, response_mask: Any,
+            responses: Any = None, prompts: Any = None,
+            sampling: Mapping[str, Any] | SamplingParams | None = None,
+            meta: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Check, summarise and store one step; returns the stored record (`{"step": step, ...}`;
+        `parity.monitor.flat_values(record)` gives its scalars by name, for your own logger).
+
+        rollout_log_probs, old_log_probs: `[batch, response_len]` logprobs (nats) of the sampled
+            tokens from the rollout engine and from the trainer; response_mask: 1/True where a
+            token counts. responses: `[batch, response_len]` token ids (the worst tokens then name
+            theirs); prompts: `[batch, prompt_len]` ids (left-padded; each worst token keeps the
+            last ids of its prompt). sampling: what the rollout sampled with
+            (`{"temperature": ...}`, `parity.SamplingParams` fields), stored with the step.
+            meta: anything JSON holds, stored with the step.
+        """
+        # torch: `import parity.monitor` stays light
+        from parity.monitor.summary import check_arrays, step_record
+
+        with self._lock:
+            if self._closed:
+                raise ConfigError("this Monitor is closed; make a new one to log more steps")
+            step = self._check_step(step)
+            context = {"sampling": _sampling(sampling), "meta": _meta(meta)}
+            old, rollout, mask = (host_array(a, n) for a, n in zip(
+                (old_log_probs, rollout_log_probs, response_mask), ARRAY_NAMES))
+            scored, outside, counted = _support(old, rollout, mask)
+            tok = check_arrays(old, rollout, scored, names=ARRAY_NAMES)
+            ids = _responses(responses, tok.shape)
+            tails = _prompt_tails(prompts, tok.shape[0])
+            record = step_record(tok, correction=self.correction, responses=ids,
+                                 advice=self.advice_every > 0 and self._logged % self.advice_every == 0)
+            record["summary"].update({SUPPORT_SUMMARY_KEYS[0]: outside,
+                                      SUPPORT_SUMMARY_KEYS[1]: outside / counted if counted else 0.0})
+            if tails is not None:
+                for w in record["worst_tokens"]:
+                    w["prompt_tail"] = tails[w["row"]]
+            record.update({k: v for k, v in context.items() if v is not None})
+            record["alerts"] = self.thresholds.check(flat_values(record))
+            if self.thresholds.bounds:
+                record["thresholds"] = self.thresholds.to_dict()
+            logged_at = self._store.append(step, record)
+            self._last_step = step
+            self._logged += 1
+            for alert in record["alerts"]:
+                log.warning("parity monitor %s step %d: %s", self.run_name, step, alert["message"])
+            if self._renderer is not None and self._logged % self.render_every == 0:
+                self._renderer.request()
+            return {"step": step, "logged_at": logged_at, **record}
+
+    def _check_step(self, step: Any) -> int:
+        if isinstance(step, bool) or (not isinstance(step, int) and not _is_integer(step)):
+            raise InputError(f"step must be an integer, got {step!r}")
+        step = int(step)
+        if step < 0:
+            raise InputError(f"step must be >= 0, got {step}")
+        if self._last_step is not None and step <= self._last_step:
+            raise InputError(f"step {step} does not come after the last logged step {self._last_step}; "
+                             "steps must increase (a run resumed from an earlier checkpoint: give it a new "
+                             "out_dir)")
+        return step
+
+    def close(self) -> None:
+        """Draw the final page and close the store; closing twice is fine."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                if self._renderer is not None:
+                    self._renderer.close()
+            finally:
+                self._store.close()
+
+    def __enter__(self) -> Monitor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def page(self) -> Path:
+        """The run's page (`out_dir/index.html`)."""
+        return self.out_dir / PAGE_FILE
+
+
+def _count(value: Any, name: str, *, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+def _is_integer(value: Any) -> bool:
+    """A NumPy or torch integer scalar (a 0-d tensor's `.item()` is an int)."""
+    try:
+        return float(value).is_integer() and "int" in str(getattr(value, "dtype", ""))
+    except (TypeError, ValueError):
+        return False
+
+
+def _sampling(sampling: Mapping[str, Any] | SamplingParams | None) -> dict[str, Any] | None:
+    """The step's sampling as given (no field invented), checked as `SamplingParams` fields."""
+    if sampling is None:
+        return None
+    if isinstance(sampling, SamplingParams):
+        return sampling.to_dict()
+    if not isinstance(sampling, Mapping):
+        raise InputError(f"sampling must be a dict of SamplingParams fields or a SamplingParams, got "
+                         f"{type(sampling).__name__}")
+    given = {str(k): (v.item() if hasattr(v, "item") else v) for k, v in sampling.items()}
+    try:
+        SamplingParams.from_dict(dict(given))
+    except ConfigError as exc:
+        raise InputError(str(exc)) from exc  # a bad value in the data, not in the monitor's options
+    return given
+
+
+def _meta(meta: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    if meta is None:
+        return None
+    if not isinstance(meta, Mapping):
+        raise InputError(f"meta must be a dict, got {type(meta).__name__}")
+    return json_ready(dict(meta))
+
+
+def _support(old: np.ndarray, rollout: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, int, int]:
+    """(the mask of the tokens to measure, tokens outside the sampling support, tokens counted).
+
+    parity's one rule for -inf: a counted token that one side gives logprob -inf lies outside that
+    side's sampling support (a top-k/top-p cut). It is counted apart and left out of every other
+    number, which it would make infinite. Arrays `check_arrays` will refuse anyway (shapes,
+    dtypes) pass through unchanged, so that its error is the one raised."""
+    if old.dtype.kind != "f" or rollout.dtype.kind != "f" or not old.shape == rollout.shape == mask.shape:
+        return mask, 0, 0
+    if not (np.isneginf(old).any() or np.isneginf(rollout).any()):
+        return mask, 0, 0  # nothing outside: the share is 0 whatever the count
+    if mask.dtype != np.bool_ and not np.isin(mask, (0, 1)).all():
+        raise InputError(f"{ARRAY_NAMES[2]} must be bool or hold only 0 and 1 (1 = token counts)")
+    valid = mask.astype(bool)
+    outside = valid & (np.isneginf(old) | np.isneginf(rollout))
+    counted, n_outside = int(valid.sum()), int(outside.sum())
+    if n_outside and n_outside == counted:
+        raise InputError(f"every counted token has logprob -inf in {ARRAY_NAMES[0]} or {ARRAY_NAMES[1]} "
+                         "(outside that side's sampling support): there is no token to measure")
+    return valid & ~outside, n_outside, counted
+
+
+def _responses(value: Any, shape: tuple[int, int]) -> np.ndarray | None:
+    """Response token ids `[batch, response_len]` as an int NumPy array, or None."""
+    if value is None:
+        return None
+    ids = host_array(value, "responses")
+    if ids.shape != shape:
+        raise InputError(f"responses must be [{shape[0]}, {shape[1]}] like the logprobs, got shape "
+                         f"{list(ids.shape)}")
+    _check_ids(ids, "responses")
+    return ids
+
+
+def _prompt_tails(value: Any, batch: int) -> list[list[int]] | None:
+    """The last `PROMPT_TAIL` ids of each row's prompt, from `[batch, prompt_len]` left-padded ids
+    or one id sequence per row; None without prompts."""
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)):
+        rows = [host_array(row, f"prompts[{i}]").reshape(-1) for i, row in enumerate(value)]
+    else:
+        ids = host_array(value, "prompts")
+        if ids.ndim != 2:
+            raise InputError(f"prompts must be [batch, prompt_len] or one id list per row, got shape "
+                             f"{list(ids.shape)}")
+        rows = list(ids)
+    if len(rows) != batch:
+        raise InputError(f"prompts has {len(rows)} rows for a batch of {batch}")
+    for i, row in enumerate(rows):
+        _check_ids(row, f"prompts[{i}]")
+    return [[int(t) for t in row[-PROMPT_TAIL:]] for row in rows]
+
+
+def _check_ids(ids: np.ndarray, name: str) -> None:
+    if ids.size and ids.dtype.kind not in "iu":
+        raise InputError(f"{name} must hold integer token ids, got dtype {ids.dtype}")

@@ -1,0 +1,213 @@
+"""The monitor's page, `out_dir/index.html`: per-step trend charts, the alerts, the latest step's
+drift by position, worst tokens and recommended correction; drawn from the store alone.
+
+`write_page` reads the SQLite store and writes the page atomically (a reader never sees half a
+page), so the page of a run still going, or of a run whose process was killed, is the same as the
+one the monitor itself draws. `PageRenderer` draws it off the training step's critical path: a
+background thread redraws when asked (at most every N steps), and a drawing that fails is logged
+and never touches the store, so no step is lost to it.
+
+Light: NumPy and matplotlib (when drawing), no torch.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import html
+import logging
+import os
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+from parity.monitor.store import MonitorStore
+from parity.render.advice import framework_blocks
+from parity.render.figures import breakdown_figure, figure_img, step_trend_figure
+from parity.render.report_page import PAGE_CSS, key_value_table
+
+#: the page's file name inside a monitor directory.
+PAGE_FILE = "index.html"
+#: metrics charted over steps (those a step has), before any other a threshold names.
+TREND_KEYS: tuple[str, ...] = (
+    "max_abs_logprob_diff", "mean_abs_logprob_diff", "k3_kl", "is_ratio_mean", "is_ratio_std",
+    "rollout_probs_diff_max", "rollout_probs_pearson", "frac_tokens_ratio_gt_2",
+    "frac_tokens_outside_support",
+    "rollout_corr/rollout_is_eff_sample_size", "rollout_corr/rollout_is_ratio_fraction_high",
+)
+#: alerts listed on the page, newest first (every alert stays in the store).
+ALERTS_SHOWN = 50
+
+log = logging.getLogger("parity.monitor")
+
+_MONITOR_CSS = """
+ul.alerts li { color: #c62828; }
+.flag { color: #fff; background: #c62828; padding: 1px 6px; border-radius: 3px; }
+.trends { display: flex; flex-wrap: wrap; gap: 8px; } .trends img.plot { width: 340px; }
+"""
+
+
+def flat_values(record: dict[str, Any]) -> dict[str, Any]:
+    """One step's scalar values by name: the summary keys and the `rollout_corr/*` names."""
+    return {**record.get("summary", {}), **record.get("rollout_corr", {})}
+
+
+def monitor_html(run: dict[str, str], steps: list[dict[str, Any]]) -> str:
+    """The whole self-contained page of a run's stored steps (`MonitorStore.steps()`)."""
+    name = run.get("run_name", "?")
+    title = f"parity monitor: {name}"
+    alerts = [(s["step"], a) for s in steps for a in s.get("alerts", [])]
+    if steps:
+        last = steps[-1]
+        when = _dt.datetime.fromtimestamp(last["logged_at"], _dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+        sub = (f"{len(steps)} steps ({steps[0]['step']}–{last['step']}), last logged {when} · "
+               f"parity {run.get('parity_version', '?')}")
+    else:
+        sub = "no step logged yet"
+    flag = f' <span class="flag">{len(alerts)} alert(s)</span>' if alerts else ""
+    parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+             f"<title>{html.escape(title)}</title><style>{PAGE_CSS}{_MONITOR_CSS}</style></head><body>",
+             f"<h1>{html.escape(title)}{flag}</h1>", f'<div class="sub">{html.escape(sub)}</div>']
+    if steps:
+        parts += [_alerts_html(alerts, steps[-1].get("thresholds")), "<h2>Trends</h2>", _trends(steps),
+                  _latest(steps[-1]), _recommendation_changes(steps)]
+    parts.append("</body></html>")
+    return "\n".join(p for p in parts if p)
+
+
+def _alerts_html(alerts: list[tuple[int, dict[str, Any]]], thresholds: dict[str, Any] | None) -> str:
+    if not thresholds and not alerts:
+        return '<p class="sub">No thresholds set (Monitor(thresholds=...)): no alerts.</p>'
+    if not alerts:
+        return '<h2>Alerts</h2><p class="sub">None: every step within its thresholds.</p>'
+    shown = alerts[::-1][:ALERTS_SHOWN]
+    items = "".join(f"<li>step {step}: {html.escape(a['message'])}</li>" for step, a in shown)
+    more = f'<p class="sub">{len(alerts) - len(shown)} older alert(s) in the store.</p>' \
+        if len(alerts) > len(shown) else ""
+    return f'<h2>Alerts</h2><ul class="alerts">{items}</ul>{more}'
+
+
+def _trends(steps: list[dict[str, Any]]) -> str:
+    flats = [flat_values(s) for s in steps]
+    bounds: dict[str, list[Any]] = steps[-1].get("thresholds") or {}
+    keys = [k for k in TREND_KEYS if any(k in f for f in flats)]
+    keys += [k for k in bounds if k not in keys]
+    xs = [s["step"] for s in steps]
+    charts = []
+    for key in keys:
+        flagged = {s["step"] for s in steps for a in s.get("alerts", []) if a["key"] == key}
+        low, high = bounds.get(key, (None, None))
+        fig = step_trend_figure(xs, [f.get(key) for f in flats], title=key, low=low, high=high,
+                                flagged=flagged)
+        charts.append(figure_img(fig, f"{key} over steps"))
+    return f'<div class="trends">{"".join(charts)}</div>'
+
+
+def _latest(step: dict[str, Any]) -> str:
+    worst = step.get("worst_tokens", [])
+    head = ("row", "position", "token id", "trainer logprob", "rollout logprob", "Δlogp")
+    body = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in (
+            w["row"], w["position"], "" if w["token_id"] is None else w["token_id"],
+            f"{w['trainer_logprob']:.6f}", f"{w['rollout_logprob']:.6f}", f"{w['logprob_diff']:+.3e}"))
+        + "</tr>" for w in worst)
+    if not body:
+        body = f'<tr><td class="identical" colspan="{len(head)}">all tokens identical</td></tr>'
+    table = ('<table class="worst"><thead><tr>' + "".join(f"<th>{h}</th>" for h in head)
+             + f"</tr></thead><tbody>{body}</tbody></table>")
+    rec = step.get("recommendation")
+    advice = "" if rec is None else (
+        f'<h2>Recommended correction</h2><p class="advice"><b>{html.escape(rec["name"])}</b>. '
+        f'{html.escape(rec["reason"])}</p>' + framework_blocks(rec["frameworks"]))
+    position = figure_img(breakdown_figure(step.get("by_position", []), title="drift by response position",
+                                           xlabel="response position"), "drift by position")
+    context = {k: step[k] for k in ("sampling", "meta") if step.get(k)}
+    return "\n".join([
+        f"<h2>Latest step: {step['step']}</h2>",
+        '<div class="row"><div><h3>Summary</h3>', key_value_table(step.get("summary", {})), "</div>",
+        "<div><h3>Rollout correction (verl rollout_corr/*)</h3>",
+        key_value_table(step.get("rollout_corr", {})),
+        "</div>", f"<div>{position}</div></div>",
+        "<h3>Worst tokens</h3>", table,
+        key_value_table(context) if context else "",
+        advice,
+    ])
+
+
+def _recommendation_changes(steps: list[dict[str, Any]]) -> str:
+    rows, previous = [], None
+    for s in steps:
+        rec = s.get("recommendation")
+        if rec is not None and rec["name"] != previous:
+            rows.append(f"<tr><td>{s['step']}</td><td>{html.escape(rec['name'])}</td></tr>")
+            previous = rec["name"]
+    if not rows:
+        return ""
+    return ("<h2>Recommendation changes</h2><table><thead><tr><th>step</th><th>recommended</th></tr></thead>"
+            f"<tbody>{''.join(rows)}</tbody></table>")
+
+
+def write_page(out_dir: str | Path, path: str | Path | None = None) -> Path:
+    """Draw the page of monitor directory `out_dir` into `path` (default `out_dir/index.html`),
+    atomically; returns the path."""
+    store = MonitorStore.open(out_dir)
+    try:
+        text = monitor_html(store.run_info(), store.steps())
+    finally:
+        store.close()
+    target = Path(path) if path is not None else Path(out_dir) / PAGE_FILE
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; the page is an ordinary file
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
+
+
+class PageRenderer:
+    """Redraws a monitor's page in a background thread, off the training step's critical path.
+
+    `request()` asks for a redraw and returns at once; requests that arrive while one is being
+    drawn coalesce into one more. A drawing that raises is logged as a warning (the steps are in
+    the store already, and the next request draws again). `close()` draws a last time and joins.
+    """
+
+    def __init__(self, out_dir: str | Path) -> None:
+        self.out_dir = Path(out_dir)
+        self.failures = 0
+        self._wanted = threading.Event()
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name="parity-monitor-page", daemon=True)
+        self._thread.start()
+
+    def request(self) -> None:
+        self._wanted.set()
+
+    def _run(self) -> None:
+        while True:
+            self._wanted.wait()
+            self._wanted.clear()
+            self.draw()
+            if self._closing and not self._wanted.is_set():
+                return
+
+    def draw(self) -> bool:
+        """Draw now, in this thread; False (and a warning) when the drawing failed."""
+        try:
+            write_page(self.out_dir)
+        except Exception as exc:  # the page is a view: a failure to draw it never stops training
+            self.failures += 1
+            log.warning("parity monitor: could not draw %s (%s: %s); the steps are stored, the next "
+                        "redraw tries again", self.out_dir / PAGE_FILE, type(exc).__name__, exc)
+            return False
+        return True
+
+    def close(self, timeout: float | None = None) -> None:
+        """Draw the final page and stop the thread (waits at most `timeout` seconds)."""
+        self._closing = True
+        self._wanted.set()
+        self._thread.join(timeout)

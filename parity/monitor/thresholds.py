@@ -1,0 +1,100 @@
+"""Alert thresholds of a monitored run: which step values raise a warning line and a flag.
+
+    Monitor(out, thresholds={"k3_kl": 1e-3, "max_abs_logprob_diff": 1.0,
+                             "rollout_corr/rollout_is_eff_sample_size": (0.9, None)})
+
+A number is an upper bound (the step is flagged when its value is above it); a `(low, high)` pair
+is a band, either side None for open (flagged below `low` or above `high`). Keys are the step
+summary's (`parity.schema.SUMMARY_KEYS`: `k3_kl`, `max_abs_logprob_diff`, ...; and
+`SUPPORT_SUMMARY_KEYS`: `frac_tokens_outside_support`) or verl's `rollout_corr/*` metric names of
+the monitor's correction. A value the step does not have (an unknown `rollout_corr/*` name) is
+flagged as missing rather than silently never checked.
+
+Light: the standard library only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from parity.errors import ConfigError
+from parity.schema import SUMMARY_KEYS, SUPPORT_SUMMARY_KEYS
+
+#: prefix of verl's rollout-correction metric names.
+CORRECTION_PREFIX = "rollout_corr/"
+
+
+@dataclass(frozen=True)
+class Bound:
+    """One metric's allowed band: flagged below `low` or above `high` (None: open)."""
+
+    key: str
+    low: float | None
+    high: float | None
+
+    def check(self, value: Any) -> dict[str, Any] | None:
+        """An alert dict `{"key", "value", "low", "high", "message"}` when `value` breaks the band."""
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            return self._alert(None, f"{self.key} is missing or not a finite number ({value!r})")
+        if self.high is not None and value > self.high:
+            return self._alert(value, f"{self.key} {value:.4g} > {self.high:.4g}")
+        if self.low is not None and value < self.low:
+            return self._alert(value, f"{self.key} {value:.4g} < {self.low:.4g}")
+        return None
+
+    def _alert(self, value: float | None, message: str) -> dict[str, Any]:
+        return {"key": self.key, "value": value, "low": self.low, "high": self.high, "message": message}
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """The bounds of a run, checked on construction (`Thresholds.of` parses the user's dict)."""
+
+    bounds: tuple[Bound, ...] = ()
+
+    @classmethod
+    def of(cls, thresholds: Mapping[str, Any] | None) -> Thresholds:
+        """From `{"key": upper}` / `{"key": (low, high)}` (see the module doc); None: no alerts."""
+        if thresholds is None:
+            return cls()
+        if not isinstance(thresholds, Mapping):
+            raise ConfigError(f"thresholds must be a dict of metric -> bound, got "
+                              f"{type(thresholds).__name__}")
+        bounds = []
+        for key, spec in thresholds.items():
+            if not isinstance(key, str) or not (key in SUMMARY_KEYS or key in SUPPORT_SUMMARY_KEYS
+                                                or key.startswith(CORRECTION_PREFIX)):
+                raise ConfigError(f"thresholds: unknown metric {key!r}; use a summary key "
+                                  f"({', '.join(SUMMARY_KEYS + SUPPORT_SUMMARY_KEYS)}) or a verl "
+                                  f"{CORRECTION_PREFIX}* metric name")
+            low, high = (None, spec) if not isinstance(spec, (tuple, list)) else _pair(key, spec)
+            for side, value in (("low", low), ("high", high)):
+                if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                          or not math.isfinite(value)):
+                    raise ConfigError(f"thresholds[{key!r}]: {side} bound must be a finite number or None, "
+                                      f"got {value!r}")
+            if low is None and high is None:
+                raise ConfigError(f"thresholds[{key!r}]: give an upper bound, or a (low, high) band with at "
+                                  "least one side")
+            if low is not None and high is not None and low > high:
+                raise ConfigError(f"thresholds[{key!r}]: low {low} is above high {high}")
+            bounds.append(Bound(key, None if low is None else float(low),
+                                None if high is None else float(high)))
+        return cls(tuple(bounds))
+
+    def check(self, values: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """The alerts of one step's flat values (summary keys and `rollout_corr/*` names)."""
+        return [alert for b in self.bounds if (alert := b.check(values.get(b.key))) is not None]
+
+    def to_dict(self) -> dict[str, list[float | None]]:
+        """`{"key": [low, high]}`, as the page shows them."""
+        return {b.key: [b.low, b.high] for b in self.bounds}
+
+
+def _pair(key: str, spec: Any) -> tuple[Any, Any]:
+    if len(spec) != 2:
+        raise ConfigError(f"thresholds[{key!r}]: a band is (low, high), got {spec!r}")
+    return spec[0], spec[1]
