@@ -22,6 +22,8 @@ import numpy as np
 import psutil
 import pytest
 from ray_faults import FAULTS_ENV, kills
+from recording_backend import LOG_ENV as ENGINE_LOG_ENV
+from recording_backend import START_ENV, events
 
 from parity.backends import available_backends
 from parity.cases import load_cases
@@ -49,12 +51,15 @@ TP_CASE = textwrap.dedent(TINY_CASE.format(seed=7)).replace(
     'model = "tiny-llama"', 'model = "tiny-llama"\nreference_tensor_parallel_size = 2')
 
 
-def nightly(out: Path, *args: str, faults: dict | None = None) -> subprocess.Popen:
+def nightly(out: Path, *args: str, faults: dict | None = None,
+            engine_log: Path | None = None) -> subprocess.Popen:
     """`parity nightly ... --out OUT --no-progress` in its own process and session (a signal to
-    it reaches no one else); its workers call `ray_faults.before_row` with `faults`."""
+    it reaches no one else); its workers call `ray_faults.before_row` with `faults`, or with
+    `engine_log` record their engines' starts and closes there (`recording_backend.before_row`)."""
     path = os.pathsep.join([str(TESTS), str(ROOT), os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "PYTHONPATH": path, ROW_HOOK_ENV: "ray_faults:before_row",
-           FAULTS_ENV: json.dumps(faults or {})}
+    hook = "ray_faults:before_row" if engine_log is None else "recording_backend:before_row"
+    env = {**os.environ, "PYTHONPATH": path, ROW_HOOK_ENV: hook, FAULTS_ENV: json.dumps(faults or {}),
+           **({} if engine_log is None else {ENGINE_LOG_ENV: str(engine_log), START_ENV: "2"})}
     code = "import sys; from parity.nightly import main; sys.exit(main(sys.argv[1:]))"
     return subprocess.Popen([sys.executable, "-c", code, *args, "--out", str(out), "--no-progress"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -126,12 +131,16 @@ def test_rows_are_split_per_engine_over_the_slots_in_matrix_order():
                 ("reference", "hf"))
     # five engines (smoke x 2 backends, moe x 2 backends, moe R3 on reference), two slots: each
     # engine's rows whole on the shorter queue, in matrix order
-    queues = [[str(k) for k, _ in q] for q in assign(todo, "cpu", slots=2)]
+    queues = [[(str(r.key), r.last) for r in q] for q in assign(todo, "cpu", slots=2)]
+    # each engine's last row on its actor is marked: the actor closes the engine after it
     assert queues == [
-        ["smoke|reference|bfloat16|", "moe|reference|bfloat16|none", "moe|reference|bfloat16|R3"],
-        ["smoke|hf|bfloat16|", "moe|hf|bfloat16|none"]], queues
+        [("smoke|reference|bfloat16|", True), ("moe|reference|bfloat16|none", True),
+         ("moe|reference|bfloat16|R3", True)],
+        [("smoke|hf|bfloat16|", True), ("moe|hf|bfloat16|none", True)]], queues
     one_engine = [(k, c) for k, c in todo if k.backend == "reference" and k.case == "smoke"] * 5
-    assert [len(q) for q in assign(one_engine, "cpu", slots=2)] == [3, 2]
+    # one engine split over both actors: each closes its copy after its own last row
+    assert [[r.last for r in q] for q in assign(one_engine, "cpu", slots=2)] == [[False, False, True],
+                                                                                  [False, True]]
     assert len(assign(todo, "cpu", slots=64)) == 5  # no more actors than rows
     assert row_resources("cpu") == {"num_cpus": 1.0, "num_gpus": 0.0}
     assert row_resources("cuda") == {"num_cpus": 1.0, "num_gpus": 1.0}
@@ -228,6 +237,55 @@ def test_a_tensor_parallel_reference_row_takes_two_cpus_and_equals_the_local_row
     # what each row's actor held: a CPU per engine process
     held = {k: r["provenance"]["ran_on"]["resources"] for k, r in on_ray.items()}
     assert held == {key: {"CPU": 2.0}, "a|reference|bfloat16|": {"CPU": 1.0}}, held
+
+
+def engine_spans(log: Path) -> list[tuple[float, float, int, str]]:
+    """(start, close, pid, engine) of each engine the workers started; close inf if never closed."""
+    found, spans = {}, []
+    for e in events(log):
+        if e["event"] == "start":
+            assert (e["pid"], e["engine"]) not in found, e
+            found[e["pid"], e["engine"]] = e["t"]
+        elif e["event"] == "close":
+            spans.append((found.pop((e["pid"], e["engine"])), e["t"], e["pid"], e["engine"]))
+    return spans + [(t, float("inf"), pid, engine) for (pid, engine), t in found.items()]
+
+
+def most_open_at_once(spans: list[tuple[float, float, int, str]]) -> int:
+    moments = sorted([(start, 1) for start, *_ in spans] + [(close, -1) for _, close, *_ in spans])
+    running, most = 0, 0
+    for _, step in moments:
+        running += step
+        most = max(most, running)
+    return most
+
+
+@needs_ray
+@pytest.mark.slow
+def test_ray_actors_close_each_engine_after_its_last_row_within_the_memory_bound(tmp_path):
+    """Six engines (three models on reference and hf) over two actors, each start made 2 s longer:
+    each actor closes each engine before it starts its next; with --engine-memory below two
+    engines' estimates (0.38 GiB each) they run one at a time, and without it (the control) two
+    actors hold engines at once."""
+    cases = tmp_path / "cases"
+    cases.mkdir()
+    for seed, model in enumerate(("tiny-llama", "tiny-qwen2", "tiny-qwen3")):
+        (cases / f"{model}.toml").write_text(textwrap.dedent(TINY_CASE.format(seed=seed)).replace(
+            '"tiny-llama"', f'"{model}"'))
+    args = ("--cases", str(cases), "--backends", "reference,hf", "--executor", "ray", "--ray-cpus", "2")
+    bounded, free = tmp_path / "bounded.jsonl", tmp_path / "free.jsonl"
+    code, log = finish(nightly(tmp_path / "b", *args, "--run-id", "b", "--engine-memory", "0.4",
+                               engine_log=bounded))
+    assert code == 0 and len(rows(tmp_path / "b", "b")) == 6, log
+    code, log = finish(nightly(tmp_path / "f", *args, "--run-id", "f", engine_log=free))
+    assert code == 0 and len(rows(tmp_path / "f", "f")) == 6, log
+    for spans in (engine_spans(bounded), engine_spans(free)):
+        assert len(spans) == 6 and all(close < float("inf") for _, close, *_ in spans), spans
+        for pid in {pid for *_, pid, _ in spans}:  # one engine at a time in each actor
+            assert most_open_at_once([s for s in spans if s[2] == pid]) == 1, spans
+        assert len({pid for *_, pid, _ in spans}) == 2, spans  # both actors ran rows
+    assert most_open_at_once(engine_spans(bounded)) == 1
+    assert most_open_at_once(engine_spans(free)) == 2
 
 
 @needs_ray

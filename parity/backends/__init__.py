@@ -6,6 +6,7 @@ from parity.backends.registry import (
     available_backends,
     backend_options,
     close_dead_backends,
+    close_shared_backend,
     close_shared_backends,
     get_backend,
     parse_option,
@@ -17,5 +18,6 @@ from parity.backends.registry import (
 )
 
 __all__ = ["BACKENDS", "Backend", "available_backends", "backend_options", "close_dead_backends",
-           "close_shared_backends", "get_backend", "parse_option", "prefix_cache_backends",
-           "prefix_cache_options", "route_capture_options", "route_recording_backends", "shared_backend"]
+           "close_shared_backend", "close_shared_backends", "get_backend", "parse_option",
+           "prefix_cache_backends", "prefix_cache_options", "route_capture_options",
+           "route_recording_backends", "shared_backend"]

@@ -207,6 +207,18 @@ def shared_backend(name: str, model: str | Path, *, dtype: str = "bfloat16", **o
     return _SHARED[key]
 
 
+def close_shared_backend(name: str, model: str | Path, *, dtype: str = "bfloat16", **options: Any) -> bool:
+    """Close and forget the shared backend of these exact arguments now, so its processes and
+    memory go before the next engine starts rather than at exit (the nightly closes each engine
+    after the last row that uses it); the next `shared_backend` call with them starts a new one.
+    Returns False when none is open. A failure to close is raised, after the backend is forgotten."""
+    backend = _SHARED.pop(_key(name, model, dtype, options), None)
+    if backend is None:
+        return False
+    backend.close()
+    return True
+
+
 def close_dead_backends() -> list[str]:
     """Close and forget every shared backend whose engine has died (the next `shared_backend`
     call starts a new one); returns their names. Their processes go now, not at exit."""

@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "on 127.0.0.1 for this run)")
     p.add_argument("--ray-cpus", type=int, metavar="N",
                    help="CPUs of the local Ray cluster (default: this machine's count)")
+    p.add_argument("--engine-memory", type=float, metavar="GIB",
+                   help="with --executor ray: most host memory the actors' engines may hold at once, GiB "
+                        "(default: what is available when the run starts)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.add_argument("--verbose", action="store_true", help="print the traceback of an unexpected error")
     return p
@@ -85,7 +88,7 @@ def config_from_args(args: argparse.Namespace) -> NightlyConfig:
             record = history.require_run(args.resume, option="--resume").config
         return NightlyConfig.from_record(record, out=args.out, history=args.history, run_id=args.resume,
                                          executor=args.executor, ray_address=args.ray_address,
-                                         ray_cpus=args.ray_cpus)
+                                         ray_cpus=args.ray_cpus, engine_memory_gib=args.engine_memory)
     if args.cases is None:
         raise ConfigError("--cases is required (a directory, a file, or comma-separated files/names), "
                           "unless --resume RUN_ID")
@@ -95,7 +98,7 @@ def config_from_args(args: argparse.Namespace) -> NightlyConfig:
         policy=RegressionPolicy(**{k: v for k, v in (("alpha", args.alpha), ("min_effect", args.min_effect))
                                    if v is not None}),
         reference=args.reference or "invariant", device=args.device or "cpu", executor=args.executor,
-        ray_address=args.ray_address, ray_cpus=args.ray_cpus,
+        ray_address=args.ray_address, ray_cpus=args.ray_cpus, engine_memory_gib=args.engine_memory,
     )
 
 
@@ -126,6 +129,8 @@ def resume_command(args: argparse.Namespace, run_id: str) -> str:
         argv += ["--ray-address", args.ray_address]
     if args.ray_cpus is not None:
         argv += ["--ray-cpus", str(args.ray_cpus)]
+    if args.engine_memory is not None:
+        argv += ["--engine-memory", str(args.engine_memory)]
     return shlex.join(argv)
 
 

@@ -3,11 +3,16 @@
 Both executors call `execute_row`: the local one in the driver's process, the Ray one inside a
 worker actor on any node. It reads no history and writes none: the row comes back unjudged
 (no baseline verdict) and the driver judges it (`runner.judge_row`) and stores it. An exception
-becomes an error row here, so one broken backend never ends the night.
+becomes an error row here, so one broken backend never ends the night; an engine that could not
+start for want of memory says what it needed and what was free (`parity.nightly.memory`). The
+executor says which row is its engine's last (`close_engine`): the engine is closed right after
+it, whatever the row's outcome, so its processes and memory are gone before the next engine starts.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import os
 import socket
 import time
@@ -17,10 +22,17 @@ from typing import Any
 
 import numpy as np
 
-from parity.backends import close_dead_backends, prefix_cache_options, route_capture_options, shared_backend
+from parity.backends import (
+    close_dead_backends,
+    close_shared_backend,
+    prefix_cache_options,
+    route_capture_options,
+    shared_backend,
+)
 from parity.cases import Case
 from parity.compare import compare
 from parity.nightly.history import now
+from parity.nightly.memory import available_bytes, engine_need, gib, memory_failure
 from parity.nightly.rows import RowKey, RowResult, row_status
 from parity.schema import NO_REPLAY
 
@@ -73,23 +85,40 @@ def local_placement() -> dict[str, Any]:
 
 
 def execute_row(run_id: str, key: RowKey, case: Case, *, reference: str, device: str = "cpu",
-                placement: dict[str, Any] | None = None) -> RowResult:
+                placement: dict[str, Any] | None = None, close_engine: bool = False) -> RowResult:
     """Run one cell: its status reflects the tolerance limits only (`verdict` None).
 
     placement: where it ran (executor, host or Ray node, process, GPUs), kept in the row's
         provenance under "ran_on"; None = `local_placement()`.
+    close_engine: close the row's engine after it (the last row that uses it); kept in the
+        row's provenance as "engine_closed".
     """
     provenance: dict[str, Any] = {
         "case": case.name, "case_hash": case.hash, "case_file": str(case.path or ""), "model": case.model,
         "seeds": case.seeds, "reference_kernels": reference,
-        "ran_on": placement if placement is not None else local_placement(),
+        "ran_on": placement if placement is not None else local_placement(), "engine_closed": close_engine,
     }
+    try:
+        options = engine_options(key, case, device)
+    except Exception as exc:  # no engine to start, so none to close
+        return error_row(run_id, key, f"backend failed to start: {type(exc).__name__}: {exc}", provenance)
+    row = _run_row(run_id, key, case, options, provenance, reference=reference, device=device)
+    if close_engine:
+        try:
+            close_shared_backend(key.backend, case.model, dtype=key.dtype, **options)
+        except Exception as exc:  # the row's numbers stand; the engine is forgotten either way
+            row = dataclasses.replace(row, provenance={**row.provenance,
+                                                       "engine_close_error": f"{type(exc).__name__}: {exc}"})
+    return row
+
+
+def _run_row(run_id: str, key: RowKey, case: Case, options: dict[str, Any], provenance: dict[str, Any], *,
+             reference: str, device: str) -> RowResult:
     timing: dict[str, float] = {}
     stage = "backend failed to start"
     try:
         t0 = time.perf_counter()
-        options = engine_options(key, case, device)
-        engine = shared_backend(key.backend, case.model, dtype=key.dtype, **options)
+        engine = _start(key, case, options)
         timing["start_s"] = round(time.perf_counter() - t0, 3)
         stage = "case failed"
         t0 = time.perf_counter()
@@ -112,6 +141,28 @@ def execute_row(run_id: str, key: RowKey, case: Case, *, reference: str, device:
         violations=[v._asdict() for v in report.violations], provenance={**report.provenance, **provenance},
         timing=timing, abs_diff=np.abs(report.log_ratio()), report_json=report.to_json(), finished_at=now(),
     )
+
+
+class EngineMemoryError(MemoryError):
+    """An engine could not start for want of memory; the message says what it needed and what was free."""
+
+
+def _start(key: RowKey, case: Case, options: dict[str, Any]) -> Any:
+    """The row's shared engine. A start that fails for want of memory (`memory_failure`) is an
+    EngineMemoryError naming the estimate and the memory free before and after; what the failed
+    start left behind is collected before it is raised, so the next row starts with it freed."""
+    free_before = available_bytes()
+    try:
+        return shared_backend(key.backend, case.model, dtype=key.dtype, **options)
+    except Exception as exc:
+        need = engine_need(key.backend, case.model)
+        if not memory_failure(exc, free_before=free_before, need=need):
+            raise
+        gc.collect()
+        raise EngineMemoryError(
+            f"not enough memory to start the {key.backend} engine: it needs about {need.describe()}, "
+            f"{gib(free_before)} GiB was free when it started ({gib(available_bytes())} GiB after it failed "
+            f"and was closed); the run goes on: {type(exc).__name__}: {exc}") from exc
 
 
 def error_row(run_id: str, key: RowKey, error: str, provenance: dict[str, Any],

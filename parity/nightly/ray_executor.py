@@ -1,14 +1,22 @@
 """The Ray executor: nightly rows on the actors of a Ray cluster, streamed back as they finish.
 
-Rows are grouped by engine (backend, model, dtype, options) and by what a row asks Ray for
-(`row_resources`: one CPU and, on CUDA, one GPU; a tensor-parallel reference row as many of each
-as it has ranks). For each kind of ask there are as many worker actors as such rows fit on the
-cluster at once, and the engine groups are dealt out to them whole (`assign`), so each actor
-starts each of its engines once (`shared_backend`, in its own process) and runs its rows one
-after another, like the local executor does in one process; the actors run side by side, and
-an actor Ray cannot place yet waits until others finish. Ray places the actors (a GPU row's on a
-node with free GPUs); parity feeds each actor its next row only when the previous one comes
-back, so only the row in flight is lost when a worker dies.
+Rows are grouped by engine (backend, model, dtype, options; `parity.nightly.engines`) and by what
+a row asks Ray for (`row_resources`: one CPU and, on CUDA, one GPU; a tensor-parallel reference row
+as many of each as it has ranks). For each kind of ask there are as many worker actors as such
+rows fit on the cluster at once, and the engine groups are dealt out to them whole (`assign`), so
+each actor starts each of its engines once (`shared_backend`, in its own process), runs its rows
+one after another and closes the engine after its last row there, like the local executor does
+in one process; the actors run side by side, and an actor Ray cannot place yet waits until others
+finish. Ray places the actors (a GPU row's on a node with free GPUs); parity feeds each actor its
+next row only when the previous one comes back, so only the row in flight is lost when a worker
+dies.
+
+Memory: a row that starts an engine is sent only when the engine fits in what the engines the
+actors hold leave free (`parity.nightly.memory.MemoryBudget`, with each engine's estimated need;
+on a local cluster against this machine's available memory, capped by `engine_memory_gib`; on an
+existing cluster by `engine_memory_gib` alone, unbounded without it, since this machine's memory
+says nothing of its nodes'). Its actor waits meanwhile; an actor that holds an engine always has
+a row in flight, so the waits end.
 
 Faults are Ray's: an actor whose process dies is restarted (`max_restarts=-1`) and the row it was
 running retried once (`max_task_retries=1`); a row that kills its worker twice becomes an error
@@ -28,7 +36,9 @@ from typing import Any
 
 from parity.cases import Case
 from parity.errors import ConfigError
-from parity.nightly.execute import engine_options, error_row, execute_row, tensor_parallel
+from parity.nightly.engines import EngineKey, PlannedRow, by_engine, engine_order
+from parity.nightly.execute import error_row, execute_row, tensor_parallel
+from parity.nightly.memory import GIB, EngineNeed, MemoryBudget
 from parity.nightly.rows import RowKey, RowResult
 
 #: `module:function` that every worker calls with a row's key (`str(RowKey)`) before running the
@@ -110,8 +120,10 @@ class RayCluster:
 class RowWorker:
     """A Ray actor that runs rows; the engines it starts live as long as it does."""
 
-    def run(self, run_id: str, key: RowKey, case: Case, reference: str, device: str) -> RowResult:
-        """One row, as `execute_row` runs it, with this node, process and GPUs as its placement."""
+    def run(self, run_id: str, key: RowKey, case: Case, reference: str, device: str,
+            close_engine: bool = False) -> RowResult:
+        """One row, as `execute_row` runs it, with this node, process and GPUs as its placement;
+        `close_engine`: it is its engine's last row on this actor."""
         import ray
 
         hook = os.environ.get(ROW_HOOK_ENV)
@@ -123,32 +135,39 @@ class RowWorker:
                      "actor_id": context.get_actor_id(),
                      "pid": os.getpid(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
                      "resources": context.get_assigned_resources()}
-        return execute_row(run_id, key, case, reference=reference, device=device, placement=placement)
+        return execute_row(run_id, key, case, reference=reference, device=device, placement=placement,
+                           close_engine=close_engine)
 
 
-def assign(todo: list[tuple[RowKey, Case]], device: str, slots: int) -> list[deque[tuple[RowKey, Case]]]:
+def assign(todo: list[tuple[RowKey, Case]], device: str, slots: int) -> list[deque[PlannedRow]]:
     """The rows split into one queue per actor, at most `slots` actors, rows of one engine next to
-    each other (so an actor starts each engine once). Engines (groups of rows) go whole to the
-    shortest queue, in matrix order, while there are at least as many as slots; fewer engines
-    than slots are each split over `slots // groups` actors, round robin."""
-    groups: dict[str, list[tuple[RowKey, Case]]] = {}
-    for key, case in todo:
-        engine = repr((key.backend, case.model, key.dtype, sorted(engine_options(key, case, device).items())))
-        groups.setdefault(engine, []).append((key, case))
+    each other (so an actor starts each engine once) and the last of them marked (`engine_order`).
+    Engines (groups of rows) go whole to the shortest queue, in matrix order, while there are at
+    least as many as slots; fewer engines than slots are each split over `slots // groups` actors,
+    round robin."""
+    groups = list(by_engine(todo, device).values())
     if len(groups) < slots:
         queues = []
-        for rows in groups.values():
+        for rows in groups:
             n = min(len(rows), slots // len(groups))
-            queues += [deque(rows[i::n]) for i in range(n)]
-        return queues
-    queues = [deque() for _ in range(slots)]
-    for rows in groups.values():
-        min(queues, key=len).extend(rows)
-    return queues
+            queues += [rows[i::n] for i in range(n)]
+    else:
+        queues = [[] for _ in range(slots)]
+        for rows in groups:
+            min(queues, key=len).extend(rows)
+    return [deque(engine_order(queue, device)) for queue in queues]
+
+
+def memory_budget(cluster: RayCluster, engine_memory_gib: float | None) -> MemoryBudget | None:
+    """The budget the actors' engines share (see the module doc); None: unbounded."""
+    limit = None if engine_memory_gib is None else int(engine_memory_gib * GIB)
+    if cluster.address is None:
+        return MemoryBudget(limit)
+    return None if limit is None else MemoryBudget(limit, available=lambda: limit)
 
 
 def ray_rows(cluster: RayCluster, run_id: str, todo: list[tuple[RowKey, Case]], *, reference: str,
-             device: str) -> Iterator[RowResult]:
+             device: str, engine_memory_gib: float | None = None) -> Iterator[RowResult]:
     """Run `todo` on the cluster; yields each row (unjudged) as it finishes. Closing the
     generator (the run ended, failed or was interrupted) kills every actor, which cancels the
     rows still running or waiting."""
@@ -169,21 +188,38 @@ def ray_rows(cluster: RayCluster, run_id: str, todo: list[tuple[RowKey, Case]], 
                               "reference_tensor_parallel_size, or run on --device cpu")
         actor_class = ray.remote(RowWorker).options(**resources, max_restarts=-1, max_task_retries=1)
         plans += [(actor_class, queue) for queue in assign(rows, device, slots)]
-    inflight: dict[Any, tuple[Any, deque[tuple[RowKey, Case]], RowKey, Case]] = {}
-    actors = []
+    needs: dict[EngineKey, EngineNeed] = {row.engine: row.engine.need()
+                                          for _, queue in plans for row in queue}
+    budget = memory_budget(cluster, engine_memory_gib)
+    holds: dict[int, EngineKey] = {}  # actor index -> the engine it holds, reserved in the budget
+    waiting: deque[int] = deque()  # actors whose next row waits for its turn or for memory
+    inflight: dict[Any, tuple[int, PlannedRow]] = {}
+    actors: dict[int, Any] = {}  # started when their first row is sent
+    queues = [queue for _, queue in plans]
     node_ips: dict[str, str] = {}
 
-    def submit(actor: Any, queue: deque[tuple[RowKey, Case]]) -> None:
-        key, case = queue.popleft()
-        inflight[actor.run.remote(run_id, key, case, reference, device)] = (actor, queue, key, case)
+    def submit(i: int) -> None:
+        row = queues[i][0]
+        if holds.get(i) != row.engine:
+            if budget is not None:
+                if not budget.fits(needs[row.engine]):
+                    waiting.append(i)
+                    return
+                budget.reserve(i, needs[row.engine])
+            holds[i] = row.engine
+        queues[i].popleft()
+        if i not in actors:
+            actors[i] = plans[i][0].remote()
+        ref = actors[i].run.remote(run_id, row.key, row.case, reference, device, row.last)
+        inflight[ref] = (i, row)
 
     try:
-        for actor_class, queue in plans:
-            actors.append(actor_class.remote())
-            submit(actors[-1], queue)
+        for i in range(len(plans)):
+            submit(i)
         while inflight:
             [ref], _ = ray.wait(list(inflight), num_returns=1)
-            actor, queue, key, case = inflight.pop(ref)
+            i, planned = inflight.pop(ref)
+            key, case = planned.key, planned.case
             try:
                 row = ray.get(ref)
             except ray.exceptions.RayActorError as exc:
@@ -200,11 +236,17 @@ def ray_rows(cluster: RayCluster, run_id: str, todo: list[tuple[RowKey, Case]], 
                 if ran_on["node_id"] not in node_ips:
                     node_ips.update({n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()})
                 ran_on["node_ip"] = node_ips.get(ran_on["node_id"], "")
-            if queue:
-                submit(actor, queue)
+            if planned.last:  # the actor closed the engine after this row
+                holds.pop(i, None)
+                if budget is not None:
+                    budget.release(i)
+            if queues[i]:
+                waiting.append(i)  # behind the actors already waiting for memory
             else:
-                ray.kill(actor)  # its engines and their memory go now, not when the whole run ends
+                ray.kill(actors[i])  # its process and what is left in it go now
+            for _ in range(len(waiting)):
+                submit(waiting.popleft())
             yield row
     finally:
-        for actor in actors:
+        for actor in actors.values():
             ray.kill(actor)

@@ -6,9 +6,12 @@ runs them one after another in this process, "ray" on the actors of a Ray cluste
 (`parity.nightly.ray_executor`). This process alone judges a row against its baseline and
 commits it to the history, one transaction per row as it arrives, so a killed run keeps its
 finished work and `resume` (under either executor) runs only what is missing (error rows are
-retried). One engine per (backend, model, dtype, options) is started through `shared_backend`
-in each executing process and reused by every row it runs; an engine that dies in a row is
-closed with that row (an error row) and started again for the next.
+retried). Each executing process runs its rows grouped by engine (backend, model, dtype,
+options; `parity.nightly.engines`): the engine starts once through `shared_backend`, serves its
+rows, and is closed right after the last of them, so a process holds one engine at a time and
+the Ray executor starts one only when it fits in memory (`parity.nightly.memory`). An engine that
+dies in a row is closed with that row (an error row) and started again for the next; one that
+cannot start for want of memory is an error row saying what it needed and what was free.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from tqdm import tqdm
 from parity.backends import BACKENDS, available_backends, prefix_cache_backends, route_recording_backends
 from parity.cases import Case, load_cases
 from parity.errors import ConfigError
+from parity.nightly.engines import engine_order
 from parity.nightly.environment import collect_environment
 from parity.nightly.execute import PREFIX_CACHE as _PREFIX_CACHE
 from parity.nightly.execute import execute_row, prefix_cache_variant
@@ -68,6 +72,9 @@ class NightlyConfig:
     ray_address: the Ray cluster to run on ("auto", "ray://host:10001", "host:6379"); None = start
         a local one on 127.0.0.1 for this run and stop it after.
     ray_cpus: CPUs of that local cluster; None = this machine's count.
+    engine_memory_gib: most host memory the Ray actors' engines may hold at once, GiB (estimates,
+        `parity.nightly.memory`); None = what is available when the run starts. The local
+        executor holds one engine at a time.
     """
 
     cases: str
@@ -83,6 +90,7 @@ class NightlyConfig:
     executor: str = "local"
     ray_address: str | None = None
     ray_cpus: int | None = None
+    engine_memory_gib: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.cases, str):
@@ -122,8 +130,13 @@ class NightlyConfig:
                                        ("--executor", self.executor, EXECUTORS)):
             if value not in allowed:
                 raise ConfigError(f"{option} {value!r}; allowed: {list(allowed)}")
-        if self.executor != "ray" and (self.ray_address is not None or self.ray_cpus is not None):
-            raise ConfigError("--ray-address and --ray-cpus need --executor ray")
+        if self.executor != "ray" and (self.ray_address is not None or self.ray_cpus is not None
+                                       or self.engine_memory_gib is not None):
+            raise ConfigError("--ray-address, --ray-cpus and --engine-memory need --executor ray")
+        memory = self.engine_memory_gib
+        if memory is not None and (isinstance(memory, bool) or not isinstance(memory, (int, float))
+                                   or not 0 < memory < float("inf")):
+            raise ConfigError(f"--engine-memory must be a number of GiB above 0, got {memory!r}")
         if self.ray_cpus is not None and (isinstance(self.ray_cpus, bool)
                                           or not isinstance(self.ray_cpus, int) or self.ray_cpus < 1):
             raise ConfigError(f"--ray-cpus must be a whole number >= 1, got {self.ray_cpus!r}")
@@ -146,13 +159,14 @@ class NightlyConfig:
     @classmethod
     def from_record(cls, record: dict[str, Any], *, out: Path, history: Path | None, run_id: str,
                     executor: str = "local", ray_address: str | None = None,
-                    ray_cpus: int | None = None) -> NightlyConfig:
+                    ray_cpus: int | None = None, engine_memory_gib: float | None = None) -> NightlyConfig:
         """The stored run's matrix; where it runs (the executor) is this invocation's choice."""
         return cls(cases=record["cases"], backends=tuple(record["backends"]), dtypes=tuple(record["dtypes"]),
                    out=out, history=history, run_id=run_id, baseline=record["baseline"],
                    reference=record["reference"], device=record.get("device", "cpu"),
                    policy=RegressionPolicy(alpha=record["alpha"], min_effect=record["min_effect"]),
-                   executor=executor, ray_address=ray_address, ray_cpus=ray_cpus)
+                   executor=executor, ray_address=ray_address, ray_cpus=ray_cpus,
+                   engine_memory_gib=engine_memory_gib)
 
 
 @dataclass(frozen=True)
@@ -219,7 +233,8 @@ def executor_rows(run_id: str, todo: list[tuple[RowKey, Case]], config: NightlyC
         from parity.nightly.ray_executor import RayCluster, ray_rows
 
         with RayCluster(address=config.ray_address, num_cpus=config.ray_cpus) as cluster:
-            yield from ray_rows(cluster, run_id, todo, reference=config.reference, device=config.device)
+            yield from ray_rows(cluster, run_id, todo, reference=config.reference, device=config.device,
+                                engine_memory_gib=config.engine_memory_gib)
     else:
         yield from local_rows(run_id, todo, config)
 
@@ -317,6 +332,8 @@ def judge_row(row: RowResult, case: Case, config: NightlyConfig, history: Histor
 
 
 def local_rows(run_id: str, todo: list[tuple[RowKey, Case]], config: NightlyConfig) -> Iterator[RowResult]:
-    """The local executor: the rows one after another in this process, engines via `shared_backend`."""
-    for key, case in todo:
-        yield execute_row(run_id, key, case, reference=config.reference, device=config.device)
+    """The local executor: the rows one after another in this process, one engine after another
+    (`engine_order`), each engine closed after its last row."""
+    for row in engine_order(todo, config.device):
+        yield execute_row(run_id, row.key, row.case, reference=config.reference, device=config.device,
+                          close_engine=row.last)
