@@ -168,6 +168,9 @@ def test_a_tensor_parallel_case_is_its_own_engine_on_reference_rows_only(tiny_ca
     ({"executor": "ray", "ray_cpus": 0}, "--ray-cpus must be a whole number"),
     ({"executor": "ray", "ray_cpus": 2, "ray_address": "auto"}, "sizes a local cluster"),
     ({"device": "tpu"}, "--device 'tpu'"),
+    ({"engine_memory_gib": 4.0}, "need --executor ray"),
+    ({"executor": "ray", "engine_memory_gib": 0}, "--engine-memory must be a number of GiB above 0"),
+    ({"executor": "ray", "engine_memory_gib": float("nan")}, "--engine-memory must be"),
 ])
 def test_executor_options_are_checked(options, match):
     with pytest.raises(ConfigError, match=match):

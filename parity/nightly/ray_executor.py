@@ -118,7 +118,7 @@ class RayCluster:
 
 
 class RowWorker:
-    """A Ray actor that runs rows; the engines it starts live as long as it does."""
+    """A Ray actor that runs rows; each engine it starts lives until its last row there."""
 
     def run(self, run_id: str, key: RowKey, case: Case, reference: str, device: str,
             close_engine: bool = False) -> RowResult:
