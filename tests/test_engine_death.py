@@ -63,8 +63,11 @@ class Mortal(Backend):
 
 @pytest.fixture
 def mortal(monkeypatch):
+    """Fake engines in a cache of their own: the session's real shared engines are neither seen
+    nor closed by these tests."""
     Mortal.started = []
     monkeypatch.setattr(registry, "get_backend", lambda name, model, **kw: Mortal(model, dtype=kw["dtype"]))
+    monkeypatch.setattr(registry, "_SHARED", {})
     yield
     registry.close_shared_backends()
 
@@ -163,6 +166,7 @@ def vllm_processes(pids: set[int]) -> list[str]:
 
 
 @pytest.mark.vllm
+@pytest.mark.own_engines
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
 def test_a_poisoned_case_on_vllm_costs_one_row_not_the_night(tmp_path):

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 import parity
 import parity.nightly.command
-from parity.backends import Backend, close_shared_backends
+from parity.backends import Backend, close_shared_backend
 from parity.cases import Case, load_case
 from parity.cli import main
 from parity.dumps import load_rollouts
@@ -147,7 +147,8 @@ def never_anything_but_a_parity_error(call: Any) -> Any:
 @pytest.fixture(scope="module", autouse=True)
 def _engines_closed():
     yield
-    close_shared_backends()
+    for dtype in ("bfloat16", "float32"):  # the engines test_compare's draws start (other modules' stay up)
+        close_shared_backend("reference", MODEL, dtype=dtype)
 
 
 VALID_PROMPTS = st.lists(

@@ -110,6 +110,7 @@ if __name__ == "__main__":
 
 
 @pytest.mark.vllm
+@pytest.mark.own_engines
 @pytest.mark.slow
 def test_every_builtin_loads_in_vllm(tmp_path):
     """vLLM (the CPU build here) loads each checkpoint from its path and generates greedily,

@@ -182,6 +182,7 @@ def test_executor_options_are_checked(options, match):
 @needs_ray
 @pytest.mark.slow
 @pytest.mark.vllm
+@pytest.mark.own_engines
 def test_ray_rows_equal_local_rows_bit_for_bit(tmp_path):
     """The acceptance matrix (smoke and moe, the latter with and without R3 routing replay, on
     reference, hf and vLLM) under both executors: same rows and statuses, the same token ids and

@@ -25,6 +25,13 @@ from parity.tolerance import Tolerance
 
 pytest_plugins = ["pytester"]
 
+
+@pytest.fixture(autouse=True)
+def _keep_the_sessions_engines(monkeypatch):
+    """An in-process pytester session ends with the plugin's `close_shared_backends`, which would
+    also close the engines this session's other modules share (each one a ~25 s restart)."""
+    monkeypatch.setattr(parity.pytest_plugin, "close_shared_backends", lambda: None)
+
 TABLE_HEADER = "sequence  position  token_id  train_logprob  rollout_logprob     ratio"
 
 EXAMPLES = '''

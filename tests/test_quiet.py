@@ -59,6 +59,7 @@ def run_parity(*argv: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.vllm
+@pytest.mark.own_engines
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
 def test_parity_compare_with_vllm_is_quiet_and_verbose_shows_the_lines():

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from parity.backends import close_shared_backends
+from parity.backends import close_shared_backend, prefix_cache_options
 from parity.nightly import runner
 from parity.render import report_html
 from parity.report import ParityReport
@@ -23,7 +23,8 @@ CASE = Path(__file__).resolve().parent.parent / "cases" / "multi-turn-tool.toml"
 @pytest.fixture(scope="module", autouse=True)
 def _engines():
     yield
-    close_shared_backends()  # two vLLM engines (prefix cache on, off) are not needed after this module
+    for enabled in (True, False):  # the two vLLM engines (prefix cache on, off) serve this module only
+        close_shared_backend("vllm", "tiny-llama", dtype="bfloat16", **prefix_cache_options("vllm", enabled))
 
 
 def test_multi_turn_tool_case_on_vllm_prefix_cache_on_and_off(tmp_path):

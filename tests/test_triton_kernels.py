@@ -40,6 +40,7 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs an NVIDIA GPU (CUDA not 
 MIN_INTERPRETED = 58
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(CUDA or INTERPRETED, reason="the kernel tests run in this process")
 def test_kernels_under_the_triton_interpreter_in_a_child_process() -> None:
     run_interpreted(__file__, min_passed=MIN_INTERPRETED, timeout=900)

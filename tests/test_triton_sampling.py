@@ -20,6 +20,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 runs_here = pytest.mark.skipif(not (CUDA or INTERPRETED), reason="runs on CUDA or under the interpreter")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(CUDA or INTERPRETED, reason="the kernel tests run in this process")
 def test_sampling_kernel_under_the_triton_interpreter_in_a_child_process() -> None:
     run_interpreted(__file__, min_passed=1, timeout=600)

