@@ -45,7 +45,7 @@ test: $(STAMP) $(CHROMIUM_STAMP)
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest $(PYTEST_XDIST)
 
-# The quick loop: every test that starts no engine and is not marked slow (under 2 minutes).
+# The quick loop: every test that starts no engine and is not marked slow.
 test-fast: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest $(PYTEST_XDIST) -m "not vllm and not slow"
