@@ -184,7 +184,7 @@ def train_forward(model: str | LoadedModel,
                   router_replay: str | routing.RouterReplay | None = None,
                   routes: Sequence[Any] | None = None,
                   tensor_parallel_size: int | None = None, tp_reduction: str | None = None,
-                  reduction_groups: int | None = None,
+                  reduction_groups: int | None = None, grad: bool = False,
                   ) -> TrainResult:
     """Teacher-forced logprobs of each sequence's response tokens (`TrainResult.logprobs`).
 
@@ -214,9 +214,17 @@ def train_forward(model: str | LoadedModel,
     engine's meta `reduction_groups`: None for the whole model) are scored in it, as they are
     under their recorded sampling: unset arguments take the record, a contradicting one is a
     ConfigError, and rollouts of different layouts in one call are an InputError.
+    grad: False runs under inference_mode; True records autograd, so each logprob tensor carries
+    the gradient with respect to the model's parameters. The values are the same bits either way:
+    the invariant kernels keep their forward and take the stock op's derivative
+    (`parity.kernels.grad`). Not with tensor parallelism (the ranks run in other processes).
     """
+    if not isinstance(grad, bool):
+        raise ConfigError(f"grad must be True or False, got {grad!r}")
     tensor_parallel_size, tp_reduction, reduction_groups = scoring_layout(
         sequences, tensor_parallel_size, tp_reduction, reduction_groups)
+    if grad and tensor_parallel_size is not None:
+        raise ConfigError("grad=True runs the model in this process; leave tensor_parallel_size unset")
     options = dict(dtype=dtype, device=device, kernels=kernels, micro_batch_size=micro_batch_size,
                    layout=layout, logprobs_mode=logprobs_mode, temperature=temperature, top_k=top_k,
                    top_p=top_p, record_routes=record_routes, router_replay=router_replay, routes=routes)
@@ -251,7 +259,7 @@ def train_forward(model: str | LoadedModel,
     forced = replay_routes(lm, sequences, [len(p) + len(r) for p, r in pairs], replay, routes)
     logprobs: list[torch.Tensor] = []
     recorded: list[torch.Tensor | None] = []
-    with torch.inference_mode(), kernel_scope(kernels):
+    with torch.inference_mode(not grad), kernel_scope(kernels):
         for start in range(0, n, max(size, 1)):
             part = range(start, min(n, start + size))
             params = sampler.RowParams(tuple(float(definitions[i][0]) for i in part),

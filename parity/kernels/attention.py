@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface, PretrainedConfig
 
+from parity.kernels.grad import exact
 from parity.kernels.switch import impl
 
 #: name under which the attention function is registered with transformers.
@@ -143,7 +144,10 @@ def attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sl
     """
     fn = impl("attention", "attention", query.device.type)
     if fn is not None:
-        return fn(query, k_cache, v_cache, slots, positions, span, scaling, max_run=max_run)
+        # under autograd: the kernel's bits, the gathered SDPA's derivative (parity.kernels.grad)
+        return exact(lambda: fn(query, k_cache, v_cache, slots, positions, span, scaling, max_run=max_run),
+                     lambda q, k, v: gathered_sdpa(q, k, v, slots, positions, span, scaling),
+                     query, k_cache, v_cache)
     if _flash_fits(query.device.type, query.dtype):
         return flash_over_cache(query, k_cache, v_cache, slots, positions, max_run, scaling,
                                 entries() if entries else None)

@@ -2,7 +2,9 @@
 (looked up for the tensor's device) and the stock torch op otherwise.
 
 The stock branch is exactly what the unpatched HF module computes, so a model with every family
-off gives the same bits as an unpatched one.
+off gives the same bits as an unpatched one. Under autograd a kernel's result keeps its bits and
+takes the stock op's derivative (`parity.kernels.grad.exact`), so a training forward with
+gradients reports the same logprobs as the engine.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from parity.kernels.grad import exact, needs_grad
 from parity.kernels.switch import impl
 
 RotaryForward = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -20,43 +23,58 @@ RotaryForward = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K].T (+ bias [N]) -> [..., N]  (family "matmul")."""
     fn = impl("matmul", "linear", x.device.type)
-    return F.linear(x, weight, bias) if fn is None else fn(x, weight, bias)
+    if fn is None:
+        return F.linear(x, weight, bias)
+    return exact(lambda: fn(x, weight, bias), F.linear, x, weight, bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              native: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """RMSNorm over the last dim (family "rmsnorm"); `native` is the module's own forward."""
     fn = impl("rmsnorm", "rms_norm", x.device.type)
-    return native(x) if fn is None else fn(x, weight, eps)
+    if fn is None:
+        return native(x)
+    # `native` reads the module's own weight, which is `weight` (a parameter: see `exact`)
+    return exact(lambda: fn(x, weight, eps), lambda x_, _weight: native(x_), x, weight)
 
 
 def softmax(x: torch.Tensor) -> torch.Tensor:
     """Softmax over the last dim (family "softmax")."""
     fn = impl("softmax", "softmax", x.device.type)
-    return torch.softmax(x, dim=-1) if fn is None else fn(x)
+    if fn is None:
+        return torch.softmax(x, dim=-1)
+    return exact(lambda: fn(x), lambda x_: torch.softmax(x_, dim=-1), x)
 
 
 def log_softmax(x: torch.Tensor) -> torch.Tensor:
     """Log-softmax over the last dim (family "softmax")."""
     fn = impl("softmax", "log_softmax", x.device.type)
-    return torch.log_softmax(x, dim=-1) if fn is None else fn(x)
+    if fn is None:
+        return torch.log_softmax(x, dim=-1)
+    return exact(lambda: fn(x), lambda x_: torch.log_softmax(x_, dim=-1), x)
 
 
 def cumsum(x: torch.Tensor) -> torch.Tensor:
     """Inclusive cumulative sum over the last dim (family "softmax": a reduction over the vocabulary)."""
     fn = impl("softmax", "cumsum", x.device.type)
-    return torch.cumsum(x, dim=-1) if fn is None else fn(x)
+    if fn is None:
+        return torch.cumsum(x, dim=-1)
+    return exact(lambda: fn(x), lambda x_: torch.cumsum(x_, dim=-1), x)
 
 
 def activation(act: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     """An elementwise activation such as SiLU (family "pointwise")."""
     fn = impl("pointwise", "activation", x.device.type)
-    return act(x) if fn is None else fn(act, x)
+    if fn is None:
+        return act(x)
+    return exact(lambda: fn(act, x), act, x)
 
 
 def rotary(forward: RotaryForward, x: torch.Tensor, position_ids: torch.Tensor, max_positions: int,
            tables: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotary cos, sin [B, L, D] for position_ids [B, L] (family "rotary"); `forward` is the module's own."""
+    """Rotary cos, sin [B, L, D] for position_ids [B, L] (family "rotary"); `forward` is the module's own.
+
+    A function of the positions only (HF computes it under no_grad): nothing to differentiate."""
     fn = impl("rotary", "rotary", x.device.type)
     if fn is None:
         return forward(x, position_ids)
@@ -73,7 +91,8 @@ def apply_rotary(native: Callable[..., tuple[torch.Tensor, torch.Tensor]], q: to
     fn = impl("rotary", "apply", q.device.type)
     if fn is None:
         return native(q, k, cos, sin, unsqueeze_dim)
-    return fn(native, q, k, cos, sin, unsqueeze_dim)
+    return exact(lambda: fn(native, q, k, cos, sin, unsqueeze_dim),
+                 lambda q_, k_, cos_, sin_: native(q_, k_, cos_, sin_, unsqueeze_dim), q, k, cos, sin)
 
 
 def topk(scores: torch.Tensor, k: int, *, normalize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,8 +102,19 @@ def topk(scores: torch.Tensor, k: int, *, normalize: bool = False) -> tuple[torc
     """
     fn = impl("moe", "topk", scores.device.type)
     if fn is not None:
-        return fn(scores, k, normalize)
+        if not needs_grad(scores):
+            return fn(scores, k, normalize)
+        with torch.no_grad():
+            values, indices = fn(scores, k, normalize)
+        return exact(lambda: values, lambda s: _picked(s, indices, normalize), scores), indices
     values, indices = torch.topk(scores, k, dim=-1)
     if normalize:
         values = values / values.sum(dim=-1, keepdim=True)
     return values, indices
+
+
+def _picked(scores: torch.Tensor, indices: torch.Tensor, normalize: bool) -> torch.Tensor:
+    """The top-k values of `scores` at the chosen `indices` [..., k], in stock ops (the derivative
+    of the "moe" top-k: the choice itself has none)."""
+    values = scores.gather(-1, indices)
+    return values / values.sum(dim=-1, keepdim=True) if normalize else values
