@@ -15,9 +15,10 @@ from parity.backends.registry import (
     route_capture_options,
     route_recording_backends,
     shared_backend,
+    weight_sync_missing,
 )
 
 __all__ = ["BACKENDS", "Backend", "available_backends", "backend_options", "close_dead_backends",
            "close_shared_backend", "close_shared_backends", "get_backend", "parse_option",
            "prefix_cache_backends", "prefix_cache_options", "route_capture_options",
-           "route_recording_backends", "shared_backend"]
+           "route_recording_backends", "shared_backend", "weight_sync_missing"]

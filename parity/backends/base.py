@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from parity.errors import BackendError, ConfigError, InputError
+from parity.errors import BackendError, ConfigError, InputError, UnsupportedError
 from parity.models import resolve_model
 from parity.schema import LOGPROBS_MODES
 from parity.strict import check_choice, check_dtype
@@ -199,6 +199,30 @@ class Backend(abc.ABC):
         """Load new weights (HF parameter names) into the running backend."""
         raise BackendError(f"backend {self.name!r} has no weight-update API; "
                            "start a new backend on the updated checkpoint instead")
+
+    def weight_checksums(self) -> dict[str, str]:
+        """A digest of every weight tensor the engine holds, by the engine's own tensor name: what a
+        weight push is verified by. The digest format is the backend's own (`expected_checksums`
+        makes the same): parity's `tensor_digest` in process, vLLM's sha256 in vLLM."""
+        raise UnsupportedError(f"backend {self.name!r} cannot report the weights it holds")
+
+    def expected_checksums(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
+        """What `weight_checksums()` returns once `update_weights(named_tensors)` has loaded these
+        tensors: the engine's names, layout and dtype applied to them (only the entries the
+        tensors determine)."""
+        raise UnsupportedError(f"backend {self.name!r} cannot say which weights a push should leave")
+
+    @classmethod
+    def weight_sync_missing(cls) -> str | None:
+        """Why this adapter cannot take part in a weight sync (push new weights, then verify that
+        the engine holds them), or None when it can. Read off the class: no engine starts."""
+        if cls.update_weights is Backend.update_weights:
+            return f"backend {cls.name!r} has no weight-update API"
+        if (cls.weight_checksums is Backend.weight_checksums
+                or cls.expected_checksums is Backend.expected_checksums):
+            return (f"backend {cls.name!r} cannot report the weights it holds (no weight checksums), so a "
+                    "weight push could not be verified")
+        return None
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -9,7 +9,7 @@ logprobs bit for bit.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ import torch
 
 from parity.backends.base import Backend
 from parity.engine import EngineConfig, ReferenceEngine, train_forward
+from parity.models.loading import tensor_digest
 from parity.schema import VERSION
 from parity.types import Pair, Request, Rollout, SamplingParams
 
@@ -70,6 +71,19 @@ class ReferenceBackend(Backend):
                              logprobs_mode=sampling.logprobs_mode,
                              temperature=sampling.temperature, top_k=sampling.top_k,
                              top_p=sampling.top_p).logprobs
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """In place, by parameter name (`ReferenceEngine.update_weights`)."""
+        self._engine.update_weights(named_tensors)
+
+    def weight_checksums(self) -> dict[str, str]:
+        return self._engine.weight_checksums()
+
+    def expected_checksums(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
+        """The tensors cast to the engine's dtype, under their own names (the engine's layout is
+        the HF model's)."""
+        dtype = self._engine.lm.torch_dtype
+        return {name: tensor_digest(tensor.to(dtype)) for name, tensor in named_tensors}
 
     def close(self) -> None:
         self._engine.close()

@@ -139,6 +139,12 @@ def backend_options(name: str) -> list[str]:
     return _adapter(_spec(name)).option_names()
 
 
+def weight_sync_missing(name: str) -> str | None:
+    """Why backend `name` cannot push and verify weights (`Backend.weight_sync_missing`), or None;
+    read off its adapter class, so no engine starts and no engine package loads."""
+    return _adapter(_spec(name)).weight_sync_missing()
+
+
 def get_backend(name: str, model: str | Path, *, dtype: str = "bfloat16", **options: Any) -> Backend:
     """Start backend `name` on `model` (built-in name or HF checkpoint directory).
 

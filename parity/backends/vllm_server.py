@@ -36,6 +36,7 @@ import base64
 import importlib.metadata
 import importlib.util
 import io
+import json
 import os
 import shlex
 import sys
@@ -53,9 +54,11 @@ from parity.backends.vllm import (
     GPU_MEMORY_UTILIZATION,
     VLLM_LOGPROBS_MODE,
     check_gpu_memory,
+    expected_digests,
     max_positions,
     routes_for_rollout,
     translate_sampling,
+    worker_checksums,
 )
 from parity.backends.vllm_weights import write_weights
 from parity.errors import BackendError, ConfigError, UnsupportedError
@@ -364,6 +367,21 @@ class VLLMServerBackend(Backend):
         self._dev_post("/collective_rpc", {"method": "reload_weights", "kwargs": {
             "weights_path": write_weights(named_tensors, self._weights_dir.name)}})
         self.reset_prefix_cache()
+
+    def weight_checksums(self) -> dict[str, str]:
+        """vLLM's digests of the server's weights (`/weight_checker`, a development endpoint)."""
+        checksums = self._dev_post("/weight_checker", {"action": "checksum"}).get("checksums")
+        if not isinstance(checksums, dict):
+            raise BackendError("the vLLM server's /weight_checker answer has no checksums")
+        return worker_checksums(checksums)
+
+    def expected_checksums(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
+        """What `/weight_checker` reports once these tensors are loaded (the offline adapter's rule,
+        `expected_digests`; needs vLLM installed here to read the model class's packed modules)."""
+        if importlib.util.find_spec("vllm") is None:
+            raise UnsupportedError("computing vLLM's expected weight digests needs the vllm package here")
+        architectures = json.loads((self.model_path / "config.json").read_text()).get("architectures") or []
+        return expected_digests(named_tensors, getattr(torch, self.dtype), architectures)
 
     def reset_prefix_cache(self) -> None:
         """Drop every cached prefix (`/reset_prefix_cache`)."""

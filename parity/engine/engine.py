@@ -17,6 +17,7 @@ Steps of up to `max_num_seqs` tokens (all decode steps) replay CUDA graphs on a 
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,10 +38,10 @@ from parity.engine.inputs import (
 )
 from parity.engine.scheduler import Scheduler, Sequence, Span, Step
 from parity.engine.train import train_forward
-from parity.errors import ConfigError, InputError
+from parity.errors import ConfigError, InputError, UnsupportedError
 from parity.kernels.attention import KVCache
 from parity.models import routing
-from parity.models.loading import LoadedModel, check_device, load_model
+from parity.models.loading import LoadedModel, check_device, copy_model, load_model, tensor_digest
 from parity.parallel import (
     REDUCTION_GROUPS,
     REDUCTIONS,
@@ -128,6 +129,7 @@ class ReferenceEngine:
         self._cache: KVCache | None = None
         self._graphs: StepGraphs | None = None
         self._ranks: RankGroup | None = None
+        self._private = False  # whether self.lm is this engine's own copy (after a weight update)
         if tp is None or (isinstance(model, LoadedModel) and model.tensor_parallel_size == tp
                           and model.reduction_groups == config.reduction_groups):
             self.lm = load_model(model, dtype=config.dtype, device=config.device)
@@ -286,6 +288,44 @@ class ReferenceEngine:
                        backend=self.backend, logprobs_mode=seq.request.sampling.logprobs_mode,
                        routed_experts=routes, meta=meta, sampling=seq.request.sampling,
                        response_mask=tuple(seq.mask) if seq.request.turns else None)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy tensors into the model's parameters in place, by parameter name
+        (`named_parameters()`: a dense checkpoint's HF names), each cast to the engine's dtype.
+
+        The first update gives the engine a private copy of its model (`copy_model`): load_model
+        shares one loaded model per process, and a push must change this engine's weights only.
+        Later updates copy in place, so the kernels' cached float32 weight copies see the change
+        (they follow each parameter's version counter). Every name and shape is checked before
+        anything is copied.
+        """
+        if self.config.tensor_parallel_size is not None:
+            raise UnsupportedError("weight updates of a tensor-parallel reference engine are not supported; "
+                                   "start the engine without tensor_parallel_size")
+        tensors = dict(named_tensors)
+        if not tensors:
+            raise InputError("update_weights got no tensors; pass (parameter name, tensor) pairs")
+        params = dict(self.lm.model.named_parameters())
+        unknown = sorted(set(tensors) - set(params))
+        if unknown:
+            raise InputError(f"update_weights: the model has no parameter {unknown[0]!r} ({len(unknown)} "
+                             f"unknown names); its parameters are named like {next(iter(params))!r}")
+        for name, tensor in tensors.items():
+            if tuple(tensor.shape) != tuple(params[name].shape):
+                raise InputError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the model's "
+                                 f"parameter has {tuple(params[name].shape)}")
+        if not self._private:
+            self.lm = copy_model(self.lm)
+            self._private = True
+            self._cache = self._graphs = None  # graphs captured the shared model's parameters
+            params = dict(self.lm.model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in tensors.items():
+                params[name].copy_(tensor)
+
+    def weight_checksums(self) -> dict[str, str]:
+        """sha256 of every parameter as the engine holds it (its dtype), by parameter name."""
+        return {name: tensor_digest(p) for name, p in self.lm.model.named_parameters()}
 
     def score(self, sequences: list, **options: Any) -> list[torch.Tensor]:
         """Teacher-forced response logprobs: `train_forward` with this engine's dtype, device, kernels."""

@@ -8,6 +8,8 @@ So with every kernel family off the patched model computes exactly what the unpa
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import os
 import sys
 import types
@@ -233,3 +235,32 @@ def load_model(model: str | os.PathLike[str] | LoadedModel, dtype: str = "float3
     loaded = adopt_model(hf, path, dtype, device, name=name if is_model_name(name) else path.name)
     _loaded[key] = loaded
     return loaded
+
+
+def copy_model(lm: LoadedModel) -> LoadedModel:
+    """A private deep copy of `lm` (patched as `lm` is, on its device, in its dtype), outside
+    load_model's cache: its weights can change without changing anyone else's. For a model whose
+    weights move (the RL loop's trainer, an engine receiving weight pushes)."""
+    return dataclasses.replace(lm, model=copy.deepcopy(lm.model))
+
+
+def tensor_digest(tensor: torch.Tensor) -> str:
+    """An order-sensitive checksum of a tensor's bytes, computed on its device: Fletcher's two sums
+    over its 16-bit words w_i, "S1:S2" with S1 = sum w_i and S2 = sum w_i (i mod 65521 + 1).
+
+    Exact integer sums (no overflow below 2^31 words), so two tensors of one dtype and shape have
+    the same digest when they hold the same bits, and a changed, swapped or missing word changes
+    it. Made on the device so a GPU model's weights are checked without copying them to the host.
+    """
+    words = tensor.detach().contiguous().view(-1).view(torch.int16).to(torch.int64) & 0xFFFF
+    s1 = s2 = 0
+    for start in range(0, words.numel(), _DIGEST_CHUNK):
+        chunk = words[start:start + _DIGEST_CHUNK]
+        index = torch.arange(start, start + chunk.numel(), device=chunk.device)
+        s1 += int(chunk.sum())
+        s2 += int((chunk * (index % 65521 + 1)).sum())
+    return f"{s1}:{s2}"
+
+
+#: words per step of `tensor_digest` (bounds its int64 temporaries to 128 MiB each).
+_DIGEST_CHUNK = 1 << 24

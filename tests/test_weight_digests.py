@@ -1,0 +1,86 @@
+"""Weight pushes and the digests that verify them: the reference engine's in-place update, parity's
+device-side digest, vLLM's layout of HF tensors, and which backends can take part in a sync."""
+
+import pytest
+import torch
+
+from parity.backends import get_backend, weight_sync_missing
+from parity.backends.vllm import VOCAB_PADDING, vllm_layout
+from parity.errors import InputError
+from parity.models.loading import load_model, tensor_digest
+from parity.types import Request, SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_tensor_digest_sees_every_bit_and_every_place():
+    x = torch.randn(5, 7, generator=torch.Generator().manual_seed(0))
+    assert tensor_digest(x) == tensor_digest(x.clone())
+    nudged = x.clone()
+    nudged[3, 4] = torch.nextafter(nudged[3, 4], torch.tensor(1e9))
+    assert tensor_digest(nudged) != tensor_digest(x)
+    swapped = x.clone()
+    swapped[[0, 1]] = x[[1, 0]]
+    assert tensor_digest(swapped) != tensor_digest(x)
+    assert tensor_digest(x.to(torch.bfloat16)) != tensor_digest(x)
+
+
+def test_reference_update_is_in_place_private_and_verified():
+    """A push changes this engine's weights only (load_model's shared model stays), its digests then
+    match the pushed tensors', and its rollouts follow the new weights."""
+    shared = load_model("tiny-llama")
+    before = {n: p.detach().clone() for n, p in shared.model.named_parameters()}
+    backend = get_backend("reference", "tiny-llama", dtype="float32")
+    request = [Request(prompt_ids=(5, 6, 7), sampling=SamplingParams(n=2, max_tokens=6, seed=1),
+                       request_id="r")]
+    old = backend.generate(request)
+    new = [(n, t * 1.01) for n, t in before.items()]
+    assert backend.weight_checksums() != backend.expected_checksums(new)
+    backend.update_weights(new)
+    assert backend.weight_checksums() == backend.expected_checksums(new)
+    assert all(torch.equal(p, before[n]) for n, p in shared.model.named_parameters())  # untouched
+    fresh = backend.generate(request)
+    assert [r.logprobs for r in fresh] != [r.logprobs for r in old]
+    scores = backend.score(fresh, logprobs_mode="processed")  # the training forward on the pushed weights
+    assert all(torch.equal(s, torch.tensor(r.logprobs, dtype=torch.float32)) for s, r in zip(scores, fresh))
+    backend.close()
+
+
+def test_reference_update_checks_names_and_shapes_first():
+    backend = get_backend("reference", "tiny-llama", dtype="float32")
+    digests = backend.weight_checksums()
+    name, param = next(iter(backend._engine.lm.model.named_parameters()))
+    with pytest.raises(InputError, match="no parameter 'nope'"):
+        backend.update_weights([(name, param.detach() * 2), ("nope", torch.zeros(1))])
+    with pytest.raises(InputError, match="shape"):
+        backend.update_weights([(name, torch.zeros(1))])
+    assert backend.weight_checksums() == digests  # nothing was copied
+    backend.close()
+
+
+def test_vllm_layout_packs_like_vllm():
+    t = {f"model.layers.0.self_attn.{p}.weight": torch.full((2, 3), float(i)) for i, p in
+         enumerate(("q_proj", "k_proj", "v_proj", "o_proj"))}
+    t["model.layers.0.mlp.up_proj.weight"] = torch.full((4, 3), 6.0)
+    t["model.layers.0.mlp.gate_proj.weight"] = torch.full((4, 3), 5.0)
+    t["model.embed_tokens.weight"] = torch.ones(100, 3)
+    t["model.layers.1.mlp.up_proj.weight"] = torch.ones(4, 3)  # its gate_proj is missing
+    packed = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    out = vllm_layout(t, packed)
+    qkv = out["model.layers.0.self_attn.qkv_proj.weight"]
+    gate_up = out["model.layers.0.mlp.gate_up_proj.weight"]
+    assert torch.equal(qkv[:, 0], torch.tensor([0.0, 0.0, 1.0, 1.0, 2.0, 2.0]))
+    assert torch.equal(gate_up[:, 0], torch.tensor([5.0] * 4 + [6.0] * 4))
+    assert out["model.layers.0.self_attn.o_proj.weight"] is t["model.layers.0.self_attn.o_proj.weight"]
+    embed = out["model.embed_tokens.weight"]
+    assert embed.shape[0] == VOCAB_PADDING * 2 and torch.equal(embed[100:], torch.zeros(28, 3))
+    assert not any(k.startswith("model.layers.1.") for k in out)
+
+
+def test_which_backends_can_sync_weights():
+    assert weight_sync_missing("reference") is None
+    assert weight_sync_missing("vllm") is None
+    assert weight_sync_missing("vllm-server") is None
+    assert "no weight-update API" in weight_sync_missing("hf")
+    assert "no weight-update API" in weight_sync_missing("trtllm")
+    assert "cannot report the weights" in weight_sync_missing("sglang")
