@@ -4,6 +4,7 @@
 from parity.advisor import advise
 from parity.compare import compare
 from parity.errors import ParityError
+from parity.loop import loop
 from parity.monitor import Monitor
 from parity.quiet import follow_parent
 from parity.report import ParityReport
@@ -17,4 +18,4 @@ from parity.types import Request, Rollout, SamplingParams
 follow_parent()
 
 __all__ = ["Generate", "Inject", "Monitor", "ParityError", "ParityReport", "Request", "Rollout",
-           "SamplingParams", "Tolerance", "__version__", "advise", "compare", "score"]
+           "SamplingParams", "Tolerance", "__version__", "advise", "compare", "loop", "score"]

@@ -4,7 +4,7 @@
     parity score rollouts.parquet --model ./my-checkpoint --temperature 0.7 --top-p 0.9
     parity advise r.json [--json advice.json] [--html r.html]
     parity models | parity backends
-    parity nightly ... | parity replay ... | parity attribute ... | parity lifecycle ...
+    parity nightly ... | parity replay ... | parity attribute ... | parity lifecycle ... | parity loop ...
     parity monitor OUT_DIR [--html OUT] [--json OUT]
 
 `--verbose`, anywhere on the line, shows the engines' own log lines (vLLM's INFO) and the
@@ -59,6 +59,7 @@ PASSTHROUGH: dict[str, tuple[str, str, str]] = {
     "attribute": ("parity.attribute", "main", "attribute drift to ops and layers"),
     "lifecycle": ("parity.lifecycle", "main", "check sleep/wake, weight updates and cache resets"),
     "monitor": ("parity.monitor.command", "main", "draw and summarise a run a parity.Monitor logged"),
+    "loop": ("parity.loop.command", "main", "an on-policy RL loop: drift per step as weights move"),
 }
 
 

@@ -51,6 +51,11 @@ class OutputError(ParityError, OSError):
         self.report = report
 
 
+class DivergedError(ParityError, ArithmeticError):
+    """Training diverged: a loss, a gradient or a logprob of the trained policy became NaN or
+    infinite; the message names the step."""
+
+
 #: exit code of a command whose tolerance or regression check failed (and of nothing else).
 EXIT_FAILED = 1
 #: exit code of a command that could not do its job: bad input, or a failure of parity or a backend.

@@ -2,9 +2,9 @@
 its job or raises a `ParityError` naming the field and the fix, never another exception (a
 TypeError or an IndexError from deep inside NumPy or torch is a traceback the user cannot act on).
 
-Entry points: `parity.compare` (reference backend, tiny model), `Monitor.log`, `train_forward`, `load_case` on
-generated TOML, `load_rollouts` and `read_record` on generated files, and the command line
-(`parity compare`, `parity nightly`, `parity replay`) whose every error must be a ParityError
+Entry points: `parity.compare` (reference backend, tiny model), `parity.loop`, `Monitor.log`,
+`train_forward`, `load_case` on generated TOML, `load_rollouts` and `read_record` on generated
+files, and the command line (`parity compare`, `parity nightly`, `parity replay`) whose every error must be a ParityError
 (exit 2 without the "unexpected error" pointer to --verbose). The values are drawn around each
 field's domain: right types with bad values, wrong types, and valid input (which must succeed),
 all small, so a valid example samples a few tokens only. Sized by the hypothesis profile (ci: 25
@@ -31,6 +31,7 @@ from parity.cli import main
 from parity.dumps import load_rollouts
 from parity.engine import train_forward
 from parity.errors import ParityError
+from parity.loop.record import LoopRecord
 from parity.record import read_record, write_record
 from parity.report import ParityReport
 from parity.types import Request, Rollout, SamplingParams
@@ -252,6 +253,28 @@ VALID_PAIRS = st.lists(st.tuples(st.lists(st.integers(3, 300), min_size=1, max_s
 def test_train_forward(kwargs):
     sequences = kwargs.pop("sequences")
     never_anything_but_a_parity_error(lambda: train_forward(MODEL, sequences, **kwargs))
+
+
+@given(kwargs=some_broken(
+    valid={
+        "steps": st.integers(1, 2), "prompts": st.integers(1, 2), "n": st.integers(1, 2),
+        "max_tokens": st.integers(1, 3), "lr": st.sampled_from([1e-4, 1e-2]), "seed": st.integers(0, 9),
+        "correction": st.sampled_from(["none", "token_tis", "icepop:0.5_2", "seq_mean_k3:0.5"]),
+        "micro_batch_size": st.sampled_from([None, 1]), "temperature": st.sampled_from([0.5, 1.0]),
+    },
+    broken={
+        "steps": SMALL, "prompts": SMALL, "n": SMALL, "max_tokens": SMALL, "lr": SMALL, "seed": SMALL,
+        "correction": st.one_of(JUNK, st.sampled_from(["tis", "token_tis:x", "icepop:2", "seq_mean_k3"])),
+        "micro_batch_size": SMALL, "temperature": SMALL, "backends": st.one_of(JUNK, st.just(["hf"])),
+        "train_on": JUNK, "dtype": JUNK, "device": st.sampled_from(["bogus", "cuda:99", 0]),
+        "backend_dtypes": st.one_of(JUNK, st.just({"reference": "fp8"})),
+        "backend_options": st.one_of(JUNK, st.just({"reference": {"bogus": 1}})),
+        "grad_clip": SMALL, "weight_decay": SMALL,
+    }))
+@pytest.mark.usefixtures("one_thread")
+def test_loop(kwargs):
+    result = never_anything_but_a_parity_error(lambda: parity.loop(MODEL, **kwargs))
+    assert isinstance(result, (LoopRecord, ParityError))
 
 
 @given(case=CASE, garbage=st.one_of(st.just(""), st.text(max_size=10)))

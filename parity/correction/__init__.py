@@ -46,10 +46,11 @@ from parity.correction.config import (
     CorrectionConfig,
     ImportanceRule,
     RejectionRule,
+    correction_from_name,
 )
 
 __all__ = ["EPS", "IS_LEVELS", "RS_OPTIONS", "VERL_IS_LEVELS", "CorrectionConfig", "ImportanceRule",
-           "RejectionRule", "apply_correction", "rollout_correction"]
+           "RejectionRule", "apply_correction", "correction_from_name", "rollout_correction"]
 
 #: names whose modules load torch: imported on first use, so the options (`config`) stay light
 #: for the advisor and for parsing a case.

@@ -257,3 +257,45 @@ class CorrectionConfig:
     def from_dict(cls, d: dict[str, Any], *, where: str = "correction") -> CorrectionConfig:
         """Build from a mapping (a case file's table); unknown keys raise `ConfigError`."""
         return from_mapping(cls, d, where=where, what="option")
+
+
+#: `correction_from_name`'s families: name -> (rollout_is level, default threshold). Every
+#: `RS_OPTIONS` name is a family too, with no default (its threshold must be given).
+NAMED_IS: dict[str, tuple[str, float | str]] = {
+    "token_tis": ("token", 2.0),
+    "sequence_tis": ("sequence", 2.0),
+    "geometric_tis": ("geometric", 2.0),
+    "icepop": ("token", "0.5_2"),
+    "seq_mask_tis": ("seq_mask_tis", "0.5_2"),
+}
+
+
+def correction_from_name(text: str) -> CorrectionConfig:
+    """A correction named as `parity loop --correction` takes it: "none"; an IS family of
+    `NAMED_IS` with an optional threshold after a colon ("token_tis", "token_tis:3",
+    "icepop:0.8_1.25"; verl's default 2.0, IcePop's band 0.5_2); or a rejection criterion of
+    `RS_OPTIONS` with its threshold ("seq_mean_k3:0.01").
+    """
+    if not isinstance(text, str):
+        raise ConfigError(f"a correction name must be a string, got {text!r}")
+    family, _, threshold = text.strip().partition(":")
+    if family == "none" and not threshold:
+        return CorrectionConfig(rollout_is=None)
+    value: float | str | None = None
+    if threshold:
+        try:
+            value = float(threshold)
+        except ValueError:
+            value = threshold
+    if family in NAMED_IS:
+        level, default = NAMED_IS[family]
+        if isinstance(default, str) and value is not None and not isinstance(value, str):
+            raise ConfigError(f"correction {text!r}: {family} takes a band 'lower_upper', e.g. "
+                              f"'{family}:{default}'")
+        return CorrectionConfig(rollout_is=level, rollout_is_threshold=default if value is None else value)
+    if family in RS_OPTIONS:
+        if value is None:
+            raise ConfigError(f"correction {text!r} needs a threshold, e.g. '{family}:0.01'")
+        return CorrectionConfig(rollout_is=None, rollout_rs=family, rollout_rs_threshold=value)
+    raise ConfigError(f"unknown correction {text!r}; use 'none', one of {sorted(NAMED_IS)} with an optional "
+                      f"':threshold', or a rejection criterion with its threshold ({', '.join(RS_OPTIONS)})")

@@ -1,0 +1,92 @@
+"""Drift across training steps: a built-in on-policy RL loop (GRPO) over parity's backends.
+
+    import parity
+    record = parity.loop("tiny-llama", ["reference", "vllm"], steps=20, json="loop.json")
+
+Every step samples on every backend, measures each backend's rollouts against the training
+forward at that step's weights, trains on one backend's rollouts, pushes the new weights to every
+backend and verifies them (`parity.loop.run` says how). Modules: `config` (settings), `task` (the
+built-in arithmetic task, or prompts and a reward of the caller's), `grpo` (advantages, loss),
+`weights` (what is trained and pushed), `trainer` (the differentiable forward and AdamW), `sync`
+(push and verify), `record` (the JSON), `run` (the loop), `command` (`parity loop`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from parity.backends import Backend
+from parity.cases import Case, load_cases
+from parity.errors import ConfigError
+from parity.loop.config import LoopConfig
+from parity.loop.record import LoopRecord
+from parity.outputs import output_file
+
+if TYPE_CHECKING:
+    from parity.loop.task import Reward, Task
+
+__all__ = ["LoopConfig", "LoopRecord", "loop"]
+
+
+def loop(model: str, backends: Sequence[str | Backend] = ("reference",), *, steps: int = 20,
+         case: Case | str | Path | None = None, reward: Reward | None = None, train_on: str = "reference",
+         lr: float = 1e-3, correction: str = "none", seed: int = 0, n: int = 4, max_tokens: int = 16,
+         temperature: float = 1.0, prompts: int = 8, dtype: str = "float32", device: str = "cpu",
+         micro_batch_size: int | None = None, weight_decay: float = 0.0, grad_clip: float | None = 1.0,
+         backend_dtypes: Mapping[str, str] | None = None,
+         backend_options: Mapping[str, Mapping[str, Any]] | None = None,
+         json: str | Path | None = None, html: str | Path | None = None,
+         progress: Any = None) -> LoopRecord:
+    """Run the on-policy GRPO loop on `model` for `steps` steps; returns its `LoopRecord`.
+
+    backends: names, or running `Backend`s (borrowed: given back the starting weights, not
+    closed); each must push and verify weights (the reference engine, vLLM, vLLM's server).
+    case/reward: prompts come from `case` (a Case, a case file or name; its model is not used)
+    and are rewarded by `reward(rollout) -> float`; without a case, the built-in arithmetic task
+    (`parity.loop.task`) on `prompts` prompts, rewarded by its exact answer check (a `reward`
+    given instead replaces its reward). The other settings are `LoopConfig`'s.
+    json/html: the record, rewritten after every step, and its page with per-step charts.
+    progress: called with each step's rows as they are recorded.
+    Raises a ParityError before any engine starts on bad settings or a backend without weight
+    sync; DivergedError naming the step when the loss or the weights become NaN or infinite.
+    """
+    if isinstance(backends, str) or not isinstance(backends, Sequence):
+        raise ConfigError(f"backends must be a list of backend names or Backends, got {backends!r}")
+    names = [b.name if isinstance(b, Backend) else b for b in backends]
+    engines = {b.name: b for b in backends if isinstance(b, Backend)}
+    config = LoopConfig(model=model, backends=tuple(names), train_on=train_on, steps=steps, lr=lr,
+                        weight_decay=weight_decay, grad_clip=grad_clip, correction=correction, seed=seed, n=n,
+                        max_tokens=max_tokens, temperature=temperature, prompts=prompts, dtype=dtype,
+                        device=device, micro_batch_size=micro_batch_size,
+                        backend_dtypes={} if backend_dtypes is None else backend_dtypes,
+                        backend_options={} if backend_options is None else backend_options)
+    json_path = None if json is None else output_file(json, "json")
+    html_path = None if html is None else output_file(html, "html")
+    # the task (tokenizer), the trainer and the engines load torch: only when a loop runs
+    from parity.loop.run import run_loop
+
+    return run_loop(config, _task(config, case, reward), engines=engines, json_path=json_path,
+                    html_path=html_path, progress=progress)
+
+
+def _task(config: LoopConfig, case: Case | str | Path | None, reward: Reward | None) -> Task:
+    """The prompts and reward of a run: a case's prompts with `reward`, or the built-in task."""
+    from parity.loop.task import arithmetic_task, custom_task  # the tokenizer loads torch
+
+    if case is None:
+        task = arithmetic_task(config.model, count=config.prompts, seed=config.seed)
+        if reward is None:
+            return task
+        return custom_task(getattr(reward, "__name__", "reward"), task.prompts, reward)
+    if reward is None:
+        raise ConfigError("a case gives prompts only; pass reward= (a function of a Rollout returning a "
+                          "float), or leave out the case to use the built-in arithmetic task")
+    if not isinstance(case, Case):
+        found = load_cases(case)
+        if len(found) != 1:
+            raise ConfigError(f"case {case!r} names {len(found)} cases; give one")
+        case = found[0]
+    prompts = list(dict.fromkeys(r.prompt_ids for r in case.requests))
+    return custom_task(f"case {case.name}", prompts, reward)

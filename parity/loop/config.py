@@ -1,0 +1,124 @@
+"""The loop's settings, checked on construction before any model loads (no torch here)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from parity.correction.config import CorrectionConfig, correction_from_name
+from parity.errors import ConfigError
+from parity.schema import BACKEND_NAMES, DTYPES
+from parity.types import check_int, check_real
+
+
+def _positive_real(value: Any, name: str) -> float:
+    value = check_real(value, name, "> 0")
+    if value <= 0:
+        raise ConfigError(f"{name} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    """One loop run.
+
+    model: built-in name or local HF checkpoint (the trainer's, and every backend's at start).
+    backends: backend names; each is sampled at every step on the same prompts and weights.
+    train_on: the backend whose rollouts the update uses (one of `backends`).
+    steps: training steps; lr, weight_decay: AdamW's; grad_clip: max gradient norm (None: off).
+    correction: the rollout correction of the loss, a name (`correction_from_name`: "none",
+        "token_tis", "sequence_tis:5", "icepop:0.5_2", "seq_mean_k3:0.01", ...).
+    seed: the sampling seeds of every step derive from it (and the built-in task's prompts).
+    n: responses per prompt (one GRPO group); max_tokens, temperature: their sampling
+        (top-p and top-k off, so every sampled token has a finite logprob on both sides).
+    prompts: how many prompts the built-in task draws (ignored with a case's prompts).
+    dtype, device: the trainer's and the reference engine's (bitwise equality needs both the same).
+    micro_batch_size: sequences per differentiable forward (None: all of a step's at once).
+    backend_dtypes: a dtype per backend name where it differs from `dtype` (e.g. vLLM in bfloat16).
+    backend_options: options per backend name, as `parity.backends.get_backend` takes them.
+    """
+
+    model: str
+    backends: tuple[str, ...] = ("reference",)
+    train_on: str = "reference"
+    steps: int = 20
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    grad_clip: float | None = 1.0
+    correction: str = "none"
+    seed: int = 0
+    n: int = 4
+    max_tokens: int = 16
+    temperature: float = 1.0
+    prompts: int = 8
+    dtype: str = "float32"
+    device: str = "cpu"
+    micro_batch_size: int | None = None
+    backend_dtypes: Mapping[str, str] = field(default_factory=dict)
+    backend_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    #: the parsed `correction`.
+    correction_config: CorrectionConfig = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ConfigError(f"model must be a built-in name or a checkpoint path, got {self.model!r}")
+        if not isinstance(self.backends, (list, tuple)) or not self.backends:
+            raise ConfigError(f"backends must be a non-empty list of backend names, got {self.backends!r}")
+        object.__setattr__(self, "backends", tuple(self.backends))
+        for name in self.backends:
+            if name not in BACKEND_NAMES:
+                raise ConfigError(f"unknown backend {name!r}; choose from {', '.join(BACKEND_NAMES)}")
+        if len(set(self.backends)) != len(self.backends):
+            raise ConfigError(f"backends lists a backend twice: {list(self.backends)}")
+        if self.train_on not in self.backends:
+            raise ConfigError(f"train_on={self.train_on!r} is not one of the backends {list(self.backends)}; "
+                              "the update uses one of the sampled backends' rollouts")
+        check_int(self.steps, "steps", low=1)
+        object.__setattr__(self, "lr", _positive_real(self.lr, "lr"))
+        wd = check_real(self.weight_decay, "weight_decay", ">= 0")
+        if wd < 0:
+            raise ConfigError(f"weight_decay must be >= 0, got {wd!r}")
+        if self.grad_clip is not None:
+            object.__setattr__(self, "grad_clip", _positive_real(self.grad_clip, "grad_clip"))
+        object.__setattr__(self, "correction_config", correction_from_name(self.correction))
+        check_int(self.seed, "seed", low=0)
+        check_int(self.n, "n", low=1)
+        check_int(self.max_tokens, "max_tokens", low=1)
+        temperature = _positive_real(self.temperature, "temperature")
+        if not math.isfinite(temperature):
+            raise ConfigError(f"temperature must be finite, got {temperature!r}")
+        check_int(self.prompts, "prompts", low=1)
+        if self.micro_batch_size is not None:
+            check_int(self.micro_batch_size, "micro_batch_size", low=1)
+        for what, table, values in (("backend_dtypes", self.backend_dtypes, "dtypes"),
+                                    ("backend_options", self.backend_options, "tables of options")):
+            if not isinstance(table, Mapping) or (what == "backend_options" and not all(
+                    isinstance(v, Mapping) for v in table.values())):
+                raise ConfigError(f"{what} must map backend names to {values}, got {table!r}")
+            extra = sorted(set(dict(table)) - set(self.backends))
+            if extra:
+                raise ConfigError(f"{what} names {extra}, which are not among the backends "
+                                  f"{list(self.backends)}")
+        for name, dtype in (("dtype", self.dtype), *((f"backend_dtypes[{k!r}]", v)
+                                                      for k, v in self.backend_dtypes.items())):
+            if not isinstance(dtype, str) or dtype not in DTYPES:
+                raise ConfigError(f"{name} must be one of {list(DTYPES)}, got {dtype!r}")
+        if not isinstance(self.device, str):
+            raise ConfigError(f"device must be a string such as 'cpu' or 'cuda', got {self.device!r}")
+
+    def dtype_of(self, backend: str) -> str:
+        """The dtype `backend` runs in."""
+        return dict(self.backend_dtypes).get(backend, self.dtype)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The settings as JSON values (what the record stores)."""
+        return {"model": self.model, "backends": list(self.backends), "train_on": self.train_on,
+                "steps": self.steps, "lr": self.lr, "weight_decay": self.weight_decay,
+                "grad_clip": self.grad_clip,
+                "correction": self.correction, "seed": self.seed, "n": self.n, "max_tokens": self.max_tokens,
+                "temperature": self.temperature, "prompts": self.prompts, "dtype": self.dtype,
+                "device": self.device, "micro_batch_size": self.micro_batch_size,
+                "backend_dtypes": dict(self.backend_dtypes),
+                "backend_options": {k: dict(v) for k, v in dict(self.backend_options).items()}}

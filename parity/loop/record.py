@@ -1,0 +1,116 @@
+"""The loop's record: one row per step and backend, one update per step, as JSON (no torch).
+
+The JSON document (`LoopRecord.to_json`)::
+
+    {"model", "backends", "seed",
+     "steps": [{"step", "backend", "max_abs_logprob_diff", "mean_abs_logprob_diff", "k3_kl",
+                "is_ratio_mean", "reward_mean", "policy_kl_from_start", "weights_in_sync",
+                "seconds", ...more: STEP_EXTRA_KEYS}],
+     "updates": [{"step", "loss", "grad_norm", "forward_bitwise", "kept_tokens", "seconds"}],
+     "train_on", "config", "provenance", "status", "error"}
+
+Row `(t, b)` describes backend b at step t, all at the weights W_t of step t (before step t's
+update): b's rollouts of step t against the training forward at W_t, b's rewards, the policy's
+KL from W_0, and whether b was verified to hold W_t before it sampled. Its `seconds` are b's part
+of the step: b's generate call, the training forward on b's rollouts, and the push of W_t to b
+with its digest check (made at the end of step t - 1; for step 0, the starting sync). An
+update's `seconds` are the rewards, the advantages, the loss, backward and the optimizer step.
+`status` is "running" while steps are appended, then "complete", or "diverged"
+/ "failed" with `error` naming the step. The file is rewritten atomically after every step, so a
+killed run keeps every finished step.
+
+Two runs with the same seed and configuration write the same JSON except the timing fields
+(`TIMING_KEYS`, every "seconds"): `without_timing` drops them for comparison.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from parity.errors import InputError
+from parity.outputs import write_atomic
+
+#: the keys of a step row the JSON contract names (issue 36), in order.
+STEP_KEYS: tuple[str, ...] = ("step", "backend", "max_abs_logprob_diff", "mean_abs_logprob_diff", "k3_kl",
+                              "is_ratio_mean", "reward_mean", "policy_kl_from_start", "weights_in_sync",
+                              "seconds")
+#: more per-row keys: the IS ratio's extremes, PPO's clip fraction on this backend's logprobs,
+#: whether every rollout logprob equals the training forward's bit for bit, the tokens compared,
+#: whether this backend's rollouts trained the policy, and what a failed sync check found.
+STEP_EXTRA_KEYS: tuple[str, ...] = ("is_ratio_min", "is_ratio_max", "clip_fraction", "bitwise", "num_tokens",
+                                    "trained_on", "sync_detail")
+UPDATE_KEYS: tuple[str, ...] = ("step", "loss", "grad_norm", "forward_bitwise", "kept_tokens", "seconds")
+#: fields that differ between identical runs (wall-clock time); dropped by `without_timing`.
+TIMING_KEYS: tuple[str, ...] = ("seconds",)
+STATUSES: tuple[str, ...] = ("running", "complete", "diverged", "failed")
+
+
+@dataclass
+class LoopRecord:
+    """The loop's results so far; `steps` and `updates` grow as the loop runs."""
+
+    model: str
+    backends: list[str]
+    seed: int
+    train_on: str
+    config: dict[str, Any]
+    provenance: dict[str, Any]
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    updates: list[dict[str, Any]] = field(default_factory=list)
+    status: str = "running"
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "backends": list(self.backends), "seed": self.seed,
+                "steps": [_finite(row) for row in self.steps], "updates": [_finite(u) for u in self.updates],
+                "train_on": self.train_on, "config": self.config, "provenance": self.provenance,
+                "status": self.status, "error": self.error}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, sort_keys=False) + "\n"
+
+    def write(self, path: Path) -> None:
+        """Write the JSON to `path` atomically (a reader sees the previous or the new file, whole)."""
+        write_atomic(path, self.to_json())
+
+    @classmethod
+    def from_dict(cls, d: Any) -> LoopRecord:
+        if not isinstance(d, dict):
+            raise InputError(f"a loop record must be a JSON object, got {type(d).__name__}")
+        missing = [k for k in ("model", "backends", "seed", "steps") if k not in d]
+        if missing:
+            raise InputError(f"loop record: missing field {missing[0]!r}")
+        return cls(model=d["model"], backends=list(d["backends"]), seed=d["seed"],
+                   train_on=d.get("train_on", ""), config=d.get("config", {}),
+                   provenance=d.get("provenance", {}), steps=list(d["steps"]),
+                   updates=list(d.get("updates", [])), status=d.get("status", "complete"),
+                   error=d.get("error"))
+
+    @classmethod
+    def read(cls, path: str | Path) -> LoopRecord:
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise InputError(f"{path}: not a readable loop record ({exc})") from exc
+
+    def rows(self, backend: str) -> list[dict[str, Any]]:
+        """The step rows of one backend, in step order."""
+        return [row for row in self.steps if row["backend"] == backend]
+
+
+def without_timing(document: Any) -> Any:
+    """A JSON value with every `TIMING_KEYS` entry removed, at any depth."""
+    if isinstance(document, dict):
+        return {k: without_timing(v) for k, v in document.items() if k not in TIMING_KEYS}
+    if isinstance(document, list):
+        return [without_timing(v) for v in document]
+    return document
+
+
+def _finite(row: dict[str, Any]) -> dict[str, Any]:
+    """NaN and infinities as null: JSON has no spelling for them."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}

@@ -1,0 +1,220 @@
+"""The loop itself: sample on every backend, measure, update, push, verify; step after step.
+
+Step t, at the weights W_t that every backend was verified to hold:
+1. every backend samples n responses per prompt (the same requests and seeds everywhere);
+2. the training forward scores each backend's rollouts at W_t (no grad): drift per backend, and
+   the task's rewards;
+3. the train-on backend's rollouts make the update: GRPO advantages, the loss with the chosen
+   rollout correction, backward through the training forward (micro-batches), an AdamW step;
+4. W_{t+1} is pushed to every backend through its weight-sync path and verified by weight
+   digests (`parity.loop.sync`); the check is what step t+1's rows report as `weights_in_sync`.
+The rows of step t are appended and the JSON rewritten (atomically) before step t+1 starts.
+Nothing is pushed after the last step: no rollout would use it.
+
+The policy's KL from its start is measured on a fixed probe: the train-on backend's rollouts of
+step 0, sampled from W_0, scored at W_t and at W_0 (k3 estimator of KL(π_0 || π_t); 0 at step 0).
+
+Backends the loop starts are closed at the end; backends the caller passed in (already running,
+e.g. a shared engine) get the starting weights back, so they are left as they were found.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from parity.backends import Backend, get_backend, weight_sync_missing
+from parity.errors import ConfigError, DivergedError
+from parity.loop.config import LoopConfig
+from parity.loop.grpo import clip_fraction, group_advantages, padded, plan_loss
+from parity.loop.record import LoopRecord
+from parity.loop.sync import SyncCheck, initial_sync, push
+from parity.loop.task import Task, prompt_id
+from parity.loop.trainer import Trainer
+from parity.metrics import summarize
+from parity.outputs import write_atomic
+from parity.render.loop import loop_page
+from parity.schema import VERSION
+from parity.types import Request, Rollout, SamplingParams
+
+#: sampling seeds of step t start at seed * SEED_STRIDE + t * PROMPT_STRIDE; prompt i adds i.
+SEED_STRIDE, PROMPT_STRIDE = 1_000_003, 10_007
+#: called with each step's rows as they are recorded (the command prints them).
+Progress = Callable[[list[dict[str, Any]]], None]
+
+
+def step_requests(config: LoopConfig, task: Task, step: int) -> list[Request]:
+    """The requests of step `step`: one per prompt, n samples each, seeds fixed by (seed, step, prompt)."""
+    base = (config.seed * SEED_STRIDE + step * PROMPT_STRIDE) % (2**31 - 1 - len(task.prompts))
+    return [Request(prompt_ids=prompt, request_id=prompt_id(i),
+                    sampling=SamplingParams(n=config.n, temperature=config.temperature,
+                                            max_tokens=config.max_tokens, seed=base + i))
+            for i, prompt in enumerate(task.prompts)]
+
+
+def check_backends(config: LoopConfig, engines: dict[str, Backend]) -> None:
+    """Refuse, before anything starts, a backend that cannot push and verify weights."""
+    for name in config.backends:
+        reason = type(engines[name]).weight_sync_missing() if name in engines else weight_sync_missing(name)
+        if reason is not None:
+            raise ConfigError(f"parity loop pushes new weights to every backend each step and verifies them; "
+                              f"{reason}. Drop {name!r} from the backends")
+
+
+def run_loop(config: LoopConfig, task: Task, *, engines: dict[str, Backend] | None = None,
+             json_path: Path | None = None, html_path: Path | None = None,
+             progress: Progress | None = None) -> LoopRecord:
+    """Run `config` on `task`; returns the record (also written to `json_path` after every step).
+
+    engines: already running backends by name (borrowed: restored to the starting weights at the
+    end, never closed). A DivergedError names the step; the steps before it are kept.
+    """
+    engines = dict(engines or {})
+    check_backends(config, engines)
+    record = LoopRecord(model=config.model, backends=list(config.backends), seed=config.seed,
+                        train_on=config.train_on, config={**config.to_dict(), "task": task.name},
+                        provenance={"parity": VERSION, "torch": torch.__version__})
+    started: list[Backend] = []
+    trainer = Trainer(config.model, dtype=config.dtype, device=config.device, lr=config.lr,
+                      weight_decay=config.weight_decay, grad_clip=config.grad_clip,
+                      micro_batch_size=config.micro_batch_size)
+    start_weights = [(name, t.clone()) for name, t in trainer.weights.named_tensors()] if engines else []
+    step = -1
+    try:
+        backends = {}
+        for name in config.backends:
+            if name not in engines:
+                backends[name] = _start(name, config)
+                started.append(backends[name])
+            else:
+                backends[name] = engines[name]
+        record.provenance["backends"] = {name: _meta(b) for name, b in backends.items()}
+        checks = {name: initial_sync(trainer.weights, b) for name, b in backends.items()}
+        probe: tuple[list[Rollout], list[torch.Tensor]] | None = None
+        for step in range(config.steps):
+            probe, checks = _step(config, task, trainer, backends, checks, step, probe, record)
+            if progress is not None:
+                progress(record.steps[-len(backends):])
+            if json_path is not None:
+                record.write(json_path)
+        record.status = "complete"
+    except DivergedError as exc:
+        record.status, record.error = "diverged", f"step {step}: {exc}"
+        raise DivergedError(f"training diverged at step {step}: {exc}; the {step} steps before it are kept"
+                            + (f" in {json_path}" if json_path else "")) from exc
+    except BaseException as exc:
+        record.status, record.error = "failed", f"step {step}: {exc}" if step >= 0 else str(exc)
+        raise
+    finally:
+        if json_path is not None:
+            record.write(json_path)
+        if html_path is not None:
+            write_atomic(html_path, loop_page(record.to_dict()))
+        for backend in started:
+            backend.close()
+        _restore(engines.values(), start_weights, failed=record.status != "complete")
+    return record
+
+
+def _restore(borrowed: Any, weights: list[tuple[str, torch.Tensor]], *, failed: bool) -> None:
+    """Give borrowed backends their starting weights back. After a failure, a backend that cannot
+    take them (its engine died with the failure) must not hide the failure's own error."""
+    for backend in borrowed:
+        try:
+            backend.update_weights(weights)
+        except Exception:
+            if not failed:
+                raise
+
+
+def _start(name: str, config: LoopConfig) -> Backend:
+    options = dict(config.backend_options.get(name, {}))
+    if name == "reference":
+        options.setdefault("device", config.device)
+    return get_backend(name, config.model, dtype=config.dtype_of(name), **options)
+
+
+def _meta(backend: Backend) -> dict[str, Any]:
+    """The settings of a backend that a reader of the record needs (no paths, no seeds)."""
+    keys = ("backend", "backend_version", "dtype", "device", "kernels", "batch_invariant",
+            "attention_backend", "logprobs_mode", "enable_prefix_caching")
+    return {k: backend.meta[k] for k in keys if k in backend.meta}
+
+
+def _step(config: LoopConfig, task: Task, trainer: Trainer, backends: dict[str, Backend],
+          checks: dict[str, SyncCheck], step: int, probe: tuple[list[Rollout], list[torch.Tensor]] | None,
+          record: LoopRecord) -> tuple[tuple[list[Rollout], list[torch.Tensor]], dict[str, SyncCheck]]:
+    """One step; appends its rows and update to `record`; returns the probe and the next checks."""
+    requests = step_requests(config, task, step)
+    rows, scored = {}, {}
+    for name, backend in backends.items():
+        began = time.perf_counter()
+        rollouts = backend.generate(requests)
+        train = trainer.logprobs(rollouts)
+        _check_finite(train, name)
+        rewards = [float(task.reward(r)) for r in rollouts]
+        rows[name] = _row(step, name, rollouts, train, rewards, checks[name], config.train_on == name)
+        rows[name]["seconds"] = time.perf_counter() - began + checks[name].seconds
+        scored[name] = (rollouts, train, rewards)
+    rollouts, train, rewards = scored[config.train_on]
+    if probe is None:
+        probe = (rollouts, train)
+    kl = summarize(*_arrays(trainer.logprobs(probe[0]) if step else probe[1], probe[1]))["k3_kl"]
+    began = time.perf_counter()
+    advantages = group_advantages(torch.tensor(rewards, dtype=torch.float64).view(len(requests), config.n))
+    plan = plan_loss(train, [torch.tensor(r.logprobs, dtype=torch.float32) for r in rollouts],
+                     advantages.reshape(-1).tolist(), config.correction_config)
+    stats = trainer.update(rollouts, plan)
+    update_seconds = time.perf_counter() - began
+    last = step == config.steps - 1
+    next_checks = checks if last else {name: push(trainer.weights, b) for name, b in backends.items()}
+    for row in rows.values():
+        row["policy_kl_from_start"] = kl
+        record.steps.append(row)
+    record.updates.append({"step": step, "loss": stats.loss, "grad_norm": stats.grad_norm,
+                           "forward_bitwise": stats.forward_bitwise, "kept_tokens": plan.kept_tokens,
+                           "seconds": update_seconds})
+    return probe, next_checks
+
+
+def _arrays(train: Sequence[torch.Tensor], rollout: Sequence[torch.Tensor]
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-sequence vectors -> `[batch, max_len]` train, rollout and mask."""
+    train_b, mask = padded(list(train))
+    rollout_b, _ = padded(list(rollout))
+    return train_b, rollout_b, mask
+
+
+def _check_finite(train: Sequence[torch.Tensor], backend: str) -> None:
+    """A non-finite logprob of the training forward means the weights have diverged: with top-p and
+    top-k off, every token has a finite logprob under finite weights."""
+    for i, lp in enumerate(train):
+        if not torch.isfinite(lp).all():
+            raise DivergedError(f"the training forward gives a non-finite logprob on {backend}'s rollout "
+                                f"{i}: the weights are no longer finite")
+
+
+def _row(step: int, name: str, rollouts: list[Rollout], train: list[torch.Tensor], rewards: list[float],
+         check: SyncCheck, trained_on: bool) -> dict[str, Any]:
+    """The row of one backend at one step (`parity.loop.record.STEP_KEYS` and extras)."""
+    rollout_lp = [torch.tensor(r.logprobs, dtype=torch.float32) for r in rollouts]
+    train_b, rollout_b, mask = _arrays(train, rollout_lp)
+    summary = summarize(train_b, rollout_b, mask)
+    return {
+        "step": step, "backend": name,
+        "max_abs_logprob_diff": summary["max_abs_logprob_diff"],
+        "mean_abs_logprob_diff": summary["mean_abs_logprob_diff"],
+        "k3_kl": summary["k3_kl"], "is_ratio_mean": summary["is_ratio_mean"],
+        "reward_mean": float(np.mean(rewards)), "policy_kl_from_start": 0.0,
+        "weights_in_sync": check.in_sync, "seconds": 0.0,
+        "is_ratio_min": summary["is_ratio_min"], "is_ratio_max": summary["is_ratio_max"],
+        "clip_fraction": clip_fraction(train_b, rollout_b, mask),
+        "bitwise": all(torch.equal(t, r) for t, r in zip(train, rollout_lp)),
+        "num_tokens": summary["num_tokens"], "trained_on": trained_on,
+        "sync_detail": None if check.in_sync else check.describe(),
+    }

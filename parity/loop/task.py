@@ -1,0 +1,107 @@
+"""What the loop trains on: prompts and a reward, a built-in verifiable task or the caller's own.
+
+The built-in task is integer arithmetic. Prompt i is the text `"a+b="`, `"a-b="` or `"a*b="`
+with operands drawn from `[0, max_operand]` by a seeded generator, encoded with the model's own
+tokenizer; its answer is the exact integer result. A response is checked exactly: its text
+(decoded with the same tokenizer, special tokens skipped, leading spaces ignored) must start
+with the answer's decimal digits, not followed by another digit. That earns reward 1.0.
+
+An untrained (or tiny, random-weight) model almost never writes the answer, and GRPO learns
+nothing from a group whose rewards are all equal. So a wrong response earns a small format
+credit instead: `FORMAT_CREDIT` times the share of the answer's length that the response covers
+with digit characters (capped at 1), i.e. "answered with a number of the right size". It is
+below any correct answer's reward, so the exact check dominates once the model can do the task,
+and it gives a tiny checkpoint's policy something to move towards in a few steps.
+
+A task of the caller's own is any prompts (token ids: a case's, or a list) and a reward
+function of a `Rollout` (`Reward`): `Task(prompts, reward)`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from parity.errors import ConfigError
+from parity.prompts import tokenizer
+from parity.types import Rollout, check_int
+
+#: a reward function: one rollout (prompt, response, request id) -> a finite float.
+Reward = Callable[[Rollout], float]
+#: reward of a wrong response whose digits cover the answer's length (see the module doc).
+FORMAT_CREDIT = 0.1
+#: the operators of the built-in task.
+OPERATORS = "+-*"
+_LEADING_INTEGER = re.compile(r"\s*(-?\d+)")
+
+
+@dataclass(frozen=True)
+class Task:
+    """Prompts (token ids, one request per prompt) and the reward of one rollout.
+
+    name: how reports name the task ("arithmetic", "case smoke", a function's name).
+    """
+
+    name: str
+    prompts: tuple[tuple[int, ...], ...]
+    reward: Reward
+
+    def __post_init__(self) -> None:
+        if not self.prompts:
+            raise ConfigError("a loop task needs at least one prompt")
+        if not callable(self.reward):
+            raise ConfigError(f"reward must be a function of a Rollout, got {type(self.reward).__name__}")
+
+
+def problems(count: int, seed: int, max_operand: int) -> list[tuple[str, int]]:
+    """`count` arithmetic problems `("a+b=", answer)`, drawn with `seed` (the same on every machine)."""
+    check_int(count, "count", low=1)
+    check_int(max_operand, "max_operand", low=1)
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(count):
+        a, b = (int(v) for v in rng.integers(0, max_operand + 1, size=2))
+        op = OPERATORS[int(rng.integers(0, len(OPERATORS)))]
+        answer = a + b if op == "+" else a - b if op == "-" else a * b
+        out.append((f"{a}{op}{b}=", answer))
+    return out
+
+
+def arithmetic_reward(text: str, answer: int) -> float:
+    """1.0 when `text` starts (after spaces) with exactly `answer`'s digits, else the format
+    credit: FORMAT_CREDIT x min(1, digit characters in `text` / len(str(answer)))."""
+    match = _LEADING_INTEGER.match(text)
+    if match is not None and int(match.group(1)) == answer:
+        return 1.0
+    digits = sum(ch.isdigit() for ch in text)
+    return FORMAT_CREDIT * min(1.0, digits / len(str(answer)))
+
+
+def arithmetic_task(model: str, *, count: int = 8, seed: int = 0, max_operand: int = 20) -> Task:
+    """The built-in task on `model` (its tokenizer encodes the prompts and decodes responses)."""
+    tok = tokenizer(model, where="loop task")
+    chosen = problems(count, seed, max_operand)
+    prompts = tuple(tuple(tok.encode(text)) for text, _ in chosen)
+    known = len(tok)
+    # the request id of prompt i is prompt_id(i): the answer is found by it
+    answers = {prompt_id(i): answer for i, (_, answer) in enumerate(chosen)}
+
+    def reward(rollout: Rollout) -> float:
+        # ids past the tokenizer's vocabulary (a model whose head is wider) decode to nothing
+        text = tok.decode([t for t in rollout.token_ids if t < known], skip_special_tokens=True)
+        return arithmetic_reward(text, answers[rollout.request_id])
+
+    return Task("arithmetic", prompts, reward)
+
+
+def prompt_id(index: int) -> str:
+    """The request id of prompt `index` at every step (rollouts of one prompt form one group)."""
+    return f"p{index}"
+
+
+def custom_task(name: str, prompts: Sequence[Sequence[int]], reward: Reward) -> Task:
+    """A task of the caller's prompts (token ids) and reward function."""
+    return Task(name, tuple(tuple(int(t) for t in p) for p in prompts), reward)

@@ -1,0 +1,85 @@
+"""The training side of the loop: parity's training forward with gradients, and an AdamW step.
+
+The trainer holds its own copy of the model (`copy_model`: load_model's shared model is never
+changed) and scores rollouts with `parity.engine.train_forward`, the reference engine's bitwise
+twin. The update runs the same forward with `grad=True`, micro-batch by micro-batch (gradients
+accumulate); its logprobs must be the same bits as the no-grad forward the loss was planned on
+(`parity.kernels.grad` keeps the invariant kernels' forward under autograd), which every step
+checks. Then the gradient norm is clipped (verl's `grad_clip`, 1.0) and torch's AdamW steps.
+A NaN or infinite loss or gradient stops the step before the optimizer touches the weights.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from parity.engine import train_forward
+from parity.errors import DivergedError
+from parity.loop.grpo import LossPlan, micro_batch_loss
+from parity.loop.weights import FullWeights, trained_weights
+from parity.models.loading import copy_model, load_model
+from parity.types import Rollout
+
+
+@dataclass(frozen=True)
+class UpdateStats:
+    """One optimizer step: loss (token mean), gradient norm before clipping, and whether the
+    differentiable forward gave exactly the planned (no-grad) logprobs on every sequence."""
+
+    loss: float
+    grad_norm: float
+    forward_bitwise: bool
+
+
+class Trainer:
+    """The training model, its optimizer and its forward.
+
+    lr, weight_decay, betas: AdamW's; grad_clip: max gradient norm (None: no clipping);
+    micro_batch_size: sequences per differentiable forward (None: all at once).
+    """
+
+    def __init__(self, model: str, *, dtype: str, device: str, lr: float, weight_decay: float = 0.0,
+                 betas: tuple[float, float] = (0.9, 0.999), grad_clip: float | None = 1.0,
+                 micro_batch_size: int | None = None) -> None:
+        self.lm = copy_model(load_model(model, dtype=dtype, device=device))
+        self.dtype, self.device = dtype, device
+        self.weights: FullWeights = trained_weights(self.lm)
+        self.optimizer = torch.optim.AdamW(self.weights.parameters(), lr=lr, betas=betas,
+                                           weight_decay=weight_decay)
+        self.grad_clip = grad_clip
+        self.micro_batch_size = micro_batch_size
+
+    def logprobs(self, rollouts: Sequence[Rollout]) -> list[torch.Tensor]:
+        """Teacher-forced logprobs of each rollout's response at the current weights (no grad)."""
+        return train_forward(self.lm, list(rollouts), dtype=self.dtype, device=self.device).logprobs
+
+    def update(self, rollouts: Sequence[Rollout], plan: LossPlan) -> UpdateStats:
+        """One optimizer step on `rollouts` with the loss `plan` (made from `logprobs(rollouts)`)."""
+        n = len(rollouts)
+        size = self.micro_batch_size or n
+        bitwise = True
+        total = 0.0
+        self.weights.zero_grad()
+        for start in range(0, n, size):
+            rows = range(start, min(n, start + size))
+            logprobs = train_forward(self.lm, [rollouts[i] for i in rows], dtype=self.dtype,
+                                     device=self.device, grad=True).logprobs
+            for i, lp in zip(rows, logprobs):
+                bitwise &= torch.equal(lp.detach(), plan.old[i, :lp.numel()])
+            loss = micro_batch_loss(logprobs, plan, rows)
+            loss.backward()
+            total += float(loss.detach())
+        self.weights.gradients_to_masters()
+        params = self.weights.parameters()
+        norm = float(torch.nn.utils.clip_grad_norm_(params, self.grad_clip if self.grad_clip else math.inf))
+        if not (math.isfinite(total) and math.isfinite(norm)):
+            self.weights.zero_grad()
+            raise DivergedError(f"the loss is {total} and the gradient norm {norm}")
+        self.optimizer.step()
+        self.weights.masters_to_model()
+        self.weights.zero_grad()
+        return UpdateStats(loss=total, grad_norm=norm, forward_bitwise=bitwise)

@@ -1,0 +1,75 @@
+"""Which weights the loop trains, and how they reach a backend: decided here and nowhere else.
+
+`trained_weights(lm)` picks the trained tensors of the training model; the object it returns
+gives the optimizer its parameters, pushes the trained weights to a backend and says what that
+backend must hold afterwards. `FullWeights` trains every parameter and pushes every parameter
+through the backend's weight update (`Backend.update_weights`, HF parameter names).
+
+Precision: a model held in bfloat16 or float16 trains float32 master copies (the mixed-precision
+recipe of FSDP and Megatron): the optimizer steps the masters, which are then rounded into the
+model, so small updates accumulate instead of vanishing below the half-precision ulp. The model's
+own rounded weights are what the forward runs and what is pushed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from parity.backends import Backend
+from parity.models.loading import LoadedModel
+
+
+class FullWeights:
+    """Every parameter of the training model, trained and pushed.
+
+    parameters(): what the optimizer steps (float32 masters for a half-precision model).
+    named_tensors(): what is pushed, `(parameter name, tensor)` in the model's dtype.
+    """
+
+    def __init__(self, lm: LoadedModel) -> None:
+        self._named = list(lm.model.named_parameters())
+        for _, p in self._named:
+            p.requires_grad_(True)
+        half = lm.torch_dtype != torch.float32
+        self._masters = ([torch.nn.Parameter(p.detach().to(torch.float32)) for _, p in self._named]
+                         if half else None)
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return self._masters or [p for _, p in self._named]
+
+    def gradients_to_masters(self) -> None:
+        """After backward: the model's gradients become the masters' (float32)."""
+        if self._masters is None:
+            return
+        for master, (_, p) in zip(self._masters, self._named):
+            master.grad = None if p.grad is None else p.grad.to(torch.float32)
+
+    def masters_to_model(self) -> None:
+        """After the optimizer step: the model takes its masters' values, rounded to its dtype."""
+        if self._masters is None:
+            return
+        with torch.no_grad():
+            for master, (_, p) in zip(self._masters, self._named):
+                p.copy_(master)
+
+    def zero_grad(self) -> None:
+        for _, p in self._named:
+            p.grad = None
+        for master in self._masters or ():
+            master.grad = None
+
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        return [(name, p.detach()) for name, p in self._named]
+
+    def push(self, backend: Backend) -> None:
+        """Send the trained weights to `backend` through its weight update."""
+        backend.update_weights(self.named_tensors())
+
+    def expected_checksums(self, backend: Backend) -> dict[str, str]:
+        """The checksums `backend.weight_checksums()` must report once a push has landed."""
+        return backend.expected_checksums(self.named_tensors())
+
+
+def trained_weights(lm: LoadedModel) -> FullWeights:
+    """The weights the loop trains and pushes for the training model `lm` (every parameter)."""
+    return FullWeights(lm)

@@ -1,0 +1,178 @@
+"""The RL loop on the reference engine: bitwise at every step while the policy moves, reproducible,
+a skipped weight push caught, bad input refused before step 0, divergence named by its step."""
+
+import json
+import math
+
+import pytest
+import torch
+
+import parity
+from parity.backends.reference import ReferenceBackend
+from parity.cli import main
+from parity.correction import CorrectionConfig, correction_from_name
+from parity.errors import ConfigError, DivergedError
+from parity.loop import run as loop_run
+from parity.loop.config import LoopConfig
+from parity.loop.grpo import group_advantages, plan_loss
+from parity.loop.record import STEP_KEYS, LoopRecord, without_timing
+from parity.loop.task import FORMAT_CREDIT, arithmetic_reward, problems
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+#: a short run's settings: 4 prompts x 4 responses x 8 tokens (a learning rate that moves the policy).
+SMALL = {"prompts": 4, "n": 4, "max_tokens": 8, "lr": 3e-3}
+
+
+def _check_claims(record: LoopRecord, steps: int) -> None:
+    rows = record.rows("reference")
+    assert [row["step"] for row in rows] == list(range(steps))
+    for row in rows:
+        assert row["bitwise"] and row["max_abs_logprob_diff"] == 0.0 and row["k3_kl"] == 0.0
+        assert row["is_ratio_mean"] == 1.0 and row["clip_fraction"] == 0.0
+        assert row["weights_in_sync"]
+    assert all(update["forward_bitwise"] for update in record.updates)
+    kl = [row["policy_kl_from_start"] for row in rows]
+    assert kl[0] == 0.0 and all(k > 0 for k in kl[1:])  # the policy moves every step
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen3-moe"])
+def test_reference_rollouts_equal_the_training_forward_at_every_step(model, tmp_path):
+    """Requirement 3: 20 steps, every rollout logprob == the training forward's bit for bit at that
+    step's weights (the loop compares with torch.equal), while the policy moves away from W_0."""
+    record = parity.loop(model, ["reference"], steps=20, seed=1, json=tmp_path / "loop.json", **SMALL)
+    _check_claims(record, 20)
+    assert record.status == "complete"
+    stored = json.loads((tmp_path / "loop.json").read_text())
+    assert stored == json.loads(record.to_json())
+    assert all(set(STEP_KEYS) <= set(row) for row in stored["steps"])
+
+
+def test_native_reference_engine_is_not_bitwise():
+    """Negative control: the same loop with the engine on stock kernels differs from the training
+    forward, and the record says so."""
+    record = parity.loop("tiny-llama", ["reference"], steps=2,
+                         backend_options={"reference": {"kernels": "native"}},
+                         **SMALL)
+    assert not all(row["bitwise"] for row in record.steps)
+    assert max(row["max_abs_logprob_diff"] for row in record.steps) > 0
+
+
+def test_same_seed_same_json_except_seconds(tmp_path):
+    """Two runs with one seed write identical JSON once every "seconds" field is dropped; another
+    seed does not (so the comparison can fail)."""
+    docs = []
+    for name, seed in (("a", 3), ("b", 3), ("c", 4)):
+        parity.loop("tiny-llama", ["reference"], steps=3, seed=seed, json=tmp_path / f"{name}.json", **SMALL)
+        docs.append(json.loads((tmp_path / f"{name}.json").read_text()))
+    assert without_timing(docs[0]) == without_timing(docs[1])
+    assert docs[0] != docs[1]  # the seconds differ: they are what is excluded
+    assert without_timing(docs[0])["steps"] != without_timing(docs[2])["steps"]
+
+
+def test_skipped_push_is_caught(monkeypatch):
+    """Negative control of the weight sync: a push that silently does nothing (the second one, made
+    after step 1) leaves the engine on old weights, and step 2's row reports it out of sync."""
+    calls = []
+    push = ReferenceBackend.update_weights
+
+    def flaky(self, named_tensors):
+        calls.append(1)
+        if len(calls) != 3:  # the 1st is the starting sync, the 2nd after step 0, the 3rd after step 1
+            push(self, named_tensors)
+
+    monkeypatch.setattr(ReferenceBackend, "update_weights", flaky)
+    record = parity.loop("tiny-llama", ["reference"], steps=4, **SMALL)
+    in_sync = [row["weights_in_sync"] for row in record.steps]
+    assert in_sync == [True, True, False, True]
+    assert "tensors differ" in record.steps[2]["sync_detail"]
+    assert not record.steps[2]["bitwise"]  # the stale engine's rollouts are off the trained policy
+
+
+def test_backend_without_weight_sync_is_refused_before_step_0(monkeypatch):
+    def no_trainer(*args, **kwargs):
+        raise AssertionError("the trainer started")
+
+    monkeypatch.setattr(loop_run, "Trainer", no_trainer)
+    with pytest.raises(ConfigError, match="'hf' has no weight-update API"):
+        parity.loop("tiny-llama", ["reference", "hf"], steps=2)
+    with pytest.raises(ConfigError, match="'trtllm' has no weight-update API"):
+        parity.loop("tiny-llama", ["reference", "trtllm"], steps=2)
+
+
+def test_diverged_loss_stops_with_the_step_named(tmp_path):
+    """A learning rate that blows the weights up: the loop stops with DivergedError naming the step
+    and the JSON keeps every step before it."""
+    out = tmp_path / "loop.json"
+    with pytest.raises(DivergedError, match=r"diverged at step \d+"):
+        parity.loop("tiny-llama", ["reference"], steps=6, json=out, **{**SMALL, "lr": 1e30, "max_tokens": 4})
+    stored = json.loads(out.read_text())
+    assert stored["status"] == "diverged" and stored["error"].startswith("step ")
+    failed = int(stored["error"].split()[1].rstrip(":"))
+    assert failed >= 1 and [row["step"] for row in stored["steps"]] == list(range(failed))
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"steps": 0}, "steps"), ({"lr": -1.0}, "lr"), ({"lr": math.nan}, "lr"), ({"n": 0}, "n"),
+    ({"backends": ["reference", "nope"]}, "unknown backend"), ({"train_on": "vllm"}, "train_on"),
+    ({"correction": "token_tis:zero"}, "rollout_is_threshold"),
+    ({"correction": "magic"}, "unknown correction"),
+    ({"backend_dtypes": {"vllm": "bfloat16"}}, "not among the backends"), ({"dtype": "int8"}, "dtype"),
+])
+def test_bad_settings_are_refused(kwargs, match):
+    settings = {"model": "tiny-llama", **kwargs}
+    with pytest.raises(ConfigError, match=match):
+        LoopConfig(**settings)
+
+
+def test_correction_names():
+    assert correction_from_name("none") == CorrectionConfig(rollout_is=None)
+    assert correction_from_name("token_tis") == CorrectionConfig(rollout_is="token", rollout_is_threshold=2.0)
+    assert correction_from_name("sequence_tis:5") == CorrectionConfig(rollout_is="sequence",
+                                                                      rollout_is_threshold=5.0)
+    assert correction_from_name("icepop:0.8_1.25").is_rule.band_lower == 0.8
+    assert correction_from_name("seq_mean_k3:0.01").rs_rules[0].option == "seq_mean_k3"
+    for bad in ("icepop:2", "seq_mean_k3", "tis"):
+        with pytest.raises(ConfigError):
+            correction_from_name(bad)
+
+
+def test_group_advantages_are_verl_grpo():
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.5, 0.5, 0.5, 0.5]])
+    adv = group_advantages(rewards)
+    std = torch.tensor([1.0, 0.0, 0.0, 1.0]).std()  # unbiased, as verl's torch.std
+    assert torch.allclose(adv[0], (rewards[0] - 0.5).double() / (std.double() + 1e-6))
+    assert torch.equal(adv[1], torch.zeros(4, dtype=torch.float64))  # equal rewards teach nothing
+
+
+def test_reference_correction_weights_are_exactly_one():
+    """On the reference engine the correction sees identical logprobs: weights 1, nothing rejected."""
+    lp = [torch.tensor([-1.0, -2.0]), torch.tensor([-0.5])]
+    plan = plan_loss(lp, [t.clone() for t in lp], [1.0, -1.0], correction_from_name("token_tis"))
+    assert torch.equal(plan.weights[plan.keep], torch.ones(3)) and plan.kept_tokens == 3
+
+
+def test_arithmetic_task_checks_answers_exactly():
+    assert arithmetic_reward("42", 42) == 1.0
+    assert arithmetic_reward(" 42\n7", 42) == 1.0
+    assert arithmetic_reward("-3 apples", -3) == 1.0
+    assert arithmetic_reward("421", 42) == FORMAT_CREDIT  # another number, digits covering the answer
+    assert arithmetic_reward("4", 42) == FORMAT_CREDIT / 2
+    assert arithmetic_reward("forty-two", 42) == 0.0
+    chosen = problems(16, seed=0, max_operand=20)
+    assert chosen == problems(16, seed=0, max_operand=20) != problems(16, seed=1, max_operand=20)
+    for text, answer in chosen:
+        assert eval(text.rstrip("=")) == answer
+
+
+def test_command_line(tmp_path, capsys):
+    out, page = tmp_path / "loop.json", tmp_path / "loop.html"
+    code = main(["loop", "--model", "tiny-llama", "--steps", "2", "--prompts", "2", "--n", "2",
+                 "--max-tokens", "4", "--correction", "token_tis", "--json", str(out), "--html", str(page)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "max|dlogp|" in printed and printed.count("reference") >= 2
+    assert LoopRecord.read(out).status == "complete"
+    assert "policy KL from start" in page.read_text()
+    assert main(["loop", "--model", "tiny-llama", "--backends", "reference,hf", "--steps", "1"]) == 2
