@@ -200,10 +200,12 @@ class Backend(abc.ABC):
         raise BackendError(f"backend {self.name!r} has no weight-update API; "
                            "start a new backend on the updated checkpoint instead")
 
-    def weight_checksums(self) -> dict[str, str]:
+    def weight_checksums(self) -> dict[str, str | None]:
         """A digest of every weight tensor the engine holds, by the engine's own tensor name: what a
         weight push is verified by. The digest format is the backend's own (`expected_checksums`
-        makes the same): parity's `tensor_digest` in process, vLLM's sha256 in vLLM."""
+        makes the same): parity's `tensor_digest` in process, vLLM's sha256 in vLLM. None marks a
+        tensor the engine computes with but cannot show (vLLM-CPU packs linear weights into its
+        GEMM kernels and drops the tensor)."""
         raise UnsupportedError(f"backend {self.name!r} cannot report the weights it holds")
 
     def expected_checksums(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:

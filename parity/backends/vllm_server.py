@@ -368,7 +368,7 @@ class VLLMServerBackend(Backend):
             "weights_path": write_weights(named_tensors, self._weights_dir.name)}})
         self.reset_prefix_cache()
 
-    def weight_checksums(self) -> dict[str, str]:
+    def weight_checksums(self) -> dict[str, str | None]:
         """vLLM's digests of the server's weights (`/weight_checker`, a development endpoint)."""
         checksums = self._dev_post("/weight_checker", {"action": "checksum"}).get("checksums")
         if not isinstance(checksums, dict):

@@ -323,7 +323,7 @@ class ReferenceEngine:
             for name, tensor in tensors.items():
                 params[name].copy_(tensor)
 
-    def weight_checksums(self) -> dict[str, str]:
+    def weight_checksums(self) -> dict[str, str | None]:
         """sha256 of every parameter as the engine holds it (its dtype), by parameter name."""
         return {name: tensor_digest(p) for name, p in self.lm.model.named_parameters()}
 

@@ -40,9 +40,10 @@ STEP_KEYS: tuple[str, ...] = ("step", "backend", "max_abs_logprob_diff", "mean_a
                               "seconds")
 #: more per-row keys: the IS ratio's extremes, PPO's clip fraction on this backend's logprobs,
 #: whether every rollout logprob equals the training forward's bit for bit, the tokens compared,
-#: whether this backend's rollouts trained the policy, and what a failed sync check found.
+#: whether this backend's rollouts trained the policy, how many weight tensors the backend could
+#: not show to the sync check (`parity.loop.sync`), and what a failed sync check found.
 STEP_EXTRA_KEYS: tuple[str, ...] = ("is_ratio_min", "is_ratio_max", "clip_fraction", "bitwise", "num_tokens",
-                                    "trained_on", "sync_detail")
+                                    "trained_on", "sync_hidden", "sync_detail")
 UPDATE_KEYS: tuple[str, ...] = ("step", "loss", "grad_norm", "forward_bitwise", "kept_tokens", "seconds")
 #: fields that differ between identical runs (wall-clock time); dropped by `without_timing`.
 TIMING_KEYS: tuple[str, ...] = ("seconds",)

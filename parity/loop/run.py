@@ -216,5 +216,5 @@ def _row(step: int, name: str, rollouts: list[Rollout], train: list[torch.Tensor
         "clip_fraction": clip_fraction(train_b, rollout_b, mask),
         "bitwise": all(torch.equal(t, r) for t, r in zip(train, rollout_lp)),
         "num_tokens": summary["num_tokens"], "trained_on": trained_on,
-        "sync_detail": None if check.in_sync else check.describe(),
+        "sync_hidden": check.hidden, "sync_detail": None if check.in_sync else check.describe(),
     }

