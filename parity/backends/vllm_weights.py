@@ -12,20 +12,27 @@
   (`VLLM_ALLOW_INSECURE_SERIALIZATION=1`, set for engines started with this path: the payload
   comes from this process only). vLLM 0.23's IPC module imports `ray` at its top, so Ray must be
   importable even though parity's callable transport never uses it.
+
+And how a push is verified: vLLM digests every weight tensor of a worker (`compute_weight_checksums`,
+sha256; the check behind its RL `/weight_checker`); `expected_digests` makes the same digests from
+HF-named tensors laid out the way the model class packs them (`vllm_layout`), and
+`worker_checksums` reads vLLM's answer, marking the tensors vLLM-CPU packed into its GEMM kernels
+(their parameters are left empty) as unreadable.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import os
 import pickle
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
-from parity.errors import BackendError, ConfigError, InputError
+from parity.errors import BackendError, ConfigError, InputError, UnsupportedError
 
 #: the weight-transfer paths of the offline vLLM adapter (`VLLMBackend(weight_transfer=...)`).
 WEIGHT_TRANSFERS: tuple[str, ...] = ("reload", "ipc")
@@ -98,3 +105,76 @@ def push_by_ipc(llm: Any, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> 
     except Exception as e:
         raise BackendError(f"vLLM IPC weight update failed: {e}") from e
     torch.cuda.synchronize()
+
+
+def expected_digests(named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
+                     architectures: Sequence[str]) -> dict[str, str]:
+    """vLLM's digests of HF-named tensors once loaded into one worker of `architectures` in `dtype`."""
+    tensors = {name: t.detach().to(dtype) for name, t in named_tensors}
+    return {name: sha256_digest(t) for name, t in vllm_layout(tensors, packed_modules(architectures)).items()}
+
+
+def sha256_digest(tensor: torch.Tensor) -> str:
+    """vLLM's weight digest: sha256 of the tensor's bytes, row-major, in its dtype
+    (`vllm.model_executor.model_loader.weight_checksum.compute_tensor_digests`)."""
+    return hashlib.sha256(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+
+
+#: the digest of an empty tensor: what vLLM-CPU reports for a linear weight it has packed into its
+#: GEMM kernel (oneDNN or SGL: `dispatch_cpu_unquantized_gemm(remove_weight=True)` leaves an empty
+#: parameter), whose values no digest can see.
+EMPTY_DIGEST = hashlib.sha256(b"").hexdigest()
+
+
+def worker_checksums(checksums: Mapping[str, str]) -> dict[str, str | None]:
+    """vLLM's weight checksums of one worker ("dp0:pp0:pcp0:tp0:NAME" keys) -> {NAME: digest}, None
+    for a tensor the worker packed away (`EMPTY_DIGEST`)."""
+    workers = sorted({key.rpartition(":")[0] for key in checksums})
+    if len(workers) != 1:
+        raise UnsupportedError(f"vLLM reported weight checksums of {len(workers)} workers ({workers[:4]}); "
+                               "parity compares those of one (tensor_parallel_size 1)")
+    return {key.rpartition(":")[2]: None if digest == EMPTY_DIGEST else digest
+            for key, digest in checksums.items()}
+
+
+def packed_modules(architectures: Sequence[str]) -> dict[str, list[str]]:
+    """vLLM's `packed_modules_mapping` of the model class serving `architectures` (e.g. Llama:
+    {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]})."""
+    from vllm.model_executor.models import ModelRegistry  # vllm only where an engine runs
+
+    for arch in architectures:
+        cls = ModelRegistry._try_load_model_cls(arch)
+        if cls is not None:
+            return {k: list(v) for k, v in getattr(cls, "packed_modules_mapping", {}).items()}
+    raise UnsupportedError(f"vLLM has no model class for {list(architectures)}")
+
+
+#: vLLM pads the rows of the embedding and the LM head to a multiple of this many (zeros).
+VOCAB_PADDING = 64
+
+
+def vllm_layout(tensors: Mapping[str, torch.Tensor], packed: Mapping[str, Sequence[str]]
+                ) -> dict[str, torch.Tensor]:
+    """HF-named tensors as one vLLM worker (tensor parallel size 1) holds them: the parts of each
+    packed module concatenated along dim 0 in vLLM's order (q, k, v -> qkv_proj; gate, up ->
+    gate_up_proj), the embedding and LM head padded with zero rows to a multiple of
+    `VOCAB_PADDING`. A packed module is included only when all its parts are given."""
+    out: dict[str, torch.Tensor] = {}
+    groups: dict[str, list[torch.Tensor | None]] = {}
+    for name, tensor in tensors.items():
+        for fused, parts in packed.items():
+            part = next((p for p in parts if f".{p}." in f".{name}"), None)
+            if part is not None:
+                fused_name = f".{name}".replace(f".{part}.", f".{fused}.", 1)[1:]
+                slots = groups.setdefault(fused_name, [None] * len(parts))
+                slots[list(parts).index(part)] = tensor
+                break
+        else:
+            if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+                rows = -(-tensor.shape[0] // VOCAB_PADDING) * VOCAB_PADDING
+                tensor = torch.nn.functional.pad(tensor, (0, 0, 0, rows - tensor.shape[0]))
+            out[name] = tensor
+    for name, slots in groups.items():
+        if all(t is not None for t in slots):
+            out[name] = torch.cat(slots)
+    return out
