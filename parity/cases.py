@@ -16,7 +16,8 @@ naming the file, the field and the allowed values)::
     router_replay = ["none", "R3"]   # optional (MoE): one nightly row per variant
     kind = "compare"                 # compare (default) | lifecycle: nightly runs parity.lifecycle's
                                      # checks (sleep/wake, weight update, cache resets) on the prompts |
-                                     # trajectory: multi-turn rollouts of the [[turns]] below
+                                     # trajectory: multi-turn rollouts of the [[turns]] below |
+                                     # loop: an RL loop (parity.loop) on the prompts, see [loop]
     prefix_caching = [true, false]   # optional (trajectory): one nightly row per setting on backends
                                      # with a prefix cache (vllm, vllm-server); empty = their default
     reference_tensor_parallel_size = 2   # optional (compare cases): the reference backend's rows run a
@@ -63,6 +64,12 @@ naming the file, the field and the allowed values)::
     stop_token_ids = []
     ignore_eos = false
 
+    [loop]                           # loop only: a nightly row runs parity.loop with the reference
+    steps = 10                       # engine and the row's backend, trained on the reference's
+    lr = 1e-3                        # rollouts (n, temperature, max_tokens, seed from [sampling]);
+                                     # prompts must end in problems such as "12+7=" (the reward
+                                     # checks the answer); the tolerance applies to its worst step
+
     [tolerance]                      # optional: limits for every backend (Tolerance fields)
     [tolerance.hf]                   # optional: limits for one backend, over the ones above
 """
@@ -72,6 +79,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import tomllib
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -117,6 +125,7 @@ class Case:
     prefix_caching: trajectory cases: the prefix-cache settings nightly runs as separate rows on
         backends that have one (`parity.backends.prefix_cache_backends`); empty = one row, the
         backend's default.
+    loop_steps, loop_lr: loop cases: the steps and AdamW learning rate of each row's loop.
     """
 
     name: str
@@ -133,6 +142,8 @@ class Case:
     kind: str = "compare"
     prefix_caching: tuple[bool, ...] = ()
     reference_tensor_parallel_size: int = 1
+    loop_steps: int = 10
+    loop_lr: float = 1e-3
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -188,6 +199,11 @@ class Case:
         tp = self.reference_tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ConfigError(f"{where}: reference_tensor_parallel_size must be an integer >= 1, got {tp!r}")
+        steps, lr = self.loop_steps, self.loop_lr
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ConfigError(f"{where}: loop_steps must be an integer >= 1, got {steps!r}")
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < math.inf:
+            raise ConfigError(f"{where}: loop_lr must be a finite number > 0, got {lr!r}")
         if tp > 1 and self.kind != "compare":
             raise ConfigError(f"{where}: reference_tensor_parallel_size applies to compare cases only "
                               f"(this case's kind is {self.kind!r}); remove it or set it to 1")
@@ -202,6 +218,7 @@ class Case:
             **({"prefix_caching": list(self.prefix_caching)} if self.prefix_caching else {}),
             **({"reference_tensor_parallel_size": self.reference_tensor_parallel_size}
                if self.reference_tensor_parallel_size != 1 else {}),
+            **({"loop_steps": self.loop_steps, "loop_lr": self.loop_lr} if self.kind == "loop" else {}),
         }
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -276,7 +293,7 @@ def _case_names(cases_dir: str | Path) -> list[str]:
 
 _TOP_KEYS = ("name", "description", "model", "dtypes", "backends", "logprobs_mode", "router_replay",
              "kind", "prompts", "sampling", "tolerance", "turns", "prefix_caching",
-             "reference_tensor_parallel_size")
+             "reference_tensor_parallel_size", "loop")
 _SAMPLING_KEYS = ("label", "n", "temperature", "top_p", "top_k", "max_tokens", "seed", "stop_token_ids",
                   "ignore_eos")
 
@@ -304,6 +321,13 @@ def load_case(path: str | Path) -> Case:
     kind = f.choice(data, "kind", CASE_KINDS, default="compare")
     if kind != "trajectory" and "turns" in data:
         raise f.error("turns", "only a trajectory case has turns; set kind = \"trajectory\"")
+    if kind != "loop" and "loop" in data:
+        raise f.error("loop", "only a loop case has loop settings; set kind = \"loop\"")
+    loop = f.get(data, "loop", dict, default={})
+    f.only(loop, "loop.", ("steps", "lr"))
+    lr = f.get(loop, "lr", (int, float), default=1e-3, prefix="loop.")
+    if not 0 < lr < math.inf:
+        raise f.error("loop.lr", f"must be a finite number > 0, got {lr!r}")
     tolerance, per_backend = _load_tolerances(f, data.get("tolerance", {}))
     fields = dict(
         name=printable_field(f, data, "name", default=path.stem),
@@ -313,6 +337,7 @@ def load_case(path: str | Path) -> Case:
         router_replay=tuple(f.choices(data, "router_replay", ROUTER_REPLAY_CHOICES, default=[])),
         prefix_caching=tuple(_load_prefix_caching(f, data)),
         reference_tensor_parallel_size=f.count(data, "reference_tensor_parallel_size", prefix="", default=1),
+        loop_steps=f.count(loop, "steps", prefix="loop.", default=10), loop_lr=float(lr),
     )
     requests = _requests(blocks, encode())
     if kind == "trajectory":

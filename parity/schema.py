@@ -42,7 +42,7 @@ ROUTER_REPLAY_CHOICES: tuple[str, ...] = (NO_REPLAY, *REPLAY_MODES)
 
 #: what a case measures: "compare" (drift against the training forward) or "lifecycle" (the
 #: backend's sleep/wake, weight-update and cache transitions leave its numbers alone).
-CASE_KINDS: tuple[str, ...] = ("compare", "lifecycle", "trajectory")
+CASE_KINDS: tuple[str, ...] = ("compare", "lifecycle", "trajectory", "loop")
 
 #: default K groups of the tensor-parallel row-parallel sum (`reduction_groups`): every degree up to 8
 #: divides it. TP bits are equal across degrees only for the same value.

@@ -14,7 +14,7 @@ from parity.tolerance import Tolerance
 
 CASES = Path(__file__).resolve().parent.parent / "cases"
 SHIPPED = ("smoke", "moe", "long-prompt", "sampling-sweep", "grpo-group", "shared-prefix", "fp16-vs-bf16",
-           "trained-chat", "lifecycle", "multi-turn-tool")
+           "trained-chat", "lifecycle", "multi-turn-tool", "loop")
 
 MINIMAL = """
 model = "tiny-llama"
@@ -49,6 +49,8 @@ def test_shipped_cases_have_the_promised_shapes():
     assert any(r.sampling.top_p < 1 for r in sweep) and any(r.sampling.top_k for r in sweep)
     assert any(r.sampling.top_p == 1 and r.sampling.top_k == 0 for r in sweep)
     assert sweep[0].request_id == "t0.6/0"
+    loop = by_name["loop"]
+    assert loop.kind == "loop" and loop.loop_steps == 8 and loop.loop_lr == 3e-3
 
 
 def test_shared_prefix_prompts_share_the_prefix_and_their_conversation(tmp_path):

@@ -3,12 +3,14 @@ a skipped weight push caught, bad input refused before step 0, divergence named 
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 import parity
 from parity.backends.reference import ReferenceBackend
+from parity.cases import load_case
 from parity.cli import main
 from parity.correction import CorrectionConfig, correction_from_name
 from parity.errors import ConfigError, DivergedError
@@ -16,10 +18,13 @@ from parity.loop import run as loop_run
 from parity.loop.config import LoopConfig
 from parity.loop.grpo import group_advantages, plan_loss
 from parity.loop.record import STEP_KEYS, LoopRecord, without_timing
-from parity.loop.task import FORMAT_CREDIT, arithmetic_reward, problems
+from parity.loop.task import FORMAT_CREDIT, answer_of, arithmetic_reward, problems
+from parity.nightly.execute import execute_row
+from parity.nightly.rows import RowKey
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
+ROOT = Path(__file__).resolve().parent.parent
 #: a short run's settings: 4 prompts x 4 responses x 8 tokens (a learning rate that moves the policy).
 SMALL = {"prompts": 4, "n": 4, "max_tokens": 8, "lr": 3e-3}
 
@@ -176,3 +181,43 @@ def test_command_line(tmp_path, capsys):
     assert LoopRecord.read(out).status == "complete"
     assert "policy KL from start" in page.read_text()
     assert main(["loop", "--model", "tiny-llama", "--backends", "reference,hf", "--steps", "1"]) == 2
+
+
+def test_answers_are_read_off_the_prompt():
+    assert answer_of("12+7=") == 19 and answer_of("Q: 6 * 7 =") == 42 and answer_of("3--2=") == 5
+    assert answer_of("hello") is None and answer_of("1+2=3") is None
+
+
+def test_a_case_of_arithmetic_prompts_needs_no_reward(tmp_path):
+    case = load_case(ROOT / "cases" / "loop.toml")
+    record = parity.loop("tiny-llama", ["reference"], steps=2, case=case, **SMALL)
+    assert record.config["task"] == "case loop" and record.status == "complete"
+    other = load_case(ROOT / "cases" / "smoke.toml")  # random token prompts: nothing to check
+    with pytest.raises(ConfigError, match="does not end in an arithmetic problem"):
+        parity.loop("tiny-llama", ["reference"], steps=1, case=other)
+    record = parity.loop("tiny-llama", ["reference"], steps=1, case=other,
+                         reward=lambda rollout: len(rollout.token_ids) % 2)
+    assert record.status == "complete"
+
+
+def test_loop_case_settings_are_checked(tmp_path):
+    text = (ROOT / "cases" / "loop.toml").read_text()
+    for field, line in (("lr", "lr = -1.0"), ("steps", "steps = 0")):
+        path = tmp_path / f"{field}.toml"
+        rows = text.splitlines()
+        path.write_text("\n".join(line if row.startswith(f"{field} = ") else row for row in rows))
+        with pytest.raises(ConfigError, match=f"loop.{field}"):
+            load_case(path)
+    path = tmp_path / "kind.toml"
+    path.write_text(text.replace('kind = "loop"', 'kind = "compare"'))
+    with pytest.raises(ConfigError, match="only a loop case has loop settings"):
+        load_case(path)
+
+
+def test_nightly_loop_row():
+    case = load_case(ROOT / "cases" / "loop.toml")
+    row = execute_row("r1", RowKey(case.name, "reference", "float32"), case, reference="invariant")
+    assert row.status == "pass", row.error or row.violations
+    assert row.summary["max_abs_logprob_diff"] == 0.0 and row.summary["loop_steps_bitwise"] == case.loop_steps
+    assert row.summary["loop_policy_kl_final"] > 0 and row.provenance["kind"] == "loop"
+    assert len(row.provenance["loop"]["steps"]) == case.loop_steps

@@ -72,21 +72,19 @@ def loop(model: str, backends: Sequence[str | Backend] = ("reference",), *, step
 
 
 def _task(config: LoopConfig, case: Case | str | Path | None, reward: Reward | None) -> Task:
-    """The prompts and reward of a run: a case's prompts with `reward`, or the built-in task."""
-    from parity.loop.task import arithmetic_task, custom_task  # the tokenizer loads torch
+    """The prompts and reward of a run: the built-in task, or a case's prompts with `reward` (the
+    arithmetic check when none is given: each prompt must end in a problem such as "12+7=")."""
+    from parity.loop.task import arithmetic_check, arithmetic_task, custom_task  # the tokenizer loads torch
 
     if case is None:
         task = arithmetic_task(config.model, count=config.prompts, seed=config.seed)
         if reward is None:
             return task
         return custom_task(getattr(reward, "__name__", "reward"), task.prompts, reward)
-    if reward is None:
-        raise ConfigError("a case gives prompts only; pass reward= (a function of a Rollout returning a "
-                          "float), or leave out the case to use the built-in arithmetic task")
     if not isinstance(case, Case):
         found = load_cases(case)
         if len(found) != 1:
             raise ConfigError(f"case {case!r} names {len(found)} cases; give one")
         case = found[0]
     prompts = list(dict.fromkeys(r.prompt_ids for r in case.requests))
-    return custom_task(f"case {case.name}", prompts, reward)
+    return custom_task(f"case {case.name}", prompts, reward or arithmetic_check(config.model, prompts))

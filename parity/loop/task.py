@@ -4,7 +4,9 @@ The built-in task is integer arithmetic. Prompt i is the text `"a+b="`, `"a-b="`
 with operands drawn from `[0, max_operand]` by a seeded generator, encoded with the model's own
 tokenizer; its answer is the exact integer result. A response is checked exactly: its text
 (decoded with the same tokenizer, special tokens skipped, leading spaces ignored) must start
-with the answer's decimal digits, not followed by another digit. That earns reward 1.0.
+with the answer's decimal digits, not followed by another digit. That earns reward 1.0. The
+answer is read off the prompt itself (its text must end in `a op b=`), so the check works on
+any prompts written that way: a case's text prompts such as `["12+7=", "6*7="]` too.
 
 An untrained (or tiny, random-weight) model almost never writes the answer, and GRPO learns
 nothing from a group whose rewards are all equal. So a wrong response earns a small format
@@ -36,6 +38,8 @@ FORMAT_CREDIT = 0.1
 #: the operators of the built-in task.
 OPERATORS = "+-*"
 _LEADING_INTEGER = re.compile(r"\s*(-?\d+)")
+#: a problem at the end of a prompt: "a op b=" (integers, op one of OPERATORS).
+_PROBLEM = re.compile(r"(-?\d+)\s*([-+*])\s*(-?\d+)\s*=\s*$")
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,15 @@ def problems(count: int, seed: int, max_operand: int) -> list[tuple[str, int]]:
     return out
 
 
+def answer_of(prompt: str) -> int | None:
+    """The exact answer of the problem a prompt ends with ("... 12+7=" -> 19), or None."""
+    match = _PROBLEM.search(prompt)
+    if match is None:
+        return None
+    a, op, b = int(match.group(1)), match.group(2), int(match.group(3))
+    return a + b if op == "+" else a - b if op == "-" else a * b
+
+
 def arithmetic_reward(text: str, answer: int) -> float:
     """1.0 when `text` starts (after spaces) with exactly `answer`'s digits, else the format
     credit: FORMAT_CREDIT x min(1, digit characters in `text` / len(str(answer)))."""
@@ -83,18 +96,30 @@ def arithmetic_reward(text: str, answer: int) -> float:
 def arithmetic_task(model: str, *, count: int = 8, seed: int = 0, max_operand: int = 20) -> Task:
     """The built-in task on `model` (its tokenizer encodes the prompts and decodes responses)."""
     tok = tokenizer(model, where="loop task")
-    chosen = problems(count, seed, max_operand)
-    prompts = tuple(tuple(tok.encode(text)) for text, _ in chosen)
+    prompts = tuple(tuple(tok.encode(text)) for text, _ in problems(count, seed, max_operand))
+    return Task("arithmetic", prompts, arithmetic_check(model))
+
+
+def arithmetic_check(model: str, prompts: Sequence[Sequence[int]] = ()) -> Reward:
+    """The arithmetic reward on `model`'s tokenizer: each rollout's answer is read off its prompt.
+    `prompts` (token ids) are checked up front: each must end in a problem, else ConfigError."""
+    tok = tokenizer(model, where="loop task")
     known = len(tok)
-    # the request id of prompt i is prompt_id(i): the answer is found by it
-    answers = {prompt_id(i): answer for i, (_, answer) in enumerate(chosen)}
+
+    def text(ids: Sequence[int]) -> str:
+        # ids past the tokenizer's vocabulary (a model whose head is wider) decode to nothing
+        return tok.decode([t for t in ids if t < known], skip_special_tokens=True)
+
+    for i, prompt in enumerate(prompts):
+        if answer_of(text(prompt)) is None:
+            raise ConfigError(f"prompt {i} ({text(prompt)[-40:]!r}) does not end in an arithmetic problem "
+                              "such as '12+7='; give a reward function for these prompts")
 
     def reward(rollout: Rollout) -> float:
-        # ids past the tokenizer's vocabulary (a model whose head is wider) decode to nothing
-        text = tok.decode([t for t in rollout.token_ids if t < known], skip_special_tokens=True)
-        return arithmetic_reward(text, answers[rollout.request_id])
+        answer = answer_of(text(rollout.prompt_ids))
+        return 0.0 if answer is None else arithmetic_reward(text(rollout.token_ids), answer)
 
-    return Task("arithmetic", prompts, reward)
+    return reward
 
 
 def prompt_id(index: int) -> str:

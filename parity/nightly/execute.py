@@ -34,7 +34,7 @@ from parity.compare import compare
 from parity.nightly.history import now
 from parity.nightly.memory import available_bytes, engine_need, gib, memory_failure
 from parity.nightly.rows import RowKey, RowResult, row_status
-from parity.schema import NO_REPLAY
+from parity.schema import NO_REPLAY, REFERENCE
 
 #: backends whose engine takes a `device` option; the others run where their build runs.
 DEVICE_BACKENDS = ("reference", "hf")
@@ -124,6 +124,8 @@ def _run_row(run_id: str, key: RowKey, case: Case, options: dict[str, Any], prov
         t0 = time.perf_counter()
         if case.kind == "lifecycle":
             return lifecycle_row(run_id, key, case, engine, provenance, timing)
+        if case.kind == "loop":
+            return loop_row(run_id, key, case, engine, provenance, timing, device)
         tp = options.get("tensor_parallel_size")
         report = compare(None, engine, case=case, dtype=key.dtype, tolerance=case.tolerance_for(key.backend),
                          reference=reference, device=device, router_replay=replay_mode(key),
@@ -193,3 +195,45 @@ def lifecycle_row(run_id: str, key: RowKey, case: Case, engine: Any, provenance:
         provenance={**provenance, "kind": "lifecycle", "backend_meta": dict(engine.meta),
                     "lifecycle": [asdict(r) for r in report.results]},
         timing=timing, finished_at=now())
+
+
+def loop_row(run_id: str, key: RowKey, case: Case, engine: Any, provenance: dict[str, Any],
+             timing: dict[str, float], device: str) -> RowResult:
+    """A loop case's row: `parity.loop` on the case's prompts with the reference engine and the row's
+    backend (borrowed, given its starting weights back), trained on the reference's rollouts. The
+    summary is the backend's worst step (max |dlogp|, k3 KL) and mean step (mean |dlogp|, IS
+    ratio), judged by the case's tolerance; a step out of sync, or a reference step that is not
+    bitwise, is a violation. Like lifecycle rows, no regression test against a baseline."""
+    # the loop trains a model and loads torch; importing nightly stays light
+    from parity.loop import loop
+
+    t0 = time.perf_counter()
+    sampling = case.requests[0].sampling
+    backends = [engine] if key.backend == REFERENCE else [REFERENCE, engine]
+    record = loop(case.model, backends, steps=case.loop_steps, case=case, lr=case.loop_lr,
+                  seed=sampling.seed, n=sampling.n, max_tokens=sampling.max_tokens,
+                  temperature=sampling.temperature, dtype=key.dtype, device=device)
+    timing["case_s"] = round(time.perf_counter() - t0, 3)
+    rows = record.rows(key.backend)
+    summary = {
+        "max_abs_logprob_diff": max(r["max_abs_logprob_diff"] for r in rows),
+        "mean_abs_logprob_diff": float(np.mean([r["mean_abs_logprob_diff"] for r in rows])),
+        "is_ratio_mean": float(np.mean([r["is_ratio_mean"] for r in rows])),
+        "k3_kl": max(r["k3_kl"] for r in rows),
+        "loop_steps": float(len(rows)), "loop_steps_in_sync": float(sum(r["weights_in_sync"] for r in rows)),
+        "loop_steps_bitwise": float(sum(r["bitwise"] for r in rows)),
+        "loop_policy_kl_final": rows[-1]["policy_kl_from_start"],
+        "loop_reward_first": rows[0]["reward_mean"], "loop_reward_last": rows[-1]["reward_mean"],
+    }
+    tolerance = case.tolerance_for(key.backend)
+    violations = [v._asdict() for v in tolerance.violations(summary)] if tolerance is not None else []
+    for name, failed in (("weights out of sync", lambda r: not r["weights_in_sync"]),
+                         ("reference not bitwise", lambda r: r["backend"] == REFERENCE and not r["bitwise"])):
+        bad = sorted({r["step"] for r in record.steps if failed(r)})
+        if bad:
+            violations.append({"metric": f"loop {name} at steps {bad[:5]}", "value": float(len(bad)),
+                               "limit": 0.0})
+    return RowResult(run_id=run_id, key=key, status="fail" if violations else "pass", summary=summary,
+                     violations=violations,
+                     provenance={**provenance, "kind": "loop", "loop": record.to_dict()},
+                     timing=timing, finished_at=now())
