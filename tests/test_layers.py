@@ -99,6 +99,23 @@ def test_a_stored_report_renders_without_torch(tmp_path):
     """)) == []
 
 
+def test_a_stored_loop_record_renders_without_torch(tmp_path):
+    """`parity loop --json` output read back and drawn (parity.loop.record, parity.render.loop)."""
+    row = {"step": 0, "backend": "reference", "max_abs_logprob_diff": 0.0, "mean_abs_logprob_diff": 0.0,
+           "k3_kl": 0.0, "is_ratio_mean": 1.0, "reward_mean": 0.1, "policy_kl_from_start": 0.0,
+           "weights_in_sync": True, "seconds": 0.5, "bitwise": True, "trained_on": True}
+    document = {"model": "tiny-llama", "backends": ["reference"], "seed": 0, "train_on": "reference",
+                "steps": [row, {**row, "step": 1, "policy_kl_from_start": 0.2}], "status": "complete"}
+    path = tmp_path / "loop.json"
+    path.write_text(json.dumps(document))
+    assert heavy_modules_after(textwrap.dedent(f"""
+        from parity.loop.record import LoopRecord
+        from parity.render.loop import loop_page
+        page = loop_page(LoopRecord.read({str(path)!r}).to_dict())
+        assert page.startswith("<!DOCTYPE html>") and page.count("data:image/svg") == 4
+    """)) == []
+
+
 def test_a_stored_nightly_history_renders_without_torch(tmp_path, monkeypatch):
     install(runner, patch=monkeypatch.setattr)
     cases = write_cases(tmp_path)
