@@ -72,7 +72,8 @@ class LoopRecord:
                 "status": self.status, "error": self.error}
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=1, sort_keys=False) + "\n"
+        # default=str: a backend option the caller gave as an object is recorded by its text
+        return json.dumps(self.to_dict(), indent=1, default=str) + "\n"
 
     def write(self, path: Path) -> None:
         """Write the JSON to `path` atomically (a reader sees the previous or the new file, whole)."""

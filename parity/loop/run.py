@@ -42,15 +42,15 @@ from parity.render.loop import loop_page
 from parity.schema import VERSION
 from parity.types import Request, Rollout, SamplingParams
 
-#: sampling seeds of step t start at seed * SEED_STRIDE + t * PROMPT_STRIDE; prompt i adds i.
-SEED_STRIDE, PROMPT_STRIDE = 1_000_003, 10_007
+#: sampling seeds of step t start at seed * SEED_STRIDE + t * STEP_STRIDE; prompt i adds i.
+SEED_STRIDE, STEP_STRIDE = 1_000_003, 10_007
 #: called with each step's rows as they are recorded (the command prints them).
 Progress = Callable[[list[dict[str, Any]]], None]
 
 
 def step_requests(config: LoopConfig, task: Task, step: int) -> list[Request]:
     """The requests of step `step`: one per prompt, n samples each, seeds fixed by (seed, step, prompt)."""
-    base = (config.seed * SEED_STRIDE + step * PROMPT_STRIDE) % (2**31 - 1 - len(task.prompts))
+    base = (config.seed * SEED_STRIDE + step * STEP_STRIDE) % (2**31 - 1 - len(task.prompts))
     return [Request(prompt_ids=prompt, request_id=prompt_id(i),
                     sampling=SamplingParams(n=config.n, temperature=config.temperature,
                                             max_tokens=config.max_tokens, seed=base + i))
@@ -105,8 +105,8 @@ def run_loop(config: LoopConfig, task: Task, *, engines: dict[str, Backend] | No
         record.status = "complete"
     except DivergedError as exc:
         record.status, record.error = "diverged", f"step {step}: {exc}"
-        raise DivergedError(f"training diverged at step {step}: {exc}; the {step} steps before it are kept"
-                            + (f" in {json_path}" if json_path else "")) from exc
+        kept = f"; the record keeps the {step} step(s) before it" + (f" ({json_path})" if json_path else "")
+        raise DivergedError(f"training diverged at step {step}: {exc}{kept}") from exc
     except BaseException as exc:
         record.status, record.error = "failed", f"step {step}: {exc}" if step >= 0 else str(exc)
         raise
