@@ -17,7 +17,7 @@ from parity.errors import ConfigError, DivergedError
 from parity.loop import run as loop_run
 from parity.loop.config import LoopConfig
 from parity.loop.grpo import group_advantages, plan_loss
-from parity.loop.record import STEP_KEYS, LoopRecord, without_timing
+from parity.loop.record import STEP_EXTRA_KEYS, STEP_KEYS, UPDATE_KEYS, LoopRecord, without_timing
 from parity.loop.task import FORMAT_CREDIT, answer_of, arithmetic_reward, problems
 from parity.nightly.execute import execute_row
 from parity.nightly.rows import RowKey
@@ -51,7 +51,9 @@ def test_reference_rollouts_equal_the_training_forward_at_every_step(model, tmp_
     assert record.status == "complete"
     stored = json.loads((tmp_path / "loop.json").read_text())
     assert stored == json.loads(record.to_json())
-    assert all(set(STEP_KEYS) <= set(row) for row in stored["steps"])
+    assert all(list(row)[:len(STEP_KEYS)] == list(STEP_KEYS) for row in stored["steps"])  # in order
+    assert all(set(row) == {*STEP_KEYS, *STEP_EXTRA_KEYS} for row in stored["steps"])
+    assert all(set(update) == set(UPDATE_KEYS) for update in stored["updates"])
 
 
 def test_half_precision_trains_float32_masters():
