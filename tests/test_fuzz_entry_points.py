@@ -4,11 +4,11 @@ TypeError or an IndexError from deep inside NumPy or torch is a traceback the us
 
 Entry points: `parity.compare` (reference backend, tiny model), `parity.loop`, `Monitor.log`,
 `train_forward`, `load_case` on generated TOML, `load_rollouts` and `read_record` on generated
-files, and the command line (`parity compare`, `parity nightly`, `parity replay`) whose every error must be a ParityError
-(exit 2 without the "unexpected error" pointer to --verbose). The values are drawn around each
-field's domain: right types with bad values, wrong types, and valid input (which must succeed),
-all small, so a valid example samples a few tokens only. Sized by the hypothesis profile (ci: 25
-examples per entry point).
+files, and the command line (`parity compare`, `parity nightly`, `parity replay`) whose every
+error must be a ParityError (exit 2 without the "unexpected error" pointer to --verbose). The
+values are drawn around each field's domain: right types with bad values, wrong types, and valid
+input (which must succeed), all small, so a valid example samples a few tokens only. Sized by the
+hypothesis profile (ci: 25 examples per entry point).
 """
 
 from __future__ import annotations
