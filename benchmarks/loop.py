@@ -26,6 +26,7 @@ encode within any vocabulary).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import statistics
@@ -65,14 +66,13 @@ def shaped_checkpoint(shape: str, layers: int, dtype: str, device: str) -> Path:
     return path
 
 
-def _tree_rss() -> tuple[float, float]:
-    """(peak RSS of this process, current RSS of its child processes), MiB."""
-    import resource
-
-    me = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-    children = sum(c.memory_info().rss for c in psutil.Process().children(recursive=True)
-                   if c.is_running()) / 2**20
-    return me, children
+def _children_rss() -> float:
+    """RSS of this process's child processes (vLLM's engine core and workers), MiB."""
+    total = 0
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):  # a child that ended meanwhile
+            total += child.memory_info().rss
+    return total / 2**20
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def progress(rows: list[dict]) -> None:
         marks.setdefault("first_step", time.perf_counter())
+        marks["engines_rss"] = max(marks.get("engines_rss", 0.0), _children_rss())
         print("\n".join(format_row(r) for r in rows), flush=True)
 
     print(header(), flush=True)
@@ -121,12 +122,15 @@ def main(argv: list[str] | None = None) -> int:
                   backend_dtypes={"vllm": args.vllm_dtype} if "vllm" in backends else None,
                   json=args.json, html=args.html, progress=progress)
     wall = time.perf_counter() - began
-    peak, engines_rss = _tree_rss()
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     print(f"\nmodel {model}, backends {backends}, {args.steps} steps, {args.prompts} prompts x n={args.n} x "
           f"{args.max_tokens} tokens, trainer {args.dtype} on {args.device} ({args.threads} threads), "
           f"lr {args.lr}, correction {args.correction}")
     print(f"wall {wall:.1f} s (starts and step 0: {marks.get('first_step', began) - began:.1f} s); "
-          f"peak RSS: this process {peak:.0f} MiB, engine processes now {engines_rss:.0f} MiB")
+          f"peak RSS: this process {peak:.0f} MiB, engine processes {marks.get('engines_rss', 0.0):.0f} MiB "
+          "(the most seen after any step)")
     print(f"{'backend':<12} {'median step s':>13} {'total s':>8} {'bitwise every step':>18} "
           f"{'in sync every step':>18} {'max |dlogp|':>11} {'reward first->last':>19}")
     for name in backends:

@@ -108,7 +108,9 @@ def test_skipped_push_is_caught(monkeypatch):
             push(self, named_tensors)
 
     monkeypatch.setattr(ReferenceBackend, "update_weights", flaky)
-    record = parity.loop("tiny-llama", ["reference"], steps=4, **SMALL)
+    # a reward with variance in every group: every update moves the weights
+    record = parity.loop("tiny-llama", ["reference"], steps=4, reward=lambda r: float(sum(r.token_ids) % 7),
+                         **SMALL)
     in_sync = [row["weights_in_sync"] for row in record.steps]
     assert in_sync == [True, True, False, True]
     assert "tensors differ" in record.steps[2]["sync_detail"]

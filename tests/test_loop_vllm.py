@@ -37,6 +37,12 @@ def test_vllm_drift_is_measured_at_every_step_in_sync(engine, tmp_path):
     assert vllm[-1]["policy_kl_from_start"] > 0
 
 
+def token_sum_reward(rollout):
+    """A reward with variance in every group, so every step's update moves the weights (a skipped
+    push after an update with all-equal rewards would be no desync: the weights did not change)."""
+    return float(sum(rollout.token_ids) % 7)
+
+
 def test_a_skipped_vllm_push_is_caught(engine, monkeypatch):
     calls = []
     push = VLLMBackend.update_weights
@@ -47,7 +53,8 @@ def test_a_skipped_vllm_push_is_caught(engine, monkeypatch):
             push(self, named_tensors)
 
     monkeypatch.setattr(VLLMBackend, "update_weights", flaky)
-    record = parity.loop("tiny-llama", ["reference", engine], steps=3, seed=3, **SMALL)
+    record = parity.loop("tiny-llama", ["reference", engine], steps=3, seed=3, reward=token_sum_reward,
+                         **SMALL)
     assert [row["weights_in_sync"] for row in record.rows("vllm")] == [True, False, True]
     assert all(row["weights_in_sync"] for row in record.rows("reference"))
     assert "tensors differ" in record.rows("vllm")[1]["sync_detail"]
