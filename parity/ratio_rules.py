@@ -74,9 +74,10 @@ def band_weights(ratios: Any, lower: Any, upper: Any) -> Any:
     return namespace(ratios).where(in_band(ratios, lower, upper), ratios, 0.0)
 
 
-def truncate(ratios: Any, upper: Any, lower: Any = None) -> Any:
-    """Truncated IS (TIS): ratios clamped to <= upper, and to >= lower when given."""
-    return namespace(ratios).clip(ratios, lower, upper)
+def truncate(ratios: Any, upper: Any, lower: Any = None, out: Any = None) -> Any:
+    """Truncated IS (TIS): ratios clamped to <= upper, and to >= lower when given (into `out`
+    when given)."""
+    return namespace(ratios).clip(ratios, lower, upper, out=out)
 
 
 def sequence_log_ratio(row_sum: Any, row_count: Any, level: str) -> Any:

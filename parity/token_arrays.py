@@ -4,7 +4,10 @@ compute on.
 `token_arrays` checks the three `[batch, seq]` inputs (torch tensors or NumPy arrays of per-token
 log-probabilities in nats, and a bool or 0/1 mask of the tokens that count) and returns a
 `TokenArrays`, which `parity.metrics` and `parity.correction` read block by block (`Block`: whole
-rows in float64, padding set to 0). Conventions:
+rows in float64, padding set to 0). Each metric is a `BlockPass`; `TokenArrays.scan` feeds every
+block to several of them, which then share the block's conversion and the arrays derived from it
+(|Δ|, the IS ratio, ...) while they are in cache: the monitor's step record is one scan.
+Conventions:
 
 - Logprobs must be finite wherever the mask is set. Masked-out slots may hold `-inf` (a common
   padding value) or any finite junk; they are ignored. NaN or `+inf` anywhere is an error: a
@@ -15,23 +18,51 @@ rows in float64, padding set to 0). Conventions:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from parity.errors import InputError
+from parity.ratio_rules import SAFETY_BOUND
 
 #: Tokens per row block. Every per-token computation runs on blocks of whole rows of about this
 #: size (512 KiB per float64 temporary), which stay in the core's L2 cache; full `[batch, seq]`
 #: temporaries cost a page-faulting allocation per op, measured 4-30x slower at 10M tokens on 2
 #: cores, and 2^18-token blocks (2 MiB temporaries) 1.4x slower than these at 1M (docs/PERF.md).
 BLOCK_TOKENS = 1 << 16
+
+
+class Buffers:
+    """Float64 arrays reused from block to block of one scan.
+
+    A block's arrays and the passes' temporaries are ~10 arrays of 512 KiB. Allocated afresh for
+    every block, glibc gives their memory back to the system when they are freed (they sit at the
+    top of the heap, above its trim threshold) and takes it again, page by page, for the next
+    block: 4,000-11,000 page faults a 1M-token step, ~10-30 ms of the monitor's step on this
+    shared machine (docs/PERF.md). `take` lends an uninitialised array; `recycle` takes back
+    every array lent.
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[tuple[int, ...], torch.device], list[torch.Tensor]] = {}
+        self._lent: list[torch.Tensor] = []
+
+    def take(self, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        free = self._free.get((shape, device))
+        buffer = free.pop() if free else torch.empty(shape, dtype=torch.float64, device=device)
+        self._lent.append(buffer)
+        return buffer
+
+    def recycle(self) -> None:
+        for buffer in self._lent:
+            self._free.setdefault((tuple(buffer.shape), buffer.device), []).append(buffer)
+        self._lent.clear()
 
 
 @dataclass(frozen=True)
@@ -41,8 +72,14 @@ class Block:
     rows: the block's row range in the batch.
     train, rollout: logprobs (nats) `[rows, seq]`, 0 where `mask` is False.
     log_ratio: `train - rollout` (nats), 0 where `mask` is False.
-    mask: bool `[rows, seq]`; maskf: the same as 0.0/1.0.
+    mask: bool `[rows, seq]`.
     dense: every slot of the block is valid (no padding): a masked reduction may skip its mask.
+    buffers: where the block's arrays come from: a scan's `Buffers`, reused block to block.
+
+    The cached properties are arrays several metrics derive from the block: each is computed
+    once, on first use, and shared by every metric `scan` feeds the block to. They are never
+    written to in place. In a scan, the block's arrays and `buffer`s are reused for the next
+    block: a pass keeps none of them (nor a view of one) after its `add`.
     """
 
     rows: slice
@@ -50,8 +87,75 @@ class Block:
     rollout: torch.Tensor
     log_ratio: torch.Tensor
     mask: torch.Tensor
-    maskf: torch.Tensor
     dense: bool = False
+    buffers: Buffers = field(default_factory=Buffers)
+
+    def buffer(self) -> torch.Tensor:
+        """An uninitialised float64 `[rows, seq]` array from `buffers`, for an op's `out=`."""
+        return self.buffers.take(tuple(self.log_ratio.shape), self.log_ratio.device)
+
+    @cached_property
+    def maskf(self) -> torch.Tensor:
+        """The mask as 0.0/1.0 `[rows, seq]`."""
+        return self.buffer().copy_(self.mask)
+
+    @cached_property
+    def abs_log_ratio(self) -> torch.Tensor:
+        """|Δ| `[rows, seq]` (nats, unclamped), 0 at padding."""
+        return torch.abs(self.log_ratio, out=self.buffer())
+
+    @cached_property
+    def row_abs_max(self) -> torch.Tensor:
+        """Max |Δ| of each row `[rows]` (0 for an empty row: |Δ| >= 0 and 0 at padding)."""
+        return self.abs_log_ratio.amax(-1)
+
+    @cached_property
+    def row_log_ratio_sum(self) -> torch.Tensor:
+        """Σ_t Δ_t of each row `[rows]` (nats)."""
+        return self.log_ratio.sum(-1)
+
+    @cached_property
+    def clamped(self) -> torch.Tensor:
+        """Δ clamped to ±`SAFETY_BOUND` `[rows, seq]`, 0 at padding. The clamp is the identity on a
+        block with no |Δ| beyond the bound (the usual case): then this is `log_ratio` itself, and
+        every array derived from the two is computed once."""
+        if float(self.row_abs_max.max()) <= SAFETY_BOUND:
+            return self.log_ratio
+        return torch.clamp(self.log_ratio, -SAFETY_BOUND, SAFETY_BOUND, out=self.buffer())
+
+    @cached_property
+    def abs_clamped(self) -> torch.Tensor:
+        """|clamp(Δ, ±20)| `[rows, seq]`, 0 at padding."""
+        if self.clamped is self.log_ratio:
+            return self.abs_log_ratio
+        return torch.abs(self.clamped, out=self.buffer())
+
+    @cached_property
+    def exp_clamped(self) -> torch.Tensor:
+        """The IS ratio exp(clamp(Δ, ±20)) `[rows, seq]`, 1 at padding."""
+        return torch.exp(self.clamped, out=self.buffer())
+
+    @cached_property
+    def ratio(self) -> torch.Tensor:
+        """The IS ratio exp(clamp(Δ, ±20)) `[rows, seq]`, 0 at padding."""
+        if self.dense:
+            return self.exp_clamped
+        zero = torch.zeros((), dtype=torch.float64, device=self.mask.device)
+        return torch.where(self.mask, self.exp_clamped, zero, out=self.buffer())
+
+    @cached_property
+    def exp_log_ratio(self) -> torch.Tensor:
+        """exp(Δ) unclamped `[rows, seq]`, 1 at padding: `exp_clamped` where no |Δ| exceeds the
+        bound (the same exp of the same values)."""
+        if self.clamped is self.log_ratio:
+            return self.exp_clamped
+        return torch.exp(self.log_ratio, out=self.buffer())
+
+
+class BlockPass(Protocol):
+    """A computation over a batch's blocks: `scan` gives it every block once, in order."""
+
+    def add(self, b: Block) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -97,38 +201,37 @@ class TokenArrays:
         for start in range(0, batch, step):
             yield slice(start, min(start + step, batch))
 
+    def block(self, rows: slice, buffers: Buffers | None = None) -> Block:
+        """Rows `rows` as a float64 `Block`, its arrays taken from `buffers` (default: new ones)."""
+        buffers = Buffers() if buffers is None else buffers
+        mask = self.mask[rows]
+        dense = bool((self.lengths[rows] == self.shape[1]).all())
+        shape, device = tuple(mask.shape), mask.device
+        train = buffers.take(shape, device).copy_(self.train[rows])
+        rollout = buffers.take(shape, device).copy_(self.rollout[rows])
+        if not dense:  # padding to zero (a block of full rows has none)
+            zero = torch.zeros((), dtype=torch.float64, device=device)
+            torch.where(mask, train, zero, out=train)
+            torch.where(mask, rollout, zero, out=rollout)
+        log_ratio = torch.sub(train, rollout, out=buffers.take(shape, device))
+        return Block(rows, train, rollout, log_ratio, mask, dense, buffers)
+
     def blocks(self) -> Iterator[Block]:
         """The batch as float64 `Block`s of whole rows, in order."""
-        zero = torch.zeros((), dtype=torch.float64, device=self.mask.device)
-        seq = self.shape[1]
         for rows in self.row_blocks():
-            mask = self.mask[rows]
-            train, rollout = self.train[rows].to(torch.float64), self.rollout[rows].to(torch.float64)
-            dense = bool((self.lengths[rows] == seq).all())
-            if not dense:  # padding to zero (a block of full rows has none)
-                train, rollout = torch.where(mask, train, zero), torch.where(mask, rollout, zero)
-            yield Block(rows, train, rollout, train - rollout, mask, mask.to(torch.float64), dense)
+            yield self.block(rows)
 
-    def with_blocks(self) -> TokenArrays:
-        """The same arrays with their float64 blocks made once and kept: every metric given the
-        result reuses them instead of converting and masking the batch again. For several metrics
-        of one modest batch (the monitor's step: ~40 bytes a token kept, 40 MB for 1M tokens);
-        a large batch is better converted block by block, each time (`blocks`)."""
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(TokenArrays)}
-        return _KeptBlocks(**fields, kept=tuple(self.blocks()))
-
-
-@dataclass(frozen=True)
-class _KeptBlocks(TokenArrays):
-    """`TokenArrays` whose blocks were made once (`TokenArrays.with_blocks`)."""
-
-    kept: tuple[Block, ...] = ()
-
-    def blocks(self) -> Iterator[Block]:
-        return iter(self.kept)
-
-    def with_blocks(self) -> TokenArrays:
-        return self
+    def scan(self, *passes: BlockPass) -> None:
+        """Give every block, in order, to each of `passes`. Several metrics of one batch scanned
+        together share each block's conversion and derived arrays (`Block`) and read them while
+        they are in the core's cache, instead of converting and reading the batch once each. The
+        blocks' arrays are reused from block to block (`Buffers`)."""
+        buffers = Buffers()
+        for rows in self.row_blocks():
+            b = self.block(rows, buffers)
+            for p in passes:
+                p.add(b)
+            buffers.recycle()
 
 
 def _as_tensor(x: Any, name: str) -> torch.Tensor:
@@ -179,7 +282,8 @@ def token_arrays(train_logprobs: Any, rollout_logprobs: Any = None, mask: Any = 
         if m.is_complex() or not _zeros_and_ones(m):
             raise InputError(f"{mask_name} must be bool or hold only 0 and 1 (1 = token counts)")
         m = m != 0
-    lengths = m.sum(-1).to(torch.float64)  # count in integers: a float64 sum converts the whole mask
+    # count in int32, ~2x faster than int64 (a float64 sum would convert the whole mask)
+    lengths = m.sum(-1, dtype=torch.int32).to(torch.float64)
     total = float(lengths.sum())
     if total == 0:
         raise InputError(f"{mask_name} has no valid token: at least one position must be 1/True")
@@ -217,11 +321,26 @@ def _all_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(t).all())
 
 
-def valid_values(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """`x[mask]` (1-D, row-major); through NumPy on CPU, ~10x faster than torch's boolean index."""
+def row_counts(x: torch.Tensor, *, above: float | None = None, below: float | None = None,
+               mask: torch.Tensor | None = None) -> torch.Tensor:
+    """How many entries of each row of `x` `[rows, seq]` are > `above` (or < `below`: give one),
+    where `mask` is set when given: float64 `[rows]`, exact integers.
+
+    On CPU the comparison runs in NumPy and the count sums a bool view in int32: ~4x faster
+    than torch's `(x > t).sum(-1)`, whose comparison alone is ~8x NumPy's (measured, docs/PERF.md).
+    """
+    if (above is None) == (below is None):
+        raise ValueError("row_counts takes one of above= and below=")
     if x.device.type == "cpu":
-        return torch.from_numpy(x.numpy()[mask.numpy()])
-    return x[mask]
+        values = x.numpy()
+        flags = np.greater(values, above) if above is not None else np.less(values, below)
+        if mask is not None:
+            flags &= mask.numpy()
+        return torch.from_numpy(flags).sum(-1, dtype=torch.int32).to(torch.float64)
+    flags = x > above if above is not None else x < below
+    if mask is not None:
+        flags &= mask
+    return flags.sum(-1, dtype=torch.int32).to(torch.float64)
 
 
 def masked_row_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from parity.metrics import (
     summarize,
     token_arrays,
 )
+from parity.quantiles import QuantilePass, interpolate, order_statistics, quantile_ranks
 
 
 def _reference(train: np.ndarray, rollout: np.ndarray, mask: np.ndarray) -> dict[str, float]:
@@ -268,8 +269,6 @@ def test_float32_and_float64_agree(data) -> None:
 def test_order_statistics_are_exact(seed, n, kind):
     """The tail selection gives numpy's partition values exactly, ties and heavy tails included
     (the ranks of the summary's quantiles: 0, 1%, 99%, n-1 and their neighbours)."""
-    from parity.metrics import _order_statistics
-
     rng = np.random.default_rng(seed)
     values = {"normal": rng.normal(size=n), "ties": rng.integers(-3, 4, n).astype(np.float64),
               "zeros": np.where(rng.random(n) < 0.97, 0.0, rng.normal(size=n)),
@@ -278,4 +277,64 @@ def test_order_statistics_are_exact(seed, n, kind):
     ks = sorted({0, 1, n // 100, n // 100 + 1, (99 * (n - 1)) // 100, (99 * (n - 1)) // 100 + 1, n - 2, n - 1,
                  n // 2})
     want = np.partition(values, ks)
-    assert _order_statistics(values, ks) == {k: float(want[k]) for k in ks}
+    assert order_statistics(values, ks) == {k: float(want[k]) for k in ks}
+
+
+def _tail_data(seed: int, kind: str, padding: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """1024 x 192 logprobs (196k slots: three blocks) whose clamped log ratios follow `kind`."""
+    rng = np.random.default_rng(seed)
+    shape = (1024, 192)
+    d = {"normal": rng.normal(0.0, 0.05, shape), "ties": rng.integers(-3, 4, shape) * 0.25,
+         "zeros": np.where(rng.random(shape) < 0.97, 0.0, rng.normal(size=shape)),
+         "spikes": np.where(rng.random(shape) < 0.02, rng.choice([-30.0, 30.0], shape),
+                            rng.normal(0.0, 1e-3, shape))}[kind]
+    rollout = -rng.exponential(2.0, shape) - 30.0
+    mask = {"dense": np.ones(shape, bool), "random": rng.random(shape) < 0.8,
+            "right": np.arange(shape[1])[None, :] < rng.integers(1, shape[1] + 1, shape[0])[:, None]}[padding]
+    return rollout + d, rollout, mask
+
+
+def _scanned_quantiles(tok, qs, increasing) -> tuple[list[float], int]:
+    """`QuantilePass`'s quantiles of `tok` and how many scans of its blocks it took."""
+    converted = []
+    real_block = type(tok).block
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(type(tok), "block", lambda self, *args: converted.append(1) or real_block(self, *args))
+        p = QuantilePass(tok, qs)
+        tok.scan(p)
+        result = p.result(increasing)
+    return result, len(converted) // len(list(tok.row_blocks()))
+
+
+QS = (0.0, 0.01, 0.99, 1.0)
+
+
+def _exact_quantiles(values: np.ndarray) -> list[float]:
+    """The summary's quantiles of exp(values), from the order statistics of all of them."""
+    return interpolate(order_statistics(values, quantile_ranks(values.size, QS)), values.size, QS, math.exp)
+
+
+@given(st.integers(0, 2**32 - 1), st.sampled_from(["normal", "ties", "zeros", "spikes"]),
+       st.sampled_from(["dense", "random", "right"]))
+def test_the_quantile_pass_is_exact(seed, kind, padding):
+    """`QuantilePass` keeps only each block's tail values, in one scan, and its quantiles are
+    those of the exact order statistics of the clamped log ratio over every valid token."""
+    train, rollout, mask = _tail_data(seed, kind, padding)
+    got, scans = _scanned_quantiles(token_arrays(train, rollout, mask), QS, math.exp)
+    values = np.clip(train - rollout, -20.0, 20.0)[mask]
+    assert scans == 1
+    assert got == _exact_quantiles(values)
+    assert got == pytest.approx(np.quantile(np.exp(values), QS), rel=1e-14)
+
+
+def test_a_bracket_that_falls_short_takes_a_second_scan():
+    """The brackets come from a sample of strided slots; when the sampled slots hold the batch's
+    most extreme values, the low bracket selects too few: the pass scans every value again and
+    the quantiles are still exact."""
+    train, rollout, mask = _tail_data(0, "normal", "dense")
+    flat = np.arange(0, train.size, train.size // 8192)
+    train.reshape(-1)[flat] = rollout.reshape(-1)[flat] - 5.0  # every sampled slot: Δ = -5
+    got, scans = _scanned_quantiles(token_arrays(train, rollout, mask), QS, math.exp)
+    values = np.clip(train - rollout, -20.0, 20.0)[mask]
+    assert scans == 2
+    assert got == _exact_quantiles(values)

@@ -11,9 +11,7 @@ from parity.correction.config import CorrectionConfig
 from parity.correction.rejection import RejectionRows, block_keep, rejection_metrics
 from parity.correction.stats import EPS, PolicyRows, Rows, join, offpolicy_metrics
 from parity.correction.weights import WeightRows, batch_norm_factor, block_weights, weight_metrics
-from parity.ratio_rules import clamp_log_ratio
-from parity.ratio_rules import ratio as ratio_of
-from parity.token_arrays import TokenArrays, token_arrays
+from parity.token_arrays import Block, TokenArrays, token_arrays
 
 
 @dataclass(frozen=True)
@@ -26,33 +24,60 @@ class BatchRows:
     rejection: RejectionRows | None
 
 
-def _scan(cfg: CorrectionConfig, tok: TokenArrays, *, outputs: bool = True
-          ) -> tuple[BatchRows, torch.Tensor | None, torch.Tensor | None]:
-    """One pass over the batch in row blocks: per-row statistics, weights `[batch, seq]` (the
-    caller's dtype, or None) and keep mask `[batch, seq]` (bool, False at padding); without
-    `outputs`, the statistics only (no `[batch, seq]` result is written)."""
-    device = tok.mask.device
-    weights = torch.empty(tok.shape, dtype=tok.dtype, device=device) if cfg.is_rule and outputs else None
-    keep = torch.empty(tok.shape, dtype=torch.bool, device=device) if outputs else None
-    parts: list[BatchRows] = []
-    for b in tok.blocks():
-        lengths = tok.lengths[b.rows]
+class CorrectionPass:
+    """The correction's one pass over a batch (a `parity.token_arrays.BlockPass`): per-row
+    statistics, and with `outputs` the weights `[batch, seq]` (the caller's dtype; None without
+    `rollout_is`) and keep mask `[batch, seq]` (bool, False at padding). `tok.scan(p)` then
+    `p.result()`; scanned with other passes, it shares their blocks' derived arrays."""
+
+    def __init__(self, config: CorrectionConfig, tok: TokenArrays, *, outputs: bool = True) -> None:
+        self.config, self.tok = config, tok
+        device = tok.mask.device
+        self.weights = (torch.empty(tok.shape, dtype=tok.dtype, device=device)
+                        if config.is_rule and outputs else None)
+        self.keep = torch.empty(tok.shape, dtype=torch.bool, device=device) if outputs else None
+        self._parts: list[BatchRows] = []
+
+    def add(self, b: Block) -> None:
+        cfg = self.config
+        lengths = self.tok.lengths[b.rows]
         row_count = torch.where(lengths > 0, lengths, EPS)
-        clamped = clamp_log_ratio(b.log_ratio)
-        ratio = ratio_of(clamped).mul_(b.maskf)  # in place: one [rows, seq] temporary fewer
         weight_rows = rejection_rows = None
         if cfg.is_rule:
-            block, weight_rows = block_weights(cfg.is_rule, b, ratio, row_count)
-            if weights is not None:
-                weights[b.rows] = block
+            block, weight_rows = block_weights(cfg.is_rule, b, row_count)
+            if self.weights is not None:
+                self.weights[b.rows] = block
         if cfg.rs_rules:
-            block, rejection_rows = block_keep(cfg.rs_rules, b, clamped, row_count)
-            if keep is not None:
-                keep[b.rows] = block
-        elif keep is not None:
-            keep[b.rows] = b.mask
-        parts.append(BatchRows(PolicyRows.of_block(b, ratio), weight_rows, rejection_rows))
-    return join(parts), weights, keep
+            block, rejection_rows = block_keep(cfg.rs_rules, b, row_count)
+            if self.keep is not None:
+                self.keep[b.rows] = block
+        elif self.keep is not None:
+            self.keep[b.rows] = b.mask
+        self._parts.append(BatchRows(PolicyRows.of_block(b), weight_rows, rejection_rows))
+
+    def result(self) -> tuple[Any | None, Any, dict[str, float]]:
+        """`apply_correction`'s result for the scanned batch: `(weights, new_mask, metrics)`, or
+        `(None, None, metrics)` without `outputs`."""
+        config, tok = self.config, self.tok
+        stats: BatchRows = join(self._parts)
+        weights, keep = self.weights, self.keep
+        rows = Rows(tok.lengths, tok.total)
+        metrics: dict[str, float] = {}
+        rule = config.is_rule
+        if rule is not None:
+            metrics.update(weight_metrics(rule, stats.weights, rows))
+            if rule.batch_normalize:
+                norm = batch_norm_factor(stats.weights, rows)
+                if norm > EPS and weights is not None:
+                    weights.div_(norm)
+                metrics["rollout_is_batch_norm_factor"] = norm if norm > EPS else 1.0
+        if stats.rejection is not None:
+            metrics.update(rejection_metrics(config.rs_rules, stats.rejection, rows))
+        metrics.update(offpolicy_metrics(stats.policy, rows))
+        metrics = {f"rollout_corr/{key}": value for key, value in metrics.items()}
+        if keep is None:
+            return None, None, metrics
+        return None if weights is None else tok.like_train(weights), tok.like_mask(keep), metrics
 
 
 def apply_correction(config: CorrectionConfig, train_logprobs: Any, rollout_logprobs: Any = None,
@@ -62,24 +87,9 @@ def apply_correction(config: CorrectionConfig, train_logprobs: Any, rollout_logp
     `rollout_correction` for the result. `metrics_only`: the metrics alone, `(None, None,
     metrics)`, without writing the `[batch, seq]` weights and mask (what a monitor needs)."""
     tok = token_arrays(train_logprobs, rollout_logprobs, mask)
-    stats, weights, keep = _scan(config, tok, outputs=not metrics_only)
-    rows = Rows(tok.lengths, tok.total)
-    metrics: dict[str, float] = {}
-    rule = config.is_rule
-    if rule is not None:
-        metrics.update(weight_metrics(rule, stats.weights, rows))
-        if rule.batch_normalize:
-            norm = batch_norm_factor(stats.weights, rows)
-            if norm > EPS and weights is not None:
-                weights.div_(norm)
-            metrics["rollout_is_batch_norm_factor"] = norm if norm > EPS else 1.0
-    if stats.rejection is not None:
-        metrics.update(rejection_metrics(config.rs_rules, stats.rejection, rows))
-    metrics.update(offpolicy_metrics(stats.policy, rows))
-    metrics = {f"rollout_corr/{key}": value for key, value in metrics.items()}
-    if keep is None:
-        return None, None, metrics
-    return None if weights is None else tok.like_train(weights), tok.like_mask(keep), metrics
+    p = CorrectionPass(config, tok, outputs=not metrics_only)
+    tok.scan(p)
+    return p.result()
 
 
 def rollout_correction(

