@@ -7,6 +7,7 @@ from __future__ import annotations
 from unittest import mock
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -117,3 +118,27 @@ def test_worst_tokens_are_exact_with_ties_and_few_rows(seed, batch, seq, kind):
     mask[0, 0] = True
     tok = token_arrays(train, rollout, mask)
     assert worst_tokens(tok, None) == _worst_by_sorting(train, rollout, mask)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA not available)")
+def test_the_step_record_of_cuda_tensors_is_the_cpu_one():
+    """CUDA tensors take the device paths (torch counts, device buffers, host copies for the tail
+    quantiles and the worst tokens): the same record as on CPU, to the float rounding of CUDA's
+    exp and reductions; the counts, extremes and worst tokens exactly."""
+    rng = np.random.default_rng(0)
+    rollout = np.log(rng.uniform(1e-6, 1.0, (1024, 256)))
+    train = np.minimum(rollout + rng.normal(0.0, 0.05, rollout.shape), 0.0)
+    train[5, 7] = rollout[5, 7] + 25.0  # beyond the clamp
+    mask = np.arange(256)[None, :] < rng.integers(1, 257, 1024)[:, None]
+    cpu = step_record(token_arrays(train, rollout, mask), correction=TIS, responses=None, advice=False)
+    gpu = step_record(token_arrays(*(torch.from_numpy(x).cuda() for x in (train, rollout, mask))),
+                      correction=TIS, responses=None, advice=False)
+    assert gpu["worst_tokens"] == cpu["worst_tokens"]
+    for part in ("summary", "rollout_corr"):
+        assert gpu[part].keys() == cpu[part].keys()
+        for key, value in cpu[part].items():
+            assert gpu[part][key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
+    for key in ("max_abs_logprob_diff", "is_ratio_min", "is_ratio_max", "num_tokens", "num_sequences",
+                "frac_tokens_ratio_gt_2"):
+        assert gpu["summary"][key] == cpu["summary"][key], key
