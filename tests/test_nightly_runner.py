@@ -380,7 +380,7 @@ def fake_audit(repeat_differs: dict[str, int], seed_ignored: tuple[str, ...] = (
     control."""
     from parity.audit import CHECKS, AuditResult, CheckResult
 
-    def audit(model, engine, *, case, dtype):
+    def audit(model, engine, *, case, dtype, device):
         differing = repeat_differs.get(engine.name, 0)
         same = CheckResult(identical=True, requests=2, differing_requests=0, first_difference=None,
                            max_abs_logprob_diff=0.0, mean_abs_logprob_diff=0.0)

@@ -128,7 +128,7 @@ def _run_row(run_id: str, key: RowKey, case: Case, options: dict[str, Any], prov
         if case.kind == "loop":
             return loop_row(run_id, key, case, engine, provenance, timing, device)
         if case.kind == AUDIT:
-            return audit_row(run_id, key, case, engine, provenance, timing)
+            return audit_row(run_id, key, case, engine, provenance, timing, device)
         tp = options.get("tensor_parallel_size")
         report = compare(None, engine, case=case, dtype=key.dtype, tolerance=case.tolerance_for(key.backend),
                          reference=reference, device=device, router_replay=replay_mode(key),

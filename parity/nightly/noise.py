@@ -29,13 +29,14 @@ FIGURES = ("differing_requests", "max_abs_logprob_diff", "mean_abs_logprob_diff"
 
 
 def audit_row(run_id: str, key: RowKey, case: Case, engine: Backend, provenance: dict[str, Any],
-              timing: dict[str, float]) -> RowResult:
-    """An audit case's row: every check of `parity.audit` on the case's requests (see the module)."""
+              timing: dict[str, float], device: str = "cpu") -> RowResult:
+    """An audit case's row: every check of `parity.audit` on the case's requests (see the module),
+    on the run's device."""
     # the audit drives a running engine; importing nightly stays light
     from parity.audit import audit
 
     t0 = time.perf_counter()
-    result = audit(None, engine, case=case, dtype=key.dtype)
+    result = audit(None, engine, case=case, dtype=key.dtype, device=device)
     timing["case_s"] = round(time.perf_counter() - t0, 3)
     summary: dict[str, Any] = {"audit_deterministic": float(result.deterministic),
                                "audit_batch_invariant": float(result.batch_invariant)}
