@@ -23,9 +23,11 @@ from parity.nightly.regression import Noise
 from parity.nightly.rows import RowKey, RowResult
 
 AUDIT = "audit"
-#: summary keys of an audit row: the two verdicts, then "audit_<check>_<figure>" per check that ran.
-VERDICT_KEYS = ("audit_deterministic", "audit_batch_invariant")
-FIGURES = ("differing_requests", "max_abs_logprob_diff", "mean_abs_logprob_diff")
+#: summary keys of an audit row (each a trend chart on the nightly page, so few): the two verdicts,
+#: "audit_<check>_<figure>" per check that ran, and the repeat's mean |Δlogp| (the noise floor).
+#: The whole result is in the row's provenance.
+FIGURES = ("differing_requests", "max_abs_logprob_diff")
+NOISE_FLOOR_KEY = "audit_repeat_mean_abs_logprob_diff"
 
 
 def audit_row(run_id: str, key: RowKey, case: Case, engine: Backend, provenance: dict[str, Any],
@@ -43,6 +45,8 @@ def audit_row(run_id: str, key: RowKey, case: Case, engine: Backend, provenance:
     for name, check in result.checks.items():
         if check.skipped is None:
             summary.update({f"audit_{name}_{figure}": float(getattr(check, figure)) for figure in FIGURES})
+    if result.checks["repeat"].skipped is None:
+        summary[NOISE_FLOOR_KEY] = result.checks["repeat"].mean_abs_logprob_diff
     violations = []
     if not result.control_held:
         violations.append({"metric": "audit seed: samples identical under other seeds (seeds ignored?)",
