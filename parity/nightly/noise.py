@@ -5,9 +5,10 @@ holds each check's numbers, and it fails when the seed control fails or when the
 is batch-invariant (`meta["batch_invariant"]`) and the audit finds otherwise. The audit's
 `repeat` check is the backend's run-to-run noise; `backend_noise` finds it for another row of the
 same run (same model, backend and dtype), and the runner judges that row against its baseline
-with it (`regression.judge_with_noise`). Audit cases run first in a run (`runner.plan`), so that
-under the local executor every row finds its backend's audit; under Ray a row judged before its
-audit has finished is judged without one.
+with it (`regression.judge_with_noise`). Audit cases come first in a run's plan (`runner.plan`),
+and each engine runs its rows in plan order (`engines`), so under the local executor every row
+finds its backend's audit; under Ray a row judged before its audit has finished is judged without
+one.
 """
 
 from __future__ import annotations
