@@ -2,6 +2,7 @@
 
 # compare, score, report, tolerance and the advisor import NumPy only; torch and the engines load on first use
 from parity.advisor import advise
+from parity.audit import AuditResult, audit
 from parity.compare import compare
 from parity.errors import ParityError
 from parity.loop import loop
@@ -17,5 +18,6 @@ from parity.types import Request, Rollout, SamplingParams
 # an engine process re-imports the main module: if it imports parity, it is as quiet as its parent
 follow_parent()
 
-__all__ = ["Generate", "Inject", "Monitor", "ParityError", "ParityReport", "Request", "Rollout",
-           "SamplingParams", "Tolerance", "__version__", "advise", "compare", "loop", "score"]
+__all__ = ["AuditResult", "Generate", "Inject", "Monitor", "ParityError", "ParityReport", "Request",
+           "Rollout", "SamplingParams", "Tolerance", "__version__", "advise", "audit", "compare", "loop",
+           "score"]

@@ -17,7 +17,9 @@ naming the file, the field and the allowed values)::
     kind = "compare"                 # compare (default) | lifecycle: nightly runs parity.lifecycle's
                                      # checks (sleep/wake, weight update, cache resets) on the prompts |
                                      # trajectory: multi-turn rollouts of the [[turns]] below |
-                                     # loop: an RL loop (parity.loop) on the prompts, see [loop]
+                                     # loop: an RL loop (parity.loop) on the prompts, see [loop] |
+                                     # audit: parity.audit on the prompts (repeat, batch, order, ...);
+                                     # its repeat noise judges the run's other rows of that backend
     prefix_caching = [true, false]   # optional (trajectory): one nightly row per setting on backends
                                      # with a prefix cache (vllm, vllm-server); empty = their default
     reference_tensor_parallel_size = 2   # optional (compare cases): the reference backend's rows run a
@@ -117,8 +119,9 @@ class Case:
     tolerance: limits for pass/fail; None = the backend's default.
     backend_tolerances: (backend, limits) pairs that override `tolerance` for one backend.
     router_replay: MoE routing-replay variants nightly runs as separate rows; empty = one row.
-    kind: "compare" (drift against the training forward), "lifecycle" (`parity.lifecycle`) or
-        "trajectory" (drift of multi-turn rollouts: every request carries the case's turns).
+    kind: "compare" (drift against the training forward), "lifecycle" (`parity.lifecycle`),
+        "trajectory" (drift of multi-turn rollouts: every request carries the case's turns) or
+        "audit" (`parity.audit`: is each backend deterministic and batch-invariant).
     reference_tensor_parallel_size: ranks of the reference backend's engine in nightly rows (1: one
         process, the whole model); above 1 the rows ask the executor for that many CPUs, and GPUs
         on CUDA, and are checked against the TP-invariant training forward (compare cases only).

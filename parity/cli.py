@@ -5,6 +5,7 @@
     parity advise r.json [--json advice.json] [--html r.html]
     parity models | parity backends
     parity nightly ... | parity replay ... | parity attribute ... | parity lifecycle ... | parity loop ...
+    parity audit --model M --backend B [--case C] [--json OUT] [--html OUT]
     parity monitor OUT_DIR [--html OUT] [--json OUT]
 
 `--verbose`, anywhere on the line, shows the engines' own log lines (vLLM's INFO) and the
@@ -60,6 +61,7 @@ PASSTHROUGH: dict[str, tuple[str, str, str]] = {
     "lifecycle": ("parity.lifecycle", "main", "check sleep/wake, weight updates and cache resets"),
     "monitor": ("parity.monitor.command", "main", "draw and summarise a run a parity.Monitor logged"),
     "loop": ("parity.loop.command", "main", "an on-policy RL loop: drift per step as weights move"),
+    "audit": ("parity.audit.command", "main", "is this engine deterministic and batch-invariant?"),
 }
 
 

@@ -40,9 +40,12 @@ NO_REPLAY = "none"
 #: every router-replay value a case file or the command line accepts.
 ROUTER_REPLAY_CHOICES: tuple[str, ...] = (NO_REPLAY, *REPLAY_MODES)
 
-#: what a case measures: "compare" (drift against the training forward) or "lifecycle" (the
-#: backend's sleep/wake, weight-update and cache transitions leave its numbers alone).
-CASE_KINDS: tuple[str, ...] = ("compare", "lifecycle", "trajectory", "loop")
+#: what a case measures: "compare" (drift against the training forward), "lifecycle" (the
+#: backend's sleep/wake, weight-update and cache transitions leave its numbers alone),
+#: "trajectory" (drift of multi-turn rollouts), "loop" (an RL loop, `parity.loop`) or "audit" (is the
+#: backend deterministic and batch-invariant: `parity.audit`; its repeat noise judges the run's other
+#: rows of that backend).
+CASE_KINDS: tuple[str, ...] = ("compare", "lifecycle", "trajectory", "loop", "audit")
 
 #: default K groups of the tensor-parallel row-parallel sum (`reduction_groups`): every degree up to 8
 #: divides it. TP bits are equal across degrees only for the same value.

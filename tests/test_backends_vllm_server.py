@@ -19,13 +19,17 @@ import numpy as np
 import pytest
 import torch
 
+from parity.audit import audit
 from parity.backends import get_backend, shared_backend
 from parity.backends.http import RequestsLostError
 from parity.backends.vllm_server import VLLMServerBackend, probe_logprobs_mode
+from parity.backends.vllm_settings import SETTINGS, from_probes
+from parity.cases import load_case
 from parity.cli import main
 from parity.compare import compare
 from parity.errors import BackendError, ConfigError
 from parity.lifecycle import CHECKS, run_lifecycle
+from parity.render import report_html
 from parity.report import ParityReport
 from parity.types import Request, SamplingParams
 
@@ -135,6 +139,40 @@ def test_attach_checks_the_declared_mode_and_dtype(server):
 def test_probe_agrees_with_server_info(server):
     backend = server.get()
     assert probe_logprobs_mode(backend.client, backend.served_model, 1) == backend.meta["vllm_logprobs_mode"]
+
+
+def test_every_report_carries_the_servers_settings_and_the_probes_agree_with_server_info(server):
+    """Issue 35, req 4: what decides the numbers, from /server_info on parity's own server (the CPU
+    flags parity starts it with), and the subset a server without dev mode shows, read the same."""
+    backend = server.get()
+    settings = backend.meta["server_settings"]
+    assert settings["source"] == "server_info" and all(settings[k] is not None for k in SETTINGS)
+    assert settings == {**settings, "dtype": "bfloat16", "logprobs_mode": "processed_logprobs",
+                        "batch_invariant": False, "enable_chunked_prefill": False,
+                        "enable_prefix_caching": True, "enforce_eager": True, "cudagraph_mode": "NONE",
+                        "max_model_len": 512}
+    probed = from_probes(settings["logprobs_mode"], backend.client.get_text("/metrics"),
+                         backend.client.get("/v1/models"))
+    for key in ("logprobs_mode", "enable_prefix_caching", "block_size", "max_model_len"):
+        assert probed[key] == settings[key], key
+    report = compare("tiny-llama", backend, case=str(ROOT / "cases" / "smoke.toml"))
+    assert report.provenance["backend_meta"]["server_settings"] == settings
+    assert "<h2>Server settings</h2>" in report_html(report)
+
+
+def test_the_audit_bypasses_the_servers_prefix_cache_by_salting_and_shows_its_settings(server):
+    """Salted requests read no cached block (cached tokens 0 on the bypassing run); unsalted ones
+    are served from the cache the first run filled."""
+    backend = server.get()
+    result = audit("tiny-llama", backend, case=str(ROOT / "cases" / "smoke.toml"),
+                   checks=["repeat", "prefix_cache"])
+    cache = result.checks["prefix_cache"]
+    assert cache.skipped is None and cache.requests == 4, result.summary_text()
+    assert result.provenance["audit"]["prefix_cache"]["cached_tokens"] > 0
+    assert result.provenance["backend_meta"]["server_settings"]["source"] == "server_info"
+    salted = backend.generate_uncached(load_case(ROOT / "cases" / "smoke.toml").requests)
+    assert {r.meta["num_cached_tokens"] for r in salted} == {0}
+    print(result.summary_text())
 
 
 #: nats two identical server runs may differ by on a host where vLLM-CPU's kernels are

@@ -4,7 +4,7 @@ TypeError or an IndexError from deep inside NumPy or torch is a traceback the us
 
 Entry points: `parity.compare` (reference backend, tiny model), `parity.loop`, `Monitor.log`,
 `train_forward`, `load_case` on generated TOML, `load_rollouts` and `read_record` on generated
-files, and the command line (`parity compare`, `parity nightly`, `parity replay`) whose every
+files, and the command line (`parity compare`, `parity nightly`, `parity replay`, `parity audit`) whose every
 error must be a ParityError (exit 2 without the "unexpected error" pointer to --verbose). The
 values are drawn around each field's domain: right types with bad values, wrong types, and valid
 input (which must succeed), all small, so a valid example samples a few tokens only. Sized by the
@@ -349,6 +349,18 @@ OPTION_VALUES = {
     "--json": ["{tmp}/r.json", "{tmp}"],
     "--html": ["{tmp}/x/r.html", "/proc/x.html"],
 }
+AUDIT_VALUES = {
+    "--model": [MODEL, "nope", ""],
+    "--backend": ["reference", "nope", "sglang"],
+    "--case": [str(ROOT / "cases" / "audit.toml"), "missing.toml", "smoke", ""],
+    "--dtype": ["float32", "fp8"],
+    "--device": ["cpu", "bogus", "cuda:99"],
+    "--option": ["record_routes=true", "x", "foo=1"],
+    "--checks": ["repeat,seed", "x", ",", "batch"],
+    "--batch-sizes": ["1,8,64", "1,2", "8,64", "x", "1,0,3"],
+    "--json": ["{tmp}/a.json", "{tmp}"],
+    "--html": ["{tmp}/x/a.html", "/proc/x.html"],
+}
 NIGHTLY_VALUES = {
     "--cases": [str(ROOT / "cases" / "smoke.toml"), "nope", ","],
     "--backends": ["auto", "hf,vllm", "tgi", ""],
@@ -385,10 +397,12 @@ def test_command_line(tmp_path_factory, capsys):
         mp.setattr(sys.modules["parity.nightly.command"], "run_nightly", stop)
         mp.setattr(sys.modules["parity.record"], "get_backend", stop)
 
-        @given(command=st.sampled_from(["compare", "nightly", "replay"]), compare=argv_from(OPTION_VALUES),
-               nightly=argv_from(NIGHTLY_VALUES), record=st.sampled_from(["rec", "missing", ""]))
-        def run(command: str, compare: list[str], nightly: list[str], record: str) -> None:
+        @given(command=st.sampled_from(["compare", "nightly", "replay", "audit"]),
+               compare=argv_from(OPTION_VALUES), nightly=argv_from(NIGHTLY_VALUES),
+               audit=argv_from(AUDIT_VALUES), record=st.sampled_from(["rec", "missing", ""]))
+        def run(command: str, compare: list[str], nightly: list[str], audit: list[str], record: str) -> None:
             argv = {"compare": ["compare", *compare], "nightly": ["nightly", *nightly],
+                    "audit": ["audit", *audit],
                     "replay": ["replay", record and f"{tmp}/{record}.jsonl", *compare[:4]]}[command]
             argv = [a.replace("{tmp}", tmp) for a in argv]
             try:

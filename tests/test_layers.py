@@ -116,6 +116,30 @@ def test_a_stored_loop_record_renders_without_torch(tmp_path):
     """)) == []
 
 
+def test_a_stored_audit_renders_without_torch(tmp_path):
+    """`parity audit --json` output read back and drawn: the result and its page need no engine."""
+    check = {"identical": False, "requests": 4, "differing_requests": 1,
+             "first_difference": {"what": "tokens"}, "max_abs_logprob_diff": 0.5,
+             "mean_abs_logprob_diff": 0.01, "skipped": None}
+    skipped = {**check, "identical": False, "requests": 0, "differing_requests": 0, "first_difference": None,
+               "max_abs_logprob_diff": 0.0, "mean_abs_logprob_diff": 0.0, "skipped": "no prefix cache"}
+    checks = {name: check for name in ("repeat", "batch", "order", "prefill_decode", "seed")}
+    stored = {"backend": "vllm-server", "model": "tiny-llama", "dtype": "bfloat16",
+              "provenance": {"backend_meta": {"server_settings": {"dtype": "bfloat16",
+                                                                  "source": "server_info"}}},
+              "checks": {**checks, "prefix_cache": skipped}, "deterministic": False, "batch_invariant": False}
+    path = tmp_path / "audit.json"
+    path.write_text(json.dumps(stored))
+    assert heavy_modules_after(textwrap.dedent(f"""
+        from parity.audit.result import AuditResult
+        from parity.render.audit import audit_html
+        result = AuditResult.from_json(open({str(path)!r}).read())
+        page = audit_html(result.to_dict())
+        assert "deterministic: no" in page and "Server settings" in page and "no prefix cache" in page
+        assert result.summary_text()
+    """)) == []
+
+
 def test_a_stored_nightly_history_renders_without_torch(tmp_path, monkeypatch):
     install(runner, patch=monkeypatch.setattr)
     cases = write_cases(tmp_path)

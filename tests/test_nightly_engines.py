@@ -2,7 +2,7 @@
 after its last row, a bounded number of engines alive at once, and an engine that cannot start
 for want of memory recorded as an error row while the run goes on.
 
-The plan tests run the whole built-in matrix (cases/, 45 rows on reference, hf, vllm and
+The plan tests run the whole built-in matrix (cases/, 50 rows on reference, hf, vllm and
 vllm-server) through the real registry with recording stand-in engines (`recording_backend`) and
 a synthetic `compare`; the memory tests check the budget and the failure classification without
 engines. Real engines: `tests/test_nightly_memory_vllm.py` (vLLM) and
@@ -43,7 +43,8 @@ def logged_compare(model: Any, engine: Any, *, case: Any, router_replay: str | N
 
 
 def logged_lifecycle(run_id: str, key: Any, case: Any, engine: Any, provenance: dict,
-                     timing: dict) -> RowResult:
+                     timing: dict, device: str = "cpu") -> RowResult:
+    """A lifecycle, audit or loop row on a recording engine: a "row" line in the engine log, a pass."""
     log("row", engine=engine.engine, case=case.name)
     return RowResult(run_id=run_id, key=key, status="pass", provenance=provenance, timing=timing)
 
@@ -56,6 +57,8 @@ def recorded(tmp_path, monkeypatch):
     recording_backend.install(monkeypatch.setitem)
     monkeypatch.setattr(execute, "compare", logged_compare)
     monkeypatch.setattr(execute, "lifecycle_row", logged_lifecycle)
+    monkeypatch.setattr(execute, "audit_row", logged_lifecycle)
+    monkeypatch.setattr(execute, "loop_row", logged_lifecycle)
     monkeypatch.setattr(runner, "available_backends", lambda: dict(AVAILABLE))
     monkeypatch.setattr(runner, "publish", lambda out, *_: out)  # the pages: tested elsewhere, slow
     yield path
@@ -86,15 +89,15 @@ def open_engines(log_events: list[dict]) -> list[int]:
 def test_the_built_in_matrix_runs_one_engine_at_a_time_each_closed_after_its_last_row(tmp_path, recorded):
     cells = plan(runner.load_cases(str(BUILT_IN)), runner.resolve_backends(("auto",)))
     code, stored = nightly(tmp_path)
-    assert code == 0 and len(stored) == len(cells) == 45, stored
+    assert code == 0 and len(stored) == len(cells) == 50, stored
     assert {status for status, _ in stored.values()} == {"pass"}
     log_events = events(recorded)
     starts = [e["engine"] for e in log_events if e["event"] == "start"]
     closes = [e["engine"] for e in log_events if e["event"] == "close"]
     rows = [e for e in log_events if e["event"] == "row"]
-    # 29 engines (14 of them vLLM's), each started once and closed once, in the same order
-    assert len(starts) == len(set(starts)) == 29 and closes == starts, (starts, closes)
-    assert len(rows) == 45
+    # 31 engines (15 of them vLLM's), each started once and closed once, in the same order
+    assert len(starts) == len(set(starts)) == 31 and closes == starts, (starts, closes)
+    assert len(rows) == 50
     # each engine's rows run between its start and its close, and it closes right after the last
     for i, e in enumerate(log_events):
         if e["event"] == "row":
@@ -133,7 +136,7 @@ def test_an_engine_without_memory_is_an_error_row_saying_what_it_needed_and_the_
     assert "(KV cache 1.0 + weights 0.0 + processes " in error and "GiB was free when it started" in error
     assert VLLM_MEMORY_MESSAGE in error and "the run goes on" in error
     # every other row ran, and nothing was left open
-    assert len(stored) == 45 and [k for k, (s, _) in stored.items() if s != "pass"] == [failed]
+    assert len(stored) == 50 and [k for k, (s, _) in stored.items() if s != "pass"] == [failed]
     log_events = events(recorded)
     assert [e["event"] for e in log_events].count("start-failed") == 1
     assert open_engines(log_events)[-1] == 0

@@ -8,7 +8,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from parity.errors import ConfigError
-from parity.nightly.regression import TEST_NAME, RegressionPolicy, Verdict, compare_drift
+from parity.nightly.regression import (
+    NOISE_DETERMINISTIC_KEY,
+    NOISE_MEAN_KEY,
+    TEST_NAME,
+    Noise,
+    RegressionPolicy,
+    Verdict,
+    compare_drift,
+    judge_with_noise,
+)
+from parity.nightly.rows import row_status
 
 POLICY = RegressionPolicy(alpha=0.01, min_effect=1e-3)
 
@@ -76,3 +86,42 @@ def test_a_verdict_is_never_both_ways_and_always_backed_by_its_test(cur, base):
     assert 0.0 <= v.p_worse <= 1.0 and 0.0 <= v.p_better <= 1.0
     swapped = compare_drift(np.array(base), np.array(cur), baseline_run="r0", policy=POLICY)
     assert {v.change, swapped.change} in ({"unchanged"}, {"regression", "improved"})
+
+
+# -- the backend's own noise (an audit of it in the same run) ------------------------------------------
+
+DETERMINISTIC = Noise(source="audit / reference / bfloat16", deterministic=True, mean_abs_logprob_diff=0.0,
+                      max_abs_logprob_diff=0.0, differing_requests=0, requests=4)
+NOISY = Noise(source="audit / vllm / bfloat16", deterministic=False, mean_abs_logprob_diff=0.02,
+              max_abs_logprob_diff=0.3, differing_requests=2, requests=4)
+
+
+def test_a_deterministic_backend_that_moves_one_ulp_is_flagged():
+    base = drift(0.01)
+    moved = base.copy()
+    moved[17] = np.nextafter(moved[17], 1.0)
+    plain = compare_drift(moved, base, baseline_run="r0", policy=POLICY)
+    assert plain.change == "unchanged"  # the negative control: the test alone cannot see it
+    judged = judge_with_noise(plain, DETERMINISTIC, moved, base)
+    assert judged.change == "changed" and judged.flagged and row_status([], judged) == "regression"
+    assert "deterministic" in judged.describe() and Verdict.from_dict(judged.to_dict()) == judged
+    plain_same = compare_drift(base, base, baseline_run="r0", policy=POLICY)
+    same = judge_with_noise(plain_same, DETERMINISTIC, base, base)
+    assert same.change == "unchanged" and not same.flagged
+    better = drift(0.001)
+    improved = compare_drift(better, base, baseline_run="r0", policy=POLICY)
+    assert judge_with_noise(improved, DETERMINISTIC, better, base).change == "improved"
+
+
+def test_a_shift_within_the_backends_repeat_noise_is_noise_and_beyond_it_a_regression():
+    base = drift(0.01)
+    within = base + 0.01  # significant and above min_effect, but inside 0.02 nats of repeat noise
+    plain = compare_drift(within, base, baseline_run="r0", policy=POLICY)
+    assert plain.change == "regression"
+    judged = judge_with_noise(plain, NOISY, within, base)
+    assert judged.change == "noise" and not judged.flagged and row_status([], judged) == "pass"
+    assert "repeat noise mean 0.02" in judged.describe() and judged.noise == NOISY.to_dict()
+    beyond = base + 0.05
+    assert judge_with_noise(compare_drift(beyond, base, baseline_run="r0", policy=POLICY), NOISY, beyond,
+                            base).change == "regression"
+    assert NOISY.summary() == {NOISE_DETERMINISTIC_KEY: 0.0, NOISE_MEAN_KEY: 0.02}

@@ -8,6 +8,7 @@ seeded by the case, so two runs of one setting give identical arrays (no change)
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -356,3 +357,101 @@ def test_the_page_loads_in_headless_chromium_without_console_errors(workspace, t
     kept = ROOT / ".venv" / "parity-screenshots"
     kept.mkdir(parents=True, exist_ok=True)
     shutil.copy(shot, kept / "nightly.png")  # for a person to look at after the run
+
+
+# -- audit rows and the noise floor they give the rest of the run --------------------------------------
+
+AUDIT_CASE = """
+    description = "audit"
+    kind = "audit"
+    model = "tiny-llama"
+    backends = ["reference", "hf"]
+    [prompts]
+    token_ids = [[3, 4, 5, 6], [7, 8, 9]]
+    [sampling]
+    n = 2
+    max_tokens = 8
+"""
+
+
+def fake_audit(repeat_differs: dict[str, int], seed_ignored: tuple[str, ...] = ()):
+    """`parity.audit` for the fake engines: `repeat_differs[backend]` requests of 2 differ on repeat
+    (mean |Δlogp| 0.05 nats), the others are identical everywhere; backends in `seed_ignored` fail the
+    control."""
+    from parity.audit import CHECKS, AuditResult, CheckResult
+
+    def audit(model, engine, *, case, dtype, device):
+        differing = repeat_differs.get(engine.name, 0)
+        same = CheckResult(identical=True, requests=2, differing_requests=0, first_difference=None,
+                           max_abs_logprob_diff=0.0, mean_abs_logprob_diff=0.0)
+        checks = {name: same for name in CHECKS}
+        if differing:
+            checks["repeat"] = CheckResult(identical=False, requests=2, differing_requests=differing,
+                                           first_difference={"what": "logprobs"}, max_abs_logprob_diff=0.4,
+                                           mean_abs_logprob_diff=0.05)
+        if engine.name not in seed_ignored:
+            checks["seed"] = CheckResult(identical=False, requests=2, differing_requests=2,
+                                         first_difference={"what": "tokens"}, max_abs_logprob_diff=0.0,
+                                         mean_abs_logprob_diff=0.0)
+        return AuditResult(backend=engine.name, model=case.model, dtype=dtype, provenance={}, checks=checks)
+    return audit
+
+
+def audited_engine(name: str, model: str, *, dtype: str, **options: Any) -> SimpleNamespace:
+    """A fake engine with the meta an audit row reads: the reference says it is batch-invariant."""
+    return SimpleNamespace(name=name, model=model, dtype=dtype, options=options,
+                           meta={"batch_invariant": name == "reference"})
+
+
+def shifted_compare(shift: dict[str, float]):
+    """`fake_compare` with each backend's training logprobs moved by `shift[backend]` nats."""
+    def compare(model, engine, **kw):
+        report = fake_compare(model, engine, **kw)
+        report.train_logprobs = report.train_logprobs + np.float32(shift.get(engine.name, 0.0))
+        return report
+    return compare
+
+
+def test_audit_rows_run_first_and_judge_the_rest_of_their_backend_against_its_noise(workspace, monkeypatch):
+    (workspace.cases / "noise.toml").write_text(textwrap.dedent(AUDIT_CASE))
+    monkeypatch.setattr(execute, "shared_backend", audited_engine)
+    monkeypatch.setattr(importlib.import_module("parity.audit"), "audit", fake_audit({"hf": 1}))
+    cases = f"{workspace.cases}/alpha.toml,{workspace.cases}/noise.toml"
+
+    def run(run_id, shift):
+        monkeypatch.setattr(execute, "compare", shifted_compare(shift))
+        code = main(["--cases", cases, "--backends", "reference,hf", "--out", str(workspace.out), "--run-id",
+                     run_id, "--no-progress"])
+        return code, {(r["case"], r["backend"]): r for r in
+                      json.loads((workspace.out / run_id / "results.json").read_text())["rows"]}
+
+    code, rows = run("n1", {})
+    assert code == 0 and plan(runner.load_cases(cases), ("reference", "hf"))[0][0].case == "noise"
+    audit_row = rows[("noise", "hf")]
+    assert audit_row["status"] == "pass" and audit_row["summary"]["audit_deterministic"] == 0.0
+    assert audit_row["summary"]["audit_repeat_mean_abs_logprob_diff"] == 0.05
+    # every alpha row shows its backend's noise, with no baseline yet
+    assert rows[("alpha", "hf")]["summary"]["noise_mean_abs_logprob_diff"] == 0.05
+    assert rows[("alpha", "reference")]["summary"]["noise_deterministic"] == 1.0
+    assert "noise (repeat mean)" in (workspace.out / "n1" / "index.html").read_text()
+    # hf moves 0.01 nats (significant, inside its 0.05 of noise); the deterministic reference moves 1e-6
+    code, rows = run("n2", {"hf": 0.01, "reference": 1e-6})
+    assert rows[("alpha", "hf")]["verdict"]["change"] == "noise" and rows[("alpha", "hf")]["status"] == "pass"
+    ref = rows[("alpha", "reference")]
+    assert ref["verdict"]["change"] == "changed" and ref["status"] == "regression" and code == 1
+    assert ref["verdict"]["effect"] < 1e-3  # below min_effect: without the audit this passed as unchanged
+    assert "changed vs n1" in (workspace.out / "n2" / "summary.md").read_text()
+
+
+def test_an_audit_row_fails_when_a_batch_invariant_backend_differs_or_seeds_change_nothing(workspace,
+                                                                                             monkeypatch):
+    (workspace.cases / "noise.toml").write_text(textwrap.dedent(AUDIT_CASE))
+    monkeypatch.setattr(execute, "shared_backend", audited_engine)
+    audit = fake_audit({"reference": 2, "hf": 2}, seed_ignored=("hf",))
+    monkeypatch.setattr(importlib.import_module("parity.audit"), "audit", audit)
+    code = main(["--cases", f"{workspace.cases}/noise.toml", "--backends", "reference,hf", "--out",
+                 str(workspace.out), "--run-id", "a1", "--no-progress"])
+    rows = {r["backend"]: r for r in json.loads((workspace.out / "a1" / "results.json").read_text())["rows"]}
+    assert code == 1 and rows["reference"]["status"] == "fail" and rows["hf"]["status"] == "fail"
+    assert "although the backend is batch-invariant" in rows["reference"]["violations"][0]["metric"]
+    assert "seeds ignored" in rows["hf"]["violations"][0]["metric"]

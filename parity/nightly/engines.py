@@ -3,8 +3,8 @@
 A row's engine is its `EngineKey` (backend, model, dtype, `shared_backend` options): the key of
 the process-wide engine cache (`parity.backends.shared_backend`). An executor runs the rows of one
 engine one after another and closes the engine right after the last of them (`PlannedRow.last`),
-so each engine starts once and at most one engine per executing process is alive: a 45-row
-built-in matrix holds 29 engines, 14 of them vLLM engines of ~3 GiB, which together do not fit in
+so each engine starts once and at most one engine per executing process is alive: a 50-row
+built-in matrix holds 31 engines, 15 of them vLLM engines of ~3 GiB, which together do not fit in
 24 GiB. The report keeps matrix order whatever order the rows ran in.
 """
 

@@ -33,6 +33,7 @@ from parity.cases import Case
 from parity.compare import compare
 from parity.nightly.history import now
 from parity.nightly.memory import available_bytes, engine_need, gib, memory_failure
+from parity.nightly.noise import AUDIT, audit_row
 from parity.nightly.rows import RowKey, RowResult, row_status
 from parity.schema import NO_REPLAY, REFERENCE
 
@@ -126,6 +127,8 @@ def _run_row(run_id: str, key: RowKey, case: Case, options: dict[str, Any], prov
             return lifecycle_row(run_id, key, case, engine, provenance, timing)
         if case.kind == "loop":
             return loop_row(run_id, key, case, engine, provenance, timing, device)
+        if case.kind == AUDIT:
+            return audit_row(run_id, key, case, engine, provenance, timing, device)
         tp = options.get("tensor_parallel_size")
         report = compare(None, engine, case=case, dtype=key.dtype, tolerance=case.tolerance_for(key.backend),
                          reference=reference, device=device, router_replay=replay_mode(key),

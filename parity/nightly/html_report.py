@@ -18,7 +18,7 @@ import numpy as np
 
 from parity.nightly.charts import trend_charts
 from parity.nightly.history import RunInfo
-from parity.nightly.regression import TEST_NAME
+from parity.nightly.regression import NOISE_DETERMINISTIC_KEY, NOISE_MEAN_KEY, TEST_NAME
 from parity.nightly.rows import STATUSES, RowKey, RowResult, correction_change
 from parity.render.report_page import key_value_table, report_plots, worst_tokens_table
 from parity.report import ParityReport
@@ -47,6 +47,7 @@ td { font-variant-numeric: tabular-nums; } .num { display: block; text-align: ri
          font-size: 12px; }
 .pass { background: #2e7d32; } .improved { background: #00838f; } .fail { background: #c62828; }
 .regression { background: #e65100; } .error { background: #6a1b9a; } .changed { background: #f9a825; }
+.noise { background: #757575; }
 td.cell-pass { background: #e8f5e9; } td.cell-improved { background: #e0f7fa; }
 td.cell-fail { background: #ffebee; } td.cell-regression { background: #fff3e0; }
 td.cell-error { background: #f3e5f5; } td.cell-none { color: #aaa; text-align: center; }
@@ -141,18 +142,26 @@ def _matrix(rows: list[RowResult]) -> str:
 
 def _rows_table(rows: list[RowResult]) -> str:
     head = ["row", "status", *(h for _, h in TABLE_METRICS), "Δ mean vs baseline", "p (one-sided)",
-            "time (s)", "recommended correction"]
+            "noise (repeat mean)", "time (s)", "recommended correction"]
     body = []
     for r in rows:
         v = r.verdict
         numbers = [*(_fmt(r.summary.get(k)) for k, _ in TABLE_METRICS),
-                   "" if v is None else f"{v.effect:+.3g}", "" if v is None else _fmt(v.p_value),
+                   "" if v is None else f"{v.effect:+.3g}", "" if v is None else _fmt(v.p_value), _noise(r),
                    _fmt(round(sum(r.timing.values()), 2)) if r.timing else ""]
         cells = [f'<a href="#{r.key.anchor}">{html.escape(r.key.label)}</a>', _badge(r.status),
                  *(f'<span class="num">{n}</span>' for n in numbers), _correction_cell(r)]
         body.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     return ("<table><thead><tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr></thead><tbody>"
             + "".join(body) + "</tbody></table>")
+
+
+def _noise(row: RowResult) -> str:
+    """The row's backend noise from this run's audit of it: "deterministic", its repeat mean |Δlogp|,
+    or "" (no audit of the backend ran)."""
+    if NOISE_MEAN_KEY not in row.summary:
+        return ""
+    return "deterministic" if row.summary[NOISE_DETERMINISTIC_KEY] else _fmt(row.summary[NOISE_MEAN_KEY])
 
 
 def _correction_cell(row: RowResult) -> str:
@@ -173,7 +182,9 @@ def _changes(rows: list[RowResult]) -> str:
     policy = f"alpha {first.alpha:g}, minimum effect {first.min_effect:g} nats" if first else ""
     lead = (f"<p class='sub'>{len(compared)} of {len(rows)} rows had a baseline row. Test: "
             f"{html.escape(TEST_NAME)}; a change counts when it is significant and moves the mean "
-            f"|Δlogp| beyond the minimum effect{f' ({policy})' if policy else ''}.</p>")
+            f"|Δlogp| beyond the minimum effect{f' ({policy})' if policy else ''} and beyond the backend's "
+            "repeat noise where an audit of it ran (noise: within it); a deterministic backend's row is "
+            "flagged (changed) when its numbers move at all.</p>")
     items = "".join(f"<li>{_badge(r.verdict.change)} {html.escape(r.key.label)}: "
                     f"{html.escape(r.verdict.describe())}</li>" for r in changed)
     advice = "".join(f"<li>{_badge('changed')} {html.escape(r.key.label)}: recommended correction "

@@ -8,10 +8,24 @@ must also move the mean |Δlogp| by more than `min_effect` nats. Improvements ar
 
 Caveat worth knowing: tokens of one sequence are correlated, so the test's p-values are optimistic;
 `min_effect` is the guard that keeps that from flagging noise.
+
+The backend's own noise floor (`Noise`, from an audit of the backend in the same run,
+`parity.audit`) sharpens both sides (`judge_with_noise`):
+
+- A deterministic backend (the audit's repeat is identical) gives the same bits for the same
+  seeded requests, so any change of the row's per-token |Δlogp| against its baseline is
+  "changed" (flagged as a regression), however small; only a significant improvement stays
+  "improved".
+- A nondeterministic backend moves by itself: a shift the test calls significant but whose mean
+  |Δlogp| effect is within the backend's repeat noise (the mean |Δlogp| between two runs of the
+  same batch) is "noise", not a regression. Where both runs sample the same tokens, the mean
+  |Δlogp| against the training forward can move by at most that much (triangle inequality);
+  where the repeat also changed tokens, the floor is an estimate, and the row shows it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
@@ -22,7 +36,10 @@ from scipy.stats import mannwhitneyu
 from parity.errors import ConfigError
 
 TEST_NAME = "one-sided Mann-Whitney U on per-token |Δlogp|"
-Change = Literal["regression", "improved", "unchanged"]
+#: summary keys with which a row shows its backend's noise (`Noise.summary`).
+NOISE_DETERMINISTIC_KEY = "noise_deterministic"
+NOISE_MEAN_KEY = "noise_mean_abs_logprob_diff"
+Change = Literal["regression", "improved", "unchanged", "noise", "changed"]
 
 
 @dataclass(frozen=True)
@@ -46,12 +63,52 @@ class RegressionPolicy:
 
 
 @dataclass(frozen=True)
+class Noise:
+    """A backend's run-to-run noise: the audit's `repeat` check (`parity.audit`) of that backend,
+    model and dtype in the same run.
+
+    source: the audit row that measured it (its label).
+    deterministic: the repeat was identical (same tokens, same logprob bits).
+    mean_abs_logprob_diff / max_abs_logprob_diff: |Δlogp| between the two runs, nats.
+    differing_requests / requests: how many of the audit's requests changed.
+    """
+
+    source: str
+    deterministic: bool
+    mean_abs_logprob_diff: float
+    max_abs_logprob_diff: float
+    differing_requests: int
+    requests: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Noise:
+        return cls(**d)
+
+    def summary(self) -> dict[str, float]:
+        """What a row shows of its noise: is its backend deterministic; its repeat mean |Δlogp|."""
+        return {NOISE_DETERMINISTIC_KEY: float(self.deterministic),
+                NOISE_MEAN_KEY: self.mean_abs_logprob_diff}
+
+    def describe(self) -> str:
+        if self.deterministic:
+            return f"deterministic (audit {self.source}: repeat identical)"
+        return (f"repeat noise mean {self.mean_abs_logprob_diff:.3g}, max {self.max_abs_logprob_diff:.3g} "
+                f"nats, {self.differing_requests} of {self.requests} requests differ (audit {self.source})")
+
+
+@dataclass(frozen=True)
 class Verdict:
     """The outcome of comparing one row's drift with its baseline row.
 
-    change: "regression", "improved" or "unchanged".
+    change: "regression", "improved" or "unchanged"; with the backend's noise (`judge_with_noise`)
+        also "noise" (significant, but within the backend's repeat noise) or "changed" (a
+        deterministic backend's numbers moved at all).
     p_worse / p_better: one-sided p-values (current larger / smaller than baseline).
     effect: mean |Δlogp| now minus at baseline (nats; > 0 is worse).
+    noise: the backend's `Noise` as a dict, None when no audit of it ran in this run.
     """
 
     change: Change
@@ -66,6 +123,7 @@ class Verdict:
     alpha: float
     min_effect: float
     test: str = TEST_NAME
+    noise: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -74,10 +132,19 @@ class Verdict:
     def from_dict(cls, d: dict[str, Any]) -> Verdict:
         return cls(**d)
 
+    @property
+    def flagged(self) -> bool:
+        """Whether the row is a regression: worse beyond the test, or a deterministic backend changed."""
+        return self.change in ("regression", "changed")
+
     def describe(self) -> str:
-        """One line for reports, e.g. `regression vs X: mean |Δlogp| 0.001 → 0.004 nats (+0.003, p=2e-09)`."""
-        return (f"{self.change} vs {self.baseline_run}: mean |Δlogp| {self.baseline_mean:.3g} → "
+        """One line for reports, e.g. `regression vs X: mean |Δlogp| 0.001 → 0.004 nats (+0.003, p=2e-09)`,
+        with the backend's noise where it was measured."""
+        text = (f"{self.change} vs {self.baseline_run}: mean |Δlogp| {self.baseline_mean:.3g} → "
                 f"{self.current_mean:.3g} nats ({self.effect:+.3g}, p={self.p_value:.2g})")
+        if self.noise is not None:
+            text += f"; {Noise.from_dict(self.noise).describe()}"
+        return text
 
     @property
     def p_value(self) -> float:
@@ -116,3 +183,17 @@ def _clean(values: np.ndarray) -> np.ndarray:
     difference is the worst drift there is, and the rank test needs orderable values."""
     arr = np.abs(np.asarray(values, dtype=np.float64).ravel())
     return np.where(np.isfinite(arr), arr, np.finfo(np.float64).max)
+
+
+def judge_with_noise(verdict: Verdict, noise: Noise, current: np.ndarray, baseline: np.ndarray) -> Verdict:
+    """`verdict` judged against the backend's own `noise` (see the module docstring); `current` and
+    `baseline` are the arrays `verdict` compared."""
+    change = verdict.change
+    if noise.deterministic:
+        if not np.array_equal(_clean(current), _clean(baseline)):
+            change = "improved" if change == "improved" else "changed"
+        else:
+            change = "unchanged"
+    elif change in ("regression", "improved") and abs(verdict.effect) <= noise.mean_abs_logprob_diff:
+        change = "noise"
+    return dataclasses.replace(verdict, change=change, noise=noise.to_dict())

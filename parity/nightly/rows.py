@@ -4,7 +4,8 @@ A row is one (case, backend, dtype[, router replay]) cell of the matrix. Its sta
 most severe first:
 
 - error: the backend failed to start or the case crashed; `error` holds the message.
-- regression: drift is worse than the baseline row (see `parity.nightly.regression`).
+- regression: drift is worse than the baseline row beyond the backend's noise, or a deterministic
+  backend's numbers changed at all (see `parity.nightly.regression`).
 - fail: a tolerance limit broke (`violations`).
 - improved: drift is significantly better than the baseline row.
 - pass: within tolerance and not worse than the baseline (or no baseline yet).
@@ -103,7 +104,7 @@ def correction_change(row: RowResult) -> tuple[str, str] | None:
 
 def row_status(violations: list[Any], verdict: Verdict | None) -> Status:
     """The status of a row that ran: regression beats a tolerance failure beats improvement."""
-    if verdict is not None and verdict.change == "regression":
+    if verdict is not None and verdict.flagged:
         return "regression"
     if violations:
         return "fail"

@@ -37,8 +37,9 @@ from parity.nightly.execute import PREFIX_CACHE as _PREFIX_CACHE
 from parity.nightly.execute import execute_row, prefix_cache_variant
 from parity.nightly.history import History, RunInfo
 from parity.nightly.lock import RunLock
+from parity.nightly.noise import AUDIT, backend_noise
 from parity.nightly.publish import publish
-from parity.nightly.regression import RegressionPolicy, compare_drift
+from parity.nightly.regression import RegressionPolicy, compare_drift, judge_with_noise
 from parity.nightly.rows import RowKey, RowResult, check_run_id, exit_code, row_status
 from parity.outputs import output_dir, output_file
 from parity.schema import (
@@ -194,7 +195,7 @@ def plan(cases: list[Case], backends: tuple[str, ...],
     error no setting could fix); `dtypes` overrides every case's own dtypes."""
     recording, switchable = route_recording_backends(), prefix_cache_backends()
     cells = []
-    for case in cases:
+    for case in sorted(cases, key=lambda c: c.kind != AUDIT):  # audits first: their noise judges the rest
         for variant in case.router_replay or [prefix_cache_variant(v) for v in case.prefix_caching] or ("",):
             for backend in backends:
                 if (case.backends and backend not in case.backends) or \
@@ -315,15 +316,22 @@ def claim_run(history: History, run_id: str | None, config: dict[str, Any],
 
 def judge_row(row: RowResult, case: Case, config: NightlyConfig, history: History) -> RowResult:
     """A row as it comes back from an executor, tested against its baseline row in the history
-    (`--baseline`, else the last passing run of its key); error and lifecycle rows are as they are."""
-    if row.status == "error" or case.kind == "lifecycle":
+    (`--baseline`, else the last passing run of its key) and, where an audit of its backend ran in
+    this run, against the backend's own noise (`noise.backend_noise`); error, lifecycle and audit
+    rows are as they are."""
+    if row.status == "error" or case.kind in ("lifecycle", AUDIT):
         return row
+    noise = backend_noise(history.rows(row.run_id), row)
+    if noise is not None:  # the row shows its noise, with or without a baseline
+        row = dataclasses.replace(row, summary={**row.summary, **noise.summary()})
     baseline = history.row(config.baseline, row.key) if config.baseline is not None \
         else history.last_passing(row.key, before_run=row.run_id)
     if baseline is None or baseline.status == "error":
         return row
     verdict = compare_drift(row.abs_diff, baseline.abs_diff, baseline_run=baseline.run_id,
                             policy=config.policy)
+    if noise is not None:
+        verdict = judge_with_noise(verdict, noise, row.abs_diff, baseline.abs_diff)
     summary = dict(row.summary)
     if RECOMMENDATION_KEY in baseline.summary:  # the page flags a changed recommendation
         summary[BASELINE_RECOMMENDATION_KEY] = baseline.summary[RECOMMENDATION_KEY]

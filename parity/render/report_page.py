@@ -152,6 +152,16 @@ def report_plots(report: ParityReport) -> list[str]:
     ]
 
 
+def server_settings_html(provenance: dict[str, Any]) -> str:
+    """The settings that decide a server backend's numbers (`backend_meta["server_settings"]`, where
+    they were read from), as a table; "" for other backends."""
+    settings = (provenance.get("backend_meta") or {}).get("server_settings")
+    if not settings:
+        return ""
+    return ("<h2>Server settings</h2><p class=\"sub\">What decides this server's numbers; None: the server "
+            "does not show it.</p>" + key_value_table(settings))
+
+
 def report_html(report: ParityReport) -> str:
     """The whole self-contained page of one report (what `ParityReport.to_html` returns)."""
     prov = report.provenance
@@ -182,6 +192,7 @@ def report_html(report: ParityReport) -> str:
         advice,
         "<h2>Rollout correction (verl rollout_corr/*)</h2>", key_value_table(report.metrics),
         attribution,
+        server_settings_html(prov),
         "<h2>Provenance</h2>", key_value_table(prov),
         f"<h2>Extras</h2>{extras}" if extras else "",
         "</body></html>",

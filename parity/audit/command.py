@@ -1,0 +1,75 @@
+"""`parity audit`: is this engine deterministic and batch-invariant?
+
+    parity audit --model tiny-llama --backend vllm [--option batch_invariant=true] [--case smoke]
+                 [--checks repeat,batch] [--batch-sizes 1,8,64] [--json OUT] [--html OUT]
+
+Exit 0 when the backend is deterministic and batch-invariant and the seed control held, 1 when
+not, 2 on an error (bad input, a backend that fails to start: one line, `--verbose` for the
+traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+
+from parity.audit.derived import BATCH_SIZES
+from parity.audit.result import CHECKS
+from parity.audit.run import audit
+from parity.backends import parse_option
+from parity.cases import load_cases
+from parity.errors import EXIT_FAILED, ConfigError
+from parity.outputs import output_file
+from parity.render.audit import audit_html
+from parity.schema import DTYPES
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError as exc:
+        raise ConfigError(f"--batch-sizes {text!r}: give comma-separated integers, e.g. 1,8,64") from exc
+
+
+def main(argv: Sequence[str]) -> int:
+    """Run the audit, print one line per check, write --json/--html; the exit code as above."""
+    parser = argparse.ArgumentParser(
+        prog="parity audit",
+        description="Sample the same seeded requests in pairs of situations (twice; alone and inside "
+                    "batches of other lengths; shuffled; decode vs the backend's own prefill; prefix cache "
+                    "off and on; another seed as the control) and compare token ids and logprobs bit for "
+                    "bit. Exit 0 when deterministic and batch-invariant, 1 when not, 2 on an error.")
+    parser.add_argument("--backend", required=True, help="backend name (see `parity backends`)")
+    parser.add_argument("--model", help="built-in checkpoint or local HF checkpoint; optional with --case")
+    parser.add_argument("--case", help="case file or name in cases/ (default: the built-in workload)")
+    parser.add_argument("--dtype", choices=DTYPES, help="model dtype (default: the case's first dtype)")
+    parser.add_argument("--device", default="cpu", help="where a reference or hf engine runs (default: cpu)")
+    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                        help="backend option, repeatable; e.g. --option batch_invariant=true")
+    parser.add_argument("--checks", default=",".join(CHECKS),
+                        help=f"comma-separated checks (default: all: {','.join(CHECKS)})")
+    parser.add_argument("--batch-sizes", default=",".join(map(str, BATCH_SIZES)),
+                        help="batch sizes of the batch check, in sequences; 1 and two more (default: 1,8,64)")
+    parser.add_argument("--json", type=Path, metavar="OUT", help="write the result as JSON to OUT")
+    parser.add_argument("--html", type=Path, metavar="OUT", help="write the result as an HTML page to OUT")
+    parser.add_argument("--verbose", action="store_true", help="print the traceback of an unexpected error")
+    args = parser.parse_args(list(argv))
+    case = load_cases(args.case)[0] if args.case is not None else None
+    if args.model is None and case is None:
+        raise ConfigError("parity audit needs --model (or --case naming a model)")
+    for path, option in ((args.json, "--json"), (args.html, "--html")):
+        if path is not None:
+            output_file(path, option)  # before the engine starts, as compare checks its outputs
+    options = dict(parse_option(text) for text in args.option)
+    result = audit(args.model, args.backend, case=case, dtype=args.dtype, device=args.device,
+                   checks=[c.strip() for c in args.checks.split(",") if c.strip()],
+                   batch_sizes=_ints(args.batch_sizes), **options)
+    print(result.summary_text())
+    if args.json is not None:
+        args.json.write_text(result.to_json(), encoding="utf-8")
+        print(f"wrote {args.json}")
+    if args.html is not None:
+        args.html.write_text(audit_html(result.to_dict()), encoding="utf-8")
+        print(f"wrote {args.html}")
+    return 0 if result.deterministic and result.batch_invariant and result.control_held else EXIT_FAILED

@@ -1,0 +1,138 @@
+"""The audit's requests, all derived from one case's seeded requests.
+
+- `shuffled`: the same requests in another order (a fixed permutation that moves something).
+- `reseeded`: the same requests with other seeds (the control).
+- `needle_batches`: each needle (a case request with n=1: exactly sample 0 of the request, since
+  a sample's seed depends only on the request seed and the sample index) alone, then all needles
+  together inside batches of the larger sizes, spread over the batch (first, last, in between:
+  some kernels treat a row by its position), padded with neighbours whose prompts have other
+  lengths and whose seeds differ. Neighbours share the needles' sampling parameters, so a backend
+  that groups requests by sampling (HF's padded batches) puts them in the needle's batch.
+- `with_prefix`: the requests behind one shared prefix of whole KV blocks (a system prompt), so a
+  prefix cache has something to serve.
+- `neutral`: temperature 1, no top-k/top-p: processed logprobs equal raw ones by definition.
+
+Neighbour and prefix tokens are drawn from the case's own prompt tokens, so every id is valid for
+the model. NumPy only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from parity.errors import ConfigError
+from parity.types import Request
+
+#: the default batch sizes of the batch check, in sequences: the needle alone, then two batches.
+BATCH_SIZES: tuple[int, ...] = (1, 8, 64)
+#: seeds of neighbours and of the control start here: far from any case's seeds (cases use 0-10^4).
+_OTHER_SEEDS = 1_000_003
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """The batch check's runs: `needles` one at a time, then each of `batches` (size -> requests)."""
+
+    needles: tuple[Request, ...]
+    batches: dict[int, tuple[Request, ...]]
+
+
+def check_batch_sizes(sizes: Sequence[int]) -> tuple[int, ...]:
+    """Distinct sizes >= 1, sorted; they must hold 1 (the needle alone) and two larger sizes."""
+    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence) or not all(
+            isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in sizes):
+        raise ConfigError(f"batch_sizes must be a list of integers >= 1, got {sizes!r}")
+    out = tuple(sorted(set(sizes)))
+    if out[:1] != (1,) or len(out) < 3:
+        raise ConfigError(f"batch_sizes must hold 1 (the needle alone) and at least two larger sizes, e.g. "
+                          f"{list(BATCH_SIZES)}; got {list(sizes)}")
+    return out
+
+
+def single_turn(requests: Sequence[Request], where: str) -> tuple[Request, ...]:
+    """`requests` if none is a multi-turn trajectory (the audit samples single responses)."""
+    turns = [r.request_id for r in requests if r.turns]
+    if turns:
+        raise ConfigError(f"{where}: requests {turns[:3]} are multi-turn trajectories; the audit samples "
+                          "single-turn requests: use a case without [[turns]]")
+    if not requests:
+        raise ConfigError(f"{where}: no requests to audit")
+    return tuple(requests)
+
+
+def shuffled(requests: Sequence[Request], seed: int) -> tuple[Request, ...]:
+    """`requests` in a seeded order other than the given one (unchanged when there is one request)."""
+    if len(requests) < 2:
+        return tuple(requests)
+    rng = np.random.Generator(np.random.PCG64(seed))
+    order = np.arange(len(requests))
+    while np.array_equal(order, np.arange(len(requests))):
+        order = rng.permutation(len(requests))
+    return tuple(requests[i] for i in order)
+
+
+def reseeded(requests: Sequence[Request]) -> tuple[Request, ...]:
+    """The same requests with seeds nobody else uses (request seed + a large odd offset)."""
+    return tuple(Request(r.prompt_ids, r.sampling.replace(seed=r.sampling.seed + _OTHER_SEEDS), r.request_id)
+                 for r in requests)
+
+
+def neutral(requests: Sequence[Request]) -> tuple[Request, ...]:
+    """The same prompts and seeds under temperature 1 without truncation."""
+    return tuple(Request(r.prompt_ids, r.sampling.replace(temperature=1.0, top_k=0, top_p=1.0), r.request_id)
+                 for r in requests)
+
+
+def is_neutral(requests: Sequence[Request]) -> bool:
+    """Whether every request samples at temperature 1 without top-k or top-p (processed == raw)."""
+    return all(r.sampling.temperature == 1.0 and r.sampling.top_k == 0 and r.sampling.top_p == 1.0
+               for r in requests)
+
+
+def _token_pool(requests: Sequence[Request]) -> np.ndarray:
+    return np.unique(np.concatenate([np.asarray(r.prompt_ids, np.int64) for r in requests]))
+
+
+def needle_batches(requests: Sequence[Request], sizes: Sequence[int], *, seed: int,
+                   context: int | None) -> BatchPlan:
+    """Needles and the batches they are audited in (see the module docstring).
+
+    At most half of the smallest batch above 1 are needles (the first requests of the case), so
+    every batch holds neighbours. `context`: the model's positions (prompt + max_tokens must
+    fit), None when unknown.
+    """
+    sizes = check_batch_sizes(sizes)
+    count = max(1, min(len(requests), sizes[1] // 2))
+    needles = tuple(Request(r.prompt_ids, r.sampling.replace(n=1), r.request_id) for r in requests[:count])
+    rng = np.random.Generator(np.random.PCG64(seed))
+    pool = _token_pool(needles)
+    taken = {len(r.prompt_ids) for r in needles}
+    longest = max(taken)
+    budget = min(2 * longest + 8, context - max(r.sampling.max_tokens for r in needles)) if context else \
+        2 * longest + 8
+    lengths = [n for n in range(1, budget + 1) if n not in taken] or [longest]
+    batches = {}
+    for size in sizes[1:]:
+        slots = np.unique(np.linspace(0, size - 1, count).round().astype(int))
+        batch: list[Request] = []
+        needle_at = dict(zip(slots.tolist(), needles))
+        for position in range(size):
+            if position in needle_at:
+                batch.append(needle_at[position])
+                continue
+            template = needles[position % count]
+            prompt = tuple(int(t) for t in rng.choice(pool, size=int(rng.choice(lengths))))
+            sampling = template.sampling.replace(seed=_OTHER_SEEDS + size * 1000 + position)
+            batch.append(Request(prompt, sampling, f"neighbour-{size}-{position}"))
+        batches[size] = tuple(batch)
+    return BatchPlan(needles=needles, batches=batches)
+
+
+def with_prefix(requests: Sequence[Request], length: int, *, seed: int) -> tuple[Request, ...]:
+    """`requests` behind one shared prefix of `length` tokens (same seeds and sampling)."""
+    rng = np.random.Generator(np.random.PCG64(seed))
+    prefix = tuple(int(t) for t in rng.choice(_token_pool(requests), size=length))
+    return tuple(Request(prefix + r.prompt_ids, r.sampling, r.request_id) for r in requests)

@@ -1,0 +1,232 @@
+"""The audit's result: one `CheckResult` per check and the two verdicts, with a stable JSON form.
+
+JSON (`AuditResult.to_dict`; the keys are exactly these, documented in docs/DESIGN.md)::
+
+    {"backend": str, "model": str, "dtype": str, "provenance": {...},
+     "checks": {NAME: {"identical": bool, "requests": int, "differing_requests": int,
+                       "first_difference": {...} | null, "max_abs_logprob_diff": float,
+                       "mean_abs_logprob_diff": float, "skipped": str | null}},
+     "deterministic": bool, "batch_invariant": bool}
+
+`deterministic` is `repeat` identical; `batch_invariant` is `batch` and `order` identical. A
+skipped check is never identical, so a verdict that rests on it is false. `seed` is the control:
+two seeds must give different samples, so its `identical` is true only when the seeds changed
+nothing (the other checks then prove nothing about sampling). NumPy only: a stored result is read
+and rendered without torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from parity.errors import InputError
+
+#: the checks, in run order.
+CHECKS: tuple[str, ...] = ("repeat", "batch", "order", "prefill_decode", "prefix_cache", "seed")
+#: the check whose `identical` must be false (different seeds, different samples).
+CONTROL = "seed"
+#: the keys of one check's JSON, in order.
+CHECK_KEYS: tuple[str, ...] = ("identical", "requests", "differing_requests", "first_difference",
+                               "max_abs_logprob_diff", "mean_abs_logprob_diff", "skipped")
+#: the keys of the result's JSON, in order.
+RESULT_KEYS: tuple[str, ...] = ("backend", "model", "dtype", "provenance", "checks", "deterministic",
+                                "batch_invariant")
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """One check: did two runs of the same seeded requests give the same tokens and logprobs?
+
+    identical: every compared sample has the same token ids, the same logprobs (as numbers; NaN
+        equals NaN) and, where both runs returned MoE routes, the same expert sets.
+    requests: requests compared (a request's samples count once).
+    differing_requests: requests with any sample that differs in tokens, logprobs or routes.
+    first_difference: where the first differing sample first differs (`parity.audit.diff`), None
+        when identical.
+    max_abs_logprob_diff / mean_abs_logprob_diff: |Δlogp| in nats over the common token prefix of
+        every compared sample (a sample whose tokens diverge is compared up to the divergence and
+        counted in `differing_requests`); 0.0 when no token was compared.
+    skipped: why the check did not run (the backend cannot do it), None when it ran. A skipped
+        check is neither a pass nor a failure.
+    """
+
+    identical: bool
+    requests: int
+    differing_requests: int
+    first_difference: dict[str, Any] | None
+    max_abs_logprob_diff: float
+    mean_abs_logprob_diff: float
+    skipped: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.identical, bool):
+            raise InputError(f"check identical must be true or false, got {self.identical!r}")
+        for name in ("requests", "differing_requests"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InputError(f"check {name} must be an integer >= 0, got {value!r}")
+        if self.differing_requests > self.requests:
+            raise InputError(f"check differing_requests ({self.differing_requests}) exceeds requests "
+                             f"({self.requests})")
+        for name in ("max_abs_logprob_diff", "mean_abs_logprob_diff"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) \
+                    or value < 0:
+                raise InputError(f"check {name} must be a number >= 0 (nats), got {value!r}")
+            object.__setattr__(self, name, float(value))
+        if self.first_difference is not None and not isinstance(self.first_difference, dict):
+            raise InputError(f"check first_difference must be an object or null, got "
+                             f"{self.first_difference!r}")
+        if self.skipped is not None and (not isinstance(self.skipped, str) or not self.skipped):
+            raise InputError(f"check skipped must be a reason (a non-empty string) or null, got "
+                             f"{self.skipped!r}")
+        if self.skipped is not None and (self.identical or self.requests):
+            raise InputError("a skipped check compares nothing: identical false, requests 0")
+        if self.identical != (self.differing_requests == 0 and self.requests > 0):
+            raise InputError(f"check identical={self.identical} contradicts {self.differing_requests} of "
+                             f"{self.requests} differing requests")
+
+    @classmethod
+    def skip(cls, reason: str) -> CheckResult:
+        """A check the backend cannot do, with the reason (the backend's own words where it gave them)."""
+        return cls(identical=False, requests=0, differing_requests=0, first_difference=None,
+                   max_abs_logprob_diff=0.0, mean_abs_logprob_diff=0.0, skipped=reason)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {key: getattr(self, key) for key in CHECK_KEYS}
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "check") -> CheckResult:
+        """The inverse of `to_dict`; a missing or unknown key is an InputError naming it."""
+        _exact_keys(d, CHECK_KEYS, where)
+        return cls(**{key: d[key] for key in CHECK_KEYS})
+
+    def describe(self) -> str:
+        """One line: identical, or how much differs and where it starts; or why it was skipped."""
+        if self.skipped is not None:
+            return f"skipped: {self.skipped}"
+        if self.identical:
+            return f"identical ({self.requests} requests)"
+        where = _where(self.first_difference)
+        return (f"{self.differing_requests} of {self.requests} requests differ; max |dlogp| "
+                f"{self.max_abs_logprob_diff:.3g}, mean {self.mean_abs_logprob_diff:.3g} nats"
+                f"{'; first: ' + where if where else ''}")
+
+
+def _where(first: dict[str, Any] | None) -> str:
+    if not first:
+        return ""
+    text = f"{first.get('what', '?')} of {first.get('request_id')}/{first.get('sample_index')}"
+    if first.get("position") is not None:
+        text += f" at response token {first['position']}"
+    if first.get("route_position") is not None:
+        text += f" at position {first['route_position']} layer {first.get('route_layer')}"
+    context = first.get("context") or {}
+    return text + "".join(f", {k} {v}" for k, v in context.items())
+
+
+@dataclass(frozen=True)
+class AuditResult:
+    """Every check of one backend on one model and dtype, with what produced the numbers.
+
+    checks: CheckResult by check name, in `CHECKS` order (a check not asked for is skipped).
+    provenance: versions, the backend's settings (`backend_meta`; a vLLM server's
+        `server_settings`), the case, its hash and seeds, the batch sizes, the machine.
+    """
+
+    backend: str
+    model: str
+    dtype: str
+    provenance: dict[str, Any]
+    checks: dict[str, CheckResult]
+
+    def __post_init__(self) -> None:
+        for name in ("backend", "model", "dtype"):
+            if not isinstance(getattr(self, name), str):
+                raise InputError(f"audit {name} must be a string, got {getattr(self, name)!r}")
+        if not isinstance(self.provenance, dict):
+            raise InputError(f"audit provenance must be an object, got {type(self.provenance).__name__}")
+        if not isinstance(self.checks, dict) or list(self.checks) != list(CHECKS) \
+                or not all(isinstance(c, CheckResult) for c in self.checks.values()):
+            raise InputError(f"audit checks must hold one CheckResult per check, in order: {list(CHECKS)}")
+
+    @property
+    def deterministic(self) -> bool:
+        """The same batch twice gives the same bits."""
+        return self.checks["repeat"].identical
+
+    @property
+    def batch_invariant(self) -> bool:
+        """A request's bits do not depend on what shares its batch, nor on the batch's order."""
+        return self.checks["batch"].identical and self.checks["order"].identical
+
+    @property
+    def control_held(self) -> bool:
+        """Different seeds gave different samples (or the control could not run: greedy sampling)."""
+        seed = self.checks[CONTROL]
+        return seed.skipped is not None or not seed.identical
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"backend": self.backend, "model": self.model, "dtype": self.dtype,
+                "provenance": self.provenance,
+                "checks": {name: c.to_dict() for name, c in self.checks.items()},
+                "deterministic": self.deterministic, "batch_invariant": self.batch_invariant}
+
+    def to_json(self) -> str:
+        # a logprob difference may be inf (a token -inf on one side): JSON's Infinity, as Python writes it
+        return json.dumps(self.to_dict(), indent=2, default=str)
+
+    @classmethod
+    def from_dict(cls, d: Any) -> AuditResult:
+        """The inverse of `to_dict`; the stored verdicts must agree with the checks."""
+        _exact_keys(d, RESULT_KEYS, "audit result")
+        checks = d["checks"]
+        if not isinstance(checks, dict):
+            raise InputError("audit result: checks must be an object of check results")
+        _exact_keys(checks, CHECKS, "audit result checks")
+        result = cls(backend=d["backend"], model=d["model"], dtype=d["dtype"], provenance=d["provenance"],
+                     checks={name: CheckResult.from_dict(checks[name], f"check {name!r}") for name in CHECKS})
+        for name in ("deterministic", "batch_invariant"):
+            if d[name] is not getattr(result, name):
+                raise InputError(f"audit result: {name}={d[name]!r} contradicts its checks")
+        return result
+
+    @classmethod
+    def from_json(cls, text: str) -> AuditResult:
+        try:
+            return cls.from_dict(json.loads(text))
+        except json.JSONDecodeError as exc:
+            raise InputError(f"not an audit result: invalid JSON ({exc})") from exc
+
+    def replace(self, **changes: Any) -> AuditResult:
+        return dataclasses.replace(self, **changes)
+
+    def summary_text(self) -> str:
+        """The verdicts, then one line per check."""
+        width = max(map(len, CHECKS))
+        lines = [f"audit of {self.backend} on {self.model} ({self.dtype}): "
+                 f"deterministic {_yes(self.deterministic)}, batch-invariant {_yes(self.batch_invariant)}"]
+        lines += [f"  {name.ljust(width)}  {check.describe()}" for name, check in self.checks.items()]
+        if not self.control_held:
+            lines.append("  control FAILED: two seeds gave identical samples, so the sampling checks prove "
+                         "nothing (are seeds ignored?)")
+        return "\n".join(lines)
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "NO"
+
+
+def _exact_keys(d: Any, keys: tuple[str, ...], where: str) -> None:
+    if not isinstance(d, dict):
+        raise InputError(f"{where} must be a JSON object, got {type(d).__name__}")
+    missing = [k for k in keys if k not in d]
+    if missing:
+        raise InputError(f"{where}: missing key {missing[0]!r}")
+    unknown = sorted(set(d) - set(keys))
+    if unknown:
+        raise InputError(f"{where}: unknown key {unknown[0]!r}; the keys are {list(keys)}")

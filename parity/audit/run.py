@@ -1,0 +1,101 @@
+"""`parity.audit`: is a backend deterministic and batch-invariant? Every check on one engine.
+
+Everything is checked before the engine starts (the case, the model's vocabulary and context,
+the checks, the batch sizes, the device); then one backend (a name, started once per process
+through `shared_backend`, or a running `Backend`) runs every check (`parity.audit.checks`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from parity.audit.checks import AuditSettings, run_checks
+from parity.audit.derived import BATCH_SIZES, check_batch_sizes, single_turn
+from parity.audit.result import CHECKS, AuditResult
+from parity.backends import Backend, backend_options, shared_backend
+from parity.backends.base import check_dtype
+from parity.cases import Case
+from parity.errors import ConfigError
+from parity.models import model_limits, resolve_model
+from parity.provenance import provenance
+from parity.types import check_int
+from parity.workload import resolve_workload
+
+
+def audit(model: str | os.PathLike[str] | None, backend: str | Backend, *,
+          case: Case | str | os.PathLike[str] | None = None, dtype: str | None = None, device: str = "cpu",
+          checks: Sequence[str] = CHECKS, batch_sizes: Sequence[int] = BATCH_SIZES, seed: int = 0,
+          **backend_options: Any) -> AuditResult:
+    """Audit `backend` on `model`: repeat, batch, order, prefill_decode, prefix_cache and seed.
+
+    model: built-in checkpoint name or local HF directory; None takes the case's model.
+    backend: a registry name (started once per process through `shared_backend`, with
+        `backend_options`, e.g. `batch_invariant=True` for vLLM) or a running `Backend`.
+    case: a `Case` or a case TOML path whose seeded requests every check samples; None =
+        `parity.cases.default_case(model)`. Multi-turn cases are refused.
+    dtype: None = a running backend's own dtype, else the case's first dtype.
+    device: where the backend runs ("cpu", "cuda"): a backend with a `device` option (reference,
+        hf) is started there; others run where their build runs, and a running backend elsewhere
+        is refused.
+    checks: a subset of `CHECKS`; the others are reported as skipped ("not asked for").
+    batch_sizes: the batch check's sizes in sequences: 1 (each needle alone) and at least two more.
+    seed: seeds the derived requests (neighbours, the shuffle, the shared prefix).
+    """
+    the_case = resolve_workload(model, case, None, None)
+    model_arg = os.fspath(model) if model is not None else the_case.model
+    requests = single_turn(the_case.requests, f"case {the_case.name!r}")
+    limits = model_limits(model_arg)
+    limits.check(requests, prefix=f"case {the_case.name!r}: ")
+    # a running backend is audited in its own dtype unless another is asked for (and then refused)
+    dtype = check_dtype(dtype or (backend.dtype if isinstance(backend, Backend) else the_case.dtypes[0]))
+    unknown = [c for c in checks if c not in CHECKS]
+    if isinstance(checks, str) or unknown:
+        raise ConfigError(f"checks: unknown {unknown or checks!r}; choose from {list(CHECKS)}")
+    settings = AuditSettings(checks=tuple(checks), batch_sizes=check_batch_sizes(batch_sizes),
+                             seed=check_int(seed, "seed", low=0), context=limits.max_positions)
+    _check_device(device)
+    engine = _backend(backend, model_arg, dtype, device, backend_options)
+    placed = engine.meta.get("device")
+    if placed is not None and str(placed).partition(":")[0] != device.partition(":")[0]:
+        raise ConfigError(f"backend {engine.name!r} runs on {placed!r}, not device={device!r}: pass "
+                          f"device={placed!r}, or start it on {device!r}")
+    results, notes = run_checks(engine, requests, settings)
+    prov = provenance(model_arg, backend=engine.name, backend_meta=dict(engine.meta), dtype=dtype,
+                      device=device, backend_device=engine.meta.get("device"),
+                      reference="none (the backend is compared with itself)", router_replay=None,
+                      seeds=the_case.seeds, case=the_case.name, case_hash=the_case.hash,
+                      rollout_logprobs=f"sampled here by backend {engine.name!r}",
+                      train_logprobs="none (the audit runs no training forward)")
+    prov["audit"] = {"checks": list(settings.checks), "batch_sizes": list(settings.batch_sizes),
+                     "seed": settings.seed, **notes}
+    return AuditResult(backend=engine.name, model=str(prov["model"]), dtype=dtype, provenance=prov,
+                       checks=results)
+
+
+def _check_device(device: str) -> None:
+    """ConfigError unless `device` exists here, before an engine starts."""
+    from parity.models.loading import check_device  # torch: `import parity` stays light
+
+    check_device(device)
+
+
+def _backend(backend: str | Backend, model: str, dtype: str, device: str, options: dict[str, Any]) -> Backend:
+    if isinstance(backend, Backend):
+        if options:
+            raise ConfigError(f"backend options {sorted(options)} only apply when backend is a name; this "
+                              "backend is already running")
+        if Path(resolve_model(model)).resolve() != Path(backend.model_path).resolve():
+            raise ConfigError(f"the running backend serves {backend.model_path}, not model {model!r}")
+        if backend.dtype != dtype:
+            raise ConfigError(f"the running backend uses dtype {backend.dtype!r} but dtype={dtype!r} was "
+                              f"asked for; leave dtype unset (it audits {backend.dtype!r}) or start a "
+                              f"backend with dtype={dtype!r}")
+        return backend
+    if not isinstance(backend, str):
+        raise ConfigError(f"backend must be a backend name or a parity Backend, got {type(backend).__name__}")
+    if device != "cpu" and "device" in backend_options(backend):  # reference, hf: placed there
+        options = {**options, "device": device}
+    return shared_backend(backend, model, dtype=dtype, **options)

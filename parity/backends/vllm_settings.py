@@ -1,0 +1,110 @@
+"""What decides a vLLM server's numbers, as a report records it (`meta["server_settings"]`).
+
+Two servers of the same model and version give different logprobs when they were started
+differently (measured: a server started by hand with vLLM's defaults drifted up to 0.789 nats
+where parity's own start drifted 0.288, with other tokens on 5 of 16 sequences). So every report
+of a `vllm-server` backend carries the settings that decide the numbers, read from where the
+server shows them:
+
+- `/server_info` (a development endpoint, served with `VLLM_SERVER_DEV_MODE=1`, which parity
+  sets on the servers it starts): the whole engine config and the `VLLM_*` environment, so
+  every setting below is known.
+- Otherwise what the server shows without it: the logprob mode (two probe requests,
+  `vllm_server.probe_logprobs_mode`), prefix caching and the KV block size (`/metrics`, the
+  `vllm:cache_config_info` gauge), the context length (`/v1/models`). The rest is None: unknown,
+  and the report says so rather than guessing.
+
+Standard library only; the server's answers come in as decoded JSON and text.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+#: the settings every report of a vLLM server records, None where the server does not show them.
+SETTINGS: tuple[str, ...] = (
+    "logprobs_mode", "dtype", "batch_invariant", "enable_chunked_prefill", "enable_prefix_caching",
+    "block_size", "enforce_eager", "cudagraph_mode", "max_num_seqs", "max_num_batched_tokens",
+    "max_model_len", "attention_backend", "tensor_parallel_size", "seed",
+)
+#: vLLM's `CUDAGraphMode` values (an int, or a pair for separate decode and mixed modes) by name.
+CUDAGRAPH_MODES: dict[Any, str] = {0: "NONE", 1: "PIECEWISE", 2: "FULL", (2, 0): "FULL_DECODE_ONLY",
+                                   (2, 1): "FULL_AND_PIECEWISE"}
+SERVER_INFO = "server_info"
+#: how `from_probes` knows what it knows.
+PROBES = ("probes: logprobs mode from two requests, prefix caching and block size from /metrics "
+          "(vllm:cache_config_info), max_model_len from /v1/models; the others need /server_info "
+          "(VLLM_SERVER_DEV_MODE=1)")
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def cudagraph_mode(value: Any) -> str | None:
+    """A `CUDAGraphMode` as vLLM's JSON writes it (0, [2, 1], "FULL", ...) -> its name."""
+    if value is None:
+        return None
+    key = tuple(value) if isinstance(value, list) else value
+    return CUDAGRAPH_MODES.get(key, str(value))
+
+
+def _flag(value: Any) -> bool | None:
+    """A flag from JSON or an environment value ("1", "True", true) -> bool; None when absent."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "yes")
+    return bool(value)
+
+
+def from_server_info(info: dict[str, Any]) -> dict[str, Any]:
+    """`SETTINGS` from a `/server_info?config_format=json` answer (its "vllm_config" and "vllm_env")."""
+    config = info["vllm_config"]
+    model, cache = config.get("model_config") or {}, config.get("cache_config") or {}
+    scheduler, compilation = config.get("scheduler_config") or {}, config.get("compilation_config") or {}
+    env = info.get("vllm_env") or {}
+    return {
+        "logprobs_mode": model.get("logprobs_mode"),
+        "dtype": str(model["dtype"]).removeprefix("torch.") if model.get("dtype") else None,
+        # an unset VLLM_BATCH_INVARIANT is off: vLLM reports only the variables it has a value for
+        "batch_invariant": bool(_flag(env.get("VLLM_BATCH_INVARIANT"))),
+        "enable_chunked_prefill": _flag(scheduler.get("enable_chunked_prefill")),
+        "enable_prefix_caching": _flag(cache.get("enable_prefix_caching")),
+        "block_size": cache.get("block_size"),
+        "enforce_eager": _flag(model.get("enforce_eager")),
+        "cudagraph_mode": cudagraph_mode(compilation.get("cudagraph_mode")),
+        "max_num_seqs": scheduler.get("max_num_seqs"),
+        "max_num_batched_tokens": scheduler.get("max_num_batched_tokens"),
+        "max_model_len": model.get("max_model_len"),
+        "attention_backend": str((config.get("attention_config") or {}).get("backend") or "auto"),
+        "tensor_parallel_size": (config.get("parallel_config") or {}).get("tensor_parallel_size"),
+        "seed": model.get("seed"),
+        "source": SERVER_INFO,
+    }
+
+
+def cache_config_info(metrics: str) -> dict[str, str]:
+    """The labels of the `vllm:cache_config_info` gauge on a Prometheus `/metrics` page ({} if absent)."""
+    for line in metrics.splitlines():
+        if line.startswith("vllm:cache_config_info{"):
+            return dict(_LABEL.findall(line))
+    return {}
+
+
+def from_probes(logprobs_mode: str, metrics: str | None, models: dict[str, Any]) -> dict[str, Any]:
+    """`SETTINGS` from what a server without /server_info shows (see the module docstring).
+
+    metrics: the `/metrics` page, None when the server does not serve one.
+    models: the `/v1/models` answer.
+    """
+    cache = cache_config_info(metrics or "")
+    block = cache.get("block_size")
+    served = (models.get("data") or [{}])[0]
+    settings: dict[str, Any] = dict.fromkeys(SETTINGS)
+    settings.update({
+        "logprobs_mode": logprobs_mode,
+        "enable_prefix_caching": _flag(cache.get("enable_prefix_caching")),
+        "block_size": int(block) if block and block.isdigit() else None,
+        "max_model_len": served.get("max_model_len"),
+        "source": PROBES,
+    })
+    return settings

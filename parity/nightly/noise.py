@@ -1,0 +1,82 @@
+"""Audit rows and the noise floor they give the other rows of a run.
+
+A case of kind "audit" runs `parity.audit` on each of its backends (`audit_row`): its summary
+holds each check's numbers, and it fails when the seed control fails or when the backend says it
+is batch-invariant (`meta["batch_invariant"]`) and the audit finds otherwise. The audit's
+`repeat` check is the backend's run-to-run noise; `backend_noise` finds it for another row of the
+same run (same model, backend and dtype), and the runner judges that row against its baseline
+with it (`regression.judge_with_noise`). Audit cases come first in a run's plan (`runner.plan`),
+and each engine runs its rows in plan order (`engines`), so under the local executor every row
+finds its backend's audit; under Ray a row judged before its audit has finished is judged without
+one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from parity.backends import Backend
+from parity.cases import Case
+from parity.nightly.history import now
+from parity.nightly.regression import Noise
+from parity.nightly.rows import RowKey, RowResult
+
+AUDIT = "audit"
+#: summary keys of an audit row (each a trend chart on the nightly page, so few): the two verdicts,
+#: "audit_<check>_<figure>" per check that ran, and the repeat's mean |Δlogp| (the noise floor).
+#: The whole result is in the row's provenance.
+FIGURES = ("differing_requests", "max_abs_logprob_diff")
+NOISE_FLOOR_KEY = "audit_repeat_mean_abs_logprob_diff"
+
+
+def audit_row(run_id: str, key: RowKey, case: Case, engine: Backend, provenance: dict[str, Any],
+              timing: dict[str, float], device: str = "cpu") -> RowResult:
+    """An audit case's row: every check of `parity.audit` on the case's requests (see the module),
+    on the run's device."""
+    # the audit drives a running engine; importing nightly stays light
+    from parity.audit import audit
+
+    t0 = time.perf_counter()
+    result = audit(None, engine, case=case, dtype=key.dtype, device=device)
+    timing["case_s"] = round(time.perf_counter() - t0, 3)
+    summary: dict[str, Any] = {"audit_deterministic": float(result.deterministic),
+                               "audit_batch_invariant": float(result.batch_invariant)}
+    for name, check in result.checks.items():
+        if check.skipped is None:
+            summary.update({f"audit_{name}_{figure}": float(getattr(check, figure)) for figure in FIGURES})
+    if result.checks["repeat"].skipped is None:
+        summary[NOISE_FLOOR_KEY] = result.checks["repeat"].mean_abs_logprob_diff
+    violations = []
+    if not result.control_held:
+        violations.append({"metric": "audit seed: samples identical under other seeds (seeds ignored?)",
+                           "value": 1.0, "limit": 0.0})
+    if engine.meta.get("batch_invariant") and not (result.deterministic and result.batch_invariant):
+        differing = sum(result.checks[c].differing_requests for c in ("repeat", "batch", "order"))
+        violations.append({"metric": "audit: requests that differ although the backend is batch-invariant",
+                           "value": float(differing), "limit": 0.0})
+    return RowResult(run_id=run_id, key=key, status="fail" if violations else "pass", summary=summary,
+                     violations=violations,
+                     provenance={**provenance, "kind": AUDIT, "backend_meta": dict(engine.meta),
+                                 AUDIT: result.to_dict()},
+                     timing=timing, finished_at=now())
+
+
+def backend_noise(rows: Iterable[RowResult], row: RowResult) -> Noise | None:
+    """The noise of `row`'s backend: the repeat check of an audit row of the same run, model,
+    backend and dtype; None when there is none (or its repeat did not run)."""
+    for other in rows:
+        audit = other.provenance.get(AUDIT)
+        if other.provenance.get("kind") != AUDIT or audit is None or other.status == "error":
+            continue
+        same = (other.key.backend, other.key.dtype, other.provenance.get("model")) == \
+            (row.key.backend, row.key.dtype, row.provenance.get("model"))
+        repeat = audit["checks"]["repeat"]
+        if same and repeat["skipped"] is None:
+            return Noise(source=other.key.label, deterministic=bool(repeat["identical"]),
+                         mean_abs_logprob_diff=float(repeat["mean_abs_logprob_diff"]),
+                         max_abs_logprob_diff=float(repeat["max_abs_logprob_diff"]),
+                         differing_requests=int(repeat["differing_requests"]),
+                         requests=int(repeat["requests"]))
+    return None

@@ -1,0 +1,91 @@
+"""The page of one audit (`parity.audit.AuditResult.to_dict()`): the two verdicts, one row per check
+with where it first differs or why it was skipped, the server's settings where the backend is a
+server, how the checks ran and the provenance. Reads the JSON form only, so a stored result
+renders without the engine or torch.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from typing import Any
+
+from parity.render.report_page import key_value_table, server_settings_html
+
+_CSS = """
+body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 24px; color: #222; }
+h1 { font-size: 20px; margin: 0 0 4px 0; } h2 { font-size: 16px; margin: 24px 0 8px 0; }
+.verdict { display: inline-block; padding: 2px 10px; margin-right: 8px; border-radius: 4px; color: #fff;
+           font-weight: 600; }
+.yes { background: #2e7d32; } .no { background: #c62828; } .skip { color: #777; }
+table { border-collapse: collapse; font-size: 13px; }
+th, td { border: 1px solid #ddd; padding: 3px 8px; text-align: left; vertical-align: top; }
+td { font-variant-numeric: tabular-nums; } td.num { text-align: right; }
+tr.identical td.status { color: #2e7d32; font-weight: 600; }
+tr.differs td.status { color: #c62828; font-weight: 600; }
+pre { background: #f6f6f6; padding: 6px; font-size: 12px; margin: 0; white-space: pre-wrap; }
+p.control { background: #ffebee; padding: 6px 10px; border-left: 4px solid #c62828; }
+"""
+
+#: what each check compares, in the page's words.
+_MEANING = {
+    "repeat": "the same batch twice",
+    "batch": "each needle alone vs inside larger batches of other-length neighbours",
+    "order": "the same batch vs the same batch shuffled",
+    "prefill_decode": "sampled (decode) logprobs vs the backend's own score of the same tokens (prefill)",
+    "prefix_cache": "prefix cache off vs served from a warm cache",
+    "seed": "control: other seeds must give other samples",
+}
+
+
+def _badge(label: str, flag: bool) -> str:
+    word = "yes" if flag else "no"
+    return f'<span class="verdict {word}">{html.escape(label)}: {word}</span>'
+
+
+def _check_row(name: str, check: dict[str, Any]) -> str:
+    if check["skipped"] is not None:
+        return (f'<tr class="skipped"><td>{html.escape(name)}</td>'
+                f'<td>{html.escape(_MEANING.get(name, ""))}</td><td class="status skip">skipped</td>'
+                f'<td colspan="4" class="skip">{html.escape(check["skipped"])}</td></tr>')
+    status = "identical" if check["identical"] else "differs"
+    first = check["first_difference"]
+    detail = "" if first is None else \
+        f"<pre>{html.escape(json.dumps(first, sort_keys=True, default=str))}</pre>"
+    return (f'<tr class="{status}"><td>{html.escape(name)}</td><td>{html.escape(_MEANING.get(name, ""))}</td>'
+            f'<td class="status">{status}</td>'
+            f'<td class="num">{check["differing_requests"]} of {check["requests"]}</td>'
+            f'<td class="num">{check["max_abs_logprob_diff"]:.3e}</td>'
+            f'<td class="num">{check["mean_abs_logprob_diff"]:.3e}</td><td>{detail}</td></tr>')
+
+
+def audit_html(result: dict[str, Any]) -> str:
+    """The whole self-contained page of one audit result (its `to_dict()` form)."""
+    prov = result["provenance"]
+    title = f"parity audit: {result['backend']} on {result['model']} ({result['dtype']})"
+    seed = result["checks"]["seed"]
+    control = "" if seed["skipped"] is not None or not seed["identical"] else (
+        '<p class="control">Control failed: two seeds gave identical samples, so the sampling checks prove '
+        "nothing (are seeds ignored?).</p>")
+    head = "".join(f"<th>{h}</th>" for h in ("check", "compares", "result", "differing requests",
+                                             "max |Δlogp| (nats)", "mean |Δlogp| (nats)", "first difference"))
+    rows = "".join(_check_row(name, check) for name, check in result["checks"].items())
+    meta = prov.get("backend_meta") or {}
+    settings = {k: v for k, v in meta.items() if k != "server_settings"}
+    parts = [
+        "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body>",
+        f"<h1>{html.escape(title)}</h1>",
+        f"<p>{_badge('deterministic', result['deterministic'])}"
+        f"{_badge('batch-invariant', result['batch_invariant'])}</p>", control,
+        "<h2>Checks</h2><p>Token ids and logprobs compared bit for bit; logprobs over the common token "
+        "prefix of each sample, a sample whose tokens diverge counted as differing.</p>",
+        f'<table class="checks"><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>',
+        server_settings_html(prov),
+        "<h2>How the checks ran</h2>" + key_value_table(prov["audit"]) if prov.get("audit") else "",
+        "<h2>Backend settings</h2>", key_value_table(settings),
+        "<h2>Provenance</h2>",
+        key_value_table({k: v for k, v in prov.items() if k not in ("backend_meta", "audit")}),
+        "</body></html>",
+    ]
+    return "\n".join(p for p in parts if p)
