@@ -39,6 +39,8 @@ def advice_html(section: dict[str, Any]) -> str:
     return "\n".join([
         '<h2 id="advice">Which correction fixes it</h2>',
         f'<p class="advice"><b>Recommended: {html.escape(rec["name"])}</b>. {html.escape(rec["reason"])}</p>',
+        f'<p class="gold-note"><b>Which side moved:</b> {html.escape(section["gold"])}.</p>'
+        if section.get("gold") else "",
         _framework_block("verl (algorithm.rollout_correction)", frameworks["verl"]),
         _framework_block("NeMo-RL (loss_fn)", frameworks["nemo_rl"]),
         _framework_block("slime (flags)", frameworks["slime"]),
