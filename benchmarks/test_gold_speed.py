@@ -58,7 +58,8 @@ def test_gold_cpu(benchmark, model):
 def test_bf16_training_forward_cpu(benchmark, model):
     pairs = pairs_of(model)
     train_forward(model, pairs[:1], dtype="bfloat16")
-    benchmark.pedantic(train_forward, args=(model, pairs), kwargs={"dtype": "bfloat16"}, rounds=3, iterations=1)
+    benchmark.pedantic(train_forward, args=(model, pairs), kwargs={"dtype": "bfloat16"}, rounds=3,
+                       iterations=1)
     _record(benchmark, model, pairs)
 
 

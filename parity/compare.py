@@ -10,11 +10,12 @@ argument is checked before an engine starts.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from parity.assess import report_for, router_replay_options
+from parity.assess import check_gold, report_for, router_replay_options
 from parity.backends import BACKENDS, Backend, route_capture_options, shared_backend
 from parity.backends import backend_options as backend_options_of
 from parity.backends.turns import generate
@@ -52,6 +53,7 @@ def compare(
     attribute: Sequence[str] = (),
     record: str | os.PathLike[str] | None = None,
     tensor_parallel: int | None = None,
+    gold: bool | None = None,
     **backend_options: Any,
 ) -> ParityReport:
     """Measure train/infer logprob parity of `backend` on `model`.
@@ -97,6 +99,11 @@ def compare(
         layout (`train_forward(tensor_parallel_size=1)`), whose logprobs the reference engine
         matches at every degree, with the reference backend's `reduction_groups` option (default 8;
         bits match only for the same value, which `provenance["train_tensor_parallel"]` records).
+    gold: also score the tokens with the gold forward (`parity.engine.gold`: float64 on CPU, float32
+        without TF32 on CUDA, on `device`) and add which side is farther from it (`parity.accuracy`:
+        the `gold/*` summary keys, the "Which side moved" page section). None (default) runs it when
+        its estimated time is at most 20% of the row's sampling and training-forward time
+        (`parity.engine.gold.decide`); `report.extras["gold"]` says whether it ran and why.
     """
     # every argument is checked before an engine starts (vLLM takes ~40 s to start on CPU)
     if reference not in KERNEL_MODES:
@@ -115,6 +122,7 @@ def compare(
     name = backend if isinstance(backend, str) else getattr(backend, "name", "")
     limits = Tolerance.resolve(tolerance if tolerance is not None else the_case.tolerance_for(name), name)
     router_replay_options(router_replay)
+    check_gold(gold)
     _check_device(device)
     _check_axes(attribute)
     _check_correction(correction)
@@ -127,6 +135,7 @@ def compare(
         backend_options = _place(backend, device, backend_options)
     engine = _resolve_backend(backend, model_arg, dtype, backend_options, device)
 
+    start = time.perf_counter()
     generated = generate(engine, the_case.requests)
     check_samples(the_case.requests, generated, engine.name)
     rollouts = match_requests(generated, the_case.requests, limits=limits_of_model)
@@ -154,7 +163,8 @@ def compare(
                                          or REDUCTION_GROUPS}
     report = report_for(model_arg, rollouts, dtype=dtype, device=device, reference=reference,
                         router_replay=router_replay, tolerance=limits, provenance=prov,
-                        correction=correction, attribute=attribute, **train_tp)
+                        correction=correction, attribute=attribute, gold=gold,
+                        elapsed=time.perf_counter() - start, **train_tp)
     if record_failure is not None:
         raise OutputError(record_failure, report=report)
     return report

@@ -19,6 +19,11 @@ MoE routes are the gold's own: the model as it is decides its experts. A sequenc
 routes were replayed (R3) is scored by the gold under the routes its own router picks.
 
     logprobs = gold_logprobs("tiny-llama", rollouts)      # float64 [len(response)] per rollout
+
+When nobody says (`gold=None` on compare, score, nightly rows), the gold runs if it is cheap next to
+the row (`decide`): its estimated time, 2 x parameters x tokens / `GOLD_FLOPS` (the measured rate;
+docs/PRECISION.md), must be at most `DEFAULT_SHARE` of the seconds the row has spent sampling and
+running the training forward.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import types
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -60,7 +66,43 @@ ALLOWED_DTYPES: tuple[str, ...] = ("float64", "float32")
 #: float64 SmolLM2 micro-batch's activations stay near 100 MB.
 BATCH_TOKENS = 4096
 
+#: share of a row's time the gold may cost to run when nobody asked (`decide`).
+DEFAULT_SHARE = 0.2
+#: the gold forward's throughput, 2 x parameters x tokens per second, measured end to end on
+#: `benchmarks/test_gold_speed.py`'s SmolLM2 workload (docs/PERF.md, "Gold forward"): per CPU thread
+#: in float64, per CUDA device in float32 without TF32.
+GOLD_FLOPS: dict[str, float] = {"cpu": 2.0e10, "cuda": 2.0e13}
+
 Pair = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class GoldDecision:
+    """Whether a row runs the gold and why: run; estimated_seconds (2 x parameters x tokens /
+    `GOLD_FLOPS`); row_seconds (what the row spent before it: sampling and the training forward);
+    reason, one clause a report shows."""
+
+    run: bool
+    estimated_seconds: float
+    row_seconds: float
+    reason: str
+
+
+def decide(gold: bool | None, *, parameters: int, tokens: int, row_seconds: float,
+           device: str) -> GoldDecision:
+    """gold=True or False is the caller's choice; None (the default everywhere) runs the gold when
+    its estimated time is at most `DEFAULT_SHARE` of `row_seconds`. parameters: the checkpoint's
+    weights (`parity.models.parameter_count`); tokens: prompt and response tokens of every rollout."""
+    kind = torch.device(device).type
+    rate = GOLD_FLOPS[kind] * (torch.get_num_threads() if kind == "cpu" else 1)
+    estimate = 2.0 * parameters * tokens / rate
+    if gold is not None:
+        return GoldDecision(bool(gold), estimate, row_seconds, f"gold={gold} was asked for")
+    run = estimate <= DEFAULT_SHARE * row_seconds
+    relation = "<=" if run else ">"
+    return GoldDecision(run, estimate, row_seconds,
+                        f"by default: estimated {estimate:.3g} s {relation} {DEFAULT_SHARE:.0%} of the row's "
+                        f"{row_seconds:.3g} s ({parameters:,} parameters x {tokens:,} tokens)")
 
 
 def gold_logprobs(model: str | os.PathLike[str] | LoadedModel,
@@ -86,9 +128,10 @@ def gold_logprobs(model: str | os.PathLike[str] | LoadedModel,
     """
     device = check_device(device)
     kind = torch.device(device).type
-    dtype = GOLD_DTYPES[kind] if dtype is None else dtype
-    if dtype not in ALLOWED_DTYPES:
-        raise ConfigError(f"gold dtype must be one of {ALLOWED_DTYPES} (None: {GOLD_DTYPES[kind]} on "
+    if dtype is None:
+        dtype = gold_dtype(device)
+    elif dtype not in ALLOWED_DTYPES:
+        raise ConfigError(f"gold dtype must be one of {ALLOWED_DTYPES} (None: {gold_dtype(device)} on "
                           f"{kind}), got {dtype!r}")
     batch_tokens = check_positive_int(batch_tokens, "batch_tokens")
     pairs, modes = _pairs(sequences, logprobs_mode)
@@ -108,6 +151,11 @@ def gold_logprobs(model: str | os.PathLike[str] | LoadedModel,
             for i, lp in zip(batch, scored):
                 out[i] = lp
     return out
+
+
+def gold_dtype(device: str) -> str:
+    """The gold's dtype on `device` (`GOLD_DTYPES` of its type)."""
+    return GOLD_DTYPES[torch.device(device).type]
 
 
 def _micro_batches(lengths: list[int], budget: int) -> Iterator[list[int]]:

@@ -73,9 +73,10 @@ def local_placement() -> dict[str, Any]:
 
 
 def execute_row(run_id: str, key: RowKey, case: Case, *, reference: str, device: str = "cpu",
-                placement: dict[str, Any] | None = None) -> RowResult:
+                gold: bool | None = None, placement: dict[str, Any] | None = None) -> RowResult:
     """Run one cell: its status reflects the tolerance limits only (`verdict` None).
 
+    gold: the gold forward of a compare row (`parity.compare`'s `gold`; None: where it is cheap).
     placement: where it ran (executor, host or Ray node, process, GPUs), kept in the row's
         provenance under "ran_on"; None = `local_placement()`.
     """
@@ -97,7 +98,7 @@ def execute_row(run_id: str, key: RowKey, case: Case, *, reference: str, device:
             return lifecycle_row(run_id, key, case, engine, provenance, timing)
         tp = options.get("tensor_parallel_size")
         report = compare(None, engine, case=case, dtype=key.dtype, tolerance=case.tolerance_for(key.backend),
-                         reference=reference, device=device, router_replay=replay_mode(key),
+                         reference=reference, device=device, router_replay=replay_mode(key), gold=gold,
                          **({"tensor_parallel": tp} if tp is not None else {}))
         timing["case_s"] = round(time.perf_counter() - t0, 3)
     except Exception as exc:  # an error row, by design: one broken backend must not end the night

@@ -110,7 +110,8 @@ class RayCluster:
 class RowWorker:
     """A Ray actor that runs rows; the engines it starts live as long as it does."""
 
-    def run(self, run_id: str, key: RowKey, case: Case, reference: str, device: str) -> RowResult:
+    def run(self, run_id: str, key: RowKey, case: Case, reference: str, device: str,
+            gold: bool | None = None) -> RowResult:
         """One row, as `execute_row` runs it, with this node, process and GPUs as its placement."""
         import ray
 
@@ -123,7 +124,8 @@ class RowWorker:
                      "actor_id": context.get_actor_id(),
                      "pid": os.getpid(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
                      "resources": context.get_assigned_resources()}
-        return execute_row(run_id, key, case, reference=reference, device=device, placement=placement)
+        return execute_row(run_id, key, case, reference=reference, device=device, gold=gold,
+                           placement=placement)
 
 
 def assign(todo: list[tuple[RowKey, Case]], device: str, slots: int) -> list[deque[tuple[RowKey, Case]]]:
@@ -148,7 +150,7 @@ def assign(todo: list[tuple[RowKey, Case]], device: str, slots: int) -> list[deq
 
 
 def ray_rows(cluster: RayCluster, run_id: str, todo: list[tuple[RowKey, Case]], *, reference: str,
-             device: str) -> Iterator[RowResult]:
+             device: str, gold: bool | None = None) -> Iterator[RowResult]:
     """Run `todo` on the cluster; yields each row (unjudged) as it finishes. Closing the
     generator (the run ended, failed or was interrupted) kills every actor, which cancels the
     rows still running or waiting."""
@@ -175,7 +177,7 @@ def ray_rows(cluster: RayCluster, run_id: str, todo: list[tuple[RowKey, Case]], 
 
     def submit(actor: Any, queue: deque[tuple[RowKey, Case]]) -> None:
         key, case = queue.popleft()
-        inflight[actor.run.remote(run_id, key, case, reference, device)] = (actor, queue, key, case)
+        inflight[actor.run.remote(run_id, key, case, reference, device, gold)] = (actor, queue, key, case)
 
     try:
         for actor_class, queue in plans:

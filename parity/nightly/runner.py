@@ -68,6 +68,8 @@ class NightlyConfig:
     ray_address: the Ray cluster to run on ("auto", "ray://host:10001", "host:6379"); None = start
         a local one on 127.0.0.1 for this run and stop it after.
     ray_cpus: CPUs of that local cluster; None = this machine's count.
+    gold: run the gold forward in every compare row (True), in none (False), or where it costs at
+        most 20% of the row's time (None; `parity.compare`'s `gold`).
     """
 
     cases: str
@@ -83,6 +85,7 @@ class NightlyConfig:
     executor: str = "local"
     ray_address: str | None = None
     ray_cpus: int | None = None
+    gold: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.cases, str):
@@ -118,6 +121,8 @@ class NightlyConfig:
             raise ConfigError(f"--dtypes: unknown {bad}; allowed: {list(DTYPES)}")
         if self.reference not in KERNEL_MODES:
             raise ConfigError(f"--reference {self.reference!r}; allowed: {list(KERNEL_MODES)}")
+        if self.gold is not None and not isinstance(self.gold, bool):
+            raise ConfigError(f"gold must be True, False or None (--gold / --no-gold), got {self.gold!r}")
         for option, value, allowed in (("--device", self.device, DEVICES),
                                        ("--executor", self.executor, EXECUTORS)):
             if value not in allowed:
@@ -141,7 +146,7 @@ class NightlyConfig:
         """The options that define the matrix and the verdicts, stored with the run for `--resume`."""
         return {"cases": self.cases, "backends": list(self.backends), "dtypes": list(self.dtypes),
                 "baseline": self.baseline, "reference": self.reference, "device": self.device,
-                **asdict(self.policy)}
+                "gold": self.gold, **asdict(self.policy)}
 
     @classmethod
     def from_record(cls, record: dict[str, Any], *, out: Path, history: Path | None, run_id: str,
@@ -150,7 +155,7 @@ class NightlyConfig:
         """The stored run's matrix; where it runs (the executor) is this invocation's choice."""
         return cls(cases=record["cases"], backends=tuple(record["backends"]), dtypes=tuple(record["dtypes"]),
                    out=out, history=history, run_id=run_id, baseline=record["baseline"],
-                   reference=record["reference"], device=record.get("device", "cpu"),
+                   reference=record["reference"], device=record.get("device", "cpu"), gold=record.get("gold"),
                    policy=RegressionPolicy(alpha=record["alpha"], min_effect=record["min_effect"]),
                    executor=executor, ray_address=ray_address, ray_cpus=ray_cpus)
 
@@ -219,7 +224,8 @@ def executor_rows(run_id: str, todo: list[tuple[RowKey, Case]], config: NightlyC
         from parity.nightly.ray_executor import RayCluster, ray_rows
 
         with RayCluster(address=config.ray_address, num_cpus=config.ray_cpus) as cluster:
-            yield from ray_rows(cluster, run_id, todo, reference=config.reference, device=config.device)
+            yield from ray_rows(cluster, run_id, todo, reference=config.reference, device=config.device,
+                                gold=config.gold)
     else:
         yield from local_rows(run_id, todo, config)
 
@@ -319,4 +325,5 @@ def judge_row(row: RowResult, case: Case, config: NightlyConfig, history: Histor
 def local_rows(run_id: str, todo: list[tuple[RowKey, Case]], config: NightlyConfig) -> Iterator[RowResult]:
     """The local executor: the rows one after another in this process, engines via `shared_backend`."""
     for key, case in todo:
-        yield execute_row(run_id, key, case, reference=config.reference, device=config.device)
+        yield execute_row(run_id, key, case, reference=config.reference, device=config.device,
+                          gold=config.gold)

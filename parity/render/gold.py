@@ -86,15 +86,18 @@ def gold_plots(report: ParityReport) -> list[str]:
 
 def gold_html(report: ParityReport) -> str:
     """The "Which side moved" section of a report page: the verdict, each side's error from the gold
-    and the figures; "" for a report without a gold."""
+    and the figures; for a report without a gold, why it did not run (when the report says)."""
+    how = report.extras.get("gold", {})
     if report.gold_logprobs is None:
+        if how.get("ran") is False:
+            return (f'<h2 id="gold">Which side moved</h2><p class="sub">The gold forward did not run: '
+                    f'{html.escape(str(how.get("reason", "")))}. Pass gold=True (--gold) to run it.</p>')
         return ""
     summary = report.summary
     figures = {key: summary[key] for key in GOLD_SUMMARY_KEYS if key in summary and key != GOLD_VERDICT_KEY}
     table = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(_value(v))}</td></tr>"
                     for k, v in figures.items())
-    how = report.extras.get("gold", {})
-    sub = ", ".join(f"{k} {v}" for k, v in how.items() if isinstance(v, (str, int, float)))
+    sub = ", ".join(f"{k} {v}" for k, v in how.items() if k != "ran" and isinstance(v, (str, int, float)))
     return "\n".join([
         '<h2 id="gold">Which side moved</h2>',
         f'<p class="advice">{html.escape(str(summary.get(GOLD_VERDICT_KEY, "")))}.</p>',

@@ -145,7 +145,7 @@ tr.chosen td { background: #e8f5e9; font-weight: 600; } h3 { font-size: 14px; ma
 
 def report_plots(report: ParityReport) -> list[str]:
     """The three drift plots of a report as inline <img> tags: log-ratio histogram, drift by
-    response position, drift by rollout probability."""
+    response position, drift by rollout probability (`gold_plots` draws the gold's two)."""
     return [
         figure_img(log_ratio_histogram(report.log_ratio()), "log-ratio histogram"),
         figure_img(breakdown_figure(report.breakdowns.get("by_position", []),
@@ -171,7 +171,7 @@ def report_html(report: ParityReport) -> str:
     extras = "".join(
         f"<details><summary>{html.escape(name)}</summary><pre>"
         f"{html.escape(json.dumps(section, indent=2, sort_keys=True, default=str))}</pre></details>"
-        for name, section in report.extras.items() if name not in ("attribution", "text", "advice")
+        for name, section in report.extras.items() if name not in ("attribution", "text", "advice", "gold")
     )
     parts = [
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
