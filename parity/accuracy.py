@@ -19,7 +19,6 @@ import numpy as np
 
 from parity.advisor.evaluate import bootstrap_ratio
 from parity.errors import InputError
-from parity.metrics import drift_by_position
 
 #: resamples of the sequences for the ratio's interval (the advisor's default).
 BOOTSTRAP = 200
@@ -104,6 +103,8 @@ def gold_by_position(train: np.ndarray, rollout: np.ndarray, gold: np.ndarray, m
                      ) -> dict[str, list[dict[str, Any]]]:
     """Each side's error from the gold per response-position bucket (`parity.metrics.drift_by_position`'s
     buckets and fields, with the gold as the other side): {"train": [...], "rollout": [...]}."""
+    from parity.metrics import drift_by_position  # torch: `import parity` stays light
+
     keep = gold_tokens(train, rollout, gold, mask)
     g = np.where(keep, np.asarray(gold, np.float64), 0.0)
     return {side: drift_by_position(np.where(keep, np.asarray(values, np.float64), 0.0), g, keep)
