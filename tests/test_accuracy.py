@@ -159,6 +159,16 @@ def test_nightly_summary_shows_the_ratio_column():
     assert "gold: rollout/train error" in text and "| 1.93 |" in text and "which side moved" in text
 
 
+def test_nightly_trends_chart_the_gold_errors_not_its_counts():
+    from parity.nightly.charts import trend_metrics
+
+    summary = gold_summary(*sides(2.0))
+    charted = trend_metrics([summary])
+    assert GOLD_RATIO_KEY in charted and "gold/train_mean_abs_logprob_diff" in charted
+    left_out = {"gold/num_tokens", "gold/num_tokens_outside_support", GOLD_RATIO_CI_KEY, GOLD_VERDICT_KEY}
+    assert not left_out & set(charted)
+
+
 def test_default_rule_runs_the_gold_when_it_costs_at_most_a_fifth_of_the_row():
     params, tokens = 135_000_000, 2_000
     import torch
