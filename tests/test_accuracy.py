@@ -171,9 +171,7 @@ def test_nightly_trends_chart_the_gold_errors_not_its_counts():
 
 def test_default_rule_runs_the_gold_when_it_costs_at_most_a_fifth_of_the_row():
     params, tokens = 135_000_000, 2_000
-    import torch
-
-    estimate = 2.0 * params * tokens / (GOLD_FLOPS["cpu"] * torch.get_num_threads())
+    estimate = 2.0 * params * tokens / GOLD_FLOPS["cpu"]
     cheap = decide(None, parameters=params, tokens=tokens, row_seconds=estimate / DEFAULT_SHARE, device="cpu")
     assert cheap.run and cheap.estimated_seconds == pytest.approx(estimate) and "by default" in cheap.reason
     dear = decide(None, parameters=params, tokens=tokens, row_seconds=estimate / DEFAULT_SHARE * 0.99,

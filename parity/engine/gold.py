@@ -68,10 +68,12 @@ BATCH_TOKENS = 4096
 
 #: share of a row's time the gold may cost to run when nobody asked (`decide`).
 DEFAULT_SHARE = 0.2
-#: the gold forward's throughput, 2 x parameters x tokens per second, measured end to end on
-#: `benchmarks/test_gold_speed.py`'s SmolLM2 workload (docs/PERF.md, "Gold forward"): per CPU thread
-#: in float64, per CUDA device in float32 without TF32.
-GOLD_FLOPS: dict[str, float] = {"cpu": 2.0e10, "cuda": 2.0e13}
+#: the gold forward's throughput, 2 x parameters x tokens per second, end to end
+#: (`benchmarks/test_gold_speed.py`, docs/PERF.md "Gold forward"). CPU: float64 on one thread, SmolLM2
+#: measured 4.7e10 wall (6.3e10 CPU time), rounded down; more threads only make the gold cheaper than
+#: this estimate. CUDA: float32 without TF32, not yet measured: 10% of the H200's 67e12 fp32 peak until
+#: the benchmark's CUDA rows replace it.
+GOLD_FLOPS: dict[str, float] = {"cpu": 4.0e10, "cuda": 6.7e12}
 
 Pair = tuple[tuple[int, ...], tuple[int, ...]]
 
@@ -93,9 +95,7 @@ def decide(gold: bool | None, *, parameters: int, tokens: int, row_seconds: floa
     """gold=True or False is the caller's choice; None (the default everywhere) runs the gold when
     its estimated time is at most `DEFAULT_SHARE` of `row_seconds`. parameters: the checkpoint's
     weights (`parity.models.parameter_count`); tokens: prompt and response tokens of every rollout."""
-    kind = torch.device(device).type
-    rate = GOLD_FLOPS[kind] * (torch.get_num_threads() if kind == "cpu" else 1)
-    estimate = 2.0 * parameters * tokens / rate
+    estimate = 2.0 * parameters * tokens / GOLD_FLOPS[torch.device(device).type]
     if gold is not None:
         return GoldDecision(bool(gold), estimate, row_seconds, f"gold={gold} was asked for")
     run = estimate <= DEFAULT_SHARE * row_seconds
