@@ -75,7 +75,8 @@ def compare(
     reference: training-forward kernels, "invariant" (batch-invariant) or "native" (stock torch).
     dtype: "bfloat16", "float16" or "float32"; None = the case's first dtype, else "bfloat16".
     tolerance: limits for `passed`; None = the case's limits for this backend, else
-        `Tolerance.for_backend(name)`; a dict overrides fields of that default.
+        `Tolerance.for_backend(name, dtype)` (per dtype: docs/PRECISION.md); a dict overrides fields
+        of that default.
     router_replay: MoE router replay mode of the training forward: "R3" replays the routes the
         backend recorded, "R2" the trainer's own first pass; None or "none" = off. Either mode
         starts a named backend with its route-capture option on (`route_capture_options`), so
@@ -120,7 +121,8 @@ def compare(
         the_case.requests, names=names, prefix="" if prompts is not None else f"case {the_case.name!r}: ")
     dtype = check_dtype(dtype or (the_case.dtypes[0] if the_case.dtypes else "bfloat16"))
     name = backend if isinstance(backend, str) else getattr(backend, "name", "")
-    limits = Tolerance.resolve(tolerance if tolerance is not None else the_case.tolerance_for(name), name)
+    given = tolerance if tolerance is not None else the_case.tolerance_for(name)
+    limits = Tolerance.resolve(given, name, dtype)
     router_replay_options(router_replay)
     check_gold(gold)
     _check_device(device)

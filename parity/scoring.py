@@ -103,7 +103,8 @@ def score(rollouts: Sequence[Rollout] | str | os.PathLike[str], model: str | os.
         logprobs of each rollout's response tokens; "dump" takes them from the dump's
         trainer-logprob column (verl's `old_log_probs`).
     dtype: of the training forward; None = the dtype every rollout's meta names, else bfloat16.
-    tolerance: None = the default for the rollouts' backend name; a dict overrides its fields.
+    tolerance: None = the default for the rollouts' backend name and the dtype; a dict overrides its
+        fields.
     reference, router_replay, device, correction, attribute, gold: as in `parity.compare` (the
     default rule counts the training forward's time only: nothing was sampled here; with the
     trainer's logprobs given, gold=True runs the gold alone).
@@ -128,7 +129,7 @@ def score(rollouts: Sequence[Rollout] | str | os.PathLike[str], model: str | os.
     dtype = check_dtype(dtype or _meta_dtype(source.rollouts) or DEFAULT_DTYPE)
     names = sorted({r.backend for r in source.rollouts})
     name = names[0] if len(names) == 1 else "+".join(names)
-    limits = Tolerance.resolve(tolerance, name)
+    limits = Tolerance.resolve(tolerance, name, dtype)
     where = "the given rollouts" if source.kind == "rollouts" else f"{source.kind} {source.path}"
     if theirs is None:
         train_side = TRAIN_COMPUTED

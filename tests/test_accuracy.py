@@ -10,13 +10,13 @@ from parity.accuracy import gold_by_position, gold_summary, verdict
 from parity.advisor import advise
 from parity.advisor.evaluate import bootstrap_ratio
 from parity.engine.gold import DEFAULT_SHARE, GOLD_FLOPS, decide
-from parity.errors import InputError
+from parity.errors import ConfigError, InputError
 from parity.nightly.markdown_report import render_summary
 from parity.render import report_html
 from parity.report import ParityReport, format_worst_tokens
 from parity.reporting import build_report
 from parity.schema import GOLD_RATIO_CI_KEY, GOLD_RATIO_KEY, GOLD_SUMMARY_KEYS, GOLD_VERDICT_KEY
-from parity.tolerance import Tolerance
+from parity.tolerance import DEFAULTS, Tolerance
 from parity.types import Rollout
 
 ROWS, COLS = 24, 40
@@ -179,3 +179,18 @@ def test_default_rule_runs_the_gold_when_it_costs_at_most_a_fifth_of_the_row():
     assert not dear.run and ">" in dear.reason
     assert decide(True, parameters=params, tokens=tokens, row_seconds=0.0, device="cpu").run
     assert not decide(False, parameters=1, tokens=1, row_seconds=1e9, device="cpu").run
+
+
+def test_default_tolerances_follow_the_dtype():
+    """docs/PRECISION.md derives one row of limits per dtype; the class defaults are the bf16 row."""
+    assert Tolerance() == Tolerance.for_backend("vllm") == Tolerance.for_backend("vllm", "bfloat16")
+    for dtype, limits in DEFAULTS.items():
+        assert Tolerance.for_backend("hf", dtype).to_dict() == limits
+        assert Tolerance.for_backend("reference", dtype) == Tolerance.exact()
+    fp32 = Tolerance.for_backend("vllm", "float32")
+    assert fp32.mean_abs_logprob_diff < Tolerance.for_backend("vllm", "float16").mean_abs_logprob_diff \
+        < Tolerance().mean_abs_logprob_diff
+    relaxed = Tolerance.resolve({"max_abs_logprob_diff": 0.01}, "vllm", "float32")
+    assert relaxed.max_abs_logprob_diff == 0.01 and relaxed.k3_kl_max == fp32.k3_kl_max
+    with pytest.raises(ConfigError, match="dtype must be one of"):
+        Tolerance.for_backend("vllm", "float64")

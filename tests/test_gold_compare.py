@@ -14,6 +14,7 @@ from parity.cli import main
 from parity.engine import gold as gold_module
 from parity.errors import ConfigError
 from parity.schema import GOLD_RATIO_CI_KEY, GOLD_RATIO_KEY, GOLD_SUMMARY_KEYS, GOLD_VERDICT_KEY
+from parity.tolerance import Tolerance
 
 SMALL = {"prompts": [[5, 6, 7, 8, 9], "hi there"], "sampling": {"max_tokens": 8, "n": 2}}
 #: longer responses for the rows whose ratio is read: 4 prompts x 2 samples x 24 tokens.
@@ -54,6 +55,17 @@ def test_vllm_rows_carry_both_sides_errors():
     assert set(GOLD_SUMMARY_KEYS) <= set(s) and s["gold/num_tokens"] > 100
     assert s["gold/rollout_mean_abs_logprob_diff"] > 1e-3 and s["gold/train_mean_abs_logprob_diff"] > 1e-3
     assert s[GOLD_RATIO_CI_KEY][0] <= s[GOLD_RATIO_KEY] <= s[GOLD_RATIO_CI_KEY][1]
+
+
+def test_fp32_defaults_pass_an_fp32_row_and_flag_bf16_drift():
+    """The per-dtype defaults (docs/PRECISION.md): an fp32 HF row passes the fp32 limits; the same
+    comparison in bf16 passes its own limits and breaks the fp32 ones by orders of magnitude."""
+    fp32 = parity.compare("tiny-llama", "hf", dtype="float32", gold=False, **ROWS)
+    assert fp32.passed and fp32.tolerance == Tolerance.for_backend("hf", "float32")
+    bf16 = parity.compare("tiny-llama", "hf", dtype="bfloat16", gold=False, **ROWS)
+    assert bf16.passed
+    broken = {v.metric for v in Tolerance.for_backend("hf", "float32").violations(bf16.summary)}
+    assert {"max_abs_logprob_diff", "mean_abs_logprob_diff", "k3_kl"} <= broken
 
 
 def test_default_rule_runs_the_gold_on_a_cheap_row_and_says_why_not_on_a_dear_one(monkeypatch):
