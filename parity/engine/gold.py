@@ -55,6 +55,7 @@ from parity.models.loading import (
     check_device,
 )
 from parity.models.routing import ROUTERS
+from parity.strict import check_choice
 from parity.types import Rollout
 
 #: the gold's dtype on each device type: float64 where the hardware computes it at full speed
@@ -128,11 +129,7 @@ def gold_logprobs(model: str | os.PathLike[str] | LoadedModel,
     """
     device = check_device(device)
     kind = torch.device(device).type
-    if dtype is None:
-        dtype = gold_dtype(device)
-    elif dtype not in ALLOWED_DTYPES:
-        raise ConfigError(f"gold dtype must be one of {ALLOWED_DTYPES} (None: {gold_dtype(device)} on "
-                          f"{kind}), got {dtype!r}")
+    dtype = gold_dtype(device) if dtype is None else check_choice(dtype, ALLOWED_DTYPES, "gold dtype")
     batch_tokens = check_positive_int(batch_tokens, "batch_tokens")
     pairs, modes = _pairs(sequences, logprobs_mode)
     definitions = _definitions(sequences, modes, temperature, top_k, top_p)
