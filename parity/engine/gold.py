@@ -45,7 +45,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from parity.engine import sampler
 from parity.engine.inputs import check_length, check_positive_int, check_token_ids, kernel_scope
-from parity.engine.train import _definitions, _pairs
+from parity.engine.train import logprob_definitions, pairs_and_modes
 from parity.errors import ConfigError, InputError
 from parity.models.checkpoints import resolve_model
 from parity.models.loading import (
@@ -131,8 +131,8 @@ def gold_logprobs(model: str | os.PathLike[str] | LoadedModel,
     kind = torch.device(device).type
     dtype = gold_dtype(device) if dtype is None else check_choice(dtype, ALLOWED_DTYPES, "gold dtype")
     batch_tokens = check_positive_int(batch_tokens, "batch_tokens")
-    pairs, modes = _pairs(sequences, logprobs_mode)
-    definitions = _definitions(sequences, modes, temperature, top_k, top_p)
+    pairs, modes = pairs_and_modes(sequences, logprobs_mode)
+    definitions = logprob_definitions(sequences, modes, temperature, top_k, top_p)
     module = gold_model(model, dtype=dtype, device=device)
     for i, (prompt, response) in enumerate(pairs):
         where = f"sequences[{i}]"
