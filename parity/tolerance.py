@@ -5,9 +5,10 @@ training forward's bit for bit. Production backends get limits sized for their d
 (`DEFAULTS`), each derived from measurements by one rule that docs/PRECISION.md states with the
 numbers: twice the worst value measured for that dtype over HF and vLLM-CPU rows on the five
 built-in models and SmolLM2 (and, for the max, each side's largest single-token distance from the
-gold forward), rounded up to one significant digit; shares never below 0.01 (five tokens of the
-512-token default workload: fewer is counting noise); in fp32, k3 never below what one token at
-the max limit adds to a 1,000-token row.
+gold forward), rounded up to one significant digit; |IS mean - 1|, which a healthy backend drives
+to 0 as tokens grow, never below the sampling noise of a 16-token row's mean; shares never below
+0.01 (five tokens of the 512-token default workload: fewer is counting noise); in fp32, k3 never
+below what one token at the max limit adds to a 1,000-token row.
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ DEFAULTS: dict[str, dict[str, float]] = {
     dtype: {**dict(zip(_CALIBRATED, limits)), **_SHARES}
     for dtype, limits in (
         # dtype       max |Δ|  mean |Δ|  |IS mean - 1|  k3 KL
-        ("bfloat16", (6.0, 0.07, 0.02, 0.02)),
-        ("float16", (6.0, 0.009, 0.002, 0.003)),
-        ("float32", (0.003, 1e-5, 3e-6, 5e-9)),
+        ("bfloat16", (6.0, 0.07, 0.06, 0.02)),
+        ("float16", (6.0, 0.009, 0.008, 0.003)),
+        ("float32", (0.003, 1e-5, 8e-6, 5e-9)),
     )
 }
 
@@ -68,7 +69,7 @@ class Tolerance:
 
     max_abs_logprob_diff: float | None = 6.0
     mean_abs_logprob_diff: float | None = 0.07
-    is_ratio_mean_tol: float | None = 0.02
+    is_ratio_mean_tol: float | None = 0.06
     k3_kl_max: float | None = 0.02
     frac_tokens_ratio_gt_2_max: float | None = 0.01
     frac_tokens_outside_support_max: float | None = 0.01
