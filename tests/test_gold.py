@@ -160,6 +160,29 @@ def test_batching_and_order_change_nothing_beyond_float64_rounding():
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-12)
 
 
+def test_gold_bits_do_not_follow_the_callers_thread_count(monkeypatch):
+    """The gold runs on one thread, so its float64 bits are the same whatever threads the caller set
+    (a report's gold figures reproduce on any host). Negative control: left at the caller's thread
+    count, a float64 GEMM splits its sums by thread and tiny-llama's last bits change."""
+    import contextlib
+
+    from parity.engine import gold as gold_module
+
+    rollouts = sampled("tiny-llama", "raw")
+    threads = torch.get_num_threads()
+
+    def at(n):
+        torch.set_num_threads(n)
+        try:
+            return np.concatenate(gold_logprobs("tiny-llama", rollouts))
+        finally:
+            torch.set_num_threads(threads)
+
+    assert np.array_equal(at(1), at(2)) and torch.get_num_threads() == threads
+    monkeypatch.setattr(gold_module, "_gold_settings", lambda kind: contextlib.nullcontext())
+    assert not np.array_equal(at(1), at(2))
+
+
 def test_definition_follows_each_rollout():
     """Each rollout is scored under the sampling it records; a pair, which records none, under an
     unmodified softmax (the raw logprobs); greedy is a point mass on the gold's own argmax."""

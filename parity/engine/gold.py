@@ -70,10 +70,10 @@ BATCH_TOKENS = 4096
 #: share of a row's time the gold may cost to run when nobody asked (`decide`).
 DEFAULT_SHARE = 0.2
 #: the gold forward's throughput, 2 x parameters x tokens per second, end to end
-#: (`benchmarks/test_gold_speed.py`, docs/PERF.md "Gold forward"). CPU: float64 on one thread, SmolLM2
-#: measured 4.7e10 wall (6.3e10 CPU time), rounded down; more threads only make the gold cheaper than
-#: this estimate. CUDA: float32 without TF32, not yet measured: 10% of the H200's 67e12 fp32 peak until
-#: the benchmark's CUDA rows replace it.
+#: (`benchmarks/test_gold_speed.py`, docs/PERF.md "Gold forward"). CPU: float64 on the one thread the
+#: gold runs on (`_gold_settings`), SmolLM2 measured 4.7e10 wall (6.3e10 CPU time), rounded down.
+#: CUDA: float32 without TF32, not yet measured: 10% of the H200's 67e12 fp32 peak until the
+#: benchmark's CUDA rows replace it.
 GOLD_FLOPS: dict[str, float] = {"cpu": 4.0e10, "cuda": 6.7e12}
 
 Pair = tuple[tuple[int, ...], tuple[int, ...]]
@@ -141,7 +141,7 @@ def gold_logprobs(model: str | os.PathLike[str] | LoadedModel,
         check_token_ids(prompt + response, module.parity_gold, where)
         check_length(len(prompt) + len(response), module.parity_gold, where)
     out: list[np.ndarray | None] = [None] * len(pairs)
-    with torch.inference_mode(), kernel_scope("native"), _full_precision(kind):
+    with torch.inference_mode(), kernel_scope("native"), _gold_settings(kind):
         for batch in _micro_batches([len(p) + len(r) for p, r in pairs], batch_tokens):
             params = sampler.RowParams.of(*zip(*(definitions[i] for i in batch)))
             scored = _score(module, [pairs[i] for i in batch], [modes[i] for i in batch], params)
@@ -196,12 +196,21 @@ def _score(module: PreTrainedModel, pairs: list[Pair], modes: list[str], params:
 
 
 @contextmanager
-def _full_precision(kind: str) -> Iterator[None]:
-    """On CUDA: float32 matmuls and convolutions in IEEE float32 (no TF32), fp16/bf16 GEMM
-    reductions in full precision, and SDPA's math backend (the fused kernels choose their own
-    accumulation); every setting restored on exit. On CPU nothing to change."""
+def _gold_settings(kind: str) -> Iterator[None]:
+    """The gold's settings, restored on exit. On CPU one intra-op thread: a float64 GEMM splits its
+    sums by thread, so with the machine's thread count the gold's last bits would follow the host
+    (measured: tiny-llama's differ between 1 and 2 threads), where with one they are the same on any
+    host of this CPU type, and a report's gold figures reproduce wherever it runs (the cost
+    estimate, `GOLD_FLOPS`, is the one-thread rate). On CUDA: float32 matmuls and convolutions in
+    IEEE float32 (no TF32), fp16/bf16 GEMM reductions in full precision, and SDPA's math backend
+    (the fused kernels choose their own accumulation)."""
     if kind != "cuda":
-        yield
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
         return
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
