@@ -170,8 +170,8 @@ def _report_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="device of the training forward (default: cpu)")
     parser.add_argument("--gold", action=argparse.BooleanOptionalAction,
                         help="score the tokens with the float64 gold forward too and say which side is "
-                             "farther from it (--no-gold: never; default: when it costs at most 20%% of "
-                             "the run's time)")
+                             "farther from it (--no-gold: never; default: when it costs under a second or "
+                             "at most 20%% of the run's time)")
     parser.add_argument("--json", type=Path, metavar="OUT", help="write the report as JSON to OUT")
     parser.add_argument("--html", type=Path, metavar="OUT", help="write the HTML report to OUT")
     parser.add_argument("--worst", type=_count, default=5, metavar="K",

@@ -103,8 +103,9 @@ def compare(
     gold: also score the tokens with the gold forward (`parity.engine.gold`: float64 on CPU, float32
         without TF32 on CUDA, on `device`) and add which side is farther from it (`parity.accuracy`:
         the `gold/*` summary keys, the "Which side moved" page section). None (default) runs it when
-        its estimated time is at most 20% of the row's sampling and training-forward time
-        (`parity.engine.gold.decide`); `report.extras["gold"]` says whether it ran and why.
+        its estimated time is under a second or at most 20% of the row's sampling and
+        training-forward time (`parity.engine.gold.decide`); `report.extras["gold"]` says whether it
+        ran and why.
     """
     # every argument is checked before an engine starts (vLLM takes ~40 s to start on CPU)
     if reference not in KERNEL_MODES:

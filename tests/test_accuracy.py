@@ -169,7 +169,7 @@ def test_nightly_trends_chart_the_gold_errors_not_its_counts():
     assert not left_out & set(charted)
 
 
-def test_default_rule_runs_the_gold_when_it_costs_at_most_a_fifth_of_the_row():
+def test_default_rule_runs_the_gold_when_it_costs_under_a_second_or_at_most_a_fifth_of_the_row():
     params, tokens = 135_000_000, 2_000
     estimate = 2.0 * params * tokens / GOLD_FLOPS["cpu"]
     cheap = decide(None, parameters=params, tokens=tokens, row_seconds=estimate / DEFAULT_SHARE, device="cpu")
@@ -178,6 +178,8 @@ def test_default_rule_runs_the_gold_when_it_costs_at_most_a_fifth_of_the_row():
                   device="cpu")
     assert not dear.run and ">" in dear.reason
     assert decide(True, parameters=params, tokens=tokens, row_seconds=0.0, device="cpu").run
+    tiny = decide(None, parameters=426_624, tokens=1_500, row_seconds=0.01, device="cpu")
+    assert tiny.run and "under 1 s" in tiny.reason  # a built-in model: the bar, not the row's time
     assert not decide(False, parameters=1, tokens=1, row_seconds=1e9, device="cpu").run
 
 

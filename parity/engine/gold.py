@@ -22,8 +22,8 @@ routes were replayed (R3) is scored by the gold under the routes its own router 
 
 When nobody says (`gold=None` on compare, score, nightly rows), the gold runs if it is cheap next to
 the row (`decide`): its estimated time, 2 x parameters x tokens / `GOLD_FLOPS` (the measured rate;
-docs/PRECISION.md), must be at most `DEFAULT_SHARE` of the seconds the row has spent sampling and
-running the training forward.
+docs/PRECISION.md), must be under `ALWAYS_SECONDS` or at most `DEFAULT_SHARE` of the seconds the row
+has spent sampling and running the training forward.
 """
 
 from __future__ import annotations
@@ -69,6 +69,10 @@ BATCH_TOKENS = 4096
 
 #: share of a row's time the gold may cost to run when nobody asked (`decide`).
 DEFAULT_SHARE = 0.2
+#: an estimate under this many seconds runs whatever the row took: a second is noise next to any
+#: row (an engine start alone takes ~25 s on CPU), and a fixed bar keeps the built-in models' rows
+#: from gaining or losing their gold with the machine's load (a warm tiny forward takes ~0.1 s).
+ALWAYS_SECONDS = 1.0
 #: the gold forward's throughput, 2 x parameters x tokens per second, end to end
 #: (`benchmarks/test_gold_speed.py`, docs/PERF.md "Gold forward"). CPU: float64 on the one thread the
 #: gold runs on (`_gold_settings`), SmolLM2 measured 4.7e10 wall (6.3e10 CPU time), rounded down.
@@ -94,16 +98,21 @@ class GoldDecision:
 def decide(gold: bool | None, *, parameters: int, tokens: int, row_seconds: float,
            device: str) -> GoldDecision:
     """gold=True or False is the caller's choice; None (the default everywhere) runs the gold when
-    its estimated time is at most `DEFAULT_SHARE` of `row_seconds`. parameters: the checkpoint's
-    weights (`parity.models.parameter_count`); tokens: prompt and response tokens of every rollout."""
+    its estimated time is under `ALWAYS_SECONDS` or at most `DEFAULT_SHARE` of `row_seconds`.
+    parameters: the checkpoint's weights (`parity.models.parameter_count`); tokens: prompt and
+    response tokens of every rollout."""
     estimate = 2.0 * parameters * tokens / GOLD_FLOPS[torch.device(device).type]
     if gold is not None:
         return GoldDecision(bool(gold), estimate, row_seconds, f"gold={gold} was asked for")
+    size = f"({parameters:,} parameters x {tokens:,} tokens)"
+    if estimate < ALWAYS_SECONDS:
+        return GoldDecision(True, estimate, row_seconds,
+                            f"by default: estimated {estimate:.3g} s, under {ALWAYS_SECONDS:g} s {size}")
     run = estimate <= DEFAULT_SHARE * row_seconds
     relation = "<=" if run else ">"
     return GoldDecision(run, estimate, row_seconds,
                         f"by default: estimated {estimate:.3g} s {relation} {DEFAULT_SHARE:.0%} of the row's "
-                        f"{row_seconds:.3g} s ({parameters:,} parameters x {tokens:,} tokens)")
+                        f"{row_seconds:.3g} s {size}")
 
 
 def gold_logprobs(model: str | os.PathLike[str] | LoadedModel,

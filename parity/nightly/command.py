@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "a cuda row asks its executor for one GPU")
     p.add_argument("--gold", action=argparse.BooleanOptionalAction,
                    help="score every row's tokens with the gold forward too (--no-gold: none; default: the "
-                        "rows where it costs at most 20%% of the row's time)")
+                        "rows where it costs under a second or at most 20%% of the row's time)")
     p.add_argument("--executor", choices=EXECUTORS, default="local",
                    help="local: rows one after another in this process (default); ray: rows on the "
                         "actors of a Ray cluster, this process keeps the history")

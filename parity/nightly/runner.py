@@ -68,8 +68,8 @@ class NightlyConfig:
     ray_address: the Ray cluster to run on ("auto", "ray://host:10001", "host:6379"); None = start
         a local one on 127.0.0.1 for this run and stop it after.
     ray_cpus: CPUs of that local cluster; None = this machine's count.
-    gold: run the gold forward in every compare row (True), in none (False), or where it costs at
-        most 20% of the row's time (None; `parity.compare`'s `gold`).
+    gold: run the gold forward in every compare row (True), in none (False), or where it costs
+        under a second or at most 20% of the row's time (None; `parity.compare`'s `gold`).
     """
 
     cases: str
