@@ -1,12 +1,14 @@
 """The training side of a comparison, for rollouts from anywhere (sampled by `compare`, read from
 a record or dump by `parity score`): score them with the training forward (or take the trainer's
-own logprobs), build the report (`parity.reporting`) with the tokens' decoded text, and add the
-router section (rollouts that carry MoE routes) and drift attribution.
+own logprobs), run the gold forward where asked or cheap (`gold_side`), build the report
+(`parity.reporting`) with the tokens' decoded text, and add the router section (rollouts that carry
+MoE routes) and drift attribution.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,6 +17,7 @@ import numpy as np
 from parity.advisor import DATA_BUGS
 from parity.errors import ConfigError
 from parity.mismatch import sampling_findings
+from parity.models import parameter_count, resolve_model
 from parity.report import ParityReport
 from parity.reporting import build_report
 from parity.routes import router_agreement
@@ -29,7 +32,8 @@ def report_for(model: str | None, rollouts: Sequence[Rollout], *, dtype: str, de
                correction: dict[str, Any] | None = None, attribute: Sequence[str] = (),
                train_logprobs: Sequence[np.ndarray] | None = None,
                tensor_parallel_size: int | None = None,
-               reduction_groups: int | None = None) -> ParityReport:
+               reduction_groups: int | None = None, gold: bool | None = None,
+               elapsed: float = 0.0) -> ParityReport:
     """The second half of a comparison, for rollouts from anywhere: score them with the training
     forward (or take `train_logprobs`, the trainer's own logprobs of the same tokens, and run
     no forward), build the report with the tokens' decoded text (`parity.text`), and add
@@ -37,9 +41,14 @@ def report_for(model: str | None, rollouts: Sequence[Rollout], *, dtype: str, de
     model: None only with `train_logprobs` and no `attribute` (nothing to run, no text).
     tensor_parallel_size, reduction_groups: the training forward's layout (`train_forward`), for
     every forward of the report, the router section's too; None: the layout the rollouts record,
-    else the whole model."""
-    if model is None and (train_logprobs is None or attribute):
-        raise ConfigError("a model is needed to run the training forward; pass model=")
+    else the whole model.
+    gold: run the gold forward (`gold_side`): True, False, or None to run it when cheap next to the
+    row; elapsed: seconds the row spent before this call (sampling), which that rule counts."""
+    check_gold(gold)
+    if model is None and (train_logprobs is None or attribute or gold):
+        raise ConfigError("a model is needed to run the training forward (and the gold forward); "
+                          "pass model=")
+    start = time.perf_counter()
     if train_logprobs is None:
         train_logprobs = score_rollouts(model, rollouts, dtype=dtype, device=device, kernels=reference,
                                         router_replay=router_replay,
@@ -51,8 +60,11 @@ def report_for(model: str | None, rollouts: Sequence[Rollout], *, dtype: str, de
     bugs = sampling_findings(model, rollouts, train_logprobs, dtype=dtype, device=device, kernels=reference,
                              tensor_parallel_size=tensor_parallel_size,
                              reduction_groups=reduction_groups) if computed else []
+    gold_lp, gold_how = gold_side(model, rollouts, gold=gold, device=device,
+                                  row_seconds=elapsed + time.perf_counter() - start)
+    extras: dict[str, Any] = {"gold": gold_how, **({DATA_BUGS: bugs} if bugs else {})}
     report = build_report(rollouts, train_logprobs, tolerance=tolerance, provenance=provenance,
-                          correction=correction, extras={DATA_BUGS: bugs} if bugs else None)
+                          correction=correction, gold_logprobs=gold_lp, extras=extras)
     text = None if model is None else report_text(model, rollouts)
     if text is not None:
         report.extras["text"] = text  # decoded now, so a stored report shows text without a tokenizer
@@ -68,6 +80,39 @@ def report_for(model: str | None, rollouts: Sequence[Rollout], *, dtype: str, de
         report.extras["attribution"] = attribution_section(model, rollouts, axes=attribute,
                                                            dtype=dtype, device=device)
     return report
+
+
+def check_gold(gold: object) -> None:
+    """ConfigError unless `gold` is True, False or None (checked before an engine starts)."""
+    if gold is not None and not isinstance(gold, bool):
+        raise ConfigError(f"gold must be True, False or None (None: run it when cheap next to the row), "
+                          f"got {gold!r}")
+
+
+def gold_side(model: str | None, rollouts: Sequence[Rollout], *, gold: bool | None, device: str,
+              row_seconds: float) -> tuple[list[np.ndarray] | None, dict[str, Any]]:
+    """The gold forward's logprobs of every rollout's response tokens (`parity.engine.gold`), or None
+    when it does not run, and how it went, for `ParityReport.extras["gold"]`: ran, reason (the
+    caller's choice, or the default rule with its estimate, `parity.engine.gold.decide`), and when it
+    ran its dtype, device and seconds."""
+    if gold is False or model is None:
+        return None, {"ran": False, "reason": "gold=False was asked for" if gold is False
+                      else "no model to run it (the trainer's logprobs were given)"}
+    from parity.engine.gold import decide, gold_dtype, gold_logprobs  # torch: `import parity` stays light
+
+    tokens = sum(len(r.prompt_ids) + len(r.token_ids) for r in rollouts)
+    plan = decide(gold, parameters=parameter_count(resolve_model(model)), tokens=tokens,
+                  row_seconds=row_seconds, device=device)
+    how: dict[str, Any] = {"ran": plan.run, "reason": plan.reason,
+                           "estimated_seconds": round(plan.estimated_seconds, 4),
+                           "row_seconds": round(plan.row_seconds, 4)}
+    if not plan.run:
+        return None, how
+    start = time.perf_counter()
+    logprobs = gold_logprobs(model, rollouts, device=device)
+    how.update(dtype=gold_dtype(device), device=device,
+               seconds=round(time.perf_counter() - start, 4))
+    return logprobs, how
 
 
 def score_rollouts(model: str | os.PathLike[str], rollouts: Sequence[Rollout], *, dtype: str,

@@ -173,6 +173,10 @@ def _report_arguments(parser: argparse.ArgumentParser) -> None:
                         help="attribute the drift to op families and layers along AXIS (batch, layout, mode, "
                              "dtype; repeatable; default batch)")
     parser.add_argument("--device", default="cpu", help="device of the training forward (default: cpu)")
+    parser.add_argument("--gold", action=argparse.BooleanOptionalAction,
+                        help="score the tokens with the float64 gold forward too and say which side is "
+                             "farther from it (--no-gold: never; default: when it costs under a second or "
+                             "at most 20%% of the run's time)")
     parser.add_argument("--json", type=Path, metavar="OUT", help="write the report as JSON to OUT")
     parser.add_argument("--html", type=Path, metavar="OUT", help="write the HTML report to OUT")
     parser.add_argument("--worst", type=_count, default=5, metavar="K",
@@ -196,7 +200,7 @@ def _compare(args: argparse.Namespace) -> int:
         report = compare(args.model, args.backend, case=args.case, dtype=args.dtype, reference=args.reference,
                          router_replay=args.router_replay, device=args.device,
                          attribute=tuple(args.attribute or ()), record=args.record, tensor_parallel=args.tp,
-                         **dict(map(parse_option, args.option)))
+                         gold=args.gold, **dict(map(parse_option, args.option)))
     except OutputError as e:
         if e.report is None:
             raise
@@ -225,7 +229,7 @@ def _score(args: argparse.Namespace) -> int:
     report = score(args.source, args.model, trainer_logprobs=FROM_DUMP if args.trainer_logprobs else None,
                    backend=args.backend, sampling=sampling, logprobs_mode=args.logprobs_mode,
                    dtype=args.dtype, reference=args.reference, router_replay=args.router_replay,
-                   device=args.device, attribute=tuple(args.attribute or ()))
+                   device=args.device, attribute=tuple(args.attribute or ()), gold=args.gold)
     return _report_out(report, args)
 
 

@@ -10,11 +10,12 @@ argument is checked before an engine starts.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from parity.assess import report_for, router_replay_options
+from parity.assess import check_gold, report_for, router_replay_options
 from parity.backends import BACKENDS, Backend, route_capture_options, shared_backend
 from parity.backends import backend_options as backend_options_of
 from parity.backends.turns import generate
@@ -52,6 +53,7 @@ def compare(
     attribute: Sequence[str] = (),
     record: str | os.PathLike[str] | None = None,
     tensor_parallel: int | None = None,
+    gold: bool | None = None,
     **backend_options: Any,
 ) -> ParityReport:
     """Measure train/infer logprob parity of `backend` on `model`.
@@ -76,7 +78,8 @@ def compare(
     reference: training-forward kernels, "invariant" (batch-invariant) or "native" (stock torch).
     dtype: "bfloat16", "float16" or "float32"; None = the case's first dtype, else "bfloat16".
     tolerance: limits for `passed`; None = the case's limits for this backend, else
-        `Tolerance.for_backend(name)`; a dict overrides fields of that default.
+        `Tolerance.for_backend(name, dtype)` (per dtype: docs/PRECISION.md); a dict overrides fields
+        of that default.
     router_replay: MoE router replay mode of the training forward: "R3" replays the routes the
         backend recorded, "R2" the trainer's own first pass; None or "none" = off. Either mode
         starts a named backend with its route-capture option on (`route_capture_options`), so
@@ -100,6 +103,12 @@ def compare(
         layout (`train_forward(tensor_parallel_size=1)`), whose logprobs the reference engine
         matches at every degree, with the reference backend's `reduction_groups` option (default 8;
         bits match only for the same value, which `provenance["train_tensor_parallel"]` records).
+    gold: also score the tokens with the gold forward (`parity.engine.gold`: float64 on CPU, float32
+        without TF32 on CUDA, on `device`) and add which side is farther from it (`parity.accuracy`:
+        the `gold/*` summary keys, the "Which side moved" page section). None (default) runs it when
+        its estimated time is under a second or at most 20% of the row's sampling and
+        training-forward time (`parity.engine.gold.decide`); `report.extras["gold"]` says whether it
+        ran and why.
     """
     # every argument is checked before an engine starts (vLLM takes ~40 s to start on CPU)
     if reference not in KERNEL_MODES:
@@ -118,8 +127,10 @@ def compare(
         the_case.requests, names=names, prefix="" if prompts is not None else f"case {the_case.name!r}: ")
     dtype = check_dtype(dtype or (the_case.dtypes[0] if the_case.dtypes else "bfloat16"))
     name = backend if isinstance(backend, str) else getattr(backend, "name", "")
-    limits = Tolerance.resolve(tolerance if tolerance is not None else the_case.tolerance_for(name), name)
+    given = tolerance if tolerance is not None else the_case.tolerance_for(name)
+    limits = Tolerance.resolve(given, name, dtype)
     router_replay_options(router_replay)
+    check_gold(gold)
     _check_device(device)
     _check_axes(attribute)
     _check_correction(correction)
@@ -132,6 +143,7 @@ def compare(
         backend_options = _place(backend, device, backend_options)
     engine = _resolve_backend(backend, model_arg, dtype, backend_options, device)
 
+    start = time.perf_counter()
     generated = generate(engine, the_case.requests)
     check_samples(the_case.requests, generated, engine.name)
     rollouts = match_requests(generated, the_case.requests, limits=limits_of_model)
@@ -159,7 +171,8 @@ def compare(
                                          or REDUCTION_GROUPS}
     report = report_for(model_arg, rollouts, dtype=dtype, device=device, reference=reference,
                         router_replay=router_replay, tolerance=limits, provenance=prov,
-                        correction=correction, attribute=attribute, **train_tp)
+                        correction=correction, attribute=attribute, gold=gold,
+                        elapsed=time.perf_counter() - start, **train_tp)
     if record_failure is not None:
         raise OutputError(record_failure, report=report)
     return report

@@ -25,6 +25,9 @@ FORMAT_VERSION = 1
 #: response tokens shown on each side of a worst token (when the report holds decoded text).
 CONTEXT_TOKENS = 4
 
+#: the optional per-token array of the gold forward's logprobs (`parity.engine.gold`), and its dtype.
+GOLD_FIELD, GOLD_DTYPE = "gold_logprobs", np.float64
+
 #: per-token array fields and the dtype each is stored in.
 ARRAY_FIELDS: dict[str, type] = {
     "train_logprobs": np.float32,
@@ -52,7 +55,10 @@ class ParityReport:
         reports add "by_turn" and "after_injection" (`parity.metrics.drift_by_turn`).
     passed / tolerance / violations: the verdict, the limits applied and the checks that failed.
     provenance: what produced the numbers (versions, backend and its meta, model hash, dtype, ...).
-    extras: free-form JSON-serializable sections other features attach ("attribution", "router").
+    extras: free-form JSON-serializable sections other features attach ("attribution", "router",
+        "gold": how the gold forward ran).
+    gold_logprobs: float64, same shape, or None: the gold forward's logprob of each token (nats; -inf
+        where the token lies outside the gold's own sampling support), when the report has a gold.
     """
 
     train_logprobs: np.ndarray
@@ -69,6 +75,7 @@ class ParityReport:
     violations: list[Violation]
     provenance: dict[str, Any] = field(default_factory=dict)
     extras: dict[str, Any] = field(default_factory=dict)
+    gold_logprobs: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         for name, dtype in ARRAY_FIELDS.items():
@@ -82,6 +89,11 @@ class ParityReport:
             if getattr(self, name).shape != shape:
                 raise InputError(f"ParityReport.{name} has shape {getattr(self, name).shape}, expected "
                                  f"{shape} like train_logprobs")
+        if self.gold_logprobs is not None:
+            self.gold_logprobs = np.asarray(self.gold_logprobs).astype(GOLD_DTYPE, copy=False)
+            if self.gold_logprobs.shape != shape:
+                raise InputError(f"ParityReport.gold_logprobs has shape {self.gold_logprobs.shape}, expected "
+                                 f"{shape} like train_logprobs")
         if len(self.sequences) != shape[0]:
             raise InputError(f"ParityReport.sequences has {len(self.sequences)} entries for {shape[0]} rows; "
                              "give one dict per row")
@@ -94,7 +106,7 @@ class ParityReport:
         """A JSON-ready dict (arrays as nested lists with their dtype and shape)."""
         out: dict[str, Any] = {"format": FORMAT, "version": FORMAT_VERSION}
         for f in dataclasses.fields(self):
-            if f.name in ARRAY_FIELDS:
+            if f.name in ARRAY_FIELDS or f.name == GOLD_FIELD:
                 continue
             value = getattr(self, f.name)
             if f.name == "tolerance":
@@ -104,10 +116,11 @@ class ParityReport:
             out[f.name] = _plain(value)
         # float32 -> Python float is exact, and json writes the shortest repr that reads back
         # to the same double, so the arrays survive the round trip bit for bit
+        stored = {**ARRAY_FIELDS, **({GOLD_FIELD: GOLD_DTYPE} if self.gold_logprobs is not None else {})}
         out["arrays"] = {
             name: {"dtype": np.dtype(dtype).name, "shape": list(getattr(self, name).shape),
                    "data": getattr(self, name).tolist()}
-            for name, dtype in ARRAY_FIELDS.items()
+            for name, dtype in stored.items()
         }
         return out
 
@@ -125,7 +138,8 @@ class ParityReport:
                              f"(this parity reads version {FORMAT_VERSION})")
         try:
             arrays = {}
-            for name, dtype in ARRAY_FIELDS.items():
+            optional = {GOLD_FIELD: GOLD_DTYPE} if GOLD_FIELD in d["arrays"] else {}
+            for name, dtype in {**ARRAY_FIELDS, **optional}.items():
                 spec = d["arrays"][name]
                 # reshape keeps the shape of empty arrays ([0, 0] lists carry no column count)
                 arrays[name] = np.asarray(spec["data"], dtype=dtype).reshape(spec["shape"])
@@ -171,6 +185,18 @@ class ParityReport:
         """float64 `[num_tokens]`: logp_train - logp_rollout of every real token, row-major."""
         return self.train_logprobs[self.mask].astype(np.float64) - self.rollout_logprobs[self.mask]
 
+    def gold_errors(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """(|train - gold|, |rollout - gold| (nats, float64), response position (int64)) `[tokens]` of
+        every real token all three sides give a finite logprob, row-major; None without a gold."""
+        if self.gold_logprobs is None:
+            return None
+        with np.errstate(invalid="ignore"):
+            keep = (self.mask & np.isfinite(self.train_logprobs) & np.isfinite(self.rollout_logprobs)
+                    & np.isfinite(self.gold_logprobs))
+        gold = self.gold_logprobs[keep]
+        return (np.abs(self.train_logprobs[keep] - gold), np.abs(self.rollout_logprobs[keep] - gold),
+                np.nonzero(keep)[1].astype(np.int64))
+
     @property
     def num_tokens(self) -> int:
         """Real response tokens in the report (True entries of `mask`)."""
@@ -182,7 +208,8 @@ class ParityReport:
 
         Each: sequence (row), request_id, position (index in the response), token_id,
         train_logprob, rollout_logprob, logprob_diff (train - rollout) and ratio
-        (exp(logprob_diff), the importance ratio). Ties keep row-major order. When the report
+        (exp(logprob_diff), the importance ratio), and gold_logprob when the report has a gold
+        (`gold_logprobs`). Ties keep row-major order. When the report
         holds decoded text (`extras["text"]`, `parity.text`), also: text (the token), before
         and after (up to `CONTEXT_TOKENS` response tokens on each side) and prompt (the start
         of the sequence's prompt).
@@ -209,6 +236,8 @@ class ParityReport:
                 "token_id": int(self.token_ids[r, c]), "train_logprob": float(train[i]),
                 "rollout_logprob": float(rollout[i]), "logprob_diff": float(diff[i]), "ratio": ratio,
             }
+            if self.gold_logprobs is not None:
+                row["gold_logprob"] = float(self.gold_logprobs[r, c])
             if text:
                 row.update(self._in_context(r, c, text))
             out.append(row)
@@ -263,13 +292,15 @@ def format_worst_tokens(rows: list[dict[str, Any]], num_tokens: int | None = Non
     newline reads \\n). No rows: "all `num_tokens` tokens identical"."""
     if not rows:
         return "no tokens" if not num_tokens else f"all {num_tokens} tokens identical"
-    header = ("sequence", "position", "token_id", "train_logprob", "rollout_logprob", "ratio")
+    with_gold = "gold_logprob" in rows[0]
+    header = ("sequence", "position", "token_id", "train_logprob", "rollout_logprob",
+              *(("gold_logprob",) if with_gold else ()), "ratio")
     with_text = "text" in rows[0]
     lines = [[str(h) for h in header] + (["token in context"] if with_text else [])]
     for row in rows:
         lines.append([str(row["sequence"]), str(row["position"]), str(row["token_id"]),
                       f"{row['train_logprob']:.6f}", f"{row['rollout_logprob']:.6f}",
-                      f"{row['ratio']:.6f}"])
+                      *((f"{row['gold_logprob']:.6f}",) if with_gold else ()), f"{row['ratio']:.6f}"])
         if with_text:
             lines[-1].append(f"{_escaped(row['before'])}[{_escaped(row['text'])}]{_escaped(row['after'])}")
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]

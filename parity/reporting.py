@@ -1,6 +1,7 @@
 """A `ParityReport` from rollouts and the training side's logprobs of their tokens: the per-token
 arrays, the drift summary, the breakdowns (by position, probability, turn), the rollout-correction
-metrics, the tolerance verdict and the correction advisor's section.
+metrics, the tolerance verdict, the gold figures (`parity.accuracy`: which side is farther from the
+gold forward, when its logprobs are given) and the correction advisor's section.
 
 Metrics are computed from the float32 arrays stored in the report, so a report loaded from JSON
 recomputes the same summary.
@@ -13,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from parity.accuracy import BY_POSITION, gold_by_position, gold_summary, gold_tokens
 from parity.advisor import SECTION as ADVICE_SECTION
 from parity.advisor import SUMMARY_KEY as RECOMMENDATION_KEY
 from parity.advisor import advise
@@ -31,10 +33,14 @@ DEFAULT_CORRECTION: dict[str, Any] = DEFAULT_OPTIONS
 def build_report(rollouts: Sequence[Rollout], train_logprobs: Sequence[np.ndarray], *,
                  tolerance: Tolerance, provenance: dict[str, Any] | None = None,
                  correction: dict[str, Any] | None = None,
-                 extras: dict[str, Any] | None = None) -> ParityReport:
+                 extras: dict[str, Any] | None = None,
+                 gold_logprobs: Sequence[np.ndarray] | None = None) -> ParityReport:
     """A `ParityReport` from rollouts and the training forward's logprobs of their tokens.
 
     train_logprobs[i]: `[len(rollouts[i].token_ids)]` logprobs of rollout i's response tokens.
+    gold_logprobs[i]: the gold forward's logprobs of the same tokens (`parity.engine.gold`), or None
+    for a report without a gold: given, the report stores them (float64) and adds the
+    `GOLD_SUMMARY_KEYS` to its summary and each side's error by position to its breakdowns.
     Metrics are computed from the float32 arrays stored in the report, so the summary can be
     recomputed from a report loaded from JSON. Tokens with a -inf logprob on either side are
     counted in `summary["num_tokens_outside_support"]` / `["frac_tokens_outside_support"]`
@@ -47,6 +53,9 @@ def build_report(rollouts: Sequence[Rollout], train_logprobs: Sequence[np.ndarra
     if len(train_logprobs) != len(rollouts):
         raise InputError(f"{len(train_logprobs)} train logprob arrays for {len(rollouts)} rollouts; "
                          "give one per rollout")
+    if gold_logprobs is not None and len(gold_logprobs) != len(rollouts):
+        raise InputError(f"{len(gold_logprobs)} gold logprob arrays for {len(rollouts)} rollouts; "
+                         "give one per rollout")
     rows = len(rollouts)
     width = max((len(r.token_ids) for r in rollouts), default=0)
     train = np.zeros((rows, width), np.float32)
@@ -54,6 +63,7 @@ def build_report(rollouts: Sequence[Rollout], train_logprobs: Sequence[np.ndarra
     mask = np.zeros((rows, width), bool)
     positions = np.zeros((rows, width), np.int64)
     token_ids = np.zeros((rows, width), np.int64)
+    gold = None if gold_logprobs is None else np.zeros((rows, width), np.float64)
     for i, (ro, lp) in enumerate(zip(rollouts, train_logprobs)):
         n = len(ro.token_ids)
         lp = np.asarray(lp, dtype=np.float32).ravel()
@@ -65,6 +75,12 @@ def build_report(rollouts: Sequence[Rollout], train_logprobs: Sequence[np.ndarra
         mask[i, :n] = ro.mask  # generated tokens only: injected turns of a trajectory are 0
         positions[i, :n] = len(ro.prompt_ids) + np.arange(n)
         token_ids[i, :n] = ro.token_ids
+        if gold is not None:
+            g = np.asarray(gold_logprobs[i], dtype=np.float64).ravel()
+            if g.shape[0] != n:
+                raise InputError(f"rollout {ro.request_id!r}/{ro.sample_index} has {n} tokens but "
+                                 f"{g.shape[0]} gold logprobs")
+            gold[i, :n] = g
     # A token one side gives logprob -inf lies outside that side's sampling support (e.g. the
     # trainer's top-p nucleus excludes a token the backend sampled: bf16 drift moved it across
     # the boundary). Its ratio is 0 or inf, so it is counted on its own and kept out of the
@@ -81,6 +97,9 @@ def build_report(rollouts: Sequence[Rollout], train_logprobs: Sequence[np.ndarra
         breakdowns.update(drift_by_turn(tok, turns=_padded([turn_index(r.mask) for r in rollouts], width, -1),
                                         after_injection=_padded([after_injection(r.mask) for r in rollouts],
                                                                 width, False)))
+    if gold is not None and gold_tokens(train, rollout, gold, mask).any():
+        summary.update(gold_summary(train, rollout, gold, mask))
+        breakdowns[BY_POSITION] = gold_by_position(train, rollout, gold, mask)
     _, _, metrics = rollout_correction(tok, **(correction or DEFAULT_CORRECTION))
     violations = tolerance.violations(summary)
     sequences = [{"request_id": r.request_id, "sample_index": r.sample_index, "prompt_len": len(r.prompt_ids),
@@ -89,7 +108,7 @@ def build_report(rollouts: Sequence[Rollout], train_logprobs: Sequence[np.ndarra
         train_logprobs=train, rollout_logprobs=rollout, mask=mask, positions=positions, token_ids=token_ids,
         sequences=sequences, summary=summary, metrics=dict(metrics), breakdowns=breakdowns,
         passed=not violations, tolerance=tolerance, violations=violations,
-        provenance=dict(provenance or {}), extras=dict(extras or {}),
+        provenance=dict(provenance or {}), extras=dict(extras or {}), gold_logprobs=gold,
     )
     if scored.any():
         attach_advice(report)

@@ -86,6 +86,25 @@ SUPPORT_SUMMARY_KEYS: tuple[str, ...] = ("num_tokens_outside_support", "frac_tok
 ROUTER_SUMMARY_KEYS: tuple[str, ...] = ("router_agreement", "router_token_any_diff",
                                         "router_agreement_per_layer", "num_router_positions")
 
+#: summary keys of accuracy against the gold forward (`parity.accuracy.gold_summary`), in order: each
+#: side's max and mean |logp - logp_gold| (nats), mean rollout error / mean train error with its 95%
+#: bootstrap interval, the one-sentence verdict, the tokens counted and those outside some side's support.
+GOLD_SUMMARY_KEYS: tuple[str, ...] = (
+    "gold/train_max_abs_logprob_diff",
+    "gold/train_mean_abs_logprob_diff",
+    "gold/rollout_max_abs_logprob_diff",
+    "gold/rollout_mean_abs_logprob_diff",
+    "gold/rollout_to_train_error_ratio",
+    "gold/rollout_to_train_error_ratio_ci95",
+    "gold/verdict",
+    "gold/num_tokens",
+    "gold/num_tokens_outside_support",
+)
+#: the gold keys pages and the advisor read by name.
+GOLD_RATIO_KEY = "gold/rollout_to_train_error_ratio"
+GOLD_RATIO_CI_KEY = "gold/rollout_to_train_error_ratio_ci95"
+GOLD_VERDICT_KEY = "gold/verdict"
+
 #: separates a sweep block's label from the prompt index in a request id ("t0.6/3").
 SWEEP_SEPARATOR = "/"
 

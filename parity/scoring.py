@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from parity.assess import report_for
+from parity.assess import check_gold, report_for
 from parity.dumps import GivenSampling, check_logprobs, read_dump
 from parity.errors import ConfigError, InputError
 from parity.models import resolve_model
@@ -92,7 +92,7 @@ def score(rollouts: Sequence[Rollout] | str | os.PathLike[str], model: str | os.
           sampling: GivenSampling = None, logprobs_mode: str = "processed", dtype: str | None = None,
           reference: str = "invariant", tolerance: Tolerance | dict[str, Any] | None = None,
           router_replay: str | None = None, device: str = "cpu", correction: dict[str, Any] | None = None,
-          attribute: Sequence[str] = ()) -> ParityReport:
+          attribute: Sequence[str] = (), gold: bool | None = None) -> ParityReport:
     """Score rollouts produced elsewhere; the report `parity.compare` would build for them.
 
     rollouts: `Rollout`s, or the path of a record or dump (`read_source`; backend, sampling
@@ -103,8 +103,11 @@ def score(rollouts: Sequence[Rollout] | str | os.PathLike[str], model: str | os.
         logprobs of each rollout's response tokens; "dump" takes them from the dump's
         trainer-logprob column (verl's `old_log_probs`).
     dtype: of the training forward; None = the dtype every rollout's meta names, else bfloat16.
-    tolerance: None = the default for the rollouts' backend name; a dict overrides its fields.
-    reference, router_replay, device, correction, attribute: as in `parity.compare`.
+    tolerance: None = the default for the rollouts' backend name and the dtype; a dict overrides its
+        fields.
+    reference, router_replay, device, correction, attribute, gold: as in `parity.compare` (the
+    default rule counts the training forward's time only: nothing was sampled here; with the
+    trainer's logprobs given, gold=True runs the gold alone).
     """
     if reference not in KERNEL_MODES:
         raise ConfigError(f"reference must be one of {KERNEL_MODES}, got {reference!r}")
@@ -118,14 +121,15 @@ def score(rollouts: Sequence[Rollout] | str | os.PathLike[str], model: str | os.
         raise InputError("no rollouts to score")
     theirs = _trainer_logprobs(trainer_logprobs, source)
     model_arg = os.fspath(model) if model is not None else source.model
-    if model_arg is None and (theirs is None or attribute):
+    check_gold(gold)
+    if model_arg is None and (theirs is None or attribute or gold):
         raise ConfigError("the rollouts name no model; pass model= (--model), the checkpoint to score with")
     if model_arg is not None:
         resolve_model(model_arg)
     dtype = check_dtype(dtype or _meta_dtype(source.rollouts) or DEFAULT_DTYPE)
     names = sorted({r.backend for r in source.rollouts})
     name = names[0] if len(names) == 1 else "+".join(names)
-    limits = Tolerance.resolve(tolerance, name)
+    limits = Tolerance.resolve(tolerance, name, dtype)
     where = "the given rollouts" if source.kind == "rollouts" else f"{source.kind} {source.path}"
     if theirs is None:
         train_side = TRAIN_COMPUTED
@@ -143,7 +147,7 @@ def score(rollouts: Sequence[Rollout] | str | os.PathLike[str], model: str | os.
     prov["sampling_checked"] = theirs is None
     return report_for(model_arg, source.rollouts, dtype=dtype, device=device, reference=reference,
                       router_replay=router_replay, tolerance=limits, provenance=prov, correction=correction,
-                      attribute=attribute, train_logprobs=theirs)
+                      attribute=attribute, train_logprobs=theirs, gold=gold)
 
 
 def _trainer_logprobs(value: Sequence[Sequence[float]] | str | None,

@@ -47,7 +47,8 @@ def fake_engine(name: str, model: str, *, dtype: str, **options: Any) -> SimpleN
 
 
 def fake_compare(model: Any, engine: SimpleNamespace, *, case: Any, dtype: str, tolerance: Any,
-                 reference: str, router_replay: str | None, device: str = "cpu") -> ParityReport:
+                 reference: str, router_replay: str | None, device: str = "cpu",
+                 gold: bool | None = None) -> ParityReport:
     if case.name == "crashy" and engine.name == "vllm":
         raise RuntimeError("vllm worker crashed mid-case")
     assert (router_replay == "R3") == (engine.options == {"record_routes": True})
@@ -151,6 +152,26 @@ def test_plan_expands_backends_dtypes_and_replay_variants(workspace):
     cells = plan(load_cases(workspace.cases), ("reference",), ("float32",))
     assert [str(k) for k, _ in cells] == ["alpha|reference|float32|", "beta|reference|float32|none",
                                           "beta|reference|float32|R3"]
+
+
+def test_gold_reaches_every_compare_row_and_is_kept_for_resume(workspace, monkeypatch):
+    """--gold / --no-gold / neither: every row's compare gets True / False / None (the default rule),
+    and a resumed run keeps the stored choice."""
+    seen = []
+
+    def recording(*args: Any, gold: bool | None = None, **kwargs: Any) -> ParityReport:
+        seen.append(gold)
+        return fake_compare(*args, gold=gold, **kwargs)
+
+    monkeypatch.setattr("parity.nightly.execute.compare", recording)
+    for flags, want in ((["--gold"], True), (["--no-gold"], False), ([], None)):
+        seen.clear()
+        assert nightly(workspace, "--backends", "reference,hf", *flags) == 0
+        assert seen == [want, want]
+    from parity.nightly.runner import NightlyConfig
+
+    config = NightlyConfig(cases="x", gold=True)
+    assert NightlyConfig.from_record(config.to_record(), out=Path("o"), history=None, run_id="r").gold is True
 
 
 def test_a_run_writes_rows_reports_and_latest_and_prints_a_summary(workspace, capsys):

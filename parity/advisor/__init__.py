@@ -26,7 +26,14 @@ from parity.advisor.diagnose import data_bugs
 from parity.advisor.evaluate import FIGURES, Evaluation, Tokens, evaluate, keep_mask
 from parity.advisor.export import framework_configs
 from parity.advisor.grid import REWEIGHTING, Candidate, default_grid, describe
-from parity.advisor.rule import AdviceRule, choose_removal, choose_reweighting, noise_clause, within_noise
+from parity.advisor.rule import (
+    AdviceRule,
+    choose_removal,
+    choose_reweighting,
+    gold_note,
+    noise_clause,
+    within_noise,
+)
 from parity.advisor.text import advice_text
 from parity.correction.config import CorrectionConfig
 from parity.errors import InputError
@@ -49,7 +56,8 @@ class Advice:
     config: the recommended correction; reason: one sentence; stages: each stage's chosen
     candidate (name, figures) in order; evaluation: every candidate's figures; data_bugs: what
     looks like a data bug rather than drift (`parity.advisor.diagnose`): with any, no correction
-    is recommended.
+    is recommended; gold: the `gold_note` of the report's gold figures (None without one, or when
+    the trainer is not the side farther from the gold).
     """
 
     config: CorrectionConfig
@@ -59,6 +67,7 @@ class Advice:
     rule: AdviceRule
     seed: int
     data_bugs: tuple[str, ...] = ()
+    gold: str | None = None
 
     @property
     def name(self) -> str:
@@ -77,7 +86,7 @@ class Advice:
             },
             "drift": dataclasses.asdict(ev.drift),
             "rule": dataclasses.asdict(self.rule),
-            "bootstrap": ev.bootstrap, "seed": self.seed, "figures": list(FIGURES),
+            "bootstrap": ev.bootstrap, "seed": self.seed, "figures": list(FIGURES), "gold": self.gold,
             "candidates": [{"name": c.name, "family": c.family, **ev.row(i)}
                            for i, c in enumerate(ev.candidates)],
         }
@@ -105,7 +114,18 @@ def advise(report_or_arrays: Any, rollout_logprobs: Any = None, mask: Any = None
     one correction by `rule` (default bounds: `AdviceRule()`); see `parity.advisor.rule`.
 
     bootstrap: resamples of the sequences for the residual bias's 95% interval (seeded by `seed`).
+    A report with gold figures (`parity.accuracy`) also gets `Advice.gold` (`gold_note`).
     """
+    advice = _recommend(report_or_arrays, rollout_logprobs, mask, grid=grid, rule=rule, bootstrap=bootstrap,
+                        seed=seed)
+    if isinstance(report_or_arrays, ParityReport):
+        advice = dataclasses.replace(advice, gold=gold_note(report_or_arrays.summary))
+    return advice
+
+
+def _recommend(report_or_arrays: Any, rollout_logprobs: Any, mask: Any, *, grid: Sequence[Candidate] | None,
+               rule: AdviceRule | None, bootstrap: int, seed: int) -> Advice:
+    """The recommendation and its reason (`advise` without the gold note)."""
     tok = tokens_of(report_or_arrays, rollout_logprobs, mask)
     grid = tuple(default_grid() if grid is None else grid)
     rule = AdviceRule() if rule is None else rule

@@ -291,7 +291,8 @@ def evaluate(tok: Tokens, candidates: Sequence[Candidate], *, bootstrap: int = 2
         else np.zeros(cols),
         "bias": bias_seq.sum(0) / n_tok,
     }
-    low, high = _bootstrap_interval(bias_seq, st.n, bootstrap, seed, confidence)
+    # the bias is a token mean: per-sequence sums over per-sequence token counts
+    low, high = bootstrap_ratio(bias_seq, st.n, bootstrap, seed, confidence, empty=0.0)
     figures["bias_low"], figures["bias_high"] = low, high
     drift = Drift(max_abs_log_ratio=float(np.abs(tok.log_ratio).max()),
                   ratio_var=float(st.sum_r2.sum() / n_tok - (st.sum_r.sum() / n_tok) ** 2),
@@ -299,15 +300,19 @@ def evaluate(tok: Tokens, candidates: Sequence[Candidate], *, bootstrap: int = 2
     return Evaluation(tuple(candidates), figures, drift, bootstrap)
 
 
-def _bootstrap_interval(per_seq: np.ndarray, n: np.ndarray, resamples: int, seed: int, confidence: float
-                        ) -> tuple[np.ndarray, np.ndarray]:
-    """Percentile interval of Σ_s q_s x_s / Σ_s q_s n_s over Poisson(1) resample counts q
-    `[resamples, S]`: the token mean of a per-sequence sum, sequences resampled whole."""
-    cols = per_seq.shape[1]
+def bootstrap_ratio(numerator: np.ndarray, denominator: np.ndarray, resamples: int, seed: int,
+                    confidence: float, *, empty: float) -> tuple[np.ndarray, np.ndarray]:
+    """Percentile interval `(low [C], high [C])` of Σ_s q_s x_s / Σ_s q_s d_s over Poisson(1) resample
+    counts q `[resamples, S]`: a ratio of two sums over sequences (numerator `[S, C]`, denominator
+    `[S]`), sequences resampled whole. A resample whose sums are both 0 (it drew nothing, or nothing
+    but zeros) counts as `empty`; a positive sum over 0 as inf. `resamples` <= 0: NaNs."""
+    cols = numerator.shape[1]
     if resamples <= 0:
         return np.full(cols, math.nan), np.full(cols, math.nan)
-    q = np.random.default_rng(seed).poisson(1.0, (resamples, n.size)).astype(np.float64)
-    stats = (q @ per_seq) / np.maximum(q @ n, 1.0)[:, None]
+    q = np.random.default_rng(seed).poisson(1.0, (resamples, denominator.size)).astype(np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        stats = (q @ numerator) / (q @ denominator)[:, None]
+    stats[np.isnan(stats)] = empty
     tail = 100.0 * (1.0 - confidence) / 2.0
     low, high = np.percentile(stats, [tail, 100.0 - tail], axis=0)
     return low, high

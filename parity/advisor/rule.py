@@ -2,6 +2,9 @@
 
 Three stages, in order (docs/ADVISOR.md states the rule with its defaults):
 
+Beside the recommendation, `gold_note`: when a gold forward measured the trainer as the side
+farther from the exact model, the advice says a rollout-side correction does not fix that.
+
 1. Noise. When the untruncated token ratios vary by at most `noise_ratio_var` and no token's
    |Δ| exceeds `noise_max_log_ratio`, no correction is needed.
 2. Removal. A masking or rejection candidate qualifies when it removes at least
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 from parity.advisor.evaluate import Evaluation
 from parity.advisor.grid import REMOVING
 from parity.errors import ConfigError
+from parity.schema import GOLD_RATIO_CI_KEY, GOLD_RATIO_KEY
 
 #: reweighting families stage 3 recommends, in its order of preference. Geometric IS is evaluated
 #: and shown but not recommended: its weight is no likelihood ratio of the sampled data, so its
@@ -135,3 +139,18 @@ def choose_reweighting(ev: Evaluation, rule: AdviceRule) -> Choice:
     return Choice(i, f"{ev.candidates[i].name} truncates the least importance mass "
                      f"({f['mass_removed'][i]:.2%}) of the corrections with ESS >= {rule.min_ess} and max "
                      f"weight <= {rule.max_weight:g}")
+
+
+def gold_note(summary: dict) -> str | None:
+    """What a rollout correction cannot do, when the report has a gold (`parity.accuracy`): if the
+    trainer is farther from the gold than the rollout (the ratio's 95% interval lies below 1), a
+    rollout-side correction pulls the update toward the less accurate side, so it says so and what
+    raises the trainer's precision; None otherwise (no gold, the rollout farther, or within noise)."""
+    ratio, interval = summary.get(GOLD_RATIO_KEY), summary.get(GOLD_RATIO_CI_KEY)
+    if not isinstance(ratio, (int, float)) or not interval or not interval[1] < 1.0:
+        return None
+    return (f"the trainer is {1.0 / ratio:.3g}x farther from the gold than the rollout (95% interval "
+            f"{1.0 / interval[1]:.3g}-{1.0 / interval[0]:.3g}x): a rollout-side correction weighs the update "
+            "toward the trainer's logprobs, the less accurate side, and does not fix that; raise the "
+            "trainer's precision instead (the LM head and log-softmax in fp32, fp16 rather than bf16 "
+            "for the training forward, or an fp32 training forward)")

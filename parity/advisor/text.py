@@ -27,6 +27,8 @@ def advice_text(d: dict[str, Any]) -> str:
     if frameworks["slime"] is not None:
         lines += ["slime:", "  " + (" ".join(frameworks["slime"]) or "(no correction flags)")]
     lines += [f"note: {note}" for note in frameworks["notes"]]
+    if d.get("gold"):
+        lines.append(f"note: {d['gold']}")
     header = ["candidate", *(h for h, _, _, _ in ADVICE_COLUMNS)]
     cells = [header] + [[row["name"], *(advice_cell(row, k, f) for _, _, k, f in ADVICE_COLUMNS)]
                         for row in d["candidates"]]

@@ -54,14 +54,16 @@ class RowParams:
 def processed_logprobs(logits: torch.Tensor, params: RowParams) -> torch.Tensor:
     """Log-probs [N, V] of the distribution sampled from: temperature, then top-k, then top-p, renormalized.
 
-    logits [N, V] float32. Temperature 0 (greedy) is a point mass on the first argmax: logprob 0
-    there and -inf elsewhere. Top-k keeps every token whose scaled logit ties the k-th largest.
-    Top-p keeps the most likely tokens (ties in vocab order) while the mass before them is < top_p.
+    logits [N, V] float32, or float64 in the gold forward: temperature and top-p are taken in the
+    logits' dtype, so a float64 gold divides by the exact temperature. Temperature 0 (greedy) is a
+    point mass on the first argmax: logprob 0 there and -inf elsewhere. Top-k keeps every token whose
+    scaled logit ties the k-th largest. Top-p keeps the most likely tokens (ties in vocab order) while
+    the mass before them is < top_p.
     """
     device = logits.device
     greedy = [t == 0 for t in params.temperature]
     temperature = device_tensor([1.0 if g else t for g, t in zip(greedy, params.temperature)],
-                                torch.float32, device)
+                                logits.dtype, device)
     z = logits / temperature.unsqueeze(1)
     any_k = any(k > 0 for k in params.top_k)
     any_p = any(p < 1 for p in params.top_p)
@@ -72,7 +74,7 @@ def processed_logprobs(logits: torch.Tensor, params: RowParams) -> torch.Tensor:
         kth = sorted_z.gather(1, (top_k.clamp(min=1, max=z.shape[1]) - 1).unsqueeze(1))
         z = z.masked_fill((top_k > 0).unsqueeze(1) & (z < kth), NEG_INF)
     if any_p:
-        top_p = device_tensor(params.top_p, torch.float32, device).unsqueeze(1)
+        top_p = device_tensor(params.top_p, logits.dtype, device).unsqueeze(1)
         # top-k masking removed only the smallest entries, so `order` still sorts the survivors.
         probs_sorted = ops.softmax(z).gather(1, order)
         mass_before = F.pad(ops.cumsum(probs_sorted)[:, :-1], (1, 0))

@@ -53,8 +53,9 @@ class TrainResult:
     routes: list[torch.Tensor | None] | None = None
 
 
-def _pairs(sequences: Sequence[Any], logprobs_mode: str | None) -> tuple[list[Pair], list[str]]:
-    """(prompt, response) id tuples and the logprobs mode of each sequence."""
+def pairs_and_modes(sequences: Sequence[Any], logprobs_mode: str | None) -> tuple[list[Pair], list[str]]:
+    """(prompt, response) id tuples and the logprobs mode of each sequence (for the training and
+    the gold forward)."""
     if logprobs_mode is not None and logprobs_mode not in LOGPROBS_MODES:
         raise ConfigError(f"logprobs_mode must be one of {LOGPROBS_MODES} or None, got {logprobs_mode!r}")
     pairs = as_pairs(sequences)  # checked: a list of Rollouts or pairs of token-id lists
@@ -77,9 +78,10 @@ def _per_sequence(value: Any, n: int, name: str) -> list[Any]:
 UNMODIFIED: tuple[float, int, float] = (1.0, 0, 1.0)
 
 
-def _definitions(sequences: Sequence[Any], modes: list[str], temperature: Any, top_k: Any,
-                 top_p: Any) -> list[tuple[float, int, float]]:
-    """(temperature, top_k, top_p) each sequence is scored under: a Rollout's recorded sampling,
+def logprob_definitions(sequences: Sequence[Any], modes: list[str], temperature: Any, top_k: Any,
+                        top_p: Any) -> list[tuple[float, int, float]]:
+    """(temperature, top_k, top_p) each sequence is scored under (the training forward's and the
+    gold forward's, `parity.engine.gold`): a Rollout's recorded sampling,
     else the explicit values, else (pairs only) `UNMODIFIED`. An explicit value contradicting a
     record is a ConfigError; a processed-mode Rollout with neither is an InputError."""
     n = len(modes)
@@ -245,10 +247,10 @@ def train_forward(model: str | LoadedModel,
     lm = load_model(model, dtype=dtype, device=device)
     if layout not in LAYOUTS:
         raise ConfigError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    pairs, modes = _pairs(sequences, logprobs_mode)
+    pairs, modes = pairs_and_modes(sequences, logprobs_mode)
     n = len(pairs)
     size = n if micro_batch_size is None else check_positive_int(micro_batch_size, "micro_batch_size")
-    definitions = _definitions(sequences, modes, temperature, top_k, top_p)
+    definitions = logprob_definitions(sequences, modes, temperature, top_k, top_p)
     for i, (prompt, response) in enumerate(pairs):
         where = f"sequences[{i}]"
         if not prompt:

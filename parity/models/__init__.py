@@ -13,9 +13,9 @@ from parity.models.checkpoints import (
     model_names,
     resolve_model,
 )
-from parity.models.limits import ModelLimits, checkpoint_config, model_limits
+from parity.models.limits import ModelLimits, checkpoint_config, model_limits, parameter_count
 from parity.models.trained import TRAINED_MODELS, convert_gguf, trained_dir
 
 __all__ = ["BUILTIN_MODELS", "EOS_ID", "TRAINED_MODELS", "ModelLimits", "builtin_dir", "builtin_names",
            "builtin_path", "cache_dir", "checkpoint_config", "convert_gguf", "is_model_name", "model_hash",
-           "model_limits", "model_names", "resolve_model", "trained_dir"]
+           "model_limits", "model_names", "parameter_count", "resolve_model", "trained_dir"]

@@ -11,7 +11,9 @@ stays light.
 from __future__ import annotations
 
 import json
+import math
 import os
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,3 +103,21 @@ def model_limits(model: str | os.PathLike[str]) -> ModelLimits:
         config = {**config, **text}
     return ModelLimits(model=os.fspath(model), vocab_size=_positive_int(config, "vocab_size", path),
                        max_positions=_positive_int(config, "max_position_embeddings", path))
+
+
+def parameter_count(path: str | os.PathLike[str]) -> int:
+    """The number of weights in a checkpoint directory's safetensors files, read from their headers
+    alone (no tensor is loaded, no torch): what the gold forward's cost estimate multiplies."""
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"{path}: no *.safetensors files; parity reads checkpoints in safetensors format")
+    total = 0
+    for file in files:
+        try:
+            with open(file, "rb") as f:
+                (size,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(size))
+        except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{file}: not a readable safetensors file ({exc})") from exc
+        total += sum(math.prod(entry["shape"]) for name, entry in header.items() if name != "__metadata__")
+    return total

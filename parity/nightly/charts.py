@@ -61,10 +61,12 @@ def trend_charts(points: list[tuple[str, RowKey, dict[str, Any]]], keys: list[Ro
 
 
 def trend_metrics(summaries: list[dict[str, Any]]) -> list[str]:
-    """Every scalar summary metric except the token and sequence counts: parity's standard keys
-    first, then any a feature adds (e.g. MoE router agreement), alphabetically."""
+    """Every scalar summary metric except the token and sequence counts (a feature's too, e.g.
+    "gold/num_tokens"): parity's standard keys first, then any a feature adds (e.g. MoE router
+    agreement, the gold errors), alphabetically."""
     found = {k for s in summaries for k, v in s.items()
-             if isinstance(v, (int, float)) and not isinstance(v, bool) and not k.startswith("num_")}
+             if isinstance(v, (int, float)) and not isinstance(v, bool)
+             and not k.rpartition("/")[2].startswith("num_")}
     return [k for k in SUMMARY_KEYS if k in found] + sorted(found - set(SUMMARY_KEYS))
 
 

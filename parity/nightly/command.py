@@ -21,7 +21,8 @@ from parity.nightly.runner import AUTO, DEVICES, EXECUTORS, NightlyConfig, RunIn
 from parity.schema import KERNEL_MODES
 
 #: options that define the matrix; a resumed run takes them from the history instead.
-_MATRIX_OPTIONS = ("cases", "backends", "dtypes", "baseline", "alpha", "min_effect", "reference", "device")
+_MATRIX_OPTIONS = ("cases", "backends", "dtypes", "baseline", "alpha", "min_effect", "reference", "device",
+                   "gold")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=DEVICES,
                    help="where the reference and hf engines and the training forward run (default cpu); "
                         "a cuda row asks its executor for one GPU")
+    p.add_argument("--gold", action=argparse.BooleanOptionalAction,
+                   help="score every row's tokens with the gold forward too (--no-gold: none; default: the "
+                        "rows where it costs under a second or at most 20%% of the row's time)")
     p.add_argument("--executor", choices=EXECUTORS, default="local",
                    help="local: rows one after another in this process (default); ray: rows on the "
                         "actors of a Ray cluster, this process keeps the history")
@@ -97,8 +101,9 @@ def config_from_args(args: argparse.Namespace) -> NightlyConfig:
         history=args.history, run_id=args.run_id, baseline=args.baseline,
         policy=RegressionPolicy(**{k: v for k, v in (("alpha", args.alpha), ("min_effect", args.min_effect))
                                    if v is not None}),
-        reference=args.reference or "invariant", device=args.device or "cpu", executor=args.executor,
-        ray_address=args.ray_address, ray_cpus=args.ray_cpus, engine_memory_gib=args.engine_memory,
+        reference=args.reference or "invariant", device=args.device or "cpu", gold=args.gold,
+        executor=args.executor, ray_address=args.ray_address, ray_cpus=args.ray_cpus,
+        engine_memory_gib=args.engine_memory,
     )
 
 

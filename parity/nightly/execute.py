@@ -86,9 +86,11 @@ def local_placement() -> dict[str, Any]:
 
 
 def execute_row(run_id: str, key: RowKey, case: Case, *, reference: str, device: str = "cpu",
-                placement: dict[str, Any] | None = None, close_engine: bool = False) -> RowResult:
+                gold: bool | None = None, placement: dict[str, Any] | None = None,
+                close_engine: bool = False) -> RowResult:
     """Run one cell: its status reflects the tolerance limits only (`verdict` None).
 
+    gold: the gold forward of a compare row (`parity.compare`'s `gold`; None: where it is cheap).
     placement: where it ran (executor, host or Ray node, process, GPUs), kept in the row's
         provenance under "ran_on"; None = `local_placement()`.
     close_engine: close the row's engine after it (the last row that uses it); kept in the
@@ -103,7 +105,7 @@ def execute_row(run_id: str, key: RowKey, case: Case, *, reference: str, device:
         options = engine_options(key, case, device)
     except Exception as exc:  # no engine to start, so none to close
         return error_row(run_id, key, f"backend failed to start: {type(exc).__name__}: {exc}", provenance)
-    row = _run_row(run_id, key, case, options, provenance, reference=reference, device=device)
+    row = _run_row(run_id, key, case, options, provenance, reference=reference, device=device, gold=gold)
     if close_engine:
         try:
             close_shared_backend(key.backend, case.model, dtype=key.dtype, **options)
@@ -114,7 +116,7 @@ def execute_row(run_id: str, key: RowKey, case: Case, *, reference: str, device:
 
 
 def _run_row(run_id: str, key: RowKey, case: Case, options: dict[str, Any], provenance: dict[str, Any], *,
-             reference: str, device: str) -> RowResult:
+             reference: str, device: str, gold: bool | None = None) -> RowResult:
     timing: dict[str, float] = {}
     stage = "backend failed to start"
     try:
@@ -131,7 +133,7 @@ def _run_row(run_id: str, key: RowKey, case: Case, options: dict[str, Any], prov
             return audit_row(run_id, key, case, engine, provenance, timing, device)
         tp = options.get("tensor_parallel_size")
         report = compare(None, engine, case=case, dtype=key.dtype, tolerance=case.tolerance_for(key.backend),
-                         reference=reference, device=device, router_replay=replay_mode(key),
+                         reference=reference, device=device, router_replay=replay_mode(key), gold=gold,
                          **({"tensor_parallel": tp} if tp is not None else {}))
         timing["case_s"] = round(time.perf_counter() - t0, 3)
     except Exception as exc:  # an error row, by design: one broken backend must not end the night

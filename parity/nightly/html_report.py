@@ -20,9 +20,10 @@ from parity.nightly.charts import trend_charts
 from parity.nightly.history import RunInfo
 from parity.nightly.regression import NOISE_DETERMINISTIC_KEY, NOISE_MEAN_KEY, TEST_NAME
 from parity.nightly.rows import STATUSES, RowKey, RowResult, correction_change
+from parity.render.gold import gold_plots
 from parity.render.report_page import key_value_table, report_plots, worst_tokens_table
 from parity.report import ParityReport
-from parity.schema import RECOMMENDATION_KEY, sweep_label
+from parity.schema import GOLD_RATIO_KEY, GOLD_VERDICT_KEY, RECOMMENDATION_KEY, sweep_label
 from parity.tolerance import Violation
 
 #: columns of the rows table: (summary key, header).
@@ -33,6 +34,7 @@ TABLE_METRICS: tuple[tuple[str, str], ...] = (
     ("is_ratio_mean", "IS ratio mean"),
     ("frac_tokens_ratio_gt_2", "frac ratio>2"),
     ("num_tokens", "tokens"),
+    (GOLD_RATIO_KEY, "gold: rollout/train error"),
 )
 
 _CSS = """
@@ -201,6 +203,8 @@ def _row_section(row: RowResult) -> str:
         parts.append(f'<p class="sub">{html.escape(row.verdict.describe())}</p>')
     elif row.status != "error":
         parts.append('<p class="sub">No baseline row yet: this run becomes the baseline if it passes.</p>')
+    if GOLD_VERDICT_KEY in row.summary:
+        parts.append(f'<p>Which side moved: {html.escape(str(row.summary[GOLD_VERDICT_KEY]))}.</p>')
     if row.violations:
         items = "".join(f"<li>tolerance: {html.escape(Violation(**v).describe())}</li>"
                         for v in row.violations)
@@ -224,7 +228,8 @@ def _report_views(row: RowResult) -> str:
     try:
         report = ParityReport.from_json(row.report_json or "")
         parts = [
-            '<div class="plots">', *report_plots(report), "</div>", _by_sweep_block(report),
+            '<div class="plots">', *report_plots(report), *gold_plots(report), "</div>",
+            _by_sweep_block(report),
             "<h4>Worst tokens</h4>", worst_tokens_table(report.worst_tokens(8), report.num_tokens),
             "<details><summary>All metrics</summary>", key_value_table(row.summary),
             key_value_table(report.metrics), "</details>",

@@ -16,6 +16,7 @@ from typing import Any
 from parity.nightly.history import RunInfo
 from parity.nightly.regression import TEST_NAME
 from parity.nightly.rows import STATUSES, RowResult, correction_change
+from parity.schema import GOLD_RATIO_KEY, GOLD_VERDICT_KEY
 from parity.tolerance import Violation
 
 _MARK = {"error": "💥", "regression": "📉", "fail": "❌", "improved": "📈", "pass": "✅"}
@@ -29,8 +30,9 @@ def render_summary(run: RunInfo, rows: list[RowResult], *, report_path: str = "i
     lines = [
         f"## parity nightly `{run.run_id}`: {headline}",  # run ids are letters, digits, ".", "_", "-"
         "",
-        "| | case | backend | dtype | max \\|Δlogp\\| | mean \\|Δlogp\\| | k3 KL | Δ mean vs baseline | p |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|",
+        "| | case | backend | dtype | max \\|Δlogp\\| | mean \\|Δlogp\\| | k3 KL | Δ mean vs baseline | p "
+        "| gold: rollout/train error |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in ordered:
         v = r.verdict
@@ -41,7 +43,7 @@ def render_summary(run: RunInfo, rows: list[RowResult], *, report_path: str = "i
             f"{_num(r.summary.get('max_abs_logprob_diff'))} | "
             f"{_num(r.summary.get('mean_abs_logprob_diff'))} | "
             f"{_num(r.summary.get('k3_kl'))} | {'' if v is None else f'{v.effect:+.2g}'} | "
-            f"{'' if v is None else _num(v.p_value)} |"
+            f"{'' if v is None else _num(v.p_value)} | {_num(r.summary.get(GOLD_RATIO_KEY))} |"
         )
     notes = []
     for r in ordered:
@@ -51,6 +53,9 @@ def render_summary(run: RunInfo, rows: list[RowResult], *, report_path: str = "i
             notes.append(f"- **{_cell(r.key.label)}** tolerance: {_cell(Violation(**viol).describe())}")
         if r.verdict is not None and r.verdict.change != "unchanged":
             notes.append(f"- **{_cell(r.key.label)}** {_cell(r.verdict.describe())}")
+        if GOLD_VERDICT_KEY in r.summary and r.status != "pass":
+            verdict = str(r.summary[GOLD_VERDICT_KEY])
+            notes.append(f"- **{_cell(r.key.label)}** which side moved: {_cell(verdict)}")
         if (change := correction_change(r)) is not None:
             notes.append(f"- **{_cell(r.key.label)}** recommended correction changed: "
                          f"{_cell(change[0])} → {_cell(change[1])}")

@@ -121,7 +121,7 @@ class RowWorker:
     """A Ray actor that runs rows; each engine it starts lives until its last row there."""
 
     def run(self, run_id: str, key: RowKey, case: Case, reference: str, device: str,
-            close_engine: bool = False) -> RowResult:
+            close_engine: bool = False, gold: bool | None = None) -> RowResult:
         """One row, as `execute_row` runs it, with this node, process and GPUs as its placement;
         `close_engine`: it is its engine's last row on this actor."""
         import ray
@@ -135,8 +135,8 @@ class RowWorker:
                      "actor_id": context.get_actor_id(),
                      "pid": os.getpid(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
                      "resources": context.get_assigned_resources()}
-        return execute_row(run_id, key, case, reference=reference, device=device, placement=placement,
-                           close_engine=close_engine)
+        return execute_row(run_id, key, case, reference=reference, device=device, gold=gold,
+                           placement=placement, close_engine=close_engine)
 
 
 def assign(todo: list[tuple[RowKey, Case]], device: str, slots: int) -> list[deque[PlannedRow]]:
@@ -167,7 +167,8 @@ def memory_budget(cluster: RayCluster, engine_memory_gib: float | None) -> Memor
 
 
 def ray_rows(cluster: RayCluster, run_id: str, todo: list[tuple[RowKey, Case]], *, reference: str,
-             device: str, engine_memory_gib: float | None = None) -> Iterator[RowResult]:
+             device: str, engine_memory_gib: float | None = None,
+             gold: bool | None = None) -> Iterator[RowResult]:
     """Run `todo` on the cluster; yields each row (unjudged) as it finishes. Closing the
     generator (the run ended, failed or was interrupted) kills every actor, which cancels the
     rows still running or waiting."""
@@ -210,7 +211,7 @@ def ray_rows(cluster: RayCluster, run_id: str, todo: list[tuple[RowKey, Case]], 
         queues[i].popleft()
         if i not in actors:
             actors[i] = plans[i][0].remote()
-        ref = actors[i].run.remote(run_id, row.key, row.case, reference, device, row.last)
+        ref = actors[i].run.remote(run_id, row.key, row.case, reference, device, row.last, gold)
         inflight[ref] = (i, row)
 
     try:

@@ -76,6 +76,8 @@ class NightlyConfig:
     engine_memory_gib: most host memory the Ray actors' engines may hold at once, GiB (estimates,
         `parity.nightly.memory`); None = what is available when the run starts. The local
         executor holds one engine at a time.
+    gold: run the gold forward in every compare row (True), in none (False), or where it costs
+        under a second or at most 20% of the row's time (None; `parity.compare`'s `gold`).
     """
 
     cases: str
@@ -92,6 +94,7 @@ class NightlyConfig:
     ray_address: str | None = None
     ray_cpus: int | None = None
     engine_memory_gib: float | None = None
+    gold: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.cases, str):
@@ -127,6 +130,8 @@ class NightlyConfig:
             raise ConfigError(f"--dtypes: unknown {bad}; allowed: {list(DTYPES)}")
         if self.reference not in KERNEL_MODES:
             raise ConfigError(f"--reference {self.reference!r}; allowed: {list(KERNEL_MODES)}")
+        if self.gold is not None and not isinstance(self.gold, bool):
+            raise ConfigError(f"gold must be True, False or None (--gold / --no-gold), got {self.gold!r}")
         for option, value, allowed in (("--device", self.device, DEVICES),
                                        ("--executor", self.executor, EXECUTORS)):
             if value not in allowed:
@@ -155,7 +160,7 @@ class NightlyConfig:
         """The options that define the matrix and the verdicts, stored with the run for `--resume`."""
         return {"cases": self.cases, "backends": list(self.backends), "dtypes": list(self.dtypes),
                 "baseline": self.baseline, "reference": self.reference, "device": self.device,
-                **asdict(self.policy)}
+                "gold": self.gold, **asdict(self.policy)}
 
     @classmethod
     def from_record(cls, record: dict[str, Any], *, out: Path, history: Path | None, run_id: str,
@@ -164,7 +169,7 @@ class NightlyConfig:
         """The stored run's matrix; where it runs (the executor) is this invocation's choice."""
         return cls(cases=record["cases"], backends=tuple(record["backends"]), dtypes=tuple(record["dtypes"]),
                    out=out, history=history, run_id=run_id, baseline=record["baseline"],
-                   reference=record["reference"], device=record.get("device", "cpu"),
+                   reference=record["reference"], device=record.get("device", "cpu"), gold=record.get("gold"),
                    policy=RegressionPolicy(alpha=record["alpha"], min_effect=record["min_effect"]),
                    executor=executor, ray_address=ray_address, ray_cpus=ray_cpus,
                    engine_memory_gib=engine_memory_gib)
@@ -235,7 +240,7 @@ def executor_rows(run_id: str, todo: list[tuple[RowKey, Case]], config: NightlyC
 
         with RayCluster(address=config.ray_address, num_cpus=config.ray_cpus) as cluster:
             yield from ray_rows(cluster, run_id, todo, reference=config.reference, device=config.device,
-                                engine_memory_gib=config.engine_memory_gib)
+                                engine_memory_gib=config.engine_memory_gib, gold=config.gold)
     else:
         yield from local_rows(run_id, todo, config)
 
@@ -344,4 +349,4 @@ def local_rows(run_id: str, todo: list[tuple[RowKey, Case]], config: NightlyConf
     (`engine_order`), each engine closed after its last row."""
     for row in engine_order(todo, config.device):
         yield execute_row(run_id, row.key, row.case, reference=config.reference, device=config.device,
-                          close_engine=row.last)
+                          gold=config.gold, close_engine=row.last)

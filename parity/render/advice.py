@@ -72,6 +72,8 @@ def advice_html(section: dict[str, Any]) -> str:
     return "\n".join([
         '<h2 id="advice">Which correction fixes it</h2>',
         f'<p class="advice"><b>Recommended: {html.escape(rec["name"])}</b>. {html.escape(rec["reason"])}</p>',
+        f'<p class="gold-note"><b>Which side moved:</b> {html.escape(section["gold"])}.</p>'
+        if section.get("gold") else "",
         framework_blocks(frameworks),
         f"<details><summary>All {len(section['candidates'])} candidates (residual bias against untruncated "
         f"IS, {section['bootstrap']} bootstrap resamples of sequences)</summary>",

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from parity.render.advice import advice_html
 from parity.render.attribution import section_html
 from parity.render.figures import breakdown_figure, figure_img, log_ratio_histogram
+from parity.render.gold import gold_html
 
 if TYPE_CHECKING:
     from parity.report import ParityReport
@@ -21,11 +22,13 @@ if TYPE_CHECKING:
 
 def worst_tokens_table(rows: list[dict[str, Any]], num_tokens: int | None = None) -> str:
     """HTML table of `ParityReport.worst_tokens()` rows; with decoded text, each token in its
-    context and the start of its prompt. No rows: "all `num_tokens` tokens identical"."""
+    context and the start of its prompt; with a gold, the gold's logprob beside the two sides'. No
+    rows: "all `num_tokens` tokens identical"."""
     with_text = bool(rows) and "text" in rows[0]
+    with_gold = bool(rows) and "gold_logprob" in rows[0]
     text_head = ("token in context", "prompt starts") if with_text else ()
     head = ("sequence", "request", "position", "token id", *text_head, "train logprob", "rollout logprob",
-            "Δlogp", "ratio")
+            *(("gold logprob",) if with_gold else ()), "Δlogp", "ratio")
     body = []
     for row in rows:
         cells = [_td(row["sequence"]), _td(row.get("request_id", "")), _td(row["position"]),
@@ -33,8 +36,10 @@ def worst_tokens_table(rows: list[dict[str, Any]], num_tokens: int | None = None
         if with_text:
             cells += [f'<td class="text">{in_context(row)}</td>',
                       f'<td class="text prompt">{_text(row["prompt"])}</td>']
-        cells += [_td(f"{row['train_logprob']:.6f}"), _td(f"{row['rollout_logprob']:.6f}"),
-                  _td(f"{row['logprob_diff']:+.3e}"), _td(f"{row['ratio']:.6f}")]
+        cells += [_td(f"{row['train_logprob']:.6f}"), _td(f"{row['rollout_logprob']:.6f}")]
+        if with_gold:
+            cells.append(_td(f"{row['gold_logprob']:.6f}"))
+        cells += [_td(f"{row['logprob_diff']:+.3e}"), _td(f"{row['ratio']:.6f}")]
         body.append("<tr>" + "".join(cells) + "</tr>")
     if not body:
         empty = f"all {num_tokens} tokens identical" if num_tokens else "no tokens"
@@ -134,13 +139,14 @@ img.plot { width: 460px; max-width: 100%; border: 1px solid #eee; }
 ul.violations { color: #c62828; }
 pre { background: #f6f6f6; padding: 8px; font-size: 12px; overflow-x: auto; }
 p.advice { background: #e8f5e9; padding: 6px 10px; border-left: 4px solid #2e7d32; }
+p.gold-note { background: #fff3e0; padding: 6px 10px; border-left: 4px solid #e65100; }
 tr.chosen td { background: #e8f5e9; font-weight: 600; } h3 { font-size: 14px; margin: 10px 0 4px 0; }
 """
 
 
 def report_plots(report: ParityReport) -> list[str]:
     """The three drift plots of a report as inline <img> tags: log-ratio histogram, drift by
-    response position, drift by rollout probability."""
+    response position, drift by rollout probability (`gold_plots` draws the gold's two)."""
     return [
         figure_img(log_ratio_histogram(report.log_ratio()), "log-ratio histogram"),
         figure_img(breakdown_figure(report.breakdowns.get("by_position", []),
@@ -176,7 +182,7 @@ def report_html(report: ParityReport) -> str:
     extras = "".join(
         f"<details><summary>{html.escape(name)}</summary><pre>"
         f"{html.escape(json.dumps(section, indent=2, sort_keys=True, default=str))}</pre></details>"
-        for name, section in report.extras.items() if name not in ("attribution", "text", "advice")
+        for name, section in report.extras.items() if name not in ("attribution", "text", "advice", "gold")
     )
     parts = [
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
@@ -186,6 +192,7 @@ def report_html(report: ParityReport) -> str:
         '<div class="row"><div><h2>Summary</h2>', key_value_table(report.summary), "</div>",
         "<div><h2>Tolerance</h2>", key_value_table(report.tolerance.to_dict()), "</div></div>",
         '<h2>Plots</h2><div class="row">', *plots, "</div>",
+        gold_html(report),
         "<h2>Worst tokens</h2>", worst_tokens_table(report.worst_tokens(10), report.num_tokens),
         "<h2>Drift per request</h2>", request_drift_table(report.request_drift()),
         turn_drift_table(report.breakdowns),
