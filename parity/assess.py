@@ -29,7 +29,8 @@ def report_for(model: str | None, rollouts: Sequence[Rollout], *, dtype: str, de
                correction: dict[str, Any] | None = None, attribute: Sequence[str] = (),
                train_logprobs: Sequence[np.ndarray] | None = None,
                tensor_parallel_size: int | None = None,
-               reduction_groups: int | None = None) -> ParityReport:
+               reduction_groups: int | None = None,
+               lora: str | os.PathLike[str] | None = None) -> ParityReport:
     """The second half of a comparison, for rollouts from anywhere: score them with the training
     forward (or take `train_logprobs`, the trainer's own logprobs of the same tokens, and run
     no forward), build the report with the tokens' decoded text (`parity.text`), and add
@@ -37,14 +38,18 @@ def report_for(model: str | None, rollouts: Sequence[Rollout], *, dtype: str, de
     model: None only with `train_logprobs` and no `attribute` (nothing to run, no text).
     tensor_parallel_size, reduction_groups: the training forward's layout (`train_forward`), for
     every forward of the report, the router section's too; None: the layout the rollouts record,
-    else the whole model."""
+    else the whole model. lora: the LoRA adapter of every forward, for rollouts that do not record
+    theirs (`train_forward` follows a recorded one and refuses a contradicting one)."""
     if model is None and (train_logprobs is None or attribute):
         raise ConfigError("a model is needed to run the training forward; pass model=")
+    if attribute and (lora is not None or any("lora" in r.meta for r in rollouts)):
+        raise ConfigError("attribute does not run with a LoRA adapter yet; drop attribute (--attribute) or "
+                          "the adapter")
     if train_logprobs is None:
         train_logprobs = score_rollouts(model, rollouts, dtype=dtype, device=device, kernels=reference,
                                         router_replay=router_replay,
                                         tensor_parallel_size=tensor_parallel_size,
-                                        reduction_groups=reduction_groups)
+                                        reduction_groups=reduction_groups, lora=lora)
         computed = True
     else:
         computed = False
@@ -60,7 +65,8 @@ def report_for(model: str | None, rollouts: Sequence[Rollout], *, dtype: str, de
         # MoE rollouts that carry routes: router agreement, and drift with and without replay.
         router_summary, report.extras["router"] = router_report(
             model, rollouts, dtype=dtype, device=device, kernels=reference, router_replay=router_replay,
-            tolerance=tolerance, tensor_parallel_size=tensor_parallel_size, reduction_groups=reduction_groups)
+            tolerance=tolerance, tensor_parallel_size=tensor_parallel_size, reduction_groups=reduction_groups,
+            lora=lora)
         report.summary.update(router_summary)
     if attribute:
         from parity.attribute import attribution_section  # torch: `import parity` stays light
@@ -74,14 +80,16 @@ def score_rollouts(model: str | os.PathLike[str], rollouts: Sequence[Rollout], *
                    device: str = "cpu", kernels: str = "invariant",
                    router_replay: str | None = None,
                    tensor_parallel_size: int | None = None,
-                   reduction_groups: int | None = None) -> list[np.ndarray]:
+                   reduction_groups: int | None = None,
+                   lora: str | os.PathLike[str] | None = None) -> list[np.ndarray]:
     """Training-forward logprobs of every rollout's response tokens, float32 `[response_len]` each,
-    each rollout scored under the sampling it records (mode, temperature, top-k, top-p)."""
+    each rollout scored under the sampling it records (mode, temperature, top-k, top-p) and with the
+    LoRA adapter it records (else `lora`)."""
     from parity.engine import train_forward  # torch: `import parity` stays light
 
     scored = train_forward(model, list(rollouts), dtype=dtype, device=device, kernels=kernels,
                            tensor_parallel_size=tensor_parallel_size, reduction_groups=reduction_groups,
-                           **router_replay_options(router_replay)).logprobs
+                           lora=lora, **router_replay_options(router_replay)).logprobs
     return [lp.detach().to("cpu").float().numpy() for lp in scored]
 
 
@@ -95,7 +103,8 @@ def router_replay_options(router_replay: str | None) -> dict[str, Any]:
 
 def router_report(model: str, rollouts: Sequence[Rollout], *, dtype: str, device: str, kernels: str,
                   router_replay: str | None, tolerance: Tolerance, tensor_parallel_size: int | None = None,
-                  reduction_groups: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+                  reduction_groups: int | None = None,
+                  lora: str | os.PathLike[str] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """Router agreement and IS-ratio drift with and without replay, for rollouts that carry routes.
 
     Scores the rollouts with the training forward once per side: "none" (the training router
@@ -117,7 +126,7 @@ def router_report(model: str, rollouts: Sequence[Rollout], *, dtype: str, device
         scored = train_forward(
             model, list(rollouts), dtype=dtype, device=device, kernels=kernels, record_routes=True,
             router_replay=main if name == main_name else RouterReplay.of(name),
-            tensor_parallel_size=tensor_parallel_size, reduction_groups=reduction_groups)
+            tensor_parallel_size=tensor_parallel_size, reduction_groups=reduction_groups, lora=lora)
         drift = build_report(rollouts, [lp.numpy() for lp in scored.logprobs], tolerance=tolerance).summary
         sides[name] = {**router_agreement(rollout_routes, scored.routes), "drift": drift}
     summary = {k: sides[main_name][k] for k in ROUTER_SUMMARY_KEYS}

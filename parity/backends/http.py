@@ -196,9 +196,10 @@ class HttpClient:
         """GET `route`; the decoded JSON answer."""
         return self._one("GET", route, None)
 
-    def post(self, route: str, body: dict[str, Any] | None = None) -> Any:
-        """POST `body` as JSON to `route`; the decoded JSON answer (None for an empty one)."""
-        return self._one("POST", route, body)
+    def post(self, route: str, body: dict[str, Any] | None = None, *, text: bool = False) -> Any:
+        """POST `body` as JSON to `route`; the decoded JSON answer (None for an empty one), or with
+        `text` the answer's text (routes that answer in plain text, e.g. vLLM's LoRA endpoints)."""
+        return self._one("POST", route, body, text=text)
 
     def post_many(self, route: str, bodies: Sequence[dict[str, Any]], labels: Sequence[str]) -> list[Any]:
         """POST every body to `route` concurrently; answers in input order.
@@ -216,13 +217,14 @@ class HttpClient:
             raise RequestsLostError(self.endpoint.public, lost, len(bodies))
         return results
 
-    def _one(self, method: str, route: str, body: dict[str, Any] | None) -> Any:
-        result = _run(self._batch(method, route, [body], [route]))[0]
+    def _one(self, method: str, route: str, body: dict[str, Any] | None, *, text: bool = False) -> Any:
+        result = _run(self._batch(method, route, [body], [route], text=text))[0]
         if isinstance(result, LostRequest):
             raise BackendError(self._scrub(f"{method} {self.endpoint.public}{route} failed: {result.reason}"))
         return result
 
-    async def _batch(self, method: str, route: str, bodies: list[Any], labels: list[str]) -> list[Any]:
+    async def _batch(self, method: str, route: str, bodies: list[Any], labels: list[str], *,
+                     text: bool = False) -> list[Any]:
         s = self.settings
         parts = urllib.parse.urlsplit(self.endpoint.url)
         headers = {"Authorization": f"Bearer {self.endpoint.api_key}"} if self.endpoint.api_key else {}
@@ -239,7 +241,8 @@ class HttpClient:
         async with httpx.AsyncClient(base_url=target, headers=headers, auth=auth, limits=limits,
                                      timeout=httpx.Timeout(s.request_timeout_s, connect=s.connect_timeout_s),
                                      trust_env=not self.endpoint.loopback) as client:
-            tasks = [asyncio.create_task(self._send(client, semaphore, dead, method, route, body, label))
+            tasks = [asyncio.create_task(self._send(client, semaphore, dead, method, route, body, label,
+                                                    text))
                      for body, label in zip(bodies, labels)]
             pending: set[asyncio.Task[Any]] = set(tasks)
             failure: BaseException | None = None
@@ -258,7 +261,7 @@ class HttpClient:
                 if task in pending else task.result() for task, label in zip(tasks, labels)]
 
     async def _send(self, client: httpx.AsyncClient, semaphore: asyncio.Semaphore, dead: list[str],
-                    method: str, route: str, body: Any, label: str) -> Any:
+                    method: str, route: str, body: Any, label: str, text: bool = False) -> Any:
         s = self.settings
         async with semaphore:
             attempt = 0
@@ -275,7 +278,8 @@ class HttpClient:
                     reason = f"connection failed ({type(e).__name__}{': ' + str(e) if str(e) else ''})"
                 else:
                     if response.status_code < 400:
-                        return _json(response, f"{self.endpoint.public}{route} ({label})")
+                        where = f"{self.endpoint.public}{route} ({label})"
+                        return response.text if text else _json(response, where)
                     reason = f"HTTP {response.status_code}: {_detail(response)}"
                     if response.status_code not in RETRY_STATUSES:
                         if response.status_code < 500:

@@ -21,7 +21,8 @@ from parity.nightly.runner import AUTO, DEVICES, EXECUTORS, NightlyConfig, RunIn
 from parity.schema import KERNEL_MODES
 
 #: options that define the matrix; a resumed run takes them from the history instead.
-_MATRIX_OPTIONS = ("cases", "backends", "dtypes", "baseline", "alpha", "min_effect", "reference", "device")
+_MATRIX_OPTIONS = ("cases", "backends", "dtypes", "baseline", "alpha", "min_effect", "reference", "device",
+                   "lora")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=DEVICES,
                    help="where the reference and hf engines and the training forward run (default cpu); "
                         "a cuda row asks its executor for one GPU")
+    p.add_argument("--lora", metavar="PATH",
+                   help="a LoRA adapter every case runs with (a peft adapter directory or a built-in adapter "
+                        "name); default: each case's own `lora`, if any")
     p.add_argument("--executor", choices=EXECUTORS, default="local",
                    help="local: rows one after another in this process (default); ray: rows on the "
                         "actors of a Ray cluster, this process keeps the history")
@@ -98,6 +102,7 @@ def config_from_args(args: argparse.Namespace) -> NightlyConfig:
         policy=RegressionPolicy(**{k: v for k, v in (("alpha", args.alpha), ("min_effect", args.min_effect))
                                    if v is not None}),
         reference=args.reference or "invariant", device=args.device or "cpu", executor=args.executor,
+        lora=args.lora,
         ray_address=args.ray_address, ray_cpus=args.ray_cpus, engine_memory_gib=args.engine_memory,
     )
 

@@ -30,7 +30,8 @@ from tqdm import tqdm
 
 from parity.backends import BACKENDS, available_backends, prefix_cache_backends, route_recording_backends
 from parity.cases import Case, load_cases
-from parity.errors import ConfigError
+from parity.errors import ConfigError, ParityError
+from parity.models.lora import check_adapter
 from parity.nightly.engines import engine_order
 from parity.nightly.environment import collect_environment
 from parity.nightly.execute import PREFIX_CACHE as _PREFIX_CACHE
@@ -75,6 +76,7 @@ class NightlyConfig:
     engine_memory_gib: most host memory the Ray actors' engines may hold at once, GiB (estimates,
         `parity.nightly.memory`); None = what is available when the run starts. The local
         executor holds one engine at a time.
+    lora: a LoRA adapter every case runs with (`with_lora`); None = each case's own `lora`.
     """
 
     cases: str
@@ -91,6 +93,7 @@ class NightlyConfig:
     ray_address: str | None = None
     ray_cpus: int | None = None
     engine_memory_gib: float | None = None
+    lora: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.cases, str):
@@ -104,7 +107,8 @@ class NightlyConfig:
             if not isinstance(value, (str, os.PathLike)) and not (option == "--history" and value is None):
                 raise ConfigError(f"{option} must be a path, got {value!r}")
         for option, value in (("--run-id", self.run_id), ("--baseline", self.baseline),
-                              ("--reference", self.reference), ("--ray-address", self.ray_address)):
+                              ("--reference", self.reference), ("--ray-address", self.ray_address),
+                              ("--lora", self.lora)):
             if value is not None and not isinstance(value, str):
                 raise ConfigError(f"{option} must be a string, got {value!r}")
         if not isinstance(self.policy, RegressionPolicy):
@@ -154,7 +158,7 @@ class NightlyConfig:
         """The options that define the matrix and the verdicts, stored with the run for `--resume`."""
         return {"cases": self.cases, "backends": list(self.backends), "dtypes": list(self.dtypes),
                 "baseline": self.baseline, "reference": self.reference, "device": self.device,
-                **asdict(self.policy)}
+                "lora": self.lora, **asdict(self.policy)}
 
     @classmethod
     def from_record(cls, record: dict[str, Any], *, out: Path, history: Path | None, run_id: str,
@@ -163,7 +167,7 @@ class NightlyConfig:
         """The stored run's matrix; where it runs (the executor) is this invocation's choice."""
         return cls(cases=record["cases"], backends=tuple(record["backends"]), dtypes=tuple(record["dtypes"]),
                    out=out, history=history, run_id=run_id, baseline=record["baseline"],
-                   reference=record["reference"], device=record.get("device", "cpu"),
+                   reference=record["reference"], device=record.get("device", "cpu"), lora=record.get("lora"),
                    policy=RegressionPolicy(alpha=record["alpha"], min_effect=record["min_effect"]),
                    executor=executor, ray_address=ray_address, ray_cpus=ray_cpus,
                    engine_memory_gib=engine_memory_gib)
@@ -212,6 +216,24 @@ def plan(cases: list[Case], backends: tuple[str, ...],
     return cells
 
 
+def with_lora(cases: list[Case], lora: str | None) -> list[Case]:
+    """`cases`, each running LoRA adapter `lora` (checked against its model before any row runs);
+    a case that names another adapter is a ConfigError. None leaves each case's own."""
+    if lora is None:
+        return cases
+    out = []
+    for case in cases:
+        if case.lora is not None and case.lora != lora:
+            raise ConfigError(f"--lora {lora!r}: case {case.name!r} names its own adapter {case.lora!r}; "
+                              "drop --lora or the case's lora")
+        try:
+            check_adapter(lora, case.model)
+        except ParityError as exc:
+            raise type(exc)(f"--lora: case {case.name!r}: {exc}") from exc
+        out.append(dataclasses.replace(case, lora=lora))
+    return out
+
+
 def new_run_id() -> str:
     """The time-based part of a new run id: UTC, to the second."""
     return _dt.datetime.now(_dt.UTC).strftime("%Y%m%d-%H%M%S")
@@ -245,7 +267,7 @@ def run_nightly(config: NightlyConfig, *, progress: bool = True) -> NightlyRun:
     The outputs are checked before any row runs, and the run is claimed (`claim_run`) for as
     long as it runs. Ctrl-C raises `RunInterrupted` naming the run.
     """
-    cases = load_cases(config.cases)
+    cases = with_lora(load_cases(config.cases), config.lora)
     backends = resolve_backends(config.backends)
     cells = plan(cases, backends, config.dtypes)
     if config.baseline is not None and not config.history_path.is_file():
