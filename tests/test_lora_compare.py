@@ -149,11 +149,13 @@ def test_nightly_lora_applies_to_every_case(tmp_path):
         max_tokens = 6
     """))
     out = tmp_path / "reports"
+    # sglang cannot apply an adapter: its cell is left out of the matrix (as R3's are on backends
+    # that cannot record routes), not run as an error row no setting could fix
     assert nightly_main(["--cases", str(case), "--backends", "reference,sglang", "--out", str(out),
-                         "--no-progress", "--lora", ADAPTER]) == 2  # the sglang row: an error row
-    rows = {r["backend"]: r for r in json.loads(next(out.glob("*/results.json")).read_text())["rows"]}
-    assert rows["reference"]["status"] == "pass" and rows["reference"]["provenance"]["lora"]["r"] == 8
-    assert rows["sglang"]["status"] == "error" and "cannot apply a LoRA adapter" in rows["sglang"]["error"]
+                         "--no-progress", "--lora", ADAPTER]) == 0
+    rows = json.loads(next(out.glob("*/results.json")).read_text())["rows"]
+    assert [r["backend"] for r in rows] == ["reference"]
+    assert rows[0]["status"] == "pass" and rows[0]["provenance"]["lora"]["r"] == 8
 
 
 # -- peft's PeftModel as the hf backend ------------------------------------------------------------

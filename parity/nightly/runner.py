@@ -28,7 +28,13 @@ from typing import Any
 
 from tqdm import tqdm
 
-from parity.backends import BACKENDS, available_backends, prefix_cache_backends, route_recording_backends
+from parity.backends import (
+    BACKENDS,
+    available_backends,
+    lora_backends,
+    prefix_cache_backends,
+    route_recording_backends,
+)
 from parity.cases import Case, load_cases
 from parity.errors import ConfigError, ParityError
 from parity.models.lora import check_adapter
@@ -195,14 +201,16 @@ def plan(cases: list[Case], backends: tuple[str, ...],
     """The matrix in run order: case, router-replay variant, backend, dtype. A case that lists
     its backends runs only on those; R3 runs only on backends that can record routes (a backend
     without a `route_option` cannot feed R3, so its cell is left out rather than recorded as an
-    error no setting could fix); `dtypes` overrides every case's own dtypes."""
-    recording, switchable = route_recording_backends(), prefix_cache_backends()
+    error no setting could fix), and a case with a LoRA adapter only on backends that apply one
+    (`lora_backends`), for the same reason; `dtypes` overrides every case's own dtypes."""
+    recording, switchable, adapting = route_recording_backends(), prefix_cache_backends(), lora_backends()
     cells = []
     for case in cases:
         for variant in case.router_replay or [prefix_cache_variant(v) for v in case.prefix_caching] or ("",):
             for backend in backends:
                 if (case.backends and backend not in case.backends) or \
-                        (variant == "R3" and backend not in recording):
+                        (variant == "R3" and backend not in recording) or \
+                        (case.lora is not None and backend not in adapting):
                     continue
                 if variant.startswith(_PREFIX_CACHE) and backend not in switchable:
                     # no prefix cache to switch: one row, under the first setting's variant only
