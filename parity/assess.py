@@ -33,7 +33,7 @@ def report_for(model: str | None, rollouts: Sequence[Rollout], *, dtype: str, de
                train_logprobs: Sequence[np.ndarray] | None = None,
                tensor_parallel_size: int | None = None,
                reduction_groups: int | None = None, gold: bool | None = None,
-               elapsed: float = 0.0) -> ParityReport:
+               elapsed: float = 0.0, lora: str | os.PathLike[str] | None = None) -> ParityReport:
     """The second half of a comparison, for rollouts from anywhere: score them with the training
     forward (or take `train_logprobs`, the trainer's own logprobs of the same tokens, and run
     no forward), build the report with the tokens' decoded text (`parity.text`), and add
@@ -43,17 +43,22 @@ def report_for(model: str | None, rollouts: Sequence[Rollout], *, dtype: str, de
     every forward of the report, the router section's too; None: the layout the rollouts record,
     else the whole model.
     gold: run the gold forward (`gold_side`): True, False, or None to run it when cheap next to the
-    row; elapsed: seconds the row spent before this call (sampling), which that rule counts."""
+    row; elapsed: seconds the row spent before this call (sampling), which that rule counts.
+    lora: the LoRA adapter of every forward, for rollouts that do not record theirs
+    (`train_forward` follows a recorded one and refuses a contradicting one)."""
     check_gold(gold)
     if model is None and (train_logprobs is None or attribute or gold):
         raise ConfigError("a model is needed to run the training forward (and the gold forward); "
                           "pass model=")
+    if attribute and (lora is not None or any("lora" in r.meta for r in rollouts)):
+        raise ConfigError("attribute does not run with a LoRA adapter yet; drop attribute (--attribute) or "
+                          "the adapter")
     start = time.perf_counter()
     if train_logprobs is None:
         train_logprobs = score_rollouts(model, rollouts, dtype=dtype, device=device, kernels=reference,
                                         router_replay=router_replay,
                                         tensor_parallel_size=tensor_parallel_size,
-                                        reduction_groups=reduction_groups)
+                                        reduction_groups=reduction_groups, lora=lora)
         computed = True
     else:
         computed = False
@@ -61,7 +66,7 @@ def report_for(model: str | None, rollouts: Sequence[Rollout], *, dtype: str, de
                              tensor_parallel_size=tensor_parallel_size,
                              reduction_groups=reduction_groups) if computed else []
     gold_lp, gold_how = gold_side(model, rollouts, gold=gold, device=device,
-                                  row_seconds=elapsed + time.perf_counter() - start)
+                                  row_seconds=elapsed + time.perf_counter() - start, lora=lora)
     extras: dict[str, Any] = {"gold": gold_how, **({DATA_BUGS: bugs} if bugs else {})}
     report = build_report(rollouts, train_logprobs, tolerance=tolerance, provenance=provenance,
                           correction=correction, gold_logprobs=gold_lp, extras=extras)
@@ -72,7 +77,8 @@ def report_for(model: str | None, rollouts: Sequence[Rollout], *, dtype: str, de
         # MoE rollouts that carry routes: router agreement, and drift with and without replay.
         router_summary, report.extras["router"] = router_report(
             model, rollouts, dtype=dtype, device=device, kernels=reference, router_replay=router_replay,
-            tolerance=tolerance, tensor_parallel_size=tensor_parallel_size, reduction_groups=reduction_groups)
+            tolerance=tolerance, tensor_parallel_size=tensor_parallel_size, reduction_groups=reduction_groups,
+            lora=lora)
         report.summary.update(router_summary)
     if attribute:
         from parity.attribute import attribution_section  # torch: `import parity` stays light
@@ -90,11 +96,13 @@ def check_gold(gold: object) -> None:
 
 
 def gold_side(model: str | None, rollouts: Sequence[Rollout], *, gold: bool | None, device: str,
-              row_seconds: float) -> tuple[list[np.ndarray] | None, dict[str, Any]]:
+              row_seconds: float, lora: str | os.PathLike[str] | None = None
+              ) -> tuple[list[np.ndarray] | None, dict[str, Any]]:
     """The gold forward's logprobs of every rollout's response tokens (`parity.engine.gold`), or None
     when it does not run, and how it went, for `ParityReport.extras["gold"]`: ran, reason (the
     caller's choice, or the default rule with its estimate, `parity.engine.gold.decide`), and when it
-    ran its dtype, device and seconds."""
+    ran its dtype, device and seconds. lora: as the training forward's (a recorded adapter wins);
+    the gold merges the same adapter."""
     if gold is False or model is None:
         return None, {"ran": False, "reason": "gold=False was asked for" if gold is False
                       else "no model to run it (the trainer's logprobs were given)"}
@@ -109,7 +117,7 @@ def gold_side(model: str | None, rollouts: Sequence[Rollout], *, gold: bool | No
     if not plan.run:
         return None, how
     start = time.perf_counter()
-    logprobs = gold_logprobs(model, rollouts, device=device)
+    logprobs = gold_logprobs(model, rollouts, device=device, lora=lora)
     how.update(dtype=gold_dtype(device), device=device,
                seconds=round(time.perf_counter() - start, 4))
     return logprobs, how
@@ -119,14 +127,16 @@ def score_rollouts(model: str | os.PathLike[str], rollouts: Sequence[Rollout], *
                    device: str = "cpu", kernels: str = "invariant",
                    router_replay: str | None = None,
                    tensor_parallel_size: int | None = None,
-                   reduction_groups: int | None = None) -> list[np.ndarray]:
+                   reduction_groups: int | None = None,
+                   lora: str | os.PathLike[str] | None = None) -> list[np.ndarray]:
     """Training-forward logprobs of every rollout's response tokens, float32 `[response_len]` each,
-    each rollout scored under the sampling it records (mode, temperature, top-k, top-p)."""
+    each rollout scored under the sampling it records (mode, temperature, top-k, top-p) and with the
+    LoRA adapter it records (else `lora`)."""
     from parity.engine import train_forward  # torch: `import parity` stays light
 
     scored = train_forward(model, list(rollouts), dtype=dtype, device=device, kernels=kernels,
                            tensor_parallel_size=tensor_parallel_size, reduction_groups=reduction_groups,
-                           **router_replay_options(router_replay)).logprobs
+                           lora=lora, **router_replay_options(router_replay)).logprobs
     return [lp.detach().to("cpu").float().numpy() for lp in scored]
 
 
@@ -140,7 +150,8 @@ def router_replay_options(router_replay: str | None) -> dict[str, Any]:
 
 def router_report(model: str, rollouts: Sequence[Rollout], *, dtype: str, device: str, kernels: str,
                   router_replay: str | None, tolerance: Tolerance, tensor_parallel_size: int | None = None,
-                  reduction_groups: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+                  reduction_groups: int | None = None,
+                  lora: str | os.PathLike[str] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """Router agreement and IS-ratio drift with and without replay, for rollouts that carry routes.
 
     Scores the rollouts with the training forward once per side: "none" (the training router
@@ -162,7 +173,7 @@ def router_report(model: str, rollouts: Sequence[Rollout], *, dtype: str, device
         scored = train_forward(
             model, list(rollouts), dtype=dtype, device=device, kernels=kernels, record_routes=True,
             router_replay=main if name == main_name else RouterReplay.of(name),
-            tensor_parallel_size=tensor_parallel_size, reduction_groups=reduction_groups)
+            tensor_parallel_size=tensor_parallel_size, reduction_groups=reduction_groups, lora=lora)
         drift = build_report(rollouts, [lp.numpy() for lp in scored.logprobs], tolerance=tolerance).summary
         sides[name] = {**router_agreement(rollout_routes, scored.routes), "drift": drift}
     summary = {k: sides[main_name][k] for k in ROUTER_SUMMARY_KEYS}

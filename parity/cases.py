@@ -10,6 +10,8 @@ naming the file, the field and the allowed values)::
     name = "smoke"                   # optional; default: the file name without .toml
     description = "..."              # optional
     model = "tiny-llama"             # built-in name or local HF checkpoint directory
+    lora = "tiny-llama-lora-r8"      # optional: a LoRA adapter on the model (peft directory, relative
+                                     # to the case file, or a built-in adapter; parity.models.lora)
     dtypes = ["bfloat16"]            # bfloat16 | float16 | float32; nightly runs each
     backends = ["reference", "hf"]   # optional; default: every backend nightly is asked for
     logprobs_mode = "processed"      # processed | raw
@@ -94,6 +96,8 @@ from parity.case_fields import Fields, control_character, printable_field
 from parity.case_prompts import load_prompt_table
 from parity.errors import ConfigError, ParityError
 from parity.models import ModelLimits, model_limits
+from parity.models.lora import check_adapter
+from parity.models.lora_builtins import is_builtin_adapter
 from parity.schema import (
     BACKEND_NAMES,
     CASE_KINDS,
@@ -125,6 +129,8 @@ class Case:
     reference_tensor_parallel_size: ranks of the reference backend's engine in nightly rows (1: one
         process, the whole model); above 1 the rows ask the executor for that many CPUs, and GPUs
         on CUDA, and are checked against the TP-invariant training forward (compare cases only).
+    lora: the LoRA adapter every row applies on top of `model` (a directory or a built-in adapter
+        name, `parity.models.lora`); None for the base model.
     prefix_caching: trajectory cases: the prefix-cache settings nightly runs as separate rows on
         backends that have one (`parity.backends.prefix_cache_backends`); empty = one row, the
         backend's default.
@@ -147,13 +153,14 @@ class Case:
     reference_tensor_parallel_size: int = 1
     loop_steps: int = 10
     loop_lr: float = 1e-3
+    lora: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ConfigError(f"case name must be a non-empty string, got {self.name!r}")
         where = f"case {self.name!r}"
-        for name in ("model", "description", "logprobs_mode", "kind"):
-            if not isinstance(getattr(self, name), str):
+        for name in ("model", "description", "logprobs_mode", "kind", "lora"):
+            if not isinstance(getattr(self, name), str) and not (name == "lora" and self.lora is None):
                 raise ConfigError(f"{where}: {name} must be a string, got {getattr(self, name)!r}")
         for name in ("name", "description"):  # printed as they are: the terminal, summary.md, HTML
             bad = control_character(getattr(self, name))
@@ -199,6 +206,9 @@ class Case:
         if self.prefix_caching and self.kind != "trajectory":
             raise ConfigError(f"{where}: prefix_caching is an axis of trajectory cases; "
                               "set kind = 'trajectory'")
+        if self.lora is not None and self.kind == "lifecycle":
+            raise ConfigError(f"{where}: lora does not apply to a lifecycle case (its weight-update check "
+                              "pushes base weights); check adapter swaps with check_adapter_sync")
         tp = self.reference_tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ConfigError(f"{where}: reference_tensor_parallel_size must be an integer >= 1, got {tp!r}")
@@ -222,6 +232,7 @@ class Case:
             **({"reference_tensor_parallel_size": self.reference_tensor_parallel_size}
                if self.reference_tensor_parallel_size != 1 else {}),
             **({"loop_steps": self.loop_steps, "loop_lr": self.loop_lr} if self.kind == "loop" else {}),
+            **({"lora": self.lora} if self.lora is not None else {}),
         }
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -296,7 +307,7 @@ def _case_names(cases_dir: str | Path) -> list[str]:
 
 _TOP_KEYS = ("name", "description", "model", "dtypes", "backends", "logprobs_mode", "router_replay",
              "kind", "prompts", "sampling", "tolerance", "turns", "prefix_caching",
-             "reference_tensor_parallel_size", "loop")
+             "reference_tensor_parallel_size", "loop", "lora")
 _SAMPLING_KEYS = ("label", "n", "temperature", "top_p", "top_k", "max_tokens", "seed", "stop_token_ids",
                   "ignore_eos")
 
@@ -341,6 +352,7 @@ def load_case(path: str | Path) -> Case:
         prefix_caching=tuple(_load_prefix_caching(f, data)),
         reference_tensor_parallel_size=f.count(data, "reference_tensor_parallel_size", prefix="", default=1),
         loop_steps=f.count(loop, "steps", prefix="loop.", default=10), loop_lr=float(lr),
+        lora=_load_lora(f, data, model),
     )
     requests = _requests(blocks, encode())
     if kind == "trajectory":
@@ -352,6 +364,21 @@ def load_case(path: str | Path) -> Case:
         raise f.error("prompts", str(exc)) from exc
     return Case(model=model, requests=requests, logprobs_mode=logprobs_mode, tolerance=tolerance, path=path,
                 backend_tolerances=per_backend, kind=kind, **fields)
+
+
+def _load_lora(f: Fields, data: dict[str, Any], model: str) -> str | None:
+    """The case's adapter (a path relative to the case file, or a built-in name), checked against the
+    case's model."""
+    lora = f.get(data, "lora", str, default=None)
+    if lora is None:
+        return None
+    if not is_builtin_adapter(lora) and not Path(lora).expanduser().is_absolute():
+        lora = str(f.path.parent / lora)
+    try:
+        check_adapter(lora, model)
+    except ParityError as exc:
+        raise f.error("lora", str(exc)) from exc
+    return lora
 
 
 _TURN_KEYS = ("generate", "stop_token_ids", "inject", "tool")

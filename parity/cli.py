@@ -177,6 +177,10 @@ def _report_arguments(parser: argparse.ArgumentParser) -> None:
                         help="score the tokens with the float64 gold forward too and say which side is "
                              "farther from it (--no-gold: never; default: when it costs under a second or "
                              "at most 20%% of the run's time)")
+    parser.add_argument("--lora", metavar="PATH",
+                        help="a LoRA adapter on top of the model (a peft adapter directory or a built-in "
+                             "adapter such as tiny-llama-lora-r8); compare: the backend and the training "
+                             "forward apply it; score: for rollouts that do not record theirs")
     parser.add_argument("--json", type=Path, metavar="OUT", help="write the report as JSON to OUT")
     parser.add_argument("--html", type=Path, metavar="OUT", help="write the HTML report to OUT")
     parser.add_argument("--worst", type=_count, default=5, metavar="K",
@@ -200,7 +204,7 @@ def _compare(args: argparse.Namespace) -> int:
         report = compare(args.model, args.backend, case=args.case, dtype=args.dtype, reference=args.reference,
                          router_replay=args.router_replay, device=args.device,
                          attribute=tuple(args.attribute or ()), record=args.record, tensor_parallel=args.tp,
-                         gold=args.gold, **dict(map(parse_option, args.option)))
+                         gold=args.gold, lora=args.lora, **dict(map(parse_option, args.option)))
     except OutputError as e:
         if e.report is None:
             raise
@@ -229,7 +233,8 @@ def _score(args: argparse.Namespace) -> int:
     report = score(args.source, args.model, trainer_logprobs=FROM_DUMP if args.trainer_logprobs else None,
                    backend=args.backend, sampling=sampling, logprobs_mode=args.logprobs_mode,
                    dtype=args.dtype, reference=args.reference, router_replay=args.router_replay,
-                   device=args.device, attribute=tuple(args.attribute or ()), gold=args.gold)
+                   device=args.device, attribute=tuple(args.attribute or ()), gold=args.gold,
+                   lora=args.lora)
     return _report_out(report, args)
 
 

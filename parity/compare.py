@@ -16,13 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from parity.assess import check_gold, report_for, router_replay_options
-from parity.backends import BACKENDS, Backend, route_capture_options, shared_backend
+from parity.backends import BACKENDS, Backend, lora_options, route_capture_options, shared_backend
 from parity.backends import backend_options as backend_options_of
 from parity.backends.turns import generate
 from parity.cases import Case
 from parity.errors import ConfigError, OutputError
 from parity.matching import check_samples, match_requests
 from parity.models import model_limits, resolve_model
+from parity.models.lora import LoraSpec, check_adapter, check_without_tensor_parallel
 from parity.outputs import output_file
 from parity.prompts import Dataset, PromptSource
 from parity.provenance import provenance
@@ -54,6 +55,7 @@ def compare(
     record: str | os.PathLike[str] | None = None,
     tensor_parallel: int | None = None,
     gold: bool | None = None,
+    lora: str | os.PathLike[str] | None = None,
     **backend_options: Any,
 ) -> ParityReport:
     """Measure train/infer logprob parity of `backend` on `model`.
@@ -109,6 +111,11 @@ def compare(
         its estimated time is under a second or at most 20% of the row's sampling and
         training-forward time (`parity.engine.gold.decide`); `report.extras["gold"]` says whether it
         ran and why.
+    lora: a LoRA adapter on top of `model` (a peft adapter directory or a built-in adapter name,
+        `parity.models.lora`) that the backend and the training forward apply; None = the case's
+        `lora`, if any. Checked against the model before an engine starts; a backend that cannot
+        apply one (`parity.backends.lora_backends`), a running backend with another adapter,
+        tensor_parallel and attribute are ConfigErrors. The report's provenance records it.
     """
     # every argument is checked before an engine starts (vLLM takes ~40 s to start on CPU)
     if reference not in KERNEL_MODES:
@@ -125,6 +132,7 @@ def compare(
     limits_of_model = model_limits(model_arg)
     limits_of_model.check(
         the_case.requests, names=names, prefix="" if prompts is not None else f"case {the_case.name!r}: ")
+    spec = _check_lora(lora if lora is not None else the_case.lora, model_arg, tensor_parallel, attribute)
     dtype = check_dtype(dtype or (the_case.dtypes[0] if the_case.dtypes else "bfloat16"))
     name = backend if isinstance(backend, str) else getattr(backend, "name", "")
     given = tolerance if tolerance is not None else the_case.tolerance_for(name)
@@ -137,11 +145,12 @@ def compare(
     if record is not None:
         output_file(record, "record")
     if isinstance(backend, str):
-        backend_options = {**route_capture_options(backend, router_replay), **backend_options}
+        adapter = lora_options(backend, None if spec is None else str(spec.path))
+        backend_options = {**route_capture_options(backend, router_replay), **adapter, **backend_options}
         if tensor_parallel is not None:
             backend_options["tensor_parallel_size"] = tensor_parallel
         backend_options = _place(backend, device, backend_options)
-    engine = _resolve_backend(backend, model_arg, dtype, backend_options, device)
+    engine = _resolve_backend(backend, model_arg, dtype, backend_options, device, spec)
 
     start = time.perf_counter()
     generated = generate(engine, the_case.requests)
@@ -151,14 +160,16 @@ def compare(
     if record is not None:  # written before scoring: the sampling is kept whatever happens next
         try:
             write_record(record, the_case.requests, rollouts, model=model_arg,
-                         meta={"case": the_case.name, "case_hash": the_case.hash})
+                         meta={"case": the_case.name, "case_hash": the_case.hash,
+                               **({} if spec is None else {"lora": spec.to_dict()})})
         except OSError as e:
             record_failure = f"record {record}: could not be written ({e.strerror or e})"
     prov = provenance(model_arg, backend=engine.name, backend_meta=dict(engine.meta), dtype=dtype,
                       device=device, backend_device=engine.meta.get("device"), reference=reference,
                       router_replay=router_replay, seeds=[r.sampling.seed for r in the_case.requests],
                       case=the_case.name, case_hash=the_case.hash,
-                      rollout_logprobs=f"sampled here by backend {engine.name!r}")
+                      rollout_logprobs=f"sampled here by backend {engine.name!r}",
+                      lora=None if spec is None else spec.to_dict())
     train_tp: dict[str, Any] = {}
     if tensor_parallel is not None and engine.meta.get("reduction_groups") is None:
         # a backend of its own tensor parallelism (vLLM's): the training forward runs parity's
@@ -172,10 +183,25 @@ def compare(
     report = report_for(model_arg, rollouts, dtype=dtype, device=device, reference=reference,
                         router_replay=router_replay, tolerance=limits, provenance=prov,
                         correction=correction, attribute=attribute, gold=gold,
-                        elapsed=time.perf_counter() - start, **train_tp)
+                        elapsed=time.perf_counter() - start,
+                        lora=None if spec is None else spec.path, **train_tp)
     if record_failure is not None:
         raise OutputError(record_failure, report=report)
     return report
+
+
+def _check_lora(lora: str | os.PathLike[str] | None, model: str, tensor_parallel: int | None,
+                attribute: Sequence[str]) -> LoraSpec | None:
+    """The adapter checked against the model (`check_adapter`, files only) and against the other
+    arguments, before an engine starts; None without one."""
+    if lora is None:
+        return None
+    spec = check_adapter(lora, model)
+    check_without_tensor_parallel(tensor_parallel, "tensor_parallel (--tp)")
+    if attribute:
+        raise ConfigError("attribute does not run with a LoRA adapter yet; drop attribute (--attribute) or "
+                          "lora")
+    return spec
 
 
 def _place(backend: str, device: str, options: dict[str, Any]) -> dict[str, Any]:
@@ -217,7 +243,7 @@ def _check_axes(attribute: Sequence[str]) -> None:
 
 
 def _resolve_backend(backend: str | Backend, model: str, dtype: str, options: dict[str, Any],
-                     device: str) -> Backend:
+                     device: str, lora: LoraSpec | None) -> Backend:
     if isinstance(backend, Backend):
         if Path(resolve_model(model)).resolve() != Path(backend.model_path).resolve():
             raise ConfigError(f"the running backend serves {backend.model_path}, not model {model!r}; "
@@ -228,6 +254,11 @@ def _resolve_backend(backend: str | Backend, model: str, dtype: str, options: di
         if backend.dtype != dtype:
             raise ConfigError(f"the running backend uses dtype {backend.dtype!r} but dtype={dtype!r} was "
                               "asked for; start the backend with the same dtype or leave dtype unset")
+        running = (backend.meta.get("lora") or {}).get("hash")
+        if running != (None if lora is None else lora.hash):
+            wanted = "no adapter" if lora is None else f"adapter {str(lora.path)!r} (hash {lora.hash})"
+            raise ConfigError(f"the running backend applies LoRA adapter {running or 'none'}, not {wanted}; "
+                              "start the backend with the same adapter")
         placed = backend.meta.get("device")
         if "device" in backend.option_names() and placed is not None and \
                 torch_device_type(placed) != torch_device_type(device):

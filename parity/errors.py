@@ -25,6 +25,11 @@ class InputError(ParityError, ValueError):
     """Input data (token ids, logprob arrays, masks, routes, dumps) is malformed."""
 
 
+class AdapterError(ConfigError):
+    """A LoRA adapter that parity cannot apply to the model: a missing file, another base model's
+    modules or shapes, an unsupported target module or peft option; the message names which."""
+
+
 class ModelNotFoundError(ParityError, LookupError):
     """A model argument is neither a built-in checkpoint name nor a local HF checkpoint path."""
 

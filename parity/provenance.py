@@ -1,6 +1,6 @@
 """A report's provenance: what produced its numbers, so two reports can be told apart and a run
 reproduced (package versions, backend and its settings, model name and hash, dtype, the devices
-of both sides, seeds, case, machine, and where each side's logprobs came from)."""
+of both sides, seeds, case, machine, the LoRA adapter, and where each side's logprobs came from)."""
 
 from __future__ import annotations
 
@@ -24,12 +24,13 @@ TRAIN_COMPUTED = "computed here by the training forward"
 def provenance(model: str | None, *, backend: str, backend_meta: dict[str, Any], dtype: str, device: str,
                reference: str, router_replay: str | None, seeds: list[int | None], case: str, case_hash: str,
                rollout_logprobs: str, train_logprobs: str = TRAIN_COMPUTED,
-               backend_device: str | None = None) -> dict[str, Any]:
+               backend_device: str | None = None, lora: dict[str, Any] | None = None) -> dict[str, Any]:
     """A report's provenance: the versions, the model (name or path, and hash; None when no
     model was given), the settings and the machine, and where each side's logprobs came from.
 
     device: where the training forward ran; backend_device: where the rollouts were sampled
-    (None: not known here, e.g. a dump from another cluster)."""
+    (None: not known here, e.g. a dump from another cluster); lora: the LoRA adapter both sides
+    applied (`LoraSpec.to_dict()`), None for the base model."""
     versions = {"parity": VERSION}
     for dist in _VERSIONED:
         try:
@@ -43,6 +44,7 @@ def provenance(model: str | None, *, backend: str, backend_meta: dict[str, Any],
         "backend_meta": backend_meta,
         "model": model if model is None or is_model_name(model) else str(path),
         "model_hash": None if path is None else model_hash(path),
+        "lora": lora,
         "dtype": dtype,
         "device": device,
         "train_device": device,

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from parity.backends import Backend, get_backend, parse_option
+from parity.backends import Backend, get_backend, lora_options, parse_option
 from parity.backends.turns import generate
 from parity.errors import EXIT_INTERRUPTED, ConfigError, InputError, ParityError, report_error
 from parity.matching import check_answer
@@ -127,11 +127,13 @@ def _unique_ids(requests: Sequence[Request]) -> None:
 
 
 def replay_main(argv: Sequence[str] | None = None) -> int:
-    """`parity replay RECORD --backend NAME [--model M] [--dtype D] [--option K=V ...] [--out PATH]`.
+    """`parity replay RECORD --backend NAME [--model M] [--lora PATH] [--dtype D] [--option K=V ...]
+    [--out PATH]`.
 
     Writes a record with the original requests and rollouts plus the new backend's rollouts
     (default: RECORD with `.NAME` before the suffix; checked before any backend starts) and
-    prints its path. Returns 0, or 2 on
+    prints its path. The backend applies `--lora`, else the LoRA adapter the record names (the
+    one `compare --record` sampled with), else none. Returns 0, or 2 on
     any error (one line on stderr; the traceback with --verbose), 130 on Ctrl-C.
     """
     parser = argparse.ArgumentParser(prog="parity replay", description=replay_main.__doc__)
@@ -142,6 +144,9 @@ def replay_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                         help="backend option; VALUE is parsed as JSON when it can be")
     parser.add_argument("--out", type=Path, help="output record path")
+    parser.add_argument("--lora", metavar="PATH",
+                        help="a LoRA adapter the backend applies (peft directory or built-in adapter name); "
+                             "default: the record's")
     parser.add_argument("--verbose", action="store_true", help="print the traceback of an unexpected error")
     args = parser.parse_args(argv)
     try:
@@ -151,7 +156,8 @@ def replay_main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError("the record names no model; pass --model")
         out = args.out or args.record.with_suffix(f".{args.backend}{args.record.suffix}")
         output_file(out, "--out")
-        options = dict(map(parse_option, args.option))
+        lora = args.lora or (record.meta.get("lora") or {}).get("path")
+        options = {**lora_options(args.backend, lora), **dict(map(parse_option, args.option))}
         with get_backend(args.backend, model, dtype=args.dtype, **options) as backend:
             new = replay(record, backend)
         previous = [r for name, rs in record.rollouts.items() if name != args.backend for r in rs]

@@ -47,6 +47,12 @@ ROUTER_REPLAY_CHOICES: tuple[str, ...] = (NO_REPLAY, *REPLAY_MODES)
 #: rows of that backend).
 CASE_KINDS: tuple[str, ...] = ("compare", "lifecycle", "trajectory", "loop", "audit")
 
+#: the linear layers parity applies LoRA adapters to, by the last part of their module name: every
+#: attention and MLP projection of a dense model; on a MoE model the attention projections only
+#: (expert and router weights are not adapted).
+LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_MOE_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+
 #: default K groups of the tensor-parallel row-parallel sum (`reduction_groups`): every degree up to 8
 #: divides it. TP bits are equal across degrees only for the same value.
 REDUCTION_GROUPS = 8

@@ -32,6 +32,7 @@ from parity.assess import check_gold, report_for
 from parity.dumps import GivenSampling, check_logprobs, read_dump
 from parity.errors import ConfigError, InputError
 from parity.models import resolve_model
+from parity.models.lora import check_adapter
 from parity.provenance import TRAIN_COMPUTED, provenance
 from parity.record import RECORD_FORMAT, read_record
 from parity.report import ParityReport
@@ -92,7 +93,8 @@ def score(rollouts: Sequence[Rollout] | str | os.PathLike[str], model: str | os.
           sampling: GivenSampling = None, logprobs_mode: str = "processed", dtype: str | None = None,
           reference: str = "invariant", tolerance: Tolerance | dict[str, Any] | None = None,
           router_replay: str | None = None, device: str = "cpu", correction: dict[str, Any] | None = None,
-          attribute: Sequence[str] = (), gold: bool | None = None) -> ParityReport:
+          attribute: Sequence[str] = (), gold: bool | None = None,
+          lora: str | os.PathLike[str] | None = None) -> ParityReport:
     """Score rollouts produced elsewhere; the report `parity.compare` would build for them.
 
     rollouts: `Rollout`s, or the path of a record or dump (`read_source`; backend, sampling
@@ -105,6 +107,10 @@ def score(rollouts: Sequence[Rollout] | str | os.PathLike[str], model: str | os.
     dtype: of the training forward; None = the dtype every rollout's meta names, else bfloat16.
     tolerance: None = the default for the rollouts' backend name and the dtype; a dict overrides its
         fields.
+    lora: the LoRA adapter the rollouts were sampled with (directory or built-in name), for rollouts
+        that do not record one (dumps from outside parity); rollouts that record theirs (meta "lora",
+        written by every parity backend that applies one) are scored with it, and a contradicting
+        `lora` is a ConfigError.
     reference, router_replay, device, correction, attribute, gold: as in `parity.compare` (the
     default rule counts the training forward's time only: nothing was sampled here; with the
     trainer's logprobs given, gold=True runs the gold alone).
@@ -126,6 +132,10 @@ def score(rollouts: Sequence[Rollout] | str | os.PathLike[str], model: str | os.
         raise ConfigError("the rollouts name no model; pass model= (--model), the checkpoint to score with")
     if model_arg is not None:
         resolve_model(model_arg)
+    if lora is not None and model_arg is None:
+        raise ConfigError("lora applies to the model the rollouts are scored with; pass model= (--model)")
+    adapter = None if lora is None else check_adapter(lora, model_arg).to_dict()
+    recorded = next((r.meta["lora"] for r in source.rollouts if r.meta.get("lora")), None)
     dtype = check_dtype(dtype or _meta_dtype(source.rollouts) or DEFAULT_DTYPE)
     names = sorted({r.backend for r in source.rollouts})
     name = names[0] if len(names) == 1 else "+".join(names)
@@ -143,11 +153,12 @@ def score(rollouts: Sequence[Rollout] | str | os.PathLike[str], model: str | os.
         reference=reference, router_replay=router_replay,
         seeds=[r.sampling.seed if r.sampling is not None else None for r in source.rollouts],
         case=source.path.stem if source.kind != "rollouts" else "rollouts", case_hash=_rollouts_hash(source),
-        rollout_logprobs=f"from {where} (backend {name!r})", train_logprobs=train_side)
+        rollout_logprobs=f"from {where} (backend {name!r})", train_logprobs=train_side,
+        lora=adapter or recorded)
     prov["sampling_checked"] = theirs is None
     return report_for(model_arg, source.rollouts, dtype=dtype, device=device, reference=reference,
                       router_replay=router_replay, tolerance=limits, provenance=prov, correction=correction,
-                      attribute=attribute, train_logprobs=theirs, gold=gold)
+                      attribute=attribute, train_logprobs=theirs, gold=gold, lora=lora)
 
 
 def _trainer_logprobs(value: Sequence[Sequence[float]] | str | None,

@@ -207,6 +207,10 @@ def test_a_case_file_with_a_wrongly_typed_sampling_field_is_refused(tmp_path, li
     (lambda: EngineConfig(kernels=[1, "attention"]), "kernels"),
     (lambda: EngineConfig(kernels=None), "kernels"),
     (lambda: EngineConfig(kernels=[["attention"]]), "kernels"),
+    (lambda: EngineConfig(lora=3), "lora"),
+    (lambda: EngineConfig(lora="tiny-llama-lora-r8", tensor_parallel_size=2), "tensor parallelism"),
+    (lambda: NightlyConfig(cases="c", lora=["a"]), "--lora"),
+    (lambda: Case(name="c", model="tiny-llama", requests=(Request((3,)),), lora=5), "lora"),
     (lambda: CorrectionConfig.from_dict([("rollout_is", "token")]), "correction must be a table"),
     (lambda: CorrectionConfig(rollout_is=["token"]), "rollout_is"),
 ])

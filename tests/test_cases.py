@@ -14,7 +14,7 @@ from parity.tolerance import Tolerance
 
 CASES = Path(__file__).resolve().parent.parent / "cases"
 SHIPPED = ("smoke", "moe", "long-prompt", "sampling-sweep", "grpo-group", "shared-prefix", "fp16-vs-bf16",
-           "trained-chat", "lifecycle", "multi-turn-tool", "loop", "audit")
+           "trained-chat", "lifecycle", "multi-turn-tool", "loop", "audit", "lora")
 
 MINIMAL = """
 model = "tiny-llama"

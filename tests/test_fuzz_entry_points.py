@@ -152,6 +152,11 @@ def _engines_closed():
         close_shared_backend("reference", MODEL, dtype=dtype)
 
 
+#: values that are no LoRA adapter: junk, an empty or missing path, an unknown built-in name, a
+#: directory without adapter files.
+LORA = st.one_of(JUNK, st.sampled_from(["", "/no/such/adapter", "tiny-llama-lora-r9", "tests"]))
+
+
 VALID_PROMPTS = st.lists(
     st.one_of(st.lists(st.integers(3, 300), min_size=1, max_size=4), st.text("ab ", max_size=4)),
     min_size=1, max_size=2)
@@ -169,6 +174,7 @@ VALID_PROMPTS = st.lists(
         "backend": st.just("reference"),
         "correction": st.sampled_from([None, {"rollout_is": "sequence", "rollout_is_threshold": "0.5_2.0"},
                                        {"rollout_rs": "token_k1", "rollout_rs_threshold": 2.0}]),
+        "lora": st.sampled_from([None, "tiny-llama-lora-r8"]),
     },
     broken={
         "prompts": st.one_of(JUNK, st.lists(st.one_of(IDS, st.text(max_size=6)), max_size=3)),
@@ -184,6 +190,7 @@ VALID_PROMPTS = st.lists(
             st.sampled_from(["rollout_is", "rollout_is_threshold", "rollout_rs", "rollout_rs_threshold",
                              "x"]),
             st.one_of(SMALL, st.sampled_from(["token", "seq_mean_k3", "0.5_2.0", "2_1"])), max_size=3)),
+        "lora": LORA,
     }))
 def test_compare(kwargs):
     model, backend = MODEL, kwargs.pop("backend")
@@ -237,6 +244,7 @@ VALID_PAIRS = st.lists(st.tuples(st.lists(st.integers(3, 300), min_size=1, max_s
         "micro_batch_size": st.sampled_from([None, 1, 2]),
         "logprobs_mode": st.sampled_from([None, "raw", "processed"]),
         "dtype": st.just("float32"),
+        "lora": st.sampled_from([None, "tiny-llama-lora-r8"]),
     },
     broken={
         "sequences": st.one_of(JUNK, st.lists(st.one_of(st.tuples(IDS, IDS), st.lists(IDS, max_size=3), JUNK),
@@ -249,6 +257,7 @@ VALID_PAIRS = st.lists(st.tuples(st.lists(st.integers(3, 300), min_size=1, max_s
         "micro_batch_size": SMALL,
         "logprobs_mode": st.sampled_from(["x", 1]),
         "dtype": st.sampled_from(["float64", None]),
+        "lora": LORA,
     }))
 def test_train_forward(kwargs):
     sequences = kwargs.pop("sequences")

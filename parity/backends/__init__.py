@@ -9,6 +9,8 @@ from parity.backends.registry import (
     close_shared_backend,
     close_shared_backends,
     get_backend,
+    lora_backends,
+    lora_options,
     parse_option,
     prefix_cache_backends,
     prefix_cache_options,
@@ -19,6 +21,7 @@ from parity.backends.registry import (
 )
 
 __all__ = ["BACKENDS", "Backend", "available_backends", "backend_options", "close_dead_backends",
-           "close_shared_backend", "close_shared_backends", "get_backend", "parse_option",
+           "close_shared_backend", "close_shared_backends", "get_backend", "lora_backends",
+           "lora_options", "parse_option",
            "prefix_cache_backends", "prefix_cache_options", "route_capture_options",
            "route_recording_backends", "shared_backend", "weight_sync_missing"]

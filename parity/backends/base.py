@@ -24,6 +24,7 @@ from __future__ import annotations
 import abc
 import inspect
 import json
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,8 +32,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from parity.errors import BackendError, ConfigError, InputError, UnsupportedError
+from parity.errors import AdapterError, BackendError, ConfigError, InputError, UnsupportedError
 from parity.models import resolve_model
+from parity.models.lora import LoraSpec, check_adapter
 from parity.schema import LOGPROBS_MODES
 from parity.strict import check_choice, check_dtype
 from parity.types import Pair, Request, Rollout, SamplingParams, Sequences, as_pairs
@@ -160,6 +162,9 @@ class Backend(abc.ABC):
     #: whether `generate_uncached` keeps a request from reading the prefix cache (an adapter that
     #: can says so; without it, a backend with a prefix cache cannot run a request without it).
     bypasses_prefix_cache: ClassVar[bool] = False
+    #: set by `parity.backends.shared_backend` on the backends it shares (their state is not theirs to
+    #: change: `load_adapter` refuses).
+    shared: bool = False
 
     @classmethod
     def option_names(cls) -> list[str]:
@@ -213,6 +218,41 @@ class Backend(abc.ABC):
     def _score(self, pairs: list[Pair], sampling: SamplingParams) -> list[torch.Tensor]:
         """`score` on checked pairs; `sampling` holds the logprob definition (`logprobs_mode`,
         `temperature`, `top_k`, `top_p`), its other fields are defaults."""
+
+    def check_lora(self, lora: str | os.PathLike[str] | None) -> LoraSpec | None:
+        """The adapter `lora` checked against this backend's model before its engine starts
+        (`parity.models.lora.check_adapter`) and recorded in `meta["lora"]`; None stays None. Adapters
+        with a `lora` option call it first thing."""
+        if lora is None:
+            return None
+        spec = check_adapter(lora, self.model_path)
+        self.meta["lora"] = spec.to_dict()
+        return spec
+
+    def load_adapter(self, lora: str | os.PathLike[str]) -> LoraSpec:
+        """Apply LoRA adapter `lora` from the next call on, in place of the one the backend started
+        with (an RL step's new adapter: same rank and modules), checked against the model first;
+        `meta["lora"]`, and with it the rollouts, record the new one. Returns its spec.
+
+        Only on a backend started with an adapter, and not on one from `shared_backend`: that one
+        is shared under the options it started with, and a swap would hand other callers an
+        adapter they did not ask for (start one of your own with `get_backend`).
+        """
+        if "lora" not in self.meta:
+            raise AdapterError(f"backend {self.name!r} was started without a LoRA adapter; start it with "
+                               "lora= to swap adapters at run time")
+        if self.shared:
+            raise ConfigError(f"this {self.name!r} backend is shared (parity.backends.shared_backend) under "
+                              "the adapter it started with; swap adapters on a backend of your own "
+                              "(get_backend)")
+        spec = check_adapter(lora, self.model_path)
+        self._load_adapter(spec)
+        self.meta["lora"] = spec.to_dict()
+        return spec
+
+    def _load_adapter(self, spec: LoraSpec) -> None:
+        """`load_adapter` on a checked adapter; backends that apply adapters implement it."""
+        raise BackendError(f"backend {self.name!r} cannot swap LoRA adapters at run time")
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load new weights (HF parameter names) into the running backend."""

@@ -12,10 +12,15 @@ logits warpers. Translation facts:
 - `output_scores` are HF's processed scores (after temperature/top-k/top-p): their
   log_softmax is the processed logprob. `output_logits` are raw. Under greedy the scores are
   the raw logits; processed mode converts them to parity's point mass (0 per token).
+- A LoRA adapter (`lora`) runs through peft's `PeftModel`, the way a peft trainer runs it: adapter
+  weights in float32 (peft's default `autocast_adapter_dtype`), added unmerged to each base
+  layer's output in the order `parity.models.lora` documents. `load_adapter` loads the next one
+  under a new name, activates it and deletes the previous one.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -25,7 +30,8 @@ import transformers
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from parity.backends.base import Backend, SampleJob, expand_samples, processed_from_raw, stop_set
-from parity.errors import ConfigError
+from parity.errors import BackendUnavailableError, ConfigError
+from parity.models.lora import LoraSpec
 from parity.types import Pair, Request, Rollout, SamplingParams
 
 
@@ -48,21 +54,31 @@ class HFBackend(Backend):
     """`AutoModelForCausalLM.generate` on a local checkpoint.
 
     device: torch device for the model. attn_implementation: HF attention ("sdpa", "eager").
-    batch_size: samples per padded generate call.
+    batch_size: samples per padded generate call. lora: a LoRA adapter (directory or built-in
+    adapter name) applied through peft's `PeftModel` (needs the `peft` package).
     """
 
     name = "hf"
 
     def __init__(self, model: str | Path, *, dtype: str = "bfloat16", device: str = "cpu",
-                 attn_implementation: str = "sdpa", batch_size: int = 16) -> None:
+                 attn_implementation: str = "sdpa", batch_size: int = 16, lora: str | None = None) -> None:
         super().__init__(model, dtype=dtype)
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigError(f"hf option batch_size must be an integer >= 1, got {batch_size!r}")
+        spec = self.check_lora(lora)
+        if spec is not None and importlib.util.find_spec("peft") is None:
+            raise BackendUnavailableError("the hf backend applies LoRA adapters with peft: pip install "
+                                          '"parity-harness[lora]" (or pip install peft)')
         self.device = torch.device(device)
         self.batch_size = batch_size
         self._model = AutoModelForCausalLM.from_pretrained(
             str(self.model_path), dtype=getattr(torch, dtype), attn_implementation=attn_implementation,
         ).to(self.device).eval()
+        self._adapters = 0
+        if spec is not None:
+            from peft import PeftModel  # peft only for an adapter: the hf backend runs without it
+
+            self._model = PeftModel.from_pretrained(self._model, str(spec.path), adapter_name="a0").eval()
         config = self._model.config
         self.pad_id = config.pad_token_id if config.pad_token_id is not None else 0
         self.meta.update({
@@ -134,6 +150,16 @@ class HFBackend(Backend):
                     lp = steps.log_softmax(dim=-1)
                 result.append(lp.gather(-1, torch.tensor(response, dtype=torch.long)[:, None])[:, 0])
         return result
+
+    def _load_adapter(self, spec: LoraSpec) -> None:
+        """peft's `load_adapter` under a new name, `set_adapter` to it, the previous one deleted."""
+        previous = f"a{self._adapters}"
+        self._adapters += 1
+        name = f"a{self._adapters}"
+        self._model.load_adapter(str(spec.path), adapter_name=name)
+        self._model.set_adapter(name)
+        self._model.delete_adapter(previous)
+        self._model.eval()
 
     def close(self) -> None:
         self.__dict__.pop("_model", None)

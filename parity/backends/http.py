@@ -200,9 +200,10 @@ class HttpClient:
         """GET `route`; the answer as text (a Prometheus `/metrics` page)."""
         return self._one("GET", route, None, text=True)
 
-    def post(self, route: str, body: dict[str, Any] | None = None) -> Any:
-        """POST `body` as JSON to `route`; the decoded JSON answer (None for an empty one)."""
-        return self._one("POST", route, body)
+    def post(self, route: str, body: dict[str, Any] | None = None, *, text: bool = False) -> Any:
+        """POST `body` as JSON to `route`; the decoded JSON answer (None for an empty one), or with
+        `text` the answer's text (routes that answer in plain text, e.g. vLLM's LoRA endpoints)."""
+        return self._one("POST", route, body, text=text)
 
     def post_many(self, route: str, bodies: Sequence[dict[str, Any]], labels: Sequence[str]) -> list[Any]:
         """POST every body to `route` concurrently; answers in input order.
@@ -281,9 +282,8 @@ class HttpClient:
                     reason = f"connection failed ({type(e).__name__}{': ' + str(e) if str(e) else ''})"
                 else:
                     if response.status_code < 400:
-                        if text:
-                            return response.text
-                        return _json(response, f"{self.endpoint.public}{route} ({label})")
+                        where = f"{self.endpoint.public}{route} ({label})"
+                        return response.text if text else _json(response, where)
                     reason = f"HTTP {response.status_code}: {_detail(response)}"
                     if response.status_code not in RETRY_STATUSES:
                         if response.status_code < 500:

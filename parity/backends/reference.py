@@ -18,6 +18,7 @@ import torch
 from parity.backends.base import Backend
 from parity.engine import EngineConfig, ReferenceEngine, train_forward
 from parity.models.loading import tensor_digest
+from parity.models.lora import LoraSpec
 from parity.schema import VERSION
 from parity.types import Pair, Request, Rollout, SamplingParams
 
@@ -27,7 +28,7 @@ class ReferenceBackend(Backend):
 
     engine: `parity.engine.EngineConfig` settings besides dtype (device, kernels, max_num_seqs,
     chunk_size, record_routes, max_num_batched_tokens, graphs, tensor_parallel_size, tp_reduction,
-    reduction_groups);
+    reduction_groups, lora: a LoRA adapter the engine and `score` apply);
     an unknown one is a ConfigError.
     kernels "invariant" is the baseline, "native" (stock torch ops) the contrast; record_routes
     returns MoE routed experts per position.
@@ -44,6 +45,7 @@ class ReferenceBackend(Backend):
     def __init__(self, model: str | Path, *, dtype: str = "bfloat16", **engine: Any) -> None:
         super().__init__(model, dtype=dtype)
         self.config = EngineConfig(dtype=dtype).replace(**engine)
+        self.check_lora(self.config.lora)
         self._engine = ReferenceEngine(self.model_path, self.config)
         kernels, tp = self.config.kernels, self.config.tensor_parallel_size
         self.meta.update({
@@ -84,6 +86,10 @@ class ReferenceBackend(Backend):
         the HF model's)."""
         dtype = self._engine.lm.torch_dtype
         return {name: tensor_digest(tensor.to(dtype)) for name, tensor in named_tensors}
+
+    def _load_adapter(self, spec: LoraSpec) -> None:
+        """The engine's `load_adapter`: the new adapter's tensors written in place of the running one's."""
+        self._engine.load_adapter(spec)
 
     def close(self) -> None:
         self._engine.close()

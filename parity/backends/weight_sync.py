@@ -13,6 +13,14 @@ after a push (vLLM post-processes weights after loading, so the kernels kept the
 the adapter's `reload_weights` path passes on tiny-llama, with an exact restore. On
 tiny-qwen3-moe the same path fails: even reloading the original checkpoint leaves logprobs
 ~4.75 nats off (tests/test_backends_vllm.py keeps this as a strict xfail).
+
+LoRA RL pushes only the adapter each step, and its two silent bugs are the previous step's
+adapter still being applied (an engine that caches adapters by id and is handed a new directory
+under an old id) and a wrong `lora_alpha` scaling. `check_adapter_sync` scores fixed sequences
+on the backend and with the training forward under every hypothesis (the expected adapter, the
+previous one, no adapter, the expected weights at half and twice the scaling) and names the
+nearest: a backend is in sync when that is the expected adapter, within `tolerance`, and every
+other hypothesis is farther than `tolerance` (else the check cannot tell them apart and says so).
 """
 
 from __future__ import annotations
@@ -28,6 +36,12 @@ from safetensors.torch import load_file, save_file
 
 from parity.backends.base import Backend
 from parity.backends.registry import get_backend
+from parity.engine import train_forward
+from parity.models.lora import LoraSpec, check_adapter, rescaled
+
+#: the hypotheses `check_adapter_sync` tells apart, by name.
+EXPECTED, PREVIOUS, BASE, HALF_SCALING, DOUBLE_SCALING = ("expected", "previous", "no adapter",
+                                                          "scaling x0.5", "scaling x2")
 
 
 @dataclass(frozen=True)
@@ -95,3 +109,65 @@ def check_weight_sync(backend: Backend, sequences: Sequence[Sequence[int]], *, r
     return WeightSyncResult(max_abs_diff_new=float((after - expected).abs().max()),
                             mean_shift=float((after - before).abs().mean()), tolerance=tolerance,
                             max_abs_diff_restored=float((restored - before).abs().max()))
+
+
+@dataclass(frozen=True)
+class AdapterSyncResult:
+    """Outcome of `check_adapter_sync`.
+
+    distances: hypothesis -> mean |backend - training forward under it| over every scored token
+        (nats); hypotheses: `EXPECTED`, `PREVIOUS` (when a previous adapter was given), `BASE`,
+        `HALF_SCALING`, `DOUBLE_SCALING`.
+    nearest: the hypothesis the backend's scores are closest to.
+    verdict: "synced" (nearest is the expected adapter within `tolerance`, every other farther than
+        `tolerance`), "indistinguishable" (another hypothesis is within `tolerance` too: the check
+        cannot tell; make the adapters differ more), or the nearest wrong hypothesis's name (a
+        stale adapter, a wrong scaling, no adapter at all), or "unknown" (nothing within tolerance).
+    expected: the expected adapter's `LoraSpec.to_dict()`.
+    """
+
+    distances: dict[str, float]
+    nearest: str
+    verdict: str
+    tolerance: float
+    expected: dict[str, object]
+
+    @property
+    def passed(self) -> bool:
+        return self.verdict == "synced"
+
+
+def check_adapter_sync(backend: Backend, sequences: Sequence[tuple[Sequence[int], Sequence[int]]], *,
+                       expected: str | LoraSpec, previous: str | LoraSpec | None = None,
+                       tolerance: float = 0.05, reference_dtype: str = "float32",
+                       device: str = "cpu") -> AdapterSyncResult:
+    """Is `backend` applying adapter `expected` (after a swap from `previous`)? See the module doc.
+
+    sequences: (prompt_ids, response_ids) pairs, scored raw (log_softmax) on the backend and by the
+    training forward (`reference_dtype`, invariant kernels, on `device`) under each hypothesis.
+    tolerance: nats per token, the bound of "the same adapter" (above the backend's own noise:
+    vLLM-CPU bf16 against the fp32 forward is ~0.02 mean on the tiny models).
+    """
+    spec = expected if isinstance(expected, LoraSpec) else check_adapter(expected, backend.model_path)
+    hypotheses: dict[str, LoraSpec | None] = {EXPECTED: spec, BASE: None, HALF_SCALING: rescaled(spec, 0.5),
+                                              DOUBLE_SCALING: rescaled(spec, 2.0)}
+    if previous is not None:
+        hypotheses[PREVIOUS] = previous if isinstance(previous, LoraSpec) \
+            else check_adapter(previous, backend.model_path)
+    pairs = [(tuple(p), tuple(r)) for p, r in sequences]
+    got = torch.cat(backend.score(pairs)).float().cpu()
+    distances = {}
+    for name, lora in hypotheses.items():
+        want = torch.cat(train_forward(str(backend.model_path), pairs, dtype=reference_dtype, device=device,
+                                       logprobs_mode="raw", lora=lora).logprobs).cpu()
+        distances[name] = float((got - want).abs().mean())
+    nearest = min(distances, key=distances.__getitem__)
+    close = [name for name, d in distances.items() if d <= tolerance]
+    if nearest == EXPECTED and close == [EXPECTED]:
+        verdict = "synced"
+    elif nearest == EXPECTED and close:
+        verdict = "indistinguishable"
+    else:
+        verdict = nearest if close else "unknown"
+    return AdapterSyncResult(distances=distances, nearest=nearest, verdict=verdict, tolerance=tolerance,
+                             expected=spec.to_dict())

@@ -17,6 +17,7 @@ Steps of up to `max_num_seqs` tokens (all decode steps) replay CUDA graphs on a 
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -41,7 +42,16 @@ from parity.engine.train import train_forward
 from parity.errors import ConfigError, InputError, UnsupportedError
 from parity.kernels.attention import KVCache
 from parity.models import routing
-from parity.models.loading import LoadedModel, check_device, copy_model, load_model, tensor_digest
+from parity.models.loading import (
+    LoadedModel,
+    check_device,
+    copy_model,
+    load_model,
+    own_adapter,
+    swap_adapter,
+    tensor_digest,
+)
+from parity.models.lora import LoraSpec, check_without_tensor_parallel
 from parity.parallel import (
     REDUCTION_GROUPS,
     REDUCTIONS,
@@ -75,7 +85,9 @@ class EngineConfig:
     a contrast whose bits change with k); reduction_groups: the K groups of the canonical sum, a
     positive integer that k divides (default 8: every degree). The bits are the same at every k for
     one reduction_groups, not across values (each value is its own sum; rollouts record it in
-    `meta`); fewer groups run faster and allow fewer degrees (docs/PERF.md).
+    `meta`); fewer groups run faster and allow fewer degrees (docs/PERF.md);
+    lora: a LoRA adapter (peft directory or built-in adapter name, `parity.models.lora`) the model
+    applies, None for the base model; not with tensor parallelism.
     """
 
     dtype: str = "float32"
@@ -89,8 +101,16 @@ class EngineConfig:
     tensor_parallel_size: int | None = None
     tp_reduction: str = "canonical"
     reduction_groups: int = REDUCTION_GROUPS
+    lora: str | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.lora, os.PathLike):
+            object.__setattr__(self, "lora", os.fspath(self.lora))
+        if self.lora is not None and not isinstance(self.lora, str):
+            raise ConfigError(f"lora must be an adapter directory or a built-in adapter name, got "
+                              f"{self.lora!r}")
+        if self.lora is not None:
+            check_without_tensor_parallel(self.tensor_parallel_size, "tensor_parallel_size")
         check_dtype(self.dtype)
         check_device(self.device)
         if self.tensor_parallel_size is not None:
@@ -130,9 +150,10 @@ class ReferenceEngine:
         self._graphs: StepGraphs | None = None
         self._ranks: RankGroup | None = None
         self._private = False  # whether self.lm is this engine's own copy (after a weight update)
+        self._own_adapter = False  # whether its adapter's tensors are (after an adapter swap)
         if tp is None or (isinstance(model, LoadedModel) and model.tensor_parallel_size == tp
                           and model.reduction_groups == config.reduction_groups):
-            self.lm = load_model(model, dtype=config.dtype, device=config.device)
+            self.lm = load_model(model, dtype=config.dtype, device=config.device, lora=config.lora)
         elif tp == 1:
             self.lm = shard_model(model, Comm.single(), dtype=config.dtype, device=config.device,
                                   reduction=config.tp_reduction, reduction_groups=config.reduction_groups)
@@ -142,6 +163,21 @@ class ReferenceEngine:
             check_shardable(self.lm, tp)
             self._ranks = RankGroup(tp, torch.device(config.device).type,
                                     functools.partial(_rank_engine, str(self.lm.path), config))
+
+    def load_adapter(self, lora: str | os.PathLike[str] | LoraSpec) -> None:
+        """Apply another LoRA adapter of the same rank and modules from the next step on (an RL
+        step's new adapter, `parity.models.loading.swap_adapter`); its rollouts record it."""
+        previous = self.lm.lora
+        if not (self._private or self._own_adapter):
+            # the adapter's tensors of this engine's own (the base weights stay shared); graphs
+            # captured the shared ones
+            self.lm = own_adapter(self.lm)
+            self._own_adapter = True
+            self._cache = self._graphs = None
+        self.lm = swap_adapter(self.lm, lora)
+        self.config = self.config.replace(lora=str(self.lm.lora.path))
+        if previous is not None and previous.scaling != self.lm.lora.scaling:
+            self._cache = self._graphs = None  # captured graphs hold the scaling: capture again
 
     def __enter__(self) -> ReferenceEngine:
         return self
@@ -282,6 +318,8 @@ class ReferenceEngine:
         tp = config.tensor_parallel_size
         meta.update(tensor_parallel_size=tp, tp_reduction=None if tp is None else config.tp_reduction,
                     reduction_groups=None if tp is None else config.reduction_groups)
+        if self.lm.lora is not None:
+            meta["lora"] = self.lm.lora.to_dict()
         return Rollout(request_id=seq.request.request_id, sample_index=seq.sample_index,
                        prompt_ids=seq.request.prompt_ids, token_ids=tuple(seq.tokens),
                        logprobs=tuple(seq.logprobs), finish_reason=seq.finish_reason or "length",

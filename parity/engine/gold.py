@@ -15,6 +15,10 @@ dtype (`_exact`); for a float32 model the replacements compute what transformers
 inverse frequencies are recomputed in float64 for the default RoPE type; scaled types keep
 transformers' float32 frequencies, upcast (a relative 6e-8 per frequency).
 
+A LoRA adapter (the one the rollouts record, else `lora`, resolved as the training forward resolves
+it, `scoring_adapter`) is merged into the gold's weights in float64: W + scaling * B A, rounded
+once to the gold dtype.
+
 MoE routes are the gold's own: the model as it is decides its experts. A sequence whose rollout
 routes were replayed (R3) is scored by the gold under the routes its own router picks.
 
@@ -45,7 +49,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from parity.engine import sampler
 from parity.engine.inputs import check_length, check_positive_int, check_token_ids, kernel_scope
-from parity.engine.train import logprob_definitions, pairs_and_modes
+from parity.engine.train import logprob_definitions, pairs_and_modes, scoring_adapter
 from parity.errors import ConfigError, InputError
 from parity.models.checkpoints import resolve_model
 from parity.models.loading import (
@@ -54,6 +58,7 @@ from parity.models.loading import (
     LoadedModel,
     check_device,
 )
+from parity.models.lora import LoraSpec, adapter_deltas, check_adapter
 from parity.models.routing import ROUTERS
 from parity.strict import check_choice
 from parity.types import Rollout
@@ -121,7 +126,8 @@ def gold_logprobs(model: str | os.PathLike[str] | LoadedModel,
                   temperature: float | Sequence[float | None] | None = None,
                   top_k: int | Sequence[int | None] | None = None,
                   top_p: float | Sequence[float | None] | None = None,
-                  batch_tokens: int = BATCH_TOKENS) -> list[np.ndarray]:
+                  batch_tokens: int = BATCH_TOKENS,
+                  lora: str | os.PathLike[str] | LoraSpec | None = None) -> list[np.ndarray]:
     """Gold logprobs of each sequence's response tokens, float64 `[len(response)]` each, in input order.
 
     model: a built-in name or checkpoint directory (its weights read in the gold dtype), or a
@@ -133,6 +139,8 @@ def gold_logprobs(model: str | os.PathLike[str] | LoadedModel,
     device: "cpu" or a CUDA device; dtype: None for the device's gold dtype (`GOLD_DTYPES`), or
         "float64"/"float32" explicitly (a float32 gold on CPU is the float64 one's sanity check).
     batch_tokens: padded tokens per micro-batch (memory bound, not a numerical choice).
+    lora: a LoRA adapter for sequences that record none (`parity.engine.train.scoring_adapter`:
+        a recorded adapter wins, a contradicting one is a ConfigError); merged in the gold dtype.
     A token outside the gold's own top-k/top-p support (or, at temperature 0, not its argmax)
     gets -inf: the exact model would not have sampled it under that definition.
     """
@@ -142,7 +150,11 @@ def gold_logprobs(model: str | os.PathLike[str] | LoadedModel,
     batch_tokens = check_positive_int(batch_tokens, "batch_tokens")
     pairs, modes = pairs_and_modes(sequences, logprobs_mode)
     definitions = logprob_definitions(sequences, modes, temperature, top_k, top_p)
-    module = gold_model(model, dtype=dtype, device=device)
+    adapter = scoring_adapter(sequences, lora, model)
+    if adapter is not None and not isinstance(adapter, LoraSpec):
+        base = model.path if isinstance(model, LoadedModel) else resolve_model(model)
+        adapter = check_adapter(adapter, base)
+    module = gold_model(model, dtype=dtype, device=device, lora=adapter)
     for i, (prompt, response) in enumerate(pairs):
         where = f"sequences[{i}]"
         if not prompt:
@@ -248,11 +260,13 @@ _from_memory: weakref.WeakKeyDictionary[nn.Module, dict[tuple[str, str], PreTrai
     weakref.WeakKeyDictionary()
 
 
-def gold_model(model: str | os.PathLike[str] | LoadedModel, *, dtype: str, device: str) -> PreTrainedModel:
+def gold_model(model: str | os.PathLike[str] | LoadedModel, *, dtype: str, device: str,
+               lora: LoraSpec | None = None) -> PreTrainedModel:
     """The stock transformers model of `model` in `dtype` on `device`, with SDPA attention and the
-    float32 islands of transformers' code widened (`_exact`). A checkpoint is read once per
-    (path, dtype, device); a LoadedModel's gold copy is built once and takes its current weights
-    on every call (the weights of an RL policy move between calls)."""
+    float32 islands of transformers' code widened (`_exact`), and `lora` merged into its weights. A
+    checkpoint is read once per (path, dtype, device, adapter); a LoadedModel's gold copy is built
+    once and takes its current weights on every call (the weights of an RL policy move between
+    calls)."""
     torch_dtype = getattr(torch, dtype)
     if isinstance(model, LoadedModel):
         if model.tensor_parallel_size is not None:
@@ -269,9 +283,9 @@ def gold_model(model: str | os.PathLike[str] | LoadedModel, *, dtype: str, devic
             copies[(dtype, device)] = gold
         with torch.no_grad():
             gold.load_state_dict(model.model.state_dict())  # copy_ upcasts: the weights as they are now
-        return gold
+        return _merged(gold, lora)
     path = resolve_model(model)
-    key = (str(path.resolve()), dtype, device)
+    key = (str(path.resolve()), dtype, device, None if lora is None else lora.hash)
     if key not in _from_checkpoint:
         config = AutoConfig.from_pretrained(path)
         architectures = set(getattr(config, "architectures", None) or ())
@@ -280,8 +294,21 @@ def gold_model(model: str | os.PathLike[str] | LoadedModel, *, dtype: str, devic
                               f"gold forward supports {sorted(SUPPORTED_ARCHITECTURES)}")
         gold = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa",
                                                        experts_implementation="eager")
-        _from_checkpoint[key] = _exact(gold.to(device).eval(), os.fspath(model), path)
+        _from_checkpoint[key] = _merged(_exact(gold.to(device).eval(), os.fspath(model), path), lora)
     return _from_checkpoint[key]
+
+
+def _merged(module: PreTrainedModel, lora: LoraSpec | None) -> PreTrainedModel:
+    """`module` with the adapter's float64 updates added to its weights in place (one rounding to
+    the gold dtype; none in float64)."""
+    if lora is None:
+        return module
+    params = dict(module.named_parameters())
+    with torch.no_grad():
+        for name, delta in adapter_deltas(lora).items():
+            weight = params[name]
+            weight.copy_((weight.double() + torch.from_numpy(delta).to(weight.device)).to(weight.dtype))
+    return module
 
 
 def _exact(module: PreTrainedModel, name: str, path: os.PathLike[str]) -> PreTrainedModel:

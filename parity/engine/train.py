@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,10 +20,12 @@ import torch
 
 from parity.engine import forward, sampler
 from parity.engine.inputs import KernelMode, check_length, check_positive_int, check_token_ids, kernel_scope
-from parity.errors import ConfigError, InputError
+from parity.errors import AdapterError, ConfigError, InputError
 from parity.kernels.attention import KVCache
 from parity.models import routing
+from parity.models.checkpoints import resolve_model
 from parity.models.loading import LoadedModel, load_model
+from parity.models.lora import LoraSpec, check_adapter, check_without_tensor_parallel
 from parity.parallel import (
     REDUCTION_GROUPS,
     Comm,
@@ -174,6 +177,48 @@ def scoring_layout(sequences: Sequence[Any], tensor_parallel_size: int | None, t
     return 1 if tensor_parallel_size is None else tensor_parallel_size, reduction, groups
 
 
+def scoring_adapter(sequences: Sequence[Any], lora: str | os.PathLike[str] | LoraSpec | None,
+                    model: str | os.PathLike[str] | LoadedModel) -> str | os.PathLike[str] | LoraSpec | None:
+    """The LoRA adapter to score `sequences` with: the one their Rollouts record (meta "lora", as
+    every backend that applies one writes it), else `lora`, else the model's own (a LoadedModel's).
+
+    A given adapter (or a LoadedModel's) whose hash differs from the recorded one is a ConfigError
+    (scoring with another adapter measures the adapters' difference, not the backend's drift), as
+    is a recorded adapter that is no longer where it was sampled from, unchanged; rollouts with
+    and without a recorded adapter in one call are an InputError.
+    """
+    items = sequences if isinstance(sequences, (list, tuple)) else ()  # anything else: as_pairs' error
+    rollouts = [item for item in items if isinstance(item, Rollout)]
+    recorded = {(item.meta.get("lora") or {}).get("hash") for item in rollouts if "lora" in item.meta}
+    if not recorded:
+        return lora
+    if len(recorded) > 1 or len(rollouts) != sum("lora" in item.meta for item in rollouts):
+        raise InputError("the rollouts were sampled with different LoRA adapters (or some with one and some "
+                         "without); score the rollouts of each adapter in a call of their own")
+    (wanted,) = recorded
+    record = next(item.meta["lora"] for item in rollouts)
+    path = model.path if isinstance(model, LoadedModel) else resolve_model(model)
+    given = lora if lora is not None else getattr(model, "lora", None)
+    if given is not None:
+        spec = given if isinstance(given, LoraSpec) else check_adapter(given, path)
+        if spec.hash != wanted:
+            raise ConfigError(f"LoRA adapter {str(spec.path)!r} (hash {spec.hash}) contradicts the rollouts' "
+                              f"record: they were sampled with adapter {record.get('path')!r} (hash "
+                              f"{wanted}); leave lora unset to score them with the adapter they record")
+        return spec
+    try:
+        spec = check_adapter(record.get("path", ""), path)
+    except AdapterError as exc:
+        raise ConfigError(f"the rollouts were sampled with LoRA adapter {record.get('path')!r} (hash "
+                          f"{wanted}), which cannot be read here ({exc}); pass lora= (--lora) its "
+                          "directory") from exc
+    if spec.hash != wanted:
+        raise ConfigError(f"the rollouts were sampled with LoRA adapter {record.get('path')!r} (hash "
+                          f"{wanted}), but that directory now holds hash {spec.hash}; pass lora= (--lora) "
+                          "the adapter they were sampled with")
+    return spec
+
+
 def train_forward(model: str | LoadedModel,
                   sequences: Sequence[Rollout | tuple[Sequence[int], Sequence[int]]], *,
                   dtype: str = "float32", device: str = "cpu", kernels: KernelMode = "invariant",
@@ -187,6 +232,7 @@ def train_forward(model: str | LoadedModel,
                   routes: Sequence[Any] | None = None,
                   tensor_parallel_size: int | None = None, tp_reduction: str | None = None,
                   reduction_groups: int | None = None, grad: bool = False,
+                  lora: str | os.PathLike[str] | LoraSpec | None = None,
                   ) -> TrainResult:
     """Teacher-forced logprobs of each sequence's response tokens (`TrainResult.logprobs`).
 
@@ -220,6 +266,10 @@ def train_forward(model: str | LoadedModel,
     the gradient with respect to the model's parameters. The values are the same bits either way:
     the invariant kernels keep their forward and take the stock op's derivative
     (`parity.kernels.grad`). Not with tensor parallelism (the ranks run in other processes).
+    lora: a LoRA adapter (directory, built-in adapter name or `LoraSpec`) applied to a model given
+    by name or path (`parity.models.lora`); a LoadedModel applies its own. Rollouts that record
+    the adapter they were sampled with are scored with it (`scoring_adapter`). Not with tensor
+    parallelism.
     """
     if not isinstance(grad, bool):
         raise ConfigError(f"grad must be True or False, got {grad!r}")
@@ -227,9 +277,12 @@ def train_forward(model: str | LoadedModel,
         sequences, tensor_parallel_size, tp_reduction, reduction_groups)
     if grad and tensor_parallel_size is not None:
         raise ConfigError("grad=True runs the model in this process; leave tensor_parallel_size unset")
+    lora = scoring_adapter(sequences, lora, model)
     options = dict(dtype=dtype, device=device, kernels=kernels, micro_batch_size=micro_batch_size,
                    layout=layout, logprobs_mode=logprobs_mode, temperature=temperature, top_k=top_k,
                    top_p=top_p, record_routes=record_routes, router_replay=router_replay, routes=routes)
+    if lora is not None or getattr(model, "lora", None) is not None:
+        check_without_tensor_parallel(tensor_parallel_size, "tensor_parallel_size")
     if tensor_parallel_size is not None:
         tp = check_degree(tensor_parallel_size)
         groups = check_reduction_groups(reduction_groups, tp)
@@ -244,7 +297,7 @@ def train_forward(model: str | LoadedModel,
                     return ranks.call("run", list(sequences), options)
             model = shard_model(model, Comm.single(), dtype=dtype, device=device, reduction=tp_reduction,
                                 reduction_groups=groups)
-    lm = load_model(model, dtype=dtype, device=device)
+    lm = load_model(model, dtype=dtype, device=device, lora=lora)
     if layout not in LAYOUTS:
         raise ConfigError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     pairs, modes = pairs_and_modes(sequences, logprobs_mode)

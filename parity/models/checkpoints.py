@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from parity.errors import ModelNotFoundError
@@ -295,6 +296,14 @@ def resolve_model(model: str | os.PathLike[str]) -> Path:
         f"model {text!r} is not a model name and {why}; use one of "
         f"{', '.join(model_names())} or the path of a local HF checkpoint directory"
     )
+
+
+def safetensors_shapes(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """tensor name -> (dtype, shape) of a safetensors file, read from its header (no tensor data, no
+    torch: bf16 files too); SafetensorError or OSError when it is not one."""
+    with safe_open(str(path), framework="numpy") as f:
+        return {name: (f.get_slice(name).get_dtype(), tuple(f.get_slice(name).get_shape()))
+                for name in f.keys()}  # noqa: SIM118  (a safe_open handle is not a dict)
 
 
 def model_hash(path: str | os.PathLike[str]) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import os
 import sys
 import types
@@ -18,14 +19,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from parity.errors import ConfigError
+from parity.errors import AdapterError, ConfigError
 from parity.kernels import ops, prepare
 from parity.kernels.attention import ATTENTION_NAME
 from parity.kernels.moe import experts_forward
 from parity.models.checkpoints import is_model_name, model_hash, resolve_model
+from parity.models.lora import ADAPTER_WEIGHTS, LoraSpec, check_adapter, check_without_tensor_parallel
 from parity.models.routing import ROUTERS, patch_router
 from parity.schema import DTYPES
 from parity.strict import check_dtype
@@ -50,6 +53,7 @@ class LoadedModel:
     k-way tensor-parallel group (`parity.parallel.shard_model`), whose config then holds this
     rank's head counts; tp_reduction: that shard's row-parallel sum ("canonical" or "all_reduce");
     reduction_groups: that sum's K groups (None for the whole model).
+    lora: the LoRA adapter its linear layers apply (`parity.models.lora`), None for the base model.
     """
 
     model: nn.Module
@@ -70,20 +74,47 @@ class LoadedModel:
     tensor_parallel_rank: int = 0
     tp_reduction: str = "canonical"
     reduction_groups: int | None = None
+    lora: LoraSpec | None = None
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return TORCH_DTYPES[self.dtype]
 
 
-_loaded: dict[tuple[str, str, str], LoadedModel] = {}
+#: (checkpoint path, dtype, device, adapter hash or None) -> the loaded model.
+_loaded: dict[tuple[str, str, str, str | None], LoadedModel] = {}
+
+
+@dataclass(frozen=True, eq=False)
+class LoraWeights:
+    """One layer's LoRA adapter: a [r, in] and b [out, r], float32 on the layer's device, and the
+    factor of their product (`LoraSpec.scaling`)."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    scaling: float
+
+
+def lora_delta(x: torch.Tensor, lora: LoraWeights) -> torch.Tensor:
+    """An adapter's contribution to a layer's output, float32 `[..., out]` for x `[..., in]`:
+    (x A^T) B^T times the scaling, both products through the linear route (`ops.linear`, so as
+    batch-invariant as the base product) on x upcast to float32 (exact), as peft computes it."""
+    return ops.linear(ops.linear(x.to(torch.float32), lora.a), lora.b) * lora.scaling
 
 
 class ParityLinear(nn.Linear):
-    """nn.Linear whose product runs through `ops.linear` (family "matmul")."""
+    """nn.Linear whose product runs through `ops.linear` (family "matmul"), plus its LoRA adapter's
+    contribution when one is attached (`parity_lora`), in the one order `parity.models.lora` documents."""
+
+    parity_lora: LoraWeights | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight, self.bias)
+        out = ops.linear(x, self.weight, self.bias)
+        if self.parity_lora is None:
+            return out
+        # peft's order: the base output in the layer's dtype, the float32 contribution added to it
+        # in float32, one rounding of the sum to the layer's dtype
+        return (out.to(torch.float32) + lora_delta(x, self.parity_lora)).to(out.dtype)
 
 
 class ParityActivation(nn.Module):
@@ -210,16 +241,27 @@ def adopt_model(hf: nn.Module, path: Path, dtype: str, device: str, name: str | 
 
 
 def load_model(model: str | os.PathLike[str] | LoadedModel, dtype: str = "float32",
-               device: str = "cpu") -> LoadedModel:
-    """A built-in name, a local HF checkpoint path or a LoadedModel -> patched LoadedModel (cached)."""
+               device: str = "cpu", lora: str | os.PathLike[str] | LoraSpec | None = None) -> LoadedModel:
+    """A built-in name, a local HF checkpoint path or a LoadedModel -> patched LoadedModel (cached).
+
+    lora: a LoRA adapter (directory, built-in adapter name or checked `LoraSpec`) its linear layers
+    apply, checked against the checkpoint first (`parity.models.lora.check_adapter`). A LoadedModel
+    keeps its own adapter when lora is None, also at another dtype or device.
+    """
     check_dtype(dtype)
     check_device(device)
     if isinstance(model, LoadedModel):
-        if model.dtype == dtype and model.device == str(device):
+        if lora is None:
+            lora = model.lora
+        same = _same_adapter(model.lora, lora, model.path)
+        if model.dtype == dtype and model.device == str(device) and same:
             return model
+        if lora is not None:
+            check_without_tensor_parallel(model.tensor_parallel_size, "tensor_parallel_size")
         model = model.path
     path = resolve_model(model)
-    key = (str(path.resolve()), dtype, str(device))
+    spec = _adapter(lora, path)
+    key = (str(path.resolve()), dtype, str(device), None if spec is None else spec.hash)
     if key in _loaded:
         return _loaded[key]
 
@@ -233,6 +275,9 @@ def load_model(model: str | os.PathLike[str] | LoadedModel, dtype: str = "float3
     hf.to(device)
     name = os.fspath(model)
     loaded = adopt_model(hf, path, dtype, device, name=name if is_model_name(name) else path.name)
+    if spec is not None:
+        loaded = dataclasses.replace(loaded, lora=spec)
+        _attach(loaded.model, spec, device)
     _loaded[key] = loaded
     return loaded
 
@@ -264,3 +309,69 @@ def tensor_digest(tensor: torch.Tensor) -> str:
 
 #: words per step of `tensor_digest` (bounds its int64 temporaries to 128 MiB each).
 _DIGEST_CHUNK = 1 << 24
+
+
+def _adapter(lora: str | os.PathLike[str] | LoraSpec | None, path: Path) -> LoraSpec | None:
+    """`lora` checked against checkpoint `path` (a LoraSpec is taken as checked), or None."""
+    if lora is None or isinstance(lora, LoraSpec):
+        return lora
+    return check_adapter(lora, path)
+
+
+def _same_adapter(current: LoraSpec | None, wanted: str | os.PathLike[str] | LoraSpec | None,
+                  path: Path) -> bool:
+    spec = _adapter(wanted, path)
+    return (current is None) == (spec is None) and (spec is None or current.hash == spec.hash)
+
+
+def _attach(hf: nn.Module, spec: LoraSpec, device: str) -> None:
+    """Give every module `spec` adapts its `LoraWeights` (float32, on `device`)."""
+    tensors = load_file(str(spec.path / ADAPTER_WEIGHTS))
+    for name in spec.modules:
+        module = hf.get_submodule(name)
+        if not isinstance(module, ParityLinear):
+            raise AdapterError(f"adapter {str(spec.path)!r}: {name!r} is a {type(module).__name__}, not a "
+                               "linear layer parity can adapt")
+        prefix = f"base_model.model.{name}"
+        with torch.inference_mode(False):  # usable by autograd code too, like the weights
+            module.parity_lora = LoraWeights(
+                a=tensors[f"{prefix}.lora_A.weight"].to(device=device, dtype=torch.float32),
+                b=tensors[f"{prefix}.lora_B.weight"].to(device=device, dtype=torch.float32),
+                scaling=spec.scaling)
+
+
+def own_adapter(lm: LoadedModel) -> LoadedModel:
+    """`lm` with a module tree of its own that shares every parameter and buffer with `lm`'s but
+    holds its own copy of the adapter's tensors: a model whose adapter can be swapped
+    (`swap_adapter`) without changing load_model's shared one, at the cost of the adapter alone."""
+    shared = {id(t): t for t in itertools.chain(lm.model.parameters(), lm.model.buffers())}
+    return dataclasses.replace(lm, model=copy.deepcopy(lm.model, memo=shared))
+
+
+def swap_adapter(lm: LoadedModel, lora: str | os.PathLike[str] | LoraSpec) -> LoadedModel:
+    """`lm` applying another adapter of the same rank and modules (an RL step's new adapter),
+    written in place into the tensors it applies now, so CUDA graphs captured with them stay
+    valid unless the scaling changed (graphs hold it as a constant: recapture then). The returned
+    LoadedModel replaces `lm`, whose `lora` no longer describes its weights. `lm` must be a model
+    of the caller's own (`own_adapter`, `copy_model`), not load_model's shared one. AdapterError
+    when `lm` has no adapter or the new one has another rank or other modules."""
+    spec = _adapter(lora, lm.path)
+    old = lm.lora
+    if old is None or spec is None:
+        raise AdapterError("swap_adapter: the model was loaded without a LoRA adapter; load it with lora= "
+                           "to swap adapters at run time")
+    if any(value is lm for value in _loaded.values()):
+        raise AdapterError("swap_adapter: this model is load_model's shared one; swap on own_adapter(model)")
+    if (spec.rank, spec.modules) != (old.rank, old.modules):
+        raise AdapterError(f"swap_adapter: adapter {str(spec.path)!r} has rank {spec.rank} on "
+                           f"{len(spec.modules)} modules; the running one has rank {old.rank} on "
+                           f"{len(old.modules)}: a new rank or new modules need a new engine")
+    tensors = load_file(str(spec.path / ADAPTER_WEIGHTS))
+    with torch.no_grad():
+        for name in spec.modules:
+            module = lm.model.get_submodule(name)
+            prefix = f"base_model.model.{name}"
+            module.parity_lora.a.copy_(tensors[f"{prefix}.lora_A.weight"])
+            module.parity_lora.b.copy_(tensors[f"{prefix}.lora_B.weight"])
+            module.parity_lora = dataclasses.replace(module.parity_lora, scaling=spec.scaling)
+    return dataclasses.replace(lm, lora=spec)

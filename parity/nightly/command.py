@@ -22,7 +22,7 @@ from parity.schema import KERNEL_MODES
 
 #: options that define the matrix; a resumed run takes them from the history instead.
 _MATRIX_OPTIONS = ("cases", "backends", "dtypes", "baseline", "alpha", "min_effect", "reference", "device",
-                   "gold")
+                   "gold", "lora")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gold", action=argparse.BooleanOptionalAction,
                    help="score every row's tokens with the gold forward too (--no-gold: none; default: the "
                         "rows where it costs under a second or at most 20%% of the row's time)")
+    p.add_argument("--lora", metavar="PATH",
+                   help="a LoRA adapter every case runs with (a peft adapter directory or a built-in adapter "
+                        "name); default: each case's own `lora`, if any")
     p.add_argument("--executor", choices=EXECUTORS, default="local",
                    help="local: rows one after another in this process (default); ray: rows on the "
                         "actors of a Ray cluster, this process keeps the history")
@@ -104,6 +107,7 @@ def config_from_args(args: argparse.Namespace) -> NightlyConfig:
         reference=args.reference or "invariant", device=args.device or "cpu", gold=args.gold,
         executor=args.executor, ray_address=args.ray_address, ray_cpus=args.ray_cpus,
         engine_memory_gib=args.engine_memory,
+        lora=args.lora,
     )
 
 

@@ -25,6 +25,7 @@ import numpy as np
 from parity.backends import (
     close_dead_backends,
     close_shared_backend,
+    lora_options,
     prefix_cache_options,
     route_capture_options,
     shared_backend,
@@ -66,7 +67,8 @@ def tensor_parallel(key: RowKey, case: Case) -> int | None:
 def engine_options(key: RowKey, case: Case, device: str) -> dict[str, Any]:
     """The `shared_backend` options of a row: prefix caching for a prefix-cache variant, route
     capture for a replay mode that needs it, the device for backends that take one (only when it
-    is not the CPU default, so CPU rows share today's engines), the tensor-parallel degree."""
+    is not the CPU default, so CPU rows share today's engines), the tensor-parallel degree, the
+    case's LoRA adapter (a backend that cannot apply one: an AdapterError, so an error row)."""
     if key.router_replay.startswith(PREFIX_CACHE):
         options = prefix_cache_options(key.backend, key.router_replay == prefix_cache_variant(True))
     else:
@@ -77,6 +79,7 @@ def engine_options(key: RowKey, case: Case, device: str) -> dict[str, Any]:
     tp = tensor_parallel(key, case)
     if tp is not None:
         options["tensor_parallel_size"] = tp
+    options.update(lora_options(key.backend, case.lora))
     return options
 
 

@@ -28,9 +28,16 @@ from typing import Any
 
 from tqdm import tqdm
 
-from parity.backends import BACKENDS, available_backends, prefix_cache_backends, route_recording_backends
+from parity.backends import (
+    BACKENDS,
+    available_backends,
+    lora_backends,
+    prefix_cache_backends,
+    route_recording_backends,
+)
 from parity.cases import Case, load_cases
-from parity.errors import ConfigError
+from parity.errors import ConfigError, ParityError
+from parity.models.lora import check_adapter
 from parity.nightly.engines import engine_order
 from parity.nightly.environment import collect_environment
 from parity.nightly.execute import PREFIX_CACHE as _PREFIX_CACHE
@@ -78,6 +85,7 @@ class NightlyConfig:
         executor holds one engine at a time.
     gold: run the gold forward in every compare row (True), in none (False), or where it costs
         under a second or at most 20% of the row's time (None; `parity.compare`'s `gold`).
+    lora: a LoRA adapter every case runs with (`with_lora`); None = each case's own `lora`.
     """
 
     cases: str
@@ -95,6 +103,7 @@ class NightlyConfig:
     ray_cpus: int | None = None
     engine_memory_gib: float | None = None
     gold: bool | None = None
+    lora: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.cases, str):
@@ -108,7 +117,8 @@ class NightlyConfig:
             if not isinstance(value, (str, os.PathLike)) and not (option == "--history" and value is None):
                 raise ConfigError(f"{option} must be a path, got {value!r}")
         for option, value in (("--run-id", self.run_id), ("--baseline", self.baseline),
-                              ("--reference", self.reference), ("--ray-address", self.ray_address)):
+                              ("--reference", self.reference), ("--ray-address", self.ray_address),
+                              ("--lora", self.lora)):
             if value is not None and not isinstance(value, str):
                 raise ConfigError(f"{option} must be a string, got {value!r}")
         if not isinstance(self.policy, RegressionPolicy):
@@ -160,7 +170,7 @@ class NightlyConfig:
         """The options that define the matrix and the verdicts, stored with the run for `--resume`."""
         return {"cases": self.cases, "backends": list(self.backends), "dtypes": list(self.dtypes),
                 "baseline": self.baseline, "reference": self.reference, "device": self.device,
-                "gold": self.gold, **asdict(self.policy)}
+                "gold": self.gold, "lora": self.lora, **asdict(self.policy)}
 
     @classmethod
     def from_record(cls, record: dict[str, Any], *, out: Path, history: Path | None, run_id: str,
@@ -170,6 +180,7 @@ class NightlyConfig:
         return cls(cases=record["cases"], backends=tuple(record["backends"]), dtypes=tuple(record["dtypes"]),
                    out=out, history=history, run_id=run_id, baseline=record["baseline"],
                    reference=record["reference"], device=record.get("device", "cpu"), gold=record.get("gold"),
+                   lora=record.get("lora"),
                    policy=RegressionPolicy(alpha=record["alpha"], min_effect=record["min_effect"]),
                    executor=executor, ray_address=ray_address, ray_cpus=ray_cpus,
                    engine_memory_gib=engine_memory_gib)
@@ -197,14 +208,16 @@ def plan(cases: list[Case], backends: tuple[str, ...],
     """The matrix in run order: case, router-replay variant, backend, dtype. A case that lists
     its backends runs only on those; R3 runs only on backends that can record routes (a backend
     without a `route_option` cannot feed R3, so its cell is left out rather than recorded as an
-    error no setting could fix); `dtypes` overrides every case's own dtypes."""
-    recording, switchable = route_recording_backends(), prefix_cache_backends()
+    error no setting could fix), and a case with a LoRA adapter only on backends that apply one
+    (`lora_backends`), for the same reason; `dtypes` overrides every case's own dtypes."""
+    recording, switchable, adapting = route_recording_backends(), prefix_cache_backends(), lora_backends()
     cells = []
     for case in sorted(cases, key=lambda c: c.kind != AUDIT):  # audits first: their noise judges the rest
         for variant in case.router_replay or [prefix_cache_variant(v) for v in case.prefix_caching] or ("",):
             for backend in backends:
                 if (case.backends and backend not in case.backends) or \
-                        (variant == "R3" and backend not in recording):
+                        (variant == "R3" and backend not in recording) or \
+                        (case.lora is not None and backend not in adapting):
                     continue
                 if variant.startswith(_PREFIX_CACHE) and backend not in switchable:
                     # no prefix cache to switch: one row, under the first setting's variant only
@@ -216,6 +229,24 @@ def plan(cases: list[Case], backends: tuple[str, ...],
                 for dtype in dtypes or case.dtypes:
                     cells.append((RowKey(case.name, backend, dtype, variant_here), case))
     return cells
+
+
+def with_lora(cases: list[Case], lora: str | None) -> list[Case]:
+    """`cases`, each running LoRA adapter `lora` (checked against its model before any row runs);
+    a case that names another adapter is a ConfigError. None leaves each case's own."""
+    if lora is None:
+        return cases
+    out = []
+    for case in cases:
+        if case.lora is not None and case.lora != lora:
+            raise ConfigError(f"--lora {lora!r}: case {case.name!r} names its own adapter {case.lora!r}; "
+                              "drop --lora or the case's lora")
+        try:
+            check_adapter(lora, case.model)
+        except ParityError as exc:
+            raise type(exc)(f"--lora: case {case.name!r}: {exc}") from exc
+        out.append(dataclasses.replace(case, lora=lora))
+    return out
 
 
 def new_run_id() -> str:
@@ -251,7 +282,7 @@ def run_nightly(config: NightlyConfig, *, progress: bool = True) -> NightlyRun:
     The outputs are checked before any row runs, and the run is claimed (`claim_run`) for as
     long as it runs. Ctrl-C raises `RunInterrupted` naming the run.
     """
-    cases = load_cases(config.cases)
+    cases = with_lora(load_cases(config.cases), config.lora)
     backends = resolve_backends(config.backends)
     cells = plan(cases, backends, config.dtypes)
     if config.baseline is not None and not config.history_path.is_file():

@@ -1,0 +1,314 @@
+"""LoRA adapters in peft's format: where one lives, what it changes, and whether it fits a model.
+
+An adapter is a directory holding `adapter_config.json` (peft's `LoraConfig`: `r`, `lora_alpha`,
+`target_modules`, `use_rslora`, ...) and `adapter_model.safetensors`: for each adapted linear
+layer `<module>` of the base model, `base_model.model.<module>.lora_A.weight` `[r, in]` and
+`...lora_B.weight` `[out, r]`. A built-in adapter's name (`parity.models.lora_builtins`) works
+wherever a directory does.
+
+What parity computes for an adapted layer `y = x W^T + b`, in this order (one order everywhere:
+the reference engine, the training forward, and peft's `lora.Linear.forward` with its default
+float32 adapter weights, which the `hf` backend runs, so a model with native kernels gives peft's
+bits):
+
+    base = linear(x, W, b)                        [..., out] in the model's dtype (the base route)
+    h    = linear(float32(x), A)                  [..., r]   float32
+    d    = linear(h, B)                           [..., out] float32
+    y    = dtype(float32(base) + d * scaling)     scaling = lora_alpha / r  (use_rslora: / sqrt(r))
+
+Each `linear` is `parity.kernels.ops.linear`, the route of the kernel switch, so with invariant
+kernels each row's adapter products are as batch-independent as its base product
+(`parity.models.loading.ParityLinear` applies it). A merged checkpoint (`merge_adapter`:
+W + scaling * B A, rounded once) is another model: its logprobs differ from the adapter's in the
+last bits (measured in docs/PERF.md).
+
+`check_adapter` validates an adapter against a checkpoint from files alone (the adapter's
+config, the safetensors headers of both), with no torch, before any engine starts: every
+adapted module must exist in the base with matching shapes (an adapter trained on another base
+model fails here), every target must be a projection parity applies adapters to (q/k/v/o and
+gate/up/down projections of dense models; attention projections only on MoE models, whose
+expert and router weights are not adapted), and no peft option that changes the computation
+beyond plain LoRA (DoRA, biases, per-module rank or alpha patterns, ...) may be on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors import SafetensorError
+from safetensors.numpy import load_file, save_file
+
+from parity.errors import AdapterError
+from parity.models.checkpoints import resolve_model, safetensors_shapes
+from parity.models.limits import checkpoint_config
+from parity.models.lora_builtins import builtin_adapter_names, builtin_adapter_path, is_builtin_adapter
+from parity.schema import LORA_MOE_TARGETS, LORA_TARGETS
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+#: peft config keys parity reads or that do not change the forward (initialization, bookkeeping);
+#: any other key with a value that is not off (None, False, "none", empty) is refused.
+_KNOWN_KEYS = frozenset({
+    "r", "lora_alpha", "target_modules", "use_rslora", "lora_dropout", "peft_type", "task_type",
+    "base_model_name_or_path", "revision", "inference_mode", "init_lora_weights", "auto_mapping",
+    "peft_version", "megatron_core", "qalora_group_size", "loftq_config", "corda_config", "eva_config",
+    "lora_ga_config", "ensure_weight_tying",
+})
+_PREFIX = "base_model.model."
+_SUFFIXES = {".lora_A.weight": "A", ".lora_B.weight": "B"}
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """A validated adapter: what it adapts and by how much.
+
+    path: the adapter directory. rank: `r`; alpha: `lora_alpha`; use_rslora: scaling by
+    sqrt(r) instead of r. modules: the base model's adapted module names, sorted (e.g.
+    "model.layers.0.self_attn.q_proj"). targets: their last name parts, sorted. base_model:
+    peft's `base_model_name_or_path` (recorded, not enforced: shapes decide). hash: sha256 of the
+    config and weight files, 16 hex digits (provenance; a changed adapter is a new hash).
+    """
+
+    path: Path
+    rank: int
+    alpha: float
+    use_rslora: bool
+    modules: tuple[str, ...]
+    targets: tuple[str, ...]
+    base_model: str | None
+    hash: str
+
+    @property
+    def scaling(self) -> float:
+        """The factor of the adapter's product: lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA."""
+        return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
+
+    def to_dict(self) -> dict[str, Any]:
+        """What reports and rollouts record about the adapter."""
+        return {"path": str(self.path), "hash": self.hash, "r": self.rank, "lora_alpha": self.alpha,
+                "use_rslora": self.use_rslora, "scaling": self.scaling, "target_modules": list(self.targets),
+                "modules": len(self.modules)}
+
+
+def resolve_adapter(lora: str | os.PathLike[str]) -> Path:
+    """A built-in adapter name (generated on first use) or an adapter directory -> its path;
+    AdapterError naming the missing file otherwise."""
+    if not isinstance(lora, (str, os.PathLike)):
+        raise AdapterError(f"lora must be an adapter directory or a built-in adapter name, got {lora!r}")
+    text = os.fspath(lora)
+    if is_builtin_adapter(text):
+        return builtin_adapter_path(text)
+    path = Path(text).expanduser()
+    if not path.is_dir():
+        raise AdapterError(f"lora {text!r} is not a directory nor a built-in adapter; give a peft adapter "
+                           f"directory ({ADAPTER_CONFIG} + {ADAPTER_WEIGHTS}) or one of "
+                           f"{', '.join(builtin_adapter_names())}")
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        if not (path / name).is_file():
+            other = " (a .bin adapter: save it with safe_serialization=True)" \
+                if name == ADAPTER_WEIGHTS and (path / "adapter_model.bin").is_file() else ""
+            raise AdapterError(f"lora {text!r} has no {name}{other}; a peft adapter directory holds "
+                               f"{ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}")
+    return path
+
+
+def safetensors_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """`safetensors_shapes` of `path`, AdapterError when it is not a safetensors file."""
+    try:
+        return safetensors_shapes(path)
+    except (OSError, ValueError, SafetensorError) as exc:
+        raise AdapterError(f"{path}: not a readable safetensors file ({exc})") from exc
+
+
+def checkpoint_linear_shapes(model_path: Path) -> dict[str, tuple[int, ...]]:
+    """module name -> weight shape [out, in] of every 2-D weight of a checkpoint's safetensors files."""
+    files = sorted(model_path.glob("*.safetensors"))
+    if not files:
+        raise AdapterError(f"model {str(model_path)!r} has no safetensors weights; parity checks an adapter "
+                           "against a safetensors checkpoint")
+    shapes = {}
+    for f in files:
+        for name, (_, shape) in safetensors_header(f).items():
+            if name.endswith(".weight") and len(shape) == 2:
+                shapes[name.removesuffix(".weight")] = shape
+    return shapes
+
+
+def _config(path: Path) -> dict[str, Any]:
+    where = path / ADAPTER_CONFIG
+    try:
+        config = json.loads(where.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise AdapterError(f"{where}: not a readable JSON file ({exc})") from exc
+    if not isinstance(config, dict):
+        raise AdapterError(f"{where}: must hold a JSON object, got {type(config).__name__}")
+    if config.get("peft_type", "LORA") != "LORA":
+        raise AdapterError(f"{where}: peft_type {config['peft_type']!r}; parity applies LoRA adapters only")
+    for key, value in sorted(config.items()):
+        if key not in _KNOWN_KEYS and value not in (None, False, "none", {}, [], ""):
+            raise AdapterError(f"{where}: {key}={value!r} is not supported; parity applies plain LoRA "
+                               "(x A^T B^T scaled, added to the base layer) and refuses options that change "
+                               "it")
+    rank, alpha = config.get("r"), config.get("lora_alpha")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise AdapterError(f"{where}: r must be an integer >= 1, got {rank!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) \
+            or alpha <= 0:
+        raise AdapterError(f"{where}: lora_alpha must be a number > 0, got {alpha!r}")
+    if not isinstance(config.get("use_rslora", False), bool):
+        raise AdapterError(f"{where}: use_rslora must be true or false, got {config['use_rslora']!r}")
+    return config
+
+
+def _targeted(config: dict[str, Any], modules: dict[str, tuple[int, ...]], where: Path) -> list[str]:
+    """The base modules `target_modules` selects, as peft selects them: a list of names matches a
+    module whose name is one of them or ends with "." + one; a string is a regular expression the
+    whole name must match; "all-linear" selects every linear layer but the embeddings and LM head."""
+    targets = config.get("target_modules")
+    if isinstance(targets, str):
+        if targets == "all-linear":
+            return [m for m in modules if not m.endswith(("embed_tokens", "lm_head"))]
+        return [m for m in modules if re.fullmatch(targets, m)]
+    if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
+        raise AdapterError(f"{where}: target_modules must be a non-empty list of module names or a regular "
+                           f"expression, got {targets!r}")
+    chosen = []
+    for target in targets:
+        hits = [m for m in modules if m == target or m.endswith("." + target)]
+        if not hits:
+            raise AdapterError(f"{where}: target module {target!r} matches no linear layer of the model; the "
+                               "adapter was made for another base model (the model's projections: "
+                               f"{', '.join(sorted({m.rsplit('.', 1)[-1] for m in modules}))})")
+        chosen.extend(hits)
+    return sorted(set(chosen))
+
+
+def _check_supported(module: str, is_moe: bool, where: Path) -> None:
+    leaf = module.rsplit(".", 1)[-1]
+    allowed = LORA_MOE_TARGETS if is_moe else LORA_TARGETS
+    if ".experts." in module or leaf not in allowed:
+        scope = "attention projections of a MoE model (expert and router weights are not adapted)" \
+            if is_moe else "the attention and MLP projections"
+        raise AdapterError(f"{where}: target module {module!r} is not supported: parity applies adapters to "
+                           f"{scope}: {', '.join(allowed)}")
+
+
+def is_moe_checkpoint(model_path: Path) -> bool:
+    """Whether the checkpoint at `model_path` is a MoE model (its config.json names experts)."""
+    config = checkpoint_config(model_path)
+    return bool(config.get("num_experts") or config.get("num_local_experts"))
+
+
+def check_adapter(lora: str | os.PathLike[str], model: str | os.PathLike[str]) -> LoraSpec:
+    """The adapter `lora` (directory or built-in name) validated against `model` (name or
+    checkpoint directory), from files alone; AdapterError naming the file, field or module and
+    the fix otherwise (see the module docstring for what is checked)."""
+    path = resolve_adapter(lora)
+    model_path = resolve_model(model)
+    config = _config(path)
+    where = path / ADAPTER_CONFIG
+    base = checkpoint_linear_shapes(model_path)
+    is_moe = is_moe_checkpoint(model_path)
+    targeted = _targeted(config, base, where)
+    for module in targeted:
+        _check_supported(module, is_moe, where)
+    rank = config["r"]
+    found: dict[str, dict[str, tuple[int, ...]]] = {}
+    for name, (dtype, shape) in safetensors_header(path / ADAPTER_WEIGHTS).items():
+        suffix = next((s for s in _SUFFIXES if name.endswith(s)), None)
+        if not name.startswith(_PREFIX) or suffix is None:
+            raise AdapterError(f"{path / ADAPTER_WEIGHTS}: tensor {name!r} is not a LoRA A or B weight "
+                               f"({_PREFIX}<module>.lora_A.weight / .lora_B.weight)")
+        if dtype not in ("F32", "BF16", "F16"):
+            raise AdapterError(f"{path / ADAPTER_WEIGHTS}: tensor {name!r} has dtype {dtype}; give F32, BF16 "
+                               "or F16 weights")
+        found.setdefault(name[len(_PREFIX):-len(suffix)], {})[_SUFFIXES[suffix]] = shape
+    extra = sorted(set(found) - set(targeted))
+    if extra:
+        raise AdapterError(f"{path / ADAPTER_WEIGHTS}: weights for {extra[0]!r}, which target_modules does "
+                           f"not select in model {os.fspath(model)!r}; the adapter was made for another base "
+                           "model")
+    for module in targeted:
+        pair = found.get(module, {})
+        if set(pair) != {"A", "B"}:
+            raise AdapterError(f"{path / ADAPTER_WEIGHTS}: no lora_{'A' if 'A' not in pair else 'B'} weight "
+                               f"for {module!r}, which target_modules selects; the file is incomplete")
+        out, inp = base[module]
+        if pair["A"] != (rank, inp) or pair["B"] != (out, rank):
+            raise AdapterError(
+                f"{path / ADAPTER_WEIGHTS}: {module!r} has lora_A {list(pair['A'])} and lora_B "
+                f"{list(pair['B'])}; model {os.fspath(model)!r} needs [{rank}, {inp}] and [{out}, {rank}] "
+                "(r from the config): the adapter was made for another base model")
+    digest = hashlib.sha256()
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        digest.update((path / name).read_bytes())
+    base_model = config.get("base_model_name_or_path")
+    return LoraSpec(path=path, rank=rank, alpha=float(config["lora_alpha"]),
+                    use_rslora=bool(config.get("use_rslora", False)), modules=tuple(targeted),
+                    targets=tuple(sorted({m.rsplit(".", 1)[-1] for m in targeted})),
+                    base_model=base_model if isinstance(base_model, str) else None,
+                    hash=digest.hexdigest()[:16])
+
+
+def rescaled(spec: LoraSpec, factor: float) -> LoraSpec:
+    """`spec`'s weights at `factor` times its scaling (lora_alpha scaled), under its own hash: what
+    an engine that mis-reads lora_alpha computes (a hypothesis of the adapter-sync check)."""
+    return dataclasses.replace(spec, alpha=spec.alpha * factor, hash=f"{spec.hash}x{factor:g}")
+
+
+def check_without_tensor_parallel(tensor_parallel_size: int | None, option: str) -> None:
+    """AdapterError when a LoRA adapter meets tensor parallelism (`option` names the setting to drop):
+    parity's tensor-parallel shards (`parity.parallel`) do not carry adapters."""
+    if tensor_parallel_size is not None:
+        raise AdapterError(f"a LoRA adapter runs without tensor parallelism in parity; drop {option}")
+
+
+def merge_adapter(model: str | os.PathLike[str], lora: str | os.PathLike[str],
+                  out: str | os.PathLike[str]) -> Path:
+    """Write a checkpoint directory `out` whose weights are `model`'s with the adapter merged in:
+    W + scaling * B A for each adapted module, computed in float64 and rounded once to the
+    weight's dtype (float32 or float16 checkpoints). The other files are copied. Its forward
+    is the adapter's up to rounding (docs/PERF.md has the measured difference)."""
+    spec = check_adapter(lora, model)
+    model_path = resolve_model(model)
+    deltas = adapter_deltas(spec)
+    target = Path(out)
+    target.mkdir(parents=True, exist_ok=True)
+    for f in sorted(model_path.iterdir()):
+        if f.suffix != ".safetensors":
+            if f.is_file():
+                (target / f.name).write_bytes(f.read_bytes())
+            continue
+        try:
+            weights = load_file(str(f))
+        except (TypeError, ValueError) as exc:
+            raise AdapterError(f"{f}: cannot merge into this checkpoint's dtype ({exc}); merge into a "
+                               "float32 or float16 checkpoint") from exc
+        for key, delta in deltas.items():
+            if key in weights:
+                w = weights[key]
+                weights[key] = (w.astype(np.float64) + delta).astype(w.dtype)
+        save_file(weights, str(target / f.name), metadata={"format": "pt"})
+    return target
+
+
+def adapter_deltas(spec: LoraSpec) -> dict[str, np.ndarray]:
+    """Each adapted module's weight update, scaling * B @ A in float64 `[out, in]`, keyed by the base
+    weight's name ("<module>.weight"): what merging the adapter adds (`merge_adapter`, the gold
+    forward's adapted weights)."""
+    adapter = load_file(str(spec.path / ADAPTER_WEIGHTS))
+    deltas = {}
+    for module in spec.modules:
+        a = adapter[f"{_PREFIX}{module}.lora_A.weight"].astype(np.float64)
+        b = adapter[f"{_PREFIX}{module}.lora_B.weight"].astype(np.float64)
+        deltas[module + ".weight"] = spec.scaling * (b @ a)
+    return deltas
