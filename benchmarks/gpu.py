@@ -317,18 +317,6 @@ def blas_library(name: str) -> Iterator[None]:
 
 
 @contextmanager
-def kernel_override(family: str, op: str, device_type: str, fn: Callable[..., Any]) -> Iterator[None]:
-    """`fn` as the registered `family`/`op` kernel of `device_type` inside the block, the previous one
-    restored."""
-    before = switch._registry[(family, op, device_type)]
-    switch.register(family, op, device_type, fn)
-    try:
-        yield
-    finally:
-        switch.register(family, op, device_type, before)
-
-
-@contextmanager
 def module_constants(module: ModuleType, **values: Any) -> Iterator[None]:
     """Module-level constants set to `values` inside the block, the previous values restored."""
     before = {name: getattr(module, name) for name in values}
@@ -668,7 +656,7 @@ def parity_section(run: Run) -> dict[str, Any]:
 def stock_scan_check(model: str) -> GridCheck | dict[str, str]:
     """The old top-p defect as a negative control: torch's CUDA cumsum as the prefix sum."""
     try:
-        with kernel_override("softmax", "cumsum", "cuda", lambda x: torch.cumsum(x, -1)):
+        with switch.replaced("softmax", "cumsum", "cuda", lambda x: torch.cumsum(x, -1)):
             return grid_check(model, "invariant")
     except Exception:
         return failure()
@@ -900,8 +888,7 @@ def probe_child() -> dict[str, Any]:
             start = time.perf_counter()
             matmul.prepare(todo, torch.device("cuda"))
             cold = time.perf_counter() - start
-            for key in todo:
-                matmul._verdicts.pop(key, None)
+            matmul.forget_verdicts(todo)
             start = time.perf_counter()
             matmul.prepare(todo, torch.device("cuda"))
             warm = time.perf_counter() - start

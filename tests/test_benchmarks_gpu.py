@@ -92,17 +92,17 @@ def test_tp_section_renders_each_group_count_next_to_the_whole_model():
 def test_changed_settings_are_restored_when_a_measurement_fails():
     before = torch.backends.cuda.preferred_blas_library()
     module = types.SimpleNamespace(BLOCK_M=64, BLOCK_N=64)
-    cumsum = switch._registry[("softmax", "cumsum", "cpu")]
+    cumsum = switch.registrations("cpu")[("softmax", "cumsum", "cpu")]
     stock = lambda x: torch.cumsum(x, -1)  # noqa: E731
     with (pytest.raises(RuntimeError), gpu.blas_library("cublaslt"), gpu.module_constants(module, BLOCK_M=16),
-          gpu.kernel_override("softmax", "cumsum", "cpu", stock)):
+          switch.replaced("softmax", "cumsum", "cpu", stock)):
         assert torch.backends.cuda.preferred_blas_library() == torch._C._BlasBackend.Cublaslt
         assert (module.BLOCK_M, module.BLOCK_N) == (16, 64)
-        assert switch._registry[("softmax", "cumsum", "cpu")] is stock
+        assert switch.registrations("cpu")[("softmax", "cumsum", "cpu")] is stock
         raise RuntimeError("a failed measurement")
     assert torch.backends.cuda.preferred_blas_library() == before
     assert (module.BLOCK_M, module.BLOCK_N) == (64, 64)
-    assert switch._registry[("softmax", "cumsum", "cpu")] is cumsum
+    assert switch.registrations("cpu")[("softmax", "cumsum", "cpu")] is cumsum
 
 
 def test_roofline_of_the_dense_workload_is_the_bound_worked_out_by_hand():

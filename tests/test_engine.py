@@ -12,6 +12,7 @@ from parity import Request, Rollout, SamplingParams
 from parity.engine import LAYOUTS, ReferenceEngine, train_forward
 from parity.engine.sampler import gumbel_noise, sample
 from parity.errors import ConfigError, InputError
+from parity.kernels import switch
 from parity.models import EOS_ID
 
 MODELS = ["tiny-llama", "tiny-qwen3", "tiny-qwen3-moe", "tiny-mixtral"]
@@ -177,23 +178,21 @@ def test_routes_recorded_inside_cuda_graphs_equal_the_eager_ones():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA not available)")
-def test_decode_graphs_take_the_one_token_attention_launch_and_keep_the_bits(monkeypatch):
+def test_decode_graphs_take_the_one_token_attention_launch_and_keep_the_bits():
     """Decode steps replay a graph captured with max_run=1 (the attention's one-token launch), mixed
     steps one with the run kernel; the rollout still equals the training forward bit for bit."""
-    import parity.kernels.triton as triton_kernels
-
     seen = set()
-    launch = triton_kernels.attention
+    launch = switch.registrations("cuda")[("attention", "attention", "cuda")]
 
     def recording(*args, max_run=None, **kwargs):
         seen.add(max_run)
         return launch(*args, max_run=max_run, **kwargs)
 
-    monkeypatch.setattr(triton_kernels, "attention", recording)
     requests = [Request(tuple(range(3, 3 + n)), SamplingParams(max_tokens=6, seed=n), request_id=str(n))
                 for n in (3, 11, 30)]
-    with ReferenceEngine("tiny-qwen3", device="cuda", dtype="bfloat16", max_num_seqs=4,
-                         chunk_size=8) as engine:
+    with (switch.replaced("attention", "attention", "cuda", recording),
+          ReferenceEngine("tiny-qwen3", device="cuda", dtype="bfloat16", max_num_seqs=4,
+                          chunk_size=8) as engine):
         rollouts = engine.generate(requests)
         assert engine._graphs.status == "cuda graphs"
     assert 1 in seen and seen - {1}

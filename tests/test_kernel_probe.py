@@ -7,6 +7,7 @@ probes real weight shapes of two model families and the chosen route must be row
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -92,6 +93,35 @@ def test_route_follows_the_verdict_bias_and_process_setup(monkeypatch: pytest.Mo
     assert "not probed" in matmul.route(torch.bfloat16, 64, 64, False)[1]
     monkeypatch.setattr(matmul, "cublaslt_ready", lambda: False)
     assert matmul.route(torch.bfloat16, 16, 32, False)[0] == "triton"
+
+
+def test_forgotten_verdicts_come_back_from_the_disk_cache(monkeypatch: pytest.MonkeyPatch,
+                                                          tmp_path: Path) -> None:
+    """`forget_verdicts` drops a verdict from the process (its shape takes Triton), and the next
+    `prepare` reads it from the on-disk cache without probing again (the probe section's cached time)."""
+    pytest.importorskip("triton")
+    from parity.kernels.triton import matmul
+
+    probed = []
+
+    def probe_rows(linear, dtype, n, k, device):
+        probed.append((n, k))
+        return probe.probe_rows(cpu.linear, torch.float32, n, k, "cpu")
+
+    monkeypatch.setenv("PARITY_CACHE", str(tmp_path))
+    monkeypatch.setattr(matmul, "cublaslt_ready", lambda: True)
+    monkeypatch.setattr(matmul, "fingerprint", lambda device, env: {"gpu": "stand-in"})
+    monkeypatch.setattr(matmul, "probe_rows", probe_rows)
+    monkeypatch.setattr(matmul.torch.cuda, "device", lambda device: contextlib.nullcontext())
+    shape = (torch.bfloat16, 16, 32)
+    matmul.forget_verdicts([shape])
+    matmul.prepare({shape}, torch.device("cpu"))
+    assert probed == [(16, 32)] and matmul.route(torch.bfloat16, 16, 32, False)[0] == "cublaslt"
+    matmul.forget_verdicts([shape])
+    assert "not probed" in matmul.route(torch.bfloat16, 16, 32, False)[1]
+    matmul.prepare({shape}, torch.device("cpu"))
+    assert probed == [(16, 32)] and matmul.route(torch.bfloat16, 16, 32, False)[0] == "cublaslt"
+    matmul.forget_verdicts([shape])
 
 
 def test_prepare_probes_nothing_in_a_process_not_set_up_for_cublaslt(monkeypatch: pytest.MonkeyPatch) -> None:
