@@ -10,9 +10,10 @@ from hypothesis import strategies as st
 
 from parity import Request, Rollout, SamplingParams
 from parity.engine import LAYOUTS, ReferenceEngine, train_forward
-from parity.engine.sampler import gumbel_noise, sample
+from parity.engine.sampler import key_state, sample
 from parity.errors import ConfigError, InputError
 from parity.kernels import switch
+from parity.kernels.cpu_sampling import gumbel_noise
 from parity.models import EOS_ID
 
 MODELS = ["tiny-llama", "tiny-qwen3", "tiny-qwen3-moe", "tiny-mixtral"]
@@ -282,9 +283,9 @@ def test_bad_requests_and_settings_are_parity_errors():
 
 def test_gumbel_noise_depends_on_its_key_only():
     keys = [(7, 0, 3), (7, 1, 3), (2**40 + 7, 0, 3), (7, 0, 4)]
-    together = gumbel_noise(keys, 512)
+    together = gumbel_noise(key_state(keys, "cpu"), 512)
     for i, key in enumerate(keys):
-        assert torch.equal(gumbel_noise([key], 512)[0], together[i])
+        assert torch.equal(gumbel_noise(key_state([key], "cpu"), 512)[0], together[i])
     assert all(not torch.equal(together[0], together[i]) for i in range(1, 4))
 
 

@@ -149,6 +149,27 @@ def test_a_replaced_kernel_is_restored_and_a_new_one_removed_when_the_block_fail
     assert switch.registrations("elsewhere") == {}
 
 
+def _unused(*args: object) -> None:
+    raise AssertionError("a placeholder registration ran")
+
+
+def test_cpu_and_cuda_register_the_same_ops():
+    """Every op the CPU registers, the Triton package registers for CUDA, and no other (its table
+    read without a GPU: `register` runs inside blocks that put every CUDA registration back)."""
+    pytest.importorskip("triton")
+    import parity.kernels.triton as triton_kernels
+    from parity.kernels import switch
+
+    cpu_ops = {(family, op) for family, op, _ in switch.registrations("cpu")}
+    assert ("pointwise", "gumbel_argmax") in cpu_ops  # the sampler's draw is an op like every other
+    with ExitStack() as stack:
+        for family, op in cpu_ops:
+            stack.enter_context(switch.replaced(family, op, "cuda", _unused))
+        triton_kernels.register()
+        cuda_ops = {(family, op) for family, op, _ in switch.registrations("cuda")}
+    assert cuda_ops == cpu_ops
+
+
 # --- matmul ----------------------------------------------------------------------------------
 
 @given(m=st.integers(1, 700), row=st.data(), k=st.sampled_from([32, 64, 128, 256, 576, 1536]),

@@ -6,18 +6,19 @@
 
 Inside the switch, every op of a model loaded with `parity.models.loading.load_model` computes
 each token's outputs bitwise independently of batch size, batch companions, row position,
-padding, and of full forward vs chunked prefill vs decode. Families (`FAMILIES`) switch
-independently so drift can be attributed to one of them. Each family's op is looked up per
-device type in the switch's registry, which this module fills: the CPU kernels (`cpu`,
-`cpu_attention`) always, the Triton kernels (`triton`) where a GPU and Triton are present.
-Another device registers its own with `kernels.register(family, op, device_type, fn)`.
+padding, and of full forward vs chunked prefill vs decode; so does the sampler's draw. Families
+(`FAMILIES`) switch independently so drift can be attributed to one of them. Each family's op
+is looked up per device type in the switch's registry, which this module fills: the CPU kernels
+(`cpu`, `cpu_attention`, `cpu_sampling`) always, the Triton kernels (`triton`) where a GPU and
+Triton are present. Another device registers its own with `kernels.register(family, op,
+device_type, fn)`.
 """
 
 import importlib.util
 
 import torch
 
-from parity.kernels import cpu, cpu_attention
+from parity.kernels import cpu, cpu_attention, cpu_sampling
 from parity.kernels.switch import (
     FAMILIES,
     disable,
@@ -59,6 +60,7 @@ def _register_cpu() -> None:
         ("softmax", "log_softmax", cpu.log_softmax),
         ("softmax", "cumsum", cpu.cumsum),
         ("pointwise", "activation", cpu.activation),
+        ("pointwise", "gumbel_argmax", cpu_sampling.gumbel_argmax),
         ("moe", "topk", cpu.topk),
         ("moe", "experts", cpu.experts),
         ("rotary", "rotary", cpu.rotary),

@@ -3,9 +3,10 @@
 One kernel idea per module: `matmul` (persistent, one tile plan per weight shape), `rmsnorm`,
 `softmax` and `scan` (one program per row), `rotary` (q and k rotated in one launch each),
 `attention` (causal attention over the engine's KV cache, KV tiles at absolute positions, no KV
-split), `moe` (tie-stable top-k, grouped expert GEMM, ordered combine). Callers import the
-module they need (`parity.kernels.triton.matmul.linear`); `register()` plugs the kernels into
-`parity.kernels`' switch for device type "cuda". The module docstrings give the numerical reason each one is
+split), `moe` (tie-stable top-k, grouped expert GEMM, ordered combine), `sampling` (the
+sampler's Gumbel-max draw, noise kept in registers). Callers import the module they need
+(`parity.kernels.triton.matmul.linear`); `register()` plugs the kernels into `parity.kernels`'
+switch for device type "cuda". The module docstrings give the numerical reason each one is
 batch-invariant.
 
 CI exercises the same kernels on CPU tensors under Triton's interpreter (`TRITON_INTERPRET=1`
@@ -19,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from parity.kernels import cpu, switch
-from parity.kernels.triton import attention, matmul, moe, rmsnorm, rotary, scan, softmax
+from parity.kernels.triton import attention, matmul, moe, rmsnorm, rotary, sampling, scan, softmax
 
 
 def _attention_op(
@@ -52,6 +53,7 @@ def register() -> None:
         ("softmax", "log_softmax", softmax.log_softmax),
         ("softmax", "cumsum", scan.cumsum),
         ("pointwise", "activation", _activation_op),
+        ("pointwise", "gumbel_argmax", sampling.gumbel_argmax),
         ("rotary", "rotary", cpu.rotary),  # a gather from one per-position table: device-agnostic
         ("rotary", "apply", rotary.apply_rotary),
         ("moe", "topk", moe.topk),
