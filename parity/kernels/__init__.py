@@ -12,6 +12,11 @@ is looked up per device type in the switch's registry, which this module fills: 
 (`cpu`, `cpu_attention`, `cpu_sampling`) always, the Triton kernels (`triton`) where a GPU and
 Triton are present. Another device registers its own with `kernels.register(family, op,
 device_type, fn)`.
+
+Inside the package, imports point one way (an import-linter contract): the ops models call
+(`ops`, `moe`, `attention`) and the device kernels (`triton`, `cpu_attention`, `cpu_sampling`,
+then `cpu`) never import each other; both sit on the building blocks (`cpu_gemm`, `probe`, `grad`,
+`sampling`) and the switch.
 """
 
 import importlib.util
