@@ -16,6 +16,10 @@ from __future__ import annotations
 import torch
 
 _MASK32 = 0xFFFFFFFF
+#: rows of the [N, vocab] hash computed at a time on CPU: two int64 rows of a 49k vocabulary (0.8 MB
+#: per temporary) stay in cache and are updated in place, where whole-batch temporaries (12 MB each
+#: at 32 x 49k, a dozen per step) are fresh allocations that fault in every page on every step.
+_HASH_ROWS = 2
 
 
 def mix32_(x: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
@@ -50,22 +54,43 @@ def token_words(vocab: int, device: torch.device | str) -> torch.Tensor:
     return _TOKEN_WORDS[key]
 
 
+def uniform(state: torch.Tensor, vocab: int, align: int = 1) -> torch.Tensor:
+    """u [N * vocab + padding] float64, flat and row-major: row i's u of every token id, in (0, 1).
+
+    state [N] int64, each row's hash state. The buffer is padded to a multiple of `align` elements
+    with u = 1/2, whose logs are finite, so in-place ops over whole aligned pieces are safe. The
+    hash runs in place, `_HASH_ROWS` rows at a time on CPU (cache-sized temporaries) and over all
+    rows at once elsewhere (a few launches per step, whatever the batch); the bits are the same.
+    """
+    rows, total = state.shape[0], state.shape[0] * vocab
+    words = token_words(vocab, state.device)
+    flat = torch.empty(total + (-total) % align, dtype=torch.float64, device=state.device)
+    flat[total:] = 2.0**52  # padding: u = 1/2 after the scaling below
+    bits = flat[:total].view(rows, vocab)
+    column = state.unsqueeze(1)
+    step = _HASH_ROWS if state.device.type == "cpu" else max(rows, 1)
+    for start in range(0, rows, step):
+        block = column[start:start + step]
+        high, low = block ^ words[0], block ^ words[1]
+        scratch = torch.empty_like(high)
+        mix32_(high, scratch)
+        mix32_(low, scratch)
+        high.bitwise_left_shift_(21).bitwise_or_(low.bitwise_right_shift_(11))
+        bits[start:start + step].copy_(high)  # int64 -> float64: exact below 2^53
+    return flat.add_(0.5).div_(2.0**53)
+
+
 def gumbel_argmax(scores: torch.Tensor, state: torch.Tensor, noisy: torch.Tensor) -> torch.Tensor:
     """argmax(scores + noise) per row -> [N] int64, ties to the lower token id: the stock draw.
 
     scores [N, V] float32 or float64 (added to the noise in float64); state [N] int64, each row's
-    hash state; noisy [N] bool, False rows add no noise (greedy). The formula as written, one op
-    over whole [N, V] tensors per step; on CPU an element's logs may round by where the thread
-    split puts it (vector body or scalar tail), so this is batch-invariant only where family
-    "pointwise" replaces it.
+    hash state; noisy [N] bool, False rows add no noise (greedy). The logs run as plain in-place
+    torch ops over the whole buffer: on CPU an element's last bit may follow where the thread split
+    puts it (vector body or scalar tail), so this is batch-invariant only where family "pointwise"
+    replaces it.
     """
-    words = token_words(scores.shape[1], scores.device)
-    column = state.unsqueeze(1)
-    high, low = column ^ words[0], column ^ words[1]
-    scratch = torch.empty_like(high)
-    mix32_(high, scratch)
-    mix32_(low, scratch)
-    bits = high.bitwise_left_shift_(21).bitwise_or_(low.bitwise_right_shift_(11))
-    u = (bits.to(torch.float64) + 0.5) / 2.0**53  # 53 bits convert exactly; u lies strictly inside (0, 1)
-    noise = -torch.log(-torch.log(u))
-    return (noise.masked_fill(~noisy.unsqueeze(1), 0.0) + scores).argmax(dim=-1)
+    n, vocab = scores.shape
+    noise = uniform(state, vocab).log_().neg_().log_().neg_().view(n, vocab)
+    # noise + float64(score) in place of score + noise: the same sum (IEEE addition commutes, and
+    # float32 -> float64 is exact), without two more [N, V] float64 temporaries.
+    return noise.masked_fill_(~noisy.unsqueeze(1), 0.0).add_(scores).argmax(dim=-1)
