@@ -10,8 +10,10 @@ from hypothesis import strategies as st
 
 from parity import Request, Rollout, SamplingParams
 from parity.engine import LAYOUTS, ReferenceEngine, train_forward
-from parity.engine.sampler import gumbel_noise, sample
+from parity.engine.sampler import key_state, sample
 from parity.errors import ConfigError, InputError
+from parity.kernels import switch
+from parity.kernels.cpu_sampling import gumbel_noise
 from parity.models import EOS_ID
 
 MODELS = ["tiny-llama", "tiny-qwen3", "tiny-qwen3-moe", "tiny-mixtral"]
@@ -177,23 +179,21 @@ def test_routes_recorded_inside_cuda_graphs_equal_the_eager_ones():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA not available)")
-def test_decode_graphs_take_the_one_token_attention_launch_and_keep_the_bits(monkeypatch):
+def test_decode_graphs_take_the_one_token_attention_launch_and_keep_the_bits():
     """Decode steps replay a graph captured with max_run=1 (the attention's one-token launch), mixed
     steps one with the run kernel; the rollout still equals the training forward bit for bit."""
-    import parity.kernels.triton as triton_kernels
-
     seen = set()
-    launch = triton_kernels.attention
+    launch = switch.registrations("cuda")[("attention", "attention", "cuda")]
 
     def recording(*args, max_run=None, **kwargs):
         seen.add(max_run)
         return launch(*args, max_run=max_run, **kwargs)
 
-    monkeypatch.setattr(triton_kernels, "attention", recording)
     requests = [Request(tuple(range(3, 3 + n)), SamplingParams(max_tokens=6, seed=n), request_id=str(n))
                 for n in (3, 11, 30)]
-    with ReferenceEngine("tiny-qwen3", device="cuda", dtype="bfloat16", max_num_seqs=4,
-                         chunk_size=8) as engine:
+    with (switch.replaced("attention", "attention", "cuda", recording),
+          ReferenceEngine("tiny-qwen3", device="cuda", dtype="bfloat16", max_num_seqs=4,
+                          chunk_size=8) as engine):
         rollouts = engine.generate(requests)
         assert engine._graphs.status == "cuda graphs"
     assert 1 in seen and seen - {1}
@@ -283,9 +283,9 @@ def test_bad_requests_and_settings_are_parity_errors():
 
 def test_gumbel_noise_depends_on_its_key_only():
     keys = [(7, 0, 3), (7, 1, 3), (2**40 + 7, 0, 3), (7, 0, 4)]
-    together = gumbel_noise(keys, 512)
+    together = gumbel_noise(key_state(keys, "cpu"), 512)
     for i, key in enumerate(keys):
-        assert torch.equal(gumbel_noise([key], 512)[0], together[i])
+        assert torch.equal(gumbel_noise(key_state([key], "cpu"), 512)[0], together[i])
     assert all(not torch.equal(together[0], together[i]) for i in range(1, 4))
 
 

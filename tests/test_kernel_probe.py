@@ -7,11 +7,14 @@ probes real weight shapes of two model families and the chosen route must be row
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -78,20 +81,54 @@ def test_parity_kernels_lists_each_linear_shape(capsys: pytest.CaptureFixture[st
     assert "weight [N, K]" in out and "128 x 128" in out and "cpu" in out
 
 
-def test_route_follows_the_verdict_bias_and_process_setup(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def stand_in_probe(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[tuple[ModuleType, list]]:
+    """`parity.kernels.triton.matmul` in a stand-in process set up for cuBLASLt, without a GPU: its
+    probe runs parity's CPU linear (and the split-K control for weight [32, 16]), its verdicts are
+    cached under `tmp_path`; yields the module and the shapes probed. Forgets every verdict after."""
     pytest.importorskip("triton")
     from parity.kernels.triton import matmul
 
-    good = probe.probe_rows(cpu.linear, torch.float32, 16, 32, "cpu")
-    bad = probe.probe_rows(_split_k_when_large, torch.float32, 16, 32, "cpu")
-    monkeypatch.setattr(matmul, "_verdicts", {(torch.bfloat16, 16, 32): good, (torch.bfloat16, 32, 16): bad})
+    probed: list[tuple[int, int]] = []
+
+    def probe_rows(linear, dtype, n, k, device):
+        probed.append((n, k))
+        stand_in = _split_k_when_large if (n, k) == (32, 16) else cpu.linear
+        return probe.probe_rows(stand_in, torch.float32, n, k, "cpu")
+
+    monkeypatch.setenv("PARITY_CACHE", str(tmp_path))
     monkeypatch.setattr(matmul, "cublaslt_ready", lambda: True)
+    monkeypatch.setattr(matmul, "fingerprint", lambda device, env: {"gpu": "stand-in"})
+    monkeypatch.setattr(matmul, "probe_rows", probe_rows)
+    monkeypatch.setattr(matmul.torch.cuda, "device", lambda device: contextlib.nullcontext())
+    yield matmul, probed
+    matmul.forget_verdicts({(torch.bfloat16, n, k) for n, k in probed})
+
+
+def test_route_follows_the_verdict_bias_and_process_setup(stand_in_probe,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    matmul, _ = stand_in_probe
+    matmul.prepare({(torch.bfloat16, 16, 32), (torch.bfloat16, 32, 16)}, torch.device("cpu"))
+    bad = probe.probe_rows(_split_k_when_large, torch.float32, 32, 16, "cpu")
     assert matmul.route(torch.bfloat16, 16, 32, False)[0] == "cublaslt"
     assert matmul.route(torch.bfloat16, 32, 16, False) == ("triton", bad.reason())
     assert matmul.route(torch.bfloat16, 16, 32, True)[0] == "triton"  # a bias: not probed
     assert "not probed" in matmul.route(torch.bfloat16, 64, 64, False)[1]
     monkeypatch.setattr(matmul, "cublaslt_ready", lambda: False)
     assert matmul.route(torch.bfloat16, 16, 32, False)[0] == "triton"
+
+
+def test_forgotten_verdicts_come_back_from_the_disk_cache(stand_in_probe) -> None:
+    """`forget_verdicts` drops a verdict from the process (its shape takes Triton), and the next
+    `prepare` reads it from the on-disk cache without probing again (the probe section's cached time)."""
+    matmul, probed = stand_in_probe
+    shape = (torch.bfloat16, 16, 32)
+    matmul.prepare({shape}, torch.device("cpu"))
+    assert probed == [(16, 32)] and matmul.route(torch.bfloat16, 16, 32, False)[0] == "cublaslt"
+    matmul.forget_verdicts([shape])
+    assert "not probed" in matmul.route(torch.bfloat16, 16, 32, False)[1]
+    matmul.prepare({shape}, torch.device("cpu"))
+    assert probed == [(16, 32)] and matmul.route(torch.bfloat16, 16, 32, False)[0] == "cublaslt"
 
 
 def test_prepare_probes_nothing_in_a_process_not_set_up_for_cublaslt(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,5 +1,7 @@
 """Batch invariance of each CPU kernel family, proven bitwise, each with a negative control."""
 
+from contextlib import ExitStack
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -105,7 +107,7 @@ def test_switch_leaves_unpatched_models_alone_and_makes_patched_ones_invariant()
     torch.testing.assert_close(batch, outside, rtol=0, atol=1e-4)
 
 
-def test_every_family_is_wired_and_switches_alone(monkeypatch):
+def test_every_family_is_wired_and_switches_alone():
     """With one family on, a MoE forward calls that family's kernels and no other family's."""
     from parity.kernels import switch
 
@@ -117,20 +119,55 @@ def test_every_family_is_wired_and_switches_alone(monkeypatch):
             return fn(*args, **kwargs)
         return wrapped
 
-    for (family, op, device), fn in list(switch._registry.items()):
-        if device == "cpu":
-            monkeypatch.setitem(switch._registry, (family, op, device), counting(family, fn))
     lm = load_model("tiny-qwen3-moe")
     ids = torch.randint(3, 512, (2, 9), generator=torch.Generator().manual_seed(1))
-    for family in kernels.FAMILIES:
+    with ExitStack() as stack:
+        for (family, op, device), fn in switch.registrations("cpu").items():
+            stack.enter_context(switch.replaced(family, op, device, counting(family, fn)))
+        for family in kernels.FAMILIES:
+            calls.clear()
+            with torch.no_grad(), kernels.invariant([family]):
+                lm.model(ids)
+            assert calls == {family}
         calls.clear()
-        with torch.no_grad(), kernels.invariant([family]):
+        with torch.no_grad():
             lm.model(ids)
-        assert calls == {family}
-    calls.clear()
-    with torch.no_grad():
-        lm.model(ids)
-    assert calls == set()
+        assert calls == set()
+
+
+def test_a_replaced_kernel_is_restored_and_a_new_one_removed_when_the_block_fails():
+    from parity.kernels import switch
+
+    before = switch.registrations()
+    stock = lambda x: torch.cumsum(x, -1)  # noqa: E731
+    with pytest.raises(RuntimeError), switch.replaced("softmax", "cumsum", "cpu", stock), \
+            switch.replaced("softmax", "cumsum", "elsewhere", stock):
+        assert switch.registrations("cpu")[("softmax", "cumsum", "cpu")] is stock
+        assert set(switch.registrations("elsewhere")) == {("softmax", "cumsum", "elsewhere")}
+        raise RuntimeError("a failed measurement")
+    assert switch.registrations() == before
+    assert switch.registrations("elsewhere") == {}
+
+
+def _unused(*args: object) -> None:
+    raise AssertionError("a placeholder registration ran")
+
+
+def test_cpu_and_cuda_register_the_same_ops():
+    """Every op the CPU registers, the Triton package registers for CUDA, and no other (its table
+    read without a GPU: `register` runs inside blocks that put every CUDA registration back)."""
+    pytest.importorskip("triton")
+    import parity.kernels.triton as triton_kernels
+    from parity.kernels import switch
+
+    cpu_ops = {(family, op) for family, op, _ in switch.registrations("cpu")}
+    assert ("pointwise", "gumbel_argmax") in cpu_ops  # the sampler's draw is an op like every other
+    with ExitStack() as stack:
+        for family, op in cpu_ops:
+            stack.enter_context(switch.replaced(family, op, "cuda", _unused))
+        triton_kernels.register()
+        cuda_ops = {(family, op) for family, op, _ in switch.registrations("cuda")}
+    assert cuda_ops == cpu_ops
 
 
 # --- matmul ----------------------------------------------------------------------------------

@@ -19,6 +19,8 @@ from parity.engine import sampler
 from parity.engine.sampler import RowParams, processed_logprobs
 from parity.kernels import ops
 from parity.kernels.cpu import pointwise
+from parity.kernels.cpu_sampling import gumbel_noise
+from parity.kernels.sampling import mix32
 
 CUDA = torch.cuda.is_available()
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
@@ -69,7 +71,7 @@ def _scan_following_the_row_count(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def test_negative_control_a_scan_that_follows_the_row_count_is_caught(monkeypatch):
+def test_negative_control_a_scan_that_follows_the_row_count_is_caught():
     logits = _logits(151936, "cpu")
     with kernels.invariant():
         sorted_probs = torch.sort(ops.softmax(logits), dim=-1, descending=True, stable=True).values
@@ -85,18 +87,17 @@ def test_negative_control_a_scan_that_follows_the_row_count_is_caught(monkeypatc
             return processed_logprobs(logits, _params(params)), torch.cat(one_by_one)
 
     assert torch.equal(*full_and_one_by_one())
-    registry = {**kernels.switch._registry, ("softmax", "cumsum", "cpu"): _scan_following_the_row_count}
-    monkeypatch.setattr(kernels.switch, "_registry", registry)
-    assert not torch.equal(*full_and_one_by_one())
+    with kernels.switch.replaced("softmax", "cumsum", "cpu", _scan_following_the_row_count):
+        assert not torch.equal(*full_and_one_by_one())
 
 
 def _noise_as_written(keys: list[tuple[int, int, int]], vocab: int) -> torch.Tensor:
     """The Gumbel noise formula on whole [N, vocab] tensors, one op per step (what `gumbel_noise`
     computes in cached row blocks and in place)."""
-    state = sampler._key_state(keys, "cpu").unsqueeze(1)
+    state = sampler.key_state(keys, "cpu").unsqueeze(1)
     token = torch.arange(vocab, dtype=torch.int64)
-    high = sampler._mix32(state ^ sampler._mix32(2 * token))
-    low = sampler._mix32(state ^ sampler._mix32(2 * token + 1))
+    high = mix32(state ^ mix32(2 * token))
+    low = mix32(state ^ mix32(2 * token + 1))
     uniform = (((high << 21) | (low >> 11)).to(torch.float64) + 0.5) / 2.0**53
     return pointwise(lambda u: -torch.log(-torch.log(u)), uniform)
 
@@ -109,9 +110,36 @@ def test_gumbel_noise_is_the_formula_and_a_row_does_not_depend_on_the_batch(keys
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        noise = sampler.gumbel_noise(keys, vocab)
+        noise = gumbel_noise(sampler.key_state(keys, "cpu"), vocab)
         assert torch.equal(noise, _noise_as_written(keys, vocab))
         for i, key in enumerate(keys):
-            assert torch.equal(sampler.gumbel_noise([key], vocab), noise[i:i + 1])
+            assert torch.equal(gumbel_noise(sampler.key_state([key], "cpu"), vocab), noise[i:i + 1])
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_draw_is_a_pointwise_op_behind_the_switch():
+    """With family "pointwise" on, `sample` runs the registered CPU draw (the noise above); with it off,
+    the stock formula. Both draw the same tokens here; greedy rows (None keys) take the argmax."""
+    g = torch.Generator().manual_seed(5)
+    processed = torch.log_softmax(torch.randn(5, 3000, generator=g) * 3, dim=-1)
+    keys = [(7, 0, 3), None, (2**40 + 7, 1, 9), (7, 0, 4), None]
+    calls = []
+    registered = kernels.switch.registrations("cpu")[("pointwise", "gumbel_argmax", "cpu")]
+
+    def counting(*args: torch.Tensor) -> torch.Tensor:
+        calls.append(len(args[0]))
+        return registered(*args)
+
+    with kernels.switch.replaced("pointwise", "gumbel_argmax", "cpu", counting):
+        with kernels.invariant(["pointwise"]):
+            invariant = sampler.sample(processed, keys)
+        assert calls == [5]
+        with kernels.native():
+            stock = sampler.sample(processed, keys)
+        assert calls == [5]
+    noise = gumbel_noise(sampler.key_state([key or (0, 0, 0) for key in keys], "cpu"), 3000)
+    noise[[1, 4]] = 0.0
+    assert torch.equal(invariant, (processed.double() + noise).argmax(dim=-1))
+    assert torch.equal(stock, invariant)
+    assert invariant[1] == processed[1].argmax() and invariant[4] == processed[4].argmax()

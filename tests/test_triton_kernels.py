@@ -84,7 +84,7 @@ def test_linear_matches_float64(tk: ModuleType, dtype: torch.dtype, with_bias: b
     bias = _randn(192, dtype=dtype, seed=3) if with_bias else None
     ref = x.double() @ w.double().T + (bias.double() if with_bias else 0)
     # fp32 stays far below TF32's ~3e-4; bf16 is one output rounding (2^-9).
-    assert _rel_err(tk.linear(x, w, bias), ref) < (1e-6 if dtype == torch.float32 else 5e-3)
+    assert _rel_err(tk.matmul.linear(x, w, bias), ref) < (1e-6 if dtype == torch.float32 else 5e-3)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -92,7 +92,7 @@ def test_linear_matches_float64(tk: ModuleType, dtype: torch.dtype, with_bias: b
 def test_linear_rows_are_batch_invariant(tk: ModuleType, dtype: torch.dtype, rows: list[int]) -> None:
     x, w = _randn(POOL, 96, dtype=dtype, seed=1), _randn(192, 96, dtype=dtype, seed=2, scale=0.1)
     bias = _randn(192, dtype=dtype, seed=3)
-    assert torch.equal(tk.linear(x[rows], w, bias), tk.linear(x, w, bias)[rows])
+    assert torch.equal(tk.matmul.linear(x[rows], w, bias), tk.matmul.linear(x, w, bias)[rows])
 
 
 def _split_k_when_few_rows(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -111,9 +111,9 @@ def _split_k_when_few_rows(fn: Callable[..., torch.Tensor]) -> Callable[..., tor
 
 def test_linear_negative_control_split_k_plan_breaks_invariance(tk: ModuleType) -> None:
     x, w = _randn(POOL, 256, seed=1), _randn(192, 256, seed=2)
-    linear = _split_k_when_few_rows(tk.linear)
+    linear = _split_k_when_few_rows(tk.matmul.linear)
     rows = list(range(10))
-    assert torch.equal(tk.linear(x[rows], w), tk.linear(x, w)[rows])
+    assert torch.equal(tk.matmul.linear(x[rows], w), tk.matmul.linear(x, w)[rows])
     assert not torch.equal(linear(x[rows], w), linear(x, w)[rows])
 
 
@@ -135,7 +135,7 @@ def _hf_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm_matches_hf_formula(tk: ModuleType, dtype: torch.dtype) -> None:
     x, w = _randn(3, 7, 96, dtype=dtype, seed=4), _randn(96, dtype=dtype, seed=5)
-    out = tk.rms_norm(x, w, 1e-6)
+    out = tk.rmsnorm.rms_norm(x, w, 1e-6)
     assert out.dtype == dtype and out.shape == x.shape
     assert _rel_err(out, _hf_rms_norm(x, w, 1e-6)) < (1e-6 if dtype == torch.float32 else 8e-3)
 
@@ -145,7 +145,7 @@ def test_rms_norm_matches_hf_formula(tk: ModuleType, dtype: torch.dtype) -> None
 @given(rows=row_compositions)
 def test_rms_norm_rows_are_batch_invariant(tk: ModuleType, dtype: torch.dtype, rows: list[int]) -> None:
     x, w = _randn(ROWS, 96, dtype=dtype, seed=4), _randn(96, dtype=dtype, seed=5)
-    assert torch.equal(tk.rms_norm(x[rows], w, 1e-6), tk.rms_norm(x, w, 1e-6)[rows])
+    assert torch.equal(tk.rmsnorm.rms_norm(x[rows], w, 1e-6), tk.rmsnorm.rms_norm(x, w, 1e-6)[rows])
 
 
 VOCAB = 5000  # > softmax.CHUNK, so rows take several chunks
@@ -157,18 +157,19 @@ def test_softmax_and_log_softmax_match_torch(tk: ModuleType, dtype: torch.dtype)
     x[0, :7] = float("-inf")  # masked logits (top-k/top-p) stay exact zeros / -inf
     ref = torch.log_softmax(x.double(), -1)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
-    torch.testing.assert_close(tk.softmax(x).double(), ref.exp(), atol=tol, rtol=tol)
+    torch.testing.assert_close(tk.softmax.softmax(x).double(), ref.exp(), atol=tol, rtol=tol)
     finite = torch.isfinite(ref)
-    torch.testing.assert_close(tk.log_softmax(x).double()[finite], ref[finite], atol=tol * 30, rtol=tol)
-    assert torch.equal(tk.log_softmax(x)[0, :7], x[0, :7])
+    torch.testing.assert_close(tk.softmax.log_softmax(x).double()[finite], ref[finite], atol=tol * 30,
+                               rtol=tol)
+    assert torch.equal(tk.softmax.log_softmax(x)[0, :7], x[0, :7])
 
 
 @few
 @given(rows=st.lists(st.integers(0, 15), min_size=1, max_size=16))
 def test_softmax_rows_are_batch_invariant(tk: ModuleType, rows: list[int]) -> None:
     x = _randn(16, VOCAB, seed=7, scale=4.0)
-    assert torch.equal(tk.log_softmax(x[rows]), tk.log_softmax(x)[rows])
-    assert torch.equal(tk.softmax(x[rows]), tk.softmax(x)[rows])
+    assert torch.equal(tk.softmax.log_softmax(x[rows]), tk.softmax.log_softmax(x)[rows])
+    assert torch.equal(tk.softmax.softmax(x[rows]), tk.softmax.softmax(x)[rows])
 
 
 def test_softmax_negative_control_chunking_changes_bits(
@@ -176,9 +177,9 @@ def test_softmax_negative_control_chunking_changes_bits(
 ) -> None:
     softmax = importlib.import_module("parity.kernels.triton.softmax")
     x = _randn(16, VOCAB, seed=7, scale=4.0)
-    fixed = tk.log_softmax(x)
+    fixed = tk.softmax.log_softmax(x)
     monkeypatch.setattr(softmax, "CHUNK", softmax.CHUNK // 4)
-    assert not torch.equal(tk.log_softmax(x), fixed)
+    assert not torch.equal(tk.softmax.log_softmax(x), fixed)
 
 
 def _sorted_probs(rows: int, vocab: int, seed: int) -> torch.Tensor:
@@ -191,15 +192,15 @@ def test_cumsum_matches_float64(tk: ModuleType) -> None:
     x = _sorted_probs(5, VOCAB, seed=8)
     x[1, 3000:] = 0.0  # top-k masked tail: the sum stops growing
     ref = torch.cumsum(x.double(), -1)
-    torch.testing.assert_close(tk.cumsum(x).double(), ref, atol=1e-5, rtol=1e-5)
-    assert torch.equal(tk.cumsum(x)[:, 0], x[:, 0])
+    torch.testing.assert_close(tk.scan.cumsum(x).double(), ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(tk.scan.cumsum(x)[:, 0], x[:, 0])
 
 
 @few
 @given(rows=st.lists(st.integers(0, 15), min_size=1, max_size=16))
 def test_cumsum_rows_are_batch_invariant(tk: ModuleType, rows: list[int]) -> None:
     x = _sorted_probs(16, VOCAB, seed=9)
-    assert torch.equal(tk.cumsum(x[rows]), tk.cumsum(x)[rows])
+    assert torch.equal(tk.scan.cumsum(x[rows]), tk.scan.cumsum(x)[rows])
 
 
 def test_cumsum_negative_control_chunking_changes_bits(
@@ -207,9 +208,9 @@ def test_cumsum_negative_control_chunking_changes_bits(
 ) -> None:
     scan = importlib.import_module("parity.kernels.triton.scan")
     x = _sorted_probs(16, VOCAB, seed=9)
-    fixed = tk.cumsum(x)
+    fixed = tk.scan.cumsum(x)
     monkeypatch.setattr(scan, "BLOCK", scan.BLOCK // 4)
-    assert not torch.equal(tk.cumsum(x), fixed)
+    assert not torch.equal(tk.scan.cumsum(x), fixed)
 
 
 @gpu
@@ -243,7 +244,7 @@ def _attend(tk: ModuleType, dtype: torch.dtype, parts: list[tuple[int, int, int]
     query = torch.cat([q[s][a:b] for s, a, b in parts])
     slots = torch.cat([torch.full((b - a,), s, dtype=torch.int64) for s, a, b in parts]).to(DEVICE)
     positions = torch.cat([torch.arange(a, b) for _, a, b in parts]).to(DEVICE)
-    return tk.attention(query, k, v, slots, positions, HEAD_DIM**-0.5, config, max_run=max_run)
+    return tk.attention.attention(query, k, v, slots, positions, HEAD_DIM**-0.5, config, max_run=max_run)
 
 
 @functools.cache
@@ -415,7 +416,7 @@ def test_fused_rotation_gives_hf_stock_bits(tk: ModuleType, dtype: torch.dtype, 
     angles = _randn(batch, length, 32, seed=length) * 3
     cos = torch.cat([angles.cos(), angles.cos()], -1).to(dtype)
     sin = torch.cat([angles.sin(), angles.sin()], -1).to(dtype)
-    fused = tk.apply_rotary(apply_rotary_pos_emb, q, k, cos, sin)
+    fused = tk.rotary.apply_rotary(apply_rotary_pos_emb, q, k, cos, sin)
     stock = apply_rotary_pos_emb(q, k, cos, sin)
     assert torch.equal(fused[0], stock[0]) and torch.equal(fused[1], stock[1])
     assert fused[0].transpose(1, 2).is_contiguous()
@@ -426,10 +427,10 @@ def test_fused_rotation_gives_hf_stock_bits(tk: ModuleType, dtype: torch.dtype, 
 
 def test_topk_breaks_ties_to_the_lower_index(tk: ModuleType) -> None:
     scores = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0], [0.5, 0.5, 0.5, 0.5, 0.5]], device=DEVICE)
-    values, indices = tk.topk(scores, 3)
+    values, indices = tk.moe.topk(scores, 3)
     assert indices.tolist() == [[1, 2, 4], [0, 1, 2]]
     assert values.tolist() == [[3.0, 3.0, 3.0], [0.5, 0.5, 0.5]]
-    values, _ = tk.topk(scores, 2, normalize=True)
+    values, _ = tk.moe.topk(scores, 2, normalize=True)
     assert values.tolist() == [[0.5, 0.5], [0.5, 0.5]]
 
 
@@ -444,7 +445,7 @@ def _moe_inputs(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
 
 
 def _route(tk: ModuleType, logits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    weights, index = tk.topk(torch.softmax(logits, -1), TOP_K, normalize=True)
+    weights, index = tk.moe.topk(torch.softmax(logits, -1), TOP_K, normalize=True)
     return weights.to(dtype), index
 
 
@@ -458,7 +459,7 @@ def test_experts_forward_matches_float64(tk: ModuleType, dtype: torch.dtype) -> 
             e = int(index[t, j])
             gate, up = (gate_up[e].double() @ x[t].double()).chunk(2)
             ref[t] += weights[t, j].double() * (down[e].double() @ (F.silu(gate) * up))
-    out = tk.experts_forward(x, index, weights, gate_up, down, F.silu)
+    out = tk.moe.experts_forward(x, index, weights, gate_up, down, F.silu)
     assert _rel_err(out, ref) < (1e-6 if dtype == torch.float32 else 3e-2)
 
 
@@ -466,7 +467,7 @@ def test_experts_forward_matches_float64(tk: ModuleType, dtype: torch.dtype) -> 
 def _moe_full(tk: ModuleType, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     x, gate_up, down, logits = _moe_inputs(dtype)
     weights, index = _route(tk, logits, dtype)
-    return x, gate_up, down, weights, index, tk.experts_forward(x, index, weights, gate_up, down, F.silu)
+    return x, gate_up, down, weights, index, tk.moe.experts_forward(x, index, weights, gate_up, down, F.silu)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -474,16 +475,16 @@ def _moe_full(tk: ModuleType, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
 @given(rows=st.lists(st.integers(0, TOKENS - 1), min_size=1, max_size=TOKENS))
 def test_experts_forward_is_batch_invariant(tk: ModuleType, dtype: torch.dtype, rows: list[int]) -> None:
     x, gate_up, down, weights, index, full = _moe_full(tk, dtype)
-    part = tk.experts_forward(x[rows], index[rows], weights[rows], gate_up, down, F.silu)
+    part = tk.moe.experts_forward(x[rows], index[rows], weights[rows], gate_up, down, F.silu)
     assert torch.equal(part, full[rows])
 
 
 def test_grouped_linear_negative_control_split_k_plan_breaks_invariance(tk: ModuleType) -> None:
     x, w = _randn(POOL, 256, seed=24), _randn(2, 64, 256, seed=25)
-    grouped = _split_k_when_few_rows(tk.grouped_linear)
+    grouped = _split_k_when_few_rows(tk.moe.grouped_linear)
     few, many = torch.tensor([0, 6, 10], device=DEVICE), torch.tensor([0, 100, POOL], device=DEVICE)
     rows = list(range(6)) + list(range(100, 104))
-    assert torch.equal(tk.grouped_linear(x[rows], w, few), tk.grouped_linear(x, w, many)[rows])
+    assert torch.equal(tk.moe.grouped_linear(x[rows], w, few), tk.moe.grouped_linear(x, w, many)[rows])
     assert not torch.equal(grouped(x[rows], w, few), grouped(x, w, many)[rows])
 
 
@@ -497,9 +498,9 @@ def test_linear_rows_invariant_at_qwen3_shapes(tk: ModuleType, n: int, k: int) -
     g = torch.Generator(DEVICE).manual_seed(30)
     x = torch.randn(4096, k, device=DEVICE, generator=g).to(torch.bfloat16)
     w = (torch.randn(n, k, device=DEVICE, generator=g) * k**-0.5).to(torch.bfloat16)
-    full = tk.linear(x, w)
+    full = tk.matmul.linear(x, w)
     for m in (1, 2, 15, 16, 17, 255, 256, 1000):
-        assert torch.equal(tk.linear(x[:m], w), full[:m]), f"M={m}"
+        assert torch.equal(tk.matmul.linear(x[:m], w), full[:m]), f"M={m}"
 
 
 @gpu
@@ -508,7 +509,7 @@ def test_fp32_linear_is_not_tf32(tk: ModuleType) -> None:
     torch.backends.cuda.matmul.allow_tf32 = True  # even with the global flag on
     try:
         x, w = _randn(512, 1024, seed=32), _randn(1024, 1024, seed=33)
-        assert _rel_err(tk.linear(x, w), x.double() @ w.double().T) < 1e-6
+        assert _rel_err(tk.matmul.linear(x, w), x.double() @ w.double().T) < 1e-6
     finally:
         torch.backends.cuda.matmul.allow_tf32 = False
 

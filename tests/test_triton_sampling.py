@@ -1,4 +1,4 @@
-"""The fused CUDA sampling kernel draws exactly what the torch sampler draws, row by row.
+"""The fused CUDA sampling kernel draws exactly what the CPU draw and the stock formula draw, row by row.
 
 Without a GPU it runs on CPU tensors under Triton's interpreter, in a child process started with
 `TRITON_INTERPRET=1` (the interpreter must be chosen before triton is imported; see
@@ -28,17 +28,19 @@ def test_sampling_kernel_under_the_triton_interpreter_in_a_child_process() -> No
 
 def _draw(processed: torch.Tensor, keys: list) -> torch.Tensor:
     """The kernel's draw for `keys` (None: greedy), on processed's device."""
-    from parity.engine.sampler import _key_state
+    from parity.engine.sampler import key_state
     from parity.kernels.triton.sampling import gumbel_argmax
 
-    state = _key_state([key or (0, 0, 0) for key in keys], processed.device)
+    state = key_state([key or (0, 0, 0) for key in keys], processed.device)
     noisy = torch.tensor([key is not None for key in keys], device=processed.device)
     return gumbel_argmax(processed, state, noisy)
 
 
 @runs_here
 def test_kernel_draws_the_torch_samplers_tokens() -> None:
-    from parity.engine.sampler import gumbel_noise
+    from parity.engine.sampler import key_state
+    from parity.kernels import sampling
+    from parity.kernels.cpu_sampling import gumbel_noise
 
     device = "cuda" if CUDA else "cpu"
     g = torch.Generator().manual_seed(0)
@@ -47,11 +49,15 @@ def test_kernel_draws_the_torch_samplers_tokens() -> None:
     processed[4, 100:] = float("-inf")  # a truncated (top-k) row
     processed[5] = 0.0  # every token ties: greedy picks token 0
     keys = [(7, 0, 3), (7, 1, 3), (2**40 + 7, 0, 3), (7, 0, 4), (11, 2, 9), None]
-    noise = gumbel_noise([key or (0, 0, 0) for key in keys], vocab)
+    state = key_state([key or (0, 0, 0) for key in keys], "cpu")
+    noise = gumbel_noise(state, vocab)
     noise[5] = 0.0
     expected = (processed.double() + noise).argmax(dim=-1)
     got = _draw(processed.to(device), keys).cpu()
     assert torch.equal(got, expected)
+    noisy = torch.tensor([key is not None for key in keys])
+    stock = sampling.gumbel_argmax(processed.to(device), state.to(device), noisy.to(device))  # family off
+    assert torch.equal(stock.cpu(), expected)
     assert got[5] == 0
     for i, key in enumerate(keys):  # a row drawn alone equals the row drawn in the batch
         assert torch.equal(_draw(processed[i:i + 1].to(device), [key]).cpu(), got[i:i + 1])

@@ -38,12 +38,12 @@ def linear_routes(model: str, *, dtype: str = "bfloat16", device: str = "cuda",
     if cuda:
         import torch
 
-        from parity.kernels import _triton_available
+        from parity.kernels import triton_available
 
         if not torch.cuda.is_available():
             raise BackendUnavailableError("parity kernels: no CUDA device here; use --device cpu")
 
-        if not _triton_available():
+        if not triton_available():
             raise BackendUnavailableError("parity kernels: Triton is not installed; install triton for CUDA")
         from parity.kernels.triton.matmul import configure_cublaslt, route
 

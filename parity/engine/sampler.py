@@ -10,9 +10,10 @@ mass differently.
 
 Sampling noise is a counter-based hash of (request seed, sample index, absolute position, token
 id), so a sample's tokens never depend on what else shares the batch. The hash bits are the same
-on every device; the two float64 logs that turn them into Gumbel noise are each device's own
-(torch on CPU, one Triton kernel on CUDA), so tokens could differ across devices only where two
-noisy scores of a row come within a rounding of each other.
+on every device (`parity.kernels.sampling`); the two float64 logs that turn them into Gumbel
+noise are each device's own (torch on CPU, one Triton kernel on CUDA, both behind the kernel
+switch like every other op), so tokens could differ across devices only where two noisy scores
+of a row come within a rounding of each other.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 
 from parity.engine.inputs import device_tensor
 from parity.kernels import ops
-from parity.kernels.cpu import POINTWISE_ALIGN, pointwise_
+from parity.kernels.sampling import mix32
 
 NEG_INF = float("-inf")
 
@@ -111,81 +112,15 @@ def reported_logprobs(logits: torch.Tensor, processed: torch.Tensor, tokens: tor
 _MASK32 = 0xFFFFFFFF
 
 
-def _mix32_(x: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (xorshift-multiply rounds), in place on int64 `x` holding values in [0, 2^32);
-    `scratch` has x's shape and takes each shifted copy, so a round makes no temporary.
-
-    The multipliers are odd and below 2^31, so a 32-bit value times one stays below 2^63: no
-    int64 overflow, and every shift is of a non-negative number, so results are the same on
-    every device.
-    """
-    for shift, multiplier in ((16, 0x7FEB352D), (15, 0x68E31DA5)):
-        x.bitwise_xor_(torch.bitwise_right_shift(x, shift, out=scratch))
-        x.mul_(multiplier).bitwise_and_(_MASK32)
-    return x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=scratch))
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """`_mix32_` of a copy of x: for the small key and token-word tensors, where x may be a view."""
-    return _mix32_(x.clone(), torch.empty_like(x))
-
-
-def _key_state(keys: Sequence[tuple[int, int, int]], device: torch.device | str) -> torch.Tensor:
-    """The hash state [N] int64 of each key (seed, sample index, position): 32-bit words folded by _mix32."""
+def key_state(keys: Sequence[tuple[int, int, int]], device: torch.device | str) -> torch.Tensor:
+    """The hash state [N] int64 of each key (seed, sample index, position): 32-bit words folded by
+    `parity.kernels.sampling.mix32`; the Gumbel noise of a row is a function of its state alone."""
     rows = device_tensor([[seed & _MASK32, (seed >> 32) & _MASK32, sample & _MASK32, position & _MASK32]
                           for seed, sample, position in keys], torch.int64, device).view(-1, 4)
-    state = _mix32(rows[:, 3])
+    state = mix32(rows[:, 3])
     for column in (2, 1, 0):
-        state = _mix32(rows[:, column] ^ state)
+        state = mix32(rows[:, column] ^ state)
     return state
-
-
-#: (vocab, device) -> the per-token hash words [2, vocab] int64, the same for every step.
-_TOKEN_WORDS: dict[tuple[int, str], torch.Tensor] = {}
-
-
-def _token_words(vocab: int, device: torch.device | str) -> torch.Tensor:
-    """_mix32(2 * token) and _mix32(2 * token + 1) for every token id [2, vocab] (cached per device)."""
-    key = (vocab, str(device))
-    if key not in _TOKEN_WORDS:
-        token = torch.arange(vocab, dtype=torch.int64, device=device)
-        _TOKEN_WORDS[key] = torch.stack([_mix32(2 * token), _mix32(2 * token + 1)])
-    return _TOKEN_WORDS[key]
-
-
-#: rows of the [N, vocab] hash computed at a time: two int64 rows of a 49k vocabulary (0.8 MB per
-#: temporary) stay in cache and are updated in place, where whole-batch temporaries (12 MB each at
-#: 32 x 49k, a dozen per step) are fresh allocations that fault in every page on every step.
-_HASH_ROWS = 2
-
-
-def gumbel_noise(keys: Sequence[tuple[int, int, int]], vocab: int, device: torch.device | str = "cpu"
-                 ) -> torch.Tensor:
-    """Gumbel noise [N, vocab] float64; row i is a function of keys[i] = (seed, sample index, position) only.
-
-    Counter-based: each (key, token id) is hashed to 53 random bits, u = (bits + 0.5) / 2^53 lies
-    in (0, 1), and the noise is -log(-log(u)), so no element's bits depend on its place in the
-    batch. The logs run through `pointwise_` (every element in the vector body, never a scalar
-    tail; a CUDA elementwise op runs the same code for every element, so this is only needed on
-    CPU but harmless elsewhere).
-    """
-    rows, total = len(keys), len(keys) * vocab
-    state = _key_state(keys, device).unsqueeze(1)
-    words = _token_words(vocab, device)
-    flat = torch.empty(total + (-total) % POINTWISE_ALIGN, dtype=torch.float64, device=device)
-    flat[total:] = 2.0**52  # padding: u = 1/2 after the scaling below, so its logs stay finite
-    bits = flat[:total].view(rows, vocab)
-    for start in range(0, rows, _HASH_ROWS):
-        block = state[start:start + _HASH_ROWS]
-        high, low = block ^ words[0], block ^ words[1]
-        scratch = torch.empty_like(high)
-        _mix32_(high, scratch)
-        _mix32_(low, scratch)
-        high.bitwise_left_shift_(21).bitwise_or_(low.bitwise_right_shift_(11))
-        bits[start:start + _HASH_ROWS].copy_(high)  # int64 -> float64: exact below 2^53
-    flat.add_(0.5).div_(2.0**53)
-    pointwise_(lambda u: u.log_().neg_().log_().neg_(), flat)
-    return bits
 
 
 def sample(processed: torch.Tensor, keys: Sequence[tuple[int, int, int] | None]) -> torch.Tensor:
@@ -193,22 +128,11 @@ def sample(processed: torch.Tensor, keys: Sequence[tuple[int, int, int] | None])
 
     Row i's Gumbel noise comes from its key (seed, sample index, position) alone; a None key
     (greedy) adds no noise. Ties go to the lower token id. All rows are drawn at once: a greedy
-    row gets the noise of a dummy key, masked off, so no per-row indexing reaches the host. On
-    CUDA one Triton kernel draws the same noise and takes the argmax without writing the noise
-    to memory (`parity.kernels.triton.sampling`).
+    row gets the noise of a dummy key, masked off, so no per-row indexing reaches the host. The
+    draw is an op of family "pointwise" (`parity.kernels.ops.gumbel_argmax`): on CUDA one Triton
+    kernel draws the noise and takes the argmax without writing the noise to memory.
     """
     device = processed.device
-    noisy = [key is not None for key in keys]
-    if device.type == "cuda":
-        from parity.kernels.triton.sampling import gumbel_argmax
-
-        state = _key_state([key or (0, 0, 0) for key in keys], device)
-        return gumbel_argmax(processed, state, device_tensor(noisy, torch.bool, device))
-    if not any(noisy):
-        return processed.argmax(dim=-1)
-    # noise + float64(score) in place of score + noise: the same sum (IEEE addition commutes, and
-    # float32 -> float64 is exact), without two more [N, V] float64 temporaries.
-    noise = gumbel_noise([key or (0, 0, 0) for key in keys], processed.shape[1], device)
-    if not all(noisy):
-        noise.masked_fill_(~device_tensor(noisy, torch.bool, device).unsqueeze(1), 0.0)
-    return noise.add_(processed).argmax(dim=-1)
+    state = key_state([key or (0, 0, 0) for key in keys], device)
+    noisy = device_tensor([key is not None for key in keys], torch.bool, device)
+    return ops.gumbel_argmax(processed, state, noisy)

@@ -4,7 +4,7 @@ Runs the reference engine on requests drawn under every (temperature, top_p, top
 grid at once, so each decode step mixes settings and rows, then scores the rollouts with
 `train_forward` under each rollout's own parameters and counts, per setting, the tokens whose
 logprobs differ in any bit. With invariant kernels every count is 0 on every device; that is the
-claim `benchmarks/gpu.py` and the GPU tests check on the H200 and anyone can check on their own.
+claim `python3 -m benchmarks.gpu` and the GPU tests check on the H200 and anyone can check on their own.
 """
 
 from __future__ import annotations

@@ -6,18 +6,24 @@
 
 Inside the switch, every op of a model loaded with `parity.models.loading.load_model` computes
 each token's outputs bitwise independently of batch size, batch companions, row position,
-padding, and of full forward vs chunked prefill vs decode. Families (`FAMILIES`) switch
-independently so drift can be attributed to one of them. Each family's op is looked up per
-device type: CPU kernels live in `parity/kernels/cpu.py` and `cpu_attention.py`; another device
-registers its own with `kernels.register(family, op, device_type, fn)`.
+padding, and of full forward vs chunked prefill vs decode; so does the sampler's draw. Families
+(`FAMILIES`) switch independently so drift can be attributed to one of them. Each family's op
+is looked up per device type in the switch's registry, which this module fills: the CPU kernels
+(`cpu`, `cpu_attention`, `cpu_sampling`) always, the Triton kernels (`triton`) where a GPU and
+Triton are present. Another device registers its own with `kernels.register(family, op,
+device_type, fn)`.
+
+Inside the package, imports point one way (an import-linter contract): the ops models call
+(`ops`, `moe`, `attention`) and the device kernels (`triton`, `cpu_attention`, `cpu_sampling`,
+then `cpu`) never import each other; both sit on the building blocks (`cpu_gemm`, `probe`, `grad`,
+`sampling`) and the switch.
 """
 
 import importlib.util
 
 import torch
 
-from parity.kernels import cpu as _cpu  # noqa: F401  (registers the CPU kernels)
-from parity.kernels import cpu_attention as _cpu_attention  # noqa: F401  (and the CPU attention)
+from parity.kernels import cpu, cpu_attention, cpu_sampling
 from parity.kernels.switch import (
     FAMILIES,
     disable,
@@ -30,7 +36,7 @@ from parity.kernels.switch import (
 )
 
 __all__ = ["FAMILIES", "disable", "enable", "enabled_families", "impl", "invariant", "native", "prepare",
-           "register"]
+           "register", "triton_available"]
 
 
 def prepare(model: torch.nn.Module) -> None:
@@ -39,22 +45,43 @@ def prepare(model: torch.nn.Module) -> None:
     (`parity.kernels.triton.matmul.prepare`). Nothing to do on CPU."""
     weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear) and m.bias is None]
     cuda = [w for w in weights if w.is_cuda]
-    if cuda and _triton_available():
-        from parity.kernels.triton import matmul
+    if cuda and triton_available():
+        from parity.kernels.triton import matmul  # Triton is optional (CUDA machines only)
 
         matmul.prepare({(w.dtype, *w.shape) for w in cuda}, cuda[0].device)
 
 
-def _triton_available() -> bool:
+def triton_available() -> bool:
+    """Whether Triton is installed (the CUDA kernels need it)."""
     return importlib.util.find_spec("triton") is not None
+
+
+def _register_cpu() -> None:
+    """Register the CPU kernels for device type "cpu"."""
+    for family, op, fn in (
+        ("matmul", "linear", cpu.linear),
+        ("rmsnorm", "rms_norm", cpu.rms_norm),
+        ("softmax", "softmax", cpu.softmax),
+        ("softmax", "log_softmax", cpu.log_softmax),
+        ("softmax", "cumsum", cpu.cumsum),
+        ("pointwise", "activation", cpu.activation),
+        ("pointwise", "gumbel_argmax", cpu_sampling.gumbel_argmax),
+        ("moe", "topk", cpu.topk),
+        ("moe", "experts", cpu.experts),
+        ("rotary", "rotary", cpu.rotary),
+        ("rotary", "apply", cpu.apply_rotary),
+        ("attention", "attention", cpu_attention.attention),
+    ):
+        register(family, op, "cpu", fn)
 
 
 def _register_cuda() -> None:
     """Register the Triton kernels for device type "cuda" where a GPU and Triton are present."""
-    if torch.cuda.is_available() and _triton_available():
-        from parity.kernels import triton as _triton
+    if torch.cuda.is_available() and triton_available():
+        from parity.kernels import triton  # Triton is optional (CUDA machines only)
 
-        _triton.register()
+        triton.register()
 
 
+_register_cpu()
 _register_cuda()

@@ -31,14 +31,12 @@ import torch
 
 from parity.kernels import cpu_gemm
 from parity.kernels.cpu_gemm import TILE
-from parity.kernels.switch import register
 
 #: pointwise inputs are padded to a multiple of this many elements (2 x the widest vector, 32 lanes).
 POINTWISE_ALIGN = 64
 #: largest piece a pointwise op sees: half of ATen's GRAIN_SIZE (32768 elements), below which
 #: TensorIterator runs an op on one thread.
 POINTWISE_CHUNK = 16384
-
 
 
 def pointwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -236,17 +234,3 @@ def apply_rotary(native: Callable[..., tuple[torch.Tensor, torch.Tensor]], q: to
     (vector body or scalar tail alike), so stock is invariant here."""
     return native(q, k, cos, sin, unsqueeze_dim)
 
-
-for _family, _op, _fn in (
-    ("matmul", "linear", linear),
-    ("rmsnorm", "rms_norm", rms_norm),
-    ("softmax", "softmax", softmax),
-    ("softmax", "log_softmax", log_softmax),
-    ("softmax", "cumsum", cumsum),
-    ("pointwise", "activation", activation),
-    ("moe", "topk", topk),
-    ("moe", "experts", experts),
-    ("rotary", "rotary", rotary),
-    ("rotary", "apply", apply_rotary),
-):
-    register(_family, _op, "cpu", _fn)

@@ -37,7 +37,6 @@ import torch
 
 from parity.kernels.cpu import pointwise, tree_sum
 from parity.kernels.cpu_gemm import bmm
-from parity.kernels.switch import register
 
 #: cached positions per attention block: the key width of every attention GEMM (fixed here, not
 #: taken from the cache, so that caches of any block size give the same bits).
@@ -196,5 +195,3 @@ def attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     result[plan.order] = out[:, :, :g]  # the padding rows of each KV head's last problem are dropped
     return (result[..., :d] / result[..., d:d + 1]).reshape(t, hq, d).to(query.dtype)
 
-
-register("attention", "attention", "cpu", attention)

@@ -1,10 +1,11 @@
-"""The ops patched models call: each runs the invariant kernel of its family when that family is on
-(looked up for the tensor's device) and the stock torch op otherwise.
+"""The ops patched models and the sampler call: each runs the invariant kernel of its family when that
+family is on (looked up for the tensor's device) and the stock torch op otherwise.
 
 The stock branch is exactly what the unpatched HF module computes, so a model with every family
-off gives the same bits as an unpatched one. Under autograd a kernel's result keeps its bits and
-takes the stock op's derivative (`parity.kernels.grad.exact`), so a training forward with
-gradients reports the same logprobs as the engine.
+off gives the same bits as an unpatched one; the sampler's draw, which no HF module has, falls
+back to its formula in plain torch ops (`parity.kernels.sampling`). Under autograd a kernel's
+result keeps its bits and takes the stock op's derivative (`parity.kernels.grad.exact`), so a
+training forward with gradients reports the same logprobs as the engine.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from parity.kernels import sampling
 from parity.kernels.grad import exact, needs_grad
 from parity.kernels.switch import impl
 
@@ -118,3 +120,13 @@ def _picked(scores: torch.Tensor, indices: torch.Tensor, normalize: bool) -> tor
     of the "moe" top-k: the choice itself has none)."""
     values = scores.gather(-1, indices)
     return values / values.sum(dim=-1, keepdim=True) if normalize else values
+
+
+def gumbel_argmax(scores: torch.Tensor, state: torch.Tensor, noisy: torch.Tensor) -> torch.Tensor:
+    """One token per row [N] int64: argmax(scores [N, V] + each row's Gumbel noise), ties to the lower id.
+
+    state [N] int64: each row's hash state; noisy [N] bool: False rows (greedy) add no noise.
+    Family "pointwise": the noise's float64 logs are elementwise transcendental ops.
+    """
+    fn = impl("pointwise", "gumbel_argmax", scores.device.type)
+    return sampling.gumbel_argmax(scores, state, noisy) if fn is None else fn(scores, state, noisy)

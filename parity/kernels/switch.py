@@ -5,6 +5,8 @@ batch-invariant implementation registered for that device when the family is swi
 `None` when the family is off (the caller then runs the stock torch op). A device backend (CPU
 here, CUDA/Triton in `parity/kernels/triton/`) plugs in with `register`; model code never
 changes.
+`replaced` swaps one registration for the length of a block (negative controls, call counting)
+and `registrations` lists them, so nothing outside this module touches the registry itself.
 """
 
 from __future__ import annotations
@@ -78,6 +80,27 @@ def register(family: str, op: str, device_type: str, fn: Callable[..., Any]) -> 
     if family not in FAMILIES:
         raise ConfigError(f"kernels.register: unknown family {family!r}; choose from {list(FAMILIES)}")
     _registry[(family, op, device_type)] = fn
+
+
+def registrations(device_type: str | None = None) -> dict[tuple[str, str, str], Callable[..., Any]]:
+    """A copy of the registry, (family, op, device type) -> implementation; only `device_type`'s if given."""
+    return {key: fn for key, fn in _registry.items() if device_type in (None, key[2])}
+
+
+@contextmanager
+def replaced(family: str, op: str, device_type: str, fn: Callable[..., Any]) -> Iterator[None]:
+    """`fn` registered as `family`/`op` on `device_type` inside the block; the previous registration
+    (or none) is restored when the block ends, failed or not."""
+    key = (family, op, device_type)
+    before = _registry.get(key)
+    register(family, op, device_type, fn)
+    try:
+        yield
+    finally:
+        if before is None:
+            del _registry[key]
+        else:
+            _registry[key] = before
 
 
 def impl(family: str, op: str, device_type: str) -> Callable[..., Any] | None:

@@ -3,9 +3,11 @@
 One kernel idea per module: `matmul` (persistent, one tile plan per weight shape), `rmsnorm`,
 `softmax` and `scan` (one program per row), `rotary` (q and k rotated in one launch each),
 `attention` (causal attention over the engine's KV cache, KV tiles at absolute positions, no KV
-split), `moe` (tie-stable top-k, grouped expert GEMM,
-ordered combine). `register()` plugs them into `parity.kernels`' switch for device type "cuda";
-the module docstrings give the numerical reason each one is batch-invariant.
+split), `moe` (tie-stable top-k, grouped expert GEMM, ordered combine), `sampling` (the
+sampler's Gumbel-max draw, noise kept in registers). Callers import the module they need
+(`parity.kernels.triton.matmul.linear`); `register()` plugs the kernels into `parity.kernels`'
+switch for device type "cuda". The module docstrings give the numerical reason each one is
+batch-invariant.
 
 CI exercises the same kernels on CPU tensors under Triton's interpreter (`TRITON_INTERPRET=1`
 set before this package is imported).
@@ -17,28 +19,8 @@ from collections.abc import Callable
 
 import torch
 
-from parity.kernels.triton.attention import attention
-from parity.kernels.triton.matmul import linear
-from parity.kernels.triton.moe import combine, experts_forward, grouped_linear, topk
-from parity.kernels.triton.rmsnorm import rms_norm
-from parity.kernels.triton.rotary import apply_rotary
-from parity.kernels.triton.scan import cumsum
-from parity.kernels.triton.softmax import log_softmax, softmax
-
-__all__ = [
-    "apply_rotary",
-    "attention",
-    "combine",
-    "cumsum",
-    "experts_forward",
-    "grouped_linear",
-    "linear",
-    "log_softmax",
-    "register",
-    "rms_norm",
-    "softmax",
-    "topk",
-]
+from parity.kernels import cpu, switch
+from parity.kernels.triton import attention, matmul, moe, rmsnorm, rotary, sampling, scan, softmax
 
 
 def _attention_op(
@@ -53,7 +35,7 @@ def _attention_op(
 ) -> torch.Tensor:
     """The switch's attention signature; `span` (cached positions the batch needs) is not needed:
     each run's own last position bounds its KV tiles. `max_run` 1 picks the decode launch."""
-    return attention(query, k_cache, v_cache, slots, positions, scaling, max_run=max_run)
+    return attention.attention(query, k_cache, v_cache, slots, positions, scaling, max_run=max_run)
 
 
 def _activation_op(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -64,20 +46,18 @@ def _activation_op(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) 
 
 def register() -> None:
     """Make these kernels the batch-invariant ops of `parity.kernels` for device type "cuda"."""
-    from parity.kernels.cpu import rotary  # a gather from one per-position table: device-agnostic
-    from parity.kernels.switch import register as register_op
-
     for family, op, fn in (
-        ("matmul", "linear", linear),
-        ("rmsnorm", "rms_norm", rms_norm),
-        ("softmax", "softmax", softmax),
-        ("softmax", "log_softmax", log_softmax),
-        ("softmax", "cumsum", cumsum),
+        ("matmul", "linear", matmul.linear),
+        ("rmsnorm", "rms_norm", rmsnorm.rms_norm),
+        ("softmax", "softmax", softmax.softmax),
+        ("softmax", "log_softmax", softmax.log_softmax),
+        ("softmax", "cumsum", scan.cumsum),
         ("pointwise", "activation", _activation_op),
-        ("rotary", "rotary", rotary),
-        ("rotary", "apply", apply_rotary),
-        ("moe", "topk", topk),
-        ("moe", "experts", experts_forward),
+        ("pointwise", "gumbel_argmax", sampling.gumbel_argmax),
+        ("rotary", "rotary", cpu.rotary),  # a gather from one per-position table: device-agnostic
+        ("rotary", "apply", rotary.apply_rotary),
+        ("moe", "topk", moe.topk),
+        ("moe", "experts", moe.experts_forward),
         ("attention", "attention", _attention_op),
     ):
-        register_op(family, op, "cuda", fn)
+        switch.register(family, op, "cuda", fn)

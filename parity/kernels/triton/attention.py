@@ -76,7 +76,7 @@ class AttentionConfig:
     Invariance needs one plan for every phase of a model's life (prefill, chunked prefill, decode,
     the training forward): BLOCK_N fixes the KV tile boundaries, and BLOCK_M and the warps decide
     which MMA instruction shape computes a row's dot products. A plan is shipped only after the
-    GPU check that decode == prefill == chunked prefill bit for bit under it (`benchmarks/gpu.py`,
+    GPU check that decode == prefill == chunked prefill bit for bit under it (`benchmarks/gpu/`,
     section attention_sweep); `attention(config=...)` runs another plan for that sweep.
     """
 
@@ -139,7 +139,7 @@ def shipped_config(tokens: int = 1) -> AttentionConfig:
     the warps are shared (they fix a row's arithmetic), only which program takes a run and how deep
     the K/V loads are pipelined change, which touches no row's arithmetic. The GPU sweep checks
     decode under the short launch == prefill under the long one bit for bit
-    (`benchmarks/gpu.py`, attention_sweep), and so do the GPU tests.
+    (`benchmarks/gpu/`, attention_sweep), and so do the GPU tests.
     """
     if tokens >= LONG_STEP_TOKENS:
         return AttentionConfig(BLOCK_M, BLOCK_N, NUM_WARPS, LONG_STEP_STAGES, LONG_STEP_PROGRAMS_PER_SM)

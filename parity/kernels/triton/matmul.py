@@ -91,6 +91,13 @@ def prepare(shapes: Iterable[tuple[torch.dtype, int, int]], device: torch.device
         _verdicts[(dtype, n, k)] = verdict
 
 
+def forget_verdicts(shapes: Iterable[tuple[torch.dtype, int, int]]) -> None:
+    """Drop this process's verdicts for `shapes` (dtype, N, K): the next `prepare` reads them from the
+    on-disk cache again (or probes), as a fresh process would; until then they take the Triton kernel."""
+    for shape in shapes:
+        _verdicts.pop(shape, None)
+
+
 def route(dtype: torch.dtype, n: int, k: int, has_bias: bool) -> tuple[str, str]:
     """(path, why) of a CUDA linear with weight [n, k] in `dtype`: "cublaslt" or "triton"."""
     if has_bias:

@@ -1,10 +1,11 @@
 """Gumbel-max sampling on CUDA in one kernel: counter-based noise, add, argmax, one program per row.
 
-The same draw as `parity.engine.sampler.sample` (and bitwise the same integers): the noise of
-token v in a row is -log(-log(u)) with u = (53 hash bits + 0.5) / 2^53, the bits a function of
-the row's key state and v only, added in float64 to the row's processed log-probs; the token is
-the first maximum. Done with torch ops that is ~30 full [N, V] int64/float64 passes through
-memory per step (~6 ms at 256 x 151936); here the noise never leaves registers.
+The draw of `parity.kernels.sampling` (and bitwise the same integers), registered as family
+"pointwise"'s `gumbel_argmax` for CUDA: the noise of token v in a row is -log(-log(u)) with u =
+(53 hash bits + 0.5) / 2^53, the bits a function of the row's key state and v only, added in
+float64 to the row's processed log-probs; the token is the first maximum. Done with torch ops
+(the stock draw) that is ~30 full [N, V] int64/float64 passes through memory per step (~6 ms at
+256 x 151936); here the noise never leaves registers.
 
 Batch invariance: a program reads only its own row and key state, walks the vocabulary in fixed
 BLOCK-wide chunks in ascending order, keeps per lane the first maximum it meets (strict >), and
@@ -25,7 +26,7 @@ _MASK32 = 0xFFFFFFFF
 
 @triton.jit
 def _mix32(x):
-    # The integer hash of `parity.engine.sampler._mix32`, in int64 like it: values stay below 2^32
+    # The integer hash of `parity.kernels.sampling.mix32_`, in int64 like it: values stay below 2^32
     # after every mask, odd multipliers below 2^31 keep products below 2^63, shifts are of
     # non-negative numbers, so the bits equal the torch version's.
     x = x ^ (x >> 16)

@@ -1,0 +1,73 @@
+"""The moe_e2e section: output tok/s on a Qwen3-30B-A3B-shaped bf16 model with random weights.
+
+`--moe-layers` of its 48 layers, built on the GPU in memory (48 layers are ~61 GB: more than the
+lent machine's disk holds): hf generate first, on the unpatched model (`--moe-hf-tokens` output
+tokens), then the engine with each `--moe-variants` kernel set, with and without route recording
+(inside the CUDA graphs when the kernels allow graphs).
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import torch
+
+from benchmarks.gpu.records import failure
+from benchmarks.gpu.results import E2EWorkload, Failure, MoESection, Throughput
+from benchmarks.gpu.run import Run
+from benchmarks.gpu.workloads import engine_kernels, engine_tok_s, hf_generate_tok_s, moe_config, requests_for
+from parity.kernels.triton.matmul import cublaslt_ready
+from parity.models import shaped
+from parity.models.loading import adopt_model
+
+
+def measure(run: Run) -> MoESection:
+    """See the module docstring."""
+    args = run.args
+    count, prompt_len, max_tokens = args.moe
+    hf_tokens = args.moe_hf_tokens or max_tokens
+    workload = E2EWorkload(
+        requests=count, prompt_tokens=prompt_len, output_tokens=max_tokens,
+        model=f"Qwen3-30B-A3B-shaped, {args.moe_layers} of 48 layers, 128 experts, top-8, bf16, "
+              "random weights built in GPU memory",
+        engine_chunk_size=prompt_len, engine_max_num_batched_tokens=args.max_batched_tokens,
+        matmul_path="cuBLASLt without split-K where probed" if cublaslt_ready() else "Triton")
+    config = moe_config(args.moe_layers)
+    where = run.tmp / "qwen3-30b-a3b-shaped"
+    where.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(where)
+    start = time.perf_counter()
+    hf = shaped.build_random_model(config, device="cuda", dtype="bfloat16")
+    torch.cuda.synchronize()
+    build_s = time.perf_counter() - start
+    rows: dict[str, Throughput | Failure] = {}
+
+    def checkpoint() -> None:
+        run.checkpoint("moe_e2e", MoESection(workload=workload, hf_generate_output_tokens=hf_tokens,
+                                             build_s=build_s, rows=dict(rows)))
+
+    reqs = requests_for(151936, count, prompt_len, max_tokens)
+    if "hf" in args.moe_variants:
+        try:
+            rows["hf_generate"] = hf_generate_tok_s(
+                hf, requests_for(151936, count, prompt_len, hf_tokens), prompt_len, hf_tokens)
+        except Exception:
+            rows["hf_generate"] = failure()
+        checkpoint()
+    lm = adopt_model(hf, where, "bfloat16", "cuda")
+    del hf
+    for variant in (v for v in args.moe_variants if v != "hf"):
+        for record in (False, True):
+            name = f"engine_{variant}{'_routes' if record else ''}"
+            try:
+                rows[name] = engine_tok_s(lm, engine_kernels(variant), reqs, prompt_len,
+                                          args.max_batched_tokens, record_routes=record)
+            except Exception:
+                rows[name] = failure()
+            torch.cuda.empty_cache()
+            checkpoint()
+    del lm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return MoESection(workload=workload, hf_generate_output_tokens=hf_tokens, build_s=build_s, rows=rows)

@@ -1,0 +1,130 @@
+"""The models, requests and engine variants the sections run, and one generate call timed.
+
+Models are shaped like real ones (`parity.models.shaped`) with random bf16 weights, built on the
+GPU; requests are random prompt ids sampled at temperature 1 with EOS ignored, so every request
+produces exactly its `max_tokens`.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.gpu.results import Throughput
+from parity.engine import ReferenceEngine
+from parity.models import shaped
+from parity.models.loading import LoadedModel
+from parity.schema import REDUCTION_GROUPS
+from parity.types import Request, SamplingParams
+
+#: the end-to-end variants: transformers generate, and the engine with each kernel set.
+E2E_VARIANTS = ("hf", "invariant", "native", "baseline")
+#: the kernel families the "baseline" (b') variant keeps on parity's fused Triton kernels: row-wise and
+#: elementwise ops whose invariance costs nothing (torch has no fused kernel HF models call for them),
+#: while matmul (default cuBLAS), attention (flash over the cache) and MoE stay stock.
+BASELINE_FAMILIES = ("rmsnorm", "pointwise", "rotary")
+
+
+def qwen3_config(layers: int, max_positions: int = 1024) -> Any:
+    """The Qwen3-1.7B-shaped model of the e2e and parity sections."""
+    return shaped.shaped_config("qwen3-1.7b", layers, max_position_embeddings=max_positions)
+
+
+def moe_config(layers: int) -> Any:
+    """The Qwen3-30B-A3B-shaped model of the moe_e2e section (`layers` of its 48)."""
+    return shaped.shaped_config("qwen3-30b-a3b", layers, max_position_embeddings=1024)
+
+
+def save_random_model(config: Any, path: Path) -> Path:
+    """A randomly initialized bf16 model built on the GPU and saved as a local HF checkpoint."""
+    return shaped.save_random_model(config, path, device="cuda", dtype="bfloat16")
+
+
+def requests_for(vocab: int, count: int, prompt_len: int, max_tokens: int, n: int = 1,
+                 seed: int = 0) -> list[Request]:
+    """`count` random prompts of `prompt_len` ids, sampled at temperature 1 for max_tokens (EOS ignored)."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(3, vocab, (count, prompt_len), generator=g).tolist()
+    return [
+        Request(
+            prompt_ids=p,
+            sampling=SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, seed=i, ignore_eos=True),
+            request_id=str(i),
+        )
+        for i, p in enumerate(prompts)
+    ]
+
+
+def plan_constants(variant: str) -> dict[str, int]:
+    """Attention module constants of an "invariant@PLAN" variant (PLAN: a name in
+    `attention.CANDIDATES`, run for every step, long or short); {} for a plain variant."""
+    from parity.kernels.triton.attention import CANDIDATES
+
+    if "@" not in variant:
+        return {}
+    plan = next(c for c in CANDIDATES if c.name == variant.split("@", 1)[1])
+    return {"BLOCK_M": plan.block_m, "BLOCK_N": plan.block_n, "NUM_WARPS": plan.num_warps,
+            "NUM_STAGES": plan.num_stages, "PROGRAMS_PER_SM": plan.programs_per_sm, "LONG_STEP_TOKENS": 2**62}
+
+
+def engine_kernels(variant: str) -> str | tuple[str, ...]:
+    """The engine's `kernels=` for an engine variant."""
+    return BASELINE_FAMILIES if variant == "baseline" else variant.split("@")[0]
+
+
+def variant_choices() -> list[str]:
+    """E2E variants: hf, invariant, native, baseline, or invariant@PLAN (the invariant engine under
+    another attention plan of `attention.CANDIDATES`)."""
+    from parity.kernels.triton.attention import CANDIDATES
+
+    return [*E2E_VARIANTS, *(f"invariant@{c.name}" for c in CANDIDATES)]
+
+
+def engine_tok_s(model: Path | LoadedModel, kernels: str | tuple[str, ...], reqs: list[Request],
+                 chunk_size: int, budget: int, record_routes: bool = False,
+                 tensor_parallel_size: int | None = None,
+                 reduction_groups: int = REDUCTION_GROUPS) -> Throughput:
+    """Output tok/s of one ReferenceEngine.generate over reqs (after a small warm-up generate; the
+    timed call still captures its decode graph, the KV cache being reallocated for its lengths)."""
+    with ReferenceEngine(model, dtype="bfloat16", device="cuda", kernels=kernels, max_num_seqs=len(reqs),
+                         chunk_size=chunk_size, max_num_batched_tokens=budget,
+                         record_routes=record_routes, tensor_parallel_size=tensor_parallel_size,
+                         reduction_groups=reduction_groups) as engine:
+        engine.generate(requests_for(151936, 4, 16, 4, seed=9))  # compile kernels, allocate the cache
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        rollouts = engine.generate(reqs)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+    produced = sum(len(r.token_ids) for r in rollouts)
+    return Throughput(seconds=seconds, output_tokens=produced, output_tok_s=produced / seconds,
+                      step_graphs=rollouts[0].meta["step_graphs"])
+
+
+def hf_generate_tok_s(model: Path | torch.nn.Module, reqs: list[Request], prompt_len: int,
+                      max_tokens: int) -> Throughput:
+    """Output tok/s of stock transformers `generate` (SDPA, sampling at temperature 1, no top-k/p) on a
+    checkpoint path or an unpatched model already on the GPU."""
+    from transformers import AutoModelForCausalLM
+
+    if isinstance(model, torch.nn.Module):
+        hf = model.eval()
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16, attn_implementation="sdpa")
+        hf = hf.cuda().eval()
+    ids = torch.tensor([list(r.prompt_ids) for r in reqs], device="cuda")
+    kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0)
+    hf.generate(ids[:4, :16], max_new_tokens=4, min_new_tokens=4, **kwargs)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                      min_new_tokens=max_tokens, **kwargs)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    produced = (out.shape[1] - prompt_len) * len(reqs)
+    del hf, out
+    torch.cuda.empty_cache()
+    return Throughput(seconds=seconds, output_tokens=produced, output_tok_s=produced / seconds)
