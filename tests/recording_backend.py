@@ -64,7 +64,7 @@ class RecordingBackend:
     @classmethod
     def option_names(cls) -> list[str]:
         return ["record_routes", "capture_routes", "enable_prefix_caching", "server_args", "device",
-                "tensor_parallel_size"]
+                "tensor_parallel_size", "lora"]
 
     def __init__(self, model: Any, *, dtype: str = "bfloat16", **options: Any) -> None:
         self.model, self.dtype, self.options = model, dtype, options

@@ -2,7 +2,7 @@
 after its last row, a bounded number of engines alive at once, and an engine that cannot start
 for want of memory recorded as an error row while the run goes on.
 
-The plan tests run the whole built-in matrix (cases/, 50 rows on reference, hf, vllm and
+The plan tests run the whole built-in matrix (cases/, 54 rows on reference, hf, vllm and
 vllm-server) through the real registry with recording stand-in engines (`recording_backend`) and
 a synthetic `compare`; the memory tests check the budget and the failure classification without
 engines. Real engines: `tests/test_nightly_memory_vllm.py` (vLLM) and
@@ -89,15 +89,15 @@ def open_engines(log_events: list[dict]) -> list[int]:
 def test_the_built_in_matrix_runs_one_engine_at_a_time_each_closed_after_its_last_row(tmp_path, recorded):
     cells = plan(runner.load_cases(str(BUILT_IN)), runner.resolve_backends(("auto",)))
     code, stored = nightly(tmp_path)
-    assert code == 0 and len(stored) == len(cells) == 50, stored
+    assert code == 0 and len(stored) == len(cells) == 54, stored
     assert {status for status, _ in stored.values()} == {"pass"}
     log_events = events(recorded)
     starts = [e["engine"] for e in log_events if e["event"] == "start"]
     closes = [e["engine"] for e in log_events if e["event"] == "close"]
     rows = [e for e in log_events if e["event"] == "row"]
-    # 31 engines (15 of them vLLM's), each started once and closed once, in the same order
-    assert len(starts) == len(set(starts)) == 31 and closes == starts, (starts, closes)
-    assert len(rows) == 50
+    # 35 engines (the LoRA case's four rows need four of their own), each started and closed once, in order
+    assert len(starts) == len(set(starts)) == 35 and closes == starts, (starts, closes)
+    assert len(rows) == 54
     # each engine's rows run between its start and its close, and it closes right after the last
     for i, e in enumerate(log_events):
         if e["event"] == "row":
@@ -136,7 +136,7 @@ def test_an_engine_without_memory_is_an_error_row_saying_what_it_needed_and_the_
     assert "(KV cache 1.0 + weights 0.0 + processes " in error and "GiB was free when it started" in error
     assert VLLM_MEMORY_MESSAGE in error and "the run goes on" in error
     # every other row ran, and nothing was left open
-    assert len(stored) == 50 and [k for k, (s, _) in stored.items() if s != "pass"] == [failed]
+    assert len(stored) == 54 and [k for k, (s, _) in stored.items() if s != "pass"] == [failed]
     log_events = events(recorded)
     assert [e["event"] for e in log_events].count("start-failed") == 1
     assert open_engines(log_events)[-1] == 0
