@@ -98,7 +98,8 @@ def drift_section(args: argparse.Namespace, save: Any) -> list[dict[str, Any]]:
             continue
         for setting, settings, replay, dtype in _drift_settings(moe):
             options = dict(settings)
-            engine_kwargs = {**DRIFT_ENGINE, **({"enforce_eager": True} if args.eager else {}),
+            engine_kwargs = {**DRIFT_ENGINE, "gpu_memory_utilization": args.memory_share,
+                             **({"enforce_eager": True} if args.eager else {}),
                              **options.pop("engine_kwargs", {})}
             kwargs: dict[str, Any] = {"case": load_case("cases/trained-chat.toml")} \
                 if path == "smollm2-135m-instruct" else {"prompts": prompts, "sampling": sampling}
@@ -235,6 +236,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--eager", action="store_true", help="drift: vLLM engines without compile and graphs")
+    p.add_argument("--memory-share", type=float, default=DRIFT_ENGINE["gpu_memory_utilization"],
+                   help="drift: each vLLM engine's gpu_memory_utilization (lower it when other work shares "
+                        "the GPU)")
     p.add_argument("--workload", type=_ints, default=(256, 256, 512))
     p.add_argument("--order", type=lambda t: t.split(","), default=list(THROUGHPUT_SIDES))
     p.add_argument("--measure", choices=THROUGHPUT_SIDES, help=argparse.SUPPRESS)

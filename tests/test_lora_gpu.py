@@ -105,16 +105,23 @@ def test_cuda_rollout_equals_train_forward_bitwise_with_adapter(adapter: str, mo
 @gpu
 @needs_cuda
 def test_cuda_graphs_follow_a_swap(tmp_path) -> None:
-    """A swap of the same scaling writes into the captured tensors (the graphs stay); one of another
-    lora_alpha recaptures; either way the engine gives a fresh engine's bits."""
+    """The first swap gives the engine its own copy of the adapter's tensors (the graphs captured
+    the shared ones: capture again); later swaps of the same scaling write into the captured
+    tensors (the graphs stay); one of another lora_alpha recaptures; each time the engine gives a
+    fresh engine's bits."""
     from test_lora import step_adapter
 
+    first = step_adapter(tmp_path, "tiny-qwen3-lora-r8", seed=2, directory="first")
     same = step_adapter(tmp_path, "tiny-qwen3-lora-r8", seed=3, directory="same")
     other = step_adapter(tmp_path, "tiny-qwen3-lora-r8", seed=4, alpha=48, directory="other")
     with ReferenceEngine("tiny-qwen3", device="cuda", dtype="bfloat16", lora="tiny-qwen3-lora-r8") as engine:
         engine.generate(_requests())
+        shared = engine._graphs
+        assert shared is not None and shared.status == "cuda graphs"
+        engine.load_adapter(first)
+        engine.generate(_requests())
         graphs = engine._graphs
-        assert graphs is not None and graphs.status == "cuda graphs"
+        assert graphs is not None and graphs is not shared
         engine.load_adapter(same)
         after_same = engine.generate(_requests())
         assert engine._graphs is graphs

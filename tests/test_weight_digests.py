@@ -84,3 +84,26 @@ def test_which_backends_can_sync_weights():
     assert "no weight-update API" in weight_sync_missing("hf")
     assert "no weight-update API" in weight_sync_missing("trtllm")
     assert "cannot report the weights" in weight_sync_missing("sglang")
+
+
+def test_the_worker_extension_digests_as_vllm_does():
+    """vLLM 0.23's GPU worker has no compute_weight_checksums; parity's worker extension stands in.
+    Its digests are vLLM's own (`compute_tensor_digests`) on a real model's parameters, and a changed
+    bit changes one (a digest that ignored the bytes would fail)."""
+    from types import SimpleNamespace
+
+    pytest.importorskip("vllm")
+    from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests
+
+    from parity.backends.vllm_weights import WeightDigestExtension
+
+    model = load_model("tiny-llama").model
+    worker = SimpleNamespace(rank=0, model_runner=SimpleNamespace(get_model=lambda: model))
+    ours = WeightDigestExtension.parity_weight_checksums(worker)
+    assert ours == {f"rank0:{name}": digest for name, digest in compute_tensor_digests(model).items()}
+    small = torch.nn.ParameterDict({"w": torch.nn.Parameter(torch.ones(3))})
+    changed = SimpleNamespace(rank=0, model_runner=SimpleNamespace(get_model=lambda: small))
+    before = WeightDigestExtension.parity_weight_checksums(changed)
+    with torch.no_grad():
+        small["w"][1] = torch.nextafter(torch.tensor(1.0), torch.tensor(2.0))
+    assert WeightDigestExtension.parity_weight_checksums(changed) != before

@@ -69,6 +69,7 @@ from parity import guard
 from parity.backends.base import Backend, SampleJob, expand_samples, processed_from_raw, stop_set
 from parity.backends.vllm_routes import capture_engine_kwargs, start_route_capture, take_routes
 from parity.backends.vllm_weights import (
+    DIGEST_EXTENSION,
     check_weight_transfer,
     expected_digests,
     ipc_engine_kwargs,
@@ -205,6 +206,10 @@ class VLLMBackend(Backend):
         self._lora_id = 0
         if capture_routes:
             engine_kwargs = capture_engine_kwargs(engine_kwargs, return_routed_experts=return_routed_experts)
+        elif not on_cpu:  # vLLM 0.23's GPU worker has no compute_weight_checksums: parity's digests
+            engine_kwargs.setdefault("worker_extension_cls", DIGEST_EXTENSION)
+        self._checksum_method = "parity_weight_checksums" \
+            if engine_kwargs.get("worker_extension_cls") == DIGEST_EXTENSION else "compute_weight_checksums"
         self.capture_routes = capture_routes
         try:
             with guard.spawn_window():  # the EngineCore vLLM spawns dies with this process
@@ -337,10 +342,11 @@ class VLLMBackend(Backend):
 
     def weight_checksums(self) -> dict[str, str | None]:
         """vLLM's own digests of the worker's weights (`compute_weight_checksums`, the check behind
-        its RL `/weight_checker`): sha256 per tensor, by vLLM's parameter name (one worker); None
-        for a weight packed into a GEMM kernel (`worker_checksums`)."""
+        its RL `/weight_checker`; on the GPU the same digests from `WeightDigestExtension`): sha256
+        per tensor, by vLLM's parameter name (one worker); None for a weight packed into a GEMM
+        kernel (`worker_checksums`)."""
         try:
-            workers = self._llm.collective_rpc("compute_weight_checksums")
+            workers = self._llm.collective_rpc(self._checksum_method)
         except Exception as e:
             raise BackendError(f"vLLM weight checksums failed: {e}") from e
         return worker_checksums({key: digest for worker in workers for key, digest in worker.items()})

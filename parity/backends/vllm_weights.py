@@ -14,8 +14,9 @@
   importable even though parity's callable transport never uses it.
 
 And how a push is verified: vLLM digests every weight tensor of a worker (`compute_weight_checksums`,
-sha256; the check behind its RL `/weight_checker`); `expected_digests` makes the same digests from
-HF-named tensors laid out the way the model class packs them (`vllm_layout`), and
+sha256; the check behind its RL `/weight_checker`; a worker without it, vLLM 0.23's GPU worker, gets
+the same digests from parity's worker extension, `WeightDigestExtension`); `expected_digests` makes
+the same digests from HF-named tensors laid out the way the model class packs them (`vllm_layout`), and
 `worker_checksums` reads vLLM's answer, marking the tensors vLLM-CPU packed into its GEMM kernels
 (their parameters are left empty) as unreadable.
 """
@@ -118,6 +119,23 @@ def sha256_digest(tensor: torch.Tensor) -> str:
     """vLLM's weight digest: sha256 of the tensor's bytes, row-major, in its dtype
     (`vllm.model_executor.model_loader.weight_checksum.compute_tensor_digests`)."""
     return hashlib.sha256(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+
+
+#: the worker extension whose `parity_weight_checksums` digests a worker's weights as vLLM's
+#: `compute_weight_checksums` does, for workers without it (vLLM 0.23's GPU worker).
+DIGEST_EXTENSION = "parity.backends.vllm_weights.WeightDigestExtension"
+
+
+class WeightDigestExtension:
+    """Mixed into vLLM's worker class (`worker_extension_cls`); called by name through
+    `LLM.collective_rpc`."""
+
+    def parity_weight_checksums(self) -> dict[str, str]:
+        """{"rank<R>:<parameter name>": sha256 of its bytes} over the worker's model parameters: the
+        digests of vLLM's `compute_tensor_digests` for plain (unquantized) parameters."""
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        rank = self.rank  # type: ignore[attr-defined]
+        return {f"rank{rank}:{name}": sha256_digest(param) for name, param in model.named_parameters()}
 
 
 #: the digest of an empty tensor: what vLLM-CPU reports for a linear weight it has packed into its
