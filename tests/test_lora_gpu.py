@@ -44,7 +44,7 @@ def test_adapter_products_under_the_triton_interpreter_in_a_child_process() -> N
 def tk() -> ModuleType:
     if not (CUDA or INTERPRETED):
         pytest.skip("no GPU: run by test_adapter_products_under_the_triton_interpreter_in_a_child_process")
-    return importlib.import_module("parity.kernels.triton")
+    return importlib.import_module("parity.kernels.triton.matmul")
 
 
 def _randn(*shape: int, seed: int) -> torch.Tensor:

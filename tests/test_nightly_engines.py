@@ -21,6 +21,7 @@ import recording_backend
 from recording_backend import FAIL_ENV, LOG_ENV, VLLM_MEMORY_MESSAGE, events, log
 from test_nightly_runner import fake_compare
 
+from parity.backends import registry
 from parity.errors import BackendError, ConfigError
 from parity.nightly import execute, main, runner
 from parity.nightly.engines import engine_order
@@ -51,9 +52,12 @@ def logged_lifecycle(run_id: str, key: Any, case: Any, engine: Any, provenance: 
 
 @pytest.fixture
 def recorded(tmp_path, monkeypatch):
-    """Recording engines under the real backend names; returns the engine log's path."""
+    """Recording engines under the real backend names, in a shared-engine cache of their own (the
+    session's real engines, shared by other modules on this worker, have the same keys and would be
+    served instead); returns the engine log's path."""
     path = tmp_path / "engines.jsonl"
     monkeypatch.setenv(LOG_ENV, str(path))
+    monkeypatch.setattr(registry, "_SHARED", {})
     recording_backend.install(monkeypatch.setitem)
     monkeypatch.setattr(execute, "compare", logged_compare)
     monkeypatch.setattr(execute, "lifecycle_row", logged_lifecycle)
