@@ -40,6 +40,8 @@ $(CHROMIUM_STAMP):
 demo: $(STAMP)
 	$(BIN)/parity nightly --cases cases/smoke.toml,cases/moe.toml --backends auto --out reports/
 
+# What CI runs: ruff, then lint-imports (the import-linter contracts of pyproject.toml: the layers, the
+# layers inside each package, the light modules that never load torch), then pytest on xdist workers.
 test: $(STAMP) $(CHROMIUM_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
