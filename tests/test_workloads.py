@@ -96,7 +96,11 @@ def test_reference_is_exact_and_its_record_scores_the_same(case_file, tmp_path):
     # every prompt shares the chat template's system prompt: each row shows its user message
     assert report.extras["text"]["prompts"]["0"].startswith("Weng earns $12 an hour")
     assert not any(p.startswith("<|im_start|>system") for p in report.extras["text"]["prompts"].values())
-    assert parity.score(tmp_path / "reference.jsonl").summary == report.summary
+    # the record scores the same (the gold's default rule weighs its estimate against the row's own
+    # time, so on a loaded machine the two rows could decide differently: the score asks for the
+    # compare's decision)
+    gold = report.extras["gold"]["ran"]
+    assert parity.score(tmp_path / "reference.jsonl", gold=gold).summary == report.summary
 
 
 def test_hf_drift_on_the_dataset(case_file, tmp_path):
