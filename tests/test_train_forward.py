@@ -135,9 +135,13 @@ def test_train_config_is_validated_on_construction():
             TrainConfig(**bad)
         with pytest.raises(ConfigError, match=field):
             train_forward("tiny-llama", ok, **bad)
-    with pytest.raises(ConfigError, match=r"unknown training setting\(s\) \['dtpye'\]; the training settings "
+    with pytest.raises(ConfigError, match=r"unknown argument\(s\) \['dtpye'\]; the training settings "
                                           r"are \[.*'dtype'"):
         train_forward("tiny-llama", ok, dtpye="bfloat16")
+    with pytest.raises(ConfigError, match=r"\['tempreature'\].*other keywords \[.*'temperature'"):
+        train_forward("tiny-llama", ok, tempreature=0.7)
+    with pytest.raises(ConfigError, match=r"unknown training setting\(s\) \['dtpye'\]"):
+        TrainConfig().replace(dtpye="bfloat16")
     with pytest.raises(ConfigError, match="layout"):
         TrainConfig().replace(layout="middle")
     # a config and keyword settings are one spelling: the same bits, keywords overriding the config's

@@ -9,6 +9,7 @@ reference engine's rollout logprobs bit for bit.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -108,6 +109,11 @@ class TrainConfig:
         """A copy with `changes` applied (validated again); an unknown setting is a ConfigError
         listing the settings."""
         return replace_fields(self, changes, where="train_forward", what="training setting")
+
+
+#: train_forward's keywords that define the logprobs and carry data, beside the `TrainConfig` settings.
+DEFINITION_KEYWORDS = ("logprobs_mode", "temperature", "top_k", "top_p", "record_routes", "router_replay",
+                       "routes", "lora")
 
 
 @dataclass(frozen=True)
@@ -328,6 +334,11 @@ def train_forward(model: str | LoadedModel,
     the adapter they were sampled with are scored with it (`scoring_adapter`). Not with tensor
     parallelism.
     """
+    unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(TrainConfig)})
+    if unknown:  # a typo of a logprob-definition keyword lands here too: list both kinds
+        raise ConfigError(f"train_forward: unknown argument(s) {unknown}; the training settings are "
+                          f"{sorted(f.name for f in dataclasses.fields(TrainConfig))} and the other keywords "
+                          f"{list(DEFINITION_KEYWORDS)}")
     config = (config or TrainConfig()).replace(**settings)
     tp, reduction, groups = scoring_layout(sequences, config.tensor_parallel_size, config.tp_reduction,
                                            config.reduction_groups)
