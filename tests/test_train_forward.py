@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
-from parity.engine import LAYOUTS, ReferenceEngine, TrainResult, train_forward
+from parity.engine import LAYOUTS, EngineConfig, ReferenceEngine, TrainConfig, TrainResult, train_forward
 from parity.engine.sampler import RowParams, processed_logprobs
 from parity.errors import ConfigError, InputError
 from parity.models.loading import load_model
@@ -120,6 +120,40 @@ def test_bad_input_is_a_parity_error():
     with pytest.raises(ConfigError, match="logprobs_mode"):
         train_forward("tiny-llama", ok, logprobs_mode="sampled")
     assert train_forward("tiny-llama", []) == TrainResult([], None)
+
+
+def test_train_config_is_validated_on_construction():
+    ok = [((5, 6), (7,))]
+    for bad, field in [(dict(dtype="float8"), "dtype"), (dict(layout="middle"), "layout"),
+                       (dict(device="tpu"), "device"), (dict(kernels="fast"), "kernels"),
+                       (dict(micro_batch_size=0), "micro_batch_size"), (dict(grad=1), "grad"),
+                       (dict(tensor_parallel_size=3), "tensor_parallel_size"),
+                       (dict(tp_reduction="sum"), "tp_reduction"),
+                       (dict(tensor_parallel_size=4, reduction_groups=6), "reduction_groups"),
+                       (dict(tensor_parallel_size=1, grad=True), "grad")]:
+        with pytest.raises(ConfigError, match=field):
+            TrainConfig(**bad)
+        with pytest.raises(ConfigError, match=field):
+            train_forward("tiny-llama", ok, **bad)
+    with pytest.raises(ConfigError, match=r"unknown argument\(s\) \['dtpye'\]; the training settings "
+                                          r"are \[.*'dtype'"):
+        train_forward("tiny-llama", ok, dtpye="bfloat16")
+    with pytest.raises(ConfigError, match=r"\['tempreature'\].*other keywords \[.*'temperature'"):
+        train_forward("tiny-llama", ok, tempreature=0.7)
+    with pytest.raises(ConfigError, match=r"unknown training setting\(s\) \['dtpye'\]"):
+        TrainConfig().replace(dtpye="bfloat16")
+    with pytest.raises(ConfigError, match="layout"):
+        TrainConfig().replace(layout="middle")
+    # a config and keyword settings are one spelling: the same bits, keywords overriding the config's
+    keywords = train_forward("tiny-llama", ok, dtype="bfloat16", layout="packed").logprobs
+    for config, settings in [(TrainConfig(dtype="bfloat16", layout="packed"), {}),
+                             (TrainConfig(dtype="bfloat16"), dict(layout="packed"))]:
+        scored = train_forward("tiny-llama", ok, config, **settings).logprobs
+        assert all(torch.equal(a, b) for a, b in zip(scored, keywords, strict=True))
+    engine = EngineConfig(dtype="bfloat16", tensor_parallel_size=2, reduction_groups=4)
+    assert engine.training() == TrainConfig(dtype="bfloat16", tensor_parallel_size=1,
+                                            tp_reduction="canonical", reduction_groups=4)
+    assert EngineConfig(kernels="native").training() == TrainConfig(kernels="native")
 
 
 # -- each rollout under its own sampling --------------------------------------------------------

@@ -64,13 +64,10 @@ class ReferenceBackend(Backend):
 
     def _score(self, pairs: list[Pair], sampling: SamplingParams) -> list[torch.Tensor]:
         """The training forward with this backend's dtype, device and kernels."""
-        # with tensor parallelism: the canonical layout in this process, the bits of every degree
-        tp = None if self.config.tensor_parallel_size is None else 1
-        return train_forward(self._engine.lm.path if tp else self._engine.lm, pairs, dtype=self.dtype,
-                             device=self.config.device, kernels=self.config.kernels,
-                             tensor_parallel_size=tp, tp_reduction=self.config.tp_reduction,
-                             reduction_groups=self.config.reduction_groups,
-                             logprobs_mode=sampling.logprobs_mode,
+        # with tensor parallelism this process holds the whole model on the CPU for input checks;
+        # the training forward loads the canonical layout's shard itself (`EngineConfig.training`)
+        model = self._engine.lm.path if self.config.tensor_parallel_size else self._engine.lm
+        return train_forward(model, pairs, self.config.training(), logprobs_mode=sampling.logprobs_mode,
                              temperature=sampling.temperature, top_k=sampling.top_k,
                              top_p=sampling.top_p).logprobs
 

@@ -7,6 +7,6 @@
 """
 
 from parity.engine.engine import EngineConfig, ReferenceEngine
-from parity.engine.train import LAYOUTS, TrainResult, train_forward
+from parity.engine.train import LAYOUTS, TrainConfig, TrainResult, train_forward
 
-__all__ = ["LAYOUTS", "EngineConfig", "ReferenceEngine", "TrainResult", "train_forward"]
+__all__ = ["LAYOUTS", "EngineConfig", "ReferenceEngine", "TrainConfig", "TrainResult", "train_forward"]

@@ -38,7 +38,7 @@ from parity.engine.inputs import (
     kernel_scope,
 )
 from parity.engine.scheduler import Scheduler, Sequence, Span, Step
-from parity.engine.train import train_forward
+from parity.engine.train import TrainConfig, train_forward
 from parity.errors import ConfigError, InputError, UnsupportedError
 from parity.kernels.attention import KVCache
 from parity.models import routing
@@ -130,6 +130,14 @@ class EngineConfig:
     def replace(self, **changes: Any) -> EngineConfig:
         """A copy with `changes` applied (validated again); an unknown setting is a ConfigError."""
         return replace_fields(self, changes, where="engine", what="engine setting")
+
+    def training(self) -> TrainConfig:
+        """The training forward's settings whose logprobs equal this engine's rollouts' bit for bit:
+        its dtype, device and kernels, and with tensor parallelism the canonical layout in one
+        process (`tensor_parallel_size=1`, the bits of every degree) with its reduction and groups."""
+        layout = {} if self.tensor_parallel_size is None else dict(
+            tensor_parallel_size=1, tp_reduction=self.tp_reduction, reduction_groups=self.reduction_groups)
+        return TrainConfig(dtype=self.dtype, device=self.device, kernels=self.kernels, **layout)
 
 
 class ReferenceEngine:
@@ -366,16 +374,10 @@ class ReferenceEngine:
         return {name: tensor_digest(p) for name, p in self.lm.model.named_parameters()}
 
     def score(self, sequences: list, **options: Any) -> list[torch.Tensor]:
-        """Teacher-forced response logprobs: `train_forward` with this engine's dtype, device, kernels."""
-        options.setdefault("kernels", self.config.kernels)
-        if self.config.tensor_parallel_size is not None:
-            # the training forward of the canonical layout: one process, whatever this engine's degree
-            options.setdefault("tensor_parallel_size", 1)
-            options.setdefault("tp_reduction", self.config.tp_reduction)
-            options.setdefault("reduction_groups", self.config.reduction_groups)
+        """Teacher-forced response logprobs: `train_forward` with this engine's settings
+        (`EngineConfig.training`); `options` are train_forward's keyword arguments."""
         model = self.lm if self._ranks is None else self.lm.path
-        return train_forward(model, sequences, dtype=self.config.dtype, device=self.config.device,
-                             **options).logprobs
+        return train_forward(model, sequences, self.config.training(), **options).logprobs
 
 
 def _rank_engine(path: str, config: EngineConfig, comm: Comm) -> ReferenceEngine:

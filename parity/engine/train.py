@@ -9,25 +9,34 @@ reference engine's rollout logprobs bit for bit.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from parity.engine import forward, sampler
-from parity.engine.inputs import KernelMode, check_length, check_positive_int, check_token_ids, kernel_scope
+from parity.engine.inputs import (
+    KernelMode,
+    check_length,
+    check_positive_int,
+    check_token_ids,
+    kernel_families,
+    kernel_scope,
+)
 from parity.errors import AdapterError, ConfigError, InputError
 from parity.kernels.attention import KVCache
 from parity.models import routing
 from parity.models.checkpoints import resolve_model
-from parity.models.loading import LoadedModel, load_model
+from parity.models.loading import LoadedModel, check_device, load_model
 from parity.models.lora import LoraSpec, check_adapter, check_without_tensor_parallel
 from parity.parallel import (
     REDUCTION_GROUPS,
+    REDUCTIONS,
     Comm,
     RankGroup,
     check_degree,
@@ -36,10 +45,75 @@ from parity.parallel import (
     shard_model,
 )
 from parity.routes import check_routes
+from parity.strict import check_choice, check_dtype, replace_fields
 from parity.types import LOGPROBS_MODES, Pair, Rollout, as_pairs
 
 LAYOUTS: tuple[str, ...] = ("right", "left", "packed")
 
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """How `train_forward` executes: the numerical settings, the same for every sequence of a call
+    (what each sequence is scored under, its logprob definition, is `train_forward`'s own arguments).
+
+    dtype: the weights' and activations' dtype, "float32", "bfloat16" or "float16".
+    device: where the model runs, "cpu", "cuda" or "cuda:N" (a device this machine has).
+    kernels: "invariant" (every family), "native" (stock torch) or a collection of family names to
+        switch on (the rest native), e.g. to attribute drift to one family.
+    micro_batch_size: sequences per forward, an integer >= 1 (None: all in one forward).
+    layout: how a micro-batch is laid out, "right"/"left" padding of `[micro_batch, max_len]` or
+        "packed" into one `[1, total_tokens]` row with per-sequence position ids (`LAYOUTS`).
+    tensor_parallel_size: None runs the whole model; k in (1, 2, 4, 8) runs the tensor-parallel
+        layout of `parity.parallel` on k ranks (k = 1 in this process), whose logprobs are the same
+        bits at every k and equal the reference engine's at any degree.
+    tp_reduction: the row-parallel sum, "canonical" (TP-invariant) or the "all_reduce" contrast.
+    reduction_groups: the canonical sum's K groups, an integer >= 1 that k divides (default
+        `REDUCTION_GROUPS`): the bits equal the engine's only for the engine's own value.
+        tensor_parallel_size, tp_reduction and reduction_groups left None take the layout the
+        Rollouts record (`scoring_layout`), else the whole model.
+    grad: False runs under inference_mode; True records autograd, so each logprob tensor carries
+        the gradient with respect to the model's parameters (the same bits either way: the invariant
+        kernels keep their forward and take the stock op's derivative, `parity.kernels.grad`). Not
+        with tensor parallelism (the ranks run in other processes).
+    """
+
+    dtype: str = "float32"
+    device: str = "cpu"
+    kernels: KernelMode = "invariant"
+    micro_batch_size: int | None = None
+    layout: str = "right"
+    tensor_parallel_size: int | None = None
+    tp_reduction: str | None = None
+    reduction_groups: int | None = None
+    grad: bool = False
+
+    def __post_init__(self) -> None:
+        check_dtype(self.dtype)
+        object.__setattr__(self, "device", check_device(self.device))
+        kernel_families(self.kernels)
+        if self.micro_batch_size is not None:
+            check_positive_int(self.micro_batch_size, "micro_batch_size")
+        check_choice(self.layout, LAYOUTS, "layout")
+        if self.tensor_parallel_size is not None:
+            check_degree(self.tensor_parallel_size)
+        if self.tp_reduction is not None:
+            check_choice(self.tp_reduction, REDUCTIONS, "tp_reduction")
+        if self.reduction_groups is not None:
+            check_reduction_groups(self.reduction_groups, self.tensor_parallel_size)
+        if not isinstance(self.grad, bool):
+            raise ConfigError(f"grad must be True or False, got {self.grad!r}")
+        if self.grad and self.tensor_parallel_size is not None:
+            raise ConfigError("grad=True runs the model in this process; leave tensor_parallel_size unset")
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        """A copy with `changes` applied (validated again); an unknown setting is a ConfigError
+        listing the settings."""
+        return replace_fields(self, changes, where="train_forward", what="training setting")
+
+
+#: train_forward's keywords that define the logprobs and carry data, beside the `TrainConfig` settings.
+DEFINITION_KEYWORDS = ("logprobs_mode", "temperature", "top_k", "top_p", "record_routes", "router_replay",
+                       "routes", "lora")
 
 
 @dataclass(frozen=True)
@@ -220,9 +294,8 @@ def scoring_adapter(sequences: Sequence[Any], lora: str | os.PathLike[str] | Lor
 
 
 def train_forward(model: str | LoadedModel,
-                  sequences: Sequence[Rollout | tuple[Sequence[int], Sequence[int]]], *,
-                  dtype: str = "float32", device: str = "cpu", kernels: KernelMode = "invariant",
-                  micro_batch_size: int | None = None, layout: str = "right",
+                  sequences: Sequence[Rollout | tuple[Sequence[int], Sequence[int]]],
+                  config: TrainConfig | None = None, *,
                   logprobs_mode: str | None = None,
                   temperature: float | Sequence[float | None] | None = None,
                   top_k: int | Sequence[int | None] | None = None,
@@ -230,13 +303,19 @@ def train_forward(model: str | LoadedModel,
                   record_routes: bool = False,
                   router_replay: str | routing.RouterReplay | None = None,
                   routes: Sequence[Any] | None = None,
-                  tensor_parallel_size: int | None = None, tp_reduction: str | None = None,
-                  reduction_groups: int | None = None, grad: bool = False,
                   lora: str | os.PathLike[str] | LoraSpec | None = None,
-                  ) -> TrainResult:
+                  **settings: Any) -> TrainResult:
     """Teacher-forced logprobs of each sequence's response tokens (`TrainResult.logprobs`).
 
     sequences: Rollouts or (prompt_ids, response_ids) pairs.
+    config: how the forward runs (`TrainConfig`: dtype, device, kernels, micro_batch_size, layout,
+    the tensor-parallel layout, grad); keyword `settings` (its field names) override its fields,
+    so `train_forward(m, seqs, dtype="bfloat16")` is `train_forward(m, seqs, TrainConfig(dtype="bfloat16"))`;
+    an unknown keyword is a ConfigError listing the settings. Rollouts that record the
+    tensor-parallel layout they were sampled in (the reference engine's meta `reduction_groups`:
+    None for the whole model) are scored in it, as they are under their recorded sampling: unset
+    layout settings take the record, a contradicting one is a ConfigError, and rollouts of
+    different layouts in one call are an InputError (`scoring_layout`).
     temperature/top_k/top_p: the sampling the responses were drawn with, which "processed"
     logprobs depend on. Unset (None, the default), each Rollout is scored under the sampling
     it records (`Rollout.sampling`) and each pair, which records none, under an unmodified
@@ -245,64 +324,44 @@ def train_forward(model: str | LoadedModel,
     record is a ConfigError. A processed-mode Rollout with no record and no value is an
     InputError: it is never scored at a guessed temperature.
     logprobs_mode: "processed" or "raw" (None: each Rollout's own mode, "processed" for pairs).
-    layout: "right"/"left" padding of [micro_batch, max_len] batches, or "packed" into one row.
-    kernels: "invariant" (every family), "native" (stock torch) or a collection of family names
-    to switch on (the rest native), e.g. to attribute drift to one family.
     record_routes: also return, per sequence, the experts chosen at every input position but
     the last (`TrainResult.routes`).
     router_replay: None, "R3" (force each sequence's rollout routes: `routes[i]` if given, else
     the Rollout's `routed_experts`), "R2" (force the routes of a first forward of the same
     micro-batch) or a `parity.models.routing.RouterReplay`; see `parity.models.routing`.
-    tensor_parallel_size: None runs the whole model; k in (1, 2, 4, 8) runs the tensor-parallel
-    layout of `parity.parallel` on k ranks (k = 1 in this process), whose logprobs are the same
-    bits at every k and equal the reference engine's at any degree; tp_reduction: "canonical"
-    (the default) or the "all_reduce" contrast; reduction_groups: the canonical sum's K groups (k
-    must divide it; default `REDUCTION_GROUPS`): the bits equal the engine's only for the engine's
-    own reduction_groups. Rollouts that record the layout they were sampled in (the reference
-    engine's meta `reduction_groups`: None for the whole model) are scored in it, as they are
-    under their recorded sampling: unset arguments take the record, a contradicting one is a
-    ConfigError, and rollouts of different layouts in one call are an InputError.
-    grad: False runs under inference_mode; True records autograd, so each logprob tensor carries
-    the gradient with respect to the model's parameters. The values are the same bits either way:
-    the invariant kernels keep their forward and take the stock op's derivative
-    (`parity.kernels.grad`). Not with tensor parallelism (the ranks run in other processes).
     lora: a LoRA adapter (directory, built-in adapter name or `LoraSpec`) applied to a model given
     by name or path (`parity.models.lora`); a LoadedModel applies its own. Rollouts that record
     the adapter they were sampled with are scored with it (`scoring_adapter`). Not with tensor
     parallelism.
     """
-    if not isinstance(grad, bool):
-        raise ConfigError(f"grad must be True or False, got {grad!r}")
-    tensor_parallel_size, tp_reduction, reduction_groups = scoring_layout(
-        sequences, tensor_parallel_size, tp_reduction, reduction_groups)
-    if grad and tensor_parallel_size is not None:
-        raise ConfigError("grad=True runs the model in this process; leave tensor_parallel_size unset")
+    unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(TrainConfig)})
+    if unknown:  # a typo of a logprob-definition keyword lands here too: list both kinds
+        raise ConfigError(f"train_forward: unknown argument(s) {unknown}; the training settings are "
+                          f"{sorted(f.name for f in dataclasses.fields(TrainConfig))} and the other keywords "
+                          f"{list(DEFINITION_KEYWORDS)}")
+    config = (config or TrainConfig()).replace(**settings)
+    tp, reduction, groups = scoring_layout(sequences, config.tensor_parallel_size, config.tp_reduction,
+                                           config.reduction_groups)
+    config = replace(config, tensor_parallel_size=tp, tp_reduction=reduction, reduction_groups=groups)
     lora = scoring_adapter(sequences, lora, model)
-    options = dict(dtype=dtype, device=device, kernels=kernels, micro_batch_size=micro_batch_size,
-                   layout=layout, logprobs_mode=logprobs_mode, temperature=temperature, top_k=top_k,
-                   top_p=top_p, record_routes=record_routes, router_replay=router_replay, routes=routes)
+    options = dict(logprobs_mode=logprobs_mode, temperature=temperature, top_k=top_k, top_p=top_p,
+                   record_routes=record_routes, router_replay=router_replay, routes=routes)
     if lora is not None or getattr(model, "lora", None) is not None:
-        check_without_tensor_parallel(tensor_parallel_size, "tensor_parallel_size")
-    if tensor_parallel_size is not None:
-        tp = check_degree(tensor_parallel_size)
-        groups = check_reduction_groups(reduction_groups, tp)
-        if not (isinstance(model, LoadedModel) and model.tensor_parallel_size == tp
-                and model.reduction_groups == groups):
-            if tp > 1:
-                whole = load_model(model, dtype=dtype, device="cpu")
-                check_shardable(whole, tp)
-                path = str(whole.path)
-                factory = functools.partial(_RankTrainer, path, dtype, device, tp_reduction, groups)
-                with RankGroup(tp, torch.device(device).type, factory) as ranks:
-                    return ranks.call("run", list(sequences), options)
-            model = shard_model(model, Comm.single(), dtype=dtype, device=device, reduction=tp_reduction,
-                                reduction_groups=groups)
-    lm = load_model(model, dtype=dtype, device=device, lora=lora)
-    if layout not in LAYOUTS:
-        raise ConfigError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        check_without_tensor_parallel(tp, "tensor_parallel_size")
+    if tp is not None and not (isinstance(model, LoadedModel) and model.tensor_parallel_size == tp
+                               and model.reduction_groups == groups):
+        if tp > 1:
+            whole = load_model(model, dtype=config.dtype, device="cpu")
+            check_shardable(whole, tp)
+            factory = functools.partial(_RankTrainer, str(whole.path), config)
+            with RankGroup(tp, torch.device(config.device).type, factory) as ranks:
+                return ranks.call("run", list(sequences), config, options)
+        model = shard_model(model, Comm.single(), dtype=config.dtype, device=config.device,
+                            reduction=reduction, reduction_groups=groups)
+    lm = load_model(model, dtype=config.dtype, device=config.device, lora=lora)
     pairs, modes = pairs_and_modes(sequences, logprobs_mode)
     n = len(pairs)
-    size = n if micro_batch_size is None else check_positive_int(micro_batch_size, "micro_batch_size")
+    size = n if config.micro_batch_size is None else config.micro_batch_size
     definitions = logprob_definitions(sequences, modes, temperature, top_k, top_p)
     for i, (prompt, response) in enumerate(pairs):
         where = f"sequences[{i}]"
@@ -314,14 +373,14 @@ def train_forward(model: str | LoadedModel,
     forced = replay_routes(lm, sequences, [len(p) + len(r) for p, r in pairs], replay, routes)
     logprobs: list[torch.Tensor] = []
     recorded: list[torch.Tensor | None] = []
-    with torch.inference_mode(not grad), kernel_scope(kernels):
+    with torch.inference_mode(not config.grad), kernel_scope(config.kernels):
         for start in range(0, n, max(size, 1)):
             part = range(start, min(n, start + size))
             params = sampler.RowParams(tuple(float(definitions[i][0]) for i in part),
                                        tuple(definitions[i][1] for i in part),
                                        tuple(float(definitions[i][2]) for i in part))
             lp, rt = _micro_batch(lm, [pairs[i] for i in part], [modes[i] for i in part], params,
-                                  layout, record_routes and lm.is_moe, replay,
+                                  config.layout, record_routes and lm.is_moe, replay,
                                   None if forced is None else [forced[i] for i in part])
             logprobs.extend(lp)
             recorded.extend(rt if rt else [None] * len(part))
@@ -384,13 +443,13 @@ def _micro_batch(lm: LoadedModel, pairs: list[Pair], modes: list[str], params: s
 class _RankTrainer:
     """One rank of a tensor-parallel training forward (built inside a `RankGroup` rank process)."""
 
-    def __init__(self, path: str, dtype: str, device: str, reduction: str, groups: int, comm: Comm) -> None:
-        self.lm = shard_model(path, comm, dtype=dtype, device=device, reduction=reduction,
-                              reduction_groups=groups)
+    def __init__(self, path: str, config: TrainConfig, comm: Comm) -> None:
+        self.lm = shard_model(path, comm, dtype=config.dtype, device=config.device,
+                              reduction=config.tp_reduction, reduction_groups=config.reduction_groups)
 
-    def run(self, sequences: list[Any], options: dict[str, Any]) -> TrainResult:
-        return train_forward(self.lm, sequences, tensor_parallel_size=self.lm.tensor_parallel_size,
-                             reduction_groups=self.lm.reduction_groups, **options)
+    def run(self, sequences: list[Any], config: TrainConfig, options: dict[str, Any]) -> TrainResult:
+        """`train_forward` on this rank's shard (`config` holds its degree and groups, so it runs here)."""
+        return train_forward(self.lm, sequences, config, **options)
 
 
 def replay_routes(lm: LoadedModel, sequences: Sequence[Any], lengths: Sequence[int],

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from parity.engine import train_forward
+from parity.engine import TrainConfig, train_forward
 from parity.errors import DivergedError
 from parity.loop.grpo import LossPlan, micro_batch_loss
 from parity.loop.weights import FullWeights, trained_weights
@@ -40,13 +40,16 @@ class Trainer:
 
     lr, weight_decay, betas: AdamW's; grad_clip: max gradient norm (None: no clipping);
     micro_batch_size: sequences per differentiable forward (None: all at once).
+    config: the training forward's settings (`parity.engine.TrainConfig`: dtype, device);
+    grad_config: the same with autograd recorded (`grad=True`), for the update's forwards.
     """
 
     def __init__(self, model: str, *, dtype: str, device: str, lr: float, weight_decay: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.999), grad_clip: float | None = 1.0,
                  micro_batch_size: int | None = None) -> None:
         self.lm = copy_model(load_model(model, dtype=dtype, device=device))
-        self.dtype, self.device = dtype, device
+        self.config = TrainConfig(dtype=dtype, device=device)
+        self.grad_config = self.config.replace(grad=True)
         self.weights: FullWeights = trained_weights(self.lm)
         self.optimizer = torch.optim.AdamW(self.weights.parameters(), lr=lr, betas=betas,
                                            weight_decay=weight_decay)
@@ -55,7 +58,7 @@ class Trainer:
 
     def logprobs(self, rollouts: Sequence[Rollout]) -> list[torch.Tensor]:
         """Teacher-forced logprobs of each rollout's response at the current weights (no grad)."""
-        return train_forward(self.lm, list(rollouts), dtype=self.dtype, device=self.device).logprobs
+        return train_forward(self.lm, list(rollouts), self.config).logprobs
 
     def update(self, rollouts: Sequence[Rollout], plan: LossPlan) -> UpdateStats:
         """One optimizer step on `rollouts` with the loss `plan` (made from `logprobs(rollouts)`)."""
@@ -66,8 +69,7 @@ class Trainer:
         self.weights.zero_grad()
         for start in range(0, n, size):
             rows = range(start, min(n, start + size))
-            logprobs = train_forward(self.lm, [rollouts[i] for i in rows], dtype=self.dtype,
-                                     device=self.device, grad=True).logprobs
+            logprobs = train_forward(self.lm, [rollouts[i] for i in rows], self.grad_config).logprobs
             for i, lp in zip(rows, logprobs):
                 bitwise &= torch.equal(lp.detach(), plan.old[i, :lp.numel()])
             loss = micro_batch_loss(logprobs, plan, rows)
