@@ -38,6 +38,8 @@ class LoopConfig:
     micro_batch_size: sequences per differentiable forward (None: all of a step's at once).
     backend_dtypes: a dtype per backend name where it differs from `dtype` (e.g. vLLM in bfloat16).
     backend_options: options per backend name, as `parity.backends.get_backend` takes them.
+    lora_rank: None trains every weight and pushes them all; R trains only a LoRA adapter of rank
+        R (`parity.loop.adapter`: the base frozen) and pushes only the adapter each step.
     """
 
     model: str
@@ -58,6 +60,7 @@ class LoopConfig:
     micro_batch_size: int | None = None
     backend_dtypes: Mapping[str, str] = field(default_factory=dict)
     backend_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    lora_rank: int | None = None
     #: the parsed `correction`.
     correction_config: CorrectionConfig = field(init=False, repr=False)
 
@@ -105,6 +108,14 @@ class LoopConfig:
                                                       for k, v in self.backend_dtypes.items())):
             if not isinstance(dtype, str) or dtype not in DTYPES:
                 raise ConfigError(f"{name} must be one of {list(DTYPES)}, got {dtype!r}")
+        if self.lora_rank is not None:
+            check_int(self.lora_rank, "lora_rank", low=1,
+                      hint="(the adapter's rank, e.g. 8; leave it unset to train every weight)")
+            for name, options in self.backend_options.items():
+                if "lora" in options:
+                    raise ConfigError(f"backend_options[{name!r}] sets lora, but with lora_rank the loop "
+                                      "trains its own adapter and starts every backend with it; drop the "
+                                      "lora option")
         if not isinstance(self.device, str):
             raise ConfigError(f"device must be a string such as 'cpu' or 'cuda', got {self.device!r}")
 
@@ -121,4 +132,5 @@ class LoopConfig:
                 "temperature": self.temperature, "prompts": self.prompts, "dtype": self.dtype,
                 "device": self.device, "micro_batch_size": self.micro_batch_size,
                 "backend_dtypes": dict(self.backend_dtypes),
-                "backend_options": {k: dict(v) for k, v in dict(self.backend_options).items()}}
+                "backend_options": {k: dict(v) for k, v in dict(self.backend_options).items()},
+                "lora_rank": self.lora_rank}
