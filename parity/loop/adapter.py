@@ -29,6 +29,7 @@ here: one small step's adapter is within the engine's own rounding noise of the 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import shutil
 from collections.abc import Sequence
@@ -82,8 +83,9 @@ def adapter_bytes(path: Path) -> int:
 
 def unpinned(rollouts: Sequence[Rollout]) -> list[Rollout]:
     """`rollouts` without the adapter they record (meta "lora"), to score them at another adapter:
-    the training forward refuses rollouts recorded under an adapter other than the model's (the
-    policy-KL probe scores step 0's rollouts at step t's adapter on purpose)."""
+    the training forward refuses rollouts recorded under an adapter other than the model's, and the
+    trainer scores every rollout at its own current adapter on purpose (the policy-KL probe's are
+    step 0's; a backend's stale adapter is reported by the sync check, not raised mid-step)."""
     return [dataclasses.replace(r, meta={k: v for k, v in r.meta.items() if k != "lora"})
             if "lora" in r.meta else r for r in rollouts]
 
@@ -106,6 +108,7 @@ class AdapterWeights:
         for weights in self._lora:
             weights.a.requires_grad_(True)
             weights.b.requires_grad_(True)
+        self._config = json.loads((lm.lora.path / ADAPTER_CONFIG).read_text())  # every step's, unchanged
         self._expected: dict[int, dict[str, str]] = {}
         self._written = 0
 
@@ -125,10 +128,7 @@ class AdapterWeights:
         for name, weights in zip(self._names, self._lora):
             tensors[f"{_PREFIX}{name}.lora_A.weight"] = weights.a.detach().cpu().numpy().copy()
             tensors[f"{_PREFIX}{name}.lora_B.weight"] = weights.b.detach().cpu().numpy().copy()
-        spec = self.lm.lora
-        config = adapter_config(spec.base_model or self.lm.name, spec.rank, spec.alpha, spec.use_rslora,
-                                spec.targets)
-        path = write_adapter(self.directory / f"step-{self._written}", config, tensors)
+        path = write_adapter(self.directory / f"step-{self._written}", self._config, tensors)
         self.lm = dataclasses.replace(self.lm, lora=check_adapter(path, self.lm.path))
         if previous.parent == self.directory:
             shutil.rmtree(previous, ignore_errors=True)

@@ -27,7 +27,8 @@ class LoopConfig:
     model: built-in name or local HF checkpoint (the trainer's, and every backend's at start).
     backends: backend names; each is sampled at every step on the same prompts and weights.
     train_on: the backend whose rollouts the update uses (one of `backends`).
-    steps: training steps; lr, weight_decay: AdamW's; grad_clip: max gradient norm (None: off).
+    steps: training steps; lr, weight_decay: AdamW's (lr 0: a control whose weights stay);
+    grad_clip: max gradient norm (None: off).
     correction: the rollout correction of the loss, a name (`correction_from_name`: "none",
         "token_tis", "sequence_tis:5", "icepop:0.5_2", "seq_mean_k3:0.01", ...).
     seed: the sampling seeds of every step derive from it (and the built-in task's prompts).
@@ -79,7 +80,10 @@ class LoopConfig:
             raise ConfigError(f"train_on={self.train_on!r} is not one of the backends {list(self.backends)}; "
                               "the update uses one of the sampled backends' rollouts")
         check_int(self.steps, "steps", low=1)
-        object.__setattr__(self, "lr", _positive_real(self.lr, "lr"))
+        lr = check_real(self.lr, "lr", ">= 0")
+        if lr < 0:
+            raise ConfigError(f"lr must be >= 0 (0: a control run whose weights never move), got {lr!r}")
+        object.__setattr__(self, "lr", float(lr))
         wd = check_real(self.weight_decay, "weight_decay", ">= 0")
         if wd < 0:
             raise ConfigError(f"weight_decay must be >= 0, got {wd!r}")

@@ -35,7 +35,6 @@ import torch
 
 from parity.backends import Backend, get_backend, lora_backends, weight_sync_missing
 from parity.errors import ConfigError, DivergedError
-from parity.loop.adapter import unpinned
 from parity.loop.config import LoopConfig
 from parity.loop.grpo import clip_fraction, group_advantages, padded, plan_loss
 from parity.loop.record import LoopRecord
@@ -206,7 +205,7 @@ def _step(config: LoopConfig, task: Task, trainer: Trainer, backends: dict[str, 
     rollouts, train, rewards = scored[config.train_on]
     if probe is None:
         probe = (rollouts, train)
-    kl = summarize(*_arrays(trainer.logprobs(unpinned(probe[0])) if step else probe[1], probe[1]))["k3_kl"]
+    kl = summarize(*_arrays(trainer.logprobs(probe[0]) if step else probe[1], probe[1]))["k3_kl"]
     began = time.perf_counter()
     advantages = group_advantages(torch.tensor(rewards, dtype=torch.float64).view(len(requests), config.n))
     plan = plan_loss(train, [torch.tensor(r.logprobs, dtype=torch.float32) for r in rollouts],

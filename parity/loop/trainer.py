@@ -21,7 +21,7 @@ import torch
 
 from parity.engine import train_forward
 from parity.errors import DivergedError
-from parity.loop.adapter import AdapterWeights, initial_adapter
+from parity.loop.adapter import AdapterWeights, initial_adapter, unpinned
 from parity.loop.grpo import LossPlan, micro_batch_loss
 from parity.loop.weights import FullWeights, trained_weights
 from parity.models.checkpoints import resolve_model
@@ -73,8 +73,9 @@ class Trainer:
         return self.weights.lm
 
     def logprobs(self, rollouts: Sequence[Rollout]) -> list[torch.Tensor]:
-        """Teacher-forced logprobs of each rollout's response at the current weights (no grad)."""
-        return train_forward(self.lm, list(rollouts), dtype=self.dtype, device=self.device).logprobs
+        """Teacher-forced logprobs of each rollout's response at the current weights (no grad),
+        whatever adapter the rollouts record (a stale one is the sync check's to report)."""
+        return train_forward(self.lm, unpinned(rollouts), dtype=self.dtype, device=self.device).logprobs
 
     def update(self, rollouts: Sequence[Rollout], plan: LossPlan) -> UpdateStats:
         """One optimizer step on `rollouts` with the loss `plan` (made from `logprobs(rollouts)`)."""
@@ -85,7 +86,7 @@ class Trainer:
         self.weights.zero_grad()
         for start in range(0, n, size):
             rows = range(start, min(n, start + size))
-            logprobs = train_forward(self.lm, [rollouts[i] for i in rows], dtype=self.dtype,
+            logprobs = train_forward(self.lm, unpinned([rollouts[i] for i in rows]), dtype=self.dtype,
                                      device=self.device, grad=True).logprobs
             for i, lp in zip(rows, logprobs):
                 bitwise &= torch.equal(lp.detach(), plan.old[i, :lp.numel()])
