@@ -90,6 +90,13 @@ def unpinned(rollouts: Sequence[Rollout]) -> list[Rollout]:
             if "lora" in r.meta else r for r in rollouts]
 
 
+def _base_layer_name(name: str, shown: dict[str, str | None]) -> str:
+    """`name`, or the `.base_layer.` name an adapter-serving engine shows for it (see below)."""
+    module, _, leaf = name.rpartition(".")
+    wrapped = f"{module}.base_layer.{leaf}"
+    return wrapped if name not in shown and wrapped in shown else name
+
+
 class AdapterWeights:
     """The LoRA adapter of the training model, trained and pushed; the base weights frozen.
 
@@ -146,10 +153,16 @@ class AdapterWeights:
         backend.load_adapter(self.lm.lora.path)
 
     def expected_checksums(self, backend: Backend) -> dict[str, str]:
-        """The base weights' checksums in `backend`'s layout (once per backend: they never change)."""
+        """The base weights' checksums in `backend`'s layout (once per backend: they never change).
+
+        An engine serving adapters may hold an adapted layer's base weight one level down, as
+        `<module>.base_layer.<leaf>` (vLLM's LoRA layers wrap the embedding and the projections
+        so): a name the backend does not show is looked up there."""
         key = id(backend)
         if key not in self._expected:
-            self._expected[key] = backend.expected_checksums(self.named_tensors())
+            expected = backend.expected_checksums(self.named_tensors())
+            shown = backend.weight_checksums()
+            self._expected[key] = {_base_layer_name(name, shown): digest for name, digest in expected.items()}
         return self._expected[key]
 
     def stale_adapter(self, backend: Backend) -> str | None:
