@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vllm-dtype", default="bfloat16", help="vLLM's dtype (default: bfloat16)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--micro-batch-size", type=int)
+    p.add_argument("--lora-rank", type=int, help="train and push only a LoRA adapter of this rank")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads of the trainer and the reference engine (default: 1: on a "
@@ -120,14 +121,14 @@ def main(argv: list[str] | None = None) -> int:
                   seed=args.seed, n=args.n, max_tokens=args.max_tokens, prompts=args.prompts,
                   dtype=args.dtype, device=args.device, micro_batch_size=args.micro_batch_size,
                   backend_dtypes={"vllm": args.vllm_dtype} if "vllm" in backends else None,
-                  json=args.json, html=args.html, progress=progress)
+                  lora_rank=args.lora_rank, json=args.json, html=args.html, progress=progress)
     wall = time.perf_counter() - began
     import resource
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     print(f"\nmodel {model}, backends {backends}, {args.steps} steps, {args.prompts} prompts x n={args.n} x "
           f"{args.max_tokens} tokens, trainer {args.dtype} on {args.device} ({args.threads} threads), "
-          f"lr {args.lr}, correction {args.correction}")
+          f"lr {args.lr}, correction {args.correction}, lora rank {args.lora_rank}")
     print(f"wall {wall:.1f} s (starts and step 0: {marks.get('first_step', began) - began:.1f} s); "
           f"peak RSS: this process {peak:.0f} MiB, engine processes {marks.get('engines_rss', 0.0):.0f} MiB "
           "(the most seen after any step)")

@@ -7,7 +7,8 @@ Every step samples on every backend, measures each backend's rollouts against th
 forward at that step's weights, trains on one backend's rollouts, pushes the new weights to every
 backend and verifies them (`parity.loop.run` says how). Modules: `config` (settings), `task` (the
 built-in arithmetic task, or prompts and a reward of the caller's), `grpo` (advantages, loss),
-`weights` (what is trained and pushed), `trainer` (the differentiable forward and AdamW), `sync`
+`weights` (what is trained and pushed), `adapter` (the same for a LoRA adapter, `lora_rank`),
+`trainer` (the differentiable forward and AdamW), `sync`
 (push and verify), `record` (the JSON), `run` (the loop), `command` (`parity loop`).
 """
 
@@ -36,7 +37,7 @@ def loop(model: str, backends: Sequence[str | Backend] = ("reference",), *, step
          temperature: float = 1.0, prompts: int = 8, dtype: str = "float32", device: str = "cpu",
          micro_batch_size: int | None = None, weight_decay: float = 0.0, grad_clip: float | None = 1.0,
          backend_dtypes: Mapping[str, str] | None = None,
-         backend_options: Mapping[str, Mapping[str, Any]] | None = None,
+         backend_options: Mapping[str, Mapping[str, Any]] | None = None, lora_rank: int | None = None,
          json: str | Path | None = None, html: str | Path | None = None,
          progress: Any = None) -> LoopRecord:
     """Run the on-policy GRPO loop on `model` for `steps` steps; returns its `LoopRecord`.
@@ -49,6 +50,8 @@ def loop(model: str, backends: Sequence[str | Backend] = ("reference",), *, step
     given instead replaces its reward). The other settings are `LoopConfig`'s.
     json/html: the record, rewritten after every step, and its page with per-step charts.
     progress: called with each step's rows as they are recorded.
+    lora_rank: train and push only a LoRA adapter of this rank (`parity.loop.adapter`); every
+    backend must apply adapters (the reference engine, vLLM, vLLM's server).
     Raises a ParityError before any engine starts on bad settings or a backend without weight
     sync; DivergedError naming the step when the loss or the weights become NaN or infinite.
     """
@@ -61,7 +64,8 @@ def loop(model: str, backends: Sequence[str | Backend] = ("reference",), *, step
                         max_tokens=max_tokens, temperature=temperature, prompts=prompts, dtype=dtype,
                         device=device, micro_batch_size=micro_batch_size,
                         backend_dtypes={} if backend_dtypes is None else backend_dtypes,
-                        backend_options={} if backend_options is None else backend_options)
+                        backend_options={} if backend_options is None else backend_options,
+                        lora_rank=lora_rank)
     json_path = None if json is None else output_file(json, "json")
     html_path = None if html is None else output_file(html, "html")
     # the task (tokenizer), the trainer and the engines load torch: only when a loop runs

@@ -63,6 +63,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="a backend's own dtype, e.g. vllm=bfloat16 (repeatable)")
     p.add_argument("--device", default="cpu",
                    help="device of the trainer and the reference engine (default: cpu)")
+    p.add_argument("--lora-rank", type=int, metavar="R",
+                   help="train only a LoRA adapter of rank R (base frozen); push only the adapter each step")
     p.add_argument("--micro-batch-size", type=int, help="sequences per differentiable forward (default: all)")
     p.add_argument("--option", action="append", default=[], metavar="BACKEND.KEY=VALUE",
                    help="a backend option, e.g. vllm.enable_prefix_caching=false (repeatable)")
@@ -143,7 +145,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   correction=args.correction, seed=args.seed, n=args.n, max_tokens=args.max_tokens,
                   temperature=args.temperature, prompts=args.prompts, dtype=args.dtype, device=args.device,
                   micro_batch_size=args.micro_batch_size, backend_dtypes=_backend_dtypes(args.backend_dtype),
-                  backend_options=_backend_options(args.option), json=args.json, html=args.html,
+                  backend_options=_backend_options(args.option), lora_rank=args.lora_rank, json=args.json,
+                  html=args.html,
                   progress=lambda rows: print("\n".join(format_row(r) for r in rows), flush=True))
     for path in (args.json, args.html):
         if path is not None:

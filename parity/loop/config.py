@@ -27,7 +27,8 @@ class LoopConfig:
     model: built-in name or local HF checkpoint (the trainer's, and every backend's at start).
     backends: backend names; each is sampled at every step on the same prompts and weights.
     train_on: the backend whose rollouts the update uses (one of `backends`).
-    steps: training steps; lr, weight_decay: AdamW's; grad_clip: max gradient norm (None: off).
+    steps: training steps; lr, weight_decay: AdamW's (lr 0: a control whose weights stay);
+    grad_clip: max gradient norm (None: off).
     correction: the rollout correction of the loss, a name (`correction_from_name`: "none",
         "token_tis", "sequence_tis:5", "icepop:0.5_2", "seq_mean_k3:0.01", ...).
     seed: the sampling seeds of every step derive from it (and the built-in task's prompts).
@@ -38,6 +39,8 @@ class LoopConfig:
     micro_batch_size: sequences per differentiable forward (None: all of a step's at once).
     backend_dtypes: a dtype per backend name where it differs from `dtype` (e.g. vLLM in bfloat16).
     backend_options: options per backend name, as `parity.backends.get_backend` takes them.
+    lora_rank: None trains every weight and pushes them all; R trains only a LoRA adapter of rank
+        R (`parity.loop.adapter`: the base frozen) and pushes only the adapter each step.
     """
 
     model: str
@@ -58,6 +61,7 @@ class LoopConfig:
     micro_batch_size: int | None = None
     backend_dtypes: Mapping[str, str] = field(default_factory=dict)
     backend_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    lora_rank: int | None = None
     #: the parsed `correction`.
     correction_config: CorrectionConfig = field(init=False, repr=False)
 
@@ -76,7 +80,10 @@ class LoopConfig:
             raise ConfigError(f"train_on={self.train_on!r} is not one of the backends {list(self.backends)}; "
                               "the update uses one of the sampled backends' rollouts")
         check_int(self.steps, "steps", low=1)
-        object.__setattr__(self, "lr", _positive_real(self.lr, "lr"))
+        lr = check_real(self.lr, "lr", ">= 0")
+        if lr < 0:
+            raise ConfigError(f"lr must be >= 0 (0: a control run whose weights never move), got {lr!r}")
+        object.__setattr__(self, "lr", float(lr))
         wd = check_real(self.weight_decay, "weight_decay", ">= 0")
         if wd < 0:
             raise ConfigError(f"weight_decay must be >= 0, got {wd!r}")
@@ -105,6 +112,14 @@ class LoopConfig:
                                                       for k, v in self.backend_dtypes.items())):
             if not isinstance(dtype, str) or dtype not in DTYPES:
                 raise ConfigError(f"{name} must be one of {list(DTYPES)}, got {dtype!r}")
+        if self.lora_rank is not None:
+            check_int(self.lora_rank, "lora_rank", low=1,
+                      hint="(the adapter's rank, e.g. 8; leave it unset to train every weight)")
+            for name, options in self.backend_options.items():
+                if "lora" in options:
+                    raise ConfigError(f"backend_options[{name!r}] sets lora, but with lora_rank the loop "
+                                      "trains its own adapter and starts every backend with it; drop the "
+                                      "lora option")
         if not isinstance(self.device, str):
             raise ConfigError(f"device must be a string such as 'cpu' or 'cuda', got {self.device!r}")
 
@@ -121,4 +136,5 @@ class LoopConfig:
                 "temperature": self.temperature, "prompts": self.prompts, "dtype": self.dtype,
                 "device": self.device, "micro_batch_size": self.micro_batch_size,
                 "backend_dtypes": dict(self.backend_dtypes),
-                "backend_options": {k: dict(v) for k, v in dict(self.backend_options).items()}}
+                "backend_options": {k: dict(v) for k, v in dict(self.backend_options).items()},
+                "lora_rank": self.lora_rank}

@@ -6,7 +6,8 @@ The JSON document (`LoopRecord.to_json`)::
      "steps": [{"step", "backend", "max_abs_logprob_diff", "mean_abs_logprob_diff", "k3_kl",
                 "is_ratio_mean", "reward_mean", "policy_kl_from_start", "weights_in_sync",
                 "seconds", ...more: STEP_EXTRA_KEYS}],
-     "updates": [{"step", "loss", "grad_norm", "forward_bitwise", "kept_tokens", "seconds"}],
+     "updates": [{"step", "loss", "grad_norm", "forward_bitwise", "kept_tokens", "seconds",
+                  with lora_rank: "adapter_hash", "adapter_bytes"}],
      "train_on", "config", "provenance", "status", "error"}
 
 Row `(t, b)` describes backend b at step t, all at the weights W_t of step t (before step t's
@@ -45,6 +46,10 @@ STEP_KEYS: tuple[str, ...] = ("step", "backend", "max_abs_logprob_diff", "mean_a
 STEP_EXTRA_KEYS: tuple[str, ...] = ("is_ratio_min", "is_ratio_max", "clip_fraction", "bitwise", "num_tokens",
                                     "trained_on", "sync_hidden", "sync_detail")
 UPDATE_KEYS: tuple[str, ...] = ("step", "loss", "grad_norm", "forward_bitwise", "kept_tokens", "seconds")
+#: more update keys of an adapter-only run (`lora_rank`): the content hash (`LoraSpec.hash`) and
+#: the bytes of the adapter the update wrote, which the next step's push sends (the last step's
+#: is written, not pushed).
+ADAPTER_UPDATE_KEYS: tuple[str, ...] = ("adapter_hash", "adapter_bytes")
 #: fields that differ between identical runs (wall-clock time); dropped by `without_timing`.
 TIMING_KEYS: tuple[str, ...] = ("seconds",)
 STATUSES: tuple[str, ...] = ("running", "complete", "diverged", "failed")

@@ -16,10 +16,15 @@ step 0, sampled from W_0, scored at W_t and at W_0 (k3 estimator of KL(Ï€_0 || Ï
 
 Backends the loop starts are closed at the end; backends the caller passed in (already running,
 e.g. a shared engine) get the starting weights back, so they are left as they were found.
+
+With `lora_rank` the update trains a LoRA adapter only and step 4 pushes only the adapter
+(`parity.loop.adapter`); the loop writes the adapters in a temporary directory of its own,
+starts its backends with the step-0 adapter, and gives borrowed ones their own adapter back.
 """
 
 from __future__ import annotations
 
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -28,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from parity.backends import Backend, get_backend, weight_sync_missing
+from parity.backends import Backend, get_backend, lora_backends, weight_sync_missing
 from parity.errors import ConfigError, DivergedError
 from parity.loop.config import LoopConfig
 from parity.loop.grpo import clip_fraction, group_advantages, padded, plan_loss
@@ -64,6 +69,19 @@ def check_backends(config: LoopConfig, engines: dict[str, Backend]) -> None:
         if reason is not None:
             raise ConfigError(f"parity loop pushes new weights to every backend each step and verifies them; "
                               f"{reason}. Drop {name!r} from the backends")
+        if config.lora_rank is None:
+            continue
+        if name not in lora_backends():
+            raise ConfigError(f"lora_rank (--lora-rank) pushes a LoRA adapter to every backend each step, "
+                              f"and backend {name!r} cannot apply adapters; drop {name!r} from the "
+                              f"backends (the ones that can: {', '.join(lora_backends())}) or drop "
+                              "--lora-rank")
+        engine = engines.get(name)
+        if engine is not None and ("lora" not in engine.meta or engine.shared):
+            how = "shared" if engine.shared else "started without a LoRA adapter"
+            raise ConfigError(f"lora_rank (--lora-rank) swaps adapters on every backend, and the running "
+                              f"{name!r} backend given was {how}; pass a backend of your own started "
+                              "with lora= an adapter of that rank, or its name to let the loop start one")
 
 
 def run_loop(config: LoopConfig, task: Task, *, engines: dict[str, Backend] | None = None,
@@ -80,16 +98,21 @@ def run_loop(config: LoopConfig, task: Task, *, engines: dict[str, Backend] | No
                         train_on=config.train_on, config={**config.to_dict(), "task": task.name},
                         provenance={"parity": VERSION, "torch": torch.__version__})
     started: list[Backend] = []
-    trainer = Trainer(config.model, dtype=config.dtype, device=config.device, lr=config.lr,
-                      weight_decay=config.weight_decay, grad_clip=config.grad_clip,
-                      micro_batch_size=config.micro_batch_size)
-    start_weights = [(name, t.clone()) for name, t in trainer.weights.named_tensors()] if engines else []
+    adapters = None if config.lora_rank is None else tempfile.TemporaryDirectory(prefix="parity-loop-lora-")
     step = -1
+    start: dict[str, Any] = {}  # what borrowed backends get back at the end
     try:
+        trainer = Trainer(config.model, dtype=config.dtype, device=config.device, lr=config.lr,
+                          weight_decay=config.weight_decay, grad_clip=config.grad_clip,
+                          micro_batch_size=config.micro_batch_size, lora_rank=config.lora_rank,
+                          adapter_dir=None if adapters is None else Path(adapters.name), seed=config.seed)
+        if adapters is not None:
+            record.provenance["adapter"] = {k: v for k, v in trainer.lm.lora.to_dict().items() if k != "path"}
+        start = _starting_state(trainer, engines, config)
         backends = {}
         for name in config.backends:
             if name not in engines:
-                backends[name] = _start(name, config)
+                backends[name] = _start(name, config, trainer)
                 started.append(backends[name])
             else:
                 backends[name] = engines[name]
@@ -117,25 +140,43 @@ def run_loop(config: LoopConfig, task: Task, *, engines: dict[str, Backend] | No
             write_atomic(html_path, loop_page(record.to_dict()))
         for backend in started:
             backend.close()
-        _restore(engines.values(), start_weights, failed=record.status != "complete")
+        _restore(engines, start, failed=record.status != "complete")
+        if adapters is not None:
+            adapters.cleanup()
     return record
 
 
-def _restore(borrowed: Any, weights: list[tuple[str, torch.Tensor]], *, failed: bool) -> None:
-    """Give borrowed backends their starting weights back. After a failure, a backend that cannot
-    take them (its engine died with the failure) must not hide the failure's own error."""
-    for backend in borrowed:
+def _starting_state(trainer: Trainer, engines: dict[str, Backend], config: LoopConfig) -> dict[str, Any]:
+    """What borrowed backends get back at the end: the starting weights, or with an adapter-only
+    update each backend's own starting adapter (its path)."""
+    if not engines:
+        return {}
+    if config.lora_rank is not None:
+        return {name: b.meta["lora"]["path"] for name, b in engines.items()}
+    weights = [(name, t.clone()) for name, t in trainer.weights.named_tensors()]
+    return {name: weights for name in engines}
+
+
+def _restore(borrowed: dict[str, Backend], start: dict[str, Any], *, failed: bool) -> None:
+    """Give borrowed backends their starting weights (or adapter) back. After a failure, a backend
+    that cannot take them (its engine died with the failure) must not hide the failure's own error."""
+    for name, state in start.items():
         try:
-            backend.update_weights(weights)
+            if isinstance(state, str):
+                borrowed[name].load_adapter(state)
+            else:
+                borrowed[name].update_weights(state)
         except Exception:
             if not failed:
                 raise
 
 
-def _start(name: str, config: LoopConfig) -> Backend:
+def _start(name: str, config: LoopConfig, trainer: Trainer) -> Backend:
     options = dict(config.backend_options.get(name, {}))
     if name == "reference":
         options.setdefault("device", config.device)
+    if config.lora_rank is not None:
+        options["lora"] = str(trainer.lm.lora.path)
     return get_backend(name, config.model, dtype=config.dtype_of(name), **options)
 
 
@@ -178,7 +219,7 @@ def _step(config: LoopConfig, task: Task, trainer: Trainer, backends: dict[str, 
         record.steps.append(row)
     record.updates.append({"step": step, "loss": stats.loss, "grad_norm": stats.grad_norm,
                            "forward_bitwise": stats.forward_bitwise, "kept_tokens": plan.kept_tokens,
-                           "seconds": update_seconds})
+                           "seconds": update_seconds, **trainer.weights.describe()})
     return probe, next_checks
 
 

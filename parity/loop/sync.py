@@ -16,6 +16,9 @@ embedding, the norms and the LM head can be read back. Those hidden tensors are 
 is checked, and Adam moves every trained parameter every step, so a skipped push, or a push that
 reached no readable tensor, is caught.
 
+With an adapter-only update (`parity.loop.adapter`), the push is the adapter and the digests are
+the frozen base's (they must never change), plus the adapter the backend reports applying.
+
 Before step 0 the loop pushes the trainer's initial weights and verifies them: a backend whose
 digests cannot be matched even then is refused before any training step, with the reason.
 """
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 
 from parity.backends import Backend
 from parity.errors import BackendError
+from parity.loop.adapter import AdapterWeights
 from parity.loop.weights import FullWeights
 
 #: mismatched tensor names a report lists (the count is always complete).
@@ -58,7 +62,8 @@ class SyncCheck:
                 f"(e.g. {', '.join(self.mismatched)}){hidden}")
 
 
-def verify(weights: FullWeights, backend: Backend, *, started: float | None = None) -> SyncCheck:
+def verify(weights: FullWeights | AdapterWeights, backend: Backend, *,
+           started: float | None = None) -> SyncCheck:
     """Compare `backend`'s weight digests with the digests the trained weights give in its layout."""
     started = time.perf_counter() if started is None else started
     expected = weights.expected_checksums(backend)
@@ -66,19 +71,21 @@ def verify(weights: FullWeights, backend: Backend, *, started: float | None = No
     hidden = [name for name in expected if name in actual and actual[name] is None]
     shown = {name: digest for name, digest in expected.items() if name not in hidden}
     differ = sorted(name for name, digest in shown.items() if actual.get(name) != digest)
+    stale = weights.stale_adapter(backend)
+    differ = differ if stale is None else [stale, *differ]
     return SyncCheck(in_sync=not differ and bool(shown), checked=len(shown), hidden=len(hidden),
                      mismatched=tuple(differ[:LISTED]), mismatches=len(differ),
                      seconds=time.perf_counter() - started)
 
 
-def push(weights: FullWeights, backend: Backend) -> SyncCheck:
+def push(weights: FullWeights | AdapterWeights, backend: Backend) -> SyncCheck:
     """Push the trained weights to `backend`, then verify them."""
     started = time.perf_counter()
     weights.push(backend)
     return verify(weights, backend, started=started)
 
 
-def initial_sync(weights: FullWeights, backend: Backend) -> SyncCheck:
+def initial_sync(weights: FullWeights | AdapterWeights, backend: Backend) -> SyncCheck:
     """The push before step 0: the trainer's starting weights, which must verify; otherwise the
     backend cannot take part (BackendError naming what differs)."""
     check = push(weights, backend)

@@ -7,6 +7,7 @@ accumulate); its logprobs must be the same bits as the no-grad forward the loss 
 (`parity.kernels.grad` keeps the invariant kernels' forward under autograd), which every step
 checks. Then the gradient norm is clipped (verl's `grad_clip`, 1.0) and torch's AdamW steps.
 A NaN or infinite loss or gradient stops the step before the optimizer touches the weights.
+With `lora_rank`, the trained tensors are a LoRA adapter's (`parity.loop.adapter`), the base frozen.
 """
 
 from __future__ import annotations
@@ -14,14 +15,17 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from parity.engine import TrainConfig, train_forward
 from parity.errors import DivergedError
+from parity.loop.adapter import AdapterWeights, initial_adapter, unpinned
 from parity.loop.grpo import LossPlan, micro_batch_loss
 from parity.loop.weights import FullWeights, trained_weights
-from parity.models.loading import copy_model, load_model
+from parity.models.checkpoints import resolve_model
+from parity.models.loading import LoadedModel, copy_model, load_model
 from parity.types import Rollout
 
 
@@ -42,23 +46,39 @@ class Trainer:
     micro_batch_size: sequences per differentiable forward (None: all at once).
     config: the training forward's settings (`parity.engine.TrainConfig`: dtype, device);
     grad_config: the same with autograd recorded (`grad=True`), for the update's forwards.
+    lora_rank: train only a LoRA adapter of this rank (None: every weight), written under
+    `adapter_dir` (required with it; the step-0 adapter's A drawn with `seed`).
     """
 
     def __init__(self, model: str, *, dtype: str, device: str, lr: float, weight_decay: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.999), grad_clip: float | None = 1.0,
-                 micro_batch_size: int | None = None) -> None:
-        self.lm = copy_model(load_model(model, dtype=dtype, device=device))
+                 micro_batch_size: int | None = None, lora_rank: int | None = None,
+                 adapter_dir: Path | None = None, seed: int = 0) -> None:
         self.config = TrainConfig(dtype=dtype, device=device)
         self.grad_config = self.config.replace(grad=True)
-        self.weights: FullWeights = trained_weights(self.lm)
+        self.weights: FullWeights | AdapterWeights
+        if lora_rank is None:
+            self.weights = trained_weights(copy_model(load_model(model, dtype=dtype, device=device)))
+        else:
+            if adapter_dir is None:
+                raise ValueError("lora_rank needs adapter_dir, where the trainer writes its adapters")
+            start = initial_adapter(resolve_model(model), model, lora_rank, seed, adapter_dir / "step-0")
+            lm = copy_model(load_model(model, dtype=dtype, device=device, lora=start))
+            self.weights = AdapterWeights(lm, adapter_dir)
         self.optimizer = torch.optim.AdamW(self.weights.parameters(), lr=lr, betas=betas,
                                            weight_decay=weight_decay)
         self.grad_clip = grad_clip
         self.micro_batch_size = micro_batch_size
 
+    @property
+    def lm(self) -> LoadedModel:
+        """The training model at the current weights (with an adapter: recording the current one)."""
+        return self.weights.lm
+
     def logprobs(self, rollouts: Sequence[Rollout]) -> list[torch.Tensor]:
-        """Teacher-forced logprobs of each rollout's response at the current weights (no grad)."""
-        return train_forward(self.lm, list(rollouts), self.config).logprobs
+        """Teacher-forced logprobs of each rollout's response at the current weights (no grad),
+        whatever adapter the rollouts record (a stale one is the sync check's to report)."""
+        return train_forward(self.lm, unpinned(rollouts), self.config).logprobs
 
     def update(self, rollouts: Sequence[Rollout], plan: LossPlan) -> UpdateStats:
         """One optimizer step on `rollouts` with the loss `plan` (made from `logprobs(rollouts)`)."""
@@ -69,7 +89,8 @@ class Trainer:
         self.weights.zero_grad()
         for start in range(0, n, size):
             rows = range(start, min(n, start + size))
-            logprobs = train_forward(self.lm, [rollouts[i] for i in rows], self.grad_config).logprobs
+            part = unpinned([rollouts[i] for i in rows])
+            logprobs = train_forward(self.lm, part, self.grad_config).logprobs
             for i, lp in zip(rows, logprobs):
                 bitwise &= torch.equal(lp.detach(), plan.old[i, :lp.numel()])
             loss = micro_batch_loss(logprobs, plan, rows)

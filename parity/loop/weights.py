@@ -3,7 +3,8 @@
 `trained_weights(lm)` picks the trained tensors of the training model; the object it returns
 gives the optimizer its parameters, pushes the trained weights to a backend and says what that
 backend must hold afterwards. `FullWeights` trains every parameter and pushes every parameter
-through the backend's weight update (`Backend.update_weights`, HF parameter names).
+through the backend's weight update (`Backend.update_weights`, HF parameter names);
+`parity.loop.adapter.AdapterWeights` (`lora_rank`) trains and pushes a LoRA adapter only.
 
 Precision: a model held in bfloat16 or float16 trains float32 master copies (the mixed-precision
 recipe of FSDP and Megatron): the optimizer steps the masters, which are then rounded into the
@@ -24,9 +25,11 @@ class FullWeights:
 
     parameters(): what the optimizer steps (float32 masters for a half-precision model).
     named_tensors(): what is pushed, `(parameter name, tensor)` in the model's dtype.
+    lm: the training model.
     """
 
     def __init__(self, lm: LoadedModel) -> None:
+        self.lm = lm
         self._named = list(lm.model.named_parameters())
         for _, p in self._named:
             p.requires_grad_(True)
@@ -68,6 +71,14 @@ class FullWeights:
     def expected_checksums(self, backend: Backend) -> dict[str, str]:
         """The checksums `backend.weight_checksums()` must report once a push has landed."""
         return backend.expected_checksums(self.named_tensors())
+
+    def stale_adapter(self, backend: Backend) -> str | None:
+        """What a backend applies in place of the trained adapter: nothing to check here (no adapter)."""
+        return None
+
+    def describe(self) -> dict[str, object]:
+        """What the record says about a push beyond the update's statistics: nothing more."""
+        return {}
 
 
 def trained_weights(lm: LoadedModel) -> FullWeights:
