@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import parity
+from parity.backends import get_backend
 from parity.backends.reference import ReferenceBackend
 from parity.cases import load_case
 from parity.cli import main
@@ -82,6 +83,21 @@ def test_native_reference_engine_is_not_bitwise():
                          **SMALL)
     assert not all(row["bitwise"] for row in record.steps)
     assert max(row["max_abs_logprob_diff"] for row in record.steps) > 0
+
+
+def test_a_borrowed_engine_is_recorded_in_its_own_dtype():
+    """A reference engine started in bfloat16 beside the float32 trainer: the record says bfloat16
+    and the steps are not bitwise (never a float32 claim); a backend_dtypes entry that contradicts
+    the engine is refused before any step."""
+    engine = get_backend("reference", "tiny-llama", dtype="bfloat16")
+    try:
+        with pytest.raises(ConfigError, match=r"backend_dtypes\['reference'\] is 'float32', but the running"):
+            parity.loop("tiny-llama", [engine], steps=1, backend_dtypes={"reference": "float32"}, **SMALL)
+        record = parity.loop("tiny-llama", [engine], steps=1, **SMALL)
+    finally:
+        engine.close()
+    assert record.config["backend_dtypes"] == {"reference": "bfloat16"}
+    assert not any(row["bitwise"] for row in record.steps)
 
 
 def test_same_seed_same_json_except_seconds(tmp_path):

@@ -43,7 +43,8 @@ def loop(model: str, backends: Sequence[str | Backend] = ("reference",), *, step
     """Run the on-policy GRPO loop on `model` for `steps` steps; returns its `LoopRecord`.
 
     backends: names, or running `Backend`s (borrowed: given back the starting weights, not
-    closed); each must push and verify weights (the reference engine, vLLM, vLLM's server).
+    closed; recorded in the dtype they run, which `backend_dtypes` may state but not contradict);
+    each must push and verify weights (the reference engine, vLLM, vLLM's server).
     case/reward: prompts come from `case` (a Case, a case file or name; its model is not used)
     and are rewarded by `reward(rollout) -> float`; without a case, the built-in arithmetic task
     (`parity.loop.task`) on `prompts` prompts, rewarded by its exact answer check (a `reward`
@@ -59,11 +60,17 @@ def loop(model: str, backends: Sequence[str | Backend] = ("reference",), *, step
         raise ConfigError(f"backends must be a list of backend names or Backends, got {backends!r}")
     names = [b.name if isinstance(b, Backend) else b for b in backends]
     engines = {b.name: b for b in backends if isinstance(b, Backend)}
+    dtypes = dict(backend_dtypes or {})
+    for name, engine in engines.items():  # a borrowed engine's dtype is what the record must say
+        if dtypes.setdefault(name, engine.dtype) != engine.dtype:
+            raise ConfigError(f"backend_dtypes[{name!r}] is {dtypes[name]!r}, but the running {name!r} "
+                              f"backend given runs {engine.dtype}; drop that entry or pass a backend started "
+                              f"with dtype={dtypes[name]!r}")
     config = LoopConfig(model=model, backends=tuple(names), train_on=train_on, steps=steps, lr=lr,
                         weight_decay=weight_decay, grad_clip=grad_clip, correction=correction, seed=seed, n=n,
                         max_tokens=max_tokens, temperature=temperature, prompts=prompts, dtype=dtype,
                         device=device, micro_batch_size=micro_batch_size,
-                        backend_dtypes={} if backend_dtypes is None else backend_dtypes,
+                        backend_dtypes=dtypes,
                         backend_options={} if backend_options is None else backend_options,
                         lora_rank=lora_rank)
     json_path = None if json is None else output_file(json, "json")

@@ -63,12 +63,19 @@ def step_requests(config: LoopConfig, task: Task, step: int) -> list[Request]:
 
 
 def check_backends(config: LoopConfig, engines: dict[str, Backend]) -> None:
-    """Refuse, before anything starts, a backend that cannot push and verify weights."""
+    """Refuse, before anything starts, a backend that cannot push and verify weights, and a running
+    backend whose dtype is not the one the loop records for it (a reference engine in bfloat16
+    beside a float32 trainer is never bitwise, and the record would say float32)."""
     for name in config.backends:
         reason = type(engines[name]).weight_sync_missing() if name in engines else weight_sync_missing(name)
         if reason is not None:
             raise ConfigError(f"parity loop pushes new weights to every backend each step and verifies them; "
                               f"{reason}. Drop {name!r} from the backends")
+        if name in engines and engines[name].dtype != config.dtype_of(name):
+            raise ConfigError(f"the running {name!r} backend given runs {engines[name].dtype}, but the loop "
+                              f"runs {name!r} in {config.dtype_of(name)}; start it with "
+                              f"dtype={config.dtype_of(name)!r}, or set the loop's dtype (backend_dtypes "
+                              f"for {name!r}) to {engines[name].dtype!r}")
         if config.lora_rank is None:
             continue
         if name not in lora_backends():
