@@ -18,7 +18,7 @@ import time
 
 from parity.audit import CHECKS, audit
 from parity.backends import get_backend, parse_option
-from parity.cases import load_case
+from parity.workload.cases import load_case
 
 
 def main() -> None:

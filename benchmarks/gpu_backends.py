@@ -77,8 +77,8 @@ def _drift_settings(moe: bool) -> list[tuple[str, dict[str, Any], str | None, st
 def drift_section(args: argparse.Namespace, save: Any) -> list[dict[str, Any]]:
     import parity
     from parity.backends import get_backend
-    from parity.cases import load_case
-    from parity.types import SamplingParams
+    from parity.core.types import SamplingParams
+    from parity.workload.cases import load_case
 
     models = [("qwen3-1.7b x28", _shaped(args.out, "qwen3-1.7b", 28), False),
               (f"qwen3-30b-a3b x{args.moe_layers}", _shaped(args.out, "qwen3-30b-a3b", args.moe_layers),
@@ -138,7 +138,7 @@ def measure(side: str, model: str, workload: tuple[int, int, int]) -> dict[str, 
     """Output tok/s of one side on `workload`, in this process (called in a child of the section)."""
     import torch
 
-    from parity.types import Request, SamplingParams
+    from parity.core.types import Request, SamplingParams
 
     count, prompt_len, max_tokens = workload
     requests = [Request(tuple(3 + (i * 7919 + j * 104729) % 150000 for j in range(prompt_len)),

@@ -36,9 +36,9 @@ from pathlib import Path
 
 import psutil
 
+from parity.core.types import Rollout
 from parity.loop import loop
 from parity.loop.command import format_row, header
-from parity.types import Rollout
 
 # before any engine loads (the loop imports vLLM only when it starts a vLLM backend)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

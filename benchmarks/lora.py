@@ -47,11 +47,11 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402  (after the path: parity is imported from ROOT)
 
 from parity import Request, SamplingParams  # noqa: E402
+from parity.core.schema import LORA_TARGETS as TARGETS  # noqa: E402
 from parity.engine import ReferenceEngine  # noqa: E402
 from parity.models.checkpoints import cache_dir, resolve_model  # noqa: E402
 from parity.models.lora_builtins import adapter_config, adapter_weights, write_adapter  # noqa: E402
 from parity.models.shaped import save_random_model, shaped_config  # noqa: E402
-from parity.schema import LORA_TARGETS as TARGETS  # noqa: E402
 
 
 def shaped_model(shape: str, layers: int, device: str) -> Path:
@@ -145,7 +145,7 @@ def vllm_table() -> None:
     import parity
     from parity.backends import get_backend
     from parity.backends.weight_sync import check_adapter_sync
-    from parity.cases import default_case
+    from parity.workload.cases import default_case
 
     case = default_case("tiny-llama", max_tokens=32)
     print("| adapter | tokens | max |Δlogp| | mean |Δlogp| | passed |")

@@ -21,7 +21,7 @@ import time
 import numpy as np
 
 from parity.backends import get_backend
-from parity.types import Request, SamplingParams
+from parity.core.types import Request, SamplingParams
 
 
 def workload(count: int, max_tokens: int, seed: int = 0) -> list[Request]:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from parity.correction import rollout_correction
-from parity.metrics import summarize
+from parity.drift.metrics import summarize
 
 BATCH, SEQ = 10_000, 1_000
 

@@ -21,8 +21,8 @@ import torch
 
 import parity
 from parity.correction.config import CorrectionConfig
+from parity.drift.token_arrays import token_arrays
 from parity.monitor.summary import step_record
-from parity.token_arrays import token_arrays
 
 BATCH, SEQ = 4096, 256
 

@@ -4,16 +4,20 @@
 from parity.advisor import advise
 from parity.audit import AuditResult, audit
 from parity.compare import compare
-from parity.errors import ParityError
+from parity.core.errors import ParityError
+from parity.core.moved import install as _serve_moved_paths
+from parity.core.schema import VERSION as __version__
+from parity.core.turns import Generate, Inject
+from parity.core.types import Request, Rollout, SamplingParams
+from parity.drift.tolerance import Tolerance
 from parity.loop import loop
 from parity.monitor import Monitor
-from parity.quiet import follow_parent
-from parity.report import ParityReport
-from parity.schema import VERSION as __version__
+from parity.report.document import ParityReport
+from parity.runtime.quiet import follow_parent
 from parity.scoring import score
-from parity.tolerance import Tolerance
-from parity.turns import Generate, Inject
-from parity.types import Request, Rollout, SamplingParams
+
+# the modules users imported by path before the wings (parity.types, parity.cases, ...) keep working
+_serve_moved_paths()
 
 # an engine process re-imports the main module: if it imports parity, it is as quiet as its parent
 follow_parent()

@@ -9,7 +9,7 @@
     parity monitor OUT_DIR [--html OUT] [--json OUT]
 
 `--verbose`, anywhere on the line, shows the engines' own log lines (vLLM's INFO) and the
-traceback of an error; without it engines print errors only (`parity.quiet`).
+traceback of an error; without it engines print errors only (`parity.runtime.quiet`).
 
 Exit codes: 0 the tolerance holds (or the command succeeded), 1 it does not, 2 any error (bad
 input, a backend failure, anything unexpected: one line on stderr, the traceback with
@@ -28,9 +28,8 @@ from pathlib import Path
 
 from parity.advisor import advise
 from parity.backends import BACKENDS, available_backends, parse_option
-from parity.cases import load_case
 from parity.compare import compare
-from parity.errors import (
+from parity.core.errors import (
     EXIT_BROKEN_PIPE,
     EXIT_ERROR,
     EXIT_INTERRUPTED,
@@ -40,15 +39,16 @@ from parity.errors import (
     OutputError,
     report_error,
 )
+from parity.core.outputs import output_file, write_atomic
+from parity.core.schema import DTYPES, KERNEL_MODES, LOGPROBS_MODES
+from parity.core.types import SamplingParams
 from parity.models import BUILTIN_MODELS, TRAINED_MODELS, builtin_dir, cache_dir, trained_dir
 from parity.models.trained import packaged_file
-from parity.outputs import output_file, write_atomic
-from parity.quiet import engine_logging
 from parity.render import report_html
-from parity.report import ParityReport, format_worst_tokens
-from parity.schema import DTYPES, KERNEL_MODES, LOGPROBS_MODES
+from parity.report.document import ParityReport, format_worst_tokens
+from parity.runtime.quiet import engine_logging
 from parity.scoring import FROM_DUMP, score
-from parity.types import SamplingParams
+from parity.workload.cases import load_case
 
 #: the flag that shows the engines' log lines, accepted anywhere on the command line.
 VERBOSE = "--verbose"
@@ -56,9 +56,9 @@ VERBOSE = "--verbose"
 #: (`parity attribute` loads torch with its module, `parity --help` should not).
 PASSTHROUGH: dict[str, tuple[str, str, str]] = {
     "nightly": ("parity.nightly", "main", "run the nightly matrix and write regression reports"),
-    "replay": ("parity.record", "replay_main", "replay a recorded run through another backend"),
+    "replay": ("parity.rollouts.record", "replay_main", "replay a recorded run through another backend"),
     "attribute": ("parity.attribute", "main", "attribute drift to ops and layers"),
-    "lifecycle": ("parity.lifecycle", "main", "check sleep/wake, weight updates and cache resets"),
+    "lifecycle": ("parity.audit.lifecycle", "main", "check sleep/wake, weight updates and cache resets"),
     "monitor": ("parity.monitor.command", "main", "draw and summarise a run a parity.Monitor logged"),
     "loop": ("parity.loop.command", "main", "an on-policy RL loop: drift per step as weights move"),
     "audit": ("parity.audit.command", "main", "is this engine deterministic and batch-invariant?"),

@@ -2,9 +2,9 @@
 forward, and build the `ParityReport`.
 
 Data flows one way: case -> requests -> backend.generate -> rollouts (checked against their
-requests, `parity.matching`) -> the training side (`parity.assess.report_for`: each rollout
-scored under its request's logprob definition and in the layout it records) -> report. Every
-argument is checked before an engine starts.
+requests, `parity.rollouts.matching`) -> the training side
+(`parity.assess.training_side.report_for`: each rollout scored under its request's logprob
+definition and in the layout it records) -> report. Every argument is checked before an engine starts.
 """
 
 from __future__ import annotations
@@ -15,26 +15,26 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from parity.assess import check_gold, report_for, router_replay_options
+from parity.assess.training_side import check_gold, report_for, router_replay_options
 from parity.backends import BACKENDS, Backend, lora_options, route_capture_options, shared_backend
 from parity.backends import backend_options as backend_options_of
 from parity.backends.turns import generate
-from parity.cases import Case
-from parity.errors import ConfigError, OutputError
-from parity.matching import check_samples, match_requests
+from parity.core.errors import ConfigError, OutputError
+from parity.core.outputs import output_file
+from parity.core.schema import KERNEL_MODES, REDUCTION_GROUPS
+from parity.core.strict import check_dtype
+from parity.core.turns import Turn
+from parity.core.types import SamplingParams
+from parity.drift.tolerance import Tolerance
 from parity.models import model_limits, resolve_model
 from parity.models.lora import LoraSpec, check_adapter, check_without_tensor_parallel
-from parity.outputs import output_file
-from parity.prompts import Dataset, PromptSource
-from parity.provenance import provenance
-from parity.record import write_record
-from parity.report import ParityReport
-from parity.schema import KERNEL_MODES, REDUCTION_GROUPS
-from parity.strict import check_dtype
-from parity.tolerance import Tolerance
-from parity.turns import Turn
-from parity.types import SamplingParams
-from parity.workload import resolve_workload, with_logprobs_mode
+from parity.report.document import ParityReport
+from parity.report.provenance import provenance
+from parity.rollouts.matching import check_samples, match_requests
+from parity.rollouts.record import write_record
+from parity.workload.cases import Case
+from parity.workload.prompts import Dataset, PromptSource
+from parity.workload.resolve import resolve_workload, with_logprobs_mode
 
 
 def compare(
@@ -64,17 +64,17 @@ def compare(
     backend: a registry name (started once per process through `shared_backend`, with
         `backend_options`) or a running `Backend` to reuse. A `logprobs_mode` backend option
         (vllm-server's: the mode the server reports) puts every request in that mode
-        (`parity.workload.with_logprobs_mode`), so `--option logprobs_mode=raw` alone compares raw
+        (`parity.workload.resolve.with_logprobs_mode`), so `--option logprobs_mode=raw` alone compares raw
         logprobs.
     case: a `Case` or the path of a case TOML file. prompts: a list of token-id lists, strings
         or chat-message lists (`[{"role": "user", "content": ...}]`, rendered with the
-        checkpoint's chat template), or a dataset file (a `parity.prompts.Dataset`, or a path:
-        JSONL or Parquet in verl's layout); see `parity.prompts`. Prompt i is sampled with
+        checkpoint's chat template), or a dataset file (a `parity.workload.prompts.Dataset`, or a path:
+        JSONL or Parquet in verl's layout); see `parity.workload.prompts`. Prompt i is sampled with
         `sampling` (default `SamplingParams(max_tokens=32)`) and seed `sampling.seed + i`. With
-        neither, `parity.cases.default_case(model)` is used.
-    turns: with prompts, makes every prompt a multi-turn trajectory (`parity.turns`):
+        neither, `parity.workload.cases.default_case(model)` is used.
+    turns: with prompts, makes every prompt a multi-turn trajectory (`parity.core.turns`):
         `Generate(max_tokens)` and `Inject(token_ids)`, `Inject(fn=...)` or `Inject(name=TOOL)`
-        (a built-in tool, `parity.tools`); `sampling.max_tokens` bounds the whole response.
+        (a built-in tool, `parity.workload.tools`); `sampling.max_tokens` bounds the whole response.
         Backends other than the reference engine run it turn by turn (`parity.backends.turns`);
         metrics read generated tokens only and the report adds drift by turn.
     reference: training-forward kernels, "invariant" (batch-invariant) or "native" (stock torch).
@@ -96,7 +96,7 @@ def compare(
         None = `DEFAULT_CORRECTION`.
     attribute: drift-attribution axes (`parity.attribute.AXES`: "batch", "layout", "mode",
         "dtype") run on the sampled tokens; the result goes to `report.extras["attribution"]`.
-    record: write the run's record (the requests and the rollouts, `parity.record`) to this
+    record: write the run's record (the requests and the rollouts, `parity.rollouts.record`) to this
         path, to replay through another backend or score again with `parity.scoring.score`;
         written right after sampling. If it cannot be written the comparison still finishes and
         `OutputError` is raised with the report in its `report` attribute.
@@ -106,7 +106,7 @@ def compare(
         matches at every degree, with the reference backend's `reduction_groups` option (default 8;
         bits match only for the same value, which `provenance["train_tensor_parallel"]` records).
     gold: also score the tokens with the gold forward (`parity.engine.gold`: float64 on CPU, float32
-        without TF32 on CUDA, on `device`) and add which side is farther from it (`parity.accuracy`:
+        without TF32 on CUDA, on `device`) and add which side is farther from it (`parity.assess.accuracy`:
         the `gold/*` summary keys, the "Which side moved" page section). None (default) runs it when
         its estimated time is under a second or at most 20% of the row's sampling and
         training-forward time (`parity.engine.gold.decide`); `report.extras["gold"]` says whether it

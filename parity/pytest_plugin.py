@@ -24,10 +24,10 @@ import pytest
 
 from parity.backends import Backend, available_backends, close_shared_backends, shared_backend
 from parity.compare import compare
-from parity.errors import BackendUnavailableError
-from parity.quiet import engine_logging
+from parity.core.errors import BackendUnavailableError
 from parity.render import report_html
-from parity.report import ParityReport
+from parity.report.document import ParityReport
+from parity.runtime.quiet import engine_logging
 from parity.testing import failure_message
 
 DEFAULT_BACKEND = "reference"

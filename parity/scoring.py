@@ -11,7 +11,7 @@ which side was computed here (`train_logprobs`, `rollout_logprobs`).
 
 Sources (`read_source`): a parity record (JSONL whose first line is its header; with rollouts
 of several backends, `backend` picks one), or a rollout dump, JSONL or Parquet
-(`parity.dumps`). Processed logprobs are scored under each rollout's recorded sampling;
+(`parity.rollouts.dumps`). Processed logprobs are scored under each rollout's recorded sampling;
 `sampling` supplies it where the source has none (one `SamplingParams`, or one per request
 id, e.g. from a case).
 """
@@ -28,19 +28,19 @@ from typing import Any
 
 import numpy as np
 
-from parity.assess import check_gold, report_for
-from parity.dumps import GivenSampling, check_logprobs, read_dump
-from parity.errors import ConfigError, InputError
+from parity.assess.training_side import check_gold, report_for
+from parity.core.errors import ConfigError, InputError
+from parity.core.schema import KERNEL_MODES
+from parity.core.strict import check_dtype
+from parity.core.tables import PARQUET_SUFFIX, read_jsonl
+from parity.core.types import Rollout
+from parity.drift.tolerance import Tolerance
 from parity.models import resolve_model
 from parity.models.lora import check_adapter
-from parity.provenance import TRAIN_COMPUTED, provenance
-from parity.record import RECORD_FORMAT, read_record
-from parity.report import ParityReport
-from parity.schema import KERNEL_MODES
-from parity.strict import check_dtype
-from parity.tables import PARQUET_SUFFIX, read_jsonl
-from parity.tolerance import Tolerance
-from parity.types import Rollout
+from parity.report.document import ParityReport
+from parity.report.provenance import TRAIN_COMPUTED, provenance
+from parity.rollouts.dumps import GivenSampling, check_logprobs, read_dump
+from parity.rollouts.record import RECORD_FORMAT, read_record
 
 #: `trainer_logprobs=FROM_DUMP`: the trainer logprobs the dump holds (its trainer-logprob column).
 FROM_DUMP = "dump"
@@ -68,7 +68,7 @@ def read_source(path: str | os.PathLike[str], *, backend: str | None = None, sam
                 logprobs_mode: str = "processed") -> Source:
     """A record or a dump (see the module doc). backend: for a record, whose rollouts to take;
     for a dump, the name stamped on its rollouts (default "external"). sampling, logprobs_mode:
-    for rollouts that carry none (`parity.dumps.read_dump`)."""
+    for rollouts that carry none (`parity.rollouts.dumps.read_dump`)."""
     path = Path(path)
     if path.suffix != PARQUET_SUFFIX and _is_record(path):
         record = read_record(path)

@@ -9,9 +9,9 @@ reading it can start from the token that drifted most.
 
 from __future__ import annotations
 
-from parity.errors import ConfigError
-from parity.report import ParityReport, format_worst_tokens
-from parity.tolerance import Tolerance, Violation
+from parity.core.errors import ConfigError
+from parity.drift.tolerance import Tolerance, Violation
+from parity.report.document import ParityReport, format_worst_tokens
 
 #: worst tokens shown in a failure message.
 WORST_TOKENS = 5

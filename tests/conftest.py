@@ -15,7 +15,7 @@ local executor and the `parity_backend` fixture get, so reuse the configurations
 `("vllm", "tiny-llama")` and `("vllm", "tiny-qwen3-moe")` in bfloat16 without options serve most
 modules. An engine whose process died is replaced on the next call. Never close a shared engine in a
 test: the parity pytest plugin closes them all when the session ends (on failure and Ctrl-C too;
-`parity.guard` kills what a crashed session leaves). A module whose options no other module uses
+`parity.runtime.guard` kills what a crashed session leaves). A module whose options no other module uses
 frees them at its end with `parity.backends.close_shared_backend(name, model, dtype=..., **options)`
 (tests/test_trajectories_vllm.py); never `close_shared_backends()`, which stops every module's.
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from parity.backends import registry
 from parity.backends.registry import BACKENDS
-from parity.errors import BackendError
+from parity.core.errors import BackendError
 
 LOG_ENV = "PARITY_TEST_ENGINE_LOG"
 FAIL_ENV = "PARITY_TEST_ENGINE_FAIL"

@@ -6,18 +6,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from parity.accuracy import gold_by_position, gold_summary, verdict
 from parity.advisor import advise
-from parity.advisor.evaluate import bootstrap_ratio
+from parity.assess.accuracy import gold_by_position, gold_summary, verdict
+from parity.assess.reporting import build_report
+from parity.core.errors import ConfigError, InputError
+from parity.core.schema import GOLD_RATIO_CI_KEY, GOLD_RATIO_KEY, GOLD_SUMMARY_KEYS, GOLD_VERDICT_KEY
+from parity.core.types import Rollout
+from parity.drift.bootstrap import bootstrap_ratio
+from parity.drift.tolerance import DEFAULTS, Tolerance
 from parity.engine.gold import DEFAULT_SHARE, GOLD_FLOPS, decide
-from parity.errors import ConfigError, InputError
 from parity.nightly.markdown_report import render_summary
 from parity.render import report_html
-from parity.report import ParityReport, format_worst_tokens
-from parity.reporting import build_report
-from parity.schema import GOLD_RATIO_CI_KEY, GOLD_RATIO_KEY, GOLD_SUMMARY_KEYS, GOLD_VERDICT_KEY
-from parity.tolerance import DEFAULTS, Tolerance
-from parity.types import Rollout
+from parity.report.document import ParityReport, format_worst_tokens
 
 ROWS, COLS = 24, 40
 

@@ -16,12 +16,12 @@ from parity.advisor import AdviceRule, Tokens, default_grid
 from parity.advisor.evaluate import evaluate
 from parity.advisor.export import framework_configs, verl_overrides
 from parity.cli import main
+from parity.core.errors import ConfigError, InputError
+from parity.core.schema import BASELINE_RECOMMENDATION_KEY, RECOMMENDATION_KEY
 from parity.correction import CorrectionConfig, apply_correction
-from parity.errors import ConfigError, InputError
 from parity.nightly.rows import RowKey, RowResult, correction_change
 from parity.render import report_html
-from parity.report import ParityReport
-from parity.schema import BASELINE_RECOMMENDATION_KEY, RECOMMENDATION_KEY
+from parity.report.document import ParityReport
 
 SEQS, LEN = 500, 256
 

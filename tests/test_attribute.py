@@ -25,8 +25,8 @@ from parity.attribute import (
     main,
 )
 from parity.attribute.runner import run, stage_names
+from parity.core.errors import ConfigError, InputError
 from parity.engine import LAYOUTS, train_forward
-from parity.errors import ConfigError, InputError
 from parity.kernels import ops
 from parity.models.loading import load_model
 from parity.render.attribution import layers_text, ops_text, section_html
@@ -328,7 +328,7 @@ def test_cli_errors():
 def test_compare_attaches_attribution_to_the_report_and_its_html(tmp_path):
     """`parity compare --attribute batch` puts the section into the JSON and the HTML page."""
     from parity.cli import main as cli_main
-    from parity.report import ParityReport
+    from parity.report.document import ParityReport
 
     out, page = tmp_path / "r.json", tmp_path / "r.html"
     code = cli_main(["compare", "--model", "tiny-llama", "--backend", "reference", "--dtype", "float32",

@@ -18,10 +18,10 @@ from parity.audit.derived import check_batch_sizes, needle_batches, reseeded, sh
 from parity.audit.diff import Pair, common_prefix, compare_pairs, pair_runs, route_hash
 from parity.audit.result import CHECK_KEYS, RESULT_KEYS
 from parity.backends.base import Backend, expand_samples
-from parity.cases import Case, default_case
-from parity.errors import ConfigError, InputError
-from parity.turns import Generate
-from parity.types import Request, Rollout, SamplingParams
+from parity.core.errors import ConfigError, InputError
+from parity.core.turns import Generate
+from parity.core.types import Request, Rollout, SamplingParams
+from parity.workload.cases import Case, default_case
 
 # -- the result's JSON --------------------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ import torch
 import parity
 from parity.audit.command import main
 from parity.backends import get_backend, shared_backend
-from parity.cases import load_case
+from parity.workload.cases import load_case
 
 pytestmark = [pytest.mark.slow]
 

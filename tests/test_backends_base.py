@@ -25,10 +25,10 @@ from parity.backends.base import (
     score_sampling,
     stop_set,
 )
-from parity.errors import BackendUnavailableError, ConfigError, InputError
+from parity.core.errors import BackendUnavailableError, ConfigError, InputError
+from parity.core.schema import BACKEND_NAMES
+from parity.core.types import Request, Rollout, SamplingParams, as_pairs
 from parity.models import resolve_model
-from parity.schema import BACKEND_NAMES
-from parity.types import Request, Rollout, SamplingParams, as_pairs
 
 
 def test_registry_names_and_unknown_name():

@@ -5,7 +5,7 @@ import torch
 
 from parity.backends import shared_backend
 from parity.backends.hf import translate_sampling
-from parity.types import Request, SamplingParams
+from parity.core.types import Request, SamplingParams
 
 PROMPTS = [(1, 40, 41, 42, 43, 44), (1, 70, 71), (1, 100, 101, 102, 103, 104, 105, 106, 107, 108)]
 

@@ -29,11 +29,11 @@ from parity.backends.sglang import (
     parse_prompt_logprobs,
     translate_sampling,
 )
+from parity.core.errors import BackendError, BackendUnavailableError, ConfigError
+from parity.core.types import Request, SamplingParams
 from parity.engine import train_forward
-from parity.errors import BackendError, BackendUnavailableError, ConfigError
 from parity.models import resolve_model
-from parity.processes import free_loopback_port
-from parity.types import Request, SamplingParams
+from parity.runtime.processes import free_loopback_port
 
 #: outputs generated in the backend's documented format, not captured from a server (see generate.py there)
 DATA = Path(__file__).parent / "data" / "documented_format"

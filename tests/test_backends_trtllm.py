@@ -11,8 +11,8 @@ import pytest
 
 from parity.backends.base import SampleJob
 from parity.backends.trtllm import parse_completion, parse_prompt_logprobs, token_logprob, translate_sampling
-from parity.errors import BackendError, ConfigError
-from parity.types import Request, SamplingParams
+from parity.core.errors import BackendError, ConfigError
+from parity.core.types import Request, SamplingParams
 
 #: outputs generated in the backend's documented format, not captured from a server (see generate.py there)
 DATA = Path(__file__).parent / "data" / "documented_format"

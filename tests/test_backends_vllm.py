@@ -11,8 +11,8 @@ import torch
 
 from parity.backends import close_shared_backend, get_backend, shared_backend
 from parity.backends.weight_sync import check_weight_sync
-from parity.errors import BackendError, ConfigError
-from parity.types import Request, SamplingParams
+from parity.core.errors import BackendError, ConfigError
+from parity.core.types import Request, SamplingParams
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,

@@ -20,18 +20,18 @@ import pytest
 import torch
 
 from parity.audit import audit
+from parity.audit.lifecycle import CHECKS, run_lifecycle
 from parity.backends import get_backend, shared_backend
 from parity.backends.http import RequestsLostError
 from parity.backends.vllm_server import VLLMServerBackend, probe_logprobs_mode
 from parity.backends.vllm_settings import SETTINGS, from_probes
-from parity.cases import load_case
 from parity.cli import main
 from parity.compare import compare
-from parity.errors import BackendError, ConfigError
-from parity.lifecycle import CHECKS, run_lifecycle
+from parity.core.errors import BackendError, ConfigError
+from parity.core.types import Request, SamplingParams
 from parity.render import report_html
-from parity.report import ParityReport
-from parity.types import Request, SamplingParams
+from parity.report.document import ParityReport
+from parity.workload.cases import load_case
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,

@@ -17,21 +17,21 @@ from markdown_it import MarkdownIt
 
 import parity
 from parity.backends import Backend
-from parity.cases import Case, load_case
+from parity.core.errors import BackendError, ConfigError, InputError, ParityError
+from parity.core.types import Request, Rollout, SamplingParams
 from parity.correction import CorrectionConfig
-from parity.dumps import load_rollouts
+from parity.drift.tolerance import Tolerance
 from parity.engine import EngineConfig
-from parity.errors import BackendError, ConfigError, InputError, ParityError
-from parity.matching import match_requests
 from parity.models import resolve_model
 from parity.nightly.history import RunInfo
 from parity.nightly.markdown_report import render_summary
 from parity.nightly.regression import RegressionPolicy
 from parity.nightly.rows import RowKey, RowResult
 from parity.nightly.runner import NightlyConfig
-from parity.record import read_record, replay, write_record
-from parity.tolerance import Tolerance
-from parity.types import Request, Rollout, SamplingParams
+from parity.rollouts.dumps import load_rollouts
+from parity.rollouts.matching import match_requests
+from parity.rollouts.record import read_record, replay, write_record
+from parity.workload.cases import Case, load_case
 
 #: the built-in checkpoints' vocabulary and context (parity.models.checkpoints).
 VOCAB, CONTEXT = 512, 512

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from parity.cases import Case, default_case, load_case, load_cases
-from parity.errors import ConfigError, ParityError
-from parity.tolerance import Tolerance
+from parity.core.errors import ConfigError, ParityError
+from parity.drift.tolerance import Tolerance
+from parity.workload.cases import Case, default_case, load_case, load_cases
 
 CASES = Path(__file__).resolve().parent.parent / "cases"
 SHIPPED = ("smoke", "moe", "long-prompt", "sampling-sweep", "grpo-group", "shared-prefix", "fp16-vs-bf16",

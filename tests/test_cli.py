@@ -13,7 +13,7 @@ import pytest
 
 from parity.backends import route_capture_options
 from parity.cli import PASSTHROUGH, main
-from parity.report import ParityReport
+from parity.report.document import ParityReport
 
 ROOT = Path(__file__).resolve().parent.parent
 MOE = "tiny-qwen3-moe"

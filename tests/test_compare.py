@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 
 import parity
-from parity.assess import score_rollouts
-from parity.errors import ConfigError, InputError, ModelNotFoundError
-from parity.matching import match_requests
-from parity.report import ParityReport
-from parity.reporting import build_report
-from parity.tolerance import Tolerance
-from parity.types import Request, Rollout, SamplingParams
+from parity.assess.reporting import build_report
+from parity.assess.training_side import score_rollouts
+from parity.core.errors import ConfigError, InputError, ModelNotFoundError
+from parity.core.types import Request, Rollout, SamplingParams
+from parity.drift.tolerance import Tolerance
+from parity.report.document import ParityReport
+from parity.rollouts.matching import match_requests
 
 SMALL = {"prompts": [[5, 6, 7, 8, 9], "hi there"], "sampling": {"max_tokens": 8, "n": 2}}
 

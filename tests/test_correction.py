@@ -17,8 +17,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from strategies import batches
 
+from parity.core.errors import ConfigError, InputError
 from parity.correction import RS_OPTIONS, CorrectionConfig, rollout_correction
-from parity.errors import ConfigError, InputError
 
 VECTORS = Path(__file__).parent / "data" / "verl_vectors"
 DATASETS = {path.stem: json.loads(path.read_text()) for path in sorted(VECTORS.glob("*.json"))}

@@ -8,9 +8,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from parity.dumps import dump_rollouts, load_rollouts, read_dump
-from parity.errors import InputError
-from parity.types import Rollout, SamplingParams
+from parity.core.errors import InputError
+from parity.core.types import Rollout, SamplingParams
+from parity.rollouts.dumps import dump_rollouts, load_rollouts, read_dump
 
 T07 = SamplingParams(n=2, temperature=0.7, top_p=0.9, max_tokens=6, seed=11)
 RAW = SamplingParams(logprobs_mode="raw")

@@ -9,9 +9,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from parity import Request, Rollout, SamplingParams
+from parity.core.errors import ConfigError, InputError
 from parity.engine import LAYOUTS, ReferenceEngine, train_forward
 from parity.engine.sampler import key_state, sample
-from parity.errors import ConfigError, InputError
 from parity.kernels import switch
 from parity.kernels.cpu_sampling import gumbel_noise
 from parity.models import EOS_ID

@@ -24,9 +24,9 @@ from typing import Any, ClassVar
 import pytest
 
 from parity.backends import Backend, registry, shared_backend
-from parity.errors import BackendError
+from parity.core.errors import BackendError
+from parity.core.types import Rollout
 from parity.nightly import main
-from parity.types import Rollout
 
 ROOT = Path(__file__).resolve().parent.parent
 POISON = 511  # in the tiny vocabulary, so only the fake treats it as fatal
@@ -117,7 +117,7 @@ def test_the_row_that_kills_the_engine_is_an_error_row_and_later_rows_run(mortal
 
 def test_a_server_parity_started_is_dead_once_its_process_exits():
     from parity.backends.vllm_server import VLLMServerBackend
-    from parity.processes import ServerProcess, free_loopback_port
+    from parity.runtime.processes import ServerProcess, free_loopback_port
 
     port = free_loopback_port()
     fake = Path(__file__).resolve().parent / "data" / "processes" / "fake_server.py"

@@ -10,10 +10,10 @@ from test_engine import workloads
 
 from parity import Request, SamplingParams
 from parity.backends.reference import ReferenceBackend
+from parity.core.errors import ConfigError
 from parity.engine import EngineConfig, ReferenceEngine, train_forward
 from parity.engine.graphs import bucket_sizes
 from parity.engine.scheduler import Scheduler, Sequence
-from parity.errors import ConfigError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

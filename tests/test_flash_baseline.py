@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from parity.core.types import Request, SamplingParams
 from parity.engine import ReferenceEngine
 from parity.kernels import attention
 from parity.kernels.attention import flash_over_cache, gathered_sdpa
 from parity.models.shaped import save_random_model, shaped_config
-from parity.types import Request, SamplingParams
 
 CUDA = torch.cuda.is_available()
 pytestmark = [pytest.mark.gpu,

@@ -13,11 +13,11 @@ import pytest
 
 import parity
 from parity.backends.http import Endpoint
-from parity.cases import Case, load_case
 from parity.cli import main
-from parity.errors import ConfigError, InputError
+from parity.core.errors import ConfigError, InputError
+from parity.core.types import Request
 from parity.scoring import score
-from parity.types import Request
+from parity.workload.cases import Case, load_case
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -78,12 +78,12 @@ def test_control_characters_in_a_case_name_or_description_are_refused(tmp_path) 
 def test_a_text_case_is_validated_whole_before_its_tokenizer_loads(tmp_path, monkeypatch) -> None:
     """A type error in [sampling] is reported without loading the tokenizer (3.8 s here, 11-14 s
     under load on the old code)."""
-    import parity.prompts
+    import parity.workload.prompts
 
     def no_tokenizer(*args, **kwargs):
         raise AssertionError("the tokenizer was loaded before the case was validated")
 
-    monkeypatch.setattr(parity.prompts, "tokenizer", no_tokenizer)
+    monkeypatch.setattr(parity.workload.prompts, "tokenizer", no_tokenizer)
     path = tmp_path / "text.toml"
     path.write_text(
         'model = "tiny-llama"\n[prompts]\ntext = ["Hello there"]\n[sampling]\ntemperature = "hot"\n'

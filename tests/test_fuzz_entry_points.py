@@ -26,15 +26,15 @@ from hypothesis import strategies as st
 import parity
 import parity.nightly.command
 from parity.backends import Backend, close_shared_backend
-from parity.cases import Case, load_case
 from parity.cli import main
-from parity.dumps import load_rollouts
+from parity.core.errors import ParityError
+from parity.core.types import Request, Rollout, SamplingParams
 from parity.engine import train_forward
-from parity.errors import ParityError
 from parity.loop.record import LoopRecord
-from parity.record import read_record, write_record
-from parity.report import ParityReport
-from parity.types import Request, Rollout, SamplingParams
+from parity.report.document import ParityReport
+from parity.rollouts.dumps import load_rollouts
+from parity.rollouts.record import read_record, write_record
+from parity.workload.cases import Case, load_case
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny-llama"
@@ -404,7 +404,7 @@ def test_command_line(tmp_path_factory, capsys):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr("parity.backends.reference.ReferenceBackend.generate", stop)
         mp.setattr(sys.modules["parity.nightly.command"], "run_nightly", stop)
-        mp.setattr(sys.modules["parity.record"], "get_backend", stop)
+        mp.setattr(sys.modules["parity.rollouts.record"], "get_backend", stop)
 
         @given(command=st.sampled_from(["compare", "nightly", "replay", "audit"]),
                compare=argv_from(OPTION_VALUES), nightly=argv_from(NIGHTLY_VALUES),

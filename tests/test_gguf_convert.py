@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from parity.errors import ModelNotFoundError
+from parity.core.errors import ModelNotFoundError
 from parity.models import TRAINED_MODELS, convert_gguf, resolve_model
 from parity.models.trained import PackagedModel, trained_path
 

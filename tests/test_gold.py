@@ -5,13 +5,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from parity.core.errors import ConfigError, InputError
+from parity.core.types import Request, SamplingParams
 from parity.engine import ReferenceEngine, train_forward
 from parity.engine.gold import gold_logprobs, gold_model
-from parity.errors import ConfigError, InputError
 from parity.models import resolve_model
 from parity.models.loading import load_model
 from parity.parallel import Comm, shard_model
-from parity.types import Request, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -11,10 +11,10 @@ import pytest
 
 import parity
 from parity.cli import main
+from parity.core.errors import ConfigError
+from parity.core.schema import GOLD_RATIO_CI_KEY, GOLD_RATIO_KEY, GOLD_SUMMARY_KEYS, GOLD_VERDICT_KEY
+from parity.drift.tolerance import Tolerance
 from parity.engine import gold as gold_module
-from parity.errors import ConfigError
-from parity.schema import GOLD_RATIO_CI_KEY, GOLD_RATIO_KEY, GOLD_SUMMARY_KEYS, GOLD_VERDICT_KEY
-from parity.tolerance import Tolerance
 
 SMALL = {"prompts": [[5, 6, 7, 8, 9], "hi there"], "sampling": {"max_tokens": 8, "n": 2}}
 #: longer responses for the rows whose ratio is read: 4 prompts x 2 samples x 24 tokens.

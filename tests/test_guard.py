@@ -1,4 +1,5 @@
-"""Processes parity starts die with it: the guard (parity.guard) and servers (parity.processes).
+"""Processes parity starts die with it: the guard (parity.runtime.guard) and servers
+(parity.runtime.processes).
 
 Fast stand-ins for the engines (tests/data/processes): a fake parity process owning an "engine"
 with a "worker" of its own, a "server" in its own session with a child in its group, and an
@@ -18,8 +19,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from parity.errors import BackendError
-from parity.processes import LOOPBACK, ServerProcess, free_loopback_port
+from parity.core.errors import BackendError
+from parity.runtime.processes import LOOPBACK, ServerProcess, free_loopback_port
 
 DATA = Path(__file__).parent / "data" / "processes"
 ROOT = Path(__file__).resolve().parent.parent
@@ -133,7 +134,7 @@ def test_interrupt_during_start_stops_the_server(tmp_path):
     """Ctrl-C while parity waits for a server to come up: the server and its child are stopped."""
     port = free_loopback_port()
     script = (
-        "import sys; from parity.processes import ServerProcess\n"
+        "import sys; from parity.runtime.processes import ServerProcess\n"
         f"s = ServerProcess([sys.executable, {str(DATA / 'fake_server.py')!r}, '{port}', 'silent'], "
         f"port={port}, name='fake server')\n"
         "try:\n    s.start(timeout_s=120)\n"

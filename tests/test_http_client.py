@@ -14,8 +14,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from parity.backends.http import Endpoint, HttpClient, HttpSettings, RequestsLostError
-from parity.errors import BackendError, ConfigError
-from parity.processes import free_loopback_port
+from parity.core.errors import BackendError, ConfigError
+from parity.runtime.processes import free_loopback_port
 
 FAST = dict(backoff_s=0.01)
 

@@ -21,11 +21,11 @@ import torch
 import parity
 from parity.backends import shared_backend
 from parity.cli import main
-from parity.dumps import read_dump
-from parity.errors import InputError
+from parity.core.errors import InputError
+from parity.core.types import Request, SamplingParams
 from parity.integrations import nemo_rl, slime, verl
-from parity.report import ParityReport
-from parity.types import Request, SamplingParams
+from parity.report.document import ParityReport
+from parity.rollouts.dumps import read_dump
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -285,8 +285,8 @@ def test_nothing_needs_pandas(tmp_path):
             pass
         import json, numpy as np, pyarrow as pa, pyarrow.parquet as pq
         from pathlib import Path
-        from parity.prompts import Dataset
-        from parity.dumps import read_dump
+        from parity.workload.prompts import Dataset
+        from parity.rollouts.dumps import read_dump
         import parity
         from parity.integrations.batches import StepBatch, dump_step
         out = Path({str(tmp_path)!r})

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 from parity import kernels
-from parity.errors import BackendUnavailableError, ConfigError
+from parity.core.errors import BackendUnavailableError, ConfigError
 from parity.kernels import cpu, cpu_gemm, ops
 from parity.kernels.attention import (
     KV_BLOCK,

@@ -56,9 +56,9 @@ def test_import_parity_is_light():
 def test_token_and_generated_cases_parse_without_torch():
     assert len(TOKEN_CASES) >= 5  # every case file but the text and chat ones
     assert heavy_modules_after(textwrap.dedent(f"""
-        import parity.cases
+        import parity.workload.cases
         for name in {TOKEN_CASES!r}:
-            parity.cases.load_case("cases/" + name)
+            parity.workload.cases.load_case("cases/" + name)
     """)) == []
 
 
@@ -66,18 +66,19 @@ def test_a_token_id_dataset_case_and_a_rollout_dump_load_without_torch(tmp_path)
     (tmp_path / "ids.jsonl").write_text('{"prompt": [5, 6, 7]}\n{"prompt": [8, 9]}\n')
     (tmp_path / "case.toml").write_text('model = "tiny-llama"\n[prompts.dataset]\npath = "ids.jsonl"\n')
     assert heavy_modules_after(textwrap.dedent(f"""
-        import json, pathlib, parity.cases, parity.dumps
-        parity.cases.load_case({str(tmp_path / "case.toml")!r})
+        import json, pathlib, parity.workload.cases, parity.rollouts.dumps
+        parity.workload.cases.load_case({str(tmp_path / "case.toml")!r})
         dump = pathlib.Path({str(tmp_path / "dump.jsonl")!r})
         dump.write_text(json.dumps({{"prompt_ids": [1], "response_ids": [2], "rollout_logprobs": [-1.0],
                                     "temperature": 0.7}}) + "\\n")
-        parity.dumps.read_dump(dump)
+        parity.rollouts.dumps.read_dump(dump)
     """)) == []
 
 
 def test_the_probe_sees_torch_when_a_path_loads_it():
     """Negative control: a text-prompt case tokenizes through transformers, and the probe says so."""
-    assert "torch" in heavy_modules_after("import parity.cases; parity.cases.load_case('cases/smoke.toml')")
+    assert "torch" in heavy_modules_after(
+        "import parity.workload.cases; parity.workload.cases.load_case('cases/smoke.toml')")
 
 
 def test_a_stored_report_renders_without_torch(tmp_path):
@@ -91,7 +92,7 @@ def test_a_stored_report_renders_without_torch(tmp_path):
     path.write_text(report.to_json())
     assert heavy_modules_after(textwrap.dedent(f"""
         from parity.render import report_html
-        from parity.report import ParityReport
+        from parity.report.document import ParityReport
         report = ParityReport.from_json(open({str(path)!r}).read())
         page = report_html(report)
         assert page.startswith("<!DOCTYPE html>") and "Drift attribution" in page

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 import parity
+from parity.core.errors import ConfigError, InputError
+from parity.core.types import Request, SamplingParams
 from parity.engine import ReferenceEngine, train_forward
-from parity.errors import ConfigError, InputError
 from parity.scoring import score
-from parity.types import Request, SamplingParams
 
 MODEL = "tiny-llama"
 DTYPE = "bfloat16"

@@ -1,4 +1,4 @@
-"""Lifecycle checks (parity.lifecycle): each check catches the staleness it is for (fake backends
+"""Lifecycle checks (parity.audit.lifecycle): each check catches the staleness it is for (fake backends
 with a planted defect are the negative controls), and the offline vLLM engine passes them for real
 (the server's run is in tests/test_backends_vllm_server.py).
 """
@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
+from parity.audit.lifecycle import CHECKS, default_requests, run_lifecycle, same_rollouts
 from parity.backends import shared_backend
 from parity.backends.base import Backend, expand_samples
-from parity.errors import ConfigError, UnsupportedError
-from parity.lifecycle import CHECKS, default_requests, run_lifecycle, same_rollouts
+from parity.core.errors import ConfigError, UnsupportedError
 
 
 class Fake(Backend):
@@ -207,7 +207,7 @@ def test_nightly_runs_a_lifecycle_case(tmp_path, monkeypatch, defect, status, co
 
 
 def test_case_kind_is_checked(tmp_path):
-    from parity.cases import load_case
+    from parity.workload.cases import load_case
 
     bad = tmp_path / "bad.toml"
     bad.write_text(LIFECYCLE_CASE.replace('kind = "lifecycle"', 'kind = "nap"'))

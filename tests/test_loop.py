@@ -11,10 +11,9 @@ import torch
 import parity
 from parity.backends import get_backend
 from parity.backends.reference import ReferenceBackend
-from parity.cases import load_case
 from parity.cli import main
+from parity.core.errors import ConfigError, DivergedError
 from parity.correction import CorrectionConfig, correction_from_name
-from parity.errors import ConfigError, DivergedError
 from parity.loop import run as loop_run
 from parity.loop.config import LoopConfig
 from parity.loop.grpo import group_advantages, plan_loss
@@ -22,6 +21,7 @@ from parity.loop.record import STEP_EXTRA_KEYS, STEP_KEYS, UPDATE_KEYS, LoopReco
 from parity.loop.task import FORMAT_CREDIT, answer_of, arithmetic_reward, problems
 from parity.nightly.execute import execute_row
 from parity.nightly.rows import RowKey
+from parity.workload.cases import load_case
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

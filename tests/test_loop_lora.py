@@ -12,15 +12,15 @@ import parity
 from parity.backends import get_backend
 from parity.backends.reference import ReferenceBackend
 from parity.cli import main
+from parity.core.errors import ConfigError
+from parity.core.schema import LORA_MOE_TARGETS, LORA_TARGETS
 from parity.engine import train_forward
-from parity.errors import ConfigError
 from parity.loop import run as loop_run
 from parity.loop.adapter import initial_adapter
 from parity.loop.config import LoopConfig
 from parity.loop.record import ADAPTER_UPDATE_KEYS, UPDATE_KEYS, LoopRecord
 from parity.models.checkpoints import resolve_model
 from parity.models.lora import check_adapter
-from parity.schema import LORA_MOE_TARGETS, LORA_TARGETS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from safetensors.numpy import load_file, save_file
 
 from parity import Request, SamplingParams
+from parity.core.errors import AdapterError, ConfigError, InputError
 from parity.engine import ReferenceEngine, train_forward
-from parity.errors import AdapterError, ConfigError, InputError
 from parity.models import loading as loading_module
 from parity.models import resolve_model
 from parity.models.loading import load_model, swap_adapter

@@ -21,13 +21,13 @@ from parity.backends.weight_sync import (
     PREVIOUS,
     check_adapter_sync,
 )
-from parity.cases import load_case
 from parity.cli import main
+from parity.core.errors import AdapterError, ConfigError
 from parity.engine import train_forward
-from parity.errors import AdapterError, ConfigError
 from parity.models.lora import check_adapter
 from parity.nightly import main as nightly_main
-from parity.record import read_record, replay_main
+from parity.rollouts.record import read_record, replay_main
+from parity.workload.cases import load_case
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

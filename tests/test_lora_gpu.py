@@ -143,7 +143,7 @@ def test_cuda_shaped_model_with_a_rank_64_adapter_is_bitwise(tmp_path) -> None:
     from parity.models.lora_builtins import adapter_config, adapter_weights, write_adapter
 
     path = shaped.save_random_model(shaped.shaped_config("qwen3-1.7b", 2), tmp_path / "model")
-    from parity.schema import LORA_TARGETS
+    from parity.core.schema import LORA_TARGETS
 
     lora = write_adapter(tmp_path / "adapter", adapter_config("shaped", 64, 16, True, LORA_TARGETS),
                          adapter_weights(path, 64, 2.0, LORA_TARGETS, seed=0))

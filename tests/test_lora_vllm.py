@@ -16,8 +16,8 @@ import parity
 from parity.backends import get_backend
 from parity.backends import vllm as vllm_adapter
 from parity.backends.weight_sync import DOUBLE_SCALING, EXPECTED, PREVIOUS, check_adapter_sync
+from parity.core.errors import BackendError, UnsupportedError
 from parity.engine import train_forward
-from parity.errors import BackendError, UnsupportedError
 from parity.models.lora import check_adapter
 
 pytest.importorskip("vllm")

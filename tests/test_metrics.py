@@ -1,4 +1,5 @@
-"""parity.metrics: the summary against a plain NumPy reference, breakdowns, bootstrap, errors, properties."""
+"""parity.drift.metrics: the summary against a plain NumPy reference, breakdowns, bootstrap, errors,
+properties."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from strategies import batches
 
-from parity.errors import ConfigError, InputError
-from parity.metrics import (
+from parity.core.errors import ConfigError, InputError
+from parity.drift.metrics import (
     BOOTSTRAP_KEYS,
     SUMMARY_KEYS,
     bootstrap_ci,
@@ -23,7 +24,7 @@ from parity.metrics import (
     summarize,
     token_arrays,
 )
-from parity.quantiles import QuantilePass, interpolate, order_statistics, quantile_ranks
+from parity.drift.quantiles import QuantilePass, interpolate, order_statistics, quantile_ranks
 
 
 def _reference(train: np.ndarray, rollout: np.ndarray, mask: np.ndarray) -> dict[str, float]:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from parity.errors import ModelNotFoundError, ParityError
+from parity.core.errors import ModelNotFoundError, ParityError
 from parity.models import BUILTIN_MODELS, builtin_names, builtin_path, model_hash, resolve_model
 from parity.models.checkpoints import BYTE_OFFSET, EOS_ID
 
@@ -142,10 +142,10 @@ def test_every_builtin_loads_in_vllm(tmp_path):
 def test_a_model_built_in_memory_runs_like_the_same_model_saved_and_loaded(tmp_path):
     """adopt_model (for random-weight models too large to save) patches an in-memory model the way
     load_model patches a checkpoint: the engine's rollouts are bitwise those of the saved copy."""
+    from parity.core.types import Request, SamplingParams
     from parity.engine import ReferenceEngine
     from parity.models.loading import adopt_model
     from parity.models.shaped import build_random_model, save_random_model, shaped_config
-    from parity.types import Request, SamplingParams
 
     config = shaped_config("moe-64x8", 1, vocab_size=512)
     saved = save_random_model(config, tmp_path / "saved", device="cpu", dtype="float32", seed=4)

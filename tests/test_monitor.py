@@ -24,14 +24,14 @@ from test_layers import heavy_modules_after
 
 import parity
 from parity.cli import main as cli_main
+from parity.core.errors import ConfigError, InputError
+from parity.core.schema import SUMMARY_KEYS, SUPPORT_SUMMARY_KEYS
 from parity.correction import rollout_correction
-from parity.errors import ConfigError, InputError
-from parity.metrics import drift_by_position, summarize
+from parity.drift.metrics import drift_by_position, summarize
 from parity.monitor import MonitorStore, flat_values
 from parity.monitor import page as page_module
 from parity.monitor.command import main as monitor_main
 from parity.monitor.store import STORE_FILE
-from parity.schema import SUMMARY_KEYS, SUPPORT_SUMMARY_KEYS
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.usefixtures("one_thread")

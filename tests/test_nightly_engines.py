@@ -22,7 +22,7 @@ from recording_backend import FAIL_ENV, LOG_ENV, VLLM_MEMORY_MESSAGE, events, lo
 from test_nightly_runner import fake_compare
 
 from parity.backends import registry
-from parity.errors import BackendError, ConfigError
+from parity.core.errors import BackendError, ConfigError
 from parity.nightly import execute, main, runner
 from parity.nightly.engines import engine_order
 from parity.nightly.memory import GIB, EngineNeed, MemoryBudget, engine_need, memory_failure

@@ -7,7 +7,7 @@ import sqlite3
 import numpy as np
 import pytest
 
-from parity.errors import ConfigError, InputError
+from parity.core.errors import ConfigError, InputError
 from parity.nightly.history import History
 from parity.nightly.rows import RowKey, RowResult, exit_code
 

@@ -26,11 +26,11 @@ from recording_backend import LOG_ENV as ENGINE_LOG_ENV
 from recording_backend import START_ENV, events
 
 from parity.backends import available_backends
-from parity.cases import load_cases
-from parity.errors import ConfigError
+from parity.core.errors import ConfigError
 from parity.nightly.execute import engine_options, tensor_parallel
 from parity.nightly.ray_executor import ROW_HOOK_ENV, assign, row_resources
 from parity.nightly.runner import NightlyConfig, plan
+from parity.workload.cases import load_cases
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent

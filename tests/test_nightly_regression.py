@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from parity.errors import ConfigError
+from parity.core.errors import ConfigError
 from parity.nightly.regression import (
     NOISE_DETERMINISTIC_KEY,
     NOISE_MEAN_KEY,

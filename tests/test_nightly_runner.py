@@ -26,12 +26,12 @@ import numpy as np
 import pytest
 from browser import chromium, console_lines, decoded_images, needs_chromium
 
-from parity.errors import BackendError
+from parity.core.errors import BackendError
+from parity.core.schema import SUMMARY_KEYS
+from parity.drift.tolerance import Tolerance
 from parity.nightly import execute, main, runner
 from parity.nightly.runner import plan
-from parity.report import ParityReport
-from parity.schema import SUMMARY_KEYS
-from parity.tolerance import Tolerance
+from parity.report.document import ParityReport
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -141,7 +141,7 @@ def db_rows(ws: SimpleNamespace) -> list[tuple[str, str, str]]:
 
 
 def test_plan_expands_backends_dtypes_and_replay_variants(workspace):
-    from parity.cases import load_cases
+    from parity.workload.cases import load_cases
 
     cells = [str(k) for k, _ in plan(load_cases(workspace.cases), ("reference", "hf", "vllm"))]
     assert cells[:3] == ["alpha|reference|bfloat16|", "alpha|hf|bfloat16|", "alpha|vllm|bfloat16|"]

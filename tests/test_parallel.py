@@ -19,11 +19,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from parity.core.errors import ConfigError
+from parity.core.types import Request, SamplingParams
 from parity.engine import EngineConfig, ReferenceEngine, train_forward
 from parity.engine.train import LAYOUTS
-from parity.errors import ConfigError
 from parity.parallel import RankGroup, TensorParallelError
-from parity.types import Request, SamplingParams
 
 TESTS = Path(__file__).resolve().parent
 #: engine settings of the TP=1 reference: a different batch composition from the TP=k engines'.

@@ -18,10 +18,10 @@ from test_report import make_report
 # plugin imports lazily (backends -> torch, metrics, the report page -> matplotlib) is imported here.
 import parity.backends
 import parity.correction
-import parity.metrics
+import parity.drift.metrics
 import parity.pytest_plugin
 import parity.render.report_page
-from parity.tolerance import Tolerance
+from parity.drift.tolerance import Tolerance
 
 pytest_plugins = ["pytester"]
 

@@ -12,10 +12,10 @@ import pyarrow.parquet as pq
 import pytest
 
 import parity
-from parity.cases import load_case
-from parity.errors import ConfigError, InputError
+from parity.core.errors import ConfigError, InputError
 from parity.models import resolve_model
-from parity.prompts import Dataset, DatasetShortWarning, check_prompt, encode_prompts, tokenizer
+from parity.workload.cases import load_case
+from parity.workload.prompts import Dataset, DatasetShortWarning, check_prompt, encode_prompts, tokenizer
 
 #: a minimal chat template: each message as "<|role|>content\n", then the open assistant turn.
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"

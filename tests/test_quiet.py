@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from parity import quiet
+from parity.runtime import quiet
 
 ROOT = Path(__file__).resolve().parent.parent
 #: a vLLM log line: "(EngineCore pid=1) INFO 11-30 17:16:03 [core.py:133] ..." or its raw form

@@ -6,9 +6,9 @@ import json
 import pytest
 
 from parity.backends import close_shared_backends, shared_backend
-from parity.errors import ConfigError, InputError
-from parity.record import read_record, replay, replay_main, write_record
-from parity.types import Request, SamplingParams
+from parity.core.errors import ConfigError, InputError
+from parity.core.types import Request, SamplingParams
+from parity.rollouts.record import read_record, replay, replay_main, write_record
 
 REQUESTS = [
     Request((1, 40, 41, 42), SamplingParams(n=2, temperature=0.7, top_p=0.9, max_tokens=6, seed=11), "a"),

@@ -8,13 +8,13 @@ import math
 import numpy as np
 import pytest
 
-from parity.errors import ConfigError, InputError
+from parity.assess.reporting import build_report
+from parity.core.errors import ConfigError, InputError
+from parity.core.types import Rollout
+from parity.drift.tolerance import Tolerance, Violation
 from parity.render import report_html
-from parity.report import ParityReport, format_worst_tokens
-from parity.reporting import build_report
+from parity.report.document import ParityReport, format_worst_tokens
 from parity.testing import assert_is_ratio_close, assert_parity, failure_message
-from parity.tolerance import Tolerance, Violation
-from parity.types import Rollout
 
 
 def make_report(*, scale: float = 0.01, rows: int = 4, width: int = 12, seed: int = 0,

@@ -18,12 +18,12 @@ from browser import chromium, console_lines, needs_chromium
 from test_report import make_report
 
 import parity
+from parity.core.types import Rollout, SamplingParams
 from parity.models import resolve_model
-from parity.prompts import encode_prompts, tokenizer
 from parity.render import report_html
-from parity.report import ParityReport, format_worst_tokens
-from parity.text import PROMPT_TOKENS, prompt_start, report_text
-from parity.types import Rollout, SamplingParams
+from parity.report.document import ParityReport, format_worst_tokens
+from parity.report.text import PROMPT_TOKENS, prompt_start, report_text
+from parity.workload.prompts import encode_prompts, tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 #: markup a decoded token or prompt may hold; if it ever reached the page unescaped, it would run
@@ -135,7 +135,7 @@ def test_compare_stores_decoded_text_and_a_stored_report_renders_without_torch(c
     probe = textwrap.dedent(f"""
         import sys
         from parity.render import report_html
-        from parity.report import ParityReport
+        from parity.report.document import ParityReport
         page = report_html(ParityReport.from_json(open({str(stored)!r}).read()))
         assert "&lt;script&gt;" in page and "<script" not in page and "Drift per request" in page
         print(sorted(m for m in ("torch", "transformers") if m in sys.modules))

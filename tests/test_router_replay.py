@@ -12,17 +12,17 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from parity.assess import router_report
+from parity.assess.training_side import router_report
+from parity.core.errors import ConfigError, InputError
+from parity.core.schema import ROUTER_SUMMARY_KEYS
+from parity.core.types import Request, SamplingParams
+from parity.drift.routes import router_agreement
+from parity.drift.tolerance import Tolerance
 from parity.engine import ReferenceEngine, train_forward
-from parity.errors import ConfigError, InputError
 from parity.kernels import ops
 from parity.models import resolve_model, routing
 from parity.models.loading import load_model
 from parity.models.routing import RouterReplay
-from parity.routes import router_agreement
-from parity.schema import ROUTER_SUMMARY_KEYS
-from parity.tolerance import Tolerance
-from parity.types import Request, SamplingParams
 
 MOE_MODELS = ["tiny-qwen3-moe", "tiny-mixtral"]
 DTYPE = "bfloat16"

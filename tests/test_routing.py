@@ -1,4 +1,5 @@
-"""The router patch point and route arrays: `parity.models.routing` and `parity.routes`, no full model."""
+"""The router patch point and route arrays: `parity.models.routing` and `parity.drift.routes`, no full
+model."""
 
 import types
 
@@ -8,10 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from parity.errors import ConfigError, InputError, ParityError
+from parity.core.errors import ConfigError, InputError, ParityError
+from parity.drift.routes import as_routes, check_routes, router_agreement
 from parity.kernels.switch import invariant
 from parity.models import routing
-from parity.routes import as_routes, check_routes, router_agreement
 
 
 def make_router(kind: str, hidden: int = 16, experts: int = 8, top_k: int = 2, seed: int = 0,

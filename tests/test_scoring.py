@@ -14,11 +14,11 @@ import pytest
 import parity
 import parity.engine
 from parity.cli import main
-from parity.dumps import dump_rollouts
-from parity.errors import ConfigError, InputError
-from parity.record import read_record
-from parity.report import ParityReport
-from parity.types import SamplingParams
+from parity.core.errors import ConfigError, InputError
+from parity.core.types import SamplingParams
+from parity.report.document import ParityReport
+from parity.rollouts.dumps import dump_rollouts
+from parity.rollouts.record import read_record
 
 SMALL_CASE = """
 model = "tiny-llama"

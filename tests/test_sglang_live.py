@@ -17,10 +17,10 @@ import pytest
 
 from parity import Request, SamplingParams, compare
 from parity.backends.sglang import SGLangBackend
+from parity.core.errors import BackendError
 from parity.engine import train_forward
-from parity.errors import BackendError
 from parity.models import resolve_model
-from parity.processes import LOOPBACK, ServerProcess, free_loopback_port
+from parity.runtime.processes import LOOPBACK, ServerProcess, free_loopback_port
 
 PYTHON = os.environ.get("PARITY_SGLANG_PYTHON")
 pytestmark = [pytest.mark.sglang, pytest.mark.skipif(

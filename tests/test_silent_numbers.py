@@ -15,18 +15,18 @@ import numpy as np
 import pytest
 
 import parity
+from parity.assess.reporting import build_report
 from parity.backends import Backend, get_backend
 from parity.cli import main
-from parity.dumps import read_dump
+from parity.core.errors import BackendError, InputError, OutputError
+from parity.core.types import Request, Rollout, SamplingParams
+from parity.drift.tolerance import Tolerance
 from parity.engine import ReferenceEngine
-from parity.errors import BackendError, InputError, OutputError
-from parity.matching import match_requests
-from parity.record import read_record, write_record
-from parity.report import ParityReport
-from parity.reporting import build_report
+from parity.report.document import ParityReport
+from parity.rollouts.dumps import read_dump
+from parity.rollouts.matching import match_requests
+from parity.rollouts.record import read_record, write_record
 from parity.scoring import score
-from parity.tolerance import Tolerance
-from parity.types import Request, Rollout, SamplingParams
 
 MODEL = "tiny-llama"
 

@@ -13,12 +13,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 from strategies import batches
 
-import parity.token_arrays as token_arrays_module
+import parity.drift.token_arrays as token_arrays_module
 from parity.correction import rollout_correction
 from parity.correction.config import CorrectionConfig
-from parity.metrics import drift_by_position, summarize
+from parity.drift.metrics import drift_by_position, summarize
+from parity.drift.token_arrays import Block, token_arrays
 from parity.monitor.summary import WorstPass, step_record, worst_tokens
-from parity.token_arrays import Block, token_arrays
 
 TIS = CorrectionConfig(rollout_is="token", rollout_is_threshold=2.0)
 
@@ -64,7 +64,7 @@ def test_no_pass_writes_into_a_block_s_shared_arrays():
     """Scanned with every pass of the step record, each block's shared arrays still hold what
     they were computed as; the negative control (a pass that writes into one) is caught."""
     from parity.correction.apply import CorrectionPass
-    from parity.metrics import PositionPass, SummaryPass
+    from parity.drift.metrics import PositionPass, SummaryPass
 
     rng = np.random.default_rng(0)
     rollout = -rng.exponential(2.0, (300, 64))

@@ -10,11 +10,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
+from parity.core.errors import ConfigError, InputError
+from parity.core.types import Request, SamplingParams
 from parity.engine import LAYOUTS, EngineConfig, ReferenceEngine, TrainConfig, TrainResult, train_forward
 from parity.engine.sampler import RowParams, processed_logprobs
-from parity.errors import ConfigError, InputError
 from parity.models.loading import load_model
-from parity.types import Request, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

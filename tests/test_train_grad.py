@@ -8,8 +8,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from parity.core.errors import ConfigError
 from parity.engine import LAYOUTS, train_forward
-from parity.errors import ConfigError
 from parity.kernels.grad import exact
 from parity.models.loading import copy_model, load_model
 

@@ -22,9 +22,9 @@ import torch
 
 import parity
 from parity.backends import get_backend
-from parity.errors import ModelNotFoundError
+from parity.core.errors import ModelNotFoundError
+from parity.core.types import SamplingParams
 from parity.models import TRAINED_MODELS, resolve_model
-from parity.types import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -167,7 +167,7 @@ def test_tokenizer_and_chat_template(tokenizer):
 
 
 def test_case_file_prompts_are_the_rendered_chats(tokenizer):
-    from parity.cases import load_case
+    from parity.workload.cases import load_case
 
     case = load_case(Path(__file__).resolve().parent.parent / "cases" / "trained-chat.toml")
     assert case.model == MODEL and case.backends == ("reference", "hf", "vllm")

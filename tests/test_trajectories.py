@@ -13,22 +13,22 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from parity import Request, SamplingParams
-from parity.assess import report_for
+from parity.assess.training_side import report_for
 from parity.backends.hf import HFBackend
 from parity.backends.reference import ReferenceBackend
 from parity.backends.turns import generate
-from parity.cases import load_case
-from parity.dumps import read_dump
+from parity.core.errors import ConfigError, InputError
+from parity.core.turns import Generate, Inject, after_injection, turn_index
+from parity.core.types import Rollout
+from parity.drift.tolerance import Tolerance
 from parity.engine import LAYOUTS, ReferenceEngine, train_forward
-from parity.errors import ConfigError, InputError
 from parity.models import EOS_ID
 from parity.nightly.runner import plan
-from parity.prompts import tokenizer
+from parity.rollouts.dumps import read_dump
 from parity.scoring import score
-from parity.tolerance import Tolerance
-from parity.tools import bind_tools, calculator
-from parity.turns import Generate, Inject, after_injection, turn_index
-from parity.types import Rollout
+from parity.workload.cases import load_case
+from parity.workload.prompts import tokenizer
+from parity.workload.tools import bind_tools, calculator
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

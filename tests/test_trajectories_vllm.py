@@ -11,7 +11,7 @@ import pytest
 from parity.backends import close_shared_backend, prefix_cache_options
 from parity.nightly import runner
 from parity.render import report_html
-from parity.report import ParityReport
+from parity.report.document import ParityReport
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,

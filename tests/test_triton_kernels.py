@@ -367,7 +367,7 @@ def test_attention_config_rejects_bad_plans() -> None:
     attention = pytest.importorskip("parity.kernels.triton.attention") if (CUDA or INTERPRETED) else None
     if attention is None:
         pytest.skip("no GPU: run by test_kernels_under_the_triton_interpreter_in_a_child_process")
-    from parity.errors import InputError
+    from parity.core.errors import InputError
 
     for bad in ((48, 64, 4, 2), (8, 64, 4, 2), (64, 64, 3, 2), (64, 64, 4, 0), (64, 64, 4, 2, -1)):
         with pytest.raises(InputError):
@@ -376,7 +376,7 @@ def test_attention_config_rejects_bad_plans() -> None:
 
 def test_attention_refuses_a_cache_past_32_bit_tma_rows(tk: ModuleType) -> None:
     """TMA row coordinates are 32-bit: a cache of 2**31 rows is refused by name, not wrapped."""
-    from parity.errors import InputError
+    from parity.core.errors import InputError
 
     attention = importlib.import_module("parity.kernels.triton.attention")
     with pytest.raises(InputError, match="32-bit"):

@@ -21,12 +21,12 @@ import pytest
 import torch
 
 import parity
+from parity.audit.lifecycle import CHECKS, run_lifecycle
 from parity.backends import get_backend
 from parity.backends.vllm import ROUTES_RETURNED
-from parity.errors import BackendError
-from parity.lifecycle import CHECKS, run_lifecycle
-from parity.turns import Generate, Inject
-from parity.types import Request, SamplingParams
+from parity.core.errors import BackendError
+from parity.core.turns import Generate, Inject
+from parity.core.types import Request, SamplingParams
 
 pytestmark = [
     pytest.mark.gpu, pytest.mark.vllm, pytest.mark.slow,

@@ -10,8 +10,8 @@ import torch
 from parity.backends import close_shared_backend, shared_backend, vllm_routes
 from parity.backends.vllm_routes import RouteCaptureExtension, capture_engine_kwargs, take_routes
 from parity.compare import compare
-from parity.errors import BackendError, ConfigError
-from parity.types import SamplingParams
+from parity.core.errors import BackendError, ConfigError
+from parity.core.types import SamplingParams
 
 
 class FakeWorker(RouteCaptureExtension):

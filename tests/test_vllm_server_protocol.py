@@ -26,8 +26,8 @@ from parity.backends.vllm_server import (
     split_server_args,
 )
 from parity.backends.vllm_settings import SETTINGS, cache_config_info, cudagraph_mode, from_server_info
-from parity.errors import BackendError, ConfigError
-from parity.types import Request, SamplingParams
+from parity.core.errors import BackendError, ConfigError
+from parity.core.types import Request, SamplingParams
 
 
 def answer(tokens, logprobs, names=None, **choice):

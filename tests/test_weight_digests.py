@@ -6,9 +6,9 @@ import torch
 
 from parity.backends import get_backend, weight_sync_missing
 from parity.backends.vllm_weights import VOCAB_PADDING, vllm_layout
-from parity.errors import InputError
+from parity.core.errors import InputError
+from parity.core.types import Request, SamplingParams
 from parity.models.loading import load_model, tensor_digest
-from parity.types import Request, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -11,10 +11,10 @@ import torch
 
 import parity
 from parity.backends import get_backend
-from parity.cases import load_case
-from parity.errors import InputError, ModelNotFoundError
+from parity.core.errors import InputError, ModelNotFoundError
 from parity.models import resolve_model
-from parity.prompts import encode_prompts
+from parity.workload.cases import load_case
+from parity.workload.prompts import encode_prompts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -50,7 +50,7 @@ COLUMNS = (
 
 def workload(model: str) -> dict:
     """compare() arguments of a model's calibration workload."""
-    from parity.cases import default_case
+    from parity.workload.cases import default_case
 
     if model == SMOLLM2:
         return {"prompts": CHAT, "sampling": {"n": 4, "temperature": 0.7, "max_tokens": 48, "seed": 7000}}
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backends", default="reference,hf,vllm")
     parser.add_argument("--json", type=Path, help="write every row's summary to this file")
     args = parser.parse_args(argv)
-    from parity.quiet import engine_logging
+    from parity.runtime.quiet import engine_logging
 
     engine_logging(False)
     print("| model | dtype | backend | " + " | ".join(h for h, _, _ in COLUMNS) + " | 95% interval |")

@@ -14,11 +14,11 @@ from typing import Any
 import torch
 
 from benchmarks.gpu.results import Throughput
+from parity.core.schema import REDUCTION_GROUPS
+from parity.core.types import Request, SamplingParams
 from parity.engine import ReferenceEngine
 from parity.models import shaped
 from parity.models.loading import LoadedModel
-from parity.schema import REDUCTION_GROUPS
-from parity.types import Request, SamplingParams
 
 #: the end-to-end variants: transformers generate, and the engine with each kernel set.
 E2E_VARIANTS = ("hf", "invariant", "native", "baseline")

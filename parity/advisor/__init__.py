@@ -35,16 +35,16 @@ from parity.advisor.rule import (
     within_noise,
 )
 from parity.advisor.text import advice_text
+from parity.core.errors import InputError
+from parity.core.schema import RECOMMENDATION_KEY
 from parity.correction.config import CorrectionConfig
-from parity.errors import InputError
-from parity.report import ParityReport
-from parity.schema import RECOMMENDATION_KEY
+from parity.report.document import ParityReport
 
 __all__ = ["Advice", "AdviceRule", "Candidate", "Tokens", "advise", "default_grid", "tokens_of"]
 
 #: `ParityReport.extras` key of the advice section; the summary key of its recommendation.
 SECTION = "advice"
-#: `ParityReport.extras` key of data bugs found with forwards (`parity.mismatch`), which advise reads.
+#: `ParityReport.extras` key of data bugs found with forwards (`parity.assess.mismatch`), which advise reads.
 DATA_BUGS = "data_bugs"
 SUMMARY_KEY = RECOMMENDATION_KEY
 
@@ -114,7 +114,7 @@ def advise(report_or_arrays: Any, rollout_logprobs: Any = None, mask: Any = None
     one correction by `rule` (default bounds: `AdviceRule()`); see `parity.advisor.rule`.
 
     bootstrap: resamples of the sequences for the residual bias's 95% interval (seeded by `seed`).
-    A report with gold figures (`parity.accuracy`) also gets `Advice.gold` (`gold_note`).
+    A report with gold figures (`parity.assess.accuracy`) also gets `Advice.gold` (`gold_note`).
     """
     advice = _recommend(report_or_arrays, rollout_logprobs, mask, grid=grid, rule=rule, bootstrap=bootstrap,
                         seed=seed)

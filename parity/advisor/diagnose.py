@@ -10,7 +10,7 @@ correction fixes them. Two leave a signature in the arrays alone (NumPy, no forw
   side's logprob is higher at nearly every token, by the log of the kept mass.
 
 A temperature mismatch has no such signature; where a model is at hand the report probes it with
-forwards at other settings (`parity.mismatch`) and stores what it finds under
+forwards at other settings (`parity.assess.mismatch`) and stores what it finds under
 `extras["data_bugs"]`, which `advise` reads with these.
 
 "Far better" is `BETTER`: the alternative's mean absolute error at most half the aligned one's.

@@ -6,7 +6,7 @@ whole sequences, and reduced at once to per-sequence sums `[sequences, candidate
 sequence-level families need only per-sequence sums of the tokens, so they are
 `[sequences, thresholds]` matrices from the start. Every figure, and the bootstrap of the
 residual bias, is then a reduction over sequences. The weights, bands and KL statistics are
-`parity.ratio_rules`, the formulas the verl-matching correction uses.
+`parity.drift.ratio_rules`, the formulas the verl-matching correction uses.
 
 Figures (N valid tokens, S sequences, ŵ_t the correction's effective weight: its IS weight
 times its keep mask, 1 for kept tokens of a correction without IS; w_t the untruncated weight
@@ -15,7 +15,6 @@ at the candidate's level, see `REFERENCE`); docs/ADVISOR.md defines each with it
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,9 +22,10 @@ from typing import Any
 import numpy as np
 
 from parity.advisor.grid import Candidate
+from parity.core.errors import InputError
 from parity.correction.config import RejectionRule
-from parity.errors import InputError
-from parity.ratio_rules import (
+from parity.drift.bootstrap import bootstrap_ratio
+from parity.drift.ratio_rules import (
     ESTIMATORS,
     band_weights,
     clamp_log_ratio,
@@ -298,24 +298,6 @@ def evaluate(tok: Tokens, candidates: Sequence[Candidate], *, bootstrap: int = 2
                   ratio_var=float(st.sum_r2.sum() / n_tok - (st.sum_r.sum() / n_tok) ** 2),
                   k3_mean=k3_total / n_tok, tokens=int(n_tok), sequences=int(tok.lengths.size))
     return Evaluation(tuple(candidates), figures, drift, bootstrap)
-
-
-def bootstrap_ratio(numerator: np.ndarray, denominator: np.ndarray, resamples: int, seed: int,
-                    confidence: float, *, empty: float) -> tuple[np.ndarray, np.ndarray]:
-    """Percentile interval `(low [C], high [C])` of Σ_s q_s x_s / Σ_s q_s d_s over Poisson(1) resample
-    counts q `[resamples, S]`: a ratio of two sums over sequences (numerator `[S, C]`, denominator
-    `[S]`), sequences resampled whole. A resample whose sums are both 0 (it drew nothing, or nothing
-    but zeros) counts as `empty`; a positive sum over 0 as inf. `resamples` <= 0: NaNs."""
-    cols = numerator.shape[1]
-    if resamples <= 0:
-        return np.full(cols, math.nan), np.full(cols, math.nan)
-    q = np.random.default_rng(seed).poisson(1.0, (resamples, denominator.size)).astype(np.float64)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        stats = (q @ numerator) / (q @ denominator)[:, None]
-    stats[np.isnan(stats)] = empty
-    tail = 100.0 * (1.0 - confidence) / 2.0
-    low, high = np.percentile(stats, [tail, 100.0 - tail], axis=0)
-    return low, high
 
 
 def _keeps_sequences(st: _SeqStats, rule: RejectionRule) -> np.ndarray:

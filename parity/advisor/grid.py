@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from parity.core.errors import ConfigError
 from parity.correction.config import CorrectionConfig
-from parity.errors import ConfigError
 
 #: family -> what it does; the order is the tie-break preference (verl's own options first).
 FAMILIES: dict[str, str] = {

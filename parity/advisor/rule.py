@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 from parity.advisor.evaluate import Evaluation
 from parity.advisor.grid import REMOVING
-from parity.errors import ConfigError
-from parity.schema import GOLD_RATIO_CI_KEY, GOLD_RATIO_KEY
+from parity.core.errors import ConfigError
+from parity.core.schema import GOLD_RATIO_CI_KEY, GOLD_RATIO_KEY
 
 #: reweighting families stage 3 recommends, in its order of preference. Geometric IS is evaluated
 #: and shown but not recommended: its weight is no likelihood ratio of the sampled data, so its
@@ -142,7 +142,7 @@ def choose_reweighting(ev: Evaluation, rule: AdviceRule) -> Choice:
 
 
 def gold_note(summary: dict) -> str | None:
-    """What a rollout correction cannot do, when the report has a gold (`parity.accuracy`): if the
+    """What a rollout correction cannot do, when the report has a gold (`parity.assess.accuracy`): if the
     trainer is farther from the gold than the rollout (the ratio's 95% interval lies below 1), a
     rollout-side correction pulls the update toward the less accurate side, so it says so and what
     raises the trainer's precision; None otherwise (no gold, the rollout farther, or within noise)."""

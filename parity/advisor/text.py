@@ -9,7 +9,7 @@ import json
 from typing import Any
 
 from parity.advisor.export import verl_overrides
-from parity.schema import ADVICE_COLUMNS, advice_cell
+from parity.core.schema import ADVICE_COLUMNS, advice_cell
 
 
 def advice_text(d: dict[str, Any]) -> str:

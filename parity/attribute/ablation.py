@@ -32,11 +32,11 @@ import torch
 from parity import kernels as _kernels
 from parity.attribute.runner import Run, run
 from parity.attribute.settings import Setting
+from parity.core.errors import ConfigError, InputError
+from parity.core.types import Sequences, as_pairs
+from parity.drift.metrics import summarize
 from parity.engine.inputs import kernel_families
-from parity.errors import ConfigError, InputError
-from parity.metrics import summarize
 from parity.models.loading import LoadedModel
-from parity.types import Sequences, as_pairs
 
 
 @dataclass(frozen=True)

@@ -15,13 +15,13 @@ from pathlib import Path
 
 from parity.attribute.section import attribution_section
 from parity.attribute.settings import AXES
-from parity.cases import default_case, load_cases
+from parity.core.errors import ConfigError
+from parity.core.outputs import output_file
+from parity.core.schema import DTYPES, KERNEL_MODES
+from parity.core.types import Rollout
 from parity.engine import ReferenceEngine
-from parity.errors import ConfigError
-from parity.outputs import output_file
 from parity.render.attribution import attribution_page, layers_text, ops_text
-from parity.schema import DTYPES, KERNEL_MODES
-from parity.types import Rollout
+from parity.workload.cases import default_case, load_cases
 
 
 def _families(text: str) -> list[str] | str:

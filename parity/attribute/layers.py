@@ -16,9 +16,9 @@ import torch
 
 from parity.attribute.runner import run
 from parity.attribute.settings import Setting
-from parity.errors import ConfigError
+from parity.core.errors import ConfigError
+from parity.core.types import Sequences
 from parity.models.loading import LoadedModel
-from parity.types import Sequences
 
 
 @dataclass(frozen=True)

@@ -24,12 +24,12 @@ from torch import nn
 
 from parity import kernels as _kernels
 from parity.attribute.settings import Setting
+from parity.core.errors import InputError
+from parity.core.types import Pair, Sequences, as_pairs
 from parity.engine import forward, sampler, train_forward
 from parity.engine.inputs import check_length, check_token_ids
-from parity.errors import InputError
 from parity.kernels.attention import KVCache
 from parity.models.loading import LoadedModel, load_model
-from parity.types import Pair, Sequences, as_pairs
 
 #: where one forward's output rows go: (sequence index, flat output rows [n], its positions [n]).
 RowMap = list[tuple[int, torch.Tensor, torch.Tensor]]

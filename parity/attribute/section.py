@@ -12,9 +12,9 @@ from typing import Any
 from parity.attribute.ablation import attribute_ops
 from parity.attribute.layers import layer_diff
 from parity.attribute.settings import AXES, axis_settings
-from parity.errors import ConfigError
+from parity.core.errors import ConfigError
+from parity.core.types import Sequences
 from parity.models.loading import LoadedModel
-from parity.types import Sequences
 
 
 def attribution_section(model: str | LoadedModel, sequences: Sequences, *, axes: Iterable[str] = ("batch",),

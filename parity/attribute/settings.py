@@ -19,10 +19,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from parity import kernels as _kernels
+from parity.core.errors import ConfigError
+from parity.core.strict import check_dtype
 from parity.engine import LAYOUTS
 from parity.engine.inputs import kernel_families
-from parity.errors import ConfigError
-from parity.strict import check_dtype
 
 #: "prefill": one teacher-forced forward over prompt + response (the training forward).
 #: "decode": the prompt in one prefill, then one response token per step against the KV cache,

@@ -18,11 +18,11 @@ from parity.audit.derived import BATCH_SIZES
 from parity.audit.result import CHECKS
 from parity.audit.run import audit
 from parity.backends import parse_option
-from parity.cases import load_cases
-from parity.errors import EXIT_FAILED, ConfigError
-from parity.outputs import output_file
+from parity.core.errors import EXIT_FAILED, ConfigError
+from parity.core.outputs import output_file
+from parity.core.schema import DTYPES
 from parity.render.audit import audit_html
-from parity.schema import DTYPES
+from parity.workload.cases import load_cases
 
 
 def _ints(text: str) -> list[int]:

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from parity.errors import ConfigError
-from parity.types import Request
+from parity.core.errors import ConfigError
+from parity.core.types import Request
 
 #: the default batch sizes of the batch check, in sequences: the needle alone, then two batches.
 BATCH_SIZES: tuple[int, ...] = (1, 8, 64)

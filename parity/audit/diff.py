@@ -4,7 +4,7 @@ Each pair holds the same sample (request id, sample index) from two runs. Tokens
 first; logprobs only where the tokens agree (the common prefix: after a divergence the two runs
 score different tokens, and their difference means nothing). A diverged sample counts as
 differing however small its logprob differences are. Routes (`[positions, moe_layers, top_k]`,
-compared as top-k sets, `parity.routes.same_choice`) are compared over the positions whose inputs
+compared as top-k sets, `parity.drift.routes.same_choice`) are compared over the positions whose inputs
 agree: the prompt and the common prefix of the response. Each side's routes are also summarized
 as a hash, so a stored result says which sequence routed differently without storing the routes.
 NumPy only.
@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 
 from parity.audit.result import CheckResult
-from parity.errors import BackendError
-from parity.routes import same_choice
-from parity.types import Rollout
+from parity.core.errors import BackendError
+from parity.core.types import Rollout
+from parity.drift.routes import same_choice
 
 
 @dataclass(frozen=True)

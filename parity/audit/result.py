@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from parity.errors import InputError
+from parity.core.errors import InputError
 
 #: the checks, in run order.
 CHECKS: tuple[str, ...] = ("repeat", "batch", "order", "prefill_decode", "prefix_cache", "seed")

@@ -17,12 +17,12 @@ from parity.audit.derived import BATCH_SIZES, check_batch_sizes, single_turn
 from parity.audit.result import CHECKS, AuditResult
 from parity.backends import Backend, backend_options, shared_backend
 from parity.backends.base import check_dtype
-from parity.cases import Case
-from parity.errors import ConfigError
+from parity.core.errors import ConfigError
+from parity.core.types import check_int
 from parity.models import model_limits, resolve_model
-from parity.provenance import provenance
-from parity.types import check_int
-from parity.workload import resolve_workload
+from parity.report.provenance import provenance
+from parity.workload.cases import Case
+from parity.workload.resolve import resolve_workload
 
 
 def audit(model: str | os.PathLike[str] | None, backend: str | Backend, *,
@@ -35,7 +35,7 @@ def audit(model: str | os.PathLike[str] | None, backend: str | Backend, *,
     backend: a registry name (started once per process through `shared_backend`, with
         `backend_options`, e.g. `batch_invariant=True` for vLLM) or a running `Backend`.
     case: a `Case` or a case TOML path whose seeded requests every check samples; None =
-        `parity.cases.default_case(model)`. Multi-turn cases are refused.
+        `parity.workload.cases.default_case(model)`. Multi-turn cases are refused.
     dtype: None = a running backend's own dtype, else the case's first dtype.
     device: where the backend runs ("cpu", "cuda"): a backend with a `device` option (reference,
         hf) is started there; others run where their build runs, and a running backend elsewhere

@@ -32,12 +32,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from parity.errors import AdapterError, BackendError, ConfigError, InputError, UnsupportedError
+from parity.core.errors import AdapterError, BackendError, ConfigError, InputError, UnsupportedError
+from parity.core.schema import LOGPROBS_MODES
+from parity.core.strict import check_choice, check_dtype
+from parity.core.types import Pair, Request, Rollout, SamplingParams, Sequences, as_pairs
 from parity.models import resolve_model
 from parity.models.lora import LoraSpec, check_adapter
-from parity.schema import LOGPROBS_MODES
-from parity.strict import check_choice, check_dtype
-from parity.types import Pair, Request, Rollout, SamplingParams, Sequences, as_pairs
 
 if TYPE_CHECKING:
     import torch

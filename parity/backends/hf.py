@@ -30,9 +30,9 @@ import transformers
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from parity.backends.base import Backend, SampleJob, expand_samples, processed_from_raw, stop_set
-from parity.errors import BackendUnavailableError, ConfigError
+from parity.core.errors import BackendUnavailableError, ConfigError
+from parity.core.types import Pair, Request, Rollout, SamplingParams
 from parity.models.lora import LoraSpec
-from parity.types import Pair, Request, Rollout, SamplingParams
 
 
 def translate_sampling(sp: SamplingParams, eos_ids: Sequence[int], pad_id: int) -> dict[str, Any]:

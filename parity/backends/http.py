@@ -29,7 +29,7 @@ from typing import Any
 
 import httpx
 
-from parity.errors import BackendError, ConfigError
+from parity.core.errors import BackendError, ConfigError
 
 #: answers that mean "busy or restarting, try again".
 RETRY_STATUSES = frozenset({429, 502, 503, 504})

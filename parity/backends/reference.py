@@ -16,11 +16,11 @@ from typing import Any
 import torch
 
 from parity.backends.base import Backend
+from parity.core.schema import VERSION
+from parity.core.types import Pair, Request, Rollout, SamplingParams
 from parity.engine import EngineConfig, ReferenceEngine, train_forward
 from parity.models.loading import tensor_digest
 from parity.models.lora import LoraSpec
-from parity.schema import VERSION
-from parity.types import Pair, Request, Rollout, SamplingParams
 
 
 class ReferenceBackend(Backend):

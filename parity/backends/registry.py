@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from parity.backends.base import Backend
-from parity.errors import AdapterError, BackendUnavailableError, ConfigError
-from parity.schema import NO_REPLAY
+from parity.core.errors import AdapterError, BackendUnavailableError, ConfigError
+from parity.core.schema import NO_REPLAY
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class BackendSpec:
     lora: bool = False
 
 
-#: keyed in the order of `parity.schema.BACKEND_NAMES`.
+#: keyed in the order of `parity.core.schema.BACKEND_NAMES`.
 BACKENDS: dict[str, BackendSpec] = {
     spec.name: spec
     for spec in (

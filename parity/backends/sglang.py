@@ -37,10 +37,10 @@ import torch
 
 from parity.backends.base import Backend, SampleJob, expand_samples, stop_set
 from parity.backends.http import Endpoint, HttpClient, HttpSettings
-from parity.errors import BackendError, ConfigError, InputError
-from parity.schema import LOGPROBS_MODES
-from parity.strict import check_choice
-from parity.types import Pair, Request, Rollout, SamplingParams
+from parity.core.errors import BackendError, ConfigError, InputError
+from parity.core.schema import LOGPROBS_MODES
+from parity.core.strict import check_choice
+from parity.core.types import Pair, Request, Rollout, SamplingParams
 
 #: parity logprobs_mode -> the value SGLANG_RETURN_ORIGINAL_LOGPROB must have in the server.
 ORIGINAL_LOGPROB_ENV = {"raw": "1", "processed": "0"}

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from parity.backends.base import Backend, SampleJob, expand_samples, stop_set
-from parity.errors import BackendError, ConfigError
-from parity.types import Pair, Request, Rollout, SamplingParams
+from parity.core.errors import BackendError, ConfigError
+from parity.core.types import Pair, Request, Rollout, SamplingParams
 
 #: parity logprobs_mode -> TRT-LLM `SamplingParams.logprobs_mode`.
 TRTLLM_LOGPROBS_MODE = {"raw": "raw_logprobs", "processed": "processed_logprobs"}

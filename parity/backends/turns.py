@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from parity.errors import BackendError
-from parity.turns import inject_until_generate
-from parity.types import Request, Rollout
+from parity.core.errors import BackendError
+from parity.core.turns import inject_until_generate
+from parity.core.types import Request, Rollout
 
 if TYPE_CHECKING:
     from parity.backends.base import Backend

@@ -65,7 +65,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from parity import guard
 from parity.backends.base import Backend, SampleJob, expand_samples, processed_from_raw, stop_set
 from parity.backends.vllm_routes import capture_engine_kwargs, start_route_capture, take_routes
 from parity.backends.vllm_weights import (
@@ -78,12 +77,13 @@ from parity.backends.vllm_weights import (
     worker_checksums,
     write_weights,
 )
-from parity.errors import BackendError, ConfigError, UnsupportedError
+from parity.core.errors import BackendError, ConfigError, UnsupportedError
+from parity.core.schema import LOGPROBS_MODES
+from parity.core.strict import check_choice
+from parity.core.types import Pair, Request, Rollout, SamplingParams
 from parity.models.lora import LoraSpec, is_moe_checkpoint
-from parity.quiet import engine_logging
-from parity.schema import LOGPROBS_MODES
-from parity.strict import check_choice
-from parity.types import Pair, Request, Rollout, SamplingParams
+from parity.runtime import guard
+from parity.runtime.quiet import engine_logging
 
 #: parity logprobs_mode -> vLLM engine `logprobs_mode`.
 VLLM_LOGPROBS_MODE = {"raw": "raw_logprobs", "processed": "processed_logprobs"}

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from parity.errors import BackendError, ConfigError
+from parity.core.errors import BackendError, ConfigError
 
 #: `vllm.LLM` keyword arguments route capture needs.
 ENGINE_KWARGS: dict[str, Any] = {

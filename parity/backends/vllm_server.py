@@ -79,12 +79,12 @@ from parity.backends.vllm import (
 )
 from parity.backends.vllm_settings import from_probes, from_server_info
 from parity.backends.vllm_weights import expected_digests, worker_checksums, write_weights
-from parity.errors import BackendError, ConfigError, UnsupportedError
+from parity.core.errors import BackendError, ConfigError, UnsupportedError
+from parity.core.schema import LOGPROBS_MODES
+from parity.core.strict import check_choice
+from parity.core.types import Pair, Request, Rollout, SamplingParams
 from parity.models.lora import LoraSpec
-from parity.processes import LOOPBACK, ServerProcess, free_loopback_port
-from parity.schema import LOGPROBS_MODES
-from parity.strict import check_choice
-from parity.types import Pair, Request, Rollout, SamplingParams
+from parity.runtime.processes import LOOPBACK, ServerProcess, free_loopback_port
 
 #: vLLM clamps reported logprobs to this value (serving_completion); it stands for -inf.
 VLLM_LOGPROB_FLOOR = -9999.0

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from parity.errors import BackendError, ConfigError, InputError, UnsupportedError
+from parity.core.errors import BackendError, ConfigError, InputError, UnsupportedError
 
 #: the weight-transfer paths of the offline vLLM adapter (`VLLMBackend(weight_transfer=...)`).
 WEIGHT_TRANSFERS: tuple[str, ...] = ("reload", "ipc")

@@ -11,7 +11,7 @@ from parity.correction.config import CorrectionConfig
 from parity.correction.rejection import RejectionRows, block_keep, rejection_metrics
 from parity.correction.stats import EPS, PolicyRows, Rows, join, offpolicy_metrics
 from parity.correction.weights import WeightRows, batch_norm_factor, block_weights, weight_metrics
-from parity.token_arrays import Block, TokenArrays, token_arrays
+from parity.drift.token_arrays import Block, TokenArrays, token_arrays
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class BatchRows:
 
 
 class CorrectionPass:
-    """The correction's one pass over a batch (a `parity.token_arrays.BlockPass`): per-row
+    """The correction's one pass over a batch (a `parity.drift.token_arrays.BlockPass`): per-row
     statistics, and with `outputs` the weights `[batch, seq]` (the caller's dtype; None without
     `rollout_is`) and keep mask `[batch, seq]` (bool, False at padding). `tok.scan(p)` then
     `p.result()`; scanned with other passes, it shares their blocks' derived arrays."""
@@ -83,7 +83,7 @@ class CorrectionPass:
 def apply_correction(config: CorrectionConfig, train_logprobs: Any, rollout_logprobs: Any = None,
                      mask: Any = None, *, metrics_only: bool = False
                      ) -> tuple[Any | None, Any, dict[str, float]]:
-    """Run `config` on `[batch, seq]` inputs (or one `parity.token_arrays.TokenArrays`); see
+    """Run `config` on `[batch, seq]` inputs (or one `parity.drift.token_arrays.TokenArrays`); see
     `rollout_correction` for the result. `metrics_only`: the metrics alone, `(None, None,
     metrics)`, without writing the `[batch, seq]` weights and mask (what a monitor needs)."""
     tok = token_arrays(train_logprobs, rollout_logprobs, mask)
@@ -105,7 +105,7 @@ def rollout_correction(
     rollout_is_clamp_lower: float | None = None,
 ) -> tuple[Any | None, Any, dict[str, float]]:
     """verl's rollout correction on `[batch, seq]` logprobs (nats) and a response mask (or on
-    one `parity.token_arrays.TokenArrays` in their place).
+    one `parity.drift.token_arrays.TokenArrays` in their place).
 
     Options are `CorrectionConfig`'s fields: verl's names plus parity's extras.
 

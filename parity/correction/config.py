@@ -10,8 +10,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from parity.errors import ConfigError
-from parity.strict import from_mapping
+from parity.core.errors import ConfigError
+from parity.core.strict import from_mapping
 
 #: `rollout_is` levels verl 0.9.x has.
 VERL_IS_LEVELS: tuple[str, ...] = ("token", "sequence")

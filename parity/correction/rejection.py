@@ -9,8 +9,8 @@ import torch
 
 from parity.correction.config import RejectionRule
 from parity.correction.stats import Rows, fraction, seq_summary
-from parity.ratio_rules import in_band, token_statistic
-from parity.token_arrays import Block, masked_row_max, masked_row_min
+from parity.drift.ratio_rules import in_band, token_statistic
+from parity.drift.token_arrays import Block, masked_row_max, masked_row_min
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Per-row statistics and the batch reductions verl applies to them.
 
-The correction makes one pass over the batch in blocks of whole rows (`parity.token_arrays.Block`).
+The correction makes one pass over the batch in blocks of whole rows (`parity.drift.token_arrays.Block`).
 Each block leaves typed per-row statistics `[rows]` (sums, extremes, counts), which `join`
 concatenates into `[batch]`; every metric is then a reduction of those, through `Rows`.
 """
@@ -16,8 +16,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from parity.ratio_rules import SAFETY_BOUND
-from parity.token_arrays import Block
+from parity.drift.ratio_rules import SAFETY_BOUND
+from parity.drift.token_arrays import Block
 
 #: verl's epsilon in `masked_mean` (`sum / (count + 1e-8)`), ESS and batch normalization.
 EPS = 1e-8

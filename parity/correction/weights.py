@@ -9,7 +9,7 @@ import torch
 
 from parity.correction.config import ImportanceRule
 from parity.correction.stats import EPS, Rows, fraction, seq_summary
-from parity.ratio_rules import (
+from parity.drift.ratio_rules import (
     SAFETY_BOUND,
     band_weights,
     clamp_log_ratio,
@@ -17,8 +17,8 @@ from parity.ratio_rules import (
     sequence_log_ratio,
     truncate,
 )
-from parity.ratio_rules import ratio as ratio_of
-from parity.token_arrays import Block, masked_row_min, row_counts
+from parity.drift.ratio_rules import ratio as ratio_of
+from parity.drift.token_arrays import Block, masked_row_min, row_counts
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from parity.core.errors import ConfigError, InputError, UnsupportedError
+from parity.core.strict import check_dtype, replace_fields
+from parity.core.types import Request, Rollout
 from parity.engine import forward, sampler
 from parity.engine.graphs import StepGraphs
 from parity.engine.inputs import (
@@ -39,7 +42,6 @@ from parity.engine.inputs import (
 )
 from parity.engine.scheduler import Scheduler, Sequence, Span, Step
 from parity.engine.train import TrainConfig, train_forward
-from parity.errors import ConfigError, InputError, UnsupportedError
 from parity.kernels.attention import KVCache
 from parity.models import routing
 from parity.models.loading import (
@@ -62,8 +64,6 @@ from parity.parallel import (
     check_shardable,
     shard_model,
 )
-from parity.strict import check_dtype, replace_fields
-from parity.types import Request, Rollout
 
 
 @dataclass(frozen=True)

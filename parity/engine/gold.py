@@ -47,10 +47,12 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from parity.core.errors import ConfigError, InputError
+from parity.core.strict import check_choice
+from parity.core.types import Rollout
 from parity.engine import sampler
 from parity.engine.inputs import check_length, check_positive_int, check_token_ids, kernel_scope
 from parity.engine.train import logprob_definitions, pairs_and_modes, scoring_adapter
-from parity.errors import ConfigError, InputError
 from parity.models.checkpoints import resolve_model
 from parity.models.loading import (
     STATIC_ROPE_TYPES,
@@ -60,8 +62,6 @@ from parity.models.loading import (
 )
 from parity.models.lora import LoraSpec, adapter_deltas, check_adapter
 from parity.models.routing import ROUTERS
-from parity.strict import check_choice
-from parity.types import Rollout
 
 #: the gold's dtype on each device type: float64 where the hardware computes it at full speed
 #: relative to the model (CPU), float32 with every reduced-precision shortcut off on CUDA.

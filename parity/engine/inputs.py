@@ -8,7 +8,7 @@ from contextlib import AbstractContextManager
 import torch
 
 from parity import kernels as _kernels
-from parity.errors import ConfigError, InputError
+from parity.core.errors import ConfigError, InputError
 from parity.models.loading import LoadedModel
 
 #: "invariant" (every family), "native" (none) or the families to switch on.

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from parity.errors import BackendUnavailableError, ConfigError
+from parity.core.errors import BackendUnavailableError, ConfigError
 from parity.models.loading import load_model
 
 

@@ -19,8 +19,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from parity.turns import inject_until_generate
-from parity.types import Request
+from parity.core.turns import inject_until_generate
+from parity.core.types import Request
 
 if TYPE_CHECKING:
     import torch

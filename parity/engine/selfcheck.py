@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
+from parity.core.types import Request, SamplingParams
 from parity.engine.engine import ReferenceEngine
 from parity.engine.inputs import KernelMode
 from parity.engine.train import train_forward
 from parity.models.loading import LoadedModel, load_model
-from parity.types import Request, SamplingParams
 
 #: (temperature, top_p, top_k): the grid every parity check covers.
 SAMPLING_GRID: tuple[tuple[float, float, int], ...] = tuple(

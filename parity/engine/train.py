@@ -19,6 +19,10 @@ from typing import Any
 
 import torch
 
+from parity.core.errors import AdapterError, ConfigError, InputError
+from parity.core.strict import check_choice, check_dtype, replace_fields
+from parity.core.types import LOGPROBS_MODES, Pair, Rollout, as_pairs
+from parity.drift.routes import check_routes
 from parity.engine import forward, sampler
 from parity.engine.inputs import (
     KernelMode,
@@ -28,7 +32,6 @@ from parity.engine.inputs import (
     kernel_families,
     kernel_scope,
 )
-from parity.errors import AdapterError, ConfigError, InputError
 from parity.kernels.attention import KVCache
 from parity.models import routing
 from parity.models.checkpoints import resolve_model
@@ -44,9 +47,6 @@ from parity.parallel import (
     check_shardable,
     shard_model,
 )
-from parity.routes import check_routes
-from parity.strict import check_choice, check_dtype, replace_fields
-from parity.types import LOGPROBS_MODES, Pair, Rollout, as_pairs
 
 LAYOUTS: tuple[str, ...] = ("right", "left", "packed")
 

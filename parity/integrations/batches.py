@@ -21,17 +21,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from parity.dumps import SAMPLING_COLUMNS
-from parity.errors import InputError
+from parity.core.errors import InputError
+from parity.core.schema import LOGPROBS_MODES
+from parity.core.strict import check_choice
+from parity.core.tables import write_rows
 from parity.monitor.arrays import host_array
-from parity.schema import LOGPROBS_MODES
-from parity.strict import check_choice
-from parity.tables import write_rows
+from parity.rollouts.dumps import SAMPLING_COLUMNS
 
 if TYPE_CHECKING:
     from parity.monitor import Monitor
 
-#: a logprob above this is not a logprob (the dump reader's bound, `parity.dumps`).
+#: a logprob above this is not a logprob (the dump reader's bound, `parity.rollouts.dumps`).
 _MAX_LOGPROB = 1e-4
 
 

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from parity.errors import InputError
+from parity.core.errors import InputError
 from parity.integrations.batches import (
     StepBatch,
     bool_mask,

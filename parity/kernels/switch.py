@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from parity.errors import BackendUnavailableError, ConfigError
+from parity.core.errors import BackendUnavailableError, ConfigError
 
 #: the op families that can be switched independently (attribution turns them native one at a time).
 FAMILIES: tuple[str, ...] = ("matmul", "attention", "rmsnorm", "softmax", "pointwise", "rotary", "moe")

@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from parity.backends import Backend
-from parity.cases import Case, load_cases
-from parity.errors import ConfigError
+from parity.core.errors import ConfigError
+from parity.core.outputs import output_file
 from parity.loop.config import LoopConfig
 from parity.loop.record import LoopRecord
-from parity.outputs import output_file
+from parity.workload.cases import Case, load_cases
 
 if TYPE_CHECKING:
     from parity.loop.task import Reward, Task

@@ -40,6 +40,8 @@ import numpy as np
 import torch
 
 from parity.backends import Backend
+from parity.core.schema import LORA_MOE_TARGETS, LORA_TARGETS
+from parity.core.types import Rollout
 from parity.models.loading import LoadedModel
 from parity.models.lora import (
     ADAPTER_CONFIG,
@@ -49,8 +51,6 @@ from parity.models.lora import (
     is_moe_checkpoint,
 )
 from parity.models.lora_builtins import adapter_config, write_adapter
-from parity.schema import LORA_MOE_TARGETS, LORA_TARGETS
-from parity.types import Rollout
 
 _PREFIX = "base_model.model."
 

@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from parity.backends import parse_option
-from parity.errors import EXIT_FAILED, ConfigError
+from parity.core.errors import EXIT_FAILED, ConfigError
+from parity.core.schema import DTYPES, REFERENCE
 from parity.loop import loop
 from parity.loop.record import LoopRecord
-from parity.schema import DTYPES, REFERENCE
 
 #: columns of the per-step lines: (header, row key, width, format spec).
 COLUMNS: tuple[tuple[str, str, int, str], ...] = (

@@ -7,10 +7,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from parity.core.errors import ConfigError
+from parity.core.schema import BACKEND_NAMES, DTYPES
+from parity.core.types import check_int, check_real
 from parity.correction.config import CorrectionConfig, correction_from_name
-from parity.errors import ConfigError
-from parity.schema import BACKEND_NAMES, DTYPES
-from parity.types import check_int, check_real
 
 
 def _positive_real(value: Any, name: str) -> float:

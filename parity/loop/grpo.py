@@ -22,10 +22,10 @@ from dataclasses import dataclass
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from parity.core.errors import InputError
 from parity.correction import CorrectionConfig, apply_correction
-from parity.errors import InputError
-from parity.ratio_rules import clamp_log_ratio, in_band
-from parity.ratio_rules import ratio as ratio_of
+from parity.drift.ratio_rules import clamp_log_ratio, in_band
+from parity.drift.ratio_rules import ratio as ratio_of
 
 #: verl's epsilon in the GRPO normalization.
 GRPO_EPS = 1e-6

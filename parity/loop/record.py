@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from parity.errors import InputError
-from parity.outputs import write_atomic
+from parity.core.errors import InputError
+from parity.core.outputs import write_atomic
 
 #: the keys of a step row the JSON contract names (issue 36), in order.
 STEP_KEYS: tuple[str, ...] = ("step", "backend", "max_abs_logprob_diff", "mean_abs_logprob_diff", "k3_kl",

@@ -34,18 +34,18 @@ import numpy as np
 import torch
 
 from parity.backends import Backend, get_backend, lora_backends, weight_sync_missing
-from parity.errors import ConfigError, DivergedError
+from parity.core.errors import ConfigError, DivergedError
+from parity.core.outputs import write_atomic
+from parity.core.schema import VERSION
+from parity.core.types import Request, Rollout, SamplingParams
+from parity.drift.metrics import summarize
 from parity.loop.config import LoopConfig
 from parity.loop.grpo import clip_fraction, group_advantages, padded, plan_loss
 from parity.loop.record import LoopRecord
 from parity.loop.sync import SyncCheck, initial_sync, push
 from parity.loop.task import Task, prompt_id
 from parity.loop.trainer import Trainer
-from parity.metrics import summarize
-from parity.outputs import write_atomic
 from parity.render.loop import loop_page
-from parity.schema import VERSION
-from parity.types import Request, Rollout, SamplingParams
 
 #: sampling seeds of step t start at seed * SEED_STRIDE + t * STEP_STRIDE; prompt i adds i.
 SEED_STRIDE, STEP_STRIDE = 1_000_003, 10_007

@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 
 from parity.backends import Backend
-from parity.errors import BackendError
+from parity.core.errors import BackendError
 from parity.loop.adapter import AdapterWeights
 from parity.loop.weights import FullWeights
 

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from parity.errors import ConfigError
-from parity.prompts import tokenizer
-from parity.types import Rollout, check_int
+from parity.core.errors import ConfigError
+from parity.core.types import Rollout, check_int
+from parity.workload.prompts import tokenizer
 
 #: a reward function: one rollout (prompt, response, request id) -> a finite float.
 Reward = Callable[[Rollout], float]

@@ -19,14 +19,14 @@ from pathlib import Path
 
 import torch
 
+from parity.core.errors import DivergedError
+from parity.core.types import Rollout
 from parity.engine import TrainConfig, train_forward
-from parity.errors import DivergedError
 from parity.loop.adapter import AdapterWeights, initial_adapter, unpinned
 from parity.loop.grpo import LossPlan, micro_batch_loss
 from parity.loop.weights import FullWeights, trained_weights
 from parity.models.checkpoints import resolve_model
 from parity.models.loading import LoadedModel, copy_model, load_model
-from parity.types import Rollout
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from parity.errors import ModelNotFoundError
+from parity.core.errors import ModelNotFoundError
 from parity.models.trained import TRAINED_MODELS, trained_names, trained_path
 
 #: bump when the generator changes, so stale caches are never reused.

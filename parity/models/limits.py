@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from parity.errors import ConfigError, InputError
+from parity.core.errors import ConfigError, InputError
+from parity.core.types import Request
 from parity.models.checkpoints import resolve_model
-from parity.types import Request
 
 
 def checkpoint_config(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -23,15 +23,15 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from parity.errors import AdapterError, ConfigError
+from parity.core.errors import AdapterError, ConfigError
+from parity.core.schema import DTYPES
+from parity.core.strict import check_dtype
 from parity.kernels import ops, prepare
 from parity.kernels.attention import ATTENTION_NAME
 from parity.kernels.moe import experts_forward
 from parity.models.checkpoints import is_model_name, model_hash, resolve_model
 from parity.models.lora import ADAPTER_WEIGHTS, LoraSpec, check_adapter, check_without_tensor_parallel
 from parity.models.routing import ROUTERS, patch_router
-from parity.schema import DTYPES
-from parity.strict import check_dtype
 
 #: parity dtype name -> torch dtype.
 TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPES}

@@ -47,11 +47,11 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
-from parity.errors import AdapterError
+from parity.core.errors import AdapterError
+from parity.core.schema import LORA_MOE_TARGETS, LORA_TARGETS
 from parity.models.checkpoints import resolve_model, safetensors_shapes
 from parity.models.limits import checkpoint_config
 from parity.models.lora_builtins import builtin_adapter_names, builtin_adapter_path, is_builtin_adapter
-from parity.schema import LORA_MOE_TARGETS, LORA_TARGETS
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

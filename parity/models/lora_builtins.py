@@ -28,8 +28,8 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
+from parity.core.schema import LORA_MOE_TARGETS, LORA_TARGETS
 from parity.models.checkpoints import BUILTIN_MODELS, builtin_path, cache_dir, safetensors_shapes
-from parity.schema import LORA_MOE_TARGETS, LORA_TARGETS
 
 #: bump when the generator changes, so stale caches are never reused.
 ADAPTER_VERSION = 1

@@ -26,9 +26,9 @@ from typing import Literal
 import torch
 from torch import nn
 
-from parity.errors import ConfigError, InputError
+from parity.core.errors import ConfigError, InputError
+from parity.core.schema import NO_REPLAY, REPLAY_MODES, ReplayMode
 from parity.kernels import ops
-from parity.schema import NO_REPLAY, REPLAY_MODES, ReplayMode
 
 
 @dataclass(frozen=True)

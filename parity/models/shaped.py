@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from parity.errors import ConfigError
+from parity.core.errors import ConfigError
 
 #: shape name -> (architecture, config fields). Sources: each model's published config.json.
 SHAPES: dict[str, tuple[str, dict[str, Any]]] = {

@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from parity.errors import ConfigError, ModelNotFoundError
+from parity.core.errors import ConfigError, ModelNotFoundError
 
 #: bump when the conversion changes, so stale cached checkpoints are never reused.
 CONVERTER_VERSION = 1

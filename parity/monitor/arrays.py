@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from parity.errors import InputError
+from parity.core.errors import InputError
 
 
 def host_array(value: Any, name: str) -> np.ndarray:

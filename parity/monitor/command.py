@@ -14,10 +14,10 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from parity.errors import report_error
+from parity.core.errors import report_error
+from parity.core.outputs import output_file
 from parity.monitor.page import PAGE_FILE, flat_values, write_page
 from parity.monitor.store import MonitorStore
-from parity.outputs import output_file
 
 #: the latest step's figures the command prints.
 SHOWN = ("max_abs_logprob_diff", "mean_abs_logprob_diff", "k3_kl", "is_ratio_mean", "rollout_probs_diff_max",

@@ -37,15 +37,15 @@ from typing import Any
 
 import numpy as np
 
+from parity.core.errors import ConfigError, InputError
+from parity.core.outputs import output_dir
+from parity.core.schema import SUPPORT_SUMMARY_KEYS
+from parity.core.types import SamplingParams
 from parity.correction.config import DEFAULT_OPTIONS, CorrectionConfig
-from parity.errors import ConfigError, InputError
 from parity.monitor.arrays import host_array
 from parity.monitor.page import PAGE_FILE, PageRenderer, flat_values
 from parity.monitor.store import MonitorStore, json_ready
 from parity.monitor.thresholds import Thresholds
-from parity.outputs import output_dir
-from parity.schema import SUPPORT_SUMMARY_KEYS
-from parity.types import SamplingParams
 
 #: the names `log` gives its arrays in errors (verl's).
 ARRAY_NAMES = ("old_log_probs", "rollout_log_probs", "response_mask")

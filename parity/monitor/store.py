@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from parity.errors import ConfigError, InputError
-from parity.schema import VERSION
+from parity.core.errors import ConfigError, InputError
+from parity.core.schema import VERSION
 
 #: the store's file name inside a monitor directory.
 STORE_FILE = "monitor.sqlite"

@@ -5,17 +5,17 @@ Every number comes from parity's own functions on one checked `TokenArrays` (`[b
 responses left-aligned and right-padded, verl's layout), computed by their passes in one scan of
 the step's blocks (`step_record`):
 
-    summary        `parity.metrics.summarize`: max/mean |Δlogp|, IS-ratio stats, k1/k2/k3 KL, χ²,
-                   verl's probability-space `rollout_probs_diff_*`, ... (`parity.schema.SUMMARY_KEYS`)
+    summary        `parity.drift.metrics.summarize`: max/mean |Δlogp|, IS-ratio stats, k1/k2/k3 KL, χ²,
+                   verl's probability-space `rollout_probs_diff_*`, ... (`parity.core.schema.SUMMARY_KEYS`)
     rollout_corr   `parity.correction.apply_correction` under the monitor's correction: verl's
                    `rollout_corr/*` metrics, by verl's names
-    by_position    `parity.metrics.drift_by_position`: drift per response-position bucket
+    by_position    `parity.drift.metrics.drift_by_position`: drift per response-position bucket
     worst_tokens   the `WORST` valid tokens of largest |Δlogp| (row, position, token id when the
                    responses are given, both logprobs), ties broken by row then position
     recommendation `parity.advisor.advise` (its recommendation only: name, reason, config, the keys
                    to paste into verl / NeMo-RL / slime), on the steps that ask for it
 
-Heavy: parity.metrics and parity.correction compute in torch (float64, row blocks).
+Heavy: parity.drift.metrics and parity.correction compute in torch (float64, row blocks).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import torch
 from parity.advisor import advise
 from parity.correction.apply import CorrectionPass
 from parity.correction.config import CorrectionConfig
-from parity.metrics import PositionPass, SummaryPass
-from parity.token_arrays import BLOCK_TOKENS, Block, TokenArrays, token_arrays
+from parity.drift.metrics import PositionPass, SummaryPass
+from parity.drift.token_arrays import BLOCK_TOKENS, Block, TokenArrays, token_arrays
 
 #: worst tokens kept per step.
 WORST = 10
@@ -80,7 +80,7 @@ def worst_tokens(tok: TokenArrays, responses: np.ndarray | None, k: int = WORST)
 
 
 class WorstPass:
-    """`worst_tokens`' pass over a batch (a `parity.token_arrays.BlockPass`): it keeps each row's
+    """`worst_tokens`' pass over a batch (a `parity.drift.token_arrays.BlockPass`): it keeps each row's
     largest |Δ| `[batch]` (a block's shared `row_abs_max`), and `result` looks into the few rows
     that can hold the `k` worst tokens.
 

@@ -5,7 +5,7 @@
 
 A number is an upper bound (the step is flagged when its value is above it); a `(low, high)` pair
 is a band, either side None for open (flagged below `low` or above `high`). Keys are the step
-summary's (`parity.schema.SUMMARY_KEYS`: `k3_kl`, `max_abs_logprob_diff`, ...; and
+summary's (`parity.core.schema.SUMMARY_KEYS`: `k3_kl`, `max_abs_logprob_diff`, ...; and
 `SUPPORT_SUMMARY_KEYS`: `frac_tokens_outside_support`) or verl's `rollout_corr/*` metric names of
 the monitor's correction. A value the step does not have (an unknown `rollout_corr/*` name) is
 flagged as missing rather than silently never checked.
@@ -20,8 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from parity.errors import ConfigError
-from parity.schema import SUMMARY_KEYS, SUPPORT_SUMMARY_KEYS
+from parity.core.errors import ConfigError
+from parity.core.schema import SUMMARY_KEYS, SUPPORT_SUMMARY_KEYS
 
 #: prefix of verl's rollout-correction metric names.
 CORRECTION_PREFIX = "rollout_corr/"

@@ -10,9 +10,9 @@ import html
 import math
 from typing import Any
 
+from parity.core.schema import SUMMARY_KEYS
 from parity.nightly.rows import RowKey
 from parity.render.figures import figure_img
-from parity.schema import SUMMARY_KEYS
 
 #: the newest runs shown; older ones stay in the database.
 TREND_RUNS = 30

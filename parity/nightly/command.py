@@ -13,12 +13,12 @@ import shlex
 import sys
 from pathlib import Path
 
-from parity.errors import EXIT_INTERRUPTED, ConfigError, report_error
+from parity.core.errors import EXIT_INTERRUPTED, ConfigError, report_error
+from parity.core.schema import KERNEL_MODES
 from parity.nightly.history import History
 from parity.nightly.regression import TEST_NAME, RegressionPolicy
 from parity.nightly.rows import RowResult, check_run_id
 from parity.nightly.runner import AUTO, DEVICES, EXECUTORS, NightlyConfig, RunInterrupted, run_nightly
-from parity.schema import KERNEL_MODES
 
 #: options that define the matrix; a resumed run takes them from the history instead.
 _MATRIX_OPTIONS = ("cases", "backends", "dtypes", "baseline", "alpha", "min_effect", "reference", "device",

@@ -14,10 +14,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from parity.cases import Case
 from parity.nightly.execute import engine_options
 from parity.nightly.memory import EngineNeed, engine_need
 from parity.nightly.rows import RowKey
+from parity.workload.cases import Case
 
 
 @dataclass(frozen=True)

@@ -30,13 +30,13 @@ from parity.backends import (
     route_capture_options,
     shared_backend,
 )
-from parity.cases import Case
 from parity.compare import compare
+from parity.core.schema import NO_REPLAY, REFERENCE
 from parity.nightly.history import now
 from parity.nightly.memory import available_bytes, engine_need, gib, memory_failure
 from parity.nightly.noise import AUDIT, audit_row
 from parity.nightly.rows import RowKey, RowResult, row_status
-from parity.schema import NO_REPLAY, REFERENCE
+from parity.workload.cases import Case
 
 #: backends whose engine takes a `device` option; the others run where their build runs.
 DEVICE_BACKENDS = ("reference", "hf")
@@ -184,11 +184,11 @@ def error_row(run_id: str, key: RowKey, error: str, provenance: dict[str, Any],
 
 def lifecycle_row(run_id: str, key: RowKey, case: Case, engine: Any, provenance: dict[str, Any],
                   timing: dict[str, float]) -> RowResult:
-    """A lifecycle case's row: `parity.lifecycle` on the case's prompts. Each failed check is a
+    """A lifecycle case's row: `parity.audit.lifecycle` on the case's prompts. Each failed check is a
     violation (a "fail" row); skipped checks (transitions the backend refuses) do not fail it.
     Lifecycle rows have no per-token drift, so no regression test against a baseline."""
     # the checks drive a running engine and load torch; importing nightly stays light
-    from parity.lifecycle import run_lifecycle
+    from parity.audit.lifecycle import run_lifecycle
 
     t0 = time.perf_counter()
     report = run_lifecycle(engine, case.requests)

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from parity.errors import ConfigError, InputError
+from parity.core.errors import ConfigError, InputError
 from parity.nightly.regression import Verdict
 from parity.nightly.rows import PASSING, RowKey, RowResult
 

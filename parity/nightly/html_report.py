@@ -16,15 +16,15 @@ from typing import Any
 
 import numpy as np
 
+from parity.core.schema import GOLD_RATIO_KEY, GOLD_VERDICT_KEY, RECOMMENDATION_KEY, sweep_label
+from parity.drift.tolerance import Violation
 from parity.nightly.charts import trend_charts
 from parity.nightly.history import RunInfo
 from parity.nightly.regression import NOISE_DETERMINISTIC_KEY, NOISE_MEAN_KEY, TEST_NAME
 from parity.nightly.rows import STATUSES, RowKey, RowResult, correction_change
 from parity.render.gold import gold_plots
 from parity.render.report_page import key_value_table, report_plots, worst_tokens_table
-from parity.report import ParityReport
-from parity.schema import GOLD_RATIO_KEY, GOLD_VERDICT_KEY, RECOMMENDATION_KEY, sweep_label
-from parity.tolerance import Violation
+from parity.report.document import ParityReport
 
 #: columns of the rows table: (summary key, header).
 TABLE_METRICS: tuple[tuple[str, str], ...] = (

@@ -13,11 +13,11 @@ import re
 from collections import Counter
 from typing import Any
 
+from parity.core.schema import GOLD_RATIO_KEY, GOLD_VERDICT_KEY
+from parity.drift.tolerance import Violation
 from parity.nightly.history import RunInfo
 from parity.nightly.regression import TEST_NAME
 from parity.nightly.rows import STATUSES, RowResult, correction_change
-from parity.schema import GOLD_RATIO_KEY, GOLD_VERDICT_KEY
-from parity.tolerance import Violation
 
 _MARK = {"error": "💥", "regression": "📉", "fail": "❌", "improved": "📈", "pass": "✅"}
 

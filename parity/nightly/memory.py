@@ -29,7 +29,7 @@ from typing import Any
 
 import psutil
 
-from parity.errors import BackendError, ConfigError, ModelNotFoundError
+from parity.core.errors import BackendError, ConfigError, ModelNotFoundError
 from parity.models.checkpoints import resolve_model
 
 GIB = 1 << 30

@@ -18,10 +18,10 @@ from collections.abc import Iterable
 from typing import Any
 
 from parity.backends import Backend
-from parity.cases import Case
 from parity.nightly.history import now
 from parity.nightly.regression import Noise
 from parity.nightly.rows import RowKey, RowResult
+from parity.workload.cases import Case
 
 AUDIT = "audit"
 #: summary keys of an audit row (each a trend chart on the nightly page, so few): the two verdicts,

@@ -12,12 +12,12 @@ import os
 from pathlib import Path
 from typing import Any
 
+from parity.core.outputs import write_atomic
+from parity.core.schema import json_safe
 from parity.nightly.history import RunInfo
 from parity.nightly.html_report import render_page
 from parity.nightly.markdown_report import render_summary
 from parity.nightly.rows import RowKey, RowResult, exit_code
-from parity.outputs import write_atomic
-from parity.schema import json_safe
 
 RESULTS_FORMAT = "parity-nightly-results"
 RESULTS_VERSION = 1
@@ -38,7 +38,7 @@ def publish(out: Path, run: RunInfo, rows: list[RowResult],
 
 def results(run: RunInfo, rows: list[RowResult]) -> dict[str, Any]:
     """The machine-readable run: header, environment and every row without its token arrays.
-    Non-finite numbers are spelled "-inf", "inf", "nan" (`parity.schema.json_safe`), so strict JSON
+    Non-finite numbers are spelled "-inf", "inf", "nan" (`parity.core.schema.json_safe`), so strict JSON
     parsers (jq, JavaScript) read the file and nothing is lost."""
     return json_safe({
         "format": RESULTS_FORMAT, "version": RESULTS_VERSION, "run_id": run.run_id,

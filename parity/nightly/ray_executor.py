@@ -34,12 +34,12 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
-from parity.cases import Case
-from parity.errors import ConfigError
+from parity.core.errors import ConfigError
 from parity.nightly.engines import EngineKey, PlannedRow, by_engine, engine_order
 from parity.nightly.execute import error_row, execute_row, tensor_parallel
 from parity.nightly.memory import GIB, EngineNeed, MemoryBudget
 from parity.nightly.rows import RowKey, RowResult
+from parity.workload.cases import Case
 
 #: `module:function` that every worker calls with a row's key (`str(RowKey)`) before running the
 #: row: the fault-injection point of the worker-death tests. Unset in normal runs.

@@ -33,7 +33,7 @@ from typing import Any, Literal
 import numpy as np
 from scipy.stats import mannwhitneyu
 
-from parity.errors import ConfigError
+from parity.core.errors import ConfigError
 
 TEST_NAME = "one-sided Mann-Whitney U on per-token |Δlogp|"
 #: summary keys with which a row shows its backend's noise (`Noise.summary`).

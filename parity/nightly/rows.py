@@ -19,9 +19,9 @@ from typing import Any, Literal
 
 import numpy as np
 
-from parity.errors import ConfigError
+from parity.core.errors import ConfigError
+from parity.core.schema import BASELINE_RECOMMENDATION_KEY, RECOMMENDATION_KEY
 from parity.nightly.regression import Verdict
-from parity.schema import BASELINE_RECOMMENDATION_KEY, RECOMMENDATION_KEY
 
 Status = Literal["error", "regression", "fail", "improved", "pass"]
 STATUSES: tuple[str, ...] = ("error", "regression", "fail", "improved", "pass")

@@ -35,8 +35,14 @@ from parity.backends import (
     prefix_cache_backends,
     route_recording_backends,
 )
-from parity.cases import Case, load_cases
-from parity.errors import ConfigError, ParityError
+from parity.core.errors import ConfigError, ParityError
+from parity.core.outputs import output_dir, output_file
+from parity.core.schema import (
+    BASELINE_RECOMMENDATION_KEY,
+    DTYPES,
+    KERNEL_MODES,
+    RECOMMENDATION_KEY,
+)
 from parity.models.lora import check_adapter
 from parity.nightly.engines import engine_order
 from parity.nightly.environment import collect_environment
@@ -48,13 +54,7 @@ from parity.nightly.noise import AUDIT, backend_noise
 from parity.nightly.publish import publish
 from parity.nightly.regression import RegressionPolicy, compare_drift, judge_with_noise
 from parity.nightly.rows import RowKey, RowResult, check_run_id, exit_code, row_status
-from parity.outputs import output_dir, output_file
-from parity.schema import (
-    BASELINE_RECOMMENDATION_KEY,
-    DTYPES,
-    KERNEL_MODES,
-    RECOMMENDATION_KEY,
-)
+from parity.workload.cases import Case, load_cases
 
 AUTO = "auto"
 EXECUTORS = ("local", "ray")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from parity.errors import ConfigError
+from parity.core.errors import ConfigError
 
 
 @dataclass(frozen=True)

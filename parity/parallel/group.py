@@ -12,7 +12,7 @@ not exited after a grace period. A rank that raises, or dies, brings the whole g
 once (the others may be blocked in a collective that will never complete) and the caller gets
 a `TensorParallelError` with that rank's traceback. A KeyboardInterrupt (SIGINT) in the caller
 kills the ranks before it propagates; the ranks ignore SIGINT themselves, so a terminal Ctrl-C
-does not interleave their tracebacks. Each rank is tracked by the guard (`parity.guard`), so the
+does not interleave their tracebacks. Each rank is tracked by the guard (`parity.runtime.guard`), so the
 ranks die with the caller even when it is killed with SIGKILL.
 """
 
@@ -26,10 +26,10 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection, Listener, wait
 from typing import Any
 
-from parity import guard
-from parity.errors import BackendError
+from parity.core.errors import BackendError
 from parity.parallel.wire import receive, send
-from parity.processes import LOOPBACK, free_loopback_port
+from parity.runtime import guard
+from parity.runtime.processes import LOOPBACK, free_loopback_port
 
 #: seconds ranks get to leave after close() before they are killed.
 CLOSE_GRACE_S = 10.0

@@ -28,11 +28,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parity.errors import ConfigError
+from parity.core.errors import ConfigError
+from parity.core.schema import REDUCTION_GROUPS
 from parity.kernels import ops
 from parity.kernels.cpu import tree_sum
 from parity.parallel.comm import Comm
-from parity.schema import REDUCTION_GROUPS
 
 #: how a row-parallel layer combines partial products: the fixed tree, or a stock all-reduce (contrast).
 REDUCTIONS: tuple[str, ...] = ("canonical", "all_reduce")

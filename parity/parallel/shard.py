@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from parity.errors import ConfigError
+from parity.core.errors import ConfigError
 from parity.models.loading import LoadedModel, load_model
 from parity.parallel.comm import Comm
 from parity.parallel.layers import (

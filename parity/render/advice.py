@@ -11,7 +11,7 @@ import html
 import json
 from typing import Any
 
-from parity.schema import ADVICE_COLUMNS, advice_cell
+from parity.core.schema import ADVICE_COLUMNS, advice_cell
 
 
 def nested_yaml(keys: dict[str, Any]) -> str:

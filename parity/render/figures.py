@@ -86,7 +86,7 @@ def log_ratio_histogram(log_ratio: np.ndarray) -> Figure:
 
 
 def breakdown_figure(rows: list[dict[str, Any]], *, title: str, xlabel: str) -> Figure:
-    """Mean and max |Δlogp| per bucket of a `parity.metrics.drift_by_*` breakdown.
+    """Mean and max |Δlogp| per bucket of a `parity.drift.metrics.drift_by_*` breakdown.
 
     rows: one dict per bucket with `lo`, `hi`, `mean_abs_logprob_diff` and
     `max_abs_logprob_diff` (nats; None for an empty bucket, which is left blank).

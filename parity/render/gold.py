@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from parity.core.schema import GOLD_SUMMARY_KEYS, GOLD_VERDICT_KEY
 from parity.render.figures import BLUE, GREY, ORANGE, figure_img, new_figure
-from parity.schema import GOLD_SUMMARY_KEYS, GOLD_VERDICT_KEY
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from parity.report import ParityReport
+    from parity.report.document import ParityReport
 
 #: errors below this (nats) are drawn at it on the log axes: float64 agreement, or exactly 0.
 ERROR_FLOOR = 1e-9
@@ -52,7 +52,7 @@ def gold_scatter(train_error: np.ndarray, rollout_error: np.ndarray) -> Figure:
 
 def gold_position_figure(by_position: dict[str, list[dict[str, Any]]]) -> Figure:
     """Each side's mean error from the gold per response-position bucket
-    (`parity.accuracy.gold_by_position`), on a log axis."""
+    (`parity.assess.accuracy.gold_by_position`), on a log axis."""
     fig, ax = new_figure()
     ax.set_title("error from the gold by response position", fontsize=10)
     ax.set_xlabel("response position")

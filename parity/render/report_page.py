@@ -17,7 +17,7 @@ from parity.render.figures import breakdown_figure, figure_img, log_ratio_histog
 from parity.render.gold import gold_html
 
 if TYPE_CHECKING:
-    from parity.report import ParityReport
+    from parity.report.document import ParityReport
 
 
 def worst_tokens_table(rows: list[dict[str, Any]], num_tokens: int | None = None) -> str:
@@ -78,7 +78,7 @@ def request_drift_table(rows: list[dict[str, Any]]) -> str:
 
 def turn_drift_table(breakdowns: dict[str, Any]) -> str:
     """HTML table of a multi-turn report's drift by generated turn and of the first generated
-    token after an injection vs the rest (`parity.metrics.drift_by_turn`); "" for single-turn."""
+    token after an injection vs the rest (`parity.drift.metrics.drift_by_turn`); "" for single-turn."""
     if "by_turn" not in breakdowns:
         return ""
     rows = [(f"turn {r['lo']}", r) for r in breakdowns["by_turn"]]

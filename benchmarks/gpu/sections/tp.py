@@ -15,8 +15,8 @@ from benchmarks.gpu.records import failure
 from benchmarks.gpu.results import Failure, Throughput, TPSection
 from benchmarks.gpu.run import Run
 from benchmarks.gpu.workloads import engine_tok_s, qwen3_config, requests_for, save_random_model
+from parity.core.schema import REDUCTION_GROUPS
 from parity.engine import ReferenceEngine
-from parity.schema import REDUCTION_GROUPS
 
 
 def measure(run: Run) -> TPSection:

@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from parity.errors import InputError
+from parity.core.errors import InputError
 from parity.kernels.triton.matmul import num_sms
 from parity.kernels.triton.mma import mma
 

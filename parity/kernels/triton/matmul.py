@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from parity.errors import ConfigError, InputError
+from parity.core.errors import ConfigError, InputError
 from parity.kernels.probe import Verdict, VerdictCache, cache_path, fingerprint, probe_rows
 from parity.kernels.triton.mma import mma
 

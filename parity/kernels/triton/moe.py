@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from parity.errors import InputError
+from parity.core.errors import InputError
 from parity.kernels.triton.mma import mma
 
 

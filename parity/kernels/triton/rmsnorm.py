@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from parity.errors import InputError
+from parity.core.errors import InputError
 
 
 @triton.jit

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from parity.backends import get_backend
-from parity.types import Request, SamplingParams
+from parity.core.types import Request, SamplingParams
 
 HERE = Path(__file__).resolve().parent
 PROMPTS = [(1, 40, 41, 42, 43, 44), (1, 70, 71)]

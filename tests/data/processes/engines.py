@@ -5,7 +5,7 @@ until it is killed. Prints READY once both answer."""
 import threading
 
 from parity.backends import shared_backend
-from parity.types import Request, SamplingParams
+from parity.core.types import Request, SamplingParams
 
 if __name__ == "__main__":
     started = {}

@@ -29,7 +29,7 @@ if __name__ == "__main__":
     mode, out = sys.argv[1], sys.argv[2]
     guarded = mode == "guarded"
     if guarded:
-        from parity import guard
+        from parity.runtime import guard
     window = guard.spawn_window() if guarded else contextlib.nullcontext()
     with window:
         engine, worker = spawn_with_child()

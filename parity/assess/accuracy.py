@@ -1,0 +1,112 @@
+"""Which side moved: each side's distance from the gold forward, their ratio and a one-sentence verdict.
+
+A report's train/rollout drift says the two sides disagree, not which one is wrong. With the gold
+logprobs of the same tokens (`parity.engine.gold`), the train error |logp_train - logp_gold| and the
+rollout error |logp_rollout - logp_gold| of every token say how far each side is from the exact
+model. Their means' ratio (`gold/rollout_to_train_error_ratio`: mean rollout error / mean train
+error) is > 1 when the rollout engine is the less accurate side and < 1 when the trainer is, with a
+95% bootstrap interval over whole sequences (the advisor's resampling, `bootstrap_ratio`).
+
+Tokens outside any side's support (a -inf logprob: sampled outside a top-k/top-p nucleus that side
+computed differently) are left out of every gold figure and counted apart, as in the drift summary.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from parity.core.errors import InputError
+from parity.drift.bootstrap import bootstrap_ratio
+
+#: resamples of the sequences for the ratio's interval (the advisor's default).
+BOOTSTRAP = 200
+#: `ParityReport.breakdowns` key of the per-position gold errors.
+BY_POSITION = "gold_by_position"
+
+
+def gold_tokens(train: np.ndarray, rollout: np.ndarray, gold: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """bool `[batch, seq]`: the real tokens to which all three sides give a finite logprob (the tokens
+    every gold figure counts)."""
+    train, rollout, gold, mask = (np.asarray(a) for a in (train, rollout, gold, mask))
+    if not train.shape == rollout.shape == gold.shape == mask.shape or train.ndim != 2:
+        raise InputError(f"gold: train {train.shape}, rollout {rollout.shape}, gold {gold.shape} and mask "
+                         f"{mask.shape} must be 2-D [batch, seq] arrays of one shape")
+    with np.errstate(invalid="ignore"):
+        return mask.astype(bool) & np.isfinite(train) & np.isfinite(rollout) & np.isfinite(gold)
+
+
+def gold_summary(train: np.ndarray, rollout: np.ndarray, gold: np.ndarray, mask: np.ndarray, *,
+                 bootstrap: int = BOOTSTRAP, seed: int = 0) -> dict[str, Any]:
+    """The `parity.core.schema.GOLD_SUMMARY_KEYS`, in order, of `[batch, seq]` logprobs (nats) and a mask.
+
+    gold/train_max_abs_logprob_diff, gold/train_mean_abs_logprob_diff: max / mean |train - gold|;
+    gold/rollout_*: the same of |rollout - gold|; gold/rollout_to_train_error_ratio: mean rollout
+    error / mean train error (1.0 when both are 0, inf when only the train error is);
+    gold/rollout_to_train_error_ratio_ci95: its 95% percentile bootstrap interval [low, high] over
+    sequences (`bootstrap` Poisson resamples from `seed`; NaNs with 0 resamples); gold/verdict:
+    one sentence; gold/num_tokens: the tokens counted; gold/num_tokens_outside_support: real
+    tokens left out because some side's logprob is -inf.
+    """
+    keep = gold_tokens(train, rollout, gold, mask)
+    g = np.where(keep, np.asarray(gold, np.float64), 0.0)
+    train_err = np.abs(np.where(keep, np.asarray(train, np.float64), 0.0) - g)
+    rollout_err = np.abs(np.where(keep, np.asarray(rollout, np.float64), 0.0) - g)
+    n = int(keep.sum())
+    if n == 0:
+        raise InputError("gold: no token has a finite logprob on all three sides; nothing to measure")
+    rows = keep.any(axis=1)
+    train_seq, rollout_seq = train_err.sum(axis=1)[rows], rollout_err.sum(axis=1)[rows]
+    ratio = _ratio(float(rollout_seq.sum()), float(train_seq.sum()))
+    if bootstrap > 0:
+        low, high = (float(v[0]) for v in bootstrap_ratio(rollout_seq[:, None], train_seq, bootstrap, seed,
+                                                          0.95, empty=1.0))
+    else:
+        low = high = float("nan")
+    identical = bool(np.array_equal(train_err, rollout_err))
+    return {
+        "gold/train_max_abs_logprob_diff": float(train_err.max()),
+        "gold/train_mean_abs_logprob_diff": float(train_err.sum() / n),
+        "gold/rollout_max_abs_logprob_diff": float(rollout_err.max()),
+        "gold/rollout_mean_abs_logprob_diff": float(rollout_err.sum() / n),
+        "gold/rollout_to_train_error_ratio": ratio,
+        "gold/rollout_to_train_error_ratio_ci95": [low, high],
+        "gold/verdict": verdict(ratio, low, high, identical=identical),
+        "gold/num_tokens": n,
+        "gold/num_tokens_outside_support": int(np.asarray(mask, bool).sum()) - n,
+    }
+
+
+def _ratio(rollout_error: float, train_error: float) -> float:
+    if train_error == 0.0:
+        return 1.0 if rollout_error == 0.0 else float("inf")
+    return rollout_error / train_error
+
+
+def verdict(ratio: float, low: float, high: float, *, identical: bool = False) -> str:
+    """The sentence a person reads: which side is farther from the gold, by how much, and whether the
+    interval says so (an interval that holds 1 reads "equally far")."""
+    if identical:
+        return "the rollout and the trainer are equally far from the gold: their logprobs are identical"
+    interval = "" if low != low else f" (95% interval {low:.3g}-{high:.3g})"
+    if (low != low and ratio == 1.0) or low <= 1.0 <= high:
+        return f"the rollout and the trainer are equally far from the gold within noise: error ratio " \
+               f"{ratio:.3g}{interval}"
+    if ratio > 1.0:
+        return f"the rollout is {ratio:.3g}x farther from the gold than the trainer{interval}"
+    inverse = "" if low != low else f" (95% interval {1.0 / high:.3g}-{1.0 / low:.3g})"
+    return f"the trainer is {1.0 / ratio:.3g}x farther from the gold than the rollout{inverse}"
+
+
+def gold_by_position(train: np.ndarray, rollout: np.ndarray, gold: np.ndarray, mask: np.ndarray
+                     ) -> dict[str, list[dict[str, Any]]]:
+    """Each side's error from the gold per response-position bucket
+    (`parity.drift.metrics.drift_by_position`'s buckets and fields, with the gold as the other side):
+    {"train": [...], "rollout": [...]}."""
+    from parity.drift.metrics import drift_by_position  # torch: `import parity` stays light
+
+    keep = gold_tokens(train, rollout, gold, mask)
+    g = np.where(keep, np.asarray(gold, np.float64), 0.0)
+    return {side: drift_by_position(np.where(keep, np.asarray(values, np.float64), 0.0), g, keep)
+            for side, values in (("train", train), ("rollout", rollout))}

@@ -1,0 +1,180 @@
+"""The training side of a comparison, for rollouts from anywhere (sampled by `compare`, read from
+a record or dump by `parity score`): score them with the training forward (or take the trainer's
+own logprobs), run the gold forward where asked or cheap (`gold_side`), build the report
+(`parity.assess.reporting`) with the tokens' decoded text, and add the router section (rollouts that carry
+MoE routes) and drift attribution.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from parity.advisor import DATA_BUGS
+from parity.assess.mismatch import sampling_findings
+from parity.assess.reporting import build_report
+from parity.core.errors import ConfigError
+from parity.core.schema import NO_REPLAY, ROUTER_SUMMARY_KEYS
+from parity.core.types import Rollout
+from parity.drift.routes import router_agreement
+from parity.drift.tolerance import Tolerance
+from parity.models import parameter_count, resolve_model
+from parity.report.document import ParityReport
+from parity.report.text import report_text
+
+
+def report_for(model: str | None, rollouts: Sequence[Rollout], *, dtype: str, device: str, reference: str,
+               router_replay: str | None, tolerance: Tolerance, provenance: dict[str, Any],
+               correction: dict[str, Any] | None = None, attribute: Sequence[str] = (),
+               train_logprobs: Sequence[np.ndarray] | None = None,
+               tensor_parallel_size: int | None = None,
+               reduction_groups: int | None = None, gold: bool | None = None,
+               elapsed: float = 0.0, lora: str | os.PathLike[str] | None = None) -> ParityReport:
+    """The second half of a comparison, for rollouts from anywhere: score them with the training
+    forward (or take `train_logprobs`, the trainer's own logprobs of the same tokens, and run
+    no forward), build the report with the tokens' decoded text (`parity.report.text`), and add
+    router agreement (rollouts that carry MoE routes) and attribution (`attribute` axes).
+    model: None only with `train_logprobs` and no `attribute` (nothing to run, no text).
+    tensor_parallel_size, reduction_groups: the training forward's layout (`train_forward`), for
+    every forward of the report, the router section's too; None: the layout the rollouts record,
+    else the whole model.
+    gold: run the gold forward (`gold_side`): True, False, or None to run it when cheap next to the
+    row; elapsed: seconds the row spent before this call (sampling), which that rule counts.
+    lora: the LoRA adapter of every forward, for rollouts that do not record theirs
+    (`train_forward` follows a recorded one and refuses a contradicting one)."""
+    check_gold(gold)
+    if model is None and (train_logprobs is None or attribute or gold):
+        raise ConfigError("a model is needed to run the training forward (and the gold forward); "
+                          "pass model=")
+    if attribute and (lora is not None or any("lora" in r.meta for r in rollouts)):
+        raise ConfigError("attribute does not run with a LoRA adapter yet; drop attribute (--attribute) or "
+                          "the adapter")
+    start = time.perf_counter()
+    if train_logprobs is None:
+        train_logprobs = score_rollouts(model, rollouts, dtype=dtype, device=device, kernels=reference,
+                                        router_replay=router_replay,
+                                        tensor_parallel_size=tensor_parallel_size,
+                                        reduction_groups=reduction_groups, lora=lora)
+        computed = True
+    else:
+        computed = False
+    bugs = sampling_findings(model, rollouts, train_logprobs, dtype=dtype, device=device, kernels=reference,
+                             tensor_parallel_size=tensor_parallel_size,
+                             reduction_groups=reduction_groups) if computed else []
+    gold_lp, gold_how = gold_side(model, rollouts, gold=gold, device=device,
+                                  row_seconds=elapsed + time.perf_counter() - start, lora=lora)
+    extras: dict[str, Any] = {"gold": gold_how, **({DATA_BUGS: bugs} if bugs else {})}
+    report = build_report(rollouts, train_logprobs, tolerance=tolerance, provenance=provenance,
+                          correction=correction, gold_logprobs=gold_lp, extras=extras)
+    text = None if model is None else report_text(model, rollouts)
+    if text is not None:
+        report.extras["text"] = text  # decoded now, so a stored report shows text without a tokenizer
+    if computed and rollouts and all(r.routed_experts is not None for r in rollouts):
+        # MoE rollouts that carry routes: router agreement, and drift with and without replay.
+        router_summary, report.extras["router"] = router_report(
+            model, rollouts, dtype=dtype, device=device, kernels=reference, router_replay=router_replay,
+            tolerance=tolerance, tensor_parallel_size=tensor_parallel_size, reduction_groups=reduction_groups,
+            lora=lora)
+        report.summary.update(router_summary)
+    if attribute:
+        from parity.attribute import attribution_section  # torch: `import parity` stays light
+
+        report.extras["attribution"] = attribution_section(model, rollouts, axes=attribute,
+                                                           dtype=dtype, device=device)
+    return report
+
+
+def check_gold(gold: object) -> None:
+    """ConfigError unless `gold` is True, False or None (checked before an engine starts)."""
+    if gold is not None and not isinstance(gold, bool):
+        raise ConfigError(f"gold must be True, False or None (None: run it when cheap next to the row), "
+                          f"got {gold!r}")
+
+
+def gold_side(model: str | None, rollouts: Sequence[Rollout], *, gold: bool | None, device: str,
+              row_seconds: float, lora: str | os.PathLike[str] | None = None
+              ) -> tuple[list[np.ndarray] | None, dict[str, Any]]:
+    """The gold forward's logprobs of every rollout's response tokens (`parity.engine.gold`), or None
+    when it does not run, and how it went, for `ParityReport.extras["gold"]`: ran, reason (the
+    caller's choice, or the default rule with its estimate, `parity.engine.gold.decide`), and when it
+    ran its dtype, device and seconds. lora: as the training forward's (a recorded adapter wins);
+    the gold merges the same adapter."""
+    if gold is False or model is None:
+        return None, {"ran": False, "reason": "gold=False was asked for" if gold is False
+                      else "no model to run it (the trainer's logprobs were given)"}
+    from parity.engine.gold import decide, gold_dtype, gold_logprobs  # torch: `import parity` stays light
+
+    tokens = sum(len(r.prompt_ids) + len(r.token_ids) for r in rollouts)
+    plan = decide(gold, parameters=parameter_count(resolve_model(model)), tokens=tokens,
+                  row_seconds=row_seconds, device=device)
+    how: dict[str, Any] = {"ran": plan.run, "reason": plan.reason,
+                           "estimated_seconds": round(plan.estimated_seconds, 4),
+                           "row_seconds": round(plan.row_seconds, 4)}
+    if not plan.run:
+        return None, how
+    start = time.perf_counter()
+    logprobs = gold_logprobs(model, rollouts, device=device, lora=lora)
+    how.update(dtype=gold_dtype(device), device=device,
+               seconds=round(time.perf_counter() - start, 4))
+    return logprobs, how
+
+
+def score_rollouts(model: str | os.PathLike[str], rollouts: Sequence[Rollout], *, dtype: str,
+                   device: str = "cpu", kernels: str = "invariant",
+                   router_replay: str | None = None,
+                   tensor_parallel_size: int | None = None,
+                   reduction_groups: int | None = None,
+                   lora: str | os.PathLike[str] | None = None) -> list[np.ndarray]:
+    """Training-forward logprobs of every rollout's response tokens, float32 `[response_len]` each,
+    each rollout scored under the sampling it records (mode, temperature, top-k, top-p) and with the
+    LoRA adapter it records (else `lora`)."""
+    from parity.engine import train_forward  # torch: `import parity` stays light
+
+    scored = train_forward(model, list(rollouts), dtype=dtype, device=device, kernels=kernels,
+                           tensor_parallel_size=tensor_parallel_size, reduction_groups=reduction_groups,
+                           lora=lora, **router_replay_options(router_replay)).logprobs
+    return [lp.detach().to("cpu").float().numpy() for lp in scored]
+
+
+def router_replay_options(router_replay: str | None) -> dict[str, Any]:
+    """`train_forward` keyword arguments for `router_replay` (validated: a bad mode fails before
+    an engine starts); none when it is None or "none" (the spelling of "off" in case files)."""
+    from parity.models.routing import RouterReplay  # torch: `import parity` stays light
+
+    return {} if RouterReplay.of(router_replay) is None else {"router_replay": router_replay}
+
+
+def router_report(model: str, rollouts: Sequence[Rollout], *, dtype: str, device: str, kernels: str,
+                  router_replay: str | None, tolerance: Tolerance, tensor_parallel_size: int | None = None,
+                  reduction_groups: int | None = None,
+                  lora: str | os.PathLike[str] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Router agreement and IS-ratio drift with and without replay, for rollouts that carry routes.
+
+    Scores the rollouts with the training forward once per side: "none" (the training router
+    decides), "R3" (the rollout's experts forced) and `router_replay` if it is another mode.
+    Returns (summary, section): `summary` holds the `ROUTER_SUMMARY_KEYS` of the side
+    `router_replay` selects (rollout routes vs the routes that side's forward used), for
+    `ParityReport.summary`; `section`, for `ParityReport.extras["router"]`, holds every side's
+    router agreement and full drift summary side by side.
+    """
+    # torch: `import parity` stays light
+    from parity.engine import train_forward
+    from parity.models.routing import RouterReplay
+
+    main = RouterReplay.of(router_replay)
+    main_name = NO_REPLAY if main is None else main.mode
+    rollout_routes = [ro.routed_experts for ro in rollouts]
+    sides: dict[str, dict[str, Any]] = {}
+    for name in dict.fromkeys((NO_REPLAY, "R3", main_name)):
+        scored = train_forward(
+            model, list(rollouts), dtype=dtype, device=device, kernels=kernels, record_routes=True,
+            router_replay=main if name == main_name else RouterReplay.of(name),
+            tensor_parallel_size=tensor_parallel_size, reduction_groups=reduction_groups, lora=lora)
+        drift = build_report(rollouts, [lp.numpy() for lp in scored.logprobs], tolerance=tolerance).summary
+        sides[name] = {**router_agreement(rollout_routes, scored.routes), "drift": drift}
+    summary = {k: sides[main_name][k] for k in ROUTER_SUMMARY_KEYS}
+    return summary, {"replay": main_name, "sides": sides}

@@ -1,0 +1,112 @@
+"""Rows of JSONL and Parquet files, each with the location an error message should name.
+
+Rollout dumps, records and prompt datasets are all tables of one object per row. This module
+reads and writes them the one way parity does: the format follows the suffix (`.parquet` is
+Parquet, anything else JSONL), and every row comes with its location, `"<file>:<line>"` for
+JSONL (blank lines skipped, line numbers as an editor shows them) or `"<file> row <n>"` for
+Parquet (1-based), so a bad value is reported where the user can find it.
+
+Light: the standard library, plus pyarrow when a Parquet file is read or written.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from parity.core.errors import ConfigError, InputError
+from parity.core.outputs import write_atomic
+from parity.core.schema import json_safe
+
+PARQUET_SUFFIX = ".parquet"
+
+
+def read_rows(path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(location, row) for every row of a JSONL or Parquet file, in file order."""
+    path = Path(path)
+    if path.suffix == PARQUET_SUFFIX:
+        return _parquet_rows(_existing(path))
+    return read_jsonl(path)
+
+
+def read_jsonl(path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(location, object) for every non-blank line of a JSONL file, whatever its suffix."""
+    return _jsonl_rows(_existing(Path(path)))
+
+
+def _existing(path: Path) -> Path:
+    if path.is_dir():
+        raise InputError(f"{path}: is a directory; give a JSONL or Parquet file")
+    if not path.is_file():
+        raise InputError(f"{path}: no such file")
+    return path
+
+
+def write_rows(path: str | Path, rows: Sequence[dict[str, Any]]) -> Path:
+    """Write rows as JSONL, or as Parquet for a `.parquet` path; returns the path."""
+    path = Path(path)
+    if path.suffix != PARQUET_SUFFIX:
+        return write_jsonl(path, rows)
+    pa, pq = pyarrow()
+    pq.write_table(pa.Table.from_pylist(list(rows)), str(path))
+    return path
+
+
+def write_jsonl(path: str | Path, rows: Sequence[dict[str, Any]]) -> Path:
+    """Write rows as strict JSONL whatever the suffix, atomically; non-finite floats (a -inf
+    logprob) are spelled as `parity.core.schema.NONFINITE_JSON` strings, which the readers turn back."""
+    return write_atomic(path, "".join(json.dumps(json_safe(row), allow_nan=False) + "\n" for row in rows))
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in _lines(f, path):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InputError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from e
+            if not isinstance(obj, dict):
+                raise InputError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+            yield where, obj
+
+
+def _lines(f: Any, path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, line) of a text file; a file that is not UTF-8 text (a binary file, a Parquet
+    file without its suffix) is an InputError naming the line, not a UnicodeDecodeError."""
+    lineno = 0
+    try:
+        for lineno, line in enumerate(f, 1):
+            yield lineno, line
+    except UnicodeDecodeError as e:
+        raise InputError(f"{path}:{lineno + 1}: not UTF-8 text ({e.reason} at byte {e.start}); give a JSONL "
+                         "file, or a Parquet file named *.parquet") from e
+
+
+def _parquet_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    _, pq = pyarrow()
+    try:
+        reader = pq.ParquetFile(str(path))
+    except Exception as e:  # pyarrow raises several unrelated types for a file that is not Parquet
+        raise InputError(f"{path}: not a readable Parquet file ({e})") from e
+    row = 0
+    # batch by batch: a dataset read with a `limit` never materializes the whole file
+    for batch in reader.iter_batches(batch_size=1024):
+        for obj in batch.to_pylist():
+            row += 1
+            yield f"{path} row {row}", obj
+
+
+def pyarrow() -> tuple[Any, Any]:
+    """(pyarrow, pyarrow.parquet), or ConfigError naming the install when pyarrow is missing."""
+    try:
+        # pyarrow only for Parquet: an optional dependency that JSONL files never need
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise ConfigError("Parquet needs pyarrow: pip install pyarrow (or use a .jsonl file)") from e
+    return pa, pq

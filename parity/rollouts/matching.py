@@ -1,0 +1,106 @@
+"""Rollouts checked against the requests they answer: one sample per (request, sample index), the
+logprob mode the request asked for, the request's prompt, at most its `max_tokens`, and the
+request's sampling carried onto every rollout (an adapter outside parity may not record it).
+
+A backend that repeats, drops or invents a sample, answers another prompt, or runs past its
+length limit would otherwise skew every metric silently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from parity.core.errors import BackendError, InputError, ParityError
+from parity.core.types import Request, Rollout
+from parity.models.limits import ModelLimits
+from parity.rollouts.dumps import check_logprobs
+
+
+def requests_by_id(requests: Sequence[Request]) -> dict[str, Request]:
+    """Requests by their id; InputError when an id repeats (a rollout is scored under the
+    sampling parameters its request id finds, so two requests under one id would score one of
+    them under the other's temperature)."""
+    by_id: dict[str, Request] = {}
+    for r in requests:
+        if r.request_id in by_id:
+            raise InputError(f"request_id {r.request_id!r} is used by two requests; give every request its "
+                             "own id")
+        by_id[r.request_id] = r
+    return by_id
+
+
+def match_requests(rollouts: Sequence[Rollout], requests: Sequence[Request], *,
+                   limits: ModelLimits | None = None) -> list[Rollout]:
+    """`rollouts`, each checked against the request it answers (`check_answer`; token ids against
+    `limits`' vocabulary when given), and carrying that request's sampling.
+
+    A rollout's logprobs mode must be the one its request asked for, or the two numbers would
+    be different quantities.
+    """
+    by_id = requests_by_id(requests)
+    _unique_keys(rollouts)
+    out = []
+    for ro in rollouts:
+        if ro.request_id not in by_id:
+            raise InputError(f"rollout {ro.request_id!r}/{ro.sample_index} matches no request of the case")
+        check_answer(ro, by_id[ro.request_id], limits)
+        s = by_id[ro.request_id].sampling
+        if ro.logprobs_mode != s.logprobs_mode:
+            raise InputError(
+                f"rollout {ro.request_id!r}/{ro.sample_index} from backend {ro.backend!r} has "
+                f"logprobs_mode {ro.logprobs_mode!r} but its request asked for {s.logprobs_mode!r}; "
+                "logprobs in different modes are different quantities and cannot be compared"
+            )
+        out.append(ro if ro.sampling is not None else dataclasses.replace(ro, sampling=s))
+    return out
+
+
+def _unique_keys(rollouts: Sequence[Rollout]) -> None:
+    seen: set[tuple[str, int]] = set()
+    for ro in rollouts:
+        if ro.key in seen:
+            raise InputError(f"rollout {ro.key} appears more than once; each (request_id, sample_index) "
+                             "is one sample")
+        seen.add(ro.key)
+
+
+def check_samples(requests: Sequence[Request], rollouts: Sequence[Rollout], backend: str) -> None:
+    """BackendError unless `rollouts` hold exactly one sample per (request, sample index < n): a
+    backend that repeats, drops or invents a sample would otherwise skew every metric silently."""
+    want = {(r.request_id, i) for r in requests for i in range(r.sampling.n)}
+    seen: set[tuple[str, int]] = set()
+    for ro in rollouts:
+        if ro.key in seen:
+            raise BackendError(f"backend {backend!r} returned sample {ro.key} more than once")
+        if ro.key not in want:
+            raise BackendError(f"backend {backend!r} returned sample {ro.key}, which no request asked for")
+        seen.add(ro.key)
+    missing = sorted(want - seen)
+    if missing:
+        raise BackendError(f"backend {backend!r} returned {len(seen)} of {len(want)} samples; missing "
+                           f"{', '.join(map(str, missing[:3]))}{' ...' if len(missing) > 3 else ''}")
+
+
+def check_answer(rollout: Rollout, request: Request, limits: ModelLimits | None = None, *,
+                 error: type[ParityError] = BackendError) -> None:
+    """`error` (BackendError for a backend's answer, InputError for a file's) naming the request
+    unless `rollout` is an answer `request` could get: its prompt, at most `max_tokens` response
+    tokens, ids inside the vocabulary (`limits`), and logprobs that are log-probabilities (<= 0,
+    or -inf outside the sampling support: `parity.rollouts.dumps.check_logprobs`). A backend that breaks one
+    would otherwise show up as drift."""
+    who = (f"backend {rollout.backend!r} answered request {rollout.request_id!r} "
+           f"(sample {rollout.sample_index})")
+    if rollout.prompt_ids != request.prompt_ids:
+        raise error(f"{who} for a prompt of {len(rollout.prompt_ids)} tokens that is not the request's "
+                    f"({len(request.prompt_ids)} tokens); its rollout cannot be scored as an answer")
+    if len(rollout.token_ids) > request.sampling.max_tokens:
+        raise error(f"{who} with {len(rollout.token_ids)} tokens, more than its max_tokens="
+                    f"{request.sampling.max_tokens}")
+    problem = None if limits is None else limits.vocabulary_problem(rollout.token_ids)
+    if problem is not None:
+        raise error(f"{who} with a response that {problem}")
+    try:
+        check_logprobs(rollout.logprobs, where=f"{who}: ")
+    except InputError as e:
+        raise error(str(e)) from e

@@ -1,0 +1,171 @@
+"""Recorded runs: the requests of a run and the rollouts of every backend that served them, in
+one file that replays through any backend and scores with `parity score`.
+
+Record (JSONL, one object per line, `kind` says which):
+    {"kind": "header", "format": "parity-record", "version": 1, "model": ..., "meta": {...}}
+    {"kind": "request", "request_id": ..., "prompt_ids": [...], "sampling": {every field}}
+    {"kind": "rollout", ...Rollout.to_dict()}          (any number, from any backends)
+Requests carry every sampling field and seed, so `replay` sends exactly the same requests
+through another backend and the rollouts line up by (request_id, sample_index). A rollout
+line without `sampling` (records written before rollouts carried it) takes its request's.
+
+Rollouts produced outside parity (verl batches, other clusters) are read by `parity.rollouts.dumps`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from parity.backends import Backend, get_backend, lora_options, parse_option
+from parity.backends.turns import generate
+from parity.core.errors import EXIT_INTERRUPTED, ConfigError, InputError, ParityError, report_error
+from parity.core.outputs import output_file
+from parity.core.tables import read_jsonl, write_jsonl
+from parity.core.types import Request, Rollout
+from parity.models import model_limits
+from parity.rollouts.matching import check_answer
+
+RECORD_FORMAT = "parity-record"
+RECORD_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Record:
+    """A recorded run: the requests, and the rollouts of each backend that served them."""
+
+    requests: tuple[Request, ...]
+    rollouts: dict[str, tuple[Rollout, ...]] = field(default_factory=dict)
+    model: str | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def write_record(path: str | Path, requests: Sequence[Request], rollouts: Sequence[Rollout] = (), *,
+                 model: str | None = None, meta: dict[str, Any] | None = None) -> Path:
+    """Write a record file; `rollouts` may mix backends (each rollout names its own)."""
+    _unique_ids(requests)
+    lines = [{"kind": "header", "format": RECORD_FORMAT, "version": RECORD_VERSION, "model": model,
+              "meta": meta or {}}]
+    lines += [{"kind": "request", **r.to_dict()} for r in requests]
+    lines += [{"kind": "rollout", **r.to_dict()} for r in rollouts]
+    return write_jsonl(path, lines)
+
+
+def read_record(path: str | Path) -> Record:
+    """Parse a record file; errors name the file and line. Rollouts without sampling take their
+    request's."""
+    requests: list[Request] = []
+    by_id: dict[str, Request] = {}
+    rollouts: dict[str, list[Rollout]] = {}
+    seen: set[tuple[str, str, int]] = set()
+    header: dict[str, Any] | None = None
+    for where, obj in read_jsonl(path):
+        kind = obj.pop("kind", None)
+        try:
+            if kind == "header":
+                if obj.get("format") != RECORD_FORMAT or obj.get("version") != RECORD_VERSION:
+                    raise InputError(f"not a {RECORD_FORMAT} v{RECORD_VERSION} header: format="
+                                     f"{obj.get('format')!r} version={obj.get('version')!r}")
+                header = obj
+            elif header is None:
+                raise InputError(f"the first line must be the header ({{'kind': 'header', 'format': "
+                                 f"{RECORD_FORMAT!r}, ...}})")
+            elif kind == "request":
+                request = Request.from_dict(obj)
+                if request.request_id in by_id:
+                    raise InputError(f"request_id {request.request_id!r} appears more than once; replay "
+                                     "sends each request once and matches rollouts by id")
+                requests.append(request)
+                by_id[request.request_id] = request
+            elif kind == "rollout":
+                rollout = Rollout.from_dict(obj)
+                if (rollout.backend, *rollout.key) in seen:
+                    raise InputError(f"rollout {rollout.key} of backend {rollout.backend!r} appears more "
+                                     "than once")
+                seen.add((rollout.backend, *rollout.key))
+                request = by_id.get(rollout.request_id)
+                if request is None:
+                    raise InputError(f"rollout {rollout.key} answers request_id {rollout.request_id!r}, "
+                                     "which no request line of the record names (requests come before "
+                                     "rollouts)")
+                check_answer(rollout, request, error=InputError)
+                if rollout.sampling is None:
+                    rollout = dataclasses.replace(rollout, sampling=request.sampling)
+                rollouts.setdefault(rollout.backend, []).append(rollout)
+            else:
+                raise InputError(f"unknown kind {kind!r}; expected 'header', 'request' or 'rollout'")
+        except KeyError as e:
+            raise InputError(f"{where}: missing field {e.args[0]!r}") from e
+        except ParityError as e:
+            raise type(e)(f"{where}: {e}") from e
+    if header is None:
+        raise InputError(f"{path}: empty record (no header line)")
+    return Record(tuple(requests), {k: tuple(v) for k, v in rollouts.items()}, header.get("model"),
+                  header.get("meta", {}))
+
+
+def replay(record: Record, backend: Backend) -> list[Rollout]:
+    """Send the record's requests, unchanged, through `backend` (checked first against its model's
+    vocabulary and context: a bad id kills some engines)."""
+    if not record.requests:
+        raise InputError("the record has no requests to replay")
+    model_limits(backend.model_path).check(record.requests)
+    return generate(backend, record.requests)  # trajectories run turn by turn where needed
+
+
+def _unique_ids(requests: Sequence[Request]) -> None:
+    ids = [r.request_id for r in requests]
+    repeated = sorted({i for i in ids if ids.count(i) > 1})
+    if repeated:
+        raise InputError(f"request_id {repeated[0]!r} is used by more than one request; give every request "
+                         "its own id")
+
+
+def replay_main(argv: Sequence[str] | None = None) -> int:
+    """`parity replay RECORD --backend NAME [--model M] [--lora PATH] [--dtype D] [--option K=V ...]
+    [--out PATH]`.
+
+    Writes a record with the original requests and rollouts plus the new backend's rollouts
+    (default: RECORD with `.NAME` before the suffix; checked before any backend starts) and
+    prints its path. The backend applies `--lora`, else the LoRA adapter the record names (the
+    one `compare --record` sampled with), else none. Returns 0, or 2 on
+    any error (one line on stderr; the traceback with --verbose), 130 on Ctrl-C.
+    """
+    parser = argparse.ArgumentParser(prog="parity replay", description=replay_main.__doc__)
+    parser.add_argument("record", type=Path, help="record file (JSONL) written by parity")
+    parser.add_argument("--backend", required=True, help="backend to replay through")
+    parser.add_argument("--model", help="model (built-in name or HF directory); default: the record's")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                        help="backend option; VALUE is parsed as JSON when it can be")
+    parser.add_argument("--out", type=Path, help="output record path")
+    parser.add_argument("--lora", metavar="PATH",
+                        help="a LoRA adapter the backend applies (peft directory or built-in adapter name); "
+                             "default: the record's")
+    parser.add_argument("--verbose", action="store_true", help="print the traceback of an unexpected error")
+    args = parser.parse_args(argv)
+    try:
+        record = read_record(args.record)
+        model = args.model or record.model
+        if model is None:
+            raise ConfigError("the record names no model; pass --model")
+        out = args.out or args.record.with_suffix(f".{args.backend}{args.record.suffix}")
+        output_file(out, "--out")
+        lora = args.lora or (record.meta.get("lora") or {}).get("path")
+        options = {**lora_options(args.backend, lora), **dict(map(parse_option, args.option))}
+        with get_backend(args.backend, model, dtype=args.dtype, **options) as backend:
+            new = replay(record, backend)
+        previous = [r for name, rs in record.rollouts.items() if name != args.backend for r in rs]
+        write_record(out, record.requests, previous + new, model=str(model), meta=record.meta)
+    except KeyboardInterrupt:
+        sys.stderr.write("parity replay: interrupted\n")
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # one line, exit 2 (see parity.core.errors.report_error)
+        return report_error("parity replay", exc, verbose=args.verbose)
+    sys.stdout.write(f"{out}\n")
+    return 0

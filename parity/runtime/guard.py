@@ -1,0 +1,213 @@
+"""The guard: engine processes that parity starts die with the parity process that started them.
+
+vLLM's offline engine runs its EngineCore (and, under it, workers and multiprocessing's resource
+tracker) as child processes of the parity process; a server parity starts has the same tree
+under it. When parity is killed with SIGKILL (or SIGTERM, which skips Python's cleanup) nothing
+in it runs, and those children were measured still alive more than 30 s later, re-parented to
+init and holding their memory. A parent-death signal (`PR_SET_PDEATHSIG`) does not cover them:
+it is not inherited across fork, and it fires when the *thread* that forked exits. Only a
+process outside parity can clean up after it, so the first engine start launches one guard per
+parity process:
+
+- The guard reads a pipe whose write end only parity holds. End of file (parity exited, however
+  it died), or a parent pid that no longer exists, means parity is gone.
+- Parity tells it which processes are its to clean up: `track PID` for a server it launched,
+  and `open` ... `close` around an engine start (every child of parity that appears inside
+  that window is tracked; vLLM spawns its EngineCore there). Descendants of tracked processes
+  are tracked too.
+- When parity is gone the guard sends SIGTERM to every tracked process that is still alive (and
+  to the process group of a tracked group leader: servers run in their own group), waits
+  `GRACE_S` for them to exit, then SIGKILLs what is left, and exits itself.
+
+Processes are identified by (pid, start time), so a recycled pid is never signalled. The guard
+runs as a script with only the standard library and psutil (`python -P parity/runtime/guard.py PID`),
+so it starts in ~0.1 s and does not import parity, torch or the engines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+
+#: seconds between checks for new children while an engine start window is open.
+WINDOW_SCAN_S = 0.25
+#: seconds between checks that parity is alive when no window is open (a pipe EOF is immediate).
+IDLE_CHECK_S = 1.0
+#: seconds tracked processes get to exit after SIGTERM before SIGKILL.
+GRACE_S = 5.0
+
+
+class Guard:
+    """Parity's handle on its guard process (one per parity process; see `guard`)."""
+
+    def __init__(self) -> None:
+        self.owner = os.getpid()
+        # -P: do not put parity/ on sys.path (parity/core/types.py would shadow the standard library)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-P", str(Path(__file__).resolve()), str(self.owner)],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True, close_fds=True)
+        self._lock = threading.Lock()
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def alive(self) -> bool:
+        return self._proc.poll() is None
+
+    def send(self, line: str) -> None:
+        with self._lock:
+            assert self._proc.stdin is not None
+            self._proc.stdin.write(f"{line}\n".encode())
+            self._proc.stdin.flush()
+
+
+_GUARD: Guard | None = None
+_GUARD_LOCK = threading.Lock()
+
+
+def guard() -> Guard:
+    """This process's guard, started on first use (again after a fork, or if it was killed)."""
+    global _GUARD
+    with _GUARD_LOCK:
+        if _GUARD is None or _GUARD.owner != os.getpid() or not _GUARD.alive():
+            _GUARD = Guard()
+        return _GUARD
+
+
+def track(pid: int) -> None:
+    """Make process `pid` and its descendants die with this process."""
+    guard().send(f"track {int(pid)}")
+
+
+@contextlib.contextmanager
+def spawn_window() -> Iterator[None]:
+    """Every child process this process starts inside the block dies with it (with descendants).
+
+    For children started by library code parity does not control (vLLM's EngineCore).
+    """
+    g = guard()
+    me = psutil.Process()
+    before = {c.pid for c in me.children()}
+    g.send("open")
+    try:
+        yield
+    finally:
+        if g.alive():
+            # named explicitly as well: the guard's own scan of our children cannot run once we are gone
+            for child in me.children():
+                if child.pid not in before and child.pid != g.pid:
+                    g.send(f"track {child.pid}")
+            g.send("close")
+
+
+def _watch(parent_pid: int, fd: int) -> list[psutil.Process]:
+    """Follow the parent until it is gone; return the tracked processes (psutil.Process)."""
+    try:
+        parent: psutil.Process | None = psutil.Process(parent_pid)
+    except psutil.NoSuchProcess:  # gone before we started: still act on what it sent
+        parent = None
+    me = os.getpid()
+    tracked: dict[int, psutil.Process] = {}
+    windows = 0
+    before: set[int] = set()
+
+    def adopt(proc: psutil.Process) -> None:
+        if proc.pid not in (me, parent_pid):
+            tracked.setdefault(proc.pid, proc)
+
+    def scan() -> None:
+        if windows and parent is not None:
+            with contextlib.suppress(psutil.Error):
+                for child in parent.children():
+                    if child.pid not in before:
+                        adopt(child)
+        for proc in list(tracked.values()):
+            try:
+                for child in proc.children(recursive=True):
+                    adopt(child)
+            except psutil.Error:
+                tracked.pop(proc.pid, None)
+
+    def handle(line: bytes) -> None:
+        nonlocal windows, before
+        command, _, arg = line.decode().partition(" ")
+        if command == "open":
+            if windows == 0 and parent is not None:
+                with contextlib.suppress(psutil.Error):
+                    before = {c.pid for c in parent.children()}
+            windows += 1
+        elif command == "close":
+            scan()
+            windows = max(windows - 1, 0)
+        elif command == "track":
+            with contextlib.suppress(psutil.Error, ValueError):
+                adopt(psutil.Process(int(arg)))
+
+    buffer = b""
+    while True:
+        gone = parent is None or not _alive(parent)
+        # once the parent is gone, only read what it already sent (a fork of it may hold the pipe)
+        ready, _, _ = select.select([fd], [], [], 0 if gone else WINDOW_SCAN_S if windows else IDLE_CHECK_S)
+        chunk = os.read(fd, 4096) if ready else b""
+        *lines, buffer = (buffer + chunk).split(b"\n")
+        for line in lines:
+            handle(line)
+        if not chunk and (ready or gone):
+            break
+        if windows:
+            scan()
+    scan()
+    return list(tracked.values())
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def terminate(procs: list[psutil.Process], grace_s: float = GRACE_S) -> None:
+    """SIGTERM `procs` and the groups they lead, SIGKILL what is left after `grace_s`."""
+    own_groups = {os.getpgid(0)}
+    groups = set()
+    for proc in procs:
+        with contextlib.suppress(OSError, psutil.Error):
+            if _alive(proc) and os.getpgid(proc.pid) == proc.pid and proc.pid not in own_groups:
+                groups.add(proc.pid)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pgid in groups:
+            with contextlib.suppress(OSError):
+                os.killpg(pgid, sig)
+        for proc in procs:
+            with contextlib.suppress(psutil.Error):
+                if _alive(proc):
+                    proc.send_signal(sig)
+        deadline = time.monotonic() + grace_s
+        while any(_alive(p) for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        procs = [p for p in procs if _alive(p)]
+        if not procs:
+            return
+
+
+def main(argv: list[str]) -> int:
+    """The guard process: `python -P parity/runtime/guard.py PARENT_PID`, commands on stdin."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C; the guard outlives it
+    terminate(_watch(int(argv[0]), sys.stdin.fileno()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

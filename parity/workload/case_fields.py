@@ -1,0 +1,79 @@
+"""Typed access to a parsed case file (TOML): every error names the file and the dotted field."""
+
+from __future__ import annotations
+
+import dataclasses
+import unicodedata
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from parity.core.errors import ConfigError
+
+
+class Fields:
+    """Typed access to a parsed TOML table whose errors name the file and the dotted field."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def error(self, field: str, message: str) -> ConfigError:
+        return ConfigError(f"{self.path}: {field}: {message}")
+
+    def only(self, table: dict[str, Any], prefix: str, allowed: Iterable[str]) -> None:
+        allowed = tuple(allowed)
+        for key in table:
+            if key not in allowed:
+                raise self.error(prefix + key, f"unknown field; allowed: {list(allowed)}")
+
+    def get(self, table: dict[str, Any], key: str, kind: type | tuple[type, ...], *,
+            default: Any = dataclasses.MISSING, prefix: str = "") -> Any:
+        if key not in table:
+            if default is dataclasses.MISSING:
+                raise self.error(prefix + key, "required field is missing")
+            return default
+        value = table[key]
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        # TOML booleans are Python ints; never accept one where a number is meant.
+        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+            names = " or ".join(k.__name__ for k in kinds)
+            raise self.error(prefix + key, f"must be {names}, got {value!r}")
+        return value
+
+    def choice(self, table: dict[str, Any], key: str, allowed: tuple[str, ...], *,
+               default: Any = dataclasses.MISSING, prefix: str = "") -> Any:
+        value = self.get(table, key, str, default=default, prefix=prefix)
+        if value not in allowed:
+            raise self.error(prefix + key, f"{value!r} is not allowed; allowed: {list(allowed)}")
+        return value
+
+    def choices(self, table: dict[str, Any], key: str, allowed: tuple[str, ...], *,
+                default: Any = dataclasses.MISSING, nonempty: bool = False) -> list[str]:
+        values = self.get(table, key, list, default=default)
+        bad = [v for v in values if v not in allowed]
+        if bad or (nonempty and not values) or len(set(values)) != len(values):
+            raise self.error(key, f"got {values!r}; give distinct values from {list(allowed)}")
+        return values
+
+    def count(self, table: dict[str, Any], key: str, *, prefix: str, low: int = 1,
+              default: Any = dataclasses.MISSING) -> int:
+        value = self.get(table, key, int, default=default, prefix=prefix)
+        if value < low:
+            raise self.error(prefix + key, f"must be an integer >= {low}, got {value!r}")
+        return value
+
+
+def control_character(text: str) -> str | None:
+    """The first control character of `text` (a terminal escape code starts with one), or None;
+    a tab is allowed."""
+    return next((c for c in text if unicodedata.category(c) == "Cc" and c != "\t"), None)
+
+
+def printable_field(f: Fields, table: dict[str, Any], key: str, *, default: str) -> str:
+    """A string field that is printed as it is (a case's name and description reach the terminal,
+    summary.md and HTML): control characters, a terminal escape code among them, are refused."""
+    value = f.get(table, key, str, default=default)
+    bad = control_character(value)
+    if bad is not None:
+        raise f.error(key, f"contains the control character {bad!r}; give printable text")
+    return value

@@ -1,0 +1,504 @@
+"""Cases: a model, a prompt workload, sampling, dtypes, backends and a tolerance, in one object.
+
+A case file (TOML, in `cases/`) is loaded by `load_case`; `load_cases` takes a directory, a file
+or a comma-separated list of files and names. `default_case` is the built-in workload used when
+`parity.compare` gets neither prompts nor a case.
+
+Case file schema (every key is checked; an unknown key or a bad value raises `ConfigError`
+naming the file, the field and the allowed values)::
+
+    name = "smoke"                   # optional; default: the file name without .toml
+    description = "..."              # optional
+    model = "tiny-llama"             # built-in name or local HF checkpoint directory
+    lora = "tiny-llama-lora-r8"      # optional: a LoRA adapter on the model (peft directory, relative
+                                     # to the case file, or a built-in adapter; parity.models.lora)
+    dtypes = ["bfloat16"]            # bfloat16 | float16 | float32; nightly runs each
+    backends = ["reference", "hf"]   # optional; default: every backend nightly is asked for
+    logprobs_mode = "processed"      # processed | raw
+    router_replay = ["none", "R3"]   # optional (MoE): one nightly row per variant
+    kind = "compare"                 # compare (default) | lifecycle: nightly runs parity.audit.lifecycle's
+                                     # checks (sleep/wake, weight update, cache resets) on the prompts |
+                                     # trajectory: multi-turn rollouts of the [[turns]] below |
+                                     # loop: an RL loop (parity.loop) on the prompts, see [loop] |
+                                     # audit: parity.audit on the prompts (repeat, batch, order, ...);
+                                     # its repeat noise judges the run's other rows of that backend
+    prefix_caching = [true, false]   # optional (trajectory): one nightly row per setting on backends
+                                     # with a prefix cache (vllm, vllm-server); empty = their default
+    reference_tensor_parallel_size = 2   # optional (compare cases): the reference backend's rows run a
+                                     # tensor-parallel engine of this many ranks (one GPU each on
+                                     # --device cuda), checked against the TP-invariant training
+                                     # forward; other backends run as configured. Default 1.
+
+    [[turns]]                        # trajectory only, in order, at least one `generate` (parity.core.turns)
+    generate = 24                    # a generated turn: at most 24 tokens (sampling below applies)
+    stop_token_ids = [10]            # optional: ids that end this turn (EOS always does)
+    [[turns]]
+    tool = "calculator"              # an injected reply: a built-in tool of the text so far (workload.tools),
+    # inject = "Observation: 42"     # or fixed text (the model's tokenizer), or token ids [5, 6]
+
+    [prompts]                        # exactly one of token_ids, text, messages, dataset, generate
+    token_ids = [[3, 4, 5], [6, 7]]
+    text = ["Hello", "World"]        # encoded with the model's tokenizer (parity.workload.prompts)
+    messages = [[{ role = "user", content = "Hi" }]]   # chat: one list of messages per prompt,
+                                     # rendered with the model's chat template
+    [prompts.dataset]                # JSONL or Parquet, one prompt per row (parity.workload.prompts)
+    path = "gsm8k.parquet"           # relative to the case file
+    column = "prompt"                # default "prompt": verl's layout (chat messages); or text, ids
+    limit = 16                       # optional: rows to use
+    seed = 0                         # optional: draw `limit` rows at random with this seed
+    [prompts.generate]               # a seeded generator
+    kind = "random"                  # random | shared_prefix
+    seed = 0
+    count = 8                        # random: number of prompts
+    length = { min = 8, max = 48 }   # an int, {min, max} (uniform) or
+                                     # {distribution = "lognormal", median, sigma, min, max}
+    conversations = 2                # shared_prefix: conversations, each `turns` prompts long
+    turns = 3
+    prefix_length = 128              # tokens shared by every prompt (a system prompt)
+    turn_length = { min = 8, max = 24 }
+
+    [sampling]                       # a table, or [[sampling]] blocks for a sweep
+    label = "t1.0"                   # optional (sweeps): prefixes the request ids
+    n = 2
+    temperature = 1.0
+    top_p = 1.0
+    top_k = 0                        # 0 = off
+    max_tokens = 16                  # trajectory: the whole response (generated and injected tokens)
+    seed = 1000                      # request i is sampled with seed + i
+    stop_token_ids = []
+    ignore_eos = false
+
+    [loop]                           # loop only: a nightly row runs parity.loop with the reference
+    steps = 10                       # engine and the row's backend, trained on the reference's
+    lr = 1e-3                        # rollouts (n, temperature, max_tokens, seed from [sampling]);
+                                     # prompts must end in problems such as "12+7=" (the reward
+                                     # checks the answer); the tolerance applies to its worst step
+
+    [tolerance]                      # optional: limits for every backend (Tolerance fields)
+    [tolerance.hf]                   # optional: limits for one backend, over the ones above
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import tomllib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from parity.core.errors import ConfigError, ParityError
+from parity.core.schema import (
+    BACKEND_NAMES,
+    CASE_KINDS,
+    DTYPES,
+    LOGPROBS_MODES,
+    ROUTER_REPLAY_CHOICES,
+    LogprobsMode,
+    sweep_request_id,
+)
+from parity.core.turns import Generate, Inject, Turn, check_turns
+from parity.core.types import Request, SamplingParams
+from parity.drift.tolerance import Tolerance
+from parity.models import ModelLimits, model_limits
+from parity.models.lora import check_adapter
+from parity.models.lora_builtins import is_builtin_adapter
+from parity.workload.case_fields import Fields, control_character, printable_field
+from parity.workload.case_prompts import load_prompt_table
+from parity.workload.tools import bind_tools, encode_text
+
+
+@dataclass(frozen=True)
+class Case:
+    """One parity workload.
+
+    requests: the prompts with their sampling parameters (seeds included), in send order.
+    dtypes: dtypes to run ("bfloat16", "float16", "float32"); `compare` uses the first.
+    backends: backend names the case is meant for (nightly's matrix); empty = any.
+    tolerance: limits for pass/fail; None = the backend's default.
+    backend_tolerances: (backend, limits) pairs that override `tolerance` for one backend.
+    router_replay: MoE routing-replay variants nightly runs as separate rows; empty = one row.
+    kind: "compare" (drift against the training forward), "lifecycle" (`parity.audit.lifecycle`),
+        "trajectory" (drift of multi-turn rollouts: every request carries the case's turns) or
+        "audit" (`parity.audit`: is each backend deterministic and batch-invariant).
+    reference_tensor_parallel_size: ranks of the reference backend's engine in nightly rows (1: one
+        process, the whole model); above 1 the rows ask the executor for that many CPUs, and GPUs
+        on CUDA, and are checked against the TP-invariant training forward (compare cases only).
+    lora: the LoRA adapter every row applies on top of `model` (a directory or a built-in adapter
+        name, `parity.models.lora`); None for the base model.
+    prefix_caching: trajectory cases: the prefix-cache settings nightly runs as separate rows on
+        backends that have one (`parity.backends.prefix_cache_backends`); empty = one row, the
+        backend's default.
+    loop_steps, loop_lr: loop cases: the steps and AdamW learning rate of each row's loop.
+    """
+
+    name: str
+    model: str
+    requests: tuple[Request, ...]
+    dtypes: tuple[str, ...] = ("bfloat16",)
+    backends: tuple[str, ...] = ()
+    logprobs_mode: LogprobsMode = "processed"
+    tolerance: Tolerance | None = None
+    path: Path | None = None
+    description: str = ""
+    backend_tolerances: tuple[tuple[str, Tolerance], ...] = ()
+    router_replay: tuple[str, ...] = ()
+    kind: str = "compare"
+    prefix_caching: tuple[bool, ...] = ()
+    reference_tensor_parallel_size: int = 1
+    loop_steps: int = 10
+    loop_lr: float = 1e-3
+    lora: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError(f"case name must be a non-empty string, got {self.name!r}")
+        where = f"case {self.name!r}"
+        for name in ("model", "description", "logprobs_mode", "kind", "lora"):
+            if not isinstance(getattr(self, name), str) and not (name == "lora" and self.lora is None):
+                raise ConfigError(f"{where}: {name} must be a string, got {getattr(self, name)!r}")
+        for name in ("name", "description"):  # printed as they are: the terminal, summary.md, HTML
+            bad = control_character(getattr(self, name))
+            if bad is not None:
+                raise ConfigError(f"case {name} contains the control character {bad!r}; give printable text")
+        for name in ("requests", "dtypes", "backends", "router_replay", "backend_tolerances"):
+            if not isinstance(getattr(self, name), tuple):
+                kind = type(getattr(self, name)).__name__
+                raise ConfigError(f"{where}: {name} must be a tuple, got {kind}")
+        if not all(isinstance(r, Request) for r in self.requests):
+            raise ConfigError(f"{where}: requests must hold parity.Request objects")
+        if not self.requests:
+            raise ConfigError(f"{where}: requests is empty; a case needs at least one prompt")
+        ids = [r.request_id for r in self.requests]
+        repeated = sorted({i for i in ids if ids.count(i) > 1})
+        if repeated:
+            # scoring finds each rollout's sampling parameters by its request id
+            raise ConfigError(f"{where}: request_id {repeated[0]!r} is used more than once; give every "
+                              "request its own id")
+        if self.tolerance is not None and not isinstance(self.tolerance, Tolerance):
+            raise ConfigError(f"{where}: tolerance must be a parity.Tolerance or None, got "
+                              f"{self.tolerance!r}")
+        if not all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[1], Tolerance)
+                   for p in self.backend_tolerances):
+            raise ConfigError(f"{where}: backend_tolerances must hold (backend, Tolerance) pairs")
+        if self.path is not None and not isinstance(self.path, Path):
+            raise ConfigError(f"{where}: path must be a pathlib.Path or None, got {self.path!r}")
+        _check_choices(where, "dtypes", self.dtypes, DTYPES)
+        _check_choices(where, "backends", self.backends, BACKEND_NAMES)
+        _check_choices(where, "router_replay", self.router_replay, ROUTER_REPLAY_CHOICES)
+        _check_choices(where, "kind", [self.kind], CASE_KINDS)
+        if not self.dtypes:
+            raise ConfigError(f"{where}: dtypes is empty; allowed: {list(DTYPES)}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ConfigError(
+                f"{where}: logprobs_mode {self.logprobs_mode!r}; allowed: {list(LOGPROBS_MODES)}")
+        _check_choices(where, "tolerance.<backend>", [b for b, _ in self.backend_tolerances], BACKEND_NAMES)
+        trajectories = [r.request_id for r in self.requests if r.turns]
+        if self.kind == "trajectory" and len(trajectories) != len(self.requests):
+            raise ConfigError(f"{where}: kind 'trajectory' needs turns on every request; give [[turns]]")
+        if self.kind != "trajectory" and trajectories:
+            raise ConfigError(f"{where}: requests {trajectories[:3]} have turns; set kind = 'trajectory'")
+        if self.prefix_caching and self.kind != "trajectory":
+            raise ConfigError(f"{where}: prefix_caching is an axis of trajectory cases; "
+                              "set kind = 'trajectory'")
+        if self.lora is not None and self.kind == "lifecycle":
+            raise ConfigError(f"{where}: lora does not apply to a lifecycle case (its weight-update check "
+                              "pushes base weights); check adapter swaps with check_adapter_sync")
+        tp = self.reference_tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ConfigError(f"{where}: reference_tensor_parallel_size must be an integer >= 1, got {tp!r}")
+        steps, lr = self.loop_steps, self.loop_lr
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ConfigError(f"{where}: loop_steps must be an integer >= 1, got {steps!r}")
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < math.inf:
+            raise ConfigError(f"{where}: loop_lr must be a finite number > 0, got {lr!r}")
+        if tp > 1 and self.kind != "compare":
+            raise ConfigError(f"{where}: reference_tensor_parallel_size applies to compare cases only "
+                              f"(this case's kind is {self.kind!r}); remove it or set it to 1")
+
+    @property
+    def hash(self) -> str:
+        """sha256 of everything that defines the workload (provenance; 16 hex digits)."""
+        body = {
+            "model": self.model, "dtypes": list(self.dtypes), "logprobs_mode": self.logprobs_mode,
+            "requests": [r.to_dict() for r in self.requests],
+            **({"kind": self.kind} if self.kind != "compare" else {}),
+            **({"prefix_caching": list(self.prefix_caching)} if self.prefix_caching else {}),
+            **({"reference_tensor_parallel_size": self.reference_tensor_parallel_size}
+               if self.reference_tensor_parallel_size != 1 else {}),
+            **({"loop_steps": self.loop_steps, "loop_lr": self.loop_lr} if self.kind == "loop" else {}),
+            **({"lora": self.lora} if self.lora is not None else {}),
+        }
+        return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
+
+    @property
+    def seeds(self) -> list[int]:
+        """The sampling seed of every request, in send order (provenance)."""
+        return [r.sampling.seed for r in self.requests]
+
+    def tolerance_for(self, backend: str) -> Tolerance | None:
+        """The limits for `backend`: its override, else the case-wide limits, else None (default)."""
+        return dict(self.backend_tolerances).get(backend, self.tolerance)
+
+
+def _check_choices(where: str, field: str, values: Iterable[str], allowed: tuple[str, ...]) -> None:
+    bad = [v for v in values if v not in allowed]
+    if bad:
+        raise ConfigError(f"{where}: {field} has {bad}; allowed: {list(allowed)}")
+
+
+def default_case(model: str = "tiny-llama", *, num_prompts: int = 8, max_tokens: int = 32,
+                 seed: int = 0) -> Case:
+    """The built-in workload: `num_prompts` random byte-token prompts of 8-48 tokens, n=2,
+    temperature 1.0, top-p 0.95, seeds 1000+i."""
+    rng = np.random.Generator(np.random.PCG64(seed))
+    sampling = SamplingParams(n=2, temperature=1.0, top_p=0.95, max_tokens=max_tokens)
+    requests = []
+    for i in range(num_prompts):
+        length = int(rng.integers(8, 49))
+        ids = tuple(int(t) for t in rng.integers(3, 259, size=length))
+        requests.append(Request(ids, sampling.replace(seed=1000 + i), request_id=f"default-{i}"))
+    return Case(name="default", model=model, requests=tuple(requests))
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_cases(spec: str | Path, *, cases_dir: str | Path = "cases") -> list[Case]:
+    """Cases named by `spec`: a directory (every *.toml in it, sorted), one file, or a
+    comma-separated list of files and bare names (`smoke` means `<cases_dir>/smoke.toml`)."""
+    cases: list[Case] = []
+    for part in (p.strip() for p in str(spec).split(",")):
+        if not part:
+            continue
+        path = Path(part)
+        if path.is_dir():
+            files = sorted(path.glob("*.toml"))
+            if not files:
+                raise ConfigError(f"--cases: directory {str(path)!r} has no *.toml case files")
+            cases.extend(load_case(f) for f in files)
+        elif path.is_file():
+            cases.append(load_case(path))
+        elif path.suffix != ".toml" and (Path(cases_dir) / f"{part}.toml").is_file():
+            cases.append(load_case(Path(cases_dir) / f"{part}.toml"))
+        else:
+            raise ConfigError(
+                f"--cases: {part!r} is neither a case file, a directory, nor a name in "
+                f"{str(cases_dir)!r}; give a .toml path, a directory or one of {_case_names(cases_dir)}"
+            )
+    if not cases:
+        raise ConfigError(f"--cases: {str(spec)!r} names no case")
+    names = [c.name for c in cases]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ConfigError(f"--cases: case name(s) {dupes} appear more than once; names must be unique")
+    return cases
+
+
+def _case_names(cases_dir: str | Path) -> list[str]:
+    return sorted(p.stem for p in Path(cases_dir).glob("*.toml"))
+
+
+_TOP_KEYS = ("name", "description", "model", "dtypes", "backends", "logprobs_mode", "router_replay",
+             "kind", "prompts", "sampling", "tolerance", "turns", "prefix_caching",
+             "reference_tensor_parallel_size", "loop", "lora")
+_SAMPLING_KEYS = ("label", "n", "temperature", "top_p", "top_k", "max_tokens", "seed", "stop_token_ids",
+                  "ignore_eos")
+
+
+def load_case(path: str | Path) -> Case:
+    """Parse and validate one case file (schema in this module's docstring)."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read case file ({exc.strerror})") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML ({exc})") from exc
+    f = Fields(path)
+    f.only(data, "", _TOP_KEYS)
+    model = f.get(data, "model", str)
+    try:
+        limits = model_limits(model)
+    except ParityError as exc:
+        raise f.error("model", str(exc)) from exc
+    # every field is checked before the prompts are encoded: a tokenizer takes seconds to load
+    logprobs_mode = f.choice(data, "logprobs_mode", LOGPROBS_MODES, default="processed")
+    encode = load_prompt_table(f, f.get(data, "prompts", dict), model, limits)
+    blocks = _sampling_blocks(f, data.get("sampling"), logprobs_mode, limits)
+    kind = f.choice(data, "kind", CASE_KINDS, default="compare")
+    if kind != "trajectory" and "turns" in data:
+        raise f.error("turns", "only a trajectory case has turns; set kind = \"trajectory\"")
+    if kind != "loop" and "loop" in data:
+        raise f.error("loop", "only a loop case has loop settings; set kind = \"loop\"")
+    loop = f.get(data, "loop", dict, default={})
+    f.only(loop, "loop.", ("steps", "lr"))
+    lr = f.get(loop, "lr", (int, float), default=1e-3, prefix="loop.")
+    if not 0 < lr < math.inf:
+        raise f.error("loop.lr", f"must be a finite number > 0, got {lr!r}")
+    tolerance, per_backend = _load_tolerances(f, data.get("tolerance", {}))
+    fields = dict(
+        name=printable_field(f, data, "name", default=path.stem),
+        dtypes=tuple(f.choices(data, "dtypes", DTYPES, default=["bfloat16"], nonempty=True)),
+        backends=tuple(f.choices(data, "backends", BACKEND_NAMES, default=[])),
+        description=printable_field(f, data, "description", default=""),
+        router_replay=tuple(f.choices(data, "router_replay", ROUTER_REPLAY_CHOICES, default=[])),
+        prefix_caching=tuple(_load_prefix_caching(f, data)),
+        reference_tensor_parallel_size=f.count(data, "reference_tensor_parallel_size", prefix="", default=1),
+        loop_steps=f.count(loop, "steps", prefix="loop.", default=10), loop_lr=float(lr),
+        lora=_load_lora(f, data, model),
+    )
+    requests = _requests(blocks, encode())
+    if kind == "trajectory":
+        turns = _load_turns(f, data.get("turns"), model)
+        requests = tuple(dataclasses.replace(r, turns=turns) for r in requests)
+    try:
+        limits.check(requests)
+    except ParityError as exc:
+        raise f.error("prompts", str(exc)) from exc
+    return Case(model=model, requests=requests, logprobs_mode=logprobs_mode, tolerance=tolerance, path=path,
+                backend_tolerances=per_backend, kind=kind, **fields)
+
+
+def _load_lora(f: Fields, data: dict[str, Any], model: str) -> str | None:
+    """The case's adapter (a path relative to the case file, or a built-in name), checked against the
+    case's model."""
+    lora = f.get(data, "lora", str, default=None)
+    if lora is None:
+        return None
+    if not is_builtin_adapter(lora) and not Path(lora).expanduser().is_absolute():
+        lora = str(f.path.parent / lora)
+    try:
+        check_adapter(lora, model)
+    except ParityError as exc:
+        raise f.error("lora", str(exc)) from exc
+    return lora
+
+
+_TURN_KEYS = ("generate", "stop_token_ids", "inject", "tool")
+
+
+def _load_turns(f: Fields, table: Any, model: str) -> tuple[Turn, ...]:
+    """The [[turns]] of a trajectory case: `generate` (+ `stop_token_ids`), `inject` (text or ids)
+    or `tool` (a built-in tool, bound to the model's tokenizer)."""
+    if not isinstance(table, list) or not table or not all(isinstance(t, dict) for t in table):
+        raise f.error("turns", "a trajectory case needs [[turns]] tables (generate, inject or tool)")
+    turns: list[Turn] = []
+    for i, t in enumerate(table):
+        where = f"turns[{i}]"
+        f.only(t, where + ".", _TURN_KEYS)
+        given = [k for k in ("generate", "inject", "tool") if k in t]
+        if len(given) != 1:
+            raise f.error(where, f"give exactly one of generate, inject, tool; got {given}")
+        if "stop_token_ids" in t and "generate" not in t:
+            raise f.error(where + ".stop_token_ids", "only a generate turn has stop ids")
+        try:
+            if "generate" in t:
+                stops = t.get("stop_token_ids", [])
+                if not isinstance(stops, list) or not all(isinstance(x, int) for x in stops):
+                    raise f.error(where + ".stop_token_ids", f"must be a list of token ids, got {stops!r}")
+                turns.append(Generate(f.count(t, "generate", prefix=where + "."), tuple(stops)))
+            elif "tool" in t:
+                turns.append(bind_tools(model, (Inject(name=f.get(t, "tool", str, prefix=where + ".")),),
+                                        where)[0])
+            elif isinstance(t["inject"], str):
+                turns.append(Inject(encode_text(model, t["inject"], where + ".inject"), name="text"))
+            elif _token_ids(t["inject"]):
+                turns.append(Inject(tuple(t["inject"])))
+            else:
+                raise f.error(where + ".inject",
+                              f"must be text or a non-empty list of token ids, got {t['inject']!r}")
+        except ConfigError as exc:
+            raise exc if str(exc).startswith(str(f.path)) else f.error(where, str(exc)) from exc
+    try:
+        return check_turns(turns, "turns")
+    except ConfigError as exc:
+        raise f.error("turns", str(exc)) from exc
+
+
+def _token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(x, int) for x in value)
+
+
+def _load_prefix_caching(f: Fields, data: dict[str, Any]) -> list[bool]:
+    values = data.get("prefix_caching", [])
+    if not isinstance(values, list) or not all(isinstance(v, bool) for v in values) \
+            or len(set(values)) != len(values):
+        raise f.error("prefix_caching", f"must be a list of distinct true/false values, got {values!r}")
+    return values
+
+
+
+def _sampling_blocks(f: Fields, sampling: Any, logprobs_mode: str,
+                     limits: ModelLimits) -> list[tuple[str, SamplingParams, int]]:
+    """(label, parameters, first seed) of each sampling block: a table, or [[sampling]] blocks for a
+    sweep (labelled; a label prefixes its request ids)."""
+    if sampling is None:
+        sampling = {}
+    blocks = sampling if isinstance(sampling, list) else [sampling]
+    if not blocks or not all(isinstance(b, dict) for b in blocks):
+        raise f.error("sampling", "must be a table, or a non-empty list of tables ([[sampling]]) for a sweep")
+    out = []
+    labels: set[str] = set()
+    for j, block in enumerate(blocks):
+        where = f"sampling[{j}]." if len(blocks) > 1 else "sampling."
+        f.only(block, where, _SAMPLING_KEYS)
+        params = {k: v for k, v in block.items() if k not in ("label", "seed")}
+        seed = f.count(block, "seed", prefix=where, low=0, default=0)
+        try:
+            base = SamplingParams.from_dict({**params, "logprobs_mode": logprobs_mode})
+        except (ParityError, TypeError) as exc:
+            raise f.error(where.rstrip("."), str(exc)) from exc
+        problem = limits.vocabulary_problem(base.stop_token_ids)
+        if problem:
+            raise f.error(where + "stop_token_ids", problem)
+        label = f.get(block, "label", str, default=_label(base), prefix=where) if len(blocks) > 1 else ""
+        if label in labels:
+            raise f.error(where + "label", f"{label!r} is used by two sampling blocks; labels must be unique")
+        labels.add(label)
+        out.append((label, base, seed))
+    return out
+
+
+def _requests(blocks: list[tuple[str, SamplingParams, int]],
+              prompts: list[tuple[int, ...]]) -> tuple[Request, ...]:
+    """One request per (sampling block, prompt); in a sweep, ids are "<label>/<i>" (`sweep_request_id`)."""
+    return tuple(Request(ids, base.replace(seed=seed + i),
+                         request_id=sweep_request_id(label, i) if label else str(i))
+                 for label, base, seed in blocks for i, ids in enumerate(prompts))
+
+
+def _label(s: SamplingParams) -> str:
+    """A readable default label for a sweep block, e.g. "t0.6-p0.9-k20"."""
+    parts = [f"t{s.temperature:g}"]
+    if s.top_p < 1.0:
+        parts.append(f"p{s.top_p:g}")
+    if s.top_k:
+        parts.append(f"k{s.top_k}")
+    return "-".join(parts)
+
+
+def _load_tolerances(f: Fields, table: Any) -> tuple[Tolerance | None, tuple[tuple[str, Tolerance], ...]]:
+    """[tolerance] scalars are case-wide limits; [tolerance.<backend>] tables override one backend."""
+    if not isinstance(table, dict):
+        raise f.error("tolerance", f"must be a table of Tolerance fields, got {table!r}")
+    common = {k: v for k, v in table.items() if not isinstance(v, dict)}
+    per_backend = {k: v for k, v in table.items() if isinstance(v, dict)}
+    for name in per_backend:
+        if name not in BACKEND_NAMES:
+            raise f.error(f"tolerance.{name}", f"unknown backend; allowed: {list(BACKEND_NAMES)}")
+    try:
+        tolerance = Tolerance.from_dict(common) if common else None
+        overrides = tuple(
+            (name, Tolerance.from_dict({**common, **limits}, where=f"tolerance.{name}"))
+            for name, limits in per_backend.items()
+        )
+    except (ParityError, TypeError) as exc:
+        raise ConfigError(f"{f.path}: {exc}") from exc
+    return tolerance, overrides

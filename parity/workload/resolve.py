@@ -1,0 +1,77 @@
+"""What `parity.compare` samples: a case (a `Case` or a case file), explicit prompts with one
+`SamplingParams` (each prompt its own seed, `seed + i`), or the model's default case; with
+`turns`, every prompt becomes a multi-turn trajectory."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from parity.core.errors import ConfigError
+from parity.core.schema import LOGPROBS_MODES
+from parity.core.strict import check_choice
+from parity.core.turns import Turn, check_turns
+from parity.core.types import Request, SamplingParams
+from parity.workload.cases import Case, default_case, load_case
+from parity.workload.prompts import Dataset, PromptSource, check_prompt, encode_prompts
+from parity.workload.tools import bind_tools
+
+
+def resolve_workload(model: str | os.PathLike[str] | None, case: Case | str | os.PathLike[str] | None,
+                  prompts: Sequence[PromptSource] | Dataset | os.PathLike[str] | None,
+                  sampling: SamplingParams | dict[str, Any] | None, turns: Sequence[Turn] = ()) -> Case:
+    """The `Case` `compare` samples from its arguments; ConfigError for a combination that is ambiguous."""
+    if case is not None and prompts is not None:
+        raise ConfigError("give either case or prompts, not both (a case carries its own prompts)")
+    if turns and prompts is None:
+        raise ConfigError("turns apply to prompts; pass prompts=[...] with them (a case carries its own "
+                          "turns)")
+    if case is not None:
+        if sampling is not None:
+            raise ConfigError("sampling applies to prompts; a case carries its own sampling parameters")
+        if isinstance(case, Case):
+            return case
+        return load_case(case)
+    if model is None:
+        raise ConfigError("model is required unless a case names it; "
+                          "pass a built-in name or a checkpoint path")
+    if prompts is None:
+        if sampling is not None:
+            raise ConfigError("sampling applies to prompts; pass prompts=[...] with it")
+        return default_case(os.fspath(model))
+    if isinstance(sampling, dict):
+        sampling = SamplingParams.from_dict(sampling)
+    elif sampling is None:
+        sampling = SamplingParams(max_tokens=32)
+    elif not isinstance(sampling, SamplingParams):
+        raise ConfigError(f"sampling must be a parity.SamplingParams or a dict of its fields, "
+                          f"got {type(sampling).__name__}")
+    if isinstance(prompts, os.PathLike):
+        prompts = Dataset(Path(prompts))
+    if isinstance(prompts, Dataset):
+        items = prompts.rows()
+    elif isinstance(prompts, Sequence) and not isinstance(prompts, (str, bytes)) and prompts:
+        items = [(f"prompts[{i}]", check_prompt(p, f"prompts[{i}]")) for i, p in enumerate(prompts)]
+    else:
+        raise ConfigError("prompts must be a non-empty list of token-id lists, strings or chat-message "
+                          "lists, or a dataset (a parity.workload.prompts.Dataset or a path)")
+    ids = encode_prompts(model, items)
+    bound = bind_tools(model, check_turns(turns, "turns")) if turns else ()
+    requests = tuple(Request(p, sampling.replace(seed=sampling.seed + i), request_id=f"prompt-{i}",
+                             turns=bound) for i, p in enumerate(ids))
+    return Case(name="prompts", model=os.fspath(model), requests=requests,
+                logprobs_mode=sampling.logprobs_mode, kind="trajectory" if bound else "compare")
+
+
+def with_logprobs_mode(case: Case, mode: Any) -> Case:
+    """`case` with every request in logprobs mode `mode`. A backend started with a `logprobs_mode`
+    option (vllm-server's: the mode the whole server reports) returns rollouts in that mode, so
+    they are requested and scored in it; the option wins over the case's `logprobs_mode`, as a
+    command line wins over a file."""
+    mode = check_choice(mode, LOGPROBS_MODES, "backend option logprobs_mode")
+    requests = tuple(dataclasses.replace(r, sampling=r.sampling.replace(logprobs_mode=mode))
+                     for r in case.requests)
+    return dataclasses.replace(case, logprobs_mode=mode, requests=requests)
