@@ -156,7 +156,7 @@ def test_guard_acts_on_what_parity_sent_even_if_parity_died_first():
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    guard_script = ROOT / "parity" / "guard.py"
+    guard_script = ROOT / "parity" / "runtime" / "guard.py"
     done = subprocess.run([sys.executable, "-P", str(guard_script), str(dead.pid)],
                           input=f"track {sleeper.pid}\n".encode(), timeout=60)
     assert done.returncode == 0

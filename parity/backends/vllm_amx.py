@@ -18,7 +18,7 @@ from __future__ import annotations
 
 def request_amx() -> None:
     """Request AMX tile state for this process if the CPU has AMX (idempotent, no-op elsewhere)."""
-    import torch
+    import torch  # here, not at the top: vLLM loads this plugin in every process it starts
 
     if torch.cpu._is_amx_tile_supported():
         torch.cpu._init_amx()

@@ -33,12 +33,9 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def exec_module(self, module: types.ModuleType) -> None:
         new = MOVED[module.__name__]
-        # point the warning at the importing line, past the import machinery's own frames
-        level, frame = 1, sys._getframe(1)
-        while frame is not None and frame.f_code.co_filename.startswith("<frozen"):
-            level, frame = level + 1, frame.f_back
+        # stacklevel 2 is the importing line: `warnings` skips the import machinery's frames itself
         warnings.warn(f"{module.__name__} moved to {new}; the old path is removed in the next release",
-                      DeprecationWarning, stacklevel=level + 1)
+                      DeprecationWarning, stacklevel=2)
         # the import system returns what sys.modules holds under the name after exec_module
         sys.modules[module.__name__] = importlib.import_module(new)
 

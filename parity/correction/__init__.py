@@ -60,7 +60,7 @@ _LAZY = {"apply_correction": "parity.correction.apply", "rollout_correction": "p
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        import importlib
+        import importlib  # only on first use of a lazy name: `import parity.correction` stays NumPy-only
 
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'parity.correction' has no attribute {name!r}")

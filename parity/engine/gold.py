@@ -233,7 +233,7 @@ def _gold_settings(kind: str) -> Iterator[None]:
         finally:
             torch.set_num_threads(threads)
         return
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import SDPBackend, sdpa_kernel  # CUDA only: the CPU path returned above
 
     matmul = torch.backends.cuda.matmul
     saved = (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32,

@@ -36,7 +36,7 @@ def linear_routes(model: str, *, dtype: str = "bfloat16", device: str = "cuda",
     cublaslt: set the process up for the cuBLASLt route first (CUDA only, before CUDA starts)."""
     cuda = device.startswith("cuda")
     if cuda:
-        import torch
+        import torch  # CUDA setup must precede CUDA's start: imported inside the branch that needs it
 
         from parity.kernels import triton_available
 
@@ -45,7 +45,7 @@ def linear_routes(model: str, *, dtype: str = "bfloat16", device: str = "cuda",
 
         if not triton_available():
             raise BackendUnavailableError("parity kernels: Triton is not installed; install triton for CUDA")
-        from parity.kernels.triton.matmul import configure_cublaslt, route
+        from parity.kernels.triton.matmul import configure_cublaslt, route  # Triton: checked just above
 
         if cublaslt:
             configure_cublaslt()

@@ -62,7 +62,7 @@ def shaped_config(shape: str, layers: int, *, vocab_size: int | None = None,
         raise ConfigError(f"unknown model shape {shape!r}; choose from {sorted(SHAPES)}")
     if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
         raise ConfigError(f"layers must be an integer >= 1, got {layers!r}")
-    import transformers
+    import transformers  # after the checks: a bad shape is refused without loading torch
 
     architecture, fields = SHAPES[shape]
     config_class = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
@@ -75,6 +75,7 @@ def shaped_config(shape: str, layers: int, *, vocab_size: int | None = None,
 def build_random_model(config: Any, *, device: str = "cuda", dtype: str = "bfloat16", seed: int = 0) -> Any:
     """`config` with transformers' random initialization under `seed`, built directly on `device`
     in `dtype` (stock SDPA attention; `parity.models.loading.adopt_model` patches it for parity)."""
+    # torch and transformers only to build a model: the shape table stays light
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -87,7 +88,7 @@ def build_random_model(config: Any, *, device: str = "cuda", dtype: str = "bfloa
 def save_random_model(config: Any, path: str | Path, *, device: str = "cuda", dtype: str = "bfloat16",
                       seed: int = 0) -> Path:
     """`build_random_model` saved to `path` as a local HF checkpoint; returns the path."""
-    import torch
+    import torch  # only to save a model: the shape table stays light
 
     model = build_random_model(config, device=device, dtype=dtype, seed=seed)
     model.save_pretrained(path)

@@ -162,11 +162,11 @@ def convert_gguf(source: str | os.PathLike[str], dest: str | os.PathLike[str], *
     tokenizer_config.json (with the chat template). `provenance` goes into config.json under
     "parity_packaged". Needs the `gguf` package (the 'trained' extra)."""
     try:
-        from gguf import GGUFReader
+        from gguf import GGUFReader  # the optional 'trained' extra: refused below by name when missing
     except ImportError as exc:
         raise ModelNotFoundError("converting a GGUF file needs the 'gguf' package: "
                                  "pip install 'parity-harness[trained]'") from exc
-    from safetensors.numpy import save_file
+    from safetensors.numpy import save_file  # with gguf above: only converting a packaged file needs it
 
     reader = GGUFReader(os.fspath(source))
     meta = _metadata(reader)
@@ -230,7 +230,7 @@ def _short_float(value: float) -> float:
 
 def _weights(reader: Any, config: dict[str, Any]) -> dict[str, np.ndarray]:
     """HF-named float32 arrays `[out, in]` from the GGUF tensors."""
-    from gguf import dequantize
+    from gguf import dequantize  # the optional 'trained' extra, needed only to convert a packaged file
 
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     out: dict[str, np.ndarray] = {}
@@ -265,6 +265,7 @@ def _unpermute_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def _write_tokenizer(meta: dict[str, Any], out: Path, *, max_length: int) -> None:
+    # tokenizers only to convert a packaged file: resolving a converted one stays light
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
     kind, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre", "gpt2")

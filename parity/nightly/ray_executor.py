@@ -75,7 +75,7 @@ class RayCluster:
             # 127.0.0.1. Ray reads it once, at import; the check after `init` proves it held.
             os.environ[LOCAL_ONLY_ENV] = "0"
         try:
-            import ray
+            import ray  # the optional Ray extra: the local executor never loads it
         except ImportError as exc:
             raise ConfigError("--executor ray needs Ray: pip install 'parity-harness[ray]' (or pick "
                               "--executor local)") from exc
@@ -104,13 +104,13 @@ class RayCluster:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        import ray
+        import ray  # the optional Ray extra: the local executor never loads it
 
         ray.shutdown()  # a cluster ray.init started goes with it; an existing one is only left
 
     def slots(self, resources: dict[str, float]) -> int:
         """How many rows asking for `resources` the cluster holds at once (0: none fits)."""
-        import ray
+        import ray  # the optional Ray extra: the local executor never loads it
 
         total = ray.cluster_resources()
         return min(math.floor(total.get(name, 0.0) / amount) for name, amount in
@@ -124,7 +124,7 @@ class RowWorker:
             close_engine: bool = False, gold: bool | None = None) -> RowResult:
         """One row, as `execute_row` runs it, with this node, process and GPUs as its placement;
         `close_engine`: it is its engine's last row on this actor."""
-        import ray
+        import ray  # the optional Ray extra: the local executor never loads it
 
         hook = os.environ.get(ROW_HOOK_ENV)
         if hook:
@@ -172,7 +172,7 @@ def ray_rows(cluster: RayCluster, run_id: str, todo: list[tuple[RowKey, Case]], 
     """Run `todo` on the cluster; yields each row (unjudged) as it finishes. Closing the
     generator (the run ended, failed or was interrupted) kills every actor, which cancels the
     rows still running or waiting."""
-    import ray
+    import ray  # the optional Ray extra: the local executor never loads it
 
     if not todo:
         return

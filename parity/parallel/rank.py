@@ -27,10 +27,11 @@ def serve(rank: int, conn: Connection) -> None:
     loopback = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo", "NCCL_NVLS_ENABLE": "0"}
     for name, value in loopback.items():
         os.environ.setdefault(name, value)
+    # after the loopback settings: NCCL and gloo read them when torch.distributed loads
     import torch
     import torch.distributed as dist
 
-    from parity.parallel.comm import Comm
+    from parity.parallel.comm import Comm  # torch's: loaded after the loopback settings above
 
     backend = "gloo"
     if device_type == "cpu":
