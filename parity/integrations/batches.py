@@ -152,6 +152,31 @@ def _scalar(value: Any) -> Any:
     return number
 
 
+def sequence_batch(rollout: np.ndarray, trainer: np.ndarray, token_mask: np.ndarray,
+                   tokens: np.ndarray | None, lengths: np.ndarray,
+                   sampling: Mapping[str, Any] | None) -> StepBatch:
+    """Whole sequences (prompt and response in one row, right-padded; the logprob of token i at
+    position i; all `[batch, seq]`, `lengths` `[batch]` real tokens per row) as a `StepBatch`: each
+    row's response starts at its first `token_mask` position, the prompt is everything before it,
+    and responses are left-aligned (mask-0 tokens inside a multi-turn response stay mask 0)."""
+    batch, seq = token_mask.shape
+    start = np.where(token_mask.any(axis=1), np.argmax(token_mask, axis=1), lengths)
+    width = int((lengths - start).max(initial=0))
+    index = np.minimum(start[:, None] + np.arange(width)[None, :], seq - 1)
+    inside = np.arange(width)[None, :] < (lengths - start)[:, None]
+
+    def aligned(values: np.ndarray, fill: Any) -> np.ndarray:
+        return np.where(inside, np.take_along_axis(values, index, axis=1), fill)
+
+    return StepBatch(
+        rollout=aligned(rollout, 0.0).astype(rollout.dtype),
+        trainer=aligned(trainer, 0.0).astype(trainer.dtype),
+        mask=aligned(token_mask, False), lengths=lengths - start,
+        responses=None if tokens is None else aligned(tokens, 0).astype(tokens.dtype),
+        prompts=None if tokens is None else [tokens[r, :start[r]] for r in range(batch)],
+        sampling=dict(sampling or {}))
+
+
 def padded_rows(rows: Sequence[Any], name: str, fill: float) -> tuple[np.ndarray, np.ndarray]:
     """Ragged 1-D rows (tensors, arrays or lists) as one `[len(rows), longest]` array, left-aligned
     and right-padded with `fill`, in the rows' common dtype; and each row's length `[len(rows)]`."""
