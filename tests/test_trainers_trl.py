@@ -10,6 +10,8 @@ generations, logged at steps 0, 2, 4. Skips without trl (the `trl` extra)."""
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,6 +28,7 @@ from parity.models.checkpoints import builtin_path
 trl = pytest.importorskip("trl", reason="trl is not installed (the `trl` extra)")
 datasets = pytest.importorskip("datasets")
 pytestmark = pytest.mark.usefixtures("one_thread")
+ROOT = Path(__file__).resolve().parent.parent
 TEMPERATURE = 0.9
 MAX_TOKENS = 8
 
@@ -113,3 +116,18 @@ def test_a_trainer_without_both_sides_is_refused(tmp_path, engine):
             attach(trainer, monitor)
         with pytest.raises(ConfigError, match=r"needs a trl\.GRPOTrainer"):
             attach(object(), monitor)
+
+
+def readme_snippet(first_line: str) -> str:
+    """The README's "In your trainer" block that starts with `first_line`."""
+    section = (ROOT / "README.md").read_text().split("## In your trainer\n", 1)[1].split("\n## ", 1)[0]
+    return next(b for b in re.findall(r"```python\n(.*?)```", section, re.S) if b.startswith(first_line))
+
+
+def test_the_readme_snippet_runs_on_a_grpo_trainer(tmp_path, engine, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    trainer = make_trainer(tmp_path, engine, max_steps=2)
+    exec(readme_snippet("# TRL"), {"trainer": trainer})
+    records = monitor_records(tmp_path / "runs/grpo/parity", tmp_path / "run.json")
+    assert [r["step"] for r in records] == [0]
+    assert records[0]["summary"]["num_tokens"] == sum(len(r.token_ids) for r in trainer.generations[0])

@@ -9,6 +9,9 @@ without verl (the `verl` extra: `pip install parity-harness[verl]`, see pyprojec
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -23,6 +26,7 @@ from parity.report.document import ParityReport
 verl = pytest.importorskip("verl", reason="verl is not installed (the `verl` extra)")
 rollout_corr = pytest.importorskip("verl.trainer.ppo.rollout_corr_helper")
 pytestmark = pytest.mark.usefixtures("one_thread")
+ROOT = Path(__file__).resolve().parent.parent
 TEMPERATURE = 0.7
 
 
@@ -112,3 +116,19 @@ def test_the_dump_of_a_real_dataproto_scores_exactly_and_as_verl_measures(batch,
     assert main(["score", str(dump), "--trainer-logprobs", "--json", str(out)]) in (0, 1)
     report = ParityReport.from_json(out.read_text())
     assert_same(report.metrics, verl_metrics(batch, rollout_is="token", rollout_is_threshold=2.0))
+
+
+def readme_snippet(first_line: str) -> str:
+    """The README's "In your trainer" block that starts with `first_line`."""
+    section = (ROOT / "README.md").read_text().split("## In your trainer\n", 1)[1].split("\n## ", 1)[0]
+    return next(b for b in re.findall(r"```python\n(.*?)```", section, re.S) if b.startswith(first_line))
+
+
+def test_the_readme_snippet_runs_on_a_dataproto(batch, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    names = {"batch": batch, "step": 7}
+    exec(readme_snippet("# verl"), names)
+    names["monitor"].close()
+    assert names["record"]["step"] == 7 and names["record"]["sampling"] == {"temperature": TEMPERATURE}
+    assert "rollout_corr/rollout_is_mean" in names["record"]["rollout_corr"]
+    assert (tmp_path / "runs/grpo/parity/monitor.sqlite").is_file()
