@@ -27,7 +27,9 @@ the rollout logprobs come from vLLM or a `rollout_func`. `attach` refuses a trai
 neither side, and one that generates more than once per optimizer step (its steps could not be
 told apart). A NaN rollout logprob (vLLM's `None`, which TRL leaves out of its own correction) is
 left out of the step and counted in the meta as `trl_nan_rollout_logprobs`. Evaluation batches
-are not logged. Light: TRL and torch are never imported; tensors are read by duck typing.
+are not logged. Under several processes (accelerate) each rank holds its share of the batch: attach
+a Monitor of its own on each rank (`f"runs/grpo/parity/rank{trainer.accelerator.process_index}"`).
+Light: TRL and torch are never imported; tensors are read by duck typing.
 """
 
 from __future__ import annotations
