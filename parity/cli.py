@@ -40,7 +40,7 @@ from parity.core.errors import (
     report_error,
 )
 from parity.core.outputs import output_file, write_atomic
-from parity.core.schema import DTYPES, KERNEL_MODES, LOGPROBS_MODES
+from parity.core.schema import DTYPES, KERNEL_MODES, LOGPROBS_MODES, VERSION
 from parity.core.types import SamplingParams
 from parity.models import BUILTIN_MODELS, TRAINED_MODELS, builtin_dir, cache_dir, trained_dir
 from parity.models.trained import packaged_file
@@ -71,6 +71,7 @@ def _parser() -> argparse.ArgumentParser:
     # read by main() before parsing, so it works after any command too (`parity compare ... --verbose`)
     parser.add_argument(VERBOSE, action="store_true",
                         help="show the engines' log lines (vLLM's INFO); default: errors only")
+    parser.add_argument("--version", action="version", version=f"parity {VERSION}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     cmp = sub.add_parser(

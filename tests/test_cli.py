@@ -31,6 +31,14 @@ def test_help_everywhere(argv, capsys):
     assert f"usage: parity {argv[0] if len(argv) > 1 else ''}".strip() in capsys.readouterr().out
 
 
+def test_version_prints_the_package_version(capsys):
+    from parity.core.schema import VERSION
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out == f"parity {VERSION}\n"
+
+
 def test_top_level_help_lists_every_subcommand(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])

@@ -21,7 +21,7 @@ import torch
 import parity
 from parity.backends import shared_backend
 from parity.cli import main
-from parity.core.errors import InputError
+from parity.core.errors import ConfigError, InputError
 from parity.core.types import Request, SamplingParams
 from parity.integrations import nemo_rl, slime, verl
 from parity.report.document import ParityReport
@@ -308,3 +308,41 @@ def test_nothing_needs_pandas(tmp_path):
                             timeout=300, check=False)
     assert result.returncode == 0 and result.stdout.strip().endswith("OK"), result.stderr[-3000:]
     assert (tmp_path / "m" / "index.html").exists()  # the page was drawn too
+
+
+# -- issue 53 item 7: one rule for log_batch and dump_batch, the output path first, the user's temperature
+
+
+def test_dump_batch_checks_its_path_before_anything(rollouts, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    for bad, says in ((tmp_path, "is a directory"), (blocker / "step.parquet", "a file is in the way")):
+        with pytest.raises(ConfigError, match=f"dump path .*{says}"):
+            verl.dump_batch(verl_batch(rollouts), bad)
+
+
+def test_a_counted_minus_inf_is_outside_the_support_for_log_and_dump_alike(rollouts, tmp_path):
+    batch = verl_batch(rollouts)
+    batch.batch["rollout_log_probs"][1, 0] = -np.inf
+    with parity.Monitor(tmp_path / "m", advice_every=0, render_every=0) as monitor:
+        record = verl.log_batch(monitor, 0, batch)
+    assert record["summary"]["num_tokens_outside_support"] == 1
+    dump = read_dump(verl.dump_batch(batch, tmp_path / "step.jsonl"))  # JSONL keeps -inf losslessly
+    assert dump.rollouts[1].logprobs[0] == -np.inf
+    report = score(tmp_path / "step.jsonl", tmp_path, "--trainer-logprobs")
+    assert report.summary["num_tokens_outside_support"] == 1
+    # negative control: NaN and +inf are no logprobs, in either reader
+    for junk in (np.nan, np.inf):
+        batch.batch["rollout_log_probs"][1, 0] = junk
+        with pytest.raises(InputError, match="row 1: rollout logprob 0"):
+            verl.dump_batch(batch, tmp_path / "bad.jsonl")
+
+
+@pytest.mark.parametrize("temperature", [torch.tensor(0.7), np.float32(0.7),
+                                         torch.tensor(0.7, dtype=torch.float16)])
+def test_a_scalar_temperature_is_stored_as_the_user_wrote_it(rollouts, tmp_path, temperature):
+    batch = verl_batch(rollouts, temperature=temperature)
+    with parity.Monitor(tmp_path / "m", advice_every=0, render_every=0) as monitor:
+        assert verl.log_batch(monitor, 0, batch)["sampling"] == {"temperature": 0.7}
+    dump = read_dump(verl.dump_batch(batch, tmp_path / "step.jsonl"))
+    assert dump.rollouts[0].sampling.temperature == 0.7

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from parity.core.errors import InputError
+from parity.core.outputs import output_file
 from parity.core.schema import LOGPROBS_MODES
 from parity.core.strict import check_choice
 from parity.core.tables import write_rows
@@ -67,8 +68,10 @@ def log_step(monitor: Monitor, step: int, batch: StepBatch, *, meta: Mapping[str
 
 def dump_step(batch: StepBatch, path: str | Path, *, logprobs_mode: str = "processed") -> Path:
     """Write the batch as a parity rollout dump (see the module doc); rows with no generated token
-    are left out. Processed logprobs need the temperature (`InputError` without it)."""
+    are left out. Processed logprobs need the temperature (`InputError` without it); a path that
+    cannot be written is a `ConfigError` before any row is built."""
     check_choice(logprobs_mode, LOGPROBS_MODES, "logprobs_mode")
+    path = output_file(path, "dump path")
     if batch.responses is None or batch.prompts is None:
         raise InputError("a dump needs the token ids: the batch has no responses or no prompts")
     sampling = {k: v for k, v in (batch.sampling or {}).items() if k in SAMPLING_COLUMNS}
@@ -100,13 +103,14 @@ def dump_step(batch: StepBatch, path: str | Path, *, logprobs_mode: str = "proce
 
 def _checked(values: np.ndarray, mask: np.ndarray, side: str, row: int) -> list[float]:
     """One row's logprobs as floats, 0.0 where the mask is 0; InputError for a value that is not a
-    logprob at a counted token."""
+    logprob at a counted token. -inf is kept: the token lay outside that side's sampling support
+    (the Monitor's rule and the dump reader's; JSONL spells it losslessly)."""
     v = np.where(mask, values.astype(np.float64), 0.0)
-    bad = ~np.isfinite(v) | (v > _MAX_LOGPROB)
+    bad = np.isnan(v) | (v > _MAX_LOGPROB)
     if bad.any():
         t = int(np.argmax(bad))
         raise InputError(f"row {row}: {side} logprob {t} is {float(v[t])!r}; every logprob of a counted "
-                         "token must be a finite number <= 0")
+                         "token must be a number <= 0 (-inf: outside the sampling support)")
     return v.tolist()
 
 
@@ -128,12 +132,49 @@ def optional_entry(entries: Any, key: str) -> Any:
 
 def sampling_of(found: Mapping[str, Any], given: Mapping[str, Any] | None) -> dict[str, Any]:
     """The batch's sampling: what it holds (`found`), then `given` (the caller's); the two must agree."""
-    out = {k: (v.item() if hasattr(v, "item") else v) for k, v in found.items() if v is not None}
+    out = {k: _scalar(v) for k, v in found.items() if v is not None}
     for key, value in (given or {}).items():
         if key in out and out[key] != value:
             raise InputError(f"sampling {key}={value!r} was given but the batch says {out[key]!r}; drop one")
         out[key] = value
     return out
+
+
+def _scalar(value: Any) -> Any:
+    """A NumPy/torch scalar as a Python number, a float32/float16 one as the decimal the user wrote
+    (tensor(0.7) is 0.699999988 in float64; its shortest float32 spelling is 0.7)."""
+    if not hasattr(value, "item"):
+        return value
+    number = value.item()
+    kind = str(getattr(value, "dtype", "")).removeprefix("torch.")
+    if isinstance(number, float) and kind in ("float32", "float16"):
+        return float(str(np.dtype(kind).type(number)))
+    return number
+
+
+def sequence_batch(rollout: np.ndarray, trainer: np.ndarray, token_mask: np.ndarray,
+                   tokens: np.ndarray | None, lengths: np.ndarray,
+                   sampling: Mapping[str, Any] | None) -> StepBatch:
+    """Whole sequences (prompt and response in one row, right-padded; the logprob of token i at
+    position i; all `[batch, seq]`, `lengths` `[batch]` real tokens per row) as a `StepBatch`: each
+    row's response starts at its first `token_mask` position, the prompt is everything before it,
+    and responses are left-aligned (mask-0 tokens inside a multi-turn response stay mask 0)."""
+    batch, seq = token_mask.shape
+    start = np.where(token_mask.any(axis=1), np.argmax(token_mask, axis=1), lengths)
+    width = int((lengths - start).max(initial=0))
+    index = np.minimum(start[:, None] + np.arange(width)[None, :], seq - 1)
+    inside = np.arange(width)[None, :] < (lengths - start)[:, None]
+
+    def aligned(values: np.ndarray, fill: Any) -> np.ndarray:
+        return np.where(inside, np.take_along_axis(values, index, axis=1), fill)
+
+    return StepBatch(
+        rollout=aligned(rollout, 0.0).astype(rollout.dtype),
+        trainer=aligned(trainer, 0.0).astype(trainer.dtype),
+        mask=aligned(token_mask, False), lengths=lengths - start,
+        responses=None if tokens is None else aligned(tokens, 0).astype(tokens.dtype),
+        prompts=None if tokens is None else [tokens[r, :start[r]] for r in range(batch)],
+        sampling=dict(sampling or {}))
 
 
 def padded_rows(rows: Sequence[Any], name: str, fill: float) -> tuple[np.ndarray, np.ndarray]:

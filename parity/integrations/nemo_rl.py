@@ -32,7 +32,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from parity.integrations.batches import StepBatch, bool_mask, dump_step, get_entry, log_step, optional_entry
+from parity.integrations.batches import (
+    StepBatch,
+    bool_mask,
+    dump_step,
+    get_entry,
+    log_step,
+    optional_entry,
+    sequence_batch,
+)
 from parity.monitor.arrays import host_array
 
 if TYPE_CHECKING:
@@ -59,21 +67,7 @@ def read_batch(data: Mapping[str, Any], *, sampling: Mapping[str, Any] | None = 
         host_array(lengths, KEYS["lengths"]).astype(np.int64).reshape(batch)
     sample = optional_entry(data, KEYS["sample_mask"])
     keep = np.ones(batch, bool) if sample is None else bool_mask(sample, KEYS["sample_mask"]).reshape(batch)
-    start = np.where(token_mask.any(axis=1), np.argmax(token_mask, axis=1), lengths)
-    width = int((lengths - start).max(initial=0))
-    index = np.minimum(start[:, None] + np.arange(width)[None, :], seq - 1)
-    inside = np.arange(width)[None, :] < (lengths - start)[:, None]
-
-    def aligned(values: np.ndarray, fill: Any) -> np.ndarray:
-        return np.where(inside, np.take_along_axis(values, index, axis=1), fill)
-
-    return StepBatch(
-        rollout=aligned(rollout, 0.0).astype(rollout.dtype),
-        trainer=aligned(trainer, 0.0).astype(trainer.dtype),
-        mask=aligned(token_mask, False) & keep[:, None], lengths=lengths - start,
-        responses=None if tokens is None else aligned(tokens, 0).astype(tokens.dtype),
-        prompts=None if tokens is None else [tokens[r, :start[r]] for r in range(batch)],
-        sampling=dict(sampling or {}))
+    return sequence_batch(rollout, trainer, token_mask & keep[:, None], tokens, lengths, sampling)
 
 
 def log_batch(monitor: Monitor, step: int, data: Mapping[str, Any], *,

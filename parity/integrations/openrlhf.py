@@ -1,0 +1,92 @@
+"""OpenRLHF: the monitor and rollout dumps from a PPO/GRPO `Experience` (openrlhf 0.11,
+`openrlhf.trainer.ppo_utils.experience`), read once the experience maker has set its
+`action_log_probs`, e.g. over `ppo_trainer`'s experiences before the replay buffer takes them:
+
+    from parity.integrations.openrlhf import log_batch
+    log_batch(monitor, global_step, experience, sampling={"temperature": args.temperature})
+
+OpenRLHF keeps whole sequences, prompt and response in one right-padded row, and its per-action
+arrays are shifted by one: position j holds token j+1's value (`action_mask = mask[1:]`):
+
+    parity               OpenRLHF Experience                  shape / meaning
+    rollout logprobs     rollout_log_probs                    [batch, seq-1]: vLLM's processed
+                                                              logprobs, with
+                                                              --algo.advantage.is_correction_level
+                                                              token (or seq)
+    trainer logprobs     action_log_probs                     [batch, seq-1]: the actor's before the update
+    mask                 action_mask                          [batch, seq-1]: 1 on generated tokens (0 on
+                                                              an agent's observation tokens)
+    tokens               sequences                            [batch, seq]
+    lengths              attention_mask.sum(-1)               real tokens of each row, then padding
+    sampling             not in the experience                pass sampling={"temperature": ...}
+
+Rows are then read as NeMo-RL's (`parity.integrations.batches.sequence_batch`): each response starts
+at its first generated token, the prompt is everything before it. OpenRLHF starts its vLLM engines
+with `logprobs_mode="processed_logprobs"` whenever it asks for rollout logprobs (parity's
+"processed", `dump_batch`'s default). Light: torch and openrlhf are never imported (duck typing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from parity.core.errors import InputError
+from parity.integrations.batches import StepBatch, bool_mask, dump_step, log_step, sequence_batch
+from parity.monitor.arrays import host_array
+
+if TYPE_CHECKING:
+    from parity.monitor import Monitor
+
+#: the Experience field of each array parity reads.
+FIELDS: dict[str, str] = {"rollout": "rollout_log_probs", "trainer": "action_log_probs",
+                          "mask": "action_mask", "tokens": "sequences", "attention": "attention_mask"}
+_HINTS = {"rollout": "start OpenRLHF with --algo.advantage.is_correction_level token (vLLM then "
+                     "returns them)",
+          "trainer": "log after the experience maker's actor forward",
+          "mask": "the experience maker sets it", "tokens": "the experience maker sets it",
+          "attention": "the experience maker sets it"}
+
+
+def read_batch(experience: Any, *, sampling: Mapping[str, Any] | None = None) -> StepBatch:
+    """An OpenRLHF `Experience` (any object with its fields) as a `StepBatch` (see the module doc)."""
+    arrays = {}
+    for key, name in FIELDS.items():
+        value = getattr(experience, name, None)
+        if value is None:
+            raise InputError(f"the Experience has no {name} ({_HINTS[key]})")
+        arrays[key] = value
+    tokens = host_array(arrays["tokens"], FIELDS["tokens"])
+    attention = bool_mask(arrays["attention"], FIELDS["attention"])
+    action = bool_mask(arrays["mask"], FIELDS["mask"])
+    rollout, trainer = (host_array(arrays[k], FIELDS[k]) for k in ("rollout", "trainer"))
+    batch, seq = tokens.shape
+    for name, a in ((FIELDS["mask"], action), (FIELDS["rollout"], rollout), (FIELDS["trainer"], trainer)):
+        if a.shape != (batch, seq - 1):
+            raise InputError(f"{name} {list(a.shape)} must be [batch, seq-1] = {[batch, seq - 1]} for "
+                             f"sequences {[batch, seq]}")
+    if attention.shape != (batch, seq):
+        raise InputError(f"attention_mask {list(attention.shape)} must be sequences' shape {[batch, seq]}")
+
+    def unshifted(values: np.ndarray, fill: Any) -> np.ndarray:
+        """Position i holds token i's value (NeMo-RL's layout); nothing precedes token 0."""
+        return np.concatenate([np.full((batch, 1), fill, values.dtype), values], axis=1)
+
+    return sequence_batch(unshifted(rollout, 0), unshifted(trainer, 0), unshifted(action, False), tokens,
+                          attention.sum(axis=1), sampling)
+
+
+def log_batch(monitor: Monitor, step: int, experience: Any, *, sampling: Mapping[str, Any] | None = None,
+              meta: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Log one OpenRLHF experience batch into `monitor`; returns the stored record."""
+    return log_step(monitor, step, read_batch(experience, sampling=sampling), meta=meta)
+
+
+def dump_batch(experience: Any, path: str | Path, *, sampling: Mapping[str, Any] | None = None,
+               logprobs_mode: str = "processed") -> Path:
+    """Write one OpenRLHF experience batch as a parity rollout dump that `parity score` reads (give
+    the temperature in `sampling`: the experience does not hold it)."""
+    return dump_step(read_batch(experience, sampling=sampling), path, logprobs_mode=logprobs_mode)
