@@ -105,8 +105,8 @@ def drift_section(args: argparse.Namespace, ledger: Ledger) -> list[dict[str, An
     from parity.core.types import SamplingParams
     from parity.workload.cases import load_case
 
-    models = [("qwen3-1.7b x28", _shaped(args.out, "qwen3-1.7b", 28), False),
-              (f"qwen3-30b-a3b x{args.moe_layers}", _shaped(args.out, "qwen3-30b-a3b", args.moe_layers),
+    models = [("qwen3-1.7b x28", _shaped(args.state, "qwen3-1.7b", 28), False),
+              (f"qwen3-30b-a3b x{args.moe_layers}", _shaped(args.state, "qwen3-30b-a3b", args.moe_layers),
                True)]
     try:
         from parity.models.trained import packaged_file
@@ -152,8 +152,9 @@ def tests_section(args: argparse.Namespace, ledger: Ledger) -> dict[str, Any]:
              **dict.fromkeys(args.tests)}
     for name, selection in files.items():
         if name not in ledger.rows("tests"):
-            ledger.keep("tests", name, pytest_row([name], selection, ledger.root / f"{Path(name).stem}.xml"))
-    return ledger.rows("tests")
+            row = pytest_row([name], selection, ledger.root / f"{Path(name).stem}.xml")
+            ledger.keep("tests", name, {"file": name, **row})
+    return list(ledger.rows("tests").values())
 
 
 def measure(side: str, model: str, workload: tuple[int, int, int]) -> dict[str, Any]:
@@ -201,7 +202,7 @@ def measure(side: str, model: str, workload: tuple[int, int, int]) -> dict[str, 
 
 def throughput_section(args: argparse.Namespace, ledger: Ledger) -> list[dict[str, Any]]:
     """Each side in `--order`, then in the reverse order; one process per measurement."""
-    model = _shaped(args.out, "qwen3-1.7b", 28)
+    model = _shaped(args.state, "qwen3-1.7b", 28)
     runs = [(f"order 1: {side}", side) for side in args.order] + \
         [(f"order 2: {side}", side) for side in reversed(args.order)]
     for key, side in runs:
@@ -236,7 +237,8 @@ def markdown(results: dict[str, Any]) -> str:
     lines: list[str] = []
     if "install" in results:
         lines += ["install: " + ", ".join(f"{k} {v}" for k, v in results["install"].items()), ""]
-    tests = {**(results.get("tests") or {}), **{name: results[name] for name in TEST_ROWS if name in results}}
+    tests = {**{row["file"]: row for row in results.get("tests") or []},
+             **{name: results[name] for name in TEST_ROWS if name in results}}
     if tests:
         lines += ["| tests | summary | s | outcomes |", "| --- | --- | --- | --- |"]
         for name, row in tests.items():
@@ -317,8 +319,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="audit: ';'-separated row keys of benchmarks.gpu_checks.AUDIT_ROWS (default all)")
     p.add_argument("--loop-steps", type=int, default=200)
     p.add_argument("--loop-model", type=lambda t: t.split(),
-                   default=["--shape", "qwen3-1.7b", "--layers", "12"],
-                   help="loop: the model flags of benchmarks.loop (default: the Qwen3-1.7B shape, 12 layers)")
+                   default=["--shape", "qwen3-1024", "--layers", "12"],
+                   help="loop: the model flags of benchmarks.loop (default: the qwen3-1024 shape, 12 layers: "
+                        "190 steps took 530 s on an H200, so 200 steps fill one 10-minute call)")
     p.add_argument("--measure", choices=THROUGHPUT_SIDES, help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

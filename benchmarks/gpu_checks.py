@@ -72,6 +72,7 @@ def _audit_row(model: str, options: list[str], json_path: Path) -> dict[str, Any
         cmd += ["--option", option]
     if not any(o.startswith("engine_kwargs=") for o in options):
         cmd += ["--option", "engine_kwargs=" + json.dumps({"gpu_memory_utilization": AUDIT_MEMORY})]
+    json_path.unlink(missing_ok=True)  # a killed earlier try's file must not stand for this run
     start = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True)
     row: dict[str, Any] = {"command": " ".join(cmd[3:]), "exit_code": done.returncode,
@@ -94,7 +95,7 @@ def audit_section(args: argparse.Namespace, ledger: Ledger, shaped: Any) -> list
         if key in ledger.rows("audit"):
             continue
         label, options = AUDIT_ROWS[key]
-        model = shaped(args.out, "qwen3-1.7b", 28) if label == "q28" else label
+        model = shaped(args.state, "qwen3-1.7b", 28) if label == "q28" else label
         stored = ledger.root / f"audit-{re.sub('[^A-Za-z0-9]+', '-', key)}.json"
         row = {"row": key, **_audit_row(model, options, stored)}
         ledger.keep("audit", key, row)

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from benchmarks.gpu_backends import SECTIONS, markdown, parse_args, run_sections
+from benchmarks.gpu_checks import AUDIT_ROWS, junit_outcomes
 from benchmarks.gpu_ledger import Ledger, pending
 
 
@@ -28,7 +29,7 @@ def test_a_done_section_is_skipped_and_a_failed_one_resumes(tmp_path):
         calls.append("tests")
         if calls.count("tests") == 1:
             raise RuntimeError("killed at the call limit")
-        return {"tests/test_vllm_gpu.py": {"summary": "9 passed", "seconds": 1.0}}
+        return [{"file": "tests/test_vllm_gpu.py", "summary": "9 passed", "seconds": 1.0}]
 
     runners = {"install": ok, "tests": flaky}
     first = run_sections(_args(tmp_path, ["install", "tests"]), ledger, runners, {"device": "cpu"})
@@ -82,3 +83,11 @@ def test_sections_and_audit_rows_render():
     assert "identical" in table and "error: not valid" in table
     with pytest.raises(SystemExit):
         parse_args(["--sections", "nope"])
+
+
+def test_junit_outcomes_name_each_test(tmp_path):
+    report = tmp_path / "r.xml"
+    report.write_text('<testsuites><testsuite><testcase name="a"/><testcase name="b"><failure/></testcase>'
+                      '<testcase name="c"><skipped/></testcase></testsuite></testsuites>')
+    assert junit_outcomes(report) == {"a": "passed", "b": "failed", "c": "skipped"}
+    assert all(key in AUDIT_ROWS for key in ("q28 on", "q28 off", "tiny-qwen3 on", "q28 on, enforce_eager"))
