@@ -3,11 +3,24 @@
 One command on any CUDA host with vLLM installed (`pip install vllm`; on the lent H200s vLLM comes
 from carried wheels, `tools/h200_vllm.sh`):
 
-    python3 -m benchmarks.gpu_backends --out OUT --sections tests,drift,throughput
+    python3 -m benchmarks.gpu_backends --out OUT       # every section, or --sections a,b
+    bash tools/h200_vllm.sh run --out $OUT             # the lent H200: stage, install once, run
 
-Sections:
+It resumes: each section, and each row of a long one, is kept in a ledger under `--state`
+(default /tmp/parity-gpu-state, `benchmarks.gpu_ledger`) as it finishes, and a later run on the
+same machine skips what is there (`--redo` runs the named sections again), so a run cut by a
+call's time limit continues in the next call. Every run writes the results of every section done
+so far: OUT/gpu_backends.json and OUT/gpu_backends.md (the table, also printed last).
+
+Sections, in this order:
+- `install`: versions, and whether vLLM's FP8 (humming) and server imports are there.
 - `tests`: the GPU-marked backend tests (`pytest -m gpu`, tests/test_vllm_gpu.py and the GPU tests
   of the files given with `--tests`), their outcome per test.
+- `audit`: `parity audit --backend vllm` on tiny-qwen3 and the Qwen3-1.7B shape (28 layers) with
+  vLLM's batch-invariant mode off and on, then one knob at a time on the latter (enforce_eager,
+  cudagraph mode, each attention backend): `benchmarks.gpu_checks.AUDIT_ROWS`, `--audit-rows`.
+- `server`: `vllm-server` on the GPU bitwise equal to the offline engine (its test).
+- `fp8`: FP8 rollouts against the bf16 trainer and the memory-refusal test (their tests).
 - `drift`: vLLM against parity's training forward on the same GPU, one row per setting: bf16 and
   fp16, vLLM's batch-invariant mode off and on, R3 off and on (MoE), FP8 rollouts (`quantization=
   "fp8"`, `kv_cache_dtype="fp8"`) scored against the bf16 trainer; models: the Qwen3-1.7B shape (28
@@ -16,9 +29,10 @@ Sections:
 - `throughput`: output tok/s of parity's invariant engine and vLLM (batch-invariant off and on) on
   one workload (`--workload requests,prompt,output`, default 256,256,512) and the dense Qwen3-1.7B
   shape, each measurement in its own process (one GPU's memory each), in the order given by
-  `--order` (repeat with the opposite order to see the host's drift), with the ratios.
+  `--order` and then in the opposite order (the host's drift shows), with the ratios.
+- `loop`: the RL loop with the reference engine and vLLM (`benchmarks.loop`, `--loop-steps`,
+  `--loop-model`), its JSON and page in OUT.
 
-Results: OUT/gpu_backends.json (rows as they finish) and a Markdown table on stdout.
 """
 
 from __future__ import annotations
@@ -29,11 +43,22 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-SECTIONS = ("tests", "drift", "throughput")
+from benchmarks.gpu_checks import (
+    TEST_ROWS,
+    audit_section,
+    install_section,
+    loop_section,
+    pytest_row,
+    test_row_section,
+)
+from benchmarks.gpu_ledger import DEFAULT_STATE, Ledger, pending
+
+SECTIONS = ("install", "tests", "audit", "server", "fp8", "drift", "throughput", "loop")
 THROUGHPUT_SIDES = ("parity", "vllm", "vllm-bi")
 #: engine settings of the drift rows: a memory share that leaves the GPU to the training forward.
 DRIFT_ENGINE = {"gpu_memory_utilization": 0.5}
@@ -74,14 +99,14 @@ def _drift_settings(moe: bool) -> list[tuple[str, dict[str, Any], str | None, st
     return rows
 
 
-def drift_section(args: argparse.Namespace, save: Any) -> list[dict[str, Any]]:
+def drift_section(args: argparse.Namespace, ledger: Ledger) -> list[dict[str, Any]]:
     import parity
     from parity.backends import get_backend
     from parity.core.types import SamplingParams
     from parity.workload.cases import load_case
 
-    models = [("qwen3-1.7b x28", _shaped(args.out, "qwen3-1.7b", 28), False),
-              (f"qwen3-30b-a3b x{args.moe_layers}", _shaped(args.out, "qwen3-30b-a3b", args.moe_layers),
+    models = [("qwen3-1.7b x28", _shaped(args.state, "qwen3-1.7b", 28), False),
+              (f"qwen3-30b-a3b x{args.moe_layers}", _shaped(args.state, "qwen3-30b-a3b", args.moe_layers),
                True)]
     try:
         from parity.models.trained import packaged_file
@@ -92,11 +117,12 @@ def drift_section(args: argparse.Namespace, save: Any) -> list[dict[str, Any]]:
         print(f"smollm2-135m-instruct not run: {e}", flush=True)
     sampling = SamplingParams(n=4, temperature=1.0, top_p=0.95, max_tokens=args.tokens, seed=1)
     prompts = [[1, *range(100 + 7 * i, 100 + 7 * i + 32 + 4 * i)] for i in range(args.prompts)]
-    rows: list[dict[str, Any]] = []
     for label, path, moe in models:
         if label not in args.models and "all" not in args.models:
             continue
         for setting, settings, replay, dtype in _drift_settings(moe):
+            if f"{label} | {setting}" in ledger.rows("drift"):
+                continue
             options = dict(settings)
             engine_kwargs = {**DRIFT_ENGINE, "gpu_memory_utilization": args.memory_share,
                              **({"enforce_eager": True} if args.eager else {}),
@@ -114,24 +140,21 @@ def drift_section(args: argparse.Namespace, save: Any) -> list[dict[str, Any]]:
                     int(s["num_tokens"]), s.get("router_agreement"), time.perf_counter() - start))
             except Exception as e:  # a row that fails is a row with its error, not a lost table
                 row = {"model": label, "setting": setting, "error": f"{type(e).__name__}: {e}"[:400]}
-            rows.append(row)
+            ledger.keep("drift", f"{label} | {setting}", row)
             print(json.dumps(row), flush=True)
-            save("drift", rows)
-    return rows
+    return list(ledger.rows("drift").values())
 
 
-def tests_section(args: argparse.Namespace) -> dict[str, Any]:
-    files = ["tests/test_vllm_gpu.py", *args.tests]
-    report = args.out / "gpu-tests.xml"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:randomly", "-rA",
-           f"--junitxml={report}", *files]
-    start = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    tail = done.stdout[-6000:] + done.stderr[-2000:]
-    print(tail, flush=True)
-    return {"command": " ".join(cmd[1:]), "exit_code": done.returncode,
-            "seconds": time.perf_counter() - start,
-            "summary": done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""}
+def tests_section(args: argparse.Namespace, ledger: Ledger) -> dict[str, Any]:
+    """The GPU-marked tests of tests/test_vllm_gpu.py (less the server and FP8 rows' own) and of
+    `--tests`, per file."""
+    files = {"tests/test_vllm_gpu.py": "not (" + " or ".join(TEST_ROWS.values()) + ")",
+             **dict.fromkeys(args.tests)}
+    for name, selection in files.items():
+        if name not in ledger.rows("tests"):
+            row = pytest_row([name], selection, ledger.root / f"{Path(name).stem}.xml")
+            ledger.keep("tests", name, {"file": name, **row})
+    return list(ledger.rows("tests").values())
 
 
 def measure(side: str, model: str, workload: tuple[int, int, int]) -> dict[str, Any]:
@@ -149,6 +172,7 @@ def measure(side: str, model: str, workload: tuple[int, int, int]) -> dict[str, 
 
         with ReferenceEngine(model, dtype="bfloat16", device="cuda", max_num_seqs=count,
                              chunk_size=prompt_len, max_num_batched_tokens=8192) as engine:
+            engine.warm_up(prompt_len + max_tokens)  # every shape compiled and captured: not timed
             engine.generate(requests[:4])
             torch.cuda.synchronize()
             start = time.perf_counter()
@@ -176,24 +200,63 @@ def measure(side: str, model: str, workload: tuple[int, int, int]) -> dict[str, 
             "peak_gib": peak}
 
 
-def throughput_section(args: argparse.Namespace, save: Any) -> list[dict[str, Any]]:
-    model = _shaped(args.out, "qwen3-1.7b", 28)
-    rows = []
-    for side in args.order:
+def throughput_section(args: argparse.Namespace, ledger: Ledger) -> list[dict[str, Any]]:
+    """Each side in `--order`, then in the reverse order; one process per measurement."""
+    model = _shaped(args.state, "qwen3-1.7b", 28)
+    runs = [(f"order 1: {side}", side) for side in args.order] + \
+        [(f"order 2: {side}", side) for side in reversed(args.order)]
+    for key, side in runs:
+        if key in ledger.rows("throughput"):
+            continue
         cmd = [sys.executable, "-m", "benchmarks.gpu_backends", "--measure", side, "--model", model,
                "--workload", ",".join(map(str, args.workload))]
         done = subprocess.run(cmd, capture_output=True, text=True)
         lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
         row = json.loads(lines[-1]) if done.returncode == 0 and lines else \
             {"side": side, "error": (done.stderr or done.stdout)[-600:]}
-        rows.append(row)
+        ledger.keep("throughput", key, {"run": key, **row})
         print(json.dumps(row), flush=True)
-        save("throughput", rows)
-    return rows
+    return list(ledger.rows("throughput").values())
+
+
+def _check_cell(check: dict[str, Any]) -> str:
+    if check.get("skipped"):
+        return "skipped"
+    if not check["differing"]:
+        return "identical"
+    return f"{check['differing']}/{check['requests']}, {check['max_abs_logprob_diff']:.2g}"
+
+
+def _test_lines(name: str, row: dict[str, Any]) -> list[str]:
+    outcomes = ", ".join(f"{test} {outcome}" for test, outcome in row.get("outcomes", {}).items())
+    return [f"| {name} | {row.get('summary', '')} | {row.get('seconds', 0):.0f} | {outcomes} |"]
 
 
 def markdown(results: dict[str, Any]) -> str:
-    lines = []
+    """The table of every section in `results` (section -> its result or rows so far)."""
+    lines: list[str] = []
+    if "install" in results:
+        lines += ["install: " + ", ".join(f"{k} {v}" for k, v in results["install"].items()), ""]
+    tests = {**{row["file"]: row for row in results.get("tests") or []},
+             **{name: results[name] for name in TEST_ROWS if name in results}}
+    if tests:
+        lines += ["| tests | summary | s | outcomes |", "| --- | --- | --- | --- |"]
+        for name, row in tests.items():
+            lines += _test_lines(name, row)
+        lines.append("")
+    if "audit" in results:
+        checks = ("repeat", "batch", "order", "prefill_decode", "prefix_cache")
+        lines += ["| audit row | deterministic | batch-invariant | attention | cudagraph | "
+                  + " | ".join(checks) + " |", "| --- " * (5 + len(checks)) + "|"]
+        for r in results["audit"]:
+            if "checks" not in r:
+                error = " ".join(r.get("error", []))[:160]
+                lines.append(f"| {r['row']} | error: {error} |" + " |" * (3 + len(checks)))
+                continue
+            cells = [_check_cell(r["checks"][c]) if c in r["checks"] else "" for c in checks]
+            lines.append(f"| {r['row']} | {r['deterministic']} | {r['batch_invariant']} | "
+                         f"{r['attention_backend']} | {r['cudagraph_mode']} | " + " | ".join(cells) + " |")
+        lines.append("")
     if "drift" in results:
         lines += ["| model | setting | max abs dlogp | mean abs dlogp | k3 KL | tokens | router agreement "
                   "| s |",
@@ -206,15 +269,23 @@ def markdown(results: dict[str, Any]) -> str:
             lines.append(f"| {r['model']} | {r['setting']} | {r['max_abs_logprob_diff']:.4f} | "
                          f"{r['mean_abs_logprob_diff']:.5f} | {r['k3_kl']:.2e} | {r['tokens']} | {agree} | "
                          f"{r['seconds']:.0f} |")
+        lines.append("")
     if "throughput" in results:
-        ok = {r["side"]: r for r in results["throughput"] if "error" not in r}
-        lines += ["", "| side | output tok/s | seconds | x parity |", "| --- | --- | --- | --- |"]
+        lines += ["| run | output tok/s | seconds | parity / this (same order) |",
+                  "| --- | --- | --- | --- |"]
+        parity = {r["run"].split(":")[0]: r["output_tok_s"] for r in results["throughput"]
+                  if r["side"] == "parity" and "error" not in r}
         for r in results["throughput"]:
             if "error" in r:
-                lines.append(f"| {r['side']} | error | | |")
+                lines.append(f"| {r['run']} | error | | |")
                 continue
-            ratio = ok["parity"]["output_tok_s"] / r["output_tok_s"] if "parity" in ok else float("nan")
-            lines.append(f"| {r['side']} | {r['output_tok_s']:,.0f} | {r['seconds']:.1f} | {ratio:.2f} |")
+            order = r["run"].split(":")[0]
+            ratio = f"{parity[order] / r['output_tok_s']:.2f}" if order in parity else ""
+            lines.append(f"| {r['run']} | {r['output_tok_s']:,.0f} | {r['seconds']:.1f} | {ratio} |")
+        lines.append("")
+    if "loop" in results:
+        r = results["loop"]
+        lines += [f"loop: exit {r['exit_code']} in {r['seconds']:.0f} s: {r['command']}"]
     return "\n".join(lines)
 
 
@@ -241,6 +312,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "the GPU)")
     p.add_argument("--workload", type=_ints, default=(256, 256, 512))
     p.add_argument("--order", type=lambda t: t.split(","), default=list(THROUGHPUT_SIDES))
+    p.add_argument("--state", type=Path, default=DEFAULT_STATE,
+                   help="where finished sections and rows are kept (a later run skips them)")
+    p.add_argument("--redo", action="store_true", help="forget the named sections' state and run them again")
+    p.add_argument("--audit-rows", type=lambda t: t.split(";"), default=["all"],
+                   help="audit: ';'-separated row keys of benchmarks.gpu_checks.AUDIT_ROWS (default all)")
+    p.add_argument("--loop-steps", type=int, default=200)
+    p.add_argument("--loop-model", type=lambda t: t.split(),
+                   default=["--shape", "qwen3-1024", "--layers", "12"],
+                   help="loop: the model flags of benchmarks.loop (default: the qwen3-1024 shape, 12 layers: "
+                        "190 steps took 530 s on an H200, so 200 steps fill one 10-minute call)")
     p.add_argument("--measure", choices=THROUGHPUT_SIDES, help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -249,6 +330,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown sections or sides {unknown}; sections: {SECTIONS}, sides: {THROUGHPUT_SIDES}")
     return args
+
+
+def run_sections(args: argparse.Namespace, ledger: Ledger, runners: dict[str, Callable[[], Any]],
+                 header: dict[str, Any]) -> dict[str, Any]:
+    """Run each pending section of `args.sections` (`gpu_ledger.pending`), marking it done when it
+    returns; write OUT/gpu_backends.json and .md with every section done or partial so far after
+    each. A section that raises stays pending (its kept rows stay) and the next one runs."""
+    def write() -> dict[str, Any]:
+        results = {**header, "sections": {s: ledger.result(s) for s in args.sections
+                                          if ledger.result(s) is not None},
+                   "pending": pending(args.sections, ledger)}
+        (args.out / "gpu_backends.json").write_text(json.dumps(results, indent=1, default=str))
+        (args.out / "gpu_backends.md").write_text(markdown(results["sections"]) + "\n")
+        return results
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    for section in pending(args.sections, ledger):
+        start = time.perf_counter()
+        try:
+            ledger.finish(section, runners[section]())
+            print(f"[{section}] done in {time.perf_counter() - start:.0f} s", flush=True)
+        except Exception as e:  # the next section still runs; this one resumes in the next call
+            print(f"[{section}] failed after {time.perf_counter() - start:.0f} s: {type(e).__name__}: {e}",
+                  flush=True)
+        write()
+    return write()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -263,24 +370,27 @@ def main(argv: list[str] | None = None) -> None:
     try:
         import vllm
     except ImportError:
-        raise SystemExit("benchmarks.gpu_backends needs vLLM's GPU build: pip install vllm") from None
-    args.out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                               "vllm": vllm.__version__, "argv": sys.argv[1:]}
-
-    def save(key: str, value: Any) -> None:
-        results[key] = value
-        tmp = args.out / "gpu_backends.json.tmp"
-        tmp.write_text(json.dumps(results, indent=1, default=str))
-        tmp.replace(args.out / "gpu_backends.json")
-
-    if "tests" in args.sections:
-        save("tests", tests_section(args))
-    if "drift" in args.sections:
-        drift_section(args, save)
-    if "throughput" in args.sections:
-        throughput_section(args, save)
-    print(markdown(results))
+        raise SystemExit("benchmarks.gpu_backends needs vLLM's GPU build: pip install vllm "
+                         "(on the lent H200s: bash tools/h200_vllm.sh run)") from None
+    ledger = Ledger(args.state)
+    if args.redo:
+        ledger.forget(args.sections)
+    header = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "vllm": vllm.__version__,
+              "argv": sys.argv[1:]}
+    runners: dict[str, Callable[[], Any]] = {
+        "install": lambda: install_section(args),
+        "tests": lambda: tests_section(args, ledger),
+        "audit": lambda: audit_section(args, ledger, _shaped),
+        "server": lambda: test_row_section("server", ledger),
+        "fp8": lambda: test_row_section("fp8", ledger),
+        "drift": lambda: drift_section(args, ledger),
+        "throughput": lambda: throughput_section(args, ledger),
+        "loop": lambda: loop_section(args, ledger),
+    }
+    results = run_sections(args, ledger, runners, header)
+    print(markdown(results["sections"]))
+    if results["pending"]:
+        print(f"pending (run the same command again to resume): {', '.join(results['pending'])}")
 
 
 if __name__ == "__main__":

@@ -202,6 +202,28 @@ def test_decode_graphs_take_the_one_token_attention_launch_and_keep_the_bits():
         assert torch.equal(score.cpu(), torch.tensor(rollout.logprobs, dtype=torch.float32))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA not available)")
+def test_warm_up_captures_every_graph_before_the_generate_and_keeps_the_bits():
+    """After warm_up the generate captures nothing (every bucket exists, graphs replayed) and its
+    rollouts still equal the training forward bit for bit; without warm-up (the control) the
+    generate captures its buckets as it goes."""
+    requests = [Request(tuple(range(3, 3 + n)), SamplingParams(n=2, max_tokens=8, seed=n), request_id=str(n))
+                for n in (3, 40)]
+    settings = dict(device="cuda", dtype="bfloat16", max_num_seqs=4, chunk_size=8)
+    with ReferenceEngine("tiny-qwen3", **settings) as engine:
+        assert engine.warm_up(48) > 0
+        before = set(engine._graphs._buckets)
+        rollouts = engine.generate(requests)
+        assert set(engine._graphs._buckets) == before and engine._graphs.status == "cuda graphs"
+    with ReferenceEngine("tiny-qwen3", **settings) as cold:
+        cold.generate(requests)
+        assert cold._graphs._buckets
+    scored = train_forward("tiny-qwen3", rollouts, device="cuda", dtype="bfloat16")
+    for rollout, score in zip(rollouts, scored.logprobs):
+        assert torch.equal(score.cpu(), torch.tensor(rollout.logprobs, dtype=torch.float32))
+
+
 def test_dense_model_records_no_routes():
     rollout, = ReferenceEngine("tiny-llama", record_routes=True).generate(
         [Request((5, 6), SamplingParams(max_tokens=2))])

@@ -10,7 +10,7 @@ from test_engine import workloads
 
 from parity import Request, SamplingParams
 from parity.backends.reference import ReferenceBackend
-from parity.core.errors import ConfigError
+from parity.core.errors import ConfigError, InputError
 from parity.engine import EngineConfig, ReferenceEngine, train_forward
 from parity.engine.graphs import bucket_sizes
 from parity.engine.scheduler import Scheduler, Sequence
@@ -132,3 +132,32 @@ def test_engine_and_reference_backend_take_one_engine_config():
         EngineConfig(record_routes="yes")
     with pytest.raises(ConfigError, match="graphs"):
         EngineConfig(graphs=1)
+
+
+@pytest.mark.parametrize("kernels", ["invariant", "native"])
+def test_warm_up_prepares_every_step_shape_and_changes_no_bits(kernels):
+    """After warm_up(max_length) a generate within it makes no new graph bucket (nothing compiled or
+    captured while timed) and gives the bits of an engine that was not warmed; the control: without
+    warm-up the same generate makes its buckets as it goes."""
+    requests = [Request(tuple(range(3, 3 + n)), SamplingParams(n=2, max_tokens=12, seed=n), request_id=str(n))
+                for n in (5, 30)]
+    longest = 30 + 12
+    warmed = ReferenceEngine("tiny-qwen3", dtype="bfloat16", kernels=kernels, max_num_seqs=4,
+                             max_num_batched_tokens=48, graphs=True)
+    assert warmed.warm_up(longest) > 0
+    before = set(warmed._graphs._buckets)
+    rollouts = warmed.generate(requests)
+    assert set(warmed._graphs._buckets) == before
+    cold = ReferenceEngine("tiny-qwen3", dtype="bfloat16", kernels=kernels, max_num_seqs=4,
+                           max_num_batched_tokens=48, graphs=True)
+    expected = cold.generate(requests)
+    assert len(cold._graphs._buckets) > 0  # the control: an unwarmed engine makes them while it runs
+    with pytest.raises(InputError, match="warm_up max_length"):
+        warmed.warm_up(10**9)
+    for rollout, other in zip(rollouts, expected):
+        assert rollout.token_ids == other.token_ids
+        assert np.array_equal(np.asarray(rollout.logprobs), np.asarray(other.logprobs))
+    scores = train_forward("tiny-qwen3", rollouts, dtype="bfloat16", kernels=kernels).logprobs
+    if kernels == "invariant":
+        for rollout, score in zip(rollouts, scores):
+            assert torch.equal(score, torch.tensor(rollout.logprobs, dtype=torch.float32))

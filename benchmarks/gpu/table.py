@@ -81,7 +81,11 @@ def _throughput(row: Throughput | Failure, graphs: bool) -> str:
     if isinstance(row, Failure):
         return "ERROR"
     status = f" [{row.step_graphs}]" if graphs and row.step_graphs else ""
-    return f"{row.output_tok_s:.0f} output tok/s ({row.seconds:.1f} s){status}"
+    runs = ""
+    if row.runs_tok_s and len(row.runs_tok_s) > 1:
+        runs = f"; runs {', '.join(f'{r:.0f}' for r in row.runs_tok_s)}, spread {row.spread:.1%}"
+    cold = f"; cold start {row.cold_start_s:.1f} s" if row.cold_start_s is not None else ""
+    return f"{row.output_tok_s:.0f} output tok/s ({row.seconds:.1f} s{runs}{cold}){status}"
 
 
 def e2e_lines(e2e: Any, label: str) -> list[str]:

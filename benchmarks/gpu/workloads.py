@@ -86,22 +86,34 @@ def variant_choices() -> list[str]:
 def engine_tok_s(model: Path | LoadedModel, kernels: str | tuple[str, ...], reqs: list[Request],
                  chunk_size: int, budget: int, record_routes: bool = False,
                  tensor_parallel_size: int | None = None,
-                 reduction_groups: int = REDUCTION_GROUPS) -> Throughput:
-    """Output tok/s of one ReferenceEngine.generate over reqs (after a small warm-up generate; the
-    timed call still captures its decode graph, the KV cache being reallocated for its lengths)."""
+                 reduction_groups: int = REDUCTION_GROUPS, repeats: int = 1) -> Throughput:
+    """Output tok/s of ReferenceEngine.generate over reqs, `repeats` timed calls (the median kept).
+    Before the first, `warm_up` prepares every shape the workload uses (the KV cache at its length,
+    every step graph, the eager prefill sizes) and its seconds are the cold-start figure; a small
+    generate then compiles the sampler."""
     with ReferenceEngine(model, dtype="bfloat16", device="cuda", kernels=kernels, max_num_seqs=len(reqs),
                          chunk_size=chunk_size, max_num_batched_tokens=budget,
                          record_routes=record_routes, tensor_parallel_size=tensor_parallel_size,
                          reduction_groups=reduction_groups) as engine:
-        engine.generate(requests_for(151936, 4, 16, 4, seed=9))  # compile kernels, allocate the cache
         torch.cuda.synchronize()
         start = time.perf_counter()
-        rollouts = engine.generate(reqs)
+        engine.warm_up(max(len(r.prompt_ids) + r.sampling.max_tokens for r in reqs))
+        engine.generate(requests_for(151936, 4, 16, 4, seed=9))
         torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
-    produced = sum(len(r.token_ids) for r in rollouts)
-    return Throughput(seconds=seconds, output_tokens=produced, output_tok_s=produced / seconds,
-                      step_graphs=rollouts[0].meta["step_graphs"])
+        cold = time.perf_counter() - start
+        runs = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            rollouts = engine.generate(reqs)
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+            produced = sum(len(r.token_ids) for r in rollouts)
+            runs.append((produced / seconds, seconds))
+    rates = sorted(rate for rate, _ in runs)
+    median_rate, median_seconds = sorted(runs)[len(runs) // 2]
+    return Throughput(seconds=median_seconds, output_tokens=produced, output_tok_s=median_rate,
+                      step_graphs=rollouts[0].meta["step_graphs"], cold_start_s=cold,
+                      runs_tok_s=[rate for rate, _ in runs], spread=(rates[-1] - rates[0]) / median_rate)
 
 
 def hf_generate_tok_s(model: Path | torch.nn.Module, reqs: list[Request], prompt_len: int,

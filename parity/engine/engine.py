@@ -229,6 +229,38 @@ class ReferenceEngine:
                                        record_routes=self._records_routes)
                             if self._use_graphs() else None)
 
+    def warm_up(self, max_length: int) -> int:
+        """Make every shape a generate of sequences up to `max_length` positions runs before one is
+        timed: the KV cache at that capacity, every step graph captured, and the eager steps past the
+        largest graph (up to max_num_batched_tokens tokens) compiled at each power-of-two size and the
+        budget. Pad tokens write only the pad slot, so no rollout's bits change. Returns the number of
+        shapes prepared (0 with tensor-parallel ranks, which compile as they go)."""
+        check_length(max_length, self.lm, "warm_up max_length")
+        if self._ranks is not None:
+            return 0
+        self._reserve(max_length)
+        prepared = 0
+        with torch.inference_mode(), kernel_scope(self.config.kernels):
+            if self._graphs is not None:
+                prepared += self._graphs.warm()
+            largest = self._graphs.sizes[-1] if self._graphs is not None else 0
+            budget = self.config.max_num_batched_tokens
+            sizes = sorted(size for size in {*(2**k for k in range(budget.bit_length())), budget}
+                           if largest < size <= budget)
+            pad = self.config.max_num_seqs  # the slot no sequence is given
+            for size in sizes:
+                ids = torch.zeros((1, size), dtype=torch.int64, device=self.config.device)
+                slots = torch.full((size,), pad, dtype=torch.int64, device=self.config.device)
+                routing.run_routed(
+                    lambda ids=ids, slots=slots, size=size: forward.final_hidden(
+                        self.lm, ids, torch.zeros_like(ids), self._cache, slots, span=self._cache.block,
+                        max_run=size),
+                    self.lm.num_moe_layers, record=self._records_routes)
+                prepared += 1
+        if torch.device(self.config.device).type == "cuda":
+            torch.cuda.synchronize(self.config.device)
+        return prepared
+
     def _check(self, requests: list[Request]) -> None:
         if not isinstance(requests, (list, tuple)):
             raise InputError(f"generate() takes a list of parity.Request, got {type(requests).__name__}")

@@ -107,6 +107,21 @@ class StepGraphs:
         bucket.graph.replay()
         return bucket.hidden, bucket.routes
 
+    def warm(self) -> int:
+        """Capture every bucket a step can use (each size; a decode and a mixed graph, or each span),
+        so no later step pays a compile or a capture; returns the number of buckets made."""
+        spans = [self.cache.capacity]
+        if self.span_buckets:
+            spans = sorted({self._span(p) for p in range(0, self.cache.capacity, self.cache.block)})
+        made = 0
+        for size in self.sizes:
+            for span in spans:
+                for max_run in ({1, size} if self.run_buckets else {size}):
+                    if (size, span, max_run) not in self._buckets:
+                        self._make(size, span, max_run)
+                        made += 1
+        return made
+
     def _span(self, position: int) -> int:
         """Cached positions a step whose highest position is `position` reads."""
         if not self.span_buckets:

@@ -5,7 +5,9 @@ engine with invariant kernels; "invariant@PLAN" under another attention plan), "
 same engine, scheduler and CUDA graphs with default cuBLAS, torch's flash attention reading the KV
 cache in place and stock MoE, keeping only the row-wise/elementwise families `BASELINE_FAMILIES`
 on parity's fused kernels: the honest non-invariant baseline), "native" (every family stock: HF's
-unfused ops) and "hf" (transformers `generate`).
+unfused ops) and "hf" (transformers `generate`). Each engine variant is warmed (`warm_up`: every
+shape compiled and captured; its seconds reported as the cold-start figure) and timed
+`--e2e-repeats` times in the same engine; the row keeps the median, each run and their spread.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def measure(run: Run) -> E2ESection:
             else:
                 with module_constants(attention_kernels, **plan_constants(variant)):
                     rows[name] = engine_tok_s(path, engine_kernels(variant), reqs, chunk_size,
-                                              args.max_batched_tokens)
+                                              args.max_batched_tokens, repeats=args.e2e_repeats)
         except Exception:
             rows[name] = failure()
         torch.cuda.empty_cache()

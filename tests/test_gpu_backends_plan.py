@@ -1,0 +1,93 @@
+"""The resume logic of `python3 -m benchmarks.gpu_backends` (on CPU: no section runs for real).
+
+A section is marked done only when it returns; one that raises (or a run killed at the call's
+limit) stays pending with the rows it kept, and the next run starts at its next row."""
+
+import argparse
+import json
+
+import pytest
+
+from benchmarks.gpu_backends import SECTIONS, markdown, parse_args, run_sections
+from benchmarks.gpu_checks import AUDIT_ROWS, junit_outcomes
+from benchmarks.gpu_ledger import Ledger, pending
+
+
+def _args(tmp_path, sections):
+    return argparse.Namespace(out=tmp_path / "out", sections=sections)
+
+
+def test_a_done_section_is_skipped_and_a_failed_one_resumes(tmp_path):
+    ledger = Ledger(tmp_path / "state")
+    calls = []
+
+    def ok():
+        calls.append("install")
+        return {"vllm": "0.23.0"}
+
+    def flaky():
+        calls.append("tests")
+        if calls.count("tests") == 1:
+            raise RuntimeError("killed at the call limit")
+        return [{"file": "tests/test_vllm_gpu.py", "summary": "9 passed", "seconds": 1.0}]
+
+    runners = {"install": ok, "tests": flaky}
+    first = run_sections(_args(tmp_path, ["install", "tests"]), ledger, runners, {"device": "cpu"})
+    assert first["pending"] == ["tests"] and calls == ["install", "tests"]
+    second = run_sections(_args(tmp_path, ["install", "tests"]), ledger, runners, {"device": "cpu"})
+    assert second["pending"] == [] and calls == ["install", "tests", "tests"]  # install not run again
+    saved = json.loads((tmp_path / "out" / "gpu_backends.json").read_text())
+    assert saved["sections"]["install"] == {"vllm": "0.23.0"}
+    assert "9 passed" in (tmp_path / "out" / "gpu_backends.md").read_text()
+    # the control: a fresh ledger (another machine) runs everything again
+    run_sections(_args(tmp_path, ["install", "tests"]), Ledger(tmp_path / "other"), runners, {})
+    assert calls.count("install") == 2
+
+
+def test_rows_kept_before_a_kill_are_not_run_again(tmp_path):
+    ledger = Ledger(tmp_path / "state")
+    measured = []
+
+    def section(limit):
+        for key in ("order 1: parity", "order 1: vllm", "order 2: vllm", "order 2: parity"):
+            if key in ledger.rows("throughput"):
+                continue
+            if len(measured) == limit:
+                raise TimeoutError("call limit")
+            measured.append(key)
+            ledger.keep("throughput", key, {"run": key, "side": key.split(": ")[1], "output_tok_s": 1e4,
+                                            "seconds": 6.0})
+        return list(ledger.rows("throughput").values())
+
+    args = _args(tmp_path, ["throughput"])
+    assert run_sections(args, ledger, {"throughput": lambda: section(2)}, {})["pending"] == ["throughput"]
+    assert len(ledger.result("throughput")) == 2  # the partial rows are in the results
+    done = run_sections(args, ledger, {"throughput": lambda: section(99)}, {})
+    assert done["pending"] == [] and len(measured) == 4 and len(set(measured)) == 4
+    assert "| order 2: vllm | 10,000 | 6.0 | 1.00 |" in markdown(done["sections"])
+    ledger.forget(["throughput"])  # --redo
+    assert pending(["throughput"], ledger) == ["throughput"] and ledger.rows("throughput") == {}
+
+
+def test_sections_and_audit_rows_render():
+    args = parse_args([])
+    assert args.sections == list(SECTIONS) and args.order == ["parity", "vllm", "vllm-bi"]
+    row = {"row": "q28 on", "deterministic": False, "batch_invariant": False, "attention_backend": "auto",
+           "cudagraph_mode": "FULL_AND_PIECEWISE",
+           "checks": {"repeat": {"differing": 1, "requests": 8, "max_abs_logprob_diff": 9.54e-07,
+                                 "skipped": None},
+                      "prefix_cache": {"differing": 0, "requests": 8, "max_abs_logprob_diff": 0.0,
+                                       "skipped": None}}}
+    table = markdown({"audit": [row, {"row": "q28 on, attention FLASHINFER", "error": ["not valid"]}]})
+    assert "| q28 on | False | False | auto | FULL_AND_PIECEWISE | 1/8, 9.5e-07 |" in table
+    assert "identical" in table and "error: not valid" in table
+    with pytest.raises(SystemExit):
+        parse_args(["--sections", "nope"])
+
+
+def test_junit_outcomes_name_each_test(tmp_path):
+    report = tmp_path / "r.xml"
+    report.write_text('<testsuites><testsuite><testcase name="a"/><testcase name="b"><failure/></testcase>'
+                      '<testcase name="c"><skipped/></testcase></testsuite></testsuites>')
+    assert junit_outcomes(report) == {"a": "passed", "b": "failed", "c": "skipped"}
+    assert all(key in AUDIT_ROWS for key in ("q28 on", "q28 off", "tiny-qwen3 on", "q28 on, enforce_eager"))
