@@ -35,7 +35,7 @@ from parity.core.strict import check_dtype
 from parity.core.tables import PARQUET_SUFFIX, read_jsonl
 from parity.core.types import Rollout
 from parity.drift.tolerance import Tolerance
-from parity.models import resolve_model
+from parity.models import check_sampled_with, resolve_model
 from parity.models.lora import check_adapter
 from parity.report.document import ParityReport
 from parity.report.provenance import TRAIN_COMPUTED, provenance
@@ -132,6 +132,9 @@ def score(rollouts: Sequence[Rollout] | str | os.PathLike[str], model: str | os.
         raise ConfigError("the rollouts name no model; pass model= (--model), the checkpoint to score with")
     if model_arg is not None:
         resolve_model(model_arg)
+        check_sampled_with(model_arg, hashes=[r.meta.get("model_hash") for r in source.rollouts],
+                           name=source.model, where=f"the rollouts of {source.path}"
+                           if source.kind != "rollouts" else "the rollouts")
     if lora is not None and model_arg is None:
         raise ConfigError("lora applies to the model the rollouts are scored with; pass model= (--model)")
     adapter = None if lora is None else check_adapter(lora, model_arg).to_dict()

@@ -6,6 +6,7 @@ with a `ParityError` naming the field and the fix, or said in words.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -14,7 +15,7 @@ import pytest
 from parity.assess.accuracy import gold_summary
 from parity.assess.reporting import build_report
 from parity.cli import main
-from parity.core.errors import InputError
+from parity.core.errors import ConfigError, InputError
 from parity.core.schema import GOLD_RATIO_CI_KEY, GOLD_RATIO_KEY, GOLD_VERDICT_KEY
 from parity.core.types import Request, Rollout, SamplingParams
 from parity.drift.tolerance import Tolerance
@@ -114,3 +115,39 @@ def test_every_token_outside_the_support_is_said_so(rollouts):
     train = [np.full(len(r.token_ids), -np.inf, np.float32) for r in rollouts]
     with pytest.raises(InputError, match=r"every token \(\d+\) is outside the sampling support \(-inf\)"):
         build_report(rollouts, train, tolerance=Tolerance())
+
+
+# item 4: a record scored with another model ---------------------------------------------------------------
+
+
+def _record(path, rollouts, model=MODEL):
+    from parity.rollouts.record import write_record
+
+    requests = [Request(r.prompt_ids, r.sampling, r.request_id) for r in rollouts]
+    return write_record(path, requests, rollouts, model=model)
+
+
+def test_a_record_scored_with_another_model_is_refused_naming_both(tmp_path, rollouts, capsys):
+    from parity.scoring import score
+
+    path = _record(tmp_path / "run.jsonl", rollouts)
+    with pytest.raises(ConfigError, match=r"model 'tiny-qwen3' \(hash \w+\) is not the model .* sampled with: "
+                                          r"'tiny-llama' \(hash \w+\)"):
+        score(path, "tiny-qwen3", gold=True)
+    assert main(["score", str(path), "--model", "tiny-qwen3", "--gold"]) == 2
+    assert "tiny-llama" in capsys.readouterr().err
+    # rollouts that record no hash (another backend's): the header's model is compared by hash
+    bare = [dataclasses.replace(r, meta={k: v for k, v in r.meta.items() if k != "model_hash"}) for r in rollouts]
+    with pytest.raises(ConfigError, match="'tiny-llama'"):
+        score(_record(tmp_path / "bare.jsonl", bare), "tiny-qwen3")
+    score(_record(tmp_path / "same.jsonl", bare), MODEL, gold=False)  # the record's own model scores
+
+
+def test_the_gold_and_training_forwards_refuse_a_model_the_rollouts_were_not_sampled_with(rollouts):
+    from parity.engine import train_forward
+    from parity.engine.gold import gold_logprobs
+
+    with pytest.raises(ConfigError, match="is not the model the rollouts were sampled with"):
+        gold_logprobs("tiny-qwen3", rollouts)
+    with pytest.raises(ConfigError, match="is not the model the rollouts were sampled with"):
+        train_forward("tiny-qwen3", rollouts)
