@@ -18,7 +18,7 @@ from parity.cli import main
 from parity.core.errors import ConfigError, InputError
 from parity.core.schema import GOLD_RATIO_CI_KEY, GOLD_RATIO_KEY, GOLD_VERDICT_KEY
 from parity.core.types import Request, Rollout, SamplingParams
-from parity.drift.tolerance import Tolerance
+from parity.drift.tolerance import DEFAULTS, Tolerance, pair_dtype
 from parity.engine import ReferenceEngine
 
 MODEL = "tiny-llama"
@@ -131,13 +131,14 @@ def test_a_record_scored_with_another_model_is_refused_naming_both(tmp_path, rol
     from parity.scoring import score
 
     path = _record(tmp_path / "run.jsonl", rollouts)
-    with pytest.raises(ConfigError, match=r"model 'tiny-qwen3' \(hash \w+\) is not the model .* sampled with: "
-                                          r"'tiny-llama' \(hash \w+\)"):
+    said = r"model 'tiny-qwen3' \(hash \w+\) is not the model .* sampled with: 'tiny-llama' \(hash \w+\)"
+    with pytest.raises(ConfigError, match=said):
         score(path, "tiny-qwen3", gold=True)
     assert main(["score", str(path), "--model", "tiny-qwen3", "--gold"]) == 2
     assert "tiny-llama" in capsys.readouterr().err
     # rollouts that record no hash (another backend's): the header's model is compared by hash
-    bare = [dataclasses.replace(r, meta={k: v for k, v in r.meta.items() if k != "model_hash"}) for r in rollouts]
+    bare = [dataclasses.replace(r, meta={k: v for k, v in r.meta.items() if k != "model_hash"})
+            for r in rollouts]
     with pytest.raises(ConfigError, match="'tiny-llama'"):
         score(_record(tmp_path / "bare.jsonl", bare), "tiny-qwen3")
     score(_record(tmp_path / "same.jsonl", bare), MODEL, gold=False)  # the record's own model scores
@@ -151,3 +152,44 @@ def test_the_gold_and_training_forwards_refuse_a_model_the_rollouts_were_not_sam
         gold_logprobs("tiny-qwen3", rollouts)
     with pytest.raises(ConfigError, match="is not the model the rollouts were sampled with"):
         train_forward("tiny-qwen3", rollouts)
+
+
+# item 12: mixed precision: the rollouts' dtype declared, tolerances from the pair ---------------------------
+
+
+def test_the_pair_picks_the_less_precise_dtypes_limits():
+    assert pair_dtype("float32", "bfloat16") == pair_dtype("bfloat16", "float32") == "bfloat16"
+    assert pair_dtype("float32", "float16") == "float16" and pair_dtype("float32") == "float32"
+    assert Tolerance.for_backend("vllm", "float32", "bfloat16") == Tolerance(**DEFAULTS["bfloat16"])
+    assert Tolerance.for_backend("reference", "float32", "bfloat16") == Tolerance.exact()
+    with pytest.raises(ConfigError, match="rollout dtype"):
+        pair_dtype("float32", "fp8")
+
+
+@pytest.fixture(scope="module")
+def bf16_rollouts() -> list[Rollout]:
+    requests = [Request((5 + i, 9, 13, 21 + i), SamplingParams(max_tokens=8, temperature=1.0, seed=i),
+                        f"r{i}") for i in range(4)]
+    return ReferenceEngine(MODEL, dtype="bfloat16").generate(requests)
+
+
+def test_bf16_rollouts_scored_by_an_fp32_trainer_are_judged_by_bf16_limits(tmp_path, bf16_rollouts, capsys):
+    from parity.scoring import score
+
+    declared = tmp_path / "declared.jsonl"
+    _dump(declared, bf16_rollouts, [r.logprobs for r in bf16_rollouts], rollout_dtype="bfloat16")
+    report = score(declared, MODEL, dtype="float32", gold=False)
+    assert report.tolerance == Tolerance(**DEFAULTS["bfloat16"])
+    assert report.provenance["rollout_dtype"] == "bfloat16" and report.provenance["dtype"] == "float32"
+    plain = tmp_path / "plain.jsonl"
+    _dump(plain, bf16_rollouts, [r.logprobs for r in bf16_rollouts])
+    out = tmp_path / "r.json"
+    main(["score", str(plain), "--model", MODEL, "--dtype", "float32", "--rollout-dtype", "bfloat16",
+          "--no-gold", "--json", str(out)])
+    assert json.loads(out.read_text())["tolerance"] == Tolerance(**DEFAULTS["bfloat16"]).to_dict()
+    assert main(["score", str(declared), "--model", MODEL, "--rollout-dtype", "float16", "--no-gold"]) == 2
+    assert "contradicts the rollouts' record" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    _dump(bad, bf16_rollouts, [r.logprobs for r in bf16_rollouts], rollout_dtype="bf16")
+    with pytest.raises(InputError, match="rollout_dtype"):
+        score(bad, MODEL, gold=False)
