@@ -15,7 +15,7 @@ import pytest
 from parity.assess.accuracy import gold_summary
 from parity.assess.reporting import build_report
 from parity.cli import main
-from parity.core.errors import ConfigError, InputError
+from parity.core.errors import AdapterError, ConfigError, InputError
 from parity.core.schema import GOLD_RATIO_CI_KEY, GOLD_RATIO_KEY, GOLD_VERDICT_KEY
 from parity.core.types import Request, Rollout, SamplingParams
 from parity.drift.tolerance import DEFAULTS, Tolerance, pair_dtype
@@ -193,3 +193,64 @@ def test_bf16_rollouts_scored_by_an_fp32_trainer_are_judged_by_bf16_limits(tmp_p
     _dump(bad, bf16_rollouts, [r.logprobs for r in bf16_rollouts], rollout_dtype="bf16")
     with pytest.raises(InputError, match="rollout_dtype"):
         score(bad, MODEL, gold=False)
+
+
+# item 10: LoRA adapters refused at load, naming the file and field ----------------------------------------
+
+
+def _adapter(tmp_path, name="adapter", weights=None, **config):
+    """A copy of the built-in tiny-llama r8 adapter with `config` fields replaced and `weights` changed."""
+    from safetensors.numpy import load_file, save_file
+
+    from parity.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, resolve_adapter
+
+    source = resolve_adapter("tiny-llama-lora-r8")
+    out = tmp_path / name
+    out.mkdir()
+    base = json.loads((source / ADAPTER_CONFIG).read_text())
+    (out / ADAPTER_CONFIG).write_text(json.dumps({**base, **config}))
+    tensors = load_file(str(source / ADAPTER_WEIGHTS))
+    for key, change in (weights or {}).items():
+        tensors[key] = change(tensors[key])
+    save_file(tensors, str(out / ADAPTER_WEIGHTS))
+    return out
+
+
+def test_a_malformed_target_regex_names_the_file_and_field(tmp_path):
+    from parity.models.lora import check_adapter
+
+    with pytest.raises(AdapterError, match=r"adapter_config.json: target_modules .*not a valid regular"):
+        check_adapter(_adapter(tmp_path, target_modules="model.layers.[0-9"), MODEL)
+
+
+def test_an_adapter_that_selects_no_module_is_refused(tmp_path):
+    from parity.models.lora import check_adapter
+
+    with pytest.raises(AdapterError, match=r"target_modules .* selects no module"):
+        check_adapter(_adapter(tmp_path, target_modules=r".*\.nothing_here"), MODEL)
+
+
+def test_nan_weights_and_a_huge_lora_alpha_are_refused_at_load(tmp_path):
+    from parity.models.lora import check_adapter
+
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+
+    def poisoned(w):
+        w = w.copy()
+        w[0, 0] = np.nan
+        return w
+
+    with pytest.raises(AdapterError, match=rf"tensor '{key}' holds NaN or inf"):
+        check_adapter(_adapter(tmp_path, "nan", weights={key: poisoned}), MODEL)
+    with pytest.raises(AdapterError, match=r"lora_alpha=1e\+30"):
+        check_adapter(_adapter(tmp_path, "alpha", lora_alpha=1e30), MODEL)
+    check_adapter(_adapter(tmp_path, "fine", lora_alpha=16), MODEL)  # a usual alpha loads
+
+
+def test_an_adapter_made_for_another_built_in_model_is_refused(tmp_path):
+    from parity.models.lora import check_adapter
+
+    with pytest.raises(AdapterError, match="base_model_name_or_path 'tiny-qwen2'"):
+        check_adapter(_adapter(tmp_path, base_model_name_or_path="tiny-qwen2"), MODEL)
+    check_adapter(_adapter(tmp_path, "own", base_model_name_or_path=MODEL), MODEL)
+    check_adapter(_adapter(tmp_path, "elsewhere", base_model_name_or_path="/ckpt/llama-base"), MODEL)
