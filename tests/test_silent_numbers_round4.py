@@ -15,7 +15,7 @@ import pytest
 from parity.assess.accuracy import gold_summary
 from parity.assess.reporting import build_report
 from parity.cli import main
-from parity.core.errors import AdapterError, ConfigError, InputError
+from parity.core.errors import AdapterError, ConfigError, DivergedError, InputError
 from parity.core.schema import GOLD_RATIO_CI_KEY, GOLD_RATIO_KEY, GOLD_VERDICT_KEY
 from parity.core.types import Request, Rollout, SamplingParams
 from parity.drift.tolerance import DEFAULTS, Tolerance, pair_dtype
@@ -254,3 +254,63 @@ def test_an_adapter_made_for_another_built_in_model_is_refused(tmp_path):
         check_adapter(_adapter(tmp_path, base_model_name_or_path="tiny-qwen2"), MODEL)
     check_adapter(_adapter(tmp_path, "own", base_model_name_or_path=MODEL), MODEL)
     check_adapter(_adapter(tmp_path, "elsewhere", base_model_name_or_path="/ckpt/llama-base"), MODEL)
+
+
+# item 8: the RL loop ----------------------------------------------------------------------------------------
+
+#: a short loop: 2 prompts x 2 responses x 4 tokens.
+SHORT = {"prompts": 2, "n": 2, "max_tokens": 4}
+
+
+def test_a_reward_that_raises_is_named_with_the_rollout(tmp_path):
+    import parity
+
+    def flaky(rollout):
+        raise KeyError("answer")
+
+    out = tmp_path / "loop.json"
+    with pytest.raises(ConfigError, match=r"reward 'flaky' on rollout 'p0'/0 raised KeyError: 'answer'"):
+        parity.loop(MODEL, ["reference"], steps=1, reward=flaky, json=out, **SHORT)
+    stored = json.loads(out.read_text())
+    assert stored["status"] == "failed" and "reward 'flaky'" in stored["error"]
+
+
+def test_a_huge_learning_rate_is_reported_as_divergence_naming_lr(tmp_path):
+    import parity
+
+    with pytest.raises(DivergedError, match=r"lr=1e\+38"):
+        parity.loop(MODEL, ["reference"], steps=2, lr=1e38, **SHORT)
+
+
+def test_ctrl_c_records_interrupted(tmp_path):
+    import parity
+
+    def stop(rows):
+        raise KeyboardInterrupt
+
+    out = tmp_path / "loop.json"
+    with pytest.raises(KeyboardInterrupt):
+        parity.loop(MODEL, ["reference"], steps=2, json=out, progress=stop, **SHORT)
+    stored = json.loads(out.read_text())
+    assert stored["status"] == "interrupted" and stored["error"] == "interrupted (Ctrl-C) at step 0"
+
+
+def test_loop_settings_that_cannot_work_are_refused_before_the_model_loads(tmp_path, monkeypatch):
+    import parity
+    from parity.loop import run as loop_run
+
+    def no_trainer(*args, **kwargs):
+        raise AssertionError("the trainer loaded before the settings were checked")
+
+    monkeypatch.setattr(loop_run, "Trainer", no_trainer)
+    with pytest.raises(ConfigError, match=r"lora_rank \(--lora-rank\) 100000 exceeds the smaller dimension"):
+        parity.loop(MODEL, ["reference"], steps=1, lora_rank=100000)
+    with pytest.raises(ConfigError, match=r"case \(--case\): 'nosuch' is neither"):
+        parity.loop(MODEL, ["reference"], steps=1, case="nosuch")
+    monkeypatch.chdir(tmp_path)  # outside the repository: no cases/ directory to list
+    with pytest.raises(ConfigError, match=r"there is none at"):
+        parity.loop(MODEL, ["reference"], steps=1, case="nosuch")
+    text = tmp_path / "chat.toml"
+    text.write_text('model = "tiny-llama"\n[prompts]\ntext = ["hello there", "how are you"]\n')
+    with pytest.raises(ConfigError, match="does not end in an arithmetic problem"):
+        parity.loop(MODEL, ["reference"], steps=1, case=text)
