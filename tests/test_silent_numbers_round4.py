@@ -314,3 +314,78 @@ def test_loop_settings_that_cannot_work_are_refused_before_the_model_loads(tmp_p
     text.write_text('model = "tiny-llama"\n[prompts]\ntext = ["hello there", "how are you"]\n')
     with pytest.raises(ConfigError, match="does not end in an arithmetic problem"):
         parity.loop(MODEL, ["reference"], steps=1, case=text)
+
+
+# item 9: the audit ---------------------------------------------------------------------------------------
+
+
+def test_audit_refuses_an_empty_check_list_and_cheap_errors_before_any_load(monkeypatch):
+    from parity.audit import run as audit_run
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the workload or model loaded before the settings were checked")
+
+    monkeypatch.setattr(audit_run, "resolve_workload", no_load)
+    with pytest.raises(ConfigError, match="checks is empty: nothing would be measured"):
+        audit_run.audit(MODEL, "reference", checks=[])
+    with pytest.raises(ConfigError, match="backend: unknown 'nosuch'"):
+        audit_run.audit(MODEL, "nosuch")
+    with pytest.raises(ConfigError, match="batch"):
+        audit_run.audit(MODEL, "reference", batch_sizes=[1])
+    with pytest.raises(ConfigError, match="device 'cuda:64'"):
+        audit_run.audit(MODEL, "reference", device="cuda:64")
+
+
+def _seed_only_result():
+    from parity.audit.result import CHECKS, AuditResult, CheckResult
+
+    checks = {name: CheckResult.skip("not asked for") for name in CHECKS}
+    checks["seed"] = CheckResult(identical=False, requests=8, differing_requests=8, first_difference=None,
+                                 max_abs_logprob_diff=0.0, mean_abs_logprob_diff=0.0)
+    return AuditResult(backend="vllm", model=MODEL, dtype="bfloat16", checks=checks,
+                       provenance={"cpu_isa": "AVX2", "gpu": None})
+
+
+def test_audit_says_not_checked_and_the_control_passing_in_words():
+    from parity.render.audit import audit_html
+
+    result = _seed_only_result()
+    text = result.summary_text()
+    first = text.splitlines()[0]
+    assert "deterministic not checked, batch-invariant not checked" in first
+    assert "a property of this engine and workload on this machine (CPU AVX2, no GPU)" in first
+    assert "seeds change the samples: as expected (8 of 8 requests differ)" in text
+    assert "NO" not in text
+    page = audit_html(result.to_dict())
+    assert "deterministic: not checked" in page and "seeds change the samples: as expected" in page
+    assert 'class="differs"' not in page and "verdict no" not in page
+
+
+@pytest.mark.parametrize(("flags", "isa"), [("fpu avx2 avx512f amx_tile", "AMX"), ("avx2 avx512f", "AVX-512"),
+                                            ("sse4_2 avx2", "AVX2")])
+def test_provenance_records_the_cpu_isa_and_gpu(tmp_path, flags, isa):
+    from parity.report.provenance import cpu_isa, provenance
+
+    info = tmp_path / "cpuinfo"
+    info.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+    assert cpu_isa(info) == isa
+    prov = provenance(MODEL, backend="reference", backend_meta={}, dtype="float32", device="cpu",
+                      reference="invariant", router_replay=None, seeds=[], case="c", case_hash="h",
+                      rollout_logprobs="here")
+    assert "cpu_isa" in prov and prov["gpu"] is None
+
+
+def test_a_server_that_never_answers_metadata_fails_at_the_metadata_timeout():
+    import socket
+
+    from parity.backends.http import Endpoint, HttpClient, HttpSettings
+    from parity.core.errors import BackendError
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(4)  # accepts connections (the kernel's backlog), never answers
+        port = server.getsockname()[1]
+        client = HttpClient(Endpoint.parse(f"http://127.0.0.1:{port}"),
+                            HttpSettings(request_timeout_s=600.0, metadata_timeout_s=0.5, retries=0))
+        with pytest.raises(BackendError, match=r"no answer within the metadata timeout of 0.5 s"):
+            client.get("/v1/models")
