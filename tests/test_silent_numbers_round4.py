@@ -389,3 +389,13 @@ def test_a_server_that_never_answers_metadata_fails_at_the_metadata_timeout():
                             HttpSettings(request_timeout_s=600.0, metadata_timeout_s=0.5, retries=0))
         with pytest.raises(BackendError, match=r"no answer within the metadata timeout of 0.5 s"):
             client.get("/v1/models")
+
+
+def test_an_adapter_only_loop_that_blows_up_is_divergence_not_a_broken_adapter():
+    import parity
+
+    def by_sample(rollout):  # rewards that differ within each group: the update moves the adapter
+        return float(rollout.sample_index)
+
+    with pytest.raises(DivergedError, match="diverged at step"):
+        parity.loop(MODEL, ["reference"], steps=3, lora_rank=4, lr=1e30, reward=by_sample, **SHORT)
