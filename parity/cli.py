@@ -111,6 +111,9 @@ def _parser() -> argparse.ArgumentParser:
                                        "several); for a dump, the name its rollouts get (default: external)")
     scr.add_argument("--dtype", choices=DTYPES,
                      help="dtype of the training forward (default: the rollouts' own, else bfloat16)")
+    scr.add_argument("--rollout-dtype", choices=DTYPES,
+                     help="dtype the rollouts were computed in, for rollouts that do not record it (a dump's "
+                          "rollout_dtype column); the tolerance is the less precise dtype's of the pair")
     scr.add_argument("--trainer-logprobs", action="store_true",
                      help="use the dump's trainer logprobs (trainer_logprobs, verl's old_log_probs) instead "
                           "of running the training forward here")
@@ -235,7 +238,7 @@ def _score(args: argparse.Namespace) -> int:
                    backend=args.backend, sampling=sampling, logprobs_mode=args.logprobs_mode,
                    dtype=args.dtype, reference=args.reference, router_replay=args.router_replay,
                    device=args.device, attribute=tuple(args.attribute or ()), gold=args.gold,
-                   lora=args.lora)
+                   lora=args.lora, rollout_dtype=args.rollout_dtype)
     return _report_out(report, args)
 
 

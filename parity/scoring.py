@@ -35,7 +35,7 @@ from parity.core.strict import check_dtype
 from parity.core.tables import PARQUET_SUFFIX, read_jsonl
 from parity.core.types import Rollout
 from parity.drift.tolerance import Tolerance
-from parity.models import resolve_model
+from parity.models import check_sampled_with, resolve_model
 from parity.models.lora import check_adapter
 from parity.report.document import ParityReport
 from parity.report.provenance import TRAIN_COMPUTED, provenance
@@ -94,7 +94,7 @@ def score(rollouts: Sequence[Rollout] | str | os.PathLike[str], model: str | os.
           reference: str = "invariant", tolerance: Tolerance | dict[str, Any] | None = None,
           router_replay: str | None = None, device: str = "cpu", correction: dict[str, Any] | None = None,
           attribute: Sequence[str] = (), gold: bool | None = None,
-          lora: str | os.PathLike[str] | None = None) -> ParityReport:
+          lora: str | os.PathLike[str] | None = None, rollout_dtype: str | None = None) -> ParityReport:
     """Score rollouts produced elsewhere; the report `parity.compare` would build for them.
 
     rollouts: `Rollout`s, or the path of a record or dump (`read_source`; backend, sampling
@@ -104,8 +104,12 @@ def score(rollouts: Sequence[Rollout] | str | os.PathLike[str], model: str | os.
     trainer_logprobs: None runs the training forward here; a list gives the trainer's
         logprobs of each rollout's response tokens; "dump" takes them from the dump's
         trainer-logprob column (verl's `old_log_probs`).
-    dtype: of the training forward; None = the dtype every rollout's meta names, else bfloat16.
-    tolerance: None = the default for the rollouts' backend name and the dtype; a dict overrides its
+    dtype: of the training forward; None = the rollouts' dtype, else bfloat16.
+    rollout_dtype: the dtype the rollouts were computed in; None = the one every rollout records
+        (meta "dtype", a dump's `rollout_dtype` column), else `dtype`. A value contradicting the
+        record is a ConfigError.
+    tolerance: None = the default for the rollouts' backend name and the (dtype, rollout_dtype) pair
+        (`parity.drift.tolerance.pair_dtype`: the less precise one's limits); a dict overrides its
         fields.
     lora: the LoRA adapter the rollouts were sampled with (directory or built-in name), for rollouts
         that do not record one (dumps from outside parity); rollouts that record theirs (meta "lora",
@@ -132,14 +136,18 @@ def score(rollouts: Sequence[Rollout] | str | os.PathLike[str], model: str | os.
         raise ConfigError("the rollouts name no model; pass model= (--model), the checkpoint to score with")
     if model_arg is not None:
         resolve_model(model_arg)
+        check_sampled_with(model_arg, hashes=[r.meta.get("model_hash") for r in source.rollouts],
+                           name=source.model, where=f"the rollouts of {source.path}"
+                           if source.kind != "rollouts" else "the rollouts")
     if lora is not None and model_arg is None:
         raise ConfigError("lora applies to the model the rollouts are scored with; pass model= (--model)")
     adapter = None if lora is None else check_adapter(lora, model_arg).to_dict()
     recorded = next((r.meta["lora"] for r in source.rollouts if r.meta.get("lora")), None)
-    dtype = check_dtype(dtype or _meta_dtype(source.rollouts) or DEFAULT_DTYPE)
+    rollout_dtype = _rollout_dtype(rollout_dtype, source)
+    dtype = check_dtype(dtype or rollout_dtype or DEFAULT_DTYPE)
     names = sorted({r.backend for r in source.rollouts})
     name = names[0] if len(names) == 1 else "+".join(names)
-    limits = Tolerance.resolve(tolerance, name, dtype)
+    limits = Tolerance.resolve(tolerance, name, dtype, rollout_dtype)
     where = "the given rollouts" if source.kind == "rollouts" else f"{source.kind} {source.path}"
     if theirs is None:
         train_side = TRAIN_COMPUTED
@@ -156,6 +164,7 @@ def score(rollouts: Sequence[Rollout] | str | os.PathLike[str], model: str | os.
         rollout_logprobs=f"from {where} (backend {name!r})", train_logprobs=train_side,
         lora=adapter or recorded)
     prov["sampling_checked"] = theirs is None
+    prov["rollout_dtype"] = rollout_dtype or dtype
     return report_for(model_arg, source.rollouts, dtype=dtype, device=device, reference=reference,
                       router_replay=router_replay, tolerance=limits, provenance=prov, correction=correction,
                       attribute=attribute, train_logprobs=theirs, gold=gold, lora=lora)
@@ -215,6 +224,18 @@ def _with_sampling(rollouts: Sequence[Rollout], given: GivenSampling) -> list[Ro
         else:
             out.append(ro)
     return out
+
+
+def _rollout_dtype(given: str | None, source: Source) -> str | None:
+    """The rollouts' dtype: `given` (checked against what they record), else the one they record."""
+    recorded = _meta_dtype(source.rollouts)
+    if given is None:
+        return recorded
+    given = check_dtype(given, "rollout_dtype")
+    if recorded is not None and recorded != given:
+        raise ConfigError(f"rollout_dtype (--rollout-dtype) {given!r} contradicts the rollouts' record: they "
+                          f"were computed in {recorded!r}; leave rollout_dtype unset")
+    return given
 
 
 def _meta_dtype(rollouts: Sequence[Rollout]) -> str | None:

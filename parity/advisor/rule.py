@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from parity.advisor.evaluate import Evaluation
 from parity.advisor.grid import REMOVING
 from parity.core.errors import ConfigError
-from parity.core.schema import GOLD_RATIO_CI_KEY, GOLD_RATIO_KEY
+from parity.core.schema import GOLD_RATIO_CI_KEY, GOLD_RATIO_KEY, json_float
 
 #: reweighting families stage 3 recommends, in its order of preference. Geometric IS is evaluated
 #: and shown but not recommended: its weight is no likelihood ratio of the sampled data, so its
@@ -146,11 +146,22 @@ def gold_note(summary: dict) -> str | None:
     trainer is farther from the gold than the rollout (the ratio's 95% interval lies below 1), a
     rollout-side correction pulls the update toward the less accurate side, so it says so and what
     raises the trainer's precision; None otherwise (no gold, the rollout farther, or within noise)."""
-    ratio, interval = summary.get(GOLD_RATIO_KEY), summary.get(GOLD_RATIO_CI_KEY)
+    ratio, interval = json_float(summary.get(GOLD_RATIO_KEY)), summary.get(GOLD_RATIO_CI_KEY)
+    if isinstance(interval, list) and len(interval) == 2:
+        interval = [json_float(v) for v in interval]
     if not isinstance(ratio, (int, float)) or not interval or not interval[1] < 1.0:
         return None
-    return (f"the trainer is {1.0 / ratio:.3g}x farther from the gold than the rollout (95% interval "
-            f"{1.0 / interval[1]:.3g}-{1.0 / interval[0]:.3g}x): a rollout-side correction weighs the update "
+    if ratio == 0.0:
+        farther = "the rollout matches the gold exactly and the trainer does not"
+    else:
+        farther = (f"the trainer is {1.0 / ratio:.3g}x farther from the gold than the rollout (95% interval "
+                   f"{_inverse(interval[1]):.3g}-{_inverse(interval[0]):.3g}x)")
+    return (f"{farther}: a rollout-side correction weighs the update "
             "toward the trainer's logprobs, the less accurate side, and does not fix that; raise the "
             "trainer's precision instead (the LM head and log-softmax in fp32, fp16 rather than bf16 "
             "for the training forward, or an fp32 training forward)")
+
+
+def _inverse(value: float) -> float:
+    """1 / value, inf for 0."""
+    return float("inf") if value == 0.0 else 1.0 / value

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from parity.core.errors import InputError
+from parity.core.schema import json_safe
 from parity.drift.bootstrap import bootstrap_ratio
 
 #: resamples of the sequences for the ratio's interval (the advisor's default).
@@ -45,9 +46,11 @@ def gold_summary(train: np.ndarray, rollout: np.ndarray, gold: np.ndarray, mask:
     gold/rollout_*: the same of |rollout - gold|; gold/rollout_to_train_error_ratio: mean rollout
     error / mean train error (1.0 when both are 0, inf when only the train error is);
     gold/rollout_to_train_error_ratio_ci95: its 95% percentile bootstrap interval [low, high] over
-    sequences (`bootstrap` Poisson resamples from `seed`; NaNs with 0 resamples); gold/verdict:
-    one sentence; gold/num_tokens: the tokens counted; gold/num_tokens_outside_support: real
-    tokens left out because some side's logprob is -inf.
+    sequences (`bootstrap` Poisson resamples from `seed`, those that drew no sequence or only 0/0
+    dropped; NaNs with no resample left); gold/verdict: one sentence (an exact side said in words);
+    gold/num_tokens: the tokens counted; gold/num_tokens_outside_support: real tokens left out
+    because some side's logprob is -inf. The ratio and interval are spelled as
+    `parity.core.schema.json_safe` ("inf", "nan") where not finite, so the report stays strict JSON.
     """
     keep = gold_tokens(train, rollout, gold, mask)
     g = np.where(keep, np.asarray(gold, np.float64), 0.0)
@@ -61,18 +64,20 @@ def gold_summary(train: np.ndarray, rollout: np.ndarray, gold: np.ndarray, mask:
     ratio = _ratio(float(rollout_seq.sum()), float(train_seq.sum()))
     if bootstrap > 0:
         low, high = (float(v[0]) for v in bootstrap_ratio(rollout_seq[:, None], train_seq, bootstrap, seed,
-                                                          0.95, empty=1.0))
+                                                          0.95, empty=None))
     else:
         low = high = float("nan")
     identical = bool(np.array_equal(train_err, rollout_err))
+    mean_train, mean_rollout = float(train_err.sum() / n), float(rollout_err.sum() / n)
     return {
         "gold/train_max_abs_logprob_diff": float(train_err.max()),
-        "gold/train_mean_abs_logprob_diff": float(train_err.sum() / n),
+        "gold/train_mean_abs_logprob_diff": mean_train,
         "gold/rollout_max_abs_logprob_diff": float(rollout_err.max()),
-        "gold/rollout_mean_abs_logprob_diff": float(rollout_err.sum() / n),
-        "gold/rollout_to_train_error_ratio": ratio,
-        "gold/rollout_to_train_error_ratio_ci95": [low, high],
-        "gold/verdict": verdict(ratio, low, high, identical=identical),
+        "gold/rollout_mean_abs_logprob_diff": mean_rollout,
+        "gold/rollout_to_train_error_ratio": json_safe(ratio),
+        "gold/rollout_to_train_error_ratio_ci95": json_safe([low, high]),
+        "gold/verdict": verdict(ratio, low, high, identical=identical, train_error=mean_train,
+                                rollout_error=mean_rollout),
         "gold/num_tokens": n,
         "gold/num_tokens_outside_support": int(np.asarray(mask, bool).sum()) - n,
     }
@@ -84,19 +89,32 @@ def _ratio(rollout_error: float, train_error: float) -> float:
     return rollout_error / train_error
 
 
-def verdict(ratio: float, low: float, high: float, *, identical: bool = False) -> str:
+def verdict(ratio: float, low: float, high: float, *, identical: bool = False,
+            train_error: float | None = None, rollout_error: float | None = None) -> str:
     """The sentence a person reads: which side is farther from the gold, by how much, and whether the
-    interval says so (an interval that holds 1 reads "equally far")."""
+    interval says so (an interval that holds 1 reads "equally far"). A side that matches the gold
+    exactly (ratio 0 or inf) is said in words, with the other side's mean error (nats) when given."""
     if identical:
         return "the rollout and the trainer are equally far from the gold: their logprobs are identical"
-    interval = "" if low != low else f" (95% interval {low:.3g}-{high:.3g})"
+    if ratio == 0.0:
+        off = "" if train_error is None else f" (mean error {train_error:.3g} nats)"
+        return f"the rollout matches the gold exactly; the trainer is farther{off}"
+    if ratio == float("inf"):
+        off = "" if rollout_error is None else f" (mean error {rollout_error:.3g} nats)"
+        return f"the trainer matches the gold exactly; the rollout is farther{off}"
+    interval = "" if low != low else f" (95% interval {low:.3g}-{high:.3g})"  # NaN: no interval
     if (low != low and ratio == 1.0) or low <= 1.0 <= high:
         return f"the rollout and the trainer are equally far from the gold within noise: error ratio " \
                f"{ratio:.3g}{interval}"
     if ratio > 1.0:
         return f"the rollout is {ratio:.3g}x farther from the gold than the trainer{interval}"
-    inverse = "" if low != low else f" (95% interval {1.0 / high:.3g}-{1.0 / low:.3g})"
+    inverse = "" if low != low else f" (95% interval {_inverse(high):.3g}-{_inverse(low):.3g})"
     return f"the trainer is {1.0 / ratio:.3g}x farther from the gold than the rollout{inverse}"
+
+
+def _inverse(value: float) -> float:
+    """1 / value, inf for 0 (an interval end at ratio 0: the rollout exact in those resamples)."""
+    return float("inf") if value == 0.0 else 1.0 / value
 
 
 def gold_by_position(train: np.ndarray, rollout: np.ndarray, gold: np.ndarray, mask: np.ndarray

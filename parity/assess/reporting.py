@@ -93,6 +93,10 @@ def build_report(rollouts: Sequence[Rollout], train_logprobs: Sequence[np.ndarra
     # finite metrics, which it would turn infinite; worst_tokens still lists it first.
     outside = mask & (np.isneginf(train) | np.isneginf(rollout))
     scored = mask & ~outside
+    if mask.any() and not scored.any():
+        raise InputError(f"every token ({int(mask.sum())}) is outside the sampling support (-inf) of the "
+                         "trainer or the rollout: no token is left to measure; check that both sides used "
+                         "the same sampling (temperature, top-k, top-p, logprobs mode) and the same tokens")
     finite_train, finite_rollout = np.where(scored, train, 0.0), np.where(scored, rollout, 0.0)
     tok = token_arrays(finite_train, finite_rollout, scored)  # checked once, read by every metric below
     summary = dict(summarize(tok))

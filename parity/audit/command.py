@@ -55,7 +55,7 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--html", type=Path, metavar="OUT", help="write the result as an HTML page to OUT")
     parser.add_argument("--verbose", action="store_true", help="print the traceback of an unexpected error")
     args = parser.parse_args(list(argv))
-    case = load_cases(args.case)[0] if args.case is not None else None
+    case = load_cases(args.case, flag="--case")[0] if args.case is not None else None
     if args.model is None and case is None:
         raise ConfigError("parity audit needs --model (or --case naming a model)")
     for path, option in ((args.json, "--json"), (args.html, "--html")):

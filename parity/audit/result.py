@@ -24,11 +24,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from parity.core.errors import InputError
+from parity.render.audit import CONTROL, machine_clause, verdict_words
 
 #: the checks, in run order.
 CHECKS: tuple[str, ...] = ("repeat", "batch", "order", "prefill_decode", "prefix_cache", "seed")
-#: the check whose `identical` must be false (different seeds, different samples).
-CONTROL = "seed"
 #: the keys of one check's JSON, in order.
 CHECK_KEYS: tuple[str, ...] = ("identical", "requests", "differing_requests", "first_difference",
                                "max_abs_logprob_diff", "mean_abs_logprob_diff", "skipped")
@@ -206,15 +205,24 @@ class AuditResult:
         return dataclasses.replace(self, **changes)
 
     def summary_text(self) -> str:
-        """The verdicts, then one line per check."""
+        """The verdicts (on this engine, workload and machine), then one line per check."""
         width = max(map(len, CHECKS))
-        lines = [f"audit of {self.backend} on {self.model} ({self.dtype}): "
-                 f"deterministic {_yes(self.deterministic)}, batch-invariant {_yes(self.batch_invariant)}"]
-        lines += [f"  {name.ljust(width)}  {check.describe()}" for name, check in self.checks.items()]
+        deterministic, invariant = verdict_words(self.to_dict())
+        lines = [f"audit of {self.backend} on {self.model} ({self.dtype}): deterministic {deterministic}, "
+                 f"batch-invariant {invariant}; {machine_clause(self.provenance)}"]
+        lines += [f"  {name.ljust(width)}  {_describe(name, check)}" for name, check in self.checks.items()]
         if not self.control_held:
             lines.append("  control FAILED: two seeds gave identical samples, so the sampling checks prove "
                          "nothing (are seeds ignored?)")
         return "\n".join(lines)
+
+
+def _describe(name: str, check: CheckResult) -> str:
+    """A check's line; the control's passing row in its own words (different samples are its pass)."""
+    if name == CONTROL and check.skipped is None and not check.identical:
+        return (f"seeds change the samples: as expected ({check.differing_requests} of {check.requests} "
+                "requests differ)")
+    return check.describe()
 
 
 def _yes(flag: bool) -> str:

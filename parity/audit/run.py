@@ -18,6 +18,7 @@ from parity.audit.result import CHECKS, AuditResult
 from parity.backends import Backend, backend_options, shared_backend
 from parity.backends.base import check_dtype
 from parity.core.errors import ConfigError
+from parity.core.schema import BACKEND_NAMES
 from parity.core.types import check_int
 from parity.models import model_limits, resolve_model
 from parity.report.provenance import provenance
@@ -44,6 +45,17 @@ def audit(model: str | os.PathLike[str] | None, backend: str | Backend, *,
     batch_sizes: the batch check's sizes in sequences: 1 (each needle alone) and at least two more.
     seed: seeds the derived requests (neighbours, the shuffle, the shared prefix).
     """
+    # the cheap checks first: a typo costs no model or engine load
+    if isinstance(backend, str) and backend not in BACKEND_NAMES:
+        raise ConfigError(f"backend: unknown {backend!r}; choose from {', '.join(BACKEND_NAMES)}")
+    unknown = [c for c in checks if c not in CHECKS]
+    if isinstance(checks, str) or unknown:
+        raise ConfigError(f"checks: unknown {unknown or checks!r}; choose from {list(CHECKS)}")
+    if not checks:
+        raise ConfigError(f"checks is empty: nothing would be measured; give at least one of {list(CHECKS)} "
+                          "(--checks), or leave it unset for all")
+    check_batch_sizes(batch_sizes)
+    _check_device(device)
     the_case = resolve_workload(model, case, None, None)
     model_arg = os.fspath(model) if model is not None else the_case.model
     requests = single_turn(the_case.requests, f"case {the_case.name!r}")
@@ -51,12 +63,8 @@ def audit(model: str | os.PathLike[str] | None, backend: str | Backend, *,
     limits.check(requests, prefix=f"case {the_case.name!r}: ")
     # a running backend is audited in its own dtype unless another is asked for (and then refused)
     dtype = check_dtype(dtype or (backend.dtype if isinstance(backend, Backend) else the_case.dtypes[0]))
-    unknown = [c for c in checks if c not in CHECKS]
-    if isinstance(checks, str) or unknown:
-        raise ConfigError(f"checks: unknown {unknown or checks!r}; choose from {list(CHECKS)}")
     settings = AuditSettings(checks=tuple(checks), batch_sizes=check_batch_sizes(batch_sizes),
                              seed=check_int(seed, "seed", low=0), context=limits.max_positions)
-    _check_device(device)
     engine = _backend(backend, model_arg, dtype, device, backend_options)
     placed = engine.meta.get("device")
     if placed is not None and str(placed).partition(":")[0] != device.partition(":")[0]:
@@ -76,7 +84,9 @@ def audit(model: str | os.PathLike[str] | None, backend: str | Backend, *,
 
 
 def _check_device(device: str) -> None:
-    """ConfigError unless `device` exists here, before an engine starts."""
+    """ConfigError unless `device` exists here, before an engine starts ("cpu" needs no torch)."""
+    if device == "cpu":
+        return
     from parity.models.loading import check_device  # torch: `import parity` stays light
 
     check_device(device)

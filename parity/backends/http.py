@@ -121,6 +121,8 @@ class HttpSettings:
 
     concurrency: requests in flight at once.
     request_timeout_s: one request's answer must arrive within this.
+    metadata_timeout_s: the same for a GET (`/v1/models`, `/metrics`, ...): a server that accepts
+        the connection but never answers is told apart in seconds, not after a generation's timeout.
     run_timeout_s: a whole batch (`post_many`) must finish within this.
     connect_timeout_s: opening a connection.
     retries: further attempts after a connection error or a 429/502/503/504 answer.
@@ -129,6 +131,7 @@ class HttpSettings:
 
     concurrency: int = 64
     request_timeout_s: float = 600.0
+    metadata_timeout_s: float = 30.0
     run_timeout_s: float = 3600.0
     connect_timeout_s: float = 10.0
     retries: int = 3
@@ -139,7 +142,8 @@ class HttpSettings:
             value = getattr(self, name)
             if not _is_int(value) or value < least:
                 raise ConfigError(f"option {name} must be an integer >= {least}, got {value!r}")
-        for name in ("request_timeout_s", "run_timeout_s", "connect_timeout_s", "backoff_s"):
+        for name in ("request_timeout_s", "metadata_timeout_s", "run_timeout_s", "connect_timeout_s",
+                     "backoff_s"):
             value = getattr(self, name)
             if not _is_number(value) or value < 0 or (value == 0 and name != "backoff_s"):
                 bound = ">= 0" if name == "backoff_s" else "> 0"
@@ -194,11 +198,11 @@ class HttpClient:
 
     def get(self, route: str) -> Any:
         """GET `route`; the decoded JSON answer."""
-        return self._one("GET", route, None)
+        return self._one("GET", route, None, timeout=self.settings.metadata_timeout_s)
 
     def get_text(self, route: str) -> str:
         """GET `route`; the answer as text (a Prometheus `/metrics` page)."""
-        return self._one("GET", route, None, text=True)
+        return self._one("GET", route, None, text=True, timeout=self.settings.metadata_timeout_s)
 
     def post(self, route: str, body: dict[str, Any] | None = None, *, text: bool = False) -> Any:
         """POST `body` as JSON to `route`; the decoded JSON answer (None for an empty one), or with
@@ -221,15 +225,17 @@ class HttpClient:
             raise RequestsLostError(self.endpoint.public, lost, len(bodies))
         return results
 
-    def _one(self, method: str, route: str, body: dict[str, Any] | None, *, text: bool = False) -> Any:
-        result = _run(self._batch(method, route, [body], [route], text=text))[0]
+    def _one(self, method: str, route: str, body: dict[str, Any] | None, *, text: bool = False,
+             timeout: float | None = None) -> Any:
+        result = _run(self._batch(method, route, [body], [route], text=text, timeout=timeout))[0]
         if isinstance(result, LostRequest):
             raise BackendError(self._scrub(f"{method} {self.endpoint.public}{route} failed: {result.reason}"))
         return result
 
     async def _batch(self, method: str, route: str, bodies: list[Any], labels: list[str], *,
-                     text: bool = False) -> list[Any]:
+                     text: bool = False, timeout: float | None = None) -> list[Any]:
         s = self.settings
+        wait = s.request_timeout_s if timeout is None else timeout
         parts = urllib.parse.urlsplit(self.endpoint.url)
         headers = {"Authorization": f"Bearer {self.endpoint.api_key}"} if self.endpoint.api_key else {}
         # user:password from the URL as basic auth, unless an API key (a Bearer token) is given
@@ -243,10 +249,10 @@ class HttpClient:
         # credentials travel in `headers`/`auth` only (httpx would otherwise apply URL userinfo itself)
         target = urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
         async with httpx.AsyncClient(base_url=target, headers=headers, auth=auth, limits=limits,
-                                     timeout=httpx.Timeout(s.request_timeout_s, connect=s.connect_timeout_s),
+                                     timeout=httpx.Timeout(wait, connect=s.connect_timeout_s),
                                      trust_env=not self.endpoint.loopback) as client:
             tasks = [asyncio.create_task(self._send(client, semaphore, dead, method, route, body, label,
-                                                    text))
+                                                    text, wait))
                      for body, label in zip(bodies, labels)]
             pending: set[asyncio.Task[Any]] = set(tasks)
             failure: BaseException | None = None
@@ -265,19 +271,20 @@ class HttpClient:
                 if task in pending else task.result() for task, label in zip(tasks, labels)]
 
     async def _send(self, client: httpx.AsyncClient, semaphore: asyncio.Semaphore, dead: list[str],
-                    method: str, route: str, body: Any, label: str, text: bool = False) -> Any:
+                    method: str, route: str, body: Any, label: str, text: bool = False,
+                    wait: float | None = None) -> Any:
         s = self.settings
+        wait = s.request_timeout_s if wait is None else wait
         async with semaphore:
             attempt = 0
             while True:
                 if dead:
                     return LostRequest(label, dead[0])
                 try:
-                    response = await asyncio.wait_for(client.request(method, route, json=body),
-                                                      s.request_timeout_s)
+                    response = await asyncio.wait_for(client.request(method, route, json=body), wait)
                 except (TimeoutError, httpx.ReadTimeout, httpx.WriteTimeout, httpx.PoolTimeout):
-                    return LostRequest(label, f"no answer within the request timeout of "
-                                              f"{s.request_timeout_s:g} s")
+                    kind = "request" if wait == s.request_timeout_s else "metadata"
+                    return LostRequest(label, f"no answer within the {kind} timeout of {wait:g} s")
                 except httpx.TransportError as e:
                     reason = f"connection failed ({type(e).__name__}{': ' + str(e) if str(e) else ''})"
                 else:

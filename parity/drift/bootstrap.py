@@ -9,18 +9,36 @@ import numpy as np
 
 
 def bootstrap_ratio(numerator: np.ndarray, denominator: np.ndarray, resamples: int, seed: int,
-                    confidence: float, *, empty: float) -> tuple[np.ndarray, np.ndarray]:
+                    confidence: float, *, empty: float | None) -> tuple[np.ndarray, np.ndarray]:
     """Percentile interval `(low [C], high [C])` of Σ_s q_s x_s / Σ_s q_s d_s over Poisson(1) resample
     counts q `[resamples, S]`: a ratio of two sums over sequences (numerator `[S, C]`, denominator
     `[S]`), sequences resampled whole. A resample whose sums are both 0 (it drew nothing, or nothing
-    but zeros) counts as `empty`; a positive sum over 0 as inf. `resamples` <= 0: NaNs."""
+    but zeros) counts as `empty`, or is dropped when `empty` is None (a ratio with no evidence must
+    not pull the interval); a positive sum over 0 is inf, and an interval end there is inf.
+    `resamples` <= 0, or none left: NaNs."""
     cols = numerator.shape[1]
     if resamples <= 0:
         return np.full(cols, math.nan), np.full(cols, math.nan)
     q = np.random.default_rng(seed).poisson(1.0, (resamples, denominator.size)).astype(np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
         stats = (q @ numerator) / (q @ denominator)[:, None]
-    stats[np.isnan(stats)] = empty
     tail = 100.0 * (1.0 - confidence) / 2.0
-    low, high = np.percentile(stats, [tail, 100.0 - tail], axis=0)
+    if empty is not None:
+        stats[np.isnan(stats)] = empty
+        return _percentiles(stats, tail)
+    low, high = np.full(cols, math.nan), np.full(cols, math.nan)
+    for c in range(cols):
+        kept = stats[~np.isnan(stats[:, c]), c:c + 1]
+        if kept.size:
+            (low[c],), (high[c],) = _percentiles(kept, tail)
     return low, high
+
+
+def _percentiles(stats: np.ndarray, tail: float) -> tuple[np.ndarray, np.ndarray]:
+    """The `tail` and 100 - `tail` percentiles of `stats` `[resamples, C]` per column, inf kept:
+    interpolating next to inf gives inf - inf = NaN, so inf is stood in by the largest float and any
+    end above the largest finite value (an interpolation toward inf) is inf."""
+    inf = np.isposinf(stats)
+    low, high = np.percentile(np.where(inf, np.finfo(np.float64).max, stats), [tail, 100.0 - tail], axis=0)
+    largest = np.where(inf, -np.inf, stats).max(axis=0)
+    return np.where(low > largest, math.inf, low), np.where(high > largest, math.inf, high)

@@ -1,4 +1,5 @@
-"""Pass/fail limits on a parity summary, with defaults per backend class and model dtype.
+"""Pass/fail limits on a parity summary, with defaults per backend class and dtype (of a mixed pair,
+a training forward in one dtype against rollouts in another, the less precise one's: `pair_dtype`).
 
 `reference` is held to exact equality (every limit 0): its rollout logprobs must equal the
 training forward's bit for bit. Production backends get limits sized for their dtype
@@ -37,6 +38,15 @@ DEFAULTS: dict[str, dict[str, float]] = {
         ("float32", (0.003, 1e-5, 8e-6, 5e-9)),
     )
 }
+
+
+def pair_dtype(trainer: str, rollout: str | None = None) -> str:
+    """The dtype whose `DEFAULTS` judge a comparison of a `trainer`-dtype forward with `rollout`-dtype
+    rollouts (None: the trainer's): the less precise of the two, whose rounding the drift carries
+    (verl's fp32-logits trainer against bf16 vLLM drifts as bf16 does)."""
+    trainer = check_dtype(trainer)
+    rollout = trainer if rollout is None else check_dtype(rollout, "rollout dtype")
+    return max((trainer, rollout), key=lambda d: DEFAULTS[d]["mean_abs_logprob_diff"])
 
 
 class Violation(NamedTuple):
@@ -101,10 +111,13 @@ class Tolerance:
         return cls(**{f.name: 0.0 for f in dataclasses.fields(cls)})
 
     @classmethod
-    def for_backend(cls, backend: str, dtype: str = "bfloat16") -> Tolerance:
+    def for_backend(cls, backend: str, dtype: str = "bfloat16",
+                    rollout_dtype: str | None = None) -> Tolerance:
         """Default limits for a backend name: exact for `reference`; for the others the `DEFAULTS`
-        of the model dtype the comparison runs in."""
-        return cls.exact() if backend == REFERENCE else cls(**DEFAULTS[check_dtype(dtype)])
+        of the dtype pair the comparison runs in (`pair_dtype`: the training forward's `dtype` and
+        the rollouts' `rollout_dtype`, None = the same)."""
+        pair = pair_dtype(dtype, rollout_dtype)
+        return cls.exact() if backend == REFERENCE else cls(**DEFAULTS[pair])
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], *, where: str = "tolerance") -> Tolerance:
@@ -112,18 +125,18 @@ class Tolerance:
 
     @classmethod
     def resolve(cls, value: Tolerance | dict[str, Any] | None, backend: str,
-                dtype: str = "bfloat16") -> Tolerance:
+                dtype: str = "bfloat16", rollout_dtype: str | None = None) -> Tolerance:
         """A user's `tolerance=` argument -> Tolerance.
 
-        None gives `for_backend(backend, dtype)`; a dict overrides fields of that default, so
-        `{"max_abs_logprob_diff": 1.0}` relaxes one limit and keeps the others.
+        None gives `for_backend(backend, dtype, rollout_dtype)`; a dict overrides fields of that
+        default, so `{"max_abs_logprob_diff": 1.0}` relaxes one limit and keeps the others.
         """
         if value is None:
-            return cls.for_backend(backend, dtype)
+            return cls.for_backend(backend, dtype, rollout_dtype)
         if isinstance(value, Tolerance):
             return value
         if isinstance(value, dict):
-            base = cls.for_backend(backend, dtype).to_dict()
+            base = cls.for_backend(backend, dtype, rollout_dtype).to_dict()
             return cls.from_dict({**base, **value})
         raise ConfigError(
             f"tolerance must be a parity.Tolerance, a dict of its fields or None, got {type(value).__name__}"

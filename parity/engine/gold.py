@@ -52,7 +52,7 @@ from parity.core.strict import check_choice
 from parity.core.types import Rollout
 from parity.engine import sampler
 from parity.engine.inputs import check_length, check_positive_int, check_token_ids, kernel_scope
-from parity.engine.train import logprob_definitions, pairs_and_modes, scoring_adapter
+from parity.engine.train import check_recorded_model, logprob_definitions, pairs_and_modes, scoring_adapter
 from parity.models.checkpoints import resolve_model
 from parity.models.loading import (
     STATIC_ROPE_TYPES,
@@ -151,6 +151,7 @@ def gold_logprobs(model: str | os.PathLike[str] | LoadedModel,
     pairs, modes = pairs_and_modes(sequences, logprobs_mode)
     definitions = logprob_definitions(sequences, modes, temperature, top_k, top_p)
     adapter = scoring_adapter(sequences, lora, model)
+    check_recorded_model(sequences, model)
     if adapter is not None and not isinstance(adapter, LoraSpec):
         base = model.path if isinstance(model, LoadedModel) else resolve_model(model)
         adapter = check_adapter(adapter, base)

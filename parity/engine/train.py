@@ -34,7 +34,7 @@ from parity.engine.inputs import (
 )
 from parity.kernels.attention import KVCache
 from parity.models import routing
-from parity.models.checkpoints import resolve_model
+from parity.models.checkpoints import check_sampled_with, resolve_model
 from parity.models.loading import LoadedModel, check_device, load_model
 from parity.models.lora import LoraSpec, check_adapter, check_without_tensor_parallel
 from parity.parallel import (
@@ -293,6 +293,16 @@ def scoring_adapter(sequences: Sequence[Any], lora: str | os.PathLike[str] | Lor
     return spec
 
 
+def check_recorded_model(sequences: Sequence[Any], model: str | os.PathLike[str] | LoadedModel) -> None:
+    """ConfigError when Rollouts record the hash of the model they were sampled with (meta
+    "model_hash") and a model given by name or path has another (`check_sampled_with`); a LoadedModel
+    (a policy being trained, its weights no longer the checkpoint's) is not compared."""
+    if isinstance(model, LoadedModel) or not isinstance(sequences, (list, tuple)):
+        return
+    check_sampled_with(model, hashes=[item.meta.get("model_hash") for item in sequences
+                                      if isinstance(item, Rollout)])
+
+
 def train_forward(model: str | LoadedModel,
                   sequences: Sequence[Rollout | tuple[Sequence[int], Sequence[int]]],
                   config: TrainConfig | None = None, *,
@@ -344,6 +354,7 @@ def train_forward(model: str | LoadedModel,
                                            config.reduction_groups)
     config = replace(config, tensor_parallel_size=tp, tp_reduction=reduction, reduction_groups=groups)
     lora = scoring_adapter(sequences, lora, model)
+    check_recorded_model(sequences, model)
     options = dict(logprobs_mode=logprobs_mode, temperature=temperature, top_k=top_k, top_p=top_p,
                    record_routes=record_routes, router_replay=router_replay, routes=routes)
     if lora is not None or getattr(model, "lora", None) is not None:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from parity.backends import Backend
 from parity.core.errors import ConfigError
 from parity.core.outputs import output_file
+from parity.core.schema import LORA_MOE_TARGETS, LORA_TARGETS
 from parity.loop.config import LoopConfig
 from parity.loop.record import LoopRecord
 from parity.workload.cases import Case, load_cases
@@ -75,11 +76,31 @@ def loop(model: str, backends: Sequence[str | Backend] = ("reference",), *, step
                         lora_rank=lora_rank)
     json_path = None if json is None else output_file(json, "json")
     html_path = None if html is None else output_file(html, "html")
-    # the task (tokenizer), the trainer and the engines load torch: only when a loop runs
-    from parity.loop.run import run_loop
+    if lora_rank is not None:
+        _check_lora_rank(model, lora_rank)
+    # the case and the task's prompts are checked before the trainer and the engines load
+    task = _task(config, case, reward)
+    from parity.loop.run import run_loop  # torch: only when a loop runs
 
-    return run_loop(config, _task(config, case, reward), engines=engines, json_path=json_path,
-                    html_path=html_path, progress=progress)
+    return run_loop(config, task, engines=engines, json_path=json_path, html_path=html_path,
+                    progress=progress)
+
+
+def _check_lora_rank(model: str, rank: int) -> None:
+    """ConfigError when `rank` exceeds the smaller dimension of some layer the loop adapts: B A of such
+    a layer has rank at most that dimension, so the extra rank only costs time and memory."""
+    from parity.models import resolve_model
+    from parity.models.lora import checkpoint_linear_shapes, is_moe_checkpoint
+
+    path = resolve_model(model)
+    targets = LORA_MOE_TARGETS if is_moe_checkpoint(path) else LORA_TARGETS
+    dims = {module: min(shape) for module, shape in checkpoint_linear_shapes(path).items()
+            if module.rsplit(".", 1)[-1] in targets and ".experts." not in module}
+    module = min(dims, key=dims.__getitem__, default=None)
+    if module is not None and rank > dims[module]:
+        raise ConfigError(f"lora_rank (--lora-rank) {rank} exceeds the smaller dimension ({dims[module]}) of "
+                          f"{module!r}, a layer the adapter trains on model {model!r}: its update B A cannot "
+                          f"have a rank above it; give a rank <= {dims[module]} (8-64 is usual)")
 
 
 def _task(config: LoopConfig, case: Case | str | Path | None, reward: Reward | None) -> Task:
@@ -93,7 +114,7 @@ def _task(config: LoopConfig, case: Case | str | Path | None, reward: Reward | N
             return task
         return custom_task(getattr(reward, "__name__", "reward"), task.prompts, reward)
     if not isinstance(case, Case):
-        found = load_cases(case)
+        found = load_cases(case, flag="case (--case)")
         if len(found) != 1:
             raise ConfigError(f"case {case!r} names {len(found)} cases; give one")
         case = found[0]

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from parity.backends import Backend
+from parity.core.errors import AdapterError, DivergedError
 from parity.core.schema import LORA_MOE_TARGETS, LORA_TARGETS
 from parity.core.types import Rollout
 from parity.models.loading import LoadedModel
@@ -136,7 +137,11 @@ class AdapterWeights:
             tensors[f"{_PREFIX}{name}.lora_A.weight"] = weights.a.detach().cpu().numpy().copy()
             tensors[f"{_PREFIX}{name}.lora_B.weight"] = weights.b.detach().cpu().numpy().copy()
         path = write_adapter(self.directory / f"step-{self._written}", self._config, tensors)
-        self.lm = dataclasses.replace(self.lm, lora=check_adapter(path, self.lm.path))
+        try:
+            spec = check_adapter(path, self.lm.path)
+        except AdapterError as exc:  # the loop wrote it from trained values: only the values can be wrong
+            raise DivergedError(f"the optimizer step left an adapter that cannot be applied ({exc})") from exc
+        self.lm = dataclasses.replace(self.lm, lora=spec)
         if previous.parent == self.directory:
             shutil.rmtree(previous, ignore_errors=True)
 

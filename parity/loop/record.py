@@ -16,9 +16,9 @@ KL from W_0, and whether b was verified to hold W_t before it sampled. Its `seco
 of the step: b's generate call, the training forward on b's rollouts, and the push of W_t to b
 with its digest check (made at the end of step t - 1; for step 0, the starting sync). An
 update's `seconds` are the rewards, the advantages, the loss, backward and the optimizer step.
-`status` is "running" while steps are appended, then "complete", or "diverged"
-/ "failed" with `error` naming the step. The file is rewritten atomically after every step, so a
-killed run keeps every finished step.
+`status` is "running" while steps are appended, then "complete", or "diverged" / "failed" /
+"interrupted" (Ctrl-C) with `error` naming the step. The file is rewritten atomically after every
+step, so a killed run keeps every finished step.
 
 Two runs with the same seed and configuration write the same JSON except the timing fields
 (`TIMING_KEYS`, every "seconds"): `without_timing` drops them for comparison.

@@ -137,8 +137,14 @@ def run_loop(config: LoopConfig, task: Task, *, engines: dict[str, Backend] | No
         record.status, record.error = "diverged", f"step {step}: {exc}"
         kept = f"; the record keeps the {step} step(s) before it" + (f" ({json_path})" if json_path else "")
         raise DivergedError(f"training diverged at step {step}: {exc}{kept}") from exc
+    except KeyboardInterrupt:
+        record.status = "interrupted"
+        record.error = f"interrupted (Ctrl-C) at step {step}" if step >= 0 else \
+            "interrupted (Ctrl-C) before step 0"
+        raise
     except BaseException as exc:
-        record.status, record.error = "failed", f"step {step}: {exc}" if step >= 0 else str(exc)
+        said = str(exc) or type(exc).__name__
+        record.status, record.error = "failed", f"step {step}: {said}" if step >= 0 else said
         raise
     finally:
         if json_path is not None:
@@ -205,7 +211,7 @@ def _step(config: LoopConfig, task: Task, trainer: Trainer, backends: dict[str, 
         rollouts = backend.generate(requests)
         train = trainer.logprobs(rollouts)
         _check_finite(train, name)
-        rewards = [float(task.reward(r)) for r in rollouts]
+        rewards = [_reward(task, r) for r in rollouts]
         rows[name] = _row(step, name, rollouts, train, rewards, checks[name], config.train_on == name)
         rows[name]["seconds"] = time.perf_counter() - began + checks[name].seconds
         scored[name] = (rollouts, train, rewards)
@@ -217,7 +223,14 @@ def _step(config: LoopConfig, task: Task, trainer: Trainer, backends: dict[str, 
     advantages = group_advantages(torch.tensor(rewards, dtype=torch.float64).view(len(requests), config.n))
     plan = plan_loss(train, [torch.tensor(r.logprobs, dtype=torch.float32) for r in rollouts],
                      advantages.reshape(-1).tolist(), config.correction_config)
-    stats = trainer.update(rollouts, plan)
+    try:
+        stats = trainer.update(rollouts, plan)
+    except RuntimeError as exc:
+        if "overflow" not in str(exc):
+            raise
+        # AdamW's step casts lr-scaled updates to the weights' dtype: a huge lr overflows it
+        raise DivergedError(f"the AdamW update overflows the weights' {config.dtype} at lr={config.lr:g} "
+                            f"({exc}); lower lr (--lr; 1e-6 to 1e-3 is usual)") from exc
     update_seconds = time.perf_counter() - began
     last = step == config.steps - 1
     next_checks = checks if last else {name: push(trainer.weights, b) for name, b in backends.items()}
@@ -228,6 +241,24 @@ def _step(config: LoopConfig, task: Task, trainer: Trainer, backends: dict[str, 
                            "forward_bitwise": stats.forward_bitwise, "kept_tokens": plan.kept_tokens,
                            "seconds": update_seconds, **trainer.weights.describe()})
     return probe, next_checks
+
+
+def _reward(task: Task, rollout: Rollout) -> float:
+    """The task's reward of one rollout as a float; ConfigError naming the reward and the rollout when
+    the reward function raises or returns something that is not a finite number."""
+    where = f"reward {task.name!r} on rollout {rollout.request_id!r}/{rollout.sample_index}"
+    try:
+        value = task.reward(rollout)
+    except Exception as exc:
+        raise ConfigError(f"{where} raised {type(exc).__name__}: {exc}; fix the reward function (it gets a "
+                          "parity Rollout: prompt_ids, token_ids, request_id)") from exc
+    try:
+        number = float(value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where} returned {value!r}; a reward must be a finite number") from exc
+    if not np.isfinite(number):
+        raise ConfigError(f"{where} returned {number}; a reward must be a finite number")
+    return number
 
 
 def _arrays(train: Sequence[torch.Tensor], rollout: Sequence[torch.Tensor]

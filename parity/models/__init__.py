@@ -8,6 +8,7 @@ from parity.models.checkpoints import (
     builtin_names,
     builtin_path,
     cache_dir,
+    check_sampled_with,
     is_model_name,
     model_hash,
     model_names,
@@ -17,5 +18,6 @@ from parity.models.limits import ModelLimits, checkpoint_config, model_limits, p
 from parity.models.trained import TRAINED_MODELS, convert_gguf, trained_dir
 
 __all__ = ["BUILTIN_MODELS", "EOS_ID", "TRAINED_MODELS", "ModelLimits", "builtin_dir", "builtin_names",
-           "builtin_path", "cache_dir", "checkpoint_config", "convert_gguf", "is_model_name", "model_hash",
-           "model_limits", "model_names", "parameter_count", "resolve_model", "trained_dir"]
+           "builtin_path", "cache_dir", "check_sampled_with", "checkpoint_config", "convert_gguf",
+           "is_model_name", "model_hash", "model_limits", "model_names", "parameter_count", "resolve_model",
+           "trained_dir"]

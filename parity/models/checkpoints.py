@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from parity.core.errors import ModelNotFoundError
+from parity.core.errors import ConfigError, ModelNotFoundError
 from parity.models.trained import TRAINED_MODELS, trained_names, trained_path
 
 #: bump when the generator changes, so stale caches are never reused.
@@ -315,3 +316,28 @@ def model_hash(path: str | os.PathLike[str]) -> str:
             h.update(f.name.encode())
             h.update(f.read_bytes())
     return h.hexdigest()[:16]
+
+
+def check_sampled_with(model: str | os.PathLike[str], *, hashes: Iterable[str | None] = (),
+                       name: str | None = None, where: str = "the rollouts") -> None:
+    """ConfigError when `model` is not the checkpoint `where` were sampled with: scoring them with
+    another model measures the two models' difference and blames it on the backend.
+
+    hashes: the `model_hash` each rollout records (meta "model_hash"; None where it records none);
+    name: the model a record's header names. With no hash recorded, a `name` other than `model` is
+    compared by hash when it resolves here (a recorded path that is gone leaves nothing to compare).
+    """
+    wanted = {h for h in hashes if h}
+    if not wanted and name is not None and os.fspath(name) != os.fspath(model):
+        try:
+            wanted = {model_hash(resolve_model(name))}
+        except ModelNotFoundError:
+            return
+    if not wanted:
+        return
+    mine = model_hash(resolve_model(model))
+    if mine not in wanted:
+        sampled = f"{name!r} " if name is not None else ""
+        raise ConfigError(f"model {os.fspath(model)!r} (hash {mine}) is not the model {where} were sampled "
+                          f"with: {sampled}(hash {', '.join(sorted(wanted))}); score them with that model "
+                          "(model=, --model), or sample them again with this one")

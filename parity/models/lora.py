@@ -23,12 +23,16 @@ W + scaling * B A, rounded once) is another model: its logprobs differ from the 
 last bits (measured in docs/PERF.md).
 
 `check_adapter` validates an adapter against a checkpoint from files alone (the adapter's
-config, the safetensors headers of both), with no torch, before any engine starts: every
+config and weights, the checkpoint's safetensors headers), with no torch, before any engine starts: every
 adapted module must exist in the base with matching shapes (an adapter trained on another base
 model fails here), every target must be a projection parity applies adapters to (q/k/v/o and
 gate/up/down projections of dense models; attention projections only on MoE models, whose
 expert and router weights are not adapted), and no peft option that changes the computation
-beyond plain LoRA (DoRA, biases, per-module rank or alpha patterns, ...) may be on.
+beyond plain LoRA (DoRA, biases, per-module rank or alpha patterns, ...) may be on. It also reads
+the adapter's tensors (small next to the model): a NaN or inf, or a `lora_alpha` whose update
+would swamp the weights (`MAX_UPDATE`), is refused there, naming the tensor or field, not blamed
+on an engine's answer later; so is a `target_modules` expression that is malformed or selects
+nothing, and a `base_model_name_or_path` naming another built-in model.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ from safetensors.numpy import load_file, save_file
 
 from parity.core.errors import AdapterError
 from parity.core.schema import LORA_MOE_TARGETS, LORA_TARGETS
-from parity.models.checkpoints import resolve_model, safetensors_shapes
+from parity.models.checkpoints import BUILTIN_MODELS, builtin_dir, resolve_model, safetensors_shapes
 from parity.models.limits import checkpoint_config
 from parity.models.lora_builtins import builtin_adapter_names, builtin_adapter_path, is_builtin_adapter
 
@@ -64,6 +68,9 @@ _KNOWN_KEYS = frozenset({
     "lora_ga_config", "ensure_weight_tying",
 })
 _PREFIX = "base_model.model."
+#: the largest |scaling * B A| entry an adapter may add to a weight: no trained model's weight is near
+#: it, and fp16 overflows past 65504.
+MAX_UPDATE = 1e4
 _SUFFIXES = {".lora_A.weight": "A", ".lora_B.weight": "B"}
 
 
@@ -74,8 +81,8 @@ class LoraSpec:
     path: the adapter directory. rank: `r`; alpha: `lora_alpha`; use_rslora: scaling by
     sqrt(r) instead of r. modules: the base model's adapted module names, sorted (e.g.
     "model.layers.0.self_attn.q_proj"). targets: their last name parts, sorted. base_model:
-    peft's `base_model_name_or_path` (recorded, not enforced: shapes decide). hash: sha256 of the
-    config and weight files, 16 hex digits (provenance; a changed adapter is a new hash).
+    peft's `base_model_name_or_path` (recorded; one naming another built-in model is refused).
+    hash: sha256 of the config and weight files, 16 hex digits (provenance; a changed adapter is a new hash).
     """
 
     path: Path
@@ -177,7 +184,19 @@ def _targeted(config: dict[str, Any], modules: dict[str, tuple[int, ...]], where
     if isinstance(targets, str):
         if targets == "all-linear":
             return [m for m in modules if not m.endswith(("embed_tokens", "lm_head"))]
-        return [m for m in modules if re.fullmatch(targets, m)]
+        try:
+            pattern = re.compile(targets)
+        except re.error as exc:
+            raise AdapterError(f"{where}: target_modules {targets!r} is not a valid regular expression "
+                               f"({exc}); give a list of module names or a regular expression the whole "
+                               "module name must match") from exc
+        chosen = [m for m in modules if pattern.fullmatch(m)]
+        if not chosen:
+            # peft refuses it too: an adapter that adapts nothing runs as the bare model
+            raise AdapterError(f"{where}: target_modules {targets!r} selects no module of the model (peft "
+                               "refuses such an adapter); the regular expression must match whole module "
+                               "names such as 'model.layers.0.self_attn.q_proj'")
+        return chosen
     if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
         raise AdapterError(f"{where}: target_modules must be a non-empty list of module names or a regular "
                            f"expression, got {targets!r}")
@@ -248,6 +267,9 @@ def check_adapter(lora: str | os.PathLike[str], model: str | os.PathLike[str]) -
                 f"{path / ADAPTER_WEIGHTS}: {module!r} has lora_A {list(pair['A'])} and lora_B "
                 f"{list(pair['B'])}; model {os.fspath(model)!r} needs [{rank}, {inp}] and [{out}, {rank}] "
                 "(r from the config): the adapter was made for another base model")
+    _check_values(path / ADAPTER_WEIGHTS, float(config["lora_alpha"]),
+                  _scaling(config["lora_alpha"], rank, config.get("use_rslora", False)), where)
+    _check_base_model(config.get("base_model_name_or_path"), model, where)
     digest = hashlib.sha256()
     for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
         digest.update((path / name).read_bytes())
@@ -257,6 +279,69 @@ def check_adapter(lora: str | os.PathLike[str], model: str | os.PathLike[str]) -
                     targets=tuple(sorted({m.rsplit(".", 1)[-1] for m in targeted})),
                     base_model=base_model if isinstance(base_model, str) else None,
                     hash=digest.hexdigest()[:16])
+
+
+def _scaling(alpha: float, rank: int, use_rslora: bool) -> float:
+    return alpha / (math.sqrt(rank) if use_rslora else rank)
+
+
+def _check_values(weights: Path, alpha: float, scaling: float, where: Path) -> None:
+    """AdapterError naming the tensor that holds NaN or inf, or `lora_alpha` when some adapted
+    weight's update, scaling * B A, could exceed `MAX_UPDATE` (bounded by scaling * r * max|B| *
+    max|A| per module, computed exactly only past that bound): an engine would run and its answer,
+    not the adapter, would be blamed."""
+    tensors = read_adapter_tensors(weights)
+    for name, values in tensors.items():
+        if not np.isfinite(values).all():
+            raise AdapterError(f"{weights}: tensor {name!r} holds NaN or inf; the adapter is broken (a "
+                               "diverged or corrupted training run): save it again from a healthy step")
+    for name, a in tensors.items():
+        if not name.endswith(".lora_A.weight"):
+            continue
+        b = tensors[name.removesuffix(".lora_A.weight") + ".lora_B.weight"]
+        bound = scaling * a.shape[0] * float(np.abs(a).max(initial=0.0)) * float(np.abs(b).max(initial=0.0))
+        if bound > MAX_UPDATE:
+            largest = float(np.abs(scaling * (b.astype(np.float64) @ a.astype(np.float64))).max(initial=0.0))
+            if not largest <= MAX_UPDATE:
+                module = name[len(_PREFIX):].removesuffix(".lora_A.weight")
+                raise AdapterError(f"{where}: lora_alpha={alpha:g} (scaling {scaling:g}) makes {module!r}'s "
+                                   f"weight update reach {largest:.3g}, past {MAX_UPDATE:g}: the adapted "
+                                   "layer overflows or is meaningless; check lora_alpha (peft's default is "
+                                   "8, usually r or 2r)")
+
+
+def read_adapter_tensors(path: Path) -> dict[str, np.ndarray]:
+    """Every tensor of an adapter's safetensors file as float32 (F32, F16 and BF16, the dtypes
+    `check_adapter` allows; BF16 widened by its bits, no torch)."""
+    with path.open("rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+        data = f.read()
+    kinds = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        start, stop = info["data_offsets"]
+        raw = np.frombuffer(data[start:stop], dtype=kinds[info["dtype"]]).reshape(info["shape"])
+        out[name] = (raw.astype(np.uint32) << 16).view(np.float32) if info["dtype"] == "BF16" \
+            else raw.astype(np.float32)
+    return out
+
+
+def _check_base_model(base_model: object, model: str | os.PathLike[str], where: Path) -> None:
+    """AdapterError when `base_model_name_or_path` names a built-in model other than `model`: shapes
+    shared by two built-ins would let another model's adapter through unnoticed."""
+    if not isinstance(base_model, str) or base_model not in BUILTIN_MODELS:
+        return
+    if isinstance(model, str) and model in BUILTIN_MODELS:
+        same = model == base_model
+    else:
+        same = Path(model).expanduser().resolve() == builtin_dir(base_model).resolve()
+    if not same:
+        raise AdapterError(f"{where}: base_model_name_or_path {base_model!r} names another built-in model "
+                           f"than {os.fspath(model)!r}; apply the adapter to {base_model!r}, or correct "
+                           "base_model_name_or_path if it was trained on this model")
 
 
 def rescaled(spec: LoraSpec, factor: float) -> LoraSpec:

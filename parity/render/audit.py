@@ -17,11 +17,12 @@ body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 24
 h1 { font-size: 20px; margin: 0 0 4px 0; } h2 { font-size: 16px; margin: 24px 0 8px 0; }
 .verdict { display: inline-block; padding: 2px 10px; margin-right: 8px; border-radius: 4px; color: #fff;
            font-weight: 600; }
-.yes { background: #2e7d32; } .no { background: #c62828; } .skip { color: #777; }
+.yes { background: #2e7d32; } .no { background: #c62828; } .unchecked { background: #777; }
+.skip { color: #777; }
 table { border-collapse: collapse; font-size: 13px; }
 th, td { border: 1px solid #ddd; padding: 3px 8px; text-align: left; vertical-align: top; }
 td { font-variant-numeric: tabular-nums; } td.num { text-align: right; }
-tr.identical td.status { color: #2e7d32; font-weight: 600; }
+tr.identical td.status, tr.expected td.status { color: #2e7d32; font-weight: 600; }
 tr.differs td.status { color: #c62828; font-weight: 600; }
 pre { background: #f6f6f6; padding: 6px; font-size: 12px; margin: 0; white-space: pre-wrap; }
 p.control { background: #ffebee; padding: 6px 10px; border-left: 4px solid #c62828; }
@@ -38,9 +39,35 @@ _MEANING = {
 }
 
 
-def _badge(label: str, flag: bool) -> str:
-    word = "yes" if flag else "no"
-    return f'<span class="verdict {word}">{html.escape(label)}: {word}</span>'
+#: the control check: its samples must differ.
+CONTROL = "seed"
+
+
+def verdict_words(result: dict[str, Any]) -> tuple[str, str]:
+    """The two verdicts of an audit result (its `to_dict()` form) as a person reads them: "yes",
+    "NO", or "not checked" where a check the verdict rests on was skipped and none that ran
+    differed (nothing measured is no NO)."""
+    def word(names: tuple[str, ...], flag: bool) -> str:
+        checks = [result["checks"][n] for n in names]
+        if not flag and not any(c["skipped"] is None and not c["identical"] for c in checks):
+            return "not checked"
+        return "yes" if flag else "NO"
+    return word(("repeat",), result["deterministic"]), word(("batch", "order"), result["batch_invariant"])
+
+
+def machine_clause(provenance: dict[str, Any]) -> str:
+    """What an audit's verdicts are a property of: the engine and workload on this machine's CPU ISA
+    and GPU (provenance `cpu_isa`, `gpu`): the same engine may differ on another ISA."""
+    cpu = provenance.get("cpu_isa") or provenance.get("cpu") or "unknown CPU"
+    gpu = provenance.get("gpu") or "no GPU"
+    return f"a property of this engine and workload on this machine (CPU {cpu}, {gpu})"
+
+
+def _badge(label: str, word: str) -> str:
+    """A verdict badge: "yes" green, "no" red, "not checked" grey."""
+    word = word.lower()
+    kind = {"yes": "yes", "no": "no"}.get(word, "unchecked")
+    return f'<span class="verdict {kind}">{html.escape(label)}: {html.escape(word)}</span>'
 
 
 def _check_row(name: str, check: dict[str, Any]) -> str:
@@ -48,11 +75,13 @@ def _check_row(name: str, check: dict[str, Any]) -> str:
         return (f'<tr class="skipped"><td>{html.escape(name)}</td>'
                 f'<td>{html.escape(_MEANING.get(name, ""))}</td><td class="status skip">skipped</td>'
                 f'<td colspan="4" class="skip">{html.escape(check["skipped"])}</td></tr>')
-    status = "identical" if check["identical"] else "differs"
+    status = row = "identical" if check["identical"] else "differs"
+    if name == CONTROL and not check["identical"]:  # the control passes when the seeds' samples differ
+        status, row = "seeds change the samples: as expected", "expected"
     first = check["first_difference"]
     detail = "" if first is None else \
         f"<pre>{html.escape(json.dumps(first, sort_keys=True, default=str))}</pre>"
-    return (f'<tr class="{status}"><td>{html.escape(name)}</td><td>{html.escape(_MEANING.get(name, ""))}</td>'
+    return (f'<tr class="{row}"><td>{html.escape(name)}</td><td>{html.escape(_MEANING.get(name, ""))}</td>'
             f'<td class="status">{status}</td>'
             f'<td class="num">{check["differing_requests"]} of {check["requests"]}</td>'
             f'<td class="num">{check["max_abs_logprob_diff"]:.3e}</td>'
@@ -63,6 +92,7 @@ def audit_html(result: dict[str, Any]) -> str:
     """The whole self-contained page of one audit result (its `to_dict()` form)."""
     prov = result["provenance"]
     title = f"parity audit: {result['backend']} on {result['model']} ({result['dtype']})"
+    deterministic, invariant = verdict_words(result)
     seed = result["checks"]["seed"]
     control = "" if seed["skipped"] is not None or not seed["identical"] else (
         '<p class="control">Control failed: two seeds gave identical samples, so the sampling checks prove '
@@ -76,8 +106,8 @@ def audit_html(result: dict[str, Any]) -> str:
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
         f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body>",
         f"<h1>{html.escape(title)}</h1>",
-        f"<p>{_badge('deterministic', result['deterministic'])}"
-        f"{_badge('batch-invariant', result['batch_invariant'])}</p>", control,
+        f"<p>{_badge('deterministic', deterministic)}{_badge('batch-invariant', invariant)}</p>",
+        f"<p>{html.escape(machine_clause(prov)).capitalize()}.</p>", control,
         "<h2>Checks</h2><p>Token ids and logprobs compared bit for bit; logprobs over the common token "
         "prefix of each sample, a sample whose tokens diverge counted as differing.</p>",
         f'<table class="checks"><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>',

@@ -9,6 +9,8 @@ import importlib.metadata
 import os
 import platform
 import socket
+import sys
+from pathlib import Path
 from typing import Any
 
 from parity.core.schema import VERSION
@@ -58,7 +60,38 @@ def provenance(model: str | None, *, backend: str, backend_meta: dict[str, Any],
         "rollout_logprobs": rollout_logprobs,
         "hostname": socket.gethostname(),
         "cpu": platform.processor() or platform.machine(),
+        "cpu_isa": cpu_isa(),
+        "gpu": gpu_model(device, backend_device),
         "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
         "timestamp": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
     }
+
+
+#: /proc/cpuinfo flags -> the widest matrix/vector ISA they name, widest first (the ISA decides
+#: which kernels a CPU engine such as vLLM-CPU runs, and so its batch variance).
+_ISA_FLAGS: tuple[tuple[str, str], ...] = (("amx_tile", "AMX"), ("avx512f", "AVX-512"), ("avx2", "AVX2"),
+                                           ("asimd", "NEON"))
+
+
+def cpu_isa(cpuinfo: str | os.PathLike[str] = "/proc/cpuinfo") -> str | None:
+    """The widest of AMX, AVX-512, AVX2 (NEON on Arm) this CPU has, by its cpuinfo flags; the
+    machine's architecture when none is named; None where there is no cpuinfo (not Linux)."""
+    try:
+        text = Path(cpuinfo).read_text(errors="replace")
+    except OSError:
+        return None
+    flags = next((set(line.partition(":")[2].split()) for line in text.splitlines()
+                  if line.startswith(("flags", "Features"))), set())
+    return next((isa for flag, isa in _ISA_FLAGS if flag in flags), platform.machine() or None)
+
+
+def gpu_model(*devices: str | None) -> str | None:
+    """The GPU's name when a side ran on CUDA and torch is already loaded (never imported here: a
+    report is built without it where no GPU ran); None otherwise."""
+    if not any(d is not None and str(d).startswith("cuda") for d in devices):
+        return None
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():
+        return None
+    return str(torch.cuda.get_device_name(0))

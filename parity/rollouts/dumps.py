@@ -8,6 +8,9 @@ Columns (parity's spelling first, then the accepted aliases):
     trainer_logprobs  old_log_probs, old_logprobs                    the trainer's logprobs of the
                                                                      same tokens (optional)
     request_id        uid                                            default: the row index
+    rollout_dtype                                                    the dtype the rollouts were
+                                                                     computed in (optional; picks the
+                                                                     tolerance with the trainer's)
     sample_index                                                     default: 0, 1, ... per request_id
     finish_reason, logprobs_mode, routed_experts
     sampling          {every SamplingParams field}, as `dump_rollouts` writes it; or the flat
@@ -42,6 +45,7 @@ import numpy as np
 
 from parity.core.errors import ConfigError, InputError, ParityError
 from parity.core.schema import LOGPROBS_MODES, json_float
+from parity.core.strict import check_dtype
 from parity.core.tables import read_rows, write_rows
 from parity.core.types import Rollout, SamplingParams
 
@@ -190,6 +194,12 @@ def _row(row: dict[str, Any], index: int, samples: dict[str, int], backend: str,
     if mode not in LOGPROBS_MODES:
         raise InputError(f"logprobs_mode {mode!r}; allowed: {list(LOGPROBS_MODES)}")
     routes = row.get("routed_experts")
+    meta: dict[str, Any] = {"source": "offline ingestion"}
+    if row.get("rollout_dtype") is not None:
+        try:
+            meta["dtype"] = check_dtype(row["rollout_dtype"], "rollout_dtype")
+        except ConfigError as exc:
+            raise InputError(str(exc)) from exc
     sampling = _sampling(row, mode, given.get(request_id) if isinstance(given, Mapping) else given)
     if row.get("attention_mask") is None and row.get("response_mask") is None:
         greedy = sampling is not None and sampling.temperature == 0
@@ -199,8 +209,7 @@ def _row(row: dict[str, Any], index: int, samples: dict[str, int], backend: str,
         prompt_ids=tuple(prompt), token_ids=tuple(response), logprobs=tuple(logprobs),
         finish_reason=str(row.get("finish_reason") or "unknown"), backend=backend, logprobs_mode=mode,
         routed_experts=None if routes is None else np.asarray(routes, dtype=np.int64),
-        meta={"source": "offline ingestion"},
-        sampling=sampling, response_mask=generated)
+        meta=meta, sampling=sampling, response_mask=generated)
     return rollout, None if trainer is None else tuple(float(x) for x in trainer), trainer_column
 
 

@@ -270,9 +270,10 @@ def default_case(model: str = "tiny-llama", *, num_prompts: int = 8, max_tokens:
 # Loading
 
 
-def load_cases(spec: str | Path, *, cases_dir: str | Path = "cases") -> list[Case]:
+def load_cases(spec: str | Path, *, cases_dir: str | Path = "cases", flag: str = "--cases") -> list[Case]:
     """Cases named by `spec`: a directory (every *.toml in it, sorted), one file, or a
-    comma-separated list of files and bare names (`smoke` means `<cases_dir>/smoke.toml`)."""
+    comma-separated list of files and bare names (`smoke` means `<cases_dir>/smoke.toml`).
+    flag: how errors name the option (`--cases` of nightly, `--case` of a command taking one)."""
     cases: list[Case] = []
     for part in (p.strip() for p in str(spec).split(",")):
         if not part:
@@ -281,7 +282,7 @@ def load_cases(spec: str | Path, *, cases_dir: str | Path = "cases") -> list[Cas
         if path.is_dir():
             files = sorted(path.glob("*.toml"))
             if not files:
-                raise ConfigError(f"--cases: directory {str(path)!r} has no *.toml case files")
+                raise ConfigError(f"{flag}: directory {str(path)!r} has no *.toml case files")
             cases.extend(load_case(f) for f in files)
         elif path.is_file():
             cases.append(load_case(path))
@@ -289,20 +290,28 @@ def load_cases(spec: str | Path, *, cases_dir: str | Path = "cases") -> list[Cas
             cases.append(load_case(Path(cases_dir) / f"{part}.toml"))
         else:
             raise ConfigError(
-                f"--cases: {part!r} is neither a case file, a directory, nor a name in "
-                f"{str(cases_dir)!r}; give a .toml path, a directory or one of {_case_names(cases_dir)}"
+                f"{flag}: {part!r} is neither a case file, a directory, nor a name in "
+                f"{str(cases_dir)!r}; give a .toml path, a directory or {_case_names_text(cases_dir)}"
             )
     if not cases:
-        raise ConfigError(f"--cases: {str(spec)!r} names no case")
+        raise ConfigError(f"{flag}: {str(spec)!r} names no case")
     names = [c.name for c in cases]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
-        raise ConfigError(f"--cases: case name(s) {dupes} appear more than once; names must be unique")
+        raise ConfigError(f"{flag}: case name(s) {dupes} appear more than once; names must be unique")
     return cases
 
 
 def _case_names(cases_dir: str | Path) -> list[str]:
     return sorted(p.stem for p in Path(cases_dir).glob("*.toml"))
+
+
+def _case_names_text(cases_dir: str | Path) -> str:
+    """"one of [names]", or where the case directory is missing (a run outside the repository)."""
+    names = _case_names(cases_dir)
+    if names:
+        return f"one of {names}"
+    return f"a name in a case directory (there is none at {str(Path(cases_dir).resolve())!r})"
 
 
 _TOP_KEYS = ("name", "description", "model", "dtypes", "backends", "logprobs_mode", "router_replay",
