@@ -24,6 +24,8 @@ from parity.core.outputs import output_file
 from parity.core.schema import LORA_MOE_TARGETS, LORA_TARGETS
 from parity.loop.config import LoopConfig
 from parity.loop.record import LoopRecord
+from parity.models import resolve_model
+from parity.models.lora import checkpoint_linear_shapes, is_moe_checkpoint
 from parity.workload.cases import Case, load_cases
 
 if TYPE_CHECKING:
@@ -89,9 +91,6 @@ def loop(model: str, backends: Sequence[str | Backend] = ("reference",), *, step
 def _check_lora_rank(model: str, rank: int) -> None:
     """ConfigError when `rank` exceeds the smaller dimension of some layer the loop adapts: B A of such
     a layer has rank at most that dimension, so the extra rank only costs time and memory."""
-    from parity.models import resolve_model
-    from parity.models.lora import checkpoint_linear_shapes, is_moe_checkpoint
-
     path = resolve_model(model)
     targets = LORA_MOE_TARGETS if is_moe_checkpoint(path) else LORA_TARGETS
     dims = {module: min(shape) for module, shape in checkpoint_linear_shapes(path).items()
