@@ -1,8 +1,10 @@
-"""The `parity` command: help everywhere, models, backends, passthrough subcommands, and the
-compare acceptance runs (reference exact, vLLM CPU within its default tolerance, HF bf16 drift)."""
+"""The `parity` command: help everywhere (instant: no torch before parsing), the shared frame every
+command runs in, models, backends, the dispatch table, and the compare acceptance runs (reference
+exact, vLLM CPU within its default tolerance, HF bf16 drift)."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import subprocess
@@ -12,15 +14,16 @@ from pathlib import Path
 import pytest
 
 from parity.backends import route_capture_options
-from parity.cli import PASSTHROUGH, main
+from parity.cli import COMMANDS, main
+from parity.core.errors import ConfigError
 from parity.report.document import ParityReport
+from parity.runtime.frame import run_command
 
 ROOT = Path(__file__).resolve().parent.parent
 MOE = "tiny-qwen3-moe"
 
-
-
-COMMANDS = ("compare", "score", "models", "backends", *PASSTHROUGH)
+#: modules that must not load before a command's arguments are parsed (as tests/test_layers.py's HEAVY).
+HEAVY = ("torch", "transformers", "vllm", "sglang", "tensorrt_llm", "triton")
 
 
 @pytest.mark.parametrize("argv", [["--help"], *([name, "--help"] for name in COMMANDS)])
@@ -40,11 +43,80 @@ def test_version_prints_the_package_version(capsys):
 
 
 def test_top_level_help_lists_every_subcommand(capsys):
+    """One line per command: its name and its help line from the table."""
     with pytest.raises(SystemExit):
         main(["--help"])
-    out = capsys.readouterr().out
-    for command in COMMANDS:
-        assert command in out
+    lines = capsys.readouterr().out.splitlines()
+    for command, (_, text) in COMMANDS.items():
+        assert any(line.split() == [command, *text.split()] for line in lines), (command, lines)
+
+
+def help_probe(argv: list[str], before: str = "") -> tuple[str, list[str]]:
+    """Run `parity ARGV` in a fresh interpreter (after the code `before`): its stdout and the HEAVY
+    modules loaded by the time it exited."""
+    code = (f"{before}\nimport sys\nfrom parity.cli import main\ntry:\n    main({argv!r})\n"
+            f"except SystemExit as e:\n    assert e.code == 0, e.code\n"
+            f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                            cwd=ROOT, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    *out, loaded = result.stdout.strip().splitlines()
+    return "\n".join(out), json.loads(loaded.replace("'", '"'))
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_of_every_command_loads_no_torch(command):
+    """`parity X --help` parses before any heavy import: nothing of HEAVY is loaded, in a fresh
+    interpreter; and the help is the frame's (it lists --verbose, which the frame adds)."""
+    out, loaded = help_probe([command, "--help"])
+    assert loaded == [] and f"usage: parity {command}" in out and "--verbose" in out
+
+
+def test_the_help_probe_sees_torch_when_it_is_loaded():
+    """Negative control: the same probe reports torch when the interpreter loaded it."""
+    assert "torch" in help_probe(["attribute", "--help"], before="import parity.attribute.ablation")[1]
+
+
+def test_the_frame_turns_every_failure_into_an_exit_code(capsys):
+    """ParityError: exit 2 with its message; anything else: one line and the --verbose hint (the
+    traceback with --verbose); Ctrl-C: 130; the body's own code otherwise."""
+    def failing(exc: BaseException):
+        def body(args: argparse.Namespace) -> int:
+            raise exc
+        return body
+    parser = argparse.ArgumentParser
+    assert run_command("parity x", [], parser(prog="parity x"), lambda args: 7) == 7
+    assert run_command("parity x", [], parser(), failing(ConfigError("--y: give 3"))) == 2
+    assert capsys.readouterr().err == "parity x: error: --y: give 3\n"
+    assert run_command("parity x", [], parser(), failing(RuntimeError("boom\nmore"))) == 2
+    assert capsys.readouterr().err == ("parity x: error: RuntimeError: boom (run with --verbose for the "
+                                       "traceback)\n")
+    assert run_command("parity x", ["--verbose"], parser(), failing(RuntimeError("boom"))) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and err.endswith("parity x: error: RuntimeError: boom\n")
+    assert run_command("parity x", [], parser(), failing(KeyboardInterrupt())) == 130
+    assert capsys.readouterr().err == "parity x: interrupted\n"
+
+
+#: arguments each command's parser accepts (the body is replaced: nothing runs).
+PARSES = {"compare": ["--backend", "hf"], "score": ["s.jsonl"], "advise": ["r.json"], "nightly": [],
+          "replay": ["r.jsonl", "--backend", "hf"], "attribute": [], "lifecycle": ["--backend", "hf"],
+          "monitor": ["d"], "loop": ["--model", "m"], "audit": ["--backend", "hf"]}
+
+
+@pytest.mark.parametrize("command", PARSES)
+def test_a_closed_pipe_ends_every_command_quietly(command):
+    """`parity X ... | head`: the frame's quiet exit 141, no traceback, reached through the command's
+    own `main` (its body replaced by one that writes more than a pipe buffers)."""
+    module, func = COMMANDS[command][0].split(":")
+    child = (f"import importlib, sys; m = importlib.import_module({module!r}); "
+             f"m._run = lambda args: [print('x' * 99) for _ in range(10**5)]; "
+             f"sys.exit(m.{func}({PARSES[command]!r}))")
+    proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            cwd=ROOT)
+    proc.stdout.close()  # the reader goes away
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 141 and err == "", err[-3000:]
 
 
 def test_models_lists_builtin_checkpoints(capsys):
@@ -97,17 +169,19 @@ def test_backends_lists_availability(capsys):
         assert ("[available]" in line) == (reason is None)
 
 
-def test_passthrough_hands_argv_to_the_module(monkeypatch, capsys):
-    module = type(sys)("fake_attribute")
+def test_dispatch_hands_argv_to_the_command(monkeypatch, capsys):
+    """The arguments after the name, unchanged; --verbose from anywhere on the line goes last."""
+    module = type(sys)("fake_attribute_command")
     seen = []
     module.main = lambda argv: seen.append(argv) or 3
-    monkeypatch.setitem(sys.modules, "parity.attribute", module)
+    monkeypatch.setitem(sys.modules, "parity.attribute.command", module)
     assert main(["attribute", "--help", "x"]) == 3
-    assert seen == [["--help", "x"]]
+    assert main(["--verbose", "attribute", "x"]) == 3
+    assert seen == [["--help", "x"], ["x", "--verbose"]]
 
 
-def test_passthrough_missing_module_is_a_clear_error(monkeypatch, capsys):
-    monkeypatch.setitem(PASSTHROUGH, "replay", ("parity.no_such_module", "replay_main", "replay"))
+def test_a_command_missing_from_the_build_is_a_clear_error(monkeypatch, capsys):
+    monkeypatch.setitem(COMMANDS, "replay", ("parity.no_such_module:main", "replay"))
     assert main(["replay", "r.jsonl"]) == 2
     assert "`parity replay` is not available" in capsys.readouterr().err
 

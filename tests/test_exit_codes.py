@@ -26,7 +26,8 @@ from parity.core.types import Request
 from parity.models import resolve_model
 from parity.nightly import execute, runner
 from parity.nightly import main as nightly_main
-from parity.rollouts.record import replay_main, write_record
+from parity.rollouts.command import main as replay_main
+from parity.rollouts.record import write_record
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -38,7 +39,7 @@ def no_engine(monkeypatch):
     def started(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("an engine was started before the input was checked")
     monkeypatch.setattr(sys.modules["parity.compare"], "shared_backend", started)
-    monkeypatch.setattr(sys.modules["parity.rollouts.record"], "get_backend", started)
+    monkeypatch.setattr(sys.modules["parity.rollouts.command"], "get_backend", started)
 
 
 def one_line_error(capsys, prog: str = "parity") -> str:
@@ -152,7 +153,7 @@ def test_replay_checks_out_before_starting_a_backend(tmp_path, no_engine, capsys
 
 def test_replay_exits_2_on_an_unexpected_exception(tmp_path, monkeypatch, capsys):
     record = write_record(tmp_path / "r.jsonl", [Request((3, 4), request_id="a")], model="tiny-llama")
-    monkeypatch.setattr(sys.modules["parity.rollouts.record"], "get_backend",
+    monkeypatch.setattr(sys.modules["parity.rollouts.command"], "get_backend",
                         lambda name, model, **kw: Exploding(model, dtype=kw["dtype"]))
     assert replay_main([str(record), "--backend", "hf"]) == 2
     assert "RuntimeError: engine exploded" in one_line_error(capsys, "parity replay")

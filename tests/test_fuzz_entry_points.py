@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 import parity
 import parity.nightly.command
+import parity.rollouts.command
 from parity.backends import Backend, close_shared_backend
 from parity.cli import main
 from parity.core.errors import ParityError
@@ -404,7 +405,7 @@ def test_command_line(tmp_path_factory, capsys):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr("parity.backends.reference.ReferenceBackend.generate", stop)
         mp.setattr(sys.modules["parity.nightly.command"], "run_nightly", stop)
-        mp.setattr(sys.modules["parity.rollouts.record"], "get_backend", stop)
+        mp.setattr(sys.modules["parity.rollouts.command"], "get_backend", stop)
 
         @given(command=st.sampled_from(["compare", "nightly", "replay", "audit"]),
                compare=argv_from(OPTION_VALUES), nightly=argv_from(NIGHTLY_VALUES),

@@ -26,7 +26,8 @@ from parity.core.errors import AdapterError, ConfigError
 from parity.engine import train_forward
 from parity.models.lora import check_adapter
 from parity.nightly import main as nightly_main
-from parity.rollouts.record import read_record, replay_main
+from parity.rollouts.command import main as replay_main
+from parity.rollouts.record import read_record
 from parity.workload.cases import load_case
 
 pytestmark = pytest.mark.usefixtures("one_thread")

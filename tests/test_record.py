@@ -8,7 +8,8 @@ import pytest
 from parity.backends import close_shared_backends, shared_backend
 from parity.core.errors import ConfigError, InputError
 from parity.core.types import Request, SamplingParams
-from parity.rollouts.record import read_record, replay, replay_main, write_record
+from parity.rollouts.command import main as replay_main
+from parity.rollouts.record import read_record, replay, write_record
 
 REQUESTS = [
     Request((1, 40, 41, 42), SamplingParams(n=2, temperature=0.7, top_p=0.9, max_tokens=6, seed=11), "a"),

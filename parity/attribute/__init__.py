@@ -7,16 +7,40 @@
     probe.first_differing                                # e.g. "layer.0"
 
 `parity attribute --model M --case C` runs both from the command line (`main`); the section is drawn by
-`parity.render.attribution`.
+`parity.render.attribution`. The names load their module on first use: most of them need torch, and
+`parity attribute --help` imports this package.
 """
 
-from parity.attribute.ablation import Drift, FamilyAttribution, OpAttribution, attribute_ops
-from parity.attribute.command import main
-from parity.attribute.layers import LayerDiff, StageDiff, layer_diff
-from parity.attribute.section import attribution_section
-from parity.attribute.settings import AXES, MODES, Setting, axis_settings
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from parity.attribute.ablation import Drift, FamilyAttribution, OpAttribution, attribute_ops
+    from parity.attribute.axes import AXES
+    from parity.attribute.command import main
+    from parity.attribute.layers import LayerDiff, StageDiff, layer_diff
+    from parity.attribute.section import attribution_section
+    from parity.attribute.settings import MODES, Setting, axis_settings
+
+#: exported name -> the module of this package that defines it.
+_HOMES = {
+    "AXES": "axes", "MODES": "settings", "Setting": "settings", "axis_settings": "settings",
+    "Drift": "ablation", "FamilyAttribution": "ablation", "OpAttribution": "ablation",
+    "attribute_ops": "ablation",
+    "LayerDiff": "layers", "StageDiff": "layers", "layer_diff": "layers",
+    "attribution_section": "section", "main": "command",
+}
 
 __all__ = [
     "AXES", "MODES", "Drift", "FamilyAttribution", "LayerDiff", "OpAttribution", "Setting", "StageDiff",
     "attribute_ops", "attribution_section", "axis_settings", "layer_diff", "main",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """`parity.attribute.NAME`: imported from its module when first asked for (PEP 562)."""
+    if name not in _HOMES:
+        raise AttributeError(f"module 'parity.attribute' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"parity.attribute.{_HOMES[name]}"), name)

@@ -13,14 +13,13 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from parity.attribute.section import attribution_section
-from parity.attribute.settings import AXES
+from parity.attribute.axes import AXES
 from parity.core.errors import ConfigError
 from parity.core.outputs import output_file
 from parity.core.schema import DTYPES, KERNEL_MODES
 from parity.core.types import Rollout
-from parity.engine import ReferenceEngine
 from parity.render.attribution import attribution_page, layers_text, ops_text
+from parity.runtime.frame import run_command
 from parity.workload.cases import default_case, load_cases
 
 
@@ -53,7 +52,6 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-layers", action="store_true", help="skip the layer probe")
     parser.add_argument("--json", type=Path, metavar="OUT", help="write the section as JSON to OUT")
     parser.add_argument("--html", type=Path, metavar="OUT", help="write an HTML page to OUT")
-    parser.add_argument("--verbose", action="store_true", help="print the traceback of an unexpected error")
     return parser
 
 
@@ -71,6 +69,8 @@ def _sequences(model: str | None, case_spec: str | None, dtype: str | None, devi
         case = cases[0]
     model = model or case.model
     dtype = dtype or case.dtypes[0]
+    from parity.engine import ReferenceEngine  # torch: after parsing, so that --help stays light
+
     with ReferenceEngine(model, dtype=dtype, device=device) as engine:
         rollouts = engine.generate(list(case.requests[:limit]))
     return model, dtype, rollouts[:limit]
@@ -78,11 +78,16 @@ def _sequences(model: str | None, case_spec: str | None, dtype: str | None, devi
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run `parity attribute` on `argv` (the arguments after the subcommand); returns the exit code."""
-    args = _parser().parse_args(None if argv is None else list(argv))
+    return run_command("parity", argv, _parser(), _run)
+
+
+def _run(args: argparse.Namespace) -> int:
     for option, path in (("--json", args.json), ("--html", args.html)):
         if path is not None:
             output_file(path, option)  # before the engine runs
     model, dtype, rollouts = _sequences(args.model, args.case, args.dtype, args.device, args.max_sequences)
+    from parity.attribute.section import attribution_section  # torch: after parsing (--help stays light)
+
     section = attribution_section(model, rollouts, axes=args.axis or ["batch"], dtype=dtype,
                                   device=args.device, families=args.families,
                                   probe_kernels=args.probe_kernels, ops=not args.no_ops,

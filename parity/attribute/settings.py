@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from parity import kernels as _kernels
+from parity.attribute.axes import AXES
 from parity.core.errors import ConfigError
 from parity.core.strict import check_dtype
 from parity.engine import LAYOUTS
@@ -92,15 +93,6 @@ class Setting:
     def to_dict(self) -> dict[str, object]:
         """JSON form; `kernels` as a sorted list."""
         return {**dataclasses.asdict(self), "kernels": sorted(self.kernels), "label": self.label}
-
-
-#: axis name -> what side B changes relative to side A.
-AXES: dict[str, str] = {
-    "batch": "A: each sequence alone (batch size 1); B: all sequences in one right-padded batch",
-    "layout": "A: all sequences in one right-padded batch; B: the same sequences packed into one row",
-    "mode": "A: one packed prefill over prompt + response; B: packed decode, one response token per step",
-    "dtype": "A: bfloat16; B: float16 (both: all sequences in one right-padded batch)",
-}
 
 
 def axis_settings(axis: str, *, dtype: str = "float32", device: str = "cpu",

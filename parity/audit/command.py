@@ -22,6 +22,7 @@ from parity.core.errors import EXIT_FAILED, ConfigError
 from parity.core.outputs import output_file
 from parity.core.schema import DTYPES
 from parity.render.audit import audit_html
+from parity.runtime.frame import run_command
 from parity.workload.cases import load_cases
 
 
@@ -32,7 +33,7 @@ def _ints(text: str) -> list[int]:
         raise ConfigError(f"--batch-sizes {text!r}: give comma-separated integers, e.g. 1,8,64") from exc
 
 
-def main(argv: Sequence[str]) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Run the audit, print one line per check, write --json/--html; the exit code as above."""
     parser = argparse.ArgumentParser(
         prog="parity audit",
@@ -53,8 +54,10 @@ def main(argv: Sequence[str]) -> int:
                         help="batch sizes of the batch check, in sequences; 1 and two more (default: 1,8,64)")
     parser.add_argument("--json", type=Path, metavar="OUT", help="write the result as JSON to OUT")
     parser.add_argument("--html", type=Path, metavar="OUT", help="write the result as an HTML page to OUT")
-    parser.add_argument("--verbose", action="store_true", help="print the traceback of an unexpected error")
-    args = parser.parse_args(list(argv))
+    return run_command("parity", argv, parser, _run)
+
+
+def _run(args: argparse.Namespace) -> int:
     case = load_cases(args.case, flag="--case")[0] if args.case is not None else None
     if args.model is None and case is None:
         raise ConfigError("parity audit needs --model (or --case naming a model)")

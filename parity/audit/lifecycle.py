@@ -23,22 +23,16 @@ as skipped with the backend's own words, never as passed.
 
 from __future__ import annotations
 
-import argparse
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 
-from parity.backends import get_backend, parse_option
 from parity.backends.base import Backend
-from parity.backends.weight_sync import check_weight_sync
 from parity.core.errors import ConfigError, UnsupportedError
-from parity.core.outputs import output_file
 from parity.core.types import Request, Rollout, SamplingParams
-from parity.workload.cases import load_case
 
 CHECKS: tuple[str, ...] = ("repeat", "prefix_cache_reset", "sleep_wake", "sleep_wake_2", "kv_cache_release",
                            "weight_update")
@@ -187,6 +181,10 @@ def _weight_update(backend: Backend, baseline: Sequence[Rollout], scale: float, 
                    reference: str) -> CheckResult:
     if type(backend).update_weights is Backend.update_weights:
         return CheckResult("weight_update", "skip", f"backend {backend.name!r} has no weight-update API")
+    # the weight sync check runs the training forward (torch): loaded here so that `parity lifecycle
+    # --help` and the other checks never import it
+    from parity.backends.weight_sync import check_weight_sync
+
     try:
         r = check_weight_sync(backend, baseline, reference=reference, scale=scale, seed=seed,
                               tolerance=tolerance)
@@ -206,47 +204,3 @@ def _weight_update(backend: Backend, baseline: Sequence[Rollout], scale: float, 
     elif r.max_abs_diff_restored != 0.0:
         violation = ("max_abs_diff_restored", r.max_abs_diff_restored, 0.0)
     return CheckResult("weight_update", "pass" if r.passed else "fail", detail, metrics, violation)
-
-
-def main(argv: Sequence[str]) -> int:
-    """`parity lifecycle`: run the checks on one backend; exit 0 when none failed, 1 when one did.
-
-    Errors (bad options, a backend that fails to start) raise ParityError, which the `parity`
-    command prints as one line with exit code 2.
-    """
-    parser = argparse.ArgumentParser(
-        prog="parity lifecycle",
-        description="Sample the same requests before and after each lifecycle transition of a running "
-                    "backend (cache reset, sleep/wake, KV-cache release, weight update) and compare token "
-                    "ids and logprobs bit for bit. Exit 0 when no check failed (skips included), 1 when "
-                    "one did, 2 on an error.")
-    parser.add_argument("--backend", required=True, help="backend name, e.g. vllm or vllm-server")
-    parser.add_argument("--model", help="built-in checkpoint or local HF checkpoint; optional with --case")
-    parser.add_argument("--case", type=Path, help="take the requests (and the model) from this case file")
-    parser.add_argument("--dtype", help="model dtype (default: the case's first dtype, else bfloat16)")
-    parser.add_argument("--checks", default=",".join(CHECKS),
-                        help=f"comma-separated checks to run (default: all: {','.join(CHECKS)})")
-    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                        help="backend option, repeatable; e.g. --option url=http://127.0.0.1:8000")
-    parser.add_argument("--weight-tolerance", type=float, default=0.15, metavar="NATS",
-                        help="max |dlogp| after a weight push vs the training forward (default: 0.15)")
-    parser.add_argument("--json", type=Path, metavar="OUT", help="write the results as JSON to OUT")
-    parser.add_argument("--verbose", action="store_true", help="print the traceback of an unexpected error")
-    args = parser.parse_args(list(argv))
-    case = load_case(args.case) if args.case is not None else None
-    model = args.model or (case.model if case is not None else None)
-    if model is None:
-        raise ConfigError("parity lifecycle needs --model (or --case naming a model)")
-    dtype = args.dtype or (case.dtypes[0] if case is not None and case.dtypes else "bfloat16")
-    checks = tuple(c.strip() for c in args.checks.split(",") if c.strip())
-    options = dict(parse_option(text) for text in args.option)
-    if args.json is not None:
-        output_file(args.json, "--json")  # before any work, as compare checks its outputs
-    with get_backend(args.backend, model, dtype=dtype, **options) as backend:
-        report = run_lifecycle(backend, case.requests if case is not None else None, checks=checks,
-                               weight_tolerance=args.weight_tolerance)
-    print(report.summary_text())
-    if args.json is not None:
-        args.json.write_text(report.to_json(), encoding="utf-8")
-        print(f"wrote {args.json}")
-    return 0 if report.passed else 1

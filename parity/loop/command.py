@@ -21,6 +21,7 @@ from parity.core.errors import EXIT_FAILED, ConfigError
 from parity.core.schema import DTYPES, REFERENCE
 from parity.loop import loop
 from parity.loop.record import LoopRecord
+from parity.runtime.frame import run_command
 
 #: columns of the per-step lines: (header, row key, width, format spec).
 COLUMNS: tuple[tuple[str, str, int, str], ...] = (
@@ -71,8 +72,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", type=Path, metavar="OUT",
                    help="write the record to OUT (rewritten after every step)")
     p.add_argument("--html", type=Path, metavar="OUT", help="write the page with per-step charts to OUT")
-    # cli.main reads --verbose itself; it is accepted here so that it may appear anywhere
-    p.add_argument("--verbose", action="store_true", help="engine logs and the traceback of an error")
     return p
 
 
@@ -136,9 +135,11 @@ def verdict(record: LoopRecord) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run `parity loop` on `argv` (the arguments after the subcommand); returns the exit code.
-    Errors propagate to `parity.cli.main`, which prints them as one line (exit 2)."""
-    args = _parser().parse_args(None if argv is None else list(argv))
+    """Run `parity loop` on `argv` (the arguments after the subcommand); returns the exit code."""
+    return run_command("parity", argv, _parser(), _run)
+
+
+def _run(args: argparse.Namespace) -> int:
     print(header(), flush=True)
     record = loop(args.model, [b.strip() for b in args.backends.split(",") if b.strip()], steps=args.steps,
                   case=args.case, reward=_reward(args.reward), train_on=args.train_on, lr=args.lr,

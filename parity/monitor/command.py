@@ -14,10 +14,10 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from parity.core.errors import report_error
 from parity.core.outputs import output_file
 from parity.monitor.page import PAGE_FILE, flat_values, write_page
 from parity.monitor.store import MonitorStore
+from parity.runtime.frame import run_command
 
 #: the latest step's figures the command prints.
 SHOWN = ("max_abs_logprob_diff", "mean_abs_logprob_diff", "k3_kl", "is_ratio_mean", "rollout_probs_diff_max",
@@ -34,17 +34,12 @@ def _parser() -> argparse.ArgumentParser:
                         help=f"write the page to OUT (default: OUT_DIR/{PAGE_FILE})")
     parser.add_argument("--json", type=Path, metavar="OUT",
                         help='write {"run_name", "steps": [{"step", ...the stored record...}]} to OUT')
-    parser.add_argument("--verbose", action="store_true", help="the traceback of an error")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run `parity monitor` on `argv`; returns the exit code."""
-    args = _parser().parse_args(argv)
-    try:
-        return _run(args)
-    except Exception as exc:  # one line, exit 2, as every parity command
-        return report_error("parity monitor", exc, verbose=args.verbose)
+    return run_command("parity monitor", argv, _parser(), _run)
 
 
 def _run(args: argparse.Namespace) -> int:

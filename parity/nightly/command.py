@@ -13,12 +13,13 @@ import shlex
 import sys
 from pathlib import Path
 
-from parity.core.errors import EXIT_INTERRUPTED, ConfigError, report_error
+from parity.core.errors import EXIT_INTERRUPTED, ConfigError
 from parity.core.schema import KERNEL_MODES
 from parity.nightly.history import History
 from parity.nightly.regression import TEST_NAME, RegressionPolicy
 from parity.nightly.rows import RowResult, check_run_id
 from parity.nightly.runner import AUTO, DEVICES, EXECUTORS, NightlyConfig, RunInterrupted, run_nightly
+from parity.runtime.frame import run_command
 
 #: options that define the matrix; a resumed run takes them from the history instead.
 _MATRIX_OPTIONS = ("cases", "backends", "dtypes", "baseline", "alpha", "min_effect", "reference", "device",
@@ -71,7 +72,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --executor ray: most host memory the actors' engines may hold at once, GiB "
                         "(default: what is available when the run starts)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    p.add_argument("--verbose", action="store_true", help="print the traceback of an unexpected error")
     return p
 
 
@@ -145,7 +145,11 @@ def resume_command(args: argparse.Namespace, run_id: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `parity nightly`; returns the exit code (see the parser's epilog)."""
-    args = build_parser().parse_args(argv)
+    return run_command("parity nightly", argv, build_parser(), _run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    # an interrupt says what was stored and how to finish; every other error is the frame's one line
     try:
         result = run_nightly(config_from_args(args), progress=not args.no_progress)
     except RunInterrupted as stop:
@@ -157,8 +161,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("parity nightly: interrupted before the run started; nothing was stored", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except Exception as exc:  # one line, exit 2: CI must never read a crash as a regression
-        return report_error("parity nightly", exc, verbose=args.verbose)
     print(format_rows(result.rows))
     print(f"\nrun {result.run.run_id}: exit code {result.exit_code}; "
           f"report: {result.report_dir / 'index.html'}")

@@ -14,18 +14,15 @@ Rollouts produced outside parity (verl batches, other clusters) are read by `par
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from parity.backends import Backend, get_backend, lora_options, parse_option
+from parity.backends import Backend
 from parity.backends.turns import generate
-from parity.core.errors import EXIT_INTERRUPTED, ConfigError, InputError, ParityError, report_error
-from parity.core.outputs import output_file
+from parity.core.errors import InputError, ParityError
 from parity.core.tables import read_jsonl, write_jsonl
 from parity.core.types import Request, Rollout
 from parity.models import model_limits
@@ -124,48 +121,3 @@ def _unique_ids(requests: Sequence[Request]) -> None:
     if repeated:
         raise InputError(f"request_id {repeated[0]!r} is used by more than one request; give every request "
                          "its own id")
-
-
-def replay_main(argv: Sequence[str] | None = None) -> int:
-    """`parity replay RECORD --backend NAME [--model M] [--lora PATH] [--dtype D] [--option K=V ...]
-    [--out PATH]`.
-
-    Writes a record with the original requests and rollouts plus the new backend's rollouts
-    (default: RECORD with `.NAME` before the suffix; checked before any backend starts) and
-    prints its path. The backend applies `--lora`, else the LoRA adapter the record names (the
-    one `compare --record` sampled with), else none. Returns 0, or 2 on
-    any error (one line on stderr; the traceback with --verbose), 130 on Ctrl-C.
-    """
-    parser = argparse.ArgumentParser(prog="parity replay", description=replay_main.__doc__)
-    parser.add_argument("record", type=Path, help="record file (JSONL) written by parity")
-    parser.add_argument("--backend", required=True, help="backend to replay through")
-    parser.add_argument("--model", help="model (built-in name or HF directory); default: the record's")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                        help="backend option; VALUE is parsed as JSON when it can be")
-    parser.add_argument("--out", type=Path, help="output record path")
-    parser.add_argument("--lora", metavar="PATH",
-                        help="a LoRA adapter the backend applies (peft directory or built-in adapter name); "
-                             "default: the record's")
-    parser.add_argument("--verbose", action="store_true", help="print the traceback of an unexpected error")
-    args = parser.parse_args(argv)
-    try:
-        record = read_record(args.record)
-        model = args.model or record.model
-        if model is None:
-            raise ConfigError("the record names no model; pass --model")
-        out = args.out or args.record.with_suffix(f".{args.backend}{args.record.suffix}")
-        output_file(out, "--out")
-        lora = args.lora or (record.meta.get("lora") or {}).get("path")
-        options = {**lora_options(args.backend, lora), **dict(map(parse_option, args.option))}
-        with get_backend(args.backend, model, dtype=args.dtype, **options) as backend:
-            new = replay(record, backend)
-        previous = [r for name, rs in record.rollouts.items() if name != args.backend for r in rs]
-        write_record(out, record.requests, previous + new, model=str(model), meta=record.meta)
-    except KeyboardInterrupt:
-        sys.stderr.write("parity replay: interrupted\n")
-        return EXIT_INTERRUPTED
-    except Exception as exc:  # one line, exit 2 (see parity.core.errors.report_error)
-        return report_error("parity replay", exc, verbose=args.verbose)
-    sys.stdout.write(f"{out}\n")
-    return 0

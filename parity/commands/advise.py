@@ -1,0 +1,59 @@
+"""`parity advise REPORT`: which rollout correction fixes a stored report's drift.
+
+    parity advise r.json [--json advice.json] [--html r.html]
+
+Exit 0, or 2 on an error (`parity.runtime.frame`). Light: never loads torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from parity.advisor import advise
+from parity.core.errors import InputError
+from parity.render import report_html
+from parity.report.document import ParityReport
+from parity.runtime.frame import run_command
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="parity advise",
+        description="Evaluate a grid of rollout corrections (verl rollout_is / rollout_rs, IcePop, geometric "
+                    "IS, seq-mask-TIS) on REPORT's per-token logprobs, print every candidate's figures and "
+                    "the recommendation with the config to paste; exit 0, or 2 on bad input.")
+    parser.add_argument("report", type=Path, metavar="REPORT",
+                        help="a report JSON written by `parity compare --json`")
+    parser.add_argument("--bootstrap", type=int, default=200, metavar="B",
+                        help="bootstrap resamples of sequences for the bias interval (default: 200)")
+    parser.add_argument("--seed", type=int, default=0, help="bootstrap seed (default: 0)")
+    parser.add_argument("--json", type=Path, metavar="OUT", help="write the advice section as JSON to OUT")
+    parser.add_argument("--html", type=Path, metavar="OUT",
+                        help="write the report's HTML page, with this advice section, to OUT")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run `parity advise` on `argv` (the arguments after the command); returns the exit code."""
+    return run_command("parity", argv, _parser(), _run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        text = args.report.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise InputError(f"advise: cannot read REPORT {args.report}: {exc.strerror}") from exc
+    report = ParityReport.from_json(text)
+    advice = advise(report, bootstrap=args.bootstrap, seed=args.seed)
+    print(advice.text())
+    if args.json is not None:
+        args.json.write_text(json.dumps(advice.to_dict(), indent=2), encoding="utf-8")
+        print(f"wrote {args.json}")
+    if args.html is not None:
+        report.extras["advice"] = advice.to_dict()
+        args.html.write_text(report_html(report), encoding="utf-8")
+        print(f"wrote {args.html}")
+    return 0

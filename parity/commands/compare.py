@@ -1,0 +1,68 @@
+"""`parity compare`: sample a case with one backend and score the same tokens with the training forward.
+
+    parity compare --model tiny-llama --backend vllm --json r.json --html r.html --record run.jsonl
+
+Exit 0 when the tolerance holds, 1 when it does not, 2 on an error (`parity.runtime.frame`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+
+from parity.backends import parse_option
+from parity.commands.report_output import check_outputs, report_arguments, report_out
+from parity.compare import compare
+from parity.core.errors import ConfigError, OutputError
+from parity.core.schema import DTYPES
+from parity.runtime.frame import run_command
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="parity compare",
+        description="Sample a case with BACKEND, score the same tokens with the training forward, print "
+                    "the summary; exit 0 when the tolerance holds, 1 when it does not, 2 on bad input.")
+    parser.add_argument("--model", help="model name (see `parity models`) or a local HF "
+                                        "checkpoint directory; optional with --case")
+    parser.add_argument("--backend", required=True, help="backend name (see `parity backends`)")
+    parser.add_argument("--case", type=Path, help="case TOML file (default: the built-in workload)")
+    parser.add_argument("--dtype", choices=DTYPES,
+                        help="model dtype (default: the case's first dtype, else bfloat16)")
+    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                        help="backend option, repeatable; VALUE is read as JSON when it parses "
+                             "(true, 4, 0.5), else as a string; e.g. --option record_routes=true")
+    parser.add_argument("--tp", type=int, metavar="K",
+                        help="tensor-parallel degree of the backend (1, 2, 4, 8); the training forward then "
+                             "runs parity's TP-invariant layout with the reference backend's row-parallel K "
+                             "groups (--option reduction_groups=G, default 8; the degree must divide G)")
+    parser.add_argument("--record", type=Path, metavar="OUT",
+                        help="write the run's record (requests and rollouts) to OUT, for `parity replay` "
+                             "and `parity score`")
+    report_arguments(parser)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run `parity compare` on `argv` (the arguments after the command); returns the exit code."""
+    return run_command("parity", argv, _parser(), _run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.model is None and args.case is None:
+        raise ConfigError("compare needs --model (or --case naming a model)")
+    check_outputs(args)
+    failed = []
+    try:
+        report = compare(args.model, args.backend, case=args.case, dtype=args.dtype, reference=args.reference,
+                         router_replay=args.router_replay, device=args.device,
+                         attribute=tuple(args.attribute or ()), record=args.record, tensor_parallel=args.tp,
+                         gold=args.gold, lora=args.lora, **dict(map(parse_option, args.option)))
+    except OutputError as e:
+        if e.report is None:
+            raise
+        report, failed = e.report, [str(e)]
+    if args.record is not None and not failed:
+        print(f"wrote {args.record}")
+    return report_out(report, args, failed)
