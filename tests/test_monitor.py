@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import signal
 import sqlite3
 import subprocess
@@ -400,10 +401,10 @@ def test_drawing_runs_off_the_step_s_critical_path(tmp_path, monkeypatch):
     release, drawing = threading.Event(), threading.Event()
     real = page_module.write_page
 
-    def slow_write(out_dir, path=None):
+    def slow_write(out_dir, path=None, **options):
         drawing.set()
         assert release.wait(30)
-        return real(out_dir, path)
+        return real(out_dir, path, **options)
 
     monkeypatch.setattr(page_module, "write_page", slow_write)
     monitor = parity.Monitor(tmp_path, advice_every=0, render_every=1)
@@ -419,7 +420,7 @@ def test_drawing_runs_off_the_step_s_critical_path(tmp_path, monkeypatch):
 
 
 def test_a_drawing_that_fails_loses_no_step(tmp_path, monkeypatch, caplog):
-    def broken(run, steps):
+    def broken(run, steps, **options):
         raise RuntimeError("no fonts")
 
     monkeypatch.setattr(page_module, "monitor_html", broken)
@@ -473,13 +474,16 @@ def test_import_and_the_command_never_load_torch(tmp_path):
     assert "torch" in heavy_modules_after(code)
 
 
-def test_a_second_writer_s_later_step_is_a_named_error(tmp_path):
-    """Two Monitors on one directory (two ranks by mistake): the one that falls behind gets an
-    InputError from the store's own check, not a sqlite3 exception."""
-    with parity.Monitor(tmp_path, advice_every=0, render_every=0) as a, \
-            parity.Monitor(tmp_path, advice_every=0, render_every=0) as b:
+def test_a_second_writer_is_refused_at_construction_naming_the_holder(tmp_path):
+    """Two Monitors on one directory (two ranks by mistake): the second is refused when it is made,
+    naming the holder's host and PID (before: both logged, the later one's steps half refused and
+    the rest merged as one run); once the first closes, the directory can be written again."""
+    with parity.Monitor(tmp_path, advice_every=0, render_every=0) as a:
         log(a, 0)
-        log(b, 5)
-        with pytest.raises(InputError, match="one writer"):
-            log(a, 3)
-    assert [s["step"] for s in stored(tmp_path)] == [0, 5]
+        holder = rf"another Monitor writes this directory \(host \S+ pid {os.getpid()} "
+        with pytest.raises(ConfigError, match=holder):
+            parity.Monitor(tmp_path, advice_every=0, render_every=0)
+        log(a, 1)
+    with parity.Monitor(tmp_path, advice_every=0, render_every=0) as b:
+        log(b, 2)
+    assert [s["step"] for s in stored(tmp_path)] == [0, 1, 2]

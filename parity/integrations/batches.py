@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from parity.core.errors import InputError
+from parity.core.logprobs import check_logprob_array
 from parity.core.schema import LOGPROBS_MODES
 from parity.core.strict import check_choice
 from parity.core.tables import write_rows
@@ -30,9 +31,6 @@ from parity.rollouts.dumps import SAMPLING_COLUMNS
 
 if TYPE_CHECKING:
     from parity.monitor import Monitor
-
-#: a logprob above this is not a logprob (the dump reader's bound, `parity.rollouts.dumps`).
-_MAX_LOGPROB = 1e-4
 
 
 @dataclass(frozen=True)
@@ -102,7 +100,8 @@ def _checked(values: np.ndarray, mask: np.ndarray, side: str, row: int) -> list[
     """One row's logprobs as floats, 0.0 where the mask is 0; InputError for a value that is not a
     logprob at a counted token."""
     v = np.where(mask, values.astype(np.float64), 0.0)
-    bad = ~np.isfinite(v) | (v > _MAX_LOGPROB)
+    check_logprob_array(v, None, f"row {row}: {side} logprob")
+    bad = ~np.isfinite(v)
     if bad.any():
         t = int(np.argmax(bad))
         raise InputError(f"row {row}: {side} logprob {t} is {float(v[t])!r}; every logprob of a counted "

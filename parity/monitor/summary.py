@@ -20,6 +20,8 @@ Heavy: parity.drift.metrics and parity.correction compute in torch (float64, row
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -64,10 +66,30 @@ def step_record(tok: TokenArrays, *, correction: CorrectionConfig, responses: np
         "worst_tokens": worst.result(responses),
     }
     if advice:
-        chosen = advise(tok.train.numpy(), tok.rollout.numpy(), tok.mask.numpy(), bootstrap=ADVICE_BOOTSTRAP,
-                        seed=seed)
-        record["recommendation"] = chosen.to_dict()["recommendation"]
+        record["recommendation"] = recommendation(tok, seed=seed)
     return record
+
+
+def recommendation(tok: TokenArrays, *, policy_lag: int | None = None, seed: int = 0) -> dict[str, Any]:
+    """The advisor's recommendation for one step (name, reason, config, frameworks, data_bugs);
+    `policy_lag` the declared lag of the rollout's weights (None: not declared)."""
+    chosen = advise(tok.train.numpy(), tok.rollout.numpy(), tok.mask.numpy(), bootstrap=ADVICE_BOOTSTRAP,
+                    seed=seed, policy_lag=policy_lag)
+    return chosen.to_dict()["recommendation"]
+
+
+@contextmanager
+def bounded_threads(threads: int) -> Iterator[None]:
+    """torch's intra-op threads set to `threads` inside the block and restored after: parity's work
+    in a training process must not take every core from the trainer's own threads."""
+    before = torch.get_num_threads()
+    if before != threads:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        if before != threads:
+            torch.set_num_threads(before)
 
 
 def worst_tokens(tok: TokenArrays, responses: np.ndarray | None, k: int = WORST) -> list[dict[str, Any]]:
