@@ -55,12 +55,15 @@ class StepBatch:
     sampling: Mapping[str, Any] | None = None
 
 
-def log_step(monitor: Monitor, step: int, batch: StepBatch, *, meta: Mapping[str, Any] | None = None
-             ) -> dict[str, Any]:
-    """`monitor.log` of one step's batch; returns the stored record."""
+def log_step(monitor: Monitor, step: int, batch: StepBatch, *, meta: Mapping[str, Any] | None = None,
+             policy_version: int | None = None, rollout_policy_version: int | None = None) -> dict[str, Any]:
+    """`monitor.log` of one step's batch (its request ids as the rows' uids); returns the stored
+    record. policy_version, rollout_policy_version: the trainer's and the rollout's weight
+    versions, as `Monitor.log` takes them."""
     return monitor.log(step, rollout_log_probs=batch.rollout, old_log_probs=batch.trainer,
                        response_mask=batch.mask, responses=batch.responses, prompts=batch.prompts,
-                       sampling=batch.sampling, meta=meta)
+                       uids=batch.request_ids, sampling=batch.sampling, meta=meta,
+                       policy_version=policy_version, rollout_policy_version=rollout_policy_version)
 
 
 def dump_step(batch: StepBatch, path: str | Path, *, logprobs_mode: str = "processed") -> Path:
