@@ -60,5 +60,5 @@ def check_logprob_array(values: np.ndarray, mask: np.ndarray | None, name: str) 
     if not bad.any():
         return
     index = np.unravel_index(int(np.argmax(bad)), bad.shape)
-    where = "[" + ", ".join(str(int(i)) for i in index) + "]"
+    where = f" {int(index[0])}" if len(index) == 1 else "[" + ", ".join(str(int(i)) for i in index) + "]"
     raise above_bound(float(values[index]), f"{name}{where}")
