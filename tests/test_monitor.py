@@ -134,9 +134,14 @@ def test_torch_numpy_and_bfloat16_inputs(tmp_path):
 
 def test_the_advisor_recommends_on_its_cadence(tmp_path):
     with parity.Monitor(tmp_path, advice_every=2, render_every=0) as monitor:
-        records = [log(monitor, step) for step in range(4)]
+        returned = [log(monitor, step) for step in range(4)]
+    assert not any("recommendation" in r for r in returned)  # the advisor runs off the training thread
+    records = stored(tmp_path)
     assert ["recommendation" in r for r in records] == [True, False, True, False]
     rec = records[0]["recommendation"]
+    with parity.Monitor(tmp_path / "inline", advice_every=2, render_every=0,
+                        advice_in_background=False) as monitor:
+        assert log(monitor, 0)["recommendation"] == rec
     rollout, trainer, mask, _ = step_arrays(0)
     assert rec == parity.advise(trainer, rollout, mask).to_dict()["recommendation"]
     verl = rec["frameworks"]["verl"]
@@ -149,7 +154,7 @@ def test_tokens_outside_the_support_are_counted_apart(tmp_path):
     rollout, trainer, mask, _ = step_arrays(6)
     trainer[0, 0] = -np.inf  # the trainer's nucleus excludes a token the rollout sampled
     rollout[3, 0] = -np.inf
-    with parity.Monitor(tmp_path, advice_every=1, render_every=0) as monitor:
+    with parity.Monitor(tmp_path, advice_every=1, render_every=0, advice_in_background=False) as monitor:
         record = monitor.log(0, rollout_log_probs=rollout, old_log_probs=trainer, response_mask=mask)
     scored = mask.copy()
     scored[0, 0] = scored[3, 0] = False
@@ -407,7 +412,7 @@ def test_drawing_runs_off_the_step_s_critical_path(tmp_path, monkeypatch):
         return real(out_dir, path, **options)
 
     monkeypatch.setattr(page_module, "write_page", slow_write)
-    monitor = parity.Monitor(tmp_path, advice_every=0, render_every=1)
+    monitor = parity.Monitor(tmp_path, advice_every=0, render_every=1, background="thread")
     try:
         assert drawing.wait(30)  # the first drawing started and is stuck
         for step in range(3):
@@ -425,7 +430,7 @@ def test_a_drawing_that_fails_loses_no_step(tmp_path, monkeypatch, caplog):
 
     monkeypatch.setattr(page_module, "monitor_html", broken)
     with caplog.at_level(logging.WARNING, logger="parity.monitor"), \
-            parity.Monitor(tmp_path, advice_every=0, render_every=1) as monitor:
+            parity.Monitor(tmp_path, advice_every=0, render_every=1, background="thread") as monitor:
         for step in range(3):
             log(monitor, step)
     assert [s["step"] for s in stored(tmp_path)] == [0, 1, 2]

@@ -123,7 +123,8 @@ def grpo_run(out: Path, *, stale=(12, 13, 14), versions: str = "none", steps: in
 def test_stale_steps_alert_by_default_and_are_named_weights_not_renormalization(tmp_path):
     """Default relative bounds (no thresholds given) flag exactly the stale steps; the alert and the
     step's recommendation say the weights are not the trainer's, never "renormalized"."""
-    records = grpo_run(tmp_path)
+    grpo_run(tmp_path)
+    records = stored(tmp_path)  # with the recommendations the background advisor added
     flagged = [r["step"] for r in records if r["alerts"]]
     assert flagged == [12, 13, 14]
     for r in records[12:15]:
@@ -136,7 +137,8 @@ def test_policy_versions_tell_intended_lag_from_a_sync_bug(tmp_path):
     synced = grpo_run(tmp_path / "synced", versions="synced")
     assert all("weight-sync bug" in a["message"] for r in synced[12:15] for a in r["alerts"])
     assert synced[12]["policy"] == {"trainer": 12, "rollout": 12, "lag": 0}
-    lagged = grpo_run(tmp_path / "lagged", versions="lagged")
+    grpo_run(tmp_path / "lagged", versions="lagged")
+    lagged = stored(tmp_path / "lagged")
     assert all("declared policy lag 1" in a["message"] for r in lagged[12:15] for a in r["alerts"])
     assert lagged[12]["recommendation"]["name"] != "none (weight mismatch)"  # corrected, as intended
     with quiet(tmp_path / "bad") as monitor, pytest.raises(InputError, match="newer than the trainer's"):
@@ -319,7 +321,7 @@ def test_log_scale_reaches_every_trend_chart(tmp_path, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(page_module, "step_trend_figure", spy)
-    with quiet(tmp_path) as monitor:
+    with quiet(tmp_path) as monitor:  # render_every=0: every drawing below is in this process
         log(monitor, 0)
         log(monitor, 1)
     page_module.write_page(tmp_path, log_scale=True)

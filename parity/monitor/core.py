@@ -61,6 +61,7 @@ from parity.core.schema import SUPPORT_SUMMARY_KEYS
 from parity.core.types import SamplingParams
 from parity.correction.config import DEFAULT_OPTIONS, CorrectionConfig
 from parity.monitor.arrays import host_array
+from parity.monitor.background import Background
 from parity.monitor.page import PAGE_FILE, PageRenderer, flat_values
 from parity.monitor.store import MonitorStore, json_ready, plain
 from parity.monitor.thresholds import DEFAULT_JUMPS, WINDOW, Jumps, Thresholds
@@ -91,7 +92,12 @@ class Monitor:
     render_every: redraw the page every this many logged steps (and on `close`), in a background
         thread; 0: never (draw it with `parity monitor OUT_DIR` when wanted).
     advice_every: run the correction advisor every this many logged steps (the first included)
-        and on every step that jumps; 0: never. It costs several times the rest of a step.
+        and on every step that jumps; 0: never. It costs several times the rest of a step, so by
+        default it runs in a background thread and its recommendation joins the stored step when
+        it is done (`log` returns without it; `close` waits for it).
+    advice_in_background: False runs the advisor inside `log` (its record then holds it).
+    background: where the page is drawn and the advisor runs: "process" (a spawned worker
+        process, off the training process's GIL) or "thread" (threads of this process).
     resume: continue a stored run from any step (see the module doc).
     journal: the store's journal, "auto" (rollback journal on a network filesystem, else WAL),
         "wal" or "delete" (`parity.monitor.store`).
@@ -107,7 +113,8 @@ class Monitor:
                  correction: Mapping[str, Any] | CorrectionConfig | None = None,
                  render_every: int = 10, advice_every: int = 10, resume: bool = False,
                  journal: str = "auto", tokenizer: Any = None, threads: int = 1,
-                 log_scale: bool = False) -> None:
+                 log_scale: bool = False, advice_in_background: bool = True,
+                 background: str = "process") -> None:
         if run_name is not None and (not isinstance(run_name, str) or not run_name.strip()):
             raise ConfigError(f"run_name must be a non-empty string or None, got {run_name!r}")
         self.thresholds = Thresholds.of(thresholds)
@@ -121,21 +128,26 @@ class Monitor:
         self.render_every = _count(render_every, "render_every", low=0)
         self.advice_every = _count(advice_every, "advice_every", low=0)
         self.threads = _count(threads, "threads", low=1)
-        for name, flag in (("resume", resume), ("log_scale", log_scale)):
+        for name, flag in (("resume", resume), ("log_scale", log_scale),
+                           ("advice_in_background", advice_in_background)):
             if not isinstance(flag, bool):
                 raise ConfigError(f"{name} must be True or False, got {flag!r}")
         if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
             raise ConfigError(f"tokenizer must have decode(ids) (a Hugging Face tokenizer), got "
                               f"{type(tokenizer).__name__}")
         self.resume, self.tokenizer = resume, tokenizer
+        self._background = Background(background)
         self.out_dir = output_dir(out_dir, "out_dir")
         self._store = MonitorStore.create(self.out_dir, run_name, journal=journal)
         self.run_name = self._store.run_info()["run_name"]
         self._attempt, self._last_step = self._store.last_attempt()
         self._history = _history(self._store, [k for k, _ in self.jumps.factors])
         self._logged = 0
+        self._advice_in_background = advice_in_background
+        self._advisor: Any = None  # the AdviceWorker, made on the first step that asks for advice
         self._lock = threading.Lock()
-        self._renderer = PageRenderer(self.out_dir, log_scale=log_scale) if self.render_every else None
+        self._renderer = PageRenderer(self.out_dir, log_scale=log_scale, background=self._background) \
+            if self.render_every else None
         if self._renderer is not None:
             self._renderer.request()  # a page exists from the start, "no step logged yet" until one is
         self._closed = False
@@ -169,12 +181,19 @@ class Monitor:
             (integers; the rollout's at most the trainer's); their difference is the declared lag.
         """
         # torch: `import parity.monitor` stays light
-        from parity.monitor.summary import bounded_threads, check_arrays, recommendation, step_record
+        from parity.monitor.summary import (
+            AdviceWorker,
+            bounded_threads,
+            check_arrays,
+            recommendation,
+            step_record,
+        )
 
         with self._lock:
             if self._closed:
                 raise ConfigError("this Monitor is closed; make a new one to log more steps")
             step, attempt = self._check_step(step)
+            self._store_advice()
             context = {"sampling": _sampling(sampling), "meta": _meta(meta),
                        "policy": _policy(policy_version, rollout_policy_version)}
             old, rollout, mask = (host_array(a, n) for a, n in zip(
@@ -193,7 +212,8 @@ class Monitor:
                                           SUPPORT_SUMMARY_KEYS[1]: outside / counted if counted else 0.0})
                 values = flat_values(record)
                 jumps = self.jumps.check(values, {k: [v for _, v in h] for k, h in self._history.items()})
-                if jumps or (self.advice_every and self._logged % self.advice_every == 0):
+                advice = bool(jumps) or bool(self.advice_every and self._logged % self.advice_every == 0)
+                if advice and not self._advice_in_background:
                     record["recommendation"] = recommendation(tok, policy_lag=lag)
             self._describe_worst(record["worst_tokens"], tails, row_ids)
             record.update({k: v for k, v in context.items() if v is not None})
@@ -204,6 +224,10 @@ class Monitor:
             if attempt != self._attempt:
                 record["restart"] = {"attempt": attempt, "after_step": self._last_step}
             logged_at = self._store.append(step, record, attempt=attempt)
+            if advice and self._advice_in_background:
+                if self._advisor is None:
+                    self._advisor = AdviceWorker(self._background)
+                self._advisor.submit(attempt, step, tok, lag)
             if attempt != self._attempt:
                 log.warning("parity monitor %s: step %d is at or below the last logged step %s: the run "
                             "was resumed; attempt %d starts here and supersedes the stored steps from %d on",
@@ -248,16 +272,26 @@ class Monitor:
             return step, self._attempt + 1
         return step, self._attempt
 
+    def _store_advice(self, done: list[tuple[int, int, dict[str, Any]]] | None = None) -> None:
+        """Store the recommendations the background advisor finished (`done`, or those ready)."""
+        if done is None:
+            done = self._advisor.drain() if self._advisor is not None else []
+        for attempt, step, rec in done:
+            self._store.append_advice(attempt, step, rec)
+
     def close(self) -> None:
-        """Draw the final page and close the store; closing twice is fine."""
+        """Wait for the advisor, draw the final page and close the store; closing twice is fine."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             try:
+                if self._advisor is not None:
+                    self._store_advice(self._advisor.drain(wait=True))
                 if self._renderer is not None:
                     self._renderer.close()
             finally:
+                self._background.close()
                 self._store.close()
 
     def __enter__(self) -> Monitor:

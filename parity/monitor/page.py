@@ -20,11 +20,14 @@ import datetime as _dt
 import html
 import logging
 import os
+import subprocess
+import sys
 import tempfile
 import threading
 from pathlib import Path
 from typing import Any
 
+from parity.monitor.background import Background
 from parity.monitor.store import MonitorStore
 from parity.render.advice import framework_blocks
 from parity.render.figures import breakdown_figure, figure_img, step_trend_figure
@@ -221,17 +224,35 @@ def write_page(out_dir: str | Path, path: str | Path | None = None, *, log_scale
     return target
 
 
+def _draw_in_a_child(out_dir: Path, log_scale: bool) -> None:
+    """`write_page` run by a child Python process (its own GIL); RuntimeError with its last error
+    line when it fails."""
+    package_root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH"))
+                                                         if p)}
+    code = ("import sys; from parity.monitor.page import write_page; "
+            "write_page(sys.argv[1], log_scale=sys.argv[2] == '1')")
+    done = subprocess.run([sys.executable, "-c", code, str(out_dir), "1" if log_scale else "0"], env=env,
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines() or [f"exit {done.returncode}"]
+        raise RuntimeError(lines[-1])
+
+
 class PageRenderer:
-    """Redraws a monitor's page in a background thread, off the training step's critical path.
+    """Redraws a monitor's page in a background thread, off the training step's critical path
+    (the drawing itself in `background`'s worker process when given one: off the GIL too).
 
     `request()` asks for a redraw and returns at once; requests that arrive while one is being
     drawn coalesce into one more. A drawing that raises is logged as a warning (the steps are in
     the store already, and the next request draws again). `close()` draws a last time and joins.
     """
 
-    def __init__(self, out_dir: str | Path, *, log_scale: bool = False) -> None:
+    def __init__(self, out_dir: str | Path, *, log_scale: bool = False, background: Background | None = None
+                 ) -> None:
         self.out_dir = Path(out_dir)
         self.log_scale = log_scale
+        self._background = background
         self.failures = 0
         self._wanted = threading.Event()
         self._closing = False
@@ -252,7 +273,10 @@ class PageRenderer:
     def draw(self) -> bool:
         """Draw now, in this thread; False (and a warning) when the drawing failed."""
         try:
-            write_page(self.out_dir, log_scale=self.log_scale)
+            if self._background is not None and self._background.mode == "process":
+                _draw_in_a_child(self.out_dir, self.log_scale)
+            else:
+                write_page(self.out_dir, log_scale=self.log_scale)
         except Exception as exc:  # the page is a view: a failure to draw it never stops training
             self.failures += 1
             log.warning("parity monitor: could not draw %s (%s: %s); the steps are stored, the next "

@@ -3,6 +3,7 @@
     out_dir/monitor.sqlite
       run(key TEXT PRIMARY KEY, value TEXT)          run_name, created_at, parity_version, schema_version
       steps(attempt INTEGER, step INTEGER, logged_at REAL, record TEXT)    record: the step's JSON summary
+      advice(attempt INTEGER, step INTEGER, recommendation TEXT)   the advisor's, added when it finishes
     out_dir/monitor.lock                              the writer's lock: host, PID and start time
 
 Attempts: a run resumed from a checkpoint logs steps at or below ones already stored. Those start
@@ -74,6 +75,8 @@ _SCHEMA = """
 CREATE TABLE IF NOT EXISTS run (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS steps (attempt INTEGER NOT NULL DEFAULT 0, step INTEGER NOT NULL,
                                   logged_at REAL NOT NULL, record TEXT NOT NULL, PRIMARY KEY (attempt, step));
+CREATE TABLE IF NOT EXISTS advice (attempt INTEGER NOT NULL, step INTEGER NOT NULL,
+                                   recommendation TEXT NOT NULL, PRIMARY KEY (attempt, step));
 CREATE TRIGGER IF NOT EXISTS steps_no_update BEFORE UPDATE ON steps
   BEGIN SELECT RAISE(ABORT, 'monitor steps are append-only'); END;
 CREATE TRIGGER IF NOT EXISTS steps_no_delete BEFORE DELETE ON steps
@@ -271,6 +274,12 @@ class MonitorStore:
             raise
         return logged_at
 
+    def append_advice(self, attempt: int, step: int, recommendation: dict[str, Any]) -> None:
+        """Store the advisor's recommendation of a stored step (computed off the training thread)."""
+        text = json.dumps(json_ready(recommendation), allow_nan=False, separators=(",", ":"))
+        self._conn.execute("INSERT OR IGNORE INTO advice (attempt, step, recommendation) VALUES (?, ?, ?)",
+                           (attempt, step, text))
+
     def steps(self, since: int | None = None, *, every_attempt: bool = False) -> list[dict[str, Any]]:
         """The run's steps as it stands (after step `since`, when given), in step order:
         `{"step": int, "logged_at": unix seconds, "attempt": int, **record}`; the first step of
@@ -284,6 +293,9 @@ class MonitorStore:
         attempt = "attempt" if "attempt" in columns else "0"
         rows = self._conn.execute(f"SELECT {attempt}, step, logged_at, record FROM steps "
                                   f"ORDER BY {attempt}, step").fetchall()
+        tables = {r[0] for r in self._conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        advice = dict(((a, s), r) for a, s, r in self._conn.execute(
+            "SELECT attempt, step, recommendation FROM advice")) if "advice" in tables else {}
         if every_attempt:
             kept = [(a, s, t, r, None) for a, s, t, r in rows]
         else:
@@ -298,6 +310,8 @@ class MonitorStore:
                 if not isinstance(record, dict):
                     raise ValueError(f"a JSON {type(record).__name__}, not an object")
                 item = {**record, **item}
+                if (a, s) in advice:
+                    item["recommendation"] = json.loads(advice[(a, s)])
             except (ValueError, TypeError) as exc:
                 reason = f"{type(exc).__name__}: {exc}"
                 item["undecodable"] = reason
