@@ -398,7 +398,7 @@ def test_the_page_shows_trends_the_latest_step_and_the_recommendation(tmp_path):
     assert "3 steps (0–2)" in page and "Latest step: 2" in page
     assert page.count('alt="max_abs_logprob_diff over steps"') == 1 and 'alt="k3_kl over steps"' in page
     assert "Worst tokens" in page and "Recommended correction" in page and "rollout_correction:" in page
-    assert "No thresholds set" in page
+    assert "No alerts: no absolute thresholds set" in page
 
 
 def test_drawing_runs_off_the_step_s_critical_path(tmp_path, monkeypatch):

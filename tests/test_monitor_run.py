@@ -427,3 +427,24 @@ def test_verl_log_batch_resumes_and_passes_policy_versions_and_uids(tmp_path):
         record = verl.log_batch(monitor, 2, batch, policy_version=2, rollout_policy_version=2)
     assert record["attempt"] == 1 and record["policy"] == {"trainer": 2, "rollout": 2, "lag": 0}
     assert record["worst_tokens"][0]["uid"] == str(uid[record["worst_tokens"][0]["row"]])
+
+
+def test_a_store_on_a_read_only_mount_reads(tmp_path):
+    """The run's directory bind-mounted read-only (a private mount namespace: `unshare -m`, skipped
+    where it is not permitted): `parity monitor` still reads every step (a WAL store's reader cannot
+    make its shared-memory file there: it opens the file immutable)."""
+    out = tmp_path / "run"
+    with quiet(out) as monitor:
+        log(monitor, 0)
+        log(monitor, 1)
+    probe = subprocess.run(["unshare", "-m", "true"], capture_output=True, check=False)
+    if probe.returncode != 0:
+        pytest.skip(f"no private mount namespace here ({probe.stderr.decode().strip()})")
+    read = (f"from parity.cli import main; raise SystemExit(main(['monitor', {str(out)!r}, '--html', "
+            f"{str(tmp_path / 'p.html')!r}]))")
+    script = (f"mount --bind {out} {out} && mount -o remount,bind,ro {out} && "
+              f"! touch {out}/probe 2>/dev/null && {sys.executable} -c \"{read}\"")
+    done = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, check=False,
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("run run: 2 steps (0-1)")

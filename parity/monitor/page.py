@@ -127,7 +127,8 @@ def _restarts(steps: list[dict[str, Any]]) -> str:
 
 def _alerts_html(alerts: list[tuple[int, dict[str, Any]]], thresholds: dict[str, Any] | None) -> str:
     if not thresholds and not alerts:
-        return '<p class="sub">No thresholds set (Monitor(thresholds=...)): no alerts.</p>'
+        return ('<p class="sub">No alerts: no absolute thresholds set (Monitor(thresholds=...)), and no '
+                'step jumped above its relative bound (Monitor(jumps=...)).</p>')
     if not alerts:
         return '<h2>Alerts</h2><p class="sub">None: every step within its thresholds.</p>'
     shown = alerts[::-1][:ALERTS_SHOWN]
