@@ -11,7 +11,8 @@ right-padded: verl's layout; torch tensors on any device or NumPy arrays), compu
 drift record (`parity.monitor.summary`: no forward, the trainer already holds both logprobs),
 checks the thresholds (a warning line on the `parity.monitor` logger and a flag in the record), and
 appends the record to `out_dir/monitor.sqlite` in one transaction (`parity.monitor.store`). Every
-`render_every` steps a background thread redraws `out_dir/index.html` (`parity.monitor.page`).
+`render_every` steps a background thread has a child process redraw `out_dir/index.html`
+(`parity.monitor.page`, `parity.monitor.background`).
 
 Resume: a run restarted from a checkpoint logs steps at or below the stored ones. With
 `resume=True` the first such step starts a new attempt of the run (a warning, never an exception):
@@ -26,7 +27,7 @@ looks like: the rollout engine's weights are not the trainer's (a missed sync).
 
 Cost: the record computes with torch bounded to `threads` (default 1, restored after), the advisor
 runs every `advice_every` steps (default 10, and on any step that jumps), and the page is drawn
-in a background thread: docs/PERF.md ("Monitor") has the figures.
+by a child process: docs/PERF.md ("Monitor in a real run") has the figures.
 
 A counted token one side gives logprob -inf lies outside that side's sampling support (parity's one
 rule for -inf, as in reports): it is counted in the summary's `num_tokens_outside_support` /
