@@ -83,7 +83,7 @@ def test_verl_batch_layout_left_padded_prompts_uid_groups_and_old_log_probs(tmp_
     ({k: v for k, v in GOOD.items() if k != "response_ids"}, "missing field 'response_ids'"),
     ({**GOOD, "rollout_logprobs": [-0.1]}, "2 response ids but 1 rollout logprobs"),
     ({**GOOD, "rollout_logprobs": [-0.1, float("nan")]}, "logprob 1 is nan"),
-    ({**GOOD, "rollout_logprobs": [-0.1, 3.5]}, "logits or probabilities"),
+    ({**GOOD, "rollout_logprobs": [-0.1, 3.5]}, "looks like probabilities/logits, not logprobs"),
     ({**GOOD, "prompt_ids": [1, -2]}, "prompt_ids must be non-negative integers"),
     ({**GOOD, "routed_experts": [[[0, 1]]]}, "routed_experts has 1 positions"),
     ({**GOOD, "old_log_probs": [-0.1]}, "2 response ids but 1 old_log_probs"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import signal
 import sqlite3
 import subprocess
@@ -133,9 +134,14 @@ def test_torch_numpy_and_bfloat16_inputs(tmp_path):
 
 def test_the_advisor_recommends_on_its_cadence(tmp_path):
     with parity.Monitor(tmp_path, advice_every=2, render_every=0) as monitor:
-        records = [log(monitor, step) for step in range(4)]
+        returned = [log(monitor, step) for step in range(4)]
+    assert not any("recommendation" in r for r in returned)  # the advisor runs off the training thread
+    records = stored(tmp_path)
     assert ["recommendation" in r for r in records] == [True, False, True, False]
     rec = records[0]["recommendation"]
+    with parity.Monitor(tmp_path / "inline", advice_every=2, render_every=0,
+                        advice_in_background=False) as monitor:
+        assert log(monitor, 0)["recommendation"] == rec
     rollout, trainer, mask, _ = step_arrays(0)
     assert rec == parity.advise(trainer, rollout, mask).to_dict()["recommendation"]
     verl = rec["frameworks"]["verl"]
@@ -148,7 +154,7 @@ def test_tokens_outside_the_support_are_counted_apart(tmp_path):
     rollout, trainer, mask, _ = step_arrays(6)
     trainer[0, 0] = -np.inf  # the trainer's nucleus excludes a token the rollout sampled
     rollout[3, 0] = -np.inf
-    with parity.Monitor(tmp_path, advice_every=1, render_every=0) as monitor:
+    with parity.Monitor(tmp_path, advice_every=1, render_every=0, advice_in_background=False) as monitor:
         record = monitor.log(0, rollout_log_probs=rollout, old_log_probs=trainer, response_mask=mask)
     scored = mask.copy()
     scored[0, 0] = scored[3, 0] = False
@@ -392,7 +398,7 @@ def test_the_page_shows_trends_the_latest_step_and_the_recommendation(tmp_path):
     assert "3 steps (0–2)" in page and "Latest step: 2" in page
     assert page.count('alt="max_abs_logprob_diff over steps"') == 1 and 'alt="k3_kl over steps"' in page
     assert "Worst tokens" in page and "Recommended correction" in page and "rollout_correction:" in page
-    assert "No thresholds set" in page
+    assert "No alerts: no absolute thresholds set" in page
 
 
 def test_drawing_runs_off_the_step_s_critical_path(tmp_path, monkeypatch):
@@ -400,13 +406,13 @@ def test_drawing_runs_off_the_step_s_critical_path(tmp_path, monkeypatch):
     release, drawing = threading.Event(), threading.Event()
     real = page_module.write_page
 
-    def slow_write(out_dir, path=None):
+    def slow_write(out_dir, path=None, **options):
         drawing.set()
         assert release.wait(30)
-        return real(out_dir, path)
+        return real(out_dir, path, **options)
 
     monkeypatch.setattr(page_module, "write_page", slow_write)
-    monitor = parity.Monitor(tmp_path, advice_every=0, render_every=1)
+    monitor = parity.Monitor(tmp_path, advice_every=0, render_every=1, background="thread")
     try:
         assert drawing.wait(30)  # the first drawing started and is stuck
         for step in range(3):
@@ -419,12 +425,12 @@ def test_drawing_runs_off_the_step_s_critical_path(tmp_path, monkeypatch):
 
 
 def test_a_drawing_that_fails_loses_no_step(tmp_path, monkeypatch, caplog):
-    def broken(run, steps):
+    def broken(run, steps, **options):
         raise RuntimeError("no fonts")
 
     monkeypatch.setattr(page_module, "monitor_html", broken)
     with caplog.at_level(logging.WARNING, logger="parity.monitor"), \
-            parity.Monitor(tmp_path, advice_every=0, render_every=1) as monitor:
+            parity.Monitor(tmp_path, advice_every=0, render_every=1, background="thread") as monitor:
         for step in range(3):
             log(monitor, step)
     assert [s["step"] for s in stored(tmp_path)] == [0, 1, 2]
@@ -473,13 +479,16 @@ def test_import_and_the_command_never_load_torch(tmp_path):
     assert "torch" in heavy_modules_after(code)
 
 
-def test_a_second_writer_s_later_step_is_a_named_error(tmp_path):
-    """Two Monitors on one directory (two ranks by mistake): the one that falls behind gets an
-    InputError from the store's own check, not a sqlite3 exception."""
-    with parity.Monitor(tmp_path, advice_every=0, render_every=0) as a, \
-            parity.Monitor(tmp_path, advice_every=0, render_every=0) as b:
+def test_a_second_writer_is_refused_at_construction_naming_the_holder(tmp_path):
+    """Two Monitors on one directory (two ranks by mistake): the second is refused when it is made,
+    naming the holder's host and PID (before: both logged, the later one's steps half refused and
+    the rest merged as one run); once the first closes, the directory can be written again."""
+    with parity.Monitor(tmp_path, advice_every=0, render_every=0) as a:
         log(a, 0)
-        log(b, 5)
-        with pytest.raises(InputError, match="one writer"):
-            log(a, 3)
-    assert [s["step"] for s in stored(tmp_path)] == [0, 5]
+        holder = rf"another Monitor writes this directory \(host \S+ pid {os.getpid()} "
+        with pytest.raises(ConfigError, match=holder):
+            parity.Monitor(tmp_path, advice_every=0, render_every=0)
+        log(a, 1)
+    with parity.Monitor(tmp_path, advice_every=0, render_every=0) as b:
+        log(b, 2)
+    assert [s["step"] for s in stored(tmp_path)] == [0, 1, 2]

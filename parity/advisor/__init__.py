@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from parity.advisor.diagnose import data_bugs
+from parity.advisor.diagnose import WEIGHTS, data_bugs
 from parity.advisor.evaluate import FIGURES, Evaluation, Tokens, evaluate, keep_mask
 from parity.advisor.export import framework_configs
 from parity.advisor.grid import REWEIGHTING, Candidate, default_grid, describe
@@ -71,7 +71,9 @@ class Advice:
 
     @property
     def name(self) -> str:
-        return "none (data bug)" if self.data_bugs else describe(self.config)
+        if self.data_bugs:
+            return "none (weight mismatch)" if self.data_bugs[0].startswith(WEIGHTS) else "none (data bug)"
+        return describe(self.config)
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON section stored in `ParityReport.extras["advice"]` and rendered from there."""
@@ -109,22 +111,24 @@ def tokens_of(source: Any, rollout_logprobs: Any = None, mask: Any = None) -> To
 
 def advise(report_or_arrays: Any, rollout_logprobs: Any = None, mask: Any = None, *,
            grid: Sequence[Candidate] | None = None, rule: AdviceRule | None = None,
-           bootstrap: int = 200, seed: int = 0) -> Advice:
+           bootstrap: int = 200, seed: int = 0, policy_lag: int | None = None) -> Advice:
     """Evaluate `grid` (default: `default_grid()`) on a report's or arrays' tokens and recommend
     one correction by `rule` (default bounds: `AdviceRule()`); see `parity.advisor.rule`.
 
     bootstrap: resamples of the sequences for the residual bias's 95% interval (seeded by `seed`).
     A report with gold figures (`parity.assess.accuracy`) also gets `Advice.gold` (`gold_note`).
+    policy_lag: the declared lag of the rollout's weights behind the trainer's (None: not declared;
+    > 0: drift from stale weights is intended and corrected, not named; `parity.advisor.diagnose`).
     """
     advice = _recommend(report_or_arrays, rollout_logprobs, mask, grid=grid, rule=rule, bootstrap=bootstrap,
-                        seed=seed)
+                        seed=seed, policy_lag=policy_lag)
     if isinstance(report_or_arrays, ParityReport):
         advice = dataclasses.replace(advice, gold=gold_note(report_or_arrays.summary))
     return advice
 
 
 def _recommend(report_or_arrays: Any, rollout_logprobs: Any, mask: Any, *, grid: Sequence[Candidate] | None,
-               rule: AdviceRule | None, bootstrap: int, seed: int) -> Advice:
+               rule: AdviceRule | None, bootstrap: int, seed: int, policy_lag: int | None) -> Advice:
     """The recommendation and its reason (`advise` without the gold note)."""
     tok = tokens_of(report_or_arrays, rollout_logprobs, mask)
     grid = tuple(default_grid() if grid is None else grid)
@@ -132,10 +136,14 @@ def _recommend(report_or_arrays: Any, rollout_logprobs: Any, mask: Any, *, grid:
     ev = evaluate(tok, grid, bootstrap=bootstrap, seed=seed)
     none = CorrectionConfig(rollout_is=None)
     stored = report_or_arrays.extras.get(DATA_BUGS, []) if isinstance(report_or_arrays, ParityReport) else []
-    bugs = data_bugs(tok) + tuple(stored)
+    # findings probed with forwards come first; with one, a stale-weights reading of the same drift is moot
+    own = data_bugs(tok, policy_lag=policy_lag)
+    bugs = tuple(stored) + tuple(b for b in own if not (stored and b.startswith(WEIGHTS)))
     if bugs:
-        reason = "this looks like a data bug, not drift: " + "; ".join(bugs) + \
-            "; fix the data first, no rollout correction is recommended"
+        weights = bugs[0].startswith(WEIGHTS)
+        reason = ("this is not numerical drift: " if weights else "this looks like a data bug, not drift: ") \
+            + "; ".join(bugs) + ("; fix the weight sync first" if weights else "; fix the data first") \
+            + ", no rollout correction is recommended"
         return Advice(none, _sentence([reason]), (("data_bug", None, {}),), ev, rule, seed, bugs)
     if within_noise(ev, rule):
         return Advice(none, _sentence([noise_clause(ev, rule), "no correction needed"]),

@@ -1,20 +1,35 @@
-"""Data bugs that look like drift, found before a correction is recommended.
+"""Causes other than numerical drift, found before a correction is recommended.
 
 A correction weighs tokens whose two logprobs differ because two engines computed the same
-distribution differently. Classic bugs make the two logprobs differ for another reason, and no
-correction fixes them. Two leave a signature in the arrays alone (NumPy, no forward):
+distribution differently. Other causes make the two logprobs differ for another reason, and no
+correction fixes them. Each leaves its own signature in the per-token differences
+Δ = rollout − trainer logprob (NumPy, no forward), checked in this order, the first that fits named:
 
 - an off-by-one shift (rollout logprobs stored one position early or late): they match the
   trainer's one position over far better than aligned;
-- a truncation mismatch (top-p or top-k, or processed vs raw logprobs, on one side only): one
-  side's logprob is higher at nearly every token, by the log of the kept mass.
+- nucleus renormalization (top-p or top-k, or processed vs raw logprobs, on one side only): the
+  renormalized side is higher by the log of the kept mass at its position, a per-position offset
+  that is never negative: Δ has one sign at nearly every token (`ONE_SIDED`) and the other sign
+  carries almost none of its mass (`OTHER_SIDE`, noise only);
+- a temperature mismatch (one side's logits scaled): Δ is a linear function of the trainer's
+  logprob at each position (slope 1/T − 1) and of the rollout's (slope 1 − T), so it correlates
+  strongly with both, with one sign (`TEMPERATURE_CORR`; noise added to one side correlates with
+  that side only);
+- a weight mismatch (stale weights: a missed weight sync or undeclared policy lag): the tokens were
+  sampled from another distribution than the trainer's, so Δ's mean is their KL divergence, a
+  sizeable share of its mean magnitude (`SAMPLED_FROM`; numerical drift is a small perturbation,
+  whose KL is second order and Δ nearly symmetric), in the typical sequence (the median of the
+  sequences' mean Δ: a few broken requests or rare spikes are not stale weights), and large
+  (`MIN_DRIFT`). With a
+  declared lag > 0 this is intended off-policy drift, not a finding; with a declared lag of 0 it is
+  a weight-sync bug.
 
-A temperature mismatch has no such signature; where a model is at hand the report probes it with
-forwards at other settings (`parity.assess.mismatch`) and stores what it finds under
-`extras["data_bugs"]`, which `advise` reads with these.
+Where a model is at hand the report also probes the temperature with forwards at other settings
+(`parity.assess.mismatch`) and stores what it finds under `extras["data_bugs"]`, which `advise`
+reads with these.
 
 "Far better" is `BETTER`: the alternative's mean absolute error at most half the aligned one's.
-Nothing is called a bug below `MIN_DRIFT` nats of mean |Δlogp| or on fewer than `MIN_TOKENS`
+Nothing is called a cause below `MIN_DRIFT` nats of mean |Δlogp| or on fewer than `MIN_TOKENS`
 tokens, where bf16 noise can mimic any signature.
 """
 
@@ -30,31 +45,73 @@ BETTER = 0.5
 MIN_DRIFT = 0.05
 #: fewest tokens a finding is made on.
 MIN_TOKENS = 32
-#: share of tokens one side must exceed the other at for a one-sided (truncation) finding.
+#: share of tokens one side must exceed the other at for a renormalization finding.
 ONE_SIDED = 0.9
+#: most of the |Δ| mass the other sign may carry for a renormalization finding (noise only).
+OTHER_SIDE = 0.05
+#: |correlation| of Δ with the trainer's logprob from which a temperature mismatch is named.
+TEMPERATURE_CORR = 0.7
+#: least median sequence mean Δ / mean |Δ| (the rollout higher) for a weight-mismatch finding.
+SAMPLED_FROM = 0.1
+#: the opening of a weight-mismatch finding (`Advice.name` tells it from a data bug by it).
+WEIGHTS = "the rollout engine's weights are not the trainer's"
 
 
-def data_bugs(tok: Tokens) -> tuple[str, ...]:
-    """What in `tok` looks like a data bug rather than drift: one sentence per finding, or ()."""
+def data_bugs(tok: Tokens, *, policy_lag: int | None = None) -> tuple[str, ...]:
+    """What in `tok` is not numerical drift: one sentence for the first cause whose signature
+    fits (module doc), or (). `policy_lag`: the declared lag of the rollout's weights behind the
+    trainer's (None: not declared)."""
     ratio = tok.log_ratio
     aligned = float(np.mean(np.abs(ratio))) if ratio.size else 0.0
     if ratio.size < MIN_TOKENS or aligned < MIN_DRIFT:
         return ()
-    train, rollout = tok.train, tok.train - ratio
-    findings = []
+    train = tok.train
+    rollout = train - ratio
+    delta = -ratio.astype(np.float64)
     shifted = _shift_error(train, rollout, tok.lengths)
     if shifted is not None and shifted < BETTER * aligned:
-        findings.append(f"the rollout logprobs look shifted by one token: they match the trainer's one "
-                        f"position over (mean |Δlogp| {shifted:.3g} nats) far better than aligned "
-                        f"({aligned:.3g}); check how the logprobs were sliced against the response tokens")
-    higher = float(np.mean(rollout > train))
-    if max(higher, 1.0 - higher) >= ONE_SIDED:
-        side = "rollout" if higher >= ONE_SIDED else "trainer"
-        share, gap = max(higher, 1.0 - higher), abs(float(np.mean(ratio)))
-        findings.append(f"the {side} logprob is the higher one at {share:.0%} of tokens (mean gap "
-                        f"{gap:.3g} nats): one side looks renormalized over a top-p/top-k nucleus the other "
-                        "did not use; check top_p, top_k and the logprobs mode on both sides")
-    return tuple(findings)
+        return (f"the rollout logprobs look shifted by one token: they match the trainer's one position over "
+                f"(mean |Δlogp| {shifted:.3g} nats) far better than aligned ({aligned:.3g}); check how the "
+                "logprobs were sliced against the response tokens",)
+    higher = float(np.mean(delta > 0))
+    share = max(higher, 1.0 - higher)
+    magnitude = np.abs(delta)
+    minority = delta < 0 if higher >= 0.5 else delta > 0
+    other = float(magnitude[minority].sum() / magnitude.sum())
+    if share >= ONE_SIDED and other <= OTHER_SIDE:
+        side = "rollout" if higher >= 0.5 else "trainer"
+        return (f"the {side} logprob is higher at {share:.0%} of tokens by a never-negative offset (mean "
+                f"{abs(float(delta.mean())):.3g} nats; the other sign carries {other:.1%} of the drift): one "
+                "side looks renormalized over a top-p/top-k nucleus the other did not use; check top_p, "
+                "top_k "
+                "and the logprobs mode on both sides",)
+    corr = _correlation(delta, train.astype(np.float64))
+    corr_rollout = _correlation(delta, rollout.astype(np.float64))
+    if min(abs(corr), abs(corr_rollout)) >= TEMPERATURE_CORR and corr * corr_rollout > 0:
+        sharper = "rollout" if corr > 0 else "trainer"
+        return (f"Δlogp follows the trainer's logprob linearly (correlation {corr:+.2f}): the {sharper} side "
+                "looks sharper, as with a lower temperature; check the temperature on both sides (processed "
+                "logprobs are at the sampling temperature)",)
+    lengths = tok.lengths[tok.lengths > 0]
+    starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+    typical = float(np.median(np.add.reduceat(delta, starts) / lengths))
+    if (policy_lag is not None and policy_lag > 0) or typical < SAMPLED_FROM * aligned:
+        return ()
+    why = (f"the rollout sampled from another distribution: the typical sequence's mean Δlogp is "
+           f"{typical:.3g} nats (a KL estimate) against mean |Δlogp| {aligned:.3g}, drift on both sides in "
+           "every sequence, not the signature of a sampling setting")
+    if policy_lag == 0:
+        return (f"{WEIGHTS} although both declare the same policy version: a weight-sync bug ({why}); check "
+                "that the sync ran and succeeded before this rollout",)
+    return (f"{WEIGHTS} (a sync bug or policy lag: {why}); check the weight sync, or declare the intended "
+            "lag (policy versions) to have it corrected",)
+
+
+def _correlation(a: np.ndarray, b: np.ndarray) -> float:
+    sa, sb = a.std(), b.std()
+    if sa == 0 or sb == 0:
+        return 0.0
+    return float(np.mean((a - a.mean()) * (b - b.mean())) / (sa * sb))
 
 
 def _shift_error(train: np.ndarray, rollout: np.ndarray, lengths: np.ndarray) -> float | None:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from parity.core.errors import InputError
+from parity.core.logprobs import check_logprob_array
 from parity.core.outputs import output_file
 from parity.core.schema import LOGPROBS_MODES
 from parity.core.strict import check_choice
@@ -31,9 +32,6 @@ from parity.rollouts.dumps import SAMPLING_COLUMNS
 
 if TYPE_CHECKING:
     from parity.monitor import Monitor
-
-#: a logprob above this is not a logprob (the dump reader's bound, `parity.rollouts.dumps`).
-_MAX_LOGPROB = 1e-4
 
 
 @dataclass(frozen=True)
@@ -58,12 +56,15 @@ class StepBatch:
     sampling: Mapping[str, Any] | None = None
 
 
-def log_step(monitor: Monitor, step: int, batch: StepBatch, *, meta: Mapping[str, Any] | None = None
-             ) -> dict[str, Any]:
-    """`monitor.log` of one step's batch; returns the stored record."""
+def log_step(monitor: Monitor, step: int, batch: StepBatch, *, meta: Mapping[str, Any] | None = None,
+             policy_version: int | None = None, rollout_policy_version: int | None = None) -> dict[str, Any]:
+    """`monitor.log` of one step's batch (its request ids as the rows' uids); returns the stored
+    record. policy_version, rollout_policy_version: the trainer's and the rollout's weight
+    versions, as `Monitor.log` takes them."""
     return monitor.log(step, rollout_log_probs=batch.rollout, old_log_probs=batch.trainer,
                        response_mask=batch.mask, responses=batch.responses, prompts=batch.prompts,
-                       sampling=batch.sampling, meta=meta)
+                       uids=batch.request_ids, sampling=batch.sampling, meta=meta,
+                       policy_version=policy_version, rollout_policy_version=rollout_policy_version)
 
 
 def dump_step(batch: StepBatch, path: str | Path, *, logprobs_mode: str = "processed") -> Path:
@@ -106,7 +107,8 @@ def _checked(values: np.ndarray, mask: np.ndarray, side: str, row: int) -> list[
     logprob at a counted token. -inf is kept: the token lay outside that side's sampling support
     (the Monitor's rule and the dump reader's; JSONL spells it losslessly)."""
     v = np.where(mask, values.astype(np.float64), 0.0)
-    bad = np.isnan(v) | (v > _MAX_LOGPROB)
+    check_logprob_array(v, None, f"row {row}: {side} logprob")
+    bad = np.isnan(v) | (v == np.inf)  # -inf stays: a token outside the sampling support
     if bad.any():
         t = int(np.argmax(bad))
         raise InputError(f"row {row}: {side} logprob {t} is {float(v[t])!r}; every logprob of a counted "

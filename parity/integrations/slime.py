@@ -82,9 +82,13 @@ def read_batch(data: Mapping[str, Any], *, sampling: Mapping[str, Any] | None = 
 
 def log_batch(monitor: Monitor, step: int, data: Mapping[str, Any], *,
               sampling: Mapping[str, Any] | None = None,
-              meta: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Log one slime rollout's `rollout_data` into `monitor`; returns the stored record."""
-    return log_step(monitor, step, read_batch(data, sampling=sampling), meta=meta)
+              meta: Mapping[str, Any] | None = None, policy_version: int | None = None,
+              rollout_policy_version: int | None = None) -> dict[str, Any]:
+    """Log one slime rollout's `rollout_data` into `monitor`; returns the stored record.
+    policy_version, rollout_policy_version: the trainer's and the rollout's weight versions
+    (`Monitor.log`), where the loop knows them."""
+    return log_step(monitor, step, read_batch(data, sampling=sampling), meta=meta,
+                    policy_version=policy_version, rollout_policy_version=rollout_policy_version)
 
 
 def dump_batch(data: Mapping[str, Any], path: str | Path, *, sampling: Mapping[str, Any] | None = None,

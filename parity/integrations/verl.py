@@ -1,8 +1,19 @@
 """verl: the monitor and rollout dumps straight from `RayPPOTrainer.fit`'s batch (a `DataProto`).
 
     from parity.integrations.verl import log_batch, dump_batch
-    log_batch(monitor, self.global_steps, batch)       # after `batch = batch.union(old_log_prob)`
+    monitor = parity.Monitor(out_dir, resume=True)      # a run resumed from a checkpoint continues
+    log_batch(monitor, self.global_steps, batch,        # after `batch = batch.union(old_log_prob)`
+              policy_version=self.global_steps, rollout_policy_version=self.global_steps)
     dump_batch(batch, f"dumps/step{self.global_steps}.parquet")   # for `parity score` later
+
+Resume: verl restarts `global_steps` from the checkpoint it loads (`trainer.resume_mode`), at or
+below the steps already logged; `resume=True` makes those a new attempt of the run (a warning,
+never an exception into `fit`), and the page shows the run as it stands with the restart marked.
+
+Policy versions: `RayPPOTrainer.fit` syncs the actor's weights into the rollout engine before
+each step's generation, so both sides are at `global_steps` (a drift jump is then named a
+weight-sync bug); with one-step off-policy generation the rollout's version is
+`global_steps - 1` (an intended lag: its drift is corrected, not called a bug).
 
 The batch is read as verl holds it, duck-typed (verl is never imported): `batch.batch[key]` tensors
 (a TensorDict, any device), `batch.meta_info` and `batch.non_tensor_batch` dicts.
@@ -101,9 +112,13 @@ def read_batch(batch: Any, *, sampling: Mapping[str, Any] | None = None) -> Step
 
 
 def log_batch(monitor: Monitor, step: int, batch: Any, *, sampling: Mapping[str, Any] | None = None,
-              meta: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Log one verl step's batch (`read_batch`) into `monitor`; returns the stored record."""
-    return log_step(monitor, step, read_batch(batch, sampling=sampling), meta=meta)
+              meta: Mapping[str, Any] | None = None, policy_version: int | None = None,
+              rollout_policy_version: int | None = None) -> dict[str, Any]:
+    """Log one verl step's batch (`read_batch`, `non_tensor_batch["uid"]` as the rows' uids) into
+    `monitor`; returns the stored record. policy_version, rollout_policy_version: the trainer's and
+    the rollout's weight versions (module doc)."""
+    return log_step(monitor, step, read_batch(batch, sampling=sampling), meta=meta,
+                    policy_version=policy_version, rollout_policy_version=rollout_policy_version)
 
 
 def dump_batch(batch: Any, path: str | Path, *, sampling: Mapping[str, Any] | None = None,

@@ -2,10 +2,12 @@
 trainer's and the rollout's logprobs of every step (no forward) into an append-only SQLite store
 and draws a page; `parity monitor OUT_DIR` reads a run, also one still going.
 
-Modules: `core` (`Monitor`: checks, the step's record, thresholds, the store, the page thread),
-`summary` (one step's record from parity's metrics, correction and advisor; torch), `thresholds`
-(alert bounds), `store` (the SQLite file), `page` (the HTML page, drawn off the critical path),
-`arrays` (tensors and arrays as NumPy, duck-typed), `command` (`parity monitor`). Importing this
+Modules: `core` (`Monitor`: checks, the step's record, thresholds, resume, policy versions, the
+store, the background work), `summary` (one step's record from parity's metrics, correction and
+advisor; torch), `thresholds` (absolute and relative alert bounds), `store` (the SQLite file:
+attempts, journal, writer lock), `page` (the HTML page, drawn off the critical path), `background`
+(where the advisor and the page run), `arrays` (tensors and arrays as NumPy, duck-typed),
+`command` (`parity monitor`). Importing this
 package never loads torch; the first `Monitor.log` does.
 """
 

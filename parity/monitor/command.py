@@ -1,10 +1,13 @@
-"""`parity monitor OUT_DIR [--html OUT] [--json OUT]`: draw and summarise a monitored run.
+"""`parity monitor OUT_DIR [--html OUT] [--json OUT] [--step N ...] [--log-scale]`: draw and
+summarise a monitored run.
 
-Reads `OUT_DIR/monitor.sqlite` (a run still going, or one whose process was killed, reads the
-same: every committed step), prints one line per step with alerts and the latest step's key
-figures, draws the page (default `OUT_DIR/index.html`) and with `--json` writes
-`{"run_name": ..., "steps": [{"step": int, ...the stored record...}]}`. Exit 0, or 2 on an error
-(one line). Light: never loads torch.
+Reads `OUT_DIR/monitor.sqlite` read-only (a run still going, one whose process was killed, or one
+on a read-only mount reads the same: every committed step), prints one line per alert, restart
+and unreadable row and the latest step's key figures, draws the page (default
+`OUT_DIR/index.html`; `--step` picks the steps it details) and with `--json` writes
+`{"run_name": ..., "steps": [{"step": int, ...the stored record...}]}` (the run as it stands, the
+latest attempt of a resumed run). Exit 0, 2 on an error (one line), 141 when the reader of stdout
+went away (`| head`). Light: never loads torch.
 """
 
 from __future__ import annotations
@@ -14,9 +17,10 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from parity.core.errors import InputError
 from parity.core.outputs import output_file
 from parity.monitor.page import PAGE_FILE, flat_values, write_page
-from parity.monitor.store import MonitorStore
+from parity.monitor.store import MonitorStore, plain
 from parity.runtime.frame import run_command
 
 #: the latest step's figures the command prints.
@@ -34,6 +38,10 @@ def _parser() -> argparse.ArgumentParser:
                         help=f"write the page to OUT (default: OUT_DIR/{PAGE_FILE})")
     parser.add_argument("--json", type=Path, metavar="OUT",
                         help='write {"run_name", "steps": [{"step", ...the stored record...}]} to OUT')
+    parser.add_argument("--step", type=int, action="append", metavar="N",
+                        help="detail step N on the page (repeat for more; default: the latest and the worst "
+                             "by k3_kl)")
+    parser.add_argument("--log-scale", action="store_true", help="trend charts on a log scale")
     return parser
 
 
@@ -48,26 +56,41 @@ def _run(args: argparse.Namespace) -> int:
             output_file(path, option)
     store = MonitorStore.open(args.out_dir)
     try:
-        run, steps = store.run_info(), store.steps()
+        run, steps, problems = store.run_info(), store.steps(), store.problems
     finally:
         store.close()
-    alerts = sum(len(s.get("alerts", [])) for s in steps)
-    print(f"run {run['run_name']}: {len(steps)} steps"
+    known = {s["step"] for s in steps}
+    for n in args.step or ():
+        if n not in known:
+            raise InputError(f"--step {n}: the run has no such step (it has {len(known)}: "
+                             f"{_span(sorted(known))})")
+    readable = [s for s in steps if "undecodable" not in s]
+    alerts = sum(len(s.get("alerts", [])) for s in readable)
+    print(f"run {plain(run['run_name'])}: {len(steps)} steps"
           + (f" ({steps[0]['step']}-{steps[-1]['step']})" if steps else "") + f", {alerts} alert(s)")
-    for s in steps:
+    for line in problems:
+        print(f"  unreadable: {plain(line)}")
+    for s in readable:
+        if s.get("restart"):
+            print(f"  step {s['step']}: the run was resumed (attempt {s['restart']['attempt']}, superseding "
+                  f"{s['restart'].get('superseded', 0)} stored step(s))")
         for a in s.get("alerts", []):
-            print(f"  step {s['step']}: {a['message']}")
-    if steps:
-        values = flat_values(steps[-1])
-        print(f"latest step {steps[-1]['step']}: "
+            print(f"  step {s['step']}: {plain(a['message'])}")
+    if readable:
+        values = flat_values(readable[-1])
+        print(f"latest step {readable[-1]['step']}: "
               + ", ".join(f"{k} {values[k]:.4g}" for k in SHOWN if isinstance(values.get(k), (int, float))))
-        rec = steps[-1].get("recommendation")
+        rec = readable[-1].get("recommendation")
         if rec is not None:
-            print(f"recommended correction: {rec['name']} ({rec['reason']})")
-    page = write_page(args.out_dir, args.html)
+            print(f"recommended correction: {plain(rec['name'])} ({plain(rec['reason'])})")
+    page = write_page(args.out_dir, args.html, log_scale=args.log_scale, detail=args.step)
     print(f"wrote {page}")
     if args.json is not None:
         text = json.dumps({"run_name": run["run_name"], "steps": steps}, indent=1, allow_nan=False)
         args.json.write_text(text, encoding="utf-8")
         print(f"wrote {args.json}")
     return 0
+
+
+def _span(steps: list[int]) -> str:
+    return "none" if not steps else f"{steps[0]}..{steps[-1]}"

@@ -1,5 +1,9 @@
-"""The monitor's page, `out_dir/index.html`: per-step trend charts, the alerts, the latest step's
-drift by position, worst tokens and recommended correction; drawn from the store alone.
+"""The monitor's page, `out_dir/index.html`: per-step trend charts (linear, or a log scale), the
+alerts, the restarts of a resumed run, and the details of chosen steps (drift by position, worst
+tokens with their uid, position and text, recommended correction): by default the latest step and
+the `WORST_STEPS` steps of largest k3_kl, so a spike can be inspected after the run moved on; any
+other step with `parity monitor OUT_DIR --step N`. Drawn from the store alone; a stored step that
+does not decode is named on the page and the others are drawn.
 
 `write_page` reads the SQLite store and writes the page atomically (a reader never sees half a
 page), so the page of a run still going, or of a run whose process was killed, is the same as the
@@ -16,11 +20,14 @@ import datetime as _dt
 import html
 import logging
 import os
+import subprocess
+import sys
 import tempfile
 import threading
 from pathlib import Path
 from typing import Any
 
+from parity.monitor.background import Background
 from parity.monitor.store import MonitorStore
 from parity.render.advice import framework_blocks
 from parity.render.figures import breakdown_figure, figure_img, step_trend_figure
@@ -37,6 +44,8 @@ TREND_KEYS: tuple[str, ...] = (
 )
 #: alerts listed on the page, newest first (every alert stays in the store).
 ALERTS_SHOWN = 50
+#: steps of largest k3_kl detailed on the page besides the latest.
+WORST_STEPS = 3
 
 log = logging.getLogger("parity.monitor")
 
@@ -52,10 +61,15 @@ def flat_values(record: dict[str, Any]) -> dict[str, Any]:
     return {**record.get("summary", {}), **record.get("rollout_corr", {})}
 
 
-def monitor_html(run: dict[str, str], steps: list[dict[str, Any]]) -> str:
-    """The whole self-contained page of a run's stored steps (`MonitorStore.steps()`)."""
+def monitor_html(run: dict[str, str], steps: list[dict[str, Any]], *, log_scale: bool = False,
+                 detail: list[int] | None = None, problems: list[str] | None = None) -> str:
+    """The whole self-contained page of a run's stored steps (`MonitorStore.steps()`); `detail`:
+    the steps detailed (default: the latest and the `WORST_STEPS` of largest k3_kl); `problems`:
+    lines naming stored rows that could not be read."""
     name = run.get("run_name", "?")
     title = f"parity monitor: {name}"
+    broken = [s for s in steps if "undecodable" in s]
+    steps = [s for s in steps if "undecodable" not in s]
     alerts = [(s["step"], a) for s in steps for a in s.get("alerts", [])]
     if steps:
         last = steps[-1]
@@ -68,16 +82,53 @@ def monitor_html(run: dict[str, str], steps: list[dict[str, Any]]) -> str:
     parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
              f"<title>{html.escape(title)}</title><style>{PAGE_CSS}{_MONITOR_CSS}</style></head><body>",
              f"<h1>{html.escape(title)}{flag}</h1>", f'<div class="sub">{html.escape(sub)}</div>']
+    lines = list(problems or []) or [f"step {s['step']} (attempt {s.get('attempt', 0)}) does not decode: "
+                                     f"{s['undecodable']}" for s in broken]
+    if lines:
+        parts.append('<h2>Unreadable steps</h2><ul class="alerts">'
+                     + "".join(f"<li>{html.escape(x)}</li>" for x in lines) + "</ul>")
     if steps:
-        parts += [_alerts_html(alerts, steps[-1].get("thresholds")), "<h2>Trends</h2>", _trends(steps),
-                  _latest(steps[-1]), _recommendation_changes(steps)]
+        by_step = {s["step"]: s for s in steps}
+        chosen = detail_steps(steps) if detail is None else [d for d in detail if d in by_step]
+        parts += [_alerts_html(alerts, steps[-1].get("thresholds")), _restarts(steps), "<h2>Trends</h2>",
+                  _trends(steps, log_scale), _index(chosen, by_step)]
+        parts += [_detail(by_step[d], latest=d == steps[-1]["step"]) for d in chosen]
+        parts.append(_recommendation_changes(steps))
     parts.append("</body></html>")
     return "\n".join(p for p in parts if p)
 
 
+def detail_steps(steps: list[dict[str, Any]]) -> list[int]:
+    """The steps detailed by default: the latest, then the `WORST_STEPS` of largest k3_kl."""
+    ranked = sorted((s for s in steps if isinstance(s.get("summary", {}).get("k3_kl"), (int, float))),
+                    key=lambda s: -s["summary"]["k3_kl"])
+    out = [steps[-1]["step"]]
+    out += [s["step"] for s in ranked if s["step"] != out[0]][:WORST_STEPS]
+    return out
+
+
+def _index(chosen: list[int], by_step: dict[int, dict[str, Any]]) -> str:
+    links = " · ".join(f'<a href="#step-{d}">step {d}</a> (k3_kl '
+                       f'{_fmt(by_step[d].get("summary", {}).get("k3_kl"))})' for d in chosen)
+    return (f'<p class="sub">Detailed below: {links}. Any other step: <code>parity monitor OUT_DIR --step N'
+            "</code>.</p>")
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.3g}" if isinstance(value, (int, float)) else "?"
+
+
+def _restarts(steps: list[dict[str, Any]]) -> str:
+    rows = [f"<li>step {s['step']}: attempt {s['restart']['attempt']} (the run was resumed; it supersedes "
+            f"{s['restart'].get('superseded', 0)} stored step(s) from here on, kept in the store)</li>"
+            for s in steps if s.get("restart")]
+    return f"<h2>Restarts</h2><ul>{''.join(rows)}</ul>" if rows else ""
+
+
 def _alerts_html(alerts: list[tuple[int, dict[str, Any]]], thresholds: dict[str, Any] | None) -> str:
     if not thresholds and not alerts:
-        return '<p class="sub">No thresholds set (Monitor(thresholds=...)): no alerts.</p>'
+        return ('<p class="sub">No alerts: no absolute thresholds set (Monitor(thresholds=...)), and no '
+                'step jumped above its relative bound (Monitor(jumps=...)).</p>')
     if not alerts:
         return '<h2>Alerts</h2><p class="sub">None: every step within its thresholds.</p>'
     shown = alerts[::-1][:ALERTS_SHOWN]
@@ -87,28 +138,30 @@ def _alerts_html(alerts: list[tuple[int, dict[str, Any]]], thresholds: dict[str,
     return f'<h2>Alerts</h2><ul class="alerts">{items}</ul>{more}'
 
 
-def _trends(steps: list[dict[str, Any]]) -> str:
+def _trends(steps: list[dict[str, Any]], log_scale: bool) -> str:
     flats = [flat_values(s) for s in steps]
     bounds: dict[str, list[Any]] = steps[-1].get("thresholds") or {}
     keys = [k for k in TREND_KEYS if any(k in f for f in flats)]
     keys += [k for k in bounds if k not in keys]
     xs = [s["step"] for s in steps]
+    restarts = [s["step"] for s in steps if s.get("restart")]
     charts = []
     for key in keys:
         flagged = {s["step"] for s in steps for a in s.get("alerts", []) if a["key"] == key}
         low, high = bounds.get(key, (None, None))
         fig = step_trend_figure(xs, [f.get(key) for f in flats], title=key, low=low, high=high,
-                                flagged=flagged)
+                                flagged=flagged, log_scale=log_scale, restarts=restarts)
         charts.append(figure_img(fig, f"{key} over steps"))
     return f'<div class="trends">{"".join(charts)}</div>'
 
 
-def _latest(step: dict[str, Any]) -> str:
+def _detail(step: dict[str, Any], *, latest: bool) -> str:
     worst = step.get("worst_tokens", [])
-    head = ("row", "position", "token id", "trainer logprob", "rollout logprob", "Δlogp")
+    head = ("uid", "row", "position", "token id", "text", "trainer logprob", "rollout logprob", "Δlogp")
     body = "".join(
         "<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in (
-            w["row"], w["position"], "" if w["token_id"] is None else w["token_id"],
+            w.get("uid", ""), w["row"], w["position"], "" if w["token_id"] is None else w["token_id"],
+            repr(w["text"]) if "text" in w else "",
             f"{w['trainer_logprob']:.6f}", f"{w['rollout_logprob']:.6f}", f"{w['logprob_diff']:+.3e}"))
         + "</tr>" for w in worst)
     if not body:
@@ -121,9 +174,10 @@ def _latest(step: dict[str, Any]) -> str:
         f'{html.escape(rec["reason"])}</p>' + framework_blocks(rec["frameworks"]))
     position = figure_img(breakdown_figure(step.get("by_position", []), title="drift by response position",
                                            xlabel="response position"), "drift by position")
-    context = {k: step[k] for k in ("sampling", "meta") if step.get(k)}
+    context = {k: step[k] for k in ("sampling", "meta", "policy") if step.get(k)}
+    label = "Latest step" if latest else "Step"
     return "\n".join([
-        f"<h2>Latest step: {step['step']}</h2>",
+        f'<h2 id="step-{step["step"]}">{label}: {step["step"]}</h2>',
         '<div class="row"><div><h3>Summary</h3>', key_value_table(step.get("summary", {})), "</div>",
         "<div><h3>Rollout correction (verl rollout_corr/*)</h3>",
         key_value_table(step.get("rollout_corr", {})),
@@ -147,12 +201,15 @@ def _recommendation_changes(steps: list[dict[str, Any]]) -> str:
             f"<tbody>{''.join(rows)}</tbody></table>")
 
 
-def write_page(out_dir: str | Path, path: str | Path | None = None) -> Path:
+def write_page(out_dir: str | Path, path: str | Path | None = None, *, log_scale: bool = False,
+               detail: list[int] | None = None) -> Path:
     """Draw the page of monitor directory `out_dir` into `path` (default `out_dir/index.html`),
-    atomically; returns the path."""
+    atomically; returns the path. `log_scale`, `detail`: as `monitor_html`."""
     store = MonitorStore.open(out_dir)
     try:
-        text = monitor_html(store.run_info(), store.steps())
+        steps = store.steps()
+        text = monitor_html(store.run_info(), steps, log_scale=log_scale, detail=detail,
+                            problems=store.problems)
     finally:
         store.close()
     target = Path(path) if path is not None else Path(out_dir) / PAGE_FILE
@@ -168,16 +225,35 @@ def write_page(out_dir: str | Path, path: str | Path | None = None) -> Path:
     return target
 
 
+def _draw_in_a_child(out_dir: Path, log_scale: bool) -> None:
+    """`write_page` run by a child Python process (its own GIL); RuntimeError with its last error
+    line when it fails."""
+    package_root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH"))
+                                                         if p)}
+    code = ("import sys; from parity.monitor.page import write_page; "
+            "write_page(sys.argv[1], log_scale=sys.argv[2] == '1')")
+    done = subprocess.run([sys.executable, "-c", code, str(out_dir), "1" if log_scale else "0"], env=env,
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines() or [f"exit {done.returncode}"]
+        raise RuntimeError(lines[-1])
+
+
 class PageRenderer:
-    """Redraws a monitor's page in a background thread, off the training step's critical path.
+    """Redraws a monitor's page in a background thread, off the training step's critical path
+    (the drawing itself in `background`'s worker process when given one: off the GIL too).
 
     `request()` asks for a redraw and returns at once; requests that arrive while one is being
     drawn coalesce into one more. A drawing that raises is logged as a warning (the steps are in
     the store already, and the next request draws again). `close()` draws a last time and joins.
     """
 
-    def __init__(self, out_dir: str | Path) -> None:
+    def __init__(self, out_dir: str | Path, *, log_scale: bool = False, background: Background | None = None
+                 ) -> None:
         self.out_dir = Path(out_dir)
+        self.log_scale = log_scale
+        self._background = background
         self.failures = 0
         self._wanted = threading.Event()
         self._closing = False
@@ -198,7 +274,10 @@ class PageRenderer:
     def draw(self) -> bool:
         """Draw now, in this thread; False (and a warning) when the drawing failed."""
         try:
-            write_page(self.out_dir)
+            if self._background is not None and self._background.mode == "process":
+                _draw_in_a_child(self.out_dir, self.log_scale)
+            else:
+                write_page(self.out_dir, log_scale=self.log_scale)
         except Exception as exc:  # the page is a view: a failure to draw it never stops training
             self.failures += 1
             log.warning("parity monitor: could not draw %s (%s: %s); the steps are stored, the next "

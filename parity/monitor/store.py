@@ -2,50 +2,89 @@
 
     out_dir/monitor.sqlite
       run(key TEXT PRIMARY KEY, value TEXT)          run_name, created_at, parity_version, schema_version
-      steps(step INTEGER PRIMARY KEY, logged_at REAL, record TEXT)     record: the step's JSON summary
+      steps(attempt INTEGER, step INTEGER, logged_at REAL, record TEXT)    record: the step's JSON summary
+      advice(attempt INTEGER, step INTEGER, recommendation TEXT)   the advisor's, added when it finishes
+    out_dir/monitor.lock                              the writer's lock: host, PID and start time
+
+Attempts: a run resumed from a checkpoint logs steps at or below ones already stored. Those start
+a new attempt (`attempt` + 1) whose steps supersede the earlier attempts' from its first step on;
+every attempt stays in the file, and `steps()` reads the run as it stands: each earlier attempt's
+steps up to the next one's first step, the latest attempt's first step marked `restart`.
 
 Each step is written in one transaction (`BEGIN IMMEDIATE ... COMMIT`), so a reader sees a step
-whole or not at all. The journal is SQLite's write-ahead log: a committed step is in the WAL file
-before `append` returns, so it survives the training process being killed (SIGKILL included) at any
-point, mid-step too; the next reader (or writer) recovers the file and sees every committed step.
-`synchronous=NORMAL` means a power loss may drop the last steps (never corrupt the file); a process
-crash drops none. Readers never block the writer: a run still going can be read at any time.
+whole or not at all, and a committed step survives the training process being killed (SIGKILL
+included) at any point. The journal is picked by where the directory lives (`journal="auto"`):
+SQLite's write-ahead log on a local disk (readers never block the writer), and the rollback
+journal on a network filesystem (NFS, Lustre, GPFS, CIFS, ...: WAL's shared memory is unsafe
+there; SQLite then locks with fcntl). `synchronous=NORMAL` (WAL) / `FULL` (rollback): a power loss
+may drop the last WAL steps, never corrupt the file.
 
-Append-only is enforced by the file itself, not only by this module: triggers abort any UPDATE or
-DELETE of a step, and an INSERT whose step is not above every stored one.
+Safety: one writer per directory, held by an fcntl lock on `monitor.lock` from construction to
+`close` (a second writer is refused naming the holder's host and PID); the file is marked with
+parity's `application_id` and another program's non-empty SQLite file (or any other file) is
+refused, never altered; `PRAGMA quick_check` runs on every open. Readers open the file read-only
+(URI-quoted: any directory name), on a read-only mount too; a row that does not decode is named
+and the others are still read. Append-only is enforced by the file itself: triggers abort any
+UPDATE or DELETE, and an INSERT into an earlier attempt or not above its attempt's last step.
 
 Light: the standard library only.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
+import os
+import socket
 import sqlite3
+import threading
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from parity.core.errors import ConfigError, InputError
 from parity.core.schema import VERSION
 
 #: the store's file name inside a monitor directory.
 STORE_FILE = "monitor.sqlite"
-#: bumped when the tables change; a store of another version is refused, not misread.
-SCHEMA_VERSION = 1
+#: the writer's lock file inside a monitor directory.
+LOCK_FILE = "monitor.lock"
+#: bumped when the tables change; version 1 (no attempts) is still read, never written.
+SCHEMA_VERSION = 2
+#: SQLite's `application_id` of a parity monitor store ("pary").
+APPLICATION_ID = 0x70617279
+#: the journal modes `journal=` takes; "auto" picks "delete" on a network filesystem, else "wal".
+JOURNALS = ("auto", "wal", "delete")
+#: filesystem types where WAL is unsafe (its shared-memory index needs one host's memory).
+NETWORK_FILESYSTEMS = frozenset({
+    "nfs", "nfs4", "cifs", "smb", "smb2", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "ceph", "cephfs",
+    "glusterfs", "fuse.glusterfs", "fuse.sshfs", "fuse.s3fs", "fuse.gcsfuse", "fuse.juicefs", "9p",
+    "afs", "ocfs2", "gfs2", "panfs", "wekafs", "pvfs2", "orangefs",
+})
 #: how long a connection waits for another's lock (ms): the page thread reads while the trainer writes.
 _BUSY_MS = 10_000
+_HEADER = b"SQLite format 3\x00"
+#: lock files this process holds: fcntl locks are per process, so a second Monitor of this process
+#: on the same directory is caught here
+_HELD: set[str] = set()
+_HELD_LOCK = threading.Lock()
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS run (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS steps (step INTEGER PRIMARY KEY, logged_at REAL NOT NULL, record TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS steps (attempt INTEGER NOT NULL DEFAULT 0, step INTEGER NOT NULL,
+                                  logged_at REAL NOT NULL, record TEXT NOT NULL, PRIMARY KEY (attempt, step));
+CREATE TABLE IF NOT EXISTS advice (attempt INTEGER NOT NULL, step INTEGER NOT NULL,
+                                   recommendation TEXT NOT NULL, PRIMARY KEY (attempt, step));
 CREATE TRIGGER IF NOT EXISTS steps_no_update BEFORE UPDATE ON steps
   BEGIN SELECT RAISE(ABORT, 'monitor steps are append-only'); END;
 CREATE TRIGGER IF NOT EXISTS steps_no_delete BEFORE DELETE ON steps
   BEGIN SELECT RAISE(ABORT, 'monitor steps are append-only'); END;
 CREATE TRIGGER IF NOT EXISTS steps_increase BEFORE INSERT ON steps
-  WHEN NEW.step <= (SELECT MAX(step) FROM steps)
-  BEGIN SELECT RAISE(ABORT, 'monitor steps must increase'); END;
+  WHEN NEW.attempt < (SELECT MAX(attempt) FROM steps)
+    OR NEW.step <= (SELECT MAX(step) FROM steps WHERE attempt = NEW.attempt)
+  BEGIN SELECT RAISE(ABORT, 'monitor steps must increase within an attempt'); END;
 """
 
 
@@ -56,7 +95,10 @@ def store_path(out_dir: str | Path) -> Path:
 
 def json_ready(value: Any) -> Any:
     """`value` with every non-finite float as None (JSON has no NaN or infinity, and browsers and
-    `jq` refuse them), tuples as lists; anything else JSON cannot hold is an InputError."""
+    `jq` refuse them), tuples as lists, NumPy and torch scalars as Python numbers (`.item()`);
+    anything else JSON cannot hold is an InputError."""
+    if _is_scalar(value):
+        value = value.item()
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, dict):
@@ -69,58 +111,131 @@ def json_ready(value: Any) -> Any:
                      "strings, lists and dicts")
 
 
+def plain(text: Any) -> str:
+    """`text` with control characters escaped: a run name or an alert never drives a terminal."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
+
+
+def _is_scalar(value: Any) -> bool:
+    """A NumPy scalar or a 0-d tensor/array (duck-typed: `.item()` and an empty shape)."""
+    return callable(getattr(value, "item", None)) and tuple(getattr(value, "shape", (0,))) == ()
+
+
+def filesystem_type(path: Path) -> str | None:
+    """The type of the filesystem holding `path` (`/proc/self/mounts`' longest mount point above
+    it), None where the mount table cannot be read."""
+    try:
+        lines = Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return None
+    target, best, kind = str(path.resolve()), "", None
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, fields[2]
+    return kind
+
+
+def pick_journal(journal: str, out_dir: Path) -> str:
+    """"wal" or "delete": `journal` as given, or for "auto" by `out_dir`'s filesystem."""
+    if journal not in JOURNALS:
+        raise ConfigError(f"journal must be one of {', '.join(JOURNALS)}, got {journal!r}")
+    if journal != "auto":
+        return journal
+    return "delete" if filesystem_type(out_dir) in NETWORK_FILESYSTEMS else "wal"
+
+
 class MonitorStore:
     """One connection to a monitor's SQLite file (one thread; the page thread opens its own).
 
-    Use `create` (the training process: makes the file or continues the run in it) or `open`
-    (anyone reading: the file must exist, nothing is changed).
+    Use `create` (the training process: makes the file or continues the run in it, and holds the
+    directory's writer lock until `close`) or `open` (anyone reading: read-only, nothing changed).
     """
 
-    def __init__(self, path: Path, conn: sqlite3.Connection) -> None:
+    def __init__(self, path: Path, conn: sqlite3.Connection, *, lock_fd: int | None = None) -> None:
         self.path = path
         self._conn = conn
+        self._lock_fd = lock_fd
+        self._lock_key = str(path.parent.resolve() / LOCK_FILE) if lock_fd is not None else None
+        #: rows `steps()` could not decode, one line each (also marked in the steps it returns).
+        self.problems: list[str] = []
 
     @classmethod
-    def create(cls, out_dir: str | Path, run_name: str | None) -> MonitorStore:
+    def create(cls, out_dir: str | Path, run_name: str | None, *, journal: str = "auto") -> MonitorStore:
         """The writer's store in `out_dir` (created if missing). An existing store continues its run:
-        its steps stay and new ones must come after them; `run_name` must then be its name (None
-        takes it). A new store is named `run_name`, else the directory's name."""
+        its steps stay; `run_name` must then be its name (None takes it). A new store is named
+        `run_name`, else the directory's name. `journal`: "auto", "wal" or "delete" (module doc)."""
+        out_dir = Path(out_dir)
+        mode = pick_journal(journal, out_dir)
         path = store_path(out_dir)
-        store = cls(path, _connect(path, create=True))
-        conn = store._conn
-        conn.executescript(_SCHEMA)
-        run = store.run_info()
-        if not run:
-            name = run_name if run_name is not None else Path(out_dir).resolve().name
-            values = {"run_name": name, "created_at": repr(time.time()), "parity_version": VERSION,
-                      "schema_version": str(SCHEMA_VERSION)}
-            conn.execute("BEGIN IMMEDIATE")
-            conn.executemany("INSERT OR IGNORE INTO run (key, value) VALUES (?, ?)", values.items())
-            conn.execute("COMMIT")
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"out_dir {out_dir}: cannot create this directory ({exc.strerror})") from exc
+        lock_fd = _writer_lock(out_dir / LOCK_FILE)
+        try:
+            version = _check_file(path, writing=True)
+            conn = _connect(path, writer=True)
+            store = cls(path, conn, lock_fd=lock_fd)
+        except BaseException:
+            _release(lock_fd, str(out_dir.resolve() / LOCK_FILE))
+            raise
+        try:
+            store._prepare(mode, version)
             run = store.run_info()
-        _check_version(path, run)
-        if run_name is not None and run["run_name"] != run_name:
+            if run_name is not None and run.get("run_name", run_name) != run_name:
+                raise ConfigError(f"run_name {run_name!r}: {path} holds run {run['run_name']!r}; a monitor "
+                                  "directory holds one run (give its name, None, or another out_dir)")
+            if not run.get("run_name"):
+                name = run_name if run_name is not None else out_dir.resolve().name
+                values = {"run_name": name, "created_at": repr(time.time()), "parity_version": VERSION,
+                          "schema_version": str(SCHEMA_VERSION)}
+                conn.execute("BEGIN IMMEDIATE")
+                conn.executemany("INSERT OR IGNORE INTO run (key, value) VALUES (?, ?)", values.items())
+                conn.execute("COMMIT")
+        except BaseException:
             store.close()
-            raise ConfigError(f"run_name {run_name!r}: {path} holds run {run['run_name']!r}; a monitor "
-                              "directory holds one run (give its name, None, or another out_dir)")
+            raise
         return store
+
+    def _prepare(self, mode: str, version: int | None) -> None:
+        conn = self._conn
+        if version is not None:
+            _quick_check(conn, self.path)
+        if version == 1:
+            raise InputError(f"{self.path}: a monitor store of schema 1 (written by parity "
+                             f"{self.run_info().get('parity_version', '?')}) is read, not continued; "
+                             "give this run a new out_dir")
+        if version is None:  # before WAL: the mark goes into the file's header, which readers check
+            conn.execute(f"PRAGMA application_id={APPLICATION_ID}")
+        conn.execute(f"PRAGMA journal_mode={mode.upper()}")
+        conn.execute(f"PRAGMA synchronous={'NORMAL' if mode == 'wal' else 'FULL'}")
+        conn.executescript(_SCHEMA)
 
     @classmethod
     def open(cls, out_dir: str | Path) -> MonitorStore:
-        """A reader's store of an existing monitor directory (the run may still be going)."""
+        """A reader's store of an existing monitor directory (the run may still be going; the file
+        may be on a read-only mount)."""
         path = store_path(out_dir)
         if not path.is_file():
             raise InputError(f"{out_dir}: no {STORE_FILE} here; give a directory a parity.Monitor wrote")
-        store = cls(path, _connect(path, create=False))
+        version = _check_file(path, writing=False)
+        if version is None:
+            raise InputError(f"{path}: not a monitor store (an empty file)")
+        store = cls(path, _connect(path, writer=False))
         try:
+            _quick_check(store._conn, path)
             run = store.run_info()
-        except sqlite3.DatabaseError as exc:
+            if not run:
+                raise InputError(f"{path}: not a monitor store (no run record)")
+            _check_version(path, run)
+        except BaseException:
             store.close()
-            raise InputError(f"{path}: not a monitor store ({exc})") from exc
-        if not run:
-            store.close()
-            raise InputError(f"{path}: not a monitor store (no run record)")
-        _check_version(path, run)
+            raise
         return store
 
     def run_info(self) -> dict[str, str]:
@@ -130,64 +245,218 @@ class MonitorStore:
         except sqlite3.OperationalError:  # no run table: not (yet) a monitor store
             return {}
 
-    def last_step(self) -> int | None:
-        """The highest stored step, None before the first."""
-        return self._conn.execute("SELECT MAX(step) FROM steps").fetchone()[0]
+    def last_attempt(self) -> tuple[int, int | None]:
+        """(the latest attempt, 0 before the first step; its highest step, None before its first)."""
+        attempt = self._conn.execute("SELECT MAX(attempt) FROM steps").fetchone()[0] or 0
+        step = self._conn.execute("SELECT MAX(step) FROM steps WHERE attempt = ?", (attempt,)).fetchone()[0]
+        return attempt, step
 
-    def append(self, step: int, record: dict[str, Any]) -> float:
-        """Store `record` as step `step` in one transaction (see the module doc); returns the
-        time it was logged at (unix seconds)."""
+    def last_step(self) -> int | None:
+        """The highest step of the latest attempt, None before the first."""
+        return self.last_attempt()[1]
+
+    def append(self, step: int, record: dict[str, Any], *, attempt: int = 0) -> float:
+        """Store `record` as step `step` of `attempt` in one transaction (see the module doc);
+        returns the time it was logged at (unix seconds)."""
         text = json.dumps(json_ready(record), allow_nan=False, separators=(",", ":"))
         conn = self._conn
         logged_at = time.time()
         conn.execute("BEGIN IMMEDIATE")
         try:
-            conn.execute("INSERT INTO steps (step, logged_at, record) VALUES (?, ?, ?)",
-                         (step, logged_at, text))
+            conn.execute("INSERT INTO steps (attempt, step, logged_at, record) VALUES (?, ?, ?, ?)",
+                         (attempt, step, logged_at, text))
             conn.execute("COMMIT")
         except BaseException as exc:
             conn.execute("ROLLBACK")
-            if isinstance(exc, sqlite3.IntegrityError):  # another writer stored this step or a later one
-                raise InputError(f"step {step}: {self.path} refused it ({exc}); steps must increase, and "
-                                 "a monitor directory has one writer (give each rank its own)") from exc
+            if isinstance(exc, sqlite3.IntegrityError):
+                raise InputError(f"step {step}: {self.path} refused it ({exc}); steps must increase within "
+                                 "an attempt (resume=True starts a new one)") from exc
             raise
         return logged_at
 
-    def steps(self, since: int | None = None) -> list[dict[str, Any]]:
-        """Every stored step (after step `since`, when given), in step order: `{"step": int,
-        "logged_at": unix seconds, **record}`."""
-        query = "SELECT step, logged_at, record FROM steps"
-        rows = self._conn.execute(query + (" WHERE step > ? ORDER BY step" if since is not None else
-                                           " ORDER BY step"), (() if since is None else (since,))).fetchall()
-        return [{"step": step, "logged_at": logged_at, **json.loads(record)}
-                for step, logged_at, record in rows]
+    def append_advice(self, attempt: int, step: int, recommendation: dict[str, Any]) -> None:
+        """Store the advisor's recommendation of a stored step (computed off the training thread)."""
+        text = json.dumps(json_ready(recommendation), allow_nan=False, separators=(",", ":"))
+        self._conn.execute("INSERT OR IGNORE INTO advice (attempt, step, recommendation) VALUES (?, ?, ?)",
+                           (attempt, step, text))
+
+    def steps(self, since: int | None = None, *, every_attempt: bool = False) -> list[dict[str, Any]]:
+        """The run's steps as it stands (after step `since`, when given), in step order:
+        `{"step": int, "logged_at": unix seconds, "attempt": int, **record}`; the first step of
+        each later attempt has `"restart": {"attempt", "superseded"}` (the earlier steps it
+        replaced). `every_attempt`: every stored row instead, by attempt then step.
+
+        A row that does not decode is kept as `{"step", "logged_at", "attempt", "undecodable":
+        reason}` and named in `problems`."""
+        self.problems = []
+        columns = {row[1] for row in self._conn.execute("PRAGMA table_info(steps)")}
+        attempt = "attempt" if "attempt" in columns else "0"
+        rows = self._conn.execute(f"SELECT {attempt}, step, logged_at, record FROM steps "
+                                  f"ORDER BY {attempt}, step").fetchall()
+        tables = {r[0] for r in self._conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        advice = dict(((a, s), r) for a, s, r in self._conn.execute(
+            "SELECT attempt, step, recommendation FROM advice")) if "advice" in tables else {}
+        if every_attempt:
+            kept = [(a, s, t, r, None) for a, s, t, r in rows]
+        else:
+            kept = _latest_view(rows)
+        out = []
+        for a, s, t, text, restart in kept:
+            if since is not None and s <= since:
+                continue
+            item: dict[str, Any] = {"step": s, "logged_at": t, "attempt": a}
+            try:
+                record = json.loads(text)
+                if not isinstance(record, dict):
+                    raise ValueError(f"a JSON {type(record).__name__}, not an object")
+                item = {**record, **item}
+                if (a, s) in advice:
+                    item["recommendation"] = json.loads(advice[(a, s)])
+            except (ValueError, TypeError) as exc:
+                reason = f"{type(exc).__name__}: {exc}"
+                item["undecodable"] = reason
+                self.problems.append(f"{self.path}: step {s} (attempt {a}) does not decode ({reason}); "
+                                     "the other steps are read")
+            if restart is not None:
+                item["restart"] = restart
+            out.append(item)
+        return out
 
     def close(self) -> None:
         self._conn.close()
+        if self._lock_fd is not None and self._lock_key is not None:
+            _release(self._lock_fd, self._lock_key)
+            self._lock_fd = None
 
 
-def _connect(path: Path, *, create: bool) -> sqlite3.Connection:
-    """A connection in autocommit mode (transactions are explicit) with the WAL journal."""
-    if create:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise ConfigError(f"out_dir {path.parent}: cannot create this directory ({exc.strerror})") \
-                from exc
+def _latest_view(rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """The run as it stands from `(attempt, step, logged_at, record)` rows ordered by attempt,
+    step: each attempt supersedes the earlier ones' steps from its first step on."""
+    by_step: dict[int, tuple[Any, ...]] = {}
+    current = None
+    for a, s, t, r in rows:
+        restart = None
+        if a != current:
+            current = a
+            if by_step:
+                superseded = sorted(k for k in by_step if k >= s)
+                for k in superseded:
+                    del by_step[k]
+                restart = {"attempt": a, "superseded": len(superseded)}
+        by_step[s] = (a, s, t, r, restart)
+    return [by_step[k] for k in sorted(by_step)]
+
+
+def _writer_lock(path: Path) -> int:
+    """Take the directory's writer lock (fcntl, works on NFS), writing this process's host and PID
+    into it; ConfigError naming the holder when another process has it."""
+    key = str(path.parent.resolve() / path.name)
     try:
-        conn = sqlite3.connect(path if create else f"file:{path}?mode=rw", uri=not create,
-                               isolation_level=None, timeout=_BUSY_MS / 1000, check_same_thread=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot create the monitor's writer lock ({exc.strerror}); the out_dir "
+                          "must be writable") from exc
+    with _HELD_LOCK:
+        try:
+            if key in _HELD:
+                raise OSError("held in this process")
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 400, 0).decode("utf-8", "replace").strip() or "another process"
+            os.close(fd)
+            raise ConfigError(f"{path.parent}: another Monitor writes this directory ({holder}); one writer "
+                              "per directory: give each process (each rank) its own out_dir") from None
+        _HELD.add(key)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"host {socket.gethostname()} pid {os.getpid()} since {time.strftime('%Y-%m-%dT%H:%M:%S')}"
+              .encode(), 0)
+    return fd
+
+
+def _release(fd: int, key: str) -> None:
+    """Give the writer lock back (closing the file releases the fcntl lock)."""
+    with _HELD_LOCK:
+        _HELD.discard(key)
+        os.close(fd)
+
+
+def _check_file(path: Path, *, writing: bool) -> int | None:
+    """The store's schema version from its header and run table (None: no file or an empty one);
+    InputError for any file that is not a parity monitor store, which is never altered."""
+    try:
+        with path.open("rb") as f:
+            header = f.read(100)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read it ({exc.strerror})") from exc
+    if not header:
+        return None
+    foreign = (f"{path} is not a parity monitor store ({{what}}); parity never alters another program's "
+               "file: give the Monitor its own out_dir")
+    if len(header) < 100 or not header.startswith(_HEADER):
+        raise InputError(foreign.format(what="not an SQLite file"))
+    app_id = int.from_bytes(header[68:72], "big")
+    if app_id == APPLICATION_ID:
+        return SCHEMA_VERSION
+    if app_id != 0:
+        raise InputError(foreign.format(what=f"SQLite application_id {app_id:#x}"))
+    # application_id 0: parity's schema-1 stores had none; anything else is foreign
+    conn = _connect(path, writer=False)
+    try:
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        version = dict(conn.execute("SELECT key, value FROM run").fetchall()).get("schema_version") \
+            if tables == {"run", "steps"} else None
+    except sqlite3.DatabaseError as exc:
+        raise InputError(foreign.format(what=str(exc))) from exc
+    finally:
+        conn.close()
+    if not tables and writing:
+        return None
+    if version != "1":
+        raise InputError(foreign.format(what=f"an SQLite file with tables {sorted(tables)}"))
+    return 1
+
+
+def _connect(path: Path, *, writer: bool) -> sqlite3.Connection:
+    """A connection in autocommit mode (transactions are explicit): read-write for the writer,
+    read-only (on a read-only mount too: then immutable) for a reader."""
+    uri = "file:" + quote(str(path.resolve()), safe="/")
+    try:
+        if writer:
+            conn = sqlite3.connect(uri + "?mode=rwc", uri=True, isolation_level=None,
+                                   timeout=_BUSY_MS / 1000)
+        else:
+            conn = _read_only(uri)
         conn.execute(f"PRAGMA busy_timeout={_BUSY_MS}")
-        if create:
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA synchronous=NORMAL")
     except sqlite3.Error as exc:
         raise ConfigError(f"{path}: cannot open the monitor store ({exc})") from exc
     return conn
 
 
+def _read_only(uri: str) -> sqlite3.Connection:
+    """A read-only connection; where even reading needs a write (a WAL store on a read-only mount:
+    its shared-memory file cannot be made), the file is opened as immutable."""
+    conn = sqlite3.connect(uri + "?mode=ro", uri=True, isolation_level=None, timeout=_BUSY_MS / 1000)
+    try:
+        conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
+    except sqlite3.OperationalError:
+        conn.close()
+        conn = sqlite3.connect(uri + "?mode=ro&immutable=1", uri=True, isolation_level=None)
+    return conn
+
+
+def _quick_check(conn: sqlite3.Connection, path: Path) -> None:
+    try:
+        result = [r[0] for r in conn.execute("PRAGMA quick_check").fetchall()]
+    except sqlite3.DatabaseError as exc:
+        raise InputError(f"{path}: the monitor store is damaged ({exc})") from exc
+    if result != ["ok"]:
+        raise InputError(f"{path}: the monitor store is damaged (quick_check: {'; '.join(result[:3])})")
+
+
 def _check_version(path: Path, run: dict[str, str]) -> None:
-    if run.get("schema_version") != str(SCHEMA_VERSION):
+    if run.get("schema_version") not in ("1", str(SCHEMA_VERSION)):
         raise InputError(f"{path}: monitor store schema {run.get('schema_version')!r}, this parity reads "
-                         f"{SCHEMA_VERSION}; read it with the parity version that wrote it "
+                         f"1 and {SCHEMA_VERSION}; read it with the parity version that wrote it "
                          f"({run.get('parity_version', '?')})")

@@ -20,6 +20,10 @@ Heavy: parity.drift.metrics and parity.correction compute in torch (float64, row
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -30,11 +34,17 @@ from parity.correction.apply import CorrectionPass
 from parity.correction.config import CorrectionConfig
 from parity.drift.metrics import PositionPass, SummaryPass
 from parity.drift.token_arrays import BLOCK_TOKENS, Block, TokenArrays, token_arrays
+from parity.monitor.background import Background, advice_job
 
 #: worst tokens kept per step.
 WORST = 10
 #: bootstrap resamples behind the recommendation's bias interval (the advisor's default).
 ADVICE_BOOTSTRAP = 200
+#: most tokens the background advisor reads of a step: whole rows, a seeded uniform sample of
+#: them beyond this (its cost grows with the tokens, its choice settles long before a million).
+ADVICE_TOKENS = 131_072
+
+log = logging.getLogger("parity.monitor")
 
 
 def check_arrays(old_log_probs: np.ndarray, rollout_log_probs: np.ndarray, response_mask: np.ndarray,
@@ -64,10 +74,73 @@ def step_record(tok: TokenArrays, *, correction: CorrectionConfig, responses: np
         "worst_tokens": worst.result(responses),
     }
     if advice:
-        chosen = advise(tok.train.numpy(), tok.rollout.numpy(), tok.mask.numpy(), bootstrap=ADVICE_BOOTSTRAP,
-                        seed=seed)
-        record["recommendation"] = chosen.to_dict()["recommendation"]
+        record["recommendation"] = recommendation(tok, seed=seed)
     return record
+
+
+def recommendation(tok: TokenArrays, *, policy_lag: int | None = None, seed: int = 0) -> dict[str, Any]:
+    """The advisor's recommendation for one step (name, reason, config, frameworks, data_bugs);
+    `policy_lag` the declared lag of the rollout's weights (None: not declared)."""
+    chosen = advise(tok.train.numpy(), tok.rollout.numpy(), tok.mask.numpy(), bootstrap=ADVICE_BOOTSTRAP,
+                    seed=seed, policy_lag=policy_lag)
+    return chosen.to_dict()["recommendation"]
+
+
+class AdviceWorker:
+    """Runs the advisor off the training thread (`parity.monitor.background`): `submit` hands over
+    one step's arrays and returns at once; `drain` hands the finished recommendations back as
+    `(attempt, step, recommendation)` for the training thread to store. A recommendation that
+    fails is logged and skipped (the step itself is stored already). `close` waits for every
+    submitted step."""
+
+    def __init__(self, background: Background) -> None:
+        self._background = background
+        self._pending: list[tuple[int, int, Future[dict[str, Any]]]] = []
+
+    def submit(self, attempt: int, step: int, tok: TokenArrays, policy_lag: int | None) -> None:
+        # copies (the trainer may reuse its buffers before the advisor reads them) of a row sample
+        rows = advice_rows(tok.shape, step)
+        arrays = tuple(np.ascontiguousarray(x.numpy()[rows]) for x in (tok.train, tok.rollout, tok.mask))
+        self._pending.append((attempt, step, self._background.submit(advice_job, *arrays, policy_lag,
+                                                                     ADVICE_BOOTSTRAP)))
+
+    def drain(self, wait: bool = False) -> list[tuple[int, int, dict[str, Any]]]:
+        out, left = [], []
+        for attempt, step, future in self._pending:
+            if not (wait or future.done()):
+                left.append((attempt, step, future))
+                continue
+            try:
+                out.append((attempt, step, future.result()))
+            except Exception as exc:  # advice is a view: its failure never stops training
+                log.warning("parity monitor: no recommendation for step %d (%s: %s)", step,
+                            type(exc).__name__, exc)
+        self._pending = left
+        return out
+
+
+def advice_rows(shape: tuple[int, int], seed: int) -> np.ndarray:
+    """The rows the background advisor reads of a `[batch, seq]` step: all, or a seeded uniform
+    sample of `ADVICE_TOKENS // seq` of them, in order."""
+    batch, seq = shape
+    keep = max(1, ADVICE_TOKENS // max(seq, 1))
+    if batch <= keep:
+        return np.arange(batch)
+    return np.sort(np.random.default_rng(seed).choice(batch, keep, replace=False))
+
+
+@contextmanager
+def bounded_threads(threads: int) -> Iterator[None]:
+    """torch's intra-op threads set to `threads` inside the block and restored after: parity's work
+    in a training process must not take every core from the trainer's own threads."""
+    before = torch.get_num_threads()
+    if before != threads:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        if before != threads:
+            torch.set_num_threads(before)
 
 
 def worst_tokens(tok: TokenArrays, responses: np.ndarray | None, k: int = WORST) -> list[dict[str, Any]]:

@@ -4,8 +4,14 @@
                              "rollout_corr/rollout_is_eff_sample_size": (0.9, None)})
 
 A number is an upper bound (the step is flagged when its value is above it); a `(low, high)` pair
-is a band, either side None for open (flagged below `low` or above `high`). Keys are the step
-summary's (`parity.core.schema.SUMMARY_KEYS`: `k3_kl`, `max_abs_logprob_diff`, ...; and
+is a band, either side None for open (flagged below `low` or above `high`). These absolute bounds
+have no default (a run's normal drift depends on its model, dtype and engine).
+
+Relative bounds (`Jumps`, on by default: `DEFAULT_JUMPS`) flag a step whose value is more than X
+times the run's trailing median (the last `WINDOW` steps, once `MIN_HISTORY` are stored): a jump
+needs no knowledge of the run's normal level, so it catches a missed weight sync out of the box.
+
+Keys are the step summary's (`parity.core.schema.SUMMARY_KEYS`: `k3_kl`, `max_abs_logprob_diff`, ...; and
 `SUPPORT_SUMMARY_KEYS`: `frac_tokens_outside_support`) or verl's `rollout_corr/*` metric names of
 the monitor's correction. A value the step does not have (an unknown `rollout_corr/*` name) is
 flagged as missing rather than silently never checked.
@@ -25,6 +31,12 @@ from parity.core.schema import SUMMARY_KEYS, SUPPORT_SUMMARY_KEYS
 
 #: prefix of verl's rollout-correction metric names.
 CORRECTION_PREFIX = "rollout_corr/"
+#: the default relative bounds: a step is flagged at this many times the trailing median.
+DEFAULT_JUMPS: dict[str, float] = {"k3_kl": 10.0, "mean_abs_logprob_diff": 5.0}
+#: trailing steps whose median a jump is measured against.
+WINDOW = 20
+#: stored steps needed before a jump is judged (a median of fewer is noise).
+MIN_HISTORY = 5
 
 
 @dataclass(frozen=True)
@@ -98,3 +110,49 @@ def _pair(key: str, spec: Any) -> tuple[Any, Any]:
     if len(spec) != 2:
         raise ConfigError(f"thresholds[{key!r}]: a band is (low, high), got {spec!r}")
     return spec[0], spec[1]
+
+
+@dataclass(frozen=True)
+class Jumps:
+    """Relative bounds: `{"key": X}` flags a step whose value exceeds X times the median of the
+    run's last `WINDOW` values of `key` (judged from `MIN_HISTORY` values on; X > 1)."""
+
+    factors: tuple[tuple[str, float], ...] = ()
+
+    @classmethod
+    def of(cls, jumps: Mapping[str, Any] | None) -> Jumps:
+        """From `{"key": factor}`; None: none."""
+        if jumps is None:
+            return cls()
+        if not isinstance(jumps, Mapping):
+            raise ConfigError(f"jumps must be a dict of metric -> factor, got {type(jumps).__name__}")
+        out = []
+        for key, factor in jumps.items():
+            if not isinstance(key, str) or key not in SUMMARY_KEYS:
+                raise ConfigError(f"jumps: unknown metric {key!r}; use a summary key "
+                                  f"({', '.join(SUMMARY_KEYS)})")
+            if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 1 \
+                    or not math.isfinite(factor):
+                raise ConfigError(f"jumps[{key!r}] must be a finite number > 1 (times the trailing median), "
+                                  f"got {factor!r}")
+            out.append((key, float(factor)))
+        return cls(tuple(out))
+
+    def check(self, values: Mapping[str, Any], history: Mapping[str, list[float]]) -> list[dict[str, Any]]:
+        """The jump alerts of one step's values against `history` (each key's trailing values)."""
+        alerts = []
+        for key, factor in self.factors:
+            value, past = values.get(key), history.get(key, [])[-WINDOW:]
+            if len(past) < MIN_HISTORY or not isinstance(value, (int, float)) or not math.isfinite(value):
+                continue
+            median = sorted(past)[len(past) // 2]
+            if value > factor * median and value > 0:
+                times = value / median if median > 0 else math.inf
+                alerts.append({"key": key, "value": value, "low": None, "high": factor * median,
+                               "jump": factor, "trailing_median": median,
+                               "message": f"{key} {value:.4g} is {times:.3g}x the trailing median "
+                                          f"{median:.4g} (flagged above {factor:g}x)"})
+        return alerts
+
+    def to_dict(self) -> dict[str, float]:
+        return dict(self.factors)

@@ -126,9 +126,12 @@ def _number(value: Any) -> float:
 
 def step_trend_figure(steps: list[int], values: list[float | None], *, title: str,
                       low: float | None = None, high: float | None = None,
-                      flagged: set[int] | None = None) -> Figure:
+                      flagged: set[int] | None = None, log_scale: bool = False,
+                      restarts: list[int] | None = None) -> Figure:
     """One metric over training steps: a line (markers up to 200 steps), flagged steps as red
-    dots and the alert bounds `low`/`high` as dashed red lines. None values are gaps."""
+    dots, the alert bounds `low`/`high` as dashed red lines and `restarts` (a resumed run's first
+    steps) as dotted grey lines. None values are gaps. `log_scale`: a log y axis where every
+    value is positive (a spike then leaves normal drift readable), else linear."""
     fig, ax = new_figure(small=True)
     ax.set_title(title, fontsize=9)
     y = np.array([_number(v) for v in values])
@@ -140,6 +143,11 @@ def step_trend_figure(steps: list[int], values: list[float | None], *, title: st
     for bound in (low, high):
         if bound is not None:
             ax.axhline(bound, color=RED, linestyle="--", linewidth=0.8)
+    for step in restarts or ():
+        ax.axvline(step, color="grey", linestyle=":", linewidth=1.0)
+    finite = y[np.isfinite(y)]
+    if log_scale and finite.size and bool((finite > 0).all()):
+        ax.set_yscale("log")
     ax.set_xlabel("step", fontsize=8)
     ax.tick_params(labelsize=7)
     ax.grid(True, linewidth=0.3, alpha=0.5)

@@ -34,7 +34,6 @@ no token ids or logprobs.
 
 from __future__ import annotations
 
-import math
 import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from parity.core.errors import ConfigError, InputError, ParityError
+from parity.core.logprobs import check_logprob_values
 from parity.core.schema import LOGPROBS_MODES, json_float
 from parity.core.strict import check_dtype
 from parity.core.tables import read_rows, write_rows
@@ -59,8 +59,6 @@ COLUMN_ALIASES: dict[str, tuple[str, ...]] = {
 }
 #: the flat sampling columns; a row with any of them has sampling, the missing ones off.
 SAMPLING_COLUMNS: tuple[str, ...] = ("temperature", "top_p", "top_k")
-#: a logprob above this is not a logprob (logits or probabilities were dumped instead).
-_MAX_LOGPROB = 1e-4
 
 #: sampling given to `read_dump`: one for every row, or one per request id.
 GivenSampling = SamplingParams | Mapping[str, SamplingParams] | None
@@ -367,15 +365,10 @@ def _check_ids(ids: list[Any], name: str) -> None:
 
 def check_logprobs(values: Sequence[Any], name: str = "logprob", where: str = "") -> None:
     """Every value a number <= 0 (a little rounding above 0 allowed) or -inf, else InputError
-    (prefixed with `where`, e.g. the request it answers).
+    (prefixed with `where`, e.g. the request it answers): parity's one rule,
+    `parity.core.logprobs.check_logprob_values`.
 
     -inf is a token outside the sampling support of the side that reported it (a top-k or top-p
     cut, or an engine's floor read back as -inf): kept, and counted apart by every report
     (`num_tokens_outside_support`). NaN and +inf are not log-probabilities."""
-    for t, v in enumerate(values):
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or math.isnan(v) or v == math.inf:
-            raise InputError(f"{where}{name} {t} is {v!r}; every logprob must be a number <= 0 (-inf "
-                             "for a token outside the sampling support)")
-        if v > _MAX_LOGPROB:
-            raise InputError(f"{where}{name} {t} is {v} > 0; a log-probability is <= 0 (were logits or "
-                             "probabilities reported instead?)")
+    check_logprob_values(values, name, where)

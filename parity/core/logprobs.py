@@ -1,0 +1,64 @@
+"""parity's one rule for values handed over as log-probabilities, wherever they enter (the Monitor,
+the verl / NeMo-RL / slime helpers, rollout dumps and records, `parity score`).
+
+A logprob is a number <= 0 (nats); `MAX_LOGPROB` allows the rounding of an engine that reports
+log(1) as a hair above 0. A counted value above it is not a logprob at all: probabilities (0..1),
+logits, or logprobs with the sign flipped were passed instead, and every figure computed from them
+would be silently wrong. -inf is a token outside the sampling support (counted apart by every
+report); NaN and +inf are never logprobs.
+
+Light: NumPy only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from parity.core.errors import InputError
+
+#: the largest value accepted as a logprob (nats): rounding above log(1) = 0, nothing more.
+MAX_LOGPROB = 1e-4
+#: what a value above `MAX_LOGPROB` means, in every message that refuses one.
+NOT_LOGPROBS = "looks like probabilities/logits, not logprobs (a logprob is <= 0)"
+
+
+def above_bound(value: float, name: str) -> InputError:
+    """The error for one counted value above `MAX_LOGPROB` (`name` says where it is)."""
+    return InputError(f"{name} is {value!r} > {MAX_LOGPROB}: {NOT_LOGPROBS}; pass the log-probabilities "
+                      "of the sampled tokens")
+
+
+def check_logprob_values(values: Sequence[Any], name: str = "logprob", where: str = "") -> None:
+    """Every value of a list a number <= `MAX_LOGPROB` or -inf, else InputError naming the index
+    (prefixed with `where`, e.g. the request it answers)."""
+    for t, v in enumerate(values):
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or math.isnan(v) or v == math.inf:
+            raise InputError(f"{where}{name} {t} is {v!r}; every logprob must be a number <= 0 (-inf "
+                             "for a token outside the sampling support)")
+        if v > MAX_LOGPROB:
+            raise above_bound(v, f"{where}{name} {t}")
+
+
+def check_logprob_array(values: np.ndarray, mask: np.ndarray | None, name: str) -> None:
+    """No counted value of `values` (`[batch, seq]`, any float dtype; `mask` True where a token
+    counts, None: all) above `MAX_LOGPROB`; InputError naming the first one's row and position.
+
+    One reduction when nothing is wrong (the max over the array; padding may hold anything, so
+    a max above the bound is looked at again under the mask)."""
+    if values.size == 0 or values.dtype.kind != "f":
+        return
+    top = values.max()
+    if not top > MAX_LOGPROB:  # NaN compares False: NaN is refused by the finiteness check
+        return
+    bad = values > MAX_LOGPROB
+    if mask is not None:
+        bad &= mask.astype(bool, copy=False)
+    if not bad.any():
+        return
+    index = np.unravel_index(int(np.argmax(bad)), bad.shape)
+    where = f" {int(index[0])}" if len(index) == 1 else "[" + ", ".join(str(int(i)) for i in index) + "]"
+    raise above_bound(float(values[index]), f"{name}{where}")
