@@ -22,7 +22,7 @@ MODES = ("process", "thread")
 
 def advice_job(train: Any, rollout: Any, mask: Any, policy_lag: int | None, bootstrap: int) -> dict[str, Any]:
     """The advisor's recommendation of one step's `[batch, seq]` arrays."""
-    from parity.advisor import advise
+    from parity.advisor import advise  # in the job: a page-drawing child process never loads the advisor
 
     return advise(train, rollout, mask, bootstrap=bootstrap, seed=0, policy_lag=policy_lag).to_dict()[
         "recommendation"]
