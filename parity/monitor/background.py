@@ -14,6 +14,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from parity.advisor import advise
 from parity.core.errors import ConfigError
 
 #: where the page is drawn: a child process, or a thread of the training process.
@@ -22,8 +23,6 @@ MODES = ("process", "thread")
 
 def advice_job(train: Any, rollout: Any, mask: Any, policy_lag: int | None, bootstrap: int) -> dict[str, Any]:
     """The advisor's recommendation of one step's `[batch, seq]` arrays."""
-    from parity.advisor import advise  # in the job: a page-drawing child process never loads the advisor
-
     return advise(train, rollout, mask, bootstrap=bootstrap, seed=0, policy_lag=policy_lag).to_dict()[
         "recommendation"]
 
