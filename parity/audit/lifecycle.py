@@ -38,7 +38,7 @@ from parity.backends.weight_sync import check_weight_sync
 from parity.core.errors import ConfigError, UnsupportedError
 from parity.core.outputs import output_file
 from parity.core.types import Request, Rollout, SamplingParams
-from parity.workload.cases import load_case
+from parity.workload.cases import resolve_case
 
 CHECKS: tuple[str, ...] = ("repeat", "prefix_cache_reset", "sleep_wake", "sleep_wake_2", "kv_cache_release",
                            "weight_update")
@@ -222,7 +222,8 @@ def main(argv: Sequence[str]) -> int:
                     "one did, 2 on an error.")
     parser.add_argument("--backend", required=True, help="backend name, e.g. vllm or vllm-server")
     parser.add_argument("--model", help="built-in checkpoint or local HF checkpoint; optional with --case")
-    parser.add_argument("--case", type=Path, help="take the requests (and the model) from this case file")
+    parser.add_argument("--case", type=Path,
+                        help="take the requests (and the model) from this case file or name in cases/")
     parser.add_argument("--dtype", help="model dtype (default: the case's first dtype, else bfloat16)")
     parser.add_argument("--checks", default=",".join(CHECKS),
                         help=f"comma-separated checks to run (default: all: {','.join(CHECKS)})")
@@ -233,7 +234,7 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--json", type=Path, metavar="OUT", help="write the results as JSON to OUT")
     parser.add_argument("--verbose", action="store_true", help="print the traceback of an unexpected error")
     args = parser.parse_args(list(argv))
-    case = load_case(args.case) if args.case is not None else None
+    case = resolve_case(args.case, what="--case") if args.case is not None else None
     model = args.model or (case.model if case is not None else None)
     if model is None:
         raise ConfigError("parity lifecycle needs --model (or --case naming a model)")
