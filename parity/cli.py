@@ -48,7 +48,7 @@ from parity.render import report_html
 from parity.report.document import ParityReport, format_worst_tokens
 from parity.runtime.quiet import engine_logging
 from parity.scoring import FROM_DUMP, score
-from parity.workload.cases import load_case
+from parity.workload.cases import resolve_case
 
 #: the flag that shows the engines' log lines, accepted anywhere on the command line.
 VERBOSE = "--verbose"
@@ -80,7 +80,8 @@ def _parser() -> argparse.ArgumentParser:
     cmp.add_argument("--model", help="model name (see `parity models`) or a local HF "
                                      "checkpoint directory; optional with --case")
     cmp.add_argument("--backend", required=True, help="backend name (see `parity backends`)")
-    cmp.add_argument("--case", type=Path, help="case TOML file (default: the built-in workload)")
+    cmp.add_argument("--case", type=Path,
+                     help="case TOML file or name in cases/ (default: the built-in workload)")
     cmp.add_argument("--dtype", choices=DTYPES,
                      help="model dtype (default: the case's first dtype, else bfloat16)")
     cmp.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
@@ -120,8 +121,8 @@ def _parser() -> argparse.ArgumentParser:
     given.add_argument("--temperature", type=float, help="sampling temperature (0 = greedy)")
     given.add_argument("--top-p", type=float, help="nucleus mass in (0, 1] (default: 1, off)")
     given.add_argument("--top-k", type=int, help="top-k (default: 0, off)")
-    given.add_argument("--case", type=Path, help="case file: each rollout takes the sampling of the case's "
-                                                 "request with its request id")
+    given.add_argument("--case", type=Path, help="case file or name in cases/: each rollout takes the "
+                                                 "sampling of the case's request with its request id")
     _report_arguments(scr)
     scr.set_defaults(func=_score)
 
@@ -172,7 +173,9 @@ def _report_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attribute", action="append", nargs="?", const="batch", metavar="AXIS",
                         help="attribute the drift to op families and layers along AXIS (batch, layout, mode, "
                              "dtype; repeatable; default batch)")
-    parser.add_argument("--device", default="cpu", help="device of the training forward (default: cpu)")
+    parser.add_argument("--device", default="auto",
+                        help="device of the training forward (default: auto = cuda when the backend runs "
+                             "there, vLLM or SGLang on a CUDA host, else cpu)")
     parser.add_argument("--gold", action=argparse.BooleanOptionalAction,
                         help="score the tokens with the float64 gold forward too and say which side is "
                              "farther from it (--no-gold: never; default: when it costs under a second or "
@@ -229,7 +232,7 @@ def _score(args: argparse.Namespace) -> int:
         raise ConfigError("give the sampling with --temperature/--top-p/--top-k or with --case, not both")
     sampling: SamplingParams | dict[str, SamplingParams] | None = SamplingParams(**flags) if flags else None
     if args.case is not None:
-        sampling = {r.request_id: r.sampling for r in load_case(args.case).requests}
+        sampling = {r.request_id: r.sampling for r in resolve_case(args.case, what="--case").requests}
     report = score(args.source, args.model, trainer_logprobs=FROM_DUMP if args.trainer_logprobs else None,
                    backend=args.backend, sampling=sampling, logprobs_mode=args.logprobs_mode,
                    dtype=args.dtype, reference=args.reference, router_replay=args.router_replay,
