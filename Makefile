@@ -5,7 +5,6 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.stamp-install
 CHROMIUM_STAMP := $(VENV)/.stamp-chromium
-export PARITY_CACHE ?= $(CURDIR)/.venv/parity-cache
 export TOKENIZERS_PARALLELISM := false
 export VLLM_TARGET_DEVICE := cpu
 # The test logs keep vLLM's warnings; `make demo` runs with parity's own default (engines print errors only).

@@ -12,12 +12,12 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from parity.assess.training_side import check_gold, report_for, router_replay_options
 from parity.backends import BACKENDS, Backend, lora_options, route_capture_options, shared_backend
 from parity.backends import backend_options as backend_options_of
+from parity.backends.borrowed import check_borrowed, resolve_device
 from parity.backends.turns import generate
 from parity.core.errors import ConfigError, OutputError
 from parity.core.outputs import output_file
@@ -26,7 +26,7 @@ from parity.core.strict import check_dtype
 from parity.core.turns import Turn
 from parity.core.types import SamplingParams
 from parity.drift.tolerance import Tolerance
-from parity.models import model_limits, resolve_model
+from parity.models import model_limits
 from parity.models.lora import LoraSpec, check_adapter, check_without_tensor_parallel
 from parity.report.document import ParityReport
 from parity.report.provenance import provenance
@@ -49,7 +49,7 @@ def compare(
     dtype: str | None = None,
     tolerance: Tolerance | dict[str, Any] | None = None,
     router_replay: str | None = None,
-    device: str = "cpu",
+    device: str = "auto",
     correction: dict[str, Any] | None = None,
     attribute: Sequence[str] = (),
     record: str | os.PathLike[str] | None = None,
@@ -89,7 +89,9 @@ def compare(
         ConfigError.
     device: where the training forward runs ("cpu", "cuda"), and the backend too where it takes a
         `device` option (reference, hf); a running reference or hf backend on another device
-        type is a ConfigError. Engines that choose
+        type is a ConfigError. "auto" (default): where the backend runs
+        (`parity.backends.borrowed.resolve_device`: cuda for vLLM or SGLang on a CUDA host, else
+        cpu). Engines that choose
         their own device (vLLM, servers) run where they run; `provenance["backend_device"]` and
         `["train_device"]` record both sides.
     correction: keyword arguments of `parity.correction.rollout_correction` for `metrics`;
@@ -139,6 +141,7 @@ def compare(
     limits = Tolerance.resolve(given, name, dtype)
     router_replay_options(router_replay)
     check_gold(gold)
+    device = resolve_device(device, [backend], {str(backend): backend_options})
     _check_device(device)
     _check_axes(attribute)
     _check_correction(correction)
@@ -244,33 +247,9 @@ def _check_axes(attribute: Sequence[str]) -> None:
 
 def _resolve_backend(backend: str | Backend, model: str, dtype: str, options: dict[str, Any],
                      device: str, lora: LoraSpec | None) -> Backend:
-    if isinstance(backend, Backend):
-        if Path(resolve_model(model)).resolve() != Path(backend.model_path).resolve():
-            raise ConfigError(f"the running backend serves {backend.model_path}, not model {model!r}; "
-                              "pass the backend's model or a backend name")
-        if options:
-            raise ConfigError(f"backend options {sorted(options)} only apply when backend is a name; "
-                              "this backend is already running")
-        if backend.dtype != dtype:
-            raise ConfigError(f"the running backend uses dtype {backend.dtype!r} but dtype={dtype!r} was "
-                              "asked for; start the backend with the same dtype or leave dtype unset")
-        running = (backend.meta.get("lora") or {}).get("hash")
-        if running != (None if lora is None else lora.hash):
-            wanted = "no adapter" if lora is None else f"adapter {str(lora.path)!r} (hash {lora.hash})"
-            raise ConfigError(f"the running backend applies LoRA adapter {running or 'none'}, not {wanted}; "
-                              "start the backend with the same adapter")
-        placed = backend.meta.get("device")
-        if "device" in backend.option_names() and placed is not None and \
-                torch_device_type(placed) != torch_device_type(device):
-            raise ConfigError(f"the running {backend.name!r} backend samples on {placed!r} but "
-                              f"device={device!r} runs the training forward there; start the backend with "
-                              f"device={device!r}, or pass device={placed!r}")
-        return backend
-    if not isinstance(backend, str):
-        raise ConfigError(f"backend must be a backend name or a parity Backend, got {type(backend).__name__}")
-    return shared_backend(backend, model, dtype=dtype, **options)
-
-
-def torch_device_type(device: str) -> str:
-    """"cuda:1" -> "cuda": where a side runs, by device type."""
-    return str(device).partition(":")[0]
+    """The named backend started (shared), or the running one checked against the call; a running
+    backend's device matters only where it takes a `device` option (reference, hf)."""
+    if isinstance(backend, str):
+        return shared_backend(backend, model, dtype=dtype, **options)
+    placed = device if isinstance(backend, Backend) and "device" in backend.option_names() else None
+    return check_borrowed(backend, model=model, dtype=dtype, device=placed, options=options, lora=lora)

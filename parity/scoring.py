@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from parity.assess.training_side import check_gold, report_for
+from parity.backends.borrowed import resolve_device
 from parity.core.errors import ConfigError, InputError
 from parity.core.schema import KERNEL_MODES
 from parity.core.strict import check_dtype
@@ -92,7 +93,7 @@ def score(rollouts: Sequence[Rollout] | str | os.PathLike[str], model: str | os.
           *, trainer_logprobs: Sequence[Sequence[float]] | str | None = None, backend: str | None = None,
           sampling: GivenSampling = None, logprobs_mode: str = "processed", dtype: str | None = None,
           reference: str = "invariant", tolerance: Tolerance | dict[str, Any] | None = None,
-          router_replay: str | None = None, device: str = "cpu", correction: dict[str, Any] | None = None,
+          router_replay: str | None = None, device: str = "auto", correction: dict[str, Any] | None = None,
           attribute: Sequence[str] = (), gold: bool | None = None,
           lora: str | os.PathLike[str] | None = None, rollout_dtype: str | None = None) -> ParityReport:
     """Score rollouts produced elsewhere; the report `parity.compare` would build for them.
@@ -115,7 +116,10 @@ def score(rollouts: Sequence[Rollout] | str | os.PathLike[str], model: str | os.
         that do not record one (dumps from outside parity); rollouts that record theirs (meta "lora",
         written by every parity backend that applies one) are scored with it, and a contradicting
         `lora` is a ConfigError.
-    reference, router_replay, device, correction, attribute, gold: as in `parity.compare` (the
+    device: where the training forward runs; "auto" (default): where the rollouts' backend runs
+        here (`parity.backends.borrowed.resolve_device`: cuda for vLLM or SGLang rollouts on a CUDA
+        host), else cpu.
+    reference, router_replay, correction, attribute, gold: as in `parity.compare` (the
     default rule counts the training forward's time only: nothing was sampled here; with the
     trainer's logprobs given, gold=True runs the gold alone).
     """
@@ -148,6 +152,7 @@ def score(rollouts: Sequence[Rollout] | str | os.PathLike[str], model: str | os.
     names = sorted({r.backend for r in source.rollouts})
     name = names[0] if len(names) == 1 else "+".join(names)
     limits = Tolerance.resolve(tolerance, name, dtype, rollout_dtype)
+    device = resolve_device(device, names)
     where = "the given rollouts" if source.kind == "rollouts" else f"{source.kind} {source.path}"
     if theirs is None:
         train_side = TRAIN_COMPUTED

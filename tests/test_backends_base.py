@@ -1,5 +1,6 @@
 """The backend contract without engines: registry, translation helpers, processed conversion."""
 
+import dataclasses
 import importlib
 
 import pytest
@@ -25,6 +26,7 @@ from parity.backends.base import (
     score_sampling,
     stop_set,
 )
+from parity.core.backend_table import BACKEND_TABLE, KINDS, PLACEMENTS
 from parity.core.errors import BackendUnavailableError, ConfigError, InputError
 from parity.core.schema import BACKEND_NAMES
 from parity.core.types import Request, Rollout, SamplingParams, as_pairs
@@ -32,9 +34,19 @@ from parity.models import resolve_model
 
 
 def test_registry_names_and_unknown_name():
-    assert list(BACKENDS) == ["reference", "hf", "vllm", "vllm-server", "sglang", "trtllm"]
-    with pytest.raises(ConfigError, match="reference, hf, vllm, vllm-server, sglang, trtllm"):
+    assert list(BACKENDS) == [spec.name for spec in BACKEND_TABLE]
+    with pytest.raises(ConfigError, match=", ".join(BACKEND_NAMES)):
         get_backend("vllm-gpu", "tiny-llama")
+
+
+def test_backend_table_rows_are_checked_data():
+    """The table is data: a row with an unknown kind, placement or adapter spelling is refused."""
+    assert {spec.kind for spec in BACKEND_TABLE} <= set(KINDS)
+    assert {spec.runs_on for spec in BACKEND_TABLE} <= set(PLACEMENTS)
+    row = BACKEND_TABLE[0]
+    for bad in ({"kind": "cloud"}, {"runs_on": "tpu"}, {"adapter": "parity.backends.reference"}):
+        with pytest.raises(ValueError, match="backend table row"):
+            dataclasses.replace(row, **bad)
 
 
 def test_registry_adapters_carry_the_schema_names():

@@ -14,13 +14,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from parity.attribute.axes import AXES
+from parity.backends.borrowed import resolve_device
 from parity.core.errors import ConfigError
 from parity.core.outputs import output_file
-from parity.core.schema import DTYPES, KERNEL_MODES
+from parity.core.schema import DTYPES, KERNEL_MODES, REFERENCE
 from parity.core.types import Rollout
 from parity.render.attribution import attribution_page, layers_text, ops_text
 from parity.runtime.frame import run_command
-from parity.workload.cases import default_case, load_cases
+from parity.workload.cases import default_case, resolve_case
 
 
 def _families(text: str) -> list[str] | str:
@@ -41,7 +42,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="setting of interest to attribute along; repeat for several (default: batch)")
     parser.add_argument("--dtype", choices=sorted(DTYPES),
                         help="dtype of both sides (default: the case's first dtype)")
-    parser.add_argument("--device", default="cpu", help="device of the forward (default: cpu)")
+    parser.add_argument("--device", default="auto",
+                        help="device of the forward (default: auto = where parity's engine runs: cpu)")
     parser.add_argument("--families", type=_families, default=None, metavar="F1,F2",
                         help="kernel families to ablate one at a time (default: all)")
     parser.add_argument("--probe-kernels", type=_families, default="native", metavar="KERNELS",
@@ -63,10 +65,7 @@ def _sequences(model: str | None, case_spec: str | None, dtype: str | None, devi
     if case_spec is None:
         case = default_case(model or "tiny-llama")
     else:
-        cases = load_cases(case_spec)
-        if len(cases) != 1:
-            raise ConfigError(f"--case must name one case, {case_spec!r} names {len(cases)}")
-        case = cases[0]
+        case = resolve_case(case_spec, what="--case")
     model = model or case.model
     dtype = dtype or case.dtypes[0]
     from parity.engine import ReferenceEngine  # torch: after parsing, so that --help stays light
@@ -85,6 +84,7 @@ def _run(args: argparse.Namespace) -> int:
     for option, path in (("--json", args.json), ("--html", args.html)):
         if path is not None:
             output_file(path, option)  # before the engine runs
+    args.device = resolve_device(args.device, [REFERENCE])
     model, dtype, rollouts = _sequences(args.model, args.case, args.dtype, args.device, args.max_sequences)
     from parity.attribute.section import attribution_section  # torch: after parsing (--help stays light)
 

@@ -12,18 +12,21 @@ from typing import Any
 from parity.attribute.ablation import attribute_ops
 from parity.attribute.layers import layer_diff
 from parity.attribute.settings import AXES, axis_settings
+from parity.backends.borrowed import resolve_device
 from parity.core.errors import ConfigError
+from parity.core.schema import REFERENCE
 from parity.core.types import Sequences
 from parity.models.loading import LoadedModel
 
 
 def attribution_section(model: str | LoadedModel, sequences: Sequences, *, axes: Iterable[str] = ("batch",),
-                        dtype: str = "float32", device: str = "cpu", families: Iterable[str] | None = None,
+                        dtype: str = "float32", device: str = "auto", families: Iterable[str] | None = None,
                         probe_kernels: Iterable[str] | str = "native", ops: bool = True,
                         layers: bool = True) -> dict[str, Any]:
     """Attribute drift along each axis of `axes` (`parity.attribute.AXES`) on `sequences`.
 
-    dtype, device: both sides' (the "dtype" axis compares bfloat16 with float16 instead).
+    dtype, device: both sides' (the "dtype" axis compares bfloat16 with float16 instead); device
+        "auto" (default) is where parity's engine runs by default (`resolve_device`): cpu.
     families: the kernel families the op ablation switches one at a time (default: all).
     probe_kernels: the invariant families both sides of the layer probe run with; default
         "native", because with invariant kernels every axis but dtype is bitwise equal by
@@ -38,6 +41,7 @@ def attribution_section(model: str | LoadedModel, sequences: Sequences, *, axes:
         raise ConfigError(f"axes must name at least one of {list(AXES)}, got {chosen!r}")
     if not (ops or layers):
         raise ConfigError("nothing to do: ops and layers are both off")
+    device = resolve_device(device, [REFERENCE])
     entries = []
     for axis in chosen:
         entry: dict[str, Any] = {"axis": axis, "description": AXES[axis]}

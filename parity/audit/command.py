@@ -23,7 +23,7 @@ from parity.core.outputs import output_file
 from parity.core.schema import DTYPES
 from parity.render.audit import audit_html
 from parity.runtime.frame import run_command
-from parity.workload.cases import load_cases
+from parity.workload.cases import resolve_case
 
 
 def _ints(text: str) -> list[int]:
@@ -45,7 +45,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", help="built-in checkpoint or local HF checkpoint; optional with --case")
     parser.add_argument("--case", help="case file or name in cases/ (default: the built-in workload)")
     parser.add_argument("--dtype", choices=DTYPES, help="model dtype (default: the case's first dtype)")
-    parser.add_argument("--device", default="cpu", help="where a reference or hf engine runs (default: cpu)")
+    parser.add_argument("--device", default="auto",
+                        help="where the backend runs (default: auto = cuda for vLLM or SGLang on a CUDA "
+                             "host, else cpu); a reference or hf engine is started there")
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                         help="backend option, repeatable; e.g. --option batch_invariant=true")
     parser.add_argument("--checks", default=",".join(CHECKS),
@@ -58,7 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    case = load_cases(args.case, flag="--case")[0] if args.case is not None else None
+    case = resolve_case(args.case, what="--case") if args.case is not None else None
     if args.model is None and case is None:
         raise ConfigError("parity audit needs --model (or --case naming a model)")
     for path, option in ((args.json, "--json"), (args.html, "--html")):

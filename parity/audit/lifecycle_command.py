@@ -17,7 +17,7 @@ from parity.backends import get_backend, parse_option
 from parity.core.errors import ConfigError
 from parity.core.outputs import output_file
 from parity.runtime.frame import run_command
-from parity.workload.cases import load_case
+from parity.workload.cases import resolve_case
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -29,7 +29,8 @@ def _parser() -> argparse.ArgumentParser:
                     "one did, 2 on an error.")
     parser.add_argument("--backend", required=True, help="backend name, e.g. vllm or vllm-server")
     parser.add_argument("--model", help="built-in checkpoint or local HF checkpoint; optional with --case")
-    parser.add_argument("--case", type=Path, help="take the requests (and the model) from this case file")
+    parser.add_argument("--case", type=Path,
+                        help="take the requests (and the model) from this case file or name in cases/")
     parser.add_argument("--dtype", help="model dtype (default: the case's first dtype, else bfloat16)")
     parser.add_argument("--checks", default=",".join(CHECKS),
                         help=f"comma-separated checks to run (default: all: {','.join(CHECKS)})")
@@ -47,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    case = load_case(args.case) if args.case is not None else None
+    case = resolve_case(args.case, what="--case") if args.case is not None else None
     model = args.model or (case.model if case is not None else None)
     if model is None:
         raise ConfigError("parity lifecycle needs --model (or --case naming a model)")

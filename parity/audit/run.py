@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from parity.audit.checks import AuditSettings, run_checks
@@ -17,17 +16,18 @@ from parity.audit.derived import BATCH_SIZES, check_batch_sizes, single_turn
 from parity.audit.result import CHECKS, AuditResult
 from parity.backends import Backend, backend_options, shared_backend
 from parity.backends.base import check_dtype
+from parity.backends.borrowed import check_borrowed, check_placement, resolve_device, torch_device_type
 from parity.core.errors import ConfigError
 from parity.core.schema import BACKEND_NAMES
 from parity.core.types import check_int
-from parity.models import model_limits, resolve_model
+from parity.models import model_limits
 from parity.report.provenance import provenance
 from parity.workload.cases import Case
 from parity.workload.resolve import resolve_workload
 
 
 def audit(model: str | os.PathLike[str] | None, backend: str | Backend, *,
-          case: Case | str | os.PathLike[str] | None = None, dtype: str | None = None, device: str = "cpu",
+          case: Case | str | os.PathLike[str] | None = None, dtype: str | None = None, device: str = "auto",
           checks: Sequence[str] = CHECKS, batch_sizes: Sequence[int] = BATCH_SIZES, seed: int = 0,
           **backend_options: Any) -> AuditResult:
     """Audit `backend` on `model`: repeat, batch, order, prefill_decode, prefix_cache and seed.
@@ -39,8 +39,10 @@ def audit(model: str | os.PathLike[str] | None, backend: str | Backend, *,
         `parity.workload.cases.default_case(model)`. Multi-turn cases are refused.
     dtype: None = a running backend's own dtype, else the case's first dtype.
     device: where the backend runs ("cpu", "cuda"): a backend with a `device` option (reference,
-        hf) is started there; others run where their build runs, and a running backend elsewhere
-        is refused.
+        hf) is started there; others run where their build runs, and one that would run elsewhere
+        (vLLM's GPU build on a CUDA host asked for "cpu") is refused before it starts, as is a
+        running backend elsewhere. "auto" (default): where the backend runs
+        (`parity.backends.borrowed.resolve_device`).
     checks: a subset of `CHECKS`; the others are reported as skipped ("not asked for").
     batch_sizes: the batch check's sizes in sequences: 1 (each needle alone) and at least two more.
     seed: seeds the derived requests (neighbours, the shuffle, the shared prefix).
@@ -55,6 +57,7 @@ def audit(model: str | os.PathLike[str] | None, backend: str | Backend, *,
         raise ConfigError(f"checks is empty: nothing would be measured; give at least one of {list(CHECKS)} "
                           "(--checks), or leave it unset for all")
     check_batch_sizes(batch_sizes)
+    device = resolve_device(device, [backend], {str(backend): backend_options})
     _check_device(device)
     the_case = resolve_workload(model, case, None, None)
     model_arg = os.fspath(model) if model is not None else the_case.model
@@ -67,7 +70,7 @@ def audit(model: str | os.PathLike[str] | None, backend: str | Backend, *,
                              seed=check_int(seed, "seed", low=0), context=limits.max_positions)
     engine = _backend(backend, model_arg, dtype, device, backend_options)
     placed = engine.meta.get("device")
-    if placed is not None and str(placed).partition(":")[0] != device.partition(":")[0]:
+    if placed is not None and torch_device_type(placed) != torch_device_type(device):  # runs_on guessed wrong
         raise ConfigError(f"backend {engine.name!r} runs on {placed!r}, not device={device!r}: pass "
                           f"device={placed!r}, or start it on {device!r}")
     results, notes = run_checks(engine, requests, settings)
@@ -93,19 +96,11 @@ def _check_device(device: str) -> None:
 
 
 def _backend(backend: str | Backend, model: str, dtype: str, device: str, options: dict[str, Any]) -> Backend:
-    if isinstance(backend, Backend):
-        if options:
-            raise ConfigError(f"backend options {sorted(options)} only apply when backend is a name; this "
-                              "backend is already running")
-        if Path(resolve_model(model)).resolve() != Path(backend.model_path).resolve():
-            raise ConfigError(f"the running backend serves {backend.model_path}, not model {model!r}")
-        if backend.dtype != dtype:
-            raise ConfigError(f"the running backend uses dtype {backend.dtype!r} but dtype={dtype!r} was "
-                              f"asked for; leave dtype unset (it audits {backend.dtype!r}) or start a "
-                              f"backend with dtype={dtype!r}")
-        return backend
+    """The named backend started (shared) where `device` says, or the running one checked against
+    the call; a named backend that would run on another device is refused before it starts."""
     if not isinstance(backend, str):
-        raise ConfigError(f"backend must be a backend name or a parity Backend, got {type(backend).__name__}")
+        return check_borrowed(backend, model=model, dtype=dtype, device=device, options=options)
+    check_placement(backend, device, options)
     if device != "cpu" and "device" in backend_options(backend):  # reference, hf: placed there
         options = {**options, "device": device}
     return shared_backend(backend, model, dtype=dtype, **options)

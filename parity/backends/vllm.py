@@ -66,6 +66,7 @@ import numpy as np
 import torch
 
 from parity.backends.base import Backend, SampleJob, expand_samples, processed_from_raw, stop_set
+from parity.backends.vllm_env import check_batch_invariant_platform, resolve_flag, set_flag
 from parity.backends.vllm_routes import capture_engine_kwargs, start_route_capture, take_routes
 from parity.backends.vllm_weights import (
     DIGEST_EXTENSION,
@@ -137,7 +138,9 @@ class VLLMBackend(Backend):
 
     logprobs_mode: the parity mode this engine reports ("processed" or "raw").
     enable_prefix_caching: None keeps vLLM's default (on in V1); recorded in meta either way.
-    batch_invariant: sets `VLLM_BATCH_INVARIANT=1` before the engine starts.
+    batch_invariant: sets `VLLM_BATCH_INVARIANT` before the engine starts. None (default): the
+        user's exported `VLLM_BATCH_INVARIANT` (recorded in `meta["from_environment"]`), else off;
+        a value contradicting the exported variable is refused (`parity.backends.vllm_env`).
     return_routed_experts: ask vLLM for MoE routing per position (refused by vLLM's CPU runner).
     capture_routes: record MoE routes the way this build can: vLLM's own return on a GPU,
         parity's capture inside the engine's worker on the CPU build
@@ -156,7 +159,7 @@ class VLLMBackend(Backend):
 
     def __init__(self, model: str | Path, *, dtype: str = "bfloat16", logprobs_mode: str = "processed",
                  tensor_parallel_size: int = 1, enable_prefix_caching: bool | None = None,
-                 batch_invariant: bool = False, return_routed_experts: bool = False,
+                 batch_invariant: bool | None = None, return_routed_experts: bool = False,
                  capture_routes: bool = False, seed: int = 0, weight_transfer: str = "reload",
                  engine_kwargs: Mapping[str, Any] | None = None, lora: str | None = None) -> None:
         super().__init__(model, dtype=dtype)
@@ -166,7 +169,8 @@ class VLLMBackend(Backend):
         self._weights_dir: tempfile.TemporaryDirectory[str] | None = None
         self._slept = 0  # the level of the last sleep, 0 when awake
         self._ipc_pushed = False  # weights live only in the engine (no file a level-2 wake can reload)
-        os.environ["VLLM_BATCH_INVARIANT"] = "1" if batch_invariant else "0"
+        batch_invariant, from_env = resolve_flag("VLLM_BATCH_INVARIANT", batch_invariant, "vllm")
+        set_flag("VLLM_BATCH_INVARIANT", batch_invariant)
         if engine_logging() == "quiet":  # before vLLM is imported: its import already logs
             engine_kwargs.setdefault("use_tqdm_on_load", False)  # the weight-loading progress bar
         # vllm only where an engine runs: this module imports without it
@@ -175,6 +179,7 @@ class VLLMBackend(Backend):
         from vllm.platforms import current_platform
 
         on_cpu = current_platform.is_cpu()
+        check_batch_invariant_platform(batch_invariant, from_env, on_cpu=on_cpu, backend="vllm")
         check_weight_transfer(weight_transfer, on_cpu=on_cpu)
         if spec is not None:
             check_lora_platform(self.model_path, on_cpu=on_cpu)
@@ -249,6 +254,8 @@ class VLLMBackend(Backend):
             "engine_seed": seed,
             "n_expansion": "n single-sample requests with parity sample_seed(seed, i)",
         })
+        if from_env is not None:
+            self.meta["from_environment"] = {"VLLM_BATCH_INVARIANT": from_env}
 
     def _attention_backend(self) -> str:
         """The configured attention backend; "auto" means vLLM picks per platform (CPU_ATTN on CPU)."""

@@ -77,6 +77,7 @@ from parity.backends.vllm import (
     routes_for_rollout,
     translate_sampling,
 )
+from parity.backends.vllm_env import check_batch_invariant_platform, resolve_flag
 from parity.backends.vllm_settings import from_probes, from_server_info
 from parity.backends.vllm_weights import expected_digests, worker_checksums, write_weights
 from parity.core.errors import BackendError, ConfigError, UnsupportedError
@@ -201,7 +202,9 @@ class VLLMServerBackend(Backend):
         "auto" (cli where the `vllm` distribution is installed, else module).
     dev_mode: start the server with VLLM_SERVER_DEV_MODE=1 (loopback only), which exposes
         /server_info, /collective_rpc (weight updates), /reset_prefix_cache and /sleep.
-    batch_invariant: start the server with VLLM_BATCH_INVARIANT=1.
+    batch_invariant: start the server with VLLM_BATCH_INVARIANT=1. None (default): the user's
+        exported `VLLM_BATCH_INVARIANT` (recorded in `meta["from_environment"]`), else off; a value
+        contradicting it is refused (`parity.backends.vllm_env`).
     seed: the server's engine seed (`--seed`); every request carries its own seed anyway.
     concurrency, request_timeout_s, run_timeout_s, retries: see `parity.backends.http.HttpSettings`.
     start_timeout_s: how long a server parity starts may take to answer /health.
@@ -215,7 +218,7 @@ class VLLMServerBackend(Backend):
     def __init__(self, model: str | Path, *, dtype: str = "bfloat16", url: str | None = None,
                  api_key_env: str | None = None, logprobs_mode: str = "processed",
                  server_args: str | Sequence[str] = (), launcher: str = "auto", dev_mode: bool = True,
-                 batch_invariant: bool = False, seed: int = 0, concurrency: int = 64,
+                 batch_invariant: bool | None = None, seed: int = 0, concurrency: int = 64,
                  request_timeout_s: float = 600.0, run_timeout_s: float = 3600.0, retries: int = 3,
                  start_timeout_s: float = 900.0, lora: str | None = None) -> None:
         super().__init__(model, dtype=dtype)
@@ -232,6 +235,9 @@ class VLLMServerBackend(Backend):
         self._weights_dir: tempfile.TemporaryDirectory[str] | None = None
         self._slept = 0  # the level of the last sleep, 0 when awake
         if url is None:
+            batch_invariant, from_env = resolve_flag("VLLM_BATCH_INVARIANT", batch_invariant, "vllm-server")
+            check_batch_invariant_platform(batch_invariant, from_env, on_cpu=not torch.cuda.is_available(),
+                                           backend="vllm-server")
             words = split_server_args(server_args)
             self.server = self._start(words, launcher=launcher, dev_mode=dev_mode, seed=seed,
                                       batch_invariant=batch_invariant, api_key_env=api_key_env,
@@ -240,6 +246,8 @@ class VLLMServerBackend(Backend):
             url = self.server.url
             self.meta.update({"launched_by": "parity", "launcher": self._launcher,
                               "server_args": list(words)})
+            if from_env is not None:
+                self.meta["from_environment"] = {"VLLM_BATCH_INVARIANT": from_env}
         elif server_args or launcher != "auto" or batch_invariant or seed != 0:
             raise ConfigError("options server_args, launcher, batch_invariant and seed apply to a server "
                               "parity starts; leave url unset to start one")

@@ -27,7 +27,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", help="model name (see `parity models`) or a local HF "
                                         "checkpoint directory; optional with --case")
     parser.add_argument("--backend", required=True, help="backend name (see `parity backends`)")
-    parser.add_argument("--case", type=Path, help="case TOML file (default: the built-in workload)")
+    parser.add_argument("--case", type=Path,
+                        help="case TOML file or name in cases/ (default: the built-in workload)")
     parser.add_argument("--dtype", choices=DTYPES,
                         help="model dtype (default: the case's first dtype, else bfloat16)")
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",

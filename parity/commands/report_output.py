@@ -22,7 +22,9 @@ def report_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attribute", action="append", nargs="?", const="batch", metavar="AXIS",
                         help="attribute the drift to op families and layers along AXIS (batch, layout, mode, "
                              "dtype; repeatable; default batch)")
-    parser.add_argument("--device", default="cpu", help="device of the training forward (default: cpu)")
+    parser.add_argument("--device", default="auto",
+                        help="device of the training forward (default: auto = cuda when the backend runs "
+                             "there, vLLM or SGLang on a CUDA host, else cpu)")
     parser.add_argument("--gold", action=argparse.BooleanOptionalAction,
                         help="score the tokens with the float64 gold forward too and say which side is "
                              "farther from it (--no-gold: never; default: when it costs under a second or "

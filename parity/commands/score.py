@@ -17,7 +17,7 @@ from parity.core.schema import DTYPES, LOGPROBS_MODES
 from parity.core.types import SamplingParams
 from parity.runtime.frame import run_command
 from parity.scoring import FROM_DUMP, score
-from parity.workload.cases import load_case
+from parity.workload.cases import resolve_case
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -51,8 +51,8 @@ def _parser() -> argparse.ArgumentParser:
     given.add_argument("--temperature", type=float, help="sampling temperature (0 = greedy)")
     given.add_argument("--top-p", type=float, help="nucleus mass in (0, 1] (default: 1, off)")
     given.add_argument("--top-k", type=int, help="top-k (default: 0, off)")
-    given.add_argument("--case", type=Path, help="case file: each rollout takes the sampling of the case's "
-                                                 "request with its request id")
+    given.add_argument("--case", type=Path, help="case file or name in cases/: each rollout takes the "
+                                                 "sampling of the case's request with its request id")
     report_arguments(parser)
     return parser
 
@@ -70,7 +70,7 @@ def _run(args: argparse.Namespace) -> int:
         raise ConfigError("give the sampling with --temperature/--top-p/--top-k or with --case, not both")
     sampling: SamplingParams | dict[str, SamplingParams] | None = SamplingParams(**flags) if flags else None
     if args.case is not None:
-        sampling = {r.request_id: r.sampling for r in load_case(args.case).requests}
+        sampling = {r.request_id: r.sampling for r in resolve_case(args.case, what="--case").requests}
     report = score(args.source, args.model, trainer_logprobs=FROM_DUMP if args.trainer_logprobs else None,
                    backend=args.backend, sampling=sampling, logprobs_mode=args.logprobs_mode,
                    dtype=args.dtype, reference=args.reference, router_replay=args.router_replay,

@@ -1,10 +1,10 @@
 """The words every part of parity shares, spelled once: dtypes, backend names, logprob modes,
 kernel modes, router-replay modes, summary keys and sweep request ids.
 
-This module is the bottom of the package: it imports nothing but the standard library, so a
-case file can be parsed and a stored report rendered without torch. A name that more than one
-module checks or prints lives here; the modules that act on it (the engine, the adapters, the
-case loader) import it rather than repeating it.
+This module is the bottom of the package: it imports nothing but the standard library and the
+backend table beside it, so a case file can be parsed and a stored report rendered without torch.
+A name that more than one module checks or prints lives here; the modules that act on it (the
+engine, the adapters, the case loader) import it rather than repeating it.
 """
 
 from __future__ import annotations
@@ -12,14 +12,16 @@ from __future__ import annotations
 import math
 from typing import Any, Literal, get_args
 
+from parity.core.backend_table import BACKEND_TABLE
+
 #: the package version every report and nightly run records.
 VERSION = "0.1.0"
 
 #: model dtypes parity runs, by torch's attribute name (`getattr(torch, name)`).
 DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
 
-#: backend names in registry order (`parity.backends.BACKENDS` has one adapter for each).
-BACKEND_NAMES: tuple[str, ...] = ("reference", "hf", "vllm", "vllm-server", "sglang", "trtllm")
+#: backend names in the order of `parity.core.backend_table.BACKEND_TABLE`, their one spelling.
+BACKEND_NAMES: tuple[str, ...] = tuple(spec.name for spec in BACKEND_TABLE)
 #: the backend whose rollout logprobs equal the training forward's bit for bit.
 REFERENCE = "reference"
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from parity.backends import Backend
+from parity.backends.borrowed import resolve_device
 from parity.core.errors import ConfigError
 from parity.core.outputs import output_file
 from parity.core.schema import LORA_MOE_TARGETS, LORA_TARGETS
@@ -26,7 +27,7 @@ from parity.loop.config import LoopConfig
 from parity.loop.record import LoopRecord
 from parity.models import resolve_model
 from parity.models.lora import checkpoint_linear_shapes, is_moe_checkpoint
-from parity.workload.cases import Case, load_cases
+from parity.workload.cases import Case, resolve_case
 
 if TYPE_CHECKING:
     from parity.loop.task import Reward, Task
@@ -37,7 +38,7 @@ __all__ = ["LoopConfig", "LoopRecord", "loop"]
 def loop(model: str, backends: Sequence[str | Backend] = ("reference",), *, steps: int = 20,
          case: Case | str | Path | None = None, reward: Reward | None = None, train_on: str = "reference",
          lr: float = 1e-3, correction: str = "none", seed: int = 0, n: int = 4, max_tokens: int = 16,
-         temperature: float = 1.0, prompts: int = 8, dtype: str = "float32", device: str = "cpu",
+         temperature: float = 1.0, prompts: int = 8, dtype: str = "float32", device: str = "auto",
          micro_batch_size: int | None = None, weight_decay: float = 0.0, grad_clip: float | None = 1.0,
          backend_dtypes: Mapping[str, str] | None = None,
          backend_options: Mapping[str, Mapping[str, Any]] | None = None, lora_rank: int | None = None,
@@ -51,7 +52,9 @@ def loop(model: str, backends: Sequence[str | Backend] = ("reference",), *, step
     case/reward: prompts come from `case` (a Case, a case file or name; its model is not used)
     and are rewarded by `reward(rollout) -> float`; without a case, the built-in arithmetic task
     (`parity.loop.task`) on `prompts` prompts, rewarded by its exact answer check (a `reward`
-    given instead replaces its reward). The other settings are `LoopConfig`'s.
+    given instead replaces its reward). device: "auto" (default) is cuda when a backend runs there
+    (vLLM on a CUDA host: `parity.backends.borrowed.resolve_device`), else cpu. The other settings
+    are `LoopConfig`'s.
     json/html: the record, rewritten after every step, and its page with per-step charts.
     progress: called with each step's rows as they are recorded.
     lora_rank: train and push only a LoRA adapter of this rank (`parity.loop.adapter`); every
@@ -69,6 +72,7 @@ def loop(model: str, backends: Sequence[str | Backend] = ("reference",), *, step
             raise ConfigError(f"backend_dtypes[{name!r}] is {dtypes[name]!r}, but the running {name!r} "
                               f"backend given runs {engine.dtype}; drop that entry or pass a backend started "
                               f"with dtype={dtypes[name]!r}")
+    device = resolve_device(device, backends, backend_options)
     config = LoopConfig(model=model, backends=tuple(names), train_on=train_on, steps=steps, lr=lr,
                         weight_decay=weight_decay, grad_clip=grad_clip, correction=correction, seed=seed, n=n,
                         max_tokens=max_tokens, temperature=temperature, prompts=prompts, dtype=dtype,
@@ -112,10 +116,6 @@ def _task(config: LoopConfig, case: Case | str | Path | None, reward: Reward | N
         if reward is None:
             return task
         return custom_task(getattr(reward, "__name__", "reward"), task.prompts, reward)
-    if not isinstance(case, Case):
-        found = load_cases(case, flag="case (--case)")
-        if len(found) != 1:
-            raise ConfigError(f"case {case!r} names {len(found)} cases; give one")
-        case = found[0]
+    case = resolve_case(case, what="case (--case)")
     prompts = list(dict.fromkeys(r.prompt_ids for r in case.requests))
     return custom_task(f"case {case.name}", prompts, reward or arithmetic_check(config.model, prompts))

@@ -62,8 +62,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="dtype of the trainer and of each backend without --backend-dtype (default: float32)")
     p.add_argument("--backend-dtype", action="append", default=[], metavar="BACKEND=DTYPE",
                    help="a backend's own dtype, e.g. vllm=bfloat16 (repeatable)")
-    p.add_argument("--device", default="cpu",
-                   help="device of the trainer and the reference engine (default: cpu)")
+    p.add_argument("--device", default="auto",
+                   help="device of the trainer and the reference engine (default: auto = cuda when a "
+                        "backend runs there, vLLM on a CUDA host, else cpu)")
     p.add_argument("--lora-rank", type=int, metavar="R",
                    help="train only a LoRA adapter of rank R (base frozen); push only the adapter each step")
     p.add_argument("--micro-batch-size", type=int, help="sequences per differentiable forward (default: all)")

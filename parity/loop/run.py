@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from parity.backends import Backend, get_backend, lora_backends, weight_sync_missing
+from parity.backends.borrowed import check_borrowed
 from parity.core.errors import ConfigError, DivergedError
 from parity.core.outputs import write_atomic
 from parity.core.schema import VERSION
@@ -64,18 +65,19 @@ def step_requests(config: LoopConfig, task: Task, step: int) -> list[Request]:
 
 def check_backends(config: LoopConfig, engines: dict[str, Backend]) -> None:
     """Refuse, before anything starts, a backend that cannot push and verify weights, and a running
-    backend whose dtype is not the one the loop records for it (a reference engine in bfloat16
-    beside a float32 trainer is never bitwise, and the record would say float32)."""
+    backend that does not fit the loop (`check_borrowed`): another model, options given for it, a
+    dtype other than the one the loop records for it (a reference engine in bfloat16 beside a
+    float32 trainer is never bitwise, and the record would say float32), another device."""
     for name in config.backends:
         reason = type(engines[name]).weight_sync_missing() if name in engines else weight_sync_missing(name)
         if reason is not None:
             raise ConfigError(f"parity loop pushes new weights to every backend each step and verifies them; "
                               f"{reason}. Drop {name!r} from the backends")
-        if name in engines and engines[name].dtype != config.dtype_of(name):
-            raise ConfigError(f"the running {name!r} backend given runs {engines[name].dtype}, but the loop "
-                              f"runs {name!r} in {config.dtype_of(name)}; start it with "
-                              f"dtype={config.dtype_of(name)!r}, or set the loop's dtype (backend_dtypes "
-                              f"for {name!r}) to {engines[name].dtype!r}")
+        if name in engines:  # the trainer's model, the dtype recorded, the reference engine's device
+            engine = engines[name]
+            check_borrowed(engine, model=config.model, dtype=config.dtype_of(name),
+                           device=config.device if "device" in engine.option_names() else None,
+                           options=config.backend_options.get(name), role="backend given to the loop")
         if config.lora_rank is None:
             continue
         if name not in lora_backends():

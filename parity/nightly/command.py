@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reference", choices=KERNEL_MODES,
                    help="training-forward kernels (default invariant)")
     p.add_argument("--device", choices=DEVICES,
-                   help="where the reference and hf engines and the training forward run (default cpu); "
+                   help="where the reference and hf engines and the training forward run (default auto: "
+                        "cuda when a backend runs there, vLLM or SGLang on a CUDA host, else cpu); "
                         "a cuda row asks its executor for one GPU")
     p.add_argument("--gold", action=argparse.BooleanOptionalAction,
                    help="score every row's tokens with the gold forward too (--no-gold: none; default: the "
@@ -104,7 +105,7 @@ def config_from_args(args: argparse.Namespace) -> NightlyConfig:
         history=args.history, run_id=args.run_id, baseline=args.baseline,
         policy=RegressionPolicy(**{k: v for k, v in (("alpha", args.alpha), ("min_effect", args.min_effect))
                                    if v is not None}),
-        reference=args.reference or "invariant", device=args.device or "cpu", gold=args.gold,
+        reference=args.reference or "invariant", device=args.device or "auto", gold=args.gold,
         executor=args.executor, ray_address=args.ray_address, ray_cpus=args.ray_cpus,
         engine_memory_gib=args.engine_memory,
         lora=args.lora,

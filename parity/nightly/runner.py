@@ -35,6 +35,7 @@ from parity.backends import (
     prefix_cache_backends,
     route_recording_backends,
 )
+from parity.backends.borrowed import resolve_device
 from parity.core.errors import ConfigError, ParityError
 from parity.core.outputs import output_dir, output_file
 from parity.core.schema import (
@@ -58,7 +59,7 @@ from parity.workload.cases import Case, load_cases
 
 AUTO = "auto"
 EXECUTORS = ("local", "ray")
-DEVICES = ("cpu", "cuda")
+DEVICES = (AUTO, "cpu", "cuda")
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,8 @@ class NightlyConfig:
         run of each row.
     reference: training-forward kernels, "invariant" or "native" (see `parity.compare`).
     device: where the reference and hf engines and the training forward run, "cpu" or "cuda"
-        (a row on "cuda" asks its executor for one GPU).
+        (a row on "cuda" asks its executor for one GPU); "auto" (default): cuda when one of the
+        backends runs there (vLLM or SGLang on a CUDA host, `parity.backends.borrowed`), else cpu.
     executor: "local" (rows one after another in this process) or "ray" (rows on Ray actors).
     ray_address: the Ray cluster to run on ("auto", "ray://host:10001", "host:6379"); None = start
         a local one on 127.0.0.1 for this run and stop it after.
@@ -97,7 +99,7 @@ class NightlyConfig:
     baseline: str | None = None
     policy: RegressionPolicy = field(default_factory=RegressionPolicy)
     reference: str = "invariant"
-    device: str = "cpu"
+    device: str = AUTO
     executor: str = "local"
     ray_address: str | None = None
     ray_cpus: int | None = None
@@ -146,6 +148,8 @@ class NightlyConfig:
                                        ("--executor", self.executor, EXECUTORS)):
             if value not in allowed:
                 raise ConfigError(f"{option} {value!r}; allowed: {list(allowed)}")
+        if self.device == AUTO:
+            object.__setattr__(self, "device", resolve_device(AUTO, resolve_backends(self.backends)))
         if self.executor != "ray" and (self.ray_address is not None or self.ray_cpus is not None
                                        or self.engine_memory_gib is not None):
             raise ConfigError("--ray-address, --ray-cpus and --engine-memory need --executor ray")

@@ -84,6 +84,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import tomllib
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -300,6 +301,25 @@ def load_cases(spec: str | Path, *, cases_dir: str | Path = "cases", flag: str =
     if dupes:
         raise ConfigError(f"{flag}: case name(s) {dupes} appear more than once; names must be unique")
     return cases
+
+
+def resolve_case(spec: Case | str | os.PathLike[str], *, cases_dir: str | Path = "cases",
+                 what: str = "case") -> Case:
+    """The one case `spec` names: a `Case`, a case file, or a bare name in `cases_dir` (`smoke`
+    means `<cases_dir>/smoke.toml`). Every command and function that takes one case reads it here.
+    what: how the error names the argument ("--case", "case")."""
+    if isinstance(spec, Case):
+        return spec
+    if not isinstance(spec, (str, os.PathLike)):
+        raise ConfigError(f"{what} must be a Case, a case file or a case name, got {type(spec).__name__}")
+    path = Path(spec)
+    if path.is_file():
+        return load_case(path)
+    named = Path(cases_dir) / f"{path.name}.toml"
+    if path.suffix != ".toml" and len(path.parts) == 1 and named.is_file():
+        return load_case(named)
+    raise ConfigError(f"{what} {str(spec)!r} is neither a case file nor a case name in {str(cases_dir)!r}; "
+                      f"give a .toml path or one of {_case_names(cases_dir)}")
 
 
 def _case_names(cases_dir: str | Path) -> list[str]:

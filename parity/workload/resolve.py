@@ -1,6 +1,6 @@
-"""What `parity.compare` samples: a case (a `Case` or a case file), explicit prompts with one
-`SamplingParams` (each prompt its own seed, `seed + i`), or the model's default case; with
-`turns`, every prompt becomes a multi-turn trajectory."""
+"""What `parity.compare` samples: a case (a `Case`, a case file or a name in cases/), explicit
+prompts with one `SamplingParams` (each prompt its own seed, `seed + i`), or the model's default
+case; with `turns`, every prompt becomes a multi-turn trajectory."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from parity.core.schema import LOGPROBS_MODES
 from parity.core.strict import check_choice
 from parity.core.turns import Turn, check_turns
 from parity.core.types import Request, SamplingParams
-from parity.workload.cases import Case, default_case, load_case
+from parity.workload.cases import Case, default_case, resolve_case
 from parity.workload.prompts import Dataset, PromptSource, check_prompt, encode_prompts
 from parity.workload.tools import bind_tools
 
@@ -32,9 +32,7 @@ def resolve_workload(model: str | os.PathLike[str] | None, case: Case | str | os
     if case is not None:
         if sampling is not None:
             raise ConfigError("sampling applies to prompts; a case carries its own sampling parameters")
-        if isinstance(case, Case):
-            return case
-        return load_case(case)
+        return resolve_case(case)
     if model is None:
         raise ConfigError("model is required unless a case names it; "
                           "pass a built-in name or a checkpoint path")
