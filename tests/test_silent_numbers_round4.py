@@ -305,7 +305,7 @@ def test_loop_settings_that_cannot_work_are_refused_before_the_model_loads(tmp_p
     monkeypatch.setattr(loop_run, "Trainer", no_trainer)
     with pytest.raises(ConfigError, match=r"lora_rank \(--lora-rank\) 100000 exceeds the smaller dimension"):
         parity.loop(MODEL, ["reference"], steps=1, lora_rank=100000)
-    with pytest.raises(ConfigError, match=r"case \(--case\): 'nosuch' is neither"):
+    with pytest.raises(ConfigError, match=r"case \(--case\) 'nosuch' is neither"):
         parity.loop(MODEL, ["reference"], steps=1, case="nosuch")
     monkeypatch.chdir(tmp_path)  # outside the repository: no cases/ directory to list
     with pytest.raises(ConfigError, match=r"there is none at"):

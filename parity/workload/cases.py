@@ -319,7 +319,7 @@ def resolve_case(spec: Case | str | os.PathLike[str], *, cases_dir: str | Path =
     if path.suffix != ".toml" and len(path.parts) == 1 and named.is_file():
         return load_case(named)
     raise ConfigError(f"{what} {str(spec)!r} is neither a case file nor a case name in {str(cases_dir)!r}; "
-                      f"give a .toml path or one of {_case_names(cases_dir)}")
+                      f"give a .toml path or {_case_names_text(cases_dir)}")
 
 
 def _case_names(cases_dir: str | Path) -> list[str]:
