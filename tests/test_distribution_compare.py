@@ -9,6 +9,7 @@ import pytest
 from parity.compare import compare
 from parity.core.schema import DISTRIBUTION_SUMMARY_KEYS
 from parity.core.top_k import TopKError
+from parity.render import report_html
 from parity.report.document import ParityReport
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7]]
@@ -31,6 +32,8 @@ def test_reference_top_k_drift_is_exactly_zero_and_hf_is_not() -> None:
     assert worst["engine"] == worst["train"]  # both top-5s, side by side, bit for bit
     back = ParityReport.from_json(report.to_json())  # a stored report keeps the section
     assert back.summary["distribution/tv_max"] == 0.0 and back.extras["distribution"]["worst"]
+    page = report_html(back)  # the stored report's page: chart and both top-5s, decoded
+    assert "Beyond the sampled token" in page and "trainer top-5" in page
     hf = run("hf").summary  # negative control: another engine's numerics are seen
     assert hf["distribution/tv_max"] > 0.0 and hf["distribution/kl_train_engine_max"] > 0.0
 
