@@ -12,10 +12,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from parity.core.schema import DISTRIBUTION_SUMMARY_KEYS
+from parity.core.schema import DISTRIBUTION_SUMMARY_KEYS, json_safe
 from parity.core.top_k import TopKError, check_same_processing, check_top_k
 from parity.core.types import Rollout, SamplingParams
 from parity.drift.distribution import TAIL_EPS, position_drift, summarize_distribution, trainer_view
+from parity.rollouts.dumps import dump_rollouts, load_rollouts
 
 
 def log_rows(rng: np.random.Generator, n: int, vocab: int, scale: float, frac_inf: float,
@@ -203,3 +204,25 @@ def test_a_rollout_refuses_half_or_malformed_top_k() -> None:
         rollout_with_top_k(top_k_ids=np.array([[3, 3, 2], [0, 2, 1]]))
     with pytest.raises(TopKError, match="another temperature"):
         rollout_with_top_k(logprobs=(math.log(0.3), math.log(0.05)))
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "parquet"])
+def test_dumps_carry_top_k_columns_in_both_layouts(tmp_path, suffix: str) -> None:
+    ro = rollout_with_top_k(top_k_logprobs=np.array([[math.log(0.5), math.log(0.2), -math.inf],
+                                                     [math.log(0.6), math.log(0.3), math.log(0.1)]]))
+    back = load_rollouts(dump_rollouts(tmp_path / f"d.{suffix}", [ro]))[0]
+    assert np.array_equal(back.top_k_ids, ro.top_k_ids)
+    assert np.array_equal(back.top_k_logprobs, ro.top_k_logprobs)
+    # verl/NeMo-RL spellings, a dense [response, k] array per row, cut with the response's padding
+    row = {"prompts": [1, 2], "responses": [1, 5, 0],
+           "rollout_log_probs": [math.log(0.2), math.log(0.05), -1.0],
+           "attention_mask": [1, 1, 1, 1, 0], "temperature": 1.0,
+           "topk_ids": np.vstack([ro.top_k_ids, [[7, 8, 9]]]).tolist(),
+           "topk_logprobs": np.vstack([ro.top_k_logprobs, [[-1.0, -2.0, -3.0]]]).tolist()}
+    (tmp_path / "verl.jsonl").write_text(json.dumps(json_safe(row)) + "\n")
+    dense = load_rollouts(tmp_path / "verl.jsonl")[0]
+    assert np.array_equal(dense.top_k_ids, ro.top_k_ids) and dense.top_k_logprobs.shape == (2, 3)
+    with pytest.raises(TopKError, match="twice"):
+        row["topk_ids"][0] = [3, 3, 2]
+        (tmp_path / "bad.jsonl").write_text(json.dumps(json_safe(row)) + "\n")
+        load_rollouts(tmp_path / "bad.jsonl")
