@@ -16,6 +16,7 @@ from parity.core.schema import DISTRIBUTION_SUMMARY_KEYS, json_safe
 from parity.core.top_k import TopKError, check_same_processing, check_top_k
 from parity.core.types import Rollout, SamplingParams
 from parity.drift.distribution import TAIL_EPS, position_drift, summarize_distribution, trainer_view
+from parity.nightly.regression import RegressionPolicy, distribution_verdict
 from parity.rollouts.dumps import dump_rollouts, load_rollouts
 
 
@@ -226,3 +227,19 @@ def test_dumps_carry_top_k_columns_in_both_layouts(tmp_path, suffix: str) -> Non
         row["topk_ids"][0] = [3, 3, 2]
         (tmp_path / "bad.jsonl").write_text(json.dumps(json_safe(row)) + "\n")
         load_rollouts(tmp_path / "bad.jsonl")
+
+
+def test_nightly_judges_the_per_position_kl_against_the_baseline_row() -> None:
+    def report(kl: np.ndarray) -> str:
+        return json.dumps({"extras": {"distribution": {"kl_train_engine": json_safe(kl.tolist())}}})
+
+    rng = np.random.default_rng(0)
+    base = rng.exponential(1e-3, size=500)
+    policy = RegressionPolicy(alpha=0.01, min_effect=1e-4)
+    same = distribution_verdict(report(base), report(base), baseline_run="r0", policy=policy)
+    assert same["distribution/regression_change"] == "unchanged"
+    worse = distribution_verdict(report(base * 10), report(base), baseline_run="r0", policy=policy)
+    assert worse["distribution/regression_change"] == "regression"
+    assert "KL(train || engine)" in worse["distribution/regression_verdict"]
+    without = json.dumps({"extras": {}})  # a baseline from before top-k: no verdict
+    assert distribution_verdict(report(base), without, baseline_run="r0", policy=policy) == {}
