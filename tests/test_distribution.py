@@ -243,3 +243,17 @@ def test_nightly_judges_the_per_position_kl_against_the_baseline_row() -> None:
     assert "KL(train || engine)" in worse["distribution/regression_verdict"]
     without = json.dumps({"extras": {}})  # a baseline from before top-k: no verdict
     assert distribution_verdict(report(base), without, baseline_run="r0", policy=policy) == {}
+
+
+def test_vllm_steps_and_greedy_point_masses_become_top_k_rows() -> None:
+    from types import SimpleNamespace as Entry
+
+    from parity.backends.base import greedy_top_k
+    from parity.backends.vllm import top_k_of
+
+    # vLLM lists the sampled token too when it ranks below k: it is left out of the top-k
+    step = {5: Entry(rank=3, logprob=-2.5), 7: Entry(rank=1, logprob=-0.5), 2: Entry(rank=2, logprob=-1.0)}
+    assert top_k_of([step], 2) == ([[7, 2]], [[-0.5, -1.0]])
+    assert top_k_of([step], 0) is None
+    ids, logprobs = greedy_top_k([7], [[2, 7, 9]])  # parity's processed greedy: a point mass
+    assert ids == [[7, 2, 9]] and logprobs == [[0.0, -math.inf, -math.inf]]
