@@ -217,7 +217,7 @@ def _with_top_k(case: Case, k: Any, backend: str | Backend, options: dict[str, A
     limit = top_k_limit(name, options) if name in BACKENDS else type(backend).top_k_limit(options)
     if limit == 0:
         raise TopKError(f"backend {name!r} returns no top-k logprobs yet; drop top_k_logprobs or use "
-                        "reference, hf or vllm")
+                        "reference, hf, vllm or sglang")
     if limit is not None and k > limit:
         raise TopKError(f"top_k_logprobs={k} is above the {limit} logprobs per position backend {name!r} "
                         f"returns; ask for at most {limit}")

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from parity.core.errors import BackendError
 from parity.core.schema import DISTRIBUTION_SUMMARY_KEYS, json_safe
 from parity.core.top_k import TopKError, check_same_processing, check_top_k
 from parity.core.types import Rollout, SamplingParams
@@ -257,3 +258,13 @@ def test_vllm_steps_and_greedy_point_masses_become_top_k_rows() -> None:
     assert top_k_of([step], 0) is None
     ids, logprobs = greedy_top_k([7], [[2, 7, 9]])  # parity's processed greedy: a point mass
     assert ids == [[7, 2, 9]] and logprobs == [[0.0, -math.inf, -math.inf]]
+
+
+def test_sglang_output_top_logprobs_become_top_k_rows() -> None:
+    from parity.backends.sglang import parse_top_logprobs
+
+    out = {"meta_info": {"output_top_logprobs": [[(-0.5, 7, None), (-1.0, 2, None), (-2.5, 5, None)]]}}
+    assert parse_top_logprobs(out, 2) == ([[7, 2]], [[-0.5, -1.0]])
+    assert parse_top_logprobs(out, 0) is None
+    with pytest.raises(BackendError, match="top_logprobs_num"):
+        parse_top_logprobs({"meta_info": {}}, 2)
