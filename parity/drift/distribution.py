@@ -28,8 +28,10 @@ from parity.core.schema import DISTRIBUTION_PREFIX
 #: computable only then (its top-k holds all its mass).
 TAIL_EPS = 1e-6
 
-#: rows per block of `position_drift`: the temporaries of a block stay in the core's cache.
-BLOCK_ROWS = 4096
+#: rows per block of `position_drift`: a block's [rows, 20] float64 temporaries (120 KiB) stay in the
+#: core's cache and under glibc's 128 KiB mmap threshold (a larger one page-faults on every
+#: temporary: 4096 rows ran 1.6x slower).
+BLOCK_ROWS = 768
 
 
 @dataclass(frozen=True)
@@ -150,7 +152,7 @@ def _block(a: np.ndarray, b: np.ndarray, kth: np.ndarray) -> tuple[np.ndarray, .
         pq = np.einsum("ij,ij->i", p[:, 1:], d[:, 1:])
         qp = -np.einsum("ij,ij->i", q[:, 1:], d[:, 1:])
         h_q = np.where(computable, -np.einsum("ij,ij->i", q, a), np.nan)
-        member = (b >= kth).sum(axis=1)
+        member = np.count_nonzero(b >= kth, axis=1)
         count = np.full(a.shape[0], a.shape[1])
     else:
         with np.errstate(invalid="ignore"):
@@ -160,8 +162,8 @@ def _block(a: np.ndarray, b: np.ndarray, kth: np.ndarray) -> tuple[np.ndarray, .
             qp = np.where(q[:, 1:] > 0, -q[:, 1:] * d, 0.0).sum(axis=1)
             h_q = np.where(computable, -np.where(q > 0, q * a, 0.0).sum(axis=1), np.nan)
         finite = a > -np.inf
-        member = (finite & (b >= kth) & (b > -np.inf)).sum(axis=1)
-        count = finite.sum(axis=1)
+        member = np.count_nonzero(finite & (b >= kth) & (b > -np.inf), axis=1)
+        count = np.count_nonzero(finite, axis=1)
     return (np.maximum(pq + first_pq + tail_pq, 0.0), np.maximum(qp + first_qp + tail_qp, 0.0), tv,
             h_q, member, count)
 
