@@ -43,3 +43,20 @@ def test_reference_top_k_drift_is_exactly_zero_and_hf_is_not() -> None:
 def test_top_k_refusals_come_before_any_engine_starts(backend: str, k: int, message: str) -> None:
     with pytest.raises(TopKError, match=message):
         compare("tiny-llama", backend, prompts=PROMPTS, sampling=SAMPLING, top_k_logprobs=k)
+
+
+def test_k_above_the_backends_maximum_is_refused_naming_it() -> None:
+    from parity.compare import _with_top_k
+    from parity.workload.cases import default_case
+
+    class Capped:  # a running backend that returns at most 3 logprobs per position
+        name = "capped"
+
+        @classmethod
+        def top_k_limit(cls, options: dict) -> int:
+            return 3
+
+    case = default_case("tiny-llama", num_prompts=1)
+    assert _with_top_k(case, 3, Capped(), {}).requests[0].sampling.top_k_logprobs == 3  # the control
+    with pytest.raises(TopKError, match="above the 3 logprobs"):
+        _with_top_k(case, 4, Capped(), {})
