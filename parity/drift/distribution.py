@@ -40,7 +40,7 @@ class TrainerView:
 
     at_engine: float64 `[N, k]` the trainer's logprobs at the engine's top-k ids.
     top_ids, top_logprobs: the trainer's own `min(k, V)` most likely tokens `[N, min(k, V)]`, descending
-        (ties by lower id).
+        (ties in any order; `trainer_view` puts the lower id first).
     entropy: float64 `[N]` the trainer's entropy in nats.
     sampled_rank: int64 `[N]` how many tokens the trainer gives a strictly higher logprob than the
         sampled token (0: the trainer's argmax, ties share the best rank).
