@@ -9,13 +9,21 @@ definition and in the layout it records) -> report. Every argument is checked be
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from parity.assess.training_side import check_gold, report_for, router_replay_options
-from parity.backends import BACKENDS, Backend, lora_options, route_capture_options, shared_backend
+from parity.backends import (
+    BACKENDS,
+    Backend,
+    lora_options,
+    route_capture_options,
+    shared_backend,
+    top_k_limit,
+)
 from parity.backends import backend_options as backend_options_of
 from parity.backends.borrowed import check_borrowed, resolve_device
 from parity.backends.turns import generate
@@ -23,6 +31,7 @@ from parity.core.errors import ConfigError, OutputError
 from parity.core.outputs import output_file
 from parity.core.schema import KERNEL_MODES, REDUCTION_GROUPS
 from parity.core.strict import check_dtype
+from parity.core.top_k import TopKError
 from parity.core.turns import Turn
 from parity.core.types import SamplingParams
 from parity.drift.tolerance import Tolerance
@@ -56,6 +65,7 @@ def compare(
     tensor_parallel: int | None = None,
     gold: bool | None = None,
     lora: str | os.PathLike[str] | None = None,
+    top_k_logprobs: int | None = None,
     **backend_options: Any,
 ) -> ParityReport:
     """Measure train/infer logprob parity of `backend` on `model`.
@@ -118,6 +128,11 @@ def compare(
         `lora`, if any. Checked against the model before an engine starts; a backend that cannot
         apply one (`parity.backends.lora_backends`), a running backend with another adapter,
         tensor_parallel and attribute are ConfigErrors. The report's provenance records it.
+    top_k_logprobs: also ask the backend for its k most likely tokens at every response position
+        (every request's `sampling.top_k_logprobs`) and add the full-distribution drift against the
+        training forward's full row (`parity.drift.distribution`: the `distribution/` summary keys,
+        `report.extras["distribution"]`; docs/DISTRIBUTION.md). A k above what the backend returns
+        (`parity.backends.top_k_limit`) is a `TopKError` before the engine starts.
     """
     # every argument is checked before an engine starts (vLLM takes ~40 s to start on CPU)
     if reference not in KERNEL_MODES:
@@ -128,6 +143,8 @@ def compare(
     the_case = resolve_workload(model, case, prompts, sampling, turns)
     if isinstance(backend, str) and "logprobs_mode" in backend_options:
         the_case = with_logprobs_mode(the_case, backend_options["logprobs_mode"])
+    if top_k_logprobs is not None:
+        the_case = _with_top_k(the_case, top_k_logprobs, backend, backend_options)
     model_arg = os.fspath(model) if model is not None else the_case.model
     # every id against the model's vocabulary and context: an engine given a bad id dies or fails late
     names = None if prompts is None else [f"prompts[{i}]" for i in range(len(the_case.requests))]
@@ -191,6 +208,25 @@ def compare(
     if record_failure is not None:
         raise OutputError(record_failure, report=report)
     return report
+
+
+def _with_top_k(case: Case, k: Any, backend: str | Backend, options: dict[str, Any]) -> Case:
+    """`case` with every request asking for `k` top-k logprobs, refused (`TopKError`) before the
+    engine starts when k is not an integer >= 1 or above what the backend returns."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise TopKError(f"top_k_logprobs must be an integer >= 1 (how many of the most likely tokens the "
+                        f"engine returns per position), got {k!r}")
+    name = backend if isinstance(backend, str) else getattr(backend, "name", "")
+    limit = top_k_limit(name, options) if name in BACKENDS else type(backend).top_k_limit(options)
+    if limit == 0:
+        raise TopKError(f"backend {name!r} returns no top-k logprobs yet; drop top_k_logprobs or use "
+                        "reference, hf, vllm or sglang")
+    if limit is not None and k > limit:
+        raise TopKError(f"top_k_logprobs={k} is above the {limit} logprobs per position backend {name!r} "
+                        f"returns; ask for at most {limit}")
+    requests = tuple(dataclasses.replace(r, sampling=r.sampling.replace(top_k_logprobs=k))
+                     for r in case.requests)
+    return dataclasses.replace(case, requests=requests)
 
 
 def _check_lora(lora: str | os.PathLike[str] | None, model: str, tensor_parallel: int | None,

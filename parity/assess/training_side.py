@@ -15,14 +15,16 @@ from typing import Any
 import numpy as np
 
 from parity.advisor import DATA_BUGS
+from parity.assess.distribution import check_rollout_top_k, distribution_section, has_top_k, shown_ids
 from parity.assess.mismatch import sampling_findings
 from parity.assess.reporting import build_report
 from parity.core.errors import ConfigError
 from parity.core.schema import NO_REPLAY, ROUTER_SUMMARY_KEYS
 from parity.core.types import Rollout
+from parity.drift.distribution import TrainerView
 from parity.drift.routes import router_agreement
 from parity.drift.tolerance import Tolerance
-from parity.models import parameter_count, resolve_model
+from parity.models import model_limits, parameter_count, resolve_model
 from parity.report.document import ParityReport
 from parity.report.text import report_text
 
@@ -54,11 +56,15 @@ def report_for(model: str | None, rollouts: Sequence[Rollout], *, dtype: str, de
         raise ConfigError("attribute does not run with a LoRA adapter yet; drop attribute (--attribute) or "
                           "the adapter")
     start = time.perf_counter()
+    top_k = has_top_k(rollouts)
+    if top_k:  # refused before any forward: ids outside the vocabulary, mixed k
+        check_rollout_top_k(rollouts, None if model is None else model_limits(model).vocab_size)
+    views = None
     if train_logprobs is None:
-        train_logprobs = score_rollouts(model, rollouts, dtype=dtype, device=device, kernels=reference,
-                                        router_replay=router_replay,
-                                        tensor_parallel_size=tensor_parallel_size,
-                                        reduction_groups=reduction_groups, lora=lora)
+        train_logprobs, views = score_with_views(
+            model, rollouts, dtype=dtype, device=device, kernels=reference, router_replay=router_replay,
+            tensor_parallel_size=tensor_parallel_size, reduction_groups=reduction_groups, lora=lora,
+            distribution=top_k)
         computed = True
     else:
         computed = False
@@ -70,7 +76,11 @@ def report_for(model: str | None, rollouts: Sequence[Rollout], *, dtype: str, de
     extras: dict[str, Any] = {"gold": gold_how, **({DATA_BUGS: bugs} if bugs else {})}
     report = build_report(rollouts, train_logprobs, tolerance=tolerance, provenance=provenance,
                           correction=correction, gold_logprobs=gold_lp, extras=extras)
-    text = None if model is None else report_text(model, rollouts)
+    if views is not None:
+        distribution_summary, report.extras["distribution"] = distribution_section(rollouts, views)
+        report.summary.update(distribution_summary)
+    text = None if model is None else report_text(
+        model, rollouts, extra_ids=shown_ids(report.extras["distribution"]) if views is not None else ())
     if text is not None:
         report.extras["text"] = text  # decoded now, so a stored report shows text without a tokenizer
     if computed and rollouts and all(r.routed_experts is not None for r in rollouts):
@@ -132,12 +142,23 @@ def score_rollouts(model: str | os.PathLike[str], rollouts: Sequence[Rollout], *
     """Training-forward logprobs of every rollout's response tokens, float32 `[response_len]` each,
     each rollout scored under the sampling it records (mode, temperature, top-k, top-p) and with the
     LoRA adapter it records (else `lora`)."""
+    return score_with_views(model, rollouts, dtype=dtype, device=device, kernels=kernels,
+                            router_replay=router_replay, tensor_parallel_size=tensor_parallel_size,
+                            reduction_groups=reduction_groups, lora=lora)[0]
+
+
+def score_with_views(model: str | os.PathLike[str], rollouts: Sequence[Rollout], *, dtype: str, device: str,
+                     kernels: str, router_replay: str | None, tensor_parallel_size: int | None,
+                     reduction_groups: int | None, lora: str | os.PathLike[str] | None,
+                     distribution: bool = False) -> tuple[list[np.ndarray], list[TrainerView] | None]:
+    """`score_rollouts`, and with `distribution` the trainer's views against each rollout's top-k
+    (`train_forward(distribution=True)`; None without)."""
     from parity.engine import train_forward  # torch: `import parity` stays light
 
     scored = train_forward(model, list(rollouts), dtype=dtype, device=device, kernels=kernels,
                            tensor_parallel_size=tensor_parallel_size, reduction_groups=reduction_groups,
-                           lora=lora, **router_replay_options(router_replay)).logprobs
-    return [lp.detach().to("cpu").float().numpy() for lp in scored]
+                           lora=lora, distribution=distribution, **router_replay_options(router_replay))
+    return [lp.detach().to("cpu").float().numpy() for lp in scored.logprobs], scored.views
 
 
 def router_replay_options(router_replay: str | None) -> dict[str, Any]:

@@ -42,6 +42,17 @@ from parity.models.lora import LoraSpec, check_adapter
 if TYPE_CHECKING:
     import torch
 
+#: an engine's top-k per response token: (ids `[tokens][k]`, logprobs `[tokens][k]`), descending.
+TopKRows = tuple[list[list[int]], list[list[float]]]
+
+
+def greedy_top_k(token_ids: Sequence[int], ids: list[list[int]]) -> TopKRows:
+    """Top-k rows of parity's processed greedy distribution, a point mass on the sampled token: that
+    token first at 0.0, the engine's other ids after it at -inf."""
+    rows = [[token, *[t for t in row if t != token][:len(row) - 1]] for token, row in zip(token_ids, ids)]
+    return rows, [[0.0] + [float("-inf")] * (len(row) - 1) for row in rows]
+
+
 #: per-sample seeds are drawn from a 31-bit range: every backend accepts a non-negative int32.
 _SEED_RANGE = 2**31 - 1
 
@@ -299,19 +310,29 @@ class Backend(abc.ABC):
 
     def rollout(self, job: SampleJob, token_ids: Sequence[int], logprobs: Sequence[float],
                 finish: str, routed_experts: np.ndarray | None = None,
-                **extra_meta: Any) -> Rollout:
+                top_k: TopKRows | None = None, **extra_meta: Any) -> Rollout:
         """A `Rollout` for `job` stamped with this backend's name, mode, meta and the request's
-        sampling parameters (what the training forward scores it under)."""
+        sampling parameters (what the training forward scores it under); `top_k`: per token the
+        (ids, logprobs) of the engine's k most likely tokens, when the request asked for them."""
+        fields = {} if top_k is None else {"top_k_ids": np.array(top_k[0], dtype=np.int64),
+                                            "top_k_logprobs": np.array(top_k[1], dtype=np.float64)}
         return Rollout(
             request_id=job.request.request_id, sample_index=job.sample_index,
             prompt_ids=job.request.prompt_ids, token_ids=tuple(token_ids), logprobs=tuple(logprobs),
             finish_reason=finish, backend=self.name, logprobs_mode=job.sampling.logprobs_mode,
             routed_experts=routed_experts, meta={**self.meta, "sample_seed": job.seed, **extra_meta},
-            sampling=job.sampling,
+            sampling=job.sampling, **fields,
         )
 
+    @classmethod
+    def top_k_limit(cls, options: dict[str, Any]) -> int | None:
+        """The most top-k logprobs per position this backend returns when started with `options`:
+        None for no limit (the vocabulary), 0 when it cannot return them."""
+        return 0
+
     def finished(self, job: SampleJob, token_ids: Sequence[int], logprobs: Sequence[float],
-                 routed_experts: np.ndarray | None = None, **extra_meta: Any) -> Rollout:
+                 routed_experts: np.ndarray | None = None, top_k: TopKRows | None = None,
+                 **extra_meta: Any) -> Rollout:
         """The `Rollout` of one finished sample, normalized the same way for every backend.
 
         Under greedy decoding backends report raw log_softmax values even when processed ones
@@ -321,9 +342,11 @@ class Backend(abc.ABC):
         """
         if job.sampling.temperature == 0 and job.sampling.logprobs_mode == "processed":
             logprobs = greedy_processed(logprobs)
+            if top_k is not None:
+                top_k = greedy_top_k(token_ids, top_k[0])
             extra_meta["greedy_conversion"] = f"{self.name} logprobs under greedy -> point mass (0.0)"
         finish = finish_reason(token_ids, stop_set(job.sampling, self.eos_ids))
-        return self.rollout(job, token_ids, logprobs, finish, routed_experts, **extra_meta)
+        return self.rollout(job, token_ids, logprobs, finish, routed_experts, top_k, **extra_meta)
 
     def __enter__(self) -> Backend:
         return self

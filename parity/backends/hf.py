@@ -127,8 +127,17 @@ class HFBackend(Backend):
             end = next((t + 1 for t, tok in enumerate(tokens) if tok in stops), len(tokens))
             tokens = tokens[:end]
             lps = logprobs[row, torch.arange(end), generated[row, :end]].tolist()
-            rollouts.append(self.finished(job, tokens, lps))
+            top_k = None
+            if sp.top_k_logprobs:
+                k = min(sp.top_k_logprobs, logprobs.shape[-1])
+                values, ids = torch.topk(logprobs[row, :end], k, dim=-1)
+                top_k = (ids.tolist(), values.tolist())
+            rollouts.append(self.finished(job, tokens, lps, top_k=top_k))
         return rollouts
+
+    @classmethod
+    def top_k_limit(cls, options: dict[str, Any]) -> int | None:
+        return None  # the whole distribution is at hand
 
     @torch.no_grad()
     def _score(self, pairs: list[Pair], sampling: SamplingParams) -> list[torch.Tensor]:

@@ -62,6 +62,10 @@ class ReferenceBackend(Backend):
         return [dataclasses.replace(r, meta={**self.meta, **r.meta})
                 for r in self._engine.generate(list(requests))]
 
+    @classmethod
+    def top_k_limit(cls, options: dict[str, Any]) -> int | None:
+        return None  # the whole distribution is at hand
+
     def _score(self, pairs: list[Pair], sampling: SamplingParams) -> list[torch.Tensor]:
         """The training forward with this backend's dtype, device and kernels."""
         # with tensor parallelism this process holds the whole model on the CPU for input checks;

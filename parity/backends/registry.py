@@ -110,6 +110,12 @@ def weight_sync_missing(name: str) -> str | None:
     return _adapter(_spec(name)).weight_sync_missing()
 
 
+def top_k_limit(name: str, options: dict[str, Any]) -> int | None:
+    """The most top-k logprobs per position backend `name` returns with `options`
+    (`Backend.top_k_limit`: None for no limit, 0 for none); read off its adapter class."""
+    return _adapter(_spec(name)).top_k_limit(options)
+
+
 def get_backend(name: str, model: str | Path, *, dtype: str = "bfloat16", **options: Any) -> Backend:
     """Start backend `name` on `model` (built-in name or HF checkpoint directory).
 

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from parity.backends.base import Backend, SampleJob, expand_samples, stop_set
+from parity.backends.base import Backend, SampleJob, TopKRows, expand_samples, stop_set
 from parity.backends.http import Endpoint, HttpClient, HttpSettings
 from parity.core.errors import BackendError, ConfigError, InputError
 from parity.core.schema import LOGPROBS_MODES
@@ -97,6 +97,19 @@ def parse_output(out: dict[str, Any], routes_shape: tuple[int, int] | None = Non
     if info.get("routed_experts") is not None and routes_shape is not None:
         routes = decode_routes(info["routed_experts"], *routes_shape)
     return tokens, logprobs, routes
+
+
+def parse_top_logprobs(out: dict[str, Any], k: int) -> TopKRows | None:
+    """`meta_info.output_top_logprobs` (per position, (logprob, token id, text) entries, most likely
+    first; asked for with `top_logprobs_num`) -> parity's top-k rows of k entries; None for k = 0."""
+    if not k:
+        return None
+    rows = out.get("meta_info", {}).get("output_top_logprobs")
+    if rows is None:
+        raise BackendError("SGLang output has no meta_info.output_top_logprobs; send top_logprobs_num=k with "
+                           "return_logprob=true")
+    entries = [sorted(row, key=lambda e: -float(e[0]))[:k] for row in rows]
+    return [[int(e[1]) for e in row] for row in entries], [[float(e[0]) for e in row] for row in entries]
 
 
 def parse_prompt_logprobs(out: dict[str, Any], prompt_len: int) -> list[float]:
@@ -177,17 +190,24 @@ class SGLangBackend(Backend):
     def generate(self, requests: Sequence[Request]) -> list[Rollout]:
         jobs = expand_samples(requests)
         params = [translate_sampling(job, self.eos_ids, self.logprobs_mode) for job in jobs]
+        k = max((job.sampling.top_k_logprobs for job in jobs), default=0)
         outputs = self._generate_raw([list(job.request.prompt_ids) for job in jobs], params,
                                      [f"{job.request.request_id}/{job.sample_index}" for job in jobs],
-                                     return_logprob=True, return_routed_experts=self.return_routed_experts)
+                                     return_logprob=True, return_routed_experts=self.return_routed_experts,
+                                     **({"top_logprobs_num": k} if k else {}))
         rollouts = []
         for job, out in zip(jobs, outputs):
             tokens, logprobs, routes = parse_output(out, self.routes_shape)
             if routes is not None and routes.shape[0] != len(job.request.prompt_ids) + len(tokens) - 1:
                 raise BackendError(f"SGLang routed_experts has {routes.shape[0]} positions for prompt "
                                    f"{len(job.request.prompt_ids)} + tokens {len(tokens)} - 1")
-            rollouts.append(self.finished(job, tokens, logprobs, routes))
+            top_k = parse_top_logprobs(out, job.sampling.top_k_logprobs)
+            rollouts.append(self.finished(job, tokens, logprobs, routes, top_k=top_k))
         return rollouts
+
+    @classmethod
+    def top_k_limit(cls, options: dict[str, Any]) -> int | None:
+        return None  # `top_logprobs_num` has no cap below the vocabulary
 
     def _score(self, pairs: list[Pair], sampling: SamplingParams) -> list[torch.Tensor]:
         """Raw teacher-forced logprobs from `input_token_logprobs` (SGLang has no processed ones)."""

@@ -65,7 +65,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from parity.backends.base import Backend, SampleJob, expand_samples, processed_from_raw, stop_set
+from parity.backends.base import Backend, SampleJob, TopKRows, expand_samples, processed_from_raw, stop_set
 from parity.backends.vllm_env import check_batch_invariant_platform, resolve_flag, set_flag
 from parity.backends.vllm_routes import capture_engine_kwargs, start_route_capture, take_routes
 from parity.backends.vllm_weights import (
@@ -100,9 +100,10 @@ VLLM_MAX_TEMPERATURE = 2.0
 def translate_sampling(job: SampleJob, eos_ids: Sequence[int]) -> dict[str, Any]:
     """parity sampling for one sample -> keyword arguments of `vllm.SamplingParams`.
 
-    top_k: parity's 0 ("off") is also vLLM's. max_tokens keeps its name. `logprobs=0` returns
-    the sampled token's logprob only. Stop ids always include EOS explicitly, because with
-    `skip_tokenizer_init` vLLM has no tokenizer to read EOS from.
+    top_k: parity's 0 ("off") is also vLLM's. max_tokens keeps its name. `logprobs=0` returns the
+    sampled token's logprob only; `logprobs=k` (`top_k_logprobs`) adds the k most likely. Stop ids
+    always include EOS explicitly, because with `skip_tokenizer_init` vLLM has no tokenizer to read
+    EOS from.
     """
     sp = job.sampling
     if sp.temperature > VLLM_MAX_TEMPERATURE:
@@ -112,8 +113,18 @@ def translate_sampling(job: SampleJob, eos_ids: Sequence[int]) -> dict[str, Any]
         "n": 1, "temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k,
         "max_tokens": sp.max_tokens, "min_tokens": 0, "seed": job.seed,
         "stop_token_ids": list(stop_set(sp, eos_ids)), "ignore_eos": sp.ignore_eos,
-        "logprobs": 0, "detokenize": False, "skip_special_tokens": False,
+        "logprobs": sp.top_k_logprobs, "detokenize": False, "skip_special_tokens": False,
     }
+
+
+def top_k_of(steps: Sequence[dict[int, Any]], k: int) -> TopKRows | None:
+    """vLLM's per-step {token id: Logprob} dicts -> parity's top-k rows (the entries of rank <= k, by
+    rank; the sampled token is listed too when it ranks lower); None for k = 0."""
+    if not k:
+        return None
+    rows = [sorted((entry.rank, token, entry.logprob) for token, entry in step.items() if entry.rank <= k)
+            for step in steps]
+    return [[t for _, t, _ in row] for row in rows], [[lp for _, _, lp in row] for row in rows]
 
 
 def routes_for_rollout(routes: np.ndarray | None, n_prompt: int, n_tokens: int) -> np.ndarray | None:
@@ -293,12 +304,17 @@ class VLLMBackend(Backend):
             completion = out.outputs[0]
             tokens = list(completion.token_ids)
             logprobs = [step[tok].logprob for step, tok in zip(completion.logprobs, tokens)]
+            top_k = top_k_of(completion.logprobs, job.sampling.top_k_logprobs)
             raw_routes = captured.get(out.request_id) if self.capture_routes else completion.routed_experts
             routes = routes_for_rollout(raw_routes, len(job.request.prompt_ids), len(tokens))
             extra = {"vllm_finish_reason": completion.finish_reason,
                      "num_cached_tokens": out.num_cached_tokens}
-            rollouts.append(self.finished(job, tokens, logprobs, routes, **extra))
+            rollouts.append(self.finished(job, tokens, logprobs, routes, top_k=top_k, **extra))
         return rollouts
+
+    @classmethod
+    def top_k_limit(cls, options: dict[str, Any]) -> int | None:
+        return None  # parity starts the engine with max_logprobs=-1 (the vocabulary)
 
     def _score(self, pairs: list[Pair], sampling: SamplingParams) -> list[torch.Tensor]:
         """Teacher-forced response logprobs through `prompt_logprobs` (raw; converted if processed)."""

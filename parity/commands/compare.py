@@ -38,6 +38,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="tensor-parallel degree of the backend (1, 2, 4, 8); the training forward then "
                              "runs parity's TP-invariant layout with the reference backend's row-parallel K "
                              "groups (--option reduction_groups=G, default 8; the degree must divide G)")
+    parser.add_argument("--top-k-logprobs", type=int, metavar="K",
+                        help="also ask the backend for its K most likely tokens per position and report the "
+                             "full-distribution drift against the training forward (distribution/* keys; "
+                             "docs/DISTRIBUTION.md)")
     parser.add_argument("--record", type=Path, metavar="OUT",
                         help="write the run's record (requests and rollouts) to OUT, for `parity replay` "
                              "and `parity score`")
@@ -59,7 +63,8 @@ def _run(args: argparse.Namespace) -> int:
         report = compare(args.model, args.backend, case=args.case, dtype=args.dtype, reference=args.reference,
                          router_replay=args.router_replay, device=args.device,
                          attribute=tuple(args.attribute or ()), record=args.record, tensor_parallel=args.tp,
-                         gold=args.gold, lora=args.lora, **dict(map(parse_option, args.option)))
+                         gold=args.gold, lora=args.lora, top_k_logprobs=args.top_k_logprobs,
+                         **dict(map(parse_option, args.option)))
     except OutputError as e:
         if e.report is None:
             raise

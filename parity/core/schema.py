@@ -108,6 +108,19 @@ GOLD_SUMMARY_KEYS: tuple[str, ...] = (
     "gold/num_tokens",
     "gold/num_tokens_outside_support",
 )
+#: the prefix of the full-distribution drift keys (`parity.drift.distribution`): the engine's top-k
+#: against the trainer's full row at every response position; formulas in docs/DISTRIBUTION.md.
+DISTRIBUTION_PREFIX = "distribution/"
+#: summary keys of `parity.drift.distribution.summarize_distribution`, in order (present only when
+#: the rollouts carry top-k logprobs).
+DISTRIBUTION_SUMMARY_KEYS: tuple[str, ...] = tuple(DISTRIBUTION_PREFIX + name for name in (
+    "top_k", "num_positions", "num_positions_infinite_kl",
+    "kl_train_engine_mean", "kl_train_engine_max", "kl_engine_train_mean", "kl_engine_train_max",
+    "tv_mean", "tv_max", "top_k_overlap", "argmax_agreement", "entropy_train_mean", "entropy_diff_mean",
+    "frac_positions_entropy_computable", "sampled_rank_mean", "sampled_rank_max",
+    "frac_sampled_outside_train_top_k",
+))
+
 #: the gold keys pages and the advisor read by name.
 GOLD_RATIO_KEY = "gold/rollout_to_train_error_ratio"
 GOLD_RATIO_CI_KEY = "gold/rollout_to_train_error_ratio_ci95"

@@ -18,8 +18,9 @@ from typing import Any
 import numpy as np
 
 from parity.core.errors import ConfigError, InputError
-from parity.core.schema import LOGPROBS_MODES, LogprobsMode, json_float
+from parity.core.schema import LOGPROBS_MODES, LogprobsMode, json_float, json_safe
 from parity.core.strict import from_mapping
+from parity.core.top_k import TopKError, check_same_processing, check_top_k
 from parity.core.turns import Turn, check_turns, turns_from_dict
 
 
@@ -40,6 +41,9 @@ class SamplingParams:
     logprobs_mode: "processed" = log-probs of the distribution actually sampled from (after
         temperature, top-k, top-p, renormalized; what an importance ratio needs); "raw" =
         log_softmax of the unmodified logits.
+    top_k_logprobs: also return the k most likely tokens and their logprobs (in `logprobs_mode`) at
+        every response position (`Rollout.top_k_ids`), for the full-distribution drift; 0 is off.
+        Not part of the logprob definition; written to dicts only when set, so case hashes stay.
     """
 
     n: int = 1
@@ -51,6 +55,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs_mode: LogprobsMode = "processed"
+    top_k_logprobs: int = 0
 
     def __post_init__(self) -> None:
         # every field is checked for its type too: a TOML string "false" is truthy, `True` is an
@@ -77,6 +82,8 @@ class SamplingParams:
             raise ConfigError(
                 f"sampling.logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}"
             )
+        set_(self, "top_k_logprobs", check_int(self.top_k_logprobs, "sampling.top_k_logprobs", low=0,
+                                               hint="(0 = off)"))
 
     def replace(self, **changes: Any) -> SamplingParams:
         """A copy with `changes` applied (validated again)."""
@@ -85,6 +92,8 @@ class SamplingParams:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["stop_token_ids"] = list(self.stop_token_ids)
+        if not self.top_k_logprobs:
+            del d["top_k_logprobs"]
         return d
 
     @classmethod
@@ -154,6 +163,10 @@ class Rollout:
         logprobs_mode); the others are defaults. None when unknown (records written before
         rollouts carried it): such a rollout in processed mode cannot be scored until its
         parameters are given.
+    top_k_ids, top_k_logprobs: optional, both or neither: the engine's k most likely tokens at every
+        response position, int64 ids and float64 logprobs `[len(token_ids), k]` in `logprobs_mode`,
+        descending (`parity.core.top_k`; k is below k asked for only where the vocabulary is smaller).
+        Read by the full-distribution drift (`parity.drift.distribution`).
     """
 
     request_id: str
@@ -168,6 +181,8 @@ class Rollout:
     meta: dict[str, Any] = field(default_factory=dict)
     sampling: SamplingParams | None = None
     response_mask: tuple[int, ...] | None = None
+    top_k_ids: np.ndarray | None = None
+    top_k_logprobs: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -231,6 +246,23 @@ class Rollout:
                     f"rollout {self.request_id!r}/{self.sample_index}: logprobs_mode {self.logprobs_mode!r} "
                     f"but its sampling says {self.sampling.logprobs_mode!r}; they name the same quantity "
                     "and must agree")
+        self._check_top_k(where)
+
+    def _check_top_k(self, where: str) -> None:
+        """Top-k both or neither, well formed, and of the sampled logprobs' processing
+        (`parity.core.top_k`)."""
+        where = f"{where}/{self.sample_index}"
+        if (self.top_k_ids is None) != (self.top_k_logprobs is None):
+            raise TopKError(f"{where}: give top_k_ids and top_k_logprobs together, or neither")
+        if self.top_k_ids is None:
+            return
+        ids, logprobs = check_top_k(self.top_k_ids, self.top_k_logprobs, where, positions=len(self.token_ids))
+        generated = np.asarray(self.mask, dtype=bool)
+        tokens = np.asarray(self.token_ids, np.int64)
+        check_same_processing(ids[generated], logprobs[generated], tokens[generated],
+                              np.asarray(self.logprobs)[generated], where)
+        object.__setattr__(self, "top_k_ids", ids)
+        object.__setattr__(self, "top_k_logprobs", logprobs)
 
     @property
     def mask(self) -> tuple[int, ...]:
@@ -255,6 +287,9 @@ class Rollout:
             d["sampling"] = self.sampling.to_dict()
         if self.response_mask is not None:
             d["response_mask"] = list(self.response_mask)
+        if self.top_k_ids is not None:
+            d["top_k_ids"] = self.top_k_ids.tolist()
+            d["top_k_logprobs"] = json_safe(self.top_k_logprobs.tolist())
         return d
 
     @classmethod
@@ -271,7 +306,13 @@ class Rollout:
             routed_experts=d.get("routed_experts"), meta=d.get("meta", {}),
             sampling=None if sampling is None else SamplingParams.from_dict(sampling),
             response_mask=None if d.get("response_mask") is None else tuple(d["response_mask"]),
+            top_k_ids=d.get("top_k_ids"), top_k_logprobs=_json_rows(d.get("top_k_logprobs")),
         )
+
+
+def _json_rows(rows: Any) -> Any:
+    """Top-k logprob rows read from JSON (`_json_logprobs` per row)."""
+    return [_json_logprobs(row) for row in rows] if isinstance(rows, list) else rows
 
 
 def _json_logprobs(values: Any) -> Any:

@@ -274,6 +274,9 @@ class ReferenceEngine:
                     check_token_ids(turn.token_ids, self.lm, f"{where} turns[{i}]")
             check_length(len(request.prompt_ids) + request.sampling.max_tokens, self.lm,
                          where + " (prompt + max_tokens)")
+            if request.turns and request.sampling.top_k_logprobs:
+                raise ConfigError(f"{where}: top_k_logprobs does not run with multi-turn trajectories yet; "
+                                  "set it to 0 or drop the turns")
 
     def generate(self, requests: list[Request]) -> list[Rollout]:
         """Sample every request n times; one Rollout per (request, sample_index), in that order."""
@@ -335,7 +338,13 @@ class ReferenceEngine:
         keys = [None if p.temperature == 0 else (p.seed, s.sample_index, s.computed)
                 for s, p in zip(seqs, params)]
         tokens = sampler.sample(processed, keys)
-        logprobs = sampler.reported_logprobs(logits, processed, tokens, [p.logprobs_mode for p in params])
+        table = sampler.reported_table(logits, processed, [p.logprobs_mode for p in params])
+        logprobs = table.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        k = max(p.top_k_logprobs for p in params)
+        if k:
+            for seq, p, ids, values in zip(seqs, params, *sampler.top_k_rows(table, k)):
+                if p.top_k_logprobs:
+                    seq.top_k.append((ids[:p.top_k_logprobs], values[:p.top_k_logprobs]))
         # float64 holds every token id and every float32 logprob exactly: one copy carries both.
         both = torch.stack([tokens.to(torch.float64), logprobs.to(torch.float64)])
         host_tokens, host_logprobs = both.tolist()
@@ -365,7 +374,8 @@ class ReferenceEngine:
                        logprobs=tuple(seq.logprobs), finish_reason=seq.finish_reason or "length",
                        backend=self.backend, logprobs_mode=seq.request.sampling.logprobs_mode,
                        routed_experts=routes, meta=meta, sampling=seq.request.sampling,
-                       response_mask=tuple(seq.mask) if seq.request.turns else None)
+                       response_mask=tuple(seq.mask) if seq.request.turns else None,
+                       **top_k_fields(seq.top_k))
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy tensors into the model's parameters in place, by parameter name
@@ -410,6 +420,14 @@ class ReferenceEngine:
         (`EngineConfig.training`); `options` are train_forward's keyword arguments."""
         model = self.lm if self._ranks is None else self.lm.path
         return train_forward(model, sequences, self.config.training(), **options).logprobs
+
+
+def top_k_fields(rows: list[tuple[list[int], list[float]]]) -> dict[str, Any]:
+    """`Rollout` keyword arguments of per-token top-k rows (ids, logprobs); none without rows."""
+    if not rows:
+        return {}
+    return {"top_k_ids": np.array([ids for ids, _ in rows], dtype=np.int64),
+            "top_k_logprobs": np.array([values for _, values in rows], dtype=np.float64)}
 
 
 def _rank_engine(path: str, config: EngineConfig, comm: Comm) -> ReferenceEngine:

@@ -95,6 +95,14 @@ def raw_logprobs(logits: torch.Tensor) -> torch.Tensor:
     return ops.log_softmax(logits)
 
 
+def reported_table(logits: torch.Tensor, processed: torch.Tensor, modes: list[str]) -> torch.Tensor:
+    """The logprobs [N, V] of each row in that row's logprobs mode ("processed" or "raw")."""
+    if "raw" not in modes:
+        return processed
+    raw_rows = device_tensor([m == "raw" for m in modes], torch.bool, logits.device).unsqueeze(1)
+    return torch.where(raw_rows, raw_logprobs(logits), processed)
+
+
 def reported_logprobs(logits: torch.Tensor, processed: torch.Tensor, tokens: torch.Tensor,
                       modes: list[str]) -> torch.Tensor:
     """The logprob [N] of each row's token in that row's logprobs mode.
@@ -102,11 +110,15 @@ def reported_logprobs(logits: torch.Tensor, processed: torch.Tensor, tokens: tor
     logits, processed [N, V]; tokens [N] int64; modes: "processed" or "raw" (log_softmax of the
     unmodified logits) per row.
     """
-    table = processed
-    if "raw" in modes:
-        raw_rows = device_tensor([m == "raw" for m in modes], torch.bool, logits.device).unsqueeze(1)
-        table = torch.where(raw_rows, raw_logprobs(logits), processed)
-    return table.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    return reported_table(logits, processed, modes).gather(1, tokens.unsqueeze(1)).squeeze(1)
+
+
+def top_k_rows(table: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[float]]]:
+    """The k most likely ids and logprobs of each row of `table` [N, V] (descending, ties in any
+    order; min(k, V) per row) on the host: one device->host copy."""
+    values, ids = torch.topk(table, min(k, table.shape[1]), dim=-1)
+    both = torch.stack([ids.to(torch.float64), values.to(torch.float64)]).tolist()
+    return [[int(t) for t in row] for row in both[0]], both[1]
 
 
 _MASK32 = 0xFFFFFFFF

@@ -36,7 +36,9 @@ class Sequence:
 
     tokens, logprobs: the response so far (sampled, and injected with logprob 0.0); mask: 1 per
     sampled, 0 per injected token; turn: index of the current turn in `request.turns`;
-    turn_tokens: tokens sampled in that turn; routes: the experts of each step's rows of this sequence,
+    turn_tokens: tokens sampled in that turn; top_k: the (ids, logprobs) of the k most likely
+    tokens at each sampled token, when its request asks for them; routes: the experts of each
+    step's rows of this sequence,
     when the engine records them; computed: known tokens (prompt, then sampled) whose KV is in
     the cache; slot: its KV slot while running; finish_reason: "stop" or "length" once finished.
     """
@@ -46,6 +48,7 @@ class Sequence:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     routes: list[torch.Tensor] = field(default_factory=list)
+    top_k: list[tuple[list[int], list[float]]] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     turn: int = 0
     turn_tokens: int = 0

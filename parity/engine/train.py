@@ -17,11 +17,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 import torch
 
 from parity.core.errors import AdapterError, ConfigError, InputError
 from parity.core.strict import check_choice, check_dtype, replace_fields
 from parity.core.types import LOGPROBS_MODES, Pair, Rollout, as_pairs
+from parity.drift.distribution import TrainerView
 from parity.drift.routes import check_routes
 from parity.engine import forward, sampler
 from parity.engine.inputs import (
@@ -32,6 +34,7 @@ from parity.engine.inputs import (
     kernel_families,
     kernel_scope,
 )
+from parity.engine.views import device_view
 from parity.kernels.attention import KVCache
 from parity.models import routing
 from parity.models.checkpoints import check_sampled_with, resolve_model
@@ -113,7 +116,7 @@ class TrainConfig:
 
 #: train_forward's keywords that define the logprobs and carry data, beside the `TrainConfig` settings.
 DEFINITION_KEYWORDS = ("logprobs_mode", "temperature", "top_k", "top_p", "record_routes", "router_replay",
-                       "routes", "lora")
+                       "routes", "lora", "distribution")
 
 
 @dataclass(frozen=True)
@@ -124,10 +127,13 @@ class TrainResult:
     routes: with `record_routes=True`, the experts chosen at every input position but the last,
         int32 `[len(prompt) + len(response) - 1, moe_layers, top_k]` (None for a dense model);
         None when routes were not recorded.
+    views: with `distribution=True`, per sequence the trainer's full row at each response token
+        reduced against the rollout's top-k ids (`parity.drift.distribution.TrainerView`).
     """
 
     logprobs: list[torch.Tensor]
     routes: list[torch.Tensor | None] | None = None
+    views: list[TrainerView] | None = None
 
 
 def pairs_and_modes(sequences: Sequence[Any], logprobs_mode: str | None) -> tuple[list[Pair], list[str]]:
@@ -314,6 +320,7 @@ def train_forward(model: str | LoadedModel,
                   router_replay: str | routing.RouterReplay | None = None,
                   routes: Sequence[Any] | None = None,
                   lora: str | os.PathLike[str] | LoraSpec | None = None,
+                  distribution: bool = False,
                   **settings: Any) -> TrainResult:
     """Teacher-forced logprobs of each sequence's response tokens (`TrainResult.logprobs`).
 
@@ -343,6 +350,8 @@ def train_forward(model: str | LoadedModel,
     by name or path (`parity.models.lora`); a LoadedModel applies its own. Rollouts that record
     the adapter they were sampled with are scored with it (`scoring_adapter`). Not with tensor
     parallelism.
+    distribution: also reduce the trainer's full row at each response token against each Rollout's
+    engine top-k (`TrainResult.views`); every sequence must be a Rollout with `top_k_ids`.
     """
     unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(TrainConfig)})
     if unknown:  # a typo of a logprob-definition keyword lands here too: list both kinds
@@ -356,7 +365,11 @@ def train_forward(model: str | LoadedModel,
     lora = scoring_adapter(sequences, lora, model)
     check_recorded_model(sequences, model)
     options = dict(logprobs_mode=logprobs_mode, temperature=temperature, top_k=top_k, top_p=top_p,
-                   record_routes=record_routes, router_replay=router_replay, routes=routes)
+                   record_routes=record_routes, router_replay=router_replay, routes=routes,
+                   distribution=distribution)
+    if distribution and not all(isinstance(s, Rollout) and s.top_k_ids is not None for s in sequences):
+        raise InputError("train_forward(distribution=True) reads each rollout's engine top-k: every sequence "
+                         "must be a Rollout with top_k_ids (sample with top_k_logprobs > 0)")
     if lora is not None or getattr(model, "lora", None) is not None:
         check_without_tensor_parallel(tp, "tensor_parallel_size")
     if tp is not None and not (isinstance(model, LoadedModel) and model.tensor_parallel_size == tp
@@ -384,24 +397,29 @@ def train_forward(model: str | LoadedModel,
     forced = replay_routes(lm, sequences, [len(p) + len(r) for p, r in pairs], replay, routes)
     logprobs: list[torch.Tensor] = []
     recorded: list[torch.Tensor | None] = []
+    views: list[TrainerView] = []
     with torch.inference_mode(not config.grad), kernel_scope(config.kernels):
         for start in range(0, n, max(size, 1)):
             part = range(start, min(n, start + size))
             params = sampler.RowParams(tuple(float(definitions[i][0]) for i in part),
                                        tuple(definitions[i][1] for i in part),
                                        tuple(float(definitions[i][2]) for i in part))
-            lp, rt = _micro_batch(lm, [pairs[i] for i in part], [modes[i] for i in part], params,
-                                  config.layout, record_routes and lm.is_moe, replay,
-                                  None if forced is None else [forced[i] for i in part])
+            lp, rt, vw = _micro_batch(lm, [pairs[i] for i in part], [modes[i] for i in part], params,
+                                      config.layout, record_routes and lm.is_moe, replay,
+                                      None if forced is None else [forced[i] for i in part],
+                                      [sequences[i].top_k_ids for i in part] if distribution else None)
             logprobs.extend(lp)
             recorded.extend(rt if rt else [None] * len(part))
-    return TrainResult(logprobs, recorded if record_routes else None)
+            views.extend(vw)
+    return TrainResult(logprobs, recorded if record_routes else None, views if distribution else None)
 
 
 def _micro_batch(lm: LoadedModel, pairs: list[Pair], modes: list[str], params: sampler.RowParams,
                  layout: str, want_routes: bool, replay: routing.RouterReplay | None = None,
-                 forced: list[torch.Tensor] | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """One prefill of `pairs` in `layout`; per-sequence response logprobs (and routes if wanted)."""
+                 forced: list[torch.Tensor] | None = None, top_k_ids: list[np.ndarray] | None = None
+                 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[TrainerView]]:
+    """One prefill of `pairs` in `layout`; per-sequence response logprobs (and routes if wanted, and
+    the trainer's views against the engine's `top_k_ids` `[len(response), k]` if given)."""
     lengths = [len(p) + len(r) for p, r in pairs]
     b, width = len(pairs), max(lengths)
     scratch = b  # the KV slot every padding token writes to
@@ -443,12 +461,17 @@ def _micro_batch(lm: LoadedModel, pairs: list[Pair], modes: list[str], params: s
     logits = forward.logits(lm, hidden[rows])
     processed = sampler.processed_logprobs(logits, row_params)
     row_modes = [m for m, c in zip(modes, counts) for _ in range(c)]
-    picked = sampler.reported_logprobs(logits, processed, tokens.to(logits.device), row_modes)
+    table = sampler.reported_table(logits, processed, row_modes)
+    picked = table.gather(1, tokens.to(logits.device).unsqueeze(1)).squeeze(1)
     logprobs = list(picked.cpu().split(counts))
+    views = [] if top_k_ids is None else [
+        device_view(rows, torch.as_tensor(ids, dtype=torch.int64, device=rows.device),
+                    sampled.to(rows.device))
+        for rows, ids, sampled in zip(table.split(counts), top_k_ids, tokens.split(counts))]
     if not want_routes:
-        return logprobs, []
+        return logprobs, [], views
     all_routes = all_routes.cpu()
-    return logprobs, [all_routes[first[i]:first[i] + length - 1] for i, length in enumerate(lengths)]
+    return logprobs, [all_routes[first[i]:first[i] + length - 1] for i, length in enumerate(lengths)], views
 
 
 class _RankTrainer:

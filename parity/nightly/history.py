@@ -179,18 +179,19 @@ class History:
         return [self._row(r, with_report) for r in self._select("WHERE run_id = ? ORDER BY id", (run_id,),
                                                                 with_report)]
 
-    def row(self, run_id: str, key: RowKey) -> RowResult | None:
-        found = self._select("WHERE run_id = ? AND row_key = ?", (run_id, str(key)), False)
-        return self._row(found[0], False) if found else None
+    def row(self, run_id: str, key: RowKey, *, with_report: bool = False) -> RowResult | None:
+        found = self._select("WHERE run_id = ? AND row_key = ?", (run_id, str(key)), with_report)
+        return self._row(found[0], with_report) if found else None
 
-    def last_passing(self, key: RowKey, *, before_run: str) -> RowResult | None:
-        """The newest row with this key that passed, from a run created before `before_run`."""
+    def last_passing(self, key: RowKey, *, before_run: str, with_report: bool = False) -> RowResult | None:
+        """The newest row with this key that passed, from a run created before `before_run`
+        (with its report JSON when `with_report`)."""
         found = self._select(
             f"WHERE row_key = ? AND status IN ({', '.join('?' * len(PASSING))}) "
             "AND run_id IN (SELECT run_id FROM runs WHERE seq < (SELECT seq FROM runs WHERE run_id = ?)) "
             "ORDER BY (SELECT seq FROM runs WHERE runs.run_id = rows.run_id) DESC LIMIT 1",
-            (str(key), *PASSING, before_run), False)
-        return self._row(found[0], False) if found else None
+            (str(key), *PASSING, before_run), with_report)
+        return self._row(found[0], with_report) if found else None
 
     def trend(self, keys: list[RowKey], *, up_to_run: str) -> list[tuple[str, RowKey, dict[str, Any]]]:
         """(run_id, key, summary) of every non-error row with one of `keys`, from runs up to and

@@ -26,6 +26,7 @@ The backend's own noise floor (`Noise`, from an audit of the backend in the same
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
@@ -33,11 +34,15 @@ from typing import Any, Literal
 import numpy as np
 
 from parity.core.errors import ConfigError
+from parity.core.schema import DISTRIBUTION_PREFIX, json_float
 
 TEST_NAME = "one-sided Mann-Whitney U on per-token |Δlogp|"
 #: summary keys with which a row shows its backend's noise (`Noise.summary`).
 NOISE_DETERMINISTIC_KEY = "noise_deterministic"
 NOISE_MEAN_KEY = "noise_mean_abs_logprob_diff"
+#: summary keys of the regression test on the per-position KL bounds (`distribution_verdict`).
+DISTRIBUTION_CHANGE_KEY = DISTRIBUTION_PREFIX + "regression_change"
+DISTRIBUTION_VERDICT_KEY = DISTRIBUTION_PREFIX + "regression_verdict"
 Change = Literal["regression", "improved", "unchanged", "noise", "changed"]
 
 
@@ -177,6 +182,22 @@ def compare_drift(current: np.ndarray, baseline: np.ndarray, *, baseline_run: st
                    effect=effect, current_mean=cur_mean, baseline_mean=base_mean,
                    current_tokens=int(cur.size), baseline_tokens=int(base.size),
                    alpha=policy.alpha, min_effect=policy.min_effect)
+
+
+def distribution_verdict(current_report: str | None, baseline_report: str | None, *, baseline_run: str,
+                         policy: RegressionPolicy) -> dict[str, Any]:
+    """The `distribution/` verdict keys of a row whose report and baseline report (JSON) both hold a
+    full-distribution section (`parity.assess.distribution`): the same test as `compare_drift` on the
+    per-position KL(train || engine) lower bounds (nats) in place of |Δlogp|; {} otherwise."""
+    sections = [json.loads(r).get("extras", {}).get("distribution") if r else None
+                for r in (current_report, baseline_report)]
+    if not all(sections):
+        return {}
+    current, baseline = (np.asarray([json_float(v) for v in s["kl_train_engine"]], np.float64)
+                         for s in sections)
+    verdict = compare_drift(current, baseline, baseline_run=baseline_run, policy=policy)
+    return {DISTRIBUTION_CHANGE_KEY: verdict.change,
+            DISTRIBUTION_VERDICT_KEY: verdict.describe().replace("mean |Δlogp|", "mean KL(train || engine)")}
 
 
 def _clean(values: np.ndarray) -> np.ndarray:

@@ -40,6 +40,7 @@ from parity.core.errors import ConfigError, ParityError
 from parity.core.outputs import output_dir, output_file
 from parity.core.schema import (
     BASELINE_RECOMMENDATION_KEY,
+    DISTRIBUTION_SUMMARY_KEYS,
     DTYPES,
     KERNEL_MODES,
     RECOMMENDATION_KEY,
@@ -53,7 +54,7 @@ from parity.nightly.history import History, RunInfo
 from parity.nightly.lock import RunLock
 from parity.nightly.noise import AUDIT, backend_noise
 from parity.nightly.publish import publish
-from parity.nightly.regression import RegressionPolicy, compare_drift, judge_with_noise
+from parity.nightly.regression import RegressionPolicy, compare_drift, distribution_verdict, judge_with_noise
 from parity.nightly.rows import RowKey, RowResult, check_run_id, exit_code, row_status
 from parity.workload.cases import Case, load_cases
 
@@ -364,15 +365,17 @@ def judge_row(row: RowResult, case: Case, config: NightlyConfig, history: Histor
     noise = backend_noise(history.rows(row.run_id), row)
     if noise is not None:  # the row shows its noise, with or without a baseline
         row = dataclasses.replace(row, summary={**row.summary, **noise.summary()})
-    baseline = history.row(config.baseline, row.key) if config.baseline is not None \
-        else history.last_passing(row.key, before_run=row.run_id)
+    reports = DISTRIBUTION_SUMMARY_KEYS[0] in row.summary  # the KL verdict reads the baseline's section
+    baseline = history.row(config.baseline, row.key, with_report=reports) if config.baseline is not None \
+        else history.last_passing(row.key, before_run=row.run_id, with_report=reports)
     if baseline is None or baseline.status == "error":
         return row
     verdict = compare_drift(row.abs_diff, baseline.abs_diff, baseline_run=baseline.run_id,
                             policy=config.policy)
     if noise is not None:
         verdict = judge_with_noise(verdict, noise, row.abs_diff, baseline.abs_diff)
-    summary = dict(row.summary)
+    summary = {**row.summary, **distribution_verdict(row.report_json, baseline.report_json,
+                                                     baseline_run=baseline.run_id, policy=config.policy)}
     if RECOMMENDATION_KEY in baseline.summary:  # the page flags a changed recommendation
         summary[BASELINE_RECOMMENDATION_KEY] = baseline.summary[RECOMMENDATION_KEY]
     return dataclasses.replace(row, verdict=verdict, status=row_status(row.violations, verdict),

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from parity.render.advice import advice_html
 from parity.render.attribution import section_html
+from parity.render.distribution import distribution_html
 from parity.render.figures import breakdown_figure, figure_img, log_ratio_histogram
 from parity.render.gold import gold_html
 
@@ -182,7 +183,8 @@ def report_html(report: ParityReport) -> str:
     extras = "".join(
         f"<details><summary>{html.escape(name)}</summary><pre>"
         f"{html.escape(json.dumps(section, indent=2, sort_keys=True, default=str))}</pre></details>"
-        for name, section in report.extras.items() if name not in ("attribution", "text", "advice", "gold")
+        for name, section in report.extras.items()
+        if name not in ("attribution", "text", "advice", "gold", "distribution")
     )
     parts = [
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
@@ -193,6 +195,7 @@ def report_html(report: ParityReport) -> str:
         "<div><h2>Tolerance</h2>", key_value_table(report.tolerance.to_dict()), "</div></div>",
         '<h2>Plots</h2><div class="row">', *plots, "</div>",
         gold_html(report),
+        distribution_html(report),
         "<h2>Worst tokens</h2>", worst_tokens_table(report.worst_tokens(10), report.num_tokens),
         "<h2>Drift per request</h2>", request_drift_table(report.request_drift()),
         turn_drift_table(report.breakdowns),

@@ -35,14 +35,16 @@ PROMPT_TOKENS = 48
 PROMPT_CHARS = 160
 
 
-def report_text(model: str, rollouts: Sequence[Rollout]) -> dict[str, Any] | None:
-    """`extras["text"]` for a report of `rollouts` (see the module doc); None when the model
-    has no loadable tokenizer (the report then shows token ids only)."""
+def report_text(model: str, rollouts: Sequence[Rollout],
+                extra_ids: Sequence[int] = ()) -> dict[str, Any] | None:
+    """`extras["text"]` for a report of `rollouts` (see the module doc), decoding `extra_ids` too
+    (the distribution section's top-5s); None when the model has no loadable tokenizer (the report
+    then shows token ids only)."""
     try:
         tok = tokenizer(model)
     except ParityError:
         return None
-    ids = sorted({t for r in rollouts for t in r.token_ids})
+    ids = sorted({t for r in rollouts for t in r.token_ids} | {int(t) for t in extra_ids})
     tokens = dict(zip((str(i) for i in ids), tok.batch_decode([[i] for i in ids])))
     marker = user_turn_marker(tok)
     prompts: dict[str, str] = {}

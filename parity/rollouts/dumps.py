@@ -21,6 +21,11 @@ Columns (parity's spelling first, then the accepted aliases):
                       right padding unless attention_mask says otherwise
     attention_mask    over prompt + response: strips left padding of the prompt and right
                       padding of the response (verl's `prompts` are left-padded)
+    top_k_ids         topk_ids, rollout_top_k_ids                    the engine's top-k per response
+    top_k_logprobs    topk_logprobs, rollout_top_k_logprobs          position, both or neither: a list
+                      per position (ids; logprobs, descending), or a dense [response, k] array per
+                      row (a [batch, seq, k] batch written row by row); cut with the response's
+                      padding; read by the full-distribution drift (docs/DISTRIBUTION.md)
 
 Logprobs (rollout and trainer) at injected tokens mean nothing: they are read as 0.0 and never
 enter a metric.
@@ -56,6 +61,8 @@ COLUMN_ALIASES: dict[str, tuple[str, ...]] = {
     "rollout_logprobs": ("rollout_logprobs", "rollout_log_probs", "logprobs"),
     "trainer_logprobs": ("trainer_logprobs", "old_log_probs", "old_logprobs"),
     "request_id": ("request_id", "uid"),
+    "top_k_ids": ("top_k_ids", "topk_ids", "rollout_top_k_ids"),
+    "top_k_logprobs": ("top_k_logprobs", "topk_logprobs", "rollout_top_k_logprobs"),
 }
 #: the flat sampling columns; a row with any of them has sampling, the missing ones off.
 SAMPLING_COLUMNS: tuple[str, ...] = ("temperature", "top_p", "top_k")
@@ -151,6 +158,9 @@ def dump_rollouts(path: str | Path, rollouts: Sequence[Rollout],
             row["routed_experts"] = r.routed_experts.tolist()
         if r.response_mask is not None:
             row["response_mask"] = list(r.response_mask)
+        if r.top_k_ids is not None:
+            row["top_k_ids"] = r.top_k_ids.tolist()
+            row["top_k_logprobs"] = r.top_k_logprobs.tolist()
         if trainer_logprobs is not None:
             row["trainer_logprobs"] = [float(x) for x in trainer_logprobs[i]]
         rows.append(row)
@@ -207,8 +217,27 @@ def _row(row: dict[str, Any], index: int, samples: dict[str, int], backend: str,
         prompt_ids=tuple(prompt), token_ids=tuple(response), logprobs=tuple(logprobs),
         finish_reason=str(row.get("finish_reason") or "unknown"), backend=backend, logprobs_mode=mode,
         routed_experts=None if routes is None else np.asarray(routes, dtype=np.int64),
-        meta=meta, sampling=sampling, response_mask=generated)
+        meta=meta, sampling=sampling, response_mask=generated, **_top_k_columns(row, keep))
     return rollout, None if trainer is None else tuple(float(x) for x in trainer), trainer_column
+
+
+def _top_k_columns(row: dict[str, Any], keep: int) -> dict[str, Any]:
+    """`Rollout` top-k fields from the row's top-k columns, cut to the `keep` real response tokens;
+    none without the columns (checked by `Rollout`: `parity.core.top_k`)."""
+    found = {name: next((row[a] for a in COLUMN_ALIASES[name] if row.get(a) is not None), None)
+             for name in ("top_k_ids", "top_k_logprobs")}
+    if all(v is None for v in found.values()):
+        return {}
+    if any(v is None for v in found.values()):
+        raise InputError("top_k_ids and top_k_logprobs come together: the row has only one of them")
+    try:
+        ids = np.asarray([list(r) for r in _as_list(found["top_k_ids"], "top_k_ids")][:keep])
+        logprobs = [[json_float(v) for v in r] for r in _as_list(found["top_k_logprobs"], "top_k_logprobs")]
+        values = np.asarray(logprobs[:keep], dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise InputError(f"top_k_ids/top_k_logprobs must hold one list of k entries per response position "
+                         f"({exc})") from exc
+    return {"top_k_ids": ids, "top_k_logprobs": values}
 
 
 def _strip_padding(row: dict[str, Any], prompt: list[Any],

@@ -67,6 +67,7 @@ naming the file, the field and the allowed values)::
     seed = 1000                      # request i is sampled with seed + i
     stop_token_ids = []
     ignore_eos = false
+    top_k_logprobs = 0               # K > 0: the engine's top-K per position, full-distribution drift
 
     [loop]                           # loop only: a nightly row runs parity.loop with the reference
     steps = 10                       # engine and the row's backend, trained on the reference's
@@ -338,7 +339,7 @@ _TOP_KEYS = ("name", "description", "model", "dtypes", "backends", "logprobs_mod
              "kind", "prompts", "sampling", "tolerance", "turns", "prefix_caching",
              "reference_tensor_parallel_size", "loop", "lora")
 _SAMPLING_KEYS = ("label", "n", "temperature", "top_p", "top_k", "max_tokens", "seed", "stop_token_ids",
-                  "ignore_eos")
+                  "ignore_eos", "top_k_logprobs")
 
 
 def load_case(path: str | Path) -> Case:
