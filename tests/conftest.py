@@ -24,7 +24,9 @@ two workers) the modules with a `vllm` test run one after another in one worker,
 so its shared engines start once per session; every other module runs whole (its module fixtures
 once) on either worker. A `vllm` test that starts its engines only in child processes (a CLI run, a
 script, a Ray cluster) adds `@pytest.mark.own_engines`, so that its module may run beside the
-engines group.
+engines group. A test that must own its engine because it kills, interrupts, reconfigures or
+watches the processes of that engine says so with `@pytest.mark.own_engine(reason="...")` (the
+reason is required): such a test can never share an engine, nor run it in the test process.
 """
 
 import json
@@ -126,11 +128,20 @@ def _engine_modules() -> frozenset[str]:
     return frozenset(json.loads(Path(path).read_text() or "[]")) if path else frozenset()
 
 
+def _check_own_engine_reasons(items: list[pytest.Item]) -> None:
+    bare = [item.nodeid for item in items
+            if (mark := item.get_closest_marker("own_engine")) is not None and not mark.kwargs.get("reason")]
+    if bare:
+        raise pytest.UsageError(f"own_engine without a reason= (why the test needs its own engine): {bare}")
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """In an xdist worker: order the units longest first (the engines group, then modules with
-    slow tests, then the rest, each in file order) so that the workers end together, and tell the
-    controller which modules form the engines group."""
+    """Refuse an `own_engine` marker without its reason. In an xdist worker: order the units
+    longest first (the engines group, then modules with slow tests, then the rest, each in file
+    order) so that the workers end together, and tell the controller which modules form the
+    engines group."""
+    _check_own_engine_reasons(items)
     if "PYTEST_XDIST_WORKER" not in os.environ:
         return
     modules: dict[str, list[pytest.Item]] = {}

@@ -325,6 +325,7 @@ def test_cli_errors():
     assert parity_main(["attribute", "--model", "tiny-llama", "--max-sequences", "0"]) == 2
 
 
+@pytest.mark.slow
 def test_compare_attaches_attribution_to_the_report_and_its_html(tmp_path):
     """`parity compare --attribute batch` puts the section into the JSON and the HTML page."""
     from parity.cli import main as cli_main

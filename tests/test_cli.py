@@ -246,6 +246,7 @@ def test_unknown_backend_option_exits_2_naming_the_valid_ones(backend, capsys):
     assert f"backend '{backend}' has no option 'batch_sise'; its options:" in err and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_console_script_exit_code(tmp_path):
     """The installed `parity` entry point, in a fresh process (reference backend: no engine start)."""
     out = tmp_path / "r.json"

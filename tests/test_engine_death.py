@@ -167,6 +167,7 @@ def vllm_processes(pids: set[int]) -> list[str]:
 
 @pytest.mark.vllm
 @pytest.mark.own_engines
+@pytest.mark.own_engine(reason="a poisoned case kills its vLLM engine process mid-night")
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
 def test_a_poisoned_case_on_vllm_costs_one_row_not_the_night(tmp_path):

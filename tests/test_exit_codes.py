@@ -247,6 +247,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.own_engine(reason="sends a real SIGINT to a nightly process mid-row")
 def test_a_real_sigint_of_nightly_is_one_line_not_a_traceback(ws):
     root, cases = ws
     script = root / "sigint.py"

@@ -45,6 +45,7 @@ def test_compare_with_a_model_that_is_no_name_or_path(model) -> None:
         parity.compare(model, "reference")
 
 
+@pytest.mark.slow
 def test_a_closed_pipe_ends_the_command_quietly() -> None:
     """`parity models | head -1`: no BrokenPipeError traceback, the shell's SIGPIPE status. The
     child writes more than a pipe buffers, so the closed pipe is certain to be hit."""

@@ -227,6 +227,7 @@ def rollout_and_train(adapter, model, dtype, work, kernels="invariant"):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize(("adapter", "model"), CASES)
 @given(work=workloads())
+@pytest.mark.slow
 def test_rollout_equals_train_forward_bitwise_with_adapter(adapter, model, dtype, work):
     rollouts, scored = rollout_and_train(adapter, model, dtype, work)
     assert all(r.meta["lora"]["hash"] == check_adapter(adapter, model).hash for r in rollouts)

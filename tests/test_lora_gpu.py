@@ -36,6 +36,7 @@ CASES = [("tiny-llama-lora-r8", "tiny-llama"), ("tiny-qwen3-lora-r64", "tiny-qwe
 
 
 @pytest.mark.skipif(CUDA or INTERPRETED, reason="the product tests run in this process")
+@pytest.mark.slow
 def test_adapter_products_under_the_triton_interpreter_in_a_child_process() -> None:
     run_interpreted(__file__, min_passed=MIN_INTERPRETED, timeout=600)
 

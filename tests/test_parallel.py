@@ -75,6 +75,7 @@ def _long_workload() -> list[Request]:
                     sampling=SamplingParams(max_tokens=8, temperature=1.0, seed=i, n=2)) for i in range(4)]
 
 
+@pytest.mark.slow
 def test_negative_control_all_reduce_differs_across_degrees() -> None:
     """The stock row-parallel all-reduce at TP=2: its logprobs differ from TP=1's (so the test above,
     run with it, would fail)."""
@@ -88,6 +89,7 @@ def test_negative_control_all_reduce_differs_across_degrees() -> None:
     assert not _equal(stock_two, canonical)
 
 
+@pytest.mark.slow
 def test_train_forward_on_two_ranks_equals_one() -> None:
     requests = _long_workload()
     rollouts = ReferenceEngine("tiny-qwen3-moe", tensor_parallel_size=1).generate(requests)

@@ -167,6 +167,7 @@ def test_plugin_import_stays_light():
     assert result.stdout.strip() == "[]"
 
 
+@pytest.mark.slow
 def test_the_readme_s_pytest_example_runs(pytester, tmp_path):
     """The README's `parity_report` example, as written, passes under plain pytest (the default
     session backend, the reference engine) and keeps its page with --parity-report-dir."""

@@ -60,6 +60,7 @@ def run_parity(*argv: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.vllm
 @pytest.mark.own_engines
+@pytest.mark.own_engine(reason="the whole output of a fresh process and of its engine core process")
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
 def test_parity_compare_with_vllm_is_quiet_and_verbose_shows_the_lines():

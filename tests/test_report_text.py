@@ -117,6 +117,7 @@ def chat_model(tmp_path_factory):
     return str(path)
 
 
+@pytest.mark.slow
 def test_compare_stores_decoded_text_and_a_stored_report_renders_without_torch(chat_model, tmp_path):
     chat = [[{"role": "user", "content": f"Say {SCRIPT}"}], [{"role": "user", "content": "hello"}]]
     report = parity.compare(chat_model, "hf", prompts=chat, sampling={"max_tokens": 6, "n": 2},

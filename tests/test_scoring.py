@@ -113,6 +113,7 @@ def test_verl_old_log_probs_and_exit_code_1_when_the_tolerance_fails(tmp_path):
     assert code == 2  # processed rows without sampling
 
 
+@pytest.mark.slow
 def test_router_summary_of_a_moe_record_is_reproduced(tmp_path):
     record = tmp_path / "moe.jsonl"
     argv = ["compare", "--model", "tiny-qwen3-moe", "--backend", "reference", "--router-replay", "R3",

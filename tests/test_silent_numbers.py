@@ -215,6 +215,7 @@ def test_minus_inf_is_one_rule_everywhere_and_survives_records(tmp_path) -> None
     assert np.array_equal(again.train_logprobs, report.train_logprobs)
 
 
+@pytest.mark.slow
 def test_an_output_that_cannot_be_written_costs_no_other_output(tmp_path, capsys, monkeypatch) -> None:
     """The record's directory turns read-only after the checks (a full disk, a revoked mount): the
     comparison still finishes, --json and --html are written, the record's failure is named, exit 2."""
@@ -269,6 +270,7 @@ def test_compare_raises_output_error_with_the_report(tmp_path, monkeypatch) -> N
 # item 7: data bugs are not advised on ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_shifted_dump_is_a_data_bug_not_a_correction(rollouts) -> None:
     shifted = [dataclasses.replace(r, logprobs=r.logprobs[1:] + r.logprobs[-1:]) for r in rollouts]
     report = score(shifted, MODEL, dtype="float32")
@@ -280,6 +282,7 @@ def test_a_shifted_dump_is_a_data_bug_not_a_correction(rollouts) -> None:
 @pytest.mark.parametrize(
     "wrong,found", [({"temperature": 1.0}, "temperature=0.7"), ({"top_p": 0.8}, "no truncation")]
 )
+@pytest.mark.slow
 def test_a_wrong_sampling_record_is_a_data_bug_not_a_correction(rollouts, wrong, found) -> None:
     wrong_record = [dataclasses.replace(r, sampling=r.sampling.replace(**wrong)) for r in rollouts]
     report = score(wrong_record, MODEL, dtype="float32")

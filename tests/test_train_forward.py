@@ -178,6 +178,7 @@ def mixed_requests(draw):
 
 @pytest.mark.parametrize("model,dtype", [("tiny-llama", "bfloat16"), ("tiny-qwen3-moe", "float32")])
 @given(requests=mixed_requests(), micro=st.integers(1, 4), layout=st.sampled_from(LAYOUTS))
+@pytest.mark.slow
 def test_each_rollout_is_scored_under_its_own_sampling(model, dtype, requests, micro, layout):
     """Rollouts drawn with mixed temperatures, top-p and top-k, scored together with no sampling
     arguments: every logprob equals the rollout's, bit for bit."""

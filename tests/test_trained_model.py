@@ -177,6 +177,7 @@ def test_case_file_prompts_are_the_rendered_chats(tokenizer):
     assert case.tolerance_for("reference") is None and case.tolerance_for("vllm").mean_abs_logprob_diff == 0.1
 
 
+@pytest.mark.slow
 def test_reference_rollouts_equal_the_training_forward_bitwise(prompts, request):
     from parity.engine import train_forward
 
@@ -193,6 +194,7 @@ def test_reference_rollouts_equal_the_training_forward_bitwise(prompts, request)
     assert not torch.equal(torch.cat([lp.float() for lp in native]), rollout)
 
 
+@pytest.mark.slow
 def test_hf_drift_on_chat_prompts(prompts, request):
     report, _ = backend_report("hf", prompts)
     record_drift(request, report)

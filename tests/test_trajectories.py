@@ -88,6 +88,7 @@ def _rollouts_and_scores(model, dtype, kernels, work):
 
 @pytest.mark.parametrize("model,dtype", [("tiny-llama", "float32"), ("tiny-qwen3-moe", "bfloat16")])
 @given(work=trajectories())
+@pytest.mark.slow
 def test_trajectory_logprobs_equal_one_train_forward_bitwise(model, dtype, work):
     rollouts, scores = _rollouts_and_scores(model, dtype, "invariant", work)
     for rollout, trained in zip(rollouts, scores):
@@ -97,6 +98,7 @@ def test_trajectory_logprobs_equal_one_train_forward_bitwise(model, dtype, work)
 
 
 @given(work=trajectories(max_requests=3), target=st.integers(0, 2))
+@pytest.mark.slow
 def test_trajectory_alone_equals_trajectory_in_any_batch(work, target):
     requests = work["requests"]
     request = requests[target % len(requests)]

@@ -86,6 +86,7 @@ def test_which_backends_can_sync_weights():
     assert "cannot report the weights" in weight_sync_missing("sglang")
 
 
+@pytest.mark.slow
 def test_the_worker_extension_digests_as_vllm_does():
     """vLLM 0.23's GPU worker has no compute_weight_checksums; parity's worker extension stands in.
     Its digests are vLLM's own (`compute_tensor_digests`) on a real model's parameters, and a changed

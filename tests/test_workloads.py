@@ -90,6 +90,7 @@ def run(backend: str, case_file, dtype: str, tmp_path):
         engine.close()
 
 
+@pytest.mark.slow
 def test_reference_is_exact_and_its_record_scores_the_same(case_file, tmp_path):
     report = run("reference", case_file, "float32", tmp_path)  # fp32: this CPU has no bf16 units
     assert report.passed and report.summary["max_abs_logprob_diff"] == 0.0 and report.num_tokens > 0
@@ -103,6 +104,7 @@ def test_reference_is_exact_and_its_record_scores_the_same(case_file, tmp_path):
     assert parity.score(tmp_path / "reference.jsonl", gold=gold).summary == report.summary
 
 
+@pytest.mark.slow
 def test_hf_drift_on_the_dataset(case_file, tmp_path):
     report = run("hf", case_file, "bfloat16", tmp_path)
     train, rollout = report.train_logprobs[report.mask], report.rollout_logprobs[report.mask]
