@@ -399,3 +399,35 @@ def test_an_adapter_only_loop_that_blows_up_is_divergence_not_a_broken_adapter()
 
     with pytest.raises(DivergedError, match="diverged at step"):
         parity.loop(MODEL, ["reference"], steps=3, lora_rank=4, lr=1e30, reward=by_sample, **SHORT)
+
+
+# item 15: the cache variable and a Monitor store handed to advise -----------------------------------------
+
+@pytest.mark.parametrize("where", ["a file", "under a file"])
+def test_a_cache_that_cannot_be_made_names_parity_cache(tmp_path, monkeypatch, capsys, where):
+    from parity.models import resolve_model
+
+    blocker = tmp_path / "blocker"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("PARITY_CACHE", str(blocker if where == "a file" else blocker / "deeper"))
+    with pytest.raises(ConfigError, match=r"PARITY_CACHE: cannot create the checkpoint cache directory .*"
+                                          r"set PARITY_CACHE to a writable directory"):
+        resolve_model("tiny-llama")
+    assert main(["compare", "--model", "tiny-llama", "--backend", "reference"]) == 2
+    err = capsys.readouterr().err
+    assert "PARITY_CACHE" in err and "NotADirectoryError" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_advise_names_a_monitor_store_and_binary_files(tmp_path, capsys):
+    import sqlite3
+
+    store = tmp_path / "monitor.sqlite"
+    sqlite3.connect(store).execute("create table t (x)").connection.commit()
+    assert main(["advise", str(store)]) == 2
+    err = capsys.readouterr().err
+    assert "is an SQLite file" in err and "parity monitor OUT_DIR" in err and "Unicode" not in err
+    binary = tmp_path / "blob.json"
+    binary.write_bytes(b"\xff\xfe\x00garbage")
+    assert main(["advise", str(binary)]) == 2
+    err = capsys.readouterr().err
+    assert "is not UTF-8 text" in err and "Unicode" not in err

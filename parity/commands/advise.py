@@ -41,11 +41,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_command("parity", argv, _parser(), _run)
 
 
+#: the first bytes of every SQLite database file (a Monitor's store is one).
+SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
 def _run(args: argparse.Namespace) -> int:
     try:
-        text = args.report.read_text(encoding="utf-8")
+        data = args.report.read_bytes()
     except OSError as exc:
         raise InputError(f"advise: cannot read REPORT {args.report}: {exc.strerror}") from exc
+    if data.startswith(SQLITE_MAGIC):
+        raise InputError(f"advise: REPORT {args.report} is an SQLite file (a parity.Monitor store?), not a "
+                         "report JSON; for a monitored run use `parity monitor OUT_DIR` (its page and "
+                         "alerts carry the advice of its steps)")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError(f"advise: REPORT {args.report} is not UTF-8 text; give a report JSON written by "
+                         "`parity compare --json` or `parity score --json`") from exc
     report = ParityReport.from_json(text)
     advice = advise(report, bootstrap=args.bootstrap, seed=args.seed)
     print(advice.text())

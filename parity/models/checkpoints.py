@@ -30,7 +30,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from parity.core.errors import ConfigError, ModelNotFoundError
-from parity.models.trained import TRAINED_MODELS, trained_names, trained_path
+from parity.models.trained import TRAINED_MODELS, make_cache_dir, trained_names, trained_path
 
 #: bump when the generator changes, so stale caches are never reused.
 GENERATOR_VERSION = 2
@@ -258,7 +258,7 @@ def builtin_path(name: str, *, regenerate: bool = False) -> Path:
     if regenerate and path.exists():
         shutil.rmtree(path)
     if not (path / "model.safetensors").exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
+        make_cache_dir(path.parent)
         _write_checkpoint(spec, path)
     return path
 

@@ -45,6 +45,17 @@ from parity.core.errors import ConfigError, ModelNotFoundError
 CONVERTER_VERSION = 1
 
 
+def make_cache_dir(path: Path) -> None:
+    """Create `path` (a directory of the checkpoint cache, `$PARITY_CACHE/models/...`), or a ConfigError
+    naming the variable and the fix (PARITY_CACHE set to a file, or under a path that cannot be made)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"PARITY_CACHE: cannot create the checkpoint cache directory {path} "
+                          f"({exc.strerror or exc}); set PARITY_CACHE to a writable directory "
+                          "(unset: ~/.cache/parity)") from exc
+
+
 @dataclass(frozen=True)
 class PackagedModel:
     """A trained model file inside an installed Python package.
@@ -138,7 +149,7 @@ def trained_path(name: str, root: str | os.PathLike[str]) -> Path:
         raise ModelNotFoundError(
             f"model {name!r}: {source} has sha256 {digest[:16]}..., not the file of {spec.package} "
             f"{spec.version} parity converts; install that version: {spec.install_hint}")
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_cache_dir(path.parent)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
         convert_gguf(source, tmp, provenance={"name": name, "package": spec.package,
