@@ -56,6 +56,7 @@ def compare(
     turns: Sequence[Turn] = (),
     reference: str = "invariant",
     dtype: str | None = None,
+    trainer_dtype: str | None = None,
     tolerance: Tolerance | dict[str, Any] | None = None,
     router_replay: str | None = None,
     device: str = "auto",
@@ -88,10 +89,14 @@ def compare(
         Backends other than the reference engine run it turn by turn (`parity.backends.turns`);
         metrics read generated tokens only and the report adds drift by turn.
     reference: training-forward kernels, "invariant" (batch-invariant) or "native" (stock torch).
-    dtype: "bfloat16", "float16" or "float32"; None = the case's first dtype, else "bfloat16".
+    dtype: the engine's dtype, "bfloat16", "float16" or "float32"; None = the case's first dtype, else
+        "bfloat16".
+    trainer_dtype: the training forward's dtype when it differs from the engine's (verl's float32
+        trainer beside a bf16 vLLM); None = `dtype`. Provenance records both (`dtype` is the
+        trainer's, `rollout_dtype` the engine's).
     tolerance: limits for `passed`; None = the case's limits for this backend, else
-        `Tolerance.for_backend(name, dtype)` (per dtype: docs/PRECISION.md); a dict overrides fields
-        of that default.
+        `Tolerance.for_backend(name, trainer_dtype, dtype)` (the less precise dtype of the pair's
+        limits: docs/PRECISION.md); a dict overrides fields of that default.
     router_replay: MoE router replay mode of the training forward: "R3" replays the routes the
         backend recorded, "R2" the trainer's own first pass; None or "none" = off. Either mode
         starts a named backend with its route-capture option on (`route_capture_options`), so
@@ -153,9 +158,10 @@ def compare(
         the_case.requests, names=names, prefix="" if prompts is not None else f"case {the_case.name!r}: ")
     spec = _check_lora(lora if lora is not None else the_case.lora, model_arg, tensor_parallel, attribute)
     dtype = check_dtype(dtype or (the_case.dtypes[0] if the_case.dtypes else "bfloat16"))
+    train_dtype = check_dtype(trainer_dtype or dtype, "trainer_dtype")
     name = backend if isinstance(backend, str) else getattr(backend, "name", "")
     given = tolerance if tolerance is not None else the_case.tolerance_for(name)
-    limits = Tolerance.resolve(given, name, dtype)
+    limits = Tolerance.resolve(given, name, train_dtype, dtype)
     router_replay_options(router_replay)
     check_gold(gold)
     device = resolve_device(device, [backend], {str(backend): backend_options})
@@ -184,12 +190,14 @@ def compare(
                                **({} if spec is None else {"lora": spec.to_dict()})})
         except OSError as e:
             record_failure = f"record {record}: could not be written ({e.strerror or e})"
-    prov = provenance(model_arg, backend=engine.name, backend_meta=dict(engine.meta), dtype=dtype,
+    prov = provenance(model_arg, backend=engine.name, backend_meta=dict(engine.meta), dtype=train_dtype,
                       device=device, backend_device=engine.meta.get("device"), reference=reference,
                       router_replay=router_replay, seeds=[r.sampling.seed for r in the_case.requests],
                       case=the_case.name, case_hash=the_case.hash,
                       rollout_logprobs=f"sampled here by backend {engine.name!r}",
                       lora=None if spec is None else spec.to_dict())
+    if train_dtype != dtype:
+        prov["rollout_dtype"] = dtype
     train_tp: dict[str, Any] = {}
     if tensor_parallel is not None and engine.meta.get("reduction_groups") is None:
         # a backend of its own tensor parallelism (vLLM's): the training forward runs parity's
@@ -200,7 +208,7 @@ def compare(
         prov["train_tensor_parallel"] = {"tensor_parallel_size": 1,
                                          "reduction_groups": engine.meta.get("reduction_groups")
                                          or REDUCTION_GROUPS}
-    report = report_for(model_arg, rollouts, dtype=dtype, device=device, reference=reference,
+    report = report_for(model_arg, rollouts, dtype=train_dtype, device=device, reference=reference,
                         router_replay=router_replay, tolerance=limits, provenance=prov,
                         correction=correction, attribute=attribute, gold=gold,
                         elapsed=time.perf_counter() - start,

@@ -161,7 +161,9 @@ def test_the_pair_picks_the_less_precise_dtypes_limits():
     assert pair_dtype("float32", "bfloat16") == pair_dtype("bfloat16", "float32") == "bfloat16"
     assert pair_dtype("float32", "float16") == "float16" and pair_dtype("float32") == "float32"
     assert Tolerance.for_backend("vllm", "float32", "bfloat16") == Tolerance(**DEFAULTS["bfloat16"])
-    assert Tolerance.for_backend("reference", "float32", "bfloat16") == Tolerance.exact()
+    # the reference engine is exact against a training forward of its own dtype only
+    assert Tolerance.for_backend("reference", "float32", "float32") == Tolerance.exact()
+    assert Tolerance.for_backend("reference", "float32", "bfloat16") == Tolerance(**DEFAULTS["bfloat16"])
     with pytest.raises(ConfigError, match="rollout dtype"):
         pair_dtype("float32", "fp8")
 
@@ -431,3 +433,19 @@ def test_advise_names_a_monitor_store_and_binary_files(tmp_path, capsys):
     assert main(["advise", str(binary)]) == 2
     err = capsys.readouterr().err
     assert "is not UTF-8 text" in err and "Unicode" not in err
+
+
+def test_compare_takes_a_trainer_dtype_apart_from_the_engines():
+    """Item 12 for compare: a float32 trainer beside a bf16 engine is scored in float32 and judged by the
+    pair's (bf16) limits; the same engine against a bf16 trainer is the control (bit for bit, dtype kept)."""
+    import parity
+
+    mixed = parity.compare(MODEL, "reference", dtype="bfloat16", trainer_dtype="float32")
+    assert mixed.provenance["dtype"] == "float32" and mixed.provenance["rollout_dtype"] == "bfloat16"
+    # the reference engine's exactness is a claim within one dtype: a mixed pair gets bf16's limits
+    assert mixed.tolerance == Tolerance(**DEFAULTS["bfloat16"]) != Tolerance.exact()
+    assert mixed.summary["max_abs_logprob_diff"] > 0 and mixed.passed  # a bf16 engine, within bf16's limits
+    same = parity.compare(MODEL, "reference", dtype="bfloat16")
+    assert same.summary["max_abs_logprob_diff"] == 0 and "rollout_dtype" not in same.provenance
+    with pytest.raises(ConfigError, match="trainer_dtype"):
+        parity.compare(MODEL, "reference", trainer_dtype="float64")

@@ -38,6 +38,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="tensor-parallel degree of the backend (1, 2, 4, 8); the training forward then "
                              "runs parity's TP-invariant layout with the reference backend's row-parallel K "
                              "groups (--option reduction_groups=G, default 8; the degree must divide G)")
+    parser.add_argument("--trainer-dtype", choices=DTYPES,
+                        help="dtype of the training forward when it differs from the engine's --dtype (e.g. "
+                             "float32 beside a bf16 engine); the tolerance is the less precise dtype's")
     parser.add_argument("--top-k-logprobs", type=int, metavar="K",
                         help="also ask the backend for its K most likely tokens per position and report the "
                              "full-distribution drift against the training forward (distribution/* keys; "
@@ -64,6 +67,7 @@ def _run(args: argparse.Namespace) -> int:
                          router_replay=args.router_replay, device=args.device,
                          attribute=tuple(args.attribute or ()), record=args.record, tensor_parallel=args.tp,
                          gold=args.gold, lora=args.lora, top_k_logprobs=args.top_k_logprobs,
+                         trainer_dtype=args.trainer_dtype,
                          **dict(map(parse_option, args.option)))
     except OutputError as e:
         if e.report is None:

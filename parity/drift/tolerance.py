@@ -113,11 +113,13 @@ class Tolerance:
     @classmethod
     def for_backend(cls, backend: str, dtype: str = "bfloat16",
                     rollout_dtype: str | None = None) -> Tolerance:
-        """Default limits for a backend name: exact for `reference`; for the others the `DEFAULTS`
-        of the dtype pair the comparison runs in (`pair_dtype`: the training forward's `dtype` and
-        the rollouts' `rollout_dtype`, None = the same)."""
+        """Default limits for a backend name: exact for `reference` in one dtype (its claim: rollouts
+        equal to the training forward of the same dtype); otherwise the `DEFAULTS` of the dtype pair
+        the comparison runs in (`pair_dtype`: the training forward's `dtype` and the rollouts'
+        `rollout_dtype`, None = the same)."""
         pair = pair_dtype(dtype, rollout_dtype)
-        return cls.exact() if backend == REFERENCE else cls(**DEFAULTS[pair])
+        same = rollout_dtype is None or rollout_dtype == dtype
+        return cls.exact() if backend == REFERENCE and same else cls(**DEFAULTS[pair])
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], *, where: str = "tolerance") -> Tolerance:
