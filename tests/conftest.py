@@ -116,9 +116,15 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     from xdist.scheduler import LoadScopeScheduling
 
     class ModuleScheduling(LoadScopeScheduling):
+        engines: frozenset[str] | None = None
+
         def _split_scope(self, nodeid: str) -> str:
+            # read once, when the first unit is scheduled (every worker has collected by then): the
+            # scope of a test must not change between its scheduling and its completion
+            if self.engines is None:
+                self.engines = _engine_modules()
             module = _module(nodeid)
-            return ENGINES_GROUP if module in _engine_modules() else module
+            return ENGINES_GROUP if module in self.engines else module
 
     return ModuleScheduling(config, log)
 
@@ -142,7 +148,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     order) so that the workers end together, and tell the controller which modules form the
     engines group."""
     _check_own_engine_reasons(items)
-    if "PYTEST_XDIST_WORKER" not in os.environ:
+    # a real worker of this session; a child pytest a test starts inherits PYTEST_XDIST_WORKER and
+    # the groups file from its worker's environment, and must not rewrite the session's groups
+    if not hasattr(config, "workerinput"):
         return
     modules: dict[str, list[pytest.Item]] = {}
     for item in items:
