@@ -364,3 +364,14 @@ def test_the_gold_forward_merges_the_recorded_adapter(tmp_path):
     np.testing.assert_array_equal(given, adapted)
     with pytest.raises(ConfigError, match=r"contradicts the rollouts' record"):
         gold_logprobs("tiny-llama", rollouts, lora="tiny-llama-lora-r64")
+
+
+def test_a_cached_model_records_the_callers_copy_of_its_adapter(tmp_path):
+    """load_model's cache is keyed by the adapter's content; a hit gives the caller's own directory
+    (the first caller's may be gone: the RL loop writes its adapters into a temporary directory)."""
+    from parity.models.loading import load_model
+
+    first = load_model("tiny-llama", dtype="float32", lora="tiny-llama-lora-r8")
+    copy = shutil.copytree(first.lora.path, tmp_path / "copy")
+    again = load_model("tiny-llama", dtype="float32", lora=copy)
+    assert again.lora.path == copy and again.lora.hash == first.lora.hash and again.model is first.model

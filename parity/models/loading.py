@@ -263,7 +263,12 @@ def load_model(model: str | os.PathLike[str] | LoadedModel, dtype: str = "float3
     spec = _adapter(lora, path)
     key = (str(path.resolve()), dtype, str(device), None if spec is None else spec.hash)
     if key in _loaded:
-        return _loaded[key]
+        cached = _loaded[key]
+        # the key is the adapter's content: the caller's own copy of it (its path) is the one it
+        # recorded and may read again, while the first caller's directory may be gone
+        if spec is not None and cached.lora is not None and cached.lora.path != spec.path:
+            return dataclasses.replace(cached, lora=spec)
+        return cached
 
     config = AutoConfig.from_pretrained(path)
     architectures = set(getattr(config, "architectures", None) or ())
