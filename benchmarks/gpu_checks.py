@@ -94,6 +94,7 @@ def audit_section(args: argparse.Namespace, ledger: Ledger, shaped: Any) -> list
     for key in keys:
         if key in ledger.rows("audit"):
             continue
+        args.clock.check(f"audit row {key}")
         label, options = AUDIT_ROWS[key]
         model = shaped(args.state, "qwen3-1.7b", 28) if label == "q28" else label
         stored = ledger.root / f"audit-{re.sub('[^A-Za-z0-9]+', '-', key)}.json"
