@@ -104,12 +104,21 @@ def _drift_settings(moe: bool) -> list[tuple[str, dict[str, Any], str | None, st
     return rows
 
 
-def drift_section(args: argparse.Namespace, ledger: Ledger) -> list[dict[str, Any]]:
-    import parity
-    from parity.backends import get_backend
-    from parity.core.types import SamplingParams
-    from parity.workload.cases import load_case
+@dataclass(frozen=True)
+class DriftPlan:
+    """One drift row to run: `key` is "model label | setting"."""
 
+    key: str
+    label: str
+    path: str
+    setting: str
+    options: dict[str, Any]
+    replay: str | None
+    dtype: str
+
+
+def drift_plan(args: argparse.Namespace) -> list[DriftPlan]:
+    """The drift rows `--models` and `--settings` select, in order (shaped checkpoints made here)."""
     models = [("qwen3-1.7b x28", _shaped(args.state, "qwen3-1.7b", 28), False),
               (f"qwen3-30b-a3b x{args.moe_layers}", _shaped(args.state, "qwen3-30b-a3b", args.moe_layers),
                True)]
@@ -118,37 +127,70 @@ def drift_section(args: argparse.Namespace, ledger: Ledger) -> list[dict[str, An
 
         packaged_file("smollm2-135m-instruct")
         models.append(("smollm2-135m-instruct", "smollm2-135m-instruct", False))
-    except Exception as e:  # the package is optional here: said in the table
+    except Exception as e:  # the package is optional here: said in the output
         print(f"smollm2-135m-instruct not run: {e}", flush=True)
+    return [DriftPlan(f"{label} | {setting}", label, path, setting, options, replay, dtype)
+            for label, path, moe in models if label in args.models or "all" in args.models
+            for setting, options, replay, dtype in _drift_settings(moe)
+            if setting in args.settings or "all" in args.settings]
+
+
+def drift_row(args: argparse.Namespace, plan: DriftPlan) -> dict[str, Any]:
+    """One `parity.compare` of a fresh vLLM engine against the training forward, in this process."""
+    import parity
+    from parity.backends import get_backend
+    from parity.core.types import SamplingParams
+    from parity.workload.cases import load_case
+
     sampling = SamplingParams(n=4, temperature=1.0, top_p=0.95, max_tokens=args.tokens, seed=1)
     prompts = [[1, *range(100 + 7 * i, 100 + 7 * i + 32 + 4 * i)] for i in range(args.prompts)]
-    for label, path, moe in models:
-        if label not in args.models and "all" not in args.models:
+    options = dict(plan.options)
+    engine_kwargs = {**DRIFT_ENGINE, "gpu_memory_utilization": args.memory_share,
+                     **({"enforce_eager": True} if args.eager else {}), **options.pop("engine_kwargs", {})}
+    kwargs: dict[str, Any] = {"case": load_case("cases/trained-chat.toml")} \
+        if plan.path == "smollm2-135m-instruct" else {"prompts": prompts, "sampling": sampling}
+    start = time.perf_counter()
+    with get_backend("vllm", plan.path, dtype=plan.dtype, engine_kwargs=engine_kwargs, **options) as engine:
+        report = parity.compare(plan.path if "prompts" in kwargs else None, engine, dtype=plan.dtype,
+                                device="cuda", router_replay=plan.replay, **kwargs)
+    s = report.summary
+    return asdict(DriftRow(plan.label, plan.setting, s["max_abs_logprob_diff"], s["mean_abs_logprob_diff"],
+                           s["k3_kl"], int(s["num_tokens"]), s.get("router_agreement"),
+                           time.perf_counter() - start))
+
+
+def _child_row(cmd: list[str], fallback: dict[str, Any]) -> dict[str, Any]:
+    """The last JSON line a child `benchmarks.gpu_backends` printed, else `fallback` with the last
+    line of its output (the exception, for a child that raised)."""
+    done = subprocess.run([sys.executable, "-m", "benchmarks.gpu_backends", *cmd], capture_output=True,
+                          text=True)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode == 0 and lines:
+        return json.loads(lines[-1])
+    output = (done.stderr.strip() or done.stdout.strip() or f"exit code {done.returncode}").splitlines()
+    return {**fallback, "error": output[-1][:400]}
+
+
+def _kept(ledger: Ledger, section: str, key: str) -> bool:
+    """Whether `key` is kept without an error (a row that failed, e.g. for memory, runs again)."""
+    row = ledger.rows(section).get(key)
+    return row is not None and "error" not in row
+
+
+def drift_section(args: argparse.Namespace, ledger: Ledger) -> list[dict[str, Any]]:
+    """Each planned row in its own process: a vLLM engine closed in-process had not given its GPU
+    memory back when the next row's engine started (H200, 2026-12-03: 49 of 140 GiB free)."""
+    shared = ["--state", str(args.state), "--moe-layers", str(args.moe_layers),
+              "--prompts", str(args.prompts), "--tokens", str(args.tokens),
+              "--memory-share", str(args.memory_share),
+              *(["--eager"] if args.eager else [])]
+    for plan in drift_plan(args):
+        if _kept(ledger, "drift", plan.key):
             continue
-        for setting, settings, replay, dtype in _drift_settings(moe):
-            if f"{label} | {setting}" in ledger.rows("drift") or \
-                    ("all" not in args.settings and setting not in args.settings):
-                continue
-            args.clock.check(f"drift row {label} | {setting}")
-            options = dict(settings)
-            engine_kwargs = {**DRIFT_ENGINE, "gpu_memory_utilization": args.memory_share,
-                             **({"enforce_eager": True} if args.eager else {}),
-                             **options.pop("engine_kwargs", {})}
-            kwargs: dict[str, Any] = {"case": load_case("cases/trained-chat.toml")} \
-                if path == "smollm2-135m-instruct" else {"prompts": prompts, "sampling": sampling}
-            start = time.perf_counter()
-            try:
-                with get_backend("vllm", path, dtype=dtype, engine_kwargs=engine_kwargs, **options) as engine:
-                    report = parity.compare(path if "prompts" in kwargs else None, engine, dtype=dtype,
-                                            device="cuda", router_replay=replay, **kwargs)
-                s = report.summary
-                row: dict[str, Any] = asdict(DriftRow(
-                    label, setting, s["max_abs_logprob_diff"], s["mean_abs_logprob_diff"], s["k3_kl"],
-                    int(s["num_tokens"]), s.get("router_agreement"), time.perf_counter() - start))
-            except Exception as e:  # a row that fails is a row with its error, not a lost table
-                row = {"model": label, "setting": setting, "error": f"{type(e).__name__}: {e}"[:400]}
-            ledger.keep("drift", f"{label} | {setting}", row)
-            print(json.dumps(row), flush=True)
+        args.clock.check(f"drift row {plan.key}")
+        row = _child_row([*shared, "--drift-row", plan.key], {"model": plan.label, "setting": plan.setting})
+        ledger.keep("drift", plan.key, row)
+        print(json.dumps(row), flush=True)
     return list(ledger.rows("drift").values())
 
 
@@ -226,15 +268,11 @@ def throughput_section(args: argparse.Namespace, ledger: Ledger) -> list[dict[st
     runs = [(f"order 1: {side}", side) for side in args.order] + \
         [(f"order 2: {side}", side) for side in reversed(args.order)]
     for key, side in runs:
-        if key in ledger.rows("throughput"):
+        if _kept(ledger, "throughput", key):
             continue
         args.clock.check(f"throughput {key}")
-        cmd = [sys.executable, "-m", "benchmarks.gpu_backends", "--measure", side, "--model", model,
-               "--workload", ",".join(map(str, args.workload)), "--repeats", str(args.repeats)]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-        row = json.loads(lines[-1]) if done.returncode == 0 and lines else \
-            {"side": side, "error": (done.stderr or done.stdout)[-600:]}
+        row = _child_row(["--measure", side, "--model", model, "--workload",
+                          ",".join(map(str, args.workload)), "--repeats", str(args.repeats)], {"side": side})
         ledger.keep("throughput", key, {"run": key, **row})
         print(json.dumps(row), flush=True)
     return list(ledger.rows("throughput").values())
@@ -353,6 +391,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="loop: the model flags of benchmarks.loop (default: the qwen3-1024 shape, 12 layers: "
                         "190 steps took 530 s on an H200, so 200 steps fill one 10-minute call)")
     p.add_argument("--measure", choices=THROUGHPUT_SIDES, help=argparse.SUPPRESS)
+    p.add_argument("--drift-row", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     unknown = [s for s in args.sections if s not in SECTIONS] + \
@@ -399,6 +438,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.measure:
         print(json.dumps(measure(args.measure, args.model, args.workload, args.repeats)), flush=True)
+        return
+    if args.drift_row:
+        plan = {row.key: row for row in drift_plan(args)}
+        if args.drift_row not in plan:
+            raise SystemExit(f"no drift row {args.drift_row!r}; rows: {sorted(plan)}")
+        print(json.dumps(drift_row(args, plan[args.drift_row])), flush=True)
         return
     import torch
 

@@ -138,3 +138,39 @@ def test_throughput_rows_render_their_runs_spread_and_setup():
     assert args.repeats == 2 and args.settings == ["bf16", "bf16 R3"] and 299 < args.clock.left() <= 300
     with pytest.raises(SystemExit):
         parse_args(["--repeats", "0"])
+
+
+def test_each_drift_row_runs_in_its_own_process_and_a_failed_row_runs_again(tmp_path, monkeypatch):
+    import benchmarks.gpu_backends as gb
+
+    monkeypatch.setattr(gb, "_shaped", lambda state, shape, layers: f"/models/{shape}-{layers}")
+    args = parse_args(["--state", str(tmp_path / "state"), "--models", "qwen3-1.7b x28,qwen3-30b-a3b x4",
+                       "--settings", "bf16,bf16 R3"])
+    keys = [plan.key for plan in gb.drift_plan(args)]
+    assert keys == ["qwen3-1.7b x28 | bf16", "qwen3-30b-a3b x4 | bf16", "qwen3-30b-a3b x4 | bf16 R3"]
+    children = []
+
+    def child(cmd, fallback):
+        key = cmd[cmd.index("--drift-row") + 1]
+        children.append(key)
+        if key.endswith("R3") and children.count(key) == 1:  # the first try finds no GPU memory
+            return {**fallback, "error": "BackendError: vLLM would take gpu_memory_utilization=0.5"}
+        return {**fallback, "max_abs_logprob_diff": 0.1, "mean_abs_logprob_diff": 0.02, "k3_kl": 5e-4,
+                "tokens": 1536, "router_agreement": 1.0 if "R3" in key else None, "seconds": 60.0}
+
+    monkeypatch.setattr(gb, "_child_row", child)
+    ledger = Ledger(args.state)
+    gb.drift_section(args, ledger)
+    assert children == keys and "error" in ledger.rows("drift")[keys[2]]
+    gb.drift_section(args, ledger)  # the resume: only the failed row runs again
+    assert children == [*keys, keys[2]] and "error" not in ledger.rows("drift")[keys[2]]
+    assert "| qwen3-30b-a3b x4 | bf16 R3 | 0.1000 | 0.02000 | 5.00e-04 | 1536 | 1.0000 | 60 |" in \
+        markdown({"drift": gb.drift_section(args, ledger)})
+    assert children == [*keys, keys[2]]  # the control: nothing left to run
+
+
+def test_a_child_that_fails_gives_its_last_line_as_the_error():
+    from benchmarks.gpu_backends import _child_row
+
+    row = _child_row(["--repeats", "0"], {"side": "parity"})
+    assert row["side"] == "parity" and "--repeats must be at least 1" in row["error"]
