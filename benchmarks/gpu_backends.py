@@ -390,6 +390,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    default=["--shape", "qwen3-1024", "--layers", "12"],
                    help="loop: the model flags of benchmarks.loop (default: the qwen3-1024 shape, 12 layers: "
                         "190 steps took 530 s on an H200, so 200 steps fill one 10-minute call)")
+    p.add_argument("--loop-option", action="append", default=[], metavar="BACKEND.KEY=VALUE",
+                   help="loop: a backend option of benchmarks.loop, e.g. vllm.weight_transfer=ipc (vLLM's "
+                        "in-memory push by CUDA IPC instead of the per-step reload; needs Ray importable)")
     p.add_argument("--measure", choices=THROUGHPUT_SIDES, help=argparse.SUPPRESS)
     p.add_argument("--drift-row", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
