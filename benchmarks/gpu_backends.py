@@ -28,7 +28,7 @@ Sections, in this order:
   "fp8"`, `kv_cache_dtype="fp8"`) scored against the bf16 trainer; models: the Qwen3-1.7B shape (28
   layers, random weights), the Qwen3-30B-A3B shape (`--moe-layers`) and the trained SmolLM2-135M when
   its package is installed (`--models`, `--settings` pick rows). Each row is one `parity.compare`
-  with a fresh engine.
+  with a fresh engine, in a process of its own; a row kept with an error runs again next time.
 - `throughput`: output tok/s of parity's invariant engine and vLLM (batch-invariant off and on) on
   one workload (`--workload requests,prompt,output`, default 256,256,512) and the dense Qwen3-1.7B
   shape, each side in its own process (one GPU's memory each), in the order given by `--order` and
@@ -36,7 +36,8 @@ Sections, in this order:
   `--repeats` runs of the workload after its warm-up (the figure is their median, the spread is
   (max - min) / median) and reports its setup (engine start, compile, capture, warm-up) apart.
 - `loop`: the RL loop with the reference engine and vLLM (`benchmarks.loop`, `--loop-steps`,
-  `--loop-model`), its JSON and page in OUT.
+  `--loop-model`, `--loop-option vllm.weight_transfer=ipc` for vLLM's in-memory push), its JSON and
+  page in OUT.
 
 """
 
