@@ -179,8 +179,8 @@ def _kept(ledger: Ledger, section: str, key: str) -> bool:
 
 
 def drift_section(args: argparse.Namespace, ledger: Ledger) -> list[dict[str, Any]]:
-    """Each planned row in its own process: a vLLM engine closed in-process had not given its GPU
-    memory back when the next row's engine started (H200, 2026-12-03: 49 of 140 GiB free)."""
+    """Each planned row in its own process, so every row starts on an empty GPU: rows in one process
+    left 91 of 140 GiB held after the first (H200, 2026-12-03) and every later engine was refused."""
     shared = ["--state", str(args.state), "--moe-layers", str(args.moe_layers),
               "--prompts", str(args.prompts), "--tokens", str(args.tokens),
               "--memory-share", str(args.memory_share),
