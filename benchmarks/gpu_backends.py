@@ -9,8 +9,10 @@ from carried wheels, `tools/h200_vllm.sh`):
 It resumes: each section, and each row of a long one, is kept in a ledger under `--state`
 (default /tmp/parity-gpu-state, `benchmarks.gpu_ledger`) as it finishes, and a later run on the
 same machine skips what is there (`--redo` runs the named sections again), so a run cut by a
-call's time limit continues in the next call. Every run writes the results of every section done
-so far: OUT/gpu_backends.json and OUT/gpu_backends.md (the table, also printed last).
+call's time limit continues in the next call. `--deadline SECONDS` ends a run cleanly inside such a
+limit: no row or section starts once it has passed (set it to the call's limit less the longest
+row, ~90 s for an engine start). Every run writes the results of every section done so far:
+OUT/gpu_backends.json and OUT/gpu_backends.md (the table, also printed last).
 
 Sections, in this order:
 - `install`: versions, and whether vLLM's FP8 (humming) and server imports are there.
@@ -25,13 +27,17 @@ Sections, in this order:
   fp16, vLLM's batch-invariant mode off and on, R3 off and on (MoE), FP8 rollouts (`quantization=
   "fp8"`, `kv_cache_dtype="fp8"`) scored against the bf16 trainer; models: the Qwen3-1.7B shape (28
   layers, random weights), the Qwen3-30B-A3B shape (`--moe-layers`) and the trained SmolLM2-135M when
-  its package is installed. Each row is one `parity.compare` with a fresh engine.
+  its package is installed (`--models`, `--settings` pick rows). Each row is one `parity.compare`
+  with a fresh engine, in a process of its own; a row kept with an error runs again next time.
 - `throughput`: output tok/s of parity's invariant engine and vLLM (batch-invariant off and on) on
   one workload (`--workload requests,prompt,output`, default 256,256,512) and the dense Qwen3-1.7B
-  shape, each measurement in its own process (one GPU's memory each), in the order given by
-  `--order` and then in the opposite order (the host's drift shows), with the ratios.
+  shape, each side in its own process (one GPU's memory each), in the order given by `--order` and
+  then in the opposite order (the host's drift shows), with the ratios. Each process times
+  `--repeats` runs of the workload after its warm-up (the figure is their median, the spread is
+  (max - min) / median) and reports its setup (engine start, compile, capture, warm-up) apart.
 - `loop`: the RL loop with the reference engine and vLLM (`benchmarks.loop`, `--loop-steps`,
-  `--loop-model`), its JSON and page in OUT.
+  `--loop-model`, `--loop-option vllm.weight_transfer=ipc` for vLLM's in-memory push), its JSON and
+  page in OUT.
 
 """
 
@@ -56,7 +62,7 @@ from benchmarks.gpu_checks import (
     pytest_row,
     test_row_section,
 )
-from benchmarks.gpu_ledger import DEFAULT_STATE, Ledger, pending
+from benchmarks.gpu_ledger import DEFAULT_STATE, Deadline, DeadlineReached, Ledger, pending
 
 SECTIONS = ("install", "tests", "audit", "server", "fp8", "drift", "throughput", "loop")
 THROUGHPUT_SIDES = ("parity", "vllm", "vllm-bi")
@@ -99,12 +105,21 @@ def _drift_settings(moe: bool) -> list[tuple[str, dict[str, Any], str | None, st
     return rows
 
 
-def drift_section(args: argparse.Namespace, ledger: Ledger) -> list[dict[str, Any]]:
-    import parity
-    from parity.backends import get_backend
-    from parity.core.types import SamplingParams
-    from parity.workload.cases import load_case
+@dataclass(frozen=True)
+class DriftPlan:
+    """One drift row to run: `key` is "model label | setting"."""
 
+    key: str
+    label: str
+    path: str
+    setting: str
+    options: dict[str, Any]
+    replay: str | None
+    dtype: str
+
+
+def drift_plan(args: argparse.Namespace) -> list[DriftPlan]:
+    """The drift rows `--models` and `--settings` select, in order (shaped checkpoints made here)."""
     models = [("qwen3-1.7b x28", _shaped(args.state, "qwen3-1.7b", 28), False),
               (f"qwen3-30b-a3b x{args.moe_layers}", _shaped(args.state, "qwen3-30b-a3b", args.moe_layers),
                True)]
@@ -113,35 +128,70 @@ def drift_section(args: argparse.Namespace, ledger: Ledger) -> list[dict[str, An
 
         packaged_file("smollm2-135m-instruct")
         models.append(("smollm2-135m-instruct", "smollm2-135m-instruct", False))
-    except Exception as e:  # the package is optional here: said in the table
+    except Exception as e:  # the package is optional here: said in the output
         print(f"smollm2-135m-instruct not run: {e}", flush=True)
+    return [DriftPlan(f"{label} | {setting}", label, path, setting, options, replay, dtype)
+            for label, path, moe in models if label in args.models or "all" in args.models
+            for setting, options, replay, dtype in _drift_settings(moe)
+            if setting in args.settings or "all" in args.settings]
+
+
+def drift_row(args: argparse.Namespace, plan: DriftPlan) -> dict[str, Any]:
+    """One `parity.compare` of a fresh vLLM engine against the training forward, in this process."""
+    import parity
+    from parity.backends import get_backend
+    from parity.core.types import SamplingParams
+    from parity.workload.cases import load_case
+
     sampling = SamplingParams(n=4, temperature=1.0, top_p=0.95, max_tokens=args.tokens, seed=1)
     prompts = [[1, *range(100 + 7 * i, 100 + 7 * i + 32 + 4 * i)] for i in range(args.prompts)]
-    for label, path, moe in models:
-        if label not in args.models and "all" not in args.models:
+    options = dict(plan.options)
+    engine_kwargs = {**DRIFT_ENGINE, "gpu_memory_utilization": args.memory_share,
+                     **({"enforce_eager": True} if args.eager else {}), **options.pop("engine_kwargs", {})}
+    kwargs: dict[str, Any] = {"case": load_case("cases/trained-chat.toml")} \
+        if plan.path == "smollm2-135m-instruct" else {"prompts": prompts, "sampling": sampling}
+    start = time.perf_counter()
+    with get_backend("vllm", plan.path, dtype=plan.dtype, engine_kwargs=engine_kwargs, **options) as engine:
+        report = parity.compare(plan.path if "prompts" in kwargs else None, engine, dtype=plan.dtype,
+                                device="cuda", router_replay=plan.replay, **kwargs)
+    s = report.summary
+    return asdict(DriftRow(plan.label, plan.setting, s["max_abs_logprob_diff"], s["mean_abs_logprob_diff"],
+                           s["k3_kl"], int(s["num_tokens"]), s.get("router_agreement"),
+                           time.perf_counter() - start))
+
+
+def _child_row(cmd: list[str], fallback: dict[str, Any]) -> dict[str, Any]:
+    """The last JSON line a child `benchmarks.gpu_backends` printed, else `fallback` with the last
+    line of its output (the exception, for a child that raised)."""
+    done = subprocess.run([sys.executable, "-m", "benchmarks.gpu_backends", *cmd], capture_output=True,
+                          text=True)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode == 0 and lines:
+        return json.loads(lines[-1])
+    output = (done.stderr.strip() or done.stdout.strip() or f"exit code {done.returncode}").splitlines()
+    return {**fallback, "error": output[-1][:400]}
+
+
+def _kept(ledger: Ledger, section: str, key: str) -> bool:
+    """Whether `key` is kept without an error (a row that failed, e.g. for memory, runs again)."""
+    row = ledger.rows(section).get(key)
+    return row is not None and "error" not in row
+
+
+def drift_section(args: argparse.Namespace, ledger: Ledger) -> list[dict[str, Any]]:
+    """Each planned row in its own process, so every row starts on an empty GPU: rows in one process
+    left 91 of 140 GiB held after the first (H200, 2026-12-03) and every later engine was refused."""
+    shared = ["--state", str(args.state), "--moe-layers", str(args.moe_layers),
+              "--prompts", str(args.prompts), "--tokens", str(args.tokens),
+              "--memory-share", str(args.memory_share),
+              *(["--eager"] if args.eager else [])]
+    for plan in drift_plan(args):
+        if _kept(ledger, "drift", plan.key):
             continue
-        for setting, settings, replay, dtype in _drift_settings(moe):
-            if f"{label} | {setting}" in ledger.rows("drift"):
-                continue
-            options = dict(settings)
-            engine_kwargs = {**DRIFT_ENGINE, "gpu_memory_utilization": args.memory_share,
-                             **({"enforce_eager": True} if args.eager else {}),
-                             **options.pop("engine_kwargs", {})}
-            kwargs: dict[str, Any] = {"case": load_case("cases/trained-chat.toml")} \
-                if path == "smollm2-135m-instruct" else {"prompts": prompts, "sampling": sampling}
-            start = time.perf_counter()
-            try:
-                with get_backend("vllm", path, dtype=dtype, engine_kwargs=engine_kwargs, **options) as engine:
-                    report = parity.compare(path if "prompts" in kwargs else None, engine, dtype=dtype,
-                                            device="cuda", router_replay=replay, **kwargs)
-                s = report.summary
-                row: dict[str, Any] = asdict(DriftRow(
-                    label, setting, s["max_abs_logprob_diff"], s["mean_abs_logprob_diff"], s["k3_kl"],
-                    int(s["num_tokens"]), s.get("router_agreement"), time.perf_counter() - start))
-            except Exception as e:  # a row that fails is a row with its error, not a lost table
-                row = {"model": label, "setting": setting, "error": f"{type(e).__name__}: {e}"[:400]}
-            ledger.keep("drift", f"{label} | {setting}", row)
-            print(json.dumps(row), flush=True)
+        args.clock.check(f"drift row {plan.key}")
+        row = _child_row([*shared, "--drift-row", plan.key], {"model": plan.label, "setting": plan.setting})
+        ledger.keep("drift", plan.key, row)
+        print(json.dumps(row), flush=True)
     return list(ledger.rows("drift").values())
 
 
@@ -152,13 +202,17 @@ def tests_section(args: argparse.Namespace, ledger: Ledger) -> dict[str, Any]:
              **dict.fromkeys(args.tests)}
     for name, selection in files.items():
         if name not in ledger.rows("tests"):
+            args.clock.check(f"tests of {name}")
             row = pytest_row([name], selection, ledger.root / f"{Path(name).stem}.xml")
             ledger.keep("tests", name, {"file": name, **row})
     return list(ledger.rows("tests").values())
 
 
-def measure(side: str, model: str, workload: tuple[int, int, int]) -> dict[str, Any]:
-    """Output tok/s of one side on `workload`, in this process (called in a child of the section)."""
+def measure(side: str, model: str, workload: tuple[int, int, int], repeats: int) -> dict[str, Any]:
+    """Output tok/s of one side on `workload`, `repeats` timed runs after the warm-up, in this
+    process (called in a child of the section); `setup_s` is the engine's start and warm-up."""
+    import statistics
+
     import torch
 
     from parity.core.types import Request, SamplingParams
@@ -167,6 +221,8 @@ def measure(side: str, model: str, workload: tuple[int, int, int]) -> dict[str, 
     requests = [Request(tuple(3 + (i * 7919 + j * 104729) % 150000 for j in range(prompt_len)),
                         SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i, ignore_eos=True),
                         f"r{i}") for i in range(count)]
+    runs: list[tuple[int, float]] = []  # (output tokens, seconds) of each timed run
+    began = time.perf_counter()
     if side == "parity":
         from parity.engine import ReferenceEngine
 
@@ -175,29 +231,36 @@ def measure(side: str, model: str, workload: tuple[int, int, int]) -> dict[str, 
             engine.warm_up(prompt_len + max_tokens)  # every shape compiled and captured: not timed
             engine.generate(requests[:4])
             torch.cuda.synchronize()
-            start = time.perf_counter()
-            produced = sum(len(r.token_ids) for r in engine.generate(requests))
-            seconds = time.perf_counter() - start
+            setup = time.perf_counter() - began
+            for _ in range(repeats):
+                start = time.perf_counter()
+                produced = sum(len(r.token_ids) for r in engine.generate(requests))
+                runs.append((produced, time.perf_counter() - start))
         peak = torch.cuda.max_memory_allocated() / 2**30
     else:
         os.environ["VLLM_BATCH_INVARIANT"] = "1" if side == "vllm-bi" else "0"
         import vllm
         from vllm.inputs import TokensPrompt
 
+        # no prefix cache: each timed run prefills its prompts again, as the first one did
         llm = vllm.LLM(model=model, dtype="bfloat16", skip_tokenizer_init=True, max_num_seqs=count,
-                       gpu_memory_utilization=0.85, seed=0)
+                       gpu_memory_utilization=0.85, seed=0, enable_prefix_caching=False)
         params = [vllm.SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=r.sampling.seed,
                                       logprobs=0,
                                       ignore_eos=True, detokenize=False) for r in requests]
         prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_ids)) for r in requests]
         llm.generate(prompts[:4], params[:4], use_tqdm=False)
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        seconds = time.perf_counter() - start
-        produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+        setup = time.perf_counter() - began
+        for _ in range(repeats):
+            start = time.perf_counter()
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            runs.append((sum(len(o.outputs[0].token_ids) for o in outputs), time.perf_counter() - start))
         peak = float("nan")  # vLLM's memory is its pre-allocated share, not a peak of this process
-    return {"side": side, "output_tokens": produced, "seconds": seconds, "output_tok_s": produced / seconds,
-            "peak_gib": peak}
+    rates = [tokens / seconds for tokens, seconds in runs]
+    median = statistics.median(rates)
+    return {"side": side, "output_tokens": runs[-1][0], "seconds": statistics.median(s for _, s in runs),
+            "output_tok_s": median, "runs_tok_s": [round(r) for r in rates],
+            "spread": (max(rates) - min(rates)) / median, "setup_s": round(setup, 1), "peak_gib": peak}
 
 
 def throughput_section(args: argparse.Namespace, ledger: Ledger) -> list[dict[str, Any]]:
@@ -206,14 +269,11 @@ def throughput_section(args: argparse.Namespace, ledger: Ledger) -> list[dict[st
     runs = [(f"order 1: {side}", side) for side in args.order] + \
         [(f"order 2: {side}", side) for side in reversed(args.order)]
     for key, side in runs:
-        if key in ledger.rows("throughput"):
+        if _kept(ledger, "throughput", key):
             continue
-        cmd = [sys.executable, "-m", "benchmarks.gpu_backends", "--measure", side, "--model", model,
-               "--workload", ",".join(map(str, args.workload))]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-        row = json.loads(lines[-1]) if done.returncode == 0 and lines else \
-            {"side": side, "error": (done.stderr or done.stdout)[-600:]}
+        args.clock.check(f"throughput {key}")
+        row = _child_row(["--measure", side, "--model", model, "--workload",
+                          ",".join(map(str, args.workload)), "--repeats", str(args.repeats)], {"side": side})
         ledger.keep("throughput", key, {"run": key, **row})
         print(json.dumps(row), flush=True)
     return list(ledger.rows("throughput").values())
@@ -271,17 +331,21 @@ def markdown(results: dict[str, Any]) -> str:
                          f"{r['seconds']:.0f} |")
         lines.append("")
     if "throughput" in results:
-        lines += ["| run | output tok/s | seconds | parity / this (same order) |",
-                  "| --- | --- | --- | --- |"]
+        lines += ["| run | output tok/s (median) | runs tok/s | spread | setup s "
+                  "| parity / this (same order) |",
+                  "| --- | --- | --- | --- | --- | --- |"]
         parity = {r["run"].split(":")[0]: r["output_tok_s"] for r in results["throughput"]
                   if r["side"] == "parity" and "error" not in r}
         for r in results["throughput"]:
             if "error" in r:
-                lines.append(f"| {r['run']} | error | | |")
+                lines.append(f"| {r['run']} | error | | | | |")
                 continue
             order = r["run"].split(":")[0]
             ratio = f"{parity[order] / r['output_tok_s']:.2f}" if order in parity else ""
-            lines.append(f"| {r['run']} | {r['output_tok_s']:,.0f} | {r['seconds']:.1f} | {ratio} |")
+            runs = ", ".join(f"{x:,}" for x in r.get("runs_tok_s", []))
+            spread = f"{r['spread']:.1%}" if "spread" in r else ""
+            lines.append(f"| {r['run']} | {r['output_tok_s']:,.0f} | {runs} | {spread} | "
+                         f"{r.get('setup_s', '')} | {ratio} |")
         lines.append("")
     if "loop" in results:
         r = results["loop"]
@@ -303,6 +367,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="more test files whose GPU tests run in the tests section")
     p.add_argument("--models", type=lambda t: t.split(","), default=["all"],
                    help="drift: model labels to run (default all)")
+    p.add_argument("--settings", type=lambda t: t.split(","), default=["all"],
+                   help="drift: settings to run, e.g. 'bf16,bf16 R3' (default all)")
     p.add_argument("--moe-layers", type=int, default=4)
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--tokens", type=int, default=64)
@@ -312,6 +378,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "the GPU)")
     p.add_argument("--workload", type=_ints, default=(256, 256, 512))
     p.add_argument("--order", type=lambda t: t.split(","), default=list(THROUGHPUT_SIDES))
+    p.add_argument("--repeats", type=int, default=3, help="throughput: timed runs per process (default 3)")
+    p.add_argument("--deadline", type=float,
+                   help="seconds after which no further row or section starts (resume in the next run)")
     p.add_argument("--state", type=Path, default=DEFAULT_STATE,
                    help="where finished sections and rows are kept (a later run skips them)")
     p.add_argument("--redo", action="store_true", help="forget the named sections' state and run them again")
@@ -322,13 +391,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    default=["--shape", "qwen3-1024", "--layers", "12"],
                    help="loop: the model flags of benchmarks.loop (default: the qwen3-1024 shape, 12 layers: "
                         "190 steps took 530 s on an H200, so 200 steps fill one 10-minute call)")
+    p.add_argument("--loop-option", action="append", default=[], metavar="BACKEND.KEY=VALUE",
+                   help="loop: a backend option of benchmarks.loop, e.g. vllm.weight_transfer=ipc (vLLM's "
+                        "in-memory push by CUDA IPC instead of the per-step reload; needs Ray importable)")
     p.add_argument("--measure", choices=THROUGHPUT_SIDES, help=argparse.SUPPRESS)
+    p.add_argument("--drift-row", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     unknown = [s for s in args.sections if s not in SECTIONS] + \
         [s for s in args.order if s not in THROUGHPUT_SIDES]
     if unknown:
         p.error(f"unknown sections or sides {unknown}; sections: {SECTIONS}, sides: {THROUGHPUT_SIDES}")
+    if args.repeats < 1:
+        p.error(f"--repeats must be at least 1, got {args.repeats}")
+    args.clock = Deadline(args.deadline, time.monotonic())
     return args
 
 
@@ -346,11 +422,15 @@ def run_sections(args: argparse.Namespace, ledger: Ledger, runners: dict[str, Ca
         return results
 
     args.out.mkdir(parents=True, exist_ok=True)
+    clock = getattr(args, "clock", Deadline(None, 0.0))
     for section in pending(args.sections, ledger):
         start = time.perf_counter()
         try:
+            clock.check(f"section {section}")
             ledger.finish(section, runners[section]())
             print(f"[{section}] done in {time.perf_counter() - start:.0f} s", flush=True)
+        except DeadlineReached as e:
+            print(f"[{section}] {e}: stays pending", flush=True)
         except Exception as e:  # the next section still runs; this one resumes in the next call
             print(f"[{section}] failed after {time.perf_counter() - start:.0f} s: {type(e).__name__}: {e}",
                   flush=True)
@@ -361,7 +441,13 @@ def run_sections(args: argparse.Namespace, ledger: Ledger, runners: dict[str, Ca
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.measure:
-        print(json.dumps(measure(args.measure, args.model, args.workload)), flush=True)
+        print(json.dumps(measure(args.measure, args.model, args.workload, args.repeats)), flush=True)
+        return
+    if args.drift_row:
+        plan = {row.key: row for row in drift_plan(args)}
+        if args.drift_row not in plan:
+            raise SystemExit(f"no drift row {args.drift_row!r}; rows: {sorted(plan)}")
+        print(json.dumps(drift_row(args, plan[args.drift_row])), flush=True)
         return
     import torch
 

@@ -94,6 +94,7 @@ def audit_section(args: argparse.Namespace, ledger: Ledger, shaped: Any) -> list
     for key in keys:
         if key in ledger.rows("audit"):
             continue
+        args.clock.check(f"audit row {key}")
         label, options = AUDIT_ROWS[key]
         model = shaped(args.state, "qwen3-1.7b", 28) if label == "q28" else label
         stored = ledger.root / f"audit-{re.sub('[^A-Za-z0-9]+', '-', key)}.json"
@@ -134,7 +135,8 @@ def loop_section(args: argparse.Namespace, ledger: Ledger) -> dict[str, Any]:
     """`benchmarks.loop` with the reference engine and vLLM on the GPU; its JSON and page in --out."""
     cmd = [sys.executable, "-m", "benchmarks.loop", "--backends", "reference,vllm", "--device", "cuda",
            "--dtype", "bfloat16", "--steps", str(args.loop_steps), "--lr", "1e-5",
-           "--json", str(args.out / "loop.json"), "--html", str(args.out / "loop.html"), *args.loop_model]
+           "--json", str(args.out / "loop.json"), "--html", str(args.out / "loop.html"), *args.loop_model,
+           *(f"--option={option}" for option in args.loop_option)]
     start = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True)
     return {"command": " ".join(cmd[2:]), "exit_code": done.returncode,

@@ -10,10 +10,34 @@ marker). JSON only: reading the state imports nothing heavy.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+
+class DeadlineReached(Exception):
+    """The run's `--deadline` passed: the section stops before its next row and stays pending."""
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """A wall-clock budget for one run: `check` before each row or section (seconds from `start`,
+    `time.monotonic`); None = no limit."""
+
+    seconds: float | None
+    start: float
+
+    def left(self) -> float:
+        """Seconds left (inf without a limit)."""
+        return float("inf") if self.seconds is None else self.seconds - (time.monotonic() - self.start)
+
+    def check(self, what: str) -> None:
+        """Raise `DeadlineReached` naming `what` when the budget is spent."""
+        if self.left() <= 0:
+            raise DeadlineReached(f"deadline of {self.seconds:.0f} s reached before {what}")
+
 
 #: where the state lives by default: /tmp goes with the machine, as "done on this machine" should.
 DEFAULT_STATE = Path("/tmp/parity-gpu-state")

@@ -8,6 +8,9 @@ Run from the repository root:
     python3 -m benchmarks.loop --model smollm2-135m-instruct --device cuda --steps 200 --lr 1e-5
     # H200: a Qwen3-1.7B-shaped model (random weights, all 28 layers, bf16, fp32 master weights)
     python3 -m benchmarks.loop --shape qwen3-1.7b --layers 28 --dtype bfloat16 --device cuda --steps 200
+    # H200, vLLM's weights pushed in GPU memory by CUDA IPC instead of a file reload (needs Ray importable)
+    python3 -m benchmarks.loop --shape qwen3-1024 --layers 12 --dtype bfloat16 --device cuda \
+        --backends reference,vllm --option vllm.weight_transfer=ipc
 
 It prints `parity loop`'s line per step and backend, then a summary table: the wall time of the
 whole run and of the engine starts, the median and total step time per backend (its generate, the
@@ -36,6 +39,7 @@ from pathlib import Path
 
 import psutil
 
+from parity.backends import parse_option
 from parity.core.types import Rollout
 from parity.loop import loop
 from parity.loop.command import format_row, header
@@ -96,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads of the trainer and the reference engine (default: 1: on a "
                         "shared 2-core machine, OpenMP teams waiting on descheduled threads stall ops)")
+    p.add_argument("--option", action="append", default=[], metavar="BACKEND.KEY=VALUE",
+                   help="a backend option, e.g. vllm.weight_transfer=ipc (repeatable)")
     p.add_argument("--json", type=Path, help="write the loop's record here")
     p.add_argument("--html", type=Path, help="write the loop's page here")
     args = p.parse_args(argv)
@@ -104,6 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
 
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    options: dict[str, dict[str, object]] = {}
+    for item in args.option:
+        backend, dot, rest = item.partition(".")
+        if not dot:
+            p.error(f"--option {item!r}: expected BACKEND.KEY=VALUE, e.g. vllm.weight_transfer=ipc")
+        key, value = parse_option(rest)
+        options.setdefault(backend, {})[key] = value
     model, reward = args.model, None
     if args.shape:
         model = str(shaped_checkpoint(args.shape, args.layers, args.dtype, args.device))
@@ -121,14 +134,15 @@ def main(argv: list[str] | None = None) -> int:
                   seed=args.seed, n=args.n, max_tokens=args.max_tokens, prompts=args.prompts,
                   dtype=args.dtype, device=args.device, micro_batch_size=args.micro_batch_size,
                   backend_dtypes={"vllm": args.vllm_dtype} if "vllm" in backends else None,
-                  lora_rank=args.lora_rank, json=args.json, html=args.html, progress=progress)
+                  backend_options=options, lora_rank=args.lora_rank, json=args.json, html=args.html,
+                  progress=progress)
     wall = time.perf_counter() - began
     import resource
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     print(f"\nmodel {model}, backends {backends}, {args.steps} steps, {args.prompts} prompts x n={args.n} x "
           f"{args.max_tokens} tokens, trainer {args.dtype} on {args.device} ({args.threads} threads), "
-          f"lr {args.lr}, correction {args.correction}, lora rank {args.lora_rank}")
+          f"lr {args.lr}, correction {args.correction}, lora rank {args.lora_rank}, options {options}")
     print(f"wall {wall:.1f} s (starts and step 0: {marks.get('first_step', began) - began:.1f} s); "
           f"peak RSS: this process {peak:.0f} MiB, engine processes {marks.get('engines_rss', 0.0):.0f} MiB "
           "(the most seen after any step)")

@@ -5,12 +5,13 @@ limit) stays pending with the rows it kept, and the next run starts at its next 
 
 import argparse
 import json
+import time
 
 import pytest
 
 from benchmarks.gpu_backends import SECTIONS, markdown, parse_args, run_sections
 from benchmarks.gpu_checks import AUDIT_ROWS, junit_outcomes
-from benchmarks.gpu_ledger import Ledger, pending
+from benchmarks.gpu_ledger import Deadline, DeadlineReached, Ledger, pending
 
 
 def _args(tmp_path, sections):
@@ -64,7 +65,7 @@ def test_rows_kept_before_a_kill_are_not_run_again(tmp_path):
     assert len(ledger.result("throughput")) == 2  # the partial rows are in the results
     done = run_sections(args, ledger, {"throughput": lambda: section(99)}, {})
     assert done["pending"] == [] and len(measured) == 4 and len(set(measured)) == 4
-    assert "| order 2: vllm | 10,000 | 6.0 | 1.00 |" in markdown(done["sections"])
+    assert "| order 2: vllm | 10,000 |  |  |  | 1.00 |" in markdown(done["sections"])
     ledger.forget(["throughput"])  # --redo
     assert pending(["throughput"], ledger) == ["throughput"] and ledger.rows("throughput") == {}
 
@@ -91,3 +92,85 @@ def test_junit_outcomes_name_each_test(tmp_path):
                       '<testcase name="c"><skipped/></testcase></testsuite></testsuites>')
     assert junit_outcomes(report) == {"a": "passed", "b": "failed", "c": "skipped"}
     assert all(key in AUDIT_ROWS for key in ("q28 on", "q28 off", "tiny-qwen3 on", "q28 on, enforce_eager"))
+
+
+def test_a_passed_deadline_starts_no_section_and_leaves_it_pending(tmp_path):
+    ledger = Ledger(tmp_path / "state")
+    ran = []
+    runners = {"install": lambda: ran.append("install") or {"vllm": "0.23.0"},
+               "drift": lambda: ran.append("drift") or []}
+    args = _args(tmp_path, ["install", "drift"])
+    args.clock = Deadline(0.0, time.monotonic())  # spent before the first section
+    assert run_sections(args, ledger, runners, {})["pending"] == ["install", "drift"] and ran == []
+    # the control: the same run with time left runs both, and a later one skips them
+    args.clock = Deadline(None, time.monotonic())
+    assert run_sections(args, ledger, runners, {})["pending"] == [] and ran == ["install", "drift"]
+    assert Deadline(None, 0.0).left() == float("inf")
+
+
+def test_a_deadline_inside_a_section_keeps_its_rows(tmp_path):
+    ledger = Ledger(tmp_path / "state")
+    clock = {"left": 2}
+
+    def section():
+        for key in ("a", "b", "c"):
+            if key in ledger.rows("drift"):
+                continue
+            if clock["left"] == 0:
+                raise DeadlineReached(f"deadline reached before drift row {key}")
+            clock["left"] -= 1
+            ledger.keep("drift", key, {"model": key, "setting": "bf16", "error": "not run on CPU"})
+        return list(ledger.rows("drift").values())
+
+    args = _args(tmp_path, ["drift"])
+    assert run_sections(args, ledger, {"drift": section}, {})["pending"] == ["drift"]
+    assert list(ledger.rows("drift")) == ["a", "b"]
+    clock["left"] = 5
+    assert run_sections(args, ledger, {"drift": section}, {})["pending"] == [] and clock["left"] == 4
+
+
+def test_throughput_rows_render_their_runs_spread_and_setup():
+    row = {"run": "order 1: parity", "side": "parity", "output_tok_s": 20000.0,
+           "runs_tok_s": [19800, 20000, 20400], "spread": 0.03, "setup_s": 41.5, "seconds": 6.5}
+    table = markdown({"throughput": [row]})
+    assert "| order 1: parity | 20,000 | 19,800, 20,000, 20,400 | 3.0% | 41.5 | 1.00 |" in table
+    args = parse_args(["--deadline", "300", "--repeats", "2", "--settings", "bf16,bf16 R3"])
+    assert args.repeats == 2 and args.settings == ["bf16", "bf16 R3"] and 299 < args.clock.left() <= 300
+    with pytest.raises(SystemExit):
+        parse_args(["--repeats", "0"])
+
+
+def test_each_drift_row_runs_in_its_own_process_and_a_failed_row_runs_again(tmp_path, monkeypatch):
+    import benchmarks.gpu_backends as gb
+
+    monkeypatch.setattr(gb, "_shaped", lambda state, shape, layers: f"/models/{shape}-{layers}")
+    args = parse_args(["--state", str(tmp_path / "state"), "--models", "qwen3-1.7b x28,qwen3-30b-a3b x4",
+                       "--settings", "bf16,bf16 R3"])
+    keys = [plan.key for plan in gb.drift_plan(args)]
+    assert keys == ["qwen3-1.7b x28 | bf16", "qwen3-30b-a3b x4 | bf16", "qwen3-30b-a3b x4 | bf16 R3"]
+    children = []
+
+    def child(cmd, fallback):
+        key = cmd[cmd.index("--drift-row") + 1]
+        children.append(key)
+        if key.endswith("R3") and children.count(key) == 1:  # the first try finds no GPU memory
+            return {**fallback, "error": "BackendError: vLLM would take gpu_memory_utilization=0.5"}
+        return {**fallback, "max_abs_logprob_diff": 0.1, "mean_abs_logprob_diff": 0.02, "k3_kl": 5e-4,
+                "tokens": 1536, "router_agreement": 1.0 if "R3" in key else None, "seconds": 60.0}
+
+    monkeypatch.setattr(gb, "_child_row", child)
+    ledger = Ledger(args.state)
+    gb.drift_section(args, ledger)
+    assert children == keys and "error" in ledger.rows("drift")[keys[2]]
+    gb.drift_section(args, ledger)  # the resume: only the failed row runs again
+    assert children == [*keys, keys[2]] and "error" not in ledger.rows("drift")[keys[2]]
+    assert "| qwen3-30b-a3b x4 | bf16 R3 | 0.1000 | 0.02000 | 5.00e-04 | 1536 | 1.0000 | 60 |" in \
+        markdown({"drift": gb.drift_section(args, ledger)})
+    assert children == [*keys, keys[2]]  # the control: nothing left to run
+
+
+def test_a_child_that_fails_gives_its_last_line_as_the_error():
+    from benchmarks.gpu_backends import _child_row
+
+    row = _child_row(["--repeats", "0"], {"side": "parity"})
+    assert row["side"] == "parity" and "--repeats must be at least 1" in row["error"]

@@ -108,3 +108,20 @@ def test_the_worker_extension_digests_as_vllm_does():
     with torch.no_grad():
         small["w"][1] = torch.nextafter(torch.tensor(1.0), torch.tensor(2.0))
     assert WeightDigestExtension.parity_weight_checksums(changed) != before
+
+
+def test_ipc_without_its_module_is_refused_before_an_engine_starts(monkeypatch):
+    import parity.backends.vllm_weights as weights
+    from parity.core.errors import ConfigError
+
+    def no_ray(name):
+        raise ModuleNotFoundError("No module named 'ray'")
+
+    monkeypatch.setattr(weights.importlib, "import_module", no_ray)
+    refused = r"needs vLLM's vllm\.distributed\.weight_transfer\.ipc_engine.*'ray'.*weight_transfer='reload'"
+    with pytest.raises(ConfigError, match=refused):
+        weights.check_weight_transfer("ipc", on_cpu=False)
+    weights.check_weight_transfer("reload", on_cpu=False)  # reload needs no such module
+    # the control: with the module importable the same check passes
+    monkeypatch.setattr(weights.importlib, "import_module", lambda name: object())
+    weights.check_weight_transfer("ipc", on_cpu=False)

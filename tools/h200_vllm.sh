@@ -6,6 +6,11 @@
 #   weight transfer imports it), the SmolLM2 GGUF split into .gpu-wheels/gguf_*, and the wheels GPU paths
 #   import beyond deps.tar (loguru for FP8, model-hosting-container-standards with jmespath and supervisor
 #   for `vllm serve`).
+#   ray.tar.xz (import-only, for vLLM's CUDA-IPC weight push, `--option vllm.weight_transfer=ipc`):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64
+#   ray==2.60.0, unzip it, drop ray/jars, ray/core/src/ray/gcs/gcs_server, ray/core/src/ray/raylet/raylet,
+#   ray/{rllib,data,serve,tune,train,llm,dashboard/client} (nothing starts a Ray cluster), then
+#   tar ray and its dist-info | xz: 12 MB, carried beside part_ac (not yet imported on the H200).
 # There, each call carries one or two of those files and stages them (the machine keeps /tmp while warm):
 #   bash tools/h200_vllm.sh stage            copies every carried .gpu-wheels/* file to /tmp/vparts
 #   bash tools/h200_vllm.sh install          unpacks vLLM, its dependencies, Ray and SmolLM2 into /tmp/site

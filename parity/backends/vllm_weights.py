@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import importlib
 import os
 import pickle
 from collections.abc import Iterable, Mapping, Sequence
@@ -37,17 +38,28 @@ from parity.core.errors import BackendError, ConfigError, InputError, Unsupporte
 
 #: the weight-transfer paths of the offline vLLM adapter (`VLLMBackend(weight_transfer=...)`).
 WEIGHT_TRANSFERS: tuple[str, ...] = ("reload", "ipc")
+#: vLLM's CUDA-IPC weight-transfer engine, which the "ipc" path drives.
+IPC_MODULE = "vllm.distributed.weight_transfer.ipc_engine"
 #: the safetensors file `reload` writes; vLLM reads every *.safetensors of the directory.
 WEIGHTS_FILE = "model.safetensors"
 
 
 def check_weight_transfer(name: str, *, on_cpu: bool) -> None:
-    """ConfigError unless `name` is a transfer path this platform has."""
+    """ConfigError unless `name` is a transfer path this platform has, before any engine starts:
+    "ipc" needs a GPU and vLLM's IPC module importable (vLLM 0.23's imports Ray at its top; without
+    Ray the first push would fail only after the engine's start)."""
     if name not in WEIGHT_TRANSFERS:
         raise ConfigError(f"vllm option weight_transfer must be one of {WEIGHT_TRANSFERS}, got {name!r}")
     if name == "ipc" and on_cpu:
         raise ConfigError("vllm option weight_transfer='ipc' maps CUDA tensors into the engine by CUDA IPC "
                           "and needs a GPU build of vLLM on a GPU; on CPU use weight_transfer='reload'")
+    if name == "ipc":
+        try:
+            importlib.import_module(IPC_MODULE)
+        except ImportError as e:
+            raise ConfigError(f"vllm option weight_transfer='ipc' needs vLLM's {IPC_MODULE}, which does not "
+                              f"import here ({e}); vLLM 0.23's imports Ray: pip install ray, or use "
+                              "weight_transfer='reload'") from e
 
 
 def ipc_engine_kwargs(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
