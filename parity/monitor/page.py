@@ -45,6 +45,8 @@ TREND_KEYS: tuple[str, ...] = (
 )
 #: alerts listed on the page, newest first (every alert stays in the store).
 ALERTS_SHOWN = 50
+#: how much lower than the training process the child that draws the page runs (`os.nice`).
+PAGE_NICENESS = 10
 #: steps of largest k3_kl detailed on the page besides the latest.
 WORST_STEPS = 3
 
@@ -254,7 +256,9 @@ def _draw_in_a_child(out_dir: Path, log_scale: bool) -> None:
     package_root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH"))
                                                          if p)}
-    code = ("import sys; from parity.monitor.page import write_page; "
+    # the child yields the CPU to the training process (nice +PAGE_NICENESS): on a loaded machine the
+    # page may come later, the step does not wait behind it
+    code = (f"import os, sys; os.nice({PAGE_NICENESS}); from parity.monitor.page import write_page; "
             "write_page(sys.argv[1], log_scale=sys.argv[2] == '1')")
     done = subprocess.run([sys.executable, "-c", code, str(out_dir), "1" if log_scale else "0"], env=env,
                           capture_output=True, text=True, check=False)
