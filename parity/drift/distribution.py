@@ -126,19 +126,23 @@ def position_drift(engine_logprobs: np.ndarray, view: TrainerView, *,
     out = {name: np.empty(n) for name in ("kl_pq", "kl_qp", "tv", "h_q")}
     overlap = np.empty(n, dtype=np.int64)
     entries = np.empty(n, dtype=np.int64)
+    agrees = np.empty(n, dtype=bool)
     # one set of block arrays reused block to block: a fresh [4096, k] float64 array is above glibc's
     # mmap threshold, and faulting its pages in again for every block cost more than the arithmetic
     work = _Work(min(n, BLOCK_ROWS), a_all.shape[1] if a_all.ndim == 2 else 0)
     for start in range(0, n, BLOCK_ROWS):
         part = slice(start, min(n, start + BLOCK_ROWS))
         a, b, q, p = work.load(a_all[part], view.at_engine[part], fast)
-        kl_pq, kl_qp, tv, h_q, over, count = _block(
-            a, b, q, p, np.asarray(view.top_logprobs[part, -1:], dtype=np.float64), work)
+        top = view.top_logprobs[part]
+        # the argmax here, while the block's rows are in cache (a pass of its own re-read both arrays)
+        np.equal(view.at_engine[part, 0], top[:, 0], out=agrees[part])
+        kth = np.asarray(top[:, -1:], dtype=np.float64)
+        kl_pq, kl_qp, tv, h_q, over, count = _block(a, b, q, p, kth, work)
         out["kl_pq"][part], out["kl_qp"][part], out["tv"][part], out["h_q"][part] = kl_pq, kl_qp, tv, h_q
         overlap[part], entries[part] = over, count
     return PositionDrift(kl_train_engine=out["kl_pq"], kl_engine_train=out["kl_qp"], tv=out["tv"],
                          overlap=overlap, engine_entries=entries,
-                         argmax_agrees=view.at_engine[:, 0] == view.top_logprobs[:, 0],
+                         argmax_agrees=agrees,
                          entropy_train=view.entropy, entropy_engine=out["h_q"],
                          sampled_rank=view.sampled_rank)
 
