@@ -48,8 +48,11 @@ def log(monitor: parity.Monitor, n: int, s: dict, **changes):
     return monitor.log(n, **kwargs)
 
 
-def test_a_step_s_distribution_keys_are_the_distribution_metrics_of_its_counted_positions(tmp_path):
+@pytest.mark.parametrize("dense", [False, True], ids=["padded", "every-slot-counts"])
+def test_a_step_s_distribution_keys_are_the_distribution_metrics_of_its_counted_positions(tmp_path, dense):
     s = step(0, 0.3)
+    if dense:
+        s["mask"] = torch.ones_like(s["mask"])
     with parity.Monitor(tmp_path, render_every=1, advice_every=0, tokenizer=Tokenizer()) as monitor:
         record = log(monitor, 0, s)
     m = s["mask"].numpy()

@@ -50,11 +50,12 @@ def step_distribution(rollout_top_k: Any, train_view: TrainerView | Sequence[Tra
     if logprobs.ndim != 3 or logprobs.shape != ids.shape:
         raise InputError(f"rollout_top_k logprobs must be {list(ids.shape)} like its ids, got "
                          f"{list(logprobs.shape)}")
-    ids, logprobs = ids[counted], logprobs[counted]
+    dense = bool(counted.all())  # every slot counts: views, not copies of the [N, k] arrays
+    ids, logprobs, sampled, sampled_lp = ((x.reshape(-1, *x.shape[2:]) if dense else x[counted])
+                                          for x in (ids, logprobs, responses, rollout_log_probs))
     k = ids.shape[1]
     check_top_k(ids, logprobs, "rollout_top_k")
-    check_same_processing(ids, logprobs.astype(np.float64), responses[counted],
-                          rollout_log_probs[counted].astype(np.float64), "rollout_top_k")
+    check_same_processing(ids, logprobs, sampled, sampled_lp, "rollout_top_k")
     view = train_view if isinstance(train_view, TrainerView) else concat_views(list(train_view))
     if view.at_engine.shape != ids.shape:
         raise InputError(f"train_top_k holds {view.at_engine.shape} values for {ids.shape} counted top-k "
@@ -71,7 +72,7 @@ def step_distribution(rollout_top_k: Any, train_view: TrainerView | Sequence[Tra
         return out
 
     worst = []
-    for j in np.argsort(-drift.kl_train_engine, kind="stable")[:WORST_POSITIONS].tolist():
+    for j in _largest(drift.kl_train_engine, WORST_POSITIONS):
         entry = {"row": int(rows[j]), "position": int(positions[j]),
                  "token_id": int(responses[rows[j], positions[j]]),
                  "kl_train_engine": float(drift.kl_train_engine[j]),
@@ -82,6 +83,17 @@ def step_distribution(rollout_top_k: Any, train_view: TrainerView | Sequence[Tra
             entry["uid"] = uids[entry["row"]]
         worst.append(entry)
     return summarize_distribution(drift, k), {"top_k": k, "worst": worst}
+
+
+def _largest(values: np.ndarray, k: int) -> list[int]:
+    """Indices of the k largest `values` (inf first, NaN never), largest first, ties by index."""
+    keyed = np.where(np.isnan(values), -np.inf, values)
+    if keyed.size > k:
+        cut = np.partition(keyed, keyed.size - k)[keyed.size - k]
+        candidates = np.flatnonzero(keyed >= cut)
+    else:
+        candidates = np.arange(keyed.size)
+    return candidates[np.argsort(-keyed[candidates], kind="stable")][:k].tolist()
 
 
 def token_ids(value: Any, name: str, shape: tuple[int, int], *, top_k: bool = False) -> np.ndarray:
