@@ -6,6 +6,7 @@ comparisons use the session's offline engine (`shared_backend("vllm", "tiny-llam
 with tests/test_backends_vllm.py).
 """
 
+import dataclasses
 import importlib.util
 import os
 import re
@@ -102,6 +103,20 @@ def test_generate_equals_the_offline_engine_bitwise(server):
     assert meta["vllm_logprobs_mode"] == "processed_logprobs" and meta["backend_version"]
     one_at_a_time = VLLMServerBackend("tiny-llama", url=backend.server.url, concurrency=1)
     same([r for q in reqs for r in offline.generate([q])], one_at_a_time.generate(reqs))
+
+
+def test_top_k_logprobs_equal_the_offline_engine_s(server):
+    """`top_k_logprobs=5` through `logprobs: 5`: the same top-k rows as offline vLLM, bit for bit
+    (sampled, top-k-truncated and greedy requests); without it no top-k (the control)."""
+    reqs = [dataclasses.replace(r, sampling=r.sampling.replace(top_k_logprobs=5)) for r in requests()[:3]]
+    got = server.get().generate(reqs)
+    want = shared_backend("vllm", "tiny-llama").generate(reqs)
+    same(want, got)
+    for x, y in zip(want, got):
+        assert y.top_k_ids is not None and y.top_k_ids.shape == (len(y.token_ids), 5), y.key
+        assert np.array_equal(x.top_k_ids, y.top_k_ids), y.key
+        assert np.array_equal(x.top_k_logprobs, y.top_k_logprobs), y.key
+    assert server.get().generate(requests()[:1])[0].top_k_ids is None
 
 
 @pytest.mark.parametrize("mode", ["raw", "processed"])

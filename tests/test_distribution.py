@@ -12,11 +12,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from parity.core.errors import BackendError
+from parity.core.errors import BackendError, ConfigError
 from parity.core.schema import DISTRIBUTION_SUMMARY_KEYS, json_safe
 from parity.core.top_k import TopKError, check_same_processing, check_top_k
 from parity.core.types import Rollout, SamplingParams
-from parity.drift.distribution import TAIL_EPS, position_drift, summarize_distribution, trainer_view
+from parity.drift.distribution import (
+    EXP32_REL_ERROR,
+    TAIL_EPS,
+    TrainerView,
+    position_drift,
+    summarize_distribution,
+    trainer_view,
+)
 from parity.nightly.regression import RegressionPolicy, distribution_verdict
 from parity.rollouts.dumps import dump_rollouts, load_rollouts
 
@@ -143,6 +150,84 @@ def test_trainer_mass_where_the_engine_reports_minus_inf_is_an_infinite_kl_count
     drift = position_drift(lps, trainer_view(train, ids, np.array([0])))
     assert drift.kl_train_engine[0] == math.inf and math.isfinite(drift.kl_engine_train[0])
     assert summarize_distribution(drift, 3)["distribution/num_positions_infinite_kl"] == 1
+
+
+def float32_sides(seed: int, n: int, vocab: int, k: int, scale: float, frac_inf: float, grid: float,
+                  noise: float) -> tuple[np.ndarray, TrainerView]:
+    """Engine top-k logprobs and a trainer view of them, both float32 (as engines and dumps give)."""
+    rng = np.random.default_rng(seed)
+    train = log_rows(rng, n, vocab, scale, frac_inf, grid)
+    engine_rows = np.where(np.isfinite(train), train + rng.normal(0.0, noise, train.shape), -np.inf)
+    engine_rows -= np.log(np.exp(engine_rows).sum(axis=1, keepdims=True))
+    ids, lps = engine_top_k(rng, engine_rows, k)
+    view = trainer_view(train, ids, ids[:, 0])
+    view32 = TrainerView(view.at_engine.astype(np.float32), view.top_ids,
+                         view.top_logprobs.astype(np.float32), view.entropy, view.sampled_rank)
+    return lps.astype(np.float32), view32
+
+
+@pytest.mark.parametrize("scale, frac_inf, grid, noise", [
+    (2.0, 0.0, 0.0, 1e-3), (2.0, 0.0, 0.0, 0.3), (8.0, 0.3, 0.0, 1e-2), (0.3, 0.0, 0.5, 0.0),
+    (2.0, 0.7, 0.0, 0.5), (40.0, 0.0, 0.0, 1e-2)])
+def test_float32_exps_stay_within_the_stated_error_bound_of_float64_ones(scale, frac_inf, grid,
+                                                                         noise) -> None:
+    """The "float32" path against "float64" on float32 inputs: each KL bound within
+    R (sum_S p|d| + 2 |1 + log(x/y)| + 2 x/y) of its bucket masses x, y (docs/DISTRIBUTION.md),
+    TV within 2R."""
+    lps, view = float32_sides(7, 3000, 40, 20, scale, frac_inf, grid, noise)
+    fast, exact = (position_drift(lps, view, precision=p) for p in ("float32", "float64"))
+    assert (position_drift(lps, view).tv == fast.tv).all()  # "auto" takes float32 for float32 inputs
+    a, b = lps.astype(np.float64), view.at_engine.astype(np.float64)
+    q, p = np.exp(a), np.exp(b)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        d = np.where(np.isfinite(a) & np.isfinite(b), np.abs(b - a), 0.0)
+        q_tail, p_tail = np.maximum(1 - q.sum(axis=1), 0), np.maximum(1 - p.sum(axis=1), 0)
+        separate = (q_tail > TAIL_EPS) & (p_tail > TAIL_EPS)
+        x_p = np.where(separate, p_tail, p[:, 0] + p_tail)
+        x_q = np.where(separate, q_tail, q[:, 0] + q_tail)
+        r = EXP32_REL_ERROR
+        bound_pq = r * ((p * d).sum(axis=1) + 2 * np.abs(1 + np.log(x_p / x_q)) + 2 * x_p / x_q)
+        bound_qp = r * ((q * d).sum(axis=1) + 2 * np.abs(1 + np.log(x_q / x_p)) + 2 * x_q / x_p)
+    near = (np.abs(q_tail - TAIL_EPS) < 4 * r) | (np.abs(p_tail - TAIL_EPS) < 4 * r)  # a merge may flip
+    for got, want, bound in ((fast.kl_train_engine, exact.kl_train_engine, bound_pq),
+                             (fast.kl_engine_train, exact.kl_engine_train, bound_qp)):
+        both = np.isfinite(want) & ~near
+        assert (np.isinf(got) == np.isinf(want)).all()
+        assert (np.abs(got - want)[both] <= bound[both] * 1.001 + 1e-15).all()
+    assert (np.abs(fast.tv - exact.tv) <= 2 * r + 1e-15).all()
+    np.testing.assert_allclose(fast.entropy_engine[~near], exact.entropy_engine[~near], rtol=2 * r)
+    assert (fast.overlap == exact.overlap).all()
+
+
+def test_float32_exps_give_exactly_zero_for_identical_sides_and_see_a_one_ulp_change() -> None:
+    lps, view = float32_sides(8, 500, 30, 8, 2.0, 0.2, 0.0, 0.0)
+    same = TrainerView(lps.copy(), view.top_ids, lps.copy(), view.entropy, view.sampled_rank)
+    zero = position_drift(lps, same, precision="float32")
+    for values in (zero.kl_train_engine, zero.kl_engine_train, zero.tv):
+        assert np.array_equal(values, np.zeros(500))
+    nudged = np.nextafter(lps, np.float32(-np.inf), where=np.isfinite(lps), out=lps.copy())
+    moved = position_drift(nudged, same, precision="float32")  # negative control
+    assert (moved.tv > 0).all()
+
+
+def test_a_block_with_a_logprob_below_the_float32_range_takes_float64_exps() -> None:
+    """exp(-110) is below float32's normal range: the block's exps are float64 (a finite KL stays finite)."""
+    lps = np.log(np.array([[0.7, 0.2, 0.1]])).astype(np.float32)
+    train = np.array([[-110.0, math.log(0.5), math.log(0.4)]], dtype=np.float32)
+    view = TrainerView(train, np.array([[1, 2, 0]]), np.sort(train)[:, ::-1], np.ones(1),
+                       np.zeros(1, np.int64))
+    fast, exact = (position_drift(lps, view, precision=p) for p in ("float32", "float64"))
+    assert math.isfinite(exact.kl_engine_train[0])
+    assert fast.kl_engine_train[0] == exact.kl_engine_train[0] and fast.tv[0] == exact.tv[0]
+    with pytest.raises(ConfigError, match="precision"):
+        position_drift(lps, view, precision="float16")
+
+
+def test_float32_exp_relative_error_is_within_the_stated_constant() -> None:
+    """A sample of the exhaustive measurement behind `EXP32_REL_ERROR` (every float32 in [-87, 0])."""
+    x = np.random.default_rng(0).uniform(-87.0, 0.0, 2_000_000).astype(np.float32)
+    exact = np.exp(x.astype(np.float64))
+    assert (np.abs(np.exp(x).astype(np.float64) - exact) <= EXP32_REL_ERROR * exact).all()
 
 
 def good_top_k() -> tuple[np.ndarray, np.ndarray]:

@@ -39,7 +39,7 @@ def test_reference_top_k_drift_is_exactly_zero_and_hf_is_not() -> None:
 
 
 @pytest.mark.parametrize("backend, k, message", [("trtllm", 5, "no top-k"), ("reference", 0, ">= 1"),
-                                                 ("vllm-server", 3, "no top-k"), ("hf", True, ">= 1")])
+                                                 ("hf", True, ">= 1")])
 def test_top_k_refusals_come_before_any_engine_starts(backend: str, k: int, message: str) -> None:
     with pytest.raises(TopKError, match=message):
         compare("tiny-llama", backend, prompts=PROMPTS, sampling=SAMPLING, top_k_logprobs=k)

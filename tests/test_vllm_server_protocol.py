@@ -17,6 +17,7 @@ import pytest
 from parity.backends.base import SampleJob
 from parity.backends.http import Endpoint, HttpClient
 from parity.backends.vllm_server import (
+    ATTACHED_MAX_LOGPROBS,
     VLLMServerBackend,
     cached_tokens,
     completion_body,
@@ -24,6 +25,7 @@ from parity.backends.vllm_server import (
     probe_logprobs_mode,
     prompt_logprob_rows,
     split_server_args,
+    top_k_rows,
 )
 from parity.backends.vllm_settings import SETTINGS, cache_config_info, cudagraph_mode, from_server_info
 from parity.core.errors import BackendError, ConfigError
@@ -48,6 +50,45 @@ def test_body_sends_every_sampling_field_explicitly():
                     "return_token_ids": True, "return_tokens_as_token_ids": True}
     ignored = completion_body(SampleJob(Request((1,), SamplingParams(ignore_eos=True), "q"), 0, 1), (2,), "m")
     assert ignored["stop_token_ids"] == [] and ignored["ignore_eos"] is True
+
+
+def top_answer(tokens, positions):
+    """An answer with `logprobs=k`: per position the sampled token first, then the top-k in rank order."""
+    out = answer(tokens, [dict(p)[t] for t, p in zip(tokens, positions)])
+    out["choices"][0]["logprobs"]["top_logprobs"] = [{f"token_id:{t}": v for t, v in p} for p in positions]
+    return out
+
+
+def test_top_logprobs_become_the_offline_adapter_s_top_k_rows():
+    positions = [
+        [(7, -1.5), (3, -0.2), (9, -0.9), (7, -1.5)],    # sampled within the top-3: one entry for it
+        [(4, -6.0), (3, -0.1), (8, -2.5), (1, -3.0)],    # sampled below the top-3: dropped
+        [(5, -3.0), (2, -0.5), (6, -1.0), (8, -3.0)],    # sampled ties the 3rd: ranks within 3, kept
+        [(2, 0.0), (2, 0.0), (6, -9999.0), (1, -9999.0)],  # the -inf floor back to -inf
+    ]
+    positions[0] = positions[0][:3]
+    positions[3] = [positions[3][0], *positions[3][2:]]
+    ids, lps = top_k_rows(top_answer([7, 4, 5, 2], positions), [7, 4, 5, 2], 3)
+    assert ids == [[3, 9, 7], [3, 8, 1], [2, 6, 5, 8], [2, 6, 1]]
+    assert lps[0] == [-0.2, -0.9, -1.5] and lps[1] == [-0.1, -2.5, -3.0]
+    assert lps[2] == [-0.5, -1.0, -3.0, -3.0]
+    assert lps[3][0] == 0.0 and all(math.isinf(v) for v in lps[3][1:])
+    assert top_k_rows(answer([7], [-1.0]), [7], 0) is None  # k = 0: not asked
+
+
+def test_top_logprobs_that_do_not_fit_are_backend_errors():
+    good = [[(7, -1.5), (3, -0.2), (9, -0.9)]]
+    with pytest.raises(BackendError, match="top_logprobs for 0 of 1"):
+        top_k_rows(answer([7], [-1.5]), [7], 3)
+    with pytest.raises(BackendError, match="are not that token and then the top-"):
+        top_k_rows(top_answer([7], good), [3], 3)
+    with pytest.raises(BackendError, match="are not that token and then the top-"):
+        top_k_rows(top_answer([7], good), [7], 1)  # 3 entries for k = 1
+
+
+def test_the_server_s_top_k_limit():
+    assert VLLMServerBackend.top_k_limit({}) is None  # parity starts it with --max-logprobs -1
+    assert VLLMServerBackend.top_k_limit({"url": "http://127.0.0.1:8000"}) == ATTACHED_MAX_LOGPROBS == 20
 
 
 def test_parse_answer_and_its_floor():

@@ -66,7 +66,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from parity.backends.base import Backend, SampleJob, expand_samples, processed_from_raw
+from parity.backends.base import Backend, SampleJob, TopKRows, expand_samples, processed_from_raw
 from parity.backends.http import Endpoint, HttpClient, HttpSettings, api_key_from_env
 from parity.backends.vllm import (
     GPU_MEMORY_UTILIZATION,
@@ -93,6 +93,8 @@ VLLM_LOGPROB_FLOOR = -9999.0
 MANAGED_FLAGS = ("--host", "--port", "--model", "--dtype", "--seed", "--logprobs-mode", "--max-logprobs",
                  "--api-key")
 LAUNCHERS = ("auto", "cli", "module")
+#: the top-k logprobs asked of a server parity did not start: vLLM's default `--max-logprobs`.
+ATTACHED_MAX_LOGPROBS = 20
 #: neutral values of the server-side sampling knobs parity has no field for.
 NEUTRAL_SAMPLING = {"min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
                     "frequency_penalty": 0.0}
@@ -136,6 +138,36 @@ def parse_completion(answer: dict[str, Any]) -> tuple[list[int], list[float], st
     if routes is not None:
         routes = np.load(io.BytesIO(base64.b64decode(routes)), allow_pickle=False)
     return [int(t) for t in tokens], values, choice.get("finish_reason"), routes
+
+
+def top_k_rows(answer: dict[str, Any], tokens: Sequence[int], k: int) -> TopKRows | None:
+    """The `top_logprobs` of a `/v1/completions` answer -> parity's top-k rows (as the offline
+    adapter's `top_k_of` gives them); None for k = 0.
+
+    Per position vLLM lists the sampled token first, then the top-k most likely in rank order, one
+    entry per id ("token_id:N": logprob, -9999.0 for -inf): k entries when the sampled token is among
+    the top-k, k + 1 when it is not. The sampled token stays when it ranks within k (a logprob at
+    least the k-th entry's, ties included, as the engine's rank counts strictly greater ones), and
+    the rows are ordered most likely first, the sampled token first among equal logprobs.
+    """
+    if not k:
+        return None
+    positions = answer["choices"][0].get("logprobs", {}).get("top_logprobs")
+    if not isinstance(positions, list) or len(positions) != len(tokens):
+        raise BackendError(f"vLLM server answer has top_logprobs for {len(positions or [])} of {len(tokens)} "
+                           f"tokens; asked for logprobs={k} (is it an OpenAI-compatible vLLM server?)")
+    ids, values = [], []
+    for token, entries in zip(tokens, positions):
+        items = [(int(str(t).removeprefix("token_id:")), unclamp(v)) for t, v in (entries or {}).items()]
+        if not items or items[0][0] != token or len(items) > k + 1:
+            raise BackendError(f"vLLM server top_logprobs for token {token} are not that token and then the "
+                               f"top-{k} ({len(items)} entries, first {items[:1]})")
+        if len(items) > k and items[0][1] < min(v for _, v in items[1:]):
+            items = items[1:]  # the sampled token ranks below k
+        order = sorted(range(len(items)), key=lambda i: (-items[i][1], i))
+        ids.append([items[i][0] for i in order])
+        values.append([items[i][1] for i in order])
+    return ids, values
 
 
 def cached_tokens(answer: dict[str, Any]) -> int | None:
@@ -395,8 +427,9 @@ class VLLMServerBackend(Backend):
         for job, answer in zip(jobs, answers):
             tokens, logprobs, finish, routes = parse_completion(answer)
             routes = routes_for_rollout(routes, len(job.request.prompt_ids), len(tokens))
-            rollouts.append(self.finished(job, tokens, logprobs, routes, vllm_finish_reason=finish,
-                                          num_cached_tokens=cached_tokens(answer)))
+            top_k = top_k_rows(answer, tokens, job.sampling.top_k_logprobs)
+            rollouts.append(self.finished(job, tokens, logprobs, routes, top_k=top_k,
+                                          vllm_finish_reason=finish, num_cached_tokens=cached_tokens(answer)))
         return rollouts
 
     def _score(self, pairs: list[Pair], sampling: SamplingParams) -> list[torch.Tensor]:
@@ -421,6 +454,12 @@ class VLLMServerBackend(Backend):
                 result.append(torch.tensor([row[tok] for row, tok in zip(rows, response)],
                                            dtype=torch.float32))
         return result
+
+    @classmethod
+    def top_k_limit(cls, options: dict[str, Any]) -> int | None:
+        """None when parity starts the server (`--max-logprobs -1`: the vocabulary); an attached
+        server's `--max-logprobs` is not readable, so its default, `ATTACHED_MAX_LOGPROBS`."""
+        return ATTACHED_MAX_LOGPROBS if options.get("url") else None
 
     @property
     def _model_name(self) -> str:

@@ -7,12 +7,24 @@ store, the background work), `summary` (one step's record from parity's metrics,
 advisor; torch), `thresholds` (absolute and relative alert bounds), `store` (the SQLite file:
 attempts, journal, writer lock), `page` (the HTML page, drawn off the critical path), `background`
 (where the advisor and the page run), `arrays` (tensors and arrays as NumPy, duck-typed),
-`command` (`parity monitor`). Importing this
-package never loads torch; the first `Monitor.log` does.
+`top_k` (full-distribution drift from the rollout's top-k), `train_view` (`train_top_k`, the
+trainer's side of it; torch), `command` (`parity monitor`). Importing this package never loads
+torch; the first `Monitor.log` does.
 """
+
+from typing import Any
 
 from parity.monitor.core import Monitor
 from parity.monitor.page import flat_values, write_page
 from parity.monitor.store import MonitorStore
 
-__all__ = ["Monitor", "MonitorStore", "flat_values", "write_page"]
+__all__ = ["Monitor", "MonitorStore", "flat_values", "train_top_k", "write_page"]
+
+
+def __getattr__(name: str) -> Any:
+    """`train_top_k` on first use (it loads torch)."""
+    if name == "train_top_k":
+        from parity.monitor.train_view import train_top_k
+
+        return train_top_k
+    raise AttributeError(f"module 'parity.monitor' has no attribute {name!r}")

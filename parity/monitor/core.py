@@ -167,7 +167,8 @@ class Monitor:
             responses: Any = None, prompts: Any = None, uids: Sequence[Any] | None = None,
             sampling: Mapping[str, Any] | SamplingParams | None = None,
             meta: Mapping[str, Any] | None = None, policy_version: int | None = None,
-            rollout_policy_version: int | None = None) -> dict[str, Any]:
+            rollout_policy_version: int | None = None, rollout_top_k: Any = None,
+            train_top_k: Any = None) -> dict[str, Any]:
         """Check, summarise and store one step; returns the stored record (`{"step": step, ...}`;
         `parity.monitor.flat_values(record)` gives its scalars by name, for your own logger).
 
@@ -180,6 +181,9 @@ class Monitor:
             `parity.SamplingParams` fields), stored with the step. meta: anything JSON holds.
             policy_version, rollout_policy_version: the trainer's and the rollout's weight versions
             (integers; the rollout's at most the trainer's); their difference is the declared lag.
+            rollout_top_k: `(ids, logprobs)` `[batch, response_len, k]`, the rollout engine's top-k
+            at every position, with train_top_k the trainer's side (`parity.monitor.train_top_k`):
+            adds the `distribution/` keys and the worst positions (`parity.monitor.top_k`).
         """
         # torch: `import parity.monitor` stays light
         from parity.monitor.summary import (
@@ -209,6 +213,12 @@ class Monitor:
                 tails = _prompt_tails(prompts, tok.shape[0])
                 row_ids = _uids(uids, tok.shape[0])
                 record = step_record(tok, correction=self.correction, responses=ids, advice=False)
+                if rollout_top_k is not None or train_top_k is not None:
+                    from parity.monitor.top_k import step_distribution
+
+                    keys, record["distribution"] = step_distribution(rollout_top_k, train_top_k, rollout, ids,
+                                                                     mask, row_ids, self.tokenizer)
+                    record["summary"].update(keys)
                 record["summary"].update({SUPPORT_SUMMARY_KEYS[0]: outside,
                                           SUPPORT_SUMMARY_KEYS[1]: outside / counted if counted else 0.0})
                 values = flat_values(record)

@@ -41,9 +41,12 @@ TREND_KEYS: tuple[str, ...] = (
     "rollout_probs_diff_max", "rollout_probs_pearson", "frac_tokens_ratio_gt_2",
     "frac_tokens_outside_support",
     "rollout_corr/rollout_is_eff_sample_size", "rollout_corr/rollout_is_ratio_fraction_high",
+    "distribution/kl_train_engine_mean", "distribution/tv_mean", "distribution/top_k_overlap",
 )
 #: alerts listed on the page, newest first (every alert stays in the store).
 ALERTS_SHOWN = 50
+#: how much lower than the training process the child that draws the page runs (`os.nice`).
+PAGE_NICENESS = 10
 #: steps of largest k3_kl detailed on the page besides the latest.
 WORST_STEPS = 3
 
@@ -182,10 +185,32 @@ def _detail(step: dict[str, Any], *, latest: bool) -> str:
         "<div><h3>Rollout correction (verl rollout_corr/*)</h3>",
         key_value_table(step.get("rollout_corr", {})),
         "</div>", f"<div>{position}</div></div>",
-        "<h3>Worst tokens</h3>", table,
+        "<h3>Worst tokens</h3>", table, _distribution_table(step.get("distribution")),
         key_value_table(context) if context else "",
         advice,
     ])
+
+
+def _distribution_table(section: dict[str, Any] | None) -> str:
+    """The step's worst positions by KL(train || rollout) bound, both sides' top entries side by side."""
+    if not section or not section.get("worst"):
+        return ""
+
+    def entries(side: dict[str, Any]) -> str:
+        names = side.get("text") or [str(t) for t in side["ids"]]
+        return "<br>".join(f"{html.escape(repr(n) if 'text' in side else n)} {v:.4f}"
+                           for n, v in zip(names, side["logprobs"]))
+
+    head = ("uid", "row", "position", "token id", "KL(train‖rollout) ≥", "TV ≥", "sampled rank",
+            f"rollout top-{len(section['worst'][0]['rollout']['ids'])}", "trainer top")
+    body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in (
+        html.escape(str(w.get("uid", ""))), w["row"], w["position"], w["token_id"],
+        f"{w['kl_train_engine']:.3e}", f"{w['tv']:.3e}", w["sampled_rank"],
+        entries(w["rollout"]), entries(w["train"]))) + "</tr>" for w in section["worst"])
+    return (f"<h3>Worst positions, full distribution (rollout top-{section['top_k']} against the "
+            "trainer)</h3>"
+            '<table class="worst"><thead><tr>' + "".join(f"<th>{h}</th>" for h in head)
+            + f"</tr></thead><tbody>{body}</tbody></table>")
 
 
 def _recommendation_changes(steps: list[dict[str, Any]]) -> str:
@@ -231,7 +256,9 @@ def _draw_in_a_child(out_dir: Path, log_scale: bool) -> None:
     package_root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH"))
                                                          if p)}
-    code = ("import sys; from parity.monitor.page import write_page; "
+    # the child yields the CPU to the training process (nice +PAGE_NICENESS): on a loaded machine the
+    # page may come later, the step does not wait behind it
+    code = (f"import os, sys; os.nice({PAGE_NICENESS}); from parity.monitor.page import write_page; "
             "write_page(sys.argv[1], log_scale=sys.argv[2] == '1')")
     done = subprocess.run([sys.executable, "-c", code, str(out_dir), "1" if log_scale else "0"], env=env,
                           capture_output=True, text=True, check=False)

@@ -1,0 +1,107 @@
+"""Full-distribution drift of one monitored step: the rollout engine's top-k at every counted
+response position against the trainer's distribution there (`parity.drift.distribution`).
+
+The rollout gives its top-k per position (vLLM `logprobs=k`, SGLang `top_logprobs_num`):
+`rollout_top_k=(ids, logprobs)`, each `[batch, response_len, k]`. The trainer's side is its full
+row at each position under the rollout's processing, reduced where it lives by `train_top_k`
+(`parity.monitor.train_view`, torch, on the rows' device: logprobs at the rollout's ids, its own
+top-k, entropy, the sampled token's rank), so the `[tokens, V]` rows never reach the monitor.
+`step_distribution` checks both (`parity.core.top_k`: shape, ids, order, duplicates, the same
+processing as the sampled logprobs) and gives the step's `distribution/` summary keys and the
+worst positions with both sides' top-5.
+
+NumPy only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from parity.core.errors import InputError
+from parity.core.top_k import check_same_processing, check_top_k
+from parity.drift.distribution import TrainerView, concat_views, position_drift, summarize_distribution
+from parity.monitor.arrays import host_array
+
+#: worst positions a step keeps (largest KL(train || rollout) bound), and entries shown per side.
+WORST_POSITIONS = 10
+SHOWN_ENTRIES = 5
+
+
+def step_distribution(rollout_top_k: Any, train_view: TrainerView | Sequence[TrainerView] | None,
+                      rollout_log_probs: np.ndarray, responses: np.ndarray | None, mask: np.ndarray,
+                      uids: list[str] | None, tokenizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the step's `distribution/` summary keys, its stored section: k and the worst positions with
+    both sides' top-5, decoded when a tokenizer is given) of the rollout's top-k `(ids, logprobs)`
+    `[batch, response_len, k]` against `train_view` (`train_top_k`'s, or a list of them in batch
+    order); `InputError` (a `TopKError` for the top-k itself) naming what is wrong."""
+    if rollout_top_k is None or train_view is None:
+        raise InputError("rollout_top_k and train_top_k come together (the rollout's top-k and the trainer's "
+                         "distribution at its ids, parity.monitor.train_top_k); give both or neither")
+    if not isinstance(rollout_top_k, (tuple, list)) or len(rollout_top_k) != 2:
+        raise InputError("rollout_top_k must be a pair (ids, logprobs), each [batch, response_len, k]")
+    if responses is None:
+        raise InputError("rollout_top_k needs responses= (the sampled ids the top-k is checked against)")
+    counted = mask.astype(bool)
+    ids = token_ids(rollout_top_k[0], "rollout_top_k ids", counted.shape, top_k=True)
+    logprobs = host_array(rollout_top_k[1], "rollout_top_k logprobs")
+    if logprobs.ndim != 3 or logprobs.shape != ids.shape:
+        raise InputError(f"rollout_top_k logprobs must be {list(ids.shape)} like its ids, got "
+                         f"{list(logprobs.shape)}")
+    dense = bool(counted.all())  # every slot counts: views, not copies of the [N, k] arrays
+    ids, logprobs, sampled, sampled_lp = ((x.reshape(-1, *x.shape[2:]) if dense else x[counted])
+                                          for x in (ids, logprobs, responses, rollout_log_probs))
+    k = ids.shape[1]
+    check_top_k(ids, logprobs, "rollout_top_k")
+    check_same_processing(ids, logprobs, sampled, sampled_lp, "rollout_top_k")
+    view = train_view if isinstance(train_view, TrainerView) else concat_views(list(train_view))
+    if view.at_engine.shape != ids.shape:
+        raise InputError(f"train_top_k holds {view.at_engine.shape} values for {ids.shape} counted top-k "
+                         "entries; make it with parity.monitor.train_top_k from the same ids and mask")
+    drift = position_drift(logprobs, view)
+    rows, positions = np.nonzero(counted)
+    shown = min(SHOWN_ENTRIES, k)
+
+    def side(token_ids: np.ndarray, values: np.ndarray) -> dict[str, Any]:
+        out: dict[str, Any] = {"ids": token_ids[:shown].tolist(),
+                               "logprobs": values[:shown].astype(float).tolist()}
+        if tokenizer is not None:
+            out["text"] = [str(tokenizer.decode([t])) for t in out["ids"]]
+        return out
+
+    worst = []
+    for j in _largest(drift.kl_train_engine, WORST_POSITIONS):
+        entry = {"row": int(rows[j]), "position": int(positions[j]),
+                 "token_id": int(responses[rows[j], positions[j]]),
+                 "kl_train_engine": float(drift.kl_train_engine[j]),
+                 "kl_engine_train": float(drift.kl_engine_train[j]),
+                 "tv": float(drift.tv[j]), "sampled_rank": int(drift.sampled_rank[j]),
+                 "rollout": side(ids[j], logprobs[j]), "train": side(view.top_ids[j], view.top_logprobs[j])}
+        if uids is not None:
+            entry["uid"] = uids[entry["row"]]
+        worst.append(entry)
+    return summarize_distribution(drift, k), {"top_k": k, "worst": worst}
+
+
+def _largest(values: np.ndarray, k: int) -> list[int]:
+    """Indices of the k largest `values` (inf first, NaN never), largest first, ties by index."""
+    keyed = np.where(np.isnan(values), -np.inf, values)
+    if keyed.size > k:
+        cut = np.partition(keyed, keyed.size - k)[keyed.size - k]
+        candidates = np.flatnonzero(keyed >= cut)
+    else:
+        candidates = np.arange(keyed.size)
+    return candidates[np.argsort(-keyed[candidates], kind="stable")][:k].tolist()
+
+
+def token_ids(value: Any, name: str, shape: tuple[int, int], *, top_k: bool = False) -> np.ndarray:
+    """Token ids `[*shape]` (or `[*shape, k]` with `top_k`) as an int64 NumPy array."""
+    ids = host_array(value, name)
+    if ids.shape[:2] != shape or ids.ndim != 2 + top_k:
+        raise InputError(f"{name} must be [{shape[0]}, {shape[1]}{', k' if top_k else ''}], got shape "
+                         f"{list(ids.shape)}")
+    if ids.size and ids.dtype.kind not in "iu":
+        raise InputError(f"{name} must hold integer token ids, got dtype {ids.dtype}")
+    return ids.astype(np.int64, copy=False)
