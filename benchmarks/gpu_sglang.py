@@ -46,6 +46,18 @@ SERVER_ARGS = ("--attention-backend", "triton", "--sampling-backend", "pytorch",
 SHARED_GPU = ("--mem-fraction-static", "0.35", "--cuda-graph-max-bs", "64")
 DETERMINISTIC = ("--enable-deterministic-inference",)
 DEFAULT_STATE = Path("/tmp/parity-sglang-state")
+STARTED = time.monotonic()
+
+
+class OutOfTime(RuntimeError):
+    """The call's `--budget-s` is spent: the rest of the section waits for the next call."""
+
+
+def check_budget(args: argparse.Namespace) -> None:
+    """OutOfTime once `--budget-s` seconds have passed since the start (a row then does not start,
+    so no server is left running when the device call ends)."""
+    if args.budget_s is not None and time.monotonic() - STARTED > args.budget_s:
+        raise OutOfTime(f"--budget-s {args.budget_s:.0f} spent; run the same command again to resume")
 
 
 def shaped(state: Path, shape: str, layers: int) -> str:
@@ -93,6 +105,7 @@ def compare_section(args: argparse.Namespace, ledger: Ledger) -> list[dict[str, 
     for key, model, mode, flags, moe in _compare_rows(args):
         if key in ledger.rows("compare"):
             continue
+        check_budget(args)
         # processed logprobs are SGLang's only untruncated: top_p stays 1 there (the adapter refuses less)
         sampling = SamplingParams(n=4, temperature=1.0 if mode == "raw" else 0.8, top_p=0.95 if mode == "raw"
                                   else 1.0, max_tokens=args.tokens, seed=1, logprobs_mode=mode)
@@ -191,6 +204,7 @@ def throughput_section(args: argparse.Namespace, ledger: Ledger) -> list[dict[st
     for side in args.order:
         if side in ledger.rows("throughput"):
             continue
+        check_budget(args)
         cmd = [sys.executable, "-m", "benchmarks.gpu_sglang", "--measure", side, "--model", model,
                "--workload", ",".join(map(str, args.workload))]
         done = subprocess.run(cmd, capture_output=True, text=True)
@@ -212,6 +226,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--workload", type=lambda t: tuple(int(x) for x in t.split(",")), default=(256, 256, 512))
     p.add_argument("--order", type=lambda t: t.split(","), default=list(SIDES))
     p.add_argument("--state", type=Path, default=DEFAULT_STATE)
+    p.add_argument("--budget-s", type=float, help="start no row after this many seconds (the call's limit)")
     p.add_argument("--redo", action="store_true", help="forget the named sections' state and run them again")
     p.add_argument("--measure", choices=SIDES, help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
@@ -236,7 +251,8 @@ def main(argv: list[str] | None = None) -> None:
         ledger.forget(args.sections)
     runners = {"install": lambda: install_section(args), "compare": lambda: compare_section(args, ledger),
                "throughput": lambda: throughput_section(args, ledger),
-               "tests": lambda: pytest_row(["tests/test_sglang_gpu.py"], None, ledger.root / "tests.xml")}
+               "tests": lambda: check_budget(args) or pytest_row(["tests/test_sglang_gpu.py"], None,
+                                                                  ledger.root / "tests.xml")}
     args.out.mkdir(parents=True, exist_ok=True)
     for section in pending(args.sections, ledger):
         start = time.perf_counter()

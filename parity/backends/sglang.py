@@ -22,7 +22,10 @@ The HTTP path ran against a real SGLang 0.5.23 server on CPU (tests/test_sglang_
 sglang-check`); its responses, captured, are the parsing fixtures. That run confirmed: the default
 logprob is log_softmax(logits / T), untruncated; greedy tokens come back raw (converted to the
 point mass by `Backend.finished`); `sampling_seed` is ignored unless the server runs with
---enable-deterministic-inference. The Engine API and MoE routes were not run (SGLang's CPU path).
+--enable-deterministic-inference. On one H200 (SGLang 0.5.17, servers parity started,
+docs/BACKENDS.md) dense and MoE compares ran, `routed_experts` came back in the layout
+`decode_routes` reads, and the seed was again honoured only in deterministic mode. The Engine API
+was not run.
 """
 
 from __future__ import annotations
