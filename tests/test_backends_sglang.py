@@ -252,3 +252,55 @@ def test_http_server_gone_names_the_lost_requests():
     sampling = SamplingParams(**{**DOCUMENTED["sampling"], "n": 2})
     with pytest.raises(RequestsLostError, match=r"2 of 2 requests to http://127\.0\.0\.1:\d+ were lost: k/0"):
         backend.generate([Request(tuple(DOCUMENTED["prompts"][1]), sampling, "k")])
+
+
+#: a stand-in `sglang.launch_server` (its docstring says what it is)
+STUB_SITE = Path(__file__).parent / "data" / "sglang_stub"
+
+
+@pytest.fixture
+def stub_python(monkeypatch):
+    """This interpreter, with the stand-in `sglang` package first on the server's path."""
+    monkeypatch.setenv("PYTHONPATH", f"{STUB_SITE}:{Path.cwd()}")
+    monkeypatch.delenv("PARITY_SGLANG_PYTHON", raising=False)
+
+
+def test_launch_server_starts_flushes_and_stops_the_server(stub_python):
+    """parity starts the server (flags it owns plus server_args, the logprob variable), reads its
+    settings, flushes the radix cache for an uncached run, and stops it on close."""
+    backend = get_backend("sglang", DOCUMENTED["model"], logprobs_mode="raw", launch_server=True,
+                          server_args="--enable-deterministic-inference --attention-backend triton",
+                          return_routed_experts=True, start_timeout_s=60)
+    info = backend.client.get("/get_server_info")
+    assert info["argv"][:2] == ["--model-path", str(resolve_model(DOCUMENTED["model"]))]
+    assert {"--skip-tokenizer-init", "--enable-return-routed-experts", "--dtype"} <= set(info["argv"])
+    assert info["return_original_logprob"] == "1"
+    assert backend.meta["batch_invariant"] is True and backend.meta["attention_backend"] == "triton"
+    assert backend.meta["server_args"] == ["--enable-deterministic-inference", "--attention-backend",
+                                           "triton"]
+    sampling = SamplingParams(**{**DOCUMENTED["sampling"], "logprobs_mode": "raw"})
+    req = [Request(tuple(DOCUMENTED["prompts"][1]), sampling, "u")]
+    assert backend.generate(req)[0].meta["num_cached_tokens"] == 0
+    assert backend.generate_uncached(req)[0].meta["num_cached_tokens"] == 1  # flushed once before
+    server = backend.server
+    backend.close()
+    assert server.exit_reason() is not None and backend.server is None
+
+
+def test_launch_server_failure_names_the_log_and_leaves_nothing(monkeypatch, tmp_path):
+    """A server that cannot start (no sglang on its Python) fails with its log's tail, stopped."""
+    monkeypatch.setenv("PYTHONPATH", str(Path.cwd()))
+    with pytest.raises(BackendError, match=r"SGLang server failed to start(.|\n)*sglang"):
+        get_backend("sglang", DOCUMENTED["model"], launch_server=True, start_timeout_s=60)
+
+
+@pytest.mark.parametrize(("options", "match"), [
+    ({"launch_server": True, "server_args": "--port 1"}, "may not contain --port"),
+    ({"launch_server": True, "server_args": ["--dtype=float16"]}, "may not contain --dtype"),
+    ({"launch_server": True, "base_url": "http://127.0.0.1:1"}, "drop base_url"),
+    ({"server_args": "--attention-backend triton"}, "add launch_server=true"),
+    ({"launch_server": True, "python": "/no/such/python"}, "PARITY_SGLANG_PYTHON"),
+])
+def test_launch_server_options_are_checked_before_anything_starts(options, match):
+    with pytest.raises(ConfigError, match=match):
+        SGLangBackend(DOCUMENTED["model"], **options)

@@ -57,3 +57,43 @@ def test_parse_errors():
         token_logprob({"8": {"logprob": -1.0}}, 7)
     with pytest.raises(BackendError, match="prompt logprobs"):
         parse_prompt_logprobs({"prompt_logprobs": [-1.0]}, [1, 2], [3])
+
+
+def test_a_dump_in_trtllm_output_layout_is_scored_by_parity_score(tmp_path, capsys):
+    """What a TensorRT-LLM user does instead of the adapter (it cannot run here, docs/BACKENDS.md):
+    write each `RequestOutput`'s `prompt_token_ids` and its `CompletionOutput` fields as they are
+    (`token_ids`, `logprobs` in either layout, `finish_reason`) as JSONL, and `parity score` it. The
+    logprobs are the fp32 reference engine's (written on another host: 4e-06 nats from this host's fp32
+    training forward); one logprob shifted by 0.5 nats is the negative control."""
+    from parity.cli import main
+
+    rows = [{"prompt_token_ids": prompt, "token_ids": c["token_ids"], "logprobs": c["logprobs"],
+             "finish_reason": c["finish_reason"], "logprobs_mode": "raw", "temperature": 1.0}
+            for prompt, c in zip(DOCUMENTED["prompts"], DOCUMENTED["completions"])]
+    assert isinstance(rows[0]["logprobs"][0], float) and isinstance(rows[1]["logprobs"][0], dict)
+    dump = tmp_path / "trtllm.jsonl"
+    dump.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "score.json"
+    assert main(["score", str(dump), "--model", DOCUMENTED["model"], "--dtype", "float32", "--rollout-dtype",
+                 "float32", "--logprobs-mode", "raw", "--json", str(out)]) == 0
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["num_tokens"] == sum(len(c["token_ids"]) for c in DOCUMENTED["completions"])
+    assert summary["max_abs_logprob_diff"] < 1e-4
+    first = rows[1]["token_ids"][0]
+    rows[1]["logprobs"][0] = {str(first): {"logprob": rows[1]["logprobs"][0][str(first)]["logprob"] - 0.5,
+                                           "rank": 1}}
+    dump.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    main(["score", str(dump), "--model", DOCUMENTED["model"], "--dtype", "float32", "--rollout-dtype",
+          "float32", "--logprobs-mode", "raw", "--json", str(out)])
+    assert json.loads(out.read_text())["summary"]["max_abs_logprob_diff"] == pytest.approx(0.5, abs=1e-4)
+
+
+def test_a_trtllm_dict_entry_without_the_sampled_token_is_refused(tmp_path):
+    from parity.core.errors import InputError
+    from parity.rollouts.dumps import read_dump
+
+    dump = tmp_path / "bad.jsonl"
+    dump.write_text(json.dumps({"prompt_token_ids": [1, 2], "token_ids": [5],
+                                "logprobs": [{"6": {"logprob": -1.0}}], "logprobs_mode": "raw"}) + "\n")
+    with pytest.raises(InputError, match="no logprob of the sampled token 5"):
+        read_dump(dump, logprobs_mode="raw")

@@ -89,6 +89,8 @@ def _missing(spec: BackendSpec, options: dict[str, Any] | None = None) -> str | 
     """Why `spec` cannot run here with `options`, or None. Looks the package up without importing it."""
     if spec.attach_option is not None and (options or {}).get(spec.attach_option) is not None:
         return None
+    if spec.launch_option is not None and (options or {}).get(spec.launch_option):
+        return None  # the server's own Python has the package; a missing one fails its start, named
     if importlib.util.find_spec(spec.requires) is None:
         return f"backend {spec.name!r} needs the {spec.requires!r} package: {spec.install}"
     return None

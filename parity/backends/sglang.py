@@ -14,13 +14,18 @@ Translation facts (SGLang docs: sampling params, native API):
   `routed_experts` is base64 of int32 `[positions, moe_layers, top_k]`.
 
 A server needs no sglang package on the client: `base_url=` works with only parity installed.
+With `launch_server=True` parity starts one itself (`parity.backends.sglang_server`) under the
+Python named by PARITY_SGLANG_PYTHON and stops it on `close`.
 Requests to a server go one sample per `/generate` call through `parity.backends.http` (bounded
 concurrency, per-request and per-run timeouts, retries; lost requests are named in the error).
 The HTTP path ran against a real SGLang 0.5.23 server on CPU (tests/test_sglang_live.py, `make
 sglang-check`); its responses, captured, are the parsing fixtures. That run confirmed: the default
 logprob is log_softmax(logits / T), untruncated; greedy tokens come back raw (converted to the
 point mass by `Backend.finished`); `sampling_seed` is ignored unless the server runs with
---enable-deterministic-inference. The Engine API and MoE routes were not run (SGLang's CPU path).
+--enable-deterministic-inference. On one H200 (SGLang 0.5.17, servers parity started,
+docs/BACKENDS.md) dense and MoE compares ran, `routed_experts` came back in the layout
+`decode_routes` reads, and the seed was again honoured only in deterministic mode. The Engine API
+was not run.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import torch
 
 from parity.backends.base import Backend, SampleJob, TopKRows, expand_samples, stop_set
 from parity.backends.http import Endpoint, HttpClient, HttpSettings
+from parity.backends.sglang_server import split_server_args, start_server
 from parity.core.errors import BackendError, ConfigError, InputError
 from parity.core.schema import LOGPROBS_MODES
 from parity.core.strict import check_choice
@@ -44,6 +50,9 @@ from parity.core.types import Pair, Request, Rollout, SamplingParams
 
 #: parity logprobs_mode -> the value SGLANG_RETURN_ORIGINAL_LOGPROB must have in the server.
 ORIGINAL_LOGPROB_ENV = {"raw": "1", "processed": "0"}
+#: `/get_server_info` fields that decide a server's numbers (recorded in meta["server_settings"]).
+SERVER_SETTINGS = ("tp_size", "attention_backend", "sampling_backend", "enable_deterministic_inference",
+                   "disable_radix_cache", "disable_cuda_graph", "random_seed", "dtype", "page_size")
 
 
 def translate_sampling(job: SampleJob, eos_ids: Sequence[int], logprobs_mode: str) -> dict[str, Any]:
@@ -133,24 +142,36 @@ class SGLangBackend(Backend):
     return_routed_experts: ask for MoE routing (the server needs --enable-return-routed-experts).
     engine_kwargs: more `sglang.Engine` keyword arguments, passed unchanged (e.g. tp_size,
         attention_backend).
+    launch_server: start `python -m sglang.launch_server` on a loopback port (instead of an
+        Engine) and talk to it as to `base_url`; stopped on `close`.
+    server_args: more launch_server flags (a string or a list), e.g.
+        "--enable-deterministic-inference --attention-backend triton".
+    python: the interpreter with sglang for a launched server (default: $PARITY_SGLANG_PYTHON,
+        else this one). start_timeout_s: seconds the launched server may take to answer /health.
     """
 
     name = "sglang"
     score_modes = ("raw",)  # SGLang's prompt logprobs (`input_token_logprobs`) are raw only
+    bypasses_prefix_cache = True  # by flushing the radix cache before the run (`generate_uncached`)
 
     def __init__(self, model: str | Path, *, dtype: str = "bfloat16", logprobs_mode: str = "processed",
                  base_url: str | None = None, api_key_env: str | None = None,
                  return_routed_experts: bool = False, concurrency: int = 64,
                  request_timeout_s: float = 600.0, run_timeout_s: float = 3600.0, retries: int = 3,
-                 engine_kwargs: Mapping[str, Any] | None = None) -> None:
+                 engine_kwargs: Mapping[str, Any] | None = None, launch_server: bool = False,
+                 server_args: str | Sequence[str] = (), python: str | None = None,
+                 start_timeout_s: float = 900.0) -> None:
         super().__init__(model, dtype=dtype)
         engine_kwargs = dict(engine_kwargs or {})
         self.logprobs_mode = check_choice(logprobs_mode, LOGPROBS_MODES, "sglang option logprobs_mode")
-        self.client = None if base_url is None else HttpClient(
-            Endpoint.parse(base_url, api_key_env=api_key_env, option="base_url"),
-            HttpSettings(concurrency=concurrency, request_timeout_s=request_timeout_s,
-                         run_timeout_s=run_timeout_s, retries=retries))
-        if self.client is None and api_key_env is not None:
+        words = split_server_args(server_args)
+        if launch_server and (base_url is not None or engine_kwargs):
+            raise ConfigError("option launch_server starts a server of its own: drop base_url and "
+                              "engine_kwargs (pass launch_server flags in server_args)")
+        if not launch_server and (words or python is not None):
+            raise ConfigError("options server_args and python apply to a server parity starts; add "
+                              "launch_server=true")
+        if base_url is None and not launch_server and api_key_env is not None:
             raise ConfigError("option api_key_env applies to a server; give base_url= with it")
         self.return_routed_experts = return_routed_experts
         config = json.loads((self.model_path / "config.json").read_text())
@@ -158,6 +179,18 @@ class SGLangBackend(Backend):
         # Routes come packed for every decoder layer (the tiny MoE checkpoints are MoE throughout).
         self.routes_shape = (int(config["num_hidden_layers"]), int(top_k)) if top_k else None
         self._engine = None
+        self.server = None
+        if launch_server:
+            self.server = start_server(self.model_path, dtype=dtype,
+                                       logprob_env=ORIGINAL_LOGPROB_ENV[logprobs_mode],
+                                       routed_experts=return_routed_experts, words=words, python=python,
+                                       timeout_s=start_timeout_s)
+            base_url = self.server.url
+        self.client = None if base_url is None else HttpClient(
+            Endpoint.parse(base_url, api_key_env=api_key_env, option="base_url"),
+            HttpSettings(concurrency=concurrency, request_timeout_s=request_timeout_s,
+                         run_timeout_s=run_timeout_s, retries=retries))
+        server_info: dict[str, Any] = {}
         if self.client is None:
             import sglang  # sglang only for an in-process Engine: a server needs no package here
 
@@ -167,7 +200,13 @@ class SGLangBackend(Backend):
                                          **engine_kwargs)
             version = sglang.__version__
         else:
-            version = self.client.get("/get_server_info").get("version", "unknown")
+            try:
+                server_info = self.client.get("/get_server_info")
+            except BaseException:
+                self.close()  # a server parity started is not left running
+                raise
+            version = server_info.get("version", "unknown")
+            engine_kwargs = {key: server_info[key] for key in SERVER_SETTINGS if key in server_info}
         self.meta.update({
             "backend_version": version, "logprobs_mode": logprobs_mode,
             "sglang_return_original_logprob": ORIGINAL_LOGPROB_ENV[logprobs_mode],
@@ -176,6 +215,8 @@ class SGLangBackend(Backend):
             "attention_backend": engine_kwargs.get("attention_backend", "auto"),
             "batch_invariant": bool(engine_kwargs.get("enable_deterministic_inference", False)),
             "enable_prefix_caching": not engine_kwargs.get("disable_radix_cache", False),
+            **({"server_settings": {k: server_info.get(k) for k in SERVER_SETTINGS}} if server_info else {}),
+            **({"server_args": list(words)} if self.server is not None else {}),
         })
 
     def _generate_raw(self, input_ids: list[list[int]], params: list[dict[str, Any]], labels: list[str],
@@ -202,8 +243,24 @@ class SGLangBackend(Backend):
                 raise BackendError(f"SGLang routed_experts has {routes.shape[0]} positions for prompt "
                                    f"{len(job.request.prompt_ids)} + tokens {len(tokens)} - 1")
             top_k = parse_top_logprobs(out, job.sampling.top_k_logprobs)
-            rollouts.append(self.finished(job, tokens, logprobs, routes, top_k=top_k))
+            cached = out["meta_info"].get("cached_tokens")
+            rollouts.append(self.finished(job, tokens, logprobs, routes, top_k=top_k,
+                                          **({} if cached is None else {"num_cached_tokens": int(cached)})))
         return rollouts
+
+    def generate_uncached(self, requests: Sequence[Request]) -> list[Rollout]:
+        """`generate` after flushing the radix (prefix) cache: SGLang has no per-request bypass, so
+        requests of one call that share a prefix may still share it (`num_cached_tokens` says)."""
+        if self.has_prefix_cache:
+            self.flush_cache()
+        return self.generate(requests)
+
+    def flush_cache(self) -> None:
+        """Empty the radix cache (`Engine.flush_cache` or the server's `/flush_cache`)."""
+        if self._engine is not None:
+            self._engine.flush_cache()
+        else:
+            self.client.post("/flush_cache", text=True)
 
     @classmethod
     def top_k_limit(cls, options: dict[str, Any]) -> int | None:
@@ -233,3 +290,6 @@ class SGLangBackend(Backend):
         engine, self._engine = self._engine, None
         if engine is not None:
             engine.shutdown()
+        server, self.server = self.server, None
+        if server is not None:
+            server.stop()

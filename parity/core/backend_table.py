@@ -29,6 +29,8 @@ class BackendSpec:
     description: one line for `parity backends` and the docs.
     attach_option: the option that attaches to a running server over HTTP; with it the backend
         needs only parity (not `requires`) and runs wherever that server runs.
+    launch_option: the option that starts the backend's server under a Python of its own (e.g.
+        PARITY_SGLANG_PYTHON); with it `requires` need not import in parity's Python.
     route_option: the start option that makes the backend record MoE routes (the routes R3
         replays); None: it cannot record them.
     prefix_cache: the start option (name, value) that turns its prefix cache off and the one
@@ -45,6 +47,7 @@ class BackendSpec:
     install: str
     description: str
     attach_option: str | None = None
+    launch_option: str | None = None
     route_option: str | None = None
     prefix_cache: tuple[tuple[str, Any], tuple[str, Any]] | None = None
     lora: bool = False
@@ -76,7 +79,8 @@ BACKEND_TABLE: tuple[BackendSpec, ...] = (
                               ("server_args", "--enable-prefix-caching")), lora=True),
     BackendSpec("sglang", "offline", "accelerator", "parity.backends.sglang:SGLangBackend", "sglang",
                 'pip install "parity-harness[sglang]"; none to attach with base_url=',
-                "SGLang Engine API or a /generate server (base_url=)", attach_option="base_url",
+                "SGLang Engine API, a server parity starts (launch_server=true) or base_url=",
+                attach_option="base_url", launch_option="launch_server",
                 route_option="return_routed_experts"),
     BackendSpec("trtllm", "offline", "cuda", "parity.backends.trtllm:TRTLLMBackend", "tensorrt_llm",
                 'pip install "parity-harness[trtllm]"', "TensorRT-LLM LLM API"),

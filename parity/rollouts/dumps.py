@@ -4,7 +4,12 @@ cannot reach, any engine), read from JSONL or Parquet with one rollout per row.
 Columns (parity's spelling first, then the accepted aliases):
     prompt_ids        prompts, prompt_token_ids                      (required)
     response_ids      responses, token_ids, response_token_ids       (required)
-    rollout_logprobs  rollout_log_probs, logprobs                    (required)
+    rollout_logprobs  rollout_log_probs, logprobs                    (required) one number per
+                                                                     response token, or TRT-LLM's
+                                                                     (and vLLM's) dict per position,
+                                                                     token id -> {"logprob": x,
+                                                                     "rank": r} or x, read at the
+                                                                     sampled token
     trainer_logprobs  old_log_probs, old_logprobs                    the trainer's logprobs of the
                                                                      same tokens (optional)
     request_id        uid                                            default: the row index
@@ -172,7 +177,8 @@ def _row(row: dict[str, Any], index: int, samples: dict[str, int], backend: str,
     """One row -> (rollout, trainer logprobs or None, the trainer column's name or None)."""
     prompt = _column(row, "prompt_ids")
     response = _column(row, "response_ids")
-    logprobs = [json_float(v) for v in _column(row, "rollout_logprobs")]
+    logprobs = [json_float(_sampled_logprob(v, response[i] if i < len(response) else None))
+                for i, v in enumerate(_column(row, "rollout_logprobs"))]
     trainer_column = next((a for a in COLUMN_ALIASES["trainer_logprobs"] if row.get(a) is not None), None)
     trainer = None if trainer_column is None else [json_float(v) for v in _as_list(row[trainer_column],
                                                                                    trainer_column)]
@@ -219,6 +225,18 @@ def _row(row: dict[str, Any], index: int, samples: dict[str, int], backend: str,
         routed_experts=None if routes is None else np.asarray(routes, dtype=np.int64),
         meta=meta, sampling=sampling, response_mask=generated, **_top_k_columns(row, keep))
     return rollout, None if trainer is None else tuple(float(x) for x in trainer), trainer_column
+
+
+def _sampled_logprob(entry: Any, token: Any) -> Any:
+    """One rollout-logprob entry as a number: a number as it is; a per-position dict (TRT-LLM's
+    `CompletionOutput.logprobs`, vLLM's) at the sampled token `token`."""
+    if not isinstance(entry, Mapping):
+        return entry
+    value = entry.get(str(token), entry.get(token))
+    if value is None:
+        raise InputError(f"a rollout logprobs entry {dict(entry)!r:.80} has no logprob of the sampled token "
+                         f"{token}; give one number per response token, or a dict that holds the sampled one")
+    return value.get("logprob") if isinstance(value, Mapping) else value
 
 
 def _top_k_columns(row: dict[str, Any], keep: int) -> dict[str, Any]:

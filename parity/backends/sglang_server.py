@@ -1,0 +1,61 @@
+"""Start SGLang's HTTP server for the `sglang` backend (`launch_server=True`) on a loopback port.
+
+The server runs under `python -m sglang.launch_server` of the Python named by `python=`, else
+PARITY_SGLANG_PYTHON, else this interpreter: SGLang pins its own torch and transformers, so it
+often lives in an environment of its own (`make sglang-check`'s .venv-sglang; on the H200 a site
+directory with a wrapper, tools/h200_sglang.sh). parity sets the flags its parsing relies on
+(`MANAGED_FLAGS`); anything else goes in `server_args`, e.g. "--enable-deterministic-inference
+--attention-backend triton".
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from parity.core.errors import ConfigError
+from parity.runtime.processes import LOOPBACK, ServerProcess, free_loopback_port
+
+#: flags parity sets itself; `server_args` may not repeat them.
+MANAGED_FLAGS = ("--model-path", "--host", "--port", "--dtype", "--skip-tokenizer-init",
+                 "--enable-return-routed-experts")
+#: the variable naming the Python that has SGLang installed.
+PYTHON_ENV = "PARITY_SGLANG_PYTHON"
+
+
+def split_server_args(server_args: str | Sequence[str]) -> tuple[str, ...]:
+    """`server_args` as argv words; refuses the flags parity sets itself."""
+    words = tuple(shlex.split(server_args)) if isinstance(server_args, str) else tuple(map(str, server_args))
+    for word in words:
+        if word.split("=", 1)[0] in MANAGED_FLAGS:
+            raise ConfigError(f"option server_args may not contain {word.split('=', 1)[0]}: parity sets it "
+                              "(model, dtype and return_routed_experts are options of their own)")
+    return words
+
+
+def server_python(python: str | None) -> str:
+    """The interpreter that runs the server: `python`, else $PARITY_SGLANG_PYTHON, else this one."""
+    chosen = python or os.environ.get(PYTHON_ENV) or sys.executable
+    found = shutil.which(chosen) if os.sep not in chosen else (chosen if Path(chosen).is_file() else None)
+    if found is None:
+        raise ConfigError(f"the Python for the SGLang server, {chosen!r}, does not exist; set option python= "
+                          f"or {PYTHON_ENV} to an interpreter with sglang installed")
+    return found
+
+
+def start_server(model_path: Path, *, dtype: str, logprob_env: str, routed_experts: bool,
+                 words: tuple[str, ...], python: str | None, timeout_s: float) -> ServerProcess:
+    """Launch `sglang.launch_server` on a free loopback port and wait for /health (BackendError with
+    the log's tail when it exits or does not answer within `timeout_s` seconds)."""
+    port = free_loopback_port()
+    argv = [server_python(python), "-m", "sglang.launch_server", "--model-path", str(model_path),
+            "--host", LOOPBACK, "--port", str(port), "--dtype", dtype, "--skip-tokenizer-init",
+            *(["--enable-return-routed-experts"] if routed_experts else []), *words]
+    server = ServerProcess(argv, port=port, name="SGLang server",
+                           env={"SGLANG_RETURN_ORIGINAL_LOGPROB": logprob_env})
+    server.start(timeout_s)
+    return server
