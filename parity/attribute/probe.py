@@ -188,7 +188,8 @@ def engine_diff(model: str, requests: Sequence[Request], *, backend: str = "vllm
 
     capture: sample indices to capture (default all); stages: stage kinds (`STAGE_KINDS`, default all).
     train: the training forward's setting (default: `Setting(dtype=dtype)`, all invariant kernels,
-        one right-padded prefill). shared: take the process's shared engines (never closed here).
+        one right-padded prefill). shared: take the process's shared engines (never closed here);
+        otherwise one engine runs at a time, and two sides with the same options share it.
     Bad input raises a ParityError before any engine starts.
     """
     side = side or EngineSide()
@@ -198,21 +199,23 @@ def engine_diff(model: str, requests: Sequence[Request], *, backend: str = "vllm
     if not isinstance(train, Setting) or train.mode != "prefill":
         raise ConfigError("train must be a prefill parity.attribute.Setting (the training forward)")
     start: Callable[..., Backend] = shared_backend if shared else get_backend
+    running: list[tuple[dict[str, Any], Backend]] = []  # one engine at a time; reused for equal options
 
     def probe_side(setting: EngineSide) -> EngineProbe:
-        engine = start(backend, model, dtype=dtype, probe=True, **setting.options)
-        try:
-            return probe_engine(engine, requests, chosen, kinds, batch=setting.batch,
-                                label=f"{backend}: {setting.label}")
-        finally:
-            if not shared:
-                engine.close()
+        if not running or running[0][0] != setting.options:
+            if running and not shared:
+                running.pop()[1].close()
+            engine = start(backend, model, dtype=dtype, probe=True, **setting.options)
+            running[:] = [(setting.options, engine)]
+        return probe_engine(running[0][1], requests, chosen, kinds, batch=setting.batch,
+                            label=f"{backend}: {setting.label}")
 
-    b = probe_side(side)
-    if against is None:
-        a = train_probe(model, b, train, kinds)
-    else:
-        a = probe_side(against)
+    try:
+        b = probe_side(side)
+        a = train_probe(model, b, train, kinds) if against is None else probe_side(against)
+    finally:
+        if running and not shared:
+            running[0][1].close()
     return compare_probes(model, backend, a, b)
 
 
