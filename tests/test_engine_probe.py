@@ -191,13 +191,14 @@ def test_one_engine_runs_at_a_time_and_equal_options_share_it(monkeypatch, again
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")
 MODELS = ("tiny-llama", "tiny-qwen3-moe")
+SMOLLM2 = "smollm2-135m-instruct"
 
 
 @pytest.fixture(scope="module")
 def engines():
     """This module's probe engines (no other module uses the probe option): closed at its end."""
     yield lambda model: shared_backend("vllm", model, probe=True)
-    for model in MODELS:
+    for model in (*MODELS, SMOLLM2):
         close_shared_backend("vllm", model, probe=True)
 
 
@@ -254,7 +255,8 @@ def test_identical_settings_report_no_difference(engines, model):
 
 #: (model, HF tensor perturbed in the engine only, the stage that must differ first).
 PLANTS = [("tiny-llama", "model.layers.1.mlp.down_proj.weight", "layer.1.mlp"),
-          ("tiny-qwen3-moe", "model.layers.1.self_attn.o_proj.weight", "layer.1.attn")]
+          ("tiny-qwen3-moe", "model.layers.1.self_attn.o_proj.weight", "layer.1.attn"),
+          (SMOLLM2, "model.layers.5.mlp.down_proj.weight", "layer.5.mlp")]
 
 
 @needs_vllm
