@@ -1,9 +1,13 @@
 """`parity attribute`: op-family ablation and layer probe of a case's tokens, printed and written out.
 
     parity attribute --model tiny-llama --case smoke --axis batch --axis mode --dtype float32 --html a.html
+    parity attribute --backend vllm --model tiny-llama --stages layer,logits --versus batch --json e.json
 
 The tokens are the case's prompts with responses sampled by the reference engine (invariant
-kernels), so every setting scores exactly the same tokens.
+kernels), so every setting scores exactly the same tokens. With `--backend`, the engine samples
+them itself with its probe on and is compared, stage by stage, with the training forward on its own
+tokens (`--versus train`), or with itself in another setting (`--versus batch`: one request per call
+against all in one; `--versus KEY=VALUE`: that backend option on against the engine without it).
 """
 
 from __future__ import annotations
@@ -14,12 +18,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from parity.attribute.axes import AXES
+from parity.attribute.stages import STAGE_KINDS
 from parity.backends.borrowed import resolve_device
+from parity.backends.registry import parse_option
 from parity.core.errors import ConfigError
 from parity.core.outputs import output_file
 from parity.core.schema import DTYPES, KERNEL_MODES, REFERENCE
 from parity.core.types import Rollout
-from parity.render.attribution import attribution_page, layers_text, ops_text
+from parity.render.attribution import attribution_page, engine_text, layers_text, ops_text
 from parity.runtime.frame import run_command
 from parity.workload.cases import default_case, resolve_case
 
@@ -52,6 +58,18 @@ def _parser() -> argparse.ArgumentParser:
                         help="score the first N sampled sequences (default: 8)")
     parser.add_argument("--no-ops", action="store_true", help="skip the op-family ablation")
     parser.add_argument("--no-layers", action="store_true", help="skip the layer probe")
+    parser.add_argument("--backend", help="look inside this engine (vllm): its stages against the "
+                                          "training forward's, or against the same engine in another "
+                                          "setting (--versus)")
+    parser.add_argument("--stages", default=None, metavar="K1,K2",
+                        help="with --backend: the stage kinds to capture, of " + ", ".join(STAGE_KINDS)
+                             + " (default: all)")
+    parser.add_argument("--versus", default="train", metavar="train|batch|KEY=VALUE",
+                        help="with --backend: side A is the training forward (train, default), the engine "
+                             "with one request per call (batch), or the engine without backend option "
+                             "KEY=VALUE (side B has it)")
+    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                        help="with --backend: a backend option of both sides (repeatable)")
     parser.add_argument("--json", type=Path, metavar="OUT", help="write the section as JSON to OUT")
     parser.add_argument("--html", type=Path, metavar="OUT", help="write an HTML page to OUT")
     return parser
@@ -85,6 +103,10 @@ def _run(args: argparse.Namespace) -> int:
         if path is not None:
             output_file(path, option)  # before the engine runs
     args.device = resolve_device(args.device, [REFERENCE])
+    if args.backend is not None:
+        return _run_engine(args)
+    if args.stages is not None or args.option or args.versus != "train":
+        raise ConfigError("--stages, --versus and --option go with --backend (the engine probe)")
     model, dtype, rollouts = _sequences(args.model, args.case, args.dtype, args.device, args.max_sequences)
     from parity.attribute.section import attribution_section  # torch: after parsing (--help stays light)
 
@@ -104,5 +126,39 @@ def _run(args: argparse.Namespace) -> int:
         print(f"wrote {args.json}")
     if args.html is not None:
         args.html.write_text(attribution_page(section, f"parity attribute: {model}"), encoding="utf-8")
+        print(f"wrote {args.html}")
+    return 0
+
+
+def _run_engine(args: argparse.Namespace) -> int:
+    """`parity attribute --backend B`: the engine probe (`parity.attribute.probe.engine_diff`)."""
+    case = default_case(args.model or "tiny-llama") if args.case is None else resolve_case(args.case,
+                                                                                            what="--case")
+    if args.max_sequences < 1:
+        raise ConfigError(f"--max-sequences must be >= 1, got {args.max_sequences}")
+    model = args.model or case.model
+    dtype = args.dtype or case.dtypes[0]
+    options = dict(parse_option(text) for text in args.option)
+    # torch and the engine: after parsing, so that --help and bad input stay light
+    from parity.attribute.probe import EngineSide, engine_diff
+    from parity.attribute.settings import Setting
+
+    side, against = EngineSide(options), None
+    if args.versus == "batch":
+        against = EngineSide(options, batch=1)
+    elif args.versus != "train":
+        key, value = parse_option(args.versus)
+        side, against = EngineSide({**options, key: value}), EngineSide(options)
+    diff = engine_diff(model, list(case.requests[:args.max_sequences]), backend=args.backend, dtype=dtype,
+                       side=side, against=against, stages=args.stages,
+                       train=Setting(dtype=dtype, device=args.device)).to_dict()
+    print(engine_text(diff))
+    section = {"model": model, "engine": diff}
+    if args.json is not None:
+        args.json.write_text(json.dumps(section, indent=2), encoding="utf-8")
+        print(f"wrote {args.json}")
+    if args.html is not None:
+        args.html.write_text(attribution_page(section, f"parity attribute --backend {args.backend}: {model}"),
+                             encoding="utf-8")
         print(f"wrote {args.html}")
     return 0

@@ -14,7 +14,7 @@ rows are scattered back to (sequence, position) using the layout the forward was
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +24,7 @@ from torch import nn
 
 from parity import kernels as _kernels
 from parity.attribute.settings import Setting
+from parity.attribute.stages import check_stage_kinds, stage_order
 from parity.core.errors import InputError
 from parity.core.types import Pair, Sequences, as_pairs
 from parity.engine import forward, sampler, train_forward
@@ -41,7 +42,8 @@ class Run:
 
     logprobs: per sequence, the raw logprob (nats) of each response token, float32 [len(response)].
     states: stage name (`stage_names`) -> per sequence, in the model dtype:
-        [len(prompt) + len(response), hidden] for "embed", "layer.<i>" and "norm";
+        [len(prompt) + len(response), width] for the token stages ("embed", "layer.<i>", "norm" and
+        the sublayers `parity.attribute.stages` names; width: hidden, or experts for a router);
         [len(response), vocab] for "logits" (the logits each response token was scored from).
         Empty unless the run was asked to capture.
     """
@@ -50,13 +52,27 @@ class Run:
     states: dict[str, tuple[torch.Tensor, ...]]
 
 
-def stage_names(lm: LoadedModel) -> list[str]:
-    """Stages in forward order: "embed", "layer.0" .. "layer.<L-1>", "norm", "logits"."""
-    return ["embed", *(f"layer.{i}" for i in range(len(lm.model.model.layers))), "norm", "logits"]
+#: the stage kinds the layer probe captures unless told otherwise.
+DEFAULT_KINDS = ("embed", "layer", "norm", "logits")
 
 
-def run(model: str | LoadedModel, sequences: Sequences, setting: Setting, *, capture: bool = False) -> Run:
-    """The forward of `setting` over `sequences`; with `capture`, every stage's hidden states too."""
+def moe_layers(lm: LoadedModel) -> list[int]:
+    """Indices of the decoder layers whose MLP has a router (`mlp.gate`)."""
+    layers = lm.model.model.layers
+    return [i for i, layer in enumerate(layers) if hasattr(getattr(layer, "mlp", None), "gate")]
+
+
+def stage_names(lm: LoadedModel, kinds: Iterable[str] = DEFAULT_KINDS) -> list[str]:
+    """Stages of `kinds` in forward order (`parity.attribute.stages.stage_order`); by default
+    "embed", "layer.0" .. "layer.<L-1>", "norm", "logits"."""
+    return stage_order(kinds, len(lm.model.model.layers), moe_layers(lm))
+
+
+def run(model: str | LoadedModel, sequences: Sequences, setting: Setting, *, capture: bool = False,
+        stages: Iterable[str] | None = None) -> Run:
+    """The forward of `setting` over `sequences`; with `capture`, the hidden states of the stage kinds
+    `stages` too (`parity.attribute.stages.STAGE_KINDS`; default `DEFAULT_KINDS`)."""
+    kinds = DEFAULT_KINDS if stages is None else check_stage_kinds(stages)
     pairs = as_pairs(sequences)
     if not pairs:
         raise InputError("sequences is empty; give a non-empty list of parity.Rollout or (prompt_ids, "
@@ -66,7 +82,7 @@ def run(model: str | LoadedModel, sequences: Sequences, setting: Setting, *, cap
         check_token_ids(prompt + response, lm, f"sequences[{i}]")
         check_length(len(prompt) + len(response), lm, f"sequences[{i}]")
     size = setting.micro_batch_size or len(pairs)
-    recorder = _Recorder(lm, pairs) if capture else None
+    recorder = _Recorder(lm, pairs, kinds) if capture else None
     micro_batch = _prefill if setting.mode == "prefill" else _decode
     logprobs: list[torch.Tensor] = []
     with recorder.hooks() if recorder else nullcontext():
@@ -187,11 +203,11 @@ class _Recorder:
     (embed, decoder layers, final norm) and lm_head rows belong; the hooks then scatter them.
     """
 
-    def __init__(self, lm: LoadedModel, pairs: list[Pair]) -> None:
+    def __init__(self, lm: LoadedModel, pairs: list[Pair], kinds: Iterable[str]) -> None:
         self.lm = lm
         self.pairs = pairs
         self.buffers: dict[str, list[torch.Tensor | None]] = {name: [None] * len(pairs)
-                                                              for name in stage_names(lm)}
+                                                              for name in stage_names(lm, kinds)}
         self.token_rows: RowMap = []
         self.logit_rows: RowMap = []
 
@@ -201,10 +217,15 @@ class _Recorder:
     @contextmanager
     def hooks(self) -> Iterator[None]:
         inner = self.lm.model.model
-        modules: list[tuple[str, nn.Module]] = [
-            ("embed", inner.embed_tokens), *((f"layer.{i}", layer) for i, layer in enumerate(inner.layers)),
-            ("norm", inner.norm), ("logits", self.lm.model.lm_head)]
-        handles = [module.register_forward_hook(self._hook(name)) for name, module in modules]
+        modules: list[tuple[str, nn.Module]] = [("embed", inner.embed_tokens), ("norm", inner.norm),
+                                                ("logits", self.lm.model.lm_head)]
+        for i, layer in enumerate(inner.layers):
+            modules += [(f"layer.{i}", layer), (f"layer.{i}.attn", layer.self_attn),
+                        (f"layer.{i}.mlp", layer.mlp)]
+            if hasattr(layer.mlp, "gate"):
+                modules.append((f"layer.{i}.router", layer.mlp.gate))
+        handles = [module.register_forward_hook(self._hook(name)) for name, module in modules
+                   if name in self.buffers]
         try:
             yield
         finally:

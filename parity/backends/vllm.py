@@ -67,6 +67,7 @@ import torch
 
 from parity.backends.base import Backend, SampleJob, TopKRows, expand_samples, processed_from_raw, stop_set
 from parity.backends.vllm_env import check_batch_invariant_platform, resolve_flag, set_flag
+from parity.backends.vllm_probe import PROBE_KEY, probe_engine_kwargs, start_probe, take_probe
 from parity.backends.vllm_routes import capture_engine_kwargs, start_route_capture, take_routes
 from parity.backends.vllm_weights import (
     DIGEST_EXTENSION,
@@ -163,6 +164,8 @@ class VLLMBackend(Backend):
         `attention_backend`); on the command line `--option engine_kwargs='{"max_model_len": 512}'`.
     lora: a LoRA adapter (directory or built-in adapter name) every request applies, swapped at run
         time by `load_adapter` (same rank or lower).
+    probe: start the engine with parity's probe (`parity.backends.vllm_probe`; eager execution), so
+        that `probe` can return the hidden states of chosen requests stage by stage.
     """
 
     name = "vllm"
@@ -172,7 +175,8 @@ class VLLMBackend(Backend):
                  tensor_parallel_size: int = 1, enable_prefix_caching: bool | None = None,
                  batch_invariant: bool | None = None, return_routed_experts: bool = False,
                  capture_routes: bool = False, seed: int = 0, weight_transfer: str = "reload",
-                 engine_kwargs: Mapping[str, Any] | None = None, lora: str | None = None) -> None:
+                 engine_kwargs: Mapping[str, Any] | None = None, lora: str | None = None,
+                 probe: bool = False) -> None:
         super().__init__(model, dtype=dtype)
         spec = self.check_lora(lora)
         engine_kwargs = dict(engine_kwargs or {})
@@ -220,12 +224,18 @@ class VLLMBackend(Backend):
             engine_kwargs.update(enable_lora=True, max_loras=1)
         self._lora_request: Any = None
         self._lora_id = 0
-        if capture_routes:
+        if probe and capture_routes:
+            raise ConfigError("vllm options probe and capture_routes each install a worker extension; "
+                              "choose one")
+        if probe:
+            engine_kwargs = probe_engine_kwargs(engine_kwargs)
+        elif capture_routes:
             engine_kwargs = capture_engine_kwargs(engine_kwargs, return_routed_experts=return_routed_experts)
         elif not on_cpu:  # vLLM 0.23's GPU worker has no compute_weight_checksums: parity's digests
             engine_kwargs.setdefault("worker_extension_cls", DIGEST_EXTENSION)
-        self._checksum_method = "parity_weight_checksums" \
-            if engine_kwargs.get("worker_extension_cls") == DIGEST_EXTENSION else "compute_weight_checksums"
+        # the probe's extension carries parity's digests too
+        self._checksum_method = "parity_weight_checksums" if engine_kwargs.get("worker_extension_cls") == \
+            DIGEST_EXTENSION or (probe and not on_cpu) else "compute_weight_checksums"
         self.capture_routes = capture_routes
         try:
             with guard.spawn_window():  # the EngineCore vLLM spawns dies with this process
@@ -262,7 +272,7 @@ class VLLMBackend(Backend):
             "return_routed_experts": return_routed_experts, "capture_routes": capture_routes,
             "route_source": route_source, "weight_transfer": weight_transfer,
             "gpu_memory_utilization": engine_kwargs.get("gpu_memory_utilization"),
-            "engine_seed": seed,
+            "engine_seed": seed, "probe": probe,
             "n_expansion": "n single-sample requests with parity sample_seed(seed, i)",
         })
         if from_env is not None:
@@ -280,7 +290,19 @@ class VLLMBackend(Backend):
         """`generate` with every request prefilled from its first token (`skip_reading_prefix_cache`)."""
         return self._generate(requests, read_prefix_cache=False)
 
-    def _generate(self, requests: Sequence[Request], *, read_prefix_cache: bool) -> list[Rollout]:
+    def probe(self, requests: Sequence[Request], capture: Sequence[int], kinds: Sequence[str]
+              ) -> tuple[list[Rollout], dict[int, dict[str, torch.Tensor]]]:
+        """`generate_uncached` with the stages `kinds` of the samples `capture` (indices into the
+        expanded samples) captured inside the engine: per index {stage name: [rows, width]} in the
+        engine's dtype (`parity.backends.vllm_probe`). Needs an engine started with `probe=True`."""
+        if not self.meta.get("probe"):
+            raise ConfigError("this vLLM engine was started without the probe; start it with probe=True")
+        start_probe(self._llm, list(kinds))
+        rollouts = self._generate(requests, read_prefix_cache=False, marked=frozenset(capture))
+        return rollouts, take_probe(self._llm)
+
+    def _generate(self, requests: Sequence[Request], *, read_prefix_cache: bool,
+                  marked: frozenset[int] = frozenset()) -> list[Rollout]:
         import vllm  # vllm only where an engine runs: this module imports without it
         from vllm.inputs import TokensPrompt
 
@@ -294,7 +316,9 @@ class VLLMBackend(Backend):
                     f"logprobs_mode={job.sampling.logprobs_mode!r}")
         prompts = [TokensPrompt(prompt_token_ids=list(job.request.prompt_ids)) for job in jobs]
         skip = {} if read_prefix_cache else {"skip_reading_prefix_cache": True}
-        params = [vllm.SamplingParams(**translate_sampling(job, self.eos_ids), **skip) for job in jobs]
+        params = [vllm.SamplingParams(**translate_sampling(job, self.eos_ids), **skip,
+                                      extra_args={PROBE_KEY: i} if i in marked else None)
+                  for i, job in enumerate(jobs)]
         if self.capture_routes:
             start_route_capture(self._llm)
         outputs = self._run(prompts, params)

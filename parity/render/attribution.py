@@ -134,6 +134,73 @@ def layers_figure(layers: dict[str, Any], *, title: str = "relative error by sta
     return fig
 
 
+_ENGINE_COLUMNS: tuple[tuple[str, Any], ...] = (
+    *_LAYER_COLUMNS[:3], ("share differing", lambda s: f"{100 * s['share']:.2f}%"),
+)
+
+
+def _growth(phase: dict[str, Any]) -> str:
+    growth = phase["growth"]
+    return "no layer output differs" if growth is None else f"x{growth:.3g} from the first differing layer"
+
+
+def engine_text(diff: dict[str, Any]) -> str:
+    """Terminal tables of an `EngineDiff.to_dict()`: per phase, the first differing stage, the growth
+    over depth and one row per stage."""
+    lines = [f"A: {diff['side_a']}", f"B: {diff['side_b']}",
+             f"{len(diff['sequences'])} sequences; {diff['parted']} parted (compared up to their first "
+             f"differing token)"]
+    for phase in diff["phases"]:
+        first = phase["first_differing"]
+        lines += [f"-- {phase['phase']} ({diff['positions'][phase['phase']]} positions): first differing "
+                  f"stage {first if first is not None else 'none (bitwise equal everywhere)'}; "
+                  f"layer outputs {_growth(phase)}", _text_table(_ENGINE_COLUMNS, phase["stages"])]
+    return "\n".join(lines)
+
+
+def depth_figure(diff: dict[str, Any], *, title: str = "relative error over depth") -> Figure:
+    """Relative error of each decoder layer's output, prefill and decode, on a log axis (a phase
+    whose layer outputs are all bitwise equal is drawn at the bottom, marked "=")."""
+    fig, ax = new_figure()
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("decoder layer")
+    ax.set_ylabel("||b - a|| / ||a||")
+    drawn = False
+    for phase, color in zip(diff["phases"], (BLUE, ORANGE)):
+        depth = np.array(phase["depth"], dtype=np.float64)
+        shown = np.where(depth > 0, depth, np.nan)
+        if np.isfinite(shown).any():
+            ax.plot(np.arange(len(depth)), shown, marker="o", color=color, label=phase["phase"])
+            drawn = True
+        else:
+            ax.plot([], [], color=color, label=f"{phase['phase']} (=)")
+    if drawn:
+        ax.set_yscale("log")
+    ax.legend(fontsize=7)
+    return fig
+
+
+def engine_html(diff: dict[str, Any]) -> str:
+    """HTML fragment of an `EngineDiff.to_dict()`: the sides, the depth chart, and per phase the
+    stage table and bar chart."""
+    parts = ['<div class="engine-probe"><h2>Inside the engine</h2>',
+             f"<p>A: {html.escape(diff['side_a'])}<br>B: {html.escape(diff['side_b'])}<br>"
+             f"{len(diff['sequences'])} sequences; {diff['parted']} parted</p>"]
+    if any(phase["depth"] for phase in diff["phases"]):
+        parts.append(figure_img(depth_figure(diff), "relative error of each layer's output over depth"))
+    for phase in diff["phases"]:
+        first = phase["first_differing"]
+        name = phase["phase"]
+        parts += [f"<h3>{html.escape(name)} ({diff['positions'][name]} positions)</h3>",
+                  f"<p>first differing stage: <b>{html.escape(first or 'none')}</b>; layer outputs "
+                  f"{html.escape(_growth(phase))}</p>",
+                  _html_table(_ENGINE_COLUMNS, phase["stages"], "engine-probe-stages"),
+                  figure_img(layers_figure(phase, title=f"relative error by stage ({name})"),
+                             f"relative error by stage, {name}")]
+    parts.append("</div>")
+    return "\n".join(parts)
+
+
 def _html_table(columns: tuple[tuple[str, Any], ...], rows: list[dict[str, Any]], css_class: str) -> str:
     head = "".join(f"<th>{html.escape(h)}</th>" for h, _ in columns)
     body = "".join("<tr>" + "".join(f"<td>{html.escape(str(fn(r)))}</td>" for _, fn in columns) + "</tr>"
@@ -148,9 +215,12 @@ def _sides(result: dict[str, Any]) -> str:
 
 def section_html(section: dict[str, Any]) -> str:
     """HTML fragment of an attribution section (`parity.attribute.attribution_section`):
-    per axis, the op-family table and bar chart and the layer-probe table and chart."""
+    per axis, the op-family table and bar chart and the layer-probe table and chart; the engine
+    probe's (`engine_html`) when the section has an "engine" entry (`parity attribute --backend`)."""
     parts = ['<div class="attribution"><h2>Drift attribution</h2>']
-    for entry in section["axes"]:
+    if "engine" in section:
+        parts.append(engine_html(section["engine"]))
+    for entry in section.get("axes", []):
         axis = html.escape(entry["axis"])
         parts.append(f"<h3>Axis: {axis}</h3><p>{html.escape(entry['description'])}</p>")
         ops = entry.get("ops")

@@ -1,0 +1,271 @@
+"""Inside the engine: where a production engine's numbers leave the training forward's, stage by stage.
+
+    from parity.attribute import EngineSide, engine_diff
+    diff = engine_diff("tiny-llama", requests)                     # vLLM against the training forward
+    diff.phase("decode").first_differing                           # e.g. "layer.0.attn"
+    diff = engine_diff("tiny-llama", requests, side=EngineSide(batch=1), against=EngineSide())
+
+The engine samples the requests with its probe on (`parity.backends.vllm_probe`): every captured
+stage of the chosen samples, `[rows, width]` in the dtype the engine computed. Side A is then either
+the training forward (`parity.attribute.runner.run`, a prefill over the engine's own tokens, with
+the same stages hooked) or the same engine in another setting (`EngineSide`: its options, and how
+many requests each call batches). Rows are compared position by position, split into prefill (the
+prompt's positions; the first logits row) and decode (every later position: where a rollout's
+logprobs come from). Two engine settings may sample different tokens once their numbers part; each
+sequence is compared only up to the first token the sides disagree on (`EngineDiff.parted`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from parity.attribute.layers import StageDiff
+from parity.attribute.runner import run
+from parity.attribute.settings import Setting
+from parity.attribute.stages import check_stage_kinds, stage_kind
+from parity.backends import Backend, backend_options, get_backend, shared_backend
+from parity.core.errors import ConfigError, InputError, UnsupportedError
+from parity.core.types import Request, Rollout
+
+#: backends whose engine parity can look into.
+PROBE_BACKENDS: tuple[str, ...] = ("vllm",)
+#: the two phases of a rollout, compared separately.
+PHASES: tuple[str, ...] = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class EngineSide:
+    """One setting of the engine: its backend options (besides `probe`) and the requests per call.
+
+    batch: how many requests each engine call carries (1: each alone); None: all in one call.
+    """
+
+    options: Mapping[str, Any] = field(default_factory=dict)
+    batch: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.batch is not None and (isinstance(self.batch, bool) or not isinstance(self.batch, int)
+                                       or self.batch < 1):
+            raise ConfigError(f"EngineSide.batch must be an integer >= 1 or None (all requests in one call), "
+                              f"got {self.batch!r}")
+        if not isinstance(self.options, Mapping) or "probe" in self.options:
+            raise ConfigError("EngineSide.options must be a mapping of backend options without 'probe' "
+                              "(the probe is always on)")
+        object.__setattr__(self, "options", dict(self.options))
+
+    @property
+    def label(self) -> str:
+        batch = "all requests in one call" if self.batch is None else f"{self.batch} request(s) per call"
+        options = ", ".join(f"{k}={v!r}" for k, v in sorted(self.options.items()))
+        return f"{batch}{'; ' + options if options else ''}"
+
+
+@dataclass(frozen=True)
+class PhaseDiff:
+    """The stages of one phase ("prefill" or "decode"), in forward order (`StageDiff`: max_abs,
+    rel_error, differing / elements over every compared row of every captured sequence)."""
+
+    phase: str
+    stages: tuple[StageDiff, ...]
+
+    @property
+    def first_differing(self) -> str | None:
+        return next((s.stage for s in self.stages if s.differing), None)
+
+    @property
+    def depth(self) -> list[float]:
+        """Relative error of each decoder layer's output ("layer.<i>"), layer by layer."""
+        return [s.rel_error for s in self.stages if stage_kind(s.stage) == "layer"]
+
+    @property
+    def growth(self) -> float | None:
+        """Relative error of the last layer's output over that of the first layer that differs
+        (how much the drift grew over depth); None when no layer output differs."""
+        depth = self.depth
+        first = next((e for e in depth if e > 0), None)
+        return None if first is None or not math.isfinite(first) else depth[-1] / first
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"phase": self.phase, "first_differing": self.first_differing, "depth": self.depth,
+                "growth": self.growth,
+                "stages": [{**s.to_dict(), "share": s.differing / s.elements if s.elements else 0.0}
+                           for s in self.stages]}
+
+
+@dataclass(frozen=True)
+class EngineDiff:
+    """The result of `engine_diff`: side B (the engine) against side A, per phase.
+
+    sequences: the captured sample indices; parted: how many of them the two sides sampled
+    different tokens for (compared up to there); positions: rows of the first stage compared per phase.
+    """
+
+    model: str
+    backend: str
+    side_a: str
+    side_b: str
+    sequences: tuple[int, ...]
+    parted: int
+    positions: dict[str, int]
+    phases: tuple[PhaseDiff, ...]
+
+    def phase(self, name: str) -> PhaseDiff:
+        return next(p for p in self.phases if p.phase == name)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form (what `parity.render.attribution.engine_html` draws)."""
+        return {"model": self.model, "backend": self.backend, "side_a": self.side_a, "side_b": self.side_b,
+                "sequences": list(self.sequences), "parted": self.parted, "positions": self.positions,
+                "phases": [p.to_dict() for p in self.phases]}
+
+
+def check_probe_input(backend: str, requests: Sequence[Request], capture: Iterable[int] | None,
+                      stages: Iterable[str] | str | None, sides: Iterable[EngineSide]
+                      ) -> tuple[list[int], tuple[str, ...]]:
+    """(capture indices, stage kinds), checked before any engine starts: a backend with a probe,
+    known options and stages, sample indices in range."""
+    if backend not in PROBE_BACKENDS:
+        raise UnsupportedError(f"backend {backend!r} has no engine probe; parity can look inside "
+                               f"{list(PROBE_BACKENDS)} (the other backends give logprobs only)")
+    if not requests:
+        raise InputError("requests is empty; give at least one parity.Request")
+    valid = set(backend_options(backend))
+    for side in sides:
+        unknown = sorted(set(side.options) - valid)
+        if unknown:
+            raise ConfigError(f"backend {backend!r} has no option(s) {unknown}; its options: {sorted(valid)}")
+    kinds = check_stage_kinds(stages)
+    samples = sum(r.sampling.n for r in requests)
+    chosen = list(range(samples)) if capture is None else [int(i) for i in capture]
+    bad = [i for i in chosen if not 0 <= i < samples]
+    if bad or not chosen:
+        raise InputError(f"capture: sample indices must lie in 0..{samples - 1} (one per sample of the "
+                         f"{len(requests)} requests); got {bad or chosen}")
+    return sorted(set(chosen)), kinds
+
+
+@dataclass(frozen=True)
+class EngineProbe:
+    """What one engine setting computed: its rollouts (every sample) and, per captured sample index,
+    {stage name: [rows, width]} in the engine's dtype."""
+
+    label: str
+    rollouts: tuple[Rollout, ...]
+    states: dict[int, dict[str, torch.Tensor]]
+
+
+def probe_engine(engine: Backend, requests: Sequence[Request], capture: Sequence[int], kinds: Sequence[str],
+                 *, batch: int | None = None, label: str = "engine") -> EngineProbe:
+    """Sample `requests` on a running probe engine (`batch` requests per call, None: all in one) and
+    capture the stage kinds `kinds` of the samples `capture`."""
+    if not hasattr(engine, "probe"):
+        raise UnsupportedError(f"backend {engine.name!r} has no engine probe; parity can look inside "
+                               f"{list(PROBE_BACKENDS)}")
+    size = batch or len(requests)
+    rollouts: list[Rollout] = []
+    states: dict[int, dict[str, torch.Tensor]] = {}
+    for first in range(0, len(requests), size):
+        part = list(requests[first:first + size])
+        offset = len(rollouts)
+        local = [i - offset for i in capture if offset <= i < offset + sum(r.sampling.n for r in part)]
+        got, captured = engine.probe(part, local, kinds)
+        rollouts += got
+        states.update({offset + i: s for i, s in captured.items()})
+    return EngineProbe(label=label, rollouts=tuple(rollouts), states=states)
+
+
+def engine_diff(model: str, requests: Sequence[Request], *, backend: str = "vllm", dtype: str = "bfloat16",
+                side: EngineSide | None = None, against: EngineSide | None = None,
+                capture: Iterable[int] | None = None, stages: Iterable[str] | str | None = None,
+                train: Setting | None = None, shared: bool = False) -> EngineDiff:
+    """Stage-by-stage differences of the engine (`side`) from the training forward, or, with `against`,
+    from the same engine in the setting `against` (then side A is `against`, side B is `side`).
+
+    capture: sample indices to capture (default all); stages: stage kinds (`STAGE_KINDS`, default all).
+    train: the training forward's setting (default: `Setting(dtype=dtype)`, all invariant kernels,
+        one right-padded prefill). shared: take the process's shared engines (never closed here);
+        otherwise one engine runs at a time, and two sides with the same options share it.
+    Bad input raises a ParityError before any engine starts.
+    """
+    side = side or EngineSide()
+    chosen, kinds = check_probe_input(backend, requests, capture, stages,
+                                      [side] if against is None else [side, against])
+    train = train or Setting(dtype=dtype)
+    if not isinstance(train, Setting) or train.mode != "prefill":
+        raise ConfigError("train must be a prefill parity.attribute.Setting (the training forward)")
+    start: Callable[..., Backend] = shared_backend if shared else get_backend
+    running: list[tuple[dict[str, Any], Backend]] = []  # one engine at a time; reused for equal options
+
+    def probe_side(setting: EngineSide) -> EngineProbe:
+        if not running or running[0][0] != setting.options:
+            if running and not shared:
+                running.pop()[1].close()
+            engine = start(backend, model, dtype=dtype, probe=True, **setting.options)
+            running[:] = [(setting.options, engine)]
+        return probe_engine(running[0][1], requests, chosen, kinds, batch=setting.batch,
+                            label=f"{backend}: {setting.label}")
+
+    try:
+        b = probe_side(side)
+        a = train_probe(model, b, train, kinds) if against is None else probe_side(against)
+    finally:
+        if running and not shared:
+            running[0][1].close()
+    return compare_probes(model, backend, a, b)
+
+
+def train_probe(model: str, engine: EngineProbe, train: Setting, kinds: Sequence[str]) -> EngineProbe:
+    """The training forward over the engine's own tokens (its captured samples), the same stages
+    captured: a prefill, so every row of a sequence comes from one forward."""
+    chosen = sorted(engine.states)
+    pairs = [(list(engine.rollouts[i].prompt_ids), list(engine.rollouts[i].token_ids)) for i in chosen]
+    states = run(model, pairs, train, capture=True, stages=kinds).states
+    return EngineProbe(label=f"training forward: {train.label}", rollouts=engine.rollouts,
+                       states={i: {name: states[name][n] for name in states} for n, i in enumerate(chosen)})
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the common prefix of two token lists."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def compare_probes(model: str, backend: str, a: EngineProbe, b: EngineProbe) -> EngineDiff:
+    """Side B's captured stages against side A's, row by row, per phase (both captured the same
+    samples and stages)."""
+    chosen = sorted(b.states)
+    if sorted(a.states) != chosen or not chosen:
+        raise InputError(f"the two probes captured different samples: {sorted(a.states)} and {chosen}")
+    rollouts_a, states_a, rollouts_b, states_b = a.rollouts, a.states, b.rollouts, b.states
+    names = list(states_b[chosen[0]])
+    parts: dict[str, dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]]] = {
+        phase: {name: ([], []) for name in names} for phase in PHASES}
+    positions = dict.fromkeys(PHASES, 0)
+    parted = 0
+    for i in chosen:
+        prompt = len(rollouts_b[i].prompt_ids)
+        same = _common(rollouts_a[i].token_ids, rollouts_b[i].token_ids)
+        parted += same < max(len(rollouts_a[i].token_ids), len(rollouts_b[i].token_ids))
+        for name in names:
+            xb = states_b[i][name]
+            # token row p was fed token p; logits row t was computed from the tokens before response[t]
+            n = min(xb.shape[0], same + 1) if name == "logits" else min(xb.shape[0], prompt + same)
+            split = min(1 if name == "logits" else prompt, n)
+            xa, xb = states_a[i][name][:n], xb[:n]
+            if xa.shape != xb.shape:
+                raise UnsupportedError(f"stage {name!r} of sample {i}: side A has shape {tuple(xa.shape)}, "
+                                       f"side B {tuple(xb.shape)}; the two cannot be compared row by row")
+            for phase, rows in (("prefill", slice(0, split)), ("decode", slice(split, n))):
+                parts[phase][name][0].append(xa[rows])
+                parts[phase][name][1].append(xb[rows])
+            if name == names[0]:
+                positions["prefill"] += split
+                positions["decode"] += n - split
+    phases = tuple(PhaseDiff(phase, tuple(StageDiff.between(name, *parts[phase][name]) for name in names))
+                   for phase in PHASES)
+    return EngineDiff(model=model, backend=backend, side_a=a.label, side_b=b.label, sequences=tuple(chosen),
+                      parted=parted, positions=positions, phases=phases)

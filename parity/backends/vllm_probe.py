@@ -1,0 +1,190 @@
+"""Hidden states captured inside a running vLLM engine, stage by stage, for chosen requests.
+
+`ProbeExtension` is mixed into vLLM's worker through the `worker_extension_cls` engine argument (as
+the route-capture and weight-digest extensions are). It registers forward hooks on the model the
+worker runs: the embedding, each decoder layer's attention (`self_attn`), router (`mlp.gate`, MoE
+layers) and MLP/MoE block (`mlp`), the final norm and the logits processor. vLLM's decoder layers
+return (hidden, residual) and leave the residual add to the next layer's fused add-RMSNorm, so a
+layer's output (the residual stream after it) is read where vLLM computes it: the residual the next
+layer's `input_layernorm` returns, or the final norm's for the last layer.
+
+Which rows are whose: a chosen request carries `SamplingParams.extra_args["parity_probe"]` (its
+index in the caller's list), which the worker sees in the scheduler output. The V1 runner lays a
+step's tokens out request by request in `input_batch.req_ids` order, `num_scheduled_tokens[req_id]`
+each (rows past their sum are padding), and computes one logits row per request in the same order.
+Each hook copies only the chosen requests' rows, in the dtype vLLM computed them in, to host memory;
+nothing is written back, so the engine's numbers are those of an engine without the probe.
+
+Limits: one worker (tensor_parallel_size 1); eager execution (`enforce_eager=True`: a CUDA graph
+replays kernels without calling Python hooks, so `PROBE_ENGINE_KWARGS` sets it on a GPU too);
+prompt tokens served from the prefix cache are never computed (probed requests skip reading it).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from parity.backends.vllm_weights import WeightDigestExtension
+from parity.core.errors import BackendError, ConfigError
+
+#: the worker extension class of an engine started with `probe=True`.
+PROBE_EXTENSION = "parity.backends.vllm_probe.ProbeExtension"
+#: the `SamplingParams.extra_args` key that marks a request whose rows the probe keeps.
+PROBE_KEY = "parity_probe"
+
+
+def probe_engine_kwargs(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`vllm.LLM` keyword arguments of an engine the probe can look into; refuses another worker
+    extension and compiled execution (hooks do not run inside CUDA graphs)."""
+    other = engine_kwargs.get("worker_extension_cls")
+    if other not in (None, PROBE_EXTENSION):
+        raise ConfigError(f"vllm option probe installs its own worker_extension_cls; {other!r} was given")
+    if engine_kwargs.get("enforce_eager") is False:
+        raise ConfigError("vllm option probe needs enforce_eager=True: a CUDA graph or compiled model "
+                          "replays its kernels without calling the probe's hooks")
+    return {**engine_kwargs, "worker_extension_cls": PROBE_EXTENSION, "enforce_eager": True}
+
+
+class ProbeExtension(WeightDigestExtension):
+    """Methods mixed into vLLM's worker class; called through `LLM.collective_rpc` by name."""
+
+    def parity_probe_start(self, kinds: list[str]) -> dict[str, Any]:
+        """Hook the model (once), clear what was captured and capture `kinds` from now on.
+
+        Returns {"layers": decoder layer count, "moe_layers": indices of the layers with a router}.
+        """
+        if not hasattr(self, "_parity_hooks"):
+            self._parity_install()
+        self._parity_kinds = frozenset(kinds)
+        self._parity_index: dict[str, int] = {}
+        self._parity_skipped: dict[str, int] = {}
+        self._parity_data: dict[str, dict[str, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
+        return {"layers": len(self._parity_layers), "moe_layers": self._parity_moe}
+
+    def parity_probe_take(self) -> dict[str, dict[str, Any]]:
+        """What was captured, by vLLM request id: {"index", "skipped", "stages": {name: {"dtype",
+        "shape", "data" (the tensor's bytes)}}}; stops capturing."""
+        out = {}
+        for req_id, stages in self._parity_data.items():
+            packed = {}
+            for name, parts in stages.items():
+                whole = torch.cat(parts).contiguous()
+                packed[name] = {"dtype": str(whole.dtype).removeprefix("torch."), "shape": list(whole.shape),
+                                "data": whole.view(torch.uint8).numpy().tobytes()}
+            out[req_id] = {"index": self._parity_index[req_id], "stages": packed,
+                           "skipped": self._parity_skipped.get(req_id, 0)}
+        self._parity_kinds = frozenset()
+        self._parity_data.clear()
+        return out
+
+    def _parity_install(self) -> None:
+        runner = self.model_runner  # type: ignore[attr-defined]
+        if not hasattr(runner, "input_batch"):
+            raise RuntimeError(f"parity's probe needs vLLM's V1 model runner, not {type(runner).__name__} "
+                               "(set VLLM_USE_V2_MODEL_RUNNER=0)")
+        model = runner.get_model()
+        inner = model.model
+        self._parity_layers = list(inner.layers)
+        self._parity_moe = [i for i, layer in enumerate(self._parity_layers)
+                            if hasattr(getattr(layer, "mlp", None), "gate")]
+        self._parity_kinds = frozenset()
+        self._parity_step: dict[str, Any] | None = None
+        # (kind, stage name, module, which item of a tuple output is the stage)
+        hooks: list[tuple[str, str, torch.nn.Module, int]] = [("embed", "embed", inner.embed_tokens, 0)]
+        for i, layer in enumerate(self._parity_layers):
+            hooks.append(("attn", f"layer.{i}.attn", layer.self_attn, 0))
+            if i in self._parity_moe:
+                hooks.append(("router", f"layer.{i}.router", layer.mlp.gate, 0))
+            hooks.append(("mlp", f"layer.{i}.mlp", layer.mlp, 0))
+            if i + 1 < len(self._parity_layers):  # the next layer's fused add returns this layer's residual
+                hooks.append(("layer", f"layer.{i}", self._parity_layers[i + 1].input_layernorm, 1))
+        last = f"layer.{len(self._parity_layers) - 1}"
+        hooks += [("layer", last, inner.norm, 1), ("norm", "norm", inner.norm, 0),
+                  ("logits", "logits", model.logits_processor, 0)]
+        self._parity_hooks = [module.register_forward_hook(self._parity_hook(kind, name, item))
+                              for kind, name, module, item in hooks]
+        execute = runner.execute_model
+
+        def execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+            self._parity_step = {"scheduled": scheduler_output, "rows": None} if self._parity_kinds else None
+            try:
+                return execute(scheduler_output, *args, **kwargs)
+            finally:
+                self._parity_step = None
+
+        runner.execute_model = execute_model
+
+    def _parity_hook(self, kind: str, name: str, item: int) -> Any:
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            if self._parity_step is None or kind not in self._parity_kinds:
+                return
+            out = output[item] if isinstance(output, tuple) else output
+            rows = self._parity_rows()
+            for req_id, index in (rows["logits"] if kind == "logits" else rows["tokens"]):
+                self._parity_data[req_id][name].append(out[index].detach().to("cpu", copy=True))
+        return hook
+
+    def _parity_rows(self) -> dict[str, list[tuple[str, torch.Tensor]]]:
+        """This step's chosen rows: {"tokens": [(req_id, flat token rows)], "logits": [(req_id, its
+        logits row)]}; worked out at the first hook of the step, when the batch order is final."""
+        step = self._parity_step
+        if step["rows"] is not None:
+            return step["rows"]
+        scheduled = step["scheduled"]
+        for new in scheduled.scheduled_new_reqs:
+            extra = getattr(new.sampling_params, "extra_args", None) or {}
+            if PROBE_KEY in extra:
+                self._parity_index[new.req_id] = int(extra[PROBE_KEY])
+                if new.num_computed_tokens:  # prompt tokens served from the prefix cache, never computed
+                    self._parity_skipped[new.req_id] = int(new.num_computed_tokens)
+        counts = scheduled.num_scheduled_tokens
+        order = [req_id for req_id in self.model_runner.input_batch.req_ids  # type: ignore[attr-defined]
+                 if req_id in counts]
+        tokens, logits, start = [], [], 0
+        for position, req_id in enumerate(order):
+            n = counts[req_id]
+            if req_id in self._parity_index:
+                tokens.append((req_id, torch.arange(start, start + n)))
+                logits.append((req_id, torch.tensor([position])))
+            start += n
+        step["rows"] = {"tokens": tokens, "logits": logits}
+        return step["rows"]
+
+
+def start_probe(llm: Any, kinds: list[str]) -> dict[str, Any]:
+    """Clear the probe of an engine started with `probe_engine_kwargs` and capture `kinds`; returns
+    its layer facts ({"layers", "moe_layers"})."""
+    try:
+        workers = llm.collective_rpc("parity_probe_start", args=(kinds,))
+    except Exception as e:
+        raise BackendError(f"vLLM probe could not start: {e}") from e
+    if len(workers) != 1:
+        raise BackendError(f"vLLM's probe supports one worker, this engine has {len(workers)}")
+    return dict(workers[0])
+
+
+def take_probe(llm: Any) -> dict[int, dict[str, torch.Tensor]]:
+    """The captured stages of each probed request, by its index: {stage name: [rows, width]} in the
+    dtype vLLM computed them in. BackendError for a request whose prompt came from the prefix cache."""
+    try:
+        (captured,) = llm.collective_rpc("parity_probe_take")
+    except Exception as e:
+        raise BackendError(f"vLLM probe could not return its capture: {e}") from e
+    out: dict[int, dict[str, torch.Tensor]] = {}
+    for item in captured.values():
+        if item["skipped"]:
+            raise BackendError(f"probed request {item['index']}: {item['skipped']} prompt tokens came from "
+                               "the prefix cache and were never computed")
+        out[item["index"]] = {name: _tensor(t) for name, t in item["stages"].items()}
+    return out
+
+
+def _tensor(packed: dict[str, Any]) -> torch.Tensor:
+    """A tensor from the worker's {"dtype", "shape", "data"}, bit for bit."""
+    dtype = getattr(torch, packed["dtype"])
+    if not packed["data"]:
+        return torch.empty(packed["shape"], dtype=dtype)
+    return torch.frombuffer(bytearray(packed["data"]), dtype=torch.uint8).view(dtype).reshape(packed["shape"])
