@@ -95,3 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_ERROR
     # the command's own frame takes --verbose wherever it stood on the line
     return int(func(words[1:] + [VERBOSE] * (len(words) < len(args_list))) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
