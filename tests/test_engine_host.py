@@ -19,12 +19,12 @@ import textwrap
 import time
 from pathlib import Path
 
+import engine_host
 import numpy as np
 import psutil
 import pytest
 import torch
 
-import engine_host
 from parity.backends import Backend, get_backend, shared_backend
 from parity.core.errors import ConfigError
 from parity.core.types import Request, Rollout, SamplingParams
@@ -112,7 +112,8 @@ def test_no_host_outlives_its_session(end, tmp_path):
     """A child pytest owns a session and starts a host; it fails, gets Ctrl-C or is killed -9."""
     (tmp_path / "test_probe.py").write_text(textwrap.dedent(PROBE))
     out = tmp_path / "probe.json"
-    env = {k: v for k, v in os.environ.items() if k != engine_host.SESSION_ENV and not k.startswith("PYTEST_")}
+    env = {k: v for k, v in os.environ.items()
+           if k != engine_host.SESSION_ENV and not k.startswith("PYTEST_")}
     env.update(PROBE_OUT=str(out), PROBE_END=end,
                PYTHONPATH=os.pathsep.join([str(TESTS), str(TESTS.parent), env.get("PYTHONPATH", "")]))
     child = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:randomly",
