@@ -22,9 +22,10 @@ frees them at its end with `parity.backends.close_shared_backend(name, model, dt
 Mark tests that start a vLLM engine `@pytest.mark.vllm` (and `slow`). Under `make test` (pytest-xdist,
 two workers) the modules with a `vllm` test run one after another in one worker, the "engines" group,
 so its shared engines start once per session; every other module runs whole (its module fixtures
-once) on either worker. A `vllm` test that starts its engines only in child processes (a CLI run, a
-script, a Ray cluster) adds `@pytest.mark.own_engines`, so that its module may run beside the
-engines group.
+once) on either worker. A `vllm` test whose engines are its own adds `@pytest.mark.own_engines`,
+so that its module may run beside the engines group: engines it starts only in child processes (a
+CLI run, a script, a Ray cluster), with `get_backend`, or through `shared_backend` under options no
+other module uses, closed at its module's end.
 
 Engine hosts. A module that only samples from shared vLLM engines (`generate`, `generate_uncached`,
 `score`, weight digests: no weight push, adapter swap, monkeypatched adapter or engine internals) is
