@@ -92,16 +92,30 @@ def close_session(directory: Path) -> None:
     for proc in procs:
         with contextlib.suppress(psutil.Error):
             proc.terminate()
-    _, left = psutil.wait_procs(procs, timeout=STOP_GRACE_S)
-    for proc in left:
+    for proc in _wait(procs, STOP_GRACE_S):
         with contextlib.suppress(psutil.Error):
             proc.kill()
-    psutil.wait_procs(left, timeout=5)
     for path in directory.iterdir():
         path.unlink(missing_ok=True)
     directory.rmdir()
     if os.environ.get(SESSION_ENV) == str(directory):
         del os.environ[SESSION_ENV]
+
+
+def _wait(procs: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
+    """The processes still running after `timeout_s`. A host that exited stays a zombie until its
+    parent (a worker, not this process) reaps it, so exited means dead or zombie."""
+    deadline = time.monotonic() + timeout_s
+    while (left := [p for p in procs if _is_alive(_identity_of(p))]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+def _identity_of(proc: psutil.Process) -> list[float]:
+    try:
+        return [proc.pid, proc.create_time()]
+    except psutil.Error:
+        return [proc.pid, -1.0]
 
 
 def config_key(name: str, model: str | Path, dtype: str, options: dict[str, Any]) -> str:
