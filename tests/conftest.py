@@ -22,9 +22,22 @@ frees them at its end with `parity.backends.close_shared_backend(name, model, dt
 Mark tests that start a vLLM engine `@pytest.mark.vllm` (and `slow`). Under `make test` (pytest-xdist,
 two workers) the modules with a `vllm` test run one after another in one worker, the "engines" group,
 so its shared engines start once per session; every other module runs whole (its module fixtures
-once) on either worker. A `vllm` test that starts its engines only in child processes (a CLI run, a
-script, a Ray cluster) adds `@pytest.mark.own_engines`, so that its module may run beside the
-engines group. A test that must own its engine because it kills, interrupts, reconfigures or
+once) on either worker. A `vllm` test whose engines are its own adds `@pytest.mark.own_engines`,
+so that its module may run beside the engines group: engines it starts only in child processes (a
+CLI run, a script, a Ray cluster), with `get_backend`, or through `shared_backend` under options no
+other module uses, closed at its module's end.
+
+Engine hosts. A module that only samples from shared vLLM engines (`generate`, `generate_uncached`,
+`score`, weight digests: no weight push, adapter swap, monkeypatched adapter or engine internals) is
+marked `pytestmark = [..., pytest.mark.engine_host]`: while its tests run, `shared_backend("vllm",
+...)` (through `shared_engine`, `parity.compare`, the nightly, the audit) hands it a proxy of the
+session's engine host of that configuration (tests/engine_host.py), one process that both workers
+share, so the module runs on either worker and the engine still starts once per session. Engines
+a marked module starts itself (`get_backend`) stay its own. The session's owner (xdist's controller,
+or a serial pytest) stops every host at its end, on failure and on Ctrl-C; a host also exits when
+the owner is killed.
+
+A test that must own its engine because it kills, interrupts, reconfigures or
 watches the processes of that engine says so with `@pytest.mark.own_engine(reason="...")` (the
 reason is required): such a test can never share an engine, nor run it in the test process.
 """
@@ -41,11 +54,12 @@ os.environ.setdefault("PARITY_CACHE", str(Path(__file__).resolve().parent.parent
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import engine_host
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-from parity.backends import Backend, shared_backend
+from parity.backends import Backend, route_shared_backends, shared_backend
 
 # A shell's background job (`make test &`, nohup) starts with SIGINT ignored, and every child
 # inherits that: the Ctrl-C tests' parity processes would never see their SIGINT. A handler (unlike
@@ -66,6 +80,8 @@ settings.load_profile(os.environ.get("PARITY_HYPOTHESIS_PROFILE", "ci"))
 #: the xdist unit of work of the modules that use the session's shared vLLM engines in-process
 ENGINES_GROUP = "engines"
 _GROUPS_ENV = "PARITY_TEST_ENGINE_MODULES"
+#: whether the running test's shared vLLM engines come from the session's engine hosts
+_HOSTED = {"now": False}
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +107,23 @@ def shared_engine() -> Callable[..., Backend]:
 
 
 def _uses_shared_engines(item: pytest.Item) -> bool:
-    return item.get_closest_marker("vllm") is not None and item.get_closest_marker("own_engines") is None
+    """A vllm test whose module shares the session's engines in process (the engines group)."""
+    return (item.get_closest_marker("vllm") is not None and item.get_closest_marker("own_engines") is None
+            and item.get_closest_marker("engine_host") is None)
+
+
+def _route(name: str, model: Any, dtype: str, options: dict[str, Any]) -> Backend | None:
+    """`shared_backend`'s route: the engine host's proxy for a hosted backend in an `engine_host`
+    module; None (share in this process) otherwise."""
+    if not _HOSTED["now"] or name not in engine_host.HOSTED:
+        return None
+    return engine_host.proxy(name, model, dtype, **options)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Route the test's shared vLLM engines (its module fixtures' included, set up after this)."""
+    _HOSTED["now"] = item.get_closest_marker("engine_host") is not None
 
 
 def _module(nodeid: str) -> str:
@@ -99,8 +131,16 @@ def _module(nodeid: str) -> str:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """xdist's controller names the file through which a worker tells it the engines group (the
-    workers inherit the environment); the groups need the markers, which only the workers see."""
+    """The session's owner (xdist's controller, or a serial pytest) opens the engine-host directory
+    and stops its hosts at the end. xdist's controller names the file through which a worker tells
+    it the engines group (the workers inherit the environment); the groups need the markers, which
+    only the workers see."""
+    config.addinivalue_line("markers", "engine_host: the module's shared vLLM engines come from the "
+                            "session's engine hosts (tests/engine_host.py); it runs on either worker")
+    route_shared_backends(_route)
+    config.add_cleanup(lambda: route_shared_backends(None))
+    if not hasattr(config, "workerinput") and (hosts := engine_host.open_session()) is not None:
+        config.add_cleanup(lambda: engine_host.close_session(hosts))
     if getattr(config.option, "numprocesses", None) and "PYTEST_XDIST_WORKER" not in os.environ:
         handle, path = tempfile.mkstemp(prefix="parity-engine-modules-", suffix=".json")
         os.close(handle)

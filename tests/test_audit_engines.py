@@ -78,6 +78,7 @@ def test_the_command_writes_json_and_html_and_exits_1_when_not_invariant(tmp_pat
 
 
 @pytest.mark.vllm
+@pytest.mark.engine_host
 @needs_vllm
 def test_vllm_cpu_runs_every_check_on_one_engine():
     """Measured, not asserted: whether vLLM-CPU is deterministic and batch-invariant depends on the

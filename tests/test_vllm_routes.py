@@ -82,6 +82,7 @@ def routes_engine():
 
 
 @pytest.mark.vllm
+@pytest.mark.own_engines
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
 def test_vllm_rollouts_carry_captured_routes_and_feed_r3(routes_engine):

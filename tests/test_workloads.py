@@ -114,6 +114,7 @@ def test_hf_drift_on_the_dataset(case_file, tmp_path):
 
 
 @pytest.mark.vllm
+@pytest.mark.own_engines
 @pytest.mark.slow
 def test_vllm_drift_on_the_dataset(case_file, tmp_path):
     report = run("vllm", case_file, "bfloat16", tmp_path)

@@ -16,6 +16,7 @@ from parity.backends.registry import (
     prefix_cache_options,
     route_capture_options,
     route_recording_backends,
+    route_shared_backends,
     shared_backend,
     top_k_limit,
     weight_sync_missing,
@@ -25,4 +26,5 @@ __all__ = ["BACKENDS", "Backend", "available_backends", "backend_options", "clos
            "close_shared_backend", "close_shared_backends", "get_backend", "lora_backends",
            "lora_options", "parse_option",
            "prefix_cache_backends", "prefix_cache_options", "route_capture_options",
-           "route_recording_backends", "shared_backend", "top_k_limit", "weight_sync_missing"]
+           "route_recording_backends", "route_shared_backends", "shared_backend", "top_k_limit",
+           "weight_sync_missing"]

@@ -13,6 +13,7 @@ import contextlib
 import importlib
 import importlib.util
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -164,6 +165,16 @@ def parse_option(text: str) -> tuple[str, Any]:
 
 
 _SHARED: dict[str, Backend] = {}
+#: where `shared_backend` looks first (`route_shared_backends`); None: this process's cache only
+_ROUTE: Callable[..., Backend | None] | None = None
+
+
+def route_shared_backends(route: Callable[..., Backend | None] | None) -> None:
+    """Send `shared_backend` calls to `route(name, model, dtype, options)` first; a None from it, or
+    `route=None`, shares an engine in this process as before. A test session routes its vLLM
+    engines to engine hosts that several worker processes share (tests/engine_host.py)."""
+    global _ROUTE
+    _ROUTE = route
 
 
 def _key(name: str, model: str | Path, dtype: str, options: dict[str, Any]) -> str:
@@ -178,6 +189,8 @@ def shared_backend(name: str, model: str | Path, *, dtype: str = "bfloat16", **o
     (`Backend.alive`) is closed and replaced by a new one, so one fatal request costs one call,
     not every later one.
     """
+    if _ROUTE is not None and (routed := _ROUTE(name, model, dtype, options)) is not None:
+        return routed
     key = _key(name, model, dtype, options)
     if key in _SHARED and not _SHARED[key].alive:
         _close(_SHARED.pop(key))
