@@ -24,7 +24,7 @@ __all__ = ["Monitor", "MonitorStore", "flat_values", "train_top_k", "write_page"
 def __getattr__(name: str) -> Any:
     """`train_top_k` on first use (it loads torch)."""
     if name == "train_top_k":
-        from parity.monitor.train_view import train_top_k
+        from parity.monitor.train_view import train_top_k  # loads torch: only when asked for
 
         return train_top_k
     raise AttributeError(f"module 'parity.monitor' has no attribute {name!r}")

@@ -214,7 +214,7 @@ class Monitor:
                 row_ids = _uids(uids, tok.shape[0])
                 record = step_record(tok, correction=self.correction, responses=ids, advice=False)
                 if rollout_top_k is not None or train_top_k is not None:
-                    from parity.monitor.top_k import step_distribution
+                    from parity.monitor.top_k import step_distribution  # only for steps with top-k rows
 
                     keys, record["distribution"] = step_distribution(rollout_top_k, train_top_k, rollout, ids,
                                                                      mask, row_ids, self.tokenizer)
