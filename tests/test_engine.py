@@ -78,12 +78,14 @@ ROLLOUT_WORK = {"work": workloads()}
 @pytest.mark.parametrize("model", MODELS)
 @ci_examples(ROLLOUT_EXAMPLES)
 @given(**ROLLOUT_WORK)
+@pytest.mark.slow
 def test_rollout_logprobs_equal_train_forward_bitwise(model, dtype, work):
     _rollouts_equal_scores(model, dtype, "invariant", work)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("model", MODELS)
+@pytest.mark.slow
 def test_stock_kernels_fail_within_the_rollout_examples(model, dtype, request, monkeypatch):
     """Negative control of the example count: the property's own examples, on stock kernels whose
     linear layers sum K in two parts from 64 rows up (as a BLAS may; this host's bf16 GEMM alone
@@ -135,11 +137,13 @@ BATCH_CASES = [("tiny-qwen3-moe", "bfloat16"), ("tiny-llama", "float32")]
 @pytest.mark.parametrize("model,dtype", BATCH_CASES)
 @ci_examples(BATCH_EXAMPLES)
 @given(**BATCH_WORK)
+@pytest.mark.slow
 def test_request_alone_equals_request_in_any_batch(model, dtype, work, target):
     _alone_equals_in_batch(model, dtype, "invariant", work, target)
 
 
 @pytest.mark.parametrize("model,dtype", BATCH_CASES)
+@pytest.mark.slow
 def test_stock_kernels_fail_within_the_batch_examples(model, dtype, request, monkeypatch):
     """Negative control of the example count, as for the rollout property above."""
     variant_gemm.use(monkeypatch, variant_gemm.by_rows)
@@ -151,6 +155,7 @@ def test_stock_kernels_fail_within_the_batch_examples(model, dtype, request, mon
 
 
 @pytest.mark.parametrize("model,dtype", [("tiny-qwen3-moe", "float32"), ("tiny-llama", "bfloat16")])
+@pytest.mark.slow
 def test_thread_count_does_not_change_bits(model, dtype):
     requests = [Request(tuple(range(3, 3 + n)), SamplingParams(n=2, max_tokens=6, seed=n), request_id=str(n))
                 for n in (5, 33, 70)]

@@ -193,6 +193,7 @@ VALID_PROMPTS = st.lists(
             st.one_of(SMALL, st.sampled_from(["token", "seq_mean_k3", "0.5_2.0", "2_1"])), max_size=3)),
         "lora": LORA,
     }))
+@pytest.mark.slow
 def test_compare(kwargs):
     model, backend = MODEL, kwargs.pop("backend")
     result = never_anything_but_a_parity_error(lambda: parity.compare(model, backend, **kwargs))

@@ -96,6 +96,7 @@ def test_a_bad_gold_argument_is_refused_before_any_engine_starts(gold):
         parity.compare("tiny-llama", "no-such-backend", gold=gold, **SMALL)
 
 
+@pytest.mark.slow
 def test_command_line_gold(tmp_path, capsys):
     out = tmp_path / "r.json"
     command = ["compare", "--model", "tiny-llama", "--backend", "reference", "--json", str(out)]

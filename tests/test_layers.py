@@ -75,6 +75,7 @@ def test_a_token_id_dataset_case_and_a_rollout_dump_load_without_torch(tmp_path)
     """)) == []
 
 
+@pytest.mark.slow
 def test_the_probe_sees_torch_when_a_path_loads_it():
     """Negative control: a text-prompt case tokenizes through transformers, and the probe says so."""
     assert "torch" in heavy_modules_after(
@@ -141,6 +142,7 @@ def test_a_stored_audit_renders_without_torch(tmp_path):
     """)) == []
 
 
+@pytest.mark.slow
 def test_a_stored_nightly_history_renders_without_torch(tmp_path, monkeypatch):
     install(runner, patch=monkeypatch.setattr)
     cases = write_cases(tmp_path)

@@ -462,6 +462,7 @@ def test_parity_monitor_command(tmp_path, capsys):
     assert "no monitor.sqlite here" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_import_and_the_command_never_load_torch(tmp_path):
     out = tmp_path / "run"
     with parity.Monitor(out, advice_every=0, render_every=0) as monitor:

@@ -316,6 +316,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 def test_a_killed_process_leaves_a_valid_history_and_resume_finishes_it(workspace):
     script = workspace.root / "kill.py"
     script.write_text(KILL_SCRIPT.format(tests=str(TESTS)))
@@ -438,6 +439,7 @@ def shifted_compare(shift: dict[str, float]):
     return compare
 
 
+@pytest.mark.slow
 def test_audit_rows_run_first_and_judge_the_rest_of_their_backend_against_its_noise(workspace, monkeypatch):
     (workspace.cases / "noise.toml").write_text(textwrap.dedent(AUDIT_CASE))
     monkeypatch.setattr(execute, "shared_backend", audited_engine)

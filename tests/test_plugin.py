@@ -147,6 +147,7 @@ def test_two(parity_backend):
 '''
 
 
+@pytest.mark.slow
 def test_end_to_end_with_real_backends(pytester):
     """One subprocess (engines start once): markers on reference/HF/SGLang, and the session backend."""
     small = ', prompts=[[5, 6, 7, 8, 9], [10, 11, 12]], sampling={"max_tokens": 8, "n": 2}'
