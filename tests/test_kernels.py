@@ -502,6 +502,7 @@ def test_attention_plan_is_remade_when_the_tokens_change():
 
 @given(heads=st.sampled_from([(2, 1), (4, 2), (3, 1), (8, 1), (8, 2), (12, 2)]), part=st.data(),
        dtype=st.sampled_from(DTYPES))
+@pytest.mark.slow
 def test_attention_head_is_independent_of_how_many_heads_share_its_kv(heads, part, dtype):
     """Query heads computed with every sibling of their KV head equal the same heads computed with
     only a part of them and that one KV head (what a tensor-parallel rank holds when the degree

@@ -149,6 +149,7 @@ def test_offline_vllm_engine(check):
     assert result.status == "pass", result.detail
 
 
+@pytest.mark.slow
 def test_command_line(tmp_path, capsys):
     from parity.cli import main
 

@@ -237,6 +237,7 @@ def test_a_worse_setting_against_a_fixed_baseline_is_a_regression(workspace, cap
     assert "📈 improved" in (workspace.out / "fixed" / "summary.md").read_text()
 
 
+@pytest.mark.slow
 def test_a_failing_backend_becomes_an_error_row_and_the_rest_still_runs(workspace, capsys):
     crashy = workspace.cases / "crashy.toml"
     crashy.write_text((workspace.cases / "alpha.toml").read_text())
@@ -334,6 +335,7 @@ def test_a_killed_process_leaves_a_valid_history_and_resume_finishes_it(workspac
     assert len(json.loads((workspace.out / "killed" / "results.json").read_text())["rows"]) == 3
 
 
+@pytest.mark.slow
 def test_the_parity_command_runs_nightly_with_the_backends_available_here(workspace, capsys):
     from parity.cli import main as parity_main
 
@@ -368,6 +370,7 @@ def test_resume_of_an_unknown_run_and_missing_cases(workspace, capsys):
 
 
 @needs_chromium
+@pytest.mark.slow
 def test_the_page_loads_in_headless_chromium_without_console_errors(workspace, tmp_path):
     crashy = workspace.cases / "crashy.toml"
     crashy.write_text((workspace.cases / "alpha.toml").read_text())

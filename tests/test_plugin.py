@@ -110,6 +110,7 @@ def test_fixture(parity_compare):
     assert fake_compare[1][2] == {"tolerance": {"k3_kl_max": None}}
 
 
+@pytest.mark.slow
 def test_parity_verbose_shows_the_engines_lines(pytester, monkeypatch):
     """Quiet needs no call (the engine adapters default to it); --parity-verbose chooses INFO."""
     monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)

@@ -71,6 +71,7 @@ def test_r3_against_the_reference_engine_is_exact(moe, invariant_rollouts):
 
 @pytest.mark.parametrize("layout, micro_batch_size", [("right", None), ("left", 2), ("packed", None),
                                                       ("right", 1)])
+@pytest.mark.slow
 def test_r3_forces_the_rollout_routes_in_every_layout(moe, native_rollouts, layout, micro_batch_size):
     """Native-kernel rollouts route differently from the invariant trainer; R3 makes every layout agree."""
     free = train_forward(moe, native_rollouts, dtype=DTYPE, record_routes=True).routes
@@ -141,6 +142,7 @@ def test_tied_router_scores_flip_without_replay_and_cannot_with_it(tmp_path, mon
 
 
 @pytest.mark.parametrize("replay", [RouterReplay("R2"), RouterReplay("R2", "replay")])
+@pytest.mark.slow
 def test_r2_keeps_the_first_forward_routes_when_the_second_would_route_otherwise(tmp_path, monkeypatch,
                                                                                  replay):
     """R2 with a trainer whose router changes between its two forwards (as an update's new weights

@@ -435,6 +435,7 @@ def test_advise_names_a_monitor_store_and_binary_files(tmp_path, capsys):
     assert "is not UTF-8 text" in err and "Unicode" not in err
 
 
+@pytest.mark.slow
 def test_compare_takes_a_trainer_dtype_apart_from_the_engines():
     """Item 12 for compare: a float32 trainer beside a bf16 engine is scored in float32 and judged by the
     pair's (bf16) limits; the same engine against a bf16 trainer is the control (bit for bit, dtype kept)."""

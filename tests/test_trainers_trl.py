@@ -85,6 +85,7 @@ def engine():
     backend.close()
 
 
+@pytest.mark.slow
 def test_a_grpo_trainer_logs_every_generation(tmp_path, engine):
     trainer = make_trainer(tmp_path, engine)
     with parity.Monitor(tmp_path / "parity", advice_every=0, render_every=0) as monitor:
