@@ -35,6 +35,7 @@ def test_reference_rows_are_exactly_as_far_from_the_gold_on_both_sides():
     assert report.extras["gold"]["ran"] and report.extras["gold"]["dtype"] == "float64"
 
 
+@pytest.mark.slow
 def test_hf_rows_carry_both_sides_errors():
     """Negative control of the reference row's exact 1: HF's bf16 forward is not the trainer's, so its
     ratio is not 1 (the test above could fail)."""
