@@ -50,7 +50,8 @@ test: $(STAMP) $(CHROMIUM_STAMP)
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest $(PYTEST_XDIST)
 
-# The quick loop: every test that starts no engine and is not marked slow.
+# The quick loop: every test that starts no engine and is not marked slow (`slow`: a few seconds or
+# more on the 2-core CI host; docs/PERF.md, "In-process CLI, hypothesis, the quick loop", says what it leaves out).
 test-fast: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest $(PYTEST_XDIST) -m "not vllm and not slow"

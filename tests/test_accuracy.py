@@ -116,6 +116,7 @@ def test_report_stores_the_gold_and_round_trips_bit_for_bit():
     assert "gold_logprobs" not in plain.to_dict()["arrays"]
 
 
+@pytest.mark.slow
 def test_worst_tokens_page_and_text_show_the_gold():
     report = report_with_gold(2.0)
     worst = report.worst_tokens(3)
@@ -127,6 +128,7 @@ def test_worst_tokens_page_and_text_show_the_gold():
     assert "the rollout is 1.97x farther from the gold" in page
 
 
+@pytest.mark.slow
 def test_a_report_without_its_gold_says_why():
     report = report_with_gold(2.0)
     report.gold_logprobs = None
@@ -134,6 +136,7 @@ def test_a_report_without_its_gold_says_why():
     assert "did not run: by default: estimated 9 s" in report_html(report)
 
 
+@pytest.mark.slow
 def test_advisor_says_a_rollout_correction_cannot_fix_a_trainer_that_moved():
     trainer_farther = advise(report_with_gold(1.0, 3.0))
     assert "does not fix" in trainer_farther.gold and "fp32" in trainer_farther.gold

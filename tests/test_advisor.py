@@ -260,6 +260,7 @@ def test_recommended_config_round_trips_through_the_correction():
 # -- report, command line, nightly ------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_reports_carry_the_advice_section_and_render_it():
     report = make_report(scale=0.3, rows=6, width=20)
     section = report.extras["advice"]
@@ -273,6 +274,7 @@ def test_reports_carry_the_advice_section_and_render_it():
     assert exact.summary[RECOMMENDATION_KEY] == "none"
 
 
+@pytest.mark.slow
 def test_parity_advise_command(tmp_path, capsys):
     path = tmp_path / "r.json"
     path.write_text(make_report(scale=0.3, rows=6, width=20).to_json())

@@ -121,6 +121,7 @@ def test_axes_change_exactly_one_thing():
 
 
 @pytest.mark.parametrize("model", MODELS)
+@pytest.mark.slow
 def test_prefill_run_is_the_training_forward(model):
     pairs = _pairs(1)
     setting = Setting(kernels="native", micro_batch_size=2, layout="left")
@@ -139,6 +140,7 @@ def test_prefill_run_is_the_training_forward(model):
 @settings(max_examples=4)
 @given(seed=st.integers(0, 2 ** 16), layout=st.sampled_from(LAYOUTS), size=st.integers(1, 3),
        mode=st.sampled_from(["prefill", "decode"]))
+@pytest.mark.slow
 def test_invariant_states_do_not_depend_on_batch_layout_or_mode(seed, layout, size, mode):
     pairs = _pairs(seed)
     alone = run("tiny-llama", pairs, Setting(micro_batch_size=1), capture=True)
@@ -175,6 +177,7 @@ def test_drift_between():
 
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("axis", ["batch", "layout", "mode"])
+@pytest.mark.slow
 def test_all_invariant_attribution_is_exactly_zero(model, axis):
     a, b = axis_settings(axis, dtype="float32")
     result = attribute_ops(model, _pairs(2), a, b, families=["rmsnorm", "moe"])
@@ -191,6 +194,7 @@ def test_all_invariant_attribution_is_exactly_zero(model, axis):
     assert {r.family: r.share for r in result.families} == {"rmsnorm": 0.0, "moe": expected}
 
 
+@pytest.mark.slow
 def test_a_setting_against_itself_is_exactly_zero_with_any_kernels():
     a, _ = axis_settings("batch", dtype="float32")
     result = attribute_ops("tiny-llama", _pairs(3), a, a)
@@ -200,6 +204,7 @@ def test_a_setting_against_itself_is_exactly_zero_with_any_kernels():
     assert "No family drifts on its own" not in ops_text(result.to_dict())
 
 
+@pytest.mark.slow
 def test_batch_variant_family_is_ranked_first(monkeypatch):
     _variant_native_rms_norm(monkeypatch)
     a, b = axis_settings("batch", dtype="float32")
@@ -212,6 +217,7 @@ def test_batch_variant_family_is_ranked_first(monkeypatch):
     assert set(result.ranking) == set(kernels.FAMILIES)
 
 
+@pytest.mark.slow
 def test_negative_control_same_comparison_sees_the_injection(monkeypatch):
     """The zero of test_all_invariant_attribution_is_exactly_zero is not a blind spot: the same
     pipeline reports drift once one family is batch-variant (here rmsnorm switched native)."""
@@ -245,6 +251,7 @@ def _scale_when_batched(module, args, output):
 
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("layer, op", [(0, "self_attn.o_proj"), (1, "post_attention_layernorm")])
+@pytest.mark.slow
 def test_layer_probe_finds_the_one_perturbed_layer(model, layer, op):
     lm = load_model(model)
     a, b = axis_settings("batch", dtype="float32")
@@ -259,6 +266,7 @@ def test_layer_probe_finds_the_one_perturbed_layer(model, layer, op):
 
 
 @pytest.mark.parametrize("axis", ["batch", "layout", "mode"])
+@pytest.mark.slow
 def test_layer_probe_negative_control_invariant_is_equal_everywhere(axis):
     a, b = axis_settings(axis, dtype="float32")
     probe = layer_diff("tiny-llama", _pairs(6), a, b)
@@ -278,6 +286,7 @@ def test_layer_probe_dtype_axis_differs_from_the_embeddings_on():
 # Rendering, report section, CLI
 
 
+@pytest.mark.slow
 def test_section_is_json_and_renders(monkeypatch):
     _variant_native_rms_norm(monkeypatch)
     section = attribution_section("tiny-llama", _pairs(8, count=2), axes=["batch"], dtype="float32",
@@ -304,6 +313,7 @@ def test_text_notes_drift_that_only_all_native_kernels_show():
                                                                     "ops": ops}]})
 
 
+@pytest.mark.slow
 def test_cli_writes_json_and_html(tmp_path, capsys):
     out_json, out_html = tmp_path / "a.json", tmp_path / "a.html"
     code = main(["--model", "tiny-llama", "--dtype", "float32", "--max-sequences", "2",

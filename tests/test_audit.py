@@ -143,6 +143,7 @@ def test_routes_are_compared_as_sets_over_positions_whose_inputs_agree():
 
 
 @given(st.integers(0, 2**32 - 1), st.sampled_from(["none", "token", "logprob", "route"]))
+@pytest.mark.slow
 def test_a_single_planted_difference_is_always_found_at_its_place(seed, kind):
     rng = np.random.default_rng(seed)
     samples = int(rng.integers(1, 6))
@@ -331,6 +332,7 @@ def test_each_planted_defect_breaks_its_check_and_only_it(defect):
 
 @given(seed=st.integers(0, 2**31 - 1),
        sizes=st.lists(st.integers(2, 70), min_size=2, max_size=3, unique=True).map(lambda s: [1, *s]))
+@pytest.mark.slow
 def test_any_batch_composition_leaves_a_sound_needle_alone_and_moves_a_batch_variant_one(seed, sizes):
     """Generated neighbours (the audit's seed) and batch sizes: the check holds for an invariant
     backend and fails for one whose logprobs follow the batch size (the negative control)."""

@@ -136,6 +136,7 @@ def test_a_vllm_variable_the_user_set_is_honoured_or_refused(monkeypatch):
     assert resolve_flag("VLLM_BATCH_INVARIANT", True, "vllm") == (True, None)  # parity's own "0": no conflict
 
 
+@pytest.mark.slow
 def test_a_contradicting_variable_is_refused_before_vllm_is_imported():
     """In a fresh process: the refusal comes before vLLM is even imported (no engine, no 90 s)."""
     code = ("import sys\nfrom parity.backends import get_backend\n"

@@ -29,6 +29,7 @@ def test_translation_is_explicit():
     assert translate_sampling(sp.replace(temperature=0), (2,), 0)["do_sample"] is False
 
 
+@pytest.mark.slow
 def test_generate_padded_batch_matches_score(hf):
     """Processed logprobs from HF's warped scores equal score(processed) on the same tokens."""
     reqs = requests()
@@ -42,6 +43,7 @@ def test_generate_padded_batch_matches_score(hf):
     assert (gen - score).abs().max() < 1e-4
 
 
+@pytest.mark.slow
 def test_raw_mode_greedy_and_stops(hf):
     raw = hf.generate(requests(logprobs_mode="raw", n=1))
     score = torch.cat(hf.score(raw))
@@ -58,6 +60,7 @@ def test_raw_mode_greedy_and_stops(hf):
     assert len(long.token_ids) == 30 and long.finish_reason == "length"
 
 
+@pytest.mark.slow
 def test_reference_backend_is_bitwise_equal_to_its_score():
     ref = shared_backend("reference", "tiny-qwen3-moe", dtype="float32")
     reqs = requests()

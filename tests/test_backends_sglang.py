@@ -91,6 +91,7 @@ def _reference(prompt, tokens, **params):
     return train_forward("tiny-llama", [(tuple(prompt), tuple(tokens))], **params).logprobs[0].numpy()
 
 
+@pytest.mark.slow
 def test_captured_logprob_definition_against_the_training_forward():
     """SGLang (bf16) against parity's float32 training forward on the same tokens: its default
     logprob is log_softmax(logits / T), temperature-scaled but not truncated by top-k/top-p; with

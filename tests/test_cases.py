@@ -29,6 +29,7 @@ def write(tmp_path: Path, body: str, name: str = "case.toml") -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_every_shipped_case_loads_and_fits_the_tiny_context():
     cases = load_cases(CASES)
     assert sorted(c.name for c in cases) == sorted(SHIPPED)

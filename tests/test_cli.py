@@ -65,6 +65,7 @@ def help_probe(argv: list[str], before: str = "") -> tuple[str, list[str]]:
 
 
 @pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.slow
 def test_help_of_every_command_loads_no_torch(command):
     """`parity X --help` parses before any heavy import: nothing of HEAVY is loaded, in a fresh
     interpreter; and the help is the frame's (it lists --verbose, which the frame adds)."""
@@ -72,6 +73,7 @@ def test_help_of_every_command_loads_no_torch(command):
     assert loaded == [] and f"usage: parity {command}" in out and "--verbose" in out
 
 
+@pytest.mark.slow
 def test_the_help_probe_sees_torch_when_it_is_loaded():
     """Negative control: the same probe reports torch when the interpreter loaded it."""
     assert "torch" in help_probe(["attribute", "--help"], before="import parity.attribute.ablation")[1]
@@ -105,6 +107,7 @@ PARSES = {"compare": ["--backend", "hf"], "score": ["s.jsonl"], "advise": ["r.js
 
 
 @pytest.mark.parametrize("command", PARSES)
+@pytest.mark.slow
 def test_a_closed_pipe_ends_every_command_quietly(command):
     """`parity X ... | head`: the frame's quiet exit 141, no traceback, reached through the command's
     own `main` (its body replaced by one that writes more than a pipe buffers)."""
@@ -194,6 +197,7 @@ def test_bad_input_exits_2_without_traceback(capsys):
     assert "unknown backend 'nope'" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_compare_reference_is_exact(tmp_path, capsys):
     out = tmp_path / "r.json"
     assert main(["compare", "--model", MOE, "--backend", "reference", "--json", str(out)]) == 0
@@ -204,6 +208,7 @@ def test_compare_reference_is_exact(tmp_path, capsys):
     assert "parity PASS" in out and f"all {report.num_tokens} tokens identical" in out
 
 
+@pytest.mark.slow
 def test_compare_a_case_file_takes_its_model(tmp_path):
     out = tmp_path / "s.json"
     assert main(["compare", "--case", str(ROOT / "cases" / "smoke.toml"), "--backend", "reference",
@@ -212,6 +217,7 @@ def test_compare_a_case_file_takes_its_model(tmp_path):
     assert report.provenance["case"] == "smoke" and report.provenance["model"] == "tiny-llama"
 
 
+@pytest.mark.slow
 def test_router_replay_turns_route_capture_on(tmp_path, capsys):
     """--router-replay starts the backend recording routes: no --option needed, router agreement reported."""
     out = tmp_path / "rr.json"
@@ -268,6 +274,7 @@ def test_compare_vllm_cpu_passes_default_tolerance_with_drift(tmp_path):
     assert report.passed and report.summary["max_abs_logprob_diff"] > 0.0
 
 
+@pytest.mark.slow
 def test_compare_hf_bf16_reports_drift(tmp_path, capsys):
     out = tmp_path / "h.json"
     code = main(["compare", "--model", MOE, "--backend", "hf", "--dtype", "bfloat16", "--json", str(out)])

@@ -109,6 +109,7 @@ def hf_report() -> ParityReport:
     return parity.compare("tiny-llama", "hf", **SMALL)
 
 
+@pytest.mark.slow
 def test_hf_bf16_drifts_from_the_invariant_trainer(hf_report):
     s = hf_report.summary
     assert s["max_abs_logprob_diff"] > 0.0 and s["num_sequences"] == 4 and s["num_tokens"] > 0
@@ -125,6 +126,7 @@ def test_hf_bf16_drifts_from_the_invariant_trainer(hf_report):
     assert ParityReport.from_json(hf_report.to_json()) == hf_report
 
 
+@pytest.mark.slow
 def test_a_running_backend_is_reused(hf_report):
     from parity.backends import shared_backend
 
@@ -139,18 +141,21 @@ def test_a_running_backend_is_reused(hf_report):
         parity.compare("tiny-llama", engine, enable_prefix_caching=True, **SMALL)
 
 
+@pytest.mark.slow
 def test_a_tolerance_dict_overrides_the_backend_default(hf_report):
     strict = parity.compare("tiny-llama", "hf", tolerance={"max_abs_logprob_diff": 0.0}, **SMALL)
     assert not strict.passed and [v.metric for v in strict.violations] == ["max_abs_logprob_diff"]
     assert strict.tolerance.k3_kl_max == Tolerance.for_backend("hf").k3_kl_max
 
 
+@pytest.mark.slow
 def test_router_replay_r3_replays_the_backends_routes():
     report = parity.compare("tiny-qwen3-moe", "reference", router_replay="R3", record_routes=True, **SMALL)
     assert report.passed and report.summary["max_abs_logprob_diff"] == 0.0
     assert report.provenance["router_replay"] == "R3"
 
 
+@pytest.mark.slow
 def test_reference_is_bitwise_equal_to_the_trainer():
     report = parity.compare("tiny-llama", "reference", **SMALL)
     assert report.passed and report.tolerance == Tolerance.exact()

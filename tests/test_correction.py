@@ -56,6 +56,7 @@ def test_vectors_cover_every_is_and_rs_combination() -> None:
 
 
 @pytest.mark.parametrize(("name", "index"), CASES, ids=[f"{n}-{i}" for n, i in CASES])
+@pytest.mark.slow
 def test_matches_verl(name: str, index: int) -> None:
     case = DATASETS[name]["cases"][index]
     train, rollout, mask = _inputs(name)
@@ -80,6 +81,7 @@ def test_matches_verl(name: str, index: int) -> None:
 
 
 @pytest.mark.parametrize(("name", "index"), CASES, ids=[f"{n}-{i}" for n, i in CASES])
+@pytest.mark.slow
 def test_metrics_only_gives_the_same_metrics_bit_for_bit(name: str, index: int) -> None:
     """`metrics_only` (the monitor's call) skips the [batch, seq] outputs and nothing else."""
     from parity.correction import apply_correction
@@ -265,6 +267,7 @@ LEVELS = ("token", "sequence", "geometric")
 
 
 @given(batches(), st.sampled_from(LEVELS), st.sampled_from(RS_OPTIONS), st.floats(1.0, 10.0))
+@pytest.mark.slow
 def test_identical_inputs_weights_one_nothing_rejected(
     data, level: str, option: str, threshold: float
 ) -> None:
@@ -324,6 +327,7 @@ def test_permuting_sequences_changes_no_batch_metric(data, rnd, level: str, opti
 
 
 @given(batches(), st.sampled_from(LEVELS), st.sampled_from(RS_OPTIONS))
+@pytest.mark.slow
 def test_float32_and_float64_agree(data, level: str, option: str) -> None:
     train, rollout, mask = data
     train32, rollout32 = train.astype(np.float32), rollout.astype(np.float32)

@@ -91,6 +91,7 @@ def brute(train: np.ndarray, ids: np.ndarray, lps: np.ndarray, sampled: int) -> 
 @given(seed=st.integers(0, 2**32 - 1), vocab=st.integers(1, 12), k=st.integers(1, 16),
        scale=st.sampled_from([0.0, 0.3, 2.0, 8.0]), frac_inf=st.sampled_from([0.0, 0.3, 0.7]),
        grid=st.sampled_from([0.0, 0.5]), noise=st.sampled_from([0.0, 1e-3, 0.5]))
+@pytest.mark.slow
 def test_every_metric_equals_the_brute_force_formula(seed: int, vocab: int, k: int, scale: float,
                                                      frac_inf: float, grid: float, noise: float) -> None:
     rng = np.random.default_rng(seed)
@@ -315,6 +316,7 @@ def test_dumps_carry_top_k_columns_in_both_layouts(tmp_path, suffix: str) -> Non
         load_rollouts(tmp_path / "bad.jsonl")
 
 
+@pytest.mark.slow
 def test_nightly_judges_the_per_position_kl_against_the_baseline_row() -> None:
     def report(kl: np.ndarray) -> str:
         return json.dumps({"extras": {"distribution": {"kl_train_engine": json_safe(kl.tolist())}}})

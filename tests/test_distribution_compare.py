@@ -21,6 +21,7 @@ def run(backend: str, **kwargs) -> ParityReport:
                    top_k_logprobs=5, **kwargs)
 
 
+@pytest.mark.slow
 def test_reference_top_k_drift_is_exactly_zero_and_hf_is_not() -> None:
     report = run("reference")
     summary = report.summary

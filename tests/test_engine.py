@@ -5,8 +5,10 @@ import random
 import numpy as np
 import pytest
 import torch
+import variant_gemm
 from hypothesis import given
 from hypothesis import strategies as st
+from hypothesis_controls import ci_examples, examples_until_failure
 
 from parity import Request, Rollout, SamplingParams
 from parity.core.errors import ConfigError, InputError
@@ -57,16 +59,43 @@ def _rollouts_and_scores(model, dtype, kernels, work):
     return rollouts, scored.logprobs, scored.routes
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("model", MODELS)
-@given(work=workloads())
-def test_rollout_logprobs_equal_train_forward_bitwise(model, dtype, work):
-    rollouts, scores, routes = _rollouts_and_scores(model, dtype, "invariant", work)
+def _rollouts_equal_scores(model, dtype, kernels, work):
+    rollouts, scores, routes = _rollouts_and_scores(model, dtype, kernels, work)
     assert len(rollouts) == sum(r.sampling.n for r in work["requests"])
     for rollout, score, route in zip(rollouts, scores, routes):
         assert torch.equal(score, torch.tensor(rollout.logprobs, dtype=torch.float32))
         if rollout.routed_experts is not None:
             assert np.array_equal(route.numpy(), rollout.routed_experts)
+
+
+#: the rollout property's examples per model and dtype (the `ci` profile's 25 before): stock kernels
+#: fail within them for every model and dtype (test_stock_kernels_fail_within_the_rollout_examples)
+ROLLOUT_EXAMPLES = 10
+ROLLOUT_WORK = {"work": workloads()}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("model", MODELS)
+@ci_examples(ROLLOUT_EXAMPLES)
+@given(**ROLLOUT_WORK)
+@pytest.mark.slow
+def test_rollout_logprobs_equal_train_forward_bitwise(model, dtype, work):
+    _rollouts_equal_scores(model, dtype, "invariant", work)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.slow
+def test_stock_kernels_fail_within_the_rollout_examples(model, dtype, request, monkeypatch):
+    """Negative control of the example count: the property's own examples, on stock kernels whose
+    linear layers sum K in two parts from 64 rows up (as a BLAS may; this host's bf16 GEMM alone
+    passes them), find a difference for every model and dtype."""
+    variant_gemm.use(monkeypatch, variant_gemm.by_rows)
+    test = test_rollout_logprobs_equal_train_forward_bitwise
+    nodeid = request.node.nodeid.replace(request.node.originalname, test.__name__)
+    first = examples_until_failure(test, nodeid, ROLLOUT_WORK,
+                                   lambda work: _rollouts_equal_scores(model, dtype, "native", work))
+    print(f"{nodeid}: stock kernels fail at example {first} of {ROLLOUT_EXAMPLES}")
 
 
 def test_native_kernels_break_parity_on_some_workload():
@@ -86,21 +115,47 @@ def test_native_kernels_break_parity_on_some_workload():
     assert found
 
 
-@pytest.mark.parametrize("model,dtype", [("tiny-qwen3-moe", "bfloat16"), ("tiny-llama", "float32")])
-@given(work=workloads(max_requests=3), target=st.integers(0, 2))
-def test_request_alone_equals_request_in_any_batch(model, dtype, work, target):
+def _alone_equals_in_batch(model, dtype, kernels, work, target):
     requests = work["requests"]
     request = requests[target % len(requests)]
-    crowd = ReferenceEngine(model, dtype=dtype, max_num_seqs=work["max_num_seqs"],
+    crowd = ReferenceEngine(model, dtype=dtype, kernels=kernels, max_num_seqs=work["max_num_seqs"],
                             chunk_size=work["chunk_size"])
-    alone = ReferenceEngine(model, dtype=dtype, max_num_seqs=1, chunk_size=64)
+    alone = ReferenceEngine(model, dtype=dtype, kernels=kernels, max_num_seqs=1, chunk_size=64)
     in_batch = [r for r in crowd.generate(requests) if r.request_id == request.request_id]
     by_itself = alone.generate([request])
     assert [(r.token_ids, r.logprobs, r.finish_reason) for r in in_batch] == \
         [(r.token_ids, r.logprobs, r.finish_reason) for r in by_itself]
 
 
+#: the batch property's examples (the `ci` profile's 25 before): stock kernels fail within them
+#: (test_stock_kernels_fail_within_the_batch_examples)
+BATCH_EXAMPLES = 10
+BATCH_WORK = {"work": workloads(max_requests=3), "target": st.integers(0, 2)}
+BATCH_CASES = [("tiny-qwen3-moe", "bfloat16"), ("tiny-llama", "float32")]
+
+
+@pytest.mark.parametrize("model,dtype", BATCH_CASES)
+@ci_examples(BATCH_EXAMPLES)
+@given(**BATCH_WORK)
+@pytest.mark.slow
+def test_request_alone_equals_request_in_any_batch(model, dtype, work, target):
+    _alone_equals_in_batch(model, dtype, "invariant", work, target)
+
+
+@pytest.mark.parametrize("model,dtype", BATCH_CASES)
+@pytest.mark.slow
+def test_stock_kernels_fail_within_the_batch_examples(model, dtype, request, monkeypatch):
+    """Negative control of the example count, as for the rollout property above."""
+    variant_gemm.use(monkeypatch, variant_gemm.by_rows)
+    test = test_request_alone_equals_request_in_any_batch
+    nodeid = request.node.nodeid.replace(request.node.originalname, test.__name__)
+    first = examples_until_failure(test, nodeid, BATCH_WORK, lambda work, target: _alone_equals_in_batch(
+        model, dtype, "native", work, target))
+    print(f"{nodeid}: stock kernels fail at example {first} of {BATCH_EXAMPLES}")
+
+
 @pytest.mark.parametrize("model,dtype", [("tiny-qwen3-moe", "float32"), ("tiny-llama", "bfloat16")])
+@pytest.mark.slow
 def test_thread_count_does_not_change_bits(model, dtype):
     requests = [Request(tuple(range(3, 3 + n)), SamplingParams(n=2, max_tokens=6, seed=n), request_id=str(n))
                 for n in (5, 33, 70)]

@@ -26,6 +26,7 @@ def test_bucket_sizes_pad_a_step_to_at_most_twice_its_tokens():
         ReferenceEngine("tiny-llama", max_num_batched_tokens=0)
 
 
+@pytest.mark.slow
 def test_native_attention_steps_read_power_of_two_spans():
     """Stock attention gathers `span` cached positions per token: graphs are bucketed by span too."""
     requests = [Request(tuple(range(3, 3 + n)), SamplingParams(n=1, max_tokens=40, seed=n), request_id=str(n))
@@ -44,6 +45,7 @@ def test_native_attention_steps_read_power_of_two_spans():
                                          ("tiny-llama", "float32")])
 @settings(max_examples=8, deadline=None)
 @given(work=workloads(), budget=st.integers(1, 40))
+@pytest.mark.slow
 def test_padded_budgeted_steps_equal_train_forward_bitwise(model, dtype, work, budget):
     """graphs=True on CPU runs every step of up to max_num_seqs tokens padded to a bucket size, with
     pad tokens in the spare KV slot; a small token budget splits steps further."""
@@ -62,6 +64,7 @@ def test_padded_budgeted_steps_equal_train_forward_bitwise(model, dtype, work, b
             (other.token_ids, other.logprobs, other.finish_reason)
 
 
+@pytest.mark.slow
 def test_budget_bounds_every_step():
     """No forward packs more than max_num_batched_tokens tokens, and routes still line up (recorded
     inside the padded fixed-size steps that graphs run)."""
@@ -135,6 +138,7 @@ def test_engine_and_reference_backend_take_one_engine_config():
 
 
 @pytest.mark.parametrize("kernels", ["invariant", "native"])
+@pytest.mark.slow
 def test_warm_up_prepares_every_step_shape_and_changes_no_bits(kernels):
     """After warm_up(max_length) a generate within it makes no new graph bucket (nothing compiled or
     captured while timed) and gives the bits of an engine that was not warmed; the control: without

@@ -205,6 +205,7 @@ def test_nightly_exits_2_on_an_unexpected_exception(ws, monkeypatch, capsys):
     assert "No space left on device" in one_line_error(capsys, "parity nightly")
 
 
+@pytest.mark.slow
 def test_an_interrupted_nightly_prints_the_resume_command_and_it_finishes_the_run(ws, monkeypatch, capsys):
     root, cases = ws
     calls: list[str] = []
@@ -248,6 +249,7 @@ sys.exit(main(sys.argv[1:]))
 
 
 @pytest.mark.own_engine(reason="sends a real SIGINT to a nightly process mid-row")
+@pytest.mark.slow
 def test_a_real_sigint_of_nightly_is_one_line_not_a_traceback(ws):
     root, cases = ws
     script = root / "sigint.py"

@@ -193,6 +193,7 @@ VALID_PROMPTS = st.lists(
             st.one_of(SMALL, st.sampled_from(["token", "seq_mean_k3", "0.5_2.0", "2_1"])), max_size=3)),
         "lora": LORA,
     }))
+@pytest.mark.slow
 def test_compare(kwargs):
     model, backend = MODEL, kwargs.pop("backend")
     result = never_anything_but_a_parity_error(lambda: parity.compare(model, backend, **kwargs))
@@ -218,6 +219,7 @@ BAD_ARRAY = st.one_of(JUNK, st.lists(st.lists(st.floats(allow_nan=True, allow_in
     broken={"rollout_log_probs": BAD_ARRAY, "old_log_probs": BAD_ARRAY, "response_mask": BAD_ARRAY,
             "responses": st.one_of(JUNK, BAD_ARRAY), "prompts": st.one_of(JUNK, BAD_ARRAY),
             "sampling": SAMPLING, "meta": JUNK, "step": st.one_of(JUNK, st.integers(-5, -1))}))
+@pytest.mark.slow
 def test_monitor_log(tmp_path_factory, kwargs):
     """`Monitor.log` (and so verl's `log_batch`): success or a ParityError, and a failed log
     stores nothing."""
@@ -260,6 +262,7 @@ VALID_PAIRS = st.lists(st.tuples(st.lists(st.integers(3, 300), min_size=1, max_s
         "dtype": st.sampled_from(["float64", None]),
         "lora": LORA,
     }))
+@pytest.mark.slow
 def test_train_forward(kwargs):
     sequences = kwargs.pop("sequences")
     never_anything_but_a_parity_error(lambda: train_forward(MODEL, sequences, **kwargs))

@@ -48,6 +48,7 @@ def errors(rollouts, gold, other):
 
 @pytest.mark.parametrize("mode", ["processed", "raw"])
 @pytest.mark.parametrize("model", TINY)
+@pytest.mark.slow
 def test_float64_gold_agrees_with_a_float32_gold_to_1e_5(model, mode):
     """Sanity: the same computation in float32 lands within 1e-5 nats of the float64 one on every token."""
     rollouts = sampled(model, mode)
@@ -58,6 +59,7 @@ def test_float64_gold_agrees_with_a_float32_gold_to_1e_5(model, mode):
 
 
 @pytest.mark.parametrize("model", TINY)
+@pytest.mark.slow
 def test_training_forward_errors_scale_with_its_dtype_unit_roundoff(model):
     """The gold is far more accurate than any training dtype: each dtype's mean error from it is
     1-100 unit roundoffs of that dtype (bf16 ~1e-2 nats, fp16 ~1e-3, fp32 ~1e-6), so the errors

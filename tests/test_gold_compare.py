@@ -22,6 +22,7 @@ ROWS = {"prompts": [[5, 6, 7, 8, 9], "hi there", [40, 41, 42], [100, 3, 4, 5, 6,
         "sampling": {"max_tokens": 24, "n": 2, "temperature": 0.8, "top_p": 0.9}}
 
 
+@pytest.mark.slow
 def test_reference_rows_are_exactly_as_far_from_the_gold_on_both_sides():
     report = parity.compare("tiny-llama", "reference", gold=True, **ROWS)
     train_err, rollout_err, _ = report.gold_errors()
@@ -34,6 +35,7 @@ def test_reference_rows_are_exactly_as_far_from_the_gold_on_both_sides():
     assert report.extras["gold"]["ran"] and report.extras["gold"]["dtype"] == "float64"
 
 
+@pytest.mark.slow
 def test_hf_rows_carry_both_sides_errors():
     """Negative control of the reference row's exact 1: HF's bf16 forward is not the trainer's, so its
     ratio is not 1 (the test above could fail)."""
@@ -58,6 +60,7 @@ def test_vllm_rows_carry_both_sides_errors():
     assert s[GOLD_RATIO_CI_KEY][0] <= s[GOLD_RATIO_KEY] <= s[GOLD_RATIO_CI_KEY][1]
 
 
+@pytest.mark.slow
 def test_fp32_defaults_pass_an_fp32_row_and_flag_bf16_drift():
     """The per-dtype defaults (docs/PRECISION.md): an fp32 HF row passes the fp32 limits; the same
     comparison in bf16 passes its own limits and breaks the fp32 ones by orders of magnitude."""
@@ -69,6 +72,7 @@ def test_fp32_defaults_pass_an_fp32_row_and_flag_bf16_drift():
     assert {"max_abs_logprob_diff", "mean_abs_logprob_diff", "k3_kl"} <= broken
 
 
+@pytest.mark.slow
 def test_default_rule_runs_the_gold_on_a_cheap_row_and_says_why_not_on_a_dear_one(monkeypatch):
     cheap = parity.compare("tiny-llama", "reference", **SMALL)
     assert cheap.extras["gold"]["ran"] and cheap.extras["gold"]["reason"].startswith("by default")
@@ -97,6 +101,7 @@ def test_a_bad_gold_argument_is_refused_before_any_engine_starts(gold):
         parity.compare("tiny-llama", "no-such-backend", gold=gold, **SMALL)
 
 
+@pytest.mark.slow
 def test_command_line_gold(tmp_path, capsys):
     out = tmp_path / "r.json"
     command = ["compare", "--model", "tiny-llama", "--backend", "reference", "--json", str(out)]

@@ -60,6 +60,7 @@ def kill_all(procs):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
+@pytest.mark.slow
 def test_owned_processes_die_with_parity(tmp_path, sig):
     parity, procs = start_fake_parity(tmp_path, "guarded")
     try:

@@ -95,6 +95,7 @@ def test_the_reason_check_fails_on_an_import_without_one(tmp_path):
     ("parity.metrics", "parity.drift.metrics"), ("parity.dumps", "parity.rollouts.dumps"),
     ("parity.record", "parity.rollouts.record"), ("parity.cases", "parity.workload.cases"),
 ])
+@pytest.mark.slow
 def test_an_old_module_path_warns_once_and_is_the_new_module(old, new):
     code = (f"import warnings; warnings.simplefilter('always')\n"
             f"with warnings.catch_warnings(record=True) as seen:\n"

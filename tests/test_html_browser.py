@@ -8,12 +8,13 @@ The screenshot stays in pytest's tmp_path (the last runs are kept under
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from browser import chromium, console_lines, decoded_images, needs_chromium
 from test_report import make_report
 
 from parity.render import report_html
 
-pytestmark = needs_chromium
+pytestmark = [needs_chromium, pytest.mark.slow]  # every test starts headless Chromium
 
 
 def test_console_detection_catches_a_broken_page(tmp_path):

@@ -266,6 +266,7 @@ def test_nemo_rl_sample_mask_and_slime_lengths(rollouts, tmp_path):
 # -- no pandas --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_nothing_needs_pandas(tmp_path):
     """With pandas unimportable: a verl-style Parquet dataset written by pandas (its schema carries
     pandas metadata) reads, a batch dumps to Parquet and reads back, and the monitor logs it."""

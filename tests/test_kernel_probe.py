@@ -105,6 +105,7 @@ def stand_in_probe(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[
     matmul.forget_verdicts({(torch.bfloat16, n, k) for n, k in probed})
 
 
+@pytest.mark.slow
 def test_route_follows_the_verdict_bias_and_process_setup(stand_in_probe,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     matmul, _ = stand_in_probe

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
+from hypothesis_controls import ci_examples, examples_until_failure
 from transformers import AutoModelForCausalLM
 
 from parity import kernels
@@ -418,12 +419,28 @@ def _alone_equals_packed(fn, runs, extra_blocks, heads, dtype) -> bool:
                                          int(positions[i]) + 1, 0.125)[0]) for i in range(len(slots)))
 
 
-@given(step=packed_steps(), heads=st.sampled_from(HEADS), dtype=st.sampled_from(DTYPES))
+#: the step property's examples (the `ci` profile's 25 before): stock attention fails within them
+#: (test_stock_attention_fails_within_the_step_examples)
+STEP_EXAMPLES = 10
+STEP_DRAWS = {"step": packed_steps(), "heads": st.sampled_from(HEADS), "dtype": st.sampled_from(DTYPES)}
+
+
+@ci_examples(STEP_EXAMPLES)
+@given(**STEP_DRAWS)
 def test_attention_token_is_independent_of_its_step(step, heads, dtype):
     """Any mix of prefill chunks and decode tokens, in any order and slot, reading any span: each token's
     output equals its output alone."""
     runs, extra_blocks = step
     assert _alone_equals_packed(cpu_attention, runs, extra_blocks, heads, dtype)
+
+
+def test_stock_attention_fails_within_the_step_examples():
+    """Negative control of the example count: the property's own examples on stock SDPA."""
+    def stock(step, heads, dtype):
+        assert _alone_equals_packed(gathered_sdpa, step[0], step[1], heads, dtype)
+
+    first = examples_until_failure(test_attention_token_is_independent_of_its_step, None, STEP_DRAWS, stock)
+    print(f"stock attention fails at example {first} of {STEP_EXAMPLES}")
 
 
 def test_stock_attention_token_depends_on_its_step():
@@ -485,6 +502,7 @@ def test_attention_plan_is_remade_when_the_tokens_change():
 
 @given(heads=st.sampled_from([(2, 1), (4, 2), (3, 1), (8, 1), (8, 2), (12, 2)]), part=st.data(),
        dtype=st.sampled_from(DTYPES))
+@pytest.mark.slow
 def test_attention_head_is_independent_of_how_many_heads_share_its_kv(heads, part, dtype):
     """Query heads computed with every sibling of their KV head equal the same heads computed with
     only a part of them and that one KV head (what a tensor-parallel rank holds when the degree

@@ -75,12 +75,14 @@ def test_a_token_id_dataset_case_and_a_rollout_dump_load_without_torch(tmp_path)
     """)) == []
 
 
+@pytest.mark.slow
 def test_the_probe_sees_torch_when_a_path_loads_it():
     """Negative control: a text-prompt case tokenizes through transformers, and the probe says so."""
     assert "torch" in heavy_modules_after(
         "import parity.workload.cases; parity.workload.cases.load_case('cases/smoke.toml')")
 
 
+@pytest.mark.slow
 def test_a_stored_report_renders_without_torch(tmp_path):
     report = make_report()
     report.extras["attribution"] = {"axes": [{
@@ -100,6 +102,7 @@ def test_a_stored_report_renders_without_torch(tmp_path):
     """)) == []
 
 
+@pytest.mark.slow
 def test_a_stored_loop_record_renders_without_torch(tmp_path):
     """`parity loop --json` output read back and drawn (parity.loop.record, parity.render.loop)."""
     row = {"step": 0, "backend": "reference", "max_abs_logprob_diff": 0.0, "mean_abs_logprob_diff": 0.0,
@@ -141,6 +144,7 @@ def test_a_stored_audit_renders_without_torch(tmp_path):
     """)) == []
 
 
+@pytest.mark.slow
 def test_a_stored_nightly_history_renders_without_torch(tmp_path, monkeypatch):
     install(runner, patch=monkeypatch.setattr)
     cases = write_cases(tmp_path)
@@ -163,6 +167,7 @@ def test_a_stored_nightly_history_renders_without_torch(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("module", ["parity.cli", "parity.pytest_plugin", "parity.backends",
                                     "parity.nightly"])
+@pytest.mark.slow
 def test_entry_points_import_without_torch(module):
     """The command line, the pytest plugin (imported by every pytest run) and the backend registry
     load the engines only when a command or a parity test runs one."""

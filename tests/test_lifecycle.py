@@ -115,6 +115,7 @@ def test_a_backend_without_the_operation_is_skipped():
     assert "has no weight-update API" in report.results[1].detail
 
 
+@pytest.mark.slow
 def test_the_reference_has_no_sleep_but_follows_pushed_weights():
     report = run_lifecycle(shared_backend("reference", "tiny-llama", dtype="float32"),
                            requests=default_requests()[:2], checks=("sleep_wake", "weight_update"))
@@ -149,6 +150,7 @@ def test_offline_vllm_engine(check):
     assert result.status == "pass", result.detail
 
 
+@pytest.mark.slow
 def test_command_line(tmp_path, capsys):
     from parity.cli import main
 

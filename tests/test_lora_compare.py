@@ -102,6 +102,7 @@ def test_cli_compare_score_and_replay_with_lora(tmp_path, capsys):
     assert "has no adapter_config.json" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_case_files_name_an_adapter(tmp_path):
     adapter = step_adapter(tmp_path, ADAPTER, seed=5, directory="my-adapter")
     case = tmp_path / "lora.toml"
@@ -139,6 +140,7 @@ def test_case_files_name_an_adapter(tmp_path):
                          "--lora", ADAPTER]) == 2
 
 
+@pytest.mark.slow
 def test_nightly_lora_applies_to_every_case(tmp_path):
     case = tmp_path / "plain.toml"
     case.write_text(textwrap.dedent(f"""

@@ -139,6 +139,7 @@ def test_every_builtin_loads_in_vllm(tmp_path):
         assert tokens[path][0] == first, path
 
 
+@pytest.mark.slow
 def test_a_model_built_in_memory_runs_like_the_same_model_saved_and_loaded(tmp_path):
     """adopt_model (for random-weight models too large to save) patches an in-memory model the way
     load_model patches a checkpoint: the engine's rollouts are bitwise those of the saved copy."""

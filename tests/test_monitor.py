@@ -179,6 +179,7 @@ def test_sampling_and_meta_are_stored_as_given(tmp_path):
 # -- thresholds -----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_thresholds_raise_a_warning_line_and_a_flag(tmp_path, caplog):
     bounds = {"k3_kl": 1e-4, "max_abs_logprob_diff": 50.0,
               "rollout_corr/rollout_is_eff_sample_size": (0.999, None)}
@@ -355,6 +356,7 @@ _CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_killed_mid_step_the_store_reads_every_committed_step(tmp_path):
     """A training process SIGKILLed inside step 5's transaction: a reader that opened while it ran
     saw the committed steps, and afterwards the file reads whole, steps 0-4, and a new Monitor
@@ -389,6 +391,7 @@ def test_killed_mid_step_the_store_reads_every_committed_step(tmp_path):
 # -- the page ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_page_shows_trends_the_latest_step_and_the_recommendation(tmp_path):
     with parity.Monitor(tmp_path, run_name="grpo-<b>", render_every=2) as monitor:
         for step in range(3):
@@ -443,6 +446,7 @@ def test_a_drawing_that_fails_loses_no_step(tmp_path, monkeypatch, caplog):
 # -- the command ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_parity_monitor_command(tmp_path, capsys):
     out = tmp_path / "run"
     with parity.Monitor(out, thresholds={"k3_kl": 1e-4}, advice_every=0) as monitor:
@@ -462,6 +466,7 @@ def test_parity_monitor_command(tmp_path, capsys):
     assert "no monitor.sqlite here" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_import_and_the_command_never_load_torch(tmp_path):
     out = tmp_path / "run"
     with parity.Monitor(out, advice_every=0, render_every=0) as monitor:

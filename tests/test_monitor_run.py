@@ -259,6 +259,7 @@ def test_a_row_that_does_not_decode_is_named_and_the_rest_shown(tmp_path, capsys
     assert "Unreadable steps" in page and "Latest step: 2" in page
 
 
+@pytest.mark.slow
 def test_readers_change_nothing_in_the_directory(tmp_path):
     """A reader opens the store read-only (SQLite may add its WAL index beside it: its own file)."""
     with parity.Monitor(tmp_path, advice_every=0) as monitor:
@@ -270,6 +271,7 @@ def test_readers_change_nothing_in_the_directory(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["exp%31", "a#b", "q?x=1", "with space", "naïve-ü"])
+@pytest.mark.slow
 def test_any_directory_name_opens_its_own_store(tmp_path, name, capsys):
     """53.2: the URI was built unquoted: `exp%31` opened exp1's store, `#`/`?` cut the path."""
     with quiet(tmp_path / "exp1", run_name="the-other-run") as monitor:
@@ -290,6 +292,7 @@ class Tokenizer:
         return "".join(f"<t{i}>" for i in ids)
 
 
+@pytest.mark.slow
 def test_the_page_details_the_worst_steps_with_uid_and_text(tmp_path, capsys):
     rollout, trainer, mask, responses = step_arrays(0)
     uids = [f"group-{r // 4}" for r in range(rollout.shape[0])]
@@ -312,6 +315,7 @@ def test_the_page_details_the_worst_steps_with_uid_and_text(tmp_path, capsys):
     del rollout, trainer, mask, responses
 
 
+@pytest.mark.slow
 def test_log_scale_reaches_every_trend_chart(tmp_path, monkeypatch):
     seen = []
     real = page_module.step_trend_figure

@@ -97,6 +97,7 @@ def workspace(tmp_path, monkeypatch):
     return tmp_path, write_cases(tmp_path)
 
 
+@pytest.mark.slow
 def test_a_run_id_another_live_process_owns_is_refused_until_it_dies(workspace, capsys):
     root, cases = workspace
     out = root / "reports"

@@ -237,6 +237,7 @@ def test_a_worse_setting_against_a_fixed_baseline_is_a_regression(workspace, cap
     assert "📈 improved" in (workspace.out / "fixed" / "summary.md").read_text()
 
 
+@pytest.mark.slow
 def test_a_failing_backend_becomes_an_error_row_and_the_rest_still_runs(workspace, capsys):
     crashy = workspace.cases / "crashy.toml"
     crashy.write_text((workspace.cases / "alpha.toml").read_text())
@@ -316,6 +317,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 def test_a_killed_process_leaves_a_valid_history_and_resume_finishes_it(workspace):
     script = workspace.root / "kill.py"
     script.write_text(KILL_SCRIPT.format(tests=str(TESTS)))
@@ -333,6 +335,7 @@ def test_a_killed_process_leaves_a_valid_history_and_resume_finishes_it(workspac
     assert len(json.loads((workspace.out / "killed" / "results.json").read_text())["rows"]) == 3
 
 
+@pytest.mark.slow
 def test_the_parity_command_runs_nightly_with_the_backends_available_here(workspace, capsys):
     from parity.cli import main as parity_main
 
@@ -367,6 +370,7 @@ def test_resume_of_an_unknown_run_and_missing_cases(workspace, capsys):
 
 
 @needs_chromium
+@pytest.mark.slow
 def test_the_page_loads_in_headless_chromium_without_console_errors(workspace, tmp_path):
     crashy = workspace.cases / "crashy.toml"
     crashy.write_text((workspace.cases / "alpha.toml").read_text())
@@ -438,6 +442,7 @@ def shifted_compare(shift: dict[str, float]):
     return compare
 
 
+@pytest.mark.slow
 def test_audit_rows_run_first_and_judge_the_rest_of_their_backend_against_its_noise(workspace, monkeypatch):
     (workspace.cases / "noise.toml").write_text(textwrap.dedent(AUDIT_CASE))
     monkeypatch.setattr(execute, "shared_backend", audited_engine)

@@ -107,6 +107,7 @@ def _logprobs(rollouts: list) -> list[torch.Tensor]:
     return [torch.tensor(r.logprobs, dtype=torch.float32) for r in rollouts]
 
 
+@pytest.mark.slow
 def test_reduction_groups_give_the_same_bits_at_every_degree_for_one_value() -> None:
     """reduction_groups=2: TP=2 equals TP=1 bit for bit, and the rollouts record the value; the
     default 8 groups at TP=1 give other bits (each group count is its own sum: the trade is real)."""
@@ -162,6 +163,7 @@ def _gone(pids: list[int]) -> bool:
     return not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
 
 
+@pytest.mark.slow
 def test_group_runs_collectives_and_closes(probe_path) -> None:
     group = RankGroup(2, "cpu", probe_path)
     pids = group.pids
@@ -172,6 +174,7 @@ def test_group_runs_collectives_and_closes(probe_path) -> None:
         group.call("gather")
 
 
+@pytest.mark.slow
 def test_failing_rank_stops_the_group_with_its_traceback(probe_path) -> None:
     group = RankGroup(2, "cpu", probe_path)
     pids = group.pids
@@ -181,6 +184,7 @@ def test_failing_rank_stops_the_group_with_its_traceback(probe_path) -> None:
     assert _gone(pids)
 
 
+@pytest.mark.slow
 def test_dying_rank_stops_the_group(probe_path) -> None:
     group = RankGroup(2, "cpu", probe_path)
     pids = group.pids
@@ -189,6 +193,7 @@ def test_dying_rank_stops_the_group(probe_path) -> None:
     assert _gone(pids)
 
 
+@pytest.mark.slow
 def test_sigint_in_the_caller_kills_the_ranks(probe_path) -> None:
     group = RankGroup(2, "cpu", probe_path)
     pids = group.pids
@@ -207,6 +212,7 @@ def test_sigint_in_the_caller_kills_the_ranks(probe_path) -> None:
     assert _gone(pids)
 
 
+@pytest.mark.slow
 def test_failing_factory_is_reported() -> None:
     with pytest.raises(TensorParallelError, match="failed in start"):
         RankGroup(2, "cpu", list)  # list(Comm) raises TypeError in every rank
@@ -246,6 +252,7 @@ def test_gpu_tp2_equals_tp1_and_train_forward(tmp_path: Path, shape: str, layers
         assert torch.equal(torch.tensor(rollout.logprobs, dtype=torch.float32), logprobs.cpu())
 
 
+@pytest.mark.slow
 def test_compare_with_a_tp2_reference_backend_has_zero_drift() -> None:
     from parity.backends.reference import ReferenceBackend
     from parity.compare import compare
@@ -260,6 +267,7 @@ def test_compare_with_a_tp2_reference_backend_has_zero_drift() -> None:
     assert report.passed
 
 
+@pytest.mark.slow
 def test_compare_scores_with_the_backends_reduction_groups() -> None:
     """A TP=2 reference backend with reduction_groups=2: the training forward sums in 2 groups too
     (zero drift; with the default 8 it would not match), and the provenance says so."""

@@ -110,6 +110,7 @@ def test_fixture(parity_compare):
     assert fake_compare[1][2] == {"tolerance": {"k3_kl_max": None}}
 
 
+@pytest.mark.slow
 def test_parity_verbose_shows_the_engines_lines(pytester, monkeypatch):
     """Quiet needs no call (the engine adapters default to it); --parity-verbose chooses INFO."""
     monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
@@ -147,12 +148,14 @@ def test_two(parity_backend):
 '''
 
 
+@pytest.mark.slow
 def test_end_to_end_with_real_backends(pytester):
-    """One subprocess (engines start once): markers on reference/HF/SGLang, and the session backend."""
+    """Markers on reference/HF/SGLang, and the session backend, in one in-process pytest session
+    (a subprocess proved nothing more and imported torch and loaded the models again)."""
     small = ', prompts=[[5, 6, 7, 8, 9], [10, 11, 12]], sampling={"max_tokens": 8, "n": 2}'
     source = EXAMPLES.replace('backend="reference")', f'backend="reference"{small})')
     pytester.makepyfile(test_real=source.replace('0.0})', "0.0}" + small + ")"), test_session=SESSION_EXAMPLE)
-    result = pytester.runpytest_subprocess("-rs", "--parity-backend=hf")
+    result = pytester.runpytest("-rs", "--parity-backend=hf")
     result.assert_outcomes(passed=3, failed=1, skipped=1)
     out = result.stdout.str()
     assert "parity check failed: backend 'hf'" in out and GOLD_TABLE_HEADER in out

@@ -181,6 +181,7 @@ def test_bad_case_prompts_name_the_file_and_field(tmp_path, body, match):
         load_case(write_case(tmp_path, 'model = "tiny-llama"\n' + body))
 
 
+@pytest.mark.slow
 def test_compare_takes_chat_prompts_and_datasets(tmp_path, chat_model):
     path = tmp_path / "train.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in verl_rows(CHATS)))

@@ -71,6 +71,7 @@ def test_r3_against_the_reference_engine_is_exact(moe, invariant_rollouts):
 
 @pytest.mark.parametrize("layout, micro_batch_size", [("right", None), ("left", 2), ("packed", None),
                                                       ("right", 1)])
+@pytest.mark.slow
 def test_r3_forces_the_rollout_routes_in_every_layout(moe, native_rollouts, layout, micro_batch_size):
     """Native-kernel rollouts route differently from the invariant trainer; R3 makes every layout agree."""
     free = train_forward(moe, native_rollouts, dtype=DTYPE, record_routes=True).routes
@@ -92,6 +93,7 @@ def test_r3_routes_argument_overrides_the_rollouts(moe, invariant_rollouts):
 
 
 @pytest.mark.parametrize("replay", [RouterReplay("R2"), RouterReplay("R2", "replay")])
+@pytest.mark.slow
 def test_r2_replays_the_first_forward(moe, invariant_rollouts, replay):
     free = train_forward(moe, invariant_rollouts, dtype=DTYPE, kernels="native", record_routes=True)
     replayed = train_forward(moe, invariant_rollouts, dtype=DTYPE, kernels="native", router_replay=replay,
@@ -126,6 +128,7 @@ def prefer_high_index(real_topk):
     return topk
 
 
+@pytest.mark.slow
 def test_tied_router_scores_flip_without_replay_and_cannot_with_it(tmp_path, monkeypatch):
     model = tied_checkpoint("tiny-qwen3-moe", tmp_path)
     rollouts = generate(model)  # ties to the lower index
@@ -141,6 +144,7 @@ def test_tied_router_scores_flip_without_replay_and_cannot_with_it(tmp_path, mon
 
 
 @pytest.mark.parametrize("replay", [RouterReplay("R2"), RouterReplay("R2", "replay")])
+@pytest.mark.slow
 def test_r2_keeps_the_first_forward_routes_when_the_second_would_route_otherwise(tmp_path, monkeypatch,
                                                                                  replay):
     """R2 with a trainer whose router changes between its two forwards (as an update's new weights
@@ -170,6 +174,7 @@ def test_r2_keeps_the_first_forward_routes_when_the_second_would_route_otherwise
         hook.remove()
 
 
+@pytest.mark.slow
 def test_router_report_shows_agreement_and_drift_with_and_without_replay(moe, native_rollouts):
     summary, section = router_report(moe, native_rollouts, dtype=DTYPE, device="cpu",
                                      kernels="invariant", router_replay=None, tolerance=Tolerance.exact())
@@ -237,6 +242,7 @@ def test_dense_models_are_rejected(invariant_rollouts, mode):
 PROMPTS = [r.prompt_ids for r in requests()]
 
 
+@pytest.mark.slow
 def test_compare_with_r3_on_the_reference_engine_is_exact():
     from parity.compare import compare
 
@@ -249,6 +255,7 @@ def test_compare_with_r3_on_the_reference_engine_is_exact():
     assert type(report).from_json(report.to_json()).extras["router"] == router
 
 
+@pytest.mark.slow
 def test_compare_against_a_disagreeing_backend_shows_drift_with_and_without_replay():
     from parity.backends.reference import ReferenceBackend
     from parity.compare import compare
@@ -266,6 +273,7 @@ def test_compare_against_a_disagreeing_backend_shows_drift_with_and_without_repl
     assert with_r3["max_abs_logprob_diff"] < without["max_abs_logprob_diff"]  # measured 0.05 vs 0.42
 
 
+@pytest.mark.slow
 def test_cli_compare_router_replay_r3(capsys):
     from parity.cli import main
 

@@ -52,6 +52,7 @@ def scored(argv, tmp_path):
     return code, (ParityReport.from_json(out.read_text()) if out.exists() else None)
 
 
+@pytest.mark.slow
 def test_score_of_the_compare_record_reproduces_the_summary(hf_run, tmp_path, capsys):
     report, record = hf_run
     assert report.summary["max_abs_logprob_diff"] > 0  # drift, so equality means something
@@ -125,6 +126,7 @@ def test_router_summary_of_a_moe_record_is_reproduced(tmp_path):
     assert again.extras["router"] == report.extras["router"]
 
 
+@pytest.mark.slow
 def test_a_replayed_record_names_its_backend(hf_run, tmp_path, capsys):
     """`parity replay` output holds two backends' rollouts: score takes one, by name."""
     _, record = hf_run

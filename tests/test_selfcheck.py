@@ -23,6 +23,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.mark.parametrize("model,dtype", [("tiny-qwen3", "float32"), ("tiny-qwen3-moe", "bfloat16"),
                                          ("tiny-llama", "bfloat16")])
+@pytest.mark.slow
 def test_every_grid_setting_is_bitwise_exact_on_cpu(model, dtype):
     checks = sampling_grid_check(model, dtype=dtype, requests=2, max_tokens=6, max_num_seqs=5, chunk_size=7)
     assert [(c.temperature, c.top_p, c.top_k) for c in checks] == list(SAMPLING_GRID)

@@ -290,6 +290,7 @@ def test_a_wrong_sampling_record_is_a_data_bug_not_a_correction(rollouts, wrong,
     assert any(found in bug for bug in report.extras["advice"]["recommendation"]["data_bugs"])
 
 
+@pytest.mark.slow
 def test_a_raw_vs_processed_mix_up_is_a_data_bug(rollouts) -> None:
     raw = [
         dataclasses.replace(r, logprobs_mode="raw", sampling=r.sampling.replace(logprobs_mode="raw"))
@@ -299,6 +300,7 @@ def test_a_raw_vs_processed_mix_up_is_a_data_bug(rollouts) -> None:
     assert any("processed logprobs at temperature=0.7" in bug for bug in bugs)
 
 
+@pytest.mark.slow
 def test_real_drift_is_still_advised_on() -> None:
     """The control: bf16 HF against the invariant trainer drifts for real; no data bug is found."""
     report = parity.compare(

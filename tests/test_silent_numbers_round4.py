@@ -61,6 +61,7 @@ def test_a_rollout_exactly_at_the_gold_is_said_in_words_not_a_zero_division():
     assert summary[GOLD_VERDICT_KEY].startswith(EXACT_ROLLOUT)
 
 
+@pytest.mark.slow
 def test_score_of_a_dump_at_the_gold_writes_every_output(tmp_path, rollouts, capsys, monkeypatch):
     import parity.engine.gold
 
@@ -175,6 +176,7 @@ def bf16_rollouts() -> list[Rollout]:
     return ReferenceEngine(MODEL, dtype="bfloat16").generate(requests)
 
 
+@pytest.mark.slow
 def test_bf16_rollouts_scored_by_an_fp32_trainer_are_judged_by_bf16_limits(tmp_path, bf16_rollouts, capsys):
     from parity.scoring import score
 
@@ -264,6 +266,7 @@ def test_an_adapter_made_for_another_built_in_model_is_refused(tmp_path):
 SHORT = {"prompts": 2, "n": 2, "max_tokens": 4}
 
 
+@pytest.mark.slow
 def test_a_reward_that_raises_is_named_with_the_rollout(tmp_path):
     import parity
 
@@ -277,6 +280,7 @@ def test_a_reward_that_raises_is_named_with_the_rollout(tmp_path):
     assert stored["status"] == "failed" and "reward 'flaky'" in stored["error"]
 
 
+@pytest.mark.slow
 def test_a_huge_learning_rate_is_reported_as_divergence_naming_lr(tmp_path):
     import parity
 
@@ -284,6 +288,7 @@ def test_a_huge_learning_rate_is_reported_as_divergence_naming_lr(tmp_path):
         parity.loop(MODEL, ["reference"], steps=2, lr=1e38, **SHORT)
 
 
+@pytest.mark.slow
 def test_ctrl_c_records_interrupted(tmp_path):
     import parity
 
@@ -393,6 +398,7 @@ def test_a_server_that_never_answers_metadata_fails_at_the_metadata_timeout():
             client.get("/v1/models")
 
 
+@pytest.mark.slow
 def test_an_adapter_only_loop_that_blows_up_is_divergence_not_a_broken_adapter():
     import parity
 
@@ -435,6 +441,7 @@ def test_advise_names_a_monitor_store_and_binary_files(tmp_path, capsys):
     assert "is not UTF-8 text" in err and "Unicode" not in err
 
 
+@pytest.mark.slow
 def test_compare_takes_a_trainer_dtype_apart_from_the_engines():
     """Item 12 for compare: a float32 trainer beside a bf16 engine is scored in float32 and judged by the
     pair's (bf16) limits; the same engine against a bf16 trainer is the control (bit for bit, dtype kept)."""

@@ -122,6 +122,7 @@ def readme_snippet(first_line: str) -> str:
     return next(b for b in re.findall(r"```python\n(.*?)```", section, re.S) if b.startswith(first_line))
 
 
+@pytest.mark.slow
 def test_the_readme_snippet_runs_on_an_experience(batch, rollouts, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     names = {"experience": batch, "step": 3}

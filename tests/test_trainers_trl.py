@@ -85,6 +85,7 @@ def engine():
     backend.close()
 
 
+@pytest.mark.slow
 def test_a_grpo_trainer_logs_every_generation(tmp_path, engine):
     trainer = make_trainer(tmp_path, engine)
     with parity.Monitor(tmp_path / "parity", advice_every=0, render_every=0) as monitor:
@@ -113,6 +114,7 @@ def monitor_records(out_dir, out_json) -> list[dict]:
     return json.loads(out_json.read_text())["steps"]
 
 
+@pytest.mark.slow
 def test_a_trainer_without_both_sides_is_refused(tmp_path, engine):
     trainer = make_trainer(tmp_path, engine, num_iterations=1)
     with parity.Monitor(tmp_path / "p", advice_every=0, render_every=0) as monitor:
@@ -128,6 +130,7 @@ def readme_snippet(first_line: str) -> str:
     return next(b for b in re.findall(r"```python\n(.*?)```", section, re.S) if b.startswith(first_line))
 
 
+@pytest.mark.slow
 def test_the_readme_snippet_runs_on_a_grpo_trainer(tmp_path, engine, monkeypatch):
     monkeypatch.chdir(tmp_path)
     trainer = make_trainer(tmp_path, engine, max_steps=2)

@@ -124,6 +124,7 @@ def readme_snippet(first_line: str) -> str:
     return next(b for b in re.findall(r"```python\n(.*?)```", section, re.S) if b.startswith(first_line))
 
 
+@pytest.mark.slow
 def test_the_readme_snippet_runs_on_a_dataproto(batch, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     names = {"batch": batch, "step": 7}

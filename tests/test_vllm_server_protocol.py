@@ -265,6 +265,7 @@ def test_attached_with_server_info_records_it(fake):
     assert backend.meta["max_num_seqs"] == 128 and backend.meta["block_size"] == 128
 
 
+@pytest.mark.slow
 def test_uncached_requests_carry_a_fresh_cache_salt_and_cached_tokens_are_read(fake):
     backend = VLLMServerBackend("tiny-llama", url=fake.url)
     requests = [Request((5, 6), SamplingParams(n=2, max_tokens=1), "a")]

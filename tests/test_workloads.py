@@ -68,6 +68,7 @@ mean_abs_logprob_diff = 0.1
     return root / "gsm8k.toml"
 
 
+@pytest.mark.slow
 def test_the_case_renders_the_chats_with_the_models_template(case_file):
     case = load_case(case_file)
     assert len(case.requests) == 2 and all(r.sampling.n == 2 for r in case.requests)
