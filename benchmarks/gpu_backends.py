@@ -61,6 +61,7 @@ from benchmarks.gpu_checks import (
     loop_section,
     pytest_row,
     test_row_section,
+    throughput_requests,
 )
 from benchmarks.gpu_ledger import DEFAULT_STATE, Deadline, DeadlineReached, Ledger, pending
 
@@ -215,12 +216,8 @@ def measure(side: str, model: str, workload: tuple[int, int, int], repeats: int)
 
     import torch
 
-    from parity.core.types import Request, SamplingParams
-
     count, prompt_len, max_tokens = workload
-    requests = [Request(tuple(3 + (i * 7919 + j * 104729) % 150000 for j in range(prompt_len)),
-                        SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i, ignore_eos=True),
-                        f"r{i}") for i in range(count)]
+    requests = throughput_requests(workload)
     runs: list[tuple[int, float]] = []  # (output tokens, seconds) of each timed run
     began = time.perf_counter()
     if side == "parity":

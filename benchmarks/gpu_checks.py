@@ -43,6 +43,17 @@ TEST_ROWS = {"server": "server_on_the_gpu", "fp8": "fp8 or without_its_gpu_memor
 AUDIT_MEMORY = 0.5
 
 
+def throughput_requests(workload: tuple[int, int, int]) -> list[Any]:
+    """The throughput workload `(count, prompt_len, max_tokens)` as requests: deterministic prompt
+    ids, temperature 1, EOS ignored, so every side produces count * max_tokens tokens."""
+    from parity.core.types import Request, SamplingParams  # the section's child imports parity
+
+    count, prompt_len, max_tokens = workload
+    return [Request(tuple(3 + (i * 7919 + j * 104729) % 150000 for j in range(prompt_len)),
+                    SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i, ignore_eos=True),
+                    f"r{i}") for i in range(count)]
+
+
 def parity_command(*args: str) -> list[str]:
     """The `parity` command line run by this interpreter (no installed entry point needed)."""
     return [sys.executable, "-c", "import sys; from parity.cli import main; sys.exit(main())", *args]

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.gpu_checks import pytest_row
+from benchmarks.gpu_checks import pytest_row, throughput_requests
 from benchmarks.gpu_ledger import Ledger, pending
 
 SECTIONS = ("install", "compare", "throughput", "tests")
@@ -165,37 +165,24 @@ def audit_row(model: str, engine: Any, out: Path) -> dict[str, Any]:
 
 
 def measure(side: str, model: str, workload: tuple[int, int, int]) -> dict[str, Any]:
-    """Output tok/s of one side on `workload`, in this process (a child of the section)."""
-    from parity.core.types import Request, SamplingParams
-
-    count, prompt_len, max_tokens = workload
-    requests = [Request(tuple(3 + (i * 7919 + j * 104729) % 150000 for j in range(prompt_len)),
-                        SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i, ignore_eos=True),
-                        f"r{i}") for i in range(count)]
+    """Output tok/s of one side on `workload`, in this process (a child of the section); parity's
+    side is `benchmarks.gpu_backends.measure`'s, one timed run after its warm-up."""
     if side == "parity":
-        import torch
+        from benchmarks.gpu_backends import measure as measure_once
 
-        from parity.engine import ReferenceEngine
+        return measure_once("parity", model, workload, repeats=1)
+    from parity.backends import get_backend
 
-        with ReferenceEngine(model, dtype="bfloat16", device="cuda", max_num_seqs=count,
-                             chunk_size=prompt_len, max_num_batched_tokens=8192) as engine:
-            engine.warm_up(prompt_len + max_tokens)  # every shape compiled and captured: not timed
-            engine.generate(requests[:4])
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            produced = sum(len(r.token_ids) for r in engine.generate(requests))
-            seconds = time.perf_counter() - start
-    else:
-        from parity.backends import get_backend
-
-        flags = [*SERVER_ARGS, "--mem-fraction-static", "0.85", "--max-running-requests", str(count),
-                 "--cuda-graph-max-bs", str(count), *(DETERMINISTIC if side == "sglang-det" else ())]
-        with get_backend("sglang", model, dtype="bfloat16", launch_server=True, server_args=flags,
-                         concurrency=count) as engine:
-            engine.generate(requests[:4])
-            start = time.perf_counter()
-            produced = sum(len(r.token_ids) for r in engine.generate(requests))
-            seconds = time.perf_counter() - start
+    count = workload[0]
+    requests = throughput_requests(workload)
+    flags = [*SERVER_ARGS, "--mem-fraction-static", "0.85", "--max-running-requests", str(count),
+             "--cuda-graph-max-bs", str(count), *(DETERMINISTIC if side == "sglang-det" else ())]
+    with get_backend("sglang", model, dtype="bfloat16", launch_server=True, server_args=flags,
+                     concurrency=count) as engine:
+        engine.generate(requests[:4])
+        start = time.perf_counter()
+        produced = sum(len(r.token_ids) for r in engine.generate(requests))
+        seconds = time.perf_counter() - start
     return {"side": side, "output_tokens": produced, "seconds": seconds, "output_tok_s": produced / seconds}
 
 
