@@ -18,25 +18,29 @@ Sections, in this order:
 - `compare`: `parity.compare` rows, each with a fresh server: the Qwen3-1.7B shape (28 layers,
   random bf16 weights) raw, processed, multi-turn and with --enable-deterministic-inference; the
   Qwen3-30B-A3B shape (`--moe-layers`) raw with routed experts returned, R3 replayed. The two raw
-  Qwen3-1.7B servers (deterministic mode off and on) are also audited (`parity.audit`, the
-  function behind `parity audit --backend sglang`) on the built-in case in raw mode.
+  Qwen3-1.7B servers (deterministic mode off and on) are also audited by `parity audit` (`cli_audit`).
 - `throughput`: output tok/s on `--workload` (requests, prompt, output; default 256,256,512) of
-  parity's reference engine and SGLang with deterministic mode off and on, one process each.
-- `tests`: the gpu + sglang tests (tests/test_sglang_gpu.py).
+  parity's reference engine and SGLang with deterministic mode off and on, one process each, in
+  one call; after its timed run each SGLang server is audited by `parity audit --backend sglang
+  --device cuda --option base_url=...` (the built-in case's prompts and seeds with raw logprobs,
+  `write_audit_case`), its JSON kept as OUT/audit-SIDE.json.
+- `tests`: the gpu + sglang tests (tests/test_sglang_gpu.py), junit XML kept as OUT/tests.xml.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.gpu_checks import pytest_row, throughput_requests
+from benchmarks.gpu_checks import parity_command, pytest_row, throughput_requests
 from benchmarks.gpu_ledger import Ledger, pending
 
 SECTIONS = ("install", "compare", "throughput", "tests")
@@ -123,8 +127,8 @@ def compare_section(args: argparse.Namespace, ledger: Ledger) -> list[dict[str, 
                 if moe:
                     row["sides"] = {side: v["drift"] for side, v in report.extras["router"]["sides"].items()}
                 if key.startswith("q28 raw"):
-                    stored = ledger.root / f"audit-{key.replace(' ', '-')}.json"
-                    row["audit"] = audit_row(model, engine, stored)
+                    row["audit"] = cli_audit(model, engine.server.url,
+                                             args.out / f"audit-{key.replace(' ', '-')}.json")
                 if key == "q28 raw":
                     turns = parity.compare(model, engine, prompts=prompts[:8], sampling=sampling,
                                            turns=[Generate(16), Inject([50, 51, 52]), Generate(16)],
@@ -138,35 +142,49 @@ def compare_section(args: argparse.Namespace, ledger: Ledger) -> list[dict[str, 
     return list(ledger.rows("compare").values())
 
 
-def raw_audit_case(model: str) -> Any:
-    """The audit's built-in case with raw logprobs: its processed logprobs under top-p 0.95 are not
-    what SGLang can report (temperature-scaled, untruncated), and a server reports one mode."""
-    import dataclasses
-
+def write_audit_case(model: str, path: Path) -> Path:
+    """The audit's built-in case (`default_case`: its prompts, n, temperature, top-p, tokens, seeds
+    1000+i) as a case file with raw logprobs: its processed logprobs under top-p 0.95 are not what
+    SGLang can report (temperature-scaled, untruncated), and a server reports one mode."""
     from parity.workload.cases import default_case
 
-    case = default_case(model)
-    return dataclasses.replace(case, requests=tuple(
-        dataclasses.replace(r, sampling=r.sampling.replace(logprobs_mode="raw")) for r in case.requests))
+    requests = default_case(model).requests
+    first = requests[0].sampling
+    prompts = ",\n  ".join(json.dumps(list(r.prompt_ids)) for r in requests)
+    path.write_text(
+        f'name = "sglang-audit-raw"\nkind = "audit"\nmodel = {json.dumps(model)}\nlogprobs_mode = "raw"\n\n'
+        f"[prompts]\ntoken_ids = [\n  {prompts},\n]\n\n"
+        f"[sampling]\nn = {first.n}\ntemperature = {first.temperature}\ntop_p = {first.top_p}\n"
+        f"max_tokens = {first.max_tokens}\nseed = {first.seed}\n")
+    return path
 
 
-def audit_row(model: str, engine: Any, out: Path) -> dict[str, Any]:
-    """`parity.audit` (what `parity audit --backend sglang` runs) on a running server."""
-    from parity.audit import audit
-
-    result = audit(model, engine, case=raw_audit_case(model), device="cuda")
-    out.write_text(result.to_json())
-    data = result.to_dict()
-    return {"deterministic": data["deterministic"], "batch_invariant": data["batch_invariant"],
+def cli_audit(model: str, url: str, out: Path) -> dict[str, Any]:
+    """`parity audit --backend sglang --device cuda` on the running server at `url` (raw case,
+    `write_audit_case`); its JSON written to `out`, a summary returned."""
+    case = write_audit_case(model, Path(tempfile.mkdtemp()) / "sglang-audit-raw.toml")
+    cmd = parity_command("audit", "--backend", "sglang", "--model", model, "--case", str(case), "--device",
+                         "cuda", "--dtype", "bfloat16", "--option", f"base_url={url}",
+                         "--option", "logprobs_mode=raw", "--json", str(out))
+    start = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    row: dict[str, Any] = {"command": " ".join(["parity", *cmd[3:]]), "exit_code": done.returncode,
+                           "seconds": round(time.perf_counter() - start, 1), "stdout": done.stdout[-2500:]}
+    if not out.exists():
+        return {**row, "stderr": done.stderr[-2000:]}
+    data = json.loads(out.read_text())
+    return {**row, "deterministic": data["deterministic"], "batch_invariant": data["batch_invariant"],
             "checks": {n: {"differing": c["differing_requests"], "requests": c["requests"],
                            "max_abs_logprob_diff": c["max_abs_logprob_diff"], "skipped": c["skipped"]}
                        for n, c in data["checks"].items()},
             "notes": data["provenance"].get("audit")}
 
 
-def measure(side: str, model: str, workload: tuple[int, int, int]) -> dict[str, Any]:
+def measure(side: str, model: str, workload: tuple[int, int, int], audit_out: Path | None) -> dict[str, Any]:
     """Output tok/s of one side on `workload`, in this process (a child of the section); parity's
-    side is `benchmarks.gpu_backends.measure`'s, one timed run after its warm-up."""
+    side is `benchmarks.gpu_backends.measure`'s, one timed run after its warm-up. An SGLang
+    server reports raw logprobs (at temperature 1, untruncated, the same numbers as processed
+    ones) so that, after the timed run, `cli_audit` audits it into `audit_out`."""
     if side == "parity":
         from benchmarks.gpu_backends import measure as measure_once
 
@@ -174,16 +192,21 @@ def measure(side: str, model: str, workload: tuple[int, int, int]) -> dict[str, 
     from parity.backends import get_backend
 
     count = workload[0]
-    requests = throughput_requests(workload)
+    requests = [dataclasses.replace(r, sampling=r.sampling.replace(logprobs_mode="raw"))
+                for r in throughput_requests(workload)]
     flags = [*SERVER_ARGS, "--mem-fraction-static", "0.85", "--max-running-requests", str(count),
              "--cuda-graph-max-bs", str(count), *(DETERMINISTIC if side == "sglang-det" else ())]
-    with get_backend("sglang", model, dtype="bfloat16", launch_server=True, server_args=flags,
-                     concurrency=count) as engine:
+    began = time.perf_counter()
+    with get_backend("sglang", model, dtype="bfloat16", logprobs_mode="raw", launch_server=True,
+                     server_args=flags, concurrency=count) as engine:
         engine.generate(requests[:4])
+        setup = time.perf_counter() - began
         start = time.perf_counter()
         produced = sum(len(r.token_ids) for r in engine.generate(requests))
         seconds = time.perf_counter() - start
-    return {"side": side, "output_tokens": produced, "seconds": seconds, "output_tok_s": produced / seconds}
+        audit = None if audit_out is None else cli_audit(model, engine.server.url, audit_out)
+    return {"side": side, "output_tokens": produced, "seconds": seconds, "output_tok_s": produced / seconds,
+            "setup_s": round(setup, 1), "server_args": flags, **({"audit": audit} if audit else {})}
 
 
 def throughput_section(args: argparse.Namespace, ledger: Ledger) -> list[dict[str, Any]]:
@@ -193,7 +216,7 @@ def throughput_section(args: argparse.Namespace, ledger: Ledger) -> list[dict[st
             continue
         check_budget(args)
         cmd = [sys.executable, "-m", "benchmarks.gpu_sglang", "--measure", side, "--model", model,
-               "--workload", ",".join(map(str, args.workload))]
+               "--workload", ",".join(map(str, args.workload)), "--out", str(args.out)]
         done = subprocess.run(cmd, capture_output=True, text=True)
         lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
         row = json.loads(lines[-1]) if done.returncode == 0 and lines else \
@@ -227,7 +250,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.measure:
-        print(json.dumps(measure(args.measure, args.model, args.workload)), flush=True)
+        audit_out = None if args.measure == "parity" else args.out / f"audit-{args.measure}.json"
+        print(json.dumps(measure(args.measure, args.model, args.workload, audit_out)), flush=True)
         return
     import torch
 
@@ -239,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
     runners = {"install": lambda: install_section(args), "compare": lambda: compare_section(args, ledger),
                "throughput": lambda: throughput_section(args, ledger),
                "tests": lambda: check_budget(args) or pytest_row(["tests/test_sglang_gpu.py"], None,
-                                                                  ledger.root / "tests.xml")}
+                                                                  args.out / "tests.xml")}
     args.out.mkdir(parents=True, exist_ok=True)
     for section in pending(args.sections, ledger):
         start = time.perf_counter()

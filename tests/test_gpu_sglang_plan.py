@@ -1,5 +1,5 @@
-"""`python3 -m benchmarks.gpu_sglang` on CPU: its arguments, the audit's raw case, the time budget
-(no server starts here)."""
+"""`python3 -m benchmarks.gpu_sglang` on CPU: its arguments, the audit's raw case file, the time
+budget (no server starts here)."""
 
 import argparse
 
@@ -17,11 +17,15 @@ def test_unknown_sections_and_sides_are_refused():
     assert args.workload == (8, 16, 32) and args.budget_s == 400 and args.sections == list(gs.SECTIONS)
 
 
-def test_the_audit_case_is_the_built_in_one_in_raw_mode():
-    from parity.workload.cases import default_case
+def test_the_audit_case_file_is_the_built_in_case_in_raw_mode(tmp_path):
+    from parity.workload.cases import default_case, load_case
 
-    raw, built_in = gs.raw_audit_case("tiny-llama"), default_case("tiny-llama")
+    raw = load_case(gs.write_audit_case("tiny-llama", tmp_path / "audit.toml"))
+    built_in = default_case("tiny-llama")
+    assert raw.kind == "audit" and raw.logprobs_mode == "raw"
     assert [r.prompt_ids for r in raw.requests] == [r.prompt_ids for r in built_in.requests]
+    assert [r.sampling.replace(logprobs_mode="processed") for r in raw.requests] == \
+        [r.sampling for r in built_in.requests]
     assert {r.sampling.logprobs_mode for r in raw.requests} == {"raw"}
     assert {r.sampling.logprobs_mode for r in built_in.requests} == {"processed"}
 

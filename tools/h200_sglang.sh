@@ -13,7 +13,7 @@
 #                                            pinned transformers 5.12.1) and /tmp/sgsite first on its
 #                                            path; parity's own process keeps the image's packages
 #   bash tools/h200_sglang.sh run ARGS       all in one: stage, install once every part is there
-#                                            (SGLANG_PARTS, default 2), then python3 -m
+#                                            (SGLANG_PARTS, default 3), then python3 -m
 #                                            benchmarks.gpu_sglang ARGS with PARITY_SGLANG_PYTHON set
 #                                            (it resumes: sections done on this machine are skipped)
 # On a host with a package index none of this is needed: `pip install sglang`.
@@ -36,7 +36,7 @@ case "${1:-}" in
     bash "$0" stage >/dev/null
     if [ ! -f "$site/.installed" ]; then
       n=$(ls "$parts" | grep -c '^sg_' || true)
-      [ "$n" -ge "${SGLANG_PARTS:-2}" ] || { echo "staged $n of ${SGLANG_PARTS:-2} parts; carry the next" >&2; exit 3; }
+      [ "$n" -ge "${SGLANG_PARTS:-3}" ] || { echo "staged $n of ${SGLANG_PARTS:-3} parts; carry the next" >&2; exit 3; }
       bash "$0" install && touch "$site/.installed"
     fi
     PARITY_SGLANG_PYTHON="$site/python" python3 -m benchmarks.gpu_sglang "$@" ;;
