@@ -50,8 +50,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def _parser() -> argparse.ArgumentParser:
-    """The top-level parser: it reads the command's name only (and prints `parity --help`, one line
-    per command)."""
+    """The top-level parser: it reads the command's name only."""
     width = max(map(len, COMMANDS))
     parser = argparse.ArgumentParser(
         prog="parity", description="Train/infer logprob parity for LLM reinforcement learning.",

@@ -1,10 +1,5 @@
 """`parity.compare`: sample a case with one backend, score the same tokens with the training
-forward, and build the `ParityReport`.
-
-Data flows one way: case -> requests -> backend.generate -> rollouts (checked against their
-requests, `parity.rollouts.matching`) -> the training side
-(`parity.assess.training_side.report_for`: each rollout scored under its request's logprob
-definition and in the layout it records) -> report. Every argument is checked before an engine starts.
+forward, and build the `ParityReport`. Every argument is checked before an engine starts.
 """
 
 from __future__ import annotations
@@ -71,73 +66,20 @@ def compare(
 ) -> ParityReport:
     """Measure train/infer logprob parity of `backend` on `model`.
 
-    model: built-in checkpoint name or local HF directory; None takes the case's model.
-    backend: a registry name (started once per process through `shared_backend`, with
-        `backend_options`) or a running `Backend` to reuse. A `logprobs_mode` backend option
-        (vllm-server's: the mode the server reports) puts every request in that mode
-        (`parity.workload.resolve.with_logprobs_mode`), so `--option logprobs_mode=raw` alone compares raw
-        logprobs.
-    case: a `Case` or the path of a case TOML file. prompts: a list of token-id lists, strings
-        or chat-message lists (`[{"role": "user", "content": ...}]`, rendered with the
-        checkpoint's chat template), or a dataset file (a `parity.workload.prompts.Dataset`, or a path:
-        JSONL or Parquet in verl's layout); see `parity.workload.prompts`. Prompt i is sampled with
-        `sampling` (default `SamplingParams(max_tokens=32)`) and seed `sampling.seed + i`. With
-        neither, `parity.workload.cases.default_case(model)` is used.
-    turns: with prompts, makes every prompt a multi-turn trajectory (`parity.core.turns`):
-        `Generate(max_tokens)` and `Inject(token_ids)`, `Inject(fn=...)` or `Inject(name=TOOL)`
-        (a built-in tool, `parity.workload.tools`); `sampling.max_tokens` bounds the whole response.
-        Backends other than the reference engine run it turn by turn (`parity.backends.turns`);
-        metrics read generated tokens only and the report adds drift by turn.
-    reference: training-forward kernels, "invariant" (batch-invariant) or "native" (stock torch).
-    dtype: the engine's dtype, "bfloat16", "float16" or "float32"; None = the case's first dtype, else
-        "bfloat16".
-    trainer_dtype: the training forward's dtype when it differs from the engine's (verl's float32
-        trainer beside a bf16 vLLM); None = `dtype`. Provenance records both (`dtype` is the
-        trainer's, `rollout_dtype` the engine's).
-    tolerance: limits for `passed`; None = the case's limits for this backend, else
-        `Tolerance.for_backend(name, trainer_dtype, dtype)` (the less precise dtype of the pair's
-        limits: docs/PRECISION.md); a dict overrides fields of that default.
-    router_replay: MoE router replay mode of the training forward: "R3" replays the routes the
-        backend recorded, "R2" the trainer's own first pass; None or "none" = off. Either mode
-        starts a named backend with its route-capture option on (`route_capture_options`), so
-        the report also holds router agreement; R3 on a backend that cannot record routes is a
-        ConfigError.
-    device: where the training forward runs ("cpu", "cuda"), and the backend too where it takes a
-        `device` option (reference, hf); a running reference or hf backend on another device
-        type is a ConfigError. "auto" (default): where the backend runs
-        (`parity.backends.borrowed.resolve_device`: cuda for vLLM or SGLang on a CUDA host, else
-        cpu). Engines that choose
-        their own device (vLLM, servers) run where they run; `provenance["backend_device"]` and
-        `["train_device"]` record both sides.
-    correction: keyword arguments of `parity.correction.rollout_correction` for `metrics`;
-        None = `DEFAULT_CORRECTION`.
-    attribute: drift-attribution axes (`parity.attribute.AXES`: "batch", "layout", "mode",
-        "dtype") run on the sampled tokens; the result goes to `report.extras["attribution"]`.
-    record: write the run's record (the requests and the rollouts, `parity.rollouts.record`) to this
-        path, to replay through another backend or score again with `parity.scoring.score`;
-        written right after sampling. If it cannot be written the comparison still finishes and
-        `OutputError` is raised with the report in its `report` attribute.
-    tensor_parallel: the backend's tensor-parallel degree (its `tensor_parallel_size` option; a
-        running backend keeps its own); the training forward then runs parity's TP-invariant
-        layout (`train_forward(tensor_parallel_size=1)`), whose logprobs the reference engine
-        matches at every degree, with the reference backend's `reduction_groups` option (default 8;
-        bits match only for the same value, which `provenance["train_tensor_parallel"]` records).
-    gold: also score the tokens with the gold forward (`parity.engine.gold`: float64 on CPU, float32
-        without TF32 on CUDA, on `device`) and add which side is farther from it (`parity.assess.accuracy`:
-        the `gold/*` summary keys, the "Which side moved" page section). None (default) runs it when
-        its estimated time is under a second or at most 20% of the row's sampling and
-        training-forward time (`parity.engine.gold.decide`); `report.extras["gold"]` says whether it
-        ran and why.
-    lora: a LoRA adapter on top of `model` (a peft adapter directory or a built-in adapter name,
-        `parity.models.lora`) that the backend and the training forward apply; None = the case's
-        `lora`, if any. Checked against the model before an engine starts; a backend that cannot
-        apply one (`parity.backends.lora_backends`), a running backend with another adapter,
-        tensor_parallel and attribute are ConfigErrors. The report's provenance records it.
-    top_k_logprobs: also ask the backend for its k most likely tokens at every response position
-        (every request's `sampling.top_k_logprobs`) and add the full-distribution drift against the
-        training forward's full row (`parity.drift.distribution`: the `distribution/` summary keys,
-        `report.extras["distribution"]`; docs/DISTRIBUTION.md). A k above what the backend returns
-        (`parity.backends.top_k_limit`) is a `TopKError` before the engine starts.
+    model: None takes the case's. backend: a registry name (shared, with `backend_options`) or a
+    running `Backend`; a `logprobs_mode` option puts every request in that mode. case: a `Case` or
+    TOML path; prompts: token ids, strings, chat messages or a dataset, prompt i sampled with
+    `sampling` and seed `sampling.seed + i`; neither: `default_case(model)`. turns: makes every
+    prompt a trajectory. reference: "invariant" or "native". dtype: the engine's (None: the case's
+    first, else bfloat16); trainer_dtype: the training forward's when different. tolerance: None is
+    the case's or `Tolerance.for_backend`; a dict overrides fields. router_replay: "R3", "R2" or
+    None (starts the backend with route capture; R3 without it is a ConfigError). device: "auto" is
+    where the backend runs. correction: `rollout_correction` kwargs. attribute: `parity.attribute.AXES`.
+    record: write the run's record after sampling (unwritable: `OutputError` carrying the report).
+    tensor_parallel: the backend's degree; the forward runs the TP-invariant layout. gold: True,
+    False or None (when cheap: `parity.engine.gold.decide`). lora: an adapter (not with
+    tensor_parallel or attribute). top_k_logprobs: the backend's top-k per position for the
+    full-distribution drift (above its limit: `TopKError`).
     """
     # every argument is checked before an engine starts (vLLM takes ~40 s to start on CPU)
     if reference not in KERNEL_MODES:
@@ -219,8 +161,7 @@ def compare(
 
 
 def _with_top_k(case: Case, k: Any, backend: str | Backend, options: dict[str, Any]) -> Case:
-    """`case` with every request asking for `k` top-k logprobs, refused (`TopKError`) before the
-    engine starts when k is not an integer >= 1 or above what the backend returns."""
+    """`case` asking for `k` top-k logprobs; `TopKError` unless 1 <= k <= the backend's limit."""
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise TopKError(f"top_k_logprobs must be an integer >= 1 (how many of the most likely tokens the "
                         f"engine returns per position), got {k!r}")
@@ -239,8 +180,7 @@ def _with_top_k(case: Case, k: Any, backend: str | Backend, options: dict[str, A
 
 def _check_lora(lora: str | os.PathLike[str] | None, model: str, tensor_parallel: int | None,
                 attribute: Sequence[str]) -> LoraSpec | None:
-    """The adapter checked against the model (`check_adapter`, files only) and against the other
-    arguments, before an engine starts; None without one."""
+    """The adapter checked (files only) against the model and the other arguments; None without one."""
     if lora is None:
         return None
     spec = check_adapter(lora, model)
@@ -252,9 +192,7 @@ def _check_lora(lora: str | os.PathLike[str] | None, model: str, tensor_parallel
 
 
 def _place(backend: str, device: str, options: dict[str, Any]) -> dict[str, Any]:
-    """`options` with the backend placed on `device` where the backend takes a `device` option
-    (the reference engine, hf): a comparison's two sides run on one device. Left as is on the CPU
-    default, so CPU runs share the engines started without the option."""
+    """`options` with the backend on `device` where it takes one (left as is on the CPU default)."""
     if device == "cpu" or backend not in BACKENDS:
         return options
     if "device" in backend_options_of(backend):
@@ -291,8 +229,7 @@ def _check_axes(attribute: Sequence[str]) -> None:
 
 def _resolve_backend(backend: str | Backend, model: str, dtype: str, options: dict[str, Any],
                      device: str, lora: LoraSpec | None) -> Backend:
-    """The named backend started (shared), or the running one checked against the call; a running
-    backend's device matters only where it takes a `device` option (reference, hf)."""
+    """The named backend started (shared), or the running one checked against the call."""
     if isinstance(backend, str):
         return shared_backend(backend, model, dtype=dtype, **options)
     placed = device if isinstance(backend, Backend) and "device" in backend.option_names() else None

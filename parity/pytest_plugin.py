@@ -1,16 +1,9 @@
 """pytest plugin (entry point `pytest11: parity`): the `parity` marker and fixtures.
 
-    @pytest.mark.parity(model="tiny-llama", backend="vllm", tolerance={"k3_kl_max": 1e-3})
-    def test_vllm_matches_trainer(parity_report):
-        ...  # runs after the comparison; fails if the tolerance does not hold
-
-Fixtures: `parity_backend` (session-scoped engine, started once per session),
-`parity_compare` (run `parity.compare` with the command-line defaults) and `parity_report`
-(the report of the test's `parity` marker). Options: `--parity-backend`, `--parity-model`,
-`--parity-report-dir`, `--parity-verbose` (the engines' log lines; errors only without it). A
-backend whose package is not installed skips the test, naming the package. This module is
-imported by every pytest run of a project that installs parity, so it imports only parity's
-light layers (NumPy, no torch, no matplotlib); the engines load when a parity test runs.
+`@pytest.mark.parity(model=..., backend=..., tolerance=...)` with `parity_report`; fixtures
+`parity_backend`, `parity_compare`, `parity_report`; options `--parity-backend`, `--parity-model`,
+`--parity-report-dir`, `--parity-verbose`. A missing backend package skips. Imported by every
+pytest run of a project with parity installed, so only light layers (no torch, no matplotlib).
 """
 
 from __future__ import annotations
@@ -63,9 +56,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Close the session's shared engines while pytest's output streams are still open.
-
-    Left to `atexit`, vLLM's shutdown logs into streams pytest has already closed.
+    """Close the session's shared engines while pytest's streams are open (at atexit vLLM logs into
+    closed streams).
     """
     close_shared_backends()
 
@@ -131,10 +123,8 @@ def parity_backend(pytestconfig: pytest.Config) -> Backend:
 
 @pytest.fixture
 def parity_compare(request: pytest.FixtureRequest) -> Callable[..., ParityReport]:
-    """`parity.compare` with the command-line defaults; writes the HTML report when asked to.
-
-    Call it as `parity_compare(model=None, backend=None, **compare_kwargs)`; it returns the
-    report without asserting (use `parity.testing.assert_is_ratio_close`).
+    """`parity.compare(model=None, backend=None, **kwargs)` with the command-line defaults; writes the
+    HTML report when asked, asserts nothing.
     """
 
     def run(model: str | None = None, backend: str | Backend | None = None, **kwargs: Any) -> ParityReport:

@@ -1,19 +1,10 @@
 """`parity.scoring.score` and `parity score`: the report `compare` builds, for rollouts produced
 elsewhere.
 
-A verl batch dumped from a cluster, another engine's rollouts (the route for SGLang and
-TensorRT-LLM clusters parity cannot reach), a record written by `parity compare --record` or
-`parity replay`: the rollouts are scored with the training forward here and reported exactly
-as `compare` reports them (summary, JSON, HTML, tolerance, exit codes). When a dump also holds
-the trainer's own logprobs of the same tokens (verl's `old_log_probs`), `trainer_logprobs=
-"dump"` (`--trainer-logprobs`) uses them and runs no forward; the report's provenance says
-which side was computed here (`train_logprobs`, `rollout_logprobs`).
-
-Sources (`read_source`): a parity record (JSONL whose first line is its header; with rollouts
-of several backends, `backend` picks one), or a rollout dump, JSONL or Parquet
-(`parity.rollouts.dumps`). Processed logprobs are scored under each rollout's recorded sampling;
-`sampling` supplies it where the source has none (one `SamplingParams`, or one per request
-id, e.g. from a case).
+A dump (verl batch, SGLang or TRT-LLM cluster) or a record is scored with the training forward
+here and reported as `compare` reports, or judged on the dump's own trainer logprobs
+(`trainer_logprobs="dump"`) with no forward; provenance says which side was computed here.
+Processed logprobs are scored under each rollout's recorded sampling, else `sampling`.
 """
 
 from __future__ import annotations
@@ -51,10 +42,8 @@ DEFAULT_DTYPE = "bfloat16"
 
 @dataclass(frozen=True)
 class Source:
-    """Rollouts read from a file, with what else the file says.
-
-    kind: "record" or "dump". model: the record's model (None for a dump).
-    trainer_logprobs / trainer_column: the dump's trainer logprobs per rollout and their column.
+    """Rollouts read from a file: kind ("record" or "dump"), model (a record's), and a dump's trainer
+    logprobs and their column.
     """
 
     path: Path
@@ -98,30 +87,13 @@ def score(rollouts: Sequence[Rollout] | str | os.PathLike[str], model: str | os.
           lora: str | os.PathLike[str] | None = None, rollout_dtype: str | None = None) -> ParityReport:
     """Score rollouts produced elsewhere; the report `parity.compare` would build for them.
 
-    rollouts: `Rollout`s, or the path of a record or dump (`read_source`; backend, sampling
-        and logprobs_mode apply to it).
-    model: the checkpoint to score with (name or local HF directory); None = the record's.
-        Not needed with trainer logprobs, which run no forward.
-    trainer_logprobs: None runs the training forward here; a list gives the trainer's
-        logprobs of each rollout's response tokens; "dump" takes them from the dump's
-        trainer-logprob column (verl's `old_log_probs`).
-    dtype: of the training forward; None = the rollouts' dtype, else bfloat16.
-    rollout_dtype: the dtype the rollouts were computed in; None = the one every rollout records
-        (meta "dtype", a dump's `rollout_dtype` column), else `dtype`. A value contradicting the
-        record is a ConfigError.
-    tolerance: None = the default for the rollouts' backend name and the (dtype, rollout_dtype) pair
-        (`parity.drift.tolerance.pair_dtype`: the less precise one's limits); a dict overrides its
-        fields.
-    lora: the LoRA adapter the rollouts were sampled with (directory or built-in name), for rollouts
-        that do not record one (dumps from outside parity); rollouts that record theirs (meta "lora",
-        written by every parity backend that applies one) are scored with it, and a contradicting
-        `lora` is a ConfigError.
-    device: where the training forward runs; "auto" (default): where the rollouts' backend runs
-        here (`parity.backends.borrowed.resolve_device`: cuda for vLLM or SGLang rollouts on a CUDA
-        host), else cpu.
-    reference, router_replay, correction, attribute, gold: as in `parity.compare` (the
-    default rule counts the training forward's time only: nothing was sampled here; with the
-    trainer's logprobs given, gold=True runs the gold alone).
+    rollouts: `Rollout`s or a record or dump path. model: None is the record's (not needed with
+    trainer logprobs). trainer_logprobs: None runs the forward; a list, or "dump" for the dump's
+    column. dtype: None is the rollouts', else bfloat16; rollout_dtype: None is the recorded one
+    (a contradiction is a ConfigError). tolerance: None is the default for the backend and dtype
+    pair. lora: for rollouts that record none (a contradiction is a ConfigError). device: "auto" is
+    where the rollouts' backend runs here. The rest as `parity.compare` (gold's default counts the
+    forward's time only).
     """
     if reference not in KERNEL_MODES:
         raise ConfigError(f"reference must be one of {KERNEL_MODES}, got {reference!r}")
@@ -207,8 +179,7 @@ def _trainer_logprobs(value: Sequence[Sequence[float]] | str | None,
 
 
 def _with_sampling(rollouts: Sequence[Rollout], given: GivenSampling) -> list[Rollout]:
-    """Rollouts without sampling take the given one; a given one contradicting a recorded one
-    is an error."""
+    """Rollouts without sampling take the given one; a contradiction is an error."""
     if given is None:
         return list(rollouts)
     out = []

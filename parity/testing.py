@@ -1,10 +1,5 @@
-"""Assertions on `ParityReport`s, for the pytest plugin and for users' own tests.
-
-    report = parity.compare("tiny-llama", "vllm")
-    parity.testing.assert_is_ratio_close(report, is_ratio_mean_tol=0.01)
-
-A failure says which metric broke which limit and shows the worst tokens, so the person
-reading it can start from the token that drifted most.
+"""Assertions on `ParityReport`s, for the pytest plugin and for users' own tests; a failure names
+the broken limit and shows the worst tokens.
 """
 
 from __future__ import annotations
@@ -34,12 +29,8 @@ def failure_message(report: ParityReport, violations: list[Violation], *, k: int
 
 def assert_is_ratio_close(report: ParityReport, tolerance: Tolerance | None = None,
                           **limits: float | None) -> None:
-    """Assert the importance ratio exp(logp_train - logp_rollout) is close to 1 in `report`.
-
-    tolerance: the limits to check; None = the tolerance the report was judged with.
-    limits: `Tolerance` fields overriding it, e.g. `is_ratio_mean_tol=0.01` or
-        `max_abs_logprob_diff=None` to skip that check.
-    Raises AssertionError with `failure_message` when a check fails.
+    """Assert the importance ratio is close to 1 in `report` under `tolerance` (None: the report's) with
+    `limits` overriding fields (None skips one); AssertionError with `failure_message` otherwise.
     """
     if not isinstance(report, ParityReport):
         raise ConfigError(f"assert_is_ratio_close needs a ParityReport, got {type(report).__name__}")

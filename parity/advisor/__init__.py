@@ -1,16 +1,7 @@
 """Which correction fixes it: evaluate a grid of rollout corrections on measured per-token
-logprobs and recommend one, with its reason and the config to paste.
-
-    advice = parity.advise(report)           # a ParityReport, or train/rollout/mask arrays
-    print(advice.text())
-    advice.config                            # the recommended parity.correction.CorrectionConfig
-    advice.to_dict()["recommendation"]["frameworks"]["verl"]
-
-Modules: `grid` (the candidate corrections), `evaluate` (every candidate's figures in one
-vectorised NumPy pass), `diagnose` (data bugs that look like drift: an off-by-one shift, a
-temperature, mode or truncation mismatch; with one, no correction is recommended), `rule` (the
-documented rule), `export` (verl / NeMo-RL / slime keys), `text` (the terminal table). NumPy
-only: advising a stored report never loads torch.
+logprobs and recommend one, with its reason and the config to paste
+(`parity.advise(report).text()`, `.config`, `.to_dict()`). NumPy only: advising a stored report
+never loads torch.
 """
 
 from __future__ import annotations
@@ -51,13 +42,9 @@ SUMMARY_KEY = RECOMMENDATION_KEY
 
 @dataclass(frozen=True)
 class Advice:
-    """The recommendation and the evaluation behind it.
-
-    config: the recommended correction; reason: one sentence; stages: each stage's chosen
-    candidate (name, figures) in order; evaluation: every candidate's figures; data_bugs: what
-    looks like a data bug rather than drift (`parity.advisor.diagnose`): with any, no correction
-    is recommended; gold: the `gold_note` of the report's gold figures (None without one, or when
-    the trainer is not the side farther from the gold).
+    """The recommendation and the evaluation behind it: config, a one-sentence reason, each stage's
+    chosen candidate, every candidate's figures, data_bugs (with any, no correction is recommended)
+    and gold (`gold_note`, or None).
     """
 
     config: CorrectionConfig
@@ -112,13 +99,9 @@ def tokens_of(source: Any, rollout_logprobs: Any = None, mask: Any = None) -> To
 def advise(report_or_arrays: Any, rollout_logprobs: Any = None, mask: Any = None, *,
            grid: Sequence[Candidate] | None = None, rule: AdviceRule | None = None,
            bootstrap: int = 200, seed: int = 0, policy_lag: int | None = None) -> Advice:
-    """Evaluate `grid` (default: `default_grid()`) on a report's or arrays' tokens and recommend
-    one correction by `rule` (default bounds: `AdviceRule()`); see `parity.advisor.rule`.
-
-    bootstrap: resamples of the sequences for the residual bias's 95% interval (seeded by `seed`).
-    A report with gold figures (`parity.assess.accuracy`) also gets `Advice.gold` (`gold_note`).
-    policy_lag: the declared lag of the rollout's weights behind the trainer's (None: not declared;
-    > 0: drift from stale weights is intended and corrected, not named; `parity.advisor.diagnose`).
+    """Evaluate `grid` (default `default_grid()`) on a report's or arrays' tokens and recommend one
+    correction by `rule` (default `AdviceRule()`). bootstrap: resamples for the residual bias's 95%
+    interval. policy_lag: the declared lag (> 0: stale-weight drift is intended, not named).
     """
     advice = _recommend(report_or_arrays, rollout_logprobs, mask, grid=grid, rule=rule, bootstrap=bootstrap,
                         seed=seed, policy_lag=policy_lag)

@@ -1,36 +1,11 @@
 """Causes other than numerical drift, found before a correction is recommended.
 
-A correction weighs tokens whose two logprobs differ because two engines computed the same
-distribution differently. Other causes make the two logprobs differ for another reason, and no
-correction fixes them. Each leaves its own signature in the per-token differences
-Δ = rollout − trainer logprob (NumPy, no forward), checked in this order, the first that fits named:
-
-- an off-by-one shift (rollout logprobs stored one position early or late): they match the
-  trainer's one position over far better than aligned;
-- nucleus renormalization (top-p or top-k, or processed vs raw logprobs, on one side only): the
-  renormalized side is higher by the log of the kept mass at its position, a per-position offset
-  that is never negative: Δ has one sign at nearly every token (`ONE_SIDED`) and the other sign
-  carries almost none of its mass (`OTHER_SIDE`, noise only);
-- a temperature mismatch (one side's logits scaled): Δ is a linear function of the trainer's
-  logprob at each position (slope 1/T − 1) and of the rollout's (slope 1 − T), so it correlates
-  strongly with both, with one sign (`TEMPERATURE_CORR`; noise added to one side correlates with
-  that side only);
-- a weight mismatch (stale weights: a missed weight sync or undeclared policy lag): the tokens were
-  sampled from another distribution than the trainer's, so Δ's mean is their KL divergence, a
-  sizeable share of its mean magnitude (`SAMPLED_FROM`; numerical drift is a small perturbation,
-  whose KL is second order and Δ nearly symmetric), in the typical sequence (the median of the
-  sequences' mean Δ: a few broken requests or rare spikes are not stale weights), and large
-  (`MIN_DRIFT`). With a
-  declared lag > 0 this is intended off-policy drift, not a finding; with a declared lag of 0 it is
-  a weight-sync bug.
-
-Where a model is at hand the report also probes the temperature with forwards at other settings
-(`parity.assess.mismatch`) and stores what it finds under `extras["data_bugs"]`, which `advise`
-reads with these.
-
-"Far better" is `BETTER`: the alternative's mean absolute error at most half the aligned one's.
-Nothing is called a cause below `MIN_DRIFT` nats of mean |Δlogp| or on fewer than `MIN_TOKENS`
-tokens, where bf16 noise can mimic any signature.
+No correction fixes these; each leaves a signature in Δ = rollout − trainer logprob, checked in
+order: an off-by-one shift (one position over matches far better, `BETTER`); one-sided nucleus
+renormalization (Δ of one sign, `ONE_SIDED`, `OTHER_SIDE`); a temperature mismatch (Δ linear in
+both sides' logprobs, `TEMPERATURE_CORR`); a weight mismatch (the typical sequence's mean Δ is a
+sizeable KL share, `SAMPLED_FROM`: a sync bug at declared lag 0, intended at lag > 0). Nothing is
+named below `MIN_DRIFT` nats or `MIN_TOKENS` tokens; model probes come from `extras["data_bugs"]`.
 """
 
 from __future__ import annotations
@@ -115,8 +90,7 @@ def _correlation(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def _shift_error(train: np.ndarray, rollout: np.ndarray, lengths: np.ndarray) -> float | None:
-    """The smaller mean |rollout[t] - train[t+1]| and |rollout[t+1] - train[t]| within sequences, or
-    None when no sequence has two tokens."""
+    """The smaller of the mean one-position-shifted errors within sequences (None: no two-token one)."""
     ends = np.cumsum(lengths)
     inner = np.ones(train.size - 1, dtype=bool)
     inner[ends[:-1] - 1] = False  # pairs that straddle two sequences

@@ -1,16 +1,8 @@
 """Every candidate correction's figures from one pass over the per-token arrays, in NumPy.
 
-The valid tokens are flattened row-major (`Tokens`). Token-level families (truncated IS,
-IcePop, token rejection) are evaluated as `[thresholds, tokens]` matrices, chunk by chunk of
-whole sequences, and reduced at once to per-sequence sums `[sequences, candidates]`;
-sequence-level families need only per-sequence sums of the tokens, so they are
-`[sequences, thresholds]` matrices from the start. Every figure, and the bootstrap of the
-residual bias, is then a reduction over sequences. The weights, bands and KL statistics are
-`parity.drift.ratio_rules`, the formulas the verl-matching correction uses.
-
-Figures (N valid tokens, S sequences, ŵ_t the correction's effective weight: its IS weight
-times its keep mask, 1 for kept tokens of a correction without IS; w_t the untruncated weight
-at the candidate's level, see `REFERENCE`); docs/ADVISOR.md defines each with its formula.
+Token-level families are `[thresholds, tokens]` matrices chunked by whole sequences and reduced
+to `[sequences, candidates]` sums; sequence-level ones are `[sequences, thresholds]` from the
+start. Formulas are `parity.drift.ratio_rules`; each figure is defined in docs/ADVISOR.md.
 """
 
 from __future__ import annotations
@@ -50,10 +42,8 @@ FIGURES: tuple[str, ...] = (
 
 @dataclass(frozen=True)
 class Tokens:
-    """The valid tokens of a batch, row-major, float64.
-
-    log_ratio: Δ_t = logp_train - logp_rollout (nats) `[N]`; train: logp_train `[N]`;
-    lengths: tokens per non-empty sequence `[S]` (int64, all > 0), in row order.
+    """The valid tokens of a batch, row-major, float64: log_ratio Δ `[N]` (nats), train `[N]`, lengths
+    `[S]` (non-empty sequences).
     """
 
     log_ratio: np.ndarray
@@ -153,9 +143,7 @@ class _SeqStats:
 
 
 def _token_family(family: str, cands: Sequence[Candidate], tok: Tokens, st: _SeqStats) -> _Sums:
-    """Per-sequence sums of a token-level family: its thresholds are the rows of `[thresholds,
-    tokens]` matrices (each row contiguous, so every reduction runs along memory), evaluated
-    chunk by chunk of whole sequences."""
+    """Per-sequence sums of a token-level family, thresholds as contiguous rows, chunk by chunk."""
     cols = len(cands)
     shape = (cols, tok.lengths.size)
     names = ("w", "w2", "wl", "removed_mass", "truncated", "removed", "kept_k3")
@@ -243,10 +231,7 @@ def _sequence_family(family: str, cands: Sequence[Candidate], st: _SeqStats) -> 
 
 def evaluate(tok: Tokens, candidates: Sequence[Candidate], *, bootstrap: int = 200, seed: int = 0,
              confidence: float = 0.95) -> Evaluation:
-    """The figures of every candidate on `tok`, and the residual bias's bootstrap interval.
-
-    bootstrap: resamples of the sequences (Poisson weights, `seed`); 0 leaves the interval NaN.
-    """
+    """Every candidate's figures on `tok`, and the residual bias's Poisson bootstrap interval (0: NaN)."""
     if tok.lengths.size == 0:
         raise InputError("advise: no valid tokens to evaluate (the mask is empty)")
     st = _SeqStats(tok)
@@ -301,8 +286,7 @@ def evaluate(tok: Tokens, candidates: Sequence[Candidate], *, bootstrap: int = 2
 
 
 def _keeps_sequences(st: _SeqStats, rule: RejectionRule) -> np.ndarray:
-    """Which sequences `[S]` a sequence-level rejection rule keeps: its estimator's per-sequence
-    sum, mean or max inside the rule's band."""
+    """Sequences `[S]` a sequence-level rejection rule keeps."""
     e = rule.estimator
     value = {"sum": st.sum_k[e], "mean": st.sum_k[e] / st.n, "max": st.max_k[e]}[rule.reduce]
     return in_band(value, rule.lower, rule.upper)

@@ -1,17 +1,11 @@
 """A recommended `CorrectionConfig` as the config to paste into verl, NeMo-RL and slime.
 
-verl (0.9.x `algorithm.rollout_correction`): `rollout_is`, `rollout_is_threshold`,
-`rollout_is_batch_normalize`, `rollout_rs`, `rollout_rs_threshold`. verl's own default for
-`rollout_is` is "sequence", so "no IS" is written out as null.
-NeMo-RL (`loss_fn`): `use_importance_sampling_correction`, `truncated_importance_sampling_type`
-("tis", "icepop", "seq-mask-tis"), `truncated_importance_sampling_ratio` (upper bound),
-`truncated_importance_sampling_ratio_min` (lower bound), `sequence_level_importance_ratios`
-(one weight per sample from the geometric-mean ratio, GSPO-style).
-slime (command-line flags): `--use-tis --tis-clip U --tis-clip-low L` (token-level TIS with a
-[L, U] clamp).
-
-A framework without an equivalent gets None and a note saying what it lacks, never an
-approximation passed off as the same correction.
+verl 0.9.x `algorithm.rollout_correction` (`rollout_is`, written as null for "no IS" since verl
+defaults to "sequence"; `rollout_is_threshold`, `rollout_is_batch_normalize`, `rollout_rs`,
+`rollout_rs_threshold`); NeMo-RL `loss_fn` (`use_importance_sampling_correction`,
+`truncated_importance_sampling_type`, `..._ratio`, `..._ratio_min`,
+`sequence_level_importance_ratios`); slime `--use-tis --tis-clip U --tis-clip-low L`. No
+equivalent: None and a note, never an approximation.
 """
 
 from __future__ import annotations

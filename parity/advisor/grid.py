@@ -1,9 +1,6 @@
 """The corrections the advisor evaluates: every verl `rollout_is` level and `rollout_rs` criterion
-at a few sensible thresholds, IcePop bands, geometric sequence IS and seq-mask-TIS.
-
-A `Candidate` is one `parity.correction.CorrectionConfig` (parsed and validated there, so the
-advisor accepts exactly what the correction accepts) with the family it belongs to. Families
-are evaluated together, every threshold of a family in one vectorised expression.
+at a few thresholds, IcePop bands, geometric sequence IS and seq-mask-TIS, each a validated
+`CorrectionConfig` in a family evaluated in one vectorised expression.
 """
 
 from __future__ import annotations

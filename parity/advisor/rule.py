@@ -1,26 +1,10 @@
 """The documented rule that turns the grid's figures into one recommendation and its reason.
 
-Three stages, in order (docs/ADVISOR.md states the rule with its defaults):
-
-Beside the recommendation, `gold_note`: when a gold forward measured the trainer as the side
-farther from the exact model, the advice says a rollout-side correction does not fix that.
-
-1. Noise. When the untruncated token ratios vary by at most `noise_ratio_var` and no token's
-   |Δ| exceeds `noise_max_log_ratio`, no correction is needed.
-2. Removal. A masking or rejection candidate qualifies when it removes at least
-   `min_drift_removed` of the mismatch (k3 KL) while discarding at most `max_removed_tokens` of
-   the tokens (and, when it removes whole sequences, at most `max_removed_seqs` of them), with
-   ESS >= `min_ess` and max weight <= `max_weight`. Among the qualified: the most drift
-   removed; within `drift_tie` of the best, sequence-level first (a kept sequence stays a whole
-   trajectory, where a token hole leaves the rest conditioned on a token the trainer would not
-   have sampled), then the fewest tokens removed, then grid order (verl's options first).
-3. Reweighting, on the tokens stage 2 keeps (rejection only: masking corrections carry their
-   own IS weights). Stage 1's noise test first; otherwise the reweighting candidates with
-   ESS >= `min_ess` and max weight <= `max_weight` whose truncation removes at most
-   `max_mass_removed` of the importance mass; sequence level first (the unbiased ratio of a
-   trajectory), then token level; within a level the tightest cap (the least variance). If
-   none removes little enough mass: the admissible one removing the least; if none is
-   admissible: the one with the largest ESS, with a reason that says so.
+Three stages (docs/ADVISOR.md states them with their defaults): noise (no correction), removal
+(masking or rejection within token, sequence, ESS and weight limits; most drift removed, then
+sequence level, fewest tokens, grid order), reweighting on the kept tokens (sequence level
+first, tightest cap within `max_mass_removed`, else the least mass, else the largest ESS).
+`gold_note` adds that a rollout-side correction cannot fix a trainer farther from the gold.
 """
 
 from __future__ import annotations
@@ -142,10 +126,9 @@ def choose_reweighting(ev: Evaluation, rule: AdviceRule) -> Choice:
 
 
 def gold_note(summary: dict) -> str | None:
-    """What a rollout correction cannot do, when the report has a gold (`parity.assess.accuracy`): if the
-    trainer is farther from the gold than the rollout (the ratio's 95% interval lies below 1), a
-    rollout-side correction pulls the update toward the less accurate side, so it says so and what
-    raises the trainer's precision; None otherwise (no gold, the rollout farther, or within noise)."""
+    """When the trainer is farther from the gold than the rollout (ratio interval below 1), a sentence
+    that a rollout-side correction pulls toward the less accurate side; None otherwise.
+    """
     ratio, interval = json_float(summary.get(GOLD_RATIO_KEY)), summary.get(GOLD_RATIO_CI_KEY)
     if isinstance(interval, list) and len(interval) == 2:
         interval = [json_float(v) for v in interval]

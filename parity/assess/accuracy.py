@@ -1,14 +1,9 @@
 """Which side moved: each side's distance from the gold forward, their ratio and a one-sentence verdict.
 
-A report's train/rollout drift says the two sides disagree, not which one is wrong. With the gold
-logprobs of the same tokens (`parity.engine.gold`), the train error |logp_train - logp_gold| and the
-rollout error |logp_rollout - logp_gold| of every token say how far each side is from the exact
-model. Their means' ratio (`gold/rollout_to_train_error_ratio`: mean rollout error / mean train
-error) is > 1 when the rollout engine is the less accurate side and < 1 when the trainer is, with a
-95% bootstrap interval over whole sequences (the advisor's resampling, `bootstrap_ratio`).
-
-Tokens outside any side's support (a -inf logprob: sampled outside a top-k/top-p nucleus that side
-computed differently) are left out of every gold figure and counted apart, as in the drift summary.
+Per token, |logp_train - logp_gold| and |logp_rollout - logp_gold| (`parity.engine.gold`); the
+ratio of their means (`gold/rollout_to_train_error_ratio`) is > 1 when the rollout engine is the
+less accurate side, with a 95% bootstrap interval over whole sequences. Tokens outside any side's
+support (-inf) are left out and counted apart.
 """
 
 from __future__ import annotations
@@ -40,17 +35,11 @@ def gold_tokens(train: np.ndarray, rollout: np.ndarray, gold: np.ndarray, mask: 
 
 def gold_summary(train: np.ndarray, rollout: np.ndarray, gold: np.ndarray, mask: np.ndarray, *,
                  bootstrap: int = BOOTSTRAP, seed: int = 0) -> dict[str, Any]:
-    """The `parity.core.schema.GOLD_SUMMARY_KEYS`, in order, of `[batch, seq]` logprobs (nats) and a mask.
+    """The `GOLD_SUMMARY_KEYS`, in order, of `[batch, seq]` logprobs (nats) and a mask.
 
-    gold/train_max_abs_logprob_diff, gold/train_mean_abs_logprob_diff: max / mean |train - gold|;
-    gold/rollout_*: the same of |rollout - gold|; gold/rollout_to_train_error_ratio: mean rollout
-    error / mean train error (1.0 when both are 0, inf when only the train error is);
-    gold/rollout_to_train_error_ratio_ci95: its 95% percentile bootstrap interval [low, high] over
-    sequences (`bootstrap` Poisson resamples from `seed`, those that drew no sequence or only 0/0
-    dropped; NaNs with no resample left); gold/verdict: one sentence (an exact side said in words);
-    gold/num_tokens: the tokens counted; gold/num_tokens_outside_support: real tokens left out
-    because some side's logprob is -inf. The ratio and interval are spelled as
-    `parity.core.schema.json_safe` ("inf", "nan") where not finite, so the report stays strict JSON.
+    Max / mean |train - gold| and |rollout - gold|; their mean ratio (1.0 when both 0, inf when only
+    train is) with a 95% Poisson bootstrap over sequences (NaNs when no resample is left); a verdict
+    sentence; tokens counted and left out (-inf). Non-finite values are spelled as `json_safe` does.
     """
     keep = gold_tokens(train, rollout, gold, mask)
     g = np.where(keep, np.asarray(gold, np.float64), 0.0)

@@ -1,9 +1,6 @@
 """The full-distribution section of a report: the engine's top-k at every response position against
-the training forward's full row (`parity.drift.distribution`), for rollouts that carry top-k.
-
-`distribution_section` gives the `distribution/` summary keys and `ParityReport.extras["distribution"]`:
-the per-position KL bounds (the page's chart) and the worst positions with both sides' top-5 side
-by side (ids here; the page decodes them through `extras["text"]`).
+the training forward's full row, for rollouts that carry top-k. Summary keys `distribution/*` and
+`extras["distribution"]`: per-position KL bounds and the worst positions' top-5 side by side.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """A recorded sampling that looks wrong: the rollout logprobs match the training forward under
 another temperature, top-p/top-k or logprobs mode far better than under the one recorded.
 
-A temperature mismatch (the dump's `temperature` column says 1.0, the engine sampled at 0.7) or
-a raw-vs-processed mode mismatch is a data bug no rollout correction fixes, and unlike a shift it
-leaves no signature in the two arrays alone. With the model at hand it is cheap to ask directly:
-score up to `PROBE_SEQUENCES` rollouts under each alternative setting and compare. The probe runs
-only when the recorded setting leaves a mean |Δlogp| of at least `MIN_DRIFT` nats (a run with
-ordinary drift pays nothing), so it costs at most one training forward of 32 sequences per
-alternative (`alternatives`: 9 temperatures, the other mode, truncation off).
+Such a mismatch is a data bug no correction fixes, invisible in the two arrays alone. It runs
+only when the mean |Δlogp| is at least `MIN_DRIFT` nats, scoring up to `PROBE_SEQUENCES`
+rollouts per alternative (`alternatives`).
 """
 
 from __future__ import annotations
@@ -51,10 +47,9 @@ def sampling_findings(model: str | os.PathLike[str], rollouts: Sequence[Rollout]
                       train_logprobs: Sequence[np.ndarray], *, dtype: str, device: str, kernels: str,
                       tensor_parallel_size: int | None = None,
                       reduction_groups: int | None = None) -> list[str]:
-    """One sentence when the rollouts' logprobs match the training forward under another setting
-    far better (`BETTER`) than under the recorded one; [] otherwise or below `MIN_DRIFT`.
-
-    Only rollouts of one recorded setting are probed (a sweep's blocks differ on purpose)."""
+    """One sentence when another setting matches far better (`BETTER`) than the recorded one; []
+    otherwise. Only rollouts of one recorded setting are probed (a sweep's blocks differ on purpose).
+    """
     chosen = [i for i, r in enumerate(rollouts) if r.sampling is not None and r.response_mask is None]
     if not chosen:
         return []

@@ -1,10 +1,6 @@
-"""A `ParityReport` from rollouts and the training side's logprobs of their tokens: the per-token
-arrays, the drift summary, the breakdowns (by position, probability, turn), the rollout-correction
-metrics, the tolerance verdict, the gold figures (`parity.assess.accuracy`: which side is farther from the
-gold forward, when its logprobs are given) and the correction advisor's section.
-
-Metrics are computed from the float32 arrays stored in the report, so a report loaded from JSON
-recomputes the same summary.
+"""A `ParityReport` from rollouts and the training side's logprobs of their tokens: arrays, drift
+summary, breakdowns, correction metrics, tolerance verdict, gold figures and the advisor's
+section. Metrics come from the stored float32 arrays, so a report loaded from JSON recomputes them.
 """
 
 from __future__ import annotations
@@ -37,14 +33,9 @@ def build_report(rollouts: Sequence[Rollout], train_logprobs: Sequence[np.ndarra
                  gold_logprobs: Sequence[np.ndarray] | None = None) -> ParityReport:
     """A `ParityReport` from rollouts and the training forward's logprobs of their tokens.
 
-    train_logprobs[i]: `[len(rollouts[i].token_ids)]` logprobs of rollout i's response tokens.
-    gold_logprobs[i]: the gold forward's logprobs of the same tokens (`parity.engine.gold`), or None
-    for a report without a gold: given, the report stores them (float64) and adds the
-    `GOLD_SUMMARY_KEYS` to its summary and each side's error by position to its breakdowns.
-    Metrics are computed from the float32 arrays stored in the report, so the summary can be
-    recomputed from a report loaded from JSON. Tokens with a -inf logprob on either side are
-    counted in `summary["num_tokens_outside_support"]` / `["frac_tokens_outside_support"]`
-    and left out of every other metric.
+    train_logprobs[i], gold_logprobs[i]: `[len(rollouts[i].token_ids)]`; gold (or None) adds the
+    `GOLD_SUMMARY_KEYS` and per-side error by position. Tokens -inf on either side are counted in
+    `num_tokens_outside_support` and left out of every other metric.
     """
     # torch: `import parity` stays light
     from parity.correction import rollout_correction

@@ -1,8 +1,6 @@
-"""The training side of a comparison, for rollouts from anywhere (sampled by `compare`, read from
-a record or dump by `parity score`): score them with the training forward (or take the trainer's
-own logprobs), run the gold forward where asked or cheap (`gold_side`), build the report
-(`parity.assess.reporting`) with the tokens' decoded text, and add the router section (rollouts that carry
-MoE routes) and drift attribution.
+"""The training side of a comparison, for rollouts from anywhere (`compare`, `parity score`): score
+them with the training forward (or take the trainer's own logprobs), run the gold forward where
+asked or cheap, build the report with decoded text, and add the router section and attribution.
 """
 
 from __future__ import annotations
@@ -36,18 +34,13 @@ def report_for(model: str | None, rollouts: Sequence[Rollout], *, dtype: str, de
                tensor_parallel_size: int | None = None,
                reduction_groups: int | None = None, gold: bool | None = None,
                elapsed: float = 0.0, lora: str | os.PathLike[str] | None = None) -> ParityReport:
-    """The second half of a comparison, for rollouts from anywhere: score them with the training
-    forward (or take `train_logprobs`, the trainer's own logprobs of the same tokens, and run
-    no forward), build the report with the tokens' decoded text (`parity.report.text`), and add
-    router agreement (rollouts that carry MoE routes) and attribution (`attribute` axes).
-    model: None only with `train_logprobs` and no `attribute` (nothing to run, no text).
-    tensor_parallel_size, reduction_groups: the training forward's layout (`train_forward`), for
-    every forward of the report, the router section's too; None: the layout the rollouts record,
-    else the whole model.
-    gold: run the gold forward (`gold_side`): True, False, or None to run it when cheap next to the
-    row; elapsed: seconds the row spent before this call (sampling), which that rule counts.
-    lora: the LoRA adapter of every forward, for rollouts that do not record theirs
-    (`train_forward` follows a recorded one and refuses a contradicting one)."""
+    """The second half of a comparison: score the rollouts (or take `train_logprobs`, running no
+    forward), build the report with decoded text, add router agreement and attribution.
+
+    model: None only with `train_logprobs` and no `attribute`. tensor_parallel_size,
+    reduction_groups: the training layout (None: as recorded). gold: True, False or None (run when
+    cheap; `elapsed` seconds so far count). lora: for rollouts that record none.
+    """
     check_gold(gold)
     if model is None and (train_logprobs is None or attribute or gold):
         raise ConfigError("a model is needed to run the training forward (and the gold forward); "
@@ -108,11 +101,9 @@ def check_gold(gold: object) -> None:
 def gold_side(model: str | None, rollouts: Sequence[Rollout], *, gold: bool | None, device: str,
               row_seconds: float, lora: str | os.PathLike[str] | None = None
               ) -> tuple[list[np.ndarray] | None, dict[str, Any]]:
-    """The gold forward's logprobs of every rollout's response tokens (`parity.engine.gold`), or None
-    when it does not run, and how it went, for `ParityReport.extras["gold"]`: ran, reason (the
-    caller's choice, or the default rule with its estimate, `parity.engine.gold.decide`), and when it
-    ran its dtype, device and seconds. lora: as the training forward's (a recorded adapter wins);
-    the gold merges the same adapter."""
+    """The gold forward's logprobs of every response token (None when it does not run) and how it went,
+    for `extras["gold"]`: ran, reason (`parity.engine.gold.decide`), dtype, device, seconds.
+    """
     if gold is False or model is None:
         return None, {"ran": False, "reason": "gold=False was asked for" if gold is False
                       else "no model to run it (the trainer's logprobs were given)"}
@@ -173,14 +164,11 @@ def router_report(model: str, rollouts: Sequence[Rollout], *, dtype: str, device
                   router_replay: str | None, tolerance: Tolerance, tensor_parallel_size: int | None = None,
                   reduction_groups: int | None = None,
                   lora: str | os.PathLike[str] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Router agreement and IS-ratio drift with and without replay, for rollouts that carry routes.
+    """(summary, section) of router agreement and IS-ratio drift with and without replay.
 
-    Scores the rollouts with the training forward once per side: "none" (the training router
-    decides), "R3" (the rollout's experts forced) and `router_replay` if it is another mode.
-    Returns (summary, section): `summary` holds the `ROUTER_SUMMARY_KEYS` of the side
-    `router_replay` selects (rollout routes vs the routes that side's forward used), for
-    `ParityReport.summary`; `section`, for `ParityReport.extras["router"]`, holds every side's
-    router agreement and full drift summary side by side.
+    Scores once per side: "none", "R3" and `router_replay` if another mode. `summary`: the
+    `ROUTER_SUMMARY_KEYS` of the side `router_replay` selects; `section` (`extras["router"]`): every
+    side's agreement and drift summary.
     """
     # torch: `import parity` stays light
     from parity.engine import train_forward

@@ -1,24 +1,11 @@
-"""The audit's checks, run on one running backend: each samples seeded requests twice in two
-situations and compares the bits (`parity.audit.diff`).
+"""The audit's checks on one running backend: each samples seeded requests in two situations and
+compares the bits (`parity.audit.diff`).
 
-- repeat: the case's requests, twice.
-- batch: each needle alone, then inside the larger batches among neighbours of other lengths
-  (`parity.audit.derived.needle_batches`).
-- order: the requests, then the same requests shuffled.
-- prefill_decode: the logprob of each sampled token (decode) against the backend's own
-  teacher-forced score of the same sequence (prefill, `Backend.score`). Prompt logprobs are raw on
-  every backend, so the comparison is raw against raw: rollouts in processed mode under
-  temperature, top-k or top-p are sampled again under temperature 1 without truncation, where
-  the processed logprobs equal the raw ones by definition.
-- prefix_cache: the requests behind a shared prefix of whole KV blocks, once without reading the
-  cache, then served from a warm cache (where the backend reports that it served cached tokens).
-- seed: the requests under other seeds must give other samples (the control).
-
-Every run but the prefix-cache one bypasses the prefix cache (`Backend.generate_uncached`), so
-each check varies one thing: otherwise the second run of `repeat` would be served from the cache
-the first one filled, and a cache effect would read as nondeterminism. Engines are expensive: the
-checks share runs (the first run of `repeat` is the baseline of `order` and `seed`) and the one
-backend they are given.
+repeat: twice. batch: needles alone, then among other-length neighbours. order: shuffled.
+prefill_decode: sampled logprobs against `Backend.score` (raw against raw: processed rollouts
+are resampled at temperature 1 untruncated). prefix_cache: behind a shared prefix, cold then
+warm. seed: other seeds must give other samples. All but prefix_cache bypass the cache
+(`generate_uncached`), so each check varies one thing; runs are shared where they can be.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """`parity audit`: is this engine deterministic and batch-invariant?
 
     parity audit --model tiny-llama --backend vllm [--option batch_invariant=true] [--case smoke]
-                 [--checks repeat,batch] [--batch-sizes 1,8,64] [--json OUT] [--html OUT]
 
-Exit 0 when the backend is deterministic and batch-invariant and the seed control held, 1 when
-not, 2 on an error (bad input, a backend that fails to start: one line, `--verbose` for the
-traceback).
+Exit 0 when deterministic, batch-invariant and the seed control held, 1 when not, 2 on an error.
 """
 
 from __future__ import annotations

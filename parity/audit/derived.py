@@ -1,19 +1,10 @@
-"""The audit's requests, all derived from one case's seeded requests.
+"""The audit's requests, all derived from one case's seeded requests (NumPy only).
 
-- `shuffled`: the same requests in another order (a fixed permutation that moves something).
-- `reseeded`: the same requests with other seeds (the control).
-- `needle_batches`: each needle (a case request with n=1: exactly sample 0 of the request, since
-  a sample's seed depends only on the request seed and the sample index) alone, then all needles
-  together inside batches of the larger sizes, spread over the batch (first, last, in between:
-  some kernels treat a row by its position), padded with neighbours whose prompts have other
-  lengths and whose seeds differ. Neighbours share the needles' sampling parameters, so a backend
-  that groups requests by sampling (HF's padded batches) puts them in the needle's batch.
-- `with_prefix`: the requests behind one shared prefix of whole KV blocks (a system prompt), so a
-  prefix cache has something to serve.
-- `neutral`: temperature 1, no top-k/top-p: processed logprobs equal raw ones by definition.
-
-Neighbour and prefix tokens are drawn from the case's own prompt tokens, so every id is valid for
-the model. NumPy only.
+`shuffled` (another order), `reseeded` (the control), `needle_batches` (n=1 needles alone, then
+spread over larger batches among neighbours of other lengths and seeds with the same sampling,
+since some kernels treat a row by its position), `with_prefix` (a shared prefix of whole KV
+blocks) and `neutral` (temperature 1, no truncation: processed equals raw). Extra tokens come
+from the case's prompts, so every id is valid.
 """
 
 from __future__ import annotations
@@ -98,11 +89,8 @@ def _token_pool(requests: Sequence[Request]) -> np.ndarray:
 
 def needle_batches(requests: Sequence[Request], sizes: Sequence[int], *, seed: int,
                    context: int | None) -> BatchPlan:
-    """Needles and the batches they are audited in (see the module docstring).
-
-    At most half of the smallest batch above 1 are needles (the first requests of the case), so
-    every batch holds neighbours. `context`: the model's positions (prompt + max_tokens must
-    fit), None when unknown.
+    """Needles and the batches they are audited in; at most half the smallest batch above 1 are
+    needles. `context`: the model's positions (None: unknown).
     """
     sizes = check_batch_sizes(sizes)
     count = max(1, min(len(requests), sizes[1] // 2))

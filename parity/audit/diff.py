@@ -1,13 +1,8 @@
 """How two runs of the same samples differ: tokens, logprobs on the common prefix, MoE routes.
 
-Each pair holds the same sample (request id, sample index) from two runs. Tokens are compared
-first; logprobs only where the tokens agree (the common prefix: after a divergence the two runs
-score different tokens, and their difference means nothing). A diverged sample counts as
-differing however small its logprob differences are. Routes (`[positions, moe_layers, top_k]`,
-compared as top-k sets, `parity.drift.routes.same_choice`) are compared over the positions whose inputs
-agree: the prompt and the common prefix of the response. Each side's routes are also summarized
-as a hash, so a stored result says which sequence routed differently without storing the routes.
-NumPy only.
+Logprobs are compared only where tokens agree (a diverged sample differs however small its
+logprob differences); routes (top-k sets) over positions whose inputs agree, and hashed, so a
+stored result names what routed differently. NumPy only.
 """
 
 from __future__ import annotations

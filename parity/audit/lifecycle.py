@@ -1,24 +1,10 @@
 """Lifecycle checks: do a rollout engine's state transitions leave its numbers alone?
 
-In RL the rollout engine goes through the same transitions every step: it sleeps while the
-trainer runs, wakes up, receives new weights, drops its caches. Each is a place where silent
-staleness hides (after a weight update, is it really sampling from the new weights?). Each check
-samples the same requests with the same seeds before and after one transition and compares token
-ids and logprobs bit for bit:
-
-- `repeat`: two runs with no transition in between (the control: every other check is only
-  meaningful if this one passes).
-- `prefix_cache_reset`: a run on a warm prefix cache, then one after the cache was reset.
-- `sleep_wake`: sleep (level 1: weights offloaded to host memory), wake up, run again.
-- `sleep_wake_2`: sleep at level 2 (weights discarded; the backend reloads them on wake from
-  where it last got them), wake up, run again.
-- `kv_cache_release`: free the KV cache's memory, run again.
-- `weight_update`: push perturbed weights; the backend's scores must follow them (close to the
-  training forward on the perturbed weights, far from the old scores); push the originals back;
-  the scores must return to the bit (`parity.backends.weight_sync`).
-
-A transition the backend (or its build) refuses raises `UnsupportedError`; its check is reported
-as skipped with the backend's own words, never as passed.
+Each check samples the same seeded requests before and after one transition and compares ids and
+logprobs bit for bit: `repeat` (the control), `prefix_cache_reset`, `sleep_wake` (level 1),
+`sleep_wake_2` (weights discarded and reloaded), `kv_cache_release`, and `weight_update` (scores
+follow perturbed weights, then return to the bit on the originals). A refused transition is
+skipped with the backend's words, never passed.
 """
 
 from __future__ import annotations
@@ -43,11 +29,8 @@ CheckStatus = Literal["pass", "fail", "skip"]
 class CheckResult:
     """One check: its status, what ran (or why it was skipped), and its numbers.
 
-    metrics: for the comparisons, "samples", "samples_with_other_tokens" and
-        "max_abs_logprob_diff" (nats, over samples whose tokens agree); for weight_update,
-        the `WeightSyncResult` fields.
-    violation: for a failed check, (metric, value, limit) of what broke, e.g.
-        ("samples_with_other_tokens", 3, 0); None otherwise.
+    metrics: "samples", "samples_with_other_tokens", "max_abs_logprob_diff" (nats, where tokens
+    agree), or `WeightSyncResult` fields. violation: (metric, value, limit) of a failed check.
     """
 
     name: str
@@ -119,12 +102,9 @@ def _comparison(name: str, before: Sequence[Rollout], after: Sequence[Rollout], 
 def run_lifecycle(backend: Backend, requests: Sequence[Request] | None = None, *,
                   checks: Sequence[str] = CHECKS, weight_scale: float = 0.2, weight_seed: int = 0,
                   weight_tolerance: float = 0.15, reference: str = "reference") -> LifecycleReport:
-    """Run `checks` (a subset of `CHECKS`, run in `CHECKS` order) on a running `backend`.
-
-    requests: what to sample before and after each transition (default `default_requests()`).
-    weight_scale, weight_seed: the weight perturbation (each weight times 1 + scale * N(0, 1)).
-    weight_tolerance: max |dlogp| (nats) between the backend after the push and `reference`
-        (default: parity's training forward, fp32) on the perturbed weights.
+    """Run `checks` (in `CHECKS` order) on a running `backend`; weights are perturbed as
+    w * (1 + scale * N(0, 1)), and `weight_tolerance` (nats) bounds the pushed backend against
+    `reference` (default: the fp32 training forward).
     """
     unknown = sorted(set(checks) - set(CHECKS))
     if unknown:

@@ -1,9 +1,5 @@
-"""`parity lifecycle`: the lifecycle checks (`parity.audit.lifecycle`) of one backend, from the command line.
-
-    parity lifecycle --model M --backend B [--option url=...] [--checks repeat,sleep_wake] [--json OUT]
-
-Exit 0 when no check failed (skips included), 1 when one did, 2 on an error (bad options, a
-backend that fails to start: one line, `--verbose` for the traceback), 130 on Ctrl-C.
+"""`parity lifecycle`: the lifecycle checks of one backend, from the command line.
+Exit 0 when no check failed (skips included), 1 when one did, 2 on an error, 130 on Ctrl-C.
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
-"""The audit's result: one `CheckResult` per check and the two verdicts, with a stable JSON form.
+"""The audit's result: one `CheckResult` per check and the two verdicts, with a stable JSON form
+(keys in docs/DESIGN.md). NumPy only.
 
-JSON (`AuditResult.to_dict`; the keys are exactly these, documented in docs/DESIGN.md)::
-
-    {"backend": str, "model": str, "dtype": str, "provenance": {...},
-     "checks": {NAME: {"identical": bool, "requests": int, "differing_requests": int,
-                       "first_difference": {...} | null, "max_abs_logprob_diff": float,
-                       "mean_abs_logprob_diff": float, "skipped": str | null}},
-     "deterministic": bool, "batch_invariant": bool}
-
-`deterministic` is `repeat` identical; `batch_invariant` is `batch` and `order` identical. A
-skipped check is never identical, so a verdict that rests on it is false. `seed` is the control:
-two seeds must give different samples, so its `identical` is true only when the seeds changed
-nothing (the other checks then prove nothing about sampling). NumPy only: a stored result is read
-and rendered without torch.
+`deterministic` is `repeat` identical; `batch_invariant` is `batch` and `order` identical; a
+skipped check is never identical. `seed` is the control: identical only when seeds changed nothing.
 """
 
 from __future__ import annotations
@@ -40,17 +30,10 @@ RESULT_KEYS: tuple[str, ...] = ("backend", "model", "dtype", "provenance", "chec
 class CheckResult:
     """One check: did two runs of the same seeded requests give the same tokens and logprobs?
 
-    identical: every compared sample has the same token ids, the same logprobs (as numbers; NaN
-        equals NaN) and, where both runs returned MoE routes, the same expert sets.
-    requests: requests compared (a request's samples count once).
-    differing_requests: requests with any sample that differs in tokens, logprobs or routes.
-    first_difference: where the first differing sample first differs (`parity.audit.diff`), None
-        when identical.
-    max_abs_logprob_diff / mean_abs_logprob_diff: |Δlogp| in nats over the common token prefix of
-        every compared sample (a sample whose tokens diverge is compared up to the divergence and
-        counted in `differing_requests`); 0.0 when no token was compared.
-    skipped: why the check did not run (the backend cannot do it), None when it ran. A skipped
-        check is neither a pass nor a failure.
+    identical: same ids, logprobs (NaN equals NaN) and expert sets. requests: compared;
+    differing_requests: with any sample differing. first_difference: None when identical.
+    max/mean_abs_logprob_diff: nats over the common token prefix. skipped: why it did not run
+    (neither pass nor failure).
     """
 
     identical: bool
@@ -130,12 +113,7 @@ def _where(first: dict[str, Any] | None) -> str:
 
 @dataclass(frozen=True)
 class AuditResult:
-    """Every check of one backend on one model and dtype, with what produced the numbers.
-
-    checks: CheckResult by check name, in `CHECKS` order (a check not asked for is skipped).
-    provenance: versions, the backend's settings (`backend_meta`; a vLLM server's
-        `server_settings`), the case, its hash and seeds, the batch sizes, the machine.
-    """
+    """Every check of one backend on one model and dtype (`CHECKS` order), with its provenance."""
 
     backend: str
     model: str

@@ -1,9 +1,4 @@
-"""`parity.audit`: is a backend deterministic and batch-invariant? Every check on one engine.
-
-Everything is checked before the engine starts (the case, the model's vocabulary and context,
-the checks, the batch sizes, the device); then one backend (a name, started once per process
-through `shared_backend`, or a running `Backend`) runs every check (`parity.audit.checks`).
-"""
+"""`parity.audit`: every check on one engine, everything checked before it starts."""
 
 from __future__ import annotations
 
@@ -32,20 +27,11 @@ def audit(model: str | os.PathLike[str] | None, backend: str | Backend, *,
           **backend_options: Any) -> AuditResult:
     """Audit `backend` on `model`: repeat, batch, order, prefill_decode, prefix_cache and seed.
 
-    model: built-in checkpoint name or local HF directory; None takes the case's model.
-    backend: a registry name (started once per process through `shared_backend`, with
-        `backend_options`, e.g. `batch_invariant=True` for vLLM) or a running `Backend`.
-    case: a `Case` or a case TOML path whose seeded requests every check samples; None =
-        `parity.workload.cases.default_case(model)`. Multi-turn cases are refused.
-    dtype: None = a running backend's own dtype, else the case's first dtype.
-    device: where the backend runs ("cpu", "cuda"): a backend with a `device` option (reference,
-        hf) is started there; others run where their build runs, and one that would run elsewhere
-        (vLLM's GPU build on a CUDA host asked for "cpu") is refused before it starts, as is a
-        running backend elsewhere. "auto" (default): where the backend runs
-        (`parity.backends.borrowed.resolve_device`).
-    checks: a subset of `CHECKS`; the others are reported as skipped ("not asked for").
-    batch_sizes: the batch check's sizes in sequences: 1 (each needle alone) and at least two more.
-    seed: seeds the derived requests (neighbours, the shuffle, the shared prefix).
+    backend: a registry name (shared, with `backend_options`) or a running `Backend`. case: None is
+    `default_case(model)`; multi-turn is refused. dtype: None is the running backend's, else the
+    case's first. device: a backend that would run elsewhere is refused before it starts.
+    checks: the others are skipped ("not asked for"). batch_sizes: 1 and at least two more.
+    seed: for the derived requests.
     """
     # the cheap checks first: a typo costs no model or engine load
     if isinstance(backend, str) and backend not in BACKEND_NAMES:
@@ -96,8 +82,7 @@ def _check_device(device: str) -> None:
 
 
 def _backend(backend: str | Backend, model: str, dtype: str, device: str, options: dict[str, Any]) -> Backend:
-    """The named backend started (shared) where `device` says, or the running one checked against
-    the call; a named backend that would run on another device is refused before it starts."""
+    """The named backend started (shared) on `device`, or the running one checked against the call."""
     if not isinstance(backend, str):
         return check_borrowed(backend, model=model, dtype=dtype, device=device, options=options)
     check_placement(backend, device, options)

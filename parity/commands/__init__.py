@@ -1,5 +1,3 @@
-"""The commands that belong to no one package, each a `main(argv) -> int` run through the shared
-frame (`parity.runtime.frame`): `compare`, `score` (and the report output they share), `advise`,
-and `info` (`models`, `backends`, `kernels`). The other commands live with their package
-(`parity.nightly.command`, `parity.audit.command`, ...); `parity.cli` dispatches to all of them.
+"""The commands that belong to no one package, each a `main(argv) -> int` in the shared frame:
+`compare`, `score`, `advise` and `info`; `parity.cli` dispatches to all commands.
 """

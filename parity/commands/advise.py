@@ -1,8 +1,5 @@
-"""`parity advise REPORT`: which rollout correction fixes a stored report's drift.
-
-    parity advise r.json [--json advice.json] [--html r.html]
-
-Exit 0, or 2 on an error (`parity.runtime.frame`). Light: never loads torch.
+"""`parity advise REPORT`: which rollout correction fixes a stored report's drift. Exit 0, or 2 on
+an error. Never loads torch.
 """
 
 from __future__ import annotations

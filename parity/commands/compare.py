@@ -1,8 +1,5 @@
 """`parity compare`: sample a case with one backend and score the same tokens with the training forward.
-
-    parity compare --model tiny-llama --backend vllm --json r.json --html r.html --record run.jsonl
-
-Exit 0 when the tolerance holds, 1 when it does not, 2 on an error (`parity.runtime.frame`).
+Exit 0 when the tolerance holds, 1 when it does not, 2 on an error.
 """
 
 from __future__ import annotations

@@ -1,8 +1,4 @@
-"""`parity models`, `parity backends`, `parity kernels`: what this installation has and how it runs.
-
-Each is a `main(argv) -> int` of its own (`models`, `backends`, `kernels`) in the shared frame
-(`parity.runtime.frame`); exit 0, or 2 on an error.
-"""
+"""`parity models`, `parity backends`, `parity kernels`: what this installation has and how it runs."""
 
 from __future__ import annotations
 
@@ -50,8 +46,7 @@ def kernels(argv: Sequence[str] | None = None) -> int:
 
 
 def _models(args: argparse.Namespace) -> int:
-    """One line per model: name, architecture, description, status; then where its checkpoint lives
-    (`$PARITY_CACHE/models/...`), made on first use if it is not there yet."""
+    """One line per model, then where its checkpoint lives (made on first use)."""
     width = max(len(n) for n in (*BUILTIN_MODELS, *TRAINED_MODELS))
     print(f"checkpoints live in {cache_dir()} (set PARITY_CACHE to move them)")
     for name in sorted(BUILTIN_MODELS):

@@ -1,8 +1,5 @@
 """`parity score`: score rollouts produced elsewhere (dumps, records) with the training forward.
-
-    parity score rollouts.parquet --model ./my-checkpoint --temperature 0.7 --top-p 0.9
-
-Exit 0 when the tolerance holds, 1 when it does not, 2 on an error (`parity.runtime.frame`).
+Exit 0 when the tolerance holds, 1 when it does not, 2 on an error.
 """
 
 from __future__ import annotations

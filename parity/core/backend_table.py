@@ -1,9 +1,5 @@
-"""The backend list, spelled once: one row of data per backend (no code, no torch).
-
-`parity.core.schema.BACKEND_NAMES`, the case loader, the loop's settings, the registry
-(`parity.backends.registry`, which imports an adapter by its `adapter` "module:Class" only when
-asked for) and the tests read these rows. Adding a backend is one row here and its adapter
-module (docs/ARCHITECTURE.md, "Adding a backend").
+"""The backend list, spelled once: one row of data per backend (no code, no torch). Adding a
+backend is one row here and its adapter module (docs/ARCHITECTURE.md, "Adding a backend").
 """
 
 from __future__ import annotations
@@ -22,21 +18,14 @@ PLACEMENTS: tuple[str, ...] = ("option", "accelerator", "cuda")
 class BackendSpec:
     """One backend.
 
-    name: the name cases, the command line and reports use (the adapter's `Backend.name`).
-    kind: one of `KINDS`. runs_on: one of `PLACEMENTS`.
-    adapter: "module:Class" of the adapter.
-    requires: import name of the package the backend needs; install: what to run when it is missing.
-    description: one line for `parity backends` and the docs.
-    attach_option: the option that attaches to a running server over HTTP; with it the backend
-        needs only parity (not `requires`) and runs wherever that server runs.
-    launch_option: the option that starts the backend's server under a Python of its own (e.g.
-        PARITY_SGLANG_PYTHON); with it `requires` need not import in parity's Python.
-    route_option: the start option that makes the backend record MoE routes (the routes R3
-        replays); None: it cannot record them.
-    prefix_cache: the start option (name, value) that turns its prefix cache off and the one
-        that turns it on; None: it has none to switch.
-    lora: whether it applies a LoRA adapter (its `lora` option, `parity.models.lora`) and swaps
-        one at run time (`Backend.load_adapter`).
+    name: as cases, the command line and reports spell it. kind: one of `KINDS`; runs_on: one of
+    `PLACEMENTS`. adapter: "module:Class". requires: import name of the package it needs; install:
+    what to run when it is missing. description: one line for `parity backends`.
+    attach_option: attaches to a running server over HTTP (then only parity is needed).
+    launch_option: starts its server under a Python of its own (e.g. PARITY_SGLANG_PYTHON).
+    route_option: makes it record MoE routes (what R3 replays); None: it cannot.
+    prefix_cache: the start options (name, value) that turn its prefix cache off and on; None: none.
+    lora: whether it applies a LoRA adapter and swaps one at run time (`Backend.load_adapter`).
     """
 
     name: str

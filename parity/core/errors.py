@@ -1,10 +1,8 @@
 """The one error hierarchy of parity, and how a command reports an error.
 
-Every error parity raises on bad input is a `ParityError` whose message names the offending
-field and says how to fix it, so users never see a traceback from deep inside torch. Every
-command exits `EXIT_FAILED` (1) only when a tolerance or regression check failed and
-`EXIT_ERROR` (2) on any error, printed as one line by `report_error`, so CI never reads a
-crash as a parity failure.
+A `ParityError` names the offending field and the fix, so users never see a traceback from deep
+inside torch. Commands exit `EXIT_FAILED` (1) only when a tolerance or regression check failed and
+`EXIT_ERROR` (2) on any error, printed as one line, so CI never reads a crash as a parity failure.
 """
 
 from __future__ import annotations
@@ -72,11 +70,8 @@ EXIT_BROKEN_PIPE = 141
 
 
 def report_error(prog: str, exc: BaseException, *, verbose: bool = False) -> int:
-    """Print `exc` on stderr as one line and return `EXIT_ERROR`.
-
-    A `ParityError` is printed as its message (it names the field and the fix); any other
-    exception is a failure parity did not foresee, printed as its type and first line with a
-    pointer to --verbose, which prints the traceback above that line.
+    """Print `exc` on stderr as one line and return `EXIT_ERROR`; a non-`ParityError` is printed as its
+    type and first line with a pointer to --verbose (the traceback).
     """
     if verbose:
         traceback.print_exception(exc, file=sys.stderr)

@@ -1,13 +1,10 @@
-"""parity's one rule for values handed over as log-probabilities, wherever they enter (the Monitor,
-the verl / NeMo-RL / slime helpers, rollout dumps and records, `parity score`).
+"""parity's one rule for values handed over as log-probabilities (Monitor, verl / NeMo-RL / slime
+helpers, dumps, records, `parity score`). NumPy only.
 
-A logprob is a number <= 0 (nats); `MAX_LOGPROB` allows the rounding of an engine that reports
-log(1) as a hair above 0. A counted value above it is not a logprob at all: probabilities (0..1),
-logits, or logprobs with the sign flipped were passed instead, and every figure computed from them
-would be silently wrong. -inf is a token outside the sampling support (counted apart by every
-report); NaN and +inf are never logprobs.
-
-Light: NumPy only.
+A logprob is <= 0 nats; `MAX_LOGPROB` allows an engine's log(1) rounded a hair above 0. A counted
+value above it means probabilities, logits or sign-flipped logprobs were passed, and every figure
+would be silently wrong. -inf is a token outside the sampling support (counted apart); NaN and
++inf are never logprobs.
 """
 
 from __future__ import annotations
@@ -44,11 +41,10 @@ def check_logprob_values(values: Sequence[Any], name: str = "logprob", where: st
 
 
 def check_logprob_array(values: np.ndarray, mask: np.ndarray | None, name: str) -> None:
-    """No counted value of `values` (`[batch, seq]`, any float dtype; `mask` True where a token
-    counts, None: all) above `MAX_LOGPROB`; InputError naming the first one's row and position.
-
-    One reduction when nothing is wrong (the max over the array; padding may hold anything, so
-    a max above the bound is looked at again under the mask)."""
+    """InputError naming the first counted value of `values` `[batch, seq]` (`mask` True where a token
+    counts; None: all) above `MAX_LOGPROB`. One max when nothing is wrong; padding may hold anything,
+    so a max above the bound is looked at again under the mask.
+    """
     if values.size == 0 or values.dtype.kind != "f":
         return
     top = values.max()

@@ -1,9 +1,6 @@
-"""Output paths checked before any work: a run never finishes its sampling and then loses it to
-a path it cannot write.
-
-A missing directory is created up front (so the check is the real thing, not a guess); a path
-that can never be written (under a regular file, an existing directory where a file is meant, a
-directory without write permission) is a `ConfigError` naming the option.
+"""Output paths checked before any work, so a run never loses its sampling to an unwritable path.
+Missing directories are created up front; a path that can never be written is a `ConfigError`
+naming the option.
 """
 
 from __future__ import annotations

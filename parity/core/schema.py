@@ -1,10 +1,8 @@
 """The words every part of parity shares, spelled once: dtypes, backend names, logprob modes,
 kernel modes, router-replay modes, summary keys and sweep request ids.
 
-This module is the bottom of the package: it imports nothing but the standard library and the
-backend table beside it, so a case file can be parsed and a stored report rendered without torch.
-A name that more than one module checks or prints lives here; the modules that act on it (the
-engine, the adapters, the case loader) import it rather than repeating it.
+The bottom of the package: standard library and the backend table only, so a case file parses
+and a stored report renders without torch.
 """
 
 from __future__ import annotations

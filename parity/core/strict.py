@@ -1,7 +1,7 @@
-"""Strict checks of names users give: a mapping into a frozen dataclass (a key the dataclass does
-not have is a `ConfigError` listing the ones it has, never a `TypeError` from `__init__`: a typo
-in a case file's `[sampling]` or a `--option` must name itself; the dataclass validates the
-values), and a value from a fixed set of choices (a dtype, a logprobs mode)."""
+"""Strict checks of names users give: a mapping into a frozen dataclass (an unknown key is a
+`ConfigError` listing the known ones, never a `TypeError` from `__init__`) and a value from a
+fixed set of choices (a dtype, a logprobs mode).
+"""
 
 from __future__ import annotations
 

@@ -1,12 +1,9 @@
-"""Rows of JSONL and Parquet files, each with the location an error message should name.
+"""Rows of JSONL and Parquet files (dumps, records, prompt datasets), each with the location an
+error message should name.
 
-Rollout dumps, records and prompt datasets are all tables of one object per row. This module
-reads and writes them the one way parity does: the format follows the suffix (`.parquet` is
-Parquet, anything else JSONL), and every row comes with its location, `"<file>:<line>"` for
-JSONL (blank lines skipped, line numbers as an editor shows them) or `"<file> row <n>"` for
-Parquet (1-based), so a bad value is reported where the user can find it.
-
-Light: the standard library, plus pyarrow when a Parquet file is read or written.
+The format follows the suffix (`.parquet` is Parquet, anything else JSONL); a row's location is
+`"<file>:<line>"` (editor line numbers) or `"<file> row <n>"` (1-based). Standard library, plus
+pyarrow for Parquet.
 """
 
 from __future__ import annotations
@@ -76,8 +73,7 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
 
 
 def _lines(f: Any, path: Path) -> Iterator[tuple[int, str]]:
-    """(line number, line) of a text file; a file that is not UTF-8 text (a binary file, a Parquet
-    file without its suffix) is an InputError naming the line, not a UnicodeDecodeError."""
+    """(line number, line) of a text file; non-UTF-8 text is an InputError naming the line."""
     lineno = 0
     try:
         for lineno, line in enumerate(f, 1):

@@ -1,10 +1,8 @@
 """An engine's top-k logprobs per response position, checked once where they enter parity.
 
-ids `[positions, k]` integer token ids and logprobs `[positions, k]` in nats, each row in descending
-order of logprob (ties in any order), as vLLM (`logprobs=k`), SGLang (`top_logprobs_num`) and
-verl/NeMo-RL dumps give them. A row may hold fewer real entries than k only where the vocabulary is
-smaller than k; `-inf` entries (tokens outside the sampling support in processed mode) are kept.
-Every refusal is a `TopKError` naming the field, the position and the fix, raised before any scoring.
+ids `[positions, k]` int token ids and logprobs `[positions, k]` in nats, each row descending
+(ties in any order). Fewer than k real entries only where the vocabulary is smaller than k;
+`-inf` entries are kept. Every refusal is a `TopKError` naming the field, position and fix.
 """
 
 from __future__ import annotations
@@ -31,10 +29,7 @@ SAME_PROCESSING_SLACK = 1e-2
 
 def check_top_k(ids: Any, logprobs: Any, where: str, *, positions: int | None = None,
                 vocab_size: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(ids int64 `[positions, k]`, logprobs float64 `[positions, k]`) checked, else `TopKError`.
-
-    positions: the number of rows wanted (the response length); vocab_size: every id must be below it.
-    """
+    """(ids int64 `[positions, k]`, logprobs float64 `[positions, k]`) checked, else `TopKError`."""
     try:
         ids_a = np.asarray(ids)
         lp_a = np.asarray(logprobs, dtype=np.float64)
@@ -71,11 +66,9 @@ def check_top_k(ids: Any, logprobs: Any, where: str, *, positions: int | None = 
 
 def check_same_processing(ids: np.ndarray, logprobs: np.ndarray, token_ids: np.ndarray,
                           sampled: np.ndarray, where: str) -> None:
-    """`TopKError` unless the top-k comes from the processing of the sampled logprobs: where the
-    sampled token is in a position's top-k its entry equals its logprob (to `SAME_PROCESSING_SLACK`),
-    and where it is not, its logprob is at most the k-th entry (within the same slack).
-
-    ids, logprobs `[positions, k]`; token_ids, sampled `[positions]` (the response and its logprobs).
+    """`TopKError` unless the top-k `[positions, k]` comes from the sampled logprobs' processing: a
+    sampled token in the top-k has its logprob there, and one outside it is at most the k-th entry
+    (both to `SAME_PROCESSING_SLACK`).
     """
     if ids.size == 0:
         return

@@ -1,19 +1,11 @@
 """Multi-turn trajectories: the turns of an agentic rollout (no torch).
 
-A trajectory is a `Request` with `turns`: after the prompt, each turn either generates tokens
-(`Generate`: at most `max_tokens`, ending early on EOS or a stop id) or injects tokens the model
-did not sample (`Inject`: a fixed tool/environment reply, or a deterministic function of the
-token ids so far, e.g. a calculator answering the last arithmetic expression). The request's
-`SamplingParams` apply to every generated turn; its `max_tokens` bounds the whole response
-(generated and injected tokens), as verl's `response_length` does; an injection that does not
-fit is cut, and the trajectory then ends with finish_reason "length".
-
-A trajectory's `Rollout` holds every response token in order with `response_mask` 1 on generated
-and 0 on injected tokens (verl's `response_mask`); its logprobs at injected tokens are 0.0 and
-mean nothing. Every metric reads mask-1 tokens only.
-
-Turn indices of a response come from its mask alone (`turn_index`), so a verl dump with interior
-mask zeros gets the same per-turn breakdown as a trajectory run here.
+After the prompt, each turn generates (`Generate`: at most `max_tokens`, ending on EOS or a stop
+id) or injects tokens the model did not sample (`Inject`: fixed, or a function of the ids so far).
+`SamplingParams.max_tokens` bounds the whole response, as verl's `response_length`; an injection
+that does not fit is cut and the trajectory ends with "length". The `Rollout` has
+`response_mask` 1 on generated, 0 on injected tokens (logprobs there are 0.0 and unread); turn
+indices come from the mask alone (`turn_index`), so verl dumps get the same per-turn breakdown.
 """
 
 from __future__ import annotations
@@ -110,10 +102,7 @@ def turns_from_dict(items: Sequence[dict[str, Any]]) -> tuple[Turn, ...]:
 
 def inject_until_generate(turns: tuple[Turn, ...], turn: int, history: tuple[int, ...],
                           room: int) -> tuple[list[int], int]:
-    """Run the injections from turn index `turn` up to the next Generate turn.
-
-    Returns (the injected ids, cut to `room` tokens, and the index of the next turn: a Generate
-    turn, or len(turns) when the trajectory is complete)."""
+    """(injected ids cut to `room`, index of the next Generate turn or len(turns)) from turn `turn`."""
     injected: list[int] = []
     while turn < len(turns) and isinstance(turns[turn], Inject):
         injected.extend(turns[turn].tokens(history + tuple(injected)))

@@ -1,9 +1,8 @@
 """The contracts every part of parity speaks: `SamplingParams`, `Request`, `Rollout`, and the
 (prompt_ids, response_ids) pairs every scoring entry point takes (`as_pairs`).
 
-`top_k=0` means "off" everywhere in parity; each backend adapter translates it to its own
-spelling. Every field is sent to every backend explicitly, because backend defaults differ
-(`max_tokens` defaults to 16 in vLLM, 128 in SGLang, 32 in TRT-LLM).
+`top_k=0` means "off" everywhere. Every field is sent to every backend explicitly, because
+defaults differ (`max_tokens` is 16 in vLLM, 128 in SGLang, 32 in TRT-LLM).
 """
 
 from __future__ import annotations
@@ -28,22 +27,14 @@ from parity.core.turns import Turn, check_turns, turns_from_dict
 class SamplingParams:
     """How to sample one request.
 
-    n: samples per prompt (GRPO groups use n >= 4).
-    temperature: softmax temperature; 0 means greedy (argmax).
-    top_p: nucleus mass in (0, 1]; 1 is off.
-    top_k: keep the k most likely tokens; 0 is off (parity's one spelling of "off").
-    max_tokens: most tokens to generate per sample (>= 1).
-    seed: request seed; sample i of the request draws its noise from (seed, i, position), so a
-        request's tokens never depend on what else shares the batch.
-    stop_token_ids: generation stops after any of these (the stop token is kept).
-    ignore_eos: keep generating past EOS until `max_tokens`; explicit `stop_token_ids` still stop
-        (vLLM's meaning).
-    logprobs_mode: "processed" = log-probs of the distribution actually sampled from (after
-        temperature, top-k, top-p, renormalized; what an importance ratio needs); "raw" =
-        log_softmax of the unmodified logits.
-    top_k_logprobs: also return the k most likely tokens and their logprobs (in `logprobs_mode`) at
-        every response position (`Rollout.top_k_ids`), for the full-distribution drift; 0 is off.
-        Not part of the logprob definition; written to dicts only when set, so case hashes stay.
+    n: samples per prompt. temperature: 0 is greedy. top_p: in (0, 1], 1 is off. top_k: 0 is off.
+    max_tokens: >= 1. seed: sample i draws its noise from (seed, i, position), so its tokens never
+    depend on the rest of the batch. stop_token_ids: stop after any (kept). ignore_eos: generate past
+    EOS (stop ids still stop; vLLM's meaning).
+    logprobs_mode: "processed" = the distribution sampled from (after temperature, top-k, top-p;
+    what an importance ratio needs); "raw" = log_softmax of the logits.
+    top_k_logprobs: also return the k most likely tokens per position (`Rollout.top_k_ids`); 0 is
+    off; written to dicts only when set, so case hashes stay.
     """
 
     n: int = 1
@@ -103,11 +94,8 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class Request:
-    """One prompt to sample: token ids, sampling parameters and an id unique in its batch.
-
-    turns: empty for a single-turn request; else a multi-turn trajectory (`parity.core.turns`):
-    `Generate` and `Inject` turns after the prompt, `sampling` applying to every generated turn
-    and `sampling.max_tokens` bounding the whole response.
+    """One prompt to sample: token ids, sampling parameters and an id unique in its batch; `turns`
+    makes it a multi-turn trajectory (`parity.core.turns`).
     """
 
     prompt_ids: tuple[int, ...]
@@ -147,26 +135,14 @@ class Request:
 class Rollout:
     """One sampled response in parity's normalized form.
 
-    token_ids: every response token; logprobs: one float per response token, in `logprobs_mode`.
-    response_mask: None for a single-turn response (every token generated); for a multi-turn
-        trajectory (`parity.core.turns`) 1 at generated and 0 at injected tokens (verl's
-        `response_mask`); logprobs at mask-0 tokens are 0.0 and mean nothing, and every metric
-        reads mask-1 tokens only.
-    routed_experts: optional int32 array `[len(prompt_ids) + len(token_ids) - 1, moe_layers,
-        top_k]`: the experts chosen for every position whose output was computed (the layout of
-        vLLM, SGLang and verl's R3).
-    finish_reason: "stop" (a stop token) or "length" (max_tokens reached).
-    meta: backend settings that affect numerics (version, dtype, attention backend, ...).
-    sampling: the parameters the rollout was drawn with (its request's `SamplingParams`), so the
-        training forward scores it under the distribution it was sampled from. Rollouts ingested
-        from a dump know only the logprob-defining fields (temperature, top_k, top_p,
-        logprobs_mode); the others are defaults. None when unknown (records written before
-        rollouts carried it): such a rollout in processed mode cannot be scored until its
-        parameters are given.
-    top_k_ids, top_k_logprobs: optional, both or neither: the engine's k most likely tokens at every
-        response position, int64 ids and float64 logprobs `[len(token_ids), k]` in `logprobs_mode`,
-        descending (`parity.core.top_k`; k is below k asked for only where the vocabulary is smaller).
-        Read by the full-distribution drift (`parity.drift.distribution`).
+    logprobs: one per token, in `logprobs_mode`. response_mask: None for single-turn; else 1 at
+    generated, 0 at injected tokens (metrics read mask-1 only).
+    routed_experts: int32 `[len(prompt_ids) + len(token_ids) - 1, moe_layers, top_k]` (vLLM, SGLang,
+    verl R3 layout). finish_reason: "stop" or "length". meta: backend settings that affect numerics.
+    sampling: the `SamplingParams` drawn with, so training scores it under the same distribution;
+    dump rollouts know only the logprob-defining fields; None when unknown (a processed-mode rollout
+    then cannot be scored until given).
+    top_k_ids, top_k_logprobs: both or neither, int64 / float64 `[len(token_ids), k]`, descending.
     """
 
     request_id: str
@@ -249,8 +225,6 @@ class Rollout:
         self._check_top_k(where)
 
     def _check_top_k(self, where: str) -> None:
-        """Top-k both or neither, well formed, and of the sampled logprobs' processing
-        (`parity.core.top_k`)."""
         where = f"{where}/{self.sample_index}"
         if (self.top_k_ids is None) != (self.top_k_logprobs is None):
             raise TopKError(f"{where}: give top_k_ids and top_k_logprobs together, or neither")
@@ -311,7 +285,6 @@ class Rollout:
 
 
 def _json_rows(rows: Any) -> Any:
-    """Top-k logprob rows read from JSON (`_json_logprobs` per row)."""
     return [_json_logprobs(row) for row in rows] if isinstance(rows, list) else rows
 
 
@@ -328,10 +301,8 @@ Sequences = Sequence[Rollout | tuple[Sequence[int], Sequence[int]]]
 
 
 def as_pairs(sequences: Sequences) -> list[Pair]:
-    """Rollouts or (prompt_ids, response_ids) pairs -> (prompt, response) tuples of ints.
-
-    Every prompt must hold at least one token and every id must be >= 0; whether an id fits a
-    model's vocabulary is the model's check. An empty list gives an empty list.
+    """Rollouts or (prompt_ids, response_ids) pairs -> (prompt, response) tuples of ints; every prompt
+    non-empty, every id >= 0.
     """
     if isinstance(sequences, (str, bytes)) or not isinstance(sequences, Sequence):
         raise InputError(f"sequences must be a list of parity.Rollout or (prompt_ids, response_ids) pairs, "

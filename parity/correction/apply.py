@@ -104,18 +104,12 @@ def rollout_correction(
     rollout_rs_threshold: float | str | None = None,
     rollout_is_clamp_lower: float | None = None,
 ) -> tuple[Any | None, Any, dict[str, float]]:
-    """verl's rollout correction on `[batch, seq]` logprobs (nats) and a response mask (or on
-    one `parity.drift.token_arrays.TokenArrays` in their place).
+    """verl's rollout correction on `[batch, seq]` logprobs (nats) and a mask, or one `TokenArrays`;
+    options are `CorrectionConfig`'s.
 
-    Options are `CorrectionConfig`'s fields: verl's names plus parity's extras.
-
-    Returns `(weights, new_mask, metrics)`:
-        weights: IS weights `[batch, seq]` in the logprobs' dtype and container (0 at padding
-            and where IcePop / seq-mask-TIS rejects), or None when `rollout_is` is None.
-        new_mask: the mask with rejected tokens cleared, in the mask's dtype and container.
-        metrics: `rollout_corr/*` floats under verl's exact key names (plus
-            `rollout_corr/rollout_is_seq_masked_fraction` for "seq_mask_tis").
-    Raises `ConfigError` for bad options and `InputError` for bad arrays.
+    Returns `(weights, new_mask, metrics)`: IS weights `[batch, seq]` in the logprobs' dtype and
+    container (0 at padding and rejections; None without `rollout_is`), the mask minus rejected
+    tokens, and `rollout_corr/*` floats by verl's names. `ConfigError` / `InputError` on bad input.
     """
     config = CorrectionConfig(
         rollout_is=rollout_is,

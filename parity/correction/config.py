@@ -1,7 +1,5 @@
-"""What to compute: `CorrectionConfig`, its options parsed once into typed rules.
-
-verl's option names and semantics (`algorithm.rollout_correction`), plus parity's extras.
-Bad options raise `ConfigError` naming the option and the accepted forms.
+"""What to compute: `CorrectionConfig` (verl's `algorithm.rollout_correction` plus extras), parsed
+once into typed rules; bad options raise `ConfigError` naming the accepted forms.
 """
 
 from __future__ import annotations
@@ -28,15 +26,8 @@ RS_OPTIONS: tuple[str, ...] = (
 
 @dataclass(frozen=True)
 class ImportanceRule:
-    """The parsed `rollout_is*` options.
-
-    level: one of `IS_LEVELS`.
-    upper: the truncation bound (TIS) or the band's upper edge (IcePop, seq-mask-TIS), > 0.
-    band_lower: the band's lower edge (IcePop, seq-mask-TIS), None for TIS.
-    clamp_lower: the lower clamp of TIS weights (`rollout_is_clamp_lower`), None when off.
-    metric_lower: the lower bound the low-side metrics count against: `band_lower`,
-        `clamp_lower` or verl's default 1/upper.
-    batch_normalize: rescale the weights to mean 1 over the batch.
+    """The parsed `rollout_is*` options: level, upper (> 0), band_lower (IcePop, seq-mask-TIS),
+    clamp_lower, metric_lower (the low-side metrics' bound; verl's default 1/upper), batch_normalize.
     """
 
     level: str
@@ -54,13 +45,8 @@ class ImportanceRule:
 
 @dataclass(frozen=True)
 class RejectionRule:
-    """One parsed `rollout_rs` criterion.
-
-    option: verl's option name, e.g. "seq_mean_k3".
-    reduce: how token statistics become the tested value: "token" (none), "sum", "mean", "max".
-    estimator: "k1" (-Δ), "k2" (Δ²/2) or "k3" (exp(Δ) - 1 - Δ), with Δ clamped to ±20.
-    lower: k1 only: lower bound on k1, i.e. log of the lower ratio bound; None otherwise.
-    upper: upper bound on the statistic (k1: log of the upper ratio bound).
+    """One parsed `rollout_rs` criterion: option (e.g. "seq_mean_k3"), reduce ("token", "sum", "mean",
+    "max"), estimator (k1, k2, k3 at Δ clamped ±20), lower (k1 only) and upper bounds (k1: log ratios).
     """
 
     option: str
@@ -140,8 +126,7 @@ def _parse_is(level: Any, threshold: Any, batch_normalize: Any, clamp: Any) -> I
 
 
 def _parse_rs(rollout_rs: Any, threshold: Any) -> tuple[RejectionRule, ...]:
-    """verl's option and threshold parsing: comma lists, duplicates dropped (first kept), one
-    threshold shared by all options or one per distinct option."""
+    """verl's parsing: comma lists, duplicates dropped, one shared threshold or one per option."""
     if rollout_rs is None:
         return ()
     if not isinstance(rollout_rs, str):
@@ -212,28 +197,12 @@ DEFAULT_OPTIONS: dict[str, Any] = {"rollout_is": "token", "rollout_is_threshold"
 class CorrectionConfig:
     """Which correction to compute; verl's `algorithm.rollout_correction` fields plus extras.
 
-    rollout_is: importance-sampling weight level, or None for no weights.
-        "token": w_t = exp(Δ_t) (verl).
-        "sequence": w = exp(Σ_t Δ_t) for every token of the sequence (verl).
-        "geometric": w = exp(mean_t Δ_t), the per-token geometric mean of the sequence ratio;
-            length-independent, unlike "sequence" (parity extra; GSPO-style).
-        "seq_mask_tis": w_t = exp(Δ_t), zeroed for whole sequences whose geometric-mean ratio
-            exp(mean_t Δ_t) lies outside [lower, upper] (NeMo-RL / OpenRLHF "seq-mask-tis";
-            needs a "lower_upper" threshold; token weights are not truncated, as there).
-    rollout_is_threshold: a number u: weights truncated to <= u (TIS); a "lower_upper" string:
-        weights outside [lower, upper] set to 0 (IcePop; the band for "seq_mask_tis").
-    rollout_is_batch_normalize: rescale weights to mean 1 over the batch (over tokens for token
-        levels, over non-empty sequences for sequence levels); verl's semantics.
-    rollout_rs: comma-separated rejection criteria from `RS_OPTIONS`; a token survives only if
-        every criterion keeps it. None disables rejection.
-    rollout_rs_threshold: one threshold shared by all criteria, or a comma list with one per
-        distinct criterion. k1 criteria take a ratio band "lower_upper" or a number u meaning
-        [1/u, u]; k2/k3 criteria take an upper bound.
-    rollout_is_clamp_lower: lower bound of a [lower, upper] clamp on TIS weights (slime's
-        `tis_clip_low`, OpenRLHF's TIS band); only with a numeric threshold and the levels
-        "token", "sequence" or "geometric" (parity extra).
-
-    The options are parsed once, into `is_rule` and `rs_rules`, which the computation reads.
+    rollout_is: None, "token" (exp(Δ_t)), "sequence" (exp(Σ_t Δ_t)), "geometric" (exp(mean_t Δ_t),
+    length-independent, extra) or "seq_mask_tis" (token weights, whole sequences zeroed when the
+    geometric ratio leaves [lower, upper]; NeMo-RL). rollout_is_threshold: u truncates (TIS);
+    "lower_upper" zeroes outside (IcePop). rollout_is_batch_normalize: mean 1 over the batch.
+    rollout_rs: criteria from `RS_OPTIONS`, all must keep; rollout_rs_threshold: shared or one per
+    criterion. rollout_is_clamp_lower: lower TIS clamp (slime, OpenRLHF; extra).
     """
 
     rollout_is: str | None = None
@@ -271,10 +240,8 @@ NAMED_IS: dict[str, tuple[str, float | str]] = {
 
 
 def correction_from_name(text: str) -> CorrectionConfig:
-    """A correction named as `parity loop --correction` takes it: "none"; an IS family of
-    `NAMED_IS` with an optional threshold after a colon ("token_tis", "token_tis:3",
-    "icepop:0.8_1.25"; verl's default 2.0, IcePop's band 0.5_2); or a rejection criterion of
-    `RS_OPTIONS` with its threshold ("seq_mean_k3:0.01").
+    """A correction as `parity loop --correction` names it: "none", a `NAMED_IS` family with optional
+    ":threshold" ("token_tis:3", "icepop:0.8_1.25"), or an `RS_OPTIONS` criterion ("seq_mean_k3:0.01").
     """
     if not isinstance(text, str):
         raise ConfigError(f"a correction name must be a string, got {text!r}")

@@ -15,12 +15,8 @@ from parity.drift.token_arrays import Block, masked_row_max, masked_row_min
 
 @dataclass(frozen=True)
 class TokenRuleRows:
-    """Per-row statistics `[batch]` of one token-level rule ("token_k*") over valid tokens.
-
-    total, max, min: of the token statistic (max/min ±inf for empty rows); high, low: tokens
-    above the upper / below the lower bound (`low` for k1 only, else None); clamped_sum,
-    clamped_sq: Σ x and Σ x² of the statistic clamped to the rule's bounds; rejected: tokens
-    the rule rejects.
+    """Per-row statistics `[batch]` of one "token_k*" rule: total, max, min (±inf when empty), high,
+    low (k1 only), clamped_sum, clamped_sq, rejected.
     """
 
     total: torch.Tensor

@@ -1,8 +1,5 @@
-"""Per-row statistics and the batch reductions verl applies to them.
-
-The correction makes one pass over the batch in blocks of whole rows (`parity.drift.token_arrays.Block`).
-Each block leaves typed per-row statistics `[rows]` (sums, extremes, counts), which `join`
-concatenates into `[batch]`; every metric is then a reduction of those, through `Rows`.
+"""Per-row statistics and the batch reductions verl applies to them: each block leaves typed
+`[rows]` statistics, `join` concatenates them, and every metric reduces them through `Rows`.
 """
 
 from __future__ import annotations
@@ -26,10 +23,7 @@ T = TypeVar("T")
 
 
 def join(parts: Sequence[T]) -> T:
-    """Per-block statistics joined into per-batch ones, in block order.
-
-    parts: one value per block, all of the same shape: a `[rows]` tensor (concatenated), None,
-    a tuple (joined element by element) or a dataclass of those (joined field by field).
+    """Per-block statistics joined in block order (tensors concatenated; tuples and dataclasses by element).
     """
     first: Any = parts[0]
     if first is None:
@@ -46,13 +40,9 @@ def join(parts: Sequence[T]) -> T:
 class Rows:
     """The batch's rows and verl's batch-level reductions over per-row statistics.
 
-    lengths: valid tokens per row `[batch]` (float64); total: valid tokens in the batch.
-
-    verl's masked_mean divides by `mask.sum() + 1e-8`. Its masks are integer (or float32), so the
-    count is promoted to float32, where `+ 1e-8` rounds away for any count >= 1: in effect the
-    epsilon only turns an empty row's 0/0 into 0. `token_mean` and `row_count` reproduce exactly
-    that; keeping 1e-8 in float64 would shift every mean by 1e-8/count, enough to turn verl's
-    (near) zero std of a constant statistic into ~1e-4/sqrt(count) of its value.
+    verl's masked_mean divides by `mask.sum() + 1e-8` in float32, where the epsilon rounds away for
+    any count >= 1 and only turns 0/0 into 0; `token_mean` and `row_count` do exactly that (1e-8 in
+    float64 would turn a constant statistic's zero std into ~1e-4/sqrt(count) of its value).
     """
 
     lengths: torch.Tensor
@@ -105,10 +95,8 @@ def fraction(flags: torch.Tensor) -> float:
 
 @dataclass(frozen=True)
 class PolicyRows:
-    """Row sums `[batch]` behind verl's off-policy metrics (0 for empty rows).
-
-    train, rollout: logprobs (nats); log_ratio: Δ = train - rollout; k3_kl: exp(Δ) - Δ - 1,
-    unclamped as in verl; ratio_sq: exp(clamp(Δ, ±20))².
+    """Row sums `[batch]` behind verl's off-policy metrics (0 when empty): train, rollout, log_ratio,
+    k3_kl (unclamped, as verl), ratio_sq.
     """
 
     train: torch.Tensor

@@ -23,10 +23,8 @@ from parity.drift.token_arrays import Block, masked_row_min, row_counts
 
 @dataclass(frozen=True)
 class SequenceWeightRows:
-    """Per-row statistics `[batch]` of sequence-level weights ("sequence", "geometric").
-
-    seq_log: Σ_t Δ_t ("geometric": divided by the row's length); raw: exp(clamp(seq_log, ±20));
-    weight: the row's weight after truncation, clamping or the IcePop band.
+    """Per-row `[batch]` sequence-level weight statistics: seq_log (Σ Δ, or mean for "geometric"), raw
+    exp(clamp(seq_log, ±20)), and weight after truncation, clamp or band.
     """
 
     seq_log: torch.Tensor
@@ -36,14 +34,9 @@ class SequenceWeightRows:
 
 @dataclass(frozen=True)
 class TokenWeightRows:
-    """Per-row statistics `[batch]` of token-level weights ("token", "seq_mask_tis").
-
-    weight_sum, weight_max, weight_min: of the weights (min +inf for an empty row; max 0 there:
-    weights are >= 0 and 0 at padding, so the row max needs no mask and the batch max is exact);
-    raw_sum: of the ratios before truncation; high, low: tokens whose ratio lies above
-    `upper` / below `metric_lower`; clamped_sum, clamped_sq: Σ w and Σ w² of the weights
-    clamped to [0, upper]; seq_keep: "seq_mask_tis" only, rows inside the band (bool);
-    outside: IcePop only, tokens outside the band.
+    """Per-row `[batch]` token-level weight statistics: weight_sum/max/min (max needs no mask: weights
+    are >= 0, 0 at padding), raw_sum, high, low, clamped_sum, clamped_sq, seq_keep (seq_mask_tis),
+    outside (IcePop).
     """
 
     weight_sum: torch.Tensor

@@ -10,12 +10,11 @@ import numpy as np
 
 def bootstrap_ratio(numerator: np.ndarray, denominator: np.ndarray, resamples: int, seed: int,
                     confidence: float, *, empty: float | None) -> tuple[np.ndarray, np.ndarray]:
-    """Percentile interval `(low [C], high [C])` of Σ_s q_s x_s / Σ_s q_s d_s over Poisson(1) resample
-    counts q `[resamples, S]`: a ratio of two sums over sequences (numerator `[S, C]`, denominator
-    `[S]`), sequences resampled whole. A resample whose sums are both 0 (it drew nothing, or nothing
-    but zeros) counts as `empty`, or is dropped when `empty` is None (a ratio with no evidence must
-    not pull the interval); a positive sum over 0 is inf, and an interval end there is inf.
-    `resamples` <= 0, or none left: NaNs."""
+    """Percentile interval `(low [C], high [C])` of Σ_s q_s x_s / Σ_s q_s d_s over Poisson(1) counts q
+    `[resamples, S]` (numerator `[S, C]`, denominator `[S]`; whole sequences resampled). A resample
+    with both sums 0 counts as `empty`, or is dropped when `empty` is None (no evidence must not pull
+    the interval); positive over 0 is inf. No resamples left: NaNs.
+    """
     cols = numerator.shape[1]
     if resamples <= 0:
         return np.full(cols, math.nan), np.full(cols, math.nan)
@@ -35,9 +34,9 @@ def bootstrap_ratio(numerator: np.ndarray, denominator: np.ndarray, resamples: i
 
 
 def _percentiles(stats: np.ndarray, tail: float) -> tuple[np.ndarray, np.ndarray]:
-    """The `tail` and 100 - `tail` percentiles of `stats` `[resamples, C]` per column, inf kept:
-    interpolating next to inf gives inf - inf = NaN, so inf is stood in by the largest float and any
-    end above the largest finite value (an interpolation toward inf) is inf."""
+    """The `tail` and 100 - `tail` percentiles per column of `stats` `[resamples, C]`, inf kept
+    (interpolating next to inf would give inf - inf = NaN, so inf stands in as the largest float).
+    """
     inf = np.isposinf(stats)
     low, high = np.percentile(np.where(inf, np.finfo(np.float64).max, stats), [tail, 100.0 - tail], axis=0)
     largest = np.where(inf, -np.inf, stats).max(axis=0)

@@ -1,16 +1,10 @@
 """Full-distribution drift per response position: the engine's top-k against the trainer's full row.
 
-The engine reports its k most likely tokens (ids `[N, k]`, logprobs `[N, k]`, descending); the
-training forward has the whole distribution `[N, V]` under the same processing. `trainer_view`
-reduces each trainer row to what the metrics need (its logprobs at the engine's ids, its own top-k,
-its entropy, the sampled token's rank), so `position_drift` runs in O(N k) without the `[N, V]` rows:
-that split lets the training forward reduce on its device and the metrics run over millions of
-positions. Every formula, with the direction of each bound, is in docs/DISTRIBUTION.md. NumPy only
-(no torch): a stored report is scored and rendered without it.
-
-Notation per position: S the engine's top-k ids, q_i = exp(engine logprob), p_i = exp(trainer
-logprob), tail masses q_T = max(0, 1 - sum_S q_i) and p_T = max(0, 1 - sum_S p_i), both computed
-the same way so identical inputs give exactly 0 drift.
+`trainer_view` reduces each trainer row `[N, V]` to what the metrics need, so `position_drift`
+runs in O(N k) over millions of positions; formulas and bound directions are in
+docs/DISTRIBUTION.md. NumPy only. Per position: S the engine's top-k ids, q_i / p_i the engine /
+trainer probabilities, tail masses q_T = max(0, 1 - sum_S q_i) and p_T alike, computed the same
+way so identical inputs give exactly 0 drift.
 """
 
 from __future__ import annotations
@@ -49,12 +43,9 @@ EXP32_FLOOR = -87.0
 class TrainerView:
     """The trainer's full distribution at each position, reduced for the metrics.
 
-    at_engine: float64 `[N, k]` the trainer's logprobs at the engine's top-k ids.
-    top_ids, top_logprobs: the trainer's own `min(k, V)` most likely tokens `[N, min(k, V)]`, descending
-        (ties in any order; `trainer_view` puts the lower id first).
-    entropy: float64 `[N]` the trainer's entropy in nats.
-    sampled_rank: int64 `[N]` how many tokens the trainer gives a strictly higher logprob than the
-        sampled token (0: the trainer's argmax, ties share the best rank).
+    at_engine: float64 `[N, k]` logprobs at the engine's top-k ids. top_ids, top_logprobs: its own
+    `[N, min(k, V)]`, descending (lower id first on ties). entropy: float64 `[N]` nats.
+    sampled_rank: int64 `[N]` tokens with a strictly higher logprob than the sampled one.
     """
 
     at_engine: np.ndarray
@@ -68,16 +59,11 @@ class TrainerView:
 class PositionDrift:
     """Per-position distribution drift, all `[N]`.
 
-    kl_train_engine: lower bound on KL(train || engine) = sum p log(p/q), nats (inf where the trainer
-        puts mass where the engine reports -inf).
-    kl_engine_train: lower bound on KL(engine || train), nats.
-    tv: lower bound on the total-variation distance, in [0, 1].
-    overlap: how many of the engine's finite top-k entries are in the trainer's top-k (ties at the
-        k-th place count as in); engine_entries: how many finite entries the engine reported.
-    argmax_agrees: the engine's first entry has the trainer's highest logprob.
-    entropy_train: the trainer's entropy; entropy_engine: the engine's, NaN where its tail mass is
-        above `TAIL_EPS` (not computable from a top-k).
-    sampled_rank: `TrainerView.sampled_rank`.
+    kl_train_engine, kl_engine_train: lower bounds on KL(train || engine) and KL(engine || train),
+    nats (inf where the trainer has mass where the engine reports -inf). tv: lower bound on total
+    variation. overlap: the engine's finite top-k entries in the trainer's top-k (ties count as in),
+    of engine_entries. argmax_agrees: the engine's first entry is the trainer's top.
+    entropy_train; entropy_engine: NaN where its tail mass exceeds `TAIL_EPS`. sampled_rank.
     """
 
     kl_train_engine: np.ndarray
@@ -113,13 +99,10 @@ def position_drift(engine_logprobs: np.ndarray, view: TrainerView, *,
                    precision: str = "auto") -> PositionDrift:
     """Per-position drift of the engine's top-k logprobs `[N, k]` (descending) against `view`.
 
-    precision: "float64" takes every probability as a float64 `exp`; "float32" takes them as a
-    float32 `exp` (~4x faster on CPUs without AVX-512; each probability then carries a relative
-    error of at most `EXP32_REL_ERROR`, and each KL and TV bound an absolute error stated in
-    docs/DISTRIBUTION.md, "Arithmetic"); "auto" (default) is "float32" when both the engine's
-    logprobs and `view.at_engine` are float32 (a value is then no finer than float32 anyway), else
-    "float64". Every other step is float64, a block of rows at a time. Identical inputs give
-    exactly 0 KL and TV on either path."""
+    precision: "float32" takes probabilities as a float32 `exp` (~4x faster without AVX-512; error
+    bounds in docs/DISTRIBUTION.md, "Arithmetic"); "auto" picks it when both inputs are float32;
+    every other step is float64. Identical inputs give exactly 0 KL and TV on either path.
+    """
     a_all = np.asarray(engine_logprobs)
     fast = _fast_exp(precision, a_all, np.asarray(view.at_engine))
     n = a_all.shape[0]
@@ -194,9 +177,9 @@ def _fast_exp(precision: str, engine: np.ndarray, train: np.ndarray) -> bool:
 
 def _block(a: np.ndarray, b: np.ndarray, q: np.ndarray, p: np.ndarray, kth: np.ndarray, work: _Work
            ) -> tuple[np.ndarray, ...]:
-    """The metrics of one block: a engine and b trainer logprobs at the engine's ids `[n, k]` (float64),
-    q and p their probabilities, kth the trainer's k-th largest logprob `[n, 1]`, work the scratch:
-    (KL(p||q), KL(q||p), TV, engine entropy, overlap, engine entries), each `[n]`."""
+    """(KL(p||q), KL(q||p), TV, engine entropy, overlap, engine entries), each `[n]`, of one block of
+    logprobs a, b `[n, k]` at the engine's ids (kth: the trainer's k-th largest `[n, 1]`).
+    """
     ones = np.ones(a.shape[1])
     scratch, mask = work.scratch[:a.shape[0]], work.mask[:a.shape[0]]
     q_tail = np.maximum(1.0 - q @ ones, 0.0)
@@ -244,9 +227,9 @@ def _block(a: np.ndarray, b: np.ndarray, q: np.ndarray, p: np.ndarray, kth: np.n
 
 def _first_and_tail(q: np.ndarray, p: np.ndarray, q_tail: np.ndarray, p_tail: np.ndarray,
                     separate: np.ndarray, d0: np.ndarray) -> tuple[np.ndarray, ...]:
-    """Bucket 0's and the tail bucket's terms of both KL sums `[n]` (KL(p||q) bucket 0, KL(q||p)
-    bucket 0, KL(p||q) tail, KL(q||p) tail), any row: an unresolved tail merged into bucket 0,
-    zero masses by the 0 log 0 conventions."""
+    """Bucket 0's and the tail bucket's terms of both KL sums `[n]`: an unresolved tail merged into
+    bucket 0, zero masses by the 0 log 0 conventions.
+    """
     # an unresolved tail joins bucket 0 (the engine's first entry)
     q0 = np.where(separate, q[:, 0], q[:, 0] + q_tail)
     p0 = np.where(separate, p[:, 0], p[:, 0] + p_tail)
@@ -263,11 +246,9 @@ def _first_and_tail(q: np.ndarray, p: np.ndarray, q_tail: np.ndarray, p_tail: np
 
 
 def summarize_distribution(drift: PositionDrift, top_k: int) -> dict[str, Any]:
-    """The `distribution/` summary keys (`parity.core.schema.DISTRIBUTION_SUMMARY_KEYS`) of a batch.
-
-    KL and TV: mean and max over positions with a finite value; positions with an infinite KL bound
-    are counted apart. Overlap is the mean fraction of the engine's finite entries in the trainer's
-    top-k; the entropy difference (engine - trainer) averages the positions where it is computable.
+    """The `distribution/` summary keys of a batch: KL and TV mean and max over finite positions
+    (infinite bounds counted apart), mean overlap fraction, and mean entropy difference (engine -
+    trainer) where computable.
     """
     n = int(drift.tv.size)
     key = DISTRIBUTION_PREFIX

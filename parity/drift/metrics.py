@@ -1,22 +1,10 @@
 """Drift metrics on per-token logprob arrays: how far the training forward is from the rollout engine.
 
-Inputs everywhere are `[batch, seq]` arrays (torch tensors or NumPy arrays) of per-token
-log-probabilities of the sampled tokens, in nats: `train_logprobs` from the training forward,
-`rollout_logprobs` from the rollout engine, and `mask` (bool or 0/1) marking the response tokens
-that count. The per-token log importance ratio is `Δ = train - rollout` and the ratio is
-`r = exp(Δ) = π_train / π_rollout`. Every metric also takes, in place of the three arrays, one
-`TokenArrays` from `token_arrays`: the inputs checked once for several metrics of one batch
-(`parity.drift.token_arrays`, which states the input conventions: finite logprobs where the mask is
-set, float64 arithmetic).
-
-Conventions (shared with `parity.correction`):
-
-- Ratios are `exp(clamp(Δ, -20, 20))`, verl's safety bound (`exp(20) ≈ 4.9e8`), so one wild
-  token cannot overflow a float or turn a mean into `inf`. `max_abs_logprob_diff` reports the
-  unclamped |Δ|.
-- A sequence is a row with at least one valid token. Rows with none (padding rows) count nowhere
-  in `summarize`, so padding never changes a summary (verl's `rollout_corr/*` metrics, computed in
-  `parity.correction`, do count them where verl does).
+Inputs are `[batch, seq]` logprobs of the sampled tokens in nats (torch or NumPy) and a mask of
+the tokens that count, or one checked `TokenArrays` (`parity.drift.token_arrays`). Δ = train -
+rollout, r = exp(Δ). Ratios are `exp(clamp(Δ, -20, 20))`, verl's bound, so one wild token cannot
+overflow a mean (`max_abs_logprob_diff` is unclamped). Rows with no valid token count nowhere in
+`summarize` (verl's `rollout_corr/*` in `parity.correction` count them where verl does).
 """
 
 from __future__ import annotations
@@ -45,12 +33,8 @@ DEFAULT_PROBABILITY_EDGES: tuple[float, ...] = (0.0, 1e-4, 1e-3, 1e-2, 0.1, 0.5,
 
 @dataclass(frozen=True)
 class _SummaryRows:
-    """What one pass over the batch leaves for the summary.
-
-    sums: per-row sums `[batch]` of each per-token quantity the bootstrap resamples (0 for empty rows).
-    totals: batch sums of the probability-space quantities (Pearson, |Δp|), which only the batch needs.
-    extremes: per-row maxima `[batch]` of quantities that are >= 0 and 0 at padding.
-    identical: whether the two probability arrays are equal everywhere.
+    """What one pass leaves: per-row sums `[batch]` the bootstrap resamples, batch totals of the
+    probability-space quantities, per-row maxima `[batch]`, and whether the probabilities are equal.
     """
 
     sums: dict[str, torch.Tensor]
@@ -60,16 +44,11 @@ class _SummaryRows:
 
 
 class SummaryPass:
-    """`summarize`'s one pass over a batch (a `parity.drift.token_arrays.BlockPass`): every per-row
-    statistic the summary and the bootstrap need. `tok.scan(p)` then `p.result()`; scanned with
-    other passes, it shares their blocks' derived arrays.
+    """`summarize`'s one pass over a batch (a `BlockPass`): every per-row statistic it needs.
 
-    With c = clamp(Δ, ±20), e = r - 1 = expm1(c): expm1 keeps k3 = e - c and χ² = e² + 2e
-    exact near Δ = 0, where exp(Δ) - 1 would cancel to rounding noise. NeMo-RL's mean exp(|Δ|)
-    is a number near 1 and needs no such care: it sums exp(|c|) (one vectorised exp, where a
-    second expm1, scalar code in torch, would be the slowest op of the pass). The probabilities
-    exp(logp) are 1 at padding (logp 0 there): |Δp| is 0 there, and each batch total is taken
-    over the whole block less one per padding slot.
+    With c = clamp(Δ, ±20), e = expm1(c) keeps k3 = e - c and χ² = e² + 2e exact near Δ = 0, where
+    exp(Δ) - 1 would cancel to noise. exp(|c|) for NeMo-RL's mean needs no such care (a second expm1
+    is scalar in torch, the slowest op). exp(logp) is 1 at padding, so |Δp| is 0 there.
     """
 
     def __init__(self, tok: TokenArrays) -> None:
@@ -190,8 +169,9 @@ BOOTSTRAP_KEYS: tuple[str, ...] = tuple(_TOKEN_MEANS)
 
 
 def _pearson(s: dict[str, float], n: float, identical: bool) -> float:
-    """Pearson correlation of the token probabilities from their sums; 1.0 for identical
-    inputs, 0.0 when one side is constant and the other is not."""
+    """Pearson correlation of the token probabilities from their sums; 1.0 for identical inputs, 0.0
+    when one side alone is constant.
+    """
     if identical:
         return 1.0
     cov = s["ptpr"] - s["pt"] * s["pr"] / n
@@ -205,21 +185,13 @@ def summarize(
 ) -> dict[str, Any]:
     """The parity summary of `[batch, seq]` logprobs (nats): every key of `SUMMARY_KEYS`.
 
-    With Δ = train - rollout over valid tokens and r = exp(clamp(Δ, ±20)):
-        max_abs_logprob_diff, mean_abs_logprob_diff: max / mean |Δ| (nats, unclamped).
-        is_ratio_mean, _std, _min, _max, _p01, _p99: of r over tokens (std with ddof 0;
-            percentiles linearly interpolated, NumPy's default).
+    Δ = train - rollout over valid tokens, r = exp(clamp(Δ, ±20)):
+        max/mean_abs_logprob_diff: |Δ| unclamped. is_ratio_*: of r (std ddof 0, linear percentiles).
         seq_is_ratio_mean: mean over sequences of exp(clamp(Σ_t Δ_t, ±20)).
-        k1_kl, k2_kl, k3_kl: Schulman's estimators of KL(π_rollout || π_train) per token:
-            mean -Δ, mean Δ²/2, mean r - 1 - log r.
-        chi2_token: mean r² - 1 (χ² divergence, as verl's `chi2_token`).
-        rollout_probs_diff_max, _mean, rollout_probs_pearson: verl's probability-space debug
-            metrics on exp(train) vs exp(rollout) (Pearson is 1.0 for identical inputs).
-        token_mult_prob_error: NeMo-RL's mean exp(|Δ|).
-        frac_tokens_ratio_gt_2: share of tokens with max(r, 1/r) > 2, i.e. |Δ| > log 2.
-        num_tokens, num_sequences: valid tokens; rows with at least one valid token.
-    Values are plain floats/ints. `bootstrap > 0` adds `<key>_ci95` = [low, high] for each key
-    of `BOOTSTRAP_KEYS`: a 95% bootstrap over sequences with `bootstrap` resamples from `seed`.
+        k1/k2/k3_kl: Schulman's KL(π_rollout || π_train) estimators -Δ, Δ²/2, r - 1 - log r.
+        chi2_token: mean r² - 1. rollout_probs_*: verl's exp(train) vs exp(rollout) debug metrics.
+        token_mult_prob_error: NeMo-RL's mean exp(|Δ|). frac_tokens_ratio_gt_2: |Δ| > log 2.
+    `bootstrap > 0` adds `<key>_ci95` = [low, high] for `BOOTSTRAP_KEYS` (95%, over sequences).
     """
     _check_bootstrap(bootstrap)
     tok = token_arrays(train_logprobs, rollout_logprobs, mask)
@@ -232,10 +204,8 @@ def _bootstrap(
     row_sums: dict[str, torch.Tensor], lengths: torch.Tensor, *, n_resamples: int, confidence: float,
     seed: int,
 ) -> dict[str, tuple[float, float]]:
-    """Percentile bootstrap over sequences of the token means in `_TOKEN_MEANS`.
-
-    Whole sequences are resampled, not tokens: tokens of one response share a context and
-    drift together, so a token bootstrap would understate the spread.
+    """Percentile bootstrap of the token means over whole sequences: a response's tokens share a context
+    and drift together, so a token bootstrap would understate the spread.
     """
     valid = lengths > 0
     counts = lengths[valid].cpu().numpy()
@@ -262,12 +232,7 @@ def bootstrap_ci(
     confidence: float = 0.95,
     seed: int = 0,
 ) -> dict[str, tuple[float, float]]:
-    """Bootstrap confidence intervals `(low, high)` for the token-mean summary keys.
-
-    Resamples whole sequences (rows with a valid token) `n_resamples` times with a NumPy
-    generator seeded by `seed`; returns the central `confidence` percentile interval for each
-    key of `BOOTSTRAP_KEYS`.
-    """
+    """Bootstrap `(low, high)` at `confidence` for each key of `BOOTSTRAP_KEYS`, resampling sequences."""
     if isinstance(n_resamples, bool) or not isinstance(n_resamples, int) or n_resamples < 1:
         raise ConfigError(f"n_resamples must be an integer >= 1, got {n_resamples!r}")
     if isinstance(confidence, bool) or not isinstance(confidence, (int, float)) or not 0.0 < confidence < 1.0:
@@ -306,12 +271,10 @@ def _bucket_rows(
 def drift_by_position(
     train_logprobs: Any, rollout_logprobs: Any = None, mask: Any = None, *, edges: Sequence[int] | None = None
 ) -> list[dict[str, Any]]:
-    """Drift per response-position bucket `[lo, hi)` (0-based token index along `seq`).
+    """Drift per response-position bucket `[lo, hi)` (column index: responses left-aligned, as verl).
 
-    Positions are column indices, so responses should be left-aligned (verl's response layout).
-    `edges` defaults to 0, 1, 2, 4, ... (powers of two) and `seq`. Each bucket reports `lo`,
-    `hi`, `num_tokens`, `mean_abs_logprob_diff`, `max_abs_logprob_diff` (nats) and
-    `mean_log_ratio` (mean signed Δ, nats); the three are None for an empty bucket.
+    `edges` default to 0, 1, 2, 4, ... and `seq`. Each bucket: `lo`, `hi`, `num_tokens`, mean / max
+    |Δ| and `mean_log_ratio` (nats; None when empty).
     """
     tok = token_arrays(train_logprobs, rollout_logprobs, mask)
     p = PositionPass(tok, edges=edges)
@@ -362,12 +325,8 @@ def drift_by_probability(
     train_logprobs: Any, rollout_logprobs: Any = None, mask: Any = None, *,
     edges: Sequence[float] | None = None
 ) -> list[dict[str, Any]]:
-    """Drift per rollout-probability bucket `[lo, hi)` (the last bucket includes `hi`).
-
-    A token's probability is exp(rollout logprob). Mismatch concentrates on low-probability
-    tokens, which a token average hides. `edges` (within [0, 1]) default to
-    `DEFAULT_PROBABILITY_EDGES`; tokens outside them are left out. Each bucket reports the same
-    fields as `drift_by_position`.
+    """Drift per rollout-probability bucket `[lo, hi)` (last one closed), as `drift_by_position`'s rows.
+    Mismatch concentrates on low-probability tokens, which a token average hides.
     """
     bounds = _check_edges(DEFAULT_PROBABILITY_EDGES if edges is None else edges, "probability edges", 0, 1)
     tok = token_arrays(train_logprobs, rollout_logprobs, mask)
@@ -393,13 +352,11 @@ def drift_by_probability(
 
 def drift_by_turn(train_logprobs: Any, rollout_logprobs: Any = None, mask: Any = None, *,
                   turns: np.ndarray, after_injection: np.ndarray) -> dict[str, list[dict[str, Any]]]:
-    """Drift of multi-turn trajectories, on generated tokens only.
+    """Drift of multi-turn trajectories on generated tokens: {"by_turn": a row per turn, "after_injection":
+    rows "first" (first token after an injection) and "rest"}, rows as `drift_by_position`'s.
 
-    turns: int `[batch, seq]`, the generated turn each token belongs to (`parity.core.turns.turn_index`;
-    -1 at injected tokens and padding); after_injection: bool `[batch, seq]`, the first generated
-    token after an injected block. Returns {"by_turn": one row per turn index (`lo` = `hi` - 1 =
-    the turn), "after_injection": rows `lo`="first" (first tokens after an injection) and
-    `lo`="rest"}; each row as `drift_by_position`'s (nats).
+    turns: int `[batch, seq]` (`turn_index`; -1 at injected and padding); after_injection: bool
+    `[batch, seq]`.
     """
     tok = token_arrays(train_logprobs, rollout_logprobs, mask)
     abs_d = (tok.train.double() - tok.rollout.double()).abs().cpu().numpy()

@@ -1,14 +1,9 @@
 """Exact quantiles of the clamped log ratio over a batch's valid tokens, in the batch's one scan.
 
-`summarize` reports the IS ratio's min, 1% and 99% quantiles and max: four tail order
-statistics of c = clamp(Δ, ±20) over the valid tokens (exp preserves order, so it is applied to
-the few order statistics used, not to every token). An `np.partition` of all n values costs ~14 ms
-at n = 1M (its introselect runs once per rank), and gathering the values into one array to
-partition is a copy and two more reads of the batch. The ranks lie among a few thousand values at
-either end, so `QuantilePass` reads two bracket values off a small sample of the tokens before the
-scan, keeps from each block, while it is in cache, only the values beyond them, and partitions
-those. Exact: a selection of every value <= a bracket holds the k smallest whenever it has more
-than k values (likewise at the top); a bracket that falls short takes a second scan of all values.
+The ranks `summarize` needs lie among a few thousand values at either end, so `QuantilePass`
+reads bracket values off a small sample, keeps from each cached block only the values beyond
+them, and partitions those (a full `np.partition` costs ~14 ms at 1M). Exact: a bracket that
+falls short takes a second scan.
 """
 
 from __future__ import annotations
@@ -48,11 +43,8 @@ def interpolate(order: dict[int, float], n: int, qs: Sequence[float],
 
 
 def order_statistics(values: np.ndarray, ks: Sequence[int]) -> dict[int, float]:
-    """The k-th smallest of `values` (0-based) for each k of `ks`, exactly.
-
-    For each tail a bracket value is read off a strided sample with margin, the values beyond it
-    are selected with one comparison (~1 ms at n = 1M) and only those are partitioned; a bracket
-    that falls short, and any middle rank, take the full partition.
+    """The k-th smallest of `values` (0-based) for each k of `ks`, exactly (sample brackets per tail;
+    a bracket that falls short, or a middle rank, takes the full partition).
     """
     n = values.size
     out: dict[int, float] = {}
@@ -71,8 +63,7 @@ def order_statistics(values: np.ndarray, ks: Sequence[int]) -> dict[int, float]:
 
 
 def _brackets(sample: np.ndarray, n: int, ks: Sequence[int]) -> tuple[float | None, float | None]:
-    """Bracket values for the low and the high tail ranks of `ks` (None: no rank in that tail),
-    read off a sorted sample of the n values with a 2x-and-8-values margin."""
+    """Bracket values (low, high; None: no rank there) from a sorted sample, with a 2x-and-8-values margin."""
     low = [k for k in ks if k < _TAIL * n]
     high = [k for k in ks if k >= (1 - _TAIL) * n]
     low_bracket = high_bracket = None
@@ -159,6 +150,4 @@ class QuantilePass:
 
 
 def _valid(c: np.ndarray, b: Block) -> np.ndarray:
-    """A copy of the block's values `c` `[rows, seq]` at its valid tokens, row-major (a scan
-    reuses the block's arrays)."""
     return c.reshape(-1).copy() if b.dense else c[b.mask.cpu().numpy()]

@@ -1,14 +1,8 @@
 """The elementwise formulas of rollout correction, written once for torch tensors and NumPy arrays.
 
-`parity.correction` (torch, verl-exact, one configuration at a time) and `parity.advisor` (NumPy,
-a whole grid of configurations at once) both compute importance weights, truncation, IcePop
-bands and the k1/k2/k3 rejection statistics through these functions; neither has its own copy.
-Each function takes arrays of either kind and returns the same kind. Bounds may be Python
-numbers (one configuration) or arrays that broadcast against the data (NumPy: a `[configs]`
-row against `[tokens, 1]` data evaluates every threshold of a family in one expression).
-
-No torch import here: the module picks `torch` or `numpy` from the argument's type, so the
-advisor and stored-report rendering stay torch-free.
+`parity.correction` (torch, verl-exact) and `parity.advisor` (NumPy, a grid of configurations:
+bounds `[configs]` broadcast against `[tokens, 1]`) share these; each returns its input's kind.
+No torch import: the advisor and report rendering stay torch-free.
 """
 
 from __future__ import annotations
@@ -44,9 +38,8 @@ def ratio(clamped_log_ratio: Any) -> Any:
 
 
 def token_statistic(estimator: str, clamped_log_ratio: Any) -> Any:
-    """Per-token estimator of KL(π_rollout || π_train) at Δ clamped to ±20; 0 where Δ = 0.
-
-    k1 = -Δ, k2 = Δ²/2, k3 = exp(Δ) - 1 - Δ.
+    """Per-token KL(π_rollout || π_train) estimator at Δ clamped to ±20: k1 = -Δ, k2 = Δ²/2,
+    k3 = exp(Δ) - 1 - Δ.
     """
     c = clamped_log_ratio
     if estimator == "k1":
@@ -58,10 +51,8 @@ def token_statistic(estimator: str, clamped_log_ratio: Any) -> Any:
 
 
 def in_band(x: Any, lower: Any, upper: Any) -> Any:
-    """Where `lower <= x <= upper` (bool); `lower` None means no lower bound.
-
-    The one band test of rollout correction: a rejection rule keeps a statistic, IcePop keeps a
-    token ratio, seq-mask-TIS keeps a sequence's geometric log ratio.
+    """Where `lower <= x <= upper` (bool; `lower` None: no lower bound): rejection, IcePop and
+    seq-mask-TIS bands alike.
     """
     ok = x <= upper
     if lower is not None:

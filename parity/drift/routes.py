@@ -1,12 +1,8 @@
 """MoE route arrays: validation, dtype normalization and router agreement (NumPy only).
 
-A route array holds the experts one forward chose, int32 `[positions, moe_layers, top_k]`
-(the layout of vLLM, SGLang and verl's R3). A rollout's array covers the positions whose output
-was computed, `len(prompt) + len(response) - 1`: the last sampled token is never fed back.
-The order of the k ids within a row is not meaningful; agreement compares top-k *sets*.
-Backends hand routes over in their own dtypes (vLLM: uint8/uint16, SGLang: base64 int32,
-decoded in `parity.backends.sglang`); `as_routes` normalizes any of them to int32. The report's
-router section, which scores rollouts with the training forward, is `parity.compare.router_report`.
+Routes are int32 `[positions, moe_layers, top_k]` (vLLM, SGLang, verl R3 layout) over
+`len(prompt) + len(response) - 1` positions (the last token is never fed back); agreement
+compares top-k sets. `as_routes` normalizes backends' dtypes (vLLM uint8/16, SGLang int32).
 """
 
 from __future__ import annotations
@@ -20,10 +16,7 @@ from parity.core.errors import InputError
 
 
 def as_routes(routes: Any, where: str = "routes") -> np.ndarray:
-    """Any integer array-like (NumPy, torch, nested lists; any int width) -> int32 `[positions, layers, k]`.
-
-    Raises InputError for a non-integer dtype, a rank other than 3, or ids outside int32.
-    """
+    """Any integer array-like -> int32 `[positions, layers, k]`; InputError otherwise."""
     if hasattr(routes, "detach"):  # a torch tensor on any device, taken to host without importing torch
         routes = routes.detach().cpu().numpy()
     array = np.asarray(routes)
@@ -41,11 +34,8 @@ def as_routes(routes: Any, where: str = "routes") -> np.ndarray:
 
 def check_routes(routes: Any, *, positions: int, moe_layers: int, top_k: int, num_experts: int,
                  where: str = "routes") -> np.ndarray:
-    """`routes` as int32 `[positions, moe_layers, top_k]` for one sequence of a model, or InputError.
-
-    The error names the dimension that does not fit: the sequence length (positions =
-    len(prompt) + len(response) - 1), the model's MoE layer count, its top_k, or an expert id
-    outside [0, num_experts). A model without MoE layers (moe_layers == 0) has no routes.
+    """`routes` as int32 `[positions, moe_layers, top_k]` for one sequence, or InputError naming the
+    dimension that does not fit (length, MoE layers, top_k, expert id).
     """
     if moe_layers == 0:
         raise InputError(f"{where}: the model is dense (no MoE layers), so it has no routes to check "
@@ -73,14 +63,9 @@ def same_choice(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def router_agreement(reference: Sequence[Any], other: Sequence[Any]) -> dict[str, Any]:
-    """Router agreement between two sides' routes of the same sequences.
-
-    reference, other: one `[positions, moe_layers, top_k]` array per sequence (same shapes pairwise).
-    Returns the `parity.core.schema.ROUTER_SUMMARY_KEYS`:
-        router_agreement: fraction of (position, layer) pairs whose top-k sets are identical.
-        router_token_any_diff: fraction of positions where at least one layer's set differs.
-        router_agreement_per_layer: `router_agreement` of each MoE layer, a list.
-        num_router_positions: positions compared.
+    """`ROUTER_SUMMARY_KEYS` of two sides' routes (one `[positions, moe_layers, top_k]` per sequence):
+    fraction of (position, layer) top-k sets identical, overall and per layer; fraction of positions
+    with any layer different; positions compared.
     """
     if len(reference) != len(other):
         raise InputError(f"{len(reference)} reference route arrays but {len(other)} to compare; "

@@ -1,19 +1,10 @@
 """Per-token inputs checked once, and the float64 row blocks every metric and the correction
 compute on.
 
-`token_arrays` checks the three `[batch, seq]` inputs (torch tensors or NumPy arrays of per-token
-log-probabilities in nats, and a bool or 0/1 mask of the tokens that count) and returns a
-`TokenArrays`, which `parity.drift.metrics` and `parity.correction` read block by block (`Block`: whole
-rows in float64, padding set to 0). Each metric is a `BlockPass`; `TokenArrays.scan` feeds every
-block to several of them, which then share the block's conversion and the arrays derived from it
-(|Δ|, the IS ratio, ...) while they are in cache: the monitor's step record is one scan.
-Conventions:
-
-- Logprobs must be finite wherever the mask is set. Masked-out slots may hold `-inf` (a common
-  padding value) or any finite junk; they are ignored. NaN or `+inf` anywhere is an error: a
-  log-probability is never either, so the producer is broken.
-- All arithmetic runs in float64 whatever the input dtype, so float32 and float64 inputs agree
-  to the precision of the inputs themselves.
+`token_arrays` checks `[batch, seq]` logprobs (nats) and mask into a `TokenArrays`; each metric
+is a `BlockPass`, and `TokenArrays.scan` feeds every block to several, which share its derived
+arrays while cached (the monitor's step is one scan). Logprobs must be finite where the mask is
+set (masked slots may hold -inf or junk); NaN or +inf anywhere is an error. Arithmetic is float64.
 """
 
 from __future__ import annotations
@@ -39,14 +30,8 @@ BLOCK_TOKENS = 1 << 16
 
 
 class Buffers:
-    """Float64 arrays reused from block to block of one scan.
-
-    A block's arrays and the passes' temporaries are ~10 arrays of 512 KiB. Allocated afresh for
-    every block, glibc gives their memory back to the system when they are freed (they sit at the
-    top of the heap, above its trim threshold) and takes it again, page by page, for the next
-    block: 4,000-11,000 page faults a 1M-token step, ~10-30 ms of the monitor's step on this
-    shared machine (docs/PERF.md). `take` lends an uninitialised array; `recycle` takes back
-    every array lent.
+    """Float64 arrays reused from block to block of one scan: fresh ~512 KiB arrays are returned to
+    the OS by glibc and faulted back page by page (~10-30 ms of a 1M-token step, docs/PERF.md).
     """
 
     def __init__(self) -> None:
@@ -67,19 +52,11 @@ class Buffers:
 
 @dataclass(frozen=True)
 class Block:
-    """One block of whole rows, in float64 with masked-out slots set to 0.
+    """One block of whole rows, float64 `[rows, seq]`, masked-out slots 0.
 
-    rows: the block's row range in the batch.
-    train, rollout: logprobs (nats) `[rows, seq]`, 0 where `mask` is False.
-    log_ratio: `train - rollout` (nats), 0 where `mask` is False.
-    mask: bool `[rows, seq]`.
-    dense: every slot of the block is valid (no padding): a masked reduction may skip its mask.
-    buffers: where the block's arrays come from: a scan's `Buffers`, reused block to block.
-
-    The cached properties are arrays several metrics derive from the block: each is computed
-    once, on first use, and shared by every metric `scan` feeds the block to. They are never
-    written to in place. In a scan, the block's arrays and `buffer`s are reused for the next
-    block: a pass keeps none of them (nor a view of one) after its `add`.
+    train, rollout, log_ratio (nats); mask: bool; dense: no padding (a reduction may skip the mask).
+    Cached properties are derived once and shared by every pass; never written in place. Arrays are
+    reused for the next block: a pass keeps none after its `add`.
     """
 
     rows: slice
@@ -162,13 +139,8 @@ class BlockPass(Protocol):
 class TokenArrays:
     """Validated `[batch, seq]` inputs: the caller's logprobs (not copied) and a bool mask.
 
-    Made by `token_arrays`; every metric takes one in place of its three arrays, so a batch
-    several metrics read is checked once.
-
-    lengths: valid tokens per row `[batch]` (float64). total: valid tokens in the batch.
-    dtype: floating dtype of the caller's train logprobs (results are cast back to it).
-    numpy: whether the caller's train logprobs were not a torch tensor (results go back as NumPy).
-    mask_dtype: the caller's mask dtype: a torch dtype for a tensor mask, else a NumPy dtype.
+    lengths: valid tokens per row `[batch]`; total. dtype, numpy, mask_dtype: the caller's, so results
+    go back in its kind.
     """
 
     train: torch.Tensor
@@ -222,10 +194,7 @@ class TokenArrays:
             yield self.block(rows)
 
     def scan(self, *passes: BlockPass) -> None:
-        """Give every block, in order, to each of `passes`. Several metrics of one batch scanned
-        together share each block's conversion and derived arrays (`Block`) and read them while
-        they are in the core's cache, instead of converting and reading the batch once each. The
-        blocks' arrays are reused from block to block (`Buffers`)."""
+        """Give every block, in order, to each of `passes`, which share its conversion while cached."""
         buffers = Buffers()
         for rows in self.row_blocks():
             b = self.block(rows, buffers)
@@ -253,12 +222,9 @@ INPUT_NAMES: tuple[str, str, str] = ("train_logprobs", "rollout_logprobs", "mask
 
 def token_arrays(train_logprobs: Any, rollout_logprobs: Any = None, mask: Any = None, *,
                  names: tuple[str, str, str] = INPUT_NAMES) -> TokenArrays:
-    """Check the three `[batch, seq]` inputs every metric takes; a `TokenArrays` is returned as is.
-
-    Raises `InputError` for non-2-D or mismatched shapes, non-float logprobs, mask values other
-    than 0/1, a mask with no valid token, NaN or +inf anywhere, and -inf at a valid token. Its
-    message calls the inputs `names` (a caller with its own spelling, e.g. verl's `old_log_probs`,
-    `rollout_log_probs`, `response_mask`, passes it).
+    """Check the three `[batch, seq]` inputs; a `TokenArrays` is returned as is. `InputError` (inputs
+    called `names`) for bad shapes or dtypes, non-0/1 masks, no valid token, NaN/+inf, -inf at a
+    valid token.
     """
     if isinstance(train_logprobs, TokenArrays):
         if rollout_logprobs is not None or mask is not None:
@@ -305,8 +271,7 @@ def token_arrays(train_logprobs: Any, rollout_logprobs: Any = None, mask: Any = 
 
 
 def _zeros_and_ones(m: torch.Tensor) -> bool:
-    """Whether a numeric mask holds only 0 and 1; for integers its min and max say it (two
-    reductions, no temporaries: verl's masks are int64)."""
+    """Whether a numeric mask holds only 0 and 1 (for integers, min and max: verl's masks are int64)."""
     if m.numel() and not m.is_floating_point():
         low, high = torch.aminmax(m)
         return int(low) >= 0 and int(high) <= 1
@@ -314,8 +279,7 @@ def _zeros_and_ones(m: torch.Tensor) -> bool:
 
 
 def _all_finite(t: torch.Tensor) -> bool:
-    """Whether every value of `t` is finite. NumPy's check where it can read the tensor (CPU,
-    float16/32/64): ~15x faster than torch's `isfinite(t).all()` on CPU (measured, docs/PERF.md)."""
+    """Whether every value is finite; NumPy where it can read the tensor (~15x torch's on CPU)."""
     if t.device.type == "cpu" and t.dtype in (torch.float16, torch.float32, torch.float64):
         return bool(np.isfinite(t.numpy()).all())
     return bool(torch.isfinite(t).all())
@@ -323,11 +287,8 @@ def _all_finite(t: torch.Tensor) -> bool:
 
 def row_counts(x: torch.Tensor, *, above: float | None = None, below: float | None = None,
                mask: torch.Tensor | None = None) -> torch.Tensor:
-    """How many entries of each row of `x` `[rows, seq]` are > `above` (or < `below`: give one),
-    where `mask` is set when given: float64 `[rows]`, exact integers.
-
-    On CPU the comparison runs in NumPy and the count sums a bool view in int32: ~4x faster
-    than torch's `(x > t).sum(-1)`, whose comparison alone is ~8x NumPy's (measured, docs/PERF.md).
+    """Entries per row of `x` `[rows, seq]` above `above` (or below `below`) where `mask`: float64
+    `[rows]`. On CPU NumPy compares (~4x torch's `(x > t).sum(-1)`, docs/PERF.md).
     """
     if (above is None) == (below is None):
         raise ValueError("row_counts takes one of above= and below=")

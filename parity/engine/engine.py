@@ -1,17 +1,10 @@
 """The reference rollout engine: continuous batching with chunked prefill over a slot KV cache.
 
-`generate` runs steps until every sequence has finished. The scheduler
-(`parity.engine.scheduler`) decides what each step computes: it admits waiting sequences into
-free KV slots and packs, for every running sequence, its next prefill chunk or its last sampled
-token into one [1, T] forward of at most `max_num_batched_tokens` tokens. The engine runs that
-forward (`parity.engine.forward`, or a replayed CUDA graph: `parity.engine.graphs`), samples a
-token from the last row of every sequence whose known tokens are all computed
-(`parity.engine.sampler`), and hands the tokens back to the scheduler, which finishes sequences
-and frees their slots.
-
-Per step the host makes one asynchronous copy of the inputs and one device->host copy of the
-sampled tokens and logprobs (the scheduler needs them); sampling runs on all rows at once.
-Steps of up to `max_num_seqs` tokens (all decode steps) replay CUDA graphs on a GPU.
+Each step the scheduler admits sequences into free slots and packs every running sequence's next
+prefill chunk or last token into one [1, T] forward (at most `max_num_batched_tokens`); the engine
+runs it (or replays a CUDA graph), samples from the last row of every sequence whose known tokens
+are computed, and hands the tokens back. One async host->device copy and one device->host copy
+per step.
 """
 
 from __future__ import annotations
@@ -70,24 +63,15 @@ from parity.parallel import (
 class EngineConfig:
     """Engine settings, the one spelling of them (the engine and the `reference` backend take them).
 
-    dtype: "float32", "bfloat16" or "float16"; device: where the model runs ("cpu", "cuda");
-    kernels: "invariant", "native" or a collection of family names to switch on;
-    max_num_seqs: sequences running at once (KV slots); chunk_size: prompt tokens per sequence per
-    step; record_routes: put each rollout's chosen experts in `routed_experts` (MoE);
-    max_num_batched_tokens: tokens per step (bounds a prefill step's activations and attention
-    workspace); graphs: run steps of up to max_num_seqs tokens padded to fixed sizes, replayed
-    from CUDA graphs on a GPU (None: on for CUDA models, for MoE ones only when parity's "moe"
-    kernels run, routes recorded inside the graphs; True on CPU runs the padded steps eagerly);
-    tensor_parallel_size: None runs the whole model in this process, k in (1, 2, 4, 8) runs k ranks
-    (`parity.parallel`; k = 1 in-process) whose rollouts are the same bits at every k and equal
-    `train_forward(tensor_parallel_size=1)`;
-    tp_reduction: the row-parallel sum, "canonical" (TP-invariant) or "all_reduce" (the stock sum,
-    a contrast whose bits change with k); reduction_groups: the K groups of the canonical sum, a
-    positive integer that k divides (default 8: every degree). The bits are the same at every k for
-    one reduction_groups, not across values (each value is its own sum; rollouts record it in
-    `meta`); fewer groups run faster and allow fewer degrees (docs/PERF.md);
-    lora: a LoRA adapter (peft directory or built-in adapter name, `parity.models.lora`) the model
-    applies, None for the base model; not with tensor parallelism.
+    kernels: "invariant", "native" or family names. max_num_seqs: KV slots. chunk_size: prompt
+    tokens per sequence per step. max_num_batched_tokens: tokens per step. record_routes: MoE
+    experts into `routed_experts`. graphs: fixed-size steps replayed from CUDA graphs (None: on for
+    CUDA, for MoE only with parity's "moe" kernels; True on CPU runs them eagerly).
+    tensor_parallel_size: None is in-process whole model; k in (1, 2, 4, 8) ranks give the same bits
+    at every k, equal to `train_forward(tensor_parallel_size=1)`. tp_reduction: "canonical"
+    (TP-invariant) or the "all_reduce" contrast. reduction_groups: K groups of the canonical sum
+    (k must divide it); bits are the same across k for one value, not across values.
+    lora: an adapter (not with tensor parallelism).
     """
 
     dtype: str = "float32"
@@ -143,10 +127,9 @@ class EngineConfig:
 class ReferenceEngine:
     """Batch-invariant rollout engine over the same HF model classes as the training forward.
 
-    generate(requests) -> rollouts ordered by (request order, sample_index); with invariant
-    kernels each rollout's logprobs equal `train_forward(kernels="invariant")` bit for bit.
-    config: the `EngineConfig`; keyword `settings` (its field names) override its fields, so
-    `ReferenceEngine(model, kernels="native")` is `ReferenceEngine(model, EngineConfig(kernels="native"))`.
+    generate(requests) -> rollouts ordered by (request, sample_index); with invariant kernels their
+    logprobs equal `train_forward(kernels="invariant")` bit for bit. Keyword `settings` override
+    `config`'s fields.
     """
 
     backend = "reference"
@@ -217,9 +200,9 @@ class ReferenceEngine:
         return torch.device(self.config.device).type == "cuda" and capturable
 
     def _reserve(self, max_len: int) -> None:
-        """Make the KV cache hold `max_len` positions per slot (grown on demand, never past max_len
-        of the model: a cache for the model's full context can be far larger than a workload needs).
-        The last slot belongs to no sequence: padding tokens of fixed-size steps write there."""
+        """Grow the KV cache to `max_len` positions per slot (on demand: the full context can be far
+        larger than a workload). The last slot is the padding tokens' own.
+        """
         if self._cache is None or self._cache.capacity < max_len:
             slots = self.config.max_num_seqs
             self._cache = KVCache.allocate(self.lm.config, slots + 1, max_len, self.lm.torch_dtype,
@@ -230,11 +213,10 @@ class ReferenceEngine:
                             if self._use_graphs() else None)
 
     def warm_up(self, max_length: int) -> int:
-        """Make every shape a generate of sequences up to `max_length` positions runs before one is
-        timed: the KV cache at that capacity, every step graph captured, and the eager steps past the
-        largest graph (up to max_num_batched_tokens tokens) compiled at each power-of-two size and the
-        budget. Pad tokens write only the pad slot, so no rollout's bits change. Returns the number of
-        shapes prepared (0 with tensor-parallel ranks, which compile as they go)."""
+        """Prepare every shape a generate up to `max_length` positions runs (KV capacity, step graphs,
+        eager steps at each power of two); pad tokens write only the pad slot, so no bits change.
+        Returns the number of shapes (0 with tensor-parallel ranks).
+        """
         check_length(max_length, self.lm, "warm_up max_length")
         if self._ranks is not None:
             return 0
@@ -300,8 +282,7 @@ class ReferenceEngine:
         return [self._rollout(seq) for seq in sequences]
 
     def _forward(self, step: Step) -> torch.Tensor:
-        """Hidden states [>= T, H] of the step's T packed tokens (rows past T: padding of a fixed-size
-        step); records each span's routes when asked to."""
+        """Hidden states [>= T, H] of the step's T packed tokens (extra rows: padding); records routes."""
         if self._graphs is not None and self._graphs.fits(len(step.ids)):
             hidden, routes = self._graphs.run(step.ids, step.positions, step.slots, step.longest_run)
         else:
@@ -325,8 +306,7 @@ class ReferenceEngine:
             self.lm.num_moe_layers, record=self._records_routes)
 
     def _sample(self, ready: tuple[Span, ...], hidden: torch.Tensor) -> tuple[list[int], list[float]]:
-        """One token and its logprob for each ready span, from the hidden state of its last row;
-        one device->host copy."""
+        """One token and logprob per ready span from its last row; one device->host copy."""
         rows = device_tensor([span.last_row for span in ready], torch.int64, hidden.device)
         logits = forward.logits(self.lm, hidden.index_select(0, rows))
         seqs = [span.seq for span in ready]
@@ -378,14 +358,9 @@ class ReferenceEngine:
                        **top_k_fields(seq.top_k))
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy tensors into the model's parameters in place, by parameter name
-        (`named_parameters()`: a dense checkpoint's HF names), each cast to the engine's dtype.
-
-        The first update gives the engine a private copy of its model (`copy_model`): load_model
-        shares one loaded model per process, and a push must change this engine's weights only.
-        Later updates copy in place, so the kernels' cached float32 weight copies see the change
-        (they follow each parameter's version counter). Every name and shape is checked before
-        anything is copied.
+        """Copy tensors into the model's parameters in place by name, cast to the engine's dtype; every
+        name and shape is checked first. The first update makes a private copy of the shared model;
+        later ones copy in place so the kernels' cached float32 copies (keyed on version counters) follow.
         """
         if self.config.tensor_parallel_size is not None:
             raise UnsupportedError("weight updates of a tensor-parallel reference engine are not supported; "

@@ -12,12 +12,9 @@ def final_hidden(lm: LoadedModel, input_ids: torch.Tensor, position_ids: torch.T
                  slots: torch.Tensor, span: int | None = None, max_run: int | None = None) -> torch.Tensor:
     """Last-layer hidden states [B * L, H] of input_ids, position_ids [B, L].
 
-    Token (b, l) is written to the cache at (slots[b * L + l], position_ids[b, l]) and attends
-    to that slot's positions up to its own. span: cached positions the step reads, a multiple of
-    the cache block above every position; max_run: at least the longest run of consecutive
-    tokens of one slot. None reads both off the device (a host sync), so a caller that knows the
-    step on the host (or captures a CUDA graph) passes them. Reading more positions or sizing for
-    longer runs than needed changes no invariant result: the extra keys are masked.
+    Token (b, l) is written at (slots[b * L + l], position_ids[b, l]) and attends to its slot up to
+    its position. span (cached positions read, whole blocks) and max_run (longest run bound): None
+    reads them off the device (a host sync); larger values change no invariant result.
     """
     positions = position_ids.reshape(-1)
     if span is None or max_run is None:

@@ -1,33 +1,14 @@
 """The gold forward: each response token's logprob computed as exactly as the hardware allows, to
 tell which side of a train/rollout mismatch moved.
 
-Same tokens, same checkpoint (or the same in-memory weights), same logprob definition (each
-rollout's mode and sampling, `parity.engine.train` decides them exactly as for the training
-forward), but stock PyTorch ops in a wide dtype: float64 on CPU; on CUDA float32 with TF32 and
-reduced-precision reductions off and SDPA's math backend. The model is transformers' own class
-with SDPA attention, not parity's patched one: the gold shares no kernel with either side, and
-the invariant kernels (which exist for bits, not accuracy) never run.
+Same tokens, weights and logprob definition (resolved as for the training forward), but stock
+transformers with SDPA in a wide dtype: float64 on CPU, float32 without TF32 or reduced-precision
+reductions on CUDA; it shares no kernel with either side. transformers' float32 islands (RMSNorm,
+rotary cos/sin, MoE router softmax) are widened (`_exact`); scaled RoPE keeps float32 frequencies
+(6e-8 relative). A LoRA adapter is merged in float64, rounded once. MoE routes are the gold's own.
 
-transformers computes three things in float32 whatever the model's dtype: RMSNorm (an upcast),
-the rotary cos/sin, and the MoE router softmax. In a float64 model those would cap the gold at
-float32 accuracy, the trainer's own, so the gold replaces each with the same formula in the wide
-dtype (`_exact`); for a float32 model the replacements compute what transformers does. RoPE's
-inverse frequencies are recomputed in float64 for the default RoPE type; scaled types keep
-transformers' float32 frequencies, upcast (a relative 6e-8 per frequency).
-
-A LoRA adapter (the one the rollouts record, else `lora`, resolved as the training forward resolves
-it, `scoring_adapter`) is merged into the gold's weights in float64: W + scaling * B A, rounded
-once to the gold dtype.
-
-MoE routes are the gold's own: the model as it is decides its experts. A sequence whose rollout
-routes were replayed (R3) is scored by the gold under the routes its own router picks.
-
-    logprobs = gold_logprobs("tiny-llama", rollouts)      # float64 [len(response)] per rollout
-
-When nobody says (`gold=None` on compare, score, nightly rows), the gold runs if it is cheap next to
-the row (`decide`): its estimated time, 2 x parameters x tokens / `GOLD_FLOPS` (the measured rate;
-docs/PRECISION.md), must be under `ALWAYS_SECONDS` or at most `DEFAULT_SHARE` of the seconds the row
-has spent sampling and running the training forward.
+`decide`: with `gold=None` it runs when its estimate, 2 x parameters x tokens / `GOLD_FLOPS`
+(docs/PRECISION.md), is under `ALWAYS_SECONDS` or `DEFAULT_SHARE` of the row's seconds.
 """
 
 from __future__ import annotations
@@ -102,10 +83,9 @@ class GoldDecision:
 
 def decide(gold: bool | None, *, parameters: int, tokens: int, row_seconds: float,
            device: str) -> GoldDecision:
-    """gold=True or False is the caller's choice; None (the default everywhere) runs the gold when
-    its estimated time is under `ALWAYS_SECONDS` or at most `DEFAULT_SHARE` of `row_seconds`.
-    parameters: the checkpoint's weights (`parity.models.parameter_count`); tokens: prompt and
-    response tokens of every rollout."""
+    """Whether the gold runs: `gold` when given; None runs it when its estimate is under
+    `ALWAYS_SECONDS` or `DEFAULT_SHARE` of `row_seconds`.
+    """
     estimate = 2.0 * parameters * tokens / GOLD_FLOPS[torch.device(device).type]
     if gold is not None:
         return GoldDecision(bool(gold), estimate, row_seconds, f"gold={gold} was asked for")
@@ -130,19 +110,10 @@ def gold_logprobs(model: str | os.PathLike[str] | LoadedModel,
                   lora: str | os.PathLike[str] | LoraSpec | None = None) -> list[np.ndarray]:
     """Gold logprobs of each sequence's response tokens, float64 `[len(response)]` each, in input order.
 
-    model: a built-in name or checkpoint directory (its weights read in the gold dtype), or a
-        whole `LoadedModel` (its current weights, e.g. a policy an RL loop is updating, upcast;
-        a tensor-parallel shard is refused).
-    sequences, logprobs_mode, temperature, top_k, top_p: as `parity.engine.train_forward`, and
-        resolved by the same code, so each sequence is scored under the definition its training
-        logprobs have (a Rollout's recorded mode and sampling).
-    device: "cpu" or a CUDA device; dtype: None for the device's gold dtype (`GOLD_DTYPES`), or
-        "float64"/"float32" explicitly (a float32 gold on CPU is the float64 one's sanity check).
-    batch_tokens: padded tokens per micro-batch (memory bound, not a numerical choice).
-    lora: a LoRA adapter for sequences that record none (`parity.engine.train.scoring_adapter`:
-        a recorded adapter wins, a contradicting one is a ConfigError); merged in the gold dtype.
-    A token outside the gold's own top-k/top-p support (or, at temperature 0, not its argmax)
-    gets -inf: the exact model would not have sampled it under that definition.
+    model: a name or checkpoint (read in the gold dtype), or a `LoadedModel` (current weights
+    upcast; a TP shard is refused). The definition arguments and `lora` resolve as
+    `train_forward`'s. dtype: None is `GOLD_DTYPES[device]`. batch_tokens: a memory bound only. A
+    token outside the gold's own support (or not its argmax at temperature 0) gets -inf.
     """
     device = check_device(device)
     kind = torch.device(device).type
@@ -178,8 +149,7 @@ def gold_dtype(device: str) -> str:
 
 
 def _micro_batches(lengths: list[int], budget: int) -> Iterator[list[int]]:
-    """Indices of sequences grouped longest first, each group's padded size (count x longest) within
-    `budget` (a longer sequence runs alone), so padding stays small whatever the input order."""
+    """Sequence indices longest first, each group's padded size within `budget`, so padding stays small."""
     group: list[int] = []
     for i in sorted(range(len(lengths)), key=lambda j: -lengths[j]):
         if group and (len(group) + 1) * lengths[group[0]] > budget:
@@ -192,10 +162,8 @@ def _micro_batches(lengths: list[int], budget: int) -> Iterator[list[int]]:
 
 def _score(module: PreTrainedModel, pairs: list[Pair], modes: list[str], params: sampler.RowParams
            ) -> list[np.ndarray]:
-    """One right-padded forward of `pairs`; each sequence's response logprobs in the model's dtype.
-
-    Right padding needs no attention mask: a causal model's real tokens never see the padding
-    after them. Only the rows that predict a response token reach the LM head.
+    """One right-padded forward of `pairs` (a causal model's real tokens never see the padding after
+    them, so no mask); each sequence's response logprobs, LM head on response rows only.
     """
     lengths = [len(p) + len(r) for p, r in pairs]
     width = max(lengths)
@@ -219,13 +187,10 @@ def _score(module: PreTrainedModel, pairs: list[Pair], modes: list[str], params:
 
 @contextmanager
 def _gold_settings(kind: str) -> Iterator[None]:
-    """The gold's settings, restored on exit. On CPU one intra-op thread: a float64 GEMM splits its
-    sums by thread, so with the machine's thread count the gold's last bits would follow the host
-    (measured: tiny-llama's differ between 1 and 2 threads), where with one they are the same on any
-    host of this CPU type, and a report's gold figures reproduce wherever it runs (the cost
-    estimate, `GOLD_FLOPS`, is the one-thread rate). On CUDA: float32 matmuls and convolutions in
-    IEEE float32 (no TF32), fp16/bf16 GEMM reductions in full precision, and SDPA's math backend
-    (the fused kernels choose their own accumulation)."""
+    """The gold's settings, restored on exit. CPU: one intra-op thread, since a float64 GEMM splits its
+    sums by thread (tiny-llama's last bits differ between 1 and 2) and `GOLD_FLOPS` is that rate.
+    CUDA: IEEE float32 (no TF32), full-precision fp16/bf16 reductions, SDPA's math backend.
+    """
     if kind != "cuda":
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
@@ -263,11 +228,10 @@ _from_memory: weakref.WeakKeyDictionary[nn.Module, dict[tuple[str, str], PreTrai
 
 def gold_model(model: str | os.PathLike[str] | LoadedModel, *, dtype: str, device: str,
                lora: LoraSpec | None = None) -> PreTrainedModel:
-    """The stock transformers model of `model` in `dtype` on `device`, with SDPA attention and the
-    float32 islands of transformers' code widened (`_exact`), and `lora` merged into its weights. A
-    checkpoint is read once per (path, dtype, device, adapter); a LoadedModel's gold copy is built
-    once and takes its current weights on every call (the weights of an RL policy move between
-    calls)."""
+    """The stock transformers model of `model` in `dtype` on `device` with SDPA, widened islands and
+    `lora` merged; cached per (path, dtype, device, adapter); a LoadedModel's copy takes its current
+    weights on every call.
+    """
     torch_dtype = getattr(torch, dtype)
     if isinstance(model, LoadedModel):
         if model.tensor_parallel_size is not None:
@@ -300,8 +264,7 @@ def gold_model(model: str | os.PathLike[str] | LoadedModel, *, dtype: str, devic
 
 
 def _merged(module: PreTrainedModel, lora: LoraSpec | None) -> PreTrainedModel:
-    """`module` with the adapter's float64 updates added to its weights in place (one rounding to
-    the gold dtype; none in float64)."""
+    """`module` with the adapter's float64 updates added in place (rounded once)."""
     if lora is None:
         return module
     params = dict(module.named_parameters())
@@ -313,8 +276,7 @@ def _merged(module: PreTrainedModel, lora: LoraSpec | None) -> PreTrainedModel:
 
 
 def _exact(module: PreTrainedModel, name: str, path: os.PathLike[str]) -> PreTrainedModel:
-    """`module` with its RMSNorms, rotary embedding and softmax routers computing in the wider of
-    its dtype and float32 (see the module docstring), and the facts input checks read."""
+    """`module` with RMSNorms, rotary and softmax routers computing in the wider of its dtype and float32."""
     for sub in module.modules():
         kind = type(sub).__name__
         if kind.endswith("RMSNorm"):
@@ -342,16 +304,14 @@ def _wide(dtype: torch.dtype) -> torch.dtype:
 
 
 def _rms_norm(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """transformers' RMSNorm (weight * x / sqrt(mean(x^2) + eps)) with its float32 upcast made
-    the wider of x's dtype and float32."""
+    """transformers' RMSNorm with its float32 upcast made the wider of x's dtype and float32."""
     h = x.to(_wide(x.dtype))
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
     return self.weight * h.to(x.dtype)
 
 
 def _inv_freq(rotary: nn.Module, config: Any) -> torch.Tensor:
-    """The rotary inverse frequencies in float64: base^(-2i/d) recomputed for the default RoPE type
-    (checked against transformers' float32 ones), transformers' own upcast for scaled types."""
+    """Rotary inverse frequencies in float64 (default RoPE recomputed; scaled types upcast)."""
     given = rotary.inv_freq.to(torch.float64)
     if rotary.rope_type == "default":
         base = float(config.rope_parameters["rope_theta"])
@@ -364,16 +324,14 @@ def _inv_freq(rotary: nn.Module, config: Any) -> torch.Tensor:
 
 def _rotary(self: nn.Module, x: torch.Tensor, position_ids: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [B, L, D] in x's dtype, computed in float64 (transformers: float32, whose angle
-    error grows with the position: ~1e-4 rad at position 2,000)."""
+    """cos, sin [B, L, D] computed in float64 (float32's angle error is ~1e-4 rad at position 2,000)."""
     freqs = position_ids[..., None].to(torch.float64) * self.gold_inv_freq.to(x.device)
     emb = torch.cat((freqs, freqs), dim=-1)
     return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
 
 
 def _softmax_router(self: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """transformers' softmax top-k router (Qwen3-MoE, Mixtral) with the softmax in the wider of the
-    logits' dtype and float32 rather than in float32: (logits, weights, experts)."""
+    """transformers' softmax top-k router with the softmax in the wider of the logits' dtype and float32."""
     hidden = hidden.reshape(-1, self.hidden_dim)
     logits = F.linear(hidden, self.weight)
     probs = torch.softmax(logits.to(_wide(logits.dtype)), dim=-1)

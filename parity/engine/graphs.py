@@ -1,25 +1,11 @@
 """Fixed-size engine steps, replayed from CUDA graphs: one launch instead of thousands per step.
 
-A step of T packed tokens (T up to the largest bucket, i.e. every decode step) is padded to the
-next bucket size and run as one forward of that fixed shape. On CUDA each bucket's forward is
-captured once into a CUDA graph and replayed; the host then only copies the step's token ids,
-positions and slots into the graph's input buffer (one asynchronous copy). On CPU the same
-padded forward runs eagerly, so CPU tests exercise the padding.
-
-Padding changes no real token's numbers: pad tokens have their own KV slot (`pad_slot`, never
-given to a sequence) at position 0, so they write and read only that slot, and every
-invariant kernel computes a row independently of the rows beside it (the bitwise engine tests
-prove it). Attention on CUDA takes one host fact about the step (`parity.kernels.attention.AttentionBatch`):
-flash over the cache (stock) is sized by the longest run, and the invariant kernel takes its
-decode launch when every run is one token (the same bits either way, only faster), so each
-bucket has a decode graph (runs of one token) and a graph for any mix. Gathered SDPA (stock, CPU
-or fp32) is sized by the cached positions it reads (`span`), so each bucket is then captured per
-span instead, a power-of-two number of KV blocks (extra positions are masked keys). The invariant
-CPU attention needs neither: one graph per size.
-
-MoE routes are recorded inside the graph when asked (`record_routes`): the capture records each
-router's choice into tensors of the graph's memory, which every replay overwrites, so a replayed
-step's routes are read back like an eager step's.
+A step of T tokens (up to the largest bucket: every decode step) is padded to the next bucket
+and, on CUDA, replayed from that bucket's graph; on CPU the padded forward runs eagerly. Pad
+tokens use their own slot (`pad_slot`) at position 0 and invariant kernels compute rows
+independently, so padding changes no real token. Buckets have a decode graph and a mixed graph;
+gathered SDPA is captured per power-of-two `span`. MoE routes recorded inside a graph are
+overwritten by each replay and read back like an eager step's.
 """
 
 from __future__ import annotations
@@ -137,8 +123,7 @@ class StepGraphs:
             self.lm.num_moe_layers, record=self.record_routes)
 
     def _make(self, size: int, span: int, max_run: int) -> _Bucket:
-        """A bucket's input buffer and, on CUDA, its graph. Capture runs on pad inputs (all tokens in
-        the pad slot), so the warm-up forward before it writes only the pad slot."""
+        """A bucket's input buffer and, on CUDA, its graph (captured on pad inputs: the pad slot only)."""
         bucket = _Bucket(inputs=torch.zeros((3, size), dtype=torch.int64, device=self.device))
         bucket.inputs[2] = self.pad_slot
         if self._pool is not None:

@@ -68,12 +68,8 @@ def check_positive_int(value: object, name: str) -> int:
 
 
 def device_tensor(values: Sequence, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """A host list as a tensor on `device`, without a host sync.
-
-    A plain `torch.tensor(values, device="cuda")` copies from pageable memory, which waits for
-    every kernel queued before it; staging through pinned memory makes the copy asynchronous, so
-    the host keeps queueing work while the GPU computes (the caching host allocator keeps the
-    pinned buffer alive until the copy has run).
+    """A host list as a tensor on `device` without a host sync: staged through pinned memory, so the
+    copy is asynchronous (a pageable copy waits for every queued kernel).
     """
     host = torch.tensor(values, dtype=dtype)
     if torch.device(device).type == "cpu":

@@ -1,9 +1,5 @@
-"""Which route the invariant linear takes for each weight shape of a model, and why (`parity kernels`).
-
-On CUDA a bias-free weight shape runs on cuBLASLt without split-K when the load-time probe
-proved it row-invariant in a process set up for it, and on the Triton kernel otherwise
-(`parity.kernels.triton.matmul.route`). Loading the model runs the probe, exactly as the engine
-and the training forward do, so the table shows the routes those will take in this process.
+"""Which route the invariant linear takes for each weight shape of a model, and why (`parity kernels`):
+cuBLASLt without split-K where the load-time probe proved it row-invariant, else Triton.
 """
 
 from __future__ import annotations

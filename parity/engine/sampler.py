@@ -1,19 +1,10 @@
 """Token log-probabilities and sampling, shared by the engine and the training forward.
 
-`processed_logprobs` and `reported_logprobs` are the one definition both sides use to turn logits
-into log-probabilities, so with row-invariant logits they agree bit for bit. Every op in them
-works row by row: elementwise ops, a stable per-row sort, and the softmax family's kernels for
-each reduction over the vocabulary (the top-p prefix sum, the renormalizing sum, the
-logsumexp), which fix their order of additions per row. A stock CUDA scan would not: it picks its
-block shape from the row count, so a decode step and a training forward would round the top-p
-mass differently.
-
-Sampling noise is a counter-based hash of (request seed, sample index, absolute position, token
-id), so a sample's tokens never depend on what else shares the batch. The hash bits are the same
-on every device (`parity.kernels.sampling`); the two float64 logs that turn them into Gumbel
-noise are each device's own (torch on CPU, one Triton kernel on CUDA, both behind the kernel
-switch like every other op), so tokens could differ across devices only where two noisy scores
-of a row come within a rounding of each other.
+`processed_logprobs` and `reported_logprobs` are the one definition of both sides, row by row
+(a stable per-row sort and the softmax family's fixed-order reductions: a stock CUDA scan picks
+its block shape from the row count). Sampling noise hashes (seed, sample index, position, token
+id), so a sample never depends on its batch; the hash bits are device-independent, the two
+float64 logs per device.
 """
 
 from __future__ import annotations
@@ -55,11 +46,9 @@ class RowParams:
 def processed_logprobs(logits: torch.Tensor, params: RowParams) -> torch.Tensor:
     """Log-probs [N, V] of the distribution sampled from: temperature, then top-k, then top-p, renormalized.
 
-    logits [N, V] float32, or float64 in the gold forward: temperature and top-p are taken in the
-    logits' dtype, so a float64 gold divides by the exact temperature. Temperature 0 (greedy) is a
-    point mass on the first argmax: logprob 0 there and -inf elsewhere. Top-k keeps every token whose
-    scaled logit ties the k-th largest. Top-p keeps the most likely tokens (ties in vocab order) while
-    the mass before them is < top_p.
+    logits [N, V] float32 (float64 in the gold: the exact temperature). Temperature 0 is a point
+    mass on the first argmax. Top-k keeps ties of the k-th; top-p keeps tokens (vocab order on ties)
+    while the mass before them is < top_p.
     """
     device = logits.device
     greedy = [t == 0 for t in params.temperature]
@@ -105,11 +94,7 @@ def reported_table(logits: torch.Tensor, processed: torch.Tensor, modes: list[st
 
 def reported_logprobs(logits: torch.Tensor, processed: torch.Tensor, tokens: torch.Tensor,
                       modes: list[str]) -> torch.Tensor:
-    """The logprob [N] of each row's token in that row's logprobs mode.
-
-    logits, processed [N, V]; tokens [N] int64; modes: "processed" or "raw" (log_softmax of the
-    unmodified logits) per row.
-    """
+    """The logprob [N] of each row's token (`tokens` [N]) in that row's mode ("processed" or "raw")."""
     return reported_table(logits, processed, modes).gather(1, tokens.unsqueeze(1)).squeeze(1)
 
 
@@ -138,11 +123,9 @@ def key_state(keys: Sequence[tuple[int, int, int]], device: torch.device | str) 
 def sample(processed: torch.Tensor, keys: Sequence[tuple[int, int, int] | None]) -> torch.Tensor:
     """One token per row of processed log-probs [N, V] by the Gumbel-max trick -> [N] int64.
 
-    Row i's Gumbel noise comes from its key (seed, sample index, position) alone; a None key
-    (greedy) adds no noise. Ties go to the lower token id. All rows are drawn at once: a greedy
-    row gets the noise of a dummy key, masked off, so no per-row indexing reaches the host. The
-    draw is an op of family "pointwise" (`parity.kernels.ops.gumbel_argmax`): on CUDA one Triton
-    kernel draws the noise and takes the argmax without writing the noise to memory.
+    Row i's noise comes from its key (seed, sample index, position) alone; a None key (greedy) gets
+    masked dummy noise, so nothing per row reaches the host. Ties go to the lower id. On CUDA one
+    Triton kernel draws and takes the argmax.
     """
     device = processed.device
     state = key_state([key or (0, 0, 0) for key in keys], device)

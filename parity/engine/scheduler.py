@@ -1,16 +1,9 @@
 """The engine's scheduler: which sequences run in each step and which tokens each one computes.
 
-Host bookkeeping only (no torch). Every step goes through three moves:
-
-- `admit`: waiting sequences take free KV slots, first come first served, lowest slot first;
-- `plan`: each running sequence, in admission order, puts into the step either its next prefill
-  chunk (up to `chunk_size` known tokens not yet computed) or its last sampled token, while the
-  step's token budget lasts (the rest wait for the next step). The step is one packed forward
-  of all those tokens; each sequence's share of it is a `Span`;
-- `finish`: every sequence whose known tokens are all computed after the step gets the token
-  sampled from the last row of its span; sequences that stop free their slots.
-
-So batch composition changes every step; with invariant kernels no token's numbers depend on it.
+Host bookkeeping only (no torch): `admit` (waiting sequences take free slots, FIFO), `plan`
+(each running sequence adds its next prefill chunk or last token while the budget lasts; its
+share is a `Span`), `finish` (sequences fully computed get their sampled token; stopped ones free
+their slots). Composition changes every step; with invariant kernels no token depends on it.
 """
 
 from __future__ import annotations
@@ -30,17 +23,10 @@ if TYPE_CHECKING:
 class Sequence:
     """One sample of a request being generated (mutable scheduler state).
 
-    A multi-turn trajectory (`request.turns`) continues in place: when a generated turn ends, the
-    next injected turns' ids are appended as known tokens not yet computed, so the next step
-    prefills them as one chunk on top of the KV of the earlier turns, and sampling goes on.
-
-    tokens, logprobs: the response so far (sampled, and injected with logprob 0.0); mask: 1 per
-    sampled, 0 per injected token; turn: index of the current turn in `request.turns`;
-    turn_tokens: tokens sampled in that turn; top_k: the (ids, logprobs) of the k most likely
-    tokens at each sampled token, when its request asks for them; routes: the experts of each
-    step's rows of this sequence,
-    when the engine records them; computed: known tokens (prompt, then sampled) whose KV is in
-    the cache; slot: its KV slot while running; finish_reason: "stop" or "length" once finished.
+    A multi-turn trajectory continues in place: injected ids are appended as known tokens and
+    prefilled as one chunk. tokens, logprobs: the response (injected logprob 0.0); mask: 1 sampled,
+    0 injected; turn, turn_tokens; top_k: (ids, logprobs) per sampled token when asked; routes;
+    computed: tokens whose KV is cached; slot; finish_reason.
     """
 
     request: Request

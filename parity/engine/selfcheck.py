@@ -1,10 +1,8 @@
 """The engine's own exactness check over the sampling grid: rollouts vs the training forward.
 
-Runs the reference engine on requests drawn under every (temperature, top_p, top_k) setting of a
-grid at once, so each decode step mixes settings and rows, then scores the rollouts with
-`train_forward` under each rollout's own parameters and counts, per setting, the tokens whose
-logprobs differ in any bit. With invariant kernels every count is 0 on every device; that is the
-claim `python3 -m benchmarks.gpu` and the GPU tests check on the H200 and anyone can check on their own.
+Samples every (temperature, top_p, top_k) setting of a grid in one engine run and counts, per
+setting, the tokens whose logprobs differ in any bit from `train_forward`; with invariant kernels
+every count is 0 on every device.
 """
 
 from __future__ import annotations
@@ -45,11 +43,7 @@ def sampling_grid_check(model: str | LoadedModel, *, device: str = "cpu", dtype:
                         requests: int = 24, n: int = 2, prompt_len: int = 16, max_tokens: int = 24,
                         max_num_seqs: int = 8, chunk_size: int = 32, layout: str = "right",
                         micro_batch_size: int | None = None, seed: int = 0) -> list[SettingCheck]:
-    """Per grid setting, how many rollout tokens differ from `train_forward` (see module doc).
-
-    `requests` prompts of `prompt_len` random ids per setting, each sampled n times for
-    `max_tokens` tokens (EOS ignored, so every rollout has max_tokens tokens).
-    """
+    """Per grid setting, the rollout tokens that differ from `train_forward` (EOS ignored)."""
     lm = load_model(model, dtype=dtype, device=device)
     rng = random.Random(seed)
     work = [Request(tuple(rng.randrange(3, lm.vocab_size) for _ in range(prompt_len)),

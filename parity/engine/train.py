@@ -1,10 +1,8 @@
 """The training side: teacher-forced response logprobs through the same HF model classes.
 
-Sequences are laid out the way trainers do it (right- or left-padded [B, L] micro-batches, or
-packed into one row with per-sequence position ids) and run as one prefill each. Padding
-tokens go to a scratch KV slot, so they never enter a real sequence's attention. With
-invariant kernels every row's numbers are independent of the layout, so the result equals the
-reference engine's rollout logprobs bit for bit.
+Micro-batches are right- or left-padded [B, L] or packed into one row, each one prefill; padding
+goes to a scratch KV slot. With invariant kernels the result equals the reference engine's
+rollout logprobs bit for bit.
 """
 
 from __future__ import annotations
@@ -56,28 +54,13 @@ LAYOUTS: tuple[str, ...] = ("right", "left", "packed")
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """How `train_forward` executes: the numerical settings, the same for every sequence of a call
-    (what each sequence is scored under, its logprob definition, is `train_forward`'s own arguments).
+    """How `train_forward` executes: the numerical settings, the same for every sequence of a call.
 
-    dtype: the weights' and activations' dtype, "float32", "bfloat16" or "float16".
-    device: where the model runs, "cpu", "cuda" or "cuda:N" (a device this machine has).
-    kernels: "invariant" (every family), "native" (stock torch) or a collection of family names to
-        switch on (the rest native), e.g. to attribute drift to one family.
-    micro_batch_size: sequences per forward, an integer >= 1 (None: all in one forward).
-    layout: how a micro-batch is laid out, "right"/"left" padding of `[micro_batch, max_len]` or
-        "packed" into one `[1, total_tokens]` row with per-sequence position ids (`LAYOUTS`).
-    tensor_parallel_size: None runs the whole model; k in (1, 2, 4, 8) runs the tensor-parallel
-        layout of `parity.parallel` on k ranks (k = 1 in this process), whose logprobs are the same
-        bits at every k and equal the reference engine's at any degree.
-    tp_reduction: the row-parallel sum, "canonical" (TP-invariant) or the "all_reduce" contrast.
-    reduction_groups: the canonical sum's K groups, an integer >= 1 that k divides (default
-        `REDUCTION_GROUPS`): the bits equal the engine's only for the engine's own value.
-        tensor_parallel_size, tp_reduction and reduction_groups left None take the layout the
-        Rollouts record (`scoring_layout`), else the whole model.
-    grad: False runs under inference_mode; True records autograd, so each logprob tensor carries
-        the gradient with respect to the model's parameters (the same bits either way: the invariant
-        kernels keep their forward and take the stock op's derivative, `parity.kernels.grad`). Not
-        with tensor parallelism (the ranks run in other processes).
+    kernels: "invariant", "native" or family names. micro_batch_size: None is one forward.
+    layout: "right"/"left" padding `[micro_batch, max_len]` or "packed" `[1, total_tokens]`.
+    tensor_parallel_size, tp_reduction, reduction_groups: as `EngineConfig`'s; None takes the layout
+    the Rollouts record (`scoring_layout`), else the whole model.
+    grad: True records autograd (the same bits: `parity.kernels.grad`); not with tensor parallelism.
     """
 
     dtype: str = "float32"
@@ -123,12 +106,9 @@ DEFINITION_KEYWORDS = ("logprobs_mode", "temperature", "top_k", "top_p", "record
 class TrainResult:
     """What `train_forward` returns: one entry per input sequence, in input order.
 
-    logprobs: float32 `[len(response)]` teacher-forced logprobs of the sequence's response tokens.
-    routes: with `record_routes=True`, the experts chosen at every input position but the last,
-        int32 `[len(prompt) + len(response) - 1, moe_layers, top_k]` (None for a dense model);
-        None when routes were not recorded.
-    views: with `distribution=True`, per sequence the trainer's full row at each response token
-        reduced against the rollout's top-k ids (`parity.drift.distribution.TrainerView`).
+    logprobs: float32 `[len(response)]`. routes: int32 `[len(prompt) + len(response) - 1,
+    moe_layers, top_k]` with `record_routes` (None otherwise or dense). views: `TrainerView`s with
+    `distribution=True`.
     """
 
     logprobs: list[torch.Tensor]
@@ -163,10 +143,10 @@ UNMODIFIED: tuple[float, int, float] = (1.0, 0, 1.0)
 
 def logprob_definitions(sequences: Sequence[Any], modes: list[str], temperature: Any, top_k: Any,
                         top_p: Any) -> list[tuple[float, int, float]]:
-    """(temperature, top_k, top_p) each sequence is scored under (the training forward's and the
-    gold forward's, `parity.engine.gold`): a Rollout's recorded sampling,
-    else the explicit values, else (pairs only) `UNMODIFIED`. An explicit value contradicting a
-    record is a ConfigError; a processed-mode Rollout with neither is an InputError."""
+    """(temperature, top_k, top_p) each sequence is scored under: a Rollout's record, else the explicit
+    values, else (pairs) `UNMODIFIED`. A contradiction is a ConfigError; a processed-mode Rollout
+    with neither is an InputError.
+    """
     n = len(modes)
     given = {name: _per_sequence(value, n, name)
              for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p))}
@@ -215,12 +195,9 @@ LAYOUT_META = ("reduction_groups", "tp_reduction")
 
 def scoring_layout(sequences: Sequence[Any], tensor_parallel_size: int | None, tp_reduction: str | None,
                    reduction_groups: int | None) -> tuple[int | None, str, int]:
-    """(tensor_parallel_size, tp_reduction, reduction_groups) to score `sequences` in: the layout
-    their Rollouts record (`LAYOUT_META`), else the given values, else the whole model.
-
-    A whole-model record scored tensor-parallel, or a given reduction that differs from the
-    recorded one, is a ConfigError (the bits differ, and the drift would be the layout's, not the
-    backend's); rollouts recording different layouts are an InputError (score each group apart).
+    """(tensor_parallel_size, tp_reduction, reduction_groups) to score in: as recorded, else given, else
+    the whole model. A contradiction is a ConfigError (the drift would be the layout's); mixed
+    records are an InputError.
     """
     items = sequences if isinstance(sequences, (list, tuple)) else ()  # anything else: as_pairs' error
     recorded = set()
@@ -259,13 +236,9 @@ def scoring_layout(sequences: Sequence[Any], tensor_parallel_size: int | None, t
 
 def scoring_adapter(sequences: Sequence[Any], lora: str | os.PathLike[str] | LoraSpec | None,
                     model: str | os.PathLike[str] | LoadedModel) -> str | os.PathLike[str] | LoraSpec | None:
-    """The LoRA adapter to score `sequences` with: the one their Rollouts record (meta "lora", as
-    every backend that applies one writes it), else `lora`, else the model's own (a LoadedModel's).
-
-    A given adapter (or a LoadedModel's) whose hash differs from the recorded one is a ConfigError
-    (scoring with another adapter measures the adapters' difference, not the backend's drift), as
-    is a recorded adapter that is no longer where it was sampled from, unchanged; rollouts with
-    and without a recorded adapter in one call are an InputError.
+    """The LoRA adapter to score with: the recorded one, else `lora`, else a LoadedModel's. Another
+    hash, or a recorded adapter changed or gone, is a ConfigError (it would measure the adapters'
+    difference); mixed records are an InputError.
     """
     items = sequences if isinstance(sequences, (list, tuple)) else ()  # anything else: as_pairs' error
     rollouts = [item for item in items if isinstance(item, Rollout)]
@@ -324,34 +297,15 @@ def train_forward(model: str | LoadedModel,
                   **settings: Any) -> TrainResult:
     """Teacher-forced logprobs of each sequence's response tokens (`TrainResult.logprobs`).
 
-    sequences: Rollouts or (prompt_ids, response_ids) pairs.
-    config: how the forward runs (`TrainConfig`: dtype, device, kernels, micro_batch_size, layout,
-    the tensor-parallel layout, grad); keyword `settings` (its field names) override its fields,
-    so `train_forward(m, seqs, dtype="bfloat16")` is `train_forward(m, seqs, TrainConfig(dtype="bfloat16"))`;
-    an unknown keyword is a ConfigError listing the settings. Rollouts that record the
-    tensor-parallel layout they were sampled in (the reference engine's meta `reduction_groups`:
-    None for the whole model) are scored in it, as they are under their recorded sampling: unset
-    layout settings take the record, a contradicting one is a ConfigError, and rollouts of
-    different layouts in one call are an InputError (`scoring_layout`).
-    temperature/top_k/top_p: the sampling the responses were drawn with, which "processed"
-    logprobs depend on. Unset (None, the default), each Rollout is scored under the sampling
-    it records (`Rollout.sampling`) and each pair, which records none, under an unmodified
-    softmax (temperature 1, top-k and top-p off). A value (a scalar, or one per sequence with
-    None for unset) applies to sequences without a record; one that contradicts a Rollout's
-    record is a ConfigError. A processed-mode Rollout with no record and no value is an
-    InputError: it is never scored at a guessed temperature.
-    logprobs_mode: "processed" or "raw" (None: each Rollout's own mode, "processed" for pairs).
-    record_routes: also return, per sequence, the experts chosen at every input position but
-    the last (`TrainResult.routes`).
-    router_replay: None, "R3" (force each sequence's rollout routes: `routes[i]` if given, else
-    the Rollout's `routed_experts`), "R2" (force the routes of a first forward of the same
-    micro-batch) or a `parity.models.routing.RouterReplay`; see `parity.models.routing`.
-    lora: a LoRA adapter (directory, built-in adapter name or `LoraSpec`) applied to a model given
-    by name or path (`parity.models.lora`); a LoadedModel applies its own. Rollouts that record
-    the adapter they were sampled with are scored with it (`scoring_adapter`). Not with tensor
-    parallelism.
-    distribution: also reduce the trainer's full row at each response token against each Rollout's
-    engine top-k (`TrainResult.views`); every sequence must be a Rollout with `top_k_ids`.
+    sequences: Rollouts or (prompt_ids, response_ids) pairs. Keyword `settings` override `config`'s
+    fields (unknown ones: ConfigError). Rollouts are scored in the layout, sampling and adapter they
+    record (`scoring_layout`, `logprob_definitions`, `scoring_adapter`); a contradicting value is a
+    ConfigError. temperature/top_k/top_p: for sequences without a record (pairs: unmodified
+    softmax); a processed-mode Rollout with neither is an InputError, never guessed.
+    logprobs_mode: None is each Rollout's own. record_routes: `TrainResult.routes`.
+    router_replay: None, "R3", "R2" or a `RouterReplay` (`parity.models.routing`).
+    lora: for a model given by name (not with tensor parallelism).
+    distribution: `TrainResult.views` against each Rollout's `top_k_ids`.
     """
     unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(TrainConfig)})
     if unknown:  # a typo of a logprob-definition keyword lands here too: list both kinds
@@ -418,8 +372,7 @@ def _micro_batch(lm: LoadedModel, pairs: list[Pair], modes: list[str], params: s
                  layout: str, want_routes: bool, replay: routing.RouterReplay | None = None,
                  forced: list[torch.Tensor] | None = None, top_k_ids: list[np.ndarray] | None = None
                  ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[TrainerView]]:
-    """One prefill of `pairs` in `layout`; per-sequence response logprobs (and routes if wanted, and
-    the trainer's views against the engine's `top_k_ids` `[len(response), k]` if given)."""
+    """One prefill of `pairs` in `layout`: per-sequence response logprobs, routes and views if asked."""
     lengths = [len(p) + len(r) for p, r in pairs]
     b, width = len(pairs), max(lengths)
     scratch = b  # the KV slot every padding token writes to
@@ -489,11 +442,8 @@ class _RankTrainer:
 def replay_routes(lm: LoadedModel, sequences: Sequence[Any], lengths: Sequence[int],
                   replay: routing.RouterReplay | None,
                   routes: Sequence[Any] | None) -> list[torch.Tensor] | None:
-    """The checked expert ids R3 forces for each sequence, int64 `[length - 1, moe_layers, top_k]`.
-
-    sequences: `train_forward`'s inputs; lengths: len(prompt) + len(response) of each.
-    routes: one array per sequence, overriding each Rollout's `routed_experts`.
-    None unless `replay` is R3. Dense models and misshapen routes raise a ParityError.
+    """The checked expert ids R3 forces per sequence, int64 `[length - 1, moe_layers, top_k]` (`routes`
+    override recorded ones); None unless R3. Dense models or bad shapes raise a ParityError.
     """
     if routes is not None and (replay is None or replay.mode != "R3"):
         raise ConfigError("routes= are forced only with router_replay='R3'")

@@ -1,15 +1,11 @@
 """A training step's batch as parity reads it, whichever framework made it: the monitor's arrays
 and the rows of a rollout dump.
 
-Each framework module (`verl`, `nemo_rl`, `slime`) turns its own batch object into a `StepBatch`:
-responses left-aligned and right-padded, `[batch, response_len]`, verl's layout. From there
-`log_step` hands it to `Monitor.log` and `dump_step` writes it as a parity rollout dump (JSONL, or
-Parquet for a `.parquet` path; no pickle) that `parity score` reads: one row per sequence with
-`prompt_ids`, `response_ids`, `rollout_logprobs`, `trainer_logprobs`, `request_id`, the sampling
-columns (`temperature`, `top_p`, `top_k`) and `logprobs_mode`, plus `response_mask` for a multi-turn
-row (zeros at injected tokens).
-
-Light: NumPy (and pyarrow for Parquet); tensors are read by duck typing, torch is never imported.
+A `StepBatch` is verl's layout (`[batch, response_len]`, left-aligned, right-padded); `log_step`
+hands it to `Monitor.log`, `dump_step` writes a rollout dump `parity score` reads (JSONL, or
+Parquet for `.parquet`; no pickle): per sequence `prompt_ids`, `response_ids`, `rollout_logprobs`,
+`trainer_logprobs`, `request_id`, `temperature`, `top_p`, `top_k`, `logprobs_mode`, and
+`response_mask` for a multi-turn row. NumPy (pyarrow for Parquet); tensors by duck typing.
 """
 
 from __future__ import annotations
@@ -36,14 +32,9 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class StepBatch:
-    """One step's batch in verl's layout (see the module doc).
-
-    rollout, trainer: logprobs (nats) `[batch, response_len]`; mask: bool `[batch, response_len]`,
-        True where a generated token counts. lengths: `[batch]` response tokens of each row, up to
-        its last real one (generated or injected; padding after it). responses: token ids
-        `[batch, response_len]` or None. prompts: each row's prompt ids without padding, or None.
-        request_ids: each row's group id (verl's `uid`), or None (rows are their own requests).
-        sampling: what the rollout sampled with (`temperature`, `top_p`, `top_k`), as known.
+    """One step's batch in verl's layout: rollout, trainer `[batch, response_len]` nats; mask bool
+    (generated tokens that count); lengths `[batch]` up to the last real token; responses, prompts,
+    request_ids (verl's `uid`) and sampling, each None when unknown.
     """
 
     rollout: np.ndarray
@@ -103,9 +94,7 @@ def dump_step(batch: StepBatch, path: str | Path, *, logprobs_mode: str = "proce
 
 
 def _checked(values: np.ndarray, mask: np.ndarray, side: str, row: int) -> list[float]:
-    """One row's logprobs as floats, 0.0 where the mask is 0; InputError for a value that is not a
-    logprob at a counted token. -inf is kept: the token lay outside that side's sampling support
-    (the Monitor's rule and the dump reader's; JSONL spells it losslessly)."""
+    """One row's logprobs as floats, 0.0 at mask 0; InputError for a non-logprob counted value (-inf kept)."""
     v = np.where(mask, values.astype(np.float64), 0.0)
     check_logprob_array(v, None, f"row {row}: {side} logprob")
     bad = np.isnan(v) | (v == np.inf)  # -inf stays: a token outside the sampling support
@@ -143,8 +132,7 @@ def sampling_of(found: Mapping[str, Any], given: Mapping[str, Any] | None) -> di
 
 
 def _scalar(value: Any) -> Any:
-    """A NumPy/torch scalar as a Python number, a float32/float16 one as the decimal the user wrote
-    (tensor(0.7) is 0.699999988 in float64; its shortest float32 spelling is 0.7)."""
+    """A NumPy/torch scalar as a Python number (float32 as its shortest spelling: 0.7, not 0.699999988)."""
     if not hasattr(value, "item"):
         return value
     number = value.item()
@@ -157,10 +145,9 @@ def _scalar(value: Any) -> Any:
 def sequence_batch(rollout: np.ndarray, trainer: np.ndarray, token_mask: np.ndarray,
                    tokens: np.ndarray | None, lengths: np.ndarray,
                    sampling: Mapping[str, Any] | None) -> StepBatch:
-    """Whole sequences (prompt and response in one row, right-padded; the logprob of token i at
-    position i; all `[batch, seq]`, `lengths` `[batch]` real tokens per row) as a `StepBatch`: each
-    row's response starts at its first `token_mask` position, the prompt is everything before it,
-    and responses are left-aligned (mask-0 tokens inside a multi-turn response stay mask 0)."""
+    """Whole right-padded sequences `[batch, seq]` (logprob of token i at position i) as a `StepBatch`:
+    the response starts at the first `token_mask` position and is left-aligned.
+    """
     batch, seq = token_mask.shape
     start = np.where(token_mask.any(axis=1), np.argmax(token_mask, axis=1), lengths)
     width = int((lengths - start).max(initial=0))

@@ -1,12 +1,7 @@
-"""NeMo-RL: the monitor and rollout dumps from GRPO's `train_data` (a `BatchedDataDict`, a dict of
-tensors), read as it is after `train_data["prev_logprobs"]` is computed (nemo_rl/algorithms/grpo.py).
+"""NeMo-RL: the monitor and rollout dumps from GRPO's `train_data` (a `BatchedDataDict`), read once
+`train_data["prev_logprobs"]` is computed: `log_batch(monitor, step, train_data, sampling=...)`.
 
-    from parity.integrations.nemo_rl import log_batch
-    log_batch(monitor, step, train_data,
-              sampling={"temperature": master_config["policy"]["generation"]["temperature"]})
-
-NeMo-RL keeps whole sequences, prompt and response in one row, and puts the logprob of input token
-i at position i (position 0 holds 0):
+Whole sequences in one row; input token i's logprob at position i:
 
     parity               NeMo-RL                          shape / meaning
     rollout logprobs     "generation_logprobs"            [batch, seq]: the generation engine's
@@ -15,13 +10,9 @@ i at position i (position 0 holds 0):
     tokens               "input_ids"                      [batch, seq]
     lengths              "input_lengths"                  [batch]: real tokens of each row (then padding)
     sampling             not in the batch                 pass sampling={"temperature": ...}
-                                                          (policy.generation)
 
-Each row's response starts at its first token_mask=1 position; the prompt is everything before it.
-Responses are left-aligned into `[batch, response_len]` (verl's layout) so drift by position is
-drift by response position; masked user/tool messages inside a multi-turn response stay as mask-0
-tokens. NeMo-RL's vLLM returns `policy.generation.vllm_cfg.logprobs_mode` (processed_logprobs in
-its GRPO example configs; vLLM's own default, raw_logprobs, when the key is absent).
+Responses start at the first token_mask=1 and are left-aligned. Logprobs are in
+`policy.generation.vllm_cfg.logprobs_mode` (vLLM's raw_logprobs when absent).
 """
 
 from __future__ import annotations

@@ -1,29 +1,18 @@
-"""OpenRLHF: the monitor and rollout dumps from a PPO/GRPO `Experience` (openrlhf 0.11,
-`openrlhf.trainer.ppo_utils.experience`), read once the experience maker has set its
-`action_log_probs`, e.g. over `ppo_trainer`'s experiences before the replay buffer takes them:
+"""OpenRLHF: the monitor and rollout dumps from a PPO/GRPO `Experience` (openrlhf 0.11), read once
+`action_log_probs` is set: `log_batch(monitor, global_step, experience, sampling=...)`.
 
-    from parity.integrations.openrlhf import log_batch
-    log_batch(monitor, global_step, experience, sampling={"temperature": args.temperature})
-
-OpenRLHF keeps whole sequences, prompt and response in one right-padded row, and its per-action
-arrays are shifted by one: position j holds token j+1's value (`action_mask = mask[1:]`):
+Whole right-padded sequences; per-action arrays are shifted by one (`action_mask = mask[1:]`):
 
     parity               OpenRLHF Experience                  shape / meaning
-    rollout logprobs     rollout_log_probs                    [batch, seq-1]: vLLM's processed
-                                                              logprobs, with
-                                                              --algo.advantage.is_correction_level
-                                                              token (or seq)
+    rollout logprobs     rollout_log_probs                    [batch, seq-1]: vLLM's processed logprobs
+                                                              (--algo.advantage.is_correction_level)
     trainer logprobs     action_log_probs                     [batch, seq-1]: the actor's before the update
-    mask                 action_mask                          [batch, seq-1]: 1 on generated tokens (0 on
-                                                              an agent's observation tokens)
+    mask                 action_mask                          [batch, seq-1]: 1 on generated tokens
     tokens               sequences                            [batch, seq]
     lengths              attention_mask.sum(-1)               real tokens of each row, then padding
     sampling             not in the experience                pass sampling={"temperature": ...}
 
-Rows are then read as NeMo-RL's (`parity.integrations.batches.sequence_batch`): each response starts
-at its first generated token, the prompt is everything before it. OpenRLHF starts its vLLM engines
-with `logprobs_mode="processed_logprobs"` whenever it asks for rollout logprobs (parity's
-"processed", `dump_batch`'s default). Light: torch and openrlhf are never imported (duck typing).
+Read as NeMo-RL's (`sequence_batch`); OpenRLHF's vLLM reports "processed". Duck-typed.
 """
 
 from __future__ import annotations

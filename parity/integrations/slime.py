@@ -1,24 +1,15 @@
-"""slime: the monitor and rollout dumps from the trainer's `rollout_data` (a dict of per-sample
-lists), read as it is once `rollout_data["log_probs"]` is computed (slime/backends/megatron_utils).
-
-    from parity.integrations.slime import log_batch
-    log_batch(monitor, rollout_id, rollout_data, sampling={"temperature": args.rollout_temperature})
+"""slime: the monitor and rollout dumps from the trainer's `rollout_data` (per-sample lists), read
+once `rollout_data["log_probs"]` is computed: `log_batch(monitor, rollout_id, rollout_data, ...)`.
 
     parity               slime                            shape / meaning
     rollout logprobs     "rollout_log_probs"              one [response_len_i] tensor per sample (SGLang's)
     trainer logprobs     "log_probs"                      one [response_len_i] tensor per sample
     mask                 "loss_masks"                     one [response_len_i] 0/1 tensor per sample
-    tokens               "tokens"                         prompt + response ids of each sample (the
-                                                          response is its last response_len_i ids)
-    sampling             not in the batch                 pass sampling={"temperature":
-                                                          args.rollout_temperature} (and top_p / top_k
-                                                          when set)
+    tokens               "tokens"                         prompt + response ids (response: the last ids)
+    sampling             not in the batch                 pass sampling={"temperature": ...} (top_p, top_k)
 
-Samples are left-aligned and right-padded into `[batch, response_len]` (verl's layout). slime
-samples with SGLang, whose logprobs are temperature-scaled and not truncated: with slime's defaults
-(`--rollout-top-p 1`, `--rollout-top-k -1`) that is parity's "processed" (vLLM's
-processed_logprobs). Each data-parallel rank holds its own share of the samples: log on one rank,
-or give each rank its own monitor directory.
+SGLang's logprobs at slime's defaults (no top-p/top-k) are parity's "processed". Each
+data-parallel rank holds its share: log on one rank, or a monitor directory per rank.
 """
 
 from __future__ import annotations

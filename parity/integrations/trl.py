@@ -1,35 +1,23 @@
-"""TRL: the monitor inside a `trl.GRPOTrainer`, one line before `trainer.train()`.
+"""TRL: the monitor inside a `trl.GRPOTrainer`, one line before `trainer.train()`:
+`attach(trainer, parity.Monitor("runs/grpo/parity"))`.
 
-    from parity.integrations.trl import attach
-    attach(trainer, parity.Monitor("runs/grpo/parity"))
-
-GRPOTrainer holds both sides of a generation batch in what `_generate_and_score_completions`
-returns, and its public callbacks (`TrainerCallback`) never see that batch; so `attach` wraps the
-method on this one trainer object (the class is untouched) and logs each training generation's
-batch at the trainer's `state.global_step`, before the trainer uses it:
+Callbacks never see the generation batch, so `attach` wraps `_generate_and_score_completions` on
+this one trainer object and logs each training batch at `state.global_step`:
 
     parity               TRL's generation output                  shape / meaning
     rollout logprobs     "sampling_per_token_logps"               [batch, completion_len]: vLLM's
                                                                   processed logprobs, or a rollout_func's
-                                                                  "logprobs"
-    trainer logprobs     "old_per_token_logps"                    [batch, completion_len], the policy's
-                                                                  forward before the update
+    trainer logprobs     "old_per_token_logps"                    [batch, completion_len], before the update
     mask                 "completion_mask" (x "tool_mask")        0 at padding and tool-result tokens
     responses            "completion_ids"                         [batch, completion_len]
     prompts              "prompt_ids" with "prompt_mask"          [batch, prompt_len], left-padded
     sampling             args.temperature, top_p, top_k           top_p < 1 and top_k > 0 only
     TRL's IS settings    args.vllm_importance_sampling_*          stored in each step's meta
 
-TRL computes `old_per_token_logps` only with `use_vllm=True` and
-`vllm_importance_sampling_correction=True`, or when a generation is reused across optimizer steps
-(`num_iterations > 1`, or `gradient_accumulation_steps` not a multiple of `steps_per_generation`);
-the rollout logprobs come from vLLM or a `rollout_func`. `attach` refuses a trainer that has
-neither side, and one that generates more than once per optimizer step (its steps could not be
-told apart). A NaN rollout logprob (vLLM's `None`, which TRL leaves out of its own correction) is
-left out of the step and counted in the meta as `trl_nan_rollout_logprobs`. Evaluation batches
-are not logged. Under several processes (accelerate) each rank holds its share of the batch: attach
-a Monitor of its own on each rank (`f"runs/grpo/parity/rank{trainer.accelerator.process_index}"`).
-Light: TRL and torch are never imported; tensors are read by duck typing.
+Refused: a trainer without both sides (TRL computes `old_per_token_logps` only with vLLM IS
+correction or reused generations), or generating more than once per optimizer step. NaN rollout
+logprobs are left out and counted (`trl_nan_rollout_logprobs`); evaluation batches are not
+logged; attach one Monitor per rank. Duck-typed.
 """
 
 from __future__ import annotations

@@ -1,42 +1,27 @@
 """verl: the monitor and rollout dumps straight from `RayPPOTrainer.fit`'s batch (a `DataProto`).
 
-    from parity.integrations.verl import log_batch, dump_batch
-    monitor = parity.Monitor(out_dir, resume=True)      # a run resumed from a checkpoint continues
     log_batch(monitor, self.global_steps, batch,        # after `batch = batch.union(old_log_prob)`
               policy_version=self.global_steps, rollout_policy_version=self.global_steps)
     dump_batch(batch, f"dumps/step{self.global_steps}.parquet")   # for `parity score` later
 
-Resume: verl restarts `global_steps` from the checkpoint it loads (`trainer.resume_mode`), at or
-below the steps already logged; `resume=True` makes those a new attempt of the run (a warning,
-never an exception into `fit`), and the page shows the run as it stands with the restart marked.
-
-Policy versions: `RayPPOTrainer.fit` syncs the actor's weights into the rollout engine before
-each step's generation, so both sides are at `global_steps` (a drift jump is then named a
-weight-sync bug); with one-step off-policy generation the rollout's version is
-`global_steps - 1` (an intended lag: its drift is corrected, not called a bug).
-
-The batch is read as verl holds it, duck-typed (verl is never imported): `batch.batch[key]` tensors
-(a TensorDict, any device), `batch.meta_info` and `batch.non_tensor_batch` dicts.
+With `Monitor(..., resume=True)` a checkpoint resume starts a new attempt. `fit` syncs weights
+before generating, so both versions are `global_steps` (one-step off-policy: the rollout's is one
+less). Duck-typed (`batch.batch`, `meta_info`, `non_tensor_batch`):
 
     parity               verl                                 shape / meaning
-    rollout logprobs     batch["rollout_log_probs"]           [batch, response_len]; needs
-                                                              actor_rollout_ref.rollout.calculate_log_probs=True
-    trainer logprobs     batch["old_log_probs"]               [batch, response_len], from the old_log_prob
-                                                              step
-    mask                 batch["response_mask"]               [batch, response_len]; 0 at padding and at the
-                                                              tool/user tokens of a multi-turn response
+    rollout logprobs     batch["rollout_log_probs"]           [batch, response_len] (see below)
+    trainer logprobs     batch["old_log_probs"]               [batch, response_len], old_log_prob step
+    mask                 batch["response_mask"]               [batch, response_len]; 0 at padding, tool
+                                                              and user tokens
     responses            batch["responses"]                   [batch, response_len] token ids
     prompts              batch["prompts"]                     [batch, prompt_len], left-padded
     padding              batch["attention_mask"]              [batch, prompt_len + response_len]
     sampling             meta_info["temperature"]             set by fit; "top_p"/"top_k" when present
     request id           non_tensor_batch["uid"]              one id per GRPO group
 
-verl's rollout logprobs are vLLM's `processed_logprobs` (`actor_rollout_ref.rollout.logprobs_mode`,
-its default): parity's "processed". verl's trainer applies the temperature only, so with top_p < 1
-or top_k set its logprobs and the rollout's differ by construction; pass them with `sampling=`
-(they are not in the batch) and `parity score` scores the dump under the rollout's distribution.
-In bypass mode (`algorithm.rollout_correction.bypass_mode=True`) `old_log_probs` *is*
-`rollout_log_probs` and there is nothing to compare: `log_batch` refuses it.
+Rollout logprobs need `actor_rollout_ref.rollout.calculate_log_probs=True` and are vLLM's
+`processed_logprobs`; verl's trainer applies temperature only, so pass top_p/top_k with
+`sampling=`. In bypass mode `old_log_probs` is `rollout_log_probs`: `log_batch` refuses it.
 """
 
 from __future__ import annotations

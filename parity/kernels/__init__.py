@@ -1,22 +1,10 @@
-"""Batch-invariant kernels behind one switch.
+"""Batch-invariant kernels behind one switch (`with kernels.invariant(): ...`).
 
-    from parity import kernels
-    with kernels.invariant():              # every family on; kernels.invariant(["matmul"]) for one
-        logits = model(input_ids).logits
-
-Inside the switch, every op of a model loaded with `parity.models.loading.load_model` computes
-each token's outputs bitwise independently of batch size, batch companions, row position,
-padding, and of full forward vs chunked prefill vs decode; so does the sampler's draw. Families
-(`FAMILIES`) switch independently so drift can be attributed to one of them. Each family's op
-is looked up per device type in the switch's registry, which this module fills: the CPU kernels
-(`cpu`, `cpu_attention`, `cpu_sampling`) always, the Triton kernels (`triton`) where a GPU and
-Triton are present. Another device registers its own with `kernels.register(family, op,
-device_type, fn)`.
-
-Inside the package, imports point one way (an import-linter contract): the ops models call
-(`ops`, `moe`, `attention`) and the device kernels (`triton`, `cpu_attention`, `cpu_sampling`,
-then `cpu`) never import each other; both sit on the building blocks (`cpu_gemm`, `probe`, `grad`,
-`sampling`) and the switch.
+Inside it every op of a model loaded by `parity.models.loading.load_model`, and the sampler's
+draw, computes each token bitwise independently of batch size, companions, row position, padding
+and prefill vs decode. Families (`FAMILIES`) switch independently to attribute drift. Ops are
+registered per device type (CPU always, Triton where a GPU is; `kernels.register` for others).
+The ops models call and the device kernels never import each other (import-linter).
 """
 
 import importlib.util

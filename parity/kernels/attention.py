@@ -1,17 +1,10 @@
 """The "parity" attention function for HF models, over parity's own KV cache.
 
-Registered with `transformers.AttentionInterface` as `"parity"`. A caller packs every token of
-a step (any mix of sequences, prefill chunks and decode tokens) into one forward and passes an
-`AttentionBatch` as the `parity_batch` keyword of `model(...)`; transformers hands it down to
-this function in every layer. Each token is written to the cache at (its sequence slot, its
-absolute position) and attends to its own slot's positions 0..position. Family "attention" on:
-the block-ordered online softmax of the device's invariant kernel; off: stock SDPA over the
-same cache, in one of two ways: on CUDA in fp16/bf16, torch's flash-attention kernel reads each
-token's slot in place (`flash_over_cache`: the honest fast baseline, with no invariance claim);
-elsewhere each token's K/V is gathered and fed to SDPA (`gathered_sdpa`).
-
-Without `parity_batch` (a plain `model(input_ids)` or `generate` call) each batch row is one
-unpadded sequence whose queries are the last positions of the keys HF passes in.
+A caller packs a step's tokens into one forward with an `AttentionBatch` (`parity_batch`); each
+token is written at (its slot, its absolute position) and attends to its slot's positions
+0..position. Family on: the device's invariant online softmax; off: stock SDPA (flash reading
+slots in place on CUDA fp16/bf16, `flash_over_cache`, no invariance claim; else `gathered_sdpa`).
+Without `parity_batch` each row is one unpadded sequence.
 """
 
 from __future__ import annotations
@@ -71,12 +64,8 @@ class KVCache:
 
 @dataclass(frozen=True)
 class AttentionBatch:
-    """Where each token of a packed forward lives: slots, positions [T] int64 (T = batch * seq tokens).
-
-    Host facts the stock paths size their launches by (the invariant kernels need neither):
-    span: cached positions the step reads, the highest position rounded up to whole blocks;
-    max_run: an upper bound on the longest run (consecutive tokens of one slot at consecutive
-    positions: a prefill chunk, or a decode token alone).
+    """Where each token of a packed forward lives: slots, positions [T] int64. The stock paths size
+    launches by span (cached positions read, whole blocks) and max_run (longest run bound).
     """
 
     cache: KVCache
@@ -123,8 +112,7 @@ def _flash_fits(device_type: str, dtype: torch.dtype) -> bool:
 
 
 def _runs(slots: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Runs of a packed step [T]: whether each token starts a run, and the index one past the last
-    token of its run. Device ops only, so CUDA graphs capture it."""
+    """Whether each token [T] starts a run, and one past its run's last token (device ops only)."""
     t = slots.shape[0]
     index = torch.arange(t, device=slots.device)
     starts = torch.ones(t, dtype=torch.bool, device=slots.device)
@@ -137,11 +125,7 @@ def _runs(slots: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, t
 def attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
            positions: torch.Tensor, span: int, max_run: int, scaling: float,
            entries: Callable[[], Entries] | None = None) -> torch.Tensor:
-    """query [T, Hq, D] over cached K/V [S, Hkv, C, D] -> [T, Hq, D]; causal by absolute position.
-
-    span must exceed every position, max_run bound the longest run (`AttentionBatch`); entries:
-    gives the step's `varlen_entries` when the caller keeps them across layers.
-    """
+    """query [T, Hq, D] over cached K/V [S, Hkv, C, D] -> [T, Hq, D], causal by absolute position."""
     fn = impl("attention", "attention", query.device.type)
     if fn is not None:
         # under autograd: the kernel's bits, the gathered SDPA's derivative (parity.kernels.grad)
@@ -158,16 +142,11 @@ def flash_over_cache(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                      positions: torch.Tensor, max_run: int, scaling: float,
                      entries: Entries | None = None) -> torch.Tensor:
     """Stock flash attention (torch's varlen kernel) reading each run's slot in place: query [T, Hq, D]
-    over contiguous K/V [S, Hkv, C, D] -> [T, Hq, D]. No K/V is copied.
+    over K/V [S, Hkv, C, D] -> [T, Hq, D], nothing copied.
 
-    Every token (or, compacted, every run) is one varlen batch entry (`varlen_entries`): a run's
-    first token owns the run's queries and reads its slot's keys 0..last position through
-    `cache_rows`, the other tokens own none. The kernel's causal mask is aligned bottom-right, so
-    query i of a run of L tokens sees keys up to used - L + i, its own absolute position. Flash
-    picks its tiles and may split the KV walk by heuristics that follow the batch: this is the
-    fast baseline, with no invariance claim.
-    entries: `varlen_entries` of this step when the caller already has them (one per forward); a
-    step of more than MAX_FLASH_ENTRIES tokens is run in slices and makes its own.
+    A run's first token owns its queries and reads keys 0..last through `cache_rows`; the causal mask
+    is bottom-right aligned, so query i of L sees keys up to its own position. Flash's tiling follows
+    the batch: the fast baseline, no invariance claim. Steps above MAX_FLASH_ENTRIES run in slices.
     """
     if query.shape[0] > MAX_FLASH_ENTRIES:
         # one launch per slice of tokens: a run cut in two is two runs, each still ending at its
@@ -195,12 +174,10 @@ def cache_rows(cache: torch.Tensor) -> torch.Tensor:
 
 def varlen_entries(slots: torch.Tensor, positions: torch.Tensor, kv_heads: int, capacity: int,
                    compact: bool = False) -> Entries:
-    """The varlen batch of `flash_over_cache`, int32. One entry per token t of the step: cu_q [T + 1]
-    (entry t's queries are rows cu_q[t]:cu_q[t + 1]: its whole run if t starts one, else none),
-    cu_k [T + 1] (its keys start at `cache_rows` row cu_k[t], its slot's position 0) and used [T]
-    (it reads used[t] keys: its run's last position + 1). compact: one entry per run instead (the
-    run count is read off the device, a host sync, so never inside a CUDA graph): a prefill step's
-    launch then has no empty entries."""
+    """The varlen batch of `flash_over_cache`, int32: cu_q [T + 1] (a run's first token owns its rows),
+    cu_k [T + 1] (its slot's position 0 in `cache_rows`), used [T] (keys read). compact: one entry
+    per run (a host sync, never inside a CUDA graph).
+    """
     t = slots.shape[0]
     starts, ends = _runs(slots, positions)
     index = torch.arange(t, device=slots.device)
@@ -230,10 +207,8 @@ def gathered_sdpa(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 def parity_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0,
                      **kwargs: object) -> tuple[torch.Tensor, None]:
-    """HF attention-function signature: query [B, Hq, L, D], key/value [B, Hkv, S, D] -> [B, L, Hq, D].
-
-    S = L when a `parity_batch` is given (this step's tokens only); otherwise S >= L keys of
-    which the queries are the last L positions. The second return value (attention weights) is None.
+    """HF attention-function signature: query [B, Hq, L, D], key/value [B, Hkv, S, D] -> [B, L, Hq, D]
+    (S = L with `parity_batch`, else queries are the last L positions); weights None.
     """
     b, hq, length, d = query.shape
     q = query.transpose(1, 2).reshape(b * length, hq, d)

@@ -1,26 +1,11 @@
 """Batch-invariant CPU kernels built from stock torch ops whose results cannot depend on the batch.
 
-What breaks invariance in stock CPU torch (measured, see docs/DESIGN.md) and how each op avoids it:
-
-- GEMM kernel choice depends on the problem's shape and, for a lone product, on the thread
-  count. Every matmul is a batch of fixed-shape float32 problems (`cpu_gemm`: [TILE, K] row
-  tiles times column blocks of the weight), so the library runs the same single-threaded
-  kernel for every row, whatever the batch.
-- Reductions split across threads when rows are few, and their vectorized accumulation order
-  is an implementation detail. Every sum here has an order fixed by construction: a
-  `tree_sum` (a fixed pairwise tree of elementwise adds over the reduced axis, padded with exact
-  zeros to a power of two), or a product with a ones vector inside a fixed-shape GEMM (RMSNorm's
-  sum of squares, attention's softmax mass in `cpu_attention`).
-- Transcendental pointwise ops (exp, log, silu, ...) use a vectorized body and a scalar tail
-  that round differently, so an element's result depends on its flat position and on how
-  `parallel_for` chunks the tensor. `pointwise` feeds them contiguous pieces whose lengths are
-  multiples of `POINTWISE_ALIGN` and small enough to run on one thread, so every element goes
-  through the vector body.
-
-Elementwise +, -, *, / and comparisons are correctly rounded in every code path, so they are
-used freely. Nothing here changes torch's thread settings: the switch must not change the
-results of code outside it. The bitwise tests in tests/test_kernels.py prove each property on
-the CPU they run on (row position, batch, thread count).
+What breaks invariance in stock CPU torch (docs/DESIGN.md) and the fix: GEMM kernel choice
+follows shape and threads, so every matmul is a batch of fixed-shape float32 problems
+(`cpu_gemm`); threaded reductions have no fixed order, so sums are a `tree_sum` or a ones-vector
+GEMM; transcendental ops round differently in the vector body and scalar tail, so `pointwise`
+feeds aligned one-thread pieces. +, -, *, / are correctly rounded everywhere. Thread settings are
+never changed. tests/test_kernels.py proves each property.
 """
 
 from __future__ import annotations
@@ -40,11 +25,8 @@ POINTWISE_CHUNK = 16384
 
 
 def pointwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """`fn(x)` for an elementwise `fn`, with every element computed by the same (vector) code path.
-
-    The flat input is zero-padded to a multiple of POINTWISE_ALIGN and fed in contiguous pieces
-    of at most POINTWISE_CHUNK elements: below ATen's parallel grain size an op runs on one
-    thread over the whole piece, so no thread split can put an element into a scalar tail.
+    """`fn(x)` for an elementwise `fn`, every element through the vector body: zero-padded to
+    POINTWISE_ALIGN, in pieces of at most POINTWISE_CHUNK (below ATen's grain size: one thread).
     """
     flat = x.reshape(-1)
     n = flat.numel()
@@ -58,12 +40,7 @@ def pointwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> to
 
 
 def pointwise_(fn_: Callable[[torch.Tensor], torch.Tensor], flat: torch.Tensor) -> torch.Tensor:
-    """`pointwise` in place on a flat contiguous tensor whose length is a multiple of POINTWISE_ALIGN.
-
-    For callers that build their input in a padded buffer already (the sampler's Gumbel noise,
-    32 x 49k float64 per step), so no padded copy or concatenation is made; `fn_` applies
-    in-place ops to each piece. Returns `flat`.
-    """
+    """`pointwise` in place on a flat tensor already padded to POINTWISE_ALIGN (no copy); returns `flat`."""
     if flat.dim() != 1 or not flat.is_contiguous() or flat.numel() % POINTWISE_ALIGN:
         raise ValueError(f"pointwise_ needs a flat contiguous tensor of a multiple of {POINTWISE_ALIGN} "
                          f"elements, got shape {tuple(flat.shape)}")
@@ -73,11 +50,7 @@ def pointwise_(fn_: Callable[[torch.Tensor], torch.Tensor], flat: torch.Tensor) 
 
 
 def tree_sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
-    """Sum over `dim` by a fixed pairwise tree: add the upper half onto the lower half until one is left.
-
-    Zeros pad the axis to a power of two; x + 0 == x exactly, so neither this padding nor any
-    trailing zeros (masked entries) change the result.
-    """
+    """Sum over `dim` by a fixed pairwise tree, zero-padded to a power of two (x + 0 == x exactly)."""
     dim = dim % x.dim()
     n = x.shape[dim]
     width = 1 << max(n - 1, 0).bit_length()
@@ -92,10 +65,8 @@ def tree_sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Ten
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias): x [..., K], weight [N, K] -> [..., N]; each row independent of the others.
-
-    A float32 GEMM of fixed [TILE, K] x [K, width] problems (`cpu_gemm.matmul`), rounded once to
-    x's dtype.
+    """x [..., K] @ weight [N, K].T (+ bias) -> [..., N], each row independent: fixed float32
+    [TILE, K] x [K, width] problems (`cpu_gemm.matmul`), rounded once.
     """
     k = x.shape[-1]
     n_out = weight.shape[0]
@@ -110,11 +81,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF RMSNorm (normalize in fp32, cast back, multiply by weight) with a fixed-order mean.
-
-    The sum of squares of each row is its product with a ones column in fixed-shape GEMM
-    problems (`cpu_gemm.row_sums`) instead of a zero-padded tree of ~2 log2(hidden) ops.
-    """
+    """HF RMSNorm with a fixed-order mean: sums of squares as a ones-column GEMM (`cpu_gemm.row_sums`)."""
     dtype = x.dtype
     xf = x.to(torch.float32)
     variance = cpu_gemm.row_sums((xf * xf).reshape(-1, x.shape[-1])).view(*x.shape[:-1], 1) / x.shape[-1]
@@ -137,11 +104,8 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor:
 
 
 def cumsum(x: torch.Tensor) -> torch.Tensor:
-    """Inclusive cumulative sum over the last dim [..., V] -> [..., V] in x's dtype.
-
-    ATen's CPU scan walks each row front to back with a float64 accumulator (rows are what its
-    threads split), so a row's result is its float64 prefix sums rounded once, whatever the batch:
-    the stock op is already the fixed order, and a bitwise test holds it to that.
+    """Inclusive cumsum over the last dim [..., V] in x's dtype: ATen's CPU scan is already per-row
+    float64 front to back, rounded once (a bitwise test holds it to that).
     """
     return torch.cumsum(x, dim=-1)
 
@@ -152,10 +116,8 @@ def activation(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> t
 
 
 def topk(scores: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k over the last dim with ties broken by the lower index (stable descending sort).
-
-    Returns (values, indices), each [..., k]; values renormalized to sum 1 if `normalize`.
-    `torch.topk` leaves the tie order unspecified.
+    """(values, indices) [..., k], ties to the lower index (stable sort; `torch.topk` leaves tie order
+    unspecified); values renormalized if `normalize`.
     """
     values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)
     values, indices = values[..., :k], indices[..., :k]
@@ -169,12 +131,9 @@ def experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torc
             act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """SwiGLU experts as one grouped GEMM with a fixed combine order: hidden [N, H] -> [N, H].
 
-    top_k_index, top_k_weights [N, k]; gate_up_proj [E, 2I, H]; down_proj [E, H, I]; `act` is
-    the (patched) activation module. The (token, slot) rows routed to each expert are packed
-    into that expert's own [TILE, H] row tiles (zero rows pad the last one), and one float32 bmm
-    runs every tile against its expert's weights (`cpu_gemm.bmm`): each row meets the same
-    problem whatever else was routed. Each row's weighted output goes back to its (token,
-    slot), and the k slots of a token are summed in slot order.
+    top_k_index, top_k_weights [N, k]; gate_up_proj [E, 2I, H]; down_proj [E, H, I]. Each expert's
+    rows are packed into [TILE, H] tiles of one float32 bmm (`cpu_gemm.bmm`), so a row meets the same
+    problem whatever else was routed; a token's k slots are summed in slot order.
     """
     n, k = top_k_index.shape
     num_experts = gate_up_proj.shape[0]
@@ -211,12 +170,8 @@ def rotary(forward: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, t
            x: torch.Tensor, position_ids: torch.Tensor, max_positions: int,
            tables: dict[tuple[torch.dtype, str], tuple[torch.Tensor, torch.Tensor]],
            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [B, L, D] for `position_ids` [B, L], gathered from a table of every position.
-
-    The table is made by one call of the model's own rotary `forward` on positions
-    0..max_positions-1 and cached in `tables` per (dtype, device); a row of it is then the same
-    whatever batch, chunk or step asks for that position (cos/sin of a vectorized body and a
-    scalar tail round differently, so computing them per call would not be).
+    """cos, sin [B, L, D] gathered from a per-(dtype, device) table of the model's own rotary over every
+    position, so a position's row never depends on the call (vector body vs scalar tail).
     """
     key = (x.dtype, str(x.device))
     if key not in tables:

@@ -1,32 +1,11 @@
 """Batch-invariant causal attention over the slot KV cache on CPU, as two fixed-shape GEMMs per KV block.
 
-Every score and every weighted value of a token comes out of a BLAS product of one fixed shape
-in which the token's numbers always sit at the same place, whatever the batch, the chunk or the
-span, so the library runs the same code on the same operand positions for that token:
-
-- The cache is read in KEY_BLOCK-position blocks; a key at position p is always column
-  p % KEY_BLOCK of block p // KEY_BLOCK.
-- For each token, KV head and block, the scores are [HEAD_ROWS, D] x [D, KEY_BLOCK] products
-  (the G = Hq / Hkv query heads of that KV head in head order, HEAD_ROWS at a time, zero rows
-  padding the last), and the weighted values [HEAD_ROWS, KEY_BLOCK] x [KEY_BLOCK, D + 1]
-  products whose extra column of values is all ones, so the same product also gives the
-  block's softmax mass. The library's kernel depends on the row count, so the rows are fixed
-  rather than G: a head's bits do not depend on how many query heads share its KV head, which
-  tensor parallelism changes when it replicates KV heads (TP=4 of 4 query / 2 KV heads leaves
-  one query head per KV head on each rank). The products run as batches of problems
-  like every CPU GEMM here (`cpu_gemm`: one thread per problem, equal alignment).
-- Keys after a token's position get score -inf and exp gives them exact zeros; the max is
-  order-free; the per-block products are summed over blocks by `tree_sum`, which whole blocks
-  of zeros (a longer span) leave unchanged.
-
-K/V are read once per sequence slot, not once per token: the step's slots are converted to
-float32 once per layer, ordered by how many of the step's tokens they hold (most first), and
-the tokens are taken in rounds: round j holds the j-th token of every slot that has one, which
-are the first n_j slots. One `bmm` per round then pairs token i of the round with slot i's
-blocks through a plain strided view of the converted cache. A decode step is one round; a
-prefill chunk of L tokens per sequence is L rounds. Everything a step's layers share (the
-order, the rounds, the mask) is computed once per step: `_plan` keeps the last plan and reuses
-it while slots, positions and span are equal (checked by value).
+Every score and weighted value comes from a BLAS product of one fixed shape with the token at a
+fixed place: keys in KEY_BLOCK blocks by absolute position; scores [HEAD_ROWS, D] x [D, KEY_BLOCK]
+(HEAD_ROWS fixed rather than G, since tensor parallelism changes query heads per KV head); values
+[HEAD_ROWS, KEY_BLOCK] x [KEY_BLOCK, D + 1] whose ones column gives the softmax mass. Masked keys
+are exact zeros; blocks are summed by `tree_sum`. K/V are converted once per slot per layer and
+tokens taken in rounds (one `bmm` each); `_plan` is reused across a step's layers.
 """
 
 from __future__ import annotations
@@ -52,13 +31,9 @@ CHUNK_ELEMENTS = 1 << 23
 
 @dataclass(frozen=True, eq=False)
 class _Plan:
-    """What every layer of a step shares.
-
-    slots, positions [T], span: what the plan was made for (copies). order [T]: the tokens
-    round by round (round j: the j-th token of slot 0, 1, ..., n_j - 1 of `slot_order`);
-    slot_order [S']: the step's slots, most tokens first; first_slot: slot_order[0] when slot_order
-    is consecutive slots (then K/V are read through a view), else None; rounds: (first token in `order`, n_j)
-    per round; mask [T, 1, blocks, 1, KEY_BLOCK] in `order` (True: hidden key).
+    """What every layer of a step shares: the tokens `order` [T] round by round, `slot_order` (most
+    tokens first; `first_slot` when consecutive, read through a view), `rounds` (first token, n_j),
+    and `mask` [T, 1, blocks, 1, KEY_BLOCK] (True: hidden).
     """
 
     slots: torch.Tensor
@@ -116,8 +91,9 @@ def _plan(slots: torch.Tensor, positions: torch.Tensor, span: int) -> _Plan:
 
 
 def _gather(cache: torch.Tensor, plan: _Plan, width: int, columns: int, ones: bool) -> torch.Tensor:
-    """Cached positions [0, width) of the plan's slots as float32 [S', Hkv, width, columns]: the
-    cached D values, then a column of ones if `ones`, then zeros (also past the cache's capacity)."""
+    """Cached positions [0, width) of the plan's slots as float32 [S', Hkv, width, columns] (a ones
+    column if `ones`, then zeros).
+    """
     _, hkv, capacity, d = cache.shape
     have = min(capacity, width)
     out = torch.empty(plan.slot_order.numel(), hkv, width, columns, dtype=torch.float32, device=cache.device)
@@ -133,8 +109,7 @@ def _gather(cache: torch.Tensor, plan: _Plan, width: int, columns: int, ones: bo
 
 
 def _chunks(rounds: tuple[tuple[int, int], ...], per_token: int) -> list[tuple[int, int, list]]:
-    """Consecutive rounds grouped into chunks of at most CHUNK_ELEMENTS / per_token tokens (at least
-    one round each): (first token, end token, the chunk's rounds)."""
+    """Rounds grouped into chunks of at most CHUNK_ELEMENTS / per_token tokens: (first, end, rounds)."""
     chunks: list[tuple[int, int, list]] = []
     limit = max(1, CHUNK_ELEMENTS // per_token)
     for start, n in rounds:
@@ -147,14 +122,9 @@ def _chunks(rounds: tuple[tuple[int, int], ...], per_token: int) -> list[tuple[i
 
 def attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
               positions: torch.Tensor, span: int, scaling: float, max_run: int | None = None) -> torch.Tensor:
-    """Causal attention of each query token over its own sequence's cached K/V.
-
-    query [T, Hq, D]; k_cache, v_cache [S, Hkv, C, D] (S sequence slots, C cached positions);
-    slots, positions [T] (int64): the slot and absolute position of each query token; `span`:
-    how many cached positions to read (> every position); `max_run` (the switch's signature) is
-    not needed: the plan orders tokens by slot itself. Returns [T, Hq, D] in the query
-    dtype; the math runs in float32. A token's result does not depend on `span`, on the other
-    tokens, or on whether it came in a full forward, a prefill chunk or a decode step.
+    """Causal attention of each query [T, Hq, D] over its own slot's K/V [S, Hkv, C, D] -> [T, Hq, D]
+    (float32 math). `span` > every position; `max_run` is unused. A token's result depends on
+    neither span, other tokens nor the phase.
     """
     t, hq, d = query.shape
     hkv = k_cache.shape[1]

@@ -1,26 +1,11 @@
 """Fixed-shape float32 GEMMs on CPU, each run by the BLAS library's single-threaded kernel.
 
-What the library (MKL, x86) does that would make a row's bits depend on the batch, measured on
-the development machine and proven absent by the bitwise tests in tests/test_kernels.py on
-whatever CPU runs them:
-
-- Its kernel and blocking depend on the problem's shape: rows of an [M, K] x [K, N] product
-  differ between small and larger M. Every product here has one shape per weight:
-  [TILE, K] x [K, width], rows in tiles of TILE (zero rows pad the last tile), the weight's
-  columns in blocks of `width` (zero columns pad the last block).
-- A single product called with two or more threads may be split across them in a way that
-  changes its bits; in a `bmm` of two or more problems each problem runs the sequential kernel
-  on one thread, whatever the thread count (seen on [6, 64] x [64, 32] and [32, 576] x
-  [576, 1]). So every product is one problem of a `bmm` of at least two (`bmm`; `matmul`
-  makes the weight's column blocks its batch).
-- Problems whose rows are not whole 64-byte multiples round differently by their place in the
-  batch (seen on [2, 32] x [32, 33]): column blocks are multiples of 16 float32 columns, so
-  every problem starts at a multiple of 64 bytes from the batch's start.
-
-bf16/fp16 operands are multiplied as float32 copies: the products of bf16 values are exact in
-float32 and the sums accumulate in float32, as a bf16 GEMM's do, with one rounding at the end;
-on a CPU without native bf16 dot products (AVX2) the float32 GEMM is ~9x faster than the bf16
-one (docs/PERF.md). The float32 copy of a weight is cached with the weight.
+What MKL does that would tie a row's bits to the batch (tests/test_kernels.py proves it absent):
+kernel and blocking follow the shape, so products are [TILE, K] x [K, width] with zero padding; a
+lone product may split across threads, so every product is one problem of a `bmm` of two or more
+(one thread each); rows not 64-byte aligned round by their place, so column blocks are multiples
+of 16 float32. bf16/fp16 are multiplied as cached float32 copies (exact products, float32 sums,
+one rounding; ~9x a bf16 GEMM on AVX2, docs/PERF.md).
 """
 
 from __future__ import annotations
@@ -46,11 +31,8 @@ _blocked: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 def _cached(store: WeakIdKeyDictionary, weight: torch.Tensor, make: Callable[[], torch.Tensor]
             ) -> torch.Tensor:
-    """make() for `weight`, made once per weight and version and dropped with the weight.
-
-    An in-place update through autograd-visible ops (`param.copy_`, `load_state_dict`: the
-    version counter moves) or a new storage makes a fresh copy; writing through `.data`
-    bypasses the version counter and is not seen.
+    """make() once per weight and version, dropped with the weight (writes through `.data` skip the
+    version counter and are not seen).
     """
     key = (weight._version, weight.data_ptr())
     cached = store.get(weight)
@@ -108,12 +90,8 @@ def bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> to
 
 
 def _tiles(rows: torch.Tensor) -> torch.Tensor:
-    """rows [M, K] as float32 tiles [ceil(M / TILE), TILE, K], zero rows padding the last tile.
-
-    Rows that fill whole tiles are used as they are (float32) or as their float32 copy when that
-    is contiguous and starts on a 64-byte boundary (operand alignment is one of the things MKL's
-    rounding depends on, see the module docstring); anything else is copied into a fresh,
-    aligned, zero-padded buffer.
+    """rows [M, K] as float32 tiles [ceil(M / TILE), TILE, K], zero-padded; copied unless already whole,
+    contiguous and 64-byte aligned (MKL's rounding depends on alignment).
     """
     m, k = rows.shape
     tiles = -(-m // TILE)
@@ -128,13 +106,8 @@ def _tiles(rows: torch.Tensor) -> torch.Tensor:
 
 
 def _tiled(rows: torch.Tensor, blocked: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """rows [M, K] (any float dtype, taken as float32) times column blocks [blocks, K, width] ->
-    [M, blocks * width], each float32 result rounded once to `dtype`.
-
-    Each output entry comes from one [TILE, K] x [K, width] problem in a batch of at least two:
-    the column blocks for each tile, or the tiles for each column block, whichever loop is
-    shorter (the same problems either way). Each batch's result goes to its place in the output
-    in one copy that also rounds it to `dtype`.
+    """rows [M, K] times column blocks [blocks, K, width] -> [M, blocks * width], rounded once to
+    `dtype`: each entry from one [TILE, K] x [K, width] problem in a batch of at least two.
     """
     m = rows.shape[0]
     a = _tiles(rows)

@@ -1,11 +1,5 @@
-"""The sampler's Gumbel-max draw on CPU, batch-invariant: the noise's logs in the vector body only.
-
-The noise is `parity.kernels.sampling`'s (the same hash bits, `uniform`); what CPU adds is the
-rounding of its two float64 logs. Like every transcendental op here (`cpu.pointwise`), an
-element's result would depend on whether it lands in the vectorized body or the scalar tail of a
-thread's chunk; the buffer is padded to a multiple of POINTWISE_ALIGN and the logs run in place
-over pieces that stay on one thread (`cpu.pointwise_`), so every element goes through the vector
-body whatever the batch.
+"""The sampler's Gumbel-max draw on CPU, batch-invariant: the noise's two float64 logs run in place
+over aligned one-thread pieces (`cpu.pointwise_`), so every element goes through the vector body.
 """
 
 from __future__ import annotations
@@ -17,21 +11,15 @@ from parity.kernels.sampling import uniform
 
 
 def gumbel_noise(state: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Gumbel noise [N, vocab] float64; row i is a function of state[i] (its key's hash state) only.
-
-    state [N] int64 on the CPU; the noise is -log(-log(u)) of `uniform`'s u, the logs through
-    `pointwise_`.
-    """
+    """Gumbel noise [N, vocab] float64, -log(-log(u)); row i depends on state[i] only."""
     flat = uniform(state, vocab, POINTWISE_ALIGN)
     pointwise_(lambda u: u.log_().neg_().log_().neg_(), flat)
     return flat[:state.shape[0] * vocab].view(state.shape[0], vocab)
 
 
 def gumbel_argmax(scores: torch.Tensor, state: torch.Tensor, noisy: torch.Tensor) -> torch.Tensor:
-    """argmax(scores + `gumbel_noise`) per row -> [N] int64, ties to the lower token id.
-
-    scores [N, V] float32 or float64; state [N] int64; noisy [N] bool, False rows add no noise
-    (greedy). A batch without noisy rows makes no noise at all.
+    """argmax(scores [N, V] + `gumbel_noise`) per row -> [N] int64, ties to the lower id; rows not
+    `noisy` (greedy) add no noise.
     """
     if not bool(noisy.any()):
         return scores.argmax(dim=-1)

@@ -1,24 +1,10 @@
 """Gradients through the invariant kernels: the kernel's forward bits, the stock op's derivative.
 
-The batch-invariant kernels are forward code: fixed-shape GEMMs written into preallocated
-outputs on CPU, Triton launches on CUDA. Autograd cannot differentiate most of them, and a
-training step needs the gradient of exactly the logprobs the rollout engine reported.
-`exact(kernel, stock, *inputs)` runs `kernel()` and returns its result bit for bit; its backward
-recomputes `stock(*inputs)` (the stock torch op the family replaces, which autograd
-differentiates) at the same inputs and back-propagates through it. Kernel and stock op compute
-the same function up to rounding, so the gradient is the stock op's local derivative evaluated
-at the invariant forward's own activations: the forward a loss sees is the rollout's, bit for
-bit, and only the backward's rounding is stock (its batch dependence is measured in
-docs/DESIGN.md, "Gradients").
-
-Without grad mode, or when no input requires a gradient (the engine, `inference_mode`), `exact`
-is a plain call of `kernel()`: the engine pays nothing for it.
-
-The recompute runs with every kernel family off (`switch.native`), so a stock function that calls
-patched modules (HF's expert MLP calls the patched activation) runs stock all the way down.
-A stock function may read module parameters directly (HF's RMSNorm and expert forwards read
-their own weights) provided those parameters are among `inputs`: inputs that are leaves
-(parameters) enter the recompute as themselves, every other input as a detached copy.
+Autograd cannot differentiate most kernels, yet training needs the gradient of exactly the
+logprobs the engine reported. `exact(kernel, stock, *inputs)` returns `kernel()` bit for bit and
+back-propagates through `stock(*inputs)` recomputed at the same inputs with every family off
+(batch dependence of the backward: docs/DESIGN.md, "Gradients"). Without grad it is a plain call.
+Leaf inputs (parameters) enter the recompute as themselves, others detached.
 """
 
 from __future__ import annotations
@@ -40,11 +26,8 @@ def needs_grad(*inputs: torch.Tensor | None) -> bool:
 
 
 def exact(kernel: Callable[[], Output], stock: Callable[..., Output], *inputs: torch.Tensor | None) -> Output:
-    """`kernel()`'s result (a tensor or a tuple of tensors), differentiable as `stock(*inputs)`.
-
-    kernel: computes the forward (an invariant kernel called on `inputs`); stock: the same
-    function of `inputs` in stock torch ops, same output shapes and dtypes; inputs: every tensor
-    the result depends on differentiably (None entries, e.g. a missing bias, are allowed).
+    """`kernel()`'s result (a tensor or tuple), differentiable as `stock(*inputs)`; `inputs` holds
+    every tensor it depends on differentiably (None allowed).
     """
     if not needs_grad(*inputs):
         return kernel()

@@ -1,8 +1,5 @@
-"""MoE expert compute (family "moe"): grouped expert GEMMs and the top-k combine.
-
-HF's eager experts run one GEMM per expert over however many tokens chose it in this batch,
-so a token's bits depend on its batch companions. The invariant kernel of the device
-(`cpu.experts` here) fixes the GEMM shape per row and the order of the top-k sum.
+"""MoE expert compute (family "moe"): grouped expert GEMMs and the top-k combine. HF's eager
+experts run one GEMM per expert over however many tokens chose it, so bits follow companions.
 """
 
 from __future__ import annotations
@@ -20,10 +17,8 @@ ExpertsForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tens
 
 def experts_forward(experts: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor, native: ExpertsForward) -> torch.Tensor:
-    """Expert MLPs of every token, weighted and summed: hidden [N, H], top_k_* [N, k] -> [N, H].
-
-    `experts` has HF's fused layout: gate_up_proj [E, 2I, H], down_proj [E, H, I], act_fn.
-    `native` is the module's own forward, used when family "moe" is off.
+    """Expert MLPs weighted and summed: hidden [N, H], top_k_* [N, k] -> [N, H] (HF's fused layout);
+    `native` when family "moe" is off.
     """
     fn = impl("moe", "experts", hidden.device.type)
     if fn is None:

@@ -1,11 +1,6 @@
-"""The ops patched models and the sampler call: each runs the invariant kernel of its family when that
-family is on (looked up for the tensor's device) and the stock torch op otherwise.
-
-The stock branch is exactly what the unpatched HF module computes, so a model with every family
-off gives the same bits as an unpatched one; the sampler's draw, which no HF module has, falls
-back to its formula in plain torch ops (`parity.kernels.sampling`). Under autograd a kernel's
-result keeps its bits and takes the stock op's derivative (`parity.kernels.grad.exact`), so a
-training forward with gradients reports the same logprobs as the engine.
+"""The ops patched models and the sampler call: the family's invariant kernel for the tensor's
+device when on, the stock torch op otherwise (exactly the unpatched HF module). Under autograd a
+kernel keeps its bits and takes the stock derivative (`parity.kernels.grad.exact`).
 """
 
 from __future__ import annotations
@@ -86,10 +81,9 @@ def rotary(forward: RotaryForward, x: torch.Tensor, position_ids: torch.Tensor, 
 def apply_rotary(native: Callable[..., tuple[torch.Tensor, torch.Tensor]], q: torch.Tensor,
                  k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """q, k rotated by cos, sin (family "rotary"); `native` is the model's own `apply_rotary_pos_emb`.
-
-    Elementwise, so invariant as stock; the CUDA kernel fuses HF's ten launches into two with the
-    same bits (`parity.kernels.triton.rotary`)."""
+    """q, k rotated by cos, sin (family "rotary"); elementwise, so invariant as stock; the CUDA kernel
+    fuses HF's ten launches into two with the same bits.
+    """
     fn = impl("rotary", "apply", q.device.type)
     if fn is None:
         return native(q, k, cos, sin, unsqueeze_dim)
@@ -98,9 +92,8 @@ def apply_rotary(native: Callable[..., tuple[torch.Tensor, torch.Tensor]], q: to
 
 
 def topk(scores: torch.Tensor, k: int, *, normalize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, indices) [..., k] of the k largest scores, values renormalized to sum 1 if `normalize`.
-
-    Family "moe": ties go to the lower index and the renormalizing sum has a fixed order.
+    """(values, indices) [..., k] of the k largest scores; family "moe": ties to the lower index and a
+    fixed-order renormalizing sum.
     """
     fn = impl("moe", "topk", scores.device.type)
     if fn is not None:
@@ -116,17 +109,14 @@ def topk(scores: torch.Tensor, k: int, *, normalize: bool = False) -> tuple[torc
 
 
 def _picked(scores: torch.Tensor, indices: torch.Tensor, normalize: bool) -> torch.Tensor:
-    """The top-k values of `scores` at the chosen `indices` [..., k], in stock ops (the derivative
-    of the "moe" top-k: the choice itself has none)."""
+    """The top-k values at `indices` in stock ops (the "moe" top-k's derivative; the choice has none)."""
     values = scores.gather(-1, indices)
     return values / values.sum(dim=-1, keepdim=True) if normalize else values
 
 
 def gumbel_argmax(scores: torch.Tensor, state: torch.Tensor, noisy: torch.Tensor) -> torch.Tensor:
-    """One token per row [N] int64: argmax(scores [N, V] + each row's Gumbel noise), ties to the lower id.
-
-    state [N] int64: each row's hash state; noisy [N] bool: False rows (greedy) add no noise.
-    Family "pointwise": the noise's float64 logs are elementwise transcendental ops.
+    """One token per row [N] int64: argmax(scores [N, V] + Gumbel noise of `state` [N]), ties to the
+    lower id; rows not `noisy` add none.
     """
     fn = impl("pointwise", "gumbel_argmax", scores.device.type)
     return sampling.gumbel_argmax(scores, state, noisy) if fn is None else fn(scores, state, noisy)

@@ -1,30 +1,14 @@
 """Load-time proof that a vendor matmul is row-invariant for one weight shape, cached on disk.
 
-The batch-invariant linear on CUDA has two routes: the Triton kernel, row-invariant by
-construction (its tile plan is a function of (dtype, N, K) alone), and cuBLASLt with split-K
-disabled, which is 2-3x faster at decode sizes but invariant only as an observed property of
-the library on one machine. This module turns that observation into a checked verdict per
-(dtype, N, K): `probe_rows` runs the vendor matmul on one random [max(PROBE_M), K] input and
-requires `linear(x[a:a+m]) == linear(x)[a:a+m]` bit for bit for every m in PROBE_M and every
-row offset a in PROBE_OFFSETS. A verdict is cached in a JSON file keyed by `fingerprint()` (GPU
-name, driver, CUDA runtime, cuBLASLt and torch versions, and the workspace settings), so a model
-load pays the probe once per machine and software stack, and a driver or library upgrade
-re-probes.
+cuBLASLt without split-K is 2-3x faster than the Triton kernel at decode sizes but invariant only
+as observed. `probe_rows` requires `linear(x[a:a+m]) == linear(x)[a:a+m]` bit for bit for every m
+in PROBE_M and offset in PROBE_OFFSETS; verdicts are cached by `fingerprint()` (GPU, driver,
+CUDA, cuBLASLt, torch, workspace), so any upgrade re-probes.
 
-Why a finite probe is trusted (once split-K is off): cuBLASLt picks an algorithm by heuristic
-from the problem descriptor (M, N, K, dtypes, layouts, pointer alignment, workspace). With no
-workspace, no algorithm that splits K across CTAs (split-K, stream-K with a fix-up reduction)
-can be chosen, so every candidate reduces a row's K in one CTA; what can still change with M is
-the kernel itself (tile shape, MMA instruction, K chunking per main-loop stage), and the
-heuristic's choice is a step function of M whose steps sit at tile-size multiples. PROBE_M
-covers both sides of every power-of-two boundary from 1 to 4096 plus odd sizes between them,
-and PROBE_OFFSETS covers the pointer alignments a slice of a larger activation produces, so
-each class of heuristic input the engine can produce up to 4096 rows is exercised. What the
-probe cannot rule out: a heuristic step at an M it does not test (above 4096, or between two
-tested values inside one class), and a library that changes behaviour without changing its
-version. Above 4096 rows the engine's steps never go (its token budget bounds M); a change of
-any fingerprint field re-probes. The Triton kernel stays the by-construction fallback for
-every shape whose probe fails, has a bias, or runs in a process not set up for cuBLASLt.
+Why a finite probe is trusted: with no workspace no split-K algorithm can be chosen, so what
+changes with M is the kernel, a step function of M at tile multiples; PROBE_M covers both sides
+of every power of two to 4096 (the engine's token budget bound) and PROBE_OFFSETS the alignments.
+Unprobed, failed or biased shapes take the Triton kernel.
 """
 
 from __future__ import annotations

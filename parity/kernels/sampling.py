@@ -1,14 +1,9 @@
 """The sampler's Gumbel noise, defined once: a counter-based hash of each row's key and token id.
 
-The sampler folds a row's key (request seed, sample index, absolute position) into a 32-bit
-hash state with `mix32` (`parity.engine.sampler.key_state`); token v of that row gets 53 random
-bits from the state and v alone, u = (bits + 0.5) / 2^53 in (0, 1), and the noise
--log(-log(u)), so no element depends on its place in the batch. The hash is integer
-arithmetic, exact on every device; the two float64 logs are the device's own.
-
-`gumbel_argmax` here is the stock draw (plain torch ops) that `parity.kernels.ops.gumbel_argmax`
-runs when family "pointwise" is off; the invariant draws are `cpu_sampling` (the logs in the
-vector body only) and `triton.sampling` (one fused kernel, the noise never written to memory).
+A row's key (seed, sample index, position) folds into a 32-bit state (`mix32`); token v gets 53
+bits from the state and v alone, u = (bits + 0.5) / 2^53, noise -log(-log(u)). The hash is exact
+integer arithmetic on every device; the two float64 logs are the device's own. `gumbel_argmax`
+here is the stock draw (family "pointwise" off).
 """
 
 from __future__ import annotations
@@ -23,12 +18,8 @@ _HASH_ROWS = 2
 
 
 def mix32_(x: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (xorshift-multiply rounds), in place on int64 `x` holding values in [0, 2^32);
-    `scratch` has x's shape and takes each shifted copy, so a round makes no temporary.
-
-    The multipliers are odd and below 2^31, so a 32-bit value times one stays below 2^63: no
-    int64 overflow, and every shift is of a non-negative number, so results are the same on
-    every device.
+    """A 32-bit xorshift-multiply hash in place on int64 `x` in [0, 2^32) (`scratch` avoids temporaries):
+    odd multipliers below 2^31 never overflow int64, so results are the same on every device.
     """
     for shift, multiplier in ((16, 0x7FEB352D), (15, 0x68E31DA5)):
         x.bitwise_xor_(torch.bitwise_right_shift(x, shift, out=scratch))
@@ -55,12 +46,8 @@ def token_words(vocab: int, device: torch.device | str) -> torch.Tensor:
 
 
 def uniform(state: torch.Tensor, vocab: int, align: int = 1) -> torch.Tensor:
-    """u [N * vocab + padding] float64, flat and row-major: row i's u of every token id, in (0, 1).
-
-    state [N] int64, each row's hash state. The buffer is padded to a multiple of `align` elements
-    with u = 1/2, whose logs are finite, so in-place ops over whole aligned pieces are safe. The
-    hash runs in place, `_HASH_ROWS` rows at a time on CPU (cache-sized temporaries) and over all
-    rows at once elsewhere (a few launches per step, whatever the batch); the bits are the same.
+    """u [N * vocab + padding] float64 in (0, 1), row-major; padded to `align` with u = 1/2 (finite
+    logs). Hashed `_HASH_ROWS` rows at a time on CPU, all at once elsewhere: the same bits.
     """
     rows, total = state.shape[0], state.shape[0] * vocab
     words = token_words(vocab, state.device)
@@ -81,13 +68,9 @@ def uniform(state: torch.Tensor, vocab: int, align: int = 1) -> torch.Tensor:
 
 
 def gumbel_argmax(scores: torch.Tensor, state: torch.Tensor, noisy: torch.Tensor) -> torch.Tensor:
-    """argmax(scores + noise) per row -> [N] int64, ties to the lower token id: the stock draw.
-
-    scores [N, V] float32 or float64 (added to the noise in float64); state [N] int64, each row's
-    hash state; noisy [N] bool, False rows add no noise (greedy). The logs run as plain in-place
-    torch ops over the whole buffer: on CPU an element's last bit may follow where the thread split
-    puts it (vector body or scalar tail), so this is batch-invariant only where family "pointwise"
-    replaces it.
+    """argmax(scores [N, V] + noise) per row -> [N] int64, ties to the lower id: the stock draw. Its
+    logs run over the whole buffer, so on CPU a last bit may follow the thread split: invariant only
+    where family "pointwise" replaces it.
     """
     n, vocab = scores.shape
     noise = uniform(state, vocab).log_().neg_().log_().neg_().view(n, vocab)

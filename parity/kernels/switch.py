@@ -1,12 +1,6 @@
 """The one switch that turns batch-invariant ops on, per op family, and the per-device registry.
-
-Every patched model op asks `impl(family, op, device_type)` at call time: it returns the
-batch-invariant implementation registered for that device when the family is switched on, and
-`None` when the family is off (the caller then runs the stock torch op). A device backend (CPU
-here, CUDA/Triton in `parity/kernels/triton/`) plugs in with `register`; model code never
-changes.
-`replaced` swaps one registration for the length of a block (negative controls, call counting)
-and `registrations` lists them, so nothing outside this module touches the registry itself.
+`impl(family, op, device_type)` returns the registered kernel when the family is on, None when
+off; `register` plugs in a device, `replaced` swaps one for a block, `registrations` lists them.
 """
 
 from __future__ import annotations
@@ -104,10 +98,8 @@ def replaced(family: str, op: str, device_type: str, fn: Callable[..., Any]) -> 
 
 
 def impl(family: str, op: str, device_type: str) -> Callable[..., Any] | None:
-    """The invariant implementation to run now, or None when `family` is switched off.
-
-    Raises BackendUnavailableError when the family is on but no implementation exists for the
-    device: silently falling back to a stock op would break the invariance the caller asked for.
+    """The invariant implementation to run now, or None when `family` is off; BackendUnavailableError
+    when on with none for the device (a silent stock fallback would break invariance).
     """
     if family not in _enabled:
         return None

@@ -1,15 +1,9 @@
-"""Drift across training steps: a built-in on-policy RL loop (GRPO) over parity's backends.
+"""Drift across training steps: a built-in on-policy RL loop (GRPO) over parity's backends
+(`parity.loop("tiny-llama", ["reference", "vllm"], steps=20)`).
 
-    import parity
-    record = parity.loop("tiny-llama", ["reference", "vllm"], steps=20, json="loop.json")
-
-Every step samples on every backend, measures each backend's rollouts against the training
-forward at that step's weights, trains on one backend's rollouts, pushes the new weights to every
-backend and verifies them (`parity.loop.run` says how). Modules: `config` (settings), `task` (the
-built-in arithmetic task, or prompts and a reward of the caller's), `grpo` (advantages, loss),
-`weights` (what is trained and pushed), `adapter` (the same for a LoRA adapter, `lora_rank`),
-`trainer` (the differentiable forward and AdamW), `sync`
-(push and verify), `record` (the JSON), `run` (the loop), `command` (`parity loop`).
+Every step samples on every backend, measures each against the training forward at that step's
+weights, trains on one backend's rollouts, then pushes and verifies the new weights everywhere
+(`parity.loop.run`).
 """
 
 from __future__ import annotations
@@ -46,21 +40,12 @@ def loop(model: str, backends: Sequence[str | Backend] = ("reference",), *, step
          progress: Any = None) -> LoopRecord:
     """Run the on-policy GRPO loop on `model` for `steps` steps; returns its `LoopRecord`.
 
-    backends: names, or running `Backend`s (borrowed: given back the starting weights, not
-    closed; recorded in the dtype they run, which `backend_dtypes` may state but not contradict);
-    each must push and verify weights (the reference engine, vLLM, vLLM's server).
-    case/reward: prompts come from `case` (a Case, a case file or name; its model is not used)
-    and are rewarded by `reward(rollout) -> float`; without a case, the built-in arithmetic task
-    (`parity.loop.task`) on `prompts` prompts, rewarded by its exact answer check (a `reward`
-    given instead replaces its reward). device: "auto" (default) is cuda when a backend runs there
-    (vLLM on a CUDA host: `parity.backends.borrowed.resolve_device`), else cpu. The other settings
-    are `LoopConfig`'s.
-    json/html: the record, rewritten after every step, and its page with per-step charts.
-    progress: called with each step's rows as they are recorded.
-    lora_rank: train and push only a LoRA adapter of this rank (`parity.loop.adapter`); every
-    backend must apply adapters (the reference engine, vLLM, vLLM's server).
-    Raises a ParityError before any engine starts on bad settings or a backend without weight
-    sync; DivergedError naming the step when the loss or the weights become NaN or infinite.
+    backends: names or running `Backend`s (borrowed: given back the starting weights, not closed),
+    each able to push and verify weights. case/reward: prompts from `case` rewarded by
+    `reward(rollout) -> float`; else the built-in arithmetic task. device "auto": cuda when a backend
+    runs there. json/html: rewritten every step. lora_rank: train and push only a LoRA adapter.
+    Other settings are `LoopConfig`'s. A ParityError before any engine starts on bad settings;
+    DivergedError naming the step on NaN or infinite loss or weights.
     """
     if isinstance(backends, str) or not isinstance(backends, Sequence):
         raise ConfigError(f"backends must be a list of backend names or Backends, got {backends!r}")
@@ -93,8 +78,7 @@ def loop(model: str, backends: Sequence[str | Backend] = ("reference",), *, step
 
 
 def _check_lora_rank(model: str, rank: int) -> None:
-    """ConfigError when `rank` exceeds the smaller dimension of some layer the loop adapts: B A of such
-    a layer has rank at most that dimension, so the extra rank only costs time and memory."""
+    """ConfigError when `rank` exceeds some adapted layer's smaller dimension (extra rank only costs)."""
     path = resolve_model(model)
     targets = LORA_MOE_TARGETS if is_moe_checkpoint(path) else LORA_TARGETS
     dims = {module: min(shape) for module, shape in checkpoint_linear_shapes(path).items()
@@ -107,8 +91,7 @@ def _check_lora_rank(model: str, rank: int) -> None:
 
 
 def _task(config: LoopConfig, case: Case | str | Path | None, reward: Reward | None) -> Task:
-    """The prompts and reward of a run: the built-in task, or a case's prompts with `reward` (the
-    arithmetic check when none is given: each prompt must end in a problem such as "12+7=")."""
+    """The built-in task, or a case's prompts with `reward` (default: the arithmetic check)."""
     from parity.loop.task import arithmetic_check, arithmetic_task, custom_task  # the tokenizer loads torch
 
     if case is None:

@@ -1,29 +1,12 @@
-"""Adapter-only updates (`lora_rank`): the loop trains a LoRA adapter and pushes only the adapter.
+"""Adapter-only updates (`lora_rank`): the loop trains a LoRA adapter and pushes only the adapter,
+as verl with vLLM's runtime LoRA.
 
-LoRA RL as verl runs it with vLLM's runtime LoRA: the base model is frozen, the trainer updates
-a peft adapter, and every step the rollout engines load the new adapter instead of new weights.
-
-The adapter: rank R on every attention and MLP projection of a dense model (q/k/v/o, gate/up/
-down); on a MoE model on the attention projections only (expert and router weights are not
-adapted, as for the built-in MoE adapters, `parity.models.lora`). lora_alpha = R (scaling 1).
-Initialised as peft initialises it: A `[R, in]` uniform in [-1/sqrt(in), 1/sqrt(in)) (torch's
-`kaiming_uniform_(a=sqrt(5))`, drawn from PCG64 with the loop's seed, so the bytes are the same
-everywhere), B `[out, R]` zero: the adapted model at step 0 computes exactly the base model.
-
-Training: only the A and B tensors require gradients (the base parameters are frozen and have
-no optimizer state). The training forward applies the adapter as the reference engine does
-(`parity.models.loading.ParityLinear`: the adapter's products through the invariant linear
-route, float32), so rollouts and the forward stay bitwise with `grad=True` too.
-
-Pushing: after each optimizer step the adapter is written as a peft directory (atomically, in a
-directory the loop owns; the previous step's is removed) and every backend loads it
-(`Backend.load_adapter`: the reference engine writes it in place of the running one, vLLM loads
-it under a new `lora_int_id`). The push is verified by (1) the digests of the base weights the
-backend shows, which must still equal the frozen base's (`parity.loop.sync`: a base push or a
-corrupted base is caught) and (2) the adapter the backend reports applying (`meta["lora"]`,
-which also tags every rollout it samples), whose content hash must be the pushed adapter's (a
-skipped load is caught). A logprob comparison (`check_adapter_sync`) cannot stand in for (2)
-here: one small step's adapter is within the engine's own rounding noise of the previous one.
+Rank R on every projection (MoE: attention only), lora_alpha = R; initialised as peft does (A
+Kaiming-uniform from PCG64, B zero: step 0 is the base model). The training forward applies it
+as the engine does, so rollouts stay bitwise with `grad=True`. Each step the adapter is written
+as a peft directory and loaded (`Backend.load_adapter`), verified by the base weights' digests
+(unchanged) and the content hash of the adapter the backend reports (`meta["lora"]`); logprobs
+could not tell, since a step's adapter is within rounding noise of the last.
 """
 
 from __future__ import annotations
@@ -83,10 +66,9 @@ def adapter_bytes(path: Path) -> int:
 
 
 def unpinned(rollouts: Sequence[Rollout]) -> list[Rollout]:
-    """`rollouts` without the adapter they record (meta "lora"), to score them at another adapter:
-    the training forward refuses rollouts recorded under an adapter other than the model's, and the
-    trainer scores every rollout at its own current adapter on purpose (the policy-KL probe's are
-    step 0's; a backend's stale adapter is reported by the sync check, not raised mid-step)."""
+    """`rollouts` without their recorded adapter, so the trainer may score them at its current one
+    (the training forward would refuse another adapter; staleness is the sync check's to report).
+    """
     return [dataclasses.replace(r, meta={k: v for k, v in r.meta.items() if k != "lora"})
             if "lora" in r.meta else r for r in rollouts]
 
@@ -99,11 +81,8 @@ def _base_layer_name(name: str, shown: dict[str, str | None]) -> str:
 
 
 class AdapterWeights:
-    """The LoRA adapter of the training model, trained and pushed; the base weights frozen.
-
-    lm: the training model (a private copy applying the current adapter; replaced, with its new
-    `lora` record, each time `masters_to_model` writes the adapter). directory: where the
-    adapters are written (one `step-<k>` directory at a time). The methods are `FullWeights`'.
+    """The LoRA adapter of the training model, trained and pushed (one `step-<k>` directory under
+    `directory` at a time); the base frozen. `lm` is replaced whenever the adapter is written.
     """
 
     def __init__(self, lm: LoadedModel, directory: Path) -> None:
@@ -158,11 +137,9 @@ class AdapterWeights:
         backend.load_adapter(self.lm.lora.path)
 
     def expected_checksums(self, backend: Backend) -> dict[str, str]:
-        """The base weights' checksums in `backend`'s layout (once per backend: they never change).
-
-        An engine serving adapters may hold an adapted layer's base weight one level down, as
-        `<module>.base_layer.<leaf>` (vLLM's LoRA layers wrap the embedding and the projections
-        so): a name the backend does not show is looked up there."""
+        """The base weights' checksums in `backend`'s layout, once per backend; a name it does not show is
+        looked up as `<module>.base_layer.<leaf>` (vLLM's LoRA layers wrap the base).
+        """
         key = id(backend)
         if key not in self._expected:
             expected = backend.expected_checksums(self.named_tensors())

@@ -1,11 +1,7 @@
 """`parity loop`: the on-policy RL loop from the command line, one line per step and backend.
 
-    parity loop --model tiny-llama --backends reference,vllm --steps 20 --json loop.json --html loop.html
-
-Exit codes: 0 when every step ran with every backend verified in sync and the reference engine's
-rollouts equal to the training forward bit for bit; 1 when either check failed at some step;
-2 on any error (bad settings, a backend without weight sync, a diverged loss: the JSON keeps the
-steps before it); 130 on Ctrl-C.
+Exit 0 when every step had every backend in sync and the reference engine bitwise with the
+training forward; 1 when not; 2 on any error (the JSON keeps earlier steps); 130 on Ctrl-C.
 """
 
 from __future__ import annotations

@@ -24,23 +24,13 @@ def _positive_real(value: Any, name: str) -> float:
 class LoopConfig:
     """One loop run.
 
-    model: built-in name or local HF checkpoint (the trainer's, and every backend's at start).
-    backends: backend names; each is sampled at every step on the same prompts and weights.
-    train_on: the backend whose rollouts the update uses (one of `backends`).
-    steps: training steps; lr, weight_decay: AdamW's (lr 0: a control whose weights stay);
-    grad_clip: max gradient norm (None: off).
-    correction: the rollout correction of the loss, a name (`correction_from_name`: "none",
-        "token_tis", "sequence_tis:5", "icepop:0.5_2", "seq_mean_k3:0.01", ...).
-    seed: the sampling seeds of every step derive from it (and the built-in task's prompts).
-    n: responses per prompt (one GRPO group); max_tokens, temperature: their sampling
-        (top-p and top-k off, so every sampled token has a finite logprob on both sides).
-    prompts: how many prompts the built-in task draws (ignored with a case's prompts).
-    dtype, device: the trainer's and the reference engine's (bitwise equality needs both the same).
-    micro_batch_size: sequences per differentiable forward (None: all of a step's at once).
-    backend_dtypes: a dtype per backend name where it differs from `dtype` (e.g. vLLM in bfloat16).
-    backend_options: options per backend name, as `parity.backends.get_backend` takes them.
-    lora_rank: None trains every weight and pushes them all; R trains only a LoRA adapter of rank
-        R (`parity.loop.adapter`: the base frozen) and pushes only the adapter each step.
+    backends: sampled every step on the same prompts and weights; train_on: whose rollouts the
+    update uses. lr (0: a control), weight_decay: AdamW's; grad_clip: None is off. correction: a
+    `correction_from_name` name ("token_tis", "icepop:0.5_2", ...). seed: every step's sampling seeds
+    derive from it. n, max_tokens, temperature: per prompt (top-p and top-k off, so logprobs are
+    finite). prompts: the built-in task's count. dtype, device: trainer's and reference engine's.
+    micro_batch_size: per differentiable forward. backend_dtypes, backend_options: per backend.
+    lora_rank: None trains and pushes every weight; R only a LoRA adapter.
     """
 
     model: str

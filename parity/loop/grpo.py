@@ -1,17 +1,10 @@
 """GRPO's advantages and the policy loss with rollout correction, in verl's definitions.
 
-Advantages (verl `compute_grpo_outcome_advantage`, `norm_adv_by_std_in_grpo=True`): the rewards of
-one prompt's n responses are a group; a response's advantage is `(r - mean) / (std + 1e-6)` over
-its group (std unbiased; a group of one has mean 0 and std 1), the same for each of its tokens.
-
-Loss (verl `compute_policy_loss_vanilla`, `loss_agg_mode="token-mean"`): with the PPO ratio
-`ρ = exp(logp - logp_old)` per token, `max(-A ρ, -A clip(ρ, 1 - ε, 1 + ε))`, times the rollout
-correction's importance weight, averaged over the tokens its rejection mask keeps. The loop makes
-one update per step on freshly sampled data, so `logp_old` is the training forward at the
-current weights: ρ is 1 in value and the gradient is `-A ∇logp` (clipping never binds). The
-correction is `parity.correction`, verl's rollout correction: its weights and mask come from
-`logp_old` (the training forward) against the rollout's logprobs, so on the reference engine,
-where the two are the same bits, every weight is exactly 1 and nothing is rejected.
+Advantage (`compute_grpo_outcome_advantage`): `(r - mean) / (std + 1e-6)` over a prompt's n
+responses (unbiased std; a group of one: 0, 1). Loss (`compute_policy_loss_vanilla`,
+token-mean): `max(-A ρ, -A clip(ρ, 1 - ε, 1 + ε))` times the correction's weight over kept tokens.
+One update per step, so `logp_old` is the forward at the current weights (ρ = 1, gradient
+`-A ∇logp`); on the reference engine every correction weight is exactly 1.
 """
 
 from __future__ import annotations
@@ -55,13 +48,8 @@ def padded(rows: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
 
 @dataclass(frozen=True)
 class LossPlan:
-    """What the loss of one step needs besides the differentiable logprobs, `[batch, max_len]`.
-
-    old: the training forward's logprobs at the current weights (float32, detached).
-    advantages: each sequence's advantage repeated over its tokens (float32).
-    weights: the correction's importance weights, 1 where the correction computes none.
-    keep: the tokens the loss averages over (the response mask minus what the correction rejects).
-    metrics: the correction's `rollout_corr/*` metrics (verl's keys).
+    """What one step's loss needs besides the differentiable logprobs, `[batch, max_len]` float32: old
+    (detached), advantages, correction weights (1 where none), keep (mask minus rejections), metrics.
     """
 
     old: torch.Tensor

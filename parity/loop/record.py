@@ -1,7 +1,5 @@
 """The loop's record: one row per step and backend, one update per step, as JSON (no torch).
 
-The JSON document (`LoopRecord.to_json`)::
-
     {"model", "backends", "seed",
      "steps": [{"step", "backend", "max_abs_logprob_diff", "mean_abs_logprob_diff", "k3_kl",
                 "is_ratio_mean", "reward_mean", "policy_kl_from_start", "weights_in_sync",
@@ -10,18 +8,10 @@ The JSON document (`LoopRecord.to_json`)::
                   with lora_rank: "adapter_hash", "adapter_bytes"}],
      "train_on", "config", "provenance", "status", "error"}
 
-Row `(t, b)` describes backend b at step t, all at the weights W_t of step t (before step t's
-update): b's rollouts of step t against the training forward at W_t, b's rewards, the policy's
-KL from W_0, and whether b was verified to hold W_t before it sampled. Its `seconds` are b's part
-of the step: b's generate call, the training forward on b's rollouts, and the push of W_t to b
-with its digest check (made at the end of step t - 1; for step 0, the starting sync). An
-update's `seconds` are the rewards, the advantages, the loss, backward and the optimizer step.
-`status` is "running" while steps are appended, then "complete", or "diverged" / "failed" /
-"interrupted" (Ctrl-C) with `error` naming the step. The file is rewritten atomically after every
-step, so a killed run keeps every finished step.
-
-Two runs with the same seed and configuration write the same JSON except the timing fields
-(`TIMING_KEYS`, every "seconds"): `without_timing` drops them for comparison.
+Row `(t, b)` is backend b at the weights W_t (before step t's update); its seconds are b's
+sampling, scoring and the push of W_t. `status`: "running", "complete", "diverged", "failed" or
+"interrupted", `error` naming the step; rewritten atomically each step. Same seed and config give
+the same JSON but for `TIMING_KEYS` (`without_timing`).
 """
 
 from __future__ import annotations

@@ -1,25 +1,10 @@
 """The loop itself: sample on every backend, measure, update, push, verify; step after step.
 
-Step t, at the weights W_t that every backend was verified to hold:
-1. every backend samples n responses per prompt (the same requests and seeds everywhere);
-2. the training forward scores each backend's rollouts at W_t (no grad): drift per backend, and
-   the task's rewards;
-3. the train-on backend's rollouts make the update: GRPO advantages, the loss with the chosen
-   rollout correction, backward through the training forward (micro-batches), an AdamW step;
-4. W_{t+1} is pushed to every backend through its weight-sync path and verified by weight
-   digests (`parity.loop.sync`); the check is what step t+1's rows report as `weights_in_sync`.
-The rows of step t are appended and the JSON rewritten (atomically) before step t+1 starts.
-Nothing is pushed after the last step: no rollout would use it.
-
-The policy's KL from its start is measured on a fixed probe: the train-on backend's rollouts of
-step 0, sampled from W_0, scored at W_t and at W_0 (k3 estimator of KL(π_0 || π_t); 0 at step 0).
-
-Backends the loop starts are closed at the end; backends the caller passed in (already running,
-e.g. a shared engine) get the starting weights back, so they are left as they were found.
-
-With `lora_rank` the update trains a LoRA adapter only and step 4 pushes only the adapter
-(`parity.loop.adapter`); the loop writes the adapters in a temporary directory of its own,
-starts its backends with the step-0 adapter, and gives borrowed ones their own adapter back.
+At W_t: every backend samples the same seeded requests; the training forward scores each (drift,
+rewards); the train-on backend's rollouts make a GRPO step with the chosen correction; W_{t+1} is
+pushed everywhere and verified by digests (`parity.loop.sync`). Rows are written before step t+1;
+nothing is pushed after the last. The policy's KL from its start is k3 on step 0's rollouts.
+Started backends are closed; borrowed ones get their starting weights (or adapter) back.
 """
 
 from __future__ import annotations
@@ -64,10 +49,9 @@ def step_requests(config: LoopConfig, task: Task, step: int) -> list[Request]:
 
 
 def check_backends(config: LoopConfig, engines: dict[str, Backend]) -> None:
-    """Refuse, before anything starts, a backend that cannot push and verify weights, and a running
-    backend that does not fit the loop (`check_borrowed`): another model, options given for it, a
-    dtype other than the one the loop records for it (a reference engine in bfloat16 beside a
-    float32 trainer is never bitwise, and the record would say float32), another device."""
+    """Refuse, before anything starts, a backend without weight push and verify, and a running one that
+    does not fit (`check_borrowed`: model, options, recorded dtype, device).
+    """
     for name in config.backends:
         reason = type(engines[name]).weight_sync_missing() if name in engines else weight_sync_missing(name)
         if reason is not None:
@@ -96,10 +80,8 @@ def check_backends(config: LoopConfig, engines: dict[str, Backend]) -> None:
 def run_loop(config: LoopConfig, task: Task, *, engines: dict[str, Backend] | None = None,
              json_path: Path | None = None, html_path: Path | None = None,
              progress: Progress | None = None) -> LoopRecord:
-    """Run `config` on `task`; returns the record (also written to `json_path` after every step).
-
-    engines: already running backends by name (borrowed: restored to the starting weights at the
-    end, never closed). A DivergedError names the step; the steps before it are kept.
+    """Run `config` on `task`; returns the record (written to `json_path` every step). `engines`:
+    borrowed running backends. A DivergedError names the step; earlier steps are kept.
     """
     engines = dict(engines or {})
     check_backends(config, engines)
@@ -162,8 +144,7 @@ def run_loop(config: LoopConfig, task: Task, *, engines: dict[str, Backend] | No
 
 
 def _starting_state(trainer: Trainer, engines: dict[str, Backend], config: LoopConfig) -> dict[str, Any]:
-    """What borrowed backends get back at the end: the starting weights, or with an adapter-only
-    update each backend's own starting adapter (its path)."""
+    """What borrowed backends get back: the starting weights, or each one's starting adapter path."""
     if not engines:
         return {}
     if config.lora_rank is not None:
@@ -173,8 +154,7 @@ def _starting_state(trainer: Trainer, engines: dict[str, Backend], config: LoopC
 
 
 def _restore(borrowed: dict[str, Backend], start: dict[str, Any], *, failed: bool) -> None:
-    """Give borrowed backends their starting weights (or adapter) back. After a failure, a backend
-    that cannot take them (its engine died with the failure) must not hide the failure's own error."""
+    """Give borrowed backends their start back; after a failure a dead engine must not hide its error."""
     for name, state in start.items():
         try:
             if isinstance(state, str):
@@ -246,8 +226,7 @@ def _step(config: LoopConfig, task: Task, trainer: Trainer, backends: dict[str, 
 
 
 def _reward(task: Task, rollout: Rollout) -> float:
-    """The task's reward of one rollout as a float; ConfigError naming the reward and the rollout when
-    the reward function raises or returns something that is not a finite number."""
+    """The task's reward as a float; ConfigError naming reward and rollout unless finite."""
     where = f"reward {task.name!r} on rollout {rollout.request_id!r}/{rollout.sample_index}"
     try:
         value = task.reward(rollout)
@@ -272,8 +251,7 @@ def _arrays(train: Sequence[torch.Tensor], rollout: Sequence[torch.Tensor]
 
 
 def _check_finite(train: Sequence[torch.Tensor], backend: str) -> None:
-    """A non-finite logprob of the training forward means the weights have diverged: with top-p and
-    top-k off, every token has a finite logprob under finite weights."""
+    """A non-finite training logprob means diverged weights (with top-p and top-k off all are finite)."""
     for i, lp in enumerate(train):
         if not torch.isfinite(lp).all():
             raise DivergedError(f"the training forward gives a non-finite logprob on {backend}'s rollout "

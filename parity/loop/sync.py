@@ -1,26 +1,10 @@
 """Pushing the trained weights to every backend, and proving they arrived.
 
-A push goes through the backend's own weight-sync path (`Backend.update_weights`: the reference
-engine copies in place, vLLM reloads through `reload_weights`, vLLM's server through its
-`/collective_rpc` endpoint). The proof is a comparison of weight digests, not of logprobs: the
-backend reports a digest of every tensor it computes with (`Backend.weight_checksums`), and the
-trainer's tensors, laid out and cast the way that backend holds them, must give the same digests
-(`Backend.expected_checksums`). A skipped, partial or stale push leaves at least one digest
-unchanged, whatever the learning rate; a drift in logprobs could not tell a small update from the
-engine's own rounding noise.
-
-A backend may compute with tensors it cannot show (its digest is None): vLLM-CPU packs every
-linear layer's weight into a oneDNN or SGL GEMM kernel and drops the tensor, so on CPU only the
-embedding, the norms and the LM head can be read back. Those hidden tensors are counted
-(`SyncCheck.hidden`), not checked: a push that skipped them alone would pass. Every other tensor
-is checked, and Adam moves every trained parameter every step, so a skipped push, or a push that
-reached no readable tensor, is caught.
-
-With an adapter-only update (`parity.loop.adapter`), the push is the adapter and the digests are
-the frozen base's (they must never change), plus the adapter the backend reports applying.
-
-Before step 0 the loop pushes the trainer's initial weights and verifies them: a backend whose
-digests cannot be matched even then is refused before any training step, with the reason.
+A push takes the backend's own path (`Backend.update_weights`); the proof is digests, not
+logprobs: every tensor the backend shows (`weight_checksums`) must match the trainer's in its
+layout (`expected_checksums`), so a skipped or stale push is caught at any learning rate. Tensors
+it cannot show (vLLM-CPU packs linear weights into GEMM kernels) are counted as `hidden`. Adapter
+updates check the frozen base and the reported adapter. Step 0's push is verified before training.
 """
 
 from __future__ import annotations
@@ -39,12 +23,8 @@ LISTED = 5
 
 @dataclass(frozen=True)
 class SyncCheck:
-    """One verification of one backend's weights.
-
-    in_sync: every digest the backend shows matched (and it showed one at least). checked:
-    tensors compared; hidden: tensors the backend computes with but cannot show (not compared).
-    mismatched: names of the first `LISTED` tensors whose digests differ or are missing;
-    mismatches: how many differ. seconds: time of the push and the check.
+    """One verification of one backend's weights: in_sync (every shown digest matched, at least one),
+    checked, hidden (not comparable), mismatched (first `LISTED` names), mismatches, seconds.
     """
 
     in_sync: bool

@@ -1,22 +1,10 @@
 """What the loop trains on: prompts and a reward, a built-in verifiable task or the caller's own.
 
-The built-in task is integer arithmetic. Prompt i is the text `"a+b="`, `"a-b="` or `"a*b="`
-with operands drawn from `[0, max_operand]` by a seeded generator, encoded with the model's own
-tokenizer; its answer is the exact integer result. A response is checked exactly: its text
-(decoded with the same tokenizer, special tokens skipped, leading spaces ignored) must start
-with the answer's decimal digits, not followed by another digit. That earns reward 1.0. The
-answer is read off the prompt itself (its text must end in `a op b=`), so the check works on
-any prompts written that way: a case's text prompts such as `["12+7=", "6*7="]` too.
-
-An untrained (or tiny, random-weight) model almost never writes the answer, and GRPO learns
-nothing from a group whose rewards are all equal. So a wrong response earns a small format
-credit instead: `FORMAT_CREDIT` times the share of the answer's length that the response covers
-with digit characters (capped at 1), i.e. "answered with a number of the right size". It is
-below any correct answer's reward, so the exact check dominates once the model can do the task,
-and it gives a tiny checkpoint's policy something to move towards in a few steps.
-
-A task of the caller's own is any prompts (token ids: a case's, or a list) and a reward
-function of a `Rollout` (`Reward`): `Task(prompts, reward)`.
+Built-in: seeded `"a+b="`, `"a-b="`, `"a*b="` prompts; reward 1.0 when the decoded response starts
+with the exact answer's digits (read off the prompt, so any `a op b=` prompts work). A tiny model
+almost never answers, and GRPO learns nothing from equal rewards, so a wrong answer earns
+`FORMAT_CREDIT` times the share of the answer's length it covers with digits. Caller's own:
+`Task(prompts, reward)`.
 """
 
 from __future__ import annotations

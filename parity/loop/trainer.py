@@ -1,13 +1,8 @@
 """The training side of the loop: parity's training forward with gradients, and an AdamW step.
 
-The trainer holds its own copy of the model (`copy_model`: load_model's shared model is never
-changed) and scores rollouts with `parity.engine.train_forward`, the reference engine's bitwise
-twin. The update runs the same forward with `grad=True`, micro-batch by micro-batch (gradients
-accumulate); its logprobs must be the same bits as the no-grad forward the loss was planned on
-(`parity.kernels.grad` keeps the invariant kernels' forward under autograd), which every step
-checks. Then the gradient norm is clipped (verl's `grad_clip`, 1.0) and torch's AdamW steps.
-A NaN or infinite loss or gradient stops the step before the optimizer touches the weights.
-With `lora_rank`, the trained tensors are a LoRA adapter's (`parity.loop.adapter`), the base frozen.
+The trainer owns a model copy and scores with `train_forward`; the update's `grad=True` forward
+must give the same bits as the no-grad one (checked every step), gradients are clipped (verl's
+1.0) and AdamW steps; a non-finite loss or gradient stops before the optimizer.
 """
 
 from __future__ import annotations
@@ -40,14 +35,8 @@ class UpdateStats:
 
 
 class Trainer:
-    """The training model, its optimizer and its forward.
-
-    lr, weight_decay, betas: AdamW's; grad_clip: max gradient norm (None: no clipping);
-    micro_batch_size: sequences per differentiable forward (None: all at once).
-    config: the training forward's settings (`parity.engine.TrainConfig`: dtype, device);
-    grad_config: the same with autograd recorded (`grad=True`), for the update's forwards.
-    lora_rank: train only a LoRA adapter of this rank (None: every weight), written under
-    `adapter_dir` (required with it; the step-0 adapter's A drawn with `seed`).
+    """The training model, its optimizer (AdamW: lr, weight_decay, betas, grad_clip) and its forward
+    (`config`, and `grad_config` with autograd); lora_rank: train only an adapter under `adapter_dir`.
     """
 
     def __init__(self, model: str, *, dtype: str, device: str, lr: float, weight_decay: float = 0.0,

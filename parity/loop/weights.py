@@ -1,15 +1,8 @@
 """Which weights the loop trains, and how they reach a backend: decided here and nowhere else.
 
-`trained_weights(lm)` picks the trained tensors of the training model; the object it returns
-gives the optimizer its parameters, pushes the trained weights to a backend and says what that
-backend must hold afterwards. `FullWeights` trains every parameter and pushes every parameter
-through the backend's weight update (`Backend.update_weights`, HF parameter names);
-`parity.loop.adapter.AdapterWeights` (`lora_rank`) trains and pushes a LoRA adapter only.
-
-Precision: a model held in bfloat16 or float16 trains float32 master copies (the mixed-precision
-recipe of FSDP and Megatron): the optimizer steps the masters, which are then rounded into the
-model, so small updates accumulate instead of vanishing below the half-precision ulp. The model's
-own rounded weights are what the forward runs and what is pushed.
+`trained_weights(lm)`: `FullWeights` (every parameter, pushed by HF name) or `AdapterWeights`.
+A half-precision model trains float32 masters (FSDP/Megatron's recipe) rounded into the model,
+so small updates do not vanish below the ulp; the rounded weights are what runs and is pushed.
 """
 
 from __future__ import annotations
@@ -21,11 +14,8 @@ from parity.models.loading import LoadedModel
 
 
 class FullWeights:
-    """Every parameter of the training model, trained and pushed.
-
-    parameters(): what the optimizer steps (float32 masters for a half-precision model).
-    named_tensors(): what is pushed, `(parameter name, tensor)` in the model's dtype.
-    lm: the training model.
+    """Every parameter of the training model, trained (float32 masters for half precision) and pushed
+    as `(name, tensor)` in the model's dtype.
     """
 
     def __init__(self, lm: LoadedModel) -> None:

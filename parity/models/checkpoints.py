@@ -1,17 +1,9 @@
 """Built-in tiny checkpoints: generated deterministically from a name and a seed, cached on disk.
 
-Each is a standard HF directory (config.json, model.safetensors, tokenizer files) that loads with
-`transformers.AutoModelForCausalLM` and with vLLM. Weights are drawn from NumPy's PCG64 stream
-as uniform doubles and scaled with float64 arithmetic before one rounding to float32, so the
-bytes are the same on every machine (no libm call, no platform-dependent normal sampler).
-
-Why the distributions are peaked: random-weight models give near-uniform next-token
-distributions (logprob ~ -log V) that hide drift. Two choices make them look like a trained
-LM's: every linear layer is Kaiming-scaled so the layers really move the residual stream, and
-the output head is scaled so logits have a standard deviation of ~`LOGIT_SCALE` nats with a
-Zipf-like per-token gain (frequent tokens have larger rows). On random prompts this gives a
-mean entropy of 1-4 nats and a top-1 probability above 0.5 for a large share of positions
-(tests/test_models.py checks both).
+Standard HF directories that transformers and vLLM load. Weights are PCG64 uniform doubles scaled
+in float64 and rounded once to float32: the same bytes on every machine. Random models give
+near-uniform distributions that hide drift, so layers are Kaiming-scaled and the head gives
+logits of std ~`LOGIT_SCALE` nats with a Zipf-like gain (entropy 1-4 nats, tests/test_models.py).
 """
 
 from __future__ import annotations
@@ -170,12 +162,8 @@ def _generate_weights(spec: TinySpec, cfg: dict[str, Any]) -> dict[str, np.ndarr
 
 
 def _to_hub_layout(model_type: str, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Split transformers' fused expert tensors into the per-expert names of hub checkpoints.
-
-    transformers >= 5 fuses experts in memory (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj`
-    [E, H, I]) and converts hub checkpoints on load; vLLM reads only the hub names
-    (Qwen3-MoE `experts.{e}.gate_proj/up_proj/down_proj`, Mixtral `block_sparse_moe.experts.{e}.w1/w3/w2`).
-    Writing the hub layout makes one directory load in both.
+    """transformers' fused expert tensors split into the hub's per-expert names, which vLLM reads (Qwen3-MoE
+    `experts.{e}.gate_proj/...`, Mixtral `block_sparse_moe.experts.{e}.w1/...`).
     """
     if model_type not in ("qwen3_moe", "mixtral"):
         return weights
@@ -320,12 +308,9 @@ def model_hash(path: str | os.PathLike[str]) -> str:
 
 def check_sampled_with(model: str | os.PathLike[str], *, hashes: Iterable[str | None] = (),
                        name: str | None = None, where: str = "the rollouts") -> None:
-    """ConfigError when `model` is not the checkpoint `where` were sampled with: scoring them with
-    another model measures the two models' difference and blames it on the backend.
-
-    hashes: the `model_hash` each rollout records (meta "model_hash"; None where it records none);
-    name: the model a record's header names. With no hash recorded, a `name` other than `model` is
-    compared by hash when it resolves here (a recorded path that is gone leaves nothing to compare).
+    """ConfigError when `model` is not the checkpoint the rollouts were sampled with (by recorded
+    `hashes`, else by the header's `name` when it resolves here): another model's difference would
+    be blamed on the backend.
     """
     wanted = {h for h in hashes if h}
     if not wanted and name is not None and os.fspath(name) != os.fspath(model):

@@ -1,11 +1,6 @@
 """What a checkpoint accepts: its vocabulary size and context length, read from config.json alone.
-
-Every backend fails differently on a token id outside the vocabulary or a prompt longer than
-the context: vLLM's engine core dies (and with it every later request on that engine), HF
-generates past the context limit and then fails with an index error deep in torch. So the ids
-are checked here, once, before any backend sees them (`ModelLimits.check`): case loading,
-`parity.compare` and replay call it. Reading config.json needs no torch, so parsing a case
-stays light.
+Out-of-range ids or lengths kill vLLM's engine core or fail deep in torch, so `ModelLimits.check`
+refuses them first; no torch needed.
 """
 
 from __future__ import annotations
@@ -40,11 +35,7 @@ def checkpoint_config(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class ModelLimits:
-    """The ids and lengths a checkpoint takes.
-
-    vocab_size: token ids must be in [0, vocab_size); None when config.json does not say.
-    max_positions: prompt plus generated tokens must fit; None when config.json does not say.
-    """
+    """The ids [0, vocab_size) and positions (max_positions) a checkpoint takes; None when unknown."""
 
     model: str
     vocab_size: int | None
@@ -52,11 +43,8 @@ class ModelLimits:
 
     def check(self, requests: Sequence[Request], *, names: Sequence[str] | None = None,
               prefix: str = "") -> None:
-        """InputError naming the request and the fix when a prompt or stop id is outside the
-        vocabulary or a prompt plus `max_tokens` overflows the context.
-
-        names: how messages name request i (e.g. "prompts[3]"); default "request '<id>'".
-        prefix: put before every message (e.g. "case 'smoke': ").
+        """InputError naming the request (`names`, after `prefix`) and the fix when a prompt or stop id is
+        outside the vocabulary or prompt plus `max_tokens` overflows the context.
         """
         for i, r in enumerate(requests):
             name = prefix + (names[i] if names is not None else f"request {r.request_id!r}")
@@ -91,11 +79,7 @@ def _positive_int(config: dict[str, Any], key: str, path: Path) -> int | None:
 
 
 def model_limits(model: str | os.PathLike[str]) -> ModelLimits:
-    """The vocabulary size and context length of `model` (built-in name or checkpoint directory).
-
-    A multimodal config keeps them in its `text_config`; the language model's limits are the ones
-    token ids meet.
-    """
+    """The vocabulary size and context length of `model` (a multimodal config's `text_config`)."""
     path = resolve_model(model)
     config = checkpoint_config(path)
     text = config.get("text_config")

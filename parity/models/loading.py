@@ -1,9 +1,6 @@
 """Load a HF causal LM once per (path, dtype, device) and patch it so the kernel switch governs it.
-
-The model classes are transformers' own (the ones a trainer's forward uses); patching only
-reroutes ops through `parity.kernels.ops`, whose stock branch is the module's own computation.
-So with every kernel family off the patched model computes exactly what the unpatched one does
-(attention goes through the "parity" attention function, which runs stock SDPA then).
+Patching only reroutes ops through `parity.kernels.ops`, whose stock branch is the module's own,
+so with every family off the patched model computes exactly what the unpatched one does.
 """
 
 from __future__ import annotations
@@ -46,14 +43,9 @@ STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
 class LoadedModel:
     """A patched HF *ForCausalLM in eval mode and the facts the engine needs about it.
 
-    name: built-in name or the checkpoint directory's name; dtype: "float32" | "bfloat16" |
-    "float16"; max_len: max_position_embeddings; moe_top_k, num_experts: 0 for dense models;
-    model_hash: `parity.models.model_hash` of the checkpoint (provenance).
-    tensor_parallel_size: None for the whole model, k for rank `tensor_parallel_rank`'s shard of a
-    k-way tensor-parallel group (`parity.parallel.shard_model`), whose config then holds this
-    rank's head counts; tp_reduction: that shard's row-parallel sum ("canonical" or "all_reduce");
-    reduction_groups: that sum's K groups (None for the whole model).
-    lora: the LoRA adapter its linear layers apply (`parity.models.lora`), None for the base model.
+    moe_top_k, num_experts: 0 for dense. model_hash: provenance. tensor_parallel_size: None, or k for
+    rank `tensor_parallel_rank`'s shard (config holds its head counts), with its tp_reduction and
+    reduction_groups. lora: the adapter its linears apply.
     """
 
     model: nn.Module
@@ -143,11 +135,8 @@ def _rotary_forward(self: nn.Module, x: torch.Tensor, position_ids: torch.Tensor
 
 
 def _patch_rotation(attention: nn.Module) -> None:
-    """Route the `apply_rotary_pos_emb` the attention module's code calls through `ops.apply_rotary`.
-
-    HF calls it as a global of the model's modeling module, so that global is wrapped (once per
-    module). The wrapper runs the stock function whenever the "rotary" family is off, so HF models
-    that parity did not patch keep their exact stock bits.
+    """Wrap the module-global `apply_rotary_pos_emb` HF's attention calls with `ops.apply_rotary` (once
+    per module; stock when "rotary" is off, so unpatched models keep their bits).
     """
     module = sys.modules.get(type(attention).__module__)
     native = getattr(module, "apply_rotary_pos_emb", None)
@@ -213,13 +202,8 @@ def check_device(device: str | torch.device) -> str:
 
 
 def adopt_model(hf: nn.Module, path: Path, dtype: str, device: str, name: str | None = None) -> LoadedModel:
-    """An HF causal LM already built in this process (on `device`, in `dtype`) -> patched LoadedModel.
-
-    For models built in memory rather than read from a checkpoint, e.g. a random-weight model too
-    large for the machine's disk (`parity.models.shaped.build_random_model`). `path` is a directory
-    holding the model's config.json (the provenance hash covers the files there). The model is
-    patched in place and switched to parity's attention; it is not added to load_model's cache, so
-    dropping the LoadedModel frees it.
+    """An HF causal LM built in this process -> patched LoadedModel, not cached (dropping it frees it);
+    `path` holds its config.json.
     """
     hf.set_attn_implementation(ATTENTION_NAME)
     hf.eval()
@@ -242,11 +226,8 @@ def adopt_model(hf: nn.Module, path: Path, dtype: str, device: str, name: str | 
 
 def load_model(model: str | os.PathLike[str] | LoadedModel, dtype: str = "float32",
                device: str = "cpu", lora: str | os.PathLike[str] | LoraSpec | None = None) -> LoadedModel:
-    """A built-in name, a local HF checkpoint path or a LoadedModel -> patched LoadedModel (cached).
-
-    lora: a LoRA adapter (directory, built-in adapter name or checked `LoraSpec`) its linear layers
-    apply, checked against the checkpoint first (`parity.models.lora.check_adapter`). A LoadedModel
-    keeps its own adapter when lora is None, also at another dtype or device.
+    """A built-in name, checkpoint path or LoadedModel -> patched LoadedModel (cached); `lora` is
+    checked against the checkpoint first; a LoadedModel keeps its adapter when lora is None.
     """
     check_dtype(dtype)
     check_device(device)
@@ -295,12 +276,8 @@ def copy_model(lm: LoadedModel) -> LoadedModel:
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:
-    """An order-sensitive checksum of a tensor's bytes, computed on its device: Fletcher's two sums
-    over its 16-bit words w_i, "S1:S2" with S1 = sum w_i and S2 = sum w_i (i mod 65521 + 1).
-
-    Exact integer sums (no overflow below 2^31 words), so two tensors of one dtype and shape have
-    the same digest when they hold the same bits, and a changed, swapped or missing word changes
-    it. Made on the device so a GPU model's weights are checked without copying them to the host.
+    """An order-sensitive checksum of a tensor's bytes, on its device: Fletcher's "S1:S2" over its
+    16-bit words (exact integer sums), equal iff the bits are, barring collisions.
     """
     words = tensor.detach().contiguous().view(-1).view(torch.int16).to(torch.int64) & 0xFFFF
     s1 = s2 = 0
@@ -354,12 +331,10 @@ def own_adapter(lm: LoadedModel) -> LoadedModel:
 
 
 def swap_adapter(lm: LoadedModel, lora: str | os.PathLike[str] | LoraSpec) -> LoadedModel:
-    """`lm` applying another adapter of the same rank and modules (an RL step's new adapter),
-    written in place into the tensors it applies now, so CUDA graphs captured with them stay
-    valid unless the scaling changed (graphs hold it as a constant: recapture then). The returned
-    LoadedModel replaces `lm`, whose `lora` no longer describes its weights. `lm` must be a model
-    of the caller's own (`own_adapter`, `copy_model`), not load_model's shared one. AdapterError
-    when `lm` has no adapter or the new one has another rank or other modules."""
+    """`lm` applying another adapter of the same rank and modules, written in place (captured graphs
+    stay valid unless the scaling changed). `lm` must be the caller's own model; the returned one
+    replaces it. AdapterError otherwise.
+    """
     spec = _adapter(lora, lm.path)
     old = lm.lora
     if old is None or spec is None:

@@ -1,38 +1,18 @@
 """LoRA adapters in peft's format: where one lives, what it changes, and whether it fits a model.
 
-An adapter is a directory holding `adapter_config.json` (peft's `LoraConfig`: `r`, `lora_alpha`,
-`target_modules`, `use_rslora`, ...) and `adapter_model.safetensors`: for each adapted linear
-layer `<module>` of the base model, `base_model.model.<module>.lora_A.weight` `[r, in]` and
-`...lora_B.weight` `[out, r]`. A built-in adapter's name (`parity.models.lora_builtins`) works
-wherever a directory does.
+A directory with `adapter_config.json` and `adapter_model.safetensors` (`lora_A` `[r, in]`,
+`lora_B` `[out, r]` per module), or a built-in adapter's name. One computation order everywhere
+(engine, training forward, peft's default `lora.Linear`):
 
-What parity computes for an adapted layer `y = x W^T + b`, in this order (one order everywhere:
-the reference engine, the training forward, and peft's `lora.Linear.forward` with its default
-float32 adapter weights, which the `hf` backend runs, so a model with native kernels gives peft's
-bits):
-
-    base = linear(x, W, b)                        [..., out] in the model's dtype (the base route)
+    base = linear(x, W, b)                        [..., out] in the model's dtype
     h    = linear(float32(x), A)                  [..., r]   float32
     d    = linear(h, B)                           [..., out] float32
     y    = dtype(float32(base) + d * scaling)     scaling = lora_alpha / r  (use_rslora: / sqrt(r))
 
-Each `linear` is `parity.kernels.ops.linear`, the route of the kernel switch, so with invariant
-kernels each row's adapter products are as batch-independent as its base product
-(`parity.models.loading.ParityLinear` applies it). A merged checkpoint (`merge_adapter`:
-W + scaling * B A, rounded once) is another model: its logprobs differ from the adapter's in the
-last bits (measured in docs/PERF.md).
-
-`check_adapter` validates an adapter against a checkpoint from files alone (the adapter's
-config and weights, the checkpoint's safetensors headers), with no torch, before any engine starts: every
-adapted module must exist in the base with matching shapes (an adapter trained on another base
-model fails here), every target must be a projection parity applies adapters to (q/k/v/o and
-gate/up/down projections of dense models; attention projections only on MoE models, whose
-expert and router weights are not adapted), and no peft option that changes the computation
-beyond plain LoRA (DoRA, biases, per-module rank or alpha patterns, ...) may be on. It also reads
-the adapter's tensors (small next to the model): a NaN or inf, or a `lora_alpha` whose update
-would swamp the weights (`MAX_UPDATE`), is refused there, naming the tensor or field, not blamed
-on an engine's answer later; so is a `target_modules` expression that is malformed or selects
-nothing, and a `base_model_name_or_path` naming another built-in model.
+each `linear` through the kernel switch. A merged checkpoint is another model (last-bit
+differences, docs/PERF.md). `check_adapter` validates from files alone, before any engine: modules
+and shapes in the base, targets parity adapts (no MoE experts or routers), no option beyond plain
+LoRA, finite tensors, updates below `MAX_UPDATE`, a matching base model.
 """
 
 from __future__ import annotations
@@ -76,13 +56,8 @@ _SUFFIXES = {".lora_A.weight": "A", ".lora_B.weight": "B"}
 
 @dataclass(frozen=True)
 class LoraSpec:
-    """A validated adapter: what it adapts and by how much.
-
-    path: the adapter directory. rank: `r`; alpha: `lora_alpha`; use_rslora: scaling by
-    sqrt(r) instead of r. modules: the base model's adapted module names, sorted (e.g.
-    "model.layers.0.self_attn.q_proj"). targets: their last name parts, sorted. base_model:
-    peft's `base_model_name_or_path` (recorded; one naming another built-in model is refused).
-    hash: sha256 of the config and weight files, 16 hex digits (provenance; a changed adapter is a new hash).
+    """A validated adapter: path, rank `r`, `lora_alpha`, use_rslora, the adapted module names (sorted),
+    their last name parts, peft's `base_model_name_or_path`, and a 16-hex-digit sha256 of its files.
     """
 
     path: Path
@@ -177,9 +152,9 @@ def _config(path: Path) -> dict[str, Any]:
 
 
 def _targeted(config: dict[str, Any], modules: dict[str, tuple[int, ...]], where: Path) -> list[str]:
-    """The base modules `target_modules` selects, as peft selects them: a list of names matches a
-    module whose name is one of them or ends with "." + one; a string is a regular expression the
-    whole name must match; "all-linear" selects every linear layer but the embeddings and LM head."""
+    """The base modules `target_modules` selects, as peft does: names (or "." suffixes), a regex the
+    whole name matches, or "all-linear" (not embeddings or LM head).
+    """
     targets = config.get("target_modules")
     if isinstance(targets, str):
         if targets == "all-linear":
@@ -286,10 +261,9 @@ def _scaling(alpha: float, rank: int, use_rslora: bool) -> float:
 
 
 def _check_values(weights: Path, alpha: float, scaling: float, where: Path) -> None:
-    """AdapterError naming the tensor that holds NaN or inf, or `lora_alpha` when some adapted
-    weight's update, scaling * B A, could exceed `MAX_UPDATE` (bounded by scaling * r * max|B| *
-    max|A| per module, computed exactly only past that bound): an engine would run and its answer,
-    not the adapter, would be blamed."""
+    """AdapterError naming a NaN/inf tensor, or `lora_alpha` when an update scaling * B A could exceed
+    `MAX_UPDATE` (bounded first by scaling * r * max|B| * max|A|).
+    """
     tensors = read_adapter_tensors(weights)
     for name, values in tensors.items():
         if not np.isfinite(values).all():
@@ -330,8 +304,7 @@ def read_adapter_tensors(path: Path) -> dict[str, np.ndarray]:
 
 
 def _check_base_model(base_model: object, model: str | os.PathLike[str], where: Path) -> None:
-    """AdapterError when `base_model_name_or_path` names a built-in model other than `model`: shapes
-    shared by two built-ins would let another model's adapter through unnoticed."""
+    """AdapterError when `base_model_name_or_path` names another built-in model (shapes may match)."""
     if not isinstance(base_model, str) or base_model not in BUILTIN_MODELS:
         return
     if isinstance(model, str) and model in BUILTIN_MODELS:
@@ -359,10 +332,9 @@ def check_without_tensor_parallel(tensor_parallel_size: int | None, option: str)
 
 def merge_adapter(model: str | os.PathLike[str], lora: str | os.PathLike[str],
                   out: str | os.PathLike[str]) -> Path:
-    """Write a checkpoint directory `out` whose weights are `model`'s with the adapter merged in:
-    W + scaling * B A for each adapted module, computed in float64 and rounded once to the
-    weight's dtype (float32 or float16 checkpoints). The other files are copied. Its forward
-    is the adapter's up to rounding (docs/PERF.md has the measured difference)."""
+    """Write `out`, `model` with W + scaling * B A per adapted module (float64, rounded once), other
+    files copied; equal to the adapter's forward up to rounding.
+    """
     spec = check_adapter(lora, model)
     model_path = resolve_model(model)
     deltas = adapter_deltas(spec)

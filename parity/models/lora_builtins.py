@@ -1,19 +1,9 @@
 """Built-in LoRA adapters for the built-in checkpoints: generated deterministically, cached on disk.
 
-`<model>-lora-r8` and `<model>-lora-r64` for every built-in tiny checkpoint, each a standard peft
-adapter directory (`adapter_config.json`, `adapter_model.safetensors`) that peft's `PeftModel`
-and vLLM load. Dense models are adapted on every attention and MLP projection (q/k/v/o, gate/up/
-down); MoE models on their attention projections only (parity does not adapt expert or router
-weights). The rank-64 adapters use rsLoRA (scaling lora_alpha / sqrt(r)), so both scaling rules
-are exercised.
-
-Weights are drawn like the checkpoints' (`parity.models.checkpoints`): PCG64 uniform doubles,
-scaled in float64, rounded once to float32, so the bytes are the same on every machine. Unlike
-peft's initialization (B = 0, an adapter that changes nothing), both A and B are non-zero: A is
-Kaiming-uniform on the layer's input, and B is scaled so the adapter's contribution to a layer's
-output has about `DELTA_SCALE` times the standard deviation of its input. The adapted model's
-logprobs then move clearly away from the base model's (a stale or mis-scaled adapter is visible)
-while its distributions stay peaked.
+`<model>-lora-r8` and `<model>-lora-r64` (rsLoRA) per tiny checkpoint, standard peft directories;
+dense models on every projection, MoE on attention only. Weights are PCG64 doubles rounded once
+to float32; unlike peft's B = 0, both A and B are non-zero, scaled so the update is about
+`DELTA_SCALE` times the input's std: logprobs move clearly while staying peaked.
 """
 
 from __future__ import annotations
@@ -82,11 +72,8 @@ def _draw(rng: np.random.Generator, shape: tuple[int, ...], bound: float) -> np.
 
 def adapter_weights(model_path: Path, rank: int, scaling: float, targets: tuple[str, ...],
                     seed: int) -> dict[str, np.ndarray]:
-    """A [r, in] and B [out, r] (float32) for every projection named in `targets` of the checkpoint
-    at `model_path` but the MoE experts', in sorted module order, under peft's tensor names.
-
-    h = A x has about x's standard deviation (A Kaiming-uniform on `in`); B's bound makes
-    scaling * B h have DELTA_SCALE times it: var = scaling^2 * r * bound^2 / 3.
+    """A [r, in] and B [out, r] float32 per targeted non-expert projection, in sorted order under peft's
+    names; A Kaiming-uniform, B's bound from var = scaling^2 * r * bound^2 / 3.
     """
     rng = np.random.Generator(np.random.PCG64(seed))
     b_bound = DELTA_SCALE * math.sqrt(3.0 / rank) / scaling

@@ -1,18 +1,10 @@
 """The MoE router patch point: every router call of a patched model goes through `route`.
 
-One entry of `ROUTERS` per HF router class (the one patch point of that router type) says how
-it scores experts, picks the top k and weighs them: softmax routers (Qwen3-MoE, Mixtral) and
-DeepSeek-V3-style sigmoid routers with grouped, bias-corrected choice. To support another
-router type, add its `RouterSpec` here; `patch_router` refuses classes it does not know.
-`route` runs the router's GEMM, softmax/sigmoid and top-k through `parity.kernels.ops`, so
-the kernel switch governs it, and inside `route`:
-
-- `capture()` records the chosen experts (`record_routes` of the engine and of `train_forward`),
-  int32 `[tokens, moe_layers, top_k]` in forward row order;
-- `run_routed(..., replay=RouterReplay("R3"))` forces given experts per token and layer (verl's
-  router replay): the top-k *selection* is replaced, the gate weights are recomputed from the
-  training router's own scores of the forced experts and normalized the way the router
-  normalizes (verl, slime), or replayed as recorded (`RouterReplay("R2", weights="replay")`).
+`ROUTERS` has one `RouterSpec` per HF router class (softmax: Qwen3-MoE, Mixtral; DeepSeek-V3
+grouped sigmoid); `patch_router` refuses others. `route` runs through `parity.kernels.ops`;
+`capture()` records chosen experts int32 `[tokens, moe_layers, top_k]`, and `run_routed` forces
+given experts (verl's router replay), gate weights recomputed from the router's own scores or
+replayed.
 """
 
 from __future__ import annotations
@@ -35,15 +27,10 @@ from parity.kernels import ops
 class RouterSpec:
     """How one HF router class scores experts, picks the top k and weighs them.
 
-    score: "softmax" (Qwen3-MoE, Mixtral): fp32 softmax of the router logits; the top-k
-        probabilities are the gate weights. "sigmoid" (DeepSeek-V3 style): fp32 router GEMM
-        and sigmoid scores; experts are picked by score + `e_score_correction_bias` among the
-        best `topk_group` of `n_group` expert groups (a group ranks by its top-2 sum), the
-        gate weights are the plain scores of the picked experts times `routed_scaling_factor`.
-    normalize_attr: attribute that switches renormalization of the top-k weights to sum 1
-        (None = always renormalize).
-    weights_in_logits_dtype: cast the weights back to the router logits' dtype (Qwen3-MoE) or
-        keep them fp32 (Mixtral, DeepSeek).
+    score: "softmax" (fp32 softmax; top-k probabilities are the weights) or "sigmoid" (DeepSeek-V3:
+    pick by score + `e_score_correction_bias` among the best `topk_group` of `n_group` groups, weights
+    the plain scores times `routed_scaling_factor`). normalize_attr: renormalization switch (None:
+    always). weights_in_logits_dtype: cast weights back (Qwen3-MoE) or keep fp32.
     """
 
     score: Literal["softmax", "sigmoid"]
@@ -69,15 +56,9 @@ WEIGHTS_MODES: tuple[str, ...] = ("recompute", "replay")
 
 @dataclass(frozen=True)
 class RouterReplay:
-    """Router replay in the training forward.
-
-    mode: "R3" forces the experts the rollout engine chose (`Rollout.routed_experts`, or
-        `train_forward(routes=...)`); "R2" records the experts of one training forward and
-        forces them in the next forward of the same micro-batch (verl's R2: the old-logprob
-        forward's routes replayed in the update forward).
-    weights: "recompute" (verl, slime): gate weights from the training router's probabilities
-        of the forced experts, renormalized as the router does; "replay": the recorded gate
-        weights too. Only R2 records weights: a `Rollout` carries expert ids only.
+    """Router replay in the training forward: "R3" forces the rollout's experts; "R2" forces the
+    experts of a first forward of the same micro-batch (verl's R2). weights: "recompute" (verl,
+    slime) or "replay" (R2 only: Rollouts carry ids only).
     """
 
     mode: ReplayMode = "R3"
@@ -128,11 +109,8 @@ class RouteRecorder:
 
 @dataclass(frozen=True, eq=False)
 class ForcedRoutes:
-    """Experts to force in one forward, by forward row (flattened [batch, seq]).
-
-    experts: [rows, moe_layers, top_k] int64; rows where `mask` [rows] is False route freely
-    (padding, and each sequence's last position, which a rollout never routed).
-    weights: [rows, moe_layers, top_k] float32 gate weights to force too, or None to recompute.
+    """Experts [rows, moe_layers, top_k] int64 to force by forward row; rows where `mask` [rows] is False
+    route freely; weights float32 to force too, or None to recompute.
     """
 
     experts: torch.Tensor
@@ -160,11 +138,7 @@ class ForcedRoutes:
     def apply(self, moe_layer: int, weights: torch.Tensor, indices: torch.Tensor,
               weigh: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights, indices) [rows, k] of one MoE layer with the forced rows substituted.
-
-        weigh: forced expert ids [rows, k] -> (their gate weights, the ids in weight order), as
-        the router computes them from its own scores.
-        """
+        """(weights, indices) [rows, k] of one layer with the forced rows substituted (`weigh` recomputes)."""
         if self.experts.shape[0] != indices.shape[0]:
             raise InputError(f"router replay has routes for {self.experts.shape[0]} tokens but the forward "
                              f"routes {indices.shape[0]}")
@@ -243,8 +217,7 @@ def route(router: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 
 def _grouped_choice(router: nn.Module, scores: torch.Tensor) -> torch.Tensor:
-    """DeepSeek-V3's expert choice, [N, E] sigmoid scores -> [N, k] ids: top-k of the biased scores
-    among the `topk_group` groups (of `n_group`) with the highest top-2 sums."""
+    """DeepSeek-V3's choice: [N, E] scores -> [N, k] ids among the top `topk_group` groups."""
     choice = scores + router.e_score_correction_bias
     n, experts = choice.shape
     per_group = experts // router.num_group
@@ -269,11 +242,8 @@ def patch_router(router: nn.Module, moe_layer: int) -> None:
 def run_routed(run: Callable[[], torch.Tensor], num_moe_layers: int, *, replay: RouterReplay | None = None,
                spans: Sequence[tuple[int, torch.Tensor]] = (), rows: int = 0, device: str = "cpu",
                record: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`run()` (one forward over `rows` tokens) under router replay; also its routes if `record`.
-
-    R3: spans = (first row, expert ids [n, moe_layers, top_k]) per sequence, forced. R2: `run`
-    goes twice, the second time forcing every router decision of the first. Returns run()'s
-    result and the experts used, int32 [rows, moe_layers, top_k] (None unless `record`).
+    """`run()` under router replay: R3 forces each span's experts; R2 runs twice, forcing the first
+    run's choices. Returns the result and int32 experts [rows, moe_layers, top_k] if `record`.
     """
     forced = None
     if replay is not None and replay.mode == "R2":

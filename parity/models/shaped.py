@@ -1,10 +1,5 @@
-"""Random-weight models with the shapes of real ones, for GPU tests and benchmarks.
-
-The tiny checkpoints are too small to show what a real vocabulary, head size or expert count
-does to kernels and reductions (a top-p cut over 151,936 tokens, a 2048 x 6144 down projection).
-These configs copy a real model's shapes, with fewer layers where a test needs less; the weights
-are transformers' own random initialization under a fixed seed, built directly on the target
-device and saved as a local HF checkpoint that every parity entry point loads like any other.
+"""Random-weight models with the shapes of real ones (vocabulary, head size, experts), for GPU tests
+and benchmarks; transformers' seeded init built on the device, saved as a local checkpoint.
 """
 
 from __future__ import annotations
@@ -53,11 +48,7 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
 
 def shaped_config(shape: str, layers: int, *, vocab_size: int | None = None,
                   max_position_embeddings: int = 1024) -> Any:
-    """A transformers config of `shape` (a key of SHAPES) with `layers` layers.
-
-    vocab_size overrides the shape's vocabulary; token ids 0/1/2 are pad/BOS/EOS as in the
-    built-in checkpoints.
-    """
+    """A transformers config of `shape` (SHAPES) with `layers` layers; ids 0/1/2 are pad/BOS/EOS."""
     if shape not in SHAPES:
         raise ConfigError(f"unknown model shape {shape!r}; choose from {sorted(SHAPES)}")
     if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:

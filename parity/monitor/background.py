@@ -1,11 +1,6 @@
-"""Where the monitor's background work runs, off the training thread: the advisor in a worker
-thread (NumPy, which releases the GIL in its array passes), and the page drawn by a child Python
-process (matplotlib is Python-heavy: in a thread it would hold the training process's GIL and
-slow every `log`, docs/PERF.md "Monitor"). `Background("thread")` draws the page in a thread
-of this process instead (where starting a process is unwelcome, and in tests that patch the
-drawing).
-
-Light: the standard library (and NumPy in the advice job).
+"""Where the monitor's background work runs, off the training thread: the advisor in a thread (NumPy
+releases the GIL), the page in a child process (matplotlib would hold the GIL, docs/PERF.md
+"Monitor"), or in a thread with `Background("thread")`. Standard library only.
 """
 
 from __future__ import annotations

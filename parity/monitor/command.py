@@ -1,13 +1,6 @@
 """`parity monitor OUT_DIR [--html OUT] [--json OUT] [--step N ...] [--log-scale]`: draw and
-summarise a monitored run.
-
-Reads `OUT_DIR/monitor.sqlite` read-only (a run still going, one whose process was killed, or one
-on a read-only mount reads the same: every committed step), prints one line per alert, restart
-and unreadable row and the latest step's key figures, draws the page (default
-`OUT_DIR/index.html`; `--step` picks the steps it details) and with `--json` writes
-`{"run_name": ..., "steps": [{"step": int, ...the stored record...}]}` (the run as it stands, the
-latest attempt of a resumed run). Exit 0, 2 on an error (one line), 141 when the reader of stdout
-went away (`| head`). Light: never loads torch.
+summarise a monitored run, read-only (a live, killed or read-only run alike). Exit 0, 2 on an
+error, 141 when stdout's reader left. Never loads torch.
 """
 
 from __future__ import annotations

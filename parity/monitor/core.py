@@ -1,47 +1,12 @@
 """`parity.Monitor`: train/rollout mismatch telemetry inside the user's own training run.
 
-    with parity.Monitor("runs/grpo-7b/parity", thresholds={"k3_kl": 1e-3}) as monitor:
-        for step, batch in enumerate(loader):
-            ...                                    # rollout, then the trainer's old_log_probs
-            monitor.log(step, rollout_log_probs=rollout_lp, old_log_probs=old_lp,
-                        response_mask=mask, responses=responses, sampling={"temperature": 1.0})
-
-Per step, `log` checks the arrays (`[batch, response_len]`, responses left-aligned and
-right-padded: verl's layout; torch tensors on any device or NumPy arrays), computes the step's
-drift record (`parity.monitor.summary`: no forward, the trainer already holds both logprobs),
-checks the thresholds (a warning line on the `parity.monitor` logger and a flag in the record), and
-appends the record to `out_dir/monitor.sqlite` in one transaction (`parity.monitor.store`). Every
-`render_every` steps a background thread has a child process redraw `out_dir/index.html`
-(`parity.monitor.page`, `parity.monitor.background`).
-
-Resume: a run restarted from a checkpoint logs steps at or below the stored ones. With
-`resume=True` the first such step starts a new attempt of the run (a warning, never an exception):
-its steps supersede the stored ones from that step on, the store keeps both, and the page and
-`parity monitor` show the run as it stands with the restart marked. Without it such a step is an
-`InputError` (two runs must not be merged silently).
-
-Policy versions: `log(..., policy_version=, rollout_policy_version=)` say which weights each side
-used. A declared lag (rollout behind the trainer: async, one-step off-policy) is intended drift; a
-drift jump with no lag declared, or with both sides claiming the same version, is named as what it
-looks like: the rollout engine's weights are not the trainer's (a missed sync).
-
-Cost: the record computes with torch bounded to `threads` (default 1, restored after), the advisor
-runs every `advice_every` steps (default 10, and on any step that jumps), and the page is drawn
-by a child process: docs/PERF.md ("Monitor in a real run") has the figures.
-
-A counted token one side gives logprob -inf lies outside that side's sampling support (parity's one
-rule for -inf, as in reports): it is counted in the summary's `num_tokens_outside_support` /
-`frac_tokens_outside_support` and left out of every other number. NaN and +inf at a counted token
-are errors (at padding they are ignored), and so is a counted value above 1e-4: probabilities or
-logits passed as logprobs (`parity.core.logprobs`, the rule every entry point applies).
-
-Bad input never reaches the store: every check runs, and the whole record is computed, before the
-step's transaction; a `log` that raises leaves the store and the monitor as they were, and the next
-`log` carries on. Errors are `InputError` (the arrays, the step number, the values) and
-`ConfigError` (the monitor's options), each naming the field.
-
-Torch loads on the first `log` (the metrics compute in torch); importing this module, and drawing
-or reading a stored run (`parity monitor OUT_DIR`), never loads it.
+Per step `log` checks the `[batch, response_len]` arrays (verl's layout), computes the drift
+record (`parity.monitor.summary`, no forward), checks thresholds (a warning and a flag) and
+appends it in one transaction; every `render_every` steps a child process redraws the page.
+A step at or below stored ones is an `InputError`, or with `resume=True` a new attempt. Declared
+policy versions make lag intended; a jump without one is named a missed weight sync. -inf at a
+counted token is outside that side's support (counted apart); NaN, +inf or values above 1e-4 are
+errors. A `log` that raises leaves store and monitor unchanged. Costs: docs/PERF.md.
 """
 
 from __future__ import annotations
@@ -80,32 +45,12 @@ log = logging.getLogger("parity.monitor")
 class Monitor:
     """Logs the train/rollout mismatch of every training step into `out_dir` (see the module doc).
 
-    out_dir: the run's directory (created if missing). An existing one continues its run: steps
-        come after the stored ones, or with `resume=True` a step at or below them starts a new
-        attempt (a run resumed from an earlier checkpoint).
-    run_name: the run's name on the page (default: the directory's name).
-    thresholds: absolute alert bounds, e.g. `{"k3_kl": 1e-3, "max_abs_logprob_diff": 1.0}` or a
-        `(low, high)` band (`parity.monitor.thresholds`); none by default.
-    jumps: relative alert bounds, `{"key": X}` flags a value above X times the run's trailing
-        median; default `DEFAULT_JUMPS` (k3_kl 10x, mean_abs_logprob_diff 5x); None: none.
-    correction: the `rollout_corr/*` metrics' correction, `parity.correction.CorrectionConfig`
-        options (verl's `algorithm.rollout_correction` names); default verl's token-level TIS at 2.
-    render_every: redraw the page every this many logged steps (and on `close`), in a background
-        thread; 0: never (draw it with `parity monitor OUT_DIR` when wanted).
-    advice_every: run the correction advisor every this many logged steps (the first included)
-        and on every step that jumps; 0: never. It costs several times the rest of a step, so by
-        default it runs in a background thread and its recommendation joins the stored step when
-        it is done (`log` returns without it; `close` waits for it).
-    advice_in_background: False runs the advisor inside `log` (its record then holds it).
-    background: where the page is drawn and the advisor runs: "process" (a spawned worker
-        process, off the training process's GIL) or "thread" (threads of this process).
-    resume: continue a stored run from any step (see the module doc).
-    journal: the store's journal, "auto" (rollback journal on a network filesystem, else WAL),
-        "wal" or "delete" (`parity.monitor.store`).
-    tokenizer: an object with `decode(ids)` (a Hugging Face tokenizer): the worst tokens get
-        their text.
-    threads: torch threads for the step's record (set during `log` only, then restored).
-    log_scale: draw the page's trend charts on a log scale.
+    out_dir: created if missing; an existing one continues its run. thresholds: absolute bounds or
+    `(low, high)` bands (`parity.monitor.thresholds`); jumps: x trailing median (`DEFAULT_JUMPS`;
+    None: off). correction: `CorrectionConfig` options (default token TIS at 2). render_every,
+    advice_every: 0 is never (advice also on jumps; in the background unless
+    `advice_in_background=False`). background: "process" or "thread". journal: "auto", "wal",
+    "delete". tokenizer: `decode(ids)` for worst tokens' text. threads: torch threads during `log`.
     """
 
     def __init__(self, out_dir: str | os.PathLike[str], *, run_name: str | None = None,
@@ -169,21 +114,13 @@ class Monitor:
             meta: Mapping[str, Any] | None = None, policy_version: int | None = None,
             rollout_policy_version: int | None = None, rollout_top_k: Any = None,
             train_top_k: Any = None) -> dict[str, Any]:
-        """Check, summarise and store one step; returns the stored record (`{"step": step, ...}`;
-        `parity.monitor.flat_values(record)` gives its scalars by name, for your own logger).
+        """Check, summarise and store one step; returns the stored record (`flat_values` gives its scalars).
 
-        rollout_log_probs, old_log_probs: `[batch, response_len]` logprobs (nats) of the sampled
-            tokens from the rollout engine and from the trainer; response_mask: 1/True where a
-            token counts. responses: `[batch, response_len]` token ids (the worst tokens then name
-            theirs); prompts: `[batch, prompt_len]` ids (left-padded; each worst token keeps the
-            last ids of its prompt); uids: one id per row (verl's `uid`), kept with each worst
-            token. sampling: what the rollout sampled with (`{"temperature": ...}`,
-            `parity.SamplingParams` fields), stored with the step. meta: anything JSON holds.
-            policy_version, rollout_policy_version: the trainer's and the rollout's weight versions
-            (integers; the rollout's at most the trainer's); their difference is the declared lag.
-            rollout_top_k: `(ids, logprobs)` `[batch, response_len, k]`, the rollout engine's top-k
-            at every position, with train_top_k the trainer's side (`parity.monitor.train_top_k`):
-            adds the `distribution/` keys and the worst positions (`parity.monitor.top_k`).
+        rollout_log_probs, old_log_probs: `[batch, response_len]` nats; response_mask: 1 where a token
+        counts. responses `[batch, response_len]`, prompts `[batch, prompt_len]` (left-padded), uids:
+        name the worst tokens. sampling: `SamplingParams` fields. meta: JSON. policy_version,
+        rollout_policy_version: ints, their difference the declared lag. rollout_top_k `(ids, logprobs)`
+        `[batch, response_len, k]` with train_top_k: the `distribution/` keys.
         """
         # torch: `import parity.monitor` stays light
         from parity.monitor.summary import (
@@ -376,8 +313,9 @@ def _uids(value: Sequence[Any] | None, batch: int) -> list[str] | None:
 
 
 def _clean_padding(x: np.ndarray, mask: np.ndarray, name: str) -> np.ndarray:
-    """`x` with NaN/+inf at padding (mask 0) set to 0 (never read); InputError naming the first
-    counted NaN/+inf, and the first counted value above the logprob bound (`parity.core.logprobs`)."""
+    """`x` with NaN/+inf at padding set to 0; InputError naming the first counted NaN/+inf or value
+    above the logprob bound.
+    """
     if x.dtype.kind != "f" or x.shape != mask.shape or x.size == 0:
         return x
     lo, hi = x.min(), x.max()  # NaN makes both NaN; two reductions, no temporaries
@@ -437,12 +375,9 @@ def _meta(meta: Mapping[str, Any] | None) -> dict[str, Any] | None:
 
 
 def _support(old: np.ndarray, rollout: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, int, int]:
-    """(the mask of the tokens to measure, tokens outside the sampling support, tokens counted).
-
-    parity's one rule for -inf: a counted token that one side gives logprob -inf lies outside that
-    side's sampling support (a top-k/top-p cut). It is counted apart and left out of every other
-    number, which it would make infinite. Arrays `check_arrays` will refuse anyway (shapes,
-    dtypes) pass through unchanged, so that its error is the one raised."""
+    """(mask of tokens to measure, tokens outside the support, tokens counted): -inf tokens are counted
+    apart; arrays `check_arrays` will refuse pass through so its error is the one raised.
+    """
     if old.dtype.kind != "f" or rollout.dtype.kind != "f" or not old.shape == rollout.shape == mask.shape:
         return mask, 0, 0
     if not (_has_neginf(old) or _has_neginf(rollout)):
@@ -459,8 +394,7 @@ def _support(old: np.ndarray, rollout: np.ndarray, mask: np.ndarray) -> tuple[np
 
 
 def _has_neginf(x: np.ndarray) -> bool:
-    """Whether `x` holds -inf: its minimum, ~4x faster than `np.isneginf(x).any()`. A NaN makes
-    the minimum NaN and the answer False: `check_arrays` then refuses the NaN."""
+    """Whether `x` holds -inf via its minimum (~4x `np.isneginf(x).any()`; NaN is refused later)."""
     return x.size > 0 and bool(x.min() == -np.inf)
 
 
@@ -477,8 +411,7 @@ def _responses(value: Any, shape: tuple[int, int]) -> np.ndarray | None:
 
 
 def _prompt_tails(value: Any, batch: int) -> list[list[int]] | None:
-    """The last `PROMPT_TAIL` ids of each row's prompt, from `[batch, prompt_len]` left-padded ids
-    or one id sequence per row; None without prompts."""
+    """The last `PROMPT_TAIL` ids of each row's prompt (None without prompts)."""
     if value is None:
         return None
     if isinstance(value, (list, tuple)):

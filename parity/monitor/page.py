@@ -1,17 +1,7 @@
-"""The monitor's page, `out_dir/index.html`: per-step trend charts (linear, or a log scale), the
-alerts, the restarts of a resumed run, and the details of chosen steps (drift by position, worst
-tokens with their uid, position and text, recommended correction): by default the latest step and
-the `WORST_STEPS` steps of largest k3_kl, so a spike can be inspected after the run moved on; any
-other step with `parity monitor OUT_DIR --step N`. Drawn from the store alone; a stored step that
-does not decode is named on the page and the others are drawn.
-
-`write_page` reads the SQLite store and writes the page atomically (a reader never sees half a
-page), so the page of a run still going, or of a run whose process was killed, is the same as the
-one the monitor itself draws. `PageRenderer` draws it off the training step's critical path: a
-background thread redraws when asked (at most every N steps), and a drawing that fails is logged
-and never touches the store, so no step is lost to it.
-
-Light: NumPy and matplotlib (when drawing), no torch.
+"""The monitor's page, `out_dir/index.html`: per-step trend charts, alerts, restarts, and details of
+chosen steps (the latest and the `WORST_STEPS` of largest k3_kl, or `--step N`). Drawn from the
+store alone and written atomically; `PageRenderer` draws off the critical path and a failed
+drawing never touches the store. NumPy and matplotlib, no torch.
 """
 
 from __future__ import annotations
@@ -251,8 +241,7 @@ def write_page(out_dir: str | Path, path: str | Path | None = None, *, log_scale
 
 
 def _draw_in_a_child(out_dir: Path, log_scale: bool) -> None:
-    """`write_page` run by a child Python process (its own GIL); RuntimeError with its last error
-    line when it fails."""
+    """`write_page` in a child Python process (its own GIL); RuntimeError with its last error line."""
     package_root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH"))
                                                          if p)}
@@ -268,12 +257,8 @@ def _draw_in_a_child(out_dir: Path, log_scale: bool) -> None:
 
 
 class PageRenderer:
-    """Redraws a monitor's page in a background thread, off the training step's critical path
-    (the drawing itself in `background`'s worker process when given one: off the GIL too).
-
-    `request()` asks for a redraw and returns at once; requests that arrive while one is being
-    drawn coalesce into one more. A drawing that raises is logged as a warning (the steps are in
-    the store already, and the next request draws again). `close()` draws a last time and joins.
+    """Redraws a monitor's page in a background thread: `request()` returns at once (requests during a
+    drawing coalesce), a failed drawing is logged, `close()` draws a last time and joins.
     """
 
     def __init__(self, out_dir: str | Path, *, log_scale: bool = False, background: Background | None = None

@@ -1,33 +1,10 @@
 """The monitor's store: one SQLite file per run, one row per logged step, append-only.
 
-    out_dir/monitor.sqlite
-      run(key TEXT PRIMARY KEY, value TEXT)          run_name, created_at, parity_version, schema_version
-      steps(attempt INTEGER, step INTEGER, logged_at REAL, record TEXT)    record: the step's JSON summary
-      advice(attempt INTEGER, step INTEGER, recommendation TEXT)   the advisor's, added when it finishes
-    out_dir/monitor.lock                              the writer's lock: host, PID and start time
-
-Attempts: a run resumed from a checkpoint logs steps at or below ones already stored. Those start
-a new attempt (`attempt` + 1) whose steps supersede the earlier attempts' from its first step on;
-every attempt stays in the file, and `steps()` reads the run as it stands: each earlier attempt's
-steps up to the next one's first step, the latest attempt's first step marked `restart`.
-
-Each step is written in one transaction (`BEGIN IMMEDIATE ... COMMIT`), so a reader sees a step
-whole or not at all, and a committed step survives the training process being killed (SIGKILL
-included) at any point. The journal is picked by where the directory lives (`journal="auto"`):
-SQLite's write-ahead log on a local disk (readers never block the writer), and the rollback
-journal on a network filesystem (NFS, Lustre, GPFS, CIFS, ...: WAL's shared memory is unsafe
-there; SQLite then locks with fcntl). `synchronous=NORMAL` (WAL) / `FULL` (rollback): a power loss
-may drop the last WAL steps, never corrupt the file.
-
-Safety: one writer per directory, held by an fcntl lock on `monitor.lock` from construction to
-`close` (a second writer is refused naming the holder's host and PID); the file is marked with
-parity's `application_id` and another program's non-empty SQLite file (or any other file) is
-refused, never altered; `PRAGMA quick_check` runs on every open. Readers open the file read-only
-(URI-quoted: any directory name), on a read-only mount too; a row that does not decode is named
-and the others are still read. Append-only is enforced by the file itself: triggers abort any
-UPDATE or DELETE, and an INSERT into an earlier attempt or not above its attempt's last step.
-
-Light: the standard library only.
+Tables `run`, `steps(attempt, step, logged_at, record)`, `advice`, plus `monitor.lock`. A resumed
+run's steps start a new attempt that supersedes earlier steps from its first on; `steps()` reads
+the run as it stands. One transaction per step survives SIGKILL; journal "auto" is WAL locally,
+rollback on network filesystems. One writer per directory (fcntl lock); foreign files are refused,
+never altered; readers open read-only; triggers forbid UPDATE and DELETE. Standard library only.
 """
 
 from __future__ import annotations
@@ -150,10 +127,8 @@ def pick_journal(journal: str, out_dir: Path) -> str:
 
 
 class MonitorStore:
-    """One connection to a monitor's SQLite file (one thread; the page thread opens its own).
-
-    Use `create` (the training process: makes the file or continues the run in it, and holds the
-    directory's writer lock until `close`) or `open` (anyone reading: read-only, nothing changed).
+    """One connection to a monitor's SQLite file (one thread): `create` (the writer, holding the lock
+    until `close`) or `open` (read-only).
     """
 
     def __init__(self, path: Path, conn: sqlite3.Connection, *, lock_fd: int | None = None) -> None:
@@ -281,13 +256,10 @@ class MonitorStore:
                            (attempt, step, text))
 
     def steps(self, since: int | None = None, *, every_attempt: bool = False) -> list[dict[str, Any]]:
-        """The run's steps as it stands (after step `since`, when given), in step order:
-        `{"step": int, "logged_at": unix seconds, "attempt": int, **record}`; the first step of
-        each later attempt has `"restart": {"attempt", "superseded"}` (the earlier steps it
-        replaced). `every_attempt`: every stored row instead, by attempt then step.
-
-        A row that does not decode is kept as `{"step", "logged_at", "attempt", "undecodable":
-        reason}` and named in `problems`."""
+        """The run's steps as it stands (after `since`), in step order, `{"step", "logged_at", "attempt",
+        **record}`; a later attempt's first step has `"restart"`. `every_attempt`: every stored row.
+        A row that does not decode is kept as `{..., "undecodable": reason}` and named in `problems`.
+        """
         self.problems = []
         columns = {row[1] for row in self._conn.execute("PRAGMA table_info(steps)")}
         attempt = "attempt" if "attempt" in columns else "0"
@@ -330,8 +302,7 @@ class MonitorStore:
 
 
 def _latest_view(rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-    """The run as it stands from `(attempt, step, logged_at, record)` rows ordered by attempt,
-    step: each attempt supersedes the earlier ones' steps from its first step on."""
+    """The run as it stands: each attempt supersedes earlier ones' steps from its first step on."""
     by_step: dict[int, tuple[Any, ...]] = {}
     current = None
     for a, s, t, r in rows:
@@ -348,8 +319,7 @@ def _latest_view(rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
 
 
 def _writer_lock(path: Path) -> int:
-    """Take the directory's writer lock (fcntl, works on NFS), writing this process's host and PID
-    into it; ConfigError naming the holder when another process has it."""
+    """Take the writer lock (fcntl, NFS too) with host and PID; ConfigError naming another holder."""
     key = str(path.parent.resolve() / path.name)
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -381,8 +351,7 @@ def _release(fd: int, key: str) -> None:
 
 
 def _check_file(path: Path, *, writing: bool) -> int | None:
-    """The store's schema version from its header and run table (None: no file or an empty one);
-    InputError for any file that is not a parity monitor store, which is never altered."""
+    """The store's schema version (None: no or empty file); InputError for a non-parity file."""
     try:
         with path.open("rb") as f:
             header = f.read(100)
@@ -419,8 +388,7 @@ def _check_file(path: Path, *, writing: bool) -> int | None:
 
 
 def _connect(path: Path, *, writer: bool) -> sqlite3.Connection:
-    """A connection in autocommit mode (transactions are explicit): read-write for the writer,
-    read-only (on a read-only mount too: then immutable) for a reader."""
+    """An autocommit connection: read-write for the writer, read-only for readers."""
     uri = "file:" + quote(str(path.resolve()), safe="/")
     try:
         if writer:
@@ -435,8 +403,7 @@ def _connect(path: Path, *, writer: bool) -> sqlite3.Connection:
 
 
 def _read_only(uri: str) -> sqlite3.Connection:
-    """A read-only connection; where even reading needs a write (a WAL store on a read-only mount:
-    its shared-memory file cannot be made), the file is opened as immutable."""
+    """A read-only connection, immutable where reading would need a write (WAL on a read-only mount)."""
     conn = sqlite3.connect(uri + "?mode=ro", uri=True, isolation_level=None, timeout=_BUSY_MS / 1000)
     try:
         conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()

@@ -1,21 +1,9 @@
 """One step's drift record from the trainer's and the rollout's logprobs of the same tokens: no
 forward runs, the trainer already holds both.
 
-Every number comes from parity's own functions on one checked `TokenArrays` (`[batch, seq]`,
-responses left-aligned and right-padded, verl's layout), computed by their passes in one scan of
-the step's blocks (`step_record`):
-
-    summary        `parity.drift.metrics.summarize`: max/mean |Δlogp|, IS-ratio stats, k1/k2/k3 KL, χ²,
-                   verl's probability-space `rollout_probs_diff_*`, ... (`parity.core.schema.SUMMARY_KEYS`)
-    rollout_corr   `parity.correction.apply_correction` under the monitor's correction: verl's
-                   `rollout_corr/*` metrics, by verl's names
-    by_position    `parity.drift.metrics.drift_by_position`: drift per response-position bucket
-    worst_tokens   the `WORST` valid tokens of largest |Δlogp| (row, position, token id when the
-                   responses are given, both logprobs), ties broken by row then position
-    recommendation `parity.advisor.advise` (its recommendation only: name, reason, config, the keys
-                   to paste into verl / NeMo-RL / slime), on the steps that ask for it
-
-Heavy: parity.drift.metrics and parity.correction compute in torch (float64, row blocks).
+From one checked `TokenArrays` in one scan (`step_record`): summary (`summarize`), rollout_corr
+(`apply_correction`, verl's names), by_position, worst_tokens (`WORST`, ties by row then
+position), and on asked steps the advisor's recommendation. Heavy: torch.
 """
 
 from __future__ import annotations
@@ -56,12 +44,8 @@ def check_arrays(old_log_probs: np.ndarray, rollout_log_probs: np.ndarray, respo
 
 def step_record(tok: TokenArrays, *, correction: CorrectionConfig, responses: np.ndarray | None,
                 advice: bool, seed: int = 0) -> dict[str, Any]:
-    """The stored record of one step (see the module doc); `tok` from `check_arrays`.
-
-    The summary, the correction, the drift by position and the worst tokens are one scan of the
-    step's blocks (`TokenArrays.scan`): each block is converted once and its derived arrays
-    (|Δ|, the ratios, ...) are shared while they are in cache. Their results are those of
-    `summarize`, `apply_correction` and `drift_by_position`, which run the same passes alone.
+    """The stored record of one step from `check_arrays`' `tok`, in one scan of its blocks (the same
+    results as `summarize`, `apply_correction` and `drift_by_position` alone).
     """
     summary, corr = SummaryPass(tok), CorrectionPass(correction, tok, outputs=False)
     position, worst = PositionPass(tok), WorstPass(tok)
@@ -87,11 +71,9 @@ def recommendation(tok: TokenArrays, *, policy_lag: int | None = None, seed: int
 
 
 class AdviceWorker:
-    """Runs the advisor off the training thread (`parity.monitor.background`): `submit` hands over
-    one step's arrays and returns at once; `drain` hands the finished recommendations back as
-    `(attempt, step, recommendation)` for the training thread to store. A recommendation that
-    fails is logged and skipped (the step itself is stored already). `close` waits for every
-    submitted step."""
+    """Runs the advisor off the training thread: `submit` returns at once, `drain` hands back
+    `(attempt, step, recommendation)`, failures are logged and skipped, `close` waits.
+    """
 
     def __init__(self, background: Background) -> None:
         self._background = background
@@ -153,14 +135,8 @@ def worst_tokens(tok: TokenArrays, responses: np.ndarray | None, k: int = WORST)
 
 
 class WorstPass:
-    """`worst_tokens`' pass over a batch (a `parity.drift.token_arrays.BlockPass`): it keeps each row's
-    largest |Δ| `[batch]` (a block's shared `row_abs_max`), and `result` looks into the few rows
-    that can hold the `k` worst tokens.
-
-    Those are the rows whose largest |Δ| is at least m, the k-th largest of the row maxima: a
-    token elsewhere has |Δ| < m, below the k tokens (one per such row) of |Δ| >= m. So the k worst
-    tokens, ties included, lie in those rows (about k of them; every row at worst, when most rows
-    tie), where |Δ| is computed again as the blocks compute it: no per-token top-k over the batch.
+    """`worst_tokens`' pass: each row's largest |Δ| `[batch]`; `result` recomputes only the rows whose
+    max is at least m, the k-th largest row max (every k-worst token, ties included, lies there).
     """
 
     def __init__(self, tok: TokenArrays, k: int = WORST) -> None:
@@ -204,8 +180,7 @@ class WorstPass:
 
 
 def _largest(value: np.ndarray, flat: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """The `k` largest of `value` > 0, ties by smallest `flat` (ascending, as given), with their
-    `flat` indices; in linear time (a sort of every tied token could be the whole batch)."""
+    """The `k` largest of `value` > 0 (ties by smallest `flat`), with their indices, in linear time."""
     keep = value > 0
     value, flat = value[keep], flat[keep]
     if value.size <= k:

@@ -1,22 +1,9 @@
 """Alert thresholds of a monitored run: which step values raise a warning line and a flag.
 
-    Monitor(out, thresholds={"k3_kl": 1e-3, "max_abs_logprob_diff": 1.0,
-                             "rollout_corr/rollout_is_eff_sample_size": (0.9, None)})
-
-A number is an upper bound (the step is flagged when its value is above it); a `(low, high)` pair
-is a band, either side None for open (flagged below `low` or above `high`). These absolute bounds
-have no default (a run's normal drift depends on its model, dtype and engine).
-
-Relative bounds (`Jumps`, on by default: `DEFAULT_JUMPS`) flag a step whose value is more than X
-times the run's trailing median (the last `WINDOW` steps, once `MIN_HISTORY` are stored): a jump
-needs no knowledge of the run's normal level, so it catches a missed weight sync out of the box.
-
-Keys are the step summary's (`parity.core.schema.SUMMARY_KEYS`: `k3_kl`, `max_abs_logprob_diff`, ...; and
-`SUPPORT_SUMMARY_KEYS`: `frac_tokens_outside_support`) or verl's `rollout_corr/*` metric names of
-the monitor's correction. A value the step does not have (an unknown `rollout_corr/*` name) is
-flagged as missing rather than silently never checked.
-
-Light: the standard library only.
+A number is an upper bound, a `(low, high)` pair a band (None: open); no absolute default, since
+normal drift depends on the run. `Jumps` (`DEFAULT_JUMPS`, on by default) flag X times the
+trailing median of `WINDOW` steps, catching a missed weight sync out of the box. Keys are the
+summary's or the correction's `rollout_corr/*`; a missing one is flagged. Standard library only.
 """
 
 from __future__ import annotations

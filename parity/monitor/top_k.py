@@ -1,16 +1,6 @@
 """Full-distribution drift of one monitored step: the rollout engine's top-k at every counted
-response position against the trainer's distribution there (`parity.drift.distribution`).
-
-The rollout gives its top-k per position (vLLM `logprobs=k`, SGLang `top_logprobs_num`):
-`rollout_top_k=(ids, logprobs)`, each `[batch, response_len, k]`. The trainer's side is its full
-row at each position under the rollout's processing, reduced where it lives by `train_top_k`
-(`parity.monitor.train_view`, torch, on the rows' device: logprobs at the rollout's ids, its own
-top-k, entropy, the sampled token's rank), so the `[tokens, V]` rows never reach the monitor.
-`step_distribution` checks both (`parity.core.top_k`: shape, ids, order, duplicates, the same
-processing as the sampled logprobs) and gives the step's `distribution/` summary keys and the
-worst positions with both sides' top-5.
-
-NumPy only.
+response position against the trainer's distribution there. The trainer's rows are reduced where
+they live (`train_top_k`), so `[tokens, V]` never reaches the monitor. NumPy only.
 """
 
 from __future__ import annotations
@@ -33,10 +23,9 @@ SHOWN_ENTRIES = 5
 def step_distribution(rollout_top_k: Any, train_view: TrainerView | Sequence[TrainerView] | None,
                       rollout_log_probs: np.ndarray, responses: np.ndarray | None, mask: np.ndarray,
                       uids: list[str] | None, tokenizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(the step's `distribution/` summary keys, its stored section: k and the worst positions with
-    both sides' top-5, decoded when a tokenizer is given) of the rollout's top-k `(ids, logprobs)`
-    `[batch, response_len, k]` against `train_view` (`train_top_k`'s, or a list of them in batch
-    order); `InputError` (a `TopKError` for the top-k itself) naming what is wrong."""
+    """(`distribution/` summary keys, stored section with the worst positions' top-5) of the rollout's
+    top-k `[batch, response_len, k]` against `train_view`(s); `InputError` / `TopKError` otherwise.
+    """
     if rollout_top_k is None or train_view is None:
         raise InputError("rollout_top_k and train_top_k come together (the rollout's top-k and the trainer's "
                          "distribution at its ids, parity.monitor.train_top_k); give both or neither")

@@ -1,7 +1,5 @@
-"""The trainer's side of the monitor's full-distribution drift (`parity.monitor.top_k`): its
-log_softmax rows reduced, on their device, at the rollout's top-k ids (`train_top_k`).
-
-Torch (the rows are the trainer's tensors); imported on use, never by `import parity.monitor`.
+"""The trainer's side of the monitor's full-distribution drift: its log_softmax rows reduced on
+their device at the rollout's top-k ids (`train_top_k`). Torch; never imported by the package.
 """
 
 from __future__ import annotations
@@ -19,14 +17,11 @@ from parity.monitor.top_k import token_ids
 
 def train_top_k(train_logprobs: Any, rollout_top_k_ids: Any, responses: Any, response_mask: Any
                 ) -> TrainerView:
-    """The trainer's side of `Monitor.log(..., train_top_k=)`: its rows reduced at the counted positions.
+    """The trainer's side of `Monitor.log(..., train_top_k=)`: a `TrainerView` of the counted positions.
 
-    train_logprobs: torch tensor `[batch, response_len, V]`, the trainer's log_softmax under the
-        rollout's processing (temperature applied, -inf outside a top-k/top-p support); any device,
-        the reduction runs there. rollout_top_k_ids: `[batch, response_len, k]` the rollout's top-k
-        ids; responses: `[batch, response_len]` the sampled ids; response_mask: 1 where a token counts.
-    Returns a `TrainerView` of the counted positions in row-major order (`[N, k]`, `[N]`, on the
-    host). For micro-batches, call it per micro-batch and pass the list, in batch order.
+    train_logprobs: torch `[batch, response_len, V]` under the rollout's processing, any device;
+    rollout_top_k_ids `[batch, response_len, k]`; responses `[batch, response_len]`. Per micro-batch,
+    pass the list in batch order.
     """
     if not isinstance(train_logprobs, torch.Tensor) or train_logprobs.ndim != 3:
         raise InputError("train_logprobs must be a torch tensor [batch, response_len, vocab] (the trainer's "

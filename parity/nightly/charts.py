@@ -1,7 +1,5 @@
-"""Trend charts: one small chart per summary metric, one line per row, across the history.
-
-Each row keeps one colour in every chart (listed once in the page's legend), so the charts carry
-no legend of their own and stay readable as small multiples.
+"""Trend charts: one small chart per summary metric, one line per row, across the history; each row
+keeps one colour everywhere (one legend on the page).
 """
 
 from __future__ import annotations

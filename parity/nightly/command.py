@@ -1,9 +1,5 @@
-"""`parity nightly`: the command line of the nightly regression run.
-
-Prints a short table of the rows and where the report went; the exit code is 0 when every row
-passed, 1 on a regression or tolerance failure, 2 when a row errored (or the options were bad,
-or anything else failed: one line on stderr, the traceback with --verbose), 130 on Ctrl-C (with
-the command that finishes the run).
+"""`parity nightly`: the command line of the nightly regression run. Exit 0 when every row passed,
+1 on a regression or tolerance failure, 2 on an error row or any error, 130 on Ctrl-C.
 """
 
 from __future__ import annotations

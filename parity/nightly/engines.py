@@ -1,11 +1,8 @@
 """The engines of a nightly run: which engine each row uses, and the rows in engine order.
 
-A row's engine is its `EngineKey` (backend, model, dtype, `shared_backend` options): the key of
-the process-wide engine cache (`parity.backends.shared_backend`). An executor runs the rows of one
-engine one after another and closes the engine right after the last of them (`PlannedRow.last`),
-so each engine starts once and at most one engine per executing process is alive: a 50-row
-built-in matrix holds 31 engines, 15 of them vLLM engines of ~3 GiB, which together do not fit in
-24 GiB. The report keeps matrix order whatever order the rows ran in.
+A row's `EngineKey` is the `shared_backend` cache key; an executor runs one engine's rows together
+and closes it after the last (`PlannedRow.last`), so at most one engine per process is alive (31
+engines of the built-in matrix, 15 vLLM at ~3 GiB, do not fit in 24 GiB).
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""What a nightly run ran on: parity's git commit, package versions and hardware.
-
-Recorded once per run, so a drift change can be traced to an upgrade of vLLM, a driver or
-parity itself the morning after.
+"""What a nightly run ran on: parity's git commit, package versions and hardware, so a drift change
+can be traced to an upgrade.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 """One row's work, wherever it runs: start (or reuse) the backend, run the case, return the row.
 
-Both executors call `execute_row`: the local one in the driver's process, the Ray one inside a
-worker actor on any node. It reads no history and writes none: the row comes back unjudged
-(no baseline verdict) and the driver judges it (`runner.judge_row`) and stores it. An exception
-becomes an error row here, so one broken backend never ends the night; an engine that could not
-start for want of memory says what it needed and what was free (`parity.nightly.memory`). The
-executor says which row is its engine's last (`close_engine`): the engine is closed right after
-it, whatever the row's outcome, so its processes and memory are gone before the next engine starts.
+Both executors call `execute_row`; it reads and writes no history (the driver judges and stores).
+An exception becomes an error row; the engine is closed after its last row (`close_engine`).
 """
 
 from __future__ import annotations
@@ -65,10 +60,9 @@ def tensor_parallel(key: RowKey, case: Case) -> int | None:
 
 
 def engine_options(key: RowKey, case: Case, device: str) -> dict[str, Any]:
-    """The `shared_backend` options of a row: prefix caching for a prefix-cache variant, route
-    capture for a replay mode that needs it, the device for backends that take one (only when it
-    is not the CPU default, so CPU rows share today's engines), the tensor-parallel degree, the
-    case's LoRA adapter (a backend that cannot apply one: an AdapterError, so an error row)."""
+    """The `shared_backend` options of a row: prefix caching, route capture, device (only off the CPU
+    default), tensor-parallel degree, the case's adapter.
+    """
     if key.router_replay.startswith(PREFIX_CACHE):
         options = prefix_cache_options(key.backend, key.router_replay == prefix_cache_variant(True))
     else:
@@ -91,13 +85,8 @@ def local_placement() -> dict[str, Any]:
 def execute_row(run_id: str, key: RowKey, case: Case, *, reference: str, device: str = "cpu",
                 gold: bool | None = None, placement: dict[str, Any] | None = None,
                 close_engine: bool = False) -> RowResult:
-    """Run one cell: its status reflects the tolerance limits only (`verdict` None).
-
-    gold: the gold forward of a compare row (`parity.compare`'s `gold`; None: where it is cheap).
-    placement: where it ran (executor, host or Ray node, process, GPUs), kept in the row's
-        provenance under "ran_on"; None = `local_placement()`.
-    close_engine: close the row's engine after it (the last row that uses it); kept in the
-        row's provenance as "engine_closed".
+    """Run one cell, its status from the tolerance only (`verdict` None); `placement` and `close_engine`
+    go into provenance ("ran_on", "engine_closed").
     """
     provenance: dict[str, Any] = {
         "case": case.name, "case_hash": case.hash, "case_file": str(case.path or ""), "model": case.model,
@@ -158,9 +147,9 @@ class EngineMemoryError(MemoryError):
 
 
 def _start(key: RowKey, case: Case, options: dict[str, Any]) -> Any:
-    """The row's shared engine. A start that fails for want of memory (`memory_failure`) is an
-    EngineMemoryError naming the estimate and the memory free before and after; what the failed
-    start left behind is collected before it is raised, so the next row starts with it freed."""
+    """The row's shared engine; a start failing for want of memory is an EngineMemoryError with the
+    estimate and free memory, its leftovers collected first.
+    """
     free_before = available_bytes()
     try:
         return shared_backend(key.backend, case.model, dtype=key.dtype, **options)
@@ -207,11 +196,9 @@ def lifecycle_row(run_id: str, key: RowKey, case: Case, engine: Any, provenance:
 
 def loop_row(run_id: str, key: RowKey, case: Case, engine: Any, provenance: dict[str, Any],
              timing: dict[str, float], device: str) -> RowResult:
-    """A loop case's row: `parity.loop` on the case's prompts with the reference engine and the row's
-    backend (borrowed, given its starting weights back), trained on the reference's rollouts. The
-    summary is the backend's worst step (max |dlogp|, k3 KL) and mean step (mean |dlogp|, IS
-    ratio), judged by the case's tolerance; a step out of sync, or a reference step that is not
-    bitwise, is a violation. Like lifecycle rows, no regression test against a baseline."""
+    """A loop case's row: `parity.loop` with the reference and the row's backend, summarised by the
+    worst and mean step; out of sync or non-bitwise reference steps are violations (no baseline test).
+    """
     # the loop trains a model and loads torch; importing nightly stays light
     from parity.loop import loop
 

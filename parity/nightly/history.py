@@ -1,10 +1,6 @@
-"""The nightly history: an embedded SQLite database of runs and their finished rows.
-
-Every finished row is written in its own transaction, so a run killed half-way leaves a valid
-database holding exactly the rows that finished; `UNIQUE(run_id, row_key)` makes writing a row
-twice impossible, which is what lets `--resume` (and re-running a run id) finish a run without
-duplicates. Per-token |Δlogp| arrays are stored zlib-compressed so later runs can test against
-them, and the full report JSON is kept so a resumed run can still draw every row's plots.
+"""The nightly history: an embedded SQLite database of runs and their finished rows, one
+transaction per row (`UNIQUE(run_id, row_key)` lets `--resume` finish without duplicates),
+per-token |Δlogp| zlib-compressed and the report JSON kept.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""The nightly HTML page: one self-contained file (inline CSS and SVG images, no scripts, no
-network) that a person opens the morning after.
-
-Top to bottom: the verdict counts, a case x backend matrix coloured by status, the table of
-every row, what changed against the baselines, one section per row (log-ratio histogram, drift
-by position, drift by rollout probability, worst tokens, all metrics, provenance) and a trend
-chart per metric across the history.
+"""The nightly HTML page: one self-contained file (inline CSS and SVG, no scripts, no network):
+verdict counts, the case x backend matrix, every row, changes against baselines, a section per
+row, and trend charts.
 """
 
 from __future__ import annotations
@@ -159,8 +155,7 @@ def _rows_table(rows: list[RowResult]) -> str:
 
 
 def _noise(row: RowResult) -> str:
-    """The row's backend noise from this run's audit of it: "deterministic", its repeat mean |Δlogp|,
-    or "" (no audit of the backend ran)."""
+    """"deterministic", the repeat mean |Δlogp|, or "" (no audit of the backend ran)."""
     if NOISE_MEAN_KEY not in row.summary:
         return ""
     return "deterministic" if row.summary[NOISE_DETERMINISTIC_KEY] else _fmt(row.summary[NOISE_MEAN_KEY])
@@ -223,8 +218,7 @@ def _row_section(row: RowResult) -> str:
 
 
 def _report_views(row: RowResult) -> str:
-    """Plots, worst tokens and all metrics of a row's stored report. A report that cannot be
-    drawn (e.g. written by an older parity) costs its own section only, never the page."""
+    """Plots, worst tokens and metrics of a row's report; one that cannot be drawn costs its section only."""
     try:
         report = ParityReport.from_json(row.report_json or "")
         parts = [
@@ -240,8 +234,7 @@ def _report_views(row: RowResult) -> str:
 
 
 def _by_sweep_block(report: ParityReport) -> str:
-    """Drift per sampling block of a sweep case (empty for other cases): which temperature or
-    truncation setting drifts is the point of a sweep, and one row mixes them all."""
+    """Drift per sampling block of a sweep case (empty for others)."""
     labels = [sweep_label(str(seq.get("request_id", ""))) for seq in report.sequences]
     if not any(labels):
         return ""

@@ -1,10 +1,5 @@
-"""Which process is running a run: an exclusive lock per (history, run id), held for the run's life.
-
-Two nightlies given the same `--run-id` (or one resuming a run that another is still running)
-would write their rows into one run and each publish the other's. The owner of a run holds an
-advisory `flock` on `<history>.<run_id>.lock`; the kernel releases it when the process ends,
-however it ends (SIGKILL included), so a dead owner never blocks a later `--resume`. The file
-holds the owner's pid and host for the refusal message. POSIX only (`fcntl`), like the engines.
+"""Which process is running a run: an exclusive `flock` on `<history>.<run_id>.lock` for the run's
+life (released by the kernel however the owner dies), holding pid and host for the refusal.
 """
 
 from __future__ import annotations

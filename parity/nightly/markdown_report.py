@@ -1,9 +1,5 @@
-"""`summary.md`: the nightly verdict as GitHub-flavoured Markdown, sized for a CI comment.
-
-Rows that need attention (error, regression, fail) come first; the full picture is in index.html.
-Every piece of text that is not parity's own (case names, error messages, which quote whatever a
-backend said) goes through `_cell`, so it renders as the text it is: no HTML, no links or
-images, no emphasis, no @-mentions, no table cell of its own.
+"""`summary.md`: the nightly verdict as GitHub-flavoured Markdown, sized for a CI comment; rows that
+need attention first. Text that is not parity's own goes through `_cell`.
 """
 
 from __future__ import annotations
@@ -78,10 +74,6 @@ _MARKDOWN_PUNCTUATION = re.compile(r"([\\`*_{}\[\]()#+!|~-])")
 
 
 def _cell(text: str) -> str:
-    """`text` as literal Markdown text, safe in a table cell or a list item (one line).
-
-    HTML is written as entities, Markdown punctuation is backslash-escaped, and a word joiner
-    after each "@" keeps GitHub from notifying whoever a message happens to name.
-    """
+    """`text` as literal one-line Markdown (entities, escaped punctuation, a word joiner after "@")."""
     text = html.escape(" ".join(text.splitlines()), quote=False)
     return _MARKDOWN_PUNCTUATION.sub(r"\\\1", text).replace("@", "@\u2060")

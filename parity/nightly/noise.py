@@ -1,14 +1,6 @@
-"""Audit rows and the noise floor they give the other rows of a run.
-
-A case of kind "audit" runs `parity.audit` on each of its backends (`audit_row`): its summary
-holds each check's numbers, and it fails when the seed control fails or when the backend says it
-is batch-invariant (`meta["batch_invariant"]`) and the audit finds otherwise. The audit's
-`repeat` check is the backend's run-to-run noise; `backend_noise` finds it for another row of the
-same run (same model, backend and dtype), and the runner judges that row against its baseline
-with it (`regression.judge_with_noise`). Audit cases come first in a run's plan (`runner.plan`),
-and each engine runs its rows in plan order (`engines`), so under the local executor every row
-finds its backend's audit; under Ray a row judged before its audit has finished is judged without
-one.
+"""Audit rows and the noise floor they give the other rows of a run: an audit row fails on a failed
+seed control or a claimed-invariant backend found otherwise; its `repeat` is the backend's noise
+(`backend_noise`) for rows of the same model, backend and dtype. Audits run first in the plan.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""Writes a run's report directory: `index.html`, `summary.md`, `results.json`, and points
-`<out>/latest` at it.
-
-Every file is written to a temporary name and renamed into place, so a reader (or a CI job
-uploading artifacts) never sees a half-written report.
+"""Writes a run's report directory (`index.html`, `summary.md`, `results.json`, `<out>/latest`),
+each file renamed into place so no reader sees half of it.
 """
 
 from __future__ import annotations

@@ -1,27 +1,10 @@
 """The Ray executor: nightly rows on the actors of a Ray cluster, streamed back as they finish.
 
-Rows are grouped by engine (backend, model, dtype, options; `parity.nightly.engines`) and by what
-a row asks Ray for (`row_resources`: one CPU and, on CUDA, one GPU; a tensor-parallel reference row
-as many of each as it has ranks). For each kind of ask there are as many worker actors as such
-rows fit on the cluster at once, and the engine groups are dealt out to them whole (`assign`), so
-each actor starts each of its engines once (`shared_backend`, in its own process), runs its rows
-one after another and closes the engine after its last row there, like the local executor does
-in one process; the actors run side by side, and an actor Ray cannot place yet waits until others
-finish. Ray places the actors (a GPU row's on a node with free GPUs); parity feeds each actor its
-next row only when the previous one comes back, so only the row in flight is lost when a worker
-dies.
-
-Memory: a row that starts an engine is sent only when the engine fits in what the engines the
-actors hold leave free (`parity.nightly.memory.MemoryBudget`, with each engine's estimated need;
-on a local cluster against this machine's available memory, capped by `engine_memory_gib`; on an
-existing cluster by `engine_memory_gib` alone, unbounded without it, since this machine's memory
-says nothing of its nodes'). Its actor waits meanwhile; an actor that holds an engine always has
-a row in flight, so the waits end.
-
-Faults are Ray's: an actor whose process dies is restarted (`max_restarts=-1`) and the row it was
-running retried once (`max_task_retries=1`); a row that kills its worker twice becomes an error
-row and the actor goes on with its next row. Every actor is killed when the run ends, fails or
-is interrupted, and a cluster this module started is shut down with it (`RayCluster`).
+Rows are grouped by engine and by resource ask (`row_resources`); engine groups go whole to
+actors (`assign`), each starting an engine once and closing it after its last row. Each actor
+gets its next row when the last returns, and an engine row only when it fits the
+`MemoryBudget`. Dead actors restart and retry once; twice is an error row. Actors are killed
+and a cluster we started is shut down when the run ends.
 """
 
 from __future__ import annotations
@@ -57,11 +40,8 @@ def row_resources(device: str, tensor_parallel: int | None = None) -> dict[str, 
 
 
 class RayCluster:
-    """A connection to a Ray cluster for one run (a context manager).
-
-    address None starts a local cluster of `num_cpus` CPUs bound to 127.0.0.1 (no dashboard) that
-    lives exactly as long as the block: it is shut down on the way out, also on an exception or
-    Ctrl-C. With an address the block connects to that cluster and leaves it running.
+    """A Ray cluster for one run: address None starts a local 127.0.0.1 cluster shut down with the block
+    (also on errors and Ctrl-C); an address connects and leaves it running.
     """
 
     def __init__(self, *, address: str | None = None, num_cpus: int | None = None) -> None:
@@ -140,11 +120,9 @@ class RowWorker:
 
 
 def assign(todo: list[tuple[RowKey, Case]], device: str, slots: int) -> list[deque[PlannedRow]]:
-    """The rows split into one queue per actor, at most `slots` actors, rows of one engine next to
-    each other (so an actor starts each engine once) and the last of them marked (`engine_order`).
-    Engines (groups of rows) go whole to the shortest queue, in matrix order, while there are at
-    least as many as slots; fewer engines than slots are each split over `slots // groups` actors,
-    round robin."""
+    """Rows split into at most `slots` actor queues, one engine's rows together with its last marked:
+    engines go whole to the shortest queue, or with fewer engines than slots, round robin.
+    """
     groups = list(by_engine(todo, device).values())
     if len(groups) < slots:
         queues = []

@@ -1,26 +1,10 @@
 """Regression detection: is this row's per-token drift worse than its baseline's?
 
-The test is a one-sided Mann-Whitney U test (scipy) on the per-token |Δlogp| =
-|logp_train - logp_rollout| of the current row against the baseline row: "current tokens are
-stochastically larger than baseline tokens" at significance `alpha`. A significant shift alone is
-not enough, because with thousands of tokens a shift of 1e-7 nats is significant and harmless; it
-must also move the mean |Δlogp| by more than `min_effect` nats. Improvements are the mirror image.
-
-Caveat worth knowing: tokens of one sequence are correlated, so the test's p-values are optimistic;
-`min_effect` is the guard that keeps that from flagging noise.
-
-The backend's own noise floor (`Noise`, from an audit of the backend in the same run,
-`parity.audit`) sharpens both sides (`judge_with_noise`):
-
-- A deterministic backend (the audit's repeat is identical) gives the same bits for the same
-  seeded requests, so any change of the row's per-token |Δlogp| against its baseline is
-  "changed" (flagged as a regression), however small; only a significant improvement stays
-  "improved".
-- A nondeterministic backend moves by itself: a shift the test calls significant but whose mean
-  |Δlogp| effect is within the backend's repeat noise (the mean |Δlogp| between two runs of the
-  same batch) is "noise", not a regression. Where both runs sample the same tokens, the mean
-  |Δlogp| against the training forward can move by at most that much (triangle inequality);
-  where the repeat also changed tokens, the floor is an estimate, and the row shows it.
+A one-sided Mann-Whitney U test on per-token |Δlogp| at `alpha`, plus a mean shift above
+`min_effect` nats (tokens of a sequence correlate, so p-values are optimistic). With the
+backend's `Noise` (`judge_with_noise`): a deterministic backend's any change is "changed"; a
+nondeterministic one's significant shift within its repeat noise is "noise" (the triangle
+inequality bounds it where tokens agree).
 """
 
 from __future__ import annotations
@@ -48,11 +32,7 @@ Change = Literal["regression", "improved", "unchanged", "noise", "changed"]
 
 @dataclass(frozen=True)
 class RegressionPolicy:
-    """When a drift change counts.
-
-    alpha: significance level of each one-sided test, in (0, 1).
-    min_effect: smallest change of mean per-token |Δlogp| (nats) that counts, >= 0.
-    """
+    """When a drift change counts: `alpha` in (0, 1) and `min_effect` >= 0 nats of mean |Δlogp|."""
 
     alpha: float = 0.01
     min_effect: float = 1e-3
@@ -68,13 +48,8 @@ class RegressionPolicy:
 
 @dataclass(frozen=True)
 class Noise:
-    """A backend's run-to-run noise: the audit's `repeat` check (`parity.audit`) of that backend,
-    model and dtype in the same run.
-
-    source: the audit row that measured it (its label).
-    deterministic: the repeat was identical (same tokens, same logprob bits).
-    mean_abs_logprob_diff / max_abs_logprob_diff: |Δlogp| between the two runs, nats.
-    differing_requests / requests: how many of the audit's requests changed.
+    """A backend's run-to-run noise from this run's audit `repeat`: source, deterministic, mean/max
+    |Δlogp| between runs (nats), differing_requests of requests.
     """
 
     source: str
@@ -105,14 +80,8 @@ class Noise:
 
 @dataclass(frozen=True)
 class Verdict:
-    """The outcome of comparing one row's drift with its baseline row.
-
-    change: "regression", "improved" or "unchanged"; with the backend's noise (`judge_with_noise`)
-        also "noise" (significant, but within the backend's repeat noise) or "changed" (a
-        deterministic backend's numbers moved at all).
-    p_worse / p_better: one-sided p-values (current larger / smaller than baseline).
-    effect: mean |Δlogp| now minus at baseline (nats; > 0 is worse).
-    noise: the backend's `Noise` as a dict, None when no audit of it ran in this run.
+    """One row against its baseline: change ("regression", "improved", "unchanged", and with noise
+    "noise" or "changed"), one-sided p_worse / p_better, effect (nats; > 0 worse), noise.
     """
 
     change: Change
@@ -201,8 +170,7 @@ def distribution_verdict(current_report: str | None, baseline_report: str | None
 
 
 def _clean(values: np.ndarray) -> np.ndarray:
-    """float64 1-D copy where NaN/inf become the largest finite float: an undefined logprob
-    difference is the worst drift there is, and the rank test needs orderable values."""
+    """float64 1-D copy with NaN/inf as the largest float (undefined drift is the worst; ranks need order)."""
     arr = np.abs(np.asarray(values, dtype=np.float64).ravel())
     return np.where(np.isfinite(arr), arr, np.finfo(np.float64).max)
 

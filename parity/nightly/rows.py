@@ -1,14 +1,5 @@
 """One nightly row: what ran (`RowKey`), how it came out (`RowResult`) and the run's exit code.
-
-A row is one (case, backend, dtype[, router replay]) cell of the matrix. Its status is one word,
-most severe first:
-
-- error: the backend failed to start or the case crashed; `error` holds the message.
-- regression: drift is worse than the baseline row beyond the backend's noise, or a deterministic
-  backend's numbers changed at all (see `parity.nightly.regression`).
-- fail: a tolerance limit broke (`violations`).
-- improved: drift is significantly better than the baseline row.
-- pass: within tolerance and not worse than the baseline (or no baseline yet).
+Status, most severe first: error, regression, fail (tolerance), improved, pass.
 """
 
 from __future__ import annotations
@@ -64,15 +55,8 @@ class RowKey:
 
 @dataclass(frozen=True)
 class RowResult:
-    """A finished row.
-
-    summary: the report's scalar metrics ({} for an error row).
-    violations: failed tolerance checks as dicts (metric, value, limit).
-    verdict: comparison with the baseline row; None when there is no baseline.
-    provenance: the report's provenance plus what nightly adds (case hash, seeds).
-    timing: seconds spent starting the backend ("start_s") and running the case ("case_s").
-    abs_diff: float64 per-token |Δlogp| of every real token (kept for later baselines).
-    report_json: the full `ParityReport` JSON (per-row plots); None for an error row.
+    """A finished row: summary ({} on error), violations, verdict (None: no baseline), provenance,
+    timing ("start_s", "case_s"), abs_diff (per-token |Δlogp| for later baselines), report_json.
     """
 
     run_id: str

@@ -1,17 +1,9 @@
-"""The nightly matrix runner: cases x backends x dtypes (x router-replay variants, or prefix cache
-on/off for trajectory cases on backends that have one), one row each.
+"""The nightly matrix runner: cases x backends x dtypes (x router-replay or prefix-cache variants),
+one row each.
 
-An executor runs the rows (`parity.nightly.execute`) and hands each back as it finishes: "local"
-runs them one after another in this process, "ray" on the actors of a Ray cluster
-(`parity.nightly.ray_executor`). This process alone judges a row against its baseline and
-commits it to the history, one transaction per row as it arrives, so a killed run keeps its
-finished work and `resume` (under either executor) runs only what is missing (error rows are
-retried). Each executing process runs its rows grouped by engine (backend, model, dtype,
-options; `parity.nightly.engines`): the engine starts once through `shared_backend`, serves its
-rows, and is closed right after the last of them, so a process holds one engine at a time and
-the Ray executor starts one only when it fits in memory (`parity.nightly.memory`). An engine that
-dies in a row is closed with that row (an error row) and started again for the next; one that
-cannot start for want of memory is an error row saying what it needed and what was free.
+An executor ("local" or "ray") runs rows and hands each back; this process alone judges it and
+commits it in its own transaction, so `resume` runs only what is missing (errors retried). Rows
+run grouped by engine, one engine alive per process; a dying engine is an error row and restarts.
 """
 
 from __future__ import annotations
@@ -67,28 +59,12 @@ DEVICES = (AUTO, "cpu", "cuda")
 class NightlyConfig:
     """What one nightly run does.
 
-    cases: a `load_cases` spec (directory, file, or comma-separated files and names).
-    backends: backend names, or ("auto",) for every backend usable here.
-    dtypes: dtypes to run every case in; empty = each case's own `dtypes`.
-    out: report directory; each run writes `<out>/<run_id>/`.
-    history: SQLite history file; None = `<out>/history.sqlite`.
-    run_id: None = a new id from the UTC time (a "-2", "-3", ... suffix when that id is taken).
-    baseline: compare every row with this run's row of the same key; None = the last passing
-        run of each row.
-    reference: training-forward kernels, "invariant" or "native" (see `parity.compare`).
-    device: where the reference and hf engines and the training forward run, "cpu" or "cuda"
-        (a row on "cuda" asks its executor for one GPU); "auto" (default): cuda when one of the
-        backends runs there (vLLM or SGLang on a CUDA host, `parity.backends.borrowed`), else cpu.
-    executor: "local" (rows one after another in this process) or "ray" (rows on Ray actors).
-    ray_address: the Ray cluster to run on ("auto", "ray://host:10001", "host:6379"); None = start
-        a local one on 127.0.0.1 for this run and stop it after.
-    ray_cpus: CPUs of that local cluster; None = this machine's count.
-    engine_memory_gib: most host memory the Ray actors' engines may hold at once, GiB (estimates,
-        `parity.nightly.memory`); None = what is available when the run starts. The local
-        executor holds one engine at a time.
-    gold: run the gold forward in every compare row (True), in none (False), or where it costs
-        under a second or at most 20% of the row's time (None; `parity.compare`'s `gold`).
-    lora: a LoRA adapter every case runs with (`with_lora`); None = each case's own `lora`.
+    cases: a `load_cases` spec. backends: or ("auto",). dtypes: empty = each case's. out: writes
+    `<out>/<run_id>/`; history: None = `<out>/history.sqlite`. run_id: None = new from UTC time.
+    baseline: None = each row's last passing run. reference: "invariant" or "native". device: "auto"
+    is cuda when a backend runs there. executor: "local" or "ray"; ray_address: None starts a local
+    one; ray_cpus. engine_memory_gib: cap on the Ray actors' engines. gold: True, False or None
+    (where cheap). lora: an adapter for every case (None: each case's own).
     """
 
     cases: str
@@ -210,11 +186,9 @@ def resolve_backends(backends: tuple[str, ...]) -> tuple[str, ...]:
 
 def plan(cases: list[Case], backends: tuple[str, ...],
          dtypes: tuple[str, ...] = ()) -> list[tuple[RowKey, Case]]:
-    """The matrix in run order: case, router-replay variant, backend, dtype. A case that lists
-    its backends runs only on those; R3 runs only on backends that can record routes (a backend
-    without a `route_option` cannot feed R3, so its cell is left out rather than recorded as an
-    error no setting could fix), and a case with a LoRA adapter only on backends that apply one
-    (`lora_backends`), for the same reason; `dtypes` overrides every case's own dtypes."""
+    """The matrix in run order (case, router-replay variant, backend, dtype), leaving out cells no
+    setting could fix: a case's unlisted backends, R3 without route capture, LoRA without adapters.
+    """
     recording, switchable, adapting = route_recording_backends(), prefix_cache_backends(), lora_backends()
     cells = []
     for case in sorted(cases, key=lambda c: c.kind != AUDIT):  # audits first: their noise judges the rest
@@ -282,10 +256,8 @@ def executor_rows(run_id: str, todo: list[tuple[RowKey, Case]], config: NightlyC
 
 
 def run_nightly(config: NightlyConfig, *, progress: bool = True) -> NightlyRun:
-    """Run (or finish) the matrix, store every row, write the report; see the module docstring.
-
-    The outputs are checked before any row runs, and the run is claimed (`claim_run`) for as
-    long as it runs. Ctrl-C raises `RunInterrupted` naming the run.
+    """Run (or finish) the matrix, store every row, write the report; outputs checked and the run
+    claimed first. Ctrl-C raises `RunInterrupted` naming the run.
     """
     cases = with_lora(load_cases(config.cases), config.lora)
     backends = resolve_backends(config.backends)
@@ -327,12 +299,8 @@ def run_nightly(config: NightlyConfig, *, progress: bool = True) -> NightlyRun:
 @contextlib.contextmanager
 def claim_run(history: History, run_id: str | None, config: dict[str, Any],
               environment: dict[str, Any]) -> Iterator[str]:
-    """Own a run while the block runs; yields its id.
-
-    run_id None: a new run, "<UTC second>" or, when taken, "<UTC second>-2", "-3", ...; each
-    candidate is locked and then created with one INSERT, so two nightlies started in the same
-    second get two runs. A given run_id: continued if it exists, created if not, and refused
-    (ConfigError) while another live process runs it.
+    """Own a run while the block runs; yields its id: a new "<UTC second>[-2, -3, ...]" (locked, then
+    one INSERT), or the given one continued or created; ConfigError while another process runs it.
     """
     if run_id is not None:
         lock = RunLock(history.path, run_id)
@@ -356,10 +324,9 @@ def claim_run(history: History, run_id: str | None, config: dict[str, Any],
 
 
 def judge_row(row: RowResult, case: Case, config: NightlyConfig, history: History) -> RowResult:
-    """A row as it comes back from an executor, tested against its baseline row in the history
-    (`--baseline`, else the last passing run of its key) and, where an audit of its backend ran in
-    this run, against the backend's own noise (`noise.backend_noise`); error, lifecycle and audit
-    rows are as they are."""
+    """A row from an executor judged against its baseline and, where an audit ran, the backend's noise;
+    error, lifecycle and audit rows as they are.
+    """
     if row.status == "error" or case.kind in ("lifecycle", AUDIT):
         return row
     noise = backend_noise(history.rows(row.run_id), row)

@@ -1,12 +1,9 @@
 """Tensor parallelism whose logprobs do not depend on the degree.
 
-`shard_model` cuts a loaded model into one rank's shard (column-parallel q/k/v/gate/up,
-vocabulary-parallel embedding and LM head, expert-parallel MoE experts, and row-parallel o/down
-with the canonical K-group reduction of `layers.RowParallelLinear`, in `reduction_groups` groups);
-`RankGroup` launches and stops the rank processes; `Comm` is a rank's view of the group. The
-engine and the training forward take `tensor_parallel_size=k` and use these; at k = 1 the same
-sharded layout runs in-process, so TP=1, 2, 4, 8 and the training forward give the same bits
-(for one `reduction_groups`: each value is its own sum).
+`shard_model` cuts a model into one rank's shard (column-parallel q/k/v/gate/up, vocabulary-
+parallel embedding and head, expert-parallel experts, row-parallel o/down with the canonical
+K-group sum); `RankGroup` runs the ranks; `Comm` is a rank's view. TP=1 (in-process), 2, 4, 8 and
+the training forward give the same bits for one `reduction_groups`.
 """
 
 from parity.parallel.comm import Comm

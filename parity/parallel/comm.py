@@ -1,9 +1,6 @@
-"""The collectives a tensor-parallel model needs, for one rank of a group of `size` ranks.
-
-A model sharded for one rank holds a `Comm`; its layers call `all_gather` (the canonical, exact
-exchange) or `all_reduce` (the stock row-parallel reduction, kept only as the contrast that shows
-why the canonical one exists). A group of one (`Comm.single()`) needs no process group: the same
-code runs in-process at tensor parallelism 1.
+"""The collectives a tensor-parallel model needs, for one rank of a group of `size` ranks:
+`all_gather` (the canonical, exact exchange) and `all_reduce` (the stock contrast);
+`Comm.single()` runs in-process.
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """The launcher: k rank processes in one torch.distributed group, driven from the calling process.
 
-`RankGroup(size, device_type, factory)` starts `size` processes (`python -m parity.parallel.rank`:
-fresh interpreters, so no forked CUDA or thread state, and the caller's main script is never
-re-run), joins them into a process group (gloo for CPU tensors, NCCL for CUDA, the rendezvous on
-a free 127.0.0.1 port, sockets on the loopback interface), and builds one object per rank with
-`factory(comm)`. `call(method, *args)` runs `method` on every rank's object in lockstep and
-returns rank 0's result. The ranks talk to the caller over an authenticated loopback connection.
-
-Stopping: `close()` asks each rank to leave its loop and destroy the group, and kills what has
-not exited after a grace period. A rank that raises, or dies, brings the whole group down at
-once (the others may be blocked in a collective that will never complete) and the caller gets
-a `TensorParallelError` with that rank's traceback. A KeyboardInterrupt (SIGINT) in the caller
-kills the ranks before it propagates; the ranks ignore SIGINT themselves, so a terminal Ctrl-C
-does not interleave their tracebacks. Each rank is tracked by the guard (`parity.runtime.guard`), so the
-ranks die with the caller even when it is killed with SIGKILL.
+`RankGroup(size, device_type, factory)` starts fresh `python -m parity.parallel.rank` processes
+(gloo or NCCL over 127.0.0.1), builds `factory(comm)` on each, and `call(method, *args)` runs it
+in lockstep, returning rank 0's result. A rank that raises or dies brings the group down at once
+(peers may block in a collective) with a `TensorParallelError` carrying its traceback; Ctrl-C
+kills the ranks first; the guard kills them with the caller even on SIGKILL.
 """
 
 from __future__ import annotations
@@ -44,10 +35,8 @@ class TensorParallelError(BackendError):
 
 
 class RankGroup:
-    """`size` rank processes, each holding `factory(Comm(rank, size))`; see the module docstring.
-
-    device_type: "cpu" (gloo) or "cuda" (NCCL; rank r uses GPU r). factory must be picklable (a
-    module-level function or class, or a functools.partial of one).
+    """`size` rank processes, each holding `factory(Comm(rank, size))` (picklable); device_type "cpu"
+    (gloo) or "cuda" (NCCL, rank r on GPU r).
     """
 
     def __init__(self, size: int, device_type: str, factory: Callable[[Any], Any]) -> None:

@@ -1,25 +1,11 @@
 """Tensor-parallel layers whose results do not depend on the tensor-parallel degree.
 
-Column-parallel projections (q/k/v/gate/up) need no new layer: each output column is one row of
-the weight times the full input, so a rank's slice of the weight computes exactly the columns
-the unsharded layer would (the matmul kernels fix their K order per weight row, not per N).
-
-A row-parallel projection (o/down) splits its K reduction across ranks. Summing the ranks'
-partial products with an all-reduce makes the order of additions, and so the bits, a function of
-the TP degree and of the collective's algorithm. `RowParallelLinear` instead fixes the sum: K is
-cut into `groups` equal slices (a setting, `reduction_groups`, not the TP degree), each slice's
-product is computed on its own by the batch-invariant matmul, the partials of all groups are
-widened to fp32 and all-gathered (an exact copy, not a sum), and every rank adds them with one
-fixed tree in fp32. At TP=1 the same groups and the same tree run in one process, so TP=1, 2, 4
-and 8 give the same bits, for the same `groups`: a different group count is a different sum, so
-bits are equal across degrees only between runs with the same `reduction_groups`. In bf16 each
-group's product is rounded to bf16 by the matmul before it is widened (the matmul kernels write
-the model dtype): deterministic, and `groups` roundings of partial sums where the whole-model
-layer has one.
-
-The trade: every degree must divide `groups` (the largest degree is `groups`), and each group is
-its own matmul plus an fp32 partial [groups, tokens, N], so fewer groups cost less (fewer, larger
-matmuls; less to gather and add) and allow fewer degrees.
+Column-parallel projections need no new layer (each output column is one weight row times the
+whole input). A row-parallel all-reduce makes the bits a function of degree and algorithm, so
+`RowParallelLinear` cuts K into `groups` slices (`reduction_groups`, not the degree), computes
+each with the invariant matmul, all-gathers the fp32-widened partials (a copy) and adds them with
+one fixed fp32 tree, at TP=1 too. Bits match across degrees for one `groups` only; every degree
+must divide it, and fewer groups cost less.
 """
 
 from __future__ import annotations
@@ -39,12 +25,8 @@ REDUCTIONS: tuple[str, ...] = ("canonical", "all_reduce")
 
 
 class RowParallelLinear(nn.Module):
-    """x [..., K / size] (this rank's K slice) -> [..., N], the same on every rank.
-
-    weight: this rank's [N, K / size] slice; its `groups / size` K groups are kept as separate
-    contiguous [N, K / groups] tensors (the CUDA matmul reads whole rows). bias [N] or None is
-    added once to the fp32 sum. groups: the K groups of the whole layer (`reduction_groups`; the
-    degree divides it); the bits depend on it, not on the degree.
+    """x [..., K / size] (this rank's K slice) -> [..., N], the same on every rank; weight kept as its
+    `groups / size` contiguous [N, K / groups] groups, bias added once to the fp32 sum.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, comm: Comm,
@@ -79,10 +61,8 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Token ids [...] -> embeddings [..., H]; this rank holds vocabulary rows [start, start + rows).
-
-    Each rank looks up the ids it owns (zeros elsewhere); the rows are all-gathered and every
-    token takes its owner's row: a copy, so the result is the unsharded lookup bit for bit.
+    """Token ids [...] -> embeddings [..., H] from this rank's vocabulary rows, all-gathered and each
+    token taking its owner's row: bit for bit the unsharded lookup.
     """
 
     def __init__(self, weight: torch.Tensor, start: int, comm: Comm) -> None:
@@ -118,13 +98,9 @@ class VocabParallelHead(nn.Module):
 
 
 class ExpertParallelExperts(nn.Module):
-    """Experts [start, start + count) of an MoE layer on this rank (expert parallelism).
-
-    Called like HF's experts module: hidden [N, H], top_k_index, top_k_weights [N, k] -> [N, H].
-    Each rank computes the weighted output of the (token, slot) rows routed to its experts with
-    the layer's own (invariant) expert kernel, one row per slot; the rows are all-gathered, each
-    slot takes its owner's row (a copy), and the k slots of a token are added in slot order.
-    Every degree, 1 included, runs this same decomposition, so the result does not depend on it.
+    """This rank's experts [start, start + count) of an MoE layer: hidden [N, H], top_k_* [N, k] ->
+    [N, H]. Each slot's row comes from its owner by all-gather and a token's k slots are added in
+    order, at every degree, 1 included.
     """
 
     def __init__(self, local: nn.Module, start: int, count: int, comm: Comm) -> None:

@@ -1,9 +1,6 @@
-"""A rank process of a `RankGroup` (run as `python -m parity.parallel.rank RANK`).
-
-It connects back to the caller (address and key in `PARITY_TP_CALLER`), receives the group size,
-the rendezvous port, the device type and the factory, joins the process group, builds its object
-and serves calls until told to stop. Any failure is sent to the caller with its traceback and
-the process exits at once, without the group's teardown (a peer may be blocked in a collective).
+"""A rank process of a `RankGroup` (`python -m parity.parallel.rank RANK`): it connects back
+(`PARITY_TP_CALLER`), joins the group, builds its object and serves calls; a failure is sent with
+its traceback and the process exits at once (a peer may be blocked in a collective).
 """
 
 from __future__ import annotations

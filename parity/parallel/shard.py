@@ -1,11 +1,5 @@
-"""Shard a loaded model for one rank of a tensor-parallel group.
-
-`shard_model` copies the patched HF model (on the CPU, so a GPU never holds the full weights
-twice) and swaps its modules for this rank's shards: q/k/v/gate/up keep their class with a slice
-of the output rows (column parallel; KV heads are replicated when the degree exceeds their
-count), o/down become `RowParallelLinear` (the TP-invariant reduction), the embedding and the LM
-head are split by vocabulary, and MoE experts are split by expert (`ExpertParallelExperts`).
-The result is a `LoadedModel` that the engine and the training forward run like any other.
+"""Shard a loaded model for one rank of a tensor-parallel group: a CPU copy with this rank's shards
+(KV heads replicated past their count), run by the engine and training forward like any model.
 """
 
 from __future__ import annotations
@@ -145,13 +139,8 @@ def _vocab_rows(weight: torch.Tensor, comm: Comm) -> tuple[torch.Tensor, int]:
 def shard_model(model: str | os.PathLike[str] | LoadedModel, comm: Comm, *, dtype: str = "float32",
                 device: str = "cpu", reduction: str = "canonical",
                 reduction_groups: int = REDUCTION_GROUPS) -> LoadedModel:
-    """This rank's shard of `model` as a LoadedModel on `device` (`tensor_parallel_size` = comm.size).
-
-    reduction: "canonical" (the TP-invariant row-parallel sum) or "all_reduce" (the stock sum, whose
-    bits depend on the degree: the contrast). reduction_groups: the K groups of the canonical sum
-    (the degree must divide it); the bits are the same at every degree for one value, not across
-    values. A group of one is cached per (model, dtype, device, reduction, reduction_groups); a rank
-    of a larger group shards once per process.
+    """This rank's shard of `model` as a LoadedModel on `device`. reduction: "canonical" or the
+    "all_reduce" contrast; reduction_groups: the degree must divide it. Cached for a group of one.
     """
     if reduction not in REDUCTIONS:
         raise ConfigError(f"tp_reduction must be one of {REDUCTIONS}, got {reduction!r}")

@@ -1,8 +1,5 @@
-"""The advice section of a report page: the recommendation, its reason, the config to paste for
-verl / NeMo-RL / slime, and every candidate's figures.
-
-Reads the JSON section (`parity.advisor.Advice.to_dict()`, stored in
-`ParityReport.extras["advice"]`), so a stored report renders without the advisor or torch.
+"""The advice section of a report page (recommendation, reason, configs to paste, every candidate),
+from `extras["advice"]` alone.
 """
 
 from __future__ import annotations

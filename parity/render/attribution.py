@@ -1,9 +1,5 @@
-"""Tables and bar charts of drift attribution, for the terminal and for HTML pages.
-
-Everything here reads the JSON form (`OpAttribution.to_dict()`, `LayerDiff.to_dict()` and the
-section `parity.attribute.attribution_section` returns), so a report loaded from JSON renders
-exactly like a fresh one, without the engine. Charts are matplotlib figures built without pyplot
-and embedded inline through `parity.render.figures.figure_img`.
+"""Tables and bar charts of drift attribution, for the terminal and for HTML pages, from the JSON
+forms alone (pyplot-free figures inlined by `figure_img`).
 """
 
 from __future__ import annotations
@@ -82,11 +78,8 @@ def layers_text(layers: dict[str, Any]) -> str:
 
 
 def ops_figure(ops: dict[str, Any], *, title: str = "drift by kernel family") -> Figure:
-    """Bars per family (ranked): mean |Δlogp| with only that family native, and with only it invariant.
-
-    Dashed lines mark the all-invariant baseline and the all-native drift, so a bar near the
-    baseline line means the family adds nothing and one near the all-native line means it alone
-    accounts for (or alone fixes) the drift.
+    """Bars per family: mean |Δlogp| with only it native and only it invariant, against dashed lines at
+    the all-invariant and all-native drift.
     """
     rows = ops["families"]
     fig, ax = new_figure()

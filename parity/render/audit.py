@@ -1,7 +1,5 @@
-"""The page of one audit (`parity.audit.AuditResult.to_dict()`): the two verdicts, one row per check
-with where it first differs or why it was skipped, the server's settings where the backend is a
-server, how the checks ran and the provenance. Reads the JSON form only, so a stored result
-renders without the engine or torch.
+"""The page of one audit (`AuditResult.to_dict()`): verdicts, one row per check, server settings and
+provenance, from the JSON alone.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""The "Beyond the sampled token" section of a report page: the full-distribution drift's KL bounds
-per response position (a chart) and the worst positions with the engine's and the trainer's top-5
-side by side, decoded.
-
-Reads `ParityReport.extras["distribution"]` and the `distribution/*` summary keys
-(`parity.assess.distribution`), so a report loaded from JSON draws it without torch.
+"""The "Beyond the sampled token" section of a report page: KL bounds per position and the worst
+positions' top-5 side by side, from `extras["distribution"]` alone.
 """
 
 from __future__ import annotations

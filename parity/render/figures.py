@@ -1,9 +1,5 @@
-"""Figures of parity's pages: the primitives every page uses and the report's drift figures.
-
-Every figure is a matplotlib `Figure` built without pyplot (no global state, safe in threads and
-under pytest) and embedded as an inline base64 SVG `<img>`, so pages need no network and no
-files next to them. Figures take plain arrays and breakdown rows, not engines, so they draw a
-report loaded from JSON exactly like a fresh one.
+"""Figures of parity's pages: pyplot-free matplotlib `Figure`s (thread-safe) from plain arrays,
+embedded as inline base64 SVG, so pages need no network or side files.
 """
 
 from __future__ import annotations
@@ -54,10 +50,8 @@ def figure_img(fig: Figure, alt: str) -> str:
 
 
 def log_ratio_histogram(log_ratio: np.ndarray) -> Figure:
-    """Histogram of per-token log ratios logp_train - logp_rollout (nats), `[num_tokens]`.
-
-    The count axis is logarithmic: drift lives in the tails, which a linear axis flattens
-    next to the spike of (near-)identical tokens. Non-finite values are counted in the title.
+    """Histogram of per-token log ratios (nats) `[num_tokens]` on a log count axis (drift lives in the
+    tails); non-finite values counted in the title.
     """
     values = np.asarray(log_ratio, dtype=np.float64).ravel()
     finite = values[np.isfinite(values)]
@@ -86,13 +80,7 @@ def log_ratio_histogram(log_ratio: np.ndarray) -> Figure:
 
 
 def breakdown_figure(rows: list[dict[str, Any]], *, title: str, xlabel: str) -> Figure:
-    """Mean and max |Δlogp| per bucket of a `parity.drift.metrics.drift_by_*` breakdown.
-
-    rows: one dict per bucket with `lo`, `hi`, `mean_abs_logprob_diff` and
-    `max_abs_logprob_diff` (nats; None for an empty bucket, which is left blank).
-    Bars are the mean (left axis), the line the max (right axis): the max is often 10-100x the
-    mean, and on one axis it would flatten the bars.
-    """
+    """Mean (bars, left axis) and max (line, right axis: often 10-100x) |Δlogp| per breakdown bucket."""
     fig, ax = new_figure()
     ax.set_title(title, fontsize=10)
     ax.set_xlabel(xlabel)
@@ -128,10 +116,9 @@ def step_trend_figure(steps: list[int], values: list[float | None], *, title: st
                       low: float | None = None, high: float | None = None,
                       flagged: set[int] | None = None, log_scale: bool = False,
                       restarts: list[int] | None = None) -> Figure:
-    """One metric over training steps: a line (markers up to 200 steps), flagged steps as red
-    dots, the alert bounds `low`/`high` as dashed red lines and `restarts` (a resumed run's first
-    steps) as dotted grey lines. None values are gaps. `log_scale`: a log y axis where every
-    value is positive (a spike then leaves normal drift readable), else linear."""
+    """One metric over training steps: flagged steps red, bounds dashed, restarts dotted, None as gaps;
+    `log_scale` where every value is positive.
+    """
     fig, ax = new_figure(small=True)
     ax.set_title(title, fontsize=9)
     y = np.array([_number(v) for v in values])

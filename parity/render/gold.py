@@ -1,8 +1,5 @@
-"""The "Which side moved" section: each side's error from the gold forward, token by token and by
-response position, under the verdict sentence.
-
-Reads a stored report's gold array and summary (`ParityReport.gold_errors()`, the `gold/*` summary
-keys, `breakdowns["gold_by_position"]`), so a report loaded from JSON draws it without torch.
+"""The "Which side moved" section: each side's error from the gold, per token and by position, from
+the stored report alone.
 """
 
 from __future__ import annotations
@@ -25,11 +22,7 @@ ERROR_FLOOR = 1e-9
 
 
 def gold_scatter(train_error: np.ndarray, rollout_error: np.ndarray) -> Figure:
-    """Each token's rollout error against its train error (|logp - logp_gold|, nats, `[tokens]`), log-log.
-
-    Points above the diagonal are tokens the rollout got wrong by more than the trainer did. The
-    points are rasterized inside the SVG, so a page of 100k tokens stays small.
-    """
+    """Each token's rollout error against its train error (nats, `[tokens]`), log-log, rasterized."""
     train = np.maximum(np.asarray(train_error, np.float64), ERROR_FLOOR)
     rollout = np.maximum(np.asarray(rollout_error, np.float64), ERROR_FLOOR)
     fig, ax = new_figure()

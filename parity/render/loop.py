@@ -1,8 +1,5 @@
-"""The page of one RL loop run (`parity loop --html`): drift per backend, reward and the policy's
-KL from its start, step by step, from the loop's JSON document alone (no torch, no engine).
-
-Drift is drawn on a symmetric-log axis: the reference engine's |Δlogp| is exactly 0 at every step
-and must show as 0, next to a production engine's 1e-3..1 nats.
+"""The page of one RL loop run from its JSON alone: drift per backend on a symmetric-log axis (the
+reference's exact 0 must show as 0), reward and KL from the start.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""The page of one `ParityReport`: verdict, summary, drift figures, worst tokens, correction
-metrics, the attribution section and provenance, in one self-contained HTML file.
-
-The tables and `report_plots` are reused by the nightly pages. Everything here reads the
-report's arrays and JSON sections, so a report loaded from JSON renders exactly like a fresh one.
+"""The page of one `ParityReport` in one self-contained HTML file, from its arrays and JSON alone;
+its tables and `report_plots` are reused by the nightly pages.
 """
 
 from __future__ import annotations

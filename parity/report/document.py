@@ -1,9 +1,7 @@
 """`ParityReport`: everything one comparison measured, serializable to JSON and HTML.
 
-Per-token arrays are `[num_sequences, max_response_len]` NumPy arrays; row i is sequence i of
-`sequences`, column j its j-th response token, and `mask` marks the real tokens (the rest is
-padding and holds zeros). Two reports are equal when their JSON is identical up to key order,
-so `ParityReport.from_json(r.to_json()) == r` holds bit for bit, NaN included.
+Per-token arrays are `[num_sequences, max_response_len]`, `mask` marking real tokens (padding is
+zeros). `ParityReport.from_json(r.to_json()) == r` bit for bit, NaN included.
 """
 
 from __future__ import annotations
@@ -42,23 +40,11 @@ ARRAY_FIELDS: dict[str, type] = {
 class ParityReport:
     """The result of one parity comparison.
 
-    train_logprobs / rollout_logprobs: float32 `[num_sequences, max_response_len]`, nats; the
-        training forward's and the backend's logprob of each sampled token.
-    mask: bool, same shape; True on real response tokens.
-    positions: int64, same shape; each token's position in its full sequence
-        (prompt_len + response index), the position its logits were computed at + 1.
-    token_ids: int64, same shape; the sampled token ids.
-    sequences: one dict per row: request_id, sample_index, prompt_len, response_len, finish_reason.
-    summary: scalar drift metrics (`parity.drift.metrics.summarize` keys and any added by features).
-    metrics: verl-compatible `rollout_corr/*` metrics of the rollout correction.
-    breakdowns: {"by_position": [...], "by_probability": [...]} drift per bucket; multi-turn
-        reports add "by_turn" and "after_injection" (`parity.drift.metrics.drift_by_turn`).
-    passed / tolerance / violations: the verdict, the limits applied and the checks that failed.
-    provenance: what produced the numbers (versions, backend and its meta, model hash, dtype, ...).
-    extras: free-form JSON-serializable sections other features attach ("attribution", "router",
-        "gold": how the gold forward ran).
-    gold_logprobs: float64, same shape, or None: the gold forward's logprob of each token (nats; -inf
-        where the token lies outside the gold's own sampling support), when the report has a gold.
+    train_logprobs / rollout_logprobs: float32 `[num_sequences, max_response_len]`, nats. mask:
+    bool. positions: int64, prompt_len + response index. token_ids: int64. sequences: a dict per row.
+    summary: scalar drift metrics; metrics: verl's `rollout_corr/*`. breakdowns: drift per bucket.
+    passed / tolerance / violations: the verdict. provenance: what produced the numbers.
+    extras: free-form sections ("attribution", "router", "gold"). gold_logprobs: float64 or None.
     """
 
     train_logprobs: np.ndarray
@@ -203,16 +189,9 @@ class ParityReport:
         return int(self.mask.sum())
 
     def worst_tokens(self, k: int = 5) -> list[dict[str, Any]]:
-        """The k tokens with the largest |logp_train - logp_rollout|, largest first; tokens whose
-        two logprobs are equal are not listed, so a report without drift has none.
-
-        Each: sequence (row), request_id, position (index in the response), token_id,
-        train_logprob, rollout_logprob, logprob_diff (train - rollout) and ratio
-        (exp(logprob_diff), the importance ratio), and gold_logprob when the report has a gold
-        (`gold_logprobs`). Ties keep row-major order. When the report
-        holds decoded text (`extras["text"]`, `parity.report.text`), also: text (the token), before
-        and after (up to `CONTEXT_TOKENS` response tokens on each side) and prompt (the start
-        of the sequence's prompt).
+        """The k tokens with the largest |logp_train - logp_rollout|, largest first (equal ones never;
+        ties row-major), with both logprobs, their diff and ratio, the gold's, and the token's text and
+        context when the report holds text.
         """
         if k < 0:
             raise InputError(f"worst_tokens: k must be >= 0, got {k}")
@@ -256,10 +235,9 @@ class ParityReport:
                 "prompt": text.get("prompts", {}).get(str(self.sequences[row].get("request_id")), "")}
 
     def request_drift(self) -> list[dict[str, Any]]:
-        """Drift per request id, in first-seen order: samples, tokens (scored), outside_support
-        (tokens one side gives -inf: counted apart, as in the summary), max and mean
-        |logp_train - logp_rollout| over the scored tokens (nats), identical (every token's two
-        logprobs equal) and prompt (its start, when the report holds decoded text)."""
+        """Drift per request id, first-seen order: samples, tokens, outside_support, max and mean |Δ| (nats),
+        identical, and prompt when the report holds text.
+        """
         prompts = self.extras.get("text", {}).get("prompts", {})
         groups: dict[str, list[int]] = {}
         for i, seq in enumerate(self.sequences):

@@ -27,12 +27,9 @@ def provenance(model: str | None, *, backend: str, backend_meta: dict[str, Any],
                reference: str, router_replay: str | None, seeds: list[int | None], case: str, case_hash: str,
                rollout_logprobs: str, train_logprobs: str = TRAIN_COMPUTED,
                backend_device: str | None = None, lora: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A report's provenance: the versions, the model (name or path, and hash; None when no
-    model was given), the settings and the machine, and where each side's logprobs came from.
-
-    device: where the training forward ran; backend_device: where the rollouts were sampled
-    (None: not known here, e.g. a dump from another cluster); lora: the LoRA adapter both sides
-    applied (`LoraSpec.to_dict()`), None for the base model."""
+    """A report's provenance: versions, the model (and hash), settings, machine, and where each side's
+    logprobs came from. backend_device: None when not known here (a dump); lora: `LoraSpec.to_dict()`.
+    """
     versions = {"parity": VERSION}
     for dist in _VERSIONED:
         try:

@@ -1,24 +1,9 @@
 """Decoded text for reports, computed once when a report is built.
 
-A report stores token ids; people read text. `report_text` decodes, with the checkpoint's own
-tokenizer, every distinct response token id of the rollouts and the start of every request's
-prompt, and the report keeps them in `extras["text"]`:
-
-    {"tokens": {"<token id>": "<its text>", ...},       one entry per distinct response token
-     "prompts": {"<request id>": "<prompt start>", ...}}
-
-so a stored report shows tokens in context (`ParityReport.worst_tokens`) and rendering it
-never loads a tokenizer, transformers or torch. Each token is decoded on its own, so a byte
-token that is part of a multi-byte character shows as U+FFFD.
-
-A chat prompt's start is the start of its (last) user message, not of the system prompt every
-prompt of a dataset shares: the text the checkpoint's chat template puts between a system
-message and a user message (e.g. `<|im_end|>\n<|im_start|>user\n`) marks where it begins. A
-prompt without that marker (token ids, plain text, a chat without a system turn) shows its first
-tokens.
-
-Loading the tokenizer is the documented transformers exception of the light modules
-(`parity.workload.prompts.tokenizer`).
+`report_text` decodes every distinct response token id and the start of every prompt into
+`extras["text"]` (`{"tokens": {id: text}, "prompts": {request_id: start}}`), so rendering never
+loads a tokenizer. Tokens are decoded alone (a partial multi-byte character shows as U+FFFD). A
+chat prompt starts at its last user message (after the shared system prompt).
 """
 
 from __future__ import annotations

@@ -1,45 +1,9 @@
 """Rollout dumps: rollouts produced elsewhere (verl batches, a TRT-LLM or SGLang cluster parity
 cannot reach, any engine), read from JSONL or Parquet with one rollout per row.
 
-Columns (parity's spelling first, then the accepted aliases):
-    prompt_ids        prompts, prompt_token_ids                      (required)
-    response_ids      responses, token_ids, response_token_ids       (required)
-    rollout_logprobs  rollout_log_probs, logprobs                    (required) one number per
-                                                                     response token, or TRT-LLM's
-                                                                     (and vLLM's) dict per position,
-                                                                     token id -> {"logprob": x,
-                                                                     "rank": r} or x, read at the
-                                                                     sampled token
-    trainer_logprobs  old_log_probs, old_logprobs                    the trainer's logprobs of the
-                                                                     same tokens (optional)
-    request_id        uid                                            default: the row index
-    rollout_dtype                                                    the dtype the rollouts were
-                                                                     computed in (optional; picks the
-                                                                     tolerance with the trainer's)
-    sample_index                                                     default: 0, 1, ... per request_id
-    finish_reason, logprobs_mode, routed_experts
-    sampling          {every SamplingParams field}, as `dump_rollouts` writes it; or the flat
-    temperature, top_p, top_k                                        columns (a missing one is off)
-    response_mask     1 at generated, 0 at injected (multi-turn tool/environment tokens) and
-                      padding tokens of the response (verl); zeros inside the response mark a
-                      multi-turn trajectory (`Rollout.response_mask`), trailing zeros are
-                      right padding unless attention_mask says otherwise
-    attention_mask    over prompt + response: strips left padding of the prompt and right
-                      padding of the response (verl's `prompts` are left-padded)
-    top_k_ids         topk_ids, rollout_top_k_ids                    the engine's top-k per response
-    top_k_logprobs    topk_logprobs, rollout_top_k_logprobs          position, both or neither: a list
-                      per position (ids; logprobs, descending), or a dense [response, k] array per
-                      row (a [batch, seq, k] batch written row by row); cut with the response's
-                      padding; read by the full-distribution drift (docs/DISTRIBUTION.md)
-
-Logprobs (rollout and trainer) at injected tokens mean nothing: they are read as 0.0 and never
-enter a metric.
-
-Processed logprobs depend on the sampling parameters, so a processed-mode row must carry them
-or be given them (`sampling=`: one `SamplingParams` for every row, or one per request id from a
-case or a record); a row whose columns contradict what was given is an error, not a choice.
-verl's `trainer.rollout_data_dir` dump is not a rollout dump: it holds decoded text and scores,
-no token ids or logprobs.
+Columns, their aliases (`COLUMN_ALIASES`) and the padding and sampling rules are in
+docs/DESIGN.md, "Case files and rollout dumps". Logprobs at injected tokens are read as 0.0; a
+processed-mode row must carry its sampling parameters or be given them.
 """
 
 from __future__ import annotations
@@ -78,11 +42,8 @@ GivenSampling = SamplingParams | Mapping[str, SamplingParams] | None
 
 @dataclass(frozen=True)
 class Dump:
-    """The rollouts of a dump and, when it has the column, the trainer's logprobs of their tokens.
-
-    trainer_logprobs[i]: rollout i's response tokens under the trainer (verl's `old_log_probs`),
-        one float per token; None when the dump has no trainer-logprob column.
-    trainer_column: the column they came from (for the report), or None.
+    """The rollouts of a dump and, when it has the column (`trainer_column`), the trainer's logprobs of
+    their tokens (verl's `old_log_probs`, one per token; else None).
     """
 
     path: Path
@@ -93,12 +54,8 @@ class Dump:
 
 def read_dump(path: str | Path, *, backend: str = "external", logprobs_mode: str = "processed",
               sampling: GivenSampling = None) -> Dump:
-    """Read a JSONL or Parquet rollout dump (format by suffix); errors name the line or row.
-
-    backend: name stamped on the rollouts (e.g. "trtllm-cluster").
-    logprobs_mode: the mode of rows without a `logprobs_mode` column. Say which one the
-        producer reported: comparing rollouts in different modes is an error, not drift.
-    sampling: the parameters of rows without sampling columns (see the module doc).
+    """Read a JSONL or Parquet rollout dump; errors name the line or row. logprobs_mode: of rows without
+    the column (different modes are an error, not drift); sampling: for rows without sampling columns.
     """
     if logprobs_mode not in LOGPROBS_MODES:
         raise ConfigError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
@@ -228,8 +185,7 @@ def _row(row: dict[str, Any], index: int, samples: dict[str, int], backend: str,
 
 
 def _sampled_logprob(entry: Any, token: Any) -> Any:
-    """One rollout-logprob entry as a number: a number as it is; a per-position dict (TRT-LLM's
-    `CompletionOutput.logprobs`, vLLM's) at the sampled token `token`."""
+    """A rollout-logprob entry as a number (a per-position dict read at the sampled `token`)."""
     if not isinstance(entry, Mapping):
         return entry
     value = entry.get(str(token), entry.get(token))
@@ -240,8 +196,6 @@ def _sampled_logprob(entry: Any, token: Any) -> Any:
 
 
 def _top_k_columns(row: dict[str, Any], keep: int) -> dict[str, Any]:
-    """`Rollout` top-k fields from the row's top-k columns, cut to the `keep` real response tokens;
-    none without the columns (checked by `Rollout`: `parity.core.top_k`)."""
     found = {name: next((row[a] for a in COLUMN_ALIASES[name] if row.get(a) is not None), None)
              for name in ("top_k_ids", "top_k_logprobs")}
     if all(v is None for v in found.values()):
@@ -260,8 +214,9 @@ def _top_k_columns(row: dict[str, Any], keep: int) -> dict[str, Any]:
 
 def _strip_padding(row: dict[str, Any], prompt: list[Any],
                    response_len: int) -> tuple[list[Any], int, tuple[int, ...] | None]:
-    """(prompt without left padding, number of real response tokens, the response mask over them
-    when it has interior zeros: a multi-turn trajectory; else None) from the row's masks."""
+    """(prompt without left padding, real response tokens, the response mask when it has interior
+    zeros, else None).
+    """
     keep = response_len
     attention = row.get("attention_mask")
     if attention is not None:
@@ -293,11 +248,9 @@ def _strip_padding(row: dict[str, Any], prompt: list[Any],
 
 
 def _refuse_unmasked_padding(response: list[Any], logprobs: list[Any], greedy: bool) -> None:
-    """InputError when a row without masks ends like right padding: at least two copies of its last
-    token id whose rollout logprobs are all one value, the fill value of a padded batch (verl pads
-    `responses` with the pad id and `rollout_log_probs` with -1; others pad with 0). Sampled
-    tokens do not repeat one logprob bit for bit, except under greedy decoding (processed
-    logprobs 0.0), which is let through. Padding scored as tokens dilutes every mean."""
+    """InputError when a maskless row ends like right padding: two or more copies of its last id with
+    one logprob bit for bit (verl pads with -1, others 0); greedy rows (all 0.0) are let through.
+    """
     tail = 1
     while tail < len(response) and response[-1 - tail] == response[-1] \
             and logprobs[-1 - tail] == logprobs[-1]:
@@ -324,9 +277,7 @@ def _mask_values(mask: Any, name: str) -> list[int]:
 
 
 def _right_padded(mask: list[int], name: str) -> int:
-    """The number of leading 1s of a 1s-then-0s mask (the attention mask over a response: a 0
-    there is padding, so a 1 after it is a contradiction; injected tokens are attended to and are
-    marked in `response_mask` instead)."""
+    """The leading 1s of a 1s-then-0s attention mask over a response (a 1 after a 0 is an error)."""
     keep = mask.index(0) if 0 in mask else len(mask)
     if any(mask[keep:]):
         raise InputError(f"{name} has a zero before a one (token {keep}): it must be 1s then 0s (right "
@@ -411,11 +362,7 @@ def _check_ids(ids: list[Any], name: str) -> None:
 
 
 def check_logprobs(values: Sequence[Any], name: str = "logprob", where: str = "") -> None:
-    """Every value a number <= 0 (a little rounding above 0 allowed) or -inf, else InputError
-    (prefixed with `where`, e.g. the request it answers): parity's one rule,
-    `parity.core.logprobs.check_logprob_values`.
-
-    -inf is a token outside the sampling support of the side that reported it (a top-k or top-p
-    cut, or an engine's floor read back as -inf): kept, and counted apart by every report
-    (`num_tokens_outside_support`). NaN and +inf are not log-probabilities."""
+    """Every value <= 0 (a little rounding allowed) or -inf (outside the support, counted apart), else
+    InputError prefixed with `where`.
+    """
     check_logprob_values(values, name, where)

@@ -1,9 +1,6 @@
 """Rollouts checked against the requests they answer: one sample per (request, sample index), the
-logprob mode the request asked for, the request's prompt, at most its `max_tokens`, and the
-request's sampling carried onto every rollout (an adapter outside parity may not record it).
-
-A backend that repeats, drops or invents a sample, answers another prompt, or runs past its
-length limit would otherwise skew every metric silently.
+asked logprob mode, the request's prompt, at most its `max_tokens`, its sampling carried on.
+A backend that repeats, drops or invents samples would otherwise skew every metric silently.
 """
 
 from __future__ import annotations
@@ -32,11 +29,8 @@ def requests_by_id(requests: Sequence[Request]) -> dict[str, Request]:
 
 def match_requests(rollouts: Sequence[Rollout], requests: Sequence[Request], *,
                    limits: ModelLimits | None = None) -> list[Rollout]:
-    """`rollouts`, each checked against the request it answers (`check_answer`; token ids against
-    `limits`' vocabulary when given), and carrying that request's sampling.
-
-    A rollout's logprobs mode must be the one its request asked for, or the two numbers would
-    be different quantities.
+    """`rollouts`, each checked against its request (`check_answer`) and carrying its sampling; a
+    different logprobs mode would be a different quantity.
     """
     by_id = requests_by_id(requests)
     _unique_keys(rollouts)
@@ -84,11 +78,9 @@ def check_samples(requests: Sequence[Request], rollouts: Sequence[Rollout], back
 
 def check_answer(rollout: Rollout, request: Request, limits: ModelLimits | None = None, *,
                  error: type[ParityError] = BackendError) -> None:
-    """`error` (BackendError for a backend's answer, InputError for a file's) naming the request
-    unless `rollout` is an answer `request` could get: its prompt, at most `max_tokens` response
-    tokens, ids inside the vocabulary (`limits`), and logprobs that are log-probabilities (<= 0,
-    or -inf outside the sampling support: `parity.rollouts.dumps.check_logprobs`). A backend that breaks one
-    would otherwise show up as drift."""
+    """`error` naming the request unless `rollout` could answer it: its prompt, at most `max_tokens`
+    tokens, ids in the vocabulary (`limits`), logprobs that are log-probabilities.
+    """
     who = (f"backend {rollout.backend!r} answered request {rollout.request_id!r} "
            f"(sample {rollout.sample_index})")
     if rollout.prompt_ids != request.prompt_ids:

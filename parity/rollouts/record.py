@@ -1,15 +1,9 @@
 """Recorded runs: the requests of a run and the rollouts of every backend that served them, in
 one file that replays through any backend and scores with `parity score`.
 
-Record (JSONL, one object per line, `kind` says which):
-    {"kind": "header", "format": "parity-record", "version": 1, "model": ..., "meta": {...}}
-    {"kind": "request", "request_id": ..., "prompt_ids": [...], "sampling": {every field}}
-    {"kind": "rollout", ...Rollout.to_dict()}          (any number, from any backends)
-Requests carry every sampling field and seed, so `replay` sends exactly the same requests
-through another backend and the rollouts line up by (request_id, sample_index). A rollout
-line without `sampling` (records written before rollouts carried it) takes its request's.
-
-Rollouts produced outside parity (verl batches, other clusters) are read by `parity.rollouts.dumps`.
+JSONL lines by `kind`: a "header" (format "parity-record", version 1, model, meta), "request"s
+with every sampling field and seed, and "rollout"s from any backends, matched by (request_id,
+sample_index). A rollout without `sampling` takes its request's.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """The frame every `parity` command runs in: one place for --verbose, errors, Ctrl-C and pipes.
 
-    def main(argv: list[str] | None = None) -> int:
-        return run_command("parity audit", argv, _parser(), _run)
-
-`run_command` adds `--verbose` to the command's parser, parses `argv`, sets the engines' logging
-(`parity.runtime.quiet`) and calls the body with the parsed arguments; it returns the exit code:
-the body's, `EXIT_ERROR` (2) for any error (a `ParityError` as its message, anything else as one
-line and a pointer to --verbose, which prints the traceback), `EXIT_INTERRUPTED` (130) on Ctrl-C,
-`EXIT_BROKEN_PIPE` (141, quietly) when the reader of stdout went away (`parity monitor D | head`).
-Parsing comes first and loads nothing: a command's heavy modules are imported by its body, so
+`run_command("parity audit", argv, parser, body)` adds `--verbose`, sets engine logging and
+returns the body's exit code, `EXIT_ERROR` (2) on any error (one line), `EXIT_INTERRUPTED` (130)
+on Ctrl-C, `EXIT_BROKEN_PIPE` (141) when stdout's reader left. Parsing loads nothing heavy, so
 `parity X --help` never loads torch.
 """
 

@@ -1,27 +1,11 @@
 """The guard: engine processes that parity starts die with the parity process that started them.
 
-vLLM's offline engine runs its EngineCore (and, under it, workers and multiprocessing's resource
-tracker) as child processes of the parity process; a server parity starts has the same tree
-under it. When parity is killed with SIGKILL (or SIGTERM, which skips Python's cleanup) nothing
-in it runs, and those children were measured still alive more than 30 s later, re-parented to
-init and holding their memory. A parent-death signal (`PR_SET_PDEATHSIG`) does not cover them:
-it is not inherited across fork, and it fires when the *thread* that forked exits. Only a
-process outside parity can clean up after it, so the first engine start launches one guard per
-parity process:
-
-- The guard reads a pipe whose write end only parity holds. End of file (parity exited, however
-  it died), or a parent pid that no longer exists, means parity is gone.
-- Parity tells it which processes are its to clean up: `track PID` for a server it launched,
-  and `open` ... `close` around an engine start (every child of parity that appears inside
-  that window is tracked; vLLM spawns its EngineCore there). Descendants of tracked processes
-  are tracked too.
-- When parity is gone the guard sends SIGTERM to every tracked process that is still alive (and
-  to the process group of a tracked group leader: servers run in their own group), waits
-  `GRACE_S` for them to exit, then SIGKILLs what is left, and exits itself.
-
-Processes are identified by (pid, start time), so a recycled pid is never signalled. The guard
-runs as a script with only the standard library and psutil (`python -P parity/runtime/guard.py PID`),
-so it starts in ~0.1 s and does not import parity, torch or the engines.
+After SIGKILL vLLM's EngineCore and workers were measured alive 30 s later, and
+`PR_SET_PDEATHSIG` is neither inherited across fork nor tied to the process. So the first engine
+start launches one guard process per parity process, holding a pipe only parity writes: at EOF
+(or a dead parent pid) it SIGTERMs every tracked process and group (`track PID`, and children
+appearing between `open` and `close`, with descendants), waits `GRACE_S`, then SIGKILLs.
+Processes are keyed by (pid, start time); the guard runs with only stdlib and psutil (~0.1 s).
 """
 
 from __future__ import annotations
@@ -92,10 +76,7 @@ def track(pid: int) -> None:
 
 @contextlib.contextmanager
 def spawn_window() -> Iterator[None]:
-    """Every child process this process starts inside the block dies with it (with descendants).
-
-    For children started by library code parity does not control (vLLM's EngineCore).
-    """
+    """Every child this process starts inside the block (vLLM's EngineCore) dies with it."""
     g = guard()
     me = psutil.Process()
     before = {c.pid for c in me.children()}

@@ -1,10 +1,6 @@
 """A rollout server that parity starts: a free loopback port, a health wait, and a stop that leaves
-no process behind.
-
-The server runs in its own process group (so a Ctrl-C in the terminal reaches parity, which stops
-the server in order, rather than killing the server mid-flight) and is tracked by the guard
-(`parity.runtime.guard`), so it dies with parity even when parity is killed with SIGKILL. Its output goes
-to a log file whose last lines are quoted when it fails to start. It binds 127.0.0.1 only.
+no process behind. Its own process group (Ctrl-C reaches parity, which stops it in order), the
+guard's tracking, a log quoted on a failed start, 127.0.0.1 only.
 """
 
 from __future__ import annotations
@@ -40,11 +36,8 @@ def free_loopback_port() -> int:
 
 
 class ServerProcess:
-    """One server process parity launched, reachable at `url`.
-
-    argv: the full command (it must bind `LOOPBACK` and `port`).
-    env: extra environment variables on top of this process's environment.
-    health_path: the route that answers 200 once the server can serve.
+    """One server process parity launched, reachable at `url`; `argv` must bind `LOOPBACK` and `port`,
+    `health_path` answers 200 once it can serve.
     """
 
     def __init__(self, argv: Sequence[str], *, port: int, name: str, env: Mapping[str, str] | None = None,
@@ -67,10 +60,8 @@ class ServerProcess:
         return None if self._proc is None else self._proc.pid
 
     def start(self, timeout_s: float) -> None:
-        """Launch the server and wait until `health_path` answers 200.
-
-        On any failure, timeout or interrupt (KeyboardInterrupt included) the server is stopped
-        before the exception leaves; a failed start raises BackendError quoting the log.
+        """Launch and wait for `health_path`; on any failure or interrupt the server is stopped first, and a
+        failed start is a BackendError quoting the log.
         """
         with open(self.log_path, "wb") as log:
             self._proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log,

@@ -1,25 +1,9 @@
 """Quiet by default: the engines parity starts print errors only, unless the user chose otherwise.
 
-vLLM writes INFO and WARNING lines from the process that starts it and from each engine
-process it spawns, some before its own logging is configured (straight to stderr). Before an
-engine starts, `engine_logging()` sets, where the user has not:
-
-    VLLM_LOGGING_LEVEL=ERROR          vLLM's handler, in every vLLM process
-    TORCH_CPP_LOG_LEVEL=ERROR         torch's C++ warnings in the engine processes (NUMA binding)
-    HF_HUB_DISABLE_PROGRESS_BARS=1    transformers' weight-loading bars (the training forward's)
-
-and, in this process, the `vllm` logger's level and a filter for the FutureWarnings vLLM's
-modules raise. Engine processes start by re-importing the main module (multiprocessing's
-spawn), so a program that imports parity applies the same in-process settings there too
-(`follow_parent`, run by `import parity`; `PARITY_ENGINE_LOGS` carries the choice). The
-processes multiprocessing starts from here on get one warning option (`sys.warnoptions`):
-the resource tracker's note about shared memory vLLM's engine left for it to clean up.
-
-The user's choice wins: a `VLLM_LOGGING_LEVEL` that parity did not set, or
-`VLLM_CONFIGURE_LOGGING=0` (the user configures logging), leaves everything as it is.
-`parity ... --verbose` and pytest's `--parity-verbose` choose vLLM's INFO lines.
-
-Light: the standard library only.
+Before an engine starts, `engine_logging()` sets VLLM_LOGGING_LEVEL=ERROR, TORCH_CPP_LOG_LEVEL=ERROR
+and HF_HUB_DISABLE_PROGRESS_BARS=1 where unset, the `vllm` logger's level and a FutureWarning
+filter; spawned engine processes re-apply it (`follow_parent`, via `PARITY_ENGINE_LOGS`). A user's
+own `VLLM_LOGGING_LEVEL` or `VLLM_CONFIGURE_LOGGING=0` wins; `--verbose` shows INFO. Stdlib only.
 """
 
 from __future__ import annotations
@@ -45,11 +29,8 @@ Choice = Literal["quiet", "verbose", "user"]
 
 
 def engine_logging(verbose: bool | None = None) -> Choice:
-    """Set how loud engines started from now on are; returns the choice in force.
-
-    verbose: True shows vLLM's INFO lines, False keeps errors only, None keeps this process's
-    earlier choice (quiet when there is none). Returns "user" when the user configured vLLM's
-    logging themselves, and then changes nothing.
+    """Set how loud engines started from now on are (None: keep the earlier choice) and return the
+    choice in force; "user" when the user configured vLLM's logging (nothing changed).
     """
     env = os.environ
     if env.get("VLLM_CONFIGURE_LOGGING") == "0" or ("VLLM_LOGGING_LEVEL" in env and MARK not in env):

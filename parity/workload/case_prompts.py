@@ -28,10 +28,9 @@ _DATASET_KEYS = ("path", "column", "limit", "seed")
 
 def load_prompt_table(f: Fields, table: dict[str, Any], model: str,
                       limits: ModelLimits) -> Callable[[], list[tuple[int, ...]]]:
-    """The `[prompts]` table, validated now; returns what produces its prompt token ids (generated
-    lengths bounded by the model's context, so a typo cannot ask for a billion-token prompt).
-    Text, messages and datasets load the model's tokenizer only when it is called, so a case's
-    other fields are all checked before that cost (seconds, more under load)."""
+    """The `[prompts]` table, validated now; returns what produces its prompt ids (lengths bounded by the
+    context). Tokenizers load only when called, after every other field is checked.
+    """
     given = [k for k in _PROMPT_KEYS if k in table]
     if len(given) != 1:
         raise f.error("prompts", f"give exactly one of {list(_PROMPT_KEYS)}, got {given}")
@@ -97,10 +96,9 @@ _GEN_KEYS = {
 
 
 def _generate_prompts(f: Fields, g: dict[str, Any], context: int | None) -> list[tuple[int, ...]]:
-    """Seeded synthetic prompts. `random`: `count` independent prompts. `shared_prefix`: every
-    prompt starts with one shared prefix (a system prompt); conversation c's turn t prompt is the
-    prefix plus c's first t+1 turn chunks, so turns also share their conversation's history,
-    like multi-turn RL rollouts that hit a prefix cache."""
+    """Seeded synthetic prompts: `random`, or `shared_prefix` (conversation c's turn t is the prefix
+    plus c's first t+1 chunks, like multi-turn rollouts hitting a prefix cache).
+    """
     p = "prompts.generate."
     kind = f.choice(g, "kind", GENERATOR_KINDS, prefix=p)
     f.only(g, p, _GEN_KEYS[kind])
@@ -133,9 +131,7 @@ def _generate_prompts(f: Fields, g: dict[str, Any], context: int | None) -> list
 
 def _length_sampler(f: Fields, g: dict[str, Any], key: str, rng: np.random.Generator, *,
                     prefix: str, context: int | None) -> Callable[[], int]:
-    """A draw() for a length spec: an int (fixed), {min, max} (uniform, inclusive) or
-    {distribution = "lognormal", median, sigma, min, max} (clipped to [min, max]); no length
-    may exceed the model's `context`."""
+    """A draw() for an int, {min, max} (uniform, inclusive) or a clipped lognormal length spec."""
     spec = f.get(g, key, (int, dict), prefix=prefix)
     field = prefix + key
     if isinstance(spec, int):

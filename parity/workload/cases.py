@@ -1,82 +1,8 @@
 """Cases: a model, a prompt workload, sampling, dtypes, backends and a tolerance, in one object.
 
-A case file (TOML, in `cases/`) is loaded by `load_case`; `load_cases` takes a directory, a file
-or a comma-separated list of files and names. `default_case` is the built-in workload used when
-`parity.compare` gets neither prompts nor a case.
-
-Case file schema (every key is checked; an unknown key or a bad value raises `ConfigError`
-naming the file, the field and the allowed values)::
-
-    name = "smoke"                   # optional; default: the file name without .toml
-    description = "..."              # optional
-    model = "tiny-llama"             # built-in name or local HF checkpoint directory
-    lora = "tiny-llama-lora-r8"      # optional: a LoRA adapter on the model (peft directory, relative
-                                     # to the case file, or a built-in adapter; parity.models.lora)
-    dtypes = ["bfloat16"]            # bfloat16 | float16 | float32; nightly runs each
-    backends = ["reference", "hf"]   # optional; default: every backend nightly is asked for
-    logprobs_mode = "processed"      # processed | raw
-    router_replay = ["none", "R3"]   # optional (MoE): one nightly row per variant
-    kind = "compare"                 # compare (default) | lifecycle: nightly runs parity.audit.lifecycle's
-                                     # checks (sleep/wake, weight update, cache resets) on the prompts |
-                                     # trajectory: multi-turn rollouts of the [[turns]] below |
-                                     # loop: an RL loop (parity.loop) on the prompts, see [loop] |
-                                     # audit: parity.audit on the prompts (repeat, batch, order, ...);
-                                     # its repeat noise judges the run's other rows of that backend
-    prefix_caching = [true, false]   # optional (trajectory): one nightly row per setting on backends
-                                     # with a prefix cache (vllm, vllm-server); empty = their default
-    reference_tensor_parallel_size = 2   # optional (compare cases): the reference backend's rows run a
-                                     # tensor-parallel engine of this many ranks (one GPU each on
-                                     # --device cuda), checked against the TP-invariant training
-                                     # forward; other backends run as configured. Default 1.
-
-    [[turns]]                        # trajectory only, in order, at least one `generate` (parity.core.turns)
-    generate = 24                    # a generated turn: at most 24 tokens (sampling below applies)
-    stop_token_ids = [10]            # optional: ids that end this turn (EOS always does)
-    [[turns]]
-    tool = "calculator"              # an injected reply: a built-in tool of the text so far (workload.tools),
-    # inject = "Observation: 42"     # or fixed text (the model's tokenizer), or token ids [5, 6]
-
-    [prompts]                        # exactly one of token_ids, text, messages, dataset, generate
-    token_ids = [[3, 4, 5], [6, 7]]
-    text = ["Hello", "World"]        # encoded with the model's tokenizer (parity.workload.prompts)
-    messages = [[{ role = "user", content = "Hi" }]]   # chat: one list of messages per prompt,
-                                     # rendered with the model's chat template
-    [prompts.dataset]                # JSONL or Parquet, one prompt per row (parity.workload.prompts)
-    path = "gsm8k.parquet"           # relative to the case file
-    column = "prompt"                # default "prompt": verl's layout (chat messages); or text, ids
-    limit = 16                       # optional: rows to use
-    seed = 0                         # optional: draw `limit` rows at random with this seed
-    [prompts.generate]               # a seeded generator
-    kind = "random"                  # random | shared_prefix
-    seed = 0
-    count = 8                        # random: number of prompts
-    length = { min = 8, max = 48 }   # an int, {min, max} (uniform) or
-                                     # {distribution = "lognormal", median, sigma, min, max}
-    conversations = 2                # shared_prefix: conversations, each `turns` prompts long
-    turns = 3
-    prefix_length = 128              # tokens shared by every prompt (a system prompt)
-    turn_length = { min = 8, max = 24 }
-
-    [sampling]                       # a table, or [[sampling]] blocks for a sweep
-    label = "t1.0"                   # optional (sweeps): prefixes the request ids
-    n = 2
-    temperature = 1.0
-    top_p = 1.0
-    top_k = 0                        # 0 = off
-    max_tokens = 16                  # trajectory: the whole response (generated and injected tokens)
-    seed = 1000                      # request i is sampled with seed + i
-    stop_token_ids = []
-    ignore_eos = false
-    top_k_logprobs = 0               # K > 0: the engine's top-K per position, full-distribution drift
-
-    [loop]                           # loop only: a nightly row runs parity.loop with the reference
-    steps = 10                       # engine and the row's backend, trained on the reference's
-    lr = 1e-3                        # rollouts (n, temperature, max_tokens, seed from [sampling]);
-                                     # prompts must end in problems such as "12+7=" (the reward
-                                     # checks the answer); the tolerance applies to its worst step
-
-    [tolerance]                      # optional: limits for every backend (Tolerance fields)
-    [tolerance.hf]                   # optional: limits for one backend, over the ones above
+`load_case` reads a TOML case file, `load_cases` a directory, file or comma-separated list, and
+`default_case` is the built-in workload. The file schema is in docs/DESIGN.md, "Case files and
+rollout dumps"; an unknown key or bad value is a `ConfigError` naming file, field and choices.
 """
 
 from __future__ import annotations
@@ -119,24 +45,11 @@ from parity.workload.tools import bind_tools, encode_text
 class Case:
     """One parity workload.
 
-    requests: the prompts with their sampling parameters (seeds included), in send order.
-    dtypes: dtypes to run ("bfloat16", "float16", "float32"); `compare` uses the first.
-    backends: backend names the case is meant for (nightly's matrix); empty = any.
-    tolerance: limits for pass/fail; None = the backend's default.
-    backend_tolerances: (backend, limits) pairs that override `tolerance` for one backend.
-    router_replay: MoE routing-replay variants nightly runs as separate rows; empty = one row.
-    kind: "compare" (drift against the training forward), "lifecycle" (`parity.audit.lifecycle`),
-        "trajectory" (drift of multi-turn rollouts: every request carries the case's turns) or
-        "audit" (`parity.audit`: is each backend deterministic and batch-invariant).
-    reference_tensor_parallel_size: ranks of the reference backend's engine in nightly rows (1: one
-        process, the whole model); above 1 the rows ask the executor for that many CPUs, and GPUs
-        on CUDA, and are checked against the TP-invariant training forward (compare cases only).
-    lora: the LoRA adapter every row applies on top of `model` (a directory or a built-in adapter
-        name, `parity.models.lora`); None for the base model.
-    prefix_caching: trajectory cases: the prefix-cache settings nightly runs as separate rows on
-        backends that have one (`parity.backends.prefix_cache_backends`); empty = one row, the
-        backend's default.
-    loop_steps, loop_lr: loop cases: the steps and AdamW learning rate of each row's loop.
+    requests: in send order, seeds included. dtypes: `compare` uses the first. backends: nightly's
+    matrix (empty: any). tolerance (None: the backend's default), backend_tolerances per backend.
+    router_replay, prefix_caching: variants nightly runs as rows (empty: one row). kind: "compare",
+    "lifecycle", "trajectory", "loop" or "audit". reference_tensor_parallel_size: ranks of the
+    reference engine in nightly rows. lora: adapter on `model`. loop_steps, loop_lr: loop cases.
     """
 
     name: str
@@ -397,8 +310,6 @@ def load_case(path: str | Path) -> Case:
 
 
 def _load_lora(f: Fields, data: dict[str, Any], model: str) -> str | None:
-    """The case's adapter (a path relative to the case file, or a built-in name), checked against the
-    case's model."""
     lora = f.get(data, "lora", str, default=None)
     if lora is None:
         return None
@@ -415,8 +326,6 @@ _TURN_KEYS = ("generate", "stop_token_ids", "inject", "tool")
 
 
 def _load_turns(f: Fields, table: Any, model: str) -> tuple[Turn, ...]:
-    """The [[turns]] of a trajectory case: `generate` (+ `stop_token_ids`), `inject` (text or ids)
-    or `tool` (a built-in tool, bound to the model's tokenizer)."""
     if not isinstance(table, list) or not table or not all(isinstance(t, dict) for t in table):
         raise f.error("turns", "a trajectory case needs [[turns]] tables (generate, inject or tool)")
     turns: list[Turn] = []
@@ -467,8 +376,7 @@ def _load_prefix_caching(f: Fields, data: dict[str, Any]) -> list[bool]:
 
 def _sampling_blocks(f: Fields, sampling: Any, logprobs_mode: str,
                      limits: ModelLimits) -> list[tuple[str, SamplingParams, int]]:
-    """(label, parameters, first seed) of each sampling block: a table, or [[sampling]] blocks for a
-    sweep (labelled; a label prefixes its request ids)."""
+    """(label, parameters, first seed) of each sampling block (a table, or labelled [[sampling]] blocks)."""
     if sampling is None:
         sampling = {}
     blocks = sampling if isinstance(sampling, list) else [sampling]

@@ -1,22 +1,9 @@
 """Prompts from where users keep them: token ids, text, chat messages and dataset files.
 
-A prompt is given as one of:
-- token ids: a list of ints, used as they are;
-- text: a string, encoded by the checkpoint's own tokenizer the way it encodes a completion
-  prompt (its special tokens included, as vLLM's and HF's text prompts are);
-- chat messages: a list of `{"role": ..., "content": ...}` dicts, rendered by the
-  checkpoint's own chat template with `add_generation_prompt=True` (the assistant turn left
-  open, as a chat rollout starts) and encoded without adding special tokens (the template
-  writes them);
-- a row of a dataset file (`Dataset`): JSONL or Parquet, one prompt per row in `column`.
-  The default column, "prompt", is verl's RL dataset layout (its preprocessed gsm8k and math
-  parquet files hold chat messages there); a column of plain text or token ids works the
-  same way. `limit` keeps that many rows: the first ones, or with `seed` a seeded random
-  sample (kept in file order). Errors name the file, the row and the column.
-
-Light: token ids and dataset rows need no torch. Encoding text or messages loads the
-checkpoint's tokenizer through transformers, which imports torch (the one documented
-exception of the light-module contract).
+Text is encoded as the tokenizer encodes a completion prompt (special tokens included); messages
+are rendered by the chat template with `add_generation_prompt=True` and encoded without adding
+special tokens; a `Dataset` row (JSONL or Parquet; verl's "prompt" column by default) holds any
+of them. Token ids and datasets need no torch; text loads the tokenizer (the documented exception).
 """
 
 from __future__ import annotations
@@ -50,13 +37,10 @@ class DatasetShortWarning(UserWarning):
 
 @dataclass(frozen=True)
 class Dataset:
-    """A JSONL or Parquet file with one prompt per row (see the module doc).
+    """A JSONL or Parquet file with one prompt per row in `column` (messages, text or ids).
 
-    path: the file (`.parquet` is Parquet, anything else JSONL).
-    column: the column holding each row's prompt: chat messages, text or token ids.
-    limit: how many rows to use (None: all); more than the file holds uses all of them and warns
-        (`DatasetShortWarning`) with the number used.
-    seed: None keeps the first `limit` rows; an int draws `limit` rows at random with it.
+    limit: rows to use (None: all; more than the file holds warns `DatasetShortWarning`). seed: None
+    keeps the first `limit` rows, an int draws them at random.
     """
 
     path: Path

@@ -65,10 +65,9 @@ def resolve_workload(model: str | os.PathLike[str] | None, case: Case | str | os
 
 
 def with_logprobs_mode(case: Case, mode: Any) -> Case:
-    """`case` with every request in logprobs mode `mode`. A backend started with a `logprobs_mode`
-    option (vllm-server's: the mode the whole server reports) returns rollouts in that mode, so
-    they are requested and scored in it; the option wins over the case's `logprobs_mode`, as a
-    command line wins over a file."""
+    """`case` with every request in logprobs mode `mode`: a backend option's mode wins over the case's,
+    as a command line wins over a file.
+    """
     mode = check_choice(mode, LOGPROBS_MODES, "backend option logprobs_mode")
     requests = tuple(dataclasses.replace(r, sampling=r.sampling.replace(logprobs_mode=mode))
                      for r in case.requests)

@@ -1,13 +1,7 @@
-"""Built-in deterministic tools for multi-turn trajectories (`parity.core.turns`), bound to a checkpoint's
-tokenizer: a tool reads the text so far (prompt and response, decoded) and replies with text,
-which is encoded and injected. Deterministic, so the same history gets the same reply on every
-backend; a reply never depends on anything but the history.
-
-Tools (`TOOLS`):
-
-- "calculator": answers the last integer expression (`+`, `-`, `*`, with `*` first) in the
-  text: "\\n<result>12*7+3 = 87</result>\\n", or "\\n<result>no expression</result>\\n";
-- "length": replies with the number of characters so far, "\\n<result>123 characters</result>\\n".
+"""Built-in deterministic tools for multi-turn trajectories, bound to a checkpoint's tokenizer: a
+tool reads the decoded text so far and replies with text that is injected, the same on every
+backend. "calculator" answers the last integer expression ("\\n<result>12*7+3 = 87</result>\\n");
+"length" the characters so far.
 """
 
 from __future__ import annotations

@@ -1,16 +1,6 @@
-"""Batch-invariant Triton kernels: parity's invariant ops for CUDA tensors.
-
-One kernel idea per module: `matmul` (persistent, one tile plan per weight shape), `rmsnorm`,
-`softmax` and `scan` (one program per row), `rotary` (q and k rotated in one launch each),
-`attention` (causal attention over the engine's KV cache, KV tiles at absolute positions, no KV
-split), `moe` (tie-stable top-k, grouped expert GEMM, ordered combine), `sampling` (the
-sampler's Gumbel-max draw, noise kept in registers). Callers import the module they need
-(`parity.kernels.triton.matmul.linear`); `register()` plugs the kernels into `parity.kernels`'
-switch for device type "cuda". The module docstrings give the numerical reason each one is
-batch-invariant.
-
-CI exercises the same kernels on CPU tensors under Triton's interpreter (`TRITON_INTERPRET=1`
-set before this package is imported).
+"""Batch-invariant Triton kernels: parity's invariant ops for CUDA tensors, one kernel idea per
+module (matmul, rmsnorm, softmax, scan, rotary, attention, moe, sampling); `register()` plugs them
+into the switch for "cuda". CI runs them on CPU under `TRITON_INTERPRET=1`.
 """
 
 from __future__ import annotations
@@ -33,14 +23,12 @@ def _attention_op(
     scaling: float,
     max_run: int | None = None,
 ) -> torch.Tensor:
-    """The switch's attention signature; `span` (cached positions the batch needs) is not needed:
-    each run's own last position bounds its KV tiles. `max_run` 1 picks the decode launch."""
+    """The switch's attention signature; `span` is unneeded, `max_run` 1 picks the decode launch."""
     return attention.attention(query, k_cache, v_cache, slots, positions, scaling, max_run=max_run)
 
 
 def _activation_op(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """Stock CUDA elementwise ops are already position-independent: every element runs the same
-    scalar functor (vectorization only widens the loads), unlike CPU's vector-body/scalar-tail split."""
+    """Stock CUDA elementwise ops are already position-independent (one scalar functor per element)."""
     return fn(x)
 
 

@@ -1,38 +1,14 @@
 """Batch-invariant causal attention over the engine's KV cache on CUDA: prefill, chunked prefill, decode.
 
-The cache is parity's slot cache (`parity.kernels.attention.KVCache`): per layer
-[S, Hkv, C, D], sequence slot s holding its keys at absolute positions 0..C-1, i.e. a paged
-cache whose page is a whole sequence. A step packs any mix of prefill chunks and decode tokens
-as T query tokens, each with its own slot and absolute position.
+The cache is [S, Hkv, C, D] per layer, slot s holding keys at absolute positions. A program owns
+one run (consecutive tokens of one slot in a tile of TOKENS) and one KV head, its BLOCK_M rows
+the run's tokens x G query heads, and walks the slot from position 0 in BLOCK_N tiles (TMA loads)
+with an fp32 online softmax. A persistent variant walks compacted run starts; decode
+(`max_run=1`) takes a per-token launch.
 
-One kernel serves every phase. Query tokens are cut into tiles of TOKENS consecutive tokens,
-and inside a tile consecutive tokens of one slot form a run (a prefill chunk is one run, each
-decode token its own). A program owns one run and one KV head: its BLOCK_M rows stand for
-(token r // G, query head kv_head * G + r % G), G = Hq / Hkv, so GQA heads share the K/V tiles
-they load, and it walks the run's slot from absolute position 0 in tiles of BLOCK_N keys with an
-online softmax in fp32. Rows of other runs in the tile are masked out and not stored. The
-program finds its run from the tile's slots itself (no per-step preparation kernels before the
-launch), and K/V tiles arrive by TMA (tensor descriptors over the cache's [S * Hkv * C, D] rows),
-so a program issues no per-element address arithmetic for them. The persistent variant
-(`AttentionConfig.programs_per_sm`) runs the same per-run code from a fixed number of programs
-that walk a compacted list of run starts, instead of one program per token of which all but a
-run's first exit at once. Decode steps (the caller says every run is one token: `max_run=1`)
-take a third launch of the same online softmax, one program per (token, KV head) that skips the
-run search, so its first K/V loads wait on two scalar loads only.
-
-Invariance (a query's output depends on its own q and its slot's cached K/V only):
-- KV tile boundaries sit at absolute positions 0, BLOCK_N, 2*BLOCK_N, ...: the same for a token
-  of a long prefill, of the second chunk of a chunked prefill, or of a decode step, so its
-  max/rescale/sum sequence is identical;
-- no KV split: one program reduces a query's whole context in ascending tile order, so no split
-  count that follows the batch (flash-decoding) can change the order;
-- every tile runs one body (the causal select included, also where every key is visible), and a
-  tile past a row's causal position (reached because a later row shares its run) is fully masked
-  for it: the max stays, the rescale factor is exp2(0) = 1 and p = 0, so it changes none of the
-  row's bits;
-- each row of a tile's QK^T and PV products is its own dot product of a fixed shape, so which
-  rows share the tile (the phase, G, the run) does not touch it (the GPU tests check decode ==
-  prefill == chunked prefill bit for bit).
+Invariance: tile boundaries sit at absolute multiples of BLOCK_N in every phase; no KV split;
+every tile runs one body and a fully masked tile leaves a row's bits unchanged (rescale exp2(0) =
+1, p = 0); each row is its own fixed-shape dot product (GPU tests: decode == prefill == chunked).
 """
 
 from __future__ import annotations
@@ -71,13 +47,9 @@ LONG_STEP_STAGES = 3
 
 @dataclass(frozen=True)
 class AttentionConfig:
-    """One launch plan: query rows and keys per tile, warps, pipeline stages.
-
-    Invariance needs one plan for every phase of a model's life (prefill, chunked prefill, decode,
-    the training forward): BLOCK_N fixes the KV tile boundaries, and BLOCK_M and the warps decide
-    which MMA instruction shape computes a row's dot products. A plan is shipped only after the
-    GPU check that decode == prefill == chunked prefill bit for bit under it (`benchmarks/gpu/`,
-    section attention_sweep); `attention(config=...)` runs another plan for that sweep.
+    """One launch plan (rows and keys per tile, warps, stages); one plan must serve every phase, since
+    BLOCK_N fixes tile boundaries and BLOCK_M and warps the MMA shape. Shipped only after the GPU
+    attention_sweep proves decode == prefill == chunked prefill under it.
     """
 
     block_m: int = BLOCK_M
@@ -132,14 +104,8 @@ CANDIDATES: tuple[AttentionConfig, ...] = (
 
 
 def shipped_config(tokens: int = 1) -> AttentionConfig:
-    """The plan `attention` runs by default for a step of `tokens` query tokens (the module constants,
-    read at call time).
-
-    A long step and a short one get different launches of one per-run code: BLOCK_M, BLOCK_N and
-    the warps are shared (they fix a row's arithmetic), only which program takes a run and how deep
-    the K/V loads are pipelined change, which touches no row's arithmetic. The GPU sweep checks
-    decode under the short launch == prefill under the long one bit for bit
-    (`benchmarks/gpu/`, attention_sweep), and so do the GPU tests.
+    """The default plan for `tokens` query tokens: long and short steps share BLOCK_M, BLOCK_N and warps
+    (a row's arithmetic) and differ only in program assignment and pipelining (checked bitwise).
     """
     if tokens >= LONG_STEP_TOKENS:
         return AttentionConfig(BLOCK_M, BLOCK_N, NUM_WARPS, LONG_STEP_STAGES, LONG_STEP_PROGRAMS_PER_SM)
@@ -148,14 +114,8 @@ def shipped_config(tokens: int = 1) -> AttentionConfig:
 
 @triton.jit
 def _tile(q, k_desc, v_desc, row0, start, in_run, pos, qk_scale_log2, m_i, l_i, acc, BLOCK_N: tl.constexpr):
-    """One KV tile [start, start + BLOCK_N) of the online softmax: (m, l, acc) updated.
-
-    Every tile runs this one body, the fully visible ones too: a key is visible to a row iff it is
-    at or below the row's position (rows outside the run: no key), selected between the scaled
-    scores and the max/exp2, so a row's arithmetic is the same in every tile and every phase.
-    K/V are the rows [row0 + start, + BLOCK_N) of the cache's [S * Hkv * C, D] view, loaded by TMA;
-    keys past the run's last one are read too and get p = 0, so the cache must hold finite values
-    there (it is zero-initialized and holds only keys and values a model wrote).
+    """One KV tile [start, start + BLOCK_N) of the online softmax: (m, l, acc) updated by one body for
+    every tile; keys past the run's last are read with p = 0 (the zero-initialized cache stays finite).
     """
     keys = start + tl.arange(0, BLOCK_N)
     row = (row0 + start).to(tl.int32)
@@ -176,9 +136,7 @@ def _tile(q, k_desc, v_desc, row0, start, in_run, pos, qk_scale_log2, m_i, l_i, 
 @triton.jit
 def _tile_tokens(slots_ptr, positions_ptr, T, t0, GROUP: tl.constexpr, TOKENS: tl.constexpr,
                  BLOCK_M: tl.constexpr):
-    """The rows of t0's TOKENS-tile: row r stands for token first + r // GROUP. Returns
-    (token [BLOCK_M], row valid, the token's slot, its position), loaded before the per-token
-    kernel's start check so that they are issued together with its own scalar loads."""
+    """The rows of t0's tile: (token [BLOCK_M], valid, slot, position), loaded early with the scalars."""
     rows = tl.arange(0, BLOCK_M)
     tok = (t0 // TOKENS) * TOKENS + rows // GROUP
     row_ok = (rows < TOKENS * GROUP) & (tok < T)
@@ -190,9 +148,9 @@ def _tile_tokens(slots_ptr, positions_ptr, T, t0, GROUP: tl.constexpr, TOKENS: t
 @triton.jit
 def _softmax_over_slot(q, k_desc, v_desc, row0, in_run, pos, last, qk_scale_log2, BLOCK_M: tl.constexpr,
                        HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The online softmax of q's rows [BLOCK_M, HEAD_DIM] over one slot's keys 0..last (cache rows
-    row0 + key), tile by tile in ascending order: the normalized output [BLOCK_M, HEAD_DIM] fp32.
-    Rows outside the run (in_run false) come out 0 and must not be stored."""
+    """Online softmax of q [BLOCK_M, HEAD_DIM] over one slot's keys 0..last, ascending: fp32 output
+    (rows outside the run come out 0, not to be stored).
+    """
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
@@ -207,11 +165,8 @@ def _attend_run(q_ptr, k_desc, v_desc, out_ptr, t0, slot, tok, row_ok, tok_slot,
                 stride_qt, stride_qh, stride_ot, stride_oh, KV_HEADS, CAPACITY,
                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, TOKENS: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr):
-    """One run (the consecutive tokens of `slot` starting at token t0, inside its TOKENS-tile) and
-    one KV head: the whole online softmax over the slot's keys, stored for the run's rows.
-
-    The run is found here, from the tile's slots: it ends at the first later token of another slot
-    (or at the tile's end), so no per-step preparation runs before the kernel.
+    """One run and one KV head: the whole online softmax, stored for the run's rows; the run ends at
+    the next token of another slot or the tile's end (no per-step preparation).
     """
     end = tl.min(tl.where(row_ok & (tok > t0) & (tok_slot != slot), tok, (t0 // TOKENS + 1) * TOKENS), axis=0)
     in_run = row_ok & (tok >= t0) & (tok < end)
@@ -233,9 +188,7 @@ def _attention_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, TOKENS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Grid (tiles, KV heads, TOKENS): the program of token t0 = tile * TOKENS + j works only if
-    t0 starts a run: the first token of its tile or of another slot than the token before
-    (runs_ptr, num_runs_ptr: unused here, shared signature)."""
+    """Grid (tiles, KV heads, TOKENS): token t0's program works only if t0 starts a run."""
     kv_head = tl.program_id(1)
     t0 = tl.program_id(0) * TOKENS + tl.program_id(2)
     if t0 >= T:
@@ -258,8 +211,7 @@ def _attention_persistent_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, TOKENS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Grid (programs, KV heads): program i takes runs i, i + programs, ... of the compacted list
-    runs_ptr[0:num_runs] (the first tokens of all runs, ascending)."""
+    """Grid (programs, KV heads): program i takes runs i, i + programs, ... of runs_ptr[0:num_runs]."""
     kv_head = tl.program_id(1)
     num_runs = tl.load(num_runs_ptr)
     i = tl.program_id(0)
@@ -279,12 +231,9 @@ def _attention_tokens_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, TOKENS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Grid (T * KV heads,), token-major: program w attends token w // KV_HEADS alone for KV head
-    w % KV_HEADS, in rows 0..G-1 of its tile. The decode launch: no run search, so its K/V loads
-    wait on two scalar loads only (the run kernel first reduces over the tile's slots). A token of
-    a longer run gets the same bits here as in its run (rows are independent dot products), only
-    its K/V tiles are read once per token instead of once per run
-    (runs_ptr, num_runs_ptr, TOKENS: unused here, shared signature)."""
+    """Grid (T * KV heads,): the decode launch, one token per program, no run search. A token gets the
+    same bits as in its run (rows are independent dot products), only K/V are read per token.
+    """
     t0 = tl.program_id(0) // KV_HEADS
     kv_head = tl.program_id(0) % KV_HEADS
     slot = tl.load(slots_ptr + t0)
@@ -312,17 +261,9 @@ def attention(
     config: AttentionConfig | None = None,
     max_run: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each query token over its own slot's cached K/V.
-
-    query: [T, Hq, D]; k_cache, v_cache: contiguous [S, Hkv, C, D] with every query's own key
-    already written; slots, positions: [T] int, the slot and absolute position of each query token.
-    Returns [T, Hq, D] in the query dtype; scores, softmax and accumulation run in fp32.
-    config: the launch plan (default `shipped_config(T)`); every caller of one model must use plans
-    of one bitwise class (the sweep's cross table).
-    max_run: the caller's bound on the longest run; 1 (a decode step) takes the one-token launch
-    (`_attention_tokens_kernel`, the plan's tiles and stages, no persistent programs). Only the
-    speed depends on it: a token gets the same bits alone as in its run, so a wrong hint is slow,
-    never wrong.
+    """Causal attention of each query token [T, Hq, D] over its own slot's cached K/V [S, Hkv, C, D]
+    (own key already written) -> [T, Hq, D], fp32 math. config: default `shipped_config(T)`.
+    max_run: 1 takes the decode launch; only speed depends on it (a wrong hint is slow, not wrong).
     """
     t, hq, d = query.shape
     cfg = config or shipped_config(t)
@@ -372,8 +313,7 @@ def attention(
 
 
 def _rows_descriptor(cache: torch.Tensor, block_n: int) -> TensorDescriptor:
-    """A TMA descriptor over a [S, Hkv, C, D] cache viewed as [S * Hkv * C, D] rows, loading
-    [block_n, D] tiles (row (slot * Hkv + kv_head) * C + key)."""
+    """A TMA descriptor over the cache as [S * Hkv * C, D] rows, loading [block_n, D] tiles."""
     rows = cache.view(-1, cache.shape[-1])
     if rows.shape[0] >= 2**31:
         raise InputError(f"attention: a KV cache of {rows.shape[0]} rows; TMA row coordinates are 32-bit "

@@ -1,32 +1,11 @@
 """Batch-invariant linear layer on CUDA: a persistent Triton matmul with one tile plan per weight.
 
-`linear(x, weight, bias)` computes `x [..., K] @ weight[N, K].T (+ bias[N])` so that every output
-row depends on its own input row and the weight only, never on how many rows share the call.
-
-Why this is row-invariant by construction:
-- the tile configuration is a function of (dtype, N, K) alone (`tile_config`), never of M, so a
-  row meets the same BLOCK_K chunks, the same MMA instruction shape and the same accumulation
-  order whether it is one decode token or one of 4096 prefill tokens;
-- there is no split-K: one program owns a whole output tile and accumulates its K chunks in
-  ascending order in fp32, so no cross-program reduction whose plan could depend on M exists;
-- the bias is added once to the fp32 accumulator before the single rounding to the output
-  dtype, the same in training and in rollout;
-- fp32 inputs multiply in IEEE fp32 (`mma`): a float32 matmul never silently runs as TF32.
-
-Speed on Hopper comes from TMA tensor descriptors (bulk copies into shared memory, pipelined
-`num_stages` deep) feeding wgmma, and from a persistent grid of one program per SM that walks
-output tiles in grouped order so weight tiles are reused from L2. Without split-K a small-M call
-has only N / BLOCK_N tiles of work, so this kernel trails cuBLAS at decode sizes.
-
-The proven cuBLASLt path: a bias-free call whose (dtype, N, K) passed the load-time probe
-(`prepare`, `parity.kernels.probe`) runs on cuBLASLt with split-K disabled, but only in a
-process configured for it (`cublaslt_ready`: the workspace variables in `CUBLASLT_ENV` set
-before CUDA starts, cuBLASLt the preferred BLAS library). That route is not invariant by
-construction: every weight shape of a model is probed bitwise row-invariant when the model
-loads (verdicts cached on disk per GPU, driver and library versions), and a shape that was not
-probed or failed takes the Triton kernel. The choice depends on dtype, shape, the cached
-verdict and process configuration, never on M. `route` says which path a shape takes and why
-(`parity kernels --model M` prints it for every shape of a model).
+Row-invariant by construction: the tile plan is a function of (dtype, N, K), never M; no
+split-K (one program accumulates its K chunks in ascending order in fp32); bias added before the
+single rounding; fp32 multiplies in IEEE, never TF32. TMA + wgmma, persistent grouped grid; it
+trails cuBLAS at decode sizes. A bias-free shape that passed the load-time probe
+(`parity.kernels.probe`) runs on cuBLASLt without split-K, in a process set up for it
+(`cublaslt_ready`); the choice never depends on M. `route` says which and why (`parity kernels`).
 """
 
 from __future__ import annotations
@@ -71,10 +50,9 @@ def configure_cublaslt() -> None:
 
 
 def prepare(shapes: Iterable[tuple[torch.dtype, int, int]], device: torch.device) -> None:
-    """Probe each bias-free weight shape (dtype, N, K) for cuBLASLt row invariance, once per
-    machine and software stack (cached on disk), so `linear` may take the fast route for it.
-    Does nothing in a process not set up for cuBLASLt: every shape takes the Triton kernel there.
-    Call outside CUDA-graph capture (model load time)."""
+    """Probe each bias-free weight shape (dtype, N, K) for cuBLASLt row invariance (cached on disk);
+    nothing in a process not set up for cuBLASLt. Call outside CUDA-graph capture.
+    """
     if not cublaslt_ready():
         return
     todo = sorted({s for s in shapes if s[0] in (torch.bfloat16, torch.float16)} - set(_verdicts), key=str)
@@ -124,12 +102,8 @@ class TileConfig:
 
 
 def tile_config(dtype: torch.dtype, n: int, k: int) -> TileConfig:
-    """The one tile plan for a weight of shape [n, k] in `dtype`; M is deliberately not an argument.
-
-    bf16/fp16: 128x128x64 tiles for wgmma (M=128 fills two warpgroups' 64-row instructions), four
-    TMA stages in flight; narrow weights (n <= 64, e.g. MoE routers) use a 64-wide N tile so the
-    N dimension is not mostly padding. fp32 (exact IEEE products, no tensor-core TF32): smaller
-    tiles because each element is twice the bytes and the FMA path has no wgmma.
+    """The one tile plan for a weight [n, k] in `dtype`; M is deliberately not an argument. bf16/fp16:
+    128x128x64, four TMA stages (N 64 for n <= 64); fp32: smaller tiles (IEEE FMA, no wgmma).
     """
     if dtype in (torch.bfloat16, torch.float16):
         block_n = 64 if n <= 64 else 128
@@ -190,12 +164,8 @@ def num_sms(device: torch.device) -> int:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ weight [N, K].T (+ bias [N]) -> [..., N], row-invariant (see module docstring):
-    the Triton kernel, or cuBLASLt without split-K for a shape the load-time probe proved, in a
-    process set up for it.
-
-    TMA needs 16-byte aligned row strides: K * itemsize and N * itemsize must be multiples of 16
-    (every transformer hidden size is).
+    """x [..., K] @ weight [N, K].T (+ bias [N]) -> [..., N], row-invariant (Triton, or a probed
+    cuBLASLt shape). TMA needs K * itemsize and N * itemsize multiples of 16.
     """
     if x.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
         raise InputError(f"linear: x {x.dtype}, weight {weight.dtype} and bias must share one dtype")

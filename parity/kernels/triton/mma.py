@@ -1,13 +1,6 @@
-"""The one matrix-multiply-accumulate every Triton kernel here uses.
-
-fp32 operands are multiplied with `input_precision="ieee"`: a float32 matmul must never silently
-run as TF32 (10-bit mantissa products), which would make "fp32" results depend on a global flag.
-
-Under Triton's CPU interpreter (`TRITON_INTERPRET=1`, used by CI) `tl.dot` is unusable for these
-tests: it hands bf16 to numpy as raw uint16 integers, and numpy's BLAS rounds a row differently
-depending on its position in the tile (a false invariance failure). The interpreter therefore
-forms the products in fp32 (exact for bf16 inputs) and sums them over K with `tl.sum`, whose
-per-element order does not depend on the row's position.
+"""The one matrix-multiply-accumulate every Triton kernel here uses: fp32 in `input_precision="ieee"`
+(never TF32 behind a global flag). Under `TRITON_INTERPRET=1` `tl.dot` hands bf16 to numpy as
+uint16 and rounds by row position, so products are formed in fp32 and summed with `tl.sum`.
 """
 
 from __future__ import annotations

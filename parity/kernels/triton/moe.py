@@ -1,20 +1,10 @@
 """Batch-invariant mixture-of-experts on CUDA: top-k routing, grouped expert GEMM, ordered combine.
 
-- `topk`: one program per token; k rounds of argmax over the expert scores, ties to the lower
-  expert index (`torch.topk` leaves tie order unspecified, so a tie could route a token
-  differently in training and rollout).
-- `grouped_linear`: rows sorted by expert; each program multiplies one BLOCK_M slice of one
-  expert's rows by that expert's weight, accumulating K in ascending BLOCK_K chunks in fp32.
-  The tile plan is fixed per dtype (`_GROUPED_PLAN`), so a token's expert output is the same
-  whether 1 or 10,000 tokens were routed to that expert (a plan chosen from the per-expert token
-  count, or split-K for small groups, would change its summation order).
-- `combine`: one program per (token, column block); the k expert outputs of a token are summed
-  in fp32 in top-k slot order (0, 1, ..., k-1) and rounded once, never in an order that follows
-  which experts other tokens hit (HF's `index_add_` loop runs in expert order).
-
-`experts_forward` composes them for HF's fused expert layout (the switch's "moe"/"experts" op).
-Routing bookkeeping (stable sort by expert, counts, tile map) stays on the device, with no host
-sync, so the forward can be captured in a CUDA graph.
+`topk`: k argmax rounds, ties to the lower expert (`torch.topk`'s tie order is unspecified).
+`grouped_linear`: rows sorted by expert, a fixed plan per dtype (`_GROUPED_PLAN`), K ascending in
+fp32, so an output is the same whether 1 or 10,000 tokens chose the expert. `combine`: a token's
+k outputs summed in slot order, one rounding (HF's `index_add_` follows expert order). No host
+sync: capturable in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -58,9 +48,8 @@ def _topk_kernel(
 
 
 def topk(scores: torch.Tensor, k: int, normalize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, indices) [..., k] of the k largest of scores [..., E], descending, ties to the lower index.
-
-    normalize: divide the k values by their sum (Qwen3-MoE's `norm_topk_prob`, Mixtral).
+    """(values, indices) [..., k] of the k largest of scores [..., E], descending, ties to the lower
+    index; `normalize` divides by their sum.
     """
     e = scores.shape[-1]
     if not 1 <= k <= e:
@@ -136,9 +125,8 @@ def _grouped_linear_kernel(
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Rows of x [R, K] sorted by expert, times weight [E, N, K].T per expert -> [R, N].
-
-    offsets: [E + 1] int, expert e owns rows offsets[e]:offsets[e+1] (offsets[0] = 0, offsets[E] = R).
+    """Rows of x [R, K] sorted by expert times weight [E, N, K].T per expert -> [R, N]; expert e owns
+    rows offsets[e]:offsets[e+1] (offsets [E + 1]).
     """
     e, n, k = weight.shape
     if x.shape[-1] != k or x.dtype != weight.dtype:
@@ -195,10 +183,7 @@ def _combine_kernel(y_ptr, w_ptr, out_ptr, H, K: tl.constexpr, WEIGHTED: tl.cons
 
 
 def combine(slots: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-    """sum_j weights[t, j] * slots[t, j] in fp32, j = 0..k-1 in order, one rounding: [T, k, H] -> [T, H].
-
-    weights: [T, k], or None when the slots are already weighted.
-    """
+    """sum_j weights[t, j] * slots[t, j] in fp32, j in order, one rounding: [T, k, H] -> [T, H]."""
     t, k, h = slots.shape
     out = torch.empty((t, h), dtype=slots.dtype, device=slots.device)
     if t:
@@ -223,10 +208,8 @@ def experts_forward(
     down_proj: torch.Tensor,
     act_fn: Callable[[torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
-    """The MoE experts of one layer: hidden [T, H], top_k_index/weights [T, k] -> [T, H].
-
-    gate_up_proj: [E, 2I, H] (gate rows first, then up rows); down_proj: [E, H, I]; output of
-    token t = sum_j w[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t)) with e = top_k_index[t, j].
+    """The MoE experts of one layer: hidden [T, H], top_k_index/weights [T, k] -> [T, H];
+    gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I].
     """
     t, k = top_k_index.shape
     e = gate_up_proj.shape[0]

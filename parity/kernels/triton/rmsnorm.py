@@ -1,13 +1,5 @@
-"""Batch-invariant RMSNorm on CUDA: one program per row, the HF formula exactly.
-
-HF (Llama, Qwen2/3, Mixtral): `w * (x.float() * rsqrt(mean(x.float()**2) + eps)).to(x.dtype)`.
-The kernel normalizes in fp32, casts to the input dtype, then multiplies by the weight in the
-weight's dtype (one rounding of an exact bf16 x bf16 product, as torch does).
-
-Invariance: a row is reduced by exactly one program over one block of the whole row
-(BLOCK = next power of two >= H), so its sum of squares has the same order however many rows the
-call holds; a split reduction (several programs per row, or rows batched into a reduction tree
-whose shape follows the row count) would change the summation order with batch size.
+"""Batch-invariant RMSNorm on CUDA, the HF formula exactly: normalize in fp32, cast, multiply by the
+weight. One program reduces one whole row in one block, so the order never follows the row count.
 """
 
 from __future__ import annotations

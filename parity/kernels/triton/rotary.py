@@ -1,13 +1,8 @@
 """Rotary position embedding applied to q and k on CUDA in one kernel, the HF formula exactly.
 
-HF: `q * cos + rotate_half(q) * sin`, rotate_half(x) = cat(-x2, x1), each op its own kernel that
-rounds to the tensor dtype: in bf16 ten launches for q and k plus the copies that make the
-results contiguous for attention. This kernel rounds at the same three points (each product,
-then the sum; fp32 multiplies of bf16/fp16 values are exact, so the rounding is torch's) with FMA
-contraction off, so its bits are the stock ones, and it writes [B, L, H, D] memory (returned as
-the [B, H, L, D] view HF expects) so the attention's token-major reshape is free.
-
-Invariance: elementwise, every element runs the same scalar code whatever the batch holds.
+It rounds at HF's three points with FMA contraction off, so its bits are stock, replacing ten bf16
+launches; it writes [B, L, H, D] (returned as HF's [B, H, L, D] view) so attention's reshape is
+free. Elementwise, hence invariant.
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
 """Gumbel-max sampling on CUDA in one kernel: counter-based noise, add, argmax, one program per row.
 
-The draw of `parity.kernels.sampling` (and bitwise the same integers), registered as family
-"pointwise"'s `gumbel_argmax` for CUDA: the noise of token v in a row is -log(-log(u)) with u =
-(53 hash bits + 0.5) / 2^53, the bits a function of the row's key state and v only, added in
-float64 to the row's processed log-probs; the token is the first maximum. Done with torch ops
-(the stock draw) that is ~30 full [N, V] int64/float64 passes through memory per step (~6 ms at
-256 x 151936); here the noise never leaves registers.
-
-Batch invariance: a program reads only its own row and key state, walks the vocabulary in fixed
-BLOCK-wide chunks in ascending order, keeps per lane the first maximum it meets (strict >), and
-then takes the lowest token id among the lanes holding the row maximum: the lowest id of all
-maxima, whatever the row count.
+The draw of `parity.kernels.sampling` (the same integers) without ~30 [N, V] passes through
+memory (~6 ms at 256 x 151936): the noise stays in registers. A program walks its row in fixed
+ascending chunks, keeps the first maximum per lane, then the lowest id among lanes at the max.
 """
 
 from __future__ import annotations
@@ -62,10 +54,8 @@ def _gumbel_argmax_kernel(scores_ptr, state_ptr, noisy_ptr, out_ptr, V, stride, 
 
 
 def gumbel_argmax(scores: torch.Tensor, state: torch.Tensor, noisy: torch.Tensor) -> torch.Tensor:
-    """argmax(scores + noise) per row -> [N] int64, ties to the lower token id.
-
-    scores: [N, V] float32 or float64 (added to the noise in float64); state: [N] int64, each
-    row's key hash state in [0, 2^32); noisy: [N] bool, False rows add no noise (greedy).
+    """argmax(scores [N, V] + noise) per row -> [N] int64, ties to the lower id; state [N] int64 in
+    [0, 2^32); rows not `noisy` (greedy) add no noise.
     """
     n, v = scores.shape
     if scores.stride(-1) != 1:

@@ -1,11 +1,5 @@
-"""Batch-invariant softmax and log-softmax over the last dim on CUDA: one program per row.
-
-A row of length V is read in fixed chunks of `CHUNK` columns (a function of V only). Pass one
-keeps a per-lane running max and a per-lane running sum of exp(x - max), rescaled when the max
-grows, then combines the lanes with one `tl.sum`; pass two writes the outputs. The chunk order,
-the lane layout and the final lane reduction are the same for every row and every batch size, so
-a row's result never depends on how many rows share the call: a split reduction across
-programs, or a chunk size chosen from the row count, would change the summation order.
+"""Batch-invariant softmax and log-softmax over the last dim on CUDA: one program per row, read in
+fixed `CHUNK`s (a function of V only) with per-lane running max and sum combined by one `tl.sum`.
 """
 
 from __future__ import annotations
