@@ -6,7 +6,8 @@ Run: VLLM_TARGET_DEVICE=cpu .venv/bin/python benchmarks/engine_probe.py [model .
 tokens = 512 positions each). Prints one Markdown table row per (model, stages): the engine's start,
 a plain `generate_uncached` of the same requests, the probe run (sampling + capture + transfer), the
 training forward with the same stages, the comparison, the whole `engine_diff` after the engine is up,
-and the captured bytes.
+and the captured bytes. An MoE model gets one more row: every stage with the engine's routes replayed
+in the training forward ("all, R3", `replay_routes=True`).
 """
 
 from __future__ import annotations
@@ -19,8 +20,12 @@ from parity.attribute.settings import Setting
 from parity.attribute.stages import STAGE_KINDS
 from parity.backends import close_shared_backends, shared_backend
 from parity.core.types import Request, SamplingParams
+from parity.models.checkpoints import resolve_model
+from parity.models.lora import is_moe_checkpoint
 
 STAGE_SETS = {"all": tuple(STAGE_KINDS), "layer,logits": ("layer", "logits")}
+#: the route-replay row of an MoE model: (label, stage kinds).
+REPLAY_ROW = ("all, R3", tuple(STAGE_KINDS))
 
 
 def requests(count: int, prompt: int, tokens: int) -> list[Request]:
@@ -39,13 +44,16 @@ def main(models: list[str], count: int, prompt: int, tokens: int) -> None:
             engine = shared_backend("vllm", model, dtype="bfloat16", probe=True)
             up = time.perf_counter() - start
             reqs = requests(count, prompt, tokens)
-            for label, kinds in STAGE_SETS.items():
+            rows = [(label, kinds, False) for label, kinds in STAGE_SETS.items()]
+            if is_moe_checkpoint(resolve_model(model)):
+                rows.append((*REPLAY_ROW, True))
+            for label, kinds, replay in rows:
                 t0 = time.perf_counter()
                 engine.generate_uncached(reqs)
                 t1 = time.perf_counter()
                 side = probe_engine(engine, reqs, list(range(count)), kinds, label="vllm")
                 t2 = time.perf_counter()
-                train = train_probe(model, side, Setting(dtype="bfloat16"), kinds)
+                train = train_probe(model, side, Setting(dtype="bfloat16"), kinds, replay_routes=replay)
                 t3 = time.perf_counter()
                 compare_probes(model, "vllm", train, side)
                 t4 = time.perf_counter()

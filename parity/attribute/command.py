@@ -2,12 +2,14 @@
 
     parity attribute --model tiny-llama --case smoke --axis batch --axis mode --dtype float32 --html a.html
     parity attribute --backend vllm --model tiny-llama --stages layer,logits --versus batch --json e.json
+    parity attribute --backend vllm --model tiny-qwen3-moe --replay-routes --html r3.html
 
 The tokens are the case's prompts with responses sampled by the reference engine (invariant
 kernels), so every setting scores exactly the same tokens. With `--backend`, the engine samples
 them itself with its probe on and is compared, stage by stage, with the training forward on its own
 tokens (`--versus train`), or with itself in another setting (`--versus batch`: one request per call
-against all in one; `--versus KEY=VALUE`: that backend option on against the engine without it).
+against all in one; `--versus KEY=VALUE`: that backend option on against the engine without it);
+`--replay-routes` makes the training forward use the engine's MoE experts (R3).
 """
 
 from __future__ import annotations
@@ -68,6 +70,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="with --backend: side A is the training forward (train, default), the engine "
                              "with one request per call (batch), or the engine without backend option "
                              "KEY=VALUE (side B has it)")
+    parser.add_argument("--replay-routes", action="store_true",
+                        help="with --backend and --versus train, MoE models: the training forward replays "
+                             "the experts the engine chose (R3)")
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                         help="with --backend: a backend option of both sides (repeatable)")
     parser.add_argument("--json", type=Path, metavar="OUT", help="write the section as JSON to OUT")
@@ -105,8 +110,9 @@ def _run(args: argparse.Namespace) -> int:
     args.device = resolve_device(args.device, [REFERENCE])
     if args.backend is not None:
         return _run_engine(args)
-    if args.stages is not None or args.option or args.versus != "train":
-        raise ConfigError("--stages, --versus and --option go with --backend (the engine probe)")
+    if args.stages is not None or args.option or args.versus != "train" or args.replay_routes:
+        raise ConfigError("--stages, --versus, --option and --replay-routes go with --backend (the engine "
+                          "probe)")
     model, dtype, rollouts = _sequences(args.model, args.case, args.dtype, args.device, args.max_sequences)
     from parity.attribute.section import attribution_section  # torch: after parsing (--help stays light)
 
@@ -151,7 +157,8 @@ def _run_engine(args: argparse.Namespace) -> int:
         side, against = EngineSide({**options, key: value}), EngineSide(options)
     diff = engine_diff(model, list(case.requests[:args.max_sequences]), backend=args.backend, dtype=dtype,
                        side=side, against=against, stages=args.stages,
-                       train=Setting(dtype=dtype, device=args.device)).to_dict()
+                       train=Setting(dtype=dtype, device=args.device),
+                       replay_routes=args.replay_routes).to_dict()
     print(engine_text(diff))
     section = {"model": model, "engine": diff}
     if args.json is not None:

@@ -4,6 +4,7 @@
     diff = engine_diff("tiny-llama", requests)                     # vLLM against the training forward
     diff.phase("decode").first_differing                           # e.g. "layer.0.attn"
     diff = engine_diff("tiny-llama", requests, side=EngineSide(batch=1), against=EngineSide())
+    diff = engine_diff("tiny-qwen3-moe", requests, replay_routes=True)  # R3: the engine's experts
 
 The engine samples the requests with its probe on (`parity.backends.vllm_probe`): every captured
 stage of the chosen samples, `[rows, width]` in the dtype the engine computed. Side A is then either
@@ -13,10 +14,15 @@ many requests each call batches). Rows are compared position by position, split 
 prompt's positions; the first logits row) and decode (every later position: where a rollout's
 logprobs come from). Two engine settings may sample different tokens once their numbers part; each
 sequence is compared only up to the first token the sides disagree on (`EngineDiff.parted`).
+
+On an MoE model, `replay_routes=True` runs the training forward with the engine's own expert choice
+(R3, `train_forward(router_replay="R3")`, the routes the probe captured in the engine): the router
+stage may still differ, while every MoE output is computed by the experts the engine chose.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -31,9 +37,11 @@ from parity.attribute.stages import check_stage_kinds, stage_kind
 from parity.backends import Backend, backend_options, get_backend, shared_backend
 from parity.core.errors import ConfigError, InputError, UnsupportedError
 from parity.core.types import Request, Rollout
+from parity.models.checkpoints import resolve_model
+from parity.models.lora import is_moe_checkpoint
 
 #: backends whose engine parity can look into.
-PROBE_BACKENDS: tuple[str, ...] = ("vllm",)
+PROBE_BACKENDS: tuple[str, ...] = ("vllm", "vllm-server")
 #: the two phases of a rollout, compared separately.
 PHASES: tuple[str, ...] = ("prefill", "decode")
 
@@ -102,7 +110,8 @@ class EngineDiff:
     """The result of `engine_diff`: side B (the engine) against side A, per phase.
 
     sequences: the captured sample indices; parted: how many of them the two sides sampled
-    different tokens for (compared up to there); positions: rows of the first stage compared per phase.
+    different tokens for (compared up to there); positions: rows of the first stage compared per phase;
+    replay_routes: side A (the training forward) replayed the engine's MoE routes (R3).
     """
 
     model: str
@@ -113,6 +122,7 @@ class EngineDiff:
     parted: int
     positions: dict[str, int]
     phases: tuple[PhaseDiff, ...]
+    replay_routes: bool = False
 
     def phase(self, name: str) -> PhaseDiff:
         return next(p for p in self.phases if p.phase == name)
@@ -121,7 +131,7 @@ class EngineDiff:
         """JSON form (what `parity.render.attribution.engine_html` draws)."""
         return {"model": self.model, "backend": self.backend, "side_a": self.side_a, "side_b": self.side_b,
                 "sequences": list(self.sequences), "parted": self.parted, "positions": self.positions,
-                "phases": [p.to_dict() for p in self.phases]}
+                "replay_routes": self.replay_routes, "phases": [p.to_dict() for p in self.phases]}
 
 
 def check_probe_input(backend: str, requests: Sequence[Request], capture: Iterable[int] | None,
@@ -182,7 +192,8 @@ def probe_engine(engine: Backend, requests: Sequence[Request], capture: Sequence
 def engine_diff(model: str, requests: Sequence[Request], *, backend: str = "vllm", dtype: str = "bfloat16",
                 side: EngineSide | None = None, against: EngineSide | None = None,
                 capture: Iterable[int] | None = None, stages: Iterable[str] | str | None = None,
-                train: Setting | None = None, shared: bool = False) -> EngineDiff:
+                train: Setting | None = None, shared: bool = False, replay_routes: bool = False
+                ) -> EngineDiff:
     """Stage-by-stage differences of the engine (`side`) from the training forward, or, with `against`,
     from the same engine in the setting `against` (then side A is `against`, side B is `side`).
 
@@ -190,11 +201,15 @@ def engine_diff(model: str, requests: Sequence[Request], *, backend: str = "vllm
     train: the training forward's setting (default: `Setting(dtype=dtype)`, all invariant kernels,
         one right-padded prefill). shared: take the process's shared engines (never closed here);
         otherwise one engine runs at a time, and two sides with the same options share it.
+    replay_routes: the training forward replays the experts the engine chose (R3); MoE models and
+        the training forward only.
     Bad input raises a ParityError before any engine starts.
     """
     side = side or EngineSide()
     chosen, kinds = check_probe_input(backend, requests, capture, stages,
                                       [side] if against is None else [side, against])
+    if replay_routes:
+        check_replay(model, against)
     train = train or Setting(dtype=dtype)
     if not isinstance(train, Setting) or train.mode != "prefill":
         raise ConfigError("train must be a prefill parity.attribute.Setting (the training forward)")
@@ -212,20 +227,41 @@ def engine_diff(model: str, requests: Sequence[Request], *, backend: str = "vllm
 
     try:
         b = probe_side(side)
-        a = train_probe(model, b, train, kinds) if against is None else probe_side(against)
+        a = train_probe(model, b, train, kinds, replay_routes=replay_routes) if against is None \
+            else probe_side(against)
     finally:
         if running and not shared:
             running[0][1].close()
-    return compare_probes(model, backend, a, b)
+    return dataclasses.replace(compare_probes(model, backend, a, b), replay_routes=replay_routes)
 
 
-def train_probe(model: str, engine: EngineProbe, train: Setting, kinds: Sequence[str]) -> EngineProbe:
+def check_replay(model: str, against: EngineSide | None) -> None:
+    """ConfigError unless route replay can apply: the training forward as side A, an MoE model."""
+    if against is not None:
+        raise ConfigError("replay_routes replays the engine's experts in the training forward; it does not "
+                          "apply to engine against engine (drop against= / --versus)")
+    if not is_moe_checkpoint(resolve_model(model)):
+        raise ConfigError(f"replay_routes needs an MoE model (routes to replay); {model!r} is dense")
+
+
+def train_probe(model: str, engine: EngineProbe, train: Setting, kinds: Sequence[str], *,
+                replay_routes: bool = False) -> EngineProbe:
     """The training forward over the engine's own tokens (its captured samples), the same stages
-    captured: a prefill, so every row of a sequence comes from one forward."""
+    captured: a prefill, so every row of a sequence comes from one forward; with `replay_routes`,
+    forcing the experts the engine chose (each captured rollout's `routed_experts`, R3)."""
     chosen = sorted(engine.states)
-    pairs = [(list(engine.rollouts[i].prompt_ids), list(engine.rollouts[i].token_ids)) for i in chosen]
-    states = run(model, pairs, train, capture=True, stages=kinds).states
-    return EngineProbe(label=f"training forward: {train.label}", rollouts=engine.rollouts,
+    rollouts = [engine.rollouts[i] for i in chosen]
+    pairs = [(list(r.prompt_ids), list(r.token_ids)) for r in rollouts]
+    routes = None
+    if replay_routes:
+        missing = [i for i, r in zip(chosen, rollouts) if getattr(r, "routed_experts", None) is None]
+        if missing:
+            raise UnsupportedError(f"the engine returned no MoE routes for samples {missing}; replay_routes "
+                                   "needs an MoE model on a backend whose probe captures routes (vllm)")
+        routes = [r.routed_experts for r in rollouts]
+    states = run(model, pairs, train, capture=True, stages=kinds, routes=routes).states
+    label = f"training forward: {train.label}{' · R3: the engine experts replayed' if replay_routes else ''}"
+    return EngineProbe(label=label, rollouts=engine.rollouts,
                        states={i: {name: states[name][n] for name in states} for n, i in enumerate(chosen)})
 
 

@@ -14,25 +14,27 @@ rows are scattered back to (sequence, position) using the layout the forward was
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from parity import kernels as _kernels
 from parity.attribute.settings import Setting
 from parity.attribute.stages import check_stage_kinds, stage_order
-from parity.core.errors import InputError
+from parity.core.errors import ConfigError, InputError
 from parity.core.types import Pair, Sequences, as_pairs
 from parity.engine import forward, sampler, train_forward
 from parity.engine.inputs import check_length, check_token_ids
 from parity.kernels.attention import KVCache
 from parity.models.loading import LoadedModel, load_model
 
-#: where one forward's output rows go: (sequence index, flat output rows [n], its positions [n]).
+#: where one forward's output rows go: (sequence index, flat output rows [n], its positions [n]);
+#: both are consecutive runs (aranges), so a sequence's rows are copied as one slice.
 RowMap = list[tuple[int, torch.Tensor, torch.Tensor]]
 
 
@@ -69,14 +71,21 @@ def stage_names(lm: LoadedModel, kinds: Iterable[str] = DEFAULT_KINDS) -> list[s
 
 
 def run(model: str | LoadedModel, sequences: Sequences, setting: Setting, *, capture: bool = False,
-        stages: Iterable[str] | None = None) -> Run:
+        stages: Iterable[str] | None = None, routes: Sequence[np.ndarray] | None = None) -> Run:
     """The forward of `setting` over `sequences`; with `capture`, the hidden states of the stage kinds
-    `stages` too (`parity.attribute.stages.STAGE_KINDS`; default `DEFAULT_KINDS`)."""
+    `stages` too (`parity.attribute.stages.STAGE_KINDS`; default `DEFAULT_KINDS`).
+
+    routes: one array of expert ids per sequence, int `[len(prompt) + len(response) - 1, moe_layers,
+        top_k]`, forced in every MoE layer (R3: `train_forward(router_replay="R3")`); prefill only.
+    """
     kinds = DEFAULT_KINDS if stages is None else check_stage_kinds(stages)
     pairs = as_pairs(sequences)
     if not pairs:
         raise InputError("sequences is empty; give a non-empty list of parity.Rollout or (prompt_ids, "
                          "response_ids) pairs")
+    if routes is not None and (setting.mode != "prefill" or len(routes) != len(pairs)):
+        raise ConfigError(f"routes are replayed in a prefill setting, one array per sequence; got "
+                          f"{len(routes)} for {len(pairs)} sequences in mode {setting.mode!r}")
     lm = load_model(model, dtype=setting.dtype, device=setting.device)
     for i, (prompt, response) in enumerate(pairs):
         check_token_ids(prompt + response, lm, f"sequences[{i}]")
@@ -88,18 +97,23 @@ def run(model: str | LoadedModel, sequences: Sequences, setting: Setting, *, cap
     with recorder.hooks() if recorder else nullcontext():
         for start in range(0, len(pairs), size):
             indices = range(start, min(len(pairs), start + size))
-            logprobs.extend(micro_batch(lm, pairs, indices, setting, recorder))
+            if routes is None:
+                logprobs.extend(micro_batch(lm, pairs, indices, setting, recorder))
+            else:
+                logprobs.extend(_prefill(lm, pairs, indices, setting, recorder, [routes[i] for i in indices]))
     return Run(logprobs=tuple(logprobs), states=recorder.states() if recorder else {})
 
 
 def _prefill(lm: LoadedModel, pairs: list[Pair], indices: range, setting: Setting,
-             recorder: _Recorder | None) -> list[torch.Tensor]:
-    """One training-forward call on the micro-batch `indices`, laid out as `setting.layout`."""
+             recorder: _Recorder | None, routes: list[np.ndarray] | None = None) -> list[torch.Tensor]:
+    """One training-forward call on the micro-batch `indices`, laid out as `setting.layout`; `routes`
+    (one per sequence of the micro-batch) replayed R3 when given."""
     part = [pairs[i] for i in indices]
     if recorder is not None:
         recorder.expect(_layout_rows(part, indices, setting.layout), _response_rows(part, indices))
+    replay = {} if routes is None else {"router_replay": "R3", "routes": routes}
     return train_forward(lm, part, dtype=setting.dtype, device=setting.device, kernels=setting.kernels,
-                         layout=setting.layout, logprobs_mode="raw").logprobs
+                         layout=setting.layout, logprobs_mode="raw", **replay).logprobs
 
 
 def _layout_rows(part: list[Pair], indices: range, layout: str) -> RowMap:
@@ -242,11 +256,16 @@ class _Recorder:
         """Copy rows of a [rows, width] stage output into the sequences' [positions, width] buffers."""
         buffers = self.buffers[name]
         for seq, rows, positions in self.logit_rows if name == "logits" else self.token_rows:
+            n = len(rows)
+            if not n:
+                continue
             if buffers[seq] is None:
                 prompt, response = self.pairs[seq]
                 length = len(response) if name == "logits" else len(prompt) + len(response)
-                buffers[seq] = flat.new_zeros(length, flat.shape[-1], device="cpu")
-            buffers[seq][positions] = flat[rows.to(flat.device)].cpu()
+                buffers[seq] = torch.empty(length, flat.shape[-1], dtype=flat.dtype) if n == length \
+                    else flat.new_zeros(length, flat.shape[-1], device="cpu")
+            first, at = int(rows[0]), int(positions[0])
+            buffers[seq][at:at + n].copy_(flat[first:first + n])
 
     def states(self) -> dict[str, tuple[torch.Tensor, ...]]:
         """Stage -> per-sequence tensors; an empty [0, 0] tensor where a stage saw no row of a sequence."""

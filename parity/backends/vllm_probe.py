@@ -15,6 +15,10 @@ each (rows past their sum are padding), and computes one logits row per request 
 Each hook copies only the chosen requests' rows, in the dtype vLLM computed them in, to host memory;
 nothing is written back, so the engine's numbers are those of an engine without the probe.
 
+On an MoE model the probe also keeps the chosen requests' routes (the experts each MoE layer picked,
+through the router's `set_capture_fn`, as `parity.backends.vllm_routes` does), so that the training
+side can replay them (R3).
+
 Limits: one worker (tensor_parallel_size 1); eager execution (`enforce_eager=True`: a CUDA graph
 replays kernels without calling Python hooks, so `PROBE_ENGINE_KWARGS` sets it on a GPU too);
 prompt tokens served from the prefix cache are never computed (probed requests skip reading it).
@@ -22,9 +26,11 @@ prompt tokens served from the prefix cache are never computed (probed requests s
 
 from __future__ import annotations
 
+import base64
 from collections import defaultdict
 from typing import Any
 
+import numpy as np
 import torch
 
 from parity.backends.vllm_weights import WeightDigestExtension
@@ -51,33 +57,42 @@ def probe_engine_kwargs(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
 class ProbeExtension(WeightDigestExtension):
     """Methods mixed into vLLM's worker class; called through `LLM.collective_rpc` by name."""
 
-    def parity_probe_start(self, kinds: list[str]) -> dict[str, Any]:
-        """Hook the model (once), clear what was captured and capture `kinds` from now on.
+    def parity_probe_start(self, kinds: list[str] | str) -> dict[str, Any]:
+        """Hook the model (once), clear what was captured and capture `kinds` (a list, or one
+        comma-separated string: the server's `/collective_rpc` passes strings only) from now on.
 
         Returns {"layers": decoder layer count, "moe_layers": indices of the layers with a router}.
         """
         if not hasattr(self, "_parity_hooks"):
             self._parity_install()
-        self._parity_kinds = frozenset(kinds)
+        self._parity_kinds = frozenset(kinds.split(",") if isinstance(kinds, str) else kinds)
         self._parity_index: dict[str, int] = {}
         self._parity_skipped: dict[str, int] = {}
         self._parity_data: dict[str, dict[str, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
+        self._parity_routes: dict[str, list[torch.Tensor]] = defaultdict(list)
         return {"layers": len(self._parity_layers), "moe_layers": self._parity_moe}
 
-    def parity_probe_take(self) -> dict[str, dict[str, Any]]:
-        """What was captured, by vLLM request id: {"index", "skipped", "stages": {name: {"dtype",
-        "shape", "data" (the tensor's bytes)}}}; stops capturing."""
+    def parity_probe_take(self, encoding: str = "bytes") -> dict[str, dict[str, Any]]:
+        """What was captured, by vLLM request id: {"index", "skipped", "stages": {name: packed},
+        "routes": packed int32 [rows, moe_layers, top_k] or None (dense model)}, where packed is
+        {"dtype", "shape", "data"}: the tensor's bytes, or with encoding="base64" those bytes as a
+        base64 string (the server's `/collective_rpc` answers JSON); stops capturing."""
+        def pack(parts: list[torch.Tensor]) -> dict[str, Any]:
+            packed = _pack(torch.cat(parts))
+            if encoding == "base64":
+                packed["data"] = base64.b64encode(packed["data"]).decode("ascii")
+            return packed
+
         out = {}
-        for req_id, stages in self._parity_data.items():
-            packed = {}
-            for name, parts in stages.items():
-                whole = torch.cat(parts).contiguous()
-                packed[name] = {"dtype": str(whole.dtype).removeprefix("torch."), "shape": list(whole.shape),
-                                "data": whole.view(torch.uint8).numpy().tobytes()}
-            out[req_id] = {"index": self._parity_index[req_id], "stages": packed,
-                           "skipped": self._parity_skipped.get(req_id, 0)}
+        for req_id, index in self._parity_index.items():
+            stages = self._parity_data.get(req_id, {})
+            routes = self._parity_routes.get(req_id)
+            out[req_id] = {"index": index, "skipped": self._parity_skipped.get(req_id, 0),
+                           "stages": {name: pack(parts) for name, parts in stages.items()},
+                           "routes": pack(routes) if routes else None}
         self._parity_kinds = frozenset()
         self._parity_data.clear()
+        self._parity_routes.clear()
         return out
 
     def _parity_install(self) -> None:
@@ -110,12 +125,48 @@ class ProbeExtension(WeightDigestExtension):
 
         def execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
             self._parity_step = {"scheduled": scheduler_output, "rows": None} if self._parity_kinds else None
+            for parts in self._parity_route_calls:
+                parts.clear()
             try:
-                return execute(scheduler_output, *args, **kwargs)
+                output = execute(scheduler_output, *args, **kwargs)
+                self._parity_keep_routes()
+                return output
             finally:
                 self._parity_step = None
 
         runner.execute_model = execute_model
+        self._parity_route_calls = self._parity_bind_routers(runner.get_model())
+
+    def _parity_bind_routers(self, model: torch.nn.Module) -> list[list[torch.Tensor]]:
+        """Bind a capture callback to every MoE router (in layer order); returns the per-layer lists
+        the callbacks fill during a probed step."""
+        # vllm only inside the engine's worker: this module imports without it
+        from vllm.model_executor.layers.fused_moe.layer import MoERunner
+
+        moe = sorted(((m.layer_id, m) for m in model.modules() if isinstance(m, MoERunner)),
+                     key=lambda pair: pair[0])
+        calls: list[list[torch.Tensor]] = [[] for _ in moe]
+
+        def capture(index: int) -> Any:
+            def keep(ids: torch.Tensor) -> None:
+                if self._parity_step is not None:
+                    calls[index].append(ids.detach().to("cpu", torch.int32, copy=True))
+            return keep
+
+        for index, (_, module) in enumerate(moe):
+            if not hasattr(module.router, "set_capture_fn"):
+                raise RuntimeError(f"vLLM MoE router {type(module.router).__name__} has no capture hook")
+            module.router.set_capture_fn(capture(index))
+        return calls
+
+    def _parity_keep_routes(self) -> None:
+        """Keep the chosen requests' rows of the routes this step's MoE layers picked."""
+        calls = self._parity_route_calls
+        if self._parity_step is None or not calls or not calls[0]:
+            return
+        routes = torch.stack([torch.cat(parts) for parts in calls], dim=1)  # [step rows, moe_layers, top_k]
+        for req_id, rows in self._parity_rows()["tokens"]:
+            self._parity_routes[req_id].append(routes[rows])
 
     def _parity_hook(self, kind: str, name: str, item: int) -> Any:
         def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
@@ -166,25 +217,45 @@ def start_probe(llm: Any, kinds: list[str]) -> dict[str, Any]:
     return dict(workers[0])
 
 
-def take_probe(llm: Any) -> dict[int, dict[str, torch.Tensor]]:
-    """The captured stages of each probed request, by its index: {stage name: [rows, width]} in the
-    dtype vLLM computed them in. BackendError for a request whose prompt came from the prefix cache."""
+def take_probe(llm: Any) -> tuple[dict[int, dict[str, torch.Tensor]], dict[int, np.ndarray]]:
+    """(stages, routes) of each probed request, by its index: {stage name: [rows, width]} in the
+    dtype vLLM computed them in, and on an MoE model the experts it routed each row to, int32
+    [rows, moe_layers, top_k]. BackendError for a request whose prompt came from the prefix cache."""
     try:
         (captured,) = llm.collective_rpc("parity_probe_take")
     except Exception as e:
         raise BackendError(f"vLLM probe could not return its capture: {e}") from e
+    return unpack_probe(captured)
+
+
+def unpack_probe(captured: dict[str, dict[str, Any]]) -> tuple[dict[int, dict[str, torch.Tensor]],
+                                                                 dict[int, np.ndarray]]:
+    """`take_probe`'s (stages, routes) from what `parity_probe_take` returned (bytes or base64)."""
     out: dict[int, dict[str, torch.Tensor]] = {}
+    routes: dict[int, np.ndarray] = {}
     for item in captured.values():
         if item["skipped"]:
             raise BackendError(f"probed request {item['index']}: {item['skipped']} prompt tokens came from "
                                "the prefix cache and were never computed")
         out[item["index"]] = {name: _tensor(t) for name, t in item["stages"].items()}
-    return out
+        if item["routes"] is not None:
+            routes[item["index"]] = _tensor(item["routes"]).numpy()
+    return out, routes
+
+
+def _pack(tensor: torch.Tensor) -> dict[str, Any]:
+    """{"dtype", "shape", "data"} of a tensor, its bytes as they are (what `_tensor` reads back)."""
+    whole = tensor.contiguous()
+    return {"dtype": str(whole.dtype).removeprefix("torch."), "shape": list(whole.shape),
+            "data": whole.view(torch.uint8).numpy().tobytes()}
 
 
 def _tensor(packed: dict[str, Any]) -> torch.Tensor:
     """A tensor from the worker's {"dtype", "shape", "data"}, bit for bit."""
     dtype = getattr(torch, packed["dtype"])
-    if not packed["data"]:
+    data = packed["data"]
+    if isinstance(data, str):
+        data = base64.b64decode(data)
+    if not data:
         return torch.empty(packed["shape"], dtype=dtype)
-    return torch.frombuffer(bytearray(packed["data"]), dtype=torch.uint8).view(dtype).reshape(packed["shape"])
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(packed["shape"])

