@@ -390,6 +390,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--redo", action="store_true", help="forget the named sections' state and run them again")
     p.add_argument("--audit-rows", type=lambda t: t.split(";"), default=["all"],
                    help="audit: ';'-separated row keys of benchmarks.gpu_checks.AUDIT_ROWS (default all)")
+    p.add_argument("--probe-rows", type=lambda t: t.split(";"), default=["all"],
+                   help="probe: ';'-separated row keys of benchmarks.gpu_probe (default all)")
     p.add_argument("--loop-steps", type=int, default=200)
     p.add_argument("--loop-model", type=lambda t: t.split(),
                    default=["--shape", "qwen3-1024", "--layers", "12"],

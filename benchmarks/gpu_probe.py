@@ -72,6 +72,13 @@ def summary(engine: dict[str, Any]) -> dict[str, Any]:
                        for p in engine["phases"]}}
 
 
+def _error_lines(output: str) -> list[str]:
+    """The last three lines of a failed child's output that are not engine log lines."""
+    lines = [line for line in output.strip().splitlines()
+             if not re.search(r" - (INFO|WARNING|DEBUG) - |^\(EngineCore|^INFO |^WARNING ", line)]
+    return lines[-3:]
+
+
 def _attribute_row(model: str, extra: list[str], json_path: Path, html_path: Path) -> dict[str, Any]:
     cmd = parity_command("attribute", "--backend", "vllm", "--model", model, "--device", "cuda",
                          "--dtype", "bfloat16", "--max-sequences", "8", "--option", _ENGINE, *extra,
@@ -82,7 +89,8 @@ def _attribute_row(model: str, extra: list[str], json_path: Path, html_path: Pat
     row: dict[str, Any] = {"command": " ".join(cmd[3:]), "exit_code": done.returncode,
                            "seconds": round(time.perf_counter() - start, 1)}
     if not json_path.exists():
-        return {**row, "error": (done.stderr or done.stdout).strip().splitlines()[-3:]}
+        json_path.with_suffix(".err").write_text(done.stdout + done.stderr)
+        return {**row, "error": _error_lines(done.stderr or done.stdout)}
     return {**row, **summary(json.loads(json_path.read_text())["engine"])}
 
 
@@ -126,8 +134,9 @@ def logits_row(model: str, batch_invariant: bool, count: int = 8, tokens: int = 
 def probe_section(args: argparse.Namespace, ledger: Ledger, shaped: Any) -> list[dict[str, Any]]:
     """Every PROBE_ROWS and LOGITS_ROWS row not kept yet, each in a child process; each
     `parity attribute` row's JSON and HTML are kept beside the ledger and copied to `args.out`."""
+    chosen = [k for k in [*PROBE_ROWS, *LOGITS_ROWS] if "all" in args.probe_rows or k in args.probe_rows]
     for key, (label, extra) in PROBE_ROWS.items():
-        if "error" not in ledger.rows("probe").get(key, {"error": 1}):
+        if key not in chosen or "error" not in ledger.rows("probe").get(key, {"error": 1}):
             continue
         args.clock.check(f"probe row {key}")
         model = _model(label, args.state, shaped, args.moe_layers)
@@ -137,7 +146,7 @@ def probe_section(args: argparse.Namespace, ledger: Ledger, shaped: Any) -> list
         ledger.keep("probe", key, row)
         print(json.dumps(row)[:600], flush=True)
     for key, (label, on) in LOGITS_ROWS.items():
-        if "error" not in ledger.rows("probe").get(key, {"error": 1}):
+        if key not in chosen or "error" not in ledger.rows("probe").get(key, {"error": 1}):
             continue
         args.clock.check(f"probe row {key}")
         model = _model(label, args.state, shaped, args.moe_layers)
@@ -147,7 +156,7 @@ def probe_section(args: argparse.Namespace, ledger: Ledger, shaped: Any) -> list
         lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
         row = {"row": key, "seconds": round(time.perf_counter() - start, 1),
                **(json.loads(lines[-1]) if done.returncode == 0 and lines else
-                  {"error": (done.stderr or done.stdout).strip().splitlines()[-3:]})}
+                  {"error": _error_lines(done.stderr or done.stdout)})}
         ledger.keep("probe", key, row)
         print(json.dumps(row)[:600], flush=True)
     return list(ledger.rows("probe").values())
