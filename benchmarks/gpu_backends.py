@@ -21,6 +21,10 @@ Sections, in this order:
 - `audit`: `parity audit --backend vllm` on tiny-qwen3 and the Qwen3-1.7B shape (28 layers) with
   vLLM's batch-invariant mode off and on, then one knob at a time on the latter (enforce_eager,
   cudagraph mode, each attention backend): `benchmarks.gpu_checks.AUDIT_ROWS`, `--audit-rows`.
+- `probe`: inside vLLM (`benchmarks.gpu_probe`): `parity attribute --backend vllm` on the Qwen3-1.7B
+  shape (batch-invariant mode, one request per call against eight; against the training forward),
+  the MoE shape and tiny-qwen3 (mode off against on), and the compiled engine's raw logits alone
+  against in a batch.
 - `server`: `vllm-server` on the GPU bitwise equal to the offline engine (its test).
 - `fp8`: FP8 rollouts against the bf16 trainer and the memory-refusal test (their tests).
 - `drift`: vLLM against parity's training forward on the same GPU, one row per setting: bf16 and
@@ -64,8 +68,9 @@ from benchmarks.gpu_checks import (
     throughput_requests,
 )
 from benchmarks.gpu_ledger import DEFAULT_STATE, Deadline, DeadlineReached, Ledger, pending
+from benchmarks.gpu_probe import probe_markdown, probe_section
 
-SECTIONS = ("install", "tests", "audit", "server", "fp8", "drift", "throughput", "loop")
+SECTIONS = ("install", "tests", "audit", "probe", "server", "fp8", "drift", "throughput", "loop")
 THROUGHPUT_SIDES = ("parity", "vllm", "vllm-bi")
 #: engine settings of the drift rows: a memory share that leaves the GPU to the training forward.
 DRIFT_ENGINE = {"gpu_memory_utilization": 0.5}
@@ -314,6 +319,8 @@ def markdown(results: dict[str, Any]) -> str:
             lines.append(f"| {r['row']} | {r['deterministic']} | {r['batch_invariant']} | "
                          f"{r['attention_backend']} | {r['cudagraph_mode']} | " + " | ".join(cells) + " |")
         lines.append("")
+    if "probe" in results:
+        lines += [*probe_markdown(results["probe"]), ""]
     if "drift" in results:
         lines += ["| model | setting | max abs dlogp | mean abs dlogp | k3 KL | tokens | router agreement "
                   "| s |",
@@ -383,6 +390,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--redo", action="store_true", help="forget the named sections' state and run them again")
     p.add_argument("--audit-rows", type=lambda t: t.split(";"), default=["all"],
                    help="audit: ';'-separated row keys of benchmarks.gpu_checks.AUDIT_ROWS (default all)")
+    p.add_argument("--probe-rows", type=lambda t: t.split(";"), default=["all"],
+                   help="probe: ';'-separated row keys of benchmarks.gpu_probe (default all)")
     p.add_argument("--loop-steps", type=int, default=200)
     p.add_argument("--loop-model", type=lambda t: t.split(),
                    default=["--shape", "qwen3-1024", "--layers", "12"],
@@ -464,6 +473,7 @@ def main(argv: list[str] | None = None) -> None:
         "install": lambda: install_section(args),
         "tests": lambda: tests_section(args, ledger),
         "audit": lambda: audit_section(args, ledger, _shaped),
+        "probe": lambda: probe_section(args, ledger, _shaped),
         "server": lambda: test_row_section("server", ledger),
         "fp8": lambda: test_row_section("fp8", ledger),
         "drift": lambda: drift_section(args, ledger),

@@ -90,6 +90,29 @@ def test_generate_normalized_rollouts(model):
     assert [r.token_ids for r in backend.generate(sampled())] == [r.token_ids for r in rollouts]
 
 
+def test_provenance_names_the_attention_backend_the_worker_resolved(model):
+    """Issue 46.2: "auto" is what was configured; the worker's attention layers say what ran."""
+    meta = vllm_engine(model).meta
+    assert meta["attention_backend_configured"] == "auto"
+    assert meta["attention_backend"] == "CPU_ATTN"
+
+
+def test_the_worker_reports_its_layers_backends_not_a_constant():
+    """Negative control of the test above: the names come from the layers the worker holds."""
+    from types import SimpleNamespace
+
+    from parity.backends.vllm_weights import WeightDigestExtension
+
+    def layer(name):
+        return SimpleNamespace(attn_backend=SimpleNamespace(get_name=lambda: name))
+
+    worker = WeightDigestExtension()
+    worker.vllm_config = SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context={
+        "l0": layer("TRITON_ATTN"), "l1": layer("FLASH_ATTN"), "l2": layer("TRITON_ATTN"),
+        "moe": SimpleNamespace()}))
+    assert worker.parity_attention_backends() == ["FLASH_ATTN", "TRITON_ATTN"]
+
+
 def test_stop_ids_ignore_eos_and_max_tokens(model):
     backend = vllm_engine(model)
     greedy = Request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8), "g")

@@ -174,3 +174,38 @@ def test_a_child_that_fails_gives_its_last_line_as_the_error():
 
     row = _child_row(["--repeats", "0"], {"side": "parity"})
     assert row["side"] == "parity" and "--repeats must be at least 1" in row["error"]
+
+
+def test_probe_rows_resume_and_are_tabled(tmp_path, monkeypatch):
+    """The probe section keeps each row as it finishes, skips kept rows without an error, runs a
+    row kept with an error again, and tables an engine diff per phase (no engine: rows stubbed)."""
+    import benchmarks.gpu_probe as gp
+
+    engine = {"side_a": "a", "side_b": "b", "parted": 0, "sequences": [0, 1], "positions": {"prefill": 4},
+              "phases": [{"phase": "prefill", "first_differing": "layer.0.attn", "growth": 2.0,
+                          "stages": [{"stage": "layer.0", "rel_error": 0.01, "share": 0.5, "max_abs": 0.1},
+                                     {"stage": "layer.1", "rel_error": 0.02, "share": 0.6, "max_abs": 0.2},
+                                     {"stage": "logits", "rel_error": 0.03, "share": 0.7, "max_abs": 0.3}]}]}
+    ran = []
+
+    def attribute_row(model, extra, json_path, html_path):
+        ran.append(model)
+        return {"seconds": 1.0, **gp.summary(engine)} if model != "tiny-qwen3" else {"error": ["boom"]}
+
+    monkeypatch.setattr(gp, "_attribute_row", attribute_row)
+    args = argparse.Namespace(probe_rows=["all"], state=tmp_path, moe_layers=4,
+                              clock=Deadline(None, time.monotonic()))
+    ledger = Ledger(tmp_path / "state")
+    keys = list(gp.PROBE_ROWS)
+    for key in gp.LOGITS_ROWS:  # kept already: not run again
+        ledger.keep("probe", key, {"row": key, "seconds": 2.0, "differing": 0, "requests": 8,
+                                   "max_abs_logit_diff": 0.0, "attention_backend": ["FLASH_ATTN"]})
+    rows = gp.probe_section(args, ledger, lambda state, shape, layers: f"{shape}-{layers}")
+    assert ran == ["qwen3-1.7b-28", "qwen3-1.7b-28", "qwen3-30b-a3b-4", "tiny-qwen3"]
+    assert len(rows) == len(keys) + len(gp.LOGITS_ROWS)
+    ran.clear()
+    gp.probe_section(args, ledger, lambda state, shape, layers: f"{shape}-{layers}")
+    assert ran == ["tiny-qwen3"]  # only the row kept with an error runs again
+    table = "\n".join(gp.probe_markdown(list(ledger.rows("probe").values())))
+    assert "| prefill | layer.0.attn | x2.0 | 2.00e-02 | 3.00e-02 | 1 |" in table
+    assert "error: boom" in table and "0/8 requests differ, max 0 (raw logit; FLASH_ATTN)" in table

