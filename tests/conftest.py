@@ -17,7 +17,10 @@ modules. An engine whose process died is replaced on the next call. Never close 
 test: the parity pytest plugin closes them all when the session ends (on failure and Ctrl-C too;
 `parity.runtime.guard` kills what a crashed session leaves). A module whose options no other module uses
 frees them at its end with `parity.backends.close_shared_backend(name, model, dtype=..., **options)`
-(tests/test_trajectories_vllm.py); never `close_shared_backends()`, which stops every module's.
+(tests/test_vllm_routes.py), or with `engine_host.stop(name, model, dtype, **options)` when its engines
+come from the engine hosts (tests/test_trajectories_vllm.py; `close_shared_backend` never stops a host,
+since the nightly calls it after each engine's last row); never `close_shared_backends()`, which stops
+every module's.
 
 Mark tests that start a vLLM engine `@pytest.mark.vllm` (and `slow`). Under `make test` (pytest-xdist,
 two workers) the modules with a `vllm` test run one after another in one worker, the "engines" group,

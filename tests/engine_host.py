@@ -238,6 +238,30 @@ def proxy(name: str, model: str | Path, dtype: str = "bfloat16", **options: Any)
     return _PROXIES[key]
 
 
+def stop(name: str, model: str | Path, dtype: str = "bfloat16", **options: Any) -> bool:
+    """Stop the session's host of the configuration now (its engine closes: SIGTERM, SIGKILL after
+    `STOP_GRACE_S`), for a module whose options no other module uses; a later `proxy` starts a new
+    host. False when none runs. `close_shared_backend` does not do this, on purpose: the nightly
+    calls it after each engine's last row, and a host's engine serves every module of the session."""
+    directory = Path(os.environ[SESSION_ENV])
+    key = config_key(name, model, dtype, options)
+    _PROXIES.pop(key, None)
+    with open(directory / f"host-{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        ready_file = directory / f"host-{key}.json"
+        ready = json.loads(ready_file.read_text()) if ready_file.exists() else None
+        ready_file.unlink(missing_ok=True)
+        if ready is None or not _is_alive(ready["host"]):
+            return False
+        proc = psutil.Process(int(ready["host"][0]))
+        with contextlib.suppress(psutil.Error):
+            proc.terminate()
+        for left in _wait([proc], STOP_GRACE_S):
+            with contextlib.suppress(psutil.Error):
+                left.kill()
+        return True
+
+
 def _start(directory: Path, key: str, config: tuple[str, str, str, dict[str, Any]]) -> dict[str, Any]:
     """Start the host of `key` and wait until its engine is up; raise its start error otherwise."""
     from parity.core.errors import BackendError

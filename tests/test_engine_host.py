@@ -70,6 +70,11 @@ def test_a_reference_host_returns_the_engines_bits_and_errors():
     with pytest.raises(AttributeError, match="not served by an engine host"):
         _ = proxy.llm
     assert engine_host.proxy("reference", "tiny-llama", "float32") is proxy
+    # what a module whose options are its own calls at its end: the host goes, its engine with it
+    process = psutil.Process(int(proxy.host[0]))
+    assert engine_host.stop("reference", "tiny-llama", "float32") and not proxy.alive
+    assert not process.is_running() or process.status() == psutil.STATUS_ZOMBIE
+    assert not engine_host.stop("reference", "tiny-llama", "float32")  # none runs now
 
 
 def test_a_start_error_is_raised_in_the_caller_as_it_is():

