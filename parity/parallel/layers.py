@@ -8,18 +8,21 @@ A row-parallel projection (o/down) splits its K reduction across ranks. Summing 
 partial products with an all-reduce makes the order of additions, and so the bits, a function of
 the TP degree and of the collective's algorithm. `RowParallelLinear` instead fixes the sum: K is
 cut into `groups` equal slices (a setting, `reduction_groups`, not the TP degree), each slice's
-product is computed on its own by the batch-invariant matmul, the partials of all groups are
-widened to fp32 and all-gathered (an exact copy, not a sum), and every rank adds them with one
-fixed tree in fp32. At TP=1 the same groups and the same tree run in one process, so TP=1, 2, 4
-and 8 give the same bits, for the same `groups`: a different group count is a different sum, so
-bits are equal across degrees only between runs with the same `reduction_groups`. In bf16 each
+product is computed on its own by the batch-invariant matmul and widened to fp32, and the groups
+are added by one fixed tree of adjacent pairs in fp32 (`block_tree_sum`). A rank holds contiguous
+groups, so when it holds a power of two of them their subtree is whole on the rank: it adds them
+itself and only that one fp32 partial per rank is all-gathered (an exact copy, not a sum) for the
+rest of the tree; otherwise every group's partial is gathered. At TP=1 the same groups and the same
+tree run in one process, so TP=1, 2, 4 and 8 give the same bits, for the same `groups`: a different
+group count is a different sum, so bits are equal across degrees only between runs with the same
+`reduction_groups`. In bf16 each
 group's product is rounded to bf16 by the matmul before it is widened (the matmul kernels write
 the model dtype): deterministic, and `groups` roundings of partial sums where the whole-model
 layer has one.
 
 The trade: every degree must divide `groups` (the largest degree is `groups`), and each group is
-its own matmul plus an fp32 partial [groups, tokens, N], so fewer groups cost less (fewer, larger
-matmuls; less to gather and add) and allow fewer degrees.
+its own matmul plus an fp32 partial [tokens, N], so fewer groups cost less (fewer, larger matmuls;
+fewer adds) and allow fewer degrees.
 """
 
 from __future__ import annotations
@@ -31,11 +34,23 @@ from torch import nn
 from parity.core.errors import ConfigError
 from parity.core.schema import REDUCTION_GROUPS
 from parity.kernels import ops
-from parity.kernels.cpu import tree_sum
 from parity.parallel.comm import Comm
 
 #: how a row-parallel layer combines partial products: the fixed tree, or a stock all-reduce (contrast).
 REDUCTIONS: tuple[str, ...] = ("canonical", "all_reduce")
+
+
+def block_tree_sum(x: torch.Tensor) -> torch.Tensor:
+    """x [n, ...] summed over dim 0 by a fixed tree of adjacent pairs ((0+1)+(2+3))+...: zeros pad n
+    to a power of two (x + 0 == x exactly). Any aligned block of a power-of-two size is a subtree, so
+    summing blocks first and then their sums gives the same bits."""
+    n = x.shape[0]
+    width = 1 << max(n - 1, 0).bit_length()
+    if width != n:
+        x = torch.cat([x, x.new_zeros(width - n, *x.shape[1:])])
+    while x.shape[0] > 1:
+        x = x[0::2] + x[1::2]
+    return x[0]
 
 
 class RowParallelLinear(nn.Module):
@@ -70,9 +85,13 @@ class RowParallelLinear(nn.Module):
         width = self.parts[0].shape[1]
         partials = torch.stack([ops.linear(x[..., g * width:(g + 1) * width], w).to(torch.float32)
                                 for g, w in enumerate(self.parts)])  # [groups / size, ..., N]
-        gathered = self.comm.all_gather(partials)  # [size, groups / size, ..., N]
-        # one fixed pairwise tree over the groups in global order, the same on every rank and degree
-        total = tree_sum(gathered.flatten(0, 1), 0)
+        local = len(self.parts)
+        if local & (local - 1) == 0:
+            # this rank's groups are one whole subtree of the global tree: add them here, gather one
+            # partial per rank, and finish the same tree over the ranks (zero padding included)
+            total = block_tree_sum(self.comm.all_gather(block_tree_sum(partials)))
+        else:
+            total = block_tree_sum(self.comm.all_gather(partials).flatten(0, 1))
         if self.bias is not None:
             total = total + self.bias.to(torch.float32)
         return total.to(x.dtype)
