@@ -114,10 +114,11 @@ def test_tp_section_renders_each_group_count_next_to_the_whole_model():
 def test_tp_sim_counts_what_rank_0_of_two_would_receive_and_renders_it():
     # tiny-qwen3 (2 layers, hidden 128, vocab 512), float32 on the CPU (no graphs, so no padding): one
     # prefill of 4 x 8 tokens, then 5 decode steps of 4; each forward gathers the embedding rows, two
-    # [groups / 2, T, hidden] fp32 partials per layer, and the sampled rows' half of the vocabulary
+    # [T, hidden] fp32 partials per layer (each the sum of the rank's 4 groups), and the sampled rows'
+    # half of the vocabulary
     row = simulate("tiny-qwen3", 8, requests_for(512, 4, 8, 6), 8, 64, device="cpu", dtype="float32")
     forwards, tokens = [32, 4, 4, 4, 4, 4], [4] * 6
-    expected = sum(t * 128 * 4 + 2 * 2 * (4 * t * 128 * 4) + rows * 256 * 4
+    expected = sum(t * 128 * 4 + 2 * 2 * (t * 128 * 4) + rows * 256 * 4
                    for t, rows in zip(forwards, tokens, strict=True))
     assert (row.received_bytes, row.collectives, row.output_tokens) == (expected, 6 * (1 + 2 * 2 + 1), 24)
     assert all(0 < rate < row.output_tokens / row.rank_seconds for rate in row.projected_tp2_tok_s.values())
