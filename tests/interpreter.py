@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def run_interpreted(test_file: str, *, min_passed: int, timeout: float) -> None:
     """Run `test_file` under the interpreter; fail unless >= `min_passed` of its tests passed."""
     child = subprocess.run([sys.executable, "-m", "pytest", test_file, "-q", "-p", "no:cacheprovider"],
-                           env={**{k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")},
+                           env={**{k: v for k, v in os.environ.items()
+                                  if not k.startswith(("PYTEST_XDIST", "PYTEST_ADDOPTS"))},
                                 "TRITON_INTERPRET": "1"}, cwd=ROOT, capture_output=True,
                            text=True, timeout=timeout)
     log = child.stdout[-8000:] + child.stderr[-2000:]

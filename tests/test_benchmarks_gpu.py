@@ -20,10 +20,11 @@ from benchmarks.gpu.run import Run, saved_results
 from benchmarks.gpu.sections import SECTIONS
 from benchmarks.gpu.sections.probe import linear_shapes
 from benchmarks.gpu.sections.roofline import e2e_rows, model_shape
+from benchmarks.gpu.sections.tp_sim import LINKS, simulate
 from benchmarks.gpu.settings import blas_library, module_constants
 from benchmarks.gpu.table import table
 from benchmarks.gpu.timing import BENCH_M
-from benchmarks.gpu.workloads import moe_config, qwen3_config
+from benchmarks.gpu.workloads import moe_config, qwen3_config, requests_for
 from parity.engine.selfcheck import SettingCheck
 from parity.kernels import switch
 
@@ -35,7 +36,8 @@ def test_arguments_parse_and_name_only_known_sections():
     args = parse_args(["--sections", "parity,profile", "--e2e", "8,16,4", "--e2e-variants", "invariant"])
     assert args.sections == ["parity", "profile"] and args.e2e == (8, 16, 4)
     assert list(SECTIONS) == ["kernels", "parity", "e2e", "profile", "step_split", "cublaslt", "probe",
-                                  "attention_sweep", "parity_shapes", "moe_e2e", "probed", "roofline", "tp"]
+                                  "attention_sweep", "parity_shapes", "moe_e2e", "probed", "roofline", "tp",
+                                  "tp_sim"]
     args = parse_args(["--sections", "probe,moe_e2e,roofline", "--moe", "8,16,4", "--moe-layers", "2"])
     assert args.moe == (8, 16, 4) and args.moe_layers == 2
     assert args.moe_variants == ["hf", "invariant", "native"]
@@ -107,6 +109,21 @@ def test_tp_section_renders_each_group_count_next_to_the_whole_model():
     assert "tp ratio tp1_g2 / whole_model: 0.950" in lines
     assert "tp ratio tp1_g8 / whole_model: 0.700" in lines
     assert "tp: TP=2 skipped (needs two GPUs, 1 visible)" in lines
+
+
+def test_tp_sim_counts_what_rank_0_of_two_would_receive_and_renders_it():
+    # tiny-qwen3 (2 layers, hidden 128, vocab 512), float32 on the CPU (no graphs, so no padding): one
+    # prefill of 4 x 8 tokens, then 5 decode steps of 4; each forward gathers the embedding rows, two
+    # [T, hidden] fp32 partials per layer (each the sum of the rank's 4 groups), and the sampled rows'
+    # half of the vocabulary
+    row = simulate("tiny-qwen3", 8, requests_for(512, 4, 8, 6), 8, 64, device="cpu", dtype="float32")
+    forwards, tokens = [32, 4, 4, 4, 4, 4], [4] * 6
+    expected = sum(t * 128 * 4 + 2 * 2 * (t * 128 * 4) + rows * 256 * 4
+                   for t, rows in zip(forwards, tokens, strict=True))
+    assert (row.received_bytes, row.collectives, row.output_tokens) == (expected, 6 * (1 + 2 * 2 + 1), 24)
+    assert all(0 < rate < row.output_tokens / row.rank_seconds for rate in row.projected_tp2_tok_s.values())
+    shown = table({"tp_sim": gpu.TPSimSection("w", list(LINKS), {"g8": row})})
+    assert shown.startswith("tp_sim g8 (w): rank alone") and "nvlink_nccl" in shown
 
 
 def test_changed_settings_are_restored_when_a_measurement_fails():

@@ -24,6 +24,7 @@ from parity.core.types import Request, SamplingParams
 from parity.engine import EngineConfig, ReferenceEngine, train_forward
 from parity.engine.train import LAYOUTS
 from parity.parallel import RankGroup, TensorParallelError
+from parity.parallel.layers import block_tree_sum
 
 TESTS = Path(__file__).resolve().parent
 #: engine settings of the TP=1 reference: a different batch composition from the TP=k engines'.
@@ -122,6 +123,21 @@ def test_reduction_groups_give_the_same_bits_at_every_degree_for_one_value() -> 
     assert {r.meta["reduction_groups"] for r in eight} == {8}
     # the negative control: the same comparison between 2 and 8 groups fails
     assert not _equal(eight, one)
+
+
+@pytest.mark.parametrize("groups", [8, 6, 4, 2])
+def test_a_ranks_block_sums_then_the_ranks_sum_is_the_whole_tree(groups) -> None:
+    # what RowParallelLinear relies on to gather one partial per rank: fp32 partials [groups, 3, 5] of
+    # very different magnitudes (so the order of additions shows in the bits)
+    x = torch.randn(groups, 3, 5, generator=torch.Generator().manual_seed(groups)) * torch.logspace(
+        -6, 6, groups).view(-1, 1, 1)
+    whole = block_tree_sum(x)
+    for size in (s for s in (2, 4, 8) if groups % s == 0 and (groups // s) & (groups // s - 1) == 0):
+        assert torch.equal(block_tree_sum(torch.stack([block_tree_sum(b) for b in x.chunk(size)])), whole)
+    # the control: groups handed out round-robin are not subtrees, and the bits move
+    y = torch.tensor([1e8, 1.0, -1e8, 1.0])
+    round_robin = torch.stack([block_tree_sum(y[r::2]) for r in range(2)])
+    assert block_tree_sum(y) == 0.0 and block_tree_sum(round_robin) == 2.0
 
 
 @pytest.mark.parametrize("groups,size,match", [(2, 4, "not divisible by tensor_parallel_size=4"),

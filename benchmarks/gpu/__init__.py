@@ -17,6 +17,8 @@ measures; each runs independently: a failure is recorded and the next section st
 - step_split: where one decode step's wall time goes (host parts, each CUDA-graph bucket's device time).
 - tp: invariant-engine tok/s without tensor parallelism, at TP=1 per `--tp-groups` K-group count,
   and at TP=2 with two GPUs, with TP=2 == TP=1 bit for bit.
+- tp_sim: TP=2 simulated on one GPU: rank 0's shard timed under CUDA graphs with a loopback
+  exchange that counts the bytes and collectives a rank makes, TP=2 projected at stated link figures.
 - cublaslt: parity and the invariant e2e row again in a child process set up for cuBLASLt.
 - probe: the load-time matmul probe over three model families' shapes (routes, time, spot check).
 - attention_sweep: every candidate attention plan's times and bitwise checks, and the shipped pair.

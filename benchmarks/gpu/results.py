@@ -207,6 +207,30 @@ class TPSection:
     tp2_skipped: str | None
 
 
+@dataclass(frozen=True)
+class TPSimRow:
+    """One group count of the tp_sim section: rank 0 of a 2-way shard timed alone (`rank_seconds`
+    for `output_tokens`), the bytes it would receive from its peer and the collectives it would make,
+    and the TP=2 output tok/s projected per link of `TPSimSection.links`."""
+
+    groups: int
+    rank_seconds: float
+    output_tokens: int
+    received_bytes: int
+    collectives: int
+    step_graphs: str | None
+    projected_tp2_tok_s: dict[str, float]
+
+
+@dataclass(frozen=True)
+class TPSimSection:
+    """The tp_sim section: links (name, bytes/s received, seconds per collective), rows "g{groups}"."""
+
+    workload: str
+    links: list[tuple[str, float, float]]
+    rows: dict[str, TPSimRow | Failure]
+
+
 # -- where the time goes ---------------------------------------------------------------------------
 
 

@@ -25,6 +25,8 @@ from benchmarks.gpu.results import (
     StepSplit,
     Throughput,
     TPSection,
+    TPSimRow,
+    TPSimSection,
 )
 
 
@@ -195,6 +197,22 @@ def tp_lines(tp: Any) -> list[str]:
     return lines
 
 
+def tp_sim_lines(sim: Any) -> list[str]:
+    """Per group count: the rank's own tok/s, its exchange per output token, TP=2 projected per link."""
+    if not isinstance(sim, TPSimSection):
+        return []
+    lines = []
+    for label, row in sim.rows.items():
+        if not isinstance(row, TPSimRow):
+            continue
+        projected = ", ".join(f"{link} {rate:.0f}" for link, rate in row.projected_tp2_tok_s.items())
+        alone, per_token = row.output_tokens / row.rank_seconds, row.received_bytes / row.output_tokens / 1e6
+        lines.append(f"tp_sim {label} ({sim.workload}): rank alone {alone:.0f} tok/s, {per_token:.2f} MB "
+                     f"received per output token, {row.collectives} collectives; "
+                     f"TP=2 projected tok/s: {projected}")
+    return lines
+
+
 def table(results: Mapping[str, Any]) -> str:
     """The short summary of a run's typed results (section name -> its result or Failure)."""
     sub = results.get("cublaslt")
@@ -222,6 +240,7 @@ def table(results: Mapping[str, Any]) -> str:
     lines += step_split_lines(results.get("step_split"), "")
     lines += step_split_lines(probed and probed.step_split, " [probed]")
     lines += tp_lines(results.get("tp"))
+    lines += tp_sim_lines(results.get("tp_sim"))
     lines += [f"{section}: ERROR (see gpu_results.json)" for section, result in results.items()
               if isinstance(result, Failure)]
     return "\n".join(lines)

@@ -3,9 +3,11 @@
 Column-parallel projections need no new layer (each output column is one weight row times the
 whole input). A row-parallel all-reduce makes the bits a function of degree and algorithm, so
 `RowParallelLinear` cuts K into `groups` slices (`reduction_groups`, not the degree), computes
-each with the invariant matmul, all-gathers the fp32-widened partials (a copy) and adds them with
-one fixed fp32 tree, at TP=1 too. Bits match across degrees for one `groups` only; every degree
-must divide it, and fewer groups cost less.
+each with the invariant matmul, widens them to fp32 and adds them by one fixed tree of adjacent
+pairs (`block_tree_sum`), at TP=1 too. A rank holding a power of two of the (contiguous) groups
+holds a whole subtree: it adds them itself and all-gathers one fp32 partial (a copy) for the rest
+of the tree; otherwise every group's partial is gathered. Bits match across degrees for one
+`groups` only; every degree must divide it, and fewer groups cost less.
 """
 
 from __future__ import annotations
@@ -17,11 +19,23 @@ from torch import nn
 from parity.core.errors import ConfigError
 from parity.core.schema import REDUCTION_GROUPS
 from parity.kernels import ops
-from parity.kernels.cpu import tree_sum
 from parity.parallel.comm import Comm
 
 #: how a row-parallel layer combines partial products: the fixed tree, or a stock all-reduce (contrast).
 REDUCTIONS: tuple[str, ...] = ("canonical", "all_reduce")
+
+
+def block_tree_sum(x: torch.Tensor) -> torch.Tensor:
+    """x [n, ...] summed over dim 0 by a fixed tree of adjacent pairs ((0+1)+(2+3))+...: zeros pad n
+    to a power of two (x + 0 == x exactly). Any aligned block of a power-of-two size is a subtree, so
+    summing blocks first and then their sums gives the same bits."""
+    n = x.shape[0]
+    width = 1 << max(n - 1, 0).bit_length()
+    if width != n:
+        x = torch.cat([x, x.new_zeros(width - n, *x.shape[1:])])
+    while x.shape[0] > 1:
+        x = x[0::2] + x[1::2]
+    return x[0]
 
 
 class RowParallelLinear(nn.Module):
@@ -52,9 +66,13 @@ class RowParallelLinear(nn.Module):
         width = self.parts[0].shape[1]
         partials = torch.stack([ops.linear(x[..., g * width:(g + 1) * width], w).to(torch.float32)
                                 for g, w in enumerate(self.parts)])  # [groups / size, ..., N]
-        gathered = self.comm.all_gather(partials)  # [size, groups / size, ..., N]
-        # one fixed pairwise tree over the groups in global order, the same on every rank and degree
-        total = tree_sum(gathered.flatten(0, 1), 0)
+        local = len(self.parts)
+        if local & (local - 1) == 0:
+            # this rank's groups are one whole subtree of the global tree: add them here, gather one
+            # partial per rank, and finish the same tree over the ranks (zero padding included)
+            total = block_tree_sum(self.comm.all_gather(block_tree_sum(partials)))
+        else:
+            total = block_tree_sum(self.comm.all_gather(partials).flatten(0, 1))
         if self.bias is not None:
             total = total + self.bias.to(torch.float32)
         return total.to(x.dtype)

@@ -20,6 +20,7 @@ from benchmarks.gpu.sections import (
     roofline,
     step_split,
     tp,
+    tp_sim,
 )
 
 #: Every section, by the name `--sections` takes, in the default order.
@@ -37,4 +38,5 @@ SECTIONS: dict[str, Callable[[Run], Any]] = {
     "probed": probed.measure,
     "roofline": roofline.measure,
     "tp": tp.measure,
+    "tp_sim": tp_sim.measure,
 }
