@@ -73,6 +73,18 @@ def install_section(args: argparse.Namespace) -> dict[str, Any]:
     return found
 
 
+def run_json_command(cmd: list[str], json_path: Path) -> tuple[dict[str, Any], Any,
+                                                               subprocess.CompletedProcess[str]]:
+    """Run a `parity_command` that writes `json_path`: (its row: command, exit code, seconds; the
+    JSON it wrote or None; the finished process)."""
+    json_path.unlink(missing_ok=True)  # a killed earlier try's file must not stand for this run
+    start = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    row: dict[str, Any] = {"command": " ".join(cmd[3:]), "exit_code": done.returncode,
+                           "seconds": round(time.perf_counter() - start, 1)}
+    return row, json.loads(json_path.read_text()) if json_path.exists() else None, done
+
+
 def _audit_row(model: str, options: list[str], json_path: Path) -> dict[str, Any]:
     cmd = parity_command("audit", "--model", model, "--backend", "vllm", "--device", "cuda", "--dtype",
                          "bfloat16", "--json", str(json_path))
@@ -83,14 +95,9 @@ def _audit_row(model: str, options: list[str], json_path: Path) -> dict[str, Any
         cmd += ["--option", option]
     if not any(o.startswith("engine_kwargs=") for o in options):
         cmd += ["--option", "engine_kwargs=" + json.dumps({"gpu_memory_utilization": AUDIT_MEMORY})]
-    json_path.unlink(missing_ok=True)  # a killed earlier try's file must not stand for this run
-    start = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    row: dict[str, Any] = {"command": " ".join(cmd[3:]), "exit_code": done.returncode,
-                           "seconds": round(time.perf_counter() - start, 1)}
-    if not json_path.exists():
+    row, audit, done = run_json_command(cmd, json_path)
+    if audit is None:
         return {**row, "error": (done.stderr or done.stdout).strip().splitlines()[-1:]}
-    audit = json.loads(json_path.read_text())
     meta = audit["provenance"]["backend_meta"]
     return {**row, "deterministic": audit["deterministic"], "batch_invariant": audit["batch_invariant"],
             "attention_backend": meta.get("attention_backend"), "cudagraph_mode": meta.get("cudagraph_mode"),

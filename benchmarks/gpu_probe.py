@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.gpu_checks import parity_command
+from benchmarks.gpu_checks import parity_command, run_json_command
 from benchmarks.gpu_ledger import Ledger
 from parity.backends.vllm_weights import DIGEST_EXTENSION
 
@@ -83,15 +83,11 @@ def _attribute_row(model: str, extra: list[str], json_path: Path, html_path: Pat
     cmd = parity_command("attribute", "--backend", "vllm", "--model", model, "--device", "cuda",
                          "--dtype", "bfloat16", "--max-sequences", "8", "--option", _ENGINE, *extra,
                          "--json", str(json_path), "--html", str(html_path))
-    json_path.unlink(missing_ok=True)  # a killed earlier try's file must not stand for this run
-    start = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    row: dict[str, Any] = {"command": " ".join(cmd[3:]), "exit_code": done.returncode,
-                           "seconds": round(time.perf_counter() - start, 1)}
-    if not json_path.exists():
+    row, result, done = run_json_command(cmd, json_path)
+    if result is None:
         json_path.with_suffix(".err").write_text(done.stdout + done.stderr)
         return {**row, "error": _error_lines(done.stderr or done.stdout)}
-    return {**row, **summary(json.loads(json_path.read_text())["engine"])}
+    return {**row, **summary(result["engine"])}
 
 
 def logits_row(model: str, batch_invariant: bool, count: int = 8, tokens: int = 32) -> dict[str, Any]:
