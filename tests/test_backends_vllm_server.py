@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from procs import cmdline
 
 from parity.audit import audit
 from parity.audit.lifecycle import CHECKS, run_lifecycle
@@ -240,7 +241,7 @@ def test_sleep_mode_start_refused_by_the_cpu_build_leaves_no_process():
         if SLEEP_MODE_REFUSAL not in str(e):
             raise
         left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before
-                and p.status() != psutil.STATUS_ZOMBIE and "guard.py" not in " ".join(p.cmdline())]
+                and (line := cmdline(p)) and "guard.py" not in line]
         assert not left, left
         pytest.skip(f"the CPU build refuses --enable-sleep-mode: {SLEEP_MODE_REFUSAL!r}")
     with backend:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from procs import cmdline
 
 from parity.core.errors import BackendError
 from parity.runtime.processes import LOOPBACK, ServerProcess, free_loopback_port
@@ -142,8 +143,8 @@ def test_interrupt_during_start_stops_the_server(tmp_path):
         "except KeyboardInterrupt:\n    print('interrupted; server stopped')\n")
     parity = subprocess.Popen([sys.executable, "-c", script], env=ENV, stdout=subprocess.PIPE, text=True)
     me = psutil.Process(parity.pid)
-    assert wait_until(lambda: any("fake_server.py" in " ".join(c.cmdline()) for c in me.children()), 30)
-    server = next(c for c in me.children() if "fake_server.py" in " ".join(c.cmdline()))
+    assert wait_until(lambda: any("fake_server.py" in cmdline(c) for c in me.children()), 30)
+    server = next(c for c in me.children() if "fake_server.py" in cmdline(c))
     assert wait_until(lambda: len(tree(server.pid)) == 2, 10)
     server_procs = tree(server.pid)
     parity.send_signal(signal.SIGINT)

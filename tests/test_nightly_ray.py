@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
+from procs import cmdline, descendants
 from ray_faults import FAULTS_ENV, kills
 from recording_backend import LOG_ENV as ENGINE_LOG_ENV
 from recording_backend import START_ENV, events
@@ -89,8 +90,8 @@ def row_count(out: Path) -> int:
 
 def ray_processes(proc: subprocess.Popen) -> list[psutil.Process]:
     """The Ray cluster a nightly process started: its raylet, GCS and workers."""
-    return [p for p in psutil.Process(proc.pid).children(recursive=True)
-            if any(name in " ".join(p.cmdline()) for name in (*RAY_PROCESSES, "ray::", "default_worker"))]
+    return [p for p in descendants(proc.pid)
+            if any(name in cmdline(p) for name in (*RAY_PROCESSES, "ray::", "default_worker"))]
 
 
 def assert_gone(processes: list[psutil.Process]) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from procs import cmdline, descendants
 
 pytestmark = [pytest.mark.vllm, pytest.mark.own_engines, pytest.mark.slow,
               pytest.mark.own_engine(reason="kills parity (SIGKILL, SIGINT) or lets its command end, "
@@ -50,8 +51,7 @@ def describe(procs):
 
 def engine_tree(pid):
     """The processes under `pid` that belong to the engines (not parity's guard)."""
-    return [p for p in psutil.Process(pid).children(recursive=True)
-            if "guard.py" not in " ".join(p.cmdline())]
+    return [p for p in descendants(pid) if (line := cmdline(p)) and "guard.py" not in line]
 
 
 def wait_gone(procs, timeout_s):
