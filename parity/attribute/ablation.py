@@ -1,24 +1,11 @@
 """Op-family ablation: which kernel family makes side B's logprobs drift from side A's.
 
-For each kernel configuration both sides run with the same families invariant, and the drift of
-B from A is measured on the same tokens:
-
-- baseline: every family invariant. Along an axis that changes only batch composition, layout
-  or prefill vs decode this is exactly zero by construction (that is what invariance means); an
-  axis that changes the arithmetic itself (dtype) leaves a floor no kernel removes.
-- one family native, the others invariant: the drift that family causes on its own ("added").
-- every family native, then one family invariant: the drift that making only this family
-  invariant removes from stock kernels ("removed"); it catches families whose drift only shows
-  together with another's.
-
-A family's share is its added drift (mean |Δlogp| above the baseline, negatives counted as
-zero) as a fraction of the sum over families. Families are ranked by share, then by removed
-drift, then in `parity.kernels.FAMILIES` order.
-
-On CPU the kernel switch runs the process with one intra-op thread while any family is on
-(`parity.kernels.switch`), so drift that stock ops get from splitting their work across threads
-shows only in the all-native row; the per-family rows measure what each stock op does on one
-thread (kernel choice by shape, vector-body vs scalar-tail rounding, reduction order).
+Both sides run each kernel configuration on the same tokens: every family invariant (the baseline:
+zero along a batch, layout or mode axis by construction, a floor along dtype); one family native
+("added": what it causes alone); every family native but one ("removed": catches drift that shows
+only together with another family's). A family's share is its added mean |Δlogp| (negatives as 0)
+over the sum; ranked by share, then removed, then `FAMILIES` order. On CPU the switch runs one
+intra-op thread while any family is on, so thread-split drift shows only in the all-native row.
 """
 
 from __future__ import annotations
@@ -41,11 +28,8 @@ from parity.models.loading import LoadedModel
 
 @dataclass(frozen=True)
 class Drift:
-    """Drift of side B's raw logprobs from side A's over every response token, in nats.
-
-    max_abs, mean_abs: max / mean |logp_B - logp_A|.
-    k3_kl: Schulman's k3 estimate of KL(B || A) per token (A plays the trainer, B the rollout).
-    """
+    """Drift of side B's raw logprobs from side A's over every response token, in nats; k3_kl:
+    Schulman's k3 estimate of KL(B || A) per token."""
 
     max_abs: float
     mean_abs: float
@@ -53,7 +37,7 @@ class Drift:
 
     @classmethod
     def between(cls, a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> Drift:
-        """Drift of per-sequence logprobs `b` from `a` (each [len(response)]), via metrics.summarize."""
+        """Drift of per-sequence logprobs `b` from `a` (each [len(response)])."""
         width = max(len(x) for x in a)
         padded = np.zeros((2, len(a), width), dtype=np.float64)
         mask = np.zeros((len(a), width), dtype=bool)
@@ -71,13 +55,8 @@ class Drift:
 
 @dataclass(frozen=True)
 class FamilyAttribution:
-    """One kernel family's part in the drift.
-
-    native_only: drift with only this family native. invariant_only: drift with only this
-    family invariant. added: native_only.mean_abs - baseline.mean_abs (nats). removed:
-    all_native.mean_abs - invariant_only.mean_abs (nats). share: max(added, 0) over the sum of
-    every family's, in [0, 1] (0 for all when no family adds drift).
-    """
+    """One kernel family's part in the drift (nats): added = native_only - baseline, removed =
+    all_native - invariant_only (mean_abs), share = max(added, 0) over the sum, in [0, 1]."""
 
     family: str
     native_only: Drift
@@ -94,11 +73,7 @@ class FamilyAttribution:
 
 @dataclass(frozen=True)
 class OpAttribution:
-    """The result of `attribute_ops`: drift per kernel configuration, families ranked first to last.
-
-    setting_a / setting_b: the two sides (their `kernels` are what each row overrides).
-    baseline: every family invariant. all_native: every family native.
-    """
+    """The result of `attribute_ops`: drift per kernel configuration, families ranked first to last."""
 
     setting_a: Setting
     setting_b: Setting
@@ -123,13 +98,8 @@ class OpAttribution:
 
 def attribute_ops(model: str | LoadedModel, sequences: Sequences, setting_a: Setting, setting_b: Setting, *,
                   families: Iterable[str] | None = None) -> OpAttribution:
-    """Attribute the drift of `setting_b` from `setting_a` on `sequences` to kernel families.
-
-    sequences: Rollouts or (prompt_ids, response_ids) pairs; every response token is scored.
-    families: the families to ablate one at a time (default: all of `parity.kernels.FAMILIES`);
-        the baseline and all-native rows always switch every family.
-    The settings' own `kernels` are ignored: each configuration sets both sides' kernels.
-    """
+    """Attribute the drift of `setting_b` from `setting_a` on `sequences` to kernel families (`families`
+    ablated one at a time, default all); the settings' own `kernels` are ignored."""
     if not isinstance(setting_a, Setting) or not isinstance(setting_b, Setting):
         raise ConfigError("setting_a and setting_b must be parity.attribute.Setting instances")
     pairs = as_pairs(sequences)

@@ -1,9 +1,7 @@
 """Layer probe: where in the model two settings' numbers first part.
 
-Both settings run the same tokens with every stage's output captured (embeddings, each decoder
-layer, the final norm, the logits of every response token). Per stage the probe reports the
-relative error of B against A and whether any element differs at all; the first differing
-stage is where the drift enters (everything after it inherits it).
+Both settings run the same tokens with every stage captured; the first stage where any element
+differs is where the drift enters (everything after inherits it).
 """
 
 from __future__ import annotations
@@ -23,12 +21,8 @@ from parity.models.loading import LoadedModel
 
 @dataclass(frozen=True)
 class StageDiff:
-    """How one stage's outputs differ between the settings, over every token of every sequence.
-
-    max_abs: max |b - a| over all elements (model units). rel_error: ||b - a||_2 / ||a||_2 over
-    all elements (0 when equal, inf when a is all zeros and b is not). differing / elements: how
-    many elements differ in value (+0 and -0 count as equal, NaN always differs) out of how many.
-    """
+    """How one stage's outputs differ, over every element: max |b - a| (model units), rel_error
+    ||b - a||_2 / ||a||_2 (inf when a is 0 and b is not), differing of elements (+0 == -0, NaN differs)."""
 
     stage: str
     max_abs: float
@@ -38,8 +32,7 @@ class StageDiff:
 
     @classmethod
     def between(cls, stage: str, a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> StageDiff:
-        """Compare per-sequence outputs `a`, `b` (matching shapes) after an exact upcast to float64,
-        so settings of different dtypes are compared on the values each actually produced."""
+        """Compare per-sequence outputs `a`, `b` after an exact upcast to float64 (dtypes may differ)."""
         xa = torch.cat([t.reshape(-1) for t in a]).to(torch.float64)
         xb = torch.cat([t.reshape(-1) for t in b]).to(torch.float64)
         delta = xb - xa
@@ -60,10 +53,7 @@ class StageDiff:
 
 @dataclass(frozen=True)
 class LayerDiff:
-    """The result of `layer_diff`: one `StageDiff` per stage in forward order.
-
-    first_differing: the first stage with any differing element, None when all are equal.
-    """
+    """The result of `layer_diff`: one `StageDiff` per stage in forward order."""
 
     setting_a: Setting
     setting_b: Setting
@@ -81,11 +71,8 @@ class LayerDiff:
 
 def layer_diff(model: str | LoadedModel, tokens: Sequences, setting_a: Setting,
                setting_b: Setting) -> LayerDiff:
-    """Per-stage differences of `setting_b` from `setting_a` on the same tokens.
-
-    tokens: Rollouts or (prompt_ids, response_ids) pairs. Stages: "embed", "layer.<i>" (output
-    of decoder layer i), "norm" (final norm), "logits" (of the response tokens only).
-    """
+    """Per-stage differences of `setting_b` from `setting_a` on the same tokens ("embed", "layer.<i>",
+    "norm", "logits" of the response tokens)."""
     if not isinstance(setting_a, Setting) or not isinstance(setting_b, Setting):
         raise ConfigError("setting_a and setting_b must be parity.attribute.Setting instances")
     a = run(model, tokens, setting_a, capture=True).states

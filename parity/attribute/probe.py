@@ -6,18 +6,11 @@
     diff = engine_diff("tiny-llama", requests, side=EngineSide(batch=1), against=EngineSide())
     diff = engine_diff("tiny-qwen3-moe", requests, replay_routes=True)  # R3: the engine's experts
 
-The engine samples the requests with its probe on (`parity.backends.vllm_probe`): every captured
-stage of the chosen samples, `[rows, width]` in the dtype the engine computed. Side A is then either
-the training forward (`parity.attribute.runner.run`, a prefill over the engine's own tokens, with
-the same stages hooked) or the same engine in another setting (`EngineSide`: its options, and how
-many requests each call batches). Rows are compared position by position, split into prefill (the
-prompt's positions; the first logits row) and decode (every later position: where a rollout's
-logprobs come from). Two engine settings may sample different tokens once their numbers part; each
-sequence is compared only up to the first token the sides disagree on (`EngineDiff.parted`).
-
-On an MoE model, `replay_routes=True` runs the training forward with the engine's own expert choice
-(R3, `train_forward(router_replay="R3")`, the routes the probe captured in the engine): the router
-stage may still differ, while every MoE output is computed by the experts the engine chose.
+Side B is the engine with its probe on (`parity.backends.vllm_probe`); side A the training forward
+over the engine's own tokens, or the same engine in another setting (`EngineSide`). Rows are compared
+position by position, per phase: prefill (the prompt; the first logits row) and decode (where a
+rollout's logprobs come from), each sequence up to the first token the sides disagree on.
+`replay_routes=True` (MoE) makes the training forward use the engine's experts (R3).
 """
 
 from __future__ import annotations
@@ -48,10 +41,8 @@ PHASES: tuple[str, ...] = ("prefill", "decode")
 
 @dataclass(frozen=True)
 class EngineSide:
-    """One setting of the engine: its backend options (besides `probe`) and the requests per call.
-
-    batch: how many requests each engine call carries (1: each alone); None: all in one call.
-    """
+    """One setting of the engine: its backend options (besides `probe`) and the requests per call
+    (`batch`; None: all in one call)."""
 
     options: Mapping[str, Any] = field(default_factory=dict)
     batch: int | None = None
@@ -75,8 +66,7 @@ class EngineSide:
 
 @dataclass(frozen=True)
 class PhaseDiff:
-    """The stages of one phase ("prefill" or "decode"), in forward order (`StageDiff`: max_abs,
-    rel_error, differing / elements over every compared row of every captured sequence)."""
+    """The `StageDiff`s of one phase ("prefill" or "decode"), in forward order."""
 
     phase: str
     stages: tuple[StageDiff, ...]
@@ -92,8 +82,7 @@ class PhaseDiff:
 
     @property
     def growth(self) -> float | None:
-        """Relative error of the last layer's output over that of the first layer that differs
-        (how much the drift grew over depth); None when no layer output differs."""
+        """Relative error of the last layer's output over the first differing layer's; None if none."""
         depth = self.depth
         first = next((e for e in depth if e > 0), None)
         return None if first is None or not math.isfinite(first) else depth[-1] / first
@@ -107,12 +96,8 @@ class PhaseDiff:
 
 @dataclass(frozen=True)
 class EngineDiff:
-    """The result of `engine_diff`: side B (the engine) against side A, per phase.
-
-    sequences: the captured sample indices; parted: how many of them the two sides sampled
-    different tokens for (compared up to there); positions: rows of the first stage compared per phase;
-    replay_routes: side A (the training forward) replayed the engine's MoE routes (R3).
-    """
+    """The result of `engine_diff`: side B (the engine) against side A, per phase. parted: how many
+    captured samples the sides sampled different tokens for; positions: rows compared per phase."""
 
     model: str
     backend: str
@@ -137,8 +122,7 @@ class EngineDiff:
 def check_probe_input(backend: str, requests: Sequence[Request], capture: Iterable[int] | None,
                       stages: Iterable[str] | str | None, sides: Iterable[EngineSide]
                       ) -> tuple[list[int], tuple[str, ...]]:
-    """(capture indices, stage kinds), checked before any engine starts: a backend with a probe,
-    known options and stages, sample indices in range."""
+    """(capture indices, stage kinds), checked before any engine starts."""
     if backend not in PROBE_BACKENDS:
         raise UnsupportedError(f"backend {backend!r} has no engine probe; parity can look inside "
                                f"{list(PROBE_BACKENDS)} (the other backends give logprobs only)")
@@ -161,8 +145,7 @@ def check_probe_input(backend: str, requests: Sequence[Request], capture: Iterab
 
 @dataclass(frozen=True)
 class EngineProbe:
-    """What one engine setting computed: its rollouts (every sample) and, per captured sample index,
-    {stage name: [rows, width]} in the engine's dtype."""
+    """One engine setting's rollouts and, per captured sample, {stage: [rows, width]} in its dtype."""
 
     label: str
     rollouts: tuple[Rollout, ...]
@@ -194,16 +177,9 @@ def engine_diff(model: str, requests: Sequence[Request], *, backend: str = "vllm
                 capture: Iterable[int] | None = None, stages: Iterable[str] | str | None = None,
                 train: Setting | None = None, shared: bool = False, replay_routes: bool = False
                 ) -> EngineDiff:
-    """Stage-by-stage differences of the engine (`side`) from the training forward, or, with `against`,
-    from the same engine in the setting `against` (then side A is `against`, side B is `side`).
-
-    capture: sample indices to capture (default all); stages: stage kinds (`STAGE_KINDS`, default all).
-    train: the training forward's setting (default: `Setting(dtype=dtype)`, all invariant kernels,
-        one right-padded prefill). shared: take the process's shared engines (never closed here);
-        otherwise one engine runs at a time, and two sides with the same options share it.
-    replay_routes: the training forward replays the experts the engine chose (R3); MoE models and
-        the training forward only.
-    Bad input raises a ParityError before any engine starts.
+    """Stage-by-stage differences of the engine (`side`) from the training forward (`train`, default
+    `Setting(dtype=dtype)`), or from the same engine in the setting `against`. shared: the process's
+    shared engines; otherwise one engine runs at a time. Bad input is refused before any start.
     """
     side = side or EngineSide()
     chosen, kinds = check_probe_input(backend, requests, capture, stages,
@@ -246,9 +222,8 @@ def check_replay(model: str, against: EngineSide | None) -> None:
 
 def train_probe(model: str, engine: EngineProbe, train: Setting, kinds: Sequence[str], *,
                 replay_routes: bool = False) -> EngineProbe:
-    """The training forward over the engine's own tokens (its captured samples), the same stages
-    captured: a prefill, so every row of a sequence comes from one forward; with `replay_routes`,
-    forcing the experts the engine chose (each captured rollout's `routed_experts`, R3)."""
+    """The training forward (a prefill) over the engine's captured samples, the same stages captured;
+    `replay_routes` forces each rollout's `routed_experts` (R3)."""
     chosen = sorted(engine.states)
     rollouts = [engine.rollouts[i] for i in chosen]
     pairs = [(list(r.prompt_ids), list(r.token_ids)) for r in rollouts]
@@ -271,8 +246,7 @@ def _common(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def compare_probes(model: str, backend: str, a: EngineProbe, b: EngineProbe) -> EngineDiff:
-    """Side B's captured stages against side A's, row by row, per phase (both captured the same
-    samples and stages)."""
+    """Side B's captured stages against side A's, row by row, per phase."""
     chosen = sorted(b.states)
     if sorted(a.states) != chosen or not chosen:
         raise InputError(f"the two probes captured different samples: {sorted(a.states)} and {chosen}")

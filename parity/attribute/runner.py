@@ -1,15 +1,10 @@
 """Run fixed sequences through the forward the way one `Setting` says: logprobs and, on request,
 the hidden state of every token after every stage of the model.
 
-Prefill settings call the training forward itself (`parity.engine.train_forward`), one call per
-micro-batch, so the numbers are exactly the trainer's. Decode settings teacher-force the
-response one token per step against the KV cache, packing every sequence's next token into one
-row as the reference engine does. Logprobs are always "raw" (log_softmax of the logits):
-attribution measures the forward's numerical drift, and the truncation of top-k/top-p would
-turn a tiny logit difference into an infinite logprob difference at the support boundary.
-
-Hidden states are captured with forward hooks on the model's own modules; each forward's output
-rows are scattered back to (sequence, position) using the layout the forward was run in.
+Prefill settings call `train_forward` itself per micro-batch (exactly the trainer's numbers); decode
+teacher-forces one packed token per sequence per step against the KV cache, as the reference engine.
+Logprobs are raw: top-k/top-p truncation would turn a tiny logit difference into an infinite logprob
+difference at the support boundary. Hooks scatter each forward's rows back to (sequence, position).
 """
 
 from __future__ import annotations
@@ -40,15 +35,9 @@ RowMap = list[tuple[int, torch.Tensor, torch.Tensor]]
 
 @dataclass(frozen=True)
 class Run:
-    """What one setting computed for every sequence.
-
-    logprobs: per sequence, the raw logprob (nats) of each response token, float32 [len(response)].
-    states: stage name (`stage_names`) -> per sequence, in the model dtype:
-        [len(prompt) + len(response), width] for the token stages ("embed", "layer.<i>", "norm" and
-        the sublayers `parity.attribute.stages` names; width: hidden, or experts for a router);
-        [len(response), vocab] for "logits" (the logits each response token was scored from).
-        Empty unless the run was asked to capture.
-    """
+    """What one setting computed for every sequence: raw logprobs (nats, float32 [len(response)]) and,
+    when captured, stage -> per sequence [len(prompt) + len(response), width] in the model dtype
+    ([len(response), vocab] for "logits")."""
 
     logprobs: tuple[torch.Tensor, ...]
     states: dict[str, tuple[torch.Tensor, ...]]
@@ -65,19 +54,14 @@ def moe_layers(lm: LoadedModel) -> list[int]:
 
 
 def stage_names(lm: LoadedModel, kinds: Iterable[str] = DEFAULT_KINDS) -> list[str]:
-    """Stages of `kinds` in forward order (`parity.attribute.stages.stage_order`); by default
-    "embed", "layer.0" .. "layer.<L-1>", "norm", "logits"."""
+    """Stages of `kinds` in forward order (`parity.attribute.stages.stage_order`)."""
     return stage_order(kinds, len(lm.model.model.layers), moe_layers(lm))
 
 
 def run(model: str | LoadedModel, sequences: Sequences, setting: Setting, *, capture: bool = False,
         stages: Iterable[str] | None = None, routes: Sequence[np.ndarray] | None = None) -> Run:
-    """The forward of `setting` over `sequences`; with `capture`, the hidden states of the stage kinds
-    `stages` too (`parity.attribute.stages.STAGE_KINDS`; default `DEFAULT_KINDS`).
-
-    routes: one array of expert ids per sequence, int `[len(prompt) + len(response) - 1, moe_layers,
-        top_k]`, forced in every MoE layer (R3: `train_forward(router_replay="R3")`); prefill only.
-    """
+    """The forward of `setting` over `sequences`; with `capture`, the stage kinds `stages` too.
+    routes: per sequence int `[len(prompt) + len(response) - 1, moe_layers, top_k]`, replayed R3."""
     kinds = DEFAULT_KINDS if stages is None else check_stage_kinds(stages)
     pairs = as_pairs(sequences)
     if not pairs:
@@ -106,8 +90,7 @@ def run(model: str | LoadedModel, sequences: Sequences, setting: Setting, *, cap
 
 def _prefill(lm: LoadedModel, pairs: list[Pair], indices: range, setting: Setting,
              recorder: _Recorder | None, routes: list[np.ndarray] | None = None) -> list[torch.Tensor]:
-    """One training-forward call on the micro-batch `indices`, laid out as `setting.layout`; `routes`
-    (one per sequence of the micro-batch) replayed R3 when given."""
+    """One training-forward call on the micro-batch `indices`, laid out as `setting.layout`."""
     part = [pairs[i] for i in indices]
     if recorder is not None:
         recorder.expect(_layout_rows(part, indices, setting.layout), _response_rows(part, indices))
@@ -117,9 +100,7 @@ def _prefill(lm: LoadedModel, pairs: list[Pair], indices: range, setting: Settin
 
 
 def _layout_rows(part: list[Pair], indices: range, layout: str) -> RowMap:
-    """Flat rows of a [B, L] forward holding each sequence's tokens, as `train_forward` lays them out:
-    right padding puts sequence b at row b from column 0, left padding ends it at the last column,
-    packing concatenates the sequences in one row."""
+    """Flat rows of a [B, L] forward holding each sequence's tokens, as `train_forward` lays them out."""
     lengths = [len(p) + len(r) for p, r in part]
     width = max(lengths)
     rows: RowMap = []
@@ -179,13 +160,8 @@ def _pack_step(part: list[Pair], indices: range, step: int) -> _Step:
 
 def _decode(lm: LoadedModel, pairs: list[Pair], indices: range, setting: Setting,
             recorder: _Recorder | None) -> list[torch.Tensor]:
-    """Teacher-forced decode of the micro-batch `indices`, one packed [1, T] forward per step: step 0
-    prefills every whole prompt (as the engine does when its chunk size covers the prompt), step
-    t >= 1 feeds response token t - 1 of every sequence that has it.
-
-    The last response token is fed too, although no logprob needs it, so every position has a
-    hidden state to compare with a prefill.
-    """
+    """Teacher-forced decode of the micro-batch `indices`, one packed [1, T] forward per step; the last
+    response token is fed too, so every position has a hidden state to compare with a prefill."""
     part = [pairs[i] for i in indices]
     device = lm.device
     longest = max(len(p) + len(r) for p, r in part)
@@ -211,11 +187,8 @@ def _decode(lm: LoadedModel, pairs: list[Pair], indices: range, setting: Setting
 
 
 class _Recorder:
-    """Forward hooks that copy each stage's output rows to per-sequence buffers.
-
-    Before every model forward the runner calls `expect` with where that forward's token rows
-    (embed, decoder layers, final norm) and lm_head rows belong; the hooks then scatter them.
-    """
+    """Forward hooks that copy each stage's output rows to per-sequence buffers, where the last
+    `expect` said this forward's token and lm_head rows belong."""
 
     def __init__(self, lm: LoadedModel, pairs: list[Pair], kinds: Iterable[str]) -> None:
         self.lm = lm

@@ -1,8 +1,5 @@
-"""The attribution section of a report: op ablation and layer probe along the chosen axes, as JSON.
-
-`attribution_section` computes it; `parity.render.attribution.section_html` draws it. Reports
-attach it as `ParityReport.extras["attribution"]`; the nightly pages render it from there.
-"""
+"""The attribution section of a report (`extras["attribution"]`): op ablation and layer probe along
+the chosen axes, as JSON; `parity.render.attribution` draws it."""
 
 from __future__ import annotations
 
@@ -23,17 +20,9 @@ def attribution_section(model: str | LoadedModel, sequences: Sequences, *, axes:
                         dtype: str = "float32", device: str = "auto", families: Iterable[str] | None = None,
                         probe_kernels: Iterable[str] | str = "native", ops: bool = True,
                         layers: bool = True) -> dict[str, Any]:
-    """Attribute drift along each axis of `axes` (`parity.attribute.AXES`) on `sequences`.
-
-    dtype, device: both sides' (the "dtype" axis compares bfloat16 with float16 instead); device
-        "auto" (default) is where parity's engine runs by default (`resolve_device`): cpu.
-    families: the kernel families the op ablation switches one at a time (default: all).
-    probe_kernels: the invariant families both sides of the layer probe run with; default
-        "native", because with invariant kernels every axis but dtype is bitwise equal by
-        construction and there would be no drift to locate.
-    ops / layers: run the op ablation / the layer probe.
-    Returns {"axes": [{"axis", "description", "ops"?: OpAttribution.to_dict(),
-    "layers"?: LayerDiff.to_dict()}, ...]}, JSON-serializable.
+    """Attribute drift along each axis of `axes` (`AXES`) on `sequences`: {"axes": [{"axis",
+    "description", "ops"?, "layers"?}]}. probe_kernels defaults to "native": with invariant kernels
+    every axis but dtype is bitwise equal by construction, leaving no drift to locate.
     """
     chosen = list(axes)
     unknown = [axis for axis in chosen if axis not in AXES]

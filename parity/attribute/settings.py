@@ -1,15 +1,8 @@
 """`Setting`: how one side of a comparison runs the forward, and the axes attribution compares along.
 
-A setting fixes everything that can change a token's numbers without changing the tokens: the
-kernel families switched invariant, the dtype, the batch composition (each sequence alone or
-several in one micro-batch), padding vs packing, and whether the response is computed in one
-teacher-forced prefill (the trainer) or one token per step against a KV cache (a rollout
-engine's decode).
-
-Batch-variant kernels only drift when the two sides of a comparison give them different shapes.
-Comparing a setting with itself is therefore always exactly zero, whatever the kernels; every
-`AXES` entry changes exactly one thing between side A (the trainer) and side B (the rollout
-engine), so the drift it shows is the drift that one difference causes.
+A setting fixes what can change a token's numbers without changing the tokens (kernels, dtype, batch
+composition, layout, prefill or decode). A setting against itself is always exactly zero, so each
+`AXES` entry changes one thing between side A (the trainer) and B (the engine) and shows its drift.
 """
 
 from __future__ import annotations
@@ -35,13 +28,9 @@ MODES: tuple[str, ...] = ("prefill", "decode")
 class Setting:
     """One way to run the forward over a fixed set of sequences.
 
-    kernels: the kernel families switched batch-invariant (`parity.kernels.FAMILIES`); also
-        accepts "invariant" (all) or "native" (none), normalized to a frozenset.
-    dtype: model dtype, "float32", "bfloat16" or "float16".
-    micro_batch_size: sequences per forward; 1 = each sequence alone, None = all in one.
-    layout: "right"/"left" padding of a [micro_batch, max_len] batch, or "packed" into one row.
-    mode: "prefill" or "decode" (see `MODES`); decode steps are packed, so it needs layout "packed".
-    device: where the forward runs ("cpu", "cuda").
+    kernels: the families switched batch-invariant ("invariant": all, "native": none).
+    micro_batch_size: sequences per forward (None: all in one). layout: "right"/"left" padding of a
+    [micro_batch, max_len] batch, or "packed" into one row (which mode "decode" needs).
     """
 
     kernels: frozenset[str] = frozenset(_kernels.FAMILIES)
@@ -97,11 +86,8 @@ class Setting:
 
 def axis_settings(axis: str, *, dtype: str = "float32", device: str = "cpu",
                   kernels: Iterable[str] | str = "invariant") -> tuple[Setting, Setting]:
-    """(side A, side B) of a named axis (`AXES`): identical except for the one thing the axis varies.
-
-    dtype: both sides' dtype (ignored by the "dtype" axis, which compares bfloat16 with float16).
-    kernels: both sides' invariant families (attribution then switches them per family).
-    """
+    """(side A, side B) of a named axis (`AXES`): identical but for the one thing the axis varies
+    (the "dtype" axis ignores `dtype`)."""
     base = Setting(kernels=kernels, dtype=dtype, device=device)
     pairs = {
         "batch": (dataclasses.replace(base, micro_batch_size=1), base),

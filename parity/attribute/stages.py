@@ -1,9 +1,5 @@
-"""The stages an engine probe captures, by kind, and their names in forward order. Data only, no torch:
-`parity attribute --help` and the checks before an engine starts read it.
-
-Every stage is a `[rows, width]` tensor per sequence: one row per fed token position for the token
-stages, one row per response token for "logits" (the logits that token was sampled or scored from).
-"""
+"""The stages a probe captures, by kind, and their names in forward order; data only, no torch. A stage
+is `[rows, width]` per sequence: a row per fed position, or per response token for "logits"."""
 
 from __future__ import annotations
 
@@ -24,8 +20,7 @@ STAGE_KINDS: dict[str, str] = {
 
 
 def check_stage_kinds(kinds: Iterable[str] | str | None) -> tuple[str, ...]:
-    """`kinds` (None: all; a comma-separated string or an iterable) as `STAGE_KINDS` keys in forward
-    order; ConfigError naming the unknown ones and the choices."""
+    """`kinds` (None: all; a comma-separated string or an iterable) as `STAGE_KINDS` keys in forward order."""
     if kinds is None:
         return tuple(STAGE_KINDS)
     chosen = [k.strip() for k in kinds.split(",")] if isinstance(kinds, str) else [str(k) for k in kinds]

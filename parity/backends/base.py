@@ -1,22 +1,9 @@
-"""The `Backend` contract every adapter implements, and the helpers adapters share.
+"""The `Backend` contract every adapter implements, and what is the same for every backend, once.
 
-An adapter turns parity `Request`s into one backend's native calls and the backend's outputs
-back into parity `Rollout`s. What is the same for every backend lives here, once:
-
-- n > 1 is expanded into n single-sample jobs, each with its own seed from `sample_seed`, so
-  sample i of a request gets the same seed on every backend (backends disagree on how they
-  derive child seeds: vLLM uses seed + i, HF has one global generator).
-- The stop set (the request's stop ids, plus the model's EOS ids unless `ignore_eos`) is computed
-  once and sent to every backend explicitly, never left to a backend default.
-- `score` takes what `parity.engine.train_forward` takes (Rollouts or (prompt_ids,
-  response_ids) pairs) and returns what it returns: per sequence, a float32 tensor of the
-  response tokens' teacher-forced logprobs, so backend scores line up with rollout logprobs.
-  It is one template: the arguments are checked here and an adapter's `_score` gets checked
-  pairs and the logprob definition as a `SamplingParams`.
-- "processed" logprobs have one definition, `parity.engine.sampler.processed_logprobs`
-  (temperature, top-k, top-p, renormalized; a point mass under greedy). Backends that report
-  something else (raw prompt logprobs; vLLM and HF report raw logprobs under greedy) are
-  converted through `processed_from_raw`, and the conversion is recorded in meta.
+Samples are expanded to single-sample jobs seeded by `sample_seed` (backends derive child seeds
+differently); the stop set, EOS included, is sent explicitly; `score` takes and returns what
+`parity.engine.train_forward` does; logprobs reported in another definition than parity's processed
+one (`parity.engine.sampler.processed_logprobs`) are converted here and the conversion recorded.
 """
 
 from __future__ import annotations
@@ -47,8 +34,7 @@ TopKRows = tuple[list[list[int]], list[list[float]]]
 
 
 def greedy_top_k(token_ids: Sequence[int], ids: list[list[int]]) -> TopKRows:
-    """Top-k rows of parity's processed greedy distribution, a point mass on the sampled token: that
-    token first at 0.0, the engine's other ids after it at -inf."""
+    """Top-k rows of the greedy point mass: the sampled token at 0.0, the engine's other ids at -inf."""
     rows = [[token, *[t for t in row if t != token][:len(row) - 1]] for token, row in zip(token_ids, ids)]
     return rows, [[0.0] + [float("-inf")] * (len(row) - 1) for row in rows]
 
@@ -58,11 +44,8 @@ _SEED_RANGE = 2**31 - 1
 
 
 def sample_seed(seed: int, sample_index: int) -> int:
-    """The seed sent to a backend for sample `sample_index` of a request with seed `seed`.
-
-    A hash of the pair rather than seed + i (vLLM's own rule) so that requests with adjacent
-    seeds never share samples: with seed + i, sample 1 of seed 0 would equal sample 0 of seed 1.
-    """
+    """The seed of sample `sample_index` of a request with seed `seed`: a hash of the pair, not seed + i,
+    so requests with adjacent seeds never share samples."""
     state = np.random.SeedSequence([seed, sample_index]).generate_state(1, dtype=np.uint64)[0]
     return int(state % _SEED_RANGE)
 
@@ -111,11 +94,8 @@ def eos_token_ids(model_path: str | Path) -> tuple[int, ...]:
 
 
 def stop_set(sampling: SamplingParams, eos_ids: Iterable[int]) -> tuple[int, ...]:
-    """Token ids that end a sample: the request's stop ids, plus EOS unless `ignore_eos`.
-
-    `ignore_eos` skips EOS only; explicit stop ids still stop (vLLM's and SGLang's meaning, and
-    the reference engine's).
-    """
+    """Token ids that end a sample: the request's stop ids, plus EOS unless `ignore_eos` (which
+    skips EOS only, as in vLLM and SGLang)."""
     eos = () if sampling.ignore_eos else tuple(eos_ids)
     return tuple(dict.fromkeys([*sampling.stop_token_ids, *eos]))
 
@@ -126,17 +106,14 @@ def finish_reason(token_ids: Sequence[int], stops: Sequence[int]) -> str:
 
 
 def score_sampling(logprobs_mode: str, temperature: float, top_k: int, top_p: float) -> SamplingParams:
-    """The logprob definition asked of `score`, checked: the distribution a request sampled with
-    these parameters draws from ("processed") or log_softmax of the logits ("raw")."""
+    """The logprob definition asked of `score`, checked."""
     check_choice(logprobs_mode, LOGPROBS_MODES, "logprobs_mode")
     return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, logprobs_mode=logprobs_mode)
 
 
 def processed_from_raw(raw: torch.Tensor, *, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """parity's processed logprobs `[N, V]` from raw logits or raw logprobs `[N, V]`.
-
-    Softmax ignores a per-row shift, so logits and log_softmax(logits) give the same result.
-    """
+    """parity's processed logprobs `[N, V]` from raw logits or raw logprobs `[N, V]` (softmax ignores
+    a per-row shift, so either gives the same result)."""
     # the engine's sampler (torch) only when converting: `import parity.backends` stays light
     from parity.engine.sampler import RowParams, processed_logprobs
 
@@ -146,11 +123,7 @@ def processed_from_raw(raw: torch.Tensor, *, temperature: float, top_k: int, top
 
 
 def greedy_processed(logprobs: Sequence[float]) -> list[float]:
-    """Processed logprobs of greedy tokens: 0 each (the argmax of a point mass).
-
-    vLLM and HF report raw log_softmax values under greedy decoding even when asked for
-    processed ones; parity's definition is the distribution actually sampled from.
-    """
+    """Processed logprobs of greedy tokens: 0 each (vLLM and HF report raw ones under greedy)."""
     return [0.0] * len(logprobs)
 
 
@@ -158,10 +131,7 @@ class Backend(abc.ABC):
     """One inference backend behind parity's normalized interface; a context manager.
 
     Subclasses set `name`, implement `generate`, `_score` and `close`, and fill `meta` with the
-    backend version and every setting that affects numerics (dtype, attention backend,
-    batch-invariant flag, TP size, prefix caching, logprob definition); each returned `Rollout`
-    carries a copy of it. A backend's options are what `option_names` lists
-    (`parity.backends.get_backend` refuses any other name).
+    version and every setting that affects numerics; each `Rollout` carries a copy of it.
     """
 
     name: ClassVar[str]
@@ -170,8 +140,7 @@ class Backend(abc.ABC):
     #: whether `generate` runs multi-turn trajectories itself (continuing each in place); others
     #: get them turn by turn from `parity.backends.turns.generate`.
     native_turns: ClassVar[bool] = False
-    #: whether `generate_uncached` keeps a request from reading the prefix cache (an adapter that
-    #: can says so; without it, a backend with a prefix cache cannot run a request without it).
+    #: whether `generate_uncached` keeps a request from reading the prefix cache.
     bypasses_prefix_cache: ClassVar[bool] = False
     #: set by `parity.backends.shared_backend` on the backends it shares (their state is not theirs to
     #: change: `load_adapter` refuses).
@@ -179,9 +148,7 @@ class Backend(abc.ABC):
 
     @classmethod
     def option_names(cls) -> list[str]:
-        """The options `get_backend(name, model, dtype=..., **options)` accepts: the keyword-only
-        parameters of the adapter's `__init__` but dtype. An adapter that takes a config's fields
-        through `**kwargs` lists them itself."""
+        """The options `get_backend` accepts: the keyword-only parameters of `__init__` but dtype."""
         params = inspect.signature(cls.__init__).parameters.values()
         return [p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name != "dtype"]
 
@@ -201,11 +168,8 @@ class Backend(abc.ABC):
         return bool(self.meta.get("enable_prefix_caching"))
 
     def generate_uncached(self, requests: Sequence[Request]) -> list[Rollout]:
-        """`generate` without reading the prefix cache: every prompt is prefilled from its first token.
-
-        A backend without a prefix cache just generates; one with a cache it cannot bypass per
-        request (`bypasses_prefix_cache` false) raises UnsupportedError.
-        """
+        """`generate` with every prompt prefilled from its first token (UnsupportedError where a
+        prefix cache cannot be bypassed)."""
         if self.has_prefix_cache:
             raise UnsupportedError(f"backend {self.name!r} cannot keep a request from reading its prefix "
                                    "cache")
@@ -216,8 +180,6 @@ class Backend(abc.ABC):
         """Teacher-forced logprobs of each sequence's response tokens, float32 `[len(response)]`.
 
         sequences: Rollouts or (prompt_ids, response_ids) pairs (as `train_forward` takes).
-        logprobs_mode="raw" scores under log_softmax(logits); "processed" under the
-        distribution sampling with (temperature, top_k, top_p) draws from.
         """
         sampling = score_sampling(logprobs_mode, temperature, top_k, top_p)
         if logprobs_mode not in self.score_modes:
@@ -227,13 +189,11 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def _score(self, pairs: list[Pair], sampling: SamplingParams) -> list[torch.Tensor]:
-        """`score` on checked pairs; `sampling` holds the logprob definition (`logprobs_mode`,
-        `temperature`, `top_k`, `top_p`), its other fields are defaults."""
+        """`score` on checked pairs; `sampling` holds the logprob definition."""
 
     def check_lora(self, lora: str | os.PathLike[str] | None) -> LoraSpec | None:
-        """The adapter `lora` checked against this backend's model before its engine starts
-        (`parity.models.lora.check_adapter`) and recorded in `meta["lora"]`; None stays None. Adapters
-        with a `lora` option call it first thing."""
+        """The adapter `lora` checked against the model before the engine starts, recorded in
+        `meta["lora"]`; None stays None."""
         if lora is None:
             return None
         spec = check_adapter(lora, self.model_path)
@@ -241,14 +201,9 @@ class Backend(abc.ABC):
         return spec
 
     def load_adapter(self, lora: str | os.PathLike[str]) -> LoraSpec:
-        """Apply LoRA adapter `lora` from the next call on, in place of the one the backend started
-        with (an RL step's new adapter: same rank and modules), checked against the model first;
-        `meta["lora"]`, and with it the rollouts, record the new one. Returns its spec.
-
-        Only on a backend started with an adapter, and not on one from `shared_backend`: that one
-        is shared under the options it started with, and a swap would hand other callers an
-        adapter they did not ask for (start one of your own with `get_backend`).
-        """
+        """Apply LoRA adapter `lora` from the next call on (an RL step's new adapter), recorded in
+        `meta["lora"]`; returns its spec. Refused on a shared backend: a swap would hand its other
+        callers an adapter they did not ask for."""
         if "lora" not in self.meta:
             raise AdapterError(f"backend {self.name!r} was started without a LoRA adapter; start it with "
                                "lora= to swap adapters at run time")
@@ -271,23 +226,17 @@ class Backend(abc.ABC):
                            "start a new backend on the updated checkpoint instead")
 
     def weight_checksums(self) -> dict[str, str | None]:
-        """A digest of every weight tensor the engine holds, by the engine's own tensor name: what a
-        weight push is verified by. The digest format is the backend's own (`expected_checksums`
-        makes the same): parity's `tensor_digest` in process, vLLM's sha256 in vLLM. None marks a
-        tensor the engine computes with but cannot show (vLLM-CPU packs linear weights into its
-        GEMM kernels and drops the tensor)."""
+        """A digest of every weight tensor the engine holds, by its own name (what a weight push is
+        verified by); None for a tensor it cannot show (vLLM-CPU's GEMM-packed weights)."""
         raise UnsupportedError(f"backend {self.name!r} cannot report the weights it holds")
 
     def expected_checksums(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
-        """What `weight_checksums()` returns once `update_weights(named_tensors)` has loaded these
-        tensors: the engine's names, layout and dtype applied to them (only the entries the
-        tensors determine)."""
+        """What `weight_checksums()` returns once `update_weights(named_tensors)` has loaded them."""
         raise UnsupportedError(f"backend {self.name!r} cannot say which weights a push should leave")
 
     @classmethod
     def weight_sync_missing(cls) -> str | None:
-        """Why this adapter cannot take part in a weight sync (push new weights, then verify that
-        the engine holds them), or None when it can. Read off the class: no engine starts."""
+        """Why this adapter cannot push and verify weights, or None; read off the class."""
         if cls.update_weights is Backend.update_weights:
             return f"backend {cls.name!r} has no weight-update API"
         if (cls.weight_checksums is Backend.weight_checksums
@@ -302,18 +251,14 @@ class Backend(abc.ABC):
 
     @property
     def alive(self) -> bool:
-        """False once the engine behind this backend has died, so that every later call would
-        fail (vLLM's engine core process after a fatal error); a process-wide cache
-        (`parity.backends.shared_backend`) then closes it and starts a new one. An engine that
-        runs in parity's own process lives as long as the process does."""
+        """False once the engine has died and every later call would fail (`shared_backend` then
+        replaces it)."""
         return True
 
     def rollout(self, job: SampleJob, token_ids: Sequence[int], logprobs: Sequence[float],
                 finish: str, routed_experts: np.ndarray | None = None,
                 top_k: TopKRows | None = None, **extra_meta: Any) -> Rollout:
-        """A `Rollout` for `job` stamped with this backend's name, mode, meta and the request's
-        sampling parameters (what the training forward scores it under); `top_k`: per token the
-        (ids, logprobs) of the engine's k most likely tokens, when the request asked for them."""
+        """A `Rollout` for `job` stamped with this backend's name, mode, meta and the request's sampling."""
         fields = {} if top_k is None else {"top_k_ids": np.array(top_k[0], dtype=np.int64),
                                             "top_k_logprobs": np.array(top_k[1], dtype=np.float64)}
         return Rollout(
@@ -326,20 +271,14 @@ class Backend(abc.ABC):
 
     @classmethod
     def top_k_limit(cls, options: dict[str, Any]) -> int | None:
-        """The most top-k logprobs per position this backend returns when started with `options`:
-        None for no limit (the vocabulary), 0 when it cannot return them."""
+        """The most top-k logprobs per position with `options`: None for no limit, 0 for none."""
         return 0
 
     def finished(self, job: SampleJob, token_ids: Sequence[int], logprobs: Sequence[float],
                  routed_experts: np.ndarray | None = None, top_k: TopKRows | None = None,
                  **extra_meta: Any) -> Rollout:
-        """The `Rollout` of one finished sample, normalized the same way for every backend.
-
-        Under greedy decoding backends report raw log_softmax values even when processed ones
-        were asked for; parity's processed definition is the point mass (0.0 per token), so they
-        are converted here and the conversion is recorded in meta. The finish reason comes from
-        parity's own stop set, not the backend's spelling of it.
-        """
+        """The `Rollout` of one finished sample, normalized alike for every backend: greedy processed
+        logprobs become the point mass (recorded in meta); the finish reason is parity's stop set's."""
         if job.sampling.temperature == 0 and job.sampling.logprobs_mode == "processed":
             logprobs = greedy_processed(logprobs)
             if top_k is not None:

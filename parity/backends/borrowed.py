@@ -1,10 +1,8 @@
 """Where a backend runs, and a backend passed in already running checked against the call.
 
-compare, audit and loop take a backend name (they start it) or a running `Backend` (borrowed:
-they use it as it is). Both are checked here before anything starts: "auto" devices resolved from
-the backend table (`parity.core.backend_table`: an engine whose build picks the GPU runs on
-cuda on a CUDA host), a named backend that would run elsewhere than the call says, and a running
-one whose model, dtype, device, options or adapter differ from the call's.
+compare, audit and loop take a backend name or a running `Backend`; both are checked here before
+anything starts ("auto" devices from the backend table, a name that would run elsewhere, a running
+one whose model, dtype, device, options or adapter differ from the call's).
 """
 
 from __future__ import annotations
@@ -48,9 +46,8 @@ def _cpu_build(requires: str) -> bool:
 
 
 def runs_on(name: str, options: Mapping[str, Any] | None = None) -> str | None:
-    """The device type named backend `name` will run on here when started with `options`: "cuda"
-    or "cpu"; None where the call decides (a `device` option) or nobody here can tell (a server
-    attached by URL, an unknown name)."""
+    """"cuda" or "cpu": where backend `name` will run here with `options`; None where the call decides
+    or nobody here can tell (a server attached by URL, an unknown name)."""
     spec = BACKENDS.get(name)
     if spec is None or spec.runs_on == "option":
         return None
@@ -63,9 +60,8 @@ def runs_on(name: str, options: Mapping[str, Any] | None = None) -> str | None:
 
 def resolve_device(device: str, backends: Iterable[str | Backend] = (),
                    options: Mapping[str, Mapping[str, Any]] | None = None) -> str:
-    """`device`, with "auto" resolved to where the backends run: "cuda" when one of them runs
-    there (a running one by its `meta["device"]`, a name by `runs_on`), else "cpu".
-    options: start options per backend name (an attach option makes a name undecided)."""
+    """`device`, with "auto" resolved to "cuda" when one of `backends` runs there, else "cpu";
+    options: start options per backend name."""
     if not isinstance(device, str) or not device:
         raise ConfigError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
     if device != AUTO:
@@ -94,15 +90,8 @@ def check_borrowed(backend: object, *, model: str | None, dtype: str | None, dev
                    options: Mapping[str, Any] | None = None, lora: LoraSpec | str | None = UNCHECKED,
                    role: str = "backend") -> Backend:
     """`backend`, a running `Backend` the caller passed in, checked against the call; ConfigError
-    naming both values otherwise.
-
-    model: the call's model (its checkpoint must be the one the backend serves); None: not checked.
-    dtype: the call's dtype; None: not checked. device: where the call needs the backend, checked
-    by device type against its `meta["device"]` where it reports one; None: not checked.
-    options: start options the call was given; any is refused (they apply when a name is started).
-    lora: the adapter the call applies (None: none), compared by hash; `UNCHECKED`: not checked.
-    role: how messages name the backend (e.g. "backend 'vllm' given").
-    """
+    naming both values otherwise. None (for lora `UNCHECKED`) leaves a field unchecked; any option
+    is refused (options apply when a name is started); lora is compared by hash."""
     if not isinstance(backend, Backend):
         raise ConfigError(f"backend must be a backend name or a parity Backend, got {type(backend).__name__}")
     what = f"the running {backend.name!r} {role}"

@@ -1,21 +1,10 @@
 """Plain `transformers` generate: the "what a naive HF rollout gives you" baseline.
 
-Native kernels (SDPA attention, stock matmuls), left-padded batches, HF's own samplers and
-logits warpers. Translation facts:
-- HF generate applies top_k=50 unless told otherwise; parity sends top_k=0 ("off") explicitly
-  and builds the `GenerationConfig` from scratch so no checkpoint default leaks in.
-- max_tokens -> max_new_tokens; stop ids + EOS -> eos_token_id (a list); ignore_eos drops EOS
-  from that list (explicit stop ids still stop).
-- HF has one global RNG per generate call, not one per request: each padded batch is seeded
-  with `torch.manual_seed(seed of its first sample)`. Samples therefore depend on the batch
-  they land in; meta records this ("seeding": "per padded batch").
-- `output_scores` are HF's processed scores (after temperature/top-k/top-p): their
-  log_softmax is the processed logprob. `output_logits` are raw. Under greedy the scores are
-  the raw logits; processed mode converts them to parity's point mass (0 per token).
-- A LoRA adapter (`lora`) runs through peft's `PeftModel`, the way a peft trainer runs it: adapter
-  weights in float32 (peft's default `autocast_adapter_dtype`), added unmerged to each base
-  layer's output in the order `parity.models.lora` documents. `load_adapter` loads the next one
-  under a new name, activates it and deletes the previous one.
+Stock kernels, left-padded batches, HF's samplers. The `GenerationConfig` is built from scratch
+(HF would apply top_k=50 and checkpoint defaults). HF has one global RNG per generate call, so each
+padded batch is seeded with its first sample's seed and samples depend on their batch (meta
+"seeding"). `output_scores` are processed, `output_logits` raw. LoRA runs through peft's
+`PeftModel` as a peft trainer runs it (adapter weights in float32, unmerged).
 """
 
 from __future__ import annotations
@@ -51,12 +40,7 @@ def translate_sampling(sp: SamplingParams, eos_ids: Sequence[int], pad_id: int) 
 
 
 class HFBackend(Backend):
-    """`AutoModelForCausalLM.generate` on a local checkpoint.
-
-    device: torch device for the model. attn_implementation: HF attention ("sdpa", "eager").
-    batch_size: samples per padded generate call. lora: a LoRA adapter (directory or built-in
-    adapter name) applied through peft's `PeftModel` (needs the `peft` package).
-    """
+    """`AutoModelForCausalLM.generate` on a local checkpoint; `batch_size` samples per padded call."""
 
     name = "hf"
 

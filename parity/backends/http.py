@@ -1,17 +1,11 @@
 """HTTP to a rollout server, shared by the server backends (vLLM's OpenAI API, SGLang's /generate).
 
-- `Endpoint`: the URL (scheme checked: http or https), and credentials kept out of everything
-  parity writes: an API key comes from an environment variable named by an option and is sent
-  as `Authorization: Bearer`; user:password in the URL is sent as basic auth. `Endpoint.public`
-  (what reports and errors show) drops both, and the query string.
-- `HttpClient.post_many`: many requests in flight at once (bounded by `concurrency`, default 64),
-  each with its own timeout, the whole batch with a run timeout. Connection errors and
-  429/502/503/504 answers are retried with exponential backoff (the requests are idempotent:
-  every sample carries its own seed). A request that never got an answer is *lost*; a batch with
-  lost requests raises `RequestsLostError` naming each one and why, instead of hanging or
-  returning a partial batch. A server parity started that has died fails the batch at once
-  (`liveness`), with no further retries. Any other 4xx answer is a request the server refuses
-  (an input or configuration problem), raised at once as BackendError with the server's words.
+Credentials (an API key from a named environment variable, or user:password in the URL) never
+reach what parity writes (`Endpoint.public`). `post_many` keeps `concurrency` requests in flight;
+connection errors and 429/502/503/504 are retried with backoff (every sample carries its seed, so
+requests are idempotent); a batch with requests that got no answer raises `RequestsLostError` naming
+each, never hangs or returns part; a dead server parity started fails it at once; another 4xx is
+raised at once with the server's words.
 """
 
 from __future__ import annotations
@@ -117,17 +111,9 @@ def _redact(url: str) -> str:
 
 @dataclass(frozen=True)
 class HttpSettings:
-    """Limits for talking to a server (seconds; counts).
-
-    concurrency: requests in flight at once.
-    request_timeout_s: one request's answer must arrive within this.
-    metadata_timeout_s: the same for a GET (`/v1/models`, `/metrics`, ...): a server that accepts
-        the connection but never answers is told apart in seconds, not after a generation's timeout.
-    run_timeout_s: a whole batch (`post_many`) must finish within this.
-    connect_timeout_s: opening a connection.
-    retries: further attempts after a connection error or a 429/502/503/504 answer.
-    backoff_s: the first retry waits backoff_s x U(0.5, 1); each further one twice as long.
-    """
+    """Limits for talking to a server (seconds; counts). metadata_timeout_s bounds a GET, so a server
+    that never answers is told apart in seconds; run_timeout_s bounds a whole `post_many`; retry i
+    waits backoff_s x 2^i x U(0.5, 1)."""
 
     concurrency: int = 64
     request_timeout_s: float = 600.0
@@ -179,16 +165,12 @@ class RequestsLostError(BackendError):
 
 
 class _Fatal(Exception):
-    """A request that fails however often it is sent: a 4xx answer other than 429, or an answer
-    that is not JSON."""
+    """A request that fails however often it is sent (a 4xx but 429, or an answer not JSON)."""
 
 
 class HttpClient:
-    """JSON over HTTP to one server; see the module docstring for the failure rules.
-
-    liveness: returns None while the server is believed alive, else why it is dead (e.g. the exit
-        code of a server process parity started); checked before each retry.
-    """
+    """JSON over HTTP to one server. liveness: None while the server is believed alive, else why it
+    is dead; checked before each retry."""
 
     def __init__(self, endpoint: Endpoint, settings: HttpSettings | None = None, *,
                  liveness: Callable[[], str | None] | None = None) -> None:
@@ -210,11 +192,7 @@ class HttpClient:
         return self._one("POST", route, body, text=text)
 
     def post_many(self, route: str, bodies: Sequence[dict[str, Any]], labels: Sequence[str]) -> list[Any]:
-        """POST every body to `route` concurrently; answers in input order.
-
-        Raises RequestsLostError naming each lost request (by its label), BackendError when the
-        server refuses a request.
-        """
+        """POST every body to `route` concurrently; answers in input order."""
         if len(bodies) != len(labels):
             raise ValueError("post_many needs one label per body")
         if not bodies:

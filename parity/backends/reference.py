@@ -1,9 +1,7 @@
 """parity's own batch-invariant engine behind the backend contract: the zero-mismatch baseline.
 
-No translation is needed: the engine speaks parity's `Request`/`Rollout` natively (per-sample
-noise keyed by (seed, sample index, position), both logprob modes, routes). `score` is the
-training forward itself, so with invariant kernels `score(rollouts)` equals the rollouts'
-logprobs bit for bit.
+The engine speaks parity's `Request`/`Rollout` natively; `score` is the training forward itself, so
+with invariant kernels `score(rollouts)` equals the rollouts' logprobs bit for bit.
 """
 
 from __future__ import annotations
@@ -24,15 +22,8 @@ from parity.models.lora import LoraSpec
 
 
 class ReferenceBackend(Backend):
-    """`parity.engine.ReferenceEngine` for generate, `parity.engine.train_forward` for score.
-
-    engine: `parity.engine.EngineConfig` settings besides dtype (device, kernels, max_num_seqs,
-    chunk_size, record_routes, max_num_batched_tokens, graphs, tensor_parallel_size, tp_reduction,
-    reduction_groups, lora: a LoRA adapter the engine and `score` apply);
-    an unknown one is a ConfigError.
-    kernels "invariant" is the baseline, "native" (stock torch ops) the contrast; record_routes
-    returns MoE routed experts per position.
-    """
+    """`parity.engine.ReferenceEngine` for generate, `parity.engine.train_forward` for score; the
+    options are `EngineConfig`'s fields but dtype (kernels "invariant": the baseline)."""
 
     name = "reference"
     native_turns = True  # the engine continues trajectories in place
@@ -83,13 +74,12 @@ class ReferenceBackend(Backend):
         return self._engine.weight_checksums()
 
     def expected_checksums(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
-        """The tensors cast to the engine's dtype, under their own names (the engine's layout is
-        the HF model's)."""
+        """The tensors in the engine's dtype under their own names (the engine's layout is HF's)."""
         dtype = self._engine.lm.torch_dtype
         return {name: tensor_digest(tensor.to(dtype)) for name, tensor in named_tensors}
 
     def _load_adapter(self, spec: LoraSpec) -> None:
-        """The engine's `load_adapter`: the new adapter's tensors written in place of the running one's."""
+        """The new adapter's tensors written in place of the running one's."""
         self._engine.load_adapter(spec)
 
     def close(self) -> None:

@@ -1,9 +1,7 @@
-"""Backends by name (like verl's `rollout.name`), their options, a process-wide engine cache,
-and availability.
+"""Backends by name, their options, a process-wide engine cache, and availability.
 
-Adapter modules are imported only when their backend is asked for, so `import parity` never
-pays for (or fails on) vLLM, SGLang or TensorRT-LLM. A backend's options are the names its
-adapter lists (`Backend.option_names`); any other name is refused before an engine starts.
+Adapter modules are imported only when their backend is asked for, so `import parity` never pays
+for (or fails on) an engine package; an option the adapter does not list is refused before any start.
 """
 
 from __future__ import annotations
@@ -42,8 +40,7 @@ def lora_backends() -> list[str]:
 
 
 def lora_options(backend: str, lora: str | None) -> dict[str, str]:
-    """The start option that makes `backend` apply LoRA adapter `lora` (none for None);
-    AdapterError for a backend that cannot, raised before any engine starts."""
+    """The start option that makes `backend` apply LoRA adapter `lora`; AdapterError where it cannot."""
     if lora is None or backend not in BACKENDS:
         return {}  # an unknown backend name is get_backend's error, with the list of names
     if not BACKENDS[backend].lora:
@@ -53,10 +50,8 @@ def lora_options(backend: str, lora: str | None) -> dict[str, str]:
 
 
 def route_capture_options(backend: str, router_replay: str | None) -> dict[str, bool]:
-    """The start option that makes `backend` record MoE routes, on, when `router_replay` is a
-    replay mode (an option the caller sets explicitly wins). R3 replays the routes the rollout
-    backend recorded, so R3 on a backend that cannot record them is a ConfigError; R2 replays
-    the trainer's own first pass and runs anywhere (router agreement only where routes exist)."""
+    """The start option that makes `backend` record MoE routes when `router_replay` asks for them;
+    ConfigError for R3 (which replays the rollout's routes) on a backend that cannot record them."""
     if router_replay in (None, NO_REPLAY) or backend not in BACKENDS:
         return {}  # an unknown backend name is get_backend's error, with the list of names
     option = BACKENDS[backend].route_option
@@ -108,26 +103,18 @@ def backend_options(name: str) -> list[str]:
 
 
 def weight_sync_missing(name: str) -> str | None:
-    """Why backend `name` cannot push and verify weights (`Backend.weight_sync_missing`), or None;
-    read off its adapter class, so no engine starts and no engine package loads."""
+    """Why backend `name` cannot push and verify weights, or None; read off its adapter class."""
     return _adapter(_spec(name)).weight_sync_missing()
 
 
 def top_k_limit(name: str, options: dict[str, Any]) -> int | None:
-    """The most top-k logprobs per position backend `name` returns with `options`
-    (`Backend.top_k_limit`: None for no limit, 0 for none); read off its adapter class."""
+    """`Backend.top_k_limit` of backend `name` with `options`, read off its adapter class."""
     return _adapter(_spec(name)).top_k_limit(options)
 
 
 def get_backend(name: str, model: str | Path, *, dtype: str = "bfloat16", **options: Any) -> Backend:
-    """Start backend `name` on `model` (built-in name or HF checkpoint directory).
-
-    `options` go to the adapter (e.g. vLLM `logprobs_mode`, `enable_prefix_caching`); a name the
-    adapter does not take is a ConfigError listing the ones it does, raised before any engine
-    package is looked for. A missing package raises BackendUnavailableError naming the extra
-    to install, except when the spec's `attach_option` is given (a server reached over HTTP
-    needs no engine package here).
-    """
+    """Start backend `name` on `model` (built-in name or HF checkpoint directory) with the adapter's
+    `options`; an unknown option or a missing package (but for a server attached by URL) is refused first."""
     spec = _spec(name)
     valid = backend_options(name)
     unknown = sorted(set(options) - set(valid))
@@ -170,9 +157,8 @@ _ROUTE: Callable[..., Backend | None] | None = None
 
 
 def route_shared_backends(route: Callable[..., Backend | None] | None) -> None:
-    """Send `shared_backend` calls to `route(name, model, dtype, options)` first; a None from it, or
-    `route=None`, shares an engine in this process as before. A test session routes its vLLM
-    engines to engine hosts that several worker processes share (tests/engine_host.py)."""
+    """Send `shared_backend` calls to `route(name, model, dtype, options)` first (None: this process's
+    cache); a test session routes its vLLM engines to shared engine hosts (tests/engine_host.py)."""
     global _ROUTE
     _ROUTE = route
 
@@ -182,13 +168,8 @@ def _key(name: str, model: str | Path, dtype: str, options: dict[str, Any]) -> s
 
 
 def shared_backend(name: str, model: str | Path, *, dtype: str = "bfloat16", **options: Any) -> Backend:
-    """A process-wide backend for these exact arguments, started on first use, closed at exit.
-
-    Engines take tens of seconds to start (vLLM CPU: ~10-25 s); test sessions and nightly runs
-    share one per configuration. Callers must not close it themselves. One whose engine has died
-    (`Backend.alive`) is closed and replaced by a new one, so one fatal request costs one call,
-    not every later one.
-    """
+    """A process-wide backend for these exact arguments, started on first use, closed at exit (vLLM
+    CPU takes ~10-25 s to start); callers must not close it. A dead one is replaced."""
     if _ROUTE is not None and (routed := _ROUTE(name, model, dtype, options)) is not None:
         return routed
     key = _key(name, model, dtype, options)
@@ -201,10 +182,8 @@ def shared_backend(name: str, model: str | Path, *, dtype: str = "bfloat16", **o
 
 
 def close_shared_backend(name: str, model: str | Path, *, dtype: str = "bfloat16", **options: Any) -> bool:
-    """Close and forget the shared backend of these exact arguments now, so its processes and
-    memory go before the next engine starts rather than at exit (the nightly closes each engine
-    after the last row that uses it); the next `shared_backend` call with them starts a new one.
-    Returns False when none is open. A failure to close is raised, after the backend is forgotten."""
+    """Close and forget the shared backend of these exact arguments now, so its memory is free for the
+    next engine; False when none is open. A failure to close is raised after it is forgotten."""
     backend = _SHARED.pop(_key(name, model, dtype, options), None)
     if backend is None:
         return False
@@ -213,8 +192,7 @@ def close_shared_backend(name: str, model: str | Path, *, dtype: str = "bfloat16
 
 
 def close_dead_backends() -> list[str]:
-    """Close and forget every shared backend whose engine has died (the next `shared_backend`
-    call starts a new one); returns their names. Their processes go now, not at exit."""
+    """Close and forget every shared backend whose engine has died; returns their names."""
     dead = [key for key, backend in _SHARED.items() if not backend.alive]
     names = []
     for key in dead:
@@ -225,8 +203,7 @@ def close_dead_backends() -> list[str]:
 
 
 def _close(backend: Backend) -> None:
-    """Close a backend whose engine may already be gone; closing a dead engine may itself fail,
-    and what is left of it must still be released."""
+    """Close a backend whose engine may already be gone (closing a dead engine may itself fail)."""
     with contextlib.suppress(Exception):
         backend.close()
 

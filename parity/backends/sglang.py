@@ -1,31 +1,11 @@
 """SGLang through its offline `Engine` API, or a running server's native `/generate` endpoint.
 
-Translation facts (SGLang docs: sampling params, native API):
-- max_tokens -> `max_new_tokens` (SGLang's default is 128); top_k "off" is -1; seeds go in
-  `sampling_seed`; EOS is sent inside `stop_token_ids`, and `ignore_eos` drops it from them.
-- Logprob definition: SGLang returns log_softmax(logits / temperature) of the sampled token:
-  temperature-scaled but *not* truncated by top-k/top-p. With
-  `SGLANG_RETURN_ORIGINAL_LOGPROB=1` it returns raw log_softmax(logits) instead. So:
-  parity "raw" needs that variable set; parity "processed" equals SGLang's number only when
-  top-k and top-p are off, and a truncated request is refused (parity cannot renormalize
-  without the full distribution). Under greedy, processed logprobs become the point mass (0).
-- meta_info `output_token_logprobs` is a list of (logprob, token_id, text | None) tuples;
-  `input_token_logprobs` the same for the prompt (first entry's logprob None; always raw);
-  `routed_experts` is base64 of int32 `[positions, moe_layers, top_k]`.
-
-A server needs no sglang package on the client: `base_url=` works with only parity installed.
-With `launch_server=True` parity starts one itself (`parity.backends.sglang_server`) under the
-Python named by PARITY_SGLANG_PYTHON and stops it on `close`.
-Requests to a server go one sample per `/generate` call through `parity.backends.http` (bounded
-concurrency, per-request and per-run timeouts, retries; lost requests are named in the error).
-The HTTP path ran against a real SGLang 0.5.23 server on CPU (tests/test_sglang_live.py, `make
-sglang-check`); its responses, captured, are the parsing fixtures. That run confirmed: the default
-logprob is log_softmax(logits / T), untruncated; greedy tokens come back raw (converted to the
-point mass by `Backend.finished`); `sampling_seed` is ignored unless the server runs with
---enable-deterministic-inference. On one H200 (SGLang 0.5.17, servers parity started,
-docs/BACKENDS.md) dense and MoE compares ran, `routed_experts` came back in the layout
-`decode_routes` reads, and the seed was again honoured only in deterministic mode. The Engine API
-was not run.
+SGLang's logprobs are log_softmax(logits / T), temperature-scaled but not truncated (raw with
+`SGLANG_RETURN_ORIGINAL_LOGPROB=1`, process-wide): so processed logprobs under top-k/top-p are
+refused, as parity cannot renormalize without the full distribution. A server needs no sglang package
+here; requests go one sample per `/generate` call through `parity.backends.http`. What ran where
+(a 0.5.23 server on CPU, 0.5.17 on the H200; `sampling_seed` honoured only in deterministic mode) is
+in docs/BACKENDS.md.
 """
 
 from __future__ import annotations
@@ -88,11 +68,8 @@ def decode_routes(encoded: str, moe_layers: int, top_k: int) -> np.ndarray:
 
 def parse_output(out: dict[str, Any], routes_shape: tuple[int, int] | None = None
                  ) -> tuple[list[int], list[float], np.ndarray | None]:
-    """One `/generate` result -> (token ids, logprobs, routed experts or None).
-
-    Checks that the logprob tuples name the same tokens as `output_ids`: a mismatch means the
-    response was truncated or reordered and its logprobs cannot be trusted.
-    """
+    """One `/generate` result -> (token ids, logprobs, routed experts or None); the logprob tuples
+    must name the tokens of `output_ids` (else the response was truncated or reordered)."""
     info = out.get("meta_info")
     if not isinstance(info, dict) or "output_token_logprobs" not in info:
         raise BackendError("SGLang output has no meta_info.output_token_logprobs; send return_logprob=true")
@@ -133,21 +110,10 @@ def parse_prompt_logprobs(out: dict[str, Any], prompt_len: int) -> list[float]:
 class SGLangBackend(Backend):
     """SGLang `Engine` in this process, or a server at `base_url` (then no engine is started).
 
-    logprobs_mode: "processed" (SGLang's temperature-scaled logprobs) or "raw" (needs
-        SGLANG_RETURN_ORIGINAL_LOGPROB=1; set here for an Engine, asserted for a server).
-    base_url: a running SGLang server (http or https); no Engine is started.
-    api_key_env: name of the environment variable holding the server's API key (sent as a Bearer
-        token; never logged or recorded).
-    concurrency, request_timeout_s, run_timeout_s, retries: see `parity.backends.http.HttpSettings`.
-    return_routed_experts: ask for MoE routing (the server needs --enable-return-routed-experts).
-    engine_kwargs: more `sglang.Engine` keyword arguments, passed unchanged (e.g. tp_size,
-        attention_backend).
-    launch_server: start `python -m sglang.launch_server` on a loopback port (instead of an
-        Engine) and talk to it as to `base_url`; stopped on `close`.
-    server_args: more launch_server flags (a string or a list), e.g.
-        "--enable-deterministic-inference --attention-backend triton".
-    python: the interpreter with sglang for a launched server (default: $PARITY_SGLANG_PYTHON,
-        else this one). start_timeout_s: seconds the launched server may take to answer /health.
+    logprobs_mode: "processed" (temperature-scaled) or "raw". api_key_env: the variable holding the
+    server's API key (never recorded). concurrency, *_timeout_s, retries: `HttpSettings`.
+    launch_server: start a server (`parity.backends.sglang_server`) instead of an Engine; server_args,
+    python: its flags and interpreter. engine_kwargs: more `sglang.Engine` arguments, unchanged.
     """
 
     name = "sglang"
@@ -221,8 +187,7 @@ class SGLangBackend(Backend):
 
     def _generate_raw(self, input_ids: list[list[int]], params: list[dict[str, Any]], labels: list[str],
                       **flags: Any) -> list[dict[str, Any]]:
-        """One result per sequence, the same shape from the Engine (one batched call) and a server
-        (one `/generate` request per sequence, many in flight)."""
+        """One result per sequence, alike from the Engine and from a server."""
         if self._engine is not None:
             return self._engine.generate(input_ids=input_ids, sampling_params=params, **flags)
         bodies = [{"input_ids": ids, "sampling_params": p, **flags} for ids, p in zip(input_ids, params)]
@@ -249,8 +214,8 @@ class SGLangBackend(Backend):
         return rollouts
 
     def generate_uncached(self, requests: Sequence[Request]) -> list[Rollout]:
-        """`generate` after flushing the radix (prefix) cache: SGLang has no per-request bypass, so
-        requests of one call that share a prefix may still share it (`num_cached_tokens` says)."""
+        """`generate` after flushing the radix cache (no per-request bypass: requests of one call may
+        still share a prefix, `num_cached_tokens` says)."""
         if self.has_prefix_cache:
             self.flush_cache()
         return self.generate(requests)

@@ -1,11 +1,7 @@
 """Start SGLang's HTTP server for the `sglang` backend (`launch_server=True`) on a loopback port.
 
-The server runs under `python -m sglang.launch_server` of the Python named by `python=`, else
-PARITY_SGLANG_PYTHON, else this interpreter: SGLang pins its own torch and transformers, so it
-often lives in an environment of its own (`make sglang-check`'s .venv-sglang; on the H200 a site
-directory with a wrapper, tools/h200_sglang.sh). parity sets the flags its parsing relies on
-(`MANAGED_FLAGS`); anything else goes in `server_args`, e.g. "--enable-deterministic-inference
---attention-backend triton".
+The Python is `python=`, else PARITY_SGLANG_PYTHON, else this one: SGLang pins its own torch and
+transformers, so it often lives in an environment of its own (`make sglang-check`'s .venv-sglang).
 """
 
 from __future__ import annotations
@@ -49,8 +45,7 @@ def server_python(python: str | None) -> str:
 
 def start_server(model_path: Path, *, dtype: str, logprob_env: str, routed_experts: bool,
                  words: tuple[str, ...], python: str | None, timeout_s: float) -> ServerProcess:
-    """Launch `sglang.launch_server` on a free loopback port and wait for /health (BackendError with
-    the log's tail when it exits or does not answer within `timeout_s` seconds)."""
+    """Launch `sglang.launch_server` on a free loopback port and wait up to `timeout_s` for /health."""
     port = free_loopback_port()
     argv = [server_python(python), "-m", "sglang.launch_server", "--model-path", str(model_path),
             "--host", LOOPBACK, "--port", str(port), "--dtype", dtype, "--skip-tokenizer-init",

@@ -1,15 +1,8 @@
 """TensorRT-LLM through its `LLM` API (PyTorch backend), token-id prompts.
 
-Translation facts (TRT-LLM docs: SamplingParams, CompletionOutput):
-- max_tokens keeps its name (TRT-LLM's default is 32); top_k "off" is 0; `seed` per request;
-  EOS is sent in `stop_token_ids` and `end_id`; `ignore_eos` drops EOS from both (stop ids stay).
-- Logprob definition: `logprobs_mode` is a per-request field, raw by default
-  ("raw_logprobs"); "processed_logprobs" gives the sampled distribution. Versions without the
-  field report raw only, and a processed request is refused there.
-- `CompletionOutput.logprobs` is a list of floats (simple format) or of dicts
-  token_id -> Logprob(logprob, rank), depending on version and `logprobs_simple_format`;
-  `prompt_logprobs` likewise, and is always raw.
-- There is no public weight-update call on `LLM`; `update_weights` raises.
+`logprobs_mode` is a per-request field (raw by default); versions without it report raw only, and a
+processed request is refused there. Prompt logprobs are raw. `LLM` has no public weight update.
+Not run here (docs/BACKENDS.md says why); parsing follows TRT-LLM's documented output formats.
 """
 
 from __future__ import annotations
@@ -76,11 +69,8 @@ def parse_completion(completion: Any) -> tuple[list[int], list[float], str | Non
 
 
 def parse_prompt_logprobs(completion: Any, prompt: Sequence[int], response: Sequence[int]) -> list[float]:
-    """Raw logprobs of `response` from `prompt_logprobs` over prompt + response.
-
-    TRT-LLM gives one entry per scored token, either starting at token 1 (len - 1 entries) or,
-    in the vLLM-compatible layout, at token 0 with a null first entry.
-    """
+    """Raw logprobs of `response` from `prompt_logprobs` over prompt + response (entries from token 1,
+    or from token 0 with a null first entry, vLLM's layout)."""
     entries = list(_get(completion, "prompt_logprobs") or [])
     ids = [*prompt, *response]
     if len(entries) == len(ids):
@@ -91,11 +81,7 @@ def parse_prompt_logprobs(completion: Any, prompt: Sequence[int], response: Sequ
 
 
 class TRTLLMBackend(Backend):
-    """`tensorrt_llm.LLM` on a local HF checkpoint (PyTorch backend).
-
-    engine_kwargs: more `tensorrt_llm.LLM` keyword arguments, passed unchanged (e.g.
-        tensor_parallel_size, kv_cache_config).
-    """
+    """`tensorrt_llm.LLM` on a local HF checkpoint; `engine_kwargs` go to it unchanged."""
 
     name = "trtllm"
     score_modes = ("raw",)  # TensorRT-LLM's prompt logprobs are raw only

@@ -1,15 +1,9 @@
 """Multi-turn trajectories on any backend, turn by turn, the way an agent loop drives an engine.
 
-A backend that cannot continue a sequence in place (vLLM, vLLM's server, HF, SGLang, TRT-LLM)
-gets each generated turn as its own single-sample request whose prompt is the whole history
-(prompt, earlier turns, injected replies). vLLM and SGLang may serve that history from their
-prefix cache (KV computed under other batch shapes than a fresh forward's: the mismatch this
-workload measures); HF re-encodes it. All trajectories at the same turn go to the backend in
-one `generate` call. Turn t of sample i of a request with seed s is sampled with seed
-`turn_seed(s, i, t)`, the same on every backend and with prefix caching on or off.
-
-The reference engine continues trajectories in place (`Backend.native_turns`). MoE routes are
-not carried across turns (a trajectory's rollout has no `routed_experts`).
+Each generated turn is a single-sample request whose prompt is the whole history (which vLLM and
+SGLang may serve from their prefix cache: the mismatch this workload measures); every trajectory's
+turn t goes in one `generate` call, seeded `turn_seed(s, i, t)` on every backend. Backends with
+`native_turns` (the reference engine) continue in place. MoE routes are not carried across turns.
 """
 
 from __future__ import annotations
@@ -60,8 +54,7 @@ def generate(backend: Backend, requests: Sequence[Request]) -> list[Rollout]:
 
 @dataclass(eq=False)
 class _Trajectory:
-    """One sample of a trajectory between turns (mutable): the response so far, its mask, the
-    index of the next turn and the number of generated turns run."""
+    """One sample of a trajectory between turns (mutable)."""
 
     request: Request
     sample_index: int

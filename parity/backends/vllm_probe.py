@@ -1,28 +1,13 @@
 """Hidden states captured inside a running vLLM engine, stage by stage, for chosen requests.
 
-`ProbeExtension` is mixed into vLLM's worker through the `worker_extension_cls` engine argument (as
-the route-capture and weight-digest extensions are). It registers forward hooks on the model the
-worker runs: the embedding, each decoder layer's attention (`self_attn`), router (`mlp.gate`, MoE
-layers) and MLP/MoE block (`mlp`), the final norm and the logits processor. vLLM's decoder layers
-return (hidden, residual) and leave the residual add to the next layer's fused add-RMSNorm, so a
-layer's output (the residual stream after it) is read where vLLM computes it: the residual the next
-layer's `input_layernorm` returns, or the final norm's for the last layer.
-
-Which rows are whose: a chosen request carries `SamplingParams.extra_args["parity_probe"]` (its
-index in the caller's list), which the worker sees in the scheduler output. The V1 runner lays a
-step's tokens out request by request in `input_batch.req_ids` order, `num_scheduled_tokens[req_id]`
-each (rows past their sum are padding), and computes one logits row per request in the same order.
-Each hook copies only the chosen requests' rows, in the dtype vLLM computed them in, to host memory;
-nothing is written back, so the engine's numbers are those of an engine without the probe.
-
-On an MoE model the probe also keeps the chosen requests' routes (the experts each MoE layer picked,
-through the router's `set_capture_fn`, as `parity.backends.vllm_routes` does), so that the training
-side can replay them (R3).
-
-Limits: one worker (tensor_parallel_size 1); vLLM's V1 model runner (`v1_runner`); eager execution
-(`enforce_eager=True`: a CUDA graph replays kernels without calling Python hooks, so
-`PROBE_ENGINE_KWARGS` sets it on a GPU too);
-prompt tokens served from the prefix cache are never computed (probed requests skip reading it).
+`ProbeExtension`, mixed into vLLM's worker (`worker_extension_cls`), hooks the embedding, each
+layer's attention, router and MLP, the final norm and the logits processor. vLLM leaves a layer's
+residual add to the next layer's fused add-RMSNorm, so a layer's output is read as the residual the
+next `input_layernorm` (or the final norm) returns. A chosen request carries
+`extra_args["parity_probe"]`; the V1 runner lays a step's tokens out request by request in
+`input_batch.req_ids` order, so each hook copies only the chosen rows, in vLLM's dtype, and writes
+nothing back. On an MoE model it keeps their routes too (R3). Limits: one worker, the V1 runner,
+eager execution (hooks do not run in a CUDA graph). docs/BACKENDS.md, "Inside the engine", has more.
 """
 
 from __future__ import annotations
@@ -50,11 +35,8 @@ V2_RUNNER = "VLLM_USE_V2_MODEL_RUNNER"
 
 @contextmanager
 def v1_runner() -> Iterator[None]:
-    """The environment a probed engine starts in: vLLM's V1 model runner, whose input batch the
-    probe reads. Unset, vLLM 0.23 takes its V2 runner wherever V2 supports the model (on the H200,
-    2026-12-03: the dense Qwen3 shapes took V2 and the probe refused them; the Qwen3-MoE shape took
-    V1). ConfigError, before the engine starts, when the user's environment asks for V2; the
-    variable is restored once the engine has started."""
+    """The environment a probed engine starts in: vLLM's V1 model runner, whose input batch the probe
+    reads (vLLM 0.23 takes V2 where it can); ConfigError when the user asks for V2."""
     raw = os.environ.get(V2_RUNNER)
     if raw is not None and raw.strip().lower() in ("1", "true"):
         raise ConfigError(f"vllm option probe needs vLLM's V1 model runner, but the environment's "
@@ -85,11 +67,8 @@ class ProbeExtension(WeightDigestExtension):
     """Methods mixed into vLLM's worker class; called through `LLM.collective_rpc` by name."""
 
     def parity_probe_start(self, kinds: list[str] | str) -> dict[str, Any]:
-        """Hook the model (once), clear what was captured and capture `kinds` (a list, or one
-        comma-separated string: the server's `/collective_rpc` passes strings only) from now on.
-
-        Returns {"layers": decoder layer count, "moe_layers": indices of the layers with a router}.
-        """
+        """Hook the model (once), clear the capture and capture `kinds` (a list or a comma-separated
+        string: the server's `/collective_rpc` passes strings only); returns {"layers", "moe_layers"}."""
         if not hasattr(self, "_parity_hooks"):
             self._parity_install()
         self._parity_kinds = frozenset(kinds.split(",") if isinstance(kinds, str) else kinds)
@@ -101,9 +80,8 @@ class ProbeExtension(WeightDigestExtension):
 
     def parity_probe_take(self, encoding: str = "bytes") -> dict[str, dict[str, Any]]:
         """What was captured, by vLLM request id: {"index", "skipped", "stages": {name: packed},
-        "routes": packed int32 [rows, moe_layers, top_k] or None (dense model)}, where packed is
-        {"dtype", "shape", "data"}: the tensor's bytes, or with encoding="base64" those bytes as a
-        base64 string (the server's `/collective_rpc` answers JSON); stops capturing."""
+        "routes": packed int32 [rows, moe_layers, top_k] or None}; packed is {"dtype", "shape", "data"},
+        data base64 with encoding="base64" (for JSON); stops capturing."""
         def pack(parts: list[torch.Tensor]) -> dict[str, Any]:
             packed = _pack(torch.cat(parts))
             if encoding == "base64":
@@ -165,8 +143,7 @@ class ProbeExtension(WeightDigestExtension):
         self._parity_route_calls = self._parity_bind_routers(runner.get_model())
 
     def _parity_bind_routers(self, model: torch.nn.Module) -> list[list[torch.Tensor]]:
-        """Bind a capture callback to every MoE router (in layer order); returns the per-layer lists
-        the callbacks fill during a probed step."""
+        """Bind a capture callback to every MoE router; returns the per-layer lists they fill."""
         # vllm only inside the engine's worker: this module imports without it
         from vllm.model_executor.layers.fused_moe.layer import MoERunner
 
@@ -206,8 +183,8 @@ class ProbeExtension(WeightDigestExtension):
         return hook
 
     def _parity_rows(self) -> dict[str, list[tuple[str, torch.Tensor]]]:
-        """This step's chosen rows: {"tokens": [(req_id, flat token rows)], "logits": [(req_id, its
-        logits row)]}; worked out at the first hook of the step, when the batch order is final."""
+        """This step's chosen rows: {"tokens": [(req_id, rows)], "logits": [(req_id, row)]}, worked out
+        at the step's first hook, when the batch order is final."""
         step = self._parity_step
         if step["rows"] is not None:
             return step["rows"]
@@ -245,9 +222,8 @@ def start_probe(llm: Any, kinds: list[str]) -> dict[str, Any]:
 
 
 def take_probe(llm: Any) -> tuple[dict[int, dict[str, torch.Tensor]], dict[int, np.ndarray]]:
-    """(stages, routes) of each probed request, by its index: {stage name: [rows, width]} in the
-    dtype vLLM computed them in, and on an MoE model the experts it routed each row to, int32
-    [rows, moe_layers, top_k]. BackendError for a request whose prompt came from the prefix cache."""
+    """(stages, routes) by probed request index: {stage: [rows, width]} in vLLM's dtype, and on an MoE
+    model int32 [rows, moe_layers, top_k]."""
     try:
         (captured,) = llm.collective_rpc("parity_probe_take")
     except Exception as e:

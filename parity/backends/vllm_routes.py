@@ -1,18 +1,9 @@
 """MoE routes captured inside a running vLLM engine, where vLLM does not return them itself.
 
-vLLM returns `routed_experts` only with `enable_return_routed_experts`, which its CPU build
-refuses. Every vLLM MoE layer routes through a router whose `set_capture_fn` callback sees the
-logical top-k expert ids of each forward (the hook vLLM's own capturer uses, before any
-expert-parallel remapping). `RouteCaptureExtension` is mixed into vLLM's worker through the
-`worker_extension_cls` engine argument, so the engine process needs no pickled code; it binds
-that callback on every MoE layer and wraps the model runner's `execute_model` to learn which
-request each row of a step belongs to: the V1 runner lays a step's tokens out request by
-request in `input_batch.req_ids` order, `num_scheduled_tokens[req_id]` each. A request's rows,
-concatenated over steps, are its routes `[len(prompt) + len(response) - 1, moe_layers, top_k]`.
-
-Limits: prefix caching must be off (cached prompt tokens are never recomputed, so never
-routed; `ENGINE_KWARGS` turns it off and a request that hit the cache is refused), and one
-worker (tensor_parallel_size 1): each worker would see its own shard of the batch.
+vLLM's CPU build refuses `enable_return_routed_experts`. `RouteCaptureExtension`, mixed into the
+worker (`worker_extension_cls`), binds each MoE router's `set_capture_fn` (logical expert ids, before
+any expert-parallel remapping) and splits each step's rows among requests in `input_batch.req_ids`
+order. Limits: prefix caching off (cached prompt tokens are never routed), one worker.
 """
 
 from __future__ import annotations
@@ -34,11 +25,8 @@ ENGINE_KWARGS: dict[str, Any] = {
 
 def capture_engine_kwargs(engine_kwargs: dict[str, Any], *, return_routed_experts: bool = False
                           ) -> dict[str, Any]:
-    """`vllm.LLM` keyword arguments for an engine whose routes parity captures.
-
-    Refuses what cannot work with it: vLLM's own route return at the same time, prefix caching
-    asked for explicitly, another worker extension.
-    """
+    """`vllm.LLM` keyword arguments for an engine whose routes parity captures; refuses vLLM's own
+    route return, prefix caching and another worker extension."""
     if return_routed_experts:
         raise ConfigError("vllm options capture_routes and return_routed_experts both ask for routes; "
                           "choose one (return_routed_experts where vLLM supports it, capture_routes on CPU)")
@@ -134,11 +122,8 @@ def start_route_capture(llm: Any) -> int:
 
 
 def take_routes(llm: Any) -> dict[str, np.ndarray]:
-    """Routes captured since the last take, int32 `[positions, moe_layers, top_k]` by request id.
-
-    Keys are the request ids `LLM.generate` reports (vLLM's internal id without its random
-    suffix). A request whose prompt was partly served from the prefix cache raises BackendError.
-    """
+    """Routes captured since the last take, int32 `[positions, moe_layers, top_k]` by the request id
+    `LLM.generate` reports (vLLM's internal id without its random suffix)."""
     (captured,) = llm.collective_rpc("parity_take_routes")
     out = {}
     for internal_id, item in captured.items():

