@@ -16,18 +16,16 @@ import pytest
 
 from parity.backends.base import SampleJob
 from parity.backends.http import Endpoint, HttpClient
-from parity.backends.vllm_server import (
-    ATTACHED_MAX_LOGPROBS,
-    VLLMServerBackend,
+from parity.backends.vllm_server import ATTACHED_MAX_LOGPROBS, VLLMServerBackend, split_server_args
+from parity.backends.vllm_settings import SETTINGS, cache_config_info, cudagraph_mode, from_server_info
+from parity.backends.vllm_wire import (
     cached_tokens,
     completion_body,
     parse_completion,
     probe_logprobs_mode,
     prompt_logprob_rows,
-    split_server_args,
     top_k_rows,
 )
-from parity.backends.vllm_settings import SETTINGS, cache_config_info, cudagraph_mode, from_server_info
 from parity.core.errors import BackendError, ConfigError
 from parity.core.types import Request, SamplingParams
 

