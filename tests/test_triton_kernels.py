@@ -331,7 +331,8 @@ def test_every_candidate_plan_gives_decode_equal_prefill_equal_chunked(tk: Modul
     for max_run in (None, 1):
         decode = _attend(tk, torch.float32, [(s, n - 1, n) for s, n in SEQ_LENS.items()], plan, max_run)
         assert torch.equal(decode, torch.stack([whole_by_slot[s][-1] for s in SEQ_LENS]))
-    parts = [(3, 20, 69), (2, 4, 5), (0, 0, 37), (3, 69, 70)]
+    # chunks that start mid-sequence, one reaching past the KV tile at 64, beside decode tokens
+    parts = [(3, 50, 69), (2, 4, 5), (0, 20, 37), (3, 69, 70)]
     expected = torch.cat([whole_by_slot[s][a:b] for s, a, b in parts])
     assert torch.equal(_attend(tk, torch.float32, parts, plan), expected)
 
