@@ -34,7 +34,9 @@ def trend_charts(points: list[tuple[str, RowKey, dict[str, Any]]], keys: list[Ro
     colors = row_colors(keys)
     charts = []
     for metric in trend_metrics([summary for _, _, summary in points]):
-        fig = Figure(figsize=(4.4, 2.7), layout="constrained")
+        fig = Figure(figsize=(4.4, 2.7))
+        # fixed margins (room for the rotated run ids): constrained layout doubles the drawing time
+        fig.subplots_adjust(left=0.16, right=0.97, bottom=0.3, top=0.9)
         ax = fig.add_subplot()
         ax.set_title(metric, fontsize=9)
         for key in keys:
