@@ -272,6 +272,7 @@ def test_console_script_exit_code(tmp_path):
 
 
 @pytest.mark.vllm
+@pytest.mark.engine_host
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
 def test_compare_vllm_cpu_passes_default_tolerance_with_drift(tmp_path):
     out = tmp_path / "v.json"
