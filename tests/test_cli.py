@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import engine_host
 import pytest
 
 from parity.backends import route_capture_options
@@ -271,10 +272,18 @@ def test_console_script_exit_code(tmp_path):
     assert (tmp_path / "r.html").read_text().startswith("<!DOCTYPE html>")
 
 
+@pytest.fixture
+def moe_host():
+    """The session's hosted MoE engine serves this test only (tests/test_backends_vllm.py keeps its
+    MoE engine in process): stopped at the test's end, not held to the session's."""
+    yield
+    engine_host.stop("vllm", MOE, "bfloat16")
+
+
 @pytest.mark.vllm
 @pytest.mark.engine_host
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
-def test_compare_vllm_cpu_passes_default_tolerance_with_drift(tmp_path):
+def test_compare_vllm_cpu_passes_default_tolerance_with_drift(tmp_path, moe_host):
     out = tmp_path / "v.json"
     assert main(["compare", "--model", MOE, "--backend", "vllm", "--json", str(out)]) == 0
     report = ParityReport.from_json(out.read_text())
