@@ -28,7 +28,9 @@ so its shared engines start once per session; every other module runs whole (its
 once) on either worker. A `vllm` test whose engines are its own adds `@pytest.mark.own_engines`,
 so that its module may run beside the engines group: engines it starts only in child processes (a
 CLI run, a script, a Ray cluster), with `get_backend`, or through `shared_backend` under options no
-other module uses, closed at its module's end.
+other module uses, closed at its module's end. The group is decided at collection, skipped tests
+included: a GPU-only vLLM test with its own engines carries the marker too, or its whole module
+would join the group on a CPU host.
 
 Engine hosts. A module that only samples from shared vLLM engines (`generate`, `generate_uncached`,
 `score`, weight digests: no weight push, adapter swap, monkeypatched adapter or engine internals) is
@@ -36,9 +38,10 @@ marked `pytestmark = [..., pytest.mark.engine_host]`: while its tests run, `shar
 ...)` (through `shared_engine`, `parity.compare`, the nightly, the audit) hands it a proxy of the
 session's engine host of that configuration (tests/engine_host.py), one process that both workers
 share, so the module runs on either worker and the engine still starts once per session. Engines
-a marked module starts itself (`get_backend`) stay its own. The session's owner (xdist's controller,
-or a serial pytest) stops every host at its end, on failure and on Ctrl-C; a host also exits when
-the owner is killed.
+a marked module starts itself (`get_backend`) stay its own. The marker may sit on one test:
+its module then leaves the engines group. The session's owner
+(xdist's controller, or a serial pytest) stops every host at its end, on failure and on Ctrl-C; a
+host also exits when the owner is killed.
 
 A test that must own its engine because it kills, interrupts, reconfigures or
 watches the processes of that engine says so with `@pytest.mark.own_engine(reason="...")` (the

@@ -102,6 +102,7 @@ def test_the_reference_engine_is_identical_on_every_check_on_cuda():
 
 @pytest.mark.gpu
 @pytest.mark.vllm
+@pytest.mark.own_engines
 @needs_cuda
 @needs_vllm
 @pytest.mark.parametrize("batch_invariant", [False, True])

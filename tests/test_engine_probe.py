@@ -217,7 +217,8 @@ SMOLLM2 = "smollm2-135m-instruct"
 
 @pytest.fixture(scope="module")
 def engines():
-    """This module's probe engines (no other module uses the probe option): closed at its end."""
+    """This module's probe engines (no other module uses the probe option): closed at its end, so its
+    vLLM tests are `own_engines` and run beside the engines group."""
     yield lambda model: shared_backend("vllm", model, probe=True)
     for model in (*MODELS, SMOLLM2):
         close_shared_backend("vllm", model, probe=True)
@@ -225,6 +226,7 @@ def engines():
 
 @needs_vllm
 @pytest.mark.vllm
+@pytest.mark.own_engines
 @pytest.mark.slow
 @pytest.mark.parametrize("model", MODELS)
 def test_capture_leaves_the_engine_numbers_unchanged(engines, model):
@@ -240,6 +242,7 @@ def test_capture_leaves_the_engine_numbers_unchanged(engines, model):
 
 @needs_vllm
 @pytest.mark.vllm
+@pytest.mark.own_engines
 @pytest.mark.slow
 def test_a_request_inside_a_batch_gets_its_own_rows_only(engines):
     """Captured alone out of four: the request's rows only (its embedding rows are the embedding table's
@@ -263,6 +266,7 @@ def test_a_request_inside_a_batch_gets_its_own_rows_only(engines):
 
 @needs_vllm
 @pytest.mark.vllm
+@pytest.mark.own_engines
 @pytest.mark.slow
 @pytest.mark.parametrize("model", MODELS)
 def test_identical_settings_report_no_difference(engines, model):
@@ -282,6 +286,7 @@ PLANTS = [("tiny-llama", "model.layers.1.mlp.down_proj.weight", "layer.1.mlp"),
 
 @needs_vllm
 @pytest.mark.vllm
+@pytest.mark.own_engines
 @pytest.mark.slow
 @pytest.mark.parametrize(("model", "tensor", "stage"), PLANTS)
 def test_a_planted_difference_is_found_at_that_layer(engines, model, tensor, stage):
@@ -312,6 +317,7 @@ def test_a_planted_difference_is_found_at_that_layer(engines, model, tensor, sta
 
 @needs_vllm
 @pytest.mark.vllm
+@pytest.mark.own_engines
 @pytest.mark.slow
 def test_engine_against_the_training_forward(engines):
     """vLLM against parity's training forward on vLLM's own tokens: the embedding lookup is exact on
@@ -331,6 +337,7 @@ def test_engine_against_the_training_forward(engines):
 
 @needs_vllm
 @pytest.mark.vllm
+@pytest.mark.own_engines
 @pytest.mark.slow
 def test_route_replay_makes_the_trainer_use_the_engine_experts(engines):
     """Layer 0's router perturbed in the engine only (through update_weights), so the engine picks
@@ -361,6 +368,7 @@ def test_route_replay_makes_the_trainer_use_the_engine_experts(engines):
 
 @needs_vllm
 @pytest.mark.vllm
+@pytest.mark.own_engines
 @pytest.mark.slow
 def test_the_server_probe_is_the_offline_probe_bit_for_bit(engines):
     """Through vLLM's OpenAI server (`/collective_rpc` + `vllm_xargs`): request 1 of four captured

@@ -12,7 +12,8 @@ import parity
 from parity.backends import get_backend
 from parity.backends.vllm import VLLMBackend
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.usefixtures("one_thread"),
+pytestmark = [pytest.mark.vllm, pytest.mark.own_engines, pytest.mark.slow,
+              pytest.mark.usefixtures("one_thread"),
               pytest.mark.own_engine(reason="swaps the adapter of its engine (a shared engine refuses)")]
 
 ADAPTER = "tiny-llama-lora-r8"

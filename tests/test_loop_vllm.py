@@ -2,7 +2,8 @@
 vLLM's reload every step and verified by vLLM's own weight digests, drift measured at every step.
 
 The engine is the session's shared offline engine (`shared_backend("vllm", "tiny-llama")`, bf16);
-the loop borrows it and gives it back its starting weights, which the last test checks.
+the loop borrows it and gives it back its starting weights, which the last test checks. The loop
+on a vLLM server runs on tests/test_backends_vllm_server.py's module server (one server start).
 """
 
 import pytest
@@ -71,12 +72,3 @@ def test_training_on_vllm_rollouts_with_correction(engine):
 def test_the_borrowed_engine_gets_its_starting_weights_back(engine):
     check = verify(trained_weights(copy_model(load_model("tiny-llama"))), engine)
     assert check.in_sync and check.checked > 0
-
-
-def test_a_vllm_server_takes_part_through_its_endpoints():
-    """vLLM's OpenAI server: weights pushed through `/collective_rpc` reload_weights, verified through
-    `/weight_checker` (development endpoints, which parity's server starts with)."""
-    server = shared_backend("vllm-server", "tiny-llama")
-    record = parity.loop("tiny-llama", ["reference", server], steps=2, seed=5, **SMALL)
-    assert all(row["weights_in_sync"] for row in record.steps)
-    assert all(row["max_abs_logprob_diff"] > 0 for row in record.rows("vllm-server"))

@@ -3,10 +3,11 @@ vllm and reference holds one vLLM engine at a time and leaves none behind, count
 this process's tree while it runs; and a vLLM engine asked for more KV cache than the machine has
 is an error row saying what it needed and what was free, after which the run goes on.
 
-Each test starts its own engines (closing them is what is tested, so none is shared); run under
-the heavy lock. Engines the session shares between test modules (`shared_backend`) may be alive in
-this worker when a test starts: they are counted out by process id, so only this test's engines
-are counted and must be gone at its end.
+Each test starts its own engines (closing them is what is tested, so none is shared): the module is
+`own_engines`, outside the engines group, so the nightly never finds a group's tiny-llama engine
+already running in its process and reuses it. Engine hosts this worker started may be alive when a
+test starts: vLLM processes are counted out by process id, so only this test's engines are counted
+and must be gone at its end.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import pytest
 from parity.backends import available_backends
 from parity.nightly import main
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.own_engines]
 
 CASE = """
     model = "{model}"

@@ -29,7 +29,7 @@ from parity.core.turns import Generate, Inject
 from parity.core.types import Request, SamplingParams
 
 pytestmark = [
-    pytest.mark.gpu, pytest.mark.vllm, pytest.mark.slow,
+    pytest.mark.gpu, pytest.mark.vllm, pytest.mark.own_engines, pytest.mark.slow,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA not available)"),
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                        reason="needs vLLM's GPU build (pip install vllm)"),
