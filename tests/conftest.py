@@ -136,6 +136,37 @@ def _module(nodeid: str) -> str:
     return nodeid.split("::")[0]
 
 
+#: seconds per module in a whole `make test` (its tests' setup + call + teardown, summed over both
+#: workers' reports): the scheduler hands out the longest units first, so that no long module starts
+#: last. Rewritten from a run by `PARITY_RECORD_MODULE_SECONDS=tests/data/module_seconds.json make test`.
+MODULE_SECONDS = Path(__file__).parent / "data" / "module_seconds.json"
+_RECORD_ENV = "PARITY_RECORD_MODULE_SECONDS"
+_recorded: dict[str, float] = {}
+
+
+def _unit_seconds(path: str, tests: list[pytest.Item], known: dict[str, float]) -> float:
+    """A module's recorded seconds; a module not recorded yet counts 30 s with a slow test, else 1 s."""
+    if path in known:
+        return float(known[path])
+    return 30.0 if any(item.get_closest_marker("slow") for item in tests) else 1.0
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With PARITY_RECORD_MODULE_SECONDS set, sum each module's test phases (the controller sees
+    both workers' reports)."""
+    if os.environ.get(_RECORD_ENV) and "PYTEST_XDIST_WORKER" not in os.environ:
+        module = _module(report.nodeid)
+        _recorded[module] = _recorded.get(module, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Write the recorded module seconds (PARITY_RECORD_MODULE_SECONDS names the file)."""
+    if (out := os.environ.get(_RECORD_ENV)) and _recorded and "PYTEST_XDIST_WORKER" not in os.environ:
+        table = {"source": "a whole `make test` with PARITY_RECORD_MODULE_SECONDS set",
+                 "seconds": {k: round(v, 1) for k, v in sorted(_recorded.items())}}
+        Path(out).write_text(json.dumps(table, indent=1) + "\n")
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """The session's owner (xdist's controller, or a serial pytest) opens the engine-host directory
     and stops its hosts at the end. xdist's controller names the file through which a worker tells
@@ -190,9 +221,8 @@ def _check_own_engine_reasons(items: list[pytest.Item]) -> None:
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Refuse an `own_engine` marker without its reason. In an xdist worker: order the units
-    longest first (the engines group, then modules with slow tests, then the rest, each in file
-    order) so that the workers end together, and tell the controller which modules form the
-    engines group."""
+    longest first (by `MODULE_SECONDS`) so that the workers end together, and tell the controller
+    which modules form the engines group."""
     _check_own_engine_reasons(items)
     # a real worker of this session; a child pytest a test starts inherits PYTEST_XDIST_WORKER and
     # the groups file from its worker's environment, and must not rewrite the session's groups
@@ -203,11 +233,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         modules.setdefault(_module(item.nodeid), []).append(item)
     engines = sorted(path for path, tests in modules.items() if any(map(_uses_shared_engines, tests)))
 
-    def rank(path: str) -> int:
-        if path in engines:
-            return 0
-        return 1 if any(item.get_closest_marker("slow") for item in modules[path]) else 2
+    known = json.loads(MODULE_SECONDS.read_text())["seconds"] if MODULE_SECONDS.is_file() else {}
+    seconds = {path: _unit_seconds(path, tests, known) for path, tests in modules.items()}
+    group = sum(seconds[path] for path in engines)
 
-    items[:] = [item for path in sorted(modules, key=rank) for item in modules[path]]
+    def weight(path: str) -> float:
+        # the engines group is one unit: its modules sort together, by the group's weight
+        return group if path in engines else seconds[path]
+
+    items[:] = [item for path in sorted(modules, key=lambda p: (-weight(p), p not in engines))
+                for item in modules[path]]
     if _GROUPS_ENV in os.environ:  # every worker writes the same list
         Path(os.environ[_GROUPS_ENV]).write_text(json.dumps(engines))
