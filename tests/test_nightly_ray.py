@@ -144,7 +144,8 @@ def wait_for_rows(out: Path, n: int, proc: subprocess.Popen, timeout: float = 30
 def ray_address() -> Iterator[str]:
     """The module's Ray cluster, `ray start --head` on 127.0.0.1 with 2 CPUs, for the runs'
     `--ray-address`: one start (~9 s) instead of one per run. Its workers find the row hooks on
-    `TEST_PATH`; the hooks' variables come with each run. Stopped at the module's end (failure and
+    `TEST_PATH`; it starts without any PARITY_* variable, so the hooks' (and the cache's) reach the
+    workers only as each run forwards them (`worker_env`). Stopped at the module's end (failure and
     Ctrl-C included), and by parity's guard should this process die first."""
     sockets = [socket.socket() for _ in range(3)]
     for s in sockets:
@@ -161,7 +162,8 @@ def ray_address() -> Iterator[str]:
              "--include-dashboard=false", "--disable-usage-stats", "--temp-dir", str(temp),
              "--ray-client-server-port", str(client_port), "--dashboard-port", str(dashboard_port),
              "--system-config", json.dumps({"worker_niceness": 0})],  # as parity's own local cluster
-            env={**os.environ, **RAY_ENV, "PYTHONPATH": TEST_PATH}, stdout=out,
+            env={**{k: v for k, v in os.environ.items() if not k.startswith("PARITY_")}, **RAY_ENV,
+                 "PYTHONPATH": TEST_PATH}, stdout=out,
             stderr=subprocess.STDOUT, start_new_session=True)
     track(head.pid)
     try:
@@ -254,32 +256,42 @@ def test_the_row_workers_get_the_drivers_parity_variables(monkeypatch):
 
 # -- on a Ray cluster (the module's, or for Ctrl-C its own) ------------------------------------
 
-@needs_ray
-@pytest.mark.slow
-@pytest.mark.vllm
-@pytest.mark.own_engines
-def test_ray_rows_equal_local_rows_bit_for_bit(tmp_path, ray_address):
-    """The acceptance cases (smoke and moe) under both executors, on a matrix cut to one vLLM engine
-    per run (each start is 30-130 s on two cores): smoke on reference and hf, moe with R3 routing
-    replay on reference and vLLM (so every backend, and routes, cross Ray). Same rows and statuses,
-    the same token ids and logprobs to the bit."""
+@pytest.fixture(scope="module")
+def ray_and_local(tmp_path_factory: pytest.TempPathFactory, ray_address: str) -> tuple[dict, dict]:
+    """One matrix run under each executor, for the two tests that compare them: the acceptance
+    cases (smoke and moe) cut to one vLLM engine per run (each start is 30-130 s on two cores):
+    smoke on reference and hf, moe with R3 routing replay on reference and vLLM (so every backend,
+    and routes, cross Ray); and the tiny Llama's reference rows on a two-rank engine (`TP_CASE`),
+    which on the 2-CPU cluster waits for both CPUs. Returns the Ray run's and the local run's rows.
+    (The two tests ran a pair of nightlies each: one pair saves two drivers and an actor start.)"""
     missing = {b: why for b, why in available_backends().items() if b in ("hf", "vllm") and why is not None}
     if missing:
         pytest.skip(f"backends not usable here: {missing}")
-    cases = tmp_path / "cases"
+    tmp = tmp_path_factory.mktemp("ray_and_local")
+    cases = tmp / "cases"
     cases.mkdir()
     smoke, moe = (ROOT / "cases" / f"{name}.toml" for name in ("smoke", "moe"))
     (cases / "smoke.toml").write_text('backends = ["reference", "hf"]\n' + smoke.read_text())
     moe_r3 = moe.read_text().replace('router_replay = ["none", "R3"]', 'router_replay = ["R3"]')
     assert moe_r3 != moe.read_text()
     (cases / "moe.toml").write_text('backends = ["reference", "vllm"]\n' + moe_r3)
-    args = ("--cases", str(cases), "--backends", "reference,hf,vllm")
-    ray = nightly(tmp_path / "ray", *args, "--run-id", "r", "--executor", "ray", "--ray-address", ray_address)
-    ray_code, ray_log = finish(ray)
-    local_code, local_log = finish(nightly(tmp_path / "local", *args, "--run-id", "r"))
+    (cases / "tp.toml").write_text('backends = ["reference"]\n' + TP_CASE)
+    args = ("--cases", str(cases), "--backends", "reference,hf,vllm", "--run-id", "r")
+    ray_code, ray_log = finish(nightly(tmp / "ray", *args, "--executor", "ray", "--ray-address", ray_address))
+    local_code, local_log = finish(nightly(tmp / "local", *args))
     assert ray_code == local_code == 0, (ray_log, local_log)
-    on_ray, local = rows(tmp_path / "ray", "r"), rows(tmp_path / "local", "r")
-    assert sorted(on_ray) == sorted(local) and len(local) == 2 + 2, (sorted(on_ray), sorted(local))
+    return rows(tmp / "ray", "r"), rows(tmp / "local", "r")
+
+
+@needs_ray
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.own_engines
+def test_ray_rows_equal_local_rows_bit_for_bit(ray_and_local):
+    """Every row of the matrix (`ray_and_local`) under both executors: same rows and statuses, the
+    same token ids and logprobs to the bit."""
+    on_ray, local = ray_and_local
+    assert sorted(on_ray) == sorted(local) and len(local) == 2 + 2 + 1, (sorted(on_ray), sorted(local))
     assert {key.split("|")[1] for key in local} == {"reference", "hf", "vllm"}, sorted(local)
     for key, row in local.items():
         other = on_ray[key]
@@ -299,20 +311,15 @@ def test_ray_rows_equal_local_rows_bit_for_bit(tmp_path, ray_address):
 
 @needs_ray
 @pytest.mark.slow
-def test_a_tensor_parallel_reference_row_takes_two_cpus_and_equals_the_local_row(tmp_path, tiny_cases,
-                                                                                  ray_address):
-    """A reference row with reference_tensor_parallel_size = 2 on the 2-CPU cluster: its actor holds
-    both CPUs, its two ranks give the rollout the local executor gives, and both match the
-    TP-invariant training forward exactly."""
-    tp = tiny_cases / "tp.toml"
-    tp.write_text(TP_CASE)
-    args = ("--cases", f"{tiny_cases / 'a.toml'},{tp}", "--backends", "reference", "--run-id", "t")
-    code, log = finish(nightly(tmp_path / "ray", *args, "--executor", "ray", "--ray-address", ray_address))
-    local_code, local_log = finish(nightly(tmp_path / "local", *args))
-    assert code == local_code == 0, (log, local_log)
-    on_ray, local = rows(tmp_path / "ray", "t"), rows(tmp_path / "local", "t")
+@pytest.mark.vllm
+@pytest.mark.own_engines
+def test_a_tensor_parallel_reference_row_takes_two_cpus_and_equals_the_local_row(ray_and_local):
+    """The reference row with reference_tensor_parallel_size = 2 in the matrix (`ray_and_local`) on
+    the 2-CPU cluster: its actor holds both CPUs (every other row's one), its two ranks give the
+    rollout the local executor gives, and both match the TP-invariant training forward exactly."""
+    on_ray, local = ray_and_local
     key = "tp|reference|bfloat16|"
-    assert sorted(on_ray) == sorted(local) == ["a|reference|bfloat16|", key]
+    assert key in on_ray and key in local, (sorted(on_ray), sorted(local))
     for stored in (on_ray[key], local[key]):
         provenance = stored["provenance"]
         assert provenance["backend_meta"]["tensor_parallel_size"] == 2, provenance["backend_meta"]
@@ -323,7 +330,7 @@ def test_a_tensor_parallel_reference_row_takes_two_cpus_and_equals_the_local_row
         assert np.array_equal(a, b), name
     # what each row's actor held: a CPU per engine process
     held = {k: r["provenance"]["ran_on"]["resources"] for k, r in on_ray.items()}
-    assert held == {key: {"CPU": 2.0}, "a|reference|bfloat16|": {"CPU": 1.0}}, held
+    assert held == {k: {"CPU": 2.0 if k == key else 1.0} for k in on_ray}, held
 
 
 def engine_spans(log: Path) -> list[tuple[float, float, int, str]]:
