@@ -1,22 +1,30 @@
-"""`parity nightly --executor ray` on a real local Ray cluster (127.0.0.1, 2 CPUs), started and
-stopped by each run: its rows equal the local executor's bit for bit, a worker killed mid-row is
-retried once and then recorded as an error row, Ctrl-C leaves a run that `--resume` finishes
-without duplicates, and no Ray process outlives its run. Every run is its own process, so Ray's
-state never leaks into the test session; workers inject faults through `ray_faults`."""
+"""`parity nightly --executor ray` on a real Ray cluster (127.0.0.1, 2 CPUs): its rows equal the local
+executor's bit for bit, a worker killed mid-row is retried once and then recorded as an error row,
+Ctrl-C leaves a run that `--resume` finishes without duplicates, and no Ray process outlives its
+run. The runs share the module's cluster (`ray_address`, given as `--ray-address`), which also
+proves that parity hands its PARITY_* variables (the tests' row hook and its faults) to the workers
+of a cluster it did not start; the Ctrl-C run starts and stops its own, the cluster's life being its
+point. Every run is its own process, so Ray's state never leaks into the test session; workers
+inject faults through `ray_faults`."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
+import secrets
+import shutil
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import zlib
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -30,8 +38,16 @@ from recording_backend import START_ENV, events
 from parity.backends import available_backends
 from parity.core.errors import ConfigError
 from parity.nightly.execute import engine_options, tensor_parallel
-from parity.nightly.ray_executor import ROW_HOOK_ENV, assign, row_resources
+from parity.nightly.ray_executor import (
+    LOCAL_ONLY_ENV,
+    LOOPBACK,
+    ROW_HOOK_ENV,
+    assign,
+    row_resources,
+    worker_env,
+)
 from parity.nightly.runner import NightlyConfig, plan
+from parity.runtime.guard import terminate, track
 from parity.workload.cases import load_cases
 
 TESTS = Path(__file__).resolve().parent
@@ -53,14 +69,22 @@ TP_CASE = textwrap.dedent(TINY_CASE.format(seed=7)).replace(
     'model = "tiny-llama"', 'model = "tiny-llama"\nreference_tensor_parallel_size = 2')
 
 
+#: where the workers import the tests' row hooks and this tree's parity from
+TEST_PATH = os.pathsep.join([str(TESTS), str(ROOT), os.environ.get("PYTHONPATH", "")])
+#: what the module's cluster and every run share: Ray rewrites a 127.0.0.1 address to the host's IP
+#: unless LOCAL_ONLY_ENV=0, and `ray start` turns token auth on wherever ~/.ray/auth_token exists,
+#: so the cluster and its drivers hold a token of the module's own
+RAY_ENV = {LOCAL_ONLY_ENV: "0", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+
+
 def nightly(out: Path, *args: str, faults: dict | None = None,
             engine_log: Path | None = None) -> subprocess.Popen:
     """`parity nightly ... --out OUT --no-progress` in its own process and session (a signal to
     it reaches no one else); its workers call `ray_faults.before_row` with `faults`, or with
     `engine_log` record their engines' starts and closes there (`recording_backend.before_row`)."""
-    path = os.pathsep.join([str(TESTS), str(ROOT), os.environ.get("PYTHONPATH", "")])
     hook = "ray_faults:before_row" if engine_log is None else "recording_backend:before_row"
-    env = {**os.environ, "PYTHONPATH": path, ROW_HOOK_ENV: hook, FAULTS_ENV: json.dumps(faults or {}),
+    env = {**os.environ, **RAY_ENV, "PYTHONPATH": TEST_PATH, ROW_HOOK_ENV: hook,
+           FAULTS_ENV: json.dumps(faults or {}),
            **({} if engine_log is None else {ENGINE_LOG_ENV: str(engine_log), START_ENV: "2"})}
     code = "import sys; from parity.nightly import main; sys.exit(main(sys.argv[1:]))"
     return subprocess.Popen([sys.executable, "-c", code, *args, "--out", str(out), "--no-progress"], env=env,
@@ -114,6 +138,47 @@ def wait_for_rows(out: Path, n: int, proc: subprocess.Popen, timeout: float = 30
                 pass
         time.sleep(0.5)
     pytest.fail(f"fewer than {n} rows after {timeout} s")
+
+
+@pytest.fixture(scope="module")
+def ray_address() -> Iterator[str]:
+    """The module's Ray cluster, `ray start --head` on 127.0.0.1 with 2 CPUs, for the runs'
+    `--ray-address`: one start (~9 s) instead of one per run. Its workers find the row hooks on
+    `TEST_PATH`; it starts without any PARITY_* variable, so the hooks' (and the cache's) reach the
+    workers only as each run forwards them (`worker_env`). Stopped at the module's end (failure and
+    Ctrl-C included), and by parity's guard should this process die first."""
+    sockets = [socket.socket() for _ in range(3)]
+    for s in sockets:
+        s.bind((LOOPBACK, 0))
+    port, client_port, dashboard_port = (s.getsockname()[1] for s in sockets)
+    for s in sockets:
+        s.close()
+    temp = Path(tempfile.mkdtemp(prefix="ray"))  # short: Ray's socket paths must fit 107 bytes
+    log = temp / "head.log"
+    with log.open("w") as out:
+        head = subprocess.Popen(
+            [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block",
+             "--node-ip-address", LOOPBACK, "--port", str(port), "--num-cpus", "2",
+             "--include-dashboard=false", "--disable-usage-stats", "--temp-dir", str(temp),
+             "--ray-client-server-port", str(client_port), "--dashboard-port", str(dashboard_port),
+             "--system-config", json.dumps({"worker_niceness": 0})],  # as parity's own local cluster
+            env={**{k: v for k, v in os.environ.items() if not k.startswith("PARITY_")}, **RAY_ENV,
+                 "PYTHONPATH": TEST_PATH}, stdout=out,
+            stderr=subprocess.STDOUT, start_new_session=True)
+    track(head.pid)
+    try:
+        deadline = time.monotonic() + 180
+        while "Ray runtime started" not in log.read_text():
+            assert head.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.5)
+        yield f"{LOOPBACK}:{port}"
+    finally:
+        cluster = descendants(head.pid)
+        if head.poll() is None:
+            cluster.insert(0, psutil.Process(head.pid))
+        terminate(cluster)
+        assert_gone(cluster)
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 @pytest.fixture
@@ -179,34 +244,54 @@ def test_executor_options_are_checked(options, match):
         NightlyConfig(cases="cases/smoke.toml", **options)
 
 
-# -- on a local cluster ----------------------------------------------------------------------
+def test_the_row_workers_get_the_drivers_parity_variables(monkeypatch):
+    """What a run hands its workers through Ray's runtime_env: every PARITY_* variable, nothing else
+    (the hooks of the runs below reach the module's cluster this way)."""
+    monkeypatch.setenv("PARITY_TEST_SOMETHING", "1")
+    monkeypatch.setenv("NOT_PARITY_TEST", "2")
+    env = worker_env()
+    assert env["PARITY_TEST_SOMETHING"] == "1" and "NOT_PARITY_TEST" not in env
+    assert env == {k: v for k, v in os.environ.items() if k.startswith("PARITY_")}
 
-@needs_ray
-@pytest.mark.slow
-@pytest.mark.vllm
-@pytest.mark.own_engines
-def test_ray_rows_equal_local_rows_bit_for_bit(tmp_path):
-    """The acceptance cases (smoke and moe) under both executors, on a matrix cut to one vLLM engine
-    per run (each start is 30-130 s on two cores): smoke on reference and hf, moe with R3 routing
-    replay on reference and vLLM (so every backend, and routes, cross Ray). Same rows and statuses,
-    the same token ids and logprobs to the bit."""
+
+# -- on a Ray cluster (the module's, or for Ctrl-C its own) ------------------------------------
+
+@pytest.fixture(scope="module")
+def ray_and_local(tmp_path_factory: pytest.TempPathFactory, ray_address: str) -> tuple[dict, dict]:
+    """One matrix run under each executor, for the two tests that compare them: the acceptance
+    cases (smoke and moe) cut to one vLLM engine per run (each start is 30-130 s on two cores):
+    smoke on reference and hf, moe with R3 routing replay on reference and vLLM (so every backend,
+    and routes, cross Ray); and the tiny Llama's reference rows on a two-rank engine (`TP_CASE`),
+    which on the 2-CPU cluster waits for both CPUs. Returns the Ray run's and the local run's rows.
+    (The two tests ran a pair of nightlies each: one pair saves two drivers and an actor start.)"""
     missing = {b: why for b, why in available_backends().items() if b in ("hf", "vllm") and why is not None}
     if missing:
         pytest.skip(f"backends not usable here: {missing}")
-    cases = tmp_path / "cases"
+    tmp = tmp_path_factory.mktemp("ray_and_local")
+    cases = tmp / "cases"
     cases.mkdir()
     smoke, moe = (ROOT / "cases" / f"{name}.toml" for name in ("smoke", "moe"))
     (cases / "smoke.toml").write_text('backends = ["reference", "hf"]\n' + smoke.read_text())
     moe_r3 = moe.read_text().replace('router_replay = ["none", "R3"]', 'router_replay = ["R3"]')
     assert moe_r3 != moe.read_text()
     (cases / "moe.toml").write_text('backends = ["reference", "vllm"]\n' + moe_r3)
-    args = ("--cases", str(cases), "--backends", "reference,hf,vllm")
-    ray = nightly(tmp_path / "ray", *args, "--run-id", "r", "--executor", "ray", "--ray-cpus", "2")
-    ray_code, ray_log = finish(ray)
-    local_code, local_log = finish(nightly(tmp_path / "local", *args, "--run-id", "r"))
+    (cases / "tp.toml").write_text('backends = ["reference"]\n' + TP_CASE)
+    args = ("--cases", str(cases), "--backends", "reference,hf,vllm", "--run-id", "r")
+    ray_code, ray_log = finish(nightly(tmp / "ray", *args, "--executor", "ray", "--ray-address", ray_address))
+    local_code, local_log = finish(nightly(tmp / "local", *args))
     assert ray_code == local_code == 0, (ray_log, local_log)
-    on_ray, local = rows(tmp_path / "ray", "r"), rows(tmp_path / "local", "r")
-    assert sorted(on_ray) == sorted(local) and len(local) == 2 + 2, (sorted(on_ray), sorted(local))
+    return rows(tmp / "ray", "r"), rows(tmp / "local", "r")
+
+
+@needs_ray
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.own_engines
+def test_ray_rows_equal_local_rows_bit_for_bit(ray_and_local):
+    """Every row of the matrix (`ray_and_local`) under both executors: same rows and statuses, the
+    same token ids and logprobs to the bit."""
+    on_ray, local = ray_and_local
+    assert sorted(on_ray) == sorted(local) and len(local) == 2 + 2 + 1, (sorted(on_ray), sorted(local))
     assert {key.split("|")[1] for key in local} == {"reference", "hf", "vllm"}, sorted(local)
     for key, row in local.items():
         other = on_ray[key]
@@ -226,19 +311,15 @@ def test_ray_rows_equal_local_rows_bit_for_bit(tmp_path):
 
 @needs_ray
 @pytest.mark.slow
-def test_a_tensor_parallel_reference_row_takes_two_cpus_and_equals_the_local_row(tmp_path, tiny_cases):
-    """A reference row with reference_tensor_parallel_size = 2 on the 2-CPU cluster: its actor holds
-    both CPUs, its two ranks give the rollout the local executor gives, and both match the
-    TP-invariant training forward exactly."""
-    tp = tiny_cases / "tp.toml"
-    tp.write_text(TP_CASE)
-    args = ("--cases", f"{tiny_cases / 'a.toml'},{tp}", "--backends", "reference", "--run-id", "t")
-    code, log = finish(nightly(tmp_path / "ray", *args, "--executor", "ray", "--ray-cpus", "2"))
-    local_code, local_log = finish(nightly(tmp_path / "local", *args))
-    assert code == local_code == 0, (log, local_log)
-    on_ray, local = rows(tmp_path / "ray", "t"), rows(tmp_path / "local", "t")
+@pytest.mark.vllm
+@pytest.mark.own_engines
+def test_a_tensor_parallel_reference_row_takes_two_cpus_and_equals_the_local_row(ray_and_local):
+    """The reference row with reference_tensor_parallel_size = 2 in the matrix (`ray_and_local`) on
+    the 2-CPU cluster: its actor holds both CPUs (every other row's one), its two ranks give the
+    rollout the local executor gives, and both match the TP-invariant training forward exactly."""
+    on_ray, local = ray_and_local
     key = "tp|reference|bfloat16|"
-    assert sorted(on_ray) == sorted(local) == ["a|reference|bfloat16|", key]
+    assert key in on_ray and key in local, (sorted(on_ray), sorted(local))
     for stored in (on_ray[key], local[key]):
         provenance = stored["provenance"]
         assert provenance["backend_meta"]["tensor_parallel_size"] == 2, provenance["backend_meta"]
@@ -249,7 +330,7 @@ def test_a_tensor_parallel_reference_row_takes_two_cpus_and_equals_the_local_row
         assert np.array_equal(a, b), name
     # what each row's actor held: a CPU per engine process
     held = {k: r["provenance"]["ran_on"]["resources"] for k, r in on_ray.items()}
-    assert held == {key: {"CPU": 2.0}, "a|reference|bfloat16|": {"CPU": 1.0}}, held
+    assert held == {k: {"CPU": 2.0 if k == key else 1.0} for k in on_ray}, held
 
 
 def engine_spans(log: Path) -> list[tuple[float, float, int, str]]:
@@ -275,7 +356,7 @@ def most_open_at_once(spans: list[tuple[float, float, int, str]]) -> int:
 
 @needs_ray
 @pytest.mark.slow
-def test_ray_actors_close_each_engine_after_its_last_row_within_the_memory_bound(tmp_path):
+def test_ray_actors_close_each_engine_after_its_last_row_within_the_memory_bound(tmp_path, ray_address):
     """Four engines (two models on reference and hf) over two actors, two each, each start made 2 s
     longer: each actor closes each engine before it starts its next; with --engine-memory below two
     engines' estimates (0.38 GiB each) they run one at a time, and without it (the control) two
@@ -285,7 +366,8 @@ def test_ray_actors_close_each_engine_after_its_last_row_within_the_memory_bound
     for seed, model in enumerate(("tiny-llama", "tiny-qwen2")):
         (cases / f"{model}.toml").write_text(textwrap.dedent(TINY_CASE.format(seed=seed)).replace(
             '"tiny-llama"', f'"{model}"'))
-    args = ("--cases", str(cases), "--backends", "reference,hf", "--executor", "ray", "--ray-cpus", "2")
+    args = ("--cases", str(cases), "--backends", "reference,hf", "--executor", "ray",
+            "--ray-address", ray_address)
     bounded, free = tmp_path / "bounded.jsonl", tmp_path / "free.jsonl"
     code, log = finish(nightly(tmp_path / "b", *args, "--run-id", "b", "--engine-memory", "0.4",
                                engine_log=bounded))
@@ -305,10 +387,12 @@ def test_ray_actors_close_each_engine_after_its_last_row_within_the_memory_bound
 @needs_ray
 @pytest.mark.slow
 @pytest.mark.own_engine(reason="kills the Ray worker that holds a row's engine")
-def test_a_killed_worker_is_retried_once_then_its_row_is_an_error_and_resume_reruns_it(tmp_path, tiny_cases):
+def test_a_killed_worker_is_retried_once_then_its_row_is_an_error_and_resume_reruns_it(tmp_path, tiny_cases,
+                                                                                       ray_address):
     out, a, b = tmp_path / "reports", "a|reference|bfloat16|", "b|reference|bfloat16|"
-    proc = nightly(out, "--cases", str(tiny_cases), "--backends", "reference", "--run-id", "k", "--executor",
-                   "ray", "--ray-cpus", "2", faults={"kill": {a: 1, b: 99}, "counts": str(tmp_path)})
+    proc = nightly(out, "--cases", str(tiny_cases), "--backends", "reference", "--run-id", "k",
+                   "--executor", "ray", "--ray-address", ray_address,
+                   faults={"kill": {a: 1, b: 99}, "counts": str(tmp_path)})
     code, log = finish(proc)
     stored = rows(out, "k")
     # a: killed once, retried on the restarted actor, passed; b: killed on its try and its retry
@@ -327,7 +411,10 @@ def test_a_killed_worker_is_retried_once_then_its_row_is_an_error_and_resume_rer
 @needs_ray
 @pytest.mark.slow
 @pytest.mark.own_engine(reason="interrupts the nightly (SIGINT) and checks that its Ray cluster is gone")
-def test_ctrl_c_cancels_the_ray_rows_stops_the_cluster_and_resume_finishes_the_run(tmp_path, tiny_cases):
+def test_ctrl_c_cancels_the_ray_rows_stops_the_cluster_and_resume_finishes_the_run(tmp_path, tiny_cases,
+                                                                                   ray_address):
+    """The interrupted run starts its own cluster (that it stops it is the point); the resume runs on
+    the module's."""
     out, c = tmp_path / "reports", "c|reference|bfloat16|"
     proc = nightly(out, "--cases", str(tiny_cases), "--backends", "reference", "--run-id", "s", "--executor",
                    "ray", "--ray-cpus", "2", faults={"sleep": {c: 600}})
@@ -342,7 +429,7 @@ def test_ctrl_c_cancels_the_ray_rows_stops_the_cluster_and_resume_finishes_the_r
     assert code == 130 and "parity nightly --resume s" in log and "--executor ray" in log, log
     assert_gone(cluster)
     assert row_count(out) == 2
-    code, log = finish(nightly(out, "--resume", "s", "--executor", "ray", "--ray-cpus", "2"))
+    code, log = finish(nightly(out, "--resume", "s", "--executor", "ray", "--ray-address", ray_address))
     stored = rows(out, "s")
     assert code == 0 and row_count(out) == 3, log
     assert sorted(stored) == [f"{n}|reference|bfloat16|" for n in "abc"]

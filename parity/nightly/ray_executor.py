@@ -29,6 +29,16 @@ from parity.workload.cases import Case
 ROW_HOOK_ENV = "PARITY_NIGHTLY_ROW_HOOK"
 LOOPBACK = "127.0.0.1"
 LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+#: the driver's environment variables with this prefix are set in every row worker (the run's Ray
+#: runtime_env): a cluster started elsewhere (--ray-address) has its own environment, where a
+#: local cluster's workers inherit the driver's
+FORWARDED_PREFIX = "PARITY_"
+
+
+def worker_env() -> dict[str, str]:
+    """The variables the row workers get from this process: every PARITY_* one (the cache, the row
+    hook, the engine-log switch)."""
+    return {name: value for name, value in os.environ.items() if name.startswith(FORWARDED_PREFIX)}
 
 
 def row_resources(device: str, tensor_parallel: int | None = None) -> dict[str, float]:
@@ -41,7 +51,8 @@ def row_resources(device: str, tensor_parallel: int | None = None) -> dict[str, 
 
 class RayCluster:
     """A Ray cluster for one run: address None starts a local 127.0.0.1 cluster shut down with the block
-    (also on errors and Ctrl-C); an address connects and leaves it running.
+    (also on errors and Ctrl-C); an address connects and leaves it running. Either way the run's
+    workers get this process's PARITY_* variables (`worker_env`).
     """
 
     def __init__(self, *, address: str | None = None, num_cpus: int | None = None) -> None:
@@ -63,7 +74,8 @@ class RayCluster:
             raise ConfigError("--executor ray: this process is already connected to Ray; parity connects "
                               "by itself (give the cluster as --ray-address)")
         common: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False,
-                                  "logging_level": "WARNING", "namespace": "parity-nightly"}
+                                  "logging_level": "WARNING", "namespace": "parity-nightly",
+                                  "runtime_env": {"env_vars": worker_env()}}
         try:
             if self.address is None:
                 # Ray starts workers at niceness 15 to keep its own daemons responsive; here the
