@@ -23,8 +23,8 @@ Sections, in this order:
   cudagraph mode, each attention backend): `benchmarks.gpu_checks.AUDIT_ROWS`, `--audit-rows`.
 - `probe`: inside vLLM (`benchmarks.gpu_probe`): `parity attribute --backend vllm` on the Qwen3-1.7B
   shape (batch-invariant mode, one request per call against eight; against the training forward),
-  the MoE shape and tiny-qwen3 (mode off against on), and the compiled engine's raw logits alone
-  against in a batch.
+  the MoE shape without and with R3 (`--replay-routes`), tiny-qwen3 (mode off against on), and the
+  compiled engine's raw logits alone against in a batch.
 - `server`: `vllm-server` on the GPU bitwise equal to the offline engine (its test).
 - `fp8`: FP8 rollouts against the bf16 trainer and the memory-refusal test (their tests).
 - `drift`: vLLM against parity's training forward on the same GPU, one row per setting: bf16 and

@@ -44,6 +44,7 @@ PROBE_ROWS: dict[str, tuple[str, list[str]]] = {
         "q28", ["--option", "batch_invariant=true", "--versus", "batch"]),
     "q28 vs training forward": ("q28", []),
     "moe vs training forward": ("moe", []),
+    "moe vs training forward, R3": ("moe", ["--replay-routes"]),
     "tiny-qwen3 mode off vs on": ("tiny-qwen3", ["--versus", "batch_invariant=true"]),
 }
 #: key -> (model label, batch-invariant mode on).

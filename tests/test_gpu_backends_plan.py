@@ -201,7 +201,7 @@ def test_probe_rows_resume_and_are_tabled(tmp_path, monkeypatch):
         ledger.keep("probe", key, {"row": key, "seconds": 2.0, "differing": 0, "requests": 8,
                                    "max_abs_logit_diff": 0.0, "attention_backend": ["FLASH_ATTN"]})
     rows = gp.probe_section(args, ledger, lambda state, shape, layers: f"{shape}-{layers}")
-    assert ran == ["qwen3-1.7b-28", "qwen3-1.7b-28", "qwen3-30b-a3b-4", "tiny-qwen3"]
+    assert ran == ["qwen3-1.7b-28", "qwen3-1.7b-28", "qwen3-30b-a3b-4", "qwen3-30b-a3b-4", "tiny-qwen3"]
     assert len(rows) == len(keys) + len(gp.LOGITS_ROWS)
     ran.clear()
     gp.probe_section(args, ledger, lambda state, shape, layers: f"{shape}-{layers}")
