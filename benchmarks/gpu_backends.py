@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -166,16 +167,24 @@ def drift_row(args: argparse.Namespace, plan: DriftPlan) -> dict[str, Any]:
                            time.perf_counter() - start))
 
 
+def failure(output: str) -> str:
+    """A failed child's last line, after the last exception line of any of its processes: vLLM's
+    engine core prints the root cause, the parent's last line only says "see root cause above"."""
+    lines = output.strip().splitlines()
+    causes = [line.strip() for line in lines[:-1] if re.search(r"\w(Error|Exception): ", line)]
+    return (f"{causes[-1]} | " if causes else "") + lines[-1]
+
+
 def _child_row(cmd: list[str], fallback: dict[str, Any]) -> dict[str, Any]:
-    """The last JSON line a child `benchmarks.gpu_backends` printed, else `fallback` with the last
-    line of its output (the exception, for a child that raised)."""
+    """The last JSON line a child `benchmarks.gpu_backends` printed, else `fallback` with its
+    `failure` line."""
     done = subprocess.run([sys.executable, "-m", "benchmarks.gpu_backends", *cmd], capture_output=True,
                           text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode == 0 and lines:
         return json.loads(lines[-1])
-    output = (done.stderr.strip() or done.stdout.strip() or f"exit code {done.returncode}").splitlines()
-    return {**fallback, "error": output[-1][:400]}
+    output = done.stderr.strip() or done.stdout.strip() or f"exit code {done.returncode}"
+    return {**fallback, "error": failure(output)[:600]}
 
 
 def _kept(ledger: Ledger, section: str, key: str) -> bool:

@@ -176,6 +176,17 @@ def test_a_child_that_fails_gives_its_last_line_as_the_error():
     assert row["side"] == "parity" and "--repeats must be at least 1" in row["error"]
 
 
+def test_a_failed_row_keeps_the_engine_cores_root_cause():
+    from benchmarks.gpu_backends import failure
+
+    output = ("INFO engine starting\n(EngineCore_DP0 pid=7) ValueError: Free memory on device "
+              "(40.1/139.8 GiB) is less than desired\nTraceback (most recent call last):\n"
+              "parity.core.errors.BackendError: vLLM engine failed to start: See root cause above.")
+    assert failure(output).startswith("(EngineCore_DP0 pid=7) ValueError: Free memory on device")
+    assert failure(output).endswith("See root cause above.")
+    assert failure("only one line") == "only one line"
+
+
 def test_probe_rows_resume_and_are_tabled(tmp_path, monkeypatch):
     """The probe section keeps each row as it finishes, skips kept rows without an error, runs a
     row kept with an error again, and tables an engine diff per phase (no engine: rows stubbed)."""
