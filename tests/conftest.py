@@ -17,7 +17,7 @@ modules. An engine whose process died is replaced on the next call. Never close 
 test: the parity pytest plugin closes them all when the session ends (on failure and Ctrl-C too;
 `parity.runtime.guard` kills what a crashed session leaves). A module whose options no other module uses
 frees them at its end with `parity.backends.close_shared_backend(name, model, dtype=..., **options)`
-(tests/test_vllm_routes.py), or with `engine_host.stop(name, model, dtype, **options)` when its engines
+(tests/test_backends_vllm.py), or with `engine_host.stop(name, model, dtype, **options)` when its engines
 come from the engine hosts (tests/test_trajectories_vllm.py; `close_shared_backend` never stops a host,
 since the nightly calls it after each engine's last row); never `close_shared_backends()`, which stops
 every module's.
@@ -33,7 +33,8 @@ included: a GPU-only vLLM test with its own engines carries the marker too, or i
 would join the group on a CPU host.
 
 Engine hosts. A module that only samples from shared vLLM engines (`generate`, `generate_uncached`,
-`score`, weight digests: no weight push, adapter swap, monkeypatched adapter or engine internals) is
+`score`, weight digests, the vLLM probe: no weight push, adapter swap, monkeypatched adapter or engine
+internals; a module that owns a configuration may push weights through `engine_host.writable`) is
 marked `pytestmark = [..., pytest.mark.engine_host]`: while its tests run, `shared_backend("vllm",
 ...)` (through `shared_engine`, `parity.compare`, the nightly, the audit) hands it a proxy of the
 session's engine host of that configuration (tests/engine_host.py), one process that both workers

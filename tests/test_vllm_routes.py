@@ -3,11 +3,12 @@
 import importlib.util
 from types import SimpleNamespace
 
+import engine_host
 import numpy as np
 import pytest
 import torch
 
-from parity.backends import close_shared_backend, shared_backend, vllm_routes
+from parity.backends import shared_backend, vllm_routes
 from parity.backends.vllm_routes import RouteCaptureExtension, capture_engine_kwargs, take_routes
 from parity.compare import compare
 from parity.core.errors import BackendError, ConfigError
@@ -75,14 +76,14 @@ def test_capture_settings():
 
 @pytest.fixture
 def routes_engine():
-    """The route-capturing engine; no other module uses it, so it is closed after the test."""
-    options = {"dtype": "float32", "capture_routes": True}
-    yield shared_backend("vllm", "tiny-qwen3-moe", **options)
-    close_shared_backend("vllm", "tiny-qwen3-moe", **options)
+    """The route-capturing engine, from an engine host (vLLM's core in the host's process: one fresh
+    interpreter instead of two); no other module uses it, so its host is stopped after the test."""
+    yield shared_backend("vllm", "tiny-qwen3-moe", dtype="float32", capture_routes=True)
+    engine_host.stop("vllm", "tiny-qwen3-moe", "float32", capture_routes=True)
 
 
 @pytest.mark.vllm
-@pytest.mark.own_engines
+@pytest.mark.engine_host
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
 def test_vllm_rollouts_carry_captured_routes_and_feed_r3(routes_engine):
