@@ -124,8 +124,19 @@ def write_cases(root: Path) -> Path:
 
 
 @pytest.fixture
-def workspace(tmp_path, monkeypatch):
+def drawn_figures():
+    """Asked for by the tests whose claim is the page's figures: `workspace` then draws them."""
+
+
+@pytest.fixture
+def workspace(tmp_path, monkeypatch, request):
+    """The fake engines and two cases. The page's figures are built but not drawn (an empty SVG;
+    drawing them is two thirds of a fake run's time) unless the test asks for `drawn_figures`."""
     install(runner, patch=monkeypatch.setattr)
+    if "drawn_figures" not in request.fixturenames:
+        from parity.render import figures
+
+        monkeypatch.setattr(figures, "figure_data_uri", lambda fig: "data:image/svg+xml;base64,")
     cases = write_cases(tmp_path)
     return SimpleNamespace(root=tmp_path, cases=cases, out=tmp_path / "reports",
                            db=tmp_path / "reports" / "history.sqlite")
@@ -176,7 +187,7 @@ def test_gold_reaches_every_compare_row_and_is_kept_for_resume(workspace, monkey
 
 
 @pytest.mark.slow
-def test_a_run_writes_rows_reports_and_latest_and_prints_a_summary(workspace, capsys):
+def test_a_run_writes_rows_reports_and_latest_and_prints_a_summary(workspace, drawn_figures, capsys):
     code = main(["--cases", f"{workspace.cases}/alpha.toml,{workspace.cases}/beta.toml", "--backends",
                  "reference,hf,vllm", "--out", str(workspace.out), "--run-id", "n1", "--no-progress"])
     out = capsys.readouterr().out
@@ -371,7 +382,7 @@ def test_resume_of_an_unknown_run_and_missing_cases(workspace, capsys):
 
 @needs_chromium
 @pytest.mark.slow
-def test_the_page_loads_in_headless_chromium_without_console_errors(workspace, tmp_path):
+def test_the_page_loads_in_headless_chromium_without_console_errors(workspace, drawn_figures, tmp_path):
     crashy = workspace.cases / "crashy.toml"
     crashy.write_text((workspace.cases / "alpha.toml").read_text())
     spec = f"{workspace.cases}/alpha.toml,{workspace.cases}/beta.toml,{crashy}"
