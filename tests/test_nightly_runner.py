@@ -123,9 +123,26 @@ def write_cases(root: Path) -> Path:
     return cases
 
 
+def leave_figures_undrawn(patch: Any) -> None:
+    """The page's figures are built but not drawn (an empty SVG): drawing them is two thirds of a
+    fake run's time. `patch` = monkeypatch.setattr."""
+    from parity.render import figures
+
+    patch(figures, "figure_data_uri", lambda fig: "data:image/svg+xml;base64,")
+
+
 @pytest.fixture
-def workspace(tmp_path, monkeypatch):
+def drawn_figures():
+    """Asked for by the tests whose claim is the page's figures: `workspace` then draws them."""
+
+
+@pytest.fixture
+def workspace(tmp_path, monkeypatch, request):
+    """The fake engines and two cases; the figures are left undrawn unless the test asks for
+    `drawn_figures`."""
     install(runner, patch=monkeypatch.setattr)
+    if "drawn_figures" not in request.fixturenames:
+        leave_figures_undrawn(monkeypatch.setattr)
     cases = write_cases(tmp_path)
     return SimpleNamespace(root=tmp_path, cases=cases, out=tmp_path / "reports",
                            db=tmp_path / "reports" / "history.sqlite")
@@ -176,7 +193,7 @@ def test_gold_reaches_every_compare_row_and_is_kept_for_resume(workspace, monkey
 
 
 @pytest.mark.slow
-def test_a_run_writes_rows_reports_and_latest_and_prints_a_summary(workspace, capsys):
+def test_a_run_writes_rows_reports_and_latest_and_prints_a_summary(workspace, drawn_figures, capsys):
     code = main(["--cases", f"{workspace.cases}/alpha.toml,{workspace.cases}/beta.toml", "--backends",
                  "reference,hf,vllm", "--out", str(workspace.out), "--run-id", "n1", "--no-progress"])
     out = capsys.readouterr().out
@@ -371,13 +388,20 @@ def test_resume_of_an_unknown_run_and_missing_cases(workspace, capsys):
 
 @needs_chromium
 @pytest.mark.slow
-def test_the_page_loads_in_headless_chromium_without_console_errors(workspace, tmp_path):
+def test_the_page_loads_in_headless_chromium_without_console_errors(workspace, drawn_figures, tmp_path,
+                                                                     monkeypatch):
     crashy = workspace.cases / "crashy.toml"
     crashy.write_text((workspace.cases / "alpha.toml").read_text())
     spec = f"{workspace.cases}/alpha.toml,{workspace.cases}/beta.toml,{crashy}"
-    for run_id, extra in (("c1", []), ("c2", ["--reference", "native", "--baseline", "c1"])):
+
+    def run(run_id: str, *extra: str) -> None:
         main(["--cases", spec, "--backends", "reference,hf,vllm", "--dtypes", "bfloat16", "--out",
               str(workspace.out), "--run-id", run_id, "--no-progress", *extra])
+
+    with monkeypatch.context() as m:
+        leave_figures_undrawn(m.setattr)  # c1 is c2's baseline and trend history; only c2's page is loaded
+        run("c1")
+    run("c2", "--reference", "native", "--baseline", "c1")
     page = workspace.out / "c2" / "index.html"
     loaded, total, console = decoded_images(page, tmp_path)
     assert loaded == total > 40 and console == []

@@ -108,15 +108,27 @@ def _logprobs(rollouts: list) -> list[torch.Tensor]:
     return [torch.tensor(r.logprobs, dtype=torch.float32) for r in rollouts]
 
 
+@pytest.fixture(scope="module")
+def two_groups_tp2():
+    """A float32 TP=2 reference backend of tiny-qwen3 summing in 2 K groups: its engine serves the
+    reduction-groups test, the backend itself the compare test (one rank group for both)."""
+    from parity.backends.reference import ReferenceBackend
+
+    backend = ReferenceBackend("tiny-qwen3", dtype="float32", tensor_parallel_size=2, reduction_groups=2)
+    yield backend
+    backend.close()
+
+
 @pytest.mark.slow
-def test_reduction_groups_give_the_same_bits_at_every_degree_for_one_value() -> None:
+def test_reduction_groups_give_the_same_bits_at_every_degree_for_one_value(two_groups_tp2) -> None:
     """reduction_groups=2: TP=2 equals TP=1 bit for bit, and the rollouts record the value; the
     default 8 groups at TP=1 give other bits (each group count is its own sum: the trade is real)."""
     requests = _long_workload()
     one = ReferenceEngine("tiny-qwen3", tensor_parallel_size=1, reduction_groups=2).generate(requests)
     eight = ReferenceEngine("tiny-qwen3", tensor_parallel_size=1).generate(requests)
-    with ReferenceEngine("tiny-qwen3", tensor_parallel_size=2, reduction_groups=2) as engine:
-        two = engine.generate(requests)
+    engine = two_groups_tp2._engine  # the engine's own rollouts: the backend adds its meta
+    assert engine.config == EngineConfig(tensor_parallel_size=2, reduction_groups=2)
+    two = engine.generate(requests)
     assert [r.token_ids for r in two] == [r.token_ids for r in one]
     assert all(torch.equal(a, b) for a, b in zip(_logprobs(two), _logprobs(one), strict=True))
     assert {r.meta["reduction_groups"] for r in two} == {2}
@@ -284,18 +296,13 @@ def test_compare_with_a_tp2_reference_backend_has_zero_drift() -> None:
 
 
 @pytest.mark.slow
-def test_compare_scores_with_the_backends_reduction_groups() -> None:
+def test_compare_scores_with_the_backends_reduction_groups(two_groups_tp2) -> None:
     """A TP=2 reference backend with reduction_groups=2: the training forward sums in 2 groups too
     (zero drift; with the default 8 it would not match), and the provenance says so."""
-    from parity.backends.reference import ReferenceBackend
     from parity.compare import compare
 
-    backend = ReferenceBackend("tiny-qwen3", dtype="float32", tensor_parallel_size=2, reduction_groups=2)
-    try:
-        report = compare("tiny-qwen3", backend, prompts=[[5, 6, 7], [9, 10, 11, 12, 13]],
-                         sampling={"max_tokens": 6, "n": 2}, dtype="float32", tensor_parallel=2)
-    finally:
-        backend.close()
+    report = compare("tiny-qwen3", two_groups_tp2, prompts=[[5, 6, 7], [9, 10, 11, 12, 13]],
+                     sampling={"max_tokens": 6, "n": 2}, dtype="float32", tensor_parallel=2)
     assert report.summary["max_abs_logprob_diff"] == 0.0
     assert report.provenance["train_tensor_parallel"] == {"tensor_parallel_size": 1, "reduction_groups": 2}
     assert report.provenance["backend_meta"]["reduction_groups"] == 2
