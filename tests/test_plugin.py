@@ -15,10 +15,12 @@ from test_report import make_report
 
 # An in-process pytester run drops every module first imported during it from sys.modules;
 # torch imported there and again later loads its C extension twice and crashes. So what the
-# plugin imports lazily (backends -> torch, metrics, the report page -> matplotlib) is imported here.
+# plugin imports lazily (backends -> torch, metrics, the gold forward -> transformers' models, the report
+# page -> matplotlib) is imported here.
 import parity.backends
 import parity.correction
 import parity.drift.metrics
+import parity.engine.gold
 import parity.pytest_plugin
 import parity.render.report_page
 from parity.drift.tolerance import Tolerance
@@ -173,13 +175,15 @@ def test_plugin_import_stays_light():
 @pytest.mark.slow
 def test_the_readme_s_pytest_example_runs(pytester, tmp_path):
     """The README's `parity_report` example, as written, passes under plain pytest (the default
-    session backend, the reference engine) and keeps its page with --parity-report-dir."""
+    session backend, the reference engine) and keeps its page with --parity-report-dir. In-process,
+    as the end-to-end test: the plugin is the installed entry point either way; a child only
+    imported torch and loaded the model again."""
     from pathlib import Path
 
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     section = readme.split("the\n  `parity_report` fixture hands the body the report", 1)[1]
     example = section.split("```python\n", 1)[1].split("```", 1)[0]
     pytester.makepyfile(test_readme_example="\n".join(line[2:] for line in example.splitlines()))
-    result = pytester.runpytest_subprocess(f"--parity-report-dir={tmp_path}")
+    result = pytester.runpytest(f"--parity-report-dir={tmp_path}")
     result.assert_outcomes(passed=1)
     assert [p.suffix for p in tmp_path.iterdir()] == [".html"]

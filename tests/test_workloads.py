@@ -82,15 +82,17 @@ def test_the_case_renders_the_chats_with_the_models_template(case_file):
     assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
 
 
-def run(backend: str, case_file, dtype: str, tmp_path):
+def run(backend: str, case_file, dtype: str, tmp_path, gold: bool | None = None):
     """compare through a backend this test starts and closes, or for vLLM the session's shared
-    engine of the model (an engine host that tests/test_trained_model.py shares)."""
+    engine of the model (an engine host that tests/test_trained_model.py shares). gold: as
+    `parity.compare`'s (None: its default rule)."""
+    record = tmp_path / f"{backend}.jsonl"
     if backend == "vllm":
         engine = shared_backend(backend, MODEL, dtype=dtype)
-        return parity.compare(None, engine, case=case_file, dtype=dtype, record=tmp_path / f"{backend}.jsonl")
+        return parity.compare(None, engine, case=case_file, dtype=dtype, record=record, gold=gold)
     engine = get_backend(backend, MODEL, dtype=dtype)
     try:
-        return parity.compare(None, engine, case=case_file, dtype=dtype, record=tmp_path / f"{backend}.jsonl")
+        return parity.compare(None, engine, case=case_file, dtype=dtype, record=record, gold=gold)
     finally:
         engine.close()
 
@@ -111,7 +113,7 @@ def test_reference_is_exact_and_its_record_scores_the_same(case_file, tmp_path):
 
 @pytest.mark.slow
 def test_hf_drift_on_the_dataset(case_file, tmp_path):
-    report = run("hf", case_file, "bfloat16", tmp_path)
+    report = run("hf", case_file, "bfloat16", tmp_path, gold=False)  # the claim is drift, not the gold
     train, rollout = report.train_logprobs[report.mask], report.rollout_logprobs[report.mask]
     assert report.num_tokens > 0 and bool(torch.isfinite(torch.from_numpy(train)).all())
     assert report.summary["max_abs_logprob_diff"] > 0 and len(rollout) == report.num_tokens
