@@ -50,7 +50,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -62,6 +61,7 @@ from typing import Any
 from benchmarks.gpu_checks import (
     TEST_ROWS,
     audit_section,
+    failure,
     install_section,
     loop_section,
     pytest_row,
@@ -165,14 +165,6 @@ def drift_row(args: argparse.Namespace, plan: DriftPlan) -> dict[str, Any]:
     return asdict(DriftRow(plan.label, plan.setting, s["max_abs_logprob_diff"], s["mean_abs_logprob_diff"],
                            s["k3_kl"], int(s["num_tokens"]), s.get("router_agreement"),
                            time.perf_counter() - start))
-
-
-def failure(output: str) -> str:
-    """A failed child's last line, after the last exception line of any of its processes: vLLM's
-    engine core prints the root cause, the parent's last line only says "see root cause above"."""
-    lines = output.strip().splitlines()
-    causes = [line.strip() for line in lines[:-1] if re.search(r"\w(Error|Exception): ", line)]
-    return (f"{causes[-1]} | " if causes else "") + lines[-1]
 
 
 def _child_row(cmd: list[str], fallback: dict[str, Any]) -> dict[str, Any]:

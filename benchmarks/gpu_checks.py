@@ -85,6 +85,14 @@ def run_json_command(cmd: list[str], json_path: Path) -> tuple[dict[str, Any], A
     return row, json.loads(json_path.read_text()) if json_path.exists() else None, done
 
 
+def failure(output: str) -> str:
+    """A failed child's last line, after the last exception line of any of its processes: vLLM's
+    engine core prints the root cause, the parent's last line only says "see root cause above"."""
+    lines = output.strip().splitlines() or ["(no output)"]
+    causes = [line.strip() for line in lines[:-1] if re.search(r"\w(Error|Exception): ", line)]
+    return (f"{causes[-1]} | " if causes else "") + lines[-1]
+
+
 def _audit_row(model: str, options: list[str], json_path: Path) -> dict[str, Any]:
     cmd = parity_command("audit", "--model", model, "--backend", "vllm", "--device", "cuda", "--dtype",
                          "bfloat16", "--json", str(json_path))
@@ -97,7 +105,7 @@ def _audit_row(model: str, options: list[str], json_path: Path) -> dict[str, Any
         cmd += ["--option", "engine_kwargs=" + json.dumps({"gpu_memory_utilization": AUDIT_MEMORY})]
     row, audit, done = run_json_command(cmd, json_path)
     if audit is None:
-        return {**row, "error": (done.stderr or done.stdout).strip().splitlines()[-1:]}
+        return {**row, "error": [failure(done.stderr or done.stdout)]}
     meta = audit["provenance"]["backend_meta"]
     return {**row, "deterministic": audit["deterministic"], "batch_invariant": audit["batch_invariant"],
             "attention_backend": meta.get("attention_backend"), "cudagraph_mode": meta.get("cudagraph_mode"),

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.gpu_checks import parity_command, run_json_command
+from benchmarks.gpu_checks import failure, parity_command, run_json_command
 from benchmarks.gpu_ledger import Ledger
 from parity.backends.vllm_weights import DIGEST_EXTENSION
 
@@ -73,13 +73,6 @@ def summary(engine: dict[str, Any]) -> dict[str, Any]:
                        for p in engine["phases"]}}
 
 
-def _error_lines(output: str) -> list[str]:
-    """The last three lines of a failed child's output that are not engine log lines."""
-    lines = [line for line in output.strip().splitlines()
-             if not re.search(r" - (INFO|WARNING|DEBUG) - |^\(EngineCore|^INFO |^WARNING ", line)]
-    return lines[-3:]
-
-
 def _attribute_row(model: str, extra: list[str], json_path: Path, html_path: Path) -> dict[str, Any]:
     cmd = parity_command("attribute", "--backend", "vllm", "--model", model, "--device", "cuda",
                          "--dtype", "bfloat16", "--max-sequences", "8", "--option", _ENGINE, *extra,
@@ -87,7 +80,7 @@ def _attribute_row(model: str, extra: list[str], json_path: Path, html_path: Pat
     row, result, done = run_json_command(cmd, json_path)
     if result is None:
         json_path.with_suffix(".err").write_text(done.stdout + done.stderr)
-        return {**row, "error": _error_lines(done.stderr or done.stdout)}
+        return {**row, "error": [failure(done.stderr or done.stdout)]}
     return {**row, **summary(result["engine"])}
 
 
@@ -153,7 +146,7 @@ def probe_section(args: argparse.Namespace, ledger: Ledger, shaped: Any) -> list
         lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
         row = {"row": key, "seconds": round(time.perf_counter() - start, 1),
                **(json.loads(lines[-1]) if done.returncode == 0 and lines else
-                  {"error": _error_lines(done.stderr or done.stdout)})}
+                  {"error": [failure(done.stderr or done.stdout)]})}
         ledger.keep("probe", key, row)
         print(json.dumps(row)[:600], flush=True)
     return list(ledger.rows("probe").values())

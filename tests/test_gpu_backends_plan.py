@@ -177,7 +177,7 @@ def test_a_child_that_fails_gives_its_last_line_as_the_error():
 
 
 def test_a_failed_row_keeps_the_engine_cores_root_cause():
-    from benchmarks.gpu_backends import failure
+    from benchmarks.gpu_checks import failure
 
     output = ("INFO engine starting\n(EngineCore_DP0 pid=7) ValueError: Free memory on device "
               "(40.1/139.8 GiB) is less than desired\nTraceback (most recent call last):\n"
@@ -185,6 +185,7 @@ def test_a_failed_row_keeps_the_engine_cores_root_cause():
     assert failure(output).startswith("(EngineCore_DP0 pid=7) ValueError: Free memory on device")
     assert failure(output).endswith("See root cause above.")
     assert failure("only one line") == "only one line"
+    assert failure("") == "(no output)"
 
 
 def test_probe_rows_resume_and_are_tabled(tmp_path, monkeypatch):
