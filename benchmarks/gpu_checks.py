@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -29,6 +30,9 @@ def _on(**engine: Any) -> list[str]:
 AUDIT_ROWS: dict[str, tuple[str, list[str]]] = {
     "tiny-qwen3 off": ("tiny-qwen3", []),
     "tiny-qwen3 on": ("tiny-qwen3", _on()),
+    "tiny-qwen3 on, attention TRITON_ATTN": ("tiny-qwen3", _on(attention_config={"backend": "TRITON_ATTN"})),
+    "tiny-qwen3 on, enforce_eager": ("tiny-qwen3", _on(enforce_eager=True)),
+    "tiny-qwen3 on, cudagraph NONE": ("tiny-qwen3", _on(compilation_config={"cudagraph_mode": "NONE"})),
     "q28 off": ("q28", []),
     "q28 on": ("q28", _on()),
     "q28 on, enforce_eager": ("q28", _on(enforce_eager=True)),
@@ -39,8 +43,8 @@ AUDIT_ROWS: dict[str, tuple[str, list[str]]] = {
 }
 #: test selections of tests/test_vllm_gpu.py that are rows of their own.
 TEST_ROWS = {"server": "server_on_the_gpu", "fp8": "fp8 or without_its_gpu_memory"}
-#: one engine at a time: the audit's engine takes this share of the GPU.
-AUDIT_MEMORY = 0.5
+#: the audit's engine takes this share of the GPU (PARITY_GPU_AUDIT_MEMORY for audits side by side).
+AUDIT_MEMORY = float(os.environ.get("PARITY_GPU_AUDIT_MEMORY", "0.5"))
 
 
 def throughput_requests(workload: tuple[int, int, int]) -> list[Any]:

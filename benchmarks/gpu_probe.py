@@ -33,6 +33,7 @@ from typing import Any
 from benchmarks.gpu_checks import failure, parity_command, run_json_command
 from benchmarks.gpu_ledger import Ledger
 from parity.backends.vllm_weights import DIGEST_EXTENSION
+from parity.models.checkpoints import resolve_model
 
 #: the engine's share of the GPU: the training forward runs beside it.
 PROBE_MEMORY = 0.3
@@ -46,6 +47,12 @@ PROBE_ROWS: dict[str, tuple[str, list[str]]] = {
     "moe vs training forward": ("moe", []),
     "moe vs training forward, R3": ("moe", ["--replay-routes"]),
     "tiny-qwen3 mode off vs on": ("tiny-qwen3", ["--versus", "batch_invariant=true"]),
+    "tiny-qwen3 batch-invariant, 1 vs 8 per call": (
+        "tiny-qwen3", ["--option", "batch_invariant=true", "--versus", "batch"]),
+    "tiny-qwen3 batch-invariant, TRITON_ATTN, 1 vs 8 per call": (
+        "tiny-qwen3", ["--option", "batch_invariant=true", "--option", "engine_kwargs=" + json.dumps(
+            {"gpu_memory_utilization": PROBE_MEMORY, "attention_config": {"backend": "TRITON_ATTN"}}),
+                       "--versus", "batch"]),
 }
 #: key -> (model label, batch-invariant mode on).
 LOGITS_ROWS: dict[str, tuple[str, bool]] = {
@@ -92,7 +99,7 @@ def logits_row(model: str, batch_invariant: bool, count: int = 8, tokens: int = 
     import vllm
     from vllm.inputs import TokensPrompt
 
-    llm = vllm.LLM(model=model, dtype="bfloat16", skip_tokenizer_init=True, seed=0,
+    llm = vllm.LLM(model=str(resolve_model(model)), dtype="bfloat16", skip_tokenizer_init=True, seed=0,
                    logprobs_mode="raw_logits", enable_prefix_caching=False,
                    gpu_memory_utilization=PROBE_MEMORY, worker_extension_cls=DIGEST_EXTENSION)
     params = vllm.SamplingParams(max_tokens=tokens, temperature=0.0, logprobs=0, ignore_eos=True,

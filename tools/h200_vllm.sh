@@ -10,7 +10,9 @@
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64
 #   ray==2.60.0, unzip it, drop ray/jars, ray/core/src/ray/gcs/gcs_server, ray/core/src/ray/raylet/raylet,
 #   ray/{rllib,data,serve,tune,train,llm,dashboard/client} (nothing starts a Ray cluster), then
-#   tar ray and its dist-info | xz: 12 MB, carried beside part_ac (not yet imported on the H200).
+#   tar ray and its dist-info | xz: 12 MB, carried beside part_ac, with the msgpack and click wheels
+#   (`pip download --no-deps` for cp312) that `import ray` needs; the RL loop pushed weights by IPC with
+#   it on the H200 (2026-12-04).
 # There, each call carries one or two of those files and stages them (the machine keeps /tmp while warm):
 #   bash tools/h200_vllm.sh stage            copies every carried .gpu-wheels/* file to /tmp/vparts
 #   bash tools/h200_vllm.sh install          unpacks vLLM, its dependencies, Ray and SmolLM2 into /tmp/site

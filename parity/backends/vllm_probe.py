@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from parity.backends.vllm_routes import moe_runners
 from parity.backends.vllm_weights import WeightDigestExtension
 from parity.core.errors import BackendError, ConfigError
 
@@ -144,11 +145,7 @@ class ProbeExtension(WeightDigestExtension):
 
     def _parity_bind_routers(self, model: torch.nn.Module) -> list[list[torch.Tensor]]:
         """Bind a capture callback to every MoE router; returns the per-layer lists they fill."""
-        # vllm only inside the engine's worker: this module imports without it
-        from vllm.model_executor.layers.fused_moe.layer import MoERunner
-
-        moe = sorted(((m.layer_id, m) for m in model.modules() if isinstance(m, MoERunner)),
-                     key=lambda pair: pair[0])
+        moe = moe_runners(model)
         calls: list[list[torch.Tensor]] = [[] for _ in moe]
 
         def capture(index: int) -> Any:
@@ -157,7 +154,7 @@ class ProbeExtension(WeightDigestExtension):
                     calls[index].append(ids.detach().to("cpu", torch.int32, copy=True))
             return keep
 
-        for index, (_, module) in enumerate(moe):
+        for index, module in enumerate(moe):
             if not hasattr(module.router, "set_capture_fn"):
                 raise RuntimeError(f"vLLM MoE router {type(module.router).__name__} has no capture hook")
             module.router.set_capture_fn(capture(index))

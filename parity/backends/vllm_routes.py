@@ -39,6 +39,17 @@ def capture_engine_kwargs(engine_kwargs: dict[str, Any], *, return_routed_expert
     return {**engine_kwargs, **ENGINE_KWARGS}
 
 
+
+def moe_runners(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """vLLM's MoE runner modules of `model` in layer order. Ordered by the index in the module's
+    name: vLLM 0.23 (the GPU build) has no `layer_id` on its runners, later builds derive it so."""
+    # vllm only inside the engine's worker: this module imports without it
+    from vllm.model_executor.layers.fused_moe.layer import MoERunner
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    return sorted((m for m in model.modules() if isinstance(m, MoERunner)),
+                  key=lambda m: extract_layer_index(m.layer_name))
+
 class RouteCaptureExtension:
     """Methods mixed into vLLM's worker class; called through `LLM.collective_rpc` by name."""
 
@@ -62,17 +73,13 @@ class RouteCaptureExtension:
         return out
 
     def _parity_install(self) -> None:
-        # vllm only inside the engine's worker: this module imports without it
-        from vllm.model_executor.layers.fused_moe.layer import MoERunner
-
         runner = self.model_runner
         if not hasattr(runner, "input_batch"):
             raise RuntimeError(f"parity route capture needs vLLM's V1 model runner, not "
                                f"{type(runner).__name__} (set VLLM_USE_V2_MODEL_RUNNER=0)")
-        moe = sorted(((m.layer_id, m) for m in runner.get_model().modules() if isinstance(m, MoERunner)),
-                     key=lambda pair: pair[0])
+        moe = moe_runners(runner.get_model())
         self._parity_step: list[list[torch.Tensor]] = [[] for _ in moe]
-        for index, (_, module) in enumerate(moe):
+        for index, module in enumerate(moe):
             if not hasattr(module.router, "set_capture_fn"):
                 raise RuntimeError(f"vLLM MoE router {type(module.router).__name__} has no capture hook")
             module.router.set_capture_fn(lambda ids, index=index: self._parity_step[index].append(
