@@ -392,4 +392,12 @@ def host(directory: Path, key: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(host(Path(sys.argv[1]), sys.argv[2]))
+    try:
+        code = host(Path(sys.argv[1]), sys.argv[2])
+    except SystemExit as stopped:  # SIGTERM, after the engine closed
+        code = stopped.code if isinstance(stopped.code, int) else 0
+    # the engine is closed: skip the interpreter's teardown (seconds of garbage collection of the
+    # engine's objects that no one waits for), as parity.backends.vllm_exit does for vLLM's processes
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

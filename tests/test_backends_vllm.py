@@ -5,6 +5,7 @@ are for bf16 vLLM kernels against an fp32 HF forward on the same tokens.
 """
 
 import importlib.util
+import multiprocessing
 
 import pytest
 import torch
@@ -231,6 +232,18 @@ def test_weight_sync_moe_known_vllm_cpu_bug():
         assert all(torch.equal(a, b) for a, b in zip(before, restored)), "original weights not restored"
     finally:
         close_shared_backend("vllm", "tiny-qwen3-moe", dtype="bfloat16")  # never hand it to a later test
+
+
+def test_a_closed_engine_exits_by_itself_not_killed():
+    """parity.backends.vllm_exit with a real engine: the processes of vLLM's that a close stops (engine
+    core, worker) exit 0 on their own, without the interpreter teardown that kept them until vLLM's
+    5 s timeout killed them (exit -9, every close on the 2-core CI host). Controls: test_vllm_exit."""
+    vllm_engine("tiny-llama", mode="raw")
+    before = [p for p in multiprocessing.active_children() if p.name.startswith(("EngineCore", "VllmWorker"))]
+    close_shared_backend("vllm", "tiny-llama", dtype="bfloat16", logprobs_mode="raw")
+    stopped = [p for p in before if not p.is_alive()]
+    assert stopped, [p.name for p in before]
+    assert {p.name: p.exitcode for p in stopped} == {p.name: 0 for p in stopped}
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -19,6 +19,7 @@ import torch
 
 from parity.backends.base import Backend, expand_samples, processed_from_raw
 from parity.backends.vllm_env import check_batch_invariant_platform, resolve_flag, set_flag
+from parity.backends.vllm_exit import enable as enable_fast_exit
 from parity.backends.vllm_probe import (
     PROBE_EXTENSION,
     PROBE_KEY,
@@ -90,6 +91,7 @@ class VLLMBackend(Backend):
         set_flag("VLLM_BATCH_INVARIANT", batch_invariant)
         if engine_logging() == "quiet":  # before vLLM is imported: its import already logs
             engine_kwargs.setdefault("use_tqdm_on_load", False)  # the weight-loading progress bar
+        enable_fast_exit()  # the engine's processes inherit the switch (parity.backends.vllm_exit)
         # vllm only where an engine runs: this module imports without it
         import vllm
         import vllm.envs

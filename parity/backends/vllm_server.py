@@ -26,6 +26,7 @@ import torch
 from parity.backends.base import Backend, expand_samples, processed_from_raw
 from parity.backends.http import Endpoint, HttpClient, HttpSettings, api_key_from_env
 from parity.backends.vllm_env import check_batch_invariant_platform, resolve_flag
+from parity.backends.vllm_exit import ENV as FAST_EXIT
 from parity.backends.vllm_probe import PROBE_EXTENSION, PROBE_KEY, unpack_probe
 from parity.backends.vllm_requests import routes_for_rollout, with_routes
 from parity.backends.vllm_settings import from_probes, from_server_info
@@ -164,7 +165,8 @@ class VLLMServerBackend(Backend):
                  "--generation-config", "vllm", "--max-model-len", str(max_positions(self.model_path)),
                  "--enable-prompt-tokens-details"]
         env = {"VLLM_SERVER_DEV_MODE": "1" if dev_mode else "0",
-               "VLLM_BATCH_INVARIANT": "1" if batch_invariant else "0"}
+               "VLLM_BATCH_INVARIANT": "1" if batch_invariant else "0",
+               FAST_EXIT: os.environ.get(FAST_EXIT, "1")}  # parity.backends.vllm_exit
         if not torch.cuda.is_available():
             # the offline adapter's CPU settings, chunked prefill off included (see parity.backends.vllm)
             env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")
