@@ -53,6 +53,8 @@ PROBE_ROWS: dict[str, tuple[str, list[str]]] = {
         "tiny-qwen3", ["--option", "batch_invariant=true", "--option", "engine_kwargs=" + json.dumps(
             {"gpu_memory_utilization": PROBE_MEMORY, "attention_config": {"backend": "TRITON_ATTN"}}),
                        "--versus", "batch"]),
+    "tiny-qwen3 batch-invariant, 1 vs 8 among 56 fillers per call": (
+        "tiny-qwen3", ["--option", "batch_invariant=true", "--versus", "batch", "--fillers", "56"]),
 }
 #: key -> (model label, batch-invariant mode on).
 LOGITS_ROWS: dict[str, tuple[str, bool]] = {

@@ -18,7 +18,7 @@ import torch
 
 from parity.attribute import EngineSide, Setting, engine_diff, probe_engine
 from parity.attribute import probe as probe_module
-from parity.attribute.probe import PHASES, compare_probes
+from parity.attribute.probe import PHASES, among_fillers, compare_probes
 from parity.attribute.runner import run
 from parity.attribute.stages import STAGE_KINDS, check_stage_kinds, stage_kind, stage_order
 from parity.backends import get_backend
@@ -116,6 +116,24 @@ def test_engine_side_and_engine_kwargs_are_validated():
     with pytest.raises(ConfigError, match="enforce_eager"):
         probe_engine_kwargs({"enforce_eager": False})
     assert probe_engine_kwargs({}) == {"worker_extension_cls": PROBE_EXTENSION, "enforce_eager": True}
+
+
+def test_fillers_spread_the_requests_and_map_every_sample_back():
+    """`among_fillers`: the requests keep their order at spread positions, every sample of theirs maps
+    to its index in the call (n > 1 included), the fillers have prompt lengths none of them has."""
+    reqs = [r if i != 1 else Request(r.prompt_ids, r.sampling.replace(n=3), r.request_id)
+            for i, r in enumerate(requests())]
+    call, where = among_fillers(reqs, 12, seed=3)
+    assert len(call) == 16 and [c for c in call if not c.request_id.startswith("parity-filler")] == reqs
+    samples = [c for c in call for _ in range(c.sampling.n)]
+    assert [samples[w].request_id for w in where] == ["r0", "r1", "r1", "r1", "r2", "r3"]
+    assert len(set(where)) == 6 and where[0] == 0 and where[-1] == len(samples) - 1
+    lengths = {len(r.prompt_ids) for r in reqs}
+    assert all(len(c.prompt_ids) not in lengths and c.sampling.n == 1 for c in call if c not in reqs)
+    assert among_fillers(reqs, 0) == (reqs, list(range(6)))
+    assert EngineSide(fillers=12).label == "all requests in one call among 12 fillers"
+    with pytest.raises(ConfigError, match="fillers"):
+        EngineSide(fillers=-1)
 
 
 def test_a_backend_without_the_probe_is_refused():
@@ -265,6 +283,25 @@ def test_a_request_inside_a_batch_gets_its_own_rows_only(engines):
     assert one[2]["layer.1"].dtype == torch.bfloat16
     for name, tensor in one[2].items():
         assert torch.equal(tensor, every[2][name]), name
+
+
+@needs_vllm
+@pytest.mark.vllm
+@pytest.mark.engine_host
+@pytest.mark.slow
+def test_requests_among_fillers_get_their_own_samples_and_rows(engines):
+    """`probe_engine(..., fillers=6)`: the four requests run in one call among six uncaptured fillers;
+    the result holds the four requests' samples only, and each captured sample's embedding rows are
+    the table's rows of its own tokens (a sample mapped to the wrong call position would not match)."""
+    engine = engines("tiny-llama")
+    reqs = requests()
+    got = probe_engine(engine, reqs, [1, 3], ALL, fillers=6)
+    assert [r.prompt_ids for r in got.rollouts] == [tuple(r.prompt_ids) for r in reqs]
+    assert sorted(got.states) == [1, 3]
+    table = checkpoint_weights(engine.model_path)["model.embed_tokens.weight"].to(torch.bfloat16)
+    for i in (1, 3):
+        r = got.rollouts[i]
+        assert torch.equal(got.states[i]["embed"], table[[*r.prompt_ids, *r.token_ids[:-1]]])
 
 
 @needs_vllm

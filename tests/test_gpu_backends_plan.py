@@ -213,11 +213,11 @@ def test_probe_rows_resume_and_are_tabled(tmp_path, monkeypatch):
         ledger.keep("probe", key, {"row": key, "seconds": 2.0, "differing": 0, "requests": 8,
                                    "max_abs_logit_diff": 0.0, "attention_backend": ["FLASH_ATTN"]})
     rows = gp.probe_section(args, ledger, lambda state, shape, layers: f"{shape}-{layers}")
-    assert ran == ["qwen3-1.7b-28"] * 2 + ["qwen3-30b-a3b-4"] * 2 + ["tiny-qwen3"] * 3
+    assert ran == ["qwen3-1.7b-28"] * 2 + ["qwen3-30b-a3b-4"] * 2 + ["tiny-qwen3"] * 4
     assert len(rows) == len(keys) + len(gp.LOGITS_ROWS)
     ran.clear()
     gp.probe_section(args, ledger, lambda state, shape, layers: f"{shape}-{layers}")
-    assert ran == ["tiny-qwen3"] * 3  # only the rows kept with an error run again
+    assert ran == ["tiny-qwen3"] * 4  # only the rows kept with an error run again
     table = "\n".join(gp.probe_markdown(list(ledger.rows("probe").values())))
     assert "| prefill | layer.0.attn | x2.0 | 2.00e-02 | 3.00e-02 | 1 |" in table
     assert "error: boom" in table and "0/8 requests differ, max 0 (raw logit; FLASH_ATTN)" in table

@@ -9,7 +9,8 @@ kernels), so every setting scores exactly the same tokens. With `--backend`, the
 them itself with its probe on and is compared, stage by stage, with the training forward on its own
 tokens (`--versus train`), or with itself in another setting (`--versus batch`: one request per call
 against all in one; `--versus KEY=VALUE`: that backend option on against the engine without it);
-`--replay-routes` makes the training forward use the engine's MoE experts (R3).
+`--fillers N` runs the all-in-one call among N uncaptured requests of other lengths (the audit's
+batches); `--replay-routes` makes the training forward use the engine's MoE experts (R3).
 """
 
 from __future__ import annotations
@@ -70,6 +71,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="with --backend: side A is the training forward (train, default), the engine "
                              "with one request per call (batch), or the engine without backend option "
                              "KEY=VALUE (side B has it)")
+    parser.add_argument("--fillers", type=int, default=0, metavar="N",
+                        help="with --backend and --versus batch or train: side B's call runs the requests "
+                             "among N uncaptured requests of other prompt lengths (steps that mix prefill "
+                             "and decode, as the audit's batch check)")
     parser.add_argument("--replay-routes", action="store_true",
                         help="with --backend and --versus train, MoE models: the training forward replays "
                              "the experts the engine chose (R3)")
@@ -110,9 +115,9 @@ def _run(args: argparse.Namespace) -> int:
     args.device = resolve_device(args.device, [REFERENCE])
     if args.backend is not None:
         return _run_engine(args)
-    if args.stages is not None or args.option or args.versus != "train" or args.replay_routes:
-        raise ConfigError("--stages, --versus, --option and --replay-routes go with --backend (the engine "
-                          "probe)")
+    if args.stages is not None or args.option or args.versus != "train" or args.replay_routes or args.fillers:
+        raise ConfigError("--stages, --versus, --option, --fillers and --replay-routes go with --backend "
+                          "(the engine probe)")
     model, dtype, rollouts = _sequences(args.model, args.case, args.dtype, args.device, args.max_sequences)
     from parity.attribute.section import attribution_section  # torch: after parsing (--help stays light)
 
@@ -149,7 +154,9 @@ def _run_engine(args: argparse.Namespace) -> int:
     from parity.attribute.probe import EngineSide, engine_diff
     from parity.attribute.settings import Setting
 
-    side, against = EngineSide(options), None
+    if args.fillers and args.versus not in ("batch", "train"):
+        raise ConfigError("--fillers goes with --versus batch or train (the all-in-one call among fillers)")
+    side, against = EngineSide(options, fillers=args.fillers), None
     if args.versus == "batch":
         against = EngineSide(options, batch=1)
     elif args.versus != "train":

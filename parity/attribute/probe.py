@@ -4,6 +4,7 @@
     diff = engine_diff("tiny-llama", requests)                     # vLLM against the training forward
     diff.phase("decode").first_differing                           # e.g. "layer.0.attn"
     diff = engine_diff("tiny-llama", requests, side=EngineSide(batch=1), against=EngineSide())
+    diff = engine_diff("tiny-llama", requests, side=EngineSide(fillers=56), against=EngineSide(batch=1))
     diff = engine_diff("tiny-qwen3-moe", requests, replay_routes=True)  # R3: the engine's experts
 
 Side B is the engine with its probe on (`parity.backends.vllm_probe`); side A the training forward
@@ -21,6 +22,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from parity.attribute.layers import StageDiff
@@ -41,17 +43,22 @@ PHASES: tuple[str, ...] = ("prefill", "decode")
 
 @dataclass(frozen=True)
 class EngineSide:
-    """One setting of the engine: its backend options (besides `probe`) and the requests per call
-    (`batch`; None: all in one call)."""
+    """One setting of the engine: its backend options (besides `probe`), the requests per call
+    (`batch`; None: all in one call) and `fillers`, uncaptured requests of other prompt lengths spread
+    among each call's requests (the audit's batch check: steps that mix one request's decode with
+    another's prefill)."""
 
     options: Mapping[str, Any] = field(default_factory=dict)
     batch: int | None = None
+    fillers: int = 0
 
     def __post_init__(self) -> None:
         if self.batch is not None and (isinstance(self.batch, bool) or not isinstance(self.batch, int)
                                        or self.batch < 1):
             raise ConfigError(f"EngineSide.batch must be an integer >= 1 or None (all requests in one call), "
                               f"got {self.batch!r}")
+        if isinstance(self.fillers, bool) or not isinstance(self.fillers, int) or self.fillers < 0:
+            raise ConfigError(f"EngineSide.fillers must be an integer >= 0, got {self.fillers!r}")
         if not isinstance(self.options, Mapping) or "probe" in self.options:
             raise ConfigError("EngineSide.options must be a mapping of backend options without 'probe' "
                               "(the probe is always on)")
@@ -61,7 +68,8 @@ class EngineSide:
     def label(self) -> str:
         batch = "all requests in one call" if self.batch is None else f"{self.batch} request(s) per call"
         options = ", ".join(f"{k}={v!r}" for k, v in sorted(self.options.items()))
-        return f"{batch}{'; ' + options if options else ''}"
+        fillers = f" among {self.fillers} fillers" if self.fillers else ""
+        return f"{batch}{fillers}{'; ' + options if options else ''}"
 
 
 @dataclass(frozen=True)
@@ -153,9 +161,10 @@ class EngineProbe:
 
 
 def probe_engine(engine: Backend, requests: Sequence[Request], capture: Sequence[int], kinds: Sequence[str],
-                 *, batch: int | None = None, label: str = "engine") -> EngineProbe:
-    """Sample `requests` on a running probe engine (`batch` requests per call, None: all in one) and
-    capture the stage kinds `kinds` of the samples `capture`."""
+                 *, batch: int | None = None, fillers: int = 0, label: str = "engine") -> EngineProbe:
+    """Sample `requests` on a running probe engine (`batch` requests per call, None: all in one; each
+    call among `fillers` uncaptured requests) and capture the stage kinds `kinds` of the samples
+    `capture`. The fillers' rollouts are dropped: the result holds the samples of `requests` only."""
     if not hasattr(engine, "probe"):
         raise UnsupportedError(f"backend {engine.name!r} has no engine probe; parity can look inside "
                                f"{list(PROBE_BACKENDS)}")
@@ -166,10 +175,40 @@ def probe_engine(engine: Backend, requests: Sequence[Request], capture: Sequence
         part = list(requests[first:first + size])
         offset = len(rollouts)
         local = [i - offset for i in capture if offset <= i < offset + sum(r.sampling.n for r in part)]
-        got, captured = engine.probe(part, local, kinds)
-        rollouts += got
-        states.update({offset + i: s for i, s in captured.items()})
+        call, where = among_fillers(part, fillers, seed=first)
+        got, captured = engine.probe(call, [where[i] for i in local], kinds)
+        back = {w: k for k, w in enumerate(where)}
+        rollouts += [got[w] for w in where]
+        states.update({offset + back[i]: s for i, s in captured.items()})
     return EngineProbe(label=label, rollouts=tuple(rollouts), states=states)
+
+
+def among_fillers(part: Sequence[Request], fillers: int, *, seed: int = 0) -> tuple[list[Request], list[int]]:
+    """`part` spread evenly among `fillers` requests (n=1, the first request's sampling) whose prompts
+    are drawn from `part`'s tokens at lengths none of `part` has, as the audit's batch check builds its
+    batches; returns the call and, per sample of `part` in order, its sample index in the call."""
+    if not fillers:
+        return list(part), list(range(sum(r.sampling.n for r in part)))
+    rng = np.random.Generator(np.random.PCG64(seed))
+    pool = np.array([t for r in part for t in r.prompt_ids])
+    taken = {len(r.prompt_ids) for r in part}
+    lengths = [n for n in range(1, 2 * max(taken) + 9) if n not in taken]
+    total = len(part) + fillers
+    # evenly spaced slots at least one apart, so rounding keeps them distinct
+    slots = set(np.linspace(0, total - 1, len(part)).round().astype(int).tolist())
+    call: list[Request] = []
+    where: list[int] = []
+    needles = iter(part)
+    for position in range(total):
+        start = sum(r.sampling.n for r in call)
+        if position in slots:
+            request = next(needles)
+            where += range(start, start + request.sampling.n)
+            call.append(request)
+        else:
+            prompt = tuple(int(t) for t in rng.choice(pool, size=int(rng.choice(lengths))))
+            call.append(Request(prompt, part[0].sampling.replace(n=1), f"parity-filler-{seed}-{position}"))
+    return call, where
 
 
 def engine_diff(model: str, requests: Sequence[Request], *, backend: str = "vllm", dtype: str = "bfloat16",
@@ -199,7 +238,7 @@ def engine_diff(model: str, requests: Sequence[Request], *, backend: str = "vllm
             engine = start(backend, model, dtype=dtype, probe=True, **setting.options)
             running[:] = [(setting.options, engine)]
         return probe_engine(running[0][1], requests, chosen, kinds, batch=setting.batch,
-                            label=f"{backend}: {setting.label}")
+                            fillers=setting.fillers, label=f"{backend}: {setting.label}")
 
     try:
         b = probe_side(side)
