@@ -43,6 +43,7 @@ from parity.backends import parse_option
 from parity.core.types import Rollout
 from parity.loop import loop
 from parity.loop.command import format_row, header
+from parity.runtime.frame import sigterm_interrupts
 
 # before any engine loads (the loop imports vLLM only when it starts a vLLM backend)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -130,12 +131,14 @@ def main(argv: list[str] | None = None) -> int:
 
     print(header(), flush=True)
     began = time.perf_counter()
-    record = loop(model, backends, steps=args.steps, reward=reward, lr=args.lr, correction=args.correction,
-                  seed=args.seed, n=args.n, max_tokens=args.max_tokens, prompts=args.prompts,
-                  dtype=args.dtype, device=args.device, micro_batch_size=args.micro_batch_size,
-                  backend_dtypes={"vllm": args.vllm_dtype} if "vllm" in backends else None,
-                  backend_options=options, lora_rank=args.lora_rank, json=args.json, html=args.html,
-                  progress=progress)
+    with sigterm_interrupts():  # a `timeout` that stops the run leaves its record "interrupted"
+        record = loop(model, backends, steps=args.steps, reward=reward, lr=args.lr,
+                      correction=args.correction, seed=args.seed, n=args.n, max_tokens=args.max_tokens,
+                      prompts=args.prompts, dtype=args.dtype, device=args.device,
+                      micro_batch_size=args.micro_batch_size,
+                      backend_dtypes={"vllm": args.vllm_dtype} if "vllm" in backends else None,
+                      backend_options=options, lora_rank=args.lora_rank, json=args.json, html=args.html,
+                      progress=progress)
     wall = time.perf_counter() - began
     import resource
 

@@ -3,6 +3,11 @@ a skipped weight push caught, bad input refused before step 0, divergence named 
 
 import json
 import math
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -219,6 +224,36 @@ def test_command_line(tmp_path, capsys):
     assert LoopRecord.read(out).status == "complete"
     assert "policy KL from start" in page.read_text()
     assert main(["loop", "--model", "tiny-llama", "--backends", "reference,hf", "--steps", "1"]) == 2
+
+
+@pytest.mark.slow
+def test_a_sigterm_mid_loop_keeps_the_steps_and_says_interrupted(tmp_path):
+    """`timeout` or a scheduler stops `parity loop` with SIGTERM: one line, exit 143, and the record
+    says "interrupted (SIGTERM)" with every finished step kept (Python's default SIGTERM ends the
+    process without running a `finally`: the record stayed "running")."""
+    out = tmp_path / "loop.json"
+    entry = "import sys; from parity.cli import main; sys.exit(main(sys.argv[1:]))"
+    proc = subprocess.Popen([sys.executable, "-c", entry, "loop", "--model", "tiny-llama",
+                             "--steps", "100000", "--prompts", "2", "--n", "2", "--max-tokens", "4",
+                             "--json", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        deadline = time.monotonic() + 180
+        while proc.poll() is None and time.monotonic() < deadline and not (
+                out.exists() and LoopRecord.read(out).steps):
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.stderr.read()[-2000:]
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, err[-2000:]
+    assert err.strip().splitlines() == ["parity: terminated (SIGTERM)"]
+    record = LoopRecord.read(out)
+    assert record.status == "interrupted" and record.error.startswith("interrupted (SIGTERM) at step")
+    assert record.steps
 
 
 def test_answers_are_read_off_the_prompt():

@@ -67,6 +67,13 @@ EXIT_ERROR = 2
 EXIT_INTERRUPTED = 130
 #: exit code when the reader of stdout went away (`| head`), the shell's 128 + SIGPIPE (13).
 EXIT_BROKEN_PIPE = 141
+#: exit code after SIGTERM (a scheduler's or `timeout`'s stop), the shell's 128 + 15.
+EXIT_TERMINATED = 143
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM inside a `parity` command (`parity.runtime.frame.sigterm_interrupts`): raised like
+    Ctrl-C, so a run's `finally` blocks write what it finished and close its engines."""
 
 
 def report_error(prog: str, exc: BaseException, *, verbose: bool = False) -> int:

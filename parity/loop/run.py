@@ -20,7 +20,7 @@ import torch
 
 from parity.backends import Backend, get_backend, lora_backends, weight_sync_missing
 from parity.backends.borrowed import check_borrowed
-from parity.core.errors import ConfigError, DivergedError
+from parity.core.errors import ConfigError, DivergedError, Terminated
 from parity.core.outputs import write_atomic
 from parity.core.schema import VERSION
 from parity.core.types import Request, Rollout, SamplingParams
@@ -121,10 +121,11 @@ def run_loop(config: LoopConfig, task: Task, *, engines: dict[str, Backend] | No
         record.status, record.error = "diverged", f"step {step}: {exc}"
         kept = f"; the record keeps the {step} step(s) before it" + (f" ({json_path})" if json_path else "")
         raise DivergedError(f"training diverged at step {step}: {exc}{kept}") from exc
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
+        how = "SIGTERM" if isinstance(exc, Terminated) else "Ctrl-C"
         record.status = "interrupted"
-        record.error = f"interrupted (Ctrl-C) at step {step}" if step >= 0 else \
-            "interrupted (Ctrl-C) before step 0"
+        record.error = f"interrupted ({how}) at step {step}" if step >= 0 else \
+            f"interrupted ({how}) before step 0"
         raise
     except BaseException as exc:
         said = str(exc) or type(exc).__name__

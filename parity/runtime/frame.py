@@ -2,18 +2,22 @@
 
 `run_command("parity audit", argv, parser, body)` adds `--verbose`, sets engine logging and
 returns the body's exit code, `EXIT_ERROR` (2) on any error (one line), `EXIT_INTERRUPTED` (130)
-on Ctrl-C, `EXIT_BROKEN_PIPE` (141) when stdout's reader left. Parsing loads nothing heavy, so
-`parity X --help` never loads torch.
+on Ctrl-C, `EXIT_TERMINATED` (143) on SIGTERM (raised as `Terminated`, a KeyboardInterrupt, so runs
+end as they do on Ctrl-C: finished work written, engines closed), `EXIT_BROKEN_PIPE` (141) when
+stdout's reader left. Parsing loads nothing heavy, so `parity X --help` never loads torch.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 
-from parity.core.errors import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, report_error
+from parity.core.errors import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, EXIT_TERMINATED, Terminated, report_error
 from parity.runtime.quiet import engine_logging
 
 #: the flag that shows the engines' log lines and the traceback of an error; every command takes it.
@@ -32,7 +36,11 @@ def run_command(prog: str, argv: Sequence[str] | None, parser: argparse.Argument
     engine_logging(verbose=verbose)
     try:
         args = parser.parse_args(args_list)
-        return int(body(args) or 0)
+        with sigterm_interrupts():
+            return int(body(args) or 0)
+    except Terminated:
+        print(f"{prog}: terminated (SIGTERM)", file=sys.stderr)
+        return EXIT_TERMINATED
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -43,3 +51,21 @@ def run_command(prog: str, argv: Sequence[str] | None, parser: argparse.Argument
         return EXIT_BROKEN_PIPE
     except Exception as exc:  # one line, exit 2: CI must never read a crash as a parity failure
         return report_error(prog, exc, verbose=verbose)
+
+
+@contextlib.contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """Inside: SIGTERM raises `Terminated` in the main thread (Python's default would end the process
+    without running a single `finally`). Elsewhere than the main thread, nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        raise Terminated("SIGTERM")
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
