@@ -250,7 +250,7 @@ def test_a_sigterm_mid_loop_keeps_the_steps_and_says_interrupted(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 143, err[-2000:]
-    assert err.strip().splitlines() == ["parity: terminated (SIGTERM)"]
+    assert err.strip().splitlines()[-1] == "parity: terminated (SIGTERM)" and "Traceback" not in err
     record = LoopRecord.read(out)
     assert record.status == "interrupted" and record.error.startswith("interrupted (SIGTERM) at step")
     assert record.steps
