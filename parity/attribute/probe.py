@@ -34,6 +34,7 @@ from parity.core.errors import ConfigError, InputError, UnsupportedError
 from parity.core.types import Request, Rollout
 from parity.models.checkpoints import resolve_model
 from parity.models.lora import is_moe_checkpoint
+from parity.workload.neighbours import spread
 
 #: backends whose engine parity can look into.
 PROBE_BACKENDS: tuple[str, ...] = ("vllm", "vllm-server")
@@ -174,8 +175,8 @@ def probe_engine(engine: Backend, requests: Sequence[Request], capture: Sequence
     for first in range(0, len(requests), size):
         part = list(requests[first:first + size])
         offset = len(rollouts)
-        local = [i - offset for i in capture if offset <= i < offset + sum(r.sampling.n for r in part)]
         call, where = among_fillers(part, fillers, seed=first)
+        local = [i - offset for i in capture if offset <= i < offset + len(where)]
         got, captured = engine.probe(call, [where[i] for i in local], kinds)
         back = {w: k for k, w in enumerate(where)}
         rollouts += [got[w] for w in where]
@@ -184,30 +185,20 @@ def probe_engine(engine: Backend, requests: Sequence[Request], capture: Sequence
 
 
 def among_fillers(part: Sequence[Request], fillers: int, *, seed: int = 0) -> tuple[list[Request], list[int]]:
-    """`part` spread evenly among `fillers` requests (n=1, the first request's sampling) whose prompts
-    are drawn from `part`'s tokens at lengths none of `part` has, as the audit's batch check builds its
-    batches; returns the call and, per sample of `part` in order, its sample index in the call."""
-    if not fillers:
-        return list(part), list(range(sum(r.sampling.n for r in part)))
-    rng = np.random.Generator(np.random.PCG64(seed))
-    pool = np.array([t for r in part for t in r.prompt_ids])
-    taken = {len(r.prompt_ids) for r in part}
-    lengths = [n for n in range(1, 2 * max(taken) + 9) if n not in taken]
-    total = len(part) + fillers
-    # evenly spaced slots at least one apart, so rounding keeps them distinct
-    slots = set(np.linspace(0, total - 1, len(part)).round().astype(int).tolist())
+    """`part` spread evenly among `fillers` requests (n=1, the first request's sampling), as the audit's
+    batch check builds its batches (`parity.workload.neighbours.spread`); returns the call and, per
+    sample of `part` in order, its sample index in the call."""
+    items = spread(part, len(part) + fillers, np.random.Generator(np.random.PCG64(seed))) if fillers else part
     call: list[Request] = []
     where: list[int] = []
-    needles = iter(part)
-    for position in range(total):
-        start = sum(r.sampling.n for r in call)
-        if position in slots:
-            request = next(needles)
-            where += range(start, start + request.sampling.n)
-            call.append(request)
+    samples = 0
+    for position, item in enumerate(items):
+        if isinstance(item, Request):
+            where += range(samples, samples + item.sampling.n)
         else:
-            prompt = tuple(int(t) for t in rng.choice(pool, size=int(rng.choice(lengths))))
-            call.append(Request(prompt, part[0].sampling.replace(n=1), f"parity-filler-{seed}-{position}"))
+            item = Request(item, part[0].sampling.replace(n=1), f"parity-filler-{seed}-{position}")
+        call.append(item)
+        samples += item.sampling.n
     return call, where
 
 

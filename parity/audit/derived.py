@@ -16,6 +16,7 @@ import numpy as np
 
 from parity.core.errors import ConfigError
 from parity.core.types import Request
+from parity.workload.neighbours import spread, token_pool
 
 #: the default batch sizes of the batch check, in sequences: the needle alone, then two batches.
 BATCH_SIZES: tuple[int, ...] = (1, 8, 64)
@@ -83,10 +84,6 @@ def is_neutral(requests: Sequence[Request]) -> bool:
                for r in requests)
 
 
-def _token_pool(requests: Sequence[Request]) -> np.ndarray:
-    return np.unique(np.concatenate([np.asarray(r.prompt_ids, np.int64) for r in requests]))
-
-
 def needle_batches(requests: Sequence[Request], sizes: Sequence[int], *, seed: int,
                    context: int | None) -> BatchPlan:
     """Needles and the batches they are audited in; at most half the smallest batch above 1 are
@@ -96,25 +93,15 @@ def needle_batches(requests: Sequence[Request], sizes: Sequence[int], *, seed: i
     count = max(1, min(len(requests), sizes[1] // 2))
     needles = tuple(Request(r.prompt_ids, r.sampling.replace(n=1), r.request_id) for r in requests[:count])
     rng = np.random.Generator(np.random.PCG64(seed))
-    pool = _token_pool(needles)
-    taken = {len(r.prompt_ids) for r in needles}
-    longest = max(taken)
-    budget = min(2 * longest + 8, context - max(r.sampling.max_tokens for r in needles)) if context else \
-        2 * longest + 8
-    lengths = [n for n in range(1, budget + 1) if n not in taken] or [longest]
     batches = {}
     for size in sizes[1:]:
-        slots = np.unique(np.linspace(0, size - 1, count).round().astype(int))
         batch: list[Request] = []
-        needle_at = dict(zip(slots.tolist(), needles))
-        for position in range(size):
-            if position in needle_at:
-                batch.append(needle_at[position])
+        for position, item in enumerate(spread(needles, size, rng, context=context)):
+            if isinstance(item, Request):
+                batch.append(item)
                 continue
-            template = needles[position % count]
-            prompt = tuple(int(t) for t in rng.choice(pool, size=int(rng.choice(lengths))))
-            sampling = template.sampling.replace(seed=_OTHER_SEEDS + size * 1000 + position)
-            batch.append(Request(prompt, sampling, f"neighbour-{size}-{position}"))
+            sampling = needles[position % count].sampling.replace(seed=_OTHER_SEEDS + size * 1000 + position)
+            batch.append(Request(item, sampling, f"neighbour-{size}-{position}"))
         batches[size] = tuple(batch)
     return BatchPlan(needles=needles, batches=batches)
 
@@ -122,5 +109,5 @@ def needle_batches(requests: Sequence[Request], sizes: Sequence[int], *, seed: i
 def with_prefix(requests: Sequence[Request], length: int, *, seed: int) -> tuple[Request, ...]:
     """`requests` behind one shared prefix of `length` tokens (same seeds and sampling)."""
     rng = np.random.Generator(np.random.PCG64(seed))
-    prefix = tuple(int(t) for t in rng.choice(_token_pool(requests), size=length))
+    prefix = tuple(int(t) for t in rng.choice(token_pool(requests), size=length))
     return tuple(Request(prefix + r.prompt_ids, r.sampling, r.request_id) for r in requests)
