@@ -54,10 +54,11 @@ def install() -> None:
 def _marking(method: Any, flag: str) -> Any:
     @functools.wraps(method)
     def marked(*args: Any, **kwargs: Any) -> Any:
-        if flag == "failed":
+        if flag == "failed":  # a failure counts even when reporting it raises
             _state[flag] = True
+            return method(*args, **kwargs)
         result = method(*args, **kwargs)
-        _state[flag] = True  # a shutdown that raised is not clean
+        _state[flag] = True  # only a shutdown that returned is clean
         return result
     return marked
 

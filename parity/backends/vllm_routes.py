@@ -39,7 +39,6 @@ def capture_engine_kwargs(engine_kwargs: dict[str, Any], *, return_routed_expert
     return {**engine_kwargs, **ENGINE_KWARGS}
 
 
-
 def moe_runners(model: torch.nn.Module) -> list[torch.nn.Module]:
     """vLLM's MoE runner modules of `model` in layer order. Ordered by the index in the module's
     name: vLLM 0.23 (the GPU build) has no `layer_id` on its runners, later builds derive it so."""
@@ -49,6 +48,7 @@ def moe_runners(model: torch.nn.Module) -> list[torch.nn.Module]:
 
     return sorted((m for m in model.modules() if isinstance(m, MoERunner)),
                   key=lambda m: extract_layer_index(m.layer_name))
+
 
 class RouteCaptureExtension:
     """Methods mixed into vLLM's worker class; called through `LLM.collective_rpc` by name."""
