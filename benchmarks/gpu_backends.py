@@ -68,7 +68,7 @@ from benchmarks.gpu_checks import (
     test_row_section,
     throughput_requests,
 )
-from benchmarks.gpu_ledger import DEFAULT_STATE, Deadline, DeadlineReached, Ledger, pending
+from benchmarks.gpu_ledger import DEFAULT_STATE, Deadline, DeadlineReached, Ledger, pending, to_run
 from benchmarks.gpu_probe import probe_markdown, probe_section
 
 SECTIONS = ("install", "tests", "audit", "probe", "server", "fp8", "drift", "throughput", "loop")
@@ -417,7 +417,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def run_sections(args: argparse.Namespace, ledger: Ledger, runners: dict[str, Callable[[], Any]],
                  header: dict[str, Any]) -> dict[str, Any]:
-    """Run each pending section of `args.sections` (`gpu_ledger.pending`), marking it done when it
+    """Run each section of `args.sections` still to run (`gpu_ledger.to_run`), marking it done when it
     returns; write OUT/gpu_backends.json and .md with every section done or partial so far after
     each. A section that raises stays pending (its kept rows stay) and the next one runs."""
     def write() -> dict[str, Any]:
@@ -430,7 +430,7 @@ def run_sections(args: argparse.Namespace, ledger: Ledger, runners: dict[str, Ca
 
     args.out.mkdir(parents=True, exist_ok=True)
     clock = getattr(args, "clock", Deadline(None, 0.0))
-    for section in pending(args.sections, ledger):
+    for section in to_run(args.sections, ledger):
         start = time.perf_counter()
         try:
             clock.check(f"section {section}")

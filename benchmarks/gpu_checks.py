@@ -33,6 +33,8 @@ AUDIT_ROWS: dict[str, tuple[str, list[str]]] = {
     "tiny-qwen3 on, attention TRITON_ATTN": ("tiny-qwen3", _on(attention_config={"backend": "TRITON_ATTN"})),
     "tiny-qwen3 on, enforce_eager": ("tiny-qwen3", _on(enforce_eager=True)),
     "tiny-qwen3 on, cudagraph NONE": ("tiny-qwen3", _on(compilation_config={"cudagraph_mode": "NONE"})),
+    # the same prompts and seeds, logprobs before temperature and top-p (`write_audit_case`)
+    "tiny-qwen3 on, raw logprobs": ("tiny-qwen3", [*_on(), "logprobs_mode=raw"]),
     "q28 off": ("q28", []),
     "q28 on": ("q28", _on()),
     "q28 on, enforce_eager": ("q28", _on(enforce_eager=True)),
@@ -97,9 +99,29 @@ def failure(output: str) -> str:
     return (f"{causes[-1]} | " if causes else "") + lines[-1]
 
 
+def write_audit_case(model: str, path: Path) -> Path:
+    """The audit's built-in case (`default_case`: its prompts, n, temperature, top-p, tokens, seeds
+    1000+i) as a case file with raw logprobs: its processed logprobs under top-p 0.95 are not what
+    SGLang can report (temperature-scaled, untruncated), and a vLLM row in raw mode asks whether a
+    difference enters before or after the sampler's processing."""
+    from parity.workload.cases import default_case
+
+    requests = default_case(model).requests
+    first = requests[0].sampling
+    prompts = ",\n  ".join(json.dumps(list(r.prompt_ids)) for r in requests)
+    path.write_text(
+        f'name = "sglang-audit-raw"\nkind = "audit"\nmodel = {json.dumps(model)}\nlogprobs_mode = "raw"\n\n'
+        f"[prompts]\ntoken_ids = [\n  {prompts},\n]\n\n"
+        f"[sampling]\nn = {first.n}\ntemperature = {first.temperature}\ntop_p = {first.top_p}\n"
+        f"max_tokens = {first.max_tokens}\nseed = {first.seed}\n")
+    return path
+
+
 def _audit_row(model: str, options: list[str], json_path: Path) -> dict[str, Any]:
     cmd = parity_command("audit", "--model", model, "--backend", "vllm", "--device", "cuda", "--dtype",
                          "bfloat16", "--json", str(json_path))
+    if "logprobs_mode=raw" in options:
+        cmd += ["--case", str(write_audit_case(model, json_path.with_suffix(".case.toml")))]
     for option in options:
         if option.startswith("engine_kwargs="):
             extra = json.loads(option.split("=", 1)[1])

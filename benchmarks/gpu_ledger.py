@@ -92,3 +92,9 @@ class Ledger:
 def pending(sections: Sequence[str], ledger: Ledger) -> list[str]:
     """The sections of `sections` still to run, in their order."""
     return [s for s in sections if not ledger.done(s)]
+
+
+def to_run(sections: Sequence[str], ledger: Ledger) -> list[str]:
+    """`pending`, plus every done section that keeps rows: a later run may ask it for rows it has
+    not run (`--audit-rows` naming a new key), and its runner skips the kept ones."""
+    return [s for s in sections if not ledger.done(s) or ledger.rows(s)]

@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.gpu_checks import parity_command, pytest_row, throughput_requests
+from benchmarks.gpu_checks import parity_command, pytest_row, throughput_requests, write_audit_case
 from benchmarks.gpu_ledger import Ledger, pending
 
 SECTIONS = ("install", "compare", "throughput", "tests")
@@ -140,23 +140,6 @@ def compare_section(args: argparse.Namespace, ledger: Ledger) -> list[dict[str, 
         ledger.keep("compare", key, row)
         print(json.dumps(row, default=str)[:3000], flush=True)
     return list(ledger.rows("compare").values())
-
-
-def write_audit_case(model: str, path: Path) -> Path:
-    """The audit's built-in case (`default_case`: its prompts, n, temperature, top-p, tokens, seeds
-    1000+i) as a case file with raw logprobs: its processed logprobs under top-p 0.95 are not what
-    SGLang can report (temperature-scaled, untruncated), and a server reports one mode."""
-    from parity.workload.cases import default_case
-
-    requests = default_case(model).requests
-    first = requests[0].sampling
-    prompts = ",\n  ".join(json.dumps(list(r.prompt_ids)) for r in requests)
-    path.write_text(
-        f'name = "sglang-audit-raw"\nkind = "audit"\nmodel = {json.dumps(model)}\nlogprobs_mode = "raw"\n\n'
-        f"[prompts]\ntoken_ids = [\n  {prompts},\n]\n\n"
-        f"[sampling]\nn = {first.n}\ntemperature = {first.temperature}\ntop_p = {first.top_p}\n"
-        f"max_tokens = {first.max_tokens}\nseed = {first.seed}\n")
-    return path
 
 
 def cli_audit(model: str, url: str, out: Path) -> dict[str, Any]:

@@ -70,6 +70,24 @@ def test_rows_kept_before_a_kill_are_not_run_again(tmp_path):
     assert pending(["throughput"], ledger) == ["throughput"] and ledger.rows("throughput") == {}
 
 
+def test_a_done_section_runs_the_rows_a_later_call_adds(tmp_path):
+    # a call asked the audit for one row and finished; the next asks for another on the same machine
+    ledger = Ledger(tmp_path / "state")
+    ran = []
+
+    def audit(keys):
+        for key in keys:
+            if key not in ledger.rows("audit"):
+                ran.append(key)
+                ledger.keep("audit", key, {"row": key})
+        return [ledger.rows("audit")[k] for k in keys]
+
+    run_sections(_args(tmp_path, ["audit"]), ledger, {"audit": lambda: audit(["tiny-qwen3 on"])}, {})
+    later = run_sections(_args(tmp_path, ["audit"]), ledger, {"audit": lambda: audit(["q28 on"])}, {})
+    assert ran == ["tiny-qwen3 on", "q28 on"] and later["sections"]["audit"] == [{"row": "q28 on"}]
+    assert later["pending"] == []
+
+
 def test_sections_and_audit_rows_render():
     args = parse_args([])
     assert args.sections == list(SECTIONS) and args.order == ["parity", "vllm", "vllm-bi"]
@@ -221,3 +239,25 @@ def test_probe_rows_resume_and_are_tabled(tmp_path, monkeypatch):
     table = "\n".join(gp.probe_markdown(list(ledger.rows("probe").values())))
     assert "| prefill | layer.0.attn | x2.0 | 2.00e-02 | 3.00e-02 | 1 |" in table
     assert "error: boom" in table and "0/8 requests differ, max 0 (raw logit; FLASH_ATTN)" in table
+
+
+def test_the_raw_audit_row_runs_the_built_in_case_in_raw_mode(tmp_path, monkeypatch):
+    import types
+
+    import benchmarks.gpu_checks as gc
+    from parity.workload.cases import load_case
+
+    seen = []
+
+    def fake(cmd, json_path):
+        seen.append(cmd)
+        return {}, None, types.SimpleNamespace(stderr="stopped", stdout="")
+
+    monkeypatch.setattr(gc, "run_json_command", fake)
+    model, options = AUDIT_ROWS["tiny-qwen3 on, raw logprobs"]
+    gc._audit_row(model, options, tmp_path / "audit.json")
+    gc._audit_row(*AUDIT_ROWS["tiny-qwen3 on"], tmp_path / "on.json")
+    raw, on = seen
+    case = load_case(raw[raw.index("--case") + 1])
+    assert {r.sampling.logprobs_mode for r in case.requests} == {"raw"} and "logprobs_mode=raw" in raw
+    assert "--case" not in on  # the other rows keep the audit's built-in (processed) case
