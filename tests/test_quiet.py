@@ -54,6 +54,21 @@ def test_a_users_torch_log_level_is_kept(clean_env):
     assert quiet.engine_logging() == "quiet" and os.environ["TORCH_CPP_LOG_LEVEL"] == "INFO"
 
 
+def test_transformers_imported_before_the_choice_draws_no_loading_bar(clean_env):
+    from transformers.utils import logging as hf_logging
+
+    try:
+        hf_logging.enable_progress_bar()  # as imported before HF_HUB_DISABLE_PROGRESS_BARS was set
+        assert quiet.engine_logging() == "quiet" and not hf_logging.is_progress_bar_enabled()
+        hf_logging.enable_progress_bar()
+        for name in (quiet.MARK, "VLLM_LOGGING_LEVEL"):  # a fresh process
+            clean_env.delenv(name)
+        clean_env.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "0")  # the user's own choice is kept
+        assert quiet.engine_logging() == "quiet" and hf_logging.is_progress_bar_enabled()
+    finally:
+        hf_logging.enable_progress_bar()
+
+
 PARITY = str(Path(sys.executable).parent / "parity")
 
 

@@ -54,5 +54,10 @@ def follow_parent() -> None:
     if choice == "quiet":
         logging.getLogger("vllm").setLevel(logging.ERROR)
         warnings.filterwarnings("ignore", category=FutureWarning, module="vllm")
+        # transformers reads HF_HUB_DISABLE_PROGRESS_BARS once, at its import: one imported before
+        # this call still draws its "Loading weights" bar unless told here
+        bars = sys.modules.get("transformers.utils.logging")
+        if bars is not None and os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS") == "1":
+            bars.disable_progress_bar()
     elif choice == "verbose":
         logging.getLogger("vllm").setLevel(logging.NOTSET)
