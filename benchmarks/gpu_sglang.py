@@ -19,6 +19,8 @@ Sections, in this order:
   random bf16 weights) raw, processed, multi-turn and with --enable-deterministic-inference; the
   Qwen3-30B-A3B shape (`--moe-layers`) raw with routed experts returned, R3 replayed. The two raw
   Qwen3-1.7B servers (deterministic mode off and on) are also audited by `parity audit` (`cli_audit`).
+- `probe`: the engine probe from SGLang's per-pass tensor dumps (`parity attribute --backend sglang`)
+  on the Qwen3-1.7B shape against the training forward, one sample per call.
 - `throughput`: output tok/s on `--workload` (requests, prompt, output; default 256,256,512) of
   parity's reference engine and SGLang with deterministic mode off and on, one process each, in
   one call; after its timed run each SGLang server is audited by `parity audit --backend sglang
@@ -43,7 +45,7 @@ from typing import Any
 from benchmarks.gpu_checks import parity_command, pytest_row, throughput_requests, write_audit_case
 from benchmarks.gpu_ledger import Ledger, pending
 
-SECTIONS = ("install", "compare", "throughput", "tests")
+SECTIONS = ("install", "compare", "probe", "throughput", "tests")
 SIDES = ("parity", "sglang", "sglang-det")
 #: flags of every server here: see the module docstring; a memory share that leaves room for the trainer.
 SERVER_ARGS = ("--attention-backend", "triton", "--sampling-backend", "pytorch", "--random-seed", "0")
@@ -140,6 +142,33 @@ def compare_section(args: argparse.Namespace, ledger: Ledger) -> list[dict[str, 
         ledger.keep("compare", key, row)
         print(json.dumps(row, default=str)[:3000], flush=True)
     return list(ledger.rows("compare").values())
+
+
+def probe_section(args: argparse.Namespace, ledger: Ledger) -> list[dict[str, Any]]:
+    """SGLang's stages against the training forward (`engine_diff(backend="sglang")`, its per-pass
+    dumps) on the Qwen3-1.7B shape, one sample per call: per phase the first differing stage and the
+    relative error layer by layer."""
+    from parity.attribute import EngineSide, engine_diff
+    from parity.core.types import Request, SamplingParams
+
+    key = "q28 vs training forward"
+    if key not in ledger.rows("probe"):
+        check_budget(args)
+        sampling = SamplingParams(temperature=1.0, max_tokens=32, seed=1, logprobs_mode="raw")
+        requests = [Request(tuple(range(100 + 7 * i, 140 + 9 * i)), sampling, f"p{i}") for i in range(4)]
+        side = EngineSide({"launch_server": True, "server_args": [*SERVER_ARGS, *SHARED_GPU],
+                           "logprobs_mode": "raw"})
+        start = time.perf_counter()
+        try:
+            diff = engine_diff(shaped(args.state, "qwen3-1.7b", 28), requests, backend="sglang", side=side)
+            row = {"row": key, **{p.phase: {"first_differing": p.first_differing, "depth": p.depth,
+                                            "growth": p.growth} for p in diff.phases}}
+        except Exception as e:  # a row that fails is a row with its error
+            row = {"row": key, "error": f"{type(e).__name__}: {e}"[-3000:]}
+        row["seconds"] = round(time.perf_counter() - start, 1)
+        ledger.keep("probe", key, row)
+        print(json.dumps(row, default=str)[:3000], flush=True)
+    return list(ledger.rows("probe").values())
 
 
 def cli_audit(model: str, url: str, out: Path) -> dict[str, Any]:
@@ -244,6 +273,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.redo:
         ledger.forget(args.sections)
     runners = {"install": lambda: install_section(args), "compare": lambda: compare_section(args, ledger),
+               "probe": lambda: probe_section(args, ledger),
                "throughput": lambda: throughput_section(args, ledger),
                "tests": lambda: check_budget(args) or pytest_row(["tests/test_sglang_gpu.py"], None,
                                                                   args.out / "tests.xml")}

@@ -14,6 +14,7 @@ from parity.assess.training_side import check_gold, report_for, router_replay_op
 from parity.backends import (
     BACKENDS,
     Backend,
+    check_requests,
     lora_options,
     route_capture_options,
     shared_backend,
@@ -118,6 +119,7 @@ def compare(
         if tensor_parallel is not None:
             backend_options["tensor_parallel_size"] = tensor_parallel
         backend_options = _place(backend, device, backend_options)
+        check_requests(backend, the_case.requests, backend_options)
     engine = _resolve_backend(backend, model_arg, dtype, backend_options, device, spec)
 
     start = time.perf_counter()

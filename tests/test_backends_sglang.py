@@ -305,3 +305,29 @@ def test_launch_server_failure_names_the_log_and_leaves_nothing(monkeypatch, tmp
 def test_launch_server_options_are_checked_before_anything_starts(options, match):
     with pytest.raises(ConfigError, match=match):
         SGLangBackend(DOCUMENTED["model"], **options)
+
+
+def test_what_sglang_cannot_report_is_refused_before_it_starts(monkeypatch):
+    """compare, audit and the probe check the requests against the SGLang options first: a refusal
+    after a server start would cost a minute (the probe's first run did, before this check)."""
+    from parity import audit, compare
+    from parity.attribute import EngineSide, engine_diff
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an engine was started")
+
+    for module, name in (("parity.compare", "shared_backend"), ("parity.audit.run", "shared_backend"),
+                         ("parity.attribute.probe", "get_backend"),
+                         ("parity.attribute.probe", "shared_backend")):
+        monkeypatch.setattr(importlib.import_module(module), name, refuse)
+    truncated = SamplingParams(top_p=0.9, max_tokens=4)
+    with pytest.raises(ConfigError, match="cannot be reported"):
+        compare("tiny-llama", "sglang", prompts=[[3, 4, 5]], sampling=truncated, launch_server=True)
+    with pytest.raises(ConfigError, match="cannot be reported"):  # the audit's case samples at top-p 0.95
+        audit("tiny-llama", "sglang", launch_server=True)
+    options = EngineSide(options={"launch_server": True})
+    with pytest.raises(ConfigError, match="cannot be reported"):
+        engine_diff("tiny-llama", [Request((3, 4, 5), truncated, "t")], backend="sglang", side=options)
+    raw = SamplingParams(top_p=0.9, max_tokens=4, logprobs_mode="raw")
+    with pytest.raises(ConfigError, match="start the backend with logprobs_mode='raw'"):
+        engine_diff("tiny-llama", [Request((3, 4, 5), raw, "t")], backend="sglang", side=options)

@@ -67,7 +67,9 @@ def no_engine(monkeypatch):
     ({"capture": [0, 4]}, InputError, "0..3"),
     ({"capture": [-1]}, InputError, "0..3"),
     ({"backend": "hf"}, UnsupportedError, "no engine probe"),
-    ({"backend": "sglang"}, UnsupportedError, "no engine probe"),
+    ({"backend": "trtllm"}, UnsupportedError, "no engine probe"),
+    ({"backend": "sglang", "side": EngineSide(batch=1)}, ConfigError, "one sample at a time"),
+    ({"backend": "sglang", "against": EngineSide(fillers=8)}, ConfigError, "one sample at a time"),
     ({"side": EngineSide(options={"max_num_seq": 4})}, ConfigError, "max_num_seq"),
     ({"against": EngineSide(options={"bogus": 1})}, ConfigError, "bogus"),
 ])

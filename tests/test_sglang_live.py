@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 from parity import Request, SamplingParams, compare
+from parity.attribute import EngineSide
 from parity.backends.sglang import SGLangBackend
-from parity.core.errors import BackendError
+from parity.core.errors import BackendError, UnsupportedError
 from parity.engine import train_forward
 from parity.models import resolve_model
 from parity.runtime.processes import LOOPBACK, ServerProcess, free_loopback_port
@@ -89,3 +90,88 @@ def test_moe_does_not_load_on_the_cpu_path_and_nothing_is_left_running():
     with pytest.raises(BackendError, match="No accelerator"):
         process.start(timeout_s=900)
     assert process.exit_reason() is not None
+
+
+# -- the engine probe, from SGLang's per-pass tensor dumps ----------------------------------------
+
+CPU_SERVER_ARGS = ("--device cpu --attention-backend torch_native --model-impl transformers "
+                   "--max-total-tokens 4096 --disable-overlap-schedule --random-seed 0")
+
+
+def probe_options() -> dict:
+    return {"launch_server": True, "server_args": CPU_SERVER_ARGS, "python": PYTHON, "logprobs_mode": "raw"}
+
+
+def greedy_requests() -> list[Request]:
+    sampling = SamplingParams(max_tokens=6, temperature=0.0, logprobs_mode="raw", ignore_eos=True)
+    return [Request(tuple(range(3 + i, 9 + 2 * i)), sampling, f"p{i}") for i in range(3)]
+
+
+def test_the_probe_captures_every_stage_and_leaves_sglangs_numbers_unchanged(server):
+    from parity.attribute.stages import stage_order
+
+    requests = greedy_requests()
+    plain = SGLangBackend("tiny-llama", base_url=server.url, logprobs_mode="raw")
+    alone = [plain.generate([r])[0] for r in requests]  # one at a time, as the probe sends them
+    probed = SGLangBackend("tiny-llama", probe=True, **probe_options())
+    try:
+        dumps = probed.dumps.root
+        rollouts, states = probed.probe(requests, [0, 2], ["embed", "attn", "mlp", "layer", "norm", "logits"])
+        sampled = Request((3, 4, 5), SamplingParams(max_tokens=2, logprobs_mode="raw"), "t1")
+        with pytest.raises(UnsupportedError, match="greedy requests"):  # before a request is sent
+            probed.probe([sampled], [0], ["layer", "logits"])
+    finally:
+        probed.close()
+    assert not dumps.exists()  # the dump folder goes with the backend
+    assert [r.token_ids for r in rollouts] == [r.token_ids for r in alone]
+    assert [r.logprobs for r in rollouts] == [r.logprobs for r in alone]  # capture changes no bit
+    assert sorted(states) == [0, 2] and list(states[0]) == stage_order(
+        ["embed", "attn", "mlp", "layer", "norm", "logits"], 2)
+    for i in (0, 2):
+        fed = len(requests[i].prompt_ids) + 6 - 1
+        assert states[i]["layer.1"].shape == (fed, 128) and states[i]["logits"].shape == (6, 512)
+        # the captured logits are the ones SGLang sampled from: greedy takes their argmax
+        assert states[i]["logits"].argmax(-1).tolist() == list(rollouts[i].token_ids)
+
+
+def test_sglang_against_the_training_forward_layer_by_layer():
+    from parity.attribute import engine_diff
+
+    diff = engine_diff("tiny-llama", greedy_requests(), backend="sglang",
+                       side=EngineSide(options=probe_options()))
+    assert diff.side_b.startswith("sglang: one sample per call") and diff.positions["decode"] > 0
+    for phase in diff.phases:
+        embed = next(s for s in phase.stages if s.stage == "embed")
+        assert embed.differing == 0  # the same bf16 table, looked up
+        assert phase.first_differing is not None  # SGLang's CPU kernels are not the trainer's
+
+
+def test_a_weight_changed_in_one_engine_is_found_at_that_sublayer(tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from parity.attribute import probe_engine
+    from parity.attribute.probe import compare_probes
+
+    changed = tmp_path / "tiny-llama-changed"
+    shutil.copytree(resolve_model("tiny-llama"), changed)
+    weights = load_file(changed / "model.safetensors")
+    name = "model.layers.1.mlp.down_proj.weight"
+    weights[name] = (weights[name].float() * 1.05).to(weights[name].dtype)
+    save_file(weights, changed / "model.safetensors", metadata={"format": "pt"})
+    requests = greedy_requests()
+    kinds = ["embed", "attn", "mlp", "layer", "norm", "logits"]
+    probes = []
+    for model in (resolve_model("tiny-llama"), changed):
+        backend = SGLangBackend(model, probe=True, **probe_options())
+        try:
+            probes.append(probe_engine(backend, requests, [0, 1, 2], kinds, label=str(model)))
+        finally:
+            backend.close()
+    diff = compare_probes("tiny-llama", "sglang", *probes)
+    for phase in ("prefill", "decode"):
+        stages = diff.phase(phase).stages
+        assert diff.phase(phase).first_differing == "layer.1.mlp", phase
+        first = [s.stage for s in stages].index("layer.1.mlp")
+        assert all(s.differing == 0 for s in stages[:first])  # SGLang repeats itself bit for bit

@@ -31,6 +31,7 @@ from parity.core.types import Rollout
 from parity.render.attribution import attribution_page, engine_text, layers_text, ops_text
 from parity.runtime.frame import run_command
 from parity.workload.cases import default_case, resolve_case
+from parity.workload.resolve import with_logprobs_mode
 
 
 def _families(text: str) -> list[str] | str:
@@ -61,9 +62,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="score the first N sampled sequences (default: 8)")
     parser.add_argument("--no-ops", action="store_true", help="skip the op-family ablation")
     parser.add_argument("--no-layers", action="store_true", help="skip the layer probe")
-    parser.add_argument("--backend", help="look inside this engine (vllm): its stages against the "
-                                          "training forward's, or against the same engine in another "
-                                          "setting (--versus)")
+    parser.add_argument("--backend", help="look inside this engine (vllm, vllm-server, sglang): its stages "
+                                          "against the training forward's, or against the same engine in "
+                                          "another setting (--versus)")
     parser.add_argument("--stages", default=None, metavar="K1,K2",
                         help="with --backend: the stage kinds to capture, of " + ", ".join(STAGE_KINDS)
                              + " (default: all)")
@@ -150,6 +151,8 @@ def _run_engine(args: argparse.Namespace) -> int:
     model = args.model or case.model
     dtype = args.dtype or case.dtypes[0]
     options = dict(parse_option(text) for text in args.option)
+    if "logprobs_mode" in options:  # the case's requests in the engine's mode, as `parity compare` does
+        case = with_logprobs_mode(case, options["logprobs_mode"])
     # torch and the engine: after parsing, so that --help and bad input stay light
     from parity.attribute.probe import EngineSide, engine_diff
     from parity.attribute.settings import Setting

@@ -29,7 +29,7 @@ from parity.attribute.layers import StageDiff
 from parity.attribute.runner import run
 from parity.attribute.settings import Setting
 from parity.attribute.stages import check_stage_kinds, stage_kind
-from parity.backends import Backend, backend_options, get_backend, shared_backend
+from parity.backends import Backend, backend_options, check_requests, get_backend, shared_backend
 from parity.core.errors import ConfigError, InputError, UnsupportedError
 from parity.core.types import Request, Rollout
 from parity.models.checkpoints import resolve_model
@@ -37,7 +37,9 @@ from parity.models.lora import is_moe_checkpoint
 from parity.workload.neighbours import spread
 
 #: backends whose engine parity can look into.
-PROBE_BACKENDS: tuple[str, ...] = ("vllm", "vllm-server")
+PROBE_BACKENDS: tuple[str, ...] = ("vllm", "vllm-server", "sglang")
+#: backends whose probe runs one sample at a time (SGLang dumps per forward pass, not per request).
+ONE_AT_A_TIME: tuple[str, ...] = ("sglang",)
 #: the two phases of a rollout, compared separately.
 PHASES: tuple[str, ...] = ("prefill", "decode")
 
@@ -129,7 +131,7 @@ class EngineDiff:
 
 
 def check_probe_input(backend: str, requests: Sequence[Request], capture: Iterable[int] | None,
-                      stages: Iterable[str] | str | None, sides: Iterable[EngineSide]
+                      stages: Iterable[str] | str | None, sides: Sequence[EngineSide]
                       ) -> tuple[list[int], tuple[str, ...]]:
     """(capture indices, stage kinds), checked before any engine starts."""
     if backend not in PROBE_BACKENDS:
@@ -142,6 +144,10 @@ def check_probe_input(backend: str, requests: Sequence[Request], capture: Iterab
         unknown = sorted(set(side.options) - valid)
         if unknown:
             raise ConfigError(f"backend {backend!r} has no option(s) {unknown}; its options: {sorted(valid)}")
+        if backend in ONE_AT_A_TIME and (side.batch is not None or side.fillers):
+            raise ConfigError(f"backend {backend!r} is probed one sample at a time (its tensor dumps are "
+                              "per forward pass, not per request): drop batch/fillers (--versus batch, "
+                              "--fillers)")
     kinds = check_stage_kinds(stages)
     samples = sum(r.sampling.n for r in requests)
     chosen = list(range(samples)) if capture is None else [int(i) for i in capture]
@@ -149,6 +155,8 @@ def check_probe_input(backend: str, requests: Sequence[Request], capture: Iterab
     if bad or not chosen:
         raise InputError(f"capture: sample indices must lie in 0..{samples - 1} (one per sample of the "
                          f"{len(requests)} requests); got {bad or chosen}")
+    for side in sides:  # last: a missing engine package is named only once the input is right
+        check_requests(backend, requests, dict(side.options))
     return sorted(set(chosen)), kinds
 
 
@@ -228,8 +236,10 @@ def engine_diff(model: str, requests: Sequence[Request], *, backend: str = "vllm
                 running.pop()[1].close()
             engine = start(backend, model, dtype=dtype, probe=True, **setting.options)
             running[:] = [(setting.options, engine)]
+        label = setting.label if backend not in ONE_AT_A_TIME else \
+            setting.label.replace("all requests in one call", "one sample per call")
         return probe_engine(running[0][1], requests, chosen, kinds, batch=setting.batch,
-                            fillers=setting.fillers, label=f"{backend}: {setting.label}")
+                            fillers=setting.fillers, label=f"{backend}: {label}")
 
     try:
         b = probe_side(side)

@@ -9,12 +9,12 @@ from typing import Any
 from parity.audit.checks import AuditSettings, run_checks
 from parity.audit.derived import BATCH_SIZES, check_batch_sizes, single_turn
 from parity.audit.result import CHECKS, AuditResult
-from parity.backends import Backend, backend_options, shared_backend
+from parity.backends import Backend, backend_options, check_requests, shared_backend
 from parity.backends.base import check_dtype
 from parity.backends.borrowed import check_borrowed, check_placement, resolve_device, torch_device_type
 from parity.core.errors import ConfigError
 from parity.core.schema import BACKEND_NAMES
-from parity.core.types import check_int
+from parity.core.types import Request, check_int
 from parity.models import model_limits
 from parity.report.provenance import provenance
 from parity.workload.cases import Case
@@ -54,7 +54,7 @@ def audit(model: str | os.PathLike[str] | None, backend: str | Backend, *,
     dtype = check_dtype(dtype or (backend.dtype if isinstance(backend, Backend) else the_case.dtypes[0]))
     settings = AuditSettings(checks=tuple(checks), batch_sizes=check_batch_sizes(batch_sizes),
                              seed=check_int(seed, "seed", low=0), context=limits.max_positions)
-    engine = _backend(backend, model_arg, dtype, device, backend_options)
+    engine = _backend(backend, model_arg, dtype, device, backend_options, requests)
     placed = engine.meta.get("device")
     if placed is not None and torch_device_type(placed) != torch_device_type(device):  # runs_on guessed wrong
         raise ConfigError(f"backend {engine.name!r} runs on {placed!r}, not device={device!r}: pass "
@@ -81,11 +81,14 @@ def _check_device(device: str) -> None:
     check_device(device)
 
 
-def _backend(backend: str | Backend, model: str, dtype: str, device: str, options: dict[str, Any]) -> Backend:
-    """The named backend started (shared) on `device`, or the running one checked against the call."""
+def _backend(backend: str | Backend, model: str, dtype: str, device: str, options: dict[str, Any],
+             requests: Sequence[Request]) -> Backend:
+    """The named backend started (shared) on `device` once `requests` are checked against it, or the
+    running one checked against the call."""
     if not isinstance(backend, str):
         return check_borrowed(backend, model=model, dtype=dtype, device=device, options=options)
     check_placement(backend, device, options)
+    check_requests(backend, requests, options)
     if device != "cpu" and "device" in backend_options(backend):  # reference, hf: placed there
         options = {**options, "device": device}
     return shared_backend(backend, model, dtype=dtype, **options)

@@ -5,6 +5,7 @@ from parity.backends.registry import (
     BACKENDS,
     available_backends,
     backend_options,
+    check_requests,
     close_dead_backends,
     close_shared_backend,
     close_shared_backends,
@@ -22,7 +23,8 @@ from parity.backends.registry import (
     weight_sync_missing,
 )
 
-__all__ = ["BACKENDS", "Backend", "available_backends", "backend_options", "close_dead_backends",
+__all__ = ["BACKENDS", "Backend", "available_backends", "backend_options", "check_requests",
+           "close_dead_backends",
            "close_shared_backend", "close_shared_backends", "get_backend", "lora_backends",
            "lora_options", "parse_option",
            "prefix_cache_backends", "prefix_cache_options", "route_capture_options",

@@ -270,6 +270,12 @@ class Backend(abc.ABC):
         )
 
     @classmethod
+    def check_requests(cls, requests: Sequence[Request], options: dict[str, Any]) -> None:
+        """ConfigError for a request this backend, started with `options`, would refuse: called before
+        it starts, so a refusal costs no engine start. Nothing to check by default."""
+        return
+
+    @classmethod
     def top_k_limit(cls, options: dict[str, Any]) -> int | None:
         """The most top-k logprobs per position with `options`: None for no limit, 0 for none."""
         return 0

@@ -11,7 +11,7 @@ import contextlib
 import importlib
 import importlib.util
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ from parity.backends.base import Backend
 from parity.core.backend_table import BACKEND_TABLE, BackendSpec
 from parity.core.errors import AdapterError, BackendUnavailableError, ConfigError
 from parity.core.schema import NO_REPLAY
+from parity.core.types import Request
 
 #: the table's rows by name, in its order (`parity.core.backend_table`).
 BACKENDS: dict[str, BackendSpec] = {spec.name: spec for spec in BACKEND_TABLE}
@@ -105,6 +106,16 @@ def backend_options(name: str) -> list[str]:
 def weight_sync_missing(name: str) -> str | None:
     """Why backend `name` cannot push and verify weights, or None; read off its adapter class."""
     return _adapter(_spec(name)).weight_sync_missing()
+
+
+def check_requests(name: str, requests: Sequence[Request], options: dict[str, Any]) -> None:
+    """`Backend.check_requests` of backend `name` with `options`, before it starts; a missing package
+    is refused first, as `get_backend` would."""
+    spec = _spec(name)
+    reason = _missing(spec, options)
+    if reason is not None:
+        raise BackendUnavailableError(reason)
+    _adapter(spec).check_requests(requests, options)
 
 
 def top_k_limit(name: str, options: dict[str, Any]) -> int | None:

@@ -22,8 +22,9 @@ import torch
 
 from parity.backends.base import Backend, SampleJob, TopKRows, expand_samples, stop_set
 from parity.backends.http import Endpoint, HttpClient, HttpSettings
+from parity.backends.sglang_probe import SAMPLED_LOGITS, PassDumps, probe_samples
 from parity.backends.sglang_server import split_server_args, start_server
-from parity.core.errors import BackendError, ConfigError, InputError
+from parity.core.errors import BackendError, ConfigError, InputError, UnsupportedError
 from parity.core.schema import LOGPROBS_MODES
 from parity.core.strict import check_choice
 from parity.core.types import Pair, Request, Rollout, SamplingParams
@@ -114,6 +115,8 @@ class SGLangBackend(Backend):
     server's API key (never recorded). concurrency, *_timeout_s, retries: `HttpSettings`.
     launch_server: start a server (`parity.backends.sglang_server`) instead of an Engine; server_args,
     python: its flags and interpreter. engine_kwargs: more `sglang.Engine` arguments, unchanged.
+    probe: dump every forward pass's module outputs for `probe` (`parity.backends.sglang_probe`; a
+    server or Engine parity starts, radix cache off).
     """
 
     name = "sglang"
@@ -126,9 +129,12 @@ class SGLangBackend(Backend):
                  request_timeout_s: float = 600.0, run_timeout_s: float = 3600.0, retries: int = 3,
                  engine_kwargs: Mapping[str, Any] | None = None, launch_server: bool = False,
                  server_args: str | Sequence[str] = (), python: str | None = None,
-                 start_timeout_s: float = 900.0) -> None:
+                 start_timeout_s: float = 900.0, probe: bool = False) -> None:
         super().__init__(model, dtype=dtype)
         engine_kwargs = dict(engine_kwargs or {})
+        if probe and base_url is not None:
+            raise ConfigError("option probe reads the tensor dumps of an SGLang parity starts: drop base_url "
+                              "and add launch_server=true (or run the Engine in this process)")
         self.logprobs_mode = check_choice(logprobs_mode, LOGPROBS_MODES, "sglang option logprobs_mode")
         words = split_server_args(server_args)
         if launch_server and (base_url is not None or engine_kwargs):
@@ -146,11 +152,22 @@ class SGLangBackend(Backend):
         self.routes_shape = (int(config["num_hidden_layers"]), int(top_k)) if top_k else None
         self._engine = None
         self.server = None
+        pairs = zip(words, (*words[1:], ""))
+        self.on_cpu = engine_kwargs.get("device") == "cpu" or any(
+            w == "--device=cpu" or (w == "--device" and nxt == "cpu") for w, nxt in pairs)
+        self.dumps = PassDumps() if probe else None
+        if self.dumps is not None:
+            words = (*words, *self.dumps.server_args())
+            engine_kwargs = {**engine_kwargs, **({} if launch_server else self.dumps.engine_kwargs())}
         if launch_server:
-            self.server = start_server(self.model_path, dtype=dtype,
-                                       logprob_env=ORIGINAL_LOGPROB_ENV[logprobs_mode],
-                                       routed_experts=return_routed_experts, words=words, python=python,
-                                       timeout_s=start_timeout_s)
+            try:
+                self.server = start_server(self.model_path, dtype=dtype,
+                                           logprob_env=ORIGINAL_LOGPROB_ENV[logprobs_mode],
+                                           routed_experts=return_routed_experts, words=words, python=python,
+                                           timeout_s=start_timeout_s)
+            except BaseException:
+                self.close()  # the dump folder goes with a start that failed
+                raise
             base_url = self.server.url
         self.client = None if base_url is None else HttpClient(
             Endpoint.parse(base_url, api_key_env=api_key_env, option="base_url"),
@@ -161,9 +178,13 @@ class SGLangBackend(Backend):
             import sglang  # sglang only for an in-process Engine: a server needs no package here
 
             os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = ORIGINAL_LOGPROB_ENV[logprobs_mode]
-            self._engine = sglang.Engine(model_path=str(self.model_path), skip_tokenizer_init=True,
-                                         dtype=dtype, enable_return_routed_experts=return_routed_experts,
-                                         **engine_kwargs)
+            try:
+                self._engine = sglang.Engine(model_path=str(self.model_path), skip_tokenizer_init=True,
+                                             dtype=dtype, enable_return_routed_experts=return_routed_experts,
+                                             **engine_kwargs)
+            except BaseException:
+                self.close()  # the dump folder goes with a start that failed
+                raise
             version = sglang.__version__
         else:
             try:
@@ -183,6 +204,7 @@ class SGLangBackend(Backend):
             "enable_prefix_caching": not engine_kwargs.get("disable_radix_cache", False),
             **({"server_settings": {k: server_info.get(k) for k in SERVER_SETTINGS}} if server_info else {}),
             **({"server_args": list(words)} if self.server is not None else {}),
+            "probe": probe,
         })
 
     def _generate_raw(self, input_ids: list[list[int]], params: list[dict[str, Any]], labels: list[str],
@@ -201,17 +223,43 @@ class SGLangBackend(Backend):
                                      [f"{job.request.request_id}/{job.sample_index}" for job in jobs],
                                      return_logprob=True, return_routed_experts=self.return_routed_experts,
                                      **({"top_logprobs_num": k} if k else {}))
-        rollouts = []
-        for job, out in zip(jobs, outputs):
-            tokens, logprobs, routes = parse_output(out, self.routes_shape)
-            if routes is not None and routes.shape[0] != len(job.request.prompt_ids) + len(tokens) - 1:
-                raise BackendError(f"SGLang routed_experts has {routes.shape[0]} positions for prompt "
-                                   f"{len(job.request.prompt_ids)} + tokens {len(tokens)} - 1")
-            top_k = parse_top_logprobs(out, job.sampling.top_k_logprobs)
-            cached = out["meta_info"].get("cached_tokens")
-            rollouts.append(self.finished(job, tokens, logprobs, routes, top_k=top_k,
-                                          **({} if cached is None else {"num_cached_tokens": int(cached)})))
-        return rollouts
+        return [self._rollout(job, out) for job, out in zip(jobs, outputs)]
+
+    def _rollout(self, job: SampleJob, out: dict[str, Any]) -> Rollout:
+        tokens, logprobs, routes = parse_output(out, self.routes_shape)
+        if routes is not None and routes.shape[0] != len(job.request.prompt_ids) + len(tokens) - 1:
+            raise BackendError(f"SGLang routed_experts has {routes.shape[0]} positions for prompt "
+                               f"{len(job.request.prompt_ids)} + tokens {len(tokens)} - 1")
+        top_k = parse_top_logprobs(out, job.sampling.top_k_logprobs)
+        cached = out["meta_info"].get("cached_tokens")
+        return self.finished(job, tokens, logprobs, routes, top_k=top_k,
+                             **({} if cached is None else {"num_cached_tokens": int(cached)}))
+
+    def probe(self, requests: Sequence[Request], capture: Sequence[int], kinds: Sequence[str]
+              ) -> tuple[list[Rollout], dict[int, dict[str, torch.Tensor]]]:
+        """The samples of `requests` one at a time (SGLang dumps per forward pass, not per request),
+        with stages `kinds` of the samples `capture` read from the dumps: per index {stage: [rows,
+        width]} in the dtype SGLang computed."""
+        if self.dumps is None:
+            raise ConfigError("this SGLang backend was started without the probe; start it with probe=True")
+        jobs = expand_samples(requests)
+        if "logits" in kinds and self.on_cpu and any(jobs[i].sampling.temperature > 0 for i in capture):
+            raise UnsupportedError(SAMPLED_LOGITS)
+        k = max((job.sampling.top_k_logprobs for job in jobs), default=0)
+        flags = {"return_logprob": True, "return_routed_experts": self.return_routed_experts,
+                 **({"top_logprobs_num": k} if k else {})}
+
+        def run_one(i: int) -> Rollout:
+            job = jobs[i]
+            params = translate_sampling(job, self.eos_ids, self.logprobs_mode)
+            out = self._generate_raw([list(job.request.prompt_ids)], [params],
+                                     [f"{job.request.request_id}/{job.sample_index}"], **flags)[0]
+            return self._rollout(job, out)
+
+        def flush() -> None:
+            self._generate_raw([list(jobs[0].request.prompt_ids[:1])], [{"max_new_tokens": 1}], ["flush"])
+
+        return probe_samples(self.dumps, jobs, capture, kinds, run_one, flush)
 
     def generate_uncached(self, requests: Sequence[Request]) -> list[Rollout]:
         """`generate` after flushing the radix cache (no per-request bypass: requests of one call may
@@ -226,6 +274,14 @@ class SGLangBackend(Backend):
             self._engine.flush_cache()
         else:
             self.client.post("/flush_cache", text=True)
+
+    @classmethod
+    def check_requests(cls, requests: Sequence[Request], options: dict[str, Any]) -> None:
+        """`translate_sampling`'s refusals (a logprobs mode other than the backend's, processed
+        logprobs under top-k/top-p) before a server or Engine starts."""
+        mode = options.get("logprobs_mode", "processed")
+        for job in expand_samples(requests):
+            translate_sampling(job, (), mode)
 
     @classmethod
     def top_k_limit(cls, options: dict[str, Any]) -> int | None:
@@ -253,8 +309,13 @@ class SGLangBackend(Backend):
 
     def close(self) -> None:
         engine, self._engine = self._engine, None
-        if engine is not None:
-            engine.shutdown()
-        server, self.server = self.server, None
-        if server is not None:
-            server.stop()
+        try:
+            if engine is not None:
+                engine.shutdown()
+            server, self.server = self.server, None
+            if server is not None:
+                server.stop()
+        finally:
+            dumps, self.dumps = getattr(self, "dumps", None), None
+            if dumps is not None:
+                dumps.close()
