@@ -11,7 +11,8 @@ Stages (`parity.attribute.stages`), from SGLang's module names, rows per fed pos
 embed <- model.embed_tokens; layer.i.attn <- ...self_attn.o_proj; layer.i.mlp <- ...mlp.down_proj;
 layer.i <- the residual that layer i+1's input_layernorm (or model.norm) returns with a fused
 add-RMSNorm, else (`--model-impl transformers`: separate adds, residual not dumped) the residual
-rebuilt as (h + attn) + mlp in the dumped dtype, the model's own two adds; norm <- model.norm;
+rebuilt as (h + attn) + mlp in the dumped dtype, the model's own two adds (a Llama/Qwen-style
+decoder: no scale on the embedding, no norm after attention or MLP); norm <- model.norm;
 logits <- logits_processor (one row per pass: the next token's logits, float32 as SGLang keeps them).
 """
 
