@@ -29,7 +29,7 @@ from parity.backends.sglang import (
     parse_prompt_logprobs,
     translate_sampling,
 )
-from parity.core.errors import BackendError, BackendUnavailableError, ConfigError
+from parity.core.errors import BackendError, BackendUnavailableError, ConfigError, UnsupportedError
 from parity.core.types import Request, SamplingParams
 from parity.engine import train_forward
 from parity.models import resolve_model
@@ -331,3 +331,14 @@ def test_what_sglang_cannot_report_is_refused_before_it_starts(monkeypatch):
     raw = SamplingParams(top_p=0.9, max_tokens=4, logprobs_mode="raw")
     with pytest.raises(ConfigError, match="start the backend with logprobs_mode='raw'"):
         engine_diff("tiny-llama", [Request((3, 4, 5), raw, "t")], backend="sglang", side=options)
+    # on a CPU SGLang the sampler overwrites a sampled request's dumped logits (tests/test_sglang_probe.py)
+    on_cpu = EngineSide(options={"launch_server": True, "logprobs_mode": "raw",
+                                 "server_args": "--device cpu"})
+    with pytest.raises(UnsupportedError, match="greedy requests"):
+        engine_diff("tiny-llama", [Request((3, 4, 5), raw, "t")], backend="sglang", side=on_cpu)
+    with pytest.raises(AssertionError, match="an engine was started"):  # controls: greedy, or no logits
+        engine_diff("tiny-llama", [Request((3, 4, 5), raw.replace(temperature=0.0), "t")], backend="sglang",
+                    side=on_cpu)
+    with pytest.raises(AssertionError, match="an engine was started"):
+        engine_diff("tiny-llama", [Request((3, 4, 5), raw, "t")], backend="sglang", side=on_cpu,
+                    stages="layer,norm")

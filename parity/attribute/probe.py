@@ -29,7 +29,7 @@ from parity.attribute.layers import StageDiff
 from parity.attribute.runner import run
 from parity.attribute.settings import Setting
 from parity.attribute.stages import check_stage_kinds, stage_kind
-from parity.backends import Backend, backend_options, check_requests, get_backend, shared_backend
+from parity.backends import Backend, backend_options, check_probe, check_requests, get_backend, shared_backend
 from parity.core.errors import ConfigError, InputError, UnsupportedError
 from parity.core.types import Request, Rollout
 from parity.models.checkpoints import resolve_model
@@ -157,6 +157,7 @@ def check_probe_input(backend: str, requests: Sequence[Request], capture: Iterab
                          f"{len(requests)} requests); got {bad or chosen}")
     for side in sides:  # last: a missing engine package is named only once the input is right
         check_requests(backend, requests, dict(side.options))
+        check_probe(backend, requests, sorted(set(chosen)), kinds, dict(side.options))
     return sorted(set(chosen)), kinds
 
 

@@ -5,6 +5,7 @@ from parity.backends.registry import (
     BACKENDS,
     available_backends,
     backend_options,
+    check_probe,
     check_requests,
     close_dead_backends,
     close_shared_backend,
@@ -23,7 +24,7 @@ from parity.backends.registry import (
     weight_sync_missing,
 )
 
-__all__ = ["BACKENDS", "Backend", "available_backends", "backend_options", "check_requests",
+__all__ = ["BACKENDS", "Backend", "available_backends", "backend_options", "check_probe", "check_requests",
            "close_dead_backends",
            "close_shared_backend", "close_shared_backends", "get_backend", "lora_backends",
            "lora_options", "parse_option",

@@ -276,6 +276,13 @@ class Backend(abc.ABC):
         return
 
     @classmethod
+    def check_probe(cls, requests: Sequence[Request], capture: Sequence[int], kinds: Sequence[str],
+                    options: dict[str, Any]) -> None:
+        """What this backend's engine probe would refuse, started with `options`, for the samples
+        `capture` and stage kinds `kinds`: called before it starts. Nothing by default."""
+        return
+
+    @classmethod
     def top_k_limit(cls, options: dict[str, Any]) -> int | None:
         """The most top-k logprobs per position with `options`: None for no limit, 0 for none."""
         return 0

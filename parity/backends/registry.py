@@ -118,6 +118,12 @@ def check_requests(name: str, requests: Sequence[Request], options: dict[str, An
     _adapter(spec).check_requests(requests, options)
 
 
+def check_probe(name: str, requests: Sequence[Request], capture: Sequence[int], kinds: Sequence[str],
+                options: dict[str, Any]) -> None:
+    """`Backend.check_probe` of backend `name` with `options`, before it starts."""
+    _adapter(_spec(name)).check_probe(requests, capture, kinds, options)
+
+
 def top_k_limit(name: str, options: dict[str, Any]) -> int | None:
     """`Backend.top_k_limit` of backend `name` with `options`, read off its adapter class."""
     return _adapter(_spec(name)).top_k_limit(options)

@@ -108,6 +108,20 @@ def parse_prompt_logprobs(out: dict[str, Any], prompt_len: int) -> list[float]:
     return [float(entry[0]) for entry in entries[prompt_len:]]
 
 
+def runs_on_cpu(words: Sequence[str], engine_kwargs: Mapping[str, Any]) -> bool:
+    """Whether server flags `words` (`--device cpu`) or Engine arguments put SGLang on the CPU."""
+    pairs = zip(words, (*words[1:], ""))
+    return engine_kwargs.get("device") == "cpu" or any(
+        w == "--device=cpu" or (w == "--device" and nxt == "cpu") for w, nxt in pairs)
+
+
+def _check_logits(jobs: Sequence[SampleJob], capture: Sequence[int], kinds: Sequence[str],
+                  on_cpu: bool) -> None:
+    """UnsupportedError for the logits of a sampled (temperature > 0) captured sample on a CPU SGLang."""
+    if "logits" in kinds and on_cpu and any(jobs[i].sampling.temperature > 0 for i in capture):
+        raise UnsupportedError(SAMPLED_LOGITS)
+
+
 class SGLangBackend(Backend):
     """SGLang `Engine` in this process, or a server at `base_url` (then no engine is started).
 
@@ -152,9 +166,7 @@ class SGLangBackend(Backend):
         self.routes_shape = (int(config["num_hidden_layers"]), int(top_k)) if top_k else None
         self._engine = None
         self.server = None
-        pairs = zip(words, (*words[1:], ""))
-        self.on_cpu = engine_kwargs.get("device") == "cpu" or any(
-            w == "--device=cpu" or (w == "--device" and nxt == "cpu") for w, nxt in pairs)
+        self.on_cpu = runs_on_cpu(words, engine_kwargs)
         self.dumps = PassDumps() if probe else None
         if self.dumps is not None:
             words = (*words, *self.dumps.server_args())
@@ -243,8 +255,7 @@ class SGLangBackend(Backend):
         if self.dumps is None:
             raise ConfigError("this SGLang backend was started without the probe; start it with probe=True")
         jobs = expand_samples(requests)
-        if "logits" in kinds and self.on_cpu and any(jobs[i].sampling.temperature > 0 for i in capture):
-            raise UnsupportedError(SAMPLED_LOGITS)
+        _check_logits(jobs, capture, kinds, self.on_cpu)
         k = max((job.sampling.top_k_logprobs for job in jobs), default=0)
         flags = {"return_logprob": True, "return_routed_experts": self.return_routed_experts,
                  **({"top_logprobs_num": k} if k else {})}
@@ -282,6 +293,14 @@ class SGLangBackend(Backend):
         mode = options.get("logprobs_mode", "processed")
         for job in expand_samples(requests):
             translate_sampling(job, (), mode)
+
+    @classmethod
+    def check_probe(cls, requests: Sequence[Request], capture: Sequence[int], kinds: Sequence[str],
+                    options: dict[str, Any]) -> None:
+        """What `probe` would refuse with these start `options`, before the start: sampled logits on CPU."""
+        words = split_server_args(options.get("server_args", ()))
+        _check_logits(expand_samples(requests), capture, kinds,
+                      runs_on_cpu(words, dict(options.get("engine_kwargs") or {})))
 
     @classmethod
     def top_k_limit(cls, options: dict[str, Any]) -> int | None:
