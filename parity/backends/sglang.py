@@ -171,41 +171,33 @@ class SGLangBackend(Backend):
         if self.dumps is not None:
             words = (*words, *self.dumps.server_args())
             engine_kwargs = {**engine_kwargs, **({} if launch_server else self.dumps.engine_kwargs())}
-        if launch_server:
-            try:
+        server_info: dict[str, Any] = {}
+        try:  # a start that fails leaves no server running and no dump folder behind
+            if launch_server:
                 self.server = start_server(self.model_path, dtype=dtype,
                                            logprob_env=ORIGINAL_LOGPROB_ENV[logprobs_mode],
                                            routed_experts=return_routed_experts, words=words, python=python,
                                            timeout_s=start_timeout_s)
-            except BaseException:
-                self.close()  # the dump folder goes with a start that failed
-                raise
-            base_url = self.server.url
-        self.client = None if base_url is None else HttpClient(
-            Endpoint.parse(base_url, api_key_env=api_key_env, option="base_url"),
-            HttpSettings(concurrency=concurrency, request_timeout_s=request_timeout_s,
-                         run_timeout_s=run_timeout_s, retries=retries))
-        server_info: dict[str, Any] = {}
-        if self.client is None:
-            import sglang  # sglang only for an in-process Engine: a server needs no package here
+                base_url = self.server.url
+            self.client = None if base_url is None else HttpClient(
+                Endpoint.parse(base_url, api_key_env=api_key_env, option="base_url"),
+                HttpSettings(concurrency=concurrency, request_timeout_s=request_timeout_s,
+                             run_timeout_s=run_timeout_s, retries=retries))
+            if self.client is None:
+                import sglang  # sglang only for an in-process Engine: a server needs no package here
 
-            os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = ORIGINAL_LOGPROB_ENV[logprobs_mode]
-            try:
+                os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = ORIGINAL_LOGPROB_ENV[logprobs_mode]
                 self._engine = sglang.Engine(model_path=str(self.model_path), skip_tokenizer_init=True,
                                              dtype=dtype, enable_return_routed_experts=return_routed_experts,
                                              **engine_kwargs)
-            except BaseException:
-                self.close()  # the dump folder goes with a start that failed
-                raise
-            version = sglang.__version__
-        else:
-            try:
+                version = sglang.__version__
+            else:
                 server_info = self.client.get("/get_server_info")
-            except BaseException:
-                self.close()  # a server parity started is not left running
-                raise
-            version = server_info.get("version", "unknown")
-            engine_kwargs = {key: server_info[key] for key in SERVER_SETTINGS if key in server_info}
+                version = server_info.get("version", "unknown")
+                engine_kwargs = {key: server_info[key] for key in SERVER_SETTINGS if key in server_info}
+        except BaseException:
+            self.close()
+            raise
         self.meta.update({
             "backend_version": version, "logprobs_mode": logprobs_mode,
             "sglang_return_original_logprob": ORIGINAL_LOGPROB_ENV[logprobs_mode],
@@ -228,7 +220,10 @@ class SGLangBackend(Backend):
         return self.client.post_many("/generate", bodies, labels)
 
     def generate(self, requests: Sequence[Request]) -> list[Rollout]:
-        jobs = expand_samples(requests)
+        return self._run_jobs(expand_samples(requests))
+
+    def _run_jobs(self, jobs: Sequence[SampleJob]) -> list[Rollout]:
+        """The samples `jobs` in one call, as rollouts."""
         params = [translate_sampling(job, self.eos_ids, self.logprobs_mode) for job in jobs]
         k = max((job.sampling.top_k_logprobs for job in jobs), default=0)
         outputs = self._generate_raw([list(job.request.prompt_ids) for job in jobs], params,
@@ -256,21 +251,11 @@ class SGLangBackend(Backend):
             raise ConfigError("this SGLang backend was started without the probe; start it with probe=True")
         jobs = expand_samples(requests)
         _check_logits(jobs, capture, kinds, self.on_cpu)
-        k = max((job.sampling.top_k_logprobs for job in jobs), default=0)
-        flags = {"return_logprob": True, "return_routed_experts": self.return_routed_experts,
-                 **({"top_logprobs_num": k} if k else {})}
-
-        def run_one(i: int) -> Rollout:
-            job = jobs[i]
-            params = translate_sampling(job, self.eos_ids, self.logprobs_mode)
-            out = self._generate_raw([list(job.request.prompt_ids)], [params],
-                                     [f"{job.request.request_id}/{job.sample_index}"], **flags)[0]
-            return self._rollout(job, out)
 
         def flush() -> None:
             self._generate_raw([list(jobs[0].request.prompt_ids[:1])], [{"max_new_tokens": 1}], ["flush"])
 
-        return probe_samples(self.dumps, jobs, capture, kinds, run_one, flush)
+        return probe_samples(self.dumps, jobs, capture, kinds, lambda i: self._run_jobs([jobs[i]])[0], flush)
 
     def generate_uncached(self, requests: Sequence[Request]) -> list[Rollout]:
         """`generate` after flushing the radix cache (no per-request bypass: requests of one call may
@@ -335,6 +320,6 @@ class SGLangBackend(Backend):
             if server is not None:
                 server.stop()
         finally:
-            dumps, self.dumps = getattr(self, "dumps", None), None
+            dumps, self.dumps = self.dumps, None
             if dumps is not None:
                 dumps.close()

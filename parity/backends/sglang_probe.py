@@ -133,10 +133,11 @@ def probe_samples(dumps: PassDumps, jobs: Sequence[Any], capture: Sequence[int],
     stages: (results in job order, {job index: {stage: [rows, width]}}). `flush` runs one more
     request so the last pass's logits are written; each sample's files are removed once read."""
     results, spans = [], {}
+    written = len(dumps.files())
     for i in range(len(jobs)):
-        before = len(dumps.files())
         results.append(run_one(i))
-        spans[i] = (before, len(dumps.files()))
+        first, written = written, len(dumps.files())
+        spans[i] = (first, written)
     flush()
     files = dumps.files()
     states = {}
