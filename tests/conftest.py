@@ -47,11 +47,21 @@ host also exits when the owner is killed.
 A test that must own its engine because it kills, interrupts, reconfigures or
 watches the processes of that engine says so with `@pytest.mark.own_engine(reason="...")` (the
 reason is required): such a test can never share an engine, nor run it in the test process.
+
+In-process engine cores. An offline vLLM engine an `own_engines` test starts in the test process
+(`get_backend`, an in-process nightly or compare) runs vLLM's engine core and model in that process
+(vLLM's uni executor, `VLLM_ENABLE_V1_MULTIPROCESSING=0`, as the engine hosts do): ~2 s to start
+instead of ~15 s, one at a time per process. The session's shared engines (the engines group) and
+`own_engine` tests keep vLLM's own processes, as users run them; so do the engines of every child
+process a test starts (CLI runs, scripts, servers), except where a test says otherwise.
 """
 
+import functools
 import json
 import os
+import random
 import signal
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -62,11 +72,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import engine_host
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
 from parity.backends import Backend, route_shared_backends, shared_backend
+from parity.backends.vllm import VLLMBackend
 
 # A shell's background job (`make test &`, nohup) starts with SIGINT ignored, and every child
 # inherits that: the Ctrl-C tests' parity processes would never see their SIGINT. A handler (unlike
@@ -89,6 +101,63 @@ ENGINES_GROUP = "engines"
 _GROUPS_ENV = "PARITY_TEST_ENGINE_MODULES"
 #: whether the running test's shared vLLM engines come from the session's engine hosts
 _HOSTED = {"now": False}
+#: whether an offline vLLM engine the running test starts in this process keeps vLLM's engine core and
+#: model in this process: in an `own_engines` test (its engines live within its module), not in an
+#: `own_engine` one (it watches the engine's processes) nor for the session's shared engines (the
+#: engines group keeps them in vLLM's own processes, as users run them)
+_IN_PROCESS = {"now": False}
+#: the engines of this process whose core runs in it: vLLM keeps its parallel groups per process, so
+#: a second one may start in-process only once the first is closed (a dense engine's groups lack
+#: the expert-parallel group an MoE engine needs)
+_IN_PROCESS_LIVE: set[int] = set()
+_MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"
+#: on a GPU host the engines keep vLLM's processes (the H200 runs measure what users run)
+_CUDA = torch.cuda.is_available()
+
+
+def _in_process_core(init: Callable[..., None]) -> Callable[..., None]:
+    """`VLLMBackend.__init__` with vLLM's engine core and model in this process (its uni executor,
+    `VLLM_ENABLE_V1_MULTIPROCESSING=0`, as the engine hosts run theirs) when no other engine runs
+    in it: a start takes ~2 s instead of ~15 s of two spawned interpreters importing vLLM
+    (docs/PERF.md, round 8). vLLM's CPU worker then replaces `torch.set_num_threads`, seeds the
+    global generators and caches the VLLM_* variables of the process it runs in: all three are
+    given back, so the tests after it see this process as it was. Child processes never see the
+    variable (set only while the engine starts); a user's own setting wins. CPU hosts only."""
+
+    @functools.wraps(init)
+    def start(self: VLLMBackend, *args: Any, **kwargs: Any) -> None:
+        if not _IN_PROCESS["now"] or _IN_PROCESS_LIVE or _MULTIPROCESSING in os.environ or _CUDA:
+            return init(self, *args, **kwargs)
+        set_num_threads = torch.set_num_threads
+        states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+        os.environ[_MULTIPROCESSING] = "0"
+        try:
+            init(self, *args, **kwargs)
+            _IN_PROCESS_LIVE.add(id(self))
+        finally:
+            del os.environ[_MULTIPROCESSING]
+            # vLLM's engine core caches every VLLM_* variable of the process it starts in: a later
+            # engine here would otherwise start with this one's (its core in-process, its batch mode)
+            vllm_envs = sys.modules.get("vllm.envs")
+            if vllm_envs is not None:
+                vllm_envs.disable_envs_cache()
+            torch.set_num_threads = set_num_threads
+            random.setstate(states[0])
+            np.random.set_state(states[1])
+            torch.set_rng_state(states[2])
+
+    return start
+
+
+def _in_process_close(close: Callable[[VLLMBackend], None]) -> Callable[[VLLMBackend], None]:
+    @functools.wraps(close)
+    def stop(self: VLLMBackend) -> None:
+        try:
+            close(self)
+        finally:
+            _IN_PROCESS_LIVE.discard(id(self))
+
+    return stop
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +200,8 @@ def _route(name: str, model: Any, dtype: str, options: dict[str, Any]) -> Backen
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Route the test's shared vLLM engines (its module fixtures' included, set up after this)."""
     _HOSTED["now"] = item.get_closest_marker("engine_host") is not None
+    _IN_PROCESS["now"] = (item.get_closest_marker("own_engines") is not None
+                          and item.get_closest_marker("own_engine") is None)
 
 
 def _module(nodeid: str) -> str:
@@ -177,6 +248,10 @@ def pytest_configure(config: pytest.Config) -> None:
                             "session's engine hosts (tests/engine_host.py); it runs on either worker")
     route_shared_backends(_route)
     config.add_cleanup(lambda: route_shared_backends(None))
+    init, close = VLLMBackend.__init__, VLLMBackend.close
+    VLLMBackend.__init__ = _in_process_core(init)  # type: ignore[method-assign]
+    VLLMBackend.close = _in_process_close(close)  # type: ignore[method-assign]
+    config.add_cleanup(lambda: (setattr(VLLMBackend, "__init__", init), setattr(VLLMBackend, "close", close)))
     if not hasattr(config, "workerinput") and (hosts := engine_host.open_session()) is not None:
         config.add_cleanup(lambda: engine_host.close_session(hosts))
     if getattr(config.option, "numprocesses", None) and "PYTEST_XDIST_WORKER" not in os.environ:

@@ -101,6 +101,7 @@ def stored(out: Path, run_id: str) -> dict[str, tuple[str, str | None]]:
     return {key: (status, error) for key, status, error in found}
 
 
+@pytest.mark.own_engine(reason="counts the engine core processes of the nightly's engines")
 def test_a_small_nightly_holds_one_vllm_engine_at_a_time_and_leaves_none(tmp_path, cases, before):
     out = tmp_path / "reports"
     with EngineCounter(before) as counter:
