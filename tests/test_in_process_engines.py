@@ -51,3 +51,17 @@ def test_an_own_engine_runs_in_this_process_and_leaves_it_as_it_was(monkeypatch)
     with get_backend("vllm", "tiny-llama", dtype="bfloat16") as again:
         assert engine_children() == []
         assert again.generate([REQUEST])[0].token_ids == tokens
+
+
+@pytest.mark.own_engine(reason="starts a core in this process by hand, then counts the next one's processes")
+def test_an_engine_reads_the_variables_afresh_after_one_ran_in_this_process(monkeypatch):
+    """vLLM's engine core caches every VLLM_* variable of the process it starts in; parity's adapter
+    reads them afresh for the next engine (else a `batch_invariant` parity sets would be ignored while
+    its provenance says it is on). The variable that shows it: the second engine's core process (the
+    cache lives while the first engine runs)."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    with get_backend("vllm", "tiny-llama", dtype="bfloat16"):
+        assert engine_children() == []
+        monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+        with get_backend("vllm", "tiny-llama", dtype="bfloat16"):
+            assert [name.split("_")[0] for name in engine_children()] == ["EngineCore"], engine_children()

@@ -97,6 +97,10 @@ class VLLMBackend(Backend):
         import vllm.envs
         from vllm.platforms import current_platform
 
+        # an engine core that ran in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) left vLLM reading
+        # every VLLM_* variable from a cache: this engine would start with that one's batch mode
+        if (fresh := getattr(vllm.envs, "disable_envs_cache", None)) is not None:
+            fresh()
         on_cpu = current_platform.is_cpu()
         check_batch_invariant_platform(batch_invariant, from_env, on_cpu=on_cpu, backend="vllm")
         check_weight_transfer(weight_transfer, on_cpu=on_cpu)
