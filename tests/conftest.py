@@ -119,16 +119,15 @@ def _in_process_core(init: Callable[..., None]) -> Callable[..., None]:
     """`VLLMBackend.__init__` with vLLM's engine core and model in this process (its uni executor,
     `VLLM_ENABLE_V1_MULTIPROCESSING=0`, as the engine hosts run theirs) when no other engine runs
     in it: a start takes ~2 s instead of ~15 s of two spawned interpreters importing vLLM
-    (docs/PERF.md, round 8). vLLM's CPU worker then replaces `torch.set_num_threads`, seeds the
-    global generators and caches the VLLM_* variables of the process it runs in: all three are
-    given back, so the tests after it see this process as it was. Child processes never see the
-    variable (set only while the engine starts); a user's own setting wins. CPU hosts only."""
+    (docs/PERF.md, round 8). vLLM's CPU worker then seeds the global generators and caches the
+    VLLM_* variables of the process it runs in: both are given back (the adapter gives back its
+    `torch.set_num_threads`), so the tests after it see this process as it was. Child processes never
+    see the variable (set only while the engine starts); a user's own setting wins. CPU hosts only."""
 
     @functools.wraps(init)
     def start(self: VLLMBackend, *args: Any, **kwargs: Any) -> None:
         if not _IN_PROCESS["now"] or _IN_PROCESS_LIVE or _MULTIPROCESSING in os.environ or _CUDA:
             return init(self, *args, **kwargs)
-        set_num_threads = torch.set_num_threads
         states = random.getstate(), np.random.get_state(), torch.get_rng_state()
         os.environ[_MULTIPROCESSING] = "0"
         try:
@@ -141,7 +140,6 @@ def _in_process_core(init: Callable[..., None]) -> Callable[..., None]:
             vllm_envs = sys.modules.get("vllm.envs")
             if vllm_envs is not None:
                 vllm_envs.disable_envs_cache()
-            torch.set_num_threads = set_num_threads
             random.setstate(states[0])
             np.random.set_state(states[1])
             torch.set_rng_state(states[2])

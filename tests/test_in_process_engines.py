@@ -59,10 +59,11 @@ def test_an_engine_reads_the_variables_afresh_after_one_ran_in_this_process(monk
     reads them afresh for the next engine (else a `batch_invariant` parity sets would be ignored while
     its provenance says it is on). The variable that shows it: the second engine's core process (the
     cache lives while the first engine runs)."""
-    monkeypatch.setattr(torch, "set_num_threads", torch.set_num_threads)  # the in-process worker replaces it
+    set_num_threads = torch.set_num_threads
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     with get_backend("vllm", "tiny-llama", dtype="bfloat16"):
         assert engine_children() == []
+        assert torch.set_num_threads is set_num_threads  # the adapter gives back what vLLM replaced
         monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
         with get_backend("vllm", "tiny-llama", dtype="bfloat16"):
             assert [name.split("_")[0] for name in engine_children()] == ["EngineCore"], engine_children()

@@ -147,6 +147,9 @@ class VLLMBackend(Backend):
             else "compute_weight_checksums"
         self.capture_routes = capture_routes
         # a probed engine runs vLLM's V1 runner (ConfigError here when the environment asks for V2)
+        # vLLM's CPU worker, when it runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), replaces
+        # torch.set_num_threads with a no-op for good: the gold's one-thread pin would then be lost
+        set_num_threads = torch.set_num_threads
         with v1_runner() if probe else contextlib.nullcontext():
             try:
                 with guard.spawn_window():  # the EngineCore vLLM spawns dies with this process
@@ -161,6 +164,8 @@ class VLLMBackend(Backend):
                 hint = ("; return_routed_experts needs vLLM's V2 model runner, which the CPU build lacks"
                         if return_routed_experts and on_cpu else "")
                 raise BackendError(f"vLLM engine failed to start on {self.model_path}: {e}{hint}") from e
+            finally:
+                torch.set_num_threads = set_num_threads
         if capture_routes:
             start_route_capture(self._llm)
         if spec is not None:
