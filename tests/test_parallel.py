@@ -49,13 +49,27 @@ def _equal(a: list, b: list) -> bool:
     return all(x.token_ids == y.token_ids and x.logprobs == y.logprobs for x, y in zip(a, b, strict=True))
 
 
+@pytest.fixture(scope="module")
+def tp1_engines():
+    """Each model's TP=1 engine, started once for both of its degrees (a rank start costs ~5 CPU-s)."""
+    started: dict[str, ReferenceEngine] = {}
+
+    def get(model: str) -> ReferenceEngine:
+        if model not in started:
+            started[model] = ReferenceEngine(model, tensor_parallel_size=1, **TP1_SETTINGS)
+        return started[model]
+
+    yield get
+    for engine in started.values():
+        engine.close()
+
+
 @pytest.fixture(scope="module", params=[("tiny-qwen3", 2), ("tiny-qwen3", 4), ("tiny-qwen3-moe", 2),
                                         ("tiny-qwen3-moe", 4)], ids=lambda p: f"{p[0]}-tp{p[1]}")
-def engines(request: pytest.FixtureRequest):
+def engines(request: pytest.FixtureRequest, tp1_engines):
     model, tp = request.param
-    one = ReferenceEngine(model, tensor_parallel_size=1, **TP1_SETTINGS)
     with ReferenceEngine(model, tensor_parallel_size=tp, **TPK_SETTINGS) as many:
-        yield model, one, many
+        yield model, tp1_engines(model), many
 
 
 @pytest.mark.slow
