@@ -58,6 +58,7 @@ starts in the test process (not in an `own_engine` test) runs its model in its e
 without vLLM-CPU's separate worker process: one interpreter fewer per server.
 """
 
+import contextlib
 import functools
 import json
 import os
@@ -65,7 +66,7 @@ import random
 import signal
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +119,17 @@ _MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"
 _CUDA = torch.cuda.is_available()
 
 
+@contextlib.contextmanager
+def _multiprocessing_off() -> Iterator[None]:
+    """VLLM_ENABLE_V1_MULTIPROCESSING=0 while an engine starts, then gone: the processes a test starts
+    later never see it."""
+    os.environ[_MULTIPROCESSING] = "0"
+    try:
+        yield
+    finally:
+        del os.environ[_MULTIPROCESSING]
+
+
 def _in_process_core(init: Callable[..., None]) -> Callable[..., None]:
     """`VLLMBackend.__init__` with vLLM's engine core and model in this process (its uni executor,
     `VLLM_ENABLE_V1_MULTIPROCESSING=0`, as the engine hosts run theirs) when no other engine runs
@@ -132,14 +144,13 @@ def _in_process_core(init: Callable[..., None]) -> Callable[..., None]:
         if not _IN_PROCESS["now"] or _IN_PROCESS_LIVE or _MULTIPROCESSING in os.environ or _CUDA:
             return init(self, *args, **kwargs)
         states = random.getstate(), np.random.get_state(), torch.get_rng_state()
-        os.environ[_MULTIPROCESSING] = "0"
         try:
-            init(self, *args, **kwargs)
+            with _multiprocessing_off():
+                init(self, *args, **kwargs)
             _IN_PROCESS_LIVE.add(id(self))
         finally:
-            del os.environ[_MULTIPROCESSING]
-            # vLLM's engine core caches every VLLM_* variable of the process it starts in: a later
-            # engine here would otherwise start with this one's (its core in-process, its batch mode)
+            # vLLM's engine core caches every VLLM_* variable of the process it starts in (the adapter
+            # reads them afresh before its next start): the tests' own reads see them afresh too
             vllm_envs = sys.modules.get("vllm.envs")
             if vllm_envs is not None:
                 vllm_envs.disable_envs_cache()
@@ -181,11 +192,8 @@ def _server_worker_in_core(start: Callable[..., Any]) -> Callable[..., Any]:
     def launch(self: VLLMServerBackend, words: tuple[str, ...], **kwargs: Any) -> Any:
         if not _SERVER_UNI["now"] or _CUDA or _MULTIPROCESSING in os.environ or _EXECUTOR_FLAG in words:
             return start(self, words, **kwargs)
-        os.environ[_MULTIPROCESSING] = "0"  # read by the server process at its start, then dropped here
-        try:
+        with _multiprocessing_off():  # read by the server process at its start
             return start(self, (*words, _EXECUTOR_FLAG, "uni"), **kwargs)
-        finally:
-            del os.environ[_MULTIPROCESSING]
 
     return launch
 
