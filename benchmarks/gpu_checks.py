@@ -37,6 +37,7 @@ AUDIT_ROWS: dict[str, tuple[str, list[str]]] = {
     "tiny-qwen3 on, raw logprobs": ("tiny-qwen3", [*_on(), "logprobs_mode=raw"]),
     "q28 off": ("q28", []),
     "q28 on": ("q28", _on()),
+    "q28 on, raw logprobs": ("q28", [*_on(), "logprobs_mode=raw"]),
     "q28 on, enforce_eager": ("q28", _on(enforce_eager=True)),
     **{f"q28 on, cudagraph {mode}": ("q28", _on(compilation_config={"cudagraph_mode": mode}))
        for mode in ("PIECEWISE", "NONE")},

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from parity.backends.sglang_probe import PassDumps, pass_stages, probe_samples, sample_stages
-from parity.core.errors import UnsupportedError
+from parity.core.errors import BackendError, UnsupportedError
 
 KINDS = ("embed", "attn", "mlp", "layer", "norm", "logits")
 HIDDEN, VOCAB, LAYERS = 8, 16, 3
@@ -133,3 +133,24 @@ def test_logits_the_sampler_overwrote_with_probabilities_are_refused():
     with pytest.raises(UnsupportedError, match="greedy requests"):
         sample_stages(passes, {"logits_processor": probabilities}, prompt_len=3, kinds=KINDS)
     assert "logits" not in sample_stages(passes, {}, prompt_len=3, kinds=KINDS[:-1])
+
+
+def test_an_extra_pass_past_the_response_is_refused_with_the_cause():
+    # SGLang's overlap scheduler on CUDA ran one more decode pass of a 2-token request (H200, 2026-12-05)
+    passes = [pass_modules(tokens, seed=n + 1) for n, tokens in enumerate((3, 1, 1))]
+    for n, modules in enumerate(passes):
+        modules["logits_processor"] = logits_of(n - 1)
+    following = {"logits_processor": logits_of(2)}
+    assert sample_stages(passes, following, prompt_len=3, kinds=KINDS, response_len=3)["logits"].shape[0] == 3
+    with pytest.raises(BackendError, match="--disable-overlap-schedule"):
+        sample_stages(passes, following, prompt_len=3, kinds=KINDS, response_len=2)
+
+
+def test_the_probes_server_and_engine_run_without_the_overlap_scheduler():
+    dumps = PassDumps()
+    try:
+        assert dumps.server_args() == ["--debug-tensor-dump-output-folder", str(dumps.root),
+                                       "--disable-radix-cache", "--disable-overlap-schedule"]
+        assert dumps.engine_kwargs()["disable_overlap_schedule"] is True
+    finally:
+        dumps.close()

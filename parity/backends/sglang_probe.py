@@ -32,9 +32,11 @@ from parity.core.errors import BackendError, UnsupportedError
 SAMPLED_LOGITS = ("SGLang's sampler overwrote the dumped logits with probabilities (in place, before the "
                   "dump was written: on CPU its dump's .cpu() copies nothing): probe the logits with greedy "
                   "requests (temperature 0), or leave them out (--stages embed,attn,mlp,layer,norm)")
-#: the server flags the probe adds: where to dump, and no radix cache (a cached prefix would leave
-#: the prompt's first positions out of the prefill pass).
-SERVER_FLAGS = ("--debug-tensor-dump-output-folder", "--disable-radix-cache")
+#: the server flags the probe adds: where to dump; no radix cache (a cached prefix would leave the
+#: prompt's first positions out of the prefill pass); no overlap scheduler (on CUDA it launches one
+#: more decode pass of a request before it sees the request finished: on the H200 a request of N
+#: tokens dumped N + 1 logits rows, and that pass may land in the next request's files).
+SERVER_FLAGS = ("--debug-tensor-dump-output-folder", "--disable-radix-cache", "--disable-overlap-schedule")
 
 
 class PassDumps:
@@ -44,10 +46,11 @@ class PassDumps:
         self.root = Path(tempfile.mkdtemp(prefix="parity-sglang-dump-"))
 
     def server_args(self) -> list[str]:
-        return [SERVER_FLAGS[0], str(self.root), SERVER_FLAGS[1]]
+        return [SERVER_FLAGS[0], str(self.root), *SERVER_FLAGS[1:]]
 
     def engine_kwargs(self) -> dict[str, Any]:
-        return {"debug_tensor_dump_output_folder": str(self.root), "disable_radix_cache": True}
+        return {"debug_tensor_dump_output_folder": str(self.root), "disable_radix_cache": True,
+                "disable_overlap_schedule": True}
 
     def files(self) -> list[Path]:
         """Every pass file so far, in pass order (one rank: parity's SGLang runs at TP 1 here)."""
@@ -99,11 +102,11 @@ def pass_stages(modules: dict[str, Any], kinds: Sequence[str]) -> dict[str, torc
 
 
 def sample_stages(passes: Sequence[dict[str, Any]], following: dict[str, Any], prompt_len: int,
-                  kinds: Sequence[str]) -> dict[str, torch.Tensor]:
+                  kinds: Sequence[str], response_len: int | None = None) -> dict[str, torch.Tensor]:
     """One sample's stages from the pass files written during its request (`passes`, in order) and
     the file after them (`following`), which holds the last pass's logits. Token stages: the rows of
     every pass concatenated (prefill chunks, then one row per decode step); logits: one row per pass
-    that ended the prompt or decoded, i.e. one per response token."""
+    that ended the prompt or decoded, i.e. one per response token (`response_len`, checked)."""
     if not passes:
         raise BackendError("SGLang wrote no tensor dump for a probed request (was the server started "
                            "with the probe's dump folder?)")
@@ -121,10 +124,20 @@ def sample_stages(passes: Sequence[dict[str, Any]], following: dict[str, Any], p
     out = {name: torch.cat(rows) for name, rows in parts.items()}
     if "logits" in kinds:
         out["logits"] = torch.cat(logits)
+        if response_len is not None and out["logits"].shape[0] != response_len:
+            raise BackendError(f"SGLang dumped {out['logits'].shape[0]} logits rows for a response of "
+                               f"{response_len} tokens: its passes do not map one to one onto the request's "
+                               "tokens (was the server started with --disable-overlap-schedule?)")
         if bool((out["logits"] >= 0).all()) and torch.allclose(out["logits"].sum(-1).double(),
                                                                 torch.ones(1, dtype=torch.float64)):
             raise UnsupportedError(SAMPLED_LOGITS)
     return out
+
+
+def _response_len(result: Any) -> int | None:
+    """The number of response tokens of a sample's result (a Rollout), if it has one."""
+    tokens = getattr(result, "token_ids", None)
+    return None if tokens is None else len(tokens)
 
 
 def probe_samples(dumps: PassDumps, jobs: Sequence[Any], capture: Sequence[int], kinds: Sequence[str],
@@ -148,7 +161,8 @@ def probe_samples(dumps: PassDumps, jobs: Sequence[Any], capture: Sequence[int],
         if "logits" in kinds and "logits_processor" not in following:
             raise BackendError("SGLang did not write the last pass's logits (no pass after the probe's "
                                "last request)")
-        states[i] = sample_stages(passes, following, len(jobs[i].request.prompt_ids), kinds)
+        states[i] = sample_stages(passes, following, len(jobs[i].request.prompt_ids), kinds,
+                                  _response_len(results[i]))
     for f in files:
         f.unlink(missing_ok=True)
     return results, states
