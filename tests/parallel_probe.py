@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import torch
@@ -32,3 +33,15 @@ class Probe:
 
     def sleep(self, seconds: float) -> None:
         time.sleep(seconds)
+
+    def environ(self, name: str) -> str | None:
+        return os.environ.get(name)
+
+    def cwd(self) -> str:
+        return os.getcwd()
+
+    def say(self, text: str) -> None:
+        """`text` and the rank on its stdout and stderr (rank 0 alone)."""
+        if self.comm.rank == 0:
+            print(f"out {text}", flush=True)
+            print(f"err {text}", file=sys.stderr, flush=True)

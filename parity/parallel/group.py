@@ -1,7 +1,8 @@
 """The launcher: k rank processes in one torch.distributed group, driven from the calling process.
 
-`RankGroup(size, device_type, factory)` starts fresh `python -m parity.parallel.rank` processes
-(gloo or NCCL over 127.0.0.1), builds `factory(comm)` on each, and `call(method, *args)` runs it
+`RankGroup(size, device_type, factory)` starts its rank processes (CPU: forked by the caller's
+zygote, `parity.parallel.zygote`; CUDA: fresh `python -m parity.parallel.rank`; gloo or NCCL over
+127.0.0.1), builds `factory(comm)` on each, and `call(method, *args)` runs it
 in lockstep, returning rank 0's result. A rank that raises or dies brings the group down at once
 (peers may block in a collective) with a `TensorParallelError` carrying its traceback; Ctrl-C
 kills the ranks first; the guard kills them with the caller even on SIGKILL.
@@ -19,6 +20,7 @@ from typing import Any
 
 from parity.core.errors import BackendError
 from parity.parallel.wire import receive, send
+from parity.parallel.zygote import ForkedRank, zygote
 from parity.runtime import guard
 from parity.runtime.processes import LOOPBACK, free_loopback_port
 
@@ -41,7 +43,7 @@ class RankGroup:
 
     def __init__(self, size: int, device_type: str, factory: Callable[[Any], Any]) -> None:
         self.size = size
-        self._procs: list[subprocess.Popen[bytes]] = []
+        self._procs: list[subprocess.Popen[bytes] | ForkedRank] = []
         self._conns: list[Connection] = []
         key = secrets.token_bytes(32)
         port = free_loopback_port()
@@ -50,8 +52,12 @@ class RankGroup:
                 host, caller_port = listener.address
                 env = {**os.environ, ADDRESS_ENV: f"{host}:{caller_port}:{key.hex()}"}
                 for rank in range(size):
-                    proc = subprocess.Popen([sys.executable, "-m", "parity.parallel.rank", str(rank)],
-                                            stdin=subprocess.DEVNULL, env=env, close_fds=True)
+                    proc: subprocess.Popen[bytes] | ForkedRank
+                    if device_type == "cpu":  # forked from preloaded imports; CUDA is not fork-safe
+                        proc = zygote().spawn(rank, env)
+                    else:
+                        proc = subprocess.Popen([sys.executable, "-m", "parity.parallel.rank", str(rank)],
+                                                stdin=subprocess.DEVNULL, env=env, close_fds=True)
                     guard.track(proc.pid)
                     self._procs.append(proc)
                 by_rank: dict[int, Connection] = {}

@@ -1,6 +1,7 @@
-"""A rank process of a `RankGroup` (`python -m parity.parallel.rank RANK`): it connects back
-(`PARITY_TP_CALLER`), joins the group, builds its object and serves calls; a failure is sent with
-its traceback and the process exits at once (a peer may be blocked in a collective).
+"""A rank process of a `RankGroup` (`python -m parity.parallel.rank RANK`, or forked by the zygote):
+it connects back (`PARITY_TP_CALLER`), joins the group, builds its object and serves calls; a
+failure is sent with its traceback and the process exits at once (a peer may be blocked in a
+collective).
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ from parity.parallel.wire import receive, send
 
 #: a collective that waits longer than this fails (a hung peer), in seconds.
 COLLECTIVE_TIMEOUT_S = 600.0
+#: gloo and NCCL on the loopback interface (a rank keeps a value the caller set).
+LOOPBACK = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo", "NCCL_NVLS_ENABLE": "0"}
 
 
 def serve(rank: int, conn: Connection) -> None:
     """Join the group, build the object, answer (method, args, kwargs) messages until None."""
     size, port, device_type, factory = receive(conn)
-    loopback = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo", "NCCL_NVLS_ENABLE": "0"}
-    for name, value in loopback.items():
+    for name, value in LOOPBACK.items():
         os.environ.setdefault(name, value)
     # after the loopback settings: NCCL and gloo read them when torch.distributed loads
     import torch
@@ -49,9 +51,9 @@ def serve(rank: int, conn: Connection) -> None:
     send(conn, ("ok", None))
 
 
-def main() -> None:
+def main(rank: int) -> None:
+    """Connect back to the caller (`PARITY_TP_CALLER`) and serve as rank `rank` until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the caller stops the group on Ctrl-C
-    rank = int(sys.argv[1])
     host, port, key = os.environ.pop("PARITY_TP_CALLER").rsplit(":", 2)
     conn = Client((host, int(port)), authkey=bytes.fromhex(key))
     send(conn, rank)
@@ -65,4 +67,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(int(sys.argv[1]))
