@@ -27,10 +27,11 @@ import traceback
 from typing import Any
 
 from parity.core.errors import BackendError
+from parity.parallel import rank
 from parity.runtime import guard
 
 #: what every rank imports before its factory runs (the ~4-5 CPU-s a fresh rank spends).
-PRELOAD = ("torch", "torch.distributed", "parity.parallel.rank", "parity.parallel.comm",
+PRELOAD = ("torch", "torch.distributed", "parity.parallel.comm",
            "parity.engine.engine", "parity.engine.train")
 #: variables that differ between otherwise equal calls and that nothing reads at import (pytest's
 #: per-test marker): a change of them alone keeps the zygote.
@@ -127,11 +128,11 @@ class Zygote:
                 raise BackendError(f"parity's rank zygote (pid {self._proc.pid}) is gone (exit code {code}); "
                                    "its output above says why") from None
 
-    def spawn(self, rank: int, env: dict[str, str]) -> ForkedRank:
-        """Fork rank `rank` with environment `env`, in the caller's working directory."""
+    def spawn(self, index: int, env: dict[str, str]) -> ForkedRank:
+        """Fork rank `index` with environment `env`, in the caller's working directory."""
         stdio = [fd if _is_open(fd) else os.open(os.devnull, os.O_WRONLY) for fd in (1, 2)]
         try:
-            pid = self._ask(("spawn", rank, env, os.getcwd()), stdio)
+            pid = self._ask(("spawn", index, env, os.getcwd()), stdio)
         finally:
             for fd in stdio:
                 if fd not in (1, 2):
@@ -205,7 +206,7 @@ def _close() -> None:
         _ZYGOTE = None
 
 
-def _child(sock: socket.socket, rank: int, env: dict[str, str], cwd: str, stdio: list[int]) -> None:
+def _child(sock: socket.socket, rank_index: int, env: dict[str, str], cwd: str, stdio: list[int]) -> None:
     """The forked rank: the caller's stdio, directory and environment, then the rank's own main."""
     code = 1
     try:
@@ -219,9 +220,7 @@ def _child(sock: socket.socket, rank: int, env: dict[str, str], cwd: str, stdio:
         os.chdir(cwd)
         os.environ.clear()
         os.environ.update(env)
-        from parity.parallel.rank import main as rank_main
-
-        rank_main(rank)
+        rank.main(rank_index)
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
@@ -251,9 +250,7 @@ def _reap(pid: int, timeout: float | None, codes: dict[int, int]) -> int | str:
 def main(argv: list[str]) -> int:
     """The zygote process: `python -m parity.parallel.zygote FD`, requests on the socket FD."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the caller stops its groups on Ctrl-C
-    from parity.parallel.rank import LOOPBACK
-
-    for name, value in LOOPBACK.items():  # before torch.distributed loads, as in a fresh rank
+    for name, value in rank.LOOPBACK.items():  # before torch.distributed loads, as in a fresh rank
         os.environ.setdefault(name, value)
     for module in PRELOAD:
         importlib.import_module(module)
@@ -266,10 +263,10 @@ def main(argv: list[str]) -> int:
         except (EOFError, OSError):
             break
         if message[0] == "spawn":
-            _, rank, env, cwd = message
+            _, index, env, cwd = message
             pid = os.fork()
             if pid == 0:
-                _child(sock, rank, env, cwd, fds)
+                _child(sock, index, env, cwd, fds)
             for fd in fds:
                 os.close(fd)
             children.add(pid)
