@@ -1,8 +1,8 @@
 """The launcher: k rank processes in one torch.distributed group, driven from the calling process.
 
-`RankGroup(size, device_type, factory)` starts its rank processes (CPU: forked by the caller's
-zygote, `parity.parallel.zygote`; CUDA: fresh `python -m parity.parallel.rank`; gloo or NCCL over
-127.0.0.1), builds `factory(comm)` on each, and `call(method, *args)` runs it
+`RankGroup(size, device_type, factory)` starts its rank processes (CPU on Linux: forked by the
+caller's zygote, `parity.parallel.zygote`; else fresh `python -m parity.parallel.rank`; gloo or NCCL
+over 127.0.0.1), builds `factory(comm)` on each, and `call(method, *args)` runs it
 in lockstep, returning rank 0's result. A rank that raises or dies brings the group down at once
 (peers may block in a collective) with a `TensorParallelError` carrying its traceback; Ctrl-C
 kills the ranks first; the guard kills them with the caller even on SIGKILL.
@@ -53,7 +53,9 @@ class RankGroup:
                 env = {**os.environ, ADDRESS_ENV: f"{host}:{caller_port}:{key.hex()}"}
                 for rank in range(size):
                     proc: subprocess.Popen[bytes] | ForkedRank
-                    if device_type == "cpu":  # forked from preloaded imports; CUDA is not fork-safe
+                    # forked from preloaded imports on Linux (as torch's DataLoader workers are);
+                    # a CUDA context does not survive a fork, and macOS frameworks are not fork-safe
+                    if device_type == "cpu" and sys.platform == "linux":
                         proc = zygote().spawn(rank, env)
                     else:
                         proc = subprocess.Popen([sys.executable, "-m", "parity.parallel.rank", str(rank)],
