@@ -20,7 +20,8 @@ Sections, in this order:
   Qwen3-30B-A3B shape (`--moe-layers`) raw with routed experts returned, R3 replayed. The two raw
   Qwen3-1.7B servers (deterministic mode off and on) are also audited by `parity audit` (`cli_audit`).
 - `probe`: the engine probe from SGLang's per-pass tensor dumps (`parity attribute --backend sglang`)
-  on the Qwen3-1.7B shape against the training forward, one sample per call.
+  on the Qwen3-1.7B shape against the training forward, one sample per call; the whole diff (every
+  stage, both phases) in OUT/probe-q28.json.
 - `throughput`: output tok/s on `--workload` (requests, prompt, output; default 256,256,512) of
   parity's reference engine and SGLang with deterministic mode off and on, one process each, in
   one call; after its timed run each SGLang server is audited by `parity audit --backend sglang
@@ -161,6 +162,7 @@ def probe_section(args: argparse.Namespace, ledger: Ledger) -> list[dict[str, An
         start = time.perf_counter()
         try:
             diff = engine_diff(shaped(args.state, "qwen3-1.7b", 28), requests, backend="sglang", side=side)
+            (args.out / "probe-q28.json").write_text(json.dumps(diff.to_dict()))  # every stage, both phases
             row = {"row": key, **{p.phase: {"first_differing": p.first_differing, "depth": p.depth,
                                             "growth": p.growth} for p in diff.phases}}
         except Exception as e:  # a row that fails is a row with its error
