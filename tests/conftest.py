@@ -198,6 +198,17 @@ def _server_worker_in_core(start: Callable[..., Any]) -> Callable[..., Any]:
     return launch
 
 
+@pytest.fixture
+def probe_path(monkeypatch: pytest.MonkeyPatch) -> type:
+    """The launcher tests' rank object, `parallel_probe.Probe`, with tests/ first on the PYTHONPATH
+    the rank processes get (they import it from there)."""
+    tests = str(Path(__file__).resolve().parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p))
+    from parallel_probe import Probe
+
+    return Probe
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Run a module single-threaded (`pytestmark = pytest.mark.usefixtures("one_thread")`): the tiny

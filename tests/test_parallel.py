@@ -26,7 +26,6 @@ from parity.engine.train import LAYOUTS
 from parity.parallel import RankGroup, TensorParallelError
 from parity.parallel.layers import block_tree_sum
 
-TESTS = Path(__file__).resolve().parent
 #: engine settings of the TP=1 reference: a different batch composition from the TP=k engines'.
 TP1_SETTINGS = {"max_num_seqs": 3, "chunk_size": 5}
 TPK_SETTINGS = {"max_num_seqs": 8, "chunk_size": 16}
@@ -188,18 +187,6 @@ def test_degree_that_does_not_divide_the_heads_is_a_config_error() -> None:
 
 
 # ---- the launcher ----
-
-@pytest.fixture
-def probe_path(monkeypatch: pytest.MonkeyPatch):
-    """Ranks import tests/parallel_probe.py."""
-    import os
-
-    paths = [str(TESTS), os.environ.get("PYTHONPATH")]
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in paths if p))
-    from parallel_probe import Probe
-
-    return Probe
-
 
 def _gone(pids: list[int]) -> bool:
     return not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)

@@ -12,7 +12,6 @@ import sys
 import textwrap
 import time
 from multiprocessing.connection import Listener
-from pathlib import Path
 
 import psutil
 import pytest
@@ -22,9 +21,6 @@ from parity.parallel import zygote as zygote_module
 from parity.parallel.group import ADDRESS_ENV
 from parity.runtime.processes import free_loopback_port
 
-TESTS = Path(__file__).resolve().parent
-#: PYTHONPATH with tests/ first: ranks import tests/parallel_probe.py
-PROBE_PATH = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p)
 pytestmark = pytest.mark.slow
 
 
@@ -32,32 +28,23 @@ def parents(group: RankGroup) -> set[int]:
     return {psutil.Process(pid).ppid() for pid in group.pids}
 
 
-@pytest.fixture
-def probe(monkeypatch: pytest.MonkeyPatch):
-    """Ranks import tests/parallel_probe.py."""
-    monkeypatch.setenv("PYTHONPATH", PROBE_PATH)
-    from parallel_probe import Probe
-
-    return Probe
-
-
-def test_ranks_are_forked_by_one_zygote_and_see_the_callers_directory(probe, tmp_path, monkeypatch) -> None:
-    with RankGroup(2, "cpu", probe) as first:
+def test_ranks_are_forked_by_one_zygote_and_see_the_callers_directory(probe_path, tmp_path, monkeypatch):
+    with RankGroup(2, "cpu", probe_path) as first:
         first_parents = parents(first)
     monkeypatch.chdir(tmp_path)
-    with RankGroup(2, "cpu", probe) as second:
+    with RankGroup(2, "cpu", probe_path) as second:
         assert second.call("cwd") == str(tmp_path)
         again = parents(second)
     assert len(first_parents) == 1 and first_parents != {os.getpid()}  # forked, not started here
     assert again != first_parents  # the directory changed: a new zygote
 
 
-def test_a_changed_environment_starts_a_new_zygote_and_a_live_group_keeps_its_ranks(probe, monkeypatch):
+def test_a_changed_environment_starts_a_new_zygote_and_a_live_group_keeps_its_ranks(probe_path, monkeypatch):
     monkeypatch.setenv("PARITY_ZYGOTE_TEST", "one")
-    old = RankGroup(2, "cpu", probe)
+    old = RankGroup(2, "cpu", probe_path)
     try:
         monkeypatch.setenv("PARITY_ZYGOTE_TEST", "two")
-        with RankGroup(2, "cpu", probe) as new:
+        with RankGroup(2, "cpu", probe_path) as new:
             assert new.call("environ", "PARITY_ZYGOTE_TEST") == "two"
             assert parents(new) != parents(old)
         assert old.call("environ", "PARITY_ZYGOTE_TEST") == "one"  # still running: not killed by the switch
@@ -66,15 +53,15 @@ def test_a_changed_environment_starts_a_new_zygote_and_a_live_group_keeps_its_ra
         old.close()
 
 
-def test_a_rank_writes_to_the_callers_current_stdout_and_stderr(probe, tmp_path) -> None:
-    with RankGroup(2, "cpu", probe) as group:
+def test_a_rank_writes_to_the_callers_current_stdout_and_stderr(probe_path, tmp_path) -> None:
+    with RankGroup(2, "cpu", probe_path) as group:
         group.call("gather")  # the zygote is up, holding this process's stdout and stderr as they are now
     files = {fd: (tmp_path / f"fd{fd}").open("w") for fd in (1, 2)}
     saved = {fd: os.dup(fd) for fd in files}
     try:
         for fd, file in files.items():
             os.dup2(file.fileno(), fd)
-        with RankGroup(2, "cpu", probe) as group:
+        with RankGroup(2, "cpu", probe_path) as group:
             group.call("say", "later")
     finally:
         for fd, copy in saved.items():
@@ -85,19 +72,17 @@ def test_a_rank_writes_to_the_callers_current_stdout_and_stderr(probe, tmp_path)
     assert (tmp_path / "fd2").read_text().split() == ["err", "later"]
 
 
-def test_a_caller_killed_with_sigkill_leaves_no_zygote_and_no_rank(tmp_path) -> None:
+def test_a_caller_killed_with_sigkill_leaves_no_zygote_and_no_rank(probe_path, tmp_path) -> None:
     script = tmp_path / "caller.py"
-    script.write_text(textwrap.dedent(f"""
-        import sys, time
-        sys.path.insert(0, {str(TESTS)!r})
-        from parallel_probe import Probe
+    script.write_text(textwrap.dedent("""
+        import time
+        from parallel_probe import Probe  # tests/ is on the PYTHONPATH (probe_path)
         from parity.parallel import RankGroup
         group = RankGroup(2, "cpu", Probe)
         print(*group.pids, flush=True)
         time.sleep(600)
     """))
-    env = {**os.environ, "PYTHONPATH": PROBE_PATH}
-    caller = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
+    caller = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
         ranks = [psutil.Process(int(pid)) for pid in caller.stdout.readline().split()]
         zygotes = {rank.parent() for rank in ranks}

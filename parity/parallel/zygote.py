@@ -189,8 +189,6 @@ def zygote() -> Zygote:
                 if not current.running:
                     current.close()
             _STARTED[:] = [z for z in _STARTED if z.owner == os.getpid() and z.alive()]
-            if not _STARTED:
-                atexit.register(_close)
             _ZYGOTE = Zygote()
             _STARTED.append(_ZYGOTE)
         return _ZYGOTE
@@ -204,6 +202,9 @@ def _close() -> None:
                 started.close()
         _STARTED.clear()
         _ZYGOTE = None
+
+
+atexit.register(_close)  # closes only this process's zygotes (a forked child's list holds its parent's)
 
 
 def _child(sock: socket.socket, rank_index: int, env: dict[str, str], cwd: str, stdio: list[int]) -> None:
