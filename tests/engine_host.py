@@ -16,9 +16,9 @@ Lifetime. The process that opens the session (`open_session`: pytest's controlle
 pytest) owns the directory and stops every host in it when it closes (`close_session`: the end of
 the session, a failure, Ctrl-C). The first process to need a configuration starts its host under a
 file lock; the other waits on the lock and connects. A host also polls the owner's pid and exits
-when it is gone (a killed pytest), and logs to `host-<key>.log` in the directory.
-
-Run as a script, this file is the host: `python tests/engine_host.py DIRECTORY KEY`.
+when it is gone (a killed pytest), and logs to `host-<key>.log` in the directory. Every host has
+the environment the owner had when it opened the session, and is forked from the session's zygote
+(tests/host_zygote.py), which imported vLLM once for all of them.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ import pickle
 import queue
 import secrets
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -78,9 +77,12 @@ def open_session() -> Path | None:
     if os.environ.get(SESSION_ENV):
         return None
     directory = Path(tempfile.mkdtemp(prefix="parity-engine-hosts-"))
-    (directory / "session.json").write_text(json.dumps({"owner": _identity(os.getpid()),
-                                                         "authkey": secrets.token_hex(32)}))
     os.environ[SESSION_ENV] = str(directory)
+    # every host starts with the session's environment, not that of the worker that happens to need
+    # it first (an engine that ran in a worker leaves variables such as LD_PRELOAD there)
+    (directory / "session.json").write_text(json.dumps({"owner": _identity(os.getpid()),
+                                                         "authkey": secrets.token_hex(32),
+                                                         "env": dict(os.environ)}))
     return directory
 
 
@@ -282,33 +284,36 @@ def stop(name: str, model: str | Path, dtype: str = "bfloat16", **options: Any) 
 
 
 def _start(directory: Path, key: str, config: tuple[str, str, str, dict[str, Any]]) -> dict[str, Any]:
-    """Start the host of `key` and wait until its engine is up; raise its start error otherwise."""
+    """Start the host of `key` (forked by the session's zygote, tests/host_zygote.py) and wait until its
+    engine is up; raise its start error otherwise."""
+    from host_zygote import fork_host  # it imports this module
+
     from parity.core.errors import BackendError
 
     (directory / f"host-{key}.config").write_bytes(pickle.dumps(config))
     error_file = directory / f"host-{key}.error"
     error_file.unlink(missing_ok=True)
     root = str(Path(__file__).resolve().parent.parent)
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    session = _session(directory)["env"]
+    env = {**session, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "PYTHONPATH": os.pathsep.join(filter(None, [root, session.get("PYTHONPATH")]))}
     env = {k: v for k, v in env.items() if not k.startswith("PYTEST_")}
     log_path = directory / f"host-{key}.log"
-    with open(log_path, "ab") as log:
-        child = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(directory), key],
-                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                 start_new_session=True)
-    (directory / f"host-{child.pid}.pid").write_text(json.dumps(_identity(child.pid)))
+    pid = fork_host(directory, key, config[0], env, log_path)
+    identity = _identity(pid)
+    (directory / f"host-{pid}.pid").write_text(json.dumps(identity))
     ready_file, deadline = directory / f"host-{key}.json", time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if ready_file.exists():
             return json.loads(ready_file.read_text())
-        if child.poll() is not None:
+        if not _is_alive(identity):
             if error_file.exists():
                 raise pickle.loads(error_file.read_bytes())
-            raise BackendError(f"the engine host of {config[:3]} exited ({child.returncode}) before its "
-                               f"engine was up; its log: {log_path}")
+            raise BackendError(f"the engine host of {config[:3]} exited before its engine was up; its log: "
+                               f"{log_path}")
         time.sleep(0.2)
-    child.kill()
+    with contextlib.suppress(psutil.Error):
+        psutil.Process(pid).kill()
     raise BackendError(f"the engine host of {config[:3]} did not start in {START_TIMEOUT_S:.0f} s; "
                        f"its log: {log_path}")
 
@@ -391,13 +396,10 @@ def host(directory: Path, key: str) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def run(directory: Path, key: str) -> int:
+    """`host`, with its exit code; SIGTERM (after the engine closed) is a clean end."""
     try:
-        code = host(Path(sys.argv[1]), sys.argv[2])
-    except SystemExit as stopped:  # SIGTERM, after the engine closed
-        code = stopped.code if isinstance(stopped.code, int) else 0
-    # the engine is closed: skip the interpreter's teardown (seconds of garbage collection of the
-    # engine's objects that no one waits for), as parity.backends.vllm_exit does for vLLM's processes
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+        return host(directory, key)
+    except SystemExit as stopped:
+        return stopped.code if isinstance(stopped.code, int) else 0
+

@@ -120,6 +120,19 @@ def test_probe():
 """
 
 
+def wait_for_no_process_naming(text: str, timeout_s: float) -> list[str]:
+    """The live processes whose command line holds `text`, once none is left or after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = []
+        for proc in psutil.process_iter(["cmdline", "status"]):
+            if proc.info["status"] != psutil.STATUS_ZOMBIE and text in " ".join(proc.info["cmdline"] or ()):
+                left.append(f"{proc.pid} {' '.join(proc.info['cmdline'])[:120]}")
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("end", ["fail", "SIGINT", "SIGKILL"])
 def test_no_host_outlives_its_session(end, tmp_path):
@@ -145,6 +158,8 @@ def test_no_host_outlives_its_session(end, tmp_path):
         child.wait(timeout=120)
         host.wait(timeout=30)  # psutil.TimeoutExpired: an orphan
         assert not psutil.pid_exists(host.pid) or host.status() == psutil.STATUS_ZOMBIE
+        # nor the zygote that forked it (hosts and zygotes name the session directory on their command line)
+        assert not wait_for_no_process_naming(probe["dir"], 30)
         if end != "SIGKILL":  # the owner's cleanup ran
             assert not Path(probe["dir"]).exists()
         shutil.rmtree(probe["dir"], ignore_errors=True)  # a killed owner leaves its (hostless) directory
