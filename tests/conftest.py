@@ -90,6 +90,12 @@ from parity.backends.vllm_server import VLLMServerBackend
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
+# xdist's workers share the cores one each (`make test`: two on two): an OpenMP team in a worker only
+# spins against the other worker (docs/PERF.md, round 11). A test that needs threads sets them (the
+# thread-independence tests do); the processes a test starts keep torch's default.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 settings.register_profile(
     "ci", max_examples=25, deadline=None, derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],

@@ -360,8 +360,17 @@ def test_attention_is_independent_of_span_batch_and_slot(length, extra_blocks, d
 
 
 def test_attention_stock_path_differs_and_invariant_path_matches_reference():
-    """Negative control for attention: stock SDPA per token varies with the KV span it is given
-    (on the AVX2 host; an AVX-512 host's SDPA gave the same bits for every span probed)."""
+    """Negative control for attention: stock SDPA per token varies with the KV span it is given, on
+    two threads (on this AVX-512 host only then: on one thread it gave the same bits for every span)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _stock_attention_control()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _stock_attention_control() -> None:
     hq, hkv, d, length = 4, 2, 32, 96
     k = _cache(1, hkv, length, d, torch.float32, 1)
     v = _cache(1, hkv, length, d, torch.float32, 2)
