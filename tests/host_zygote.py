@@ -8,7 +8,8 @@ session of its own, /dev/null as stdin and its log as stdout and stderr. The zyg
 session's owner is gone, or on SIGTERM: its pid file is a `host-*.pid`, so `close_session` stops it
 with the hosts. docs/PERF.md, "Test suite time, round 11", has the numbers.
 
-Run as a script, this file is the zygote: `python tests/host_zygote.py DIRECTORY TAG BACKEND`.
+Run as a script, this file is the zygote (`python tests/host_zygote.py DIRECTORY TAG BACKEND`), or on a
+CUDA host a fresh host (`python tests/host_zygote.py --host DIRECTORY KEY`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from parity.core.errors import BackendError
 #: what a host of each backend imports before its engine starts; any other backend: parity's list
 PRELOAD = {"vllm": ("vllm", "vllm.entrypoints.llm", "parity.backends", "parity.backends.vllm"),
            None: ("torch", "parity.backends", "parity.backends.reference")}
+#: the first argument of a fresh host's command line: `python tests/host_zygote.py --host DIRECTORY KEY`
+FRESH = "--host"
 #: seconds a zygote may take to import its preload (vLLM's takes ~9 s on an idle core)
 START_TIMEOUT_S = 300.0
 
@@ -61,7 +64,16 @@ def _read_all(conn: socket.socket) -> bytes:
 
 def fork_host(directory: Path, key: str, backend: str, env: dict[str, str], log_path: Path) -> int:
     """The pid of the host of `key`, forked by the session's zygote for `env` and `backend` (started
-    under its lock on first use). The host writes its ready or error file as a fresh one does."""
+    under its lock on first use). The host writes its ready or error file as a fresh one does. On a
+    CUDA host each host is a fresh interpreter instead, as CUDA rank processes are (parity.parallel):
+    a fork carries whatever CUDA state the zygote's imports made."""
+    import torch  # loaded already in a test process
+
+    if torch.cuda.is_available():
+        with open(log_path, "ab") as log:
+            argv = [sys.executable, str(Path(__file__).resolve()), FRESH, str(directory), key]
+            return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                    env=env, start_new_session=True).pid
     tag = _tag(env, backend)
     ready = directory / f"zygote-{tag}.json"
     with open(directory / f"zygote-{tag}.lock", "w") as lock:
@@ -156,4 +168,11 @@ def main(directory: Path, tag: str, backend: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(Path(sys.argv[1]), sys.argv[2], sys.argv[3]))
+    if sys.argv[1] != FRESH:
+        sys.exit(main(Path(sys.argv[1]), sys.argv[2], sys.argv[3]))
+    code = engine_host.run(Path(sys.argv[2]), sys.argv[3])
+    # the engine is closed: skip the interpreter's teardown (seconds of garbage collection of the
+    # engine's objects that no one waits for), as parity.backends.vllm_exit does for vLLM's processes
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
