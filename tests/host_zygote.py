@@ -26,6 +26,7 @@ import socket
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import engine_host
@@ -123,14 +124,17 @@ def _host(server: socket.socket, conn: socket.socket, directory: Path, key: str,
         sys.argv = [engine_host.__file__, str(directory), key]
         code = engine_host.run(directory, key)
     except BaseException:
-        import traceback
-
         traceback.print_exc()
-    finally:
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code)
+    _exit(code)
+
+
+def _exit(code: int) -> None:
+    """End a host without the interpreter's teardown: its engine is closed, and the garbage collection
+    of the engine's objects takes seconds no one waits for (parity.backends.vllm_exit skips it too)."""
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)
 
 
 def main(directory: Path, tag: str, backend: str) -> int:
@@ -170,9 +174,4 @@ def main(directory: Path, tag: str, backend: str) -> int:
 if __name__ == "__main__":
     if sys.argv[1] != FRESH:
         sys.exit(main(Path(sys.argv[1]), sys.argv[2], sys.argv[3]))
-    code = engine_host.run(Path(sys.argv[2]), sys.argv[3])
-    # the engine is closed: skip the interpreter's teardown (seconds of garbage collection of the
-    # engine's objects that no one waits for), as parity.backends.vllm_exit does for vLLM's processes
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    _exit(engine_host.run(Path(sys.argv[2]), sys.argv[3]))
