@@ -286,7 +286,7 @@ def stop(name: str, model: str | Path, dtype: str = "bfloat16", **options: Any) 
 def _start(directory: Path, key: str, config: tuple[str, str, str, dict[str, Any]]) -> dict[str, Any]:
     """Start the host of `key` (forked by the session's zygote, tests/host_zygote.py) and wait until its
     engine is up; raise its start error otherwise."""
-    from host_zygote import fork_host  # it imports this module
+    from host_zygote import start_host  # it imports this module
 
     from parity.core.errors import BackendError
 
@@ -299,7 +299,7 @@ def _start(directory: Path, key: str, config: tuple[str, str, str, dict[str, Any
            "PYTHONPATH": os.pathsep.join(filter(None, [root, session.get("PYTHONPATH")]))}
     env = {k: v for k, v in env.items() if not k.startswith("PYTEST_")}
     log_path = directory / f"host-{key}.log"
-    pid = fork_host(directory, key, config[0], env, log_path)
+    pid = start_host(directory, key, config[0], env, log_path)
     identity = _identity(pid)
     (directory / f"host-{pid}.pid").write_text(json.dumps(identity))
     ready_file, deadline = directory / f"host-{key}.json", time.monotonic() + START_TIMEOUT_S

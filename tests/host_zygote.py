@@ -8,7 +8,7 @@ session of its own, /dev/null as stdin and its log as stdout and stderr. The zyg
 session's owner is gone, or on SIGTERM: its pid file is a `host-*.pid`, so `close_session` stops it
 with the hosts. docs/PERF.md, "Test suite time, round 11", has the numbers.
 
-Run as a script, this file is the zygote (`python tests/host_zygote.py DIRECTORY TAG BACKEND`), or on a
+Run as a script, this file is the zygote (`python tests/host_zygote.py DIRECTORY TAG KIND`), or on a
 CUDA host a fresh host (`python tests/host_zygote.py --host DIRECTORY KEY`).
 """
 
@@ -33,17 +33,16 @@ import engine_host
 
 from parity.core.errors import BackendError
 
-#: what a host of each backend imports before its engine starts; any other backend: parity's list
+#: what a host imports before its engine starts, by kind: a vLLM host, or any other ("parity")
 PRELOAD = {"vllm": ("vllm", "vllm.entrypoints.llm", "parity.backends", "parity.backends.vllm"),
-           None: ("torch", "parity.backends", "parity.backends.reference")}
+           "parity": ("torch", "parity.backends", "parity.backends.reference")}
 #: the first argument of a fresh host's command line: `python tests/host_zygote.py --host DIRECTORY KEY`
 FRESH = "--host"
 #: seconds a zygote may take to import its preload (vLLM's takes ~9 s on an idle core)
 START_TIMEOUT_S = 300.0
 
 
-def _tag(env: dict[str, str], backend: str) -> str:
-    kind = backend if backend in PRELOAD else None
+def _tag(env: dict[str, str], kind: str) -> str:
     return hashlib.sha256(repr((kind, sorted(env.items()))).encode()).hexdigest()[:12]
 
 
@@ -63,7 +62,7 @@ def _read_all(conn: socket.socket) -> bytes:
     return b"".join(chunks)
 
 
-def fork_host(directory: Path, key: str, backend: str, env: dict[str, str], log_path: Path) -> int:
+def start_host(directory: Path, key: str, backend: str, env: dict[str, str], log_path: Path) -> int:
     """The pid of the host of `key`, forked by the session's zygote for `env` and `backend` (started
     under its lock on first use). The host writes its ready or error file as a fresh one does. On a
     CUDA host each host is a fresh interpreter instead, as CUDA rank processes are (parity.parallel):
@@ -75,21 +74,22 @@ def fork_host(directory: Path, key: str, backend: str, env: dict[str, str], log_
             argv = [sys.executable, str(Path(__file__).resolve()), FRESH, str(directory), key]
             return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                     env=env, start_new_session=True).pid
-    tag = _tag(env, backend)
+    kind = backend if backend in PRELOAD else "parity"
+    tag = _tag(env, kind)
     ready = directory / f"zygote-{tag}.json"
     with open(directory / f"zygote-{tag}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         found = json.loads(ready.read_text()) if ready.exists() else None
         if found is None or not engine_host._is_alive(found["zygote"]):
             ready.unlink(missing_ok=True)
-            found = _start(directory, tag, backend, env)
+            found = _start(directory, tag, kind, env)
     return int(_exchange(found["address"], (key, str(log_path))))  # type: ignore[arg-type]
 
 
-def _start(directory: Path, tag: str, backend: str, env: dict[str, str]) -> dict:
+def _start(directory: Path, tag: str, kind: str, env: dict[str, str]) -> dict:
     log_path = directory / f"zygote-{tag}.log"
     with open(log_path, "ab") as log:
-        argv = [sys.executable, str(Path(__file__).resolve()), str(directory), tag, backend]
+        argv = [sys.executable, str(Path(__file__).resolve()), str(directory), tag, kind]
         child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                  env=env, start_new_session=True)
     (directory / f"host-zygote-{child.pid}.pid").write_text(json.dumps(engine_host._identity(child.pid)))
@@ -121,7 +121,6 @@ def _host(server: socket.socket, conn: socket.socket, directory: Path, key: str,
             os.dup2(fd, target)
         os.close(null)
         os.close(log)
-        sys.argv = [engine_host.__file__, str(directory), key]
         code = engine_host.run(directory, key)
     except BaseException:
         traceback.print_exc()
@@ -137,11 +136,11 @@ def _exit(code: int) -> None:
     os._exit(code)
 
 
-def main(directory: Path, tag: str, backend: str) -> int:
+def main(directory: Path, tag: str, kind: str) -> int:
     """The zygote: preload, then fork a host per request until the session's owner is gone."""
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))  # its hosts have sessions of their own
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the owner stops it (a Ctrl-C reaches the whole group)
-    for module in PRELOAD.get(backend, PRELOAD[None]):
+    for module in PRELOAD[kind]:
         importlib.import_module(module)
     owner = engine_host._session(directory)["owner"]
     address = str(directory / f"zygote-{tag}.sock")

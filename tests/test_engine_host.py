@@ -25,6 +25,7 @@ import numpy as np
 import psutil
 import pytest
 import torch
+from procs import cmdline
 
 from parity.backends import Backend, get_backend, shared_backend
 from parity.backends.weight_sync import checkpoint_weights
@@ -124,10 +125,7 @@ def wait_for_no_process_naming(text: str, timeout_s: float) -> list[str]:
     """The live processes whose command line holds `text`, once none is left or after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while True:
-        left = []
-        for proc in psutil.process_iter(["cmdline", "status"]):
-            if proc.info["status"] != psutil.STATUS_ZOMBIE and text in " ".join(proc.info["cmdline"] or ()):
-                left.append(f"{proc.pid} {' '.join(proc.info['cmdline'])[:120]}")
+        left = [f"{p.pid} {line[:120]}" for p in psutil.process_iter() if text in (line := cmdline(p))]
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.2)

@@ -1,6 +1,7 @@
 """Batch invariance of each CPU kernel family, proven bitwise, each with a negative control."""
 
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 
 import pytest
 import torch
@@ -197,22 +198,29 @@ def test_stock_linear_is_not_batch_invariant(dtype):
     assert any(not torch.equal(F.linear(x[:m], w)[0], alone[0]) for m in (2, 4, 8, 16, 33, 64))
 
 
+@contextmanager
+def _threads(n: int) -> Iterator[None]:
+    """torch on `n` threads inside the block, the caller's count after it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_lone_product_on_two_threads_differs_from_batched():
     """Negative control for `cpu_gemm.bmm`: a product called alone on two threads rounds differently
     from the same product in a batch (each problem on one thread); `cpu_gemm.bmm` batches it. Which
     shapes MKL splits over threads depends on the host: (6, 64, 32) does on the AVX2 host and not on
     an AVX-512/AMX one, (32, 576, 1) on both."""
     differs = []
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    with _threads(2):
         for m, k, n in ((6, 64, 32), (32, 576, 1)):
             a, b = _rand(2, m, k, seed=1), _rand(2, k, n, seed=2)
             alone, batched, ours = torch.mm(a[0], b[0]), torch.bmm(a, b)[0], cpu_gemm.bmm(a[:1], b[:1])[0]
             differs.append(not torch.equal(alone, batched))
             assert torch.equal(ours, batched), (m, k, n)
-    finally:
-        torch.set_num_threads(threads)
     assert any(differs)
 
 
@@ -298,14 +306,10 @@ def test_rowwise_kernels_are_independent_of_batch(m, width, dtype, data):
 
 def test_stock_mean_depends_on_batch_for_long_rows():
     """Negative control for reductions: with 2 threads, a long row's stock mean changes with the batch."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    with _threads(2):
         x = _rand(16, 65536, seed=4)
         stock = [x[:m].pow(2).mean(-1)[0] for m in (1, 2, 16)]
         ours = [cpu.tree_sum(x[:m] * x[:m], -1)[0] for m in (1, 2, 16)]
-    finally:
-        torch.set_num_threads(threads)
     assert not torch.equal(stock[0], stock[1]) or not torch.equal(stock[0], stock[2])
     assert torch.equal(ours[0], ours[1]) and torch.equal(ours[0], ours[2])
 
@@ -362,30 +366,22 @@ def test_attention_is_independent_of_span_batch_and_slot(length, extra_blocks, d
 def test_attention_stock_path_differs_and_invariant_path_matches_reference():
     """Negative control for attention: stock SDPA per token varies with the KV span it is given, on
     two threads (on this AVX-512 host only then: on one thread it gave the same bits for every span)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        _stock_attention_control()
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _stock_attention_control() -> None:
     hq, hkv, d, length = 4, 2, 32, 96
     k = _cache(1, hkv, length, d, torch.float32, 1)
     v = _cache(1, hkv, length, d, torch.float32, 2)
     q = _rand(length, hq, d, seed=3)
     slots = torch.zeros(length, dtype=torch.int64)
     positions = torch.arange(length)
-    with kernels.invariant(["attention"]):
-        inv = attend(q, k, v, slots, positions, length, length, 0.2)
-    stock = attend(q, k, v, slots, positions, length, length, 0.2)
-    torch.testing.assert_close(inv, stock, rtol=1e-5, atol=1e-5)
     differs = False
-    for pos in range(length):
-        blocks = pos // KV_BLOCK + 1
-        one = attend(q[pos:pos + 1], k, v, slots[:1], positions[pos:pos + 1], blocks * KV_BLOCK, 1, 0.2)
-        differs |= not torch.equal(one[0], stock[pos])
+    with _threads(2):
+        with kernels.invariant(["attention"]):
+            inv = attend(q, k, v, slots, positions, length, length, 0.2)
+        stock = attend(q, k, v, slots, positions, length, length, 0.2)
+        torch.testing.assert_close(inv, stock, rtol=1e-5, atol=1e-5)
+        for pos in range(length):
+            blocks = pos // KV_BLOCK + 1
+            one = attend(q[pos:pos + 1], k, v, slots[:1], positions[pos:pos + 1], blocks * KV_BLOCK, 1, 0.2)
+            differs |= not torch.equal(one[0], stock[pos])
     if not differs:
         pytest.skip(f"stock SDPA on this host ({torch.backends.cpu.get_cpu_capability()}) gave the same bits "
                     "at every span: no control here (it differs on the AVX2 host); the invariant kernel's "
