@@ -6,6 +6,7 @@ are for bf16 vLLM kernels against an fp32 HF forward on the same tokens.
 
 import importlib.util
 import multiprocessing
+from pathlib import Path
 
 import pytest
 import torch
@@ -234,16 +235,20 @@ def test_weight_sync_moe_known_vllm_cpu_bug():
         close_shared_backend("vllm", "tiny-qwen3-moe", dtype="bfloat16")  # never hand it to a later test
 
 
-def test_a_closed_engine_exits_by_itself_not_killed():
+def test_a_closed_engine_exits_by_itself_and_leaves_no_socket_files():
     """parity.backends.vllm_exit with a real engine: the processes of vLLM's that a close stops (engine
     core, worker) exit 0 on their own, without the interpreter teardown that kept them until vLLM's
-    5 s timeout killed them (exit -9, every close on the 2-core CI host). Controls: test_vllm_exit."""
-    vllm_engine("tiny-llama", mode="raw")
+    5 s timeout killed them (exit -9, every close on the 2-core CI host). Controls: test_vllm_exit.
+    The socket files those processes leave (five a run, in /tmp before) lie in the engine's own folder,
+    which the close removes."""
+    sockets = Path(vllm_engine("tiny-llama", mode="raw")._sockets.name)
+    assert any(p.is_socket() for p in sockets.iterdir()), sorted(sockets.iterdir())
     before = [p for p in multiprocessing.active_children() if p.name.startswith(("EngineCore", "VllmWorker"))]
     close_shared_backend("vllm", "tiny-llama", dtype="bfloat16", logprobs_mode="raw")
     stopped = [p for p in before if not p.is_alive()]
     assert stopped, [p.name for p in before]
     assert {p.name: p.exitcode for p in stopped} == {p.name: 0 for p in stopped}
+    assert not sockets.exists()
 
 
 @pytest.fixture(scope="module", autouse=True)

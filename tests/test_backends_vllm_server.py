@@ -318,6 +318,8 @@ def test_server_killed_mid_run_loses_named_requests_and_nightly_errors(server, t
     from parity.nightly import execute, runner
 
     backend = server.get()
+    sockets = Path(backend._sockets.name)  # the server's socket files: its own folder, not /tmp
+    assert any(p.is_socket() for p in sockets.iterdir()), sorted(sockets.iterdir())
     long = SamplingParams(temperature=1.0, max_tokens=480, ignore_eos=True)
     reqs = [Request((1, 10 + i, 20 + i), long.replace(seed=i), f"long-{i}") for i in range(32)]
     backend.client.settings = type(backend.client.settings)(concurrency=4)
@@ -352,6 +354,8 @@ def test_server_killed_mid_run_loses_named_requests_and_nightly_errors(server, t
     assert status["reference"].status == "pass"
     assert status["vllm-server"].status == "error" and "were lost" in status["vllm-server"].error
     assert run.exit_code == 2
+    server.close()  # the killed processes never removed their socket files: the close does
+    assert not sockets.exists()
 
 
 def test_the_logprobs_mode_option_alone_compares_raw_logprobs(tmp_path):

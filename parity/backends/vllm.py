@@ -37,6 +37,8 @@ from parity.backends.vllm_start import (
     check_lora_platform,
     lora_rank_bound,
     max_positions,
+    socket_folder,
+    sockets_in,
 )
 from parity.backends.vllm_weights import (
     DIGEST_EXTENSION,
@@ -85,6 +87,7 @@ class VLLMBackend(Backend):
         engine_kwargs = dict(engine_kwargs or {})
         self.logprobs_mode = check_choice(logprobs_mode, LOGPROBS_MODES, "vllm option logprobs_mode")
         self._weights_dir: tempfile.TemporaryDirectory[str] | None = None
+        self._sockets = socket_folder()
         self._slept = 0  # the level of the last sleep, 0 when awake
         self._ipc_pushed = False  # weights live only in the engine (no file a level-2 wake can reload)
         batch_invariant, from_env = resolve_flag("VLLM_BATCH_INVARIANT", batch_invariant, "vllm")
@@ -152,7 +155,7 @@ class VLLMBackend(Backend):
         set_num_threads = torch.set_num_threads
         with v1_runner() if probe else contextlib.nullcontext():
             try:
-                with guard.spawn_window():  # the EngineCore vLLM spawns dies with this process
+                with guard.spawn_window(), sockets_in(self._sockets):  # the EngineCore dies with this process
                     self._llm = vllm.LLM(
                         model=str(self.model_path), skip_tokenizer_init=True, dtype=dtype, seed=seed,
                         tensor_parallel_size=tensor_parallel_size, max_logprobs=-1,
@@ -404,6 +407,7 @@ class VLLMBackend(Backend):
         llm = self.__dict__.pop("_llm", None)
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
-        if self._weights_dir is not None:
-            self._weights_dir.cleanup()
-            self._weights_dir = None
+        for held in (self._weights_dir, self._sockets):
+            if held is not None:
+                held.cleanup()
+        self._weights_dir = self._sockets = None

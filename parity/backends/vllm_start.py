@@ -4,7 +4,11 @@ refusals that must come before vLLM starts (it says why only in its engine proce
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -17,6 +21,29 @@ VLLM_LOGPROBS_MODE = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
 #: the GPU memory share an engine takes unless `engine_kwargs` says otherwise: the training forward
 #: shares the GPU (vLLM's own default, 0.9, leaves it nothing).
 GPU_MEMORY_UTILIZATION = 0.4
+#: where vLLM puts its ZMQ socket files (default: the system's temporary folder).
+SOCKETS = "VLLM_RPC_BASE_PATH"
+
+
+def socket_folder() -> tempfile.TemporaryDirectory[str] | None:
+    """A folder of its own for the socket files of the engine about to start, for its close to remove:
+    in /tmp, an engine process that exits without closing its sockets (parity's fast exit, vLLM's kill
+    at its 5 s timeout) leaves them there, five files a run. None where the user set VLLM_RPC_BASE_PATH."""
+    return None if SOCKETS in os.environ else tempfile.TemporaryDirectory(prefix="parity-vllm-sockets-")
+
+
+@contextlib.contextmanager
+def sockets_in(folder: tempfile.TemporaryDirectory[str] | None) -> Iterator[None]:
+    """VLLM_RPC_BASE_PATH=folder while an engine starts in this process (its processes inherit it and
+    bind their sockets then); unset again after, so the next engine gets a folder of its own."""
+    if folder is None:
+        yield
+        return
+    os.environ[SOCKETS] = folder.name
+    try:
+        yield
+    finally:
+        os.environ.pop(SOCKETS, None)
 
 
 def check_gpu_memory(share: float) -> None:
