@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from parity.backends import close_shared_backend, get_backend, shared_backend
+from parity.backends import vllm as vllm_adapter
+from parity.backends.vllm_start import socket_folder
 from parity.backends.weight_sync import check_weight_sync
 from parity.cli import main
 from parity.core.errors import BackendError, ConfigError
@@ -203,9 +205,13 @@ def test_weight_sync_follows_new_weights():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is specific to vLLM's CPU runner")
-def test_routed_experts_refused_on_cpu_with_clear_error():
+def test_routed_experts_refused_on_cpu_with_clear_error(monkeypatch):
+    """The engine dies in its start; its socket folder goes with the failed start, not at exit."""
+    folders = []
+    monkeypatch.setattr(vllm_adapter, "socket_folder", lambda: folders.append(socket_folder()) or folders[-1])
     with pytest.raises(BackendError, match="return_routed_experts needs vLLM's V2 model runner"):
         get_backend("vllm", "tiny-qwen3-moe", return_routed_experts=True)
+    assert len(folders) == 1 and not Path(folders[0].name).exists()
 
 
 def test_compare_vllm_cpu_passes_default_tolerance_with_drift(tmp_path):

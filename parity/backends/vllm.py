@@ -169,6 +169,8 @@ class VLLMBackend(Backend):
                 raise BackendError(f"vLLM engine failed to start on {self.model_path}: {e}{hint}") from e
             finally:
                 torch.set_num_threads = set_num_threads
+                if "_llm" not in self.__dict__:  # a failed start: its processes' socket files go now
+                    self.close()
         if capture_routes:
             start_route_capture(self._llm)
         if spec is not None:
