@@ -10,6 +10,7 @@ checked with the real vLLM engine and server in tests/test_no_orphans.py.
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -51,7 +52,8 @@ def start_fake_parity(tmp_path, mode):
     assert wait_until(out.exists, 30), "the fake parity process did not start its children"
     time.sleep(0.2)  # the file is complete once written; give the guard a scan
     pids = json.loads(out.read_text())
-    return proc, {name: psutil.Process(pid) for name, pid in pids.items() if pid is not None}
+    folder = Path(pids.pop("folder"))
+    return proc, {name: psutil.Process(pid) for name, pid in pids.items() if pid is not None}, folder
 
 
 def kill_all(procs):
@@ -63,28 +65,31 @@ def kill_all(procs):
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
 @pytest.mark.slow
 def test_owned_processes_die_with_parity(tmp_path, sig):
-    parity, procs = start_fake_parity(tmp_path, "guarded")
+    parity, procs, folder = start_fake_parity(tmp_path, "guarded")
     try:
-        assert all(alive(procs[name]) for name in OWNED)
+        assert all(alive(procs[name]) for name in OWNED) and folder.is_dir()
         parity.send_signal(sig)
         parity.wait(timeout=30)
         assert wait_until(lambda: not any(alive(procs[n]) for n in OWNED), 15), \
             {n: alive(procs[n]) for n in OWNED}
         assert alive(procs["unrelated"]), "the guard killed a process that was not parity's to clean up"
         assert wait_until(lambda: not alive(procs["guard"]), 10), "the guard did not exit"
+        assert not folder.exists(), "the guard left the folder parity named"
     finally:
         kill_all(procs)
 
 
 def test_negative_control_unguarded_children_outlive_parity(tmp_path):
-    parity, procs = start_fake_parity(tmp_path, "unguarded")
+    parity, procs, folder = start_fake_parity(tmp_path, "unguarded")
     try:
         parity.kill()
         parity.wait(timeout=30)
         time.sleep(3)
         assert all(alive(procs[name]) for name in OWNED), "without the guard the tree should be orphaned"
+        assert folder.is_dir(), "without the guard the folder should be left"
     finally:
         kill_all(procs)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def fake_server(mode, port):
@@ -153,13 +158,17 @@ def test_interrupt_during_start_stops_the_server(tmp_path):
     assert not any(alive(p) for p in server_procs)
 
 
-def test_guard_acts_on_what_parity_sent_even_if_parity_died_first():
+def test_guard_acts_on_what_parity_sent_even_if_parity_died_first(tmp_path):
     """parity can die before its guard has started: the guard still reads the pipe and cleans up."""
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     guard_script = ROOT / "parity" / "runtime" / "guard.py"
+    named, other = tmp_path / "named folder", tmp_path / "other"  # a space: the rest of the line is the path
+    for folder in (named, other):
+        (folder / "socket").mkdir(parents=True)
     done = subprocess.run([sys.executable, "-P", str(guard_script), str(dead.pid)],
-                          input=f"track {sleeper.pid}\n".encode(), timeout=60)
+                          input=f"track {sleeper.pid}\nremove {named}\n".encode(), timeout=60)
     assert done.returncode == 0
     assert wait_until(lambda: sleeper.poll() is not None, 10)
+    assert not named.exists() and other.is_dir()

@@ -10,9 +10,11 @@ are in tests/test_guard.py.
 import contextlib
 import importlib.util
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -76,23 +78,32 @@ def wait_for_line(path, line, proc, timeout_s):
 @pytest.mark.parametrize(("sig", "engines"), [(signal.SIGKILL, ()), (signal.SIGINT, ("offline",))],
                          ids=["SIGKILL", "SIGINT"])
 def test_killing_parity_mid_run_leaves_no_engine_process(sig, engines, tmp_path):
+    """... nor the engines' socket folders (parity's guard removes them after the processes)."""
     log = tmp_path / "parity.log"
+    temp = Path(tempfile.mkdtemp(prefix="orphans"))  # short: a socket's path must fit 107 bytes
     with open(log, "w") as out:
         parity = subprocess.Popen([sys.executable, str(ROOT / "tests" / "data" / "processes" / "engines.py"),
-                                   *engines], env=ENV, stdout=out, stderr=subprocess.STDOUT)
+                                   *engines], env={**ENV, "TMPDIR": str(temp)}, stdout=out,
+                                  stderr=subprocess.STDOUT)
     try:
         assert wait_for_line(log, "READY", parity, 900), log.read_text()[-3000:]
         time.sleep(1.0)  # mid-run: every engine is generating
         tree = engine_tree(parity.pid)
         cores = 1 if engines else 2  # the offline engine's, and the server's
         assert sum("EngineCore" in p.name() for p in tree) == cores, describe(tree)
+        assert len(list(temp.glob("parity-vllm-sockets-*"))) == cores, sorted(temp.iterdir())
         parity.send_signal(sig)
         parity.wait(timeout=120)
         left = wait_gone(tree, GONE_WITHIN_S)
         assert not left, f"still alive {GONE_WITHIN_S} s after {sig.name} of parity: {describe(left)}"
+        deadline = time.monotonic() + GONE_WITHIN_S
+        while (folders := list(temp.glob("parity-vllm-sockets-*"))) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not folders, [sorted(f.iterdir()) for f in folders]
     finally:
         if parity.poll() is None:
             parity.kill()
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def test_cli_compare_starts_and_stops_a_real_server(tmp_path):

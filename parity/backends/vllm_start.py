@@ -15,6 +15,7 @@ import torch
 
 from parity.core.errors import BackendError, ConfigError, UnsupportedError
 from parity.models.lora import is_moe_checkpoint
+from parity.runtime import guard
 
 #: parity logprobs_mode -> vLLM engine `logprobs_mode`.
 VLLM_LOGPROBS_MODE = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
@@ -28,8 +29,13 @@ SOCKETS = "VLLM_RPC_BASE_PATH"
 def socket_folder() -> tempfile.TemporaryDirectory[str] | None:
     """A folder of its own for the socket files of the engine about to start, for its close to remove:
     in /tmp, an engine process that exits without closing its sockets (parity's fast exit, vLLM's kill
-    at its 5 s timeout) leaves them there, five files a run. None where the user set VLLM_RPC_BASE_PATH."""
-    return None if SOCKETS in os.environ else tempfile.TemporaryDirectory(prefix="parity-vllm-sockets-")
+    at its 5 s timeout) leaves them there, five files a run; parity's guard removes it should parity die
+    first. None where the user set VLLM_RPC_BASE_PATH."""
+    if SOCKETS in os.environ:
+        return None
+    folder = tempfile.TemporaryDirectory(prefix="parity-vllm-sockets-")
+    guard.remove_with_owner(folder.name)  # a SIGKILLed parity never reaches the close
+    return folder
 
 
 @contextlib.contextmanager

@@ -4,7 +4,8 @@ After SIGKILL vLLM's EngineCore and workers were measured alive 30 s later, and
 `PR_SET_PDEATHSIG` is neither inherited across fork nor tied to the process. So the first engine
 start launches one guard process per parity process, holding a pipe only parity writes: at EOF
 (or a dead parent pid) it SIGTERMs every tracked process and group (`track PID`, and children
-appearing between `open` and `close`, with descendants), waits `GRACE_S`, then SIGKILLs.
+appearing between `open` and `close`, with descendants), waits `GRACE_S`, then SIGKILLs, and
+removes the folders parity named (`remove PATH`: its engines' socket files) if they are still there.
 Processes are keyed by (pid, start time); the guard runs with only stdlib and psutil (~0.1 s).
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -74,6 +76,11 @@ def track(pid: int) -> None:
     guard().send(f"track {int(pid)}")
 
 
+def remove_with_owner(path: str) -> None:
+    """Remove folder `path` once this process is gone, should it not have done so itself (SIGKILL)."""
+    guard().send(f"remove {path}")
+
+
 @contextlib.contextmanager
 def spawn_window() -> Iterator[None]:
     """Every child this process starts inside the block (vLLM's EngineCore) dies with it."""
@@ -92,14 +99,15 @@ def spawn_window() -> Iterator[None]:
             g.send("close")
 
 
-def _watch(parent_pid: int, fd: int) -> list[psutil.Process]:
-    """Follow the parent until it is gone; return the tracked processes (psutil.Process)."""
+def _watch(parent_pid: int, fd: int) -> tuple[list[psutil.Process], list[str]]:
+    """Follow the parent until it is gone; return the tracked processes and the folders to remove."""
     try:
         parent: psutil.Process | None = psutil.Process(parent_pid)
     except psutil.NoSuchProcess:  # gone before we started: still act on what it sent
         parent = None
     me = os.getpid()
     tracked: dict[int, psutil.Process] = {}
+    folders: list[str] = []
     windows = 0
     before: set[int] = set()
 
@@ -134,6 +142,8 @@ def _watch(parent_pid: int, fd: int) -> list[psutil.Process]:
         elif command == "track":
             with contextlib.suppress(psutil.Error, ValueError):
                 adopt(psutil.Process(int(arg)))
+        elif command == "remove":
+            folders.append(arg)
 
     buffer = b""
     while True:
@@ -149,7 +159,7 @@ def _watch(parent_pid: int, fd: int) -> list[psutil.Process]:
         if windows:
             scan()
     scan()
-    return list(tracked.values())
+    return list(tracked.values()), folders
 
 
 def _alive(proc: psutil.Process) -> bool:
@@ -186,7 +196,10 @@ def terminate(procs: list[psutil.Process], grace_s: float = GRACE_S) -> None:
 def main(argv: list[str]) -> int:
     """The guard process: `python -P parity/runtime/guard.py PARENT_PID`, commands on stdin."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C; the guard outlives it
-    terminate(_watch(int(argv[0]), sys.stdin.fileno()))
+    procs, folders = _watch(int(argv[0]), sys.stdin.fileno())
+    terminate(procs)
+    for folder in folders:  # after the processes that wrote there
+        shutil.rmtree(folder, ignore_errors=True)
     return 0
 
 

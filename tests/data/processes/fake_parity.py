@@ -5,13 +5,15 @@ server-like child in its own session tracked by pid) or "unguarded" (the same tr
 Writes the pids of every process it started to OUT_FILE as JSON, then sleeps until killed.
 Children: an "engine" that starts a "worker" of its own (like vLLM's EngineCore and its
 workers), a "server" in its own session that starts a child in its group, and an "unrelated"
-child started outside any window, which the guard must leave alone.
+child started outside any window, which the guard must leave alone; and a "folder" (an engine's
+socket folder), named to the guard for removal when guarded.
 """
 
 import contextlib
 import json
 import subprocess
 import sys
+import tempfile
 import time
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(600)"]
@@ -34,11 +36,13 @@ if __name__ == "__main__":
     with window:
         engine, worker = spawn_with_child()
     server, server_child = spawn_with_child(start_new_session=True)
+    folder = tempfile.mkdtemp(prefix="fake-parity-sockets-")
     if guarded:
         guard.track(server.pid)
+        guard.remove_with_owner(folder)
     unrelated = subprocess.Popen(SLEEPER)
     pids = {"engine": engine.pid, "worker": worker, "server": server.pid, "server_child": server_child,
-            "unrelated": unrelated.pid, "guard": guard.guard().pid if guarded else None}
+            "unrelated": unrelated.pid, "guard": guard.guard().pid if guarded else None, "folder": folder}
     with open(out, "w") as f:
         json.dump(pids, f)
     time.sleep(600)
