@@ -87,7 +87,6 @@ class VLLMBackend(Backend):
         engine_kwargs = dict(engine_kwargs or {})
         self.logprobs_mode = check_choice(logprobs_mode, LOGPROBS_MODES, "vllm option logprobs_mode")
         self._weights_dir: tempfile.TemporaryDirectory[str] | None = None
-        self._sockets = socket_folder()
         self._slept = 0  # the level of the last sleep, 0 when awake
         self._ipc_pushed = False  # weights live only in the engine (no file a level-2 wake can reload)
         batch_invariant, from_env = resolve_flag("VLLM_BATCH_INVARIANT", batch_invariant, "vllm")
@@ -153,6 +152,7 @@ class VLLMBackend(Backend):
         # vLLM's CPU worker, when it runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), replaces
         # torch.set_num_threads with a no-op for good: the gold's one-thread pin would then be lost
         set_num_threads = torch.set_num_threads
+        self._sockets = socket_folder()  # removed by close(), which a failed start calls too
         with v1_runner() if probe else contextlib.nullcontext():
             try:
                 with guard.spawn_window(), sockets_in(self._sockets):  # the EngineCore dies with this process
