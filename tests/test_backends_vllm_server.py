@@ -318,7 +318,7 @@ def test_server_killed_mid_run_loses_named_requests_and_nightly_errors(server, t
     from parity.nightly import execute, runner
 
     backend = server.get()
-    sockets = Path(backend._sockets.name)  # the server's socket files: its own folder, not /tmp
+    sockets = Path(backend.server.env["VLLM_RPC_BASE_PATH"])  # the server's socket files: its folder
     assert any(p.is_socket() for p in sockets.iterdir()), sorted(sockets.iterdir())
     long = SamplingParams(temperature=1.0, max_tokens=480, ignore_eos=True)
     reqs = [Request((1, 10 + i, 20 + i), long.replace(seed=i), f"long-{i}") for i in range(32)]

@@ -114,6 +114,23 @@ def test_server_starts_on_loopback_and_stops_without_leftovers():
     server.stop()  # idempotent
 
 
+@pytest.mark.parametrize("folder_env", [None, "TMPDIR"])
+def test_a_server_pointed_at_its_folder_leaves_no_temporary_file(folder_env):
+    """`folder_env`: the server's temporary files (SGLang's sockets) go with its folder at the stop;
+    without it (the control) the file stays in the system's temporary folder."""
+    port = free_loopback_port()
+    server = ServerProcess([sys.executable, str(DATA / "fake_server.py"), str(port), "healthy"], port=port,
+                           name="fake server", folder_env=folder_env)
+    server.start(timeout_s=30)
+    made = Path(server.log_path.read_text().split("temp file ")[1].split()[0])
+    server.stop()
+    if folder_env:
+        assert made.parent == server.log_path.parent and not made.parent.exists()
+    else:
+        assert made.is_file()
+        made.unlink()
+
+
 def test_failed_start_quotes_the_log_and_leaves_nothing():
     server = fake_server("crash", free_loopback_port())
     with pytest.raises(BackendError, match=r"(?s)exited with code 3.*fake server starting in mode crash"):

@@ -72,13 +72,19 @@ def wait_for_line(path, line, proc, timeout_s):
     return False
 
 
+def socket_folders(temp):
+    """The folders holding vLLM's socket files under `temp`: an offline engine's, a server's."""
+    return [*temp.glob("parity-vllm-sockets-*"), *temp.glob("parity-server-*")]
+
+
 #: SIGKILL: the offline engine and a server (every vLLM process kind parity starts); SIGINT: the
 #: offline engine alone (one engine start less; the server's own stop is proven by SIGKILL here and
 #: by the CLI run below)
 @pytest.mark.parametrize(("sig", "engines"), [(signal.SIGKILL, ()), (signal.SIGINT, ("offline",))],
                          ids=["SIGKILL", "SIGINT"])
 def test_killing_parity_mid_run_leaves_no_engine_process(sig, engines, tmp_path):
-    """... nor the engines' socket folders (parity's guard removes them after the processes)."""
+    """... nor the engines' socket folders (parity's guard removes them after the processes): the offline
+    engine's own, and the server's, which holds its log too."""
     log = tmp_path / "parity.log"
     temp = Path(tempfile.mkdtemp(prefix="orphans"))  # short: a socket's path must fit 107 bytes
     with open(log, "w") as out:
@@ -91,13 +97,13 @@ def test_killing_parity_mid_run_leaves_no_engine_process(sig, engines, tmp_path)
         tree = engine_tree(parity.pid)
         cores = 1 if engines else 2  # the offline engine's, and the server's
         assert sum("EngineCore" in p.name() for p in tree) == cores, describe(tree)
-        assert len(list(temp.glob("parity-vllm-sockets-*"))) == cores, sorted(temp.iterdir())
+        assert len(socket_folders(temp)) == cores, sorted(temp.iterdir())
         parity.send_signal(sig)
         parity.wait(timeout=120)
         left = wait_gone(tree, GONE_WITHIN_S)
         assert not left, f"still alive {GONE_WITHIN_S} s after {sig.name} of parity: {describe(left)}"
         deadline = time.monotonic() + GONE_WITHIN_S
-        while (folders := list(temp.glob("parity-vllm-sockets-*"))) and time.monotonic() < deadline:
+        while (folders := socket_folders(temp)) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not folders, [sorted(f.iterdir()) for f in folders]
     finally:

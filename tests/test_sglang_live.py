@@ -45,12 +45,14 @@ def sglang_argv(model: str, port: int) -> list[str]:
 @pytest.fixture(scope="module")
 def server():
     port = free_loopback_port()
-    process = ServerProcess(sglang_argv("tiny-llama", port), port=port, name="sglang",
+    process = ServerProcess(sglang_argv("tiny-llama", port), port=port, name="sglang", folder_env="TMPDIR",
                             env={"SGLANG_RETURN_ORIGINAL_LOGPROB": "1", "SGLANG_USE_CPU_ENGINE": "0"})
     process.start(timeout_s=900)
+    assert any(p.is_socket() for p in process.log_path.parent.iterdir())  # SGLang's, not in /tmp
     yield process
     process.stop()
     assert process.exit_reason() is not None  # stopped, not left running
+    assert not process.log_path.parent.exists()  # nor its socket files left
 
 
 def test_generate_and_score_match_the_training_forward(server):
@@ -86,10 +88,10 @@ def test_moe_does_not_load_on_the_cpu_path_and_nothing_is_left_running():
     parity says why, and the failed server is gone."""
     port = free_loopback_port()
     process = ServerProcess([*sglang_argv("tiny-qwen3-moe", port), "--enable-return-routed-experts"],
-                            port=port, name="sglang", env={"SGLANG_USE_CPU_ENGINE": "0"})
+                            port=port, name="sglang", env={"SGLANG_USE_CPU_ENGINE": "0"}, folder_env="TMPDIR")
     with pytest.raises(BackendError, match="No accelerator"):
         process.start(timeout_s=900)
-    assert process.exit_reason() is not None
+    assert process.exit_reason() is not None and not process.log_path.parent.exists()
 
 
 # -- the engine probe, from SGLang's per-pass tensor dumps ----------------------------------------

@@ -50,7 +50,8 @@ def start_server(model_path: Path, *, dtype: str, logprob_env: str, routed_exper
     argv = [server_python(python), "-m", "sglang.launch_server", "--model-path", str(model_path),
             "--host", LOOPBACK, "--port", str(port), "--dtype", dtype, "--skip-tokenizer-init",
             *(["--enable-return-routed-experts"] if routed_experts else []), *words]
+    # TMPDIR: SGLang names its ZMQ sockets by tempfile, in /tmp, and leaves them there
     server = ServerProcess(argv, port=port, name="SGLang server",
-                           env={"SGLANG_RETURN_ORIGINAL_LOGPROB": logprob_env})
+                           env={"SGLANG_RETURN_ORIGINAL_LOGPROB": logprob_env}, folder_env="TMPDIR")
     server.start(timeout_s)
     return server

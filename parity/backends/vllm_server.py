@@ -37,7 +37,6 @@ from parity.backends.vllm_start import (
     check_gpu_memory,
     lora_rank_bound,
     max_positions,
-    socket_folder,
 )
 from parity.backends.vllm_weights import expected_digests, worker_checksums, write_weights
 from parity.backends.vllm_wire import (
@@ -109,7 +108,6 @@ class VLLMServerBackend(Backend):
         self.logprobs_mode = logprobs_mode
         self.server: ServerProcess | None = None
         self._weights_dir: tempfile.TemporaryDirectory[str] | None = None
-        self._sockets: tempfile.TemporaryDirectory[str] | None = None
         self._slept = 0  # the level of the last sleep, 0 when awake
         if probe and not dev_mode:
             raise ConfigError("vllm-server option probe drives the probe through /collective_rpc, a "
@@ -188,10 +186,8 @@ class VLLMServerBackend(Backend):
             flags += ["--enable-lora", "--max-loras", "1", "--max-lora-rank", str(lora_rank_bound(lora_rank))]
         if api_key_env is not None:
             env["VLLM_API_KEY"] = api_key_from_env(api_key_env)
-        self._sockets = socket_folder()
-        if self._sockets is not None:
-            env[SOCKETS] = self._sockets.name
-        server = ServerProcess([*head, *flags, *words], port=port, env=env, name="vLLM server")
+        server = ServerProcess([*head, *flags, *words], port=port, env=env, name="vLLM server",
+                               folder_env=None if SOCKETS in os.environ else SOCKETS)  # the user's stays
         server.start(timeout_s)
         return server
 
@@ -432,7 +428,6 @@ class VLLMServerBackend(Backend):
         server, self.server = self.server, None
         if server is not None:
             server.stop()
-        for held in (self._weights_dir, self._sockets):
-            if held is not None:
-                held.cleanup()
-        self._weights_dir = self._sockets = None
+        if self._weights_dir is not None:
+            self._weights_dir.cleanup()
+            self._weights_dir = None

@@ -37,17 +37,19 @@ def free_loopback_port() -> int:
 
 class ServerProcess:
     """One server process parity launched, reachable at `url`; `argv` must bind `LOOPBACK` and `port`,
-    `health_path` answers 200 once it can serve.
+    `health_path` answers 200 once it can serve. Its log lies in a folder of its own, removed when it
+    stops (by the guard, should parity die first); `folder_env` names a variable that points the server
+    there for its temporary files too (socket files it would leave in /tmp).
     """
 
     def __init__(self, argv: Sequence[str], *, port: int, name: str, env: Mapping[str, str] | None = None,
-                 health_path: str = "/health") -> None:
+                 health_path: str = "/health", folder_env: str | None = None) -> None:
         self.argv = tuple(argv)
         self.port = port
         self.name = name
-        self.env = dict(env or {})
         self.health_path = health_path
         self._dir = tempfile.TemporaryDirectory(prefix="parity-server-")
+        self.env = {**(env or {}), **({folder_env: self._dir.name} if folder_env else {})}
         self.log_path = Path(self._dir.name) / "server.log"
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -63,6 +65,7 @@ class ServerProcess:
         """Launch and wait for `health_path`; on any failure or interrupt the server is stopped first, and a
         failed start is a BackendError quoting the log.
         """
+        guard.remove_with_owner(self._dir.name)
         with open(self.log_path, "wb") as log:
             self._proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log,
                                           stderr=subprocess.STDOUT, env={**os.environ, **self.env},

@@ -2,11 +2,12 @@
 
 MODE "healthy" answers GET /health with 200 after a second; "silent" never answers 200; "crash"
 exits with code 3 after printing a line. It starts a child process in its group, as vLLM's server
-starts its EngineCore.
+starts its EngineCore, and leaves a file in the temporary folder, as SGLang's sockets are left.
 """
 
 import subprocess
 import sys
+import tempfile
 import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
@@ -26,6 +27,7 @@ if __name__ == "__main__":
     if mode == "crash":
         sys.exit(3)
     subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    print("temp file", tempfile.mkstemp(prefix="fake-server-socket-")[1], flush=True)
     time.sleep(1)
     httpd = HTTPServer(("127.0.0.1", port), Health)
     httpd.mode = mode
