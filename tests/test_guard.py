@@ -119,8 +119,8 @@ def test_a_server_pointed_at_its_folder_leaves_no_temporary_file(folder_env):
     """`folder_env`: the server's temporary files (SGLang's sockets) go with its folder at the stop;
     without it (the control) the file stays in the system's temporary folder."""
     port = free_loopback_port()
-    server = ServerProcess([sys.executable, str(DATA / "fake_server.py"), str(port), "healthy"], port=port,
-                           name="fake server", folder_env=folder_env)
+    argv = [sys.executable, str(DATA / "fake_server.py"), str(port), "healthy", "--temp-file"]
+    server = ServerProcess(argv, port=port, name="fake server", folder_env=folder_env)
     server.start(timeout_s=30)
     made = Path(server.log_path.read_text().split("temp file ")[1].split()[0])
     server.stop()

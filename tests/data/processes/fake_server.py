@@ -1,8 +1,9 @@
-"""A stand-in server for tests/test_guard.py: `fake_server.py PORT MODE`.
+"""A stand-in server for tests/test_guard.py: `fake_server.py PORT MODE [--temp-file]`.
 
 MODE "healthy" answers GET /health with 200 after a second; "silent" never answers 200; "crash"
 exits with code 3 after printing a line. It starts a child process in its group, as vLLM's server
-starts its EngineCore, and leaves a file in the temporary folder, as SGLang's sockets are left.
+starts its EngineCore; with --temp-file it leaves a file in its temporary folder, as SGLang leaves its
+sockets, and prints the file's path.
 """
 
 import subprocess
@@ -27,7 +28,8 @@ if __name__ == "__main__":
     if mode == "crash":
         sys.exit(3)
     subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    print("temp file", tempfile.mkstemp(prefix="fake-server-socket-")[1], flush=True)
+    if "--temp-file" in sys.argv[3:]:
+        print("temp file", tempfile.mkstemp(prefix="fake-server-socket-")[1], flush=True)
     time.sleep(1)
     httpd = HTTPServer(("127.0.0.1", port), Health)
     httpd.mode = mode
