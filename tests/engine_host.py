@@ -402,4 +402,3 @@ def run(directory: Path, key: str) -> int:
         return host(directory, key)
     except SystemExit as stopped:
         return stopped.code if isinstance(stopped.code, int) else 0
-

@@ -1,7 +1,6 @@
 """Batch invariance of each CPU kernel family, proven bitwise, each with a negative control."""
 
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ from parity.kernels.attention import (
 )
 from parity.kernels.cpu_attention import attention as cpu_attention
 from parity.models.loading import load_model
+from parity.monitor.summary import bounded_threads
 
 DTYPES = [torch.float32, torch.bfloat16]
 ALL_DTYPES = [*DTYPES, torch.float16]
@@ -198,24 +198,13 @@ def test_stock_linear_is_not_batch_invariant(dtype):
     assert any(not torch.equal(F.linear(x[:m], w)[0], alone[0]) for m in (2, 4, 8, 16, 33, 64))
 
 
-@contextmanager
-def _threads(n: int) -> Iterator[None]:
-    """torch on `n` threads inside the block, the caller's count after it."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def test_lone_product_on_two_threads_differs_from_batched():
     """Negative control for `cpu_gemm.bmm`: a product called alone on two threads rounds differently
     from the same product in a batch (each problem on one thread); `cpu_gemm.bmm` batches it. Which
     shapes MKL splits over threads depends on the host: (6, 64, 32) does on the AVX2 host and not on
     an AVX-512/AMX one, (32, 576, 1) on both."""
     differs = []
-    with _threads(2):
+    with bounded_threads(2):
         for m, k, n in ((6, 64, 32), (32, 576, 1)):
             a, b = _rand(2, m, k, seed=1), _rand(2, k, n, seed=2)
             alone, batched, ours = torch.mm(a[0], b[0]), torch.bmm(a, b)[0], cpu_gemm.bmm(a[:1], b[:1])[0]
@@ -306,7 +295,7 @@ def test_rowwise_kernels_are_independent_of_batch(m, width, dtype, data):
 
 def test_stock_mean_depends_on_batch_for_long_rows():
     """Negative control for reductions: with 2 threads, a long row's stock mean changes with the batch."""
-    with _threads(2):
+    with bounded_threads(2):
         x = _rand(16, 65536, seed=4)
         stock = [x[:m].pow(2).mean(-1)[0] for m in (1, 2, 16)]
         ours = [cpu.tree_sum(x[:m] * x[:m], -1)[0] for m in (1, 2, 16)]
@@ -373,7 +362,7 @@ def test_attention_stock_path_differs_and_invariant_path_matches_reference():
     slots = torch.zeros(length, dtype=torch.int64)
     positions = torch.arange(length)
     differs = False
-    with _threads(2):
+    with bounded_threads(2):
         with kernels.invariant(["attention"]):
             inv = attend(q, k, v, slots, positions, length, length, 0.2)
         stock = attend(q, k, v, slots, positions, length, length, 0.2)

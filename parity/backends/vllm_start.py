@@ -31,11 +31,7 @@ def socket_folder() -> tempfile.TemporaryDirectory[str] | None:
     in /tmp, an engine process that exits without closing its sockets (parity's fast exit, vLLM's kill
     at its 5 s timeout) leaves them there, five files a run; parity's guard removes it should parity die
     first. None where the user set VLLM_RPC_BASE_PATH."""
-    if SOCKETS in os.environ:
-        return None
-    folder = tempfile.TemporaryDirectory(prefix="parity-vllm-sockets-")
-    guard.remove_with_owner(folder.name)  # a SIGKILLed parity never reaches the close
-    return folder
+    return None if SOCKETS in os.environ else guard.owned_folder("parity-vllm-sockets-")
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -79,6 +80,13 @@ def track(pid: int) -> None:
 def remove_with_owner(path: str) -> None:
     """Remove folder `path` once this process is gone, should it not have done so itself (SIGKILL)."""
     guard().send(f"remove {path}")
+
+
+def owned_folder(prefix: str) -> tempfile.TemporaryDirectory[str]:
+    """A temporary folder that goes with its `cleanup()`, or with this process should it die first."""
+    folder = tempfile.TemporaryDirectory(prefix=prefix)
+    remove_with_owner(folder.name)
+    return folder
 
 
 @contextlib.contextmanager

@@ -10,7 +10,6 @@ import os
 import signal
 import socket
 import subprocess
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -48,7 +47,7 @@ class ServerProcess:
         self.port = port
         self.name = name
         self.health_path = health_path
-        self._dir = tempfile.TemporaryDirectory(prefix="parity-server-")
+        self._dir = guard.owned_folder("parity-server-")
         self.env = {**(env or {}), **({folder_env: self._dir.name} if folder_env else {})}
         self.log_path = Path(self._dir.name) / "server.log"
         self._proc: subprocess.Popen[bytes] | None = None
@@ -65,7 +64,6 @@ class ServerProcess:
         """Launch and wait for `health_path`; on any failure or interrupt the server is stopped first, and a
         failed start is a BackendError quoting the log.
         """
-        guard.remove_with_owner(self._dir.name)
         with open(self.log_path, "wb") as log:
             self._proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log,
                                           stderr=subprocess.STDOUT, env={**os.environ, **self.env},
