@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from procs import cmdline
+from procs import alive, cmdline
 
 from parity.core.errors import BackendError
 from parity.runtime.processes import LOOPBACK, ServerProcess, free_loopback_port
@@ -28,13 +28,6 @@ DATA = Path(__file__).parent / "data" / "processes"
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 OWNED = ("engine", "worker", "server", "server_child")
-
-
-def alive(proc):
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 def wait_until(predicate, timeout_s):

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
-from procs import cmdline, descendants
+from procs import alive, cmdline, descendants, listening_addresses, process_name
 from ray_faults import FAULTS_ENV, kills
 from recording_backend import LOG_ENV as ENGINE_LOG_ENV
 from recording_backend import START_ENV, events
@@ -124,10 +124,9 @@ def ray_processes(proc: subprocess.Popen) -> list[psutil.Process]:
 
 def assert_gone(processes: list[psutil.Process]) -> None:
     deadline = time.monotonic() + 30  # Ray's shutdown reaps its processes asynchronously
-    while (alive := [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]) \
-            and time.monotonic() < deadline:
+    while (running := [p for p in processes if alive(p)]) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not alive, [(p.pid, p.name()) for p in alive]
+    assert not running, [(p.pid, process_name(p)) for p in running]
 
 
 def wait_for_rows(out: Path, n: int, proc: subprocess.Popen, timeout: float = 300) -> None:
@@ -424,9 +423,9 @@ def test_ctrl_c_cancels_the_ray_rows_stops_the_cluster_and_resume_finishes_the_r
                    "ray", "--ray-cpus", "2", faults={"sleep": {c: 600}})
     wait_for_rows(out, 2, proc)  # a and b are stored; c sleeps in its worker
     cluster = ray_processes(proc)
-    names = {p.name() for p in cluster}
+    names = {process_name(p) for p in cluster}
     assert set(RAY_PROCESSES) <= names, names
-    listening = {c.laddr.ip for p in cluster for c in p.net_connections(kind="inet") if c.status == "LISTEN"}
+    listening = listening_addresses(cluster)
     assert listening and listening <= {"127.0.0.1", "::ffff:127.0.0.1"}, listening
     proc.send_signal(signal.SIGINT)
     code, log = finish(proc, timeout=120)

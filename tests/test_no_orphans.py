@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from procs import cmdline, descendants
+from procs import alive, cmdline, descendants
 
 pytestmark = [pytest.mark.vllm, pytest.mark.own_engines, pytest.mark.slow,
               pytest.mark.own_engine(reason="kills parity (SIGKILL, SIGINT) or lets its command end, "
@@ -32,13 +32,6 @@ ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 #: how long the engine processes may take to go after parity is gone (SIGTERM grace included).
 GONE_WITHIN_S = 30
-
-
-def alive(proc):
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 def describe(procs):

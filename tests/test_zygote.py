@@ -15,6 +15,7 @@ from multiprocessing.connection import Listener
 
 import psutil
 import pytest
+from procs import alive
 
 from parity.parallel import RankGroup
 from parity.parallel import zygote as zygote_module
@@ -92,7 +93,7 @@ def test_a_caller_killed_with_sigkill_leaves_no_zygote_and_no_rank(probe_path, t
         deadline = time.monotonic() + 30
         left = [*ranks, *zygotes]
         while left and time.monotonic() < deadline:
-            left = [p for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+            left = [p for p in left if alive(p)]
             time.sleep(0.1)
         assert not left, left
     finally:
