@@ -17,6 +17,7 @@ from parity.backends.base import Backend
 from parity.core.schema import VERSION
 from parity.core.types import Pair, Request, Rollout, SamplingParams
 from parity.engine import EngineConfig, ReferenceEngine, train_forward
+from parity.kernels import cpu_amx
 from parity.models.loading import tensor_digest
 from parity.models.lora import LoraSpec
 
@@ -37,8 +38,11 @@ class ReferenceBackend(Backend):
         super().__init__(model, dtype=dtype)
         self.config = EngineConfig(dtype=dtype).replace(**engine)
         self.check_lora(self.config.lora)
-        self._engine = ReferenceEngine(self.model_path, self.config)
         kernels, tp = self.config.kernels, self.config.tensor_parallel_size
+        # AMX bf16 tiles and float32 tiles give different bits: the report says which ran (a bad
+        # PARITY_CPU_BF16_GEMM is refused here, before the engine loads)
+        gemm = cpu_amx.choice() if self.config.device == "cpu" and kernels == "invariant" else None
+        self._engine = ReferenceEngine(self.model_path, self.config)
         self.meta.update({
             "backend_version": VERSION, "torch_version": torch.__version__,
             "device": self.config.device, "attention_backend": f"parity ({kernels})",
@@ -48,6 +52,8 @@ class ReferenceBackend(Backend):
             "reduction_groups": None if tp is None else self.config.reduction_groups,
             "enable_prefix_caching": False, "kernels": kernels,
         })
+        if gemm is not None:
+            self.meta["cpu_bf16_gemm"] = gemm
 
     def generate(self, requests: Sequence[Request]) -> list[Rollout]:
         return [dataclasses.replace(r, meta={**self.meta, **r.meta})

@@ -1,5 +1,6 @@
 """Which route the invariant linear takes for each weight shape of a model, and why (`parity kernels`):
-cuBLASLt without split-K where the load-time probe proved it row-invariant, else Triton.
+on CUDA cuBLASLt without split-K where the load-time probe proved it row-invariant, else Triton; on CPU
+AMX bf16 tiles where proven row-invariant, else float32 tiles.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from parity.core.errors import BackendUnavailableError, ConfigError
+from parity.kernels import cpu_amx
 from parity.models.loading import load_model
 
 
@@ -48,14 +50,16 @@ def linear_routes(model: str, *, dtype: str = "bfloat16", device: str = "cuda",
     elif cublaslt:
         raise ConfigError("parity kernels: --cublaslt needs --device cuda")
     lm = load_model(model, dtype=dtype, device=device)
-    shapes = Counter((m.weight.dtype, *m.weight.shape, m.bias is not None)
-                     for m in lm.model.modules() if isinstance(m, nn.Linear))
+    linears = [m for m in lm.model.modules() if isinstance(m, nn.Linear)]
+    shapes = Counter((m.weight.dtype, *m.weight.shape, m.bias is not None) for m in linears)
+    one_of = {(m.weight.dtype, *m.weight.shape, m.bias is not None): m for m in linears}
     rows = []
     for (wdtype, n, k, has_bias), count in sorted(shapes.items(), key=lambda item: (-item[1], str(item[0]))):
         if cuda:
             path, why = route(wdtype, n, k, has_bias)
         else:
-            path, why = "cpu", "parity's CPU kernel (fixed tiles, tree sums over K)"
+            linear = one_of[(wdtype, n, k, has_bias)]
+            path, why = cpu_amx.route(linear.weight, linear.bias)
         rows.append(LinearRoute(n=n, k=k, dtype=str(wdtype).removeprefix("torch."), has_bias=has_bias,
                                 count=count, route=path, reason=why))
     return rows

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from parity.kernels import cpu_gemm
+from parity.kernels import cpu_amx, cpu_gemm
 from parity.kernels.cpu_gemm import TILE
 
 #: pointwise inputs are padded to a multiple of this many elements (2 x the widest vector, 32 lanes).
@@ -65,14 +65,16 @@ def tree_sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Ten
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ weight [N, K].T (+ bias) -> [..., N], each row independent: fixed float32
-    [TILE, K] x [K, width] problems (`cpu_gemm.matmul`), rounded once.
+    """x [..., K] @ weight [N, K].T (+ bias) -> [..., N], each row independent: fixed [TILE, K]
+    problems, bf16 on AMX where proven (`cpu_amx`), else float32 (`cpu_gemm.matmul`), rounded once.
     """
     k = x.shape[-1]
     n_out = weight.shape[0]
     rows = x.reshape(-1, k)
     if rows.shape[0] == 0:
         return x.new_empty(*x.shape[:-1], n_out)
+    if x.dtype == torch.bfloat16 and cpu_amx.usable(weight, bias):
+        return cpu_amx.matmul(rows, weight, bias).reshape(*x.shape[:-1], n_out)
     if bias is None:
         return cpu_gemm.matmul(rows, weight, x.dtype).reshape(*x.shape[:-1], n_out)
     # A separate elementwise add in float32: a fused addmm would round differently per kernel.

@@ -29,8 +29,8 @@ _float32: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _blocked: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-def _cached(store: WeakIdKeyDictionary, weight: torch.Tensor, make: Callable[[], torch.Tensor]
-            ) -> torch.Tensor:
+def per_version(store: WeakIdKeyDictionary, weight: torch.Tensor, make: Callable[[], torch.Tensor]
+                ) -> torch.Tensor:
     """make() once per weight and version, dropped with the weight (writes through `.data` skip the
     version counter and are not seen).
     """
@@ -48,7 +48,7 @@ def float32(weight: torch.Tensor) -> torch.Tensor:
     """`weight` itself if float32, else its cached float32 copy (4 bytes per parameter)."""
     if weight.dtype == torch.float32:
         return weight
-    return _cached(_float32, weight, lambda: weight.detach().to(torch.float32))
+    return per_version(_float32, weight, lambda: weight.detach().to(torch.float32))
 
 
 def column_split(n: int) -> tuple[int, int]:
@@ -76,7 +76,7 @@ def weight_blocks(weight: torch.Tensor) -> torch.Tensor:
         padded[:n] = weight.detach()
         return padded.view(blocks, width, k).transpose(1, 2)
 
-    return _cached(_blocked, weight, make)
+    return per_version(_blocked, weight, make)
 
 
 def bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,0 +1,122 @@
+"""bf16 GEMM tiles on AMX, each weight shape proven row-invariant before it is used.
+
+On a CPU with AMX, oneDNN multiplies bf16 exactly and sums in float32 (AMX tile dot products),
+~4x the float32 tiles of `cpu_gemm` on the same core. Row-invariance comes from the same idea as
+there: every product is one fixed shape, [TILE, K] x packed [K, N], so oneDNN's kernel, blocking
+and thread split never follow the batch. That a fixed shape is enough is not assumed but proven,
+once per (weight shape, bias, thread count), on the weight itself: rows moved to other places of
+the tile and neighbours replaced must give the same bits (`row_invariant`); a shape that fails
+falls back to the float32 tiles. `PARITY_CPU_BF16_GEMM=float32` turns this path off.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from parity.core.errors import ConfigError
+from parity.kernels.cpu_gemm import TILE, per_version
+
+#: the environment variable that picks the bf16 GEMM: "amx" (default where AMX exists) or "float32".
+CHOICE_ENV = "PARITY_CPU_BF16_GEMM"
+
+#: weight -> ((version, data pointer), weight packed for oneDNN's AMX kernel).
+_packed: WeakIdKeyDictionary = WeakIdKeyDictionary()
+#: (K, N, bias present, threads) -> whether the shape passed `row_invariant`.
+_proven: dict[tuple[int, int, bool, int], bool] = {}
+
+
+@functools.cache
+def amx_available() -> bool:
+    """Whether this CPU has AMX bf16 tiles and this process may use them (asks Linux once)."""
+    return (torch.backends.mkldnn.is_available() and torch.cpu._is_amx_tile_supported()
+            and torch.cpu._init_amx())
+
+
+def choice() -> str:
+    """The bf16 GEMM this process uses on CPU: "amx" or "float32" (`CHOICE_ENV`, else AMX if present)."""
+    wanted = os.environ.get(CHOICE_ENV, "").strip().lower()
+    if wanted not in ("", "amx", "float32"):
+        raise ConfigError(f"{CHOICE_ENV}={wanted!r}: set it to 'amx' (AMX bf16 tiles where the CPU has "
+                          "them) or 'float32' (float32 tiles everywhere), or unset it")
+    return "amx" if wanted != "float32" and amx_available() else "float32"
+
+
+def _product(tile: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """One oneDNN product tile [TILE, K] x packed [K, N] (+ bias) -> [TILE, N] bf16: float32 sums
+    (bias included), rounded once."""
+    return torch.ops.mkldnn._linear_pointwise(tile, packed, bias, "none", [], "")
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    """The weight in oneDNN's blocked layout for TILE-row products, cached per weight version."""
+    reorder = torch.ops.mkldnn._reorder_linear_weight
+    return per_version(_packed, weight, lambda: reorder(weight.detach(), TILE))
+
+
+def row_invariant(packed: torch.Tensor, k: int, bias: torch.Tensor | None, product=_product) -> bool:
+    """Whether `product` gives every row of a [TILE, k] tile the same bits wherever it sits in the
+    tile and whatever its neighbours hold: a seeded tile against its rows reversed, rolled by
+    one and by half a tile, with the other half replaced, and alone among zeros."""
+    gen = torch.Generator().manual_seed(k)
+    a = torch.randn(TILE, k, generator=gen).to(torch.bfloat16)
+    other = torch.randn(TILE, k, generator=gen).to(torch.bfloat16)
+    base = product(a, packed, bias)
+    checks = [torch.arange(TILE - 1, -1, -1), torch.arange(TILE).roll(1), torch.arange(TILE).roll(TILE // 2)]
+    for order in checks:
+        if not torch.equal(product(a[order].contiguous(), packed, bias), base[order]):
+            return False
+    half = a.clone()
+    half[TILE // 2:] = other[TILE // 2:]
+    if not torch.equal(product(half, packed, bias)[:TILE // 2], base[:TILE // 2]):
+        return False
+    alone = torch.zeros_like(a)
+    alone[TILE - 1] = a[0]
+    return torch.equal(product(alone, packed, bias)[TILE - 1], base[0])
+
+
+def usable(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether x @ weight.T (+ bias) in bf16 runs on the proven AMX tiles."""
+    if weight.dtype != torch.bfloat16 or (bias is not None and bias.dtype != torch.bfloat16):
+        return False
+    if weight.device.type != "cpu" or choice() != "amx":
+        return False
+    n, k = weight.shape
+    key = (k, n, bias is not None, torch.get_num_threads())
+    if key not in _proven:
+        _proven[key] = row_invariant(_pack(weight), k, bias)
+    return _proven[key]
+
+
+def route(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[str, str]:
+    """(route, why) of the CPU invariant linear for this weight: "amx-bf16" or "float32" tiles."""
+    if usable(weight, bias):
+        return "amx-bf16", (f"oneDNN AMX [{TILE}, K] tiles, proven row-invariant at "
+                            f"{torch.get_num_threads()} thread(s)")
+    if weight.dtype != torch.bfloat16 or (bias is not None and bias.dtype != torch.bfloat16):
+        why = f"{str(weight.dtype).removeprefix('torch.')} weight"
+    elif choice() != "amx":
+        why = f"{CHOICE_ENV}=float32" if os.environ.get(CHOICE_ENV) else "no AMX on this CPU"
+    else:
+        why = "this shape failed the row-invariance proof"
+    return "float32", f"fixed float32 [{TILE}, K] tiles ({why})"
+
+
+def matmul(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """rows [M, K] bf16 @ weight [N, K].T (+ bias) -> [M, N] bf16, one [TILE, K] product per TILE rows
+    (zero-padded); call only where `usable(weight, bias)`."""
+    m, k = rows.shape
+    packed = _pack(weight)
+    tiles = -(-m // TILE)
+    padded = rows
+    if m % TILE or not rows.is_contiguous() or rows.data_ptr() % 64:
+        padded = rows.new_zeros(tiles * TILE, k)
+        padded[:m] = rows
+    if tiles == 1:
+        out = _product(padded, packed, bias)
+    else:
+        out = torch.cat([_product(tile, packed, bias) for tile in padded.split(TILE)])
+    return out if tiles * TILE == m else out[:m]
