@@ -9,6 +9,7 @@ from parity.core.errors import ConfigError
 from parity.engine.matmul_routes import linear_routes
 from parity.kernels import cpu, cpu_amx, cpu_gemm
 from parity.kernels.cpu_gemm import TILE
+from parity.monitor.summary import bounded_threads
 
 needs_amx = pytest.mark.skipif(not cpu_amx.amx_available(), reason="this CPU has no AMX bf16 tiles "
                                f"(torch reports {torch.backends.cpu.get_cpu_capability()})")
@@ -55,6 +56,29 @@ def test_bf16_linear_runs_on_the_proven_amx_tiles(monkeypatch):
         # another summation order: some entries round the other way, by about a bf16 step at most
         assert not torch.equal(got, float32)
         assert (got.float() - float32.float()).abs().max() <= 2**-7 * float32.float().abs().max()
+
+
+@needs_amx
+def test_the_thread_count_changes_no_bits_where_onednn_would_split_the_product():
+    """oneDNN splits a [32, 32768] x [32768, 16] product over threads by K: between one and two
+    threads some of 24 wide-valued tiles differ (the control); `cpu.linear` runs each product on one
+    thread, so none do."""
+    w = _rand(16, 32768, seed=5)
+    packed = cpu_amx._pack(w)
+    tiles = [cpu_amx._tile(seed, 32768) for seed in range(24)]
+    op = torch.ops.mkldnn._linear_pointwise
+
+    def raw(a):
+        return op(a, packed, None, "none", [], "")
+
+    with bounded_threads(1):
+        one = [(raw(a), cpu.linear(a, w)) for a in tiles]
+    with bounded_threads(2):
+        two = [(raw(a), cpu.linear(a, w)) for a in tiles]
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(one, two))
+    if all(torch.equal(a[0], b[0]) for a, b in zip(one, two)):
+        pytest.skip("this host's oneDNN gave the same bits at one and two threads for every tile: no "
+                    "control here (on the AMX Xeon it differs)")
 
 
 @needs_amx

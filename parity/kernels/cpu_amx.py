@@ -3,10 +3,11 @@
 On a CPU with AMX, oneDNN multiplies bf16 exactly and sums in float32 (AMX tile dot products),
 ~4x the float32 tiles of `cpu_gemm` on the same core. Row-invariance comes from the same idea as
 there: every product is one fixed shape, [TILE, K] x packed [K, N], so oneDNN's kernel, blocking
-and thread split never follow the batch. That a fixed shape is enough is not assumed but proven,
-once per (weight shape, bias, thread count), on the weight itself: rows moved to other places of
-the tile and neighbours replaced must give the same bits (`row_invariant`); a shape that fails
-falls back to the float32 tiles. `PARITY_CPU_BF16_GEMM=float32` turns this path off.
+never follow the batch. That a fixed shape is enough is not assumed but proven,
+once per (weight shape, bias), on the weight itself: rows moved to other places of the tile and
+neighbours replaced must give the same bits (`row_invariant`); a shape that fails takes the
+float32 tiles. As there, each product runs on one thread (oneDNN would split some by K over
+threads), so the thread count changes no bits. `PARITY_CPU_BF16_GEMM=float32` turns this path off.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ CHOICE_ENV = "PARITY_CPU_BF16_GEMM"
 
 #: weight -> ((version, data pointer), weight packed for oneDNN's AMX kernel).
 _packed: WeakIdKeyDictionary = WeakIdKeyDictionary()
-#: (K, N, bias present, threads) -> whether the shape passed `row_invariant`.
-_proven: dict[tuple[int, int, bool, int], bool] = {}
+#: (K, N, bias present) -> whether the shape passed `row_invariant`.
+_proven: dict[tuple[int, int, bool], bool] = {}
 
 
 @functools.cache
@@ -47,8 +48,17 @@ def choice() -> str:
 
 def _product(tile: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """One oneDNN product tile [TILE, K] x packed [K, N] (+ bias) -> [TILE, N] bf16: float32 sums
-    (bias included), rounded once."""
-    return torch.ops.mkldnn._linear_pointwise(tile, packed, bias, "none", [], "")
+    (bias included), rounded once, on one thread."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        return torch.ops.mkldnn._linear_pointwise(tile, packed, bias, "none", [], "")
+    # oneDNN splits some products over threads by K (on the AMX host: N of 8-32 with K >= 2048
+    # differ between one and two threads), so every product runs on one thread
+    torch.set_num_threads(1)
+    try:
+        return torch.ops.mkldnn._linear_pointwise(tile, packed, bias, "none", [], "")
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
@@ -57,13 +67,19 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
     return per_version(_packed, weight, lambda: reorder(weight.detach(), TILE))
 
 
+def _tile(seed: int, k: int) -> torch.Tensor:
+    """A seeded bf16 [TILE, k] tile whose values spread over 2^-12 .. 2^12, so that a sum taken in
+    another order rounds differently in many places."""
+    gen = torch.Generator().manual_seed(seed)
+    spread = torch.exp2(torch.randint(-12, 13, (TILE, k), generator=gen).to(torch.float32))
+    return (torch.randn(TILE, k, generator=gen) * spread).to(torch.bfloat16)
+
+
 def row_invariant(packed: torch.Tensor, k: int, bias: torch.Tensor | None, product=_product) -> bool:
     """Whether `product` gives every row of a [TILE, k] tile the same bits wherever it sits in the
     tile and whatever its neighbours hold: a seeded tile against its rows reversed, rolled by
     one and by half a tile, with the other half replaced, and alone among zeros."""
-    gen = torch.Generator().manual_seed(k)
-    a = torch.randn(TILE, k, generator=gen).to(torch.bfloat16)
-    other = torch.randn(TILE, k, generator=gen).to(torch.bfloat16)
+    a, other = _tile(k, k), _tile(k + 1, k)
     base = product(a, packed, bias)
     checks = [torch.arange(TILE - 1, -1, -1), torch.arange(TILE).roll(1), torch.arange(TILE).roll(TILE // 2)]
     for order in checks:
@@ -85,17 +101,20 @@ def usable(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     if weight.device.type != "cpu" or choice() != "amx":
         return False
     n, k = weight.shape
-    key = (k, n, bias is not None, torch.get_num_threads())
+    key = (k, n, bias is not None)
     if key not in _proven:
-        _proven[key] = row_invariant(_pack(weight), k, bias)
+        try:
+            packed = _pack(weight)
+            _proven[key] = row_invariant(packed, k, bias)
+        except RuntimeError:  # a shape oneDNN will not pack or multiply: the float32 tiles take it
+            _proven[key] = False
     return _proven[key]
 
 
 def route(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[str, str]:
     """(route, why) of the CPU invariant linear for this weight: "amx-bf16" or "float32" tiles."""
     if usable(weight, bias):
-        return "amx-bf16", (f"oneDNN AMX [{TILE}, K] tiles, proven row-invariant at "
-                            f"{torch.get_num_threads()} thread(s)")
+        return "amx-bf16", f"oneDNN AMX [{TILE}, K] tiles on one thread, proven row-invariant"
     if weight.dtype != torch.bfloat16 or (bias is not None and bias.dtype != torch.bfloat16):
         why = f"{str(weight.dtype).removeprefix('torch.')} weight"
     elif choice() != "amx":
