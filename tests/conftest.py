@@ -83,6 +83,7 @@ from hypothesis import HealthCheck, settings
 from parity.backends import Backend, route_shared_backends, shared_backend
 from parity.backends.vllm import VLLMBackend
 from parity.backends.vllm_server import VLLMServerBackend
+from parity.monitor.summary import bounded_threads
 
 # A shell's background job (`make test &`, nohup) starts with SIGINT ignored, and every child
 # inherits that: the Ctrl-C tests' parity processes would never see their SIGINT. A handler (unlike
@@ -220,10 +221,8 @@ def one_thread():
     """Run a module single-threaded (`pytestmark = pytest.mark.usefixtures("one_thread")`): the tiny
     models gain nothing from threads, and on a shared 2-core machine an OpenMP team waiting for a
     descheduled thread slows every op. Thread independence of the kernels has its own test."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with bounded_threads(1):
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,7 @@ from parity.engine.sampler import key_state, sample
 from parity.kernels import switch
 from parity.kernels.cpu_sampling import gumbel_noise
 from parity.models import EOS_ID
+from parity.monitor.summary import bounded_threads
 
 MODELS = ["tiny-llama", "tiny-qwen3", "tiny-qwen3-moe", "tiny-mixtral"]
 DTYPES = ["float32", "bfloat16"]
@@ -161,12 +162,9 @@ def test_thread_count_does_not_change_bits(model, dtype):
                 for n in (5, 33, 70)]
     engine = ReferenceEngine(model, dtype=dtype, max_num_seqs=4, chunk_size=16)
     single = engine.generate(requests)
-    torch.set_num_threads(2)
-    try:
+    with bounded_threads(2):
         double = engine.generate(requests)
         scores = train_forward(model, single, dtype=dtype, layout="packed").logprobs
-    finally:
-        torch.set_num_threads(1)
     assert [(r.token_ids, r.logprobs) for r in single] == [(r.token_ids, r.logprobs) for r in double]
     for rollout, score in zip(single, scores):
         assert torch.equal(score, torch.tensor(rollout.logprobs, dtype=torch.float32))

@@ -12,6 +12,7 @@ from parity.engine import ReferenceEngine, train_forward
 from parity.engine.gold import gold_logprobs, gold_model
 from parity.models import resolve_model
 from parity.models.loading import load_model
+from parity.monitor.summary import bounded_threads
 from parity.parallel import Comm, shard_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -177,11 +178,8 @@ def test_gold_bits_do_not_follow_the_callers_thread_count(monkeypatch):
     threads = torch.get_num_threads()
 
     def at(n):
-        torch.set_num_threads(n)
-        try:
+        with bounded_threads(n):
             return np.concatenate(gold_logprobs("tiny-llama", rollouts))
-        finally:
-            torch.set_num_threads(threads)
 
     assert np.array_equal(at(1), at(2)) and torch.get_num_threads() == threads
     variant_gemm.use(monkeypatch, variant_gemm.by_threads)

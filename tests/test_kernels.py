@@ -535,14 +535,10 @@ def test_kernels_give_the_same_bits_at_one_and_two_threads():
         return [cpu.linear(x, up), cpu.linear(inner, down), cpu.rms_norm(x, up[0], 1e-6),
                 cpu.rms_norm(wide, wide[0], 1e-6), cpu_attention(q, k, v, slots, positions, 128, 0.125)]
 
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    with bounded_threads(1):
         one = run()
-        torch.set_num_threads(2)
+    with bounded_threads(2):
         two = run()
-    finally:
-        torch.set_num_threads(threads)
     assert all(torch.equal(a, b) for a, b in zip(one, two))
 
 

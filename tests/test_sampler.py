@@ -21,6 +21,7 @@ from parity.kernels import ops
 from parity.kernels.cpu import pointwise
 from parity.kernels.cpu_sampling import gumbel_noise
 from parity.kernels.sampling import mix32
+from parity.monitor.summary import bounded_threads
 
 CUDA = torch.cuda.is_available()
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
@@ -107,15 +108,11 @@ def _noise_as_written(keys: list[tuple[int, int, int]], vocab: int) -> torch.Ten
        vocab=st.sampled_from([1, 63, 1000, 16385, 49152]), threads=st.sampled_from([1, 2]))
 @settings(max_examples=25, deadline=None)
 def test_gumbel_noise_is_the_formula_and_a_row_does_not_depend_on_the_batch(keys, vocab, threads):
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with bounded_threads(threads):
         noise = gumbel_noise(sampler.key_state(keys, "cpu"), vocab)
         assert torch.equal(noise, _noise_as_written(keys, vocab))
         for i, key in enumerate(keys):
             assert torch.equal(gumbel_noise(sampler.key_state([key], "cpu"), vocab), noise[i:i + 1])
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_the_draw_is_a_pointwise_op_behind_the_switch():
