@@ -6,8 +6,9 @@ there: every product is one fixed shape, [TILE, K] x packed [K, N], so oneDNN's 
 never follow the batch. That a fixed shape is enough is not assumed but proven,
 once per (weight shape, bias), on the weight itself: rows moved to other places of the tile and
 neighbours replaced must give the same bits (`row_invariant`); a shape that fails takes the
-float32 tiles. As there, each product runs on one thread (oneDNN would split some by K over
-threads), so the thread count changes no bits. `PARITY_CPU_BF16_GEMM=float32` turns this path off.
+float32 tiles. Every product runs on a team of PRODUCT_THREADS threads whatever the process's
+count (oneDNN splits some by K over threads), so the thread count changes no bits.
+`PARITY_CPU_BF16_GEMM=float32` turns this path off.
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ CHOICE_ENV = "PARITY_CPU_BF16_GEMM"
 
 #: weight -> ((version, data pointer), weight packed for oneDNN's AMX kernel).
 _packed: WeakIdKeyDictionary = WeakIdKeyDictionary()
+#: OpenMP threads of every product, whatever this process's count: oneDNN splits some products over
+#: threads by K (on the AMX host [32, 32768] x [32768, 16] differs between one and two threads), so
+#: a fixed team keeps the bits off the thread count; two, the cores of the CI host.
+PRODUCT_THREADS = 2
 #: (K, N, bias present) -> whether the shape passed `row_invariant`.
 _proven: dict[tuple[int, int, bool], bool] = {}
 
@@ -48,13 +53,11 @@ def choice() -> str:
 
 def _product(tile: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """One oneDNN product tile [TILE, K] x packed [K, N] (+ bias) -> [TILE, N] bf16: float32 sums
-    (bias included), rounded once, on one thread."""
+    (bias included), rounded once, on PRODUCT_THREADS threads."""
     threads = torch.get_num_threads()
-    if threads == 1:
+    if threads == PRODUCT_THREADS:
         return torch.ops.mkldnn._linear_pointwise(tile, packed, bias, "none", [], "")
-    # oneDNN splits some products over threads by K (on the AMX host: N of 8-32 with K >= 2048
-    # differ between one and two threads), so every product runs on one thread
-    torch.set_num_threads(1)
+    torch.set_num_threads(PRODUCT_THREADS)
     try:
         return torch.ops.mkldnn._linear_pointwise(tile, packed, bias, "none", [], "")
     finally:
@@ -114,7 +117,7 @@ def usable(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
 def route(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[str, str]:
     """(route, why) of the CPU invariant linear for this weight: "amx-bf16" or "float32" tiles."""
     if usable(weight, bias):
-        return "amx-bf16", f"oneDNN AMX [{TILE}, K] tiles on one thread, proven row-invariant"
+        return "amx-bf16", f"oneDNN AMX [{TILE}, K] tiles on {PRODUCT_THREADS} threads, proven row-invariant"
     if weight.dtype != torch.bfloat16 or (bias is not None and bias.dtype != torch.bfloat16):
         why = f"{str(weight.dtype).removeprefix('torch.')} weight"
     elif choice() != "amx":
