@@ -2,13 +2,12 @@
 
 On a CPU with AMX, oneDNN multiplies bf16 exactly and sums in float32 (AMX tile dot products),
 ~4x the float32 tiles of `cpu_gemm` on the same core. Row-invariance comes from the same idea as
-there: every product is one fixed shape, [TILE, K] x packed [K, N], so oneDNN's kernel, blocking
-never follow the batch. That a fixed shape is enough is not assumed but proven,
-once per (weight shape, bias), on the weight itself: rows moved to other places of the tile and
-neighbours replaced must give the same bits (`row_invariant`); a shape that fails takes the
-float32 tiles. Every product runs on a team of PRODUCT_THREADS threads whatever the process's
-count (oneDNN splits some by K over threads), so the thread count changes no bits.
-`PARITY_CPU_BF16_GEMM=float32` turns this path off.
+there: every product is one fixed shape, [TILE, K] x packed [K, N], on one thread (oneDNN splits
+some products over threads by K), so neither the batch nor the thread count changes a row's bits.
+That a fixed shape is enough is not assumed but proven, once per (weight shape, bias), on the
+weight itself: rows moved to other places of the tile and neighbours replaced must give the same
+bits (`row_invariant`); a shape that fails takes the float32 tiles. `PARITY_CPU_BF16_GEMM=float32`
+turns this path off.
 """
 
 from __future__ import annotations
@@ -27,10 +26,6 @@ CHOICE_ENV = "PARITY_CPU_BF16_GEMM"
 
 #: weight -> ((version, data pointer), weight packed for oneDNN's AMX kernel).
 _packed: WeakIdKeyDictionary = WeakIdKeyDictionary()
-#: OpenMP threads of every product, whatever this process's count: oneDNN splits some products over
-#: threads by K (on the AMX host [32, 32768] x [32768, 16] differs between one and two threads), so
-#: a fixed team keeps the bits off the thread count; two, the cores of the CI host.
-PRODUCT_THREADS = 2
 #: (K, N, bias present) -> whether the shape passed `row_invariant`.
 _proven: dict[tuple[int, int, bool], bool] = {}
 
@@ -53,11 +48,15 @@ def choice() -> str:
 
 def _product(tile: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """One oneDNN product tile [TILE, K] x packed [K, N] (+ bias) -> [TILE, N] bf16: float32 sums
-    (bias included), rounded once, on PRODUCT_THREADS threads."""
+    (bias included), rounded once, on one thread."""
     threads = torch.get_num_threads()
-    if threads == PRODUCT_THREADS:
+    if threads == 1:
         return torch.ops.mkldnn._linear_pointwise(tile, packed, bias, "none", [], "")
-    torch.set_num_threads(PRODUCT_THREADS)
+    # oneDNN splits some products over threads by K (on the AMX host [32, 32768] x [32768, 16]
+    # differs between one and two threads): one thread keeps the bits off the thread count. A fixed
+    # team of two instead oversubscribes a process given one core (a Ray worker, a TP rank, a test
+    # worker beside another): tests/test_engine.py and 18 other modules took 245 s instead of 75 s.
+    torch.set_num_threads(1)
     try:
         return torch.ops.mkldnn._linear_pointwise(tile, packed, bias, "none", [], "")
     finally:
@@ -117,7 +116,7 @@ def usable(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
 def route(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[str, str]:
     """(route, why) of the CPU invariant linear for this weight: "amx-bf16" or "float32" tiles."""
     if usable(weight, bias):
-        return "amx-bf16", f"oneDNN AMX [{TILE}, K] tiles on {PRODUCT_THREADS} threads, proven row-invariant"
+        return "amx-bf16", f"oneDNN AMX [{TILE}, K] tiles on one thread, proven row-invariant"
     if weight.dtype != torch.bfloat16 or (bias is not None and bias.dtype != torch.bfloat16):
         why = f"{str(weight.dtype).removeprefix('torch.')} weight"
     elif choice() != "amx":
