@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from parity.cli import main
-from parity.kernels import cpu, probe
+from parity.kernels import cpu, cpu_amx, probe
 
 ROOT = Path(__file__).resolve().parent.parent
 CUDA = torch.cuda.is_available()
@@ -78,7 +78,8 @@ def test_cache_path_follows_parity_cache(monkeypatch: pytest.MonkeyPatch, tmp_pa
 def test_parity_kernels_lists_each_linear_shape(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["kernels", "--model", "tiny-qwen3-moe", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
-    assert "weight [N, K]" in out and "128 x 128" in out and "cpu" in out
+    route = "amx-bf16" if cpu_amx.choice() == "amx" else "float32"  # bf16 weights: AMX tiles where present
+    assert "weight [N, K]" in out and "128 x 128" in out and route in out
 
 
 @pytest.fixture
