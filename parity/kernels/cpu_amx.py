@@ -66,7 +66,7 @@ def _product(tile: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
 def _pack(weight: torch.Tensor) -> torch.Tensor:
     """The weight in oneDNN's blocked layout for TILE-row products, cached per weight version."""
     reorder = torch.ops.mkldnn._reorder_linear_weight
-    return per_version(_packed, weight, lambda: reorder(weight.detach(), TILE))
+    return per_version(_packed, weight, lambda: reorder(weight.detach().contiguous(), TILE))
 
 
 def _tile(seed: int, k: int) -> torch.Tensor:
