@@ -51,8 +51,12 @@ def linear_routes(model: str, *, dtype: str = "bfloat16", device: str = "cuda",
         raise ConfigError("parity kernels: --cublaslt needs --device cuda")
     lm = load_model(model, dtype=dtype, device=device)
     linears = [m for m in lm.model.modules() if isinstance(m, nn.Linear)]
-    shapes = Counter((m.weight.dtype, *m.weight.shape, m.bias is not None) for m in linears)
-    one_of = {(m.weight.dtype, *m.weight.shape, m.bias is not None): m for m in linears}
+
+    def key(m: nn.Linear) -> tuple:
+        return (m.weight.dtype, *m.weight.shape, m.bias is not None)
+
+    shapes = Counter(map(key, linears))
+    one_of = {key(m): m for m in linears}
     rows = []
     for (wdtype, n, k, has_bias), count in sorted(shapes.items(), key=lambda item: (-item[1], str(item[0]))):
         if cuda:

@@ -96,11 +96,13 @@ def row_invariant(packed: torch.Tensor, k: int, bias: torch.Tensor | None, produ
     return torch.equal(product(alone, packed, bias)[TILE - 1], base[0])
 
 
+def _bf16(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    return weight.dtype == torch.bfloat16 and (bias is None or bias.dtype == torch.bfloat16)
+
+
 def usable(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether x @ weight.T (+ bias) in bf16 runs on the proven AMX tiles."""
-    if weight.dtype != torch.bfloat16 or (bias is not None and bias.dtype != torch.bfloat16):
-        return False
-    if weight.device.type != "cpu" or choice() != "amx":
+    if not _bf16(weight, bias) or weight.device.type != "cpu" or choice() != "amx":
         return False
     n, k = weight.shape
     key = (k, n, bias is not None)
@@ -117,7 +119,7 @@ def route(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[str, str]:
     """(route, why) of the CPU invariant linear for this weight: "amx-bf16" or "float32" tiles."""
     if usable(weight, bias):
         return "amx-bf16", f"oneDNN AMX [{TILE}, K] tiles on one thread, proven row-invariant"
-    if weight.dtype != torch.bfloat16 or (bias is not None and bias.dtype != torch.bfloat16):
+    if not _bf16(weight, bias):
         why = f"{str(weight.dtype).removeprefix('torch.')} weight"
     elif choice() != "amx":
         why = f"{CHOICE_ENV}=float32" if os.environ.get(CHOICE_ENV) else "no AMX on this CPU"
