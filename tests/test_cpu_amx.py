@@ -3,6 +3,8 @@ and the environment variable that picks it is checked before an engine loads."""
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from parity.backends import get_backend, reference
 from parity.core.errors import ConfigError
@@ -58,27 +60,79 @@ def test_bf16_linear_runs_on_the_proven_amx_tiles(monkeypatch):
         assert (got.float() - float32.float()).abs().max() <= 2**-7 * float32.float().abs().max()
 
 
+def _float32_tiles_on(tile, weight, bias, threads):
+    """A product whose bits do not follow the thread count (the float32 tiles)."""
+    return _float32_tiles(tile, weight, bias)
+
+
+def _split_by_k_on(tile, weight, bias, threads):
+    """Bits that follow the thread count, as oneDNN's split by K: on more than one thread the two
+    halves of K are summed apart, then added."""
+    if threads == 1:
+        return _float32_tiles(tile, weight, bias)
+    half = tile.shape[1] // 2
+    parts = [cpu_gemm.matmul(tile[:, s], weight[:, s]) for s in (slice(0, half), slice(half, None))]
+    return (parts[0] + parts[1]).to(torch.bfloat16)
+
+
+def test_the_thread_proof_accepts_a_thread_free_product_and_rejects_a_split_by_k():
+    weight = _rand(48, 256, seed=6)
+    tile = cpu_amx._cancelling_tile(weight, 0)
+    # every row sums to exactly zero against its weight row: the result is the summation order's
+    exact = tile.double() @ weight.double().T
+    assert all(exact[r, (r * 7919) % 48] == 0 and tile[r].abs().max() > 1 for r in range(TILE))
+    assert cpu_amx.threads_agree(weight, weight, None, 2, product=_float32_tiles_on)
+    assert not cpu_amx.threads_agree(weight, weight, None, 2, product=_split_by_k_on)
+
+
+def _raw(a, weight, threads):
+    """oneDNN's product of tile `a` and `weight` on `threads` threads, with no proof in the way."""
+    with bounded_threads(threads):
+        return torch.ops.mkldnn._linear_pointwise(a, cpu_amx._pack(weight), None, "none", [], "")
+
+
 @needs_amx
-def test_the_thread_count_changes_no_bits_where_onednn_would_split_the_product():
-    """oneDNN splits a [32, 32768] x [32768, 16] product over threads by K: between one and two
-    threads some of 24 wide-valued tiles differ (the control); `cpu.linear` runs each product on one
-    thread, so none do."""
-    w = _rand(16, 32768, seed=5)
-    packed = cpu_amx._pack(w)
-    tiles = [cpu_amx._tile(seed, 32768) for seed in range(24)]
-    op = torch.ops.mkldnn._linear_pointwise
-
-    def raw(a):
-        return op(a, packed, None, "none", [], "")
-
-    with bounded_threads(1):
-        one = [(raw(a), cpu.linear(a, w)) for a in tiles]
+def test_a_shape_onednn_splits_by_k_stays_on_one_thread(monkeypatch):
+    """oneDNN splits [32, 4096] x [4096, 8] over two threads by K: the raw product's bits follow the
+    thread count on cancelling tiles (the control), the proof refuses the shape, and `cpu.linear`
+    gives the same bits on one and two threads; told the shape is free, it would not."""
+    weight = _rand(8, 4096, seed=5)
+    tiles = torch.cat([cpu_amx._cancelling_tile(weight, seed) for seed in range(2)])
+    if torch.equal(_raw(tiles[:TILE], weight, 1), _raw(tiles[:TILE], weight, 2)):
+        pytest.skip("this host's oneDNN gave the same bits on one and two threads: no control here "
+                    "(on the AMX Xeon it splits by K)")
     with bounded_threads(2):
-        two = [(raw(a), cpu.linear(a, w)) for a in tiles]
-    assert all(torch.equal(a[1], b[1]) for a, b in zip(one, two))
-    if all(torch.equal(a[0], b[0]) for a, b in zip(one, two)):
-        pytest.skip("this host's oneDNN gave the same bits at one and two threads for every tile: no "
-                    "control here (on the AMX Xeon it differs)")
+        assert cpu_amx._threads(weight, cpu_amx._pack(weight), None) == 1
+        two = cpu.linear(tiles, weight)
+    with bounded_threads(1):
+        one = cpu.linear(tiles, weight)
+    assert torch.equal(one, two)
+    monkeypatch.setitem(cpu_amx._thread_free, (4096, 8, False, 2), True)
+    with bounded_threads(2):
+        assert not torch.equal(cpu.linear(tiles, weight), one)
+
+
+WEIGHT, BIAS = _rand(1536, 576, seed=3), _rand(1536, seed=4)
+
+
+@needs_amx
+def test_a_shape_proven_thread_free_runs_on_the_process_threads():
+    with bounded_threads(2):
+        assert cpu_amx._threads(WEIGHT, cpu_amx._pack(WEIGHT), BIAS) == 2
+    with bounded_threads(1):
+        assert cpu_amx._threads(WEIGHT, cpu_amx._pack(WEIGHT), BIAS) == 1
+
+
+@needs_amx
+@given(rows=st.integers(1, 100), target=st.integers(0, 99), seed=st.integers(0, 2**16))
+def test_a_row_on_two_threads_in_any_batch_equals_it_alone_on_one(rows, target, seed):
+    x = _rand(rows, 576, seed=seed)
+    target %= rows
+    with bounded_threads(1):
+        alone = cpu.linear(x[target:target + 1], WEIGHT, BIAS)
+    with bounded_threads(2):
+        batched = cpu.linear(x, WEIGHT, BIAS)
+    assert torch.equal(batched[target], alone[0])
 
 
 @needs_amx

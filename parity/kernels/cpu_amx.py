@@ -2,12 +2,14 @@
 
 On a CPU with AMX, oneDNN multiplies bf16 exactly and sums in float32 (AMX tile dot products),
 ~4x the float32 tiles of `cpu_gemm` on the same core. Row-invariance comes from the same idea as
-there: every product is one fixed shape, [TILE, K] x packed [K, N], on one thread (oneDNN splits
-some products over threads by K), so neither the batch nor the thread count changes a row's bits.
-That a fixed shape is enough is not assumed but proven, once per (weight shape, bias), on the
-weight itself: rows moved to other places of the tile and neighbours replaced must give the same
-bits (`row_invariant`); a shape that fails takes the float32 tiles. `PARITY_CPU_BF16_GEMM=float32`
-turns this path off.
+there: every product is one fixed shape, [TILE, K] x packed [K, N], so the batch does not change
+a row's bits. That a fixed shape is enough is not assumed but proven, once per (weight shape,
+bias), on the weight itself: rows moved to other places of the tile and neighbours replaced must
+give the same bits (`row_invariant`); a shape that fails takes the float32 tiles. oneDNN splits
+some products over threads by K, which would make the bits follow the thread count: a shape runs
+on the process's threads only once `threads_agree` has shown, for that thread count, the same
+bits as on one thread; else each of its products runs on one thread.
+`PARITY_CPU_BF16_GEMM=float32` turns this path off.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ CHOICE_ENV = "PARITY_CPU_BF16_GEMM"
 _packed: WeakIdKeyDictionary = WeakIdKeyDictionary()
 #: (K, N, bias present) -> whether the shape passed `row_invariant`.
 _proven: dict[tuple[int, int, bool], bool] = {}
+#: (K, N, bias present, threads) -> whether the shape passed `threads_agree` at that thread count.
+_thread_free: dict[tuple[int, int, bool, int], bool] = {}
 
 
 @functools.cache
@@ -46,21 +50,22 @@ def choice() -> str:
     return "amx" if wanted != "float32" and amx_available() else "float32"
 
 
-def _product(tile: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _product(tile: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+             threads: int = 1) -> torch.Tensor:
     """One oneDNN product tile [TILE, K] x packed [K, N] (+ bias) -> [TILE, N] bf16: float32 sums
-    (bias included), rounded once, on one thread."""
-    threads = torch.get_num_threads()
-    if threads == 1:
+    (bias included), rounded once, on `threads` threads."""
+    before = torch.get_num_threads()
+    if before == threads:
         return torch.ops.mkldnn._linear_pointwise(tile, packed, bias, "none", [], "")
-    # oneDNN splits some products over threads by K (on the AMX host [32, 32768] x [32768, 16]
-    # differs between one and two threads): one thread keeps the bits off the thread count. A fixed
+    # oneDNN splits some products over threads by K (on the AMX host [32, 4096] x [4096, 8] differs
+    # between one and two threads): a shape not proven free of that runs on one thread. A fixed
     # team of two instead oversubscribes a process given one core (a Ray worker, a TP rank, a test
     # worker beside another): tests/test_engine.py and 18 other modules took 245 s instead of 75 s.
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     try:
         return torch.ops.mkldnn._linear_pointwise(tile, packed, bias, "none", [], "")
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
@@ -75,6 +80,49 @@ def _tile(seed: int, k: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     spread = torch.exp2(torch.randint(-12, 13, (TILE, k), generator=gen).to(torch.float32))
     return (torch.randn(TILE, k, generator=gen) * spread).to(torch.bfloat16)
+
+
+def _cancelling_tile(weight: torch.Tensor, seed: int) -> torch.Tensor:
+    """A seeded bf16 [TILE, K] tile whose row r sums to exactly zero against weight row c_r: pairs
+    (i, j) hold x_i = w_j 2^e and x_j = -w_i 2^e (products are exact), so the float32 result is
+    the rounding left by the summation order alone and any other order changes it."""
+    n, k = weight.shape
+    gen = torch.Generator().manual_seed(seed)
+    columns = weight.detach()[[(r * 7919 + seed) % n for r in range(TILE)]].float()
+    tile = torch.zeros(TILE, k)
+    for r, column in enumerate(columns):
+        order = torch.randperm(k - k % 2, generator=gen)
+        i, j = order[:k // 2], order[k // 2:]
+        scale = torch.exp2(torch.randint(0, 17, (k // 2,), generator=gen).to(torch.float32))
+        tile[r, i] = column[j] * scale
+        tile[r, j] = -column[i] * scale
+    return tile.to(torch.bfloat16)
+
+
+def threads_agree(weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, threads: int,
+                  product=_product) -> bool:
+    """Whether `product` on `threads` threads gives the same bits as on one for two cancelling
+    tiles (`_cancelling_tile`): a product split by K differs there in nearly every row. A bias
+    is replaced by zeros (the same primitive), which would otherwise round the residue away."""
+    bias = None if bias is None else torch.zeros_like(bias)
+    for seed in (0, 1):
+        tile = _cancelling_tile(weight, seed)
+        if not torch.equal(product(tile, packed, bias, threads), product(tile, packed, bias, 1)):
+            return False
+    return True
+
+
+def _threads(weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> int:
+    """The threads this weight's products run on: the process's count where `threads_agree`
+    proved it for the shape, else one."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        return 1
+    n, k = weight.shape
+    key = (k, n, bias is not None, threads)
+    if key not in _thread_free:
+        _thread_free[key] = threads_agree(weight, packed, bias, threads)
+    return threads if _thread_free[key] else 1
 
 
 def row_invariant(packed: torch.Tensor, k: int, bias: torch.Tensor | None, product=_product) -> bool:
@@ -118,7 +166,7 @@ def usable(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
 def route(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[str, str]:
     """(route, why) of the CPU invariant linear for this weight: "amx-bf16" or "float32" tiles."""
     if usable(weight, bias):
-        return "amx-bf16", f"oneDNN AMX [{TILE}, K] tiles on one thread, proven row-invariant"
+        return "amx-bf16", f"oneDNN AMX [{TILE}, K] tiles, proven row-invariant"
     if not _bf16(weight, bias):
         why = f"{str(weight.dtype).removeprefix('torch.')} weight"
     elif choice() != "amx":
@@ -138,8 +186,9 @@ def matmul(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     if m % TILE or not rows.is_contiguous() or rows.data_ptr() % 64:
         padded = rows.new_zeros(tiles * TILE, k)
         padded[:m] = rows
+    threads = _threads(weight, packed, bias)
     if tiles == 1:
-        out = _product(padded, packed, bias)
+        out = _product(padded, packed, bias, threads)
     else:
-        out = torch.cat([_product(tile, packed, bias) for tile in padded.split(TILE)])
+        out = torch.cat([_product(tile, packed, bias, threads) for tile in padded.split(TILE)])
     return out if tiles * TILE == m else out[:m]

@@ -101,11 +101,24 @@ def _gather(cache: torch.Tensor, plan: _Plan, width: int, columns: int, ones: bo
         out[:, :, :have, :d] = cache[:, :, :have].index_select(0, plan.slot_order)
     else:  # consecutive slots (a decode step): convert straight from the cache
         out[:, :, :have, :d] = cache[plan.first_slot:plan.first_slot + out.shape[0], :, :have]
-    out[:, :, have:, :d] = 0
-    out[..., d:] = 0
-    if ones:
-        out[..., d] = 1
+    if have < width:
+        out[:, :, have:, :d] = 0
+    if columns > d:  # one broadcast copy of the padding columns (two strided fills cost twice as much)
+        out[..., d:] = _tail(columns - d, ones, cache.device)
     return out
+
+
+_TAILS: dict[tuple[int, bool, str], torch.Tensor] = {}
+
+
+def _tail(width: int, ones: bool, device: torch.device) -> torch.Tensor:
+    """The padding columns of a K/V row [width] float32: zeros, led by a one if `ones` (cached)."""
+    key = (width, ones, str(device))
+    if key not in _TAILS:
+        tail = torch.zeros(width, dtype=torch.float32, device=device)
+        tail[0] = float(ones)
+        _TAILS[key] = tail
+    return _TAILS[key]
 
 
 def _chunks(rounds: tuple[tuple[int, int], ...], per_token: int) -> list[tuple[int, int, list]]:
