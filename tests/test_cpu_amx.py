@@ -39,11 +39,34 @@ def _by_neighbours(tile, weight, bias):
     return (_float32_tiles(tile, weight, bias).float() + trace).to(torch.bfloat16)
 
 
+def _order_by_place(tile, weight, bias):
+    """Not row-invariant, in the summation order only: the last place of the tile sums K in two halves."""
+    out = _float32_tiles(tile, weight, bias)
+    h, row = tile.shape[1] // 2, tile[TILE - 1:]
+    last = cpu_gemm.matmul(row[:, :h], weight[:, :h]) + cpu_gemm.matmul(row[:, h:], weight[:, h:])
+    out[TILE - 1] = last[0].to(torch.bfloat16)
+    return out
+
+
+def test_cancelling_tiles_catch_a_summation_order_that_follows_the_place():
+    """Wide-valued tiles alone pass a product whose last row sums in another order (bf16 rounding
+    hides the difference); the cancelling tiles, where a row's result is its rounding, do not."""
+    weight, k = _rand(64, 96, seed=1), 96
+
+    def run(a):
+        return _order_by_place(a, weight, None)
+
+    assert cpu_amx._moves_agree(cpu_amx._tile(k, k), cpu_amx._tile(k + 1, k), run)
+    cancelling = [cpu_amx._cancelling_tile(weight, seed) for seed in (0, 1)]
+    assert not cpu_amx._moves_agree(*cancelling, run)
+    assert not cpu_amx.row_invariant(weight, weight, None, product=_order_by_place)
+
+
 def test_the_proof_accepts_an_invariant_product_and_rejects_what_depends_on_place_or_neighbours():
     weight = _rand(64, 96, seed=1)
-    assert cpu_amx.row_invariant(weight, 96, None, product=_float32_tiles)
-    assert not cpu_amx.row_invariant(weight, 96, None, product=_by_place)
-    assert not cpu_amx.row_invariant(weight, 96, None, product=_by_neighbours)
+    assert cpu_amx.row_invariant(weight, weight, None, product=_float32_tiles)
+    assert not cpu_amx.row_invariant(weight, weight, None, product=_by_place)
+    assert not cpu_amx.row_invariant(weight, weight, None, product=_by_neighbours)
 
 
 @needs_amx

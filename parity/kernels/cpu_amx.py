@@ -125,23 +125,34 @@ def _threads(weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return threads if _thread_free[key] else 1
 
 
-def row_invariant(packed: torch.Tensor, k: int, bias: torch.Tensor | None, product=_product) -> bool:
-    """Whether `product` gives every row of a [TILE, k] tile the same bits wherever it sits in the
-    tile and whatever its neighbours hold: a seeded tile against its rows reversed, rolled by
-    one and by half a tile, with the other half replaced, and alone among zeros."""
-    a, other = _tile(k, k), _tile(k + 1, k)
-    base = product(a, packed, bias)
-    checks = [torch.arange(TILE - 1, -1, -1), torch.arange(TILE).roll(1), torch.arange(TILE).roll(TILE // 2)]
-    for order in checks:
-        if not torch.equal(product(a[order].contiguous(), packed, bias), base[order]):
+def _moves_agree(a: torch.Tensor, other: torch.Tensor, run) -> bool:
+    """Whether `run` gives tile a's rows the same bits reversed, rolled by one and by half a tile,
+    with the other half replaced by `other`'s, and alone among zeros."""
+    base = run(a)
+    places = torch.arange(TILE)
+    for order in (places.flip(0), places.roll(1), places.roll(TILE // 2)):
+        if not torch.equal(run(a[order].contiguous()), base[order]):
             return False
     half = a.clone()
     half[TILE // 2:] = other[TILE // 2:]
-    if not torch.equal(product(half, packed, bias)[:TILE // 2], base[:TILE // 2]):
+    if not torch.equal(run(half)[:TILE // 2], base[:TILE // 2]):
         return False
     alone = torch.zeros_like(a)
     alone[TILE - 1] = a[0]
-    return torch.equal(product(alone, packed, bias)[TILE - 1], base[0])
+    return torch.equal(run(alone)[TILE - 1], base[0])
+
+
+def row_invariant(weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                  product=_product) -> bool:
+    """Whether `product` gives every row of a [TILE, K] tile the same bits wherever it sits in the
+    tile and whatever its neighbours hold (`_moves_agree`), on wide-valued tiles with the bias and
+    on cancelling tiles (`_cancelling_tile`, zeros for the bias), where any change of summation
+    order shows."""
+    k = weight.shape[1]
+    zeros = None if bias is None else torch.zeros_like(bias)
+    return (_moves_agree(_tile(k, k), _tile(k + 1, k), lambda a: product(a, packed, bias))
+            and _moves_agree(_cancelling_tile(weight, 0), _cancelling_tile(weight, 1),
+                             lambda a: product(a, packed, zeros)))
 
 
 def _bf16(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -157,7 +168,7 @@ def usable(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     if key not in _proven:
         try:
             packed = _pack(weight)
-            _proven[key] = row_invariant(packed, k, bias)
+            _proven[key] = row_invariant(weight, packed, bias)
         except RuntimeError:  # a shape oneDNN will not pack or multiply: the float32 tiles take it
             _proven[key] = False
     return _proven[key]
