@@ -5,7 +5,9 @@ On a CPU with AMX, oneDNN multiplies bf16 exactly and sums in float32 (AMX tile 
 there: every product is one fixed shape, [TILE, K] x packed [K, N], so the batch does not change
 a row's bits. That a fixed shape is enough is not assumed but proven, once per (weight shape,
 bias), on the weight itself: rows moved to other places of the tile and neighbours replaced must
-give the same bits (`row_invariant`); a shape that fails takes the float32 tiles. oneDNN splits
+give the same bits, on wide-valued tiles and on tiles whose rows cancel exactly (the result is
+then the summation order's rounding alone: `row_invariant`); a shape that fails takes the float32
+tiles. oneDNN splits
 some products over threads by K, which would make the bits follow the thread count: a shape runs
 on the process's threads only once `threads_agree` has shown, for that thread count, the same
 bits as on one thread; else each of its products runs on one thread.
