@@ -179,3 +179,14 @@ def test_a_bad_choice_is_refused_before_the_engine_loads(monkeypatch):
     monkeypatch.setenv(cpu_amx.CHOICE_ENV, "fp8")
     with pytest.raises(ConfigError, match=f"{cpu_amx.CHOICE_ENV}='fp8'.*'amx'.*'float32'"):
         get_backend("reference", "tiny-llama", dtype="bfloat16")
+
+
+def test_no_thread_proof_is_kept_where_the_thread_count_cannot_be_set(monkeypatch):
+    """An in-process vLLM-CPU engine makes torch.set_num_threads a no-op: the proof would compare
+    the process's threads with themselves, so products stay on "one thread" and nothing is kept."""
+    weight = _rand(24, 40, seed=7)
+    with bounded_threads(2):
+        monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+        assert cpu_amx._threads(weight, weight, None) == 1
+        monkeypatch.undo()
+    assert not any(key[:2] == (40, 24) for key in cpu_amx._thread_free)

@@ -123,6 +123,11 @@ def _threads(weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     n, k = weight.shape
     key = (k, n, bias is not None, threads)
     if key not in _thread_free:
+        torch.set_num_threads(1)
+        settable = torch.get_num_threads() == 1
+        torch.set_num_threads(threads)
+        if not settable:  # an in-process vLLM-CPU engine makes set_num_threads a no-op: nothing to prove
+            return 1
         _thread_free[key] = threads_agree(weight, packed, bias, threads)
     return threads if _thread_free[key] else 1
 
