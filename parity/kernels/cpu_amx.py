@@ -7,10 +7,9 @@ a row's bits. That a fixed shape is enough is not assumed but proven, once per (
 bias), on the weight itself: rows moved to other places of the tile and neighbours replaced must
 give the same bits, on wide-valued tiles and on tiles whose rows cancel exactly (the result is
 then the summation order's rounding alone: `row_invariant`); a shape that fails takes the float32
-tiles. oneDNN splits
-some products over threads by K, which would make the bits follow the thread count: a shape runs
-on the process's threads only once `threads_agree` has shown, for that thread count, the same
-bits as on one thread; else each of its products runs on one thread.
+tiles. oneDNN splits some products over threads by K, which would make the bits follow the
+thread count: a shape runs on the process's threads only once `threads_agree` has shown, for that
+thread count, the same bits as on one thread; else each of its products runs on one thread.
 `PARITY_CPU_BF16_GEMM=float32` turns this path off.
 """
 
