@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from parity.backends import get_backend, reference
 from parity.core.errors import ConfigError
 from parity.engine.matmul_routes import linear_routes
-from parity.kernels import cpu, cpu_amx, cpu_gemm
+from parity.kernels import cpu, cpu_amx, cpu_gemm, probe
 from parity.kernels.cpu_gemm import TILE
 from parity.monitor.summary import bounded_threads
 
@@ -57,7 +57,7 @@ def test_cancelling_tiles_catch_a_summation_order_that_follows_the_place():
         return _order_by_place(a, weight, None)
 
     assert cpu_amx._moves_agree(cpu_amx._tile(k, k), cpu_amx._tile(k + 1, k), run)
-    cancelling = [cpu_amx._cancelling_tile(weight, seed) for seed in (0, 1)]
+    cancelling = [probe.cancelling_rows(weight, TILE, seed) for seed in (0, 1)]
     assert not cpu_amx._moves_agree(*cancelling, run)
     assert not cpu_amx.row_invariant(weight, weight, None, product=_order_by_place)
 
@@ -100,7 +100,7 @@ def _split_by_k_on(tile, weight, bias, threads):
 
 def test_the_thread_proof_accepts_a_thread_free_product_and_rejects_a_split_by_k():
     weight = _rand(48, 256, seed=6)
-    tile = cpu_amx._cancelling_tile(weight, 0)
+    tile = probe.cancelling_rows(weight, TILE, 0)
     # every row sums to exactly zero against its weight row: the result is the summation order's
     exact = tile.double() @ weight.double().T
     assert all(exact[r, (r * 7919) % 48] == 0 and tile[r].abs().max() > 1 for r in range(TILE))
@@ -120,7 +120,7 @@ def test_a_shape_onednn_splits_by_k_stays_on_one_thread(monkeypatch):
     thread count on cancelling tiles (the control), the proof refuses the shape, and `cpu.linear`
     gives the same bits on one and two threads; told the shape is free, it would not."""
     weight = _rand(8, 4096, seed=5)
-    tiles = torch.cat([cpu_amx._cancelling_tile(weight, seed) for seed in range(2)])
+    tiles = torch.cat([probe.cancelling_rows(weight, TILE, seed) for seed in range(2)])
     if torch.equal(_raw(tiles[:TILE], weight, 1), _raw(tiles[:TILE], weight, 2)):
         pytest.skip("this host's oneDNN gave the same bits on one and two threads: no control here "
                     "(on the AMX Xeon it splits by K)")

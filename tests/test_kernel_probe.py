@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -150,7 +151,7 @@ def test_parity_kernels_cublaslt_needs_cuda(capsys: pytest.CaptureFixture[str]) 
 _GPU_CHILD = """
 import json, sys, torch
 torch.backends.cuda.preferred_blas_library("cublaslt")
-from parity.kernels.probe import PROBE_M
+from parity.kernels.probe import PROBE_M, cancelling_rows
 from parity.kernels.triton import matmul
 assert matmul.cublaslt_ready()
 # Qwen3-1.7B and Llama-3.2-1B linear shapes: nobody wrote these down for the route
@@ -160,8 +161,8 @@ matmul.prepare({(torch.bfloat16, n, k) for n, k in shapes}, torch.device("cuda")
 routes = {f"{n}x{k}": matmul.route(torch.bfloat16, n, k, False) for n, k in shapes}
 g = torch.Generator("cuda").manual_seed(5)
 for n, k in shapes:
-    x = torch.randn(4096, k, device="cuda", generator=g).to(torch.bfloat16)
     w = (torch.randn(n, k, device="cuda", generator=g) * k ** -0.5).to(torch.bfloat16)
+    x = cancelling_rows(w, 4096, 5)  # a row's result there is its summation order's rounding alone
     full = matmul.linear(x, w)
     for m in (1, 2, 15, 16, 17, 255, 256, 1000):
         assert torch.equal(matmul.linear(x[:m], w), full[:m]), (n, k, m)
@@ -215,3 +216,13 @@ def test_parity_kernels_routes_a_llama_shaped_model_through_the_probe(tmp_path: 
     routes = {(cols[1], cols[3]): cols[5] for cols in map(str.split, child.stdout.splitlines()[1:])}
     assert set(routes) >= {("8192", "2048"), ("2048", "8192"), ("512", "2048")}
     assert "cublaslt" in routes.values(), child.stdout
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cancelling_rows_sum_to_exactly_zero_against_their_weight_rows(dtype: torch.dtype) -> None:
+    w = (torch.randn(40, 70, generator=torch.Generator().manual_seed(2)) * 70**-0.5).to(dtype)
+    x = probe.cancelling_rows(w, 9, 3)
+    # products of two float32 values are exact in float64, and fsum rounds their sum once
+    sums = [math.fsum((x[r].double() * w[(r * 7919 + 3) % 40].double()).tolist()) for r in range(9)]
+    assert x.dtype == dtype and sums == [0.0] * 9
+    assert bool(torch.isfinite(x).all()) and float(x.abs().max()) > 1

@@ -23,6 +23,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from parity.core.errors import ConfigError
 from parity.kernels.cpu_gemm import TILE, per_version
+from parity.kernels.probe import cancelling_rows
 
 #: the environment variable that picks the bf16 GEMM: "amx" (default where AMX exists) or "float32".
 CHOICE_ENV = "PARITY_CPU_BF16_GEMM"
@@ -83,31 +84,14 @@ def _tile(seed: int, k: int) -> torch.Tensor:
     return (torch.randn(TILE, k, generator=gen) * spread).to(torch.bfloat16)
 
 
-def _cancelling_tile(weight: torch.Tensor, seed: int) -> torch.Tensor:
-    """A seeded bf16 [TILE, K] tile whose row r sums to exactly zero against weight row c_r: pairs
-    (i, j) hold x_i = w_j 2^e and x_j = -w_i 2^e (products are exact), so the float32 result is
-    the rounding left by the summation order alone and any other order changes it."""
-    n, k = weight.shape
-    gen = torch.Generator().manual_seed(seed)
-    columns = weight.detach()[[(r * 7919 + seed) % n for r in range(TILE)]].float()
-    tile = torch.zeros(TILE, k)
-    for r, column in enumerate(columns):
-        order = torch.randperm(k - k % 2, generator=gen)
-        i, j = order[:k // 2], order[k // 2:]
-        scale = torch.exp2(torch.randint(0, 17, (k // 2,), generator=gen).to(torch.float32))
-        tile[r, i] = column[j] * scale
-        tile[r, j] = -column[i] * scale
-    return tile.to(torch.bfloat16)
-
-
 def threads_agree(weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, threads: int,
                   product=_product) -> bool:
     """Whether `product` on `threads` threads gives the same bits as on one for two cancelling
-    tiles (`_cancelling_tile`): a product split by K differs there in nearly every row. A bias
+    tiles (`probe.cancelling_rows`): a product split by K differs there in nearly every row. A bias
     is replaced by zeros (the same primitive), which would otherwise round the residue away."""
     bias = None if bias is None else torch.zeros_like(bias)
     for seed in (0, 1):
-        tile = _cancelling_tile(weight, seed)
+        tile = cancelling_rows(weight, TILE, seed)
         if not torch.equal(product(tile, packed, bias, threads), product(tile, packed, bias, 1)):
             return False
     return True
@@ -152,12 +136,12 @@ def row_invariant(weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor
                   product=_product) -> bool:
     """Whether `product` gives every row of a [TILE, K] tile the same bits wherever it sits in the
     tile and whatever its neighbours hold (`_moves_agree`), on wide-valued tiles with the bias and
-    on cancelling tiles (`_cancelling_tile`, zeros for the bias), where any change of summation
+    on cancelling tiles (`probe.cancelling_rows`, zeros for the bias), where any change of summation
     order shows."""
     k = weight.shape[1]
     zeros = None if bias is None else torch.zeros_like(bias)
     return (_moves_agree(_tile(k, k), _tile(k + 1, k), lambda a: product(a, packed, bias))
-            and _moves_agree(_cancelling_tile(weight, 0), _cancelling_tile(weight, 1),
+            and _moves_agree(cancelling_rows(weight, TILE, 0), cancelling_rows(weight, TILE, 1),
                              lambda a: product(a, packed, zeros)))
 
 

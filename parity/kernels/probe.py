@@ -2,8 +2,9 @@
 
 cuBLASLt without split-K is 2-3x faster than the Triton kernel at decode sizes but invariant only
 as observed. `probe_rows` requires `linear(x[a:a+m]) == linear(x)[a:a+m]` bit for bit for every m
-in PROBE_M and offset in PROBE_OFFSETS; verdicts are cached by `fingerprint()` (GPU, driver,
-CUDA, cuBLASLt, torch, workspace), so any upgrade re-probes.
+in PROBE_M and offset in PROBE_OFFSETS, on `cancelling_rows` (a result there is the rounding of
+its summation order); verdicts are cached by `fingerprint()` (GPU, driver, CUDA, cuBLASLt, torch,
+workspace), so any upgrade re-probes.
 
 Why a finite probe is trusted: with no workspace no split-K algorithm can be chosen, so what
 changes with M is the kernel, a step function of M at tile multiples; PROBE_M covers both sides
@@ -33,7 +34,8 @@ PROBE_M: tuple[int, ...] = tuple(sorted(
 PROBE_OFFSETS: tuple[int, ...] = (0, 1, 8)
 #: the largest M the probe covers; steps above it are not proven.
 PROBE_MAX_M = max(PROBE_M)
-CACHE_VERSION = 1
+#: 2: verdicts of the probe on cancelling rows (1 was on random rows, which hide most order changes).
+CACHE_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -53,14 +55,35 @@ class Verdict:
         return f"probe found rows that differ at M={list(self.differing_m)[:6]}"
 
 
+def cancelling_rows(weight: torch.Tensor, rows: int, seed: int) -> torch.Tensor:
+    """[rows, K] in weight's dtype whose row r sums to exactly zero against weight row (7919 r +
+    seed) mod N: pairs (i, j) hold x_i = w_j 2^e and x_j = -w_i 2^e, whose products are equal and
+    opposite however they round. The result there is the rounding of the summation order alone, so
+    any other order (another kernel, a split of K) changes it, where random data, rounded to 16
+    bits at the end, hides most such changes."""
+    n, k = weight.shape
+    device = weight.device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    columns = weight.detach()[(torch.arange(rows, device=device) * 7919 + seed) % n].float()
+    order = torch.rand(rows, k - k % 2, generator=gen, device=device).argsort(dim=1)
+    i, j = order[:, :k // 2], order[:, k // 2:]
+    top = 17 if weight.dtype == torch.bfloat16 else 9  # fp16 tops out at 65504
+    scale = torch.exp2(torch.randint(0, top, (rows, k // 2), generator=gen, device=device).to(torch.float32))
+    x = torch.zeros(rows, k, device=device)
+    x.scatter_(1, i, columns.gather(1, j) * scale)
+    x.scatter_(1, j, -columns.gather(1, i) * scale)
+    return x.to(weight.dtype)
+
+
 def probe_rows(linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], dtype: torch.dtype, n: int,
                k: int, device: str | torch.device, *, seed: int = 0) -> Verdict:
     """Whether linear(x[a:a+m], w) == linear(x, w)[a:a+m] bitwise for every m in PROBE_M, a in
-    PROBE_OFFSETS; x [PROBE_MAX_M + max offset, k], w [n, k] random in `dtype` on `device`."""
+    PROBE_OFFSETS; w [n, k] random in `dtype` on `device`, x [PROBE_MAX_M + max offset, k] its
+    `cancelling_rows`."""
     g = torch.Generator(device=device).manual_seed(seed + 7 * n + k)
     rows = PROBE_MAX_M + max(PROBE_OFFSETS)
-    x = torch.randn(rows, k, generator=g, device=device).to(dtype)
     w = (torch.randn(n, k, generator=g, device=device) * k**-0.5).to(dtype)
+    x = cancelling_rows(w, rows, seed)
     full = linear(x, w)
     differing = sorted({m for m in PROBE_M for a in PROBE_OFFSETS
                         if not torch.equal(linear(x[a:a + m], w), full[a:a + m])})
