@@ -34,21 +34,28 @@ class Stub(BaseHTTPRequestHandler):
             attempt = state["attempts"][body.get("id")]
         try:
             time.sleep(body.get("sleep", 0))
-            if self.path == "/flaky" and attempt <= body["fail"]:
-                return self._reply(503, {"error": {"message": "server busy"}})
-            if self.path == "/bad":
-                auth = self.headers.get("Authorization")
-                return self._reply(400, {"error": {"message": f"bad prompt ({auth})"}})
-            if self.path == "/boom":
-                return self._reply(500, {"detail": "engine core died"})
-            if self.path == "/text":
-                return self._reply(200, None, b"<html>not json</html>")
-            self._reply(200, {"echo": body, "auth": self.headers.get("Authorization")})
+            reply = self._answer(body, attempt)
         finally:
+            # out of flight before the reply is written: once the client has read it, it may send
+            # the next request, which must not find this one still counted
             with state["lock"]:
                 state["in_flight"] -= 1
+        self._reply(*reply)
 
     do_GET = do_POST
+
+    def _answer(self, body, attempt):
+        """(status, JSON object, raw bytes or None) of the route."""
+        if self.path == "/flaky" and attempt <= body["fail"]:
+            return 503, {"error": {"message": "server busy"}}, None
+        if self.path == "/bad":
+            auth = self.headers.get("Authorization")
+            return 400, {"error": {"message": f"bad prompt ({auth})"}}, None
+        if self.path == "/boom":
+            return 500, {"detail": "engine core died"}, None
+        if self.path == "/text":
+            return 200, None, b"<html>not json</html>"
+        return 200, {"echo": body, "auth": self.headers.get("Authorization")}, None
 
     def _reply(self, status, obj, raw=None):
         data = raw if raw is not None else json.dumps(obj).encode()
