@@ -108,12 +108,6 @@ def test_the_thread_proof_accepts_a_thread_free_product_and_rejects_a_split_by_k
     assert not cpu_amx.threads_agree(weight, weight, None, 2, product=_split_by_k_on)
 
 
-def _raw(a, weight, threads):
-    """oneDNN's product of tile `a` and `weight` on `threads` threads, with no proof in the way."""
-    with bounded_threads(threads):
-        return torch.ops.mkldnn._linear_pointwise(a, cpu_amx._pack(weight), None, "none", [], "")
-
-
 @needs_amx
 def test_a_shape_onednn_splits_by_k_stays_on_one_thread(monkeypatch):
     """oneDNN splits [32, 4096] x [4096, 8] over two threads by K: the raw product's bits follow the
@@ -121,11 +115,14 @@ def test_a_shape_onednn_splits_by_k_stays_on_one_thread(monkeypatch):
     gives the same bits on one and two threads; told the shape is free, it would not."""
     weight = _rand(8, 4096, seed=5)
     tiles = torch.cat([probe.cancelling_rows(weight, TILE, seed) for seed in range(2)])
-    if torch.equal(_raw(tiles[:TILE], weight, 1), _raw(tiles[:TILE], weight, 2)):
+    packed = cpu_amx._pack(weight)
+    # the raw product on a given thread count, with no proof in the way
+    first = tiles[:TILE]
+    if torch.equal(cpu_amx._product(first, packed, None, 1), cpu_amx._product(first, packed, None, 2)):
         pytest.skip("this host's oneDNN gave the same bits on one and two threads: no control here "
                     "(on the AMX Xeon it splits by K)")
     with bounded_threads(2):
-        assert cpu_amx._threads(weight, cpu_amx._pack(weight), None) == 1
+        assert cpu_amx._threads(weight, packed, None) == 1
         two = cpu.linear(tiles, weight)
     with bounded_threads(1):
         one = cpu.linear(tiles, weight)
