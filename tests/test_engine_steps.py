@@ -75,9 +75,9 @@ def test_budget_bounds_every_step():
     seen = []
     forward = engine._forward
 
-    def spy(step):
+    def spy(step, pending=None):
         seen.append(len(step.ids))
-        return forward(step)
+        return forward(step, pending)
 
     engine._forward = spy
     rollouts = engine.generate(requests)

@@ -124,11 +124,41 @@ def test_linear_negative_control_split_k_plan_breaks_invariance(tk: ModuleType) 
     assert not torch.equal(linear(x[rows], w), linear(x, w)[rows])
 
 
-def test_linear_plan_ignores_m(tk: ModuleType) -> None:
+def test_linear_plan_ignores_m_unless_proven(tk: ModuleType) -> None:
+    """The long plan is a function of the weight alone; M picks the decode plan only for a shape
+    proven to give the same bits (none is proven without `prepare`)."""
     import inspect
 
     matmul = importlib.import_module("parity.kernels.triton.matmul")
     assert list(inspect.signature(matmul.tile_config).parameters) == ["dtype", "n", "k"]
+    assert matmul.plan_for(torch.bfloat16, 999_999, 64, 1) == matmul.tile_config(torch.bfloat16, 999_999, 64)
+
+
+@gpu
+@needs_cuda
+def test_decode_plan_runs_where_proven_with_the_long_plans_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`prepare` proves the decode plan on a shape; short products then take it and keep the long
+    plan's bits. Negative control: a short-row product with another summation order (float32 matmul,
+    one rounding) fails the proof and leaves the shape on the long plan."""
+    matmul = importlib.import_module("parity.kernels.triton.matmul")
+    monkeypatch.setattr(matmul, "_plans_agree", {})
+    shape = (torch.bfloat16, 1024, 2048)
+    matmul.prove_plans([shape], torch.device("cuda"))
+    assert matmul._plans_agree[shape]
+    assert matmul.plan_for(*shape, 256) == matmul.decode_config(*shape) != matmul.tile_config(*shape)
+    assert matmul.plan_for(*shape, 4096) == matmul.tile_config(*shape)
+    x, w = _randn(256, 2048, dtype=torch.bfloat16, seed=3), _randn(1024, 2048, dtype=torch.bfloat16, seed=4)
+    assert torch.equal(matmul.linear(x, w), matmul.launch(x, w, None, matmul.tile_config(*shape)))
+
+    def other_order(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > matmul.DECODE_ROWS:
+            return matmul.launch(x, weight, None, matmul.tile_config(x.dtype, *weight.shape))
+        return (x.float() @ weight.float().T).to(x.dtype)
+
+    monkeypatch.setattr(matmul, "_by_rows", other_order)
+    monkeypatch.setattr(matmul, "_plans_agree", {})
+    matmul.prove_plans([shape], torch.device("cuda"))
+    assert not matmul._plans_agree[shape] and matmul.plan_for(*shape, 256) == matmul.tile_config(*shape)
 
 
 # ------------------------------------------------------------------------------- rmsnorm, softmax

@@ -21,7 +21,7 @@ from parity.models import shaped
 from parity.models.loading import LoadedModel
 
 #: the end-to-end variants: transformers generate, and the engine with each kernel set.
-E2E_VARIANTS = ("hf", "invariant", "native", "baseline")
+E2E_VARIANTS = ("hf", "invariant", "invariant-steady", "native", "baseline")
 #: the kernel families the "baseline" (b') variant keeps on parity's fused Triton kernels: row-wise and
 #: elementwise ops whose invariance costs nothing (torch has no fused kernel HF models call for them),
 #: while matmul (default cuBLAS), attention (flash over the cache) and MoE stay stock.
@@ -71,8 +71,9 @@ def plan_constants(variant: str) -> dict[str, int]:
 
 
 def engine_kernels(variant: str) -> str | tuple[str, ...]:
-    """The engine's `kernels=` for an engine variant."""
-    return BASELINE_FAMILIES if variant == "baseline" else variant.split("@")[0]
+    """The engine's `kernels=` for an engine variant ("invariant-steady": the invariant kernels with
+    steps run one by one, `overlap=False`)."""
+    return BASELINE_FAMILIES if variant == "baseline" else variant.split("@")[0].removesuffix("-steady")
 
 
 def variant_choices() -> list[str]:
@@ -86,7 +87,8 @@ def variant_choices() -> list[str]:
 def engine_tok_s(model: Path | LoadedModel, kernels: str | tuple[str, ...], reqs: list[Request],
                  chunk_size: int, budget: int, record_routes: bool = False,
                  tensor_parallel_size: int | None = None,
-                 reduction_groups: int = REDUCTION_GROUPS, repeats: int = 1) -> Throughput:
+                 reduction_groups: int = REDUCTION_GROUPS, repeats: int = 1, overlap: bool | None = None
+                 ) -> Throughput:
     """Output tok/s of ReferenceEngine.generate over reqs, `repeats` timed calls (the median kept).
     Before the first, `warm_up` prepares every shape the workload uses (the KV cache at its length,
     every step graph, the eager prefill sizes) and its seconds are the cold-start figure; a small
@@ -94,7 +96,7 @@ def engine_tok_s(model: Path | LoadedModel, kernels: str | tuple[str, ...], reqs
     with ReferenceEngine(model, dtype="bfloat16", device="cuda", kernels=kernels, max_num_seqs=len(reqs),
                          chunk_size=chunk_size, max_num_batched_tokens=budget,
                          record_routes=record_routes, tensor_parallel_size=tensor_parallel_size,
-                         reduction_groups=reduction_groups) as engine:
+                         reduction_groups=reduction_groups, overlap=overlap) as engine:
         torch.cuda.synchronize()
         start = time.perf_counter()
         engine.warm_up(max(len(r.prompt_ids) + r.sampling.max_tokens for r in reqs))

@@ -4,7 +4,8 @@ Each step the scheduler admits sequences into free slots and packs every running
 prefill chunk or last token into one [1, T] forward (at most `max_num_batched_tokens`); the engine
 runs it (or replays a CUDA graph), samples from the last row of every sequence whose known tokens
 are computed, and hands the tokens back. One async host->device copy and one device->host copy
-per step.
+per step. With `overlap` (CUDA), step N+1 is planned and launched while step N runs: its decode
+rows take N's tokens on the device, and the host reads N's tokens afterwards.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from parity.engine.inputs import (
     kernel_label,
     kernel_scope,
 )
+from parity.engine.overlap import Draw, Fill
 from parity.engine.scheduler import Scheduler, Sequence, Span, Step
 from parity.engine.train import TrainConfig, train_forward
 from parity.kernels.attention import KVCache
@@ -71,7 +73,9 @@ class EngineConfig:
     at every k, equal to `train_forward(tensor_parallel_size=1)`. tp_reduction: "canonical"
     (TP-invariant) or the "all_reduce" contrast. reduction_groups: K groups of the canonical sum
     (k must divide it); bits are the same across k for one value, not across values.
-    lora: an adapter (not with tensor parallelism).
+    lora: an adapter (not with tensor parallelism). overlap: plan and launch each step before the
+    last one's tokens reach the host (None: on for CUDA; generates with multi-turn trajectories,
+    top-k logprobs or recorded routes run step by step); the same bits either way.
     """
 
     dtype: str = "float32"
@@ -86,6 +90,7 @@ class EngineConfig:
     tp_reduction: str = "canonical"
     reduction_groups: int = REDUCTION_GROUPS
     lora: str | None = None
+    overlap: bool | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.lora, os.PathLike):
@@ -108,8 +113,10 @@ class EngineConfig:
         kernel_families(self.kernels)
         if not isinstance(self.record_routes, bool):
             raise ConfigError(f"record_routes must be true or false, got {self.record_routes!r}")
-        if self.graphs is not None and not isinstance(self.graphs, bool):
-            raise ConfigError(f"graphs must be true, false or None (automatic), got {self.graphs!r}")
+        for name in ("graphs", "overlap"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ConfigError(f"{name} must be true, false or None (automatic), got {value!r}")
 
     def replace(self, **changes: Any) -> EngineConfig:
         """A copy with `changes` applied (validated again); an unknown setting is a ConfigError."""
@@ -271,32 +278,53 @@ class ReferenceEngine:
         config = self.config
         scheduler = Scheduler(sequences, max_num_seqs=config.max_num_seqs, chunk_size=config.chunk_size,
                               max_num_batched_tokens=config.max_num_batched_tokens,
-                              eos_token_ids=self.lm.eos_token_ids)
+                              eos_token_ids=self.lm.eos_token_ids, overlap=self._overlaps(requests))
         with torch.inference_mode(), kernel_scope(config.kernels):
-            while not scheduler.done:
+            pending: Draw | None = None
+            while not scheduler.done or pending is not None:
                 scheduler.admit()
                 step = scheduler.plan()
-                hidden = self._forward(step)
-                if step.ready:
-                    scheduler.finish(step.ready, *self._sample(step.ready, hidden))
+                drawn = None
+                if step.spans:
+                    hidden = self._forward(step, pending)
+                    drawn = self._sample(step.ready, hidden) if step.ready else None
+                if pending is not None:  # overlap: the step before, read after this one is launched
+                    scheduler.finish(pending.ready, *pending.read())
+                pending = drawn
+                if pending is not None and not scheduler.overlap:
+                    scheduler.finish(pending.ready, *pending.read())
+                    pending = None
         return [self._rollout(seq) for seq in sequences]
 
-    def _forward(self, step: Step) -> torch.Tensor:
-        """Hidden states [>= T, H] of the step's T packed tokens (extra rows: padding); records routes."""
+    def _overlaps(self, requests: list[Request]) -> bool:
+        """Whether this generate plans each step before the last one's tokens are read: the setting
+        (None: on CUDA), and only where no token decides what the next step holds on the host."""
+        wanted = self.config.overlap
+        if wanted is None:
+            wanted = torch.device(self.config.device).type == "cuda"
+        return wanted and not self._records_routes and not any(
+            r.turns or r.sampling.top_k_logprobs for r in requests)
+
+    def _forward(self, step: Step, pending: Draw | None = None) -> torch.Tensor:
+        """Hidden states [>= T, H] of the step's T packed tokens (extra rows: padding); records routes.
+        The ids of `step.fills` rows are taken from `pending`'s tokens on the device."""
+        fill = pending.fill(step.fills) if step.fills else None
         if self._graphs is not None and self._graphs.fits(len(step.ids)):
-            hidden, routes = self._graphs.run(step.ids, step.positions, step.slots, step.longest_run)
+            hidden, routes = self._graphs.run(step.ids, step.positions, step.slots, step.longest_run, fill)
         else:
-            hidden, routes = self._eager_forward(step)
+            hidden, routes = self._eager_forward(step, fill)
         if routes is not None:
             routes = routes.cpu()  # one device->host copy for the whole step
             for seq_span in step.spans:
                 seq_span.seq.routes.append(routes[seq_span.rows])
         return hidden
 
-    def _eager_forward(self, step: Step) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _eager_forward(self, step: Step, fill: Fill | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`_forward` without graphs: hidden states [T, H] and, when recorded, routes [T, layers, k]."""
         device = self.config.device
         input_ids = device_tensor([step.ids], torch.int64, device)
+        if fill is not None:
+            fill.apply(input_ids[0])
         position_ids = device_tensor([step.positions], torch.int64, device)
         slot_ids = device_tensor(step.slots, torch.int64, device)
         span = (max(step.positions) // self._cache.block + 1) * self._cache.block
@@ -305,8 +333,9 @@ class ReferenceEngine:
                                          max_run=step.longest_run),
             self.lm.num_moe_layers, record=self._records_routes)
 
-    def _sample(self, ready: tuple[Span, ...], hidden: torch.Tensor) -> tuple[list[int], list[float]]:
-        """One token and logprob per ready span from its last row; one device->host copy."""
+    def _sample(self, ready: tuple[Span, ...], hidden: torch.Tensor) -> Draw:
+        """One token and logprob per ready span from its last row, launched; `Draw.read` brings them
+        to the host (one device->host copy)."""
         rows = device_tensor([span.last_row for span in ready], torch.int64, hidden.device)
         logits = forward.logits(self.lm, hidden.index_select(0, rows))
         seqs = [span.seq for span in ready]
@@ -325,10 +354,7 @@ class ReferenceEngine:
             for seq, p, ids, values in zip(seqs, params, *sampler.top_k_rows(table, k)):
                 if p.top_k_logprobs:
                     seq.top_k.append((ids[:p.top_k_logprobs], values[:p.top_k_logprobs]))
-        # float64 holds every token id and every float32 logprob exactly: one copy carries both.
-        both = torch.stack([tokens.to(torch.float64), logprobs.to(torch.float64)])
-        host_tokens, host_logprobs = both.tolist()
-        return [int(t) for t in host_tokens], host_logprobs
+        return Draw.launch(ready, tokens, logprobs)
 
     def _rollout(self, seq: Sequence) -> Rollout:
         # A trajectory that ends on injected tokens never computes them, so its routes would not

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from parity.engine import forward
+from parity.engine.overlap import Fill
 from parity.kernels.attention import KVCache, native_reads_span
 from parity.models import routing
 from parity.models.loading import LoadedModel
@@ -73,11 +74,11 @@ class StepGraphs:
         """Whether a step of `tokens` packed tokens runs here."""
         return tokens <= self.sizes[-1]
 
-    def run(self, ids: list[int], positions: list[int], slots: list[int], longest_run: int
-            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run(self, ids: list[int], positions: list[int], slots: list[int], longest_run: int,
+            fill: Fill | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Hidden states [size, H] of one step (rows past len(ids) are padding), size >= len(ids), and
         its routes [size, moe_layers, top_k] int32 when recorded (else None); longest_run: most
-        consecutive tokens of one slot in it."""
+        consecutive tokens of one slot in it; `fill`: ids already on the device."""
         size = next(s for s in self.sizes if s >= len(ids))
         span = self._span(max(positions))
         max_run = 1 if self.run_buckets and longest_run == 1 else size
@@ -87,9 +88,13 @@ class StepGraphs:
         host = torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [self.pad_slot] * pad])
         if bucket.graph is None:
             bucket.inputs.copy_(host)
+            if fill is not None:
+                fill.apply(bucket.inputs[0])
             return self._forward(bucket.inputs, span, max_run)
         # pinned staging: the copy is queued behind the previous step's work without a host sync
         bucket.inputs.copy_(host.pin_memory(), non_blocking=True)
+        if fill is not None:
+            fill.apply(bucket.inputs[0])
         bucket.graph.replay()
         return bucket.hidden, bucket.routes
 

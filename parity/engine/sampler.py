@@ -52,9 +52,11 @@ def processed_logprobs(logits: torch.Tensor, params: RowParams) -> torch.Tensor:
     """
     device = logits.device
     greedy = [t == 0 for t in params.temperature]
-    temperature = device_tensor([1.0 if g else t for g, t in zip(greedy, params.temperature)],
-                                logits.dtype, device)
-    z = logits / temperature.unsqueeze(1)
+    scale = [1.0 if g else t for g, t in zip(greedy, params.temperature)]
+    # x / 1 == x exactly in IEEE arithmetic: at temperature 1 the division (a pass over [N, V]) is skipped.
+    z = logits
+    if any(t != 1.0 for t in scale):
+        z = logits / device_tensor(scale, logits.dtype, device).unsqueeze(1)
     any_k = any(k > 0 for k in params.top_k)
     any_p = any(p < 1 for p in params.top_p)
     if any_k or any_p:
@@ -111,13 +113,15 @@ _MASK32 = 0xFFFFFFFF
 
 def key_state(keys: Sequence[tuple[int, int, int]], device: torch.device | str) -> torch.Tensor:
     """The hash state [N] int64 of each key (seed, sample index, position): 32-bit words folded by
-    `parity.kernels.sampling.mix32`; the Gumbel noise of a row is a function of its state alone."""
-    rows = device_tensor([[seed & _MASK32, (seed >> 32) & _MASK32, sample & _MASK32, position & _MASK32]
-                          for seed, sample, position in keys], torch.int64, device).view(-1, 4)
+    `parity.kernels.sampling.mix32`; the Gumbel noise of a row is a function of its state alone.
+    Hashed on the host (a few hundred integers: a dozen tiny ops, not a dozen kernel launches),
+    then copied to `device`."""
+    rows = torch.tensor([[seed & _MASK32, (seed >> 32) & _MASK32, sample & _MASK32, position & _MASK32]
+                         for seed, sample, position in keys], dtype=torch.int64).view(-1, 4)
     state = mix32(rows[:, 3])
     for column in (2, 1, 0):
         state = mix32(rows[:, column] ^ state)
-    return state
+    return state if torch.device(device).type == "cpu" else state.pin_memory().to(device, non_blocking=True)
 
 
 def sample(processed: torch.Tensor, keys: Sequence[tuple[int, int, int] | None]) -> torch.Tensor:

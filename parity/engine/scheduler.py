@@ -4,6 +4,10 @@ Host bookkeeping only (no torch): `admit` (waiting sequences take free slots, FI
 (each running sequence adds its next prefill chunk or last token while the budget lasts; its
 share is a `Span`), `finish` (sequences fully computed get their sampled token; stopped ones free
 their slots). Composition changes every step; with invariant kernels no token depends on it.
+
+With `overlap`, step N+1 is planned before step N's tokens reach the host: a sequence sampled in
+step N decodes its token (still on the device: a `Step.fills` row) in step N+1; one that stops on
+N's token has computed one row in vain, which `finish` drops.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ class Sequence:
     A multi-turn trajectory continues in place: injected ids are appended as known tokens and
     prefilled as one chunk. tokens, logprobs: the response (injected logprob 0.0); mask: 1 sampled,
     0 injected; turn, turn_tokens; top_k: (ids, logprobs) per sampled token when asked; routes;
-    computed: tokens whose KV is cached; slot; finish_reason.
+    computed: tokens whose KV is cached; slot; finish_reason; pending: sampled tokens not yet on
+    the host (overlapped steps).
     """
 
     request: Request
@@ -41,6 +46,7 @@ class Sequence:
     computed: int = 0
     slot: int = -1
     finish_reason: str | None = None
+    pending: int = 0
 
     def __post_init__(self) -> None:
         self._inject()  # a trajectory may open with an injection
@@ -54,6 +60,14 @@ class Sequence:
     def max_length(self) -> int:
         """Positions the sequence can reach: prompt plus max_tokens."""
         return len(self.request.prompt_ids) + self.request.sampling.max_tokens
+
+    @property
+    def to_compute(self) -> int:
+        """Tokens to compute next: the known ones not yet computed plus a pending one, unless that
+        pending token is the response's last (max_tokens)."""
+        if self.pending and len(self.tokens) + self.pending >= self.request.sampling.max_tokens:
+            return 0
+        return self.length + self.pending - self.computed
 
     def chunk(self, count: int) -> list[int]:
         """The next `count` known tokens not yet computed (without copying the whole sequence)."""
@@ -124,13 +138,15 @@ class Span:
 @dataclass(frozen=True)
 class Step:
     """One packed forward: token ids, positions and KV slots of its T rows, the span of each
-    sequence in it, and `ready`: the spans whose sequence samples a token after the step."""
+    sequence in it, `ready`: the spans whose sequence samples a token after the step, and `fills`:
+    (row, sequence) of each row whose id is that sequence's pending token (its id here is 0)."""
 
     ids: list[int]
     positions: list[int]
     slots: list[int]
     spans: tuple[Span, ...]
     ready: tuple[Span, ...]
+    fills: tuple[tuple[int, Sequence], ...] = ()
 
     @property
     def longest_run(self) -> int:
@@ -140,10 +156,12 @@ class Step:
 
 class Scheduler:
     """FIFO admission into `max_num_seqs` KV slots and steps of at most `max_num_batched_tokens`
-    tokens, with at most `chunk_size` tokens per sequence (see the module doc)."""
+    tokens, with at most `chunk_size` tokens per sequence; `overlap`: plan before the last step's
+    tokens are read (see the module doc; not for trajectories, whose next tokens follow the last)."""
 
     def __init__(self, sequences: list[Sequence], *, max_num_seqs: int, chunk_size: int,
-                 max_num_batched_tokens: int, eos_token_ids: tuple[int, ...]) -> None:
+                 max_num_batched_tokens: int, eos_token_ids: tuple[int, ...], overlap: bool = False) -> None:
+        self.overlap = overlap
         self.chunk_size = chunk_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.eos_token_ids = eos_token_ids
@@ -169,24 +187,40 @@ class Scheduler:
         positions: list[int] = []
         slots: list[int] = []
         spans: list[Span] = []
+        fills: list[tuple[int, Sequence]] = []
         budget = self.max_num_batched_tokens
         for seq in self.running:
-            count = min(self.chunk_size, seq.length - seq.computed, budget)
+            todo = seq.to_compute
+            if todo == 0:
+                continue  # its last token is still on the device
+            count = min(self.chunk_size, todo, budget)
             if count == 0:
                 break  # the budget is spent
             budget -= count
             spans.append(Span(seq, len(ids), count))
-            ids.extend(seq.chunk(count))
+            if seq.pending:  # all known tokens are computed: the one row is the pending token
+                fills.append((len(ids), seq))
+                ids.append(0)
+            else:
+                ids.extend(seq.chunk(count))
             positions.extend(range(seq.computed, seq.computed + count))
             slots.extend([seq.slot] * count)
             seq.computed += count
-        ready = tuple(span for span in spans if span.seq.computed == span.seq.length)
-        return Step(ids, positions, slots, tuple(spans), ready)
+        ready = tuple(span for span in spans if span.seq.computed == span.seq.length + span.seq.pending)
+        if self.overlap:
+            for span in ready:
+                span.seq.pending += 1
+        return Step(ids, positions, slots, tuple(spans), ready, tuple(fills))
 
     def finish(self, ready: tuple[Span, ...], tokens: list[int], logprobs: list[float]) -> None:
-        """Give each ready sequence its sampled token; free the slots of those that stop."""
+        """Give each ready sequence its sampled token; free the slots of those that stop. A sequence
+        that stopped the step before (overlap) drops the token."""
         for span, token, logprob in zip(ready, tokens, logprobs, strict=True):
-            span.seq.append(token, logprob, self.eos_token_ids)
+            seq = span.seq
+            if self.overlap:
+                seq.pending -= 1
+            if seq.finish_reason is None:
+                seq.append(token, logprob, self.eos_token_ids)
         for seq in [s for s in self.running if s.finish_reason is not None]:
             self.running.remove(seq)
             self.free_slots.append(seq.slot)

@@ -1,7 +1,8 @@
 """The e2e section: output tok/s of each `--e2e-variants` variant side by side in one run.
 
 On a Qwen3-1.7B-shaped bf16 model with random weights (28 layers): "invariant" (the reference
-engine with invariant kernels; "invariant@PLAN" under another attention plan), "baseline" (b': the
+engine with invariant kernels; "invariant@PLAN" under another attention plan; "invariant-steady"
+with steps run one by one instead of overlapped), "baseline" (b': the
 same engine, scheduler and CUDA graphs with default cuBLAS, torch's flash attention reading the KV
 cache in place and stock MoE, keeping only the row-wise/elementwise families `BASELINE_FAMILIES`
 on parity's fused kernels: the honest non-invariant baseline), "native" (every family stock: HF's
@@ -52,7 +53,8 @@ def measure(run: Run) -> E2ESection:
             else:
                 with module_constants(attention_kernels, **plan_constants(variant)):
                     rows[name] = engine_tok_s(path, engine_kernels(variant), reqs, chunk_size,
-                                              args.max_batched_tokens, repeats=args.e2e_repeats)
+                                              args.max_batched_tokens, repeats=args.e2e_repeats,
+                                              overlap=False if variant.endswith("-steady") else None)
         except Exception:
             rows[name] = failure()
         torch.cuda.empty_cache()

@@ -2,9 +2,9 @@
 
 At the `--e2e` workload: host seconds per part of a step over one timed generate (after an
 identical warm-up generate) in the scheduler, the graph launch and the sampler launches, the wait
-for the device, and each captured CUDA-graph bucket replayed alone (device ms). "_sample"
-includes the wait for the device (its device->host copy of the tokens); the sampler rows inside
-it are launch time only.
+for the device (`Draw.read`: with overlapped steps the host waits there for step N while step N+1
+is queued), and each captured CUDA-graph bucket replayed alone (device ms). The sampler rows are
+launch time only.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from benchmarks.gpu.results import StepSplit
 from benchmarks.gpu.run import Run
 from benchmarks.gpu.timing import graph_replay_ms, host_timers
 from benchmarks.gpu.workloads import qwen3_config, requests_for, save_random_model
-from parity.engine import ReferenceEngine, graphs, sampler, scheduler
+from parity.engine import ReferenceEngine, graphs, overlap, sampler, scheduler
 from parity.engine import engine as engine_module
 
 
@@ -31,7 +31,8 @@ def measure(run: Run) -> StepSplit:
         "scheduler.finish": (scheduler.Scheduler, "finish"),
         "graph step (inputs, copy, replay launch)": (graphs.StepGraphs, "run"),
         "eager step (prefill)": (engine_module.ReferenceEngine, "_eager_forward"),
-        "_sample (launches + wait for the device)": (engine_module.ReferenceEngine, "_sample"),
+        "_sample (launches)": (engine_module.ReferenceEngine, "_sample"),
+        "Draw.read (wait for the device)": (overlap.Draw, "read"),
         "  lm_head launch": (engine_module.forward, "logits"),
         "  processed_logprobs launch": (sampler, "processed_logprobs"),
         "  sample launch": (sampler, "sample"),

@@ -1,11 +1,12 @@
 """Batch-invariant linear layer on CUDA: a persistent Triton matmul with one tile plan per weight.
 
-Row-invariant by construction: the tile plan is a function of (dtype, N, K), never M; no
-split-K (one program accumulates its K chunks in ascending order in fp32); bias added before the
-single rounding; fp32 multiplies in IEEE, never TF32. TMA + wgmma, persistent grouped grid; it
-trails cuBLAS at decode sizes. A bias-free shape that passed the load-time probe
-(`parity.kernels.probe`) runs on cuBLASLt without split-K, in a process set up for it
-(`cublaslt_ready`); the choice never depends on M. `route` says which and why (`parity kernels`).
+Row-invariant by construction: the tile plan is a function of (dtype, N, K); no split-K (one
+program accumulates its K chunks in ascending order in fp32); bias added before the single
+rounding; fp32 multiplies in IEEE, never TF32. TMA + wgmma, persistent grouped grid. Short steps
+(decode) take a latency plan of smaller tiles only for a shape where `prepare` proved, on the
+probe's cancelling rows, that it gives the same bits as the plan of long steps. A bias-free shape
+that passed the load-time probe (`parity.kernels.probe`) runs on cuBLASLt without split-K, in a
+process set up for it (`cublaslt_ready`); that choice never depends on M. `route` says which.
 """
 
 from __future__ import annotations
@@ -29,6 +30,12 @@ from parity.kernels.triton.mma import mma
 CUBLASLT_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":16:8", "CUBLASLT_WORKSPACE_SIZE": "1"}
 #: (dtype, N, K) -> the load-time probe's verdict for cuBLASLt without split-K in this process.
 _verdicts: dict[tuple[torch.dtype, int, int], Verdict] = {}
+#: steps of at most this many rows take `decode_config` where it is proven (`prove_plans`).
+DECODE_ROWS = 512
+#: the widest weight (outputs) that takes `decode_config`.
+DECODE_MAX_N = 4096
+#: (dtype, N, K) -> whether `decode_config` gave `tile_config`'s bits on the probe's rows.
+_plans_agree: dict[tuple[torch.dtype, int, int], bool] = {}
 
 
 def cublaslt_ready() -> bool:
@@ -50,9 +57,12 @@ def configure_cublaslt() -> None:
 
 
 def prepare(shapes: Iterable[tuple[torch.dtype, int, int]], device: torch.device) -> None:
-    """Probe each bias-free weight shape (dtype, N, K) for cuBLASLt row invariance (cached on disk);
-    nothing in a process not set up for cuBLASLt. Call outside CUDA-graph capture.
+    """Prove the decode plan of each weight shape (dtype, N, K) (`prove_plans`), and probe each for
+    cuBLASLt row invariance (cached on disk; not in a process not set up for cuBLASLt). Call outside
+    CUDA-graph capture.
     """
+    shapes = set(shapes)
+    prove_plans(shapes, device)
     if not cublaslt_ready():
         return
     todo = sorted({s for s in shapes if s[0] in (torch.bfloat16, torch.float16)} - set(_verdicts), key=str)
@@ -67,6 +77,24 @@ def prepare(shapes: Iterable[tuple[torch.dtype, int, int]], device: torch.device
                 verdict = probe_rows(F.linear, dtype, n, k, device)
             cache.put(fp, verdict, dtype)
         _verdicts[(dtype, n, k)] = verdict
+
+
+def prove_plans(shapes: Iterable[tuple[torch.dtype, int, int]], device: torch.device) -> None:
+    """For each shape with a `decode_config` not yet proven in this process: whether the linear that takes
+    `decode_config` up to DECODE_ROWS rows and `tile_config` above is row-invariant on the probe's
+    cancelling rows (slices of 1..4096 rows against 4104: both plans meet), where any other
+    summation order shows."""
+    todo = sorted({s for s in shapes if decode_config(*s) is not None} - set(_plans_agree), key=str)
+    for dtype, n, k in todo:
+        with torch.cuda.device(device):
+            verdict = probe_rows(_by_rows, dtype, n, k, device)
+        _plans_agree[(dtype, n, k)] = verdict.invariant
+
+
+def _by_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The linear of `prove_plans`: each plan by x's row count, unconditionally."""
+    short = decode_config(x.dtype, *weight.shape) if x.shape[0] <= DECODE_ROWS else None
+    return launch(x, weight, None, short or tile_config(x.dtype, *weight.shape))
 
 
 def forget_verdicts(shapes: Iterable[tuple[torch.dtype, int, int]]) -> None:
@@ -111,6 +139,23 @@ def tile_config(dtype: torch.dtype, n: int, k: int) -> TileConfig:
     if dtype == torch.float32:
         return TileConfig(block_m=64, block_n=64, block_k=32, group_m=8, num_stages=3, num_warps=4)
     raise InputError(f"linear: dtype {dtype} is not supported by the CUDA kernel; use bf16, fp16 or fp32")
+
+
+def decode_config(dtype: torch.dtype, n: int, k: int) -> TileConfig | None:
+    """The latency plan of short steps, or None: 64x64 tiles over 128-wide K chunks, six TMA stages,
+    one warpgroup, for bf16/fp16 weights of at most DECODE_MAX_N outputs, whose 128x128 tiles leave
+    most SMs idle at decode sizes (on H100 at 256 rows: 1.7-1.8x faster for N 1024-2048; for
+    N 6144 and the lm_head 0.94x and 0.74x, so not there)."""
+    if dtype in (torch.bfloat16, torch.float16) and n <= DECODE_MAX_N:
+        return TileConfig(block_m=64, block_n=64, block_k=128, group_m=8, num_stages=6, num_warps=4)
+    return None
+
+
+def plan_for(dtype: torch.dtype, n: int, k: int, m: int) -> TileConfig:
+    """The plan of an [m, k] x [k, n] product: `decode_config` for m <= DECODE_ROWS where proven."""
+    if m <= DECODE_ROWS and _plans_agree.get((dtype, n, k), False):
+        return decode_config(dtype, n, k) or tile_config(dtype, n, k)
+    return tile_config(dtype, n, k)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -181,7 +226,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             return F.linear(x, weight)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
-    out = launch(x2, weight, bias, tile_config(x.dtype, n, k))
+    out = launch(x2, weight, bias, plan_for(x.dtype, n, k, x2.shape[0]))
     return out.reshape(*lead, n)
 
 

@@ -13,25 +13,24 @@ import triton.language as tl
 
 #: vocabulary entries per chunk (a power of two).
 BLOCK = 2048
-_MASK32 = 0xFFFFFFFF
 
 
 @triton.jit
 def _mix32(x):
-    # The integer hash of `parity.kernels.sampling.mix32_`, in int64 like it: values stay below 2^32
-    # after every mask, odd multipliers below 2^31 keep products below 2^63, shifts are of
-    # non-negative numbers, so the bits equal the torch version's.
+    # The integer hash of `parity.kernels.sampling.mix32_` in uint32: torch's int64 version keeps
+    # values below 2^32 and masks every product to its low 32 bits, which is what a uint32 multiply
+    # keeps; shifts of unsigned values are logical. The same bits, at a third of the integer work.
     x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x = x * 0x7FEB352D
     x = x ^ (x >> 15)
-    x = (x * 0x68E31DA5) & 0xFFFFFFFF
+    x = x * 0x68E31DA5
     return x ^ (x >> 16)
 
 
 @triton.jit
 def _gumbel_argmax_kernel(scores_ptr, state_ptr, noisy_ptr, out_ptr, V, stride, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    state = tl.load(state_ptr + row)
+    state = tl.load(state_ptr + row).to(tl.uint32)  # in [0, 2^32): exact
     noisy = tl.load(noisy_ptr + row) != 0
     lanes = tl.arange(0, BLOCK)
     best = tl.full((BLOCK,), float("-inf"), tl.float64)
@@ -40,8 +39,9 @@ def _gumbel_argmax_kernel(scores_ptr, state_ptr, noisy_ptr, out_ptr, V, stride, 
         token = (start + lanes).to(tl.int64)
         ok = token < V
         x = tl.load(scores_ptr + row * stride + token, mask=ok, other=float("-inf")).to(tl.float64)
-        high = _mix32(state ^ _mix32(2 * token))
-        low = _mix32(state ^ _mix32(2 * token + 1))
+        word = (2 * token).to(tl.uint32)  # V < 2^31: 2 * token + 1 fits 32 bits
+        high = _mix32(state ^ _mix32(word)).to(tl.uint64)
+        low = _mix32(state ^ _mix32(word + 1)).to(tl.uint64)
         # 53 bits convert to float64 exactly; u lies strictly inside (0, 1), so both logs are finite.
         u = (((high << 21) | (low >> 11)).to(tl.float64) + 0.5) / 9007199254740992.0
         noise = -tl.log(-tl.log(u))
@@ -58,6 +58,8 @@ def gumbel_argmax(scores: torch.Tensor, state: torch.Tensor, noisy: torch.Tensor
     [0, 2^32); rows not `noisy` (greedy) add no noise.
     """
     n, v = scores.shape
+    if v >= 2**31:
+        raise ValueError(f"gumbel_argmax hashes token ids in 32 bits; a vocabulary of {v} ids is too large")
     if scores.stride(-1) != 1:
         scores = scores.contiguous()
     out = torch.empty(n, dtype=torch.int64, device=scores.device)

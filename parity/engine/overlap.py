@@ -1,0 +1,67 @@
+"""A step's sampled tokens in flight: launched on the device, read on the host one step later.
+
+`Draw.launch` queues the copy of a step's tokens and logprobs to pinned host memory behind the
+sampler and records an event; `read` waits for that event only, so the next step (queued after
+the copy) keeps the device busy while the host finishes this one. `Fill` writes a draw's tokens
+into the next step's input ids on the device (the rows of sequences decoding their pending token).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from parity.engine.inputs import device_tensor
+from parity.engine.scheduler import Sequence, Span
+
+
+@dataclass(frozen=True, eq=False)
+class Fill:
+    """Rows [F] of a step's input ids and the tokens [F] (on the device) that go there."""
+
+    rows: torch.Tensor
+    tokens: torch.Tensor
+
+    def apply(self, ids: torch.Tensor) -> None:
+        """Write the tokens into `ids` [T] int64 in place, queued on the device."""
+        ids.index_copy_(0, self.rows, self.tokens)
+
+
+@dataclass(frozen=True, eq=False)
+class Draw:
+    """One step's sampled tokens [R] (device), and their copy with the logprobs [2, R] float64 on
+    the host once `event` has passed (no event on CPU: already there); `ready` the spans sampled."""
+
+    ready: tuple[Span, ...]
+    tokens: torch.Tensor
+    host: torch.Tensor
+    event: torch.cuda.Event | None
+
+    @classmethod
+    def launch(cls, ready: tuple[Span, ...], tokens: torch.Tensor, logprobs: torch.Tensor) -> Draw:
+        """Queue the device->host copy of tokens [R] int64 and logprobs [R] float32."""
+        # float64 holds every token id and every float32 logprob exactly: one copy carries both.
+        both = torch.stack([tokens.to(torch.float64), logprobs.to(torch.float64)])
+        if both.device.type != "cuda":
+            return cls(ready, tokens, both.cpu(), None)
+        host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+        host.copy_(both, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return cls(ready, tokens, host, event)
+
+    def read(self) -> tuple[list[int], list[float]]:
+        """The tokens and logprobs on the host, waiting for this draw's copy only."""
+        if self.event is not None:
+            self.event.synchronize()
+        host_tokens, host_logprobs = self.host.tolist()
+        return [int(t) for t in host_tokens], host_logprobs
+
+    def fill(self, fills: Seq[tuple[int, Sequence]]) -> Fill:
+        """The `Fill` of a step's (row, sequence) pairs whose ids are this draw's tokens."""
+        index = {id(span.seq): i for i, span in enumerate(self.ready)}
+        rows_and_sources = device_tensor([[row for row, _ in fills], [index[id(seq)] for _, seq in fills]],
+                                         torch.int64, self.tokens.device)
+        return Fill(rows_and_sources[0], self.tokens.index_select(0, rows_and_sources[1]))
