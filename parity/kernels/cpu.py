@@ -10,7 +10,7 @@ never changed. tests/test_kernels.py proves each property.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -20,7 +20,8 @@ from parity.kernels.cpu_gemm import TILE
 #: pointwise inputs are padded to a multiple of this many elements (2 x the widest vector, 32 lanes).
 POINTWISE_ALIGN = 64
 #: largest piece a pointwise op sees: half of ATen's GRAIN_SIZE (32768 elements), below which
-#: TensorIterator runs an op on one thread.
+#: TensorIterator runs an op on one thread (MKL's vector-math exp and log may still split a piece;
+#: they round every element alike, docs/PERF.md).
 POINTWISE_CHUNK = 16384
 
 
@@ -28,40 +29,60 @@ def pointwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> to
     """`fn(x)` for an elementwise `fn`, every element through the vector body: zero-padded to
     POINTWISE_ALIGN, in pieces of at most POINTWISE_CHUNK (below ATen's grain size: one thread).
     """
-    flat = x.reshape(-1)
+    flat = x.reshape(-1).contiguous()
     n = flat.numel()
     pad = (-n) % POINTWISE_ALIGN
-    flat = torch.cat([flat, flat.new_zeros(pad)]) if pad else flat.contiguous()
-    if flat.numel() <= POINTWISE_CHUNK:
-        out = fn(flat)
-    else:
-        out = torch.cat([fn(piece) for piece in flat.split(POINTWISE_CHUNK)])
-    return out[:n].view(x.shape)
+    if n + pad <= POINTWISE_CHUNK:
+        return fn(torch.cat([flat, flat.new_zeros(pad)]) if pad else flat)[:n].view(x.shape)
+    # views of x up to the piece that holds the padding, which alone is copied
+    unpadded = (n + pad - 1) // POINTWISE_CHUNK * POINTWISE_CHUNK if pad else n
+    pieces = list(flat[:unpadded].split(POINTWISE_CHUNK))
+    if pad:
+        pieces.append(torch.cat([flat[unpadded:], flat.new_zeros(pad)]))
+    return torch.cat([fn(piece) for piece in pieces])[:n].view(x.shape)
 
 
-def pointwise_(fn_: Callable[[torch.Tensor], torch.Tensor], flat: torch.Tensor) -> torch.Tensor:
-    """`pointwise` in place on a flat tensor already padded to POINTWISE_ALIGN (no copy); returns `flat`."""
+def pointwise_(fn_: Callable[[Sequence[torch.Tensor]], object], flat: torch.Tensor) -> torch.Tensor:
+    """An elementwise op in place on a flat tensor already padded to POINTWISE_ALIGN (no copy), every
+    element through the vector body: `fn_` gets its pieces of at most POINTWISE_CHUNK in one list, for
+    an ATen foreach op (`torch._foreach_exp_`: one op per piece, one Python call); returns `flat`."""
     if flat.dim() != 1 or not flat.is_contiguous() or flat.numel() % POINTWISE_ALIGN:
         raise ValueError(f"pointwise_ needs a flat contiguous tensor of a multiple of {POINTWISE_ALIGN} "
                          f"elements, got shape {tuple(flat.shape)}")
-    for piece in flat.split(POINTWISE_CHUNK):
-        fn_(piece)
+    fn_(flat.split(POINTWISE_CHUNK))
     return flat
 
 
-def tree_sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
-    """Sum over `dim` by a fixed pairwise tree, zero-padded to a power of two (x + 0 == x exactly)."""
+def tree_sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False, overwrite: bool = False) -> torch.Tensor:
+    """Sum over `dim` by a fixed pairwise tree over x zero-padded to a power of two: the first level
+    adds the upper part onto the lower and 0 to the rest (x + 0 == x, but -0.0 + 0 == +0.0, as the
+    padding gave), the next levels halve in place, in x itself if `overwrite` (no temporary; the
+    result is then never a view of x)."""
     dim = dim % x.dim()
     n = x.shape[dim]
-    width = 1 << max(n - 1, 0).bit_length()
-    if width != n:
-        pad_shape = list(x.shape)
-        pad_shape[dim] = width - n
-        x = torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
-    while x.shape[dim] > 1:
-        half = x.shape[dim] // 2
-        x = x.narrow(dim, 0, half) + x.narrow(dim, half, half)
-    return x if keepdim else x.squeeze(dim)
+    if n <= 2:  # nothing to pad or to halve in place
+        if n == 2:
+            total = x.narrow(dim, 0, 1) + x.narrow(dim, 1, 1)
+        elif n == 1:
+            total = x.clone() if overwrite else x
+        else:
+            total = x.new_zeros([*x.shape[:dim], 1, *x.shape[dim + 1:]])
+        return total if keepdim else total.squeeze(dim)
+    half = 1 << (n - 1).bit_length() - 1
+    paired = n - half
+    if overwrite:
+        y = x.narrow(dim, 0, half)
+        y.narrow(dim, 0, paired).add_(x.narrow(dim, half, paired))
+    else:
+        y = x.new_empty([*x.shape[:dim], half, *x.shape[dim + 1:]])
+        torch.add(x.narrow(dim, 0, paired), x.narrow(dim, half, paired), out=y.narrow(dim, 0, paired))
+    if paired < half:
+        torch.add(x.narrow(dim, paired, half - paired), 0, out=y.narrow(dim, paired, half - paired))
+    while half > 2:
+        half //= 2
+        y.narrow(dim, 0, half).add_(y.narrow(dim, half, half))
+    total = y.narrow(dim, 0, 1) + y.narrow(dim, 1, 1)
+    return total if keepdim else total.squeeze(dim)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -91,18 +112,31 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (xf * rstd).to(dtype)
 
 
+def _exp_shifted(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e, max): e = exp(x - max) [..., V] over the last dim, in a buffer zero-padded to POINTWISE_ALIGN
+    (`pointwise_`: every element in the vector body)."""
+    n = x.numel()
+    flat = torch.empty(n + (-n) % POINTWISE_ALIGN, dtype=x.dtype, device=x.device)
+    flat[n:].zero_()
+    e = flat[:n].view(x.shape)
+    top = x.amax(-1, keepdim=True)
+    torch.sub(x, top, out=e)
+    pointwise_(torch._foreach_exp_, flat)
+    return e, top
+
+
 def softmax(x: torch.Tensor) -> torch.Tensor:
     """Softmax over the last dim; masked (-inf) entries give exact zeros."""
-    z = x - x.amax(-1, keepdim=True)
-    e = pointwise(torch.exp, z)
-    return e / tree_sum(e, -1, keepdim=True)
+    e, _ = _exp_shifted(x)
+    return e.div_(tree_sum(e, -1, keepdim=True))
 
 
 def log_softmax(x: torch.Tensor) -> torch.Tensor:
     """Log-softmax over the last dim: (x - max) - log(sum(exp(x - max)))."""
-    z = x - x.amax(-1, keepdim=True)
-    total = tree_sum(pointwise(torch.exp, z), -1, keepdim=True)
-    return z - pointwise(torch.log, total)
+    e, top = _exp_shifted(x)
+    total = tree_sum(e, -1, keepdim=True, overwrite=True)
+    # x - max again into the same buffer: the same bits as keeping it, one buffer fewer
+    return torch.sub(x, top, out=e).sub_(pointwise(torch.log, total))
 
 
 def cumsum(x: torch.Tensor) -> torch.Tensor:
