@@ -280,20 +280,18 @@ class ReferenceEngine:
                               max_num_batched_tokens=config.max_num_batched_tokens,
                               eos_token_ids=self.lm.eos_token_ids, overlap=self._overlaps(requests))
         with torch.inference_mode(), kernel_scope(config.kernels):
-            pending: Draw | None = None
-            while not scheduler.done or pending is not None:
+            in_flight: Draw | None = None  # overlap: the last step's draw, read once the next is launched
+            while not scheduler.done or in_flight is not None:
                 scheduler.admit()
                 step = scheduler.plan()
-                drawn = None
-                if step.spans:
-                    hidden = self._forward(step, pending)
-                    drawn = self._sample(step.ready, hidden) if step.ready else None
-                if pending is not None:  # overlap: the step before, read after this one is launched
-                    scheduler.finish(pending.ready, *pending.read())
-                pending = drawn
-                if pending is not None and not scheduler.overlap:
-                    scheduler.finish(pending.ready, *pending.read())
-                    pending = None
+                hidden = self._forward(step, in_flight) if step.spans else None
+                drawn = self._sample(step.ready, hidden) if step.ready else None
+                if in_flight is not None:
+                    scheduler.finish(in_flight.ready, *in_flight.read())
+                if drawn is not None and not scheduler.overlap:
+                    scheduler.finish(drawn.ready, *drawn.read())
+                    drawn = None
+                in_flight = drawn
         return [self._rollout(seq) for seq in sequences]
 
     def _overlaps(self, requests: list[Request]) -> bool:
