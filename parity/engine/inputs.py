@@ -68,10 +68,13 @@ def check_positive_int(value: object, name: str) -> int:
 
 
 def device_tensor(values: Sequence, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """A host list as a tensor on `device` without a host sync: staged through pinned memory, so the
-    copy is asynchronous (a pageable copy waits for every queued kernel).
-    """
-    host = torch.tensor(values, dtype=dtype)
+    """A host list as a tensor on `device` without a host sync (`to_device`)."""
+    return to_device(torch.tensor(values, dtype=dtype), device)
+
+
+def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on `device` without a host sync: staged through pinned memory, so the copy is
+    asynchronous (a pageable copy waits for every queued kernel); itself on CPU."""
     if torch.device(device).type == "cpu":
         return host
     return host.pin_memory().to(device, non_blocking=True)

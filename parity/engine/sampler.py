@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from parity.engine.inputs import device_tensor
+from parity.engine.inputs import device_tensor, to_device
 from parity.kernels import ops
 from parity.kernels.sampling import mix32
 
@@ -121,7 +121,7 @@ def key_state(keys: Sequence[tuple[int, int, int]], device: torch.device | str) 
     state = mix32(rows[:, 3])
     for column in (2, 1, 0):
         state = mix32(rows[:, column] ^ state)
-    return state if torch.device(device).type == "cpu" else state.pin_memory().to(device, non_blocking=True)
+    return to_device(state, device)
 
 
 def sample(processed: torch.Tensor, keys: Sequence[tuple[int, int, int] | None]) -> torch.Tensor:

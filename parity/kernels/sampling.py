@@ -159,7 +159,8 @@ def uniform(state: torch.Tensor, vocab: int, align: int = 1) -> torch.Tensor:
         return flat
     flat[total:] = 2.0**52  # padding: u = 1/2 after the scaling below
     column = state.unsqueeze(1)
-    high, low = column ^ token_words(vocab, state.device)[0], column ^ token_words(vocab, state.device)[1]
+    words = token_words(vocab, state.device)
+    high, low = column ^ words[0], column ^ words[1]
     scratch = torch.empty_like(high)
     mix32_(high, scratch)
     mix32_(low, scratch)

@@ -95,8 +95,7 @@ def prove_plans(shapes: Iterable[tuple[torch.dtype, int, int]], device: torch.de
 
 def _by_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The linear of `prove_plans`: each plan by x's row count, unconditionally."""
-    short = decode_config(x.dtype, *weight.shape) if x.shape[0] <= DECODE_ROWS else None
-    return launch(x, weight, None, short or tile_config(x.dtype, *weight.shape))
+    return launch(x, weight, None, _by_row_count(x.dtype, *weight.shape, x.shape[0]))
 
 
 def forget_verdicts(shapes: Iterable[tuple[torch.dtype, int, int]]) -> None:
@@ -153,10 +152,16 @@ def decode_config(dtype: torch.dtype, n: int, k: int) -> TileConfig | None:
     return None
 
 
+def _by_row_count(dtype: torch.dtype, n: int, k: int, m: int) -> TileConfig:
+    """`decode_config` for m <= DECODE_ROWS where the shape has one, else `tile_config`."""
+    short = decode_config(dtype, n, k) if m <= DECODE_ROWS else None
+    return short or tile_config(dtype, n, k)
+
+
 def plan_for(dtype: torch.dtype, n: int, k: int, m: int) -> TileConfig:
-    """The plan of an [m, k] x [k, n] product: `decode_config` for m <= DECODE_ROWS where proven."""
-    if m <= DECODE_ROWS and _plans_agree.get((dtype, n, k), False):
-        return decode_config(dtype, n, k) or tile_config(dtype, n, k)
+    """The plan of an [m, k] x [k, n] product: by its row count (`_by_row_count`) where proven."""
+    if _plans_agree.get((dtype, n, k), False):
+        return _by_row_count(dtype, n, k, m)
     return tile_config(dtype, n, k)
 
 
