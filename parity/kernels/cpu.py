@@ -89,13 +89,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x [..., K] @ weight [N, K].T (+ bias) -> [..., N], each row independent: fixed [TILE, K]
     problems, bf16 on AMX where proven (`cpu_amx`), else float32 (`cpu_gemm.matmul`), rounded once.
     """
+    if x.dtype == torch.bfloat16 and x.numel():
+        out = cpu_amx.linear(x, weight, bias)
+        if out is not None:
+            return out
     k = x.shape[-1]
     n_out = weight.shape[0]
     rows = x.reshape(-1, k)
     if rows.shape[0] == 0:
         return x.new_empty(*x.shape[:-1], n_out)
-    if x.dtype == torch.bfloat16 and cpu_amx.usable(weight, bias):
-        return cpu_amx.matmul(rows, weight, bias).reshape(*x.shape[:-1], n_out)
     if bias is None:
         return cpu_gemm.matmul(rows, weight, x.dtype).reshape(*x.shape[:-1], n_out)
     # A separate elementwise add in float32: a fused addmm would round differently per kernel.
@@ -104,12 +106,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF RMSNorm with a fixed-order mean: sums of squares as a ones-column GEMM (`cpu_gemm.row_sums`)."""
-    dtype = x.dtype
+    """HF RMSNorm with a fixed-order mean: sums of squares as a ones-column GEMM (`cpu_gemm.row_sums`),
+    1 / sqrt(mean + eps) over a zero-padded `pointwise_` buffer."""
+    k = x.shape[-1]
     xf = x.to(torch.float32)
-    variance = cpu_gemm.row_sums((xf * xf).reshape(-1, x.shape[-1])).view(*x.shape[:-1], 1) / x.shape[-1]
-    rstd = pointwise(torch.rsqrt, variance + eps)
-    return weight * (xf * rstd).to(dtype)
+    sums = cpu_gemm.row_sums((xf * xf).reshape(-1, k))
+    m = sums.shape[0]
+    rstd = sums.new_zeros(m + (-m) % POINTWISE_ALIGN)
+    torch.div(sums.view(-1), k, out=rstd[:m]).add_(eps)
+    pointwise_(torch._foreach_rsqrt_, rstd)
+    # the float32 product rounded once to x's dtype, as (xf * rstd).to(dtype)
+    normed = torch.mul(xf, rstd[:m].view(*x.shape[:-1], 1), out=torch.empty_like(x))
+    return weight * normed
 
 
 def _exp_shifted(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -34,6 +34,9 @@ _packed: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _proven: dict[tuple[int, int, bool], bool] = {}
 #: (K, N, bias present, threads) -> whether the shape passed `threads_agree` at that thread count.
 _thread_free: dict[tuple[int, int, bool, int], bool] = {}
+#: weight -> ((version, data pointer, bias dtype, CHOICE_ENV's value), packed weight or None where
+#: `usable` said no): `linear`'s one look-up per call.
+_routes: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 @functools.cache
@@ -193,3 +196,26 @@ def matmul(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     else:
         out = torch.cat([_product(tile, packed, bias, threads) for tile in padded.split(TILE)])
     return out if tiles * TILE == m else out[:m]
+
+
+def _route_key(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
+    """What `linear`'s route for a weight depends on: its version and storage, the bias's dtype, the
+    choice's environment variable."""
+    bias_dtype = None if bias is None else bias.dtype
+    return weight._version, weight.data_ptr(), bias_dtype, os.environ.get(CHOICE_ENV)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x [..., K] bf16 @ weight [N, K].T (+ bias) -> [..., N] as `matmul`, or None where the AMX tiles do
+    not serve (`usable`); a whole contiguous tile of rows goes to its one product as it is."""
+    key = _route_key(weight, bias)
+    route = _routes.get(weight)
+    if route is None or route[0] != key:
+        route = (key, _pack(weight) if usable(weight, bias) else None)
+        _routes[weight] = route
+    packed = route[1]
+    if packed is None:
+        return None
+    if x.numel() == TILE * x.shape[-1] and x.is_contiguous() and x.data_ptr() % 64 == 0:
+        return _product(x, packed, bias, _threads(weight, packed, bias))
+    return matmul(x.reshape(-1, x.shape[-1]), weight, bias).reshape(*x.shape[:-1], weight.shape[0])

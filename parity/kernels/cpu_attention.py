@@ -5,16 +5,19 @@ fixed place: keys in KEY_BLOCK blocks by absolute position; scores [HEAD_ROWS, D
 (HEAD_ROWS fixed rather than G, since tensor parallelism changes query heads per KV head); values
 [HEAD_ROWS, KEY_BLOCK] x [KEY_BLOCK, D + 1] whose ones column gives the softmax mass. Masked keys
 are exact zeros; blocks are summed by `tree_sum`. K/V are converted once per slot per layer and
-tokens taken in rounds (one `bmm` each); `_plan` is reused across a step's layers.
+tokens taken in rounds (one `bmm` each); `_plan` is reused across a step's layers. The float32
+operands and products live in per-thread scratch buffers kept between calls (`_scratch`): fresh
+pages otherwise, and the padding of K/V and queries is written only when their layout changes.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
 
-from parity.kernels.cpu import pointwise, tree_sum
+from parity.kernels.cpu import pointwise_, tree_sum
 from parity.kernels.cpu_gemm import bmm
 
 #: cached positions per attention block: the key width of every attention GEMM (fixed here, not
@@ -31,15 +34,17 @@ CHUNK_ELEMENTS = 1 << 23
 
 @dataclass(frozen=True, eq=False)
 class _Plan:
-    """What every layer of a step shares: the tokens `order` [T] round by round, `slot_order` (most
-    tokens first; `first_slot` when consecutive, read through a view), `rounds` (first token, n_j),
-    and `mask` [T, 1, blocks, 1, KEY_BLOCK] (True: hidden).
+    """What every layer of a step shares: the tokens `order` [T] round by round (`inverse` [T] puts
+    them back; None when `order` is the identity), `slot_order` (most tokens first; `first_slot`
+    when consecutive, read through a view), `rounds` (first token, n_j), and `mask`
+    [T, 1, blocks, 1, KEY_BLOCK] (True: hidden).
     """
 
     slots: torch.Tensor
     positions: torch.Tensor
     span: int
     order: torch.Tensor
+    inverse: torch.Tensor | None
     slot_order: torch.Tensor
     first_slot: int | None
     rounds: tuple[tuple[int, int], ...]
@@ -82,43 +87,74 @@ def _plan(slots: torch.Tensor, positions: torch.Tensor, span: int) -> _Plan:
     slot_order = unique[by_count]
     low = int(slot_order[0])
     consecutive = torch.equal(slot_order, torch.arange(low, low + len(slot_order), device=slots.device))
+    identity = torch.equal(order, torch.arange(t, device=slots.device))
     plan = _Plan(slots=slots.clone(), positions=positions.clone(), span=span, order=order,
-                 slot_order=slot_order, first_slot=low if consecutive else None,
-                 rounds=tuple(zip(starts, per_round)),
+                 inverse=None if identity else torch.argsort(order), slot_order=slot_order,
+                 first_slot=low if consecutive else None, rounds=tuple(zip(starts, per_round)),
                  mask=key_position > positions[order].view(t, 1, 1, 1, 1))
     _last_plan = plan
     return plan
 
 
+#: this thread's scratch: name -> (flat float32 buffer, layout its padding was written for).
+_SCRATCH = threading.local()
+
+
+def _scratch(name: str, shape: tuple[int, ...], device: torch.device, layout: tuple = ()
+             ) -> tuple[torch.Tensor, bool]:
+    """(buffer, fresh): this thread's float32 scratch `name` viewed as `shape`, kept between calls
+    (grown when too small); `fresh` unless its last use had this shape and `layout`, which the
+    caller's padding then still holds."""
+    numel = 1
+    for size in shape:
+        numel *= size
+    key = (shape, str(device), *layout)
+    kept = getattr(_SCRATCH, name, None)
+    if kept is not None and kept[1] == key:
+        return kept[0][:numel].view(shape), False
+    if kept is None or kept[0].numel() < numel or kept[0].device != device:
+        with torch.inference_mode(False):  # a normal tensor: written in and out of inference mode
+            kept = (torch.empty(numel, dtype=torch.float32, device=device), key)
+    setattr(_SCRATCH, name, (kept[0], key))
+    return kept[0][:numel].view(shape), True
+
+
 def _gather(cache: torch.Tensor, plan: _Plan, width: int, columns: int, ones: bool) -> torch.Tensor:
     """Cached positions [0, width) of the plan's slots as float32 [S', Hkv, width, columns] (a ones
-    column if `ones`, then zeros).
+    column if `ones`, then zeros), in scratch whose padding is written only when the layout changes.
     """
     _, hkv, capacity, d = cache.shape
     have = min(capacity, width)
-    out = torch.empty(plan.slot_order.numel(), hkv, width, columns, dtype=torch.float32, device=cache.device)
+    out, fresh = _scratch("values" if ones else "keys", (plan.slot_order.numel(), hkv, width, columns),
+                          cache.device, (have, d))
     if plan.first_slot is None:
         out[:, :, :have, :d] = cache[:, :, :have].index_select(0, plan.slot_order)
     else:  # consecutive slots (a decode step): convert straight from the cache
         out[:, :, :have, :d] = cache[plan.first_slot:plan.first_slot + out.shape[0], :, :have]
-    if have < width:
-        out[:, :, have:, :d] = 0
-    if columns > d:  # one broadcast copy of the padding columns (two strided fills cost twice as much)
-        out[..., d:] = _tail(columns - d, ones, cache.device)
+    if fresh:
+        if have < width:
+            out[:, :, have:, :d] = 0
+        if columns > d:  # one broadcast copy of the padding columns (two strided fills cost twice as much)
+            tail = torch.zeros(columns - d, dtype=torch.float32, device=cache.device)
+            tail[0] = float(ones)
+            out[..., d:] = tail
     return out
 
 
-_TAILS: dict[tuple[int, bool, str], torch.Tensor] = {}
-
-
-def _tail(width: int, ones: bool, device: torch.device) -> torch.Tensor:
-    """The padding columns of a K/V row [width] float32: zeros, led by a one if `ones` (cached)."""
-    key = (width, ones, str(device))
-    if key not in _TAILS:
-        tail = torch.zeros(width, dtype=torch.float32, device=device)
-        tail[0] = float(ones)
-        _TAILS[key] = tail
-    return _TAILS[key]
+def _queries(query: torch.Tensor, plan: _Plan, hkv: int, groups: int, dk: int) -> torch.Tensor:
+    """The queries as float32 GEMM operands [groups, T, Hkv, blocks, HEAD_ROWS, dk] in the plan's
+    order, repeated for every key block, zero rows and columns padding each problem."""
+    t, hq, d = query.shape
+    g = hq // hkv
+    a, fresh = _scratch("queries", (groups, t, hkv, plan.blocks, HEAD_ROWS, dk), query.device, (g, d))
+    own = (query if plan.inverse is None else query[plan.order]).view(t, hkv, 1, g, d)
+    for group in range(groups):
+        rows = min(HEAD_ROWS, g - group * HEAD_ROWS)
+        a[group, ..., :rows, :d] = own[..., group * HEAD_ROWS:group * HEAD_ROWS + rows, :]
+    if fresh:
+        a[-1, ..., g - (groups - 1) * HEAD_ROWS:, :] = 0
+        a[..., d:] = 0
+    return a
 
 
 def _chunks(rounds: tuple[tuple[int, int], ...], per_token: int) -> list[tuple[int, int, list]]:
@@ -142,7 +178,7 @@ def attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     t, hq, d = query.shape
     hkv = k_cache.shape[1]
     g = hq // hkv
-    gp = -(-g // HEAD_ROWS) * HEAD_ROWS
+    groups = -(-g // HEAD_ROWS)
     dk = -(-d // ALIGN) * ALIGN
     dv = -(-(d + 1) // ALIGN) * ALIGN
     plan = _plan(slots, positions, span)
@@ -150,31 +186,31 @@ def attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     width = blocks * KEY_BLOCK
     keys = _gather(k_cache, plan, width, dk, ones=False).view(-1, KEY_BLOCK, dk).transpose(1, 2)
     values = _gather(v_cache, plan, width, dv, ones=True).view(-1, KEY_BLOCK, dv)
-    groups = gp // HEAD_ROWS
-    q = torch.nn.functional.pad(query.to(torch.float32)[plan.order].view(t, hkv, 1, g, d),
-                                (0, dk - d, 0, gp - g)).view(t, hkv, 1, groups, HEAD_ROWS, dk)
-    out = torch.empty(t, hkv, gp, dv, dtype=torch.float32, device=query.device)
-    for lo, hi, rounds in _chunks(plan.rounds, hkv * blocks * gp * (KEY_BLOCK + dv)):
+    q = _queries(query, plan, hkv, groups, dk)
+    out = torch.empty(t, hkv, g, d, dtype=query.dtype, device=query.device)  # in the plan's order
+    per_token = hkv * blocks * groups * HEAD_ROWS * (KEY_BLOCK + dv)
+    for lo, hi, rounds in _chunks(plan.rounds, per_token):
         # Head group first: each (group, round) product writes one contiguous slice in place.
-        scores = torch.empty(groups, hi - lo, hkv, blocks, HEAD_ROWS, KEY_BLOCK, dtype=torch.float32,
-                             device=query.device)
-        weighted = torch.empty(groups, hi - lo, hkv, blocks, HEAD_ROWS, dv, dtype=torch.float32,
-                               device=query.device)
+        scores, _ = _scratch("scores", (groups, hi - lo, hkv, blocks, HEAD_ROWS, KEY_BLOCK), query.device)
+        weighted, _ = _scratch("weighted", (groups, hi - lo, hkv, blocks, HEAD_ROWS, dv), query.device)
         for start, n in rounds:
             rows = slice(start - lo, start - lo + n)
             for group in range(groups):
-                a = q[start:start + n, :, :, group].expand(n, hkv, blocks, HEAD_ROWS, dk)
-                bmm(a.reshape(-1, HEAD_ROWS, dk), keys[:n * hkv * blocks],
+                bmm(q[group, start:start + n].view(-1, HEAD_ROWS, dk), keys[:n * hkv * blocks],
                     out=scores[group, rows].view(-1, HEAD_ROWS, KEY_BLOCK))
         scores.mul_(scaling).masked_fill_(plan.mask[lo:hi], float("-inf"))
-        p = pointwise(torch.exp, scores - scores.amax(dim=(3, 5), keepdim=True))
+        scores.sub_(scores.amax(dim=(3, 5), keepdim=True))
+        pointwise_(torch._foreach_exp_, scores.view(-1))  # a multiple of 128 elements: no padding
         for start, n in rounds:
             rows = slice(start - lo, start - lo + n)
             for group in range(groups):
-                bmm(p[group, rows].view(-1, HEAD_ROWS, KEY_BLOCK), values[:n * hkv * blocks],
+                bmm(scores[group, rows].view(-1, HEAD_ROWS, KEY_BLOCK), values[:n * hkv * blocks],
                     out=weighted[group, rows].view(-1, HEAD_ROWS, dv))
-        out[lo:hi] = tree_sum(weighted, 3).permute(1, 2, 0, 3, 4).reshape(hi - lo, hkv, gp, dv)
-    result = torch.empty(t, hkv, g, dv, dtype=torch.float32, device=query.device)
-    result[plan.order] = out[:, :, :g]  # the padding rows of each KV head's last problem are dropped
-    return (result[..., :d] / result[..., d:d + 1]).reshape(t, hq, d).to(query.dtype)
-
+        total = tree_sum(weighted, 3, overwrite=True) if blocks > 1 else weighted.squeeze(3)
+        for group in range(groups):  # the padding rows of each KV head's last problem are dropped
+            heads = slice(group * HEAD_ROWS, min(g, (group + 1) * HEAD_ROWS))
+            rows = heads.stop - heads.start
+            # float32 quotient rounded once to the output's dtype
+            torch.div(total[group, :, :, :rows, :d], total[group, :, :, :rows, d:d + 1],
+                      out=out[lo:hi, :, heads])
+    return (out if plan.inverse is None else out[plan.inverse]).view(t, hq, d)

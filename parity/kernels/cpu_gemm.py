@@ -133,8 +133,16 @@ def matmul(rows: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype = torch.
 
 def row_sums(rows: torch.Tensor) -> torch.Tensor:
     """Sum over the last dim of rows [M, K] float32 -> [M, 1]: the product with a ones column in the
-    same fixed-shape GEMM problems (two blocks of COLUMN_ALIGN columns)."""
-    return _tiled(rows, _ones_column(rows.shape[1], rows.device))[:, :1]
+    fixed-shape GEMM problems [TILE, K] x [K, COLUMN_ALIGN] (a lone tile taken twice, against the
+    ones block and a zero block: a lone problem may split across threads)."""
+    a = _tiles(rows)
+    tiles, _, k = a.shape
+    ones = _ones_column(k, rows.device)
+    if tiles == 1:
+        sums = torch.bmm(a.expand(2, TILE, k), ones)[0]
+    else:
+        sums = torch.bmm(a, ones[:1].expand(tiles, k, COLUMN_ALIGN)).view(tiles * TILE, COLUMN_ALIGN)
+    return sums[:rows.shape[0], :1]
 
 
 @functools.lru_cache(maxsize=64)
