@@ -3,6 +3,7 @@ must give every rollout the same tokens, logprobs and finish reasons as steps ru
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -10,6 +11,7 @@ from hypothesis import strategies as st
 from hypothesis_controls import ci_examples, examples_until_failure
 
 from parity import Request, SamplingParams
+from parity.core.errors import InputError
 from parity.core.turns import Generate, Inject
 from parity.engine import ReferenceEngine, train_forward
 from parity.engine import overlap as overlap_module
@@ -68,6 +70,42 @@ def test_the_property_fails_when_a_row_takes_another_sequences_token(request, mo
                            {"work": stopping_workloads()}, _same_rollouts)
 
 
+def _same_routes(work):
+    """With recorded routes (MoE): the same rollouts and routes [positions, layers, k], each
+    sequence's covering exactly its computed positions (not the row computed in vain)."""
+    got = {}
+    for overlap in (False, True):
+        engine = ReferenceEngine("tiny-qwen3-moe", max_num_seqs=work["max_num_seqs"],
+                                 chunk_size=work["chunk_size"],
+                                 max_num_batched_tokens=work["budget"], overlap=overlap, record_routes=True)
+        got[overlap] = engine.generate(work["requests"])
+    for a, b in zip(got[False], got[True], strict=True):
+        assert (a.token_ids, a.logprobs, a.finish_reason) == (b.token_ids, b.logprobs, b.finish_reason)
+        assert b.routed_experts.shape[0] == len(b.prompt_ids) + len(b.token_ids) - 1
+        assert np.array_equal(a.routed_experts, b.routed_experts)
+
+
+@ci_examples(8)
+@given(work=stopping_workloads())
+def test_overlapped_steps_record_the_same_routes(work):
+    _same_routes(work)
+
+
+def test_the_routes_property_fails_when_a_row_computed_in_vain_is_kept(monkeypatch):
+    """Negative control: routes that keep the row of a sequence stopped the step before (the
+    rollout's own check refuses routes longer than its positions: counted as the failure)."""
+    monkeypatch.setattr(overlap_module.Routes, "live", lambda self: self)
+
+    def broken(work):
+        try:
+            _same_routes(work)
+        except InputError as exc:
+            raise AssertionError(str(exc)) from exc
+
+    examples_until_failure(test_overlapped_steps_record_the_same_routes, None,
+                           {"work": stopping_workloads()}, broken)
+
+
 def test_a_sequence_stopped_by_its_token_drops_the_row_planned_after_it():
     """The scheduler alone, overlapped: a sequence sampled in step 1 decodes its pending token in
     step 2 (a fill row) before step 1's tokens are read; it stops on that token (EOS), so step 2's
@@ -103,7 +141,8 @@ def test_a_pending_last_token_is_not_planned_again():
 
 
 def test_overlap_is_off_where_a_token_decides_the_next_step_on_the_host():
-    """On by default on CUDA only; never with trajectories, top-k logprobs or recorded routes."""
+    """On by default on CUDA only; never with trajectories or top-k logprobs (recorded routes are
+    read a step late like the tokens)."""
     plain = [Request((3, 4), SamplingParams(max_tokens=2))]
     engine = ReferenceEngine("tiny-llama", overlap=True)
     assert engine._overlaps(plain)
@@ -111,7 +150,7 @@ def test_overlap_is_off_where_a_token_decides_the_next_step_on_the_host():
     turns = (Generate(max_tokens=2), Inject((5, 6)), Generate(max_tokens=2))
     assert not engine._overlaps([Request((3, 4), SamplingParams(max_tokens=8), turns=turns)])
     assert not ReferenceEngine("tiny-llama")._overlaps(plain)
-    assert not ReferenceEngine("tiny-qwen3-moe", overlap=True, record_routes=True)._overlaps(plain)
+    assert ReferenceEngine("tiny-qwen3-moe", overlap=True, record_routes=True)._overlaps(plain)
 
 
 @pytest.mark.gpu
@@ -135,3 +174,24 @@ def test_overlapped_cuda_graph_steps_equal_steady_steps_and_the_training_forward
     scored = train_forward("tiny-qwen3", got[None], device="cuda", dtype="bfloat16")
     for rollout, score in zip(got[None], scored.logprobs):
         assert torch.equal(score.cpu(), torch.tensor(rollout.logprobs, dtype=torch.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA not available)")
+def test_overlapped_cuda_graph_steps_record_the_routes_of_steady_steps():
+    """Routes written by the replayed graphs reach the host a step late; a sequence stopped on a
+    stop token keeps none of the row computed after it."""
+    requests = [Request(tuple(range(3, 3 + n)), SamplingParams(n=2, max_tokens=16, seed=n,
+                                                               stop_token_ids=tuple(range(5, 512, 13))),
+                        request_id=str(n)) for n in (3, 11, 30)]
+    got = {}
+    for overlap in (None, False):
+        with ReferenceEngine("tiny-qwen3-moe", device="cuda", dtype="bfloat16", record_routes=True,
+                             max_num_seqs=4, chunk_size=8, graphs=True, overlap=overlap) as engine:
+            assert engine._overlaps(requests) == (overlap is None)
+            got[overlap] = engine.generate(requests)
+            assert engine._graphs.status == "cuda graphs"
+    assert any(r.finish_reason == "stop" for r in got[None])
+    for a, b in zip(got[None], got[False], strict=True):
+        assert (a.token_ids, a.logprobs, a.finish_reason) == (b.token_ids, b.logprobs, b.finish_reason)
+        assert np.array_equal(a.routed_experts, b.routed_experts)

@@ -34,7 +34,7 @@ from parity.engine.inputs import (
     kernel_label,
     kernel_scope,
 )
-from parity.engine.overlap import Draw, Fill
+from parity.engine.overlap import Draw, Fill, Routes
 from parity.engine.scheduler import Scheduler, Sequence, Span, Step
 from parity.engine.train import TrainConfig, train_forward
 from parity.kernels.attention import KVCache
@@ -74,8 +74,8 @@ class EngineConfig:
     (TP-invariant) or the "all_reduce" contrast. reduction_groups: K groups of the canonical sum
     (k must divide it); bits are the same across k for one value, not across values.
     lora: an adapter (not with tensor parallelism). overlap: plan and launch each step before the
-    last one's tokens reach the host (None: on for CUDA; generates with multi-turn trajectories,
-    top-k logprobs or recorded routes run step by step); the same bits either way.
+    last one's tokens reach the host (None: on for CUDA; generates with multi-turn trajectories or
+    top-k logprobs run step by step); the same bits either way.
     """
 
     dtype: str = "float32"
@@ -281,17 +281,23 @@ class ReferenceEngine:
                               eos_token_ids=self.lm.eos_token_ids, overlap=self._overlaps(requests))
         with torch.inference_mode(), kernel_scope(config.kernels):
             in_flight: Draw | None = None  # overlap: the last step's draw, read once the next is launched
+            routed: Routes | None = None  # the last step's routes, kept once its draw is read
             while not scheduler.done or in_flight is not None:
                 scheduler.admit()
                 step = scheduler.plan()
-                hidden = self._forward(step, in_flight) if step.spans else None
+                hidden, routes = self._forward(step, in_flight) if step.spans else (None, None)
                 drawn = self._sample(step.ready, hidden) if step.ready else None
                 if in_flight is not None:
                     scheduler.finish(in_flight.ready, *in_flight.read())
+                if routed is not None:
+                    routed.keep()
+                routed = routes.live() if routes is not None else None
                 if drawn is not None and not scheduler.overlap:
                     scheduler.finish(drawn.ready, *drawn.read())
                     drawn = None
                 in_flight = drawn
+            if routed is not None:
+                routed.keep()
         return [self._rollout(seq) for seq in sequences]
 
     def _overlaps(self, requests: list[Request]) -> bool:
@@ -300,22 +306,18 @@ class ReferenceEngine:
         wanted = self.config.overlap
         if wanted is None:
             wanted = torch.device(self.config.device).type == "cuda"
-        return wanted and not self._records_routes and not any(
-            r.turns or r.sampling.top_k_logprobs for r in requests)
+        return wanted and not any(r.turns or r.sampling.top_k_logprobs for r in requests)
 
-    def _forward(self, step: Step, pending: Draw | None = None) -> torch.Tensor:
-        """Hidden states [>= T, H] of the step's T packed tokens (extra rows: padding); records routes.
-        The ids of `step.fills` rows are taken from `pending`'s tokens on the device."""
+    def _forward(self, step: Step, pending: Draw | None = None) -> tuple[torch.Tensor, Routes | None]:
+        """Hidden states [>= T, H] of the step's T packed tokens (extra rows: padding) and, when
+        recorded, their routes on the way to the host (one copy for the whole step). The ids of
+        `step.fills` rows are taken from `pending`'s tokens on the device."""
         fill = pending.fill(step.fills) if step.fills else None
         if self._graphs is not None and self._graphs.fits(len(step.ids)):
             hidden, routes = self._graphs.run(step.ids, step.positions, step.slots, step.longest_run, fill)
         else:
             hidden, routes = self._eager_forward(step, fill)
-        if routes is not None:
-            routes = routes.cpu()  # one device->host copy for the whole step
-            for seq_span in step.spans:
-                seq_span.seq.routes.append(routes[seq_span.rows])
-        return hidden
+        return hidden, None if routes is None else Routes.launch(step.spans, routes)
 
     def _eager_forward(self, step: Step, fill: Fill | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`_forward` without graphs: hidden states [T, H] and, when recorded, routes [T, layers, k]."""

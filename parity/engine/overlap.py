@@ -4,6 +4,7 @@
 sampler and records an event; `read` waits for that event only, so the next step (queued after
 the copy) keeps the device busy while the host finishes this one. `Fill` writes a draw's tokens
 into the next step's input ids on the device (the rows of sequences decoding their pending token).
+`Routes` does for a step's recorded MoE routes what `Draw` does for its tokens.
 """
 
 from __future__ import annotations
@@ -44,13 +45,7 @@ class Draw:
         """Queue the device->host copy of tokens [R] int64 and logprobs [R] float32."""
         # float64 holds every token id and every float32 logprob exactly: one copy carries both.
         both = torch.stack([tokens.to(torch.float64), logprobs.to(torch.float64)])
-        if both.device.type != "cuda":
-            return cls(ready, tokens, both.cpu(), None)
-        host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
-        host.copy_(both, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return cls(ready, tokens, host, event)
+        return cls(ready, tokens, *_to_host(both))
 
     def read(self) -> tuple[list[int], list[float]]:
         """The tokens and logprobs on the host, waiting for this draw's copy only."""
@@ -65,3 +60,46 @@ class Draw:
         rows_and_sources = device_tensor([[row for row, _ in fills], [index[id(seq)] for _, seq in fills]],
                                          torch.int64, self.tokens.device)
         return Fill(rows_and_sources[0], self.tokens.index_select(0, rows_and_sources[1]))
+
+
+def _to_host(x: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """Queue `x`'s copy to pinned host memory and record its event (none on CPU: `x` is there)."""
+    if x.device.type != "cuda":
+        return x, None
+    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    host.copy_(x, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
+
+
+@dataclass(frozen=True, eq=False)
+class Routes:
+    """A step's recorded routes [>= T, moe_layers, k] int32 on their way to the host, and the spans
+    whose rows they hold."""
+
+    spans: tuple[Span, ...]
+    host: torch.Tensor
+    event: torch.cuda.Event | None
+
+    @classmethod
+    def launch(cls, spans: tuple[Span, ...], routes: torch.Tensor) -> Routes:
+        """Queue the copy of routes (a graph's output buffer may be overwritten by the next replay:
+        the copy is queued before it)."""
+        return cls(spans, *_to_host(routes))
+
+    def live(self) -> Routes:
+        """Without the spans of sequences already stopped: with overlap, a sequence that stopped on
+        the step before's token computed its row of this step in vain. Call it after the step
+        before's tokens are given and before this step's are."""
+        return Routes(tuple(s for s in self.spans if s.seq.finish_reason is None), self.host, self.event)
+
+    def keep(self) -> None:
+        """Append each span's routes [count, moe_layers, k] to its sequence, waiting for the copy."""
+        host = self.host
+        if self.event is not None:
+            self.event.synchronize()
+            # the sequences keep views of a pageable copy: pinned blocks go back to the allocator
+            host = host.clone()
+        for span in self.spans:
+            span.seq.routes.append(host[span.rows])

@@ -3,7 +3,8 @@
 `--moe-layers` of its 48 layers, built on the GPU in memory (48 layers are ~61 GB: more than the
 lent machine's disk holds): hf generate first, on the unpatched model (`--moe-hf-tokens` output
 tokens), then the engine with each `--moe-variants` kernel set, with and without route recording
-(inside the CUDA graphs when the kernels allow graphs).
+(inside the CUDA graphs when the kernels allow graphs), `--e2e-repeats` timed calls each
+("invariant-steady": steps run one by one).
 """
 
 from __future__ import annotations
@@ -62,7 +63,9 @@ def measure(run: Run) -> MoESection:
             name = f"engine_{variant}{'_routes' if record else ''}"
             try:
                 rows[name] = engine_tok_s(lm, engine_kernels(variant), reqs, prompt_len,
-                                          args.max_batched_tokens, record_routes=record)
+                                          args.max_batched_tokens, record_routes=record,
+                                          repeats=args.e2e_repeats,
+                                          overlap=False if variant.endswith("-steady") else None)
             except Exception:
                 rows[name] = failure()
             torch.cuda.empty_cache()
