@@ -158,19 +158,7 @@ def test_overlap_is_off_where_a_token_decides_the_next_step_on_the_host():
 def test_overlapped_cuda_graph_steps_equal_steady_steps_and_the_training_forward():
     """On CUDA (on by default there) decode rows read the last step's tokens on the device inside the
     replayed graphs' inputs; sequences stop early on a stop-token set."""
-    requests = [Request(tuple(range(3, 3 + n)), SamplingParams(n=2, max_tokens=24, seed=n,
-                                                               stop_token_ids=tuple(range(5, 512, 13))),
-                        request_id=str(n)) for n in (3, 11, 30, 64)]
-    got = {}
-    for overlap in (None, False):
-        with ReferenceEngine("tiny-qwen3", device="cuda", dtype="bfloat16", max_num_seqs=5, chunk_size=16,
-                             overlap=overlap) as engine:
-            assert engine._overlaps(requests) == (overlap is None)
-            got[overlap] = engine.generate(requests)
-            assert engine._graphs.status == "cuda graphs"
-    assert any(r.finish_reason == "stop" for r in got[None])
-    for a, b in zip(got[None], got[False], strict=True):
-        assert (a.token_ids, a.logprobs, a.finish_reason) == (b.token_ids, b.logprobs, b.finish_reason)
+    got = _overlapped_and_steady_on_cuda("tiny-qwen3", (3, 11, 30, 64), 24, max_num_seqs=5, chunk_size=16)
     scored = train_forward("tiny-qwen3", got[None], device="cuda", dtype="bfloat16")
     for rollout, score in zip(got[None], scored.logprobs):
         assert torch.equal(score.cpu(), torch.tensor(rollout.logprobs, dtype=torch.float32))
@@ -181,17 +169,25 @@ def test_overlapped_cuda_graph_steps_equal_steady_steps_and_the_training_forward
 def test_overlapped_cuda_graph_steps_record_the_routes_of_steady_steps():
     """Routes written by the replayed graphs reach the host a step late; a sequence stopped on a
     stop token keeps none of the row computed after it."""
-    requests = [Request(tuple(range(3, 3 + n)), SamplingParams(n=2, max_tokens=16, seed=n,
+    got = _overlapped_and_steady_on_cuda("tiny-qwen3-moe", (3, 11, 30), 16, record_routes=True,
+                                         max_num_seqs=4, chunk_size=8, graphs=True)
+    for a, b in zip(got[None], got[False], strict=True):
+        assert np.array_equal(a.routed_experts, b.routed_experts)
+
+
+def _overlapped_and_steady_on_cuda(model, prompt_lengths, max_tokens, **options):
+    """Rollouts of CUDA-graph engines overlapped (None: the default there) and step by step (False),
+    checked equal; sequences stop early on a stop-token set."""
+    requests = [Request(tuple(range(3, 3 + n)), SamplingParams(n=2, max_tokens=max_tokens, seed=n,
                                                                stop_token_ids=tuple(range(5, 512, 13))),
-                        request_id=str(n)) for n in (3, 11, 30)]
+                        request_id=str(n)) for n in prompt_lengths]
     got = {}
     for overlap in (None, False):
-        with ReferenceEngine("tiny-qwen3-moe", device="cuda", dtype="bfloat16", record_routes=True,
-                             max_num_seqs=4, chunk_size=8, graphs=True, overlap=overlap) as engine:
+        with ReferenceEngine(model, device="cuda", dtype="bfloat16", overlap=overlap, **options) as engine:
             assert engine._overlaps(requests) == (overlap is None)
             got[overlap] = engine.generate(requests)
             assert engine._graphs.status == "cuda graphs"
     assert any(r.finish_reason == "stop" for r in got[None])
     for a, b in zip(got[None], got[False], strict=True):
         assert (a.token_ids, a.logprobs, a.finish_reason) == (b.token_ids, b.logprobs, b.finish_reason)
-        assert np.array_equal(a.routed_experts, b.routed_experts)
+    return got
