@@ -41,6 +41,10 @@ def model_shape(config: Any) -> ModelShape:
                       or config.hidden_size // config.num_attention_heads)
 
 
+#: datasheet (HBM bytes/s, dense bf16 FLOP/s) of the SXM cards the device tool lends, by name part
+NOMINAL = {"H200": (4.8e12, 989e12), "H100": (3.35e12, 989e12)}
+
+
 def measured_peaks() -> dict[str, float]:
     """Copy bandwidth (bytes/s, read + write of a 4 GiB buffer) and dense bf16 matmul peak (FLOP/s,
     8192^3 on default cuBLAS), measured here."""
@@ -49,8 +53,10 @@ def measured_peaks() -> dict[str, float]:
     buffers.clear()
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     mm_ms = bench(lambda: a @ a)
+    name = torch.cuda.get_device_name()
+    nominal = next((v for card, v in NOMINAL.items() if card in name), (float("nan"), float("nan")))
     return {"copy_bytes_s": 2 * 2**32 / copy_ms * 1e3, "matmul_flop_s": 2 * 8192**3 / mm_ms * 1e3,
-            "nominal_hbm_bytes_s": 4.8e12, "nominal_bf16_flop_s": 989e12}
+            "nominal_hbm_bytes_s": nominal[0], "nominal_bf16_flop_s": nominal[1]}
 
 
 def e2e_rows(results: dict[str, Any]) -> dict[str, tuple[str, Throughput]]:
