@@ -30,7 +30,10 @@ __all__ = ["FAMILIES", "disable", "enable", "enabled_families", "impl", "invaria
 def prepare(model: torch.nn.Module) -> None:
     """Load-time work a device's kernels need for `model` (call once its weights sit on the device):
     on CUDA, probe every bias-free linear weight shape for the proven cuBLASLt route
-    (`parity.kernels.triton.matmul.prepare`). Nothing to do on CPU."""
+    (`parity.kernels.triton.matmul.prepare`); on CPU, keep freed heap memory for the kernels'
+    temporaries (`cpu.keep_freed_memory`)."""
+    if any(p.device.type == "cpu" for p in model.parameters()):
+        cpu.keep_freed_memory()
     weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear) and m.bias is None]
     cuda = [w for w in weights if w.is_cuda]
     if cuda and triton_available():

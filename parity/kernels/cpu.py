@@ -10,6 +10,8 @@ never changed. tests/test_kernels.py proves each property.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -23,6 +25,24 @@ POINTWISE_ALIGN = 64
 #: TensorIterator runs an op on one thread (MKL's vector-math exp and log may still split a piece;
 #: they round every element alike, docs/PERF.md).
 POINTWISE_CHUNK = 16384
+#: glibc heap settings of a process running the CPU kernels (`keep_freed_memory`): allocations below
+#: the first come from the heap, and up to the second of freed heap stays mapped.
+HEAP_MMAP_THRESHOLD, HEAP_TRIM_THRESHOLD = 32 << 20, 256 << 20
+
+
+@functools.cache
+def keep_freed_memory() -> bool:
+    """Fix glibc's heap thresholds at HEAP_MMAP_THRESHOLD and HEAP_TRIM_THRESHOLD for this process
+    (`mallopt`; nothing where the C library has none) and return whether both took. glibc otherwise
+    returns a freed heap top above twice its adaptive mmap threshold (at most 64 MB) to the kernel,
+    and the kernels' temporaries of several MB, made and freed every step, come back as fresh pages:
+    220k-520k page faults per generate call of benchmarks/cpu_engine.py (docs/PERF.md)."""
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is None:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
+    return bool(mallopt(m_mmap_threshold, HEAP_MMAP_THRESHOLD)) and bool(
+        mallopt(m_trim_threshold, HEAP_TRIM_THRESHOLD))
 
 
 def pointwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
