@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
+import threading
 from collections.abc import Callable, Sequence
 
 import torch
@@ -43,6 +45,27 @@ def keep_freed_memory() -> bool:
     m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
     return bool(mallopt(m_mmap_threshold, HEAP_MMAP_THRESHOLD)) and bool(
         mallopt(m_trim_threshold, HEAP_TRIM_THRESHOLD))
+
+
+#: this thread's scratch buffers: name -> (flat buffer, the shape and layout of its last use).
+_SCRATCH = threading.local()
+
+
+def scratch(name: str, shape: tuple[int, ...], device: torch.device, layout: tuple = (),
+            dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, bool]:
+    """(buffer, fresh): this thread's scratch `name` of `dtype` viewed as `shape`, kept between calls
+    (fresh pages otherwise; grown when too small); `fresh` unless its last use had this shape and
+    `layout`, whose padding the caller then wrote and which it still holds."""
+    numel = math.prod(shape)
+    key = (shape, str(device), dtype, *layout)
+    kept = getattr(_SCRATCH, name, None)
+    if kept is not None and kept[1] == key:
+        return kept[0][:numel].view(shape), False
+    if kept is None or kept[0].numel() < numel or kept[0].device != device or kept[0].dtype != dtype:
+        with torch.inference_mode(False):  # a normal tensor: written in and out of inference mode
+            kept = (torch.empty(numel, dtype=dtype, device=device), key)
+    setattr(_SCRATCH, name, (kept[0], key))
+    return kept[0][:numel].view(shape), True
 
 
 def pointwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:

@@ -6,18 +6,17 @@ fixed place: keys in KEY_BLOCK blocks by absolute position; scores [HEAD_ROWS, D
 [HEAD_ROWS, KEY_BLOCK] x [KEY_BLOCK, D + 1] whose ones column gives the softmax mass. Masked keys
 are exact zeros; blocks are summed by `tree_sum`. K/V are converted once per slot per layer and
 tokens taken in rounds (one `bmm` each); `_plan` is reused across a step's layers. The float32
-operands and products live in per-thread scratch buffers kept between calls (`_scratch`): fresh
+operands and products live in per-thread scratch buffers kept between calls (`cpu.scratch`): fresh
 pages otherwise, and the padding of K/V and queries is written only when their layout changes.
 """
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
 import torch
 
-from parity.kernels.cpu import pointwise_, tree_sum
+from parity.kernels.cpu import pointwise_, scratch, tree_sum
 from parity.kernels.cpu_gemm import bmm
 
 #: cached positions per attention block: the key width of every attention GEMM (fixed here, not
@@ -96,36 +95,13 @@ def _plan(slots: torch.Tensor, positions: torch.Tensor, span: int) -> _Plan:
     return plan
 
 
-#: this thread's scratch: name -> (flat float32 buffer, layout its padding was written for).
-_SCRATCH = threading.local()
-
-
-def _scratch(name: str, shape: tuple[int, ...], device: torch.device, layout: tuple = ()
-             ) -> tuple[torch.Tensor, bool]:
-    """(buffer, fresh): this thread's float32 scratch `name` viewed as `shape`, kept between calls
-    (grown when too small); `fresh` unless its last use had this shape and `layout`, which the
-    caller's padding then still holds."""
-    numel = 1
-    for size in shape:
-        numel *= size
-    key = (shape, str(device), *layout)
-    kept = getattr(_SCRATCH, name, None)
-    if kept is not None and kept[1] == key:
-        return kept[0][:numel].view(shape), False
-    if kept is None or kept[0].numel() < numel or kept[0].device != device:
-        with torch.inference_mode(False):  # a normal tensor: written in and out of inference mode
-            kept = (torch.empty(numel, dtype=torch.float32, device=device), key)
-    setattr(_SCRATCH, name, (kept[0], key))
-    return kept[0][:numel].view(shape), True
-
-
 def _gather(cache: torch.Tensor, plan: _Plan, width: int, columns: int, ones: bool) -> torch.Tensor:
     """Cached positions [0, width) of the plan's slots as float32 [S', Hkv, width, columns] (a ones
     column if `ones`, then zeros), in scratch whose padding is written only when the layout changes.
     """
     _, hkv, capacity, d = cache.shape
     have = min(capacity, width)
-    out, fresh = _scratch("values" if ones else "keys", (plan.slot_order.numel(), hkv, width, columns),
+    out, fresh = scratch("values" if ones else "keys", (plan.slot_order.numel(), hkv, width, columns),
                           cache.device, (have, d))
     if plan.first_slot is None:
         out[:, :, :have, :d] = cache[:, :, :have].index_select(0, plan.slot_order)
@@ -146,7 +122,7 @@ def _queries(query: torch.Tensor, plan: _Plan, hkv: int, groups: int, dk: int) -
     order, repeated for every key block, zero rows and columns padding each problem."""
     t, hq, d = query.shape
     g = hq // hkv
-    a, fresh = _scratch("queries", (groups, t, hkv, plan.blocks, HEAD_ROWS, dk), query.device, (g, d))
+    a, fresh = scratch("queries", (groups, t, hkv, plan.blocks, HEAD_ROWS, dk), query.device, (g, d))
     own = (query if plan.inverse is None else query[plan.order]).view(t, hkv, 1, g, d)
     for group in range(groups):
         rows = min(HEAD_ROWS, g - group * HEAD_ROWS)
@@ -191,8 +167,8 @@ def attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     per_token = hkv * blocks * groups * HEAD_ROWS * (KEY_BLOCK + dv)
     for lo, hi, rounds in _chunks(plan.rounds, per_token):
         # Head group first: each (group, round) product writes one contiguous slice in place.
-        scores, _ = _scratch("scores", (groups, hi - lo, hkv, blocks, HEAD_ROWS, KEY_BLOCK), query.device)
-        weighted, _ = _scratch("weighted", (groups, hi - lo, hkv, blocks, HEAD_ROWS, dv), query.device)
+        scores, _ = scratch("scores", (groups, hi - lo, hkv, blocks, HEAD_ROWS, KEY_BLOCK), query.device)
+        weighted, _ = scratch("weighted", (groups, hi - lo, hkv, blocks, HEAD_ROWS, dv), query.device)
         for start, n in rounds:
             rows = slice(start - lo, start - lo + n)
             for group in range(groups):

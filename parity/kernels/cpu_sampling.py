@@ -9,15 +9,11 @@ far, not the [N, V] float64 noise (12 MB of fresh pages a step at 32 x 49k).
 from __future__ import annotations
 
 import math
-import threading
 
 import torch
 
-from parity.kernels.cpu import POINTWISE_ALIGN, pointwise_
+from parity.kernels.cpu import POINTWISE_ALIGN, pointwise_, scratch
 from parity.kernels.sampling import HASH_SPAN, HashSpans
-
-#: each thread's buffer of one span's values [HASH_SPAN] float64, kept between calls (fresh pages otherwise).
-_VALUES = threading.local()
 
 
 class _Spans(HashSpans):
@@ -90,10 +86,7 @@ def gumbel_argmax(scores: torch.Tensor, state: torch.Tensor, noisy: torch.Tensor
     n, vocab = scores.shape
     spans = _Spans(state, vocab)
     flat_scores = scores.reshape(-1)
-    if not hasattr(_VALUES, "buffer"):
-        with torch.inference_mode(False):  # a normal tensor: updated in place in and out of the mode
-            _VALUES.buffer = torch.empty(HASH_SPAN, dtype=torch.float64)
-    buffer = _VALUES.buffer
+    buffer, _ = scratch("span values", (HASH_SPAN,), scores.device, dtype=torch.float64)
     maxima, positions, rows = [], [], []
     for start in spans.starts():
         out = buffer[:min(HASH_SPAN, spans.padded - start)]
