@@ -70,7 +70,9 @@ def _attention_as_written(query, k_cache, v_cache, slots, positions, span, scali
                 a = a.reshape(-1, HEAD_ROWS, dk)
                 scores[group, start - lo:start - lo + n] = cpu_gemm.bmm(a, keys[:n * hkv * blocks]).view(
                     n, hkv, blocks, HEAD_ROWS, KEY_BLOCK)
-        scores.mul_(scaling).masked_fill_(plan.mask[lo:hi], float("-inf"))
+        key = torch.arange(width).view(1, 1, blocks, 1, KEY_BLOCK)
+        hidden = key > positions[plan.order].view(t, 1, 1, 1, 1)
+        scores.mul_(scaling).masked_fill_(hidden[lo:hi], float("-inf"))
         p = cpu.pointwise(torch.exp, scores - scores.amax(dim=(3, 5), keepdim=True))
         for start, n in rounds:
             for group in range(groups):
@@ -166,6 +168,64 @@ def test_control_tokens_left_in_round_order_are_caught():
     first = examples_until_failure(test_attention_is_the_definition_at_any_threads_layout_and_batch, None,
                                    ATTENTION_DRAWS, broken)
     print(f"round-order outputs fail at example {first}")
+
+
+def test_control_a_mask_that_hides_nothing_is_caught():
+    """Negative control: a plan whose bias hides no key (-0.0 everywhere, so the scale-and-mask pass
+    only scales) fails the property within its examples."""
+    def unmasked(*args, **kwargs):
+        plan = cpu_attention._plan(args[3], args[4], args[5])
+        with mock.patch.object(cpu_attention, "_plan", lambda *_: plan.__class__(
+                **{**plan.__dict__, "bias": torch.full_like(plan.bias, -0.0)})):
+            return cpu_attention.attention(*args, **kwargs)
+
+    def broken(**drawn):
+        _check_attention(**drawn, attention=unmasked)
+
+    first = examples_until_failure(test_attention_is_the_definition_at_any_threads_layout_and_batch, None,
+                                   ATTENTION_DRAWS, broken)
+    print(f"a mask that hides nothing fails at example {first}")
+
+
+# --- pointwise_: whole buffers where proven ------------------------------------------------------
+
+def _tail_rounds_apart(pieces):
+    """A foreach exp whose short pieces (a scalar tail's lengths) round one ulp apart."""
+    for piece in pieces:
+        piece.exp_()
+        if piece.numel() < 16:
+            piece.copy_(torch.nextafter(piece, torch.full_like(piece, float("inf"))))
+
+
+@given(length=st.integers(1, 800).map(lambda n: n * cpu.POINTWISE_ALIGN),
+       dtype=st.sampled_from([torch.float32, torch.float64]), threads=st.sampled_from([1, 2]),
+       op=st.sampled_from(["exp", "log", "rsqrt"]), seed=st.integers(0, 2**16))
+def test_pointwise_in_place_is_the_pieces_at_any_length_and_threads(length, dtype, threads, op, seed):
+    """`pointwise_` (one whole-buffer op where `rounds_alike` proved it) gives the bits of the op over
+    POINTWISE_CHUNK pieces, element by element in 1-element pieces too."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(length, generator=g, dtype=torch.float64) * 8).to(dtype)
+    x = x.abs() if op != "exp" else x
+    fn_ = getattr(torch, f"_foreach_{op}_")
+    expected = x.clone()
+    fn_(expected.split(cpu.POINTWISE_CHUNK))
+    singles = x.clone()
+    fn_(singles.split(1))
+    with bounded_threads(threads):
+        got = cpu.pointwise_(fn_, x.clone())
+    assert torch.equal(_bits(got), _bits(expected))
+    assert torch.equal(_bits(got), _bits(singles))
+
+
+def test_an_op_whose_tail_rounds_apart_keeps_its_pieces():
+    """Negative control of the proof: a foreach op whose short pieces round differently is not proven,
+    and `pointwise_` hands it pieces of POINTWISE_CHUNK (the whole buffer would round other bits); a
+    proof asked for another thread count than the process's is refused."""
+    x = torch.randn(3 * cpu.POINTWISE_CHUNK)
+    assert not cpu.rounds_alike(_tail_rounds_apart, torch.float32)
+    seen = []
+    cpu.pointwise_(lambda pieces: seen.append([p.numel() for p in pieces]) or _tail_rounds_apart(pieces), x)
+    assert seen[-1] == [cpu.POINTWISE_CHUNK] * 3  # the calls before it are the proof's probes
 
 
 # --- RMSNorm -------------------------------------------------------------------------------------

@@ -87,13 +87,50 @@ def pointwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> to
 
 def pointwise_(fn_: Callable[[Sequence[torch.Tensor]], object], flat: torch.Tensor) -> torch.Tensor:
     """An elementwise op in place on a flat tensor already padded to POINTWISE_ALIGN (no copy), every
-    element through the vector body: `fn_` gets its pieces of at most POINTWISE_CHUNK in one list, for
-    an ATen foreach op (`torch._foreach_exp_`: one op per piece, one Python call); returns `flat`."""
+    element through the vector body: `fn_` (an ATen foreach op, `torch._foreach_exp_`) gets the whole
+    buffer where `rounds_alike` proved that safe, else its pieces of at most POINTWISE_CHUNK (one op
+    each, one Python call); returns `flat`."""
     if flat.dim() != 1 or not flat.is_contiguous() or flat.numel() % POINTWISE_ALIGN:
         raise ValueError(f"pointwise_ needs a flat contiguous tensor of a multiple of {POINTWISE_ALIGN} "
                          f"elements, got shape {tuple(flat.shape)}")
-    fn_(flat.split(POINTWISE_CHUNK))
+    if rounds_alike(fn_, flat.dtype):
+        fn_([flat])  # one op: the pieces' fork-joins cost ~10 us each on two threads
+    else:
+        fn_(flat.split(POINTWISE_CHUNK))
     return flat
+
+
+#: integer views for comparing bits (NaN payloads included, -0.0 apart from +0.0).
+_BITS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.bfloat16: torch.int16,
+         torch.float16: torch.int16}
+
+
+def rounds_alike(fn_: Callable[[Sequence[torch.Tensor]], object], dtype: torch.dtype) -> bool:
+    """Whether foreach op `fn_` gives every element of `dtype` the same bits over one whole buffer, on
+    the process's threads, as in 7-element pieces at two alignments and in POINTWISE_CHUNK pieces: a
+    probe of 3 chunks + 61 values over 2^-30 .. 2^30, both signs, run once per thread count. MKL's
+    vector math (exp, log, rsqrt in float32 and float64) passes on the hosts measured; ops with a
+    scalar tail (sigmoid, SiLU) fail and keep their pieces (docs/PERF.md)."""
+    return dtype in _BITS and _proven_alike(fn_, dtype, torch.get_num_threads())
+
+
+@functools.cache
+def _proven_alike(fn_: Callable[[Sequence[torch.Tensor]], object], dtype: torch.dtype, threads: int) -> bool:
+    """`rounds_alike`'s probe, on `threads` threads (the process's: part of the cache key)."""
+    gen = torch.Generator().manual_seed(0)
+    n = 3 * POINTWISE_CHUNK + 61
+    magnitude = torch.exp2(torch.rand(n, generator=gen, dtype=torch.float64) * 60 - 30)
+    sign = torch.randint(0, 2, (n,), generator=gen) * 2 - 1
+    probe = (magnitude * sign).to(dtype)
+
+    def bits(split: Callable[[torch.Tensor], Sequence[torch.Tensor]]) -> torch.Tensor:
+        out = probe.clone()
+        fn_(split(out))
+        return out.view(_BITS[dtype])
+
+    whole = bits(lambda x: [x])
+    return all(torch.equal(whole, bits(split)) for split in (
+        lambda x: x.split(7), lambda x: [x[:3], *x[3:].split(7)], lambda x: x.split(POINTWISE_CHUNK)))
 
 
 def tree_sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False, overwrite: bool = False) -> torch.Tensor:

@@ -12,6 +12,8 @@ pages otherwise, and the padding of K/V and queries is written only when their l
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -35,8 +37,9 @@ CHUNK_ELEMENTS = 1 << 23
 class _Plan:
     """What every layer of a step shares: the tokens `order` [T] round by round (`inverse` [T] puts
     them back; None when `order` is the identity), `slot_order` (most tokens first; `first_slot`
-    when consecutive, read through a view), `rounds` (first token, n_j), and `mask`
-    [T, 1, blocks, 1, KEY_BLOCK] (True: hidden).
+    when consecutive, read through a view), `rounds` (first token, n_j), and `bias`
+    [T, 1, blocks, 1, KEY_BLOCK] float32 added to the scaled scores: -inf hides a key, -0.0 keeps
+    every score's bits (x + -0.0 == x, -0.0 included).
     """
 
     slots: torch.Tensor
@@ -47,11 +50,11 @@ class _Plan:
     slot_order: torch.Tensor
     first_slot: int | None
     rounds: tuple[tuple[int, int], ...]
-    mask: torch.Tensor
+    bias: torch.Tensor
 
     @property
     def blocks(self) -> int:
-        return self.mask.shape[2]
+        return self.bias.shape[2]
 
 
 _last_plan: _Plan | None = None
@@ -90,9 +93,16 @@ def _plan(slots: torch.Tensor, positions: torch.Tensor, span: int) -> _Plan:
     plan = _Plan(slots=slots.clone(), positions=positions.clone(), span=span, order=order,
                  inverse=None if identity else torch.argsort(order), slot_order=slot_order,
                  first_slot=low if consecutive else None, rounds=tuple(zip(starts, per_round)),
-                 mask=key_position > positions[order].view(t, 1, 1, 1, 1))
+                 bias=torch.where(key_position > positions[order].view(t, 1, 1, 1, 1), -math.inf, -0.0))
     _last_plan = plan
     return plan
+
+
+@functools.cache
+def _one(device: torch.device) -> torch.Tensor:
+    """A float32 1 (`addcmul`'s second factor: times 1 is exact)."""
+    with torch.inference_mode(False):
+        return torch.ones((), device=device)
 
 
 def _gather(cache: torch.Tensor, plan: _Plan, width: int, columns: int, ones: bool) -> torch.Tensor:
@@ -174,7 +184,8 @@ def attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             for group in range(groups):
                 bmm(q[group, start:start + n].view(-1, HEAD_ROWS, dk), keys[:n * hkv * blocks],
                     out=scores[group, rows].view(-1, HEAD_ROWS, KEY_BLOCK))
-        scores.mul_(scaling).masked_fill_(plan.mask[lo:hi], float("-inf"))
+        # one pass for scale and mask: bias + scores * scaling * 1, the product rounded once as by mul_
+        torch.addcmul(plan.bias[lo:hi], scores, _one(query.device), value=scaling, out=scores)
         scores.sub_(scores.amax(dim=(3, 5), keepdim=True))
         pointwise_(torch._foreach_exp_, scores.view(-1))  # a multiple of 128 elements: no padding
         for start, n in rounds:
