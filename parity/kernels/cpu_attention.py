@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from dataclasses import dataclass
 
 import torch
 
-from parity.kernels.cpu import pointwise_, scratch, tree_sum
+from parity.kernels.cpu import pointwise_, scratch, tree_steps
 from parity.kernels.cpu_gemm import bmm
 
 #: cached positions per attention block: the key width of every attention GEMM (fixed here, not
@@ -105,18 +106,15 @@ def _one(device: torch.device) -> torch.Tensor:
         return torch.ones((), device=device)
 
 
-def _gather(cache: torch.Tensor, plan: _Plan, width: int, columns: int, ones: bool) -> torch.Tensor:
-    """Cached positions [0, width) of the plan's slots as float32 [S', Hkv, width, columns] (a ones
-    column if `ones`, then zeros), in scratch whose padding is written only when the layout changes.
-    """
+def _gather(cache: torch.Tensor, plan: _Plan, width: int, columns: int, ones: bool
+            ) -> tuple[torch.Tensor, int]:
+    """Scratch for cached positions [0, width) of the plan's slots as float32 [S', Hkv, width, columns]
+    (a ones column if `ones`, then zeros: written here only when the layout changes) and `have`, the
+    positions a layer's cache (K and V alike: only its shape is read) fills (`_fill`)."""
     _, hkv, capacity, d = cache.shape
     have = min(capacity, width)
     out, fresh = scratch("values" if ones else "keys", (plan.slot_order.numel(), hkv, width, columns),
                           cache.device, (have, d))
-    if plan.first_slot is None:
-        out[:, :, :have, :d] = cache[:, :, :have].index_select(0, plan.slot_order)
-    else:  # consecutive slots (a decode step): convert straight from the cache
-        out[:, :, :have, :d] = cache[plan.first_slot:plan.first_slot + out.shape[0], :, :have]
     if fresh:
         if have < width:
             out[:, :, have:, :d] = 0
@@ -124,23 +122,17 @@ def _gather(cache: torch.Tensor, plan: _Plan, width: int, columns: int, ones: bo
             tail = torch.zeros(columns - d, dtype=torch.float32, device=cache.device)
             tail[0] = float(ones)
             out[..., d:] = tail
-    return out
+    return out, have
 
 
-def _queries(query: torch.Tensor, plan: _Plan, hkv: int, groups: int, dk: int) -> torch.Tensor:
-    """The queries as float32 GEMM operands [groups, T, Hkv, blocks, HEAD_ROWS, dk] in the plan's
-    order, repeated for every key block, zero rows and columns padding each problem."""
-    t, hq, d = query.shape
-    g = hq // hkv
-    a, fresh = scratch("queries", (groups, t, hkv, plan.blocks, HEAD_ROWS, dk), query.device, (g, d))
-    own = (query if plan.inverse is None else query[plan.order]).view(t, hkv, 1, g, d)
-    for group in range(groups):
-        rows = min(HEAD_ROWS, g - group * HEAD_ROWS)
-        a[group, ..., :rows, :d] = own[..., group * HEAD_ROWS:group * HEAD_ROWS + rows, :]
-    if fresh:
-        a[-1, ..., g - (groups - 1) * HEAD_ROWS:, :] = 0
-        a[..., d:] = 0
-    return a
+def _fill(into: torch.Tensor, cache: torch.Tensor, plan: _Plan) -> None:
+    """A layer's cached K or V of the plan's slots, positions [0, have), converted into `into`
+    [S', Hkv, have, D] (a view of `_gather`'s scratch)."""
+    have = into.shape[2]
+    if plan.first_slot is None:
+        into.copy_(cache[:, :, :have].index_select(0, plan.slot_order))
+    else:  # consecutive slots (a decode step): convert straight from the cache
+        into.copy_(cache[plan.first_slot:plan.first_slot + into.shape[0], :, :have])
 
 
 def _chunks(rounds: tuple[tuple[int, int], ...], per_token: int) -> list[tuple[int, int, list]]:
@@ -155,6 +147,101 @@ def _chunks(rounds: tuple[tuple[int, int], ...], per_token: int) -> list[tuple[i
     return chunks
 
 
+@dataclass(frozen=True, eq=False)
+class _Chunk:
+    """One chunk of rounds (tokens lo..hi of the plan's order) as views: the score and weighted
+    products (a, b, out), the scores and their mask bias, the blocks' tree (`tree_steps`: adds, last
+    pair; None for one block), the totals, and per head group (numerator, denominator, heads)."""
+
+    lo: int
+    hi: int
+    score_products: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...]
+    weight_products: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...]
+    scores: torch.Tensor
+    bias: torch.Tensor
+    tree: tuple[list, tuple[torch.Tensor, torch.Tensor]] | None
+    total: torch.Tensor
+    quotients: tuple[tuple[torch.Tensor, torch.Tensor, slice], ...]
+
+
+@dataclass(frozen=True, eq=False)
+class _Operands:
+    """A plan's float32 operands in this thread's scratch as the views every layer of its step uses:
+    K/V destinations [S', Hkv, have, D], query destinations per head group (broadcast over the key
+    blocks) with their heads, and the chunks. Made once per plan, layout and thread: the views alone
+    were ~45 of a layer's ~70 ATen calls."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    queries: tuple[tuple[torch.Tensor, slice], ...]
+    chunks: tuple[_Chunk, ...]
+
+
+#: this thread's last operands: (plan, layout key, `_Operands`).
+_OPERANDS = threading.local()
+
+
+def _operands(plan: _Plan, query: torch.Tensor, k_cache: torch.Tensor) -> _Operands:
+    """The plan's operands for this layout: the last ones again for the same plan and layout (a plan
+    is never reused once another was made, so the scratch still holds their padding)."""
+    t, hq, d = query.shape
+    _, hkv, capacity, _ = k_cache.shape
+    # views made in inference mode may not be written outside it
+    key = (hq, hkv, d, capacity, str(query.device), CHUNK_ELEMENTS, torch.is_inference_mode_enabled())
+    last = getattr(_OPERANDS, "last", None)
+    if last is not None and last[0] is plan and last[1] == key:
+        return last[2]
+    g = hq // hkv
+    groups = -(-g // HEAD_ROWS)
+    dk = -(-d // ALIGN) * ALIGN
+    dv = -(-(d + 1) // ALIGN) * ALIGN
+    blocks = plan.blocks
+    width = blocks * KEY_BLOCK
+    keys, have = _gather(k_cache, plan, width, dk, ones=False)
+    values, _ = _gather(k_cache, plan, width, dv, ones=True)
+    a, fresh = scratch("queries", (groups, t, hkv, blocks, HEAD_ROWS, dk), query.device, (g, d))
+    if fresh:
+        a[-1, ..., g - (groups - 1) * HEAD_ROWS:, :] = 0
+        a[..., d:] = 0
+    queries = tuple((a[group, ..., :min(HEAD_ROWS, g - group * HEAD_ROWS), :d],
+                     slice(group * HEAD_ROWS, min(g, (group + 1) * HEAD_ROWS))) for group in range(groups))
+    key_blocks = keys.view(-1, KEY_BLOCK, dk).transpose(1, 2)
+    value_blocks = values.view(-1, KEY_BLOCK, dv)
+    per_token = hkv * blocks * groups * HEAD_ROWS * (KEY_BLOCK + dv)
+    chunks = []
+    for lo, hi, rounds in _chunks(plan.rounds, per_token):
+        # Head group first: each (group, round) product writes one contiguous slice in place.
+        scores, _ = scratch("scores", (groups, hi - lo, hkv, blocks, HEAD_ROWS, KEY_BLOCK), query.device)
+        weighted, _ = scratch("weighted", (groups, hi - lo, hkv, blocks, HEAD_ROWS, dv), query.device)
+        score_products, weight_products = [], []
+        for start, n in rounds:
+            rows = slice(start - lo, start - lo + n)
+            for group in range(groups):
+                problems = scores[group, rows].view(-1, HEAD_ROWS, KEY_BLOCK)
+                score_products.append((a[group, start:start + n].view(-1, HEAD_ROWS, dk),
+                                       key_blocks[:n * hkv * blocks], problems))
+                weight_products.append((problems, value_blocks[:n * hkv * blocks],
+                                        weighted[group, rows].view(-1, HEAD_ROWS, dv)))
+        tree, total = None, weighted
+        if blocks > 1:  # `tree_sum(weighted, 3, overwrite=True)`, its last sum into scratch
+            tree = tree_steps(weighted, 3) if blocks > 2 else ([], (weighted.narrow(3, 0, 1),
+                                                                     weighted.narrow(3, 1, 1)))
+            total, _ = scratch("totals", (groups, hi - lo, hkv, 1, HEAD_ROWS, dv), query.device)
+        total = total.squeeze(3)
+        quotients = []
+        for group in range(groups):  # the padding rows of each KV head's last problem are dropped
+            heads = slice(group * HEAD_ROWS, min(g, (group + 1) * HEAD_ROWS))
+            rows = heads.stop - heads.start
+            quotients.append((total[group, :, :, :rows, :d], total[group, :, :, :rows, d:d + 1], heads))
+        chunks.append(_Chunk(lo=lo, hi=hi, score_products=tuple(score_products),
+                             weight_products=tuple(weight_products), scores=scores, bias=plan.bias[lo:hi],
+                             tree=tree, total=total, quotients=tuple(quotients)))
+    operands = _Operands(keys=keys[:, :, :have, :d], values=values[:, :, :have, :d], queries=queries,
+                         chunks=tuple(chunks))
+    _OPERANDS.last = (plan, key, operands)
+    return operands
+
+
 def attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
               positions: torch.Tensor, span: int, scaling: float, max_run: int | None = None) -> torch.Tensor:
     """Causal attention of each query [T, Hq, D] over its own slot's K/V [S, Hkv, C, D] -> [T, Hq, D]
@@ -163,41 +250,29 @@ def attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     """
     t, hq, d = query.shape
     hkv = k_cache.shape[1]
-    g = hq // hkv
-    groups = -(-g // HEAD_ROWS)
-    dk = -(-d // ALIGN) * ALIGN
-    dv = -(-(d + 1) // ALIGN) * ALIGN
     plan = _plan(slots, positions, span)
-    blocks = plan.blocks
-    width = blocks * KEY_BLOCK
-    keys = _gather(k_cache, plan, width, dk, ones=False).view(-1, KEY_BLOCK, dk).transpose(1, 2)
-    values = _gather(v_cache, plan, width, dv, ones=True).view(-1, KEY_BLOCK, dv)
-    q = _queries(query, plan, hkv, groups, dk)
-    out = torch.empty(t, hkv, g, d, dtype=query.dtype, device=query.device)  # in the plan's order
-    per_token = hkv * blocks * groups * HEAD_ROWS * (KEY_BLOCK + dv)
-    for lo, hi, rounds in _chunks(plan.rounds, per_token):
-        # Head group first: each (group, round) product writes one contiguous slice in place.
-        scores, _ = scratch("scores", (groups, hi - lo, hkv, blocks, HEAD_ROWS, KEY_BLOCK), query.device)
-        weighted, _ = scratch("weighted", (groups, hi - lo, hkv, blocks, HEAD_ROWS, dv), query.device)
-        for start, n in rounds:
-            rows = slice(start - lo, start - lo + n)
-            for group in range(groups):
-                bmm(q[group, start:start + n].view(-1, HEAD_ROWS, dk), keys[:n * hkv * blocks],
-                    out=scores[group, rows].view(-1, HEAD_ROWS, KEY_BLOCK))
+    operands = _operands(plan, query, k_cache)
+    _fill(operands.keys, k_cache, plan)
+    _fill(operands.values, v_cache, plan)
+    own = (query if plan.inverse is None else query[plan.order]).view(t, hkv, 1, hq // hkv, d)
+    for into, heads in operands.queries:
+        into.copy_(own[..., heads, :])
+    out = torch.empty(t, hkv, hq // hkv, d, dtype=query.dtype, device=query.device)  # in the plan's order
+    for chunk in operands.chunks:
+        for a, b, product in chunk.score_products:
+            bmm(a, b, out=product)
         # one pass for scale and mask: bias + scores * scaling * 1, the product rounded once as by mul_
-        torch.addcmul(plan.bias[lo:hi], scores, _one(query.device), value=scaling, out=scores)
-        scores.sub_(scores.amax(dim=(3, 5), keepdim=True))
-        pointwise_(torch._foreach_exp_, scores.view(-1))  # a multiple of 128 elements: no padding
-        for start, n in rounds:
-            rows = slice(start - lo, start - lo + n)
-            for group in range(groups):
-                bmm(scores[group, rows].view(-1, HEAD_ROWS, KEY_BLOCK), values[:n * hkv * blocks],
-                    out=weighted[group, rows].view(-1, HEAD_ROWS, dv))
-        total = tree_sum(weighted, 3, overwrite=True) if blocks > 1 else weighted.squeeze(3)
-        for group in range(groups):  # the padding rows of each KV head's last problem are dropped
-            heads = slice(group * HEAD_ROWS, min(g, (group + 1) * HEAD_ROWS))
-            rows = heads.stop - heads.start
+        torch.addcmul(chunk.bias, chunk.scores, _one(query.device), value=scaling, out=chunk.scores)
+        chunk.scores.sub_(chunk.scores.amax(dim=(3, 5), keepdim=True))
+        pointwise_(torch._foreach_exp_, chunk.scores.view(-1))  # a multiple of 128 elements: no padding
+        for a, b, product in chunk.weight_products:
+            bmm(a, b, out=product)
+        if chunk.tree is not None:
+            adds, (first, second) = chunk.tree
+            for into, term in adds:
+                into.add_(0 if term is None else term)
+            torch.add(first, second, out=chunk.total.unsqueeze(3))
+        for numerator, denominator, heads in chunk.quotients:
             # float32 quotient rounded once to the output's dtype
-            torch.div(total[group, :, :, :rows, :d], total[group, :, :, :rows, d:d + 1],
-                      out=out[lo:hi, :, heads])
+            torch.div(numerator, denominator, out=out[chunk.lo:chunk.hi, :, heads])
     return (out if plan.inverse is None else out[plan.inverse]).view(t, hq, d)
