@@ -100,9 +100,10 @@ def pointwise_(fn_: Callable[[Sequence[torch.Tensor]], object], flat: torch.Tens
     return flat
 
 
-#: integer views for comparing bits (NaN payloads included, -0.0 apart from +0.0).
-_BITS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.bfloat16: torch.int16,
-         torch.float16: torch.int16}
+#: integer views for comparing bits (NaN payloads included, -0.0 apart from +0.0). No 16-bit types: an
+#: op on them rounds a float32 result, and a tail one float32 ulp apart changes it in ~2^-15 of the
+#: elements, too few for a probe to see (bfloat16 SiLU passed one here yet rounds its tail apart).
+_BITS = {torch.float64: torch.int64, torch.float32: torch.int32}
 
 
 def rounds_alike(fn_: Callable[[Sequence[torch.Tensor]], object], dtype: torch.dtype) -> bool:
@@ -128,6 +129,7 @@ def _proven_alike(fn_: Callable[[Sequence[torch.Tensor]], object], dtype: torch.
         fn_(split(out))
         return out.view(_BITS[dtype])
 
+    bits(lambda x: [x])  # a first call, discarded: 2 of ~450 fresh processes failed the probe without it
     whole = bits(lambda x: [x])
     return all(torch.equal(whole, bits(split)) for split in (
         lambda x: x.split(7), lambda x: [x[:3], *x[3:].split(7)], lambda x: x.split(POINTWISE_CHUNK)))
