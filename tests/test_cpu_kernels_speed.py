@@ -140,7 +140,8 @@ def test_control_scratch_padding_kept_across_layouts_is_caught():
         kept = getattr(cpu._SCRATCH, name, None)
         if kept is not None and kept[0].numel() >= numel:
             return kept[0][:numel].view(shape), False
-        buffer = torch.full((numel,), float("nan"), dtype=dtype)
+        with torch.inference_mode(False):  # as `cpu.scratch`: written in and out of inference mode
+            buffer = torch.full((numel,), float("nan"), dtype=dtype)
         setattr(cpu._SCRATCH, name, (buffer, None, None))
         return buffer.view(shape), True
 
@@ -153,37 +154,33 @@ def test_control_scratch_padding_kept_across_layouts_is_caught():
     print(f"stale scratch padding fails at example {first}")
 
 
-def test_control_tokens_left_in_round_order_are_caught():
-    """Negative control: outputs left in the plan's round order (not put back where each token came
-    from) fail the property within its examples."""
-    def round_order(*args, **kwargs):
+def _first_failure_with_plan(change) -> int:
+    """The example at which the attention property fails with each plan replaced by `change(plan)`'s
+    fields (raises if none of its examples fails)."""
+    def changed(*args, **kwargs):
         plan = cpu_attention._plan(args[3], args[4], args[5])
         with mock.patch.object(cpu_attention, "_plan", lambda *_: plan.__class__(
-                **{**plan.__dict__, "inverse": None})):
+                **{**plan.__dict__, **change(plan)})):
             return cpu_attention.attention(*args, **kwargs)
 
     def broken(**drawn):
-        _check_attention(**drawn, attention=round_order)
+        _check_attention(**drawn, attention=changed)
 
-    first = examples_until_failure(test_attention_is_the_definition_at_any_threads_layout_and_batch, None,
-                                   ATTENTION_DRAWS, broken)
+    return examples_until_failure(test_attention_is_the_definition_at_any_threads_layout_and_batch, None,
+                                  ATTENTION_DRAWS, broken)
+
+
+def test_control_tokens_left_in_round_order_are_caught():
+    """Negative control: outputs left in the plan's round order (not put back where each token came
+    from) fail the property within its examples."""
+    first = _first_failure_with_plan(lambda plan: {"inverse": None})
     print(f"round-order outputs fail at example {first}")
 
 
 def test_control_a_mask_that_hides_nothing_is_caught():
     """Negative control: a plan whose bias hides no key (-0.0 everywhere, so the scale-and-mask pass
     only scales) fails the property within its examples."""
-    def unmasked(*args, **kwargs):
-        plan = cpu_attention._plan(args[3], args[4], args[5])
-        with mock.patch.object(cpu_attention, "_plan", lambda *_: plan.__class__(
-                **{**plan.__dict__, "bias": torch.full_like(plan.bias, -0.0)})):
-            return cpu_attention.attention(*args, **kwargs)
-
-    def broken(**drawn):
-        _check_attention(**drawn, attention=unmasked)
-
-    first = examples_until_failure(test_attention_is_the_definition_at_any_threads_layout_and_batch, None,
-                                   ATTENTION_DRAWS, broken)
+    first = _first_failure_with_plan(lambda plan: {"bias": torch.full_like(plan.bias, -0.0)})
     print(f"a mask that hides nothing fails at example {first}")
 
 
