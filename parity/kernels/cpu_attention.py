@@ -5,9 +5,10 @@ fixed place: keys in KEY_BLOCK blocks by absolute position; scores [HEAD_ROWS, D
 (HEAD_ROWS fixed rather than G, since tensor parallelism changes query heads per KV head); values
 [HEAD_ROWS, KEY_BLOCK] x [KEY_BLOCK, D + 1] whose ones column gives the softmax mass. Masked keys
 are exact zeros; blocks are summed by `tree_sum`. K/V are converted once per slot per layer and
-tokens taken in rounds (one `bmm` each); `_plan` is reused across a step's layers. The float32
-operands and products live in per-thread scratch buffers kept between calls (`cpu.scratch`): fresh
-pages otherwise, and the padding of K/V and queries is written only when their layout changes.
+tokens taken in rounds (one `bmm` each); `_plan` is reused across a step's layers, and so are the
+views of its operands (`_operands`). The float32 operands and products live in per-thread scratch
+buffers kept between calls (`cpu.scratch`): fresh pages otherwise, and the padding of K/V and
+queries is written only when their layout changes.
 """
 
 from __future__ import annotations
