@@ -216,8 +216,7 @@ def test_pointwise_in_place_is_the_pieces_at_any_length_and_threads(length, dtyp
 
 def test_an_op_whose_tail_rounds_apart_keeps_its_pieces():
     """Negative control of the proof: a foreach op whose short pieces round differently is not proven,
-    and `pointwise_` hands it pieces of POINTWISE_CHUNK (the whole buffer would round other bits); a
-    proof asked for another thread count than the process's is refused."""
+    and `pointwise_` hands it pieces of POINTWISE_CHUNK (the whole buffer would round other bits)."""
     x = torch.randn(3 * cpu.POINTWISE_CHUNK)
     assert not cpu.rounds_alike(_tail_rounds_apart, torch.float32)
     seen = []

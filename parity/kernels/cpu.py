@@ -152,40 +152,38 @@ def tree_sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False, overwrite: b
         return total if keepdim else total.squeeze(dim)
     if overwrite:
         adds, last = tree_steps(x, dim)
-        for into, term in adds:
-            into.add_(0 if term is None else term)
-    else:
+    else:  # the first level into a new buffer, the halvings there
         half = 1 << (n - 1).bit_length() - 1
         paired = n - half
         y = x.new_empty([*x.shape[:dim], half, *x.shape[dim + 1:]])
         torch.add(x.narrow(dim, 0, paired), x.narrow(dim, half, paired), out=y.narrow(dim, 0, paired))
         if paired < half:
             torch.add(x.narrow(dim, paired, half - paired), 0, out=y.narrow(dim, paired, half - paired))
-        while half > 2:
-            half //= 2
-            y.narrow(dim, 0, half).add_(y.narrow(dim, half, half))
-        last = (y.narrow(dim, 0, 1), y.narrow(dim, 1, 1))
+        adds, last = tree_steps(y, dim)
+    for into, term in adds:
+        into.add_(0 if term is None else term)
     total = last[0] + last[1]
     return total if keepdim else total.squeeze(dim)
 
 
 def tree_steps(x: torch.Tensor, dim: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor | None]],
                                                    tuple[torch.Tensor, torch.Tensor]]:
-    """`tree_sum(x, dim, overwrite=True)` (x.shape[dim] > 2) as views of x: the in-place adds in order,
-    (into, term; None: + 0), and the last pair, whose sum is the total. Views kept by a caller that
-    sums the same buffer again (the attention's blocks, layer after layer)."""
+    """`tree_sum(x, dim, overwrite=True)` (x.shape[dim] >= 2) as views of x: the in-place adds in
+    order, (into, term; None: + 0), and the last pair, whose sum is the total. Views kept by a caller
+    that sums the same buffer again (the attention's blocks, layer after layer)."""
     n = x.shape[dim]
-    half = 1 << (n - 1).bit_length() - 1
-    paired = n - half
-    y = x.narrow(dim, 0, half)
-    adds: list[tuple[torch.Tensor, torch.Tensor | None]] = [
-        (y.narrow(dim, 0, paired), x.narrow(dim, half, paired))]
-    if paired < half:
-        adds.append((y.narrow(dim, paired, half - paired), None))
-    while half > 2:
-        half //= 2
-        adds.append((y.narrow(dim, 0, half), y.narrow(dim, half, half)))
-    return adds, (y.narrow(dim, 0, 1), y.narrow(dim, 1, 1))
+    adds: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+    if n > 2:
+        half = 1 << (n - 1).bit_length() - 1
+        paired = n - half
+        y = x.narrow(dim, 0, half)
+        adds.append((y.narrow(dim, 0, paired), x.narrow(dim, half, paired)))
+        if paired < half:
+            adds.append((y.narrow(dim, paired, half - paired), None))
+        while half > 2:
+            half //= 2
+            adds.append((y.narrow(dim, 0, half), y.narrow(dim, half, half)))
+    return adds, (x.narrow(dim, 0, 1), x.narrow(dim, 1, 1))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

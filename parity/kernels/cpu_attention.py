@@ -225,8 +225,7 @@ def _operands(plan: _Plan, query: torch.Tensor, k_cache: torch.Tensor) -> _Opera
                                         weighted[group, rows].view(-1, HEAD_ROWS, dv)))
         tree, total = None, weighted
         if blocks > 1:  # `tree_sum(weighted, 3, overwrite=True)`, its last sum into scratch
-            tree = tree_steps(weighted, 3) if blocks > 2 else ([], (weighted.narrow(3, 0, 1),
-                                                                     weighted.narrow(3, 1, 1)))
+            tree = tree_steps(weighted, 3)
             total, _ = scratch("totals", (groups, hi - lo, hkv, 1, HEAD_ROWS, dv), query.device)
         total = total.squeeze(3)
         quotients = []
