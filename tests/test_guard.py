@@ -182,3 +182,34 @@ def test_guard_acts_on_what_parity_sent_even_if_parity_died_first(tmp_path):
     assert done.returncode == 0
     assert wait_until(lambda: sleeper.poll() is not None, 10)
     assert not named.exists() and other.is_dir()
+
+
+@pytest.mark.parametrize("closed", [True, False])
+def test_a_child_started_after_the_window_is_not_the_guards(closed):
+    """The guard reads its pipe late: a child parity starts after `close` but before the guard has
+    read it is seen by the guard's window scans, and must not die with parity (the race that once
+    killed the unrelated sleeper above). Unclosed (parity died inside its window), what the scans
+    found dies."""
+    me = psutil.Process()
+    before = ",".join(str(c.pid) for c in me.children())
+    script = ROOT / "parity" / "runtime" / "guard.py"
+    guard = subprocess.Popen([sys.executable, "-P", str(script), str(os.getpid())], stdin=subprocess.PIPE,
+                             start_new_session=True)
+    sleep = [sys.executable, "-c", "import time; time.sleep(600)"]
+    try:
+        guard.stdin.write(f"open {before}\n".encode())
+        guard.stdin.flush()
+        time.sleep(1.0)  # the guard has started and read `open`
+        engine = subprocess.Popen(sleep)
+        later = subprocess.Popen(sleep)  # after the window in parity's time; the guard has not read `close`
+        time.sleep(1.0)  # the guard's window scans see both
+        if closed:
+            guard.stdin.write(f"track {engine.pid}\nclose\n".encode())
+        guard.stdin.close()  # parity is gone
+        assert guard.wait(timeout=30) == 0
+        assert engine.poll() is not None, "the window's own child outlived parity"
+        assert (later.poll() is None) == closed
+    finally:
+        for proc in (engine, later):
+            proc.kill()
+            proc.wait()

@@ -6,7 +6,10 @@ start launches one guard process per parity process, holding a pipe only parity 
 (or a dead parent pid) it SIGTERMs every tracked process and group (`track PID`, and children
 appearing between `open` and `close`, with descendants), waits `GRACE_S`, then SIGKILLs, and
 removes the folders parity named (`remove PATH`: its engines' socket files) if they are still there.
-Processes are keyed by (pid, start time); the guard runs with only stdlib and psutil (~0.1 s).
+Children the guard finds by scanning an open window count only until `close`: the guard reads the
+pipe late, and a child parity starts after its `close` is not the window's (parity names the
+window's own children before closing it). Processes are keyed by (pid, start time); the guard runs
+with only stdlib and psutil (~0.1 s).
 """
 
 from __future__ import annotations
@@ -95,7 +98,7 @@ def spawn_window() -> Iterator[None]:
     g = guard()
     me = psutil.Process()
     before = {c.pid for c in me.children()}
-    g.send("open")
+    g.send(f"open {','.join(map(str, sorted(before)))}")
     try:
         yield
     finally:
@@ -115,41 +118,43 @@ def _watch(parent_pid: int, fd: int) -> tuple[list[psutil.Process], list[str]]:
         parent = None
     me = os.getpid()
     tracked: dict[int, psutil.Process] = {}
+    found: dict[int, psutil.Process] = {}  # the parent's children seen in an open window
     folders: list[str] = []
     windows = 0
     before: set[int] = set()
 
-    def adopt(proc: psutil.Process) -> None:
+    def adopt(proc: psutil.Process, into: dict[int, psutil.Process]) -> None:
         if proc.pid not in (me, parent_pid):
-            tracked.setdefault(proc.pid, proc)
+            into.setdefault(proc.pid, proc)
 
     def scan() -> None:
         if windows and parent is not None:
             with contextlib.suppress(psutil.Error):
                 for child in parent.children():
                     if child.pid not in before:
-                        adopt(child)
-        for proc in list(tracked.values()):
-            try:
-                for child in proc.children(recursive=True):
-                    adopt(child)
-            except psutil.Error:
-                tracked.pop(proc.pid, None)
+                        adopt(child, found)
+        for procs in (tracked, found):
+            for proc in list(procs.values()):
+                try:
+                    for child in proc.children(recursive=True):
+                        adopt(child, procs)
+                except psutil.Error:
+                    procs.pop(proc.pid, None)
 
     def handle(line: bytes) -> None:
         nonlocal windows, before
         command, _, arg = line.decode().partition(" ")
         if command == "open":
-            if windows == 0 and parent is not None:
-                with contextlib.suppress(psutil.Error):
-                    before = {c.pid for c in parent.children()}
+            if windows == 0:
+                before = {int(pid) for pid in arg.split(",") if pid}
             windows += 1
         elif command == "close":
-            scan()
             windows = max(windows - 1, 0)
+            if windows == 0:  # parity has named the window's children: what else was found is not its
+                found.clear()
         elif command == "track":
             with contextlib.suppress(psutil.Error, ValueError):
-                adopt(psutil.Process(int(arg)))
+                adopt(psutil.Process(int(arg)), tracked)
         elif command == "remove":
             folders.append(arg)
 
@@ -167,7 +172,7 @@ def _watch(parent_pid: int, fd: int) -> tuple[list[psutil.Process], list[str]]:
         if windows:
             scan()
     scan()
-    return list(tracked.values()), folders
+    return list({**found, **tracked}.values()), folders
 
 
 def _alive(proc: psutil.Process) -> bool:
