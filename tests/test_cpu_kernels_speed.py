@@ -10,6 +10,7 @@ a zero-padded `pointwise` rsqrt; the AMX linear through `usable` and `matmul` on
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -178,9 +179,11 @@ def test_control_tokens_left_in_round_order_are_caught():
 
 
 def test_control_a_mask_that_hides_nothing_is_caught():
-    """Negative control: a plan whose bias hides no key (-0.0 everywhere, so the scale-and-mask pass
-    only scales) fails the property within its examples."""
-    first = _first_failure_with_plan(lambda plan: {"bias": torch.full_like(plan.bias, -0.0)})
+    """Negative control: a plan that hides no key (bias -0.0 and floor -inf everywhere, keep 1: the
+    scale-and-mask pass only scales, nothing is zeroed) fails the property within its examples."""
+    first = _first_failure_with_plan(lambda plan: {"bias": torch.full_like(plan.bias, -0.0),
+                                                   "floor": torch.full_like(plan.floor, -math.inf),
+                                                   "keep": torch.ones_like(plan.keep)})
     print(f"a mask that hides nothing fails at example {first}")
 
 

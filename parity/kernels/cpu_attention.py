@@ -39,9 +39,10 @@ CHUNK_ELEMENTS = 1 << 23
 class _Plan:
     """What every layer of a step shares: the tokens `order` [T] round by round (`inverse` [T] puts
     them back; None when `order` is the identity), `slot_order` (most tokens first; `first_slot`
-    when consecutive, read through a view), `rounds` (first token, n_j), and `bias`
-    [T, 1, blocks, 1, KEY_BLOCK] float32 added to the scaled scores: -inf hides a key, -0.0 keeps
-    every score's bits (x + -0.0 == x, -0.0 included).
+    when consecutive, read through a view), `rounds` (first token, n_j), `bias` [T, 1, blocks, 1,
+    KEY_BLOCK] float32 added to the scaled scores (-inf hides a key, -0.0 keeps every score's bits:
+    x + -0.0 == x, -0.0 included), and `floor` (0 where the bias is -inf, else -inf) and `keep` (its
+    0 / 1) that take hidden keys through the exponential as exp(0), zeroed after.
     """
 
     slots: torch.Tensor
@@ -53,6 +54,8 @@ class _Plan:
     first_slot: int | None
     rounds: tuple[tuple[int, int], ...]
     bias: torch.Tensor
+    floor: torch.Tensor
+    keep: torch.Tensor
 
     @property
     def blocks(self) -> int:
@@ -92,10 +95,12 @@ def _plan(slots: torch.Tensor, positions: torch.Tensor, span: int) -> _Plan:
     low = int(slot_order[0])
     consecutive = torch.equal(slot_order, torch.arange(low, low + len(slot_order), device=slots.device))
     identity = torch.equal(order, torch.arange(t, device=slots.device))
+    hidden = key_position > positions[order].view(t, 1, 1, 1, 1)
     plan = _Plan(slots=slots.clone(), positions=positions.clone(), span=span, order=order,
                  inverse=None if identity else torch.argsort(order), slot_order=slot_order,
                  first_slot=low if consecutive else None, rounds=tuple(zip(starts, per_round)),
-                 bias=torch.where(key_position > positions[order].view(t, 1, 1, 1, 1), -math.inf, -0.0))
+                 bias=torch.where(hidden, -math.inf, -0.0), floor=torch.where(hidden, 0.0, -math.inf),
+                 keep=(~hidden).float())
     _last_plan = plan
     return plan
 
@@ -151,8 +156,9 @@ def _chunks(rounds: tuple[tuple[int, int], ...], per_token: int) -> list[tuple[i
 @dataclass(frozen=True, eq=False)
 class _Chunk:
     """One chunk of rounds (tokens lo..hi of the plan's order) as views: the score and weighted
-    products (a, b, out), the scores and their mask bias, the blocks' tree (`tree_steps`: adds, last
-    pair; None for one block), the totals, and per head group (numerator, denominator, heads)."""
+    products (a, b, out), the scores and their mask (bias, floor, keep), the blocks' tree
+    (`tree_steps`: adds, last pair; None for one block), the totals, and per head group (numerator,
+    denominator, heads)."""
 
     lo: int
     hi: int
@@ -160,6 +166,8 @@ class _Chunk:
     weight_products: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...]
     scores: torch.Tensor
     bias: torch.Tensor
+    floor: torch.Tensor
+    keep: torch.Tensor
     tree: tuple[list, tuple[torch.Tensor, torch.Tensor]] | None
     total: torch.Tensor
     quotients: tuple[tuple[torch.Tensor, torch.Tensor, slice], ...]
@@ -235,6 +243,7 @@ def _operands(plan: _Plan, query: torch.Tensor, k_cache: torch.Tensor) -> _Opera
             quotients.append((total[group, :, :, :rows, :d], total[group, :, :, :rows, d:d + 1], heads))
         chunks.append(_Chunk(lo=lo, hi=hi, score_products=tuple(score_products),
                              weight_products=tuple(weight_products), scores=scores, bias=plan.bias[lo:hi],
+                             floor=plan.floor[lo:hi], keep=plan.keep[lo:hi],
                              tree=tree, total=total, quotients=tuple(quotients)))
     operands = _Operands(keys=keys[:, :, :have, :d], values=values[:, :, :have, :d], queries=queries,
                          chunks=tuple(chunks))
@@ -264,7 +273,11 @@ def attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         # one pass for scale and mask: bias + scores * scaling * 1, the product rounded once as by mul_
         torch.addcmul(chunk.bias, chunk.scores, _one(query.device), value=scaling, out=chunk.scores)
         chunk.scores.sub_(chunk.scores.amax(dim=(3, 5), keepdim=True))
+        # exp(-inf) takes MKL's slow path (10x with a quarter of the keys hidden): a hidden key's -inf
+        # becomes 0 (max with the floor), its exp(0) 0 (times keep); the other elements keep their bits
+        torch.maximum(chunk.scores, chunk.floor, out=chunk.scores)
         pointwise_(torch._foreach_exp_, chunk.scores.view(-1))  # a multiple of 128 elements: no padding
+        chunk.scores.mul_(chunk.keep)
         for a, b, product in chunk.weight_products:
             bmm(a, b, out=product)
         if chunk.tree is not None:
