@@ -8,6 +8,7 @@ the unguarded run is the negative control (the same tree outlives its parent). T
 checked with the real vLLM engine and server in tests/test_no_orphans.py.
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from procs import alive, cmdline
+from procs import alive
 
 from parity.core.errors import BackendError
 from parity.runtime.processes import LOOPBACK, ServerProcess, free_loopback_port
@@ -158,8 +159,18 @@ def test_interrupt_during_start_stops_the_server(tmp_path):
         "except KeyboardInterrupt:\n    print('interrupted; server stopped')\n")
     parity = subprocess.Popen([sys.executable, "-c", script], env=ENV, stdout=subprocess.PIPE, text=True)
     me = psutil.Process(parity.pid)
-    assert wait_until(lambda: any("fake_server.py" in cmdline(c) for c in me.children()), 30)
-    server = next(c for c in me.children() if "fake_server.py" in cmdline(c))
+
+    def find_server():
+        # the script's path as the first argument: a child forked but not yet exec'd (the guard's) has
+        # the parent's command line, whose -c code names the script too
+        for child in me.children():
+            with contextlib.suppress(psutil.Error):
+                if child.cmdline()[1:2] == [str(DATA / "fake_server.py")]:
+                    return child
+        return None
+
+    assert wait_until(lambda: find_server() is not None, 30)
+    server = find_server()
     assert wait_until(lambda: len(tree(server.pid)) == 2, 10)
     server_procs = tree(server.pid)
     parity.send_signal(signal.SIGINT)
