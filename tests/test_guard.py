@@ -29,6 +29,8 @@ DATA = Path(__file__).parent / "data" / "processes"
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 OWNED = ("engine", "worker", "server", "server_child")
+#: the guard run as parity runs it: `python -P GUARD PARENT_PID`, commands on its stdin.
+GUARD = ROOT / "parity" / "runtime" / "guard.py"
 
 
 def wait_until(predicate, timeout_s):
@@ -184,11 +186,10 @@ def test_guard_acts_on_what_parity_sent_even_if_parity_died_first(tmp_path):
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    guard_script = ROOT / "parity" / "runtime" / "guard.py"
     named, other = tmp_path / "named folder", tmp_path / "other"  # a space: the rest of the line is the path
     for folder in (named, other):
         (folder / "socket").mkdir(parents=True)
-    done = subprocess.run([sys.executable, "-P", str(guard_script), str(dead.pid)],
+    done = subprocess.run([sys.executable, "-P", str(GUARD), str(dead.pid)],
                           input=f"track {sleeper.pid}\nremove {named}\n".encode(), timeout=60)
     assert done.returncode == 0
     assert wait_until(lambda: sleeper.poll() is not None, 10)
@@ -203,16 +204,18 @@ def test_a_child_started_after_the_window_is_not_the_guards(closed):
     found dies."""
     me = psutil.Process()
     before = ",".join(str(c.pid) for c in me.children())
-    script = ROOT / "parity" / "runtime" / "guard.py"
-    guard = subprocess.Popen([sys.executable, "-P", str(script), str(os.getpid())], stdin=subprocess.PIPE,
+    guard = subprocess.Popen([sys.executable, "-P", str(GUARD), str(os.getpid())], stdin=subprocess.PIPE,
                              start_new_session=True)
     sleep = [sys.executable, "-c", "import time; time.sleep(600)"]
+    started = []
     try:
         guard.stdin.write(f"open {before}\n".encode())
         guard.stdin.flush()
         time.sleep(1.0)  # the guard has started and read `open`
         engine = subprocess.Popen(sleep)
+        started.append(engine)
         later = subprocess.Popen(sleep)  # after the window in parity's time; the guard has not read `close`
+        started.append(later)
         time.sleep(1.0)  # the guard's window scans see both
         if closed:
             guard.stdin.write(f"track {engine.pid}\nclose\n".encode())
@@ -221,6 +224,9 @@ def test_a_child_started_after_the_window_is_not_the_guards(closed):
         assert engine.poll() is not None, "the window's own child outlived parity"
         assert (later.poll() is None) == closed
     finally:
-        for proc in (engine, later):
+        if not guard.stdin.closed:
+            guard.stdin.close()
+        guard.wait(timeout=30)
+        for proc in started:
             proc.kill()
             proc.wait()
