@@ -76,7 +76,7 @@ def test_typed_results_render_as_the_table():
             sampling_grid={"tiny-qwen3": grid}),
         "e2e": gpu.E2ESection(workload, {"engine_invariant": gpu.Throughput(2.0, 100, 50.0, "cuda graphs"),
                                          "hf_generate": gpu.Throughput(4.0, 100, 25.0)}),
-        "profile": gpu.ProfileResult("256 seqs", 1.5, 1.0, 9),
+        "profile": gpu.ProfileResult("256 seqs", 1.5, 1.0, 9, 0.25, {"_attention_tokens_kernel": 0.5}),
         "step_split": gpu.StepSplit("256 seqs", 6.0, {"scheduler.plan": 0.5}, {"scheduler.plan": 520},
                                     {"256 tokens, max_run 1": 5.5}),
         "moe_e2e": gpu.Failure("Traceback"),
@@ -91,7 +91,8 @@ def test_typed_results_render_as_the_table():
     assert "e2e engine_invariant: 50 output tok/s (2.0 s) [cuda graphs]" in lines
     assert "e2e hf_generate: 25 output tok/s (4.0 s)" in lines
     assert "e2e ratio engine_invariant / hf_generate: 2.00" in lines
-    assert "profile (256 seqs): wall 1.50 s, GPU busy 1.00 s" in lines
+    assert ("profile (256 seqs): wall 1.50 s, GPU busy 1.00 s, idle between kernels 0.25 s; "
+            "_attention_tokens_kernel 0.50 s") in lines
     assert "step split (256 seqs): wall 6.00 s" in lines
     assert "  scheduler.plan: 0.500 s over 520 calls" in lines
     assert "  graph 256 tokens, max_run 1: 5.500 ms device" in lines

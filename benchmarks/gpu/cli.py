@@ -99,6 +99,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tp-groups", type=_groups, default="8",
                         help="tp section: comma-separated row-parallel K group counts (reduction_groups) to "
                              "measure TP=1 (and TP=2 with two GPUs, even counts) at")
+    parser.add_argument("--profile-tokens", type=int, default=64,
+                        help="profile section: output tokens of the profiled generate (its requests and "
+                             "prompts are --e2e's)")
     parser.add_argument("--cublaslt-probe", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--probe-child", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)

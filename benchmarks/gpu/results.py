@@ -248,12 +248,15 @@ class StepSplit:
 
 @dataclass(frozen=True)
 class ProfileResult:
-    """torch.profiler over one generate: wall and device-busy seconds over `steps` steps."""
+    """torch.profiler over one generate: wall and device-busy seconds over `steps` steps, the seconds
+    the device idled between kernels, and the device seconds of the heaviest kernels by name."""
 
     workload: str
     wall_s: float
     gpu_busy_s: float
     steps: int
+    idle_s: float = 0.0
+    top_kernels: dict[str, float] = field(default_factory=dict)
 
 
 # -- the load-time matmul probe --------------------------------------------------------------------

@@ -236,7 +236,9 @@ def table(results: Mapping[str, Any]) -> str:
                   f"({row.fraction_of_bound:.0%})" for label, row in roofline.rows.items()]
     prof = results.get("profile")
     if isinstance(prof, ProfileResult):
-        lines.append(f"profile ({prof.workload}): wall {prof.wall_s:.2f} s, GPU busy {prof.gpu_busy_s:.2f} s")
+        lines.append(f"profile ({prof.workload}): wall {prof.wall_s:.2f} s, GPU busy {prof.gpu_busy_s:.2f} "
+                     f"s, idle between kernels {prof.idle_s:.2f} s; "
+                     + ", ".join(f"{name} {s:.2f} s" for name, s in prof.top_kernels.items()))
     lines += step_split_lines(results.get("step_split"), "")
     lines += step_split_lines(probed and probed.step_split, " [probed]")
     lines += tp_lines(results.get("tp"))

@@ -1,8 +1,9 @@
 """The profile section: torch.profiler over one generate of the invariant engine.
 
-At the e2e workload's shapes: `--e2e` requests and prompt lengths with 64 output tokens (prefill,
-then decode steps at contexts past the prompt); the device-time table ($OUT/profile.txt) and
-device-busy vs wall seconds (the gap is host time the GPU waits for).
+At the e2e workload's shapes: `--e2e` requests and prompt lengths with `--profile-tokens` output
+tokens (prefill, then decode steps at contexts past the prompt); the device-time table
+($OUT/profile.txt), device-busy vs wall seconds, the seconds the device idled between kernels (host
+time the GPU waited for) and the heaviest kernels by name.
 """
 
 from __future__ import annotations
@@ -17,12 +18,16 @@ from benchmarks.gpu.run import Run
 from benchmarks.gpu.workloads import qwen3_config, requests_for, save_random_model
 from parity.engine import ReferenceEngine
 
+#: kernels named in the result, heaviest first.
+TOP_KERNELS = 8
+
 
 def measure(run: Run) -> ProfileResult:
     """See the module docstring."""
     count, prompt_len, _ = run.args.e2e
     path = save_random_model(qwen3_config(28), run.tmp / "qwen3-1.7b-shaped")
-    reqs = requests_for(151936, count, prompt_len, 64)
+    tokens = run.args.profile_tokens
+    reqs = requests_for(151936, count, prompt_len, tokens)
     with ReferenceEngine(str(path), dtype="bfloat16", device="cuda", kernels="invariant", max_num_seqs=count,
                          chunk_size=prompt_len, max_num_batched_tokens=run.args.max_batched_tokens) as engine:
         engine.generate(reqs)
@@ -34,5 +39,19 @@ def measure(run: Run) -> ProfileResult:
     events = prof.key_averages()
     (run.args.out / "profile.txt").write_text(events.table(sort_by="self_device_time_total", row_limit=40))
     busy = sum(e.self_device_time_total for e in events) / 1e6
-    return ProfileResult(workload=f"{count} seqs x {prompt_len} prompt x 64 output, invariant",
-                         wall_s=seconds, gpu_busy_s=busy, steps=65)
+    top = sorted(((e.self_device_time_total / 1e6, e.key) for e in events), reverse=True)[:TOP_KERNELS]
+    return ProfileResult(workload=f"{count} seqs x {prompt_len} prompt x {tokens} output, invariant",
+                         wall_s=seconds, gpu_busy_s=busy, steps=tokens + 1, idle_s=_idle_s(prof),
+                         top_kernels={name[:60]: round(s, 4) for s, name in top})
+
+
+def _idle_s(prof: profile) -> float:
+    """Seconds between the device's kernels and copies (their intervals merged), first to last."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    idle, reach = 0.0, None
+    for start, end in spans:
+        if reach is not None and start > reach:
+            idle += start - reach
+        reach = end if reach is None else max(reach, end)
+    return idle / 1e6
