@@ -349,12 +349,10 @@ def run_profile(args: argparse.Namespace) -> None:
 
 def run_products(args: argparse.Namespace) -> None:
     """Wall seconds of each linear product of one generate call, per (rows, weight shape)."""
-    from parity.engine import ReferenceEngine
     from parity.kernels import ops
 
     requests = workload(args.requests, args.prompt, args.output)
-    engine = ReferenceEngine(model_path(), dtype="bfloat16", kernels="invariant", max_num_seqs=args.requests,
-                             chunk_size=64)
+    engine = _engine("invariant", model_path(), args.requests)
     engine.generate(requests)
     spent: dict[tuple[int, int, int], list[float]] = defaultdict(lambda: [0, 0.0])
 
@@ -367,7 +365,7 @@ def run_products(args: argparse.Namespace) -> None:
         return out
 
     linear = ops.linear
-    with _patched(ops, "linear", timed):
+    with engine, _patched(ops, "linear", timed):
         start = time.perf_counter()
         engine.generate(requests)
         wall = time.perf_counter() - start
