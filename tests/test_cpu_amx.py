@@ -89,12 +89,13 @@ def _float32_tiles_on(tile, weight, bias, threads):
 
 
 def _split_by_k_on(tile, weight, bias, threads):
-    """Bits that follow the thread count, as oneDNN's split by K: on more than one thread the two
-    halves of K are summed apart, then added."""
+    """Bits that follow the thread count, as oneDNN's split by K: on more than one thread two parts
+    of K are summed apart, then added. The cut (K 100) is no multiple of 8: a float32 GEMM that
+    blocks K itself at half of 256 (MKL on AMD EPYC) sums the halves apart on one thread too."""
     if threads == 1:
         return _float32_tiles(tile, weight, bias)
-    half = tile.shape[1] // 2
-    parts = [cpu_gemm.matmul(tile[:, s], weight[:, s]) for s in (slice(0, half), slice(half, None))]
+    cut = 100
+    parts = [cpu_gemm.matmul(tile[:, s], weight[:, s]) for s in (slice(0, cut), slice(cut, None))]
     return (parts[0] + parts[1]).to(torch.bfloat16)
 
 
