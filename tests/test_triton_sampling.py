@@ -61,3 +61,29 @@ def test_kernel_draws_the_torch_samplers_tokens() -> None:
     assert got[5] == 0
     for i, key in enumerate(keys):  # a row drawn alone equals the row drawn in the batch
         assert torch.equal(_draw(processed[i:i + 1].to(device), [key]).cpu(), got[i:i + 1])
+
+
+@runs_here
+def test_a_row_split_over_spans_draws_the_lowest_id_at_its_maximum() -> None:
+    """Rows longer than one program's span (`SPAN`): ties across spans go to the lower id, a span of
+    -inf never wins, a row of -inf draws token 0; the same tokens as the float64 argmax on the CPU."""
+    from parity.engine.sampler import key_state
+    from parity.kernels.cpu_sampling import gumbel_noise
+    from parity.kernels.triton.sampling import SPAN
+
+    device = "cuda" if CUDA else "cpu"
+    vocab = 2 * SPAN + 123
+    g = torch.Generator().manual_seed(1)
+    processed = torch.log_softmax(torch.randn(5, vocab, generator=g), dim=-1)
+    processed[1, SPAN + 5] = processed[1, 2 * SPAN + 7] = 5.0  # greedy: a tie in the 2nd and 3rd spans
+    processed[2, :SPAN] = float("-inf")  # the first span cannot win
+    processed[2, vocab - 1] = 4.0
+    processed[3] = float("-inf")  # nothing to draw: token 0, as argmax gives
+    keys = [(3, 0, 1), None, (5, 1, 2), (9, 0, 0), None]
+    state = key_state([key or (0, 0, 0) for key in keys], "cpu")
+    noise = gumbel_noise(state, vocab)
+    noise[[1, 4]] = 0.0
+    expected = (processed.double() + noise).argmax(dim=-1)
+    got = _draw(processed.to(device), keys).cpu()
+    assert torch.equal(got, expected)
+    assert got[1] == SPAN + 5 and got[2] == vocab - 1 and got[3] == 0
