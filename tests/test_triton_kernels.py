@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs an NVIDIA GPU (CUDA not available)")
 #: tests of this file that run under the interpreter: all but the CUDA-only ones and the child runner.
-MIN_INTERPRETED = 58
+MIN_INTERPRETED = 59
 
 
 @pytest.mark.slow
@@ -159,6 +159,48 @@ def test_decode_plan_runs_where_proven_with_the_long_plans_bits(monkeypatch: pyt
     monkeypatch.setattr(matmul, "_plans_agree", {})
     matmul.prove_plans([shape], torch.device("cuda"))
     assert not matmul._plans_agree[shape] and matmul.plan_for(*shape, 256) == matmul.tile_config(*shape)
+
+
+def test_launch3_gives_each_weight_the_bits_of_its_own_launch(tk: ModuleType) -> None:
+    """One launch of three weights of one input (q/k/v): each output equals that weight's own launch
+    of the same plan, for row counts around the tile edges and widths that end mid-tile."""
+    matmul = tk.matmul
+    ws = [_randn(n, 256, dtype=torch.bfloat16, seed=10 + n) for n in (192, 64, 136)]
+    for m in (1, 63, 65, 130):
+        x = _randn(m, 256, dtype=torch.bfloat16, seed=m)
+        for got, w in zip(matmul.launch3(x, tuple(ws), matmul.GROUP_PLAN), ws, strict=True):
+            assert torch.equal(got, matmul.launch(x, w, None, matmul.GROUP_PLAN))
+
+
+@gpu
+@needs_cuda
+def test_grouped_qkv_runs_where_proven_with_each_weights_linear_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`prove_groups` proves q/k/v of Qwen3-1.7B's shape; short products of the three then take one
+    launch (`linear3`) and give each weight its `linear` bits; long ones take `linear` per weight.
+    Negative control: a grouped product with another summation order (float32 matmul, one rounding)
+    fails the proof and `linear3` declines."""
+    matmul = importlib.import_module("parity.kernels.triton.matmul")
+    monkeypatch.setattr(matmul, "_groups_agree", {})
+    group = (torch.bfloat16, 2048, (2048, 1024, 1024))
+    matmul.prove_groups([group], torch.device("cuda"))
+    assert matmul._groups_agree[group]
+    ws = tuple(_randn(n, 2048, dtype=torch.bfloat16, seed=n, scale=2048**-0.5) for n in group[2])
+    for m in (1, 7, 64, 256, 512):
+        x = _randn(m, 2048, dtype=torch.bfloat16, seed=m)
+        outs = matmul.linear3(x, ws)
+        assert outs is not None
+        assert all(torch.equal(o, matmul.linear(x, w)) for o, w in zip(outs, ws, strict=True))
+    assert matmul.linear3(_randn(513, 2048, dtype=torch.bfloat16), ws) is None
+
+    def other_order(ns: tuple[int, ...], x: torch.Tensor, stacked: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > matmul.DECODE_ROWS:
+            return torch.cat([matmul.linear(x, w) for w in stacked.split(ns)], dim=1)
+        return (x.float() @ stacked.float().T).to(x.dtype)
+
+    monkeypatch.setattr(matmul, "_by_group", other_order)
+    monkeypatch.setattr(matmul, "_groups_agree", {})
+    matmul.prove_groups([group], torch.device("cuda"))
+    assert not matmul._groups_agree[group] and matmul.linear3(x, ws) is None
 
 
 # ------------------------------------------------------------------------------- rmsnorm, softmax

@@ -40,6 +40,10 @@ def prepare(model: torch.nn.Module) -> None:
         from parity.kernels.triton import matmul  # Triton is optional (CUDA machines only)
 
         matmul.prepare({(w.dtype, *w.shape) for w in cuda}, cuda[0].device)
+        groups = [[m.weight for m in module.parity_group] for module in model.modules()
+                  if getattr(module, "parity_group", None)]
+        matmul.prove_groups({(g[0].dtype, g[0].shape[1], tuple(w.shape[0] for w in g)) for g in groups
+                             if all(w.is_cuda for w in g)}, cuda[0].device)
 
 
 def triton_available() -> bool:
@@ -47,10 +51,16 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def _one_by_one(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> None:
+    """CPU: no grouped launch; the products take `linear` weight by weight."""
+    return None
+
+
 def _register_cpu() -> None:
     """Register the CPU kernels for device type "cpu"."""
     for family, op, fn in (
         ("matmul", "linear", cpu.linear),
+        ("matmul", "linears", _one_by_one),
         ("rmsnorm", "rms_norm", cpu.rms_norm),
         ("softmax", "softmax", cpu.softmax),
         ("softmax", "log_softmax", cpu.log_softmax),

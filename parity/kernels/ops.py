@@ -25,6 +25,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return exact(lambda: fn(x, weight, bias), F.linear, x, weight, bias)
 
 
+def linears(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> list[torch.Tensor] | None:
+    """[x [..., K] @ w.T for w in weights] (bias-free) in one launch where the device's kernel has a
+    proven grouped plan for them; None: call `linear` per weight (the same bits either way)."""
+    fn = impl("matmul", "linears", x.device.type)
+    if fn is None or needs_grad(x, *weights):
+        return None
+    return fn(x, weights)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              native: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """RMSNorm over the last dim (family "rmsnorm"); `native` is the module's own forward."""

@@ -99,8 +99,22 @@ class ParityLinear(nn.Linear):
     contribution when one is attached (`parity_lora`), in the one order `parity.models.lora` documents."""
 
     parity_lora: LoraWeights | None = None
+    #: on q_proj: (q_proj, k_proj, v_proj), whose products of one input may run as one launch
+    parity_group: tuple[ParityLinear, ...] | None = None
+    #: on k_proj and v_proj: (input, output) the group's first projection left for the same input
+    parity_stash: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        stash, self.parity_stash = self.parity_stash, None
+        if stash is not None and stash[0] is x:
+            return stash[1]
+        if self.parity_group is not None and all(m.parity_lora is None and m.bias is None
+                                                 for m in self.parity_group):
+            outs = ops.linears(x, tuple(m.weight for m in self.parity_group))
+            if outs is not None:
+                for module, out in zip(self.parity_group[1:], outs[1:], strict=True):
+                    module.parity_stash = (x, out)
+                return outs[0]
         out = ops.linear(x, self.weight, self.bias)
         if self.parity_lora is None:
             return out
@@ -151,6 +165,14 @@ def _patch_rotation(attention: nn.Module) -> None:
     module.apply_rotary_pos_emb = apply_rotary_pos_emb
 
 
+def _group_projections(attention: nn.Module) -> None:
+    """Mark q/k/v as one group (`ParityLinear.parity_group`): HF's attention projects one input
+    three times in a row, which a CUDA decode step can run as one launch (`ops.linears`)."""
+    projections = tuple(getattr(attention, name, None) for name in ("q_proj", "k_proj", "v_proj"))
+    if all(isinstance(p, nn.Linear) for p in projections):
+        projections[0].parity_group = projections
+
+
 def _experts_forward(self: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
                      top_k_weights: torch.Tensor) -> torch.Tensor:
     return experts_forward(self, hidden, top_k_index, top_k_weights, native=_native(self))
@@ -174,6 +196,7 @@ def _patch(model: nn.Module, max_positions: int) -> int:
             module.forward = types.MethodType(_rotary_forward, module)
         elif kind.endswith("Attention") and hasattr(module, "q_proj"):
             _patch_rotation(module)
+            _group_projections(module)
         elif kind in ROUTERS:
             patch_router(module, moe_layers)
             moe_layers += 1

@@ -36,6 +36,7 @@ def register() -> None:
     """Make these kernels the batch-invariant ops of `parity.kernels` for device type "cuda"."""
     for family, op, fn in (
         ("matmul", "linear", matmul.linear),
+        ("matmul", "linears", matmul.linear3),
         ("rmsnorm", "rms_norm", rmsnorm.rms_norm),
         ("softmax", "softmax", softmax.softmax),
         ("softmax", "log_softmax", softmax.log_softmax),
