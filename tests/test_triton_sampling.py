@@ -15,9 +15,25 @@ from interpreter import run_interpreted
 
 pytest.importorskip("triton")
 
+import triton  # after the skip: Triton is optional
+import triton.language as tl
+
+from parity.kernels.triton import sampling
+
 CUDA = torch.cuda.is_available()
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 runs_here = pytest.mark.skipif(not (CUDA or INTERPRETED), reason="runs on CUDA or under the interpreter")
+
+
+@triton.jit
+def _both_noises(high_ptr, low_ptr, out32_ptr, out64_ptr, n, BLOCK: tl.constexpr):
+    """The sampler's float32 and float64 noise of each (high, low) hash word pair."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < n
+    high = tl.load(high_ptr + i, mask=ok).to(tl.uint32)
+    low = tl.load(low_ptr + i, mask=ok).to(tl.uint32)
+    tl.store(out32_ptr + i, sampling._noise32(high, low), mask=ok)
+    tl.store(out64_ptr + i, sampling._noise64(high, low), mask=ok)
 
 
 @pytest.mark.slow
@@ -87,3 +103,69 @@ def test_a_row_split_over_spans_draws_the_lowest_id_at_its_maximum() -> None:
     got = _draw(processed.to(device), keys).cpu()
     assert torch.equal(got, expected)
     assert got[1] == SPAN + 5 and got[2] == vocab - 1 and got[3] == 0
+
+
+def _near_ties(rows: int) -> tuple[torch.Tensor, list, torch.Tensor]:
+    """Rows whose two best noisy scores, in chunks 0 and 5 of the first span, lie ~1e-9..1e-8 apart
+    (far above float64's rounding, far below float32's); the rest score 30 lower. Returns the
+    scores [rows, V] float32, the keys and the float64 argmax on the CPU."""
+    from parity.engine.sampler import key_state
+    from parity.kernels.cpu_sampling import gumbel_noise
+    from parity.kernels.triton.sampling import BLOCK, SPAN
+
+    vocab = SPAN + 3 * BLOCK
+    keys = [(101, r, 7) for r in range(rows)]
+    noise = gumbel_noise(key_state(keys, "cpu"), vocab)
+    g = torch.Generator().manual_seed(5)
+    scores = torch.full((rows, vocab), -30.0)
+    for r in range(rows):
+        a = int(torch.randint(0, BLOCK, (1,), generator=g))
+        b = 5 * BLOCK + int(torch.randint(0, BLOCK, (1,), generator=g))
+        scores[r, a] = 1.0 - noise[r, a]
+        gap = float(torch.rand(1, generator=g)) * 9e-9 + 1e-9
+        scores[r, b] = (scores[r, a].double() + noise[r, a] - noise[r, b] + gap).float()
+    return scores, keys, (scores.double() + noise).argmax(dim=-1)
+
+
+@runs_here
+def test_near_ties_across_chunks_draw_the_float64_maximum() -> None:
+    """The float32 filter keeps every chunk that may hold the maximum: near ties far below float32's
+    resolution draw the float64 argmax. Negative control: with no margin the filter keeps only the
+    chunk of the float32 maximum, and some rows draw the other token."""
+    from parity.engine.sampler import key_state
+
+    device = "cuda" if CUDA else "cpu"
+    scores, keys, expected = _near_ties(32)
+    state = key_state(keys, device)
+    noisy = torch.ones(len(keys), dtype=torch.bool, device=device)
+    got = sampling.draw(scores.to(device), state, noisy, sampling.SLACK).cpu()
+    assert torch.equal(got, expected)
+    thin = sampling.draw(scores.to(device), state, noisy, 0.0).cpu()
+    assert not torch.equal(thin, expected)
+
+
+@runs_here
+def test_the_float32_noise_lies_well_within_half_the_margin_of_the_float64_noise() -> None:
+    """|noise32 - noise64| over random hash words and the extremes (u next to 0, 1/2 and 1, where
+    float64 rounds k + 1/2 to even, and around the series' switch at 1 - u = 2^-6): a few float32
+    ulps, far below SLACK / 2; both +inf where float64's u is 1."""
+    device = "cuda" if CUDA else "cpu"
+    g = torch.Generator().manual_seed(3)
+    words = torch.randint(0, 2**32, (2, 1 << 16), generator=g, dtype=torch.int64)
+    switch = (2**32 - 2**26) + torch.arange(-64, 64)  # high words where 1 - u crosses 2^-6
+    edges = torch.tensor([[0, 0], [0, 2**32 - 1], [2**31 - 1, 2**32 - 1], [2**31, 0], [2**32 - 1, 2**32 - 1],
+                          [2**32 - 1, 0]]).T
+    near_one = torch.stack([torch.full((128,), 2**32 - 1), ((2**21 - 1 - torch.arange(128)) << 11) + 5])
+    words = torch.cat([words, edges, torch.stack([switch, torch.zeros_like(switch)]), near_one], dim=1)
+    top_word = (words[0] == 2**32 - 1) & (words[1] >> 11 == 2**21 - 1)  # k = 2^53 - 1: u rounds to 1
+    words = words.to(device)
+    n = words.shape[1]
+    out32 = torch.empty(n, dtype=torch.float32, device=device)
+    out64 = torch.empty(n, dtype=torch.float64, device=device)
+    high, low = words[0].contiguous(), words[1].contiguous()
+    _both_noises[(triton.cdiv(n, 1024),)](high, low, out32, out64, n, BLOCK=1024)
+    infinite = out64.isinf()
+    assert torch.equal(infinite.cpu(), top_word) and torch.equal(out32.isinf(), infinite)
+    assert bool((out32[infinite] > 0).all())
+    error = (out32.double() - out64)[~infinite].abs().max().item()
+    assert error < sampling.SLACK / 20, error

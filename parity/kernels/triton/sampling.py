@@ -16,8 +16,12 @@ import triton.language as tl
 
 #: vocabulary entries per chunk (a power of two).
 BLOCK = 2048
-#: vocabulary entries per program (a multiple of BLOCK): 10 programs a row at V = 151936.
-SPAN = 8 * BLOCK
+#: chunks per program: a program draws from SPAN tokens of its row, 10 programs a row at V = 151936.
+CHUNKS = 8
+SPAN = CHUNKS * BLOCK
+#: the float32 filter's margin: twice a bound on |noise32 - noise64| (~2e-5 by the ulps of its steps)
+#: with a 25x reserve; the margin only decides how many chunks take the float64 logs, never the token.
+SLACK = 1e-3
 
 
 @triton.jit
@@ -33,34 +37,82 @@ def _mix32(x):
 
 
 @triton.jit
-def _gumbel_span_kernel(scores_ptr, state_ptr, noisy_ptr, best_ptr, id_ptr, V, stride, SPANS,
-                        BLOCK: tl.constexpr, SPAN: tl.constexpr):
+def _words(state, token):
+    """The two hashed words of `token`'s uniform (uint32): u = ((high << 21) | (low >> 11) + 0.5) / 2^53."""
+    word = (2 * token).to(tl.uint32)  # V < 2^31: 2 * token + 1 fits 32 bits
+    return _mix32(state ^ _mix32(word)), _mix32(state ^ _mix32(word + 1))
+
+
+@triton.jit
+def _noise64(high, low):
+    """The noise's definition: -log(-log(u)) in float64 (the device's own logs)."""
+    # 53 bits convert to float64 exactly; k + 1/2 rounds to even above 2^52 (u = 1 for k = 2^53 - 1).
+    u = (((high.to(tl.uint64) << 21) | (low.to(tl.uint64) >> 11)).to(tl.float64) + 0.5) / 9007199254740992.0
+    return -tl.log(-tl.log(u))
+
+
+@triton.jit
+def _noise32(high, low):
+    """`_noise64` in float32, a few float32 ulps from it: -log(u) from u below 1/2 and from 1 - u
+    (formed from the complemented words, exact before one rounding) above, by its series where
+    1 - u < 2^-6; the outer log turns t's relative error into the same absolute error of the noise
+    (|noise| < 38). Where float64 gives u = 1 (one word pair in 2^53), both give +inf."""
+    upper = high >= 0x80000000
+    # k = (high << 21) | (low >> 11). Below 2^52, float64 holds k + 1/2 exactly: 2^53 u = k + 1/2.
+    # Above, it rounds k + 1/2 to the even neighbour: 2^53 (1 - u) = 2^53 - 1 - k, plus 1 for even k,
+    # where 2^53 - 1 - k = ~high 2^21 + (~low >> 11).
+    h = tl.where(upper, ~high, high).to(tl.float32)
+    lo = (tl.where(upper, ~low, low) >> 11).to(tl.float32)
+    even = ((low >> 11) & 1) == 0
+    v = (h * 2097152.0 + (lo + tl.where(upper, tl.where(even, 1.0, 0.0), 0.5))) * 1.1102230246251565e-16
+    series = v * (1.0 + v * (0.5 + v * 0.3333333333333333))  # -log(1 - v), relative error < v^3/4
+    t = tl.where(upper, tl.where(v < 0.015625, series, -tl.log(1.0 - v)), -tl.log(v))
+    return -tl.log(t)
+
+
+@triton.jit
+def _gumbel_span_kernel(scores_ptr, state_ptr, noisy_ptr, best_ptr, id_ptr, V, stride, SPANS, SLACK,
+                        BLOCK: tl.constexpr, CHUNKS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     span = tl.program_id(1)
     state = tl.load(state_ptr + row).to(tl.uint32)  # in [0, 2^32): exact
     noisy = tl.load(noisy_ptr + row) != 0
     lanes = tl.arange(0, BLOCK)
+    chunks = tl.arange(0, CHUNKS)
+    first = span * (CHUNKS * BLOCK)
+    # Pass 1, float32: each chunk's largest approximate score (NaN and -inf never count).
+    approx = tl.full((CHUNKS,), float("-inf"), tl.float32)
+    for c in range(CHUNKS):
+        token = (first + c * BLOCK + lanes).to(tl.int64)
+        ok = token < V
+        x = tl.load(scores_ptr + row * stride + token, mask=ok, other=float("-inf")).to(tl.float32)
+        high, low = _words(state, token)
+        y = x + tl.where(noisy, _noise32(high, low), 0.0)
+        y = tl.where(ok & (y == y), y, float("-inf"))
+        approx = tl.where(chunks == c, tl.max(y, axis=0), approx)
+    # A token within the margin of the span's largest approximate score may be its exact maximum;
+    # one further below cannot be (each approximate score lies within half the margin of its exact
+    # one), so only the chunks holding such tokens take the float64 logs. The margin grows with the
+    # scores: the float32 sum x + noise rounds by half an ulp of it (2^-24 |y|; the margin's share
+    # is SLACK / 64 |y|).
+    top = tl.max(approx, axis=0)
+    bound = tl.where(tl.abs(top) == float("inf"), top, top - SLACK * (1.0 + tl.abs(top) * 0.015625))
     best = tl.full((BLOCK,), float("-inf"), tl.float64)
     best_id = tl.zeros((BLOCK,), tl.int64)
-    first = span * SPAN
-    for start in range(first, tl.minimum(first + SPAN, V), BLOCK):
-        token = (start + lanes).to(tl.int64)
-        ok = token < V
-        x = tl.load(scores_ptr + row * stride + token, mask=ok, other=float("-inf")).to(tl.float64)
-        word = (2 * token).to(tl.uint32)  # V < 2^31: 2 * token + 1 fits 32 bits
-        high = _mix32(state ^ _mix32(word)).to(tl.uint64)
-        low = _mix32(state ^ _mix32(word + 1)).to(tl.uint64)
-        # 53 bits convert to float64 exactly; u lies strictly inside (0, 1), so both logs are finite.
-        u = (((high << 21) | (low >> 11)).to(tl.float64) + 0.5) / 9007199254740992.0
-        noise = -tl.log(-tl.log(u))
-        y = x + tl.where(noisy, noise, 0.0)
-        better = ok & (y > best)
-        best = tl.where(better, y, best)
-        best_id = tl.where(better, token, best_id)
+    for c in range(CHUNKS):
+        if tl.max(tl.where(chunks == c, approx, float("-inf")), axis=0) >= bound:
+            token = (first + c * BLOCK + lanes).to(tl.int64)
+            ok = token < V
+            x = tl.load(scores_ptr + row * stride + token, mask=ok, other=float("-inf")).to(tl.float64)
+            high, low = _words(state, token)
+            y = x + tl.where(noisy, _noise64(high, low), 0.0)
+            better = ok & (y > best)
+            best = tl.where(better, y, best)
+            best_id = tl.where(better, token, best_id)
     # A lane never updated (its scores all -inf) keeps id 0: a row of -inf alone draws token 0.
-    top = tl.max(best, axis=0)
-    tl.store(best_ptr + row * SPANS + span, top)
-    tl.store(id_ptr + row * SPANS + span, tl.min(tl.where(best == top, best_id, V), axis=0))
+    top64 = tl.max(best, axis=0)
+    tl.store(best_ptr + row * SPANS + span, top64)
+    tl.store(id_ptr + row * SPANS + span, tl.min(tl.where(best == top64, best_id, V), axis=0))
 
 
 @triton.jit
@@ -78,6 +130,11 @@ def gumbel_argmax(scores: torch.Tensor, state: torch.Tensor, noisy: torch.Tensor
     """argmax(scores [N, V] + noise) per row -> [N] int64, ties to the lower id; state [N] int64 in
     [0, 2^32); rows not `noisy` (greedy) add no noise.
     """
+    return draw(scores, state, noisy, SLACK)
+
+
+def draw(scores: torch.Tensor, state: torch.Tensor, noisy: torch.Tensor, slack: float) -> torch.Tensor:
+    """`gumbel_argmax` with the float32 filter's margin `slack` (a test's too thin one shows its use)."""
     n, v = scores.shape
     if v >= 2**31:
         raise ValueError(f"gumbel_argmax hashes token ids in 32 bits; a vocabulary of {v} ids is too large")
@@ -89,6 +146,6 @@ def gumbel_argmax(scores: torch.Tensor, state: torch.Tensor, noisy: torch.Tensor
         best = torch.empty((n, spans), dtype=torch.float64, device=scores.device)
         ids = torch.empty((n, spans), dtype=torch.int64, device=scores.device)
         _gumbel_span_kernel[(n, spans)](scores, state, noisy.to(torch.int8), best, ids, v, scores.stride(0),
-                                        spans, BLOCK=BLOCK, SPAN=SPAN, num_warps=8)
+                                        spans, slack, BLOCK=BLOCK, CHUNKS=CHUNKS, num_warps=8)
         _pick_kernel[(n,)](best, ids, out, v, spans, LANES=triton.next_power_of_2(spans), num_warps=1)
     return out
