@@ -106,14 +106,14 @@ def test_a_row_split_over_spans_draws_the_lowest_id_at_its_maximum() -> None:
 
 
 def _near_ties(rows: int) -> tuple[torch.Tensor, list, torch.Tensor]:
-    """Rows whose two best noisy scores, in chunks 0 and 5 of the first span, lie ~1e-9..1e-8 apart
+    """Rows whose two best noisy scores, in chunks 0 and 5 of one span, lie ~1e-9..1e-8 apart
     (far above float64's rounding, far below float32's); the rest score 30 lower. Returns the
     scores [rows, V] float32, the keys and the float64 argmax on the CPU."""
     from parity.engine.sampler import key_state
     from parity.kernels.cpu_sampling import gumbel_noise
-    from parity.kernels.triton.sampling import BLOCK, SPAN
+    from parity.kernels.triton.sampling import BLOCK
 
-    vocab = SPAN + 3 * BLOCK
+    vocab = 6 * BLOCK
     keys = [(101, r, 7) for r in range(rows)]
     noise = gumbel_noise(key_state(keys, "cpu"), vocab)
     g = torch.Generator().manual_seed(5)
