@@ -140,3 +140,22 @@ def test_the_draw_is_a_pointwise_op_behind_the_switch():
     assert torch.equal(invariant, (processed.double() + noise).argmax(dim=-1))
     assert torch.equal(stock, invariant)
     assert invariant[1] == processed[1].argmax() and invariant[4] == processed[4].argmax()
+
+
+def _state_as_written(keys: list[tuple[int, int, int]]) -> torch.Tensor:
+    """The key state's definition on int64 tensors: the words folded by `mix32`, position first."""
+    rows = torch.tensor([[s & 0xFFFFFFFF, (s >> 32) & 0xFFFFFFFF, a & 0xFFFFFFFF, p & 0xFFFFFFFF]
+                         for s, a, p in keys], dtype=torch.int64).view(-1, 4)
+    state = mix32(rows[:, 3])
+    for column in (2, 1, 0):
+        state = mix32(rows[:, column] ^ state)
+    return state
+
+
+@given(keys=st.lists(st.tuples(st.integers(-2**65, 2**70), st.integers(0, 2**33), st.integers(0, 2**33)),
+                     max_size=40))
+@settings(max_examples=60, deadline=None)
+def test_the_key_state_folds_the_same_words_as_its_definition(keys):
+    """`key_state` hashes in numpy; the integers are those of the int64 torch form, for seeds past
+    64 bits or negative and indices past 32 bits (each word taken mod 2^32)."""
+    assert torch.equal(sampler.key_state(keys, "cpu"), _state_as_written(keys))

@@ -12,12 +12,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from parity.engine.inputs import device_tensor, to_device
 from parity.kernels import ops
-from parity.kernels.sampling import mix32
+from parity.kernels.sampling import mix32_words
 
 NEG_INF = float("-inf")
 
@@ -112,16 +113,25 @@ _MASK32 = 0xFFFFFFFF
 
 
 def key_state(keys: Sequence[tuple[int, int, int]], device: torch.device | str) -> torch.Tensor:
-    """The hash state [N] int64 of each key (seed, sample index, position): 32-bit words folded by
-    `parity.kernels.sampling.mix32`; the Gumbel noise of a row is a function of its state alone.
-    Hashed on the host (a few hundred integers: a dozen tiny ops, not a dozen kernel launches),
-    then copied to `device`."""
-    rows = torch.tensor([[seed & _MASK32, (seed >> 32) & _MASK32, sample & _MASK32, position & _MASK32]
-                         for seed, sample, position in keys], dtype=torch.int64).view(-1, 4)
-    state = mix32(rows[:, 3])
-    for column in (2, 1, 0):
-        state = mix32(rows[:, column] ^ state)
-    return to_device(state, device)
+    """The hash state [N] int64 of each key (seed, sample index, position): the 32-bit words (the
+    position, the sample index, the seed's high then low half) folded by `mix32`; the Gumbel noise
+    of a row is a function of its state alone. Hashed on the host in numpy (a few hundred integers:
+    ~40 us a step at 256 keys, against ~220 us as a dozen torch ops), then copied to `device`."""
+    seeds, samples, positions = zip(*keys) if keys else ((), (), ())
+    seed = _words(seeds, np.uint64, 2**64 - 1)
+    state = mix32_words(_words(positions, np.uint32, _MASK32))
+    for word in (_words(samples, np.uint32, _MASK32), (seed >> np.uint64(32)).astype(np.uint32),
+                 seed.astype(np.uint32)):
+        state = mix32_words(word ^ state)
+    return to_device(torch.from_numpy(state.astype(np.int64)), device)
+
+
+def _words(values: Sequence[int], dtype: type[np.unsignedinteger], mask: int) -> np.ndarray:
+    """values as unsigned words, each taken mod 2^bits (one conversion where all fit)."""
+    try:
+        return np.array(values, dtype=dtype)
+    except OverflowError:  # a value past the width, or negative: its low bits, as `& mask` gives
+        return np.array([v & mask for v in values], dtype=dtype)
 
 
 def sample(processed: torch.Tensor, keys: Sequence[tuple[int, int, int] | None]) -> torch.Tensor:

@@ -41,6 +41,14 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
     return mix32_(x.clone(), torch.empty_like(x))
 
 
+def mix32_words(x: np.ndarray) -> np.ndarray:
+    """`mix32` of uint32 words in numpy (the same integers): for the few hundred keys of a step, where
+    a torch op costs more in dispatch than in work."""
+    out = _first_xorshift(x)
+    _mix32_rest(out, np.empty_like(out))
+    return out
+
+
 def _mix32_rest(x: np.ndarray, scratch: np.ndarray) -> None:
     """`mix32_` in place on uint32 words after its first xorshift (`_first_xorshift`): numpy's uint32
     shifts are logical and its products wrap mod 2^32, the bits of the int64 form with its masks."""
