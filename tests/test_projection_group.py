@@ -40,3 +40,15 @@ def test_negative_control_k_and_v_take_the_groups_outputs() -> None:
 
     with replaced("matmul", "linears", "cpu", v_off):
         assert not all(np.array_equal(a, b) for a, b in zip(_logprobs(), plain, strict=True))
+
+
+def test_a_device_without_a_grouped_launch_takes_linear_per_weight(monkeypatch) -> None:
+    """A device registered for "linear" alone (`kernels.register`): `ops.linears` declines, and the
+    model runs its three products one by one with the same logprobs."""
+    from parity.kernels import ops, switch
+
+    plain = _logprobs()
+    monkeypatch.delitem(switch._registry, ("matmul", "linears", "cpu"))
+    x, w = torch.ones(2, 4), torch.ones(3, 4)
+    assert ops.linears(x, (w, w, w)) is None
+    assert all(np.array_equal(a, b) for a, b in zip(_logprobs(), plain, strict=True))

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from parity.core.errors import BackendUnavailableError
 from parity.kernels import sampling
 from parity.kernels.grad import exact, needs_grad
 from parity.kernels.switch import impl
@@ -28,7 +29,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def linears(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> list[torch.Tensor] | None:
     """[x [..., K] @ w.T for w in weights] (bias-free) in one launch where the device's kernel has a
     proven grouped plan for them; None: call `linear` per weight (the same bits either way)."""
-    fn = impl("matmul", "linears", x.device.type)
+    try:
+        fn = impl("matmul", "linears", x.device.type)
+    except BackendUnavailableError:  # a device registered (`kernels.register`) without a grouped launch
+        return None
     if fn is None or needs_grad(x, *weights):
         return None
     return fn(x, weights)

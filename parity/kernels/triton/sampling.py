@@ -40,7 +40,7 @@ def _mix32(x):
 
 @triton.jit
 def _words(state, token):
-    """The two hashed words of `token`'s uniform (uint32): u = ((high << 21) | (low >> 11) + 0.5) / 2^53."""
+    """The two hashed words of `token`'s uniform (uint32): u = (((high << 21) | (low >> 11)) + 1/2) / 2^53."""
     word = (2 * token).to(tl.uint32)  # V < 2^31: 2 * token + 1 fits 32 bits
     return _mix32(state ^ _mix32(word)), _mix32(state ^ _mix32(word + 1))
 
