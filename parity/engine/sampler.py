@@ -109,28 +109,26 @@ def top_k_rows(table: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[
     return [[int(t) for t in row] for row in both[0]], both[1]
 
 
-_MASK32 = 0xFFFFFFFF
-
-
 def key_state(keys: Sequence[tuple[int, int, int]], device: torch.device | str) -> torch.Tensor:
     """The hash state [N] int64 of each key (seed, sample index, position): the 32-bit words (the
     position, the sample index, the seed's high then low half) folded by `mix32`; the Gumbel noise
     of a row is a function of its state alone. Hashed on the host in numpy (a few hundred integers:
-    ~40 us a step at 256 keys, against ~220 us as a dozen torch ops), then copied to `device`."""
+    ~60 us a step at 256 keys, against ~220 us as a dozen torch ops), then copied to `device`."""
     seeds, samples, positions = zip(*keys) if keys else ((), (), ())
-    seed = _words(seeds, np.uint64, 2**64 - 1)
-    state = mix32_words(_words(positions, np.uint32, _MASK32))
-    for word in (_words(samples, np.uint32, _MASK32), (seed >> np.uint64(32)).astype(np.uint32),
+    seed = _words(seeds, np.uint64)
+    state = mix32_words(_words(positions, np.uint32))
+    for word in (_words(samples, np.uint32), (seed >> np.uint64(32)).astype(np.uint32),
                  seed.astype(np.uint32)):
         state = mix32_words(word ^ state)
     return to_device(torch.from_numpy(state.astype(np.int64)), device)
 
 
-def _words(values: Sequence[int], dtype: type[np.unsignedinteger], mask: int) -> np.ndarray:
-    """values as unsigned words, each taken mod 2^bits (one conversion where all fit)."""
+def _words(values: Sequence[int], dtype: type[np.unsignedinteger]) -> np.ndarray:
+    """values as unsigned words of `dtype`, each taken mod 2^bits (one conversion where all fit)."""
     try:
         return np.array(values, dtype=dtype)
-    except OverflowError:  # a value past the width, or negative: its low bits, as `& mask` gives
+    except OverflowError:  # a value past the width, or negative: its low bits
+        mask = int(np.iinfo(dtype).max)
         return np.array([v & mask for v in values], dtype=dtype)
 
 

@@ -249,6 +249,14 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _on_cublaslt(dtype: torch.dtype, n: int, k: int) -> bool:
+    """Whether a bias-free [n, k] product takes the probed cuBLASLt route in this process."""
+    if not cublaslt_ready():
+        return False
+    verdict = _verdicts.get((dtype, n, k))
+    return verdict is not None and verdict.invariant
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K].T (+ bias [N]) -> [..., N], row-invariant (Triton, or a probed
     cuBLASLt shape). TMA needs K * itemsize and N * itemsize multiples of 16.
@@ -261,10 +269,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     elt = x.element_size()
     if (k * elt) % 16 or (n * elt) % 16:
         raise InputError(f"linear: K={k} and N={n} must be multiples of {16 // elt} for TMA row alignment")
-    if bias is None and x.is_cuda and cublaslt_ready():
-        verdict = _verdicts.get((x.dtype, n, k))
-        if verdict is not None and verdict.invariant:
-            return F.linear(x, weight)
+    if bias is None and x.is_cuda and _on_cublaslt(x.dtype, n, k):
+        return F.linear(x, weight)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     out = launch(x2, weight, bias, plan_for(x.dtype, n, k, x2.shape[0]))
@@ -344,7 +350,7 @@ def linear3(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> list[torch.Te
     x2 = x.reshape(-1, k)
     if x2.shape[0] > DECODE_ROWS or not _groups_agree.get(key, False):
         return None
-    if any(route(x.dtype, *w.shape, False)[0] != "triton" for w in weights):
+    if any(_on_cublaslt(x.dtype, *w.shape) for w in weights):
         return None  # a weight on the probed cuBLASLt route keeps that route's bits
     return [out.reshape(*x.shape[:-1], out.shape[1]) for out in launch3(x2, weights, GROUP_PLAN)]
 
