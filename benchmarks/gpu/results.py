@@ -257,6 +257,8 @@ class ProfileResult:
     steps: int
     idle_s: float = 0.0
     top_kernels: dict[str, float] = field(default_factory=dict)
+    idle_by_gap: dict[str, float] = field(default_factory=dict)
+    idle_top: dict[str, float] = field(default_factory=dict)
 
 
 # -- the load-time matmul probe --------------------------------------------------------------------

@@ -239,6 +239,9 @@ def table(results: Mapping[str, Any]) -> str:
         lines.append(f"profile ({prof.workload}): wall {prof.wall_s:.2f} s, GPU busy {prof.gpu_busy_s:.2f} "
                      f"s, idle between kernels {prof.idle_s:.2f} s; "
                      + ", ".join(f"{name} {s:.2f} s" for name, s in prof.top_kernels.items()))
+        gaps = ", ".join(f"{k} {s:.3f} s" for k, s in prof.idle_by_gap.items())
+        lines.append(f"profile idle by gap: {gaps}; around: "
+                     + ", ".join(f"{k} {s:.3f} s" for k, s in prof.idle_top.items()))
     lines += step_split_lines(results.get("step_split"), "")
     lines += step_split_lines(probed and probed.step_split, " [probed]")
     lines += tp_lines(results.get("tp"))

@@ -3,12 +3,14 @@
 At the e2e workload's shapes: `--e2e` requests and prompt lengths with `--profile-tokens` output
 tokens (prefill, then decode steps at contexts past the prompt); the device-time table
 ($OUT/profile.txt), device-busy vs wall seconds, the seconds the device idled between kernels (host
-time the GPU waited for) and the heaviest kernels by name.
+time the GPU waited for, or launch latency inside a graph: split by gap size and by the kernel
+pair around the gap) and the heaviest kernels by name.
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -41,17 +43,35 @@ def measure(run: Run) -> ProfileResult:
     busy = sum(e.self_device_time_total for e in events) / 1e6
     top = sorted(((e.self_device_time_total / 1e6, e.key) for e in events), reverse=True)[:TOP_KERNELS]
     return ProfileResult(workload=f"{count} seqs x {prompt_len} prompt x {tokens} output, invariant",
-                         wall_s=seconds, gpu_busy_s=busy, steps=tokens + 1, idle_s=_idle_s(prof),
+                         wall_s=seconds, gpu_busy_s=busy, steps=tokens + 1, **_idle(prof),
                          top_kernels={name[:60]: round(s, 4) for s, name in top})
 
 
-def _idle_s(prof: profile) -> float:
-    """Seconds between the device's kernels and copies (their intervals merged), first to last."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+#: gap sizes (us) the idle seconds are split by: launch latency inside a graph is a few us, a host
+#: stall longer.
+GAP_EDGES = (5, 50, 1000)
+
+
+def _idle(prof: profile) -> dict:
+    """Seconds between the device's kernels and copies (their intervals merged), first to last:
+    `idle_s`, `idle_by_gap` (by gap size in us) and `idle_top` (the kernel pairs around the most)."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                    if e.device_type == torch.autograd.DeviceType.CUDA)
-    idle, reach = 0.0, None
-    for start, end in spans:
+    by_gap: Counter[str] = Counter()
+    by_pair: Counter[str] = Counter()
+    reach, before = None, ""
+    for start, end, name in spans:
         if reach is not None and start > reach:
-            idle += start - reach
-        reach = end if reach is None else max(reach, end)
-    return idle / 1e6
+            gap = start - reach
+            by_gap[_gap_label(gap)] += gap / 1e6
+            by_pair[f"{before[:28]} -> {name[:28]}"] += gap / 1e6
+        if reach is None or end >= reach:
+            reach, before = end, name
+    labels = [_gap_label(edge - 1) for edge in GAP_EDGES] + [_gap_label(GAP_EDGES[-1])]
+    return {"idle_s": sum(by_gap.values()), "idle_by_gap": {k: round(by_gap[k], 4) for k in labels},
+            "idle_top": {k: round(v, 4) for k, v in by_pair.most_common(TOP_KERNELS)}}
+
+
+def _gap_label(us: float) -> str:
+    below = next((edge for edge in GAP_EDGES if us < edge), None)
+    return f"< {below} us" if below is not None else f">= {GAP_EDGES[-1]} us"
