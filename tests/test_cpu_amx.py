@@ -1,5 +1,5 @@
-"""The AMX bf16 GEMM tiles: the row-invariance proof rejects what it must, the path is the one taken,
-and the environment variable that picks it is checked before an engine loads."""
+"""The bf16 GEMM tiles (AMX or AVX-512 BF16): the row-invariance proof rejects what it must, the path
+is the one taken, and the environment variable that picks it is checked before an engine loads."""
 
 import pytest
 import torch
@@ -13,8 +13,8 @@ from parity.kernels import cpu, cpu_amx, cpu_gemm, probe
 from parity.kernels.cpu_gemm import TILE
 from parity.monitor.summary import bounded_threads
 
-needs_amx = pytest.mark.skipif(not cpu_amx.amx_available(), reason="this CPU has no AMX bf16 tiles "
-                               f"(torch reports {torch.backends.cpu.get_cpu_capability()})")
+needs_bf16 = pytest.mark.skipif(cpu_amx.bf16_hardware() is None, reason="this CPU has neither AMX nor "
+                               f"AVX-512 BF16 (torch reports {torch.backends.cpu.get_cpu_capability()})")
 
 
 def _rand(*shape, seed=0):
@@ -69,7 +69,7 @@ def test_the_proof_accepts_an_invariant_product_and_rejects_what_depends_on_plac
     assert not cpu_amx.row_invariant(weight, weight, None, product=_by_neighbours)
 
 
-@needs_amx
+@needs_bf16
 def test_bf16_linear_runs_on_the_proven_amx_tiles(monkeypatch):
     monkeypatch.delenv(cpu_amx.CHOICE_ENV, raising=False)
     x, w, b = _rand(70, 576, seed=2), _rand(1536, 576, seed=3), _rand(1536, seed=4)
@@ -109,7 +109,7 @@ def test_the_thread_proof_accepts_a_thread_free_product_and_rejects_a_split_by_k
     assert not cpu_amx.threads_agree(weight, weight, None, 2, product=_split_by_k_on)
 
 
-@needs_amx
+@needs_bf16
 def test_a_shape_onednn_splits_by_k_stays_on_one_thread(monkeypatch):
     """oneDNN splits [32, 4096] x [4096, 8] over two threads by K: the raw product's bits follow the
     thread count on cancelling tiles (the control), the proof refuses the shape, and `cpu.linear`
@@ -136,7 +136,7 @@ def test_a_shape_onednn_splits_by_k_stays_on_one_thread(monkeypatch):
 WEIGHT, BIAS = _rand(1536, 576, seed=3), _rand(1536, seed=4)
 
 
-@needs_amx
+@needs_bf16
 def test_a_shape_proven_thread_free_runs_on_the_process_threads():
     with bounded_threads(2):
         assert cpu_amx._threads(WEIGHT, cpu_amx._pack(WEIGHT), BIAS) == 2
@@ -144,7 +144,7 @@ def test_a_shape_proven_thread_free_runs_on_the_process_threads():
         assert cpu_amx._threads(WEIGHT, cpu_amx._pack(WEIGHT), BIAS) == 1
 
 
-@needs_amx
+@needs_bf16
 @given(rows=st.integers(1, 100), target=st.integers(0, 99), seed=st.integers(0, 2**16))
 def test_a_row_on_two_threads_in_any_batch_equals_it_alone_on_one(rows, target, seed):
     x = _rand(rows, 576, seed=seed)
@@ -156,7 +156,7 @@ def test_a_row_on_two_threads_in_any_batch_equals_it_alone_on_one(rows, target, 
     assert torch.equal(batched[target], alone[0])
 
 
-@needs_amx
+@needs_bf16
 def test_the_variable_picks_float32_tiles_and_the_report_says_which_ran(monkeypatch):
     x, w = _rand(33, 576, seed=2), _rand(576, 576, seed=3)
     monkeypatch.setenv(cpu_amx.CHOICE_ENV, "float32")
@@ -164,9 +164,12 @@ def test_the_variable_picks_float32_tiles_and_the_report_says_which_ran(monkeypa
     assert torch.equal(cpu.linear(x, w), cpu_gemm.matmul(x, w, torch.bfloat16))
     assert {r.route for r in linear_routes("tiny-llama", device="cpu")} == {"float32"}
     assert get_backend("reference", "tiny-llama", dtype="bfloat16").meta["cpu_bf16_gemm"] == "float32"
-    monkeypatch.setenv(cpu_amx.CHOICE_ENV, "amx")
-    assert {r.route for r in linear_routes("tiny-llama", device="cpu")} == {"amx-bf16"}
-    assert get_backend("reference", "tiny-llama", dtype="bfloat16").meta["cpu_bf16_gemm"] == "amx"
+    hardware = cpu_amx.bf16_hardware()
+    for spelling in ("amx", "bf16"):
+        monkeypatch.setenv(cpu_amx.CHOICE_ENV, spelling)
+        routes = {r.route for r in linear_routes("tiny-llama", device="cpu")}
+        assert routes == {cpu_amx.HARDWARE[hardware][0]}
+        assert get_backend("reference", "tiny-llama", dtype="bfloat16").meta["cpu_bf16_gemm"] == hardware
 
 
 def test_a_bad_choice_is_refused_before_the_engine_loads(monkeypatch):
@@ -175,7 +178,7 @@ def test_a_bad_choice_is_refused_before_the_engine_loads(monkeypatch):
 
     monkeypatch.setattr(reference, "ReferenceEngine", loaded)
     monkeypatch.setenv(cpu_amx.CHOICE_ENV, "fp8")
-    with pytest.raises(ConfigError, match=f"{cpu_amx.CHOICE_ENV}='fp8'.*'amx'.*'float32'"):
+    with pytest.raises(ConfigError, match=f"{cpu_amx.CHOICE_ENV}='fp8'.*'bf16'.*'amx'.*'float32'"):
         get_backend("reference", "tiny-llama", dtype="bfloat16")
 
 

@@ -275,9 +275,10 @@ def test_control_a_plain_row_sum_is_caught():
     print(f"a plain row sum fails at example {first}")
 
 
-# --- the AMX linear's one look-up per call -------------------------------------------------------
+# --- the bf16 linear's one look-up per call (AMX or AVX-512 BF16) ---------------------------------
 
-needs_amx = pytest.mark.skipif(not cpu_amx.amx_available(), reason="this CPU has no AMX bf16 tiles")
+needs_bf16 = pytest.mark.skipif(cpu_amx.bf16_hardware() is None,
+                                reason="this CPU has neither AMX nor AVX-512 BF16")
 LINEAR_DRAWS = {"lead": st.sampled_from([(), (1,), (2,), (1, 1)]),
                 "rows": st.sampled_from([1, 31, 32, 33, 70]), "bias": st.booleans(), "offset": st.booleans(),
                 "seed": st.integers(0, 2**16)}
@@ -285,7 +286,7 @@ LINEAR_DRAWS = {"lead": st.sampled_from([(), (1,), (2,), (1, 1)]),
 
 def _check_linear(lead, rows, bias, offset, seed, linear=cpu.linear):
     """x of any leading dims (a whole tile of rows or not, 64-byte aligned or not) times a weight, then
-    again after an in-place update of the weight: the AMX tiles' `matmul` on the rows."""
+    again after an in-place update of the weight: the bf16 tiles' `matmul` on the rows."""
     g = torch.Generator().manual_seed(seed)
     weight = torch.randn(192, 576, generator=g).to(torch.bfloat16)
     b = torch.randn(192, generator=g).to(torch.bfloat16) if bias else None
@@ -299,13 +300,13 @@ def _check_linear(lead, rows, bias, offset, seed, linear=cpu.linear):
         weight.mul_(-0.5)
 
 
-@needs_amx
+@needs_bf16
 @given(**LINEAR_DRAWS)
 def test_amx_linear_is_matmul_on_the_rows_before_and_after_a_weight_update(lead, rows, bias, offset, seed):
     _check_linear(lead, rows, bias, offset, seed)
 
 
-@needs_amx
+@needs_bf16
 def test_control_a_route_kept_across_a_weight_update_is_caught():
     """Negative control: a route looked up by the weight alone (its first packing kept after an
     in-place update) fails the property within its examples."""

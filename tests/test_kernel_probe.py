@@ -79,7 +79,8 @@ def test_cache_path_follows_parity_cache(monkeypatch: pytest.MonkeyPatch, tmp_pa
 def test_parity_kernels_lists_each_linear_shape(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["kernels", "--model", "tiny-qwen3-moe", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
-    route = "amx-bf16" if cpu_amx.choice() == "amx" else "float32"  # bf16 weights: AMX tiles where present
+    # bf16 weights: the bf16 tiles where the CPU has them
+    route = cpu_amx.HARDWARE[cpu_amx.choice()][0] if cpu_amx.choice() != "float32" else "float32"
     assert "weight [N, K]" in out and "128 x 128" in out and route in out
 
 

@@ -39,8 +39,8 @@ class ReferenceBackend(Backend):
         self.config = EngineConfig(dtype=dtype).replace(**engine)
         self.check_lora(self.config.lora)
         kernels, tp = self.config.kernels, self.config.tensor_parallel_size
-        # AMX bf16 tiles and float32 tiles give different bits: the report says which ran (a bad
-        # PARITY_CPU_BF16_GEMM is refused here, before the engine loads)
+        # bf16 tiles (AMX, AVX-512 BF16) and float32 tiles give different bits: the report says which
+        # ran (a bad PARITY_CPU_BF16_GEMM is refused here, before the engine loads)
         gemm = cpu_amx.choice() if self.config.device == "cpu" and kernels == "invariant" else None
         self._engine = ReferenceEngine(self.model_path, self.config)
         self.meta.update({

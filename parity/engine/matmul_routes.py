@@ -1,6 +1,6 @@
 """Which route the invariant linear takes for each weight shape of a model, and why (`parity kernels`):
 on CUDA cuBLASLt without split-K where the load-time probe proved it row-invariant, else Triton; on CPU
-AMX bf16 tiles where proven row-invariant, else float32 tiles.
+bf16 tiles (AMX or AVX-512 BF16) where proven row-invariant, else float32 tiles.
 """
 
 from __future__ import annotations

@@ -188,7 +188,8 @@ def tree_steps(x: torch.Tensor, dim: int) -> tuple[list[tuple[torch.Tensor, torc
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K].T (+ bias) -> [..., N], each row independent: fixed [TILE, K]
-    problems, bf16 on AMX where proven (`cpu_amx`), else float32 (`cpu_gemm.matmul`), rounded once.
+    problems, bf16 on AMX or AVX-512 BF16 where proven (`cpu_amx`), else float32
+    (`cpu_gemm.matmul`), rounded once.
     """
     if x.dtype == torch.bfloat16 and x.numel():
         out = cpu_amx.linear(x, weight, bias)

@@ -1,9 +1,10 @@
-"""bf16 GEMM tiles on AMX, each weight shape proven row-invariant before it is used.
+"""bf16 GEMM tiles on AMX or AVX-512 BF16, each weight shape proven row-invariant before it is used.
 
-On a CPU with AMX, oneDNN multiplies bf16 exactly and sums in float32 (AMX tile dot products),
-~4x the float32 tiles of `cpu_gemm` on the same core. Row-invariance comes from the same idea as
-there: every product is one fixed shape, [TILE, K] x packed [K, N], so the batch does not change
-a row's bits. That a fixed shape is enough is not assumed but proven, once per (weight shape,
+On a CPU with AMX tiles or AVX-512 BF16 dot products, oneDNN multiplies bf16 exactly and sums in
+float32, ~4x (AMX) or 2.3-3.5x (AVX-512 BF16, one thread, docs/PERF.md) the float32 tiles of
+`cpu_gemm` on the same core (two kernels: the report names which ran). Row-invariance comes from
+the same idea as there: every product is one fixed shape, [TILE, K] x packed [K, N], so the batch
+does not change a row's bits. That a fixed shape is enough is not assumed but proven, once per (weight shape,
 bias), on the weight itself: rows moved to other places of the tile and neighbours replaced must
 give the same bits, on wide-valued tiles and on tiles whose rows cancel exactly (the result is
 then the summation order's rounding alone: `row_invariant`); a shape that fails takes the float32
@@ -25,7 +26,8 @@ from parity.core.errors import ConfigError
 from parity.kernels.cpu_gemm import TILE, per_version
 from parity.kernels.probe import cancelling_rows
 
-#: the environment variable that picks the bf16 GEMM: "amx" (default where AMX exists) or "float32".
+#: the environment variable that picks the bf16 GEMM: "bf16" (the default: oneDNN's bf16 products
+#: where the CPU has them; "amx", its first spelling, means the same) or "float32".
 CHOICE_ENV = "PARITY_CPU_BF16_GEMM"
 
 #: weight -> ((version, data pointer), weight packed for oneDNN's AMX kernel).
@@ -39,20 +41,31 @@ _thread_free: dict[tuple[int, int, bool, int], bool] = {}
 _routes: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
+#: each bf16 hardware (`bf16_hardware`): its route label, and its words in `route`'s reason
+HARDWARE = {"amx": ("amx-bf16", "AMX tiles"), "avx512-bf16": ("avx512-bf16", "AVX-512 BF16 products")}
+
+
 @functools.cache
-def amx_available() -> bool:
-    """Whether this CPU has AMX bf16 tiles and this process may use them (asks Linux once)."""
-    return (torch.backends.mkldnn.is_available() and torch.cpu._is_amx_tile_supported()
-            and torch.cpu._init_amx())
+def bf16_hardware() -> str | None:
+    """"amx" (AMX tiles; this process asks Linux for them once) or "avx512-bf16" (AVX-512 BF16 dot
+    products): oneDNN's bf16 products on this CPU; None where it has neither (oneDNN would emulate)."""
+    if not torch.backends.mkldnn.is_available():
+        return None
+    if torch.cpu._is_amx_tile_supported() and torch.cpu._init_amx():
+        return "amx"
+    return "avx512-bf16" if torch.cpu._is_avx512_bf16_supported() else None
 
 
 def choice() -> str:
-    """The bf16 GEMM this process uses on CPU: "amx" or "float32" (`CHOICE_ENV`, else AMX if present)."""
+    """The bf16 GEMM this process uses on CPU: "amx", "avx512-bf16" or "float32" (`CHOICE_ENV`, else
+    the CPU's bf16 hardware where it has some)."""
     wanted = os.environ.get(CHOICE_ENV, "").strip().lower()
-    if wanted not in ("", "amx", "float32"):
-        raise ConfigError(f"{CHOICE_ENV}={wanted!r}: set it to 'amx' (AMX bf16 tiles where the CPU has "
-                          "them) or 'float32' (float32 tiles everywhere), or unset it")
-    return "amx" if wanted != "float32" and amx_available() else "float32"
+    if wanted not in ("", "bf16", "amx", "float32"):
+        raise ConfigError(f"{CHOICE_ENV}={wanted!r}: set it to 'bf16' (oneDNN's bf16 products where the CPU "
+                          "has AMX or AVX-512 BF16; 'amx' means the same) or 'float32' (float32 tiles "
+                          "everywhere), or unset it")
+    hardware = bf16_hardware()
+    return hardware if wanted != "float32" and hardware is not None else "float32"
 
 
 def _product(tile: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
@@ -153,8 +166,8 @@ def _bf16(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
 
 
 def usable(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether x @ weight.T (+ bias) in bf16 runs on the proven AMX tiles."""
-    if not _bf16(weight, bias) or weight.device.type != "cpu" or choice() != "amx":
+    """Whether x @ weight.T (+ bias) in bf16 runs on the proven bf16 tiles."""
+    if not _bf16(weight, bias) or weight.device.type != "cpu" or choice() == "float32":
         return False
     n, k = weight.shape
     key = (k, n, bias is not None)
@@ -168,13 +181,15 @@ def usable(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
 
 
 def route(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[str, str]:
-    """(route, why) of the CPU invariant linear for this weight: "amx-bf16" or "float32" tiles."""
+    """(route, why) of the CPU invariant linear for this weight: "amx-bf16", "avx512-bf16" or
+    "float32" tiles."""
     if usable(weight, bias):
-        return "amx-bf16", f"oneDNN AMX [{TILE}, K] tiles, proven row-invariant"
+        label, words = HARDWARE[choice()]
+        return label, f"oneDNN {words} of [{TILE}, K], proven row-invariant"
     if not _bf16(weight, bias):
         why = f"{str(weight.dtype).removeprefix('torch.')} weight"
-    elif choice() != "amx":
-        why = f"{CHOICE_ENV}=float32" if os.environ.get(CHOICE_ENV) else "no AMX on this CPU"
+    elif choice() == "float32":
+        why = f"{CHOICE_ENV}=float32" if bf16_hardware() else "no AMX or AVX-512 BF16 on this CPU"
     else:
         why = "this shape failed the row-invariance proof"
     return "float32", f"fixed float32 [{TILE}, K] tiles ({why})"
@@ -206,7 +221,7 @@ def _route_key(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    """x [..., K] bf16 @ weight [N, K].T (+ bias) -> [..., N] as `matmul`, or None where the AMX tiles do
+    """x [..., K] bf16 @ weight [N, K].T (+ bias) -> [..., N] as `matmul`, or None where the bf16 tiles do
     not serve (`usable`); a whole contiguous tile of rows goes to its one product as it is."""
     key = _route_key(weight, bias)
     route = _routes.get(weight)
