@@ -1,7 +1,7 @@
 """bf16 GEMM tiles on AMX or AVX-512 BF16, each weight shape proven row-invariant before it is used.
 
 On a CPU with AMX tiles or AVX-512 BF16 dot products, oneDNN multiplies bf16 exactly and sums in
-float32, ~4x (AMX) or 2.3-3.5x (AVX-512 BF16, one thread, docs/PERF.md) the float32 tiles of
+float32, ~4x (AMX) or 2.2-3.5x (AVX-512 BF16, one thread, docs/PERF.md) the float32 tiles of
 `cpu_gemm` on the same core (two kernels: the report names which ran). Row-invariance comes from
 the same idea as there: every product is one fixed shape, [TILE, K] x packed [K, N], so the batch
 does not change a row's bits. That a fixed shape is enough is not assumed but proven, once per (weight shape,
@@ -30,7 +30,7 @@ from parity.kernels.probe import cancelling_rows
 #: where the CPU has them; "amx", its first spelling, means the same) or "float32".
 CHOICE_ENV = "PARITY_CPU_BF16_GEMM"
 
-#: weight -> ((version, data pointer), weight packed for oneDNN's AMX kernel).
+#: weight -> ((version, data pointer), weight packed for oneDNN's bf16 kernel).
 _packed: WeakIdKeyDictionary = WeakIdKeyDictionary()
 #: (K, N, bias present) -> whether the shape passed `row_invariant`.
 _proven: dict[tuple[int, int, bool], bool] = {}
