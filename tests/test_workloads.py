@@ -33,6 +33,10 @@ QUESTIONS = [
 ]
 #: the limits of a trained model in bf16 (measured by the trained-model tests: mean 0.051-0.058)
 TOLERANCE = {"mean_abs_logprob_diff": 0.1}
+#: vLLM against the reference at top-p 0.9 over 32 tokens: one token may sit on the nucleus's edge,
+#: in on one side's bf16 products and out on the other's (on the AVX-512 BF16 tiles one of vLLM-CPU's
+#: tokens is just outside the reference's nucleus; on AMX and float32 tiles none); two may not
+ONE_BOUNDARY_TOKEN = 0.04
 
 
 def gsm8k_rows(questions):
@@ -64,6 +68,7 @@ seed = 100
 mean_abs_logprob_diff = 0.1
 [tolerance.vllm]
 mean_abs_logprob_diff = 0.1
+frac_tokens_outside_support_max = {ONE_BOUNDARY_TOKEN}
 """)
     return root / "gsm8k.toml"
 
