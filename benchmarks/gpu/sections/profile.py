@@ -9,6 +9,7 @@ pair around the gap) and the heaviest kernels by name.
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import Counter
 
@@ -48,8 +49,9 @@ def measure(run: Run) -> ProfileResult:
 
 
 #: gap sizes (us) the idle seconds are split by: launch latency inside a graph is a few us, a host
-#: stall longer.
+#: stall longer; GAP_LABELS[i] names the gaps below GAP_EDGES[i], the last those past them all.
 GAP_EDGES = (5, 50, 1000)
+GAP_LABELS = (*(f"< {edge} us" for edge in GAP_EDGES), f">= {GAP_EDGES[-1]} us")
 
 
 def _idle(prof: profile) -> dict:
@@ -57,21 +59,15 @@ def _idle(prof: profile) -> dict:
     `idle_s`, `idle_by_gap` (by gap size in us) and `idle_top` (the kernel pairs around the most)."""
     spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                    if e.device_type == torch.autograd.DeviceType.CUDA)
-    by_gap: Counter[str] = Counter()
+    by_gap = dict.fromkeys(GAP_LABELS, 0.0)
     by_pair: Counter[str] = Counter()
     reach, before = None, ""
     for start, end, name in spans:
         if reach is not None and start > reach:
             gap = start - reach
-            by_gap[_gap_label(gap)] += gap / 1e6
+            by_gap[GAP_LABELS[bisect.bisect_right(GAP_EDGES, gap)]] += gap / 1e6
             by_pair[f"{before[:28]} -> {name[:28]}"] += gap / 1e6
         if reach is None or end >= reach:
             reach, before = end, name
-    labels = [_gap_label(edge - 1) for edge in GAP_EDGES] + [_gap_label(GAP_EDGES[-1])]
-    return {"idle_s": sum(by_gap.values()), "idle_by_gap": {k: round(by_gap[k], 4) for k in labels},
+    return {"idle_s": sum(by_gap.values()), "idle_by_gap": {k: round(v, 4) for k, v in by_gap.items()},
             "idle_top": {k: round(v, 4) for k, v in by_pair.most_common(TOP_KERNELS)}}
-
-
-def _gap_label(us: float) -> str:
-    below = next((edge for edge in GAP_EDGES if us < edge), None)
-    return f"< {below} us" if below is not None else f">= {GAP_EDGES[-1]} us"
