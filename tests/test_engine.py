@@ -277,6 +277,36 @@ def test_warm_up_captures_every_graph_before_the_generate_and_keeps_the_bits():
         assert torch.equal(score.cpu(), torch.tensor(rollout.logprobs, dtype=torch.float32))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA not available)")])])
+def test_plain_rows_take_the_fused_draw_with_the_bits_of_the_two_ops(device):
+    """Rows at temperature 1 without top-k/top-p draw through `ops.log_softmax_draw` (one pass over the
+    bf16 logits on CUDA); a batch with one other row takes log-softmax then the draw. The plain
+    requests' rollouts are the same either way and equal the training forward bit for bit."""
+    calls = []
+    fused = switch.registrations(device)[("pointwise", "log_softmax_draw", device)]
+
+    def counting(*args):
+        calls.append(args[0].dtype)
+        return fused(*args)
+
+    plain = [Request(tuple(range(3, 3 + n)), SamplingParams(max_tokens=6, seed=n), request_id=str(n))
+             for n in (3, 17)]
+    other = Request((40, 41), SamplingParams(max_tokens=6, seed=1, temperature=0.7), request_id="t")
+    settings = dict(device=device, dtype="bfloat16", max_num_seqs=4, chunk_size=8)
+    with (switch.replaced("pointwise", "log_softmax_draw", device, counting),
+          ReferenceEngine("tiny-qwen3", **settings) as engine):
+        alone = engine.generate(plain)
+        assert calls and set(calls) == {torch.bfloat16}
+        calls.clear()
+        mixed = engine.generate([*plain, other])
+        assert not calls
+    scored = train_forward("tiny-qwen3", alone, device=device, dtype="bfloat16")
+    for a, m, score in zip(alone, mixed, scored.logprobs):
+        assert a.token_ids == m.token_ids and a.logprobs == m.logprobs
+        assert torch.equal(score.cpu(), torch.tensor(a.logprobs, dtype=torch.float32))
+
+
 def test_dense_model_records_no_routes():
     rollout, = ReferenceEngine("tiny-llama", record_routes=True).generate(
         [Request((5, 6), SamplingParams(max_tokens=2))])

@@ -169,3 +169,67 @@ def test_the_float32_noise_lies_well_within_half_the_margin_of_the_float64_noise
     assert bool((out32[infinite] > 0).all())
     error = (out32.double() - out64)[~infinite].abs().max().item()
     assert error < sampling.SLACK / 20, error
+
+
+@runs_here
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_fused_draw_is_log_softmax_then_the_draw_bit_for_bit(dtype: torch.dtype) -> None:
+    """`log_softmax_draw` on the logits as the model leaves them: the tokens of `gumbel_argmax` on
+    log_softmax of the float32 logits and those log-probs, bit for bit; each row alone the same."""
+    from parity.engine.sampler import key_state
+    from parity.kernels.triton import softmax
+
+    device = "cuda" if CUDA else "cpu"
+    g = torch.Generator().manual_seed(4)
+    vocab = sampling.SPAN + 777  # two spans, a masked tail
+    logits = (torch.randn(4, vocab, generator=g) * 4).to(dtype).to(device)
+    logits[3, :vocab // 2] = -60.0  # the best tokens all in the second span
+    keys = [(13, r, 40 + r) for r in range(4)]
+    state = key_state(keys, device)
+    noisy = torch.ones(4, dtype=torch.bool, device=device)
+    tokens, logprobs = sampling.log_softmax_draw(logits, state, noisy)
+    processed = softmax.log_softmax(logits.float())
+    assert torch.equal(tokens, sampling.gumbel_argmax(processed, state, noisy))
+    assert torch.equal(logprobs, processed.gather(1, tokens.unsqueeze(1)).squeeze(1))
+    assert int(tokens[3]) >= vocab // 2
+    for r in (0, 3):
+        alone = sampling.log_softmax_draw(logits[r:r + 1], state[r:r + 1], noisy[r:r + 1])
+        assert torch.equal(alone[0], tokens[r:r + 1]) and torch.equal(alone[1], logprobs[r:r + 1])
+
+
+@triton.jit
+def _stats_by_tl_sum(x_ptr, stats_ptr, V, BLOCK: tl.constexpr):
+    """`softmax._row_stats` with the lanes summed by `tl.sum` (the control's kernel)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    lane_max = tl.full((BLOCK,), float("-inf"), tl.float32)
+    lane_sum = tl.zeros((BLOCK,), tl.float32)
+    for start in range(0, V, BLOCK):
+        x = tl.load(x_ptr + row * V + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32)
+        new_max = tl.maximum(lane_max, x)
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+        lane_sum = lane_sum * tl.exp(lane_max - safe_max) + tl.exp(x - safe_max)
+        lane_max = new_max
+    row_max = tl.max(lane_max, axis=0)
+    safe_lane = tl.where(lane_max == float("-inf"), row_max, lane_max)
+    tl.store(stats_ptr + row, tl.sum(lane_sum * tl.exp(safe_lane - row_max), axis=0))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="register layouts exist on the GPU only")
+def test_log_softmax_of_bf16_logits_is_log_softmax_of_their_float32_widening() -> None:
+    """The row stats of bf16 logits (8 per thread when loaded) equal those of their float32 copy (4 per
+    thread): the lanes' sum is a fixed tree, not `tl.sum`'s layout-following order, so the fused draw's
+    log-probs are the training forward's. Negative control: the same stats by `tl.sum` differ."""
+    from parity.kernels.triton import softmax
+
+    g = torch.Generator().manual_seed(8)
+    x = (torch.randn(64, 151936, generator=g) * 3).to(torch.bfloat16).cuda()
+    stats = softmax.row_stats(x)
+    assert torch.equal(stats, softmax.row_stats(x.float()))
+    row_max, log_total = stats.unbind(1)
+    assert torch.equal(softmax.log_softmax(x.float()), (x.float() - row_max[:, None]) - log_total[:, None])
+    sums = [torch.empty(64, dtype=torch.float32, device="cuda") for _ in range(2)]
+    for source, out in zip((x, x.float()), sums):
+        _stats_by_tl_sum[(64,)](source, out, 151936, BLOCK=softmax.CHUNK, num_warps=8)
+    assert not torch.equal(*sums)

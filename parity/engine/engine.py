@@ -337,19 +337,22 @@ class ReferenceEngine:
         """One token and logprob per ready span from its last row, launched; `Draw.read` brings them
         to the host (one device->host copy)."""
         rows = device_tensor([span.last_row for span in ready], torch.int64, hidden.device)
-        logits = forward.logits(self.lm, hidden.index_select(0, rows))
+        head = forward.head(self.lm, hidden.index_select(0, rows))
         seqs = [span.seq for span in ready]
         params = [s.request.sampling for s in seqs]
         row_params = sampler.RowParams(tuple(p.temperature for p in params), tuple(p.top_k for p in params),
                                        tuple(p.top_p for p in params))
-        processed = sampler.processed_logprobs(logits, row_params)
         # The noise key's position is the sampled token's: every known token is computed.
         keys = [None if p.temperature == 0 else (p.seed, s.sample_index, s.computed)
                 for s, p in zip(seqs, params)]
+        k = max(p.top_k_logprobs for p in params)
+        if not k and sampler.plain(row_params):
+            return Draw.launch(ready, *sampler.sample_plain(head, keys))
+        logits = head.to(torch.float32)
+        processed = sampler.processed_logprobs(logits, row_params)
         tokens = sampler.sample(processed, keys)
         table = sampler.reported_table(logits, processed, [p.logprobs_mode for p in params])
         logprobs = table.gather(1, tokens.unsqueeze(1)).squeeze(1)
-        k = max(p.top_k_logprobs for p in params)
         if k:
             for seq, p, ids, values in zip(seqs, params, *sampler.top_k_rows(table, k)):
                 if p.top_k_logprobs:

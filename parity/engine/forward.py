@@ -26,6 +26,11 @@ def final_hidden(lm: LoadedModel, input_ids: torch.Tensor, position_ids: torch.T
     return hidden.reshape(-1, hidden.shape[-1])
 
 
+def head(lm: LoadedModel, hidden: torch.Tensor) -> torch.Tensor:
+    """LM-head logits [N, V] in the model's dtype of hidden rows [N, H] (only the rows asked for)."""
+    return lm.model.lm_head(hidden)
+
+
 def logits(lm: LoadedModel, hidden: torch.Tensor) -> torch.Tensor:
-    """LM-head logits [N, V] in float32 of hidden rows [N, H] (computed only for the rows asked for)."""
-    return lm.model.lm_head(hidden).to(torch.float32)
+    """LM-head logits [N, V] in float32 of hidden rows [N, H]."""
+    return head(lm, hidden).to(torch.float32)

@@ -143,3 +143,20 @@ def sample(processed: torch.Tensor, keys: Sequence[tuple[int, int, int] | None])
     state = key_state([key or (0, 0, 0) for key in keys], device)
     noisy = device_tensor([key is not None for key in keys], torch.bool, device)
     return ops.gumbel_argmax(processed, state, noisy)
+
+
+def plain(params: RowParams) -> bool:
+    """Whether every row samples log_softmax of its logits as they are: temperature 1, no top-k or
+    top-p (its processed and raw log-probs are then one table)."""
+    return (all(t == 1.0 for t in params.temperature) and not any(k > 0 for k in params.top_k)
+            and all(p >= 1 for p in params.top_p))
+
+
+def sample_plain(logits: torch.Tensor,
+                 keys: Sequence[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample(processed_logprobs(logits))` for `plain` rows of logits [N, V] in the model's dtype, and
+    the drawn tokens' log-probs: tokens [N] int64, log-probs [N] float32, the same bits (one fused
+    pass over the logits on CUDA: `ops.log_softmax_draw`)."""
+    state = key_state(keys, logits.device)
+    noisy = torch.ones(len(keys), dtype=torch.bool, device=logits.device)
+    return ops.log_softmax_draw(logits, state, noisy)

@@ -67,6 +67,7 @@ def _register_cpu() -> None:
         ("softmax", "cumsum", cpu.cumsum),
         ("pointwise", "activation", cpu.activation),
         ("pointwise", "gumbel_argmax", cpu_sampling.gumbel_argmax),
+        ("pointwise", "log_softmax_draw", cpu_sampling.log_softmax_draw),
         ("moe", "topk", cpu.topk),
         ("moe", "experts", cpu.experts),
         ("rotary", "rotary", cpu.rotary),

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from parity.kernels.cpu import POINTWISE_ALIGN, pointwise_, scratch
+from parity.kernels.cpu import POINTWISE_ALIGN, log_softmax, pointwise_, scratch
 from parity.kernels.sampling import HASH_SPAN, HashSpans
 
 
@@ -103,3 +103,12 @@ def gumbel_argmax(scores: torch.Tensor, state: torch.Tensor, noisy: torch.Tensor
     # A greedy row's argmax over float64(score) + 0 is its argmax over the scores: the same order,
     # equal values (-0.0 and +0.0 too) stay equal and go to the lower id, NaN first.
     return torch.where(noisy, drawn, scores.argmax(dim=-1))
+
+
+def log_softmax_draw(logits: torch.Tensor, state: torch.Tensor,
+                     noisy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU's fused draw is the two kernels: `cpu.log_softmax` of the float32 logits [N, V], then
+    `gumbel_argmax`; tokens [N] and their log-probs [N]."""
+    processed = log_softmax(logits.to(torch.float32))
+    tokens = gumbel_argmax(processed, state, noisy)
+    return tokens, processed.gather(1, tokens.unsqueeze(1)).squeeze(1)

@@ -133,3 +133,17 @@ def gumbel_argmax(scores: torch.Tensor, state: torch.Tensor, noisy: torch.Tensor
     """
     fn = impl("pointwise", "gumbel_argmax", scores.device.type)
     return sampling.gumbel_argmax(scores, state, noisy) if fn is None else fn(scores, state, noisy)
+
+
+def log_softmax_draw(logits: torch.Tensor, state: torch.Tensor,
+                     noisy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gumbel_argmax(log_softmax(logits))` -> tokens [N] int64 and their log-probs [N] float32, for
+    logits [N, V] of any float dtype (widened to float32, exactly). One fused op where families
+    "softmax" and "pointwise" are both on (the same bits as the two), the two ops otherwise."""
+    device = logits.device.type
+    fn = impl("pointwise", "log_softmax_draw", device) if impl("softmax", "log_softmax", device) else None
+    if fn is not None:
+        return fn(logits, state, noisy)
+    processed = log_softmax(logits.to(torch.float32))
+    tokens = gumbel_argmax(processed, state, noisy)
+    return tokens, processed.gather(1, tokens.unsqueeze(1)).squeeze(1)

@@ -43,6 +43,7 @@ def register() -> None:
         ("softmax", "cumsum", scan.cumsum),
         ("pointwise", "activation", _activation_op),
         ("pointwise", "gumbel_argmax", sampling.gumbel_argmax),
+        ("pointwise", "log_softmax_draw", sampling.log_softmax_draw),
         ("rotary", "rotary", cpu.rotary),  # a gather from one per-position table: device-agnostic
         ("rotary", "apply", rotary.apply_rotary),
         ("moe", "topk", moe.topk),

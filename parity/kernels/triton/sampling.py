@@ -7,6 +7,7 @@ the chunks within a margin of the span's largest take the float64 noise (the def
 logs cost the kernel its time), walked as before: first maximum per lane, then the lowest id among
 lanes at the max. A second kernel takes the lowest id among a row's spans at the row's max. The
 token is the lowest id whose float64 noisy score is the row's maximum, whatever the split.
+`log_softmax_draw` reads raw logits instead and forms each log-prob in registers from the row's stats.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from parity.kernels.triton import softmax
 
 #: vocabulary entries per chunk (a power of two).
 BLOCK = 2048
@@ -73,12 +76,24 @@ def _noise32(high, low):
 
 
 @triton.jit
-def _gumbel_span_kernel(scores_ptr, state_ptr, noisy_ptr, best_ptr, id_ptr, V, stride, SPANS, SLACK,
-                        BLOCK: tl.constexpr, CHUNKS: tl.constexpr):
+def _scores(row_ptr, token, ok, row_stats_ptr, SHIFTED: tl.constexpr):
+    """The row's scores at `token`; SHIFTED: logits widened to float32 and shifted by the row's stats
+    (max, log-sum) as `log_softmax` does, the same float32 operations in the same order."""
+    x = tl.load(row_ptr + token, mask=ok, other=float("-inf"))
+    if SHIFTED:
+        x = x.to(tl.float32) - tl.load(row_stats_ptr) - tl.load(row_stats_ptr + 1)
+    return x
+
+
+@triton.jit
+def _gumbel_span_kernel(scores_ptr, stats_ptr, state_ptr, noisy_ptr, best_ptr, id_ptr, V, stride, SPANS,
+                        SLACK, BLOCK: tl.constexpr, CHUNKS: tl.constexpr, SHIFTED: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     span = tl.program_id(1)
     state = tl.load(state_ptr + row).to(tl.uint32)  # in [0, 2^32): exact
     noisy = tl.load(noisy_ptr + row) != 0
+    row_ptr = scores_ptr + row * stride
+    row_stats_ptr = stats_ptr + 2 * row
     lanes = tl.arange(0, BLOCK)
     chunks = tl.arange(0, CHUNKS)
     first = span * (CHUNKS * BLOCK)
@@ -87,7 +102,7 @@ def _gumbel_span_kernel(scores_ptr, state_ptr, noisy_ptr, best_ptr, id_ptr, V, s
     for c in range(CHUNKS):
         token = (first + c * BLOCK + lanes).to(tl.int64)
         ok = token < V
-        x = tl.load(scores_ptr + row * stride + token, mask=ok, other=float("-inf")).to(tl.float32)
+        x = _scores(row_ptr, token, ok, row_stats_ptr, SHIFTED).to(tl.float32)
         high, low = _words(state, token)
         y = x + tl.where(noisy, _noise32(high, low), 0.0)
         y = tl.where(ok & (y == y), y, float("-inf"))
@@ -105,7 +120,7 @@ def _gumbel_span_kernel(scores_ptr, state_ptr, noisy_ptr, best_ptr, id_ptr, V, s
         if tl.max(tl.where(chunks == c, approx, float("-inf")), axis=0) >= bound:
             token = (first + c * BLOCK + lanes).to(tl.int64)
             ok = token < V
-            x = tl.load(scores_ptr + row * stride + token, mask=ok, other=float("-inf")).to(tl.float64)
+            x = _scores(row_ptr, token, ok, row_stats_ptr, SHIFTED).to(tl.float64)
             high, low = _words(state, token)
             y = x + tl.where(noisy, _noise64(high, low), 0.0)
             better = ok & (y > best)
@@ -118,14 +133,19 @@ def _gumbel_span_kernel(scores_ptr, state_ptr, noisy_ptr, best_ptr, id_ptr, V, s
 
 
 @triton.jit
-def _pick_kernel(best_ptr, id_ptr, out_ptr, V, SPANS, LANES: tl.constexpr):
+def _pick_kernel(best_ptr, id_ptr, out_ptr, scores_ptr, stats_ptr, logprob_ptr, V, stride, SPANS,
+                 LANES: tl.constexpr, SHIFTED: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     lanes = tl.arange(0, LANES)
     ok = lanes < SPANS
     best = tl.load(best_ptr + row * SPANS + lanes, mask=ok, other=float("-inf"))
     ids = tl.load(id_ptr + row * SPANS + lanes, mask=ok, other=V)
     top = tl.max(best, axis=0)
-    tl.store(out_ptr + row, tl.min(tl.where(best == top, ids, V), axis=0))
+    token = tl.min(tl.where(best == top, ids, V), axis=0)
+    tl.store(out_ptr + row, token)
+    if SHIFTED:
+        logprob = _scores(scores_ptr + row * stride, token, True, stats_ptr + 2 * row, True)
+        tl.store(logprob_ptr + row, logprob)
 
 
 def gumbel_argmax(scores: torch.Tensor, state: torch.Tensor, noisy: torch.Tensor) -> torch.Tensor:
@@ -135,19 +155,41 @@ def gumbel_argmax(scores: torch.Tensor, state: torch.Tensor, noisy: torch.Tensor
     return draw(scores, state, noisy, SLACK)
 
 
+def log_softmax_draw(logits: torch.Tensor, state: torch.Tensor,
+                     noisy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gumbel_argmax(log_softmax(logits))` and the drawn tokens' log-probs, ([N] int64, [N] float32),
+    for logits [N, V] of any float dtype (bf16 read as it is: widening to float32 is exact). The
+    log-probs are formed in registers from one row-stats pass (`softmax.row_stats`), so the [N, V]
+    float32 copy, log-softmax's table and the draw's read of it are three passes saved; the same bits,
+    since `log_softmax`'s values are the same (x - m) - log-sum of the same stats."""
+    return _draw(logits, state, noisy, SLACK, softmax.row_stats(logits))
+
+
 def draw(scores: torch.Tensor, state: torch.Tensor, noisy: torch.Tensor, slack: float) -> torch.Tensor:
     """`gumbel_argmax` with the float32 filter's margin `slack` (a test's too thin one shows its use)."""
+    return _draw(scores, state, noisy, slack, None)[0]
+
+
+def _draw(scores: torch.Tensor, state: torch.Tensor, noisy: torch.Tensor, slack: float,
+          stats: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Tokens [N] of scores (stats [N, 2]: of log_softmax(scores)) and, with stats, their log-probs [N]."""
     n, v = scores.shape
     if v >= 2**31:
         raise ValueError(f"gumbel_argmax hashes token ids in 32 bits; a vocabulary of {v} ids is too large")
     if scores.stride(-1) != 1:
         scores = scores.contiguous()
     out = torch.empty(n, dtype=torch.int64, device=scores.device)
+    shifted = stats is not None
+    logprobs = torch.empty(n, dtype=torch.float32, device=scores.device) if shifted else None
     if n:
         spans = triton.cdiv(v, SPAN)
         best = torch.empty((n, spans), dtype=torch.float64, device=scores.device)
         ids = torch.empty((n, spans), dtype=torch.int64, device=scores.device)
-        _gumbel_span_kernel[(n, spans)](scores, state, noisy.to(torch.int8), best, ids, v, scores.stride(0),
-                                        spans, slack, BLOCK=BLOCK, CHUNKS=CHUNKS, num_warps=8)
-        _pick_kernel[(n,)](best, ids, out, v, spans, LANES=triton.next_power_of_2(spans), num_warps=1)
-    return out
+        stats_arg = stats if shifted else best  # not read unless shifted
+        _gumbel_span_kernel[(n, spans)](scores, stats_arg, state, noisy.to(torch.int8), best, ids, v,
+                                        scores.stride(0), spans, slack, BLOCK=BLOCK, CHUNKS=CHUNKS,
+                                        SHIFTED=shifted, num_warps=8)
+        _pick_kernel[(n,)](best, ids, out, scores, stats_arg, logprobs if shifted else best, v,
+                           scores.stride(0), spans, LANES=triton.next_power_of_2(spans), SHIFTED=shifted,
+                           num_warps=1)
+    return out, logprobs
