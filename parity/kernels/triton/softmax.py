@@ -24,7 +24,7 @@ def _tree_sum(v, BLOCK: tl.constexpr, LEVELS: tl.constexpr):
 
 
 @triton.jit
-def _row_stats(x_row, V, BLOCK: tl.constexpr, LEVELS: tl.constexpr):
+def _row_stats(x_row, V, BLOCK: tl.constexpr, LEVELS: tl.constexpr, TREE: tl.constexpr):
     """A row's max and sum of exp(x - max), x widened to float32 (exact from bf16, fp16, float32)."""
     cols = tl.arange(0, BLOCK)
     lane_max = tl.full((BLOCK,), float("-inf"), tl.float32)
@@ -38,7 +38,12 @@ def _row_stats(x_row, V, BLOCK: tl.constexpr, LEVELS: tl.constexpr):
         lane_max = new_max
     row_max = tl.max(lane_max, axis=0)
     safe_lane = tl.where(lane_max == float("-inf"), row_max, lane_max)
-    return row_max, _tree_sum(lane_sum * tl.exp(safe_lane - row_max), BLOCK, LEVELS)
+    lanes = lane_sum * tl.exp(safe_lane - row_max)
+    if TREE:
+        total = _tree_sum(lanes, BLOCK, LEVELS)
+    else:
+        total = tl.sum(lanes, axis=0)
+    return row_max, total
 
 
 @triton.jit
@@ -48,7 +53,7 @@ def _softmax_kernel(x_ptr, out_ptr, V, x_row_stride, out_row_stride, LOG: tl.con
     x_row = x_ptr + row * x_row_stride
     out_row = out_ptr + row * out_row_stride
     cols = tl.arange(0, BLOCK)
-    row_max, total = _row_stats(x_row, V, BLOCK, LEVELS)
+    row_max, total = _row_stats(x_row, V, BLOCK, LEVELS, True)
     log_total = tl.log(total)
     for start in range(0, V, BLOCK):
         mask = start + cols < V
@@ -61,9 +66,10 @@ def _softmax_kernel(x_ptr, out_ptr, V, x_row_stride, out_row_stride, LOG: tl.con
 
 
 @triton.jit
-def _stats_kernel(x_ptr, stats_ptr, V, x_row_stride, BLOCK: tl.constexpr, LEVELS: tl.constexpr):
+def _stats_kernel(x_ptr, stats_ptr, V, x_row_stride, BLOCK: tl.constexpr, LEVELS: tl.constexpr,
+                  TREE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    row_max, total = _row_stats(x_ptr + row * x_row_stride, V, BLOCK, LEVELS)
+    row_max, total = _row_stats(x_ptr + row * x_row_stride, V, BLOCK, LEVELS, TREE)
     tl.store(stats_ptr + 2 * row, row_max)
     tl.store(stats_ptr + 2 * row + 1, tl.log(total))
 
@@ -99,13 +105,14 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor:
     return _launch(x, log=True)
 
 
-def row_stats(x: torch.Tensor) -> torch.Tensor:
+def row_stats(x: torch.Tensor, tree: bool = True) -> torch.Tensor:
     """[N, 2] float32 of x [N, V]: each row's max m and log(sum(exp(x - m))), the values `log_softmax`
-    subtracts (its output is (x - m) - log-sum), whatever x's float dtype: one read of x."""
+    subtracts (its output is (x - m) - log-sum), whatever x's float dtype: one read of x. tree=False
+    sums the lanes by `tl.sum` instead (the dtype-dependent order; a test's control)."""
     x2 = _rows(x)
     stats = torch.empty((x2.shape[0], 2), dtype=torch.float32, device=x.device)
     if x2.shape[0] and x2.shape[1]:
         block, levels, warps = _block(x2.shape[1])
         _stats_kernel[(x2.shape[0],)](x2, stats, x2.shape[1], x2.stride(0), BLOCK=block, LEVELS=levels,
-                                      num_warps=warps)
+                                      TREE=tree, num_warps=warps)
     return stats
