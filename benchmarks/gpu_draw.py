@@ -16,6 +16,7 @@ def row(n: int, vocab: int) -> str:
     """One table row: n rows of random bf16 logits, both paths timed and compared."""
     from triton.testing import do_bench_cudagraph
 
+    from parity.kernels.sampling import log_softmax_then_draw
     from parity.kernels.triton import sampling, softmax
 
     g = torch.Generator(device="cuda").manual_seed(n)
@@ -24,9 +25,7 @@ def row(n: int, vocab: int) -> str:
     noisy = torch.ones(n, dtype=torch.bool, device="cuda")
 
     def two_ops() -> tuple[torch.Tensor, torch.Tensor]:
-        processed = softmax.log_softmax(logits.float())
-        tokens = sampling.gumbel_argmax(processed, state, noisy)
-        return tokens, processed.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        return log_softmax_then_draw(logits, state, noisy, softmax.log_softmax, sampling.gumbel_argmax)
 
     def fused() -> tuple[torch.Tensor, torch.Tensor]:
         return sampling.log_softmax_draw(logits, state, noisy)

@@ -13,7 +13,7 @@ import math
 import torch
 
 from parity.kernels.cpu import POINTWISE_ALIGN, log_softmax, pointwise_, scratch
-from parity.kernels.sampling import HASH_SPAN, HashSpans
+from parity.kernels.sampling import HASH_SPAN, HashSpans, log_softmax_then_draw
 
 
 class _Spans(HashSpans):
@@ -109,6 +109,4 @@ def log_softmax_draw(logits: torch.Tensor, state: torch.Tensor,
                      noisy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The CPU's fused draw is the two kernels: `cpu.log_softmax` of the float32 logits [N, V], then
     `gumbel_argmax`; tokens [N] and their log-probs [N]."""
-    processed = log_softmax(logits.to(torch.float32))
-    tokens = gumbel_argmax(processed, state, noisy)
-    return tokens, processed.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    return log_softmax_then_draw(logits, state, noisy, log_softmax, gumbel_argmax)

@@ -144,6 +144,4 @@ def log_softmax_draw(logits: torch.Tensor, state: torch.Tensor,
     fn = impl("pointwise", "log_softmax_draw", device) if impl("softmax", "log_softmax", device) else None
     if fn is not None:
         return fn(logits, state, noisy)
-    processed = log_softmax(logits.to(torch.float32))
-    tokens = gumbel_argmax(processed, state, noisy)
-    return tokens, processed.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    return sampling.log_softmax_then_draw(logits, state, noisy, log_softmax, gumbel_argmax)

@@ -10,6 +10,7 @@ torch form); the two float64 logs are the device's own. `gumbel_argmax` here is 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -187,3 +188,14 @@ def gumbel_argmax(scores: torch.Tensor, state: torch.Tensor, noisy: torch.Tensor
     # noise + float64(score) in place of score + noise: the same sum (IEEE addition commutes, and
     # float32 -> float64 is exact), without two more [N, V] float64 temporaries.
     return noise.masked_fill_(~noisy.unsqueeze(1), 0.0).add_(scores).argmax(dim=-1)
+
+
+def log_softmax_then_draw(logits: torch.Tensor, state: torch.Tensor, noisy: torch.Tensor,
+                          log_softmax: Callable[[torch.Tensor], torch.Tensor],
+                          draw: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two ops a fused draw stands for: `draw` on `log_softmax` of the float32 logits [N, V], with
+    the drawn tokens' log-probs: tokens [N] int64, log-probs [N] float32 (the caller's kernels)."""
+    processed = log_softmax(logits.to(torch.float32))
+    tokens = draw(processed, state, noisy)
+    return tokens, processed.gather(1, tokens.unsqueeze(1)).squeeze(1)
