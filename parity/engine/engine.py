@@ -362,7 +362,7 @@ class ReferenceEngine:
     def _rollout(self, seq: Sequence) -> Rollout:
         # A trajectory that ends on injected tokens never computes them, so its routes would not
         # cover every position: trajectories carry no routes.
-        routes = torch.cat(seq.routes).numpy().astype(np.int32) \
+        routes = np.concatenate(seq.routes).astype(np.int32, copy=False) \
             if self._records_routes and not seq.request.turns else None
         config = self.config
         meta: dict[str, Any] = {

@@ -20,7 +20,7 @@ from parity.core.turns import inject_until_generate
 from parity.core.types import Request
 
 if TYPE_CHECKING:
-    import torch
+    import numpy as np
 
 
 @dataclass(eq=False)
@@ -38,7 +38,7 @@ class Sequence:
     sample_index: int
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    routes: list[torch.Tensor] = field(default_factory=list)
+    routes: list[np.ndarray] = field(default_factory=list)
     top_k: list[tuple[list[int], list[float]]] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     turn: int = 0

@@ -95,16 +95,23 @@ class RouteRecorder:
         self._weights: list[list[torch.Tensor]] = [[] for _ in range(num_moe_layers)]
 
     def record(self, moe_layer: int, indices: torch.Tensor, weights: torch.Tensor) -> None:
-        self._ids[moe_layer].append(indices.detach().to(torch.int32))
-        self._weights[moe_layer].append(weights.detach().to(torch.float32))
+        # kept as given, cast once for all layers in `routes`/`weights`: two launches per step
+        # instead of two per layer inside a decode graph (the casts are exact either way)
+        self._ids[moe_layer].append(indices.detach())
+        self._weights[moe_layer].append(weights.detach())
 
     def routes(self) -> torch.Tensor:
         """[tokens, moe_layers, top_k] int32, tokens in forward order (flattened [batch, seq])."""
-        return torch.stack([torch.cat(calls) for calls in self._ids], dim=1)
+        return _by_layer(self._ids).to(torch.int32)
 
     def weights(self) -> torch.Tensor:
         """[tokens, moe_layers, top_k] float32 gate weights as the experts received them."""
-        return torch.stack([torch.cat(calls) for calls in self._weights], dim=1)
+        return _by_layer(self._weights).to(torch.float32)
+
+
+def _by_layer(calls: list[list[torch.Tensor]]) -> torch.Tensor:
+    """Each layer's calls [rows, k] in order, layers stacked on dim 1: [tokens, layers, k]."""
+    return torch.stack([c[0] if len(c) == 1 else torch.cat(c) for c in calls], dim=1)
 
 
 @dataclass(frozen=True, eq=False)
