@@ -34,7 +34,8 @@ def test_arguments_parse_and_name_only_known_sections():
     assert args.sections == ["kernels", "parity", "e2e", "cublaslt"]
     assert args.e2e == (256, 256, 512) and args.e2e_variants == ["hf", "invariant", "native"]
     args = parse_args(["--sections", "parity,profile", "--e2e", "8,16,4", "--e2e-variants", "invariant"])
-    assert args.sections == ["parity", "profile"] and args.e2e == (8, 16, 4)
+    assert args.sections == ["parity", "profile"] and args.e2e == (8, 16, 4) and args.profile_model == "dense"
+    assert parse_args(["--sections", "profile", "--profile-model", "moe"]).profile_model == "moe"
     assert list(SECTIONS) == ["kernels", "parity", "e2e", "profile", "step_split", "cublaslt", "probe",
                                   "attention_sweep", "parity_shapes", "moe_e2e", "probed", "roofline", "tp",
                                   "tp_sim"]

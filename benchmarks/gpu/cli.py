@@ -102,6 +102,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--profile-tokens", type=int, default=64,
                         help="profile section: output tokens of the profiled generate (its requests and "
                              "prompts are --e2e's)")
+    parser.add_argument("--profile-model", choices=("dense", "moe"), default="dense",
+                        help="profile section: the dense shape at --e2e, or the MoE shape at --moe and "
+                             "--moe-layers with its routes recorded")
     parser.add_argument("--cublaslt-probe", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--probe-child", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)

@@ -1,7 +1,8 @@
 """The profile section: torch.profiler over one generate of the invariant engine.
 
 At the e2e workload's shapes: `--e2e` requests and prompt lengths with `--profile-tokens` output
-tokens (prefill, then decode steps at contexts past the prompt); the device-time table
+tokens (prefill, then decode steps at contexts past the prompt); `--profile-model moe`: the MoE
+shape of `--moe` and `--moe-layers` instead, its routes recorded; the device-time table
 ($OUT/profile.txt), device-busy vs wall seconds, the seconds the device idled between kernels (host
 time the GPU waited for, or launch latency inside a graph: split by gap size and by the kernel
 pair around the gap) and the heaviest kernels by name.
@@ -18,8 +19,10 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.gpu.results import ProfileResult
 from benchmarks.gpu.run import Run
-from benchmarks.gpu.workloads import qwen3_config, requests_for, save_random_model
+from benchmarks.gpu.workloads import moe_config, qwen3_config, requests_for, save_random_model
 from parity.engine import ReferenceEngine
+from parity.models import shaped
+from parity.models.loading import LoadedModel, adopt_model
 
 #: kernels named in the result, heaviest first.
 TOP_KERNELS = 8
@@ -27,12 +30,14 @@ TOP_KERNELS = 8
 
 def measure(run: Run) -> ProfileResult:
     """See the module docstring."""
-    count, prompt_len, _ = run.args.e2e
-    path = save_random_model(qwen3_config(28), run.tmp / "qwen3-1.7b-shaped")
+    moe = run.args.profile_model == "moe"
+    count, prompt_len, _ = run.args.moe if moe else run.args.e2e
+    model = _moe_model(run) if moe else _dense_model(run)
     tokens = run.args.profile_tokens
     reqs = requests_for(151936, count, prompt_len, tokens)
-    with ReferenceEngine(str(path), dtype="bfloat16", device="cuda", kernels="invariant", max_num_seqs=count,
-                         chunk_size=prompt_len, max_num_batched_tokens=run.args.max_batched_tokens) as engine:
+    with ReferenceEngine(model, dtype="bfloat16", device="cuda", kernels="invariant", max_num_seqs=count,
+                         chunk_size=prompt_len, max_num_batched_tokens=run.args.max_batched_tokens,
+                         record_routes=moe) as engine:
         engine.generate(reqs)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             start = time.perf_counter()
@@ -43,9 +48,25 @@ def measure(run: Run) -> ProfileResult:
     (run.args.out / "profile.txt").write_text(events.table(sort_by="self_device_time_total", row_limit=40))
     busy = sum(e.self_device_time_total for e in events) / 1e6
     top = sorted(((e.self_device_time_total / 1e6, e.key) for e in events), reverse=True)[:TOP_KERNELS]
-    return ProfileResult(workload=f"{count} seqs x {prompt_len} prompt x {tokens} output, invariant",
+    shape = f"MoE x{run.args.moe_layers}, routes recorded" if moe else "dense"
+    return ProfileResult(workload=f"{shape}, {count} seqs x {prompt_len} prompt x {tokens} output, invariant",
                          wall_s=seconds, gpu_busy_s=busy, steps=tokens + 1, **_idle(prof),
                          top_kernels={name[:60]: round(s, 4) for s, name in top})
+
+
+def _dense_model(run: Run) -> str:
+    """The dense shape of the e2e section, saved once in the run's folder."""
+    return str(save_random_model(qwen3_config(28), run.tmp / "qwen3-1.7b-shaped"))
+
+
+def _moe_model(run: Run) -> LoadedModel:
+    """The MoE shape of the moe_e2e section, built in GPU memory (no checkpoint written)."""
+    config = moe_config(run.args.moe_layers)
+    where = run.tmp / "qwen3-30b-a3b-shaped"
+    where.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(where)
+    return adopt_model(shaped.build_random_model(config, device="cuda", dtype="bfloat16"), where, "bfloat16",
+                       "cuda")
 
 
 #: gap sizes (us) the idle seconds are split by: launch latency inside a graph is a few us, a host
