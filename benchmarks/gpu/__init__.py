@@ -13,7 +13,8 @@ measures; each runs independently: a failure is recorded and the next section st
   the native negative control; the sampling grid, with torch's CUDA scan as a negative control.
 - e2e: output tok/s of the invariant engine, the "baseline" (b') and "native" engines and
   transformers `generate` on a Qwen3-1.7B-shaped model, side by side in one run.
-- profile: torch.profiler over a few decode steps of the invariant engine ($OUT/profile.txt).
+- profile: torch.profiler over a few decode steps of the invariant engine, dense or (`--profile-model
+  moe`) the MoE shape with routes recorded ($OUT/profile.txt).
 - step_split: where one decode step's wall time goes (host parts, each CUDA-graph bucket's device time).
 - tp: invariant-engine tok/s without tensor parallelism, at TP=1 per `--tp-groups` K-group count,
   and at TP=2 with two GPUs, with TP=2 == TP=1 bit for bit.
