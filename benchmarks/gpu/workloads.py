@@ -38,6 +38,16 @@ def moe_config(layers: int) -> Any:
     return shaped.shaped_config("qwen3-30b-a3b", layers, max_position_embeddings=1024)
 
 
+def build_moe_model(folder: Path, layers: int) -> tuple[torch.nn.Module, Path]:
+    """The `moe_config(layers)` model with random bf16 weights built in GPU memory (no checkpoint
+    written), and the folder under `folder` holding its config, for `adopt_model`."""
+    config = moe_config(layers)
+    where = folder / "qwen3-30b-a3b-shaped"
+    where.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(where)
+    return shaped.build_random_model(config, device="cuda", dtype="bfloat16"), where
+
+
 def save_random_model(config: Any, path: Path) -> Path:
     """A randomly initialized bf16 model built on the GPU and saved as a local HF checkpoint."""
     return shaped.save_random_model(config, path, device="cuda", dtype="bfloat16")

@@ -17,9 +17,14 @@ import torch
 from benchmarks.gpu.records import failure
 from benchmarks.gpu.results import E2EWorkload, Failure, MoESection, Throughput
 from benchmarks.gpu.run import Run
-from benchmarks.gpu.workloads import engine_kernels, engine_tok_s, hf_generate_tok_s, moe_config, requests_for
+from benchmarks.gpu.workloads import (
+    build_moe_model,
+    engine_kernels,
+    engine_tok_s,
+    hf_generate_tok_s,
+    requests_for,
+)
 from parity.kernels.triton.matmul import cublaslt_ready
-from parity.models import shaped
 from parity.models.loading import adopt_model
 
 
@@ -34,12 +39,8 @@ def measure(run: Run) -> MoESection:
               "random weights built in GPU memory",
         engine_chunk_size=prompt_len, engine_max_num_batched_tokens=args.max_batched_tokens,
         matmul_path="cuBLASLt without split-K where probed" if cublaslt_ready() else "Triton")
-    config = moe_config(args.moe_layers)
-    where = run.tmp / "qwen3-30b-a3b-shaped"
-    where.mkdir(parents=True, exist_ok=True)
-    config.save_pretrained(where)
     start = time.perf_counter()
-    hf = shaped.build_random_model(config, device="cuda", dtype="bfloat16")
+    hf, where = build_moe_model(run.tmp, args.moe_layers)
     torch.cuda.synchronize()
     build_s = time.perf_counter() - start
     rows: dict[str, Throughput | Failure] = {}

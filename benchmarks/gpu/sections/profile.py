@@ -19,9 +19,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.gpu.results import ProfileResult
 from benchmarks.gpu.run import Run
-from benchmarks.gpu.workloads import moe_config, qwen3_config, requests_for, save_random_model
+from benchmarks.gpu.workloads import build_moe_model, qwen3_config, requests_for, save_random_model
 from parity.engine import ReferenceEngine
-from parity.models import shaped
 from parity.models.loading import LoadedModel, adopt_model
 
 #: kernels named in the result, heaviest first.
@@ -61,12 +60,8 @@ def _dense_model(run: Run) -> str:
 
 def _moe_model(run: Run) -> LoadedModel:
     """The MoE shape of the moe_e2e section, built in GPU memory (no checkpoint written)."""
-    config = moe_config(run.args.moe_layers)
-    where = run.tmp / "qwen3-30b-a3b-shaped"
-    where.mkdir(parents=True, exist_ok=True)
-    config.save_pretrained(where)
-    return adopt_model(shaped.build_random_model(config, device="cuda", dtype="bfloat16"), where, "bfloat16",
-                       "cuda")
+    hf, where = build_moe_model(run.tmp, run.args.moe_layers)
+    return adopt_model(hf, where, "bfloat16", "cuda")
 
 
 #: gap sizes (us) the idle seconds are split by: launch latency inside a graph is a few us, a host
