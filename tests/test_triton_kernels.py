@@ -571,6 +571,21 @@ def test_experts_forward_is_batch_invariant(tk: ModuleType, dtype: torch.dtype, 
     assert torch.equal(part, full[rows])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_combine_reads_each_slot_where_the_experts_left_it(tk: ModuleType, dtype: torch.dtype) -> None:
+    """`combine(rows=)` on the experts' sorted output gives the bits of combining the slots put back in
+    token order first (what experts_forward did before); control: the sorted rows read as if in token
+    order give another sum."""
+    t, k, h = 7, 3, 40
+    slots = _randn(t * k, h, dtype=dtype, seed=31)
+    weights = _randn(t, k, dtype=dtype, seed=32)
+    order = torch.randperm(t * k, generator=torch.Generator().manual_seed(33)).to(DEVICE)
+    position = torch.empty_like(order).scatter_(0, order, torch.arange(t * k, device=DEVICE))
+    in_order = tk.moe.combine(slots.view(t, k, h), weights)
+    assert torch.equal(tk.moe.combine(slots[order], weights, rows=position), in_order)
+    assert not torch.equal(tk.moe.combine(slots[order].view(t, k, h), weights), in_order)
+
+
 def test_grouped_linear_negative_control_split_k_plan_breaks_invariance(tk: ModuleType) -> None:
     x, w = _randn(POOL, 256, seed=24), _randn(2, 64, 256, seed=25)
     grouped = _split_k_when_few_rows(tk.moe.grouped_linear)
