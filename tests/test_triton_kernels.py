@@ -238,8 +238,9 @@ def test_softmax_and_log_softmax_match_torch(tk: ModuleType, dtype: torch.dtype)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(tk.softmax.softmax(x).double(), ref.exp(), atol=tol, rtol=tol)
     finite = torch.isfinite(ref)
-    torch.testing.assert_close(tk.softmax.log_softmax(x).double()[finite], ref[finite], atol=tol * 30,
-                               rtol=tol)
+    torch.testing.assert_close(
+        tk.softmax.log_softmax(x).double()[finite], ref[finite], atol=tol * 30, rtol=tol
+    )
     assert torch.equal(tk.softmax.log_softmax(x)[0, :7], x[0, :7])
 
 
@@ -327,8 +328,13 @@ def _cache(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, dict[int, to
     return k, v, q
 
 
-def _attend(tk: ModuleType, dtype: torch.dtype, parts: list[tuple[int, int, int]],
-            config: object = None, max_run: int | None = None) -> torch.Tensor:
+def _attend(
+    tk: ModuleType,
+    dtype: torch.dtype,
+    parts: list[tuple[int, int, int]],
+    config: object = None,
+    max_run: int | None = None,
+) -> torch.Tensor:
     """Attention of the packed query tokens `parts` = [(slot, first position, end position), ...];
     max_run=1 takes the one-token (decode) launch whatever the parts are."""
     k, v, q = _cache(dtype)
@@ -491,17 +497,23 @@ def test_attention_negative_control_tile_boundaries_change_bits(
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @few
-@given(heads=st.sampled_from([(16, 8), (4, 4), (12, 2), (32, 4)]), length=st.integers(1, 9),
-       batch=st.integers(1, 3))
-def test_fused_rotation_gives_hf_stock_bits(tk: ModuleType, dtype: torch.dtype, heads: tuple[int, int],
-                                             length: int, batch: int) -> None:
+@given(
+    heads=st.sampled_from([(16, 8), (4, 4), (12, 2), (32, 4)]),
+    length=st.integers(1, 9),
+    batch=st.integers(1, 3),
+)
+def test_fused_rotation_gives_hf_stock_bits(
+    tk: ModuleType, dtype: torch.dtype, heads: tuple[int, int], length: int, batch: int
+) -> None:
     """q and k rotated in one launch each equal HF's apply_rotary_pos_emb bit for bit, from the
     transposed (strided) q/k HF hands over, and come back as views of token-major memory."""
     from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 
     if INTERPRETED and dtype == torch.bfloat16:
-        pytest.skip("Triton's interpreter does not round fp32 to bf16 to nearest even as torch and the GPU "
-                    "do: the bf16 bits are checked on the GPU")
+        pytest.skip(
+            "Triton's interpreter does not round fp32 to bf16 to nearest even as torch and the GPU "
+            "do: the bf16 bits are checked on the GPU"
+        )
     hq, hkv = heads
     q = _randn(batch, length, hq, 64, dtype=dtype, seed=hq + length).transpose(1, 2)
     k = _randn(batch, length, hkv, 64, dtype=dtype, seed=hkv + 7).transpose(1, 2)
@@ -584,6 +596,22 @@ def test_combine_reads_each_slot_where_the_experts_left_it(tk: ModuleType, dtype
     in_order = tk.moe.combine(slots.view(t, k, h), weights)
     assert torch.equal(tk.moe.combine(slots[order], weights, rows=position), in_order)
     assert not torch.equal(tk.moe.combine(slots[order].view(t, k, h), weights), in_order)
+
+
+@pytest.mark.parametrize(("slots", "experts"), [(1, 4), (24, 4), (2500, 64)])
+def test_route_is_the_stable_argsort_and_its_inverse(tk: ModuleType, slots: int, experts: int) -> None:
+    """The counting sort gives argsort(stable=True)'s order (2,500 slots span three blocks; the last
+    expert gets none) and its inverse; control: the same experts with ties in reverse slot order differ."""
+    flat = torch.randint(0, experts - 1, (slots,), generator=torch.Generator().manual_seed(slots)).to(DEVICE)
+    counts = torch.bincount(flat, minlength=experts)
+    offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
+    order, position = tk.moe.route(flat, offsets)
+    assert torch.equal(order, torch.argsort(flat, stable=True))
+    assert torch.equal(position[order], torch.arange(slots, device=DEVICE))
+    assert torch.equal(tk.moe.route(flat, offsets, k=3)[0], order // 3)
+    if slots > experts:
+        ties_reversed = torch.argsort(flat * slots - torch.arange(slots, device=DEVICE))
+        assert not torch.equal(order, ties_reversed)
 
 
 def test_grouped_linear_negative_control_split_k_plan_breaks_invariance(tk: ModuleType) -> None:

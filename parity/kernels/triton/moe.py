@@ -124,9 +124,27 @@ def _grouped_linear_kernel(
     )
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def tile_plan(offsets: torch.Tensor, rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The row tiles of `grouped_linear` for expert bounds offsets [E + 1] over `rows` rows: each
+    expert's first tile [E] and each tile's expert [cdiv(rows, BLOCK_M) + E]; one plan serves every
+    product of a layer (the same bounds, the same BLOCK_M per dtype).
+    """
+    block_m = _GROUPED_PLAN[dtype][0]
+    tiles = (offsets[1:] - offsets[:-1] + block_m - 1) // block_m
+    tile_end = torch.cumsum(tiles, 0)
+    max_tiles = triton.cdiv(rows, block_m) + tiles.shape[0]  # an upper bound: no host sync on the counts
+    tile_expert = torch.searchsorted(tile_end, torch.arange(max_tiles, device=offsets.device), right=True)
+    return tile_end - tiles, tile_expert
+
+
+def grouped_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    offsets: torch.Tensor,
+    plan: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """Rows of x [R, K] sorted by expert times weight [E, N, K].T per expert -> [R, N]; expert e owns
-    rows offsets[e]:offsets[e+1] (offsets [E + 1]).
+    rows offsets[e]:offsets[e+1] (offsets [E + 1] int64); `plan` is `tile_plan`'s for them.
     """
     e, n, k = weight.shape
     if x.shape[-1] != k or x.dtype != weight.dtype:
@@ -140,18 +158,15 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor)
     out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
     if x.shape[0] == 0:
         return out
-    counts = (offsets[1:] - offsets[:-1]).to(torch.int64)
-    tiles = (counts + block_m - 1) // block_m
-    tile_end = torch.cumsum(tiles, 0)
-    tile_start = tile_end - tiles
-    max_tiles = triton.cdiv(x.shape[0], block_m) + e  # an upper bound: no host sync on the counts
-    tile_expert = torch.searchsorted(tile_end, torch.arange(max_tiles, device=x.device), right=True)
+    offsets = offsets.to(torch.int64)
+    tile_start, tile_expert = plan if plan is not None else tile_plan(offsets, x.shape[0], x.dtype)
+    max_tiles = tile_expert.shape[0]
     grid = (max_tiles, triton.cdiv(n, block_n))
     _grouped_linear_kernel[grid](
         x,
         weight,
         out,
-        offsets.to(torch.int64),
+        offsets,
         tile_start,
         tile_expert,
         e,
@@ -169,8 +184,17 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor)
 
 
 @triton.jit
-def _combine_kernel(y_ptr, rows_ptr, w_ptr, out_ptr, H, K: tl.constexpr, WEIGHTED: tl.constexpr,
-                    GATHER: tl.constexpr, BLOCK_H: tl.constexpr):
+def _combine_kernel(
+    y_ptr,
+    rows_ptr,
+    w_ptr,
+    out_ptr,
+    H,
+    K: tl.constexpr,
+    WEIGHTED: tl.constexpr,
+    GATHER: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = cols < H
@@ -186,8 +210,9 @@ def _combine_kernel(y_ptr, rows_ptr, w_ptr, out_ptr, H, K: tl.constexpr, WEIGHTE
     tl.store(out_ptr + token * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def combine(slots: torch.Tensor, weights: torch.Tensor | None = None, rows: torch.Tensor | None = None
-            ) -> torch.Tensor:
+def combine(
+    slots: torch.Tensor, weights: torch.Tensor | None = None, rows: torch.Tensor | None = None
+) -> torch.Tensor:
     """sum_j weights[t, j] * slots[t, j] in fp32, j in order, one rounding: [T, k, H] -> [T, H]. With
     `rows` [T * k] int64, slots [R, H] and slot (t, j) is slots[rows[t * k + j]] (read in place: no
     [T * k, H] copy put back in token order first); weights [T, k] give k."""
@@ -211,6 +236,34 @@ def combine(slots: torch.Tensor, weights: torch.Tensor | None = None, rows: torc
     return out
 
 
+@triton.jit
+def _route_kernel(flat_ptr, offsets_ptr, order_ptr, position_ptr, N, K: tl.constexpr, BLOCK: tl.constexpr):
+    expert = tl.program_id(0)
+    base = tl.load(offsets_ptr + expert)
+    for start in range(0, N, BLOCK):
+        slot = start + tl.arange(0, BLOCK)
+        hit = tl.load(flat_ptr + slot, mask=slot < N, other=-1) == expert
+        place = base + tl.cumsum(hit.to(tl.int32), 0) - 1
+        tl.store(order_ptr + place, slot.to(tl.int64) // K, mask=hit)
+        tl.store(position_ptr + slot, place, mask=hit)
+        base += tl.sum(hit.to(tl.int32), 0)
+
+
+def route(flat: torch.Tensor, offsets: torch.Tensor, k: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """A counting sort of expert ids flat [N] (expert e owns offsets[e]:offsets[e+1]): order [N], the
+    slots grouped by expert in slot order (`argsort(stable=True)`'s) divided by k (the token of each
+    slot when a token has k), and position [N], where each slot went. One launch, one program an expert.
+    """
+    n = flat.shape[0]
+    order = torch.empty(n, dtype=torch.int64, device=flat.device)
+    position = torch.empty_like(order)
+    if n:
+        _route_kernel[(offsets.shape[0] - 1,)](
+            flat.contiguous(), offsets, order, position, n, K=k, BLOCK=min(1024, triton.next_power_of_2(n))
+        )
+    return order, position
+
+
 def experts_forward(
     hidden: torch.Tensor,
     top_k_index: torch.Tensor,
@@ -222,19 +275,18 @@ def experts_forward(
     """The MoE experts of one layer: hidden [T, H], top_k_index/weights [T, k] -> [T, H];
     gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I].
     """
-    t, k = top_k_index.shape
+    k = top_k_index.shape[1]
     e = gate_up_proj.shape[0]
     flat = top_k_index.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # slot rows grouped by expert, token order inside
     counts = torch.zeros(e, dtype=torch.int64, device=hidden.device).scatter_add_(
         0, flat, torch.ones_like(flat)
     )
     offsets = torch.zeros(e + 1, dtype=torch.int64, device=hidden.device)
     offsets[1:] = torch.cumsum(counts, 0)  # scatter_add, not bincount: bincount syncs the host on CUDA
-    x_sorted = hidden[order // k]
-    gate, up = grouped_linear(x_sorted, gate_up_proj, offsets).chunk(2, dim=-1)
-    y_sorted = grouped_linear(act_fn(gate) * up, down_proj, offsets)
-    # where each slot row sits in y_sorted: combine reads it there (a [T * k, H] scatter back into token
-    # order cost 45 us a layer at 2,048 rows on an H100; this scatter moves T * k ids)
-    position = torch.empty_like(order).scatter_(0, order, torch.arange(t * k, device=order.device))
+    token, position = route(flat, offsets, k)
+    plan = tile_plan(offsets, flat.shape[0], hidden.dtype)
+    gate, up = grouped_linear(hidden[token], gate_up_proj, offsets, plan).chunk(2, dim=-1)
+    y_sorted = grouped_linear(act_fn(gate) * up, down_proj, offsets, plan)
+    # combine reads each slot where the products left it: a [T * k, H] scatter back into token order
+    # first cost 45 us a layer at 2,048 rows on an H100
     return combine(y_sorted, top_k_weights, rows=position)
