@@ -23,7 +23,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis_controls import examples_until_failure
 
-from parity.kernels import cpu, cpu_amx, cpu_attention, cpu_gemm
+from parity.kernels import cpu, cpu_attention, cpu_bf16, cpu_gemm
 from parity.kernels.cpu_attention import ALIGN, HEAD_ROWS, KEY_BLOCK
 from parity.monitor.summary import bounded_threads
 
@@ -277,7 +277,7 @@ def test_control_a_plain_row_sum_is_caught():
 
 # --- the bf16 linear's one look-up per call (AMX or AVX-512 BF16) ---------------------------------
 
-needs_bf16 = pytest.mark.skipif(cpu_amx.bf16_hardware() is None,
+needs_bf16 = pytest.mark.skipif(cpu_bf16.bf16_hardware() is None,
                                 reason="this CPU has neither AMX nor AVX-512 BF16")
 LINEAR_DRAWS = {"lead": st.sampled_from([(), (1,), (2,), (1, 1)]),
                 "rows": st.sampled_from([1, 31, 32, 33, 70]), "bias": st.booleans(), "offset": st.booleans(),
@@ -293,7 +293,7 @@ def _check_linear(lead, rows, bias, offset, seed, linear=cpu.linear):
     numel = rows * 576 * (2 if lead == (2,) else 1)
     x = torch.randn(int(offset) + numel, generator=g).to(torch.bfloat16)[int(offset):].view(*lead, rows, 576)
     for _ in range(2):
-        expected = cpu_amx.matmul(x.reshape(-1, 576), weight, b).reshape(*x.shape[:-1], 192)
+        expected = cpu_bf16.matmul(x.reshape(-1, 576), weight, b).reshape(*x.shape[:-1], 192)
         for threads in (1, 2):
             with bounded_threads(threads):
                 assert torch.equal(linear(x, weight, b), expected)
@@ -311,7 +311,8 @@ def test_control_a_route_kept_across_a_weight_update_is_caught():
     """Negative control: a route looked up by the weight alone (its first packing kept after an
     in-place update) fails the property within its examples."""
     def broken(**drawn):
-        with mock.patch.object(cpu_amx, "_route_key", lambda weight, bias: (weight.data_ptr(), bias is None)):
+        key = lambda weight, bias: (weight.data_ptr(), bias is None)  # noqa: E731
+        with mock.patch.object(cpu_bf16, "_route_key", key):
             _check_linear(**drawn)
 
     first = examples_until_failure(test_amx_linear_is_matmul_on_the_rows_before_and_after_a_weight_update,

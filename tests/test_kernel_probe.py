@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from parity.cli import main
-from parity.kernels import cpu, cpu_amx, probe
+from parity.kernels import cpu, cpu_bf16, probe
 
 ROOT = Path(__file__).resolve().parent.parent
 CUDA = torch.cuda.is_available()
@@ -80,7 +80,7 @@ def test_parity_kernels_lists_each_linear_shape(capsys: pytest.CaptureFixture[st
     assert main(["kernels", "--model", "tiny-qwen3-moe", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     # bf16 weights: the bf16 tiles where the CPU has them
-    route = cpu_amx.HARDWARE.get(cpu_amx.choice(), ("float32",))[0]
+    route = cpu_bf16.HARDWARE.get(cpu_bf16.choice(), ("float32",))[0]
     assert "weight [N, K]" in out and "128 x 128" in out and route in out
 
 

@@ -17,7 +17,7 @@ from parity.backends.base import Backend
 from parity.core.schema import VERSION
 from parity.core.types import Pair, Request, Rollout, SamplingParams
 from parity.engine import EngineConfig, ReferenceEngine, train_forward
-from parity.kernels import cpu_amx
+from parity.kernels import cpu_bf16
 from parity.models.loading import tensor_digest
 from parity.models.lora import LoraSpec
 
@@ -41,7 +41,7 @@ class ReferenceBackend(Backend):
         kernels, tp = self.config.kernels, self.config.tensor_parallel_size
         # bf16 tiles (AMX, AVX-512 BF16) and float32 tiles give different bits: the report says which
         # ran (a bad PARITY_CPU_BF16_GEMM is refused here, before the engine loads)
-        gemm = cpu_amx.choice() if self.config.device == "cpu" and kernels == "invariant" else None
+        gemm = cpu_bf16.choice() if self.config.device == "cpu" and kernels == "invariant" else None
         self._engine = ReferenceEngine(self.model_path, self.config)
         self.meta.update({
             "backend_version": VERSION, "torch_version": torch.__version__,

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from parity.core.errors import BackendUnavailableError, ConfigError
-from parity.kernels import cpu_amx
+from parity.kernels import cpu_bf16
 from parity.models.loading import load_model
 
 
@@ -63,7 +63,7 @@ def linear_routes(model: str, *, dtype: str = "bfloat16", device: str = "cuda",
             path, why = route(wdtype, n, k, has_bias)
         else:
             linear = one_of[(wdtype, n, k, has_bias)]
-            path, why = cpu_amx.route(linear.weight, linear.bias)
+            path, why = cpu_bf16.route(linear.weight, linear.bias)
         rows.append(LinearRoute(n=n, k=k, dtype=str(wdtype).removeprefix("torch."), has_bias=has_bias,
                                 count=count, route=path, reason=why))
     return rows

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from parity.kernels import cpu_amx, cpu_gemm
+from parity.kernels import cpu_bf16, cpu_gemm
 from parity.kernels.cpu_gemm import TILE
 
 #: pointwise inputs are padded to a multiple of this many elements (2 x the widest vector, 32 lanes).
@@ -188,11 +188,11 @@ def tree_steps(x: torch.Tensor, dim: int) -> tuple[list[tuple[torch.Tensor, torc
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K].T (+ bias) -> [..., N], each row independent: fixed [TILE, K]
-    problems, bf16 on AMX or AVX-512 BF16 where proven (`cpu_amx`), else float32
+    problems, bf16 on AMX or AVX-512 BF16 where proven (`cpu_bf16`), else float32
     (`cpu_gemm.matmul`), rounded once.
     """
     if x.dtype == torch.bfloat16 and x.numel():
-        out = cpu_amx.linear(x, weight, bias)
+        out = cpu_bf16.linear(x, weight, bias)
         if out is not None:
             return out
     k = x.shape[-1]
