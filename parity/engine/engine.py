@@ -362,8 +362,11 @@ class ReferenceEngine:
     def _rollout(self, seq: Sequence) -> Rollout:
         # A trajectory that ends on injected tokens never computes them, so its routes would not
         # cover every position: trajectories carry no routes.
-        routes = np.concatenate(seq.routes).astype(np.int32, copy=False) \
-            if self._records_routes and not seq.request.turns else None
+        routes = None
+        if self._records_routes and not seq.request.turns and seq.routes is not None:
+            # a buffer filled to the end is the rollout's; one that stopped short gives its part
+            filled = seq.routes_len
+            routes = seq.routes if filled == len(seq.routes) else seq.routes[:filled].copy()
         config = self.config
         meta: dict[str, Any] = {
             "dtype": config.dtype, "kernels": kernel_label(config.kernels), "device": config.device,

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from parity.engine.inputs import device_tensor
@@ -95,12 +96,26 @@ class Routes:
         return Routes(tuple(s for s in self.spans if s.seq.finish_reason is None), self.host, self.event)
 
     def keep(self) -> None:
-        """Append each span's routes [count, moe_layers, k] int32 (numpy) to its sequence, after the copy."""
-        host = self.host.numpy()
+        """Write each span's routes [count, moe_layers, k] int32 into its sequence's buffer, after
+        the copy: one buffer a sequence, filled step by step while the device runs the next step
+        (joining ~512 slices a sequence when the rollouts are built took 0.2 s of a 7 s run)."""
         if self.event is not None:
             self.event.synchronize()
-            # the sequences keep views of a pageable copy: pinned blocks go back to the allocator
-            host = host.copy()
-        # numpy views: a slice costs a fifth of a tensor's, and a 256-row step takes 256 of them
+        host = self.host.numpy()
         for span in self.spans:
-            span.seq.routes.append(host[span.rows])
+            append_routes(span.seq, host[span.rows])
+
+
+def append_routes(seq: Sequence, rows: np.ndarray) -> None:
+    """rows [count, moe_layers, k] after `seq.routes[:seq.routes_len]`, in place: the buffer holds
+    the positions a rollout of max_tokens computes, `seq.max_length - 1` (doubling past them: a
+    trajectory's injected tokens)."""
+    end = seq.routes_len + rows.shape[0]
+    if seq.routes is None or end > seq.routes.shape[0]:
+        capacity = max(end, seq.max_length - 1, 0 if seq.routes is None else 2 * seq.routes.shape[0])
+        grown = np.empty((capacity, *rows.shape[1:]), dtype=rows.dtype)
+        if seq.routes is not None:
+            grown[:seq.routes_len] = seq.routes[:seq.routes_len]
+        seq.routes = grown
+    seq.routes[seq.routes_len:end] = rows
+    seq.routes_len = end

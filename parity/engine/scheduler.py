@@ -29,7 +29,8 @@ class Sequence:
 
     A multi-turn trajectory continues in place: injected ids are appended as known tokens and
     prefilled as one chunk. tokens, logprobs: the response (injected logprob 0.0); mask: 1 sampled,
-    0 injected; turn, turn_tokens; top_k: (ids, logprobs) per sampled token when asked; routes;
+    0 injected; turn, turn_tokens; top_k: (ids, logprobs) per sampled token when asked; routes
+    [>= routes_len, moe_layers, k] int32, filled to routes_len (`overlap.append_routes`);
     computed: tokens whose KV is cached; slot; finish_reason; pending: sampled tokens not yet on
     the host (overlapped steps).
     """
@@ -38,7 +39,8 @@ class Sequence:
     sample_index: int
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    routes: list[np.ndarray] = field(default_factory=list)
+    routes: np.ndarray | None = None
+    routes_len: int = 0
     top_k: list[tuple[list[int], list[float]]] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     turn: int = 0
