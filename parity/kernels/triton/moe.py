@@ -1,6 +1,7 @@
 """Batch-invariant mixture-of-experts on CUDA: top-k routing, grouped expert GEMM, ordered combine.
 
-`topk`: k argmax rounds, ties to the lower expert (`torch.topk`'s tie order is unspecified).
+`topk`: k argmax rounds, ties to the lower expert (`torch.topk`'s tie order is unspecified). `route`:
+the slots sorted by expert, token order inside (a counting sort, one launch).
 `grouped_linear`: rows sorted by expert, a fixed plan per dtype (`_GROUPED_PLAN`), K ascending in
 fp32, so an output is the same whether 1 or 10,000 tokens chose the expert. `combine`: a token's
 k outputs summed in slot order, one rounding (HF's `index_add_` follows expert order). No host
@@ -216,6 +217,8 @@ def combine(
     """sum_j weights[t, j] * slots[t, j] in fp32, j in order, one rounding: [T, k, H] -> [T, H]. With
     `rows` [T * k] int64, slots [R, H] and slot (t, j) is slots[rows[t * k + j]] (read in place: no
     [T * k, H] copy put back in token order first); weights [T, k] give k."""
+    if rows is not None and weights is None:
+        raise InputError("combine: rows= reads [T * k] slots and takes k from weights [T, k]; pass weights")
     k = slots.shape[1] if rows is None else weights.shape[1]
     h = slots.shape[-1]
     t = slots.shape[0] if rows is None else rows.shape[0] // k
