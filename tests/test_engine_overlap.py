@@ -107,15 +107,17 @@ def test_the_routes_property_fails_when_a_row_computed_in_vain_is_kept(monkeypat
 
 
 def test_routes_are_written_in_place_and_grow_past_the_expected_length():
-    """A step's rows land after the sequence's earlier ones in one buffer sized for max_tokens'
-    positions (prompt 3 + 4 tokens - 1 = 6); a seventh row (a trajectory's injected tokens) grows it
-    and keeps what was written."""
+    """A step's rows land after the sequence's earlier ones in one buffer that doubles up to
+    max_tokens' positions (prompt 3 + 4 tokens - 1 = 6), not sized for them up front; a seventh row
+    (a trajectory's injected tokens) grows it past them and keeps what was written."""
     seq = Sequence(Request((3, 4, 5), SamplingParams(max_tokens=4)), 0)
     steps = [np.full((n, 2, 3), i, dtype=np.int32) for i, n in enumerate((3, 1, 2, 1))]
     overlap_module.append_routes(seq, steps[0])
-    assert seq.routes.shape == (6, 2, 3) and seq.routes_len == 3
-    for rows in steps[1:]:
-        overlap_module.append_routes(seq, rows)
+    assert seq.routes.shape == (3, 2, 3) and seq.routes_len == 3
+    overlap_module.append_routes(seq, steps[1])
+    overlap_module.append_routes(seq, steps[2])
+    assert seq.routes.shape == (6, 2, 3) and seq.routes_len == 6
+    overlap_module.append_routes(seq, steps[3])
     assert seq.routes.shape[0] >= 7 and seq.routes_len == 7
     assert np.array_equal(seq.routes[:7], np.concatenate(steps))
 

@@ -107,13 +107,14 @@ class Routes:
 
 
 def append_routes(seq: Sequence, rows: np.ndarray) -> None:
-    """rows [count, moe_layers, k] after `seq.routes[:seq.routes_len]`, in place: the buffer holds
-    the positions a rollout of max_tokens computes, `seq.max_length - 1` (doubling past them: a
-    trajectory's injected tokens)."""
+    """rows [count, moe_layers, k] after `seq.routes[:seq.routes_len]`, in place. The buffer doubles
+    as it fills, up to the positions a rollout of max_tokens computes (`seq.max_length - 1`: a
+    sequence that runs to the end takes it without a copy), and past them only for a trajectory's
+    injected tokens; memory follows the tokens computed, not max_tokens."""
     end = seq.routes_len + rows.shape[0]
-    if seq.routes is None or end > seq.routes.shape[0]:
-        capacity = max(end, seq.max_length - 1, 0 if seq.routes is None else 2 * seq.routes.shape[0])
-        grown = np.empty((capacity, *rows.shape[1:]), dtype=rows.dtype)
+    held = 0 if seq.routes is None else seq.routes.shape[0]
+    if end > held:
+        grown = np.empty((max(end, min(2 * held, seq.max_length - 1)), *rows.shape[1:]), dtype=rows.dtype)
         if seq.routes is not None:
             grown[:seq.routes_len] = seq.routes[:seq.routes_len]
         seq.routes = grown
