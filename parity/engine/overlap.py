@@ -98,7 +98,7 @@ class Routes:
     def keep(self) -> None:
         """Write each span's routes [count, moe_layers, k] int32 into its sequence's buffer, after
         the copy: one buffer a sequence, filled step by step while the device runs the next step
-        (joining ~512 slices a sequence when the rollouts are built took 0.2 s of a 7 s run)."""
+        (joining ~512 slices a sequence once the last step ended took 0.2 s for 256 x 48 layers)."""
         if self.event is not None:
             self.event.synchronize()
         host = self.host.numpy()
