@@ -11,7 +11,11 @@ import argparse
 
 import torch
 
-EXPERTS, HIDDEN, INTER, TOP_K = 128, 2048, 768, 8
+from parity.models.shaped import SHAPES
+
+_SHAPE = SHAPES["qwen3-30b-a3b"][1]
+EXPERTS, HIDDEN, INTER, TOP_K = (_SHAPE[f] for f in ("num_experts", "hidden_size", "moe_intermediate_size",
+                                                      "num_experts_per_tok"))
 #: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): the shipped plan first, then the candidates measured
 PLANS = [None, (64, 128, 64, 8, 3), (64, 256, 64, 8, 3), (32, 128, 64, 4, 4), (16, 128, 128, 4, 4)]
 
@@ -33,7 +37,7 @@ def timings(tokens: int, gate_up: torch.Tensor, down: torch.Tensor) -> list[floa
     try:
         for plan in PLANS:
             moe._GROUPED_PLAN[torch.bfloat16] = plan or shipped
-            tiles = moe.tile_plan(offsets, flat.numel(), torch.bfloat16)
+            tiles = moe.tile_plan(counts, flat.numel(), torch.bfloat16)
 
             def both(tiles: tuple[torch.Tensor, torch.Tensor] = tiles) -> None:
                 moe.grouped_linear(x, gate_up, offsets, tiles)

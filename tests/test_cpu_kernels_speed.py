@@ -311,8 +311,10 @@ def test_control_a_route_kept_across_a_weight_update_is_caught():
     """Negative control: a route looked up by the weight alone (its first packing kept after an
     in-place update) fails the property within its examples."""
     def broken(**drawn):
-        key = lambda weight, bias: (weight.data_ptr(), bias is None)  # noqa: E731
-        with mock.patch.object(cpu_bf16, "_route_key", key):
+        def by_address(weight, bias):
+            return weight.data_ptr(), bias is None
+
+        with mock.patch.object(cpu_bf16, "_route_key", by_address):
             _check_linear(**drawn)
 
     first = examples_until_failure(test_amx_linear_is_matmul_on_the_rows_before_and_after_a_weight_update,

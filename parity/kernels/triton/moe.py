@@ -125,16 +125,16 @@ def _grouped_linear_kernel(
     )
 
 
-def tile_plan(offsets: torch.Tensor, rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The row tiles of `grouped_linear` for expert bounds offsets [E + 1] over `rows` rows: each
+def tile_plan(counts: torch.Tensor, rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The row tiles of `grouped_linear` for counts [E] rows per expert over `rows` rows: each
     expert's first tile [E] and each tile's expert [cdiv(rows, BLOCK_M) + E]; one plan serves every
-    product of a layer (the same bounds, the same BLOCK_M per dtype).
+    product of a layer (the same counts, the same BLOCK_M per dtype).
     """
     block_m = _GROUPED_PLAN[dtype][0]
-    tiles = (offsets[1:] - offsets[:-1] + block_m - 1) // block_m
+    tiles = (counts + block_m - 1) // block_m
     tile_end = torch.cumsum(tiles, 0)
     max_tiles = triton.cdiv(rows, block_m) + tiles.shape[0]  # an upper bound: no host sync on the counts
-    tile_expert = torch.searchsorted(tile_end, torch.arange(max_tiles, device=offsets.device), right=True)
+    tile_expert = torch.searchsorted(tile_end, torch.arange(max_tiles, device=counts.device), right=True)
     return tile_end - tiles, tile_expert
 
 
@@ -160,7 +160,9 @@ def grouped_linear(
     if x.shape[0] == 0:
         return out
     offsets = offsets.to(torch.int64)
-    tile_start, tile_expert = plan if plan is not None else tile_plan(offsets, x.shape[0], x.dtype)
+    if plan is None:
+        plan = tile_plan(offsets[1:] - offsets[:-1], x.shape[0], x.dtype)
+    tile_start, tile_expert = plan
     max_tiles = tile_expert.shape[0]
     grid = (max_tiles, triton.cdiv(n, block_n))
     _grouped_linear_kernel[grid](
@@ -287,7 +289,7 @@ def experts_forward(
     offsets = torch.zeros(e + 1, dtype=torch.int64, device=hidden.device)
     offsets[1:] = torch.cumsum(counts, 0)  # scatter_add, not bincount: bincount syncs the host on CUDA
     token, position = route(flat, offsets, k)
-    plan = tile_plan(offsets, flat.shape[0], hidden.dtype)
+    plan = tile_plan(counts, flat.shape[0], hidden.dtype)
     gate, up = grouped_linear(hidden[token], gate_up_proj, offsets, plan).chunk(2, dim=-1)
     y_sorted = grouped_linear(act_fn(gate) * up, down_proj, offsets, plan)
     # combine reads each slot where the products left it: a [T * k, H] scatter back into token order
