@@ -137,6 +137,22 @@ def test_every_family_is_wired_and_switches_alone():
         assert calls == set()
 
 
+def test_every_patched_gated_mlp_computes_act_of_gate_times_up():
+    """parity replaces the forward of the MLP classes in GATED_MLPS with one `ops.gated` call: each
+    one's own forward in the installed transformers must be exactly that product (an upgrade that
+    changed it would fail here, not drift silently)."""
+    import importlib
+    import inspect
+
+    from parity.models.loading import GATED_MLPS
+
+    for name in GATED_MLPS:
+        stem = name.removesuffix("MLP").lower().replace("qwen3moe", "qwen3_moe")
+        cls = getattr(importlib.import_module(f"transformers.models.{stem}.modeling_{stem}"), name)
+        source = inspect.getsource(cls.forward)
+        assert "self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))" in source, name
+
+
 def test_a_replaced_kernel_is_restored_and_a_new_one_removed_when_the_block_fails():
     from parity.kernels import switch
 

@@ -66,6 +66,7 @@ def _register_cpu() -> None:
         ("softmax", "log_softmax", cpu.log_softmax),
         ("softmax", "cumsum", cpu.cumsum),
         ("pointwise", "activation", cpu.activation),
+        ("pointwise", "gated", cpu.gated),
         ("pointwise", "gumbel_argmax", cpu_sampling.gumbel_argmax),
         ("pointwise", "log_softmax_draw", cpu_sampling.log_softmax_draw),
         ("moe", "topk", cpu.topk),
@@ -73,6 +74,7 @@ def _register_cpu() -> None:
         ("rotary", "rotary", cpu.rotary),
         ("rotary", "apply", cpu.apply_rotary),
         ("attention", "attention", cpu_attention.attention),
+        ("attention", "write_kv", cpu_attention.write_kv),
     ):
         register(family, op, "cpu", fn)
 

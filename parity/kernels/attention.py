@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface, PretrainedConfig
 
-from parity.kernels.grad import exact
+from parity.core.errors import BackendUnavailableError
+from parity.kernels.grad import exact, needs_grad
 from parity.kernels.switch import impl
 
 #: name under which the attention function is registered with transformers.
@@ -122,6 +123,23 @@ def _runs(slots: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, t
     return starts, torch.cat([next_start[1:], next_start.new_full((1,), t)])
 
 
+def write_kv(k_rows: torch.Tensor, v_rows: torch.Tensor, rows: torch.Tensor, key: torch.Tensor,
+             value: torch.Tensor) -> None:
+    """k_rows[rows] = key and v_rows[rows] = value: a layer's caches viewed as [S * Hkv * C, D], rows
+    [N] (`AttentionBatch.kv_rows`), key/value [N, D]; one launch where the device has one (not
+    under autograd: the stock copies carry the keys' and values' gradients)."""
+    try:
+        fn = None if needs_grad(key, value) else impl("attention", "write_kv", key.device.type)
+    except BackendUnavailableError:  # a device registered (`kernels.register`) without a cache write
+        fn = None
+    if fn is not None:
+        fn(k_rows, v_rows, rows, key, value)
+        return
+    # one row copy per (token, KV head): an indexed assignment would launch a gather-scatter pair
+    k_rows.index_copy_(0, rows, key)
+    v_rows.index_copy_(0, rows, value)
+
+
 def attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
            positions: torch.Tensor, span: int, max_run: int, scaling: float,
            entries: Callable[[], Entries] | None = None) -> torch.Tensor:
@@ -216,10 +234,8 @@ def parity_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     if isinstance(batch, AttentionBatch):
         k_cache = batch.cache.keys[module.layer_idx]
         v_cache = batch.cache.values[module.layer_idx]
-        # one row copy per (token, KV head): an indexed assignment would launch a gather-scatter pair
-        rows = batch.kv_rows.reshape(-1)
-        k_cache.view(-1, d).index_copy_(0, rows, key.transpose(1, 2).reshape(-1, d))
-        v_cache.view(-1, d).index_copy_(0, rows, value.transpose(1, 2).reshape(-1, d))
+        write_kv(k_cache.view(-1, d), v_cache.view(-1, d), batch.kv_rows.reshape(-1),
+                 key.transpose(1, 2).reshape(-1, d), value.transpose(1, 2).reshape(-1, d))
         out = attend(q, k_cache, v_cache, batch.slots, batch.positions, batch.span, batch.max_run, scaling,
                      lambda: batch.flash_entries)
     else:

@@ -261,6 +261,11 @@ def activation(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> t
     return pointwise(fn, x)
 
 
+def gated(fn: Callable[[torch.Tensor], torch.Tensor], gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """fn(gate) * up: the activation position-independently, the product exact-rounded per element."""
+    return pointwise(fn, gate) * up
+
+
 def topk(scores: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, indices) [..., k], ties to the lower index (stable sort; `torch.topk` leaves tie order
     unspecified); values renormalized if `normalize`.

@@ -289,3 +289,10 @@ def attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             # float32 quotient rounded once to the output's dtype
             torch.div(numerator, denominator, out=out[chunk.lo:chunk.hi, :, heads])
     return (out if plan.inverse is None else out[plan.inverse]).view(t, hq, d)
+
+
+def write_kv(k_rows: torch.Tensor, v_rows: torch.Tensor, rows: torch.Tensor, key: torch.Tensor,
+             value: torch.Tensor) -> None:
+    """k_rows[rows] = key and v_rows[rows] = value: caches viewed as [R, D], rows [N], key/value [N, D]."""
+    k_rows.index_copy_(0, rows, key)
+    v_rows.index_copy_(0, rows, value)

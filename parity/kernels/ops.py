@@ -80,6 +80,14 @@ def activation(act: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> 
     return exact(lambda: fn(act, x), act, x)
 
 
+def gated(act: Callable[[torch.Tensor], torch.Tensor], gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """act(gate) * up [..., I], a gated MLP's inner product (family "pointwise"; one pass on CUDA)."""
+    fn = impl("pointwise", "gated", gate.device.type)
+    if fn is None:
+        return act(gate) * up
+    return exact(lambda: fn(act, gate, up), lambda g, u: act(g) * u, gate, up)
+
+
 def rotary(forward: RotaryForward, x: torch.Tensor, position_ids: torch.Tensor, max_positions: int,
            tables: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary cos, sin [B, L, D] for position_ids [B, L] (family "rotary"); `forward` is the module's own.

@@ -35,6 +35,8 @@ TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in D
 #: architectures whose every op parity patches (RMSNorm with HF's formula, SwiGLU, static RoPE).
 SUPPORTED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                                      "Qwen3MoeForCausalLM", "MixtralForCausalLM"})
+#: MLP classes whose forward is down_proj(act_fn(gate_proj(x)) * up_proj(x)) (a test reads their source).
+GATED_MLPS = frozenset({"LlamaMLP", "Qwen2MLP", "Qwen3MLP", "Qwen3MoeMLP"})
 #: RoPE variants whose cos/sin depend on the position only (a table of all positions is exact).
 STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
 
@@ -134,6 +136,12 @@ class ParityActivation(nn.Module):
         return ops.activation(self.act, x)
 
 
+def _gated_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """HF's gated MLP with act(gate) * up as one op (`ops.gated`: one pass on CUDA, the same bits)."""
+    act = self.act_fn.act if isinstance(self.act_fn, ParityActivation) else self.act_fn
+    return self.down_proj(ops.gated(act, self.gate_proj(x), self.up_proj(x)))
+
+
 def _native(module: nn.Module) -> Callable:
     """The module class's own forward, bound to `module` (the stock branch of a patched op)."""
     return type(module).forward.__get__(module)
@@ -202,6 +210,8 @@ def _patch(model: nn.Module, max_positions: int) -> int:
             moe_layers += 1
         elif kind.endswith("Experts") and hasattr(module, "gate_up_proj"):
             module.forward = types.MethodType(_experts_forward, module)
+        elif kind in GATED_MLPS:
+            module.forward = types.MethodType(_gated_mlp_forward, module)
         act = getattr(module, "act_fn", None)
         if isinstance(act, nn.Module) and not isinstance(act, ParityActivation):
             module.act_fn = ParityActivation(act)

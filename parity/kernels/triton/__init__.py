@@ -1,6 +1,6 @@
 """Batch-invariant Triton kernels: parity's invariant ops for CUDA tensors, one kernel idea per
-module (matmul, rmsnorm, softmax, scan, rotary, attention, moe, sampling); `register()` plugs them
-into the switch for "cuda". CI runs them on CPU under `TRITON_INTERPRET=1`.
+module (matmul, rmsnorm, softmax, scan, rotary, attention, cache, gated, moe, sampling);
+`register()` plugs them into the switch for "cuda". CI runs them on CPU under `TRITON_INTERPRET=1`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,18 @@ from collections.abc import Callable
 import torch
 
 from parity.kernels import cpu, switch
-from parity.kernels.triton import attention, matmul, moe, rmsnorm, rotary, sampling, scan, softmax
+from parity.kernels.triton import (
+    attention,
+    cache,
+    gated,
+    matmul,
+    moe,
+    rmsnorm,
+    rotary,
+    sampling,
+    scan,
+    softmax,
+)
 
 
 def _attention_op(
@@ -42,6 +53,7 @@ def register() -> None:
         ("softmax", "log_softmax", softmax.log_softmax),
         ("softmax", "cumsum", scan.cumsum),
         ("pointwise", "activation", _activation_op),
+        ("pointwise", "gated", gated.gated),
         ("pointwise", "gumbel_argmax", sampling.gumbel_argmax),
         ("pointwise", "log_softmax_draw", sampling.log_softmax_draw),
         ("rotary", "rotary", cpu.rotary),  # a gather from one per-position table: device-agnostic
@@ -49,5 +61,6 @@ def register() -> None:
         ("moe", "topk", moe.topk),
         ("moe", "experts", moe.experts_forward),
         ("attention", "attention", _attention_op),
+        ("attention", "write_kv", cache.write_kv),
     ):
         switch.register(family, op, "cuda", fn)

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from parity.core.errors import InputError
+from parity.kernels.triton.gated import gated
 from parity.kernels.triton.mma import mma
 
 
@@ -291,7 +292,7 @@ def experts_forward(
     token, position = route(flat, offsets, k)
     plan = tile_plan(counts, flat.shape[0], hidden.dtype)
     gate, up = grouped_linear(hidden[token], gate_up_proj, offsets, plan).chunk(2, dim=-1)
-    y_sorted = grouped_linear(act_fn(gate) * up, down_proj, offsets, plan)
+    y_sorted = grouped_linear(gated(act_fn, gate, up), down_proj, offsets, plan)
     # combine reads each slot where the products left it: a [T * k, H] scatter back into token order
     # first cost 45 us a layer at 2,048 rows on an H100
     return combine(y_sorted, top_k_weights, rows=position)

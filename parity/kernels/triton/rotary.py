@@ -1,8 +1,8 @@
 """Rotary position embedding applied to q and k on CUDA in one kernel, the HF formula exactly.
 
 It rounds at HF's three points with FMA contraction off, so its bits are stock, replacing ten bf16
-launches; it writes [B, L, H, D] (returned as HF's [B, H, L, D] view) so attention's reshape is
-free. Elementwise, hence invariant.
+launches with one for q and k; it writes [B, L, H, D] (returned as HF's [B, H, L, D] view) so
+attention's reshape is free. Elementwise, hence invariant.
 """
 
 from __future__ import annotations
@@ -21,12 +21,11 @@ def _rounded(x, dt: tl.constexpr):
 
 
 @triton.jit
-def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, L, H, stride_xb, stride_xh, stride_xl, stride_cb,
-                   stride_cl, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Grid (B * L tokens, head blocks): one token's BLOCK_H heads; out is [B, L, H, 2 * HALF]."""
-    token = tl.program_id(0).to(tl.int64)
+def _rotate(x_ptr, cos_ptr, sin_ptr, out_ptr, token, block, L, H, stride_xb, stride_xh, stride_xl, stride_cb,
+            stride_cl, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    """One token's heads block * BLOCK_H.. of x rotated into out [B, L, H, 2 * HALF]."""
     b, pos = token // L, token % L
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    heads = block * BLOCK_H + tl.arange(0, BLOCK_H)
     ok = (heads < H)[:, None]
     d = tl.arange(0, HALF)[None, :]
     x = x_ptr + b * stride_xb + pos * stride_xl + heads[:, None] * stride_xh
@@ -45,17 +44,38 @@ def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, L, H, stride_xb, stride_xh,
     tl.store(out + HALF + d, hi.to(dt, fp_downcast_rounding="rtne"), mask=ok)
 
 
-def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, H, L, D] (last dim contiguous), cos/sin [B, L, D] -> [B, H, L, D] view of [B, L, H, D] memory."""
-    b, h, length, d = x.shape
-    out = torch.empty((b, length, h, d), dtype=x.dtype, device=x.device)
-    if out.numel():
+@triton.jit
+def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, L, HQ, HK, Q_BLOCKS,
+                   stride_qb, stride_qh, stride_ql, stride_kb, stride_kh, stride_kl, stride_cb, stride_cl,
+                   HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Grid (B * L tokens, q head blocks + k head blocks): q and k of a layer in one launch."""
+    token = tl.program_id(0).to(tl.int64)
+    block = tl.program_id(1)
+    if block < Q_BLOCKS:
+        _rotate(q_ptr, cos_ptr, sin_ptr, q_out_ptr, token, block, L, HQ, stride_qb, stride_qh, stride_ql,
+                stride_cb, stride_cl, HALF, BLOCK_H)
+    else:
+        _rotate(k_ptr, cos_ptr, sin_ptr, k_out_ptr, token, block - Q_BLOCKS, L, HK, stride_kb, stride_kh,
+                stride_kl, stride_cb, stride_cl, HALF, BLOCK_H)
+
+
+def _apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+           sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, Hq, L, D], k [B, Hkv, L, D] (last dim contiguous), cos/sin [B, L, D] -> each rotated, as a
+    [B, H, L, D] view of [B, L, H, D] memory."""
+    b, hq, length, d = q.shape
+    hk = k.shape[1]
+    q_out = torch.empty((b, length, hq, d), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((b, length, hk, d), dtype=k.dtype, device=k.device)
+    if q_out.numel() and k_out.numel():
         cos, sin = cos.expand(b, length, d), sin.expand(b, length, d)
-        block_h = min(triton.next_power_of_2(h), 16)
-        _rotary_kernel[(b * length, triton.cdiv(h, block_h))](
-            x, cos, sin, out, length, h, x.stride(0), x.stride(1), x.stride(2), cos.stride(0), cos.stride(1),
+        block_h = min(triton.next_power_of_2(max(hq, hk)), 16)
+        q_blocks = triton.cdiv(hq, block_h)
+        _rotary_kernel[(b * length, q_blocks + triton.cdiv(hk, block_h))](
+            q, k, cos, sin, q_out, k_out, length, hq, hk, q_blocks, q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2), cos.stride(0), cos.stride(1),
             HALF=d // 2, BLOCK_H=block_h, num_warps=4, enable_fp_fusion=False)
-    return out.transpose(1, 2)
+    return q_out.transpose(1, 2), k_out.transpose(1, 2)
 
 
 def apply_rotary(native: Callable[..., tuple[torch.Tensor, torch.Tensor]], q: torch.Tensor,
@@ -67,7 +87,8 @@ def apply_rotary(native: Callable[..., tuple[torch.Tensor, torch.Tensor]], q: to
     d = q.shape[-1]
     fits = (unsqueeze_dim == 1 and q.dim() == k.dim() == 4 and cos.dim() == sin.dim() == 3 and d % 2 == 0
             and d & (d - 1) == 0 and q.stride(-1) == k.stride(-1) == cos.stride(-1) == sin.stride(-1) == 1
-            and q.dtype == k.dtype == cos.dtype == sin.dtype and cos.shape[-1] == d)
+            and q.dtype == k.dtype == cos.dtype == sin.dtype and cos.shape[-1] == d
+            and (q.shape[0], q.shape[2], q.shape[3]) == (k.shape[0], k.shape[2], k.shape[3]))
     if not fits:
         return native(q, k, cos, sin, unsqueeze_dim)
-    return _apply(q, cos, sin), _apply(k, cos, sin)
+    return _apply(q, k, cos, sin)
