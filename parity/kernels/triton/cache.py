@@ -30,7 +30,7 @@ def write_kv(k_rows: torch.Tensor, v_rows: torch.Tensor, rows: torch.Tensor, key
     d = k_rows.shape[1]
     fits = (key.shape == value.shape == (rows.shape[0], d) and v_rows.shape == k_rows.shape
             and key.dtype == value.dtype == k_rows.dtype == v_rows.dtype and k_rows.is_contiguous()
-            and v_rows.is_contiguous() and key.stride(1) == value.stride(1) == 1)
+            and v_rows.is_contiguous() and rows.is_contiguous() and key.stride(1) == value.stride(1) == 1)
     if not fits:  # the stock copies (and their errors)
         k_rows.index_copy_(0, rows, key)
         v_rows.index_copy_(0, rows, value)

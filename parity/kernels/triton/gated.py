@@ -52,16 +52,15 @@ def _is_silu(act: Callable[[torch.Tensor], torch.Tensor]) -> bool:
 def gated(act: Callable[[torch.Tensor], torch.Tensor], gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """act(gate) * up for gate, up [..., I] (rows may be strided, e.g. halves of one [R, 2I] product):
     one launch for SiLU on float tensors of one dtype, the stock two ops otherwise."""
-    fits = (_is_silu(act) and gate.shape == up.shape and gate.dim() >= 1 and gate.dtype == up.dtype
-            and gate.dtype in (torch.float32, torch.bfloat16, torch.float16))
-    g2 = gate.reshape(-1, gate.shape[-1]) if fits else gate
-    u2 = up.reshape(-1, up.shape[-1]) if fits else up
-    if not fits or g2.stride(-1) != 1 or u2.stride(-1) != 1:
+    if not (_is_silu(act) and gate.shape == up.shape and gate.dim() and gate.numel()
+            and gate.dtype == up.dtype and gate.dtype in (torch.float32, torch.bfloat16, torch.float16)):
+        return act(gate) * up
+    g2, u2 = gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1])
+    if g2.stride(-1) != 1 or u2.stride(-1) != 1:
         return act(gate) * up
     rows, width = g2.shape
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    if out.numel():
-        _silu_mul_kernel[(rows, triton.cdiv(width, BLOCK))](
-            g2, u2, out, rows, width, g2.stride(0), u2.stride(0), BLOCK=BLOCK, LIBDEVICE=gate.is_cuda,
-            num_warps=4)
+    _silu_mul_kernel[(rows, triton.cdiv(width, BLOCK))](
+        g2, u2, out, rows, width, g2.stride(0), u2.stride(0), BLOCK=BLOCK, LIBDEVICE=gate.is_cuda,
+        num_warps=4)
     return out
