@@ -24,7 +24,7 @@ from benchmarks.gpu.sections.tp_sim import LINKS, simulate
 from benchmarks.gpu.settings import blas_library, module_constants
 from benchmarks.gpu.table import table
 from benchmarks.gpu.timing import BENCH_M
-from benchmarks.gpu.workloads import moe_config, qwen3_config, requests_for
+from benchmarks.gpu.workloads import moe_config, qwen3_config, requests_for, share_experts
 from parity.engine.selfcheck import SettingCheck
 from parity.kernels import switch
 
@@ -44,10 +44,40 @@ def test_arguments_parse_and_name_only_known_sections():
     assert args.moe_variants == ["hf", "invariant", "native"]
     assert parse_args([]).tp_groups == [8]
     assert parse_args(["--sections", "tp", "--tp-groups", "2,4,8"]).tp_groups == [2, 4, 8]
+    assert parse_args(["--moe-layers", "48", "--moe-distinct-layers", "24"]).moe_distinct_layers == 24
     for bad in (["--sections", "parity,kernel"], ["--e2e", "8,16"], ["--e2e-variants", "vllm"],
-                ["--tp-groups", "0"], ["--tp-groups", "two"]):
+                ["--tp-groups", "0"], ["--tp-groups", "two"], ["--moe-distinct-layers", "-1"],
+                ["--moe-layers", "4", "--moe-distinct-layers", "5"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
+
+
+def test_shared_experts_grow_a_moe_model_whose_later_layers_read_the_first_ones_experts():
+    """A 2-layer MoE grown to 5: layer j's experts are layer j % 2's tensors, its attention, router and
+    norms its own copies (equal values), its cache index j; the model runs all 5 layers."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
+                            num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=16, vocab_size=100)
+    torch.manual_seed(0)
+    model = share_experts(Qwen3MoeForCausalLM(config).eval(), 5)
+    layers = model.model.layers
+    assert len(layers) == 5 and model.config.num_hidden_layers == 5
+    for j, layer in enumerate(layers):
+        source = layers[j % 2]
+        assert layer.mlp.experts.gate_up_proj is source.mlp.experts.gate_up_proj
+        assert layer.mlp.experts.down_proj is source.mlp.experts.down_proj
+        assert layer.self_attn.layer_idx == j and layer.self_attn.config is model.config
+        if j >= 2:
+            assert layer.self_attn.q_proj.weight is not source.self_attn.q_proj.weight
+            assert torch.equal(layer.self_attn.q_proj.weight, source.self_attn.q_proj.weight)
+    calls = []
+    for layer in layers:
+        layer.register_forward_hook(lambda *_: calls.append(1))
+    with torch.no_grad():
+        assert model(torch.tensor([[3, 4, 5]])).logits.shape == (1, 3, 100)
+    assert len(calls) == 5
 
 
 def test_typed_results_render_as_the_table():

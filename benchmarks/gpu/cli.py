@@ -90,6 +90,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--moe", type=_shape, default="256,256,512",
                         help="MoE workload: requests,prompt_tokens,output_tokens")
     parser.add_argument("--moe-layers", type=int, default=4, help="layers of the Qwen3-30B-A3B-shaped model")
+    parser.add_argument("--moe-distinct-layers", type=int, default=0,
+                        help="build only this many layers' experts; later layers reuse them "
+                             "(workloads.share_experts: 48 layers on an 80 GB card; 0: all distinct)")
     parser.add_argument("--attention-plans", type=lambda t: [n for n in t.split(",") if n], default=[],
                         help="attention_sweep: only these plans (names as in its table; default: all)")
     parser.add_argument("--moe-hf-tokens", type=int, default=0,
@@ -107,7 +110,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "--moe-layers with its routes recorded")
     parser.add_argument("--cublaslt-probe", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--probe-child", action="store_true", help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if not 0 <= args.moe_distinct_layers <= args.moe_layers:
+        parser.error(f"--moe-distinct-layers {args.moe_distinct_layers}: from 0 (every layer's experts "
+                     f"distinct) to --moe-layers ({args.moe_layers})")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -7,6 +7,7 @@ produces exactly its `max_tokens`.
 
 from __future__ import annotations
 
+import copy
 import time
 from pathlib import Path
 from typing import Any
@@ -38,14 +39,45 @@ def moe_config(layers: int) -> Any:
     return shaped.shaped_config("qwen3-30b-a3b", layers, max_position_embeddings=1024)
 
 
-def build_moe_model(folder: Path, layers: int) -> tuple[torch.nn.Module, Path]:
+def build_moe_model(folder: Path, layers: int, distinct: int = 0) -> tuple[torch.nn.Module, Path]:
     """The `moe_config(layers)` model with random bf16 weights built in GPU memory (no checkpoint
-    written), and the folder under `folder` holding its config, for `adopt_model`."""
+    written), and the folder under `folder` holding its config, for `adopt_model`. distinct > 0:
+    only that many layers' experts are built, the later layers' experts being theirs (`share_experts`)."""
     config = moe_config(layers)
     where = folder / "qwen3-30b-a3b-shaped"
     where.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(where)
-    return shaped.build_random_model(config, device="cuda", dtype="bfloat16"), where
+    if not distinct or distinct >= layers:
+        return shaped.build_random_model(config, device="cuda", dtype="bfloat16"), where
+    model = shaped.build_random_model(moe_config(distinct), device="cuda", dtype="bfloat16")
+    return share_experts(model, layers), where
+
+
+def share_experts(model: torch.nn.Module, layers: int) -> torch.nn.Module:
+    """`model` (a HF MoE causal LM) grown to `layers` decoder layers: layer j >= its count is a copy
+    of layer j mod count with its own attention, router and norms (the same values) and that layer's
+    expert tensors themselves. A stand-in for a model too large for the card: each layer still reads
+    its experts from device memory (1.21 GB a layer at the Qwen3-30B-A3B shape against a 50 MB L2),
+    so a step moves the bytes of `layers` distinct layers."""
+    decoder = model.model.layers
+    count = len(decoder)
+    for j in range(count, layers):
+        source = decoder[j % count]
+        experts = source.mlp.experts
+        # the memo keeps these objects themselves: the experts' tensors and the one shared config
+        keep = (experts.gate_up_proj, experts.down_proj, model.config)
+        layer = copy.deepcopy(source, {id(x): x for x in keep})
+        layer.self_attn.layer_idx = j
+        decoder.append(layer)
+    model.config.num_hidden_layers = layers
+    return model
+
+
+def shared_note(layers: int, distinct: int) -> str:
+    """The workload's words for `share_experts` ("" when every layer's experts are its own)."""
+    if not distinct or distinct >= layers:
+        return ""
+    return f"; layers {distinct}-{layers - 1} reuse the experts of layers 0-{distinct - 1} (share_experts)"
 
 
 def save_random_model(config: Any, path: Path) -> Path:

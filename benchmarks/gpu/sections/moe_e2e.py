@@ -1,10 +1,11 @@
 """The moe_e2e section: output tok/s on a Qwen3-30B-A3B-shaped bf16 model with random weights.
 
 `--moe-layers` of its 48 layers, built on the GPU in memory (48 layers are ~61 GB: more than the
-lent machine's disk holds): hf generate first, on the unpatched model (`--moe-hf-tokens` output
-tokens), then the engine with each `--moe-variants` kernel set, with and without route recording
-(inside the CUDA graphs when the kernels allow graphs), `--e2e-repeats` timed calls each
-("invariant-steady": steps run one by one).
+lent machine's disk holds; `--moe-distinct-layers N` builds N layers' experts and lets the later
+layers reuse them, for a card without room for all 48): hf generate first, on the unpatched model
+(`--moe-hf-tokens` output tokens), then the engine with each `--moe-variants` kernel set, with and
+without route recording (inside the CUDA graphs when the kernels allow graphs), `--e2e-repeats`
+timed calls each ("invariant-steady": steps run one by one).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from benchmarks.gpu.workloads import (
     engine_tok_s,
     hf_generate_tok_s,
     requests_for,
+    shared_note,
 )
 from parity.kernels.triton.matmul import cublaslt_ready
 from parity.models.loading import adopt_model
@@ -36,11 +38,11 @@ def measure(run: Run) -> MoESection:
     workload = E2EWorkload(
         requests=count, prompt_tokens=prompt_len, output_tokens=max_tokens,
         model=f"Qwen3-30B-A3B-shaped, {args.moe_layers} of 48 layers, 128 experts, top-8, bf16, "
-              "random weights built in GPU memory",
+              "random weights built in GPU memory" + shared_note(args.moe_layers, args.moe_distinct_layers),
         engine_chunk_size=prompt_len, engine_max_num_batched_tokens=args.max_batched_tokens,
         matmul_path="cuBLASLt without split-K where probed" if cublaslt_ready() else "Triton")
     start = time.perf_counter()
-    hf, where = build_moe_model(run.tmp, args.moe_layers)
+    hf, where = build_moe_model(run.tmp, args.moe_layers, args.moe_distinct_layers)
     torch.cuda.synchronize()
     build_s = time.perf_counter() - start
     rows: dict[str, Throughput | Failure] = {}

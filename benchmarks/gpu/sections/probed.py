@@ -35,6 +35,7 @@ def measure(run: Run) -> ProbedSection:
                          "--e2e", ",".join(map(str, args.e2e)),
                          "--e2e-variants", ",".join(args.probed_e2e_variants),
                          "--moe", ",".join(map(str, args.moe)), "--moe-layers", str(args.moe_layers),
+                         "--moe-distinct-layers", str(args.moe_distinct_layers),
                          "--moe-variants", "invariant", "--chunk-size", str(args.chunk_size),
                          "--max-batched-tokens", str(args.max_batched_tokens))
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **CUBLASLT_ENV}, capture_output=True, text=True)

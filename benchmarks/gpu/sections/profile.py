@@ -19,7 +19,13 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.gpu.results import ProfileResult
 from benchmarks.gpu.run import Run
-from benchmarks.gpu.workloads import build_moe_model, qwen3_config, requests_for, save_random_model
+from benchmarks.gpu.workloads import (
+    build_moe_model,
+    qwen3_config,
+    requests_for,
+    save_random_model,
+    shared_note,
+)
 from parity.engine import ReferenceEngine
 from parity.models.loading import LoadedModel, adopt_model
 
@@ -47,7 +53,8 @@ def measure(run: Run) -> ProfileResult:
     (run.args.out / "profile.txt").write_text(events.table(sort_by="self_device_time_total", row_limit=40))
     busy = sum(e.self_device_time_total for e in events) / 1e6
     top = sorted(((e.self_device_time_total / 1e6, e.key) for e in events), reverse=True)[:TOP_KERNELS]
-    shape = f"MoE x{run.args.moe_layers}, routes recorded" if moe else "dense"
+    shape = (f"MoE x{run.args.moe_layers}{shared_note(run.args.moe_layers, run.args.moe_distinct_layers)}, "
+             "routes recorded") if moe else "dense"
     return ProfileResult(workload=f"{shape}, {count} seqs x {prompt_len} prompt x {tokens} output, invariant",
                          wall_s=seconds, gpu_busy_s=busy, steps=tokens + 1, **_idle(prof),
                          top_kernels={name[:60]: round(s, 4) for s, name in top})
@@ -60,7 +67,7 @@ def _dense_model(run: Run) -> str:
 
 def _moe_model(run: Run) -> LoadedModel:
     """The MoE shape of the moe_e2e section, built in GPU memory (no checkpoint written)."""
-    hf, where = build_moe_model(run.tmp, run.args.moe_layers)
+    hf, where = build_moe_model(run.tmp, run.args.moe_layers, run.args.moe_distinct_layers)
     return adopt_model(hf, where, "bfloat16", "cuda")
 
 
