@@ -81,7 +81,7 @@ def activation(act: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> 
 
 
 def gated(act: Callable[[torch.Tensor], torch.Tensor], gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """act(gate) * up [..., I], a gated MLP's inner product (family "pointwise"; one pass on CUDA)."""
+    """act(gate) * up [..., I], a gated MLP's inner product (family "pointwise"; SiLU in one pass on CUDA)."""
     fn = impl("pointwise", "gated", gate.device.type)
     if fn is None:
         return act(gate) * up
