@@ -23,9 +23,9 @@ since the nightly calls it after each engine's last row); never `close_shared_ba
 every module's.
 
 Mark tests that start a vLLM engine `@pytest.mark.vllm` (and `slow`). Under `make test` (pytest-xdist,
-two workers) the modules with a `vllm` test run one after another in one worker, the "engines" group,
+three workers) the modules with a `vllm` test run one after another in one worker, the "engines" group,
 so its shared engines start once per session; every other module runs whole (its module fixtures
-once) on either worker. A `vllm` test whose engines are its own adds `@pytest.mark.own_engines`,
+once) on any worker. A `vllm` test whose engines are its own adds `@pytest.mark.own_engines`,
 so that its module may run beside the engines group: engines it starts only in child processes (a
 CLI run, a script, a Ray cluster), with `get_backend`, or through `shared_backend` under options no
 other module uses, closed at its module's end. The group is decided at collection, skipped tests
@@ -37,8 +37,8 @@ Engine hosts. A module that only samples from shared vLLM engines (`generate`, `
 internals; a module that owns a configuration may push weights through `engine_host.writable`) is
 marked `pytestmark = [..., pytest.mark.engine_host]`: while its tests run, `shared_backend("vllm",
 ...)` (through `shared_engine`, `parity.compare`, the nightly, the audit) hands it a proxy of the
-session's engine host of that configuration (tests/engine_host.py), one process that both workers
-share, so the module runs on either worker and the engine still starts once per session. Engines
+session's engine host of that configuration (tests/engine_host.py), one process that every worker
+shares, so the module runs on any worker and the engine still starts once per session. Engines
 a marked module starts itself (`get_backend`) stay its own. The marker may sit on one test:
 its module then leaves the engines group. The session's owner
 (xdist's controller, or a serial pytest) stops every host at its end, on failure and on Ctrl-C; a
@@ -280,7 +280,7 @@ def _unit_seconds(path: str, tests: list[pytest.Item], known: dict[str, float]) 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """With PARITY_RECORD_MODULE_SECONDS set, sum each module's test phases (the controller sees
-    both workers' reports)."""
+    every worker's reports)."""
     if os.environ.get(_RECORD_ENV) and "PYTEST_XDIST_WORKER" not in os.environ:
         module = _module(report.nodeid)
         _recorded[module] = _recorded.get(module, 0.0) + report.duration
