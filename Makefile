@@ -11,12 +11,9 @@ export VLLM_TARGET_DEVICE := cpu
 test: export VLLM_LOGGING_LEVEL ?= WARNING
 
 # pytest-xdist workers for the suite: tests/conftest.py keeps each module whole on one worker and the
-# modules that share vLLM engines together, so each engine starts once. `make test` runs three on the
-# 2-core CI host: its engine tests leave the cores idle a third of the time while they wait on child
-# processes, which a third worker fills (docs/PERF.md, "three workers"); `make test-fast`, CPU-bound
-# throughout, runs two.
-PYTEST_WORKERS ?= 3
-FAST_WORKERS ?= 2
+# modules that share vLLM engines together, so each engine starts once. Two on the 2-core CI host (a
+# third measured no faster there: docs/PERF.md, "three workers").
+PYTEST_WORKERS ?= 2
 PYTEST_XDIST := -n $(PYTEST_WORKERS) --no-loadscope-reorder
 
 .PHONY: demo test test-fast sglang-check trainers-check
@@ -58,7 +55,7 @@ test: $(STAMP) $(CHROMIUM_STAMP)
 # more on the 2-core CI host; docs/PERF.md, "In-process CLI, hypothesis, the quick loop", says what it leaves out).
 test-fast: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -n $(FAST_WORKERS) --no-loadscope-reorder -m "not vllm and not slow"
+	$(BIN)/python -m pytest $(PYTEST_XDIST) -m "not vllm and not slow"
 
 # SGLang for real on this CPU (not part of `make test`: an 11 GB, ~9 minute install of SGLang's
 # CUDA torch stack, which also runs on CPU). Its own venv: SGLang pins another torch than parity.

@@ -23,7 +23,7 @@ since the nightly calls it after each engine's last row); never `close_shared_ba
 every module's.
 
 Mark tests that start a vLLM engine `@pytest.mark.vllm` (and `slow`). Under `make test` (pytest-xdist,
-three workers) the modules with a `vllm` test run one after another in one worker, the "engines" group,
+two workers) the modules with a `vllm` test run one after another in one worker, the "engines" group,
 so its shared engines start once per session; every other module runs whole (its module fixtures
 once) on any worker. A `vllm` test whose engines are its own adds `@pytest.mark.own_engines`,
 so that its module may run beside the engines group: engines it starts only in child processes (a
