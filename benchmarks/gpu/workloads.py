@@ -47,9 +47,7 @@ def build_moe_model(folder: Path, layers: int, distinct: int = 0) -> tuple[torch
     where = folder / "qwen3-30b-a3b-shaped"
     where.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(where)
-    if not distinct or distinct >= layers:
-        return shaped.build_random_model(config, device="cuda", dtype="bfloat16"), where
-    model = shaped.build_random_model(moe_config(distinct), device="cuda", dtype="bfloat16")
+    model = shaped.build_random_model(moe_config(distinct or layers), device="cuda", dtype="bfloat16")
     return share_experts(model, layers), where
 
 
