@@ -12,13 +12,12 @@ bits, so the equalities are not vacuous.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -587,7 +586,9 @@ def _gated_inputs(dtype: torch.dtype, rows: int = 6, width: int = 1500) -> tuple
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gated_silu_is_silu_times_up_per_element(tk: ModuleType, dtype: torch.dtype) -> None:
+def test_gated_silu_is_silu_times_up_per_element(
+    tk: ModuleType, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """SiLU(gate) * up in one pass matches the stock two ops (bit for bit on the GPU, where the
     kernel uses CUDA's expf as torch does; within rounding under the interpreter's numpy exp), reads
     strided halves of one product as their contiguous copies, and is the same per row in any batch."""
@@ -600,27 +601,16 @@ def test_gated_silu_is_silu_times_up_per_element(tk: ModuleType, dtype: torch.dt
         torch.testing.assert_close(out, stock, equal_nan=True)
     assert _equal_nan(out, tk.gated.gated(torch.nn.SiLU(), gate.contiguous(), up.contiguous()))
     assert _equal_nan(tk.gated.gated(F.silu, gate[2:4], up[2:4]), out[2:4])
-    launches = []
-    with _counting_launches(tk, launches):
-        tk.gated.gated(ACT2FN["silu"], gate, up)
-    assert launches == [1]  # the activation HF models hold takes the one launch
-
-
-@contextlib.contextmanager
-def _counting_launches(tk: ModuleType, launches: list[int]) -> Iterator[None]:
-    """Appends 1 to `launches` per launch of the gated kernel inside the block."""
-    kernel = tk.gated._silu_mul_kernel
+    launches, kernel = [], tk.gated._silu_mul_kernel
 
     class Counting:
         def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
-            launches.append(1)
+            launches.append(grid)
             return kernel[grid]
 
-    tk.gated._silu_mul_kernel = Counting()
-    try:
-        yield
-    finally:
-        tk.gated._silu_mul_kernel = kernel
+    monkeypatch.setattr(tk.gated, "_silu_mul_kernel", Counting())
+    tk.gated.gated(ACT2FN["silu"], gate, up)
+    assert len(launches) == 1  # the activation HF models hold takes the one launch
 
 
 def _equal_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
