@@ -153,6 +153,149 @@ def test_every_patched_gated_mlp_computes_act_of_gate_times_up():
         assert "self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))" in source, name
 
 
+#: the body every class in DECODER_LAYERS must have, comments and blank lines aside
+DECODER_BODY = """residual = hidden_states
+hidden_states = self.input_layernorm(hidden_states)
+hidden_states, _ = self.self_attn(
+hidden_states=hidden_states,
+attention_mask=attention_mask,
+position_ids=position_ids,
+past_key_values=past_key_values,
+use_cache=use_cache,
+position_embeddings=position_embeddings,
+**kwargs,
+)
+hidden_states = residual + hidden_states
+residual = hidden_states
+hidden_states = self.post_attention_layernorm(hidden_states)
+hidden_states = self.mlp(hidden_states)
+hidden_states = residual + hidden_states
+return hidden_states"""
+
+
+def test_every_patched_decoder_layer_is_the_one_parity_rewrites():
+    """parity replaces the forward of the classes in DECODER_LAYERS (the residual add and the norm
+    after attention as one `ops.add_rms_norm`): each one's own forward in the installed transformers
+    must have exactly this body and these parameters (an upgrade that changed one fails here)."""
+    import importlib
+    import inspect
+
+    from parity.models.loading import DECODER_LAYERS, _decoder_layer_forward
+
+    for name in DECODER_LAYERS:
+        stem = name.removesuffix("DecoderLayer").lower().replace("qwen3moe", "qwen3_moe")
+        cls = getattr(importlib.import_module(f"transformers.models.{stem}.modeling_{stem}"), name)
+        assert _body(cls, ") -> torch.Tensor:") == DECODER_BODY, name
+        assert list(inspect.signature(cls.forward).parameters) == \
+            list(inspect.signature(_decoder_layer_forward).parameters), name
+
+
+def test_a_decoder_layer_adds_and_norms_in_one_op_with_the_stock_layers_bits(monkeypatch):
+    """Each patched layer calls `add_rms_norm` once, and the model's logits are those of HF's own
+    layer forward (its residual add, then its norm module), family "rmsnorm" on and off."""
+    from parity.kernels import switch
+
+    lm = load_model("tiny-llama")
+    ids = torch.randint(3, 512, (2, 9), generator=torch.Generator().manual_seed(2))
+    calls = []
+    fused = switch.registrations("cpu")[("rmsnorm", "add_rms_norm", "cpu")]
+
+    def counting(*args):
+        calls.append(args[0].shape)
+        return fused(*args)
+
+    with torch.no_grad():
+        with kernels.invariant(["rmsnorm"]), switch.replaced("rmsnorm", "add_rms_norm", "cpu", counting):
+            on = lm.model(ids).logits
+        off = lm.model(ids).logits
+        for layer in lm.model.model.layers:
+            monkeypatch.delattr(layer, "forward")  # back to the class's (HF's) forward
+        with kernels.invariant(["rmsnorm"]):
+            assert torch.equal(lm.model(ids).logits, on)
+        assert torch.equal(lm.model(ids).logits, off)
+    assert len(calls) == lm.config.num_hidden_layers
+    assert not torch.equal(on, off)  # the family changes the bits, so the comparison has teeth
+
+
+#: the body every class in NORMED_ATTENTION must have, comments and blank lines aside
+NORMED_ATTENTION_BODY = """input_shape = hidden_states.shape[:-1]
+hidden_shape = (*input_shape, -1, self.head_dim)
+query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+key_states = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+cos, sin = position_embeddings
+query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+if past_key_values is not None:
+key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+self.config._attn_implementation, eager_attention_forward
+)
+attn_output, attn_weights = attention_interface(
+self,
+query_states,
+key_states,
+value_states,
+attention_mask,
+dropout=0.0 if not self.training else self.attention_dropout,
+scaling=self.scaling,
+sliding_window=self.sliding_window,  # diff with Llama
+**kwargs,
+)
+attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+attn_output = self.o_proj(attn_output)
+return attn_output, attn_weights"""
+
+
+def _body(cls: type, end: str) -> str:
+    """cls.forward's body after the line `end` closing its signature, stripped, without comment lines."""
+    import inspect
+
+    lines = [line.strip() for line in inspect.getsource(cls.forward).splitlines()]
+    return "\n".join(line for line in lines[lines.index(end) + 1:] if line and not line.startswith("#"))
+
+
+def test_every_patched_normed_attention_is_the_one_parity_rewrites():
+    """parity replaces the forward of the classes in NORMED_ATTENTION (q's and k's per-head norms and
+    their rotation as one `ops.norm_rotary`): each one's own forward in the installed transformers must
+    have exactly this body and these parameters."""
+    import importlib
+    import inspect
+
+    from parity.models.loading import NORMED_ATTENTION, _normed_attention_forward
+
+    for name in NORMED_ATTENTION:
+        stem = name.removesuffix("Attention").lower().replace("qwen3moe", "qwen3_moe")
+        cls = getattr(importlib.import_module(f"transformers.models.{stem}.modeling_{stem}"), name)
+        assert _body(cls, ") -> tuple[torch.Tensor, torch.Tensor | None]:") == NORMED_ATTENTION_BODY, name
+        assert list(inspect.signature(cls.forward).parameters) == \
+            list(inspect.signature(_normed_attention_forward).parameters), name
+
+
+@pytest.mark.parametrize("families", [None, ("rmsnorm",), ("rotary",), ()],
+                         ids=["all", "rmsnorm", "rotary", "off"])
+def test_a_normed_attention_gives_the_stock_layers_bits(monkeypatch, families):
+    """The patched Qwen3 attention calls the fused norm-and-rotation op once per layer when both its
+    families are on, and the model's logits are those of HF's own attention forward in every case."""
+    from parity.kernels import switch
+
+    lm = load_model("tiny-qwen3")
+    ids = torch.randint(3, 512, (2, 9), generator=torch.Generator().manual_seed(3))
+    calls = []
+    fused = switch.registrations("cpu")[("rotary", "norm_apply", "cpu")]
+
+    def counting(*args):
+        calls.append(args[0].shape)
+        return fused(*args)
+
+    with torch.no_grad(), kernels.invariant(families):
+        with switch.replaced("rotary", "norm_apply", "cpu", counting):
+            patched = lm.model(ids).logits
+        for layer in lm.model.model.layers:
+            monkeypatch.delattr(layer.self_attn, "forward")  # back to the class's (HF's) forward
+        assert torch.equal(lm.model(ids).logits, patched)
+    assert len(calls) == (lm.config.num_hidden_layers if families is None else 0)
+
+
 def test_a_replaced_kernel_is_restored_and_a_new_one_removed_when_the_block_fails():
     from parity.kernels import switch
 

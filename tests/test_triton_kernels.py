@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs an NVIDIA GPU (CUDA not available)")
 #: tests of this file that run under the interpreter: all but the CUDA-only ones and the child runner.
-MIN_INTERPRETED = 72
+MIN_INTERPRETED = 75
 
 
 @pytest.mark.slow
@@ -226,6 +226,59 @@ def test_rms_norm_matches_hf_formula(tk: ModuleType, dtype: torch.dtype) -> None
 def test_rms_norm_rows_are_batch_invariant(tk: ModuleType, dtype: torch.dtype, rows: list[int]) -> None:
     x, w = _randn(ROWS, 96, dtype=dtype, seed=4), _randn(96, dtype=dtype, seed=5)
     assert torch.equal(tk.rmsnorm.rms_norm(x[rows], w, 1e-6), tk.rmsnorm.rms_norm(x, w, 1e-6)[rows])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_gives_the_add_then_the_norm(tk: ModuleType, dtype: torch.dtype) -> None:
+    """The residual add and RMSNorm in one pass give the two ops' bits (the sum as torch rounds it on
+    the GPU; under the interpreter, whose bf16 casts are not round-to-nearest-even, its own sum),
+    per row in any batch, reading a strided delta as its copy. Control: normalizing the sum before
+    its rounding to bf16 gives other bits, so the comparison sees where the kernel rounds."""
+    residual = _randn(ROWS, 96, dtype=dtype, seed=7, scale=8.0)
+    delta = _randn(ROWS, 2 * 96, dtype=dtype, seed=8)[:, ::2]
+    w = _randn(96, dtype=dtype, seed=5)
+    out, total = tk.rmsnorm.add_rms_norm(residual, delta, w, 1e-6)
+    if CUDA or dtype == torch.float32:
+        assert torch.equal(total, residual + delta)
+    assert torch.equal(out, tk.rmsnorm.rms_norm(total, w, 1e-6))
+    copied = tk.rmsnorm.add_rms_norm(residual, delta.contiguous(), w, 1e-6)
+    assert torch.equal(copied[0], out) and torch.equal(copied[1], total)
+    rows = [5, 1, 5, 20]
+    part = tk.rmsnorm.add_rms_norm(residual[rows], delta[rows], w, 1e-6)
+    assert torch.equal(part[0], out[rows]) and torch.equal(part[1], total[rows])
+    if dtype == torch.bfloat16 and CUDA:
+        unrounded = tk.rmsnorm.rms_norm(residual.float() + delta.float(), w.float(), 1e-6).to(dtype)
+        assert not torch.equal(unrounded, out)
+
+
+@gpu
+@needs_cuda
+def test_add_rms_norm_under_autograd_keeps_the_kernel_bits_and_takes_the_stock_gradient(tk: ModuleType
+                                                                                        ) -> None:
+    """With gradients on, `ops.add_rms_norm` returns the fused launch's bits (both outputs) and
+    back-propagates the stock add and norm: both inputs' and the weight's gradients as for HF's ops."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    from parity import kernels
+    from parity.kernels import ops
+
+    norm = Qwen3RMSNorm(96, eps=1e-6).to(DEVICE, torch.bfloat16)
+    norm.weight.data = _randn(96, dtype=torch.bfloat16, seed=5)
+    runs = []
+    for fused in (True, False):
+        residual = _randn(ROWS, 96, dtype=torch.bfloat16, seed=7, scale=8.0).requires_grad_()
+        delta = _randn(ROWS, 96, dtype=torch.bfloat16, seed=8).requires_grad_()
+        norm.weight.grad = None
+        with kernels.invariant(None if fused else ()):
+            out = ops.add_rms_norm(residual, delta, norm.weight, 1e-6, native=norm.forward)
+        (out[0].float().sum() + 2 * out[1].float().sum()).backward()  # a gradient free of out's bits
+        runs.append((out, (residual.grad, delta.grad, norm.weight.grad)))
+    (fused_out, fused_grads), (_, stock_grads) = runs
+    residual = _randn(ROWS, 96, dtype=torch.bfloat16, seed=7, scale=8.0)
+    kernel = tk.rmsnorm.add_rms_norm(residual, _randn(ROWS, 96, dtype=torch.bfloat16, seed=8),
+                                     norm.weight.detach(), 1e-6)
+    assert torch.equal(fused_out[0], kernel[0]) and torch.equal(fused_out[1], kernel[1])
+    assert all(torch.equal(a, b) for a, b in zip(fused_grads, stock_grads))
 
 
 VOCAB = 5000  # > softmax.CHUNK, so rows take several chunks
@@ -525,6 +578,77 @@ def test_fused_rotation_gives_hf_stock_bits(
     stock = apply_rotary_pos_emb(q, k, cos, sin)
     assert torch.equal(fused[0], stock[0]) and torch.equal(fused[1], stock[1])
     assert fused[0].transpose(1, 2).is_contiguous()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@few
+@given(
+    heads=st.sampled_from([(4, 2), (6, 2), (3, 3)]),
+    length=st.integers(1, 5),
+    batch=st.integers(1, 2),
+)
+def test_norm_rotary_gives_the_two_norms_then_the_rotation(
+    tk: ModuleType, dtype: torch.dtype, heads: tuple[int, int], length: int, batch: int
+) -> None:
+    """Qwen3's per-head RMSNorm of q and k and their rotation in one launch give the bits of the norm
+    kernel then the rotation kernel, from the strided [B, L, H, D] views of one q/k/v product, each
+    token alike in any batch (its first sequence alone gives its rows of the batch)."""
+    if INTERPRETED and dtype == torch.bfloat16:
+        pytest.skip("Triton's interpreter does not round fp32 to bf16 to nearest even: the bf16 bits "
+                    "are checked on the GPU")
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
+    hq, hkv = heads
+    d = 64
+    qkv = _randn(batch, length, (hq + 2 * hkv) * d, dtype=dtype, seed=hq + length, scale=3.0)
+    q = qkv[..., :hq * d].view(batch, length, hq, d)
+    k = qkv[..., hq * d:(hq + hkv) * d].view(batch, length, hkv, d)
+    qw, kw = _randn(d, dtype=dtype, seed=11), _randn(d, dtype=dtype, seed=12)
+    angles = _randn(batch, length, d // 2, seed=length) * 3
+    cos = torch.cat([angles.cos(), angles.cos()], -1).to(dtype)
+    sin = torch.cat([angles.sin(), angles.sin()], -1).to(dtype)
+    fused = tk.rotary.norm_rotary(q, k, qw, kw, 1e-6, 1e-5, cos, sin)
+    three = tk.rotary.apply_rotary(apply_rotary_pos_emb, tk.rmsnorm.rms_norm(q, qw, 1e-6).transpose(1, 2),
+                                   tk.rmsnorm.rms_norm(k, kw, 1e-5).transpose(1, 2), cos, sin)
+    assert torch.equal(fused[0], three[0]) and torch.equal(fused[1], three[1])
+    assert fused[0].transpose(1, 2).is_contiguous()
+    alone = tk.rotary.norm_rotary(q[:1], k[:1], qw, kw, 1e-6, 1e-5, cos[:1], sin[:1])
+    assert torch.equal(alone[0], fused[0][:1]) and torch.equal(alone[1], fused[1][:1])
+    assert tk.rotary.norm_rotary(q, k, qw, kw, 1e-6, 1e-5, cos.double(), sin) is None  # three ops then
+
+
+@gpu
+@needs_cuda
+def test_norm_rotary_under_autograd_keeps_the_kernel_bits_and_takes_the_stock_gradient(tk: ModuleType
+                                                                                       ) -> None:
+    """With gradients on, `ops.norm_rotary` returns the fused launch's bits and back-propagates the
+    stock norms and rotation: q's, k's and both weights' gradients as autograd gives them for HF's ops."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
+
+    from parity import kernels
+    from parity.kernels import ops
+
+    norms = [Qwen3RMSNorm(64, eps=1e-6).to(DEVICE, torch.bfloat16) for _ in range(2)]
+    for i, norm in enumerate(norms):
+        norm.weight.data = _randn(64, dtype=torch.bfloat16, seed=20 + i)
+    angles = _randn(1, 5, 32, seed=3) * 3
+    cos, sin = (torch.cat([f(angles), f(angles)], -1).to(torch.bfloat16) for f in (torch.cos, torch.sin))
+    runs = []
+    for fused in (True, False):
+        q = _randn(1, 5, 4, 64, dtype=torch.bfloat16, seed=1).requires_grad_()
+        k = _randn(1, 5, 2, 64, dtype=torch.bfloat16, seed=2).requires_grad_()
+        for norm in norms:
+            norm.weight.grad = None
+        with kernels.invariant(None if fused else ()):
+            out = ops.norm_rotary(q, k, *norms, cos, sin, apply_rotary_pos_emb)
+        (out[0].float().sum() + 2 * out[1].float().sum()).backward()  # a gradient free of out's bits
+        runs.append((out, (q.grad, k.grad, *(n.weight.grad for n in norms))))
+    (fused_out, fused_grads), (_, stock_grads) = runs
+    q, k = (_randn(1, 5, h, 64, dtype=torch.bfloat16, seed=seed) for h, seed in ((4, 1), (2, 2)))
+    weights = [norm.weight.detach() for norm in norms]
+    kernel = tk.rotary.norm_rotary(q, k, *weights, 1e-6, 1e-6, cos, sin)
+    assert torch.equal(fused_out[0], kernel[0]) and torch.equal(fused_out[1], kernel[1])
+    assert all(torch.equal(a, b) for a, b in zip(fused_grads, stock_grads))
 
 
 # ---------------------------------------------------------------------------------------- cache

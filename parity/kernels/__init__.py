@@ -56,12 +56,18 @@ def _one_by_one(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> None:
     return None
 
 
+def _three_ops(*args: object) -> None:
+    """CPU: no fused per-head norm and rotation; `ops.norm_rotary` runs the two norms and the rotation."""
+    return None
+
+
 def _register_cpu() -> None:
     """Register the CPU kernels for device type "cpu"."""
     for family, op, fn in (
         ("matmul", "linear", cpu.linear),
         ("matmul", "linears", _one_by_one),
         ("rmsnorm", "rms_norm", cpu.rms_norm),
+        ("rmsnorm", "add_rms_norm", cpu.add_rms_norm),
         ("softmax", "softmax", cpu.softmax),
         ("softmax", "log_softmax", cpu.log_softmax),
         ("softmax", "cumsum", cpu.cumsum),
@@ -73,6 +79,7 @@ def _register_cpu() -> None:
         ("moe", "experts", cpu.experts),
         ("rotary", "rotary", cpu.rotary),
         ("rotary", "apply", cpu.apply_rotary),
+        ("rotary", "norm_apply", _three_ops),
         ("attention", "attention", cpu_attention.attention),
         ("attention", "write_kv", cpu_attention.write_kv),
     ):

@@ -222,6 +222,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * normed
 
 
+def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(residual + delta), residual + delta): the two ops as they are (one pass only on CUDA)."""
+    total = residual + delta
+    return rms_norm(total, weight, eps), total
+
+
 def _exp_shifted(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(e, max): e = exp(x - max) [..., V] over the last dim, in a buffer zero-padded to POINTWISE_ALIGN
     (`pointwise_`: every element in the vector body)."""

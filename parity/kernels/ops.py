@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from parity.core.errors import BackendUnavailableError
 from parity.kernels import sampling
@@ -46,6 +47,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         return native(x)
     # `native` reads the module's own weight, which is `weight` (a parameter: see `exact`)
     return exact(lambda: fn(x, weight, eps), lambda x_, _weight: native(x_), x, weight)
+
+
+def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                 native: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(residual + delta), residual + delta) [..., H], a decoder layer's residual add and the
+    norm after it (family "rmsnorm"; one pass on CUDA, the bits of the two ops)."""
+    fn = impl("rmsnorm", "add_rms_norm", residual.device.type)
+    if fn is None:
+        total = residual + delta
+        return native(total), total
+
+    def stock(r: torch.Tensor, d: torch.Tensor, _weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        total = r + d
+        return native(total), total
+
+    return exact(lambda: fn(residual, delta, weight, eps), stock, residual, delta, weight)
 
 
 def softmax(x: torch.Tensor) -> torch.Tensor:
@@ -110,6 +127,29 @@ def apply_rotary(native: Callable[..., tuple[torch.Tensor, torch.Tensor]], q: to
         return native(q, k, cos, sin, unsqueeze_dim)
     return exact(lambda: fn(native, q, k, cos, sin, unsqueeze_dim),
                  lambda q_, k_, cos_, sin_: native(q_, k_, cos_, sin_, unsqueeze_dim), q, k, cos, sin)
+
+
+def norm_rotary(q: torch.Tensor, k: torch.Tensor, q_norm: nn.Module, k_norm: nn.Module, cos: torch.Tensor,
+                sin: torch.Tensor, rotate: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3's per-head RMSNorm of q [B, L, Hq, D] and k [B, L, Hk, D], then their rotation by cos, sin
+    [B, L, D] -> q [B, Hq, L, D], k [B, Hk, L, D]. One launch on CUDA when families "rmsnorm" and
+    "rotary" are both on (the bits of the three ops); else, or where the layout does not fit, `q_norm`,
+    `k_norm` and `rotate` (the model's apply_rotary_pos_emb) as HF calls them."""
+
+    def three_ops(q_: torch.Tensor, k_: torch.Tensor, *_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return rotate(q_norm(q_).transpose(1, 2), k_norm(k_).transpose(1, 2), cos, sin)
+
+    device = q.device.type
+    fn = impl("rotary", "norm_apply", device) if impl("rmsnorm", "rms_norm", device) is not None else None
+    if fn is None:
+        return three_ops(q, k)
+    with torch.no_grad():
+        fused = fn(q, k, q_norm.weight, k_norm.weight, q_norm.variance_epsilon, k_norm.variance_epsilon,
+                   cos, sin)
+    if fused is None:
+        return three_ops(q, k)
+    return exact(lambda: fused, three_ops, q, k, q_norm.weight, k_norm.weight)
 
 
 def topk(scores: torch.Tensor, k: int, *, normalize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

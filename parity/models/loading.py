@@ -37,6 +37,12 @@ SUPPORTED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "Qw
                                      "Qwen3MoeForCausalLM", "MixtralForCausalLM"})
 #: MLP classes whose forward is down_proj(act_fn(gate_proj(x)) * up_proj(x)) (a test reads their source).
 GATED_MLPS = frozenset({"LlamaMLP", "Qwen2MLP", "Qwen3MLP", "Qwen3MoeMLP"})
+#: decoder layers whose forward is norm, attention, residual add, norm, MLP, residual add (a test reads
+#: their source).
+DECODER_LAYERS = frozenset({"LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
+                            "Qwen3MoeDecoderLayer"})
+#: attention classes whose forward norms q and k per head before the rotation (a test reads their source).
+NORMED_ATTENTION = frozenset({"Qwen3Attention", "Qwen3MoeAttention"})
 #: RoPE variants whose cos/sin depend on the position only (a table of all positions is exact).
 STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
 
@@ -142,6 +148,49 @@ def _gated_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(ops.gated(act, self.gate_proj(x), self.up_proj(x)))
 
 
+def _decoder_layer_forward(self: nn.Module, hidden_states: torch.Tensor,
+                           attention_mask: torch.Tensor | None = None,
+                           position_ids: torch.Tensor | None = None, past_key_values: object = None,
+                           use_cache: bool | None = False,
+                           position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+                           **kwargs: object) -> torch.Tensor:
+    """HF's decoder layer with the residual add after attention and the norm after it as one op
+    (`ops.add_rms_norm`: one pass on CUDA, the same bits)."""
+    attended, _ = self.self_attn(
+        hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask,
+        position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache,
+        position_embeddings=position_embeddings, **kwargs)
+    norm = self.post_attention_layernorm
+    normed, residual = ops.add_rms_norm(hidden_states, attended, norm.weight, norm.variance_epsilon,
+                                        native=_native(norm))
+    return residual + self.mlp(normed)
+
+
+def _normed_attention_forward(self: nn.Module, hidden_states: torch.Tensor,
+                              position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                              attention_mask: torch.Tensor | None, past_key_values: object = None,
+                              **kwargs: object) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """HF's Qwen3 attention with q's and k's per-head norms and their rotation as one op
+    (`ops.norm_rotary`: one launch on CUDA, the same bits)."""
+    module = sys.modules[type(self).__module__]
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+    # q, k, v projected in HF's order: q_proj's grouped launch leaves k's and v's products for them
+    query_states, key_states = ops.norm_rotary(
+        self.q_proj(hidden_states).view(hidden_shape), self.k_proj(hidden_states).view(hidden_shape),
+        self.q_norm, self.k_norm, *position_embeddings, rotate=module.apply_rotary_pos_emb)
+    value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    if past_key_values is not None:
+        key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+    attention_interface = module.ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+                                                                       module.eager_attention_forward)
+    attn_output, attn_weights = attention_interface(
+        self, query_states, key_states, value_states, attention_mask,
+        dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling,
+        sliding_window=self.sliding_window, **kwargs)
+    return self.o_proj(attn_output.reshape(*input_shape, -1).contiguous()), attn_weights
+
+
 def _native(module: nn.Module) -> Callable:
     """The module class's own forward, bound to `module` (the stock branch of a patched op)."""
     return type(module).forward.__get__(module)
@@ -205,6 +254,8 @@ def _patch(model: nn.Module, max_positions: int) -> int:
         elif kind.endswith("Attention") and hasattr(module, "q_proj"):
             _patch_rotation(module)
             _group_projections(module)
+            if kind in NORMED_ATTENTION:
+                module.forward = types.MethodType(_normed_attention_forward, module)
         elif kind in ROUTERS:
             patch_router(module, moe_layers)
             moe_layers += 1
@@ -212,6 +263,8 @@ def _patch(model: nn.Module, max_positions: int) -> int:
             module.forward = types.MethodType(_experts_forward, module)
         elif kind in GATED_MLPS:
             module.forward = types.MethodType(_gated_mlp_forward, module)
+        elif kind in DECODER_LAYERS:
+            module.forward = types.MethodType(_decoder_layer_forward, module)
         act = getattr(module, "act_fn", None)
         if isinstance(act, nn.Module) and not isinstance(act, ParityActivation):
             module.act_fn = ParityActivation(act)

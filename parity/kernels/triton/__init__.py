@@ -49,6 +49,7 @@ def register() -> None:
         ("matmul", "linear", matmul.linear),
         ("matmul", "linears", matmul.linear3),
         ("rmsnorm", "rms_norm", rmsnorm.rms_norm),
+        ("rmsnorm", "add_rms_norm", rmsnorm.add_rms_norm),
         ("softmax", "softmax", softmax.softmax),
         ("softmax", "log_softmax", softmax.log_softmax),
         ("softmax", "cumsum", scan.cumsum),
@@ -58,6 +59,7 @@ def register() -> None:
         ("pointwise", "log_softmax_draw", sampling.log_softmax_draw),
         ("rotary", "rotary", cpu.rotary),  # a gather from one per-position table: device-agnostic
         ("rotary", "apply", rotary.apply_rotary),
+        ("rotary", "norm_apply", rotary.norm_rotary),
         ("moe", "topk", moe.topk),
         ("moe", "experts", moe.experts_forward),
         ("attention", "attention", _attention_op),
