@@ -1,6 +1,7 @@
 """Batch invariance of each CPU kernel family, proven bitwise, each with a negative control."""
 
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 
 import pytest
 import torch
@@ -141,15 +142,12 @@ def test_every_patched_gated_mlp_computes_act_of_gate_times_up():
     """parity replaces the forward of the MLP classes in GATED_MLPS with one `ops.gated` call: each
     one's own forward in the installed transformers must be exactly that product (an upgrade that
     changed it would fail here, not drift silently)."""
-    import importlib
     import inspect
 
     from parity.models.loading import GATED_MLPS
 
     for name in GATED_MLPS:
-        stem = name.removesuffix("MLP").lower().replace("qwen3moe", "qwen3_moe")
-        cls = getattr(importlib.import_module(f"transformers.models.{stem}.modeling_{stem}"), name)
-        source = inspect.getsource(cls.forward)
+        source = inspect.getsource(_hf_class(name, "MLP").forward)
         assert "self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))" in source, name
 
 
@@ -173,39 +171,28 @@ hidden_states = residual + hidden_states
 return hidden_states"""
 
 
-def test_every_patched_decoder_layer_is_the_one_parity_rewrites():
-    """parity replaces the forward of the classes in DECODER_LAYERS (the residual add and the norm
-    after attention as one `ops.add_rms_norm`): each one's own forward in the installed transformers
-    must have exactly this body and these parameters (an upgrade that changed one fails here)."""
-    import importlib
-    import inspect
+@contextmanager
+def _counted(family: str, op: str) -> Iterator[list]:
+    """The CPU kernel of (family, op) for the block, recording each call's first argument's shape."""
+    from parity.kernels import switch
 
-    from parity.models.loading import DECODER_LAYERS, _decoder_layer_forward
+    calls, kernel = [], switch.registrations("cpu")[(family, op, "cpu")]
 
-    for name in DECODER_LAYERS:
-        stem = name.removesuffix("DecoderLayer").lower().replace("qwen3moe", "qwen3_moe")
-        cls = getattr(importlib.import_module(f"transformers.models.{stem}.modeling_{stem}"), name)
-        assert _body(cls, ") -> torch.Tensor:") == DECODER_BODY, name
-        assert list(inspect.signature(cls.forward).parameters) == \
-            list(inspect.signature(_decoder_layer_forward).parameters), name
+    def counting(*args):
+        calls.append(args[0].shape)
+        return kernel(*args)
+
+    with switch.replaced(family, op, "cpu", counting):
+        yield calls
 
 
 def test_a_decoder_layer_adds_and_norms_in_one_op_with_the_stock_layers_bits(monkeypatch):
     """Each patched layer calls `add_rms_norm` once, and the model's logits are those of HF's own
     layer forward (its residual add, then its norm module), family "rmsnorm" on and off."""
-    from parity.kernels import switch
-
     lm = load_model("tiny-llama")
     ids = torch.randint(3, 512, (2, 9), generator=torch.Generator().manual_seed(2))
-    calls = []
-    fused = switch.registrations("cpu")[("rmsnorm", "add_rms_norm", "cpu")]
-
-    def counting(*args):
-        calls.append(args[0].shape)
-        return fused(*args)
-
     with torch.no_grad():
-        with kernels.invariant(["rmsnorm"]), switch.replaced("rmsnorm", "add_rms_norm", "cpu", counting):
+        with kernels.invariant(["rmsnorm"]), _counted("rmsnorm", "add_rms_norm") as calls:
             on = lm.model(ids).logits
         off = lm.model(ids).logits
         for layer in lm.model.model.layers:
@@ -254,21 +241,34 @@ def _body(cls: type, end: str) -> str:
     return "\n".join(line for line in lines[lines.index(end) + 1:] if line and not line.startswith("#"))
 
 
-def test_every_patched_normed_attention_is_the_one_parity_rewrites():
-    """parity replaces the forward of the classes in NORMED_ATTENTION (q's and k's per-head norms and
-    their rotation as one `ops.norm_rotary`): each one's own forward in the installed transformers must
-    have exactly this body and these parameters."""
+def _hf_class(name: str, suffix: str) -> type:
+    """transformers' class `name` (e.g. Qwen3MoeDecoderLayer) from its model's modeling module."""
     import importlib
+
+    stem = name.removesuffix(suffix).lower().replace("qwen3moe", "qwen3_moe")
+    return getattr(importlib.import_module(f"transformers.models.{stem}.modeling_{stem}"), name)
+
+
+@pytest.mark.parametrize("kind", ["decoder layers", "normed attention"])
+def test_every_rewritten_forward_is_the_one_parity_rewrites(kind):
+    """parity rewrites the forward of the classes in DECODER_LAYERS (the residual add and the norm
+    after attention as one `ops.add_rms_norm`) and NORMED_ATTENTION (q's and k's per-head norms and
+    their rotation as one `ops.norm_rotary`): each one's own forward in the installed transformers must
+    have exactly the body and the parameters it was written from (an upgrade that changed one fails)."""
     import inspect
 
-    from parity.models.loading import NORMED_ATTENTION, _normed_attention_forward
+    from parity.models import loading
 
-    for name in NORMED_ATTENTION:
-        stem = name.removesuffix("Attention").lower().replace("qwen3moe", "qwen3_moe")
-        cls = getattr(importlib.import_module(f"transformers.models.{stem}.modeling_{stem}"), name)
-        assert _body(cls, ") -> tuple[torch.Tensor, torch.Tensor | None]:") == NORMED_ATTENTION_BODY, name
-        assert list(inspect.signature(cls.forward).parameters) == \
-            list(inspect.signature(_normed_attention_forward).parameters), name
+    names, suffix, rewrite, end, body = {
+        "decoder layers": (loading.DECODER_LAYERS, "DecoderLayer", loading._decoder_layer_forward,
+                           ") -> torch.Tensor:", DECODER_BODY),
+        "normed attention": (loading.NORMED_ATTENTION, "Attention", loading._normed_attention_forward,
+                             ") -> tuple[torch.Tensor, torch.Tensor | None]:", NORMED_ATTENTION_BODY),
+    }[kind]
+    for name in names:
+        cls = _hf_class(name, suffix)
+        assert _body(cls, end) == body, name
+        assert list(inspect.signature(cls.forward).parameters) == list(inspect.signature(rewrite).parameters)
 
 
 @pytest.mark.parametrize("families", [None, ("rmsnorm",), ("rotary",), ()],
@@ -276,19 +276,10 @@ def test_every_patched_normed_attention_is_the_one_parity_rewrites():
 def test_a_normed_attention_gives_the_stock_layers_bits(monkeypatch, families):
     """The patched Qwen3 attention calls the fused norm-and-rotation op once per layer when both its
     families are on, and the model's logits are those of HF's own attention forward in every case."""
-    from parity.kernels import switch
-
     lm = load_model("tiny-qwen3")
     ids = torch.randint(3, 512, (2, 9), generator=torch.Generator().manual_seed(3))
-    calls = []
-    fused = switch.registrations("cpu")[("rotary", "norm_apply", "cpu")]
-
-    def counting(*args):
-        calls.append(args[0].shape)
-        return fused(*args)
-
     with torch.no_grad(), kernels.invariant(families):
-        with switch.replaced("rotary", "norm_apply", "cpu", counting):
+        with _counted("rotary", "norm_apply") as calls:
             patched = lm.model(ids).logits
         for layer in lm.model.model.layers:
             monkeypatch.delattr(layer.self_attn, "forward")  # back to the class's (HF's) forward

@@ -105,6 +105,14 @@ def _norm_rotary_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_out_pt
                      sin_row, k_out_ptr + (token * HK + kh) * (2 * HALF), HALF)
 
 
+def _token_major(q: torch.Tensor, b: int, length: int, hq: int, hk: int, d: int, cos: torch.Tensor,
+                 sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Empty q and k outputs [B, L, H, D] in q's dtype, and cos/sin expanded to [B, L, D]."""
+    q_out = torch.empty((b, length, hq, d), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((b, length, hk, d), dtype=q.dtype, device=q.device)
+    return q_out, k_out, cos.expand(b, length, d), sin.expand(b, length, d)
+
+
 def norm_rotary(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
                 q_eps: float, k_eps: float, cos: torch.Tensor,
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -121,10 +129,8 @@ def norm_rotary(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weig
         return None
     b, length, hq, _ = q.shape
     hk = k.shape[2]
-    q_out = torch.empty((b, length, hq, d), dtype=q.dtype, device=q.device)
-    k_out = torch.empty((b, length, hk, d), dtype=k.dtype, device=k.device)
+    q_out, k_out, cos, sin = _token_major(q, b, length, hq, hk, d, cos, sin)
     if q_out.numel() and k_out.numel():
-        cos, sin = cos.expand(b, length, d), sin.expand(b, length, d)
         _norm_rotary_kernel[(b * length, hq + hk)](
             q, k, q_weight, k_weight, cos, sin, q_out, k_out, length, hq, hk, q.stride(0), q.stride(1),
             q.stride(2), k.stride(0), k.stride(1), k.stride(2), cos.stride(0), cos.stride(1), q_eps, k_eps,
@@ -138,10 +144,8 @@ def _apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     [B, H, L, D] view of [B, L, H, D] memory."""
     b, hq, length, d = q.shape
     hk = k.shape[1]
-    q_out = torch.empty((b, length, hq, d), dtype=q.dtype, device=q.device)
-    k_out = torch.empty((b, length, hk, d), dtype=k.dtype, device=k.device)
+    q_out, k_out, cos, sin = _token_major(q, b, length, hq, hk, d, cos, sin)
     if q_out.numel() and k_out.numel():
-        cos, sin = cos.expand(b, length, d), sin.expand(b, length, d)
         block_h = min(triton.next_power_of_2(max(hq, hk)), 16)
         q_blocks = triton.cdiv(hq, block_h)
         _rotary_kernel[(b * length, q_blocks + triton.cdiv(hk, block_h))](
