@@ -187,12 +187,15 @@ def _counted(family: str, op: str) -> Iterator[list]:
 
 
 def test_a_decoder_layer_adds_and_norms_in_one_op_with_the_stock_layers_bits(monkeypatch):
-    """Each patched layer calls `add_rms_norm` once, and the model's logits are those of HF's own
-    layer forward (its residual add, then its norm module), family "rmsnorm" on and off."""
+    """Each patched layer calls `add_rms_norm` twice (after attention, and after the MLP for the next
+    layer's input norm or the final norm, which then take its result), the first layer's input norm
+    alone runs `rms_norm`, and the model's logits are those of HF's own layer forward (its residual
+    adds, then its norm modules), family "rmsnorm" on and off."""
     lm = load_model("tiny-llama")
     ids = torch.randint(3, 512, (2, 9), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        with kernels.invariant(["rmsnorm"]), _counted("rmsnorm", "add_rms_norm") as calls:
+        with kernels.invariant(["rmsnorm"]), _counted("rmsnorm", "add_rms_norm") as calls, \
+                _counted("rmsnorm", "rms_norm") as norms:
             on = lm.model(ids).logits
         off = lm.model(ids).logits
         for layer in lm.model.model.layers:
@@ -200,7 +203,7 @@ def test_a_decoder_layer_adds_and_norms_in_one_op_with_the_stock_layers_bits(mon
         with kernels.invariant(["rmsnorm"]):
             assert torch.equal(lm.model(ids).logits, on)
         assert torch.equal(lm.model(ids).logits, off)
-    assert len(calls) == lm.config.num_hidden_layers
+    assert len(calls) == 2 * lm.config.num_hidden_layers and len(norms) == 1
     assert not torch.equal(on, off)  # the family changes the bits, so the comparison has teeth
 
 
@@ -285,6 +288,25 @@ def test_a_normed_attention_gives_the_stock_layers_bits(monkeypatch, families):
             monkeypatch.delattr(layer.self_attn, "forward")  # back to the class's (HF's) forward
         assert torch.equal(lm.model(ids).logits, patched)
     assert len(calls) == (lm.config.num_hidden_layers if families is None else 0)
+
+
+@pytest.mark.parametrize("module", ["post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm"])
+def test_a_hook_on_a_norm_a_fused_op_replaces_still_runs(module):
+    """A forward hook on a norm module the fused ops stand in for makes its layer call the module (the
+    hook runs, here doubling its output), with every family on. (On CPU q/k norms are always called:
+    the fused launch is CUDA's.)"""
+    lm = load_model("tiny-qwen3")
+    ids = torch.randint(3, 512, (2, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad(), kernels.invariant():
+        plain = lm.model(ids).logits
+        norm = lm.model.model.layers[1].get_submodule(module)
+        handle = norm.register_forward_hook(lambda m, a, out: out * 2)
+        try:
+            hooked = lm.model(ids).logits
+        finally:
+            handle.remove()
+        assert torch.equal(lm.model(ids).logits, plain)
+    assert not torch.equal(hooked, plain)
 
 
 def test_a_replaced_kernel_is_restored_and_a_new_one_removed_when_the_block_fails():

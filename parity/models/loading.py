@@ -154,16 +154,47 @@ def _decoder_layer_forward(self: nn.Module, hidden_states: torch.Tensor,
                            use_cache: bool | None = False,
                            position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
                            **kwargs: object) -> torch.Tensor:
-    """HF's decoder layer with the residual add after attention and the norm after it as one op
-    (`ops.add_rms_norm`: one pass on CUDA, the same bits)."""
+    """HF's decoder layer with each residual add and the norm that reads its sum as one op
+    (`ops.add_rms_norm`: one pass on CUDA, the same bits). The norm after the MLP's add is the next
+    layer's input norm (or the model's final one, `parity_next_norm`): its result waits in that
+    norm's `parity_stash` for the call with this layer's output."""
     attended, _ = self.self_attn(
         hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask,
         position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache,
         position_embeddings=position_embeddings, **kwargs)
-    norm = self.post_attention_layernorm
-    normed, residual = ops.add_rms_norm(hidden_states, attended, norm.weight, norm.variance_epsilon,
-                                        native=_native(norm))
-    return residual + self.mlp(normed)
+    if _hooked(self.post_attention_layernorm):  # a fused op would skip the module's hooks
+        residual = hidden_states + attended
+        normed = self.post_attention_layernorm(residual)
+    else:
+        normed, residual = _add_norm(hidden_states, attended, self.post_attention_layernorm)
+    if self.parity_next_norm is None:
+        return residual + self.mlp(normed)
+    norm = self.parity_next_norm[0]
+    norm.parity_stash = _add_norm(residual, self.mlp(normed), norm)
+    return norm.parity_stash[1]
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Whether calling `module` runs hooks (its own or global ones), which an op in its place would skip."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or nn.modules.module._global_forward_hooks
+                or nn.modules.module._global_forward_pre_hooks)
+
+
+def _add_norm(residual: torch.Tensor, delta: torch.Tensor,
+              norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(residual + delta), residual + delta) through `ops.add_rms_norm`."""
+    return ops.add_rms_norm(residual, delta, norm.weight, norm.variance_epsilon, native=_native(norm))
+
+
+def _chain_norms(model: nn.Module) -> None:
+    """Give each rewritten decoder layer the RMSNorm that reads its output next (`parity_next_norm`, in
+    a tuple so the module is not registered twice): the next layer's input norm, the last the final."""
+    inner = getattr(model, "model", None)
+    layers = list(getattr(inner, "layers", ()))
+    norms = [later.input_layernorm for later in layers[1:]] + [getattr(inner, "norm", None)]
+    for layer, norm in zip(layers, norms):
+        if type(layer).__name__ in DECODER_LAYERS and type(norm).__name__.endswith("RMSNorm"):
+            layer.parity_next_norm = (norm,)
 
 
 def _normed_attention_forward(self: nn.Module, hidden_states: torch.Tensor,
@@ -172,6 +203,9 @@ def _normed_attention_forward(self: nn.Module, hidden_states: torch.Tensor,
                               **kwargs: object) -> tuple[torch.Tensor, torch.Tensor | None]:
     """HF's Qwen3 attention with q's and k's per-head norms and their rotation as one op
     (`ops.norm_rotary`: one launch on CUDA, the same bits)."""
+    if _hooked(self.q_norm) or _hooked(self.k_norm):  # a fused op would skip the modules' hooks
+        return type(self).forward(self, hidden_states, position_embeddings, attention_mask, past_key_values,
+                                  **kwargs)
     module = sys.modules[type(self).__module__]
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
@@ -197,6 +231,9 @@ def _native(module: nn.Module) -> Callable:
 
 
 def _rms_norm_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    stash, self.parity_stash = self.parity_stash, None
+    if stash is not None and stash[1] is x:  # the layer before computed it with its residual add
+        return stash[0]
     return ops.rms_norm(x, self.weight, self.variance_epsilon, native=_native(self))
 
 
@@ -243,6 +280,7 @@ def _patch(model: nn.Module, max_positions: int) -> int:
         if isinstance(module, nn.Linear):
             module.__class__ = ParityLinear
         elif kind.endswith("RMSNorm"):
+            module.parity_stash = None
             module.forward = types.MethodType(_rms_norm_forward, module)
         elif kind.endswith("RotaryEmbedding"):
             if module.rope_type not in STATIC_ROPE_TYPES:
@@ -264,10 +302,12 @@ def _patch(model: nn.Module, max_positions: int) -> int:
         elif kind in GATED_MLPS:
             module.forward = types.MethodType(_gated_mlp_forward, module)
         elif kind in DECODER_LAYERS:
+            module.parity_next_norm = None
             module.forward = types.MethodType(_decoder_layer_forward, module)
         act = getattr(module, "act_fn", None)
         if isinstance(act, nn.Module) and not isinstance(act, ParityActivation):
             module.act_fn = ParityActivation(act)
+    _chain_norms(model)
     return moe_layers
 
 
