@@ -56,8 +56,9 @@ def _rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def _launch_options(h: int) -> dict[str, int]:
-    return {"BLOCK": triton.next_power_of_2(h), "num_warps": 4 if h <= 4096 else 8}
+def _launch_options(h: int) -> dict[str, int | bool]:
+    # FMA contraction off: float32 sums of squares then round as in `rotary.norm_rotary`'s norm
+    return {"BLOCK": triton.next_power_of_2(h), "num_warps": 4 if h <= 4096 else 8, "enable_fp_fusion": False}
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
