@@ -15,6 +15,7 @@ from parity import kernels
 from parity.core.errors import BackendUnavailableError, ConfigError
 from parity.kernels import cpu, cpu_gemm, ops
 from parity.kernels.attention import (
+    ATTENTION_NAME,
     KV_BLOCK,
     attend,
     cache_rows,
@@ -108,6 +109,19 @@ def test_switch_leaves_unpatched_models_alone_and_makes_patched_ones_invariant()
     assert torch.equal(outside, inside)
     assert torch.equal(batch[1, :9], alone[0])
     torch.testing.assert_close(batch, outside, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen3", "tiny-qwen3-moe"])
+def test_a_patched_model_with_every_family_off_is_the_stock_model(model):
+    """With every family off, the patched model (its rewritten decoder layers, attention, MLPs and
+    norms included) gives the logits of the unpatched HF model bit for bit, given the same attention
+    function (parity's, which HF's own sdpa does not match to the bit)."""
+    lm = load_model(model)
+    stock = AutoModelForCausalLM.from_pretrained(lm.path).eval()
+    stock.set_attn_implementation(ATTENTION_NAME)
+    ids = torch.randint(3, 512, (3, 21), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(lm.model(ids).logits, stock(ids).logits)
 
 
 def test_every_family_is_wired_and_switches_alone():
