@@ -268,8 +268,8 @@ def _hf_class(name: str, suffix: str) -> type:
 
 @pytest.mark.parametrize("kind", ["decoder layers", "normed attention"])
 def test_every_rewritten_forward_is_the_one_parity_rewrites(kind):
-    """parity rewrites the forward of the classes in DECODER_LAYERS (the residual add and the norm
-    after attention as one `ops.add_rms_norm`) and NORMED_ATTENTION (q's and k's per-head norms and
+    """parity rewrites the forward of the classes in DECODER_LAYERS (each residual add and the norm
+    after it as one `ops.add_rms_norm`) and NORMED_ATTENTION (q's and k's per-head norms and
     their rotation as one `ops.norm_rotary`): each one's own forward in the installed transformers must
     have exactly the body and the parameters it was written from (an upgrade that changed one fails)."""
     import inspect
@@ -304,14 +304,26 @@ def test_a_normed_attention_gives_the_stock_layers_bits(monkeypatch, families):
     assert len(calls) == (lm.config.num_hidden_layers if families is None else 0)
 
 
+def _norm_rotary_stand_in(q, k, q_weight, k_weight, q_eps, k_eps, cos, sin):
+    """A CPU stand-in for CUDA's fused norm-and-rotation: the same result without calling the norm
+    modules, as the fused launch does."""
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
+    return apply_rotary_pos_emb(cpu.rms_norm(q, q_weight, q_eps).transpose(1, 2),
+                                cpu.rms_norm(k, k_weight, k_eps).transpose(1, 2), cos, sin)
+
+
 @pytest.mark.parametrize("module", ["post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm"])
 def test_a_hook_on_a_norm_a_fused_op_replaces_still_runs(module):
     """A forward hook on a norm module the fused ops stand in for makes its layer call the module (the
-    hook runs, here doubling its output), with every family on. (On CPU q/k norms are always called:
-    the fused launch is CUDA's.)"""
+    hook runs, here doubling its output), with every family on and a fused q/k norm registered for CPU
+    (CUDA's launch skips the modules; a stand-in here)."""
+    from parity.kernels import switch
+
     lm = load_model("tiny-qwen3")
     ids = torch.randint(3, 512, (2, 9), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad(), kernels.invariant():
+    with torch.no_grad(), kernels.invariant(), \
+            switch.replaced("rotary", "norm_apply", "cpu", _norm_rotary_stand_in):
         plain = lm.model(ids).logits
         norm = lm.model.model.layers[1].get_submodule(module)
         handle = norm.register_forward_hook(lambda m, a, out: out * 2)
