@@ -1,6 +1,7 @@
 """Load a HF causal LM once per (path, dtype, device) and patch it so the kernel switch governs it.
 Patching only reroutes ops through `parity.kernels.ops`, whose stock branch is the module's own,
-so with every family off the patched model computes exactly what the unpatched one does.
+so with every family off the patched model computes exactly what the unpatched one does with
+parity's attention function (which HF's own sdpa does not match to the bit).
 """
 
 from __future__ import annotations
