@@ -51,13 +51,9 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def _one_by_one(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> None:
-    """CPU: no grouped launch; the products take `linear` weight by weight."""
-    return None
-
-
-def _three_ops(*args: object) -> None:
-    """CPU: no fused per-head norm and rotation; `ops.norm_rotary` runs the two norms and the rotation."""
+def _unfused(*args: object) -> None:
+    """CPU has no grouped or fused launch: the caller runs the pieces (`ops.linears` each product by
+    `linear`, `ops.norm_rotary` the two norms and the rotation)."""
     return None
 
 
@@ -65,7 +61,7 @@ def _register_cpu() -> None:
     """Register the CPU kernels for device type "cpu"."""
     for family, op, fn in (
         ("matmul", "linear", cpu.linear),
-        ("matmul", "linears", _one_by_one),
+        ("matmul", "linears", _unfused),
         ("rmsnorm", "rms_norm", cpu.rms_norm),
         ("rmsnorm", "add_rms_norm", cpu.add_rms_norm),
         ("softmax", "softmax", cpu.softmax),
@@ -79,7 +75,7 @@ def _register_cpu() -> None:
         ("moe", "experts", cpu.experts),
         ("rotary", "rotary", cpu.rotary),
         ("rotary", "apply", cpu.apply_rotary),
-        ("rotary", "norm_apply", _three_ops),
+        ("rotary", "norm_apply", _unfused),
         ("attention", "attention", cpu_attention.attention),
         ("attention", "write_kv", cpu_attention.write_kv),
     ):

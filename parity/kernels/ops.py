@@ -53,15 +53,13 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tens
                  native: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(residual + delta), residual + delta) [..., H], a decoder layer's residual add and the
     norm after it (family "rmsnorm"; one pass on CUDA, the bits of the two ops)."""
-    fn = impl("rmsnorm", "add_rms_norm", residual.device.type)
-    if fn is None:
-        total = residual + delta
-        return native(total), total
-
     def stock(r: torch.Tensor, d: torch.Tensor, _weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         total = r + d
         return native(total), total
 
+    fn = impl("rmsnorm", "add_rms_norm", residual.device.type)
+    if fn is None:
+        return stock(residual, delta, weight)
     return exact(lambda: fn(residual, delta, weight, eps), stock, residual, delta, weight)
 
 
