@@ -268,6 +268,9 @@ def _module(nodeid: str) -> str:
 #: last. Rewritten from a run by `PARITY_RECORD_MODULE_SECONDS=tests/data/module_seconds.json make test`.
 MODULE_SECONDS = Path(__file__).parent / "data" / "module_seconds.json"
 _RECORD_ENV = "PARITY_RECORD_MODULE_SECONDS"
+#: taken out of the environment by the session it was set for (xdist's controller, or a serial
+#: pytest): the workers it starts and any pytest a test starts never record, nor write over the table
+_RECORD_TO = os.environ.pop(_RECORD_ENV, None)
 _recorded: dict[str, float] = {}
 
 
@@ -281,17 +284,17 @@ def _unit_seconds(path: str, tests: list[pytest.Item], known: dict[str, float]) 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """With PARITY_RECORD_MODULE_SECONDS set, sum each module's test phases (the controller sees
     every worker's reports)."""
-    if os.environ.get(_RECORD_ENV) and "PYTEST_XDIST_WORKER" not in os.environ:
+    if _RECORD_TO:
         module = _module(report.nodeid)
         _recorded[module] = _recorded.get(module, 0.0) + report.duration
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """Write the recorded module seconds (PARITY_RECORD_MODULE_SECONDS names the file)."""
-    if (out := os.environ.get(_RECORD_ENV)) and _recorded and "PYTEST_XDIST_WORKER" not in os.environ:
+    if _RECORD_TO and _recorded:
         table = {"source": "a whole `make test` with PARITY_RECORD_MODULE_SECONDS set",
                  "seconds": {k: round(v, 1) for k, v in sorted(_recorded.items())}}
-        Path(out).write_text(json.dumps(table, indent=1) + "\n")
+        Path(_RECORD_TO).write_text(json.dumps(table, indent=1) + "\n")
 
 
 def pytest_configure(config: pytest.Config) -> None:

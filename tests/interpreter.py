@@ -20,10 +20,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def run_interpreted(test_file: str, *, min_passed: int, timeout: float) -> None:
     """Run `test_file` under the interpreter; fail unless >= `min_passed` of its tests passed."""
-    # the child is no xdist worker and records no module seconds (it would write over the session's table)
-    dropped = ("PYTEST_XDIST", "PYTEST_ADDOPTS", "PARITY_RECORD_MODULE_SECONDS")
     child = subprocess.run([sys.executable, "-m", "pytest", test_file, "-q", "-p", "no:cacheprovider"],
-                           env={**{k: v for k, v in os.environ.items() if not k.startswith(dropped)},
+                           env={**{k: v for k, v in os.environ.items()
+                                  if not k.startswith(("PYTEST_XDIST", "PYTEST_ADDOPTS"))},
                                 "TRITON_INTERPRET": "1"}, cwd=ROOT, capture_output=True,
                            text=True, timeout=timeout)
     log = child.stdout[-8000:] + child.stderr[-2000:]
