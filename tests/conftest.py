@@ -62,10 +62,12 @@ import contextlib
 import functools
 import json
 import os
+import platform
 import random
 import signal
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -289,10 +291,19 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         _recorded[module] = _recorded.get(module, 0.0) + report.duration
 
 
+def _cpu_name() -> str:
+    """This host in the table's source line: its core count and CPU model (Linux), else its machine type."""
+    info = Path("/proc/cpuinfo")
+    names = [line.split(":", 1)[1].strip() for line in info.read_text().splitlines()
+             if line.startswith("model name")] if info.is_file() else []
+    return f"{os.cpu_count()} cores of {names[0] if names else platform.machine()}"
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """Write the recorded module seconds (PARITY_RECORD_MODULE_SECONDS names the file)."""
     if _RECORD_TO and _recorded:
-        table = {"source": "a whole `make test` with PARITY_RECORD_MODULE_SECONDS set",
+        when = time.strftime("%Y-%m-%d")
+        table = {"source": f"a whole `make test` with {_RECORD_ENV} set, {when}, {_cpu_name()}",
                  "seconds": {k: round(v, 1) for k, v in sorted(_recorded.items())}}
         Path(_RECORD_TO).write_text(json.dumps(table, indent=1) + "\n")
 
