@@ -160,8 +160,13 @@ def run_table(args: argparse.Namespace) -> None:
 # --- profile ---------------------------------------------------------------------------------------
 
 #: parity op wrappers (`parity.kernels.ops`) -> part of the step they are counted in.
-_OPS = {"linear": "matmul", "rms_norm": "rmsnorm", "activation": "SiLU", "rotary": "rotary",
-        "softmax": "softmax family", "log_softmax": "softmax family", "cumsum": "softmax family"}
+_OPS = {"linear": "matmul", "linears": "matmul", "rms_norm": "rmsnorm", "add_rms_norm": "rmsnorm",
+        "activation": "SiLU", "gated": "SiLU", "rotary": "rotary", "apply_rotary": "rotary",
+        "norm_rotary": "rotary", "softmax": "softmax family", "log_softmax": "softmax family",
+        "cumsum": "softmax family"}
+#: the parts of `_OPS`: an op called inside another (a norm inside `add_rms_norm`'s stock path, the
+#: `linear`s of an ungrouped `linears`) counts in the outer op's part only
+_OP_PARTS = frozenset(_OPS.values())
 
 
 class _Recorder:
@@ -178,20 +183,25 @@ class _Recorder:
         self.steps: dict[str, int] = defaultdict(int)
         self.kind: str | None = None
         self.in_sample = False
+        self.in_op = False
         self._step_start = 0.0
         self._range: torch.profiler.record_function | None = None
 
     def wrap(self, fn: Callable, part: str) -> Callable:
         def wrapped(*args: object, **kwargs: object) -> object:
-            if self.kind is None:
+            if self.kind is None or (self.in_op and part in _OP_PARTS):
                 return fn(*args, **kwargs)
             label = "lm_head" if part == "matmul" and self.in_sample else part
             start = time.thread_time()
-            if self.kind == "decode":
-                with torch.profiler.record_function(label):
+            self.in_op = part in _OP_PARTS
+            try:
+                if self.kind == "decode":
+                    with torch.profiler.record_function(label):
+                        result = fn(*args, **kwargs)
+                else:
                     result = fn(*args, **kwargs)
-            else:
-                result = fn(*args, **kwargs)
+            finally:
+                self.in_op = False
             self.seconds[self.kind][label] += time.thread_time() - start
             return result
 
@@ -335,10 +345,10 @@ def run_profile(args: argparse.Namespace) -> None:
     row("- matmul", "matmul")
     row("- attention: kernel", "attention kernel")
     row("- attention: KV write, reshapes", "attention", ("attention kernel",))
-    row("- rmsnorm", "rmsnorm")
-    row("- SiLU", "SiLU")
-    row("- rotary", "rotary")
-    row("- other (embedding, residual adds, HF module code)", "forward",
+    row("- rmsnorm (with the residual add before it)", "rmsnorm")
+    row("- SiLU (times up)", "SiLU")
+    row("- rotary (with Qwen3's q/k norms)", "rotary")
+    row("- other (embedding, views, HF module code)", "forward",
         ("matmul", "attention", "rmsnorm", "SiLU", "rotary"))
     row("lm_head + sampling", "lm_head + sampling")
     row("- lm_head", "lm_head")
