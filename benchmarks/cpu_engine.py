@@ -164,8 +164,8 @@ _OPS = {"linear": "matmul", "linears": "matmul", "rms_norm": "rmsnorm", "add_rms
         "activation": "SiLU", "gated": "SiLU", "rotary": "rotary", "apply_rotary": "rotary",
         "norm_rotary": "rotary", "softmax": "softmax family", "log_softmax": "softmax family",
         "cumsum": "softmax family"}
-#: the parts of `_OPS`: an op called inside another (a norm inside `add_rms_norm`'s stock path, the
-#: `linear`s of an ungrouped `linears`) counts in the outer op's part only
+#: the parts of `_OPS`: an op called inside another (the q/k norms and the rotation of `norm_rotary`'s
+#: three-op path, where no fused kernel runs) counts in the outer op's part only
 _OP_PARTS = frozenset(_OPS.values())
 
 

@@ -62,7 +62,6 @@ import contextlib
 import functools
 import json
 import os
-import platform
 import random
 import signal
 import sys
@@ -86,6 +85,8 @@ from parity.backends import Backend, route_shared_backends, shared_backend
 from parity.backends.vllm import VLLMBackend
 from parity.backends.vllm_server import VLLMServerBackend
 from parity.monitor.summary import bounded_threads
+from parity.nightly.environment import _cpu_model as cpu_model
+from parity.report.provenance import cpu_isa
 
 # A shell's background job (`make test &`, nohup) starts with SIGINT ignored, and every child
 # inherits that: the Ctrl-C tests' parity processes would never see their SIGINT. A handler (unlike
@@ -291,19 +292,12 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         _recorded[module] = _recorded.get(module, 0.0) + report.duration
 
 
-def _cpu_name() -> str:
-    """This host in the table's source line: its core count and CPU model (Linux), else its machine type."""
-    info = Path("/proc/cpuinfo")
-    names = [line.split(":", 1)[1].strip() for line in info.read_text().splitlines()
-             if line.startswith("model name")] if info.is_file() else []
-    return f"{os.cpu_count()} cores of {names[0] if names else platform.machine()}"
-
-
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """Write the recorded module seconds (PARITY_RECORD_MODULE_SECONDS names the file)."""
     if _RECORD_TO and _recorded:
         when = time.strftime("%Y-%m-%d")
-        table = {"source": f"a whole `make test` with {_RECORD_ENV} set, {when}, {_cpu_name()}",
+        table = {"source": f"a whole `make test` with {_RECORD_ENV} set, {when}, "
+                           f"{os.cpu_count()} cores of {cpu_model()} ({cpu_isa()})",
                  "seconds": {k: round(v, 1) for k, v in sorted(_recorded.items())}}
         Path(_RECORD_TO).write_text(json.dumps(table, indent=1) + "\n")
 
