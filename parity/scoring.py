@@ -32,6 +32,7 @@ from parity.models.lora import check_adapter
 from parity.report.document import ParityReport
 from parity.report.provenance import TRAIN_COMPUTED, provenance
 from parity.rollouts.dumps import GivenSampling, check_logprobs, read_dump
+from parity.rollouts.matching import check_unique_keys
 from parity.rollouts.record import RECORD_FORMAT, read_record
 
 #: `trainer_logprobs=FROM_DUMP`: the trainer logprobs the dump holds (its trainer-logprob column).
@@ -105,6 +106,10 @@ def score(rollouts: Sequence[Rollout] | str | os.PathLike[str], model: str | os.
         source = Source(Path("."), "rollouts", tuple(rollouts))
     if not source.rollouts:
         raise InputError("no rollouts to score")
+    check_unique_keys(source.rollouts)
+    if source.kind == "rollouts":  # files are checked as they are read; objects only here
+        for ro in source.rollouts:
+            check_logprobs(ro.logprobs, "logprob", f"rollout {ro.request_id!r}/{ro.sample_index}: ")
     theirs = _trainer_logprobs(trainer_logprobs, source)
     model_arg = os.fspath(model) if model is not None else source.model
     check_gold(gold)
@@ -206,6 +211,11 @@ def _rollout_dtype(given: str | None, source: Source) -> str | None:
     """The rollouts' dtype: `given` (checked against what they record), else the one they record."""
     recorded = _meta_dtype(source.rollouts)
     if given is None:
+        if recorded is not None and any(r.meta.get("dtype") is None for r in source.rollouts):
+            unnamed = next(r for r in source.rollouts if r.meta.get("dtype") is None)
+            raise InputError(f"some rollouts record dtype {recorded!r} and others none (rollout "
+                             f"{unnamed.request_id!r}/{unnamed.sample_index}); the limits depend on it: give "
+                             "rollout_dtype (--rollout-dtype) for the rest, or record it on every rollout")
         return recorded
     given = check_dtype(given, "rollout_dtype")
     if recorded is not None and recorded != given:
@@ -215,9 +225,13 @@ def _rollout_dtype(given: str | None, source: Source) -> str | None:
 
 
 def _meta_dtype(rollouts: Sequence[Rollout]) -> str | None:
-    """The dtype every rollout's meta names, or None when they do not all name the same one."""
-    dtypes = {r.meta.get("dtype") for r in rollouts}
-    return dtypes.pop() if len(dtypes) == 1 else None
+    """The one dtype the rollouts' meta name (rollouts naming none aside), or None when none names
+    one; InputError when they name several (one report judges one dtype pair)."""
+    dtypes = {r.meta.get("dtype") for r in rollouts} - {None}
+    if len(dtypes) > 1:
+        raise InputError(f"the rollouts record several dtypes {sorted(map(str, dtypes))}; one report judges "
+                         "one dtype pair: score the rollouts of each dtype apart (rollout_dtype)")
+    return dtypes.pop() if dtypes else None
 
 
 def _rollouts_hash(source: Source) -> str:

@@ -64,12 +64,29 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
                 continue
             where = f"{path}:{lineno}"
             try:
-                obj = json.loads(line)
+                obj = json.loads(line, object_pairs_hook=_unique_keys)
             except json.JSONDecodeError as e:
                 raise InputError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from e
+            except _RepeatedKey as e:
+                raise InputError(f"{where}: key {e.args[0]!r} appears twice in one object; JSON keeps only "
+                                 "the last one, so which value is meant cannot be told: give each key "
+                                 "once") from e
             if not isinstance(obj, dict):
                 raise InputError(f"{where}: expected a JSON object, got {type(obj).__name__}")
             yield where, obj
+
+
+class _RepeatedKey(Exception):
+    """A key twice in one JSON object (`json.loads` would keep the last silently)."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in obj:
+            raise _RepeatedKey(key)
+        obj[key] = value
+    return obj
 
 
 def _lines(f: Any, path: Path) -> Iterator[tuple[int, str]]:
@@ -89,6 +106,11 @@ def _parquet_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
         reader = pq.ParquetFile(str(path))
     except Exception as e:  # pyarrow raises several unrelated types for a file that is not Parquet
         raise InputError(f"{path}: not a readable Parquet file ({e})") from e
+    names = reader.schema_arrow.names
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise InputError(f"{path}: column {repeated[0]!r} appears more than once; a row would keep only the "
+                         "last one, so which is meant cannot be told: give each column once")
     row = 0
     # batch by batch: a dataset read with a `limit` never materializes the whole file
     for batch in reader.iter_batches(batch_size=1024):

@@ -10,9 +10,12 @@ indices come from the mask alone (`turn_index`), so verl dumps get the same per-
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from parity.core.errors import ConfigError
 
@@ -31,7 +34,7 @@ class Generate:
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ConfigError(f"Generate.max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "stop_token_ids", _token_ids(self.stop_token_ids, "Generate.stop_token_ids"))
 
     def to_dict(self) -> dict[str, Any]:
         return {"generate": self.max_tokens, "stop_token_ids": list(self.stop_token_ids)}
@@ -47,13 +50,11 @@ class Inject:
     name: str = ""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "token_ids", tuple(int(t) for t in self.token_ids))
+        object.__setattr__(self, "token_ids", _token_ids(self.token_ids, "Inject.token_ids"))
         has_ids, has_fn = bool(self.token_ids), self.fn is not None
         if (has_ids and has_fn) or not (has_ids or has_fn or self.name):
             raise ConfigError("Inject takes either token_ids (a fixed reply) or fn (a function of the ids "
                               "so far), not both and not neither")
-        if any(t < 0 for t in self.token_ids):
-            raise ConfigError(f"Inject.token_ids contains a negative id: {list(self.token_ids)}")
 
     def tokens(self, history: tuple[int, ...]) -> tuple[int, ...]:
         """The ids this turn injects after `history` (prompt and response so far)."""
@@ -74,6 +75,19 @@ class Inject:
 Turn = Generate | Inject
 
 
+def _token_ids(values: Any, field: str) -> tuple[int, ...]:
+    """`values` as a tuple of token ids (integers >= 0, NumPy's too); a string, a float (9.7 would
+    become 9) or a negative id is a ConfigError naming `field`, never rounded or split."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, (Sequence, np.ndarray)):
+        raise ConfigError(f"{field} must be a list of token ids (integers >= 0), got {values!r:.80}")
+    for t in values:
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise ConfigError(f"{field} must hold token ids (integers >= 0), got {t!r}")
+        if t < 0:
+            raise ConfigError(f"{field} contains a negative id: {list(values)}")
+    return tuple(int(t) for t in values)
+
+
 def check_turns(turns: Sequence[Any], where: str) -> tuple[Turn, ...]:
     """`turns` as a tuple of Generate/Inject with at least one Generate; ConfigError otherwise."""
     turns = tuple(turns)
@@ -92,9 +106,9 @@ def turns_from_dict(items: Sequence[dict[str, Any]]) -> tuple[Turn, ...]:
     turns: list[Turn] = []
     for item in items:
         if "generate" in item:
-            turns.append(Generate(int(item["generate"]), tuple(item.get("stop_token_ids", ()))))
+            turns.append(Generate(item["generate"], item.get("stop_token_ids", ())))
         elif "inject" in item:
-            turns.append(Inject(tuple(item["inject"])))
+            turns.append(Inject(item["inject"]))
         else:
             turns.append(Inject(name=str(item["tool"])))
     return tuple(turns)

@@ -178,6 +178,12 @@ class Rollout:
         if not isinstance(self.meta, dict):
             raise InputError(f"{where}: meta must be a dict, got {type(self.meta).__name__}")
         if self.response_mask is not None:
+            if isinstance(self.response_mask, (str, bytes)) \
+                    or not isinstance(self.response_mask, (Sequence, np.ndarray)) \
+                    or not all(isinstance(m, (numbers.Integral, np.bool_)) for m in self.response_mask):
+                raise InputError(  # 0.5 or "1" would be rounded or parsed into a mask nobody wrote
+                    f"{where}/{self.sample_index}: response_mask must be a list of 0s (injected) and 1s "
+                    f"(generated), got {self.response_mask!r:.80}")
             mask = tuple(int(m) for m in self.response_mask)
             if len(mask) != len(self.token_ids) or any(m not in (0, 1) for m in mask):
                 raise InputError(

@@ -21,7 +21,7 @@ from parity.core.logprobs import check_logprob_values
 from parity.core.schema import LOGPROBS_MODES, json_float
 from parity.core.strict import check_dtype
 from parity.core.tables import read_rows, write_rows
-from parity.core.types import Rollout, SamplingParams
+from parity.core.types import Rollout, SamplingParams, check_int
 
 #: ingestion column -> accepted spellings, parity's first.
 COLUMN_ALIASES: dict[str, tuple[str, ...]] = {
@@ -136,34 +136,29 @@ def _row(row: dict[str, Any], index: int, samples: dict[str, int], backend: str,
     response = _column(row, "response_ids")
     logprobs = [json_float(_sampled_logprob(v, response[i] if i < len(response) else None))
                 for i, v in enumerate(_column(row, "rollout_logprobs"))]
-    trainer_column = next((a for a in COLUMN_ALIASES["trainer_logprobs"] if row.get(a) is not None), None)
-    trainer = None if trainer_column is None else [json_float(v) for v in _as_list(row[trainer_column],
+    trainer_column, trainer_values = _aliased(row, "trainer_logprobs")
+    trainer = None if trainer_column is None else [json_float(v) for v in _as_list(trainer_values,
                                                                                    trainer_column)]
-    prompt, keep, generated = _strip_padding(row, prompt, len(response))
+    padded = len(response)
+    prompt, keep, generated = _strip_padding(row, prompt, padded)
+    _check_length(len(logprobs), padded, keep, "rollout logprobs", "logprob")
     response, logprobs = response[:keep], logprobs[:keep]
-    if len(response) != len(logprobs):
-        raise InputError(f"{len(response)} response ids but {len(logprobs)} rollout logprobs; "
-                         "give one logprob per response token")
     _check_ids(prompt, "prompt_ids")
     _check_ids(response, "response_ids")
     logprobs = _generated_only(logprobs, generated)
     check_logprobs(logprobs)
     if trainer is not None:
-        trainer = trainer[:keep]
-        if len(trainer) != len(response):
-            raise InputError(f"{len(response)} response ids but {len(trainer)} {trainer_column}; "
-                             "give one trainer logprob per response token")
-        trainer = _generated_only(trainer, generated)
+        _check_length(len(trainer), padded, keep, str(trainer_column), "trainer logprob")
+        trainer = _generated_only(trainer[:keep], generated)
         check_logprobs(trainer, trainer_column)
-    request_id = str(next((row[a] for a in COLUMN_ALIASES["request_id"] if row.get(a) is not None), index))
+    id_column, request_id = _aliased(row, "request_id")
+    request_id = str(index if id_column is None else request_id)
     if row.get("sample_index") is not None:
-        sample_index = int(row["sample_index"])
+        sample_index = check_int(row["sample_index"], "sample_index", low=0, error=InputError)
     else:
         sample_index = samples.get(request_id, 0)  # verl's `uid` names a group: number its samples
     samples[request_id] = sample_index + 1
-    mode = row.get("logprobs_mode") or default_mode
-    if mode not in LOGPROBS_MODES:
-        raise InputError(f"logprobs_mode {mode!r}; allowed: {list(LOGPROBS_MODES)}")
+    mode = _mode(row, default_mode)
     routes = row.get("routed_experts")
     meta: dict[str, Any] = {"source": "offline ingestion"}
     if row.get("rollout_dtype") is not None:
@@ -180,8 +175,34 @@ def _row(row: dict[str, Any], index: int, samples: dict[str, int], backend: str,
         prompt_ids=tuple(prompt), token_ids=tuple(response), logprobs=tuple(logprobs),
         finish_reason=str(row.get("finish_reason") or "unknown"), backend=backend, logprobs_mode=mode,
         routed_experts=None if routes is None else np.asarray(routes, dtype=np.int64),
-        meta=meta, sampling=sampling, response_mask=generated, **_top_k_columns(row, keep))
+        meta=meta, sampling=sampling, response_mask=generated, **_top_k_columns(row, padded, keep))
     return rollout, None if trainer is None else tuple(float(x) for x in trainer), trainer_column
+
+
+def _check_length(count: int, padded: int, keep: int, name: str, what: str) -> None:
+    """InputError unless `count` values cover the response: one per response id, padding included
+    (`padded`) or not (`keep`). Values are never cut to fit: one extra means they are shifted (a
+    logprob of the last prompt token first, say), and every figure would be off by a token.
+    """
+    if count not in (padded, keep):
+        real = "" if keep == padded else f" ({keep} without the padding)"
+        raise InputError(f"{padded} response ids{real} but {count} {name}; give one {what} per response "
+                         "token, aligned with response_ids")
+
+
+def _mode(row: dict[str, Any], default_mode: str) -> str:
+    """The row's logprobs mode: its `logprobs_mode` column, else its sampling object's, else
+    `default_mode`; the column and the object must agree."""
+    mode = row.get("logprobs_mode") or None
+    sampling = row.get("sampling")
+    said = sampling.get("logprobs_mode") if isinstance(sampling, Mapping) else None
+    if mode is not None and said is not None and said != mode:
+        raise InputError(f"the row's logprobs_mode column says {mode!r} but its sampling object says "
+                         f"logprobs_mode {said!r}; the row contradicts itself: drop one of them")
+    mode = mode or said or default_mode
+    if mode not in LOGPROBS_MODES:
+        raise InputError(f"logprobs_mode {mode!r}; allowed: {list(LOGPROBS_MODES)}")
+    return mode
 
 
 def _sampled_logprob(entry: Any, token: Any) -> Any:
@@ -195,17 +216,24 @@ def _sampled_logprob(entry: Any, token: Any) -> Any:
     return value.get("logprob") if isinstance(value, Mapping) else value
 
 
-def _top_k_columns(row: dict[str, Any], keep: int) -> dict[str, Any]:
-    found = {name: next((row[a] for a in COLUMN_ALIASES[name] if row.get(a) is not None), None)
-             for name in ("top_k_ids", "top_k_logprobs")}
+def _top_k_columns(row: dict[str, Any], padded: int, keep: int) -> dict[str, Any]:
+    found = {name: _aliased(row, name)[1] for name in ("top_k_ids", "top_k_logprobs")}
     if all(v is None for v in found.values()):
         return {}
     if any(v is None for v in found.values()):
         raise InputError("top_k_ids and top_k_logprobs come together: the row has only one of them")
     try:
-        ids = np.asarray([list(r) for r in _as_list(found["top_k_ids"], "top_k_ids")][:keep])
-        logprobs = [[json_float(v) for v in r] for r in _as_list(found["top_k_logprobs"], "top_k_logprobs")]
-        values = np.asarray(logprobs[:keep], dtype=np.float64)
+        rows = {"top_k_ids": [list(r) for r in _as_list(found["top_k_ids"], "top_k_ids")],
+                "top_k_logprobs": [[json_float(v) for v in r]
+                                   for r in _as_list(found["top_k_logprobs"], "top_k_logprobs")]}
+    except (TypeError, ValueError) as exc:
+        raise InputError(f"top_k_ids/top_k_logprobs must hold one list of k entries per response position "
+                         f"({exc})") from exc
+    for name, listed in rows.items():
+        _check_length(len(listed), padded, keep, f"{name} rows", "row")
+    try:
+        ids = np.asarray(rows["top_k_ids"][:keep])
+        values = np.asarray(rows["top_k_logprobs"][:keep], dtype=np.float64)
     except (TypeError, ValueError) as exc:
         raise InputError(f"top_k_ids/top_k_logprobs must hold one list of k entries per response position "
                          f"({exc})") from exc
@@ -241,6 +269,11 @@ def _strip_padding(row: dict[str, Any], prompt: list[Any],
                              "mask marks generated tokens 1 (and tool or padding tokens 0)")
         if attention is None:  # no other word on padding: trailing zeros are padding
             keep = max((i + 1 for i, m in enumerate(mask) if m), default=0)
+        elif any(mask[keep:]):
+            at = keep + mask[keep:].index(1)
+            raise InputError(f"response_mask marks response token {at} generated (1) but attention_mask says "
+                             f"it is padding (the response has {keep} real tokens); the masks disagree: fix "
+                             "the one that is wrong (verl's response_mask is 0 wherever attention_mask is)")
         mask = mask[:keep]
         if 0 in mask:
             return prompt, keep, tuple(mask)
@@ -342,10 +375,36 @@ def _top_k(row: dict[str, Any]) -> int:
 
 
 def _column(row: dict[str, Any], name: str) -> list[Any]:
-    for alias in COLUMN_ALIASES[name]:
-        if row.get(alias) is not None:
-            return _as_list(row[alias], alias)
-    raise InputError(f"missing field {name!r} (accepted spellings: {', '.join(COLUMN_ALIASES[name])})")
+    alias, value = _aliased(row, name)
+    if alias is None:
+        raise InputError(f"missing field {name!r} (accepted spellings: {', '.join(COLUMN_ALIASES[name])})")
+    return _as_list(value, alias)
+
+
+def _aliased(row: dict[str, Any], name: str) -> tuple[str | None, Any]:
+    """(the spelling used, its value) of ingestion column `name`, or (None, None) when absent; two
+    spellings with different values are an InputError (which one is meant cannot be told)."""
+    present = [a for a in COLUMN_ALIASES[name] if row.get(a) is not None]
+    if not present:
+        return None, None
+    first = present[0]
+    for other in present[1:]:
+        if not _same(row[first], row[other]):
+            raise InputError(f"the row spells {name!r} twice with different values: {first!r} and {other!r} "
+                             f"(accepted spellings: {', '.join(COLUMN_ALIASES[name])}); which one is meant "
+                             "cannot be told: drop or rename one of them")
+    return first, row[first]
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two column values are equal (lists, NumPy arrays or scalars)."""
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError):  # arrays compare elementwise
+        try:
+            return bool(np.array_equal(np.asarray(a), np.asarray(b)))
+        except (TypeError, ValueError):
+            return False
 
 
 def _as_list(value: Any, name: str) -> list[Any]:

@@ -20,7 +20,7 @@ from parity.core.errors import InputError, ParityError
 from parity.core.tables import read_jsonl, write_jsonl
 from parity.core.types import Request, Rollout
 from parity.models import model_limits
-from parity.rollouts.matching import check_answer
+from parity.rollouts.matching import check_answer, check_sampled_as_asked
 
 RECORD_FORMAT = "parity-record"
 RECORD_VERSION = 1
@@ -85,6 +85,7 @@ def read_record(path: str | Path) -> Record:
                                      "which no request line of the record names (requests come before "
                                      "rollouts)")
                 check_answer(rollout, request, error=InputError)
+                check_sampled_as_asked(rollout, request)
                 if rollout.sampling is None:
                     rollout = dataclasses.replace(rollout, sampling=request.sampling)
                 rollouts.setdefault(rollout.backend, []).append(rollout)
