@@ -108,8 +108,10 @@ def rollout_correction(
     options are `CorrectionConfig`'s.
 
     Returns `(weights, new_mask, metrics)`: IS weights `[batch, seq]` in the logprobs' dtype and
-    container (0 at padding and rejections; None without `rollout_is`), the mask minus rejected
-    tokens, and `rollout_corr/*` floats by verl's names. `ConfigError` / `InputError` on bad input.
+    container (0 at padding and where an IcePop or seq-mask-TIS band zeroes them; a token that
+    `rollout_rs` rejects keeps its weight, as in verl: use the weights with `new_mask`; None without
+    `rollout_is`), the mask minus rejected tokens, and `rollout_corr/*` floats by verl's names.
+    `ConfigError` / `InputError` on bad input.
     """
     config = CorrectionConfig(
         rollout_is=rollout_is,

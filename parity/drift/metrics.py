@@ -59,6 +59,8 @@ class SummaryPass:
         # quantiles 0 and 1 are the min and the max: one selection gives all four
         self._quantiles = QuantilePass(tok, (0.0, 0.01, 0.99, 1.0))
         self._identical = True
+        #: count, means and centred second moments of both sides' probabilities (`_add_moments`)
+        self._moments: dict[str, float] = {}
 
     def add(self, b: Block) -> None:
         sums, extremes, totals = self._sums, self._extremes, self._totals
@@ -85,16 +87,44 @@ class SummaryPass:
         p_train = torch.exp(b.train, out=work)  # 1 at padding
         p_rollout = torch.exp(b.rollout, out=e)
         self._identical = self._identical and torch.equal(p_train, p_rollout)
-        # batch totals only (no bootstrap needs them by row): sums and dot products of the whole
-        # block, with no [rows, seq] temporaries, less the padding's 1s
-        flat_t, flat_r = p_train.reshape(-1), p_rollout.reshape(-1)
-        pad = b.mask.numel() - float(self.tok.lengths[b.rows].sum())
-        for name, value in (("pt", flat_t.sum()), ("pr", flat_r.sum()), ("pt2", torch.dot(flat_t, flat_t)),
-                            ("pr2", torch.dot(flat_r, flat_r)), ("ptpr", torch.dot(flat_t, flat_r))):
-            totals[name] = totals.get(name, 0.0) + (float(value) - pad)
-        p_diff = p_train.sub_(p_rollout).abs_()  # 0 at padding
+        p_diff = torch.sub(p_train, p_rollout, out=b.buffer()).abs_()  # 0 at padding
         extremes.setdefault("p_diff_max", []).append(p_diff.amax(-1))
         totals["p_diff"] = totals.get("p_diff", 0.0) + float(p_diff.sum())
+        self._add_moments(b, p_train, p_rollout)
+
+    def _add_moments(self, b: Block, p_train: torch.Tensor, p_rollout: torch.Tensor) -> None:
+        """Merge the block's centred moments of the probabilities (1 at padding; overwritten) into
+        the batch's (Chan et al.): raw sums Σp², Σp·q cancel to rounding noise where the
+        probabilities barely vary (confident tokens, p ≈ 1), which made the Pearson coefficient
+        anything, above 1 included."""
+        count = float(self.tok.lengths[b.rows].sum())
+        if count == 0:
+            return
+        pad = b.mask.numel() - count
+        flat_t, flat_r = p_train.reshape(-1), p_rollout.reshape(-1)
+        means = []
+        for flat in (flat_t, flat_r):
+            # the padding's 1s out of the sum; the mean need not be exact: centring on a value off
+            # by δ adds count·δ² to Σ(p - mean)², δ ~ eps·(pad + count) / count (p <= 1), `noise`
+            mean = (float(flat.sum()) - pad) / count
+            means.append(mean)
+            flat.sub_(mean)
+            if not b.dense:
+                flat.mul_(b.maskf.reshape(-1))  # padding to 0
+        (dt, dr), (mean_t, mean_r) = (flat_t, flat_r), means
+        m2_t, m2_r, co = (float(torch.dot(x, y)) for x, y in ((dt, dt), (dr, dr), (dt, dr)))
+        noise = count * (4.0 * _EPS64 * (pad + count) / count) ** 2
+        m = self._moments
+        if not m:
+            m.update(n=count, mean_t=mean_t, mean_r=mean_r, m2_t=m2_t, m2_r=m2_r, co=co, noise=noise)
+            return
+        n = m["n"] + count
+        delta_t, delta_r = mean_t - m["mean_t"], mean_r - m["mean_r"]
+        weight = m["n"] * count / n
+        m.update(n=n, mean_t=m["mean_t"] + delta_t * count / n, mean_r=m["mean_r"] + delta_r * count / n,
+                 m2_t=m["m2_t"] + m2_t + delta_t * delta_t * weight,
+                 m2_r=m["m2_r"] + m2_r + delta_r * delta_r * weight,
+                 co=m["co"] + co + delta_t * delta_r * weight, noise=m["noise"] + noise)
 
     def rows(self) -> _SummaryRows:
         """What the pass leaves, once every block was added."""
@@ -127,7 +157,7 @@ class SummaryPass:
             seq_is_ratio_mean=float(torch.exp(seq_log).mean()),
             rollout_probs_diff_max=float(ext["p_diff_max"].max()),
             rollout_probs_diff_mean=s["p_diff"] / n,
-            rollout_probs_pearson=_pearson(s, n, rows.identical),
+            rollout_probs_pearson=_pearson(self._moments, rows.identical),
             num_tokens=int(n),
             num_sequences=int(valid_rows.sum()),
         )
@@ -168,16 +198,23 @@ _TOKEN_MEANS: dict[str, Callable[[dict[str, Any], Any], Any]] = {
 BOOTSTRAP_KEYS: tuple[str, ...] = tuple(_TOKEN_MEANS)
 
 
-def _pearson(s: dict[str, float], n: float, identical: bool) -> float:
-    """Pearson correlation of the token probabilities from their sums; 1.0 for identical inputs, 0.0
-    when one side alone is constant.
+def _pearson(m: dict[str, float], identical: bool) -> float:
+    """Pearson correlation of the token probabilities from their centred moments `m`; 1.0 for
+    identical inputs, 0.0 when one side alone is constant (its spread within the rounding of its
+    mean, `noise` included).
     """
     if identical:
         return 1.0
-    cov = s["ptpr"] - s["pt"] * s["pr"] / n
-    var_t = s["pt2"] - s["pt"] ** 2 / n
-    var_r = s["pr2"] - s["pr"] ** 2 / n
-    return cov / math.sqrt(var_t * var_r) if var_t > 0 and var_r > 0 else 0.0
+    n = m["n"]
+    resolved = [m[var] > m["noise"] + n * (8.0 * _EPS64 * abs(m[mean])) ** 2
+                for var, mean in (("m2_t", "mean_t"), ("m2_r", "mean_r"))]
+    if not all(resolved):
+        return 0.0
+    return max(-1.0, min(1.0, m["co"] / math.sqrt(m["m2_t"] * m["m2_r"])))
+
+
+#: float64's machine epsilon.
+_EPS64 = float(np.finfo(np.float64).eps)
 
 
 def summarize(
@@ -336,7 +373,9 @@ def drift_by_probability(
     zeros = torch.zeros(n_buckets, dtype=torch.float64, device=device)
     count, abs_sum, abs_max, diff_sum = zeros.clone(), zeros.clone(), zeros.clone(), zeros.clone()
     for b in tok.blocks():
-        prob = torch.exp(b.rollout[b.mask])
+        # a logprob a hair above 0 (up to `parity.core.logprobs.MAX_LOGPROB`, log(1) rounded) is
+        # probability 1: exp of it would leave [0, 1] and drop the token from every default bucket
+        prob = torch.exp(b.rollout[b.mask].clamp(max=0.0))
         d = b.log_ratio[b.mask]
         inside = (prob >= bounds[0]) & (prob <= bounds[-1])
         prob, d = prob[inside], d[inside]

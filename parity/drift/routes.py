@@ -72,8 +72,14 @@ def router_agreement(reference: Sequence[Any], other: Sequence[Any]) -> dict[str
                          "give one per sequence on both sides")
     if not reference:
         raise InputError("router_agreement needs at least one sequence of routes")
-    same = np.concatenate([same_choice(as_routes(a, f"reference[{i}]"), as_routes(b, f"other[{i}]"))
-                           for i, (a, b) in enumerate(zip(reference, other))])
+    pairs = [(as_routes(a, f"reference[{i}]"), as_routes(b, f"other[{i}]"))
+             for i, (a, b) in enumerate(zip(reference, other))]
+    for i, (a, _) in enumerate(pairs):
+        # no layer or an empty top-k set compares nothing: all() of nothing would read as agreement 1.0
+        if a.shape[1] == 0 or a.shape[2] == 0:
+            raise InputError(f"reference[{i}] has shape {a.shape}: routes need at least one MoE layer "
+                             "(dimension 1) and one expert per token (top_k, dimension 2) to compare")
+    same = np.concatenate([same_choice(a, b) for a, b in pairs])
     if same.shape[0] == 0:
         raise InputError("router_agreement got route arrays with no positions")
     return {
