@@ -70,6 +70,7 @@ def dump_step(batch: StepBatch, path: str | Path, *, logprobs_mode: str = "proce
     if logprobs_mode == "processed" and "temperature" not in sampling:
         raise InputError("processed logprobs depend on the temperature, and the batch does not say it; pass "
                          "sampling={'temperature': T} (verl keeps it in meta_info['temperature'])")
+    _check_layout(batch)
     rows = []
     for r in range(batch.mask.shape[0]):
         n = int(batch.lengths[r])
@@ -91,6 +92,42 @@ def dump_step(batch: StepBatch, path: str | Path, *, logprobs_mode: str = "proce
     if not rows:
         raise InputError("the batch has no generated token (every mask is 0): nothing to dump")
     return write_rows(path, rows)
+
+
+def _check_layout(batch: StepBatch) -> None:
+    """InputError unless the batch's arrays share the mask's `[batch, response_len]` and every counted
+    token lies inside its row's length: a dump cut at `lengths` must hold what the monitor counts."""
+    shape = batch.mask.shape
+    for name, values in (("rollout logprobs", batch.rollout), ("trainer logprobs", batch.trainer),
+                         ("responses", batch.responses)):
+        if values is not None and values.shape != shape:
+            raise InputError(f"{name} {list(values.shape)} and the response mask {list(shape)} differ in "
+                             "shape; each holds one entry per response position")
+    for name, rows in (("prompts", batch.prompts), ("request ids", batch.request_ids)):
+        if rows is not None and len(rows) != shape[0]:
+            raise InputError(f"the batch has {len(rows)} {name} for {shape[0]} rows")
+    check_lengths(batch.mask, batch.lengths, "the response mask", "the response lengths")
+
+
+def check_lengths(mask: np.ndarray, lengths: np.ndarray, mask_name: str, lengths_name: str) -> None:
+    """InputError unless `lengths` `[batch]` lie in `[0, width]` of `mask` `[batch, width]` and no
+    row's mask is 1 at or past its length (a token counted where the batch says padding)."""
+    lengths = np.asarray(lengths)
+    batch, width = mask.shape
+    if lengths.shape != (batch,):
+        raise InputError(f"{lengths_name} has shape {list(lengths.shape)}; give one length per row ({batch})")
+    outside = (lengths < 0) | (lengths > width)
+    if outside.any():
+        r = int(np.argmax(outside))
+        raise InputError(f"{lengths_name} says row {r} has {int(lengths[r])} tokens, outside [0, {width}] "
+                         "(the padded width)")
+    past = mask_lengths(mask) > lengths  # a row's last counted position + 1 past its length
+    if past.any():
+        r = int(np.argmax(past))
+        c = int(mask_lengths(mask[r:r + 1])[0]) - 1
+        raise InputError(f"row {r}: {mask_name} is 1 at position {c}, but {lengths_name} ends the row at "
+                         f"{int(lengths[r])}: a token counted inside the padding; the two must describe the "
+                         "same padding (right-padded rows)")
 
 
 def _checked(values: np.ndarray, mask: np.ndarray, side: str, row: int) -> list[float]:
@@ -142,12 +179,26 @@ def _scalar(value: Any) -> Any:
     return number
 
 
+#: `sequence_batch`'s names of its rollout, trainer, mask, tokens and lengths in its errors.
+SEQUENCE_NAMES = ("rollout logprobs", "trainer logprobs", "token_mask", "tokens", "lengths")
+
+
 def sequence_batch(rollout: np.ndarray, trainer: np.ndarray, token_mask: np.ndarray,
                    tokens: np.ndarray | None, lengths: np.ndarray,
-                   sampling: Mapping[str, Any] | None) -> StepBatch:
+                   sampling: Mapping[str, Any] | None,
+                   names: tuple[str, str, str, str, str] = SEQUENCE_NAMES) -> StepBatch:
     """Whole right-padded sequences `[batch, seq]` (logprob of token i at position i) as a `StepBatch`:
-    the response starts at the first `token_mask` position and is left-aligned.
+    the response starts at the first `token_mask` position and is left-aligned. `names` spell the
+    rollout, trainer, mask, tokens and lengths in the framework's words for the errors: `InputError`
+    for arrays of other shapes than the mask, or a mask 1 at or past its row's length.
     """
+    if token_mask.ndim != 2:
+        raise InputError(f"{names[2]} must be [batch, seq], got shape {list(token_mask.shape)}")
+    for name, values in ((names[0], rollout), (names[1], trainer), (names[3], tokens)):
+        if values is not None and values.shape != token_mask.shape:
+            raise InputError(f"{name} {list(values.shape)} and {names[2]} {list(token_mask.shape)} differ in "
+                             "shape; each holds one entry per position of the sequences")
+    check_lengths(token_mask, lengths, names[2], names[4])
     batch, seq = token_mask.shape
     start = np.where(token_mask.any(axis=1), np.argmax(token_mask, axis=1), lengths)
     width = int((lengths - start).max(initial=0))
@@ -186,6 +237,13 @@ def bool_mask(value: Any, name: str) -> np.ndarray:
             raise InputError(f"{name} must hold only 0 and 1 (1 = the token counts)")
         mask = mask != 0
     return mask
+
+
+def right_padded(mask: np.ndarray, *, left: bool = False) -> np.ndarray:
+    """Per row of a bool `[batch, width]` mask, whether it is ones then zeros (no 0 followed by a 1),
+    or with `left` zeros then ones."""
+    first, then = (mask[:, :-1], mask[:, 1:]) if left else (mask[:, 1:], mask[:, :-1])
+    return ~(first > then).any(axis=1)
 
 
 def mask_lengths(mask: np.ndarray) -> np.ndarray:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from parity.core.errors import InputError
 from parity.integrations.batches import (
     StepBatch,
     bool_mask,
@@ -55,10 +56,15 @@ def read_batch(data: Mapping[str, Any], *, sampling: Mapping[str, Any] | None = 
     tokens = None if tokens is None else host_array(tokens, KEYS["tokens"])
     lengths = optional_entry(data, KEYS["lengths"])
     lengths = np.full(batch, seq) if lengths is None else \
-        host_array(lengths, KEYS["lengths"]).astype(np.int64).reshape(batch)
+        host_array(lengths, KEYS["lengths"]).astype(np.int64).reshape(-1)
     sample = optional_entry(data, KEYS["sample_mask"])
-    keep = np.ones(batch, bool) if sample is None else bool_mask(sample, KEYS["sample_mask"]).reshape(batch)
-    return sequence_batch(rollout, trainer, token_mask & keep[:, None], tokens, lengths, sampling)
+    keep = np.ones(batch, bool) if sample is None else bool_mask(sample, KEYS["sample_mask"]).reshape(-1)
+    if keep.shape != (batch,):
+        raise InputError(f"{KEYS['sample_mask']} has {keep.size} entries for a batch of {batch}; give one "
+                         "per row")
+    names = (KEYS["rollout"], KEYS["trainer"], KEYS["mask"], KEYS["tokens"], KEYS["lengths"])
+    return sequence_batch(rollout, trainer, token_mask & keep[:, None], tokens, lengths, sampling,
+                          names=names)
 
 
 def log_batch(monitor: Monitor, step: int, data: Mapping[str, Any], *,

@@ -24,7 +24,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from parity.core.errors import InputError
-from parity.integrations.batches import StepBatch, bool_mask, dump_step, log_step, sequence_batch
+from parity.integrations.batches import (
+    StepBatch,
+    bool_mask,
+    dump_step,
+    log_step,
+    right_padded,
+    sequence_batch,
+)
 from parity.monitor.arrays import host_array
 
 if TYPE_CHECKING:
@@ -59,13 +66,21 @@ def read_batch(experience: Any, *, sampling: Mapping[str, Any] | None = None) ->
                              f"sequences {[batch, seq]}")
     if attention.shape != (batch, seq):
         raise InputError(f"attention_mask {list(attention.shape)} must be sequences' shape {[batch, seq]}")
+    bad = ~right_padded(attention)
+    if bad.any():
+        r = int(np.argmax(bad))
+        raise InputError(f"row {r}: attention_mask is not ones then zeros: OpenRLHF 0.11 right-pads whole "
+                         "sequences (Experience.concat_experiences); a left-padded or packed batch is "
+                         "another layout, whose responses would be cut")
 
     def unshifted(values: np.ndarray, fill: Any) -> np.ndarray:
         """Position i holds token i's value (NeMo-RL's layout); nothing precedes token 0."""
         return np.concatenate([np.full((batch, 1), fill, values.dtype), values], axis=1)
 
     return sequence_batch(unshifted(rollout, 0), unshifted(trainer, 0), unshifted(action, False), tokens,
-                          attention.sum(axis=1), sampling)
+                          attention.sum(axis=1), sampling,
+                          names=(FIELDS["rollout"], FIELDS["trainer"], "action_mask (shifted back by one)",
+                                 FIELDS["tokens"], "attention_mask"))
 
 
 def log_batch(monitor: Monitor, step: int, experience: Any, *, sampling: Mapping[str, Any] | None = None,

@@ -86,12 +86,14 @@ def read_output(output: Mapping[str, Any], *, sampling: Mapping[str, Any] | None
                                    "num_iterations > 1"), KEYS["trainer"])
     completion = bool_mask(get_entry(output, KEYS["mask"], where, "TRL always sets it"), KEYS["mask"])
     tool = optional_entry(output, KEYS["tool_mask"])
-    mask = completion if tool is None else completion & bool_mask(tool, KEYS["tool_mask"])
+    tool = None if tool is None else bool_mask(tool, KEYS["tool_mask"])
+    for name, values in ((KEYS["rollout"], rollout), (KEYS["trainer"], trainer), (KEYS["tool_mask"], tool)):
+        if values is not None and values.shape != completion.shape:
+            raise InputError(f"{name} {list(values.shape)} and {KEYS['mask']} {list(completion.shape)} "
+                             "differ in shape; each holds one entry per completion position")
+    mask = completion if tool is None else completion & tool
     nan = np.isnan(rollout) & mask
     mask = mask & ~nan
-    if rollout.shape != mask.shape:
-        raise InputError(f"{KEYS['rollout']} {list(rollout.shape)} and {KEYS['mask']} {list(mask.shape)} "
-                         "differ in shape")
     prompts = None
     ids, prompt_mask = optional_entry(output, KEYS["prompts"]), optional_entry(output, KEYS["prompt_mask"])
     if ids is not None and prompt_mask is not None:

@@ -36,11 +36,13 @@ from parity.core.errors import InputError
 from parity.integrations.batches import (
     StepBatch,
     bool_mask,
+    check_lengths,
     dump_step,
     get_entry,
     log_step,
     mask_lengths,
     optional_entry,
+    right_padded,
     sampling_of,
 )
 from parity.monitor.arrays import host_array
@@ -80,9 +82,16 @@ def read_batch(batch: Any, *, sampling: Mapping[str, Any] | None = None) -> Step
         if attention.ndim != 2 or attention.shape[0] != mask.shape[0] or attention.shape[1] < width:
             raise InputError(f"attention_mask {list(attention.shape)} must be [batch, prompt_len + "
                              f"response_len] for response_mask {list(mask.shape)}")
+        _check_padding(attention[:, -width:], "response", "right")
         lengths = attention[:, -width:].sum(axis=1)
+        check_lengths(mask, lengths, KEYS["mask"], "attention_mask's response part")
         if prompts is not None:
             ids = host_array(prompts, KEYS["prompts"])
+            if ids.ndim != 2 or ids.shape[0] != mask.shape[0] or ids.shape[1] + width != attention.shape[1]:
+                raise InputError(f"prompts {list(ids.shape)} and responses [{mask.shape[0]}, {width}] "
+                                 f"must together span attention_mask {list(attention.shape)} ([batch, "
+                                 "prompt_len + response_len])")
+            _check_padding(attention[:, :ids.shape[1]], "prompt", "left")
             pad = ids.shape[1] - attention[:, :ids.shape[1]].sum(axis=1)
             prompt_rows = [ids[r, int(pad[r]):] for r in range(ids.shape[0])]
     meta = getattr(batch, "meta_info", None) or {}
@@ -116,6 +125,17 @@ def dump_batch(batch: Any, path: str | Path, *, sampling: Mapping[str, Any] | No
         raise InputError("a dump needs batch['prompts'] and batch['attention_mask'] (which strips the "
                          "prompts' left padding)")
     return dump_step(step, path, logprobs_mode=logprobs_mode)
+
+
+def _check_padding(attention: np.ndarray, part: str, side: str) -> None:
+    """InputError unless each row of attention_mask's `part` is padded on `side` only (verl left-pads
+    prompts and right-pads responses): any other layout would cut the wrong tokens."""
+    bad = ~right_padded(attention, left=side == "left")
+    if bad.any():
+        r = int(np.argmax(bad))
+        raise InputError(f"row {r}: attention_mask's {part} part is not {side}-padded (its 1s are not one "
+                         f"run at the {'end' if side == 'left' else 'start'}; verl {side}-pads its {part}s), "
+                         "so its real tokens cannot be told from padding")
 
 
 def _same_storage(a: Any, b: Any) -> bool:
