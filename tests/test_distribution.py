@@ -163,7 +163,8 @@ def float32_sides(seed: int, n: int, vocab: int, k: int, scale: float, frac_inf:
     ids, lps = engine_top_k(rng, engine_rows, k)
     view = trainer_view(train, ids, ids[:, 0])
     view32 = TrainerView(view.at_engine.astype(np.float32), view.top_ids,
-                         view.top_logprobs.astype(np.float32), view.entropy, view.sampled_rank)
+                         view.top_logprobs.astype(np.float32), view.entropy, view.sampled_rank,
+                         view.sampled_ids)
     return lps.astype(np.float32), view32
 
 
@@ -202,7 +203,8 @@ def test_float32_exps_stay_within_the_stated_error_bound_of_float64_ones(scale, 
 
 def test_float32_exps_give_exactly_zero_for_identical_sides_and_see_a_one_ulp_change() -> None:
     lps, view = float32_sides(8, 500, 30, 8, 2.0, 0.2, 0.0, 0.0)
-    same = TrainerView(lps.copy(), view.top_ids, lps.copy(), view.entropy, view.sampled_rank)
+    same = TrainerView(lps.copy(), view.top_ids, lps.copy(), view.entropy, view.sampled_rank,
+                       view.sampled_ids)
     zero = position_drift(lps, same, precision="float32")
     for values in (zero.kl_train_engine, zero.kl_engine_train, zero.tv):
         assert np.array_equal(values, np.zeros(500))
@@ -216,7 +218,7 @@ def test_a_block_with_a_logprob_below_the_float32_range_takes_float64_exps() -> 
     lps = np.log(np.array([[0.7, 0.2, 0.1]])).astype(np.float32)
     train = np.array([[-110.0, math.log(0.5), math.log(0.4)]], dtype=np.float32)
     view = TrainerView(train, np.array([[1, 2, 0]]), np.sort(train)[:, ::-1], np.ones(1),
-                       np.zeros(1, np.int64))
+                       np.zeros(1, np.int64), np.ones(1, np.int64))
     fast, exact = (position_drift(lps, view, precision=p) for p in ("float32", "float64"))
     assert math.isfinite(exact.kl_engine_train[0])
     assert fast.kl_engine_train[0] == exact.kl_engine_train[0] and fast.tv[0] == exact.tv[0]

@@ -139,3 +139,16 @@ def test_micro_batch_views_in_batch_order_equal_the_whole_batch_s(tmp_path):
         split = log(b, 0, s, train_top_k=halves)["summary"]
     for key in DISTRIBUTION_SUMMARY_KEYS:  # bit for bit (NaN where no position's entropy is computable)
         assert whole[key] == split[key] or (np.isnan(whole[key]) and np.isnan(split[key])), key
+
+
+def test_micro_batch_views_out_of_batch_order_are_refused(tmp_path):
+    """Halves of equal counted tokens, swapped (verl's use_dynamic_bsz reorders micro-batches): the
+    count matches, the positions do not; in batch order the same views are taken."""
+    s = step(5, 0.2)
+    s["mask"] = torch.ones_like(s["mask"])
+    halves = [train_top_k(s["train"][r], s["top"][0][r], s["responses"][r], s["mask"][r])
+              for r in (slice(0, 3), slice(3, None))]
+    with parity.Monitor(tmp_path, render_every=0, advice_every=0) as monitor:
+        with pytest.raises(InputError, match=r"does not line up with the rollout.*batch order"):
+            log(monitor, 0, s, train_top_k=halves[::-1])
+        assert log(monitor, 0, s, train_top_k=halves)["step"] == 0

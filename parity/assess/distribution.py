@@ -6,6 +6,7 @@ the training forward's full row, for rollouts that carry top-k. Summary keys `di
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import fields
 from typing import Any
 
 import numpy as np
@@ -48,8 +49,8 @@ def distribution_section(rollouts: Sequence[Rollout], views: Sequence[TrainerVie
     `train_forward(distribution=True)`); generated tokens only."""
     k = check_rollout_top_k(rollouts, None)
     keep = [np.asarray(r.mask, dtype=bool) for r in rollouts]
-    fields = ("at_engine", "top_ids", "top_logprobs", "entropy", "sampled_rank")
-    view = concat_views([TrainerView(*(getattr(v, f)[m] for f in fields)) for v, m in zip(views, keep)])
+    view = concat_views([TrainerView(*(getattr(v, f.name)[m] for f in fields(TrainerView)))
+                         for v, m in zip(views, keep)])
     engine_ids = np.concatenate([r.top_k_ids[m] for r, m in zip(rollouts, keep)])
     engine_lp = np.concatenate([r.top_k_logprobs[m] for r, m in zip(rollouts, keep)])
     drift = position_drift(engine_lp, view)

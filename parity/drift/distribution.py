@@ -9,7 +9,7 @@ way so identical inputs give exactly 0 drift.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -46,6 +46,8 @@ class TrainerView:
     at_engine: float64 `[N, k]` logprobs at the engine's top-k ids. top_ids, top_logprobs: its own
     `[N, min(k, V)]`, descending (lower id first on ties). entropy: float64 `[N]` nats.
     sampled_rank: int64 `[N]` tokens with a strictly higher logprob than the sampled one.
+    sampled_ids: int64 `[N]` the sampled ids the view was made at, so that a view compared with
+    other positions (micro-batch views out of batch order) is refused rather than misread.
     """
 
     at_engine: np.ndarray
@@ -53,6 +55,7 @@ class TrainerView:
     top_logprobs: np.ndarray
     entropy: np.ndarray
     sampled_rank: np.ndarray
+    sampled_ids: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -92,7 +95,7 @@ def trainer_view(rows: np.ndarray, engine_ids: np.ndarray, sampled: np.ndarray) 
     chosen = rows[np.arange(n), sampled]
     return TrainerView(at_engine=np.take_along_axis(rows, engine_ids, axis=1), top_ids=order,
                        top_logprobs=np.take_along_axis(rows, order, axis=1), entropy=entropy,
-                       sampled_rank=(rows > chosen[:, None]).sum(axis=1))
+                       sampled_rank=(rows > chosen[:, None]).sum(axis=1), sampled_ids=sampled)
 
 
 def position_drift(engine_logprobs: np.ndarray, view: TrainerView, *,
@@ -277,5 +280,4 @@ def summarize_distribution(drift: PositionDrift, top_k: int) -> dict[str, Any]:
 
 def concat_views(views: list[TrainerView]) -> TrainerView:
     """One `TrainerView` of several of one k (per-rollout views, in rollout order)."""
-    return TrainerView(*(np.concatenate([getattr(v, name) for v in views])
-                         for name in ("at_engine", "top_ids", "top_logprobs", "entropy", "sampled_rank")))
+    return TrainerView(*(np.concatenate([getattr(v, f.name) for v in views]) for f in fields(TrainerView)))

@@ -25,4 +25,5 @@ def device_view(table: torch.Tensor, engine_ids: torch.Tensor, sampled: torch.Te
         return x.cpu().numpy()
 
     return TrainerView(at_engine=host(rows.gather(1, engine_ids)), top_ids=host(ids),
-                       top_logprobs=host(values), entropy=host(entropy), sampled_rank=host(rank))
+                       top_logprobs=host(values), entropy=host(entropy), sampled_rank=host(rank),
+                       sampled_ids=host(sampled))

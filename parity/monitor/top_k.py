@@ -49,6 +49,7 @@ def step_distribution(rollout_top_k: Any, train_view: TrainerView | Sequence[Tra
     if view.at_engine.shape != ids.shape:
         raise InputError(f"train_top_k holds {view.at_engine.shape} values for {ids.shape} counted top-k "
                          "entries; make it with parity.monitor.train_top_k from the same ids and mask")
+    _check_positions(view.sampled_ids, sampled, counted)
     drift = position_drift(logprobs, view)
     rows, positions = np.nonzero(counted)
     shown = min(SHOWN_ENTRIES, k)
@@ -72,6 +73,19 @@ def step_distribution(rollout_top_k: Any, train_view: TrainerView | Sequence[Tra
             entry["uid"] = uids[entry["row"]]
         worst.append(entry)
     return summarize_distribution(drift, k), {"top_k": k, "worst": worst}
+
+
+def _check_positions(view_sampled: np.ndarray, sampled: np.ndarray, counted: np.ndarray) -> None:
+    """InputError unless the view was made at these positions (its sampled ids are theirs): views of
+    micro-batches concatenated out of batch order have the right count and the wrong rows."""
+    differ = view_sampled != sampled
+    if differ.any():
+        j = int(np.argmax(differ))
+        row, position = (int(x[j]) for x in np.nonzero(counted))
+        raise InputError(f"train_top_k does not line up with the rollout: at counted token {j} (row {row}, "
+                         f"position {position}) the rollout sampled id {int(sampled[j])}, the view was made "
+                         f"at id {int(view_sampled[j])}; pass the micro-batches' views in batch order "
+                         "(verl's use_dynamic_bsz reorders micro-batches: restore their order first)")
 
 
 def _largest(values: np.ndarray, k: int) -> list[int]:
