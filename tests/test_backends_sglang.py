@@ -61,8 +61,8 @@ def test_translation_spells_every_field_the_sglang_way():
     params = translate_sampling(job(temperature=0.8, max_tokens=7, stop_token_ids=(9,)), (2,), "processed")
     assert params["top_k"] == -1 and params["max_new_tokens"] == 7 and params["sampling_seed"] == 1234
     assert params["stop_token_ids"] == [9, 2] and params["ignore_eos"] is False and params["n"] == 1
-    ignored = translate_sampling(job(ignore_eos=True, stop_token_ids=(9,)), (2,), "processed")
-    assert ignored["stop_token_ids"] == [9] and ignored["ignore_eos"] is True
+    ignored = translate_sampling(job(ignore_eos=True), (2,), "processed")  # with stop ids: refused
+    assert ignored["stop_token_ids"] == [] and ignored["ignore_eos"] is True
     assert translate_sampling(job(top_k=5, logprobs_mode="raw"), (2,), "raw")["top_k"] == 5
 
 

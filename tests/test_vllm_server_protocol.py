@@ -61,15 +61,15 @@ def test_top_logprobs_become_the_offline_adapter_s_top_k_rows():
     positions = [
         [(7, -1.5), (3, -0.2), (9, -0.9), (7, -1.5)],    # sampled within the top-3: one entry for it
         [(4, -6.0), (3, -0.1), (8, -2.5), (1, -3.0)],    # sampled below the top-3: dropped
-        [(5, -3.0), (2, -0.5), (6, -1.0), (8, -3.0)],    # sampled ties the 3rd: ranks within 3, kept
+        [(5, -3.0), (2, -0.5), (6, -1.0), (8, -3.0)],    # ties the 3rd, not picked: rank 4, dropped
         [(2, 0.0), (2, 0.0), (6, -9999.0), (1, -9999.0)],  # the -inf floor back to -inf
     ]
     positions[0] = positions[0][:3]
     positions[3] = [positions[3][0], *positions[3][2:]]
     ids, lps = top_k_rows(top_answer([7, 4, 5, 2], positions), [7, 4, 5, 2], 3)
-    assert ids == [[3, 9, 7], [3, 8, 1], [2, 6, 5, 8], [2, 6, 1]]
+    assert ids == [[3, 9, 7], [3, 8, 1], [2, 6, 8], [2, 6, 1]]
     assert lps[0] == [-0.2, -0.9, -1.5] and lps[1] == [-0.1, -2.5, -3.0]
-    assert lps[2] == [-0.5, -1.0, -3.0, -3.0]
+    assert lps[2] == [-0.5, -1.0, -3.0]
     assert lps[3][0] == 0.0 and all(math.isinf(v) for v in lps[3][1:])
     assert top_k_rows(answer([7], [-1.0]), [7], 0) is None  # k = 0: not asked
 

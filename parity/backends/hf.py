@@ -1,10 +1,12 @@
 """Plain `transformers` generate: the "what a naive HF rollout gives you" baseline.
 
 Stock kernels, left-padded batches, HF's samplers. The `GenerationConfig` is built from scratch
-(HF would apply top_k=50 and checkpoint defaults). HF has one global RNG per generate call, so each
-padded batch is seeded with its first sample's seed and samples depend on their batch (meta
-"seeding"). `output_scores` are processed, `output_logits` raw. LoRA runs through peft's
-`PeftModel` as a peft trainer runs it (adapter weights in float32, unmerged).
+and the checkpoint's generation defaults are dropped (HF would apply top_k=50 and fill every unset
+field, min_p or no_repeat_ngram_size, from the checkpoint's generation_config.json). HF has one
+global RNG per generate call, so each padded batch is seeded with its first sample's seed and
+samples depend on their batch (meta "seeding"). `output_scores` are processed, `output_logits`
+raw. LoRA runs through peft's `PeftModel` as a peft trainer runs it (adapter weights in float32,
+unmerged).
 """
 
 from __future__ import annotations
@@ -58,6 +60,12 @@ class HFBackend(Backend):
         self._model = AutoModelForCausalLM.from_pretrained(
             str(self.model_path), dtype=getattr(torch, dtype), attn_implementation=attn_implementation,
         ).to(self.device).eval()
+        # transformers fills every field the config given to `generate` leaves unset from the
+        # checkpoint's generation_config.json (min_p, typical_p, no_repeat_ngram_size, ...): parity's
+        # sampling must be all that applies, so the model keeps its special ids only
+        loaded = self._model.generation_config
+        self._model.generation_config = GenerationConfig(**{
+            key: getattr(loaded, key) for key in ("bos_token_id", "eos_token_id", "pad_token_id")})
         self._adapters = 0
         if spec is not None:
             from peft import PeftModel  # peft only for an adapter: the hf backend runs without it
@@ -70,6 +78,7 @@ class HFBackend(Backend):
             "device": str(self.device), "attention_backend": attn_implementation,
             "batch_invariant": False, "tensor_parallel_size": 1, "enable_prefix_caching": False,
             "batch_size": batch_size, "padding": "left",
+            "generation_defaults": "none: the checkpoint's generation_config.json is not applied",
             "seeding": "per padded batch: torch.manual_seed(sample seed of the batch's first sample)",
         })
 

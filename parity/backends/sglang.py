@@ -11,6 +11,7 @@ in docs/BACKENDS.md.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -27,10 +28,21 @@ from parity.backends.sglang_server import split_server_args, start_server
 from parity.core.errors import BackendError, ConfigError, InputError, UnsupportedError
 from parity.core.schema import LOGPROBS_MODES
 from parity.core.strict import check_choice
+from parity.core.turns import Generate
 from parity.core.types import Pair, Request, Rollout, SamplingParams
 
 #: parity logprobs_mode -> the value SGLANG_RETURN_ORIGINAL_LOGPROB must have in the server.
 ORIGINAL_LOGPROB_ENV = {"raw": "1", "processed": "0"}
+#: SGLang samples a temperature in [0, this) greedily at temperature 1 (SamplingParams.__post_init__,
+#: `_SAMPLING_EPS`): its logprobs are then raw ones, whatever was asked.
+SGLANG_MIN_TEMPERATURE = 1e-6
+#: neutral values of the sampling knobs parity has no field for: sent explicitly, so a server's
+#: `--preferred-sampling-params` (merged under every `/generate` request's own) cannot apply its own.
+NEUTRAL_SAMPLING = {"min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+                    "frequency_penalty": 0.0}
+#: SGLang's `--dtype` spellings -> parity's dtype ("auto" resolves in the server, unknown here).
+SGLANG_DTYPES = {"half": "float16", "float16": "float16", "bfloat16": "bfloat16", "float": "float32",
+                 "float32": "float32"}
 #: `/get_server_info` fields that decide a server's numbers (recorded in meta["server_settings"]).
 SERVER_SETTINGS = ("tp_size", "attention_backend", "sampling_backend", "enable_deterministic_inference",
                    "disable_radix_cache", "disable_cuda_graph", "random_seed", "dtype", "page_size")
@@ -50,11 +62,20 @@ def translate_sampling(job: SampleJob, eos_ids: Sequence[int], logprobs_mode: st
             f"request {job.request.request_id!r}: SGLang's logprobs are temperature-scaled but not "
             f"truncated, so processed logprobs under top_k={sp.top_k}, top_p={sp.top_p} cannot be "
             "reported; use top_k=0 and top_p=1, or logprobs_mode='raw'")
+    if 0 < sp.temperature < SGLANG_MIN_TEMPERATURE:
+        raise ConfigError(
+            f"request {job.request.request_id!r}: sampling.temperature={sp.temperature} is below "
+            f"{SGLANG_MIN_TEMPERATURE}, which SGLang samples greedily at temperature 1 (reporting raw "
+            f"logprobs); use temperature=0 (greedy) or at least {SGLANG_MIN_TEMPERATURE}")
+    if sp.ignore_eos and sp.stop_token_ids:
+        raise ConfigError(
+            f"request {job.request.request_id!r}: SGLang's ignore_eos also ignores stop_token_ids "
+            f"{list(sp.stop_token_ids)} (its samples would run past them); drop ignore_eos or the stop ids")
     return {
         "max_new_tokens": sp.max_tokens, "min_new_tokens": 0, "temperature": sp.temperature,
         "top_p": sp.top_p, "top_k": sp.top_k if sp.top_k > 0 else -1, "sampling_seed": job.seed,
         "stop_token_ids": list(stop_set(sp, eos_ids)), "ignore_eos": sp.ignore_eos, "n": 1,
-        "skip_special_tokens": False,
+        "skip_special_tokens": False, **NEUTRAL_SAMPLING,
     }
 
 
@@ -193,6 +214,11 @@ class SGLangBackend(Backend):
                 version = sglang.__version__
             else:
                 server_info = self.client.get("/get_server_info")
+                served = SGLANG_DTYPES.get(str(server_info.get("dtype")))  # None: "auto" or not shown
+                if served is not None and served != dtype:
+                    raise ConfigError(f"the SGLang server at {self.client.endpoint.public} runs dtype "
+                                      f"{server_info['dtype']!r} but dtype={dtype!r} was asked for; pass "
+                                      f"dtype={served!r}")
                 version = server_info.get("version", "unknown")
                 engine_kwargs = {key: server_info[key] for key in SERVER_SETTINGS if key in server_info}
         except BaseException:
@@ -274,10 +300,14 @@ class SGLangBackend(Backend):
     @classmethod
     def check_requests(cls, requests: Sequence[Request], options: dict[str, Any]) -> None:
         """`translate_sampling`'s refusals (a logprobs mode other than the backend's, processed
-        logprobs under top-k/top-p) before a server or Engine starts."""
+        logprobs under top-k/top-p, a temperature SGLang samples greedily, stop ids under ignore_eos,
+        a turn's included) before a server or Engine starts; trajectories are checked, not refused."""
         mode = options.get("logprobs_mode", "processed")
-        for job in expand_samples(requests):
-            translate_sampling(job, (), mode)
+        for request in requests:  # per request: samples and turns differ in seed, length and stops only
+            stops = [t.stop_token_ids for t in request.turns if isinstance(t, Generate)]
+            sampling = request.sampling.replace(
+                stop_token_ids=tuple(dict.fromkeys(request.sampling.stop_token_ids + sum(stops, ()))))
+            translate_sampling(SampleJob(dataclasses.replace(request, sampling=sampling), 0, 0), (), mode)
 
     @classmethod
     def check_probe(cls, requests: Sequence[Request], capture: Sequence[int], kinds: Sequence[str],

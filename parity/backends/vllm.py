@@ -28,7 +28,13 @@ from parity.backends.vllm_probe import (
     take_probe,
     v1_runner,
 )
-from parity.backends.vllm_requests import routes_for_rollout, top_k_of, translate_sampling, with_routes
+from parity.backends.vllm_requests import (
+    check_vllm_requests,
+    routes_for_rollout,
+    top_k_of,
+    translate_sampling,
+    with_routes,
+)
 from parity.backends.vllm_routes import capture_engine_kwargs, start_route_capture, take_routes
 from parity.backends.vllm_start import (
     GPU_MEMORY_UTILIZATION,
@@ -270,6 +276,12 @@ class VLLMBackend(Backend):
     @classmethod
     def top_k_limit(cls, options: dict[str, Any]) -> int | None:
         return None  # parity starts the engine with max_logprobs=-1 (the vocabulary)
+
+    @classmethod
+    def check_requests(cls, requests: Sequence[Request], options: dict[str, Any]) -> None:
+        """What `generate` would refuse (the engine's logprob mode, temperatures vLLM refuses or
+        silently raises), before the engine starts."""
+        check_vllm_requests(requests, options.get("logprobs_mode", "processed"), cls.name)
 
     def _score(self, pairs: list[Pair], sampling: SamplingParams) -> list[torch.Tensor]:
         """Teacher-forced response logprobs through `prompt_logprobs` (raw; converted if processed)."""

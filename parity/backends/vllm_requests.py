@@ -11,10 +11,13 @@ import numpy as np
 
 from parity.backends.base import SampleJob, TopKRows, stop_set
 from parity.core.errors import BackendError, ConfigError
-from parity.core.types import Rollout
+from parity.core.types import Request, Rollout
 
 #: vLLM rejects temperatures above this (SamplingParams._verify_args).
 VLLM_MAX_TEMPERATURE = 2.0
+#: vLLM raises a temperature in (0, this) to this, with only a log line (SamplingParams.__post_init__,
+#: `_MAX_TEMP`): it would sample, and report processed logprobs, at another temperature than asked.
+VLLM_MIN_TEMPERATURE = 0.01
 
 
 def translate_sampling(job: SampleJob, eos_ids: Sequence[int]) -> dict[str, Any]:
@@ -24,12 +27,31 @@ def translate_sampling(job: SampleJob, eos_ids: Sequence[int]) -> dict[str, Any]
     if sp.temperature > VLLM_MAX_TEMPERATURE:
         raise ConfigError(f"request {job.request.request_id!r}: sampling.temperature={sp.temperature} "
                           f"is above vLLM's limit of {VLLM_MAX_TEMPERATURE}; use a lower temperature")
+    if 0 < sp.temperature < VLLM_MIN_TEMPERATURE:
+        raise ConfigError(f"request {job.request.request_id!r}: sampling.temperature={sp.temperature} is "
+                          f"below {VLLM_MIN_TEMPERATURE}, which vLLM silently raises to "
+                          f"{VLLM_MIN_TEMPERATURE} (it would sample at another temperature than asked); use "
+                          f"temperature=0 (greedy) or at least {VLLM_MIN_TEMPERATURE}")
     return {
         "n": 1, "temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k,
         "max_tokens": sp.max_tokens, "min_tokens": 0, "seed": job.seed,
         "stop_token_ids": list(stop_set(sp, eos_ids)), "ignore_eos": sp.ignore_eos,
         "logprobs": sp.top_k_logprobs, "detokenize": False, "skip_special_tokens": False,
     }
+
+
+def check_vllm_requests(requests: Sequence[Request], logprobs_mode: str, backend: str) -> None:
+    """ConfigError for a request a vLLM engine reporting `logprobs_mode` would refuse or run otherwise
+    than asked, before it starts: the engine-wide logprob mode, `translate_sampling`'s refusals. Per
+    request, not per sample or turn: what is checked is the same for each of them."""
+    for request in requests:
+        mode = request.sampling.logprobs_mode
+        if mode != logprobs_mode:
+            raise ConfigError(
+                f"request {request.request_id!r} asks for logprobs_mode={mode!r} but backend {backend!r} "
+                f"is started with logprobs_mode={logprobs_mode!r} (one mode per engine); start it with "
+                f"logprobs_mode={mode!r} (--option logprobs_mode={mode})")
+        translate_sampling(SampleJob(request, 0, request.sampling.seed), ())
 
 
 def top_k_of(steps: Sequence[dict[int, Any]], k: int) -> TopKRows | None:

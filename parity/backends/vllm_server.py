@@ -28,7 +28,7 @@ from parity.backends.http import Endpoint, HttpClient, HttpSettings, api_key_fro
 from parity.backends.vllm_env import check_batch_invariant_platform, resolve_flag
 from parity.backends.vllm_exit import ENV as FAST_EXIT
 from parity.backends.vllm_probe import PROBE_EXTENSION, PROBE_KEY, unpack_probe
-from parity.backends.vllm_requests import routes_for_rollout, with_routes
+from parity.backends.vllm_requests import check_vllm_requests, routes_for_rollout, with_routes
 from parity.backends.vllm_settings import from_probes, from_server_info
 from parity.backends.vllm_start import (
     GPU_MEMORY_UTILIZATION,
@@ -322,6 +322,12 @@ class VLLMServerBackend(Backend):
                 result.append(torch.tensor([row[tok] for row, tok in zip(rows, response)],
                                            dtype=torch.float32))
         return result
+
+    @classmethod
+    def check_requests(cls, requests: Sequence[Request], options: dict[str, Any]) -> None:
+        """What `generate` would refuse (the declared logprob mode, temperatures vLLM refuses or
+        silently raises), before a server starts or is attached."""
+        check_vllm_requests(requests, options.get("logprobs_mode", "processed"), cls.name)
 
     @classmethod
     def top_k_limit(cls, options: dict[str, Any]) -> int | None:

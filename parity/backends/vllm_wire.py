@@ -63,8 +63,10 @@ def top_k_rows(answer: dict[str, Any], tokens: Sequence[int], k: int) -> TopKRow
     """The `top_logprobs` of a `/v1/completions` answer -> parity's top-k rows (as `top_k_of` gives
     them); None for k = 0.
 
-    vLLM lists the sampled token first, then the top-k: k + 1 entries when the sampled token ranks
-    below k (dropped here; a tie with the k-th counts as within k, as the engine's rank does).
+    vLLM lists the sampled token first, then the top-k: k + 1 entries exactly when the sampled token
+    is not among the engine's top-k (dropped here, whatever its value: a sampled token that ties the
+    k-th but was not picked is outside, as the offline engine's rank, the count of logprobs >= its
+    own, says).
     """
     if not k:
         return None
@@ -78,8 +80,11 @@ def top_k_rows(answer: dict[str, Any], tokens: Sequence[int], k: int) -> TopKRow
         if not items or items[0][0] != token or len(items) > k + 1:
             raise BackendError(f"vLLM server top_logprobs for token {token} are not that token and then the "
                                f"top-{k} ({len(items)} entries, first {items[:1]})")
-        if len(items) > k and items[0][1] < min(v for _, v in items[1:]):
-            items = items[1:]  # the sampled token ranks below k
+        if len(items) > k:  # the sampled token is not among the top-k
+            if items[0][1] > min(v for _, v in items[1:]):
+                raise BackendError(f"vLLM server top_logprobs list token {token} outside the top-{k} but "
+                                   f"more likely than one inside ({items})")
+            items = items[1:]
         order = sorted(range(len(items)), key=lambda i: (-items[i][1], i))
         ids.append([items[i][0] for i in order])
         values.append([items[i][1] for i in order])
