@@ -31,13 +31,13 @@ from parity.core.top_k import TopKError
 from parity.core.turns import Turn
 from parity.core.types import SamplingParams
 from parity.drift.tolerance import Tolerance
-from parity.models import model_limits
+from parity.models import ModelLimits, model_limits
 from parity.models.lora import LoraSpec, check_adapter, check_without_tensor_parallel
 from parity.report.document import ParityReport
 from parity.report.provenance import provenance
 from parity.rollouts.matching import check_samples, match_requests
 from parity.rollouts.record import write_record
-from parity.workload.cases import Case
+from parity.workload.cases import Case, turns_problem
 from parity.workload.prompts import Dataset, PromptSource
 from parity.workload.resolve import resolve_workload, with_logprobs_mode
 
@@ -67,20 +67,22 @@ def compare(
 ) -> ParityReport:
     """Measure train/infer logprob parity of `backend` on `model`.
 
-    model: None takes the case's. backend: a registry name (shared, with `backend_options`) or a
-    running `Backend`; a `logprobs_mode` option puts every request in that mode. case: a `Case` or
-    TOML path; prompts: token ids, strings, chat messages or a dataset, prompt i sampled with
-    `sampling` and seed `sampling.seed + i`; neither: `default_case(model)`. turns: makes every
-    prompt a trajectory. reference: "invariant" or "native". dtype: the engine's (None: the case's
-    first, else bfloat16); trainer_dtype: the training forward's when different. tolerance: None is
-    the case's or `Tolerance.for_backend`; a dict overrides fields. router_replay: "R3", "R2" or
-    None (starts the backend with route capture; R3 without it is a ConfigError). device: "auto" is
-    where the backend runs. correction: `rollout_correction` kwargs. attribute: `parity.attribute.AXES`.
-    record: write the run's record after sampling (unwritable: `OutputError` carrying the report).
-    tensor_parallel: the backend's degree; the forward runs the TP-invariant layout. gold: True,
-    False or None (when cheap: `parity.engine.gold.decide`). lora: an adapter (not with
+    model: None takes the case's (another model than the case names is a ConfigError). backend: a
+    registry name (shared, with `backend_options`) or a running `Backend`; a `logprobs_mode` option
+    puts every request in that mode. case: a `Case` or TOML path; prompts: token ids, strings, chat
+    messages or a dataset, prompt i sampled with `sampling` and seed `sampling.seed + i`; neither:
+    `default_case(model)`. turns: makes every prompt a trajectory. reference: "invariant" or
+    "native". dtype: the engine's (None: the case's first, else bfloat16); trainer_dtype: the
+    training forward's when different. tolerance: None is the case's or `Tolerance.for_backend`; a
+    dict overrides the fields it names (of the case's limits where it has them). router_replay:
+    "R3", "R2" or None (starts the backend with route capture; R3 without it is a ConfigError).
+    device: "auto" is where the backend runs. correction: `rollout_correction` kwargs. attribute:
+    `parity.attribute.AXES`. record: write the run's record after sampling (unwritable:
+    `OutputError` carrying the report). tensor_parallel: the backend's degree; the forward runs the
+    TP-invariant layout. gold: True, False or None (when cheap: `parity.engine.gold.decide`). lora:
+    an adapter (None: the case's; another than the case's is a ConfigError; not with
     tensor_parallel or attribute). top_k_logprobs: the backend's top-k per position for the
-    full-distribution drift (above its limit: `TopKError`).
+    full-distribution drift (None: the case's; above the backend's limit: `TopKError`).
     """
     # every argument is checked before an engine starts (vLLM takes ~40 s to start on CPU)
     if reference not in KERNEL_MODES:
@@ -93,17 +95,26 @@ def compare(
         the_case = with_logprobs_mode(the_case, backend_options["logprobs_mode"])
     if top_k_logprobs is not None:
         the_case = _with_top_k(the_case, top_k_logprobs, backend, backend_options)
+    elif asked := max(r.sampling.top_k_logprobs for r in the_case.requests):
+        # the case's own top_k_logprobs: a backend that returns fewer would drop the distribution drift
+        _top_k_limit_check(asked, backend, backend_options, "the case's sampling.top_k_logprobs")
     model_arg = os.fspath(model) if model is not None else the_case.model
     # every id against the model's vocabulary and context: an engine given a bad id dies or fails late
     names = None if prompts is None else [f"prompts[{i}]" for i in range(len(the_case.requests))]
     limits_of_model = model_limits(model_arg)
     limits_of_model.check(
         the_case.requests, names=names, prefix="" if prompts is not None else f"case {the_case.name!r}: ")
+    _check_turns(the_case, limits_of_model, names)
     spec = _check_lora(lora if lora is not None else the_case.lora, model_arg, tensor_parallel, attribute)
+    if spec is not None and lora is not None and the_case.lora is not None \
+            and check_adapter(the_case.lora, model_arg).path.resolve() != spec.path.resolve():
+        raise ConfigError(f"lora {os.fspath(lora)!r} is not the adapter case {the_case.name!r} names "
+                          f"({the_case.lora!r}); drop lora (--lora) to run the case's, or copy the case file "
+                          "with lora set to the one you mean")
     dtype = check_dtype(dtype or (the_case.dtypes[0] if the_case.dtypes else "bfloat16"))
     train_dtype = check_dtype(trainer_dtype or dtype, "trainer_dtype")
     name = backend if isinstance(backend, str) else getattr(backend, "name", "")
-    given = tolerance if tolerance is not None else the_case.tolerance_for(name)
+    given = _given_tolerance(tolerance, the_case.tolerance_for(name))
     limits = Tolerance.resolve(given, name, train_dtype, dtype)
     router_replay_options(router_replay)
     check_gold(gold)
@@ -167,17 +178,49 @@ def _with_top_k(case: Case, k: Any, backend: str | Backend, options: dict[str, A
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise TopKError(f"top_k_logprobs must be an integer >= 1 (how many of the most likely tokens the "
                         f"engine returns per position), got {k!r}")
-    name = backend if isinstance(backend, str) else getattr(backend, "name", "")
-    limit = top_k_limit(name, options) if name in BACKENDS else type(backend).top_k_limit(options)
-    if limit == 0:
-        raise TopKError(f"backend {name!r} returns no top-k logprobs yet; drop top_k_logprobs or use "
-                        "reference, hf, vllm or sglang")
-    if limit is not None and k > limit:
-        raise TopKError(f"top_k_logprobs={k} is above the {limit} logprobs per position backend {name!r} "
-                        f"returns; ask for at most {limit}")
+    _top_k_limit_check(k, backend, options, "top_k_logprobs")
     requests = tuple(dataclasses.replace(r, sampling=r.sampling.replace(top_k_logprobs=k))
                      for r in case.requests)
     return dataclasses.replace(case, requests=requests)
+
+
+def _top_k_limit_check(k: int, backend: str | Backend, options: dict[str, Any], field: str) -> None:
+    """`TopKError` naming `field` unless `backend` returns `k` top-k logprobs per position."""
+    if isinstance(backend, str):
+        limit = top_k_limit(backend, options)  # an unknown name: ConfigError listing the names
+    elif callable(getattr(type(backend), "top_k_limit", None)):  # a running Backend (or one shaped so)
+        limit = type(backend).top_k_limit(options)
+    else:
+        raise ConfigError(f"backend must be a backend name or a running parity Backend, got "
+                          f"{type(backend).__name__} {backend!r:.40}")
+    name = backend if isinstance(backend, str) else getattr(backend, "name", "")
+    if limit == 0:
+        raise TopKError(f"backend {name!r} returns no top-k logprobs yet; drop {field} or use "
+                        "reference, hf, vllm or sglang")
+    if limit is not None and k > limit:
+        raise TopKError(f"{field}={k} is above the {limit} logprobs per position backend {name!r} "
+                        f"returns; ask for at most {limit}")
+
+
+def _given_tolerance(tolerance: Tolerance | dict[str, Any] | None, case: Tolerance | None
+                     ) -> Tolerance | dict[str, Any] | None:
+    """The `tolerance=` argument over the case's limits for the backend: None keeps the case's, a dict
+    overrides the fields it names (of the case's limits where the case has them, else of the default)."""
+    if tolerance is None:
+        return case
+    if isinstance(tolerance, dict) and case is not None:
+        return Tolerance.from_dict({**case.to_dict(), **tolerance})
+    return tolerance
+
+
+def _check_turns(case: Case, limits: ModelLimits, names: Sequence[str] | None) -> None:
+    """ConfigError naming the request and turn whose ids are outside the vocabulary or whose generated
+    turn cannot fit the request's max_tokens (`turns_problem`)."""
+    for i, r in enumerate(case.requests):
+        problem = turns_problem(r.turns, r.sampling.max_tokens, limits)
+        if problem is not None:
+            who = names[i] if names is not None else f"case {case.name!r}: request {r.request_id!r}"
+            raise ConfigError(f"{who}: {problem[0]}: {problem[1]}")
 
 
 def _check_lora(lora: str | os.PathLike[str] | None, model: str, tensor_parallel: int | None,

@@ -300,6 +300,11 @@ def load_case(path: str | Path) -> Case:
     requests = _requests(blocks, encode())
     if kind == "trajectory":
         turns = _load_turns(f, data.get("turns"), model)
+        for j, (_, base, _) in enumerate(blocks):
+            where = f"sampling[{j}]" if len(blocks) > 1 else "sampling"
+            problem = turns_problem(turns, base.max_tokens, limits, max_tokens_field=f"{where}.max_tokens")
+            if problem is not None:
+                raise f.error(*problem)
         requests = tuple(dataclasses.replace(r, turns=turns) for r in requests)
     try:
         limits.check(requests)
@@ -361,6 +366,37 @@ def _load_turns(f: Fields, table: Any, model: str) -> tuple[Turn, ...]:
         raise f.error("turns", str(exc)) from exc
 
 
+def turns_problem(turns: Iterable[Turn], max_tokens: int, limits: ModelLimits | None, *,
+                  max_tokens_field: str = "sampling.max_tokens") -> tuple[str, str] | None:
+    """(field, message) of the first turn that cannot be what it says, or None: a stop or injected id
+    outside the vocabulary (a stop that never fires, an id the engine refuses mid-run), or a generated
+    turn whose budget cannot fit in `max_tokens` (the whole response, injections included) even when
+    every turn before it is as short as it can be (a generated turn: 1 token; a tool reply: none), so
+    that it is cut or never sampled."""
+    fewest = 0  # the fewest response tokens before turn i
+    for i, turn in enumerate(turns):
+        where = f"turns[{i}]"
+        if isinstance(turn, Generate):
+            problem = None if limits is None else limits.vocabulary_problem(turn.stop_token_ids)
+            if problem:
+                return f"{where}.stop_token_ids", problem
+            if fewest + turn.max_tokens > max_tokens:
+                before = f", the turns before it take at least {fewest} of them," if fewest else ","
+                need = fewest + turn.max_tokens
+                return (f"{where}.generate",
+                        f"{turn.max_tokens} tokens do not fit in {max_tokens_field} = {max_tokens}, which "
+                        f"bounds the whole response (generated and injected tokens){before} so this turn "
+                        f"would be cut or never sampled; raise {max_tokens_field} to at least {need} or "
+                        "lower generate")
+            fewest += 1
+        else:
+            problem = None if limits is None else limits.vocabulary_problem(turn.token_ids)
+            if problem:
+                return f"{where}.inject", problem
+            fewest += len(turn.token_ids)
+    return None
+
+
 def _token_ids(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(isinstance(x, int) for x in value)
 
@@ -396,6 +432,10 @@ def _sampling_blocks(f: Fields, sampling: Any, logprobs_mode: str,
         problem = limits.vocabulary_problem(base.stop_token_ids)
         if problem:
             raise f.error(where + "stop_token_ids", problem)
+        if len(blocks) == 1 and "label" in block:
+            # a label prefixes the request ids of a sweep's blocks; on a lone block it would be dropped
+            raise f.error(where + "label", "names a block of a sweep ([[sampling]] given two or more times); "
+                                           "remove it, or add the sweep's other blocks")
         label = f.get(block, "label", str, default=_label(base), prefix=where) if len(blocks) > 1 else ""
         if label in labels:
             raise f.error(where + "label", f"{label!r} is used by two sampling blocks; labels must be unique")

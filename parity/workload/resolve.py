@@ -10,11 +10,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from parity.core.errors import ConfigError
+from parity.core.errors import ConfigError, ParityError
 from parity.core.schema import LOGPROBS_MODES
 from parity.core.strict import check_choice
 from parity.core.turns import Turn, check_turns
 from parity.core.types import Request, SamplingParams
+from parity.models import resolve_model
 from parity.workload.cases import Case, default_case, resolve_case
 from parity.workload.prompts import Dataset, PromptSource, check_prompt, encode_prompts
 from parity.workload.tools import bind_tools
@@ -32,7 +33,14 @@ def resolve_workload(model: str | os.PathLike[str] | None, case: Case | str | os
     if case is not None:
         if sampling is not None:
             raise ConfigError("sampling applies to prompts; a case carries its own sampling parameters")
-        return resolve_case(case)
+        the_case = resolve_case(case)
+        if model is not None and not _same_model(model, the_case.model):
+            # the case's prompts were encoded, and its limits checked, with its own model's tokenizer
+            shown = os.fspath(model) if isinstance(model, (str, os.PathLike)) else model
+            raise ConfigError(f"case {the_case.name!r} names model {the_case.model!r}, not model {shown!r}; "
+                              "drop model (--model) to run the case's, or copy the case file with model set "
+                              "to the one you mean")
+        return the_case
     if model is None:
         raise ConfigError("model is required unless a case names it; "
                           "pass a built-in name or a checkpoint path")
@@ -62,6 +70,18 @@ def resolve_workload(model: str | os.PathLike[str] | None, case: Case | str | os
                              turns=bound) for i, p in enumerate(ids))
     return Case(name="prompts", model=os.fspath(model), requests=requests,
                 logprobs_mode=sampling.logprobs_mode, kind="trajectory" if bound else "compare")
+
+
+def _same_model(model: str | os.PathLike[str], case_model: str) -> bool:
+    """Whether `model` names the checkpoint `case_model` names (a built-in name and its directory alike)."""
+    if not isinstance(model, (str, os.PathLike)):
+        return False
+    if os.fspath(model) == case_model:
+        return True
+    try:
+        return resolve_model(model).resolve() == resolve_model(case_model).resolve()
+    except ParityError:
+        return False
 
 
 def with_logprobs_mode(case: Case, mode: Any) -> Case:
