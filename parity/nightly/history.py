@@ -9,6 +9,7 @@ import datetime as _dt
 import json
 import sqlite3
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -179,15 +180,22 @@ class History:
         found = self._select("WHERE run_id = ? AND row_key = ?", (run_id, str(key)), with_report)
         return self._row(found[0], with_report) if found else None
 
-    def last_passing(self, key: RowKey, *, before_run: str, with_report: bool = False) -> RowResult | None:
-        """The newest row with this key that passed, from a run created before `before_run`
-        (with its report JSON when `with_report`)."""
-        found = self._select(
+    def last_passing(self, key: RowKey, *, before_run: str, with_report: bool = False,
+                     accept: Callable[[RowResult], bool] | None = None) -> RowResult | None:
+        """The newest row with this key that passed (and that `accept` takes, e.g. one of the same
+        configuration), from a run created before `before_run` (with its report JSON when `with_report`)."""
+        columns = [c if c != "report" or with_report else "NULL" for c in _ROW_COLUMNS]
+        found = self._db.execute(  # a cursor: rows are read (and decompressed) until one is taken
+            f"SELECT {', '.join(columns)} FROM rows "
             f"WHERE row_key = ? AND status IN ({', '.join('?' * len(PASSING))}) "
             "AND run_id IN (SELECT run_id FROM runs WHERE seq < (SELECT seq FROM runs WHERE run_id = ?)) "
-            "ORDER BY (SELECT seq FROM runs WHERE runs.run_id = rows.run_id) DESC LIMIT 1",
-            (str(key), *PASSING, before_run), with_report)
-        return self._row(found[0], with_report) if found else None
+            "ORDER BY (SELECT seq FROM runs WHERE runs.run_id = rows.run_id) DESC",
+            (str(key), *PASSING, before_run))
+        try:
+            rows = (self._row(r, with_report) for r in found)
+            return next((r for r in rows if accept is None or accept(r)), None)
+        finally:
+            found.close()
 
     def trend(self, keys: list[RowKey], *, up_to_run: str) -> list[tuple[str, RowKey, dict[str, Any]]]:
         """(run_id, key, summary) of every non-error row with one of `keys`, from runs up to and

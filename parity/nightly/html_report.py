@@ -17,7 +17,7 @@ from parity.drift.tolerance import Violation
 from parity.nightly.charts import trend_charts
 from parity.nightly.history import RunInfo
 from parity.nightly.regression import NOISE_DETERMINISTIC_KEY, NOISE_MEAN_KEY, TEST_NAME
-from parity.nightly.rows import STATUSES, RowKey, RowResult, correction_change
+from parity.nightly.rows import BASELINE_SKIPPED, STATUSES, RowKey, RowResult, correction_change
 from parity.render.gold import gold_plots
 from parity.render.report_page import key_value_table, report_plots, worst_tokens_table
 from parity.report.document import ParityReport
@@ -196,6 +196,8 @@ def _row_section(row: RowResult) -> str:
              f"{_badge(row.status)}"]
     if row.verdict is not None:
         parts.append(f'<p class="sub">{html.escape(row.verdict.describe())}</p>')
+    elif BASELINE_SKIPPED in row.provenance:
+        parts.append(f'<p class="sub">{html.escape(str(row.provenance[BASELINE_SKIPPED]))}.</p>')
     elif row.status != "error":
         parts.append('<p class="sub">No baseline row yet: this run becomes the baseline if it passes.</p>')
     if GOLD_VERDICT_KEY in row.summary:

@@ -13,7 +13,7 @@ from parity.core.schema import GOLD_RATIO_KEY, GOLD_VERDICT_KEY
 from parity.drift.tolerance import Violation
 from parity.nightly.history import RunInfo
 from parity.nightly.regression import TEST_NAME
-from parity.nightly.rows import STATUSES, RowResult, correction_change
+from parity.nightly.rows import BASELINE_SKIPPED, STATUSES, RowResult, correction_change
 
 _MARK = {"error": "💥", "regression": "📉", "fail": "❌", "improved": "📈", "pass": "✅"}
 
@@ -49,6 +49,8 @@ def render_summary(run: RunInfo, rows: list[RowResult], *, report_path: str = "i
             notes.append(f"- **{_cell(r.key.label)}** tolerance: {_cell(Violation(**viol).describe())}")
         if r.verdict is not None and r.verdict.change != "unchanged":
             notes.append(f"- **{_cell(r.key.label)}** {_cell(r.verdict.describe())}")
+        if BASELINE_SKIPPED in r.provenance:
+            notes.append(f"- **{_cell(r.key.label)}** {_cell(str(r.provenance[BASELINE_SKIPPED]))}")
         if GOLD_VERDICT_KEY in r.summary and r.status != "pass":
             verdict = str(r.summary[GOLD_VERDICT_KEY])
             notes.append(f"- **{_cell(r.key.label)}** which side moved: {_cell(verdict)}")

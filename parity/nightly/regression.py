@@ -1,7 +1,8 @@
 """Regression detection: is this row's per-token drift worse than its baseline's?
 
 A one-sided Mann-Whitney U test on per-token |Δlogp| at `alpha`, plus a mean shift above
-`min_effect` nats (tokens of a sequence correlate, so p-values are optimistic). With the
+`min_effect` nats or a moved share of non-finite tokens (those rank worst and stay out of the means,
+as in the report's summary; tokens of a sequence correlate, so p-values are optimistic). With the
 backend's `Noise` (`judge_with_noise`): a deterministic backend's any change is "changed"; a
 nondeterministic one's significant shift within its repeat noise is "noise" (the triangle
 inequality bounds it where tokens agree).
@@ -97,6 +98,12 @@ class Verdict:
     min_effect: float
     test: str = TEST_NAME
     noise: dict[str, Any] | None = None
+    #: tokens whose |Δlogp| is not finite (outside a side's support, NaN): ranked worst by the test,
+    #: left out of the means (as the report's summary leaves them out). Absent in older histories: 0.
+    current_nonfinite: int = 0
+    baseline_nonfinite: int = 0
+    #: the settings that differ from the baseline row's (e.g. "versions.vllm 0.6.0 → 0.7.0"), or "".
+    settings_changed: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -115,25 +122,45 @@ class Verdict:
         with the backend's noise where it was measured."""
         text = (f"{self.change} vs {self.baseline_run}: mean |Δlogp| {self.baseline_mean:.3g} → "
                 f"{self.current_mean:.3g} nats ({self.effect:+.3g}, p={self.p_value:.2g})")
+        if self.current_nonfinite or self.baseline_nonfinite:
+            text += (f"; non-finite on {self.baseline_nonfinite} of {self.baseline_tokens} → "
+                     f"{self.current_nonfinite} of {self.current_tokens} tokens (ranked worst, left out of "
+                     "the means)")
+        if self.settings_changed:
+            text += f"; the baseline ran another setting: {self.settings_changed}"
         if self.noise is not None:
             text += f"; {Noise.from_dict(self.noise).describe()}"
         return text
 
     @property
     def p_value(self) -> float:
-        """The p-value of the one-sided test in the direction the mean moved."""
+        """The p-value of the one-sided test behind the change (regression: worse; improved: better),
+        else in the direction the mean moved."""
+        if self.change == "regression":
+            return self.p_worse
+        if self.change == "improved":
+            return self.p_better
         return self.p_worse if self.effect >= 0 else self.p_better
+
+    @property
+    def support_moved(self) -> int:
+        """+1 / -1 when the share of non-finite tokens grew / shrank against the baseline, else 0."""
+        return _support_moved(self.current_nonfinite, self.current_tokens, self.baseline_nonfinite,
+                              self.baseline_tokens)
 
 
 def compare_drift(current: np.ndarray, baseline: np.ndarray, *, baseline_run: str,
                   policy: RegressionPolicy) -> Verdict:
-    """Compare per-token |Δlogp| arrays (any shape; non-finite values count as worst)."""
+    """Compare per-token |Δlogp| arrays (any shape). Non-finite values rank worst in the test and are
+    left out of the means (as the report's summary leaves them out); the effect is the change of the
+    finite means, and a significant shift counts also when the share of non-finite tokens moved its way.
+    """
     cur = _clean(current)
     base = _clean(baseline)
-    with np.errstate(over="ignore", invalid="ignore"):  # a non-finite token makes the mean inf
-        cur_mean = float(cur.mean()) if cur.size else 0.0
-        base_mean = float(base.mean()) if base.size else 0.0
-        effect = cur_mean - base_mean
+    cur_bad, base_bad = _nonfinite(current), _nonfinite(baseline)
+    cur_mean, base_mean = _finite_mean(current), _finite_mean(baseline)
+    effect = cur_mean - base_mean
+    support = _support_moved(cur_bad, int(cur.size), base_bad, int(base.size))
     p_worse = p_better = 1.0
     # All values equal (e.g. exact-zero drift on both sides) is a complete tie: no evidence of
     # change, and scipy's normal approximation would divide by a zero variance.
@@ -143,14 +170,15 @@ def compare_drift(current: np.ndarray, baseline: np.ndarray, *, baseline_run: st
         p_worse = float(mannwhitneyu(cur, base, alternative="greater").pvalue)
         p_better = float(mannwhitneyu(cur, base, alternative="less").pvalue)
     change: Change = "unchanged"
-    if p_worse < policy.alpha and effect > policy.min_effect:
+    if p_worse < policy.alpha and (effect > policy.min_effect or support > 0):
         change = "regression"
-    elif p_better < policy.alpha and -effect > policy.min_effect:
+    elif p_better < policy.alpha and (-effect > policy.min_effect or support < 0):
         change = "improved"
     return Verdict(change=change, baseline_run=baseline_run, p_worse=p_worse, p_better=p_better,
                    effect=effect, current_mean=cur_mean, baseline_mean=base_mean,
                    current_tokens=int(cur.size), baseline_tokens=int(base.size),
-                   alpha=policy.alpha, min_effect=policy.min_effect)
+                   alpha=policy.alpha, min_effect=policy.min_effect,
+                   current_nonfinite=cur_bad, baseline_nonfinite=base_bad)
 
 
 def distribution_verdict(current_report: str | None, baseline_report: str | None, *, baseline_run: str,
@@ -162,11 +190,34 @@ def distribution_verdict(current_report: str | None, baseline_report: str | None
                 for r in (current_report, baseline_report)]
     if not all(sections):
         return {}
+    if sections[0].get("top_k") != sections[1].get("top_k"):
+        # a lower bound from more of the distribution is larger: bounds of two widths are not comparable
+        widths = (sections[1].get("top_k"), sections[0].get("top_k"))
+        return {DISTRIBUTION_VERDICT_KEY: f"not compared with {baseline_run}: the engine's top-k was "
+                                          f"{widths[0]} there, {widths[1]} here"}
     current, baseline = (np.asarray([json_float(v) for v in s["kl_train_engine"]], np.float64)
                          for s in sections)
     verdict = compare_drift(current, baseline, baseline_run=baseline_run, policy=policy)
     return {DISTRIBUTION_CHANGE_KEY: verdict.change,
             DISTRIBUTION_VERDICT_KEY: verdict.describe().replace("mean |Δlogp|", "mean KL(train || engine)")}
+
+
+def _support_moved(cur_bad: int, cur_size: int, base_bad: int, base_size: int) -> int:
+    """+1 when the share of non-finite tokens grew against the baseline, -1 when it shrank, else 0."""
+    cur_share = cur_bad / cur_size if cur_size else 0.0
+    base_share = base_bad / base_size if base_size else 0.0
+    return (cur_share > base_share) - (cur_share < base_share)
+
+
+def _nonfinite(values: np.ndarray) -> int:
+    return int(np.count_nonzero(~np.isfinite(np.asarray(values, dtype=np.float64))))
+
+
+def _finite_mean(values: np.ndarray) -> float:
+    """Mean |value| over the finite values (0.0 for none: no token, or every one non-finite)."""
+    arr = np.abs(np.asarray(values, dtype=np.float64).ravel())
+    arr = arr[np.isfinite(arr)]
+    return float(arr.mean()) if arr.size else 0.0
 
 
 def _clean(values: np.ndarray) -> np.ndarray:
@@ -184,6 +235,7 @@ def judge_with_noise(verdict: Verdict, noise: Noise, current: np.ndarray, baseli
             change = "improved" if change == "improved" else "changed"
         else:
             change = "unchanged"
-    elif change in ("regression", "improved") and abs(verdict.effect) <= noise.mean_abs_logprob_diff:
+    elif change in ("regression", "improved") and abs(verdict.effect) <= noise.mean_abs_logprob_diff \
+            and verdict.support_moved == 0:  # repeat noise says nothing of tokens leaving the support
         change = "noise"
     return dataclasses.replace(verdict, change=change, noise=noise.to_dict())

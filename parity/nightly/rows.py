@@ -18,6 +18,8 @@ Status = Literal["error", "regression", "fail", "improved", "pass"]
 STATUSES: tuple[str, ...] = ("error", "regression", "fail", "improved", "pass")
 #: statuses that make a row eligible as a later run's automatic baseline.
 PASSING: tuple[str, ...] = ("pass", "improved")
+#: provenance key of a row whose baseline row ran another configuration: why it has no verdict.
+BASELINE_SKIPPED = "baseline_not_compared"
 RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 
 

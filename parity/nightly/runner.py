@@ -47,7 +47,7 @@ from parity.nightly.lock import RunLock
 from parity.nightly.noise import AUDIT, backend_noise
 from parity.nightly.publish import publish
 from parity.nightly.regression import RegressionPolicy, compare_drift, distribution_verdict, judge_with_noise
-from parity.nightly.rows import RowKey, RowResult, check_run_id, exit_code, row_status
+from parity.nightly.rows import BASELINE_SKIPPED, RowKey, RowResult, check_run_id, exit_code, row_status
 from parity.workload.cases import Case, load_cases
 
 AUTO = "auto"
@@ -327,18 +327,25 @@ def judge_row(row: RowResult, case: Case, config: NightlyConfig, history: Histor
     """A row from an executor judged against its baseline and, where an audit ran, the backend's noise;
     error, lifecycle and audit rows as they are.
     """
-    if row.status == "error" or case.kind in ("lifecycle", AUDIT):
-        return row
+    if row.status == "error" or case.kind in ("lifecycle", AUDIT, "loop") or not row.abs_diff.size:
+        return row  # no per-token drift to test (a loop row's figures are per step)
     noise = backend_noise(history.rows(row.run_id), row)
     if noise is not None:  # the row shows its noise, with or without a baseline
         row = dataclasses.replace(row, summary={**row.summary, **noise.summary()})
     reports = DISTRIBUTION_SUMMARY_KEYS[0] in row.summary  # the KL verdict reads the baseline's section
-    baseline = history.row(config.baseline, row.key, with_report=reports) if config.baseline is not None \
-        else history.last_passing(row.key, before_run=row.run_id, with_report=reports)
-    if baseline is None or baseline.status == "error":
+    if config.baseline is not None:
+        baseline = history.row(config.baseline, row.key, with_report=reports)
+    else:  # the newest passing row of the same workload (a case edited under its name is another one)
+        baseline = history.last_passing(row.key, before_run=row.run_id, with_report=reports,
+                                        accept=lambda old: not config_change(row, old, WORKLOAD))
+    if baseline is None or baseline.status == "error" or not baseline.abs_diff.size:
         return row
+    if changed := config_change(row, baseline, WORKLOAD):
+        note = f"not compared with {baseline.run_id}: another workload ({changed})"
+        return dataclasses.replace(row, provenance={**row.provenance, BASELINE_SKIPPED: note})
     verdict = compare_drift(row.abs_diff, baseline.abs_diff, baseline_run=baseline.run_id,
                             policy=config.policy)
+    verdict = dataclasses.replace(verdict, settings_changed=config_change(row, baseline, SETTINGS))
     if noise is not None:
         verdict = judge_with_noise(verdict, noise, row.abs_diff, baseline.abs_diff)
     summary = {**row.summary, **distribution_verdict(row.report_json, baseline.report_json,
@@ -347,6 +354,42 @@ def judge_row(row: RowResult, case: Case, config: NightlyConfig, history: Histor
         summary[BASELINE_RECOMMENDATION_KEY] = baseline.summary[RECOMMENDATION_KEY]
     return dataclasses.replace(row, verdict=verdict, status=row_status(row.violations, verdict),
                                summary=summary)
+
+
+#: provenance entries that must agree for two rows of one key to be compared at all: the case's
+#: contents (model name, prompts, sampling, logprobs mode, tensor-parallel size, adapter name), the
+#: model's and the adapter's weights.
+WORKLOAD = ("case_hash", "model_hash", "lora.hash")
+#: provenance entries a verdict names when they differ from its baseline's (changing them is what a
+#: regression run may test, e.g. `--reference native` against `--baseline`): the training side's
+#: kernels, the device, and every package version both rows record ("versions.*").
+SETTINGS = ("reference_kernels", "device", "versions.*")
+
+
+def config_change(row: RowResult, baseline: RowResult, names: tuple[str, ...]) -> str:
+    """Which of `names` (dotted provenance entries; "a.*": every entry of a) differ between two rows,
+    e.g. "case_hash 1a → 2b" ("" when none known does; an entry one of them lacks is not known)."""
+    changes = []
+    for name in names:
+        if name.endswith(".*"):
+            parent = name[:-2]
+            now, before = (_entry(r.provenance, parent) for r in (row, baseline))
+            both = set(now) & set(before) if isinstance(now, dict) and isinstance(before, dict) else set()
+            entries = [f"{parent}.{k}" for k in sorted(both)]
+        else:
+            entries = [name]
+        for entry in entries:
+            now, before = (_entry(r.provenance, entry) for r in (row, baseline))
+            if now is not None and before is not None and now != before:
+                changes.append(f"{entry} {before} → {now}")
+    return ", ".join(changes)
+
+
+def _entry(provenance: dict[str, Any], dotted: str) -> Any:
+    value: Any = provenance
+    for part in dotted.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
 
 
 def local_rows(run_id: str, todo: list[tuple[RowKey, Case]], config: NightlyConfig) -> Iterator[RowResult]:
