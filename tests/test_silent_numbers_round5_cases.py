@@ -10,7 +10,8 @@ engine start is replaced by a sentinel that fails the test if reached when it sh
   drift without a word (the `top_k_logprobs=` argument was refused);
 - a turn's stop ids or injected ids outside the vocabulary (a stop that never fires);
 - a generated turn that cannot fit the response's max_tokens (cut, or never sampled);
-- `label` on a lone `[sampling]` table, dropped.
+- `label` on a lone `[sampling]` table, dropped;
+- `parity lifecycle`, `parity attribute` and `parity.loop` with a model other than their case's.
 """
 
 from __future__ import annotations
@@ -182,3 +183,23 @@ def test_a_label_on_a_lone_sampling_table_is_refused_not_dropped(tmp_path):
     sweep = load_case(write(tmp_path, TOKENS + '[[sampling]]\nlabel = "hot"\n'
                                                '[[sampling]]\ntemperature = 0.5\n'))
     assert [r.request_id for r in sweep.requests] == ["hot/0", "hot/1", "t0.5/0", "t0.5/1"]
+
+
+@pytest.mark.parametrize("argv", [
+    ["lifecycle", "--backend", "reference", "--model", "tiny-qwen2", "--case", "smoke"],
+    ["attribute", "--model", "tiny-qwen2", "--case", "smoke"],
+    ["attribute", "--backend", "vllm", "--model", "tiny-qwen2", "--case", "smoke"],
+], ids=["lifecycle", "attribute", "attribute-engine"])
+def test_the_other_commands_refuse_a_model_other_than_the_cases(argv, capsys):
+    """`parity lifecycle` and `parity attribute` (both paths) ran the other model on the case's
+    prompts as compare did; they now exit 2 naming both models, before any engine."""
+    from parity.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "names model 'tiny-llama', not model 'tiny-qwen2'" in err and "--model" in err, err
+
+
+def test_the_loop_refuses_a_case_of_another_model():
+    with pytest.raises(ConfigError, match="names model 'tiny-llama', not model 'tiny-qwen2'"):
+        parity.loop("tiny-qwen2", steps=1, case="smoke")

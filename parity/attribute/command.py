@@ -31,7 +31,7 @@ from parity.core.types import Rollout
 from parity.render.attribution import attribution_page, engine_text, layers_text, ops_text
 from parity.runtime.frame import run_command
 from parity.workload.cases import default_case, resolve_case
-from parity.workload.resolve import with_logprobs_mode
+from parity.workload.resolve import check_case_model, with_logprobs_mode
 
 
 def _families(text: str) -> list[str] | str:
@@ -95,6 +95,7 @@ def _sequences(model: str | None, case_spec: str | None, dtype: str | None, devi
         case = default_case(model or "tiny-llama")
     else:
         case = resolve_case(case_spec, what="--case")
+        check_case_model(model, case, "--model")
     model = model or case.model
     dtype = dtype or case.dtypes[0]
     from parity.engine import ReferenceEngine  # torch: after parsing, so that --help stays light
@@ -146,6 +147,7 @@ def _run_engine(args: argparse.Namespace) -> int:
     """`parity attribute --backend B`: the engine probe (`parity.attribute.probe.engine_diff`)."""
     case = default_case(args.model or "tiny-llama") if args.case is None else resolve_case(args.case,
                                                                                             what="--case")
+    check_case_model(args.model, case, "--model")
     if args.max_sequences < 1:
         raise ConfigError(f"--max-sequences must be >= 1, got {args.max_sequences}")
     model = args.model or case.model

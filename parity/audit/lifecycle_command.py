@@ -14,6 +14,7 @@ from parity.core.errors import ConfigError
 from parity.core.outputs import output_file
 from parity.runtime.frame import run_command
 from parity.workload.cases import resolve_case
+from parity.workload.resolve import check_case_model
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -45,6 +46,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     case = resolve_case(args.case, what="--case") if args.case is not None else None
+    if case is not None:
+        check_case_model(args.model, case, "--model")
     model = args.model or (case.model if case is not None else None)
     if model is None:
         raise ConfigError("parity lifecycle needs --model (or --case naming a model)")

@@ -22,6 +22,7 @@ from parity.loop.record import LoopRecord
 from parity.models import resolve_model
 from parity.models.lora import checkpoint_linear_shapes, is_moe_checkpoint
 from parity.workload.cases import Case, resolve_case
+from parity.workload.resolve import check_case_model
 
 if TYPE_CHECKING:
     from parity.loop.task import Reward, Task
@@ -100,5 +101,6 @@ def _task(config: LoopConfig, case: Case | str | Path | None, reward: Reward | N
             return task
         return custom_task(getattr(reward, "__name__", "reward"), task.prompts, reward)
     case = resolve_case(case, what="case (--case)")
+    check_case_model(config.model, case, "the loop's model (--model)")
     prompts = list(dict.fromkeys(r.prompt_ids for r in case.requests))
     return custom_task(f"case {case.name}", prompts, reward or arithmetic_check(config.model, prompts))

@@ -34,12 +34,7 @@ def resolve_workload(model: str | os.PathLike[str] | None, case: Case | str | os
         if sampling is not None:
             raise ConfigError("sampling applies to prompts; a case carries its own sampling parameters")
         the_case = resolve_case(case)
-        if model is not None and not _same_model(model, the_case.model):
-            # the case's prompts were encoded, and its limits checked, with its own model's tokenizer
-            shown = os.fspath(model) if isinstance(model, (str, os.PathLike)) else model
-            raise ConfigError(f"case {the_case.name!r} names model {the_case.model!r}, not model {shown!r}; "
-                              "drop model (--model) to run the case's, or copy the case file with model set "
-                              "to the one you mean")
+        check_case_model(model, the_case)
         return the_case
     if model is None:
         raise ConfigError("model is required unless a case names it; "
@@ -70,6 +65,16 @@ def resolve_workload(model: str | os.PathLike[str] | None, case: Case | str | os
                              turns=bound) for i, p in enumerate(ids))
     return Case(name="prompts", model=os.fspath(model), requests=requests,
                 logprobs_mode=sampling.logprobs_mode, kind="trajectory" if bound else "compare")
+
+
+def check_case_model(model: str | os.PathLike[str] | None, case: Case,
+                     field: str = "model (--model)") -> None:
+    """ConfigError unless `model` is None or names the checkpoint `case` names: the case's prompts were
+    encoded, and its limits checked, with its own model's tokenizer."""
+    if model is not None and not _same_model(model, case.model):
+        shown = os.fspath(model) if isinstance(model, (str, os.PathLike)) else model
+        raise ConfigError(f"case {case.name!r} names model {case.model!r}, not model {shown!r}; drop {field} "
+                          "to run the case's, or copy the case file with model set to the one you mean")
 
 
 def _same_model(model: str | os.PathLike[str], case_model: str) -> bool:
