@@ -154,3 +154,18 @@ def test_an_explicit_error_baseline_row_still_gives_no_verdict(tmp_path):
         h.start_run("r2", {}, {})
         row = RowResult("r2", KEY, "pass", provenance=provenance(), abs_diff=drift(0.01))
         assert judge_row(row, COMPARE, config(tmp_path, baseline="r1"), h).verdict is None
+
+
+def test_a_variant_row_is_not_judged_against_the_plain_engines_noise():
+    """An audit row measures the noise of the engine it ran (no route capture, no prefix cache); a
+    variant row ran another engine, so its noise is unknown rather than the plain one's."""
+    from parity.nightly.noise import AUDIT, backend_noise
+
+    repeat = {"skipped": None, "identical": False, "mean_abs_logprob_diff": 0.01, "max_abs_logprob_diff": 0.1,
+              "differing_requests": 2, "requests": 8}
+    audit = RowResult(run_id="r1", key=RowKey("audit", "vllm", "bfloat16"), status="pass",
+                      provenance={"kind": AUDIT, "model": "tiny", AUDIT: {"checks": {"repeat": repeat}}})
+    plain, variant = (RowResult(run_id="r1", key=RowKey("moe", "vllm", "bfloat16", v), status="pass",
+                                provenance={"model": "tiny"}) for v in ("", "R3"))
+    assert backend_noise([audit], plain).mean_abs_logprob_diff == 0.01  # the control
+    assert backend_noise([audit], variant) is None

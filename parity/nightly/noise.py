@@ -57,13 +57,14 @@ def audit_row(run_id: str, key: RowKey, case: Case, engine: Backend, provenance:
 
 def backend_noise(rows: Iterable[RowResult], row: RowResult) -> Noise | None:
     """The noise of `row`'s backend: the repeat check of an audit row of the same run, model,
-    backend and dtype; None when there is none (or its repeat did not run)."""
+    backend, dtype and variant (a route-capture or prefix-cache engine is another engine, whose
+    noise the plain one's does not measure); None when there is none (or its repeat did not run)."""
     for other in rows:
         audit = other.provenance.get(AUDIT)
         if other.provenance.get("kind") != AUDIT or audit is None or other.status == "error":
             continue
-        same = (other.key.backend, other.key.dtype, other.provenance.get("model")) == \
-            (row.key.backend, row.key.dtype, row.provenance.get("model"))
+        same = (other.key.backend, other.key.dtype, other.key.router_replay, other.provenance.get("model")) \
+            == (row.key.backend, row.key.dtype, row.key.router_replay, row.provenance.get("model"))
         repeat = audit["checks"]["repeat"]
         if same and repeat["skipped"] is None:
             return Noise(source=other.key.label, deterministic=bool(repeat["identical"]),
