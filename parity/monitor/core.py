@@ -11,6 +11,7 @@ errors. A `log` that raises leaves store and monitor unchanged. Costs: docs/PERF
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -86,6 +87,11 @@ class Monitor:
         self.out_dir = output_dir(out_dir, "out_dir")
         self._store = MonitorStore.create(self.out_dir, run_name, journal=journal)
         self.run_name = self._store.run_info()["run_name"]
+        try:
+            _check_same_correction(self._store, self.correction, plain(self.run_name))
+        except BaseException:
+            self._store.close()
+            raise
         self._attempt, self._last_step = self._store.last_attempt()
         self._history = _history(self._store, [k for k, _ in self.jumps.factors])
         self._logged = 0
@@ -159,12 +165,16 @@ class Monitor:
                 record["summary"].update({SUPPORT_SUMMARY_KEYS[0]: outside,
                                           SUPPORT_SUMMARY_KEYS[1]: outside / counted if counted else 0.0})
                 values = flat_values(record)
-                jumps = self.jumps.check(values, {k: [v for _, v in h] for k, h in self._history.items()})
+                # a new attempt is judged against the steps it keeps, never against those it supersedes
+                history = self._history if attempt == self._attempt else \
+                    _history(self._store, list(self._history), before=step)
+                jumps = self.jumps.check(values, {k: [v for _, v in h] for k, h in history.items()})
                 advice = bool(jumps) or bool(self.advice_every and self._logged % self.advice_every == 0)
                 if advice and not self._advice_in_background:
                     record["recommendation"] = recommendation(tok, policy_lag=lag)
             self._describe_worst(record["worst_tokens"], tails, row_ids)
             record.update({k: v for k, v in context.items() if v is not None})
+            record["correction"] = correction_options(self.correction)
             record["alerts"] = self.thresholds.check(values) + [
                 _with_cause(a, lag, record.get("recommendation")) for a in jumps]
             if self.thresholds.bounds:
@@ -180,8 +190,7 @@ class Monitor:
                 log.warning("parity monitor %s: step %d is at or below the last logged step %s: the run "
                             "was resumed; attempt %d starts here and supersedes the stored steps from %d on",
                             plain(self.run_name), step, self._last_step, attempt, step)
-                for h in self._history.values():
-                    h[:] = [(s, v) for s, v in h if s < step]
+                self._history = history
             self._attempt, self._last_step = attempt, step
             for key, h in self._history.items():
                 if isinstance(values.get(key), (int, float)):
@@ -254,9 +263,11 @@ class Monitor:
         return self.out_dir / PAGE_FILE
 
 
-def _history(store: MonitorStore, keys: list[str]) -> dict[str, list[tuple[int, float]]]:
-    """The trailing values of `keys` of the stored run (as it stands), for the jump bounds."""
-    steps = store.steps()[-WINDOW:] if keys else []
+def _history(store: MonitorStore, keys: list[str], *, before: int | None = None
+             ) -> dict[str, list[tuple[int, float]]]:
+    """The trailing values of `keys` of the stored run (as it stands; only its steps below `before`,
+    those a new attempt starting there keeps), for the jump bounds."""
+    steps = [s for s in store.steps() if before is None or s["step"] < before][-WINDOW:] if keys else []
     out: dict[str, list[tuple[int, float]]] = {k: [] for k in keys}
     for s in steps:
         for k in keys:
@@ -264,6 +275,31 @@ def _history(store: MonitorStore, keys: list[str]) -> dict[str, list[tuple[int, 
             if isinstance(v, (int, float)):
                 out[k].append((s["step"], float(v)))
     return out
+
+
+def correction_options(config: CorrectionConfig) -> dict[str, Any]:
+    """The options of `config` as `CorrectionConfig.from_dict` takes them: what a step's
+    `rollout_corr/*` metrics were computed with, stored with them."""
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
+
+
+def _check_same_correction(store: MonitorStore, correction: CorrectionConfig, run_name: str) -> None:
+    """ConfigError when the run's stored steps carry `rollout_corr/*` metrics of another correction:
+    continuing would chart two corrections' metrics as one series (steps stored before the
+    correction was recorded with them are taken as they are)."""
+    last = store.latest_record()
+    stored = None if last is None else last.get("correction")
+    if stored is None:
+        return
+    try:
+        before = CorrectionConfig.from_dict(dict(stored)) if isinstance(stored, Mapping) else None
+    except ConfigError:
+        before = None
+    if before is not None and (before.is_rule, before.rs_rules) == (correction.is_rule, correction.rs_rules):
+        return
+    raise ConfigError(f"correction {correction_options(correction)}: {store.path} holds run {run_name!r}, "
+                      f"whose stored steps' rollout_corr/* metrics were computed with correction {stored}; "
+                      "a run charts one correction's metrics (give its correction=, or another out_dir)")
 
 
 def _with_cause(alert: dict[str, Any], lag: int | None, rec: dict[str, Any] | None) -> dict[str, Any]:

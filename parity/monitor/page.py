@@ -167,7 +167,7 @@ def _detail(step: dict[str, Any], *, latest: bool) -> str:
         f'{html.escape(rec["reason"])}</p>' + framework_blocks(rec["frameworks"]))
     position = figure_img(breakdown_figure(step.get("by_position", []), title="drift by response position",
                                            xlabel="response position"), "drift by position")
-    context = {k: step[k] for k in ("sampling", "meta", "policy") if step.get(k)}
+    context = {k: step[k] for k in ("sampling", "correction", "meta", "policy") if step.get(k)}
     label = "Latest step" if latest else "Step"
     return "\n".join([
         f'<h2 id="step-{step["step"]}">{label}: {step["step"]}</h2>',

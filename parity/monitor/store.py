@@ -230,6 +230,17 @@ class MonitorStore:
         """The highest step of the latest attempt, None before the first."""
         return self.last_attempt()[1]
 
+    def latest_record(self) -> dict[str, Any] | None:
+        """The stored record of the latest attempt's last step (None before the first, or where it
+        does not decode)."""
+        row = self._conn.execute("SELECT record FROM steps ORDER BY attempt DESC, step DESC LIMIT 1"
+                                 ).fetchone()
+        try:
+            record = json.loads(row[0]) if row is not None else None
+        except (ValueError, TypeError):
+            return None
+        return record if isinstance(record, dict) else None
+
     def append(self, step: int, record: dict[str, Any], *, attempt: int = 0) -> float:
         """Store `record` as step `step` of `attempt` in one transaction (see the module doc);
         returns the time it was logged at (unix seconds)."""

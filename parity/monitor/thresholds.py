@@ -24,6 +24,14 @@ DEFAULT_JUMPS: dict[str, float] = {"k3_kl": 10.0, "mean_abs_logprob_diff": 5.0}
 WINDOW = 20
 #: stored steps needed before a jump is judged (a median of fewer is noise).
 MIN_HISTORY = 5
+#: the summary keys a jump is judged on: drift magnitudes, >= 0, 0 without drift, larger is worse.
+#: "X times the trailing median" means nothing for a signed value (k1_kl, chi2_token), one whose
+#: no-drift value is 1 (the is_ratio_* means and quantiles, seq_is_ratio_mean, token_mult_prob_error),
+#: one where lower is worse (rollout_probs_pearson, is_ratio_min) or a count: those take a band.
+JUMP_KEYS: tuple[str, ...] = (
+    "max_abs_logprob_diff", "mean_abs_logprob_diff", "is_ratio_std", "k2_kl", "k3_kl",
+    "rollout_probs_diff_max", "rollout_probs_diff_mean", "frac_tokens_ratio_gt_2",
+)
 
 
 @dataclass(frozen=True)
@@ -102,7 +110,7 @@ def _pair(key: str, spec: Any) -> tuple[Any, Any]:
 @dataclass(frozen=True)
 class Jumps:
     """Relative bounds: `{"key": X}` flags a step whose value exceeds X times the median of the
-    run's last `WINDOW` values of `key` (judged from `MIN_HISTORY` values on; X > 1)."""
+    run's last `WINDOW` values of `key` (judged from `MIN_HISTORY` values on; X > 1; keys: `JUMP_KEYS`)."""
 
     factors: tuple[tuple[str, float], ...] = ()
 
@@ -118,6 +126,11 @@ class Jumps:
             if not isinstance(key, str) or key not in SUMMARY_KEYS:
                 raise ConfigError(f"jumps: unknown metric {key!r}; use a summary key "
                                   f"({', '.join(SUMMARY_KEYS)})")
+            if key not in JUMP_KEYS:
+                raise ConfigError(f"jumps: {key!r} is not a drift magnitude (>= 0, 0 without drift, larger "
+                                  "is worse), so X times its trailing median is no jump; judge one of "
+                                  f"{', '.join(JUMP_KEYS)}, or bound {key!r} with a (low, high) band in "
+                                  "thresholds=")
             if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 1 \
                     or not math.isfinite(factor):
                 raise ConfigError(f"jumps[{key!r}] must be a finite number > 1 (times the trailing median), "
