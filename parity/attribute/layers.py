@@ -22,7 +22,9 @@ from parity.models.loading import LoadedModel
 @dataclass(frozen=True)
 class StageDiff:
     """How one stage's outputs differ, over every element: max |b - a| (model units), rel_error
-    ||b - a||_2 / ||a||_2 (inf when a is 0 and b is not), differing of elements (+0 == -0, NaN differs)."""
+    ||b - a||_2 / ||a||_2 (inf when a is 0 and b is not), differing of elements (+0 == -0, NaN differs).
+    An element equal on both sides (an infinity included) adds nothing to |b - a|, and ||a||_2 is over
+    a's finite elements, so an overflow both sides share does not turn the stage's numbers into NaN."""
 
     stage: str
     max_abs: float
@@ -35,10 +37,11 @@ class StageDiff:
         """Compare per-sequence outputs `a`, `b` after an exact upcast to float64 (dtypes may differ)."""
         xa = torch.cat([t.reshape(-1) for t in a]).to(torch.float64)
         xb = torch.cat([t.reshape(-1) for t in b]).to(torch.float64)
-        delta = xb - xa
+        equal = xa == xb
+        delta = torch.where(equal, torch.zeros_like(xa), xb - xa)  # inf - inf is NaN, not 0
         error = float(torch.linalg.vector_norm(delta))
-        norm = float(torch.linalg.vector_norm(xa))
-        differing = int((xa != xb).sum())
+        norm = float(torch.linalg.vector_norm(torch.where(torch.isfinite(xa), xa, torch.zeros_like(xa))))
+        differing = int((~equal).sum())
         if differing == 0:
             rel = 0.0
         else:

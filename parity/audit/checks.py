@@ -20,7 +20,7 @@ from parity.audit.derived import is_neutral, needle_batches, neutral, reseeded, 
 from parity.audit.diff import Pair, compare_pairs, pair_runs
 from parity.audit.result import CHECKS, CheckResult
 from parity.backends import Backend
-from parity.core.errors import UnsupportedError
+from parity.core.errors import BackendError, UnsupportedError
 from parity.core.types import Request, Rollout
 from parity.rollouts.matching import check_samples
 
@@ -146,6 +146,9 @@ def _prefill_decode(runs: Runs, requests: Sequence[Request]) -> CheckResult:
         scores = runs.backend.score(sampled, logprobs_mode="raw")
     except UnsupportedError as e:
         return CheckResult.skip(f"the backend cannot score sequences: {e}")
+    if len(scores) != len(sampled):  # zip would compare the first ones only and say nothing
+        raise BackendError(f"backend {runs.backend.name!r} scored {len(scores)} sequences for the "
+                           f"{len(sampled)} it was given")
     scored = [dataclasses.replace(r, logprobs=tuple(float(x) for x in s.tolist()))
               for r, s in zip(sampled, scores)]
     return compare_pairs([Pair(a, b, {"a": "decode (sampled)", "b": "prefill (score)"})
@@ -179,6 +182,20 @@ def _prefix_cache(runs: Runs, requests: Sequence[Request], settings: AuditSettin
     if sum(served) == 0:
         return CheckResult.skip(f"the prefix cache served no prompt tokens (a shared prefix of {length} "
                                 "tokens)")
-    runs.notes["prefix_cache"] = {"shared_prefix_tokens": length, "cached_tokens": int(sum(served))}
+    # only a sample prefilled whole when off and served from the cache when warm compares the two: a
+    # backend that bypasses by flushing (SGLang) still lets a call's later requests read the prefix its
+    # first ones computed, and a sample the warm run did not serve compares no cache with no cache
+    all_pairs = pair_runs(off, on)
+    read_off = sum(bool(p.a.meta.get("num_cached_tokens")) for p in all_pairs)
+    unserved = sum(not p.b.meta["num_cached_tokens"] for p in all_pairs)
+    pairs = [p for p in all_pairs if not p.a.meta.get("num_cached_tokens") and p.b.meta["num_cached_tokens"]]
+    left_out = {"read_the_cache_when_off": read_off, "not_served_when_warm": unserved}
+    if not pairs:
+        return CheckResult.skip(f"no sample was prefilled whole with the cache off and served from it warm "
+                                f"(of {len(all_pairs)}: {read_off} read the cache when off, {unserved} were "
+                                "not served when warm)")
+    runs.notes["prefix_cache"] = {"shared_prefix_tokens": length, "cached_tokens": int(sum(served)),
+                                  "samples_compared": len(pairs),
+                                  **({"samples_left_out": left_out} if len(pairs) < len(all_pairs) else {})}
     return compare_pairs([dataclasses.replace(p, context={"cached_tokens": p.b.meta["num_cached_tokens"]})
-                          for p in pair_runs(off, on)])
+                          for p in pairs])

@@ -76,16 +76,27 @@ def default_requests() -> list[Request]:
                     sampling.replace(seed=2000 + i), f"lifecycle-{i}") for i in range(6)]
 
 
+def _max_abs_diff(a: Sequence[float], b: Sequence[float]) -> float:
+    """max |a - b| over positions where the two differ: the same number on both sides (-inf and -inf,
+    NaN and NaN) is no difference, a NaN on one side only is NaN (a difference without a size)."""
+    x, y = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    differ = ~((x == y) | (np.isnan(x) & np.isnan(y)))
+    if not differ.any():
+        return 0.0
+    with np.errstate(invalid="ignore"):
+        return float(np.max(np.abs(x[differ] - y[differ])))  # np.max keeps a NaN
+
+
 def same_rollouts(before: Sequence[Rollout], after: Sequence[Rollout]) -> dict[str, float]:
-    """How two runs of the same requests differ: sample counts and the max |Δlogp| on equal tokens."""
+    """How two runs of the same requests differ: sample counts and the max |Δlogp| on equal tokens
+    (NaN when a logprob is NaN on one side only)."""
     if [r.key for r in before] != [r.key for r in after]:
         raise ConfigError("the two runs hold different samples; compare runs of the same requests")
     other = [a.token_ids != b.token_ids for a, b in zip(before, after)]
-    diffs = [float(np.max(np.abs(np.subtract(a.logprobs, b.logprobs), dtype=np.float64)))
-             if a.logprobs and not o and a.logprobs != b.logprobs else 0.0
-             for a, b, o in zip(before, after, other)]
+    diffs = [0.0 if o else _max_abs_diff(a.logprobs, b.logprobs) for a, b, o in zip(before, after, other)]
+    # np.max, not max(): Python's max keeps whichever of a number and a NaN comes first
     return {"samples": float(len(before)), "samples_with_other_tokens": float(sum(other)),
-            "max_abs_logprob_diff": max(diffs, default=0.0)}
+            "max_abs_logprob_diff": float(np.max(diffs)) if diffs else 0.0}
 
 
 def _comparison(name: str, before: Sequence[Rollout], after: Sequence[Rollout], what: str) -> CheckResult:
@@ -111,6 +122,9 @@ def run_lifecycle(backend: Backend, requests: Sequence[Request] | None = None, *
         raise ConfigError(f"unknown lifecycle checks {unknown}; choose from {list(CHECKS)}")
     requests = list(requests) if requests is not None else default_requests()
     baseline = backend.generate(requests)
+    # each transition is judged against the run just before it, not the first run: a change an
+    # earlier transition left behind is that transition's failure, not every later one's
+    before = baseline
     sleep_note = "" if backend.meta.get("enable_sleep_mode", True) else (
         " (sleep mode is off in this engine, so sleep paused scheduling and dropped the prefix cache; "
         "weights and KV cache stayed in memory)")
@@ -133,7 +147,9 @@ def run_lifecycle(backend: Backend, requests: Sequence[Request] | None = None, *
         except UnsupportedError as e:
             results.append(CheckResult(name, "skip", str(e)))
             continue
-        results.append(_comparison(name, baseline, backend.generate(requests), what))
+        after = backend.generate(requests)
+        results.append(_comparison(name, before, after, what))
+        before = after
     return LifecycleReport(backend=backend.name, model=str(backend.model_path), results=tuple(results),
                            meta=dict(backend.meta))
 
