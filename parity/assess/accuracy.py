@@ -56,7 +56,10 @@ def gold_summary(train: np.ndarray, rollout: np.ndarray, gold: np.ndarray, mask:
                                                           0.95, empty=None))
     else:
         low = high = float("nan")
-    identical = bool(np.array_equal(train_err, rollout_err))
+    # the logprobs themselves: equal errors alone (train and rollout mirrored about the gold) are not
+    # identical logprobs
+    identical = bool(np.array_equal(np.where(keep, np.asarray(train, np.float64), 0.0),
+                                    np.where(keep, np.asarray(rollout, np.float64), 0.0)))
     mean_train, mean_rollout = float(train_err.sum() / n), float(rollout_err.sum() / n)
     return {
         "gold/train_max_abs_logprob_diff": float(train_err.max()),

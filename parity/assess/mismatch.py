@@ -46,9 +46,12 @@ def _definition(s: SamplingParams) -> tuple[float, int, float, str]:
 def sampling_findings(model: str | os.PathLike[str], rollouts: Sequence[Rollout],
                       train_logprobs: Sequence[np.ndarray], *, dtype: str, device: str, kernels: str,
                       tensor_parallel_size: int | None = None,
-                      reduction_groups: int | None = None) -> list[str]:
+                      reduction_groups: int | None = None, router_replay: str | None = None,
+                      lora: str | os.PathLike[str] | None = None) -> list[str]:
     """One sentence when another setting matches far better (`BETTER`) than the recorded one; []
     otherwise. Only rollouts of one recorded setting are probed (a sweep's blocks differ on purpose).
+    router_replay, lora: as `train_logprobs` were scored, so each alternative differs from them in its
+    sampling alone (without them a LoRA given for rollouts recording none was probed on the base model).
     """
     chosen = [i for i, r in enumerate(rollouts) if r.sampling is not None and r.response_mask is None]
     if not chosen:
@@ -67,8 +70,8 @@ def sampling_findings(model: str | os.PathLike[str], rollouts: Sequence[Rollout]
     for what, alt in alternatives(recorded):
         moved = [dataclasses.replace(r, sampling=alt, logprobs_mode=alt.logprobs_mode) for r in sample]
         scored = train_forward(model, moved, dtype=dtype, device=device, kernels=kernels,
-                               tensor_parallel_size=tensor_parallel_size,
-                               reduction_groups=reduction_groups).logprobs
+                               tensor_parallel_size=tensor_parallel_size, reduction_groups=reduction_groups,
+                               router_replay=router_replay, lora=lora).logprobs
         error = _error(np.concatenate([lp.detach().cpu().double().numpy() for lp in scored]), rollout_lp)
         if error is not None and (best is None or error < best[0]):
             best = (error, what)

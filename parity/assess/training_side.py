@@ -62,8 +62,8 @@ def report_for(model: str | None, rollouts: Sequence[Rollout], *, dtype: str, de
     else:
         computed = False
     bugs = sampling_findings(model, rollouts, train_logprobs, dtype=dtype, device=device, kernels=reference,
-                             tensor_parallel_size=tensor_parallel_size,
-                             reduction_groups=reduction_groups) if computed else []
+                             tensor_parallel_size=tensor_parallel_size, reduction_groups=reduction_groups,
+                             router_replay=router_replay, lora=lora) if computed else []
     gold_lp, gold_how = gold_side(model, rollouts, gold=gold, device=device,
                                   row_seconds=elapsed + time.perf_counter() - start, lora=lora)
     extras: dict[str, Any] = {"gold": gold_how, **({DATA_BUGS: bugs} if bugs else {})}

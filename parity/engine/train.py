@@ -282,6 +282,18 @@ def check_recorded_model(sequences: Sequence[Any], model: str | os.PathLike[str]
                                       if isinstance(item, Rollout)])
 
 
+def check_own_weights(model: Any, config: TrainConfig) -> None:
+    """ConfigError when a LoadedModel is to be scored in another dtype or on another device than its
+    own: `load_model` would read its checkpoint again, and the weights it holds now (a policy being
+    trained, an engine's pushed weights) would be silently replaced by the checkpoint's."""
+    if isinstance(model, LoadedModel) and (model.dtype != config.dtype or model.device != config.device):
+        raise ConfigError(f"model is a LoadedModel in {model.dtype} on {model.device}, but the training "
+                          f"forward was asked for {config.dtype} on {config.device}: it would score the "
+                          f"checkpoint {str(model.path)!r} instead of the weights the LoadedModel holds; "
+                          f"pass dtype={model.dtype!r} and device={model.device!r}, or the checkpoint's name "
+                          "or path to score the checkpoint")
+
+
 def train_forward(model: str | LoadedModel,
                   sequences: Sequence[Rollout | tuple[Sequence[int], Sequence[int]]],
                   config: TrainConfig | None = None, *,
@@ -313,6 +325,7 @@ def train_forward(model: str | LoadedModel,
                           f"{sorted(f.name for f in dataclasses.fields(TrainConfig))} and the other keywords "
                           f"{list(DEFINITION_KEYWORDS)}")
     config = (config or TrainConfig()).replace(**settings)
+    check_own_weights(model, config)
     tp, reduction, groups = scoring_layout(sequences, config.tensor_parallel_size, config.tp_reduction,
                                            config.reduction_groups)
     config = replace(config, tensor_parallel_size=tp, tp_reduction=reduction, reduction_groups=groups)
