@@ -25,6 +25,19 @@ def test_tensor_digest_sees_every_bit_and_every_place():
     assert tensor_digest(x.to(torch.bfloat16)) != tensor_digest(x)
 
 
+def test_tensor_digest_sees_changes_that_keep_fletchers_two_sums():
+    """+1 -1 -1 +1 ulp on four neighbouring bf16 words, and a swap 65,521 words apart, keep
+    Fletcher's S1 and S2 (the digest's first two parts, the control); the third part sees them."""
+    x = torch.randn(70_000, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    bits = x.view(torch.int16).clone()
+    bits[100:104] += torch.tensor([1, -1, -1, 1], dtype=torch.int16)
+    swapped = x.clone()
+    swapped[[10, 10 + 65521]] = x[[10 + 65521, 10]]
+    for changed in (bits.view(torch.bfloat16), swapped):
+        before, after = tensor_digest(x).split(":"), tensor_digest(changed).split(":")
+        assert before[:2] == after[:2] and before[2] != after[2]
+
+
 def test_reference_update_is_in_place_private_and_verified():
     """A push changes this engine's weights only (load_model's shared model stays), its digests then
     match the pushed tensors', and its rollouts follow the new weights."""

@@ -28,7 +28,7 @@ from parity.kernels import ops, prepare
 from parity.kernels.attention import ATTENTION_NAME
 from parity.kernels.moe import experts_forward
 from parity.models.checkpoints import is_model_name, model_hash, resolve_model
-from parity.models.lora import ADAPTER_WEIGHTS, LoraSpec, check_adapter, check_without_tensor_parallel
+from parity.models.lora import ADAPTER_WEIGHTS, LoraSpec, check_adapter, check_without_tensor_parallel, fits
 from parity.models.routing import ROUTERS, patch_router
 
 #: parity dtype name -> torch dtype.
@@ -404,16 +404,21 @@ def copy_model(lm: LoadedModel) -> LoadedModel:
 
 def tensor_digest(tensor: torch.Tensor) -> str:
     """An order-sensitive checksum of a tensor's bytes, on its device: Fletcher's "S1:S2" over its
-    16-bit words (exact integer sums), equal iff the bits are, barring collisions.
+    16-bit words and a third sum weighted by a hash of each word's place (exact integer sums), equal
+    iff the bits are, barring collisions. Fletcher's weights are linear in the place and repeat every
+    65,521 words, so +1 -1 -1 +1 on four neighbours, or a swap 65,521 words apart, kept both sums;
+    the hashed weights see them.
     """
     words = tensor.detach().contiguous().view(-1).view(torch.int16).to(torch.int64) & 0xFFFF
-    s1 = s2 = 0
+    s1 = s2 = s3 = 0
     for start in range(0, words.numel(), _DIGEST_CHUNK):
         chunk = words[start:start + _DIGEST_CHUNK]
         index = torch.arange(start, start + chunk.numel(), device=chunk.device)
         s1 += int(chunk.sum())
         s2 += int((chunk * (index % 65521 + 1)).sum())
-    return f"{s1}:{s2}"
+        # Knuth's multiplicative hash, 15 bits: each product < 2^31, a chunk's sum < 2^55 (no overflow)
+        s3 += int((chunk * (((index * 2654435761) >> 16 & 0x7FFF) + 1)).sum())
+    return f"{s1}:{s2}:{s3}"
 
 
 #: words per step of `tensor_digest` (bounds its int64 temporaries to 128 MiB each).
@@ -421,9 +426,12 @@ _DIGEST_CHUNK = 1 << 24
 
 
 def _adapter(lora: str | os.PathLike[str] | LoraSpec | None, path: Path) -> LoraSpec | None:
-    """`lora` checked against checkpoint `path` (a LoraSpec is taken as checked), or None."""
-    if lora is None or isinstance(lora, LoraSpec):
-        return lora
+    """`lora` checked against checkpoint `path` (a LoraSpec checked against another checkpoint is
+    checked again, `fits`), or None."""
+    if lora is None:
+        return None
+    if isinstance(lora, LoraSpec):
+        return fits(lora, path)
     return check_adapter(lora, path)
 
 

@@ -47,6 +47,10 @@ _KNOWN_KEYS = frozenset({
     "peft_version", "megatron_core", "qalora_group_size", "loftq_config", "corda_config", "eva_config",
     "lora_ga_config", "ensure_weight_tying",
 })
+#: `init_lora_weights` values that leave the base weights as they are (peft's other initializations,
+#: PiSSA, OLoRA, CorDA, LoftQ and LoRA-GA, subtract their start from the base weights: such an adapter,
+#: saved without `path_initial_model_for_weight_conversion`, belongs to that residual model).
+_PLAIN_INITS = (True, False, "gaussian", "eva", "orthogonal", "mica")
 _PREFIX = "base_model.model."
 #: the largest |scaling * B A| entry an adapter may add to a weight: no trained model's weight is near
 #: it, and fp16 overflows past 65504.
@@ -57,7 +61,8 @@ _SUFFIXES = {".lora_A.weight": "A", ".lora_B.weight": "B"}
 @dataclass(frozen=True)
 class LoraSpec:
     """A validated adapter: path, rank `r`, `lora_alpha`, use_rslora, the adapted module names (sorted),
-    their last name parts, peft's `base_model_name_or_path`, and a 16-hex-digit sha256 of its files.
+    their last name parts, peft's `base_model_name_or_path`, a 16-hex-digit sha256 of its files, and
+    the checkpoint directory (resolved) it was checked against (`fits` it).
     """
 
     path: Path
@@ -68,6 +73,7 @@ class LoraSpec:
     targets: tuple[str, ...]
     base_model: str | None
     hash: str
+    checkpoint: Path | None = None
 
     @property
     def scaling(self) -> float:
@@ -146,6 +152,13 @@ def _config(path: Path) -> dict[str, Any]:
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) \
             or alpha <= 0:
         raise AdapterError(f"{where}: lora_alpha must be a number > 0, got {alpha!r}")
+    init = config.get("init_lora_weights", True)
+    if not any(init is plain or (isinstance(init, str) and init == plain) for plain in _PLAIN_INITS):
+        raise AdapterError(f"{where}: init_lora_weights={init!r}: that initialization subtracts the "
+                           "adapter's start from the base weights, so the adapter applies to that residual "
+                           "model, not to the base parity loads; save it again with peft's "
+                           "save_pretrained(..., path_initial_model_for_weight_conversion=...) (a plain LoRA "
+                           "adapter of rank 2r), or merge it into its residual model")
     if not isinstance(config.get("use_rslora", False), bool):
         raise AdapterError(f"{where}: use_rslora must be true or false, got {config['use_rslora']!r}")
     return config
@@ -253,7 +266,7 @@ def check_adapter(lora: str | os.PathLike[str], model: str | os.PathLike[str]) -
                     use_rslora=bool(config.get("use_rslora", False)), modules=tuple(targeted),
                     targets=tuple(sorted({m.rsplit(".", 1)[-1] for m in targeted})),
                     base_model=base_model if isinstance(base_model, str) else None,
-                    hash=digest.hexdigest()[:16])
+                    hash=digest.hexdigest()[:16], checkpoint=model_path.resolve())
 
 
 def _scaling(alpha: float, rank: int, use_rslora: bool) -> float:
@@ -304,7 +317,10 @@ def read_adapter_tensors(path: Path) -> dict[str, np.ndarray]:
 
 
 def _check_base_model(base_model: object, model: str | os.PathLike[str], where: Path) -> None:
-    """AdapterError when `base_model_name_or_path` names another built-in model (shapes may match)."""
+    """AdapterError when `base_model_name_or_path` names another built-in model (shapes may match), by
+    name or by its checkpoint directory (what peft records for a model loaded from its path)."""
+    if isinstance(base_model, str) and base_model not in BUILTIN_MODELS:
+        base_model = _builtin_at(base_model)
     if not isinstance(base_model, str) or base_model not in BUILTIN_MODELS:
         return
     if isinstance(model, str) and model in BUILTIN_MODELS:
@@ -315,6 +331,30 @@ def _check_base_model(base_model: object, model: str | os.PathLike[str], where: 
         raise AdapterError(f"{where}: base_model_name_or_path {base_model!r} names another built-in model "
                            f"than {os.fspath(model)!r}; apply the adapter to {base_model!r}, or correct "
                            "base_model_name_or_path if it was trained on this model")
+
+
+def _builtin_at(path: str) -> str | None:
+    """The built-in model whose checkpoint directory `path` is, else None."""
+    try:
+        where = Path(path).expanduser().resolve()
+    except (OSError, RuntimeError, ValueError):
+        return None
+    return next((name for name in BUILTIN_MODELS if builtin_dir(name).resolve() == where), None)
+
+
+def fits(spec: LoraSpec, model_path: Path) -> LoraSpec:
+    """`spec` for the checkpoint at `model_path`: itself when it was checked against that checkpoint,
+    else checked again against it (AdapterError when it does not fit, or when its files changed since).
+    A LoraSpec checked against one model is no proof it fits another."""
+    here = model_path.resolve()
+    if spec.checkpoint == here:
+        return spec
+    again = check_adapter(spec.path, model_path)
+    if (again.rank, again.modules, again.use_rslora) != (spec.rank, spec.modules, spec.use_rslora) \
+            or not spec.hash.startswith(again.hash):
+        raise AdapterError(f"adapter {str(spec.path)!r} changed since it was checked (hash {spec.hash}, now "
+                           f"{again.hash}); check it again with check_adapter(path, model)")
+    return dataclasses.replace(spec, checkpoint=here)
 
 
 def rescaled(spec: LoraSpec, factor: float) -> LoraSpec:
@@ -362,7 +402,7 @@ def adapter_deltas(spec: LoraSpec) -> dict[str, np.ndarray]:
     """Each adapted module's weight update, scaling * B @ A in float64 `[out, in]`, keyed by the base
     weight's name ("<module>.weight"): what merging the adapter adds (`merge_adapter`, the gold
     forward's adapted weights)."""
-    adapter = load_file(str(spec.path / ADAPTER_WEIGHTS))
+    adapter = read_adapter_tensors(spec.path / ADAPTER_WEIGHTS)  # BF16 too (exactly widened)
     deltas = {}
     for module in spec.modules:
         a = adapter[f"{_PREFIX}{module}.lora_A.weight"].astype(np.float64)
