@@ -20,7 +20,7 @@ import torch
 
 from parity.backends import Backend, get_backend, lora_backends, weight_sync_missing
 from parity.backends.borrowed import check_borrowed
-from parity.core.errors import ConfigError, DivergedError, Terminated
+from parity.core.errors import BackendError, ConfigError, DivergedError, Terminated
 from parity.core.outputs import write_atomic
 from parity.core.schema import VERSION
 from parity.core.types import Request, Rollout, SamplingParams
@@ -191,7 +191,7 @@ def _step(config: LoopConfig, task: Task, trainer: Trainer, backends: dict[str, 
     rows, scored = {}, {}
     for name, backend in backends.items():
         began = time.perf_counter()
-        rollouts = backend.generate(requests)
+        rollouts = _grouped(requests, backend.generate(requests), name)
         train = trainer.logprobs(rollouts)
         _check_finite(train, name)
         rewards = [_reward(task, r) for r in rollouts]
@@ -224,6 +224,30 @@ def _step(config: LoopConfig, task: Task, trainer: Trainer, backends: dict[str, 
                            "forward_bitwise": stats.forward_bitwise, "kept_tokens": plan.kept_tokens,
                            "seconds": update_seconds, **trainer.weights.describe()})
     return probe, next_checks
+
+
+def _grouped(requests: Sequence[Request], rollouts: Sequence[Rollout], backend: str) -> list[Rollout]:
+    """`rollouts` in request order, then sample index: the GRPO groups are read off that order (a
+    backend that returned them in another order, e.g. sample by sample, would have each prompt's
+    advantages taken over other prompts' responses). BackendError unless there is exactly one sample
+    per (request, sample index < n), answering its request's prompt."""
+    position = {(r.request_id, i): (k, i) for k, r in enumerate(requests) for i in range(r.sampling.n)}
+    prompts = {r.request_id: r.prompt_ids for r in requests}
+    seen: set[tuple[str, int]] = set()
+    for ro in rollouts:
+        if ro.key in seen:
+            raise BackendError(f"backend {backend!r} returned sample {ro.key} more than once")
+        if ro.key not in position:
+            raise BackendError(f"backend {backend!r} returned sample {ro.key}, which no request asked for")
+        if tuple(ro.prompt_ids) != tuple(prompts[ro.request_id]):
+            raise BackendError(f"backend {backend!r} answered request {ro.request_id!r} (sample "
+                               f"{ro.sample_index}) for a prompt that is not the request's")
+        seen.add(ro.key)
+    if len(seen) != len(position):
+        missing = sorted(set(position) - seen)
+        raise BackendError(f"backend {backend!r} returned {len(seen)} of {len(position)} samples; missing "
+                           f"{', '.join(map(str, missing[:3]))}{' ...' if len(missing) > 3 else ''}")
+    return sorted(rollouts, key=lambda ro: position[ro.key])
 
 
 def _reward(task: Task, rollout: Rollout) -> float:

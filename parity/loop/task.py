@@ -75,7 +75,8 @@ def arithmetic_reward(text: str, answer: int) -> float:
     """1.0 when `text` starts (after spaces) with exactly `answer`'s digits, else the format
     credit: FORMAT_CREDIT x min(1, digit characters in `text` / len(str(answer)))."""
     match = _LEADING_INTEGER.match(text)
-    if match is not None and int(match.group(1)) == answer:
+    # the digits as written: int() would also take "019" for 19 and "-0" or "00" for 0
+    if match is not None and match.group(1) == str(answer):
         return 1.0
     digits = sum(ch.isdigit() for ch in text)
     return FORMAT_CREDIT * min(1.0, digits / len(str(answer)))
