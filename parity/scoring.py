@@ -61,7 +61,7 @@ def read_source(path: str | os.PathLike[str], *, backend: str | None = None, sam
     for a dump, the name stamped on its rollouts (default "external"). sampling, logprobs_mode:
     for rollouts that carry none (`parity.rollouts.dumps.read_dump`)."""
     path = Path(path)
-    if path.suffix != PARQUET_SUFFIX and _is_record(path):
+    if path.suffix != PARQUET_SUFFIX and is_record(path):
         record = read_record(path)
         if not record.rollouts:
             raise InputError(f"{path}: the record holds requests but no rollouts; replay it through a "
@@ -243,7 +243,7 @@ def _rollouts_hash(source: Source) -> str:
     return h.hexdigest()[:16]
 
 
-def _is_record(path: Path) -> bool:
+def is_record(path: Path) -> bool:
     """Whether a JSONL file is a parity record (its first line is the record header)."""
     for _, first in read_jsonl(path):
         return first.get("kind") == "header" and first.get("format") == RECORD_FORMAT

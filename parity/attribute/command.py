@@ -56,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="device of the forward (default: auto = where parity's engine runs: cpu)")
     parser.add_argument("--families", type=_families, default=None, metavar="F1,F2",
                         help="kernel families to ablate one at a time (default: all)")
-    parser.add_argument("--probe-kernels", type=_families, default="native", metavar="KERNELS",
+    parser.add_argument("--probe-kernels", type=_families, default=None, metavar="KERNELS",
                         help="invariant families of the layer probe: native (default), invariant or F1,F2")
     parser.add_argument("--max-sequences", type=int, default=8, metavar="N",
                         help="score the first N sampled sequences (default: 8)")
@@ -114,8 +114,21 @@ def _run(args: argparse.Namespace) -> int:
     for option, path in (("--json", args.json), ("--html", args.html)):
         if path is not None:
             output_file(path, option)  # before the engine runs
+    if args.json is not None and args.html is not None and args.json.resolve() == args.html.resolve():
+        raise ConfigError(f"--json and --html are one file ({args.json}): the page would replace the JSON; "
+                          "give each a path of its own")
     args.device = resolve_device(args.device, [REFERENCE])
     if args.backend is not None:
+        ablation = [flag for flag, given in (("--axis", args.axis), ("--families", args.families is not None),
+                                             ("--probe-kernels", args.probe_kernels is not None),
+                                             ("--no-ops", args.no_ops), ("--no-layers", args.no_layers))
+                    if given]
+        if ablation:
+            verb = "goes" if len(ablation) == 1 else "go"
+            raise ConfigError(f"{', '.join(ablation)} {verb} with the op ablation and layer probe, which run "
+                              "without --backend; the engine probe (--backend) "
+                              "takes --stages, --versus, --fillers, --option and --replay-routes: drop "
+                              f"{', '.join(ablation)} or --backend")
         return _run_engine(args)
     if args.stages is not None or args.option or args.versus != "train" or args.replay_routes or args.fillers:
         raise ConfigError("--stages, --versus, --option, --fillers and --replay-routes go with --backend "
@@ -125,8 +138,8 @@ def _run(args: argparse.Namespace) -> int:
 
     section = attribution_section(model, rollouts, axes=args.axis or ["batch"], dtype=dtype,
                                   device=args.device, families=args.families,
-                                  probe_kernels=args.probe_kernels, ops=not args.no_ops,
-                                  layers=not args.no_layers)
+                                  probe_kernels="native" if args.probe_kernels is None
+                                  else args.probe_kernels, ops=not args.no_ops, layers=not args.no_layers)
     section["model"] = model
     for entry in section["axes"]:
         print(f"== axis {entry['axis']}: {entry['description']}")
@@ -152,7 +165,13 @@ def _run_engine(args: argparse.Namespace) -> int:
         raise ConfigError(f"--max-sequences must be >= 1, got {args.max_sequences}")
     model = args.model or case.model
     dtype = args.dtype or case.dtypes[0]
-    options = dict(parse_option(text) for text in args.option)
+    options: dict[str, object] = {}
+    for text in args.option:
+        key, value = parse_option(text)
+        if key in options and options[key] != value:
+            raise ConfigError(f"--option {key} is given twice ({key}={options[key]!r} and {key}={value!r}); "
+                              "give it once")
+        options[key] = value
     if "logprobs_mode" in options:  # the case's requests in the engine's mode, as `parity compare` does
         case = with_logprobs_mode(case, options["logprobs_mode"])
     # torch and the engine: after parsing, so that --help and bad input stay light
@@ -166,6 +185,10 @@ def _run_engine(args: argparse.Namespace) -> int:
         against = EngineSide(options, batch=1)
     elif args.versus != "train":
         key, value = parse_option(args.versus)
+        if key in options and options[key] == value:
+            raise ConfigError(f"--versus {args.versus}: --option gives both sides {key}={value!r} already, "
+                              "so the two sides would be one setting; drop it from --option (side A then "
+                              "runs without it)")
         side, against = EngineSide({**options, key: value}), EngineSide(options)
     diff = engine_diff(model, list(case.requests[:args.max_sequences]), backend=args.backend, dtype=dtype,
                        side=side, against=against, stages=args.stages,

@@ -30,6 +30,15 @@ def _ints(text: str) -> list[int]:
         raise ConfigError(f"--batch-sizes {text!r}: give comma-separated integers, e.g. 1,8,64") from exc
 
 
+#: the audit's own arguments: an --option of one of these names would reach the audit, not the backend.
+_AUDIT_ARGUMENTS = {
+    **{name: f"{name} is not a backend option here; use --{name.replace('_', '-')}"
+       for name in ("model", "backend", "case", "dtype", "device", "checks", "batch_sizes")},
+    "seed": "the audit's own seed (of its derived requests) has this name, so it cannot reach the backend "
+            "as its engine seed; drop it (the audit runs the engine with its default seed)",
+}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the audit, print one line per check, write --json/--html; the exit code as above."""
     parser = argparse.ArgumentParser(
@@ -63,7 +72,22 @@ def _run(args: argparse.Namespace) -> int:
     for path, option in ((args.json, "--json"), (args.html, "--html")):
         if path is not None:
             output_file(path, option)  # before the engine starts, as compare checks its outputs
-    options = dict(parse_option(text) for text in args.option)
+    if args.json is not None and args.html is not None and args.json.resolve() == args.html.resolve():
+        raise ConfigError(f"--json and --html are one file ({args.json}): the page would replace the JSON; "
+                          "give each a path of its own")
+    if args.case is not None and Path(args.case).is_file() and any(
+            p is not None and p.resolve() == Path(args.case).resolve() for p in (args.json, args.html)):
+        raise ConfigError(f"--json/--html {args.case} is the --case file: writing it would replace the case; "
+                          "give the output a path of its own")
+    options: dict[str, object] = {}
+    for text in args.option:
+        key, value = parse_option(text)
+        if key in options and options[key] != value:
+            raise ConfigError(f"--option {key} is given twice ({key}={options[key]!r} and {key}={value!r}); "
+                              "give it once")
+        if key in _AUDIT_ARGUMENTS:
+            raise ConfigError(f"--option {key}: {_AUDIT_ARGUMENTS[key]}")
+        options[key] = value
     result = audit(args.model, args.backend, case=case, dtype=args.dtype, device=args.device,
                    checks=[c.strip() for c in args.checks.split(",") if c.strip()],
                    batch_sizes=_ints(args.batch_sizes), **options)

@@ -10,7 +10,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from parity.advisor import advise
+from parity.commands.report_output import check_distinct, count
 from parity.core.errors import InputError
+from parity.core.outputs import output_file
 from parity.render import report_html
 from parity.report.document import ParityReport
 from parity.runtime.frame import run_command
@@ -24,8 +26,9 @@ def _parser() -> argparse.ArgumentParser:
                     "the recommendation with the config to paste; exit 0, or 2 on bad input.")
     parser.add_argument("report", type=Path, metavar="REPORT",
                         help="a report JSON written by `parity compare --json`")
-    parser.add_argument("--bootstrap", type=int, default=200, metavar="B",
-                        help="bootstrap resamples of sequences for the bias interval (default: 200)")
+    parser.add_argument("--bootstrap", type=count, default=200, metavar="B",
+                        help="bootstrap resamples of sequences for the bias interval (default: 200; 0: no "
+                             "interval)")
     parser.add_argument("--seed", type=int, default=0, help="bootstrap seed (default: 0)")
     parser.add_argument("--json", type=Path, metavar="OUT", help="write the advice section as JSON to OUT")
     parser.add_argument("--html", type=Path, metavar="OUT",
@@ -43,6 +46,10 @@ SQLITE_MAGIC = b"SQLite format 3\x00"
 
 
 def _run(args: argparse.Namespace) -> int:
+    for option, path in (("--json", args.json), ("--html", args.html)):
+        if path is not None:
+            output_file(path, option)
+    check_distinct([("--json", args.json), ("--html", args.html)], [("REPORT", args.report)])
     try:
         data = args.report.read_bytes()
     except OSError as exc:

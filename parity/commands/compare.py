@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from parity.backends import parse_option
 from parity.commands.report_output import check_outputs, report_arguments, report_out
@@ -54,10 +55,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_command("parity", argv, _parser(), _run)
 
 
+#: compare's arguments that a flag of this command sets: an --option of one of these names would
+#: collide with the flag (Python's "got multiple values" before).
+_OWN_FLAGS = {"device": "--device", "lora": "--lora", "dtype": "--dtype", "tensor_parallel": "--tp",
+              "reference": "--reference", "router_replay": "--router-replay", "gold": "--gold",
+              "record": "--record", "attribute": "--attribute", "top_k_logprobs": "--top-k-logprobs",
+              "trainer_dtype": "--trainer-dtype", "case": "--case", "model": "--model",
+              "backend": "--backend"}
+
+
+def parse_options(texts: Sequence[str]) -> dict[str, Any]:
+    """--option KEY=VALUE texts -> backend options; a key given twice with different values, or a key
+    that names one of compare's own arguments, is a ConfigError naming it."""
+    options: dict[str, Any] = {}
+    for text in texts:
+        key, value = parse_option(text)
+        if key in options and options[key] != value:
+            raise ConfigError(f"--option {key} is given twice ({key}={options[key]!r} and {key}={value!r}); "
+                              "give it once")
+        if key in _OWN_FLAGS:
+            raise ConfigError(f"--option {key}: {key} is not a backend option here; use "
+                              f"{_OWN_FLAGS[key]} instead")
+        options[key] = value
+    return options
+
+
 def _run(args: argparse.Namespace) -> int:
     if args.model is None and args.case is None:
         raise ConfigError("compare needs --model (or --case naming a model)")
-    check_outputs(args)
+    check_outputs(args, inputs=[("--case", args.case)], outputs=[("--record", args.record)])
+    options = parse_options(args.option)
+    if args.tp is not None and options.get("tensor_parallel_size", args.tp) != args.tp:
+        raise ConfigError(f"--tp {args.tp} and --option tensor_parallel_size="
+                          f"{options['tensor_parallel_size']!r} disagree; give the degree once, with --tp")
     failed = []
     try:
         report = compare(args.model, args.backend, case=args.case, dtype=args.dtype, reference=args.reference,
@@ -65,7 +95,7 @@ def _run(args: argparse.Namespace) -> int:
                          attribute=tuple(args.attribute or ()), record=args.record, tensor_parallel=args.tp,
                          gold=args.gold, lora=args.lora, top_k_logprobs=args.top_k_logprobs,
                          trainer_dtype=args.trainer_dtype,
-                         **dict(map(parse_option, args.option)))
+                         **options)
     except OutputError as e:
         if e.report is None:
             raise

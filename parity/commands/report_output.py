@@ -4,10 +4,12 @@ up-front check of the output paths, and the summary, worst tokens and files a re
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
-from parity.core.errors import EXIT_ERROR
+from parity.core.errors import EXIT_ERROR, ConfigError
 from parity.core.outputs import output_file, write_atomic
 from parity.core.schema import KERNEL_MODES
 from parity.render import report_html
@@ -35,11 +37,11 @@ def report_arguments(parser: argparse.ArgumentParser) -> None:
                              "forward apply it; score: for rollouts that do not record theirs")
     parser.add_argument("--json", type=Path, metavar="OUT", help="write the report as JSON to OUT")
     parser.add_argument("--html", type=Path, metavar="OUT", help="write the HTML report to OUT")
-    parser.add_argument("--worst", type=_count, default=5, metavar="K",
+    parser.add_argument("--worst", type=count, default=5, metavar="K",
                         help="worst tokens to print (default: 5)")
 
 
-def _count(text: str) -> int:
+def count(text: str) -> int:
     """An argparse type: an integer >= 0."""
     value = int(text)
     if value < 0:
@@ -47,11 +49,43 @@ def _count(text: str) -> int:
     return value
 
 
-def check_outputs(args: argparse.Namespace) -> None:
-    """--json/--html checked before any work: a run never loses its report to a bad path."""
-    for option, path in (("--json", args.json), ("--html", args.html)):
+def check_outputs(args: argparse.Namespace, inputs: Iterable[tuple[str, Path | None]] = (),
+                  outputs: Iterable[tuple[str, Path | None]] = ()) -> None:
+    """--json/--html (and `outputs`) checked before any work: a run never loses its report to a bad
+    path, to another output written over it, or writes over one of its `inputs`."""
+    given = [("--json", args.json), ("--html", args.html), *outputs]
+    for option, path in given:
         if path is not None:
             output_file(path, option)
+    check_distinct(given, inputs)
+
+
+def check_distinct(outputs: Iterable[tuple[str, Path | None]],
+                   inputs: Iterable[tuple[str, Path | None]] = ()) -> None:
+    """ConfigError naming both options when two outputs are one file (the second would replace the
+    first) or an output is an input file (writing it would destroy what was read)."""
+    seen: list[tuple[str, Path]] = [(o, Path(p)) for o, p in inputs if p is not None and Path(p).is_file()]
+    n_inputs = len(seen)
+    for option, path in outputs:
+        if path is None:
+            continue
+        for i, (other, before) in enumerate(seen):
+            if _same_file(Path(path), before):
+                what = "the input" if i < n_inputs else "the output"
+                raise ConfigError(f"{option} {path} is {what} {other} {before}: writing it would replace "
+                                  f"{'that file' if i < n_inputs else 'the other'}; give {option} a path "
+                                  "of its own")
+        seen.append((option, Path(path)))
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether `a` and `b` name one file (through links, `..` and relative paths alike)."""
+    try:
+        if a.exists() and b.exists():
+            return os.path.samefile(a, b)
+    except OSError:
+        pass
+    return a.resolve() == b.resolve()
 
 
 def report_out(report: ParityReport, args: argparse.Namespace, failed: list[str] | None = None) -> int:

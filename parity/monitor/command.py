@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from parity.core.errors import InputError
+from parity.core.errors import ConfigError, InputError
 from parity.core.outputs import output_file
 from parity.monitor.page import PAGE_FILE, flat_values, write_page
-from parity.monitor.store import MonitorStore, plain
+from parity.monitor.store import MonitorStore, plain, store_path
 from parity.runtime.frame import run_command
 
 #: the latest step's figures the command prints.
@@ -47,11 +48,19 @@ def _run(args: argparse.Namespace) -> int:
     for option, path in (("--html", args.html), ("--json", args.json)):
         if path is not None:
             output_file(path, option)
-    store = MonitorStore.open(args.out_dir)
+    page = args.html if args.html is not None else args.out_dir / PAGE_FILE
+    store = store_path(args.out_dir)
+    for option, path, others in (("--html", args.html, [("the run's store", store)]),
+                                 ("--json", args.json, [("the run's store", store), ("the page", page)])):
+        for other, taken in others:
+            if path is not None and _same_file(path, taken):
+                raise ConfigError(f"{option} {path} is {other} {taken}: writing it would replace that file; "
+                                  f"give {option} a path of its own")
+    opened = MonitorStore.open(args.out_dir)
     try:
-        run, steps, problems = store.run_info(), store.steps(), store.problems
+        run, steps, problems = opened.run_info(), opened.steps(), opened.problems
     finally:
-        store.close()
+        opened.close()
     known = {s["step"] for s in steps}
     for n in args.step or ():
         if n not in known:
@@ -83,6 +92,11 @@ def _run(args: argparse.Namespace) -> int:
         args.json.write_text(text, encoding="utf-8")
         print(f"wrote {args.json}")
     return 0
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether `a` and `b` name one file (through links and relative paths alike)."""
+    return (os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b)) or a.resolve() == b.resolve()
 
 
 def _span(steps: list[int]) -> str:
