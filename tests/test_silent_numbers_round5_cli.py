@@ -4,8 +4,9 @@ used to overwrite a file it had read or written:
 
 - an output path that is an input (`advise R --json R`, `score D --json D`, `compare --case C --json C`)
   or another output (`--json X --html X`, `--record X --json X`, `monitor --json OUT_DIR/index.html`);
-- `--option KEY=...` given twice with different values (the last one won), a compare `--option` that
-  collides with one of its flags (a TypeError), `--tp` beside another `--option tensor_parallel_size`;
+- `--option KEY=...` given twice with different values (the last one won; every command reads them
+  with `parity.backends.parse_options`), a compare `--option` that collides with one of its flags (a
+  TypeError), `--tp` beside another `--option tensor_parallel_size`;
 - `audit --option seed=N`, which set the audit's request seed instead of the engine's;
 - `attribute --backend` with the op-ablation options (--axis, --families, ...), which it ignored, and
   `--versus K=V` with `--option K=V` (both sides one setting);
@@ -142,11 +143,18 @@ def test_audit_and_attribute_refuse_one_file_for_json_and_html(tmp_path, capsys,
     ["compare", "--model", MODEL, "--backend", "reference"],
     ["audit", "--model", MODEL, "--backend", "reference"],
     ["attribute", "--model", MODEL, "--backend", "vllm"],
+    ["lifecycle", "--model", MODEL, "--backend", "reference"],
 ])
 def test_an_option_given_twice_with_two_values_is_refused(command, capsys, no_engine):
     # old: the last value won, the first was dropped without a word
     refused([*command, "--option", "max_num_seqs=2", "--option", "max_num_seqs=8"], capsys,
             "--option max_num_seqs is given twice")
+    assert no_engine == {}
+
+
+def test_loop_refuses_a_backend_option_given_twice(capsys, no_engine):
+    refused(["loop", "--model", MODEL, "--option", "reference.chunk_size=2", "--option",
+             "reference.chunk_size=4"], capsys, "--option chunk_size is given twice")
     assert no_engine == {}
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from parity.attribute.axes import AXES
 from parity.attribute.stages import STAGE_KINDS
 from parity.backends.borrowed import resolve_device
-from parity.backends.registry import parse_option
+from parity.backends.registry import parse_option, parse_options
 from parity.core.errors import ConfigError
 from parity.core.outputs import output_file
 from parity.core.schema import DTYPES, KERNEL_MODES, REFERENCE
@@ -165,13 +165,7 @@ def _run_engine(args: argparse.Namespace) -> int:
         raise ConfigError(f"--max-sequences must be >= 1, got {args.max_sequences}")
     model = args.model or case.model
     dtype = args.dtype or case.dtypes[0]
-    options: dict[str, object] = {}
-    for text in args.option:
-        key, value = parse_option(text)
-        if key in options and options[key] != value:
-            raise ConfigError(f"--option {key} is given twice ({key}={options[key]!r} and {key}={value!r}); "
-                              "give it once")
-        options[key] = value
+    options = parse_options(args.option)
     if "logprobs_mode" in options:  # the case's requests in the engine's mode, as `parity compare` does
         case = with_logprobs_mode(case, options["logprobs_mode"])
     # torch and the engine: after parsing, so that --help and bad input stay light

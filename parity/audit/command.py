@@ -14,7 +14,7 @@ from pathlib import Path
 from parity.audit.derived import BATCH_SIZES
 from parity.audit.result import CHECKS
 from parity.audit.run import audit
-from parity.backends import parse_option
+from parity.backends import parse_options
 from parity.core.errors import EXIT_FAILED, ConfigError
 from parity.core.outputs import output_file
 from parity.core.schema import DTYPES
@@ -79,15 +79,7 @@ def _run(args: argparse.Namespace) -> int:
             p is not None and p.resolve() == Path(args.case).resolve() for p in (args.json, args.html)):
         raise ConfigError(f"--json/--html {args.case} is the --case file: writing it would replace the case; "
                           "give the output a path of its own")
-    options: dict[str, object] = {}
-    for text in args.option:
-        key, value = parse_option(text)
-        if key in options and options[key] != value:
-            raise ConfigError(f"--option {key} is given twice ({key}={options[key]!r} and {key}={value!r}); "
-                              "give it once")
-        if key in _AUDIT_ARGUMENTS:
-            raise ConfigError(f"--option {key}: {_AUDIT_ARGUMENTS[key]}")
-        options[key] = value
+    options = parse_options(args.option, _AUDIT_ARGUMENTS)
     result = audit(args.model, args.backend, case=case, dtype=args.dtype, device=args.device,
                    checks=[c.strip() for c in args.checks.split(",") if c.strip()],
                    batch_sizes=_ints(args.batch_sizes), **options)

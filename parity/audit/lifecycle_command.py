@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from parity.audit.lifecycle import CHECKS, run_lifecycle
-from parity.backends import get_backend, parse_option
+from parity.backends import get_backend, parse_options
 from parity.core.errors import ConfigError
 from parity.core.outputs import output_file
 from parity.runtime.frame import run_command
@@ -53,7 +53,7 @@ def _run(args: argparse.Namespace) -> int:
         raise ConfigError("parity lifecycle needs --model (or --case naming a model)")
     dtype = args.dtype or (case.dtypes[0] if case is not None and case.dtypes else "bfloat16")
     checks = tuple(c.strip() for c in args.checks.split(",") if c.strip())
-    options = dict(parse_option(text) for text in args.option)
+    options = parse_options(args.option)
     if args.json is not None:
         output_file(args.json, "--json")  # before any work, as compare checks its outputs
     with get_backend(args.backend, model, dtype=dtype, **options) as backend:

@@ -11,7 +11,7 @@ import contextlib
 import importlib
 import importlib.util
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -166,6 +166,21 @@ def parse_option(text: str) -> tuple[str, Any]:
         return key, json.loads(value)
     except json.JSONDecodeError:
         return key, value
+
+
+def parse_options(texts: Sequence[str], refused: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Command-line `KEY=VALUE` texts -> backend options: a key given twice with two values is a
+    ConfigError (the last would win unsaid), and so is a key of `refused` (key -> why and what to use)."""
+    options: dict[str, Any] = {}
+    for text in texts:
+        key, value = parse_option(text)
+        if key in options and options[key] != value:
+            raise ConfigError(f"--option {key} is given twice ({key}={options[key]!r} and {key}={value!r}); "
+                              "give it once")
+        if refused and key in refused:
+            raise ConfigError(f"--option {key}: {refused[key]}")
+        options[key] = value
+    return options
 
 
 _SHARED: dict[str, Backend] = {}

@@ -7,9 +7,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-from parity.backends import parse_option
+from parity.backends import parse_options
 from parity.commands.report_output import check_outputs, report_arguments, report_out
 from parity.compare import compare
 from parity.core.errors import ConfigError, OutputError
@@ -57,34 +56,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 #: compare's arguments that a flag of this command sets: an --option of one of these names would
 #: collide with the flag (Python's "got multiple values" before).
-_OWN_FLAGS = {"device": "--device", "lora": "--lora", "dtype": "--dtype", "tensor_parallel": "--tp",
-              "reference": "--reference", "router_replay": "--router-replay", "gold": "--gold",
-              "record": "--record", "attribute": "--attribute", "top_k_logprobs": "--top-k-logprobs",
-              "trainer_dtype": "--trainer-dtype", "case": "--case", "model": "--model",
-              "backend": "--backend"}
-
-
-def parse_options(texts: Sequence[str]) -> dict[str, Any]:
-    """--option KEY=VALUE texts -> backend options; a key given twice with different values, or a key
-    that names one of compare's own arguments, is a ConfigError naming it."""
-    options: dict[str, Any] = {}
-    for text in texts:
-        key, value = parse_option(text)
-        if key in options and options[key] != value:
-            raise ConfigError(f"--option {key} is given twice ({key}={options[key]!r} and {key}={value!r}); "
-                              "give it once")
-        if key in _OWN_FLAGS:
-            raise ConfigError(f"--option {key}: {key} is not a backend option here; use "
-                              f"{_OWN_FLAGS[key]} instead")
-        options[key] = value
-    return options
+#: compare's own arguments, refused as --option keys (each has its flag).
+_OWN_FLAGS = {key: f"{key} is not a backend option here; use {flag} instead" for key, flag in {
+    "device": "--device", "lora": "--lora", "dtype": "--dtype", "tensor_parallel": "--tp",
+    "reference": "--reference", "router_replay": "--router-replay", "gold": "--gold", "record": "--record",
+    "attribute": "--attribute", "top_k_logprobs": "--top-k-logprobs", "trainer_dtype": "--trainer-dtype",
+    "case": "--case", "model": "--model", "backend": "--backend"}.items()}
 
 
 def _run(args: argparse.Namespace) -> int:
     if args.model is None and args.case is None:
         raise ConfigError("compare needs --model (or --case naming a model)")
     check_outputs(args, inputs=[("--case", args.case)], outputs=[("--record", args.record)])
-    options = parse_options(args.option)
+    options = parse_options(args.option, _OWN_FLAGS)
     if args.tp is not None and options.get("tensor_parallel_size", args.tp) != args.tp:
         raise ConfigError(f"--tp {args.tp} and --option tensor_parallel_size="
                           f"{options['tensor_parallel_size']!r} disagree; give the degree once, with --tp")

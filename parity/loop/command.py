@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from parity.backends import parse_option
+from parity.backends import parse_options
 from parity.core.errors import EXIT_FAILED, ConfigError
 from parity.core.schema import DTYPES, REFERENCE
 from parity.loop import loop
@@ -99,15 +99,14 @@ def _backend_dtypes(items: list[str]) -> dict[str, str]:
 
 
 def _backend_options(items: list[str]) -> dict[str, dict[str, Any]]:
-    out: dict[str, dict[str, Any]] = {}
+    texts: dict[str, list[str]] = {}
     for item in items:
         backend, dot, rest = item.partition(".")
         if not dot:
             raise ConfigError(f"--option {item!r}: expected BACKEND.KEY=VALUE, "
                               "e.g. vllm.enable_prefix_caching=false")
-        key, value = parse_option(rest)
-        out.setdefault(backend, {})[key] = value
-    return out
+        texts.setdefault(backend, []).append(rest)
+    return {backend: parse_options(rest) for backend, rest in texts.items()}
 
 
 def format_row(row: dict[str, Any]) -> str:

@@ -17,9 +17,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-from parity.backends import get_backend, lora_options, parse_option
+from parity.backends import get_backend, lora_options, parse_options
 from parity.core.errors import ConfigError
 from parity.core.outputs import output_file
 from parity.core.schema import DTYPES
@@ -68,15 +67,8 @@ def _run(args: argparse.Namespace) -> int:
     out = args.out or args.record.with_suffix(f".{args.backend}{args.record.suffix}")
     output_file(out, "--out")
     lora = args.lora or (record.meta.get("lora") or {}).get("path")
-    given: dict[str, Any] = {}
-    for text in args.option:
-        key, value = parse_option(text)
-        if key in given and given[key] != value:
-            raise ConfigError(f"--option {key} is given twice ({key}={given[key]!r} and {key}={value!r}); "
-                              "give it once")
-        if key == "lora" and args.lora is not None:
-            raise ConfigError("--lora and --option lora are both given; give the adapter once, with --lora")
-        given[key] = value
+    given = parse_options(args.option, {"lora": "--lora and --option lora are both given; give the adapter "
+                                                "once, with --lora"} if args.lora is not None else None)
     options = {**lora_options(args.backend, lora), **given}
     with get_backend(args.backend, model, dtype=args.dtype or _recorded_dtype(record), **options) as backend:
         new = replay(record, backend)
