@@ -81,6 +81,18 @@ def test_a_loaded_model_is_scored_in_its_own_dtype_not_replaced_by_its_checkpoin
         train_forward(trained, pairs, dtype="float16")
 
 
+def test_a_private_model_copy_is_not_scored_tensor_parallel_from_its_checkpoint(trained):
+    """The ranks of a tensor-parallel forward load the checkpoint: a trained copy's weights would not
+    reach them (before: the checkpoint's logprobs, silently); refused before any rank starts. The
+    shared model of the same checkpoint is its checkpoint, and is_shared says which is which."""
+    from parity.models.loading import is_shared
+
+    pairs = [((5, 6, 7, 8), (9, 10, 11))]
+    assert is_shared(load_model("tiny-llama", dtype="bfloat16")) and not is_shared(trained)
+    with pytest.raises(ConfigError, match=r"loads the checkpoint in every rank.*tensor_parallel_size=None"):
+        train_forward(trained, pairs, dtype="bfloat16", tensor_parallel_size=2)
+
+
 def test_mirrored_errors_are_not_called_identical_logprobs():
     gold = np.array([[-1.0, -2.0, -0.5, -3.0]])
     shift = np.array([[0.01, 0.02, 0.005, 0.03]])

@@ -36,7 +36,7 @@ from parity.engine.views import device_view
 from parity.kernels.attention import KVCache
 from parity.models import routing
 from parity.models.checkpoints import check_sampled_with, resolve_model
-from parity.models.loading import LoadedModel, check_device, load_model
+from parity.models.loading import LoadedModel, check_device, is_shared, load_model
 from parity.models.lora import LoraSpec, check_adapter, check_without_tensor_parallel
 from parity.parallel import (
     REDUCTION_GROUPS,
@@ -342,6 +342,12 @@ def train_forward(model: str | LoadedModel,
     if tp is not None and not (isinstance(model, LoadedModel) and model.tensor_parallel_size == tp
                                and model.reduction_groups == groups):
         if tp > 1:
+            if isinstance(model, LoadedModel) and not is_shared(model):
+                raise ConfigError("tensor_parallel_size > 1 loads the checkpoint in every rank, so the "
+                                  "weights this private model copy holds now (a policy being trained, "
+                                  "pushed weights) would not reach them; score it with "
+                                  "tensor_parallel_size=None, or save its weights as a checkpoint and pass "
+                                  "that path")
             whole = load_model(model, dtype=config.dtype, device="cpu")
             check_shardable(whole, tp)
             factory = functools.partial(_RankTrainer, str(whole.path), config)

@@ -395,6 +395,14 @@ def load_model(model: str | os.PathLike[str] | LoadedModel, dtype: str = "float3
     return loaded
 
 
+def is_shared(lm: LoadedModel) -> bool:
+    """Whether `lm` is `load_model`'s cached model for its checkpoint, dtype, device and adapter (its
+    weights are the checkpoint's), not a private copy whose weights may have moved (`copy_model`)."""
+    key = (str(lm.path.resolve()), lm.dtype, lm.device, None if lm.lora is None else lm.lora.hash)
+    cached = _loaded.get(key)
+    return cached is not None and cached.model is lm.model
+
+
 def copy_model(lm: LoadedModel) -> LoadedModel:
     """A private deep copy of `lm` (patched as `lm` is, on its device, in its dtype), outside
     load_model's cache: its weights can change without changing anyone else's. For a model whose
