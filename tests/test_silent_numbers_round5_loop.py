@@ -63,3 +63,23 @@ def test_a_number_written_otherwise_is_not_the_answer(text, answer):
     assert arithmetic_reward(text, answer) == FORMAT_CREDIT  # before: 1.0
     assert arithmetic_reward(str(answer), answer) == 1.0
     assert arithmetic_reward(f" {answer} apples", answer) == 1.0
+
+
+def test_a_borrowed_engine_running_an_adapter_is_refused_by_a_full_weight_loop():
+    """Without lora_rank the loop pushes whole weights and verifies their digests: an engine running
+    an adapter would sample with it on top of them, the digests matching (before: accepted). The
+    same engine without the adapter is the control."""
+    from parity.backends import get_backend
+    from parity.core.errors import ConfigError
+
+    adapted = get_backend("reference", "tiny-llama", lora="tiny-llama-lora-r8")
+    try:
+        with pytest.raises(ConfigError, match=r"applies LoRA adapter .*, not no adapter"):
+            parity.loop("tiny-llama", [adapted], steps=1, prompts=2, n=2, max_tokens=4)
+    finally:
+        adapted.close()
+    plain = get_backend("reference", "tiny-llama")
+    try:
+        assert len(parity.loop("tiny-llama", [plain], steps=1, prompts=2, n=2, max_tokens=4).steps) == 1
+    finally:
+        plain.close()

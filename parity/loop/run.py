@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from parity.backends import Backend, get_backend, lora_backends, weight_sync_missing
-from parity.backends.borrowed import check_borrowed
+from parity.backends.borrowed import UNCHECKED, check_borrowed
 from parity.core.errors import BackendError, ConfigError, DivergedError, Terminated
 from parity.core.outputs import write_atomic
 from parity.core.schema import VERSION
@@ -59,9 +59,12 @@ def check_backends(config: LoopConfig, engines: dict[str, Backend]) -> None:
                               f"{reason}. Drop {name!r} from the backends")
         if name in engines:  # the trainer's model, the dtype recorded, the reference engine's device
             engine = engines[name]
+            # without lora_rank the loop pushes whole weights: an engine running an adapter would sample
+            # with it on top of them while the pushed weights' digests still matched
             check_borrowed(engine, model=config.model, dtype=config.dtype_of(name),
                            device=config.device if "device" in engine.option_names() else None,
-                           options=config.backend_options.get(name), role="backend given to the loop")
+                           options=config.backend_options.get(name), role="backend given to the loop",
+                           lora=None if config.lora_rank is None else UNCHECKED)
         if config.lora_rank is None:
             continue
         if name not in lora_backends():
