@@ -21,6 +21,7 @@ from parity.backends import (
     top_k_limit,
 )
 from parity.backends import backend_options as backend_options_of
+from parity.backends.base import check_samples
 from parity.backends.borrowed import check_borrowed, resolve_device
 from parity.backends.turns import generate
 from parity.core.errors import ConfigError, OutputError
@@ -35,7 +36,7 @@ from parity.models import ModelLimits, model_limits
 from parity.models.lora import LoraSpec, check_adapter, check_without_tensor_parallel
 from parity.report.document import ParityReport
 from parity.report.provenance import provenance
-from parity.rollouts.matching import check_samples, match_requests
+from parity.rollouts.matching import match_requests
 from parity.rollouts.record import write_record
 from parity.workload.cases import Case, turns_problem
 from parity.workload.prompts import Dataset, PromptSource

@@ -20,9 +20,9 @@ from parity.audit.derived import is_neutral, needle_batches, neutral, reseeded, 
 from parity.audit.diff import Pair, compare_pairs, pair_runs
 from parity.audit.result import CHECKS, CheckResult
 from parity.backends import Backend
+from parity.backends.base import check_samples
 from parity.core.errors import BackendError, UnsupportedError
 from parity.core.types import Request, Rollout
-from parity.rollouts.matching import check_samples
 
 #: a shared prefix of this many KV blocks gives the prefix cache whole blocks to serve.
 PREFIX_BLOCKS = 2

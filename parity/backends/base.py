@@ -76,6 +76,23 @@ def expand_samples(requests: Sequence[Request]) -> list[SampleJob]:
     return [SampleJob(r, i, sample_seed(r.sampling.seed, i)) for r in requests for i in range(r.sampling.n)]
 
 
+def check_samples(requests: Sequence[Request], rollouts: Sequence[Rollout], backend: str) -> None:
+    """BackendError unless `rollouts` hold exactly one sample per (request, sample index < n): a
+    backend that repeats, drops or invents a sample would otherwise skew every metric silently."""
+    want = {(r.request_id, i) for r in requests for i in range(r.sampling.n)}
+    seen: set[tuple[str, int]] = set()
+    for ro in rollouts:
+        if ro.key in seen:
+            raise BackendError(f"backend {backend!r} returned sample {ro.key} more than once")
+        if ro.key not in want:
+            raise BackendError(f"backend {backend!r} returned sample {ro.key}, which no request asked for")
+        seen.add(ro.key)
+    missing = sorted(want - seen)
+    if missing:
+        raise BackendError(f"backend {backend!r} returned {len(seen)} of {len(want)} samples; missing "
+                           f"{', '.join(map(str, missing[:3]))}{' ...' if len(missing) > 3 else ''}")
+
+
 def eos_token_ids(model_path: str | Path) -> tuple[int, ...]:
     """EOS ids of a checkpoint: generation_config.json first (what HF generate uses), else config.json."""
     root = Path(model_path)

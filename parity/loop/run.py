@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from parity.backends import Backend, get_backend, lora_backends, weight_sync_missing
+from parity.backends.base import check_samples
 from parity.backends.borrowed import UNCHECKED, check_borrowed
 from parity.core.errors import BackendError, ConfigError, DivergedError, Terminated
 from parity.core.outputs import write_atomic
@@ -233,24 +234,14 @@ def _grouped(requests: Sequence[Request], rollouts: Sequence[Rollout], backend: 
     """`rollouts` in request order, then sample index: the GRPO groups are read off that order (a
     backend that returned them in another order, e.g. sample by sample, would have each prompt's
     advantages taken over other prompts' responses). BackendError unless there is exactly one sample
-    per (request, sample index < n), answering its request's prompt."""
-    position = {(r.request_id, i): (k, i) for k, r in enumerate(requests) for i in range(r.sampling.n)}
-    prompts = {r.request_id: r.prompt_ids for r in requests}
-    seen: set[tuple[str, int]] = set()
+    per (request, sample index < n) (`check_samples`), answering its request's prompt."""
+    check_samples(requests, rollouts, backend)
+    position = {r.request_id: (k, r.prompt_ids) for k, r in enumerate(requests)}
     for ro in rollouts:
-        if ro.key in seen:
-            raise BackendError(f"backend {backend!r} returned sample {ro.key} more than once")
-        if ro.key not in position:
-            raise BackendError(f"backend {backend!r} returned sample {ro.key}, which no request asked for")
-        if tuple(ro.prompt_ids) != tuple(prompts[ro.request_id]):
+        if tuple(ro.prompt_ids) != tuple(position[ro.request_id][1]):
             raise BackendError(f"backend {backend!r} answered request {ro.request_id!r} (sample "
                                f"{ro.sample_index}) for a prompt that is not the request's")
-        seen.add(ro.key)
-    if len(seen) != len(position):
-        missing = sorted(set(position) - seen)
-        raise BackendError(f"backend {backend!r} returned {len(seen)} of {len(position)} samples; missing "
-                           f"{', '.join(map(str, missing[:3]))}{' ...' if len(missing) > 3 else ''}")
-    return sorted(rollouts, key=lambda ro: position[ro.key])
+    return sorted(rollouts, key=lambda ro: (position[ro.request_id][0], ro.sample_index))
 
 
 def _reward(task: Task, rollout: Rollout) -> float:

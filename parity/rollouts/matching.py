@@ -80,23 +80,6 @@ def check_unique_keys(rollouts: Sequence[Rollout]) -> None:
         seen.add(ro.key)
 
 
-def check_samples(requests: Sequence[Request], rollouts: Sequence[Rollout], backend: str) -> None:
-    """BackendError unless `rollouts` hold exactly one sample per (request, sample index < n): a
-    backend that repeats, drops or invents a sample would otherwise skew every metric silently."""
-    want = {(r.request_id, i) for r in requests for i in range(r.sampling.n)}
-    seen: set[tuple[str, int]] = set()
-    for ro in rollouts:
-        if ro.key in seen:
-            raise BackendError(f"backend {backend!r} returned sample {ro.key} more than once")
-        if ro.key not in want:
-            raise BackendError(f"backend {backend!r} returned sample {ro.key}, which no request asked for")
-        seen.add(ro.key)
-    missing = sorted(want - seen)
-    if missing:
-        raise BackendError(f"backend {backend!r} returned {len(seen)} of {len(want)} samples; missing "
-                           f"{', '.join(map(str, missing[:3]))}{' ...' if len(missing) > 3 else ''}")
-
-
 def check_answer(rollout: Rollout, request: Request, limits: ModelLimits | None = None, *,
                  error: type[ParityError] = BackendError) -> None:
     """`error` naming the request unless `rollout` could answer it: its prompt, at most `max_tokens`
