@@ -1,15 +1,18 @@
 """Strict checks of names users give: a mapping into a frozen dataclass (an unknown key is a
 `ConfigError` listing the known ones, never a `TypeError` from `__init__`) and a value from a
-fixed set of choices (a dtype, a logprobs mode).
+fixed set of choices (a dtype, a logprobs mode), and token ids (integers, never rounded or parsed).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import numbers
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
-from parity.core.errors import ConfigError
+import numpy as np
+
+from parity.core.errors import ConfigError, InputError
 from parity.core.schema import DTYPES
 
 T = TypeVar("T")
@@ -50,3 +53,17 @@ def check_choice(value: Any, allowed: tuple[str, ...], what: str) -> str:
 def check_dtype(dtype: Any, what: str = "dtype") -> str:
     """`dtype` if parity runs it (`parity.core.schema.DTYPES`), else a ConfigError naming the choices."""
     return check_choice(dtype, DTYPES, what)
+
+
+def check_token_ids(values: Any, field: str, error: type[ConfigError] | type[InputError]) -> tuple[int, ...]:
+    """A sequence of token ids (integers >= 0, NumPy's too) as a tuple of ints; a string, a bare
+    number, a bool or a negative id is `error` naming `field`."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, (Sequence, np.ndarray)):
+        raise error(f"{field} must be a list of token ids (integers >= 0), got {values!r:.80}")
+    ids = tuple(values)
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise error(f"{field} must hold token ids (integers >= 0), got {t!r}")
+        if t < 0:
+            raise error(f"{field} has a negative token id {t}; token ids are integers >= 0")
+    return tuple(int(t) for t in ids)

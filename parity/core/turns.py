@@ -10,14 +10,12 @@ indices come from the mask alone (`turn_index`), so verl dumps get the same per-
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from parity.core.errors import ConfigError
+from parity.core.strict import check_token_ids
 
 #: a deterministic injection: token ids so far (prompt and response) -> the ids to inject.
 InjectFn = Callable[[tuple[int, ...]], Sequence[int]]
@@ -34,7 +32,8 @@ class Generate:
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ConfigError(f"Generate.max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        object.__setattr__(self, "stop_token_ids", _token_ids(self.stop_token_ids, "Generate.stop_token_ids"))
+        object.__setattr__(self, "stop_token_ids",
+                           check_token_ids(self.stop_token_ids, "Generate.stop_token_ids", ConfigError))
 
     def to_dict(self) -> dict[str, Any]:
         return {"generate": self.max_tokens, "stop_token_ids": list(self.stop_token_ids)}
@@ -50,7 +49,8 @@ class Inject:
     name: str = ""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "token_ids", _token_ids(self.token_ids, "Inject.token_ids"))
+        ids = check_token_ids(self.token_ids, "Inject.token_ids", ConfigError)
+        object.__setattr__(self, "token_ids", ids)
         has_ids, has_fn = bool(self.token_ids), self.fn is not None
         if (has_ids and has_fn) or not (has_ids or has_fn or self.name):
             raise ConfigError("Inject takes either token_ids (a fixed reply) or fn (a function of the ids "
@@ -73,19 +73,6 @@ class Inject:
 
 
 Turn = Generate | Inject
-
-
-def _token_ids(values: Any, field: str) -> tuple[int, ...]:
-    """`values` as a tuple of token ids (integers >= 0, NumPy's too); a string, a float (9.7 would
-    become 9) or a negative id is a ConfigError naming `field`, never rounded or split."""
-    if isinstance(values, (str, bytes)) or not isinstance(values, (Sequence, np.ndarray)):
-        raise ConfigError(f"{field} must be a list of token ids (integers >= 0), got {values!r:.80}")
-    for t in values:
-        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-            raise ConfigError(f"{field} must hold token ids (integers >= 0), got {t!r}")
-        if t < 0:
-            raise ConfigError(f"{field} contains a negative id: {list(values)}")
-    return tuple(int(t) for t in values)
 
 
 def check_turns(turns: Sequence[Any], where: str) -> tuple[Turn, ...]:

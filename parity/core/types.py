@@ -18,7 +18,7 @@ import numpy as np
 
 from parity.core.errors import ConfigError, InputError
 from parity.core.schema import LOGPROBS_MODES, LogprobsMode, json_float, json_safe
-from parity.core.strict import from_mapping
+from parity.core.strict import check_token_ids, from_mapping
 from parity.core.top_k import TopKError, check_same_processing, check_top_k
 from parity.core.turns import Turn, check_turns, turns_from_dict
 
@@ -345,20 +345,6 @@ def check_real(value: Any, field: str, hint: str) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
         raise ConfigError(f"{field} must be a finite number {hint}, got {value!r}")
     return value if type(value) in (int, float) else float(value)
-
-
-def check_token_ids(values: Any, field: str, error: type[ConfigError] | type[InputError]) -> tuple[int, ...]:
-    """A sequence of token ids (integers >= 0, NumPy's too) as a tuple of ints; a string, a bare
-    number, a bool or a negative id is `error` naming `field`."""
-    if isinstance(values, (str, bytes)) or not isinstance(values, (Sequence, np.ndarray)):
-        raise error(f"{field} must be a list of token ids (integers >= 0), got {values!r:.80}")
-    ids = tuple(values)
-    for t in ids:
-        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-            raise error(f"{field} must hold token ids (integers >= 0), got {t!r}")
-        if t < 0:
-            raise error(f"{field} has a negative token id {t}; token ids are integers >= 0")
-    return tuple(int(t) for t in ids)
 
 
 def check_id(value: Any, field: str) -> str:
