@@ -398,9 +398,7 @@ def load_model(model: str | os.PathLike[str] | LoadedModel, dtype: str = "float3
 def is_shared(lm: LoadedModel) -> bool:
     """Whether `lm` is `load_model`'s cached model for its checkpoint, dtype, device and adapter (its
     weights are the checkpoint's), not a private copy whose weights may have moved (`copy_model`)."""
-    key = (str(lm.path.resolve()), lm.dtype, lm.device, None if lm.lora is None else lm.lora.hash)
-    cached = _loaded.get(key)
-    return cached is not None and cached.model is lm.model
+    return any(value.model is lm.model for value in _loaded.values())
 
 
 def copy_model(lm: LoadedModel) -> LoadedModel:
