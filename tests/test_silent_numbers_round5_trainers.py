@@ -7,12 +7,12 @@ still read, with every counted token.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from test_integrations import DataProtoLike, TensorDictLike
 
 import parity
 from parity.core.errors import InputError
@@ -21,18 +21,9 @@ from parity.integrations.batches import StepBatch, dump_step
 from parity.rollouts.dumps import read_dump
 
 
-class TensorDictLike(dict):
-    """verl's `batch.batch`: `key in td` raises, `.keys()` works."""
-
-    def __contains__(self, key):
-        raise NotImplementedError("TensorDict does not support membership checks with the `in` keyword")
-
-
-@dataclass
-class DataProtoLike:
-    batch: TensorDictLike
-    meta_info: dict = field(default_factory=lambda: {"temperature": 1.0})
-    non_tensor_batch: dict = field(default_factory=dict)
+def proto(batch: TensorDictLike) -> DataProtoLike:
+    """verl's DataProto of `batch`, sampled at temperature 1."""
+    return DataProtoLike(batch, meta_info={"temperature": 1.0})
 
 
 def verl_tensors() -> TensorDictLike:
@@ -75,7 +66,7 @@ def counted(step) -> int:
 
 
 def test_verl_reads_its_own_layout_with_every_token():
-    step = verl.read_batch(DataProtoLike(verl_tensors()))
+    step = verl.read_batch(proto(verl_tensors()))
     assert counted(step) == 5 and step.lengths.tolist() == [3, 2]
     assert [p.tolist() for p in step.prompts] == [[5, 6], [7, 8, 9]]
 
@@ -86,13 +77,13 @@ def test_verl_a_counted_token_that_attention_mask_calls_padding_is_refused(tmp_p
     t["response_mask"] = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
     with pytest.raises(InputError, match=r"row 0: response_mask is 1 at position 3, but attention_mask's "
                                          r"response part ends the row at 3"):
-        verl.read_batch(DataProtoLike(t))
+        verl.read_batch(proto(t))
     with parity.Monitor(tmp_path / "m", advice_every=0, render_every=0) as monitor:
         with pytest.raises(InputError, match="response_mask is 1 at position 3"):
-            verl.log_batch(monitor, 0, DataProtoLike(t))
+            verl.log_batch(monitor, 0, proto(t))
         assert monitor.last_step is None
     with pytest.raises(InputError, match="response_mask is 1 at position 3"):
-        verl.dump_batch(DataProtoLike(t), tmp_path / "d.jsonl")
+        verl.dump_batch(proto(t), tmp_path / "d.jsonl")
     assert not (tmp_path / "d.jsonl").exists()
 
 
@@ -101,7 +92,7 @@ def test_verl_a_response_part_with_a_hole_is_refused():
     t["attention_mask"][0, 4] = 0  # response part [1, 0, 1, 0]: not right-padded
     t["response_mask"] = t["attention_mask"][:, 3:].clone()
     with pytest.raises(InputError, match=r"row 0: attention_mask's response part is not right-padded"):
-        verl.read_batch(DataProtoLike(t))
+        verl.read_batch(proto(t))
 
 
 def test_verl_a_right_padded_prompt_is_refused():
@@ -110,7 +101,7 @@ def test_verl_a_right_padded_prompt_is_refused():
     t["prompts"] = torch.tensor([[5, 6, 0], [7, 8, 9]])
     t["attention_mask"][0, :3] = torch.tensor([1, 1, 0])
     with pytest.raises(InputError, match=r"row 0: attention_mask's prompt part is not left-padded"):
-        verl.read_batch(DataProtoLike(t))
+        verl.read_batch(proto(t))
 
 
 def test_verl_prompts_that_do_not_span_attention_mask_are_refused():
@@ -120,7 +111,7 @@ def test_verl_prompts_that_do_not_span_attention_mask_are_refused():
     t["prompts"] = torch.tensor([[1, 0, 5, 6], [1, 7, 8, 9]])
     with pytest.raises(InputError, match=r"prompts \[2, 4\] and responses \[2, 4\] must together span "
                                          r"attention_mask \[2, 7\]"):
-        verl.read_batch(DataProtoLike(t))
+        verl.read_batch(proto(t))
 
 
 def test_verl_dump_refuses_logprobs_of_another_width_as_log_does(tmp_path):
@@ -128,7 +119,7 @@ def test_verl_dump_refuses_logprobs_of_another_width_as_log_does(tmp_path):
     t = verl_tensors()
     t["old_log_probs"] = torch.cat([t["old_log_probs"], torch.zeros(2, 2)], 1)
     with pytest.raises(InputError, match=r"trainer logprobs \[2, 6\] and the response mask \[2, 4\] differ"):
-        verl.dump_batch(DataProtoLike(t), tmp_path / "d.jsonl")
+        verl.dump_batch(proto(t), tmp_path / "d.jsonl")
     assert not (tmp_path / "d.jsonl").exists()
 
 
