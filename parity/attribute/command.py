@@ -29,7 +29,7 @@ from parity.core.outputs import output_file
 from parity.core.schema import DTYPES, KERNEL_MODES, REFERENCE
 from parity.core.types import Rollout
 from parity.render.attribution import attribution_page, engine_text, layers_text, ops_text
-from parity.runtime.frame import run_command
+from parity.runtime.frame import Parser, run_command
 from parity.workload.cases import default_case, resolve_case
 from parity.workload.resolve import check_case_model, with_logprobs_mode
 
@@ -40,7 +40,7 @@ def _families(text: str) -> list[str] | str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="parity attribute",
         description="Attribute train/infer logprob drift to kernel families (op ablation) and to layers "
                     "(layer probe). Each axis compares two settings that differ in one thing: "

@@ -19,7 +19,7 @@ from parity.core.errors import EXIT_FAILED, ConfigError
 from parity.core.outputs import output_file
 from parity.core.schema import DTYPES
 from parity.render.audit import audit_html
-from parity.runtime.frame import run_command
+from parity.runtime.frame import Parser, run_command
 from parity.workload.cases import resolve_case
 
 
@@ -41,7 +41,7 @@ _AUDIT_ARGUMENTS = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the audit, print one line per check, write --json/--html; the exit code as above."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="parity audit",
         description="Sample the same seeded requests in pairs of situations (twice; alone and inside "
                     "batches of other lengths; shuffled; decode vs the backend's own prefill; prefix cache "

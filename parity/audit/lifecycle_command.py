@@ -12,13 +12,13 @@ from parity.audit.lifecycle import CHECKS, run_lifecycle
 from parity.backends import get_backend, parse_options
 from parity.core.errors import ConfigError
 from parity.core.outputs import output_file
-from parity.runtime.frame import run_command
+from parity.runtime.frame import Parser, run_command
 from parity.workload.cases import resolve_case
 from parity.workload.resolve import check_case_model
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="parity lifecycle",
         description="Sample the same requests before and after each lifecycle transition of a running "
                     "backend (cache reset, sleep/wake, KV-cache release, weight update) and compare token "

@@ -15,11 +15,11 @@ from parity.core.errors import InputError
 from parity.core.outputs import output_file
 from parity.render import report_html
 from parity.report.document import ParityReport
-from parity.runtime.frame import run_command
+from parity.runtime.frame import Parser, run_command
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="parity advise",
         description="Evaluate a grid of rollout corrections (verl rollout_is / rollout_rs, IcePop, geometric "
                     "IS, seq-mask-TIS) on REPORT's per-token logprobs, print every candidate's figures and "

@@ -13,11 +13,11 @@ from parity.commands.report_output import check_outputs, report_arguments, repor
 from parity.compare import compare
 from parity.core.errors import ConfigError, OutputError
 from parity.core.schema import DTYPES
-from parity.runtime.frame import run_command
+from parity.runtime.frame import Parser, run_command
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="parity compare",
         description="Sample a case with BACKEND, score the same tokens with the training forward, print "
                     "the summary; exit 0 when the tolerance holds, 1 when it does not, 2 on bad input.")

@@ -11,12 +11,12 @@ from parity.core.errors import ModelNotFoundError
 from parity.core.schema import DTYPES
 from parity.models import BUILTIN_MODELS, TRAINED_MODELS, builtin_dir, cache_dir, trained_dir
 from parity.models.trained import packaged_file
-from parity.runtime.frame import run_command
+from parity.runtime.frame import Parser, run_command
 
 
 def models(argv: Sequence[str] | None = None) -> int:
     """Run `parity models`: one line per model, then where its checkpoint lives; returns the exit code."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="parity models", description="List the built-in tiny checkpoints and the trained models "
                                           "converted from installed packages.")
     return run_command("parity", argv, parser, _models)
@@ -24,14 +24,14 @@ def models(argv: Sequence[str] | None = None) -> int:
 
 def backends(argv: Sequence[str] | None = None) -> int:
     """Run `parity backends`: one line per backend adapter and whether it can run here."""
-    parser = argparse.ArgumentParser(prog="parity backends",
+    parser = Parser(prog="parity backends",
                                      description="List backend adapters and whether each is usable here.")
     return run_command("parity", argv, parser, _backends)
 
 
 def kernels(argv: Sequence[str] | None = None) -> int:
     """Run `parity kernels`: the matmul route of each weight shape of a model; returns the exit code."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="parity kernels",
         description="Load MODEL on DEVICE (running the load-time matmul probe on CUDA) and print, for "
                     "each distinct linear weight shape, the route the invariant linear takes and why.")

@@ -13,13 +13,13 @@ from parity.core.errors import ConfigError
 from parity.core.schema import DTYPES, LOGPROBS_MODES
 from parity.core.types import SamplingParams
 from parity.rollouts.record import read_record
-from parity.runtime.frame import run_command
+from parity.runtime.frame import Parser, run_command
 from parity.scoring import FROM_DUMP, PARQUET_SUFFIX, is_record, score
 from parity.workload.cases import resolve_case
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="parity score",
         description="Score the rollouts of a dump (JSONL or Parquet: verl batches, any engine) or a parity "
                     "record with the training forward, print the summary compare prints; exit 0 when the "

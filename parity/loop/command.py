@@ -17,7 +17,7 @@ from parity.core.errors import EXIT_FAILED, ConfigError
 from parity.core.schema import DTYPES, REFERENCE
 from parity.loop import loop
 from parity.loop.record import LoopRecord
-from parity.runtime.frame import run_command
+from parity.runtime.frame import Parser, run_command
 
 #: columns of the per-step lines: (header, row key, width, format spec).
 COLUMNS: tuple[tuple[str, str, int, str], ...] = (
@@ -30,7 +30,7 @@ COLUMNS: tuple[tuple[str, str, int, str], ...] = (
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="parity loop",
         description="Run an on-policy GRPO loop: every step samples on every backend, measures each one's "
                     "drift against the training forward at that step's weights, trains on one backend's "

@@ -15,7 +15,7 @@ from parity.core.errors import ConfigError, InputError
 from parity.core.outputs import output_file
 from parity.monitor.page import PAGE_FILE, flat_values, write_page
 from parity.monitor.store import MonitorStore, plain, store_path
-from parity.runtime.frame import run_command
+from parity.runtime.frame import Parser, run_command
 
 #: the latest step's figures the command prints.
 SHOWN = ("max_abs_logprob_diff", "mean_abs_logprob_diff", "k3_kl", "is_ratio_mean", "rollout_probs_diff_max",
@@ -23,7 +23,7 @@ SHOWN = ("max_abs_logprob_diff", "mean_abs_logprob_diff", "k3_kl", "is_ratio_mea
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="parity monitor",
         description="Draw and summarise a run a parity.Monitor wrote (also one still going): the page, the "
                     "alerts, the latest step; exit 0, or 2 on an error.")

@@ -15,7 +15,7 @@ from parity.nightly.history import History
 from parity.nightly.regression import TEST_NAME, RegressionPolicy
 from parity.nightly.rows import RowResult, check_run_id
 from parity.nightly.runner import AUTO, DEVICES, EXECUTORS, NightlyConfig, RunInterrupted, run_nightly
-from parity.runtime.frame import run_command
+from parity.runtime.frame import Parser, run_command
 
 #: options that define the matrix; a resumed run takes them from the history instead.
 _MATRIX_OPTIONS = ("cases", "backends", "dtypes", "baseline", "alpha", "min_effect", "reference", "device",
@@ -23,7 +23,7 @@ _MATRIX_OPTIONS = ("cases", "backends", "dtypes", "baseline", "alpha", "min_effe
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="parity nightly",
         description="Run cases x backends x dtypes, keep the history, flag drift regressions "
                     "and write a report.",

@@ -23,11 +23,11 @@ from parity.core.errors import ConfigError
 from parity.core.outputs import output_file
 from parity.core.schema import DTYPES
 from parity.rollouts.record import Record, read_record, replay, write_record
-from parity.runtime.frame import run_command
+from parity.runtime.frame import Parser, run_command
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="parity replay", description=__doc__,
+    parser = Parser(prog="parity replay", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("record", type=Path, help="record file (JSONL) written by parity")
     parser.add_argument("--backend", required=True, help="backend to replay through")

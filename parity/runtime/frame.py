@@ -25,6 +25,38 @@ VERBOSE = "--verbose"
 VERBOSE_HELP = "show the engines' log lines (vLLM's INFO) and the traceback of an error; default: errors only"
 
 Body = Callable[[argparse.Namespace], int]
+#: where `_StoreOnce` keeps the values given so far, on the namespace while parsing only
+_GIVEN = "_parity_given"
+
+
+class _StoreOnce(argparse.Action):
+    """argparse's `store`, except that a flag given twice with two values is an error: argparse
+    keeps the last one unsaid, so `--dtype float32 ... --dtype bfloat16` ran in bf16."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: object, option_string: str | None = None) -> None:
+        given = namespace.__dict__.setdefault(_GIVEN, {})
+        if self.dest in given and given[self.dest] != values:
+            raise argparse.ArgumentError(
+                self, f"given twice ({given[self.dest]!r}, then {values!r}); give it once")
+        given[self.dest] = values
+        setattr(namespace, self.dest, values)
+
+
+class Parser(argparse.ArgumentParser):
+    """The argument parser of every `parity` command: a single-value flag given twice with two
+    different values is a usage error (exit 2) instead of the last one winning."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.register("action", "store", _StoreOnce)
+        self.register("action", None, _StoreOnce)
+
+    def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                         namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
+        parsed, rest = super().parse_known_args(args, namespace)
+        parsed.__dict__.pop(_GIVEN, None)
+        return parsed, rest
 
 
 def run_command(prog: str, argv: Sequence[str] | None, parser: argparse.ArgumentParser, body: Body) -> int:
