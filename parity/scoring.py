@@ -133,7 +133,7 @@ def score(rollouts: Sequence[Rollout] | str | os.PathLike[str], model: str | os.
     where = "the given rollouts" if source.kind == "rollouts" else f"{source.kind} {source.path}"
     if theirs is None:
         train_side = TRAIN_COMPUTED
-    elif trainer_logprobs == FROM_DUMP:
+    elif isinstance(trainer_logprobs, str):  # FROM_DUMP (checked); an array must not meet `==`
         train_side = (f"from the dump's {source.trainer_column!r} column (not computed here; no forward "
                       "ran, so the rollouts' sampling columns were not checked)")
     else:

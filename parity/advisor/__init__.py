@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from parity.advisor.diagnose import WEIGHTS, data_bugs
-from parity.advisor.evaluate import FIGURES, Evaluation, Tokens, evaluate, keep_mask
+from parity.advisor.diagnose import MIN_TOKENS, WEIGHTS, data_bugs
+from parity.advisor.evaluate import FIGURES, Drift, Evaluation, Tokens, evaluate, keep_mask
 from parity.advisor.export import framework_configs
 from parity.advisor.grid import REWEIGHTING, Candidate, default_grid, describe
 from parity.advisor.rule import (
@@ -28,6 +28,7 @@ from parity.advisor.rule import (
 from parity.advisor.text import advice_text
 from parity.core.errors import InputError
 from parity.core.schema import RECOMMENDATION_KEY
+from parity.core.types import check_int
 from parity.correction.config import CorrectionConfig
 from parity.report.document import ParityReport
 
@@ -38,6 +39,10 @@ SECTION = "advice"
 #: `ParityReport.extras` key of data bugs found with forwards (`parity.assess.mismatch`), which advise reads.
 DATA_BUGS = "data_bugs"
 SUMMARY_KEY = RECOMMENDATION_KEY
+#: fewest sequences a recommendation is made on without a caution in its reason (with `MIN_TOKENS`
+#: tokens): below it one sequence is more than `AdviceRule.max_removed_seqs`' default 10% and the
+#: bias interval's bootstrap of whole sequences has little to resample.
+FEW_SEQUENCES = 10
 
 
 @dataclass(frozen=True)
@@ -103,8 +108,15 @@ def advise(report_or_arrays: Any, rollout_logprobs: Any = None, mask: Any = None
     correction by `rule` (default `AdviceRule()`). bootstrap: resamples for the residual bias's 95%
     interval. policy_lag: the declared lag (> 0: stale-weight drift is intended, not named).
     """
+    check_int(bootstrap, "advise: bootstrap (resamples of the bias interval; 0: none)", low=0)
+    if policy_lag is not None:
+        check_int(policy_lag, "advise: policy_lag (policy versions the rollout's weights trail the "
+                  "trainer's; None: not declared)", low=0)
     advice = _recommend(report_or_arrays, rollout_logprobs, mask, grid=grid, rule=rule, bootstrap=bootstrap,
                         seed=seed, policy_lag=policy_lag)
+    caution = _few_tokens(advice.evaluation.drift)
+    if caution:
+        advice = dataclasses.replace(advice, reason=f"{advice.reason[:-1]}; {caution}.")
     if isinstance(report_or_arrays, ParityReport):
         advice = dataclasses.replace(advice, gold=gold_note(report_or_arrays.summary))
     return advice
@@ -157,6 +169,14 @@ def _recommend(report_or_arrays: Any, rollout_logprobs: Any, mask: Any, *, grid:
     config = CorrectionConfig(rollout_is=chosen.config.rollout_is,
                               rollout_is_threshold=chosen.config.rollout_is_threshold, **rs)
     return Advice(config, _sentence(clauses), tuple(stages), ev, rule, seed)
+
+
+def _few_tokens(drift: Drift) -> str:
+    """A caution when the batch is too small to rely on (`MIN_TOKENS`, `FEW_SEQUENCES`), else ""."""
+    if drift.tokens >= MIN_TOKENS and drift.sequences >= FEW_SEQUENCES:
+        return ""
+    return (f"caution: only {drift.tokens} tokens in {drift.sequences} sequences (fewer than {MIN_TOKENS} "
+            f"tokens or {FEW_SEQUENCES} sequences), too few to rely on; measure a larger batch")
 
 
 def _sentence(clauses: list[str]) -> str:

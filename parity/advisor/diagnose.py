@@ -48,13 +48,14 @@ def data_bugs(tok: Tokens, *, policy_lag: int | None = None) -> tuple[str, ...]:
         return (f"the rollout logprobs look shifted by one token: they match the trainer's one position over "
                 f"(mean |Δlogp| {shifted:.3g} nats) far better than aligned ({aligned:.3g}); check how the "
                 "logprobs were sliced against the response tokens",)
-    higher = float(np.mean(delta > 0))
-    share = max(higher, 1.0 - higher)
+    # a tie (Δ = 0, e.g. bit-identical tokens) is higher on neither side
+    higher, lower = float(np.mean(delta > 0)), float(np.mean(delta < 0))
+    share = max(higher, lower)
     magnitude = np.abs(delta)
-    minority = delta < 0 if higher >= 0.5 else delta > 0
+    minority = delta < 0 if higher >= lower else delta > 0
     other = float(magnitude[minority].sum() / magnitude.sum())
     if share >= ONE_SIDED and other <= OTHER_SIDE:
-        side = "rollout" if higher >= 0.5 else "trainer"
+        side = "rollout" if higher >= lower else "trainer"
         return (f"the {side} logprob is higher at {share:.0%} of tokens by a never-negative offset (mean "
                 f"{abs(float(delta.mean())):.3g} nats; the other sign carries {other:.1%} of the drift): one "
                 "side looks renormalized over a top-p/top-k nucleus the other did not use; check top_p, "

@@ -43,12 +43,16 @@ FIGURES: tuple[str, ...] = (
 @dataclass(frozen=True)
 class Tokens:
     """The valid tokens of a batch, row-major, float64: log_ratio Δ `[N]` (nats), train `[N]`, lengths
-    `[S]` (non-empty sequences).
+    `[S]` (non-empty sequences). After a rejection (`subset`), seq_log_ratio and seq_tokens `[S]`:
+    each sequence's Σ Δ and token count before it, which a sequence-level IS weight is still taken
+    over (verl weighs on the original mask); None: these tokens' own.
     """
 
     log_ratio: np.ndarray
     train: np.ndarray
     lengths: np.ndarray
+    seq_log_ratio: np.ndarray | None = None
+    seq_tokens: np.ndarray | None = None
 
     @classmethod
     def from_arrays(cls, train_logprobs: Any, rollout_logprobs: Any, mask: Any) -> Tokens:
@@ -72,10 +76,16 @@ class Tokens:
         return np.concatenate(([0], np.cumsum(self.lengths)[:-1])).astype(np.int64)
 
     def subset(self, keep: np.ndarray) -> Tokens:
-        """The tokens where `keep` `[N]` is set; sequences left empty are dropped."""
+        """The tokens where `keep` `[N]` is set; sequences left empty are dropped. Each kept sequence
+        keeps its whole Σ Δ and token count for sequence-level IS weights."""
         seq = np.repeat(np.arange(self.lengths.size), self.lengths)
         lengths = np.bincount(seq[keep], minlength=self.lengths.size)
-        return Tokens(self.log_ratio[keep], self.train[keep], lengths[lengths > 0].astype(np.int64))
+        full_sum = np.add.reduceat(self.log_ratio, self.starts) if self.seq_log_ratio is None \
+            else self.seq_log_ratio
+        full_n = self.lengths if self.seq_tokens is None else self.seq_tokens
+        kept = lengths > 0
+        return Tokens(self.log_ratio[keep], self.train[keep], lengths[kept].astype(np.int64),
+                      full_sum[kept], full_n[kept])
 
 
 @dataclass(frozen=True)
@@ -140,6 +150,9 @@ class _SeqStats:
         self.sum_k = {e: add(v, starts) for e, v in self.k.items()}
         self.max_k = {e: np.maximum.reduceat(v, starts) for e, v in self.k.items()}
         self.clamped, self.ratio = c, r
+        # what sequence-level IS weights are taken over: the whole sequence, rejected tokens included
+        self.is_sum_d = self.sum_d if tok.seq_log_ratio is None else tok.seq_log_ratio
+        self.is_n = self.n if tok.seq_tokens is None else tok.seq_tokens.astype(np.float64)
 
 
 def _token_family(family: str, cands: Sequence[Candidate], tok: Tokens, st: _SeqStats) -> _Sums:
@@ -203,7 +216,7 @@ def _sequence_family(family: str, cands: Sequence[Candidate], st: _SeqStats) -> 
     zeros = np.zeros((n.shape[0], len(cands)))
     if family in ("sequence_tis", "geometric_tis"):
         level = rules[0].is_rule.level
-        raw = ratio(clamp_log_ratio(sequence_log_ratio(st.sum_d, st.n, level)))[:, None]
+        raw = ratio(clamp_log_ratio(sequence_log_ratio(st.is_sum_d, st.is_n, level)))[:, None]
         w = truncate(raw, np.array([c.is_rule.upper for c in rules]))
         return _Sums(w=n * w, w2=n * w * w, wl=w * st.sum_l[:, None], removed_mass=n * (raw - w),
                      truncated=n * (raw > w), removed=zeros, kept_k3=zeros + st.sum_k["k3"][:, None],
@@ -211,7 +224,7 @@ def _sequence_family(family: str, cands: Sequence[Candidate], st: _SeqStats) -> 
     if family == "none":
         keep = np.ones_like(zeros, dtype=bool)
     elif family == "seq_mask_tis":
-        geo = sequence_log_ratio(st.sum_d, st.n, "geometric")[:, None]
+        geo = sequence_log_ratio(st.is_sum_d, st.is_n, "geometric")[:, None]
         lower = np.log([c.is_rule.band_lower for c in rules])
         keep = in_band(geo, lower, np.log([c.is_rule.upper for c in rules]))
     else:  # seq_rs
@@ -276,8 +289,9 @@ def evaluate(tok: Tokens, candidates: Sequence[Candidate], *, bootstrap: int = 2
         else np.zeros(cols),
         "bias": bias_seq.sum(0) / n_tok,
     }
-    # the bias is a token mean: per-sequence sums over per-sequence token counts
-    low, high = bootstrap_ratio(bias_seq, st.n, bootstrap, seed, confidence, empty=0.0)
+    # the bias is a token mean: per-sequence sums over per-sequence token counts; a resample that drew
+    # no sequence is no evidence and is dropped (as 0 it pulled the interval to 0 with few sequences)
+    low, high = bootstrap_ratio(bias_seq, st.n, bootstrap, seed, confidence, empty=None)
     figures["bias_low"], figures["bias_high"] = low, high
     drift = Drift(max_abs_log_ratio=float(np.abs(tok.log_ratio).max()),
                   ratio_var=float(st.sum_r2.sum() / n_tok - (st.sum_r.sum() / n_tok) ** 2),

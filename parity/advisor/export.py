@@ -74,23 +74,30 @@ def framework_configs(cfg: CorrectionConfig) -> dict[str, Any]:
     """{"verl": keys | None, "nemo_rl": keys | None, "slime": flags | None, "notes": [...]}."""
     out: dict[str, Any] = {"verl": verl_keys(cfg), "nemo_rl": nemo_rl_keys(cfg), "slime": slime_flags(cfg),
                            "notes": []}
-    if out["verl"] is None:
-        out["notes"].append(f"verl has no rollout_is={cfg.rollout_is!r}; parity computes it as an extra")
+    if out["verl"] is None:  # name what verl lacks: the level, else the lower clamp
+        lacks = f"rollout_is={cfg.rollout_is!r}" if cfg.rollout_is not in VERL_IS_LEVELS \
+            else "rollout_is_clamp_lower (a lower clamp of the IS weights)"
+        out["notes"].append(f"verl has no {lacks}; parity computes it as an extra")
     if out["nemo_rl"] is None:
-        out["notes"].append("NeMo-RL has no equivalent (no rejection sampling, no product-of-ratios "
-                            "sequence IS)")
+        lacks = "rejection sampling" if cfg.rs_rules else "batch-normalized IS weights" \
+            if cfg.rollout_is_batch_normalize else "product-of-ratios sequence IS"
+        out["notes"].append(f"NeMo-RL has no equivalent (no {lacks})")
     if out["slime"] is None:
         out["notes"].append("slime's built-in correction is token-level TIS only (--use-tis)")
     return out
 
 
 def verl_overrides(keys: dict[str, Any]) -> str:
-    """Hydra command-line overrides, e.g. `algorithm.rollout_correction.rollout_is=token ...`."""
-    def text(value: Any) -> str:
+    """Hydra command-line overrides, e.g. `algorithm.rollout_correction.rollout_is=token ...`, to paste
+    into a shell: a value Hydra must see quoted (a band such as '0.5_2', which Hydra's grammar reads
+    unquoted as the float 0.52; a comma list, else a sweep) keeps its quotes inside double quotes."""
+    def override(key: str, value: Any) -> str:
         if value is None:
-            return "null"
+            return f"{key}=null"
         if isinstance(value, bool):
-            return str(value).lower()
-        return f"'{value}'" if isinstance(value, str) and "_" in value and value[0].isdigit() else str(value)
+            return f"{key}={str(value).lower()}"
+        if isinstance(value, str) and ("," in value or ("_" in value and value[:1].isdigit())):
+            return f"\"{key}='{value}'\""
+        return f"{key}={value}"
 
-    return " ".join(f"{k}={text(v)}" for k, v in keys.items())
+    return " ".join(override(k, v) for k, v in keys.items())
