@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 #: ops table columns: (header, function of a family row).
 _OPS_COLUMNS: tuple[tuple[str, Any], ...] = (
     ("family", lambda r: r["family"]),
-    ("share", lambda r: f"{100 * r['share']:.1f}%"),
+    ("share", lambda r: percent(r["share"], 1)),
     ("added mean|Δ|", lambda r: f"{r['added']:.3e}"),
     ("native-only max|Δ|", lambda r: f"{r['native_only']['max_abs_logprob_diff']:.3e}"),
     ("native-only mean|Δ|", lambda r: f"{r['native_only']['mean_abs_logprob_diff']:.3e}"),
@@ -31,6 +31,18 @@ _LAYER_COLUMNS: tuple[tuple[str, Any], ...] = (
     ("max|Δ|", lambda s: f"{s['max_abs']:.3e}"),
     ("differing", lambda s: f"{s['differing']}/{s['elements']}"),
 )
+
+
+def percent(share: float, decimals: int) -> str:
+    """A share in [0, 1] as a percentage to `decimals` places; "<0.01%" / ">99.99%" where rounding
+    would print a share that is neither 0 nor 1 as 0% or 100% (one differing element of millions)."""
+    text = f"{100 * share:.{decimals}f}%"
+    step = f"{10.0 ** -decimals:.{decimals}f}"
+    if 0 < share < 1 and text == f"{0:.{decimals}f}%":
+        return f"<{step}%"
+    if 0 < share < 1 and text == f"{100:.{decimals}f}%":
+        return f">{100 - float(step):.{decimals}f}%"
+    return text
 
 
 def _drift_line(name: str, drift: dict[str, float]) -> str:
@@ -97,7 +109,7 @@ def ops_figure(ops: dict[str, Any], *, title: str = "drift by kernel family") ->
     top = max([*native, *invariant, ops["baseline"]["mean_abs_logprob_diff"],
                ops["all_native"]["mean_abs_logprob_diff"]])
     ax.set_ylim(0.0, 1.15 * top if top > 0 else 1.0)
-    ax.set_xticks(x, [f"{r['family']}\n{100 * r['share']:.0f}%" for r in rows], fontsize=7)
+    ax.set_xticks(x, [f"{r['family']}\n{percent(r['share'], 0)}" for r in rows], fontsize=7)
     ax.legend(fontsize=7, loc="upper right")
     return fig
 
@@ -128,7 +140,7 @@ def layers_figure(layers: dict[str, Any], *, title: str = "relative error by sta
 
 
 _ENGINE_COLUMNS: tuple[tuple[str, Any], ...] = (
-    *_LAYER_COLUMNS[:3], ("share differing", lambda s: f"{100 * s['share']:.2f}%"),
+    *_LAYER_COLUMNS[:3], ("share differing", lambda s: percent(s["share"], 2)),
 )
 
 

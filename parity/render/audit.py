@@ -61,6 +61,12 @@ def machine_clause(provenance: dict[str, Any]) -> str:
     return f"a property of this engine and workload on this machine (CPU {cpu}, {gpu})"
 
 
+def _sentence(text: str) -> str:
+    """`text` with its first letter upper case, the rest as written (str.capitalize would lower
+    the GPU's and the ISA's names: "nvidia h100", "avx-512")."""
+    return text[:1].upper() + text[1:]
+
+
 def _badge(label: str, word: str) -> str:
     """A verdict badge: "yes" green, "no" red, "not checked" grey."""
     word = word.lower()
@@ -105,7 +111,7 @@ def audit_html(result: dict[str, Any]) -> str:
         f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body>",
         f"<h1>{html.escape(title)}</h1>",
         f"<p>{_badge('deterministic', deterministic)}{_badge('batch-invariant', invariant)}</p>",
-        f"<p>{html.escape(machine_clause(prov)).capitalize()}.</p>", control,
+        f"<p>{html.escape(_sentence(machine_clause(prov)))}.</p>", control,
         "<h2>Checks</h2><p>Token ids and logprobs compared bit for bit; logprobs over the common token "
         "prefix of each sample, a sample whose tokens diverge counted as differing.</p>",
         f'<table class="checks"><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>',

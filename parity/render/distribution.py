@@ -11,6 +11,7 @@ import numpy as np
 
 from parity.core.schema import DISTRIBUTION_SUMMARY_KEYS
 from parity.render.figures import BLUE, ORANGE, figure_img, new_figure
+from parity.report.document import number_text
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -19,21 +20,29 @@ if TYPE_CHECKING:
 
 #: KL values below this (nats; exactly 0 included) are drawn at it on the log axis.
 KL_FLOOR = 1e-12
+#: infinite KL values (nats) are drawn at this height, and counted in the title.
+KL_CEILING = 1e3
 
 
 def kl_position_figure(forward: list[float], backward: list[float]) -> Figure:
-    """Both KL lower bounds at every position (rollout order, `[positions]` nats each), log axis."""
+    """Both KL lower bounds at every position (rollout order, `[positions]` nats each), log axis:
+    infinite ones drawn at `KL_CEILING`, undefined (NaN) ones left as gaps, both counted in the title."""
     fig, ax = new_figure()
-    ax.set_title("KL lower bounds per position (engine top-k vs trainer row)", fontsize=10)
+    sides = [np.asarray(values, np.float64) for values in (forward, backward)]
+    infinite, undefined = (sum(int(test(v).sum()) for v in sides) for test in (np.isinf, np.isnan))
+    notes = [f"{n} {what}" for n, what in ((infinite, f"infinite (drawn at {KL_CEILING:g})"),
+                                           (undefined, "undefined (gaps)")) if n]
+    ax.set_title("KL lower bounds per position (engine top-k vs trainer row)"
+                 + (f"\n{', '.join(notes)}" if notes else ""), fontsize=10)
     ax.set_xlabel("position (rollouts in order)")
     ax.set_ylabel(f"nats (floor {KL_FLOOR:g})")
     if not forward:
         ax.text(0.5, 0.5, "no positions", ha="center", va="center", transform=ax.transAxes)
         return fig
     x = np.arange(len(forward))
-    sides = ((forward, BLUE, "KL(train || engine)"), (backward, ORANGE, "KL(engine || train)"))
-    for values, color, label in sides:
-        ax.plot(x, np.maximum(np.nan_to_num(np.asarray(values, np.float64), posinf=1e3), KL_FLOOR),
+    for values, color, label in zip(sides, (BLUE, ORANGE), ("KL(train || engine)", "KL(engine || train)")):
+        # NaN stays NaN (a gap): nan_to_num would draw an undefined KL at the floor, as agreement
+        ax.plot(x, np.where(np.isinf(values), KL_CEILING, np.maximum(values, KL_FLOOR)),
                 color=color, linewidth=0.8, label=label, rasterized=True)
     ax.set_yscale("log")
     ax.legend(fontsize=8)
@@ -75,4 +84,4 @@ def distribution_html(report: ParityReport) -> str:
 
 
 def _value(value: Any) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else html.escape(str(value))
+    return number_text(value, 4) if isinstance(value, float) else html.escape(str(value))

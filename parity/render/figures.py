@@ -59,8 +59,8 @@ def log_ratio_histogram(log_ratio: np.ndarray) -> Figure:
     notes = [f"{values.size} tokens"]
     if values.size > finite.size:
         notes.append(f"{values.size - finite.size} non-finite")
-    if finite.size and span == 0.0:
-        notes.append("all identical")
+    if finite.size and span == 0.0:  # not "all": a non-finite ratio is a side's -inf, no agreement
+        notes.append("all identical" if values.size == finite.size else "the finite ones identical")
     fig, ax = new_figure()
     ax.set_title(f"log ratio per token ({', '.join(notes)})", fontsize=10)
     ax.set_xlabel("logp_train - logp_rollout (nats)")

@@ -11,6 +11,7 @@ import numpy as np
 
 from parity.core.schema import GOLD_SUMMARY_KEYS, GOLD_VERDICT_KEY
 from parity.render.figures import BLUE, GREY, ORANGE, figure_img, new_figure
+from parity.report.document import number_text
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -101,7 +102,7 @@ def gold_html(report: ParityReport) -> str:
 
 def _value(value: Any) -> str:
     if isinstance(value, float):
-        return f"{value:.4g}"
+        return number_text(value, 4)
     if isinstance(value, list):
         return "[" + ", ".join(_value(v) for v in value) + "]"
     return str(value)

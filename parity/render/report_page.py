@@ -13,6 +13,7 @@ from parity.render.attribution import section_html
 from parity.render.distribution import distribution_html
 from parity.render.figures import breakdown_figure, figure_img, log_ratio_histogram
 from parity.render.gold import gold_html
+from parity.report.document import number_text
 
 if TYPE_CHECKING:
     from parity.report.document import ParityReport
@@ -65,6 +66,8 @@ def request_drift_table(rows: list[dict[str, Any]]) -> str:
         cells = [_td(row["request_id"]), _td(row["samples"]), _td(tokens)]
         if row["identical"]:
             cells.append(f'<td class="identical" colspan="2">all {row["tokens"]} tokens identical</td>')
+        elif not row["tokens"]:  # every token outside a side's support: nothing measured, no 0
+            cells.append('<td colspan="2">no token inside both sides\' support</td>')
         else:
             cells += [_td(f"{row['max_abs_logprob_diff']:.3e}"), _td(f"{row['mean_abs_logprob_diff']:.3e}")]
         if with_text:
@@ -108,7 +111,7 @@ def key_value_table(values: dict[str, Any], *, css_class: str = "kv") -> str:
     rows = []
     for key, value in values.items():
         if isinstance(value, float):
-            text = f"{value + 0.0:.6g}"  # + 0.0 shows -0.0 as 0
+            text = number_text(value + 0.0)  # + 0.0 shows -0.0 as 0
         elif isinstance(value, (dict, list)):
             text = json.dumps(value, sort_keys=True, default=str)
         else:

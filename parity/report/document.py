@@ -119,20 +119,19 @@ class ParityReport:
     def from_dict(cls, d: dict[str, Any]) -> ParityReport:
         if d.get("format") != FORMAT:
             raise InputError(f"not a parity report: format is {d.get('format')!r}, expected {FORMAT!r}")
-        if d.get("version") != FORMAT_VERSION:
+        # type check: JSON's true equals 1 in Python, and is no version number
+        if type(d.get("version")) is not int or d.get("version") != FORMAT_VERSION:
             raise InputError(f"parity report version {d.get('version')!r} is not supported "
                              f"(this parity reads version {FORMAT_VERSION})")
         try:
             arrays = {}
             optional = {GOLD_FIELD: GOLD_DTYPE} if GOLD_FIELD in d["arrays"] else {}
             for name, dtype in {**ARRAY_FIELDS, **optional}.items():
-                spec = d["arrays"][name]
-                # reshape keeps the shape of empty arrays ([0, 0] lists carry no column count)
-                arrays[name] = np.asarray(spec["data"], dtype=dtype).reshape(spec["shape"])
+                arrays[name] = _stored_array(name, d["arrays"][name], dtype)
             return cls(
                 **arrays,
                 sequences=d["sequences"], summary=d["summary"], metrics=d["metrics"],
-                breakdowns=d["breakdowns"], passed=d["passed"],
+                breakdowns=d["breakdowns"], passed=_stored_verdict(d["passed"], d["violations"]),
                 tolerance=Tolerance.from_dict(d["tolerance"], where="report.tolerance"),
                 violations=[Violation(v["metric"], v["value"], v["limit"]) for v in d["violations"]],
                 provenance=d["provenance"], extras=d.get("extras", {}),
@@ -203,7 +202,8 @@ class ParityReport:
             # NaN sorts first: an undefined difference is the worst finding there is
             key = np.where(np.isnan(diff), np.inf, np.abs(diff))
         order = np.argsort(-key, kind="stable")
-        order = order[diff[order] != 0][:k]
+        # equal sides are no finding: -inf on both (outside both supports) gives a NaN diff
+        order = order[(train != rollout)[order]][:k]
         text = self.extras.get("text")
         out = []
         for i in order:
@@ -235,8 +235,8 @@ class ParityReport:
                 "prompt": text.get("prompts", {}).get(str(self.sequences[row].get("request_id")), "")}
 
     def request_drift(self) -> list[dict[str, Any]]:
-        """Drift per request id, first-seen order: samples, tokens, outside_support, max and mean |Δ| (nats),
-        identical, and prompt when the report holds text.
+        """Drift per request id, first-seen order: samples, tokens, outside_support, max and mean |Δ| (nats;
+        NaN where no token is inside both sides' support), identical, and prompt when the report holds text.
         """
         prompts = self.extras.get("text", {}).get("prompts", {})
         groups: dict[str, list[int]] = {}
@@ -253,8 +253,9 @@ class ParityReport:
             out.append({
                 "request_id": request_id, "samples": len(rows), "tokens": int(diff.size),
                 "outside_support": int(outside.sum()),
-                "max_abs_logprob_diff": float(diff.max()) if diff.size else 0.0,
-                "mean_abs_logprob_diff": float(diff.mean()) if diff.size else 0.0,
+                # NaN, not 0: no token inside both sides' support, so no drift was measured
+                "max_abs_logprob_diff": float(diff.max()) if diff.size else float("nan"),
+                "mean_abs_logprob_diff": float(diff.mean()) if diff.size else float("nan"),
                 "identical": bool(np.array_equal(train, rollout)), "prompt": prompts.get(request_id, ""),
             })
         return out
@@ -277,13 +278,30 @@ def format_worst_tokens(rows: list[dict[str, Any]], num_tokens: int | None = Non
     lines = [[str(h) for h in header] + (["token in context"] if with_text else [])]
     for row in rows:
         lines.append([str(row["sequence"]), str(row["position"]), str(row["token_id"]),
-                      f"{row['train_logprob']:.6f}", f"{row['rollout_logprob']:.6f}",
+                      *_logprob_pair(row["train_logprob"], row["rollout_logprob"]),
                       *((f"{row['gold_logprob']:.6f}",) if with_gold else ()), f"{row['ratio']:.6f}"])
         if with_text:
             lines[-1].append(f"{_escaped(row['before'])}[{_escaped(row['text'])}]{_escaped(row['after'])}")
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     return "\n".join("  ".join([*(cell.rjust(w) for cell, w in zip(line, widths)), *line[len(header):]])
                      for line in lines)
+
+
+def _logprob_pair(train: float, rollout: float) -> tuple[str, str]:
+    """Two logprobs at 6 decimals, or at 9 significant digits (float32's round-trip precision) where
+    6 decimals would print two different values alike (a worst token must not read as identical)."""
+    a, b = f"{train:.6f}", f"{rollout:.6f}"
+    return (f"{train:.9g}", f"{rollout:.9g}") if a == b and train != rollout else (a, b)
+
+
+def number_text(value: float, digits: int = 6) -> str:
+    """`value` to `digits` significant digits, more where that would print a value that is not ±1
+    as 1 (an agreement of 0.9999997 or an IS ratio of 1.0000003 must not read as exact)."""
+    text = f"{value:.{digits}g}"
+    while digits < 17 and abs(float(text)) == 1.0 and float(text) != value:
+        digits += 1
+        text = f"{value:.{digits}g}"
+    return text
 
 
 def _escaped(text: str) -> str:
@@ -302,7 +320,7 @@ def format_summary(report: ParityReport) -> str:
             lines.append(f"  {side.replace('_', ' ')}: {prov[side]}")
     width = max((len(k) for k in report.summary), default=0)
     for key, value in report.summary.items():
-        text = f"{value:.6g}" if isinstance(value, float) else str(value)
+        text = number_text(value) if isinstance(value, float) else str(value)
         lines.append(f"  {key.ljust(width)}  {text}")
     for v in report.violations:
         lines.append(f"  violation: {v.describe()}")
@@ -316,6 +334,36 @@ def format_summary(report: ParityReport) -> str:
                 f"{r['max_abs_logprob_diff']:.3e} / {r['mean_abs_logprob_diff']:.3e}"
             lines.append(f"    {label.ljust(22)} {str(r['num_tokens']).rjust(6)} tokens  {drift}")
     return "\n".join(lines)
+
+
+def _stored_array(name: str, spec: dict[str, Any], dtype: type) -> np.ndarray:
+    """One array of a stored report as `dtype` in its stored shape; InputError unless every value
+    reads as `dtype` unchanged (a float64 logprob rounded to float32, a position of 7.5 cut to 7 or a
+    mask of 2 made True would alter the numbers the report shows)."""
+    where = f"parity report array {name!r}"
+    try:
+        raw = np.asarray(spec["data"])
+        # reshape keeps the shape of empty arrays ([0, 0] lists carry no column count)
+        with np.errstate(over="ignore", invalid="ignore"):  # a value that overflows is refused below
+            arr = raw.astype(dtype).reshape(spec["shape"])
+    except (TypeError, ValueError) as exc:
+        raise InputError(f"{where} does not read as {np.dtype(dtype).name} of shape {spec.get('shape')}: "
+                         f"{exc}") from exc
+    if raw.dtype.kind not in "biuf" or not np.array_equal(arr.ravel(), raw.ravel(),
+                                                          equal_nan=raw.dtype.kind == "f"):
+        raise InputError(f"{where} holds values that {np.dtype(dtype).name} cannot store exactly "
+                         f"(stored dtype {spec.get('dtype')!r}); write the report with ParityReport.to_json")
+    return arr
+
+
+def _stored_verdict(passed: Any, violations: list[Any]) -> bool:
+    """A stored report's `passed`: JSON true or false, agreeing with its violations."""
+    if not isinstance(passed, bool):
+        raise InputError(f"parity report field 'passed' is {passed!r}; it must be true or false")
+    if passed == bool(violations):
+        raise InputError(f"parity report field 'passed' is {str(passed).lower()} with {len(violations)} "
+                         "violation(s): the verdict contradicts its violations")
+    return passed
 
 
 def _plain(value: Any) -> Any:

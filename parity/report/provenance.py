@@ -84,11 +84,19 @@ def cpu_isa(cpuinfo: str | os.PathLike[str] = "/proc/cpuinfo") -> str | None:
 
 
 def gpu_model(*devices: str | None) -> str | None:
-    """The GPU's name when a side ran on CUDA and torch is already loaded (never imported here: a
+    """The name of the GPU each side ran on (its own index: `cuda:1` is not GPU 0; distinct names
+    joined by " + "), when a side ran on CUDA and torch is already loaded (never imported here: a
     report is built without it where no GPU ran); None otherwise."""
-    if not any(d is not None and str(d).startswith("cuda") for d in devices):
+    cuda = [str(d) for d in devices if d is not None and str(d).startswith("cuda")]
+    if not cuda:
         return None
     torch = sys.modules.get("torch")
     if torch is None or not torch.cuda.is_available():
         return None
-    return str(torch.cuda.get_device_name(0))
+    names = []
+    for d in cuda:
+        try:
+            names.append(str(torch.cuda.get_device_name(d)))  # "cuda" alone: the current device
+        except (AssertionError, RuntimeError, ValueError):  # an index this process does not see
+            continue
+    return " + ".join(dict.fromkeys(names)) or None
