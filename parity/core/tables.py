@@ -9,6 +9,7 @@ pyarrow for Parquet.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -42,12 +43,21 @@ def _existing(path: Path) -> Path:
 
 
 def write_rows(path: str | Path, rows: Sequence[dict[str, Any]]) -> Path:
-    """Write rows as JSONL, or as Parquet for a `.parquet` path; returns the path."""
+    """Write rows as JSONL, or as Parquet for a `.parquet` path, atomically; returns the path. A
+    Parquet file has the columns of every row (a key only some rows have is null in the others)."""
     path = Path(path)
     if path.suffix != PARQUET_SUFFIX:
         return write_jsonl(path, rows)
     pa, pq = pyarrow()
-    pq.write_table(pa.Table.from_pylist(list(rows)), str(path))
+    # pyarrow takes the columns from the first row alone: a later row's response_mask would be lost
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    table = pa.Table.from_pylist([{key: row.get(key) for key in columns} for row in rows])
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:  # as `write_atomic`: a run killed mid-write leaves the old file, never half of a new one
+        pq.write_table(table, str(tmp))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path
 
 

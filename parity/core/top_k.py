@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from parity.core.errors import InputError
+from parity.core.logprobs import MAX_LOGPROB
 
 
 class TopKError(InputError):
@@ -32,10 +33,14 @@ def check_top_k(ids: Any, logprobs: Any, where: str, *, positions: int | None = 
     """(ids int64 `[positions, k]`, logprobs float64 `[positions, k]`) checked, else `TopKError`."""
     try:
         ids_a = np.asarray(ids)
-        lp_a = np.asarray(logprobs, dtype=np.float64)
+        lp_a = np.asarray(logprobs)
     except (TypeError, ValueError) as exc:
         raise TopKError(f"{where}: top_k_ids/top_k_logprobs must be rectangular arrays [positions, k] "
                         f"({exc})") from exc
+    if lp_a.size and lp_a.dtype.kind not in "iuf":  # a cast would parse "-0.5" and take True for 1.0
+        raise TopKError(f"{where}: top_k_logprobs must hold numbers, got dtype {lp_a.dtype}; give the "
+                        "logprobs as floats")
+    lp_a = lp_a.astype(np.float64, copy=False)
     if ids_a.size == 0 and ids_a.ndim < 2:
         ids_a = ids_a.reshape(0, lp_a.shape[1] if lp_a.ndim == 2 else 0)
         lp_a = lp_a.reshape(ids_a.shape)
@@ -54,7 +59,8 @@ def check_top_k(ids: Any, logprobs: Any, where: str, *, positions: int | None = 
     if vocab_size is not None:
         _first_bad(ids_a >= vocab_size, where, f"top_k_ids has an id >= the vocabulary size {vocab_size}",
                    "the top-k must come from this model's tokenizer")
-    _first_bad(np.isnan(lp_a) | (lp_a > 0), where, "top_k_logprobs holds NaN or a value > 0",
+    _first_bad(np.isnan(lp_a) | (lp_a > MAX_LOGPROB), where,
+               f"top_k_logprobs holds NaN or a value > {MAX_LOGPROB}",
                "logprobs are <= 0 (-inf for tokens outside the sampling support)")
     _first_bad(lp_a[:, 1:] > lp_a[:, :-1], where, "top_k_logprobs are not in descending order",
                "give each position's entries most likely first, as the engine returns them")

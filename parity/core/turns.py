@@ -10,7 +10,7 @@ indices come from the mask alone (`turn_index`), so verl dumps get the same per-
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,10 +63,10 @@ class Inject:
                 raise ConfigError(f"injection {self.name!r} has no function bound; load it through a case "
                                   "or parity.workload.tools.bind_tools with the model")
             return self.token_ids
-        ids = tuple(int(t) for t in self.fn(history))
-        if any(t < 0 for t in ids):
-            raise ConfigError(f"injection {self.name or self.fn!r} returned a negative token id")
-        return ids
+        out = self.fn(history)
+        # checked, never converted: int() would round 3.9 to 3, parse "7" and take True for 1
+        return check_token_ids(tuple(out) if isinstance(out, Iterator) else out,
+                               f"injection {self.name or self.fn!r}: the ids it returned", ConfigError)
 
     def to_dict(self) -> dict[str, Any]:
         return {"inject": list(self.token_ids)} if self.token_ids else {"tool": self.name}

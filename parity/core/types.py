@@ -53,11 +53,12 @@ class SamplingParams:
         # int and a string is a sequence of characters, and each would silently mean something else
         set_ = object.__setattr__
         set_(self, "n", check_int(self.n, "sampling.n", low=1))
-        set_(self, "temperature", check_real(self.temperature, "sampling.temperature", "(0 = greedy)"))
+        # floats always: `temperature = 1` and `1.0` are one workload, and must write (and hash) as one
+        set_(self, "temperature", float(check_real(self.temperature, "sampling.temperature", "(0 = greedy)")))
         if self.temperature < 0:
             raise ConfigError(
                 f"sampling.temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
-        set_(self, "top_p", check_real(self.top_p, "sampling.top_p", "in (0, 1] (1 = off)"))
+        set_(self, "top_p", float(check_real(self.top_p, "sampling.top_p", "in (0, 1] (1 = off)")))
         if not 0.0 < self.top_p <= 1.0:
             raise ConfigError(f"sampling.top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
         set_(self, "top_k", check_int(self.top_k, "sampling.top_k", low=0,

@@ -118,6 +118,12 @@ class Case:
             raise ConfigError(f"{where}: kind 'trajectory' needs turns on every request; give [[turns]]")
         if self.kind != "trajectory" and trajectories:
             raise ConfigError(f"{where}: requests {trajectories[:3]} have turns; set kind = 'trajectory'")
+        caching = self.prefix_caching
+        if not isinstance(caching, tuple) or not all(isinstance(v, bool) for v in caching) \
+                or len(set(caching)) != len(caching):
+            # a string "false" would run the prefix cache on: any non-empty string is true
+            raise ConfigError(f"{where}: prefix_caching must hold distinct True/False values, got "
+                              f"{self.prefix_caching!r}")
         if self.prefix_caching and self.kind != "trajectory":
             raise ConfigError(f"{where}: prefix_caching is an axis of trajectory cases; "
                               "set kind = 'trajectory'")
@@ -132,6 +138,7 @@ class Case:
             raise ConfigError(f"{where}: loop_steps must be an integer >= 1, got {steps!r}")
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < math.inf:
             raise ConfigError(f"{where}: loop_lr must be a finite number > 0, got {lr!r}")
+        object.__setattr__(self, "loop_lr", float(lr))  # 1 and 1.0 are one workload, one hash
         if tp > 1 and self.kind != "compare":
             raise ConfigError(f"{where}: reference_tensor_parallel_size applies to compare cases only "
                               f"(this case's kind is {self.kind!r}); remove it or set it to 1")
@@ -162,9 +169,13 @@ class Case:
 
 
 def _check_choices(where: str, field: str, values: Iterable[str], allowed: tuple[str, ...]) -> None:
+    values = list(values)
     bad = [v for v in values if v not in allowed]
     if bad:
         raise ConfigError(f"{where}: {field} has {bad}; allowed: {list(allowed)}")
+    twice = next((v for i, v in enumerate(values) if v in values[:i]), None)
+    if twice is not None:  # a row run twice; of two tolerances for one backend, the last silently wins
+        raise ConfigError(f"{where}: {field} has {twice!r} twice; give each value once")
 
 
 def default_case(model: str = "tiny-llama", *, num_prompts: int = 8, max_tokens: int = 32,
@@ -259,9 +270,12 @@ def load_case(path: str | Path) -> Case:
     """Parse and validate one case file (schema in this module's docstring)."""
     path = Path(path)
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_bytes().decode("utf-8"))  # TOML is UTF-8 whatever the locale
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read case file ({exc.strerror})") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}); TOML case files are "
+                          "UTF-8: save it as UTF-8") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML ({exc})") from exc
     f = Fields(path)
@@ -437,6 +451,9 @@ def _sampling_blocks(f: Fields, sampling: Any, logprobs_mode: str,
             raise f.error(where + "label", "names a block of a sweep ([[sampling]] given two or more times); "
                                            "remove it, or add the sweep's other blocks")
         label = f.get(block, "label", str, default=_label(base), prefix=where) if len(blocks) > 1 else ""
+        if len(blocks) > 1 and (not label or control_character(label) is not None):
+            # "" would give the block plain ids ("0"), outside the sweep; a label is printed as it is
+            raise f.error(where + "label", f"must be non-empty printable text, got {label!r}")
         if label in labels:
             raise f.error(where + "label", f"{label!r} is used by two sampling blocks; labels must be unique")
         labels.add(label)
