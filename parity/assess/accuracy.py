@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from parity.core.errors import InputError
+from parity.core.logprobs import check_logprob_array
 from parity.core.schema import json_safe
 from parity.drift.bootstrap import bootstrap_ratio
 
@@ -24,13 +25,22 @@ BY_POSITION = "gold_by_position"
 
 def gold_tokens(train: np.ndarray, rollout: np.ndarray, gold: np.ndarray, mask: np.ndarray) -> np.ndarray:
     """bool `[batch, seq]`: the real tokens to which all three sides give a finite logprob (the tokens
-    every gold figure counts)."""
+    every gold figure counts). InputError at a real token holding NaN or +inf on any side, or a gold
+    value above `MAX_LOGPROB`: only -inf (outside a sampling support) is left out and counted."""
     train, rollout, gold, mask = (np.asarray(a) for a in (train, rollout, gold, mask))
     if not train.shape == rollout.shape == gold.shape == mask.shape or train.ndim != 2:
         raise InputError(f"gold: train {train.shape}, rollout {rollout.shape}, gold {gold.shape} and mask "
                          f"{mask.shape} must be 2-D [batch, seq] arrays of one shape")
-    with np.errstate(invalid="ignore"):
-        return mask.astype(bool) & np.isfinite(train) & np.isfinite(rollout) & np.isfinite(gold)
+    real = mask.astype(bool)
+    for name, side in (("train", train), ("rollout", rollout), ("gold", gold)):
+        with np.errstate(invalid="ignore"):
+            bad = real & (np.isnan(side) | np.isposinf(side))
+        if bad.any():
+            row, col = (int(i) for i in np.argwhere(bad)[0])
+            raise InputError(f"gold: {name} logprob[{row}, {col}] is {side[row, col]}; a logprob is a "
+                             "number <= 0 (-inf for a token outside the sampling support)")
+    check_logprob_array(gold, real, "gold: gold logprob")
+    return real & np.isfinite(train) & np.isfinite(rollout) & np.isfinite(gold)
 
 
 def gold_summary(train: np.ndarray, rollout: np.ndarray, gold: np.ndarray, mask: np.ndarray, *,

@@ -7,7 +7,9 @@ option names, semantics, `rollout_corr/*` keys, values to 1e-6 relative
 ratio bounds (`u` means `[1/u, u]`), k2/k3 as upper bounds; a numeric `rollout_is_threshold`
 truncates (TIS), `"lower_upper"` zeroes outside the band (IcePop). Differs: `ConfigError` /
 `InputError` instead of verl's exceptions, no silent skip of IS without a threshold, ESS 0.0
-when every weight is 0. Extras: "geometric", "seq_mask_tis", `rollout_is_clamp_lower`.
+when every weight is 0 and exact (no +1e-8, which makes verl's exceed 1) when the mean weight is
+below 1e-4, half-precision weights computed in float32 and refused rather than returned inf.
+Extras: "geometric", "seq_mask_tis", `rollout_is_clamp_lower`.
 """
 
 from typing import Any

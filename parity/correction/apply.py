@@ -7,11 +7,17 @@ from typing import Any
 
 import torch
 
+from parity.core.errors import InputError
 from parity.correction.config import CorrectionConfig
 from parity.correction.rejection import RejectionRows, block_keep, rejection_metrics
 from parity.correction.stats import EPS, PolicyRows, Rows, join, offpolicy_metrics
 from parity.correction.weights import WeightRows, batch_norm_factor, block_weights, weight_metrics
 from parity.drift.token_arrays import Block, TokenArrays, token_arrays
+
+#: half-precision logprobs get weights computed and batch-normalized in float32, cast at the end:
+#: float16 holds sequence weights below ~6e-5 as subnormals (a 1e-7 weight off by 10s of %, then
+#: scaled up to ~1 by the batch normalization) and none above 65504.
+_HALF = (torch.float16, torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -33,7 +39,8 @@ class CorrectionPass:
     def __init__(self, config: CorrectionConfig, tok: TokenArrays, *, outputs: bool = True) -> None:
         self.config, self.tok = config, tok
         device = tok.mask.device
-        self.weights = (torch.empty(tok.shape, dtype=tok.dtype, device=device)
+        work = torch.float32 if tok.dtype in _HALF else tok.dtype
+        self.weights = (torch.empty(tok.shape, dtype=work, device=device)
                         if config.is_rule and outputs else None)
         self.keep = torch.empty(tok.shape, dtype=torch.bool, device=device) if outputs else None
         self._parts: list[BatchRows] = []
@@ -77,7 +84,21 @@ class CorrectionPass:
         metrics = {f"rollout_corr/{key}": value for key, value in metrics.items()}
         if keep is None:
             return None, None, metrics
+        if weights is not None and weights.dtype != tok.dtype:
+            weights = _to_dtype(weights, tok.dtype)
         return None if weights is None else tok.like_train(weights), tok.like_mask(keep), metrics
+
+
+def _to_dtype(weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The float32 `weights` of half-precision logprobs in their dtype; InputError when one
+    exceeds it (float16: 65504) rather than an inf weight."""
+    top, limit = float(weights.max()), torch.finfo(dtype).max
+    if top > limit:
+        raise InputError(
+            f"an IS weight is {top:.4g}, above the largest {dtype} ({limit:g}) the weights are returned "
+            f"in (the train_logprobs' dtype): pass float32 logprobs (or, for truncated IS, a "
+            f"rollout_is_threshold <= {limit:g})")
+    return weights.to(dtype)
 
 
 def apply_correction(config: CorrectionConfig, train_logprobs: Any, rollout_logprobs: Any = None,

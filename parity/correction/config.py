@@ -72,7 +72,7 @@ def _parse_is_threshold(spec: Any) -> tuple[float, float | None]:
         text = spec.strip()
         try:
             if "_" in text:
-                low_text, up_text = text.split("_", 1)
+                low_text, up_text = text.split("_")  # one "_": float() reads "2_0" as 20
                 lower, upper = float(low_text), float(up_text)
             else:
                 upper = float(text)
@@ -172,7 +172,7 @@ def _parse_rule(option: str, spec: float | str) -> RejectionRule:
         )
     try:
         if band:
-            low_text, up_text = spec.split("_", 1)
+            low_text, up_text = spec.split("_")
             lower, upper = float(low_text), float(up_text)
         else:
             upper = float(spec)
@@ -239,6 +239,14 @@ NAMED_IS: dict[str, tuple[str, float | str]] = {
 }
 
 
+def _number_or_text(text: str) -> float | str:
+    """`text` as a float, or as given (the threshold parsers name what is wrong with it)."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
 def correction_from_name(text: str) -> CorrectionConfig:
     """A correction as `parity loop --correction` names it: "none", a `NAMED_IS` family with optional
     ":threshold" ("token_tis:3", "icepop:0.8_1.25"), or an `RS_OPTIONS` criterion ("seq_mean_k3:0.01").
@@ -250,15 +258,17 @@ def correction_from_name(text: str) -> CorrectionConfig:
         return CorrectionConfig(rollout_is=None)
     value: float | str | None = None
     if threshold:
-        try:
-            value = float(threshold)
-        except ValueError:
-            value = threshold
+        # a band stays text: float() reads "0.5_2" as 0.52 (an underscore is a digit separator)
+        value = threshold if "_" in threshold else _number_or_text(threshold)
     if family in NAMED_IS:
         level, default = NAMED_IS[family]
         if isinstance(default, str) and value is not None and not isinstance(value, str):
             raise ConfigError(f"correction {text!r}: {family} takes a band 'lower_upper', e.g. "
                               f"'{family}:{default}'")
+        if not isinstance(default, str) and isinstance(value, str) and "_" in value:
+            raise ConfigError(f"correction {text!r}: {family} truncates at one upper bound, e.g. "
+                              f"'{family}:{default}'; a 'lower_upper' band zeroes the weights outside it "
+                              f"instead (icepop:{value} for tokens, seq_mask_tis:{value} for sequences)")
         return CorrectionConfig(rollout_is=level, rollout_is_threshold=default if value is None else value)
     if family in RS_OPTIONS:
         if value is None:

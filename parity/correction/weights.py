@@ -20,6 +20,9 @@ from parity.drift.ratio_rules import (
 from parity.drift.ratio_rules import ratio as ratio_of
 from parity.drift.token_arrays import Block, masked_row_min, row_counts
 
+#: mean (clamped) weight below which the ESS drops verl's +1e-8 (there it inflates the ESS by > 2e-4).
+ESS_EXACT_BELOW = 1e-4
+
 
 @dataclass(frozen=True)
 class SequenceWeightRows:
@@ -134,11 +137,17 @@ def weight_metrics(rule: ImportanceRule, w: WeightRows, r: Rows) -> dict[str, fl
         elif w.outside is not None:
             m["rollout_is_oob_ratio"] = r.token_mean(w.outside)
     m["rollout_is_std"] = r.std(wc_sum, wc_sq)
-    # Effective sample size 1 / E[(w / (E[w] + 1e-8))²] of the weights clamped to upper; verl
-    # divides by zero when every weight is 0 (IcePop rejecting all), parity reports 0.
+    # Effective sample size 1 / E[(w / (E[w] + 1e-8))²] of the weights clamped to upper, as verl. Its
+    # 1e-8 inflates the ESS by (1 + 1e-8 / E[w])²: noise for weights ~1, but ESS > 1 (34 at sequence
+    # weights ~2e-9) for tiny ones; below E[w] = `ESS_EXACT_BELOW` parity reports the exact
+    # E[w]² / E[w²]. verl divides by zero when every weight is 0 (IcePop rejecting all): parity 0.
     mean_c = wc_sum / r.total
-    second = wc_sq / (mean_c + EPS) ** 2 / r.total
-    m["rollout_is_eff_sample_size"] = 1.0 / second if second > 0 else 0.0
+    if wc_sq <= 0:
+        m["rollout_is_eff_sample_size"] = 0.0
+    elif mean_c < ESS_EXACT_BELOW:
+        m["rollout_is_eff_sample_size"] = mean_c * mean_c * r.total / wc_sq
+    else:
+        m["rollout_is_eff_sample_size"] = (mean_c + EPS) ** 2 * r.total / wc_sq
     m.update(seq_summary("rollout_is", seq_mean_w))
     m["rollout_is_seq_max_deviation"] = float((seq_mean_w - 1.0).abs().max())
     # Raw (pre-truncation) per-sequence means: a mean of truncated weights never exceeds upper.
