@@ -295,15 +295,50 @@ def safetensors_shapes(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
                 for name in f.keys()}  # noqa: SIM118  (a safe_open handle is not a dict)
 
 
+def _hashed(f: Path) -> bool:
+    """Whether `f` is config.json or a weight file transformers loads (safetensors, or pytorch_model*.bin
+    when a checkpoint has no safetensors)."""
+    return f.name == "config.json" or f.suffix == ".safetensors" \
+        or (f.suffix == ".bin" and f.name.startswith("pytorch_model"))
+
+
 def model_hash(path: str | os.PathLike[str]) -> str:
     """sha256 over config.json and the weight files of a checkpoint directory (provenance)."""
     h = hashlib.sha256()
-    root = Path(path)
-    for f in sorted(root.iterdir()):
-        if f.name == "config.json" or f.suffix == ".safetensors":
+    for f in sorted(Path(path).iterdir()):
+        if _hashed(f):
             h.update(f.name.encode())
             h.update(f.read_bytes())
     return h.hexdigest()[:16]
+
+
+def checkpoint_stamp(path: str | os.PathLike[str]) -> tuple[tuple[str, int, int], ...]:
+    """(name, size, mtime_ns) of the files `model_hash` reads: cheap, and changed by rewriting them."""
+    return tuple((f.name, st.st_size, st.st_mtime_ns) for f in sorted(Path(path).iterdir())
+                 if _hashed(f) and (st := f.stat()))
+
+
+def check_loaded(model: str | os.PathLike[str], hf: Any, info: dict[str, Any]) -> None:
+    """ConfigError when the weights of `hf` (a transformers model, loaded with `output_loading_info`
+    giving `info`) contradict its config: a tensor the model needs is missing (it would run randomly
+    initialized), one the files hold is not used, or one has another shape; or config.json ties the
+    LM head to the embedding but the files hold a different lm_head.weight (transformers then uses
+    it, vLLM the embedding)."""
+    for key, what in (("missing_keys", "lacks tensor"), ("unexpected_keys", "holds tensor"),
+                      ("mismatched_keys", "has another shape for tensor")):
+        names = sorted(str(k[0] if isinstance(k, tuple) else k) for k in info.get(key) or ())
+        if names:
+            more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+            raise ConfigError(f"model {os.fspath(model)!r} {what} {names[0]!r}{more}, which its config.json "
+                              "does not fit: the weights belong to another configuration; fix config.json "
+                              "(architecture, vocab_size, head counts, biases, tie_word_embeddings) or the "
+                              "weight files")
+    head, embedding = hf.get_output_embeddings(), hf.get_input_embeddings()
+    if getattr(hf.config, "tie_word_embeddings", False) and head is not None and embedding is not None \
+            and head.weight is not embedding.weight:
+        raise ConfigError(f"model {os.fspath(model)!r}: config.json sets tie_word_embeddings=true but the "
+                          "weights hold an lm_head.weight unlike model.embed_tokens.weight; engines differ "
+                          "on which they use: set tie_word_embeddings to false, or drop lm_head.weight")
 
 
 def check_sampled_with(model: str | os.PathLike[str], *, hashes: Iterable[str | None] = (),

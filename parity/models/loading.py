@@ -27,7 +27,8 @@ from parity.core.strict import check_dtype
 from parity.kernels import ops, prepare
 from parity.kernels.attention import ATTENTION_NAME
 from parity.kernels.moe import experts_forward
-from parity.models.checkpoints import is_model_name, model_hash, resolve_model
+from parity.models.checkpoints import check_loaded, checkpoint_stamp, is_model_name, model_hash, resolve_model
+from parity.models.limits import check_moe, sliding_window
 from parity.models.lora import ADAPTER_WEIGHTS, LoraSpec, check_adapter, check_without_tensor_parallel, fits
 from parity.models.routing import ROUTERS, patch_router
 
@@ -82,8 +83,9 @@ class LoadedModel:
         return TORCH_DTYPES[self.dtype]
 
 
-#: (checkpoint path, dtype, device, adapter hash or None) -> the loaded model.
+#: (checkpoint path, dtype, device, adapter hash or None) -> the loaded model; its files' stamps then.
 _loaded: dict[tuple[str, str, str, str | None], LoadedModel] = {}
+_stamps: dict[tuple[str, str, str, str | None], object] = {}
 
 
 @dataclass(frozen=True, eq=False)
@@ -337,8 +339,11 @@ def adopt_model(hf: nn.Module, path: Path, dtype: str, device: str, name: str | 
     config = hf.config
     max_len = int(config.max_position_embeddings)
     num_moe_layers = _patch(hf, max_len)
+    check_moe(config.to_dict(), str(path / "config.json"))  # a dense config passes
     prepare(hf)  # on CUDA: the load-time matmul route probe (cached per machine)
-    eos = config.eos_token_id
+    # EOS as every backend reads it: generation_config.json first (`parity.backends.base.eos_token_ids`)
+    eos = getattr(getattr(hf, "generation_config", None), "eos_token_id", None)
+    eos = config.eos_token_id if eos is None else eos
     eos_ids = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
     return LoadedModel(
         model=hf, config=config, path=path, name=name or path.name,
@@ -346,8 +351,8 @@ def adopt_model(hf: nn.Module, path: Path, dtype: str, device: str, name: str | 
         moe_top_k=int(getattr(config, "num_experts_per_tok", 0) or 0) if num_moe_layers else 0,
         num_experts=int(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0))
         if num_moe_layers else 0,
-        vocab_size=int(config.vocab_size), max_len=max_len, model_hash=model_hash(path),
-        eos_token_ids=eos_ids,
+        vocab_size=int(config.vocab_size), max_len=min(max_len, sliding_window(config.to_dict()) or max_len),
+        model_hash=model_hash(path), eos_token_ids=eos_ids,
     )
 
 
@@ -370,7 +375,8 @@ def load_model(model: str | os.PathLike[str] | LoadedModel, dtype: str = "float3
     path = resolve_model(model)
     spec = _adapter(lora, path)
     key = (str(path.resolve()), dtype, str(device), None if spec is None else spec.hash)
-    if key in _loaded:
+    stamp = checkpoint_stamp(path)  # before loading: files rewritten meanwhile are loaded again next time
+    if key in _loaded and _stamps.get(key) == stamp:
         cached = _loaded[key]
         # the key is the adapter's content: the caller's own copy of it (its path) is the one it
         # recorded and may read again, while the first caller's directory may be gone
@@ -383,15 +389,17 @@ def load_model(model: str | os.PathLike[str] | LoadedModel, dtype: str = "float3
     if not architectures & SUPPORTED_ARCHITECTURES:
         raise ConfigError(f"model {os.fspath(model)!r} has architectures {sorted(architectures)}; the "
                           f"reference engine supports {sorted(SUPPORTED_ARCHITECTURES)}")
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=TORCH_DTYPES[dtype],
-                                              attn_implementation=ATTENTION_NAME)
+    hf, info = AutoModelForCausalLM.from_pretrained(  # info: checked below, so a mismatch is no crash
+        path, dtype=TORCH_DTYPES[dtype], attn_implementation=ATTENTION_NAME, output_loading_info=True,
+        ignore_mismatched_sizes=True)
+    check_loaded(model, hf, info)
     hf.to(device)
     name = os.fspath(model)
     loaded = adopt_model(hf, path, dtype, device, name=name if is_model_name(name) else path.name)
     if spec is not None:
         loaded = dataclasses.replace(loaded, lora=spec)
         _attach(loaded.model, spec, device)
-    _loaded[key] = loaded
+    _loaded[key], _stamps[key] = loaded, stamp
     return loaded
 
 
