@@ -43,6 +43,7 @@ from parity.models.loading import (
     LoadedModel,
     check_device,
     copy_model,
+    is_shared,
     load_model,
     own_adapter,
     swap_adapter,
@@ -157,6 +158,11 @@ class ReferenceEngine:
                                   reduction=config.tp_reduction, reduction_groups=config.reduction_groups)
         else:
             # this process keeps the whole model on the CPU for input checks; the ranks hold the shards
+            if isinstance(model, LoadedModel) and not is_shared(model):
+                raise ConfigError("tensor_parallel_size > 1 loads the checkpoint in every rank, so the "
+                                  "weights this private model copy holds now would not reach them; run it "
+                                  "with tensor_parallel_size=None or 1, or save its weights as a "
+                                  "checkpoint and pass that path")
             self.lm = load_model(model, dtype=config.dtype, device="cpu")
             check_shardable(self.lm, tp)
             self._ranks = RankGroup(tp, torch.device(config.device).type,
@@ -253,14 +259,29 @@ class ReferenceEngine:
     def _check(self, requests: list[Request]) -> None:
         if not isinstance(requests, (list, tuple)):
             raise InputError(f"generate() takes a list of parity.Request, got {type(requests).__name__}")
+        seen: set[str] = set()
         for i, request in enumerate(requests):
             if not isinstance(request, Request):
                 raise InputError(f"requests[{i}] is a {type(request).__name__}, not a parity.Request")
             where = f"request {request.request_id!r}"
+            if request.request_id in seen:  # rollouts are keyed by (request_id, sample_index)
+                raise InputError(f"{where} appears twice in one generate; request_id must be unique within "
+                                 "a batch (its rollouts would share one key)")
+            seen.add(request.request_id)
+            sampling = request.sampling
             check_token_ids(request.prompt_ids, self.lm, where + " prompt_ids")
+            # a stop id outside the vocabulary is never sampled: the response would silently run on
+            check_token_ids(sampling.stop_token_ids, self.lm, where + " sampling.stop_token_ids")
             for i, turn in enumerate(request.turns):
                 if getattr(turn, "token_ids", ()):
                     check_token_ids(turn.token_ids, self.lm, f"{where} turns[{i}]")
+                check_token_ids(getattr(turn, "stop_token_ids", ()), self.lm,
+                                f"{where} turns[{i}].stop_token_ids")
+            if sampling.seed >= sampler.SEED_LIMIT:
+                raise ConfigError(f"{where}: sampling.seed {sampling.seed} is 2^64 or more; the reference "
+                                  f"engine hashes 64-bit seeds, so it would draw the samples of seed "
+                                  f"{sampling.seed % sampler.SEED_LIMIT}; use a seed below 2^64")
+            sampler.check_temperature(sampling.temperature, where + " sampling")
             check_length(len(request.prompt_ids) + request.sampling.max_tokens, self.lm,
                          where + " (prompt + max_tokens)")
             if request.turns and request.sampling.top_k_logprobs:
@@ -272,7 +293,8 @@ class ReferenceEngine:
         self._check(requests)
         if self._ranks is not None:
             return self._ranks.call("generate", list(requests))
-        sequences = [Sequence(request, i) for request in requests for i in range(request.sampling.n)]
+        sequences = [Sequence(request, i, vocab_size=self.lm.vocab_size)  # tool replies are checked
+                     for request in requests for i in range(request.sampling.n)]
         if sequences:
             self._reserve(max(seq.max_length for seq in sequences))
         config = self.config

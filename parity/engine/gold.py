@@ -33,7 +33,13 @@ from parity.core.strict import check_choice
 from parity.core.types import Rollout
 from parity.engine import sampler
 from parity.engine.inputs import check_length, check_positive_int, check_token_ids, kernel_scope
-from parity.engine.train import check_recorded_model, logprob_definitions, pairs_and_modes, scoring_adapter
+from parity.engine.train import (
+    as_list,
+    check_recorded_model,
+    logprob_definitions,
+    pairs_and_modes,
+    scoring_adapter,
+)
 from parity.models.checkpoints import resolve_model
 from parity.models.loading import (
     STATIC_ROPE_TYPES,
@@ -116,6 +122,7 @@ def gold_logprobs(model: str | os.PathLike[str] | LoadedModel,
     token outside the gold's own support (or not its argmax at temperature 0) gets -inf.
     """
     device = check_device(device)
+    sequences = as_list(sequences)
     kind = torch.device(device).type
     dtype = gold_dtype(device) if dtype is None else check_choice(dtype, ALLOWED_DTYPES, "gold dtype")
     batch_tokens = check_positive_int(batch_tokens, "batch_tokens")
@@ -177,7 +184,8 @@ def _score(module: PreTrainedModel, pairs: list[Pair], modes: list[str], params:
     rows = [i * width + len(p) - 1 + t for i, (p, r) in enumerate(pairs) for t in range(len(r))]
     counts = [len(r) for _, r in pairs]
     tokens = torch.tensor([t for _, r in pairs for t in r], dtype=torch.int64, device=device)
-    logits = module.lm_head(hidden[torch.tensor(rows, device=device)])
+    # int64 even when empty: a batch of empty responses indexes no rows (a float tensor cannot index)
+    logits = module.lm_head(hidden[torch.tensor(rows, dtype=torch.int64, device=device)])
     row_params = params.repeat(counts)
     processed = sampler.processed_logprobs(logits, row_params)
     row_modes = [m for m, c in zip(modes, counts) for _ in range(c)]

@@ -16,11 +16,25 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from parity.core.errors import ConfigError
 from parity.engine.inputs import device_tensor, to_device
 from parity.kernels import ops
 from parity.kernels.sampling import mix32_words
 
 NEG_INF = float("-inf")
+#: the lowest temperature above 0 that samples: logits / temperature stay finite in float32 for every
+#: |logit| up to 3.4e8 (below it a row overflows to inf and its log-probs are NaN; 0 is greedy).
+MIN_TEMPERATURE = 1e-30
+#: seeds are hashed as 64-bit words (`key_state`): a larger seed would draw the noise of seed mod 2^64.
+SEED_LIMIT = 2**64
+
+
+def check_temperature(temperature: float, where: str) -> None:
+    """ConfigError for a temperature in (0, `MIN_TEMPERATURE`): its scaled logits overflow float32."""
+    if 0 < temperature < MIN_TEMPERATURE:
+        raise ConfigError(f"{where}: temperature {temperature!r} is below {MIN_TEMPERATURE:g}, where "
+                          "logits / temperature overflow float32 and every log-prob is NaN; use "
+                          f"temperature=0 (greedy) or at least {MIN_TEMPERATURE:g}")
 
 
 @dataclass(frozen=True)

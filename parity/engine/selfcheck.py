@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
+from parity.core.errors import ConfigError
 from parity.core.types import Request, SamplingParams
 from parity.engine.engine import ReferenceEngine
-from parity.engine.inputs import KernelMode
+from parity.engine.inputs import KernelMode, check_positive_int
 from parity.engine.train import train_forward
 from parity.models.loading import LoadedModel, load_model
 
@@ -44,6 +45,10 @@ def sampling_grid_check(model: str | LoadedModel, *, device: str = "cpu", dtype:
                         max_num_seqs: int = 8, chunk_size: int = 32, layout: str = "right",
                         micro_batch_size: int | None = None, seed: int = 0) -> list[SettingCheck]:
     """Per grid setting, the rollout tokens that differ from `train_forward` (EOS ignored)."""
+    check_positive_int(requests, "requests")  # 0 would check no token and read as 0 differing
+    if not grid:
+        raise ConfigError("sampling_grid_check: grid is empty, so nothing would be checked; give at least "
+                          "one (temperature, top_p, top_k) setting or leave the default SAMPLING_GRID")
     lm = load_model(model, dtype=dtype, device=device)
     rng = random.Random(seed)
     work = [Request(tuple(rng.randrange(3, lm.vocab_size) for _ in range(prompt_len)),

@@ -20,6 +20,7 @@ import torch
 
 from parity.core.errors import AdapterError, ConfigError, InputError
 from parity.core.strict import check_choice, check_dtype, replace_fields
+from parity.core.top_k import check_top_k
 from parity.core.types import LOGPROBS_MODES, Pair, Rollout, as_pairs
 from parity.drift.distribution import TrainerView
 from parity.drift.routes import check_routes
@@ -127,6 +128,13 @@ def pairs_and_modes(sequences: Sequence[Any], logprobs_mode: str | None) -> tupl
     return pairs, modes
 
 
+def as_list(sequences: Any) -> Any:
+    """A deque or other sequence as a list (the checks of what Rollouts record read lists and tuples)."""
+    if isinstance(sequences, Sequence) and not isinstance(sequences, (str, bytes, list, tuple)):
+        return list(sequences)
+    return sequences
+
+
 def _per_sequence(value: Any, n: int, name: str) -> list[Any]:
     """A scalar broadcast to n sequences, or a list of exactly n values."""
     if isinstance(value, (list, tuple)):
@@ -173,6 +181,8 @@ def logprob_definitions(sequences: Sequence[Any], modes: list[str], temperature:
             params = (explicit.get("temperature", UNMODIFIED[0]), explicit.get("top_k", UNMODIFIED[1]),
                       explicit.get("top_p", UNMODIFIED[2]))
         _check_params(*params, where)
+        if mode == "processed":
+            sampler.check_temperature(params[0], where)
         out.append(params)
     return out
 
@@ -325,6 +335,7 @@ def train_forward(model: str | LoadedModel,
                           f"{sorted(f.name for f in dataclasses.fields(TrainConfig))} and the other keywords "
                           f"{list(DEFINITION_KEYWORDS)}")
     config = (config or TrainConfig()).replace(**settings)
+    sequences = as_list(sequences)
     check_own_weights(model, config)
     tp, reduction, groups = scoring_layout(sequences, config.tensor_parallel_size, config.tp_reduction,
                                            config.reduction_groups)
@@ -366,6 +377,8 @@ def train_forward(model: str | LoadedModel,
             raise InputError(f"{where}: prompt_ids is empty; give at least one prompt token")
         check_token_ids(prompt + response, lm, where)
         check_length(len(prompt) + len(response), lm, where)
+        if distribution:  # an id past the vocabulary would index the trainer's rows out of bounds
+            check_top_k(sequences[i].top_k_ids, sequences[i].top_k_logprobs, where, vocab_size=lm.vocab_size)
     replay = routing.RouterReplay.of(router_replay)
     forced = replay_routes(lm, sequences, [len(p) + len(r) for p, r in pairs], replay, routes)
     logprobs: list[torch.Tensor] = []

@@ -14,6 +14,7 @@ import os
 import secrets
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection, Listener, wait
 from typing import Any
@@ -28,6 +29,8 @@ from parity.runtime.processes import LOOPBACK, free_loopback_port
 CLOSE_GRACE_S = 10.0
 #: seconds the ranks get to connect back after they are started.
 CONNECT_TIMEOUT_S = 120.0
+#: seconds between checks, while the ranks connect, that none of them has exited.
+CONNECT_POLL_S = 0.25
 #: environment variable carrying the caller's address and key to a rank ("host:port:hexkey").
 ADDRESS_ENV = "PARITY_TP_CALLER"
 
@@ -63,9 +66,14 @@ class RankGroup:
                     guard.track(proc.pid)
                     self._procs.append(proc)
                 by_rank: dict[int, Connection] = {}
-                listener._listener._socket.settimeout(CONNECT_TIMEOUT_S)
-                for _ in range(size):
-                    conn = listener.accept()
+                listener._listener._socket.settimeout(CONNECT_POLL_S)
+                deadline = time.monotonic() + CONNECT_TIMEOUT_S
+                while len(by_rank) < size:
+                    try:
+                        conn = listener.accept()
+                    except TimeoutError:
+                        self._check_starting(deadline)
+                        continue
                     by_rank[receive(conn)] = conn
                 self._conns = [by_rank[r] for r in range(size)]
             for conn in self._conns:
@@ -74,6 +82,18 @@ class RankGroup:
         except BaseException:
             self.kill()
             raise
+
+    def _check_starting(self, deadline: float) -> None:
+        """TensorParallelError once a rank has exited before connecting back, or the time is up."""
+        for rank, proc in enumerate(self._procs):
+            code = proc.poll()
+            if code is not None:
+                raise TensorParallelError(f"tensor-parallel rank {rank} of {self.size} exited (exit code "
+                                          f"{code}) before it connected; stopped the group (its output above "
+                                          "says why)")
+        if time.monotonic() > deadline:
+            raise TensorParallelError(f"the tensor-parallel ranks did not connect within "
+                                      f"{CONNECT_TIMEOUT_S:.0f} s; stopped the group")
 
     @property
     def pids(self) -> list[int]:

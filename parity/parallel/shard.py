@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from parity.core.errors import ConfigError
-from parity.models.loading import LoadedModel, load_model
+from parity.models.loading import LoadedModel, is_shared, load_model
+from parity.models.lora import check_without_tensor_parallel
 from parity.parallel.comm import Comm
 from parity.parallel.layers import (
     REDUCTION_GROUPS,
@@ -28,7 +29,8 @@ from parity.parallel.layers import (
 TP_DEGREES: tuple[int, ...] = (1, 2, 4, 8)
 COLUMN_MLP = ("gate_proj", "up_proj")
 
-_single: dict[tuple[str, str, str, str, int, int], LoadedModel] = {}
+#: TP=1 shards of checkpoints: key -> (the loaded model it was cut from, the shard).
+_single: dict[tuple[str, str, str, str, int, int], tuple[nn.Module, LoadedModel]] = {}
 
 
 def check_degree(size: Any, where: str = "tensor_parallel_size") -> int:
@@ -58,7 +60,7 @@ def _divides(size: int, count: int, what: str, name: str) -> None:
 
 
 def check_shardable(lm: LoadedModel, size: int) -> None:
-    """ConfigError unless `size` ranks can split `lm`'s heads, KV heads and experts (checked before
+    """ConfigError unless `size` ranks can split `lm`'s heads, KV heads, experts and MLPs (checked before
     any rank starts; the per-layer dimensions are checked again while sharding)."""
     config = lm.config
     heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
@@ -69,6 +71,14 @@ def check_shardable(lm: LoadedModel, size: int) -> None:
         _divides(size, kv_heads, "KV heads", lm.name)
     if lm.is_moe:
         _divides(size, lm.num_experts, "experts", lm.name)
+    for name, module in lm.model.named_modules():  # as shard_model finds them: a rank would fail late
+        if _is_mlp(module):
+            _divides(size, module.gate_proj.out_features, "MLP intermediate size", f"{lm.name} {name}")
+
+
+def _is_mlp(module: nn.Module) -> bool:
+    """Whether `module` is a gated MLP that shard_model cuts (column gate/up, row down)."""
+    return all(isinstance(getattr(module, p, None), nn.Linear) for p in (*COLUMN_MLP, "down_proj"))
 
 
 def _slice(t: torch.Tensor | None, rank: int, size: int, dim: int = 0) -> torch.Tensor | None:
@@ -140,22 +150,37 @@ def shard_model(model: str | os.PathLike[str] | LoadedModel, comm: Comm, *, dtyp
                 device: str = "cpu", reduction: str = "canonical",
                 reduction_groups: int = REDUCTION_GROUPS) -> LoadedModel:
     """This rank's shard of `model` as a LoadedModel on `device`. reduction: "canonical" or the
-    "all_reduce" contrast; reduction_groups: the degree must divide it. Cached for a group of one.
+    "all_reduce" contrast; reduction_groups: the degree must divide it. Cached for a group of one over
+    the checkpoint's weights (not over a private copy's); a model that is a shard already is refused.
     """
     if reduction not in REDUCTIONS:
         raise ConfigError(f"tp_reduction must be one of {REDUCTIONS}, got {reduction!r}")
     check_degree(comm.size)
     check_reduction_groups(reduction_groups, comm.size)
     base = load_model(model, dtype=dtype, device="cpu")
+    if comm.size == 1 and (base.tensor_parallel_size, base.tp_reduction, base.reduction_groups,
+                           base.device) == (1, reduction, reduction_groups, str(device)):
+        return base  # the shard asked for already
+    if base.tensor_parallel_size is not None:
+        # its row-parallel layers are no nn.Linear: cut again they would keep their old sum (or fail)
+        raise ConfigError(f"model {base.name!r} is already a tensor-parallel shard (tensor_parallel_size="
+                          f"{base.tensor_parallel_size}, tp_reduction={base.tp_reduction!r}, "
+                          f"reduction_groups={base.reduction_groups}); pass its checkpoint path or the "
+                          "unsharded model instead")
+    if base.lora is not None:  # the row-parallel and vocabulary layers would drop its deltas
+        check_without_tensor_parallel(comm.size, f"the adapter of {base.name!r} (shard the model without it)")
     check_shardable(base, comm.size)
+    # only the checkpoint's own weights are cached by path: a private copy (a policy being trained)
+    # holds other weights under the same path
+    cached = comm.size == 1 and is_shared(base)
     key = (str(base.path.resolve()), dtype, str(device), reduction, reduction_groups, comm.size)
-    if comm.size == 1 and key in _single:
-        return _single[key]
+    if cached and key in _single and _single[key][0] is base.model:  # not of a checkpoint since rewritten
+        return _single[key][1]
     hf = copy.deepcopy(base.model)
     for name, module in list(hf.named_modules()):
         if hasattr(module, "q_proj") and hasattr(module, "o_proj"):
             _shard_attention(module, base.config, comm, name, reduction, reduction_groups)
-        elif all(isinstance(getattr(module, p, None), nn.Linear) for p in (*COLUMN_MLP, "down_proj")):
+        elif _is_mlp(module):
             _shard_mlp(module, comm, name, reduction, reduction_groups)
         elif hasattr(module, "experts") and hasattr(module.experts, "gate_up_proj"):
             module.experts = _shard_experts(module.experts, comm, name)
@@ -173,6 +198,6 @@ def shard_model(model: str | os.PathLike[str] | LoadedModel, comm: Comm, *, dtyp
     sharded = dataclasses.replace(base, model=hf, config=config, device=str(device),
                                   tensor_parallel_size=comm.size, tensor_parallel_rank=comm.rank,
                                   tp_reduction=reduction, reduction_groups=reduction_groups)
-    if comm.size == 1:
-        _single[key] = sharded
+    if cached:
+        _single[key] = (base.model, sharded)
     return sharded

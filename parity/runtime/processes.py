@@ -77,18 +77,45 @@ class ServerProcess:
 
     def _wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
+        other = ""  # set once a process not ours answered on the port
         with httpx.Client(trust_env=False, timeout=2.0) as client:
             while True:
                 reason = self.exit_reason()
                 if reason is not None:
-                    raise BackendError(f"{self.name} failed to start: {reason}\n{self.log_tail()}")
+                    raise BackendError(f"{self.name} failed to start: {reason}{other}\n{self.log_tail()}")
                 with contextlib.suppress(httpx.HTTPError):
                     if client.get(self.url + self.health_path).status_code == 200:
-                        return
+                        # the port was free when picked, but another server may have taken it since:
+                        # its answers are not this server's
+                        if self._listens() is not False:
+                            return
+                        other = (f"; another process (not {self.name}) answers on port {self.port}, "
+                                 "which it took after parity picked it: start again")
                 if time.monotonic() > deadline:
                     raise BackendError(f"{self.name} did not answer {self.health_path} within "
-                                       f"{timeout_s:.0f} s; stopped it. Last log lines:\n{self.log_tail()}")
+                                       f"{timeout_s:.0f} s{other}; stopped it. Last log lines:\n"
+                                       f"{self.log_tail()}")
                 time.sleep(HEALTH_POLL_S)
+
+    def _listens(self) -> bool | None:
+        """Whether the server or a descendant listens on `port`; None when the system does not say."""
+        if self._proc is None:
+            return False
+        try:
+            root = psutil.Process(self._proc.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return False
+        for proc in procs:
+            try:
+                sockets = (getattr(proc, "net_connections", None) or proc.connections)(kind="tcp")
+            except psutil.AccessDenied:
+                return None
+            except psutil.Error:
+                continue
+            if any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == self.port for c in sockets):
+                return True
+        return False
 
     def exit_reason(self) -> str | None:
         """None while the server process runs, else how it ended (for error messages)."""
