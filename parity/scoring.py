@@ -31,7 +31,7 @@ from parity.models import check_sampled_with, resolve_model
 from parity.models.lora import check_adapter
 from parity.report.document import ParityReport
 from parity.report.provenance import TRAIN_COMPUTED, provenance
-from parity.rollouts.dumps import GivenSampling, check_logprobs, read_dump
+from parity.rollouts.dumps import GivenSampling, check_logprobs, logprob_floats, read_dump
 from parity.rollouts.matching import check_unique_keys
 from parity.rollouts.record import RECORD_FORMAT, read_record
 
@@ -174,11 +174,10 @@ def _trainer_logprobs(value: Sequence[Sequence[float]] | str | None,
                          "per rollout")
     out = []
     for ro, lp in zip(source.rollouts, value):
-        lp = [float(x) for x in lp]
+        where = f"rollout {ro.request_id!r}/{ro.sample_index}: "
+        lp = logprob_floats(lp, "trainer logprob", where)  # checked before float() parses "-0.5"
         if len(lp) != len(ro.token_ids):
-            raise InputError(f"rollout {ro.request_id!r}/{ro.sample_index}: {len(ro.token_ids)} tokens but "
-                             f"{len(lp)} trainer logprobs")
-        check_logprobs(lp, "trainer logprob")
+            raise InputError(f"{where}{len(ro.token_ids)} tokens but {len(lp)} trainer logprobs")
         out.append(np.asarray(lp, dtype=np.float32))
     return out
 

@@ -148,8 +148,8 @@ def workspace(tmp_path, monkeypatch, request):
                            db=tmp_path / "reports" / "history.sqlite")
 
 
-def nightly(ws: SimpleNamespace, *args: str) -> int:
-    return main(["--cases", f"{ws.cases}/alpha.toml", "--out", str(ws.out), "--no-progress", *args])
+def nightly(ws: SimpleNamespace, *args: str, cases: str | None = None) -> int:
+    return main(["--cases", cases or f"{ws.cases}/alpha.toml", "--out", str(ws.out), "--no-progress", *args])
 
 
 def db_rows(ws: SimpleNamespace) -> list[tuple[str, str, str]]:
@@ -311,7 +311,7 @@ def test_a_sweep_case_shows_drift_per_sampling_block(workspace):
         temperature = 1.2
         top_k = 20
     """))
-    assert nightly(workspace, "--cases", str(sweep), "--backends", "hf", "--run-id", "s1") == 0
+    assert nightly(workspace, "--backends", "hf", "--run-id", "s1", cases=str(sweep)) == 0
     page = (workspace.out / "s1" / "index.html").read_text()
     assert "Drift by sampling block" in page and "<td>t0.6</td>" in page and "<td>hot</td>" in page
 

@@ -8,6 +8,7 @@ and a stored report renders without torch.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Literal, get_args
 
 from parity.core.backend_table import BACKEND_TABLE
@@ -186,4 +187,17 @@ def advice_cell(row: dict[str, Any], key: str, fmt: str) -> str:
     if not key:
         low, high = row["bias_low"], row["bias_high"]
         return "" if low != low else f"[{low:+.2e}, {high:+.2e}]"
-    return fmt.format(row[key])
+    share = re.fullmatch(r"\{:\.(\d+)%\}", fmt)
+    return percent(row[key], int(share[1])) if share else fmt.format(row[key])
+
+
+def percent(share: float, decimals: int) -> str:
+    """A share in [0, 1] as a percentage to `decimals` places; "<0.01%" / ">99.99%" where rounding
+    would print a share that is neither 0 nor 1 as 0% or 100% (one differing element of millions)."""
+    text = f"{100 * share:.{decimals}f}%"
+    step = f"{10.0 ** -decimals:.{decimals}f}"
+    if 0 < share < 1 and text == f"{0:.{decimals}f}%":
+        return f"<{step}%"
+    if 0 < share < 1 and text == f"{100:.{decimals}f}%":
+        return f">{100 - float(step):.{decimals}f}%"
+    return text

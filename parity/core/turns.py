@@ -56,17 +56,23 @@ class Inject:
             raise ConfigError("Inject takes either token_ids (a fixed reply) or fn (a function of the ids "
                               "so far), not both and not neither")
 
-    def tokens(self, history: tuple[int, ...]) -> tuple[int, ...]:
-        """The ids this turn injects after `history` (prompt and response so far)."""
+    def tokens(self, history: tuple[int, ...], vocab_size: int | None = None) -> tuple[int, ...]:
+        """The ids this turn injects after `history` (prompt and response so far); a function's
+        reply is checked (and against `vocab_size` when given: an id past it would index no embedding)."""
         if self.fn is None:
             if not self.token_ids:
                 raise ConfigError(f"injection {self.name!r} has no function bound; load it through a case "
                                   "or parity.workload.tools.bind_tools with the model")
             return self.token_ids
         out = self.fn(history)
+        where = f"injection {self.name or self.fn!r}: the ids it returned"
         # checked, never converted: int() would round 3.9 to 3, parse "7" and take True for 1
-        return check_token_ids(tuple(out) if isinstance(out, Iterator) else out,
-                               f"injection {self.name or self.fn!r}: the ids it returned", ConfigError)
+        ids = check_token_ids(tuple(out) if isinstance(out, Iterator) else out, where, ConfigError)
+        bad = next((t for t in ids if vocab_size is not None and t >= vocab_size), None)
+        if bad is not None:
+            raise ConfigError(f"{where} hold token id {bad}, outside the model's vocabulary "
+                              f"[0, {vocab_size}); the tool must reply with ids of this model's tokenizer")
+        return ids
 
     def to_dict(self) -> dict[str, Any]:
         return {"inject": list(self.token_ids)} if self.token_ids else {"tool": self.name}
@@ -102,11 +108,12 @@ def turns_from_dict(items: Sequence[dict[str, Any]]) -> tuple[Turn, ...]:
 
 
 def inject_until_generate(turns: tuple[Turn, ...], turn: int, history: tuple[int, ...],
-                          room: int) -> tuple[list[int], int]:
-    """(injected ids cut to `room`, index of the next Generate turn or len(turns)) from turn `turn`."""
+                          room: int, vocab_size: int | None = None) -> tuple[list[int], int]:
+    """(injected ids cut to `room`, index of the next Generate turn or len(turns)) from turn `turn`;
+    a function's reply past `vocab_size` (when given) is a ConfigError naming the injection."""
     injected: list[int] = []
     while turn < len(turns) and isinstance(turns[turn], Inject):
-        injected.extend(turns[turn].tokens(history + tuple(injected)))
+        injected.extend(turns[turn].tokens(history + tuple(injected), vocab_size))
         turn += 1
     return injected[:room], turn
 

@@ -32,7 +32,7 @@ class Sequence:
     0 injected; turn, turn_tokens; top_k: (ids, logprobs) per sampled token when asked; routes
     [>= routes_len, moe_layers, k] int32, filled to routes_len (`overlap.append_routes`);
     computed: tokens whose KV is cached; slot; finish_reason; pending: sampled tokens not yet on
-    the host (overlapped steps).
+    the host (overlapped steps); vocab_size: the model's, which a tool's reply must stay below.
     """
 
     request: Request
@@ -49,6 +49,7 @@ class Sequence:
     slot: int = -1
     finish_reason: str | None = None
     pending: int = 0
+    vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         self._inject()  # a trajectory may open with an injection
@@ -108,7 +109,7 @@ class Sequence:
             return
         room = self.request.sampling.max_tokens - len(self.tokens)
         history = (*self.request.prompt_ids, *self.tokens)
-        injected, self.turn = inject_until_generate(turns, self.turn, history, room)
+        injected, self.turn = inject_until_generate(turns, self.turn, history, room, self.vocab_size)
         self.tokens.extend(injected)
         self.logprobs.extend([0.0] * len(injected))
         self.mask.extend([0] * len(injected))

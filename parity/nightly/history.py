@@ -197,18 +197,32 @@ class History:
         finally:
             found.close()
 
-    def trend(self, keys: list[RowKey], *, up_to_run: str) -> list[tuple[str, RowKey, dict[str, Any]]]:
+    def trend(self, keys: list[RowKey], *, up_to_run: str,
+              same_series: Callable[[RowResult, RowResult], bool] | None = None,
+              ) -> list[tuple[str, RowKey, dict[str, Any]]]:
         """(run_id, key, summary) of every non-error row with one of `keys`, from runs up to and
-        including `up_to_run`, oldest run first (the data of the trend charts)."""
+        including `up_to_run`, oldest run first (the data of the trend charts). With `same_series`
+        (newest row, older row -> whether they measure one workload), a key's series starts at its
+        newest change: the rows before the newest one `same_series` refuses are left out, so a case
+        edited under its name is not drawn as one line through both workloads."""
         if not keys:
             return []
         rows = self._db.execute(
-            f"SELECT rows.run_id, case_name, backend, dtype, router_replay, summary FROM rows "
-            f"JOIN runs ON runs.run_id = rows.run_id "
+            f"SELECT rows.run_id, case_name, backend, dtype, router_replay, status, summary, provenance "
+            f"FROM rows JOIN runs ON runs.run_id = rows.run_id "
             f"WHERE row_key IN ({', '.join('?' * len(keys))}) AND status != 'error' "
             f"AND runs.seq <= (SELECT seq FROM runs WHERE run_id = ?) ORDER BY runs.seq, rows.id",
             (*map(str, keys), up_to_run)).fetchall()
-        return [(r[0], RowKey(r[1], r[2], r[3], r[4]), json.loads(r[5])) for r in rows]
+        points = [RowResult(run_id=r[0], key=RowKey(r[1], r[2], r[3], r[4]), status=r[5],
+                            summary=json.loads(r[6]), provenance=json.loads(r[7])) for r in rows]
+        if same_series is not None:
+            newest = {p.key: p for p in points}  # oldest run first: the last row of a key is its newest
+            start: dict[RowKey, int] = {}
+            for i, p in enumerate(points):
+                if not same_series(newest[p.key], p):
+                    start[p.key] = i + 1  # the series starts after the newest row of another workload
+            points = [p for i, p in enumerate(points) if i >= start.get(p.key, 0)]
+        return [(p.run_id, p.key, p.summary) for p in points]
 
     def _select(self, where: str, params: tuple[Any, ...], with_report: bool) -> list[tuple[Any, ...]]:
         columns = [c if c != "report" or with_report else "NULL" for c in _ROW_COLUMNS]

@@ -291,7 +291,8 @@ def run_nightly(config: NightlyConfig, *, progress: bool = True) -> NightlyRun:
             order = [str(key) for key, _ in cells]
             rows = [stored[k] for k in order if k in stored] + \
                 [r for k, r in stored.items() if k not in order]
-            trend = history.trend([r.key for r in rows], up_to_run=run_id)
+            trend = history.trend([r.key for r in rows], up_to_run=run_id,  # one line per workload
+                                  same_series=lambda new, old: not config_change(new, old, WORKLOAD))
             report_dir = publish(config.out, run, rows, trend)
     return NightlyRun(run=run, rows=rows, report_dir=report_dir, exit_code=exit_code(rows))
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from parity.core.schema import percent
 from parity.render.figures import BLUE, GREY, ORANGE, RED, figure_img, new_figure
 
 if TYPE_CHECKING:
@@ -31,18 +32,6 @@ _LAYER_COLUMNS: tuple[tuple[str, Any], ...] = (
     ("max|Δ|", lambda s: f"{s['max_abs']:.3e}"),
     ("differing", lambda s: f"{s['differing']}/{s['elements']}"),
 )
-
-
-def percent(share: float, decimals: int) -> str:
-    """A share in [0, 1] as a percentage to `decimals` places; "<0.01%" / ">99.99%" where rounding
-    would print a share that is neither 0 nor 1 as 0% or 100% (one differing element of millions)."""
-    text = f"{100 * share:.{decimals}f}%"
-    step = f"{10.0 ** -decimals:.{decimals}f}"
-    if 0 < share < 1 and text == f"{0:.{decimals}f}%":
-        return f"<{step}%"
-    if 0 < share < 1 and text == f"{100:.{decimals}f}%":
-        return f">{100 - float(step):.{decimals}f}%"
-    return text
 
 
 def _drift_line(name: str, drift: dict[str, float]) -> str:

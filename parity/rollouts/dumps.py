@@ -124,7 +124,8 @@ def dump_rollouts(path: str | Path, rollouts: Sequence[Rollout],
             row["top_k_ids"] = r.top_k_ids.tolist()
             row["top_k_logprobs"] = r.top_k_logprobs.tolist()
         if trainer_logprobs is not None:
-            row["trainer_logprobs"] = [float(x) for x in trainer_logprobs[i]]
+            row["trainer_logprobs"] = logprob_floats(trainer_logprobs[i], "trainer logprob",
+                                                     f"rollout {r.request_id!r}/{r.sample_index}: ")
         rows.append(row)
     return write_rows(path, rows)
 
@@ -231,6 +232,7 @@ def _top_k_columns(row: dict[str, Any], padded: int, keep: int) -> dict[str, Any
                          f"({exc})") from exc
     for name, listed in rows.items():
         _check_length(len(listed), padded, keep, f"{name} rows", "row")
+        _check_numbers(listed[:keep], name)
     try:
         ids = np.asarray(rows["top_k_ids"][:keep])
         values = np.asarray(rows["top_k_logprobs"][:keep], dtype=np.float64)
@@ -238,6 +240,17 @@ def _top_k_columns(row: dict[str, Any], padded: int, keep: int) -> dict[str, Any
         raise InputError(f"top_k_ids/top_k_logprobs must hold one list of k entries per response position "
                          f"({exc})") from exc
     return {"top_k_ids": ids, "top_k_logprobs": values}
+
+
+def _check_numbers(rows: list[list[Any]], name: str) -> None:
+    """InputError at the first entry of `rows` that is no number (an integer for top_k_ids): a cast
+    would parse "-0.5" and take True for 1."""
+    kind = numbers.Integral if name == "top_k_ids" else numbers.Real
+    for t, row in enumerate(rows):
+        for j, v in enumerate(row):
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, kind):
+                what = "integer token ids" if kind is numbers.Integral else "numbers (logprobs in nats)"
+                raise InputError(f"{name}[{t}][{j}] is {v!r}; every entry must be one of {what}")
 
 
 def _strip_padding(row: dict[str, Any], prompt: list[Any],
@@ -425,3 +438,19 @@ def check_logprobs(values: Sequence[Any], name: str = "logprob", where: str = ""
     InputError prefixed with `where`.
     """
     check_logprob_values(values, name, where)
+
+
+def logprob_floats(values: Any, name: str = "logprob", where: str = "") -> list[float]:
+    """`values` (a list, a NumPy array or a tensor) as checked floats (`check_logprobs`): checked
+    before any conversion, since float() would parse "-0.5" and take False for 0.0."""
+    if isinstance(values, (str, bytes, Mapping)):
+        raise InputError(f"{where}{name}s must be a list of numbers, got {values!r:.80}")
+    try:
+        listed = values.tolist() if hasattr(values, "tolist") else list(values)
+    except TypeError as exc:
+        raise InputError(f"{where}{name}s must be a list of numbers, got {values!r:.80}") from exc
+    if not isinstance(listed, list):  # a NumPy or torch scalar
+        raise InputError(f"{where}{name}s must be a list of numbers, got {values!r:.80}")
+    listed = [v.item() if isinstance(v, np.generic) else v for v in listed]  # NumPy scalars as Python's
+    check_logprobs(listed, name, where)
+    return [float(v) for v in listed]
