@@ -81,7 +81,11 @@ def _kernels(args: argparse.Namespace) -> int:
     from parity.engine.matmul_routes import linear_routes  # loads torch: after parsing, so --help stays light
 
     rows = linear_routes(args.model, dtype=args.dtype, device=args.device, cublaslt=args.cublaslt)
-    print(f"{'layers':>6}  {'weight [N, K]':<16}  {'dtype':<9}  {'route':<9}  why")
-    for row in rows:
-        print(f"{row.count:>6}  {f'{row.n} x {row.k}':<16}  {row.dtype:<9}  {row.route:<9}  {row.reason}")
+    # one shape with and without a bias is two rows (two routes on CUDA): the bias tells them apart
+    shapes = [f"{row.n} x {row.k}" + (" + bias" if row.has_bias else "") for row in rows]
+    wide = max([len(s) for s in shapes] + [16])
+    width = max([len(r.route) for r in rows] + [9])
+    print(f"{'layers':>6}  {'weight [N, K]':<{wide}}  {'dtype':<9}  {'route':<{width}}  why")
+    for row, shape in zip(rows, shapes, strict=True):
+        print(f"{row.count:>6}  {shape:<{wide}}  {row.dtype:<9}  {row.route:<{width}}  {row.reason}")
     return 0

@@ -8,11 +8,13 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from parity.core.errors import BackendUnavailableError, ConfigError
 from parity.kernels import cpu_bf16
 from parity.models.loading import load_model
+from parity.models.routing import ROUTERS
 
 
 @dataclass(frozen=True)
@@ -30,12 +32,11 @@ class LinearRoute:
 
 def linear_routes(model: str, *, dtype: str = "bfloat16", device: str = "cuda",
                   cublaslt: bool = False) -> list[LinearRoute]:
-    """The route of every distinct (N, K, bias) linear weight of `model` loaded on `device`;
+    """The route of every distinct (N, K, bias) linear weight of `model` loaded on `device` (MoE routers'
+    included: their scores run through the same linear);
     cublaslt: set the process up for the cuBLASLt route first (CUDA only, before CUDA starts)."""
     cuda = device.startswith("cuda")
     if cuda:
-        import torch  # CUDA setup must precede CUDA's start: imported inside the branch that needs it
-
         from parity.kernels import triton_available
 
         if not torch.cuda.is_available():
@@ -50,20 +51,35 @@ def linear_routes(model: str, *, dtype: str = "bfloat16", device: str = "cuda",
     elif cublaslt:
         raise ConfigError("parity kernels: --cublaslt needs --device cuda")
     lm = load_model(model, dtype=dtype, device=device)
-    linears = [m for m in lm.model.modules() if isinstance(m, nn.Linear)]
+    products = _products(lm.model)
 
-    def key(m: nn.Linear) -> tuple:
-        return (m.weight.dtype, *m.weight.shape, m.bias is not None)
+    def key(product: tuple[torch.Tensor, torch.Tensor | None]) -> tuple:
+        weight, bias = product
+        return (weight.dtype, *weight.shape, bias is not None)
 
-    shapes = Counter(map(key, linears))
-    one_of = {key(m): m for m in linears}
+    shapes = Counter(map(key, products))
+    one_of = {key(p): p for p in products}
     rows = []
     for (wdtype, n, k, has_bias), count in sorted(shapes.items(), key=lambda item: (-item[1], str(item[0]))):
         if cuda:
             path, why = route(wdtype, n, k, has_bias)
         else:
-            linear = one_of[(wdtype, n, k, has_bias)]
-            path, why = cpu_bf16.route(linear.weight, linear.bias)
+            path, why = cpu_bf16.route(*one_of[(wdtype, n, k, has_bias)])
         rows.append(LinearRoute(n=n, k=k, dtype=str(wdtype).removeprefix("torch."), has_bias=has_bias,
                                 count=count, route=path, reason=why))
     return rows
+
+
+def _products(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """(weight, bias) of every product `ops.linear` runs for `model`: each nn.Linear, and each MoE
+    router's scores (`parity.models.routing.route`: the router's weight, or its float32 copy for a
+    sigmoid router, which scores in float32)."""
+    products: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            products.append((module.weight, module.bias))
+        elif type(module).__name__ in ROUTERS:
+            weight = module.weight
+            products.append((weight if ROUTERS[type(module).__name__].score == "softmax"
+                              else weight.to(torch.float32), None))
+    return products

@@ -31,8 +31,10 @@ def prepare(model: torch.nn.Module) -> None:
     """Load-time work a device's kernels need for `model` (call once its weights sit on the device):
     on CUDA, probe every bias-free linear weight shape for the proven cuBLASLt route
     (`parity.kernels.triton.matmul.prepare`); on CPU, keep freed heap memory for the kernels'
-    temporaries (`cpu.keep_freed_memory`)."""
+    temporaries (`cpu.keep_freed_memory`), after refusing an ATEN_CPU_CAPABILITY that ATen ignored
+    (`cpu.check_capability`)."""
     if any(p.device.type == "cpu" for p in model.parameters()):
+        cpu.check_capability()
         cpu.keep_freed_memory()
     weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear) and m.bias is None]
     cuda = [w for w in weights if w.is_cuda]

@@ -13,11 +13,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import os
 import threading
 from collections.abc import Callable, Sequence
 
 import torch
 
+from parity.core.errors import ConfigError
 from parity.kernels import cpu_bf16, cpu_gemm
 from parity.kernels.cpu_gemm import TILE
 
@@ -30,6 +32,28 @@ POINTWISE_CHUNK = 16384
 #: glibc heap settings of a process running the CPU kernels (`keep_freed_memory`): allocations below
 #: the first come from the heap, and up to the second of freed heap stays mapped.
 HEAP_MMAP_THRESHOLD, HEAP_TRIM_THRESHOLD = 32 << 20, 256 << 20
+
+
+#: the environment variable that picks ATen's CPU kernels, and what `torch.backends.cpu.get_cpu_capability`
+#: names for each value ATen reads (lower case exactly; "default" is "NO AVX" on x86).
+CAPABILITY_ENV = "ATEN_CPU_CAPABILITY"
+CAPABILITY_NAMES: dict[str, tuple[str, ...]] = {
+    "default": ("DEFAULT", "NO AVX"), "avx2": ("AVX2",), "avx512": ("AVX512",), "vsx": ("VSX",),
+    "zvector": ("Z VECTOR", "ZVECTOR"), "sve256": ("SVE256",)}
+
+
+def check_capability() -> None:
+    """ConfigError where `CAPABILITY_ENV` is set to a value ATen did not take: it ignores an unknown
+    one (a warning only) and runs its own pick, whose vector kernels round other bits than those asked
+    for (an "avx2" stand-in for another host would silently be this host)."""
+    wanted = os.environ.get(CAPABILITY_ENV)
+    if not wanted:  # unset, or set empty: ATen's own pick, as asked
+        return
+    running = torch.backends.cpu.get_cpu_capability()
+    if running not in CAPABILITY_NAMES.get(wanted, ()):
+        raise ConfigError(f"{CAPABILITY_ENV}={wanted!r}: ATen ignored it and runs its {running} kernels; "
+                          f"set it to one of {list(CAPABILITY_NAMES)} that this CPU and torch build "
+                          "support (lower case, as ATen reads it) or unset it")
 
 
 @functools.cache

@@ -6,6 +6,7 @@ kernel keeps its bits and takes the stock derivative (`parity.kernels.grad.exact
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,16 @@ from parity.kernels.switch import impl
 RotaryForward = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
+def _fused(family: str, op: str, device_type: str) -> Callable[..., Any] | None:
+    """A fused op's kernel (one launch for ops that also run one by one), or None where `family` is
+    off or the device was registered (`kernels.register`) without it: the caller runs the pieces,
+    each its family's own kernel, with the same bits."""
+    try:
+        return impl(family, op, device_type)
+    except BackendUnavailableError:
+        return None
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K].T (+ bias [N]) -> [..., N]  (family "matmul")."""
     fn = impl("matmul", "linear", x.device.type)
@@ -30,10 +41,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def linears(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> list[torch.Tensor] | None:
     """[x [..., K] @ w.T for w in weights] (bias-free) in one launch where the device's kernel has a
     proven grouped plan for them; None: call `linear` per weight (the same bits either way)."""
-    try:
-        fn = impl("matmul", "linears", x.device.type)
-    except BackendUnavailableError:  # a device registered (`kernels.register`) without a grouped launch
-        return None
+    fn = _fused("matmul", "linears", x.device.type)
     if fn is None or needs_grad(x, *weights):
         return None
     return fn(x, weights)
@@ -139,7 +147,7 @@ def norm_rotary(q: torch.Tensor, k: torch.Tensor, q_norm: nn.Module, k_norm: nn.
         return rotate(q_norm(q_).transpose(1, 2), k_norm(k_).transpose(1, 2), cos, sin)
 
     device = q.device.type
-    fn = impl("rotary", "norm_apply", device) if impl("rmsnorm", "rms_norm", device) is not None else None
+    fn = _fused("rotary", "norm_apply", device) if impl("rmsnorm", "rms_norm", device) is not None else None
     if fn is None:
         return three_ops(q, k)
     with torch.no_grad():
@@ -187,7 +195,7 @@ def log_softmax_draw(logits: torch.Tensor, state: torch.Tensor,
     logits [N, V] of any float dtype (widened to float32, exactly). One fused op where families
     "softmax" and "pointwise" are both on (the same bits as the two), the two ops otherwise."""
     device = logits.device.type
-    fn = impl("pointwise", "log_softmax_draw", device) if impl("softmax", "log_softmax", device) else None
+    fn = _fused("pointwise", "log_softmax_draw", device) if impl("softmax", "log_softmax", device) else None
     if fn is not None:
         return fn(logits, state, noisy)
     return sampling.log_softmax_then_draw(logits, state, noisy, log_softmax, gumbel_argmax)

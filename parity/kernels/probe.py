@@ -20,7 +20,7 @@ import os
 import re
 import threading
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -153,7 +153,10 @@ class VerdictCache:
             data = json.loads(self.path.read_text())
         except (OSError, ValueError):
             return {}
-        return data.get("verdicts", {}) if data.get("version") == CACHE_VERSION else {}
+        if not isinstance(data, dict) or data.get("version") != CACHE_VERSION:
+            return {}
+        verdicts = data.get("verdicts")
+        return verdicts if isinstance(verdicts, dict) else {}
 
     @staticmethod
     def key(fp: dict[str, str], dtype: torch.dtype, n: int, k: int) -> str:
@@ -161,9 +164,7 @@ class VerdictCache:
 
     def get(self, fp: dict[str, str], dtype: torch.dtype, n: int, k: int) -> Verdict | None:
         entry = self._read().get(self.key(fp, dtype, n, k))
-        if entry is None:
-            return None
-        return Verdict(**{**entry, "differing_m": tuple(entry["differing_m"])})
+        return _stored_verdict(entry, n, k)
 
     def put(self, fp: dict[str, str], verdict: Verdict, dtype: torch.dtype) -> None:
         with self._lock:
@@ -173,3 +174,19 @@ class VerdictCache:
             tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
             tmp.write_text(json.dumps({"version": CACHE_VERSION, "verdicts": verdicts}, indent=1))
             tmp.replace(self.path)
+
+
+def _stored_verdict(entry: object, n: int, k: int) -> Verdict | None:
+    """A cached entry as the Verdict `probe_rows` gave for weight [n, k] (its dtype is the entry's
+    key), or None (probe again) where it is not exactly one: other fields or types (a string "false"
+    would pass as invariant), another shape, or `invariant` contradicting `differing_m`."""
+    if not isinstance(entry, dict) or set(entry) != {f.name for f in fields(Verdict)}:
+        return None
+    differing = entry["differing_m"]
+    if not (isinstance(entry["invariant"], bool) and isinstance(differing, list)
+            and all(type(m) is int for m in differing) and type(entry["probed_m"]) is int):
+        return None
+    if not isinstance(entry["dtype"], str) or (entry["n"], entry["k"]) != (n, k) \
+            or entry["invariant"] == bool(differing):
+        return None
+    return Verdict(**{**entry, "differing_m": tuple(differing)})

@@ -13,6 +13,16 @@ from parity.core.errors import BackendUnavailableError, ConfigError
 
 #: the op families that can be switched independently (attribution turns them native one at a time).
 FAMILIES: tuple[str, ...] = ("matmul", "attention", "rmsnorm", "softmax", "pointwise", "rotary", "moe")
+#: the ops of each family that parity looks up (`impl`): a registration under any other name never runs.
+OPS: dict[str, tuple[str, ...]] = {
+    "matmul": ("linear", "linears"),
+    "attention": ("attention", "write_kv"),
+    "rmsnorm": ("rms_norm", "add_rms_norm"),
+    "softmax": ("softmax", "log_softmax", "cumsum"),
+    "pointwise": ("activation", "gated", "gumbel_argmax", "log_softmax_draw"),
+    "rotary": ("rotary", "apply", "norm_apply"),
+    "moe": ("topk", "experts"),
+}
 
 _enabled: frozenset[str] = frozenset()
 #: (family, op name, device type) -> implementation.
@@ -73,6 +83,16 @@ def register(family: str, op: str, device_type: str, fn: Callable[..., Any]) -> 
     """Make `fn` the batch-invariant implementation of `family`/`op` on `device_type` ("cpu", "cuda")."""
     if family not in FAMILIES:
         raise ConfigError(f"kernels.register: unknown family {family!r}; choose from {list(FAMILIES)}")
+    if op not in OPS[family]:
+        raise ConfigError(f"kernels.register: family {family!r} has no op {op!r} (parity never looks it up); "
+                          f"choose from {list(OPS[family])}")
+    # ops look kernels up by `tensor.device.type`: "cuda", never "cuda:0" or "CUDA"
+    if not isinstance(device_type, str) or not device_type or device_type != device_type.strip().lower() \
+            or ":" in device_type:
+        raise ConfigError(f"kernels.register: device type {device_type!r} is no tensor's device.type; give "
+                          "the bare lower-case type, e.g. 'cpu' or 'cuda' (no index)")
+    if not callable(fn):
+        raise ConfigError(f"kernels.register: the kernel for {family}/{op} must be callable, got {fn!r}")
     _registry[(family, op, device_type)] = fn
 
 
@@ -102,6 +122,8 @@ def impl(family: str, op: str, device_type: str) -> Callable[..., Any] | None:
     when on with none for the device (a silent stock fallback would break invariance).
     """
     if family not in _enabled:
+        if family not in FAMILIES:  # a misspelt family would otherwise run the stock op, silently
+            raise ConfigError(f"kernels.impl: unknown family {family!r}; choose from {list(FAMILIES)}")
         return None
     fn = _registry.get((family, op, device_type))
     if fn is None:
