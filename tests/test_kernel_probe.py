@@ -227,3 +227,29 @@ def test_cancelling_rows_sum_to_exactly_zero_against_their_weight_rows(dtype: to
     sums = [math.fsum((x[r].double() * w[(r * 7919 + 3) % 40].double()).tolist()) for r in range(9)]
     assert x.dtype == dtype and sums == [0.0] * 9
     assert bool(torch.isfinite(x).all()) and float(x.abs().max()) > 1
+
+
+def test_cublaslt_products_longer_than_the_probe_run_in_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe proves row counts up to PROBE_MAX_M only: a longer product (an 8192-token engine step, a
+    training batch) runs as pieces of at most that many rows, each starting on a multiple of it."""
+    pytest.importorskip("triton")
+    from parity.kernels.triton import matmul
+
+    rows: list[int] = []
+    real = matmul.F.linear
+
+    def counted(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        rows.append(x.reshape(-1, x.shape[-1]).shape[0])
+        return real(x, weight)
+
+    monkeypatch.setattr(matmul.F, "linear", counted)
+    weight = torch.randn(8, 16)
+    x = torch.randn(2, probe.PROBE_MAX_M + 5, 16)
+    out = matmul.cublaslt_linear(x, weight)
+    assert rows == [probe.PROBE_MAX_M, probe.PROBE_MAX_M, 10]  # 2 * 4101 rows: 4096 + 4096 + 10
+    assert out.shape == (2, probe.PROBE_MAX_M + 5, 8)
+    assert torch.equal(out, torch.cat([real(p, weight) for p in x.reshape(-1, 16).split(probe.PROBE_MAX_M)])
+                       .reshape(2, -1, 8))
+    rows.clear()
+    matmul.cublaslt_linear(x[:, :7], weight)
+    assert rows == [14]  # within the probe's rows: one call, as before

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from parity.core.errors import BackendUnavailableError, ConfigError
-from parity.kernels import cpu_bf16
+from parity.kernels import cpu_bf16, triton_available
 from parity.models.loading import load_model
 from parity.models.routing import ROUTERS
 
@@ -37,8 +37,6 @@ def linear_routes(model: str, *, dtype: str = "bfloat16", device: str = "cuda",
     cublaslt: set the process up for the cuBLASLt route first (CUDA only, before CUDA starts)."""
     cuda = device.startswith("cuda")
     if cuda:
-        from parity.kernels import triton_available
-
         if not torch.cuda.is_available():
             raise BackendUnavailableError("parity kernels: no CUDA device here; use --device cpu")
 

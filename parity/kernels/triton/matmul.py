@@ -6,7 +6,8 @@ rounding; fp32 multiplies in IEEE, never TF32. TMA + wgmma, persistent grouped g
 (decode) take a latency plan of smaller tiles only for a shape where `prepare` proved, on the
 probe's cancelling rows, that it gives the same bits as the plan of long steps. A bias-free shape
 that passed the load-time probe (`parity.kernels.probe`) runs on cuBLASLt without split-K, in a
-process set up for it (`cublaslt_ready`); that choice never depends on M. `route` says which.
+process set up for it (`cublaslt_ready`); that choice never depends on M, and longer products
+run there in pieces of at most the probe's rows (`cublaslt_linear`). `route` says which.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from parity.core.errors import ConfigError, InputError
-from parity.kernels.probe import Verdict, VerdictCache, cache_path, fingerprint, probe_rows
+from parity.kernels.probe import PROBE_MAX_M, Verdict, VerdictCache, cache_path, fingerprint, probe_rows
 from parity.kernels.triton.mma import mma
 
 #: process environment that disables cuBLASLt's split-K (no workspace to reduce partial sums in).
@@ -270,11 +271,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if (k * elt) % 16 or (n * elt) % 16:
         raise InputError(f"linear: K={k} and N={n} must be multiples of {16 // elt} for TMA row alignment")
     if bias is None and x.is_cuda and _on_cublaslt(x.dtype, n, k):
-        return F.linear(x, weight)
+        return cublaslt_linear(x, weight)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     out = launch(x2, weight, bias, plan_for(x.dtype, n, k, x2.shape[0]))
     return out.reshape(*lead, n)
+
+
+def cublaslt_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear of x [..., K] in pieces of at most PROBE_MAX_M rows: the probe proved row counts up to
+    it, while a longer product (a training batch, a step of the engine's 8192-token budget) could
+    take a kernel it never saw. Each piece starts at a multiple of PROBE_MAX_M rows, so its pointer
+    alignment is the probe's offset 0."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[0] <= PROBE_MAX_M:
+        return F.linear(x, weight)
+    out = torch.cat([F.linear(part, weight) for part in x2.split(PROBE_MAX_M)])
+    return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: TileConfig) -> torch.Tensor:
