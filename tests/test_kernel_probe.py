@@ -253,3 +253,43 @@ def test_cublaslt_products_longer_than_the_probe_run_in_pieces(monkeypatch: pyte
     rows.clear()
     matmul.cublaslt_linear(x[:, :7], weight)
     assert rows == [14]  # within the probe's rows: one call, as before
+
+
+_PAST_THE_PROBE = """
+import torch
+import torch.nn.functional as F
+from parity.kernels import probe
+from parity.kernels.triton import matmul
+
+matmul.configure_cublaslt()
+n = k = 2048
+matmul.prepare({(torch.bfloat16, n, k)}, torch.device("cuda"))
+path, why = matmul.route(torch.bfloat16, n, k, False)
+if path != "cublaslt":
+    print("not on cuBLASLt:", why)
+    raise SystemExit(3)
+g = torch.Generator(device="cuda").manual_seed(0)
+w = (torch.randn(n, k, generator=g, device="cuda") * k ** -0.5).bfloat16()
+x = probe.cancelling_rows(w, 3 * 4096 + 100, 1)
+cuts = [(a, m) for m in (1, 4096, 4097, 5000, 8192, 8193, 12000) for a in (0, 1, 8, 4095)
+        if a + m <= x.shape[0]]
+for name, linear in (("cublaslt_linear", matmul.linear), ("one F.linear call", F.linear)):
+    full = linear(x, w)
+    bad = [(a, m) for a, m in cuts if not torch.equal(linear(x[a:a + m], w), full[a:a + m])]
+    print(name, "differing (offset, rows):", bad)
+    if name == "cublaslt_linear" and bad:
+        raise SystemExit(1)
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs an NVIDIA GPU (CUDA not available)")
+def test_cublaslt_route_stays_row_invariant_past_the_probed_rows(tmp_path: Path) -> None:
+    """Slices of up to 12,000 rows of a cuBLASLt-routed product equal the whole product's rows bit for
+    bit (the pieces of `cublaslt_linear`); it prints whether one unsplit F.linear call would have."""
+    child = subprocess.run([sys.executable, "-c", _PAST_THE_PROBE], cwd=ROOT, capture_output=True, text=True,
+                           timeout=300, env={**os.environ, "PARITY_CACHE": str(tmp_path)})
+    print(child.stdout)
+    if child.returncode == 3:
+        pytest.skip(child.stdout.strip())
+    assert child.returncode == 0, child.stdout + child.stderr[-4000:]
