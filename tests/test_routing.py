@@ -195,8 +195,8 @@ def test_bad_route_arrays_are_rejected(bad, match):
 def test_check_routes_names_the_wrong_dimension(shape, name):
     with pytest.raises(ParityError, match=rf"\({name}\)"):
         check_routes(np.zeros(shape, np.int32), positions=10, moe_layers=2, top_k=2, num_experts=8)
-    assert check_routes(np.zeros((10, 2, 2), np.int64), positions=10, moe_layers=2, top_k=2,
-                        num_experts=8).dtype == np.int32
+    distinct = np.tile(np.arange(2, dtype=np.int64), (10, 2, 1))  # each row two different experts
+    assert check_routes(distinct, positions=10, moe_layers=2, top_k=2, num_experts=8).dtype == np.int32
 
 
 def test_check_routes_rejects_out_of_range_experts_and_dense_models():

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from parity.advisor.evaluate import Evaluation
 from parity.advisor.grid import REMOVING
 from parity.core.errors import ConfigError
-from parity.core.schema import GOLD_RATIO_CI_KEY, GOLD_RATIO_KEY, json_float
+from parity.core.schema import GOLD_RATIO_CI_KEY, GOLD_RATIO_KEY, json_float, percent
 
 #: reweighting families stage 3 recommends, in its order of preference. Geometric IS is evaluated
 #: and shown but not recommended: its weight is no likelihood ratio of the sampled data, so its
@@ -64,8 +64,9 @@ def within_noise(ev: Evaluation, rule: AdviceRule) -> bool:
 
 def noise_clause(ev: Evaluation, rule: AdviceRule) -> str:
     d = ev.drift
-    return (f"drift is within noise (token ratios vary by {math.sqrt(max(d.ratio_var, 0.0)):.2%} RMS, "
-            f"max |Δlogp| {d.max_abs_log_ratio:.3g} nats, bounds {math.sqrt(rule.noise_ratio_var):.2%} and "
+    rms, bound = percent(math.sqrt(max(d.ratio_var, 0.0)), 2), percent(math.sqrt(rule.noise_ratio_var), 2)
+    return (f"drift is within noise (token ratios vary by {rms} RMS, "
+            f"max |Δlogp| {d.max_abs_log_ratio:.3g} nats, bounds {bound} and "
             f"{rule.noise_max_log_ratio:g})")
 
 
@@ -85,9 +86,9 @@ def choose_removal(ev: Evaluation, rule: AdviceRule) -> Choice:
     i = min(pool, key=lambda j: (not ev.candidates[j].sequence_level, f["frac_tokens_removed"][j], j))
     cand = ev.candidates[i]
     where = "whole sequences" if cand.sequence_level else "single tokens"
-    return Choice(i, f"{f['drift_removed'][i]:.1%} of the mismatch (k3 KL) sits in {where} that {cand.name} "
-                     f"removes ({f['frac_tokens_removed'][i]:.2%} of tokens, {f['frac_seqs_removed'][i]:.1%} "
-                     f"of sequences)")
+    return Choice(i, f"{percent(f['drift_removed'][i], 1)} of the mismatch (k3 KL) sits in {where} that "
+                     f"{cand.name} removes ({percent(f['frac_tokens_removed'][i], 2)} of tokens, "
+                     f"{percent(f['frac_seqs_removed'][i], 1)} of sequences)")
 
 
 def choose_reweighting(ev: Evaluation, rule: AdviceRule) -> Choice:
@@ -116,13 +117,13 @@ def choose_reweighting(ev: Evaluation, rule: AdviceRule) -> Choice:
     if light:
         i = min(light, key=rank)
         why = (f"{ev.candidates[i].name} is the tightest cap of the most preferred level "
-               f"that truncates at most {rule.max_mass_removed:.1%} of the importance mass "
-               f"({f['mass_removed'][i]:.3%}, ESS {f['ess'][i]:.3f})")
+               f"that truncates at most {percent(rule.max_mass_removed, 1)} of the importance mass "
+               f"({percent(f['mass_removed'][i], 3)}, ESS {f['ess'][i]:.3f})")
         return Choice(i, why)
     i = min(admissible, key=lambda j: (f["mass_removed"][j], rank(j)))
     return Choice(i, f"{ev.candidates[i].name} truncates the least importance mass "
-                     f"({f['mass_removed'][i]:.2%}) of the corrections with ESS >= {rule.min_ess} and max "
-                     f"weight <= {rule.max_weight:g}")
+                     f"({percent(f['mass_removed'][i], 2)}) of the corrections with ESS >= {rule.min_ess} "
+                     f"and max weight <= {rule.max_weight:g}")
 
 
 def gold_note(summary: dict) -> str | None:

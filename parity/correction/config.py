@@ -5,6 +5,7 @@ once into typed rules; bad options raise `ConfigError` naming the accepted forms
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,9 +61,22 @@ def _positive(value: float) -> bool:
     return value > 0  # False for NaN too
 
 
+def _is_real(value: Any) -> bool:
+    """A real number, Python's or NumPy's (np.float32(2.0), np.int64(2)); never a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _plain(value: Any) -> Any:
+    """A NumPy (or other) real number as the Python int or float it holds, so the option is stored,
+    exported and printed as a plain number; anything else as given."""
+    if _is_real(value) and type(value) not in (int, float):
+        return int(value) if isinstance(value, numbers.Integral) else float(value)
+    return value
+
+
 def _parse_is_threshold(spec: Any) -> tuple[float, float | None]:
     """verl's `_parse_rollout_is_threshold`: a number (TIS upper bound) or "lower_upper" (IcePop)."""
-    if isinstance(spec, bool) or not isinstance(spec, (int, float, str)):
+    if not (_is_real(spec) or isinstance(spec, str)):
         raise ConfigError(
             f"rollout_is_threshold must be a number (TIS upper bound) or a 'lower_upper' string "
             f"(IcePop band), e.g. 2.0 or '0.5_2.0'; got {spec!r}"
@@ -108,13 +122,16 @@ def _parse_is(level: Any, threshold: Any, batch_normalize: Any, clamp: Any) -> I
             )
     if not isinstance(batch_normalize, bool):
         raise ConfigError(f"rollout_is_batch_normalize must be True or False, got {batch_normalize!r}")
+    if batch_normalize and level is None:
+        raise ConfigError("rollout_is_batch_normalize=True normalizes IS weights, but rollout_is=None "
+                          "computes none; set rollout_is (e.g. 'token') or rollout_is_batch_normalize=False")
     if clamp is not None:
         if level not in ("token", "sequence", "geometric") or lower is not None:
             raise ConfigError(
                 "rollout_is_clamp_lower applies to truncated IS only: rollout_is 'token', 'sequence' "
                 "or 'geometric' with a numeric rollout_is_threshold"
             )
-        if isinstance(clamp, bool) or not isinstance(clamp, (int, float)) or not (0 < clamp <= upper):
+        if not _is_real(clamp) or not (0 < clamp <= upper):
             raise ConfigError(
                 f"rollout_is_clamp_lower must be a number in (0, rollout_is_threshold={upper}], got {clamp!r}"
             )
@@ -145,7 +162,7 @@ def _parse_rs(rollout_rs: Any, threshold: Any) -> tuple[RejectionRule, ...]:
         raise ConfigError(
             "rollout_rs_threshold is required when rollout_rs is set, e.g. 2.0 or '0.5_2.0,0.01'"
         )
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, float, str)):
+    if not (_is_real(threshold) or isinstance(threshold, str)):
         raise ConfigError(
             f"rollout_rs_threshold must be a number or a comma-separated string, got {threshold!r}"
         )
@@ -217,6 +234,8 @@ class CorrectionConfig:
     rs_rules: tuple[RejectionRule, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        for name in ("rollout_is_threshold", "rollout_rs_threshold", "rollout_is_clamp_lower"):
+            object.__setattr__(self, name, _plain(getattr(self, name)))
         is_rule = _parse_is(self.rollout_is, self.rollout_is_threshold, self.rollout_is_batch_normalize,
                             self.rollout_is_clamp_lower)
         object.__setattr__(self, "is_rule", is_rule)

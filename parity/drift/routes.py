@@ -35,7 +35,8 @@ def as_routes(routes: Any, where: str = "routes") -> np.ndarray:
 def check_routes(routes: Any, *, positions: int, moe_layers: int, top_k: int, num_experts: int,
                  where: str = "routes") -> np.ndarray:
     """`routes` as int32 `[positions, moe_layers, top_k]` for one sequence, or InputError naming the
-    dimension that does not fit (length, MoE layers, top_k, expert id).
+    dimension that does not fit (length, MoE layers, top_k, expert id) or the first position whose
+    row repeats an expert.
     """
     if moe_layers == 0:
         raise InputError(f"{where}: the model is dense (no MoE layers), so it has no routes to check "
@@ -51,6 +52,14 @@ def check_routes(routes: Any, *, positions: int, moe_layers: int, top_k: int, nu
     if array.size and array.max() >= num_experts:
         raise InputError(f"{where}: expert id {int(array.max())} is out of range; the model has "
                          f"{num_experts} experts")
+    # a router's top-k is k distinct experts (vLLM and SGLang record torch.topk's ids): replaying
+    # [e, e] would hand expert e the whole gate weight of the row
+    repeated = (np.diff(np.sort(array, axis=-1), axis=-1) == 0).any(axis=-1)
+    if repeated.any():
+        position, layer = (int(i) for i in np.argwhere(repeated)[0])
+        raise InputError(f"{where}: position {position}, MoE layer {layer} names expert(s) more than once "
+                         f"({array[position, layer].tolist()}); a row of routes is the top_k distinct "
+                         "experts the router chose (record the routes again, or pass the engine's own)")
     return array
 
 

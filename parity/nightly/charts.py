@@ -57,7 +57,8 @@ def trend_charts(points: list[tuple[str, RowKey, dict[str, Any]]], keys: list[Ro
     )
     return (f'<div class="legend">{legend}</div><div class="trends">' + "".join(charts) + "</div>"
             f'<p class="sub">Last {len(runs)} run(s) holding these rows, oldest left; '
-            "error rows are omitted.</p>")
+            "error rows are omitted, and so are a row's points from before its workload last changed "
+            "(its case, model or LoRA adapter edited under the same name: the line starts again there).</p>")
 
 
 def trend_metrics(summaries: list[dict[str, Any]]) -> list[str]:
