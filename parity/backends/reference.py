@@ -17,6 +17,7 @@ from parity.backends.base import Backend
 from parity.core.schema import VERSION
 from parity.core.types import Pair, Request, Rollout, SamplingParams
 from parity.engine import EngineConfig, ReferenceEngine, train_forward
+from parity.engine.inputs import kernel_families
 from parity.kernels import cpu_bf16
 from parity.models.loading import tensor_digest
 from parity.models.lora import LoraSpec
@@ -40,8 +41,10 @@ class ReferenceBackend(Backend):
         self.check_lora(self.config.lora)
         kernels, tp = self.config.kernels, self.config.tensor_parallel_size
         # bf16 tiles (AMX, AVX-512 BF16) and float32 tiles give different bits: the report says which
-        # ran (a bad PARITY_CPU_BF16_GEMM is refused here, before the engine loads)
-        gemm = cpu_bf16.choice() if self.config.device == "cpu" and kernels == "invariant" else None
+        # ran (a bad PARITY_CPU_BF16_GEMM is refused here, before the engine loads); only a bf16 model's
+        # invariant products on the CPU run them
+        on_cpu = torch.device(self.config.device).type == "cpu"
+        gemm = cpu_bf16.choice() if on_cpu and "matmul" in kernel_families(kernels) else None
         self._engine = ReferenceEngine(self.model_path, self.config)
         self.meta.update({
             "backend_version": VERSION, "torch_version": torch.__version__,
@@ -52,7 +55,7 @@ class ReferenceBackend(Backend):
             "reduction_groups": None if tp is None else self.config.reduction_groups,
             "enable_prefix_caching": False, "kernels": kernels,
         })
-        if gemm is not None:
+        if gemm is not None and self.config.dtype == "bfloat16":
             self.meta["cpu_bf16_gemm"] = gemm
 
     def generate(self, requests: Sequence[Request]) -> list[Rollout]:

@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from parity.core.errors import BackendError
-from parity.core.turns import inject_until_generate
+from parity.core.errors import BackendError, InputError
+from parity.core.turns import Inject, inject_until_generate
 from parity.core.types import Request, Rollout
+from parity.models.limits import model_limits
 
 if TYPE_CHECKING:
     from parity.backends.base import Backend
@@ -41,7 +42,15 @@ def generate(backend: Backend, requests: Sequence[Request]) -> list[Rollout]:
         single = next(r.request_id for r in requests if not r.turns)
         raise BackendError(f"request {single!r} has no turns but others do; run trajectories and single-turn "
                            "requests in separate batches")
-    states = [_Trajectory(r, i) for r in requests for i in range(r.sampling.n)]
+    # an injected id past the vocabulary would reach the engine as a prompt id: fixed replies are
+    # refused before any turn runs (as the reference engine does), a tool's when it replies
+    limits = model_limits(backend.model_path)
+    for r in requests:
+        for t, turn in enumerate(r.turns):
+            problem = isinstance(turn, Inject) and limits.vocabulary_problem(turn.token_ids)
+            if problem:
+                raise InputError(f"request {r.request_id!r}: turns[{t}] token_ids {problem}")
+    states = [_Trajectory(r, i, vocab_size=limits.vocab_size) for r in requests for i in range(r.sampling.n)]
     while live := [s for s in states if s.finish_reason is None]:
         outs = backend.generate([s.next_request() for s in live])
         if len(outs) != len(live):
@@ -65,6 +74,7 @@ class _Trajectory:
     generated_turns: int = 0
     finish_reason: str | None = None
     last: Rollout | None = None
+    vocab_size: int | None = None  # the model's: a tool's reply must stay below it
 
     def __post_init__(self) -> None:
         self._inject()
@@ -93,7 +103,8 @@ class _Trajectory:
     def _inject(self) -> None:
         room = self.request.sampling.max_tokens - len(self.tokens)
         history = (*self.request.prompt_ids, *self.tokens)
-        injected, self.turn = inject_until_generate(self.request.turns, self.turn, history, room)
+        injected, self.turn = inject_until_generate(self.request.turns, self.turn, history, room,
+                                                    self.vocab_size)
         self.tokens.extend(injected)
         self.logprobs.extend([0.0] * len(injected))
         self.mask.extend([0] * len(injected))

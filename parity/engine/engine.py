@@ -60,6 +60,8 @@ from parity.parallel import (
     check_shardable,
     shard_model,
 )
+from parity.parallel.group import check_rank_device
+from parity.parallel.shard import check_shard_layout
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,7 @@ class EngineConfig:
         if self.tp_reduction not in REDUCTIONS:
             raise ConfigError(f"tp_reduction must be one of {REDUCTIONS}, got {self.tp_reduction!r}")
         check_reduction_groups(self.reduction_groups, self.tensor_parallel_size)
+        check_rank_device(self.device, self.tensor_parallel_size)
         check_positive_int(self.max_num_seqs, "max_num_seqs")
         check_positive_int(self.chunk_size, "chunk_size")
         check_positive_int(self.max_num_batched_tokens, "max_num_batched_tokens")
@@ -150,8 +153,9 @@ class ReferenceEngine:
         self._ranks: RankGroup | None = None
         self._private = False  # whether self.lm is this engine's own copy (after a weight update)
         self._own_adapter = False  # whether its adapter's tensors are (after an adapter swap)
-        if tp is None or (isinstance(model, LoadedModel) and model.tensor_parallel_size == tp
-                          and model.reduction_groups == config.reduction_groups):
+        # a shard cut for another layout would run its own sum under this config's label
+        check_shard_layout(model, tp, config.tp_reduction, config.reduction_groups)
+        if tp is None or (isinstance(model, LoadedModel) and model.tensor_parallel_size == tp):
             self.lm = load_model(model, dtype=config.dtype, device=config.device, lora=config.lora)
         elif tp == 1:
             self.lm = shard_model(model, Comm.single(), dtype=config.dtype, device=config.device,

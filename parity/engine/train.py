@@ -49,6 +49,8 @@ from parity.parallel import (
     check_shardable,
     shard_model,
 )
+from parity.parallel.group import check_rank_device
+from parity.parallel.shard import check_shard_layout
 
 LAYOUTS: tuple[str, ...] = ("right", "left", "packed")
 
@@ -89,6 +91,7 @@ class TrainConfig:
             check_reduction_groups(self.reduction_groups, self.tensor_parallel_size)
         if not isinstance(self.grad, bool):
             raise ConfigError(f"grad must be True or False, got {self.grad!r}")
+        check_rank_device(self.device, self.tensor_parallel_size)
         if self.grad and self.tensor_parallel_size is not None:
             raise ConfigError("grad=True runs the model in this process; leave tensor_parallel_size unset")
 
@@ -350,8 +353,8 @@ def train_forward(model: str | LoadedModel,
                          "must be a Rollout with top_k_ids (sample with top_k_logprobs > 0)")
     if lora is not None or getattr(model, "lora", None) is not None:
         check_without_tensor_parallel(tp, "tensor_parallel_size")
-    if tp is not None and not (isinstance(model, LoadedModel) and model.tensor_parallel_size == tp
-                               and model.reduction_groups == groups):
+    check_shard_layout(model, tp, reduction, groups)  # a shard of another layout: its own sum, mislabelled
+    if tp is not None and not (isinstance(model, LoadedModel) and model.tensor_parallel_size == tp):
         if tp > 1:
             if isinstance(model, LoadedModel) and not is_shared(model):
                 raise ConfigError("tensor_parallel_size > 1 loads the checkpoint in every rank, so the "

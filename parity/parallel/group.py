@@ -19,7 +19,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection, Listener, wait
 from typing import Any
 
-from parity.core.errors import BackendError
+from parity.core.errors import BackendError, ConfigError
 from parity.parallel.wire import receive, send
 from parity.parallel.zygote import ForkedRank, zygote
 from parity.runtime import guard
@@ -33,6 +33,29 @@ CONNECT_TIMEOUT_S = 120.0
 CONNECT_POLL_S = 0.25
 #: environment variable carrying the caller's address and key to a rank ("host:port:hexkey").
 ADDRESS_ENV = "PARITY_TP_CALLER"
+
+
+def check_rank_device(device: str, size: int | None) -> None:
+    """ConfigError unless `size` ranks can honour `device`: on CUDA rank r takes visible GPU r and
+    places its shard on the current GPU, so an index ("cuda:1") or fewer visible GPUs than ranks cannot
+    be honoured (checked before any rank starts)."""
+    kind, _, index = str(device).partition(":")
+    if size is None or size < 2 or kind != "cuda":
+        return
+    if index:
+        first = int(index) if index.isdigit() else 0
+        visible = ",".join(str(first + r) for r in range(size))
+        raise ConfigError(f"device={str(device)!r} with tensor_parallel_size={size}: rank r runs on visible "
+                          f"GPU r (cuda:0..cuda:{size - 1}), not on the GPU the index names; pass "
+                          "device='cuda' and choose the GPUs with CUDA_VISIBLE_DEVICES (e.g. "
+                          f"CUDA_VISIBLE_DEVICES={visible})")
+    import torch  # only for a CUDA layout: the caller has loaded it already
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count < size:
+        raise ConfigError(f"tensor_parallel_size={size} on device='cuda' needs {size} visible GPUs (one per "
+                          f"rank); this machine shows {count}: lower tensor_parallel_size or make more GPUs "
+                          "visible (CUDA_VISIBLE_DEVICES)")
 
 
 class TensorParallelError(BackendError):

@@ -53,6 +53,21 @@ def check_reduction_groups(groups: Any, size: int | None = None) -> int:
     return groups
 
 
+def check_shard_layout(model: Any, size: int | None, reduction: str, groups: int) -> None:
+    """ConfigError when `model` is a tensor-parallel shard cut for another layout than the one asked
+    for (`size` None: the whole model): it would run in its own sum under the asked-for label."""
+    if not isinstance(model, LoadedModel) or model.tensor_parallel_size is None:
+        return
+    have = (model.tensor_parallel_size, model.tp_reduction, model.reduction_groups)
+    if size is None or have != (size, reduction, groups):
+        asked = ("the whole model (tensor_parallel_size=None)" if size is None else
+                 f"tensor_parallel_size={size}, tp_reduction={reduction!r}, reduction_groups={groups}")
+        raise ConfigError(f"model {model.name!r} is a tensor-parallel shard (tensor_parallel_size={have[0]}, "
+                          f"tp_reduction={have[1]!r}, reduction_groups={have[2]}) but {asked} was asked "
+                          "for; pass its checkpoint path or the unsharded model, or ask for the shard's "
+                          "own settings")
+
+
 def _divides(size: int, count: int, what: str, name: str) -> None:
     if count % size:
         raise ConfigError(f"tensor_parallel_size={size} does not divide {name}'s {what} ({count}); "
