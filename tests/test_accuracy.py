@@ -23,12 +23,15 @@ ROWS, COLS = 24, 40
 
 
 def sides(rollout_scale: float, train_scale: float = 1.0, seed: int = 0):
-    """[ROWS, COLS] gold, train and rollout logprobs: each side off the gold by |N(0, scale * 0.01)|."""
+    """[ROWS, COLS] gold, train and rollout logprobs: each side off the gold by |N(0, scale * 0.01)|;
+    all three shifted down where a side would be above 0 (a logprob is <= 0; the offsets are kept)."""
     rng = np.random.default_rng(seed)
     gold = -rng.exponential(1.0, (ROWS, COLS))
-    train = (gold + train_scale * 0.01 * rng.standard_normal((ROWS, COLS))).astype(np.float32)
-    rollout = (gold + rollout_scale * 0.01 * rng.standard_normal((ROWS, COLS))).astype(np.float32)
-    return train, rollout, gold, np.ones((ROWS, COLS), bool)
+    train = gold + train_scale * 0.01 * rng.standard_normal((ROWS, COLS))
+    rollout = gold + rollout_scale * 0.01 * rng.standard_normal((ROWS, COLS))
+    lift = np.maximum(np.maximum(train, rollout), 0.0)
+    return ((train - lift).astype(np.float32), (rollout - lift).astype(np.float32), gold - lift,
+            np.ones((ROWS, COLS), bool))
 
 
 def test_summary_keys_in_schema_order_and_plain_values():

@@ -27,9 +27,11 @@ SEQS, LEN = 500, 256
 
 
 def batch(drift: np.ndarray, seed: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """train = rollout + drift, rollout logprobs of peaked-ish sampled tokens, every slot valid."""
+    """train = rollout + drift, rollout logprobs of peaked-ish sampled tokens, every slot valid; both
+    sides shifted down where the drift lifts train above 0 (a logprob is <= 0; the drift is kept)."""
     rollout = np.log(np.random.default_rng(seed).uniform(0.05, 1.0, drift.shape))
-    return rollout + drift, rollout, np.ones(drift.shape, bool)
+    lift = np.maximum(rollout + drift, 0.0)
+    return rollout + drift - lift, rollout - lift, np.ones(drift.shape, bool)
 
 
 def rng(seed: int = 0) -> np.random.Generator:

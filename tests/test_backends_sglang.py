@@ -11,13 +11,12 @@ there); that file also feeds the local HTTP server these tests run the adapter a
 import base64
 import importlib.util
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
 import pytest
+from http_stub import StubHandler, serve
 
 from parity.backends import get_backend
 from parity.backends.base import SampleJob, eos_token_ids
@@ -150,7 +149,7 @@ def test_parse_rejects_inconsistent_outputs():
         decode_routes(base64.b64encode(np.arange(5, dtype=np.int32).tobytes()).decode(), 2, 2)
 
 
-class StubServer(BaseHTTPRequestHandler):
+class StubServer(StubHandler):
     """Answers SGLang's native routes with the documented-format outputs (one `/generate` request
     per sequence, the output for its input_ids); keeps the request bodies and auth headers.
 
@@ -162,31 +161,19 @@ class StubServer(BaseHTTPRequestHandler):
     auth: ClassVar[list] = []
 
     def do_GET(self):
-        self._reply({"version": "stub"})
+        self.reply({"version": "stub"})
 
     def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        body = self.read_json()
         self.bodies.append(body)
         self.auth.append(self.headers.get("Authorization"))
-        self._reply(DOCUMENTED["outputs"][DOCUMENTED["prompts"].index(body["input_ids"])])
-
-    def _reply(self, obj):
-        data = json.dumps(obj).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
+        self.reply(DOCUMENTED["outputs"][DOCUMENTED["prompts"].index(body["input_ids"])])
 
 
 @pytest.fixture(scope="module")
 def server():
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), StubServer)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd = serve(StubServer)
+    yield httpd.url
     httpd.shutdown()
 
 
@@ -244,10 +231,8 @@ def test_http_url_is_checked(url):
 def test_http_server_gone_names_the_lost_requests():
     with pytest.raises(BackendError, match="get_server_info failed"):
         SGLangBackend(DOCUMENTED["model"], base_url=f"http://127.0.0.1:{free_loopback_port()}", retries=0)
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), StubServer)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    backend = SGLangBackend(DOCUMENTED["model"], base_url=f"http://127.0.0.1:{httpd.server_address[1]}",
-                            retries=1)
+    httpd = serve(StubServer)
+    backend = SGLangBackend(DOCUMENTED["model"], base_url=httpd.url, retries=1)
     httpd.shutdown()
     httpd.server_close()
     sampling = SamplingParams(**{**DOCUMENTED["sampling"], "n": 2})

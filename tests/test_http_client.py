@@ -6,12 +6,11 @@ Runs against a local stub server whose routes misbehave on purpose.
 
 import asyncio
 import base64
-import json
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from http_stub import StubHandler, serve
 
 from parity.backends.http import Endpoint, HttpClient, HttpSettings, RequestsLostError
 from parity.core.errors import BackendError, ConfigError
@@ -20,13 +19,13 @@ from parity.runtime.processes import free_loopback_port
 FAST = dict(backoff_s=0.01)
 
 
-class Stub(BaseHTTPRequestHandler):
+class Stub(StubHandler):
     """Routes: /ok echoes, /flaky answers 503 `fail` times per id, /slow sleeps, /bad is 400 (quoting
     the Authorization header, to check scrubbing), /boom is 500, /text is not JSON."""
 
     def do_POST(self):
         state = self.server.state
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        body = self.read_json()
         with state["lock"]:
             state["in_flight"] += 1
             state["max_in_flight"] = max(state["max_in_flight"], state["in_flight"])
@@ -40,7 +39,8 @@ class Stub(BaseHTTPRequestHandler):
             # the next request, which must not find this one still counted
             with state["lock"]:
                 state["in_flight"] -= 1
-        self._reply(*reply)
+        status, obj, raw = reply
+        self.reply(raw if raw is not None else obj, status)
 
     do_GET = do_POST
 
@@ -57,24 +57,12 @@ class Stub(BaseHTTPRequestHandler):
             return 200, None, b"<html>not json</html>"
         return 200, {"echo": body, "auth": self.headers.get("Authorization")}, None
 
-    def _reply(self, status, obj, raw=None):
-        data = raw if raw is not None else json.dumps(obj).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
 
 
 @pytest.fixture
 def stub():
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Stub)
-    httpd.daemon_threads = True
+    httpd = serve(Stub)
     httpd.state = {"lock": threading.Lock(), "in_flight": 0, "max_in_flight": 0, "attempts": {}}
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
     yield httpd
     httpd.shutdown()
 

@@ -19,15 +19,19 @@ from parity.testing import assert_is_ratio_close, assert_parity, failure_message
 
 def make_report(*, scale: float = 0.01, rows: int = 4, width: int = 12, seed: int = 0,
                 tolerance: Tolerance | None = None) -> ParityReport:
-    """A report from synthetic rollouts (no engine): train logprobs = rollout + `scale` * N(0, 1)."""
+    """A report from synthetic rollouts (no engine): train logprobs = rollout + `scale` * N(0, 1),
+    both sides shifted down where that lifts train above 0 (a logprob is <= 0)."""
     rng = np.random.default_rng(seed)
     rollouts, train = [], []
     for i in range(rows):
         n = width if i == 0 else int(rng.integers(3, width + 1))
         rollout_lp = -rng.exponential(1.0, n).astype(np.float32)
-        rollouts.append(Rollout(f"r{i}", 0, tuple(range(5, 12)), tuple(rng.integers(3, 259, n)),
-                                tuple(rollout_lp.tolist()), "length", "fake"))
-        train.append(rollout_lp + np.float32(scale) * rng.standard_normal(n).astype(np.float32))
+        ids = tuple(rng.integers(3, 259, n))
+        train_lp = rollout_lp + np.float32(scale) * rng.standard_normal(n).astype(np.float32)
+        lift = np.maximum(train_lp, np.float32(0))
+        rollouts.append(Rollout(f"r{i}", 0, tuple(range(5, 12)), ids, tuple((rollout_lp - lift).tolist()),
+                                "length", "fake"))
+        train.append(train_lp - lift)
     provenance = {"backend": "fake", "model": "tiny-llama", "dtype": "bfloat16", "seeds": (1, 2)}
     return build_report(rollouts, train, tolerance=tolerance or Tolerance(), provenance=provenance)
 

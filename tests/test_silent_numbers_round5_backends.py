@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import ClassVar
 
 import numpy as np
 import pytest
+from http_stub import StubHandler, serve
 
 from parity.backends.base import SampleJob
 from parity.backends.sglang import NEUTRAL_SAMPLING, SGLANG_MIN_TEMPERATURE, SGLangBackend
@@ -150,28 +149,19 @@ def test_sglang_requests_carry_neutral_values_of_the_knobs_parity_does_not_model
         "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
 
 
-class InfoServer(BaseHTTPRequestHandler):
+class InfoServer(StubHandler):
     """Answers `/get_server_info` with `info` (an attached SGLang server's settings)."""
 
     info: ClassVar[dict] = {}
 
     def do_GET(self):
-        data = json.dumps(self.info).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
+        self.reply(self.info)
 
 
 @pytest.fixture
 def info_server():
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), InfoServer)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd = serve(InfoServer)
+    yield httpd.url
     httpd.shutdown()
 
 

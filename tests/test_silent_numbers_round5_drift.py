@@ -93,7 +93,7 @@ def test_a_rejected_token_keeps_its_weight_as_in_verl_and_leaves_the_mask() -> N
     and drop the token from the mask: the weights are used with `new_mask`."""
     from parity.correction import rollout_correction
 
-    rollout = np.array([[-0.5, -1.0, -2.0]])
+    rollout = np.array([[-0.5, -2.0, -2.0]])
     train = rollout + np.array([[0.0, 1.5, 0.1]])  # the middle token's ratio e^1.5 leaves [0.5, 2]
     weights, new_mask, _ = rollout_correction(train, rollout, np.ones((1, 3), bool), rollout_is="token",
                                               rollout_is_threshold=2.0, rollout_rs="token_k1",

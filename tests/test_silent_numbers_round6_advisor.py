@@ -39,10 +39,16 @@ def test_a_band_threshold_keeps_its_quotes_through_the_shell():
     assert _override(plain, "rollout_rs") == "algorithm.rollout_correction.rollout_rs=null"
 
 
+def _at_most_zero(train: np.ndarray, rollout: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Both sides shifted down where either is above 0 (a logprob is <= 0; Δ is kept)."""
+    lift = np.maximum(np.maximum(train, rollout), 0.0)
+    return train - lift, rollout - lift
+
+
 def test_the_bias_interval_of_few_sequences_is_not_pulled_to_zero():
     rng = np.random.default_rng(0)
     train = -np.abs(rng.normal(2, 1, (2, 64)))
-    tok = Tokens.from_arrays(train, train + rng.normal(0.3, 0.3, (2, 64)), np.ones((2, 64)))
+    tok = Tokens.from_arrays(*_at_most_zero(train, train + rng.normal(0.3, 0.3, (2, 64))), np.ones((2, 64)))
     f = evaluate(tok, default_grid()[:1], bootstrap=200).figures
     # a resample that drew neither sequence used to count as bias 0: interval [-0.42, 0.0]
     assert f["bias"][0] < 0 and f["bias_low"][0] <= f["bias"][0] <= f["bias_high"][0] < 0
@@ -55,7 +61,8 @@ def test_bit_identical_tokens_are_higher_on_neither_side():
     tok = Tokens.from_arrays(train, train + delta, np.ones_like(train))
     assert data_bugs(tok) == ()  # was "the trainer logprob is higher at 100% of tokens": renormalized
     assert advise(train, train + delta, np.ones_like(train)).name.startswith("token_tis")
-    offset = Tokens.from_arrays(train, train + 0.2 + 0.05 * rng.random(train.shape), np.ones_like(train))
+    low = train - 0.25  # the rollout 0.2-0.25 above it stays <= 0
+    offset = Tokens.from_arrays(low, low + 0.2 + 0.05 * rng.random(train.shape), np.ones_like(train))
     (finding,) = data_bugs(offset)  # an offset on every token still is one
     assert "rollout logprob is higher at 100% of tokens" in finding
 
@@ -90,11 +97,12 @@ def test_sequence_is_after_a_token_rejection_weighs_the_whole_sequence_as_verl_d
 def test_a_recommendation_from_few_tokens_says_so():
     rng = np.random.default_rng(0)
     train = -np.abs(rng.normal(2, 1, (2, 5)))
-    few = advise(train, train + rng.normal(0, 0.3, (2, 5)), np.ones_like(train))
+    few = advise(*_at_most_zero(train, train + rng.normal(0, 0.3, (2, 5))), np.ones_like(train))
     assert "caution: only 10 tokens in 2 sequences" in few.reason and few.reason.endswith(".")
     assert "caution" in few.text()
     train = -np.abs(rng.normal(2, 1, (20, 16)))
-    assert "caution" not in advise(train, train + rng.normal(0, 0.3, train.shape), np.ones_like(train)).reason
+    assert "caution" not in advise(*_at_most_zero(train, train + rng.normal(0, 0.3, train.shape)),
+                                   np.ones_like(train)).reason
 
 
 @pytest.mark.parametrize("kwargs", [{"bootstrap": -5}, {"bootstrap": 2.5}, {"policy_lag": -1},

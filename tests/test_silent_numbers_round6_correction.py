@@ -45,7 +45,7 @@ def test_the_ess_of_small_geometric_weights_is_exact() -> None:
 
 
 def test_the_ess_of_ordinary_weights_is_still_verl_s() -> None:
-    rollout = np.log(np.linspace(0.1, 0.9, 12)).reshape(3, 4)
+    rollout = np.log(np.linspace(0.1, 0.9, 12)).reshape(3, 4) - 0.4  # train = rollout + 0.4 stays <= 0
     train = rollout + np.linspace(-0.4, 0.4, 12).reshape(3, 4)
     weights, _, metrics = rollout_correction(train, rollout, np.ones((3, 4), bool), rollout_is="token")
     mean = weights.mean()

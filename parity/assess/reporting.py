@@ -15,6 +15,8 @@ from parity.advisor import SUMMARY_KEY as RECOMMENDATION_KEY
 from parity.advisor import advise
 from parity.assess.accuracy import BY_POSITION, gold_by_position, gold_summary, gold_tokens
 from parity.core.errors import InputError
+from parity.core.logprobs import MAX_LOGPROB, above_bound
+from parity.core.schema import UNMEASURED_SEQUENCE_KEYS
 from parity.core.turns import after_injection, turn_index
 from parity.core.types import Rollout
 from parity.correction.config import DEFAULT_OPTIONS
@@ -35,7 +37,9 @@ def build_report(rollouts: Sequence[Rollout], train_logprobs: Sequence[np.ndarra
 
     train_logprobs[i], gold_logprobs[i]: `[len(rollouts[i].token_ids)]`; gold (or None) adds the
     `GOLD_SUMMARY_KEYS` and per-side error by position. Tokens -inf on either side are counted in
-    `num_tokens_outside_support` and left out of every other metric.
+    `num_tokens_outside_support` and left out of every other metric; rollouts with no measured token
+    are counted in `UNMEASURED_SEQUENCE_KEYS` (`num_sequences` leaves them out). A counted logprob above
+    `MAX_LOGPROB` (probabilities or logits passed) is an InputError.
     """
     # torch: `import parity` stays light
     from parity.correction import rollout_correction
@@ -78,6 +82,8 @@ def build_report(rollouts: Sequence[Rollout], train_logprobs: Sequence[np.ndarra
                 raise InputError(f"rollout {ro.request_id!r}/{ro.sample_index} has {n} tokens but "
                                  f"{g.shape[0]} gold logprobs")
             gold[i, :n] = g
+    for side, values in (("train_logprobs", train), ("rollout_logprobs", rollout)):
+        _check_bound(values, mask, side, rollouts)
     # A token one side gives logprob -inf lies outside that side's sampling support (e.g. the
     # trainer's top-p nucleus excludes a token the backend sampled: bf16 drift moved it across
     # the boundary). Its ratio is 0 or inf, so it is counted on its own and kept out of the
@@ -93,6 +99,10 @@ def build_report(rollouts: Sequence[Rollout], train_logprobs: Sequence[np.ndarra
     summary = dict(summarize(tok))
     summary["num_tokens_outside_support"] = int(outside.sum())
     summary["frac_tokens_outside_support"] = float(outside.sum() / max(int(mask.sum()), 1))
+    # rows num_sequences leaves out, counted so the sequences add up to the rollouts given
+    generated = mask.any(axis=1)
+    summary.update(zip(UNMEASURED_SEQUENCE_KEYS, (int((~generated).sum()),
+                                                  int((generated & ~scored.any(axis=1)).sum()))))
     breakdowns = {"by_position": drift_by_position(tok), "by_probability": drift_by_probability(tok)}
     if any(r.response_mask is not None for r in rollouts):
         breakdowns.update(drift_by_turn(tok, turns=_padded([turn_index(r.mask) for r in rollouts], width, -1),
@@ -122,6 +132,19 @@ def attach_advice(report: ParityReport) -> None:
     advice = advise(report)
     report.extras[ADVICE_SECTION] = advice.to_dict()
     report.summary[RECOMMENDATION_KEY] = advice.name
+
+
+def _check_bound(values: np.ndarray, mask: np.ndarray, side: str, rollouts: Sequence[Rollout]) -> None:
+    """InputError naming `side[row, col]` and its rollout for the first counted (`mask`) value of
+    `values` `[rollouts, tokens]` above `MAX_LOGPROB`; one max when there is none."""
+    if not values.size or not np.fmax.reduce(values, axis=None) > MAX_LOGPROB:  # NaN skipped
+        return
+    bad = (values > MAX_LOGPROB) & mask
+    if bad.any():
+        r, c = (int(i) for i in np.unravel_index(int(np.argmax(bad)), bad.shape))
+        ro = rollouts[r]
+        raise above_bound(values[r, c], f"{side}[{r}, {c}] (rollout {ro.request_id!r}/"
+                                               f"{ro.sample_index}, token {c})")
 
 
 def _padded(rows: list[list[Any]], width: int, fill: Any) -> np.ndarray:

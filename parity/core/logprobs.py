@@ -23,9 +23,10 @@ MAX_LOGPROB = 1e-4
 NOT_LOGPROBS = "looks like probabilities/logits, not logprobs (a logprob is <= 0)"
 
 
-def above_bound(value: float, name: str) -> InputError:
-    """The error for one counted value above `MAX_LOGPROB` (`name` says where it is)."""
-    return InputError(f"{name} is {value!r} > {MAX_LOGPROB}: {NOT_LOGPROBS}; pass the log-probabilities "
+def above_bound(value: float | np.floating, name: str) -> InputError:
+    """The error for one counted value above `MAX_LOGPROB` (`name` says where it is); a NumPy
+    scalar prints in its own precision (float32 0.9 as 0.9, not 0.8999999761581421)."""
+    return InputError(f"{name} is {value!s} > {MAX_LOGPROB}: {NOT_LOGPROBS}; pass the log-probabilities "
                       "of the sampled tokens")
 
 
@@ -43,12 +44,13 @@ def check_logprob_values(values: Sequence[Any], name: str = "logprob", where: st
 def check_logprob_array(values: np.ndarray, mask: np.ndarray | None, name: str) -> None:
     """InputError naming the first counted value of `values` `[batch, seq]` (`mask` True where a token
     counts; None: all) above `MAX_LOGPROB`. One max when nothing is wrong; padding may hold anything,
-    so a max above the bound is looked at again under the mask.
+    so a max above the bound is looked at again under the mask. The max skips NaN (`fmax`, as fast):
+    a NaN anywhere must not hide a value above the bound elsewhere.
     """
     if values.size == 0 or values.dtype.kind != "f":
         return
-    top = values.max()
-    if not top > MAX_LOGPROB:  # NaN compares False: NaN is refused by the finiteness check
+    top = np.fmax.reduce(values, axis=None)
+    if not top > MAX_LOGPROB:  # all NaN: nothing above the bound (NaN is the finiteness check's)
         return
     bad = values > MAX_LOGPROB
     if mask is not None:
@@ -57,4 +59,4 @@ def check_logprob_array(values: np.ndarray, mask: np.ndarray | None, name: str) 
         return
     index = np.unravel_index(int(np.argmax(bad)), bad.shape)
     where = f" {int(index[0])}" if len(index) == 1 else "[" + ", ".join(str(int(i)) for i in index) + "]"
-    raise above_bound(float(values[index]), f"{name}{where}")
+    raise above_bound(values[index], f"{name}{where}")

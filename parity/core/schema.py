@@ -90,6 +90,10 @@ BASELINE_RECOMMENDATION_KEY = "baseline_recommended_correction"
 #: summary keys of the tokens one side gives logprob -inf (outside its sampling support): counted
 #: apart, and kept out of every other metric, by reports and the monitor alike.
 SUPPORT_SUMMARY_KEYS: tuple[str, ...] = ("num_tokens_outside_support", "frac_tokens_outside_support")
+#: summary keys of a report's rollouts that `num_sequences` (sequences with a measured token) leaves
+#: out: those with no generated token (an empty response, or every token injected) and those whose
+#: every generated token is outside a side's support; with `num_sequences` they add up to the rollouts.
+UNMEASURED_SEQUENCE_KEYS: tuple[str, ...] = ("num_empty_sequences", "num_sequences_outside_support")
 ROUTER_SUMMARY_KEYS: tuple[str, ...] = ("router_agreement", "router_token_any_diff",
                                         "router_agreement_per_layer", "num_router_positions")
 

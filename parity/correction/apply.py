@@ -8,11 +8,12 @@ from typing import Any
 import torch
 
 from parity.core.errors import InputError
+from parity.core.logprobs import MAX_LOGPROB, above_bound, check_logprob_array
 from parity.correction.config import CorrectionConfig
 from parity.correction.rejection import RejectionRows, block_keep, rejection_metrics
 from parity.correction.stats import EPS, PolicyRows, Rows, join, offpolicy_metrics
 from parity.correction.weights import WeightRows, batch_norm_factor, block_weights, weight_metrics
-from parity.drift.token_arrays import Block, TokenArrays, token_arrays
+from parity.drift.token_arrays import INPUT_NAMES, Block, TokenArrays, token_arrays
 
 #: half-precision logprobs get weights computed and batch-normalized in float32, cast at the end:
 #: float16 holds sequence weights below ~6e-5 as subnormals (a 1e-7 weight off by 10s of %, then
@@ -101,13 +102,34 @@ def _to_dtype(weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return weights.to(dtype)
 
 
+def check_logprob_tensor(values: torch.Tensor, mask: torch.Tensor, name: str) -> None:
+    """`parity.core.logprobs.check_logprob_array` for a tensor `[batch, seq]` (`mask` bool, True
+    where a token counts): InputError naming `name[row, col]` of the first counted value above
+    `MAX_LOGPROB`. One max when nothing is wrong (NumPy's on CPU)."""
+    if values.device.type == "cpu" and mask.device.type == "cpu" \
+            and values.dtype in (torch.float16, torch.float32, torch.float64):
+        check_logprob_array(values.numpy(), mask.numpy(), name)
+        return
+    if values.numel() == 0 or not float(values.max()) > MAX_LOGPROB:
+        return
+    bad = (values > MAX_LOGPROB) & mask.to(values.device)
+    hits = bad.nonzero()
+    if len(hits):
+        r, c = (int(i) for i in hits[0])
+        raise above_bound(float(values[r, c]), f"{name}[{r}, {c}]")
+
+
 def apply_correction(config: CorrectionConfig, train_logprobs: Any, rollout_logprobs: Any = None,
                      mask: Any = None, *, metrics_only: bool = False
                      ) -> tuple[Any | None, Any, dict[str, float]]:
     """Run `config` on `[batch, seq]` inputs (or one `parity.drift.token_arrays.TokenArrays`); see
-    `rollout_correction` for the result. `metrics_only`: the metrics alone, `(None, None,
-    metrics)`, without writing the `[batch, seq]` weights and mask (what a monitor needs)."""
+    `rollout_correction` for the result; a counted logprob above `MAX_LOGPROB` (probabilities or
+    logits passed) is an InputError naming its side and [row, col]. `metrics_only`: the metrics
+    alone, `(None, None, metrics)`, without writing the `[batch, seq]` weights and mask (what a
+    monitor needs)."""
     tok = token_arrays(train_logprobs, rollout_logprobs, mask)
+    for name, values in zip(INPUT_NAMES, (tok.train, tok.rollout)):
+        check_logprob_tensor(values, tok.mask, name)
     p = CorrectionPass(config, tok, outputs=not metrics_only)
     tok.scan(p)
     return p.result()
@@ -132,7 +154,8 @@ def rollout_correction(
     container (0 at padding and where an IcePop or seq-mask-TIS band zeroes them; a token that
     `rollout_rs` rejects keeps its weight, as in verl: use the weights with `new_mask`; None without
     `rollout_is`), the mask minus rejected tokens, and `rollout_corr/*` floats by verl's names.
-    `ConfigError` / `InputError` on bad input.
+    `ConfigError` / `InputError` on bad input (a counted logprob > `MAX_LOGPROB`: probabilities or
+    logits passed).
     """
     config = CorrectionConfig(
         rollout_is=rollout_is,

@@ -5,7 +5,8 @@ A one-sided Mann-Whitney U test on per-token |Δlogp| at `alpha`, plus a mean sh
 as in the report's summary; tokens of a sequence correlate, so p-values are optimistic). With the
 backend's `Noise` (`judge_with_noise`): a deterministic backend's any change is "changed"; a
 nondeterministic one's significant shift within its repeat noise is "noise" (the triangle
-inequality bounds it where tokens agree).
+inequality bounds it where tokens agree); noise from fewer than `MIN_NOISE_REQUESTS` requests judges
+nothing, and the verdict says so.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ NOISE_MEAN_KEY = "noise_mean_abs_logprob_diff"
 DISTRIBUTION_CHANGE_KEY = DISTRIBUTION_PREFIX + "regression_change"
 DISTRIBUTION_VERDICT_KEY = DISTRIBUTION_PREFIX + "regression_verdict"
 Change = Literal["regression", "improved", "unchanged", "noise", "changed"]
+#: fewest audit requests whose repeat noise may judge a change: the audit records no token count, and a
+#: band from one request is one prompt's few sampled tokens (it then only shows beside the test's verdict).
+MIN_NOISE_REQUESTS = 2
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,8 @@ class Verdict:
     baseline_nonfinite: int = 0
     #: the settings that differ from the baseline row's (e.g. "versions.vllm 0.6.0 → 0.7.0"), or "".
     settings_changed: str = ""
+    #: why `noise` did not judge the change (too few requests behind it), or "". Absent in older histories.
+    noise_unused: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -130,6 +136,8 @@ class Verdict:
             text += f"; the baseline ran another setting: {self.settings_changed}"
         if self.noise is not None:
             text += f"; {Noise.from_dict(self.noise).describe()}"
+        if self.noise_unused:
+            text += f"; {self.noise_unused}"
         return text
 
     @property
@@ -228,7 +236,12 @@ def _clean(values: np.ndarray) -> np.ndarray:
 
 def judge_with_noise(verdict: Verdict, noise: Noise, current: np.ndarray, baseline: np.ndarray) -> Verdict:
     """`verdict` judged against the backend's own `noise` (see the module docstring); `current` and
-    `baseline` are the arrays `verdict` compared."""
+    `baseline` are the arrays `verdict` compared. Noise from fewer than `MIN_NOISE_REQUESTS` requests
+    judges nothing: the test's change stands, and the verdict says why."""
+    if noise.requests < MIN_NOISE_REQUESTS:
+        unused = (f"noise band from {noise.requests} request{'s' * (noise.requests != 1)}: too few to judge "
+                  f"(at least {MIN_NOISE_REQUESTS}), the test's verdict stands")
+        return dataclasses.replace(verdict, noise=noise.to_dict(), noise_unused=unused)
     change = verdict.change
     if noise.deterministic:
         if not np.array_equal(_clean(current), _clean(baseline)):
