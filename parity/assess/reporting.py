@@ -15,7 +15,7 @@ from parity.advisor import SUMMARY_KEY as RECOMMENDATION_KEY
 from parity.advisor import advise
 from parity.assess.accuracy import BY_POSITION, gold_by_position, gold_summary, gold_tokens
 from parity.core.errors import InputError
-from parity.core.logprobs import MAX_LOGPROB, above_bound
+from parity.core.logprobs import above_bound, first_above_bound
 from parity.core.schema import UNMEASURED_SEQUENCE_KEYS
 from parity.core.turns import after_injection, turn_index
 from parity.core.types import Rollout
@@ -136,12 +136,10 @@ def attach_advice(report: ParityReport) -> None:
 
 def _check_bound(values: np.ndarray, mask: np.ndarray, side: str, rollouts: Sequence[Rollout]) -> None:
     """InputError naming `side[row, col]` and its rollout for the first counted (`mask`) value of
-    `values` `[rollouts, tokens]` above `MAX_LOGPROB`; one max when there is none."""
-    if not values.size or not np.fmax.reduce(values, axis=None) > MAX_LOGPROB:  # NaN skipped
-        return
-    bad = (values > MAX_LOGPROB) & mask
-    if bad.any():
-        r, c = (int(i) for i in np.unravel_index(int(np.argmax(bad)), bad.shape))
+    `values` `[rollouts, tokens]` above `MAX_LOGPROB` (`first_above_bound`)."""
+    index = first_above_bound(values, mask)
+    if index is not None:
+        r, c = index
         ro = rollouts[r]
         raise above_bound(values[r, c], f"{side}[{r}, {c}] (rollout {ro.request_id!r}/"
                                                f"{ro.sample_index}, token {c})")

@@ -41,22 +41,30 @@ def check_logprob_values(values: Sequence[Any], name: str = "logprob", where: st
             raise above_bound(v, f"{where}{name} {t}")
 
 
-def check_logprob_array(values: np.ndarray, mask: np.ndarray | None, name: str) -> None:
-    """InputError naming the first counted value of `values` `[batch, seq]` (`mask` True where a token
-    counts; None: all) above `MAX_LOGPROB`. One max when nothing is wrong; padding may hold anything,
+def first_above_bound(values: np.ndarray, mask: np.ndarray | None) -> tuple[int, ...] | None:
+    """The index of the first counted value of float `values` (`mask` True where a token counts;
+    None: all) above `MAX_LOGPROB`, or None. One max when nothing is wrong; padding may hold anything,
     so a max above the bound is looked at again under the mask. The max skips NaN (`fmax`, as fast):
     a NaN anywhere must not hide a value above the bound elsewhere.
     """
     if values.size == 0 or values.dtype.kind != "f":
-        return
+        return None
     top = np.fmax.reduce(values, axis=None)
     if not top > MAX_LOGPROB:  # all NaN: nothing above the bound (NaN is the finiteness check's)
-        return
+        return None
     bad = values > MAX_LOGPROB
     if mask is not None:
         bad &= mask.astype(bool, copy=False)
     if not bad.any():
+        return None
+    return tuple(int(i) for i in np.unravel_index(int(np.argmax(bad)), bad.shape))
+
+
+def check_logprob_array(values: np.ndarray, mask: np.ndarray | None, name: str) -> None:
+    """InputError naming the first counted value of `values` `[batch, seq]` (`mask` True where a token
+    counts; None: all) above `MAX_LOGPROB` (`first_above_bound`)."""
+    index = first_above_bound(values, mask)
+    if index is None:
         return
-    index = np.unravel_index(int(np.argmax(bad)), bad.shape)
-    where = f" {int(index[0])}" if len(index) == 1 else "[" + ", ".join(str(int(i)) for i in index) + "]"
+    where = f" {index[0]}" if len(index) == 1 else "[" + ", ".join(map(str, index)) + "]"
     raise above_bound(values[index], f"{name}{where}")
