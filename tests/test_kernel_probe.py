@@ -114,12 +114,12 @@ def test_route_follows_the_verdict_bias_and_process_setup(stand_in_probe,
     matmul, _ = stand_in_probe
     matmul.prepare({(torch.bfloat16, 16, 32), (torch.bfloat16, 32, 16)}, torch.device("cpu"))
     bad = probe.probe_rows(_split_k_when_large, torch.float32, 32, 16, "cpu")
-    assert matmul.route(torch.bfloat16, 16, 32, False)[0] == "cublaslt"
-    assert matmul.route(torch.bfloat16, 32, 16, False) == ("triton", bad.reason())
-    assert matmul.route(torch.bfloat16, 16, 32, True)[0] == "triton"  # a bias: not probed
-    assert "not probed" in matmul.route(torch.bfloat16, 64, 64, False)[1]
+    assert matmul.route(torch.bfloat16, 16, 32, False, "cpu")[0] == "cublaslt"
+    assert matmul.route(torch.bfloat16, 32, 16, False, "cpu") == ("triton", bad.reason())
+    assert matmul.route(torch.bfloat16, 16, 32, True, "cpu")[0] == "triton"  # a bias: not probed
+    assert "not probed" in matmul.route(torch.bfloat16, 64, 64, False, "cpu")[1]
     monkeypatch.setattr(matmul, "cublaslt_ready", lambda: False)
-    assert matmul.route(torch.bfloat16, 16, 32, False)[0] == "triton"
+    assert matmul.route(torch.bfloat16, 16, 32, False, "cpu")[0] == "triton"
 
 
 def test_forgotten_verdicts_come_back_from_the_disk_cache(stand_in_probe) -> None:
@@ -128,11 +128,11 @@ def test_forgotten_verdicts_come_back_from_the_disk_cache(stand_in_probe) -> Non
     matmul, probed = stand_in_probe
     shape = (torch.bfloat16, 16, 32)
     matmul.prepare({shape}, torch.device("cpu"))
-    assert probed == [(16, 32)] and matmul.route(torch.bfloat16, 16, 32, False)[0] == "cublaslt"
+    assert probed == [(16, 32)] and matmul.route(torch.bfloat16, 16, 32, False, "cpu")[0] == "cublaslt"
     matmul.forget_verdicts([shape])
-    assert "not probed" in matmul.route(torch.bfloat16, 16, 32, False)[1]
+    assert "not probed" in matmul.route(torch.bfloat16, 16, 32, False, "cpu")[1]
     matmul.prepare({shape}, torch.device("cpu"))
-    assert probed == [(16, 32)] and matmul.route(torch.bfloat16, 16, 32, False)[0] == "cublaslt"
+    assert probed == [(16, 32)] and matmul.route(torch.bfloat16, 16, 32, False, "cpu")[0] == "cublaslt"
 
 
 def test_prepare_probes_nothing_in_a_process_not_set_up_for_cublaslt(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -196,7 +196,7 @@ def test_without_the_cublaslt_setup_every_shape_takes_triton() -> None:
     if matmul.cublaslt_ready():
         pytest.skip("this process is set up for cuBLASLt")
     matmul.prepare({(torch.bfloat16, 2048, 2048)}, torch.device("cuda"))
-    path, why = matmul.route(torch.bfloat16, 2048, 2048, False)
+    path, why = matmul.route(torch.bfloat16, 2048, 2048, False, "cuda")
     assert path == "triton" and "not set up" in why
 
 

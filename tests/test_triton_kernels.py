@@ -132,7 +132,8 @@ def test_linear_plan_ignores_m_unless_proven(tk: ModuleType) -> None:
 
     matmul = importlib.import_module("parity.kernels.triton.matmul")
     assert list(inspect.signature(matmul.tile_config).parameters) == ["dtype", "n", "k"]
-    assert matmul.plan_for(torch.bfloat16, 999_999, 64, 1) == matmul.tile_config(torch.bfloat16, 999_999, 64)
+    plan = matmul.plan_for(torch.bfloat16, 999_999, 64, 1, DEVICE)
+    assert plan == matmul.tile_config(torch.bfloat16, 999_999, 64)
 
 
 @gpu
@@ -145,9 +146,9 @@ def test_decode_plan_runs_where_proven_with_the_long_plans_bits(monkeypatch: pyt
     monkeypatch.setattr(matmul, "_plans_agree", {})
     shape = (torch.bfloat16, 1024, 2048)
     matmul.prove_plans([shape], torch.device("cuda"))
-    assert matmul._plans_agree[shape]
-    assert matmul.plan_for(*shape, 256) == matmul.decode_config(*shape) != matmul.tile_config(*shape)
-    assert matmul.plan_for(*shape, 4096) == matmul.tile_config(*shape)
+    assert matmul._plans_agree[(matmul.device_key("cuda"), *shape)]
+    assert matmul.plan_for(*shape, 256, "cuda") == matmul.decode_config(*shape) != matmul.tile_config(*shape)
+    assert matmul.plan_for(*shape, 4096, "cuda") == matmul.tile_config(*shape)
     x, w = _randn(256, 2048, dtype=torch.bfloat16, seed=3), _randn(1024, 2048, dtype=torch.bfloat16, seed=4)
     assert torch.equal(matmul.linear(x, w), matmul.launch(x, w, None, matmul.tile_config(*shape)))
 
@@ -159,7 +160,8 @@ def test_decode_plan_runs_where_proven_with_the_long_plans_bits(monkeypatch: pyt
     monkeypatch.setattr(matmul, "_by_rows", other_order)
     monkeypatch.setattr(matmul, "_plans_agree", {})
     matmul.prove_plans([shape], torch.device("cuda"))
-    assert not matmul._plans_agree[shape] and matmul.plan_for(*shape, 256) == matmul.tile_config(*shape)
+    assert not matmul._plans_agree[(matmul.device_key("cuda"), *shape)]
+    assert matmul.plan_for(*shape, 256, "cuda") == matmul.tile_config(*shape)
 
 
 def test_launch3_gives_each_weight_the_bits_of_its_own_launch(tk: ModuleType) -> None:
@@ -184,7 +186,7 @@ def test_grouped_qkv_runs_where_proven_with_each_weights_linear_bits(monkeypatch
     monkeypatch.setattr(matmul, "_groups_agree", {})
     group = (torch.bfloat16, 2048, (2048, 1024, 1024))
     matmul.prove_groups([group], torch.device("cuda"))
-    assert matmul._groups_agree[group]
+    assert matmul._groups_agree[(matmul.device_key("cuda"), *group)]
     ws = tuple(_randn(n, 2048, dtype=torch.bfloat16, seed=n, scale=2048**-0.5) for n in group[2])
     for m in (1, 7, 64, 256, 512):
         x = _randn(m, 2048, dtype=torch.bfloat16, seed=m)
@@ -201,7 +203,7 @@ def test_grouped_qkv_runs_where_proven_with_each_weights_linear_bits(monkeypatch
     monkeypatch.setattr(matmul, "_by_group", other_order)
     monkeypatch.setattr(matmul, "_groups_agree", {})
     matmul.prove_groups([group], torch.device("cuda"))
-    assert not matmul._groups_agree[group] and matmul.linear3(x, ws) is None
+    assert not matmul._groups_agree[(matmul.device_key("cuda"), *group)] and matmul.linear3(x, ws) is None
 
 
 # ------------------------------------------------------------------------------- rmsnorm, softmax

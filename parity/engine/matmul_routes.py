@@ -1,5 +1,6 @@
 """Which route the invariant linear takes for each weight shape of a model, and why (`parity kernels`):
-on CUDA cuBLASLt without split-K where the load-time probe proved it row-invariant, else Triton; on CPU
+on CUDA cuBLASLt without split-K where the load-time probe proved it row-invariant, else Triton (or
+"refused": a weight whose rows Triton's TMA cannot load, on which the invariant linear raises); on CPU
 bf16 tiles (AMX or AVX-512 BF16) where proven row-invariant, else float32 tiles.
 """
 
@@ -59,8 +60,8 @@ def linear_routes(model: str, *, dtype: str = "bfloat16", device: str = "cuda",
     one_of = {key(p): p for p in products}
     rows = []
     for (wdtype, n, k, has_bias), count in sorted(shapes.items(), key=lambda item: (-item[1], str(item[0]))):
-        if cuda:
-            path, why = route(wdtype, n, k, has_bias)
+        if cuda:  # the verdicts of the device the weight sits on (each device proves its own)
+            path, why = route(wdtype, n, k, has_bias, one_of[(wdtype, n, k, has_bias)][0].device)
         else:
             path, why = cpu_bf16.route(*one_of[(wdtype, n, k, has_bias)])
         rows.append(LinearRoute(n=n, k=k, dtype=str(wdtype).removeprefix("torch."), has_bias=has_bias,

@@ -3,8 +3,8 @@
 cuBLASLt without split-K is 2-3x faster than the Triton kernel at decode sizes but invariant only
 as observed. `probe_rows` requires `linear(x[a:a+m]) == linear(x)[a:a+m]` bit for bit for every m
 in PROBE_M and offset in PROBE_OFFSETS, on `cancelling_rows` (a result there is the rounding of
-its summation order); verdicts are cached by `fingerprint()` (GPU, driver, CUDA, cuBLASLt, torch,
-workspace), so any upgrade re-probes.
+its summation order); verdicts are cached by `fingerprint()` (GPU and its SMs, driver, CUDA,
+cuBLASLt, torch, workspace), so any upgrade or other card re-probes.
 
 Why a finite probe is trusted: with no workspace no split-K algorithm can be chosen, so what
 changes with M is the kernel, a step function of M at tile multiples; PROBE_M covers both sides
@@ -118,13 +118,22 @@ def _cublaslt_version() -> str:
 
 
 def fingerprint(device: torch.device, env: dict[str, str]) -> dict[str, str]:
-    """What a verdict depends on besides the shape: the GPU, its driver, the CUDA runtime, the
-    cuBLASLt build, torch, and the workspace settings `env` names (read from this process)."""
+    """What a verdict depends on besides the shape: the GPU, the inputs of cuBLASLt's kernel choice
+    that one GPU name does not fix (SMs and L2 of a MIG slice or cut-down card: split-K and tile
+    heuristics follow them; torch's reduced-precision reduction settings, which filter the kernels
+    it may pick), its driver, the CUDA runtime, the cuBLASLt build, torch, and the workspace settings
+    `env` names (read from this process). A key added here makes older cached entries miss: re-probed."""
     one = torch.zeros(16, 16, device=device, dtype=torch.bfloat16)
     one @ one  # loads cuBLAS/cuBLASLt, so their versions can be read
+    props = torch.cuda.get_device_properties(device)
+    matmul = torch.backends.cuda.matmul
     return {
         "gpu": torch.cuda.get_device_name(device),
         "capability": ".".join(map(str, torch.cuda.get_device_capability(device))),
+        "sms": str(props.multi_processor_count),
+        "l2_cache": str(getattr(props, "L2_cache_size", "unknown")),
+        "reduced_precision_reduction": f"bf16={matmul.allow_bf16_reduced_precision_reduction} "
+                                       f"fp16={matmul.allow_fp16_reduced_precision_reduction}",
         "driver": _cuda_driver_version(),
         "cuda": str(torch.version.cuda),
         "cublaslt": _cublaslt_version(),

@@ -29,17 +29,35 @@ from parity.kernels.triton.mma import mma
 
 #: process environment that disables cuBLASLt's split-K (no workspace to reduce partial sums in).
 CUBLASLT_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":16:8", "CUBLASLT_WORKSPACE_SIZE": "1"}
-#: (dtype, N, K) -> the load-time probe's verdict for cuBLASLt without split-K in this process.
-_verdicts: dict[tuple[torch.dtype, int, int], Verdict] = {}
+#: (device, dtype, N, K) -> the load-time probe's verdict for cuBLASLt without split-K in this process.
+#: Every proof below is keyed by the device it ran on (`device_key`): another GPU (another model, a
+#: MIG slice beside a full card) may choose other kernels, so it proves its own.
+_verdicts: dict[tuple[torch.device, torch.dtype, int, int], Verdict] = {}
 #: steps of at most this many rows take `decode_config` where it is proven (`prove_plans`).
 DECODE_ROWS = 512
 #: the widest weight (outputs) that takes `decode_config`.
 DECODE_MAX_N = 4096
-#: (dtype, N, K) -> whether `decode_config` gave `tile_config`'s bits on the probe's rows.
-_plans_agree: dict[tuple[torch.dtype, int, int], bool] = {}
-#: (dtype, K, (N0, N1, N2)) -> whether one launch of the three weights (`linear3`) gave each
+#: (device, dtype, N, K) -> whether `decode_config` gave `tile_config`'s bits on the probe's rows.
+_plans_agree: dict[tuple[torch.device, torch.dtype, int, int], bool] = {}
+#: (device, dtype, K, (N0, N1, N2)) -> whether one launch of the three weights (`linear3`) gave each
 #: weight's own `linear` bits on the probe's rows.
-_groups_agree: dict[tuple[torch.dtype, int, tuple[int, ...]], bool] = {}
+_groups_agree: dict[tuple[torch.device, torch.dtype, int, tuple[int, ...]], bool] = {}
+
+
+def device_key(device: torch.device | str) -> torch.device:
+    """The device a proof is kept under, with its index ("cuda" alone: the current device). A tensor's
+    own device (every linear asks) is returned as it is: a str key would cost ~1.5 us a call."""
+    if isinstance(device, torch.device) and (device.index is not None or device.type != "cuda"):
+        return device
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _proven(cache: dict, where: torch.device) -> set:
+    """The keys of `cache` proven on device `where`, without the device."""
+    return {key[1:] for key in cache if key[0] == where}
 
 
 def cublaslt_ready() -> bool:
@@ -69,7 +87,9 @@ def prepare(shapes: Iterable[tuple[torch.dtype, int, int]], device: torch.device
     prove_plans(shapes, device)
     if not cublaslt_ready():
         return
-    todo = sorted({s for s in shapes if s[0] in (torch.bfloat16, torch.float16)} - set(_verdicts), key=str)
+    where = device_key(device)
+    todo = sorted({s for s in shapes if s[0] in (torch.bfloat16, torch.float16)} - _proven(_verdicts, where),
+                  key=str)
     if not todo:
         return
     cache = VerdictCache(cache_path())
@@ -80,7 +100,7 @@ def prepare(shapes: Iterable[tuple[torch.dtype, int, int]], device: torch.device
             with torch.cuda.device(device):
                 verdict = probe_rows(F.linear, dtype, n, k, device)
             cache.put(fp, verdict, dtype)
-        _verdicts[(dtype, n, k)] = verdict
+        _verdicts[(where, dtype, n, k)] = verdict
 
 
 def prove_plans(shapes: Iterable[tuple[torch.dtype, int, int]], device: torch.device) -> None:
@@ -90,11 +110,13 @@ def prove_plans(shapes: Iterable[tuple[torch.dtype, int, int]], device: torch.de
     summation order shows."""
     if torch.device(device).type != "cuda":
         return  # the CPU interpreter runs neither plan for speed
-    todo = sorted({s for s in shapes if decode_config(*s) is not None} - set(_plans_agree), key=str)
+    where = device_key(device)
+    todo = sorted({s for s in shapes if decode_config(*s) is not None} - _proven(_plans_agree, where),
+                  key=str)
     for dtype, n, k in todo:
         with torch.cuda.device(device):
             verdict = probe_rows(_by_rows, dtype, n, k, device)
-        _plans_agree[(dtype, n, k)] = verdict.invariant
+        _plans_agree[(where, dtype, n, k)] = verdict.invariant
 
 
 def prove_groups(groups: Iterable[tuple[torch.dtype, int, tuple[int, ...]]], device: torch.device) -> None:
@@ -104,14 +126,15 @@ def prove_groups(groups: Iterable[tuple[torch.dtype, int, tuple[int, ...]]], dev
     of 1..4096 rows against 4,104): then `linear3` gives each weight the bits of its `linear`."""
     if torch.device(device).type != "cuda":
         return
-    for dtype, k, ns in sorted(set(groups) - set(_groups_agree), key=str):
+    where = device_key(device)
+    for dtype, k, ns in sorted(set(groups) - _proven(_groups_agree, where), key=str):
         if dtype not in (torch.bfloat16, torch.float16) or k % 8 or any(n % 8 for n in ns):
-            _groups_agree[(dtype, k, ns)] = False  # the decode plans' dtypes; `linear`'s 16-byte rows
+            _groups_agree[(where, dtype, k, ns)] = False  # the decode plans' dtypes; `linear`'s 16-byte rows
             continue
         prove_plans([(dtype, n, k) for n in ns], device)
         with torch.cuda.device(device):
             verdict = probe_rows(functools.partial(_by_group, ns), dtype, sum(ns), k, device)
-        _groups_agree[(dtype, k, ns)] = verdict.invariant
+        _groups_agree[(where, dtype, k, ns)] = verdict.invariant
 
 
 def _by_group(ns: tuple[int, ...], x: torch.Tensor, stacked: torch.Tensor) -> torch.Tensor:
@@ -129,22 +152,37 @@ def _by_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def forget_verdicts(shapes: Iterable[tuple[torch.dtype, int, int]]) -> None:
-    """Drop this process's verdicts for `shapes` (dtype, N, K): the next `prepare` reads them from the
-    on-disk cache again (or probes), as a fresh process would; until then they take the Triton kernel."""
-    for shape in shapes:
-        _verdicts.pop(shape, None)
+    """Drop this process's verdicts for `shapes` (dtype, N, K), on every device: the next `prepare`
+    reads them from the on-disk cache again (or probes), as a fresh process would; until then they
+    take the Triton kernel."""
+    shapes = set(shapes)
+    for key in [key for key in _verdicts if key[1:] in shapes]:
+        del _verdicts[key]
 
 
-def route(dtype: torch.dtype, n: int, k: int, has_bias: bool) -> tuple[str, str]:
-    """(path, why) of a CUDA linear with weight [n, k] in `dtype`: "cublaslt" or "triton"."""
+def _misaligned(dtype: torch.dtype, n: int, k: int) -> str | None:
+    """Why `linear` refuses weight [n, k] in `dtype` (TMA rows of 16 bytes), or None where it runs it."""
+    elt = dtype.itemsize
+    if (k * elt) % 16 or (n * elt) % 16:
+        return f"K={k} and N={n} must be multiples of {16 // elt} for TMA row alignment"
+    return None
+
+
+def route(dtype: torch.dtype, n: int, k: int, has_bias: bool, device: torch.device | str) -> tuple[str, str]:
+    """(path, why) of a linear with weight [n, k] in `dtype` on CUDA `device`: "cublaslt", "triton", or
+    "refused" for a weight `linear` raises InputError on (what a run with the matmul family on does)."""
+    misaligned = _misaligned(dtype, n, k)
+    if misaligned:
+        return "refused", (f"{misaligned}: the invariant linear raises InputError on it; run with the matmul "
+                           "family off (stock F.linear, not batch-invariant)")
     if has_bias:
         return "triton", "has a bias (the probe covers bias-free products only)"
     if not cublaslt_ready():
         return "triton", (f"process not set up for cuBLASLt without split-K (set {CUBLASLT_ENV} before CUDA "
                           "starts, then torch.backends.cuda.preferred_blas_library('cublaslt'))")
-    verdict = _verdicts.get((dtype, n, k))
+    verdict = _verdicts.get((device_key(device), dtype, n, k))
     if verdict is None:
-        return "triton", "not probed in this process (probes run when a model loads on CUDA)"
+        return "triton", "not probed on this device in this process (probes run when a model loads on CUDA)"
     return ("cublaslt" if verdict.invariant else "triton"), verdict.reason()
 
 
@@ -193,9 +231,10 @@ def _by_row_count(dtype: torch.dtype, n: int, k: int, m: int) -> TileConfig:
     return short or tile_config(dtype, n, k)
 
 
-def plan_for(dtype: torch.dtype, n: int, k: int, m: int) -> TileConfig:
-    """The plan of an [m, k] x [k, n] product: by its row count (`_by_row_count`) where proven."""
-    if _plans_agree.get((dtype, n, k), False):
+def plan_for(dtype: torch.dtype, n: int, k: int, m: int, device: torch.device | str) -> TileConfig:
+    """The plan of an [m, k] x [k, n] product on `device`: by its row count (`_by_row_count`) where
+    proven there."""
+    if _plans_agree.get((device_key(device), dtype, n, k), False):
         return _by_row_count(dtype, n, k, m)
     return tile_config(dtype, n, k)
 
@@ -250,11 +289,11 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _on_cublaslt(dtype: torch.dtype, n: int, k: int) -> bool:
-    """Whether a bias-free [n, k] product takes the probed cuBLASLt route in this process."""
+def _on_cublaslt(dtype: torch.dtype, n: int, k: int, device: torch.device | str) -> bool:
+    """Whether a bias-free [n, k] product on `device` takes the probed cuBLASLt route in this process."""
     if not cublaslt_ready():
         return False
-    verdict = _verdicts.get((dtype, n, k))
+    verdict = _verdicts.get((device_key(device), dtype, n, k))
     return verdict is not None and verdict.invariant
 
 
@@ -267,14 +306,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     n, k = weight.shape
     if x.shape[-1] != k:
         raise InputError(f"linear: x has {x.shape[-1]} features but weight [N, K] has K={k}")
-    elt = x.element_size()
-    if (k * elt) % 16 or (n * elt) % 16:
-        raise InputError(f"linear: K={k} and N={n} must be multiples of {16 // elt} for TMA row alignment")
-    if bias is None and x.is_cuda and _on_cublaslt(x.dtype, n, k):
+    misaligned = _misaligned(x.dtype, n, k)
+    if misaligned:
+        raise InputError(f"linear: {misaligned}")
+    if bias is None and x.is_cuda and _on_cublaslt(x.dtype, n, k, x.device):
         return cublaslt_linear(x, weight)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
-    out = launch(x2, weight, bias, plan_for(x.dtype, n, k, x2.shape[0]))
+    out = launch(x2, weight, bias, plan_for(x.dtype, n, k, x2.shape[0], x.device))
     return out.reshape(*lead, n)
 
 
@@ -359,11 +398,11 @@ def linear3(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> list[torch.Te
     where `prove_groups` proved the group and x has at most DECODE_ROWS rows (short steps: three
     launches there each leave most SMs idle); None elsewhere: take `linear` per weight, same bits."""
     k = x.shape[-1]
-    key = (x.dtype, k, tuple(w.shape[0] for w in weights))
+    key = (device_key(x.device), x.dtype, k, tuple(w.shape[0] for w in weights))
     x2 = x.reshape(-1, k)
     if x2.shape[0] > DECODE_ROWS or not _groups_agree.get(key, False):
         return None
-    if any(_on_cublaslt(x.dtype, *w.shape) for w in weights):
+    if any(_on_cublaslt(x.dtype, *w.shape, x.device) for w in weights):
         return None  # a weight on the probed cuBLASLt route keeps that route's bits
     return [out.reshape(*x.shape[:-1], out.shape[1]) for out in launch3(x2, weights, GROUP_PLAN)]
 
