@@ -2,8 +2,9 @@
 
 `RankGroup(size, device_type, factory)` starts its rank processes (CPU on Linux: forked by the
 caller's zygote, `parity.parallel.zygote`; else fresh `python -m parity.parallel.rank`; gloo or NCCL
-over 127.0.0.1), builds `factory(comm)` on each, and `call(method, *args)` runs it
-in lockstep, returning rank 0's result. A rank that raises or dies brings the group down at once
+over loopback, rank 0 serving the rendezvous on a port it binds itself), builds `factory(comm)` on
+each, and `call(method, *args)` runs it in lockstep, returning rank 0's result once every rank holds
+the same tokens (`rank.agreement`). A rank that raises or dies brings the group down at once
 (peers may block in a collective) with a `TensorParallelError` carrying its traceback; Ctrl-C
 kills the ranks first; the guard kills them with the caller even on SIGKILL.
 """
@@ -23,7 +24,7 @@ from parity.core.errors import BackendError, ConfigError
 from parity.parallel.wire import receive, send
 from parity.parallel.zygote import ForkedRank, zygote
 from parity.runtime import guard
-from parity.runtime.processes import LOOPBACK, free_loopback_port
+from parity.runtime.processes import LOOPBACK
 
 #: seconds ranks get to leave after close() before they are killed.
 CLOSE_GRACE_S = 10.0
@@ -72,7 +73,6 @@ class RankGroup:
         self._procs: list[subprocess.Popen[bytes] | ForkedRank] = []
         self._conns: list[Connection] = []
         key = secrets.token_bytes(32)
-        port = free_loopback_port()
         try:
             with Listener((LOOPBACK, 0), authkey=key) as listener:
                 host, caller_port = listener.address
@@ -99,7 +99,10 @@ class RankGroup:
                         continue
                     by_rank[receive(conn)] = conn
                 self._conns = [by_rank[r] for r in range(size)]
-            for conn in self._conns:
+            # rank 0 binds the rendezvous store's port itself (one picked here could be taken before it binds)
+            send(self._conns[0], (size, None, device_type, factory))
+            (port,) = self._collect("start", [0])
+            for conn in self._conns[1:]:
                 send(conn, (size, port, device_type, factory))
             self._collect("start")
         except BaseException:
@@ -130,15 +133,36 @@ class RankGroup:
         try:
             for conn in self._conns:
                 send(conn, (method, args, kwargs))
-            return self._collect(method)[0]
+            replies = self._collect(method)
         except BaseException:
             self.kill()
             raise
+        result, expected = replies[0]
+        for rank, (_, held) in enumerate(replies[1:], 1):
+            if held != expected:
+                self.kill()
+                raise TensorParallelError(self._disagreement(method, rank, result, expected, held))
+        return result
 
-    def _collect(self, what: str) -> list[Any]:
-        """One reply per rank; the first error or death (a closed connection) stops the group and raises."""
+    def _disagreement(self, method: str, rank: int, result: Any, expected: Any, held: Any) -> str:
+        """Why rank `rank`'s tokens differ from rank 0's, naming the first rollout that differs."""
+        where = ""
+        if isinstance(expected, tuple) and isinstance(held, tuple) and len(expected) == len(held):
+            i = next(i for i, (a, b) in enumerate(zip(expected, held, strict=True)) if a != b)
+            item = result[i]
+            where = (f" (first at result {i}: request {getattr(item, 'request_id', '?')!r}, sample "
+                     f"{getattr(item, 'sample_index', '?')})")
+        return (f"tensor-parallel rank {rank} of {self.size} holds other token ids than rank 0 after {method}"
+                f"{where}, so each rank fed other tokens to its next steps and rank 0's logprobs mix "
+                "partials of both; stopped the group. A multi-turn injection (Inject.fn, a tool) that "
+                "does not return the same ids for the same ids so far on every rank causes this (or ranks "
+                "on unlike devices): make it deterministic, or run with tensor_parallel_size=1")
+
+    def _collect(self, what: str, ranks: list[int] | None = None) -> list[Any]:
+        """One reply per rank (of `ranks`, default all); the first error or death (a closed connection)
+        stops the group and raises."""
         replies: dict[int, Any] = {}
-        waiting = {conn: rank for rank, conn in enumerate(self._conns)}
+        waiting = {self._conns[rank]: rank for rank in (range(self.size) if ranks is None else ranks)}
         while waiting:
             for ready in wait(list(waiting)):
                 rank = waiting.pop(ready)
@@ -158,7 +182,7 @@ class RankGroup:
                     raise TensorParallelError(f"tensor-parallel rank {rank} of {self.size} failed in "
                                               f"{what}; stopped the group. Its traceback:\n{value}")
                 replies[rank] = value
-        return [replies[r] for r in range(self.size)]
+        return [replies[r] for r in sorted(replies)]
 
     def close(self) -> None:
         """Stop every rank in order (each destroys its process group); kill any that hang. Idempotent."""

@@ -251,8 +251,7 @@ def _reap(pid: int, timeout: float | None, codes: dict[int, int]) -> int | str:
 def main(argv: list[str]) -> int:
     """The zygote process: `python -m parity.parallel.zygote FD`, requests on the socket FD."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the caller stops its groups on Ctrl-C
-    for name, value in rank.LOOPBACK.items():  # before torch.distributed loads, as in a fresh rank
-        os.environ.setdefault(name, value)
+    rank.set_environment()  # before torch.distributed loads, as in a fresh rank
     for module in PRELOAD:
         importlib.import_module(module)
     sock = socket.socket(fileno=int(argv[0]))
