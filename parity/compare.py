@@ -31,8 +31,9 @@ from parity.core.strict import check_dtype
 from parity.core.top_k import TopKError
 from parity.core.turns import Turn
 from parity.core.types import SamplingParams
-from parity.drift.tolerance import Tolerance
+from parity.drift.tolerance import Tolerance, over_limits
 from parity.models import ModelLimits, model_limits
+from parity.models.checkpoints import model_text
 from parity.models.lora import LoraSpec, check_adapter, check_without_tensor_parallel
 from parity.report.document import ParityReport
 from parity.report.provenance import provenance
@@ -99,7 +100,7 @@ def compare(
     elif asked := max(r.sampling.top_k_logprobs for r in the_case.requests):
         # the case's own top_k_logprobs: a backend that returns fewer would drop the distribution drift
         _top_k_limit_check(asked, backend, backend_options, "the case's sampling.top_k_logprobs")
-    model_arg = os.fspath(model) if model is not None else the_case.model
+    model_arg = model_text(model) if model is not None else the_case.model  # a Path stays a path
     # every id against the model's vocabulary and context: an engine given a bad id dies or fails late
     names = None if prompts is None else [f"prompts[{i}]" for i in range(len(the_case.requests))]
     limits_of_model = model_limits(model_arg)
@@ -210,7 +211,7 @@ def _given_tolerance(tolerance: Tolerance | dict[str, Any] | None, case: Toleran
     if tolerance is None:
         return case
     if isinstance(tolerance, dict) and case is not None:
-        return Tolerance.from_dict({**case.to_dict(), **tolerance})
+        return over_limits(case, tolerance)
     return tolerance
 
 

@@ -28,6 +28,7 @@ from parity.core.tables import PARQUET_SUFFIX, read_jsonl
 from parity.core.types import Rollout
 from parity.drift.tolerance import Tolerance
 from parity.models import check_sampled_with, resolve_model
+from parity.models.checkpoints import model_text
 from parity.models.lora import check_adapter
 from parity.report.document import ParityReport
 from parity.report.provenance import TRAIN_COMPUTED, provenance
@@ -111,7 +112,7 @@ def score(rollouts: Sequence[Rollout] | str | os.PathLike[str], model: str | os.
         for ro in source.rollouts:
             check_logprobs(ro.logprobs, "logprob", f"rollout {ro.request_id!r}/{ro.sample_index}: ")
     theirs = _trainer_logprobs(trainer_logprobs, source)
-    model_arg = os.fspath(model) if model is not None else source.model
+    model_arg = model_text(model) if model is not None else source.model  # a Path stays a path
     check_gold(gold)
     if model_arg is None and (theirs is None or attribute or gold):
         raise ConfigError("the rollouts name no model; pass model= (--model), the checkpoint to score with")

@@ -84,7 +84,7 @@ def test_routes_with_nothing_to_compare_are_refused_not_full_agreement(shape) ->
     with pytest.raises(InputError, match=r"reference\[0\].*MoE layer.*top_k") as info:
         router_agreement([a], [b])
     assert isinstance(info.value, ParityError)
-    ok = np.zeros((5, 3, 2), np.int32)
+    ok = np.tile(np.array([0, 1], np.int32), (5, 3, 1))  # a top-2 row names two distinct experts
     assert router_agreement([ok], [ok])["router_agreement"] == 1.0
 
 

@@ -16,6 +16,7 @@ from parity.core.errors import ConfigError
 from parity.core.schema import BACKEND_NAMES
 from parity.core.types import Request, check_int
 from parity.models import model_limits
+from parity.models.checkpoints import model_text
 from parity.report.provenance import provenance
 from parity.workload.cases import Case
 from parity.workload.resolve import resolve_workload
@@ -46,7 +47,7 @@ def audit(model: str | os.PathLike[str] | None, backend: str | Backend, *,
     device = resolve_device(device, [backend], {str(backend): backend_options})
     _check_device(device)
     the_case = resolve_workload(model, case, None, None)
-    model_arg = os.fspath(model) if model is not None else the_case.model
+    model_arg = model_text(model) if model is not None else the_case.model  # a Path stays a path
     requests = single_turn(the_case.requests, f"case {the_case.name!r}")
     limits = model_limits(model_arg)
     limits.check(requests, prefix=f"case {the_case.name!r}: ")

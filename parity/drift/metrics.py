@@ -18,11 +18,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from parity.core.errors import ConfigError
+from parity.core.errors import ConfigError, InputError
 from parity.core.schema import SUMMARY_KEYS
 from parity.drift.quantiles import QuantilePass
 from parity.drift.ratio_rules import SAFETY_BOUND
-from parity.drift.token_arrays import Block, TokenArrays, row_counts, token_arrays
+from parity.drift.token_arrays import Block, TokenArrays, checked_inputs, row_counts
+from parity.drift.token_arrays import token_arrays as token_arrays  # re-exported: callers import it here
 
 #: Default response-position bucket edges (tokens): powers of two, so early tokens get fine buckets.
 DEFAULT_POSITION_EDGES: tuple[int, ...] = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -231,7 +232,7 @@ def summarize(
     `bootstrap > 0` adds `<key>_ci95` = [low, high] for `BOOTSTRAP_KEYS` (95%, over sequences).
     """
     _check_bootstrap(bootstrap)
-    tok = token_arrays(train_logprobs, rollout_logprobs, mask)
+    tok = checked_inputs(train_logprobs, rollout_logprobs, mask)
     p = SummaryPass(tok)
     tok.scan(p)
     return p.result(bootstrap=bootstrap, seed=seed)
@@ -274,7 +275,7 @@ def bootstrap_ci(
         raise ConfigError(f"n_resamples must be an integer >= 1, got {n_resamples!r}")
     if isinstance(confidence, bool) or not isinstance(confidence, (int, float)) or not 0.0 < confidence < 1.0:
         raise ConfigError(f"confidence must be in (0, 1), e.g. 0.95, got {confidence!r}")
-    tok = token_arrays(train_logprobs, rollout_logprobs, mask)
+    tok = checked_inputs(train_logprobs, rollout_logprobs, mask)
     row_sums = _summary_rows(tok).sums
     return _bootstrap(row_sums, tok.lengths, n_resamples=n_resamples, confidence=float(confidence), seed=seed)
 
@@ -313,7 +314,7 @@ def drift_by_position(
     `edges` default to 0, 1, 2, 4, ... and `seq`. Each bucket: `lo`, `hi`, `num_tokens`, mean / max
     |Δ| and `mean_log_ratio` (nats; None when empty).
     """
-    tok = token_arrays(train_logprobs, rollout_logprobs, mask)
+    tok = checked_inputs(train_logprobs, rollout_logprobs, mask)
     p = PositionPass(tok, edges=edges)
     tok.scan(p)
     return p.result()
@@ -366,7 +367,7 @@ def drift_by_probability(
     Mismatch concentrates on low-probability tokens, which a token average hides.
     """
     bounds = _check_edges(DEFAULT_PROBABILITY_EDGES if edges is None else edges, "probability edges", 0, 1)
-    tok = token_arrays(train_logprobs, rollout_logprobs, mask)
+    tok = checked_inputs(train_logprobs, rollout_logprobs, mask)
     device = tok.mask.device
     inner = torch.tensor(bounds[1:-1], dtype=torch.float64, device=device)
     n_buckets = len(bounds) - 1
@@ -397,12 +398,20 @@ def drift_by_turn(train_logprobs: Any, rollout_logprobs: Any = None, mask: Any =
     turns: int `[batch, seq]` (`turn_index`; -1 at injected and padding); after_injection: bool
     `[batch, seq]`.
     """
-    tok = token_arrays(train_logprobs, rollout_logprobs, mask)
+    tok = checked_inputs(train_logprobs, rollout_logprobs, mask)
+    turns, after_injection = np.asarray(turns), np.asarray(after_injection)
+    for name, given in (("turns", turns), ("after_injection", after_injection)):
+        # a [seq] row would broadcast over every sequence: each sequence's turns are its own
+        if given.shape != tok.shape:
+            raise InputError(f"drift_by_turn: {name} has shape {given.shape}; it must be [batch, seq] "
+                             f"{tok.shape}, like the logprobs (one value per token of each sequence)")
+    if turns.size and turns.dtype.kind not in "iu":
+        raise InputError(f"drift_by_turn: turns must hold integer turn indices (-1 where no turn), got dtype "
+                         f"{turns.dtype}")
     abs_d = (tok.train.double() - tok.rollout.double()).abs().cpu().numpy()
     diff = (tok.train.double() - tok.rollout.double()).cpu().numpy()
     valid = tok.mask.cpu().numpy().astype(bool)
-    turns = np.asarray(turns)
-    first = np.asarray(after_injection, dtype=bool) & valid
+    first = after_injection.astype(bool) & valid
 
     def row(lo: Any, hi: Any, where: np.ndarray) -> dict[str, Any]:
         return _bucket_rows([lo, hi], np.array([where.sum()]), np.array([abs_d[where].sum()]),

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from parity.core.errors import InputError
+from parity.core.logprobs import MAX_LOGPROB, check_logprob_array
 from parity.drift.ratio_rules import SAFETY_BOUND
 
 #: Tokens per row block. Every per-token computation runs on blocks of whole rows of about this
@@ -268,6 +269,28 @@ def token_arrays(train_logprobs: Any, rollout_logprobs: Any = None, mask: Any = 
                     f"{name} is -inf at a valid (mask=1) token; -inf is allowed only in masked-out padding"
                 )
     return tok
+
+
+def checked_inputs(train_logprobs: Any, rollout_logprobs: Any = None, mask: Any = None) -> TokenArrays:
+    """`token_arrays` for a metric's public entry point: arrays given are also refused where a counted
+    logprob is above `MAX_LOGPROB` (probabilities or logits passed, `check_logprob_bound`). A
+    `TokenArrays` is taken as its maker checked it (`build_report` and the monitor check the bound
+    once, upstream, with the rollout named), so a batch is searched once per report."""
+    tok = token_arrays(train_logprobs, rollout_logprobs, mask)
+    if tok is not train_logprobs:
+        for name, values in zip(INPUT_NAMES, (tok.train, tok.rollout)):
+            check_logprob_bound(values, tok.mask, name)
+    return tok
+
+
+def check_logprob_bound(values: torch.Tensor, mask: torch.Tensor, name: str) -> None:
+    """`parity.core.logprobs.check_logprob_array` for a tensor `[batch, seq]` (`mask` bool, True where
+    a token counts): InputError naming `name[row, col]`. On the CPU NumPy's one max; elsewhere one max on
+    the device, and the search on the host only when it is above the bound."""
+    if values.device.type == "cpu" and values.dtype in (torch.float16, torch.float32, torch.float64):
+        check_logprob_array(values.numpy(), mask.cpu().numpy(), name)
+    elif values.numel() and float(values.max()) > MAX_LOGPROB:
+        check_logprob_array(values.float().cpu().numpy(), mask.cpu().numpy(), name)
 
 
 def _zeros_and_ones(m: torch.Tensor) -> bool:

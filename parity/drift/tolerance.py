@@ -120,6 +120,9 @@ class Tolerance:
         """A user's `tolerance=` -> Tolerance: None is `for_backend(...)`; a dict overrides its fields."""
         if value is None:
             return cls.for_backend(backend, dtype, rollout_dtype)
+        if isinstance(value, _GivenLimits):  # a case's table: the limits it names over this row's defaults
+            base = cls.for_backend(backend, dtype, rollout_dtype).to_dict()
+            return cls.from_dict({**base, **value.given()})
         if isinstance(value, Tolerance):
             return value
         if isinstance(value, dict):
@@ -144,3 +147,41 @@ class Tolerance:
             if not (measured <= limit):
                 failed.append(Violation(key, value, float(limit)))
         return failed
+
+
+class _GivenLimits(Tolerance):
+    """A case file's `[tolerance]` limits: only the fields it names are its own; `Tolerance.resolve`
+    fills the others from the defaults of the backend and dtype the row runs in (a float32 row that
+    sets `k3_kl_max` alone keeps float32's mean limit, not bf16's). Until resolved, the unnamed
+    fields hold the class defaults (bf16's). Made by `given_limits` only."""
+
+    #: the fields the case names (an instance sets its own; `dataclasses.replace` gives all of them)
+    _names: frozenset[str] = frozenset(Tolerance.CHECKS)
+
+    def given(self) -> dict[str, float | None]:
+        """The limits the case named, by field."""
+        return {name: getattr(self, name) for name in Tolerance.CHECKS if name in self._names}
+
+    def __eq__(self, other: object) -> bool:  # as before: equal to a Tolerance of the same values
+        return self.to_dict() == other.to_dict() if isinstance(other, Tolerance) else NotImplemented
+
+    __hash__ = Tolerance.__hash__
+
+    def __repr__(self) -> str:
+        named = ", ".join(f"{k}={v!r}" for k, v in self.given().items())
+        return f"Tolerance({named}; the rest: the row's dtype defaults)"
+
+
+def given_limits(limits: dict[str, Any], *, where: str = "tolerance") -> Tolerance:
+    """A `Tolerance` of the limits a case names (checked as `Tolerance.from_dict`); the others are the
+    defaults of the row's backend and dtype once `Tolerance.resolve` sees it."""
+    made = from_mapping(_GivenLimits, limits, where=where)
+    object.__setattr__(made, "_names", frozenset(limits))
+    return made
+
+
+def over_limits(base: Tolerance, changes: dict[str, Any]) -> Tolerance:
+    """`base` with the fields `changes` names replaced; a case's limits stay partial (`given_limits`)."""
+    if isinstance(base, _GivenLimits):
+        return given_limits({**base.given(), **changes})
+    return Tolerance.from_dict({**base.to_dict(), **changes})

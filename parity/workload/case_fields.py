@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import unicodedata
 from collections.abc import Iterable
 from pathlib import Path
@@ -77,3 +78,16 @@ def printable_field(f: Fields, table: dict[str, Any], key: str, *, default: str)
     if bad is not None:
         raise f.error(key, f"contains the control character {bad!r}; give printable text")
     return value
+
+
+def check_unshadowed(part: str, cases_dir: str | Path, what: str) -> None:
+    """ConfigError when bare case name `part` (no directory, no .toml) is also a file or directory here:
+    it would run that instead of `<cases_dir>/<part>.toml`, another workload, without a word."""
+    named, path = Path(cases_dir) / f"{part}.toml", Path(part)
+    if "/" in part or os.sep in part or path.suffix == ".toml" or not path.exists() or not named.is_file() \
+            or path.resolve() == named.resolve():
+        return
+    kind = "directory" if path.is_dir() else "file"
+    raise ConfigError(f"{what} {part!r} is both the case name of {str(named)!r} and the {kind} "
+                      f"{str(path.resolve())!r}; give {str(named)!r} for the case or "
+                      f"{os.path.join(os.curdir, part)!r} for the {kind}")

@@ -32,11 +32,11 @@ from parity.core.schema import (
 )
 from parity.core.turns import Generate, Inject, Turn, check_turns
 from parity.core.types import Request, SamplingParams
-from parity.drift.tolerance import Tolerance
+from parity.drift.tolerance import Tolerance, given_limits
 from parity.models import ModelLimits, model_limits
 from parity.models.lora import check_adapter
 from parity.models.lora_builtins import is_builtin_adapter
-from parity.workload.case_fields import Fields, control_character, printable_field
+from parity.workload.case_fields import Fields, check_unshadowed, control_character, printable_field
 from parity.workload.case_prompts import load_prompt_table
 from parity.workload.tools import bind_tools, encode_text
 
@@ -46,7 +46,7 @@ class Case:
     """One parity workload.
 
     requests: in send order, seeds included. dtypes: `compare` uses the first. backends: nightly's
-    matrix (empty: any). tolerance (None: the backend's default), backend_tolerances per backend.
+    matrix (empty: any). tolerance (None, or limits it omits: the row's default), backend_tolerances.
     router_replay, prefix_caching: variants nightly runs as rows (empty: one row). kind: "compare",
     "lifecycle", "trajectory", "loop" or "audit". reference_tensor_parallel_size: ranks of the
     reference engine in nightly rows. lora: adapter on `model`. loop_steps, loop_lr: loop cases.
@@ -205,6 +205,7 @@ def load_cases(spec: str | Path, *, cases_dir: str | Path = "cases", flag: str =
         if not part:
             continue
         path = Path(part)
+        check_unshadowed(part, cases_dir, flag)
         if path.is_dir():
             files = sorted(path.glob("*.toml"))
             if not files:
@@ -238,6 +239,8 @@ def resolve_case(spec: Case | str | os.PathLike[str], *, cases_dir: str | Path =
     if not isinstance(spec, (str, os.PathLike)):
         raise ConfigError(f"{what} must be a Case, a case file or a case name, got {type(spec).__name__}")
     path = Path(spec)
+    if isinstance(spec, str) and path.is_file():  # a pathlib.Path is a path; a directory is no case
+        check_unshadowed(spec, cases_dir, what)
     if path.is_file():
         return load_case(path)
     named = Path(cases_dir) / f"{path.name}.toml"
@@ -423,7 +426,6 @@ def _load_prefix_caching(f: Fields, data: dict[str, Any]) -> list[bool]:
     return values
 
 
-
 def _sampling_blocks(f: Fields, sampling: Any, logprobs_mode: str,
                      limits: ModelLimits) -> list[tuple[str, SamplingParams, int]]:
     """(label, parameters, first seed) of each sampling block (a table, or labelled [[sampling]] blocks)."""
@@ -489,9 +491,9 @@ def _load_tolerances(f: Fields, table: Any) -> tuple[Tolerance | None, tuple[tup
         if name not in BACKEND_NAMES:
             raise f.error(f"tolerance.{name}", f"unknown backend; allowed: {list(BACKEND_NAMES)}")
     try:
-        tolerance = Tolerance.from_dict(common) if common else None
+        tolerance = given_limits(common) if common else None
         overrides = tuple(
-            (name, Tolerance.from_dict({**common, **limits}, where=f"tolerance.{name}"))
+            (name, given_limits({**common, **limits}, where=f"tolerance.{name}"))
             for name, limits in per_backend.items()
         )
     except (ParityError, TypeError) as exc:

@@ -21,6 +21,7 @@ import numpy as np
 from parity.core.errors import ConfigError, InputError, ParityError
 from parity.core.tables import read_rows
 from parity.models import resolve_model
+from parity.models.checkpoints import model_text
 
 #: a chat message: {"role": "user", "content": "..."} (other keys go to the template unchanged).
 Message = Mapping[str, Any]
@@ -107,12 +108,13 @@ def check_prompt(value: Any, where: str) -> PromptSource:
 def encode_prompts(model: str | os.PathLike[str], prompts: Sequence[tuple[str, PromptSource]]
                    ) -> list[tuple[int, ...]]:
     """Token ids of each (location, prompt); text and messages through `model`'s tokenizer."""
+    name = model_text(model)  # a pathlib.Path spelled like a model name stays a path
     out = []
     for where, prompt in prompts:
         if isinstance(prompt, str):
-            ids = tokenizer(os.fspath(model), where)(prompt)["input_ids"]
+            ids = tokenizer(name, where)(prompt)["input_ids"]
         elif prompt and isinstance(prompt[0], Mapping):
-            ids = _render_chat(os.fspath(model), prompt, where)
+            ids = _render_chat(name, prompt, where)
         else:
             ids = prompt
         if not ids:
@@ -134,10 +136,11 @@ def _render_chat(model: str, messages: Sequence[Message], where: str) -> list[in
     return list(tok(text, add_special_tokens=False)["input_ids"])
 
 
-def tokenizer(model: str, where: str = "prompt") -> Any:
+def tokenizer(model: str | os.PathLike[str], where: str = "prompt") -> Any:
     """The checkpoint's own tokenizer (local files only), or ConfigError naming `where`."""
     try:
-        return _load_tokenizer(str(resolve_model(model)))
+        path = resolve_model(model).resolve()  # absolute: a relative path means another one after a chdir
+        return _load_tokenizer(str(path), _tokenizer_stamp(path))
     except ParityError:
         raise
     except (OSError, ValueError) as e:
@@ -145,8 +148,18 @@ def tokenizer(model: str, where: str = "prompt") -> Any:
                           "token ids instead") from e
 
 
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+
+
+def _tokenizer_stamp(path: Path) -> tuple[tuple[str, int, int], ...]:
+    """(name, size, mtime_ns) of the checkpoint's files other than weights: a tokenizer rewritten in
+    place (a training run saving to the same directory) is loaded again, not served from the cache."""
+    return tuple((f.name, st.st_size, st.st_mtime_ns) for f in sorted(path.iterdir())
+                 if f.suffix not in _WEIGHT_SUFFIXES and f.is_file() and (st := f.stat()))
+
+
 @lru_cache(maxsize=8)
-def _load_tokenizer(path: str) -> Any:
+def _load_tokenizer(path: str, stamp: tuple[tuple[str, int, int], ...] = ()) -> Any:
     # transformers (and torch) only for text and chat prompts: token ids and datasets of ids never load it
     from transformers import AutoTokenizer
 

@@ -1,6 +1,7 @@
 """What `parity.compare` samples: a case (a `Case`, a case file or a name in cases/), explicit
-prompts with one `SamplingParams` (each prompt its own seed, `seed + i`), or the model's default
-case; with `turns`, every prompt becomes a multi-turn trajectory."""
+prompts with one `SamplingParams` (each prompt its own seed, `seed + i`; default
+`DEFAULT_SAMPLING`, whose fields a dict overrides), or the model's default case; with `turns`,
+every prompt becomes a multi-turn trajectory."""
 
 from __future__ import annotations
 
@@ -16,9 +17,13 @@ from parity.core.strict import check_choice
 from parity.core.turns import Turn, check_turns
 from parity.core.types import Request, SamplingParams
 from parity.models import resolve_model
+from parity.models.checkpoints import model_text
 from parity.workload.cases import Case, default_case, resolve_case
 from parity.workload.prompts import Dataset, PromptSource, check_prompt, encode_prompts
 from parity.workload.tools import bind_tools
+
+#: the sampling of explicit prompts when `sampling` is None; a dict of fields overrides these.
+DEFAULT_SAMPLING = SamplingParams(max_tokens=32)
 
 
 def resolve_workload(model: str | os.PathLike[str] | None, case: Case | str | os.PathLike[str] | None,
@@ -42,11 +47,11 @@ def resolve_workload(model: str | os.PathLike[str] | None, case: Case | str | os
     if prompts is None:
         if sampling is not None:
             raise ConfigError("sampling applies to prompts; pass prompts=[...] with it")
-        return default_case(os.fspath(model))
-    if isinstance(sampling, dict):
-        sampling = SamplingParams.from_dict(sampling)
+        return default_case(model_text(model))
+    if isinstance(sampling, dict):  # over the default, as sampling=None: {"n": 2} keeps max_tokens 32
+        sampling = SamplingParams.from_dict({**DEFAULT_SAMPLING.to_dict(), **sampling})
     elif sampling is None:
-        sampling = SamplingParams(max_tokens=32)
+        sampling = DEFAULT_SAMPLING
     elif not isinstance(sampling, SamplingParams):
         raise ConfigError(f"sampling must be a parity.SamplingParams or a dict of its fields, "
                           f"got {type(sampling).__name__}")
@@ -63,7 +68,7 @@ def resolve_workload(model: str | os.PathLike[str] | None, case: Case | str | os
     bound = bind_tools(model, check_turns(turns, "turns")) if turns else ()
     requests = tuple(Request(p, sampling.replace(seed=sampling.seed + i), request_id=f"prompt-{i}",
                              turns=bound) for i, p in enumerate(ids))
-    return Case(name="prompts", model=os.fspath(model), requests=requests,
+    return Case(name="prompts", model=model_text(model), requests=requests,
                 logprobs_mode=sampling.logprobs_mode, kind="trajectory" if bound else "compare")
 
 
@@ -72,21 +77,23 @@ def check_case_model(model: str | os.PathLike[str] | None, case: Case,
     """ConfigError unless `model` is None or names the checkpoint `case` names: the case's prompts were
     encoded, and its limits checked, with its own model's tokenizer."""
     if model is not None and not _same_model(model, case.model):
-        shown = os.fspath(model) if isinstance(model, (str, os.PathLike)) else model
+        shown = model_text(model) if isinstance(model, (str, os.PathLike)) else model
         raise ConfigError(f"case {case.name!r} names model {case.model!r}, not model {shown!r}; drop {field} "
                           "to run the case's, or copy the case file with model set to the one you mean")
 
 
 def _same_model(model: str | os.PathLike[str], case_model: str) -> bool:
-    """Whether `model` names the checkpoint `case_model` names (a built-in name and its directory alike)."""
+    """Whether `model` names the checkpoint `case_model` names (a built-in name and its directory alike;
+    a pathlib.Path is a path even when spelled like a name)."""
     if not isinstance(model, (str, os.PathLike)):
         return False
-    if os.fspath(model) == case_model:
+    if model_text(model) == case_model:
         return True
     try:
-        return resolve_model(model).resolve() == resolve_model(case_model).resolve()
+        mine = resolve_model(model)
     except ParityError:
         return False
+    return mine.resolve() == resolve_model(case_model).resolve()  # the case's own model: its error
 
 
 def with_logprobs_mode(case: Case, mode: Any) -> Case:

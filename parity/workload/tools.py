@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from parity.core.errors import ConfigError
 from parity.core.turns import Inject, Turn
+from parity.models.checkpoints import model_text
 from parity.workload.prompts import tokenizer
 
 _EXPRESSION = re.compile(r"\d+(?:\s*[-+*]\s*\d+)+")
@@ -58,14 +59,14 @@ def bind_tools(model: str | os.PathLike[str], turns: tuple[Turn, ...],
         if isinstance(turn, Inject) and turn.fn is None and not turn.token_ids:
             if turn.name not in TOOLS:
                 raise ConfigError(f"{where}[{i}]: unknown tool {turn.name!r}; the tools are {sorted(TOOLS)}")
-            turn = Inject(fn=_text_tool(os.fspath(model), TOOLS[turn.name]), name=turn.name)
+            turn = Inject(fn=_text_tool(model_text(model), TOOLS[turn.name]), name=turn.name)
         bound.append(turn)
     return tuple(bound)
 
 
 def encode_text(model: str | os.PathLike[str], text: str, where: str) -> tuple[int, ...]:
     """`text` as ids of `model`'s tokenizer, without special tokens (an injected reply)."""
-    tok = tokenizer(os.fspath(model), where)
+    tok = tokenizer(model_text(model), where)
     return tuple(tok(text, add_special_tokens=False)["input_ids"])
 
 
