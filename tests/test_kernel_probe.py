@@ -36,9 +36,9 @@ def _split_k_when_large(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def test_probe_m_covers_every_power_of_two_boundary() -> None:
-    for p in range(1, 13):
+    for p in range(1, 14):
         assert {2**p - 1, 2**p} <= set(probe.PROBE_M)
-    assert probe.PROBE_MAX_M == 4096 and probe.PROBE_M[0] == 1
+    assert probe.PROBE_MAX_M == 8192 and probe.PROBE_M[0] == 1
 
 
 def test_probe_proves_a_row_invariant_matmul() -> None:
@@ -246,7 +246,7 @@ def test_cublaslt_products_longer_than_the_probe_run_in_pieces(monkeypatch: pyte
     weight = torch.randn(8, 16)
     x = torch.randn(2, probe.PROBE_MAX_M + 5, 16)
     out = matmul.cublaslt_linear(x, weight)
-    assert rows == [probe.PROBE_MAX_M, probe.PROBE_MAX_M, 10]  # 2 * 4101 rows: 4096 + 4096 + 10
+    assert rows == [probe.PROBE_MAX_M, probe.PROBE_MAX_M, 10]  # 2 * 8197 rows: 8192 + 8192 + 10
     assert out.shape == (2, probe.PROBE_MAX_M + 5, 8)
     assert torch.equal(out, torch.cat([real(p, weight) for p in x.reshape(-1, 16).split(probe.PROBE_MAX_M)])
                        .reshape(2, -1, 8))
@@ -270,8 +270,8 @@ if path != "cublaslt":
     raise SystemExit(3)
 g = torch.Generator(device="cuda").manual_seed(0)
 w = (torch.randn(n, k, generator=g, device="cuda") * k ** -0.5).bfloat16()
-x = probe.cancelling_rows(w, 3 * 4096 + 100, 1)
-cuts = [(a, m) for m in (1, 4096, 4097, 5000, 8192, 8193, 12000) for a in (0, 1, 8, 4095)
+x = probe.cancelling_rows(w, 3 * 8192 + 100, 1)
+cuts = [(a, m) for m in (1, 4096, 8192, 8193, 12000, 16384, 16385, 20000) for a in (0, 1, 8, 8191)
         if a + m <= x.shape[0]]
 for name, linear in (("cublaslt_linear", matmul.linear), ("one F.linear call", F.linear)):
     full = linear(x, w)
@@ -285,7 +285,7 @@ for name, linear in (("cublaslt_linear", matmul.linear), ("one F.linear call", F
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs an NVIDIA GPU (CUDA not available)")
 def test_cublaslt_route_stays_row_invariant_past_the_probed_rows(tmp_path: Path) -> None:
-    """Slices of up to 12,000 rows of a cuBLASLt-routed product equal the whole product's rows bit for
+    """Slices of up to 20,000 rows of a cuBLASLt-routed product equal the whole product's rows bit for
     bit (the pieces of `cublaslt_linear`); it prints whether one unsplit F.linear call would have."""
     child = subprocess.run([sys.executable, "-c", _PAST_THE_PROBE], cwd=ROOT, capture_output=True, text=True,
                            timeout=300, env={**os.environ, "PARITY_CACHE": str(tmp_path)})

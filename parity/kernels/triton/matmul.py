@@ -37,6 +37,8 @@ _verdicts: dict[tuple[torch.device, torch.dtype, int, int], Verdict] = {}
 DECODE_ROWS = 512
 #: the widest weight (outputs) that takes `decode_config`.
 DECODE_MAX_N = 4096
+#: rows the plan proofs slice (both plans meet well below it: the decode plan stops at DECODE_ROWS).
+PLAN_PROOF_ROWS = 4096
 #: (device, dtype, N, K) -> whether `decode_config` gave `tile_config`'s bits on the probe's rows.
 _plans_agree: dict[tuple[torch.device, torch.dtype, int, int], bool] = {}
 #: (device, dtype, K, (N0, N1, N2)) -> whether one launch of the three weights (`linear3`) gave each
@@ -106,7 +108,7 @@ def prepare(shapes: Iterable[tuple[torch.dtype, int, int]], device: torch.device
 def prove_plans(shapes: Iterable[tuple[torch.dtype, int, int]], device: torch.device) -> None:
     """For each shape with a `decode_config` not yet proven in this process: whether the linear that takes
     `decode_config` up to DECODE_ROWS rows and `tile_config` above is row-invariant on the probe's
-    cancelling rows (slices of 1..4096 rows against 4104: both plans meet), where any other
+    cancelling rows (slices of 1..PLAN_PROOF_ROWS rows: both plans meet), where any other
     summation order shows."""
     if torch.device(device).type != "cuda":
         return  # the CPU interpreter runs neither plan for speed
@@ -115,7 +117,7 @@ def prove_plans(shapes: Iterable[tuple[torch.dtype, int, int]], device: torch.de
                   key=str)
     for dtype, n, k in todo:
         with torch.cuda.device(device):
-            verdict = probe_rows(_by_rows, dtype, n, k, device)
+            verdict = probe_rows(_by_rows, dtype, n, k, device, max_m=PLAN_PROOF_ROWS)
         _plans_agree[(where, dtype, n, k)] = verdict.invariant
 
 
@@ -123,7 +125,7 @@ def prove_groups(groups: Iterable[tuple[torch.dtype, int, tuple[int, ...]]], dev
     """For each group of three weights (dtype, K, (N0, N1, N2)) not yet proven in this process (q/k/v
     of one layer): whether the product of their stacked weight that takes `linear3` up to DECODE_ROWS
     rows and each weight's own `linear` above is row-invariant on the probe's cancelling rows (slices
-    of 1..4096 rows against 4,104): then `linear3` gives each weight the bits of its `linear`."""
+    of 1..PLAN_PROOF_ROWS rows): then `linear3` gives each weight the bits of its `linear`."""
     if torch.device(device).type != "cuda":
         return
     where = device_key(device)
@@ -133,7 +135,8 @@ def prove_groups(groups: Iterable[tuple[torch.dtype, int, tuple[int, ...]]], dev
             continue
         prove_plans([(dtype, n, k) for n in ns], device)
         with torch.cuda.device(device):
-            verdict = probe_rows(functools.partial(_by_group, ns), dtype, sum(ns), k, device)
+            verdict = probe_rows(functools.partial(_by_group, ns), dtype, sum(ns), k, device,
+                                 max_m=PLAN_PROOF_ROWS)
         _groups_agree[(where, dtype, k, ns)] = verdict.invariant
 
 
@@ -168,9 +171,11 @@ def _misaligned(dtype: torch.dtype, n: int, k: int) -> str | None:
     return None
 
 
-def route(dtype: torch.dtype, n: int, k: int, has_bias: bool, device: torch.device | str) -> tuple[str, str]:
-    """(path, why) of a linear with weight [n, k] in `dtype` on CUDA `device`: "cublaslt", "triton", or
-    "refused" for a weight `linear` raises InputError on (what a run with the matmul family on does)."""
+def route(dtype: torch.dtype, n: int, k: int, has_bias: bool,
+          device: torch.device | str = "cuda") -> tuple[str, str]:
+    """(path, why) of a linear with weight [n, k] in `dtype` on CUDA `device` (default: the current one):
+    "cublaslt", "triton", or "refused" for a weight `linear` raises InputError on (as a run with the
+    matmul family on does)."""
     misaligned = _misaligned(dtype, n, k)
     if misaligned:
         return "refused", (f"{misaligned}: the invariant linear raises InputError on it; run with the matmul "
