@@ -110,9 +110,12 @@ def encode_prompts(model: str | os.PathLike[str], prompts: Sequence[tuple[str, P
     """Token ids of each (location, prompt); text and messages through `model`'s tokenizer."""
     name = model_text(model)  # a pathlib.Path spelled like a model name stays a path
     out = []
+    tok = None  # loaded (and its files stamped) once per call, not once per prompt
     for where, prompt in prompts:
         if isinstance(prompt, str):
-            ids = tokenizer(name, where)(prompt)["input_ids"]
+            if tok is None:
+                tok = tokenizer(name, where)
+            ids = tok(prompt)["input_ids"]
         elif prompt and isinstance(prompt[0], Mapping):
             ids = _render_chat(name, prompt, where)
         else:
