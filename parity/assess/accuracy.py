@@ -123,10 +123,16 @@ def gold_by_position(train: np.ndarray, rollout: np.ndarray, gold: np.ndarray, m
                      ) -> dict[str, list[dict[str, Any]]]:
     """Each side's error from the gold per response-position bucket
     (`parity.drift.metrics.drift_by_position`'s buckets and fields, with the gold as the other side):
-    {"train": [...], "rollout": [...]}."""
-    from parity.drift.metrics import drift_by_position  # torch: `import parity` stays light
+    {"train": [...], "rollout": [...]}. A counted train or rollout value above `MAX_LOGPROB` is an
+    InputError naming its side."""
+    from parity.drift.metrics import drift_by_position, token_arrays  # torch: `import parity` stays light
 
     keep = gold_tokens(train, rollout, gold, mask)
     g = np.where(keep, np.asarray(gold, np.float64), 0.0)
-    return {side: drift_by_position(np.where(keep, np.asarray(values, np.float64), 0.0), g, keep)
-            for side, values in (("train", train), ("rollout", rollout))}
+    out = {}
+    for side, values in (("train", train), ("rollout", rollout)):
+        check_logprob_array(np.asarray(values), keep, f"gold: {side} logprob")
+        # checked here and by `gold_tokens`: a `TokenArrays` is not searched again
+        tok = token_arrays(np.where(keep, np.asarray(values, np.float64), 0.0), g, keep)
+        out[side] = drift_by_position(tok)
+    return out

@@ -19,7 +19,7 @@ from parity.core.logprobs import above_bound, first_above_bound
 from parity.core.schema import UNMEASURED_SEQUENCE_KEYS
 from parity.core.turns import after_injection, turn_index
 from parity.core.types import Rollout
-from parity.correction.config import DEFAULT_OPTIONS
+from parity.correction.config import DEFAULT_OPTIONS, CorrectionConfig
 from parity.drift.tolerance import Tolerance
 from parity.report.document import ParityReport
 
@@ -42,7 +42,7 @@ def build_report(rollouts: Sequence[Rollout], train_logprobs: Sequence[np.ndarra
     `MAX_LOGPROB` (probabilities or logits passed) is an InputError.
     """
     # torch: `import parity` stays light
-    from parity.correction import rollout_correction
+    from parity.correction.apply import CorrectionPass
     from parity.drift.metrics import (
         drift_by_position,
         drift_by_probability,
@@ -111,7 +111,10 @@ def build_report(rollouts: Sequence[Rollout], train_logprobs: Sequence[np.ndarra
     if gold is not None and gold_tokens(train, rollout, gold, mask).any():
         summary.update(gold_summary(train, rollout, gold, mask))
         breakdowns[BY_POSITION] = gold_by_position(train, rollout, gold, mask)
-    _, _, metrics = rollout_correction(tok, **(correction or DEFAULT_CORRECTION))
+    # the metrics alone, from `tok` as checked above (the bound searched once, with the rollout named)
+    corr = CorrectionPass(CorrectionConfig(**(correction or DEFAULT_CORRECTION)), tok, outputs=False)
+    tok.scan(corr)
+    metrics = corr.result()[2]
     violations = tolerance.violations(summary)
     sequences = [{"request_id": r.request_id, "sample_index": r.sample_index, "prompt_len": len(r.prompt_ids),
                   "response_len": len(r.token_ids), "finish_reason": r.finish_reason} for r in rollouts]

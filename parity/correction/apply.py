@@ -8,12 +8,11 @@ from typing import Any
 import torch
 
 from parity.core.errors import InputError
-from parity.core.logprobs import MAX_LOGPROB, above_bound, check_logprob_array
 from parity.correction.config import CorrectionConfig
 from parity.correction.rejection import RejectionRows, block_keep, rejection_metrics
 from parity.correction.stats import EPS, PolicyRows, Rows, join, offpolicy_metrics
 from parity.correction.weights import WeightRows, batch_norm_factor, block_weights, weight_metrics
-from parity.drift.token_arrays import INPUT_NAMES, Block, TokenArrays, token_arrays
+from parity.drift.token_arrays import INPUT_NAMES, Block, TokenArrays, check_logprob_bound, token_arrays
 
 #: half-precision logprobs get weights computed and batch-normalized in float32, cast at the end:
 #: float16 holds sequence weights below ~6e-5 as subnormals (a 1e-7 weight off by 10s of %, then
@@ -102,23 +101,6 @@ def _to_dtype(weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return weights.to(dtype)
 
 
-def check_logprob_tensor(values: torch.Tensor, mask: torch.Tensor, name: str) -> None:
-    """`parity.core.logprobs.check_logprob_array` for a tensor `[batch, seq]` (`mask` bool, True
-    where a token counts): InputError naming `name[row, col]` of the first counted value above
-    `MAX_LOGPROB`. One max when nothing is wrong (NumPy's on CPU)."""
-    if values.device.type == "cpu" and mask.device.type == "cpu" \
-            and values.dtype in (torch.float16, torch.float32, torch.float64):
-        check_logprob_array(values.numpy(), mask.numpy(), name)
-        return
-    if values.numel() == 0 or not float(values.max()) > MAX_LOGPROB:
-        return
-    bad = (values > MAX_LOGPROB) & mask.to(values.device)
-    hits = bad.nonzero()
-    if len(hits):
-        r, c = (int(i) for i in hits[0])
-        raise above_bound(float(values[r, c]), f"{name}[{r}, {c}]")
-
-
 def apply_correction(config: CorrectionConfig, train_logprobs: Any, rollout_logprobs: Any = None,
                      mask: Any = None, *, metrics_only: bool = False
                      ) -> tuple[Any | None, Any, dict[str, float]]:
@@ -129,7 +111,7 @@ def apply_correction(config: CorrectionConfig, train_logprobs: Any, rollout_logp
     monitor needs)."""
     tok = token_arrays(train_logprobs, rollout_logprobs, mask)
     for name, values in zip(INPUT_NAMES, (tok.train, tok.rollout)):
-        check_logprob_tensor(values, tok.mask, name)
+        check_logprob_bound(values, tok.mask, name)
     p = CorrectionPass(config, tok, outputs=not metrics_only)
     tok.scan(p)
     return p.result()

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from parity.core.errors import InputError
-from parity.core.logprobs import MAX_LOGPROB, check_logprob_array
+from parity.core.logprobs import MAX_LOGPROB, above_bound, check_logprob_array
 from parity.drift.ratio_rules import SAFETY_BOUND
 
 #: Tokens per row block. Every per-token computation runs on blocks of whole rows of about this
@@ -285,12 +285,24 @@ def checked_inputs(train_logprobs: Any, rollout_logprobs: Any = None, mask: Any 
 
 def check_logprob_bound(values: torch.Tensor, mask: torch.Tensor, name: str) -> None:
     """`parity.core.logprobs.check_logprob_array` for a tensor `[batch, seq]` (`mask` bool, True where
-    a token counts): InputError naming `name[row, col]`. On the CPU NumPy's one max; elsewhere one max on
-    the device, and the search on the host only when it is above the bound."""
+    a token counts): InputError naming `name[row, col]` of the first counted value above `MAX_LOGPROB`,
+    the value in its own precision. On the CPU NumPy's one max; elsewhere one max on the device, and
+    the masked search there only when it is above the bound (or NaN: a NaN must not hide one)."""
     if values.device.type == "cpu" and values.dtype in (torch.float16, torch.float32, torch.float64):
         check_logprob_array(values.numpy(), mask.cpu().numpy(), name)
-    elif values.numel() and float(values.max()) > MAX_LOGPROB:
-        check_logprob_array(values.float().cpu().numpy(), mask.cpu().numpy(), name)
+        return
+    if values.numel() == 0:
+        return
+    top = float(values.max())
+    if not (top > MAX_LOGPROB or top != top):
+        return
+    bad = (values > MAX_LOGPROB) & mask.to(values.device)
+    flat = int(bad.reshape(-1).to(torch.uint8).argmax())  # the first True, row-major
+    r, c = divmod(flat, int(values.shape[-1]))
+    if bool(bad[r, c]):
+        value = values[r, c]  # bfloat16 -> float32 is exact; NumPy prints it in its precision
+        raise above_bound(value.float().cpu().numpy()[()] if value.dtype == torch.bfloat16
+                          else value.cpu().numpy()[()], f"{name}[{r}, {c}]")
 
 
 def _zeros_and_ones(m: torch.Tensor) -> bool:
