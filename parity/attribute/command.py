@@ -92,17 +92,25 @@ def _sequences(model: str | None, case_spec: str | None, dtype: str | None, devi
     if limit < 1:
         raise ConfigError(f"--max-sequences must be >= 1, got {limit}")
     if case_spec is None:
-        case = default_case(model or "tiny-llama")
+        case = default_case(model if model is not None else "tiny-llama")
     else:
         case = resolve_case(case_spec, what="--case")
         check_case_model(model, case, "--model")
-    model = model or case.model
+    model = model if model is not None else case.model
     dtype = dtype or case.dtypes[0]
     from parity.engine import ReferenceEngine  # torch: after parsing, so that --help stays light
 
     with ReferenceEngine(model, dtype=dtype, device=device) as engine:
         rollouts = engine.generate(list(case.requests[:limit]))
     return model, dtype, rollouts[:limit]
+
+
+def _check_model_flag(model: str | None) -> None:
+    """ConfigError for `--model ""`: it must not fall back to the case's (or the default) model."""
+    if model is not None and not model:
+        raise ConfigError("--model is empty; give a built-in checkpoint name or a local HF checkpoint "
+                          "directory ('.' for the working directory), or drop --model to run the case's "
+                          "model")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -117,6 +125,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.json is not None and args.html is not None and args.json.resolve() == args.html.resolve():
         raise ConfigError(f"--json and --html are one file ({args.json}): the page would replace the JSON; "
                           "give each a path of its own")
+    _check_model_flag(args.model)
     args.device = resolve_device(args.device, [REFERENCE])
     if args.backend is not None:
         ablation = [flag for flag, given in (("--axis", args.axis), ("--families", args.families is not None),
@@ -163,7 +172,7 @@ def _run_engine(args: argparse.Namespace) -> int:
     check_case_model(args.model, case, "--model")
     if args.max_sequences < 1:
         raise ConfigError(f"--max-sequences must be >= 1, got {args.max_sequences}")
-    model = args.model or case.model
+    model = args.model if args.model is not None else case.model
     dtype = args.dtype or case.dtypes[0]
     options = parse_options(args.option)
     if "logprobs_mode" in options:  # the case's requests in the engine's mode, as `parity compare` does

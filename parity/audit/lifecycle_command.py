@@ -45,10 +45,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.model is not None and not args.model:  # not the case's model: a flag given empty is a mistake
+        raise ConfigError("--model is empty; give a built-in checkpoint name or a local HF checkpoint "
+                          "directory ('.' for the working directory), or drop --model to run the case's "
+                          "model")
     case = resolve_case(args.case, what="--case") if args.case is not None else None
     if case is not None:
         check_case_model(args.model, case, "--model")
-    model = args.model or (case.model if case is not None else None)
+    model = args.model if args.model is not None else (case.model if case is not None else None)
     if model is None:
         raise ConfigError("parity lifecycle needs --model (or --case naming a model)")
     dtype = args.dtype or (case.dtypes[0] if case is not None and case.dtypes else "bfloat16")

@@ -49,7 +49,7 @@ from parity.models.loading import (
     swap_adapter,
     tensor_digest,
 )
-from parity.models.lora import LoraSpec, check_without_tensor_parallel
+from parity.models.lora import LoraSpec, adapter_text, check_without_tensor_parallel
 from parity.parallel import (
     REDUCTION_GROUPS,
     REDUCTIONS,
@@ -97,7 +97,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.lora, os.PathLike):
-            object.__setattr__(self, "lora", os.fspath(self.lora))
+            object.__setattr__(self, "lora", adapter_text(self.lora))  # a Path spelled like a name stays one
         if self.lora is not None and not isinstance(self.lora, str):
             raise ConfigError(f"lora must be an adapter directory or a built-in adapter name, got "
                               f"{self.lora!r}")

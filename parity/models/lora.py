@@ -35,7 +35,12 @@ from parity.core.errors import AdapterError
 from parity.core.schema import LORA_MOE_TARGETS, LORA_TARGETS
 from parity.models.checkpoints import BUILTIN_MODELS, builtin_dir, resolve_model, safetensors_shapes
 from parity.models.limits import checkpoint_config
-from parity.models.lora_builtins import builtin_adapter_names, builtin_adapter_path, is_builtin_adapter
+from parity.models.lora_builtins import (
+    builtin_adapter_dir,
+    builtin_adapter_names,
+    builtin_adapter_path,
+    is_builtin_adapter,
+)
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -87,17 +92,47 @@ class LoraSpec:
                 "modules": len(self.modules)}
 
 
+def adapter_text(lora: str | os.PathLike[str]) -> str:
+    """`lora` as a string that `resolve_adapter` reads as the same adapter: a path (an os.PathLike)
+    spelled like a built-in adapter's name gets a "./" prefix, so it stays a path once it is a string."""
+    text = os.fspath(lora)
+    if not isinstance(lora, str) and is_builtin_adapter(text):
+        return os.path.join(os.curdir, text)
+    return text
+
+
+def shadowing_adapter(name: str, folder: Path) -> Path | None:
+    """`folder` (resolved) when it is an adapter directory other than built-in adapter `name`'s, else None:
+    a reader who meant one of the two would silently get the other's weights."""
+    if not (folder / ADAPTER_CONFIG).is_file() or folder.resolve() == builtin_adapter_dir(name).resolve():
+        return None
+    return folder.resolve()
+
+
 def resolve_adapter(lora: str | os.PathLike[str]) -> Path:
     """A built-in adapter name (generated on first use) or an adapter directory -> its path;
-    AdapterError naming the missing file otherwise."""
+    AdapterError naming the missing file otherwise. Only a `str` is a name (an os.PathLike is always a
+    path); a name that is also an adapter directory here is refused (`./name` says the directory)."""
     if not isinstance(lora, (str, os.PathLike)):
         raise AdapterError(f"lora must be an adapter directory or a built-in adapter name, got {lora!r}")
     text = os.fspath(lora)
-    if is_builtin_adapter(text):
+    if not text:  # Path("") is the working directory: an unset variable would pick whatever is there
+        raise AdapterError("lora is empty; give a peft adapter directory ('.' for the working directory) or "
+                           f"one of {', '.join(builtin_adapter_names())}")
+    if isinstance(lora, str) and is_builtin_adapter(text):
+        folder = shadowing_adapter(text, Path(text))
+        if folder is not None:
+            raise AdapterError(
+                f"lora {text!r} is both a built-in adapter's name and the adapter directory {str(folder)!r}; "
+                f"give {os.path.join(os.curdir, text)!r} (or a pathlib.Path) for the directory, or for the "
+                f"built-in adapter its directory {str(builtin_adapter_dir(text))!r} (made on first use) or "
+                "run from another directory")
         return builtin_adapter_path(text)
     path = Path(text).expanduser()
     if not path.is_dir():
-        raise AdapterError(f"lora {text!r} is not a directory nor a built-in adapter; give a peft adapter "
+        named = f" (a path, a {type(lora).__name__}: give the string {text!r} for the built-in adapter)" \
+            if is_builtin_adapter(text) else " nor a built-in adapter"
+        raise AdapterError(f"lora {text!r} is not a directory{named}; give a peft adapter "
                            f"directory ({ADAPTER_CONFIG} + {ADAPTER_WEIGHTS}) or one of "
                            f"{', '.join(builtin_adapter_names())}")
     for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
@@ -106,7 +141,8 @@ def resolve_adapter(lora: str | os.PathLike[str]) -> Path:
                 if name == ADAPTER_WEIGHTS and (path / "adapter_model.bin").is_file() else ""
             raise AdapterError(f"lora {text!r} has no {name}{other}; a peft adapter directory holds "
                                f"{ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}")
-    return path
+    # a relative path spelled like a name, absolute: str(spec.path) is read again (engines, the loop)
+    return path.absolute() if is_builtin_adapter(str(path)) else path
 
 
 def safetensors_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:

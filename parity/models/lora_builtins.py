@@ -124,10 +124,15 @@ def write_adapter(path: str | os.PathLike[str], config: dict[str, object],
     return path
 
 
+def builtin_adapter_dir(name: str) -> Path:
+    """Where built-in adapter `name` lives (generated there on first use; nothing is made here)."""
+    return cache_dir() / f"{name}-v{ADAPTER_VERSION}"
+
+
 def builtin_adapter_path(name: str, *, regenerate: bool = False) -> Path:
     """Directory of built-in adapter `name`, generated on first use (its base checkpoint too)."""
     spec = BUILTIN_ADAPTERS[name]
-    path = cache_dir() / f"{name}-v{ADAPTER_VERSION}"
+    path = builtin_adapter_dir(name)
     if regenerate or not (path / "adapter_model.safetensors").exists():
         weights = adapter_weights(builtin_path(spec.model), spec.rank, spec.scaling, spec.targets, spec.seed)
         write_adapter(path, adapter_config(spec.model, spec.rank, spec.alpha, spec.use_rslora, spec.targets),

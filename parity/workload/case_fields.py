@@ -9,7 +9,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from parity.core.errors import ConfigError
+from parity.core.errors import ConfigError, ParityError
+from parity.models.checkpoints import model_hash, resolve_model
+from parity.models.lora import adapter_text, check_adapter, shadowing_adapter
+from parity.models.lora_builtins import builtin_adapter_dir, is_builtin_adapter
 
 
 class Fields:
@@ -91,3 +94,57 @@ def check_unshadowed(part: str, cases_dir: str | Path, what: str) -> None:
     raise ConfigError(f"{what} {part!r} is both the case name of {str(named)!r} and the {kind} "
                       f"{str(path.resolve())!r}; give {str(named)!r} for the case or "
                       f"{os.path.join(os.curdir, part)!r} for the {kind}")
+
+
+def case_adapter(f: Fields, lora: str) -> str:
+    """A case file's `lora` as the string `resolve_adapter` reads from any working directory: a built-in
+    adapter's name, or a path relative to the case file's folder joined to it (spelled like a name, with
+    "./"). A name that is also an adapter directory beside the case file is refused, as is an empty one."""
+    if not lora:
+        raise f.error("lora", "is empty; give a built-in adapter's name or a peft adapter directory "
+                              "(relative to the case file's folder)")
+    if is_builtin_adapter(lora):
+        folder = shadowing_adapter(lora, f.path.parent / lora)
+        if folder is not None:
+            raise f.error("lora", f"{lora!r} is both a built-in adapter's name and the adapter directory "
+                                  f"{str(folder)!r} beside the case file; write "
+                                  f"{os.path.join(os.curdir, lora)!r} for the directory, or for the "
+                                  "built-in adapter its directory "
+                                  f"{str(builtin_adapter_dir(lora))!r}")
+        return lora
+    return lora if Path(lora).expanduser().is_absolute() else adapter_text(f.path.parent / lora)
+
+
+def check_model_place(f: Fields, model: str) -> None:
+    """ConfigError when a case file's relative `model` (read from the working directory) also names a
+    checkpoint directory beside the case file (where `lora` and dataset paths are read) holding other
+    weights: the case would score other weights depending on where it runs. "./" means the working
+    directory and is not checked."""
+    path = Path(model).expanduser()
+    there = f.path.parent / path
+    if not model or path.is_absolute() or model.startswith(os.curdir + os.sep) \
+            or not (there / "config.json").is_file():
+        return
+    try:
+        here = resolve_model(model)
+    except ParityError:
+        return  # model_limits names what is wrong with it
+    if here.resolve() == there.resolve() or model_hash(here) == model_hash(there):
+        return
+    raise f.error("model", f"{model!r} is read from the working directory ({str(here.resolve())!r}), but "
+                           f"the case file's folder holds another checkpoint of that name "
+                           f"({str(there.resolve())!r}); give the absolute path of the one you mean, or a "
+                           "path starting with ./ from where you run")
+
+
+def load_lora(f: Fields, data: dict[str, Any], model: str) -> str | None:
+    """A case file's `lora` (`case_adapter`), checked against its `model`; None without one."""
+    lora = f.get(data, "lora", str, default=None)
+    if lora is None:
+        return None
+    lora = case_adapter(f, lora)
+    try:
+        check_adapter(lora, model)
+    except ParityError as exc:
+        raise f.error("lora", str(exc)) from exc
+    return lora

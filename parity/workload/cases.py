@@ -34,9 +34,14 @@ from parity.core.turns import Generate, Inject, Turn, check_turns
 from parity.core.types import Request, SamplingParams
 from parity.drift.tolerance import Tolerance, given_limits
 from parity.models import ModelLimits, model_limits
-from parity.models.lora import check_adapter
-from parity.models.lora_builtins import is_builtin_adapter
-from parity.workload.case_fields import Fields, check_unshadowed, control_character, printable_field
+from parity.workload.case_fields import (
+    Fields,
+    check_model_place,
+    check_unshadowed,
+    control_character,
+    load_lora,
+    printable_field,
+)
 from parity.workload.case_prompts import load_prompt_table
 from parity.workload.tools import bind_tools, encode_text
 
@@ -284,6 +289,7 @@ def load_case(path: str | Path) -> Case:
     f = Fields(path)
     f.only(data, "", _TOP_KEYS)
     model = f.get(data, "model", str)
+    check_model_place(f, model)
     try:
         limits = model_limits(model)
     except ParityError as exc:
@@ -312,7 +318,7 @@ def load_case(path: str | Path) -> Case:
         prefix_caching=tuple(_load_prefix_caching(f, data)),
         reference_tensor_parallel_size=f.count(data, "reference_tensor_parallel_size", prefix="", default=1),
         loop_steps=f.count(loop, "steps", prefix="loop.", default=10), loop_lr=float(lr),
-        lora=_load_lora(f, data, model),
+        lora=load_lora(f, data, model),
     )
     requests = _requests(blocks, encode())
     if kind == "trajectory":
@@ -329,19 +335,6 @@ def load_case(path: str | Path) -> Case:
         raise f.error("prompts", str(exc)) from exc
     return Case(model=model, requests=requests, logprobs_mode=logprobs_mode, tolerance=tolerance, path=path,
                 backend_tolerances=per_backend, kind=kind, **fields)
-
-
-def _load_lora(f: Fields, data: dict[str, Any], model: str) -> str | None:
-    lora = f.get(data, "lora", str, default=None)
-    if lora is None:
-        return None
-    if not is_builtin_adapter(lora) and not Path(lora).expanduser().is_absolute():
-        lora = str(f.path.parent / lora)
-    try:
-        check_adapter(lora, model)
-    except ParityError as exc:
-        raise f.error("lora", str(exc)) from exc
-    return lora
 
 
 _TURN_KEYS = ("generate", "stop_token_ids", "inject", "tool")
