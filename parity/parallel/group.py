@@ -11,6 +11,7 @@ kills the ranks first; the guard kills them with the caller even on SIGKILL.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import subprocess
@@ -86,8 +87,8 @@ class RankGroup:
                     else:
                         proc = subprocess.Popen([sys.executable, "-m", "parity.parallel.rank", str(rank)],
                                                 stdin=subprocess.DEVNULL, env=env, close_fds=True)
+                    self._procs.append(proc)  # first: kill() reaches it even if tracking fails
                     guard.track(proc.pid)
-                    self._procs.append(proc)
                 by_rank: dict[int, Connection] = {}
                 listener._listener._socket.settimeout(CONNECT_POLL_S)
                 deadline = time.monotonic() + CONNECT_TIMEOUT_S
@@ -158,20 +159,26 @@ class RankGroup:
                 "does not return the same ids for the same ids so far on every rank causes this (or ranks "
                 "on unlike devices): make it deterministic, or run with tensor_parallel_size=1")
 
-    def _collect(self, what: str, ranks: list[int] | None = None) -> list[Any]:
+    def _collect(self, what: str, ranks: list[int] | None = None, deadline: float | None = None) -> list[Any]:
         """One reply per rank (of `ranks`, default all); the first error or death (a closed connection)
-        stops the group and raises."""
+        stops the group and raises, as does a rank still silent at `deadline` (time.monotonic())."""
         replies: dict[int, Any] = {}
         waiting = {self._conns[rank]: rank for rank in (range(self.size) if ranks is None else ranks)}
         while waiting:
-            for ready in wait(list(waiting)):
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            ready_conns = wait(list(waiting), left)
+            if not ready_conns:
+                self.kill()
+                raise TensorParallelError(f"tensor-parallel ranks {sorted(waiting.values())} of {self.size} "
+                                          f"did not answer {what} within the time given; killed the group")
+            for ready in ready_conns:
                 rank = waiting.pop(ready)
                 try:
                     status, value = receive(ready)
                 except (EOFError, OSError):
-                    proc = self._procs[rank]
+                    proc, now = self._procs[rank], time.monotonic()
                     try:
-                        code = proc.wait(CLOSE_GRACE_S)
+                        code = proc.wait(CLOSE_GRACE_S if deadline is None else max(deadline - now, 0.0))
                     except subprocess.TimeoutExpired:
                         code = None
                     self.kill()
@@ -185,28 +192,34 @@ class RankGroup:
         return [replies[r] for r in sorted(replies)]
 
     def close(self) -> None:
-        """Stop every rank in order (each destroys its process group); kill any that hang. Idempotent."""
+        """Stop every rank in order (each destroys its process group); ranks that have not replied and
+        exited within CLOSE_GRACE_S in all (one hung in destroy_process_group, as NCCL can) are
+        killed (SIGKILL), so close() returns within about that. Idempotent."""
         if not self._procs:
             return
+        deadline = time.monotonic() + CLOSE_GRACE_S
         try:
             for conn in self._conns:
                 send(conn, None)
-            self._collect("close")
+            self._collect("close", deadline=deadline)
             for proc in self._procs:
-                proc.wait(CLOSE_GRACE_S)
+                proc.wait(max(deadline - time.monotonic(), 0.0))
         except (OSError, TensorParallelError, subprocess.TimeoutExpired):
             pass
         finally:
             self.kill()
 
     def kill(self) -> None:
-        """Kill every rank still running (SIGKILL) and reap it. Idempotent."""
+        """Kill every rank still running (SIGKILL) and reap it (one that outlives CLOSE_GRACE_S after
+        its SIGKILL, stuck in the kernel, is left to the guard). Idempotent."""
         procs, self._procs = self._procs, []
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
+        deadline = time.monotonic() + CLOSE_GRACE_S
         for proc in procs:
-            proc.wait()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(max(deadline - time.monotonic(), 0.0))
         for conn in self._conns:
             conn.close()
         self._conns = []

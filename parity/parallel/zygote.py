@@ -114,12 +114,16 @@ class Zygote:
         self._sock, self._lock = ours, threading.Lock()
         self.running: set[int] = set()
         self.retired = False  # replaced by a zygote of another key: it closes once its ranks are gone
+        self.broken = False  # an exchange was interrupted: its reply would answer the next request
 
     def alive(self) -> bool:
-        return self._proc.poll() is None
+        return not self.broken and self._proc.poll() is None
 
     def _ask(self, message: tuple[Any, ...], fds: list[int] | None = None) -> Any:
         with self._lock:
+            if self.broken:
+                raise BackendError(f"parity's rank zygote (pid {self._proc.pid}) was interrupted in a "
+                                   "request; a new one serves new groups")
             try:
                 _send(self._sock, message, fds)
                 return _receive(self._sock)[0]
@@ -127,6 +131,9 @@ class Zygote:
                 code = self._proc.poll()
                 raise BackendError(f"parity's rank zygote (pid {self._proc.pid}) is gone (exit code {code}); "
                                    "its output above says why") from None
+            except BaseException:  # Ctrl-C between request and reply: the stream is out of step for good
+                self.broken = True  # `zygote()` retires it (closing it kills the rank it may have forked)
+                raise
 
     def spawn(self, index: int, env: dict[str, str]) -> ForkedRank:
         """Fork rank `index` with environment `env`, in the caller's working directory."""
@@ -211,6 +218,8 @@ def _child(sock: socket.socket, rank_index: int, env: dict[str, str], cwd: str, 
     """The forked rank: the caller's stdio, directory and environment, then the rank's own main."""
     code = 1
     try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as a fresh interpreter starts
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
         sock.close()
         for target, fd in zip((1, 2), stdio, strict=True):
             os.dup2(fd, target)
@@ -248,8 +257,17 @@ def _reap(pid: int, timeout: float | None, codes: dict[int, int]) -> int | str:
     return codes[pid]
 
 
+class _Terminated(Exception):
+    """SIGTERM reached the zygote: it stops, and takes its ranks with it."""
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    raise _Terminated
+
+
 def main(argv: list[str]) -> int:
-    """The zygote process: `python -m parity.parallel.zygote FD`, requests on the socket FD."""
+    """The zygote process: `python -m parity.parallel.zygote FD`, requests on the socket FD; on EOF
+    or SIGTERM it SIGKILLs the ranks it forked that are still there, then exits."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the caller stops its groups on Ctrl-C
     rank.set_environment()  # before torch.distributed loads, as in a fresh rank
     for module in PRELOAD:
@@ -257,28 +275,37 @@ def main(argv: list[str]) -> int:
     sock = socket.socket(fileno=int(argv[0]))
     children: set[int] = set()
     codes: dict[int, int] = {}
-    while True:
-        try:
-            message, fds = _receive(sock)
-        except (EOFError, OSError):
-            break
-        if message[0] == "spawn":
-            _, index, env, cwd = message
-            pid = os.fork()
-            if pid == 0:
-                _child(sock, index, env, cwd, fds)
-            for fd in fds:
-                os.close(fd)
-            children.add(pid)
-            _send(sock, pid)
-        else:
-            _, pid, timeout = message
-            _send(sock, _reap(pid, timeout, codes) if pid in children else None)
-    for pid in children - set(codes):  # the caller is gone or closed us: no rank outlives it
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, 0)
+    signal.signal(signal.SIGTERM, _terminated)  # before: no rank yet, the default exit is right
+    try:
+        while True:
+            try:
+                message, fds = _receive(sock)
+            except (EOFError, OSError):
+                break
+            if message[0] == "spawn":
+                _, index, env, cwd = message
+                # held from the fork until the child is in `children` (and in the child until it resets it)
+                signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+                pid = os.fork()
+                if pid == 0:
+                    _child(sock, index, env, cwd, fds)
+                children.add(pid)
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+                for fd in fds:
+                    os.close(fd)
+                _send(sock, pid)
+            else:
+                _, pid, timeout = message
+                _send(sock, _reap(pid, timeout, codes) if pid in children else None)
+    except (_Terminated, OSError):  # SIGTERM, or the caller went while we replied
+        pass
+    finally:  # the caller is gone, closed us or SIGTERM came: no rank outlives us
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for pid in children - set(codes):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
     return 0
 
 
