@@ -159,13 +159,22 @@ def optional_entry(entries: Any, key: str) -> Any:
 
 
 def sampling_of(found: Mapping[str, Any], given: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The batch's sampling: what it holds (`found`), then `given` (the caller's); the two must agree."""
-    out = {k: _scalar(v) for k, v in found.items() if v is not None}
+    """The batch's sampling: what it holds (`found`), then `given` (the caller's); the two must agree.
+    NumPy/torch scalars become Python numbers (`_scalar`), and top_k=-1 (off in verl, vLLM, SGLang,
+    slime) parity's 0."""
+    out = {k: _sampling_value(k, v) for k, v in found.items() if v is not None}
     for key, value in (given or {}).items():
+        value = _sampling_value(key, value)
         if key in out and out[key] != value:
             raise InputError(f"sampling {key}={value!r} was given but the batch says {out[key]!r}; drop one")
         out[key] = value
     return out
+
+
+def _sampling_value(key: str, value: Any) -> Any:
+    """One sampling field as parity writes it: a Python number, top_k=-1 (the trainers' "off") as 0."""
+    value = _scalar(value)
+    return 0 if key == "top_k" and value == -1 and not isinstance(value, bool) else value
 
 
 def _scalar(value: Any) -> Any:
@@ -214,7 +223,7 @@ def sequence_batch(rollout: np.ndarray, trainer: np.ndarray, token_mask: np.ndar
         mask=aligned(token_mask, False), lengths=lengths - start,
         responses=None if tokens is None else aligned(tokens, 0).astype(tokens.dtype),
         prompts=None if tokens is None else [tokens[r, :start[r]] for r in range(batch)],
-        sampling=dict(sampling or {}))
+        sampling=sampling_of({}, sampling))
 
 
 def padded_rows(rows: Sequence[Any], name: str, fill: float) -> tuple[np.ndarray, np.ndarray]:

@@ -12,7 +12,10 @@ Whole sequences in one row; input token i's logprob at position i:
     sampling             not in the batch                 pass sampling={"temperature": ...}
 
 Responses start at the first token_mask=1 and are left-aligned. Logprobs are in
-`policy.generation.vllm_cfg.logprobs_mode` (vLLM's raw_logprobs when absent).
+`policy.generation.vllm_cfg.logprobs_mode` (vLLM's raw_logprobs when absent). Read before
+`compute_and_apply_seq_logprob_error_masking`, which zeroes the sample_mask of the sequences of
+largest drift. An all-zero `prev_logprobs` (`loss_fn.force_on_policy_ratio` skips computing it) is
+refused.
 """
 
 from __future__ import annotations
@@ -63,8 +66,14 @@ def read_batch(data: Mapping[str, Any], *, sampling: Mapping[str, Any] | None = 
         raise InputError(f"{KEYS['sample_mask']} has {keep.size} entries for a batch of {batch}; give one "
                          "per row")
     names = (KEYS["rollout"], KEYS["trainer"], KEYS["mask"], KEYS["tokens"], KEYS["lengths"])
-    return sequence_batch(rollout, trainer, token_mask & keep[:, None], tokens, lengths, sampling,
+    step = sequence_batch(rollout, trainer, token_mask & keep[:, None], tokens, lengths, sampling,
                           names=names)
+    if not trainer.any() and (step.rollout[step.mask] != 0).any():
+        raise InputError("prev_logprobs is 0 at every position (prompt tokens too): NeMo-RL's placeholder "
+                         "when loss_fn.force_on_policy_ratio=True skips the prev_logprobs forward, not the "
+                         "policy's logprobs; set grpo.seq_logprob_error_threshold (NeMo-RL then computes "
+                         "them) or turn force_on_policy_ratio off to monitor this run")
+    return step
 
 
 def log_batch(monitor: Monitor, step: int, data: Mapping[str, Any], *,

@@ -29,6 +29,7 @@ from parity.integrations.batches import (
     log_step,
     optional_entry,
     padded_rows,
+    sampling_of,
 )
 from parity.monitor.arrays import host_array
 
@@ -68,7 +69,7 @@ def read_batch(data: Mapping[str, Any], *, sampling: Mapping[str, Any] | None = 
         prompts = [row[:row.size - n] for row, n in zip(rows, lengths)]
         responses, _ = padded_rows([row[row.size - n:] for row, n in zip(rows, lengths)], KEYS["tokens"], 0)
     return StepBatch(rollout=rollout, trainer=trainer, mask=bool_mask(mask, KEYS["mask"]), lengths=lengths,
-                     responses=responses, prompts=prompts, sampling=dict(sampling or {}))
+                     responses=responses, prompts=prompts, sampling=sampling_of({}, sampling))
 
 
 def log_batch(monitor: Monitor, step: int, data: Mapping[str, Any], *,

@@ -11,7 +11,8 @@ this one trainer object and logs each training batch at `state.global_step`:
     mask                 "completion_mask" (x "tool_mask")        0 at padding and tool-result tokens
     responses            "completion_ids"                         [batch, completion_len]
     prompts              "prompt_ids" with "prompt_mask"          [batch, prompt_len], left-padded
-    sampling             args.temperature, top_p, top_k           top_p < 1 and top_k > 0 only
+    sampling             args.temperature, top_p, top_k           top_p < 1 and top_k > 0 only; as
+                                                                  args.generation_kwargs overrides them
     TRL's IS settings    args.vllm_importance_sampling_*          stored in each step's meta
 
 Refused: a trainer without both sides (TRL computes `old_per_token_logps` only with vLLM IS
@@ -128,12 +129,15 @@ def _check_settings(settings: Mapping[str, Any], *, has_rollout_func: bool) -> N
 
 
 def _trl_sampling(args: Any) -> dict[str, Any]:
-    """GRPOConfig's sampling as parity's fields (TRL's top_k=0 and top_p=1 mean off)."""
-    out: dict[str, Any] = {"temperature": float(args.temperature)}
-    top_p, top_k = getattr(args, "top_p", 1.0), getattr(args, "top_k", 0)
+    """The rollout's sampling as parity's fields: GRPOConfig's, overridden as TRL overrides them by
+    `generation_kwargs` (TRL's top_k <= 0 and top_p=1 mean off)."""
+    override = getattr(args, "generation_kwargs", None) or {}
+    settings = {k: override.get(k, getattr(args, k, None)) for k in ("temperature", "top_p", "top_k")}
+    out: dict[str, Any] = {"temperature": float(settings["temperature"])}
+    top_p, top_k = settings["top_p"], settings["top_k"]
     if top_p is not None and top_p < 1.0:
         out["top_p"] = float(top_p)
-    if top_k:
+    if top_k is not None and top_k > 0:
         out["top_k"] = int(top_k)
     return out
 
