@@ -96,7 +96,7 @@ def test_top_k_logprobs_given_as_strings_or_bools_are_refused(values):
 def test_a_top_k_logprob_a_hair_above_zero_is_held_to_the_one_logprob_bound():
     r = rollout("a", (5,), (3e-5,), top_k_ids=[[5, 7]], top_k_logprobs=[[3e-5, -12.0]])
     assert r.top_k_logprobs[0, 0] == 3e-5
-    r = rollout("a", (5,), (0.0,), top_k_ids=[[5, 7]], top_k_logprobs=[[0, -1]])  # integers are numbers
+    r = rollout("a", (5,), (0.0,), top_k_ids=[[5, 7]], top_k_logprobs=[[0, -20]])  # integers are numbers
     assert r.top_k_logprobs.dtype == np.float64
     with pytest.raises(TopKError, match="holds NaN or a value >"):
         rollout("a", (5,), (0.5,), top_k_ids=[[5, 7]], top_k_logprobs=[[0.5, -1.0]])

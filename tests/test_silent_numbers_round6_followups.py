@@ -135,8 +135,8 @@ def test_a_dump_with_top_k_entries_that_are_not_numbers_is_refused(tmp_path, ids
 
 
 def test_a_dump_with_numeric_top_k_is_still_read(tmp_path):
-    (rollout,) = read_dump(_top_k_dump(tmp_path, [[7, 5], [8, 6]], [[-0.1, -1.0], [-0.2, -1.5]])).rollouts
-    assert rollout.top_k_logprobs.tolist() == [[-0.1, -1.0], [-0.2, -1.5]]
+    (rollout,) = read_dump(_top_k_dump(tmp_path, [[7, 5], [8, 6]], [[-0.3, -1.9], [-0.4, -1.5]])).rollouts
+    assert rollout.top_k_logprobs.tolist() == [[-0.3, -1.9], [-0.4, -1.5]]
     assert rollout.top_k_ids.tolist() == [[7, 5], [8, 6]]
 
 

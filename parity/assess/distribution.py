@@ -48,6 +48,11 @@ def distribution_section(rollouts: Sequence[Rollout], views: Sequence[TrainerVie
     """(summary, section) of rollouts with top-k and the trainer's views of them (one per rollout,
     `train_forward(distribution=True)`); generated tokens only."""
     k = check_rollout_top_k(rollouts, None)
+    pairs = list(zip(rollouts, views))
+    # a rollout with no generated position adds nothing, and its [0, 0] top-k (an empty response
+    # read back from JSON) would not concatenate with the others' [n, k]
+    pairs = [(r, v) for r, v in pairs if any(r.mask)] or pairs[:1]
+    rollouts, views = [r for r, _ in pairs], [v for _, v in pairs]
     keep = [np.asarray(r.mask, dtype=bool) for r in rollouts]
     view = concat_views([TrainerView(*(getattr(v, f.name)[m] for f in fields(TrainerView)))
                          for v, m in zip(views, keep)])

@@ -18,7 +18,7 @@ from parity.core.logprobs import MAX_LOGPROB
 class TopKError(InputError):
     """Top-k logprobs that cannot be scored: k above the engine's maximum, top-k of another
     processing than the sampled logprobs, an id outside the vocabulary, logprobs out of
-    descending order, or one id twice in a position."""
+    descending order or of no distribution (mass above 1, none at all), or one id twice in a position."""
 
 
 #: |top-k logprob - sampled logprob| above which the sampled token's entry in the top-k is taken to
@@ -26,6 +26,11 @@ class TopKError(InputError):
 #: they agree to the last bit there; the slack covers a dump stored in bfloat16 (8 bits: 2^-8
 #: relative, ~4e-3 at logprob -1), far below what temperature or top-p changes.
 SAME_PROCESSING_SLACK = 1e-2
+
+#: how far one position's top-k probabilities may sum above 1 (a fraction of the mass). A bfloat16 dump
+#: moves each logprob a_i by at most |a_i| 2^-9, so the sum by at most ~H/512 for H the top-k's
+#: entropy (< 0.014 up to k = 1000 even uniform); logits or logprobs of no one distribution sum far above.
+TOP_K_MASS_SLACK = 2e-2
 
 
 def check_top_k(ids: Any, logprobs: Any, where: str, *, positions: int | None = None,
@@ -43,7 +48,8 @@ def check_top_k(ids: Any, logprobs: Any, where: str, *, positions: int | None = 
     lp_a = lp_a.astype(np.float64, copy=False)
     if ids_a.size == 0 and ids_a.ndim < 2:
         ids_a = ids_a.reshape(0, lp_a.shape[1] if lp_a.ndim == 2 else 0)
-        lp_a = lp_a.reshape(ids_a.shape)
+        if lp_a.size == 0:  # else the shape check below names both shapes
+            lp_a = lp_a.reshape(ids_a.shape)
     if ids_a.ndim != 2 or lp_a.shape != ids_a.shape:
         raise TopKError(f"{where}: top_k_ids {ids_a.shape} and top_k_logprobs {lp_a.shape} must both be "
                         "[positions, k] of one shape")
@@ -64,6 +70,14 @@ def check_top_k(ids: Any, logprobs: Any, where: str, *, positions: int | None = 
                "logprobs are <= 0 (-inf for tokens outside the sampling support)")
     _first_bad(lp_a[:, 1:] > lp_a[:, :-1], where, "top_k_logprobs are not in descending order",
                "give each position's entries most likely first, as the engine returns them")
+    if lp_a.shape[1]:
+        _first_bad(lp_a[:, :1] == -np.inf, where, "top_k_logprobs' first entry is -inf (its most likely "
+                   "token has probability 0)", "give the top-k of the distribution sampled from")
+        with np.errstate(under="ignore"):
+            mass = np.exp(lp_a).sum(axis=1, keepdims=True)
+        _first_bad(mass > 1.0 + TOP_K_MASS_SLACK, where, "top_k_logprobs' probabilities sum above 1 "
+                   f"(by more than {TOP_K_MASS_SLACK:g}): not the logprobs of one distribution",
+                   "give log_softmax values of the engine's distribution, not logits or rescaled logprobs")
     ordered = np.sort(ids_a, axis=1)
     _first_bad(ordered[:, 1:] == ordered[:, :-1], where, "top_k_ids holds one token id twice in a position",
                "each position's top-k lists distinct tokens")

@@ -245,21 +245,27 @@ def _first_and_tail(q: np.ndarray, p: np.ndarray, q_tail: np.ndarray, p_tail: np
         tail_qp = np.where(separate, q_tail * (np.log(q_tail) - np.log(p_tail)), 0.0)
         first_pq = np.where(p0 > 0, p0 * ratio, 0.0)
         first_qp = np.where(q0 > 0, -q0 * ratio, 0.0)
+    # s_1 with mass on one side only is infinite whatever the tail (the partition with s_1 alone is one
+    # too): a tail merged into its bucket would otherwise give it the other side's residue as mass
+    first_pq = np.where((p[:, 0] > 0) & (q[:, 0] == 0), np.inf, first_pq)
+    first_qp = np.where((q[:, 0] > 0) & (p[:, 0] == 0), np.inf, first_qp)
     return first_pq, first_qp, tail_pq, tail_qp
 
 
 def summarize_distribution(drift: PositionDrift, top_k: int) -> dict[str, Any]:
-    """The `distribution/` summary keys of a batch: KL and TV mean and max over finite positions
-    (infinite bounds counted apart), mean overlap fraction, and mean entropy difference (engine -
-    trainer) where computable.
+    """The `distribution/` summary keys of a batch: KL and TV mean and max (a position with either KL
+    bound infinite counted apart and kept out of both KL means), mean overlap fraction, and mean
+    entropy difference (engine - trainer) where computable.
     """
     n = int(drift.tv.size)
     key = DISTRIBUTION_PREFIX
     infinite = ~np.isfinite(drift.kl_train_engine) | ~np.isfinite(drift.kl_engine_train)
     summary: dict[str, Any] = {f"{key}top_k": int(top_k), f"{key}num_positions": n,
                                f"{key}num_positions_infinite_kl": int(infinite.sum())}
-    for name, values in (("kl_train_engine", drift.kl_train_engine),
-                         ("kl_engine_train", drift.kl_engine_train), ("tv", drift.tv)):
+    # a position infinite in one direction is out of both KL means (docs/DISTRIBUTION.md): its other
+    # bound may be a vacuous 0 (the two sides' mass on different tokens) that would read as agreement
+    for name, values in (("kl_train_engine", drift.kl_train_engine[~infinite]),
+                         ("kl_engine_train", drift.kl_engine_train[~infinite]), ("tv", drift.tv)):
         finite = values[np.isfinite(values)]
         summary[f"{key}{name}_mean"] = float(finite.mean()) if finite.size else float("nan")
         summary[f"{key}{name}_max"] = float(finite.max()) if finite.size else float("nan")
