@@ -43,6 +43,12 @@ NEUTRAL_SAMPLING = {"min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty":
 #: SGLang's `--dtype` spellings -> parity's dtype ("auto" resolves in the server, unknown here).
 SGLANG_DTYPES = {"half": "float16", "float16": "float16", "bfloat16": "bfloat16", "float": "float32",
                  "float32": "float32"}
+#: SGLang clamps every logprob it returns to its dtype's lowest finite value (`clamp_(min=finfo.min)`, so
+#: no -inf reaches JSON): float32's -3.4e38, or bfloat16's -3.39e38. A value at or below this stands for -inf.
+SGLANG_LOGPROB_FLOOR = -3.3895313892515355e38
+#: SGLang's finish reasons of a sample that ran as asked; "abort" (`/abort_request`, `/pause_generation`)
+#: ends it early, at a point no parity sampling chose.
+FINISHED_AS_ASKED = ("stop", "length")
 #: `/get_server_info` fields that decide a server's numbers (recorded in meta["server_settings"]).
 SERVER_SETTINGS = ("tp_size", "attention_backend", "sampling_backend", "enable_deterministic_inference",
                    "disable_radix_cache", "disable_cuda_graph", "random_seed", "dtype", "page_size")
@@ -79,6 +85,33 @@ def translate_sampling(job: SampleJob, eos_ids: Sequence[int], logprobs_mode: st
     }
 
 
+def unclamp(logprob: Any) -> float:
+    """SGLang's clamped -inf (`SGLANG_LOGPROB_FLOOR`) back to -inf, what the other engines report; a null
+    (orjson's NaN) is refused."""
+    if logprob is None:
+        raise BackendError("SGLang returned a null logprob (a NaN, which its JSON encoder writes as null)")
+    value = float(logprob)
+    return float("-inf") if value <= SGLANG_LOGPROB_FLOOR else value
+
+
+def check_finish(out: dict[str, Any], job: SampleJob, n_tokens: int, stops: Sequence[int]) -> None:
+    """BackendError for a sample SGLang aborted, or stopped on a token outside `stops` (the stop set
+    parity sent): its tokens would pass for one that ran to its length."""
+    finish = out.get("meta_info", {}).get("finish_reason")
+    kind = finish.get("type") if isinstance(finish, dict) else finish
+    where = f"SGLang ended sample {job.request.request_id!r}/{job.sample_index}"
+    if kind is not None and kind not in FINISHED_AS_ASKED:
+        raise BackendError(f"{where} with finish_reason {finish!r} after {n_tokens} tokens (an abort, "
+                           "e.g. /abort_request or /pause_generation): not a sample to a stop id or "
+                           "max_new_tokens; run it again while nothing else aborts the server's requests")
+    matched = finish.get("matched") if isinstance(finish, dict) else None
+    if kind == "stop" and isinstance(matched, int) and matched not in stops:
+        raise BackendError(f"{where} on token {matched}, which is not in the stop set parity sent "
+                           f"{list(stops)}: SGLang also stops on every EOS id of config.json and "
+                           "generation_config.json, parity on generation_config.json's alone; add "
+                           f"{matched} to sampling.stop_token_ids so every backend stops there")
+
+
 def decode_routes(encoded: str, moe_layers: int, top_k: int) -> np.ndarray:
     """SGLang's base64 `routed_experts` -> int32 `[positions, moe_layers, top_k]`."""
     flat = np.frombuffer(base64.b64decode(encoded), dtype=np.int32)
@@ -100,7 +133,7 @@ def parse_output(out: dict[str, Any], routes_shape: tuple[int, int] | None = Non
     if "output_ids" in out and list(out["output_ids"]) != tokens:
         raise BackendError(f"SGLang output_ids {out['output_ids']} disagree with the token ids of "
                            f"output_token_logprobs {tokens}")
-    logprobs = [float(entry[0]) for entry in entries]
+    logprobs = [unclamp(entry[0]) for entry in entries]
     routes = None
     if info.get("routed_experts") is not None and routes_shape is not None:
         routes = decode_routes(info["routed_experts"], *routes_shape)
@@ -117,7 +150,7 @@ def parse_top_logprobs(out: dict[str, Any], k: int) -> TopKRows | None:
         raise BackendError("SGLang output has no meta_info.output_top_logprobs; send top_logprobs_num=k with "
                            "return_logprob=true")
     entries = [sorted(row, key=lambda e: -float(e[0]))[:k] for row in rows]
-    return [[int(e[1]) for e in row] for row in entries], [[float(e[0]) for e in row] for row in entries]
+    return [[int(e[1]) for e in row] for row in entries], [[unclamp(e[0]) for e in row] for row in entries]
 
 
 def parse_prompt_logprobs(out: dict[str, Any], prompt_len: int) -> list[float]:
@@ -126,7 +159,7 @@ def parse_prompt_logprobs(out: dict[str, Any], prompt_len: int) -> list[float]:
     if entries is None:
         raise BackendError("SGLang output has no meta_info.input_token_logprobs; send return_logprob=true "
                            "with logprob_start_len=0")
-    return [float(entry[0]) for entry in entries[prompt_len:]]
+    return [unclamp(entry[0]) for entry in entries[prompt_len:]]
 
 
 def runs_on_cpu(words: Sequence[str], engine_kwargs: Mapping[str, Any]) -> bool:
@@ -260,6 +293,7 @@ class SGLangBackend(Backend):
 
     def _rollout(self, job: SampleJob, out: dict[str, Any]) -> Rollout:
         tokens, logprobs, routes = parse_output(out, self.routes_shape)
+        check_finish(out, job, len(tokens), stop_set(job.sampling, self.eos_ids))
         if routes is not None and routes.shape[0] != len(job.request.prompt_ids) + len(tokens) - 1:
             raise BackendError(f"SGLang routed_experts has {routes.shape[0]} positions for prompt "
                                f"{len(job.request.prompt_ids)} + tokens {len(tokens)} - 1")
@@ -327,8 +361,16 @@ class SGLangBackend(Backend):
         outputs = self._generate_raw([[*p, *r] for p, r in pairs], params,
                                      [f"sequences[{i}]" for i in range(len(pairs))], return_logprob=True,
                                      logprob_start_len=0)
-        return [torch.tensor(parse_prompt_logprobs(out, len(p)), dtype=torch.float32)
-                for (p, _), out in zip(pairs, outputs)]
+        result = []
+        for i, ((prompt, response), out) in enumerate(zip(pairs, outputs)):
+            values = parse_prompt_logprobs(out, len(prompt))
+            if len(values) != len(response):  # e.g. --allow-auto-truncate cut the sequence's tail
+                raise BackendError(f"SGLang scored {len(values)} of the {len(response)} response tokens of "
+                                   f"sequences[{i}] (input_token_logprobs for {len(prompt) + len(values)} of "
+                                   f"{len(prompt) + len(response)} positions); is the sequence longer than "
+                                   "the server's context?")
+            result.append(torch.tensor(values, dtype=torch.float32))
+        return result
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """`Engine.update_weights_from_tensor`, then flush the radix (prefix) cache."""

@@ -29,6 +29,8 @@ from parity.backends.vllm_probe import (
     v1_runner,
 )
 from parity.backends.vllm_requests import (
+    check_finish,
+    check_scored,
     check_vllm_requests,
     routes_for_rollout,
     top_k_of,
@@ -264,6 +266,7 @@ class VLLMBackend(Backend):
         for job, out in zip(jobs, outputs):
             completion = out.outputs[0]
             tokens = list(completion.token_ids)
+            check_finish(completion.finish_reason, job, len(tokens), self.name)
             logprobs = [step[tok].logprob for step, tok in zip(completion.logprobs, tokens)]
             top_k = top_k_of(completion.logprobs, job.sampling.top_k_logprobs)
             raw_routes = captured.get(out.request_id) if self.capture_routes else completion.routed_experts
@@ -301,6 +304,7 @@ class VLLMBackend(Backend):
         for (prompt, response), out in zip(pairs, outputs):
             # prompt_logprobs[t] scores token t given tokens < t; entry 0 is None.
             steps = out.prompt_logprobs[len(prompt):]
+            check_scored(len(steps), len(response), self.name)
             if processed and response:
                 raw = torch.tensor([[step[v].logprob for v in range(len(step))] for step in steps])
                 lp = processed_from_raw(raw, temperature=sampling.temperature, top_k=sampling.top_k,

@@ -18,6 +18,9 @@ VLLM_MAX_TEMPERATURE = 2.0
 #: vLLM raises a temperature in (0, this) to this, with only a log line (SamplingParams.__post_init__,
 #: `_MAX_TEMP`): it would sample, and report processed logprobs, at another temperature than asked.
 VLLM_MIN_TEMPERATURE = 0.01
+#: the finish reasons of a sample that ran as asked (to a stop id or its length); vLLM's others ("abort":
+#: a client or `/pause`, "error", "repetition") end it early, at a point no parity sampling chose.
+FINISHED_AS_ASKED = ("stop", "length")
 
 
 def translate_sampling(job: SampleJob, eos_ids: Sequence[int]) -> dict[str, Any]:
@@ -52,6 +55,22 @@ def check_vllm_requests(requests: Sequence[Request], logprobs_mode: str, backend
                 f"is started with logprobs_mode={logprobs_mode!r} (one mode per engine); start it with "
                 f"logprobs_mode={mode!r} (--option logprobs_mode={mode})")
         translate_sampling(SampleJob(request, 0, request.sampling.seed), ())
+
+
+def check_finish(reason: object, job: SampleJob, n_tokens: int, backend: str) -> None:
+    """BackendError for a sample vLLM cut short ("abort", "error"...): its tokens would pass for a sample
+    that ran to its length (parity's finish reason reads the stop set only)."""
+    if reason is not None and str(reason) not in FINISHED_AS_ASKED:
+        raise BackendError(f"{backend} ended sample {job.request.request_id!r}/{job.sample_index} with "
+                           f"finish_reason {str(reason)!r} after {n_tokens} tokens (an abort, e.g. a /pause "
+                           "of the server, or an engine error): not a sample to a stop id or max_tokens; "
+                           "run it again while nothing else pauses or aborts the engine's requests")
+
+
+def check_scored(scored: int, response: int, backend: str) -> None:
+    """BackendError unless `prompt_logprobs` covered every response token (zip would drop the rest)."""
+    if scored != response:
+        raise BackendError(f"{backend} returned prompt logprobs for {scored} of {response} response tokens")
 
 
 def top_k_of(steps: Sequence[dict[int, Any]], k: int) -> TopKRows | None:

@@ -28,7 +28,13 @@ from parity.backends.http import Endpoint, HttpClient, HttpSettings, api_key_fro
 from parity.backends.vllm_env import check_batch_invariant_platform, resolve_flag
 from parity.backends.vllm_exit import ENV as FAST_EXIT
 from parity.backends.vllm_probe import PROBE_EXTENSION, PROBE_KEY, unpack_probe
-from parity.backends.vllm_requests import check_vllm_requests, routes_for_rollout, with_routes
+from parity.backends.vllm_requests import (
+    check_finish,
+    check_scored,
+    check_vllm_requests,
+    routes_for_rollout,
+    with_routes,
+)
 from parity.backends.vllm_settings import from_probes, from_server_info
 from parity.backends.vllm_start import (
     GPU_MEMORY_UTILIZATION,
@@ -294,6 +300,7 @@ class VLLMServerBackend(Backend):
         rollouts = []
         for job, answer in zip(jobs, answers):
             tokens, logprobs, finish, routes = parse_completion(answer)
+            check_finish(finish, job, len(tokens), self.name)
             routes = routes_for_rollout(routes, len(job.request.prompt_ids), len(tokens))
             top_k = top_k_rows(answer, tokens, job.sampling.top_k_logprobs)
             rollouts.append(self.finished(job, tokens, logprobs, routes, top_k=top_k,
@@ -313,6 +320,7 @@ class VLLMServerBackend(Backend):
         result = []
         for (prompt, response), answer in zip(pairs, answers):
             rows = prompt_logprob_rows(answer, len(prompt))
+            check_scored(len(rows), len(response), self.name)
             if processed and response:
                 raw = torch.tensor([[row[v] for v in range(len(row))] for row in rows])
                 lp = processed_from_raw(raw, temperature=sampling.temperature, top_k=sampling.top_k,

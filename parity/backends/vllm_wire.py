@@ -111,16 +111,24 @@ def probe_logprobs_mode(client: HttpClient, model: str, token: int) -> str:
     """The server's logprob definition from its answers: "processed_logprobs" or "raw_logprobs".
 
     With top_k=1 a processed logprob is exactly 0 (a point mass); a raw one equals the (raw) prompt
-    logprob of the same token. `token`: any valid prompt token.
+    logprob of the same token. A raw logprob of 0 too (a model all but certain of that token) tells
+    neither: refused, not read as processed. `token`: any valid prompt token.
     """
     base = {"model": model, "max_tokens": 1, "temperature": 1.0, "top_k": 1, "seed": 0, "logprobs": 0,
             "return_token_ids": True, "return_tokens_as_token_ids": True, "ignore_eos": True}
     tokens, values, _, _ = parse_completion(client.post("/v1/completions", {**base, "prompt": [token]}))
-    if values[0] == 0.0:
-        return "processed_logprobs"
     scored = client.post("/v1/completions", {**base, "prompt": [token, tokens[0]], "temperature": 0.0,
                                              "prompt_logprobs": 0})
-    if abs(prompt_logprob_rows(scored, 1)[0][tokens[0]] - values[0]) <= 1e-3:
+    raw = prompt_logprob_rows(scored, 1)[0][tokens[0]]
+    as_raw = abs(raw - values[0]) <= 1e-3
+    if values[0] == 0.0 and as_raw:
+        raise ConfigError(f"the server at {client.endpoint.public} gives token {tokens[0]} after token "
+                          f"{token} a raw logprob of {raw:.3g}, as near 0 as a processed one under top_k=1: "
+                          "its logprob mode cannot be told apart this way; start it with "
+                          "VLLM_SERVER_DEV_MODE=1 (its /server_info shows --logprobs-mode)")
+    if values[0] == 0.0:
+        return "processed_logprobs"
+    if as_raw:
         return "raw_logprobs"
     raise ConfigError(f"the server at {client.endpoint.public} reports neither processed nor raw logprobs "
                       "(a logits mode?); start it with --logprobs-mode processed_logprobs")
