@@ -160,7 +160,8 @@ class Monitor:
                     from parity.monitor.top_k import step_distribution  # only for steps with top-k rows
 
                     keys, record["distribution"] = step_distribution(rollout_top_k, train_top_k, rollout, ids,
-                                                                     mask, row_ids, self.tokenizer)
+                                                                     mask, row_ids, self.tokenizer,
+                                                                     train_log_probs=old)
                     record["summary"].update(keys)
                 record["summary"].update({SUPPORT_SUMMARY_KEYS[0]: outside,
                                           SUPPORT_SUMMARY_KEYS[1]: outside / counted if counted else 0.0})

@@ -11,7 +11,8 @@ from typing import Any
 import numpy as np
 
 from parity.core.errors import InputError
-from parity.core.top_k import check_same_processing, check_top_k
+from parity.core.logprobs import MAX_LOGPROB
+from parity.core.top_k import SAME_PROCESSING_SLACK, TOP_K_MASS_SLACK, check_same_processing, check_top_k
 from parity.drift.distribution import TrainerView, concat_views, position_drift, summarize_distribution
 from parity.monitor.arrays import host_array
 
@@ -22,9 +23,11 @@ SHOWN_ENTRIES = 5
 
 def step_distribution(rollout_top_k: Any, train_view: TrainerView | Sequence[TrainerView] | None,
                       rollout_log_probs: np.ndarray, responses: np.ndarray | None, mask: np.ndarray,
-                      uids: list[str] | None, tokenizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+                      uids: list[str] | None, tokenizer: Any, train_log_probs: np.ndarray | None = None
+                      ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(`distribution/` summary keys, stored section with the worst positions' top-5) of the rollout's
     top-k `[batch, response_len, k]` against `train_view`(s); `InputError` / `TopKError` otherwise.
+    train_log_probs `[batch, response_len]` (the step's old_log_probs) checks the view's processing.
     """
     if rollout_top_k is None or train_view is None:
         raise InputError("rollout_top_k and train_top_k come together (the rollout's top-k and the trainer's "
@@ -40,8 +43,10 @@ def step_distribution(rollout_top_k: Any, train_view: TrainerView | Sequence[Tra
         raise InputError(f"rollout_top_k logprobs must be {list(ids.shape)} like its ids, got "
                          f"{list(logprobs.shape)}")
     dense = bool(counted.all())  # every slot counts: views, not copies of the [N, k] arrays
-    ids, logprobs, sampled, sampled_lp = ((x.reshape(-1, *x.shape[2:]) if dense else x[counted])
-                                          for x in (ids, logprobs, responses, rollout_log_probs))
+    trainer_lp = rollout_log_probs if train_log_probs is None else train_log_probs
+    ids, logprobs, sampled, sampled_lp, trainer_lp = (
+        (x.reshape(-1, *x.shape[2:]) if dense else x[counted])
+        for x in (ids, logprobs, responses, rollout_log_probs, trainer_lp))
     k = ids.shape[1]
     check_top_k(ids, logprobs, "rollout_top_k")
     check_same_processing(ids, logprobs, sampled, sampled_lp, "rollout_top_k")
@@ -50,6 +55,9 @@ def step_distribution(rollout_top_k: Any, train_view: TrainerView | Sequence[Tra
         raise InputError(f"train_top_k holds {view.at_engine.shape} values for {ids.shape} counted top-k "
                          "entries; make it with parity.monitor.train_top_k from the same ids and mask")
     _check_positions(view.sampled_ids, sampled, counted)
+    _check_view(view, counted)
+    if train_log_probs is not None:
+        _check_train_processing(ids, view, sampled, trainer_lp, counted)
     drift = position_drift(logprobs, view)
     rows, positions = np.nonzero(counted)
     shown = min(SHOWN_ENTRIES, k)
@@ -86,6 +94,54 @@ def _check_positions(view_sampled: np.ndarray, sampled: np.ndarray, counted: np.
                          f"position {position}) the rollout sampled id {int(sampled[j])}, the view was made "
                          f"at id {int(view_sampled[j])}; pass the micro-batches' views in batch order "
                          "(verl's use_dynamic_bsz reorders micro-batches: restore their order first)")
+
+
+def _check_view(view: TrainerView, counted: np.ndarray) -> None:
+    """InputError unless the view's values are log_softmax values: no NaN (torch's top-k lists a NaN of
+    the row first), none above 0, its top-k's mass at most 1 (to `TOP_K_MASS_SLACK`, as the rollout's)."""
+    top = np.asarray(view.top_logprobs, dtype=np.float64)
+    at = np.asarray(view.at_engine, dtype=np.float64)
+    with np.errstate(under="ignore"):
+        mass = np.exp(top).sum(axis=1) if top.size else np.zeros(top.shape[0])
+    for bad, what in ((np.isnan(top).any(axis=1) | np.isnan(at).any(axis=1), "holds NaN"),
+                      ((top > MAX_LOGPROB).any(axis=1) | (at > MAX_LOGPROB).any(axis=1),
+                       f"holds a logprob above {MAX_LOGPROB:g}"),
+                      (mass > 1.0 + TOP_K_MASS_SLACK, f"has top-k probabilities summing above 1 (by more "
+                       f"than {TOP_K_MASS_SLACK:g})")):
+        if bad.any():
+            j = int(np.argmax(bad))
+            row, position = (int(x[j]) for x in np.nonzero(counted))
+            raise InputError(f"train_top_k {what} at counted token {j} (row {row}, position {position}): "
+                             "not the trainer's log_softmax rows; give train_top_k finite log_softmax "
+                             "values (not logits, not rows with an overflow)")
+
+
+def _check_train_processing(ids: np.ndarray, view: TrainerView, sampled: np.ndarray,
+                            train_lp: np.ndarray, counted: np.ndarray) -> None:
+    """InputError unless the view's rows have the processing of the trainer's sampled logprobs: its value
+    at the sampled id (in the rollout's or its own top-k) is the step's old_log_probs there, to
+    `SAME_PROCESSING_SLACK` on average over the positions holding it. Raw (temperature 1) rows beside
+    logprobs of the rollout's temperature/top-p differ there by ~0.1 nats a token; bfloat16 rounding
+    (|lp| 2^-9) and a second forward pass's nondeterminism stay far below the slack on average."""
+    values = np.full(sampled.shape, np.nan)
+    for top_ids, top_values in ((view.top_ids, view.top_logprobs), (ids, view.at_engine)):
+        hit = top_ids == sampled[:, None]
+        held = hit.any(axis=1)
+        values[held] = np.take_along_axis(top_values, hit.argmax(axis=1)[:, None], axis=1)[held, 0]
+    with np.errstate(invalid="ignore"):
+        off = np.abs(values - np.asarray(train_lp, dtype=np.float64))
+    off = np.where(np.isfinite(off), off, np.nan)  # unheld or -inf on a side: not judged here
+    if not np.isfinite(off).any() or np.nanmean(off) <= SAME_PROCESSING_SLACK:
+        return
+    j = int(np.nanargmax(off))
+    row, position = (int(x[j]) for x in np.nonzero(counted))
+    raise InputError(f"train_top_k was not computed under the processing of old_log_probs: the trainer's "
+                     f"logprobs of the sampled tokens differ from it by {np.nanmean(off):.3g} nats "
+                     "on average "
+                     f"(above {SAME_PROCESSING_SLACK:g}; worst at counted token {j}, row {row}, position "
+                     f"{position}: {values[j]:.4g} in the view, {float(train_lp[j]):.4g} in old_log_probs); "
+                     "compute the trainer's rows for train_top_k with the same temperature/top-k/top-p as "
+                     "old_log_probs and the rollout's logprobs (log_softmax(logits / temperature))")
 
 
 def _largest(values: np.ndarray, k: int) -> list[int]:
