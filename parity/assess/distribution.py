@@ -43,11 +43,20 @@ def check_rollout_top_k(rollouts: Sequence[Rollout], vocab_size: int | None) -> 
     return widths.pop() if widths else 0
 
 
+def _asked_k(rollouts: Sequence[Rollout]) -> int:
+    """The one k of the rollouts' empty top-k arrays or, failing that, of their sampling; 0 if none."""
+    widths = {r.top_k_ids.shape[1] for r in rollouts if r.top_k_ids is not None and r.top_k_ids.shape[1]}
+    if not widths:
+        widths = {r.sampling.top_k_logprobs for r in rollouts if r.sampling is not None}
+    return widths.pop() if len(widths) == 1 else 0
+
+
 def distribution_section(rollouts: Sequence[Rollout], views: Sequence[TrainerView]
                          ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(summary, section) of rollouts with top-k and the trainer's views of them (one per rollout,
     `train_forward(distribution=True)`); generated tokens only."""
-    k = check_rollout_top_k(rollouts, None)
+    # no generated position shows k: the k the rollouts were sampled with (0 if unknown: NaN in the summary)
+    k = check_rollout_top_k(rollouts, None) or _asked_k(rollouts)
     pairs = list(zip(rollouts, views))
     # a rollout with no generated position adds nothing, and its [0, 0] top-k (an empty response
     # read back from JSON) would not concatenate with the others' [n, k]

@@ -55,8 +55,15 @@ def _run(args: argparse.Namespace) -> int:
     model = args.model if args.model is not None else (case.model if case is not None else None)
     if model is None:
         raise ConfigError("parity lifecycle needs --model (or --case naming a model)")
-    dtype = args.dtype or (case.dtypes[0] if case is not None and case.dtypes else "bfloat16")
+    if args.dtype is not None and not args.dtype.strip():  # not the case's dtype: an empty flag is a mistake
+        raise ConfigError("--dtype is empty; give a dtype (bfloat16, float16 or float32), or drop --dtype "
+                          "to run the case's first dtype (else bfloat16)")
+    dtype = args.dtype if args.dtype is not None else (
+        case.dtypes[0] if case is not None and case.dtypes else "bfloat16")
     checks = tuple(c.strip() for c in args.checks.split(",") if c.strip())
+    if not checks:  # no check would run, and a report of none passes
+        raise ConfigError(f"--checks names no check; give some of {','.join(CHECKS)}, or drop --checks "
+                          "to run them all")
     options = parse_options(args.option)
     if args.json is not None:
         output_file(args.json, "--json")  # before any work, as compare checks its outputs

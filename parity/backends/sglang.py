@@ -28,7 +28,7 @@ from parity.backends.sglang_server import split_server_args, start_server
 from parity.core.errors import BackendError, ConfigError, InputError, UnsupportedError
 from parity.core.schema import LOGPROBS_MODES
 from parity.core.strict import check_choice
-from parity.core.turns import Generate
+from parity.core.turns import Generate, check_top_k_turns
 from parity.core.types import Pair, Request, Rollout, SamplingParams
 
 #: parity logprobs_mode -> the value SGLANG_RETURN_ORIGINAL_LOGPROB must have in the server.
@@ -342,6 +342,7 @@ class SGLangBackend(Backend):
             sampling = request.sampling.replace(
                 stop_token_ids=tuple(dict.fromkeys(request.sampling.stop_token_ids + sum(stops, ()))))
             translate_sampling(SampleJob(dataclasses.replace(request, sampling=sampling), 0, 0), (), mode)
+        check_top_k_turns(requests)  # the rows of a trajectory's last turn only
 
     @classmethod
     def check_probe(cls, requests: Sequence[Request], capture: Sequence[int], kinds: Sequence[str],

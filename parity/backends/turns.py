@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from parity.core.errors import BackendError, InputError
-from parity.core.turns import Inject, inject_until_generate
+from parity.core.turns import Inject, check_top_k_turns, inject_until_generate
 from parity.core.types import Request, Rollout
 from parity.models.limits import model_limits
 
@@ -42,6 +42,7 @@ def generate(backend: Backend, requests: Sequence[Request]) -> list[Rollout]:
         single = next(r.request_id for r in requests if not r.turns)
         raise BackendError(f"request {single!r} has no turns but others do; run trajectories and single-turn "
                            "requests in separate batches")
+    check_top_k_turns(requests)  # before any turn is sent
     # an injected id past the vocabulary would reach the engine as a prompt id: fixed replies are
     # refused before any turn runs (as the reference engine does), a tool's when it replies
     limits = model_limits(backend.model_path)

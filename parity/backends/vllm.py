@@ -61,6 +61,7 @@ from parity.backends.vllm_weights import (
 from parity.core.errors import BackendError, ConfigError, UnsupportedError
 from parity.core.schema import LOGPROBS_MODES
 from parity.core.strict import check_choice
+from parity.core.turns import check_top_k_turns
 from parity.core.types import Pair, Request, Rollout, SamplingParams
 from parity.models.lora import LoraSpec
 from parity.runtime import guard
@@ -285,6 +286,7 @@ class VLLMBackend(Backend):
         """What `generate` would refuse (the engine's logprob mode, temperatures vLLM refuses or
         silently raises), before the engine starts."""
         check_vllm_requests(requests, options.get("logprobs_mode", "processed"), cls.name)
+        check_top_k_turns(requests)  # the rows of a trajectory's last turn only
 
     def _score(self, pairs: list[Pair], sampling: SamplingParams) -> list[torch.Tensor]:
         """Teacher-forced response logprobs through `prompt_logprobs` (raw; converted if processed)."""

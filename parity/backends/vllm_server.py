@@ -56,6 +56,7 @@ from parity.backends.vllm_wire import (
 from parity.core.errors import BackendError, ConfigError, UnsupportedError
 from parity.core.schema import LOGPROBS_MODES
 from parity.core.strict import check_choice
+from parity.core.turns import check_top_k_turns
 from parity.core.types import Pair, Request, Rollout, SamplingParams
 from parity.models.lora import LoraSpec
 from parity.runtime.processes import LOOPBACK, ServerProcess, free_loopback_port
@@ -336,6 +337,7 @@ class VLLMServerBackend(Backend):
         """What `generate` would refuse (the declared logprob mode, temperatures vLLM refuses or
         silently raises), before a server starts or is attached."""
         check_vllm_requests(requests, options.get("logprobs_mode", "processed"), cls.name)
+        check_top_k_turns(requests)  # the rows of a trajectory's last turn only
 
     @classmethod
     def top_k_limit(cls, options: dict[str, Any]) -> int | None:

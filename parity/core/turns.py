@@ -12,10 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from parity.core.errors import ConfigError
 from parity.core.strict import check_token_ids
+
+if TYPE_CHECKING:
+    from parity.core.types import Request
 
 #: a deterministic injection: token ids so far (prompt and response) -> the ids to inject.
 InjectFn = Callable[[tuple[int, ...]], Sequence[int]]
@@ -133,3 +136,13 @@ def turn_index(mask: Sequence[int]) -> list[int]:
 def after_injection(mask: Sequence[int]) -> list[bool]:
     """Per response token: whether it is the first generated token right after injected ones."""
     return [bool(m) and i > 0 and not mask[i - 1] for i, m in enumerate(mask)]
+
+
+def check_top_k_turns(requests: Sequence[Request]) -> None:
+    """ConfigError for a trajectory asking for top-k logprobs, as the reference engine refuses it: run
+    turn by turn (`parity.backends.turns`), the rollout would carry only the last turn's rows (none for
+    injected tokens)."""
+    for r in requests:
+        if r.turns and r.sampling.top_k_logprobs:
+            raise ConfigError(f"request {r.request_id!r}: top_k_logprobs does not run with multi-turn "
+                              "trajectories yet; set it to 0 or drop the turns")

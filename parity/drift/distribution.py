@@ -255,12 +255,15 @@ def _first_and_tail(q: np.ndarray, p: np.ndarray, q_tail: np.ndarray, p_tail: np
 def summarize_distribution(drift: PositionDrift, top_k: int) -> dict[str, Any]:
     """The `distribution/` summary keys of a batch: KL and TV mean and max (a position with either KL
     bound infinite counted apart and kept out of both KL means), mean overlap fraction, and mean
-    entropy difference (engine - trainer) where computable.
+    entropy difference (engine - trainer) where computable. With no position every measured key is
+    NaN (`num_positions` 0), and `top_k` is NaN where `top_k` <= 0 (no k known).
     """
     n = int(drift.tv.size)
     key = DISTRIBUTION_PREFIX
     infinite = ~np.isfinite(drift.kl_train_engine) | ~np.isfinite(drift.kl_engine_train)
-    summary: dict[str, Any] = {f"{key}top_k": int(top_k), f"{key}num_positions": n,
+    # no k known (no position carried a row) reads as unmeasured, not as a k of 0
+    summary: dict[str, Any] = {f"{key}top_k": int(top_k) if top_k > 0 else float("nan"),
+                               f"{key}num_positions": n,
                                f"{key}num_positions_infinite_kl": int(infinite.sum())}
     # a position infinite in one direction is out of both KL means (docs/DISTRIBUTION.md): its other
     # bound may be a vacuous 0 (the two sides' mass on different tokens) that would read as agreement
@@ -278,7 +281,8 @@ def summarize_distribution(drift: PositionDrift, top_k: int) -> dict[str, Any]:
     summary[f"{key}entropy_diff_mean"] = float(diff.mean()) if diff.size else float("nan")
     summary[f"{key}frac_positions_entropy_computable"] = float(computable.mean()) if n else float("nan")
     summary[f"{key}sampled_rank_mean"] = float(drift.sampled_rank.mean()) if n else float("nan")
-    summary[f"{key}sampled_rank_max"] = int(drift.sampled_rank.max()) if n else 0
+    # no position measured: NaN like the other keys, not a rank of 0 that reads as full agreement
+    summary[f"{key}sampled_rank_max"] = int(drift.sampled_rank.max()) if n else float("nan")
     summary[f"{key}frac_sampled_outside_train_top_k"] = (float((drift.sampled_rank >= top_k).mean())
                                                          if n else float("nan"))
     return summary

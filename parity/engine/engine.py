@@ -21,6 +21,7 @@ import torch
 
 from parity.core.errors import ConfigError, InputError, UnsupportedError
 from parity.core.strict import check_dtype, replace_fields
+from parity.core.turns import check_top_k_turns
 from parity.core.types import Request, Rollout
 from parity.engine import forward, sampler
 from parity.engine.graphs import StepGraphs
@@ -288,9 +289,7 @@ class ReferenceEngine:
             sampler.check_temperature(sampling.temperature, where + " sampling")
             check_length(len(request.prompt_ids) + request.sampling.max_tokens, self.lm,
                          where + " (prompt + max_tokens)")
-            if request.turns and request.sampling.top_k_logprobs:
-                raise ConfigError(f"{where}: top_k_logprobs does not run with multi-turn trajectories yet; "
-                                  "set it to 0 or drop the turns")
+            check_top_k_turns([request])
 
     def generate(self, requests: list[Request]) -> list[Rollout]:
         """Sample every request n times; one Rollout per (request, sample_index), in that order."""

@@ -96,6 +96,12 @@ def config_from_args(args: argparse.Namespace) -> NightlyConfig:
     if args.cases is None:
         raise ConfigError("--cases is required (a directory, a file, or comma-separated files/names), "
                           "unless --resume RUN_ID")
+    # a flag given but naming nothing must not become its default (every backend, each case's dtypes)
+    for option, text, default in (("--backends", args.backends, f"'{AUTO}' (every backend installed here)"),
+                                  ("--dtypes", args.dtypes, "each case's own dtypes")):
+        if text is not None and not _split(text):
+            raise ConfigError(f"{option} names nothing ({text!r}); give comma-separated names, or drop "
+                              f"{option} for {default}")
     return NightlyConfig(
         cases=args.cases, backends=_split(args.backends) or (AUTO,), dtypes=_split(args.dtypes), out=args.out,
         history=args.history, run_id=args.run_id, baseline=args.baseline,
