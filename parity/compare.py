@@ -72,7 +72,8 @@ def compare(
     model: None takes the case's (another model than the case names is a ConfigError). backend: a
     registry name (shared, with `backend_options`) or a running `Backend`; a `logprobs_mode` option
     puts every request in that mode. case: a `Case` or TOML path; prompts: token ids, strings, chat
-    messages or a dataset, prompt i sampled with `sampling` and seed `sampling.seed + i`; neither:
+    messages or a dataset, prompt i sampled with `sampling` (default `SamplingParams(max_tokens=32)`,
+    whose fields a dict overrides) and seed `sampling.seed + i`; neither:
     `default_case(model)`. turns: makes every prompt a trajectory. reference: "invariant" or
     "native". dtype: the engine's (None: the case's first, else bfloat16); trainer_dtype: the
     training forward's when different. tolerance: None is the case's or `Tolerance.for_backend`; a
