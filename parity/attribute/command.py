@@ -29,7 +29,7 @@ from parity.core.outputs import output_file
 from parity.core.schema import DTYPES, KERNEL_MODES, REFERENCE
 from parity.core.types import Rollout
 from parity.render.attribution import attribution_page, engine_text, layers_text, ops_text
-from parity.runtime.frame import Parser, run_command
+from parity.runtime.frame import MODEL_VALUES, Parser, refuse_empty, run_command
 from parity.workload.cases import default_case, resolve_case
 from parity.workload.resolve import check_case_model, with_logprobs_mode
 
@@ -105,14 +105,6 @@ def _sequences(model: str | None, case_spec: str | None, dtype: str | None, devi
     return model, dtype, rollouts[:limit]
 
 
-def _check_model_flag(model: str | None) -> None:
-    """ConfigError for `--model ""`: it must not fall back to the case's (or the default) model."""
-    if model is not None and not model:
-        raise ConfigError("--model is empty; give a built-in checkpoint name or a local HF checkpoint "
-                          "directory ('.' for the working directory), or drop --model to run the case's "
-                          "model")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run `parity attribute` on `argv` (the arguments after the subcommand); returns the exit code."""
     return run_command("parity", argv, _parser(), _run)
@@ -125,7 +117,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.json is not None and args.html is not None and args.json.resolve() == args.html.resolve():
         raise ConfigError(f"--json and --html are one file ({args.json}): the page would replace the JSON; "
                           "give each a path of its own")
-    _check_model_flag(args.model)
+    refuse_empty("--model", args.model, MODEL_VALUES, "run the case's model")
     args.device = resolve_device(args.device, [REFERENCE])
     if args.backend is not None:
         ablation = [flag for flag, given in (("--axis", args.axis), ("--families", args.families is not None),

@@ -12,7 +12,7 @@ from parity.audit.lifecycle import CHECKS, run_lifecycle
 from parity.backends import get_backend, parse_options
 from parity.core.errors import ConfigError
 from parity.core.outputs import output_file
-from parity.runtime.frame import Parser, run_command
+from parity.runtime.frame import MODEL_VALUES, Parser, refuse_empty, run_command
 from parity.workload.cases import resolve_case
 from parity.workload.resolve import check_case_model
 
@@ -45,19 +45,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    if args.model is not None and not args.model:  # not the case's model: a flag given empty is a mistake
-        raise ConfigError("--model is empty; give a built-in checkpoint name or a local HF checkpoint "
-                          "directory ('.' for the working directory), or drop --model to run the case's "
-                          "model")
+    refuse_empty("--model", args.model, MODEL_VALUES, "run the case's model")
     case = resolve_case(args.case, what="--case") if args.case is not None else None
     if case is not None:
         check_case_model(args.model, case, "--model")
     model = args.model if args.model is not None else (case.model if case is not None else None)
     if model is None:
         raise ConfigError("parity lifecycle needs --model (or --case naming a model)")
-    if args.dtype is not None and not args.dtype.strip():  # not the case's dtype: an empty flag is a mistake
-        raise ConfigError("--dtype is empty; give a dtype (bfloat16, float16 or float32), or drop --dtype "
-                          "to run the case's first dtype (else bfloat16)")
+    refuse_empty("--dtype", args.dtype and args.dtype.strip(), "a dtype (bfloat16, float16 or float32)",
+                 "run the case's first dtype (else bfloat16)")
     dtype = args.dtype if args.dtype is not None else (
         case.dtypes[0] if case is not None and case.dtypes else "bfloat16")
     checks = tuple(c.strip() for c in args.checks.split(",") if c.strip())

@@ -23,7 +23,7 @@ from parity.core.errors import ConfigError
 from parity.core.outputs import output_file
 from parity.core.schema import DTYPES
 from parity.rollouts.record import Record, read_record, replay, write_record
-from parity.runtime.frame import Parser, run_command
+from parity.runtime.frame import MODEL_VALUES, Parser, refuse_empty, run_command
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -60,14 +60,9 @@ def _recorded_dtype(record: Record) -> str:
 
 
 def _run(args: argparse.Namespace) -> int:
-    # an empty flag must not fall back to the record's model or adapter (`or` would take it)
-    if args.model is not None and not args.model:
-        raise ConfigError("--model is empty; give a built-in checkpoint name or a local HF checkpoint "
-                          "directory ('.' for the working directory), or drop --model to replay with the "
-                          "record's model")
-    if args.lora is not None and not args.lora:
-        raise ConfigError("--lora is empty; give a peft adapter directory or a built-in adapter's name, or "
-                          "drop --lora to apply the record's adapter (if any)")
+    refuse_empty("--model", args.model, MODEL_VALUES, "replay with the record's model")
+    refuse_empty("--lora", args.lora, "a peft adapter directory or a built-in adapter's name",
+                 "apply the record's adapter (if any)")
     record = read_record(args.record)
     model = args.model or record.model
     if model is None:

@@ -17,7 +17,14 @@ import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 
-from parity.core.errors import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, EXIT_TERMINATED, Terminated, report_error
+from parity.core.errors import (
+    EXIT_BROKEN_PIPE,
+    EXIT_INTERRUPTED,
+    EXIT_TERMINATED,
+    ConfigError,
+    Terminated,
+    report_error,
+)
 from parity.runtime.quiet import engine_logging
 
 #: the flag that shows the engines' log lines and the traceback of an error; every command takes it.
@@ -25,6 +32,8 @@ VERBOSE = "--verbose"
 VERBOSE_HELP = "show the engines' log lines (vLLM's INFO) and the traceback of an error; default: errors only"
 
 Body = Callable[[argparse.Namespace], int]
+#: what a `--model` flag takes, for `refuse_empty`'s message.
+MODEL_VALUES = "a built-in checkpoint name or a local HF checkpoint directory ('.' for the working directory)"
 #: where `_StoreOnce` keeps the values given so far, on the namespace while parsing only
 _GIVEN = "_parity_given"
 
@@ -101,3 +110,10 @@ def sigterm_interrupts() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def refuse_empty(flag: str, value: str | None, give: str, fallback: str) -> None:
+    """ConfigError for `flag` given an empty value: `args.X or default` would quietly run the default
+    (`fallback`, what dropping the flag does) instead of what was meant."""
+    if value is not None and not value:
+        raise ConfigError(f"{flag} is empty; give {give}, or drop {flag} to {fallback}")
