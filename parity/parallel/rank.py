@@ -28,10 +28,11 @@ from parity.parallel.wire import receive, send
 
 #: a collective that waits longer than this fails (a hung peer), in seconds.
 COLLECTIVE_TIMEOUT_S = 600.0
-#: the address the rendezvous store listens on.
+#: the address the rendezvous store listens on (`runtime.processes.LOOPBACK`, not imported: that module
+#: would load httpx into every rank).
 STORE_HOST = "127.0.0.1"
 #: the variables that put gloo and NCCL on an interface: the loopback one, always (single-host groups).
-LOOPBACK = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+INTERFACE_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 #: NCCL settings a rank takes unless the caller set them.
 DEFAULTS = {"NCCL_NVLS_ENABLE": "0"}
 
@@ -46,7 +47,7 @@ def loopback_interface() -> str:
 
 def set_environment() -> None:
     """The loopback settings (over any the caller's environment holds) and the defaults."""
-    os.environ.update(dict.fromkeys(LOOPBACK, loopback_interface()))
+    os.environ.update(dict.fromkeys(INTERFACE_VARIABLES, loopback_interface()))
     for name, value in DEFAULTS.items():
         os.environ.setdefault(name, value)
 
