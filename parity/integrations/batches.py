@@ -17,12 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from parity.core.errors import InputError
+from parity.core.errors import ConfigError, InputError
 from parity.core.logprobs import check_logprob_array
 from parity.core.outputs import output_file
 from parity.core.schema import LOGPROBS_MODES
 from parity.core.strict import check_choice
 from parity.core.tables import write_rows
+from parity.core.types import SamplingParams
 from parity.monitor.arrays import host_array
 from parity.rollouts.dumps import SAMPLING_COLUMNS
 
@@ -34,7 +35,9 @@ if TYPE_CHECKING:
 class StepBatch:
     """One step's batch in verl's layout: rollout, trainer `[batch, response_len]` nats; mask bool
     (generated tokens that count); lengths `[batch]` up to the last real token; responses, prompts,
-    request_ids (verl's `uid`) and sampling, each None when unknown.
+    request_ids (verl's `uid`) and sampling, each None when unknown; notes: what the reader saw of
+    the batch that its arrays no longer show (tokens the trainer's own mask removed), stored in the
+    step's meta by `log_step`.
     """
 
     rollout: np.ndarray
@@ -45,13 +48,17 @@ class StepBatch:
     prompts: Sequence[np.ndarray] | None = None
     request_ids: Sequence[str] | None = None
     sampling: Mapping[str, Any] | None = None
+    notes: Mapping[str, Any] | None = None
 
 
 def log_step(monitor: Monitor, step: int, batch: StepBatch, *, meta: Mapping[str, Any] | None = None,
              policy_version: int | None = None, rollout_policy_version: int | None = None) -> dict[str, Any]:
     """`monitor.log` of one step's batch (its request ids as the rows' uids); returns the stored
     record. policy_version, rollout_policy_version: the trainer's and the rollout's weight
-    versions, as `Monitor.log` takes them."""
+    versions, as `Monitor.log` takes them. The batch's notes go into the meta (`meta` wins a name
+    both hold)."""
+    if batch.notes:
+        meta = {**batch.notes, **(meta or {})}
     return monitor.log(step, rollout_log_probs=batch.rollout, old_log_probs=batch.trainer,
                        response_mask=batch.mask, responses=batch.responses, prompts=batch.prompts,
                        uids=batch.request_ids, sampling=batch.sampling, meta=meta,
@@ -66,7 +73,7 @@ def dump_step(batch: StepBatch, path: str | Path, *, logprobs_mode: str = "proce
     path = output_file(path, "dump path")
     if batch.responses is None or batch.prompts is None:
         raise InputError("a dump needs the token ids: the batch has no responses or no prompts")
-    sampling = {k: v for k, v in (batch.sampling or {}).items() if k in SAMPLING_COLUMNS}
+    sampling = _dump_sampling(batch.sampling, logprobs_mode)
     if logprobs_mode == "processed" and "temperature" not in sampling:
         raise InputError("processed logprobs depend on the temperature, and the batch does not say it; pass "
                          "sampling={'temperature': T} (verl keeps it in meta_info['temperature'])")
@@ -92,6 +99,23 @@ def dump_step(batch: StepBatch, path: str | Path, *, logprobs_mode: str = "proce
     if not rows:
         raise InputError("the batch has no generated token (every mask is 0): nothing to dump")
     return write_rows(path, rows)
+
+
+def _dump_sampling(sampling: Mapping[str, Any] | None, logprobs_mode: str) -> dict[str, Any]:
+    """The dump's sampling columns of `sampling`, checked as `Monitor.log` checks it: InputError for
+    a field parity does not know (min_p: the dump would say a distribution it was not sampled from)
+    or a logprobs_mode other than the dump's. Fields that do not shape the distribution (n, seed,
+    max_tokens, ...) are checked and left out."""
+    given = {str(k): v for k, v in (sampling or {}).items()}
+    try:
+        SamplingParams.from_dict({k: (v.item() if hasattr(v, "item") else v) for k, v in given.items()})
+    except ConfigError as exc:
+        raise InputError(str(exc)) from exc  # a value of the data, as Monitor.log words it
+    mode = given.get("logprobs_mode")
+    if mode is not None and mode != logprobs_mode:
+        raise InputError(f"sampling logprobs_mode={mode!r} but the dump is written with logprobs_mode="
+                         f"{logprobs_mode!r}; pass logprobs_mode={mode!r} to the dump (or drop one)")
+    return {k: v for k, v in given.items() if k in SAMPLING_COLUMNS}
 
 
 def _check_layout(batch: StepBatch) -> None:

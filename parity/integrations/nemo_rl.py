@@ -14,12 +14,15 @@ Whole sequences in one row; input token i's logprob at position i:
 Responses start at the first token_mask=1 and are left-aligned. Logprobs are in
 `policy.generation.vllm_cfg.logprobs_mode` (vLLM's raw_logprobs when absent). Read before
 `compute_and_apply_seq_logprob_error_masking`, which zeroes the sample_mask of the sequences of
-largest drift. An all-zero `prev_logprobs` (`loss_fn.force_on_policy_ratio` skips computing it) is
+largest drift: the sequences it drops would leave the drift without a word, so the tokens a 0 in
+sample_mask takes out are counted in the step's meta (`nemo_rl_sample_mask_dropped_tokens`, when
+any). An all-zero `prev_logprobs` (`loss_fn.force_on_policy_ratio` skips computing it) is
 refused.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -44,6 +47,8 @@ if TYPE_CHECKING:
 #: NeMo-RL's batch key of each array parity reads.
 KEYS: dict[str, str] = {"rollout": "generation_logprobs", "trainer": "prev_logprobs", "mask": "token_mask",
                         "sample_mask": "sample_mask", "tokens": "input_ids", "lengths": "input_lengths"}
+#: the meta key of the generated tokens sample_mask leaves out (its sequences' token_mask 1s).
+DROPPED = "nemo_rl_sample_mask_dropped_tokens"
 
 
 def read_batch(data: Mapping[str, Any], *, sampling: Mapping[str, Any] | None = None) -> StepBatch:
@@ -68,6 +73,9 @@ def read_batch(data: Mapping[str, Any], *, sampling: Mapping[str, Any] | None = 
     names = (KEYS["rollout"], KEYS["trainer"], KEYS["mask"], KEYS["tokens"], KEYS["lengths"])
     step = sequence_batch(rollout, trainer, token_mask & keep[:, None], tokens, lengths, sampling,
                           names=names)
+    dropped = int((token_mask & ~keep[:, None]).sum())
+    if dropped:
+        step = dataclasses.replace(step, notes={DROPPED: dropped})
     if not trainer.any() and (step.rollout[step.mask] != 0).any():
         raise InputError("prev_logprobs is 0 at every position (prompt tokens too): NeMo-RL's placeholder "
                          "when loss_fn.force_on_policy_ratio=True skips the prev_logprobs forward, not the "

@@ -16,7 +16,10 @@ this one trainer object and logs each training batch at `state.global_step`:
     TRL's IS settings    args.vllm_importance_sampling_*          stored in each step's meta
 
 Refused: a trainer without both sides (TRL computes `old_per_token_logps` only with vLLM IS
-correction or reused generations), or generating more than once per optimizer step. NaN rollout
+correction or reused generations), generating more than once per optimizer step, or sampling that
+parity cannot describe (min_p, repetition_penalty, vllm_structured_outputs_regex, and the other
+`DISTRIBUTION_KWARGS` set away from off, in GRPOConfig or `generation_kwargs`): the rollout's
+processed logprobs are of that distribution, and the record would call the difference drift. NaN rollout
 logprobs are left out and counted (`trl_nan_rollout_logprobs`); evaluation batches are not
 logged; attach one Monitor per rank. Duck-typed.
 """
@@ -44,6 +47,13 @@ IS_SETTINGS = ("use_vllm", "vllm_importance_sampling_correction", "vllm_importan
                "vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max", "num_iterations",
                "steps_per_generation", "gradient_accumulation_steps", "loss_type")
 _WRAPPED = "_parity_monitor"
+#: vLLM sampling settings that change the distribution sampled from, each with its "off" value(s):
+#: parity's sampling (temperature, top_p, top_k) cannot describe them.
+DISTRIBUTION_KWARGS: dict[str, tuple[Any, ...]] = {
+    "min_p": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0), "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0), "min_tokens": (None, 0), "logit_bias": (None,),
+    "allowed_token_ids": (None,), "bad_words": (None,), "logits_processors": (None,),
+    "structured_outputs": (None,), "guided_decoding": (None,), "vllm_structured_outputs_regex": (None,)}
 
 
 def attach(trainer: Any, monitor: Monitor, *, meta: Mapping[str, Any] | None = None) -> None:
@@ -132,6 +142,14 @@ def _trl_sampling(args: Any) -> dict[str, Any]:
     """The rollout's sampling as parity's fields: GRPOConfig's, overridden as TRL overrides them by
     `generation_kwargs` (TRL's top_k <= 0 and top_p=1 mean off)."""
     override = getattr(args, "generation_kwargs", None) or {}
+    for key, off in DISTRIBUTION_KWARGS.items():
+        where = "generation_kwargs" if key in override else "GRPOConfig"
+        value = override.get(key, getattr(args, key, None))
+        if not _is_off(value, off):
+            raise ConfigError(f"{where} {key}={value!r} changes the distribution vLLM samples from (and so "
+                              "its processed logprobs), which parity's sampling (temperature, top_p, top_k) "
+                              f"cannot describe: the record would call it drift; set {key} to {off[-1]!r} to "
+                              "monitor this run")
     settings = {k: override.get(k, getattr(args, k, None)) for k in ("temperature", "top_p", "top_k")}
     out: dict[str, Any] = {"temperature": float(settings["temperature"])}
     top_p, top_k = settings["top_p"], settings["top_k"]
@@ -141,3 +159,9 @@ def _trl_sampling(args: Any) -> dict[str, Any]:
         out["top_k"] = int(top_k)
     return out
 
+
+def _is_off(value: Any, off: tuple[Any, ...]) -> bool:
+    """Whether a sampling setting is at one of its "off" values (an empty list or dict is off too)."""
+    if isinstance(value, (list, tuple, dict, set)) and not value:
+        return True
+    return not isinstance(value, bool) and any(value is o or (o is not None and value == o) for o in off)

@@ -21,7 +21,13 @@ less). Duck-typed (`batch.batch`, `meta_info`, `non_tensor_batch`):
 
 Rollout logprobs need `actor_rollout_ref.rollout.calculate_log_probs=True` and are vLLM's
 `processed_logprobs`; verl's trainer applies temperature only, so pass top_p/top_k with
-`sampling=`. In bypass mode `old_log_probs` is `rollout_log_probs`: `log_batch` refuses it.
+`sampling=`. In bypass mode `old_log_probs` is `rollout_log_probs`: `log_batch` refuses it; a copy
+of it (the same value at every counted token, as bypass mode leaves after the batch was copied, or
+a bitwise-aligned rollout) is marked in the step's meta (`verl_old_log_probs_equal_rollout`). Log
+before `compute_rollout_correction_and_add_to_batch`: its rejection (rollout_rs) zeroes
+`response_mask` at the rejected tokens, those of largest drift. The response tokens that
+`response_mask` leaves out (tool and user tokens, rejected ones) are counted in the step's meta
+(`verl_masked_response_tokens`, when any; with `attention_mask`).
 """
 
 from __future__ import annotations
@@ -53,6 +59,8 @@ if TYPE_CHECKING:
 #: verl's batch key of each array parity reads.
 KEYS: dict[str, str] = {"rollout": "rollout_log_probs", "trainer": "old_log_probs", "mask": "response_mask",
                         "responses": "responses", "prompts": "prompts", "attention": "attention_mask"}
+#: the meta keys of a step's notes: response tokens response_mask leaves out; old == rollout everywhere.
+MASKED, EQUAL = "verl_masked_response_tokens", "verl_old_log_probs_equal_rollout"
 
 
 def read_batch(batch: Any, *, sampling: Mapping[str, Any] | None = None) -> StepBatch:
@@ -76,6 +84,7 @@ def read_batch(batch: Any, *, sampling: Mapping[str, Any] | None = None) -> Step
                                      for k in ("responses", "prompts", "attention"))
     lengths = mask_lengths(mask)
     prompt_rows = None
+    notes: dict[str, Any] = {}
     if attention is not None:
         attention = bool_mask(attention, KEYS["attention"])
         width = mask.shape[1]
@@ -85,6 +94,9 @@ def read_batch(batch: Any, *, sampling: Mapping[str, Any] | None = None) -> Step
         _check_padding(attention[:, -width:], "response", "right")
         lengths = attention[:, -width:].sum(axis=1)
         check_lengths(mask, lengths, KEYS["mask"], "attention_mask's response part")
+        masked = int((attention[:, -width:] & ~mask).sum())
+        if masked:
+            notes[MASKED] = masked
         if prompts is not None:
             ids = host_array(prompts, KEYS["prompts"])
             if ids.ndim != 2 or ids.shape[0] != mask.shape[0] or ids.shape[1] + width != attention.shape[1]:
@@ -97,12 +109,15 @@ def read_batch(batch: Any, *, sampling: Mapping[str, Any] | None = None) -> Step
     meta = getattr(batch, "meta_info", None) or {}
     found = {k: meta.get(k) for k in ("temperature", "top_p", "top_k")}
     uid = (getattr(batch, "non_tensor_batch", None) or {}).get("uid")
+    rollout, trainer = host_array(rollout, KEYS["rollout"]), host_array(trainer, KEYS["trainer"])
+    if rollout.shape == trainer.shape == mask.shape and mask.any() and \
+            np.array_equal(rollout[mask], trainer[mask]):
+        notes[EQUAL] = True
     return StepBatch(
-        rollout=host_array(rollout, KEYS["rollout"]), trainer=host_array(trainer, KEYS["trainer"]), mask=mask,
-        lengths=np.asarray(lengths),
+        rollout=rollout, trainer=trainer, mask=mask, lengths=np.asarray(lengths),
         responses=None if responses is None else host_array(responses, KEYS["responses"]),
         prompts=prompt_rows, request_ids=None if uid is None else [str(u) for u in uid],
-        sampling=sampling_of(found, sampling))
+        sampling=sampling_of(found, sampling), notes=notes or None)
 
 
 def log_batch(monitor: Monitor, step: int, batch: Any, *, sampling: Mapping[str, Any] | None = None,
