@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from parity.core.errors import InputError
-from parity.core.logprobs import check_logprob_array
+from parity.core.logprobs import MAX_LOGPROB, above_bound, check_logprob_array
 from parity.core.schema import json_safe
 from parity.drift.bootstrap import bootstrap_ratio
 
@@ -25,12 +25,15 @@ BY_POSITION = "gold_by_position"
 
 def gold_tokens(train: np.ndarray, rollout: np.ndarray, gold: np.ndarray, mask: np.ndarray) -> np.ndarray:
     """bool `[batch, seq]`: the real tokens to which all three sides give a finite logprob (the tokens
-    every gold figure counts). InputError at a real token holding NaN or +inf on any side, or a gold
-    value above `MAX_LOGPROB`: only -inf (outside a sampling support) is left out and counted."""
+    every gold figure counts). InputError for a mask other than 0/1, at a real token holding NaN or
+    +inf on any side, or a gold value above `MAX_LOGPROB`: only -inf (outside a sampling support) is
+    left out and counted."""
     train, rollout, gold, mask = (np.asarray(a) for a in (train, rollout, gold, mask))
     if not train.shape == rollout.shape == gold.shape == mask.shape or train.ndim != 2:
         raise InputError(f"gold: train {train.shape}, rollout {rollout.shape}, gold {gold.shape} and mask "
                          f"{mask.shape} must be 2-D [batch, seq] arrays of one shape")
+    if mask.dtype != bool and not np.isin(mask, (0, 1)).all():  # 0.5 or 2 would count as a whole token
+        raise InputError("gold: mask must be bool or hold only 0 and 1 (1 = the token counts)")
     real = mask.astype(bool)
     for name, side in (("train", train), ("rollout", rollout), ("gold", gold)):
         with np.errstate(invalid="ignore"):
@@ -50,11 +53,14 @@ def gold_summary(train: np.ndarray, rollout: np.ndarray, gold: np.ndarray, mask:
     Max / mean |train - gold| and |rollout - gold|; their mean ratio (1.0 when both 0, inf when only
     train is) with a 95% Poisson bootstrap over sequences (NaNs when no resample is left); a verdict
     sentence; tokens counted and left out (-inf). Non-finite values are spelled as `json_safe` does.
+    A counted train or rollout value above `MAX_LOGPROB` is an InputError naming its side.
     """
     keep = gold_tokens(train, rollout, gold, mask)
     g = np.where(keep, np.asarray(gold, np.float64), 0.0)
-    train_err = np.abs(np.where(keep, np.asarray(train, np.float64), 0.0) - g)
-    rollout_err = np.abs(np.where(keep, np.asarray(rollout, np.float64), 0.0) - g)
+    kept_train, kept_rollout = (_kept(values, keep, f"gold: {side} logprob")
+                                for side, values in (("train", train), ("rollout", rollout)))
+    train_err = np.abs(kept_train - g)
+    rollout_err = np.abs(kept_rollout - g)
     n = int(keep.sum())
     if n == 0:
         raise InputError("gold: no token has a finite logprob on all three sides; nothing to measure")
@@ -68,8 +74,7 @@ def gold_summary(train: np.ndarray, rollout: np.ndarray, gold: np.ndarray, mask:
         low = high = float("nan")
     # the logprobs themselves: equal errors alone (train and rollout mirrored about the gold) are not
     # identical logprobs
-    identical = bool(np.array_equal(np.where(keep, np.asarray(train, np.float64), 0.0),
-                                    np.where(keep, np.asarray(rollout, np.float64), 0.0)))
+    identical = bool(np.array_equal(kept_train, kept_rollout))
     mean_train, mean_rollout = float(train_err.sum() / n), float(rollout_err.sum() / n)
     return {
         "gold/train_max_abs_logprob_diff": float(train_err.max()),
@@ -83,6 +88,16 @@ def gold_summary(train: np.ndarray, rollout: np.ndarray, gold: np.ndarray, mask:
         "gold/num_tokens": n,
         "gold/num_tokens_outside_support": int(np.asarray(mask, bool).sum()) - n,
     }
+
+
+def _kept(values: np.ndarray, keep: np.ndarray, name: str) -> np.ndarray:
+    """float64 `values` where `keep`, else 0; InputError naming `name[row, col]` of the first kept value
+    above `MAX_LOGPROB` (one max of the array the figures read: the others are 0)."""
+    kept = np.where(keep, np.asarray(values, np.float64), 0.0)
+    if kept.size and kept.max() > MAX_LOGPROB:
+        row, col = np.unravel_index(int(np.argmax(kept > MAX_LOGPROB)), kept.shape)
+        raise above_bound(np.asarray(values)[row, col], f"{name}[{row}, {col}]")
+    return kept
 
 
 def _ratio(rollout_error: float, train_error: float) -> float:

@@ -69,17 +69,27 @@ LAUNCHERS = ("auto", "cli", "module")
 ATTACHED_MAX_LOGPROBS = 20
 
 
+def managed_flag(word: str) -> str | None:
+    """The flag of `MANAGED_FLAGS` an argv word sets as vLLM's parser reads it, or None: underscores
+    are dashes there (`--logprobs_mode`) and argparse takes a prefix for the whole flag (`--dty`)."""
+    name = word.split("=", 1)[0].replace("_", "-")
+    if not name.startswith("--") or len(name) < 3:
+        return None
+    return next((flag for flag in MANAGED_FLAGS if flag.startswith(name)), None)
+
+
 def split_server_args(server_args: str | Sequence[str]) -> tuple[str, ...]:
-    """`server_args` as argv words; refuses the flags parity sets itself."""
+    """`server_args` as argv words; refuses the flags parity sets itself, in any spelling vLLM reads."""
     if isinstance(server_args, str):
         words = tuple(shlex.split(server_args))
     else:
         words = tuple(str(a) for a in server_args)
     for word in words:
-        flag = word.split("=", 1)[0]
-        if flag in MANAGED_FLAGS:
+        flag = managed_flag(word)
+        if flag is not None:
             hint = "use the api_key_env option" if flag == "--api-key" else "parity sets it (see the options)"
-            raise ConfigError(f"option server_args may not contain {flag}: {hint}")
+            spelled = "" if word.split("=", 1)[0] == flag else f" (spelled {word.split('=', 1)[0]})"
+            raise ConfigError(f"option server_args may not contain {flag}{spelled}: {hint}")
     return words
 
 

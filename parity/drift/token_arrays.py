@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any, Protocol
 
@@ -141,7 +141,8 @@ class TokenArrays:
     """Validated `[batch, seq]` inputs: the caller's logprobs (not copied) and a bool mask.
 
     lengths: valid tokens per row `[batch]`; total. dtype, numpy, mask_dtype: the caller's, so results
-    go back in its kind.
+    go back in its kind. One built by hand (not by `token_arrays`) is checked again, from its train,
+    rollout and mask, by every entry point that takes it.
     """
 
     train: torch.Tensor
@@ -152,6 +153,8 @@ class TokenArrays:
     dtype: torch.dtype
     numpy: bool
     mask_dtype: torch.dtype | np.dtype
+    #: True when `token_arrays` made it (its checks ran); one built by hand is checked again.
+    _checked: bool = field(default=False, repr=False, compare=False)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -225,12 +228,17 @@ def token_arrays(train_logprobs: Any, rollout_logprobs: Any = None, mask: Any = 
                  names: tuple[str, str, str] = INPUT_NAMES) -> TokenArrays:
     """Check the three `[batch, seq]` inputs; a `TokenArrays` is returned as is. `InputError` (inputs
     called `names`) for bad shapes or dtypes, non-0/1 masks, no valid token, NaN/+inf, -inf at a
-    valid token.
+    valid token. A `TokenArrays` built by hand is checked as its train, rollout and mask would be
+    (its lengths and total recomputed), in the caller's containers.
     """
     if isinstance(train_logprobs, TokenArrays):
         if rollout_logprobs is not None or mask is not None:
             raise InputError("give either a TokenArrays alone or train_logprobs, rollout_logprobs and mask")
-        return train_logprobs
+        given = train_logprobs
+        if given._checked:
+            return given
+        tok = token_arrays(given.train, given.rollout, given.mask, names=names)
+        return replace(tok, numpy=given.numpy, mask_dtype=given.mask_dtype)
     train_name, rollout_name, mask_name = names
     train = _as_tensor(train_logprobs, train_name)
     rollout = _as_tensor(rollout_logprobs, rollout_name)
@@ -255,8 +263,9 @@ def token_arrays(train_logprobs: Any, rollout_logprobs: Any = None, mask: Any = 
     if total == 0:
         raise InputError(f"{mask_name} has no valid token: at least one position must be 1/True")
     mask_dtype = mask.dtype if isinstance(mask, torch.Tensor) else np.asarray(mask).dtype
-    tok = TokenArrays(train, rollout, m, lengths, total, train.dtype,
-                      numpy=not isinstance(train_logprobs, torch.Tensor), mask_dtype=mask_dtype)
+    numpy = not isinstance(train_logprobs, torch.Tensor)
+    tok = TokenArrays(train, rollout, m, lengths, total, train.dtype, numpy=numpy, mask_dtype=mask_dtype,
+                      _checked=True)
     for rows in tok.row_blocks():
         for name, t in ((train_name, train[rows]), (rollout_name, rollout[rows])):
             if _all_finite(t):
@@ -274,8 +283,9 @@ def token_arrays(train_logprobs: Any, rollout_logprobs: Any = None, mask: Any = 
 def checked_inputs(train_logprobs: Any, rollout_logprobs: Any = None, mask: Any = None) -> TokenArrays:
     """`token_arrays` for a metric's public entry point: arrays given are also refused where a counted
     logprob is above `MAX_LOGPROB` (probabilities or logits passed, `check_logprob_bound`). A
-    `TokenArrays` is taken as its maker checked it (`build_report` and the monitor check the bound
-    once, upstream, with the rollout named), so a batch is searched once per report."""
+    `TokenArrays` `token_arrays` made is taken as its maker checked it (`build_report` and the monitor
+    check the bound once, upstream, with the rollout named), so a batch is searched once per report;
+    one built by hand is checked as arrays given."""
     tok = token_arrays(train_logprobs, rollout_logprobs, mask)
     if tok is not train_logprobs:
         for name, values in zip(INPUT_NAMES, (tok.train, tok.rollout)):
