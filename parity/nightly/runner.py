@@ -45,7 +45,7 @@ from parity.nightly.execute import execute_row, prefix_cache_variant
 from parity.nightly.history import History, RunInfo
 from parity.nightly.lock import RunLock
 from parity.nightly.noise import AUDIT, backend_noise
-from parity.nightly.publish import publish
+from parity.nightly.publish import point_latest, publish
 from parity.nightly.regression import RegressionPolicy, compare_drift, distribution_verdict, judge_with_noise
 from parity.nightly.rows import BASELINE_SKIPPED, RowKey, RowResult, check_run_id, exit_code, row_status
 from parity.workload.cases import Case, load_cases
@@ -109,6 +109,10 @@ class NightlyConfig:
         object.__setattr__(self, "dtypes", tuple(self.dtypes))
         if not self.backends:
             raise ConfigError(f"--backends is empty; give '{AUTO}' or names from {list(BACKENDS)}")
+        for option, values in (("--backends", self.backends), ("--dtypes", self.dtypes)):
+            twice = next((v for i, v in enumerate(values) if v in values[:i]), None)
+            if twice is not None:  # one row run twice, counted twice on the page; stored once
+                raise ConfigError(f"{option} has {twice!r} twice; give each value once")
         if self.backends != (AUTO,):
             bad = [b for b in self.backends if b not in BACKENDS]
             if bad:
@@ -262,6 +266,11 @@ def run_nightly(config: NightlyConfig, *, progress: bool = True) -> NightlyRun:
     cases = with_lora(load_cases(config.cases), config.lora)
     backends = resolve_backends(config.backends)
     cells = plan(cases, backends, config.dtypes)
+    if not cells:  # a run of no row would pass (exit 0) having checked nothing
+        own = {c.name: list(c.backends) for c in cases if c.backends}
+        raise ConfigError(f"--cases {config.cases!r} with --backends {list(backends)}: no row to run"
+                          f"{f' (cases limited to backends: {own})' if own else ''}; give a backend the "
+                          "cases run on (a route-capture one for R3, a LoRA one for an adapter)")
     if config.baseline is not None and not config.history_path.is_file():
         raise ConfigError(f"--baseline {config.baseline!r}: no history at {config.history_path} to take it "
                           "from; point --out or --history at the history that holds it")
@@ -272,16 +281,31 @@ def run_nightly(config: NightlyConfig, *, progress: bool = True) -> NightlyRun:
             history.require_run(config.baseline, option="--baseline")
         record = {**config.to_record(), "backends": list(backends)}
         with claim_run(history, config.run_id, record, collect_environment()) as run_id:
-            done = {str(r.key) for r in history.rows(run_id) if r.status != "error"}
+            stored_rows = [r for r in history.rows(run_id) if r.status != "error"]
+            check_cases_unchanged(run_id, stored_rows, cells)
+            done = {str(r.key) for r in stored_rows}
             todo = [(key, case) for key, case in cells if str(key) not in done]
             cases_by_key = {key: case for key, case in todo}
+            # an executor may hand a row back before the audit whose noise judges it (Ray's actors run
+            # in parallel): such a row waits, so its verdict does not depend on which finished first
+            audits = {key: case for key, case in todo if case.kind == AUDIT}
+            held: list[RowResult] = []
             try:
                 with tqdm(total=len(todo), desc=f"nightly {run_id}", unit="row", disable=not progress,
                           dynamic_ncols=True) as bar:
                     for row in executor_rows(run_id, todo, config):
-                        history.add_row(judge_row(row, cases_by_key[row.key], config, history))
+                        audits.pop(row.key, None)
+                        if waits_for_audit(row, cases_by_key, audits):
+                            held.append(row)
+                        else:  # an audit row is stored before the rows it judges
+                            history.add_row(judge_row(row, cases_by_key[row.key], config, history))
+                        for ready in [r for r in held if not waits_for_audit(r, cases_by_key, audits)]:
+                            held.remove(ready)
+                            history.add_row(judge_row(ready, cases_by_key[ready.key], config, history))
                         bar.set_postfix_str(row.key.label)
                         bar.update()
+                    for row in held:  # none left in practice: every audit row comes back, errors too
+                        history.add_row(judge_row(row, cases_by_key[row.key], config, history))
             except KeyboardInterrupt as exc:
                 finished = sum(r.status != "error" for r in history.rows(run_id))
                 raise RunInterrupted(run_id, finished) from exc
@@ -294,6 +318,11 @@ def run_nightly(config: NightlyConfig, *, progress: bool = True) -> NightlyRun:
             trend = history.trend([r.key for r in rows], up_to_run=run_id,  # one line per workload
                                   same_series=lambda new, old: not config_change(new, old, WORKLOAD))
             report_dir = publish(config.out, run, rows, trend)
+            # an older run finished after a newer one (--resume) must not become `latest`
+            newer = [r for r in history.runs() if r.seq > run.seq and r.finished_at is not None
+                     and (config.out / r.run_id).is_dir()]
+            if newer:
+                point_latest(config.out, newer[-1].run_id)
     return NightlyRun(run=run, rows=rows, report_dir=report_dir, exit_code=exit_code(rows))
 
 
@@ -308,7 +337,13 @@ def claim_run(history: History, run_id: str | None, config: dict[str, Any],
         if not lock.acquire():
             raise ConfigError(f"--run-id {run_id!r} is being run by another process ({lock.owner()}); wait "
                               "for it to finish, or give this run another --run-id")
-        history.start_run(run_id, config, environment)
+        try:
+            if (stored := history.run(run_id)) is not None:
+                check_continuation(stored, config, environment)
+            history.start_run(run_id, config, environment)
+        except BaseException:
+            lock.release()
+            raise
     else:
         base = new_run_id()
         for n in itertools.count(1):
@@ -322,6 +357,49 @@ def claim_run(history: History, run_id: str | None, config: dict[str, Any],
         yield run_id
     finally:
         lock.release()
+
+
+def check_continuation(run: RunInfo, config: dict[str, Any], environment: dict[str, Any]) -> None:
+    """A stored run continued (`--resume`, or `--run-id` of a stored run) runs with the matrix options
+    and the package versions it started with, else ConfigError: one run id must not hold rows of two
+    matrices (its stored options would describe only some of them) or of two installs (an upgrade
+    between its rows)."""
+    changed = [f"{k} {run.config[k]!r} → {config[k]!r}" for k in sorted(set(run.config) & set(config))
+               if run.config[k] != config[k]]
+    if changed:
+        raise ConfigError(f"--run-id {run.run_id!r}: the stored run has other options "
+                          f"({', '.join(changed)}); finish it with --resume {run.run_id}, or give this run "
+                          "another --run-id")
+    before, now = run.environment.get("versions"), environment.get("versions")
+    if isinstance(before, dict) and isinstance(now, dict):
+        moved = [f"{name} {before[name]} → {now[name]}" for name in sorted(set(before) & set(now))
+                 if before[name] != now[name]]
+        if moved:
+            raise ConfigError(f"run {run.run_id!r} started with other package versions ({', '.join(moved)}); "
+                              "its rows would mix both installs: reinstall those versions to finish it, or "
+                              "start a new run (without --resume / --run-id)")
+
+
+def check_cases_unchanged(run_id: str, finished: list[RowResult], cells: list[tuple[RowKey, Case]]) -> None:
+    """ConfigError when a finished row of a continued run ran another version of its case than the
+    case files hold now (its `case_hash`): the run would hold rows of two workloads under one name."""
+    hashes = {key: case.hash for key, case in cells}
+    for row in finished:
+        before, now = row.provenance.get("case_hash"), hashes.get(row.key)
+        if before is not None and now is not None and before != now:
+            raise ConfigError(f"run {run_id!r}: case {row.key.case!r} changed since its row {row.key.label} "
+                              f"ran (case_hash {before} → {now}); restore the case file to finish the run, "
+                              "or start a new run (without --resume / --run-id)")
+
+
+def waits_for_audit(row: RowResult, cases: dict[RowKey, Case], audits: dict[RowKey, Case]) -> bool:
+    """Whether `row` must wait for one of the `audits` still running: one whose repeat noise would
+    judge it (`backend_noise`: same backend, dtype, variant and model)."""
+    if row.status == "error" or cases[row.key].kind == AUDIT:
+        return False
+    return any((a.backend, a.dtype, a.router_replay, case.model)
+               == (row.key.backend, row.key.dtype, row.key.router_replay, cases[row.key].model)
+               for a, case in audits.items())
 
 
 def judge_row(row: RowResult, case: Case, config: NightlyConfig, history: History) -> RowResult:
@@ -340,7 +418,12 @@ def judge_row(row: RowResult, case: Case, config: NightlyConfig, history: Histor
         baseline = history.last_passing(row.key, before_run=row.run_id, with_report=reports,
                                         accept=lambda old: not config_change(row, old, WORKLOAD))
     if baseline is None or baseline.status == "error" or not baseline.abs_diff.size:
-        return row
+        if config.baseline is None:
+            return row  # no earlier passing row: this one may become the baseline
+        why = f"it has no row {row.key.label}" if baseline is None else \
+            "its row is an error" if baseline.status == "error" else "its row has no per-token drift"
+        note = f"not compared with {config.baseline}: {why}"  # not "no baseline yet": one was named
+        return dataclasses.replace(row, provenance={**row.provenance, BASELINE_SKIPPED: note})
     if changed := config_change(row, baseline, WORKLOAD):
         note = f"not compared with {baseline.run_id}: another workload ({changed})"
         return dataclasses.replace(row, provenance={**row.provenance, BASELINE_SKIPPED: note})
