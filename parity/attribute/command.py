@@ -187,7 +187,7 @@ def _run_engine(args: argparse.Namespace) -> int:
         side, against = EngineSide({**options, key: value}), EngineSide(options)
     diff = engine_diff(model, list(case.requests[:args.max_sequences]), backend=args.backend, dtype=dtype,
                        side=side, against=against, stages=args.stages,
-                       train=Setting(dtype=dtype, device=args.device),
+                       train=Setting(dtype=dtype, device=args.device) if against is None else None,
                        replay_routes=args.replay_routes).to_dict()
     print(engine_text(diff))
     section = {"model": model, "engine": diff}

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -93,10 +94,13 @@ class PhaseDiff:
 
     @property
     def growth(self) -> float | None:
-        """Relative error of the last layer's output over the first differing layer's; None if none."""
-        depth = self.depth
-        first = next((e for e in depth if e > 0), None)
-        return None if first is None or not math.isfinite(first) else depth[-1] / first
+        """Relative error of the last layer's output over the first differing layer's; None if no layer
+        output differs, NaN if the first differing one's error is not finite (NaN/inf: no ratio)."""
+        layers = [s for s in self.stages if stage_kind(s.stage) == "layer"]
+        first = next((s.rel_error for s in layers if s.differing), None)  # a NaN error is not skipped
+        if first is None:
+            return None
+        return layers[-1].rel_error / first if math.isfinite(first) and first > 0 else math.nan
 
     def to_dict(self) -> dict[str, Any]:
         return {"phase": self.phase, "first_differing": self.first_differing, "depth": self.depth,
@@ -150,7 +154,11 @@ def check_probe_input(backend: str, requests: Sequence[Request], capture: Iterab
                               "--fillers)")
     kinds = check_stage_kinds(stages)
     samples = sum(r.sampling.n for r in requests)
-    chosen = list(range(samples)) if capture is None else [int(i) for i in capture]
+    given = None if capture is None or isinstance(capture, (str, bytes)) else list(capture)
+    whole = (isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in given or ())
+    if capture is not None and (given is None or not all(whole)):
+        raise InputError(f"capture must be sample indices (integers), got {capture!r}")
+    chosen = list(range(samples)) if given is None else [int(i) for i in given]
     bad = [i for i in chosen if not 0 <= i < samples]
     if bad or not chosen:
         raise InputError(f"capture: sample indices must lie in 0..{samples - 1} (one per sample of the "
@@ -221,6 +229,9 @@ def engine_diff(model: str, requests: Sequence[Request], *, backend: str = "vllm
     shared engines; otherwise one engine runs at a time. Bad input is refused before any start.
     """
     side = side or EngineSide()
+    if against is not None and train is not None:
+        raise ConfigError("train sets the training forward (side A when against is None); with against= side "
+                          "A is the engine in that setting, so train would be ignored: drop one of them")
     chosen, kinds = check_probe_input(backend, requests, capture, stages,
                                       [side] if against is None else [side, against])
     if replay_routes:
@@ -298,15 +309,34 @@ def compare_probes(model: str, backend: str, a: EngineProbe, b: EngineProbe) -> 
     positions = dict.fromkeys(PHASES, 0)
     parted = 0
     for i in chosen:
-        prompt = len(rollouts_b[i].prompt_ids)
-        same = _common(rollouts_a[i].token_ids, rollouts_b[i].token_ids)
-        parted += same < max(len(rollouts_a[i].token_ids), len(rollouts_b[i].token_ids))
+        ra, rb = rollouts_a[i], rollouts_b[i]
+        if list(ra.prompt_ids) != list(rb.prompt_ids):
+            raise InputError(f"sample {i}: the two sides' prompts differ ({len(ra.prompt_ids)} and "
+                             f"{len(rb.prompt_ids)} tokens), so its rows are of different requests: probe "
+                             "the same requests in the same order on both sides")
+        stages = set(names) | set(states_a[i]) | set(states_b[i])
+        lacking = {side: sorted(stages - set(got[i])) for side, got in (("A", states_a), ("B", states_b))}
+        if any(lacking.values()):
+            raise UnsupportedError(f"sample {i}: the two sides captured different stages (side A lacks "
+                                   f"{lacking['A']}, side B lacks {lacking['B']}); a stage one side never "
+                                   "captured cannot be compared (choose the stages both have with stages=)")
+        prompt = len(rb.prompt_ids)
+        same = _common(ra.token_ids, rb.token_ids)
+        parted += same < max(len(ra.token_ids), len(rb.token_ids))
         for name in names:
-            xb = states_b[i][name]
             # token row p was fed token p; logits row t was computed from the tokens before response[t]
-            n = min(xb.shape[0], same + 1) if name == "logits" else min(xb.shape[0], prompt + same)
-            split = min(1 if name == "logits" else prompt, n)
-            xa, xb = states_a[i][name][:n], xb[:n]
+            logits = name == "logits"
+            want = same + 1 if logits else prompt + same
+            for side, x, r in (("A", states_a[i][name], ra), ("B", states_b[i][name], rb)):
+                fed = len(r.token_ids) if logits else prompt + max(len(r.token_ids) - 1, 0)
+                if x.shape[0] < min(want, fed):
+                    raise UnsupportedError(
+                        f"stage {name!r} of sample {i}: side {side} captured {x.shape[0]} rows of the "
+                        f"{min(want, fed)} its tokens {'sampled' if logits else 'fed'}; an incomplete "
+                        "capture (hooks that did not run, e.g. in a CUDA graph) cannot be compared by row")
+            n = min(want, states_a[i][name].shape[0], states_b[i][name].shape[0])
+            split = min(1 if logits else prompt, n)
+            xa, xb = states_a[i][name][:n], states_b[i][name][:n]
             if xa.shape != xb.shape:
                 raise UnsupportedError(f"stage {name!r} of sample {i}: side A has shape {tuple(xa.shape)}, "
                                        f"side B {tuple(xb.shape)}; the two cannot be compared row by row")

@@ -6,8 +6,10 @@ residual add to the next layer's fused add-RMSNorm, so a layer's output is read 
 next `input_layernorm` (or the final norm) returns. A chosen request carries
 `extra_args["parity_probe"]`; the V1 runner lays a step's tokens out request by request in
 `input_batch.req_ids` order, so each hook copies only the chosen rows, in vLLM's dtype, and writes
-nothing back. On an MoE model it keeps their routes too (R3). Limits: one worker, the V1 runner,
-eager execution (hooks do not run in a CUDA graph). docs/BACKENDS.md, "Inside the engine", has more.
+nothing back. A prefill chunk short of the prompt keeps no logits row (the engine drops its sample);
+a preempted request's recomputed rows replace the ones kept past where it resumes. On an MoE model
+it keeps their routes too (R3). Limits: one worker, the V1 runner, eager execution (hooks do not run
+in a CUDA graph), no speculative decoding. docs/BACKENDS.md, "Inside the engine", has more.
 """
 
 from __future__ import annotations
@@ -61,6 +63,10 @@ def probe_engine_kwargs(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
     if engine_kwargs.get("enforce_eager") is False:
         raise ConfigError("vllm option probe needs enforce_eager=True: a CUDA graph or compiled model "
                           "replays its kernels without calling the probe's hooks")
+    if engine_kwargs.get("speculative_config") is not None:
+        raise ConfigError("vllm option probe maps one logits row and the scheduled tokens of each request "
+                          "per step; speculative decoding (engine_kwargs speculative_config) scores draft "
+                          "tokens it may reject, so rows would land on other positions: drop it")
     return {**engine_kwargs, "worker_extension_cls": PROBE_EXTENSION, "enforce_eager": True}
 
 
@@ -75,6 +81,9 @@ class ProbeExtension(WeightDigestExtension):
         self._parity_kinds = frozenset(kinds.split(",") if isinstance(kinds, str) else kinds)
         self._parity_index: dict[str, int] = {}
         self._parity_skipped: dict[str, int] = {}
+        self._parity_prompt: dict[str, int] = {}  # prompt length of each probed request
+        self._parity_fed: dict[str, int] = {}  # token rows kept so far
+        self._parity_sampled: dict[str, int] = {}  # logits rows kept so far (one per sampled token)
         self._parity_data: dict[str, dict[str, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
         self._parity_routes: dict[str, list[torch.Tensor]] = defaultdict(list)
         return {"layers": len(self._parity_layers), "moe_layers": self._parity_moe}
@@ -173,6 +182,8 @@ class ProbeExtension(WeightDigestExtension):
         def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
             if self._parity_step is None or kind not in self._parity_kinds:
                 return
+            if item and not isinstance(output, tuple):  # a norm without the residual add: not this stage
+                return  # (left uncaptured, so the comparison names it missing instead of reading the norm)
             out = output[item] if isinstance(output, tuple) else output
             rows = self._parity_rows()
             for req_id, index in (rows["logits"] if kind == "logits" else rows["tokens"]):
@@ -192,6 +203,14 @@ class ProbeExtension(WeightDigestExtension):
                 self._parity_index[new.req_id] = int(extra[PROBE_KEY])
                 if new.num_computed_tokens:  # prompt tokens served from the prefix cache, never computed
                     self._parity_skipped[new.req_id] = int(new.num_computed_tokens)
+                self._parity_prompt[new.req_id] = len(getattr(new, "prompt_token_ids", None) or ())
+                self._parity_fed[new.req_id] = int(new.num_computed_tokens)
+        cached = getattr(scheduled, "scheduled_cached_reqs", None)
+        resumed = getattr(cached, "resumed_req_ids", None) or ()
+        computed_tokens = getattr(cached, "num_computed_tokens", ())
+        for req_id, computed in zip(getattr(cached, "req_ids", ()), computed_tokens):
+            if req_id in resumed and req_id in self._parity_index:  # preempted, recomputed from `computed`
+                self._parity_resume(req_id, int(computed))
         counts = scheduled.num_scheduled_tokens
         order = [req_id for req_id in self.model_runner.input_batch.req_ids  # type: ignore[attr-defined]
                  if req_id in counts]
@@ -200,10 +219,27 @@ class ProbeExtension(WeightDigestExtension):
             n = counts[req_id]
             if req_id in self._parity_index:
                 tokens.append((req_id, torch.arange(start, start + n)))
-                logits.append((req_id, torch.tensor([position])))
+                self._parity_fed[req_id] = fed = self._parity_fed.get(req_id, 0) + n
+                sampled = self._parity_sampled.get(req_id, 0)
+                # a prefill chunk short of the prompt (chunked prefill) gets a logits row the engine
+                # drops: keep a row only where the step reaches the request's last known token
+                if fed >= self._parity_prompt.get(req_id, 0) + sampled:
+                    logits.append((req_id, torch.tensor([position])))
+                    self._parity_sampled[req_id] = sampled + 1
             start += n
         step["rows"] = {"tokens": tokens, "logits": logits}
         return step["rows"]
+
+    def _parity_resume(self, req_id: str, computed: int) -> None:
+        """A preempted request resumes by recomputing its tokens from `computed`: its token rows (and
+        routes) from there on are captured again, so the rows kept past it go."""
+        for name, parts in self._parity_data.get(req_id, {}).items():
+            if name != "logits" and parts:
+                parts[:] = [torch.cat(parts)[:computed]]
+        routes = self._parity_routes.get(req_id)
+        if routes:
+            routes[:] = [torch.cat(routes)[:computed]]
+        self._parity_fed[req_id] = computed
 
 
 def start_probe(llm: Any, kinds: list[str]) -> dict[str, Any]:
