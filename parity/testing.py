@@ -4,7 +4,7 @@ the broken limit and shows the worst tokens.
 
 from __future__ import annotations
 
-from parity.core.errors import ConfigError
+from parity.core.errors import ConfigError, InputError
 from parity.drift.tolerance import Tolerance, Violation
 from parity.report.document import ParityReport, format_worst_tokens
 
@@ -37,6 +37,13 @@ def assert_is_ratio_close(report: ParityReport, tolerance: Tolerance | None = No
     base = tolerance if tolerance is not None else report.tolerance
     applied = Tolerance.from_dict({**base.to_dict(), **limits}, where="assert_is_ratio_close") if limits \
         else base
+    _check_measured(report, "assert_is_ratio_close")
+    # a limit whose metric the summary lacks would be skipped: the assertion would hold unchecked
+    unmeasured = [key for name, (key, _) in Tolerance.CHECKS.items()
+                  if getattr(applied, name) is not None and key not in report.summary]
+    if unmeasured:
+        raise InputError(f"assert_is_ratio_close: the report's summary has no {unmeasured[0]!r} to check "
+                         f"against its limit; pass {_field(unmeasured[0])}=None to skip that check")
     violations = applied.violations(report.summary)
     if violations:
         raise AssertionError(failure_message(report, violations))
@@ -44,5 +51,20 @@ def assert_is_ratio_close(report: ParityReport, tolerance: Tolerance | None = No
 
 def assert_parity(report: ParityReport) -> None:
     """Assert `report.passed`, with the report's own violations in the message."""
+    if not isinstance(report, ParityReport):
+        raise ConfigError(f"assert_parity needs a ParityReport, got {type(report).__name__}")
+    _check_measured(report, "assert_parity")
     if not report.passed:
         raise AssertionError(failure_message(report, report.violations))
+
+
+def _check_measured(report: ParityReport, name: str) -> None:
+    """InputError for a report of no tokens: its verdict measured nothing, so it asserts nothing."""
+    if report.num_tokens == 0:
+        raise InputError(f"{name}: the report holds no tokens (mask is all false), so no drift was measured; "
+                         "compare at least one generated token")
+
+
+def _field(metric: str) -> str:
+    """The `Tolerance` field that limits summary key `metric`."""
+    return next(name for name, (key, _) in Tolerance.CHECKS.items() if key == metric)

@@ -56,7 +56,7 @@ def _dump(path, rollouts, rollout_logprobs, trainer_logprobs=None, **columns) ->
 
 def test_a_rollout_exactly_at_the_gold_is_said_in_words_not_a_zero_division():
     gold = -np.abs(np.random.default_rng(0).standard_normal((12, 8)))
-    summary = gold_summary(gold + 0.5, gold.copy(), gold, np.ones_like(gold, bool))
+    summary = gold_summary(gold - 0.5, gold.copy(), gold, np.ones_like(gold, bool))
     assert summary[GOLD_RATIO_KEY] == 0.0 and summary[GOLD_RATIO_CI_KEY] == [0.0, 0.0]
     assert summary[GOLD_VERDICT_KEY].startswith(EXACT_ROLLOUT)
 

@@ -52,10 +52,20 @@ class Violation(NamedTuple):
 
     def describe(self) -> str:
         """One line a person can act on, e.g. `max_abs_logprob_diff = 0.73 > limit 0.5`."""
+        limit = f"{self.limit:g}" if float(f"{self.limit:g}") == self.limit else repr(self.limit)
         if Tolerance.CHECKS_BY_METRIC.get(self.metric) == "mean1":
-            return f"|{self.metric} - 1| = {abs(self.value - 1.0):.6g} > limit {self.limit:g} " \
-                   f"({self.metric} = {self.value:.6g})"
-        return f"{self.metric} = {self.value:.6g} > limit {self.limit:g}"
+            return f"|{self.metric} - 1| = {_apart(abs(self.value - 1.0), self.limit)} > limit {limit} " \
+                   f"({self.metric} = {_apart(self.value, 1.0)})"
+        return f"{self.metric} = {_apart(self.value, self.limit)} > limit {limit}"
+
+
+def _apart(value: float, other: float) -> str:
+    """`value` to 6 significant digits, more where that would print it as `other` though it is not
+    (a failing 0.0700000012 must not read "0.07 > limit 0.07", nor an IS mean of 1 + 3e-8 "1")."""
+    digits = 6
+    while f"{value:.{digits}g}" == f"{other:.{digits}g}" and value != other and digits < 17:
+        digits += 1
+    return f"{value:.{digits}g}"
 
 
 @dataclass(frozen=True)

@@ -80,8 +80,9 @@ def _check_row(name: str, check: dict[str, Any]) -> str:
                 f'<td>{html.escape(_MEANING.get(name, ""))}</td><td class="status skip">skipped</td>'
                 f'<td colspan="4" class="skip">{html.escape(check["skipped"])}</td></tr>')
     status = row = "identical" if check["identical"] else "differs"
-    if name == CONTROL and not check["identical"]:  # the control passes when the seeds' samples differ
-        status, row = "seeds change the samples: as expected", "expected"
+    if name == CONTROL:  # the control passes when the seeds' samples differ, and fails (red) when not
+        status, row = ("seeds change the samples: as expected", "expected") if not check["identical"] \
+            else ("identical: seeds ignored, control failed", "differs")
     first = check["first_difference"]
     detail = "" if first is None else \
         f"<pre>{html.escape(json.dumps(first, sort_keys=True, default=str))}</pre>"

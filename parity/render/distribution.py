@@ -50,8 +50,15 @@ def kl_position_figure(forward: list[float], backward: list[float]) -> Figure:
 
 
 def _entries(side: dict[str, Any], tokens: dict[str, str]) -> str:
-    return "<br>".join(f"{html.escape(repr(tokens.get(str(t), str(t))))} {lp:.3f}"
+    return "<br>".join(f"{html.escape(repr(tokens.get(str(t), str(t))))} {_logprob(lp)}"
                        for t, lp in zip(side["ids"], side["logprobs"]))
+
+
+def _logprob(lp: float) -> str:
+    """A top-k logprob at 3 decimals, or 3 significant digits where 3 decimals would print a nonzero
+    one as 0 (a probability of 0.9996 is no certainty)."""
+    text = f"{lp:.3f}"
+    return f"{lp:.3g}" if float(text) == 0.0 and lp != 0.0 else text
 
 
 def distribution_html(report: ParityReport) -> str:

@@ -5,6 +5,7 @@ reference's exact 0 must show as 0), reward and KL from the start.
 from __future__ import annotations
 
 import html
+import warnings
 from typing import Any
 
 import numpy as np
@@ -23,19 +24,27 @@ _SUMMARY_COLUMNS = (("backend", "backend"), ("steps", "steps"), ("trained on", "
                     ("max |Δlogp| (all steps)", "max_abs_logprob_diff"),
                     ("mean |Δlogp| (mean of steps)", "mean_abs_logprob_diff"), ("k3 KL (max)", "k3_kl"),
                     ("reward (last step)", "reward_mean"))
+#: the summary columns taken over steps, which a step without a finite value would leave silently.
+_DRIFT_KEYS = ("max_abs_logprob_diff", "mean_abs_logprob_diff", "k3_kl")
 
 
 def backend_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """One backend's rows over every step -> the page's summary line."""
+    """One backend's rows over every step -> the page's summary line; `unmeasured`: per drift column,
+    the steps without a finite value (a record stores NaN and infinities as null), left out of it."""
     def values(key: str) -> np.ndarray:
         return np.array([row[key] if row.get(key) is not None else np.nan for row in rows], dtype=float)
 
-    return {"backend": rows[0]["backend"], "steps": len(rows), "trained_on": bool(rows[0].get("trained_on")),
-            "bitwise": all(row.get("bitwise") for row in rows),
-            "in_sync": all(row.get("weights_in_sync") for row in rows),
-            "max_abs_logprob_diff": float(np.nanmax(values("max_abs_logprob_diff"))),
-            "mean_abs_logprob_diff": float(np.nanmean(values("mean_abs_logprob_diff"))),
-            "k3_kl": float(np.nanmax(values("k3_kl"))), "reward_mean": rows[-1].get("reward_mean")}
+    drift = {key: values(key) for key in _DRIFT_KEYS}
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # every step unmeasured: NaN, shown with its count
+        return {"backend": rows[0]["backend"], "steps": len(rows),
+                "trained_on": bool(rows[0].get("trained_on")),
+                "bitwise": all(row.get("bitwise") for row in rows),
+                "in_sync": all(row.get("weights_in_sync") for row in rows),
+                "max_abs_logprob_diff": float(np.nanmax(drift["max_abs_logprob_diff"])),
+                "mean_abs_logprob_diff": float(np.nanmean(drift["mean_abs_logprob_diff"])),
+                "k3_kl": float(np.nanmax(drift["k3_kl"])), "reward_mean": rows[-1].get("reward_mean"),
+                "unmeasured": {key: int((~np.isfinite(v)).sum()) for key, v in drift.items()}}
 
 
 def _by_backend(document: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
@@ -95,6 +104,10 @@ def _summary_table(series: dict[str, list[dict[str, Any]]]) -> str:
             # out of sync is always wrong; not bitwise only on the reference engine
             bad = value is False and (key == "in_sync" or (key == "bitwise" and s["backend"] == "reference"))
             text = f"{value:.4g}" if isinstance(value, float) else str(value)
+            missing = s["unmeasured"].get(key, 0)
+            if missing:  # not the max/mean of every step: say how many are out, in red
+                text += f" ({missing} of {s['steps']} steps with no finite value)"
+                bad = True
             cells.append(f'<td class="{"bad" if bad else ""}">{html.escape(text)}</td>')
         body.append("<tr>" + "".join(cells) + "</tr>")
     return f"<table><tr>{head}</tr>{''.join(body)}</table>"

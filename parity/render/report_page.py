@@ -13,7 +13,7 @@ from parity.render.attribution import section_html
 from parity.render.distribution import distribution_html
 from parity.render.figures import breakdown_figure, figure_img, log_ratio_histogram
 from parity.render.gold import gold_html
-from parity.report.document import number_text
+from parity.report.document import logprob_pair, number_text, ratio_text
 
 if TYPE_CHECKING:
     from parity.report.document import ParityReport
@@ -35,10 +35,10 @@ def worst_tokens_table(rows: list[dict[str, Any]], num_tokens: int | None = None
         if with_text:
             cells += [f'<td class="text">{in_context(row)}</td>',
                       f'<td class="text prompt">{_text(row["prompt"])}</td>']
-        cells += [_td(f"{row['train_logprob']:.6f}"), _td(f"{row['rollout_logprob']:.6f}")]
+        cells += [_td(text) for text in logprob_pair(row["train_logprob"], row["rollout_logprob"])]
         if with_gold:
             cells.append(_td(f"{row['gold_logprob']:.6f}"))
-        cells += [_td(f"{row['logprob_diff']:+.3e}"), _td(f"{row['ratio']:.6f}")]
+        cells += [_td(f"{row['logprob_diff']:+.3e}"), _td(ratio_text(row["ratio"]))]
         body.append("<tr>" + "".join(cells) + "</tr>")
     if not body:
         empty = f"all {num_tokens} tokens identical" if num_tokens else "no tokens"

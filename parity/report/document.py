@@ -85,6 +85,9 @@ class ParityReport:
                              "give one dict per row")
         self.violations = [Violation(*v) for v in self.violations]
         self.passed = bool(self.passed)
+        if self.passed == bool(self.violations):  # a page would show PASS beside a violation, or FAIL alone
+            raise InputError(f"ParityReport.passed is {self.passed} with {len(self.violations)} "
+                             "violation(s): the verdict must be passed=not violations")
 
     # -- serialization -----------------------------------------------------------------------
 
@@ -132,7 +135,7 @@ class ParityReport:
                 **arrays,
                 sequences=d["sequences"], summary=d["summary"], metrics=d["metrics"],
                 breakdowns=d["breakdowns"], passed=_stored_verdict(d["passed"], d["violations"]),
-                tolerance=Tolerance.from_dict(d["tolerance"], where="report.tolerance"),
+                tolerance=_stored_tolerance(d["tolerance"]),
                 violations=[Violation(v["metric"], v["value"], v["limit"]) for v in d["violations"]],
                 provenance=d["provenance"], extras=d.get("extras", {}),
             )
@@ -278,8 +281,8 @@ def format_worst_tokens(rows: list[dict[str, Any]], num_tokens: int | None = Non
     lines = [[str(h) for h in header] + (["token in context"] if with_text else [])]
     for row in rows:
         lines.append([str(row["sequence"]), str(row["position"]), str(row["token_id"]),
-                      *_logprob_pair(row["train_logprob"], row["rollout_logprob"]),
-                      *((f"{row['gold_logprob']:.6f}",) if with_gold else ()), f"{row['ratio']:.6f}"])
+                      *logprob_pair(row["train_logprob"], row["rollout_logprob"]),
+                      *((f"{row['gold_logprob']:.6f}",) if with_gold else ()), ratio_text(row["ratio"])])
         if with_text:
             lines[-1].append(f"{_escaped(row['before'])}[{_escaped(row['text'])}]{_escaped(row['after'])}")
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
@@ -287,11 +290,18 @@ def format_worst_tokens(rows: list[dict[str, Any]], num_tokens: int | None = Non
                      for line in lines)
 
 
-def _logprob_pair(train: float, rollout: float) -> tuple[str, str]:
+def logprob_pair(train: float, rollout: float) -> tuple[str, str]:
     """Two logprobs at 6 decimals, or at 9 significant digits (float32's round-trip precision) where
     6 decimals would print two different values alike (a worst token must not read as identical)."""
     a, b = f"{train:.6f}", f"{rollout:.6f}"
     return (f"{train:.9g}", f"{rollout:.9g}") if a == b and train != rollout else (a, b)
+
+
+def ratio_text(ratio: float) -> str:
+    """An importance ratio at 6 decimals, or as `number_text` where 6 decimals would print a ratio that
+    is not 0 or 1 as 0 (a token the trainer gives 1e-13 of the rollout's probability is no -inf) or 1."""
+    text = f"{ratio:.6f}"
+    return number_text(ratio) if float(text) in (0.0, 1.0) and float(text) != ratio else text
 
 
 def number_text(value: float, digits: int = 6) -> str:
@@ -349,11 +359,25 @@ def _stored_array(name: str, spec: dict[str, Any], dtype: type) -> np.ndarray:
     except (TypeError, ValueError) as exc:
         raise InputError(f"{where} does not read as {np.dtype(dtype).name} of shape {spec.get('shape')}: "
                          f"{exc}") from exc
+    if raw.size and raw.shape != arr.shape:  # nested lists of another shape: refused, not reflowed
+        raise InputError(f"{where} holds lists of shape {list(raw.shape)} but says shape {spec['shape']}; "
+                         "write the report with ParityReport.to_json")
     if raw.dtype.kind not in "biuf" or not np.array_equal(arr.ravel(), raw.ravel(),
                                                           equal_nan=raw.dtype.kind == "f"):
         raise InputError(f"{where} holds values that {np.dtype(dtype).name} cannot store exactly "
                          f"(stored dtype {spec.get('dtype')!r}); write the report with ParityReport.to_json")
     return arr
+
+
+def _stored_tolerance(stored: Any) -> Tolerance:
+    """A stored report's tolerance: every limit stored (null where a check was off); a missing one
+    would read back as today's bf16 default, a limit the report was never judged by."""
+    if isinstance(stored, dict):
+        missing = [f.name for f in dataclasses.fields(Tolerance) if f.name not in stored]
+        if missing:
+            raise InputError(f"parity report tolerance is missing limit {missing[0]!r} (null if the check "
+                             "was off); write the report with ParityReport.to_json")
+    return Tolerance.from_dict(stored, where="report.tolerance")
 
 
 def _stored_verdict(passed: Any, violations: list[Any]) -> bool:
