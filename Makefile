@@ -9,6 +9,11 @@ export TOKENIZERS_PARALLELISM := false
 export VLLM_TARGET_DEVICE := cpu
 # The test logs keep vLLM's warnings; `make demo` runs with parity's own default (engines print errors only).
 test: export VLLM_LOGGING_LEVEL ?= WARNING
+# Bytecode cached between the suite's interpreters (both workers, and each CLI run, nightly, Ray
+# worker or engine process a test starts), pytest's assertion-rewritten modules too: a host that sets
+# PYTHONDONTWRITEBYTECODE (this CI's does) recompiles parity and the tests in every one of them
+# (collection alone 18 s -> 10 s a worker; docs/PERF.md, "Bytecode the suite's interpreters share").
+test test-fast: export PYTHONDONTWRITEBYTECODE :=
 
 # pytest-xdist workers for the suite: tests/conftest.py keeps each module whole on one worker and the
 # modules that share vLLM engines together, so each engine starts once. Two on the 2-core CI host (a
