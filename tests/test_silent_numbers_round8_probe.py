@@ -228,3 +228,27 @@ def test_the_command_versus_batch_still_runs(fake_engine, capsys):
     assert main(["--model", "tiny-llama", "--backend", "vllm", "--versus", "batch", "--stages", "layer",
                  "--max-sequences", "2"]) == 0
     assert "1 request(s) per call" in capsys.readouterr().out
+
+
+def _engine_diff(positions: dict[str, int], first: str | None, growth: float | None) -> dict:
+    phases = [{"phase": name, "first_differing": first, "growth": growth, "stages": [], "depth": []}
+              for name in positions]
+    return {"side_a": "train", "side_b": "vllm", "sequences": [], "parted": 0, "positions": positions,
+            "phases": phases}
+
+
+def test_a_phase_of_no_position_is_not_shown_as_bitwise_equal():
+    from parity.render.attribution import engine_html, engine_text
+
+    diff = _engine_diff({"prefill": 0, "decode": 4}, None, None)
+    text, page = engine_text(diff), engine_html(diff)
+    assert "prefill (0 positions): first differing stage none (no position compared)" in text
+    assert "decode (4 positions): first differing stage none (bitwise equal everywhere)" in text
+    assert "none (no position compared)" in page and "none (bitwise equal everywhere)" in page
+
+
+def test_a_growth_that_is_not_finite_is_said_in_words():
+    from parity.render.attribution import engine_text
+
+    text = engine_text(_engine_diff({"decode": 4}, "layer.0", float("nan")))
+    assert "not finite at the first differing layer" in text and "nan" not in text.lower()

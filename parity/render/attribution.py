@@ -5,6 +5,7 @@ forms alone (pyplot-free figures inlined by `figure_img`).
 from __future__ import annotations
 
 import html
+import math
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -135,7 +136,19 @@ _ENGINE_COLUMNS: tuple[tuple[str, Any], ...] = (
 
 def _growth(phase: dict[str, Any]) -> str:
     growth = phase["growth"]
-    return "no layer output differs" if growth is None else f"x{growth:.3g} from the first differing layer"
+    if growth is None:
+        return "no layer output differs"
+    if not math.isfinite(growth):  # the first differing layer's error is NaN or inf: no ratio
+        return "not finite at the first differing layer (no growth ratio)"
+    return f"x{growth:.3g} from the first differing layer"
+
+
+def _first(phase: dict[str, Any], positions: int) -> str:
+    """The phase's first differing stage; "none" says why: no position compared is no evidence of
+    equality (a phase the capture never reached)."""
+    if phase["first_differing"] is not None:
+        return phase["first_differing"]
+    return "none (no position compared)" if positions == 0 else "none (bitwise equal everywhere)"
 
 
 def engine_text(diff: dict[str, Any]) -> str:
@@ -145,10 +158,10 @@ def engine_text(diff: dict[str, Any]) -> str:
              f"{len(diff['sequences'])} sequences; {diff['parted']} parted (compared up to their first "
              f"differing token)"]
     for phase in diff["phases"]:
-        first = phase["first_differing"]
-        lines += [f"-- {phase['phase']} ({diff['positions'][phase['phase']]} positions): first differing "
-                  f"stage {first if first is not None else 'none (bitwise equal everywhere)'}; "
-                  f"layer outputs {_growth(phase)}", _text_table(_ENGINE_COLUMNS, phase["stages"])]
+        positions = diff["positions"][phase["phase"]]
+        lines += [f"-- {phase['phase']} ({positions} positions): first differing stage "
+                  f"{_first(phase, positions)}; layer outputs {_growth(phase)}",
+                  _text_table(_ENGINE_COLUMNS, phase["stages"])]
     return "\n".join(lines)
 
 
@@ -183,10 +196,10 @@ def engine_html(diff: dict[str, Any]) -> str:
     if any(phase["depth"] for phase in diff["phases"]):
         parts.append(figure_img(depth_figure(diff), "relative error of each layer's output over depth"))
     for phase in diff["phases"]:
-        first = phase["first_differing"]
         name = phase["phase"]
-        parts += [f"<h3>{html.escape(name)} ({diff['positions'][name]} positions)</h3>",
-                  f"<p>first differing stage: <b>{html.escape(first or 'none')}</b>; layer outputs "
+        positions = diff["positions"][name]
+        parts += [f"<h3>{html.escape(name)} ({positions} positions)</h3>",
+                  f"<p>first differing stage: <b>{html.escape(_first(phase, positions))}</b>; layer outputs "
                   f"{html.escape(_growth(phase))}</p>",
                   _html_table(_ENGINE_COLUMNS, phase["stages"], "engine-probe-stages"),
                   figure_img(layers_figure(phase, title=f"relative error by stage ({name})"),
