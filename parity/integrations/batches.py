@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from parity.core.errors import ConfigError, InputError
+from parity.core.errors import InputError
 from parity.core.logprobs import check_logprob_array
 from parity.core.outputs import output_file
 from parity.core.schema import LOGPROBS_MODES
 from parity.core.strict import check_choice
 from parity.core.tables import write_rows
-from parity.core.types import SamplingParams
 from parity.monitor.arrays import host_array
+from parity.monitor.core import checked_sampling
 from parity.rollouts.dumps import SAMPLING_COLUMNS
 
 if TYPE_CHECKING:
@@ -102,15 +102,11 @@ def dump_step(batch: StepBatch, path: str | Path, *, logprobs_mode: str = "proce
 
 
 def _dump_sampling(sampling: Mapping[str, Any] | None, logprobs_mode: str) -> dict[str, Any]:
-    """The dump's sampling columns of `sampling`, checked as `Monitor.log` checks it: InputError for
-    a field parity does not know (min_p: the dump would say a distribution it was not sampled from)
-    or a logprobs_mode other than the dump's. Fields that do not shape the distribution (n, seed,
-    max_tokens, ...) are checked and left out."""
-    given = {str(k): v for k, v in (sampling or {}).items()}
-    try:
-        SamplingParams.from_dict({k: (v.item() if hasattr(v, "item") else v) for k, v in given.items()})
-    except ConfigError as exc:
-        raise InputError(str(exc)) from exc  # a value of the data, as Monitor.log words it
+    """The dump's sampling columns of `sampling`, checked as `Monitor.log` checks it (`checked_sampling`:
+    InputError for a field parity does not know, min_p: the dump would say a distribution it was not
+    sampled from) and for a logprobs_mode other than the dump's. Fields that do not shape the
+    distribution (n, seed, max_tokens, ...) are checked and left out."""
+    given = checked_sampling(sampling) or {}
     mode = given.get("logprobs_mode")
     if mode is not None and mode != logprobs_mode:
         raise InputError(f"sampling logprobs_mode={mode!r} but the dump is written with logprobs_mode="

@@ -142,7 +142,7 @@ class Monitor:
                 raise ConfigError("this Monitor is closed; make a new one to log more steps")
             step, attempt = self._check_step(step)
             self._store_advice()
-            context = {"sampling": _sampling(sampling), "meta": _meta(meta),
+            context = {"sampling": checked_sampling(sampling), "meta": _meta(meta),
                        "policy": _policy(policy_version, rollout_policy_version)}
             old, rollout, mask = (host_array(a, n) for a, n in zip(
                 (old_log_probs, rollout_log_probs, response_mask), ARRAY_NAMES))
@@ -386,8 +386,9 @@ def _is_integer(value: Any) -> bool:
         return False
 
 
-def _sampling(sampling: Mapping[str, Any] | SamplingParams | None) -> dict[str, Any] | None:
-    """The step's sampling as given (no field invented), checked as `SamplingParams` fields."""
+def checked_sampling(sampling: Mapping[str, Any] | SamplingParams | None) -> dict[str, Any] | None:
+    """The step's sampling as given (no field invented, numpy scalars as Python's), checked as
+    `SamplingParams` fields: InputError for a field or value parity does not know."""
     if sampling is None:
         return None
     if isinstance(sampling, SamplingParams):
