@@ -191,6 +191,28 @@ def test_pushing_unchanged_weights_keeps_the_bits(dense) -> None:
     assert [r.token_ids for r in after] == [r.token_ids for r in before] and diff == 0.0
 
 
+def test_a_level_2_wake_after_a_partial_push_restores_every_weight(dense) -> None:
+    """Two pushes of one tensor each, a level-2 sleep (weights discarded), a wake: every weight is
+    the checkpoint's or the last pushed value, by vLLM's own digests (before 2026-12-07 the wake
+    reloaded only the last push's file: the other weights stayed discarded)."""
+    from parity.backends.weight_sync import checkpoint_weights
+
+    weights = checkpoint_weights(dense)
+    first, second = (name for name in weights if name.endswith("mlp.down_proj.weight"))
+    pushed = {first: weights[first] * 0.5, second: weights[second] * 0.25}
+    with get_backend("vllm", dense, dtype="bfloat16",
+                     engine_kwargs={**ENGINE, "enable_sleep_mode": True}) as backend:
+        backend.update_weights([(first, pushed[first])])
+        backend.update_weights([(second, pushed[second])])
+        expected = backend.expected_checksums({**weights, **pushed}.items())
+        backend.sleep(level=2)
+        backend.wake_up()
+        got = backend.weight_checksums()
+    assert sum(got.get(k) is not None for k in expected) > len(expected) // 2, got  # digests to compare
+    wrong = [k for k, digest in expected.items() if got.get(k) not in (None, digest)]
+    assert not wrong, f"{len(wrong)} weights differ after the wake, e.g. {wrong[:3]}"
+
+
 def test_an_engine_without_its_gpu_memory_is_refused_in_one_line(dense, engine) -> None:
     with pytest.raises(BackendError, match=r"gpu_memory_utilization=0\.99 .* are free; free the GPU"):
         get_backend("vllm", dense, dtype="bfloat16", engine_kwargs={"enforce_eager": True,

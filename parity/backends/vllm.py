@@ -376,8 +376,9 @@ class VLLMBackend(Backend):
         self._slept = level
 
     def wake_up(self) -> None:
-        """`LLM.wake_up`. After a level-2 sleep the discarded weights are reloaded from the checkpoint
-        or the last "reload" push; "ipc" weights must be pushed again (BackendError)."""
+        """`LLM.wake_up`. After a level-2 sleep the discarded weights are reloaded from the checkpoint,
+        then the tensors of every "reload" push over it; "ipc" weights must be pushed again
+        (BackendError)."""
         if self._slept != 2:
             self._lifecycle("wake_up", self._llm.wake_up)
         else:
@@ -385,8 +386,11 @@ class VLLMBackend(Backend):
             if self._ipc_pushed:
                 raise BackendError("the weights pushed by IPC were discarded by sleep(level=2); push them "
                                    "again with update_weights before sampling")
-            source = self._weights_dir.name if self._weights_dir is not None else str(self.model_path)
-            reload_weights(self._llm, source)
+            # the checkpoint first, then every pushed tensor over it: a push of some parameters
+            # left the others at the checkpoint's values, which the sleep discarded too
+            reload_weights(self._llm, str(self.model_path))
+            if self._weights_dir is not None:
+                reload_weights(self._llm, self._weights_dir.name)
             self._lifecycle("wake_up", self._llm.wake_up, tags=["kv_cache", "scheduling"])
         self._slept = 0
 

@@ -23,6 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from parity.core.errors import BackendError, ConfigError, InputError, UnsupportedError
@@ -66,8 +67,16 @@ def host_weights(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str,
 
 
 def write_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], directory: str) -> str:
-    """The tensors as `directory/WEIGHTS_FILE` (what `reload_weights` reads); returns the directory."""
-    save_file(host_weights(named_tensors), os.path.join(directory, WEIGHTS_FILE))
+    """The tensors as `directory/WEIGHTS_FILE` (what `reload_weights` reads); returns the directory.
+    The file keeps every tensor pushed so far (a later push of some names overrides those), so that
+    a wake from a level-2 sleep can restore the last value of each pushed parameter."""
+    weights = host_weights(named_tensors)
+    path = os.path.join(directory, WEIGHTS_FILE)
+    if os.path.exists(path):
+        with safe_open(path, framework="pt") as earlier:
+            kept = [k for k in earlier.keys() if k not in weights]  # noqa: SIM118 (safe_open is not iterable)
+            weights = {**{k: earlier.get_tensor(k) for k in kept}, **weights}
+    save_file(weights, path)
     return directory
 
 
