@@ -59,6 +59,8 @@ def read_batch(data: Mapping[str, Any], *, sampling: Mapping[str, Any] | None = 
     trainer = host_array(get_entry(data, KEYS["trainer"], where, "policy.get_logprobs before training"),
                          KEYS["trainer"])
     token_mask = bool_mask(get_entry(data, KEYS["mask"], where, "the generated tokens"), KEYS["mask"])
+    if token_mask.ndim != 2:
+        raise InputError(f"token_mask must be [batch, seq], got shape {list(token_mask.shape)}")
     batch, seq = token_mask.shape
     tokens = optional_entry(data, KEYS["tokens"])
     tokens = None if tokens is None else host_array(tokens, KEYS["tokens"])

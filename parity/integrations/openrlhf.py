@@ -59,6 +59,8 @@ def read_batch(experience: Any, *, sampling: Mapping[str, Any] | None = None) ->
     attention = bool_mask(arrays["attention"], FIELDS["attention"])
     action = bool_mask(arrays["mask"], FIELDS["mask"])
     rollout, trainer = (host_array(arrays[k], FIELDS[k]) for k in ("rollout", "trainer"))
+    if tokens.ndim != 2:
+        raise InputError(f"sequences must be [batch, seq], got shape {list(tokens.shape)}")
     batch, seq = tokens.shape
     for name, a in ((FIELDS["mask"], action), (FIELDS["rollout"], rollout), (FIELDS["trainer"], trainer)):
         if a.shape != (batch, seq - 1):

@@ -22,10 +22,19 @@ parity cannot describe (min_p, repetition_penalty, vllm_structured_outputs_regex
 processed logprobs are of that distribution, and the record would call the difference drift. NaN rollout
 logprobs are left out and counted (`trl_nan_rollout_logprobs`); evaluation batches are not
 logged; attach one Monitor per rank. Duck-typed.
+
+Marked in the step's meta: completions `mask_truncated_completions` took out whole (their
+completion_mask all 0: not measured; `trl_masked_truncated_completions`, when any; a generation
+with no counted token is not logged, with a warning, and training goes on); a generation by
+a `rollout_func` (`trl_rollout_func`: the sampling recorded is GRPOConfig's, which parity cannot see
+the function use; it must sample at it and return processed logprobs); GRPOConfig's temperature
+where `generation_kwargs` samples at another (`trl_trainer_temperature`: TRL's old_per_token_logps
+are at it, so the difference is in the drift).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +47,8 @@ from parity.monitor.arrays import host_array
 if TYPE_CHECKING:
     from parity.monitor import Monitor
 
+log = logging.getLogger("parity.monitor")
+
 #: TRL's output key of each array parity reads.
 KEYS: dict[str, str] = {"rollout": "sampling_per_token_logps", "trainer": "old_per_token_logps",
                         "mask": "completion_mask", "tool_mask": "tool_mask", "responses": "completion_ids",
@@ -47,6 +58,12 @@ IS_SETTINGS = ("use_vllm", "vllm_importance_sampling_correction", "vllm_importan
                "vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max", "num_iterations",
                "steps_per_generation", "gradient_accumulation_steps", "loss_type")
 _WRAPPED = "_parity_monitor"
+#: the meta keys of a step's notes: completions completion_mask leaves out whole (TRL's
+#: mask_truncated_completions); a rollout_func made the generation (its sampling is GRPOConfig's).
+MASKED, ROLLOUT_FUNC = "trl_masked_truncated_completions", "trl_rollout_func"
+#: the meta key of GRPOConfig's temperature, where generation_kwargs samples at another: TRL's
+#: old_per_token_logps divide the logits by GRPOConfig's.
+TRAINER_TEMPERATURE = "trl_trainer_temperature"
 #: vLLM sampling settings that change the distribution sampled from, each with its "off" value(s):
 #: parity's sampling (temperature, top_p, top_k) cannot describe them.
 DISTRIBUTION_KWARGS: dict[str, tuple[Any, ...]] = {
@@ -69,7 +86,13 @@ def attach(trainer: Any, monitor: Monitor, *, meta: Mapping[str, Any] | None = N
     settings = {k: getattr(args, k, None) for k in IS_SETTINGS}
     _check_settings(settings, has_rollout_func=getattr(trainer, "rollout_func", None) is not None)
     sampling = _trl_sampling(args)
-    extra = dict(meta or {})
+    marks: dict[str, Any] = {}
+    if getattr(trainer, "rollout_func", None) is not None:
+        marks[ROLLOUT_FUNC] = True
+    trained_at = getattr(args, "temperature", None)
+    if trained_at is not None and float(trained_at) != sampling["temperature"]:
+        marks[TRAINER_TEMPERATURE] = float(trained_at)
+    extra = {**marks, **(meta or {})}
 
     def generate_and_log(*a: Any, **kw: Any) -> Any:
         output = method(*a, **kw)
@@ -77,6 +100,11 @@ def attach(trainer: Any, monitor: Monitor, *, meta: Mapping[str, Any] | None = N
         if model is not None and getattr(model, "training", True):
             step = trainer.state.global_step
             batch, nan = read_output(output, sampling=sampling)
+            if not batch.mask.any():  # a valid generation, but one `Monitor.log` has nothing to measure in
+                log.warning("parity: TRL step %d not logged: no completion token counts (%d completions "
+                            "masked whole by mask_truncated_completions, %d NaN rollout logprobs)", step,
+                            (batch.notes or {}).get(MASKED, 0), nan)
+                return output
             log_step(monitor, step, batch, meta={**settings, "trl_nan_rollout_logprobs": nan, **extra})
         return output
 
@@ -96,6 +124,9 @@ def read_output(output: Mapping[str, Any], *, sampling: Mapping[str, Any] | None
                                    "TRL computes it with vllm_importance_sampling_correction=True or "
                                    "num_iterations > 1"), KEYS["trainer"])
     completion = bool_mask(get_entry(output, KEYS["mask"], where, "TRL always sets it"), KEYS["mask"])
+    if completion.ndim != 2:
+        raise InputError(f"{KEYS['mask']} must be [batch, completion_len], got shape "
+                         f"{list(completion.shape)}")
     tool = optional_entry(output, KEYS["tool_mask"])
     tool = None if tool is None else bool_mask(tool, KEYS["tool_mask"])
     for name, values in ((KEYS["rollout"], rollout), (KEYS["trainer"], trainer), (KEYS["tool_mask"], tool)):
@@ -109,12 +140,19 @@ def read_output(output: Mapping[str, Any], *, sampling: Mapping[str, Any] | None
     ids, prompt_mask = optional_entry(output, KEYS["prompts"]), optional_entry(output, KEYS["prompt_mask"])
     if ids is not None and prompt_mask is not None:
         ids, keep = host_array(ids, KEYS["prompts"]), bool_mask(prompt_mask, KEYS["prompt_mask"])
+        if ids.ndim != 2 or keep.shape != ids.shape or ids.shape[0] != completion.shape[0]:
+            raise InputError(f"{KEYS['prompt_mask']} {list(keep.shape)} and {KEYS['prompts']} "
+                             f"{list(ids.shape)} must share one [batch, prompt_len] shape, with the "
+                             f"{completion.shape[0]} rows of {KEYS['mask']}")
         prompts = [ids[r][keep[r]] for r in range(ids.shape[0])]
     responses = optional_entry(output, KEYS["responses"])
+    # TRL sets every completion_mask row to 1 over its completion (>= 1 token); an all-0 row is one
+    # that mask_truncated_completions took out: its tokens are not measured, so the step says so.
+    truncated = int((~completion.any(axis=1)).sum())
     batch = StepBatch(rollout=np.where(nan, 0.0, rollout).astype(rollout.dtype), trainer=trainer, mask=mask,
                       lengths=completion.sum(axis=1), prompts=prompts,
                       responses=None if responses is None else host_array(responses, KEYS["responses"]),
-                      sampling=sampling_of({}, sampling))
+                      sampling=sampling_of({}, sampling), notes={MASKED: truncated} if truncated else None)
     return batch, int(nan.sum())
 
 

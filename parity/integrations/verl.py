@@ -80,6 +80,8 @@ def read_batch(batch: Any, *, sampling: Mapping[str, Any] | None = None) -> Step
                          "monitor this run")
     mask = bool_mask(get_entry(tensors, KEYS["mask"], where, "verl's fit adds it with compute_response_mask"),
                      KEYS["mask"])
+    if mask.ndim != 2:
+        raise InputError(f"response_mask must be [batch, response_len], got shape {list(mask.shape)}")
     responses, prompts, attention = (optional_entry(tensors, KEYS[k])
                                      for k in ("responses", "prompts", "attention"))
     lengths = mask_lengths(mask)
