@@ -69,3 +69,24 @@ def test_a_push_of_every_pushed_name_replaces_the_file(tmp_path: Path) -> None:
     held = load_file(os.path.join(backend._weights_dir.name, WEIGHTS_FILE))
     assert {k: float(v.sum()) for k, v in held.items()} == {"a": 0.0, "b": 0.0}
     backend._weights_dir.cleanup()
+
+
+def test_the_servers_level_2_wake_reloads_the_checkpoint_then_the_pushes(tmp_path: Path) -> None:
+    from parity.backends.vllm_server import VLLMServerBackend
+
+    posts: list[tuple[str, dict | None]] = []
+
+    class _Client:
+        def get(self, path: str) -> dict:
+            return {"is_sleeping": False}
+
+    pushes = tmp_path / "pushes"
+    pushes.mkdir()
+    server = VLLMServerBackend.__new__(VLLMServerBackend)
+    server.__dict__.update(client=_Client(), _slept=2, model_path=tmp_path / "checkpoint",
+                           _weights_dir=type("Dir", (), {"name": str(pushes)})(),
+                           _dev_post=lambda path, body=None: posts.append((path, body)) or {})
+    server.wake_up()
+    reloads = [body["kwargs"]["weights_path"] for path, body in posts if path == "/collective_rpc"]
+    assert reloads == [str(tmp_path / "checkpoint"), str(pushes)]
+    assert posts[0][0] == "/wake_up?tags=weights" and posts[-1][0] == "/wake_up?tags=kv_cache&tags=scheduling"

@@ -19,11 +19,13 @@ import urllib.parse
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
 
 from parity.core.errors import BackendError, ConfigError
+from parity.models import model_hash
 
 #: answers that mean "busy or restarting, try again".
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
@@ -94,6 +96,24 @@ def api_key_from_env(api_key_env: str) -> str:
         raise ConfigError(f"option api_key_env={api_key_env!r}: that environment variable is not set or "
                           "empty; export it with the server's API key")
     return api_key
+
+
+def check_served_checkpoint(served: object, model_path: Path, where: str) -> None:
+    """ConfigError when a server reports loading checkpoint folder `served` (vLLM's `/v1/models` root,
+    SGLang's `model_path`), a folder here other than `model_path` whose files differ from it (model
+    hash): its logprobs would be compared with another model's training forward. A name, a relative
+    path (relative to the server's folder), or a path that is no checkpoint here (a server on another
+    machine) cannot be checked and passes."""
+    if not isinstance(served, str) or not Path(served).is_absolute():
+        return
+    folder = Path(served)
+    if not (folder / "config.json").is_file() or folder.resolve() == Path(model_path).resolve():
+        return
+    theirs, ours = model_hash(folder), model_hash(model_path)
+    if theirs != ours:
+        raise ConfigError(f"{where} serves checkpoint {served!r} (model hash {theirs}), not "
+                          f"{str(model_path)!r} (model hash {ours}); pass model={served!r}, or attach the "
+                          "server of the model asked for")
 
 
 def _redact(url: str) -> str:

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from parity.backends.base import Backend, SampleJob, TopKRows, expand_samples, stop_set
-from parity.backends.http import Endpoint, HttpClient, HttpSettings
+from parity.backends.http import Endpoint, HttpClient, HttpSettings, check_served_checkpoint
 from parity.backends.sglang_probe import SAMPLED_LOGITS, PassDumps, probe_samples
 from parity.backends.sglang_server import split_server_args, start_server
 from parity.core.errors import BackendError, ConfigError, InputError, UnsupportedError
@@ -247,11 +247,20 @@ class SGLangBackend(Backend):
                 version = sglang.__version__
             else:
                 server_info = self.client.get("/get_server_info")
+                where = f"the SGLang server at {self.client.endpoint.public}"
+                check_served_checkpoint(server_info.get("model_path"), self.model_path, where)
                 served = SGLANG_DTYPES.get(str(server_info.get("dtype")))  # None: "auto" or not shown
                 if served is not None and served != dtype:
-                    raise ConfigError(f"the SGLang server at {self.client.endpoint.public} runs dtype "
-                                      f"{server_info['dtype']!r} but dtype={dtype!r} was asked for; pass "
-                                      f"dtype={served!r}")
+                    raise ConfigError(f"{where} runs dtype {server_info['dtype']!r} but dtype={dtype!r} was "
+                                      f"asked for; pass dtype={served!r}")
+                self.meta.update({"served_model_path": server_info.get("model_path"),
+                                  "dtype_verified": served is not None, "dtype_source": (
+                                      "/get_server_info" if served is not None else
+                                      f"declared by the caller, not verified: the server shows dtype "
+                                      f"{server_info.get('dtype')!r} (start it with --dtype {dtype})"),
+                                  "logprobs_mode_source": "SGLANG_RETURN_ORIGINAL_LOGPROB set by parity"
+                                  if self.server is not None else "declared by the caller, not verified: "
+                                  "SGLANG_RETURN_ORIGINAL_LOGPROB is the attached server's environment"})
                 version = server_info.get("version", "unknown")
                 engine_kwargs = {key: server_info[key] for key in SERVER_SETTINGS if key in server_info}
         except BaseException:

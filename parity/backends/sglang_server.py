@@ -19,16 +19,34 @@ from parity.runtime.processes import LOOPBACK, ServerProcess, free_loopback_port
 #: flags parity sets itself; `server_args` may not repeat them.
 MANAGED_FLAGS = ("--model-path", "--host", "--port", "--dtype", "--skip-tokenizer-init",
                  "--enable-return-routed-experts")
+#: other names SGLang's parser gives the flags parity sets (0.5.23: `--model` is `--model-path`).
+ALIASES = {"--model": "--model-path"}
 #: the variable naming the Python that has SGLang installed.
 PYTHON_ENV = "PARITY_SGLANG_PYTHON"
 
 
+def managed_flag(word: str) -> str | None:
+    """The flag of `MANAGED_FLAGS` an argv word sets as SGLang's parser (argparse) reads it, or None: an
+    alias (`--model`), `--flag=value`, or a prefix of the whole flag (`--dtyp`, `--model-p`)."""
+    name = word.split("=", 1)[0]
+    if not name.startswith("--") or len(name) < 3:
+        return None
+    if name in MANAGED_FLAGS or name in ALIASES:
+        return ALIASES.get(name, name)
+    found = next((flag for flag in (*MANAGED_FLAGS, *ALIASES) if flag.startswith(name)), None)
+    return None if found is None else ALIASES.get(found, found)
+
+
 def split_server_args(server_args: str | Sequence[str]) -> tuple[str, ...]:
-    """`server_args` as argv words; refuses the flags parity sets itself."""
+    """`server_args` as argv words; refuses the flags parity sets itself, in any spelling SGLang reads
+    (they come after parity's, so they would win)."""
     words = tuple(shlex.split(server_args)) if isinstance(server_args, str) else tuple(map(str, server_args))
     for word in words:
-        if word.split("=", 1)[0] in MANAGED_FLAGS:
-            raise ConfigError(f"option server_args may not contain {word.split('=', 1)[0]}: parity sets it "
+        flag = managed_flag(word)
+        if flag is not None:
+            given = word.split("=", 1)[0]
+            spelled = "" if given == flag else f" (spelled {given})"
+            raise ConfigError(f"option server_args may not contain {flag}{spelled}: parity sets it "
                               "(model, dtype and return_routed_experts are options of their own)")
     return words
 

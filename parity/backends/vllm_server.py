@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from parity.backends.base import Backend, expand_samples, processed_from_raw
-from parity.backends.http import Endpoint, HttpClient, HttpSettings, api_key_from_env
+from parity.backends.http import Endpoint, HttpClient, HttpSettings, api_key_from_env, check_served_checkpoint
 from parity.backends.vllm_env import check_batch_invariant_platform, resolve_flag
 from parity.backends.vllm_exit import ENV as FAST_EXIT
 from parity.backends.vllm_probe import PROBE_EXTENSION, PROBE_KEY, unpack_probe
@@ -40,7 +40,10 @@ from parity.backends.vllm_start import (
     GPU_MEMORY_UTILIZATION,
     SOCKETS,
     VLLM_LOGPROBS_MODE,
+    argv_flag,
     check_gpu_memory,
+    flag_value,
+    gpu_memory_share,
     lora_rank_bound,
     max_positions,
 )
@@ -67,15 +70,34 @@ MANAGED_FLAGS = ("--host", "--port", "--model", "--dtype", "--seed", "--logprobs
 LAUNCHERS = ("auto", "cli", "module")
 #: the top-k logprobs asked of a server parity did not start: vLLM's default `--max-logprobs`.
 ATTACHED_MAX_LOGPROBS = 20
+#: vLLM's flags that turn speculative decoding on (0.32: `-sc`, and `--spec-*` fill its fields).
+SPECULATIVE_FLAGS = ("--speculative-config", "-sc", "--spec-method", "--spec-model", "--spec-tokens")
+#: why the probe refuses speculative decoding (as `vllm_probe.probe_engine_kwargs` does offline).
+SPECULATIVE_PROBE = ("the probe maps one logits row and the scheduled tokens of each request per step; "
+                     "speculative decoding scores draft tokens it may reject, so rows would land on other "
+                     "positions")
 
 
 def managed_flag(word: str) -> str | None:
     """The flag of `MANAGED_FLAGS` an argv word sets as vLLM's parser reads it, or None: underscores
     are dashes there (`--logprobs_mode`) and argparse takes a prefix for the whole flag (`--dty`)."""
-    name = word.split("=", 1)[0].replace("_", "-")
-    if not name.startswith("--") or len(name) < 3:
-        return None
-    return next((flag for flag in MANAGED_FLAGS if flag.startswith(name)), None)
+    return argv_flag(word, MANAGED_FLAGS)
+
+
+def check_probe_args(words: Sequence[str]) -> None:
+    """ConfigError for server flags that would undo what the probe needs (they come after parity's, so
+    they win): speculative decoding, another worker extension, `--no-enforce-eager`."""
+    spec = next((w for w in words if argv_flag(w, SPECULATIVE_FLAGS)), None)
+    if spec is not None:
+        raise ConfigError(f"vllm-server option probe: server_args turn on speculative decoding ({spec}); "
+                          f"{SPECULATIVE_PROBE}: drop it, or drop probe")
+    other = flag_value(words, ("--worker-extension-cls",))
+    if other is not None and other != PROBE_EXTENSION:
+        raise ConfigError(f"vllm-server option probe installs its own worker extension; server_args give "
+                          f"--worker-extension-cls {other!r}: drop it")
+    if any(argv_flag(w, ("--no-enforce-eager",)) for w in words):
+        raise ConfigError("vllm-server option probe needs --enforce-eager (a CUDA graph or compiled model "
+                          "replays its kernels without calling the probe's hooks); drop --no-enforce-eager")
 
 
 def split_server_args(server_args: str | Sequence[str]) -> tuple[str, ...]:
@@ -134,6 +156,8 @@ class VLLMServerBackend(Backend):
             check_batch_invariant_platform(batch_invariant, from_env, on_cpu=not torch.cuda.is_available(),
                                            backend="vllm-server")
             words = split_server_args(server_args)
+            if probe:
+                check_probe_args(words)
             self.server = self._start(words, launcher=launcher, dev_mode=dev_mode, seed=seed,
                                       batch_invariant=batch_invariant, api_key_env=api_key_env,
                                       timeout_s=start_timeout_s,
@@ -151,7 +175,7 @@ class VLLMServerBackend(Backend):
         try:
             endpoint = Endpoint.parse(url, api_key_env=api_key_env, option="url")
             self.client = HttpClient(endpoint, settings, liveness=self._liveness)
-            self._describe_server()
+            self._describe_server(probe)
             if spec is not None:
                 self._load_adapter(spec)
         except BaseException:
@@ -190,10 +214,10 @@ class VLLMServerBackend(Backend):
             env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")
             flags += ["--enforce-eager", "--gpu-memory-utilization", "0.3", "--no-enable-chunked-prefill"]
         else:
-            given = [words[i + 1] for i, w in enumerate(words[:-1]) if w == "--gpu-memory-utilization"]
-            share = float(given[-1]) if given else GPU_MEMORY_UTILIZATION  # the offline adapter's share
+            given = gpu_memory_share(words)  # the share vLLM will read, in any spelling
+            share = GPU_MEMORY_UTILIZATION if given is None else given  # the offline adapter's share
             check_gpu_memory(share)
-            if not given:
+            if given is None:
                 flags += ["--gpu-memory-utilization", str(share)]
         if probe:
             flags += ["--worker-extension-cls", PROBE_EXTENSION, *([] if "--enforce-eager" in flags
@@ -216,12 +240,16 @@ class VLLMServerBackend(Backend):
         """False once the server parity started has exited (an attached server is not ours to restart)."""
         return self._liveness() is None
 
-    def _describe_server(self) -> None:
-        """Fill meta from the server (`server_settings`); check the declared dtype and mode against it."""
+    def _describe_server(self, probe: bool = False) -> None:
+        """Fill meta from the server (`server_settings`); check the declared dtype and mode against it,
+        the checkpoint it loaded (where it is a folder here), and what the probe needs."""
         models = self.client.get("/v1/models")
         if not models.get("data"):
             raise BackendError(f"the server at {self.client.endpoint.public} serves no model")
         self.served_model = str(models["data"][0]["id"])
+        root = models["data"][0].get("root")
+        check_served_checkpoint(root, self.model_path, f"the vLLM server at {self.client.endpoint.public}")
+        self.meta["served_model_root"] = root
         info = self._server_info()
         if info is not None:
             settings = from_server_info(info)
@@ -229,6 +257,14 @@ class VLLMServerBackend(Backend):
             if settings["dtype"] and settings["dtype"] != self.dtype:
                 raise ConfigError(f"the server runs dtype {settings['dtype']!r} but dtype={self.dtype!r} was "
                                   f"asked for; pass dtype={settings['dtype']!r}")
+            if probe and settings["speculative_config"] is not None:
+                raise ConfigError(f"vllm-server option probe: the server runs speculative decoding "
+                                  f"({settings['speculative_config']}); {SPECULATIVE_PROBE}: attach a server "
+                                  "started without --speculative-config")
+            if probe and settings["enforce_eager"] is False:
+                raise ConfigError("vllm-server option probe needs a server started with --enforce-eager: a "
+                                  "CUDA graph or compiled model replays its kernels without calling the "
+                                  "probe's hooks")
             mc = info["vllm_config"]["model_config"]
             self.meta.update({"enable_sleep_mode": bool(mc.get("enable_sleep_mode")),
                               "max_logprobs": mc.get("max_logprobs"), "logprobs_mode_source": "server_info"})
@@ -241,6 +277,10 @@ class VLLMServerBackend(Backend):
             raise ConfigError(f"the server reports {server_mode!r} logprobs but logprobs_mode="
                               f"{self.logprobs_mode!r} was declared; declare the server's mode or restart it "
                               f"with --logprobs-mode {VLLM_LOGPROBS_MODE[self.logprobs_mode]}")
+        # where the server shows no dtype, the report's is the one declared here, unchecked
+        self.meta.update({"dtype_verified": bool(settings["dtype"]), "dtype_source": (
+            "server_info" if settings["dtype"] else "declared by the caller, not verified: the server shows "
+            "no dtype (its /server_info needs VLLM_SERVER_DEV_MODE=1)")})
         self.meta.update({key: settings[key] for key in (
             "enable_prefix_caching", "block_size", "enforce_eager", "enable_chunked_prefill",
             "batch_invariant", "attention_backend", "tensor_parallel_size", "max_num_seqs")})
@@ -416,14 +456,15 @@ class VLLMServerBackend(Backend):
         self._slept = int(level)
 
     def wake_up(self) -> None:
-        """`/wake_up`; after a level-2 sleep the weights are reloaded from the checkpoint or last push."""
+        """`/wake_up`; after a level-2 sleep the weights are reloaded: the checkpoint, then every push."""
         if self._slept != 2:
             self._dev_post("/wake_up")
         else:
             self._dev_post("/wake_up?tags=weights")
-            source = self._weights_dir.name if self._weights_dir is not None else str(self.model_path)
-            self._dev_post("/collective_rpc", {"method": "reload_weights",
-                                               "kwargs": {"weights_path": source}})
+            # the checkpoint, then every pushed tensor over it (as the offline adapter's wake)
+            for source in (str(self.model_path), *([self._weights_dir.name] if self._weights_dir else [])):
+                self._dev_post("/collective_rpc", {"method": "reload_weights",
+                                                   "kwargs": {"weights_path": source}})
             self._dev_post("/wake_up?tags=kv_cache&tags=scheduling")
         self._slept = 0
         if self.client.get("/is_sleeping").get("is_sleeping"):

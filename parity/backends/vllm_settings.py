@@ -15,7 +15,7 @@ from typing import Any
 SETTINGS: tuple[str, ...] = (
     "logprobs_mode", "dtype", "batch_invariant", "enable_chunked_prefill", "enable_prefix_caching",
     "block_size", "enforce_eager", "cudagraph_mode", "max_num_seqs", "max_num_batched_tokens",
-    "max_model_len", "attention_backend", "tensor_parallel_size", "seed",
+    "max_model_len", "attention_backend", "tensor_parallel_size", "seed", "speculative_config",
 )
 #: vLLM's `CUDAGraphMode` values (an int, or a pair for separate decode and mixed modes) by name.
 CUDAGRAPH_MODES: dict[Any, str] = {0: "NONE", 1: "PIECEWISE", 2: "FULL", (2, 0): "FULL_DECODE_ONLY",
@@ -34,6 +34,15 @@ def cudagraph_mode(value: Any) -> str | None:
         return None
     key = tuple(value) if isinstance(value, list) else value
     return CUDAGRAPH_MODES.get(key, str(value))
+
+
+def speculative(config: Any) -> dict[str, Any] | None:
+    """A server's `speculative_config` (None: off) as its method, draft model and draft tokens."""
+    if not config:
+        return None
+    if not isinstance(config, dict):
+        return {"config": str(config)}
+    return {key: config.get(key) for key in ("method", "model", "num_speculative_tokens")}
 
 
 def _flag(value: Any) -> bool | None:
@@ -67,6 +76,7 @@ def from_server_info(info: dict[str, Any]) -> dict[str, Any]:
         "attention_backend": str((config.get("attention_config") or {}).get("backend") or "auto"),
         "tensor_parallel_size": (config.get("parallel_config") or {}).get("tensor_parallel_size"),
         "seed": model.get("seed"),
+        "speculative_config": speculative(config.get("speculative_config")),
         "source": SERVER_INFO,
     }
 

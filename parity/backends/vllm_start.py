@@ -8,7 +8,7 @@ import contextlib
 import json
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -22,6 +22,8 @@ VLLM_LOGPROBS_MODE = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
 #: the GPU memory share an engine takes unless `engine_kwargs` says otherwise: the training forward
 #: shares the GPU (vLLM's own default, 0.9, leaves it nothing).
 GPU_MEMORY_UTILIZATION = 0.4
+#: vLLM's spellings of the GPU memory share (`--device-memory-utilization` is an alias, 0.32).
+GPU_MEMORY_FLAGS = ("--gpu-memory-utilization", "--device-memory-utilization")
 #: where vLLM puts its ZMQ socket files (default: the system's temporary folder).
 SOCKETS = "VLLM_RPC_BASE_PATH"
 
@@ -46,6 +48,44 @@ def sockets_in(folder: tempfile.TemporaryDirectory[str] | None) -> Iterator[None
         yield
     finally:
         os.environ.pop(SOCKETS, None)
+
+
+def argv_flag(word: str, flags: Sequence[str]) -> str | None:
+    """The flag of `flags` an argv word sets as vLLM's parser reads it, or None: underscores are dashes
+    before the first dot (`--gpu_memory_utilization`), `--flag=value` and `--flag.key value` set it,
+    argparse takes a prefix for the whole flag (`--gpu-mem`); a short alias (`-sc`) only as listed."""
+    name = word.split("=", 1)[0].partition(".")[0]
+    if not name.startswith("--"):
+        return name if name in flags else None
+    name = name.replace("_", "-")
+    if len(name) < 3:
+        return None
+    if name in flags:
+        return name
+    return next((flag for flag in flags if flag.startswith("--") and flag.startswith(name)), None)
+
+
+def flag_value(words: Sequence[str], flags: Sequence[str]) -> str | None:
+    """The value vLLM reads for `flags` from argv `words` (the last one given wins, as in argparse;
+    `--flag value` or `--flag=value`), or None where none of them is given."""
+    value = None
+    for i, word in enumerate(words):
+        if argv_flag(word, flags) is not None:
+            value = word.split("=", 1)[1] if "=" in word else (words[i + 1] if i + 1 < len(words) else None)
+    return value
+
+
+def gpu_memory_share(words: Sequence[str]) -> float | None:
+    """The GPU memory share server flags `words` give in any spelling vLLM reads, or None."""
+    given = flag_value(words, GPU_MEMORY_FLAGS)
+    if given is None:
+        return None
+    try:
+        share = float(given)
+    except ValueError:
+        raise ConfigError(f"option server_args gives --gpu-memory-utilization {given!r}, not a number; "
+                          "give a share of the GPU's memory such as 0.5") from None
+    return share
 
 
 def check_gpu_memory(share: float) -> None:
