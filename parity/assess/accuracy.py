@@ -51,7 +51,8 @@ def gold_summary(train: np.ndarray, rollout: np.ndarray, gold: np.ndarray, mask:
     """The `GOLD_SUMMARY_KEYS`, in order, of `[batch, seq]` logprobs (nats) and a mask.
 
     Max / mean |train - gold| and |rollout - gold|; their mean ratio (1.0 when both 0, inf when only
-    train is) with a 95% Poisson bootstrap over sequences (NaNs when no resample is left); a verdict
+    train is) with a 95% Poisson bootstrap over sequences (NaNs when no resample is left, or one
+    sequence alone is measured: its resamples are itself, an interval of no width); a verdict
     sentence; tokens counted and left out (-inf). Non-finite values are spelled as `json_safe` does.
     A counted train or rollout value above `MAX_LOGPROB` is an InputError naming its side.
     """
@@ -67,7 +68,7 @@ def gold_summary(train: np.ndarray, rollout: np.ndarray, gold: np.ndarray, mask:
     rows = keep.any(axis=1)
     train_seq, rollout_seq = train_err.sum(axis=1)[rows], rollout_err.sum(axis=1)[rows]
     ratio = _ratio(float(rollout_seq.sum()), float(train_seq.sum()))
-    if bootstrap > 0:
+    if bootstrap > 0 and rows.sum() > 1:  # one sequence resampled is itself: an interval [r, r] of no width
         low, high = (float(v[0]) for v in bootstrap_ratio(rollout_seq[:, None], train_seq, bootstrap, seed,
                                                           0.95, empty=None))
     else:

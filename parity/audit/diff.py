@@ -43,10 +43,12 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def _abs_diff(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """|a - b| elementwise, 0 where the two are the same number (-inf and -inf, NaN and NaN)."""
+    """|a - b| elementwise, 0 where the two are the same number (-inf and -inf, NaN and NaN), inf
+    where one side only is NaN (a difference without a size: as NaN it summed the mean to NaN, which
+    a check cannot hold, and Python's max dropped it from the peak)."""
     same = (a == b) | (np.isnan(a) & np.isnan(b))
     with np.errstate(invalid="ignore"):
-        return np.where(same, 0.0, np.abs(a - b))
+        return np.where(same, 0.0, np.where(np.isnan(a) | np.isnan(b), np.inf, np.abs(a - b)))
 
 
 def _route_difference(pair: Pair, prefix: int) -> dict[str, Any] | None:
@@ -95,6 +97,11 @@ def compare_pairs(pairs: Sequence[Pair]) -> CheckResult:
     """A check's numbers from its pairs (in a stable order: the first difference is the first pair's)."""
     if not pairs:
         raise BackendError("a check compared no samples; the runs returned nothing to compare")
+    if not any(p.a.token_ids or p.b.token_ids or p.a.routed_experts is not None
+               or p.b.routed_experts is not None for p in pairs):
+        # two empty runs agree vacuously: "identical" would read as a check passed on no evidence
+        return CheckResult.skip(f"every sample ({len(pairs)}) has no response token in either run and no "
+                                "routes: nothing was compared")
     requests: dict[str, bool] = {}
     first: dict[str, Any] | None = None
     total, count, peak = 0.0, 0, 0.0

@@ -100,6 +100,9 @@ def same_rollouts(before: Sequence[Rollout], after: Sequence[Rollout]) -> dict[s
 
 
 def _comparison(name: str, before: Sequence[Rollout], after: Sequence[Rollout], what: str) -> CheckResult:
+    if not any(r.token_ids for r in (*before, *after)):  # two empty runs agree on no evidence
+        return CheckResult(name, "skip", f"{what}: every sample ({len(before)}) has no response token in "
+                                         "either run, so nothing was compared")
     m = same_rollouts(before, after)
     samples, other, diff = int(m["samples"]), int(m["samples_with_other_tokens"]), m["max_abs_logprob_diff"]
     if other == 0 and diff == 0.0:
@@ -110,8 +113,12 @@ def _comparison(name: str, before: Sequence[Rollout], after: Sequence[Rollout], 
                                      f"{diff:.3g} on the rest", m, violation)
 
 
+#: the relative size of the weight-update check's perturbation (a push must move the scores).
+WEIGHT_SCALE = 0.2
+
+
 def run_lifecycle(backend: Backend, requests: Sequence[Request] | None = None, *,
-                  checks: Sequence[str] = CHECKS, weight_scale: float = 0.2, weight_seed: int = 0,
+                  checks: Sequence[str] = CHECKS, weight_scale: float = WEIGHT_SCALE, weight_seed: int = 0,
                   weight_tolerance: float = 0.15, reference: str = "reference") -> LifecycleReport:
     """Run `checks` (in `CHECKS` order) on a running `backend`; weights are perturbed as
     w * (1 + scale * N(0, 1)), and `weight_tolerance` (nats) bounds the pushed backend against
@@ -120,6 +127,7 @@ def run_lifecycle(backend: Backend, requests: Sequence[Request] | None = None, *
     unknown = sorted(set(checks) - set(CHECKS))
     if unknown:
         raise ConfigError(f"unknown lifecycle checks {unknown}; choose from {list(CHECKS)}")
+    check_weight_settings(weight_scale, weight_tolerance)
     requests = list(requests) if requests is not None else default_requests()
     baseline = backend.generate(requests)
     # each transition is judged against the run just before it, not the first run: a change an
@@ -152,6 +160,21 @@ def run_lifecycle(backend: Backend, requests: Sequence[Request] | None = None, *
         before = after
     return LifecycleReport(backend=backend.name, model=str(backend.model_path), results=tuple(results),
                            meta=dict(backend.meta))
+
+
+def check_weight_settings(scale: float, tolerance: float) -> None:
+    """ConfigError for a weight-update scale or tolerance that decides the check before it runs: a
+    scale of 0 pushes no change, so the check failed as "did the push reach the engine?"; a tolerance
+    <= 0, NaN or inf failed every push (no score within it, or no shift past it)."""
+    for name, value in (("weight_scale", scale), ("weight_tolerance (--weight-tolerance)", tolerance)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value):
+            raise ConfigError(f"{name} must be a finite number, got {value!r}")
+    if scale == 0:
+        raise ConfigError("weight_scale 0 leaves the weights as they are, so the push could not be told from "
+                          "no push; give a scale such as 0.2")
+    if tolerance <= 0:
+        raise ConfigError(f"weight_tolerance (--weight-tolerance) must be > 0 nats, got {tolerance!r}: no "
+                          "pushed backend matches the training forward to 0 or less; e.g. 0.15")
 
 
 def _call(backend: Backend, method: str) -> Callable[..., None]:
@@ -192,9 +215,10 @@ def _weight_update(backend: Backend, baseline: Sequence[Rollout], scale: float, 
               f"{r.max_abs_diff_new:.3g} (limit {tolerance:g}), mean shift from the old scores "
               f"{r.mean_shift:.3g}; after restoring, max |dlogp| vs before {r.max_abs_diff_restored:.3g}")
     violation = None
-    if r.max_abs_diff_new > tolerance:
+    # negated, so a NaN figure (a push that left NaN weights) names itself instead of failing unnamed
+    if not r.max_abs_diff_new <= tolerance:
         violation = ("max_abs_diff_new", r.max_abs_diff_new, tolerance)
-    elif r.mean_shift <= tolerance:
+    elif not r.mean_shift > tolerance:
         violation = ("mean_shift (must exceed the tolerance: did the push reach the engine?)", r.mean_shift,
                      tolerance)
     elif r.max_abs_diff_restored != 0.0:

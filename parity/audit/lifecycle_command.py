@@ -8,7 +8,7 @@ import argparse
 from collections.abc import Sequence
 from pathlib import Path
 
-from parity.audit.lifecycle import CHECKS, run_lifecycle
+from parity.audit.lifecycle import CHECKS, WEIGHT_SCALE, check_weight_settings, run_lifecycle
 from parity.backends import get_backend, parse_options
 from parity.core.errors import ConfigError
 from parity.core.outputs import output_file
@@ -61,6 +61,7 @@ def _run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--checks names no check; give some of {','.join(CHECKS)}, or drop --checks "
                           "to run them all")
     options = parse_options(args.option)
+    check_weight_settings(WEIGHT_SCALE, args.weight_tolerance)  # before the backend starts
     if args.json is not None:
         output_file(args.json, "--json")  # before any work, as compare checks its outputs
     with get_backend(args.backend, model, dtype=dtype, **options) as backend:
