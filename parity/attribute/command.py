@@ -26,7 +26,7 @@ from parity.backends.borrowed import resolve_device
 from parity.backends.registry import parse_option, parse_options
 from parity.core.errors import ConfigError
 from parity.core.outputs import output_file
-from parity.core.schema import DTYPES, KERNEL_MODES, REFERENCE
+from parity.core.schema import DTYPES, KERNEL_MODES, REFERENCE, json_safe
 from parity.core.types import Rollout
 from parity.render.attribution import attribution_page, engine_text, layers_text, ops_text
 from parity.runtime.frame import MODEL_VALUES, Parser, refuse_empty, run_command
@@ -149,7 +149,7 @@ def _run(args: argparse.Namespace) -> int:
         if "layers" in entry:
             print(layers_text(entry["layers"]))
     if args.json is not None:
-        args.json.write_text(json.dumps(section, indent=2), encoding="utf-8")
+        args.json.write_text(_strict_json(section), encoding="utf-8")
         print(f"wrote {args.json}")
     if args.html is not None:
         args.html.write_text(attribution_page(section, f"parity attribute: {model}"), encoding="utf-8")
@@ -192,10 +192,16 @@ def _run_engine(args: argparse.Namespace) -> int:
     print(engine_text(diff))
     section = {"model": model, "engine": diff}
     if args.json is not None:
-        args.json.write_text(json.dumps(section, indent=2), encoding="utf-8")
+        args.json.write_text(_strict_json(section), encoding="utf-8")
         print(f"wrote {args.json}")
     if args.html is not None:
         args.html.write_text(attribution_page(section, f"parity attribute --backend {args.backend}: {model}"),
                              encoding="utf-8")
         print(f"wrote {args.html}")
     return 0
+
+
+def _strict_json(section: dict[str, object]) -> str:
+    """The section as strict JSON: a NaN or infinite error (a stage gone non-finite, its growth) spelled
+    as in `parity.core.schema.NONFINITE_JSON`; bare NaN / Infinity are read as null and 1.8e308 by jq."""
+    return json.dumps(json_safe(section), indent=2, allow_nan=False)

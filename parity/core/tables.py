@@ -9,6 +9,8 @@ pyarrow for Parquet.
 from __future__ import annotations
 
 import json
+import math
+import numbers
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -16,9 +18,12 @@ from typing import Any
 
 from parity.core.errors import ConfigError, InputError
 from parity.core.outputs import write_atomic
-from parity.core.schema import json_safe
+from parity.core.schema import NONFINITE_JSON, json_safe
 
 PARQUET_SUFFIX = ".parquet"
+#: the key of a JSON row that holds null for a non-finite float (what readers that predate the key see:
+#: no value) and names what each was in `NONFINITE_JSON` spelling, e.g. {"k3_kl": "inf"}.
+NONFINITE_KEY = "nonfinite"
 
 
 def read_rows(path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -65,6 +70,33 @@ def write_jsonl(path: str | Path, rows: Sequence[dict[str, Any]]) -> Path:
     """Write rows as strict JSONL whatever the suffix, atomically; non-finite floats (a -inf
     logprob) are spelled as `parity.core.schema.NONFINITE_JSON` strings, which the readers turn back."""
     return write_atomic(path, "".join(json.dumps(json_safe(row), allow_nan=False) + "\n" for row in rows))
+
+
+def nonfinite_as_null(row: dict[str, Any]) -> dict[str, Any]:
+    """`row` with each non-finite float as null and, if there is one, `NONFINITE_KEY` naming what each
+    was, so that +inf, -inf and NaN read back as themselves and not as "not measured"."""
+    marks = {k: json_safe(float(v)) for k, v in row.items()
+             if isinstance(v, numbers.Real) and not isinstance(v, numbers.Integral) and not math.isfinite(v)}
+    if not marks:
+        return dict(row)
+    return {**{k: None if k in marks else v for k, v in row.items()}, NONFINITE_KEY: marks}
+
+
+def nonfinite_restored(row: dict[str, Any], where: str) -> dict[str, Any]:
+    """The inverse of `nonfinite_as_null` (a row without the key, as older files hold, is returned as
+    is); InputError naming `where` for a key that is malformed or contradicts its row."""
+    if NONFINITE_KEY not in row:
+        return row
+    marks = row[NONFINITE_KEY]
+    bad = None if not isinstance(marks, dict) else next(
+        (k for k, v in marks.items() if not isinstance(v, str) or v not in NONFINITE_JSON
+         or row.get(k, 0) is not None), None)
+    if not isinstance(marks, dict) or bad is not None:
+        raise InputError(f"{where}: {NONFINITE_KEY!r} must map fields that are null to one of "
+                         f"{list(NONFINITE_JSON)}, got {marks!r}" + (f" (field {bad!r})" if bad else "")
+                         + "; was it edited? Write the file with parity again")
+    out = {k: v for k, v in row.items() if k != NONFINITE_KEY}
+    return {**out, **{k: NONFINITE_JSON[v] for k, v in marks.items()}}
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:

@@ -11,19 +11,20 @@
 Row `(t, b)` is backend b at the weights W_t (before step t's update); its seconds are b's
 sampling, scoring and the push of W_t. `status`: "running", "complete", "diverged", "failed" or
 "interrupted", `error` naming the step; rewritten atomically each step. Same seed and config give
-the same JSON but for `TIMING_KEYS` (`without_timing`).
+the same JSON but for `TIMING_KEYS` (`without_timing`). A non-finite float of a row is null, with the
+row's "nonfinite" entry naming it ({"k3_kl": "inf"}; `parity.core.tables.nonfinite_as_null`).
 """
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from parity.core.errors import InputError
 from parity.core.outputs import write_atomic
+from parity.core.tables import nonfinite_as_null, nonfinite_restored
 
 #: the keys of a step row the JSON contract names (issue 36), in order.
 STEP_KEYS: tuple[str, ...] = ("step", "backend", "max_abs_logprob_diff", "mean_abs_logprob_diff", "k3_kl",
@@ -62,7 +63,8 @@ class LoopRecord:
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "backends": list(self.backends), "seed": self.seed,
-                "steps": [_finite(row) for row in self.steps], "updates": [_finite(u) for u in self.updates],
+                "steps": [nonfinite_as_null(row) for row in self.steps],
+                "updates": [nonfinite_as_null(u) for u in self.updates],
                 "train_on": self.train_on, "config": self.config, "provenance": self.provenance,
                 "status": self.status, "error": self.error}
 
@@ -81,10 +83,11 @@ class LoopRecord:
         missing = [k for k in ("model", "backends", "seed", "steps") if k not in d]
         if missing:
             raise InputError(f"loop record: missing field {missing[0]!r}")
+        steps, updates = (_rows(d.get(name, []), name) for name in ("steps", "updates"))
         return cls(model=d["model"], backends=list(d["backends"]), seed=d["seed"],
                    train_on=d.get("train_on", ""), config=d.get("config", {}),
-                   provenance=d.get("provenance", {}), steps=list(d["steps"]),
-                   updates=list(d.get("updates", [])), status=d.get("status", "complete"),
+                   provenance=d.get("provenance", {}), steps=steps,
+                   updates=updates, status=d.get("status", "complete"),
                    error=d.get("error"))
 
     @classmethod
@@ -108,6 +111,8 @@ def without_timing(document: Any) -> Any:
     return document
 
 
-def _finite(row: dict[str, Any]) -> dict[str, Any]:
-    """NaN and infinities as null: JSON has no spelling for them."""
-    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
+def _rows(rows: Any, name: str) -> list[dict[str, Any]]:
+    """A record's step or update rows with their non-finite floats back (`nonfinite_restored`)."""
+    if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
+        raise InputError(f"loop record: {name!r} must be a list of objects")
+    return [nonfinite_restored(row, f"loop record: {name}[{i}]") for i, row in enumerate(rows)]

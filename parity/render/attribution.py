@@ -138,7 +138,11 @@ def _growth(phase: dict[str, Any]) -> str:
     growth = phase["growth"]
     if growth is None:
         return "no layer output differs"
-    if not math.isfinite(growth):  # the first differing layer's error is NaN or inf: no ratio
+    if not math.isfinite(growth):  # no ratio: say which end is not finite
+        first = next((d for d in phase["depth"] if d != 0), math.nan)  # NaN != 0: a NaN layer differs
+        if math.isfinite(first):  # the last layer's error is inf or NaN, not the first differing one's
+            return (f"not finite at the last layer ({phase['depth'][-1]}), from {first:.3g} at the first "
+                    "differing layer (no growth ratio)")
         return "not finite at the first differing layer (no growth ratio)"
     return f"x{growth:.3g} from the first differing layer"
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from parity.core.tables import nonfinite_restored
 from parity.render.figures import BLUE, GREY, ORANGE, RED, figure_img, new_figure
 from parity.render.report_page import key_value_table
 
@@ -30,7 +31,10 @@ _DRIFT_KEYS = ("max_abs_logprob_diff", "mean_abs_logprob_diff", "k3_kl")
 
 def backend_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """One backend's rows over every step -> the page's summary line; `unmeasured`: per drift column,
-    the steps without a finite value (a record stores NaN and infinities as null), left out of it."""
+    the steps without a finite value (an infinite one counts in the max and mean: inf; a NaN or null one,
+    which a record older than its "nonfinite" entry wrote for infinities too, is left out)."""
+    rows = [nonfinite_restored(row, f"step {row.get('step')} of {row.get('backend')}") for row in rows]
+
     def values(key: str) -> np.ndarray:
         return np.array([row[key] if row.get(key) is not None else np.nan for row in rows], dtype=float)
 
@@ -50,6 +54,7 @@ def backend_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def _by_backend(document: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
     out: dict[str, list[dict[str, Any]]] = {name: [] for name in document.get("backends", [])}
     for row in document.get("steps", []):
+        row = nonfinite_restored(row, f"loop record: step {row.get('step')} of {row.get('backend')}")
         out.setdefault(row["backend"], []).append(row)
     return {name: rows for name, rows in out.items() if rows}
 
