@@ -331,8 +331,9 @@ def test_nightly_judges_the_per_position_kl_against_the_baseline_row() -> None:
     worse = distribution_verdict(report(base * 10), report(base), baseline_run="r0", policy=policy)
     assert worse["distribution/regression_change"] == "regression"
     assert "KL(train || engine)" in worse["distribution/regression_verdict"]
-    without = json.dumps({"extras": {}})  # a baseline from before top-k: no verdict
-    assert distribution_verdict(report(base), without, baseline_run="r0", policy=policy) == {}
+    without = json.dumps({"extras": {}})  # a baseline from before top-k: no verdict, a note saying so
+    assert list(distribution_verdict(report(base), without, baseline_run="r0", policy=policy)) \
+        == ["distribution/regression_verdict"]
 
 
 def test_vllm_steps_and_greedy_point_masses_become_top_k_rows() -> None:

@@ -283,9 +283,12 @@ def evaluate(tok: Tokens, candidates: Sequence[Candidate], *, bootstrap: int = 2
         "frac_seqs_truncated": (m["truncated"] > 0).mean(0),
         "frac_tokens_removed": m["removed"].sum(0) / n_tok,
         "frac_seqs_removed": (m["removed"] > 0).mean(0),
-        "ess": np.divide(w_sum * w_sum, n_tok * w2_sum, out=np.zeros(cols), where=w2_sum > 0),
+        # clipped to what they are (ESS <= 1 by Cauchy-Schwarz, a variance >= 0): equal weights left
+        # 1 + 2e-16 and -2e-15 from the per-sequence sums
+        "ess": np.minimum(np.divide(w_sum * w_sum, n_tok * w2_sum, out=np.zeros(cols), where=w2_sum > 0),
+                          1.0),
         "max_weight": max_weight,
-        "weight_var": w2_sum / n_tok - (w_sum / n_tok) ** 2,
+        "weight_var": np.maximum(w2_sum / n_tok - (w_sum / n_tok) ** 2, 0.0),
         "mass_removed": m["removed_mass"].sum(0) / m["ref"].sum(0),
         # clipped: summing per sequence then over sequences can leave -1e-16 where nothing is removed
         "drift_removed": np.maximum(1.0 - m["kept_k3"].sum(0) / k3_total, 0.0) if k3_total > 0

@@ -192,7 +192,16 @@ def advice_cell(row: dict[str, Any], key: str, fmt: str) -> str:
         low, high = row["bias_low"], row["bias_high"]
         return "" if low != low else f"[{low:+.2e}, {high:+.2e}]"
     share = re.fullmatch(r"\{:\.(\d+)%\}", fmt)
-    return percent(row[key], int(share[1])) if share else fmt.format(row[key])
+    if share:
+        return percent(row[key], int(share[1]))
+    value, text = row[key], fmt.format(row[key])
+    spec = re.fullmatch(r"\{:(\+?)\.(\d+)([fg])\}", fmt)
+    places = int(spec[2]) if spec else 20
+    # more places where these would print a figure that is not 0 or ±1 as one (an ESS of 0.99996 as 1.000)
+    while places < 20 and abs(float(text)) in (0.0, 1.0) and float(text) != value:
+        places += 1
+        text = f"{value:{spec[1]}.{places}{spec[3]}}"
+    return text
 
 
 def percent(share: float, decimals: int) -> str:

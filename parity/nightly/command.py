@@ -158,7 +158,10 @@ def _run(args: argparse.Namespace) -> int:
     except RunInterrupted as stop:
         n = stop.finished_rows
         print(f"parity nightly: interrupted; {n} finished row{'' if n == 1 else 's'} of run {stop.run_id} "
-              f"{'is' if n == 1 else 'are'} stored; finish it with: {resume_command(args, stop.run_id)}",
+              f"{'is' if n == 1 else 'are'} stored"
+              + (f" ({stop.held_rows} more finished but waited for their backend's audit: not stored, "
+                 "the resumed run runs them again)" if stop.held_rows else "")
+              + f"; finish it with: {resume_command(args, stop.run_id)}",
               file=sys.stderr)
         return EXIT_INTERRUPTED
     except KeyboardInterrupt:

@@ -16,11 +16,16 @@ from parity.core.schema import GOLD_RATIO_KEY, GOLD_VERDICT_KEY, RECOMMENDATION_
 from parity.drift.tolerance import Violation
 from parity.nightly.charts import trend_charts
 from parity.nightly.history import RunInfo
-from parity.nightly.regression import NOISE_DETERMINISTIC_KEY, NOISE_MEAN_KEY, TEST_NAME
+from parity.nightly.regression import (
+    DISTRIBUTION_VERDICT_KEY,
+    NOISE_DETERMINISTIC_KEY,
+    NOISE_MEAN_KEY,
+    TEST_NAME,
+)
 from parity.nightly.rows import BASELINE_SKIPPED, STATUSES, RowKey, RowResult, correction_change
 from parity.render.gold import gold_plots
 from parity.render.report_page import key_value_table, report_plots, worst_tokens_table
-from parity.report.document import ParityReport
+from parity.report.document import ParityReport, number_text
 
 #: columns of the rows table: (summary key, header).
 TABLE_METRICS: tuple[tuple[str, str], ...] = (
@@ -102,7 +107,8 @@ def _badge(status: str) -> str:
 def _fmt(value: Any) -> str:
     if value is None:
         return ""
-    return f"{value:.3g}" if isinstance(value, float) else str(value)
+    # 3 digits, more where they would print a figure that is not ±1 as 1 (an IS mean of 0.99996)
+    return number_text(value, 3) if isinstance(value, float) else str(value)
 
 
 def _counts(rows: list[RowResult]) -> str:
@@ -200,6 +206,9 @@ def _row_section(row: RowResult) -> str:
         parts.append(f'<p class="sub">{html.escape(str(row.provenance[BASELINE_SKIPPED]))}.</p>')
     elif row.status != "error":
         parts.append('<p class="sub">No baseline row yet: this run becomes the baseline if it passes.</p>')
+    if DISTRIBUTION_VERDICT_KEY in row.summary:  # the KL test's verdict, or why it did not run
+        kl = html.escape(str(row.summary[DISTRIBUTION_VERDICT_KEY]))
+        parts.append(f'<p class="sub">KL bounds: {kl}</p>')
     if GOLD_VERDICT_KEY in row.summary:
         parts.append(f'<p>Which side moved: {html.escape(str(row.summary[GOLD_VERDICT_KEY]))}.</p>')
     if row.violations:

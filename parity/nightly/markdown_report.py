@@ -12,8 +12,9 @@ from typing import Any
 from parity.core.schema import GOLD_RATIO_KEY, GOLD_VERDICT_KEY
 from parity.drift.tolerance import Violation
 from parity.nightly.history import RunInfo
-from parity.nightly.regression import TEST_NAME
+from parity.nightly.regression import DISTRIBUTION_CHANGE_KEY, DISTRIBUTION_VERDICT_KEY, TEST_NAME
 from parity.nightly.rows import BASELINE_SKIPPED, STATUSES, RowResult, correction_change
+from parity.report.document import number_text
 
 _MARK = {"error": "💥", "regression": "📉", "fail": "❌", "improved": "📈", "pass": "✅"}
 
@@ -49,6 +50,9 @@ def render_summary(run: RunInfo, rows: list[RowResult], *, report_path: str = "i
             notes.append(f"- **{_cell(r.key.label)}** tolerance: {_cell(Violation(**viol).describe())}")
         if r.verdict is not None and r.verdict.change != "unchanged":
             notes.append(f"- **{_cell(r.key.label)}** {_cell(r.verdict.describe())}")
+        if DISTRIBUTION_VERDICT_KEY in r.summary and r.summary.get(DISTRIBUTION_CHANGE_KEY) != "unchanged":
+            kl = _cell(str(r.summary[DISTRIBUTION_VERDICT_KEY]))
+            notes.append(f"- **{_cell(r.key.label)}** KL bounds: {kl}")
         if BASELINE_SKIPPED in r.provenance:
             notes.append(f"- **{_cell(r.key.label)}** {_cell(str(r.provenance[BASELINE_SKIPPED]))}")
         if GOLD_VERDICT_KEY in r.summary and r.status != "pass":
@@ -68,7 +72,8 @@ def render_summary(run: RunInfo, rows: list[RowResult], *, report_path: str = "i
 def _num(value: Any) -> str:
     if isinstance(value, bool) or value is None:
         return ""
-    return f"{value:.3g}" if isinstance(value, (int, float)) else str(value)
+    # 3 digits, more where they would print a figure that is not ±1 as 1 (an IS mean of 0.99996)
+    return number_text(value, 3) if isinstance(value, (int, float)) else str(value)
 
 
 #: Markdown punctuation that could start emphasis, code, a link, an image, a strike or a cell.

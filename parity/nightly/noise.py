@@ -44,8 +44,11 @@ def audit_row(run_id: str, key: RowKey, case: Case, engine: Backend, provenance:
     if not result.control_held:
         violations.append({"metric": "audit seed: samples identical under other seeds (seeds ignored?)",
                            "value": 1.0, "limit": 0.0})
-    if engine.meta.get("batch_invariant") and not (result.deterministic and result.batch_invariant):
-        differing = sum(result.checks[c].differing_requests for c in ("repeat", "batch", "order"))
+    # only a check that ran and differed counts: a skipped one (one request has no other order) is not
+    # "identical", yet nothing differed (it failed the batch-invariant reference with "0 > limit 0")
+    differing = sum(result.checks[c].differing_requests for c in ("repeat", "batch", "order")
+                    if result.checks[c].skipped is None)
+    if engine.meta.get("batch_invariant") and differing:
         violations.append({"metric": "audit: requests that differ although the backend is batch-invariant",
                            "value": float(differing), "limit": 0.0})
     return RowResult(run_id=run_id, key=key, status="fail" if violations else "pass", summary=summary,

@@ -193,11 +193,16 @@ def distribution_verdict(current_report: str | None, baseline_report: str | None
                          policy: RegressionPolicy) -> dict[str, Any]:
     """The `distribution/` verdict keys of a row whose report and baseline report (JSON) both hold a
     full-distribution section (`parity.assess.distribution`): the same test as `compare_drift` on the
-    per-position KL(train || engine) lower bounds (nats) in place of |Δlogp|; {} otherwise."""
+    per-position KL(train || engine) lower bounds (nats) in place of |Δlogp|; a note in the verdict key
+    where only this row's report holds one (the KL was not judged); {} where this row's holds none."""
     sections = [json.loads(r).get("extras", {}).get("distribution") if r else None
                 for r in (current_report, baseline_report)]
-    if not all(sections):
+    if not sections[0]:
         return {}
+    if not sections[1]:  # said, not left out: the row's KL figures must not read as judged
+        note = (f"not compared with {baseline_run}: its row has no full-distribution section (no top-k "
+                "from its engine) to test the KL bounds against")
+        return {DISTRIBUTION_VERDICT_KEY: note}
     if sections[0].get("top_k") != sections[1].get("top_k"):
         # a lower bound from more of the distribution is larger: bounds of two widths are not comparable
         widths = (sections[1].get("top_k"), sections[0].get("top_k"))

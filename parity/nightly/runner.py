@@ -238,12 +238,15 @@ def new_run_id() -> str:
 
 
 class RunInterrupted(KeyboardInterrupt):
-    """Ctrl-C during a run: the rows that finished are stored; `--resume run_id` does the rest."""
+    """Ctrl-C during a run: the rows that finished are stored; `--resume run_id` does the rest.
+    held_rows: rows that finished but waited for their backend's audit (whose noise judges them), not
+    stored: the resumed run runs them again."""
 
-    def __init__(self, run_id: str, finished_rows: int) -> None:
+    def __init__(self, run_id: str, finished_rows: int, held_rows: int = 0) -> None:
         super().__init__(run_id)
         self.run_id = run_id
         self.finished_rows = finished_rows
+        self.held_rows = held_rows
 
 
 def executor_rows(run_id: str, todo: list[tuple[RowKey, Case]], config: NightlyConfig) -> Iterator[RowResult]:
@@ -308,7 +311,9 @@ def run_nightly(config: NightlyConfig, *, progress: bool = True) -> NightlyRun:
                         history.add_row(judge_row(row, cases_by_key[row.key], config, history))
             except KeyboardInterrupt as exc:
                 finished = sum(r.status != "error" for r in history.rows(run_id))
-                raise RunInterrupted(run_id, finished) from exc
+                # a held row judged now would lack the noise it waits for, and stored it is never judged
+                # again: it is left for the resumed run, and the interrupt says so
+                raise RunInterrupted(run_id, finished, len(held)) from exc
             history.finish_run(run_id)
             run = history.require_run(run_id, option="--run-id")
             stored = {str(r.key): r for r in history.rows(run_id, with_report=True)}

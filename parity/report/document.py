@@ -131,12 +131,14 @@ class ParityReport:
             optional = {GOLD_FIELD: GOLD_DTYPE} if GOLD_FIELD in d["arrays"] else {}
             for name, dtype in {**ARRAY_FIELDS, **optional}.items():
                 arrays[name] = _stored_array(name, d["arrays"][name], dtype)
+            tolerance = _stored_tolerance(d["tolerance"])
+            violations = [Violation(v["metric"], v["value"], v["limit"]) for v in d["violations"]]
+            _check_stored_violations(tolerance, d["summary"], violations)
             return cls(
                 **arrays,
                 sequences=d["sequences"], summary=d["summary"], metrics=d["metrics"],
                 breakdowns=d["breakdowns"], passed=_stored_verdict(d["passed"], d["violations"]),
-                tolerance=_stored_tolerance(d["tolerance"]),
-                violations=[Violation(v["metric"], v["value"], v["limit"]) for v in d["violations"]],
+                tolerance=tolerance, violations=violations,
                 provenance=d["provenance"], extras=d.get("extras", {}),
             )
         except KeyError as exc:
@@ -378,6 +380,34 @@ def _stored_tolerance(stored: Any) -> Tolerance:
             raise InputError(f"parity report tolerance is missing limit {missing[0]!r} (null if the check "
                              "was off); write the report with ParityReport.to_json")
     return Tolerance.from_dict(stored, where="report.tolerance")
+
+
+def _check_stored_violations(tolerance: Tolerance, summary: Any, stored: list[Violation]) -> None:
+    """InputError unless a stored report's violations are those its stored tolerance finds in its stored
+    summary (`Tolerance.violations`, unchanged since the format began), on each checked metric the summary
+    holds: one edited, or a verdict written under other limits, would show a PASS or FAIL its own
+    numbers contradict."""
+    if not isinstance(summary, dict):
+        raise InputError(f"parity report field 'summary' must be an object, got {type(summary).__name__}")
+    try:
+        expected = tolerance.violations(summary)
+    except (TypeError, ValueError) as exc:
+        raise InputError(f"parity report summary holds a checked metric that is not a number: {exc}") from exc
+
+    def canonical(violations: list[Violation]) -> list[str]:  # NaN equals NaN; order is not content
+        return sorted(json.dumps([v.metric, float(v.value), float(v.limit)]) for v in violations)
+
+    held = {key for key, _ in Tolerance.CHECKS.values() if key in summary}
+    try:
+        same = canonical([v for v in stored if v.metric in held]) == canonical(expected)
+    except (TypeError, ValueError):
+        same = False
+    if not same:
+        found = "; ".join(v.describe() for v in expected) or "none"
+        raise InputError(f"parity report field 'violations' holds {len(stored)}, but its tolerance finds "
+                         f"{len(expected)} in its summary ({found}): the stored verdict contradicts its own "
+                         "numbers (edited?); write the report with ParityReport.to_json (run compare or "
+                         "score again)")
 
 
 def _stored_verdict(passed: Any, violations: list[Any]) -> bool:
