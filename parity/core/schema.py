@@ -194,14 +194,29 @@ def advice_cell(row: dict[str, Any], key: str, fmt: str) -> str:
     share = re.fullmatch(r"\{:\.(\d+)%\}", fmt)
     if share:
         return percent(row[key], int(share[1]))
-    value, text = row[key], fmt.format(row[key])
-    spec = re.fullmatch(r"\{:(\+?)\.(\d+)([fg])\}", fmt)
-    places = int(spec[2]) if spec else 20
-    # more places where these would print a figure that is not 0 or ±1 as one (an ESS of 0.99996 as 1.000)
-    while places < 20 and abs(float(text)) in (0.0, 1.0) and float(text) != value:
-        places += 1
-        text = f"{value:{spec[1]}.{places}{spec[3]}}"
-    return text
+    spec = re.fullmatch(r"\{:(\+?\.)(\d+)([fg])\}", fmt)
+    if spec is None:
+        return fmt.format(row[key])
+    # an ESS of 0.99996 must not print as 1.000, nor a max weight of 1.0000001 as 1
+    return text_apart(row[key], int(spec[2]), (0.0, 1.0, -1.0), spec[1][:-1] + spec[3], most=20)
+
+
+def text_apart(value: float, digits: int, landmarks: tuple[float, ...], spec: str = "g",
+               most: int = 17) -> str:
+    """`value` formatted `{:.{digits}{spec}}` (spec "g": significant digits, "f": places; "+f" signed),
+    with more digits, up to `most`, while it would print as one of `landmarks` though it is not it: a
+    figure that reads as exact (1, 0) or as its own limit must be told apart from it."""
+    sign, kind = spec[:-1], spec[-1]
+
+    def text(d: int, x: float) -> str:
+        return f"{x:{sign}.{d}{kind}}"
+
+    marks = [m for m in landmarks if m != value]
+    out = text(digits, value)
+    while digits < most and any(float(out) == m or out == text(digits, m) for m in marks):
+        digits += 1
+        out = text(digits, value)
+    return out
 
 
 def percent(share: float, decimals: int) -> str:

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from parity.core.errors import InputError
+from parity.core.schema import text_apart
 from parity.drift.tolerance import Tolerance, Violation
 
 FORMAT = "parity-report"
@@ -309,11 +310,7 @@ def ratio_text(ratio: float) -> str:
 def number_text(value: float, digits: int = 6) -> str:
     """`value` to `digits` significant digits, more where that would print a value that is not ±1
     as 1 (an agreement of 0.9999997 or an IS ratio of 1.0000003 must not read as exact)."""
-    text = f"{value:.{digits}g}"
-    while digits < 17 and abs(float(text)) == 1.0 and float(text) != value:
-        digits += 1
-        text = f"{value:.{digits}g}"
-    return text
+    return text_apart(value, digits, (1.0, -1.0))
 
 
 def _escaped(text: str) -> str:
