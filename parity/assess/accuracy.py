@@ -68,7 +68,7 @@ def gold_summary(train: np.ndarray, rollout: np.ndarray, gold: np.ndarray, mask:
     rows = keep.any(axis=1)
     train_seq, rollout_seq = train_err.sum(axis=1)[rows], rollout_err.sum(axis=1)[rows]
     ratio = _ratio(float(rollout_seq.sum()), float(train_seq.sum()))
-    if bootstrap > 0 and rows.sum() > 1:  # one sequence resampled is itself: an interval [r, r] of no width
+    if bootstrap > 0:  # NaNs from one sequence alone: resampled, it is itself (`bootstrap_ratio`)
         low, high = (float(v[0]) for v in bootstrap_ratio(rollout_seq[:, None], train_seq, bootstrap, seed,
                                                           0.95, empty=None))
     else:

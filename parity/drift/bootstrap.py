@@ -13,10 +13,14 @@ def bootstrap_ratio(numerator: np.ndarray, denominator: np.ndarray, resamples: i
     """Percentile interval `(low [C], high [C])` of Σ_s q_s x_s / Σ_s q_s d_s over Poisson(1) counts q
     `[resamples, S]` (numerator `[S, C]`, denominator `[S]`; whole sequences resampled). A resample
     with both sums 0 counts as `empty`, or is dropped when `empty` is None (no evidence must not pull
-    the interval); positive over 0 is inf. No resamples left: NaNs.
+    the interval); positive over 0 is inf. No resamples left, or fewer than two sequences to weigh (one
+    resampled is itself, an interval [r, r] of no width; with `empty` None, those of a non-zero sum): NaNs.
     """
     cols = numerator.shape[1]
-    if resamples <= 0:
+    # the sequences a resample can weigh: all where an empty one counts as `empty`, else those with a sum
+    evidence = denominator.size if empty is not None else int(((denominator != 0)
+                                                              | (numerator != 0).any(axis=1)).sum())
+    if resamples <= 0 or evidence < 2:
         return np.full(cols, math.nan), np.full(cols, math.nan)
     q = np.random.default_rng(seed).poisson(1.0, (resamples, denominator.size)).astype(np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):

@@ -23,6 +23,9 @@ from parity.core.schema import DISTRIBUTION_PREFIX
 #: computable only then (its top-k holds all its mass).
 TAIL_EPS = 1e-6
 
+#: the smallest normal float64.
+_TINY = float(np.finfo(np.float64).tiny)
+
 #: rows per block of `position_drift`: a block's [rows, 20] float64 temporaries (640 KiB) stay in the
 #: core's L2; measured on 1M positions, 768 and 8192 rows ran 10-15% slower than 2048-4096.
 BLOCK_ROWS = 4096
@@ -200,7 +203,8 @@ def _block(a: np.ndarray, b: np.ndarray, q: np.ndarray, p: np.ndarray, kth: np.n
         first_pq, first_qp = p[:, 0] * d0, -q[:, 0] * d0
         tail_pq, tail_qp = p_tail * log_tails, -q_tail * log_tails
     else:
-        first_pq, first_qp, tail_pq, tail_qp = _first_and_tail(q, p, q_tail, p_tail, separate, d0)
+        first_pq, first_qp, tail_pq, tail_qp = _first_and_tail(q, p, q_tail, p_tail, separate, a[:, 0],
+                                                                b[:, 0])
     computable = q_tail <= TAIL_EPS
     h_q = np.full(a.shape[0], np.nan)
     if a[:, -1].min(initial=0.0) > -np.inf and b.min(initial=0.0) > -np.inf:
@@ -229,26 +233,32 @@ def _block(a: np.ndarray, b: np.ndarray, q: np.ndarray, p: np.ndarray, kth: np.n
 
 
 def _first_and_tail(q: np.ndarray, p: np.ndarray, q_tail: np.ndarray, p_tail: np.ndarray,
-                    separate: np.ndarray, d0: np.ndarray) -> tuple[np.ndarray, ...]:
-    """Bucket 0's and the tail bucket's terms of both KL sums `[n]`: an unresolved tail merged into
-    bucket 0, zero masses by the 0 log 0 conventions.
+                    separate: np.ndarray, a0: np.ndarray, b0: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Bucket 0's and the tail bucket's terms of both KL sums `[n]` (a0, b0: the engine's and the
+    trainer's logprob of s_1): an unresolved tail merged into bucket 0, zero masses by the 0 log 0
+    conventions. A side has mass at s_1 where its logprob is finite: exp(-800) underflows to 0, yet
+    it is no -inf (an infinite bound, out of the KL means) but a finite log ratio of ~800.
     """
     # an unresolved tail joins bucket 0 (the engine's first entry)
     q0 = np.where(separate, q[:, 0], q[:, 0] + q_tail)
     p0 = np.where(separate, p[:, 0], p[:, 0] + p_tail)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        both = p[:, 0] > 0
+    mass_q0, mass_p0 = a0 > -np.inf, b0 > -np.inf
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        d0 = b0 - a0
+        both = p[:, 0] >= _TINY  # a subnormal p_0 holds a few bits: p_tail / p_0 would be noise
         merged = d0 + np.log1p(p_tail / np.where(both, p[:, 0], 1.0)) - np.log1p(q_tail / q[:, 0])
-        ratio = np.where(both, merged, np.log(p0) - np.log(q0))
-        ratio = np.where(separate & both, d0, ratio)
+        # the merged masses' log ratio in log space, where p_0 underflows (or p_tail / p_0 overflows)
+        logs = np.logaddexp(b0, np.log(p_tail)) - np.logaddexp(a0, np.log(q_tail))
+        ratio = np.where(both & np.isfinite(merged), merged, logs)
+        ratio = np.where(separate & mass_p0 & mass_q0, d0, ratio)
         tail_pq = np.where(separate, p_tail * (np.log(p_tail) - np.log(q_tail)), 0.0)
         tail_qp = np.where(separate, q_tail * (np.log(q_tail) - np.log(p_tail)), 0.0)
         first_pq = np.where(p0 > 0, p0 * ratio, 0.0)
         first_qp = np.where(q0 > 0, -q0 * ratio, 0.0)
     # s_1 with mass on one side only is infinite whatever the tail (the partition with s_1 alone is one
     # too): a tail merged into its bucket would otherwise give it the other side's residue as mass
-    first_pq = np.where((p[:, 0] > 0) & (q[:, 0] == 0), np.inf, first_pq)
-    first_qp = np.where((q[:, 0] > 0) & (p[:, 0] == 0), np.inf, first_qp)
+    first_pq = np.where(mass_p0 & ~mass_q0, np.inf, first_pq)
+    first_qp = np.where(mass_q0 & ~mass_p0, np.inf, first_qp)
     return first_pq, first_qp, tail_pq, tail_qp
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -139,6 +140,8 @@ class SummaryPass:
     def result(self, *, bootstrap: int = 0, seed: int = 0) -> dict[str, Any]:
         """The summary (`summarize`'s result) of the scanned batch."""
         _check_bootstrap(bootstrap)
+        if bootstrap:
+            _check_seed(seed)
         tok, rows = self.tok, self.rows()
         valid_rows = tok.lengths > 0
         n = tok.total
@@ -172,6 +175,13 @@ class SummaryPass:
 def _check_bootstrap(bootstrap: Any) -> None:
     if isinstance(bootstrap, bool) or not isinstance(bootstrap, int) or bootstrap < 0:
         raise ConfigError(f"bootstrap must be an integer >= 0 (resamples; 0 = off), got {bootstrap!r}")
+
+
+def _check_seed(seed: Any) -> None:
+    """A bootstrap seed is an integer >= 0: NumPy's own errors for -1 or 1.5 named no option, and None
+    drew a fresh interval on every call."""
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
+        raise ConfigError(f"seed must be an integer >= 0 (the bootstrap's resampling seed), got {seed!r}")
 
 
 def _summary_rows(tok: TokenArrays) -> _SummaryRows:
@@ -229,9 +239,12 @@ def summarize(
         k1/k2/k3_kl: Schulman's KL(π_rollout || π_train) estimators -Δ, Δ²/2, r - 1 - log r.
         chi2_token: mean r² - 1. rollout_probs_*: verl's exp(train) vs exp(rollout) debug metrics.
         token_mult_prob_error: NeMo-RL's mean exp(|Δ|). frac_tokens_ratio_gt_2: |Δ| > log 2.
-    `bootstrap > 0` adds `<key>_ci95` = [low, high] for `BOOTSTRAP_KEYS` (95%, over sequences).
+    `bootstrap > 0` adds `<key>_ci95` = [low, high] for `BOOTSTRAP_KEYS` (95%, over sequences; NaN
+    with fewer than two sequences), resampled from `seed` (an integer >= 0).
     """
     _check_bootstrap(bootstrap)
+    if bootstrap:
+        _check_seed(seed)
     tok = checked_inputs(train_logprobs, rollout_logprobs, mask)
     p = SummaryPass(tok)
     tok.scan(p)
@@ -243,11 +256,14 @@ def _bootstrap(
     seed: int,
 ) -> dict[str, tuple[float, float]]:
     """Percentile bootstrap of the token means over whole sequences: a response's tokens share a context
-    and drift together, so a token bootstrap would understate the spread.
+    and drift together, so a token bootstrap would understate the spread. One sequence resampled is
+    itself: its interval would be [x, x], a certainty one sequence cannot give, so it is (NaN, NaN).
     """
     valid = lengths > 0
     counts = lengths[valid].cpu().numpy()
     n_seq = counts.size
+    if n_seq < 2:
+        return {key: (math.nan, math.nan) for key in _TOKEN_MEANS}
     rng = np.random.default_rng(seed)
     # How often each sequence is drawn in each resample: [n_resamples, n_seq].
     draws = rng.multinomial(n_seq, np.full(n_seq, 1.0 / n_seq), size=n_resamples).astype(np.float64)
@@ -270,11 +286,13 @@ def bootstrap_ci(
     confidence: float = 0.95,
     seed: int = 0,
 ) -> dict[str, tuple[float, float]]:
-    """Bootstrap `(low, high)` at `confidence` for each key of `BOOTSTRAP_KEYS`, resampling sequences."""
+    """Bootstrap `(low, high)` at `confidence` for each key of `BOOTSTRAP_KEYS`, resampling sequences
+    (NaN with fewer than two)."""
     if isinstance(n_resamples, bool) or not isinstance(n_resamples, int) or n_resamples < 1:
         raise ConfigError(f"n_resamples must be an integer >= 1, got {n_resamples!r}")
     if isinstance(confidence, bool) or not isinstance(confidence, (int, float)) or not 0.0 < confidence < 1.0:
         raise ConfigError(f"confidence must be in (0, 1), e.g. 0.95, got {confidence!r}")
+    _check_seed(seed)
     tok = checked_inputs(train_logprobs, rollout_logprobs, mask)
     row_sums = _summary_rows(tok).sums
     return _bootstrap(row_sums, tok.lengths, n_resamples=n_resamples, confidence=float(confidence), seed=seed)

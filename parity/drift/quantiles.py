@@ -63,7 +63,10 @@ def order_statistics(values: np.ndarray, ks: Sequence[int]) -> dict[int, float]:
 
 
 def _brackets(sample: np.ndarray, n: int, ks: Sequence[int]) -> tuple[float | None, float | None]:
-    """Bracket values (low, high; None: no rank there) from a sorted sample, with a 2x-and-8-values margin."""
+    """Bracket values (low, high; None: no rank there, or an empty sample) from a sorted sample, with a
+    2x-and-8-values margin."""
+    if sample.size == 0:  # every strided slot was padding (e.g. column 0 masked, seq dividing the stride)
+        return None, None
     low = [k for k in ks if k < _TAIL * n]
     high = [k for k in ks if k >= (1 - _TAIL) * n]
     low_bracket = high_bracket = None
@@ -110,7 +113,7 @@ class QuantilePass:
             brackets = _brackets(self._sample(), self.n, self.ks)
         self.low_bracket, self.high_bracket = brackets
         if brackets == (None, None):
-            self._all = []  # a small batch or a middle rank: keep every value
+            self._all = []  # a small batch, a middle rank or an empty sample: keep every value
 
     def _sample(self) -> np.ndarray:
         """c at ~2 x `_SAMPLE` slots evenly strided over the batch (valid ones), sorted."""
