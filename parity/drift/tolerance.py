@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
 from parity.core.errors import ConfigError
-from parity.core.schema import REFERENCE
+from parity.core.schema import REFERENCE, text_apart
 from parity.core.strict import check_dtype, from_mapping
 
 #: the limits calibrated per dtype, in the order of `DEFAULTS`' rows.
@@ -53,19 +53,11 @@ class Violation(NamedTuple):
     def describe(self) -> str:
         """One line a person can act on, e.g. `max_abs_logprob_diff = 0.73 > limit 0.5`."""
         limit = f"{self.limit:g}" if float(f"{self.limit:g}") == self.limit else repr(self.limit)
+        # the value with the digits that tell it from its limit (0.0700000012 is not "0.07 > limit 0.07")
         if Tolerance.CHECKS_BY_METRIC.get(self.metric) == "mean1":
-            return f"|{self.metric} - 1| = {_apart(abs(self.value - 1.0), self.limit)} > limit {limit} " \
-                   f"({self.metric} = {_apart(self.value, 1.0)})"
-        return f"{self.metric} = {_apart(self.value, self.limit)} > limit {limit}"
-
-
-def _apart(value: float, other: float) -> str:
-    """`value` to 6 significant digits, more where that would print it as `other` though it is not
-    (a failing 0.0700000012 must not read "0.07 > limit 0.07", nor an IS mean of 1 + 3e-8 "1")."""
-    digits = 6
-    while f"{value:.{digits}g}" == f"{other:.{digits}g}" and value != other and digits < 17:
-        digits += 1
-    return f"{value:.{digits}g}"
+            gap, mean = text_apart(abs(self.value - 1.0), 6, (self.limit,)), text_apart(self.value, 6, (1.0,))
+            return f"|{self.metric} - 1| = {gap} > limit {limit} ({self.metric} = {mean})"
+        return f"{self.metric} = {text_apart(self.value, 6, (self.limit,))} > limit {limit}"
 
 
 @dataclass(frozen=True)
