@@ -202,3 +202,17 @@ def test_default_tolerances_follow_the_dtype():
     assert relaxed.max_abs_logprob_diff == 0.01 and relaxed.k3_kl_max == fp32.k3_kl_max
     with pytest.raises(ConfigError, match="dtype must be one of"):
         Tolerance.for_backend("vllm", "float64")
+
+
+def test_a_gold_that_measured_no_token_says_so_on_the_page():
+    """Every gold logprob -inf: the gold ran, no token is finite on all three sides, so the summary has
+    no gold figures; the page says why instead of an empty verdict ('.')."""
+    from parity.render.gold import gold_html
+
+    rollouts = [Rollout("a", 0, (1,), (3, 4), (-1.0, -2.0), "length", "fake")]
+    report = build_report(rollouts, [np.array([-1.0, -2.0])], tolerance=Tolerance(),
+                          gold_logprobs=[np.array([-np.inf, -np.inf])], extras={"gold": {"ran": True}})
+    assert GOLD_VERDICT_KEY not in report.summary
+    page = gold_html(report)
+    assert "nothing was measured" in page and '<p class="advice">.</p>' not in page
+    assert GOLD_VERDICT_KEY in report_with_gold(2.0).summary  # the control: a measured gold has its verdict

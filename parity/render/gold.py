@@ -88,13 +88,16 @@ def gold_html(report: ParityReport) -> str:
                     f'{html.escape(str(how.get("reason", "")))}. Pass gold=True (--gold) to run it.</p>')
         return ""
     summary = report.summary
+    if GOLD_VERDICT_KEY not in summary:  # it ran, but no token is finite on all three sides
+        return ('<h2 id="gold">Which side moved</h2><p class="sub">The gold forward ran, but no token has a '
+                'finite logprob on all three sides (trainer, rollout, gold): nothing was measured.</p>')
     figures = {key: summary[key] for key in GOLD_SUMMARY_KEYS if key in summary and key != GOLD_VERDICT_KEY}
     table = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(_value(v))}</td></tr>"
                     for k, v in figures.items())
     sub = ", ".join(f"{k} {v}" for k, v in how.items() if k != "ran" and isinstance(v, (str, int, float)))
     return "\n".join([
         '<h2 id="gold">Which side moved</h2>',
-        f'<p class="advice">{html.escape(str(summary.get(GOLD_VERDICT_KEY, "")))}.</p>',
+        f'<p class="advice">{html.escape(str(summary[GOLD_VERDICT_KEY]))}.</p>',
         f'<p class="sub">gold forward: {html.escape(sub)}</p>' if sub else "",
         f'<table class="kv">{table}</table>', '<div class="row">', *gold_plots(report), "</div>",
     ])
