@@ -34,7 +34,7 @@ from parity.report.document import ParityReport
 from parity.report.provenance import TRAIN_COMPUTED, provenance
 from parity.rollouts.dumps import GivenSampling, check_logprobs, logprob_floats, read_dump
 from parity.rollouts.matching import check_unique_keys
-from parity.rollouts.record import RECORD_FORMAT, read_record
+from parity.rollouts.record import RECORD_FORMAT, Record, read_record
 
 #: `trainer_logprobs=FROM_DUMP`: the trainer logprobs the dump holds (its trainer-logprob column).
 FROM_DUMP = "dump"
@@ -57,13 +57,15 @@ class Source:
 
 
 def read_source(path: str | os.PathLike[str], *, backend: str | None = None, sampling: GivenSampling = None,
-                logprobs_mode: str = "processed") -> Source:
-    """A record or a dump (see the module doc). backend: for a record, whose rollouts to take;
+                logprobs_mode: str | None = None) -> Source:
+    """A record or a dump (see the module doc), read once. backend: for a record, whose rollouts to take;
     for a dump, the name stamped on its rollouts (default "external"). sampling, logprobs_mode:
-    for rollouts that carry none (`parity.rollouts.dumps.read_dump`)."""
+    for rollouts that carry none (`parity.rollouts.dumps.read_dump`; None: "processed"); a record's
+    rollouts carry their own mode, so a given one that contradicts it is a ConfigError."""
     path = Path(path)
     if path.suffix != PARQUET_SUFFIX and is_record(path):
         record = read_record(path)
+        _check_record_mode(path, record, backend, logprobs_mode)
         if not record.rollouts:
             raise InputError(f"{path}: the record holds requests but no rollouts; replay it through a "
                              "backend first (`parity replay`)")
@@ -76,20 +78,32 @@ def read_source(path: str | os.PathLike[str], *, backend: str | None = None, sam
                               f"it has {sorted(record.rollouts)}")
         rollouts = _with_sampling(record.rollouts[name], sampling)
         return Source(path, "record", tuple(rollouts), record.model)
-    dump = read_dump(path, backend=backend or "external", logprobs_mode=logprobs_mode, sampling=sampling)
+    dump = read_dump(path, backend=backend or "external", logprobs_mode=logprobs_mode or "processed",
+                     sampling=sampling)
     return Source(path, "dump", dump.rollouts, None, dump.trainer_logprobs, dump.trainer_column)
+
+
+def _check_record_mode(path: Path, record: Record, backend: str | None, mode: str | None) -> None:
+    """ConfigError when `mode` was given and the record's rollouts (of `backend`) carry another
+    logprobs mode: a record's own mode is the one scored, so the given one would be ignored."""
+    own = {r.logprobs_mode for name, rs in record.rollouts.items() if backend in (None, name) for r in rs}
+    if mode is not None and own - {mode}:
+        raise ConfigError(f"--logprobs-mode {mode} (logprobs_mode=): {path} is a parity record whose "
+                          f"rollouts carry their own logprobs mode ({', '.join(sorted(own))}), which is the "
+                          "one scored; leave logprobs_mode unset")
 
 
 def score(rollouts: Sequence[Rollout] | str | os.PathLike[str], model: str | os.PathLike[str] | None = None,
           *, trainer_logprobs: Sequence[Sequence[float]] | str | None = None, backend: str | None = None,
-          sampling: GivenSampling = None, logprobs_mode: str = "processed", dtype: str | None = None,
+          sampling: GivenSampling = None, logprobs_mode: str | None = None, dtype: str | None = None,
           reference: str = "invariant", tolerance: Tolerance | dict[str, Any] | None = None,
           router_replay: str | None = None, device: str = "auto", correction: dict[str, Any] | None = None,
           attribute: Sequence[str] = (), gold: bool | None = None,
           lora: str | os.PathLike[str] | None = None, rollout_dtype: str | None = None) -> ParityReport:
     """Score rollouts produced elsewhere; the report `parity.compare` would build for them.
 
-    rollouts: `Rollout`s or a record or dump path. model: None is the record's (not needed with
+    rollouts: `Rollout`s or a record or dump path. logprobs_mode: of a dump's rows without one (None:
+    "processed"); a record's rollouts carry theirs. model: None is the record's (not needed with
     trainer logprobs). trainer_logprobs: None runs the forward; a list, or "dump" for the dump's
     column. dtype: None is the rollouts', else bfloat16; rollout_dtype: None is the recorded one
     (a contradiction is a ConfigError). tolerance: None is the default for the backend and dtype
@@ -102,8 +116,9 @@ def score(rollouts: Sequence[Rollout] | str | os.PathLike[str], model: str | os.
     if isinstance(rollouts, (str, os.PathLike)):
         source = read_source(rollouts, backend=backend, sampling=sampling, logprobs_mode=logprobs_mode)
     else:
-        if backend is not None or sampling is not None:
-            raise ConfigError("backend and sampling apply to a file; Rollout objects carry their own")
+        if backend is not None or sampling is not None or logprobs_mode is not None:
+            raise ConfigError("backend, sampling and logprobs_mode apply to a file; Rollout objects carry "
+                              "their own")
         source = Source(Path("."), "rollouts", tuple(rollouts))
     if not source.rollouts:
         raise InputError("no rollouts to score")
@@ -235,12 +250,26 @@ def _meta_dtype(rollouts: Sequence[Rollout]) -> str | None:
 
 
 def _rollouts_hash(source: Source) -> str:
-    """sha256 of what was scored (each rollout's ids, logprobs and sampling); 16 hex digits."""
+    """sha256 of what was scored (each rollout's ids, logprobs and sampling, and where it has them its
+    response mask with an injected token, top-k logprobs and routes); 16 hex digits. A rollout without
+    the last three hashes as it did before they entered."""
     h = hashlib.sha256()
     for r in source.rollouts:
-        h.update(repr((r.key, r.prompt_ids, r.token_ids, r.logprobs,
-                       None if r.sampling is None else r.sampling.to_dict())).encode())
+        scored: tuple[Any, ...] = (r.key, r.prompt_ids, r.token_ids, r.logprobs,
+                                   None if r.sampling is None else r.sampling.to_dict())
+        mask = r.response_mask if r.response_mask is not None and 0 in r.response_mask else None  # all 1s
+        fields = (("response_mask", mask), ("top_k_ids", r.top_k_ids), ("top_k_logprobs", r.top_k_logprobs),
+                  ("routed_experts", r.routed_experts))
+        extra = {name: _array_digest(value) if isinstance(value, np.ndarray) else value
+                 for name, value in fields if value is not None}
+        h.update(repr((*scored, extra) if extra else scored).encode())
     return h.hexdigest()[:16]
+
+
+def _array_digest(array: np.ndarray) -> str:
+    """An array's dtype, shape and bytes, as a sha256 hex digest."""
+    array = np.ascontiguousarray(array)
+    return hashlib.sha256(f"{array.dtype.str}{array.shape}".encode() + array.tobytes()).hexdigest()
 
 
 def is_record(path: Path) -> bool:

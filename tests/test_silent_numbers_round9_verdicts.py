@@ -142,7 +142,8 @@ def test_an_interrupt_names_the_finished_rows_that_waited_for_their_audit(tmp_pa
 
     def ray_like(run_id, todo, config):  # a parallel executor: a compare row back before its audit
         key = next(k for k, case in todo if case.kind != "audit" and k.backend == "hf")
-        yield RowResult(run_id, key, "pass", provenance={"model": "tiny-llama"}, abs_diff=np.full(4, 0.01))
+        yield RowResult(run_id, key, "pass", provenance={"model": "tiny-llama", "engine_options": {}},
+                        abs_diff=np.full(4, 0.01))
         raise KeyboardInterrupt
 
     monkeypatch.setattr(runner, "executor_rows", ray_like)

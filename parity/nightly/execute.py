@@ -30,7 +30,7 @@ from parity.core.schema import NO_REPLAY, REFERENCE
 from parity.drift.tolerance import Tolerance
 from parity.nightly.history import now
 from parity.nightly.memory import available_bytes, engine_need, gib, memory_failure
-from parity.nightly.noise import AUDIT, audit_row
+from parity.nightly.noise import AUDIT, ENGINE_OPTIONS, audit_row
 from parity.nightly.rows import RowKey, RowResult, row_status
 from parity.workload.cases import Case
 
@@ -78,6 +78,15 @@ def engine_options(key: RowKey, case: Case, device: str) -> dict[str, Any]:
     return options
 
 
+def recorded_options(key: RowKey, case: Case, device: str) -> dict[str, Any] | None:
+    """A row's engine options as `execute_row` records them (`ENGINE_OPTIONS`); None where they cannot
+    be made (that row fails to start: an error row, which judges nothing)."""
+    try:
+        return dict(sorted(engine_options(key, case, device).items()))
+    except Exception:  # execute_row turns the same exception into the row's error
+        return None
+
+
 def local_placement() -> dict[str, Any]:
     """Where a row of the local executor ran: this host and process."""
     return {"executor": "local", "host": socket.gethostname(), "pid": os.getpid()}
@@ -87,7 +96,7 @@ def execute_row(run_id: str, key: RowKey, case: Case, *, reference: str, device:
                 gold: bool | None = None, placement: dict[str, Any] | None = None,
                 close_engine: bool = False) -> RowResult:
     """Run one cell, its status from the tolerance only (`verdict` None); `placement` and `close_engine`
-    go into provenance ("ran_on", "engine_closed").
+    go into provenance ("ran_on", "engine_closed"), and the engine's start options (`ENGINE_OPTIONS`).
     """
     provenance: dict[str, Any] = {
         "case": case.name, "case_hash": case.hash, "case_file": str(case.path or ""), "model": case.model,
@@ -98,6 +107,7 @@ def execute_row(run_id: str, key: RowKey, case: Case, *, reference: str, device:
         options = engine_options(key, case, device)
     except Exception as exc:  # no engine to start, so none to close
         return error_row(run_id, key, f"backend failed to start: {type(exc).__name__}: {exc}", provenance)
+    provenance[ENGINE_OPTIONS] = dict(sorted(options.items()))  # which audit's noise is this engine's
     row = _run_row(run_id, key, case, options, provenance, reference=reference, device=device, gold=gold)
     if close_engine:
         try:
@@ -198,7 +208,8 @@ def lifecycle_row(run_id: str, key: RowKey, case: Case, engine: Any, provenance:
 def loop_row(run_id: str, key: RowKey, case: Case, engine: Any, provenance: dict[str, Any],
              timing: dict[str, float], device: str) -> RowResult:
     """A loop case's row: `parity.loop` with the reference and the row's backend, summarised by the
-    worst and mean step; out of sync or non-bitwise reference steps are violations (no baseline test).
+    worst and mean step; the tolerance judges each figure's worst step; out of sync or non-bitwise
+    reference steps are violations (no baseline test).
     """
     # the loop trains a model and loads torch; importing nightly stays light
     from parity.loop import loop
@@ -212,19 +223,19 @@ def loop_row(run_id: str, key: RowKey, case: Case, engine: Any, provenance: dict
     timing["case_s"] = round(time.perf_counter() - t0, 3)
     rows = record.rows(key.backend)
     summary = {
-        "max_abs_logprob_diff": max(r["max_abs_logprob_diff"] for r in rows),
+        "max_abs_logprob_diff": _worst(rows, "max_abs_logprob_diff"),
         "mean_abs_logprob_diff": float(np.mean([r["mean_abs_logprob_diff"] for r in rows])),
         "is_ratio_mean": float(np.mean([r["is_ratio_mean"] for r in rows])),
-        "k3_kl": max(r["k3_kl"] for r in rows),
+        "k3_kl": _worst(rows, "k3_kl"),
         "loop_steps": float(len(rows)), "loop_steps_in_sync": float(sum(r["weights_in_sync"] for r in rows)),
         "loop_steps_bitwise": float(sum(r["bitwise"] for r in rows)),
         "loop_policy_kl_final": rows[-1]["policy_kl_from_start"],
         "loop_reward_first": rows[0]["reward_mean"], "loop_reward_last": rows[-1]["reward_mean"],
     }
-    tolerance = case.tolerance_for(key.backend)
-    if tolerance is not None:  # the limits the case does not name: the row's dtype defaults
-        tolerance = Tolerance.resolve(tolerance, key.backend, key.dtype)
-    violations = [v._asdict() for v in tolerance.violations(summary)] if tolerance is not None else []
+    # the limits the case does not name (all of them without a [tolerance]): the row's backend and
+    # dtype defaults, as a compare row of the case gets; judged on the worst step, not the mean one
+    tolerance = Tolerance.resolve(case.tolerance_for(key.backend), key.backend, key.dtype)
+    violations = [v._asdict() for v in tolerance.violations(_worst_step(rows))]
     for name, failed in (("weights out of sync", lambda r: not r["weights_in_sync"]),
                          ("reference not bitwise", lambda r: r["backend"] == REFERENCE and not r["bitwise"])):
         bad = sorted({r["step"] for r in record.steps if failed(r)})
@@ -235,3 +246,18 @@ def loop_row(run_id: str, key: RowKey, case: Case, engine: Any, provenance: dict
                      violations=violations,
                      provenance={**provenance, "kind": "loop", "loop": record.to_dict()},
                      timing=timing, finished_at=now())
+
+
+def _worst(rows: list[dict[str, Any]], name: str) -> float:
+    """The largest `name` of the step rows; NaN when any step's is NaN (Python's `max` keeps
+    whichever of a number and a NaN comes first, so a NaN step after a finite one would vanish)."""
+    return float(np.max([float(r[name]) for r in rows]))
+
+
+def _worst_step(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """The figures a loop row's tolerance judges: each at its worst step (the IS mean farthest from 1;
+    NaN where a step's is), so steps above and below a limit do not average into a pass."""
+    worst = {name: _worst(rows, name) for name in ("max_abs_logprob_diff", "mean_abs_logprob_diff", "k3_kl")}
+    ratios = np.array([float(r["is_ratio_mean"]) for r in rows])
+    worst["is_ratio_mean"] = float(ratios[np.argmax(np.abs(ratios - 1.0))])  # argmax: a NaN first
+    return worst

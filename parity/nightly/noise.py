@@ -21,6 +21,9 @@ AUDIT = "audit"
 #: The whole result is in the row's provenance.
 FIGURES = ("differing_requests", "max_abs_logprob_diff")
 NOISE_FLOOR_KEY = "audit_repeat_mean_abs_logprob_diff"
+#: provenance key of a row's engine start options (`parity.nightly.execute.engine_options`): an
+#: adapter, a tensor-parallel degree, route capture or prefix caching make another engine.
+ENGINE_OPTIONS = "engine_options"
 
 
 def audit_row(run_id: str, key: RowKey, case: Case, engine: Backend, provenance: dict[str, Any],
@@ -60,14 +63,15 @@ def audit_row(run_id: str, key: RowKey, case: Case, engine: Backend, provenance:
 
 def backend_noise(rows: Iterable[RowResult], row: RowResult) -> Noise | None:
     """The noise of `row`'s backend: the repeat check of an audit row of the same run, model,
-    backend, dtype and variant (a route-capture or prefix-cache engine is another engine, whose
-    noise the plain one's does not measure); None when there is none (or its repeat did not run)."""
-    for other in rows:
+    backend, dtype, variant and engine options (a route-capture, prefix-cache, LoRA or tensor-parallel
+    engine is another engine, whose noise the plain one's does not measure); None when there is none
+    (or its repeat did not run). Of several such audits the first by key, not the first to finish
+    (a parallel run finishes them in any order)."""
+    for other in sorted(rows, key=lambda r: str(r.key)):
         audit = other.provenance.get(AUDIT)
         if other.provenance.get("kind") != AUDIT or audit is None or other.status == "error":
             continue
-        same = (other.key.backend, other.key.dtype, other.key.router_replay, other.provenance.get("model")) \
-            == (row.key.backend, row.key.dtype, row.key.router_replay, row.provenance.get("model"))
+        same = _engine(other) == _engine(row)
         repeat = audit["checks"]["repeat"]
         if same and repeat["skipped"] is None:
             return Noise(source=other.key.label, deterministic=bool(repeat["identical"]),
@@ -76,3 +80,9 @@ def backend_noise(rows: Iterable[RowResult], row: RowResult) -> Noise | None:
                          differing_requests=int(repeat["differing_requests"]),
                          requests=int(repeat["requests"]))
     return None
+
+
+def _engine(row: RowResult) -> tuple[Any, ...]:
+    """What makes a row's engine: backend, dtype, variant, model, start options (None: not recorded)."""
+    return (row.key.backend, row.key.dtype, row.key.router_replay, row.provenance.get("model"),
+            row.provenance.get(ENGINE_OPTIONS))

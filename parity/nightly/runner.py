@@ -41,10 +41,10 @@ from parity.models.lora import check_adapter
 from parity.nightly.engines import engine_order
 from parity.nightly.environment import collect_environment
 from parity.nightly.execute import PREFIX_CACHE as _PREFIX_CACHE
-from parity.nightly.execute import execute_row, prefix_cache_variant
+from parity.nightly.execute import execute_row, prefix_cache_variant, recorded_options
 from parity.nightly.history import History, RunInfo
 from parity.nightly.lock import RunLock
-from parity.nightly.noise import AUDIT, backend_noise
+from parity.nightly.noise import AUDIT, ENGINE_OPTIONS, backend_noise
 from parity.nightly.publish import point_latest, publish
 from parity.nightly.regression import RegressionPolicy, compare_drift, distribution_verdict, judge_with_noise
 from parity.nightly.rows import BASELINE_SKIPPED, RowKey, RowResult, check_run_id, exit_code, row_status
@@ -298,11 +298,12 @@ def run_nightly(config: NightlyConfig, *, progress: bool = True) -> NightlyRun:
                           dynamic_ncols=True) as bar:
                     for row in executor_rows(run_id, todo, config):
                         audits.pop(row.key, None)
-                        if waits_for_audit(row, cases_by_key, audits):
+                        if waits_for_audit(row, cases_by_key, audits, config.device):
                             held.append(row)
                         else:  # an audit row is stored before the rows it judges
                             history.add_row(judge_row(row, cases_by_key[row.key], config, history))
-                        for ready in [r for r in held if not waits_for_audit(r, cases_by_key, audits)]:
+                        for ready in [r for r in held
+                                      if not waits_for_audit(r, cases_by_key, audits, config.device)]:
                             held.remove(ready)
                             history.add_row(judge_row(ready, cases_by_key[ready.key], config, history))
                         bar.set_postfix_str(row.key.label)
@@ -397,14 +398,17 @@ def check_cases_unchanged(run_id: str, finished: list[RowResult], cells: list[tu
                               "or start a new run (without --resume / --run-id)")
 
 
-def waits_for_audit(row: RowResult, cases: dict[RowKey, Case], audits: dict[RowKey, Case]) -> bool:
+def waits_for_audit(row: RowResult, cases: dict[RowKey, Case], audits: dict[RowKey, Case],
+                    device: str = "cpu") -> bool:
     """Whether `row` must wait for one of the `audits` still running: one whose repeat noise would
-    judge it (`backend_noise`: same backend, dtype, variant and model)."""
+    judge it (`backend_noise`: same backend, dtype, variant, model and engine options)."""
     if row.status == "error" or cases[row.key].kind == AUDIT:
         return False
     return any((a.backend, a.dtype, a.router_replay, case.model)
                == (row.key.backend, row.key.dtype, row.key.router_replay, cases[row.key].model)
+               and recorded_options(a, case, device) == row.provenance.get(ENGINE_OPTIONS)
                for a, case in audits.items())
+
 
 
 def judge_row(row: RowResult, case: Case, config: NightlyConfig, history: History) -> RowResult:
