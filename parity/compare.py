@@ -98,7 +98,7 @@ def compare(
         the_case = with_logprobs_mode(the_case, backend_options["logprobs_mode"])
     if top_k_logprobs is not None:
         the_case = _with_top_k(the_case, top_k_logprobs, backend, backend_options)
-    elif asked := max(r.sampling.top_k_logprobs for r in the_case.requests):
+    elif asked := _one_top_k(the_case):
         # the case's own top_k_logprobs: a backend that returns fewer would drop the distribution drift
         _top_k_limit_check(asked, backend, backend_options, "the case's sampling.top_k_logprobs")
     model_arg = model_text(model) if model is not None else the_case.model  # a Path stays a path
@@ -121,6 +121,11 @@ def compare(
     limits = Tolerance.resolve(given, name, train_dtype, dtype)
     router_replay_options(router_replay)
     check_gold(gold)
+    tp = tensor_parallel
+    if tp is not None and (isinstance(tp, bool) or not isinstance(tp, int) or tp < 1):
+        # True would run a degree of 1 recorded as True; 0 would fail only once vLLM starts
+        raise ConfigError(f"tensor_parallel (--tp) must be an integer >= 1 (the backend's degree) or None, "
+                          f"got {tensor_parallel!r}")
     device = resolve_device(device, [backend], {str(backend): backend_options})
     _check_device(device)
     _check_axes(attribute)
@@ -185,6 +190,21 @@ def _with_top_k(case: Case, k: Any, backend: str | Backend, options: dict[str, A
     requests = tuple(dataclasses.replace(r, sampling=r.sampling.replace(top_k_logprobs=k))
                      for r in case.requests)
     return dataclasses.replace(case, requests=requests)
+
+
+def _one_top_k(case: Case) -> int:
+    """The one top_k_logprobs of every request of `case`; `TopKError` for a mix (the distribution drift
+    needs one k for all rollouts: otherwise refused only after sampling)."""
+    first = case.requests[0]
+    other = next((r for r in case.requests if r.sampling.top_k_logprobs != first.sampling.top_k_logprobs),
+                 None)
+    if other is not None:
+        raise TopKError(f"case {case.name!r}: request {first.request_id!r} asks for top_k_logprobs="
+                        f"{first.sampling.top_k_logprobs} but request {other.request_id!r} for "
+                        f"{other.sampling.top_k_logprobs}; the full-distribution drift needs one k for every "
+                        "request: give every sampling block the same top_k_logprobs, or pass top_k_logprobs "
+                        "(--top-k-logprobs) to ask every request for it")
+    return first.sampling.top_k_logprobs
 
 
 def _top_k_limit_check(k: int, backend: str | Backend, options: dict[str, Any], field: str) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import abc
 import inspect
-import json
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from parity.core.schema import LOGPROBS_MODES
 from parity.core.strict import check_choice, check_dtype
 from parity.core.types import Pair, Request, Rollout, SamplingParams, Sequences, as_pairs
 from parity.models import resolve_model
+from parity.models.checkpoints import eos_token_ids as checkpoint_eos_ids
 from parity.models.lora import LoraSpec, check_adapter
 
 if TYPE_CHECKING:
@@ -94,20 +94,9 @@ def check_samples(requests: Sequence[Request], rollouts: Sequence[Rollout], back
 
 
 def eos_token_ids(model_path: str | Path) -> tuple[int, ...]:
-    """EOS ids of a checkpoint: generation_config.json first (what HF generate uses), else config.json."""
-    root = Path(model_path)
-    for name in ("generation_config.json", "config.json"):
-        f = root / name
-        if not f.is_file():
-            continue
-        try:
-            eos = json.loads(f.read_text()).get("eos_token_id")
-        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
-            raise ConfigError(f"{f}: not a valid JSON object ({exc}); fix or regenerate the checkpoint") \
-                from exc
-        if eos is not None:
-            return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
-    return ()
+    """EOS ids of a checkpoint: generation_config.json first (what HF generate uses), else config.json,
+    and the tokenizer's eos token, on which vLLM stops too (`parity.models.checkpoints.eos_token_ids`)."""
+    return checkpoint_eos_ids(model_path)
 
 
 def stop_set(sampling: SamplingParams, eos_ids: Iterable[int]) -> tuple[int, ...]:

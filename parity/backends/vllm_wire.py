@@ -36,6 +36,16 @@ def unclamp(logprob: float) -> float:
     return float("-inf") if logprob <= VLLM_LOGPROB_FLOOR else float(logprob)
 
 
+def wire_token_id(token: object) -> int:
+    """A token as the server names it with `return_tokens_as_token_ids` ("token_id:N") -> N; BackendError
+    for a token given as text (a server that ignored the flag)."""
+    text = str(token).removeprefix("token_id:")
+    if not text.isdecimal():
+        raise BackendError(f"vLLM server named a token {token!r}, not \"token_id:N\": it ignored "
+                           "return_tokens_as_token_ids (is it an OpenAI-compatible vLLM server?)")
+    return int(text)
+
+
 def parse_completion(answer: dict[str, Any]) -> tuple[list[int], list[float], str | None, np.ndarray | None]:
     """A `/v1/completions` answer with one choice -> (token ids, logprobs, finish reason, routes);
     the ids the logprobs name ("token_id:N") must be the returned ones. Routes: vLLM's base64 `.npy`."""
@@ -47,7 +57,7 @@ def parse_completion(answer: dict[str, Any]) -> tuple[list[int], list[float], st
     if tokens is None or not isinstance(logprobs, dict):
         raise BackendError("vLLM server answer has no token_ids or logprobs; the server ignored "
                            "return_token_ids / logprobs (is it an OpenAI-compatible vLLM server?)")
-    named = [int(str(t).removeprefix("token_id:")) for t in logprobs.get("tokens", [])]
+    named = [wire_token_id(t) for t in logprobs.get("tokens", [])]
     if named != list(tokens):
         raise BackendError(f"vLLM server logprobs name tokens {named} but token_ids are {tokens}")
     values = [unclamp(v) for v in logprobs.get("token_logprobs", [])]
@@ -76,7 +86,7 @@ def top_k_rows(answer: dict[str, Any], tokens: Sequence[int], k: int) -> TopKRow
                            f"tokens; asked for logprobs={k} (is it an OpenAI-compatible vLLM server?)")
     ids, values = [], []
     for token, entries in zip(tokens, positions):
-        items = [(int(str(t).removeprefix("token_id:")), unclamp(v)) for t, v in (entries or {}).items()]
+        items = [(wire_token_id(t), unclamp(v)) for t, v in (entries or {}).items()]
         if not items or items[0][0] != token or len(items) > k + 1:
             raise BackendError(f"vLLM server top_logprobs for token {token} are not that token and then the "
                                f"top-{k} ({len(items)} entries, first {items[:1]})")
@@ -99,12 +109,34 @@ def cached_tokens(answer: dict[str, Any]) -> int | None:
     return None if value is None else int(value)
 
 
+class PromptRow(dict[int, float]):
+    """{token id: logprob} of one prompt position; a token it lacks is a BackendError naming the position
+    (a bare KeyError would name neither the server nor where)."""
+
+    def __init__(self, entries: dict[int, float], position: int) -> None:
+        super().__init__(entries)
+        self.position = position
+
+    def __missing__(self, token: int) -> float:
+        raise BackendError(f"vLLM server prompt_logprobs at position {self.position} hold no logprob for "
+                           f"token {token} ({len(self)} entries: {sorted(self)[:5]}); the scored sequence's "
+                           "token must be among them (is it an OpenAI-compatible vLLM server?)")
+
+
 def prompt_logprob_rows(answer: dict[str, Any], n_prompt: int) -> list[dict[int, float]]:
-    """`prompt_logprobs` of a scoring answer from position `n_prompt` on: {token id: logprob} per position."""
+    """`prompt_logprobs` of a scoring answer from position `n_prompt` on: {token id: logprob} per position
+    (a `PromptRow`: looking up a token it lacks is a BackendError naming the position)."""
     rows = answer["choices"][0].get("prompt_logprobs")
     if rows is None:
         raise BackendError("vLLM server answer has no prompt_logprobs")
-    return [{int(tok): unclamp(entry["logprob"]) for tok, entry in row.items()} for row in rows[n_prompt:]]
+    out: list[dict[int, float]] = []
+    for position, row in enumerate(rows[n_prompt:], start=n_prompt):
+        entries = row.values() if isinstance(row, dict) else [None]
+        if not all(isinstance(e, dict) and isinstance(e.get("logprob"), (int, float)) for e in entries):
+            raise BackendError(f"vLLM server prompt_logprobs at position {position} are not "
+                               f"{{token id: {{logprob: ...}}}} entries: {row!r:.80}")
+        out.append(PromptRow({int(tok): unclamp(entry["logprob"]) for tok, entry in row.items()}, position))
+    return out
 
 
 def probe_logprobs_mode(client: HttpClient, model: str, token: int) -> str:

@@ -356,6 +356,76 @@ def checkpoint_stamp(path: str | os.PathLike[str]) -> tuple[tuple[str, int, int]
                  if _hashed(f) and (st := f.stat()))
 
 
+def _json_file(f: Path) -> Any:
+    """The parsed JSON of checkpoint file `f`, None when absent; ConfigError when it is not JSON."""
+    if not f.is_file():
+        return None
+    try:
+        return json.loads(f.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{f}: not a valid JSON object ({exc}); fix or regenerate the checkpoint") from exc
+
+
+def eos_token_ids(model_path: str | os.PathLike[str]) -> tuple[int, ...]:
+    """EOS ids a sample of the checkpoint stops on, as vLLM stops: generation_config.json's eos_token_id
+    (else config.json's), then the tokenizer's eos token (`tokenizer_eos_id`) when they lack it (vLLM
+    stops on `tokenizer.eos_token_id` too wherever it loads the tokenizer, its server always)."""
+    root = Path(model_path)
+    ids: tuple[int, ...] = ()
+    for name in ("generation_config.json", "config.json"):
+        data = _json_file(root / name)
+        if data is None:
+            continue
+        if not isinstance(data, dict):
+            raise ConfigError(f"{root / name}: not a valid JSON object; fix or regenerate the checkpoint")
+        eos = data.get("eos_token_id")
+        if eos is not None:
+            ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+            break
+    tokenizer_eos = tokenizer_eos_id(root)
+    return ids if tokenizer_eos is None or tokenizer_eos in ids else (*ids, tokenizer_eos)
+
+
+def tokenizer_eos_id(model_path: str | os.PathLike[str]) -> int | None:
+    """The id of the checkpoint tokenizer's eos token (tokenizer_config.json's `eos_token`, else
+    special_tokens_map.json's), looked up in tokenizer.json; None without one."""
+    root = Path(model_path)
+    token = None
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        data = _json_file(root / name)
+        if isinstance(data, dict) and data.get("eos_token") is not None:
+            token = data["eos_token"]
+            token = token.get("content") if isinstance(token, dict) else token
+            break
+    if not isinstance(token, str) or not token:
+        return None
+    return _token_id(root, token)
+
+
+def _token_id(root: Path, token: str) -> int | None:
+    """The id of `token` in the checkpoint's tokenizer.json (added tokens, then the vocabulary), else
+    through transformers (a slow tokenizer names its ids only there); None when no tokenizer loads."""
+    data = _json_file(root / "tokenizer.json")
+    if isinstance(data, dict):
+        for added in data.get("added_tokens") or ():
+            if isinstance(added, dict) and added.get("content") == token and isinstance(added.get("id"), int):
+                return int(added["id"])
+        vocab = (data.get("model") or {}).get("vocab")
+        if isinstance(vocab, dict) and isinstance(vocab.get(token), int):
+            return int(vocab[token])
+        if isinstance(vocab, list):  # a Unigram vocabulary: [piece, score] pairs, the id their index
+            found = next((i for i, entry in enumerate(vocab) if entry and entry[0] == token), None)
+            if found is not None:
+                return found
+    try:  # transformers only for a checkpoint whose tokenizer.json does not name the token
+        from transformers import AutoTokenizer
+
+        eos = AutoTokenizer.from_pretrained(str(root), local_files_only=True).eos_token_id
+    except Exception:  # no loadable tokenizer: no engine reads an eos token from it
+        return None
+    return None if eos is None else int(eos)
+
+
 def check_loaded(model: str | os.PathLike[str], hf: Any, info: dict[str, Any]) -> None:
     """ConfigError when the weights of `hf` (a transformers model, loaded with `output_loading_info`
     giving `info`) contradict its config: a tensor the model needs is missing (it would run randomly

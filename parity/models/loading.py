@@ -27,7 +27,14 @@ from parity.core.strict import check_dtype
 from parity.kernels import ops, prepare
 from parity.kernels.attention import ATTENTION_NAME
 from parity.kernels.moe import experts_forward
-from parity.models.checkpoints import check_loaded, checkpoint_stamp, is_model_name, model_hash, resolve_model
+from parity.models.checkpoints import (
+    check_loaded,
+    checkpoint_stamp,
+    eos_token_ids,
+    is_model_name,
+    model_hash,
+    resolve_model,
+)
 from parity.models.limits import check_moe, sliding_window
 from parity.models.lora import ADAPTER_WEIGHTS, LoraSpec, check_adapter, check_without_tensor_parallel, fits
 from parity.models.routing import ROUTERS, patch_router
@@ -341,10 +348,8 @@ def adopt_model(hf: nn.Module, path: Path, dtype: str, device: str, name: str | 
     num_moe_layers = _patch(hf, max_len)
     check_moe(config.to_dict(), str(path / "config.json"))  # a dense config passes
     prepare(hf)  # on CUDA: the load-time matmul route probe (cached per machine)
-    # EOS as every backend reads it: generation_config.json first (`parity.backends.base.eos_token_ids`)
-    eos = getattr(getattr(hf, "generation_config", None), "eos_token_id", None)
-    eos = config.eos_token_id if eos is None else eos
-    eos_ids = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+    # EOS as every backend reads it: generation_config.json first, the tokenizer's too (`eos_token_ids`)
+    eos_ids = eos_token_ids(path)
     return LoadedModel(
         model=hf, config=config, path=path, name=name or path.name,
         dtype=dtype, device=str(device), is_moe=num_moe_layers > 0, num_moe_layers=num_moe_layers,
