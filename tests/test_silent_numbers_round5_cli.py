@@ -181,6 +181,16 @@ def test_a_compare_option_that_is_a_flag_names_the_flag(capsys, no_engine):
     assert no_engine == {}
 
 
+def test_a_compare_argument_of_case_files_is_no_option(capsys, no_engine):
+    # old: `--option tolerance={...}` reached compare(tolerance=...): the limits moved without a word
+    base = ["compare", "--model", MODEL, "--backend", "reference", "--option"]
+    refused([*base, 'tolerance={"max_abs_logprob_diff": 100}'], capsys, "--option tolerance", "[tolerance]")
+    refused([*base, "correction={}"], capsys, "--option correction", "parity advise")
+    for key in ("sampling", "prompts", "turns"):
+        refused([*base, f"{key}=1"], capsys, f"--option {key}", "--case")
+    assert no_engine == {}
+
+
 def test_audit_refuses_option_seed_that_would_set_its_request_seed(capsys, no_engine):
     # old: `--option seed=7` reached audit(seed=7), the derived requests' seed, not the engine's
     refused(["audit", "--model", MODEL, "--backend", "vllm", "--option", "seed=7"], capsys, "--option seed")

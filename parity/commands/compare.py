@@ -54,14 +54,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_command("parity", argv, _parser(), _run)
 
 
-#: compare's arguments that a flag of this command sets: an --option of one of these names would
-#: collide with the flag (Python's "got multiple values" before).
-#: compare's own arguments, refused as --option keys (each has its flag).
+#: compare's own arguments, refused as --option keys: one a flag sets would collide with it (Python's
+#: "got multiple values" before); one a case file sets was taken silently (`tolerance=` moved the limits).
 _OWN_FLAGS = {key: f"{key} is not a backend option here; use {flag} instead" for key, flag in {
     "device": "--device", "lora": "--lora", "dtype": "--dtype", "tensor_parallel": "--tp",
     "reference": "--reference", "router_replay": "--router-replay", "gold": "--gold", "record": "--record",
     "attribute": "--attribute", "top_k_logprobs": "--top-k-logprobs", "trainer_dtype": "--trainer-dtype",
-    "case": "--case", "model": "--model", "backend": "--backend"}.items()}
+    "case": "--case", "model": "--model", "backend": "--backend"}.items()} | {
+    # compare's own arguments that only a case file sets on the command line
+    key: f"{key} is not a backend option; set it in a case file ({where}) and pass --case" for key, where in {
+        "tolerance": "a [tolerance] table", "sampling": "[sampling]", "prompts": "[prompts]",
+        "turns": "[[turns]]"}.items()} | {
+    "correction": "correction is not a backend option; pass correction= to parity.compare() in Python, or "
+                  "compare corrections with `parity advise`"}
 
 
 def _run(args: argparse.Namespace) -> int:
