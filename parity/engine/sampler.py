@@ -116,9 +116,32 @@ def reported_logprobs(logits: torch.Tensor, processed: torch.Tensor, tokens: tor
 
 
 def top_k_rows(table: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[float]]]:
-    """The k most likely ids and logprobs of each row of `table` [N, V] (descending, ties in any
-    order; min(k, V) per row) on the host: one device->host copy."""
-    values, ids = torch.topk(table, min(k, table.shape[1]), dim=-1)
+    """The k most likely ids and logprobs of each row of `table` [N, V] (descending, ties to the lower
+    id; min(k, V) per row) on the host: one device->host copy.
+
+    The engine asks for the largest k of its batch and keeps each row's own first k, so the ids must
+    not depend on k: `torch.topk` orders equal values by its algorithm, which follows k (CPU: a partial
+    sort below V / 64, else a selection), and the -inf of every id a greedy or top-k row drops are all
+    ties. A row of k=3 alone reported ids [489, 1, 0], beside a k=20 row [489, 343, 325]. Only the
+    values come from topk (their multiset is tie-free); the ids are chosen and ordered canonically.
+    """
+    n, vocab = table.shape
+    k = min(k, vocab)
+    values = torch.topk(table, k, dim=-1).values
+    kth = values[:, -1:]
+    above = table > kth
+    at = table == kth
+    # of the ids equal to the k-th value, the lowest ones fill the row up to k
+    at &= torch.cumsum(at, dim=1) <= k - above.sum(dim=1, keepdim=True)
+    chosen = above | at
+    if not bool(values.isnan().any()):
+        ids = chosen.nonzero()[:, 1].view(n, k)  # ascending per row
+        picked = table.gather(1, ids)
+        order = torch.sort(picked, dim=1, descending=True, stable=True).indices
+        ids, values = ids.gather(1, order), picked.gather(1, order)
+    else:  # NaN compares neither above nor equal: a full stable sort, NaN first as in topk
+        values, ids = torch.sort(table, dim=1, descending=True, stable=True)
+        ids, values = ids[:, :k], values[:, :k]
     both = torch.stack([ids.to(torch.float64), values.to(torch.float64)]).tolist()
     return [[int(t) for t in row] for row in both[0]], both[1]
 
