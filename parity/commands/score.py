@@ -12,9 +12,8 @@ from parity.commands.report_output import check_outputs, report_arguments, repor
 from parity.core.errors import ConfigError
 from parity.core.schema import DTYPES, LOGPROBS_MODES
 from parity.core.types import SamplingParams
-from parity.rollouts.record import read_record
 from parity.runtime.frame import Parser, run_command
-from parity.scoring import FROM_DUMP, PARQUET_SUFFIX, is_record, score
+from parity.scoring import FROM_DUMP, score
 from parity.workload.cases import resolve_case
 
 
@@ -61,23 +60,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_command("parity", argv, _parser(), _run)
 
 
-def _check_record_mode(source: Path, backend: str | None, mode: str) -> None:
-    """ConfigError when `source` is a record whose rollouts (of `backend`) carry another logprobs mode
-    than --logprobs-mode: a record's own mode is the one scored, so the flag would be ignored."""
-    if source.suffix == PARQUET_SUFFIX or not source.is_file() or not is_record(source):
-        return
-    record = read_record(source)
-    own = {r.logprobs_mode for name, rs in record.rollouts.items() if backend in (None, name) for r in rs}
-    if own - {mode}:
-        raise ConfigError(f"--logprobs-mode {mode}: {source} is a parity record whose rollouts carry their "
-                          f"own logprobs mode ({', '.join(sorted(own))}), which is the one scored; drop "
-                          "--logprobs-mode")
-
-
 def _run(args: argparse.Namespace) -> int:
     check_outputs(args, inputs=[("SOURCE", args.source), ("--case", args.case)])
-    if args.logprobs_mode is not None:
-        _check_record_mode(args.source, args.backend, args.logprobs_mode)
     flags = {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p),
                                ("top_k", args.top_k)) if v is not None}
     if flags and args.case is not None:
@@ -87,7 +71,7 @@ def _run(args: argparse.Namespace) -> int:
         sampling = {r.request_id: r.sampling for r in resolve_case(args.case, what="--case").requests}
     report = score(args.source, args.model, trainer_logprobs=FROM_DUMP if args.trainer_logprobs else None,
                    backend=args.backend, sampling=sampling,
-                   logprobs_mode=args.logprobs_mode or "processed",
+                   logprobs_mode=args.logprobs_mode,
                    dtype=args.dtype, reference=args.reference, router_replay=args.router_replay,
                    device=args.device, attribute=tuple(args.attribute or ()), gold=args.gold,
                    lora=args.lora, rollout_dtype=args.rollout_dtype)

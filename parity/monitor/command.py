@@ -85,7 +85,10 @@ def _run(args: argparse.Namespace) -> int:
         rec = readable[-1].get("recommendation")
         if rec is not None:
             print(f"recommended correction: {plain(rec['name'])} ({plain(rec['reason'])})")
-    page = write_page(args.out_dir, args.html, log_scale=args.log_scale, detail=args.step)
+    # the snapshot printed above: a live run's store moves on, and a second read could draw
+    # other steps than those printed and written to --json
+    page = write_page(args.out_dir, args.html, log_scale=args.log_scale, detail=args.step,
+                      read=(run, steps, problems))
     print(f"wrote {page}")
     if args.json is not None:
         text = json.dumps({"run_name": run["run_name"], "steps": steps}, indent=1, allow_nan=False)

@@ -124,7 +124,8 @@ class Monitor:
 
         rollout_log_probs, old_log_probs: `[batch, response_len]` nats; response_mask: 1 where a token
         counts. responses `[batch, response_len]`, prompts `[batch, prompt_len]` (left-padded), uids:
-        name the worst tokens. sampling: `SamplingParams` fields. meta: JSON. policy_version,
+        name the worst tokens. sampling: `SamplingParams` fields (a jump is judged against the trailing
+        steps of the same temperature, top_k and top_p; unknown matches any). meta: JSON. policy_version,
         rollout_policy_version: ints, their difference the declared lag. rollout_top_k `(ids, logprobs)`
         `[batch, response_len, k]` with train_top_k: the `distribution/` keys.
         """
@@ -169,7 +170,11 @@ class Monitor:
                 # a new attempt is judged against the steps it keeps, never against those it supersedes
                 history = self._history if attempt == self._attempt else \
                     _history(self._store, list(self._history), before=step)
-                jumps = self.jumps.check(values, {k: [v for _, v in h] for k, h in history.items()})
+                # judged against the trailing steps sampled alike: processed logprobs' drift scales
+                # with 1/temperature, so another sampling's median is no baseline for a jump
+                regime = _sampling_key(context["sampling"])
+                jumps = self.jumps.check(values, {k: [v for _, v, r in h if _alike(r, regime)]
+                                                  for k, h in history.items()})
                 advice = bool(jumps) or bool(self.advice_every and self._logged % self.advice_every == 0)
                 if advice and not self._advice_in_background:
                     record["recommendation"] = recommendation(tok, policy_lag=lag)
@@ -195,7 +200,7 @@ class Monitor:
             self._attempt, self._last_step = attempt, step
             for key, h in self._history.items():
                 if isinstance(values.get(key), (int, float)):
-                    h.append((step, float(values[key])))
+                    h.append((step, float(values[key]), regime))
                     del h[:-WINDOW]
             self._logged += 1
             for alert in record["alerts"]:
@@ -265,17 +270,39 @@ class Monitor:
 
 
 def _history(store: MonitorStore, keys: list[str], *, before: int | None = None
-             ) -> dict[str, list[tuple[int, float]]]:
-    """The trailing values of `keys` of the stored run (as it stands; only its steps below `before`,
-    those a new attempt starting there keeps), for the jump bounds."""
+             ) -> dict[str, list[tuple[int, float, tuple[float, int, float] | None]]]:
+    """The trailing (step, value, sampling key) of `keys` of the stored run (as it stands; only its
+    steps below `before`, those a new attempt starting there keeps), for the jump bounds."""
     steps = [s for s in store.steps() if before is None or s["step"] < before][-WINDOW:] if keys else []
-    out: dict[str, list[tuple[int, float]]] = {k: [] for k in keys}
+    out: dict[str, list[tuple[int, float, tuple[float, int, float] | None]]] = {k: [] for k in keys}
     for s in steps:
+        regime = _stored_sampling_key(s.get("sampling"))
         for k in keys:
             v = s.get("summary", {}).get(k)
             if isinstance(v, (int, float)):
-                out[k].append((s["step"], float(v)))
+                out[k].append((s["step"], float(v), regime))
     return out
+
+
+def _sampling_key(sampling: dict[str, Any] | None) -> tuple[float, int, float] | None:
+    """What a step's processed logprobs depend on, (temperature, top_k, top_p); None when not given."""
+    if sampling is None:
+        return None
+    s = SamplingParams.from_dict(dict(sampling))
+    return (s.temperature, s.top_k, s.top_p)
+
+
+def _stored_sampling_key(sampling: Any) -> tuple[float, int, float] | None:
+    """`_sampling_key` of a stored step's sampling (None where it has none or it no longer reads)."""
+    try:
+        return _sampling_key(dict(sampling)) if isinstance(sampling, Mapping) else None
+    except ConfigError:
+        return None
+
+
+def _alike(a: tuple[float, int, float] | None, b: tuple[float, int, float] | None) -> bool:
+    """Whether two steps' samplings may share a jump baseline (an unknown one matches any)."""
+    return a is None or b is None or a == b
 
 
 def correction_options(config: CorrectionConfig) -> dict[str, Any]:

@@ -217,16 +217,18 @@ def _recommendation_changes(steps: list[dict[str, Any]]) -> str:
 
 
 def write_page(out_dir: str | Path, path: str | Path | None = None, *, log_scale: bool = False,
-               detail: list[int] | None = None) -> Path:
+               detail: list[int] | None = None,
+               read: tuple[dict[str, str], list[dict[str, Any]], list[str]] | None = None) -> Path:
     """Draw the page of monitor directory `out_dir` into `path` (default `out_dir/index.html`),
-    atomically; returns the path. `log_scale`, `detail`: as `monitor_html`."""
-    store = MonitorStore.open(out_dir)
-    try:
-        steps = store.steps()
-        text = monitor_html(store.run_info(), steps, log_scale=log_scale, detail=detail,
-                            problems=store.problems)
-    finally:
-        store.close()
+    atomically; returns the path. `log_scale`, `detail`: as `monitor_html`. `read`: the store's
+    (run_info, steps, problems) as the caller already read them (a live run's store moves on)."""
+    if read is None:
+        store = MonitorStore.open(out_dir)
+        try:
+            read = store.run_info(), store.steps(), store.problems
+        finally:
+            store.close()
+    text = monitor_html(read[0], read[1], log_scale=log_scale, detail=detail, problems=read[2])
     target = Path(path) if path is not None else Path(out_dir) / PAGE_FILE
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
     try:

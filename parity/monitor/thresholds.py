@@ -32,6 +32,16 @@ JUMP_KEYS: tuple[str, ...] = (
     "max_abs_logprob_diff", "mean_abs_logprob_diff", "is_ratio_std", "k2_kl", "k3_kl",
     "rollout_probs_diff_max", "rollout_probs_diff_mean", "frac_tokens_ratio_gt_2",
 )
+#: the values a bounded metric can take: fractions and probability differences in [0, 1] (not
+#: percentages, not nats), a correlation in [-1, 1]; a bound beyond them could never be crossed.
+RANGES: dict[str, tuple[float, float]] = {
+    **dict.fromkeys(("rollout_probs_diff_max", "rollout_probs_diff_mean", "frac_tokens_ratio_gt_2",
+                     "frac_tokens_outside_support"), (0.0, 1.0)),
+    **{CORRECTION_PREFIX + k: (0.0, 1.0) for k in (
+        "rollout_is_ratio_fraction_high", "rollout_is_ratio_fraction_low", "rollout_is_seq_fraction_high",
+        "rollout_is_seq_fraction_low", "rollout_is_eff_sample_size")},
+    "rollout_probs_pearson": (-1.0, 1.0),
+}
 
 
 @dataclass(frozen=True)
@@ -88,6 +98,7 @@ class Thresholds:
                                   "least one side")
             if low is not None and high is not None and low > high:
                 raise ConfigError(f"thresholds[{key!r}]: low {low} is above high {high}")
+            _check_range(key, low, high)
             bounds.append(Bound(key, None if low is None else float(low),
                                 None if high is None else float(high)))
         return cls(tuple(bounds))
@@ -101,6 +112,20 @@ class Thresholds:
         return {b.key: [b.low, b.high] for b in self.bounds}
 
 
+def _check_range(key: str, low: float | None, high: float | None) -> None:
+    """ConfigError for a bound `key`'s values can never cross (`RANGES`): an alert that cannot fire,
+    given in another unit (a percentage, nats) for a fraction or a probability."""
+    if key not in RANGES:
+        return
+    lo, hi = RANGES[key]
+    for side, value, never in (("high", high, high is not None and high > hi),
+                               ("low", low, low is not None and low < lo)):
+        if never:
+            raise ConfigError(f"thresholds[{key!r}]: {side} bound {value} lies outside [{lo:g}, {hi:g}], the "
+                              f"values {key} takes (a fraction, probability or correlation; not a "
+                              "percentage or nats), so it could never alert; give it in that unit")
+
+
 def _pair(key: str, spec: Any) -> tuple[Any, Any]:
     if len(spec) != 2:
         raise ConfigError(f"thresholds[{key!r}]: a band is (low, high), got {spec!r}")
@@ -110,7 +135,8 @@ def _pair(key: str, spec: Any) -> tuple[Any, Any]:
 @dataclass(frozen=True)
 class Jumps:
     """Relative bounds: `{"key": X}` flags a step whose value exceeds X times the median of the
-    run's last `WINDOW` values of `key` (judged from `MIN_HISTORY` values on; X > 1; keys: `JUMP_KEYS`)."""
+    run's last `WINDOW` values of `key` (the monitor passes those of steps sampled alike; judged
+    from `MIN_HISTORY` values on; X > 1; keys: `JUMP_KEYS`)."""
 
     factors: tuple[tuple[str, float], ...] = ()
 

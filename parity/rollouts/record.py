@@ -62,6 +62,14 @@ def read_record(path: str | Path) -> Record:
                 if obj.get("format") != RECORD_FORMAT or obj.get("version") != RECORD_VERSION:
                     raise InputError(f"not a {RECORD_FORMAT} v{RECORD_VERSION} header: format="
                                      f"{obj.get('format')!r} version={obj.get('version')!r}")
+                if header is not None:
+                    raise InputError("a second header line; a record has one header, first (two files "
+                                     "concatenated?)")
+                if obj.get("model") is not None and not isinstance(obj["model"], str):
+                    raise InputError(f"header model must be a string (a model name or path) or null, got "
+                                     f"{obj['model']!r}")
+                if not isinstance(obj.get("meta", {}), dict):
+                    raise InputError(f"header meta must be an object, got {obj['meta']!r:.80}")
                 header = obj
             elif header is None:
                 raise InputError(f"the first line must be the header ({{'kind': 'header', 'format': "
