@@ -4,7 +4,8 @@ elsewhere.
 A dump (verl batch, SGLang or TRT-LLM cluster) or a record is scored with the training forward
 here and reported as `compare` reports, or judged on the dump's own trainer logprobs
 (`trainer_logprobs="dump"`) with no forward; provenance says which side was computed here.
-Processed logprobs are scored under each rollout's recorded sampling, else `sampling`.
+Processed logprobs are scored under each rollout's recorded sampling, else `sampling`, else the
+sampling of the case request (`case=`, `--case`) with the rollout's request id and prompt.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from parity.core.errors import ConfigError, InputError
 from parity.core.schema import KERNEL_MODES
 from parity.core.strict import check_dtype
 from parity.core.tables import PARQUET_SUFFIX, read_jsonl
-from parity.core.types import Rollout
+from parity.core.types import Rollout, SamplingParams
 from parity.drift.tolerance import Tolerance
 from parity.models import check_sampled_with, resolve_model
 from parity.models.checkpoints import model_text
@@ -35,6 +36,7 @@ from parity.report.provenance import TRAIN_COMPUTED, provenance
 from parity.rollouts.dumps import GivenSampling, check_logprobs, logprob_floats, read_dump
 from parity.rollouts.matching import check_unique_keys
 from parity.rollouts.record import RECORD_FORMAT, Record, read_record
+from parity.workload.cases import Case, resolve_case
 
 #: `trainer_logprobs=FROM_DUMP`: the trainer logprobs the dump holds (its trainer-logprob column).
 FROM_DUMP = "dump"
@@ -60,8 +62,9 @@ def read_source(path: str | os.PathLike[str], *, backend: str | None = None, sam
                 logprobs_mode: str | None = None) -> Source:
     """A record or a dump (see the module doc), read once. backend: for a record, whose rollouts to take;
     for a dump, the name stamped on its rollouts (default "external"). sampling, logprobs_mode:
-    for rollouts that carry none (`parity.rollouts.dumps.read_dump`; None: "processed"); a record's
-    rollouts carry their own mode, so a given one that contradicts it is a ConfigError."""
+    for rollouts that carry none (`parity.rollouts.dumps.read_dump`; logprobs_mode None: the one
+    `sampling` names, else "processed"); a record's rollouts carry their own mode, so a given one
+    that contradicts it is a ConfigError."""
     path = Path(path)
     if path.suffix != PARQUET_SUFFIX and is_record(path):
         record = read_record(path)
@@ -78,8 +81,8 @@ def read_source(path: str | os.PathLike[str], *, backend: str | None = None, sam
                               f"it has {sorted(record.rollouts)}")
         rollouts = _with_sampling(record.rollouts[name], sampling)
         return Source(path, "record", tuple(rollouts), record.model)
-    dump = read_dump(path, backend=backend or "external", logprobs_mode=logprobs_mode or "processed",
-                     sampling=sampling)
+    mode = logprobs_mode or _given_mode(sampling) or "processed"
+    dump = read_dump(path, backend=backend or "external", logprobs_mode=mode, sampling=sampling)
     return Source(path, "dump", dump.rollouts, None, dump.trainer_logprobs, dump.trainer_column)
 
 
@@ -99,30 +102,39 @@ def score(rollouts: Sequence[Rollout] | str | os.PathLike[str], model: str | os.
           reference: str = "invariant", tolerance: Tolerance | dict[str, Any] | None = None,
           router_replay: str | None = None, device: str = "auto", correction: dict[str, Any] | None = None,
           attribute: Sequence[str] = (), gold: bool | None = None,
-          lora: str | os.PathLike[str] | None = None, rollout_dtype: str | None = None) -> ParityReport:
+          lora: str | os.PathLike[str] | None = None, rollout_dtype: str | None = None,
+          case: Case | str | os.PathLike[str] | None = None) -> ParityReport:
     """Score rollouts produced elsewhere; the report `parity.compare` would build for them.
 
     rollouts: `Rollout`s or a record or dump path. logprobs_mode: of a dump's rows without one (None:
-    "processed"); a record's rollouts carry theirs. model: None is the record's (not needed with
-    trainer logprobs). trainer_logprobs: None runs the forward; a list, or "dump" for the dump's
-    column. dtype: None is the rollouts', else bfloat16; rollout_dtype: None is the recorded one
-    (a contradiction is a ConfigError). tolerance: None is the default for the backend and dtype
-    pair. lora: for rollouts that record none (a contradiction is a ConfigError). device: "auto" is
-    where the rollouts' backend runs here. The rest as `parity.compare` (gold's default counts the
-    forward's time only).
+    the given sampling's or case's, else "processed"); a record's rollouts carry theirs. model: None
+    is the record's (not needed with trainer logprobs). trainer_logprobs: None runs the forward; a
+    list (paired with the rollouts by position, in the file's row order: only each one's length is
+    checked), or "dump" for the dump's column (its own row's). sampling: for rollouts that record
+    none; a dict is matched by request id alone. case: instead of sampling, a case (or its file)
+    whose request of each rollout's id gives its sampling; that request's prompt must be the
+    rollout's (else InputError). dtype: None is the rollouts', else the case's first, else bfloat16;
+    rollout_dtype: None is the recorded one (a contradiction is a ConfigError). tolerance: None is the
+    case's limits, else the default for the backend and dtype pair. lora: for rollouts that record
+    none (a contradiction is a ConfigError). device: "auto" is where the rollouts' backend runs here.
+    The rest as `parity.compare` (gold's default counts the forward's time only).
     """
     if reference not in KERNEL_MODES:
         raise ConfigError(f"reference must be one of {KERNEL_MODES}, got {reference!r}")
     if isinstance(rollouts, (str, os.PathLike)):
+        if case is not None:
+            case, sampling = _case_sampling(case, sampling)
         source = read_source(rollouts, backend=backend, sampling=sampling, logprobs_mode=logprobs_mode)
     else:
-        if backend is not None or sampling is not None or logprobs_mode is not None:
-            raise ConfigError("backend, sampling and logprobs_mode apply to a file; Rollout objects carry "
-                              "their own")
+        if backend is not None or sampling is not None or logprobs_mode is not None or case is not None:
+            raise ConfigError("backend, sampling, logprobs_mode and case apply to a file; Rollout objects "
+                              "carry their own")
         source = Source(Path("."), "rollouts", tuple(rollouts))
     if not source.rollouts:
         raise InputError("no rollouts to score")
     check_unique_keys(source.rollouts)
+    if isinstance(case, Case):
+        _check_case_prompts(source, case)
     if source.kind == "rollouts":  # files are checked as they are read; objects only here
         for ro in source.rollouts:
             check_logprobs(ro.logprobs, "logprob", f"rollout {ro.request_id!r}/{ro.sample_index}: ")
@@ -141,9 +153,13 @@ def score(rollouts: Sequence[Rollout] | str | os.PathLike[str], model: str | os.
     adapter = None if lora is None else check_adapter(lora, model_arg).to_dict()
     recorded = next((r.meta["lora"] for r in source.rollouts if r.meta.get("lora")), None)
     rollout_dtype = _rollout_dtype(rollout_dtype, source)
-    dtype = check_dtype(dtype or rollout_dtype or DEFAULT_DTYPE)
+    from_case = case if isinstance(case, Case) else None  # its dtype and limits, as compare takes them
+    dtype = check_dtype(dtype or rollout_dtype or (from_case.dtypes[0] if from_case and from_case.dtypes else
+                                                   DEFAULT_DTYPE))
     names = sorted({r.backend for r in source.rollouts})
     name = names[0] if len(names) == 1 else "+".join(names)
+    if tolerance is None and from_case is not None:
+        tolerance = from_case.tolerance_for(name)
     limits = Tolerance.resolve(tolerance, name, dtype, rollout_dtype)
     device = resolve_device(device, names)
     where = "the given rollouts" if source.kind == "rollouts" else f"{source.kind} {source.path}"
@@ -185,6 +201,10 @@ def _trainer_logprobs(value: Sequence[Sequence[float]] | str | None,
             raise InputError(f"{source.path}: no trainer-logprob column (trainer_logprobs, old_log_probs); "
                              "without one the training forward runs here: leave trainer_logprobs unset")
         value = source.trainer_logprobs
+    if isinstance(value, Mapping) or not hasattr(value, "__len__"):
+        raise ConfigError(f"trainer_logprobs must be a list with one list of logprobs per rollout, paired "
+                          f"with the rollouts by position, got a {type(value).__name__}; give a list in the "
+                          "rollouts' order (the file's row order)")
     if len(value) != len(source.rollouts):
         raise InputError(f"{len(value)} trainer logprob lists for {len(source.rollouts)} rollouts; give one "
                          "per rollout")
@@ -196,6 +216,54 @@ def _trainer_logprobs(value: Sequence[Sequence[float]] | str | None,
             raise InputError(f"{where}{len(ro.token_ids)} tokens but {len(lp)} trainer logprobs")
         out.append(np.asarray(lp, dtype=np.float32))
     return out
+
+
+def _case_sampling(spec: Case | str | os.PathLike[str],
+                   sampling: GivenSampling) -> tuple[Case, dict[str, SamplingParams]]:
+    """The case and its sampling by request id."""
+    if sampling is not None:
+        raise ConfigError("give the sampling with sampling= (--temperature/--top-p/--top-k) or with case= "
+                          "(--case), not both")
+    case = resolve_case(spec, what="case")
+    return case, {r.request_id: r.sampling for r in case.requests}
+
+
+def _given_mode(sampling: GivenSampling) -> str | None:
+    """The logprobs mode the given sampling names (a dump's rows without one are read in it), or None;
+    ConfigError when it names several: one default cannot serve both."""
+    values = sampling.values() if isinstance(sampling, Mapping) else [sampling]
+    modes = {s.logprobs_mode for s in values if isinstance(s, SamplingParams)}
+    if len(modes) > 1:
+        raise ConfigError(f"the given sampling names the logprobs modes {sorted(modes)}; a dump's rows "
+                          "without a logprobs_mode column are read in one: give logprobs_mode= "
+                          "(--logprobs-mode) or the dump a logprobs_mode column")
+    return modes.pop() if modes else None
+
+
+def _check_case_prompts(source: Source, case: Case) -> None:
+    """InputError when a rollout's prompt is not the one of the case request of its id: the case's
+    sampling is matched by request id alone, so a reordered dump (ids from row order) would be scored
+    under another request's sampling."""
+    prompts = {r.request_id: r.prompt_ids for r in case.requests}
+    for i, ro in enumerate(source.rollouts):
+        want = prompts.get(ro.request_id)
+        if want is None or want == ro.prompt_ids:
+            continue
+        fix = ("give the dump a request_id column naming each row's case request, or order its rows one per "
+               "case request as the case lists them (or, if the engine tokenized the prompts otherwise, put "
+               "the sampling in the dump's temperature/top_p/top_k columns and leave --case out)"
+               if source.kind == "dump" else "give the case these rollouts were sampled from")
+        row = f"row {i + 1}" if source.kind == "dump" else f"rollout {i + 1}"
+        raise InputError(
+            f"{source.path}: {row} (request_id {ro.request_id!r}, sample {ro.sample_index}) has the prompt "
+            f"{_ids_text(ro.prompt_ids)} but the case's request {ro.request_id!r} has {_ids_text(want)}; "
+            "the case's sampling is matched by request id alone, so this row would be scored under another "
+            f"prompt's sampling: {fix}")
+
+
+def _ids_text(ids: Sequence[int]) -> str:
+    """Token ids for a message: all of a short prompt, else its first 8 and its length."""
+    return str(tuple(ids)) if len(ids) <= 8 else f"({', '.join(map(str, ids[:8]))}, ...; {len(ids)} ids)"
 
 
 def _with_sampling(rollouts: Sequence[Rollout], given: GivenSampling) -> list[Rollout]:

@@ -41,8 +41,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="use the dump's trainer logprobs (trainer_logprobs, verl's old_log_probs) "
                              "instead of running the training forward here")
     parser.add_argument("--logprobs-mode", choices=LOGPROBS_MODES,
-                        help="mode of a dump's rows without a logprobs_mode column (default: processed; a "
-                             "record's rollouts carry their own)")
+                        help="mode of a dump's rows without a logprobs_mode column (default: the --case's, "
+                             "else processed; a record's rollouts carry their own)")
     given = parser.add_argument_group("sampling of rollouts that do not record it (processed logprobs "
                                       "depend on it; a dump row's own columns win, a contradiction is an "
                                       "error)")
@@ -50,7 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     given.add_argument("--top-p", type=float, help="nucleus mass in (0, 1] (default: 1, off)")
     given.add_argument("--top-k", type=int, help="top-k (default: 0, off)")
     given.add_argument("--case", type=Path, help="case file or name in cases/: each rollout takes the "
-                                                 "sampling of the case's request with its request id")
+                                                 "sampling of the case's request with its request id, "
+                                                 "whose prompt must be the rollout's; a dump's rows "
+                                                 "without a logprobs_mode take the case's")
     report_arguments(parser)
     return parser
 
@@ -66,11 +68,10 @@ def _run(args: argparse.Namespace) -> int:
                                ("top_k", args.top_k)) if v is not None}
     if flags and args.case is not None:
         raise ConfigError("give the sampling with --temperature/--top-p/--top-k or with --case, not both")
-    sampling: SamplingParams | dict[str, SamplingParams] | None = SamplingParams(**flags) if flags else None
-    if args.case is not None:
-        sampling = {r.request_id: r.sampling for r in resolve_case(args.case, what="--case").requests}
+    sampling = SamplingParams(**flags) if flags else None
+    case = None if args.case is None else resolve_case(args.case, what="--case")
     report = score(args.source, args.model, trainer_logprobs=FROM_DUMP if args.trainer_logprobs else None,
-                   backend=args.backend, sampling=sampling,
+                   backend=args.backend, sampling=sampling, case=case,
                    logprobs_mode=args.logprobs_mode,
                    dtype=args.dtype, reference=args.reference, router_replay=args.router_replay,
                    device=args.device, attribute=tuple(args.attribute or ()), gold=args.gold,
