@@ -46,7 +46,8 @@ def _parser() -> argparse.ArgumentParser:
     given = parser.add_argument_group("sampling of rollouts that do not record it (processed logprobs "
                                       "depend on it; a dump row's own columns win, a contradiction is an "
                                       "error)")
-    given.add_argument("--temperature", type=float, help="sampling temperature (0 = greedy)")
+    given.add_argument("--temperature", type=float,
+                       help="sampling temperature (0 = greedy; 1 where --top-p or --top-k alone is given)")
     given.add_argument("--top-p", type=float, help="nucleus mass in (0, 1] (default: 1, off)")
     given.add_argument("--top-k", type=int, help="top-k (default: 0, off)")
     given.add_argument("--case", type=Path, help="case file or name in cases/: each rollout takes the "
