@@ -133,6 +133,23 @@ def greedy_processed(logprobs: Sequence[float]) -> list[float]:
     return [0.0] * len(logprobs)
 
 
+def checked_scores(backend: str, pairs: Sequence[Pair], scores: Sequence[Any]) -> list[Any]:
+    """`scores`, one 1-D tensor of len(response) per pair, else BackendError naming `backend` and the
+    sequence: a short or long row would otherwise surface later as the user's mistake ("give one
+    logprob per generated token") or as a shape error far from its cause."""
+    scores = list(scores)
+    if len(scores) != len(pairs):
+        raise BackendError(f"backend {backend!r} scored {len(scores)} sequences for the {len(pairs)} given; "
+                           "a backend bug, not the input's")
+    for i, ((_, response), row) in enumerate(zip(pairs, scores)):
+        shape = tuple(getattr(row, "shape", ()))
+        if shape != (len(response),):
+            raise BackendError(f"backend {backend!r} scored sequence {i} ({len(response)} response tokens) "
+                               f"with a tensor of shape {list(shape)}; expected [{len(response)}]: a backend "
+                               "bug, not the input's")
+    return scores
+
+
 class Backend(abc.ABC):
     """One inference backend behind parity's normalized interface; a context manager.
 
@@ -191,7 +208,8 @@ class Backend(abc.ABC):
         if logprobs_mode not in self.score_modes:
             raise ConfigError(f"backend {self.name!r}: prompt logprobs are {' or '.join(self.score_modes)} "
                               f"only; score with logprobs_mode={self.score_modes[0]!r}")
-        return self._score(as_pairs(sequences), sampling)
+        pairs = as_pairs(sequences)
+        return checked_scores(self.name, pairs, self._score(pairs, sampling))
 
     @abc.abstractmethod
     def _score(self, pairs: list[Pair], sampling: SamplingParams) -> list[torch.Tensor]:

@@ -12,7 +12,7 @@ import json
 import math
 import numbers
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +26,15 @@ PARQUET_SUFFIX = ".parquet"
 NONFINITE_KEY = "nonfinite"
 
 
-def read_rows(path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    """(location, row) for every row of a JSONL or Parquet file, in file order."""
+def read_rows(path: str | Path, *, id_columns: Collection[str] = (),
+              float_columns: Collection[str] = ()) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(location, row) for every row of a JSONL or Parquet file, in file order. A Parquet column named
+    in `id_columns` (token ids) must store integers of 32 bits or more, one in `float_columns`
+    (logprobs, temperatures) floats of 32 bits or more: an InputError names the column otherwise
+    (see `check_parquet_types`)."""
     path = Path(path)
     if path.suffix == PARQUET_SUFFIX:
-        return _parquet_rows(_existing(path))
+        return _parquet_rows(_existing(path), id_columns, float_columns)
     return read_jsonl(path)
 
 
@@ -142,7 +146,8 @@ def _lines(f: Any, path: Path) -> Iterator[tuple[int, str]]:
                          "file, or a Parquet file named *.parquet") from e
 
 
-def _parquet_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+def _parquet_rows(path: Path, id_columns: Collection[str] = (),
+                  float_columns: Collection[str] = ()) -> Iterator[tuple[str, dict[str, Any]]]:
     _, pq = pyarrow()
     try:
         reader = pq.ParquetFile(str(path))
@@ -153,12 +158,42 @@ def _parquet_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
     if repeated:
         raise InputError(f"{path}: column {repeated[0]!r} appears more than once; a row would keep only the "
                          "last one, so which is meant cannot be told: give each column once")
+    check_parquet_types(path, reader.schema_arrow, id_columns, float_columns)
     row = 0
     # batch by batch: a dataset read with a `limit` never materializes the whole file
     for batch in reader.iter_batches(batch_size=1024):
         for obj in batch.to_pylist():
             row += 1
             yield f"{path} row {row}", obj
+
+
+def check_parquet_types(path: Path, schema: Any, id_columns: Collection[str],
+                        float_columns: Collection[str]) -> None:
+    """InputError for a token-id column stored in an integer type under 32 bits, or a float column
+    (logprobs) in a float type under 32 bits (lists of them included). Rows read as plain Python
+    numbers, so the type is seen here or never: an id of 300 stored as uint8 reads as a valid-looking
+    44, and a float16 logprob is rounded by up to ~4e-3 nats at -8, which would be reported as drift."""
+    pa, _ = pyarrow()
+    for field in schema:
+        kind = _leaf_type(pa, field.type)
+        if field.name in id_columns and pa.types.is_integer(kind) and kind.bit_width < 32:
+            top = 2 ** (kind.bit_width - pa.types.is_signed_integer(kind)) - 1
+            raise InputError(f"{path}: column {field.name!r} stores token ids as {kind}, which wraps every "
+                             f"id past {top} into another (valid-looking) id; write the ids as int32 or "
+                             "int64")
+        if field.name in float_columns and pa.types.is_floating(kind) and kind.bit_width < 32:
+            raise InputError(f"{path}: column {field.name!r} stores its values as {kind}, rounded to about 3 "
+                             "digits (a logprob of -8 by ~4e-3 nats, read as drift); write it as float32 or "
+                             "float64, as the engine gave it")
+
+
+def _leaf_type(pa: Any, kind: Any) -> Any:
+    """The element type of a (nested) list type, or `kind` itself."""
+    while pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind) \
+            or getattr(pa.types, "is_list_view", lambda _: False)(kind) \
+            or getattr(pa.types, "is_large_list_view", lambda _: False)(kind):
+        kind = kind.value_type
+    return kind
 
 
 def pyarrow() -> tuple[Any, Any]:

@@ -26,3 +26,17 @@ def host_array(value: Any, name: str) -> np.ndarray:
         raise InputError(f"{name} must be a rectangular array of numbers (right-padded), got ragged or "
                          f"non-numeric {type(value).__name__}")
     return array
+
+
+def negative_id(ids: np.ndarray, valid: np.ndarray | None = None) -> tuple[int, ...] | None:
+    """The index of the first negative id of integer `ids` where `valid` (same shape) is nonzero, or of
+    the first anywhere without `valid`; None when there is none. A negative id (a wrapped int8/int16
+    id, a -100 label) names no token, yet would be shown as one."""
+    if ids.size == 0 or ids.dtype.kind != "i":
+        return None
+    bad = ids < 0
+    if valid is not None:
+        bad &= valid.astype(bool)
+    if not bad.any():
+        return None
+    return tuple(int(i) for i in np.argwhere(bad)[0])

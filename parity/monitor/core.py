@@ -27,7 +27,7 @@ from parity.core.outputs import output_dir
 from parity.core.schema import SUPPORT_SUMMARY_KEYS
 from parity.core.types import SamplingParams
 from parity.correction.config import DEFAULT_OPTIONS, CorrectionConfig
-from parity.monitor.arrays import host_array
+from parity.monitor.arrays import host_array, negative_id
 from parity.monitor.background import Background
 from parity.monitor.page import PAGE_FILE, PageRenderer, flat_values
 from parity.monitor.store import MonitorStore, json_ready, plain
@@ -153,7 +153,7 @@ class Monitor:
             lag = None if context["policy"] is None else context["policy"].get("lag")
             with bounded_threads(self.threads):
                 tok = check_arrays(old, rollout, scored, names=ARRAY_NAMES)
-                ids = _responses(responses, tok.shape)
+                ids = _responses(responses, tok.shape, mask)
                 tails = _prompt_tails(prompts, tok.shape[0])
                 row_ids = _uids(uids, tok.shape[0])
                 record = step_record(tok, correction=self.correction, responses=ids, advice=False)
@@ -463,15 +463,16 @@ def _has_neginf(x: np.ndarray) -> bool:
     return x.size > 0 and bool(x.min() == -np.inf)
 
 
-def _responses(value: Any, shape: tuple[int, int]) -> np.ndarray | None:
-    """Response token ids `[batch, response_len]` as an int NumPy array, or None."""
+def _responses(value: Any, shape: tuple[int, int], mask: np.ndarray) -> np.ndarray | None:
+    """Response token ids `[batch, response_len]` as an int NumPy array, or None; no negative id where
+    `mask` is set (padding may hold any id)."""
     if value is None:
         return None
     ids = host_array(value, "responses")
     if ids.shape != shape:
         raise InputError(f"responses must be [{shape[0]}, {shape[1]}] like the logprobs, got shape "
                          f"{list(ids.shape)}")
-    _check_ids(ids, "responses")
+    _check_ids(ids, "responses", mask)
     return ids
 
 
@@ -489,11 +490,16 @@ def _prompt_tails(value: Any, batch: int) -> list[list[int]] | None:
         rows = list(ids)
     if len(rows) != batch:
         raise InputError(f"prompts has {len(rows)} rows for a batch of {batch}")
-    for i, row in enumerate(rows):
-        _check_ids(row, f"prompts[{i}]")
+    for i, row in enumerate(rows):  # left padding (before the first real id) may hold any id
+        real = np.cumsum(row >= 0) > 0 if row.dtype.kind == "i" else None
+        _check_ids(row, f"prompts[{i}]", real)
     return [[int(t) for t in row[-PROMPT_TAIL:]] for row in rows]
 
 
-def _check_ids(ids: np.ndarray, name: str) -> None:
+def _check_ids(ids: np.ndarray, name: str, valid: np.ndarray | None = None) -> None:
     if ids.size and ids.dtype.kind not in "iu":
         raise InputError(f"{name} must hold integer token ids, got dtype {ids.dtype}")
+    at = negative_id(ids, valid)
+    if at is not None:
+        raise InputError(f"{name}{list(at)} is {ids[at]}, a negative token id at a real token; ids are >= 0 "
+                         "(one stored in a narrow integer type wraps): pass the ids the rollout sampled")

@@ -8,6 +8,7 @@ processed-mode row must carry its sampling parameters or be given them.
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -33,8 +34,16 @@ COLUMN_ALIASES: dict[str, tuple[str, ...]] = {
     "top_k_ids": ("top_k_ids", "topk_ids", "rollout_top_k_ids"),
     "top_k_logprobs": ("top_k_logprobs", "topk_logprobs", "rollout_top_k_logprobs"),
 }
+#: the columns holding token ids and floats (logprobs in all their spellings, sampling): a Parquet dump
+#: must store them wide enough to hold every id and float32 precision (`parity.core.tables.read_rows`).
+ID_COLUMNS: tuple[str, ...] = (*COLUMN_ALIASES["prompt_ids"], *COLUMN_ALIASES["response_ids"],
+                               *COLUMN_ALIASES["top_k_ids"])
+FLOAT_COLUMNS: tuple[str, ...] = (*COLUMN_ALIASES["rollout_logprobs"], *COLUMN_ALIASES["trainer_logprobs"],
+                                  *COLUMN_ALIASES["top_k_logprobs"], "temperature", "top_p")
 #: the flat sampling columns; a row with any of them has sampling, the missing ones off.
 SAMPLING_COLUMNS: tuple[str, ...] = ("temperature", "top_p", "top_k")
+#: the float sampling fields, which a float32 column stores as the float32 nearest the value meant.
+SAMPLING_FLOATS: tuple[str, ...] = ("temperature", "top_p")
 
 #: sampling given to `read_dump`: one for every row, or one per request id.
 GivenSampling = SamplingParams | Mapping[str, SamplingParams] | None
@@ -68,7 +77,8 @@ def read_dump(path: str | Path, *, backend: str = "external", logprobs_mode: str
     columns: set[str] = set()
     samples: dict[str, int] = {}
     prompts: dict[str, tuple[int, ...]] = {}
-    for index, (where, row) in enumerate(read_rows(path)):
+    rows = read_rows(path, id_columns=ID_COLUMNS, float_columns=FLOAT_COLUMNS)
+    for index, (where, row) in enumerate(rows):
         try:
             rollout, theirs, column = _row(row, index, samples, backend, logprobs_mode, sampling)
             if prompts.setdefault(rollout.request_id, rollout.prompt_ids) != rollout.prompt_ids:
@@ -175,9 +185,26 @@ def _row(row: dict[str, Any], index: int, samples: dict[str, int], backend: str,
         request_id=request_id, sample_index=sample_index,
         prompt_ids=tuple(prompt), token_ids=tuple(response), logprobs=tuple(logprobs),
         finish_reason=str(row.get("finish_reason") or "unknown"), backend=backend, logprobs_mode=mode,
-        routed_experts=None if routes is None else np.asarray(routes, dtype=np.int64),
+        routed_experts=None if routes is None else _routes(routes),
         meta=meta, sampling=sampling, response_mask=generated, **_top_k_columns(row, padded, keep))
     return rollout, None if trainer is None else tuple(float(x) for x in trainer), trainer_column
+
+
+def _routes(value: Any) -> Any:
+    """The routed_experts column as an int64 array; InputError for entries that are no integers (a
+    cast would make expert 1.7 expert 1) or past int32 (Rollout keeps int32: 2**32 + 1 would become
+    expert 1). Ragged lists are left to `Rollout`, which names them."""
+    try:
+        routes = np.asarray(value)
+    except ValueError:
+        return value
+    if routes.size and (routes.dtype.kind not in "iu"
+                        or not -2 ** 31 <= routes.min() <= routes.max() < 2 ** 31):
+        bad = next((v for v in routes.ravel().tolist()
+                    if isinstance(v, bool) or not isinstance(v, int) or not -2 ** 31 <= v < 2 ** 31),
+                   routes.dtype)
+        raise InputError(f"routed_experts holds {bad!r}; every entry must be an integer expert id (int32)")
+    return routes.astype(np.int64, copy=False)
 
 
 def _check_length(count: int, padded: int, keep: int, name: str, what: str) -> None:
@@ -339,7 +366,9 @@ def _sampling(row: dict[str, Any], mode: str, given: SamplingParams | None) -> S
             if not isinstance(row["sampling"], Mapping):
                 raise InputError(f"sampling must be an object of SamplingParams fields, "
                                  f"got {row['sampling']!r}")
-            own = SamplingParams.from_dict({**row["sampling"], "logprobs_mode": mode})
+            own = SamplingParams.from_dict({**row["sampling"], "logprobs_mode": mode,
+                                            **{k: _float32_meant(row["sampling"][k]) for k in SAMPLING_FLOATS
+                                               if k in row["sampling"]}})
         if any(row.get(c) is not None for c in SAMPLING_COLUMNS):
             flat = SamplingParams(temperature=_number(row, "temperature", 1.0),
                                   top_p=_number(row, "top_p", 1.0), top_k=_top_k(row), logprobs_mode=mode)
@@ -375,7 +404,16 @@ def _number(row: dict[str, Any], name: str, default: float) -> float:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InputError(f"{name} must be a number, got {value!r}")
-    return float(value)
+    return float(_float32_meant(value))
+
+
+def _float32_meant(value: Any) -> Any:
+    """A float that is exactly a float32 (a float32 Parquet column's 0.699999988079071) as the decimal
+    that float32 stands for (0.7): else the row's sampling is not the 0.7 given or recorded elsewhere.
+    Anything else as is (a double's 0.7 is no float32; a float32's 0.5 is 0.5 either way)."""
+    if isinstance(value, float) and math.isfinite(value) and float(np.float32(value)) == value:
+        return float(str(np.float32(value)))
+    return value
 
 
 def _top_k(row: dict[str, Any]) -> int:

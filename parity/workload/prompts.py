@@ -65,7 +65,7 @@ class Dataset:
         """(location, prompt) of every row used, checked; location is "<file>:<line>, column
         'prompt'" or "<file> row <n>, column 'prompt'"."""
         picked: list[tuple[str, Any]] = []
-        for where, row in read_rows(self.path):
+        for where, row in read_rows(self.path, id_columns=(self.column,)):  # ids stored wide enough
             if self.column not in row:
                 raise InputError(f"{where}: no column {self.column!r} (columns: {sorted(row)}); "
                                  f"name the prompt column with `column`")
