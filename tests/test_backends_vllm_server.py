@@ -163,8 +163,11 @@ def test_every_report_carries_the_servers_settings_and_the_probes_agree_with_ser
     flags parity starts it with), and the subset a server without dev mode shows, read the same."""
     backend = server.get()
     settings = backend.meta["server_settings"]
-    assert settings["source"] == "server_info" and all(settings[k] is not None for k in SETTINGS)
-    assert settings == {**settings, "dtype": "bfloat16", "logprobs_mode": "processed_logprobs",
+    # speculative_config is None where speculative decoding is off, as here
+    assert settings["source"] == "server_info" and all(settings[k] is not None for k in SETTINGS
+                                                      if k != "speculative_config")
+    assert settings == {**settings, "speculative_config": None, "dtype": "bfloat16",
+                        "logprobs_mode": "processed_logprobs",
                         "batch_invariant": False, "enable_chunked_prefill": False,
                         "enable_prefix_caching": True, "enforce_eager": True, "cudagraph_mode": "NONE",
                         "max_model_len": 512}

@@ -31,7 +31,15 @@ from parity.monitor.arrays import host_array, negative_id
 from parity.monitor.background import Background
 from parity.monitor.page import PAGE_FILE, PageRenderer, flat_values
 from parity.monitor.store import MonitorStore, json_ready, plain
-from parity.monitor.thresholds import DEFAULT_JUMPS, WINDOW, Jumps, Thresholds
+from parity.monitor.thresholds import (
+    DEFAULT_JUMPS,
+    WINDOW,
+    Jumps,
+    Thresholds,
+    alike,
+    sampling_key,
+    stored_sampling_key,
+)
 
 #: the names `log` gives its arrays in errors (verl's).
 ARRAY_NAMES = ("old_log_probs", "rollout_log_probs", "response_mask")
@@ -172,8 +180,8 @@ class Monitor:
                     _history(self._store, list(self._history), before=step)
                 # judged against the trailing steps sampled alike: processed logprobs' drift scales
                 # with 1/temperature, so another sampling's median is no baseline for a jump
-                regime = _sampling_key(context["sampling"])
-                jumps = self.jumps.check(values, {k: [v for _, v, r in h if _alike(r, regime)]
+                regime = sampling_key(context["sampling"])
+                jumps = self.jumps.check(values, {k: [v for _, v, r in h if alike(r, regime)]
                                                   for k, h in history.items()})
                 advice = bool(jumps) or bool(self.advice_every and self._logged % self.advice_every == 0)
                 if advice and not self._advice_in_background:
@@ -276,33 +284,12 @@ def _history(store: MonitorStore, keys: list[str], *, before: int | None = None
     steps = [s for s in store.steps() if before is None or s["step"] < before][-WINDOW:] if keys else []
     out: dict[str, list[tuple[int, float, tuple[float, int, float] | None]]] = {k: [] for k in keys}
     for s in steps:
-        regime = _stored_sampling_key(s.get("sampling"))
+        regime = stored_sampling_key(s.get("sampling"))
         for k in keys:
             v = s.get("summary", {}).get(k)
             if isinstance(v, (int, float)):
                 out[k].append((s["step"], float(v), regime))
     return out
-
-
-def _sampling_key(sampling: dict[str, Any] | None) -> tuple[float, int, float] | None:
-    """What a step's processed logprobs depend on, (temperature, top_k, top_p); None when not given."""
-    if sampling is None:
-        return None
-    s = SamplingParams.from_dict(dict(sampling))
-    return (s.temperature, s.top_k, s.top_p)
-
-
-def _stored_sampling_key(sampling: Any) -> tuple[float, int, float] | None:
-    """`_sampling_key` of a stored step's sampling (None where it has none or it no longer reads)."""
-    try:
-        return _sampling_key(dict(sampling)) if isinstance(sampling, Mapping) else None
-    except ConfigError:
-        return None
-
-
-def _alike(a: tuple[float, int, float] | None, b: tuple[float, int, float] | None) -> bool:
-    """Whether two steps' samplings may share a jump baseline (an unknown one matches any)."""
-    return a is None or b is None or a == b
 
 
 def correction_options(config: CorrectionConfig) -> dict[str, Any]:

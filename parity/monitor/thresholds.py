@@ -3,7 +3,8 @@
 A number is an upper bound, a `(low, high)` pair a band (None: open); no absolute default, since
 normal drift depends on the run. `Jumps` (`DEFAULT_JUMPS`, on by default) flag X times the
 trailing median of `WINDOW` steps, catching a missed weight sync out of the box. Keys are the
-summary's or the correction's `rollout_corr/*`; a missing one is flagged. Standard library only.
+summary's or the correction's `rollout_corr/*`; a missing one is flagged. A jump is judged against the
+trailing steps sampled alike (`sampling_key`: drift of processed logprobs scales with 1/temperature).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 from parity.core.errors import ConfigError
 from parity.core.schema import SUMMARY_KEYS, SUPPORT_SUMMARY_KEYS
+from parity.core.types import SamplingParams
 
 #: prefix of verl's rollout-correction metric names.
 CORRECTION_PREFIX = "rollout_corr/"
@@ -182,3 +184,24 @@ class Jumps:
 
     def to_dict(self) -> dict[str, float]:
         return dict(self.factors)
+
+
+def sampling_key(sampling: dict[str, Any] | None) -> tuple[float, int, float] | None:
+    """What a step's processed logprobs depend on, (temperature, top_k, top_p); None when not given."""
+    if sampling is None:
+        return None
+    s = SamplingParams.from_dict(dict(sampling))
+    return (s.temperature, s.top_k, s.top_p)
+
+
+def stored_sampling_key(sampling: Any) -> tuple[float, int, float] | None:
+    """`sampling_key` of a stored step's sampling (None where it has none or it no longer reads)."""
+    try:
+        return sampling_key(dict(sampling)) if isinstance(sampling, Mapping) else None
+    except ConfigError:
+        return None
+
+
+def alike(a: tuple[float, int, float] | None, b: tuple[float, int, float] | None) -> bool:
+    """Whether two steps' samplings may share a jump baseline (an unknown one matches any)."""
+    return a is None or b is None or a == b
