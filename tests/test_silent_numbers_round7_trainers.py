@@ -114,7 +114,8 @@ def test_a_scalar_temperature_given_to_dump_batch_is_written_as_given(tmp_path, 
     """Old: Parquet stored np.float32(0.7) as 0.699999988079071 and `parity score` scored at it; JSONL
     failed with a bare TypeError (float32 / Tensor not JSON serializable)."""
     sampling = {"temperature": temperature, "top_p": np.float32(0.9)}
-    for name, write in (("slime", lambda p: slime.dump_batch(slime_data(), p, sampling=sampling)),
+    for name, write in (("slime", lambda p: slime.dump_batch(slime_data(), p, sampling=sampling,
+                                                             logprobs_mode="raw")),  # SGLang: untruncated
                         ("nemo_rl", lambda p: nemo_rl.dump_batch(nemo_rl_data(), p, sampling=sampling)),
                         ("openrlhf", lambda p: openrlhf.dump_batch(experience(left_padded=False), p,
                                                                    sampling=sampling))):

@@ -86,8 +86,8 @@ def test_a_dump_refuses_sampling_it_would_not_write(tmp_path, sampling, says):
 def test_a_dump_writes_the_sampling_it_can_say(tmp_path):
     """Positive control: fields that do not shape the distribution are checked and left out; a raw
     dump given the same mode in sampling is written."""
-    path = slime.dump_batch(slime_data(), tmp_path / "a.jsonl",
-                            sampling={"temperature": 0.7, "top_k": 20, "seed": 3, "max_tokens": 4})
+    path = nemo_rl.dump_batch(nemo_rl_data(), tmp_path / "a.jsonl",  # slime refuses top_k (SGLang's)
+                              sampling={"temperature": 0.7, "top_k": 20, "seed": 3, "max_tokens": 4})
     got = read_dump(path).rollouts[0]
     assert (got.sampling.temperature, got.sampling.top_k, got.logprobs_mode) == (0.7, 20, "processed")
     path = slime.dump_batch(slime_data(), tmp_path / "b.jsonl", logprobs_mode="raw",

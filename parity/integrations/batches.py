@@ -10,6 +10,7 @@ Parquet for `.parquet`; no pickle): per sequence `prompt_ids`, `response_ids`, `
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,8 @@ from parity.rollouts.dumps import SAMPLING_COLUMNS
 
 if TYPE_CHECKING:
     from parity.monitor import Monitor
+
+log = logging.getLogger("parity.monitor")
 
 
 @dataclass(frozen=True)
@@ -66,9 +69,11 @@ def log_step(monitor: Monitor, step: int, batch: StepBatch, *, meta: Mapping[str
 
 
 def dump_step(batch: StepBatch, path: str | Path, *, logprobs_mode: str = "processed") -> Path:
-    """Write the batch as a parity rollout dump (see the module doc); rows with no generated token
-    are left out. Processed logprobs need the temperature (`InputError` without it); a path that
-    cannot be written is a `ConfigError` before any row is built."""
+    """Write the batch as a parity rollout dump (see the module doc); rows with no counted token
+    (a trainer's mask took them out whole) are left out, with a warning on the `parity.monitor`
+    logger that counts them (the dump has no field for them). Processed logprobs need the
+    temperature (`InputError` without it); a path that cannot be written is a `ConfigError`
+    before any row is built."""
     check_choice(logprobs_mode, LOGPROBS_MODES, "logprobs_mode")
     path = output_file(path, "dump path")
     if batch.responses is None or batch.prompts is None:
@@ -79,10 +84,12 @@ def dump_step(batch: StepBatch, path: str | Path, *, logprobs_mode: str = "proce
                          "sampling={'temperature': T} (verl keeps it in meta_info['temperature'])")
     _check_layout(batch)
     rows = []
+    left_out = 0
     for r in range(batch.mask.shape[0]):
         n = int(batch.lengths[r])
         mask = batch.mask[r, :n]
         if not mask.any():
+            left_out += 1
             continue
         rollout = _checked(batch.rollout[r, :n], mask, "rollout", r)
         trainer = _checked(batch.trainer[r, :n], mask, "trainer", r)
@@ -98,6 +105,10 @@ def dump_step(batch: StepBatch, path: str | Path, *, logprobs_mode: str = "proce
         rows.append(row)
     if not rows:
         raise InputError("the batch has no generated token (every mask is 0): nothing to dump")
+    if left_out:
+        log.warning("parity: the dump %s leaves out %d of %d rows: no token of theirs counts (a mask "
+                    "all 0, or no response), so parity score does not measure them%s", path, left_out,
+                    batch.mask.shape[0], f" ({dict(batch.notes)})" if batch.notes else "")
     return write_rows(path, rows)
 
 

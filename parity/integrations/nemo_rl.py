@@ -12,7 +12,10 @@ Whole sequences in one row; input token i's logprob at position i:
     sampling             not in the batch                 pass sampling={"temperature": ...}
 
 Responses start at the first token_mask=1 and are left-aligned. Logprobs are in
-`policy.generation.vllm_cfg.logprobs_mode` (vLLM's raw_logprobs when absent). Read before
+`policy.generation.vllm_cfg.logprobs_mode` (vLLM's raw_logprobs when absent; megatron and dynamo
+generation: processed): `dump_batch(..., generation_config=master_config["policy"]["generation"])`
+reads it from there; without it and without `logprobs_mode` the dump says "processed" (NeMo-RL's
+example configs set processed_logprobs). Read before
 `compute_and_apply_seq_logprob_error_masking`, which zeroes the sample_mask of the sequences of
 largest drift: the sequences it drops would leave the drift without a word, so the tokens a 0 in
 sample_mask takes out are counted in the step's meta (`nemo_rl_sample_mask_dropped_tokens`, when
@@ -49,6 +52,10 @@ KEYS: dict[str, str] = {"rollout": "generation_logprobs", "trainer": "prev_logpr
                         "sample_mask": "sample_mask", "tokens": "input_ids", "lengths": "input_lengths"}
 #: the meta key of the generated tokens sample_mask leaves out (its sequences' token_mask 1s).
 DROPPED = "nemo_rl_sample_mask_dropped_tokens"
+#: NeMo-RL's `vllm_cfg.logprobs_mode` values (vLLM's) as parity's modes.
+VLLM_MODES: dict[str, str] = {"processed_logprobs": "processed", "raw_logprobs": "raw"}
+#: generation backends whose logprobs are processed whatever vllm_cfg says (NeMo-RL sets them so).
+PROCESSED_BACKENDS = ("megatron", "dynamo")
 
 
 def read_batch(data: Mapping[str, Any], *, sampling: Mapping[str, Any] | None = None) -> StepBatch:
@@ -98,7 +105,41 @@ def log_batch(monitor: Monitor, step: int, data: Mapping[str, Any], *,
 
 
 def dump_batch(data: Mapping[str, Any], path: str | Path, *, sampling: Mapping[str, Any] | None = None,
-               logprobs_mode: str = "processed") -> Path:
+               logprobs_mode: str | None = None,
+               generation_config: Mapping[str, Any] | None = None) -> Path:
     """Write one NeMo-RL step's `train_data` as a parity rollout dump that `parity score` reads
-    (give the temperature in `sampling`: NeMo-RL's batch does not hold it)."""
-    return dump_step(read_batch(data, sampling=sampling), path, logprobs_mode=logprobs_mode)
+    (give the temperature in `sampling`: NeMo-RL's batch does not hold it). The logprobs' mode:
+    `logprobs_mode`, else the one `generation_config` (NeMo-RL's `policy.generation`) runs, else
+    sampling's `logprobs_mode`, else "processed"; `InputError` where two of them disagree."""
+    mode = logprobs_mode
+    if generation_config is not None:
+        configured = generation_mode(generation_config)
+        if mode is not None and mode != configured:
+            raise InputError(f"logprobs_mode={mode!r} but generation_config generates {configured!r} "
+                             "logprobs (policy.generation.vllm_cfg.logprobs_mode); drop one")
+        mode = configured
+    if mode is None:
+        mode = str((sampling or {}).get("logprobs_mode", "processed"))
+    return dump_step(read_batch(data, sampling=sampling), path, logprobs_mode=mode)
+
+
+def generation_mode(config: Mapping[str, Any]) -> str:
+    """The logprobs mode NeMo-RL's generation config (`policy.generation`) returns: vLLM's
+    `vllm_cfg.logprobs_mode` (raw when absent, vLLM's default), processed for megatron and dynamo;
+    `InputError` for another backend or an unknown mode."""
+    if not isinstance(config, Mapping) or "backend" not in config:
+        raise InputError("generation_config must be NeMo-RL's policy.generation config (a mapping with "
+                         "'backend' and 'vllm_cfg'): master_config['policy']['generation']")
+    backend = config["backend"]
+    if backend in PROCESSED_BACKENDS:
+        return "processed"
+    if backend != "vllm":
+        raise InputError(f"generation_config backend={backend!r}: parity does not know which logprobs it "
+                         "returns; pass logprobs_mode='processed' or 'raw' to the dump")
+    mode = (config.get("vllm_cfg") or {}).get("logprobs_mode")
+    if mode is None:
+        return "raw"  # NeMo-RL passes no logprobs_mode to vLLM: vLLM's default, raw_logprobs
+    if mode not in VLLM_MODES:
+        raise InputError(f"generation_config vllm_cfg.logprobs_mode={mode!r}: parity reads "
+                         f"{sorted(VLLM_MODES)}; pass logprobs_mode to the dump")
+    return VLLM_MODES[mode]

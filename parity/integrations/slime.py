@@ -8,8 +8,11 @@ once `rollout_data["log_probs"]` is computed: `log_batch(monitor, rollout_id, ro
     tokens               "tokens"                         prompt + response ids (response: the last ids)
     sampling             not in the batch                 pass sampling={"temperature": ...} (top_p, top_k)
 
-SGLang's logprobs at slime's defaults (no top-p/top-k) are parity's "processed". Each
-data-parallel rank holds its share: log on one rank, or a monitor directory per rank.
+SGLang's logprobs at slime's defaults (no top-p/top-k) are parity's "processed"; under top-p or
+top-k they are temperature-scaled but not truncated, which a processed dump cannot describe
+(`dump_batch` refuses it). Samples whose loss_masks are all 0 (slime's `remove_sample`, off-policy
+partial rollouts) are not measured: counted in the step's meta (`slime_masked_samples`, when any).
+Each data-parallel rank holds its share: log on one rank, or a monitor directory per rank.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from parity.integrations.batches import (
     sampling_of,
 )
 from parity.monitor.arrays import host_array
+from parity.monitor.core import checked_sampling
 
 if TYPE_CHECKING:
     from parity.monitor import Monitor
@@ -39,6 +43,8 @@ if TYPE_CHECKING:
 #: slime's `rollout_data` key of each list parity reads.
 KEYS: dict[str, str] = {"rollout": "rollout_log_probs", "trainer": "log_probs", "mask": "loss_masks",
                         "tokens": "tokens"}
+#: the meta key of the samples (with a response) whose loss_masks are all 0: not measured.
+MASKED = "slime_masked_samples"
 
 
 def read_batch(data: Mapping[str, Any], *, sampling: Mapping[str, Any] | None = None) -> StepBatch:
@@ -68,8 +74,11 @@ def read_batch(data: Mapping[str, Any], *, sampling: Mapping[str, Any] | None = 
                              "per sample")
         prompts = [row[:row.size - n] for row, n in zip(rows, lengths)]
         responses, _ = padded_rows([row[row.size - n:] for row, n in zip(rows, lengths)], KEYS["tokens"], 0)
-    return StepBatch(rollout=rollout, trainer=trainer, mask=bool_mask(mask, KEYS["mask"]), lengths=lengths,
-                     responses=responses, prompts=prompts, sampling=sampling_of({}, sampling))
+    mask = bool_mask(mask, KEYS["mask"])
+    masked = int(((lengths > 0) & ~mask.any(axis=1)).sum())
+    return StepBatch(rollout=rollout, trainer=trainer, mask=mask, lengths=lengths,
+                     responses=responses, prompts=prompts, sampling=sampling_of({}, sampling),
+                     notes={MASKED: masked} if masked else None)
 
 
 def log_batch(monitor: Monitor, step: int, data: Mapping[str, Any], *,
@@ -86,5 +95,15 @@ def log_batch(monitor: Monitor, step: int, data: Mapping[str, Any], *,
 def dump_batch(data: Mapping[str, Any], path: str | Path, *, sampling: Mapping[str, Any] | None = None,
                logprobs_mode: str = "processed") -> Path:
     """Write one slime rollout's `rollout_data` as a parity rollout dump that `parity score` reads
-    (give the temperature in `sampling`: slime's batch does not hold it)."""
-    return dump_step(read_batch(data, sampling=sampling), path, logprobs_mode=logprobs_mode)
+    (give the temperature in `sampling`: slime's batch does not hold it). `InputError` for processed
+    logprobs under top-p or top-k: SGLang's are not truncated (see the module doc)."""
+    step = read_batch(data, sampling=sampling)
+    given = checked_sampling(step.sampling) or {}
+    top_p, top_k = given.get("top_p", 1.0), given.get("top_k", 0)
+    if logprobs_mode == "processed" and given.get("temperature") != 0 and (top_p < 1.0 or top_k > 0):
+        raise InputError(f"sampling top_p={top_p}, top_k={top_k}: SGLang's logprobs are temperature-scaled "
+                         "but not truncated, so they are not the processed logprobs of that distribution "
+                         "and parity score would call the difference drift; dump a rollout sampled with "
+                         "top_p=1 and top_k=-1, or pass logprobs_mode='raw' when SGLang ran with "
+                         "SGLANG_RETURN_ORIGINAL_LOGPROB=1")
+    return dump_step(step, path, logprobs_mode=logprobs_mode)
