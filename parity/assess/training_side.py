@@ -16,7 +16,7 @@ from parity.advisor import DATA_BUGS
 from parity.assess.distribution import check_rollout_top_k, distribution_section, has_top_k, shown_ids
 from parity.assess.mismatch import sampling_findings
 from parity.assess.reporting import build_report
-from parity.core.errors import ConfigError
+from parity.core.errors import ConfigError, InputError
 from parity.core.schema import NO_REPLAY, ROUTER_SUMMARY_KEYS
 from parity.core.types import Rollout
 from parity.drift.distribution import TrainerView
@@ -107,6 +107,16 @@ def gold_side(model: str | None, rollouts: Sequence[Rollout], *, gold: bool | No
     if gold is False or model is None:
         return None, {"ran": False, "reason": "gold=False was asked for" if gold is False
                       else "no model to run it (the trainer's logprobs were given)"}
+    unrecorded = next((r for r in rollouts if r.logprobs_mode == "processed" and r.sampling is None), None)
+    if unrecorded is not None:  # only with the trainer's logprobs: the training forward refuses it first
+        where = f"rollout {unrecorded.request_id!r}/{unrecorded.sample_index} has processed logprobs but " \
+                "records no sampling"
+        if gold:
+            raise InputError(f"gold=True: {where}, which the gold forward scores under; give the sampling "
+                             "(sampling=; parity score: --temperature, --top-k, --top-p) or drop gold=True "
+                             "(--no-gold)")
+        return None, {"ran": False, "reason": f"by default: not run: {where}, which the gold forward scores "
+                      "under (give the sampling, --temperature/--top-k/--top-p, to run it)"}
     from parity.engine.gold import decide, gold_dtype, gold_logprobs  # torch: `import parity` stays light
 
     tokens = sum(len(r.prompt_ids) + len(r.token_ids) for r in rollouts)

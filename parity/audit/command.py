@@ -2,7 +2,8 @@
 
     parity audit --model tiny-llama --backend vllm [--option batch_invariant=true] [--case smoke]
 
-Exit 0 when deterministic, batch-invariant and the seed control held, 1 when not, 2 on an error.
+Exit 0 when deterministic, batch-invariant and the seed control held, 1 when not, 2 on an error; a
+verdict whose checks did not run ("not checked": not asked for, or skipped) fails nothing.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from parity.audit.derived import BATCH_SIZES
-from parity.audit.result import CHECKS
+from parity.audit.result import CHECKS, VERDICT_CHECKS
 from parity.audit.run import audit
 from parity.backends import parse_options
 from parity.core.errors import EXIT_FAILED, ConfigError
@@ -90,4 +91,5 @@ def _run(args: argparse.Namespace) -> int:
     if args.html is not None:
         args.html.write_text(audit_html(result.to_dict()), encoding="utf-8")
         print(f"wrote {args.html}")
-    return 0 if result.deterministic and result.batch_invariant and result.control_held else EXIT_FAILED
+    failed = [name for name in VERDICT_CHECKS if not getattr(result, name) and result.measured(name)]
+    return 0 if not failed and result.control_held else EXIT_FAILED

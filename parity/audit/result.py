@@ -21,6 +21,10 @@ CHECKS: tuple[str, ...] = ("repeat", "batch", "order", "prefill_decode", "prefix
 #: the keys of one check's JSON, in order.
 CHECK_KEYS: tuple[str, ...] = ("identical", "requests", "differing_requests", "first_difference",
                                "max_abs_logprob_diff", "mean_abs_logprob_diff", "skipped")
+#: the checks each verdict rests on (docs/DESIGN.md); prefill_decode and prefix_cache are reported
+#: beside them, and the seed control on its own.
+VERDICT_CHECKS: dict[str, tuple[str, ...]] = {"deterministic": ("repeat",),
+                                               "batch_invariant": ("batch", "order")}
 #: the keys of the result's JSON, in order.
 RESULT_KEYS: tuple[str, ...] = ("backend", "model", "dtype", "provenance", "checks", "deterministic",
                                 "batch_invariant")
@@ -141,6 +145,14 @@ class AuditResult:
         """A request's bits do not depend on what shares its batch, nor on the batch's order."""
         return self.checks["batch"].identical and self.checks["order"].identical
 
+    def measured(self, verdict: str) -> bool:
+        """Whether `verdict` ("deterministic", "batch_invariant") was measured: every check it rests on
+        ran, or one that ran differed (a NO needs no more). A False verdict not measured is "not
+        checked", never "no"."""
+        checks = [self.checks[name] for name in VERDICT_CHECKS[verdict]]
+        return all(c.skipped is None for c in checks) or any(c.skipped is None and not c.identical
+                                                             for c in checks)
+
     @property
     def control_held(self) -> bool:
         """Different seeds gave different samples (or the control could not run: greedy sampling)."""
@@ -186,8 +198,15 @@ class AuditResult:
         """The verdicts (on this engine, workload and machine), then one line per check."""
         width = max(map(len, CHECKS))
         deterministic, invariant = verdict_words(self.to_dict())
+        # the verdict covers batch and order only: a check beside it that differs is named with it, so a
+        # "yes" does not read as every check identical
+        judged = {CONTROL, *(name for names in VERDICT_CHECKS.values() for name in names)}
+        beside = [name for name in CHECKS if name not in judged
+                  and self.checks[name].skipped is None and not self.checks[name].identical]
+        scope = f" (batch and order; {' and '.join(beside)} differ{'s' if len(beside) == 1 else ''})" \
+            if beside else ""
         lines = [f"audit of {self.backend} on {self.model} ({self.dtype}): deterministic {deterministic}, "
-                 f"batch-invariant {invariant}; {machine_clause(self.provenance)}"]
+                 f"batch-invariant {invariant}{scope}; {machine_clause(self.provenance)}"]
         lines += [f"  {name.ljust(width)}  {_describe(name, check)}" for name, check in self.checks.items()]
         if not self.control_held:
             lines.append("  control FAILED: two seeds gave identical samples, so the sampling checks prove "
@@ -201,10 +220,6 @@ def _describe(name: str, check: CheckResult) -> str:
         return (f"seeds change the samples: as expected ({check.differing_requests} of {check.requests} "
                 "requests differ)")
     return check.describe()
-
-
-def _yes(flag: bool) -> str:
-    return "yes" if flag else "NO"
 
 
 def _exact_keys(d: Any, keys: tuple[str, ...], where: str) -> None:

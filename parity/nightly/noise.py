@@ -16,8 +16,9 @@ from parity.nightly.rows import RowKey, RowResult
 from parity.workload.cases import Case
 
 AUDIT = "audit"
-#: summary keys of an audit row (each a trend chart on the nightly page, so few): the two verdicts,
-#: "audit_<check>_<figure>" per check that ran, and the repeat's mean |Δlogp| (the noise floor).
+#: summary keys of an audit row (each a trend chart on the nightly page, so few): the two verdicts
+#: where measured, "audit_<check>_<figure>" per check that ran, and the repeat's mean |Δlogp| (the
+#: noise floor).
 #: The whole result is in the row's provenance.
 FIGURES = ("differing_requests", "max_abs_logprob_diff")
 NOISE_FLOOR_KEY = "audit_repeat_mean_abs_logprob_diff"
@@ -36,8 +37,9 @@ def audit_row(run_id: str, key: RowKey, case: Case, engine: Backend, provenance:
     t0 = time.perf_counter()
     result = audit(None, engine, case=case, dtype=key.dtype, device=device)
     timing["case_s"] = round(time.perf_counter() - t0, 3)
-    summary: dict[str, Any] = {"audit_deterministic": float(result.deterministic),
-                               "audit_batch_invariant": float(result.batch_invariant)}
+    # a verdict whose checks did not run is left out, as their figures are: 0 would read as "no"
+    summary: dict[str, Any] = {f"audit_{name}": float(getattr(result, name))
+                               for name in ("deterministic", "batch_invariant") if result.measured(name)}
     for name, check in result.checks.items():
         if check.skipped is None:
             summary.update({f"audit_{name}_{figure}": float(getattr(check, figure)) for figure in FIGURES})
