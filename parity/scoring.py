@@ -36,6 +36,7 @@ from parity.report.provenance import TRAIN_COMPUTED, provenance
 from parity.rollouts.dumps import GivenSampling, check_logprobs, logprob_floats, read_dump
 from parity.rollouts.matching import check_unique_keys
 from parity.rollouts.record import RECORD_FORMAT, Record, read_record
+from parity.rollouts.row_sampling import check_given_sampling
 from parity.workload.cases import Case, resolve_case
 
 #: `trainer_logprobs=FROM_DUMP`: the trainer logprobs the dump holds (its trainer-logprob column).
@@ -66,6 +67,7 @@ def read_source(path: str | os.PathLike[str], *, backend: str | None = None, sam
     `sampling` names, else "processed"); a record's rollouts carry their own mode, so a given one
     that contradicts it is a ConfigError."""
     path = Path(path)
+    check_given_sampling(sampling)  # a record's rollouts are matched by request id as a dump's rows
     if path.suffix != PARQUET_SUFFIX and is_record(path):
         record = read_record(path)
         _check_record_mode(path, record, backend, logprobs_mode)
@@ -279,8 +281,7 @@ def _with_sampling(rollouts: Sequence[Rollout], given: GivenSampling) -> list[Ro
         mine = mine.replace(logprobs_mode=ro.logprobs_mode)
         if ro.sampling is None:
             out.append(dataclasses.replace(ro, sampling=mine))
-        elif (ro.sampling.temperature, ro.sampling.top_k, ro.sampling.top_p) != \
-                (mine.temperature, mine.top_k, mine.top_p):
+        elif ro.sampling.definition != mine.definition:
             s = ro.sampling
             raise ConfigError(f"rollout {ro.request_id!r}/{ro.sample_index} was sampled with temperature="
                               f"{s.temperature}, top_k={s.top_k}, top_p={s.top_p} but other sampling was "

@@ -172,17 +172,24 @@ def check_parquet_types(path: Path, schema: Any, id_columns: Collection[str],
     """InputError for a token-id column stored in an integer type under 32 bits, or a float column
     (logprobs) in a float type under 32 bits (lists of them included). Rows read as plain Python
     numbers, so the type is seen here or never: an id of 300 stored as uint8 reads as a valid-looking
-    44, and a float16 logprob is rounded by up to ~4e-3 nats at -8, which would be reported as drift."""
+    44, and a float16 logprob is rounded by up to ~4e-3 nats at -8, which would be reported as drift.
+    A field of a struct column is named `column.field` (a `sampling` struct's float16 temperature
+    would read 0.7 as 0.7002)."""
     pa, _ = pyarrow()
-    for field in schema:
-        kind = _leaf_type(pa, field.type)
-        if field.name in id_columns and pa.types.is_integer(kind) and kind.bit_width < 32:
+    fields = [(field.name, field.type) for field in schema]
+    while fields:
+        name, kind = fields.pop(0)
+        kind = _leaf_type(pa, kind)
+        if pa.types.is_struct(kind):
+            fields += [(f"{name}.{kind.field(i).name}", kind.field(i).type) for i in range(kind.num_fields)]
+            continue
+        if name in id_columns and pa.types.is_integer(kind) and kind.bit_width < 32:
             top = 2 ** (kind.bit_width - pa.types.is_signed_integer(kind)) - 1
-            raise InputError(f"{path}: column {field.name!r} stores token ids as {kind}, which wraps every "
+            raise InputError(f"{path}: column {name!r} stores token ids as {kind}, which wraps every "
                              f"id past {top} into another (valid-looking) id; write the ids as int32 or "
                              "int64")
-        if field.name in float_columns and pa.types.is_floating(kind) and kind.bit_width < 32:
-            raise InputError(f"{path}: column {field.name!r} stores its values as {kind}, rounded to about 3 "
+        if name in float_columns and pa.types.is_floating(kind) and kind.bit_width < 32:
+            raise InputError(f"{path}: column {name!r} stores its values as {kind}, rounded to about 3 "
                              "digits (a logprob of -8 by ~4e-3 nats, read as drift); write it as float32 or "
                              "float64, as the engine gave it")
 

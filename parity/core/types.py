@@ -92,6 +92,11 @@ class SamplingParams:
     def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
         return from_mapping(cls, d, where="sampling")
 
+    @property
+    def definition(self) -> tuple[float, int, float]:
+        """(temperature, top_k, top_p): what processed logprobs depend on (not the seed or lengths)."""
+        return (self.temperature, self.top_k, self.top_p)
+
 
 @dataclass(frozen=True)
 class Request:
@@ -213,6 +218,12 @@ class Rollout:
                     f"[len(prompt)+len(tokens)-1, moe_layers, top_k], got shape {routes.shape} "
                     f"dtype {routes.dtype}"
                 )
+            if routes.size and not 0 <= routes.min() <= routes.max() < 2 ** 31:  # int32 would wrap 2**32 + 1
+                bad = routes.min() if routes.min() < 0 else routes.max()  # into expert 1; -1 is no expert
+                raise InputError(
+                    f"rollout {self.request_id!r}: routed_experts holds expert id {int(bad)}; expert ids are "
+                    "the router's top-k indices, from 0 to below 2**31 (vLLM and SGLang record torch.topk's "
+                    "ids and pad nothing with -1): record the routes again, or pass the engine's own")
             want = len(self.prompt_ids) + len(self.token_ids) - 1
             if routes.shape[0] != want:
                 raise InputError(

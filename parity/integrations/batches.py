@@ -26,7 +26,7 @@ from parity.core.strict import check_choice
 from parity.core.tables import write_rows
 from parity.monitor.arrays import host_array
 from parity.monitor.core import checked_sampling
-from parity.rollouts.dumps import SAMPLING_COLUMNS
+from parity.rollouts.row_sampling import SAMPLING_COLUMNS
 
 if TYPE_CHECKING:
     from parity.monitor import Monitor

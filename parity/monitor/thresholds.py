@@ -56,7 +56,7 @@ class Bound:
 
     def check(self, value: Any) -> dict[str, Any] | None:
         """An alert dict `{"key", "value", "low", "high", "message"}` when `value` breaks the band."""
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
             return self._alert(None, f"{self.key} is missing or not a finite number ({value!r})")
         if self.high is not None and value > self.high:
             return self._alert(value, f"{self.key} {value:.4g} > {self.high:.4g}")
@@ -190,8 +190,7 @@ def sampling_key(sampling: dict[str, Any] | None) -> tuple[float, int, float] | 
     """What a step's processed logprobs depend on, (temperature, top_k, top_p); None when not given."""
     if sampling is None:
         return None
-    s = SamplingParams.from_dict(dict(sampling))
-    return (s.temperature, s.top_k, s.top_p)
+    return SamplingParams.from_dict(dict(sampling)).definition
 
 
 def stored_sampling_key(sampling: Any) -> tuple[float, int, float] | None:

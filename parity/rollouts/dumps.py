@@ -8,7 +8,6 @@ processed-mode row must carry its sampling parameters or be given them.
 
 from __future__ import annotations
 
-import math
 import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from parity.core.schema import LOGPROBS_MODES, json_float
 from parity.core.strict import check_dtype
 from parity.core.tables import read_rows, write_rows
 from parity.core.types import Rollout, SamplingParams, check_int
+from parity.rollouts.row_sampling import check_given_sampling, row_sampling
 
 #: ingestion column -> accepted spellings, parity's first.
 COLUMN_ALIASES: dict[str, tuple[str, ...]] = {
@@ -39,11 +39,8 @@ COLUMN_ALIASES: dict[str, tuple[str, ...]] = {
 ID_COLUMNS: tuple[str, ...] = (*COLUMN_ALIASES["prompt_ids"], *COLUMN_ALIASES["response_ids"],
                                *COLUMN_ALIASES["top_k_ids"])
 FLOAT_COLUMNS: tuple[str, ...] = (*COLUMN_ALIASES["rollout_logprobs"], *COLUMN_ALIASES["trainer_logprobs"],
-                                  *COLUMN_ALIASES["top_k_logprobs"], "temperature", "top_p")
-#: the flat sampling columns; a row with any of them has sampling, the missing ones off.
-SAMPLING_COLUMNS: tuple[str, ...] = ("temperature", "top_p", "top_k")
-#: the float sampling fields, which a float32 column stores as the float32 nearest the value meant.
-SAMPLING_FLOATS: tuple[str, ...] = ("temperature", "top_p")
+                                  *COLUMN_ALIASES["top_k_logprobs"], "temperature", "top_p",
+                                  "sampling.temperature", "sampling.top_p")
 
 #: sampling given to `read_dump`: one for every row, or one per request id.
 GivenSampling = SamplingParams | Mapping[str, SamplingParams] | None
@@ -68,9 +65,7 @@ def read_dump(path: str | Path, *, backend: str = "external", logprobs_mode: str
     """
     if logprobs_mode not in LOGPROBS_MODES:
         raise ConfigError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
-    if sampling is not None and not isinstance(sampling, (SamplingParams, Mapping)):
-        raise ConfigError(f"sampling must be a parity.SamplingParams, a dict of them by request id, or None; "
-                          f"got {type(sampling).__name__}")
+    check_given_sampling(sampling)
     path = Path(path)
     rollouts: list[Rollout] = []
     trainer: list[tuple[float, ...] | None] = []
@@ -177,7 +172,15 @@ def _row(row: dict[str, Any], index: int, samples: dict[str, int], backend: str,
             meta["dtype"] = check_dtype(row["rollout_dtype"], "rollout_dtype")
         except ConfigError as exc:
             raise InputError(str(exc)) from exc
-    sampling = _sampling(row, mode, given.get(request_id) if isinstance(given, Mapping) else given)
+    unmatched = None
+    if isinstance(given, Mapping) and request_id not in given:
+        ids = ", ".join(map(repr, list(given)[:5])) + (", ..." if len(given) > 5 else "")
+        origin = f"its {id_column!r} column" if id_column else "row order (the dump has no request_id column)"
+        unmatched = (f"it was given by request id ({ids}; --case gives its requests' ids) but this row's id "
+                     f"{request_id!r} (from {origin}) is none of them: give the dump a request_id column "
+                     "naming those ids, or ")
+    mine = given.get(request_id) if isinstance(given, Mapping) else given
+    sampling = row_sampling(row, mode, mine, unmatched)
     if row.get("attention_mask") is None and row.get("response_mask") is None:
         greedy = sampling is not None and sampling.temperature == 0
         _refuse_unmasked_padding(response, logprobs, greedy)
@@ -356,73 +359,6 @@ def _right_padded(mask: list[int], name: str) -> int:
         raise InputError(f"{name} has a zero before a one (token {keep}): it must be 1s then 0s (right "
                          "padding); mark tool or user tokens of a trajectory with 0s in response_mask")
     return keep
-
-
-def _sampling(row: dict[str, Any], mode: str, given: SamplingParams | None) -> SamplingParams | None:
-    """The row's sampling: its own columns, else what was given; both must agree when both exist."""
-    own = flat = None
-    try:
-        if row.get("sampling") is not None:
-            if not isinstance(row["sampling"], Mapping):
-                raise InputError(f"sampling must be an object of SamplingParams fields, "
-                                 f"got {row['sampling']!r}")
-            own = SamplingParams.from_dict({**row["sampling"], "logprobs_mode": mode,
-                                            **{k: _float32_meant(row["sampling"][k]) for k in SAMPLING_FLOATS
-                                               if k in row["sampling"]}})
-        if any(row.get(c) is not None for c in SAMPLING_COLUMNS):
-            flat = SamplingParams(temperature=_number(row, "temperature", 1.0),
-                                  top_p=_number(row, "top_p", 1.0), top_k=_top_k(row), logprobs_mode=mode)
-    except ConfigError as e:
-        raise InputError(str(e)) from e  # a bad value in the data, not in parity's configuration
-    if own is not None and flat is not None and _definition(own) != _definition(flat):
-        present = ", ".join(f"{c}={row[c]!r}" for c in SAMPLING_COLUMNS if row.get(c) is not None)
-        raise InputError(f"the row's sampling object says (temperature, top_k, top_p) = "
-                         f"{_definition(own)} but its columns say {present}; the row contradicts itself: "
-                         "drop one of them")
-    own = own or flat
-    if given is not None:
-        given = given.replace(logprobs_mode=mode)
-        if own is not None and _definition(own) != _definition(given):
-            raise InputError(f"the row's sampling (temperature, top_k, top_p) = {_definition(own)} but "
-                             f"{_definition(given)} was given; drop one of them")
-    chosen = own or given
-    if chosen is None and mode == "processed":
-        raise InputError("processed logprobs but no sampling parameters: add temperature/top_p/top_k "
-                         "columns, or give them (`parity score --temperature T --top-p P --top-k K`, "
-                         "`sampling=SamplingParams(...)` in Python); or read the dump as raw logprobs")
-    return chosen
-
-
-def _definition(s: SamplingParams) -> tuple[float, int, float]:
-    """What processed logprobs depend on: (temperature, top_k, top_p)."""
-    return (s.temperature, s.top_k, s.top_p)
-
-
-def _number(row: dict[str, Any], name: str, default: float) -> float:
-    value = row.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InputError(f"{name} must be a number, got {value!r}")
-    return float(_float32_meant(value))
-
-
-def _float32_meant(value: Any) -> Any:
-    """A float that is exactly a float32 (a float32 Parquet column's 0.699999988079071) as the decimal
-    that float32 stands for (0.7): else the row's sampling is not the 0.7 given or recorded elsewhere.
-    Anything else as is (a double's 0.7 is no float32; a float32's 0.5 is 0.5 either way)."""
-    if isinstance(value, float) and math.isfinite(value) and float(np.float32(value)) == value:
-        return float(str(np.float32(value)))
-    return value
-
-
-def _top_k(row: dict[str, Any]) -> int:
-    value = row.get("top_k")
-    if value is None:
-        return 0
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InputError(f"top_k must be an integer, got {value!r}")
-    return 0 if value == -1 else value  # vLLM and verl spell "off" -1; parity spells it 0
 
 
 def _column(row: dict[str, Any], name: str) -> list[Any]:
