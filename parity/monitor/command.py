@@ -14,7 +14,7 @@ from pathlib import Path
 from parity.core.errors import ConfigError, InputError
 from parity.core.outputs import output_file
 from parity.monitor.page import PAGE_FILE, flat_values, write_page
-from parity.monitor.store import MonitorStore, plain, store_path
+from parity.monitor.store import MonitorStore, plain, store_path, stored_form
 from parity.runtime.frame import Parser, run_command
 
 #: the latest step's figures the command prints.
@@ -31,7 +31,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--html", type=Path, metavar="OUT",
                         help=f"write the page to OUT (default: OUT_DIR/{PAGE_FILE})")
     parser.add_argument("--json", type=Path, metavar="OUT",
-                        help='write {"run_name", "steps": [{"step", ...the stored record...}]} to OUT')
+                        help='write {"run_name", "steps": [{"step", ...the stored record...}]} to OUT (a '
+                             'non-finite value is null, named in its object\'s "nonfinite" entry)')
     parser.add_argument("--step", type=int, action="append", metavar="N",
                         help="detail step N on the page (repeat for more; default: the latest and the worst "
                              "by k3_kl)")
@@ -80,8 +81,8 @@ def _run(args: argparse.Namespace) -> int:
             print(f"  step {s['step']}: {plain(a['message'])}")
     if readable:
         values = flat_values(readable[-1])
-        print(f"latest step {readable[-1]['step']}: "
-              + ", ".join(f"{k} {values[k]:.4g}" for k in SHOWN if isinstance(values.get(k), (int, float))))
+        print(f"latest step {readable[-1]['step']}: " + ", ".join(f"{k} {_value(values[k])}" for k in SHOWN
+                                                                   if k in values))
         rec = readable[-1].get("recommendation")
         if rec is not None:
             print(f"recommended correction: {plain(rec['name'])} ({plain(rec['reason'])})")
@@ -91,7 +92,8 @@ def _run(args: argparse.Namespace) -> int:
                       read=(run, steps, problems))
     print(f"wrote {page}")
     if args.json is not None:
-        text = json.dumps({"run_name": run["run_name"], "steps": steps}, indent=1, allow_nan=False)
+        text = json.dumps({"run_name": run["run_name"], "steps": stored_form(steps)}, indent=1,
+                          allow_nan=False)
         args.json.write_text(text, encoding="utf-8")
         print(f"wrote {args.json}")
     return 0
@@ -100,6 +102,13 @@ def _run(args: argparse.Namespace) -> int:
 def _same_file(a: Path, b: Path) -> bool:
     """Whether `a` and `b` name one file (through links and relative paths alike)."""
     return (os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b)) or a.resolve() == b.resolve()
+
+
+def _value(value: object) -> str:
+    """A stored value as printed: a number (inf and nan as such), null as not measured."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return f"{value:.4g}"
+    return "null (not measured)" if value is None else plain(value)
 
 
 def _span(steps: list[int]) -> str:

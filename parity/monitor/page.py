@@ -1,7 +1,8 @@
-"""The monitor's page, `out_dir/index.html`: per-step trend charts, alerts, restarts, and details of
-chosen steps (the latest and the `WORST_STEPS` of largest k3_kl, or `--step N`). Drawn from the
-store alone and written atomically; `PageRenderer` draws off the critical path and a failed
-drawing never touches the store. NumPy and matplotlib, no torch.
+"""The monitor's page, `out_dir/index.html`: per-step trend charts (naming the steps they leave out, with
+no finite value, and where the thresholds changed), alerts, restarts, and details of chosen steps (the
+latest and the `WORST_STEPS` of largest k3_kl, or `--step N`). Drawn from the store alone and written
+atomically; `PageRenderer` draws off the critical path and a failed drawing never touches the store.
+NumPy and matplotlib, no torch.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import datetime as _dt
 import html
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -39,6 +41,8 @@ ALERTS_SHOWN = 50
 PAGE_NICENESS = 10
 #: steps of largest k3_kl detailed on the page besides the latest.
 WORST_STEPS = 3
+#: steps named per kind of value a trend chart leaves out (the rest are counted).
+GAPS_SHOWN = 5
 
 log = logging.getLogger("parity.monitor")
 
@@ -83,7 +87,9 @@ def monitor_html(run: dict[str, str], steps: list[dict[str, Any]], *, log_scale:
     if steps:
         by_step = {s["step"]: s for s in steps}
         chosen = detail_steps(steps) if detail is None else [d for d in detail if d in by_step]
-        parts += [_alerts_html(alerts, steps[-1].get("thresholds")), _restarts(steps), "<h2>Trends</h2>",
+        # any step's thresholds: a session continued without them leaves the earlier steps' checks
+        bounded = next((s["thresholds"] for s in reversed(steps) if s.get("thresholds")), None)
+        parts += [_alerts_html(alerts, bounded), _restarts(steps), "<h2>Trends</h2>",
                   _trends(steps, log_scale), _index(chosen, by_step)]
         parts += [_detail(by_step[d], latest=d == steps[-1]["step"]) for d in chosen]
         parts.append(_recommendation_changes(steps))
@@ -92,8 +98,9 @@ def monitor_html(run: dict[str, str], steps: list[dict[str, Any]], *, log_scale:
 
 
 def detail_steps(steps: list[dict[str, Any]]) -> list[int]:
-    """The steps detailed by default: the latest, then the `WORST_STEPS` of largest k3_kl."""
-    ranked = sorted((s for s in steps if isinstance(s.get("summary", {}).get("k3_kl"), (int, float))),
+    """The steps detailed by default: the latest, then the `WORST_STEPS` of largest k3_kl (an infinite
+    one first; a NaN one is not ranked)."""
+    ranked = sorted((s for s in steps if _number(s.get("summary", {}).get("k3_kl")) is not None),
                     key=lambda s: -s["summary"]["k3_kl"])
     out = [steps[-1]["step"]]
     out += [s["step"] for s in ranked if s["step"] != out[0]][:WORST_STEPS]
@@ -109,6 +116,49 @@ def _index(chosen: list[int], by_step: dict[int, dict[str, Any]]) -> str:
 
 def _fmt(value: Any) -> str:
     return f"{value:.3g}" if isinstance(value, (int, float)) else "?"
+
+
+def _number(value: Any) -> float | None:
+    """`value` as a float that orders (an infinity included), None for NaN, null or a non-number."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+    return float(value) if ok else None
+
+
+def _gaps(key: str, steps: list[dict[str, Any]], values: list[Any]) -> str | None:
+    """What a trend chart of `key` leaves out: the steps that store `key` with no finite value (a gap
+    in the line, as a step without the key), by kind; None where there is none."""
+    kinds: dict[str, list[int]] = {}
+    for s, v in zip(steps, values):
+        if v is None or (isinstance(v, float) and not math.isfinite(v)):
+            kinds.setdefault("null (not measured)" if v is None else str(v), []).append(s["step"])
+    if not kinds:
+        return None
+    parts = [f"{kind} at step{'s' if len(at) > 1 else ''} {', '.join(map(str, at[:GAPS_SHOWN]))}"
+             + (f" and {len(at) - GAPS_SHOWN} more" if len(at) > GAPS_SHOWN else "")
+             for kind, at in kinds.items()]
+    return (f"{key}: {sum(map(len, kinds.values()))} of the {len(steps)} steps storing it not charted "
+            f"({'; '.join(parts)})")
+
+
+def _bound_changes(steps: list[dict[str, Any]]) -> list[str]:
+    """Where a resumed or continued run changed a metric's thresholds: the charts draw the latest."""
+    out: list[str] = []
+    before: dict[str, Any] = {}
+    for i, s in enumerate(steps):
+        now = s.get("thresholds") or {}
+        for key in sorted(set(before) | set(now)) if i else ():
+            if before.get(key) != now.get(key):
+                out.append(f"{key}: {_band(before.get(key))} up to step {steps[i - 1]['step']}, "
+                           f"{_band(now.get(key))} from step {s['step']}")
+        before = now
+    return out
+
+
+def _band(bound: Any) -> str:
+    if not bound:
+        return "no threshold"
+    low, high = ("open" if b is None else f"{b:.4g}" for b in bound)
+    return f"threshold [{low}, {high}]"
 
 
 def _restarts(steps: list[dict[str, Any]]) -> str:
@@ -135,17 +185,28 @@ def _trends(steps: list[dict[str, Any]], log_scale: bool) -> str:
     flats = [flat_values(s) for s in steps]
     bounds: dict[str, list[Any]] = steps[-1].get("thresholds") or {}
     keys = [k for k in TREND_KEYS if any(k in f for f in flats)]
-    keys += [k for k in bounds if k not in keys]
+    # a key an earlier session bounded too: its alerts are flagged on its chart
+    keys += [k for k in dict.fromkeys(k for s in steps for k in (s.get("thresholds") or {})) if k not in keys]
     xs = [s["step"] for s in steps]
     restarts = [s["step"] for s in steps if s.get("restart")]
     charts = []
+    gaps = []
     for key in keys:
         flagged = {s["step"] for s in steps for a in s.get("alerts", []) if a["key"] == key}
         low, high = bounds.get(key, (None, None))
         fig = step_trend_figure(xs, [f.get(key) for f in flats], title=key, low=low, high=high,
                                 flagged=flagged, log_scale=log_scale, restarts=restarts)
         charts.append(figure_img(fig, f"{key} over steps"))
-    return f'<div class="trends">{"".join(charts)}</div>'
+        stored = [(s, f[key]) for s, f in zip(steps, flats) if key in f]
+        gap = _gaps(key, [s for s, _ in stored], [v for _, v in stored])
+        if gap is not None:
+            gaps.append(gap)
+    notes = [("Not charted: steps with no finite value (a gap in the line)", gaps),
+             ("Thresholds changed during the run (the charts draw the latest)", _bound_changes(steps))]
+    return f'<div class="trends">{"".join(charts)}</div>' + "".join(
+        f'<p class="sub">{html.escape(title)}:</p><ul class="alerts">'
+        + "".join(f"<li>{html.escape(x)}</li>" for x in lines[:ALERTS_SHOWN]) + "</ul>"
+        for title, lines in notes if lines)
 
 
 def _detail(step: dict[str, Any], *, latest: bool) -> str:

@@ -4,7 +4,9 @@ Tables `run`, `steps(attempt, step, logged_at, record)`, `advice`, plus `monitor
 run's steps start a new attempt that supersedes earlier steps from its first on; `steps()` reads
 the run as it stands. One transaction per step survives SIGKILL; journal "auto" is WAL locally,
 rollback on network filesystems. One writer per directory (fcntl lock); foreign files are refused,
-never altered; readers open read-only; triggers forbid UPDATE and DELETE. Standard library only.
+never altered; readers open read-only; triggers forbid UPDATE and DELETE. A non-finite float of a
+record's dict is null there, its "nonfinite" entry naming it (`stored_form`; older stores have none,
+and older readers see the null). Standard library only.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from urllib.parse import quote
 
 from parity.core.errors import ConfigError, InputError
 from parity.core.schema import VERSION
+from parity.core.tables import nonfinite_as_null, nonfinite_restored
 
 #: the store's file name inside a monitor directory.
 STORE_FILE = "monitor.sqlite"
@@ -86,6 +89,39 @@ def json_ready(value: Any) -> Any:
         return value
     raise InputError(f"cannot store {type(value).__name__} {value!r:.60} in the monitor; give plain numbers, "
                      "strings, lists and dicts")
+
+
+def stored_form(value: Any) -> Any:
+    """`value` as `json_ready` gives it, but each dict's non-finite floats null and named in its
+    "nonfinite" entry (`parity.core.tables.nonfinite_as_null`, as the loop record does): an infinite
+    k3_kl is not stored as "not measured". A non-finite float directly in a list stays null."""
+    return json_ready(_marked(value))
+
+
+def _marked(value: Any) -> Any:
+    if _is_scalar(value):
+        value = value.item()
+    if isinstance(value, dict):
+        return nonfinite_as_null({str(k): _marked(v) for k, v in value.items()})
+    if isinstance(value, (list, tuple)):
+        return [v if isinstance(v, float) else _marked(v) for v in value]
+    return value
+
+
+def _restored(value: Any, where: str) -> Any:
+    """The inverse of `stored_form` (InputError naming `where` for a malformed "nonfinite" entry)."""
+    if isinstance(value, dict):
+        return nonfinite_restored({k: _restored(v, where) for k, v in value.items()}, where)
+    if isinstance(value, list):
+        return [_restored(v, where) for v in value]
+    return value
+
+
+def restored_record(record: dict[str, Any], where: str) -> dict[str, Any]:
+    """A stored record with its non-finite floats back (`stored_form`); the user's `meta`, stored as
+    given with no marks, is left as it is."""
+    out = {k: v if k == "meta" else _restored(v, where) for k, v in record.items()}
+    return nonfinite_restored(out, where)
 
 
 def plain(text: Any) -> str:
@@ -244,7 +280,7 @@ class MonitorStore:
     def append(self, step: int, record: dict[str, Any], *, attempt: int = 0) -> float:
         """Store `record` as step `step` of `attempt` in one transaction (see the module doc);
         returns the time it was logged at (unix seconds)."""
-        text = json.dumps(json_ready(record), allow_nan=False, separators=(",", ":"))
+        text = json.dumps(stored_form(record), allow_nan=False, separators=(",", ":"))
         conn = self._conn
         logged_at = time.time()
         conn.execute("BEGIN IMMEDIATE")
@@ -262,7 +298,7 @@ class MonitorStore:
 
     def append_advice(self, attempt: int, step: int, recommendation: dict[str, Any]) -> None:
         """Store the advisor's recommendation of a stored step (computed off the training thread)."""
-        text = json.dumps(json_ready(recommendation), allow_nan=False, separators=(",", ":"))
+        text = json.dumps(stored_form(recommendation), allow_nan=False, separators=(",", ":"))
         self._conn.execute("INSERT OR IGNORE INTO advice (attempt, step, recommendation) VALUES (?, ?, ?)",
                            (attempt, step, text))
 
@@ -292,9 +328,9 @@ class MonitorStore:
                 record = json.loads(text)
                 if not isinstance(record, dict):
                     raise ValueError(f"a JSON {type(record).__name__}, not an object")
-                item = {**record, **item}
+                item = {**restored_record(record, f"step {s} (attempt {a})"), **item}
                 if (a, s) in advice:
-                    item["recommendation"] = json.loads(advice[(a, s)])
+                    item["recommendation"] = _restored(json.loads(advice[(a, s)]), f"advice of step {s}")
             except (ValueError, TypeError) as exc:
                 reason = f"{type(exc).__name__}: {exc}"
                 item["undecodable"] = reason
