@@ -13,12 +13,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from parity.audit.derived import BATCH_SIZES
-from parity.audit.result import CHECKS, VERDICT_CHECKS
+from parity.audit.result import CHECKS
 from parity.audit.run import audit
 from parity.backends import parse_options
 from parity.core.errors import EXIT_FAILED, ConfigError
 from parity.core.outputs import output_file
-from parity.core.schema import DTYPES
+from parity.core.schema import AUDIT_VERDICT_CHECKS, DTYPES
 from parity.render.audit import audit_html
 from parity.runtime.frame import Parser, run_command
 from parity.workload.cases import resolve_case
@@ -91,5 +91,5 @@ def _run(args: argparse.Namespace) -> int:
     if args.html is not None:
         args.html.write_text(audit_html(result.to_dict()), encoding="utf-8")
         print(f"wrote {args.html}")
-    failed = [name for name in VERDICT_CHECKS if not getattr(result, name) and result.measured(name)]
+    failed = [name for name in AUDIT_VERDICT_CHECKS if not getattr(result, name) and result.measured(name)]
     return 0 if not failed and result.control_held else EXIT_FAILED

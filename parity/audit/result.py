@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from parity.core.errors import InputError
+from parity.core.schema import AUDIT_VERDICT_CHECKS
 from parity.render.audit import CONTROL, machine_clause, verdict_words
 
 #: the checks, in run order.
@@ -21,10 +22,6 @@ CHECKS: tuple[str, ...] = ("repeat", "batch", "order", "prefill_decode", "prefix
 #: the keys of one check's JSON, in order.
 CHECK_KEYS: tuple[str, ...] = ("identical", "requests", "differing_requests", "first_difference",
                                "max_abs_logprob_diff", "mean_abs_logprob_diff", "skipped")
-#: the checks each verdict rests on (docs/DESIGN.md); prefill_decode and prefix_cache are reported
-#: beside them, and the seed control on its own.
-VERDICT_CHECKS: dict[str, tuple[str, ...]] = {"deterministic": ("repeat",),
-                                               "batch_invariant": ("batch", "order")}
 #: the keys of the result's JSON, in order.
 RESULT_KEYS: tuple[str, ...] = ("backend", "model", "dtype", "provenance", "checks", "deterministic",
                                 "batch_invariant")
@@ -149,7 +146,7 @@ class AuditResult:
         """Whether `verdict` ("deterministic", "batch_invariant") was measured: every check it rests on
         ran, or one that ran differed (a NO needs no more). A False verdict not measured is "not
         checked", never "no"."""
-        checks = [self.checks[name] for name in VERDICT_CHECKS[verdict]]
+        checks = [self.checks[name] for name in AUDIT_VERDICT_CHECKS[verdict]]
         return all(c.skipped is None for c in checks) or any(c.skipped is None and not c.identical
                                                              for c in checks)
 
@@ -197,16 +194,11 @@ class AuditResult:
     def summary_text(self) -> str:
         """The verdicts (on this engine, workload and machine), then one line per check."""
         width = max(map(len, CHECKS))
+        # the batch-invariance words name a check beside the verdict that differs, and which of the
+        # verdict's checks ran when not all did: the page's badge says the same (`verdict_words`)
         deterministic, invariant = verdict_words(self.to_dict())
-        # the verdict covers batch and order only: a check beside it that differs is named with it, so a
-        # "yes" does not read as every check identical
-        judged = {CONTROL, *(name for names in VERDICT_CHECKS.values() for name in names)}
-        beside = [name for name in CHECKS if name not in judged
-                  and self.checks[name].skipped is None and not self.checks[name].identical]
-        scope = f" (batch and order; {' and '.join(beside)} differ{'s' if len(beside) == 1 else ''})" \
-            if beside else ""
         lines = [f"audit of {self.backend} on {self.model} ({self.dtype}): deterministic {deterministic}, "
-                 f"batch-invariant {invariant}{scope}; {machine_clause(self.provenance)}"]
+                 f"batch-invariant {invariant}; {machine_clause(self.provenance)}"]
         lines += [f"  {name.ljust(width)}  {_describe(name, check)}" for name, check in self.checks.items()]
         if not self.control_held:
             lines.append("  control FAILED: two seeds gave identical samples, so the sampling checks prove "

@@ -47,6 +47,10 @@ ROUTER_REPLAY_CHOICES: tuple[str, ...] = (NO_REPLAY, *REPLAY_MODES)
 #: backend deterministic and batch-invariant: `parity.audit`; its repeat noise judges the run's other
 #: rows of that backend).
 CASE_KINDS: tuple[str, ...] = ("compare", "lifecycle", "trajectory", "loop", "audit")
+#: the audit checks each verdict rests on (docs/DESIGN.md); prefill_decode and prefix_cache are
+#: reported beside them, and the seed control on its own (`parity.audit.result`, `parity.render.audit`).
+AUDIT_VERDICT_CHECKS: dict[str, tuple[str, ...]] = {"deterministic": ("repeat",),
+                                                     "batch_invariant": ("batch", "order")}
 
 #: the linear layers parity applies LoRA adapters to, by the last part of their module name: every
 #: attention and MLP projection of a dense model; on a MoE model the attention projections only

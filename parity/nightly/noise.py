@@ -25,6 +25,8 @@ NOISE_FLOOR_KEY = "audit_repeat_mean_abs_logprob_diff"
 #: provenance key of a row's engine start options (`parity.nightly.execute.engine_options`): an
 #: adapter, a tensor-parallel degree, route capture or prefix caching make another engine.
 ENGINE_OPTIONS = "engine_options"
+#: checks beside batch invariance that the reference engine (invariant kernels) must pass too.
+REFERENCE_IDENTICAL = ("prefill_decode", "prefix_cache")
 
 
 def audit_row(run_id: str, key: RowKey, case: Case, engine: Backend, provenance: dict[str, Any],
@@ -56,6 +58,16 @@ def audit_row(run_id: str, key: RowKey, case: Case, engine: Backend, provenance:
     if engine.meta.get("batch_invariant") and differing:
         violations.append({"metric": "audit: requests that differ although the backend is batch-invariant",
                            "value": float(differing), "limit": 0.0})
+    # parity's own engine with invariant kernels is documented identical on every check (docs/DESIGN.md:
+    # its rollout logprobs are the training forward's bit for bit), so a check beside the verdict that
+    # differs is a finding there too; other backends claim batch invariance only
+    if getattr(engine, "name", None) == "reference" and engine.meta.get("batch_invariant"):
+        for name in REFERENCE_IDENTICAL:
+            check = result.checks[name]
+            if check.skipped is None and check.differing_requests:
+                violations.append({"metric": f"audit {name}: requests that differ although the reference "
+                                             "engine is identical on every check",
+                                   "value": float(check.differing_requests), "limit": 0.0})
     return RowResult(run_id=run_id, key=key, status="fail" if violations else "pass", summary=summary,
                      violations=violations,
                      provenance={**provenance, "kind": AUDIT, "backend_meta": dict(engine.meta),

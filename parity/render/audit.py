@@ -8,6 +8,7 @@ import html
 import json
 from typing import Any
 
+from parity.core.schema import AUDIT_VERDICT_CHECKS
 from parity.render.report_page import key_value_table, server_settings_html
 
 _CSS = """
@@ -39,18 +40,36 @@ _MEANING = {
 
 #: the control check: its samples must differ.
 CONTROL = "seed"
+#: the checks batch invariance rests on.
+INVARIANT_CHECKS = AUDIT_VERDICT_CHECKS["batch_invariant"]
 
 
 def verdict_words(result: dict[str, Any]) -> tuple[str, str]:
     """The two verdicts of an audit result (its `to_dict()` form) as a person reads them: "yes",
     "NO", or "not checked" where a check the verdict rests on was skipped and none that ran
-    differed (nothing measured is no NO)."""
+    differed (nothing measured is no NO); "partly checked (batch identical, order not checked)"
+    where some ran. A check reported beside batch invariance that differs is named with it, so a
+    "yes" does not read as every check identical."""
     def word(names: tuple[str, ...], flag: bool) -> str:
-        checks = [result["checks"][n] for n in names]
-        if not flag and not any(c["skipped"] is None and not c["identical"] for c in checks):
+        checks = {n: result["checks"][n] for n in names}
+        if flag:
+            return "yes"
+        if any(c["skipped"] is None and not c["identical"] for c in checks.values()):
+            return "NO"
+        ran = [n for n, c in checks.items() if c["skipped"] is None]
+        if not ran:
             return "not checked"
-        return "yes" if flag else "NO"
-    return word(("repeat",), result["deterministic"]), word(("batch", "order"), result["batch_invariant"])
+        return "partly checked (" + ", ".join(f"{n} identical" if n in ran else f"{n} not checked"
+                                              for n in names) + ")"
+    invariant = word(INVARIANT_CHECKS, result["batch_invariant"])
+    judged = (CONTROL, *AUDIT_VERDICT_CHECKS["deterministic"], *INVARIANT_CHECKS)
+    beside = [name for name, c in result["checks"].items()
+              if name not in judged and c["skipped"] is None and not c["identical"]]
+    if beside:
+        differ = f"{' and '.join(beside)} differ{'s' if len(beside) == 1 else ''}"
+        invariant = f"{invariant[:-1]}; {differ})" if invariant.endswith(")") \
+            else f"{invariant} ({' and '.join(INVARIANT_CHECKS)}; {differ})"
+    return word(AUDIT_VERDICT_CHECKS["deterministic"], result["deterministic"]), invariant
 
 
 def machine_clause(provenance: dict[str, Any]) -> str:
@@ -68,9 +87,10 @@ def _sentence(text: str) -> str:
 
 
 def _badge(label: str, word: str) -> str:
-    """A verdict badge: "yes" green, "no" red, "not checked" grey."""
+    """A verdict badge: "yes" green, "no" red, "not checked" grey; the verdict's first word decides,
+    so a "yes (batch and order; prefill_decode differs)" stays green with its scope."""
     word = word.lower()
-    kind = {"yes": "yes", "no": "no"}.get(word, "unchecked")
+    kind = {"yes": "yes", "no": "no"}.get(word.split(" ", 1)[0], "unchecked")
     return f'<span class="verdict {kind}">{html.escape(label)}: {html.escape(word)}</span>'
 
 
