@@ -12,11 +12,13 @@ Whole right-padded sequences; per-action arrays are shifted by one (`action_mask
     lengths              attention_mask.sum(-1)               real tokens of each row, then padding
     sampling             not in the experience                pass sampling={"temperature": ...}
 
-Read as NeMo-RL's (`sequence_batch`); OpenRLHF's vLLM reports "processed". Duck-typed.
+Read as NeMo-RL's (`sequence_batch`); OpenRLHF's vLLM reports "processed". Duck-typed. Rows whose
+action_mask is all 0 are not measured: counted in the step's meta (`openrlhf_masked_samples`, when any).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,6 +39,8 @@ from parity.monitor.arrays import host_array
 if TYPE_CHECKING:
     from parity.monitor import Monitor
 
+#: the meta key of a step's notes: rows with real tokens whose action_mask is all 0 (not measured).
+MASKED = "openrlhf_masked_samples"
 #: the Experience field of each array parity reads.
 FIELDS: dict[str, str] = {"rollout": "rollout_log_probs", "trainer": "action_log_probs",
                           "mask": "action_mask", "tokens": "sequences", "attention": "attention_mask"}
@@ -79,10 +83,12 @@ def read_batch(experience: Any, *, sampling: Mapping[str, Any] | None = None) ->
         """Position i holds token i's value (NeMo-RL's layout); nothing precedes token 0."""
         return np.concatenate([np.full((batch, 1), fill, values.dtype), values], axis=1)
 
-    return sequence_batch(unshifted(rollout, 0), unshifted(trainer, 0), unshifted(action, False), tokens,
+    step = sequence_batch(unshifted(rollout, 0), unshifted(trainer, 0), unshifted(action, False), tokens,
                           attention.sum(axis=1), sampling,
                           names=(FIELDS["rollout"], FIELDS["trainer"], "action_mask (shifted back by one)",
                                  FIELDS["tokens"], "attention_mask"))
+    masked = int((attention.any(axis=1) & ~action.any(axis=1)).sum())
+    return dataclasses.replace(step, notes={MASKED: masked}) if masked else step
 
 
 def log_batch(monitor: Monitor, step: int, experience: Any, *, sampling: Mapping[str, Any] | None = None,

@@ -9,6 +9,7 @@ processed-mode row must carry its sampling parameters or be given them.
 from __future__ import annotations
 
 import numbers
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,6 +89,7 @@ def read_dump(path: str | Path, *, backend: str = "external", logprobs_mode: str
     if not rollouts:
         raise InputError(f"{path}: no rollouts (the dump holds no rows); point at a dump with one rollout "
                          "per row")
+    _warn_unmatched(path, sampling, rollouts)
     keys = [r.key for r in rollouts]
     if len(set(keys)) != len(keys):
         raise InputError(f"{path}: (request_id, sample_index) repeats; give each rollout a unique pair")
@@ -98,6 +100,20 @@ def read_dump(path: str | Path, *, backend: str = "external", logprobs_mode: str
         raise InputError(f"{path}: trainer logprobs must be in one column on every row; rows "
                          f"{[i + 1 for i in missing[:5]]} have none, columns used: {sorted(columns)}")
     return Dump(path, tuple(rollouts), tuple(t for t in trainer if t is not None), columns.pop())
+
+
+def _warn_unmatched(path: Path, given: GivenSampling, rollouts: Sequence[Rollout]) -> None:
+    """Warn when sampling given by request id matches no row: then it was used nowhere, and rows with their
+    own sampling went unchecked against it (valid input, so a warning, not a refusal)."""
+    if not isinstance(given, Mapping) or not given or any(r.request_id in given for r in rollouts):
+        return
+    ids = ", ".join(map(repr, list(given)[:5])) + (", ..." if len(given) > 5 else "")
+    seen = sorted({r.request_id for r in rollouts})
+    rows = ", ".join(map(repr, seen[:5])) + (", ..." if len(seen) > 5 else "")
+    warnings.warn(f"{path}: sampling was given by request id ({ids}) but no row has any of those ids (the "
+                  f"rows' ids: {rows}); it was not used, and the rows are scored at their own sampling "
+                  "unchecked: give the dump a request_id column naming those ids, or drop the given sampling",
+                  stacklevel=3)
 
 
 def load_rollouts(path: str | Path, *, backend: str = "external", logprobs_mode: str = "processed",

@@ -5,6 +5,7 @@ two checked against each other (processed logprobs depend on them: `SamplingPara
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -48,6 +49,8 @@ def row_sampling(row: dict[str, Any], mode: str, given: SamplingParams | None,
                                  f"got {row['sampling']!r}")
             # a Parquet struct holds null for a field the row lacks: absent, as a null flat column
             fields = {k: v for k, v in row["sampling"].items() if v is not None}
+            if "top_k" in fields:
+                fields["top_k"] = _top_k_off(fields["top_k"])  # one rule for the object and the column
             own = SamplingParams.from_dict({**fields, "logprobs_mode": mode,
                                             **{k: _float32_meant(fields[k]) for k in SAMPLING_FLOATS
                                                if k in fields}})
@@ -98,6 +101,11 @@ def _top_k(row: dict[str, Any]) -> int:
     value = row.get("top_k")
     if value is None:
         return 0
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise InputError(f"top_k must be an integer, got {value!r}")
-    return 0 if value == -1 else value  # vLLM and verl spell "off" -1; parity spells it 0
+    return int(_top_k_off(value))
+
+
+def _top_k_off(value: Any) -> Any:
+    """vLLM and verl spell top_k "off" -1; parity spells it 0. Anything else as is (checked later)."""
+    return 0 if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value == -1 else value
