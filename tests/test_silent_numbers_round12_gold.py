@@ -54,34 +54,35 @@ def test_the_automatic_gold_still_runs_where_it_can():
 # -- the audit's verdicts ------------------------------------------------------------------------------
 
 
-def _check(identical: bool = True, differing: int = 0) -> CheckResult:
+def make_check(identical: bool = True, differing: int = 0) -> CheckResult:
     return CheckResult(identical=identical, requests=4, differing_requests=differing, first_difference=None,
                        max_abs_logprob_diff=0.0 if identical else 0.1, mean_abs_logprob_diff=0.0)
 
 
-def _result(**given: CheckResult) -> AuditResult:
-    checks = {name: given.get(name, _check()) for name in CHECKS}
-    checks["seed"] = given.get("seed", _check(False, 4))  # the control passes
+def make_result(**given: CheckResult) -> AuditResult:
+    checks = {name: given.get(name, make_check()) for name in CHECKS}
+    checks["seed"] = given.get("seed", make_check(False, 4))  # the control passes
     return AuditResult(backend="fake", model=MODEL, dtype="float32", provenance={}, checks=checks)
 
 
 def test_a_yes_beside_a_differing_prefill_decode_says_what_it_covers():
-    result = _result(prefill_decode=_check(False, 3))
+    result = make_result(prefill_decode=make_check(False, 3))
     first = result.summary_text().splitlines()[0]
     assert result.batch_invariant and result.to_dict()["batch_invariant"] is True  # the stored key as before
     assert "batch-invariant yes (batch and order; prefill_decode differs)" in first
-    both = _result(prefill_decode=_check(False, 3), prefix_cache=_check(False, 1)).summary_text()
+    both = make_result(prefill_decode=make_check(False, 3), prefix_cache=make_check(False, 1)).summary_text()
     assert "(batch and order; prefill_decode and prefix_cache differ)" in both.splitlines()[0]
-    assert "batch-invariant yes;" in _result().summary_text().splitlines()[0]
+    assert "batch-invariant yes;" in make_result().summary_text().splitlines()[0]
 
 
 def test_measured_tells_not_checked_from_no():
     skipped = CheckResult.skip("not asked for (checks=...)")
-    assert not _result(batch=skipped, order=skipped).measured("batch_invariant")
+    assert not make_result(batch=skipped, order=skipped).measured("batch_invariant")
     one_request = CheckResult.skip("one request: there is no other order")
-    assert not _result(order=one_request).measured("batch_invariant")
-    assert _result(batch=_check(False, 2), order=skipped).measured("batch_invariant")  # a NO needs no more
-    assert _result().measured("batch_invariant") and _result().measured("deterministic")
+    assert not make_result(order=one_request).measured("batch_invariant")
+    # a NO needs no more
+    assert make_result(batch=make_check(False, 2), order=skipped).measured("batch_invariant")
+    assert make_result().measured("batch_invariant") and make_result().measured("deterministic")
 
 
 def _command_exit(monkeypatch, result: AuditResult) -> int:
@@ -93,11 +94,11 @@ def _command_exit(monkeypatch, result: AuditResult) -> int:
 def test_the_command_fails_nothing_it_did_not_measure(monkeypatch, capsys):
     skipped = CheckResult.skip("not asked for (checks=...)")
     # old: exit 1 ("not batch-invariant") for batch-invariance nobody measured
-    assert _command_exit(monkeypatch, _result(batch=skipped, order=skipped)) == 0
+    assert _command_exit(monkeypatch, make_result(batch=skipped, order=skipped)) == 0
     assert "batch-invariant not checked" in capsys.readouterr().out
-    assert _command_exit(monkeypatch, _result(batch=_check(False, 1), order=skipped)) == 1
-    assert _command_exit(monkeypatch, _result(repeat=_check(False, 1))) == 1
-    assert _command_exit(monkeypatch, _result(seed=_check(True))) == 1  # the control failed
+    assert _command_exit(monkeypatch, make_result(batch=make_check(False, 1), order=skipped)) == 1
+    assert _command_exit(monkeypatch, make_result(repeat=make_check(False, 1))) == 1
+    assert _command_exit(monkeypatch, make_result(seed=make_check(True))) == 1  # the control failed
 
 
 def test_a_nightly_audit_row_leaves_out_a_verdict_it_did_not_measure(monkeypatch):
@@ -106,7 +107,7 @@ def test_a_nightly_audit_row_leaves_out_a_verdict_it_did_not_measure(monkeypatch
 
     skipped = CheckResult.skip("one request: there is no other order")
     monkeypatch.setattr(importlib.import_module("parity.audit"), "audit",
-                        lambda *a, **k: _result(order=skipped))
+                        lambda *a, **k: make_result(order=skipped))
     row = audit_row("r1", RowKey("noise", "reference", "float32"), SimpleNamespace(model=MODEL),
                     SimpleNamespace(meta={"batch_invariant": True}), {}, {})
     # old: audit_batch_invariant 0.0, a "no" on the trend chart for what was not measured
