@@ -21,7 +21,7 @@ from parity.audit.diff import Pair, compare_pairs, pair_runs
 from parity.audit.result import CHECKS, CheckResult
 from parity.backends import Backend
 from parity.backends.base import check_samples
-from parity.core.errors import BackendError, UnsupportedError
+from parity.core.errors import UnsupportedError
 from parity.core.types import Request, Rollout
 
 #: a shared prefix of this many KV blocks gives the prefix cache whole blocks to serve.
@@ -149,9 +149,7 @@ def _prefill_decode(runs: Runs, requests: Sequence[Request]) -> CheckResult:
         scores = runs.backend.score(sampled, logprobs_mode="raw")
     except UnsupportedError as e:
         return CheckResult.skip(f"the backend cannot score sequences: {e}")
-    if len(scores) != len(sampled):  # zip would compare the first ones only and say nothing
-        raise BackendError(f"backend {runs.backend.name!r} scored {len(scores)} sequences for the "
-                           f"{len(sampled)} it was given")
+    # one score row per sequence, each of its length: `Backend.score` checks it (`checked_scores`)
     scored = [dataclasses.replace(r, logprobs=tuple(float(x) for x in s.tolist()))
               for r, s in zip(sampled, scores)]
     return compare_pairs([Pair(a, b, {"a": "decode (sampled)", "b": "prefill (score)"})

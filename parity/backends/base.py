@@ -23,7 +23,7 @@ from parity.core.schema import LOGPROBS_MODES
 from parity.core.strict import check_choice, check_dtype
 from parity.core.types import Pair, Request, Rollout, SamplingParams, Sequences, as_pairs
 from parity.models import resolve_model
-from parity.models.checkpoints import eos_token_ids as checkpoint_eos_ids
+from parity.models.checkpoints import eos_token_ids
 from parity.models.lora import LoraSpec, check_adapter
 
 if TYPE_CHECKING:
@@ -91,12 +91,6 @@ def check_samples(requests: Sequence[Request], rollouts: Sequence[Rollout], back
     if missing:
         raise BackendError(f"backend {backend!r} returned {len(seen)} of {len(want)} samples; missing "
                            f"{', '.join(map(str, missing[:3]))}{' ...' if len(missing) > 3 else ''}")
-
-
-def eos_token_ids(model_path: str | Path) -> tuple[int, ...]:
-    """EOS ids of a checkpoint: generation_config.json first (what HF generate uses), else config.json,
-    and the tokenizer's eos token, on which vLLM stops too (`parity.models.checkpoints.eos_token_ids`)."""
-    return checkpoint_eos_ids(model_path)
 
 
 def stop_set(sampling: SamplingParams, eos_ids: Iterable[int]) -> tuple[int, ...]:
