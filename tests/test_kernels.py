@@ -158,7 +158,7 @@ def test_every_patched_gated_mlp_computes_act_of_gate_times_up():
     changed it would fail here, not drift silently)."""
     import inspect
 
-    from parity.models.loading import GATED_MLPS
+    from parity.models.patches import GATED_MLPS
 
     for name in GATED_MLPS:
         source = inspect.getsource(_hf_class(name, "MLP").forward)
@@ -274,12 +274,12 @@ def test_every_rewritten_forward_is_the_one_parity_rewrites(kind):
     have exactly the body and the parameters it was written from (an upgrade that changed one fails)."""
     import inspect
 
-    from parity.models import loading
+    from parity.models import patches
 
     names, suffix, rewrite, end, body = {
-        "decoder layers": (loading.DECODER_LAYERS, "DecoderLayer", loading._decoder_layer_forward,
+        "decoder layers": (patches.DECODER_LAYERS, "DecoderLayer", patches._decoder_layer_forward,
                            ") -> torch.Tensor:", DECODER_BODY),
-        "normed attention": (loading.NORMED_ATTENTION, "Attention", loading._normed_attention_forward,
+        "normed attention": (patches.NORMED_ATTENTION, "Attention", patches._normed_attention_forward,
                              ") -> tuple[torch.Tensor, torch.Tensor | None]:", NORMED_ATTENTION_BODY),
     }[kind]
     for name in names:

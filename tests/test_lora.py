@@ -21,7 +21,7 @@ from safetensors.numpy import load_file, save_file
 from parity import Request, SamplingParams
 from parity.core.errors import AdapterError, ConfigError, InputError
 from parity.engine import ReferenceEngine, train_forward
-from parity.models import loading as loading_module
+from parity.models import patches as patches_module
 from parity.models import resolve_model
 from parity.models.loading import load_model, swap_adapter
 from parity.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, check_adapter, merge_adapter, resolve_adapter
@@ -175,7 +175,7 @@ def test_adapted_linear_equals_peft_on_stock_kernels(dtype):
     from peft import PeftModel
 
     from parity import kernels
-    from parity.models.loading import ParityLinear
+    from parity.models.patches import ParityLinear
 
     lm = load_model("tiny-llama", dtype=str(dtype).removeprefix("torch."), lora="tiny-llama-lora-r8")
     ours = lm.model.get_submodule("model.layers.1.mlp.down_proj")
@@ -243,7 +243,7 @@ def test_stock_adapter_products_break_parity(monkeypatch):
         linear = torch.nn.functional.linear
         return linear(linear(x.float(), lora.a), lora.b) * lora.scaling
 
-    monkeypatch.setattr(loading_module, "lora_delta", stock_delta)
+    monkeypatch.setattr(patches_module, "lora_delta", stock_delta)
     found = False
     for seed in range(8):
         rng = random.Random(seed)

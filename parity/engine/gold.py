@@ -41,13 +41,9 @@ from parity.engine.train import (
     scoring_adapter,
 )
 from parity.models.checkpoints import resolve_model
-from parity.models.loading import (
-    STATIC_ROPE_TYPES,
-    SUPPORTED_ARCHITECTURES,
-    LoadedModel,
-    check_device,
-)
+from parity.models.loading import SUPPORTED_ARCHITECTURES, LoadedModel, check_device
 from parity.models.lora import LoraSpec, adapter_deltas, check_adapter
+from parity.models.patches import STATIC_ROPE_TYPES
 from parity.models.routing import ROUTERS
 
 #: the gold's dtype on each device type: float64 where the hardware computes it at full speed
