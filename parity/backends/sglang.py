@@ -51,7 +51,8 @@ SGLANG_LOGPROB_FLOOR = -3.3895313892515355e38
 FINISHED_AS_ASKED = ("stop", "length")
 #: `/get_server_info` fields that decide a server's numbers (recorded in meta["server_settings"]).
 SERVER_SETTINGS = ("tp_size", "attention_backend", "sampling_backend", "enable_deterministic_inference",
-                   "disable_radix_cache", "disable_cuda_graph", "random_seed", "dtype", "page_size")
+                   "disable_radix_cache", "disable_cuda_graph", "random_seed", "dtype", "page_size",
+                   "kv_cache_dtype", "quantization", "speculative_algorithm")
 
 
 def translate_sampling(job: SampleJob, eos_ids: Sequence[int], logprobs_mode: str) -> dict[str, Any]:
@@ -94,9 +95,38 @@ def unclamp(logprob: Any) -> float:
     return float("-inf") if value <= SGLANG_LOGPROB_FLOOR else value
 
 
-def check_finish(out: dict[str, Any], job: SampleJob, n_tokens: int, stops: Sequence[int]) -> None:
+def engine_eos_ids(model_path: Path) -> tuple[int, ...]:
+    """The EOS ids SGLang stops on unless `ignore_eos` (`ModelConfig._get_hf_eos_token_id`): config.json's
+    and generation_config.json's together, where vLLM and parity take generation_config.json's alone."""
+    ids: dict[int, None] = {}
+    for name in ("config.json", "generation_config.json"):
+        data = json.loads((model_path / name).read_text()) if (model_path / name).is_file() else None
+        eos = data.get("eos_token_id") if isinstance(data, dict) else None
+        eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
+        ids.update(dict.fromkeys(int(e) for e in eos))
+    return tuple(ids)
+
+
+def check_engine_stops(job: SampleJob, eos_ids: Sequence[int], engine_eos: Sequence[int]) -> None:
+    """ConfigError, before the sample is sent, where SGLang would stop on an EOS id of config.json that
+    the request's stop set (vLLM's rule: generation_config.json's and the tokenizer's EOS) lacks."""
+    if job.sampling.ignore_eos:
+        return
+    stops = stop_set(job.sampling, eos_ids)
+    extra = [i for i in engine_eos if i not in stops]
+    if extra:
+        raise ConfigError(
+            f"request {job.request.request_id!r}: SGLang stops on config.json's eos_token_id {extra} too, "
+            f"which the stop set of vLLM and parity ({list(stops)}: generation_config.json's and the "
+            f"tokenizer's EOS) lacks, so its samples could end where theirs run on; add {extra} to "
+            "sampling.stop_token_ids (every backend then stops there), or set ignore_eos")
+
+
+def check_finish(out: dict[str, Any], job: SampleJob, tokens: Sequence[int], stops: Sequence[int]) -> None:
     """BackendError for a sample SGLang aborted, or stopped on a token outside `stops` (the stop set
-    parity sent): its tokens would pass for one that ran to its length."""
+    parity sent): its tokens would pass for one that ran to its length; or holding a stop id before
+    its last token (SGLang ran past a stop, or the ids are shifted: no min_new_tokens, no stop strings)."""
+    n_tokens = len(tokens)
     finish = out.get("meta_info", {}).get("finish_reason")
     kind = finish.get("type") if isinstance(finish, dict) else finish
     where = f"SGLang ended sample {job.request.request_id!r}/{job.sample_index}"
@@ -110,6 +140,15 @@ def check_finish(out: dict[str, Any], job: SampleJob, n_tokens: int, stops: Sequ
                            f"{list(stops)}: SGLang also stops on every EOS id of config.json and "
                            "generation_config.json, parity on generation_config.json's alone; add "
                            f"{matched} to sampling.stop_token_ids so every backend stops there")
+    early = next((i for i, token in enumerate(tokens[:-1]) if token in stops), None)
+    if early is not None:
+        raise BackendError(f"{where} holding stop id {tokens[early]} at position {early} of its {n_tokens} "
+                           f"tokens (stop set {list(stops)}): SGLang sampled past a stop parity sent, or its "
+                           "token ids are misaligned; its later tokens answer no parity sampling")
+    if kind == "stop" and (not tokens or tokens[-1] not in stops):
+        raise BackendError(f"{where} with finish_reason {finish!r} on a last token outside the stop set "
+                           f"parity sent {list(stops)} (e.g. a stop string of the server's "
+                           "--preferred-sampling-params): parity would record it as 'length'")
 
 
 def decode_routes(encoded: str, moe_layers: int, top_k: int) -> np.ndarray:
@@ -214,6 +253,7 @@ class SGLangBackend(Backend):
         if base_url is None and not launch_server and api_key_env is not None:
             raise ConfigError("option api_key_env applies to a server; give base_url= with it")
         self.return_routed_experts = return_routed_experts
+        self.engine_eos = engine_eos_ids(self.model_path)  # what it stops on, said before it starts
         config = json.loads((self.model_path / "config.json").read_text())
         top_k = config.get("num_experts_per_tok")
         # Routes come packed for every decoder layer (the tiny MoE checkpoints are MoE throughout).
@@ -269,6 +309,7 @@ class SGLangBackend(Backend):
         self.meta.update({
             "backend_version": version, "logprobs_mode": logprobs_mode,
             "sglang_return_original_logprob": ORIGINAL_LOGPROB_ENV[logprobs_mode],
+            "engine_eos_ids": list(self.engine_eos),
             "endpoint": "Engine" if self.client is None else self.client.endpoint.public,
             "tensor_parallel_size": engine_kwargs.get("tp_size", 1),
             "attention_backend": engine_kwargs.get("attention_backend", "auto"),
@@ -292,6 +333,8 @@ class SGLangBackend(Backend):
 
     def _run_jobs(self, jobs: Sequence[SampleJob]) -> list[Rollout]:
         """The samples `jobs` in one call, as rollouts."""
+        for job in jobs:
+            check_engine_stops(job, self.eos_ids, self.engine_eos)
         params = [translate_sampling(job, self.eos_ids, self.logprobs_mode) for job in jobs]
         k = max((job.sampling.top_k_logprobs for job in jobs), default=0)
         outputs = self._generate_raw([list(job.request.prompt_ids) for job in jobs], params,
@@ -302,7 +345,7 @@ class SGLangBackend(Backend):
 
     def _rollout(self, job: SampleJob, out: dict[str, Any]) -> Rollout:
         tokens, logprobs, routes = parse_output(out, self.routes_shape)
-        check_finish(out, job, len(tokens), stop_set(job.sampling, self.eos_ids))
+        check_finish(out, job, tokens, stop_set(job.sampling, self.eos_ids))
         if routes is not None and routes.shape[0] != len(job.request.prompt_ids) + len(tokens) - 1:
             raise BackendError(f"SGLang routed_experts has {routes.shape[0]} positions for prompt "
                                f"{len(job.request.prompt_ids)} + tokens {len(tokens)} - 1")

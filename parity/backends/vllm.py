@@ -29,7 +29,7 @@ from parity.backends.vllm_probe import (
     v1_runner,
 )
 from parity.backends.vllm_requests import (
-    check_finish,
+    check_sample,
     check_scored,
     check_vllm_requests,
     routes_for_rollout,
@@ -267,7 +267,7 @@ class VLLMBackend(Backend):
         for job, out in zip(jobs, outputs):
             completion = out.outputs[0]
             tokens = list(completion.token_ids)
-            check_finish(completion.finish_reason, job, len(tokens), self.name)
+            check_sample(completion.finish_reason, job, tokens, self.eos_ids, self.name)
             logprobs = [step[tok].logprob for step, tok in zip(completion.logprobs, tokens)]
             top_k = top_k_of(completion.logprobs, job.sampling.top_k_logprobs)
             raw_routes = captured.get(out.request_id) if self.capture_routes else completion.routed_experts

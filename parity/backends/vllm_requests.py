@@ -67,6 +67,28 @@ def check_finish(reason: object, job: SampleJob, n_tokens: int, backend: str) ->
                            "run it again while nothing else pauses or aborts the engine's requests")
 
 
+def check_sample(reason: object, job: SampleJob, tokens: Sequence[int], eos_ids: Sequence[int],
+                 backend: str) -> None:
+    """`check_finish`, then BackendError for a sample whose stops disagree with the stop set parity sent
+    (no min_tokens, no stop strings): a stop id before its last token (the engine sampled past a stop,
+    or its ids are shifted), or finish_reason "stop" on a last token outside the set (parity would
+    record "length")."""
+    check_finish(reason, job, len(tokens), backend)
+    stops = stop_set(job.sampling, eos_ids)
+    where = f"{backend} sample {job.request.request_id!r}/{job.sample_index}"
+    early = next((i for i, token in enumerate(tokens[:-1]) if token in stops), None)
+    if early is not None:
+        raise BackendError(f"{where} holds stop id {tokens[early]} at position {early} of its {len(tokens)} "
+                           f"tokens (stop set {list(stops)}): the engine sampled past a stop parity sent, or "
+                           "its token ids are misaligned; its later tokens answer no parity sampling")
+    if str(reason) == "stop" and (not tokens or tokens[-1] not in stops):
+        last = tokens[-1] if tokens else None
+        raise BackendError(f"{where} ended with finish_reason 'stop' on token {last}, which is not in the "
+                           f"stop set parity sent {list(stops)} (the server stops on an id parity does not "
+                           "know, e.g. its tokenizer's eos or a stop string); parity would record it as "
+                           "'length': add that id to sampling.stop_token_ids")
+
+
 def check_scored(scored: int, response: int, backend: str) -> None:
     """BackendError unless `prompt_logprobs` covered every response token (zip would drop the rest)."""
     if scored != response:

@@ -29,13 +29,13 @@ from parity.backends.vllm_env import check_batch_invariant_platform, resolve_fla
 from parity.backends.vllm_exit import ENV as FAST_EXIT
 from parity.backends.vllm_probe import PROBE_EXTENSION, PROBE_KEY, unpack_probe
 from parity.backends.vllm_requests import (
-    check_finish,
+    check_sample,
     check_scored,
     check_vllm_requests,
     routes_for_rollout,
     with_routes,
 )
-from parity.backends.vllm_settings import from_probes, from_server_info
+from parity.backends.vllm_settings import config_file, from_probes, from_server_info
 from parity.backends.vllm_start import (
     GPU_MEMORY_UTILIZATION,
     SOCKETS,
@@ -277,13 +277,13 @@ class VLLMServerBackend(Backend):
             raise ConfigError(f"the server reports {server_mode!r} logprobs but logprobs_mode="
                               f"{self.logprobs_mode!r} was declared; declare the server's mode or restart it "
                               f"with --logprobs-mode {VLLM_LOGPROBS_MODE[self.logprobs_mode]}")
-        # where the server shows no dtype, the report's is the one declared here, unchecked
         self.meta.update({"dtype_verified": bool(settings["dtype"]), "dtype_source": (
             "server_info" if settings["dtype"] else "declared by the caller, not verified: the server shows "
             "no dtype (its /server_info needs VLLM_SERVER_DEV_MODE=1)")})
         self.meta.update({key: settings[key] for key in (
             "enable_prefix_caching", "block_size", "enforce_eager", "enable_chunked_prefill",
             "batch_invariant", "attention_backend", "tensor_parallel_size", "max_num_seqs")})
+        settings.update(config_file(self.meta.get("server_args", ())))  # a started server's --config YAML
         self.meta.update({"engine_seed": settings["seed"], "server_settings": settings,
                           "backend_version": self.client.get("/version").get("version", "unknown"),
                           "served_model": self.served_model, "logprobs_mode": self.logprobs_mode,
@@ -351,7 +351,7 @@ class VLLMServerBackend(Backend):
         rollouts = []
         for job, answer in zip(jobs, answers):
             tokens, logprobs, finish, routes = parse_completion(answer)
-            check_finish(finish, job, len(tokens), self.name)
+            check_sample(finish, job, tokens, self.eos_ids, self.name)
             routes = routes_for_rollout(routes, len(job.request.prompt_ids), len(tokens))
             top_k = top_k_rows(answer, tokens, job.sampling.top_k_logprobs)
             rollouts.append(self.finished(job, tokens, logprobs, routes, top_k=top_k,

@@ -9,6 +9,8 @@ records the settings: all from `/server_info` (dev mode), else what probes, `/me
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 #: the settings every report of a vLLM server records, None where the server does not show them.
@@ -16,16 +18,19 @@ SETTINGS: tuple[str, ...] = (
     "logprobs_mode", "dtype", "batch_invariant", "enable_chunked_prefill", "enable_prefix_caching",
     "block_size", "enforce_eager", "cudagraph_mode", "max_num_seqs", "max_num_batched_tokens",
     "max_model_len", "attention_backend", "tensor_parallel_size", "seed", "speculative_config",
+    "kv_cache_dtype", "quantization",
 )
 #: vLLM's `CUDAGraphMode` values (an int, or a pair for separate decode and mixed modes) by name.
 CUDAGRAPH_MODES: dict[Any, str] = {0: "NONE", 1: "PIECEWISE", 2: "FULL", (2, 0): "FULL_DECODE_ONLY",
                                    (2, 1): "FULL_AND_PIECEWISE"}
 SERVER_INFO = "server_info"
 #: how `from_probes` knows what it knows.
-PROBES = ("probes: logprobs mode from two requests, prefix caching and block size from /metrics "
-          "(vllm:cache_config_info), max_model_len from /v1/models; the others need /server_info "
+PROBES = ("probes: logprobs mode from two requests, prefix caching, block size and KV cache dtype from "
+          "/metrics (vllm:cache_config_info), max_model_len from /v1/models; the others need /server_info "
           "(VLLM_SERVER_DEV_MODE=1)")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+#: vLLM's flag naming a YAML file of more flags (`FlexibleArgumentParser`: the exact word, then the path).
+CONFIG_FLAG = "--config"
 
 
 def cudagraph_mode(value: Any) -> str | None:
@@ -77,6 +82,9 @@ def from_server_info(info: dict[str, Any]) -> dict[str, Any]:
         "tensor_parallel_size": (config.get("parallel_config") or {}).get("tensor_parallel_size"),
         "seed": model.get("seed"),
         "speculative_config": speculative(config.get("speculative_config")),
+        # the KV cache's dtype ("auto": the model's) and the weights' quantization ("none": unquantized)
+        "kv_cache_dtype": cache.get("cache_dtype"),
+        "quantization": str(model["quantization"] or "none") if "quantization" in model else None,
         "source": SERVER_INFO,
     }
 
@@ -100,6 +108,21 @@ def from_probes(logprobs_mode: str, metrics: str | None, models: dict[str, Any])
         "enable_prefix_caching": _flag(cache.get("enable_prefix_caching")),
         "block_size": int(block) if block and block.isdigit() else None,
         "max_model_len": served.get("max_model_len"),
+        "kv_cache_dtype": cache.get("cache_dtype"),
         "source": PROBES,
     })
     return settings
+
+
+def config_file(words: Sequence[str]) -> dict[str, Any]:
+    """{"config_file": {"path", "text"}} for the `--config` YAML among server flags `words` (vLLM reads
+    its flags from it), {} without one: its text is recorded, as the flags are, since /server_info may
+    be off and /metrics shows few of the settings it can set."""
+    if CONFIG_FLAG not in words or words.index(CONFIG_FLAG) + 1 >= len(words):
+        return {}
+    path = Path(words[words.index(CONFIG_FLAG) + 1])
+    try:
+        text: str | None = path.read_text()
+    except OSError:
+        text = None
+    return {"config_file": {"path": str(path.resolve()), "text": text}}
