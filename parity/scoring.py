@@ -47,8 +47,8 @@ DEFAULT_DTYPE = "bfloat16"
 
 @dataclass(frozen=True)
 class Source:
-    """Rollouts read from a file: kind ("record" or "dump"), model (a record's), and a dump's trainer
-    logprobs and their column.
+    """Rollouts read from a file: kind ("record" or "dump"), model (a record's), a dump's trainer
+    logprobs and their column, and the case a record's header names (`compare --record` writes it).
     """
 
     path: Path
@@ -57,6 +57,7 @@ class Source:
     model: str | None = None
     trainer_logprobs: tuple[tuple[float, ...], ...] | None = None
     trainer_column: str | None = None
+    case: str | None = None
 
 
 def read_source(path: str | os.PathLike[str], *, backend: str | None = None, sampling: GivenSampling = None,
@@ -67,8 +68,8 @@ def read_source(path: str | os.PathLike[str], *, backend: str | None = None, sam
     `sampling` names, else "processed"); a record's rollouts carry their own mode, so a given one
     that contradicts it is a ConfigError."""
     path = Path(path)
-    check_given_sampling(sampling)  # a record's rollouts are matched by request id as a dump's rows
     if path.suffix != PARQUET_SUFFIX and is_record(path):
+        check_given_sampling(sampling)  # matched by request id as a dump's rows (`read_dump` checks those)
         record = read_record(path)
         _check_record_mode(path, record, backend, logprobs_mode)
         if not record.rollouts:
@@ -82,7 +83,9 @@ def read_source(path: str | os.PathLike[str], *, backend: str | None = None, sam
             raise ConfigError(f"{path}: the record holds no rollouts of backend {name!r}; "
                               f"it has {sorted(record.rollouts)}")
         rollouts = _with_sampling(record.rollouts[name], sampling)
-        return Source(path, "record", tuple(rollouts), record.model)
+        named = record.meta.get("case")
+        return Source(path, "record", tuple(rollouts), record.model,
+                      case=named if isinstance(named, str) and named else None)
     mode = logprobs_mode or _given_mode(sampling) or "processed"
     dump = read_dump(path, backend=backend or "external", logprobs_mode=mode, sampling=sampling)
     return Source(path, "dump", dump.rollouts, None, dump.trainer_logprobs, dump.trainer_column)
@@ -176,7 +179,7 @@ def score(rollouts: Sequence[Rollout] | str | os.PathLike[str], model: str | os.
         model_arg, backend=name, backend_meta=dict(source.rollouts[0].meta), dtype=dtype, device=device,
         reference=reference, router_replay=router_replay,
         seeds=[r.sampling.seed if r.sampling is not None else None for r in source.rollouts],
-        case=source.path.stem if source.kind != "rollouts" else "rollouts", case_hash=_rollouts_hash(source),
+        case=_case_name(source, from_case), case_hash=_rollouts_hash(source, theirs),
         rollout_logprobs=f"from {where} (backend {name!r})", train_logprobs=train_side,
         lora=adapter or recorded)
     prov["sampling_checked"] = theirs is None
@@ -318,17 +321,31 @@ def _meta_dtype(rollouts: Sequence[Rollout]) -> str | None:
     return dtypes.pop() if dtypes else None
 
 
-def _rollouts_hash(source: Source) -> str:
+def _case_name(source: Source, case: Case | None) -> str:
+    """The report's `case`: the case given (`--case`), else the one a record names, else the file's
+    stem ("rollouts" for objects)."""
+    if case is not None:
+        return case.name
+    if source.case is not None:
+        return source.case
+    return source.path.stem if source.kind != "rollouts" else "rollouts"
+
+
+def _rollouts_hash(source: Source, trainer: Sequence[np.ndarray] | None = None) -> str:
     """sha256 of what was scored (each rollout's ids, logprobs and sampling, and where it has them its
-    response mask with an injected token, top-k logprobs and routes); 16 hex digits. A rollout without
-    the last three hashes as it did before they entered."""
+    response mask with an injected token, top-k logprobs, routes, the trainer logprobs scored against
+    it when given, and a processed mode without sampling); 16 hex digits. A rollout without these
+    hashes as it did before they entered (the mode of one without sampling is raw or processed, and
+    only processed is marked: raw is the common case)."""
     h = hashlib.sha256()
-    for r in source.rollouts:
+    for i, r in enumerate(source.rollouts):
         scored: tuple[Any, ...] = (r.key, r.prompt_ids, r.token_ids, r.logprobs,
                                    None if r.sampling is None else r.sampling.to_dict())
         mask = r.response_mask if r.response_mask is not None and 0 in r.response_mask else None  # all 1s
+        unsampled = "processed" if r.sampling is None and r.logprobs_mode == "processed" else None
         fields = (("response_mask", mask), ("top_k_ids", r.top_k_ids), ("top_k_logprobs", r.top_k_logprobs),
-                  ("routed_experts", r.routed_experts))
+                  ("routed_experts", r.routed_experts), ("logprobs_mode", unsampled),
+                  ("trainer_logprobs", None if trainer is None else np.asarray(trainer[i], np.float32)))
         extra = {name: _array_digest(value) if isinstance(value, np.ndarray) else value
                  for name, value in fields if value is not None}
         h.update(repr((*scored, extra) if extra else scored).encode())

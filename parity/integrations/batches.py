@@ -26,7 +26,7 @@ from parity.core.strict import check_choice
 from parity.core.tables import write_rows
 from parity.monitor.arrays import host_array
 from parity.monitor.core import checked_sampling
-from parity.rollouts.row_sampling import SAMPLING_COLUMNS
+from parity.rollouts.row_sampling import SAMPLING_COLUMNS, top_k_off
 
 if TYPE_CHECKING:
     from parity.monitor import Monitor
@@ -126,8 +126,9 @@ def _dump_sampling(sampling: Mapping[str, Any] | None, logprobs_mode: str) -> di
 
 
 def _check_layout(batch: StepBatch) -> None:
-    """InputError unless the batch's arrays share the mask's `[batch, response_len]` and every counted
-    token lies inside its row's length: a dump cut at `lengths` must hold what the monitor counts."""
+    """InputError unless the batch's arrays share the mask's `[batch, response_len]`, its token ids are
+    integers, and every counted token lies inside its row's length: a dump cut at `lengths` must hold
+    what the monitor counts."""
     shape = batch.mask.shape
     for name, values in (("rollout logprobs", batch.rollout), ("trainer logprobs", batch.trainer),
                          ("responses", batch.responses)):
@@ -137,6 +138,12 @@ def _check_layout(batch: StepBatch) -> None:
     for name, rows in (("prompts", batch.prompts), ("request ids", batch.request_ids)):
         if rows is not None and len(rows) != shape[0]:
             raise InputError(f"the batch has {len(rows)} {name} for {shape[0]} rows")
+    ids = [("responses", batch.responses)] + [(f"prompts[{r}]", p) for r, p in enumerate(batch.prompts or ())]
+    for name, values in ids:  # int() would take 5.7 for token 5, a bfloat16 151643 for 151552
+        values = np.asarray(values)
+        if values.size and values.dtype.kind not in "iu":
+            raise InputError(f"{name} must hold integer token ids, got dtype {values.dtype}; pass the ids "
+                             "the rollout sampled (an integer tensor)")
     check_lengths(batch.mask, batch.lengths, "the response mask", "the response lengths")
 
 
@@ -203,9 +210,10 @@ def sampling_of(found: Mapping[str, Any], given: Mapping[str, Any] | None) -> di
 
 
 def _sampling_value(key: str, value: Any) -> Any:
-    """One sampling field as parity writes it: a Python number, top_k=-1 (the trainers' "off") as 0."""
+    """One sampling field as parity writes it: a Python number; top_k by a dump row's rule (`top_k_off`:
+    -1, the trainers' "off", as 0; a float left for `checked_sampling` to refuse)."""
     value = _scalar(value)
-    return 0 if key == "top_k" and value == -1 and not isinstance(value, bool) else value
+    return top_k_off(value) if key == "top_k" else value
 
 
 def _scalar(value: Any) -> Any:

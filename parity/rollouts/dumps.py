@@ -124,8 +124,9 @@ def load_rollouts(path: str | Path, *, backend: str = "external", logprobs_mode:
 
 def dump_rollouts(path: str | Path, rollouts: Sequence[Rollout],
                   trainer_logprobs: Sequence[Sequence[float]] | None = None) -> Path:
-    """Write rollouts in the dump format (JSONL, or Parquet for a .parquet path), their sampling
-    included; `trainer_logprobs` (one sequence per rollout) adds the trainer-logprob column."""
+    """Write rollouts in the dump format (JSONL, or Parquet for a .parquet path), their sampling and
+    the dtype their meta records included; `trainer_logprobs` (one sequence per rollout) adds the
+    trainer-logprob column."""
     if trainer_logprobs is not None and len(trainer_logprobs) != len(rollouts):
         raise InputError(f"{len(trainer_logprobs)} trainer logprob lists for {len(rollouts)} rollouts")
     rows = []
@@ -141,6 +142,10 @@ def dump_rollouts(path: str | Path, rollouts: Sequence[Rollout],
             row["routed_experts"] = r.routed_experts.tolist()
         if r.response_mask is not None:
             row["response_mask"] = list(r.response_mask)
+            if not r.response_mask[-1]:  # else the injected tokens that end it would read as padding
+                row["attention_mask"] = [1] * (len(r.prompt_ids) + len(r.token_ids))
+        if r.meta.get("dtype") is not None:  # the limits depend on it
+            row["rollout_dtype"] = r.meta["dtype"]
         if r.top_k_ids is not None:
             row["top_k_ids"] = r.top_k_ids.tolist()
             row["top_k_logprobs"] = r.top_k_logprobs.tolist()
@@ -174,6 +179,10 @@ def _row(row: dict[str, Any], index: int, samples: dict[str, int], backend: str,
         trainer = _generated_only(trainer[:keep], generated)
         check_logprobs(trainer, trainer_column)
     id_column, request_id = _aliased(row, "request_id")
+    if id_column is not None and (isinstance(request_id, (bool, np.bool_))
+                                  or not isinstance(request_id, (str, numbers.Integral))):
+        raise InputError(f"{id_column} {request_id!r:.40} is no request id (a string or an integer; a float "
+                         "1.0 would name request '1.0', not '1'): write the column as strings or integers")
     request_id = str(index if id_column is None else request_id)
     if row.get("sample_index") is not None:
         sample_index = check_int(row["sample_index"], "sample_index", low=0, error=InputError)

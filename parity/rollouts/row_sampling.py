@@ -50,7 +50,7 @@ def row_sampling(row: dict[str, Any], mode: str, given: SamplingParams | None,
             # a Parquet struct holds null for a field the row lacks: absent, as a null flat column
             fields = {k: v for k, v in row["sampling"].items() if v is not None}
             if "top_k" in fields:
-                fields["top_k"] = _top_k_off(fields["top_k"])  # one rule for the object and the column
+                fields["top_k"] = top_k_off(fields["top_k"])  # one rule for the object and the column
             own = SamplingParams.from_dict({**fields, "logprobs_mode": mode,
                                             **{k: _float32_meant(fields[k]) for k in SAMPLING_FLOATS
                                                if k in fields}})
@@ -98,14 +98,18 @@ def _float32_meant(value: Any) -> Any:
 
 
 def _top_k(row: dict[str, Any]) -> int:
-    value = row.get("top_k")
+    value = top_k_off(row.get("top_k"))
     if value is None:
         return 0
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InputError(f"top_k must be an integer, got {row['top_k']!r}")
+    return value
+
+
+def top_k_off(value: Any) -> Any:
+    """A top_k as parity reads it, from a dump row or a trainer's batch alike: an integer (NumPy's too) as
+    a Python int, -1 (vLLM's and verl's "off") as parity's 0. Anything else as is, for its reader to
+    refuse: a float too (-1.0, 50.0: top_k is an integer everywhere, `SamplingParams` included)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise InputError(f"top_k must be an integer, got {value!r}")
-    return int(_top_k_off(value))
-
-
-def _top_k_off(value: Any) -> Any:
-    """vLLM and verl spell top_k "off" -1; parity spells it 0. Anything else as is (checked later)."""
-    return 0 if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value == -1 else value
+        return value
+    return 0 if int(value) == -1 else int(value)
