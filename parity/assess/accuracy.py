@@ -47,16 +47,17 @@ def gold_tokens(train: np.ndarray, rollout: np.ndarray, gold: np.ndarray, mask: 
 
 
 def gold_summary(train: np.ndarray, rollout: np.ndarray, gold: np.ndarray, mask: np.ndarray, *,
-                 bootstrap: int = BOOTSTRAP, seed: int = 0) -> dict[str, Any]:
+                 bootstrap: int = BOOTSTRAP, seed: int = 0, keep: np.ndarray | None = None) -> dict[str, Any]:
     """The `GOLD_SUMMARY_KEYS`, in order, of `[batch, seq]` logprobs (nats) and a mask.
 
     Max / mean |train - gold| and |rollout - gold|; their mean ratio (1.0 when both 0, inf when only
     train is) with a 95% Poisson bootstrap over sequences (NaNs when no resample is left, or one
     sequence alone is measured: its resamples are itself, an interval of no width); a verdict
     sentence; tokens counted and left out (-inf). Non-finite values are spelled as `json_safe` does.
-    A counted train or rollout value above `MAX_LOGPROB` is an InputError naming its side.
+    A counted train or rollout value above `MAX_LOGPROB` is an InputError naming its side. keep: these
+    arrays' `gold_tokens`, when the caller has it already (checked and computed once).
     """
-    keep = gold_tokens(train, rollout, gold, mask)
+    keep = gold_tokens(train, rollout, gold, mask) if keep is None else keep
     g = np.where(keep, np.asarray(gold, np.float64), 0.0)
     kept_train, kept_rollout = (_kept(values, keep, f"gold: {side} logprob")
                                 for side, values in (("train", train), ("rollout", rollout)))
@@ -135,15 +136,15 @@ def _inverse(value: float) -> float:
     return float("inf") if value == 0.0 else 1.0 / value
 
 
-def gold_by_position(train: np.ndarray, rollout: np.ndarray, gold: np.ndarray, mask: np.ndarray
-                     ) -> dict[str, list[dict[str, Any]]]:
+def gold_by_position(train: np.ndarray, rollout: np.ndarray, gold: np.ndarray, mask: np.ndarray, *,
+                     keep: np.ndarray | None = None) -> dict[str, list[dict[str, Any]]]:
     """Each side's error from the gold per response-position bucket
     (`parity.drift.metrics.drift_by_position`'s buckets and fields, with the gold as the other side):
     {"train": [...], "rollout": [...]}. A counted train or rollout value above `MAX_LOGPROB` is an
-    InputError naming its side."""
+    InputError naming its side. keep: as `gold_summary`'s."""
     from parity.drift.metrics import drift_by_position, token_arrays  # torch: `import parity` stays light
 
-    keep = gold_tokens(train, rollout, gold, mask)
+    keep = gold_tokens(train, rollout, gold, mask) if keep is None else keep
     g = np.where(keep, np.asarray(gold, np.float64), 0.0)
     out = {}
     for side, values in (("train", train), ("rollout", rollout)):

@@ -108,9 +108,11 @@ def build_report(rollouts: Sequence[Rollout], train_logprobs: Sequence[np.ndarra
         breakdowns.update(drift_by_turn(tok, turns=_padded([turn_index(r.mask) for r in rollouts], width, -1),
                                         after_injection=_padded([after_injection(r.mask) for r in rollouts],
                                                                 width, False)))
-    if gold is not None and gold_tokens(train, rollout, gold, mask).any():
-        summary.update(gold_summary(train, rollout, gold, mask))
-        breakdowns[BY_POSITION] = gold_by_position(train, rollout, gold, mask)
+    if gold is not None:
+        keep = gold_tokens(train, rollout, gold, mask)  # checked once, read by both gold figures
+        if keep.any():
+            summary.update(gold_summary(train, rollout, gold, mask, keep=keep))
+            breakdowns[BY_POSITION] = gold_by_position(train, rollout, gold, mask, keep=keep)
     # the metrics alone, from `tok` as checked above (the bound searched once, with the rollout named)
     corr = CorrectionPass(CorrectionConfig(**(correction or DEFAULT_CORRECTION)), tok, outputs=False)
     tok.scan(corr)
@@ -139,13 +141,23 @@ def attach_advice(report: ParityReport) -> None:
 
 def _check_bound(values: np.ndarray, mask: np.ndarray, side: str, rollouts: Sequence[Rollout]) -> None:
     """InputError naming `side[row, col]` and its rollout for the first counted (`mask`) value of
-    `values` `[rollouts, tokens]` above `MAX_LOGPROB` (`first_above_bound`)."""
+    `values` `[rollouts, tokens]` above `MAX_LOGPROB` (`first_above_bound`), or NaN: a NaN where the
+    other side gives -inf would otherwise be counted as a token outside the support, with no word."""
     index = first_above_bound(values, mask)
-    if index is not None:
+    if index is None:
+        hit = np.isnan(values) & mask
+        if not hit.any():
+            return
+        r, c = (int(i) for i in np.argwhere(hit)[0])
+    else:
         r, c = index
-        ro = rollouts[r]
-        raise above_bound(values[r, c], f"{side}[{r}, {c}] (rollout {ro.request_id!r}/"
-                                               f"{ro.sample_index}, token {c})")
+    ro = rollouts[r]
+    where = f"{side}[{r}, {c}] (rollout {ro.request_id!r}/{ro.sample_index}, token {c})"
+    if index is not None:
+        raise above_bound(values[r, c], where)
+    raise InputError(f"{side} contains NaN or +inf: {where} is nan at a counted token; log-probabilities "
+                     "must be finite and <= 0 (-inf: outside the sampling support); check the side that "
+                     "computed it (an overflow in float16/bfloat16?)")
 
 
 def _padded(rows: list[list[Any]], width: int, fill: Any) -> np.ndarray:

@@ -46,6 +46,9 @@ class ReferenceBackend(Backend):
         on_cpu = torch.device(self.config.device).type == "cpu"
         gemm = cpu_bf16.choice() if on_cpu and "matmul" in kernel_families(kernels) else None
         self._engine = ReferenceEngine(self.model_path, self.config)
+        # the ids the engine stops on, read with its model (a model `load_model` cached may predate an
+        # edit of generation_config.json): one source, not a second read that could disagree with it
+        self.eos_ids = self._engine.lm.eos_token_ids
         self.meta.update({
             "backend_version": VERSION, "torch_version": torch.__version__,
             "device": self.config.device, "attention_backend": f"parity ({kernels})",

@@ -235,7 +235,14 @@ def loop_row(run_id: str, key: RowKey, case: Case, engine: Any, provenance: dict
     # the limits the case does not name (all of them without a [tolerance]): the row's backend and
     # dtype defaults, as a compare row of the case gets; judged on the worst step, not the mean one
     tolerance = Tolerance.resolve(case.tolerance_for(key.backend), key.backend, key.dtype)
-    violations = [v._asdict() for v in tolerance.violations(_worst_step(rows))]
+    worst, at = _worst_step(rows)
+    violations = [v._asdict() for v in tolerance.violations(worst)]
+    # a violation names the worst step's value; the row shows the mean step for these two: the worst
+    # beside them, and at which step each judged figure is worst (new keys: readers skip unknown ones)
+    for name in ("mean_abs_logprob_diff", "is_ratio_mean"):
+        summary[f"loop_worst_step_{name}"] = worst[name]
+    summary["loop_worst_steps"] = "; ".join(f"{name} {value:.6g} at step {at[name]}"
+                                            for name, value in worst.items())
     for name, failed in (("weights out of sync", lambda r: not r["weights_in_sync"]),
                          ("reference not bitwise", lambda r: r["backend"] == REFERENCE and not r["bitwise"])):
         bad = sorted({r["step"] for r in record.steps if failed(r)})
@@ -254,10 +261,14 @@ def _worst(rows: list[dict[str, Any]], name: str) -> float:
     return float(np.max([float(r[name]) for r in rows]))
 
 
-def _worst_step(rows: list[dict[str, Any]]) -> dict[str, float]:
+def _worst_step(rows: list[dict[str, Any]]) -> tuple[dict[str, float], dict[str, Any]]:
     """The figures a loop row's tolerance judges: each at its worst step (the IS mean farthest from 1;
-    NaN where a step's is), so steps above and below a limit do not average into a pass."""
-    worst = {name: _worst(rows, name) for name in ("max_abs_logprob_diff", "mean_abs_logprob_diff", "k3_kl")}
-    ratios = np.array([float(r["is_ratio_mean"]) for r in rows])
-    worst["is_ratio_mean"] = float(ratios[np.argmax(np.abs(ratios - 1.0))])  # argmax: a NaN first
-    return worst
+    NaN where a step's is), so steps above and below a limit do not average into a pass; and the
+    "step" of the row each comes from (the first NaN one, as `_worst`'s NaN)."""
+    worst, at = {}, {}
+    for name in ("max_abs_logprob_diff", "mean_abs_logprob_diff", "k3_kl", "is_ratio_mean"):
+        values = np.array([float(r[name]) for r in rows])
+        # argmax: a NaN first; the IS mean by its distance from 1
+        i = int(np.argmax(np.abs(values - 1.0) if name == "is_ratio_mean" else values))
+        worst[name], at[name] = float(values[i]), rows[i].get("step")
+    return worst, at

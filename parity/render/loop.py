@@ -33,7 +33,12 @@ def backend_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """One backend's rows over every step -> the page's summary line; `unmeasured`: per drift column,
     the steps without a finite value (an infinite one counts in the max and mean: inf; a NaN or null one,
     which a record older than its "nonfinite" entry wrote for infinities too, is left out)."""
-    rows = [nonfinite_restored(row, f"step {row.get('step')} of {row.get('backend')}") for row in rows]
+    return _summary([nonfinite_restored(row, f"step {row.get('step')} of {row.get('backend')}")
+                     for row in rows])
+
+
+def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """`backend_summary` of rows whose infinities are restored already (`_by_backend`'s)."""
 
     def values(key: str) -> np.ndarray:
         return np.array([row[key] if row.get(key) is not None else np.nan for row in rows], dtype=float)
@@ -102,7 +107,7 @@ def _summary_table(series: dict[str, list[dict[str, Any]]]) -> str:
     head = "".join(f"<th>{html.escape(h)}</th>" for h, _ in _SUMMARY_COLUMNS)
     body = []
     for rows in series.values():
-        s = backend_summary(rows)
+        s = _summary(rows)  # restored by `_by_backend`: restoring again would be a no-op
         cells = []
         for _, key in _SUMMARY_COLUMNS:
             value = s[key]
