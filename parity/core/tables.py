@@ -24,6 +24,9 @@ PARQUET_SUFFIX = ".parquet"
 #: the key of a JSON row that holds null for a non-finite float (what readers that predate the key see:
 #: no value) and names what each was in `NONFINITE_JSON` spelling, e.g. {"k3_kl": "inf"}.
 NONFINITE_KEY = "nonfinite"
+#: the key of a JSON row naming the non-finite floats inside its lists (and opaque values) that are
+#: null there (`nonfinite_items_as_null`).
+NONFINITE_ITEMS_KEY = "nonfinite_items"
 
 
 def read_rows(path: str | Path, *, id_columns: Collection[str] = (),
@@ -101,6 +104,67 @@ def nonfinite_restored(row: dict[str, Any], where: str) -> dict[str, Any]:
                          + "; was it edited? Write the file with parity again")
     out = {k: v for k, v in row.items() if k != NONFINITE_KEY}
     return {**out, **{k: NONFINITE_JSON[v] for k, v in marks.items()}}
+
+
+def nonfinite_items_as_null(row: dict[str, Any], opaque: Collection[str] = ()) -> dict[str, Any]:
+    """`row` with each non-finite float that `NONFINITE_KEY` cannot name as null: those inside its list
+    values (through lists only; a dict inside is marked by its own keys) and, for a key in `opaque` (a
+    user's dict, whose own keys parity never reads as marks), anywhere inside its value. If there is one,
+    `NONFINITE_ITEMS_KEY` names each as `[[key, index or key, ...], "inf" | "-inf" | "nan"]`; readers that
+    predate it see the null and an extra key."""
+    marks: list[list[Any]] = []
+    out = {k: _items_nulled(v, [k], marks, k in opaque) for k, v in row.items()}
+    return {**out, NONFINITE_ITEMS_KEY: marks} if marks else out
+
+
+def _items_nulled(value: Any, path: list[Any], marks: list[list[Any]], deep: bool) -> Any:
+    if len(path) > 1 and isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral) \
+            and not math.isfinite(value):
+        marks.append([path, json_safe(float(value))])
+        return None
+    if isinstance(value, (list, tuple)):
+        return [_items_nulled(v, [*path, i], marks, deep) for i, v in enumerate(value)]
+    if deep and isinstance(value, dict):
+        return {k: _items_nulled(v, [*path, k], marks, deep) for k, v in value.items()}
+    return value
+
+
+def nonfinite_items_restored(row: dict[str, Any], where: str) -> dict[str, Any]:
+    """The inverse of `nonfinite_items_as_null` (a row without the key, as older files hold, is returned
+    as is); InputError naming `where` for a key that is malformed or names no null of its row."""
+    if NONFINITE_ITEMS_KEY not in row:
+        return row
+    out = {k: v for k, v in row.items() if k != NONFINITE_ITEMS_KEY}
+    marks = row[NONFINITE_ITEMS_KEY]
+    for mark in marks if isinstance(marks, list) else [marks]:
+        path = mark[0] if isinstance(mark, list) and len(mark) == 2 and isinstance(mark[0], list) else None
+        if not path or not isinstance(path[0], str) or not isinstance(mark[1], str) \
+                or mark[1] not in NONFINITE_JSON or not _set_null(out, path, NONFINITE_JSON[mark[1]]):
+            raise InputError(f"{where}: {NONFINITE_ITEMS_KEY!r} must list [path, one of "
+                             f"{list(NONFINITE_JSON)}] of values that are null, got {mark!r}; was it edited? "
+                             "Write the file with parity again")
+    return out
+
+
+def _set_null(row: dict[str, Any], path: list[Any], value: float) -> bool:
+    """Put `value` at `path` of `row` (copying the containers on the way), where a null is; False when
+    the path leads to no null."""
+    holder: Any = row
+    for i, step in enumerate(path):
+        fits = (isinstance(holder, dict) and isinstance(step, str) and step in holder) or (
+            isinstance(holder, list) and type(step) is int and 0 <= step < len(holder))
+        if not fits:
+            return False
+        if i == len(path) - 1:
+            if holder[step] is not None:
+                return False
+            holder[step] = value
+            return True
+        inner = holder[step]
+        holder[step] = dict(inner) if isinstance(inner, dict) else list(inner) if isinstance(inner, list) \
+            else inner
+        holder = holder[step]
+    return False
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:

@@ -32,7 +32,8 @@ def _parser() -> argparse.ArgumentParser:
                         help=f"write the page to OUT (default: OUT_DIR/{PAGE_FILE})")
     parser.add_argument("--json", type=Path, metavar="OUT",
                         help='write {"run_name", "steps": [{"step", ...the stored record...}]} to OUT (a '
-                             'non-finite value is null, named in its object\'s "nonfinite" entry)')
+                             'non-finite value is null, named in its object\'s "nonfinite" entry, or '
+                             '"nonfinite_items" inside a list or meta)')
     parser.add_argument("--step", type=int, action="append", metavar="N",
                         help="detail step N on the page (repeat for more; default: the latest and the worst "
                              "by k3_kl)")

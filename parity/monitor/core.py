@@ -423,7 +423,7 @@ def _meta(meta: Mapping[str, Any] | None) -> dict[str, Any] | None:
         return None
     if not isinstance(meta, Mapping):
         raise InputError(f"meta must be a dict, got {type(meta).__name__}")
-    return json_ready(dict(meta))
+    return json_ready(dict(meta), keep_nonfinite=True)  # stored marked: inf reads back as inf
 
 
 def _support(old: np.ndarray, rollout: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, int, int]:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from parity.monitor.background import Background
-from parity.monitor.store import MonitorStore
+from parity.monitor.store import MonitorStore, appended_by
 from parity.render.advice import framework_blocks
 from parity.render.figures import breakdown_figure, figure_img, step_trend_figure
 from parity.render.report_page import PAGE_CSS, key_value_table
@@ -71,8 +71,10 @@ def monitor_html(run: dict[str, str], steps: list[dict[str, Any]], *, log_scale:
     if steps:
         last = steps[-1]
         when = _dt.datetime.fromtimestamp(last["logged_at"], _dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+        versions = appended_by(run)  # steps a later parity appended are not the creator's
         sub = (f"{len(steps)} steps ({steps[0]['step']}–{last['step']}), last logged {when} · "
-               f"parity {run.get('parity_version', '?')}")
+               + (f"parity {versions[0]}" if len(versions) == 1 else
+                  f"steps by parity {', '.join(versions)} (created by {versions[0]})"))
     else:
         sub = "no step logged yet"
     flag = f' <span class="flag">{len(alerts)} alert(s)</span>' if alerts else ""

@@ -4,9 +4,10 @@ Tables `run`, `steps(attempt, step, logged_at, record)`, `advice`, plus `monitor
 run's steps start a new attempt that supersedes earlier steps from its first on; `steps()` reads
 the run as it stands. One transaction per step survives SIGKILL; journal "auto" is WAL locally,
 rollback on network filesystems. One writer per directory (fcntl lock); foreign files are refused,
-never altered; readers open read-only; triggers forbid UPDATE and DELETE. A non-finite float of a
-record's dict is null there, its "nonfinite" entry naming it (`stored_form`; older stores have none,
-and older readers see the null). Standard library only.
+never altered; readers open read-only; triggers forbid UPDATE and DELETE. A non-finite float is
+null there, named in its dict's "nonfinite" entry, or "nonfinite_items" for one inside a list or the
+user's `meta` (`stored_form`; older stores have none, older readers see the null). The run table
+names each parity version that appended steps. Standard library only.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+from parity.core import tables
 from parity.core.errors import ConfigError, InputError
 from parity.core.schema import VERSION
-from parity.core.tables import nonfinite_as_null, nonfinite_restored
 
 #: the store's file name inside a monitor directory.
 STORE_FILE = "monitor.sqlite"
@@ -33,6 +34,10 @@ STORE_FILE = "monitor.sqlite"
 LOCK_FILE = "monitor.lock"
 #: bumped when the tables change; version 1 (no attempts) is still read, never written.
 SCHEMA_VERSION = 2
+#: the run-table key: a JSON list of the parity versions that appended steps (older parity ignores it).
+VERSIONS_KEY = "parity_versions"
+#: a record's values that are the user's own (their keys never read as parity's marks).
+OPAQUE_KEYS = frozenset({"meta"})
 #: SQLite's `application_id` of a parity monitor store ("pary").
 APPLICATION_ID = 0x70617279
 #: the journal modes `journal=` takes; "auto" picks "delete" on a network filesystem, else "wal".
@@ -73,18 +78,18 @@ def store_path(out_dir: str | Path) -> Path:
     return Path(out_dir) / STORE_FILE
 
 
-def json_ready(value: Any) -> Any:
+def json_ready(value: Any, *, keep_nonfinite: bool = False) -> Any:
     """`value` with every non-finite float as None (JSON has no NaN or infinity, and browsers and
-    `jq` refuse them), tuples as lists, NumPy and torch scalars as Python numbers (`.item()`);
-    anything else JSON cannot hold is an InputError."""
+    `jq` refuse them; kept with `keep_nonfinite`), tuples as lists, NumPy and torch scalars as Python
+    numbers (`.item()`); anything else JSON cannot hold is an InputError."""
     if _is_scalar(value):
         value = value.item()
     if isinstance(value, float):
-        return value if math.isfinite(value) else None
+        return value if keep_nonfinite or math.isfinite(value) else None
     if isinstance(value, dict):
-        return {str(k): json_ready(v) for k, v in value.items()}
+        return {str(k): json_ready(v, keep_nonfinite=keep_nonfinite) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [json_ready(v) for v in value]
+        return [json_ready(v, keep_nonfinite=keep_nonfinite) for v in value]
     if value is None or isinstance(value, (bool, int, str)):
         return value
     raise InputError(f"cannot store {type(value).__name__} {value!r:.60} in the monitor; give plain numbers, "
@@ -92,9 +97,9 @@ def json_ready(value: Any) -> Any:
 
 
 def stored_form(value: Any) -> Any:
-    """`value` as `json_ready` gives it, but each dict's non-finite floats null and named in its
-    "nonfinite" entry (`parity.core.tables.nonfinite_as_null`, as the loop record does): an infinite
-    k3_kl is not stored as "not measured". A non-finite float directly in a list stays null."""
+    """`value` as `json_ready` gives it, each dict's non-finite floats null and named in its "nonfinite"
+    entry (`parity.core.tables`, as the loop record), those in its lists or `OPAQUE_KEYS` values in its
+    "nonfinite_items": an infinite k3_kl or a -inf top-k logprob is not stored as "not measured"."""
     return json_ready(_marked(value))
 
 
@@ -102,26 +107,28 @@ def _marked(value: Any) -> Any:
     if _is_scalar(value):
         value = value.item()
     if isinstance(value, dict):
-        return nonfinite_as_null({str(k): _marked(v) for k, v in value.items()})
+        inner = {str(k): json_ready(v, keep_nonfinite=True) if k in OPAQUE_KEYS else _marked(v)
+                 for k, v in value.items()}
+        return tables.nonfinite_as_null(tables.nonfinite_items_as_null(inner, OPAQUE_KEYS))
     if isinstance(value, (list, tuple)):
-        return [v if isinstance(v, float) else _marked(v) for v in value]
+        return [_marked(v) for v in value]
     return value
 
 
 def _restored(value: Any, where: str) -> Any:
-    """The inverse of `stored_form` (InputError naming `where` for a malformed "nonfinite" entry)."""
+    """The inverse of `stored_form` (InputError naming `where` for a malformed "nonfinite" or
+    "nonfinite_items" entry); an `OPAQUE_KEYS` value is never read for marks of its own."""
     if isinstance(value, dict):
-        return nonfinite_restored({k: _restored(v, where) for k, v in value.items()}, where)
+        inner = {k: v if k in OPAQUE_KEYS else _restored(v, where) for k, v in value.items()}
+        return tables.nonfinite_restored(tables.nonfinite_items_restored(inner, where), where)
     if isinstance(value, list):
         return [_restored(v, where) for v in value]
     return value
 
 
 def restored_record(record: dict[str, Any], where: str) -> dict[str, Any]:
-    """A stored record with its non-finite floats back (`stored_form`); the user's `meta`, stored as
-    given with no marks, is left as it is."""
-    out = {k: v if k == "meta" else _restored(v, where) for k, v in record.items()}
-    return nonfinite_restored(out, where)
+    """A stored record with its non-finite floats back (`stored_form`; `meta`'s own keys kept as given)."""
+    return _restored(record, where)
 
 
 def plain(text: Any) -> str:
@@ -174,6 +181,7 @@ class MonitorStore:
         self._lock_key = str(path.parent.resolve() / LOCK_FILE) if lock_fd is not None else None
         #: rows `steps()` could not decode, one line each (also marked in the steps it returns).
         self.problems: list[str] = []
+        self._version_noted = False  # this parity's version is in the run's VERSIONS_KEY
 
     @classmethod
     def create(cls, out_dir: str | Path, run_name: str | None, *, journal: str = "auto") -> MonitorStore:
@@ -250,7 +258,7 @@ class MonitorStore:
         return store
 
     def run_info(self) -> dict[str, str]:
-        """The run's record: run_name, created_at, parity_version, schema_version ({} before creation)."""
+        """The run record: run_name, created_at, parity_version, schema_version, VERSIONS_KEY ({} before)."""
         try:
             return dict(self._conn.execute("SELECT key, value FROM run").fetchall())
         except sqlite3.OperationalError:  # no run table: not (yet) a monitor store
@@ -273,9 +281,9 @@ class MonitorStore:
                                  ).fetchone()
         try:
             record = json.loads(row[0]) if row is not None else None
-        except (ValueError, TypeError):
+            return restored_record(record, "the latest step") if isinstance(record, dict) else None
+        except (ValueError, TypeError):  # InputError too: a malformed mark
             return None
-        return record if isinstance(record, dict) else None
 
     def append(self, step: int, record: dict[str, Any], *, attempt: int = 0) -> float:
         """Store `record` as step `step` of `attempt` in one transaction (see the module doc);
@@ -287,7 +295,11 @@ class MonitorStore:
         try:
             conn.execute("INSERT INTO steps (attempt, step, logged_at, record) VALUES (?, ?, ?, ?)",
                          (attempt, step, logged_at, text))
+            if not self._version_noted:  # this version among the run's
+                conn.execute("INSERT OR REPLACE INTO run (key, value) VALUES (?, ?)",
+                             (VERSIONS_KEY, json.dumps(appended_by(self.run_info(), VERSION))))
             conn.execute("COMMIT")
+            self._version_noted = True
         except BaseException as exc:
             conn.execute("ROLLBACK")
             if isinstance(exc, sqlite3.IntegrityError):
@@ -346,6 +358,17 @@ class MonitorStore:
         if self._lock_fd is not None and self._lock_key is not None:
             _release(self._lock_fd, self._lock_key)
             self._lock_fd = None
+
+
+def appended_by(run: dict[str, str], *also: str) -> list[str]:
+    """The parity versions that appended the run's steps, first use first, then `also` (a store from
+    before `VERSIONS_KEY` names only its creator's)."""
+    try:
+        noted = json.loads(run.get(VERSIONS_KEY) or "[]")
+    except ValueError:
+        noted = []
+    noted = [v for v in noted if isinstance(v, str)] if isinstance(noted, list) else []
+    return list(dict.fromkeys([run.get("parity_version", "?"), *noted, *also]))
 
 
 def _latest_view(rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:

@@ -59,9 +59,9 @@ class Bound:
         if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
             return self._alert(None, f"{self.key} is missing or not a finite number ({value!r})")
         if self.high is not None and value > self.high:
-            return self._alert(value, f"{self.key} {value:.4g} > {self.high:.4g}")
+            return self._alert(value, "{} {} > {}".format(self.key, *apart(value, self.high)))
         if self.low is not None and value < self.low:
-            return self._alert(value, f"{self.key} {value:.4g} < {self.low:.4g}")
+            return self._alert(value, "{} {} < {}".format(self.key, *apart(value, self.low)))
         return None
 
     def _alert(self, value: float | None, message: str) -> dict[str, Any]:
@@ -138,7 +138,8 @@ def _pair(key: str, spec: Any) -> tuple[Any, Any]:
 class Jumps:
     """Relative bounds: `{"key": X}` flags a step whose value exceeds X times the median of the
     run's last `WINDOW` values of `key` (the monitor passes those of steps sampled alike; judged
-    from `MIN_HISTORY` values on; X > 1; keys: `JUMP_KEYS`)."""
+    from `MIN_HISTORY` values on; a NaN one, which has no order, is not counted, an infinite one is;
+    an infinite value is judged, a NaN one is not; X > 1; keys: `JUMP_KEYS`)."""
 
     factors: tuple[tuple[str, float], ...] = ()
 
@@ -170,20 +171,33 @@ class Jumps:
         """The jump alerts of one step's values against `history` (each key's trailing values)."""
         alerts = []
         for key, factor in self.factors:
-            value, past = values.get(key), history.get(key, [])[-WINDOW:]
-            if len(past) < MIN_HISTORY or not isinstance(value, (int, float)) or not math.isfinite(value):
+            value = values.get(key)
+            # NaN has no order: sorted() leaves it anywhere and the "median" depends on the steps' order
+            past = [v for v in history.get(key, [])[-WINDOW:] if not math.isnan(v)]
+            if len(past) < MIN_HISTORY or not isinstance(value, (int, float)) or math.isnan(value):
                 continue
-            median = sorted(past)[len(past) // 2]
+            ordered, half = sorted(past), len(past) // 2  # an even count's median: its two middles' mean
+            median = ordered[half] if len(past) % 2 else (ordered[half - 1] + ordered[half]) / 2
             if value > factor * median and value > 0:
-                times = value / median if median > 0 else math.inf
+                times, above = apart(value / median if median > 0 else math.inf, factor, digits=3)
                 alerts.append({"key": key, "value": value, "low": None, "high": factor * median,
                                "jump": factor, "trailing_median": median,
-                               "message": f"{key} {value:.4g} is {times:.3g}x the trailing median "
-                                          f"{median:.4g} (flagged above {factor:g}x)"})
+                               "message": f"{key} {value:.4g} is {times}x the trailing median "
+                                          f"{median:.4g} (flagged above {above}x)"})
         return alerts
 
     def to_dict(self) -> dict[str, float]:
         return dict(self.factors)
+
+
+def apart(value: float, bound: float, digits: int = 4) -> tuple[str, str]:
+    """`value` and `bound` to `digits` significant digits, or as many more as tell them apart: a value
+    just across its bound is never printed equal to it ("0.1 > 0.1")."""
+    for d in range(digits, 18):
+        shown = f"{value:.{d}g}", f"{bound:.{d}g}"
+        if shown[0] != shown[1]:
+            break
+    return shown
 
 
 def sampling_key(sampling: dict[str, Any] | None) -> tuple[float, int, float] | None:
