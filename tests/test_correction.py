@@ -283,7 +283,7 @@ def test_identical_inputs_weights_one_nothing_rejected(
     assert metrics["rollout_corr/rollout_is_mean"] == 1.0
 
 
-@given(batches(), st.sampled_from(LEVELS), st.floats(0.5, 5.0), st.booleans())
+@given(batches(), st.sampled_from(LEVELS), st.floats(1.0, 5.0), st.booleans())
 def test_truncation_never_exceeds_threshold(data, level: str, threshold: float, lower_clamp: bool) -> None:
     train, rollout, mask = data
     low = threshold / 2 if lower_clamp else None

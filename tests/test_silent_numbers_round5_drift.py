@@ -62,9 +62,9 @@ def test_pearson_keeps_its_documented_edge_values() -> None:
     rollout = np.log(rng.uniform(0.29, 0.31, (2, 500)))
     mask = np.ones_like(rollout, bool)
     assert summarize(rollout, rollout, mask)["rollout_probs_pearson"] == 1.0
-    constant = np.full_like(rollout, math.log(0.3))  # one side constant: 0.0, not rounding noise
-    assert summarize(constant, rollout, mask)["rollout_probs_pearson"] == 0.0
-    assert summarize(rollout, constant, mask)["rollout_probs_pearson"] == 0.0
+    constant = np.full_like(rollout, math.log(0.3))  # one side constant: undefined (NaN), not noise
+    assert math.isnan(summarize(constant, rollout, mask)["rollout_probs_pearson"])
+    assert math.isnan(summarize(rollout, constant, mask)["rollout_probs_pearson"])
 
 
 def test_a_logprob_a_hair_above_zero_is_in_the_top_probability_bucket() -> None:

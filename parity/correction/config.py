@@ -131,11 +131,22 @@ def _parse_is(level: Any, threshold: Any, batch_normalize: Any, clamp: Any) -> I
                 "rollout_is_clamp_lower applies to truncated IS only: rollout_is 'token', 'sequence' "
                 "or 'geometric' with a numeric rollout_is_threshold"
             )
-        if not _is_real(clamp) or not (0 < clamp <= upper):
+        # finite: an infinite clamp (under rollout_is_threshold='inf') made every weight inf
+        if not _is_real(clamp) or not (0 < clamp <= upper) or not math.isfinite(clamp):
             raise ConfigError(
-                f"rollout_is_clamp_lower must be a number in (0, rollout_is_threshold={upper}], got {clamp!r}"
+                f"rollout_is_clamp_lower must be a finite number in (0, rollout_is_threshold={upper}], "
+                f"got {clamp!r}"
             )
         clamp = float(clamp)
+    if level is not None and lower is None and clamp is None and upper < 1.0:
+        # the low-side metrics count ratios below 1/upper > upper: every token would be both "high"
+        # (above the cap) and "low", fractions that add up to more than 1
+        raise ConfigError(
+            f"rollout_is_threshold={threshold!r} truncates below 1: its low-side metrics "
+            f"(rollout_is_*_fraction_low) would count ratios below 1/{upper:g} = {1.0 / upper:g}, above "
+            f"the cap itself; give a threshold >= 1 (e.g. 2.0), or set rollout_is_clamp_lower "
+            f"(<= {upper:g}) as the low bound"
+        )
     if level is None:
         return None
     metric_lower = lower if lower is not None else clamp if clamp is not None else 1.0 / upper
@@ -216,7 +227,8 @@ class CorrectionConfig:
 
     rollout_is: None, "token" (exp(Δ_t)), "sequence" (exp(Σ_t Δ_t)), "geometric" (exp(mean_t Δ_t),
     length-independent, extra) or "seq_mask_tis" (token weights, whole sequences zeroed when the
-    geometric ratio leaves [lower, upper]; NeMo-RL). rollout_is_threshold: u truncates (TIS);
+    geometric ratio leaves [lower, upper]; NeMo-RL). rollout_is_threshold: u truncates (TIS; u >= 1
+    unless rollout_is_clamp_lower sets the low bound, which is otherwise 1/u);
     "lower_upper" zeroes outside (IcePop). rollout_is_batch_normalize: mean 1 over the batch.
     rollout_rs: criteria from `RS_OPTIONS`, all must keep; rollout_rs_threshold: shared or one per
     criterion. rollout_is_clamp_lower: lower TIS clamp (slime, OpenRLHF; extra).

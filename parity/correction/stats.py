@@ -121,7 +121,8 @@ class PolicyRows:
 
 def offpolicy_metrics(p: PolicyRows, r: Rows) -> dict[str, float]:
     """verl's `compute_offpolicy_metrics`: KL, perplexities and χ² of the two policies. Batch
-    means over sequences include empty rows (mean logprob 0), as verl's do."""
+    means over sequences include empty rows (mean logprob 0), as verl's do. k3_kl is verl's, at Δ
+    unclamped (χ² at Δ clamped to ±20): above the summary's `k3_kl` (clamped) where some |Δ| > 20."""
     mean_train = p.train / r.row_count
     mean_rollout = p.rollout / r.row_count
     log_ppl_diff = mean_rollout - mean_train

@@ -4,8 +4,24 @@ counts): the advisor's correction figures and the gold forward's error ratio bot
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import numpy as np
+
+#: resample counts drawn at once, at most (256 MiB as float64, as much again while NumPy's integer
+#: draws are converted): up to it every resample is drawn and summed in one product, as always;
+#: beyond (200 resamples of 1M sequences held 3.2 GB at once), in chunks of whole resamples.
+MAX_DRAWS = 1 << 25
+
+
+def resample_chunks(resamples: int, width: int) -> Iterator[int]:
+    """Resamples per chunk, in order, for `resamples` draws of `width` counts each: one chunk of all
+    while resamples x width <= `MAX_DRAWS`. A generator continues its stream from chunk to chunk, so
+    the counts are the same bit for bit; only BLAS's summation blocking, which already varies with
+    its build and threads, may round the sums of a chunked batch differently (~1e-16 relative)."""
+    rows = max(1, MAX_DRAWS // max(width, 1))
+    for start in range(0, resamples, rows):
+        yield min(rows, resamples - start)
 
 
 def bootstrap_ratio(numerator: np.ndarray, denominator: np.ndarray, resamples: int, seed: int,
@@ -22,9 +38,12 @@ def bootstrap_ratio(numerator: np.ndarray, denominator: np.ndarray, resamples: i
                                                               | (numerator != 0).any(axis=1)).sum())
     if resamples <= 0 or evidence < 2:
         return np.full(cols, math.nan), np.full(cols, math.nan)
-    q = np.random.default_rng(seed).poisson(1.0, (resamples, denominator.size)).astype(np.float64)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        stats = (q @ numerator) / (q @ denominator)[:, None]
+    rng, parts = np.random.default_rng(seed), []
+    for rows in resample_chunks(resamples, denominator.size):
+        q = rng.poisson(1.0, (rows, denominator.size)).astype(np.float64)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            parts.append((q @ numerator) / (q @ denominator)[:, None])
+    stats = parts[0] if len(parts) == 1 else np.concatenate(parts)
     tail = 100.0 * (1.0 - confidence) / 2.0
     if empty is not None:
         stats[np.isnan(stats)] = empty

@@ -3,8 +3,10 @@
 Inputs are `[batch, seq]` logprobs of the sampled tokens in nats (torch or NumPy) and a mask of
 the tokens that count, or one checked `TokenArrays` (`parity.drift.token_arrays`). Δ = train -
 rollout, r = exp(Δ). Ratios are `exp(clamp(Δ, -20, 20))`, verl's bound, so one wild token cannot
-overflow a mean (`max_abs_logprob_diff` is unclamped). Rows with no valid token count nowhere in
-`summarize` (verl's `rollout_corr/*` in `parity.correction` count them where verl does).
+overflow a mean (`max_abs_logprob_diff` is unclamped); k3_kl too is at the clamped Δ, unlike verl's
+unclamped `rollout_corr/k3_kl` (`parity.correction`), which it undercuts only where |Δ| > 20. Rows
+with no valid token count nowhere in `summarize` (verl's `rollout_corr/*` in `parity.correction` count
+them where verl does).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 
 from parity.core.errors import ConfigError, InputError
 from parity.core.schema import SUMMARY_KEYS
+from parity.drift.bootstrap import resample_chunks
 from parity.drift.quantiles import QuantilePass
 from parity.drift.ratio_rules import SAFETY_BOUND
 from parity.drift.token_arrays import Block, TokenArrays, checked_inputs, row_counts
@@ -211,8 +214,8 @@ BOOTSTRAP_KEYS: tuple[str, ...] = tuple(_TOKEN_MEANS)
 
 def _pearson(m: dict[str, float], identical: bool) -> float:
     """Pearson correlation of the token probabilities from their centred moments `m`; 1.0 for
-    identical inputs, 0.0 when one side alone is constant (its spread within the rounding of its
-    mean, `noise` included).
+    identical inputs, NaN (undefined, not "uncorrelated") when a side is constant (its spread within
+    the rounding of its mean, `noise` included), as for a single token.
     """
     if identical:
         return 1.0
@@ -220,7 +223,7 @@ def _pearson(m: dict[str, float], identical: bool) -> float:
     resolved = [m[var] > m["noise"] + n * (8.0 * _EPS64 * abs(m[mean])) ** 2
                 for var, mean in (("m2_t", "mean_t"), ("m2_r", "mean_r"))]
     if not all(resolved):
-        return 0.0
+        return math.nan
     return max(-1.0, min(1.0, m["co"] / math.sqrt(m["m2_t"] * m["m2_r"])))
 
 
@@ -236,8 +239,13 @@ def summarize(
     Δ = train - rollout over valid tokens, r = exp(clamp(Δ, ±20)):
         max/mean_abs_logprob_diff: |Δ| unclamped. is_ratio_*: of r (std ddof 0, linear percentiles).
         seq_is_ratio_mean: mean over sequences of exp(clamp(Σ_t Δ_t, ±20)).
-        k1/k2/k3_kl: Schulman's KL(π_rollout || π_train) estimators -Δ, Δ²/2, r - 1 - log r.
-        chi2_token: mean r² - 1. rollout_probs_*: verl's exp(train) vs exp(rollout) debug metrics.
+        k1/k2/k3_kl: Schulman's KL(π_rollout || π_train) estimators -Δ, Δ²/2, r - 1 - log r (k3 at Δ
+        clamped to ±20 like r, as verl's rejection k3 and the advisor; verl's metric
+        `rollout_corr/k3_kl` is unclamped, so beyond |Δ| = 20 this one is smaller: Δ = -30 counts
+        19 nats, not 29; `max_abs_logprob_diff` shows such a token).
+        chi2_token: mean r² - 1. rollout_probs_*: verl's exp(train) vs exp(rollout) debug metrics
+        (rollout_probs_pearson: 1.0 for identical sides, NaN where a side's probabilities are constant,
+        one token included: a correlation is undefined there).
         token_mult_prob_error: NeMo-RL's mean exp(|Δ|). frac_tokens_ratio_gt_2: |Δ| > log 2.
     `bootstrap > 0` adds `<key>_ci95` = [low, high] for `BOOTSTRAP_KEYS` (95%, over sequences; NaN
     with fewer than two sequences), resampled from `seed` (an integer >= 0).
@@ -264,11 +272,18 @@ def _bootstrap(
     n_seq = counts.size
     if n_seq < 2:
         return {key: (math.nan, math.nan) for key in _TOKEN_MEANS}
-    rng = np.random.default_rng(seed)
-    # How often each sequence is drawn in each resample: [n_resamples, n_seq].
-    draws = rng.multinomial(n_seq, np.full(n_seq, 1.0 / n_seq), size=n_resamples).astype(np.float64)
-    sums = {k: draws @ v[valid].cpu().numpy() for k, v in row_sums.items()}
-    n = draws @ counts
+    rng, pvals = np.random.default_rng(seed), np.full(n_seq, 1.0 / n_seq)
+    values = {k: v[valid].cpu().numpy() for k, v in row_sums.items()}
+    parts: dict[str, list[np.ndarray]] = {k: [] for k in values}
+    n_parts = []
+    for rows in resample_chunks(n_resamples, n_seq):  # memory bounded: one [rows, n_seq] at a time
+        # How often each sequence is drawn in each resample: [rows, n_seq].
+        draws = rng.multinomial(n_seq, pvals, size=rows).astype(np.float64)
+        for k, v in values.items():
+            parts[k].append(draws @ v)
+        n_parts.append(draws @ counts)
+    sums = {k: np.concatenate(p) for k, p in parts.items()}
+    n = np.concatenate(n_parts)
     alpha = (1.0 - confidence) / 2.0
     out = {}
     for key, fn in _TOKEN_MEANS.items():
@@ -426,9 +441,24 @@ def drift_by_turn(train_logprobs: Any, rollout_logprobs: Any = None, mask: Any =
     if turns.size and turns.dtype.kind not in "iu":
         raise InputError(f"drift_by_turn: turns must hold integer turn indices (-1 where no turn), got dtype "
                          f"{turns.dtype}")
+    # astype(bool) read 0.3 or 2 as "first after an injection": only a flag is one
+    if after_injection.dtype != bool and (after_injection.dtype.kind not in "iuf"
+                                          or not np.isin(after_injection, (0, 1)).all()):
+        raise InputError(f"drift_by_turn: after_injection must be bool or hold only 0 and 1 (1 = the first "
+                         f"generated token after an injection), got dtype {after_injection.dtype} with "
+                         f"other values")
+    valid = tok.mask.cpu().numpy().astype(bool)
+    # a counted token of turn -1 (injected) or below would be in the after_injection rows and in no
+    # turn's, so the turns' tokens would not add up to them; a turn >= seq (more turns than tokens)
+    # would list that many empty rows
+    bad = (turns < -1) | (turns >= tok.shape[1]) | (valid & (turns < 0))
+    if bad.any():
+        row, col = (int(i) for i in np.argwhere(bad)[0])
+        raise InputError(f"drift_by_turn: turns[{row}, {col}] is {int(turns[row, col])}; a turn index is in "
+                         f"[0, seq={tok.shape[1]}), -1 marking injected and padding tokens, which the mask "
+                         f"must leave out (mask[{row}, {col}] is {bool(valid[row, col])})")
     abs_d = (tok.train.double() - tok.rollout.double()).abs().cpu().numpy()
     diff = (tok.train.double() - tok.rollout.double()).cpu().numpy()
-    valid = tok.mask.cpu().numpy().astype(bool)
     first = after_injection.astype(bool) & valid
 
     def row(lo: Any, hi: Any, where: np.ndarray) -> dict[str, Any]:

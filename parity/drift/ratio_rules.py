@@ -39,7 +39,8 @@ def ratio(clamped_log_ratio: Any) -> Any:
 
 def token_statistic(estimator: str, clamped_log_ratio: Any) -> Any:
     """Per-token KL(π_rollout || π_train) estimator at Δ clamped to ±20: k1 = -Δ, k2 = Δ²/2,
-    k3 = exp(Δ) - 1 - Δ.
+    k3 = exp(Δ) - 1 - Δ (verl's rejection statistics; the summary's `k3_kl` is this k3's mean, while
+    verl's `rollout_corr/k3_kl` metric takes Δ unclamped and exceeds it where |Δ| > 20).
     """
     c = clamped_log_ratio
     if estimator == "k1":
