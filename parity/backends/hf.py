@@ -4,8 +4,10 @@ Stock kernels, left-padded batches, HF's samplers. The `GenerationConfig` is bui
 and the checkpoint's generation defaults are dropped (HF would apply top_k=50 and fill every unset
 field, min_p or no_repeat_ngram_size, from the checkpoint's generation_config.json). HF has one
 global RNG per generate call, so each padded batch is seeded with its first sample's seed and
-samples depend on their batch: each rollout's meta records that seed as "sample_seed" and the
-samples that shared it, in row order, as "seed_batch" (meta "seeding"). `output_scores` are
+samples depend on their batch: each rollout's meta records that seed as "sample_seed", its batch's
+first sample (whose seed it is) as "seed_batch_head" and its row as "seed_batch_row"; the head's meta
+alone lists the batch, in row order, as "seed_batch" (meta "seeding"), so a batch's records grow as
+its rows do, not as their square. `output_scores` are
 processed, `output_logits` raw. LoRA runs through peft's `PeftModel` as a peft trainer runs it
 (adapter weights in float32, unmerged).
 """
@@ -81,8 +83,10 @@ class HFBackend(Backend):
             "batch_size": batch_size, "padding": "left",
             "generation_defaults": "none: the checkpoint's generation_config.json is not applied",
             "seeding": "per padded batch: torch.manual_seed(sample seed of the batch's first sample); "
-                       "meta sample_seed is that seed, seed_batch the batch's [request_id, sample_index] "
-                       "in row order (a sample replays only in the same batch)",
+                       "meta sample_seed is that seed, seed_batch_head the [request_id, sample_index] of "
+                       "the batch's first sample, seed_batch_row the sample's row; the head's meta alone "
+                       "holds seed_batch, the batch's [request_id, sample_index] in row order (a sample "
+                       "replays only in the same batch)",
         })
 
     def generate(self, requests: Sequence[Request]) -> list[Rollout]:
@@ -116,8 +120,9 @@ class HFBackend(Backend):
         steps = out.scores if sp.logprobs_mode == "processed" else out.logits
         logprobs = torch.stack(steps, dim=1).float().log_softmax(dim=-1)  # [B, steps, V]
         generated = out.sequences[:, width:]
-        # one generator drew every row: the seed a rollout records is the batch's, with its company
-        batch = [(job.request.request_id, job.sample_index) for job in jobs]
+        # one generator drew every row: the seed a rollout records is the batch's, with its company,
+        # listed once (in the head's meta): a list in every row would be B^2 entries per batch
+        batch = [[job.request.request_id, job.sample_index] for job in jobs]
         rollouts = []
         for row, job in enumerate(jobs):
             tokens = generated[row].tolist()
@@ -130,8 +135,9 @@ class HFBackend(Backend):
                 k = min(sp.top_k_logprobs, logprobs.shape[-1])
                 values, ids = torch.topk(logprobs[row, :end], k, dim=-1)
                 top_k = (ids.tolist(), values.tolist())
+            company = {"seed_batch": batch} if row == 0 else {}
             rollouts.append(self.finished(job, tokens, lps, top_k=top_k, sample_seed=jobs[0].seed,
-                                          seed_batch=[list(key) for key in batch]))
+                                          seed_batch_head=list(batch[0]), seed_batch_row=row, **company))
         return rollouts
 
     @classmethod

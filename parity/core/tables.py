@@ -168,7 +168,7 @@ def _set_null(row: dict[str, Any], path: list[Any], value: float) -> bool:
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    with path.open(encoding="utf-8") as f:
+    with path.open(encoding="utf-8-sig") as f:  # -sig: a BOM that Windows editors write first is no data
         for lineno, line in _lines(f, path):
             if not line.strip():
                 continue

@@ -350,10 +350,17 @@ def model_hash(path: str | os.PathLike[str]) -> str:
     return h.hexdigest()[:16]
 
 
+#: files besides config.json and the weights that decide a loaded model's numbers: where it stops
+#: (`eos_token_ids` reads them; a slow tokenizer names its eos id through the last three).
+STOP_FILES = frozenset({"generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                        "special_tokens_map.json", "tokenizer.model", "added_tokens.json", "vocab.json"})
+
+
 def checkpoint_stamp(path: str | os.PathLike[str]) -> tuple[tuple[str, int, int], ...]:
-    """(name, size, mtime_ns) of the files `model_hash` reads: cheap, and changed by rewriting them."""
+    """(name, size, mtime_ns) of the files `model_hash` reads and the `STOP_FILES`: cheap (no file is
+    read), and changed by rewriting, adding or removing one."""
     return tuple((f.name, st.st_size, st.st_mtime_ns) for f in sorted(Path(path).iterdir())
-                 if _hashed(f) and (st := f.stat()))
+                 if (_hashed(f) or f.name in STOP_FILES) and (st := f.stat()))
 
 
 def _json_file(f: Path) -> Any:
@@ -368,8 +375,9 @@ def _json_file(f: Path) -> Any:
 
 def eos_token_ids(model_path: str | os.PathLike[str]) -> tuple[int, ...]:
     """EOS ids a sample of the checkpoint stops on, as vLLM stops: generation_config.json's eos_token_id
-    (else config.json's), then the tokenizer's eos token (`tokenizer_eos_id`) when they lack it (vLLM
-    stops on `tokenizer.eos_token_id` too wherever it loads the tokenizer, its server always)."""
+    (config.json's only where there is no generation_config.json: vLLM's `try_get_generation_config`),
+    then the tokenizer's eos token (`tokenizer_eos_id`) when they lack it (vLLM stops on
+    `tokenizer.eos_token_id` too wherever it loads the tokenizer, its server always)."""
     root = Path(model_path)
     ids: tuple[int, ...] = ()
     for name in ("generation_config.json", "config.json"):
@@ -380,23 +388,28 @@ def eos_token_ids(model_path: str | os.PathLike[str]) -> tuple[int, ...]:
             raise ConfigError(f"{root / name}: not a valid JSON object; fix or regenerate the checkpoint")
         eos = data.get("eos_token_id")
         if eos is not None:
-            ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
-            break
+            ids = tuple(eos if isinstance(eos, list) else [eos])
+            if not all(type(e) is int for e in ids):  # true would stop on id 1, 2.5 or "2" on id 2
+                raise ConfigError(f"{root / name}: eos_token_id must be a token id or a list of token ids "
+                                  f"(integers), got {eos!r}; fix the file")
+        break  # a generation_config.json without eos_token_id: vLLM reads none from config.json
     tokenizer_eos = tokenizer_eos_id(root)
     return ids if tokenizer_eos is None or tokenizer_eos in ids else (*ids, tokenizer_eos)
 
 
 def tokenizer_eos_id(model_path: str | os.PathLike[str]) -> int | None:
-    """The id of the checkpoint tokenizer's eos token (tokenizer_config.json's `eos_token`, else
-    special_tokens_map.json's), looked up in tokenizer.json; None without one."""
+    """The id of the checkpoint tokenizer's eos token, looked up in tokenizer.json; None without one. The
+    token is tokenizer_config.json's `eos_token`, else special_tokens_map.json's, which also wins where
+    tokenizer_config.json has no `added_tokens_decoder` (saved before transformers 4.34: transformers
+    then merges special_tokens_map.json over it, and vLLM stops on that eos)."""
     root = Path(model_path)
-    token = None
-    for name in ("tokenizer_config.json", "special_tokens_map.json"):
-        data = _json_file(root / name)
-        if isinstance(data, dict) and data.get("eos_token") is not None:
-            token = data["eos_token"]
-            token = token.get("content") if isinstance(token, dict) else token
-            break
+    config, special = _json_file(root / "tokenizer_config.json"), _json_file(root / "special_tokens_map.json")
+    config = config if isinstance(config, dict) else {}
+    token = config.get("eos_token")
+    if isinstance(special, dict) and special.get("eos_token") is not None \
+            and (token is None or "added_tokens_decoder" not in config):
+        token = special["eos_token"]
+    token = token.get("content") if isinstance(token, dict) else token
     if not isinstance(token, str) or not token:
         return None
     return _token_id(root, token)
