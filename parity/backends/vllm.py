@@ -41,6 +41,8 @@ from parity.backends.vllm_routes import capture_engine_kwargs, start_route_captu
 from parity.backends.vllm_start import (
     GPU_MEMORY_UTILIZATION,
     VLLM_LOGPROBS_MODE,
+    check_context,
+    check_engine_kwargs,
     check_gpu_memory,
     check_lora_platform,
     lora_rank_bound,
@@ -71,6 +73,28 @@ from parity.runtime.quiet import engine_logging
 ROUTES_RETURNED, ROUTES_CAPTURED = "vllm enable_return_routed_experts", "parity worker capture (CPU build)"
 
 
+def engine_settings(config: Any) -> dict[str, Any]:
+    """What a started engine's `vllm_config` decides of its numbers, for its meta; the KV cache dtype and
+    quantization under the server's names and spellings (`vllm_settings.SETTINGS`: "auto" is the
+    model's dtype, "none" unquantized weights)."""
+    model, cache, scheduler = config.model_config, config.cache_config, config.scheduler_config
+    return {
+        "tensor_parallel_size": config.parallel_config.tensor_parallel_size,
+        "enable_prefix_caching": bool(cache.enable_prefix_caching),
+        "enforce_eager": bool(model.enforce_eager),
+        "enable_sleep_mode": bool(model.enable_sleep_mode),
+        "enable_chunked_prefill": bool(scheduler.enable_chunked_prefill),
+        "max_num_seqs": scheduler.max_num_seqs,
+        "max_num_batched_tokens": scheduler.max_num_batched_tokens,
+        "max_model_len": model.max_model_len,
+        "block_size": cache.block_size,
+        "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
+        "gpu_memory_utilization": cache.gpu_memory_utilization,
+        "kv_cache_dtype": str(cache.cache_dtype),
+        "quantization": str(model.quantization or "none"),
+    }
+
+
 class VLLMBackend(Backend):
     """vLLM `LLM` engine on a local checkpoint.
 
@@ -78,7 +102,8 @@ class VLLMBackend(Backend):
     default (on). batch_invariant: `VLLM_BATCH_INVARIANT`; None takes the user's exported value
     (`parity.backends.vllm_env`). capture_routes: MoE routes the way this build can (vLLM's own
     return on a GPU, `parity.backends.vllm_routes` on CPU). weight_transfer: "reload" or "ipc"
-    (`parity.backends.vllm_weights`). engine_kwargs: more `vllm.LLM` arguments, unchanged.
+    (`parity.backends.vllm_weights`). engine_kwargs: more `vllm.LLM` arguments, unchanged once checked
+    (`vllm_start.check_engine_kwargs`).
     lora: an adapter every request applies. probe: parity's probe (`parity.backends.vllm_probe`).
     """
 
@@ -93,7 +118,10 @@ class VLLMBackend(Backend):
                  probe: bool = False) -> None:
         super().__init__(model, dtype=dtype)
         spec = self.check_lora(lora)
-        engine_kwargs = dict(engine_kwargs or {})
+        engine_kwargs = check_engine_kwargs(engine_kwargs or {}, enable_prefix_caching=enable_prefix_caching,
+                                            probe=probe)
+        if "max_model_len" not in engine_kwargs:  # the checkpoint's is read only where none is given
+            engine_kwargs["max_model_len"] = max_positions(self.model_path)
         self.logprobs_mode = check_choice(logprobs_mode, LOGPROBS_MODES, "vllm option logprobs_mode")
         self._weights_dir: tempfile.TemporaryDirectory[str] | None = None
         self._slept = 0  # the level of the last sleep, 0 when awake
@@ -137,7 +165,6 @@ class VLLMBackend(Backend):
             route_source = ROUTES_RETURNED
         if enable_prefix_caching is not None:
             engine_kwargs["enable_prefix_caching"] = enable_prefix_caching
-        engine_kwargs.setdefault("max_model_len", max_positions(self.model_path))
         if spec is not None:
             engine_kwargs.setdefault("max_lora_rank", lora_rank_bound(spec.rank))
             engine_kwargs.update(enable_lora=True, max_loras=1)
@@ -184,25 +211,15 @@ class VLLMBackend(Backend):
             start_route_capture(self._llm)
         if spec is not None:
             self._load_adapter(spec)
-        config = self._llm.llm_engine.vllm_config
         self.meta.update({
             "backend_version": vllm.__version__, "device": current_platform.device_type,
             "logprobs_mode": logprobs_mode, "vllm_logprobs_mode": VLLM_LOGPROBS_MODE[logprobs_mode],
             "attention_backend": self._attention_backend(),
             "attention_backend_configured": self._configured_attention(),
             "batch_invariant": bool(vllm.envs.VLLM_BATCH_INVARIANT),
-            "tensor_parallel_size": config.parallel_config.tensor_parallel_size,
-            "enable_prefix_caching": bool(config.cache_config.enable_prefix_caching),
-            "enforce_eager": bool(config.model_config.enforce_eager),
-            "enable_sleep_mode": bool(config.model_config.enable_sleep_mode),
-            "enable_chunked_prefill": bool(config.scheduler_config.enable_chunked_prefill),
-            "max_num_seqs": config.scheduler_config.max_num_seqs,
-            "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
-            "block_size": config.cache_config.block_size,
-            "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
+            **engine_settings(self._llm.llm_engine.vllm_config),
             "return_routed_experts": return_routed_experts, "capture_routes": capture_routes,
             "route_source": route_source, "weight_transfer": weight_transfer,
-            "gpu_memory_utilization": engine_kwargs.get("gpu_memory_utilization"),
             "engine_seed": seed, "probe": probe,
             "n_expansion": "n single-sample requests with parity sample_seed(seed, i)",
         })
@@ -284,9 +301,14 @@ class VLLMBackend(Backend):
     @classmethod
     def check_requests(cls, requests: Sequence[Request], options: dict[str, Any]) -> None:
         """What `generate` would refuse (the engine's logprob mode, temperatures vLLM refuses or
-        silently raises), before the engine starts."""
+        silently raises, requests longer than engine_kwargs max_model_len) and contradicting engine
+        settings, before the engine starts."""
         check_vllm_requests(requests, options.get("logprobs_mode", "processed"), cls.name)
         check_top_k_turns(requests)  # the rows of a trajectory's last turn only
+        engine_kwargs = check_engine_kwargs(options.get("engine_kwargs") or {},
+                                            enable_prefix_caching=options.get("enable_prefix_caching"),
+                                            probe=bool(options.get("probe")))
+        check_context(requests, engine_kwargs.get("max_model_len"))
 
     def _score(self, pairs: list[Pair], sampling: SamplingParams) -> list[torch.Tensor]:
         """Teacher-forced response logprobs through `prompt_logprobs` (raw; converted if processed)."""

@@ -204,8 +204,9 @@ class VLLMServerBackend(Backend):
         port = free_loopback_port()
         flags = ["--host", LOOPBACK, "--port", str(port), "--dtype", self.dtype, "--seed", str(seed),
                  "--logprobs-mode", VLLM_LOGPROBS_MODE[self.logprobs_mode], "--max-logprobs", "-1",
-                 "--generation-config", "vllm", "--max-model-len", str(max_positions(self.model_path)),
-                 "--enable-prompt-tokens-details"]
+                 "--generation-config", "vllm", "--enable-prompt-tokens-details"]
+        if flag_value(words, ("--max-model-len",)) is None:  # the checkpoint's only where none is given
+            flags += ["--max-model-len", str(max_positions(self.model_path))]
         env = {"VLLM_SERVER_DEV_MODE": "1" if dev_mode else "0",
                "VLLM_BATCH_INVARIANT": "1" if batch_invariant else "0",
                FAST_EXIT: os.environ.get(FAST_EXIT, "1")}  # parity.backends.vllm_exit
