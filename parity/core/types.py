@@ -359,6 +359,16 @@ def check_real(value: Any, field: str, hint: str) -> float:
     return value if type(value) in (int, float) else float(value)
 
 
+def float32_meant(value: Any) -> Any:
+    """A float that is exactly a float32 (a float32 Parquet column's, or `np.float32(0.7)`'s,
+    0.699999988079071) as the decimal that float32 stands for (0.7): else it is not the 0.7 given or
+    recorded elsewhere. Anything else as is (a double's 0.7 is no float32; a float32's 0.5 is 0.5
+    either way)."""
+    if isinstance(value, float) and math.isfinite(value) and float(np.float32(value)) == value:
+        return float(str(np.float32(value)))
+    return value
+
+
 def check_id(value: Any, field: str) -> str:
     """A request id: a string, or an integer (written as a string)."""
     if isinstance(value, bool) or not isinstance(value, (str, numbers.Integral)):

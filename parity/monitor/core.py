@@ -25,7 +25,7 @@ from parity.core.errors import ConfigError, InputError
 from parity.core.logprobs import check_logprob_array
 from parity.core.outputs import output_dir
 from parity.core.schema import SUPPORT_SUMMARY_KEYS
-from parity.core.types import SamplingParams
+from parity.core.types import SamplingParams, check_int
 from parity.correction.config import DEFAULT_OPTIONS, CorrectionConfig
 from parity.monitor.arrays import host_array, negative_id
 from parity.monitor.background import Background
@@ -80,9 +80,9 @@ class Monitor:
             options = DEFAULT_OPTIONS if correction is None else correction
             options = dict(options) if isinstance(options, Mapping) else options
             self.correction = CorrectionConfig.from_dict(options)
-        self.render_every = _count(render_every, "render_every", low=0)
-        self.advice_every = _count(advice_every, "advice_every", low=0)
-        self.threads = _count(threads, "threads", low=1)
+        self.render_every = check_int(render_every, "render_every", low=0)
+        self.advice_every = check_int(advice_every, "advice_every", low=0)
+        self.threads = check_int(threads, "threads", low=1)
         for name, flag in (("resume", resume), ("log_scale", log_scale),
                            ("advice_in_background", advice_in_background)):
             if not isinstance(flag, bool):
@@ -386,12 +386,6 @@ def _clean_padding(x: np.ndarray, mask: np.ndarray, name: str) -> np.ndarray:
     return x
 
 
-def _count(value: Any, name: str, *, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
-    return value
-
-
 def _is_integer(value: Any) -> bool:
     """A NumPy or torch integer scalar (a 0-d tensor's `.item()` is an int)."""
     try:
@@ -410,12 +404,22 @@ def checked_sampling(sampling: Mapping[str, Any] | SamplingParams | None) -> dic
     if not isinstance(sampling, Mapping):
         raise InputError(f"sampling must be a dict of SamplingParams fields or a SamplingParams, got "
                          f"{type(sampling).__name__}")
-    given = {str(k): (v.item() if hasattr(v, "item") else v) for k, v in sampling.items()}
+    given = {str(k): _scalar(v, f"sampling[{str(k)!r}]") for k, v in sampling.items()}
     try:
         SamplingParams.from_dict(dict(given))
     except ConfigError as exc:
         raise InputError(str(exc)) from exc  # a bad value in the data, not in the monitor's options
     return given
+
+
+def _scalar(value: Any, name: str) -> Any:
+    """A NumPy or torch scalar (a 0-d or one-element array) as Python's; InputError for more values."""
+    try:
+        return value.item() if hasattr(value, "item") else value
+    except (ValueError, RuntimeError) as exc:  # several values: NumPy's ValueError, torch's RuntimeError
+        raise InputError(f"{name} must be one value for the step, got {type(value).__name__} of shape "
+                         f"{list(getattr(value, 'shape', []))}; log each sampling's rows as their own "
+                         "step") from exc
 
 
 def _meta(meta: Mapping[str, Any] | None) -> dict[str, Any] | None:

@@ -5,18 +5,21 @@ normal drift depends on the run. `Jumps` (`DEFAULT_JUMPS`, on by default) flag X
 trailing median of `WINDOW` steps, catching a missed weight sync out of the box. Keys are the
 summary's or the correction's `rollout_corr/*`; a missing one is flagged. A jump is judged against the
 trailing steps sampled alike (`sampling_key`: drift of processed logprobs scales with 1/temperature).
+Bounds and factors are Python or NumPy real numbers, stored as `float(value)` (`np.float32(0.1)`:
+0.10000000149011612, the value that float32 holds).
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from parity.core.errors import ConfigError
 from parity.core.schema import SUMMARY_KEYS, SUPPORT_SUMMARY_KEYS
-from parity.core.types import SamplingParams
+from parity.core.types import SamplingParams, float32_meant
 
 #: prefix of verl's rollout-correction metric names.
 CORRECTION_PREFIX = "rollout_corr/"
@@ -43,6 +46,13 @@ RANGES: dict[str, tuple[float, float]] = {
         "rollout_is_ratio_fraction_high", "rollout_is_ratio_fraction_low", "rollout_is_seq_fraction_high",
         "rollout_is_seq_fraction_low", "rollout_is_eff_sample_size")},
     "rollout_probs_pearson": (-1.0, 1.0),
+}
+#: what a trailing median of 0 of a jump key says of the recent steps (every one above 0 is a jump).
+ZERO_MEDIAN: dict[str, str] = {
+    **dict.fromkeys(JUMP_KEYS, "bitwise equal logprobs at the counted tokens"),
+    **dict.fromkeys(("rollout_probs_diff_max", "rollout_probs_diff_mean"), "equal probabilities at the "
+                    "counted tokens"),
+    "is_ratio_std": "one equal ratio at every counted token", "frac_tokens_ratio_gt_2": "no ratio above 2",
 }
 
 
@@ -91,18 +101,17 @@ class Thresholds:
                                   f"{CORRECTION_PREFIX}* metric name")
             low, high = (None, spec) if not isinstance(spec, (tuple, list)) else _pair(key, spec)
             for side, value in (("low", low), ("high", high)):
-                if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                          or not math.isfinite(value)):
+                if value is not None and _real(value) is None:
                     raise ConfigError(f"thresholds[{key!r}]: {side} bound must be a finite number or None, "
-                                      f"got {value!r}")
+                                      f"got {value!r}{_as_number(value, band=True)}")
+            low, high = (None if v is None else _real(v) for v in (low, high))
             if low is None and high is None:
                 raise ConfigError(f"thresholds[{key!r}]: give an upper bound, or a (low, high) band with at "
                                   "least one side")
             if low is not None and high is not None and low > high:
                 raise ConfigError(f"thresholds[{key!r}]: low {low} is above high {high}")
             _check_range(key, low, high)
-            bounds.append(Bound(key, None if low is None else float(low),
-                                None if high is None else float(high)))
+            bounds.append(Bound(key, low, high))
         return cls(tuple(bounds))
 
     def check(self, values: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -139,7 +148,8 @@ class Jumps:
     """Relative bounds: `{"key": X}` flags a step whose value exceeds X times the median of the
     run's last `WINDOW` values of `key` (the monitor passes those of steps sampled alike; judged
     from `MIN_HISTORY` values on; a NaN one, which has no order, is not counted, an infinite one is;
-    an infinite value is judged, a NaN one is not; X > 1; keys: `JUMP_KEYS`)."""
+    an infinite value is judged, a NaN one is not; over a median of 0, any value above 0 is a jump,
+    told by what that 0 means, `ZERO_MEDIAN`; X > 1; keys: `JUMP_KEYS`)."""
 
     factors: tuple[tuple[str, float], ...] = ()
 
@@ -160,11 +170,11 @@ class Jumps:
                                   "is worse), so X times its trailing median is no jump; judge one of "
                                   f"{', '.join(JUMP_KEYS)}, or bound {key!r} with a (low, high) band in "
                                   "thresholds=")
-            if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 1 \
-                    or not math.isfinite(factor):
+            number = _real(factor)
+            if number is None or not number > 1:
                 raise ConfigError(f"jumps[{key!r}] must be a finite number > 1 (times the trailing median), "
-                                  f"got {factor!r}")
-            out.append((key, float(factor)))
+                                  f"got {factor!r}{_as_number(factor)}")
+            out.append((key, number))
         return cls(tuple(out))
 
     def check(self, values: Mapping[str, Any], history: Mapping[str, list[float]]) -> list[dict[str, Any]]:
@@ -179,15 +189,36 @@ class Jumps:
             ordered, half = sorted(past), len(past) // 2  # an even count's median: its two middles' mean
             median = ordered[half] if len(past) % 2 else (ordered[half - 1] + ordered[half]) / 2
             if value > factor * median and value > 0:
-                times, above = apart(value / median if median > 0 else math.inf, factor, digits=3)
+                if median > 0:
+                    times, above = apart(value / median, factor, digits=3)
+                    message = (f"{key} {value:.4g} is {times}x the trailing median {median:.4g} (flagged "
+                               f"above {above}x)")
+                else:  # X times 0 is 0: not "infx", what a median of 0 means
+                    message = (f"{key} {value:.4g} where the trailing median is {median:.4g} "
+                               f"({ZERO_MEDIAN[key]}): any drift is a jump")
                 alerts.append({"key": key, "value": value, "low": None, "high": factor * median,
-                               "jump": factor, "trailing_median": median,
-                               "message": f"{key} {value:.4g} is {times}x the trailing median "
-                                          f"{median:.4g} (flagged above {above}x)"})
+                               "jump": factor, "trailing_median": median, "message": message})
         return alerts
 
     def to_dict(self) -> dict[str, float]:
         return dict(self.factors)
+
+
+def _real(value: Any) -> float | None:
+    """A finite Python or NumPy real number (never a bool) as `float(value)`; None for anything else."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond the floats
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _as_number(value: Any, band: bool = False) -> str:
+    """The fix for a tensor or array given where a number goes."""
+    fix = " (a number: float(x) of a tensor" + (", or a (low, high) tuple)" if band else ")")
+    return fix if hasattr(value, "shape") else ""
 
 
 def apart(value: float, bound: float, digits: int = 4) -> tuple[str, str]:
@@ -201,10 +232,13 @@ def apart(value: float, bound: float, digits: int = 4) -> tuple[str, str]:
 
 
 def sampling_key(sampling: dict[str, Any] | None) -> tuple[float, int, float] | None:
-    """What a step's processed logprobs depend on, (temperature, top_k, top_p); None when not given."""
+    """What a step's processed logprobs depend on, (temperature, top_k, top_p), a float32's
+    temperature and top_p as the decimal meant (`float32_meant`: `np.float32(0.7)` is 0.7, as a plain
+    0.7 is); None when not given."""
     if sampling is None:
         return None
-    return SamplingParams.from_dict(dict(sampling)).definition
+    temperature, top_k, top_p = SamplingParams.from_dict(dict(sampling)).definition
+    return float32_meant(temperature), top_k, float32_meant(top_p)
 
 
 def stored_sampling_key(sampling: Any) -> tuple[float, int, float] | None:

@@ -4,15 +4,12 @@ two checked against each other (processed logprobs depend on them: `SamplingPara
 
 from __future__ import annotations
 
-import math
 import numbers
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
-
 from parity.core.errors import ConfigError, InputError
-from parity.core.types import SamplingParams
+from parity.core.types import SamplingParams, float32_meant
 
 #: the flat sampling columns; a row with any of them has sampling, the missing ones off.
 SAMPLING_COLUMNS: tuple[str, ...] = ("temperature", "top_p", "top_k")
@@ -52,7 +49,7 @@ def row_sampling(row: dict[str, Any], mode: str, given: SamplingParams | None,
             if "top_k" in fields:
                 fields["top_k"] = top_k_off(fields["top_k"])  # one rule for the object and the column
             own = SamplingParams.from_dict({**fields, "logprobs_mode": mode,
-                                            **{k: _float32_meant(fields[k]) for k in SAMPLING_FLOATS
+                                            **{k: float32_meant(fields[k]) for k in SAMPLING_FLOATS
                                                if k in fields}})
         if any(row.get(c) is not None for c in SAMPLING_COLUMNS):
             flat = SamplingParams(temperature=_number(row, "temperature", 1.0),
@@ -85,16 +82,7 @@ def _number(row: dict[str, Any], name: str, default: float) -> float:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InputError(f"{name} must be a number, got {value!r}")
-    return float(_float32_meant(value))
-
-
-def _float32_meant(value: Any) -> Any:
-    """A float that is exactly a float32 (a float32 Parquet column's 0.699999988079071) as the decimal
-    that float32 stands for (0.7): else the row's sampling is not the 0.7 given or recorded elsewhere.
-    Anything else as is (a double's 0.7 is no float32; a float32's 0.5 is 0.5 either way)."""
-    if isinstance(value, float) and math.isfinite(value) and float(np.float32(value)) == value:
-        return float(str(np.float32(value)))
-    return value
+    return float(float32_meant(value))
 
 
 def _top_k(row: dict[str, Any]) -> int:
