@@ -197,7 +197,7 @@ def test_a_level_2_wake_after_a_partial_push_restores_every_weight(dense) -> Non
     reloaded only the last push's file: the other weights stayed discarded)."""
     from parity.backends.weight_sync import checkpoint_weights
 
-    weights = checkpoint_weights(dense)
+    weights = checkpoint_weights(Path(dense))
     first, second = (name for name in weights if name.endswith("mlp.down_proj.weight"))
     pushed = {first: weights[first] * 0.5, second: weights[second] * 0.25}
     with get_backend("vllm", dense, dtype="bfloat16",
