@@ -313,17 +313,26 @@ class ReferenceEngine:
                 hidden, routes = self._forward(step, in_flight) if step.spans else (None, None)
                 drawn = self._sample(step.ready, hidden) if step.ready else None
                 if in_flight is not None:
-                    scheduler.finish(in_flight.ready, *in_flight.read())
+                    self._clear(scheduler.finish(in_flight.ready, *in_flight.read()))
                 if routed is not None:
                     routed.keep()
                 routed = routes.live() if routes is not None else None
                 if drawn is not None and not scheduler.overlap:
-                    scheduler.finish(drawn.ready, *drawn.read())
+                    self._clear(scheduler.finish(drawn.ready, *drawn.read()))
                     drawn = None
                 in_flight = drawn
             if routed is not None:
                 routed.keep()
         return [self._rollout(seq) for seq in sequences]
+
+    def _clear(self, stopped: list[Sequence]) -> None:
+        """Zero the KV positions each stopped sequence wrote into its slot. Attention reads keys past
+        a token's position with weight exactly 0, and 0 * inf is NaN: a float16 overflow in one
+        sequence's values would reach the slot's next sequence (on CPU only in steps whose span covers
+        the stale positions, so as a function of its batch). A free slot stays all zero, as allocated."""
+        if stopped:
+            torch._foreach_zero_([cache[seq.slot, :, :seq.computed] for seq in stopped
+                                  for cache in (*self._cache.keys, *self._cache.values)])
 
     def _overlaps(self, requests: list[Request]) -> bool:
         """Whether this generate plans each step before the last one's tokens are read: the setting

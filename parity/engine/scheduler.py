@@ -215,16 +215,19 @@ class Scheduler:
                 span.seq.pending += 1
         return Step(ids, positions, slots, tuple(spans), ready, tuple(fills))
 
-    def finish(self, ready: tuple[Span, ...], tokens: list[int], logprobs: list[float]) -> None:
-        """Give each ready sequence its sampled token; free the slots of those that stop. A sequence
-        that stopped the step before (overlap) drops the token."""
+    def finish(self, ready: tuple[Span, ...], tokens: list[int], logprobs: list[float]) -> list[Sequence]:
+        """Give each ready sequence its sampled token; free the slots of those that stop, which are
+        returned (their `slot` and `computed` say what they wrote). A sequence that stopped the step
+        before (overlap) drops the token."""
         for span, token, logprob in zip(ready, tokens, logprobs, strict=True):
             seq = span.seq
             if self.overlap:
                 seq.pending -= 1
             if seq.finish_reason is None:
                 seq.append(token, logprob, self.eos_token_ids)
-        for seq in [s for s in self.running if s.finish_reason is not None]:
+        stopped = [s for s in self.running if s.finish_reason is not None]
+        for seq in stopped:
             self.running.remove(seq)
             self.free_slots.append(seq.slot)
         self.free_slots.sort()
+        return stopped
