@@ -139,7 +139,7 @@ def compare(
             backend_options["tensor_parallel_size"] = tensor_parallel
         backend_options = _place(backend, device, backend_options)
         check_requests(backend, the_case.requests, backend_options)
-    engine = _resolve_backend(backend, model_arg, dtype, backend_options, device, spec)
+    engine = _resolve_backend(backend, model_arg, dtype, backend_options, device, spec, tensor_parallel)
 
     start = time.perf_counter()
     generated = generate(engine, the_case.requests)
@@ -296,9 +296,10 @@ def _check_axes(attribute: Sequence[str]) -> None:
 
 
 def _resolve_backend(backend: str | Backend, model: str, dtype: str, options: dict[str, Any],
-                     device: str, lora: LoraSpec | None) -> Backend:
+                     device: str, lora: LoraSpec | None, tensor_parallel: int | None = None) -> Backend:
     """The named backend started (shared), or the running one checked against the call."""
     if isinstance(backend, str):
         return shared_backend(backend, model, dtype=dtype, **options)
     placed = device if isinstance(backend, Backend) and "device" in backend.option_names() else None
-    return check_borrowed(backend, model=model, dtype=dtype, device=placed, options=options, lora=lora)
+    return check_borrowed(backend, model=model, dtype=dtype, device=placed, options=options, lora=lora,
+                          tensor_parallel=tensor_parallel)

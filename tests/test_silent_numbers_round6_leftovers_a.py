@@ -10,6 +10,7 @@ tool's out-of-vocabulary reply (or a fixed one) to the engine as a prompt id.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -91,7 +92,7 @@ def test_more_ranks_than_visible_gpus_is_refused(four_gpus) -> None:
 
 class _NoEngine:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
+        self.lm = SimpleNamespace(eos_token_ids=(2,))  # the backend's eos ids are its engine's model's
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])

@@ -171,6 +171,9 @@ class Backend(abc.ABC):
 
     def __init__(self, model: str | Path, *, dtype: str = "bfloat16") -> None:
         self.model_path = resolve_model(model)
+        #: the checkpoint directory, resolved at start: a relative `model_path` names another one once
+        #: the working directory changes
+        self.model_dir = self.model_path.resolve()
         self.dtype = check_dtype(dtype)
         self.eos_ids = eos_token_ids(self.model_path)
         self.meta: dict[str, Any] = {"backend": self.name, "dtype": dtype, "model": str(self.model_path)}

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from parity.backends.base import Backend
-from parity.backends.registry import BACKENDS
+from parity.backends.registry import BACKENDS, shared_is_stale
 from parity.core.errors import ConfigError
 from parity.models import resolve_model
 from parity.models.lora import LoraSpec
@@ -88,18 +88,21 @@ def check_placement(name: str, device: str, options: Mapping[str, Any] | None = 
 
 def check_borrowed(backend: object, *, model: str | None, dtype: str | None, device: str | None = None,
                    options: Mapping[str, Any] | None = None, lora: LoraSpec | str | None = UNCHECKED,
-                   role: str = "backend") -> Backend:
+                   role: str = "backend", tensor_parallel: int | None = None) -> Backend:
     """`backend`, a running `Backend` the caller passed in, checked against the call; ConfigError
     naming both values otherwise. None (for lora `UNCHECKED`) leaves a field unchecked; any option
-    is refused (options apply when a name is started); lora is compared by hash."""
+    is refused (options apply when a name is started); lora is compared by hash; tensor_parallel
+    with the degree the backend records. A shared backend whose checkpoint files changed since it
+    started is refused (it samples the old weights while the training forward loads the new)."""
     if not isinstance(backend, Backend):
         raise ConfigError(f"backend must be a backend name or a parity Backend, got {type(backend).__name__}")
     what = f"the running {backend.name!r} {role}"
     if options:
         raise ConfigError(f"backend options {sorted(options)} only apply when backend is a name; {what} is "
                           "already running")
-    if model is not None and Path(resolve_model(model)).resolve() != Path(backend.model_path).resolve():
-        raise ConfigError(f"{what} serves {backend.model_path}, not model {model!r}; pass the backend's "
+    serves = getattr(backend, "model_dir", None) or Path(backend.model_path).resolve()  # resolved at start
+    if model is not None and Path(resolve_model(model)).resolve() != serves:
+        raise ConfigError(f"{what} serves {serves}, not model {model!r}; pass the backend's "
                           "model or a backend name")
     if dtype is not None and backend.dtype != dtype:
         raise ConfigError(f"{what} uses dtype {backend.dtype!r} but dtype={dtype!r} was asked for; start the "
@@ -110,6 +113,16 @@ def check_borrowed(backend: object, *, model: str | None, dtype: str | None, dev
             wanted = "no adapter" if lora is None else f"adapter {str(lora.path)!r} (hash {lora.hash})"
             raise ConfigError(f"{what} applies LoRA adapter {running or 'none'}, not {wanted}; start the "
                               "backend with the same adapter")
+    running_tp = backend.meta.get("tensor_parallel_size")
+    if tensor_parallel is not None and running_tp is not None and running_tp != tensor_parallel:
+        raise ConfigError(f"{what} runs tensor_parallel_size={running_tp} but tensor_parallel="
+                          f"{tensor_parallel} was asked for; pass tensor_parallel={running_tp}, or start "
+                          f"the backend with tensor_parallel_size={tensor_parallel}")
+    if backend.shared and shared_is_stale(backend):
+        raise ConfigError(f"{what} is shared (parity.backends.shared_backend) and its checkpoint "
+                          f"{str(backend.model_path)!r} (or adapter) files changed since it started: it "
+                          "samples the old weights and eos ids; call shared_backend again for one "
+                          "started on the current files")
     placed = backend.meta.get("device")
     if device is not None and placed is not None and torch_device_type(placed) != torch_device_type(device):
         raise ConfigError(f"{what} samples on {placed!r} but device={device!r} was asked for; start the "

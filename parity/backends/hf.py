@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 from parity.backends.base import Backend, SampleJob, expand_samples, processed_from_raw, stop_set
 from parity.core.errors import BackendUnavailableError, ConfigError
 from parity.core.types import Pair, Request, Rollout, SamplingParams
+from parity.models.checkpoints import check_loaded
 from parity.models.lora import LoraSpec
 
 
@@ -60,9 +61,14 @@ class HFBackend(Backend):
                                           '"parity-harness[lora]" (or pip install peft)')
         self.device = torch.device(device)
         self.batch_size = batch_size
-        self._model = AutoModelForCausalLM.from_pretrained(
+        # checked as the reference engine's `load_model` checks: a tensor missing, left over or of another
+        # shape would otherwise run randomly initialised, and the rollouts come from another model
+        hf, info = AutoModelForCausalLM.from_pretrained(
             str(self.model_path), dtype=getattr(torch, dtype), attn_implementation=attn_implementation,
-        ).to(self.device).eval()
+            output_loading_info=True, ignore_mismatched_sizes=True,
+        )
+        check_loaded(model, hf, info)
+        self._model = hf.to(self.device).eval()
         # transformers fills every field the config given to `generate` leaves unset from the
         # checkpoint's generation_config.json (min_p, typical_p, no_repeat_ngram_size, ...): parity's
         # sampling must be all that applies, so the model keeps its special ids only

@@ -11,15 +11,19 @@ import contextlib
 import importlib
 import importlib.util
 import json
+import os
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from parity.backends.base import Backend
 from parity.core.backend_table import BACKEND_TABLE, BackendSpec
-from parity.core.errors import AdapterError, BackendUnavailableError, ConfigError
+from parity.core.errors import AdapterError, BackendUnavailableError, ConfigError, ParityError
 from parity.core.schema import NO_REPLAY
 from parity.core.types import Request
+from parity.models.checkpoints import checkpoint_stamp, model_text, resolve_model
+from parity.models.lora import resolve_adapter
 
 #: the table's rows by name, in its order (`parity.core.backend_table`).
 BACKENDS: dict[str, BackendSpec] = {spec.name: spec for spec in BACKEND_TABLE}
@@ -184,6 +188,8 @@ def parse_options(texts: Sequence[str], refused: Mapping[str, str] | None = None
 
 
 _SHARED: dict[str, Backend] = {}
+#: the files each shared backend started on (`_stamp`): one whose files changed since is replaced
+_STAMPS: weakref.WeakKeyDictionary[Backend, Any] = weakref.WeakKeyDictionary()
 #: where `shared_backend` looks first (`route_shared_backends`); None: this process's cache only
 _ROUTE: Callable[..., Backend | None] | None = None
 
@@ -196,20 +202,60 @@ def route_shared_backends(route: Callable[..., Backend | None] | None) -> None:
 
 
 def _key(name: str, model: str | Path, dtype: str, options: dict[str, Any]) -> str:
-    return repr((name, str(model), dtype, sorted(options.items())))
+    """The cache key: the checkpoint by its resolved directory (a relative path names another one from
+    another working directory; Path("tiny-llama") is a directory, "tiny-llama" the built-in model)."""
+    try:
+        where = str(resolve_model(model).resolve())
+    except ParityError:  # not a model here: get_backend refuses it, close_shared_backend finds none
+        where = model_text(model) if isinstance(model, (str, os.PathLike)) else repr(model)
+    return repr((name, where, dtype, sorted(options.items())))
+
+
+def _stamp(model: str | Path, options: dict[str, Any]) -> tuple[Any, ...]:
+    """What a started backend's numbers depend on besides its cache key: its checkpoint files'
+    `checkpoint_stamp` (weights, config, eos), and a LoRA adapter's directory and files."""
+    path = resolve_model(model)
+    stamp: tuple[Any, ...] = (checkpoint_stamp(path),)
+    if options.get("lora") is not None:
+        adapter = resolve_adapter(options["lora"]).resolve()
+        stamp += (str(adapter), tuple((f.name, st.st_size, st.st_mtime_ns) for f in sorted(adapter.iterdir())
+                                      if f.is_file() and (st := f.stat())))
+    return stamp
+
+
+def shared_is_stale(backend: Backend) -> bool:
+    """Whether shared `backend`'s checkpoint (or adapter) files changed since it started, or no longer
+    resolve; False for one this process's cache did not stamp."""
+    started = _STAMPS.get(backend)
+    if started is None:
+        return False
+    lora = (backend.meta.get("lora") or {}).get("path")
+    try:
+        return _stamp(getattr(backend, "model_dir", backend.model_path), {"lora": lora}) != started
+    except ParityError:
+        return True
 
 
 def shared_backend(name: str, model: str | Path, *, dtype: str = "bfloat16", **options: Any) -> Backend:
     """A process-wide backend for these exact arguments, started on first use, closed at exit (vLLM
-    CPU takes ~10-25 s to start); callers must not close it. A dead one is replaced."""
+    CPU takes ~10-25 s to start); callers must not close it. A dead one is replaced, and so is one
+    whose checkpoint (or adapter) files changed since it started (`_stamp`): it would serve the old
+    weights and stop on the old eos ids."""
     if _ROUTE is not None and (routed := _ROUTE(name, model, dtype, options)) is not None:
         return routed
     key = _key(name, model, dtype, options)
-    if key in _SHARED and not _SHARED[key].alive:
+    if key in _SHARED and (not _SHARED[key].alive or _STAMPS.get(_SHARED[key]) != _stamp(model, options)):
         _close(_SHARED.pop(key))
     if key not in _SHARED:
-        _SHARED[key] = get_backend(name, model, dtype=dtype, **options)
-        _SHARED[key].shared = True
+        try:  # taken before the start: files rewritten meanwhile start it again next time
+            stamp: tuple[Any, ...] | None = _stamp(model, options)
+        except ParityError:
+            stamp = None  # a model or adapter that does not resolve: get_backend refuses it, in its order
+        backend = get_backend(name, model, dtype=dtype, **options)
+        backend.shared = True
+        _SHARED[key] = backend
+        if stamp is not None:
+            _STAMPS[backend] = stamp
     return _SHARED[key]
 
 
