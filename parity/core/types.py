@@ -369,6 +369,40 @@ def float32_meant(value: Any) -> Any:
     return value
 
 
+#: the narrow float dtypes whose scalars `scalar_meant` reads as the decimal meant -> significand bits.
+NARROW_FLOATS: dict[str, int] = {"float32": 24, "float16": 11, "bfloat16": 8}
+
+
+def scalar_meant(value: Any) -> Any:
+    """A NumPy or torch scalar as a Python number: one of a narrow float dtype (`NARROW_FLOATS`: a
+    bfloat16 0.7 holds 0.69921875) as the shortest decimal that rounds to it in that dtype (0.7), the
+    dtype telling that no more digits were kept; anything else as `.item()` gives it (or as is). By the
+    dtype only: a Python float 0.69921875 is no bfloat16 and stays (`float32_meant` reads float32's).
+    """
+    if not hasattr(value, "item"):
+        return value
+    number = value.item()
+    bits = NARROW_FLOATS.get(str(getattr(value, "dtype", "")).removeprefix("torch."))
+    if not isinstance(number, float) or bits is None or not math.isfinite(number) or number == 0:
+        return number
+    for digits in range(1, 18):  # float16 and bfloat16 subnormals are no sampling values: normal rounding
+        text = float(f"{number:.{digits}g}")
+        mantissa, exponent = math.frexp(text)
+        if math.ldexp(round(mantissa * 2 ** bits), exponent - bits) == number:  # round half to even
+            return text
+    return number
+
+
+def top_k_off(value: Any) -> Any:
+    """A top_k as parity reads it, from a dump row, a trainer's batch or a monitored step alike: an
+    integer (NumPy's too) as a Python int, -1 (vLLM's and verl's "off") as parity's 0. Anything else as
+    is, for its reader to refuse: a float too (-1.0, 50.0: top_k is an integer everywhere,
+    `SamplingParams` included)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return value
+    return 0 if int(value) == -1 else int(value)
+
+
 def check_id(value: Any, field: str) -> str:
     """A request id: a string, or an integer (written as a string)."""
     if isinstance(value, bool) or not isinstance(value, (str, numbers.Integral)):

@@ -215,9 +215,12 @@ def _as_tensor(x: Any, name: str) -> torch.Tensor:
         with warnings.catch_warnings():
             # torch warns that a read-only array could be written through the tensor; it is not.
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            return torch.from_numpy(np.ascontiguousarray(x))
-    except (TypeError, ValueError, RuntimeError) as exc:
-        raise InputError(f"{name} must be a torch tensor or NumPy array of shape [batch, seq]") from exc
+            array = np.asarray(x)  # a 0-d array kept 0-d (ascontiguousarray makes it (1,): errors name it)
+            return torch.from_numpy(np.ascontiguousarray(array) if array.ndim else array)
+    except (TypeError, ValueError, RuntimeError) as exc:  # named as given: a float128 array is an array
+        got = f"an array of dtype {x.dtype}" if isinstance(x, np.ndarray) else type(x).__name__
+        raise InputError(f"{name} must be a torch tensor or NumPy array of numbers, [batch, seq], got {got} "
+                         f"({str(exc).split('. ')[0]})") from exc
 
 
 #: what `token_arrays` calls its three inputs in error messages, unless told otherwise.
@@ -315,9 +318,13 @@ def check_logprob_bound(values: torch.Tensor, mask: torch.Tensor, name: str) -> 
                           else value.cpu().numpy()[()], f"{name}[{r}, {c}]")
 
 
+#: integer dtypes torch has no min or max for on the CPU (NumPy's uint16/32/64 masks come in as these).
+_NO_AMINMAX = (torch.uint16, torch.uint32, torch.uint64)
+
+
 def _zeros_and_ones(m: torch.Tensor) -> bool:
     """Whether a numeric mask holds only 0 and 1 (for integers, min and max: verl's masks are int64)."""
-    if m.numel() and not m.is_floating_point():
+    if m.numel() and not m.is_floating_point() and m.dtype not in _NO_AMINMAX:
         low, high = torch.aminmax(m)
         return int(low) >= 0 and int(high) <= 1
     return bool(((m == 0) | (m == 1)).all())

@@ -24,9 +24,10 @@ from parity.core.outputs import output_file
 from parity.core.schema import LOGPROBS_MODES
 from parity.core.strict import check_choice
 from parity.core.tables import write_rows
+from parity.core.types import scalar_meant, top_k_off
 from parity.monitor.arrays import host_array
 from parity.monitor.core import checked_sampling
-from parity.rollouts.row_sampling import SAMPLING_COLUMNS, top_k_off
+from parity.rollouts.row_sampling import SAMPLING_COLUMNS
 
 if TYPE_CHECKING:
     from parity.monitor import Monitor
@@ -217,14 +218,9 @@ def _sampling_value(key: str, value: Any) -> Any:
 
 
 def _scalar(value: Any) -> Any:
-    """A NumPy/torch scalar as a Python number (float32 as its shortest spelling: 0.7, not 0.699999988)."""
-    if not hasattr(value, "item"):
-        return value
-    number = value.item()
-    kind = str(getattr(value, "dtype", "")).removeprefix("torch.")
-    if isinstance(number, float) and kind in ("float32", "float16"):
-        return float(str(np.dtype(kind).type(number)))
-    return number
+    """A NumPy/torch scalar as a Python number (a float32, float16 or bfloat16 as its shortest spelling:
+    0.7, not 0.699999988 or 0.69921875; `parity.core.types.scalar_meant`, the monitor's rule too)."""
+    return scalar_meant(value)
 
 
 #: `sequence_batch`'s names of its rollout, trainer, mask, tokens and lengths in its errors.

@@ -25,7 +25,7 @@ from parity.core.errors import ConfigError, InputError
 from parity.core.logprobs import check_logprob_array
 from parity.core.outputs import output_dir
 from parity.core.schema import SUPPORT_SUMMARY_KEYS
-from parity.core.types import SamplingParams, check_int
+from parity.core.types import SamplingParams, check_int, scalar_meant, top_k_off
 from parity.correction.config import DEFAULT_OPTIONS, CorrectionConfig
 from parity.monitor.arrays import host_array, negative_id
 from parity.monitor.background import Background
@@ -395,8 +395,8 @@ def _is_integer(value: Any) -> bool:
 
 
 def checked_sampling(sampling: Mapping[str, Any] | SamplingParams | None) -> dict[str, Any] | None:
-    """The step's sampling as given (no field invented, numpy scalars as Python's), checked as
-    `SamplingParams` fields: InputError for a field or value parity does not know."""
+    """The step's sampling as given (no field invented, NumPy/torch scalars as Python's: `scalar_meant`;
+    top_k -1 as 0), checked as `SamplingParams` fields: InputError for a field or value it does not know."""
     if sampling is None:
         return None
     if isinstance(sampling, SamplingParams):
@@ -405,6 +405,8 @@ def checked_sampling(sampling: Mapping[str, Any] | SamplingParams | None) -> dic
         raise InputError(f"sampling must be a dict of SamplingParams fields or a SamplingParams, got "
                          f"{type(sampling).__name__}")
     given = {str(k): _scalar(v, f"sampling[{str(k)!r}]") for k, v in sampling.items()}
+    if "top_k" in given:  # -1, the trainers' "off", as 0: the rule of dumps and batches (`top_k_off`)
+        given["top_k"] = top_k_off(given["top_k"])
     try:
         SamplingParams.from_dict(dict(given))
     except ConfigError as exc:
@@ -415,7 +417,7 @@ def checked_sampling(sampling: Mapping[str, Any] | SamplingParams | None) -> dic
 def _scalar(value: Any, name: str) -> Any:
     """A NumPy or torch scalar (a 0-d or one-element array) as Python's; InputError for more values."""
     try:
-        return value.item() if hasattr(value, "item") else value
+        return scalar_meant(value)  # a bfloat16 0.7 as 0.7, not 0.69921875
     except (ValueError, RuntimeError) as exc:  # several values: NumPy's ValueError, torch's RuntimeError
         raise InputError(f"{name} must be one value for the step, got {type(value).__name__} of shape "
                          f"{list(getattr(value, 'shape', []))}; log each sampling's rows as their own "

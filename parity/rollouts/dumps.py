@@ -73,10 +73,12 @@ def read_dump(path: str | Path, *, backend: str = "external", logprobs_mode: str
     columns: set[str] = set()
     samples: dict[str, int] = {}
     prompts: dict[str, tuple[int, ...]] = {}
+    sources: dict[str, tuple[bool, str]] = {}  # request id -> (named by a request_id column?, first row)
     rows = read_rows(path, id_columns=ID_COLUMNS, float_columns=FLOAT_COLUMNS)
     for index, (where, row) in enumerate(rows):
         try:
             rollout, theirs, column = _row(row, index, samples, backend, logprobs_mode, sampling)
+            _one_id_source(rollout.request_id, _aliased(row, "request_id")[0] is not None, where, sources)
             if prompts.setdefault(rollout.request_id, rollout.prompt_ids) != rollout.prompt_ids:
                 raise InputError(f"request_id {rollout.request_id!r} came with another prompt on an earlier "
                                  "row; the samples of one request share its prompt, so give each prompt its "
@@ -100,6 +102,20 @@ def read_dump(path: str | Path, *, backend: str = "external", logprobs_mode: str
         raise InputError(f"{path}: trainer logprobs must be in one column on every row; rows "
                          f"{[i + 1 for i in missing[:5]]} have none, columns used: {sorted(columns)}")
     return Dump(path, tuple(rollouts), tuple(t for t in trainer if t is not None), columns.pop())
+
+
+def _one_id_source(request_id: str, named: bool, where: str, sources: dict[str, tuple[bool, str]]) -> None:
+    """InputError when a row without a request_id, whose row index is its id, has the id another row
+    names in its request_id column ("3" on row 0, and row 3 without one): else the two became one
+    request of two samples."""
+    first_named, first = sources.setdefault(request_id, (named, where))
+    if first_named != named:
+        if named:
+            what = f"request_id {request_id!r} is also the id of {first}, a row without one (its row index)"
+        else:
+            what = f"this row has no request_id, so its row index {request_id!r} is its id; {first} names it"
+        raise InputError(f"{what}: the two would be one request of two samples; give every row a request_id "
+                         "(or none)")
 
 
 def _warn_unmatched(path: Path, given: GivenSampling, rollouts: Sequence[Rollout]) -> None:

@@ -92,6 +92,11 @@ def read_record(path: str | Path) -> Record:
                     raise InputError(f"rollout {rollout.key} answers request_id {rollout.request_id!r}, "
                                      "which no request line of the record names (requests come before "
                                      "rollouts)")
+                if rollout.sample_index >= request.sampling.n:  # a sample its request never asked for
+                    raise InputError(f"rollout {rollout.key} of backend {rollout.backend!r} has sample_index "
+                                     f"{rollout.sample_index} but its request asks for n="
+                                     f"{request.sampling.n} samples (indices 0 to {request.sampling.n - 1}); "
+                                     "fix the rollout's sample_index or the request's n")
                 check_answer(rollout, request, error=InputError)
                 check_sampled_as_asked(rollout, request)
                 if rollout.sampling is None:

@@ -4,12 +4,11 @@ two checked against each other (processed logprobs depend on them: `SamplingPara
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Mapping
 from typing import Any
 
 from parity.core.errors import ConfigError, InputError
-from parity.core.types import SamplingParams, float32_meant
+from parity.core.types import SamplingParams, float32_meant, top_k_off
 
 #: the flat sampling columns; a row with any of them has sampling, the missing ones off.
 SAMPLING_COLUMNS: tuple[str, ...] = ("temperature", "top_p", "top_k")
@@ -92,12 +91,3 @@ def _top_k(row: dict[str, Any]) -> int:
     if not isinstance(value, int) or isinstance(value, bool):
         raise InputError(f"top_k must be an integer, got {row['top_k']!r}")
     return value
-
-
-def top_k_off(value: Any) -> Any:
-    """A top_k as parity reads it, from a dump row or a trainer's batch alike: an integer (NumPy's too) as
-    a Python int, -1 (vLLM's and verl's "off") as parity's 0. Anything else as is, for its reader to
-    refuse: a float too (-1.0, 50.0: top_k is an integer everywhere, `SamplingParams` included)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        return value
-    return 0 if int(value) == -1 else int(value)
