@@ -94,6 +94,9 @@ def tokens_of(source: Any, rollout_logprobs: Any = None, mask: Any = None) -> To
     """The advisor's tokens from a `ParityReport` (tokens outside either side's support left
     out, as in its summary) or from `[batch, seq]` train / rollout logprobs and a mask."""
     if isinstance(source, ParityReport):
+        if rollout_logprobs is not None or mask is not None:
+            raise InputError("advise: give a ParityReport alone (its own logprobs and mask are advised), or "
+                             "train_logprobs, rollout_logprobs and mask arrays, not both")
         valid = source.mask & np.isfinite(source.train_logprobs) & np.isfinite(source.rollout_logprobs)
         return Tokens.from_arrays(source.train_logprobs, source.rollout_logprobs, valid)
     if rollout_logprobs is None or mask is None:

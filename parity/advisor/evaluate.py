@@ -55,15 +55,30 @@ class Tokens:
     seq_log_ratio: np.ndarray | None = None
     seq_tokens: np.ndarray | None = None
 
+    def __post_init__(self) -> None:
+        # per-sequence sums are np.add.reduceat over the lengths: an empty sequence would get its
+        # next token's value, and lengths that do not add up to the tokens would shift every sum
+        lengths, n = np.asarray(self.lengths), np.size(self.log_ratio)
+        total, least = int(lengths.sum()), int(lengths.min()) if lengths.size else None
+        if lengths.ndim != 1 or (least is not None and least < 1) or total != n \
+                or np.shape(self.train) != np.shape(self.log_ratio):
+            raise InputError(f"advise: Tokens.lengths must be the positive token counts of the sequences, "
+                             f"summing to the {n} tokens of log_ratio and train (got lengths summing to "
+                             f"{total}, least {least}; train {np.shape(self.train)})")
+
     @classmethod
     def from_arrays(cls, train_logprobs: Any, rollout_logprobs: Any, mask: Any) -> Tokens:
         """From `[batch, seq]` arrays (NumPy, or anything `np.asarray` reads) and a 0/1 mask.
         Logprobs must be finite and <= `MAX_LOGPROB` where `mask` is set; empty rows are dropped."""
-        train, rollout = np.asarray(train_logprobs), np.asarray(rollout_logprobs)
-        valid = np.asarray(mask).astype(bool)
-        if train.ndim != 2 or train.shape != rollout.shape or train.shape != valid.shape:
+        train, rollout, given = np.asarray(train_logprobs), np.asarray(rollout_logprobs), np.asarray(mask)
+        if train.ndim != 2 or train.shape != rollout.shape or train.shape != given.shape:
             raise InputError(f"advise: train_logprobs {train.shape}, rollout_logprobs {rollout.shape} and "
-                             f"mask {valid.shape} must be 2-D [batch, seq] arrays of one shape")
+                             f"mask {given.shape} must be 2-D [batch, seq] arrays of one shape")
+        # as everywhere else in parity: a NaN, 2, -1 or 0.5 (a loss weight) is not "counts", and
+        # astype(bool) read each as a valid token
+        if given.dtype != bool and not np.isin(given, (0, 1)).all():
+            raise InputError("advise: mask must be bool or hold only 0 and 1 (1 = token counts)")
+        valid = given.astype(bool)
         t, r = train[valid].astype(np.float64), rollout[valid].astype(np.float64)
         if not (np.isfinite(t).all() and np.isfinite(r).all()):
             raise InputError("advise: logprobs must be finite wherever mask is set (leave tokens outside "

@@ -67,7 +67,15 @@ def slime_flags(cfg: CorrectionConfig) -> list[str] | None:
         return []
     if rule.level != "token" or rule.band_lower is not None or rule.batch_normalize:
         return None
-    return ["--use-tis", "--tis-clip", f"{rule.upper:g}", "--tis-clip-low", f"{rule.clamp_lower or 0.0:g}"]
+    return ["--use-tis", "--tis-clip", _flag_number(rule.upper), "--tis-clip-low",
+            _flag_number(rule.clamp_lower or 0.0)]
+
+
+def _flag_number(value: float) -> str:
+    """`value` as a flag: short ("2") where that reads back as it, else every digit (`:g` keeps six
+    significant ones, so a cap of 1/0.7 was pasted as 1.42857, not the cap evaluated)."""
+    short = f"{value:g}"
+    return short if float(short) == value else repr(float(value))
 
 
 def framework_configs(cfg: CorrectionConfig) -> dict[str, Any]:
@@ -90,13 +98,14 @@ def framework_configs(cfg: CorrectionConfig) -> dict[str, Any]:
 def verl_overrides(keys: dict[str, Any]) -> str:
     """Hydra command-line overrides, e.g. `algorithm.rollout_correction.rollout_is=token ...`, to paste
     into a shell: a value Hydra must see quoted (a band such as '0.5_2', which Hydra's grammar reads
-    unquoted as the float 0.52; a comma list, else a sweep) keeps its quotes inside double quotes."""
+    unquoted as the float 0.52, as it does ".5_2"; a comma list, else a sweep) keeps its quotes inside
+    double quotes; an option name such as seq_mean_k3 starts with a letter and needs none."""
     def override(key: str, value: Any) -> str:
         if value is None:
             return f"{key}=null"
         if isinstance(value, bool):
             return f"{key}={str(value).lower()}"
-        if isinstance(value, str) and ("," in value or ("_" in value and value[:1].isdigit())):
+        if isinstance(value, str) and ("," in value or ("_" in value and not value[:1].isalpha())):
             return f"\"{key}='{value}'\""
         return f"{key}={value}"
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from parity.advisor.evaluate import Evaluation
 from parity.advisor.grid import REMOVING
 from parity.core.errors import ConfigError
-from parity.core.schema import GOLD_RATIO_CI_KEY, GOLD_RATIO_KEY, json_float, percent
+from parity.core.schema import GOLD_RATIO_CI_KEY, GOLD_RATIO_KEY, json_float, percent, text_apart
 
 #: reweighting families stage 3 recommends, in its order of preference. Geometric IS is evaluated
 #: and shown but not recommended: its weight is no likelihood ratio of the sampled data, so its
@@ -106,7 +106,7 @@ def choose_reweighting(ev: Evaluation, rule: AdviceRule) -> Choice:
         i = max(pool, key=lambda j: (f["ess"][j], -j))
         return Choice(i, f"no truncated IS keeps ESS >= {rule.min_ess} with max weight <= "
                          f"{rule.max_weight:g}; {ev.candidates[i].name} keeps the most "
-                         f"(ESS {f['ess'][i]:.3f}): "
+                         f"(ESS {text_apart(float(f['ess'][i]), 3, (rule.min_ess,), 'f')}): "
                          "the drift is too large to correct by reweighting, fix the rollout engine")
 
     def rank(i: int) -> tuple[int, float]:
