@@ -1,7 +1,8 @@
 """`parity loop`: the on-policy RL loop from the command line, one line per step and backend.
 
 Exit 0 when every step had every backend in sync and the reference engine bitwise with the
-training forward; 1 when not; 2 on any error (the JSON keeps earlier steps); 130 on Ctrl-C.
+training forward, and every update's differentiable forward bitwise with it; 1 when not; 2 on any
+error (the JSON keeps earlier steps); 130 on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -124,9 +125,11 @@ def header() -> str:
 
 
 def verdict(record: LoopRecord) -> int:
-    """EXIT_FAILED when a row was out of sync or the reference engine was not bitwise, else 0."""
+    """EXIT_FAILED when a row was out of sync, the reference engine was not bitwise, or an update's
+    differentiable forward differed from the no-grad one the rows measure (`forward_bitwise`), else 0."""
     bad = [row for row in record.steps if not row["weights_in_sync"]
            or (row["backend"] == REFERENCE and not row["bitwise"])]
+    bad += [update for update in record.updates if not update["forward_bitwise"]]
     return EXIT_FAILED if bad else 0
 
 

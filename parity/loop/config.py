@@ -69,7 +69,8 @@ class LoopConfig:
         if self.train_on not in self.backends:
             raise ConfigError(f"train_on={self.train_on!r} is not one of the backends {list(self.backends)}; "
                               "the update uses one of the sampled backends' rollouts")
-        check_int(self.steps, "steps", low=1)
+        # NumPy numbers as Python ones: the record's JSON would write them as strings ("3")
+        object.__setattr__(self, "steps", check_int(self.steps, "steps", low=1))
         lr = check_real(self.lr, "lr", ">= 0")
         if lr < 0:
             raise ConfigError(f"lr must be >= 0 (0: a control run whose weights never move), got {lr!r}")
@@ -77,18 +78,20 @@ class LoopConfig:
         wd = check_real(self.weight_decay, "weight_decay", ">= 0")
         if wd < 0:
             raise ConfigError(f"weight_decay must be >= 0, got {wd!r}")
+        object.__setattr__(self, "weight_decay", float(wd))
         if self.grad_clip is not None:
             object.__setattr__(self, "grad_clip", _positive_real(self.grad_clip, "grad_clip"))
         object.__setattr__(self, "correction_config", correction_from_name(self.correction))
-        check_int(self.seed, "seed", low=0)
-        check_int(self.n, "n", low=1)
-        check_int(self.max_tokens, "max_tokens", low=1)
+        for name in ("seed", "n", "max_tokens", "prompts"):
+            low = 0 if name == "seed" else 1
+            object.__setattr__(self, name, check_int(getattr(self, name), name, low=low))
         temperature = _positive_real(self.temperature, "temperature")
         if not math.isfinite(temperature):
             raise ConfigError(f"temperature must be finite, got {temperature!r}")
-        check_int(self.prompts, "prompts", low=1)
+        object.__setattr__(self, "temperature", temperature)
         if self.micro_batch_size is not None:
-            check_int(self.micro_batch_size, "micro_batch_size", low=1)
+            object.__setattr__(self, "micro_batch_size",
+                               check_int(self.micro_batch_size, "micro_batch_size", low=1))
         for what, table, values in (("backend_dtypes", self.backend_dtypes, "dtypes"),
                                     ("backend_options", self.backend_options, "tables of options")):
             if not isinstance(table, Mapping) or (what == "backend_options" and not all(
@@ -103,8 +106,9 @@ class LoopConfig:
             if not isinstance(dtype, str) or dtype not in DTYPES:
                 raise ConfigError(f"{name} must be one of {list(DTYPES)}, got {dtype!r}")
         if self.lora_rank is not None:
-            check_int(self.lora_rank, "lora_rank", low=1,
-                      hint="(the adapter's rank, e.g. 8; leave it unset to train every weight)")
+            object.__setattr__(self, "lora_rank", check_int(
+                self.lora_rank, "lora_rank", low=1,
+                hint="(the adapter's rank, e.g. 8; leave it unset to train every weight)"))
             for name, options in self.backend_options.items():
                 if "lora" in options:
                     raise ConfigError(f"backend_options[{name!r}] sets lora, but with lora_rank the loop "

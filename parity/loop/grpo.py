@@ -35,7 +35,16 @@ def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
     r = rewards.to(torch.float64)
     if r.shape[1] == 1:
         return r.clone()  # (r - 0) / (1 + eps) in verl; a group of one teaches nothing either way
-    return (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + GRPO_EPS)
+    # a group of equal rewards teaches nothing: the rounding of its mean (0.7 x 3: 1e-16, over a std of
+    # the same rounding) must not become an advantage, which AdamW would scale up to a full step
+    same = (r == r[:, :1]).all(dim=1, keepdim=True)
+    std = r.std(dim=1, keepdim=True)
+    wide = ~same & ~torch.isfinite(std)
+    if wide.any():
+        group = int(wide.nonzero()[0, 0])
+        raise InputError(f"the rewards of group {group} ({r[group].tolist()[:4]}) overflow float64's "
+                         "variance (every advantage would be 0); scale the reward function's values down")
+    return torch.where(same, 0.0, (r - r.mean(dim=1, keepdim=True)) / (std + GRPO_EPS))
 
 
 def padded(rows: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -43,7 +43,7 @@ UPDATE_KEYS: tuple[str, ...] = ("step", "loss", "grad_norm", "forward_bitwise", 
 ADAPTER_UPDATE_KEYS: tuple[str, ...] = ("adapter_hash", "adapter_bytes")
 #: fields that differ between identical runs (wall-clock time); dropped by `without_timing`.
 TIMING_KEYS: tuple[str, ...] = ("seconds",)
-STATUSES: tuple[str, ...] = ("running", "complete", "diverged", "failed")
+STATUSES: tuple[str, ...] = ("running", "complete", "diverged", "failed", "interrupted")
 
 
 @dataclass

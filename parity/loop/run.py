@@ -34,7 +34,8 @@ from parity.loop.task import Task, prompt_id
 from parity.loop.trainer import Trainer
 from parity.render.loop import loop_page
 
-#: sampling seeds of step t start at seed * SEED_STRIDE + t * STEP_STRIDE; prompt i adds i.
+#: sampling seeds of step t start at seed * SEED_STRIDE + t * STEP_STRIDE (or t * the prompt count, when
+#: larger: no two prompts of a run share a seed); prompt i adds i.
 SEED_STRIDE, STEP_STRIDE = 1_000_003, 10_007
 #: called with each step's rows as they are recorded (the command prints them).
 Progress = Callable[[list[dict[str, Any]]], None]
@@ -42,7 +43,8 @@ Progress = Callable[[list[dict[str, Any]]], None]
 
 def step_requests(config: LoopConfig, task: Task, step: int) -> list[Request]:
     """The requests of step `step`: one per prompt, n samples each, seeds fixed by (seed, step, prompt)."""
-    base = (config.seed * SEED_STRIDE + step * STEP_STRIDE) % (2**31 - 1 - len(task.prompts))
+    stride = max(STEP_STRIDE, len(task.prompts))
+    base = (config.seed * SEED_STRIDE + step * stride) % (2**31 - 1 - len(task.prompts))
     return [Request(prompt_ids=prompt, request_id=prompt_id(i),
                     sampling=SamplingParams(n=config.n, temperature=config.temperature,
                                             max_tokens=config.max_tokens, seed=base + i))

@@ -28,6 +28,9 @@ OPERATORS = "+-*"
 _LEADING_INTEGER = re.compile(r"\s*(-?\d+)")
 #: a problem at the end of a prompt: "a op b=" (integers, op one of OPERATORS).
 _PROBLEM = re.compile(r"(-?\d+)\s*([-+*])\s*(-?\d+)\s*=\s*$")
+#: what may not come just before a problem: a digit or decimal point (its first number would be cut
+#: short), or an operator or closing bracket (the problem would be the tail of a longer expression).
+_CHAINED = re.compile(r"(?:[\d.]|[-+*/^)×÷]\s*)$")
 
 
 @dataclass(frozen=True)
@@ -65,7 +68,8 @@ def problems(count: int, seed: int, max_operand: int) -> list[tuple[str, int]]:
 def answer_of(prompt: str) -> int | None:
     """The exact answer of the problem a prompt ends with ("... 12+7=" -> 19), or None."""
     match = _PROBLEM.search(prompt)
-    if match is None:
+    # a longer expression ("12*3+4=", "10-5-3=", "1.5+2=") is not the "a op b=" at its end: no answer
+    if match is None or _CHAINED.search(prompt[:match.start()]):
         return None
     a, op, b = int(match.group(1)), match.group(2), int(match.group(3))
     return a + b if op == "+" else a - b if op == "-" else a * b
