@@ -7,12 +7,15 @@ import os
 import unicodedata
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from parity.core.errors import ConfigError, ParityError
 from parity.models.checkpoints import model_hash, resolve_model
 from parity.models.lora import adapter_text, check_adapter, shadowing_adapter
 from parity.models.lora_builtins import builtin_adapter_dir, is_builtin_adapter
+
+if TYPE_CHECKING:
+    from parity.core.types import Request
 
 
 class Fields:
@@ -148,3 +151,19 @@ def load_lora(f: Fields, data: dict[str, Any], model: str) -> str | None:
     except ParityError as exc:
         raise f.error("lora", str(exc)) from exc
     return lora
+
+
+def check_requests_agree(where: str, requests: tuple[Request, ...], mode: str) -> None:
+    """ConfigError for a request in another logprobs mode than the case's (which the hash and reports
+    say), or two requests that are one (the same tokens sampled, counted twice)."""
+    seen: dict[tuple[Any, ...], str] = {}
+    for r in requests:
+        if r.sampling.logprobs_mode != mode:
+            raise ConfigError(f"{where}: logprobs_mode is {mode!r} but request {r.request_id!r} samples "
+                              f"{r.sampling.logprobs_mode!r}; give its SamplingParams logprobs_mode={mode!r} "
+                              "(parity.workload.resolve.with_logprobs_mode sets every request's)")
+        twin = seen.setdefault((r.prompt_ids, r.sampling, r.turns), r.request_id)
+        if twin != r.request_id:
+            raise ConfigError(f"{where}: requests {twin!r} and {r.request_id!r} have the same prompt, "
+                              "sampling and seed: the same tokens, counted twice; give one another seed or "
+                              "drop it")

@@ -153,5 +153,8 @@ def _length_sampler(f: Fields, g: dict[str, Any], key: str, rng: np.random.Gener
     sigma = f.get(spec, "sigma", (int, float), prefix=field + ".")
     if not (math.isfinite(median) and math.isfinite(sigma)) or median <= 0 or sigma < 0:
         raise f.error(field, f"lognormal needs finite median > 0 and sigma >= 0, got {median}, {sigma}")
+    if not low <= median <= high:  # else most draws are clipped to one length, and the median is not it
+        raise f.error(field + ".median", f"{median} is outside [min, max] = [{low}, {high}]; give a median "
+                                         "within them")
     # clipped before rounding: a wide lognormal can draw inf, which has no integer
     return lambda: round(float(np.clip(rng.lognormal(math.log(median), sigma), low, high)))

@@ -37,6 +37,7 @@ from parity.models import ModelLimits, model_limits
 from parity.workload.case_fields import (
     Fields,
     check_model_place,
+    check_requests_agree,
     check_unshadowed,
     control_character,
     load_lora,
@@ -118,6 +119,7 @@ class Case:
             raise ConfigError(
                 f"{where}: logprobs_mode {self.logprobs_mode!r}; allowed: {list(LOGPROBS_MODES)}")
         _check_choices(where, "tolerance.<backend>", [b for b, _ in self.backend_tolerances], BACKEND_NAMES)
+        check_requests_agree(where, self.requests, self.logprobs_mode)
         trajectories = [r.request_id for r in self.requests if r.turns]
         if self.kind == "trajectory" and len(trajectories) != len(self.requests):
             raise ConfigError(f"{where}: kind 'trajectory' needs turns on every request; give [[turns]]")
@@ -362,7 +364,11 @@ def _load_turns(f: Fields, table: Any, model: str) -> tuple[Turn, ...]:
                 turns.append(bind_tools(model, (Inject(name=f.get(t, "tool", str, prefix=where + ".")),),
                                         where)[0])
             elif isinstance(t["inject"], str):
-                turns.append(Inject(encode_text(model, t["inject"], where + ".inject"), name="text"))
+                ids = encode_text(model, t["inject"], where + ".inject")
+                if not ids:  # an Inject without ids is an unbound tool: it would fail mid-run
+                    raise f.error(where + ".inject", f"the text {t['inject']!r} encodes to no tokens; give "
+                                                     "text of at least one token, or token ids")
+                turns.append(Inject(ids, name="text"))
             elif _token_ids(t["inject"]):
                 turns.append(Inject(tuple(t["inject"])))
             else:

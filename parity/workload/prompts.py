@@ -116,6 +116,7 @@ def encode_prompts(model: str | os.PathLike[str], prompts: Sequence[tuple[str, P
             if tok is None:
                 tok = tokenizer(name, where)
             ids = tok(prompt)["input_ids"]
+            _check_one_bos(tok, prompt, ids, where)
         elif prompt and isinstance(prompt[0], Mapping):
             ids = _render_chat(name, prompt, where)
         else:
@@ -124,6 +125,17 @@ def encode_prompts(model: str | os.PathLike[str], prompts: Sequence[tuple[str, P
             raise InputError(f"{where}: the prompt encodes to no tokens")
         out.append(tuple(int(t) for t in ids))
     return out
+
+
+def _check_one_bos(tok: Any, text: str, ids: Sequence[int], where: str) -> None:
+    """InputError when `text` starts with the BOS token and the tokenizer added another before it
+    (a prompt rendered by a chat template, encoded again): two BOS tokens, another prompt."""
+    bos, bos_id = getattr(tok, "bos_token", None), getattr(tok, "bos_token_id", None)
+    if isinstance(bos, str) and bos and bos_id is not None and text.startswith(bos) \
+            and list(ids[:2]) == [bos_id, bos_id]:
+        raise InputError(f"{where}: the text starts with the BOS token {bos!r} and the tokenizer adds "
+                         "another, so the prompt would start with two; drop it from the text, or give token "
+                         "ids")
 
 
 def _render_chat(model: str, messages: Sequence[Message], where: str) -> list[int]:
