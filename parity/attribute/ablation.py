@@ -37,7 +37,17 @@ class Drift:
 
     @classmethod
     def between(cls, a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> Drift:
-        """Drift of per-sequence logprobs `b` from `a` (each [len(response)])."""
+        """Drift of per-sequence logprobs `b` from `a` (each [len(response)]); InputError unless both
+        hold the same sequences' lengths and finite values (a missing logprob would be read as 0.0)."""
+        if [len(x) for x in a] != [len(y) for y in b]:
+            raise InputError(f"side A has logprobs of lengths {[len(x) for x in a]} and side B of "
+                             f"{[len(y) for y in b]}; drift compares the same tokens of the same sequences")
+        for side, values in (("A", a), ("B", b)):
+            bad = [i for i, x in enumerate(values) if not bool(torch.isfinite(x).all())]
+            if bad:
+                raise InputError(f"side {side}'s logprobs of sequences {bad} are NaN or infinite (its "
+                                 "forward overflowed): their drift is undefined; run that side in a wider "
+                                 "dtype")
         width = max(len(x) for x in a)
         padded = np.zeros((2, len(a), width), dtype=np.float64)
         mask = np.zeros((len(a), width), dtype=bool)
@@ -102,6 +112,10 @@ def attribute_ops(model: str | LoadedModel, sequences: Sequences, setting_a: Set
     ablated one at a time, default all); the settings' own `kernels` are ignored."""
     if not isinstance(setting_a, Setting) or not isinstance(setting_b, Setting):
         raise ConfigError("setting_a and setting_b must be parity.attribute.Setting instances")
+    if setting_a != setting_b and setting_a.with_kernels(()) == setting_b.with_kernels(()):
+        raise ConfigError("setting_a and setting_b differ only in kernels, which attribute_ops ignores (it "
+                          "switches the families itself on both sides): it would compare one forward with "
+                          "itself; vary another field, or compare kernels with layer_diff")
     pairs = as_pairs(sequences)
     if not any(response for _, response in pairs):
         raise InputError("every response in sequences is empty; attribution scores response tokens, so give "

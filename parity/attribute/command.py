@@ -134,6 +134,13 @@ def _run(args: argparse.Namespace) -> int:
     if args.stages is not None or args.option or args.versus != "train" or args.replay_routes or args.fillers:
         raise ConfigError("--stages, --versus, --option, --fillers and --replay-routes go with --backend "
                           "(the engine probe)")
+    for flag, given, part, skip, skipped in (
+            ("--families", args.families is not None, "op ablation", "--no-ops", args.no_ops),
+            ("--probe-kernels", args.probe_kernels is not None, "layer probe", "--no-layers",
+             args.no_layers)):
+        if given and skipped:
+            raise ConfigError(f"{flag} sets up the {part}, which {skip} skips, so it would have no effect: "
+                              f"drop {flag} or {skip}")
     model, dtype, rollouts = _sequences(args.model, args.case, args.dtype, args.device, args.max_sequences)
     from parity.attribute.section import attribution_section  # torch: after parsing (--help stays light)
 

@@ -14,7 +14,7 @@ import torch
 
 from parity.attribute.runner import run
 from parity.attribute.settings import Setting
-from parity.core.errors import ConfigError
+from parity.core.errors import ConfigError, InputError
 from parity.core.types import Sequences
 from parity.models.loading import LoadedModel
 
@@ -34,7 +34,12 @@ class StageDiff:
 
     @classmethod
     def between(cls, stage: str, a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> StageDiff:
-        """Compare per-sequence outputs `a`, `b` after an exact upcast to float64 (dtypes may differ)."""
+        """Compare per-sequence outputs `a`, `b` after an exact upcast to float64 (dtypes may differ);
+        InputError unless they hold as many tensors of equal shapes (else elements would pair up wrong)."""
+        shapes = [tuple(t.shape) for t in a], [tuple(t.shape) for t in b]
+        if shapes[0] != shapes[1]:
+            raise InputError(f"stage {stage!r}: side A's per-sequence shapes {shapes[0]} differ from side "
+                             f"B's {shapes[1]}; compare outputs of the same sequences, row by row")
         xa = torch.cat([t.reshape(-1) for t in a]).to(torch.float64)
         xb = torch.cat([t.reshape(-1) for t in b]).to(torch.float64)
         equal = xa == xb

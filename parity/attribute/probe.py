@@ -29,7 +29,7 @@ import torch
 from parity.attribute.layers import StageDiff
 from parity.attribute.runner import run
 from parity.attribute.settings import Setting
-from parity.attribute.stages import check_stage_kinds, stage_kind
+from parity.attribute.stages import check_stage_kinds, stage_kind, stage_rank
 from parity.backends import Backend, backend_options, check_probe, check_requests, get_backend, shared_backend
 from parity.core.errors import ConfigError, InputError, UnsupportedError
 from parity.core.types import Request, Rollout
@@ -303,7 +303,7 @@ def compare_probes(model: str, backend: str, a: EngineProbe, b: EngineProbe) -> 
     if sorted(a.states) != chosen or not chosen:
         raise InputError(f"the two probes captured different samples: {sorted(a.states)} and {chosen}")
     rollouts_a, states_a, rollouts_b, states_b = a.rollouts, a.states, b.rollouts, b.states
-    names = list(states_b[chosen[0]])
+    names = sorted(states_b[chosen[0]], key=stage_rank)  # forward order, whatever order B stored
     parts: dict[str, dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]]] = {
         phase: {name: ([], []) for name in names} for phase in PHASES}
     positions = dict.fromkeys(PHASES, 0)

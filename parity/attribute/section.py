@@ -12,8 +12,12 @@ from parity.attribute.settings import AXES, axis_settings
 from parity.backends.borrowed import resolve_device
 from parity.core.errors import ConfigError
 from parity.core.schema import REFERENCE
-from parity.core.types import Sequences
+from parity.core.types import Sequences, as_pairs
 from parity.models.loading import LoadedModel
+
+#: axes whose two sides are one and the same forward when there is a single sequence (a batch of one
+#: right-padded without padding is that sequence packed into one row).
+ONE_SEQUENCE_SAME: tuple[str, ...] = ("batch", "layout")
 
 
 def attribution_section(model: str | LoadedModel, sequences: Sequences, *, axes: Iterable[str] = ("batch",),
@@ -30,6 +34,12 @@ def attribution_section(model: str | LoadedModel, sequences: Sequences, *, axes:
         raise ConfigError(f"axes must name at least one of {list(AXES)}, got {chosen!r}")
     if not (ops or layers):
         raise ConfigError("nothing to do: ops and layers are both off")
+    count = len(as_pairs(sequences))
+    alone = [axis for axis in chosen if axis in ONE_SEQUENCE_SAME]
+    if count == 1 and alone:
+        raise ConfigError(f"axes {alone}: with 1 sequence both sides of {' and '.join(alone)} run the same "
+                          "[1, len] forward, so it would show no drift by construction; give at least 2 "
+                          "sequences (--max-sequences) or drop the axis")
     device = resolve_device(device, [REFERENCE])
     entries = []
     for axis in chosen:

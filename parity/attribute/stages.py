@@ -52,3 +52,17 @@ def stage_kind(name: str) -> str:
     if parts[0] != "layer":
         return parts[0]
     return parts[2] if len(parts) > 2 else "layer"
+
+
+#: rank of a decoder layer's stages within the layer, in forward order.
+_WITHIN_LAYER = {"attn": 0, "router": 1, "mlp": 2, "layer": 3}
+_LAST = 1 << 62
+
+
+def stage_rank(name: str) -> tuple[int, int]:
+    """Sort key of a stage name in forward order (as `stage_order`): "embed", layer by layer (by index,
+    not text: "layer.10" after "layer.2"), "norm", "logits"; other names last, in their given order."""
+    parts = name.split(".")
+    if parts[0] == "layer" and len(parts) > 1 and parts[1].isdigit():
+        return int(parts[1]) + 1, _WITHIN_LAYER.get(stage_kind(name), 4)
+    return {"embed": (0, 0), "norm": (_LAST, 0), "logits": (_LAST, 1)}.get(name, (_LAST, 2))
