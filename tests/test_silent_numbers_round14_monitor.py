@@ -7,7 +7,6 @@ threshold is not refused; the run names each parity version that appended steps.
 from __future__ import annotations
 
 import json
-import logging
 import math
 import sqlite3
 
@@ -27,12 +26,7 @@ INF, NAN = math.inf, math.nan
 QUIET = {"render_every": 0, "background": "thread"}
 
 
-@pytest.fixture(autouse=True)
-def _quiet_monitor_log():
-    logger = logging.getLogger("parity.monitor")
-    level, logger.level = logger.level, logging.ERROR
-    yield
-    logger.setLevel(level)
+pytestmark = pytest.mark.usefixtures("quiet_monitor_log")
 
 
 def _record(k3: float = 0.01, **extra: object) -> dict:

@@ -7,8 +7,6 @@ values is an InputError naming it, never a bare ValueError. No engine starts.
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 import pytest
 import torch
@@ -23,12 +21,7 @@ QUIET = {"render_every": 0, "advice_every": 0, "background": "thread", "advice_i
 F32_07 = float(np.float32(0.7))  # 0.699999988079071: what a float32 0.7 reads as in Python
 
 
-@pytest.fixture(autouse=True)
-def _quiet_monitor_log():
-    logger = logging.getLogger("parity.monitor")
-    level, logger.level = logger.level, logging.ERROR
-    yield
-    logger.setLevel(level)
+pytestmark = pytest.mark.usefixtures("quiet_monitor_log")
 
 
 def _arrays(drift: float) -> dict:

@@ -10,7 +10,6 @@ own shape. No engine starts.
 from __future__ import annotations
 
 import json
-import logging
 
 import numpy as np
 import pytest
@@ -32,12 +31,7 @@ QUIET = {"render_every": 0, "advice_every": 0, "background": "thread", "advice_i
 GREEDY = SamplingParams(temperature=0.0)
 
 
-@pytest.fixture(autouse=True)
-def _quiet_monitor_log():
-    logger = logging.getLogger("parity.monitor")
-    level, logger.level = logger.level, logging.ERROR
-    yield
-    logger.setLevel(level)
+pytestmark = pytest.mark.usefixtures("quiet_monitor_log")
 
 
 def _row(response: list[int], **extra) -> dict:
