@@ -4,8 +4,7 @@ Both sides run each kernel configuration on the same tokens: every family invari
 zero along a batch, layout or mode axis by construction, a floor along dtype); one family native
 ("added": what it causes alone); every family native but one ("removed": catches drift that shows
 only together with another family's). A family's share is its added mean |Δlogp| (negatives as 0)
-over the sum; ranked by share, then removed, then `FAMILIES` order. On CPU the switch runs one
-intra-op thread while any family is on, so thread-split drift shows only in the all-native row.
+over the sum; ranked by share, then removed, then `FAMILIES` order.
 """
 
 from __future__ import annotations
