@@ -75,12 +75,12 @@ def compare(
     messages or a dataset, prompt i sampled with `sampling` (default `SamplingParams(max_tokens=32)`,
     whose fields a dict overrides) and seed `sampling.seed + i`; neither:
     `default_case(model)`. turns: makes every prompt a trajectory. reference: "invariant" or
-    "native". dtype: the engine's (None: the case's first, else bfloat16); trainer_dtype: the
-    training forward's when different. tolerance: None is the case's or `Tolerance.for_backend`; a
-    dict overrides the fields it names (of the case's limits where it has them). router_replay:
-    "R3", "R2" or None (starts the backend with route capture; R3 without it is a ConfigError).
-    device: "auto" is where the backend runs. correction: `rollout_correction` kwargs. attribute:
-    `parity.attribute.AXES`. record: write the run's record after sampling (unwritable:
+    "native". dtype: the engine's (None: a running backend's where the case lists it, else the case's
+    first); trainer_dtype: the training forward's when different. tolerance: None is the case's or
+    `Tolerance.for_backend`; a dict overrides the fields it names (of the case's limits where it has
+    them). router_replay: "R3", "R2" or None (starts the backend with route capture; R3 without it is
+    a ConfigError). device: "auto" is where the backend runs. correction: `rollout_correction` kwargs.
+    attribute: `parity.attribute.AXES`. record: write the run's record after sampling (unwritable:
     `OutputError` carrying the report). tensor_parallel: the backend's degree; the forward runs the
     TP-invariant layout. gold: True, False or None (when cheap: `parity.engine.gold.decide`). lora:
     an adapter (None: the case's; another than the case's is a ConfigError; not with
@@ -114,6 +114,8 @@ def compare(
         raise ConfigError(f"lora {os.fspath(lora)!r} is not the adapter case {the_case.name!r} names "
                           f"({the_case.lora!r}); drop lora (--lora) to run the case's, or copy the case file "
                           "with lora set to the one you mean")
+    if dtype is None and isinstance(backend, Backend) and backend.dtype in the_case.dtypes:
+        dtype = backend.dtype  # a running backend in a dtype the case lists: measured as it runs
     dtype = check_dtype(dtype or (the_case.dtypes[0] if the_case.dtypes else "bfloat16"))
     train_dtype = check_dtype(trainer_dtype or dtype, "trainer_dtype")
     name = backend if isinstance(backend, str) else getattr(backend, "name", "")
@@ -128,13 +130,15 @@ def compare(
                           f"got {tensor_parallel!r}")
     device = resolve_device(device, [backend], {str(backend): backend_options})
     _check_device(device)
-    _check_axes(attribute)
+    _check_axes(attribute, sum(r.sampling.n for r in the_case.requests))
     _check_correction(correction)
     if record is not None:
         output_file(record, "record")
     if isinstance(backend, str):
         adapter = lora_options(backend, None if spec is None else str(spec.path))
-        backend_options = {**route_capture_options(backend, router_replay), **adapter, **backend_options}
+        # a RouterReplay object by its mode: R3 on a backend that cannot record routes is refused here
+        replay_mode = getattr(router_replay, "mode", router_replay)
+        backend_options = {**route_capture_options(backend, replay_mode), **adapter, **backend_options}
         if tensor_parallel is not None:
             backend_options["tensor_parallel_size"] = tensor_parallel
         backend_options = _place(backend, device, backend_options)
@@ -283,16 +287,26 @@ def _check_correction(correction: dict[str, Any] | None) -> None:
         CorrectionConfig.from_dict(correction)
 
 
-def _check_axes(attribute: Sequence[str]) -> None:
-    """ConfigError unless every drift-attribution axis exists (checked before sampling, not after)."""
+def _check_axes(attribute: Sequence[str], rollouts: int) -> None:
+    """ConfigError unless every drift-attribution axis exists and can show drift on the `rollouts` the
+    case samples (checked before sampling, not after)."""
     if isinstance(attribute, str) or not isinstance(attribute, Sequence):
         raise ConfigError(f"attribute must be a list of axes, got {attribute!r}")
     if attribute:
-        from parity.attribute import AXES  # torch: `import parity` stays light
+        # torch: `import parity` stays light
+        from parity.attribute import AXES
+        from parity.attribute.section import ONE_SEQUENCE_SAME
 
         unknown = [axis for axis in attribute if axis not in AXES]
         if unknown:
             raise ConfigError(f"attribute: unknown axes {unknown}; choose from {list(AXES)}")
+        alone = [axis for axis in attribute if axis in ONE_SEQUENCE_SAME]
+        if rollouts == 1 and alone:  # attribution_section's refusal, before the engine rather than after
+            both = " and ".join(alone)
+            raise ConfigError(f"attribute {alone}: the case samples 1 rollout, and with 1 sequence both "
+                              f"sides of {both} run the same [1, len] forward, so it would show no drift by "
+                              "construction; give at least 2 prompts (or sampling n >= 2) or drop the axis "
+                              "from attribute (--attribute)")
 
 
 def _resolve_backend(backend: str | Backend, model: str, dtype: str, options: dict[str, Any],

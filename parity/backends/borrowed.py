@@ -106,7 +106,8 @@ def check_borrowed(backend: object, *, model: str | None, dtype: str | None, dev
                           "model or a backend name")
     if dtype is not None and backend.dtype != dtype:
         raise ConfigError(f"{what} uses dtype {backend.dtype!r} but dtype={dtype!r} was asked for; start the "
-                          f"backend with dtype={dtype!r} or leave dtype unset")
+                          f"backend with dtype={dtype!r}, or pass dtype={backend.dtype!r} to measure it in "
+                          "its own")
     if not isinstance(lora, str):
         running = (backend.meta.get("lora") or {}).get("hash")
         if running != (None if lora is None else lora.hash):
