@@ -30,12 +30,13 @@ from parity.core.tables import nonfinite_as_null, nonfinite_restored
 STEP_KEYS: tuple[str, ...] = ("step", "backend", "max_abs_logprob_diff", "mean_abs_logprob_diff", "k3_kl",
                               "is_ratio_mean", "reward_mean", "policy_kl_from_start", "weights_in_sync",
                               "seconds")
-#: more per-row keys: the IS ratio's extremes, PPO's clip fraction on this backend's logprobs,
-#: whether every rollout logprob equals the training forward's bit for bit, the tokens compared,
+#: more per-row keys: the IS ratio's extremes, PPO's clip fraction on this backend's logprobs, the
+#: share of tokens whose ratio or its inverse exceeds 2 (a tolerance limit), whether every rollout
+#: logprob equals the training forward's bit for bit, the tokens compared,
 #: whether this backend's rollouts trained the policy, how many weight tensors the backend could
 #: not show to the sync check (`parity.loop.sync`), and what a failed sync check found.
-STEP_EXTRA_KEYS: tuple[str, ...] = ("is_ratio_min", "is_ratio_max", "clip_fraction", "bitwise", "num_tokens",
-                                    "trained_on", "sync_hidden", "sync_detail")
+STEP_EXTRA_KEYS: tuple[str, ...] = ("is_ratio_min", "is_ratio_max", "clip_fraction", "frac_tokens_ratio_gt_2",
+                                    "bitwise", "num_tokens", "trained_on", "sync_hidden", "sync_detail")
 UPDATE_KEYS: tuple[str, ...] = ("step", "loss", "grad_norm", "forward_bitwise", "kept_tokens", "seconds")
 #: more update keys of an adapter-only run (`lora_rank`): the content hash (`LoraSpec.hash`) and
 #: the bytes of the adapter the update wrote, which the next step's push sends (the last step's

@@ -294,6 +294,7 @@ def _row(step: int, name: str, rollouts: list[Rollout], train: list[torch.Tensor
         "weights_in_sync": check.in_sync, "seconds": 0.0,
         "is_ratio_min": summary["is_ratio_min"], "is_ratio_max": summary["is_ratio_max"],
         "clip_fraction": clip_fraction(train_b, rollout_b, mask),
+        "frac_tokens_ratio_gt_2": summary["frac_tokens_ratio_gt_2"],
         "bitwise": all(torch.equal(t, r) for t, r in zip(train, rollout_lp)),
         "num_tokens": summary["num_tokens"], "trained_on": trained_on,
         "sync_hidden": check.hidden, "sync_detail": None if check.in_sync else check.describe(),

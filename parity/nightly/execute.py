@@ -26,7 +26,9 @@ from parity.backends import (
     shared_backend,
 )
 from parity.compare import compare
+from parity.core.errors import ConfigError
 from parity.core.schema import NO_REPLAY, REFERENCE
+from parity.core.types import SamplingParams
 from parity.drift.tolerance import Tolerance
 from parity.nightly.history import now
 from parity.nightly.memory import available_bytes, engine_need, gib, memory_failure
@@ -209,13 +211,14 @@ def loop_row(run_id: str, key: RowKey, case: Case, engine: Any, provenance: dict
              timing: dict[str, float], device: str) -> RowResult:
     """A loop case's row: `parity.loop` with the reference and the row's backend, summarised by the
     worst and mean step; the tolerance judges each figure's worst step; out of sync or non-bitwise
-    reference steps are violations (no baseline test).
+    reference steps, and updates whose training forward was not bitwise, are violations (no baseline
+    test). ConfigError when the case's requests ask for sampling the loop does not do.
     """
     # the loop trains a model and loads torch; importing nightly stays light
     from parity.loop import loop
 
     t0 = time.perf_counter()
-    sampling = case.requests[0].sampling
+    sampling = _loop_sampling(case)
     backends = [engine] if key.backend == REFERENCE else [REFERENCE, engine]
     record = loop(case.model, backends, steps=case.loop_steps, case=case, lr=case.loop_lr,
                   seed=sampling.seed, n=sampling.n, max_tokens=sampling.max_tokens,
@@ -241,18 +244,43 @@ def loop_row(run_id: str, key: RowKey, case: Case, engine: Any, provenance: dict
     # beside them, and at which step each judged figure is worst (new keys: readers skip unknown ones)
     for name in ("mean_abs_logprob_diff", "is_ratio_mean"):
         summary[f"loop_worst_step_{name}"] = worst[name]
+    if "frac_tokens_ratio_gt_2" in worst:  # a tolerance limit too: shown, and judged, at its worst step
+        summary["frac_tokens_ratio_gt_2"] = worst["frac_tokens_ratio_gt_2"]
     summary["loop_worst_steps"] = "; ".join(f"{name} {value:.6g} at step {at[name]}"
                                             for name, value in worst.items())
-    for name, failed in (("weights out of sync", lambda r: not r["weights_in_sync"]),
-                         ("reference not bitwise", lambda r: r["backend"] == REFERENCE and not r["bitwise"])):
-        bad = sorted({r["step"] for r in record.steps if failed(r)})
+    document = record.to_dict()
+    # per step row, and per update: the differentiable training forward against the no-grad one the
+    # rows measure (`parity loop` exits 1 on each of the three)
+    updates = document.get("updates", [])
+    for name, where, failed in (
+            ("weights out of sync", record.steps, lambda r: not r["weights_in_sync"]),
+            ("reference not bitwise", record.steps, lambda r: r["backend"] == REFERENCE and not r["bitwise"]),
+            ("training forward not bitwise", updates, lambda u: not u["forward_bitwise"])):
+        bad = sorted({r["step"] for r in where if failed(r)})
         if bad:
             violations.append({"metric": f"loop {name} at steps {bad[:5]}", "value": float(len(bad)),
                                "limit": 0.0})
     return RowResult(run_id=run_id, key=key, status="fail" if violations else "pass", summary=summary,
                      violations=violations,
-                     provenance={**provenance, "kind": "loop", "loop": record.to_dict()},
+                     provenance={**provenance, "kind": "loop", "loop": document},
                      timing=timing, finished_at=now())
+
+
+def _loop_sampling(case: Case) -> SamplingParams:
+    """The first request's sampling: the loop samples every prompt with its n, temperature and
+    max_tokens alone; ConfigError naming a field where a request asks for other sampling."""
+    first = case.requests[0].sampling
+    runs = SamplingParams(n=first.n, temperature=first.temperature, max_tokens=first.max_tokens)
+    for i, request in enumerate(case.requests):
+        asked = dataclasses.replace(request.sampling, seed=runs.seed, top_k_logprobs=0)
+        field = next((f.name for f in dataclasses.fields(runs)
+                      if getattr(asked, f.name) != getattr(runs, f.name)), None)
+        if field is not None:
+            raise ConfigError(f"loop case {case.name!r}: request {i} sets sampling {field} = "
+                              f"{getattr(asked, field)!r}, but the loop samples every prompt with {field} = "
+                              f"{getattr(runs, field)!r} (it takes n, temperature and max_tokens from the "
+                              f"first request and nothing else); give every request that sampling")
+    return first
 
 
 def _worst(rows: list[dict[str, Any]], name: str) -> float:
@@ -266,7 +294,10 @@ def _worst_step(rows: list[dict[str, Any]]) -> tuple[dict[str, float], dict[str,
     NaN where a step's is), so steps above and below a limit do not average into a pass; and the
     "step" of the row each comes from (the first NaN one, as `_worst`'s NaN)."""
     worst, at = {}, {}
-    for name in ("max_abs_logprob_diff", "mean_abs_logprob_diff", "k3_kl", "is_ratio_mean"):
+    for name in ("max_abs_logprob_diff", "mean_abs_logprob_diff", "k3_kl", "is_ratio_mean",
+                 "frac_tokens_ratio_gt_2"):
+        if not all(name in r for r in rows):  # rows from before the loop measured it
+            continue
         values = np.array([float(r[name]) for r in rows])
         # argmax: a NaN first; the IS mean by its distance from 1
         i = int(np.argmax(np.abs(values - 1.0) if name == "is_ratio_mean" else values))
