@@ -185,9 +185,8 @@ def test_records_refuse_rollouts_their_requests_cannot_have(tmp_path) -> None:
         (dataclasses.replace(good, prompt_ids=(3, 4)), "not the request's"),
         (dataclasses.replace(good, token_ids=(8, 9, 10), logprobs=(-1.0,) * 3), "more than its max_tokens=2"),
     ):
-        path = write_record(tmp_path / "r.jsonl", [request], [rollout])
-        with pytest.raises(InputError, match=match):
-            read_record(path)
+        with pytest.raises(InputError, match=match):  # refused by write_record now, as read_record would
+            read_record(write_record(tmp_path / "r.jsonl", [request], [rollout]))
 
 
 # item 6: -inf, one rule -------------------------------------------------------------------------------

@@ -80,7 +80,10 @@ def test_ids_from_one_source_or_a_mix_without_collision_still_read(tmp_path):
 def _record(tmp_path, indices: tuple[int, ...], n: int = 2) -> str:
     request = Request(prompt_ids=(1, 2), sampling=SamplingParams(n=n), request_id="a")
     rollouts = [Rollout("a", i, (1, 2), (5,), (-0.1,), "stop", "vllm") for i in indices]
-    return str(write_record(tmp_path / "rec.jsonl", [request], rollouts))
+    path = write_record(tmp_path / "rec.jsonl", [request])  # write_record refuses the bad ones itself
+    with open(path, "a") as f:
+        f.writelines(json.dumps({"kind": "rollout", **r.to_dict()}) + "\n" for r in rollouts)
+    return str(path)
 
 
 def test_a_record_rollout_past_its_requests_n_is_refused(tmp_path):

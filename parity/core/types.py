@@ -53,8 +53,10 @@ class SamplingParams:
         # int and a string is a sequence of characters, and each would silently mean something else
         set_ = object.__setattr__
         set_(self, "n", check_int(self.n, "sampling.n", low=1))
-        # floats always: `temperature = 1` and `1.0` are one workload, and must write (and hash) as one
-        set_(self, "temperature", float(check_real(self.temperature, "sampling.temperature", "(0 = greedy)")))
+        # floats always: `temperature = 1` and `1.0` are one workload, and must write (and hash) as one;
+        # `+ 0.0` makes -0.0 the 0.0 (greedy) it means, so it too writes and hashes as one
+        set_(self, "temperature",
+             float(check_real(self.temperature, "sampling.temperature", "(0 = greedy)")) + 0.0)
         if self.temperature < 0:
             raise ConfigError(
                 f"sampling.temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
