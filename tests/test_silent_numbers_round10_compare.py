@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from conftest import EngineStarted
 
 from parity.backends.base import SampleJob, eos_token_ids, stop_set
 from parity.backends.vllm_wire import completion_body, parse_completion, prompt_logprob_rows, top_k_rows
@@ -22,16 +23,9 @@ from parity.workload.cases import Case
 compare_module = importlib.import_module("parity.compare")
 
 
-class EngineStarted(Exception):
-    """Raised where compare would start the engine: every check before it passed."""
-
-
 @pytest.fixture
-def no_engine(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise EngineStarted
-
-    monkeypatch.setattr(compare_module, "_resolve_backend", refuse)
+def no_engine(no_compare_engine):
+    return no_compare_engine
 
 
 def _case(*top_k: int) -> Case:

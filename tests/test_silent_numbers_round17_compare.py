@@ -9,6 +9,7 @@ import dataclasses
 import importlib
 
 import pytest
+from conftest import EngineStarted
 
 from parity.backends import get_backend
 from parity.backends.borrowed import check_borrowed
@@ -20,17 +21,9 @@ from parity.workload.cases import Case
 compare_module = importlib.import_module("parity.compare")
 
 
-class EngineStarted(Exception):
-    """Raised where compare would start (or sample with) the engine: every check before it passed."""
-
-
 @pytest.fixture
-def no_engine(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise EngineStarted
-
-    monkeypatch.setattr(compare_module, "_resolve_backend", refuse)
-    monkeypatch.setattr(compare_module, "shared_backend", refuse)
+def no_engine(no_compare_engine):
+    return no_compare_engine
 
 
 def _case(requests: int, n: int = 1, model: str = "tiny-llama") -> Case:
