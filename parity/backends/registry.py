@@ -22,7 +22,7 @@ from parity.core.backend_table import BACKEND_TABLE, BackendSpec
 from parity.core.errors import AdapterError, BackendUnavailableError, ConfigError, ParityError
 from parity.core.schema import NO_REPLAY
 from parity.core.types import Request
-from parity.models.checkpoints import checkpoint_stamp, model_text, resolve_model
+from parity.models.checkpoints import checkpoint_stamp, files_stamp, model_text, resolve_model
 from parity.models.lora import resolve_adapter
 
 #: the table's rows by name, in its order (`parity.core.backend_table`).
@@ -218,8 +218,7 @@ def _stamp(model: str | Path, options: dict[str, Any]) -> tuple[Any, ...]:
     stamp: tuple[Any, ...] = (checkpoint_stamp(path),)
     if options.get("lora") is not None:
         adapter = resolve_adapter(options["lora"]).resolve()
-        stamp += (str(adapter), tuple((f.name, st.st_size, st.st_mtime_ns) for f in sorted(adapter.iterdir())
-                                      if f.is_file() and (st := f.stat())))
+        stamp += (str(adapter), files_stamp(adapter, Path.is_file))
     return stamp
 
 

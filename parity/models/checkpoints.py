@@ -12,7 +12,7 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -356,11 +356,17 @@ STOP_FILES = frozenset({"generation_config.json", "tokenizer.json", "tokenizer_c
                         "special_tokens_map.json", "tokenizer.model", "added_tokens.json", "vocab.json"})
 
 
-def checkpoint_stamp(path: str | os.PathLike[str]) -> tuple[tuple[str, int, int], ...]:
-    """(name, size, mtime_ns) of the files `model_hash` reads and the `STOP_FILES`: cheap (no file is
-    read), and changed by rewriting, adding or removing one."""
+def files_stamp(path: str | os.PathLike[str], keep: Callable[[Path], bool]
+                ) -> tuple[tuple[str, int, int], ...]:
+    """(name, size, mtime_ns) of the files of directory `path` that `keep` names, by name: cheap (no
+    file is read), and changed by rewriting, adding or removing one (a cache's check of its source)."""
     return tuple((f.name, st.st_size, st.st_mtime_ns) for f in sorted(Path(path).iterdir())
-                 if (_hashed(f) or f.name in STOP_FILES) and (st := f.stat()))
+                 if keep(f) and (st := f.stat()))
+
+
+def checkpoint_stamp(path: str | os.PathLike[str]) -> tuple[tuple[str, int, int], ...]:
+    """`files_stamp` of the files `model_hash` reads and the `STOP_FILES`."""
+    return files_stamp(path, lambda f: _hashed(f) or f.name in STOP_FILES)
 
 
 def _json_file(f: Path) -> Any:

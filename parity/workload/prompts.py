@@ -21,7 +21,7 @@ import numpy as np
 from parity.core.errors import ConfigError, InputError, ParityError
 from parity.core.tables import read_rows
 from parity.models import resolve_model
-from parity.models.checkpoints import model_text
+from parity.models.checkpoints import files_stamp, model_text
 
 #: a chat message: {"role": "user", "content": "..."} (other keys go to the template unchanged).
 Message = Mapping[str, Any]
@@ -169,8 +169,7 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 def _tokenizer_stamp(path: Path) -> tuple[tuple[str, int, int], ...]:
     """(name, size, mtime_ns) of the checkpoint's files other than weights: a tokenizer rewritten in
     place (a training run saving to the same directory) is loaded again, not served from the cache."""
-    return tuple((f.name, st.st_size, st.st_mtime_ns) for f in sorted(path.iterdir())
-                 if f.suffix not in _WEIGHT_SUFFIXES and f.is_file() and (st := f.stat()))
+    return files_stamp(path, lambda f: f.suffix not in _WEIGHT_SUFFIXES and f.is_file())
 
 
 @lru_cache(maxsize=8)
