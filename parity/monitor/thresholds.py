@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from parity.core.errors import ConfigError
-from parity.core.schema import SUMMARY_KEYS, SUPPORT_SUMMARY_KEYS
+from parity.core.schema import SUMMARY_KEYS, SUPPORT_SUMMARY_KEYS, text_apart
 from parity.core.types import SamplingParams, float32_meant
 
 #: prefix of verl's rollout-correction metric names.
@@ -222,13 +222,9 @@ def _as_number(value: Any, band: bool = False) -> str:
 
 
 def apart(value: float, bound: float, digits: int = 4) -> tuple[str, str]:
-    """`value` and `bound` to `digits` significant digits, or as many more as tell them apart: a value
-    just across its bound is never printed equal to it ("0.1 > 0.1")."""
-    for d in range(digits, 18):
-        shown = f"{value:.{d}g}", f"{bound:.{d}g}"
-        if shown[0] != shown[1]:
-            break
-    return shown
+    """`value` and `bound` to `digits` significant digits, or as many more as tell them apart
+    (`text_apart` each way): a value just across its bound never prints equal to it ("0.1 > 0.1")."""
+    return text_apart(value, digits, (bound,)), text_apart(bound, digits, (value,))
 
 
 def sampling_key(sampling: dict[str, Any] | None) -> tuple[float, int, float] | None:
